@@ -1,0 +1,52 @@
+"""The errors kv-tiering raises on purpose.
+
+Every error the project raises deliberately derives from :class:`TieringError`, so a
+serving framework can catch one class. Subclasses also derive from the builtin that
+fits (``KeyError``, ``ValueError``, ``RuntimeError``) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class TieringError(Exception):
+    """Base class of every error kv-tiering raises on purpose."""
+
+
+class InvalidArgumentError(TieringError, ValueError):
+    """An argument has the wrong type, value or shape; nothing was changed."""
+
+
+class BlockNotFoundError(TieringError, KeyError):
+    """A block hash is not stored (or not ready) where the call needs it; nothing was changed."""
+
+    def __str__(self) -> str:
+        # KeyError's default repr-quotes the message; keep it readable.
+        return str(self.args[0]) if self.args else "block not found"
+
+
+class UnknownPolicyError(InvalidArgumentError):
+    """An eviction policy name that no policy is registered under."""
+
+
+class UnknownTierError(InvalidArgumentError):
+    """A secondary-tier type name that no tier is registered under."""
+
+
+class NotLoadingError(InvalidArgumentError):
+    """``complete_load`` named a block that has no reader; nothing was changed."""
+
+
+class TierBusyError(TieringError, RuntimeError):
+    """A tier's bounded inbox is full: back-pressure, try again after draining results."""
+
+
+class ClosedError(TieringError, RuntimeError):
+    """The engine or tier is closed (or not started) and accepts no more work."""
+
+
+class TransferError(TieringError, RuntimeError):
+    """A copy between tiers failed; the job that ran it reports failure."""
+
+
+class CorruptBlockError(TieringError):
+    """Bytes read from a tier failed verification (length, key or checksum); never served."""

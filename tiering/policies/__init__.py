@@ -1,0 +1,45 @@
+"""Eviction policies, selectable by name (``"lru"``, ``"arc"``, ``"s3fifo"``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiering.errors import UnknownPolicyError
+from tiering.policies.base import EvictionPolicy
+from tiering.policies.lru import LRUPolicy
+
+_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+
+
+def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
+    """Make ``factory`` selectable as ``policy=name``; a later registration replaces it."""
+    _POLICIES[name] = factory
+
+
+def policy_names() -> list[str]:
+    """The names that ``make_policy`` accepts, sorted."""
+    return sorted(_POLICIES)
+
+
+def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
+    """A policy bound to ``capacity`` blocks, from a registered name or an instance.
+
+    Raises:
+        UnknownPolicyError: ``policy`` is a string no policy is registered under, or
+            neither a string nor an :class:`EvictionPolicy`.
+        InvalidArgumentError: ``capacity`` is not a positive int.
+    """
+    if isinstance(policy, EvictionPolicy):
+        instance = policy
+    elif isinstance(policy, str) and policy in _POLICIES:
+        instance = _POLICIES[policy]()
+    else:
+        raise UnknownPolicyError(
+            f"unknown eviction policy {policy!r}; choose one of {policy_names()} "
+            "or pass an EvictionPolicy instance"
+        )
+    instance.bind(capacity)
+    return instance
+
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "make_policy", "policy_names", "register_policy"]

@@ -1,0 +1,73 @@
+"""The eviction-policy interface the block managers use.
+
+A policy only orders keys; it knows nothing of slots, readers or readiness. The
+manager owning it guarantees the call protocol below, and in return the policy
+never evicts a key the manager's predicate rejects.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from tiering.abstract import BlockHash
+from tiering.errors import InvalidArgumentError
+
+
+class EvictionPolicy(ABC):
+    """Decides which resident keys leave first.
+
+    Protocol (guaranteed by the owning manager):
+
+    * ``bind(capacity)`` is called once, before anything else.
+    * ``insert(key)`` is called for a key that is not resident; it becomes resident.
+    * ``touch(keys)`` may name keys that are not resident; those are ignored.
+    * ``remove(key)`` is called for a resident key that leaves without eviction
+      (a failed store); the policy forgets it without recording history.
+    * ``evict(n, can_evict)`` is called only when at least ``n`` resident keys satisfy
+      ``can_evict``; it must return exactly ``n`` distinct such keys, which are no
+      longer resident afterwards. Keys failing ``can_evict`` stay resident.
+    """
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+
+    def bind(self, capacity: int) -> None:
+        """Size the policy for a tier of ``capacity`` blocks.
+
+        Raises:
+            InvalidArgumentError: ``capacity`` is not a positive int, or the policy is
+                already bound to another capacity (one instance serves one tier).
+        """
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
+        if self.capacity and self.capacity != capacity:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} is already bound to a tier of {self.capacity} blocks"
+            )
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, key: BlockHash) -> None:
+        """A new key became resident (most recently used)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        """The keys were accessed; ``keys[0]`` counts as the most recent access."""
+
+    @abstractmethod
+    def remove(self, key: BlockHash) -> None:
+        """A resident key left without being evicted."""
+
+    @abstractmethod
+    def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
+        """Pick and drop ``n`` resident keys accepted by ``can_evict``."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys."""
+
+    def __contains__(self, key: object) -> bool:
+        raise NotImplementedError

@@ -1,0 +1,118 @@
+"""The secondary-tier interface: tiers below the CPU tier (vLLM's tiering semantics).
+
+A secondary tier moves whole blocks between CPU slots of the host pool and its own
+storage. It sees the host pool only as ``primary_kv_view``, a flat writable byte view
+in which slot ``i`` is ``view[i * block_bytes:(i + 1) * block_bytes]``. It never
+touches the GPU.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiering.abstract import BlockHash
+from tiering.errors import InvalidArgumentError
+
+OffloadKey = BlockHash
+ReqContext = Any
+"""Per-request context a framework may pass through; tiers may ignore it."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobMetadata:
+    """One transfer job: ``keys[i]`` lives in (store) or goes to (load) CPU slot ``block_ids[i]``."""
+
+    job_id: int
+    keys: Sequence[OffloadKey]
+    block_ids: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.block_ids):
+            raise InvalidArgumentError(
+                f"job {self.job_id}: {len(self.keys)} keys but {len(self.block_ids)} block_ids"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How a job ended.
+
+    ``success`` is true only if every key of the job was transferred. ``failed_keys``
+    names the keys that were not (empty when ``success``); a load's other keys did land
+    in their slots. ``error`` is a short human-readable reason when something failed.
+    """
+
+    job_id: int
+    success: bool
+    failed_keys: tuple[OffloadKey, ...] = field(default=())
+    error: str | None = None
+
+
+class SecondaryTierManager(ABC):
+    """A tier below the CPU tier.
+
+    Contract: ``submit_store``/``submit_load`` return at once and never do I/O on the
+    caller's stack; each submitted job later yields exactly one :class:`JobResult`
+    from ``get_finished()``. ``lookup`` is synchronous and cheap.
+    """
+
+    def __init__(self, primary_kv_view: memoryview, block_bytes: int) -> None:
+        if not isinstance(primary_kv_view, memoryview):
+            raise InvalidArgumentError("primary_kv_view must be a memoryview of the host pool")
+        if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
+            raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        view = primary_kv_view.cast("B") if primary_kv_view.format != "B" else primary_kv_view
+        if view.nbytes % block_bytes:
+            raise InvalidArgumentError(
+                f"host pool of {view.nbytes} bytes is not a whole number of "
+                f"{block_bytes}-byte blocks"
+            )
+        self.primary_kv_view = view
+        self.block_bytes = block_bytes
+        self.num_primary_slots = view.nbytes // block_bytes
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
+        """True if the block is stored here, False if not, None if in transfer (ask again)."""
+
+    @abstractmethod
+    def submit_store(self, job_metadata: JobMetadata) -> None:
+        """Queue a job that copies the job's CPU slots into this tier."""
+
+    @abstractmethod
+    def submit_load(self, job_metadata: JobMetadata) -> None:
+        """Queue a job that copies blocks of this tier into the job's CPU slots."""
+
+    @abstractmethod
+    def get_finished(self) -> Iterable[JobResult]:
+        """Results of the jobs that finished since the last call; never blocks."""
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:  # noqa: B027
+        """Mark blocks as recently used, ``keys[0]`` most recently."""
+
+    @staticmethod
+    @abstractmethod
+    def get_tier_type() -> str:
+        """The name this tier type is registered under, e.g. ``"nvme"``."""
+
+    @abstractmethod
+    def get_num_blocks(self) -> int:
+        """Number of blocks stored in this tier now."""
+
+    def clear(self) -> None:  # noqa: B027
+        """Drop every block (used by tests and operators)."""
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Stop at once and release resources; idempotent and synchronous."""
+
+    def slot(self, block_id: int) -> memoryview:
+        """The writable bytes of CPU slot ``block_id``."""
+        if not 0 <= block_id < self.num_primary_slots:
+            raise InvalidArgumentError(
+                f"CPU slot {block_id} is outside the host pool (0..{self.num_primary_slots - 1})"
+            )
+        start = block_id * self.block_bytes
+        return self.primary_kv_view[start : start + self.block_bytes]
