@@ -23,7 +23,7 @@ ReqContext = Any
 
 @dataclass(frozen=True, slots=True)
 class JobMetadata:
-    """One transfer job: ``keys[i]`` lives in (store) or goes to (load) CPU slot ``block_ids[i]``."""
+    """One transfer job: ``keys[i]`` moves from (store) or into (load) CPU slot ``block_ids[i]``."""
 
     job_id: int
     keys: Sequence[OffloadKey]

@@ -1,0 +1,107 @@
+"""Prefix-chained block hashes: the keys blocks are stored under in every tier.
+
+A block's hash covers its tokens, the hash of the block before it, and a namespace
+(model id, dtype, KV layout, ...): equal hashes mean the whole prefix up to and
+including that block is equal, for the same model and layout. Hashes are BLAKE2b
+digests of a fixed byte encoding, so they are identical in every process and on
+every machine (no Python ``hash()``, no ``PYTHONHASHSEED``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from tiering.abstract import BlockHash
+from tiering.errors import InvalidArgumentError
+
+HASH_BYTES = 32
+_BLOCK_PERSON = b"kvtier.block.v1"
+_ROOT_PERSON = b"kvtier.root.v1"
+
+Namespace = str | bytes | Mapping[str, object]
+
+
+def namespace_root(namespace: Namespace = b"") -> BlockHash:
+    """The parent hash of a sequence's first block within ``namespace``.
+
+    ``namespace`` may be bytes, a string, or a mapping of identity fields (for
+    example ``{"model": "llama-3-8b", "dtype": "bfloat16", "block_size": 16}``), which
+    is encoded as canonical JSON so key order does not matter.
+
+    Raises:
+        InvalidArgumentError: the namespace is of another type or not JSON-encodable.
+    """
+    if isinstance(namespace, bytes):
+        data = namespace
+    elif isinstance(namespace, str):
+        data = namespace.encode()
+    elif isinstance(namespace, Mapping):
+        try:
+            data = json.dumps(namespace, sort_keys=True, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"namespace mapping is not JSON-encodable: {exc}") from exc
+    else:
+        raise InvalidArgumentError(
+            f"namespace must be bytes, str or a mapping, got {type(namespace).__name__}"
+        )
+    return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_ROOT_PERSON).digest()
+
+
+def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise InvalidArgumentError("token_ids must be a 1-D array of integers")
+        tokens = token_ids
+    else:
+        if hasattr(token_ids, "tolist"):  # a torch tensor or similar
+            token_ids = token_ids.tolist()
+        try:
+            tokens = np.asarray(token_ids)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgumentError(f"token_ids must be integers: {exc}") from exc
+        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+            raise InvalidArgumentError("token_ids must be a flat sequence of integers")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= 2**63):
+        raise InvalidArgumentError("token ids must lie in [0, 2**63)")
+    return tokens.astype("<i8", copy=False)
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    *,
+    parent: BlockHash | None = None,
+    namespace: Namespace = b"",
+) -> list[BlockHash]:
+    """One hash per full block of ``token_ids``; a trailing partial block is not hashed.
+
+    Args:
+        token_ids: the prompt's token ids (ints in ``[0, 2**63)``).
+        block_size: tokens per block.
+        parent: hash of the block just before ``token_ids[0]``, to continue a chain;
+            by default the chain starts at ``namespace_root(namespace)``.
+        namespace: the cache identity; ignored when ``parent`` is given (the parent
+            already carries it).
+
+    Raises:
+        InvalidArgumentError: bad block size, tokens, parent or namespace.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+    if parent is not None and not isinstance(parent, bytes):
+        raise InvalidArgumentError(f"parent must be bytes, got {type(parent).__name__}")
+    data = _token_bytes(token_ids).tobytes()
+    prev = parent if parent is not None else namespace_root(namespace)
+    stride = block_size * 8
+    hashes: list[BlockHash] = []
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data) - stride + 1, stride):
+        h = blake2b(prev, digest_size=HASH_BYTES, person=_BLOCK_PERSON)
+        h.update(data[start : start + stride])
+        prev = h.digest()
+        hashes.append(prev)
+    return hashes

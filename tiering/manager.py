@@ -1,0 +1,303 @@
+"""The CPU tier's block bookkeeping: which block hash sits in which slot.
+
+:class:`CPUOffloadingManager` is sans-I/O: plain synchronous code, no awaits, no
+copies. It decides; the engine (or a serving framework's worker) moves the bytes.
+It sits on a scheduler's hot path, so every method is a tight loop over the hashes
+given, O(1) amortised per hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tiering.abstract import (
+    BlockHash,
+    CPULoadStoreSpec,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+)
+from tiering.errors import BlockNotFoundError, InvalidArgumentError, NotLoadingError
+from tiering.policies import EvictionPolicy, make_policy
+
+_MEDIUM = "CPU"
+
+
+class _Block:
+    """One resident block. ``ref`` counts readers; ``ready`` is false while stored."""
+
+    __slots__ = ("ready", "ref", "slot")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.ref = 0
+        self.ready = False
+
+
+@dataclass(frozen=True, slots=True)
+class BlockState:
+    """A snapshot of one resident block, for inspection and tests."""
+
+    slot: int
+    ref_count: int
+    ready: bool
+
+
+def _hash_list(block_hashes: Iterable[BlockHash]) -> list[BlockHash] | tuple[BlockHash, ...]:
+    """The hashes as a sequence, each checked to be bytes.
+
+    Raises:
+        InvalidArgumentError: an element is not ``bytes``.
+    """
+    hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
+    for h in hashes:
+        if type(h) is not bytes and not isinstance(h, bytes):
+            raise InvalidArgumentError(f"block hashes must be bytes, got {type(h).__name__} {h!r}")
+    return hashes
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots.
+
+    Guarantees:
+
+    * A block being stored (not ready) or read (ref count > 0) is never evicted.
+    * Slot ids handed out are distinct among resident blocks and in ``range(num_blocks)``.
+    * Every method either completes or raises before changing anything.
+
+    Raises (constructor):
+        InvalidArgumentError: ``num_blocks`` or ``block_size`` is not a positive int.
+        UnknownPolicyError: ``policy`` names no registered policy.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        block_size: int = 16,
+        policy: str | EvictionPolicy = "lru",
+        enable_events: bool = False,
+    ) -> None:
+        self.num_blocks = _positive_int("num_blocks", num_blocks)
+        self.block_size = _positive_int("block_size", block_size)
+        self.policy = make_policy(policy, num_blocks)
+        self.enable_events = enable_events
+        self._blocks: dict[BlockHash, _Block] = {}
+        # Popping from the end hands out low slot ids first, in ascending order.
+        self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._num_evictable = 0
+        self._events: list[OffloadingEvent] = []
+
+    # ----------------------------------------------------------------- queries
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Length of the leading run of hashes that are stored and ready; no side effects.
+
+        Raises:
+            InvalidArgumentError: a hash is not bytes.
+        """
+        blocks = self._blocks
+        n = 0
+        for h in _hash_list(block_hashes):
+            block = blocks.get(h)
+            if block is None or not block.ready:
+                break
+            n += 1
+        return n
+
+    def block_state(self, block_hash: BlockHash) -> BlockState | None:
+        """The block's slot, reader count and readiness, or None if not resident."""
+        block = self._blocks.get(block_hash)
+        if block is None:
+            return None
+        return BlockState(block.slot, block.ref, block.ready)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+    @property
+    def num_free(self) -> int:
+        """Slots held by no block."""
+        return len(self._free_slots)
+
+    @property
+    def num_evictable(self) -> int:
+        """Ready blocks with no reader: what eviction may take."""
+        return self._num_evictable
+
+    @property
+    def num_pinned(self) -> int:
+        """Blocks with at least one reader."""
+        return sum(1 for b in self._blocks.values() if b.ref)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Blocks whose store has not completed."""
+        return sum(1 for b in self._blocks.values() if not b.ready)
+
+    # ------------------------------------------------------------------- loads
+
+    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
+        """Add a reader to each block and return their slots, in order.
+
+        A hash named twice gets two readers (and needs two ``complete_load``).
+
+        Raises:
+            InvalidArgumentError: a hash is not bytes.
+            BlockNotFoundError: a hash is not resident or not ready; nothing changed.
+        """
+        hashes = _hash_list(block_hashes)
+        blocks = self._blocks
+        slots: list[int] = []
+        for i, h in enumerate(hashes):
+            block = blocks.get(h)
+            if block is None or not block.ready:
+                self._release(hashes[:i])
+                state = "not stored" if block is None else "still being stored"
+                raise BlockNotFoundError(f"cannot load block {h.hex()}: {state}")
+            if block.ref == 0:
+                self._num_evictable -= 1
+            block.ref += 1
+            slots.append(block.slot)
+        return CPULoadStoreSpec(tuple(slots))
+
+    def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Remove one reader from each block.
+
+        Raises:
+            InvalidArgumentError: a hash is not bytes.
+            NotLoadingError: a hash has no reader left (or is not resident); nothing changed.
+        """
+        hashes = _hash_list(block_hashes)
+        blocks = self._blocks
+        for i, h in enumerate(hashes):
+            block = blocks.get(h)
+            if block is None or block.ref == 0:
+                self._acquire(hashes[:i])
+                raise NotLoadingError(f"complete_load of block {h.hex()}, which has no reader")
+            block.ref -= 1
+            if block.ref == 0:
+                self._num_evictable += 1
+
+    def _acquire(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            block = self._blocks[h]
+            if block.ref == 0:
+                self._num_evictable -= 1
+            block.ref += 1
+
+    def _release(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            block = self._blocks[h]
+            block.ref -= 1
+            if block.ref == 0:
+                self._num_evictable += 1
+
+    # ------------------------------------------------------------------ recency
+
+    def touch(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Mark resident blocks most recently used, the first hash most recent of all.
+
+        Hashes not resident are ignored. Raises InvalidArgumentError for non-bytes.
+        """
+        self.policy.touch(_hash_list(block_hashes))
+
+    # ------------------------------------------------------------------- stores
+
+    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
+        """Give a slot to every hash not yet resident, evicting if needed.
+
+        Hashes already resident (ready or in flight) are skipped, as is a repeat of a
+        hash within the call. Resident hashes named in the call are never evicted for
+        their siblings. New blocks are not ready until ``complete_store``.
+
+        Returns:
+            The hashes to store with their slots and the hashes evicted, or ``None`` if
+            not enough blocks can be evicted — in which case nothing changed.
+
+        Raises:
+            InvalidArgumentError: a hash is not bytes.
+        """
+        hashes = _hash_list(block_hashes)
+        blocks = self._blocks
+        to_store = [h for h in dict.fromkeys(hashes) if h not in blocks]
+        shortfall = len(to_store) - len(self._free_slots)
+        evicted: list[BlockHash] = []
+        if shortfall > 0:
+            protected = {h for h in hashes if h in blocks}
+            protected_evictable = sum(
+                1 for h in protected if blocks[h].ready and blocks[h].ref == 0
+            )
+            if self._num_evictable - protected_evictable < shortfall:
+                return None
+
+            def can_evict(h: BlockHash) -> bool:
+                block = blocks[h]
+                return block.ready and block.ref == 0 and h not in protected
+
+            evicted = self.policy.evict(shortfall, can_evict)
+            free = self._free_slots
+            for h in evicted:
+                free.append(blocks.pop(h).slot)
+            self._num_evictable -= len(evicted)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(evicted, self.block_size, _MEDIUM, True))
+
+        free = self._free_slots
+        insert = self.policy.insert
+        slots: list[int] = []
+        for h in to_store:
+            slot = free.pop()
+            blocks[h] = _Block(slot)
+            insert(h)
+            slots.append(slot)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(slots)), evicted)
+
+    def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
+        """Finish stores prepared earlier.
+
+        With ``success`` the named in-flight blocks become ready (and loadable). Without
+        it, the named blocks that are still not ready are removed and their slots freed;
+        blocks already ready stay. Hashes that are not resident are ignored.
+
+        Raises:
+            InvalidArgumentError: a hash is not bytes; nothing changed.
+        """
+        hashes = _hash_list(block_hashes)
+        blocks = self._blocks
+        if success:
+            stored: list[BlockHash] = []
+            for h in hashes:
+                block = blocks.get(h)
+                if block is not None and not block.ready:
+                    block.ready = True
+                    if block.ref == 0:
+                        self._num_evictable += 1
+                    stored.append(h)
+            if stored and self.enable_events:
+                self._events.append(OffloadingEvent(stored, self.block_size, _MEDIUM, False))
+            return
+        remove = self.policy.remove
+        for h in hashes:
+            block = blocks.get(h)
+            if block is not None and not block.ready:
+                del blocks[h]
+                remove(h)
+                self._free_slots.append(block.slot)
+
+    # ------------------------------------------------------------------- events
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """The events since the last call, oldest first; clears them."""
+        events, self._events = self._events, []
+        return events
