@@ -326,3 +326,12 @@ def test_any_iterable_of_hashes_is_accepted() -> None:
     m.prepare_store(iter([h(1), h(2)]))
     m.complete_store(x for x in [h(1), h(2)])
     assert m.lookup(iter([h(1), h(2)])) == 2
+
+
+def test_store_output_names_the_slots_of_evicted_blocks() -> None:
+    m = stored(3, [h(1), h(2), h(3)])
+    slots = {k: m.block_state(k).slot for k in (h(1), h(2))}
+    out = m.prepare_store([h(4), h(5)])
+    assert out.block_hashes_evicted == [h(1), h(2)]
+    assert out.evicted_block_ids == [slots[h(1)], slots[h(2)]]
+    assert sorted(out.store_spec.block_ids) == sorted(out.evicted_block_ids)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BlockHash = bytes
 """A block's identity: bytes naming its tokens and everything before them."""
@@ -40,12 +40,15 @@ class PrepareStoreOutput:
     """What a ``prepare_store`` decided.
 
     ``block_hashes_to_store[i]`` goes to slot ``store_spec.block_ids[i]``;
-    ``block_hashes_evicted`` left the tier to make room.
+    ``block_hashes_evicted`` left the tier to make room, ``evicted_block_ids[i]`` being
+    the slot ``block_hashes_evicted[i]`` held (an extension of the seed type: a
+    write-back cache must copy a victim out before its slot is refilled).
     """
 
     block_hashes_to_store: list[BlockHash]
     store_spec: LoadStoreSpec
     block_hashes_evicted: list[BlockHash]
+    evicted_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -233,6 +233,7 @@ class CPUOffloadingManager(OffloadingManager):
         to_store = [h for h in dict.fromkeys(hashes) if h not in blocks]
         shortfall = len(to_store) - len(self._free_slots)
         evicted: list[BlockHash] = []
+        evicted_slots: list[int] = []
         if shortfall > 0:
             protected = {h for h in hashes if h in blocks}
             protected_evictable = sum(
@@ -246,9 +247,9 @@ class CPUOffloadingManager(OffloadingManager):
                 return block.ready and block.ref == 0 and h not in protected
 
             evicted = self.policy.evict(shortfall, can_evict)
-            free = self._free_slots
-            for h in evicted:
-                free.append(blocks.pop(h).slot)
+            evicted_slots = [blocks.pop(h).slot for h in evicted]
+            # Reversed so the first victim's slot is handed out first.
+            self._free_slots.extend(reversed(evicted_slots))
             self._num_evictable -= len(evicted)
             if self.enable_events:
                 self._events.append(OffloadingEvent(evicted, self.block_size, _MEDIUM, True))
@@ -261,7 +262,7 @@ class CPUOffloadingManager(OffloadingManager):
             blocks[h] = _Block(slot)
             insert(h)
             slots.append(slot)
-        return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(slots)), evicted)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(slots)), evicted, evicted_slots)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Finish stores prepared earlier.
