@@ -11,8 +11,23 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tiering.errors import InvalidArgumentError
+
 BlockHash = bytes
 """A block's identity: bytes naming its tokens and everything before them."""
+
+
+def as_block_hashes(block_hashes: Iterable[BlockHash]) -> list[BlockHash] | tuple[BlockHash, ...]:
+    """``block_hashes`` as a list or tuple, each element checked to be bytes.
+
+    Raises:
+        InvalidArgumentError: an element is not ``bytes``.
+    """
+    hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
+    for h in hashes:
+        if type(h) is not bytes and not isinstance(h, bytes):
+            raise InvalidArgumentError(f"block hashes must be bytes, got {type(h).__name__} {h!r}")
+    return hashes
 
 
 class LoadStoreSpec(ABC):

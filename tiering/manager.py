@@ -17,6 +17,7 @@ from tiering.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    as_block_hashes,
 )
 from tiering.errors import BlockNotFoundError, InvalidArgumentError, NotLoadingError
 from tiering.policies import EvictionPolicy, make_policy
@@ -42,19 +43,6 @@ class BlockState:
     slot: int
     ref_count: int
     ready: bool
-
-
-def _hash_list(block_hashes: Iterable[BlockHash]) -> list[BlockHash] | tuple[BlockHash, ...]:
-    """The hashes as a sequence, each checked to be bytes.
-
-    Raises:
-        InvalidArgumentError: an element is not ``bytes``.
-    """
-    hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
-    for h in hashes:
-        if type(h) is not bytes and not isinstance(h, bytes):
-            raise InvalidArgumentError(f"block hashes must be bytes, got {type(h).__name__} {h!r}")
-    return hashes
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -105,12 +93,28 @@ class CPUOffloadingManager(OffloadingManager):
         """
         blocks = self._blocks
         n = 0
-        for h in _hash_list(block_hashes):
+        for h in as_block_hashes(block_hashes):
             block = blocks.get(h)
             if block is None or not block.ready:
                 break
             n += 1
         return n
+
+    def is_ready(self, block_hash: BlockHash) -> bool:
+        """True if the block is resident and its store completed."""
+        block = self._blocks.get(block_hash)
+        return block is not None and block.ready
+
+    def slot_of(self, block_hash: BlockHash) -> int:
+        """The slot of a resident block (ready or not).
+
+        Raises:
+            BlockNotFoundError: the block is not resident.
+        """
+        block = self._blocks.get(block_hash)
+        if block is None:
+            raise BlockNotFoundError(f"block {block_hash.hex()} is not in the CPU tier")
+        return block.slot
 
     def block_state(self, block_hash: BlockHash) -> BlockState | None:
         """The block's slot, reader count and readiness, or None if not resident."""
@@ -156,7 +160,7 @@ class CPUOffloadingManager(OffloadingManager):
             InvalidArgumentError: a hash is not bytes.
             BlockNotFoundError: a hash is not resident or not ready; nothing changed.
         """
-        hashes = _hash_list(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         blocks = self._blocks
         slots: list[int] = []
         for i, h in enumerate(hashes):
@@ -178,7 +182,7 @@ class CPUOffloadingManager(OffloadingManager):
             InvalidArgumentError: a hash is not bytes.
             NotLoadingError: a hash has no reader left (or is not resident); nothing changed.
         """
-        hashes = _hash_list(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         blocks = self._blocks
         for i, h in enumerate(hashes):
             block = blocks.get(h)
@@ -210,7 +214,7 @@ class CPUOffloadingManager(OffloadingManager):
 
         Hashes not resident are ignored. Raises InvalidArgumentError for non-bytes.
         """
-        self.policy.touch(_hash_list(block_hashes))
+        self.policy.touch(as_block_hashes(block_hashes))
 
     # ------------------------------------------------------------------- stores
 
@@ -228,7 +232,7 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             InvalidArgumentError: a hash is not bytes.
         """
-        hashes = _hash_list(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         blocks = self._blocks
         to_store = [h for h in dict.fromkeys(hashes) if h not in blocks]
         shortfall = len(to_store) - len(self._free_slots)
@@ -274,7 +278,7 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             InvalidArgumentError: a hash is not bytes; nothing changed.
         """
-        hashes = _hash_list(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         blocks = self._blocks
         if success:
             stored: list[BlockHash] = []
