@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tiering.errors import UnknownPolicyError
+from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.lru import LRUPolicy
+from tiering.policies.s3fifo import S3FIFOPolicy
 
-_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+}
 
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
@@ -42,4 +48,12 @@ def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     return instance
 
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "make_policy", "policy_names", "register_policy"]
+__all__ = [
+    "ARCPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "S3FIFOPolicy",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+]

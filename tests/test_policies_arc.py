@@ -1,0 +1,381 @@
+"""ARCPolicy: the ARC rules, the evict contract, bounded ghosts, scan resistance."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiering.errors import BlockNotFoundError, InvalidArgumentError
+from tiering.policies import ARCPolicy, make_policy
+from tiering.policies.base import EvictionPolicy
+from tiering.policies.lru import LRUPolicy
+
+
+def _key(i: int) -> bytes:
+    return b"blk-%d" % i
+
+
+def _arc(capacity: int, inserted: range = range(0)) -> ARCPolicy:
+    policy = ARCPolicy()
+    policy.bind(capacity)
+    for i in inserted:
+        policy.insert(_key(i))
+    return policy
+
+
+def _any(_key: bytes) -> bool:
+    return True
+
+
+def test_make_policy_builds_arc_by_name() -> None:
+    policy = make_policy("arc", 8)
+    assert isinstance(policy, ARCPolicy)
+    assert policy.capacity == 8
+
+
+def test_inserted_key_is_resident_in_t1() -> None:
+    policy = _arc(4, range(2))
+    state = policy.snapshot()
+    assert state.t1 == (_key(0), _key(1))
+    assert state.t2 == ()
+    assert len(policy) == 2
+    assert _key(0) in policy
+
+
+def test_touched_t1_key_moves_to_t2() -> None:
+    policy = _arc(4, range(3))
+    policy.touch([_key(1)])
+    state = policy.snapshot()
+    assert state.t1 == (_key(0), _key(2))
+    assert state.t2 == (_key(1),)
+
+
+def test_touched_t2_key_becomes_most_recent_of_t2() -> None:
+    policy = _arc(4, range(3))
+    policy.touch([_key(0)])
+    policy.touch([_key(1)])
+    policy.touch([_key(0)])
+    assert policy.snapshot().t2 == (_key(1), _key(0))
+
+
+def test_touch_makes_first_key_the_most_recent() -> None:
+    policy = _arc(4, range(3))
+    policy.touch([_key(2), _key(0), _key(1)])
+    assert policy.snapshot().t2 == (_key(1), _key(0), _key(2))
+
+
+def test_touch_ignores_keys_not_resident() -> None:
+    policy = _arc(3, range(3))
+    policy.evict(1, _any)  # key 0 becomes a B1 ghost
+    policy.touch([_key(0), _key(99)])
+    state = policy.snapshot()
+    assert state.t2 == ()
+    assert state.b1 == (_key(0),)
+
+
+def test_evict_takes_lru_of_t1_while_t1_exceeds_target() -> None:
+    policy = _arc(4, range(4))
+    policy.touch([_key(0)])  # T1 = 1,2,3; T2 = 0; p = 0
+    assert policy.evict(2, _any) == [_key(1), _key(2)]
+    assert policy.snapshot().t2 == (_key(0),)
+
+
+def test_evict_takes_lru_of_t2_when_t1_is_within_target() -> None:
+    policy = _arc(2, range(2))
+    policy.evict(1, _any)  # key 0 -> B1
+    policy.remove(_key(1))
+    policy.insert(_key(0))  # B1 hit: p = 1, key 0 in T2
+    policy.insert(_key(5))  # T1 = 5 (|T1| == p)
+    assert policy.target_t1 == 1.0
+    assert policy.evict(1, _any) == [_key(0)]
+    assert policy.snapshot().b2 == (_key(0),)
+
+
+def test_evicted_t1_key_becomes_most_recent_b1_ghost() -> None:
+    policy = _arc(4, range(4))
+    policy.evict(2, _any)
+    state = policy.snapshot()
+    assert state.b1 == (_key(0), _key(1))
+    assert _key(0) not in policy
+    assert len(policy) == 2
+
+
+def test_reinserted_b1_ghost_lands_in_t2_and_raises_target() -> None:
+    policy = _arc(4, range(4))
+    policy.evict(1, _any)
+    policy.insert(_key(0))
+    state = policy.snapshot()
+    assert state.t2 == (_key(0),)
+    assert state.b1 == ()
+    assert state.target_t1 == 1.0
+
+
+def test_b1_hit_raises_target_by_ghost_ratio() -> None:
+    policy = _arc(4, range(4))
+    policy.touch([_key(0), _key(1), _key(2), _key(3)])  # all in T2
+    policy.evict(2, _any)  # keys 3, 2 (LRU of T2) -> B2
+    policy.insert(_key(10))
+    policy.evict(1, _any)  # |T1| = 1 > p = 0: key 10 -> B1
+    policy.insert(_key(10))  # |B2| / |B1| = 2
+    assert policy.target_t1 == 2.0
+
+
+def test_reinserted_b2_ghost_lands_in_t2_and_lowers_target() -> None:
+    policy = _arc(4, range(4))
+    policy.evict(1, _any)  # 0 -> B1
+    policy.insert(_key(0))  # p = 1
+    policy.touch([_key(1)])  # T1 = 2, 3; T2 = 0, 1
+    policy.remove(_key(2))
+    policy.remove(_key(3))
+    assert policy.evict(1, _any) == [_key(0)]  # T1 empty: LRU of T2
+    policy.insert(_key(0))
+    state = policy.snapshot()
+    assert state.t2 == (_key(1), _key(0))
+    assert state.b2 == ()
+    assert state.target_t1 == 0.0
+
+
+def test_b2_hit_never_lowers_target_below_zero() -> None:
+    policy = _arc(2, range(2))
+    policy.touch([_key(0)])  # T1 = 1; T2 = 0
+    assert policy.evict(1, lambda k: k != _key(1)) == [_key(0)]  # T1 pinned: from T2
+    policy.insert(_key(0))
+    state = policy.snapshot()
+    assert state.t2 == (_key(0),)
+    assert state.target_t1 == 0.0
+
+
+def test_target_stays_within_zero_and_capacity() -> None:
+    policy = _arc(2)
+    for round_ in range(5):
+        a, b = _key(2 * round_), _key(2 * round_ + 1)
+        policy.insert(a)
+        policy.insert(b)
+        policy.evict(2, _any)
+        policy.insert(a)  # B1 hit
+        policy.evict(1, _any)
+        assert 0.0 <= policy.target_t1 <= 2.0
+        for key in list(policy.snapshot().t2):
+            policy.remove(key)
+        for key in list(policy.snapshot().t1):
+            policy.remove(key)
+    assert policy.target_t1 == 2.0
+
+
+def test_evict_falls_back_to_t2_when_t1_has_nothing_evictable() -> None:
+    policy = _arc(4, range(4))
+    policy.touch([_key(3)])  # T1 = 0, 1, 2; T2 = 3
+    pinned = {_key(0), _key(1), _key(2)}
+    assert policy.evict(1, lambda k: k not in pinned) == [_key(3)]
+    assert policy.snapshot().t1 == (_key(0), _key(1), _key(2))
+
+
+def test_pinned_t2_keys_are_never_returned() -> None:
+    policy = _arc(4, range(4))
+    policy.touch([_key(3), _key(2), _key(1), _key(0)])  # T2 = 0, 1, 2, 3
+    pinned = {_key(0), _key(2)}
+    assert policy.evict(2, lambda k: k not in pinned) == [_key(1), _key(3)]
+    assert policy.snapshot().t2 == (_key(0), _key(2))
+
+
+def test_pinned_keys_are_never_returned_and_keep_their_place() -> None:
+    policy = _arc(6, range(6))
+    pinned = {_key(0), _key(2), _key(4)}
+    victims = policy.evict(3, lambda k: k not in pinned)
+    assert victims == [_key(1), _key(3), _key(5)]
+    assert policy.snapshot().t1 == (_key(0), _key(2), _key(4))
+
+
+def test_evict_returns_exactly_n_distinct_keys() -> None:
+    policy = _arc(8, range(8))
+    policy.touch([_key(1), _key(5)])
+    victims = policy.evict(5, _any)
+    assert len(victims) == 5
+    assert len(set(victims)) == 5
+    assert len(policy) == 3
+    assert not any(v in policy for v in victims)
+
+
+def test_evict_calls_can_evict_at_most_once_per_key() -> None:
+    policy = _arc(6, range(6))
+    policy.touch([_key(0), _key(1)])
+    calls: list[bytes] = []
+
+    def only_odd(key: bytes) -> bool:
+        calls.append(key)
+        return int(key.split(b"-")[1]) % 2 == 1
+
+    victims = policy.evict(3, only_odd)
+    assert sorted(victims) == [_key(1), _key(3), _key(5)]
+    assert len(calls) == len(set(calls))
+
+
+def test_evict_with_too_few_evictable_keys_returns_those_it_found() -> None:
+    policy = _arc(4, range(4))
+    pinned = {_key(0), _key(1), _key(2)}
+    assert policy.evict(2, lambda k: k not in pinned) == [_key(3)]
+    assert len(policy) == 3
+
+
+def test_evict_zero_changes_nothing() -> None:
+    policy = _arc(4, range(4))
+    assert policy.evict(0, _any) == []
+    assert len(policy) == 4
+
+
+def test_removed_key_leaves_no_ghost() -> None:
+    policy = _arc(4, range(4))
+    policy.touch([_key(2)])
+    policy.remove(_key(0))
+    policy.remove(_key(2))
+    state = policy.snapshot()
+    assert state.b1 == state.b2 == ()
+    assert len(policy) == 2
+    policy.insert(_key(0))
+    assert policy.snapshot().t1[-1] == _key(0)
+    assert policy.target_t1 == 0.0
+
+
+def test_remove_of_key_not_resident_raises_and_changes_nothing() -> None:
+    policy = _arc(4, range(2))
+    before = policy.snapshot()
+    with pytest.raises(BlockNotFoundError, match="not resident"):
+        policy.remove(_key(7))
+    assert policy.snapshot() == before
+
+
+def test_insert_of_resident_key_raises_and_changes_nothing() -> None:
+    policy = _arc(4, range(2))
+    policy.touch([_key(1)])
+    before = policy.snapshot()
+    for key in (_key(0), _key(1)):
+        with pytest.raises(InvalidArgumentError, match="already resident"):
+            policy.insert(key)
+    assert policy.snapshot() == before
+
+
+def test_ghost_lists_stay_within_capacity_dropping_oldest() -> None:
+    policy = _arc(3)
+    for i in range(10):
+        if len(policy) == 3:
+            policy.evict(1, _any)
+        policy.insert(_key(i))
+    state = policy.snapshot()
+    # |T1| + |B1| <= 3 with T1 = 7, 8, 9: every ghost of B1 is dropped, oldest first.
+    assert state.t1 == (_key(7), _key(8), _key(9))
+    assert state.b1 == ()
+    policy.evict(2, _any)
+    assert policy.snapshot().b1 == (_key(7), _key(8))
+
+
+def test_b2_is_trimmed_when_ghosts_exceed_capacity() -> None:
+    policy = _arc(2)
+    for i in range(6):
+        if len(policy) == 2:
+            policy.evict(1, _any)
+        policy.insert(_key(i))
+        policy.touch([_key(i)])  # straight to T2
+    state = policy.snapshot()
+    assert state.t2 == (_key(4), _key(5))
+    assert state.b2 == (_key(2), _key(3))  # oldest ghosts 0, 1 dropped
+
+
+# -- properties over random operation sequences ------------------------------------
+
+# A universe not much larger than the cache, so ghosts are hit and pins land on residents.
+_UNIVERSE = 12
+
+_OPS = st.one_of(
+    st.tuples(st.just("insert"), st.integers(0, _UNIVERSE - 1)),
+    st.tuples(st.just("touch"), st.lists(st.integers(0, _UNIVERSE - 1), max_size=4)),
+    st.tuples(st.just("remove"), st.integers(0, _UNIVERSE - 1)),
+    st.tuples(st.just("evict"), st.integers(0, 7), st.frozensets(st.integers(0, _UNIVERSE - 1))),
+)
+
+
+def _check_arc_invariants(policy: ARCPolicy, resident: set[bytes]) -> None:
+    state = policy.snapshot()
+    t1, t2, b1, b2 = set(state.t1), set(state.t2), set(state.b1), set(state.b2)
+    capacity = policy.capacity
+    assert len(policy) == len(resident)
+    assert t1 | t2 == resident
+    assert not t1 & t2
+    assert not (t1 | t2) & (b1 | b2), "a key is both resident and a ghost"
+    assert not b1 & b2
+    assert len(state.b1) + len(state.b2) <= capacity
+    assert len(state.t1) + len(state.b1) <= capacity
+    assert 0.0 <= state.target_t1 <= capacity
+
+
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(1, 8), ops=st.lists(_OPS, max_size=60))
+def test_random_operations_keep_the_evict_contract_and_arc_invariants(
+    capacity: int, ops: list[tuple]
+) -> None:
+    policy = _arc(capacity)
+    resident: set[bytes] = set()
+    for op in ops:
+        if op[0] == "insert":
+            key = _key(op[1])
+            if key in resident or len(resident) >= capacity:
+                continue
+            policy.insert(key)
+            resident.add(key)
+        elif op[0] == "touch":
+            policy.touch([_key(i) for i in op[1]])
+        elif op[0] == "remove":
+            key = _key(op[1])
+            if key not in resident:
+                continue
+            policy.remove(key)
+            resident.discard(key)
+        else:
+            _, n_seed, pinned_ids = op
+            pinned = {_key(i) for i in pinned_ids}
+            evictable = resident - pinned
+            n = n_seed % (len(evictable) + 1)
+            victims = policy.evict(n, lambda k, pinned=pinned: k not in pinned)
+            assert len(victims) == n
+            assert len(set(victims)) == n
+            assert set(victims) <= evictable
+            resident -= set(victims)
+        for i in range(_UNIVERSE):
+            assert (_key(i) in policy) == (_key(i) in resident)
+        _check_arc_invariants(policy, resident)
+
+
+# -- scan resistance -----------------------------------------------------------------
+
+
+def _hot_hits_under_scan(policy: EvictionPolicy, capacity: int) -> int:
+    """Hits on a small hot set re-read between bursts of one-time scan keys."""
+    policy.bind(capacity)
+    hot = [b"hot-%d" % i for i in range(capacity // 4)]
+
+    def access(key: bytes) -> bool:
+        if key in policy:
+            policy.touch([key])
+            return True
+        if len(policy) >= capacity:
+            policy.evict(1, _any)
+        policy.insert(key)
+        return False
+
+    for _ in range(2):
+        for key in hot:
+            access(key)
+    hits = 0
+    scan_ids = iter(range(10**9))
+    for _ in range(10):
+        # A burst as long as the cache: LRU loses every hot key to it.
+        for _ in range(capacity):
+            access(b"scan-%d" % next(scan_ids))
+        hits += sum(access(key) for key in hot)
+    return hits
+
+
+def test_arc_keeps_more_hot_keys_than_lru_through_a_scan() -> None:
+    lru_hits = _hot_hits_under_scan(LRUPolicy(), 40)
+    arc_hits = _hot_hits_under_scan(ARCPolicy(), 40)
+    assert arc_hits > lru_hits

@@ -1,0 +1,199 @@
+"""Adaptive Replacement Cache eviction (Megiddo & Modha, FAST'03)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiering.abstract import BlockHash
+from tiering.errors import BlockNotFoundError, InvalidArgumentError
+from tiering.policies.base import EvictionPolicy
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True, slots=True)
+class ARCSnapshot:
+    """A copy of an :class:`ARCPolicy`'s lists, each ordered least to most recent."""
+
+    t1: tuple[BlockHash, ...]
+    """Resident keys seen once since they were (re)admitted."""
+    t2: tuple[BlockHash, ...]
+    """Resident keys seen at least twice (or readmitted from a ghost list)."""
+    b1: tuple[BlockHash, ...]
+    """Ghosts of keys evicted from ``t1`` (keys only, not resident)."""
+    b2: tuple[BlockHash, ...]
+    """Ghosts of keys evicted from ``t2`` (keys only, not resident)."""
+    target_t1: float
+    """ARC's adaptive target ``p`` for the size of ``t1``, in ``[0, capacity]``."""
+
+
+class ARCPolicy(EvictionPolicy):
+    """ARC: balances recency (``T1``) against frequency (``T2``) with ghost feedback.
+
+    Rules, with ``c`` the bound capacity and ``p`` the adaptive target size of ``T1``
+    (starts at 0):
+
+    * ``insert(key)``: a key found in ghost list ``B1`` raises ``p`` by
+      ``max(|B2|/|B1|, 1)`` (capped at ``c``); one found in ``B2`` lowers it by
+      ``max(|B1|/|B2|, 1)`` (floored at 0). Either way it leaves the ghost list and
+      becomes the most recent key of ``T2``. Any other key becomes the most recent
+      key of ``T1``.
+    * ``touch(keys)``: a resident key in ``T1`` moves to the most recent end of
+      ``T2``; one in ``T2`` becomes its most recent. ``keys[0]`` ends most recent.
+      Ghost keys are not resident and are ignored.
+    * ``evict(n, can_evict)``: ARC's REPLACE, once per victim: take the least
+      recent evictable key of ``T1`` if ``|T1| > p``, else of ``T2``; when the
+      preferred list holds no evictable key, take from the other. Because the
+      manager evicts *before* it inserts, the policy cannot know whether the
+      incoming key is a ``B2`` ghost, so ARC's ``|T1| == p`` tie-break for that case
+      is dropped (ties go to ``T2``). A victim becomes the most recent ghost of
+      ``B1`` (from ``T1``) or ``B2`` (from ``T2``). Keys failing ``can_evict`` keep
+      their place.
+    * ``remove(key)``: the key leaves with no ghost entry and ``p`` is unchanged.
+
+    Ghost bounds: while at most ``c`` keys are resident (the manager's guarantee),
+    after every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c``; the oldest ghosts
+    of ``B1`` (first bound), then of ``B2`` (second bound), are dropped to keep them.
+    The second bound never needs ``B1`` trimmed once the first holds. No key is
+    ever both resident and a ghost.
+
+    Cost: ``insert``/``touch``/``remove`` are O(1) per key; ``evict`` is O(n plus
+    the pinned keys it steps over), like :class:`~tiering.policies.lru.LRUPolicy`.
+    """
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Each list is ordered least recent first: the head is the next victim.
+        self._t1: OrderedDict[BlockHash, None] = OrderedDict()
+        self._t2: OrderedDict[BlockHash, None] = OrderedDict()
+        self._b1: OrderedDict[BlockHash, None] = OrderedDict()
+        self._b2: OrderedDict[BlockHash, None] = OrderedDict()
+        self._p = 0.0
+
+    @property
+    def target_t1(self) -> float:
+        """ARC's adaptive target size ``p`` of ``T1``."""
+        return self._p
+
+    def snapshot(self) -> ARCSnapshot:
+        """Copy the lists (O(resident + ghosts): for tests and debugging, not the hot path)."""
+        return ARCSnapshot(
+            t1=tuple(self._t1),
+            t2=tuple(self._t2),
+            b1=tuple(self._b1),
+            b2=tuple(self._b2),
+            target_t1=self._p,
+        )
+
+    def insert(self, key: BlockHash) -> None:
+        """Admit ``key`` (to ``T2`` if it is a ghost, adapting ``p``; else to ``T1``).
+
+        Raises:
+            InvalidArgumentError: ``key`` is already resident; nothing was changed.
+        """
+        t1, t2 = self._t1, self._t2
+        if key in t2 or key in t1:
+            raise InvalidArgumentError(f"key {key!r} is already resident in the ARC policy")
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            # Sizes before the hit leaves B1: the paper's delta_1.
+            self._p = min(self._p + max(len(b2) / len(b1), 1.0), float(self.capacity))
+            del b1[key]
+            t2[key] = None
+            return
+        if key in b2:
+            self._p = max(self._p - max(len(b1) / len(b2), 1.0), 0.0)
+            del b2[key]
+            t2[key] = None
+            return
+        t1[key] = None
+        # |T1| + |B1| <= c held before (or B1 is empty), so one ghost is enough.
+        if b1 and len(t1) + len(b1) > self.capacity:
+            b1.popitem(last=False)
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        t1, t2 = self._t1, self._t2
+        to_mru = t2.move_to_end
+        # Walk backwards so keys[0] ends up the most recent of all.
+        for key in reversed(keys):
+            if key in t2:
+                to_mru(key)
+            elif key in t1:
+                del t1[key]
+                t2[key] = None
+
+    def remove(self, key: BlockHash) -> None:
+        """Forget resident ``key`` without a ghost entry.
+
+        Raises:
+            BlockNotFoundError: ``key`` is not resident; nothing was changed.
+        """
+        if self._t1.pop(key, _ABSENT) is _ABSENT and self._t2.pop(key, _ABSENT) is _ABSENT:
+            raise BlockNotFoundError(f"key {key!r} is not resident in the ARC policy")
+
+    def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
+        """Drop and return ``n`` distinct resident keys accepted by ``can_evict``.
+
+        Calls ``can_evict`` at most once per resident key. If the manager's guarantee
+        is broken (fewer than ``n`` evictable keys), returns every evictable key
+        (fewer than ``n``); it always terminates. ``n <= 0`` returns ``[]``.
+        """
+        victims: list[BlockHash] = []
+        if n <= 0:
+            return victims
+        t1, t2 = self._t1, self._t2
+        # Choose every victim first, mutating nothing, so the iterators stay valid;
+        # `size1` is what |T1| will be once the victims chosen so far are gone. An
+        # iterator is dropped (None) once its list has no evictable key left.
+        size1 = len(t1)
+        scan1 = iter(t1) if t1 else None
+        scan2 = iter(t2) if t2 else None
+        p = self._p
+        while len(victims) < n:
+            if scan1 is not None and (size1 > p or scan2 is None):
+                for key in scan1:
+                    if can_evict(key):
+                        victims.append(key)
+                        size1 -= 1
+                        break
+                else:
+                    scan1 = None
+            elif scan2 is not None:
+                for key in scan2:
+                    if can_evict(key):
+                        victims.append(key)
+                        break
+                else:
+                    scan2 = None
+            else:
+                break
+        b1, b2 = self._b1, self._b2
+        for key in victims:
+            if t1.pop(key, _ABSENT) is _ABSENT:
+                del t2[key]
+                b2[key] = None
+            else:
+                b1[key] = None
+        capacity = self.capacity
+        excess = len(t1) + len(b1) - capacity
+        while excess > 0 and b1:
+            b1.popitem(last=False)
+            excess -= 1
+        # Once |T1| + |B1| <= c holds, B1 alone is within c, so B2 is never empty here;
+        # `b2 or b1` only guards a manager that overfills the tier.
+        excess = len(b1) + len(b2) - capacity
+        while excess > 0 and (b2 or b1):
+            (b2 or b1).popitem(last=False)
+            excess -= 1
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        # T2 first: it holds the keys that keep getting hit.
+        return key in self._t2 or key in self._t1

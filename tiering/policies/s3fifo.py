@@ -1,0 +1,231 @@
+"""S3-FIFO eviction (Yang et al., SOSP'23, "FIFO queues are all you need for cache eviction")."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiering.abstract import BlockHash
+from tiering.errors import BlockNotFoundError, InvalidArgumentError
+from tiering.policies.base import EvictionPolicy
+
+_MAX_FREQ = 3  # the paper's 2-bit saturating counter
+_PROMOTE_ABOVE = 1  # Algorithm 1, EVICTS: "if t.freq > 1 then insert t to M"
+_ABSENT = object()
+
+
+@dataclass(frozen=True, slots=True)
+class S3FIFOSnapshot:
+    """A copy of an :class:`S3FIFOPolicy`'s queues, each ordered oldest (next out) first."""
+
+    small: tuple[BlockHash, ...]
+    """Resident keys in the small probationary queue ``S``."""
+    main: tuple[BlockHash, ...]
+    """Resident keys in the main queue ``M``."""
+    ghost: tuple[BlockHash, ...]
+    """Keys evicted from ``S`` without promotion (not resident)."""
+    freq: dict[BlockHash, int]
+    """The access counter (0..3) of every resident key."""
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO: a small FIFO filters one-hit keys before they reach the main FIFO.
+
+    Rules (Algorithm 1 of the paper), with ``c`` the bound capacity:
+
+    * ``insert(key)``: a key found in the ghost queue ``G`` leaves ``G`` and joins the
+      tail of the main queue ``M``; any other key joins the tail of the small queue
+      ``S``. Its counter starts at 0.
+    * ``touch(keys)``: each resident key's counter rises by one, saturating at 3.
+      Order within ``keys`` is irrelevant to FIFO queues.
+    * ``evict(n, can_evict)``, once per victim: evict from ``S`` if
+      ``|S| >= small_ratio * c`` (the paper's test, on the real-valued share: below
+      ``c = 10`` any non-empty ``S`` qualifies), else from ``M``; if the chosen queue
+      holds no evictable key, from the other.
+
+      - From ``S``: pop the head; if its counter is above 1 it moves to ``M``'s tail
+        with its counter cleared (as the authors' implementation does) and the next
+        head is tried; otherwise it is the victim and its key joins ``G``'s tail.
+      - From ``M``: pop the head; if its counter is above 0 it is decremented and the
+        key goes back to ``M``'s tail; otherwise it is the victim (no ghost entry).
+
+      Unlike the paper's EVICTS, a promotion never evicts from ``M`` in the same
+      step: the manager owns the resident total, and one step frees exactly one
+      key; an over-full ``M`` is drained by the next steps, which turn to ``M`` once
+      ``S`` has fallen below its share.
+    * ``remove(key)``: the key leaves with no ghost entry.
+
+    Keys failing ``can_evict`` move to the tail of their own queue with their counter
+    unchanged. Termination: ``S`` is given up for the call once every key left in it
+    has been stepped over in this call (such keys form its tail, and nothing else
+    joins ``S`` during ``evict``); ``M`` is given up after ``|M|`` consecutive
+    stepped-over keys with no decrement or promotion between them (every key of
+    ``M`` failed ``can_evict``). Decrements are bounded by the counters (at most 3
+    each; no touch happens during ``evict``), so ``evict`` terminates, doing at worst
+    O(n + |S| + 4|M|) steps; the decrements it does were paid for by ``touch``.
+    ``can_evict`` is assumed not to change its answer during one call.
+
+    After every call ``G`` holds at most ``c - floor(small_ratio * c)`` keys (at
+    least 1), the number ``M`` is meant to hold, dropping its oldest first. No key is
+    ever both resident and in ``G``.
+    """
+
+    name = "s3fifo"
+
+    def __init__(self, small_ratio: float = 0.1) -> None:
+        """Create an unbound policy whose small queue targets ``small_ratio`` of the tier.
+
+        Raises:
+            InvalidArgumentError: ``small_ratio`` is not a number in ``(0, 1)``.
+        """
+        super().__init__()
+        if (
+            not isinstance(small_ratio, int | float)
+            or isinstance(small_ratio, bool)
+            or not 0.0 < small_ratio < 1.0
+        ):
+            raise InvalidArgumentError(
+                f"small_ratio must be a number in (0, 1), got {small_ratio!r}"
+            )
+        self.small_ratio = float(small_ratio)
+        self._small_target = 0.0
+        self._ghost_capacity = 1
+        # Queues are ordered oldest first: the head is examined next.
+        self._small: OrderedDict[BlockHash, None] = OrderedDict()
+        self._main: OrderedDict[BlockHash, None] = OrderedDict()
+        self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
+        self._freq: dict[BlockHash, int] = {}
+
+    def bind(self, capacity: int) -> None:
+        """Size ``S``'s share and ``G`` for a tier of ``capacity`` blocks.
+
+        Raises:
+            InvalidArgumentError: as :meth:`EvictionPolicy.bind`; nothing was changed.
+        """
+        super().bind(capacity)
+        self._small_target = self.small_ratio * capacity
+        self._ghost_capacity = max(1, capacity - int(self._small_target))
+
+    @property
+    def ghost_capacity(self) -> int:
+        """The most keys the ghost queue ``G`` holds."""
+        return self._ghost_capacity
+
+    def snapshot(self) -> S3FIFOSnapshot:
+        """Copy the queues (O(resident + ghosts): for tests and debugging, not the hot path)."""
+        return S3FIFOSnapshot(
+            small=tuple(self._small),
+            main=tuple(self._main),
+            ghost=tuple(self._ghost),
+            freq=dict(self._freq),
+        )
+
+    def insert(self, key: BlockHash) -> None:
+        """Admit ``key`` (to ``M`` if it is in ``G``, else to ``S``) with counter 0.
+
+        Raises:
+            InvalidArgumentError: ``key`` is already resident; nothing was changed.
+        """
+        freq = self._freq
+        if key in freq:
+            raise InvalidArgumentError(f"key {key!r} is already resident in the S3-FIFO policy")
+        freq[key] = 0
+        if self._ghost.pop(key, _ABSENT) is not _ABSENT:
+            self._main[key] = None
+        else:
+            self._small[key] = None
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        freq = self._freq
+        get = freq.get
+        for key in keys:
+            count = get(key)
+            if count is not None and count < _MAX_FREQ:
+                freq[key] = count + 1
+
+    def remove(self, key: BlockHash) -> None:
+        """Forget resident ``key`` without a ghost entry.
+
+        Raises:
+            BlockNotFoundError: ``key`` is not resident; nothing was changed.
+        """
+        if self._freq.pop(key, _ABSENT) is _ABSENT:
+            raise BlockNotFoundError(f"key {key!r} is not resident in the S3-FIFO policy")
+        if self._small.pop(key, _ABSENT) is _ABSENT:
+            del self._main[key]
+
+    def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
+        """Drop and return ``n`` distinct resident keys accepted by ``can_evict``.
+
+        If the manager's guarantee is broken (fewer than ``n`` evictable keys),
+        returns every evictable key (fewer than ``n``); it always terminates.
+        ``n <= 0`` returns ``[]``.
+        """
+        victims: list[BlockHash] = []
+        if n <= 0:
+            return victims
+        small, main, ghost, freq = self._small, self._main, self._ghost, self._freq
+        small_target = self._small_target
+        # Keys stepped over in S only ever join its tail, so they form its suffix:
+        # once they are all of S, S has nothing evictable left for this call.
+        small_skipped = 0
+        # Consecutive keys of M stepped over with M otherwise unchanged; |M| of them
+        # in a row have visited every key of M.
+        main_idle = 0
+        wanted = n
+        while wanted:
+            if small_skipped < len(small) and (
+                len(small) >= small_target or main_idle >= len(main)
+            ):
+                # S keeps precedence until it falls below its share while M is open.
+                while small_skipped < len(small):
+                    key = next(iter(small))
+                    if not can_evict(key):
+                        small.move_to_end(key)
+                        small_skipped += 1
+                        continue
+                    del small[key]
+                    if freq.pop(key) > _PROMOTE_ABOVE:
+                        main[key] = None
+                        freq[key] = 0
+                        main_idle = 0
+                        continue
+                    ghost[key] = None
+                    victims.append(key)
+                    wanted -= 1
+                    if not wanted or (len(small) < small_target and main_idle < len(main)):
+                        break
+            elif main_idle < len(main):
+                # Nothing here changes S, so M keeps precedence until done or closed.
+                while main_idle < len(main):
+                    key = next(iter(main))
+                    if not can_evict(key):
+                        main.move_to_end(key)
+                        main_idle += 1
+                        continue
+                    main_idle = 0
+                    count = freq[key]
+                    if count:
+                        freq[key] = count - 1
+                        main.move_to_end(key)
+                        continue
+                    del main[key]
+                    del freq[key]
+                    victims.append(key)
+                    wanted -= 1
+                    if not wanted:
+                        break
+            else:
+                break
+        excess = len(ghost) - self._ghost_capacity
+        while excess > 0:
+            ghost.popitem(last=False)
+            excess -= 1
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
