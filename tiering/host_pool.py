@@ -1,0 +1,243 @@
+"""The CPU tier's memory: one page-aligned, optionally pinned buffer of fixed-size slots.
+
+Slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)`` of the buffer. The same
+memory is reachable as a flat ``memoryview`` (what secondary tiers read and write), as a
+``torch.uint8`` tensor of shape ``[num_blocks, block_bytes]`` (what device copies use) and
+by address (what O_DIRECT I/O needs).
+
+Why an anonymous ``mmap`` and not ``torch.empty(..., pin_memory=True)``:
+
+- ``mmap`` memory is page-aligned by construction, so every slot whose offset is a
+  multiple of the page size is a valid O_DIRECT target without an extra aligned copy.
+- PyTorch's pinned allocator is a caching allocator that rounds each request up to a
+  power of two: a 65 GiB pool would reserve 128 GiB of page-locked memory.
+- The buffer is the same kind of memory with and without CUDA, so the CPU-only test path
+  exercises the production layout. When pinned, it is page-locked in place with
+  ``cudaHostRegister`` (portable flag: pinned for every CUDA context of the process),
+  which ``Tensor.is_pinned()`` and asynchronous copies recognise.
+
+The tensor is built over a ``memoryview`` of the mapping, never over the mapping itself:
+``torch.frombuffer`` releases the buffer export it takes and keeps only a reference to the
+object, so a tensor made straight from the ``mmap`` would let ``mmap.close()`` unmap memory
+the tensor still points at. The intermediate ``memoryview`` holds the export for as long as
+any tensor over the pool lives, which makes unmapping under a live view impossible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import operator
+import weakref
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+
+from tiering.errors import ClosedError, InvalidArgumentError, TieringError
+
+PAGE_SIZE: int = mmap.PAGESIZE
+"""The alignment of the pool's buffer (the OS page size, at least 4096 on supported systems)."""
+
+_HUGE_PAGE_BYTES = 2 << 20
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}") from None
+    if number <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {number}")
+    return number
+
+
+def _cuda_host_register(address: int, nbytes: int) -> None:
+    cudart = torch.cuda.cudart()
+    try:
+        torch.cuda.check_error(
+            cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+        )
+    except Exception as exc:  # CudaError or a driver-level RuntimeError
+        raise TieringError(f"cannot page-lock the {nbytes}-byte host pool: {exc}") from exc
+
+
+def _cuda_host_unregister(address: int) -> None:
+    # Best effort: at teardown the CUDA context may already be gone, and the memory is
+    # unmapped (or left to the views still alive) either way.
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class HostPool:
+    """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer.
+
+    Guarantees: ``address % PAGE_SIZE == 0``; ``view``, ``tensor``, ``slot_view`` and
+    ``slot_tensor`` all alias the same bytes (a write through one is seen by the others);
+    the buffer starts zero-filled; when ``pinned`` it is page-locked for CUDA DMA.
+
+    ``pin=None`` pins when ``torch.cuda.is_available()``. Raises
+    :class:`~tiering.errors.InvalidArgumentError` for non-positive or non-int sizes, a
+    ``pin`` that is not a bool or None, or ``pin=True`` without CUDA;
+    :class:`~tiering.errors.TieringError` if page-locking fails (e.g. the memlock limit).
+
+    ``close()`` is idempotent. After it every accessor of the memory raises
+    :class:`~tiering.errors.ClosedError`. The mapping is released at once unless a view or
+    tensor handed out earlier is still alive; then it is released when the last one is
+    garbage-collected, never while something can still read it. Close copiers that use the
+    pool before the pool.
+    """
+
+    def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:
+        self._num_blocks = _positive_int("num_blocks", num_blocks)
+        self._block_bytes = _positive_int("block_bytes", block_bytes)
+        if pin is None:
+            pin = torch.cuda.is_available()
+        elif not isinstance(pin, bool):
+            raise InvalidArgumentError(f"pin must be True, False or None, got {pin!r}")
+        elif pin and not torch.cuda.is_available():
+            raise InvalidArgumentError(
+                "pin=True needs CUDA, and torch.cuda.is_available() is False"
+            )
+        self._nbytes = self._num_blocks * self._block_bytes
+
+        # MAP_PRIVATE anonymous memory (not the MAP_SHARED default, which is shmem-backed)
+        # so transparent huge pages apply.
+        self._mmap: mmap.mmap | None = mmap.mmap(
+            -1,
+            self._nbytes,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        if self._nbytes >= _HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # only a hint; THP may be disabled
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
+        self._tensor: torch.Tensor | None = flat.view(self._num_blocks, self._block_bytes)
+        self._view: memoryview | None = memoryview(self._mmap)
+        self._address = flat.data_ptr()
+        self._pinned = False
+        self._unpin: weakref.finalize[Any, Any] | None = None
+        if pin:
+            try:
+                _cuda_host_register(self._address, self._nbytes)
+            except BaseException:
+                self._release_memory()
+                raise
+            self._pinned = True
+            # Unpin if the pool is dropped without close(); not at interpreter exit,
+            # when the CUDA runtime may already be torn down.
+            self._unpin = weakref.finalize(self, _cuda_host_unregister, self._address)
+            self._unpin.atexit = False
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of slots."""
+        return self._num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per slot."""
+        return self._block_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer: ``num_blocks * block_bytes``."""
+        return self._nbytes
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called."""
+        return self._tensor is None
+
+    @property
+    def pinned(self) -> bool:
+        """True while the buffer is page-locked for CUDA (False once closed)."""
+        return self._pinned
+
+    @property
+    def address(self) -> int:
+        """Virtual address of slot 0 (a multiple of ``PAGE_SIZE``). Raises ClosedError."""
+        self._check_open()
+        return self._address
+
+    @property
+    def view(self) -> memoryview:
+        """The whole buffer as a flat writable ``memoryview`` of format ``"B"``."""
+        return self._check_open()[1]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer as a ``torch.uint8`` tensor of shape ``[num_blocks, block_bytes]``."""
+        return self._check_open()[0]
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The writable bytes of ``slot``. Raises InvalidArgumentError, ClosedError."""
+        _, view = self._check_open()
+        start = self._check_slot(slot) * self._block_bytes
+        return view[start : start + self._block_bytes]
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as a ``uint8`` tensor of ``block_bytes`` elements sharing the memory."""
+        tensor, _ = self._check_open()
+        return tensor[self._check_slot(slot)]
+
+    def close(self) -> None:
+        """Unpin and release the buffer; idempotent. See the class docstring for timing."""
+        if self.closed:
+            return
+        if self._unpin is not None:
+            self._unpin()  # cudaHostUnregister, at most once
+            self._unpin = None
+        self._pinned = False
+        self._release_memory()
+
+    def __enter__(self) -> Self:
+        self._check_open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("pinned" if self._pinned else "pageable")
+        return f"HostPool(num_blocks={self._num_blocks}, block_bytes={self._block_bytes}, {state})"
+
+    def _check_open(self) -> tuple[torch.Tensor, memoryview]:
+        if self._tensor is None or self._view is None:
+            raise ClosedError("the host pool is closed")
+        return self._tensor, self._view
+
+    def _check_slot(self, slot: object) -> int:
+        if isinstance(slot, bool):
+            raise InvalidArgumentError(f"slot must be an int, got {slot!r}")
+        try:
+            index = operator.index(slot)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidArgumentError(f"slot must be an int, got {slot!r}") from None
+        if not 0 <= index < self._num_blocks:
+            raise InvalidArgumentError(
+                f"slot {index} is outside the host pool (0..{self._num_blocks - 1})"
+            )
+        return index
+
+    def _release_memory(self) -> None:
+        view, self._view = self._view, None
+        self._tensor = None  # drops the storage, and with it torch's export, if unshared
+        mapping, self._mmap = self._mmap, None
+        if view is not None:
+            # A consumer may hold a buffer export of it; then it stays valid until dropped.
+            with contextlib.suppress(BufferError):
+                view.release()
+        if mapping is not None:
+            # If views handed out are alive, the mapping is unmapped with the last one.
+            with contextlib.suppress(BufferError):
+                mapping.close()
