@@ -149,3 +149,12 @@ def test_cascade_pins_only_blocks_the_tier_lacks() -> None:
     assert p.manager.num_pinned == 2
     p.release([k for k, _ in items])
     assert p.manager.num_pinned == 0
+
+
+def test_a_withdrawn_waiter_gets_no_pin_when_the_fill_lands() -> None:
+    p = planner(4, FakeTierIndex([h(1)]))
+    p.plan_load([h(1)], [0])
+    p.plan_load([h(1)], [1])
+    p.cancel_wait(h(1))
+    p.finish_fill([h(1)], [])
+    assert p.manager.block_state(h(1)).ref_count == 1

@@ -1,4 +1,11 @@
-"""kv-tiering: an asyncio engine that keeps an LLM server's KV cache in tiers."""
+"""kv-tiering: an asyncio engine that keeps an LLM server's KV cache in tiers.
+
+The public API, re-exported here: the seed types and :class:`CPUOffloadingManager`
+(scheduler-side bookkeeping), eviction policies, prefix-chained hashing, the
+secondary-tier interface and the :class:`TierActor` base, the host pool and device
+transfers, and :class:`TieringEngine`. Secondary tiers live in ``backends`` and are
+built by name through :func:`make_tier`.
+"""
 
 from tiering.abstract import (
     BlockHash,
@@ -7,7 +14,11 @@ from tiering.abstract import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
+    as_block_hashes,
 )
+from tiering.actor import TierActor
+from tiering.device import CopyHandle, DeviceCopier, kv_block_bytes
+from tiering.engine import Job, TieringEngine
 from tiering.errors import (
     BlockNotFoundError,
     ClosedError,
@@ -20,17 +31,37 @@ from tiering.errors import (
     UnknownPolicyError,
     UnknownTierError,
 )
-from tiering.policies import EvictionPolicy, LRUPolicy, make_policy, register_policy
+from tiering.hashing import block_hashes, namespace_root
+from tiering.host_pool import HostPool
+from tiering.manager import BlockState, CPUOffloadingManager
+from tiering.planner import TransferPlanner
+from tiering.policies import (
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    make_policy,
+    policy_names,
+    register_policy,
+)
+from tiering.registry import make_tier, register_tier, tier_names
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
 
 __all__ = [
+    "ARCPolicy",
     "BlockHash",
     "BlockNotFoundError",
+    "BlockState",
     "CPULoadStoreSpec",
+    "CPUOffloadingManager",
     "ClosedError",
+    "CopyHandle",
     "CorruptBlockError",
+    "DeviceCopier",
     "EvictionPolicy",
+    "HostPool",
     "InvalidArgumentError",
+    "Job",
     "JobMetadata",
     "JobResult",
     "LRUPolicy",
@@ -39,12 +70,24 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "S3FIFOPolicy",
     "SecondaryTierManager",
+    "TierActor",
     "TierBusyError",
+    "TieringEngine",
     "TieringError",
     "TransferError",
+    "TransferPlanner",
     "UnknownPolicyError",
     "UnknownTierError",
+    "as_block_hashes",
+    "block_hashes",
+    "kv_block_bytes",
     "make_policy",
+    "make_tier",
+    "namespace_root",
+    "policy_names",
     "register_policy",
+    "register_tier",
+    "tier_names",
 ]

@@ -192,6 +192,14 @@ class TransferPlanner:
             evicted_slots=list(out.evicted_block_ids) if out else [],
         )
 
+    def cancel_wait(self, block_hash: BlockHash, count: int = 1) -> None:
+        """Withdraw ``count`` waiters of a block still being filled (a load gave up)."""
+        left = self._waiters[block_hash] - count
+        if left > 0:
+            self._waiters[block_hash] = left
+        else:
+            self._waiters.pop(block_hash, None)
+
     def release(self, block_hashes: Iterable[BlockHash]) -> None:
         """Drop the pins a finished load held (each occurrence is one pin)."""
         self.manager.complete_load(block_hashes)

@@ -1,0 +1,172 @@
+"""The reference secondary tier of the seed: presence-only, synchronous, LRU-bounded.
+
+It records which keys it "holds" and moves no bytes; it exists to exercise the
+secondary-tier protocol. It reproduces the seed's behaviour on purpose, including
+its quirks, with one deliberate fix (see :class:`ExampleSecondaryTier`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from tiering.errors import InvalidArgumentError
+from tiering.secondary import (
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    ReqContext,
+    SecondaryTierManager,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingJob:
+    """A job accepted by submit_* whose result is not produced yet."""
+
+    job_id: int
+    keys: tuple[OffloadKey, ...]  # stores: only the keys that were absent at submit time
+    is_store: bool
+    missing: tuple[OffloadKey, ...] = ()  # loads: keys not held at submit time
+
+
+class ExampleSecondaryTier(SecondaryTierManager):
+    """A presence-only tier of at most ``max_blocks`` keys, evicting least recently used.
+
+    Behaviour (the seed's):
+
+    * A store records the job's keys that are not yet present. If all are present it
+      does nothing and yields **no result**. If room is short, it evicts least recently
+      used keys that are not in the job; if it cannot find enough, it gives up
+      silently: nothing is evicted or stored and the job yields **no result**.
+    * A load of held keys succeeds without touching the LRU order.
+    * With ``simulate_async`` a job's result (and a store's insertion) happens on the
+      next :meth:`get_finished`; eviction still happens at submit time. Otherwise it
+      happens during the submit call.
+    * ``touch`` makes ``keys[0]`` the most recent; ``clear`` also drops pending and
+      unreported results.
+
+    The fix: a load naming a key the tier does not hold yields
+    ``JobResult(job_id, success=False, failed_keys=<the missing keys>)`` instead of
+    being dropped without a result.
+
+    Malformed jobs (not a JobMetadata, non-bytes keys, slot ids outside the host pool)
+    raise :class:`InvalidArgumentError` and change nothing.
+    """
+
+    def __init__(
+        self,
+        primary_kv_view: memoryview,
+        block_bytes: int,
+        max_blocks: int = 1000,
+        simulate_async: bool = False,
+    ) -> None:
+        """Raises: InvalidArgumentError for a bad view, block size or ``max_blocks``."""
+        super().__init__(primary_kv_view, block_bytes)
+        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 0:
+            raise InvalidArgumentError(f"max_blocks must be a non-negative int, got {max_blocks!r}")
+        self.max_blocks = max_blocks
+        self.simulate_async = bool(simulate_async)
+        self._blocks: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
+        self._pending: list[_PendingJob] = []
+        self._completed: list[JobResult] = []
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool:
+        """True if ``key`` is held (a pending async store does not count yet)."""
+        return key in self._blocks
+
+    def submit_store(self, job_metadata: JobMetadata) -> None:
+        """Record the job's absent keys, evicting LRU keys outside the job if needed."""
+        job = self._validated(job_metadata)
+        to_store = tuple(key for key in job.keys if key not in self._blocks)
+        if not to_store:
+            return
+        shortfall = len(to_store) - (self.max_blocks - len(self._blocks))
+        if shortfall > 0:
+            protected = set(job.keys)
+            victims = []
+            for key in self._blocks:
+                if key not in protected:
+                    victims.append(key)
+                    if len(victims) == shortfall:
+                        break
+            if len(victims) < shortfall:
+                return
+            for key in victims:
+                del self._blocks[key]
+        self._accept(_PendingJob(job.job_id, to_store, is_store=True))
+
+    def submit_load(self, job_metadata: JobMetadata) -> None:
+        """Accept a load; keys not held now make it fail (the fix) rather than vanish."""
+        job = self._validated(job_metadata)
+        missing = tuple(key for key in job.keys if key not in self._blocks)
+        self._accept(_PendingJob(job.job_id, tuple(job.keys), is_store=False, missing=missing))
+
+    def get_finished(self) -> list[JobResult]:
+        """Complete pending jobs (async mode), then return and forget all results."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for job in pending:
+                self._complete(job)
+        finished, self._completed = self._completed, []
+        return finished
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
+        """Make held keys most recent, ``keys[0]`` the most recent of all."""
+        for key in reversed(list(keys)):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "example"
+
+    def get_num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def clear(self) -> None:
+        """Drop every key, every pending job and every unreported result."""
+        self._blocks.clear()
+        self._pending.clear()
+        self._completed.clear()
+
+    def _accept(self, job: _PendingJob) -> None:
+        if self.simulate_async:
+            self._pending.append(job)
+        else:
+            self._complete(job)
+
+    def _complete(self, job: _PendingJob) -> None:
+        if job.is_store:
+            for key in job.keys:
+                self._blocks[key] = None
+            self._completed.append(JobResult(job.job_id, True))
+        elif job.missing:
+            self._completed.append(
+                JobResult(
+                    job.job_id,
+                    False,
+                    job.missing,
+                    f"{len(job.missing)} of {len(job.keys)} blocks are not in the example tier",
+                )
+            )
+        else:
+            self._completed.append(JobResult(job.job_id, True))
+
+    def _validated(self, job: JobMetadata) -> JobMetadata:
+        if not isinstance(job, JobMetadata):
+            raise InvalidArgumentError(f"expected a JobMetadata, got {type(job).__name__}")
+        for key in job.keys:
+            if not isinstance(key, bytes):
+                raise InvalidArgumentError(
+                    f"job {job.job_id}: keys must be bytes, got {type(key).__name__}"
+                )
+        for block_id in job.block_ids:
+            if not isinstance(block_id, int) or isinstance(block_id, bool):
+                raise InvalidArgumentError(f"job {job.job_id}: slot id {block_id!r} is not an int")
+            self.slot(block_id)  # raises InvalidArgumentError outside the host pool
+        return job
+
+
+__all__ = ["ExampleSecondaryTier"]

@@ -1,0 +1,236 @@
+"""Fault injection for file-backed tiers: make chosen system calls fail or fall short.
+
+:class:`FaultInjector` is an :class:`~backends.nvme_files.OsCalls` that passes every call
+to a real one unless a rule says otherwise. Rules match a call by operation name and,
+optionally, by a substring of the path involved (for calls on a file descriptor, the path
+it was opened with). A rule can raise an ``OSError`` with a chosen errno (ENOSPC, EIO,
+...), make a read or write transfer fewer bytes than asked (a real, shorter transfer),
+or make ``statvfs`` report a chosen amount of free space. Tests use it where a real
+faulty device cannot be had; it is safe to use from several worker threads at once.
+
+Example::
+
+    faults = FaultInjector()
+    faults.fail("pwritev", errno.ENOSPC)          # the disk is full, for every write
+    faults.fail("preadv", errno.EIO, path="ab12")   # one file cannot be read, once
+    tier = NVMeTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
+                    os_calls=faults)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from backends.nvme_files import REAL_OS, OsCalls
+from tiering.errors import InvalidArgumentError
+
+OPERATIONS = frozenset(
+    {
+        "open",
+        "close",
+        "pwritev",
+        "preadv",
+        "fstat",
+        "stat",
+        "fdatasync",
+        "fsync",
+        "syncfs",
+        "replace",
+        "unlink",
+        "statvfs",
+    }
+)
+_TRANSFERS = frozenset({"pwritev", "preadv"})
+
+
+@dataclass(slots=True)
+class Fault:
+    """One rule. ``times`` None means forever; ``after`` matching calls pass first."""
+
+    op: str
+    path: str | None = None
+    errno: int | None = None
+    max_bytes: int | None = None
+    free_bytes: int | None = None
+    times: int | None = None
+    after: int = 0
+    hits: int = 0
+
+    def _matches(self, op: str, path: str | None) -> bool:
+        if op != self.op or (self.times is not None and self.times <= 0):
+            return False
+        return self.path is None or (path is not None and self.path in path)
+
+
+class FaultInjector(OsCalls):
+    """An ``OsCalls`` that injects the faults its rules describe; see the module doc."""
+
+    def __init__(self, inner: OsCalls = REAL_OS) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._rules: list[Fault] = []
+        self._fd_paths: dict[int, str] = {}
+        self.calls: Counter[str] = Counter()
+        """How many times each operation was called (faulty or not)."""
+
+    # -- rules -----------------------------------------------------------------------
+
+    def fail(
+        self,
+        op: str,
+        err: int,
+        *,
+        path: str | None = None,
+        times: int | None = None,
+        after: int = 0,
+    ) -> Fault:
+        """Make ``op`` raise ``OSError(err)`` on matching calls.
+
+        Raises:
+            InvalidArgumentError: unknown operation, or a non-positive ``times``.
+        """
+        return self._add(Fault(op, path=path, errno=err, times=times, after=after))
+
+    def short_read(
+        self, *, max_bytes: int, path: str | None = None, times: int | None = None
+    ) -> Fault:
+        """Make matching ``preadv`` calls read at most ``max_bytes`` bytes."""
+        return self._add(Fault("preadv", path=path, max_bytes=max_bytes, times=times))
+
+    def short_write(
+        self, *, max_bytes: int, path: str | None = None, times: int | None = None
+    ) -> Fault:
+        """Make matching ``pwritev`` calls write at most ``max_bytes`` bytes."""
+        return self._add(Fault("pwritev", path=path, max_bytes=max_bytes, times=times))
+
+    def report_free_bytes(self, free: int, *, path: str | None = None) -> Fault:
+        """Make ``statvfs`` report ``free`` bytes available (everything else is real)."""
+        return self._add(Fault("statvfs", path=path, free_bytes=free))
+
+    def remove(self, fault: Fault) -> None:
+        """Drop one rule; calls behave normally again where it matched."""
+        with self._lock:
+            self._rules = [rule for rule in self._rules if rule is not fault]
+
+    def clear(self) -> None:
+        """Drop every rule."""
+        with self._lock:
+            self._rules = []
+
+    def _add(self, fault: Fault) -> Fault:
+        if fault.op not in OPERATIONS:
+            raise InvalidArgumentError(
+                f"unknown operation {fault.op!r}; choose one of {sorted(OPERATIONS)}"
+            )
+        if fault.times is not None and fault.times <= 0:
+            raise InvalidArgumentError(f"times must be positive or None, got {fault.times}")
+        if fault.max_bytes is not None and fault.max_bytes < 0:
+            raise InvalidArgumentError(f"max_bytes must be >= 0, got {fault.max_bytes}")
+        with self._lock:
+            self._rules.append(fault)
+        return fault
+
+    def _fire(self, op: str, path: str | None) -> Fault | None:
+        """Count the call; return the rule that applies to it, raising its error if any."""
+        with self._lock:
+            self.calls[op] += 1
+            for rule in self._rules:
+                if not rule._matches(op, path):
+                    continue
+                if rule.after > 0:
+                    rule.after -= 1
+                    continue
+                rule.hits += 1
+                if rule.times is not None:
+                    rule.times -= 1
+                break
+            else:
+                return None
+        if rule.errno is not None:
+            raise OSError(rule.errno, f"{os.strerror(rule.errno)} (injected)", path)
+        return rule
+
+    def _path_of(self, fd: int) -> str | None:
+        with self._lock:
+            return self._fd_paths.get(fd)
+
+    # -- calls -----------------------------------------------------------------------
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        self._fire("open", path)
+        fd = self._inner.open(path, flags, mode)
+        with self._lock:
+            self._fd_paths[fd] = path
+        return fd
+
+    def close(self, fd: int) -> None:
+        path = self._path_of(fd)
+        with self._lock:
+            self._fd_paths.pop(fd, None)
+        self._inner.close(fd)
+        self._fire("close", path)
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        rule = self._fire("pwritev", self._path_of(fd))
+        return self._inner.pwritev(fd, _limit(buffers, rule), offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        rule = self._fire("preadv", self._path_of(fd))
+        return self._inner.preadv(fd, _limit(buffers, rule), offset)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        self._fire("fstat", self._path_of(fd))
+        return self._inner.fstat(fd)
+
+    def stat(self, path: str) -> os.stat_result:
+        self._fire("stat", path)
+        return self._inner.stat(path)
+
+    def fdatasync(self, fd: int) -> None:
+        self._fire("fdatasync", self._path_of(fd))
+        self._inner.fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        self._fire("fsync", self._path_of(fd))
+        self._inner.fsync(fd)
+
+    def syncfs(self, fd: int) -> None:
+        self._fire("syncfs", self._path_of(fd))
+        self._inner.syncfs(fd)
+
+    def replace(self, src: str, dst: str) -> None:
+        self._fire("replace", dst)
+        self._inner.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        self._fire("unlink", path)
+        self._inner.unlink(path)
+
+    def statvfs(self, path: str) -> os.statvfs_result:
+        rule = self._fire("statvfs", path)
+        real = self._inner.statvfs(path)
+        if rule is None or rule.free_bytes is None:
+            return real
+        available = rule.free_bytes // real.f_frsize
+        fields = list(real)
+        fields[3] = max(fields[3], available)  # f_bfree >= f_bavail
+        fields[4] = available
+        return os.statvfs_result(fields)
+
+
+def _limit(buffers: Sequence[memoryview], rule: Fault | None) -> Sequence[memoryview]:
+    if rule is None or rule.max_bytes is None:
+        return buffers
+    left = rule.max_bytes
+    limited: list[memoryview] = []
+    for buffer in buffers:
+        if left <= 0:
+            break
+        piece = buffer if buffer.nbytes <= left else buffer[:left]
+        limited.append(piece)
+        left -= piece.nbytes
+    return limited

@@ -1,0 +1,222 @@
+"""The NVMe tier's on-disk format: namespace directories, block file names, block headers.
+
+Every stored block is one file, self-describing and verifiable on its own::
+
+    offset 0     header page (HEADER_BYTES = 4096 bytes, see below)
+    offset 4096  payload: exactly ``payload_bytes`` bytes, the block as it sat in its CPU slot
+
+The header fills a whole page so that the payload starts at an aligned file offset and
+can move with O_DIRECT straight from and into the host pool. Header layout (little
+endian)::
+
+    0    8s   magic  b"KVTBLK\\r\\n" (the CR LF catches text-mode mangling)
+    8    u16  format version (FORMAT_VERSION)
+    10   u16  header length in bytes (HEADER_BYTES)
+    12   u8   checksum kind (1 = xxh3_128 of the payload)
+    13   3x   reserved, zero
+    16   u64  payload length in bytes
+    24   16s  payload checksum (xxh3_128, big-endian digest)
+    40   16s  namespace digest (first 16 bytes of sha256 of the namespace string)
+    56   u16  key length
+    58   6x   reserved, zero
+    64   ...  the key (the full block hash), then zeros
+    4088 u64  header checksum: xxh3_64 of bytes 0..4087
+
+This module is pure: it computes names, digests and header bytes and never touches a
+file. xxhash releases the GIL while hashing large buffers, so checksums computed on a
+worker thread do not stall the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+
+MAGIC = b"KVTBLK\r\n"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+CHECKSUM_XXH3_128 = 1
+
+BLOCK_SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+FANOUT = 256
+"""Block files are spread over this many subdirectories (``00`` .. ``ff``)."""
+
+_FIXED = struct.Struct("<8sHHB3xQ16s16sH6x")
+_KEY_OFFSET = _FIXED.size
+_TRAILER = struct.Struct("<Q")
+_TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
+MAX_KEY_BYTES = _TRAILER_OFFSET - _KEY_OFFSET
+"""The longest key a header can hold."""
+
+_LONG_KEY_NAME_BYTES = 64
+"""Keys longer than this are named by a digest instead of their hex (file-name limits)."""
+
+_READABLE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """A decoded, self-consistent block header (its own checksum already verified)."""
+
+    key: bytes
+    payload_bytes: int
+    payload_checksum: bytes
+    namespace_digest: bytes
+
+
+def _byte_view(buffer: memoryview | bytes | bytearray) -> memoryview:
+    view = memoryview(buffer)
+    return view if view.format == "B" else view.cast("B")
+
+
+def namespace_digest(namespace: str) -> bytes:
+    """The 16-byte digest of a namespace string that every header of it carries."""
+    return hashlib.sha256(namespace.encode("utf-8")).digest()[:16]
+
+
+def namespace_dirname(namespace: str) -> str:
+    """A safe directory name for ``namespace``: a readable prefix plus a digest.
+
+    The prefix keeps only ``[A-Za-z0-9._-]`` (at most 40 characters) so an operator can
+    tell directories apart; the 32 hex digits of the digest make names distinct.
+
+    Raises:
+        InvalidArgumentError: ``namespace`` is not a non-empty string.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidArgumentError(f"namespace must be a non-empty string, got {namespace!r}")
+    readable = _READABLE.sub("_", namespace).strip("._-")[:40] or "ns"
+    return f"{readable}-{namespace_digest(namespace).hex()}"
+
+
+def check_key(key: object) -> bytes:
+    """Return ``key`` if it is bytes a header can hold.
+
+    Raises:
+        InvalidArgumentError: ``key`` is not bytes, is empty, or exceeds MAX_KEY_BYTES.
+    """
+    if not isinstance(key, bytes):
+        raise InvalidArgumentError(f"block key must be bytes, got {type(key).__name__}")
+    if not key or len(key) > MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"block key must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)}"
+        )
+    return key
+
+
+def block_relpath(key: bytes) -> str:
+    """The path of ``key``'s block file relative to the namespace directory.
+
+    ``<fanout>/<name>.kvb`` where ``<fanout>`` is two hex digits of xxh3_64(key) and
+    ``<name>`` is the key's hex, or ``h`` plus a sha256 hex digest for long keys (the
+    header still holds the full key, and every read compares it).
+    """
+    fan = xxhash.xxh3_64_intdigest(key) % FANOUT
+    long_key = len(key) > _LONG_KEY_NAME_BYTES
+    name = "h" + hashlib.sha256(key).hexdigest() if long_key else key.hex()
+    return f"{fan:02x}/{name}{BLOCK_SUFFIX}"
+
+
+def fanout_dirs() -> list[str]:
+    """The names of the fan-out subdirectories, ``00`` .. ``ff``."""
+    return [f"{i:02x}" for i in range(FANOUT)]
+
+
+def payload_checksum(payload: memoryview | bytes | bytearray) -> bytes:
+    """The 16-byte xxh3_128 digest of a payload (releases the GIL on large buffers)."""
+    return xxhash.xxh3_128_digest(payload)
+
+
+def encode_header(
+    into: memoryview | bytearray,
+    *,
+    key: bytes,
+    payload_bytes: int,
+    checksum: bytes,
+    ns_digest: bytes,
+) -> None:
+    """Write a complete header page for one block into ``into`` (HEADER_BYTES long).
+
+    Raises:
+        InvalidArgumentError: ``into`` has the wrong length, or ``key``, ``checksum`` or
+            ``ns_digest`` has the wrong type or length; ``into`` is then unchanged.
+    """
+    check_key(key)
+    if len(into) != HEADER_BYTES:
+        raise InvalidArgumentError(f"a header buffer must be {HEADER_BYTES} bytes")
+    if len(checksum) != 16 or len(ns_digest) != 16:
+        raise InvalidArgumentError("checksum and namespace digest must be 16 bytes each")
+    if payload_bytes < 0:
+        raise InvalidArgumentError(f"payload length must be >= 0, got {payload_bytes}")
+    view = _byte_view(into)
+    _FIXED.pack_into(
+        view,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        CHECKSUM_XXH3_128,
+        payload_bytes,
+        checksum,
+        ns_digest,
+        len(key),
+    )
+    end = _KEY_OFFSET + len(key)
+    view[_KEY_OFFSET:end] = key
+    view[end:_TRAILER_OFFSET] = bytes(_TRAILER_OFFSET - end)
+    _TRAILER.pack_into(view, _TRAILER_OFFSET, xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]))
+
+
+def decode_header(page: memoryview | bytes | bytearray) -> BlockHeader:
+    """Parse and self-check a header page.
+
+    Raises:
+        CorruptBlockError: the page is short, or its magic, version, length, checksum
+            kind, key length or header checksum is wrong. The message names which.
+    """
+    view = _byte_view(page)
+    if len(view) < HEADER_BYTES:
+        raise CorruptBlockError(f"header is {len(view)} bytes, expected {HEADER_BYTES}")
+    (stored_sum,) = _TRAILER.unpack_from(view, _TRAILER_OFFSET)
+    if xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]) != stored_sum:
+        if bytes(view[: len(MAGIC)]) != MAGIC:
+            raise CorruptBlockError("not a block file (bad magic)")
+        raise CorruptBlockError("header checksum mismatch")
+    magic, version, header_len, kind, payload_bytes, checksum, ns_digest, key_len = (
+        _FIXED.unpack_from(view, 0)
+    )
+    if magic != MAGIC:
+        raise CorruptBlockError("not a block file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"unsupported format version {version}")
+    if header_len != HEADER_BYTES or kind != CHECKSUM_XXH3_128:
+        raise CorruptBlockError(f"unsupported header (length {header_len}, checksum {kind})")
+    if not 0 < key_len <= MAX_KEY_BYTES:
+        raise CorruptBlockError(f"bad key length {key_len}")
+    key = bytes(view[_KEY_OFFSET : _KEY_OFFSET + key_len])
+    return BlockHeader(key, payload_bytes, checksum, ns_digest)
+
+
+def check_header(
+    header: BlockHeader, *, key: bytes | None, payload_bytes: int, ns_digest: bytes
+) -> None:
+    """Check a decoded header against what the reader expects.
+
+    ``key`` may be None (recovery, where the header names the key).
+
+    Raises:
+        CorruptBlockError: another namespace, another key, or another payload length.
+    """
+    if header.namespace_digest != ns_digest:
+        raise CorruptBlockError("block belongs to another namespace")
+    if key is not None and header.key != key:
+        raise CorruptBlockError("block holds another key")
+    if header.payload_bytes != payload_bytes:
+        raise CorruptBlockError(f"payload length {header.payload_bytes}, expected {payload_bytes}")

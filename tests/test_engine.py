@@ -1,0 +1,386 @@
+"""TieringEngine end to end on CPU tensors: real bytes through real tiers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from backends.example import ExampleSecondaryTier
+from backends.memory import MemoryTier
+from tiering import (
+    BlockNotFoundError,
+    ClosedError,
+    InvalidArgumentError,
+    JobMetadata,
+    JobResult,
+    TieringEngine,
+)
+
+DEVICE_BLOCKS = 32
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def make_kv(seed: int = 0) -> list[torch.Tensor]:
+    """Three layers of mixed dtypes; a block is 2*4*8*(2+4+2) = 512 bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(DEVICE_BLOCKS, 2, 4, 8)] * 3
+    dtypes = [torch.float16, torch.float32, torch.bfloat16]
+    return [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes, strict=True)]
+
+
+def rows(kv: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [layer[ids].clone() for layer in kv]
+
+
+def assert_rows(kv: list[torch.Tensor], ids: list[int], expected: list[torch.Tensor]) -> None:
+    for layer, want in zip(kv, expected, strict=True):
+        assert torch.equal(layer[ids], want)
+
+
+def wipe(kv: list[torch.Tensor], ids: list[int]) -> None:
+    for layer in kv:
+        layer[ids] = 0
+
+
+class GatedMemoryTier(MemoryTier):
+    """A memory tier whose jobs can be held at a gate and that counts its jobs."""
+
+    def __init__(self, view: memoryview, block_bytes: int, **kwargs) -> None:
+        super().__init__(view, block_bytes, **kwargs)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.loads: list[list[bytes]] = []
+        self.stores: list[list[bytes]] = []
+        self.fail_loads = False
+
+    async def _do_store(self, job: JobMetadata) -> JobResult:
+        self.stores.append(list(job.keys))
+        await self.gate.wait()
+        return await super()._do_store(job)
+
+    async def _do_load(self, job: JobMetadata) -> JobResult:
+        self.loads.append(list(job.keys))
+        await self.gate.wait()
+        if self.fail_loads:
+            raise OSError("injected tier fault")
+        return await super()._do_load(job)
+
+
+def gated(**kwargs) -> tuple[Callable[[memoryview, int], GatedMemoryTier], list[GatedMemoryTier]]:
+    made: list[GatedMemoryTier] = []
+
+    def factory(view: memoryview, block_bytes: int) -> GatedMemoryTier:
+        made.append(GatedMemoryTier(view, block_bytes, **kwargs))
+        return made[-1]
+
+    return factory, made
+
+
+async def settle(engine: TieringEngine) -> None:
+    """Wait until every job task of the engine has ended."""
+    for _ in range(1000):
+        if not engine._tasks:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("engine jobs did not settle")
+
+
+def assert_no_leaks(engine: TieringEngine) -> None:
+    assert engine.manager.num_pinned == 0
+    assert engine.manager.num_in_flight == 0
+    assert not engine._fills
+    assert not engine._planner._waiters
+
+
+# ------------------------------------------------------------------ round trips
+
+
+async def test_store_then_load_from_cpu_is_byte_exact() -> None:
+    kv = make_kv()
+    async with TieringEngine(kv, 8) as engine:
+        expected = rows(kv, [0, 1, 2])
+        result = await engine.store([h(1), h(2), h(3)], [0, 1, 2])
+        assert result.success
+        assert engine.lookup([h(1), h(2), h(3), h(4)]) == 3
+        result = await engine.load([h(1), h(2), h(3)], [10, 11, 12])
+        assert result.success
+        assert_rows(kv, [10, 11, 12], expected)
+        assert_no_leaks(engine)
+
+
+async def test_round_trip_through_the_memory_tier_after_cpu_eviction() -> None:
+    kv = make_kv(1)
+    async with TieringEngine(kv, 4, secondary_tiers=[{"type": "memory"}]) as engine:
+        expected = rows(kv, [0, 1, 2, 3])
+        job = engine.store([h(i) for i in range(4)], [0, 1, 2, 3])
+        assert (await job).success and await job.cascaded
+        # Four other blocks push the first four out of the 4-slot CPU tier.
+        other = engine.store([h(i) for i in range(10, 14)], [4, 5, 6, 7])
+        assert (await other).success
+        assert engine.manager.lookup([h(0)]) == 0
+        assert engine.lookup([h(i) for i in range(4)]) == 4
+        wipe(kv, [0, 1, 2, 3])
+        result = await engine.load([h(i) for i in range(4)], [20, 21, 22, 23])
+        assert result.success
+        assert_rows(kv, [20, 21, 22, 23], expected)
+        assert engine.stats["promoted_blocks"] == 4
+        assert engine.manager.lookup([h(i) for i in range(4)]) == 4  # promoted into CPU
+        await settle(engine)
+        assert_no_leaks(engine)
+
+
+async def test_write_through_cascades_every_stored_block() -> None:
+    kv = make_kv()
+    factory, made = gated()
+    async with TieringEngine(kv, 8, secondary_tiers=[factory]) as engine:
+        job = engine.store([h(1), h(2)], [0, 1])
+        await job
+        assert await job.cascaded
+        assert made[0].lookup(h(1)) and made[0].lookup(h(2))
+        await settle(engine)
+        assert_no_leaks(engine)
+
+
+async def test_write_back_cascades_only_on_eviction_and_data_survives() -> None:
+    kv = make_kv(2)
+    factory, made = gated()
+    async with TieringEngine(kv, 2, secondary_tiers=[factory], write_policy="write_back") as engine:
+        expected = rows(kv, [0, 1])
+        job = engine.store([h(1), h(2)], [0, 1])
+        assert (await job).success and await job.cascaded
+        assert not made[0].lookup(h(1)), "write-back must not cascade at store time"
+        assert (await engine.store([h(3), h(4)], [2, 3])).success  # evicts h1, h2
+        assert made[0].lookup(h(1)) and made[0].lookup(h(2))
+        assert engine.stats["written_back_blocks"] == 2
+        wipe(kv, [0, 1])
+        assert (await engine.load([h(1), h(2)], [5, 6])).success
+        assert_rows(kv, [5, 6], expected)
+        await settle(engine)
+        assert_no_leaks(engine)
+
+
+async def test_concurrent_loads_promote_a_block_once() -> None:
+    kv = make_kv(3)
+    factory, made = gated()
+    async with TieringEngine(kv, 2, secondary_tiers=[factory]) as engine:
+        expected = rows(kv, [0])
+        job = engine.store([h(1)], [0])
+        await job
+        await job.cascaded
+        await engine.store([h(2), h(3)], [1, 2])  # evict h1 from CPU
+        made[0].gate.clear()
+        first = engine.load([h(1)], [10])
+        second = engine.load([h(1)], [11])
+        await asyncio.sleep(0.01)
+        made[0].gate.set()
+        assert (await first).success and (await second).success
+        assert made[0].loads == [[h(1)]]
+        assert_rows(kv, [10], expected)
+        assert_rows(kv, [11], expected)
+        await settle(engine)
+        assert_no_leaks(engine)
+
+
+async def test_a_load_waits_for_a_store_in_flight_of_the_same_block() -> None:
+    kv = make_kv(4)
+    async with TieringEngine(kv, 4) as engine:
+        expected = rows(kv, [3])
+        store = engine.store([h(1)], [3])
+        load = engine.load([h(1)], [9])  # the block is not ready yet
+        assert (await store).success
+        assert (await load).success
+        assert_rows(kv, [9], expected)
+        assert_no_leaks(engine)
+
+
+# ------------------------------------------------------------------ cancellation
+
+
+@pytest.mark.parametrize("ticks", [0, 1, 2, 3, 5, 8])
+async def test_cancelling_an_awaiter_leaks_no_pin_or_slot(ticks: int) -> None:
+    kv = make_kv(5)
+    async with TieringEngine(kv, 3, secondary_tiers=[{"type": "memory"}]) as engine:
+        expected = rows(kv, [0, 1])
+        job = engine.store([h(1), h(2)], [0, 1])
+        await job
+        await job.cascaded
+        await engine.store([h(3), h(4), h(5)], [2, 3, 4])  # h1, h2 now only in memory tier
+
+        job = engine.load([h(1), h(2)], [20, 21])
+        task = asyncio.create_task(_await(job))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await settle(engine)
+        assert_no_leaks(engine)
+        # The job itself ran to completion: the bytes landed.
+        assert_rows(kv, [20, 21], expected)
+        results = engine.get_finished()
+        assert results[-1].success
+
+
+async def test_cancelling_a_store_awaiter_still_completes_the_store() -> None:
+    kv = make_kv(6)
+    async with TieringEngine(kv, 4) as engine:
+        expected = rows(kv, [1])
+        job = engine.store([h(2)], [1])
+        waiter = asyncio.create_task(_await(job))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await settle(engine)
+        assert job.done() and job.result().success
+        wipe(kv, [1])
+        assert (await engine.load([h(2)], [7])).success
+        assert_rows(kv, [7], expected)
+        assert_no_leaks(engine)
+
+
+async def _await(job) -> JobResult:
+    return await job
+
+
+# -------------------------------------------------------------------- faults
+
+
+async def test_a_tier_that_raises_fails_that_load_only() -> None:
+    kv = make_kv(7)
+    factory, made = gated()
+    async with TieringEngine(kv, 2, secondary_tiers=[factory]) as engine:
+        job = engine.store([h(1)], [0])
+        await job
+        await job.cascaded
+        await engine.store([h(2), h(3)], [1, 2])
+        made[0].fail_loads = True
+        result = await engine.load([h(1)], [10])
+        assert not result.success and result.failed_keys == (h(1),)
+        assert "could not be read" in result.error
+        await settle(engine)
+        assert_no_leaks(engine)
+        assert engine.manager.lookup([h(1)]) == 0  # the failed promotion left nothing behind
+        made[0].fail_loads = False
+        assert (await engine.load([h(1)], [11])).success
+        assert (await engine.store([h(9)], [5])).success
+
+
+async def test_a_full_tier_inbox_is_back_pressure_not_failure() -> None:
+    kv = make_kv(8)
+    factory, made = gated(inbox_size=1, max_inflight=1)
+    async with TieringEngine(kv, 16, secondary_tiers=[factory]) as engine:
+        made[0].gate.clear()
+        jobs = [engine.store([h(i)], [i]) for i in range(6)]
+        for job in jobs:
+            assert (await job).success
+        await asyncio.sleep(0.01)
+        made[0].gate.set()
+        assert all([await job.cascaded for job in jobs])
+        assert all(made[0].lookup(h(i)) for i in range(6))
+
+
+async def test_close_with_jobs_in_flight_reports_them_failed() -> None:
+    kv = make_kv(9)
+    factory, made = gated()
+    engine = TieringEngine(kv, 2, secondary_tiers=[factory], close_timeout=0.05)
+    async with engine:
+        job = engine.store([h(1)], [0])
+        await job
+        await job.cascaded
+        await engine.store([h(2), h(3)], [1, 2])
+        made[0].gate.clear()
+        load = engine.load([h(1)], [10])
+    result = await load
+    assert not result.success
+    with pytest.raises(ClosedError):
+        engine.store([h(5)], [5])
+
+
+# -------------------------------------------------------------------- bad input
+
+
+async def test_bad_input_raises_at_the_call_and_changes_nothing() -> None:
+    kv = make_kv()
+    async with TieringEngine(kv, 4, secondary_tiers=[{"type": "memory"}]) as engine:
+        await engine.store([h(1)], [0]).cascaded
+        cases = [
+            (InvalidArgumentError, lambda: engine.store([h(2), h(3)], [1])),
+            (InvalidArgumentError, lambda: engine.store([h(2)], [DEVICE_BLOCKS])),
+            (InvalidArgumentError, lambda: engine.store(["abc"], [1])),
+            (InvalidArgumentError, lambda: engine.load([h(1)], [-1])),
+            (InvalidArgumentError, lambda: engine.load([h(1), h(1)], [2, 2])),
+            (BlockNotFoundError, lambda: engine.load([h(1), h(77)], [2, 3])),
+        ]
+        for error, call in cases:
+            with pytest.raises(error):
+                call()
+            assert len(engine.manager) == 1 and engine.manager.num_pinned == 0
+        assert engine.get_finished()[0].success  # only the first store finished
+
+
+async def test_use_after_close_raises_closed_error() -> None:
+    engine = TieringEngine(make_kv(), 4)
+    with pytest.raises(ClosedError):
+        engine.lookup([h(1)])
+    async with engine:
+        pass
+    with pytest.raises(ClosedError):
+        engine.load([h(1)], [0])
+
+
+def test_unknown_write_policy_is_rejected() -> None:
+    with pytest.raises(InvalidArgumentError, match="write_policy"):
+        TieringEngine(make_kv(), 4, write_policy="write_around")
+
+
+# ------------------------------------------------------------------ reporting
+
+
+async def test_get_finished_reports_every_job_once() -> None:
+    kv = make_kv()
+    async with TieringEngine(kv, 4) as engine:
+        a = engine.store([h(1)], [0])
+        b = engine.store([h(2)], [1])
+        await a
+        await b
+        await (load := engine.load([h(1)], [5]))
+        ids = [r.job_id for r in engine.get_finished()]
+        assert sorted(ids) == sorted([a.job_id, b.job_id, load.job_id])
+        assert engine.get_finished() == []
+
+
+async def test_events_name_the_medium_of_each_tier() -> None:
+    kv = make_kv()
+    async with TieringEngine(
+        kv, 1, secondary_tiers=[{"type": "memory"}], enable_events=True
+    ) as engine:
+        job = engine.store([h(1)], [0])
+        await job
+        await job.cascaded
+        await engine.store([h(2)], [1])
+        events = [(e.medium, e.removed, e.block_hashes) for e in engine.take_events()]
+        assert ("CPU", False, [h(1)]) in events
+        assert ("CPU", True, [h(1)]) in events
+        assert ("MEMORY", False, [h(1)]) in events
+
+
+async def test_the_seed_example_tier_works_through_the_polling_path() -> None:
+    kv = make_kv()
+    made: list[ExampleSecondaryTier] = []
+
+    def factory(view: memoryview, block_bytes: int) -> ExampleSecondaryTier:
+        made.append(ExampleSecondaryTier(view, block_bytes, simulate_async=True))
+        return made[0]
+
+    async with TieringEngine(kv, 4, secondary_tiers=[factory]) as engine:
+        job = engine.store([h(1), h(2)], [0, 1])
+        await job
+        assert await job.cascaded
+        assert made[0].lookup(h(1)) and made[0].get_num_blocks() == 2

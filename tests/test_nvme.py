@@ -1,0 +1,948 @@
+"""Tests of backends.nvme: the NVMe tier through its actor API, on real files."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.faults import FaultInjector
+from backends.nvme import NVMeTier, _InflightBytes
+from backends.nvme_files import OsCalls
+from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
+from tiering.actor import TierActor
+from tiering.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    TieringError,
+    UnknownPolicyError,
+)
+from tiering.host_pool import HostPool
+from tiering.registry import make_tier
+from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+
+BLOCK = 16 << 10
+FILE = HEADER_BYTES + BLOCK
+SLOTS = 16
+NAMESPACE = "model=tiny;dtype=bf16;block=16x2x64;layout=v1"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def pool() -> Iterator[memoryview]:
+    buffer = mmap.mmap(-1, BLOCK * SLOTS)  # page-aligned, like the host pool
+    view = memoryview(buffer)
+    view[:] = os.urandom(BLOCK * SLOTS)
+    yield view
+    view.release()
+    buffer.close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeTier:
+    options: dict[str, Any] = {
+        "root": root,
+        "namespace": NAMESPACE,
+        "capacity_bytes": 64 * FILE,
+        "min_free_bytes": 0,
+    }
+    options.update(kwargs)
+    return NVMeTier(pool, BLOCK, **options)
+
+
+@pytest.fixture
+async def tier(pool: memoryview, tmp_path: Path) -> AsyncIterator[NVMeTier]:
+    async with _tier(pool, tmp_path) as running:
+        yield running
+
+
+_job_ids = iter(range(1, 1 << 30))
+
+
+async def _store(tier: NVMeTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+    job = JobMetadata(next(_job_ids), list(keys), list(slots))
+    tier.submit_store(job)
+    return await tier.result(job.job_id)
+
+
+async def _load(tier: NVMeTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+    job = JobMetadata(next(_job_ids), list(keys), list(slots))
+    tier.submit_load(job)
+    return await tier.result(job.job_id)
+
+
+def _slot(pool: memoryview, i: int) -> bytes:
+    return bytes(pool[i * BLOCK : (i + 1) * BLOCK])
+
+
+def _keys(n: int, tag: str = "k") -> list[bytes]:
+    return [f"{tag}-{i}".encode() + os.urandom(16) for i in range(n)]
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def _block_files(tier: NVMeTier) -> list[str]:
+    return sorted(
+        name
+        for sub in os.listdir(tier.directory)
+        if len(sub) == 2
+        for name in os.listdir(os.path.join(tier.directory, sub))
+    )
+
+
+# -- the basic contract ------------------------------------------------------------------
+
+
+async def test_store_then_load_is_byte_exact(tier: NVMeTier, pool: memoryview) -> None:
+    keys = _keys(4)
+    expected = [_slot(pool, i) for i in range(4)]
+    assert (await _store(tier, keys, range(4))).success
+    assert all(tier.lookup(k) for k in keys)
+    result = await _load(tier, keys, range(8, 12))
+    assert result == JobResult(result.job_id, True)
+    assert [_slot(pool, i) for i in range(8, 12)] == expected
+    assert tier.metrics.stored_blocks == 4 and tier.metrics.loaded_blocks == 4
+    assert tier.get_num_blocks() == 4 and tier.used_bytes == 4 * FILE
+
+
+async def test_lookup_is_none_while_a_store_is_queued(tier: NVMeTier) -> None:
+    key = b"pending"
+    tier.submit_store(JobMetadata(next(_job_ids), [key], [0]))
+    assert tier.lookup(key) is None
+    assert tier.lookup(b"other") is False
+
+
+async def test_lookup_rejects_a_non_bytes_key(tier: NVMeTier) -> None:
+    with pytest.raises(InvalidArgumentError, match="bytes"):
+        tier.lookup("text")  # type: ignore[arg-type]
+
+
+async def test_load_of_unknown_keys_is_partial(tier: NVMeTier, pool: memoryview) -> None:
+    (known,) = _keys(1)
+    await _store(tier, [known], [0])
+    expected = _slot(pool, 0)
+    result = await _load(tier, [b"unknown", known], [1, 2])
+    assert not result.success and result.failed_keys == (b"unknown",)
+    assert _slot(pool, 2) == expected
+
+
+async def test_one_key_loaded_into_two_slots_lands_in_both(
+    tier: NVMeTier, pool: memoryview
+) -> None:
+    await _store(tier, [b"twice"], [0])
+    expected = _slot(pool, 0)
+    assert (await _load(tier, [b"twice", b"twice"], [1, 2])).success
+    assert _slot(pool, 1) == _slot(pool, 2) == expected
+    assert tier.lookup(b"twice")
+
+
+async def test_storing_held_keys_again_is_a_no_op(tier: NVMeTier) -> None:
+    keys = _keys(2)
+    await _store(tier, keys, [0, 1])
+    assert (await _store(tier, [*keys, keys[0]], [2, 3, 4])).success
+    assert tier.metrics.stored_blocks == 2
+    assert len(_block_files(tier)) == 2
+
+
+async def test_key_too_long_for_the_header_fails_alone(tier: NVMeTier) -> None:
+    good, bad = b"good", b"x" * 5000
+    result = await _store(tier, [good, bad], [0, 1])
+    assert result.failed_keys == (bad,) and "key length" in (result.error or "")
+    assert tier.lookup(good)
+
+
+async def test_tier_is_registered_and_speaks_the_plain_protocol(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    tier = make_tier(
+        {
+            "type": "nvme",
+            "root": str(tmp_path),
+            "namespace": NAMESPACE,
+            "capacity_bytes": 8 * FILE,
+            "min_free_bytes": 0,
+        },
+        pool,
+        BLOCK,
+    )
+    assert isinstance(tier, NVMeTier) and isinstance(tier, SecondaryTierManager)
+    assert tier.get_tier_type() == "nvme"
+    assert isinstance(tier, TierActor)
+    await tier.start()
+    try:
+        tier.submit_store(JobMetadata(7, [b"a"], [0]))
+        await tier.result(7)
+        assert tier.get_finished() == [JobResult(7, True)]
+    finally:
+        await tier.aclose()
+
+
+async def test_works_over_a_host_pool(tmp_path: Path) -> None:
+    with HostPool(8, BLOCK, pin=False) as host:
+        host.view[:] = os.urandom(8 * BLOCK)
+        expected = bytes(host.view[:BLOCK])
+        async with _tier(host.view, tmp_path) as tier:
+            await _store(tier, [b"h"], [0])
+            assert (await _load(tier, [b"h"], [5])).success
+            assert bytes(host.view[5 * BLOCK : 6 * BLOCK]) == expected
+            assert tier.o_direct is not None
+
+
+async def test_unaligned_block_size_works_with_buffered_io(tmp_path: Path) -> None:
+    block = 1000
+    buffer = bytearray(os.urandom(block * 4))
+    view = memoryview(buffer)
+    async with NVMeTier(
+        view, block, root=tmp_path, namespace="odd", capacity_bytes=1 << 20, min_free_bytes=0
+    ) as tier:
+        await _store(tier, [b"a", b"b"], [0, 1])
+        expected = bytes(view[: 2 * block])
+        assert (await _load(tier, [b"a", b"b"], [2, 3])).success
+        assert bytes(view[2 * block :]) == expected
+
+
+# -- namespaces, restart, recovery -------------------------------------------------------
+
+
+async def test_restart_keeps_the_cache_warm(pool: memoryview, tmp_path: Path) -> None:
+    keys = _keys(5)
+    expected = [_slot(pool, i) for i in range(5)]
+    async with _tier(pool, tmp_path) as first:
+        await _store(first, keys, range(5))
+    async with _tier(pool, tmp_path) as second:
+        assert second.metrics.recovered_blocks == 5
+        assert all(second.lookup(k) for k in keys)
+        assert (await _load(second, keys, range(10, 15))).success
+        assert [_slot(pool, i) for i in range(10, 15)] == expected
+
+
+async def test_other_namespace_never_sees_our_blocks(pool: memoryview, tmp_path: Path) -> None:
+    key = b"shared-prefix-block"
+    async with _tier(pool, tmp_path) as ours:
+        await _store(ours, [key], [0])
+    async with _tier(pool, tmp_path, namespace=NAMESPACE + ";dtype=fp8") as theirs:
+        assert theirs.lookup(key) is False
+        assert not (await _load(theirs, [key], [1])).success
+        assert theirs.directory != ours.directory
+
+
+async def test_a_foreign_block_planted_in_our_directory_is_removed_at_start(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    key = b"planted"
+    async with _tier(pool, tmp_path, namespace="other") as other:
+        await _store(other, [key], [0])
+        source = os.path.join(other.directory, block_relpath(key))
+    ours_dir = tmp_path / namespace_dirname(NAMESPACE)
+    (ours_dir / block_relpath(key)).parent.mkdir(parents=True)
+    shutil.copy(source, ours_dir / block_relpath(key))
+    async with _tier(pool, tmp_path) as ours:
+        assert ours.lookup(key) is False
+        assert ours.metrics.removed_on_recovery["foreign"] == 1
+        assert _block_files(ours) == []
+
+
+async def test_directory_of_another_identity_is_refused(pool: memoryview, tmp_path: Path) -> None:
+    directory = tmp_path / namespace_dirname(NAMESPACE)
+    directory.mkdir()
+    (directory / "NAMESPACE").write_text('{"namespace": "somebody else"}')
+    tier = _tier(pool, tmp_path)
+    with pytest.raises(InvalidArgumentError, match="somebody else"):
+        await tier.start()
+    await tier.aclose()
+
+
+async def test_restart_with_a_smaller_cap_evicts_the_oldest(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    keys = _keys(6)
+    async with _tier(pool, tmp_path) as first:
+        for i, key in enumerate(keys):
+            await _store(first, [key], [i])
+            os.utime(os.path.join(first.directory, block_relpath(key)), (1e6 + i, 1e6 + i))
+    async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as second:
+        assert [second.lookup(k) for k in keys] == [False, False, True, True, True, True]
+        assert len(_block_files(second)) == 4
+
+
+async def test_unwritable_root_fails_start_clearly(pool: memoryview, tmp_path: Path) -> None:
+    root = tmp_path / "file-not-dir"
+    root.write_text("x")
+    tier = _tier(pool, root)
+    with pytest.raises(TieringError):
+        await tier.start()
+    await tier.aclose()
+
+
+# -- verify before serving ---------------------------------------------------------------
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x80]))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: _flip(p, HEADER_BYTES + 5),
+        lambda p: _flip(p, 60),
+        lambda p: os.truncate(p, FILE - 4096),
+    ],
+    ids=["payload-byte", "header-byte", "truncated"],
+)
+async def test_corrupt_block_is_never_served_and_becomes_a_miss(
+    tier: NVMeTier, pool: memoryview, damage: Any
+) -> None:
+    keys = _keys(3)
+    await _store(tier, keys, range(3))
+    expected = [_slot(pool, 0), _slot(pool, 2)]
+    path = os.path.join(tier.directory, block_relpath(keys[1]))
+    damage(path)
+    result = await _load(tier, keys, [4, 5, 6])
+    assert not result.success and result.failed_keys == (keys[1],)
+    assert [_slot(pool, 4), _slot(pool, 6)] == expected
+    assert tier.metrics.corrupt_blocks == 1
+    assert tier.lookup(keys[1]) is False
+    assert not _exists(path)
+    again = await _load(tier, [keys[1]], [7])
+    assert again.error and "not in the nvme tier" in again.error
+    assert tier.metrics.corrupt_blocks == 1
+
+
+async def test_short_read_is_never_served(pool: memoryview, tmp_path: Path) -> None:
+    faults = FaultInjector()
+    async with _tier(pool, tmp_path, os_calls=faults) as tier:
+        (key,) = _keys(1)
+        await _store(tier, [key], [0])
+        faults.short_read(max_bytes=FILE - 4096, path=key.hex())  # aligned: O_DIRECT
+        result = await _load(tier, [key], [1])
+        assert result.failed_keys == (key,) and "short read" in (result.error or "")
+        assert tier.lookup(key) is False
+
+
+async def test_read_eio_fails_that_job_only(pool: memoryview, tmp_path: Path) -> None:
+    faults = FaultInjector()
+    async with _tier(pool, tmp_path, os_calls=faults) as tier:
+        keys = _keys(2)
+        await _store(tier, keys, [0, 1])
+        expected = _slot(pool, 1)
+        faults.fail("preadv", errno.EIO, path=keys[0].hex())
+        first = await _load(tier, [keys[0]], [2])
+        second = await _load(tier, [keys[1]], [3])
+        assert not first.success and "EIO" in (first.error or "")
+        assert second.success and _slot(pool, 3) == expected
+        assert tier.metrics.read_errors == 1
+
+
+async def test_write_eio_fails_that_job_only(pool: memoryview, tmp_path: Path) -> None:
+    faults = FaultInjector()
+    async with _tier(pool, tmp_path, os_calls=faults) as tier:
+        bad, good = _keys(2)
+        faults.fail("pwritev", errno.EIO, path=bad.hex())
+        assert not (await _store(tier, [bad], [0])).success
+        assert (await _store(tier, [good], [1])).success
+        assert not tier.read_only
+        assert tier.lookup(bad) is False and tier.lookup(good) is True
+
+
+# -- capacity ----------------------------------------------------------------------------
+
+
+async def test_byte_cap_evicts_least_recently_used(pool: memoryview, tmp_path: Path) -> None:
+    keys = _keys(6)
+    async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as tier:
+        await _store(tier, keys[:4], range(4))
+        tier.touch([keys[0]])
+        await _store(tier, keys[4:], [4, 5])
+        assert [tier.lookup(k) for k in keys] == [True, False, False, True, True, True]
+        assert tier.metrics.evicted_blocks == 2
+        assert len(_block_files(tier)) == 4
+
+
+async def test_policy_is_chosen_by_name(pool: memoryview, tmp_path: Path) -> None:
+    async with _tier(pool, tmp_path, capacity_bytes=2 * FILE, policy="s3fifo") as tier:
+        keys = _keys(3)
+        for i, key in enumerate(keys):
+            await _store(tier, [key], [i])
+        assert tier.get_num_blocks() == 2
+
+
+async def test_store_larger_than_the_cap_stores_what_fits(pool: memoryview, tmp_path: Path) -> None:
+    async with _tier(pool, tmp_path, capacity_bytes=3 * FILE) as tier:
+        keys = _keys(5)
+        result = await _store(tier, keys, range(5))
+        assert result.failed_keys == tuple(keys[3:])
+        assert "capacity" in (result.error or "")
+        assert tier.get_num_blocks() == 3
+
+
+async def test_free_space_floor_evicts_before_the_cap_is_reached(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    clock = FakeClock()
+    options = {"os_calls": faults, "clock": clock, "min_free_bytes": 10 * FILE}
+    async with _tier(pool, tmp_path, **options) as tier:
+        keys = _keys(4)
+        await _store(tier, keys[:2], [0, 1])
+        faults.report_free_bytes(11 * FILE)  # room for one more above the floor
+        clock.now += 1  # the figure measured by the last job is now stale
+        assert (await _store(tier, keys[2:], [2, 3])).success
+        assert tier.metrics.evicted_blocks == 1
+        assert [tier.lookup(k) for k in keys] == [False, True, True, True]
+
+
+async def test_free_space_floor_refuses_what_eviction_cannot_cover(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    faults.report_free_bytes(11 * FILE)
+    async with _tier(pool, tmp_path, os_calls=faults, min_free_bytes=10 * FILE) as tier:
+        keys = _keys(2)
+        result = await _store(tier, keys, [0, 1])
+        assert result.failed_keys == (keys[1],)
+        assert "free space would fall below" in (result.error or "")
+        assert tier.lookup(keys[0]) and tier.metrics.refused_blocks == 1
+
+
+async def test_crossed_floor_evicts_to_restore_it(pool: memoryview, tmp_path: Path) -> None:
+    faults = FaultInjector()
+    clock = FakeClock()
+    options = {"os_calls": faults, "clock": clock, "min_free_bytes": 10 * FILE}
+    async with _tier(pool, tmp_path, **options) as tier:
+        keys = _keys(4)
+        await _store(tier, keys[:3], range(3))
+        faults.report_free_bytes(9 * FILE)  # one file below the floor
+        clock.now += 1
+        result = await _store(tier, keys[3:], [3])
+        assert result.success
+        assert tier.metrics.evicted_blocks == 2  # one for the floor, one for the new block
+        assert [tier.lookup(k) for k in keys] == [False, False, True, True]
+
+
+class GatedReads(OsCalls):
+    """Real calls, but reads wait for ``gate`` once ``armed``; ``entered`` is set inside."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self.armed:
+            self.entered.set()
+            self.gate.wait(10)
+        return super().preadv(fd, buffers, offset)
+
+
+async def _until(flag: threading.Event) -> None:
+    assert await asyncio.to_thread(flag.wait, 10)
+
+
+async def test_blocks_being_read_are_never_evicted(pool: memoryview, tmp_path: Path) -> None:
+    gated = GatedReads()
+    async with _tier(pool, tmp_path, os_calls=gated, capacity_bytes=2 * FILE) as tier:
+        oldest, newer, incoming = _keys(3)
+        await _store(tier, [oldest, newer], [0, 1])
+        expected = _slot(pool, 0)
+        gated.armed = True
+        load = JobMetadata(next(_job_ids), [oldest], [5])
+        tier.submit_load(load)
+        await _until(gated.entered)
+        stored = await _store(tier, [incoming], [2])  # LRU would pick `oldest`
+        gated.gate.set()
+        assert (await tier.result(load.job_id)).success
+        assert stored.success
+        assert tier.lookup(oldest) and not tier.lookup(newer)
+        assert _slot(pool, 5) == expected
+
+
+async def test_store_fails_when_every_block_is_being_read(pool: memoryview, tmp_path: Path) -> None:
+    gated = GatedReads()
+    async with _tier(pool, tmp_path, os_calls=gated, capacity_bytes=1 * FILE) as tier:
+        held, incoming = _keys(2)
+        await _store(tier, [held], [0])
+        gated.armed = True
+        load = JobMetadata(next(_job_ids), [held], [5])
+        tier.submit_load(load)
+        await _until(gated.entered)
+        stored = await _store(tier, [incoming], [1])
+        gated.gate.set()
+        assert (await tier.result(load.job_id)).success
+        assert stored.failed_keys == (incoming,)
+        assert "being read" in (stored.error or "")
+
+
+# -- disk full ---------------------------------------------------------------------------
+
+
+async def test_enospc_makes_stores_read_only_until_space_returns(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    clock = FakeClock()
+    async with _tier(pool, tmp_path, os_calls=faults, clock=clock, enospc_retry_s=5) as tier:
+        stored, blocked, later = _keys(3)
+        await _store(tier, [stored], [0])
+        expected = _slot(pool, 0)
+        full = faults.fail("pwritev", errno.ENOSPC)
+        assert not (await _store(tier, [blocked], [1])).success
+        assert tier.read_only and tier.metrics.disk_full_events == 1
+
+        opens = faults.calls["open"]
+        refused = await _store(tier, [blocked], [1])
+        assert "read-only" in (refused.error or "")
+        assert faults.calls["open"] == opens  # refused without touching the disk
+
+        assert (await _load(tier, [stored], [2])).success  # loads go on
+        assert _slot(pool, 2) == expected
+
+        faults.remove(full)
+        clock.now += 5
+        assert (await _store(tier, [later], [3])).success
+        assert not tier.read_only
+        assert (await _store(tier, [blocked], [1])).success
+
+
+async def test_enospc_probe_that_fails_again_stays_read_only(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    clock = FakeClock()
+    async with _tier(pool, tmp_path, os_calls=faults, clock=clock, enospc_retry_s=5) as tier:
+        faults.fail("pwritev", errno.ENOSPC)
+        await _store(tier, [b"a"], [0])
+        clock.now += 5
+        writes = faults.calls["pwritev"]
+        assert not (await _store(tier, [b"b"], [1])).success
+        assert faults.calls["pwritev"] == writes + 1  # the probe really tried
+        assert tier.read_only and tier.metrics.disk_full_events == 1
+
+
+def _mount_tmpfs(target: Path, size: str) -> str | None:
+    """Mount a small tmpfs; returns why not when that is not permitted here."""
+    if not sys.platform.startswith("linux"):
+        return "tmpfs mounts need Linux"
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run mount: {exc}"
+    return None if done.returncode == 0 else f"mount refused: {done.stderr.strip()}"
+
+
+async def test_real_full_file_system_turns_read_only_and_recovers(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    root = tmp_path / "small"
+    root.mkdir()
+    reason = _mount_tmpfs(root, "1m")
+    if reason is not None:
+        pytest.skip(f"no small real file system for ENOSPC: {reason}")
+    try:
+        clock = FakeClock()
+        async with _tier(pool, root, clock=clock, enospc_retry_s=1) as tier:
+            filler = root / "filler"
+            room = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+            filler.write_bytes(bytes(room - 3 * FILE - FILE // 2))
+            keys = _keys(6)
+            result = await _store(tier, keys, range(6))
+            assert 1 <= tier.get_num_blocks() <= 3
+            assert tier.read_only and not result.success
+            held = [k for k in keys if tier.lookup(k)]
+            assert (await _load(tier, held, range(8, 8 + len(held)))).success
+            filler.unlink()
+            clock.now += 1
+            missing = [k for k in keys if not tier.lookup(k)]
+            assert (await _store(tier, missing, range(6, 6 + len(missing)))).success
+            assert not tier.read_only and tier.get_num_blocks() == 6
+    finally:
+        _umount(root)
+
+
+def _umount(target: Path) -> None:
+    subprocess.run(["umount", "-l", str(target)], check=False, timeout=10)
+
+
+# -- two engines, crashes ----------------------------------------------------------------
+
+
+class GatedWrites(OsCalls):
+    """Real calls, but the first write of an armed key writes half its bytes, then waits."""
+
+    def __init__(self, key_hex: str) -> None:
+        self.key_hex = key_hex
+        self.paths: dict[int, str] = {}
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        self.paths[fd] = path
+        return fd
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self.key_hex in self.paths.get(fd, "") and not self.entered.is_set():
+            written = super().pwritev(fd, [buffers[0]], offset)
+            self.entered.set()
+            self.gate.wait(10)
+            return written
+        return super().pwritev(fd, buffers, offset)
+
+
+async def test_two_engines_on_one_root_never_corrupt_each_other(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    (slow_key,) = _keys(1, "slow")
+    gated = GatedWrites(slow_key.hex())
+    async with _tier(pool, tmp_path, os_calls=gated) as first:
+        write = JobMetadata(next(_job_ids), [slow_key], [0])
+        first.submit_store(write)
+        await _until(gated.entered)  # a half-written temp file of `first` is on disk
+        async with _tier(pool, tmp_path) as second:
+            assert second.metrics.removed_on_recovery["temporary"] == 0
+            shared = _keys(3, "shared")
+            both = await asyncio.gather(
+                _store(second, shared, [1, 2, 3]), _store(first, shared, [1, 2, 3])
+            )
+            assert all(r.success for r in both)
+            gated.gate.set()
+            assert (await first.result(write.job_id)).success
+            expected = [_slot(pool, i) for i in range(4)]
+            assert (await _load(second, shared, [5, 6, 7])).success
+            assert (await _load(first, [slow_key, *shared], [8, 9, 10, 11])).success
+            assert [_slot(pool, i) for i in (8, 9, 10, 11)] == expected
+            assert [_slot(pool, i) for i in (5, 6, 7)] == expected[1:]
+
+
+_CRASHING_WRITER = textwrap.dedent(
+    """
+    import asyncio, mmap, os, sys
+    from backends.nvme import NVMeTier
+    from backends.nvme_files import OsCalls
+    from tiering.secondary import JobMetadata
+
+    BLOCK = int(sys.argv[2])
+
+    class HangMidWrite(OsCalls):
+        armed = False
+        def pwritev(self, fd, buffers, offset):
+            if self.armed:  # the header page only: a torn file, aligned for O_DIRECT
+                done = super().pwritev(fd, [buffers[0]], offset)
+                print("MID-WRITE", flush=True)
+                import time; time.sleep(60)
+                return done
+            return super().pwritev(fd, buffers, offset)
+
+    async def main():
+        buffer = mmap.mmap(-1, BLOCK * 4)
+        for i in range(4):
+            buffer[i * BLOCK:(i + 1) * BLOCK] = bytes([i + 1]) * BLOCK
+        calls = HangMidWrite()
+        tier = NVMeTier(memoryview(buffer), BLOCK, root=sys.argv[1], namespace="crash",
+                        capacity_bytes=1 << 24, min_free_bytes=0, fsync="none",
+                        os_calls=calls)
+        await tier.start()
+        tier.submit_store(JobMetadata(1, [b"done-1", b"done-2"], [0, 1]))
+        assert (await tier.result(1)).success
+        calls.armed = True
+        tier.submit_store(JobMetadata(2, [b"torn-1", b"torn-2"], [2, 3]))
+        await tier.result(2)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _start_crashing_writer(root: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_WRITER, str(root), str(BLOCK)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+async def test_kill_9_mid_write_loses_only_the_blocks_in_flight(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    child = _start_crashing_writer(tmp_path)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)  # type: ignore[union-attr]
+        assert line.strip() == b"MID-WRITE", child.stderr.read() if child.stderr else line  # type: ignore[union-attr]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()
+        child.stderr.close()
+    directory = tmp_path / namespace_dirname("crash")
+    assert list(directory.glob("*/*.tmp")), "the child should have died mid-write"
+    async with NVMeTier(
+        pool, BLOCK, root=tmp_path, namespace="crash", capacity_bytes=1 << 24, min_free_bytes=0
+    ) as tier:
+        assert tier.lookup(b"done-1") and tier.lookup(b"done-2")
+        assert not tier.lookup(b"torn-1") and not tier.lookup(b"torn-2")
+        assert tier.metrics.removed_on_recovery["temporary"] == 1
+        assert not list(directory.glob("*/*.tmp"))
+        assert (await _load(tier, [b"done-1", b"done-2"], [0, 1])).success
+        assert _slot(pool, 0) == b"\x01" * BLOCK and _slot(pool, 1) == b"\x02" * BLOCK
+
+
+async def test_torn_final_file_from_a_power_loss_is_removed_at_start(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    keys = _keys(2)
+    async with _tier(pool, tmp_path) as first:
+        await _store(first, keys, [0, 1])
+        torn = os.path.join(first.directory, block_relpath(keys[0]))
+    os.truncate(torn, HEADER_BYTES + 100)
+    async with _tier(pool, tmp_path) as second:
+        assert second.lookup(keys[0]) is False and second.lookup(keys[1])
+        assert second.metrics.removed_on_recovery["torn"] == 1
+
+
+# -- clear, close, options ---------------------------------------------------------------
+
+
+async def test_clear_drops_everything_and_close_removes_the_files(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with _tier(pool, tmp_path) as tier:
+        keys = _keys(3)
+        await _store(tier, keys, range(3))
+        tier.clear()
+        assert tier.get_num_blocks() == 0 and not any(tier.lookup(k) for k in keys)
+        assert not (await _load(tier, keys[:1], [5])).success
+    assert _block_files(tier) == []
+    assert os.listdir(os.path.join(tier.directory, "owners")) == []
+
+
+async def test_clear_then_store_again_keeps_the_new_block(tier: NVMeTier, pool: memoryview) -> None:
+    (key,) = _keys(1)
+    await _store(tier, [key], [0])
+    tier.clear()
+    await _store(tier, [key], [1])
+    await _store(tier, [b"other"], [2])  # purges the trash in its hop
+    expected = _slot(pool, 1)
+    assert (await _load(tier, [key], [3])).success
+    assert _slot(pool, 3) == expected
+
+
+async def test_clear_while_a_store_runs_keeps_its_keys_out(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    (key,) = _keys(1)
+    gated = GatedWrites(key.hex())
+    async with _tier(pool, tmp_path, os_calls=gated) as tier:
+        job = JobMetadata(next(_job_ids), [key], [0])
+        tier.submit_store(job)
+        await _until(gated.entered)
+        tier.clear()
+        gated.gate.set()
+        await tier.result(job.job_id)
+        assert tier.lookup(key) is False and tier.get_num_blocks() == 0
+    assert _block_files(tier) == []
+
+
+async def test_concurrent_starts_open_the_directory_once(pool: memoryview, tmp_path: Path) -> None:
+    tier = _tier(pool, tmp_path)
+    await asyncio.gather(tier.start(), tier.start())
+    try:
+        assert len(os.listdir(os.path.join(tier.directory, "owners"))) == 1
+    finally:
+        await tier.aclose()
+
+
+class CountingHops(NVMeTier):
+    hops = 0
+
+    async def run_blocking(self, fn: Any, /, *args: Any) -> Any:
+        self.hops += 1
+        return await super().run_blocking(fn, *args)
+
+
+async def test_each_job_is_one_executor_hop(pool: memoryview, tmp_path: Path) -> None:
+    tier = CountingHops(
+        pool,
+        BLOCK,
+        root=tmp_path,
+        namespace=NAMESPACE,
+        capacity_bytes=64 * FILE,
+        min_free_bytes=0,
+        clock=FakeClock(),
+    )
+    async with tier:
+        keys = _keys(8)
+        before = tier.hops
+        assert (await _store(tier, keys, range(8))).success
+        assert (await _load(tier, keys, range(8, 16))).success
+        assert tier.hops - before == 2
+
+
+async def test_closed_tier_refuses_jobs(pool: memoryview, tmp_path: Path) -> None:
+    tier = _tier(pool, tmp_path)
+    await tier.start()
+    await tier.aclose()
+    with pytest.raises(ClosedError):
+        tier.submit_store(JobMetadata(1, [b"a"], [0]))
+    with pytest.raises(ClosedError):
+        await tier.start()
+
+
+async def test_shutdown_releases_the_owner_lock(pool: memoryview, tmp_path: Path) -> None:
+    tier = _tier(pool, tmp_path)
+    await tier.start()
+    tier.shutdown()
+    tier.shutdown()
+    assert os.listdir(os.path.join(tier.directory, "owners")) == []
+
+
+async def test_o_direct_refusal_falls_back_with_one_log_line(
+    pool: memoryview, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    faults = FaultInjector()
+    faults.fail("open", errno.EINVAL, path="odirect-probe")
+    with caplog.at_level(logging.WARNING, logger="backends.nvme"):
+        async with _tier(pool, tmp_path, os_calls=faults) as tier:
+            assert tier.o_direct is False
+            await _store(tier, [b"a"], [0])
+            assert (await _load(tier, [b"a"], [1])).success
+    lines = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert len(lines) == 1 and "buffered" in lines[0].getMessage()
+
+
+async def test_required_o_direct_that_is_refused_fails_start(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    faults.fail("open", errno.EINVAL, path="odirect-probe")
+    tier = _tier(pool, tmp_path, os_calls=faults, o_direct=True)
+    with pytest.raises(InvalidArgumentError, match="o_direct=True"):
+        await tier.start()
+    await tier.aclose()
+    assert os.listdir(os.path.join(tier.directory, "owners")) == []
+
+
+class RecordingOpens(OsCalls):
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        self.paths.append(path)
+        return super().open(path, flags, mode)
+
+
+async def test_o_direct_false_is_never_probed(pool: memoryview, tmp_path: Path) -> None:
+    recording = RecordingOpens()
+    async with _tier(pool, tmp_path, os_calls=recording, o_direct=False) as tier:
+        await _store(tier, [b"a"], [0])
+        assert tier.o_direct is False
+    assert recording.paths and not any("odirect-probe" in p for p in recording.paths)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"namespace": ""}, "namespace"),
+        ({"capacity_bytes": FILE - 1}, "capacity_bytes"),
+        ({"min_free_bytes": -1}, "min_free_bytes"),
+        ({"fsync": "sometimes"}, "fsync"),
+        ({"o_direct": "yes"}, "o_direct"),
+        ({"max_inflight_bytes": 0}, "max_inflight_bytes"),
+        ({"enospc_retry_s": -1}, "enospc_retry_s"),
+        ({"io_threads": 0}, "io_threads"),
+    ],
+)
+def test_bad_options_are_refused(
+    pool: memoryview, tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        _tier(pool, tmp_path, **kwargs)
+
+
+def test_a_root_that_is_not_a_path_is_refused(pool: memoryview) -> None:
+    with pytest.raises(InvalidArgumentError, match="root must be a path"):
+        NVMeTier(pool, BLOCK, root=42, namespace="n", capacity_bytes=FILE)  # type: ignore[arg-type]
+
+
+def test_unknown_policy_is_refused(pool: memoryview, tmp_path: Path) -> None:
+    with pytest.raises(UnknownPolicyError):
+        _tier(pool, tmp_path, policy="mru")
+
+
+# -- the byte budget ---------------------------------------------------------------------
+
+
+async def test_byte_budget_admits_waiting_loads_before_stores() -> None:
+    budget = _InflightBytes(100)
+    await budget.acquire(100, is_load=False)
+    order: list[str] = []
+
+    async def take(name: str, is_load: bool) -> None:
+        await budget.acquire(60, is_load=is_load)
+        order.append(name)
+
+    store = asyncio.create_task(take("store", False))
+    await asyncio.sleep(0)
+    load = asyncio.create_task(take("load", True))
+    await asyncio.sleep(0)
+    budget.release(100)
+    await load
+    assert order == ["load"] and not store.done()
+    budget.release(60)
+    await store
+    assert order == ["load", "store"] and budget.used == 60
+
+
+async def test_byte_budget_lets_an_oversized_job_run_alone() -> None:
+    budget = _InflightBytes(10)
+    await budget.acquire(1000, is_load=True)
+    assert budget.used == 1000
+    budget.release(1000)
+    assert budget.used == 0
+
+
+async def test_cancelled_budget_waiter_gives_its_place_back() -> None:
+    budget = _InflightBytes(10)
+    await budget.acquire(10, is_load=False)
+    waiter = asyncio.create_task(budget.acquire(10, is_load=True))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    budget.release(10)
+    assert budget.used == 0
+    await budget.acquire(10, is_load=False)
+    assert budget.used == 10

@@ -1,0 +1,154 @@
+"""Tier registry: names, mappings, factories, entry points and lazy imports."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from backends.example import ExampleSecondaryTier
+from backends.memory import MemoryTier
+from tiering import registry
+from tiering.errors import InvalidArgumentError, UnknownTierError
+from tiering.registry import make_tier, register_tier, tier_names, unregister_tier
+from tiering.secondary import SecondaryTierManager
+
+BLOCK = 32
+
+
+@pytest.fixture
+def view() -> memoryview:
+    return memoryview(bytearray(4 * BLOCK))
+
+
+@pytest.fixture
+def clean_registrations() -> Iterator[None]:
+    yield
+    for name in ("custom", "memory", "broken"):
+        with contextlib.suppress(UnknownTierError):
+            unregister_tier(name)
+
+
+def test_built_in_names_are_listed() -> None:
+    assert {"example", "memory", "nvme"} <= set(tier_names())
+
+
+def test_a_name_builds_the_built_in_tier(view: memoryview) -> None:
+    tier = make_tier("example", view, BLOCK)
+    assert isinstance(tier, ExampleSecondaryTier)
+    assert tier.block_bytes == BLOCK and tier.num_primary_slots == 4
+
+
+def test_a_mapping_passes_its_options_to_the_constructor(view: memoryview) -> None:
+    tier = make_tier({"type": "memory", "max_blocks": 7, "max_inflight": 2}, view, BLOCK)
+    assert isinstance(tier, MemoryTier)
+    assert (tier.max_blocks, tier.max_inflight) == (7, 2)
+    tier.shutdown()
+
+
+def test_a_callable_spec_is_called_with_the_view_and_block_size(view: memoryview) -> None:
+    seen: list[tuple[memoryview, int]] = []
+
+    def factory(primary_kv_view: memoryview, block_bytes: int) -> SecondaryTierManager:
+        seen.append((primary_kv_view, block_bytes))
+        return ExampleSecondaryTier(primary_kv_view, block_bytes, max_blocks=3)
+
+    tier = make_tier(factory, view, BLOCK)
+    assert isinstance(tier, ExampleSecondaryTier) and tier.max_blocks == 3
+    assert seen == [(view, BLOCK)]
+
+
+def test_unknown_name_raises_listing_the_known_names(view: memoryview) -> None:
+    with pytest.raises(UnknownTierError, match="unknown tier 'tape'") as info:
+        make_tier("tape", view, BLOCK)
+    assert "'memory'" in str(info.value) and "'example'" in str(info.value)
+
+
+def test_unexpected_option_raises_naming_the_tier(view: memoryview) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"tier 'memory'.*colour"):
+        make_tier({"type": "memory", "colour": "blue"}, view, BLOCK)
+
+
+def test_option_rejected_by_the_tier_raises_naming_the_tier(view: memoryview) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"tier 'memory'.*max_blocks"):
+        make_tier({"type": "memory", "max_blocks": -5}, view, BLOCK)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"max_blocks": 3}, {"type": 5}, {"type": "example", 1: 2}, 42],
+)
+def test_malformed_spec_raises_invalid_argument(view: memoryview, spec: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        make_tier(spec, view, BLOCK)  # type: ignore[arg-type]
+
+
+def test_factory_returning_a_non_tier_is_rejected(view: memoryview) -> None:
+    with pytest.raises(InvalidArgumentError, match="not a SecondaryTierManager"):
+        make_tier(lambda v, b: object(), view, BLOCK)  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.usefixtures("clean_registrations")
+def test_registered_factory_is_buildable_and_listed(view: memoryview) -> None:
+    def custom(primary_kv_view: memoryview, block_bytes: int, *, size: int) -> SecondaryTierManager:
+        return ExampleSecondaryTier(primary_kv_view, block_bytes, max_blocks=size)
+
+    register_tier("custom", custom)
+    assert "custom" in tier_names()
+    tier = make_tier({"type": "custom", "size": 9}, view, BLOCK)
+    assert isinstance(tier, ExampleSecondaryTier) and tier.max_blocks == 9
+
+
+@pytest.mark.usefixtures("clean_registrations")
+def test_registration_overrides_a_built_in_until_unregistered(view: memoryview) -> None:
+    register_tier("memory", lambda v, b: ExampleSecondaryTier(v, b))
+    assert isinstance(make_tier("memory", view, BLOCK), ExampleSecondaryTier)
+    unregister_tier("memory")
+    tier = make_tier("memory", view, BLOCK)
+    assert isinstance(tier, MemoryTier)
+    tier.shutdown()
+
+
+def test_register_rejects_bad_arguments() -> None:
+    with pytest.raises(InvalidArgumentError, match="non-empty str"):
+        register_tier("", ExampleSecondaryTier)
+    with pytest.raises(InvalidArgumentError, match="not callable"):
+        register_tier("broken", 3)  # type: ignore[arg-type]
+    assert "broken" not in tier_names()
+    with pytest.raises(UnknownTierError):
+        unregister_tier("never-registered")
+
+
+def test_entry_points_of_the_group_are_buildable(
+    view: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin = EntryPoint(
+        name="plugin",
+        value="backends.example:ExampleSecondaryTier",
+        group=registry.ENTRY_POINT_GROUP,
+    )
+    monkeypatch.setattr(registry, "_entry_points", lambda: (plugin,))
+    assert "plugin" in tier_names()
+    tier = make_tier({"type": "plugin", "max_blocks": 2}, view, BLOCK)
+    assert isinstance(tier, ExampleSecondaryTier) and tier.max_blocks == 2
+
+
+def test_a_built_in_whose_module_is_missing_raises_unknown_tier(
+    view: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(registry._BUILTINS, "ghost", "backends.no_such_module:Ghost")
+    with pytest.raises(UnknownTierError, match=r"'ghost'.*cannot be imported"):
+        make_tier("ghost", view, BLOCK)
+
+
+def test_importing_tiering_imports_no_backend() -> None:
+    code = (
+        "import sys, tiering, tiering.registry, tiering.actor; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'backends'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
