@@ -35,18 +35,15 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.nvme import NVMeTier
 from backends.nvme_files import probe_o_direct
 from tiering.host_pool import HostPool
+from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -63,7 +60,7 @@ def parse_size(text: str) -> int:
 @dataclass
 class Phase:
     seconds: float
-    lags: list[float]
+    lag_p99_ms: float
 
 
 @dataclass
@@ -169,23 +166,11 @@ def python_baseline(
 # -- the tier -----------------------------------------------------------------------------
 
 
-async def _tick(lags: list[float], stop: asyncio.Event) -> None:
-    interval = 0.001
-    last = time.perf_counter()
-    while not stop.is_set():
-        await asyncio.sleep(interval)
-        now = time.perf_counter()
-        lags.append(max(0.0, now - last - interval))
-        last = now
-
-
 async def _drive(
     tier: NVMeTier, batches: list[list[bytes]], windows: int, job_blocks: int, *, load: bool
 ) -> Phase:
     """Run one job per batch; each job owns one of ``windows`` disjoint slot ranges until
     its result arrives, so no two jobs in flight ever touch the same slot."""
-    lags: list[float] = []
-    stop = asyncio.Event()
     free: asyncio.Queue[int] = asyncio.Queue()
     for window in range(windows):
         free.put_nowait(window * job_blocks)
@@ -195,8 +180,7 @@ async def _drive(
         results.append(await tier.result(job_id))
         free.put_nowait(base)
 
-    async with asyncio.TaskGroup() as group:
-        group.create_task(_tick(lags, stop))
+    async with LoopLagMonitor() as lag:
         start = time.perf_counter()
         async with asyncio.TaskGroup() as jobs:
             for job_id, keys in enumerate(batches, 1):
@@ -206,16 +190,10 @@ async def _drive(
                 jobs.create_task(finish(job_id, base))
         seconds = time.perf_counter() - start
         tier.get_finished()
-        stop.set()
     failed = [r for r in results if not r.success]
     if failed:
         raise SystemExit(f"{len(failed)} {'load' if load else 'store'} jobs failed: {failed[0]}")
-    return Phase(seconds, lags)
-
-
-def _p99_ms(lags: list[float]) -> float:
-    ordered = sorted(lags)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3 if ordered else 0.0
+    return Phase(seconds, lag.p99_ms)
 
 
 async def bench_tier(
@@ -260,7 +238,7 @@ async def bench_tier(
     return TierFigures(
         store_GBps=total / store.seconds / 1e9,
         load_GBps=total / load.seconds / 1e9,
-        loop_lag_p99_ms=max(_p99_ms(store.lags), _p99_ms(load.lags)),
+        loop_lag_p99_ms=max(store.lag_p99_ms, load.lag_p99_ms),
         cold_load=cold,
         o_direct=o_direct,
     )

@@ -30,6 +30,7 @@ from typing import Self, TypeVar
 
 from tiering.errors import ClosedError, InvalidArgumentError, TierBusyError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, SecondaryTierManager
+from tiering.workers import init_io_worker
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,9 @@ class TierActor(SecondaryTierManager):
         # put_* callers waiting for inbox room; woken (all) whenever room may have appeared.
         self._room_waiters: list[asyncio.Future[None]] = []
         self._executor = ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix=f"{type(self).__name__}-io"
+            max_workers=io_threads,
+            thread_name_prefix=f"{type(self).__name__}-io",
+            initializer=init_io_worker,
         )
 
         self._jobs: dict[int, _Job] = {}  # admitted, no result yet

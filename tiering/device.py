@@ -37,6 +37,7 @@ import torch
 
 from tiering.errors import ClosedError, InvalidArgumentError, TransferError
 from tiering.host_pool import HostPool
+from tiering.workers import init_io_worker
 
 DEFAULT_STAGING_BYTES = 64 << 20
 """Default size of one staging buffer; a job bigger than this is copied in chunks."""
@@ -109,6 +110,23 @@ def plan_copy(
 
 
 # --------------------------------------------------------------------------- layout
+
+
+def _copy_runs_directly(
+    direction: _Direction,
+    columns: tuple[tuple[torch.Tensor, int, int], ...],
+    host: torch.Tensor,
+    index: torch.Tensor,
+    runs: tuple[SlotRun, ...],
+) -> None:
+    for run in runs:
+        ids = index[run.first_row : run.first_row + run.length]
+        slots = host[run.first_slot : run.first_slot + run.length]
+        for layer, offset, width in columns:
+            if direction is _Direction.TO_HOST:
+                torch.index_select(layer, 0, ids, out=slots[:, offset : offset + width])
+            else:
+                layer.index_copy_(0, ids, slots[:, offset : offset + width])
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,7 +476,9 @@ class DeviceCopier:
             self._task_group.create_task(self._poll_events(), name="DeviceCopier.poller")
         else:
             self._executor = ThreadPoolExecutor(
-                max_workers=self._max_workers, thread_name_prefix="device-copy"
+                max_workers=self._max_workers,
+                thread_name_prefix="device-copy",
+                initializer=init_io_worker,
             )
         return self
 
@@ -560,8 +580,13 @@ class DeviceCopier:
         layout, host = self._layout, self._host
         columns = tuple(zip(layout.layers, layout.offsets, layout.widths, strict=True))
         for chunk in chunks:
-            rows = staging.rows(len(chunk.device_ids))
             index = self._index_tensor(chunk.device_ids)
+            if not self._is_cuda:
+                # In host memory, gather and scatter straight between the layers and the
+                # slot rows: one pass over the bytes, where staging would take two.
+                _copy_runs_directly(direction, columns, host, index, chunk.runs)
+                continue
+            rows = staging.rows(len(chunk.device_ids))
             if direction is _Direction.TO_HOST:
                 for layer, offset, width in columns:
                     torch.index_select(layer, 0, index, out=rows[:, offset : offset + width])

@@ -1,0 +1,84 @@
+"""Event-loop health: how late the loop wakes a periodic ticker.
+
+A coroutine that sleeps ``interval`` and wakes ``interval + lag`` later measures
+``lag``: the time something held the loop thread (a copy, a checksum, a blocking
+call). The engine's promise is that its own work never adds more than a few ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import TracebackType
+from typing import Self
+
+from tiering.errors import InvalidArgumentError
+
+
+class LoopLagMonitor:
+    """Samples event-loop lag every ``interval`` seconds while entered.
+
+    Use as ``async with LoopLagMonitor() as lag: ...`` and read ``lag.p99_ms`` (or
+    ``percentile_ms``) afterwards or during. The ticker task lives exactly as long as
+    the ``async with`` block.
+
+    Raises:
+        InvalidArgumentError: ``interval`` is not a positive number.
+    """
+
+    def __init__(self, interval: float = 0.001) -> None:
+        if not isinstance(interval, int | float) or interval <= 0:
+            raise InvalidArgumentError(f"interval must be a positive number, got {interval!r}")
+        self.interval = float(interval)
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._tick(), name="loop-lag-monitor")
+        await asyncio.sleep(0)  # let the ticker take its first timestamp
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                # Re-raise only if our own caller is being cancelled, not the ticker.
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+            self._task = None
+
+    async def _tick(self) -> None:
+        interval = self.interval
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.perf_counter()
+            self.samples.append(max(0.0, now - last - interval))
+            last = now
+
+    def percentile_ms(self, q: float) -> float:
+        """The ``q``-th percentile (0..100) of the lag samples in ms; 0.0 without samples."""
+        if not 0 <= q <= 100:
+            raise InvalidArgumentError(f"percentile must lie in [0, 100], got {q!r}")
+        if not self.samples:
+            return 0.0
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))] * 1e3
+
+    @property
+    def p99_ms(self) -> float:
+        """The 99th percentile lag in ms."""
+        return self.percentile_ms(99)
+
+    @property
+    def max_ms(self) -> float:
+        """The largest lag seen, in ms."""
+        return max(self.samples, default=0.0) * 1e3
