@@ -384,3 +384,85 @@ async def test_the_seed_example_tier_works_through_the_polling_path() -> None:
         await job
         assert await job.cascaded
         assert made[0].lookup(h(1)) and made[0].get_num_blocks() == 2
+
+
+# ------------------------------------------------------------ with the NVMe tier
+
+
+def nvme_spec(root) -> dict:
+    return {"type": "nvme", "root": str(root), "capacity_bytes": 64 << 20, "min_free_bytes": 0}
+
+
+async def store_and_evict(engine: TieringEngine, keys: list[bytes], ids: list[int]) -> None:
+    job = engine.store(keys, ids)
+    assert (await job).success and await job.cascaded
+    filler = [h(1000 + i) for i in range(engine.manager.num_blocks)]
+    job = engine.store(filler, list(range(len(filler))))
+    assert (await job).success and await job.cascaded
+    assert engine.manager.lookup(keys) == 0
+
+
+async def test_round_trip_through_nvme_after_cpu_eviction_is_byte_exact(tmp_path) -> None:
+    kv = make_kv(10)
+    expected = rows(kv, [20, 21, 22])
+    async with TieringEngine(kv, 4, secondary_tiers=[nvme_spec(tmp_path)]) as engine:
+        await store_and_evict(engine, [h(1), h(2), h(3)], [20, 21, 22])
+        wipe(kv, [20, 21, 22])
+        assert engine.lookup([h(1), h(2), h(3)]) == 3
+        result = await engine.load([h(1), h(2), h(3)], [25, 26, 27])
+        assert result.success
+        assert_rows(kv, [25, 26, 27], expected)
+        await settle(engine)
+        assert_no_leaks(engine)
+
+
+async def test_a_restarted_engine_finds_its_nvme_blocks(tmp_path) -> None:
+    kv = make_kv(11)
+    expected = rows(kv, [3, 4])
+    spec = nvme_spec(tmp_path)
+    async with TieringEngine(kv, 4, secondary_tiers=[spec], cache_identity="model-a") as engine:
+        job = engine.store([h(1), h(2)], [3, 4])
+        assert (await job).success and await job.cascaded
+    wipe(kv, [3, 4])
+    async with TieringEngine(kv, 4, secondary_tiers=[spec], cache_identity="model-a") as engine:
+        assert engine.lookup([h(1), h(2)]) == 2
+        assert (await engine.load([h(1), h(2)], [8, 9])).success
+        assert_rows(kv, [8, 9], expected)
+
+
+async def test_another_model_never_sees_the_blocks(tmp_path) -> None:
+    kv = make_kv(12)
+    spec = nvme_spec(tmp_path)
+    async with TieringEngine(kv, 4, secondary_tiers=[spec], cache_identity="model-a") as engine:
+        await engine.store([h(1)], [0]).cascaded
+    async with TieringEngine(kv, 4, secondary_tiers=[spec], cache_identity="model-b") as engine:
+        assert engine.lookup([h(1)]) == 0
+        with pytest.raises(BlockNotFoundError):
+            engine.load([h(1)], [5])
+
+
+async def test_a_corrupted_nvme_block_is_a_failed_key_never_served(tmp_path) -> None:
+    kv = make_kv(13)
+    async with TieringEngine(kv, 4, secondary_tiers=[nvme_spec(tmp_path)]) as engine:
+        await store_and_evict(engine, [h(1), h(2)], [0, 1])
+        files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size > 4096)
+        assert files, "the NVMe tier wrote no block files"
+        for path in files:  # flip one payload byte of every block file
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+        before = rows(kv, [10, 11])
+        result = await engine.load([h(1), h(2)], [10, 11])
+        assert not result.success and set(result.failed_keys) == {h(1), h(2)}
+        assert_rows(kv, [10, 11], before)  # nothing was written to the device
+        assert engine.lookup([h(1)]) == 0  # a miss from now on, not an endless retry
+        await settle(engine)
+        assert_no_leaks(engine)
+
+
+def test_the_namespace_covers_identity_and_layout() -> None:
+    a = TieringEngine(make_kv(), 4, cache_identity="m")
+    b = TieringEngine(make_kv(), 4, cache_identity="n")
+    c = TieringEngine(make_kv(), 4, cache_identity="m", block_size=32)
+    assert len({a.namespace, b.namespace, c.namespace}) == 3
+    assert '"float16"' in a.namespace

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import (
     Awaitable,
@@ -119,6 +120,11 @@ class TieringEngine:
             secondary tier) or ``"write_back"`` (a block cascades when evicted from CPU).
         block_size: tokens per block (reported in events).
         enable_events: collect :class:`OffloadingEvent` records for ``take_events``.
+        cache_identity: what the KV bytes mean beyond their layout, typically the model
+            id and revision (and e.g. the tensor-parallel rank). With the KV layout it
+            forms ``engine.namespace``, which persistent tiers that take a ``namespace``
+            (NVMe) receive unless their spec sets one: a different model or layout can
+            then never read this engine's blocks.
         tier_timeout: seconds to wait for a result from a tier that is not a
             :class:`TierActor` (such a tier may drop a job silently).
         room_timeout: seconds a store or load waits for CPU slots to free up when every
@@ -141,6 +147,7 @@ class TieringEngine:
         write_policy: WritePolicy = "write_through",
         block_size: int = 16,
         enable_events: bool = False,
+        cache_identity: str | Mapping[str, Any] = "",
         tier_timeout: float = 30.0,
         room_timeout: float = 5.0,
         close_timeout: float = 10.0,
@@ -150,6 +157,7 @@ class TieringEngine:
                 f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
             )
         self.block_bytes = kv_block_bytes(kv_caches)
+        self.namespace = cache_namespace(cache_identity, kv_caches, block_size)
         self.manager = CPUOffloadingManager(
             num_cpu_blocks, block_size=block_size, policy=policy, enable_events=enable_events
         )
@@ -199,7 +207,9 @@ class TieringEngine:
             stack.callback(pool.close)
             self._copier = await stack.enter_async_context(DeviceCopier(self._kv_caches, pool))
             for spec in self._tier_specs:
-                tier = make_tier(spec, pool.view, self.block_bytes)
+                tier = make_tier(
+                    spec, pool.view, self.block_bytes, defaults={"namespace": self.namespace}
+                )
                 stack.callback(tier.shutdown)
                 if isinstance(tier, TierActor):
                     await tier.start()
@@ -674,7 +684,36 @@ class TieringEngine:
             logger.exception("engine task failed")
 
 
-def device_of(kv_caches: KVCaches) -> torch.device:
-    """The device the KV cache lives on."""
-    first = kv_caches if isinstance(kv_caches, torch.Tensor) else kv_caches[0]
-    return first.device
+NAMESPACE_FORMAT = 1
+"""Bumped when the meaning of the bytes of a stored block changes."""
+
+
+def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
+    """A canonical string naming what a stored block's bytes mean.
+
+    It covers ``identity`` (the model and whatever else the caller says), the block
+    size in tokens, and every layer's dtype and per-block shape, so two engines share
+    blocks only if all of these agree.
+
+    Raises:
+        InvalidArgumentError: ``identity`` is not a string or a JSON-encodable mapping.
+    """
+    tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
+    layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]
+    if not isinstance(identity, str | Mapping):
+        raise InvalidArgumentError(
+            f"cache_identity must be a string or a mapping, got {type(identity).__name__}"
+        )
+    try:
+        return json.dumps(
+            {
+                "identity": identity,
+                "block_size": block_size,
+                "layout": layout,
+                "format": NAMESPACE_FORMAT,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"cache_identity is not JSON-encodable: {exc}") from exc

@@ -62,12 +62,18 @@ def tier_names() -> list[str]:
 
 
 def make_tier(
-    spec: TierSpec, primary_kv_view: memoryview, block_bytes: int
+    spec: TierSpec,
+    primary_kv_view: memoryview,
+    block_bytes: int,
+    *,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SecondaryTierManager:
     """Build a secondary tier over the host pool from a name, a mapping or a factory.
 
     ``spec`` is a tier name, a mapping ``{"type": name, **kwargs}`` (kwargs go to the
     tier's constructor), or a callable ``factory(primary_kv_view, block_bytes)``.
+    ``defaults`` are keyword arguments a named tier receives when its constructor
+    accepts them and the spec does not set them (the engine passes ``namespace``).
 
     Raises:
         UnknownTierError: no tier is known by that name (the message lists the known
@@ -89,6 +95,8 @@ def make_tier(
             "tier spec must be a name, a mapping with a 'type' key, or a factory; "
             f"got {type(spec).__name__}"
         )
+    if defaults and not callable(spec):
+        kwargs = {**_accepted(factory, defaults), **kwargs}
     _check_signature(name, factory, primary_kv_view, block_bytes, kwargs)
     try:
         tier = factory(primary_kv_view, block_bytes, **kwargs)
@@ -138,6 +146,15 @@ def _resolve(name: str) -> TierFactory:
                 )
             return loaded  # type: ignore[no-any-return]
     raise UnknownTierError(f"unknown tier {name!r}; known tiers: {tier_names()}")
+
+
+def _accepted(factory: TierFactory, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options ``factory`` names as keyword parameters."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in options.items() if k in parameters}
 
 
 def _check_signature(
