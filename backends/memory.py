@@ -25,6 +25,7 @@ from tiering.actor import ACTOR_OPTIONS, TierActor
 from tiering.errors import InvalidArgumentError
 from tiering.policies.lru import LRUPolicy
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
+from tiering.validation import positive_int
 
 
 class MemoryTier(TierActor):
@@ -55,8 +56,7 @@ class MemoryTier(TierActor):
         **actor_kwargs: int,
     ) -> None:
         """Raises: InvalidArgumentError for a bad view, size, ``max_blocks`` or actor option."""
-        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks <= 0:
-            raise InvalidArgumentError(f"max_blocks must be a positive int, got {max_blocks!r}")
+        positive_int("max_blocks", max_blocks)
         unknown = sorted(set(actor_kwargs) - ACTOR_OPTIONS)
         if unknown:
             raise InvalidArgumentError(

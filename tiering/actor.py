@@ -30,6 +30,7 @@ from typing import Self, TypeVar
 
 from tiering.errors import ClosedError, InvalidArgumentError, TierBusyError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, SecondaryTierManager
+from tiering.validation import positive_int
 from tiering.workers import init_io_worker
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,6 @@ class _Job:
     @property
     def kind(self) -> str:
         return "load" if self.is_load else "store"
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class TierActor(SecondaryTierManager):
@@ -116,9 +111,9 @@ class TierActor(SecondaryTierManager):
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
-        self.inbox_size = _positive_int("inbox_size", inbox_size)
-        self.max_inflight = _positive_int("max_inflight", max_inflight)
-        self.io_threads = _positive_int("io_threads", io_threads)
+        self.inbox_size = positive_int("inbox_size", inbox_size)
+        self.max_inflight = positive_int("max_inflight", max_inflight)
+        self.io_threads = positive_int("io_threads", io_threads)
 
         self._state = _State.NEW
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -37,6 +37,7 @@ import torch
 
 from tiering.errors import ClosedError, InvalidArgumentError, TransferError
 from tiering.host_pool import HostPool
+from tiering.validation import positive_int
 from tiering.workers import init_io_worker
 
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -387,9 +388,8 @@ class DeviceCopier:
             raise InvalidArgumentError(f"host_pool must be a HostPool, got {host_pool!r}")
         if host_pool.closed:
             raise InvalidArgumentError("host_pool is closed")
-        for name, value in (("staging_bytes", staging_bytes), ("max_workers", max_workers)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        positive_int("staging_bytes", staging_bytes)
+        positive_int("max_workers", max_workers)
         layout = _describe_kv_caches(kv_caches)
         if layout.block_bytes != host_pool.block_bytes:
             raise InvalidArgumentError(

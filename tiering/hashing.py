@@ -17,6 +17,7 @@ import numpy as np
 
 from tiering.abstract import BlockHash
 from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int
 
 HASH_BYTES = 32
 _BLOCK_PERSON = b"kvtier.block.v1"
@@ -90,8 +91,7 @@ def block_hashes(
     Raises:
         InvalidArgumentError: bad block size, tokens, parent or namespace.
     """
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+    positive_int("block_size", block_size)
     if parent is not None and not isinstance(parent, bytes):
         raise InvalidArgumentError(f"parent must be bytes, got {type(parent).__name__}")
     data = _token_bytes(token_ids).tobytes()

@@ -35,24 +35,13 @@ from typing import Any, Self
 import torch
 
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
+from tiering.validation import positive_int
 
 PAGE_SIZE: int = mmap.PAGESIZE
 """The alignment of the pool's buffer (the OS page size, at least 4096 on supported systems)."""
 
 _HUGE_PAGE_BYTES = 2 << 20
 _CUDA_HOST_REGISTER_PORTABLE = 1
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}") from None
-    if number <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {number}")
-    return number
 
 
 def _cuda_host_register(address: int, nbytes: int) -> None:
@@ -92,8 +81,8 @@ class HostPool:
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:
-        self._num_blocks = _positive_int("num_blocks", num_blocks)
-        self._block_bytes = _positive_int("block_bytes", block_bytes)
+        self._num_blocks = positive_int("num_blocks", num_blocks)
+        self._block_bytes = positive_int("block_bytes", block_bytes)
         if pin is None:
             pin = torch.cuda.is_available()
         elif not isinstance(pin, bool):

@@ -19,8 +19,9 @@ from tiering.abstract import (
     PrepareStoreOutput,
     as_block_hashes,
 )
-from tiering.errors import BlockNotFoundError, InvalidArgumentError, NotLoadingError
+from tiering.errors import BlockNotFoundError, NotLoadingError
 from tiering.policies import EvictionPolicy, make_policy
+from tiering.validation import positive_int
 
 _MEDIUM = "CPU"
 
@@ -45,12 +46,6 @@ class BlockState:
     ready: bool
 
 
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 class CPUOffloadingManager(OffloadingManager):
     """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots.
 
@@ -73,8 +68,8 @@ class CPUOffloadingManager(OffloadingManager):
         policy: str | EvictionPolicy = "lru",
         enable_events: bool = False,
     ) -> None:
-        self.num_blocks = _positive_int("num_blocks", num_blocks)
-        self.block_size = _positive_int("block_size", block_size)
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.block_size = positive_int("block_size", block_size)
         self.policy = make_policy(policy, num_blocks)
         self.enable_events = enable_events
         self._blocks: dict[BlockHash, _Block] = {}

@@ -15,6 +15,7 @@ from typing import Any
 
 from tiering.abstract import BlockHash
 from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int
 
 OffloadKey = BlockHash
 ReqContext = Any
@@ -62,8 +63,7 @@ class SecondaryTierManager(ABC):
     def __init__(self, primary_kv_view: memoryview, block_bytes: int) -> None:
         if not isinstance(primary_kv_view, memoryview):
             raise InvalidArgumentError("primary_kv_view must be a memoryview of the host pool")
-        if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
-            raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        block_bytes = positive_int("block_bytes", block_bytes)
         view = primary_kv_view.cast("B") if primary_kv_view.format != "B" else primary_kv_view
         if view.nbytes % block_bytes:
             raise InvalidArgumentError(

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from tiering.abstract import BlockHash
 from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int
 
 
 class EvictionPolicy(ABC):
@@ -41,8 +42,7 @@ class EvictionPolicy(ABC):
             InvalidArgumentError: ``capacity`` is not a positive int, or the policy is
                 already bound to another capacity (one instance serves one tier).
         """
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-            raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
+        positive_int("capacity", capacity)
         if self.capacity and self.capacity != capacity:
             raise InvalidArgumentError(
                 f"{type(self).__name__} is already bound to a tier of {self.capacity} blocks"
