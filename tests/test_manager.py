@@ -87,7 +87,7 @@ def test_prepare_load_returns_slots_in_order_and_pins() -> None:
     m = stored(8, [h(1), h(2), h(3)])
     spec = m.prepare_load([h(3), h(1)])
     assert isinstance(spec, CPULoadStoreSpec) and spec.medium() == "CPU"
-    assert spec.block_ids == (m.block_state(h(3)).slot, m.block_state(h(1)).slot)
+    assert spec.block_ids == [m.block_state(h(3)).slot, m.block_state(h(1)).slot]
     assert m.block_state(h(3)).ref_count == 1 and m.num_pinned == 2
 
 
@@ -97,7 +97,7 @@ def test_prepare_load_of_a_missing_hash_raises_keyerror_naming_it() -> None:
     with pytest.raises(BlockNotFoundError) as info:
         m.prepare_load([h(1), h(7)])
     assert isinstance(info.value, KeyError) and isinstance(info.value, TieringError)
-    assert h(7).hex() in str(info.value)
+    assert h(7).hex() in str(info.value) and repr(h(7)) in str(info.value)
     assert snapshot(m) == before
 
 
@@ -152,7 +152,7 @@ def test_prepare_store_with_everything_present_returns_empty_output() -> None:
     out = m.prepare_store([h(2), h(1)])
     assert out is not None
     assert out.block_hashes_to_store == [] and out.block_hashes_evicted == []
-    assert out.store_spec.block_ids == ()
+    assert out.store_spec.block_ids == []
 
 
 def test_prepare_store_hands_out_distinct_slots_in_range() -> None:
@@ -210,7 +210,7 @@ def test_eviction_frees_the_victims_slot_for_the_new_block() -> None:
     slot_of_1 = m.block_state(h(1)).slot
     out = m.prepare_store([h(3)])
     assert out.block_hashes_evicted == [h(1)]
-    assert out.store_spec.block_ids == (slot_of_1,)
+    assert out.store_spec.block_ids == [slot_of_1]
 
 
 def test_complete_store_makes_blocks_ready() -> None:

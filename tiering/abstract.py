@@ -39,11 +39,11 @@ class LoadStoreSpec(ABC):
         """The name of the medium this spec addresses, e.g. ``"CPU"``."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CPULoadStoreSpec(LoadStoreSpec):
-    """Blocks addressed by CPU slot ids (rows of the host pool)."""
+    """Blocks addressed by CPU slot ids (rows of the host pool), in order."""
 
-    block_ids: tuple[int, ...]
+    block_ids: list[int]
 
     @staticmethod
     def medium() -> str:

@@ -163,12 +163,12 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None or not block.ready:
                 self._release(hashes[:i])
                 state = "not stored" if block is None else "still being stored"
-                raise BlockNotFoundError(f"cannot load block {h.hex()}: {state}")
+                raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): {state}")
             if block.ref == 0:
                 self._num_evictable -= 1
             block.ref += 1
             slots.append(block.slot)
-        return CPULoadStoreSpec(tuple(slots))
+        return CPULoadStoreSpec(slots)
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Remove one reader from each block.
@@ -183,7 +183,9 @@ class CPUOffloadingManager(OffloadingManager):
             block = blocks.get(h)
             if block is None or block.ref == 0:
                 self._acquire(hashes[:i])
-                raise NotLoadingError(f"complete_load of block {h.hex()}, which has no reader")
+                raise NotLoadingError(
+                    f"complete_load of block {h!r} ({h.hex()}), which has no reader"
+                )
             block.ref -= 1
             if block.ref == 0:
                 self._num_evictable += 1
@@ -261,7 +263,7 @@ class CPUOffloadingManager(OffloadingManager):
             blocks[h] = _Block(slot)
             insert(h)
             slots.append(slot)
-        return PrepareStoreOutput(to_store, CPULoadStoreSpec(tuple(slots)), evicted, evicted_slots)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted, evicted_slots)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Finish stores prepared earlier.
