@@ -474,3 +474,32 @@ def test_the_namespace_covers_identity_and_layout() -> None:
     c = TieringEngine(make_kv(), 4, cache_identity="m", block_size=32)
     assert len({a.namespace, b.namespace, c.namespace}) == 3
     assert '"float16"' in a.namespace
+
+
+async def test_close_cancels_jobs_that_started_while_closing() -> None:
+    kv = make_kv(14)
+    factory, made = gated()
+    engine = TieringEngine(kv, 1, secondary_tiers=[factory], close_timeout=0.05)
+    async with engine:
+        made[0].gate.clear()
+        first = engine.store([h(1)], [0])  # its cascade holds the only CPU slot
+        await first
+        second = engine.store([h(2)], [1])  # waits for room, then starts during the close
+    assert (await first).success
+    assert not await first.cascaded
+    assert not (await second).success
+
+
+async def test_hard_close_then_leaving_the_block_releases_everything() -> None:
+    kv = make_kv(15)
+    factory, made = gated()
+    engine = TieringEngine(kv, 2, secondary_tiers=[factory], close_timeout=0.05)
+    async with engine:
+        made[0].gate.clear()
+        job = engine.store([h(1)], [0])
+        engine.close()
+        engine.close()  # idempotent
+        with pytest.raises(ClosedError):
+            engine.store([h(2)], [1])
+    assert job.done() and not await job.cascaded
+    assert engine._pool is not None and engine._pool.closed

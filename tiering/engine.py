@@ -237,20 +237,24 @@ class TieringEngine:
         """Close gracefully: stop admitting jobs, let running ones finish within
         ``close_timeout``, cancel the rest (their results report failure), then stop the
         tiers, the copier and the host pool. Idempotent."""
-        if self._state in ("closing", "closed") or self._stack is None:
+        stack, self._stack = self._stack, None
+        if stack is None:
             self._state = "closed"
             return
         self._state = "closing"
-        jobs = [t for t in self._tasks if t.get_name() != "pump"]
-        if jobs:
-            _, pending = await asyncio.wait(jobs, timeout=self._close_timeout)
-            for task in pending:
-                task.cancel()
+        assert self._loop is not None
+        deadline = self._loop.time() + self._close_timeout
+        while True:
+            # Re-read each time: a job that waited for room may have started its copy task.
+            jobs = [t for t in self._tasks if not t.done() and t.get_name() != "pump"]
+            remaining = deadline - self._loop.time()
+            if not jobs or remaining <= 0:
+                break
+            await asyncio.wait(jobs, timeout=remaining)
         for task in self._tasks:
-            if task.get_name() == "pump":
-                task.cancel()
+            task.cancel()
         try:
-            await self._stack.aclose()
+            await stack.aclose()
         finally:
             self._state = "closed"
             self._fail_unfinished()
@@ -259,9 +263,11 @@ class TieringEngine:
         """Hard stop, synchronous and idempotent: cancel every job task and stop the tiers.
 
         Prefer ``aclose`` (or leaving the ``async with``); this is the fallback when the
-        loop cannot wait. Memory is released when the copies in flight have ended.
+        loop cannot wait. The host pool and the copier are released by the ``aclose`` that
+        leaving the ``async with`` still performs, once the copies in flight have ended.
         """
-        if self._state == "closed":
+        if self._state in ("new", "closed"):
+            self._state = "closed"
             return
         self._state = "closing"
         for task in list(self._tasks):
@@ -674,6 +680,8 @@ class TieringEngine:
         task = self._task_group.create_task(self._guarded(coro), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # A task cancelled before its first step never starts ``coro``: close it quietly.
+        task.add_done_callback(lambda _: coro.close())
 
     @staticmethod
     async def _guarded(coro: Coroutine[Any, Any, None]) -> None:
