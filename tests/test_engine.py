@@ -85,9 +85,9 @@ def gated(**kwargs) -> tuple[Callable[[memoryview, int], GatedMemoryTier], list[
 
 
 async def settle(engine: TieringEngine) -> None:
-    """Wait until every job task of the engine has ended."""
+    """Wait until every job of the engine, its cascade included, has ended."""
     for _ in range(1000):
-        if not engine._tasks:
+        if not engine._tasks and not engine._open_jobs:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("engine jobs did not settle")
@@ -147,6 +147,18 @@ async def test_write_through_cascades_every_stored_block() -> None:
         assert made[0].lookup(h(1)) and made[0].lookup(h(2))
         await settle(engine)
         assert_no_leaks(engine)
+
+
+async def test_write_through_blocks_reach_the_tier_before_they_can_be_evicted() -> None:
+    kv = make_kv(16)
+    factory, made = gated()
+    async with TieringEngine(kv, 2, secondary_tiers=[factory]) as engine:
+        first = engine.store([h(2), h(3)], [0, 1])
+        assert (await first).success  # ready in CPU; its cascade has not run yet
+        second = engine.store([h(4)], [2])  # needs a slot: must not take h2's or h3's
+        assert (await second).success
+        assert await first.cascaded and await second.cascaded
+        assert all(made[0].lookup(h(i)) for i in (2, 3, 4))
 
 
 async def test_write_back_cascades_only_on_eviction_and_data_survives() -> None:

@@ -349,10 +349,14 @@ class TieringEngine:
         assert self._copier is not None and self._loop is not None
         for h in plan.hashes:
             self._fills[h] = self._loop.create_future()
-        copy = None
-        if plan.hashes and not (self.write_policy == "write_back" and plan.evicted):
+        if not plan.hashes:
+            self._store_done(job, plan, None)
+        elif self.write_policy == "write_back" and plan.evicted:
+            self._spawn(self._run_store(job, plan))  # the victims leave before the refill
+        else:
+            # The common case needs no task: the copy's completion finishes the job.
             copy = self._copier.to_host(plan.device_ids, plan.slots)
-        self._spawn(self._run_store(job, plan, copy))
+            copy.add_done_callback(lambda done: self._store_done(job, plan, done.error))
 
     async def _store_when_room(self, job: Job, hashes: Sequence[BlockHash], ids: list[int]) -> None:
         assert self._planner is not None
@@ -363,51 +367,67 @@ class TieringEngine:
         else:
             self._start_store(job, plan)
 
-    async def _run_store(self, job: Job, plan: StorePlan, copy: CopyHandle | None) -> None:
-        assert self._copier is not None and self._planner is not None
-        ok = False
-        error = None
+    async def _run_store(self, job: Job, plan: StorePlan) -> None:
+        """A store whose slots must first be written back, then copied into."""
+        assert self._copier is not None
+        copy = None
+        error: BaseException | None = None
         try:
-            if plan.hashes:
-                if copy is None:
-                    await self._write_back(plan.evicted, plan.evicted_slots)
-                    copy = self._copier.to_host(plan.device_ids, plan.slots)
-                await copy
-                self.stats["bytes_to_host"] += len(plan.hashes) * self.block_bytes
-            ok = True
+            await self._write_back(plan.evicted, plan.evicted_slots)
+            copy = self._copier.to_host(plan.device_ids, plan.slots)
+            await copy
         except Exception as exc:  # a failed copy fails this job only
-            error = f"device to CPU copy failed: {exc!r}"
-            logger.warning("store job %d: %s", job.job_id, error)
+            error = exc
         finally:
-            ended = (plan.hashes, []) if ok else ([], plan.hashes)
-            self._after(copy, lambda: self._end_fills(*ended))
-            failed = () if ok else tuple(plan.hashes)
-            self._finish(job, JobResult(job.job_id, ok, failed, error))
-        if ok and self.write_policy == "write_through" and self.tiers and plan.hashes:
-            self._set_cascaded(job, await self._cascade(plan.hashes))
+            if copy is None or copy.done():
+                self._store_done(job, plan, error)
+            else:  # cancelled mid-copy: the slots stay filling until the copy has ended
+                copy.add_done_callback(lambda done: self._store_done(job, plan, done.error))
+
+    def _store_done(self, job: Job, plan: StorePlan, error: BaseException | None) -> None:
+        """The device -> CPU copy ended: publish the blocks, resolve the job, cascade."""
+        ok = error is None
+        if ok:
+            self._end_fills(plan.hashes, [])
+            self.stats["bytes_to_host"] += len(plan.hashes) * self.block_bytes
+            self._finish(job, JobResult(job.job_id, True))
         else:
+            reason = f"device to CPU copy failed: {error!r}"
+            logger.warning("store job %d: %s", job.job_id, reason)
+            self._end_fills([], plan.hashes)
+            self._finish(job, JobResult(job.job_id, False, tuple(plan.hashes), reason))
+        if not (ok and plan.hashes and self.tiers and self.write_policy == "write_through"):
             self._set_cascaded(job, ok)
+        elif self._state != "open":
+            self._set_cascaded(job, False)
+        else:
+            # Pin the blocks for every tier now, in the step that made them ready: no
+            # eviction may slip in before they have reached the lower tiers.
+            assert self._planner is not None
+            cascades = [
+                (t, self._planner.plan_cascade(plan.hashes, t)) for t in range(len(self.tiers))
+            ]
+            self._spawn(self._cascade_job(job, cascades))
 
-    async def _cascade(self, hashes: list[BlockHash]) -> bool:
-        """Copy ready CPU blocks to every secondary tier that lacks them; True if all did."""
-        assert self._planner is not None
-        planner = self._planner
+    async def _cascade_job(
+        self, job: Job, cascades: list[tuple[int, list[tuple[BlockHash, int]]]]
+    ) -> None:
+        try:
+            results = await asyncio.gather(*(self._cascade(t, items) for t, items in cascades))
+        finally:
+            for _, items in cascades:  # the pins drop only once no tier reads the slots
+                self._release([k for k, _ in items])
+        self._set_cascaded(job, all(results))
 
-        async def to_tier(t: int) -> bool:
-            items = planner.plan_cascade(hashes, t)
-            if not items:
-                return True
-            keys = [k for k, _ in items]
-            try:
-                result = await self._tier_job(t, "store", keys, [s for _, s in items])
-            finally:
-                self._release(keys)
-            self._record_tier_store(t, keys, result)
-            self.stats["cascaded_blocks"] += len(keys) - len(result.failed_keys)
-            return result.success
-
-        results = await asyncio.gather(*(to_tier(t) for t in range(len(self.tiers))))
-        return all(results)
+    async def _cascade(self, t: int, items: list[tuple[BlockHash, int]]) -> bool:
+        """Copy pinned, ready CPU blocks ``(hash, slot)`` to tier ``t``; True if all landed."""
+        if not items:
+            return True
+        keys = [k for k, _ in items]
+        result = await self._tier_job(t, "store", keys, [s for _, s in items])
+        self._record_tier_store(t, keys, result)
+        self.stats["cascaded_blocks"] += len(keys) - len(result.failed_keys)
+        return result.success
 
     async def _write_back(self, victims: list[BlockHash], slots: list[int]) -> None:
         """Write evicted blocks (still intact in their old slots) to the secondary tiers."""
@@ -459,7 +479,12 @@ class TieringEngine:
         return job
 
     def _start_load(self, job: Job, plan: LoadPlan) -> None:
-        assert self._loop is not None
+        assert self._loop is not None and self._copier is not None
+        if not plan.awaited and not plan.evicted:
+            # Every block is ready and pinned in CPU: no task, the copy finishes the job.
+            copy = self._copier.to_device(plan.slots, plan.device_ids)
+            copy.add_done_callback(lambda done: self._load_from_cpu_done(job, plan, done.error))
+            return
         for items in plan.promotions.values():
             for h, _ in items:
                 self._fills[h] = self._loop.create_future()
@@ -515,6 +540,7 @@ class TieringEngine:
         promoted = [h for items in plan.promotions.values() for h, _ in items]
         copy = None
         error = None
+        landed = False
         try:
             try:
                 await self._write_back(plan.evicted, plan.evicted_slots)
@@ -539,11 +565,14 @@ class TieringEngine:
                 copy = self._copier.to_device([s for s, _ in pairs], [d for _, d in pairs])
                 await copy
                 self.stats["bytes_to_device"] += len(pairs) * self.block_bytes
+            landed = True
         except Exception as exc:  # a failed copy or tier fails this job only
             error = f"load failed: {exc!r}"
             logger.warning("load job %d: %s", job.job_id, error)
-            failed.update(plan.hashes)
         finally:
+            if not landed:  # failed, or cancelled by a close: nothing is known to be there
+                failed.update(plan.hashes)
+                error = error or "the engine closed before the load finished"
             for h, fill in awaited.items():
                 if h in taken:
                     continue
@@ -558,6 +587,17 @@ class TieringEngine:
                 error = f"{len(failed_keys)} block(s) could not be read from a tier"
             self._finish(job, JobResult(job.job_id, not failed_keys, failed_keys, error))
             self._set_cascaded(job, True)
+
+    def _load_from_cpu_done(self, job: Job, plan: LoadPlan, error: BaseException | None) -> None:
+        self._release(plan.pinned)
+        if error is None:
+            self.stats["bytes_to_device"] += len(plan.hashes) * self.block_bytes
+            self._finish(job, JobResult(job.job_id, True))
+        else:
+            reason = f"load failed: {error!r}"
+            logger.warning("load job %d: %s", job.job_id, reason)
+            self._finish(job, JobResult(job.job_id, False, tuple(plan.hashes), reason))
+        self._set_cascaded(job, True)
 
     async def _promote(self, t: int, items: list[tuple[BlockHash, int]]) -> None:
         keys = [k for k, _ in items]
