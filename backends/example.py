@@ -53,7 +53,11 @@ class ExampleSecondaryTier(SecondaryTierManager):
 
     Malformed jobs (not a JobMetadata, non-bytes keys, slot ids outside the host pool)
     raise :class:`InvalidArgumentError` and change nothing.
+
+    It stores no bytes (``holds_data = False``): an engine never loads from it.
     """
+
+    holds_data = False
 
     def __init__(
         self,

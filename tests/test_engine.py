@@ -399,11 +399,16 @@ async def test_the_seed_example_tier_works_through_the_polling_path() -> None:
         made.append(ExampleSecondaryTier(view, block_bytes, simulate_async=True))
         return made[0]
 
-    async with TieringEngine(kv, 4, secondary_tiers=[factory]) as engine:
+    async with TieringEngine(kv, 2, secondary_tiers=[factory]) as engine:
         job = engine.store([h(1), h(2)], [0, 1])
         await job
         assert await job.cascaded
         assert made[0].lookup(h(1)) and made[0].get_num_blocks() == 2
+        await engine.store([h(3), h(4)], [2, 3])  # h1, h2 leave the CPU tier
+        # The example tier records presence only: loading from it would serve garbage.
+        assert engine.lookup([h(1)]) == 0
+        with pytest.raises(BlockNotFoundError):
+            engine.load([h(1)], [9])
 
 
 # ------------------------------------------------------------ with the NVMe tier

@@ -158,3 +158,11 @@ def test_a_withdrawn_waiter_gets_no_pin_when_the_fill_lands() -> None:
     p.cancel_wait(h(1))
     p.finish_fill([h(1)], [])
     assert p.manager.block_state(h(1)).ref_count == 1
+
+
+def test_a_tier_that_holds_no_bytes_is_never_a_load_source() -> None:
+    presence_only = FakeTierIndex([h(1)])
+    p = TransferPlanner(CPUOffloadingManager(4), [presence_only.lookup], servable=[False])
+    assert p.lookup([h(1)]) == 0
+    with pytest.raises(BlockNotFoundError):
+        p.plan_load([h(1)], [0])

@@ -217,7 +217,11 @@ class TieringEngine:
                 self.tiers.append(tier)
             self._task_group = await stack.enter_async_context(asyncio.TaskGroup())
             self._pool = pool
-            self._planner = TransferPlanner(self.manager, [t.lookup for t in self.tiers])
+            self._planner = TransferPlanner(
+                self.manager,
+                [t.lookup for t in self.tiers],
+                servable=[getattr(t, "holds_data", True) for t in self.tiers],
+            )
             if any(not isinstance(t, TierActor) for t in self.tiers):
                 self._foreign_wakeup = asyncio.Event()
                 self._spawn(self._pump_foreign_tiers(), name="pump")

@@ -69,9 +69,23 @@ def _check_lengths(hashes: Sequence[BlockHash], device_ids: Sequence[int]) -> li
 class TransferPlanner:
     """Plans stores, loads and cascades over one CPU tier and its secondary tiers."""
 
-    def __init__(self, manager: CPUOffloadingManager, tier_lookups: Sequence[TierLookup]) -> None:
+    def __init__(
+        self,
+        manager: CPUOffloadingManager,
+        tier_lookups: Sequence[TierLookup],
+        *,
+        servable: Sequence[bool] | None = None,
+    ) -> None:
+        """``tier_lookups[t]`` answers for secondary tier ``t``, fastest tier first.
+
+        ``servable[t]`` False marks a tier that loads must never come from (it holds no
+        bytes); it still counts for cascades. By default every tier is servable.
+        """
         self.manager = manager
         self._tier_lookups = list(tier_lookups)
+        self._servable = list(servable) if servable is not None else [True] * len(tier_lookups)
+        if len(self._servable) != len(self._tier_lookups):
+            raise InvalidArgumentError("servable needs one flag per tier lookup")
         self._waiters: Counter[BlockHash] = Counter()
 
     # ------------------------------------------------------------------ queries
@@ -88,9 +102,9 @@ class TransferPlanner:
         return n
 
     def holder(self, block_hash: BlockHash) -> int | None:
-        """Index of the first secondary tier that stores the block, or None."""
+        """Index of the first servable secondary tier that stores the block, or None."""
         for i, look in enumerate(self._tier_lookups):
-            if look(block_hash) is True:
+            if self._servable[i] and look(block_hash) is True:
                 return i
         return None
 

@@ -58,7 +58,13 @@ class SecondaryTierManager(ABC):
     Contract: ``submit_store``/``submit_load`` return at once and never do I/O on the
     caller's stack; each submitted job later yields exactly one :class:`JobResult`
     from ``get_finished()``. ``lookup`` is synchronous and cheap.
+
+    ``holds_data`` is False for a tier that only records which keys it was given (a
+    test double): the engine still cascades to it but never loads from it, since its
+    loads would leave the CPU slots unwritten.
     """
+
+    holds_data: bool = True
 
     def __init__(self, primary_kv_view: memoryview, block_bytes: int) -> None:
         if not isinstance(primary_kv_view, memoryview):
