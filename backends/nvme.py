@@ -301,25 +301,26 @@ class NVMeTier(TierActor):
                 raise
             excess = self._adopt(probe, scan, free)
             self._opened = True
-            await super().start()
             if excess:
-                await self._remove_files(excess)
+                # Before serving: a store of one of these keys must not have its new
+                # file removed by this clean-up.
+                await self.run_blocking(self._files.remove, excess)
+            await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
-        """Close as :meth:`TierActor.aclose`, then remove the files of cleared blocks
-        and release this writer's owner lock. Idempotent."""
+        """Close as :meth:`TierActor.aclose`, then remove the files of cleared blocks.
+
+        Idempotent. A hard :meth:`~TierActor.shutdown` leaves those files on disk; the
+        next start recovers them as blocks. Either way the owner lock is released as
+        the tier closes, on the loop thread.
+        """
         await super().aclose(timeout)
         trash, self._trash = list(self._trash), {}
         await self._remove_files(trash)
-        self._release_owner()
 
-    def shutdown(self) -> None:
-        """Stop at once (see :meth:`TierActor.shutdown`) and release the owner lock.
-
-        Files of cleared blocks not yet removed stay on disk and are recovered as blocks
-        by the next start.
-        """
-        super().shutdown()
+    def _on_closed(self) -> None:
+        # Here rather than in shutdown(): called from another thread, shutdown() only
+        # schedules the stop, and the lock must outlive the writes still running.
         self._release_owner()
 
     async def _prepare_directories(self) -> None:
@@ -481,7 +482,6 @@ class NVMeTier(TierActor):
         claimed = list(wanted)
         for key in claimed:
             self._busy[key] = done
-            self._trash.pop(key, None)  # the rename below replaces the old file
         generation = self._generation
         budget = len(wanted) * self.block_bytes
         admitted_count = 0
@@ -491,12 +491,14 @@ class NVMeTier(TierActor):
                 if self._free_bytes_stale(len(wanted)):
                     await self._refresh_free_bytes()
                 admitted_count, victims, limit = self._plan_room(len(wanted), set(job.keys))
+                admitted = list(wanted.items())[:admitted_count]
+                for key, _ in admitted:
+                    self._trash.pop(key, None)  # the rename below replaces the old file
                 removals = victims + list(self._trash)
                 self._trash.clear()
                 for key in removals:
                     self._busy[key] = done
                 claimed += removals
-                admitted = list(wanted.items())[:admitted_count]
                 for key in list(wanted)[admitted_count:]:
                     failed[key] = limit
                 self.metrics.refused_blocks += len(wanted) - admitted_count

@@ -401,21 +401,23 @@ class BlockFiles:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | self._direct_flag(payload)
         fd = self.os.open(temp, flags)
         try:
-            self._write_fully(fd, header, payload)
-            if self.fsync == "always":
-                self.os.fdatasync(fd)
-        except BaseException:
-            self.os.close(fd)
-            self._unlink_quietly(temp)
-            raise
-        self.os.close(fd)
-        try:
+            try:
+                self._write_fully(fd, header, payload)
+                if self.fsync == "always":
+                    self.os.fdatasync(fd)
+            finally:
+                self.os.close(fd)  # a failed close (EIO) is a failed write too
             self.os.replace(temp, final)
-            if self.fsync == "always":
-                self._fsync_dir(os.path.dirname(final))
         except BaseException:
             self._unlink_quietly(temp)
             raise
+        if self.fsync == "always":
+            try:
+                self._fsync_dir(os.path.dirname(final))
+            except BaseException:
+                # The key is reported failed, so its file must not stay behind unindexed.
+                self._unlink_quietly(final)
+                raise
 
     def _write_fully(self, fd: int, header: memoryview, payload: memoryview) -> None:
         buffers = [header, payload]

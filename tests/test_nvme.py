@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import mmap
 import os
@@ -17,11 +18,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiofiles.os
 import pytest
 
 from backends.faults import FaultInjector
 from backends.nvme import NVMeTier, _InflightBytes
-from backends.nvme_files import OsCalls
+from backends.nvme_files import OsCalls, owner_alive
 from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
 from tiering.actor import TierActor
 from tiering.errors import (
@@ -285,6 +287,43 @@ async def test_restart_with_a_smaller_cap_evicts_the_oldest(
     async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as second:
         assert [second.lookup(k) for k in keys] == [False, False, True, True, True, True]
         assert len(_block_files(second)) == 4
+
+
+async def test_blocks_over_the_cap_are_removed_before_the_tier_takes_jobs(
+    pool: memoryview, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old, new = _keys(2)
+    async with _tier(pool, tmp_path) as first:
+        for i, key in enumerate((old, new)):
+            await _store(first, [key], [i])
+            os.utime(os.path.join(first.directory, block_relpath(key)), (1e6 + i, 1e6 + i))
+    removals_may_go_on = asyncio.Event()
+    real_remove = aiofiles.os.remove
+
+    async def held_remove(path: str) -> None:
+        await removals_may_go_on.wait()
+        await real_remove(path)
+
+    monkeypatch.setattr(aiofiles.os, "remove", held_remove)
+    tier = _tier(pool, tmp_path, capacity_bytes=FILE)  # `old` is over the cap now
+    starting = asyncio.create_task(tier.start())
+    store = JobMetadata(next(_job_ids), [old], [4])
+    while True:  # store `old` again as soon as the tier takes jobs
+        try:
+            tier.submit_store(store)
+            break
+        except ClosedError:
+            await asyncio.sleep(0.001)
+    try:
+        assert (await tier.result(store.job_id)).success
+        removals_may_go_on.set()
+        await starting
+        expected = _slot(pool, 4)
+        assert (await _load(tier, [old], [5])).success
+        assert _slot(pool, 5) == expected
+    finally:
+        removals_may_go_on.set()
+        await tier.aclose()
 
 
 async def test_unwritable_root_fails_start_clearly(pool: memoryview, tmp_path: Path) -> None:
@@ -760,6 +799,19 @@ async def test_clear_then_store_again_keeps_the_new_block(tier: NVMeTier, pool: 
     assert _slot(pool, 3) == expected
 
 
+async def test_a_cleared_key_refused_for_room_still_has_its_file_removed(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    cleared = _keys(2, "cleared")
+    fresh = _keys(2, "fresh")
+    async with _tier(pool, tmp_path, capacity_bytes=2 * FILE) as tier:
+        await _store(tier, cleared, [0, 1])
+        tier.clear()
+        result = await _store(tier, [*fresh, cleared[0]], [2, 3, 0])
+        assert result.failed_keys == (cleared[0],)
+    assert _block_files(tier) == sorted(os.path.basename(tier._files.path_of(k)) for k in fresh)
+
+
 async def test_clear_while_a_store_runs_keeps_its_keys_out(
     pool: memoryview, tmp_path: Path
 ) -> None:
@@ -827,6 +879,34 @@ async def test_shutdown_releases_the_owner_lock(pool: memoryview, tmp_path: Path
     tier.shutdown()
     tier.shutdown()
     assert os.listdir(os.path.join(tier.directory, "owners")) == []
+
+
+async def test_shutdown_from_another_thread_keeps_the_owner_lock_until_the_loop_stops(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    (key,) = _keys(1)
+    gated = GatedWrites(key.hex())
+    tier = _tier(pool, tmp_path, os_calls=gated)
+    await tier.start()
+    job = JobMetadata(next(_job_ids), [key], [0])
+    tier.submit_store(job)
+    await _until(gated.entered)  # our temp file is on disk, mid-write
+    lock_held_after_call: list[bool] = []
+
+    def stop_from_another_thread() -> None:
+        tier.shutdown()
+        lock_held_after_call.append(owner_alive(tier.directory, tier._instance_id))
+
+    # Join on the loop thread, so the stop the call schedules cannot run before the check.
+    thread = threading.Thread(target=stop_from_another_thread)
+    thread.start()
+    thread.join(10)
+    gated.gate.set()
+    assert lock_held_after_call == [True]
+    assert not (await tier.result(job.job_id)).success
+    assert not owner_alive(tier.directory, tier._instance_id)
+    await asyncio.to_thread(tier._executor.shutdown, True)  # the write ends before the pool
+    gc.collect()  # the cancelled hop's frames still reference slots of the pool
 
 
 async def test_o_direct_refusal_falls_back_with_one_log_line(

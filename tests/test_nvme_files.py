@@ -324,6 +324,28 @@ def test_rename_failure_leaves_no_block_and_no_temp(tmp_path: Path, pool: memory
     assert _all_files(files) == []
 
 
+def test_failed_close_of_a_written_file_leaves_no_block_and_no_temp(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    faults = FaultInjector()
+    files = _files(tmp_path, os_calls=faults)
+    faults.fail("close", errno.EIO, path=".tmp", times=1)
+    report = files.store([(b"k", _slot(pool, 0))])
+    assert report.failed[b"k"].startswith("write failed: EIO") and not report.stored
+    assert _all_files(files) == []
+
+
+def test_failed_directory_fsync_with_always_leaves_no_untracked_block(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    faults = FaultInjector()
+    files = _files(tmp_path, os_calls=faults, fsync="always")
+    faults.fail("fsync", errno.EIO, times=1)
+    report = files.store([(b"k", _slot(pool, 0))])
+    assert report.failed[b"k"].startswith("write failed: EIO") and not report.stored
+    assert _all_files(files) == []
+
+
 @pytest.mark.parametrize(
     ("fsync", "expected"),
     [

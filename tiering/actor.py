@@ -607,6 +607,11 @@ class TierActor(SecondaryTierManager):
         self._state = _State.CLOSED
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._closed_event.set()
+        self._on_closed()
+
+    def _on_closed(self) -> None:
+        """Release what the subclass holds beyond the actor; called once as the tier
+        becomes closed, on the loop thread (or with no loop running)."""
 
     def _name(self) -> str:
         return f"{type(self).__name__}"
