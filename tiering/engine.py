@@ -339,15 +339,45 @@ class TieringEngine:
         hashes = as_block_hashes(block_hashes)
         ids = list(device_block_ids)
         self._copier.check_block_ids(ids)
-        plan = self._planner.plan_store(hashes, ids)
-        job = self._new_job("store")
-        if plan is not None:
-            self._start_store(job, plan)
+        planner = self._planner
+        return self._admit(
+            "store", hashes, lambda: planner.plan_store(hashes, ids), self._start_store
+        )
+
+    def _admit(
+        self,
+        kind: Literal["store", "load"],
+        hashes: Sequence[BlockHash],
+        plan: Callable[[], _Plan | None],
+        start: Callable[[Job, _Plan], None],
+    ) -> Job:
+        """Plan now and start, or wait for CPU room in a task; the job either way."""
+        first = plan()  # raises (changing nothing) on bad input
+        job = self._new_job(kind)
+        if first is not None:
+            start(job, first)
         elif len(set(hashes)) > self.manager.num_blocks:
-            self._fail_at_once(job, hashes, "the store is larger than the CPU tier")
+            self._fail_at_once(job, hashes, f"the {kind} is larger than the CPU tier")
         else:
-            self._spawn(self._store_when_room(job, hashes, ids))
+            self._spawn(self._start_when_room(job, hashes, plan, start))
         return job
+
+    async def _start_when_room(
+        self,
+        job: Job,
+        hashes: Sequence[BlockHash],
+        plan: Callable[[], _Plan | None],
+        start: Callable[[Job, _Plan], None],
+    ) -> None:
+        try:
+            ready = await self._when_room(plan)
+        except BlockNotFoundError as exc:  # a load's block left every tier meanwhile
+            self._fail_at_once(job, hashes, str(exc))
+            return
+        if ready is None:
+            self._fail_at_once(job, hashes, f"no CPU slot freed up within {self._room_timeout} s")
+        else:
+            start(job, ready)
 
     def _start_store(self, job: Job, plan: StorePlan) -> None:
         assert self._copier is not None and self._loop is not None
@@ -361,15 +391,6 @@ class TieringEngine:
             # The common case needs no task: the copy's completion finishes the job.
             copy = self._copier.to_host(plan.device_ids, plan.slots)
             copy.add_done_callback(lambda done: self._store_done(job, plan, done.error))
-
-    async def _store_when_room(self, job: Job, hashes: Sequence[BlockHash], ids: list[int]) -> None:
-        assert self._planner is not None
-        planner = self._planner
-        plan = await self._when_room(lambda: planner.plan_store(hashes, ids))
-        if plan is None:
-            self._fail_at_once(job, hashes, f"no CPU slot freed up within {self._room_timeout} s")
-        else:
-            self._start_store(job, plan)
 
     async def _run_store(self, job: Job, plan: StorePlan) -> None:
         """A store whose slots must first be written back, then copied into."""
@@ -472,15 +493,9 @@ class TieringEngine:
         self._copier.check_block_ids(ids)
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError("device_block_ids repeats a block; each is written once")
-        plan = self._planner.plan_load(hashes, ids)
-        job = self._new_job("load")
-        if plan is not None:
-            self._start_load(job, plan)
-        elif len(set(hashes)) > self.manager.num_blocks:
-            self._fail_at_once(job, hashes, "the load is larger than the CPU tier")
-        else:
-            self._spawn(self._load_when_room(job, hashes, ids))
-        return job
+        planner = self._planner
+        plan = lambda: planner.plan_load(hashes, ids)  # noqa: E731 -- retried when room frees
+        return self._admit("load", hashes, plan, self._start_load)
 
     def _start_load(self, job: Job, plan: LoadPlan) -> None:
         assert self._loop is not None and self._copier is not None
@@ -496,19 +511,6 @@ class TieringEngine:
         # fill can end and drop it.
         awaited = {h: self._fills[h] for h in dict.fromkeys(plan.awaited)}
         self._spawn(self._run_load(job, plan, awaited))
-
-    async def _load_when_room(self, job: Job, hashes: Sequence[BlockHash], ids: list[int]) -> None:
-        assert self._planner is not None
-        planner = self._planner
-        try:
-            plan = await self._when_room(lambda: planner.plan_load(hashes, ids))
-        except BlockNotFoundError as exc:  # left every tier while we waited
-            self._fail_at_once(job, hashes, str(exc))
-            return
-        if plan is None:
-            self._fail_at_once(job, hashes, f"no CPU slot freed up within {self._room_timeout} s")
-        else:
-            self._start_load(job, plan)
 
     async def _when_room(self, plan: Callable[[], _Plan | None]) -> _Plan | None:
         """Retry ``plan`` each time CPU slots or pins are released, until the deadline."""
