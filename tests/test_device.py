@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -435,10 +437,11 @@ async def test_leaving_the_block_waits_for_copies_in_flight() -> None:
         assert bytes(pool.slot_view(0)) == device_block(kv, 4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 async def test_a_failed_copy_raises_transfer_error_and_the_copier_keeps_working(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
-    async with opened() as (copier, kv, pool):
+    async with opened("mixed_dtypes", device) as (copier, kv, pool):
 
         def broken_gather(*args: object, **kwargs: object) -> torch.Tensor:
             raise RuntimeError("simulated gather fault")
@@ -524,3 +527,130 @@ async def test_cuda_unawaited_copies_are_completed_by_the_poller() -> None:
         await ended.wait()
         await asyncio.gather(*handles)
         assert all(h.done() for h in handles)
+
+
+@pytest.mark.cuda
+async def test_cuda_leaving_the_block_waits_for_copies_in_flight() -> None:
+    kv = make_kv("mixed_dtypes", "cuda")
+    with HostPool(NUM_SLOTS, block_bytes_of(kv)) as pool:
+        async with DeviceCopier(kv, pool) as copier:
+            torch.cuda._sleep(200_000_000)  # the copy is still queued when the block ends
+            handle = copier.to_host([4, 5], [0, 1])
+            assert not handle.done()
+        assert handle.done() and handle.error is None and copier.in_flight == 0
+        assert bytes(pool.slot_view(0)) == device_block(kv, 4)
+        assert bytes(pool.slot_view(1)) == device_block(kv, 5)
+
+
+# ------------------------------------------------------- stream path, fake CUDA primitives
+# The CUDA branch (staging buffers, fence, events, poller) driven on CPU tensors: streams
+# and events are recorders and an event fires when the test says so. The copies are real.
+
+
+@dataclass
+class _FakeCuda:
+    fired: bool = True
+    current: _FakeStream = field(default_factory=lambda: _FakeStream())
+    recorded_streams: list[tuple[torch.Tensor, _FakeStream]] = field(default_factory=list)
+
+
+class _FakeStream:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.waited: list[tuple[_FakeEvent, _FakeStream | None]] = []
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.waited.append((event, event.stream))
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeEvent:
+    cuda: _FakeCuda
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.stream: _FakeStream | None = None
+
+    def record(self, stream: _FakeStream | None = None) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.cuda.fired
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCuda:
+    cuda = _FakeCuda()
+    event_class = type("_BoundFakeEvent", (_FakeEvent,), {"cuda": cuda})
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", event_class)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cuda.current)
+    monkeypatch.setattr(
+        torch.Tensor,
+        "record_stream",
+        lambda tensor, stream: cuda.recorded_streams.append((tensor, stream)),
+    )
+    return cuda
+
+
+@asynccontextmanager
+async def stream_path_copier(
+    layout: str, staging_rows: int
+) -> AsyncIterator[tuple[DeviceCopier, torch.Tensor | list[torch.Tensor], HostPool]]:
+    kv = make_kv(layout, "cpu")
+    block_bytes = block_bytes_of(kv)
+    with HostPool(NUM_SLOTS, block_bytes) as pool:
+        copier = DeviceCopier(kv, pool, staging_bytes=staging_rows * block_bytes)
+        copier._is_cuda = True  # take the stream branch with CPU tensors
+        async with copier:
+            yield copier, kv, pool
+
+
+@pytest.mark.parametrize("staging_rows", [1, 3, 64])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+async def test_stream_path_copies_exactly_through_the_staging_buffer(
+    fake_cuda: _FakeCuda, layout: str, staging_rows: int
+) -> None:
+    async with stream_path_copier(layout, staging_rows) as (copier, kv, pool):
+        ids, slots = [11, 2, 3, 9, 0, 5, 7], [0, 9, 1, 2, 8, 4, 5]
+        await copier.to_host(ids, slots)
+        for block, slot in zip(ids, slots, strict=True):
+            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+        before = snapshot(kv)
+        for t in _layers(kv):
+            t.zero_()
+        await copier.to_device(slots, ids)
+        for t, b in zip(snapshot(kv), before, strict=True):
+            assert torch.equal(t[ids], b[ids])
+
+
+async def test_stream_path_orders_each_job_after_the_current_stream(fake_cuda: _FakeCuda) -> None:
+    async with stream_path_copier("mixed_dtypes", 4) as (copier, kv, _):
+        lanes = list(copier._lanes.values())
+        assert len({id(lane.stream) for lane in lanes}) == 2  # one stream per direction
+        for lane in lanes:  # the KV cache is marked as used on both copy streams
+            assert sum(s is lane.stream for _, s in fake_cuda.recorded_streams) == len(_layers(kv))
+        await copier.to_host([1], [1])
+        await copier.to_device([1], [2])
+        for lane in lanes:
+            [(fence, fence_stream)] = lane.stream.waited
+            assert fence is lane.fence and fence_stream is fake_cuda.current
+
+
+async def test_stream_path_handle_completes_only_once_its_event_fired(
+    fake_cuda: _FakeCuda,
+) -> None:
+    async with stream_path_copier("one_tensor", 4) as (copier, _, _):
+        fake_cuda.fired = False
+        handles = [copier.to_host([b], [b]) for b in range(3)]
+        await asyncio.sleep(0.02)  # many polls, with back-off
+        assert not any(h.done() for h in handles) and copier.in_flight == 3
+        fake_cuda.fired = True
+        await asyncio.gather(*handles)
+        assert copier.in_flight == 0
+        assert copier._events.created == 3 and copier._events.idle == 3
+        await copier.to_host([4], [4])
+        assert copier._events.created == 3  # an idle event is reused
+    assert copier._lanes == {}  # staging buffers released at exit

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from tiering.errors import ClosedError, InvalidArgumentError
+from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.host_pool import PAGE_SIZE, HostPool
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
@@ -173,6 +174,69 @@ def test_close_keeps_memory_alive_for_a_view_still_held() -> None:
     # Reading after close must see the bytes, not unmapped memory.
     assert slot.sum().item() == 7 * 4096
     assert bytes(flat) == b"\x07" * 4096
+
+
+class _FakeCudart:
+    """Records the page-locking calls HostPool makes; ``register_error`` is the code returned."""
+
+    cudaError = int
+
+    def __init__(self, register_error: int = 0) -> None:
+        self.register_error = register_error
+        self.calls: list[tuple[object, ...]] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", address, nbytes, flags))
+        return self.register_error
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        return 0
+
+    def cudaGetErrorString(self, code: int) -> str:
+        return "out of memory" if code == 2 else "unknown"
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch: pytest.MonkeyPatch) -> _FakeCudart:
+    """CUDA reported available, with the runtime calls answered by a recorder (no GPU used)."""
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    return cudart
+
+
+def test_pinning_registers_the_whole_buffer_once_and_close_unregisters_it(
+    fake_cudart: _FakeCudart,
+) -> None:
+    pool = HostPool(3, 4096)  # pin=None pins when CUDA is available
+    address = pool.address
+    assert pool.pinned
+    assert fake_cudart.calls == [("register", address, 3 * 4096, 1)]  # 1: portable
+    pool.close()
+    pool.close()
+    assert fake_cudart.calls[1:] == [("unregister", address)]
+    assert not pool.pinned
+
+
+def test_pool_dropped_without_close_is_unregistered(fake_cudart: _FakeCudart) -> None:
+    pool = HostPool(2, 4096, pin=True)
+    address = pool.address
+    del pool
+    gc.collect()
+    assert fake_cudart.calls[-1] == ("unregister", address)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_failed_page_lock_raises_tiering_error_and_unmaps_the_buffer(
+    fake_cudart: _FakeCudart,
+) -> None:
+    fake_cudart.register_error = 2
+    with pytest.raises(TieringError, match=r"cudaError 2 \(out of memory\)"):
+        HostPool(4, 2 << 20, pin=True)
+    [(_, address, nbytes, _)] = fake_cudart.calls  # registered once, never unregistered
+    gc.collect()
+    assert not _is_mapped(address, nbytes)
 
 
 @pytest.mark.cuda

@@ -603,7 +603,7 @@ class DeviceCopier:
                     layer.index_copy_(0, index, rows[:, offset : offset + width])
 
     def _index_tensor(self, device_ids: tuple[int, ...]) -> torch.Tensor:
-        if not self._is_cuda:
+        if self._layout.device.type != "cuda":
             return torch.tensor(device_ids, dtype=torch.int64)
         # Pinned so the upload is asynchronous on the copy stream; the pinned allocator
         # keeps the host block until that upload has run.
@@ -628,6 +628,11 @@ class DeviceCopier:
                     job.event = self._events.acquire()
                     job.event.record(lane.stream)
         except Exception as exc:
+            # No event marks the job's end, and copies may already be queued: wait for the
+            # lane (blocking, on this failure path only) so that the handle never ends
+            # while a queued copy can still touch the job's slots or blocks.
+            with contextlib.suppress(Exception):
+                lane.stream.synchronize()
             self._finish(job, job.error or exc)
             return
         assert self._wakeup is not None
@@ -733,3 +738,6 @@ class DeviceCopier:
             self._wakeup.set()
             # Not the body's exception: a TaskGroup would wrap it in an ExceptionGroup.
             await task_group.__aexit__(None, None, None)
+        # Every job's event has fired, so nothing queued on the lanes uses their staging
+        # buffers any more: hand the device memory back now, not when the copier is dropped.
+        self._lanes.clear()

@@ -203,7 +203,8 @@ class TieringEngine:
             raise ClosedError("a TieringEngine can be entered once")
         self._loop = asyncio.get_running_loop()
         async with contextlib.AsyncExitStack() as stack:
-            pool = HostPool(self.manager.num_blocks, self.block_bytes)
+            # Off the loop: page-locking a pool of many GiB takes seconds.
+            pool = await asyncio.to_thread(HostPool, self.manager.num_blocks, self.block_bytes)
             stack.callback(pool.close)
             self._copier = await stack.enter_async_context(DeviceCopier(self._kv_caches, pool))
             for spec in self._tier_specs:

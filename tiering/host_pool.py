@@ -45,13 +45,25 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 def _cuda_host_register(address: int, nbytes: int) -> None:
-    cudart = torch.cuda.cudart()
     try:
-        torch.cuda.check_error(
-            cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-        )
-    except Exception as exc:  # CudaError or a driver-level RuntimeError
+        cudart = torch.cuda.cudart()
+        # The binding returns a cudaError_t enum whose only named value is `success`;
+        # compare its integer value (0) rather than rebuild the enum from an unknown code.
+        code = int(cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    except Exception as exc:  # CUDA could not be initialised
         raise TieringError(f"cannot page-lock the {nbytes}-byte host pool: {exc}") from exc
+    if code != 0:
+        raise TieringError(
+            f"cannot page-lock the {nbytes}-byte host pool: cudaHostRegister returned "
+            f"cudaError {code} ({_cuda_error_text(cudart, code)})"
+        )
+
+
+def _cuda_error_text(cudart: Any, code: int) -> str:
+    try:
+        return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+    except Exception:  # an older binding or a code the enum cannot hold
+        return "no description"
 
 
 def _cuda_host_unregister(address: int) -> None:
