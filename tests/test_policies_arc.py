@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from _policy_ops import any_key as _any
+from _policy_ops import hot_hits_under_scan, operations, run_operations
+from _policy_ops import key as _key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
 from tiering.policies import ARCPolicy, make_policy
-from tiering.policies.base import EvictionPolicy
 from tiering.policies.lru import LRUPolicy
-
-
-def _key(i: int) -> bytes:
-    return b"blk-%d" % i
 
 
 def _arc(capacity: int, inserted: range = range(0)) -> ARCPolicy:
@@ -22,10 +20,6 @@ def _arc(capacity: int, inserted: range = range(0)) -> ARCPolicy:
     for i in inserted:
         policy.insert(_key(i))
     return policy
-
-
-def _any(_key: bytes) -> bool:
-    return True
 
 
 def test_make_policy_builds_arc_by_name() -> None:
@@ -197,7 +191,7 @@ def test_evict_returns_exactly_n_distinct_keys() -> None:
     assert not any(v in policy for v in victims)
 
 
-def test_evict_calls_can_evict_at_most_once_per_key() -> None:
+def test_evict_calls_can_evict_at_most_once_perkey() -> None:
     policy = _arc(6, range(6))
     policy.touch([_key(0), _key(1)])
     calls: list[bytes] = []
@@ -286,12 +280,7 @@ def test_b2_is_trimmed_when_ghosts_exceed_capacity() -> None:
 # A universe not much larger than the cache, so ghosts are hit and pins land on residents.
 _UNIVERSE = 12
 
-_OPS = st.one_of(
-    st.tuples(st.just("insert"), st.integers(0, _UNIVERSE - 1)),
-    st.tuples(st.just("touch"), st.lists(st.integers(0, _UNIVERSE - 1), max_size=4)),
-    st.tuples(st.just("remove"), st.integers(0, _UNIVERSE - 1)),
-    st.tuples(st.just("evict"), st.integers(0, 7), st.frozensets(st.integers(0, _UNIVERSE - 1))),
-)
+_OPS = operations(_UNIVERSE, max_evict=7)
 
 
 def _check_arc_invariants(policy: ARCPolicy, resident: set[bytes]) -> None:
@@ -313,69 +302,13 @@ def _check_arc_invariants(policy: ARCPolicy, resident: set[bytes]) -> None:
 def test_random_operations_keep_the_evict_contract_and_arc_invariants(
     capacity: int, ops: list[tuple]
 ) -> None:
-    policy = _arc(capacity)
-    resident: set[bytes] = set()
-    for op in ops:
-        if op[0] == "insert":
-            key = _key(op[1])
-            if key in resident or len(resident) >= capacity:
-                continue
-            policy.insert(key)
-            resident.add(key)
-        elif op[0] == "touch":
-            policy.touch([_key(i) for i in op[1]])
-        elif op[0] == "remove":
-            key = _key(op[1])
-            if key not in resident:
-                continue
-            policy.remove(key)
-            resident.discard(key)
-        else:
-            _, n_seed, pinned_ids = op
-            pinned = {_key(i) for i in pinned_ids}
-            evictable = resident - pinned
-            n = n_seed % (len(evictable) + 1)
-            victims = policy.evict(n, lambda k, pinned=pinned: k not in pinned)
-            assert len(victims) == n
-            assert len(set(victims)) == n
-            assert set(victims) <= evictable
-            resident -= set(victims)
-        for i in range(_UNIVERSE):
-            assert (_key(i) in policy) == (_key(i) in resident)
-        _check_arc_invariants(policy, resident)
+    run_operations(_arc(capacity), capacity, ops, _UNIVERSE, _check_arc_invariants)
 
 
 # -- scan resistance -----------------------------------------------------------------
 
 
-def _hot_hits_under_scan(policy: EvictionPolicy, capacity: int) -> int:
-    """Hits on a small hot set re-read between bursts of one-time scan keys."""
-    policy.bind(capacity)
-    hot = [b"hot-%d" % i for i in range(capacity // 4)]
-
-    def access(key: bytes) -> bool:
-        if key in policy:
-            policy.touch([key])
-            return True
-        if len(policy) >= capacity:
-            policy.evict(1, _any)
-        policy.insert(key)
-        return False
-
-    for _ in range(2):
-        for key in hot:
-            access(key)
-    hits = 0
-    scan_ids = iter(range(10**9))
-    for _ in range(10):
-        # A burst as long as the cache: LRU loses every hot key to it.
-        for _ in range(capacity):
-            access(b"scan-%d" % next(scan_ids))
-        hits += sum(access(key) for key in hot)
-    return hits
-
-
 def test_arc_keeps_more_hot_keys_than_lru_through_a_scan() -> None:
-    lru_hits = _hot_hits_under_scan(LRUPolicy(), 40)
-    arc_hits = _hot_hits_under_scan(ARCPolicy(), 40)
+    lru_hits = hot_hits_under_scan(LRUPolicy(), 40)
+    arc_hits = hot_hits_under_scan(ARCPolicy(), 40)
     assert arc_hits > lru_hits
