@@ -575,3 +575,29 @@ async def test_random_concurrent_jobs_never_serve_wrong_bytes(write_policy: str,
         await settle(engine)
         assert_no_leaks(engine)
         assert engine.stats["bytes_to_device"] > 0, "no load landed: the test checked nothing"
+
+
+async def test_write_back_close_flushes_cpu_blocks_to_nvme(tmp_path) -> None:
+    kv = make_kv(17)
+    expected = rows(kv, [1, 2])
+    spec = nvme_spec(tmp_path)
+    async with TieringEngine(kv, 4, secondary_tiers=[spec], write_policy="write_back") as engine:
+        job = engine.store([h(1), h(2)], [1, 2])
+        assert (await job).success
+        assert engine.tiers[0].lookup(h(1)) is not True  # write-back: not cascaded yet
+    wipe(kv, [1, 2])
+    async with TieringEngine(kv, 4, secondary_tiers=[spec]) as engine:
+        assert engine.lookup([h(1), h(2)]) == 2
+        assert (await engine.load([h(1), h(2)], [5, 6])).success
+        assert_rows(kv, [5, 6], expected)
+
+
+async def test_flush_copies_what_a_tier_lacks() -> None:
+    kv = make_kv(18)
+    factory, made = gated()
+    async with TieringEngine(kv, 4, secondary_tiers=[factory], write_policy="write_back") as engine:
+        await engine.store([h(1), h(2)], [0, 1])
+        assert not made[0].lookup(h(1))
+        assert await engine.flush()
+        assert made[0].lookup(h(1)) and made[0].lookup(h(2))
+        assert_no_leaks(engine)

@@ -56,6 +56,7 @@ TierSpec = str | Mapping[str, Any] | Callable[[memoryview, int], SecondaryTierMa
 
 _FOREIGN_POLL_S = 0.001
 _Plan = TypeVar("_Plan")
+_Cascades = list[tuple[int, list[tuple[BlockHash, int]]]]
 
 
 class Job:
@@ -241,7 +242,8 @@ class TieringEngine:
     async def aclose(self) -> None:
         """Close gracefully: stop admitting jobs, let running ones finish within
         ``close_timeout``, cancel the rest (their results report failure), then stop the
-        tiers, the copier and the host pool. Idempotent."""
+        tiers, the copier and the host pool. Under ``write_back`` the CPU tier's blocks
+        are first flushed to the secondary tiers (within ``close_timeout``). Idempotent."""
         stack, self._stack = self._stack, None
         if stack is None:
             self._state = "closed"
@@ -249,6 +251,10 @@ class TieringEngine:
         self._state = "closing"
         assert self._loop is not None
         deadline = self._loop.time() + self._close_timeout
+        if self.write_policy == "write_back" and self.tiers:
+            # Write-back holds the only copy of blocks stored since their last eviction.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flush(), self._close_timeout)
         while True:
             # Re-read each time: a job that waited for room may have started its copy task.
             jobs = [t for t in self._tasks if not t.done() and t.get_name() != "pump"]
@@ -263,6 +269,22 @@ class TieringEngine:
         finally:
             self._state = "closed"
             self._fail_unfinished()
+
+    async def flush(self) -> bool:
+        """Copy every ready CPU block to each secondary tier that lacks it.
+
+        Under ``write_back`` this makes the lower tiers complete (a graceful close does it
+        too, within ``close_timeout``); under ``write_through`` it retries cascades that
+        failed. Returns True if every tier took every block.
+
+        Raises:
+            ClosedError: the engine is not open.
+        """
+        self._check_open()
+        return await self._flush()
+
+    async def _flush(self) -> bool:
+        return await self._run_cascades(self._plan_cascades(self.manager.ready_hashes()))
 
     def close(self) -> None:
         """Hard stop, synchronous and idempotent: cancel every job task and stop the tiers.
@@ -429,21 +451,24 @@ class TieringEngine:
         else:
             # Pin the blocks for every tier now, in the step that made them ready: no
             # eviction may slip in before they have reached the lower tiers.
-            assert self._planner is not None
-            cascades = [
-                (t, self._planner.plan_cascade(plan.hashes, t)) for t in range(len(self.tiers))
-            ]
-            self._spawn(self._cascade_job(job, cascades))
+            self._spawn(self._cascade_job(job, self._plan_cascades(plan.hashes)))
 
-    async def _cascade_job(
-        self, job: Job, cascades: list[tuple[int, list[tuple[BlockHash, int]]]]
-    ) -> None:
+    async def _cascade_job(self, job: Job, cascades: _Cascades) -> None:
+        self._set_cascaded(job, await self._run_cascades(cascades))
+
+    def _plan_cascades(self, hashes: list[BlockHash]) -> _Cascades:
+        """Pin, per tier, the ready blocks of ``hashes`` it lacks: ``(tier, [(hash, slot)])``."""
+        assert self._planner is not None
+        return [(t, self._planner.plan_cascade(hashes, t)) for t in range(len(self.tiers))]
+
+    async def _run_cascades(self, cascades: _Cascades) -> bool:
+        """Copy planned cascades to their tiers; True if every block landed."""
         try:
             results = await asyncio.gather(*(self._cascade(t, items) for t, items in cascades))
         finally:
             for _, items in cascades:  # the pins drop only once no tier reads the slots
                 self._release([k for k, _ in items])
-        self._set_cascaded(job, all(results))
+        return all(results)
 
     async def _cascade(self, t: int, items: list[tuple[BlockHash, int]]) -> bool:
         """Copy pinned, ready CPU blocks ``(hash, slot)`` to tier ``t``; True if all landed."""

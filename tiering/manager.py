@@ -95,6 +95,10 @@ class CPUOffloadingManager(OffloadingManager):
             n += 1
         return n
 
+    def ready_hashes(self) -> list[BlockHash]:
+        """Every ready block's hash, least recently inserted first."""
+        return [h for h, block in self._blocks.items() if block.ready]
+
     def is_ready(self, block_hash: BlockHash) -> bool:
         """True if the block is resident and its store completed."""
         block = self._blocks.get(block_hash)
