@@ -69,6 +69,22 @@ def snapshot(kv: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(torch.uint8).cpu().clone() for t in _layers(kv)]
 
 
+async def assert_round_trip(
+    copier: DeviceCopier, kv: torch.Tensor | list[torch.Tensor], pool: HostPool
+) -> None:
+    """Seven blocks to scattered slots (more than one staging chunk), wiped, and back."""
+    ids, slots = [11, 2, 3, 9, 0, 5, 7], [0, 9, 1, 2, 8, 4, 5]
+    await copier.to_host(ids, slots)
+    for block, slot in zip(ids, slots, strict=True):
+        assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+    before = snapshot(kv)
+    for t in _layers(kv):
+        t.zero_()
+    await copier.to_device(slots, ids)
+    for i, (t, b) in enumerate(zip(snapshot(kv), before, strict=True)):
+        assert torch.equal(t[ids], b[ids]), f"layer {i}"
+
+
 def same_bytes(kv: torch.Tensor | list[torch.Tensor], before: list[torch.Tensor]) -> bool:
     return all(torch.equal(a, b) for a, b in zip(snapshot(kv), before, strict=True))
 
@@ -202,16 +218,7 @@ async def test_job_bigger_than_staging_is_copied_in_chunks_exactly(device: str) 
     with HostPool(NUM_SLOTS, block_bytes) as pool:
         async with DeviceCopier(kv, pool, staging_bytes=2 * block_bytes) as copier:
             assert copier.max_rows == 2
-            ids, slots = [11, 2, 3, 9, 0, 5, 7], [0, 9, 1, 2, 8, 4, 5]
-            await copier.to_host(ids, slots)
-            for block, slot in zip(ids, slots, strict=True):
-                assert bytes(pool.slot_view(slot)) == device_block(kv, block)
-            before = snapshot(kv)
-            for t in _layers(kv):
-                t.zero_()
-            await copier.to_device(slots, ids)
-            for i, (t, b) in enumerate(zip(snapshot(kv), before, strict=True)):
-                assert torch.equal(t[ids], b[ids]), f"layer {i}"
+            await assert_round_trip(copier, kv, pool)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -614,16 +621,7 @@ async def test_stream_path_copies_exactly_through_the_staging_buffer(
     fake_cuda: _FakeCuda, layout: str, staging_rows: int
 ) -> None:
     async with stream_path_copier(layout, staging_rows) as (copier, kv, pool):
-        ids, slots = [11, 2, 3, 9, 0, 5, 7], [0, 9, 1, 2, 8, 4, 5]
-        await copier.to_host(ids, slots)
-        for block, slot in zip(ids, slots, strict=True):
-            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
-        before = snapshot(kv)
-        for t in _layers(kv):
-            t.zero_()
-        await copier.to_device(slots, ids)
-        for t, b in zip(snapshot(kv), before, strict=True):
-            assert torch.equal(t[ids], b[ids])
+        await assert_round_trip(copier, kv, pool)
 
 
 async def test_stream_path_orders_each_job_after_the_current_stream(fake_cuda: _FakeCuda) -> None:

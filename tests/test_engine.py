@@ -94,6 +94,16 @@ async def settle(engine: TieringEngine) -> None:
     raise AssertionError("engine jobs did not settle")
 
 
+async def store_and_evict(engine: TieringEngine, keys: list[bytes], ids: list[int]) -> None:
+    """Store ``keys`` through every tier, then push them out of the CPU tier."""
+    job = engine.store(keys, ids)
+    assert (await job).success and await job.cascaded
+    filler = [h(1000 + i) for i in range(engine.manager.num_blocks)]
+    job = engine.store(filler, list(range(len(filler))))
+    assert (await job).success and await job.cascaded
+    assert engine.manager.lookup(keys) == 0
+
+
 def assert_no_leaks(engine: TieringEngine) -> None:
     assert engine.manager.num_pinned == 0
     assert engine.manager.num_in_flight == 0
@@ -185,10 +195,7 @@ async def test_concurrent_loads_promote_a_block_once() -> None:
     factory, made = gated()
     async with TieringEngine(kv, 2, secondary_tiers=[factory]) as engine:
         expected = rows(kv, [0])
-        job = engine.store([h(1)], [0])
-        await job
-        await job.cascaded
-        await engine.store([h(2), h(3)], [1, 2])  # evict h1 from CPU
+        await store_and_evict(engine, [h(1)], [0])
         made[0].gate.clear()
         first = engine.load([h(1)], [10])
         second = engine.load([h(1)], [11])
@@ -222,10 +229,7 @@ async def test_cancelling_an_awaiter_leaks_no_pin_or_slot(ticks: int) -> None:
     kv = make_kv(5)
     async with TieringEngine(kv, 3, secondary_tiers=[{"type": "memory"}]) as engine:
         expected = rows(kv, [0, 1])
-        job = engine.store([h(1), h(2)], [0, 1])
-        await job
-        await job.cascaded
-        await engine.store([h(3), h(4), h(5)], [2, 3, 4])  # h1, h2 now only in memory tier
+        await store_and_evict(engine, [h(1), h(2)], [0, 1])
 
         job = engine.load([h(1), h(2)], [20, 21])
         task = asyncio.create_task(_await(job))
@@ -277,10 +281,7 @@ async def test_a_tier_that_raises_fails_that_load_only() -> None:
     kv = make_kv(7)
     factory, made = gated()
     async with TieringEngine(kv, 2, secondary_tiers=[factory]) as engine:
-        job = engine.store([h(1)], [0])
-        await job
-        await job.cascaded
-        await engine.store([h(2), h(3)], [1, 2])
+        await store_and_evict(engine, [h(1)], [0])
         made[0].fail_loads = True
         result = await engine.load([h(1)], [10])
         assert not result.success and result.failed_keys == (h(1),)
@@ -312,10 +313,7 @@ async def test_close_with_jobs_in_flight_reports_them_failed() -> None:
     factory, made = gated()
     engine = TieringEngine(kv, 2, secondary_tiers=[factory], close_timeout=0.05)
     async with engine:
-        job = engine.store([h(1)], [0])
-        await job
-        await job.cascaded
-        await engine.store([h(2), h(3)], [1, 2])
+        await store_and_evict(engine, [h(1)], [0])
         made[0].gate.clear()
         load = engine.load([h(1)], [10])
     result = await load
@@ -417,15 +415,6 @@ async def test_the_seed_example_tier_works_through_the_polling_path() -> None:
 
 def nvme_spec(root) -> dict:
     return {"type": "nvme", "root": str(root), "capacity_bytes": 64 << 20, "min_free_bytes": 0}
-
-
-async def store_and_evict(engine: TieringEngine, keys: list[bytes], ids: list[int]) -> None:
-    job = engine.store(keys, ids)
-    assert (await job).success and await job.cascaded
-    filler = [h(1000 + i) for i in range(engine.manager.num_blocks)]
-    job = engine.store(filler, list(range(len(filler))))
-    assert (await job).success and await job.cascaded
-    assert engine.manager.lookup(keys) == 0
 
 
 async def test_round_trip_through_nvme_after_cpu_eviction_is_byte_exact(tmp_path) -> None:

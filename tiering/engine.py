@@ -46,13 +46,12 @@ from tiering.host_pool import HostPool
 from tiering.manager import CPUOffloadingManager
 from tiering.planner import LoadPlan, StorePlan, TransferPlanner
 from tiering.policies import EvictionPolicy
-from tiering.registry import make_tier
+from tiering.registry import TierSpec, make_tier
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
 
 logger = logging.getLogger(__name__)
 
 WritePolicy = Literal["write_through", "write_back"]
-TierSpec = str | Mapping[str, Any] | Callable[[memoryview, int], SecondaryTierManager]
 
 _FOREIGN_POLL_S = 0.001
 _Plan = TypeVar("_Plan")
