@@ -39,11 +39,16 @@ class JobMetadata:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """How a job ended.
+    """How a job ended; the one reading used everywhere in kv-tiering.
 
-    ``success`` is true only if every key of the job was transferred. ``failed_keys``
-    names the keys that were not (empty when ``success``); a load's other keys did land
-    in their slots. ``error`` is a short human-readable reason when something failed.
+    * ``success`` is True exactly when every key of the job was transferred; then
+      ``failed_keys`` is empty and ``error`` is None.
+    * ``success`` False with ``failed_keys`` non-empty: those keys were not transferred;
+      every other key of the job was (a load's other keys landed in their slots).
+    * ``success`` False with ``failed_keys`` empty: the job failed as a whole; no key
+      of it may be counted as transferred. (Tiers written against the seed interface
+      report failures this way; kv-tiering's own tiers and engine always name the keys.)
+    * ``error`` is a short human-readable reason whenever ``success`` is False.
     """
 
     job_id: int
@@ -98,6 +103,20 @@ class SecondaryTierManager(ABC):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:  # noqa: B027
         """Mark blocks as recently used, ``keys[0]`` most recently."""
+
+    def hold(self, keys: Collection[OffloadKey]) -> None:  # noqa: B027
+        """Keep ``keys`` from being evicted until a matching :meth:`release` (an extension).
+
+        The engine holds a key from the moment it plans to load it from this tier until
+        that load has ended, so that no store in between (a cascade, a write-back) can
+        evict it. Holds count: each ``hold`` of a key needs one ``release``. Keys not
+        stored here are counted too, and protect nothing until stored. Synchronous and
+        cheap; the default (for tiers written against the seed interface) does nothing.
+        """
+
+    def release(self, keys: Collection[OffloadKey]) -> None:  # noqa: B027
+        """Undo one :meth:`hold` of each key; releasing a key not held is an error of
+        the caller and may raise :class:`~tiering.errors.InvalidArgumentError`."""
 
     @staticmethod
     @abstractmethod

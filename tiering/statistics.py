@@ -1,0 +1,112 @@
+"""The one statistics shape of kv-tiering, and failure counting that logs once per cause.
+
+Engine, tiers and copier each answer ``statistics()`` with a :class:`Statistics`
+snapshot: an immutable value, safe to keep and compare, that never changes after it
+is taken. Their ``repr`` shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from tiering.lifecycle import Lifecycle
+
+
+@dataclass(frozen=True, slots=True)
+class Statistics:
+    """A snapshot of one engine, tier or copier.
+
+    * ``state``: where it is in its :class:`~tiering.lifecycle.Lifecycle`.
+    * ``jobs_in_flight`` / ``bytes_in_flight``: admitted work whose result is not known
+      yet, and the payload bytes it moves.
+    * ``used_blocks`` / ``capacity_blocks``, ``used_bytes`` / ``capacity_bytes``: what it
+      holds now and the most it may hold (0 where there is no such bound).
+    * ``pinned_blocks``: blocks that may not be evicted now (read or written by I/O in
+      flight, or held by a caller).
+    * ``counters``: monotonic totals since creation, by name (``stored_blocks``,
+      ``bytes_to_host``...); each kind of object documents its own names.
+    * ``failures``: failed blocks or jobs since creation, by cause.
+    """
+
+    state: Lifecycle
+    jobs_in_flight: int = 0
+    bytes_in_flight: int = 0
+    used_blocks: int = 0
+    capacity_blocks: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    pinned_blocks: int = 0
+    counters: Mapping[str, int] = field(default_factory=dict)
+    failures: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Freeze the mappings too, so a snapshot never changes under its holder.
+        object.__setattr__(self, "counters", MappingProxyType(dict(self.counters)))
+        object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
+
+    def __repr__(self) -> str:
+        parts = [
+            str(self.state),
+            f"{self.jobs_in_flight} jobs ({_size(self.bytes_in_flight)}) in flight",
+            f"{self.used_blocks}/{self.capacity_blocks or '-'} blocks",
+            f"{_size(self.used_bytes)}/{_size(self.capacity_bytes) if self.capacity_bytes else '-'}",
+            f"{self.pinned_blocks} pinned",
+        ]
+        shown = {k: v for k, v in self.counters.items() if v}
+        if shown:
+            parts.append(" ".join(f"{k}={v}" for k, v in shown.items()))
+        if self.failures:
+            parts.append("failures: " + ", ".join(f"{k} ({v})" for k, v in self.failures.items()))
+        return f"Statistics({'; '.join(parts)})"
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class FailureLog:
+    """Counts failures by cause and logs each cause once, not once per block.
+
+    A *cause* is a short, stable category ("disk full", "checksum mismatch", "tier
+    closed"), not a message that carries counts or keys: the first failure of a cause is
+    logged at WARNING with its detail; later ones only count.
+    """
+
+    def __init__(self, logger: logging.Logger, owner: str) -> None:
+        self._logger = logger
+        self._owner = owner
+        self._counts: Counter[str] = Counter()
+
+    def record(self, cause: str, count: int = 1, detail: str = "") -> None:
+        """Count ``count`` failures of ``cause``; log it if it is the first of its kind."""
+        if count <= 0:
+            return
+        first = cause not in self._counts
+        self._counts[cause] += count
+        if first:
+            self._logger.warning(
+                "%s: %s%s (logged once; see statistics().failures for counts)",
+                self._owner,
+                cause,
+                f": {detail}" if detail else "",
+            )
+
+    @property
+    def counts(self) -> Mapping[str, int]:
+        """Failures so far by cause (a read-only view)."""
+        return MappingProxyType(self._counts)
+
+    @property
+    def total(self) -> int:
+        """All failures counted so far."""
+        return sum(self._counts.values())
+
+
+__all__ = ["FailureLog", "Statistics"]
