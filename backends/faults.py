@@ -1,18 +1,23 @@
-"""Fault injection for file-backed tiers: make chosen system calls fail or fall short.
+"""Fault injection for file-backed tiers: make chosen system calls fail, fall short or stall.
 
 :class:`FaultInjector` is an :class:`~backends.nvme_files.OsCalls` that passes every call
 to a real one unless a rule says otherwise. Rules match a call by operation name and,
 optionally, by a substring of the path involved (for calls on a file descriptor, the path
 it was opened with). A rule can raise an ``OSError`` with a chosen errno (ENOSPC, EIO,
 ...), make a read or write transfer fewer bytes than asked (a real, shorter transfer),
-or make ``statvfs`` report a chosen amount of free space. Tests use it where a real
+make ``statvfs`` report a chosen amount of free space, or make a call SLOW: hold it
+until the test opens a gate (:meth:`FaultInjector.hold`) or sleep a given time first
+(:meth:`FaultInjector.delay`); a slow call then runs for real. Tests use it where a real
 faulty device cannot be had; it is safe to use from several worker threads at once.
 
 Example::
 
     faults = FaultInjector()
     faults.fail("pwritev", errno.ENOSPC)          # the disk is full, for every write
-    faults.fail("preadv", errno.EIO, path="ab12")   # one file cannot be read, once
+    faults.fail("preadv", errno.EIO, path="ab12", times=1)  # one file, once
+    gate = faults.hold("pwritev", path=key.hex())   # that key's write waits ...
+    ...                                             # ... (gate.reached is set when it does)
+    gate.open()                                     # ... until here
     tier = NVMeTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
                     os_calls=faults)
 """
@@ -21,9 +26,10 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.nvme_files import REAL_OS, OsCalls
 from tiering.errors import InvalidArgumentError
@@ -49,16 +55,33 @@ _TRANSFERS = frozenset({"pwritev", "preadv"})
 
 @dataclass(slots=True)
 class Fault:
-    """One rule. ``times`` None means forever; ``after`` matching calls pass first."""
+    """One rule. ``times`` None means forever; ``after`` matching calls pass first.
+
+    A rule made by :meth:`FaultInjector.hold` has a ``gate``: a matching call sets
+    ``reached``, then blocks until the gate is opened (:meth:`open`), then runs. A rule
+    made by :meth:`FaultInjector.delay` sleeps ``delay_s`` before the call runs.
+    """
 
     op: str
     path: str | None = None
     errno: int | None = None
     max_bytes: int | None = None
     free_bytes: int | None = None
+    delay_s: float | None = None
+    gate: threading.Event | None = None
+    reached: threading.Event = field(default_factory=threading.Event)
     times: int | None = None
     after: int = 0
     hits: int = 0
+
+    def open(self) -> None:
+        """Let every call held by this rule, and every later matching call, go on."""
+        if self.gate is not None:
+            self.gate.set()
+
+    def wait_reached(self, timeout: float) -> bool:
+        """Block until a call has matched this rule (True) or ``timeout`` s passed."""
+        return self.reached.wait(timeout)
 
     def _matches(self, op: str, path: str | None) -> bool:
         if op != self.op or (self.times is not None and self.times <= 0):
@@ -107,19 +130,66 @@ class FaultInjector(OsCalls):
         """Make matching ``pwritev`` calls write at most ``max_bytes`` bytes."""
         return self._add(Fault("pwritev", path=path, max_bytes=max_bytes, times=times))
 
+    def hold(
+        self,
+        op: str,
+        *,
+        path: str | None = None,
+        times: int | None = 1,
+        after: int = 0,
+    ) -> Fault:
+        """Make matching calls block, in the calling thread, until the rule is opened.
+
+        The returned rule's ``reached`` is set as a call starts waiting; ``open()`` lets
+        it (and later matching calls) run for real. :meth:`remove` and :meth:`clear`
+        open the gates of the rules they drop, so no thread is left waiting. ``times``
+        defaults to 1: one call is held.
+
+        Raises:
+            InvalidArgumentError: unknown operation, or a non-positive ``times``.
+        """
+        gate = threading.Event()
+        return self._add(Fault(op, path=path, gate=gate, times=times, after=after))
+
+    def delay(
+        self,
+        op: str,
+        seconds: float,
+        *,
+        path: str | None = None,
+        times: int | None = None,
+        after: int = 0,
+    ) -> Fault:
+        """Make matching calls sleep ``seconds`` (in the calling thread), then run.
+
+        Raises:
+            InvalidArgumentError: unknown operation, non-positive ``times``, or
+                ``seconds`` not a finite number >= 0.
+        """
+        if (
+            not isinstance(seconds, int | float)
+            or isinstance(seconds, bool)
+            or not 0 <= seconds < float("inf")
+        ):
+            raise InvalidArgumentError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        return self._add(Fault(op, path=path, delay_s=float(seconds), times=times, after=after))
+
     def report_free_bytes(self, free: int, *, path: str | None = None) -> Fault:
         """Make ``statvfs`` report ``free`` bytes available (everything else is real)."""
         return self._add(Fault("statvfs", path=path, free_bytes=free))
 
     def remove(self, fault: Fault) -> None:
-        """Drop one rule; calls behave normally again where it matched."""
+        """Drop one rule (opening its gate); calls behave normally again where it matched."""
         with self._lock:
             self._rules = [rule for rule in self._rules if rule is not fault]
+        fault.open()
 
     def clear(self) -> None:
-        """Drop every rule."""
+        """Drop every rule, opening every gate."""
         with self._lock:
-            self._rules = []
+            dropped, self._rules = self._rules, []
+        for rule in dropped:
+            rule.open()
 
     def _add(self, fault: Fault) -> Fault:
         if fault.op not in OPERATIONS:
@@ -150,6 +220,12 @@ class FaultInjector(OsCalls):
                 break
             else:
                 return None
+        rule.reached.set()
+        # Outside the lock: a held or sleeping call must not stall the other threads.
+        if rule.gate is not None:
+            rule.gate.wait()
+        if rule.delay_s:
+            time.sleep(rule.delay_s)
         if rule.errno is not None:
             raise OSError(rule.errno, f"{os.strerror(rule.errno)} (injected)", path)
         return rule

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,100 @@ def test_unknown_operation_is_refused() -> None:
 def test_non_positive_times_is_refused(times: int) -> None:
     with pytest.raises(InvalidArgumentError, match="times must be positive"):
         FaultInjector().fail("open", errno.EIO, times=times)
+
+
+def test_hold_blocks_a_matching_call_until_opened(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    rule = faults.hold("pwritev", path="slow")
+    outcome: list[int] = []
+    writer = threading.Thread(
+        target=lambda: outcome.append(_write(faults, tmp_path / "slow", b"ab"))
+    )
+    writer.start()
+    assert rule.wait_reached(10)
+    # The call is held: nothing is written while the gate is shut.
+    writer.join(0.05)
+    assert writer.is_alive() and outcome == []
+    assert (tmp_path / "slow").read_bytes() == b""
+    # Other paths are not held meanwhile.
+    assert _write(faults, tmp_path / "fast", b"xyz") == 3
+    rule.open()
+    writer.join(10)
+    assert outcome == [2] and (tmp_path / "slow").read_bytes() == b"ab"
+    assert rule.hits == 1
+
+
+def test_hold_holds_times_calls_then_lets_the_rest_pass(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    rule = faults.hold("open", times=1)
+    rule.open()  # an opened gate lets the held call through at once
+    _write(faults, tmp_path / "a", b"a")
+    _write(faults, tmp_path / "b", b"b")
+    assert rule.hits == 1 and rule.times == 0
+
+
+def test_remove_and_clear_open_the_gates_of_held_calls(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    for drop in (faults.remove, lambda _rule: faults.clear()):
+        rule = faults.hold("pwritev")
+        writer = threading.Thread(target=_write, args=(faults, tmp_path / "f", b"abc"))
+        writer.start()
+        assert rule.wait_reached(10)
+        drop(rule)
+        writer.join(10)
+        assert not writer.is_alive()
+        assert (tmp_path / "f").read_bytes() == b"abc"
+
+
+def test_hold_after_lets_earlier_calls_pass(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    rule = faults.hold("open", after=1)
+    _write(faults, tmp_path / "first", b"1")  # passes: not held
+    assert not rule.reached.is_set()
+    writer = threading.Thread(target=_write, args=(faults, tmp_path / "second", b"2"))
+    writer.start()
+    assert rule.wait_reached(10)
+    assert not (tmp_path / "second").exists()  # held before the file was opened
+    rule.open()
+    writer.join(10)
+    assert (tmp_path / "second").read_bytes() == b"2"
+
+
+def test_a_held_rule_can_also_fail_the_call_after_the_gate(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    rule = faults.hold("preadv")
+    (tmp_path / "f").write_bytes(b"data")
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        fd = faults.open(str(tmp_path / "f"), os.O_RDONLY)
+        try:
+            faults.preadv(fd, [memoryview(bytearray(4))], 0)
+        except OSError as exc:
+            errors.append(exc)
+        finally:
+            faults.close(fd)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert rule.wait_reached(10)
+    faults.fail("preadv", errno.EIO)  # a later rule does not apply to the held call
+    rule.open()
+    reader.join(10)
+    assert errors == []
+
+
+def test_delay_sleeps_then_runs_the_call(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    rule = faults.delay("pwritev", 0.02, path="f", times=2)
+    assert _write(faults, tmp_path / "f", b"abc") == 3
+    assert (tmp_path / "f").read_bytes() == b"abc"
+    assert rule.hits == 1 and rule.times == 1
+    assert rule.delay_s == 0.02
+
+
+@pytest.mark.parametrize("seconds", [-1, float("nan"), float("inf"), "1", True])
+def test_bad_delay_is_refused_with_its_value(seconds: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="seconds must be a finite number") as caught:
+        FaultInjector().delay("open", seconds)  # type: ignore[arg-type]
+    assert repr(seconds) in str(caught.value)
