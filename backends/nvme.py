@@ -10,9 +10,11 @@ Layout under ``root``::
 Each block is one file (format: :mod:`backends.nvme_format`), so a block becomes
 visible atomically by a rename, eviction is an unlink that returns the space at once,
 recovery is a directory scan, and engines sharing a root never write into each other's
-files. The blocking work of a job runs in ONE call of
-:class:`backends.nvme_files.BlockFiles` on the tier's own thread pool; every bookkeeping
-structure (index, eviction policy, pins, reservations) lives on the event-loop thread.
+files. The blocking work of a job runs in ONE call on the tier's own thread pool (the
+slot views are cut there too, so the loop does little per block); the bookkeeping lives
+on the event-loop thread, in the shared :class:`~tiering.residency.ResidencyIndex`
+(resident keys, pins, holds, eviction) and :class:`backends.nvme_space.SpaceGuard`
+(cap, free-space floor, disk full).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import os
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiofiles
@@ -52,10 +54,14 @@ from backends.nvme_format import (
     namespace_digest,
     namespace_dirname,
 )
+from backends.nvme_space import DEFAULT_MAX_AGE_S, DISK_FULL_REASON, SpaceGuard
 from tiering.actor import TierActor
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
-from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies import EvictionPolicy
+from tiering.residency import ResidencyIndex
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
+from tiering.statistics import FailureLog
+from tiering.validation import positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +69,10 @@ IDENTITY_FILE = "NAMESPACE"
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_ENOSPC_RETRY_S = 5.0
-FREE_SPACE_MAX_AGE_S = 1.0
+FREE_SPACE_MAX_AGE_S = DEFAULT_MAX_AGE_S
 """Free space measured longer ago than this is measured again before a store plans."""
+
+_MISSING = "block file is missing"
 
 
 @dataclass(slots=True)
@@ -215,25 +223,28 @@ class NVMeTier(TierActor):
         if not isinstance(root, str | os.PathLike):
             raise InvalidArgumentError(f"root must be a path, got {root!r}")
         dirname = namespace_dirname(namespace)
-        file_bytes = HEADER_BYTES + block_bytes if isinstance(block_bytes, int) else 0
-        _check_int("capacity_bytes", capacity_bytes, minimum=max(file_bytes, 1))
-        _check_int("min_free_bytes", min_free_bytes, minimum=0)
         _check_int("max_inflight_bytes", max_inflight_bytes, minimum=1)
         if fsync not in FSYNC_POLICIES:
             raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if o_direct not in (None, True, False):
             raise InvalidArgumentError(f"o_direct must be True, False or None, got {o_direct!r}")
-        if not isinstance(enospc_retry_s, int | float) or not enospc_retry_s >= 0:
-            raise InvalidArgumentError(
-                f"enospc_retry_s must be a non-negative number, got {enospc_retry_s!r}"
-            )
+        if not callable(clock):
+            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
+        space = SpaceGuard(
+            file_bytes=HEADER_BYTES + positive_int("block_bytes", block_bytes),
+            capacity_bytes=capacity_bytes,
+            min_free_bytes=min_free_bytes,
+            retry_s=enospc_retry_s,
+            clock=clock,
+        )
+        index = ResidencyIndex(space.capacity_blocks, policy)
         super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
         self.root = os.fspath(root)
         self.namespace = namespace
         self.directory = os.path.join(self.root, dirname)
-        self.file_bytes = HEADER_BYTES + self.block_bytes
+        self.file_bytes = space.file_bytes
         self.capacity_bytes = capacity_bytes
-        self.capacity_blocks = capacity_bytes // self.file_bytes
+        self.capacity_blocks = space.capacity_blocks
         self.min_free_bytes = min_free_bytes
         self.fsync = fsync
         self.o_direct_requested = o_direct
@@ -241,7 +252,10 @@ class NVMeTier(TierActor):
         """Whether O_DIRECT is in use; known after :meth:`start`."""
         self.enospc_retry_s = float(enospc_retry_s)
         self.metrics = NVMeMetrics()
-        self._policy = make_policy(policy, self.capacity_blocks)
+        """Counters since creation; ``statistics().counters`` shows the same figures."""
+        self._index = index
+        self._space = space
+        self._failures = FailureLog(logger, "nvme tier")
         self._os = os_calls
         self._clock = clock
         self._ns_digest = namespace_digest(namespace)
@@ -260,17 +274,11 @@ class NVMeTier(TierActor):
         self._opened = False
         self._start_lock = asyncio.Lock()
 
-        self._resident: set[OffloadKey] = set()  # complete on disk, loadable
-        self._readers: Counter[OffloadKey] = Counter()  # keys in a running load
-        self._busy: dict[OffloadKey, asyncio.Event] = {}  # keys a running hop writes/removes
+        # Keys a running hop writes or removes, with the event set when it ends: a store
+        # of such a key waits for it (eviction protection is the index's pins).
+        self._busy: dict[OffloadKey, asyncio.Event] = {}
         self._trash: dict[OffloadKey, None] = {}  # dropped by clear(), files not yet removed
-        self._reserved_blocks = 0  # admitted to running stores, not yet resident
         self._generation = 0  # bumped by clear(): older hops' keys are not committed
-        self._free_bytes: int | None = None  # last statvfs
-        self._free_bytes_at = float("-inf")  # when, by self._clock
-        self._disk_full_since: float | None = None
-        self._last_probe = 0.0
-        self._freed_since_probe = False
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -295,7 +303,10 @@ class NVMeTier(TierActor):
                 probe, scan, free = await self.run_blocking(self._open_on_disk)
             except OSError as exc:
                 self._release_owner()
-                raise TieringError(f"nvme tier cannot use {self.directory!r}: {exc}") from exc
+                raise TieringError(
+                    f"nvme tier: root={self.root!r} cannot be used (it must be a writable "
+                    f"directory or creatable as one): {exc}"
+                ) from exc
             except BaseException:
                 self._release_owner()
                 raise
@@ -349,7 +360,10 @@ class NVMeTier(TierActor):
             )
 
     def _open_on_disk(self) -> tuple[str | None, ScanReport, int | None]:
-        """Worker thread: take the owner lock, probe O_DIRECT, scan, measure free space."""
+        """Worker thread: check the floor against the file system's size, take the owner
+        lock, probe O_DIRECT, scan, measure free space."""
+        statvfs = self._os.statvfs(self.directory)
+        self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
         self._owner = OwnerLock(self.directory, self._instance_id)
         probe = None
         if self.o_direct_requested is not False:
@@ -378,12 +392,11 @@ class NVMeTier(TierActor):
         split = max(0, len(keys) - self.capacity_blocks)
         excess, kept = keys[:split], keys[split:]
         for key in kept:  # in age order, so the policy ranks them by age
-            self._resident.add(key)
-            self._policy.insert(key)
+            self._index.insert(key)
         self.metrics.recovered_blocks = len(kept)
         self.metrics.evicted_blocks += len(excess)
         self.metrics.removed_on_recovery.update(scan.removed)
-        self._set_free_bytes(free)
+        self._space.measured(free)
         if scan.blocks or scan.removed:
             logger.info(
                 "nvme tier: recovered %d blocks in %s (%d over the cap evicted); removed %s",
@@ -423,27 +436,46 @@ class NVMeTier(TierActor):
         """
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
-        if key in self._resident:
+        if key in self._index:
             return True
         return None if self.storing(key) else False
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
         """Mark stored keys recently used, ``keys[0]`` the most recent; others ignored."""
-        self._policy.touch([key for key in keys if key in self._resident])
+        self._index.touch(list(keys))
+
+    def hold(self, keys: Collection[OffloadKey]) -> None:
+        """Keep ``keys`` from eviction (by a store, the cap or the floor) until released.
+
+        Holds count; a key not (yet) stored may be held and is protected once stored.
+
+        Raises:
+            InvalidArgumentError: ``keys`` is not a collection of bytes; nothing held.
+        """
+        self._index.hold(keys)
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        """Undo one :meth:`hold` of each key.
+
+        Raises:
+            InvalidArgumentError: a key is not bytes, or is released more often than
+                held (named in hex); nothing released.
+        """
+        self._index.release(keys)
 
     def get_num_blocks(self) -> int:
         """Blocks stored and loadable now (stores in progress not counted)."""
-        return len(self._resident)
+        return len(self._index)
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the block files this tier holds (header pages included)."""
-        return len(self._resident) * self.file_bytes
+        return len(self._index) * self.file_bytes
 
     @property
     def read_only(self) -> bool:
         """True while stores are refused because the file system was full."""
-        return self._disk_full_since is not None
+        return self._space.read_only
 
     def clear(self) -> None:
         """Drop every block: lookups miss at once, stores running now do not land.
@@ -451,65 +483,88 @@ class NVMeTier(TierActor):
         The files are removed by the next store job or by :meth:`aclose`.
         """
         self._generation += 1
-        for key in self._resident:
-            self._policy.remove(key)
+        for key in self._index.clear():
             self._trash[key] = None
-        self._resident.clear()
-        self._freed_since_probe = True
+        self._space.freed()
+
+    def _usage(self) -> dict[str, Any]:
+        counters = asdict(self.metrics)
+        removed = counters.pop("removed_on_recovery")
+        counters["removed_on_recovery"] = sum(removed.values())
+        return {
+            "used_blocks": len(self._index),
+            "capacity_blocks": self.capacity_blocks,
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "pinned_blocks": self._index.pinned_resident,
+            "counters": counters,
+            "failures": dict(self._failures.counts),
+        }
 
     # -- hooks ------------------------------------------------------------------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
         wanted: dict[OffloadKey, int] = {}
+        index = self._index
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
             if len(key) > MAX_KEY_BYTES or not key:
                 failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
-            elif key not in self._resident and key not in wanted:
+            elif key not in index and key not in wanted:
                 wanted[key] = block_id
+        if failed:
+            self._failures.record("bad key length", len(failed), next(iter(failed.values())))
         wanted = await self._wait_until_free(wanted)
         if not wanted:
             return _result(job.job_id, failed, len(job.keys))
-        if self._refusing_stores():
-            reason = (
-                "nvme tier is read-only: the file system was full (ENOSPC); "
-                "stores resume once space returns"
-            )
+        if self._space.refusing():
             self.metrics.refused_blocks += len(wanted)
-            return _result(job.job_id, failed | dict.fromkeys(wanted, reason), len(job.keys))
+            self._failures.record("disk full", len(wanted), DISK_FULL_REASON)
+            return _result(
+                job.job_id, failed | dict.fromkeys(wanted, DISK_FULL_REASON), len(job.keys)
+            )
 
         done = asyncio.Event()
         claimed = list(wanted)
         for key in claimed:
             self._busy[key] = done
+        index.pin(claimed)
         generation = self._generation
         budget = len(wanted) * self.block_bytes
-        admitted_count = 0
+        granted = 0
         try:
             await self._budget.acquire(budget, is_load=False)
             try:
-                if self._free_bytes_stale(len(wanted)):
+                if self._space.stale(index.reserved + len(wanted)):
                     await self._refresh_free_bytes()
-                admitted_count, victims, limit = self._plan_room(len(wanted), set(job.keys))
-                admitted = list(wanted.items())[:admitted_count]
+                limit, reason = self._space.limit(len(index), index.reserved)
+                room = index.reserve(len(wanted), protected=job.keys, limit=limit)
+                granted = room.granted
+                if room.victims:
+                    self.metrics.evicted_blocks += len(room.victims)
+                    self._space.freed()
+                admitted = list(wanted.items())[:granted]
                 for key, _ in admitted:
                     self._trash.pop(key, None)  # the rename below replaces the old file
-                removals = victims + list(self._trash)
+                removals = room.victims + list(self._trash)
                 self._trash.clear()
                 for key in removals:
                     self._busy[key] = done
+                index.pin(removals)
                 claimed += removals
-                for key in list(wanted)[admitted_count:]:
-                    failed[key] = limit
-                self.metrics.refused_blocks += len(wanted) - admitted_count
-                self._reserved_blocks += admitted_count
-                writes = [(key, self.slot(block_id)) for key, block_id in admitted]
-                report = await self.run_blocking(self._files.store, writes, removals)
+                if granted < len(wanted):
+                    refused = list(wanted)[granted:]
+                    reason += "; every other block is pinned (being read, written or held)"
+                    failed.update(dict.fromkeys(refused, reason))
+                    self.metrics.refused_blocks += len(refused)
+                    self._failures.record("no room", len(refused), reason)
+                report = await self.run_blocking(self._store_hop, admitted, removals)
             finally:
                 self._budget.release(budget)
-            self._commit_store(report, generation, failed)
+            granted = self._commit_store(report, generation, failed, granted)
         finally:
-            self._reserved_blocks -= admitted_count
+            index.unreserve(granted)
+            index.unpin(claimed)
             for key in claimed:
                 if self._busy.get(key) is done:
                     del self._busy[key]
@@ -518,162 +573,120 @@ class NVMeTier(TierActor):
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
-        reads: list[tuple[OffloadKey, memoryview]] = []
+        index = self._index
+        reads: list[tuple[OffloadKey, int]] = []
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
-            if key in self._resident:
-                reads.append((key, self.slot(block_id)))
+            if key in index:
+                reads.append((key, block_id))
             else:
                 failed[key] = "not in the nvme tier"
+        if failed:
+            self._failures.record("not in the tier", len(failed))
         if not reads:
             return _result(job.job_id, failed, len(job.keys))
         pinned = [key for key, _ in reads]
-        self._readers.update(pinned)
+        index.pin(pinned)
         generation = self._generation
         budget = len(reads) * self.block_bytes
         try:
             await self._budget.acquire(budget, is_load=True)
             try:
-                report = await self.run_blocking(self._files.load, reads)
+                report = await self.run_blocking(self._load_hop, reads)
             finally:
                 self._budget.release(budget)
         finally:
-            self._readers.subtract(pinned)
-            for key in set(pinned):
-                if self._readers.get(key, 0) <= 0:
-                    del self._readers[key]
+            index.unpin(pinned)
         self._commit_load(report, generation, failed)
         return _result(job.job_id, failed, len(job.keys))
+
+    # -- worker thread: one hop per job ------------------------------------------------
+
+    def _store_hop(
+        self, admitted: Sequence[tuple[OffloadKey, int]], removals: Sequence[OffloadKey]
+    ) -> StoreReport:
+        # The slot views are cut here rather than on the loop: per-block work.
+        slot = self.slot
+        return self._files.store([(key, slot(block_id)) for key, block_id in admitted], removals)
+
+    def _load_hop(self, reads: Sequence[tuple[OffloadKey, int]]) -> LoadReport:
+        slot = self.slot
+        return self._files.load([(key, slot(block_id)) for key, block_id in reads])
 
     # -- bookkeeping (loop thread, no awaits) ------------------------------------------
 
     async def _wait_until_free(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
         """Wait until no running hop writes or removes a wanted key; drop those stored."""
         while True:
-            events = {self._busy[key] for key in wanted if key in self._busy}
+            busy = self._busy
+            if not busy:
+                return wanted
+            events = {busy[key] for key in wanted if key in busy}
             if not events:
                 return wanted
             for event in events:
                 await event.wait()
-            wanted = {k: b for k, b in wanted.items() if k not in self._resident}
-
-    def _refusing_stores(self) -> bool:
-        if self._disk_full_since is None:
-            return False
-        if self._freed_since_probe or self._clock() - self._last_probe >= self.enospc_retry_s:
-            self._last_probe = self._clock()
-            self._freed_since_probe = False
-            return False
-        return True
-
-    def _free_bytes_stale(self, count: int) -> bool:
-        """True if the cached free space is too old or too close to the floor to plan by.
-
-        Every store hop measures free space as it ends, so a busy tier plans with a
-        fresh figure and no extra hop; an idle one, one near its floor, or one that hit
-        ENOSPC asks again first (space may have gone or returned meanwhile).
-        """
-        if self.read_only or self._free_bytes is None:
-            return True
-        if self._clock() - self._free_bytes_at >= FREE_SPACE_MAX_AGE_S:
-            return True
-        pending = (self._reserved_blocks + count) * self.file_bytes
-        return self._free_bytes - pending < self.min_free_bytes
+            wanted = {k: b for k, b in wanted.items() if k not in self._index}
 
     async def _refresh_free_bytes(self) -> None:
-        self._set_free_bytes(await self.run_blocking(self._files.free_bytes))
-
-    def _set_free_bytes(self, free: int | None) -> None:
-        self._free_bytes = free
-        self._free_bytes_at = self._clock()
-
-    def _plan_room(
-        self, count: int, protected: set[OffloadKey]
-    ) -> tuple[int, list[OffloadKey], str]:
-        """How many of ``count`` new blocks fit, after evicting which keys.
-
-        Both limits count blocks already admitted to running stores. Victims leave the
-        index now; their files are removed by the caller's hop before it writes.
-        """
-        room = self.capacity_blocks - len(self._resident) - self._reserved_blocks
-        limit = f"nvme tier full: capacity {self.capacity_bytes} bytes reached"
-        if self._free_bytes is not None:
-            above_floor = self._free_bytes - self._reserved_blocks * self.file_bytes
-            floor_room = (above_floor - self.min_free_bytes) // self.file_bytes
-            if floor_room < room:
-                room = floor_room
-                limit = f"nvme tier full: free space would fall below {self.min_free_bytes} bytes"
-        # room < 0 means the floor is already crossed: evict past ``count`` to restore it.
-        shortfall = count - room
-        victims: list[OffloadKey] = []
-        if shortfall > 0:
-            unavailable = {
-                key for key in (*self._readers, *self._busy, *protected) if key in self._resident
-            }
-            evictable = len(self._resident) - len(unavailable)
-            n = min(shortfall, evictable)
-            if n > 0:
-                victims = self._policy.evict(n, lambda key: key not in unavailable)
-                self._resident.difference_update(victims)
-                self.metrics.evicted_blocks += len(victims)
-                self._freed_since_probe = True
-        admitted = max(0, min(count, room + len(victims)))
-        if admitted < count:
-            limit += "; every other block is being read or written"
-        return admitted, victims, limit
+        self._space.measured(await self.run_blocking(self._files.free_bytes))
 
     def _commit_store(
-        self, report: StoreReport, generation: int, failed: dict[OffloadKey, str]
-    ) -> None:
+        self, report: StoreReport, generation: int, failed: dict[OffloadKey, str], granted: int
+    ) -> int:
+        """Record a store hop's outcome; returns the reserved units still to give back."""
+        index = self._index
         for key in report.stored:
             if generation != self._generation:
                 self._trash[key] = None  # cleared while it was being written
-            elif key not in self._resident:
-                self._resident.add(key)
-                self._policy.insert(key)
-        failed.update(report.failed)
+            else:
+                index.insert(key, reserved=True)
+                granted -= 1
+        if report.failed:
+            failed.update(report.failed)
+            cause = "disk full" if report.disk_full else "write error"
+            self._failures.record(cause, len(report.failed), next(iter(report.failed.values())))
         self.metrics.stored_blocks += len(report.stored)
         self.metrics.bytes_written += len(report.stored) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
         if report.free_bytes is not None:
-            self._set_free_bytes(report.free_bytes)
-        now = self._clock()
-        if report.disk_full:
-            if self._disk_full_since is None:
-                self.metrics.disk_full_events += 1
-                logger.warning(
-                    "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
-                    "on; retrying every %gs or after space is freed",
-                    self.directory,
-                    self.enospc_retry_s,
-                )
-                self._disk_full_since = now
-            self._last_probe = now
-            self._freed_since_probe = False
-        elif report.stored and self._disk_full_since is not None:
+            self._space.measured(report.free_bytes)
+        change = self._space.store_ended(disk_full=report.disk_full, stored_any=bool(report.stored))
+        if change == "full":
+            self.metrics.disk_full_events += 1
+            logger.warning(
+                "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
+                "on; retrying every %gs or after space is freed",
+                self.directory,
+                self.enospc_retry_s,
+            )
+        elif change == "resumed":
             logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
-            self._disk_full_since = None
+        return granted
 
     def _commit_load(
         self, report: LoadReport, generation: int, failed: dict[OffloadKey, str]
     ) -> None:
+        index = self._index
         self.metrics.loaded_blocks += len(report.loaded)
         self.metrics.bytes_read += len(report.loaded) * self.file_bytes
         if report.loaded:
-            self._policy.touch([key for key in report.loaded if key in self._resident])
+            index.touch(report.loaded)
+        if not report.failed:
+            return
         corrupt = set(report.corrupt)
         for key, reason in report.failed.items():
             failed[key] = reason
             if key in corrupt:
                 self.metrics.corrupt_blocks += 1
-                logger.warning("nvme tier: dropped block %s: %s", key.hex()[:16], reason)
-            elif reason == "block file is missing":
+                self._failures.record("corrupt block", 1, reason)
+            elif reason == _MISSING:
                 self.metrics.missing_blocks += 1
+                self._failures.record("block file missing", 1, reason)
             else:
                 self.metrics.read_errors += 1
-            if generation == self._generation and key in self._resident:
-                self._resident.discard(key)
-                self._policy.remove(key)
-                self._freed_since_probe = True
+                self._failures.record("read error", 1, reason)
+            if generation == self._generation and index.remove(key):
+                self._space.freed()
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

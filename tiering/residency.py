@@ -1,0 +1,310 @@
+"""The residency index that the memory and NVMe tiers share: keys, pins, room, eviction.
+
+:class:`ResidencyIndex` is sans-I/O: plain synchronous code with no awaits and no
+I/O. It knows which keys a tier holds, which of them may not leave now, how much room
+is promised to stores in progress, and asks an eviction policy for victims. The tier
+owns the bytes (rows, files) and tells the index what happened.
+
+Words:
+
+* **resident**: a key whose bytes are complete in the tier; it is in the policy.
+* **pin**: one reason a key may not be evicted now: a load reading it, a write or
+  removal of its bytes in progress (:meth:`ResidencyIndex.pin`), or a caller's hold
+  (:meth:`ResidencyIndex.hold`). Pins count, and a key that is not resident may be
+  pinned: the pin protects it from the moment it becomes resident.
+* **reserved**: units of room promised to stores in progress (or otherwise taken by
+  no resident key). Resident keys plus reserved units never exceed the capacity.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from tiering.abstract import BlockHash
+from tiering.errors import InvalidArgumentError
+from tiering.policies import EvictionPolicy, make_policy
+from tiering.validation import positive_int
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """What :meth:`ResidencyIndex.reserve` granted.
+
+    ``granted`` units are now reserved for the caller (release them with
+    :meth:`ResidencyIndex.unreserve` or consume them with ``insert(reserved=True)``);
+    ``victims`` left the index to make that room (in eviction order), and their bytes
+    are the caller's to remove.
+    """
+
+    granted: int
+    victims: list[BlockHash]
+
+
+def _hex(key: BlockHash) -> str:
+    return key.hex() if isinstance(key, bytes) else repr(key)
+
+
+class ResidencyIndex:
+    """Resident keys, pins and eviction for a tier of ``capacity`` blocks.
+
+    Guarantees:
+
+    * A pinned key (pin or hold) and a key the caller protects in a call are never
+      evicted by that call.
+    * ``len(index) + index.reserved <= index.capacity`` after every call, except when
+      the caller lowers the bound with ``limit`` (then eviction restores it as far as
+      unpinned keys allow).
+    * Counts are exact and O(1): :attr:`pinned_resident`, :meth:`evictable` (O(size of
+      the protected set)).
+    * A call that raises changes nothing.
+
+    Raises (constructor):
+        InvalidArgumentError: ``capacity`` is not a positive int.
+        UnknownPolicyError: ``policy`` is neither a registered name nor an instance.
+    """
+
+    def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru") -> None:
+        self.capacity = positive_int("capacity", capacity)
+        self._policy = make_policy(policy, capacity)
+        self._resident: set[BlockHash] = set()
+        self._pins: dict[BlockHash, int] = {}
+        self._holds: Counter[BlockHash] = Counter()
+        self._pinned_resident = 0
+        self.reserved = 0
+        """Units of room promised to stores in progress (or taken by no resident key)."""
+
+    # -- queries ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._resident
+
+    def keys(self) -> list[BlockHash]:
+        """The resident keys, in no particular order (a copy)."""
+        return list(self._resident)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (bound to :attr:`capacity`)."""
+        return self._policy
+
+    @property
+    def room(self) -> int:
+        """Units neither resident nor reserved (never negative)."""
+        return max(0, self.capacity - len(self._resident) - self.reserved)
+
+    @property
+    def pinned_resident(self) -> int:
+        """Resident keys with at least one pin or hold."""
+        return self._pinned_resident
+
+    def is_pinned(self, key: BlockHash) -> bool:
+        """True if ``key`` has a pin or a hold (resident or not)."""
+        return key in self._pins
+
+    def holds(self, key: BlockHash) -> int:
+        """How many holds ``key`` has."""
+        return self._holds.get(key, 0)
+
+    def evictable(self, protected: Collection[BlockHash] = ()) -> int:
+        """How many resident keys eviction could take now, sparing ``protected``."""
+        spared = sum(1 for key in set(protected) if key in self._resident and key not in self._pins)
+        return len(self._resident) - self._pinned_resident - spared
+
+    # -- residency --------------------------------------------------------------------
+
+    def insert(self, key: BlockHash, *, reserved: bool = False) -> bool:
+        """Make ``key`` resident (most recently used); False if it already was.
+
+        With ``reserved`` one reserved unit is consumed (also when the key was already
+        resident: its unit is simply given back).
+
+        Raises:
+            InvalidArgumentError: ``reserved`` but nothing is reserved, or not
+                ``reserved`` and the index is full.
+        """
+        if reserved:
+            if self.reserved <= 0:
+                raise InvalidArgumentError(f"insert of {_hex(key)} from a reservation, but none")
+        elif key not in self._resident and self.room <= 0:
+            raise InvalidArgumentError(
+                f"insert of {_hex(key)}: the index is full ({self.capacity} blocks)"
+            )
+        if reserved:
+            self.reserved -= 1
+        if key in self._resident:
+            return False
+        self._resident.add(key)
+        self._policy.insert(key)
+        if key in self._pins:
+            self._pinned_resident += 1
+        return True
+
+    def remove(self, key: BlockHash) -> bool:
+        """Drop ``key`` without eviction (its bytes failed or vanished); False if absent.
+
+        Its pins and holds stay: they protect it again if it is stored anew.
+        """
+        if key not in self._resident:
+            return False
+        self._resident.discard(key)
+        self._policy.remove(key)
+        if key in self._pins:
+            self._pinned_resident -= 1
+        return True
+
+    def touch(self, keys: Collection[BlockHash]) -> None:
+        """Mark keys recently used, the first most recent; keys not resident are ignored."""
+        self._policy.touch([key for key in keys if key in self._resident])
+
+    def clear(self, *, keep_room_for_pinned: bool = False) -> list[BlockHash]:
+        """Drop every resident key; returns them. Pins and holds stay.
+
+        With ``keep_room_for_pinned`` each dropped key that is pinned keeps its unit as
+        reserved (its bytes are still in use); the caller unreserves it later.
+        """
+        dropped = list(self._resident)
+        for key in dropped:
+            self._policy.remove(key)
+        self._resident.clear()
+        if keep_room_for_pinned:
+            self.reserved += self._pinned_resident
+        self._pinned_resident = 0
+        return dropped
+
+    # -- room -------------------------------------------------------------------------
+
+    def reserve(
+        self, count: int, *, protected: Collection[BlockHash] = (), limit: int | None = None
+    ) -> Room:
+        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed.
+
+        ``limit`` is a further bound on resident plus reserved units (e.g. free disk
+        space); where it is already exceeded, eviction goes on past ``count`` to restore
+        it as far as it can. Grants are all-or-some: the caller gets ``granted`` units.
+
+        Raises:
+            InvalidArgumentError: ``count`` is negative or ``limit`` is not an int.
+        """
+        if not isinstance(count, int) or count < 0:
+            raise InvalidArgumentError(f"count must be an int >= 0, got {count!r}")
+        if limit is not None and not isinstance(limit, int):
+            raise InvalidArgumentError(f"limit must be an int or None, got {limit!r}")
+        bound = self.capacity if limit is None else min(self.capacity, limit)
+        room = bound - len(self._resident) - self.reserved
+        victims: list[BlockHash] = []
+        shortfall = count - room
+        if shortfall > 0:
+            spared = frozenset(protected)
+            n = min(shortfall, self.evictable(spared))
+            if n > 0:
+                victims = self._evict(n, spared)
+        granted = max(0, min(count, room + len(victims)))
+        self.reserved += granted
+        return Room(granted, victims)
+
+    def unreserve(self, count: int) -> None:
+        """Give back ``count`` reserved units.
+
+        Raises:
+            InvalidArgumentError: ``count`` is negative or more than is reserved.
+        """
+        if not isinstance(count, int) or not 0 <= count <= self.reserved:
+            raise InvalidArgumentError(
+                f"unreserve count must be an int in 0..{self.reserved}, got {count!r}"
+            )
+        self.reserved -= count
+
+    def _evict(self, n: int, spared: frozenset[BlockHash]) -> list[BlockHash]:
+        pins = self._pins
+        if spared:
+            victims = self._policy.evict(n, lambda key: key not in pins and key not in spared)
+        else:
+            victims = self._policy.evict(n, lambda key: key not in pins)
+        self._resident.difference_update(victims)
+        return victims
+
+    # -- pins -------------------------------------------------------------------------
+
+    def pin(self, keys: Iterable[BlockHash]) -> None:
+        """Add one pin per occurrence of each key (resident or not)."""
+        pins = self._pins
+        resident = self._resident
+        for key in keys:
+            count = pins.get(key, 0)
+            if not count and key in resident:
+                self._pinned_resident += 1
+            pins[key] = count + 1
+
+    def unpin(self, keys: Iterable[BlockHash]) -> None:
+        """Remove one pin per occurrence of each key.
+
+        Raises:
+            InvalidArgumentError: a key would lose more pins than it has (named in hex).
+        """
+        wanted = Counter(keys)
+        pins = self._pins
+        for key, n in wanted.items():
+            if pins.get(key, 0) < n:
+                raise InvalidArgumentError(
+                    f"unpin of block {_hex(key)}: it has {pins.get(key, 0)} pins, {n} asked to go"
+                )
+        resident = self._resident
+        for key, n in wanted.items():
+            left = pins[key] - n
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+                if key in resident:
+                    self._pinned_resident -= 1
+
+    def hold(self, keys: Collection[BlockHash]) -> None:
+        """Hold each key once more (a pin a caller owns); see :meth:`release`.
+
+        Raises:
+            InvalidArgumentError: ``keys`` is not a collection of bytes; nothing held.
+        """
+        listed = _key_list(keys)
+        self._holds.update(listed)
+        self.pin(listed)
+
+    def release(self, keys: Collection[BlockHash]) -> list[BlockHash]:
+        """Undo one :meth:`hold` per occurrence of each key; returns the keys as a list.
+
+        Raises:
+            InvalidArgumentError: ``keys`` is not a collection of bytes, or a key would
+                be released more often than it is held (the key is named in hex);
+                nothing changed.
+        """
+        listed = _key_list(keys)
+        wanted = Counter(listed)
+        for key, n in wanted.items():
+            if self._holds.get(key, 0) < n:
+                raise InvalidArgumentError(
+                    f"release of block {_hex(key)}: held {self._holds.get(key, 0)} times, "
+                    f"released {n} times"
+                )
+        self._holds.subtract(wanted)
+        for key in wanted:
+            if self._holds[key] <= 0:
+                del self._holds[key]
+        self.unpin(listed)
+        return listed
+
+
+def _key_list(keys: object) -> list[BlockHash]:
+    if isinstance(keys, bytes | str) or not isinstance(keys, Collection):
+        raise InvalidArgumentError(f"keys must be a collection of bytes keys, got {keys!r}")
+    listed = list(keys)
+    for key in listed:
+        if not isinstance(key, bytes):
+            raise InvalidArgumentError(f"keys must hold bytes keys, got {key!r}")
+    return listed
+
+
+__all__ = ["ResidencyIndex", "Room"]
