@@ -17,7 +17,8 @@ Three measurements, in one run:
    DeviceCopier, one-tensor and per-layer layouts, against one large pinned copy
    (``device_copy_ratio``: the worst of those ratios; null without CUDA).
 
-The last line of output is one JSON object with every figure.
+A progress line shows on stderr while it runs, when stderr is a terminal. The last line
+of output is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 
 import torch
 import uvloop
+from _cli import Progress, make_parser, positive_float, positive_int
 
 from tiering import TieringEngine
 from tiering.device import DeviceCopier
@@ -51,7 +53,7 @@ def device_kv(num_blocks: int, block_bytes: int, device: str) -> torch.Tensor:
     return kv
 
 
-async def loop_lag_run(total_bytes: int) -> dict[str, float]:
+async def loop_lag_run(total_bytes: int, progress: Progress) -> dict[str, float]:
     """Stream ``total_bytes`` through device -> CPU -> memory tier under a lag monitor."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     device_blocks = 4 * BATCH
@@ -70,6 +72,7 @@ async def loop_lag_run(total_bytes: int) -> dict[str, float]:
                 if not result.success:
                     raise SystemExit(f"store failed: {result.error}")
                 cascades.append(job.cascaded)
+                progress.update(f"loop lag: stored {first + n}/{count} blocks")
                 if len(cascades) > 2:  # keep a couple of cascades in flight
                     await cascades.pop(0)
             for pending in cascades:
@@ -79,6 +82,7 @@ async def loop_lag_run(total_bytes: int) -> dict[str, float]:
                 result = await engine.load([key(first + i) for i in range(n)], list(range(n)))
                 if not result.success:
                     raise SystemExit(f"load failed: {result.error}")
+                progress.update(f"loop lag: loaded {first + n}/{count // 4} blocks")
             seconds = time.perf_counter() - start
         stats = dict(engine.stats)
     moved = (
@@ -96,7 +100,7 @@ async def loop_lag_run(total_bytes: int) -> dict[str, float]:
     }
 
 
-async def roundtrip_run(repeats: int, blocks: int) -> dict[str, float]:
+async def roundtrip_run(repeats: int, blocks: int, progress: Progress) -> dict[str, float]:
     """Median store+load of one 2 MiB block through the engine vs. two plain copies.
 
     Both sides cycle through ``blocks`` device blocks and host slots (``blocks`` = 1:
@@ -120,6 +124,7 @@ async def roundtrip_run(repeats: int, blocks: int) -> dict[str, float]:
             stored = await engine.store([key(i)], [i % blocks])
             loaded = await engine.load([key(i)], [blocks + i % blocks])
             engine_times.append(time.perf_counter() - t0)
+            progress.update(f"round trips ({blocks} blocks): {i + 1}/{repeats}")
             if not (stored.success and loaded.success):
                 raise SystemExit("round trip failed")
         n = min(repeats, blocks)  # the blocks that made the trip
@@ -154,7 +159,7 @@ def block_image(kv: list[torch.Tensor], block: int) -> torch.Tensor:
     return torch.cat([t[block].view(torch.uint8).flatten() for t in kv]).cpu()
 
 
-async def device_copy_run(total_bytes: int) -> dict[str, object]:
+async def device_copy_run(total_bytes: int, progress: Progress) -> dict[str, object]:
     """CUDA only: DeviceCopier throughput vs. one large pinned copy, each direction.
 
     Both directions are warmed up first (staging buffers, lazily loaded kernels), then
@@ -165,6 +170,7 @@ async def device_copy_run(total_bytes: int) -> dict[str, object]:
     for block in (256 << 10, 512 << 10, 1 << 20, 2 << 20):
         n = total_bytes // block
         for layout, layers in (("one-tensor", 1), ("per-layer", 32)):
+            progress.update(f"device copies: {block >> 10} KiB {layout}", force=True)
             kv = [device_kv(n, block // layers, "cuda") for _ in range(layers)]
             probes = (0, n // 2, n - 1)
             with HostPool(n, block) as pool:
@@ -203,6 +209,7 @@ async def device_copy_run(total_bytes: int) -> dict[str, object]:
                     "ratio": round(min(to_host / d2h, to_device / h2d), 3),
                 }
             )
+            progress.clear()
             print(f"  {block >> 10:5d} KiB {layout:10s} {rows[-1]}")
             del kv
     return {
@@ -213,17 +220,19 @@ async def device_copy_run(total_bytes: int) -> dict[str, object]:
     }
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, object]:
+async def main_async(args: argparse.Namespace, progress: Progress) -> dict[str, object]:
     figures: dict[str, object] = {"loop": args.loop, "block_bytes": BLOCK}
-    lag = await loop_lag_run(int(args.gib * (1 << 30)))
+    lag = await loop_lag_run(int(args.gib * (1 << 30)), progress)
+    progress.clear()
     print(
         f"loop lag while moving {lag['bytes_moved'] / 2**30:.2f} GiB: p99 "
         f"{lag['loop_lag_p99_ms']} ms, max {lag['loop_lag_max_ms']} ms "
         f"({lag['moved_GBps']} GB/s over all hops)"
     )
     figures.update(lag)
-    cold = await roundtrip_run(args.repeats, 64)
-    hot = await roundtrip_run(args.repeats, 1)
+    cold = await roundtrip_run(args.repeats, 64, progress)
+    hot = await roundtrip_run(args.repeats, 1, progress)
+    progress.clear()
     figures.update(
         roundtrip_engine_ms=round(cold["engine_ms"], 3),
         roundtrip_plain_ms=round(cold["plain_ms"], 3),
@@ -239,21 +248,40 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         )
     if torch.cuda.is_available():
         print("device copies (CUDA):")
-        figures.update(await device_copy_run(1 << 30))
+        figures.update(await device_copy_run(1 << 30, progress))
     else:
         print("device copies: skipped, no CUDA")
         figures["device_copy_ratio"] = None
     return figures
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, fully checked: a bad value exits with status 2 and a message
+    naming the option, before anything is measured."""
+    parser = make_parser(__doc__)
+    parser.add_argument(
+        "--gib",
+        type=positive_float,
+        default=1.0,
+        help="GiB to stream through the tiers for the loop-lag figure",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=200, help="round trips to time (medians)"
+    )
+    parser.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop to run on"
+    )
+    args = parser.parse_args(argv)
+    if args.gib * (1 << 30) < BLOCK:
+        parser.error(f"argument --gib: {args.gib} GiB holds no {BLOCK >> 20} MiB block")
+    return args
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=1.0, help="GiB to store (default 1)")
-    parser.add_argument("--repeats", type=int, default=200, help="round trips to time")
-    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    args = parser.parse_args()
+    args = parse_args()
     runner = uvloop.run if args.loop == "uvloop" else asyncio.run
-    figures = runner(main_async(args))
+    with Progress() as progress:
+        figures = runner(main_async(args, progress))
     print(json.dumps(figures))
 
 

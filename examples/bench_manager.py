@@ -2,6 +2,9 @@
 
 Usage: python examples/bench_manager.py TRACE CAPACITY [--policies lru,arc,s3fifo]
 
+The project's synthetic trace lives beside the repository, at
+``../shared/traces/synthetic_trace.jsonl``; it is not part of the project.
+
 Per request, in this order: ``touch`` all of its blocks, ``lookup`` the prefix,
 ``prepare_load``/``complete_load`` the hit prefix, ``prepare_store``/``complete_store``
 the rest. Prints the prefix hit ratio (hit blocks / requested blocks) and block-ops
@@ -14,27 +17,50 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
+
+from _cli import Progress, choice_list, make_parser, positive_int
 
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import policy_names
 
 
+class TraceError(ValueError):
+    """The trace file cannot be read or a line of it is not a Mooncake trace record."""
+
+
 def load_trace(path: Path) -> list[list[bytes]]:
-    """Each request's block hashes, as 8-byte big-endian keys of the trace's ``hash_ids``."""
+    """Each request's block hashes, as 8-byte big-endian keys of the trace's ``hash_ids``.
+
+    Raises:
+        TraceError: the file cannot be read, or a line (named by number) is not a JSON
+            object whose ``hash_ids`` is a list of integers in 0 .. 2**64 - 1.
+    """
     requests: list[list[bytes]] = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["hash_ids"]
-            except (ValueError, KeyError) as exc:
-                sys.exit(f"{path}:{line_no}: not a Mooncake trace line ({exc})")
-            requests.append([int(i).to_bytes(8, "big") for i in ids])
+    try:
+        with path.open() as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    ids = json.loads(line)["hash_ids"]
+                    requests.append([_hash_key(i) for i in ids])
+                except (ValueError, KeyError, TypeError, OverflowError) as exc:
+                    raise TraceError(
+                        f"{path}:{line_no}: not a Mooncake trace line ({exc!r})"
+                    ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"cannot read {str(path)!r}: {exc}") from None
+    if not requests:
+        raise TraceError(f"{str(path)!r} holds no requests")
     return requests
+
+
+def _hash_key(value: object) -> bytes:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"hash id {value!r} is not an integer")
+    return value.to_bytes(8, "big")
 
 
 def replay(requests: list[list[bytes]], capacity: int, policy: str) -> dict[str, float]:
@@ -74,26 +100,40 @@ def replay(requests: list[list[bytes]], capacity: int, policy: str) -> dict[str,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[list[bytes]]]:
+    """The checked command line and the parsed trace; a bad value or an unreadable trace
+    exits with status 2 and a message naming the argument, before any replay starts."""
+    parser = make_parser(__doc__)
     parser.add_argument("trace", type=Path, help="JSONL trace in the Mooncake format")
-    parser.add_argument("capacity", type=int, help="CPU tier capacity in blocks")
+    parser.add_argument("capacity", type=positive_int, help="CPU tier capacity in blocks")
     parser.add_argument(
-        "--policies", default=",".join(policy_names()), help="comma-separated policy names"
+        "--policies",
+        type=choice_list(policy_names()),
+        default=",".join(policy_names()),
+        help="comma-separated eviction policies to replay, in order",
     )
-    args = parser.parse_args()
-    if args.capacity <= 0:
-        parser.error("capacity must be a positive number of blocks")
-    requests = load_trace(args.trace)
+    args = parser.parse_args(argv)
+    try:
+        requests = load_trace(args.trace)
+    except TraceError as exc:
+        parser.error(f"argument trace: {exc}")
+    return args, requests
+
+
+def main() -> None:
+    args, requests = parse_args()
     results: dict[str, dict[str, float]] = {}
-    for policy in args.policies.split(","):
-        results[policy] = replay(requests, args.capacity, policy)
-        r = results[policy]
-        print(
-            f"{policy:>7}: hit ratio {r['hit_ratio']:.4f}  "
-            f"{r['block_ops_per_s'] / 1e6:.2f} M block-ops/s  "
-            f"({r['block_ops']} ops in {r['seconds']:.3f} s)"
-        )
+    with Progress() as progress:
+        for number, policy in enumerate(args.policies, 1):
+            progress.update(f"replaying with {policy} ({number}/{len(args.policies)})", force=True)
+            results[policy] = replay(requests, args.capacity, policy)
+            r = results[policy]
+            progress.clear()
+            print(
+                f"{policy:>7}: hit ratio {r['hit_ratio']:.4f}  "
+                f"{r['block_ops_per_s'] / 1e6:.2f} M block-ops/s  "
+                f"({r['block_ops']} ops in {r['seconds']:.3f} s)"
+            )
     summary = {
         "trace": str(args.trace),
         "capacity": args.capacity,

@@ -5,6 +5,8 @@ Usage::
     apt-get install -y fio          # optional: the baseline uses fio when it is installed
     python examples/bench_nvme.py [DIR] [--size-gib 1] [--block-sizes 2M,128K]
 
+While it runs, a progress line shows on stderr when stderr is a terminal.
+
 For each block size, in one run: a raw baseline writes then reads ``--size-gib`` of data
 sequentially in one file of DIR (fio with ``ioengine=psync``, or a plain ``os.pwritev``/
 ``os.preadv`` loop when fio is missing), then the tier stores the same amount as blocks
@@ -37,8 +39,17 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+
+from _cli import (
+    Progress,
+    ensure_directory,
+    make_parser,
+    positive_float,
+    positive_int,
+    size_list,
+)
 
 from backends.nvme import NVMeTier
 from backends.nvme_files import probe_o_direct
@@ -46,15 +57,9 @@ from tiering.host_pool import HostPool
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
 
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"2M"`` -> 2097152; plain digits are bytes."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if text and text[-1] in _UNITS:
-        return int(float(text[:-1]) * _UNITS[text[-1]])
-    return int(text)
+# O_DIRECT (used by the baseline and the tier when the probe allows it) needs
+# block-aligned transfers; 4 KiB covers every common logical block size.
+_ALIGN = 4096
 
 
 @dataclass
@@ -167,10 +172,17 @@ def python_baseline(
 
 
 async def _drive(
-    tier: NVMeTier, batches: list[list[bytes]], windows: int, job_blocks: int, *, load: bool
+    tier: NVMeTier,
+    batches: list[list[bytes]],
+    windows: int,
+    job_blocks: int,
+    *,
+    load: bool,
+    report: Callable[[str], None],
 ) -> Phase:
     """Run one job per batch; each job owns one of ``windows`` disjoint slot ranges until
-    its result arrives, so no two jobs in flight ever touch the same slot."""
+    its result arrives, so no two jobs in flight ever touch the same slot. ``report``
+    gets a short status after each job finishes."""
     free: asyncio.Queue[int] = asyncio.Queue()
     for window in range(windows):
         free.put_nowait(window * job_blocks)
@@ -179,6 +191,7 @@ async def _drive(
     async def finish(job_id: int, base: int) -> None:
         results.append(await tier.result(job_id))
         free.put_nowait(base)
+        report(f"{'load' if load else 'store'} jobs {len(results)}/{len(batches)}")
 
     async with LoopLagMonitor() as lag:
         start = time.perf_counter()
@@ -197,7 +210,11 @@ async def _drive(
 
 
 async def bench_tier(
-    directory: str, block: int, total: int, args: argparse.Namespace
+    directory: str,
+    block: int,
+    total: int,
+    args: argparse.Namespace,
+    report: Callable[[str], None],
 ) -> TierFigures:
     job_blocks = max(1, (args.job_mib << 20) // block)
     windows = args.max_inflight + 2  # a couple queued beyond those running
@@ -225,9 +242,10 @@ async def bench_tier(
     )
     try:
         async with tier:
-            store = await _drive(tier, batches, windows, job_blocks, load=False)
+            store = await _drive(tier, batches, windows, job_blocks, load=False, report=report)
+            report("dropping the page cache")
             cold = bool(tier.o_direct) or drop_page_cache(list(files_under(tier.directory)))
-            load = await _drive(tier, batches, windows, job_blocks, load=True)
+            load = await _drive(tier, batches, windows, job_blocks, load=True, report=report)
             o_direct = bool(tier.o_direct)
             corrupt = tier.metrics.corrupt_blocks
     finally:
@@ -247,7 +265,7 @@ async def bench_tier(
 # -- main ---------------------------------------------------------------------------------
 
 
-def run(directory: str, args: argparse.Namespace) -> list[dict[str, object]]:
+def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[dict[str, object]]:
     """Every block size: ``--repeat`` rounds of baseline then tier; medians reported."""
     runs: list[dict[str, object]] = []
     total = int(args.size_gib * (1 << 30))
@@ -259,10 +277,16 @@ def run(directory: str, args: argparse.Namespace) -> list[dict[str, object]]:
         import uvloop
 
         loop_factory = uvloop.new_event_loop
-    for block in [parse_size(size) for size in args.block_sizes.split(",")]:
+    for block in args.block_sizes:
         size = total // block * block
         base_writes, base_reads, tiers = [], [], []
-        for _ in range(args.repeat):
+        for round_no in range(1, args.repeat + 1):
+            where = f"block {_size_text(block)}, round {round_no}/{args.repeat}"
+
+            def report(status: str, where: str = where) -> None:
+                progress.update(f"{where}: tier {status}")
+
+            progress.update(f"{where}: baseline write and read", force=True)
             path = os.path.join(directory, f"baseline-{block}.dat")
             try:
                 written, read = baseline(path, block, size, direct, args.fsync != "none")
@@ -272,7 +296,7 @@ def run(directory: str, args: argparse.Namespace) -> list[dict[str, object]]:
             base_writes.append(written)
             base_reads.append(read)
             with asyncio.Runner(loop_factory=loop_factory) as runner:
-                tiers.append(runner.run(bench_tier(directory, block, size, args)))
+                tiers.append(runner.run(bench_tier(directory, block, size, args, report)))
         store = statistics.median(t.store_GBps for t in tiers)
         load = statistics.median(t.load_GBps for t in tiers)
         base_write = statistics.median(base_writes)
@@ -288,6 +312,7 @@ def run(directory: str, args: argparse.Namespace) -> list[dict[str, object]]:
             "loop_lag_p99_ms": round(max(t.loop_lag_p99_ms for t in tiers), 3),
             "cold_load": all(t.cold_load for t in tiers),
         }
+        progress.clear()
         print(
             f"block {block >> 10} KiB x {size / (1 << 30):.2f} GiB, "
             f"{'O_DIRECT' if tiers[0].o_direct else 'buffered'}, fsync={args.fsync}, "
@@ -307,25 +332,77 @@ def _list(values: Iterable[float]) -> str:
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _size_text(size: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift} {unit}"
+    return f"{size} B"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, fully checked: a bad value exits with status 2 and a message
+    naming the option, before any directory is created or any byte written."""
+    parser = make_parser(__doc__)
     parser.add_argument("directory", nargs="?", help="directory to test (default: a temp dir)")
-    parser.add_argument("--size-gib", type=float, default=1.0, help="data per run (GiB)")
-    parser.add_argument("--block-sizes", default="2M,128K", help="comma-separated sizes")
-    parser.add_argument("--job-mib", type=int, default=32, help="payload per store/load job")
-    parser.add_argument("--fsync", choices=("none", "batch", "always"), default="batch")
-    parser.add_argument("--io-threads", type=int, default=4)
-    parser.add_argument("--max-inflight", type=int, default=4)
-    parser.add_argument("--baseline", choices=("auto", "fio", "python"), default="auto")
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds; medians reported")
-    args = parser.parse_args()
-    if args.directory:
-        os.makedirs(args.directory, exist_ok=True)
-        runs = run(args.directory, args)
-    else:
-        with tempfile.TemporaryDirectory(prefix="bench-nvme-") as directory:
-            runs = run(directory, args)
+    parser.add_argument("--size-gib", type=positive_float, default=1.0, help="data per run, GiB")
+    parser.add_argument(
+        "--block-sizes",
+        type=size_list,
+        default="2M,128K",
+        help="comma-separated block sizes (K, M, G suffixes; multiples of 4K)",
+    )
+    parser.add_argument(
+        "--job-mib", type=positive_int, default=32, help="payload per store/load job, MiB"
+    )
+    parser.add_argument(
+        "--fsync",
+        choices=("none", "batch", "always"),
+        default="batch",
+        help="the tier's fsync policy (the baseline fsyncs once unless none)",
+    )
+    parser.add_argument("--io-threads", type=positive_int, default=4, help="tier I/O threads")
+    parser.add_argument("--max-inflight", type=positive_int, default=4, help="tier jobs running")
+    parser.add_argument(
+        "--baseline",
+        choices=("auto", "fio", "python"),
+        default="auto",
+        help="raw baseline: fio, a Python pwritev/preadv loop, or fio when installed",
+    )
+    parser.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop to run on"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=3, help="rounds per block size; medians reported"
+    )
+    args = parser.parse_args(argv)
+    total = int(args.size_gib * (1 << 30))
+    for block in args.block_sizes:
+        if block % _ALIGN:
+            parser.error(
+                f"argument --block-sizes: {block} bytes is not a multiple of {_ALIGN} "
+                "(O_DIRECT needs aligned blocks)"
+            )
+        if total < block:
+            parser.error(
+                f"argument --size-gib: {args.size_gib} GiB holds no block of {block} bytes"
+            )
+    if len(set(args.block_sizes)) != len(args.block_sizes):
+        parser.error("argument --block-sizes: sizes repeat")
+    if args.baseline == "fio" and not shutil.which("fio"):
+        parser.error("argument --baseline: fio is not installed (use auto or python)")
+    if args.directory is not None:
+        ensure_directory(parser, "directory", args.directory)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    with Progress() as progress:
+        if args.directory:
+            runs = run(args.directory, args, progress)
+        else:
+            with tempfile.TemporaryDirectory(prefix="bench-nvme-") as directory:
+                runs = run(directory, args, progress)
     print(json.dumps({"runs": runs}))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import uvloop
+from _cli import ensure_directory, make_parser
 
 from tiering import TieringEngine
 from tiering.hashing import block_hashes
@@ -120,11 +121,28 @@ async def run(device: torch.device, nvme_dir: Path | None) -> bool:
     return all_ok
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The checked command line: an unusable ``--nvme`` directory or ``--device cuda``
+    without CUDA exits with status 2 and a message naming the option."""
+    parser = make_parser(__doc__)
+    parser.add_argument(
+        "--nvme", type=Path, metavar="DIR", help="also cascade to an NVMe tier under DIR"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="where the KV cache lives (default: cuda if available, else cpu)",
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: 'cuda' requested but torch sees no CUDA device")
+    if args.nvme is not None:
+        ensure_directory(parser, "--nvme", str(args.nvme))
+    return args
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nvme", type=Path, help="also cascade to an NVMe tier under DIR")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
-    args = parser.parse_args()
+    args = parse_args()
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     ok = uvloop.run(run(torch.device(name), args.nvme))
     print("all bytes round-tripped exactly" if ok else "MISMATCH: some bytes differ")

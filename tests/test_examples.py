@@ -1,0 +1,296 @@
+"""The example scripts behave like tools: bad arguments stop them before any work with
+exit status 2 and a message naming the argument; ``--help`` shows the defaults; the
+progress line never reaches a pipe; the benchmark's last stdout line stays JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+
+sys.path.insert(0, str(EXAMPLES))  # the scripts import their shared _cli module by name
+import _cli  # noqa: E402
+
+
+def _script(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` under a private module name (main() is not run)."""
+    module_name = f"_example_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# -- each script, in a subprocess -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "named"),
+    [
+        ("bench_nvme.py", ["--block-sizes", "2X"], "--block-sizes"),
+        ("bench_engine.py", ["--repeats", "0"], "--repeats"),
+        ("bench_manager.py", ["missing-trace.jsonl", "64", "--policies", "lru,nope"], "--policies"),
+        ("driver.py", ["--device", "tpu"], "--device"),
+    ],
+)
+def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str) -> None:
+    done = _run(f"examples/{script}", *args)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"argument {named}:" in last
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""  # nothing was measured or printed before the check
+
+
+@pytest.mark.parametrize(
+    ("script", "defaults"),
+    [
+        ("bench_nvme.py", ["(default: 2M,128K)", "(default: 1.0)", "(default: 3)"]),
+        ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
+        ("bench_manager.py", ["(default: arc,lru,s3fifo)"]),
+        ("driver.py", ["default: cuda if available"]),
+    ],
+)
+def test_help_shows_defaults(script: str, defaults: list[str]) -> None:
+    done = _run(f"examples/{script}", "--help")
+    assert done.returncode == 0, done.stderr
+    flat = " ".join(done.stdout.split())  # argparse wraps help text at any space
+    for default in defaults:
+        assert default in flat, (default, done.stdout)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
+def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
+    done = _run("examples/bench_manager.py", str(TRACE), "256", "--policies", "lru")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no progress line on a pipe
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["capacity"] == 256
+    assert summary["requests"] > 0
+    assert set(summary["results"]) == {"lru"}
+    assert 0.0 <= summary["results"]["lru"]["hit_ratio"] <= 1.0
+    assert summary["results"]["lru"]["block_ops_per_s"] > 0
+
+
+# -- every checked value, in this process (same parser, no interpreter start-up) ------
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--repeat", "0"], "--repeat"),
+        (["--repeat", "two"], "--repeat"),
+        (["--size-gib", "-1"], "--size-gib"),
+        (["--size-gib", "inf"], "--size-gib"),
+        (["--size-gib", "0.0001"], "--size-gib"),  # less than one 2 MiB block
+        (["--block-sizes", "2M,,128K"], "--block-sizes"),
+        (["--block-sizes", "1000"], "--block-sizes"),  # not O_DIRECT-aligned
+        (["--block-sizes", "128K,128K"], "--block-sizes"),
+        (["--job-mib", "0"], "--job-mib"),
+        (["--io-threads", "-2"], "--io-threads"),
+        (["--max-inflight", "1.5"], "--max-inflight"),
+        (["--fsync", "sometimes"], "--fsync"),
+        (["--loop", "trio"], "--loop"),
+    ],
+)
+def test_bench_nvme_rejects(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parse_args = _script("bench_nvme").parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {named}:" in capsys.readouterr().err
+
+
+def test_bench_nvme_directory_must_be_writable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    parse_args = _script("bench_nvme").parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([str(blocker / "sub")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument directory:" in err
+    assert str(blocker) in err
+    # A directory that can be made is made, and accepted.
+    args = parse_args([str(tmp_path / "new" / "dir"), "--block-sizes", "4K,1M"])
+    assert (tmp_path / "new" / "dir").is_dir()
+    assert args.block_sizes == [4096, 1 << 20]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--gib", "0"], "--gib"),
+        (["--gib", "0.0001"], "--gib"),  # less than one 2 MiB block
+        (["--repeats", "-5"], "--repeats"),
+        (["--loop", "tokio"], "--loop"),
+    ],
+)
+def test_bench_engine_rejects(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _script("bench_engine").parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {named}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("lines", "why"),
+    [
+        (["not json"], ":1: not a Mooncake trace line"),
+        (['{"hash_ids": [1, 2]}', '{"no_ids": 1}'], ":2: not a Mooncake trace line"),
+        (['{"hash_ids": [1, "x"]}'], "not an integer"),
+        (['{"hash_ids": [-1]}'], "not a Mooncake trace line"),
+        ([""], "holds no requests"),
+    ],
+)
+def test_bench_manager_rejects_bad_traces(
+    tmp_path: Path, lines: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        _script("bench_manager").parse_args([str(trace), "16"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument trace:" in err
+    assert why in err
+
+
+def test_bench_manager_reads_a_valid_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"hash_ids": [0, 1, 2]}\n\n{"hash_ids": [0, 1, 7]}\n')
+    args, requests = _script("bench_manager").parse_args([str(trace), "8", "--policies", "lru"])
+    assert args.capacity == 8
+    assert args.policies == ["lru"]
+    assert requests == [
+        [i.to_bytes(8, "big") for i in (0, 1, 2)],
+        [i.to_bytes(8, "big") for i in (0, 1, 7)],
+    ]
+
+
+def test_driver_rejects_an_unusable_nvme_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(SystemExit) as exit_info:
+        _script("driver").parse_args(["--nvme", str(blocker)])
+    assert exit_info.value.code == 2
+    assert "argument --nvme:" in capsys.readouterr().err
+
+
+# -- the shared pieces --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("4096", 4096),
+        ("128K", 128 << 10),
+        ("2M", 2 << 20),
+        ("2MiB", 2 << 20),
+        ("2mb", 2 << 20),
+        (" 1.5G ", 3 << 29),
+        ("1T", 1 << 40),
+    ],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert _cli.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "2X", "M", "0", "-4K", "0.3", "1e400", "nan", "B"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match=r"size|bytes"):
+        _cli.parse_size(text)
+
+
+def test_size_list() -> None:
+    assert _cli.size_list("2M,128K") == [2 << 20, 128 << 10]
+    with pytest.raises(argparse.ArgumentTypeError, match="'2X'"):
+        _cli.size_list("2M,2X")
+    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
+        _cli.size_list("2M,")
+
+
+def test_positive_numbers() -> None:
+    assert _cli.positive_int("7") == 7
+    assert _cli.positive_float("0.25") == 0.25
+    for bad in ("0", "-1", "1.0", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
+            _cli.positive_int(bad)
+    for bad in ("0", "-0.5", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number"):
+            _cli.positive_float(bad)
+
+
+def test_choice_list() -> None:
+    parse = _cli.choice_list(["lru", "arc"])
+    assert parse("arc,lru") == ["arc", "lru"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'fifo'.*arc, lru"):
+        parse("lru,fifo")
+    with pytest.raises(argparse.ArgumentTypeError, match="repeat"):
+        parse("lru,lru")
+
+
+def test_progress_is_silent_on_a_pipe() -> None:
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "w") as pipe, _cli.Progress(pipe) as progress:
+        assert not progress.enabled
+        progress.update("working", force=True)
+    with os.fdopen(read_fd, "rb") as reader:
+        assert reader.read() == b""
+    buffer = io.StringIO()
+    with _cli.Progress(buffer) as progress:
+        progress.update("working", force=True)
+    assert buffer.getvalue() == ""
+
+
+def test_progress_draws_and_clears_on_a_terminal() -> None:
+    primary, secondary = os.openpty()
+    try:
+        tty = os.fdopen(secondary, "w", closefd=False)
+        with tty, _cli.Progress(tty, interval=3600) as progress:
+            assert progress.enabled
+            progress.update("step 1/3", force=True)
+            progress.update("step 2/3")  # within the interval: not drawn
+            progress.update("step 3", force=True)
+        shown = os.read(primary, 4096).decode()
+    finally:
+        os.close(secondary)
+        os.close(primary)
+    # Step 2 fell within the interval; the shorter step 3 blanks step 1's tail; leaving
+    # the block blanks the line and returns to its start.
+    assert shown == "\rstep 1/3" + "\rstep 3  " + "\r      \r"
