@@ -7,11 +7,13 @@ import logging
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 
 from tiering.actor import TierActor
 from tiering.errors import ClosedError, InvalidArgumentError, TierBusyError
+from tiering.lifecycle import Lifecycle
 from tiering.secondary import JobMetadata, JobResult
 
 BLOCK = 64
@@ -304,21 +306,25 @@ async def test_duplicate_job_id_in_flight_raises_and_changes_nothing() -> None:
         await _results(tier, 1)
 
 
-async def test_hook_that_raises_fails_only_that_job_and_logs_it_once(
+async def test_hook_that_raises_fails_only_that_job_and_each_cause_is_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="tiering.actor")
+    caplog.set_level(logging.WARNING, logger="tiering.actor")
     async with CopyTier(_pool(), max_inflight=1) as tier:
-        tier.fail_ids.add(1)
+        tier.fail_ids.update({1, 3})
         tier.submit_store(_store(1, (b"a", 0), (b"b", 1)))
         tier.submit_store(_store(2, (b"c", 2)))
-        failed, ok = await _results(tier, 1, 2)
+        tier.submit_store(_store(3, (b"d", 3)))
+        failed, ok, failed_again = await _results(tier, 1, 2, 3)
+        failures = dict(tier.statistics().failures)
     assert failed == JobResult(1, False, (b"a", b"b"), "OSError('disk on fire')")
     assert ok == JobResult(2, True)
+    assert not failed_again.success and failed_again.failed_keys == (b"d",)
     assert tier.blocks.keys() == {b"c"}
-    records = [r for r in caplog.records if "job 1" in r.getMessage()]
+    assert failures == {"store hook raised OSError": 2}
+    records = [r for r in caplog.records if "store hook raised OSError" in r.getMessage()]
     assert len(records) == 1
-    assert records[0].exc_info is not None
+    assert "disk on fire" in records[0].getMessage()
 
 
 async def test_hook_returning_another_job_id_fails_that_job() -> None:
@@ -536,3 +542,183 @@ def test_non_positive_sizes_are_rejected(kwarg: str) -> None:
 def test_read_only_host_pool_is_rejected() -> None:
     with pytest.raises(InvalidArgumentError, match="writable"):
         CopyTier(memoryview(bytes(SLOTS * BLOCK)))
+
+
+class HeldTier(CopyTier):
+    """A CopyTier whose store thread call blocks on a threading.Event (``release``)."""
+
+    def __init__(self, view: memoryview, **kwargs: int) -> None:
+        super().__init__(view, **kwargs)
+        self.release = threading.Event()
+        self.in_thread = threading.Event()
+        self.thread_done = threading.Event()
+
+    def _read_slots(self, block_ids: tuple[int, ...]) -> list[bytes]:
+        self.in_thread.set()
+        if not self.release.wait(timeout=30):
+            raise TimeoutError("test never released the thread call")
+        data = super()._read_slots(block_ids)
+        self.thread_done.set()
+        return data
+
+
+def _tasks_of(name_prefix: str) -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith(name_prefix)]
+
+
+async def _spin(iterations: int = 20) -> None:
+    for _ in range(iterations):
+        await asyncio.sleep(0)
+
+
+async def _until_thread_started(tier: HeldTier) -> None:
+    assert await asyncio.to_thread(tier.in_thread.wait, 5)
+
+
+async def _eventually(predicate: Callable[[], bool]) -> None:
+    """Poll ``predicate`` for up to about 5 s (a bound on waiting, not a timing check)."""
+    for _ in range(5000):
+        if predicate():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition not reached")
+
+
+async def test_state_follows_the_lifecycle() -> None:
+    tier = CopyTier(_pool())
+    assert tier.state is Lifecycle.NEW
+    await tier.start()
+    assert tier.state is Lifecycle.OPEN
+    await tier.aclose()
+    assert tier.state is Lifecycle.CLOSED
+    with pytest.raises(AttributeError):
+        tier.state = Lifecycle.OPEN  # type: ignore[misc]
+
+
+async def test_statistics_count_queued_and_running_jobs_and_their_bytes() -> None:
+    async with CopyTier(_pool(), max_inflight=1) as tier:
+        tier.gated.add(1)
+        tier.submit_store(_store(1, (b"a", 0), (b"b", 1)))
+        tier.submit_store(_store(2, (b"c", 2)))
+        await _entered(tier, 1)
+        stats = tier.statistics()
+        assert stats.state is Lifecycle.OPEN
+        assert stats.jobs_in_flight == 2
+        assert stats.bytes_in_flight == 3 * BLOCK
+        assert stats.used_blocks == 0
+        assert "2 jobs" in repr(tier) and "CopyTier" in repr(tier)
+        assert tier.inbox_statistics().queued_stores == 1
+        tier.gate.set()
+        await _results(tier, 1, 2)
+        stats = tier.statistics()
+        assert (stats.jobs_in_flight, stats.bytes_in_flight, stats.used_blocks) == (0, 0, 3)
+
+
+async def test_close_failures_are_counted_by_cause() -> None:
+    tier = CopyTier(_pool(), max_inflight=1)
+    await tier.start()
+    tier.gated.add(1)
+    for job_id in (1, 2, 3):
+        tier.submit_store(_store(job_id, (bytes([job_id]), job_id)))
+    await _entered(tier, 1)
+    tier.shutdown()
+    assert dict(tier.statistics().failures) == {"cancelled by shutdown": 3}
+    assert tier.statistics().state is Lifecycle.CLOSED
+
+
+async def test_shutdown_delivers_the_result_of_a_job_in_a_thread_call_only_after_it_returns() -> (
+    None
+):
+    view = _pool()
+    view[0:BLOCK] = os.urandom(BLOCK)
+    tier = HeldTier(view)
+    await tier.start()
+    tier.submit_store(_store(1, (b"a", 0)))
+    future = tier.result(1)
+    await _until_thread_started(tier)
+    tier.shutdown()  # returns although the thread call still runs
+    assert tier.state is Lifecycle.CLOSING
+    await _spin()
+    assert not future.done()
+    assert tier.get_finished() == []
+    assert tier.statistics().jobs_in_flight == 1
+    tier.release.set()
+    async with asyncio.timeout(5):
+        result = await future
+    assert tier.thread_done.is_set()  # the thread had finished touching the slot
+    assert not result.success and "shut down" in (result.error or "")
+    assert tier.get_finished() == [result]
+    assert tier.state is Lifecycle.CLOSED
+
+
+async def test_aclose_past_its_deadline_waits_for_a_running_thread_call() -> None:
+    tier = HeldTier(_pool())
+    await tier.start()
+    tier.submit_store(_store(1, (b"a", 0)))
+    future = tier.result(1)
+    await _until_thread_started(tier)
+    closing = asyncio.create_task(tier.aclose(timeout=0.001))
+    # Wait (untimed) until the close has cancelled the job: its deadline has passed.
+    await _eventually(lambda: any(t.cancelling() for t in _tasks_of("HeldTier-store-1")))
+    await _spin()
+    assert not closing.done() and not future.done()
+    assert tier.state is Lifecycle.CLOSING
+    tier.release.set()
+    async with asyncio.timeout(5):
+        await closing
+    assert tier.thread_done.is_set()
+    result = future.result()
+    assert not result.success and "deadline" in (result.error or "")
+    assert tier.state is Lifecycle.CLOSED
+    assert _tasks_of("HeldTier") == []
+
+
+async def test_a_cancelled_aclose_still_ends_every_task_and_thread_of_the_tier() -> None:
+    class LeakCheckTier(CopyTier):
+        pass
+
+    tier = LeakCheckTier(_pool(), max_inflight=2)
+    await tier.start()
+    tier.gated.update(range(1, 9))
+    for job_id in range(1, 9):
+        tier.submit_store(_store(job_id, (bytes([job_id]), job_id % SLOTS)))
+    await _entered(tier, 1)
+    assert _tasks_of("LeakCheckTier")
+    closing = asyncio.create_task(tier.aclose(timeout=60))
+    await asyncio.sleep(0.001)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await _spin()
+    assert _tasks_of("LeakCheckTier") == []
+    assert tier.state is Lifecycle.CLOSED
+    results = tier.get_finished()
+    assert sorted(r.job_id for r in results) == list(range(1, 9))
+    assert not any(r.success for r in results)
+    # Idle pool threads exit once told to.
+    await _eventually(
+        lambda: not any(t.name.startswith("LeakCheckTier-io") for t in threading.enumerate())
+    )
+
+
+async def test_a_thread_call_of_a_hook_is_awaited_before_the_hook_unwinds() -> None:
+    tier = HeldTier(_pool())
+    await tier.start()
+    unwound_after_thread: list[bool] = []
+    original = tier._do_store
+
+    async def store(job: JobMetadata) -> JobResult:
+        try:
+            return await original(job)
+        except asyncio.CancelledError:
+            unwound_after_thread.append(tier.thread_done.is_set())
+            raise
+
+    tier._do_store = store  # type: ignore[method-assign]
+    tier.submit_store(_store(1, (b"a", 0)))
+    await _until_thread_started(tier)
+    tier.shutdown()
+    tier.release.set()
+    async with asyncio.timeout(5):
+        await tier.result(1)
+    assert unwound_after_thread == [True]

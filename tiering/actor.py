@@ -1,35 +1,42 @@
-"""The asynchronous base of every secondary tier: an actor with bounded inboxes.
+"""The asynchronous base of every secondary tier: an actor with a bounded inbox.
 
-A :class:`TierActor` owns two bounded inboxes (loads and stores), one serving task
-that feeds them to the subclass's hooks, at most ``max_inflight`` job tasks, a
-completion queue and a bounded thread pool for blocking byte work. Every task it
-runs belongs to one :class:`asyncio.TaskGroup`, hosted by a runner task the actor
-owns, so :meth:`TierActor.start` and :meth:`TierActor.aclose` may be called from
-any task of the loop.
+A :class:`TierActor` owns an :class:`~tiering.inbox.Inbox` (two bounded lanes, loads
+before stores), one serving task that feeds it to the subclass's hooks, at most
+``max_inflight`` job tasks, a :class:`~tiering.ledger.ResultsLedger` and a bounded thread
+pool for blocking byte work. Every task it runs belongs to one
+:class:`asyncio.TaskGroup`, hosted by a runner task the actor owns, so
+:meth:`TierActor.start` and :meth:`TierActor.aclose` may be called from any task of the
+loop.
 
-Life cycle: ``new`` -> :meth:`~TierActor.start` -> ``running`` ->
-:meth:`~TierActor.aclose` (graceful) or :meth:`~TierActor.shutdown` (hard) ->
-``closed``. Every admitted job yields exactly one :class:`JobResult`, whatever
-happens: from its hook, from the hook's failure, or from the close that cut it short.
+Life cycle (:class:`~tiering.lifecycle.Lifecycle`): ``NEW`` -> :meth:`~TierActor.start`
+-> ``OPEN`` -> :meth:`~TierActor.aclose` (graceful) or :meth:`~TierActor.shutdown`
+(hard) -> ``CLOSING`` -> ``CLOSED`` once no task and no blocking call of it runs. Every
+admitted job yields exactly one :class:`JobResult`, whatever happens: from its hook,
+from the hook's failure, or from the close that cut it short, and never while a
+blocking call of the job still runs on a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
+import contextvars
 import functools
 import logging
 from abc import abstractmethod
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 from tiering.errors import ClosedError, InvalidArgumentError, TierBusyError
+from tiering.inbox import Inbox, InboxStatistics, Lane
+from tiering.ledger import ResultsLedger
+from tiering.lifecycle import Lifecycle
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, SecondaryTierManager
+from tiering.statistics import FailureLog, Statistics
 from tiering.validation import positive_int
 from tiering.workers import init_io_worker
 
@@ -41,15 +48,14 @@ ACTOR_OPTIONS = frozenset({"inbox_size", "max_inflight", "io_threads"})
 """The keyword options every TierActor takes; subclasses forwarding ``**kwargs`` check them."""
 
 # How long aclose waits, after cancelling, for hooks to unwind before failing their
-# jobs anyway: a hook that swallows cancellation must not hang the caller.
+# jobs anyway: a hook that swallows cancellation must not hang the caller. (Jobs inside
+# a blocking call are not "hanging": their result waits for the call, see run_blocking.)
 _CANCEL_GRACE_S = 1.0
 
-
-class _State(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    CLOSING = "closing"
-    CLOSED = "closed"
+# The job a job task runs, so run_blocking can mark that job busy while its call runs.
+_CURRENT_JOB: contextvars.ContextVar[tuple[TierActor, int] | None] = contextvars.ContextVar(
+    "tiering_actor_job", default=None
+)
 
 
 @dataclass(eq=False, slots=True)
@@ -57,14 +63,8 @@ class _Job:
     """An admitted job: queued until the serving task hands it to a job task."""
 
     meta: JobMetadata
-    is_load: bool
-    waiters: list[asyncio.Future[JobResult]] = field(default_factory=list)
+    lane: Lane
     task: asyncio.Task[JobResult] | None = None
-    finished: bool = False
-
-    @property
-    def kind(self) -> str:
-        return "load" if self.is_load else "store"
 
 
 class TierActor(SecondaryTierManager):
@@ -79,17 +79,17 @@ class TierActor(SecondaryTierManager):
     * Each admitted job yields exactly one :class:`JobResult`, delivered to every
       :meth:`result` future of the job and once through :meth:`get_finished`. A hook
       that raises, or returns something other than a ``JobResult`` for its job, fails
-      only that job (``failed_keys`` = all its keys); the actor keeps serving.
+      only that job (``failed_keys`` = all its keys); the actor keeps serving. Such
+      failures are counted by cause in ``statistics().failures`` and logged once per
+      cause.
+    * A job's result is never delivered while a :meth:`run_blocking` call made by the
+      job still runs on a thread: whoever sees the result may reuse the job's slots.
     * A failed load may have written some of its slots; their contents are undefined.
 
     Subclasses implement :meth:`_do_store` and :meth:`_do_load` (called on the loop
     thread; do the bulk byte work in ONE :meth:`run_blocking` call per job), plus
-    ``lookup``, ``get_num_blocks``, ``get_tier_type`` and optionally ``touch``/``clear``.
-    All bookkeeping must happen on the loop thread.
-
-    A blocking call already running on a thread cannot be interrupted: when a close
-    cancels its job (deadline passed, or :meth:`shutdown`), the job is reported failed
-    at once and the thread finishes its call afterwards.
+    ``lookup``, ``get_num_blocks``, ``get_tier_type`` and optionally ``touch``/``clear``
+    and :meth:`_usage`. All bookkeeping must happen on the loop thread.
     """
 
     def __init__(
@@ -115,48 +115,50 @@ class TierActor(SecondaryTierManager):
         self.max_inflight = positive_int("max_inflight", max_inflight)
         self.io_threads = positive_int("io_threads", io_threads)
 
-        self._state = _State.NEW
+        self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Task[None] | None = None
         self._task_group: asyncio.TaskGroup | None = None
-        self._load_inbox: asyncio.Queue[_Job] = asyncio.Queue(maxsize=inbox_size)
-        self._store_inbox: asyncio.Queue[_Job] = asyncio.Queue(maxsize=inbox_size)
+        self._inbox: Inbox[_Job] = Inbox(inbox_size, owner=type(self).__name__)
+        self._ledger = ResultsLedger(owner=type(self).__name__, on_delivered=self._delivered)
+        self._failures = FailureLog(logger, type(self).__name__)
         self._inflight = asyncio.Semaphore(max_inflight)
-        self._work_ready = asyncio.Event()
         self._closed_event = asyncio.Event()
-        # put_* callers waiting for inbox room; woken (all) whenever room may have appeared.
-        self._room_waiters: list[asyncio.Future[None]] = []
         self._executor = ThreadPoolExecutor(
             max_workers=io_threads,
             thread_name_prefix=f"{type(self).__name__}-io",
             initializer=init_io_worker,
         )
+        self._calls_running = 0  # run_blocking calls started and not yet returned
+        self._calls_idle = asyncio.Event()
+        self._calls_idle.set()
+        self._stopped = False  # close decided: every job failed or finished, pool shut
 
-        self._jobs: dict[int, _Job] = {}  # admitted, no result yet
+        self._jobs: dict[int, _Job] = {}  # admitted, result not yet delivered
         self._reserved_ids: set[int] = set()  # put_* waiting for room
-        self._undrained: dict[int, JobResult] = {}  # finished, not yet taken by get_finished
-        self._completed: deque[JobResult] = deque()
         self._storing: Counter[OffloadKey] = Counter()
+        # Why jobs cut short by a close fail: the message, and its cause for statistics.
         self._cancel_reason = "cancelled: tier closed before the job finished"
+        self._cancel_cause = "cancelled by close"
 
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start serving on the running loop; a no-op if already running.
+        """Start serving on the running loop; a no-op if already open.
 
         Raises:
             ClosedError: the tier is closing or closed.
             InvalidArgumentError: it was started on another event loop.
         """
-        if self._state in (_State.CLOSING, _State.CLOSED):
+        if self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         loop = asyncio.get_running_loop()
-        if self._state is _State.RUNNING:
+        if self._state is Lifecycle.OPEN:
             if loop is not self._loop:
                 raise InvalidArgumentError(f"{self._name()} already runs on another event loop")
             return
         self._loop = loop
-        self._state = _State.RUNNING
+        self._state = Lifecycle.OPEN
         self._runner = loop.create_task(self._run(), name=f"{self._name()}-runner")
         self._runner.add_done_callback(self._on_runner_done)
         # Let the runner enter its TaskGroup before the caller goes on.
@@ -170,9 +172,13 @@ class TierActor(SecondaryTierManager):
         Submissions raise :class:`ClosedError` from the moment this is called, and
         ``put_*`` calls waiting for room raise it too. Queued and in-flight jobs run to
         completion if they finish within ``timeout`` seconds; the rest are cancelled and
-        reported with ``success=False`` and an error saying why. The thread pool is shut
-        down. Idempotent; concurrent calls all return once the tier is closed. If the
-        caller is cancelled meanwhile, the tier is stopped hard (:meth:`shutdown`).
+        reported with ``success=False`` and an error saying why. A job cancelled inside
+        a :meth:`run_blocking` call is reported only once that call has returned, so this
+        returns within about ``timeout`` plus the remaining time of the blocking calls
+        running at the deadline. On return the state is ``CLOSED``: no task, thread call
+        or result of the tier is left pending. Idempotent; concurrent calls all return
+        once the tier is closed. If the caller is cancelled meanwhile, the tier is
+        stopped hard (:meth:`shutdown`) and the cancellation propagates.
 
         Raises:
             InvalidArgumentError: ``timeout`` is negative or not a number.
@@ -183,18 +189,17 @@ class TierActor(SecondaryTierManager):
             or not timeout >= 0  # also rejects NaN
         ):
             raise InvalidArgumentError(f"timeout must be a non-negative number, got {timeout!r}")
-        if self._state is _State.NEW:
-            self._finalize()
+        if self._state is Lifecycle.NEW:
+            self._stop(notify=True)
             return
-        if self._state is _State.CLOSED:
+        if self._state is Lifecycle.CLOSED:
             return
-        if self._state is _State.CLOSING:
+        if self._state is Lifecycle.CLOSING:
             await self._closed_event.wait()
             return
 
-        self._state = _State.CLOSING
-        self._work_ready.set()
-        self._wake_room_waiters()
+        self._state = Lifecycle.CLOSING
+        self._inbox.close()
         runner = self._runner
         assert runner is not None
         try:
@@ -204,50 +209,64 @@ class TierActor(SecondaryTierManager):
                     f"cancelled: tier closed and the {timeout:g}s aclose deadline passed "
                     "before the job finished"
                 )
+                self._cancel_cause = "cancelled by close: aclose deadline passed"
                 runner.cancel()
                 done, _ = await asyncio.wait({runner}, timeout=_CANCEL_GRACE_S)
-                if not done:
+                if not done and self._ledger.pending > self._ledger.busy_jobs:
                     logger.warning(
                         "%s: a job ignored cancellation; failing it without waiting",
                         self._name(),
                     )
-                    self._cancel_running_jobs()
+            self._stop(notify=True)
+            # Jobs cut short inside a thread call get their result when it returns.
+            await self._closed_event.wait()
         except asyncio.CancelledError:
             self.shutdown()
             raise
-        self._fail_unfinished(self._cancel_reason)
-        self._finalize()
 
     def shutdown(self) -> None:
-        """Stop at once: cancel every task and fail every unfinished job now.
+        """Stop at once: cancel every task and fail every unfinished job.
 
-        Each admitted job without a result gets ``JobResult(success=False)`` before this
-        returns (unless called from another thread while the loop runs: then the stop is
-        scheduled on the loop). The thread pool is shut down without waiting; queued
-        blocking calls are dropped. Idempotent; safe before :meth:`start` and after the
-        loop has stopped.
+        Each admitted job without a result is failed before this returns, except a job
+        whose :meth:`run_blocking` call is running on a thread: a thread cannot be
+        interrupted, so this may return while such calls still run, and those jobs'
+        failures are delivered (and the state becomes ``CLOSED``) on the loop once the
+        calls have returned. Called from another thread while the loop runs, the stop is
+        scheduled on the loop. After the loop has stopped, results are recorded at once
+        (there is nothing left to wait on) without resolving :meth:`result` futures.
+        The thread pool is shut down without waiting; queued blocking calls are dropped.
+        Idempotent; safe before :meth:`start`.
         """
         loop = self._loop
-        if loop is not None and loop.is_running() and not loop.is_closed():
+        loop_running = loop is not None and loop.is_running() and not loop.is_closed()
+        if loop_running:
             try:
                 on_loop = asyncio.get_running_loop() is loop
             except RuntimeError:
                 on_loop = False
             if not on_loop:
+                assert loop is not None
                 loop.call_soon_threadsafe(self.shutdown)
                 return
-        if self._state is _State.CLOSED:
+        if self._state is Lifecycle.CLOSED or self._stopped:
             return
-        self._state = _State.CLOSING
+        if self._state is not Lifecycle.NEW:
+            self._state = Lifecycle.CLOSING
+        self._inbox.close()
         self._cancel_reason = "cancelled: tier shut down before the job finished"
-        loop_usable = loop is not None and not loop.is_closed()
-        if loop_usable:
+        self._cancel_cause = "cancelled by shutdown"
+        if loop_running:
             if self._runner is not None and not self._runner.done():
                 self._runner.cancel()
             self._cancel_running_jobs()
-        self._fail_unfinished(self._cancel_reason, notify_waiters=loop_usable)
-        self._wake_room_waiters()
-        self._finalize()
+        else:
+            # No loop will run the tasks again, so no thread call can report back.
+            self._calls_running = 0
+            for job_id in list(self._jobs):
+                while self._ledger.is_busy(job_id):
+                    self._ledger.idle(job_id)
+        usable = loop is None or not loop.is_closed()
+        self._stop(notify=usable)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -262,9 +281,47 @@ class TierActor(SecondaryTierManager):
         await self.aclose()
 
     @property
+    def state(self) -> Lifecycle:
+        """Where the tier is in its life cycle (read-only)."""
+        return self._state
+
+    @property
     def closed(self) -> bool:
         """True once the tier accepts no more work (closing or closed)."""
-        return self._state in (_State.CLOSING, _State.CLOSED)
+        return self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED)
+
+    # -- statistics -------------------------------------------------------------------
+
+    def statistics(self) -> Statistics:
+        """A snapshot: state, jobs (queued or running) and their bytes in flight,
+        plus what :meth:`_usage` reports; ``failures`` adds the actor's own (hooks that
+        raised, jobs cancelled by a close) to the subclass's."""
+        usage = dict(self._usage())
+        failures = Counter(usage.pop("failures", {}))
+        failures.update(self._failures.counts)
+        return Statistics(
+            state=self._state,
+            jobs_in_flight=self._ledger.pending,
+            bytes_in_flight=self._ledger.keys_pending * self.block_bytes,
+            failures=failures,
+            **usage,
+        )
+
+    def inbox_statistics(self) -> InboxStatistics:
+        """A snapshot of the inbox: queued loads and stores, its bound, waiting tasks."""
+        return self._inbox.statistics()
+
+    def _usage(self) -> dict[str, Any]:
+        """What the tier holds, as :class:`Statistics` fields (``used_blocks``,
+        ``capacity_bytes``, ``pinned_blocks``, ``counters``, ``failures``...).
+
+        Subclasses override it; the default reports ``used_blocks`` only. Called on the
+        loop thread; must be cheap.
+        """
+        return {"used_blocks": self.get_num_blocks()}
+
+    def __repr__(self) -> str:
+        return f"<{self._name()} {self.statistics()!r}>"
 
     # -- submission -------------------------------------------------------------------
 
@@ -276,7 +333,7 @@ class TierActor(SecondaryTierManager):
             ClosedError: the tier is not started, closing or closed.
             TierBusyError: the store inbox is full; drain results and retry.
         """
-        self._submit_now(job, is_load=False)
+        self._submit_now(job, "store")
 
     def submit_load(self, job: JobMetadata) -> None:
         """Queue a load job (this tier -> CPU slots); returns at once.
@@ -286,7 +343,7 @@ class TierActor(SecondaryTierManager):
             ClosedError: the tier is not started, closing or closed.
             TierBusyError: the load inbox is full; drain results and retry.
         """
-        self._submit_now(job, is_load=True)
+        self._submit_now(job, "load")
 
     async def put_store(self, job: JobMetadata) -> None:
         """Like :meth:`submit_store`, but wait for room in the inbox instead of raising.
@@ -296,7 +353,7 @@ class TierActor(SecondaryTierManager):
                 if the tier starts closing while this waits). Cancelling the caller while
                 it waits admits nothing.
         """
-        await self._put(job, is_load=False)
+        await self._put(job, "store")
 
     async def put_load(self, job: JobMetadata) -> None:
         """Like :meth:`submit_load`, but wait for room in the inbox instead of raising.
@@ -304,42 +361,33 @@ class TierActor(SecondaryTierManager):
         Raises:
             InvalidArgumentError, ClosedError: as :meth:`put_store`.
         """
-        await self._put(job, is_load=True)
+        await self._put(job, "load")
 
-    def _submit_now(self, job: JobMetadata, *, is_load: bool) -> None:
-        job = self._admit(job)
-        inbox = self._inbox(is_load)
-        if inbox.full():
-            raise TierBusyError(
-                f"{self._name()}: {'load' if is_load else 'store'} inbox is full "
-                f"({self.inbox_size} jobs queued); drain get_finished() and retry"
-            )
-        self._enqueue(_Job(job, is_load), inbox)
-
-    async def _put(self, job: JobMetadata, *, is_load: bool) -> None:
-        job = self._admit(job)
-        inbox = self._inbox(is_load)
-        if not inbox.full():
-            self._enqueue(_Job(job, is_load), inbox)
-            return
-        loop = asyncio.get_running_loop()
-        self._reserved_ids.add(job.job_id)
+    def _submit_now(self, job: JobMetadata, lane: Lane) -> None:
+        meta = self._admit(job)
+        entry = _Job(meta, lane)
         try:
-            while True:
-                waiter: asyncio.Future[None] = loop.create_future()
-                self._room_waiters.append(waiter)
-                try:
-                    await waiter
-                finally:
-                    with contextlib.suppress(ValueError):
-                        self._room_waiters.remove(waiter)
-                if self._state is not _State.RUNNING:
-                    raise ClosedError(f"{self._name()} closed while job {job.job_id} waited")
-                if not inbox.full():
-                    break
+            self._inbox.put_nowait(lane, entry)
+        except TierBusyError:
+            raise TierBusyError(
+                f"{self._name()}: {lane} inbox is full ({self.inbox_size} jobs queued); "
+                "drain get_finished() and retry"
+            ) from None
+        self._register(entry)
+
+    async def _put(self, job: JobMetadata, lane: Lane) -> None:
+        meta = self._admit(job)
+        entry = _Job(meta, lane)
+        self._reserved_ids.add(meta.job_id)
+        try:
+            await self._inbox.put(lane, entry)
+        except ClosedError:
+            raise ClosedError(f"{self._name()} closed while job {meta.job_id} waited") from None
         finally:
-            self._reserved_ids.discard(job.job_id)
-        self._enqueue(_Job(job, is_load), inbox)
+            self._reserved_ids.discard(meta.job_id)
+        # No await between the inbox taking the job and this: the server cannot see it
+        # before it is registered.
+        self._register(entry)
 
     def _admit(self, job: JobMetadata) -> JobMetadata:
         """Validate ``job`` and return an immutable snapshot of it; changes nothing.
@@ -349,12 +397,12 @@ class TierActor(SecondaryTierManager):
                 job_id that is not an int or names a job whose result has not been
                 drained by get_finished(), a key that is not bytes, or a slot id outside
                 the host pool.
-            ClosedError: the tier is not running.
+            ClosedError: the tier is not open.
         """
         if not isinstance(job, JobMetadata):
             raise InvalidArgumentError(f"expected a JobMetadata, got {type(job).__name__}")
-        if self._state is not _State.RUNNING:
-            state = "not started" if self._state is _State.NEW else self._state.value
+        if self._state is not Lifecycle.OPEN:
+            state = "not started" if self._state is Lifecycle.NEW else self._state.value
             raise ClosedError(f"{self._name()} is {state}; job {job.job_id!r} not accepted")
         try:
             on_loop = asyncio.get_running_loop() is self._loop
@@ -367,7 +415,7 @@ class TierActor(SecondaryTierManager):
         job_id = job.job_id
         if not isinstance(job_id, int) or isinstance(job_id, bool):
             raise InvalidArgumentError(f"job_id must be an int, got {job_id!r}")
-        if job_id in self._jobs or job_id in self._reserved_ids or job_id in self._undrained:
+        if job_id in self._ledger or job_id in self._reserved_ids:
             raise InvalidArgumentError(
                 f"{self._name()}: job {job_id} is already submitted or its result not yet "
                 "drained by get_finished()"
@@ -389,21 +437,11 @@ class TierActor(SecondaryTierManager):
                 )
         return JobMetadata(job_id, keys, block_ids)
 
-    def _inbox(self, is_load: bool) -> asyncio.Queue[_Job]:
-        return self._load_inbox if is_load else self._store_inbox
-
-    def _enqueue(self, job: _Job, inbox: asyncio.Queue[_Job]) -> None:
-        inbox.put_nowait(job)
+    def _register(self, job: _Job) -> None:
+        self._ledger.admit(job.meta.job_id, job.meta.keys)
         self._jobs[job.meta.job_id] = job
-        if not job.is_load:
+        if job.lane == "store":
             self._storing.update(set(job.meta.keys))
-        self._work_ready.set()
-
-    def _wake_room_waiters(self) -> None:
-        for waiter in self._room_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._room_waiters.clear()
 
     # -- results ----------------------------------------------------------------------
 
@@ -418,19 +456,9 @@ class TierActor(SecondaryTierManager):
         Raises:
             InvalidArgumentError: no such job (never submitted, or already drained).
         """
-        job = self._jobs.get(job_id)
-        finished = self._undrained.get(job_id)
-        if self._loop is None or (job is None and finished is None):
-            raise InvalidArgumentError(
-                f"{self._name()}: unknown job {job_id!r} (never submitted, or its result "
-                "was already drained by get_finished())"
-            )
-        future: asyncio.Future[JobResult] = self._loop.create_future()
-        if finished is not None:
-            future.set_result(finished)
-        elif job is not None:
-            job.waiters.append(future)
-        return future
+        if self._loop is None:
+            raise InvalidArgumentError(f"{self._name()}: unknown job {job_id!r} (not started)")
+        return self._ledger.waiter(job_id, self._loop)
 
     def get_finished(self) -> list[JobResult]:
         """Results of the jobs finished since the last call, in completion order.
@@ -438,14 +466,10 @@ class TierActor(SecondaryTierManager):
         Never blocks. Each result is returned exactly once; afterwards its job id is
         forgotten (``result()`` no longer knows it, and the id may be reused).
         """
-        finished = list(self._completed)
-        self._completed.clear()
-        for job_result in finished:
-            self._undrained.pop(job_result.job_id, None)
-        return finished
+        return self._ledger.drain()
 
     def storing(self, key: OffloadKey) -> bool:
-        """True while ``key`` is in a queued or in-flight store job of this tier."""
+        """True while ``key`` is in a store job of this tier without a result yet."""
         return key in self._storing
 
     # -- blocking work ----------------------------------------------------------------
@@ -453,18 +477,60 @@ class TierActor(SecondaryTierManager):
     async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
         """Run ``fn(*args)`` on this tier's own bounded thread pool and return its result.
 
-        Never uses the loop's default executor. Cancelling the caller cancels the call
-        only if it has not started on a thread yet.
+        Never uses the loop's default executor. Cancelling the caller before the call
+        has started on a thread drops the call; once it has started, the caller's
+        cancellation is held back until ``fn`` returns (its result or error is then
+        discarded and :class:`asyncio.CancelledError` raised), so the code around the
+        call never releases what the thread still uses. Called from a job's hook, the
+        job's result is not delivered while the call runs.
 
         Raises:
             ClosedError: the thread pool is shut down.
+            asyncio.CancelledError: the caller was cancelled (see above).
             Exception: whatever ``fn`` raises.
         """
         try:
-            future = self._executor.submit(fn, *args)
+            call = self._executor.submit(fn, *args)
         except RuntimeError as exc:
             raise ClosedError(f"{self._name()}: thread pool is shut down") from exc
-        return await asyncio.wrap_future(future)
+        current = _CURRENT_JOB.get()
+        job_id = current[1] if current is not None and current[0] is self else None
+        if job_id is not None and job_id in self._ledger:
+            self._ledger.busy(job_id)
+        else:
+            job_id = None
+        self._calls_running += 1
+        self._calls_idle.clear()
+        done = asyncio.wrap_future(call)
+        try:
+            return await self._wait_call(call, done)
+        finally:
+            self._call_ended(job_id)
+
+    @staticmethod
+    async def _wait_call(call: ThreadFuture[_T], done: asyncio.Future[_T]) -> _T:
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            if done.done() or call.cancel():
+                raise  # finished, or never started: nothing runs on a thread any more
+            while not done.done():
+                try:
+                    await asyncio.wait({done})
+                except asyncio.CancelledError:
+                    continue  # already cancelled; the thread has to end first
+            if not done.cancelled():
+                done.exception()  # discarded: the cancellation wins
+            raise
+
+    def _call_ended(self, job_id: int | None) -> None:
+        if self._calls_running > 0:
+            self._calls_running -= 1
+        if job_id is not None and self._ledger.is_busy(job_id):
+            self._ledger.idle(job_id)
+        if self._calls_running == 0:
+            self._calls_idle.set()
+            self._maybe_closed()
 
     # -- subclass hooks ---------------------------------------------------------------
 
@@ -494,39 +560,27 @@ class TierActor(SecondaryTierManager):
     async def _serve(self) -> None:
         """Hand queued jobs to job tasks, loads first, at most ``max_inflight`` at once.
 
-        Returns once closing and both inboxes are empty.
+        Returns once the inbox is closed and empty.
         """
         task_group = self._task_group
         assert task_group is not None
         while True:
             await self._inflight.acquire()
-            job = await self._next_job()
+            job = await self._inbox.get()
             if job is None:
                 self._inflight.release()
                 return
             task = task_group.create_task(
-                self._run_job(job), name=f"{self._name()}-{job.kind}-{job.meta.job_id}"
+                self._run_job(job), name=f"{self._name()}-{job.lane}-{job.meta.job_id}"
             )
             job.task = task
             task.add_done_callback(functools.partial(self._on_job_done, job))
 
-    async def _next_job(self) -> _Job | None:
-        while True:
-            for inbox in (self._load_inbox, self._store_inbox):
-                while not inbox.empty():
-                    job = inbox.get_nowait()
-                    self._wake_room_waiters()
-                    if not job.finished:
-                        return job
-            if self._state is not _State.RUNNING:
-                return None
-            self._work_ready.clear()
-            await self._work_ready.wait()
-
     async def _run_job(self, job: _Job) -> JobResult:
         """Run one hook; turn every failure of it into a failed JobResult."""
         meta = job.meta
-        hook = self._do_load if job.is_load else self._do_store
+        _CURRENT_JOB.set((self, meta.job_id))
+        hook = self._do_load if job.lane == "load" else self._do_store
         try:
             job_result = await hook(meta)
         except asyncio.CancelledError:
@@ -534,84 +588,98 @@ class TierActor(SecondaryTierManager):
             if current is not None and current.cancelling():
                 raise
             # The hook's own await was cancelled, not this job: a hook failure.
-            return self._hook_failed(job, "CancelledError() raised inside the hook", None)
+            return self._hook_failed(job, "raised CancelledError", "CancelledError()", None)
         except Exception as exc:
-            return self._hook_failed(job, repr(exc), exc)
+            return self._hook_failed(job, f"raised {type(exc).__name__}", repr(exc), exc)
         if not isinstance(job_result, JobResult) or job_result.job_id != meta.job_id:
             return self._hook_failed(
-                job, f"hook returned {job_result!r}, not a JobResult for job {meta.job_id}", None
+                job,
+                "returned no JobResult for its job",
+                f"hook returned {job_result!r}, not a JobResult for job {meta.job_id}",
+                None,
             )
         return job_result
 
-    def _hook_failed(self, job: _Job, error: str, exc: BaseException | None) -> JobResult:
-        logger.error(
-            "%s: %s job %d failed: %s", self._name(), job.kind, job.meta.job_id, error, exc_info=exc
+    def _hook_failed(
+        self, job: _Job, cause: str, error: str, exc: BaseException | None
+    ) -> JobResult:
+        self._failures.record(f"{job.lane} hook {cause}", detail=error)
+        logger.debug(
+            "%s: %s job %d failed: %s", self._name(), job.lane, job.meta.job_id, error, exc_info=exc
         )
         return JobResult(job.meta.job_id, False, tuple(job.meta.keys), error)
 
     def _on_job_done(self, job: _Job, task: asyncio.Task[JobResult]) -> None:
         self._inflight.release()
+        job_id = job.meta.job_id
+        if job_id not in self._jobs:
+            return  # its result was already delivered (a stubborn hook ended late)
         if task.cancelled():
-            job_result = self._failure(job, self._cancel_reason)
+            self._fail(job_id, self._cancel_reason, self._cancel_cause)
+        elif (exc := task.exception()) is not None:
+            self._fail(job_id, repr(exc), f"{job.lane} job raised {type(exc).__name__}")
         else:
-            exc = task.exception()
-            job_result = self._failure(job, repr(exc)) if exc is not None else task.result()
-        self._finish(job, job_result)
+            self._ledger.finish(job_id, task.result())
 
     def _on_runner_done(self, runner: asyncio.Task[None]) -> None:
         if not runner.cancelled() and (exc := runner.exception()) is not None:
             logger.error("%s: serving stopped by an error", self._name(), exc_info=exc)
-        if self._state is _State.RUNNING:
+        if self._state is Lifecycle.OPEN:
             # Not asked to stop: fail what is left rather than leave anyone waiting.
             logger.error("%s: serving stopped unexpectedly; tier closed", self._name())
-            self._state = _State.CLOSING
-            self._wake_room_waiters()
-            self._fail_unfinished("tier actor stopped unexpectedly")
-            self._finalize()
+            self._state = Lifecycle.CLOSING
+            self._inbox.close()
+            self._cancel_reason = "tier actor stopped unexpectedly"
+            self._cancel_cause = "tier actor stopped unexpectedly"
+            self._cancel_running_jobs()
+            self._stop(notify=True)
 
-    # -- completion -------------------------------------------------------------------
+    # -- completion and closing -------------------------------------------------------
 
-    @staticmethod
-    def _failure(job: _Job, reason: str) -> JobResult:
-        return JobResult(job.meta.job_id, False, tuple(job.meta.keys), reason)
-
-    def _finish(self, job: _Job, job_result: JobResult, *, notify_waiters: bool = True) -> None:
-        """Record the one result of ``job``; later calls for the same job do nothing."""
-        if job.finished:
-            return
-        job.finished = True
-        del self._jobs[job.meta.job_id]
-        if not job.is_load:
-            self._storing.subtract(set(job.meta.keys))
-            for key in set(job.meta.keys):
+    def _delivered(self, job_id: int, job_result: JobResult) -> None:
+        job = self._jobs.pop(job_id)
+        if job.lane == "store":
+            keys = set(job.meta.keys)
+            self._storing.subtract(keys)
+            for key in keys:
                 if self._storing[key] <= 0:
                     del self._storing[key]
-        self._completed.append(job_result)
-        self._undrained[job.meta.job_id] = job_result
-        if notify_waiters:
-            for waiter in job.waiters:
-                if not waiter.done():
-                    waiter.set_result(job_result)
-        job.waiters.clear()
+
+    def _fail(self, job_id: int, reason: str, cause: str) -> None:
+        if self._ledger.fail(job_id, reason):
+            self._failures.record(cause, detail=reason)
 
     def _cancel_running_jobs(self) -> None:
-        for job in list(self._jobs.values()):
+        for job in self._jobs.values():
             if job.task is not None and not job.task.done():
                 job.task.cancel()
 
-    def _fail_unfinished(self, reason: str, *, notify_waiters: bool = True) -> None:
-        for job in list(self._jobs.values()):
-            self._finish(job, self._failure(job, reason), notify_waiters=notify_waiters)
-
-    def _finalize(self) -> None:
-        self._state = _State.CLOSED
+    def _stop(self, *, notify: bool) -> None:
+        """Decide the close: nothing queued or new is served, every job without a
+        result fails with the cancel reason (delivered once its thread calls end), the
+        pool stops taking calls. The tier becomes CLOSED once no thread call runs."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._inbox.close()
+        self._inbox.drain()  # queued jobs are failed below with the rest
+        undecided = self._ledger.fail_undecided(self._cancel_reason, notify=notify)
+        self._failures.record(self._cancel_cause, count=len(undecided), detail=self._cancel_reason)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._maybe_closed()
+
+    def _maybe_closed(self) -> None:
+        if not self._stopped or self._calls_running or self._state is Lifecycle.CLOSED:
+            return
+        self._state = Lifecycle.CLOSED
         self._closed_event.set()
         self._on_closed()
 
     def _on_closed(self) -> None:
         """Release what the subclass holds beyond the actor; called once as the tier
-        becomes closed, on the loop thread (or with no loop running)."""
+        becomes CLOSED (no blocking call of it still runs, except after a
+        :meth:`shutdown` with the loop stopped), on the loop thread or with no loop
+        running."""
 
     def _name(self) -> str:
         return f"{type(self).__name__}"
