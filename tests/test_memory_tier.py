@@ -257,3 +257,84 @@ async def test_memory_tier_reports_its_type_and_rejects_bad_sizes() -> None:
         MemoryTier(_pool(), BLOCK, max_inflight=0)
     with pytest.raises(InvalidArgumentError, match="unknown options"):
         MemoryTier(_pool(), BLOCK, max_inflght=2)
+
+
+# -- holds and usage ---------------------------------------------------------------------
+
+
+async def test_a_held_key_is_never_evicted_until_released() -> None:
+    view = _pool()
+    _fill_random(view, range(6))
+    a, b, c, d = b"A", b"B", b"C", b"D"
+    async with MemoryTier(view, BLOCK, max_blocks=2) as tier:
+        assert (await _run(tier, _job(1, [a, b], [0, 1]), load=False)).success
+        tier.touch([b])  # A is now the least recently used: the natural victim
+        tier.hold([a])
+        assert (await _run(tier, _job(2, [c], [2]), load=False)).success
+        assert tier.lookup(a) and not tier.lookup(b)  # B went, not A
+        tier.hold([c])  # everything is held now: a store must fail rather than evict
+        refused = await _run(tier, _job(3, [d], [3]), load=False)
+        assert refused.failed_keys == (d,) and "memory tier full" in (refused.error or "")
+        assert tier.lookup(a) and tier.lookup(c)
+        tier.release([a])
+        assert (await _run(tier, _job(4, [d], [3]), load=False)).success
+        assert not tier.lookup(a) and tier.lookup(c) and tier.lookup(d)
+        tier.release([c])
+
+
+async def test_a_hold_of_a_key_not_yet_stored_protects_it_once_stored() -> None:
+    view = _pool()
+    payloads = _fill_random(view, range(3))
+    async with MemoryTier(view, BLOCK, max_blocks=2) as tier:
+        tier.hold([b"A", b"A"])  # holds count
+        assert (await _run(tier, _job(1, [b"A", b"B"], [0, 1]), load=False)).success
+        assert (await _run(tier, _job(2, [b"C"], [2]), load=False)).success
+        assert tier.lookup(b"A") and not tier.lookup(b"B")
+        tier.release([b"A"])
+        assert (await _run(tier, _job(3, [b"B"], [1]), load=False)).success
+        assert tier.lookup(b"A") and not tier.lookup(b"C")  # still held once
+        tier.release([b"A"])
+        assert (await _run(tier, _job(4, [b"A"], [9]), load=True)).success
+        assert bytes(_slot(view, 9)) == payloads[0]
+
+
+async def test_releasing_more_than_held_names_the_key_and_releases_nothing() -> None:
+    async with MemoryTier(_pool(), BLOCK, max_blocks=2) as tier:
+        tier.hold([b"\x01\x02"])
+        with pytest.raises(InvalidArgumentError, match="0102"):
+            tier.release([b"\x01\x02", b"\x01\x02"])
+        with pytest.raises(InvalidArgumentError, match="keys"):
+            tier.hold(None)  # type: ignore[arg-type]
+        tier.release([b"\x01\x02"])
+        with pytest.raises(InvalidArgumentError, match="0102"):
+            tier.release([b"\x01\x02"])
+
+
+async def test_usage_counts_blocks_bytes_pins_and_failures_by_cause() -> None:
+    view = _pool()
+    _fill_random(view, range(4))
+    async with GatedMemoryTier(view, BLOCK, max_blocks=3) as tier:
+        assert (await _run(tier, _job(1, [b"a", b"b"], [0, 1]), load=False)).success
+        tier.submit_load(_job(2, [b"a", b"x", b"y"], [10, 11, 12]))
+        await _wait_load_entered(tier)
+        tier.hold([b"b"])
+        usage = tier._usage()
+        assert usage["used_blocks"] == 2 and usage["capacity_blocks"] == 3
+        assert usage["used_bytes"] == 2 * BLOCK and usage["capacity_bytes"] == 3 * BLOCK
+        assert usage["pinned_blocks"] == 2  # a being read, b held
+        tier.load_gate.set()
+        assert (await tier.result(2)).failed_keys == (b"x", b"y")
+        tier.release([b"b"])
+        usage = tier._usage()
+        assert usage["pinned_blocks"] == 0
+        assert usage["counters"] == {"stored_blocks": 2, "loaded_blocks": 1, "evicted_blocks": 0}
+        assert usage["failures"] == {"not in the memory tier": 2}
+
+
+async def test_failures_are_logged_once_per_cause(caplog: pytest.LogCaptureFixture) -> None:
+    async with MemoryTier(_pool(), BLOCK, max_blocks=2) as tier:
+        with caplog.at_level("WARNING", logger="backends.memory"):
+            for job_id in range(3):
+                await _run(tier, _job(job_id, [b"m1", b"m2"], [0, 1]), load=True)
+    assert len([r for r in caplog.records if "not in the memory tier" in r.getMessage()]) == 1
+    assert tier._usage()["failures"] == {"not in the memory tier": 6}

@@ -326,13 +326,41 @@ async def test_blocks_over_the_cap_are_removed_before_the_tier_takes_jobs(
         await tier.aclose()
 
 
-async def test_unwritable_root_fails_start_clearly(pool: memoryview, tmp_path: Path) -> None:
-    root = tmp_path / "file-not-dir"
-    root.write_text("x")
+@pytest.mark.parametrize("under_a_file", [False, True], ids=["root-is-a-file", "parent-is-a-file"])
+async def test_unwritable_root_fails_start_clearly(
+    pool: memoryview, tmp_path: Path, under_a_file: bool
+) -> None:
+    # Works as root too: no permission bit can make a regular file a directory.
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("x")
+    root = blocker / "cache" if under_a_file else blocker
     tier = _tier(pool, root)
-    with pytest.raises(TieringError):
+    with pytest.raises(TieringError, match=f"root={str(root)!r}"):
         await tier.start()
     await tier.aclose()
+    assert blocker.read_text() == "x"
+
+
+async def test_a_floor_at_or_above_the_file_system_size_fails_start(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    stat = os.statvfs(tmp_path)
+    size = stat.f_blocks * stat.f_frsize
+    tier = _tier(pool, tmp_path, min_free_bytes=size)
+    with pytest.raises(InvalidArgumentError, match=f"min_free_bytes={size}.*could never store"):
+        await tier.start()
+    await tier.aclose()
+    assert not os.listdir(os.path.join(tier.directory, "owners"))  # no lock left behind
+    async with _tier(pool, tmp_path, min_free_bytes=size - 1) as fine:
+        assert fine.get_num_blocks() == 0
+
+
+def test_a_cap_below_one_block_file_is_refused_naming_the_value(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"capacity_bytes={FILE - 1}.*one block file"):
+        _tier(pool, tmp_path, capacity_bytes=FILE - 1)
+    assert _tier(pool, tmp_path, capacity_bytes=FILE).capacity_blocks == 1
 
 
 # -- verify before serving ---------------------------------------------------------------
@@ -520,6 +548,70 @@ async def test_blocks_being_read_are_never_evicted(pool: memoryview, tmp_path: P
         assert stored.success
         assert tier.lookup(oldest) and not tier.lookup(newer)
         assert _slot(pool, 5) == expected
+
+
+async def test_a_held_block_is_never_evicted_until_released(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with _tier(pool, tmp_path, capacity_bytes=2 * FILE) as tier:
+        a, b, c, d = _keys(4)
+        await _store(tier, [a, b], [0, 1])
+        expected = _slot(pool, 0)
+        tier.touch([b])  # a is the least recently used: the policy's pick
+        tier.hold([a])
+        assert (await _store(tier, [c], [2])).success
+        assert tier.lookup(a) and not tier.lookup(b)
+        tier.hold([c])
+        refused = await _store(tier, [d], [3])
+        assert refused.failed_keys == (d,) and "pinned" in (refused.error or "")
+        assert tier._usage()["pinned_blocks"] == 2
+        tier.release([a])
+        assert (await _store(tier, [d], [3])).success
+        assert not tier.lookup(a) and tier.lookup(c) and tier.lookup(d)
+        with pytest.raises(InvalidArgumentError, match=a.hex()):
+            tier.release([a])
+        tier.release([c])
+        assert (await _load(tier, [c], [6])).success
+    assert expected == _slot(pool, 0)
+
+
+async def test_a_held_block_survives_the_free_space_floor(pool: memoryview, tmp_path: Path) -> None:
+    faults = FaultInjector()
+    clock = FakeClock()
+    options = {"os_calls": faults, "clock": clock, "min_free_bytes": 10 * FILE}
+    async with _tier(pool, tmp_path, **options) as tier:
+        keys = _keys(4)
+        tier.hold([keys[0]])  # held before it is stored
+        await _store(tier, keys[:3], range(3))
+        faults.report_free_bytes(9 * FILE)  # one file below the floor
+        clock.now += 1
+        assert (await _store(tier, keys[3:], [3])).success
+        assert [tier.lookup(k) for k in keys] == [True, False, False, True]
+        tier.release([keys[0]])
+
+
+async def test_usage_reports_counters_and_failures_by_cause_logged_once(
+    pool: memoryview, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as tier:
+        keys = _keys(2)
+        await _store(tier, keys, [0, 1])
+        files = [os.path.join(tier.directory, block_relpath(k)) for k in keys]
+        for path in files:
+            _flip(path, HEADER_BYTES + 7)
+        with caplog.at_level(logging.WARNING, logger="backends.nvme"):
+            result = await _load(tier, keys, [4, 5])
+            await _load(tier, [b"absent"], [6])
+        assert set(result.failed_keys) == set(keys)
+        assert "checksum" in (result.error or "")
+        usage = tier._usage()
+    assert usage["used_blocks"] == 0 and usage["capacity_blocks"] == 4
+    assert usage["used_bytes"] == 0 and usage["capacity_bytes"] == 4 * FILE
+    assert usage["counters"]["stored_blocks"] == 2
+    assert usage["counters"]["corrupt_blocks"] == 2
+    assert usage["failures"] == {"corrupt block": 2, "not in the tier": 1}
+    corrupt_lines = [r for r in caplog.records if "corrupt block" in r.getMessage()]
+    assert len(corrupt_lines) == 1
 
 
 async def test_store_fails_when_every_block_is_being_read(pool: memoryview, tmp_path: Path) -> None:
@@ -957,6 +1049,9 @@ async def test_o_direct_false_is_never_probed(pool: memoryview, tmp_path: Path) 
     [
         ({"namespace": ""}, "namespace"),
         ({"capacity_bytes": FILE - 1}, "capacity_bytes"),
+        ({"capacity_bytes": "1G"}, "capacity_bytes"),
+        ({"min_free_bytes": 1.5}, "min_free_bytes"),
+        ({"enospc_retry_s": float("nan")}, "enospc_retry_s"),
         ({"min_free_bytes": -1}, "min_free_bytes"),
         ({"fsync": "sometimes"}, "fsync"),
         ({"o_direct": "yes"}, "o_direct"),

@@ -221,10 +221,7 @@ class ResidencyIndex:
 
     def _evict(self, n: int, spared: frozenset[BlockHash]) -> list[BlockHash]:
         pins = self._pins
-        if spared:
-            victims = self._policy.evict(n, lambda key: key not in pins and key not in spared)
-        else:
-            victims = self._policy.evict(n, lambda key: key not in pins)
+        victims = self._policy.evict(n, lambda key: key not in pins and key not in spared)
         self._resident.difference_update(victims)
         return victims
 
