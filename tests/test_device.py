@@ -1,175 +1,36 @@
-"""DeviceCopier: KV blocks between the device KV cache and host-pool slots; plan_copy."""
+"""DeviceCopier: checked, planned copies between the device KV cache and host-pool slots,
+run by an injected backend; handles, lifecycle and statistics."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import math
-import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+import logging
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from _device_kv import (
+    DEVICES,
+    LAYOUTS,
+    NUM_BLOCKS,
+    NUM_SLOTS,
+    CountingExecutor,
+    assert_round_trip,
+    block_bytes_of,
+    device_block,
+    layers_of,
+    make_kv,
+    opened,
+    random_tensor,
+    same_bytes,
+    snapshot,
+)
 
-from tiering.device import CopyChunk, DeviceCopier, SlotRun, kv_block_bytes, plan_copy
+from tiering.copy_cuda import CudaCopyBackend
+from tiering.copy_thread import ThreadCopyBackend
+from tiering.device import DeviceCopier
 from tiering.errors import ClosedError, InvalidArgumentError, TransferError
 from tiering.host_pool import HostPool
-
-NUM_BLOCKS = 12
-NUM_SLOTS = 10
-
-# name -> per-layer (row shape, dtype); "one_tensor" is passed as a bare tensor.
-LAYOUTS: dict[str, list[tuple[tuple[int, ...], torch.dtype]]] = {
-    "one_tensor": [((2, 4, 8), torch.float16)],
-    "mixed_dtypes": [((2, 4, 8), torch.float16), ((3, 5), torch.float32), ((7,), torch.bfloat16)],
-    "odd_bytes": [((5,), torch.uint8), ((3,), torch.float32)],
-}
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def _random_tensor(
-    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
-) -> torch.Tensor:
-    """Random bit patterns of every kind (NaNs included): equality is checked on bytes."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).view(shape)
-
-
-def make_kv(
-    layout: str, device: str, seed: int = 0, num_blocks: int = NUM_BLOCKS
-) -> torch.Tensor | list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    layers = [
-        _random_tensor((num_blocks, *row), dtype, gen).to(device) for row, dtype in LAYOUTS[layout]
-    ]
-    return layers[0] if layout == "one_tensor" else layers
-
-
-def _layers(kv: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-    return [kv] if isinstance(kv, torch.Tensor) else kv
-
-
-def block_bytes_of(kv: torch.Tensor | list[torch.Tensor]) -> int:
-    return sum(t[0].numel() * t.element_size() for t in _layers(kv))
-
-
-def device_block(kv: torch.Tensor | list[torch.Tensor], block: int) -> bytes:
-    """The host-slot image of a device block: its rows' bytes, layer after layer."""
-    return b"".join(
-        t[block].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in _layers(kv)
-    )
-
-
-def snapshot(kv: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.view(torch.uint8).cpu().clone() for t in _layers(kv)]
-
-
-async def assert_round_trip(
-    copier: DeviceCopier, kv: torch.Tensor | list[torch.Tensor], pool: HostPool
-) -> None:
-    """Seven blocks to scattered slots (more than one staging chunk), wiped, and back."""
-    ids, slots = [11, 2, 3, 9, 0, 5, 7], [0, 9, 1, 2, 8, 4, 5]
-    await copier.to_host(ids, slots)
-    for block, slot in zip(ids, slots, strict=True):
-        assert bytes(pool.slot_view(slot)) == device_block(kv, block)
-    before = snapshot(kv)
-    for t in _layers(kv):
-        t.zero_()
-    await copier.to_device(slots, ids)
-    for i, (t, b) in enumerate(zip(snapshot(kv), before, strict=True)):
-        assert torch.equal(t[ids], b[ids]), f"layer {i}"
-
-
-def same_bytes(kv: torch.Tensor | list[torch.Tensor], before: list[torch.Tensor]) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(snapshot(kv), before, strict=True))
-
-
-@asynccontextmanager
-async def opened(
-    layout: str = "mixed_dtypes", device: str = "cpu", **kwargs: int
-) -> AsyncIterator[tuple[DeviceCopier, torch.Tensor | list[torch.Tensor], HostPool]]:
-    kv = make_kv(layout, device)
-    with HostPool(NUM_SLOTS, block_bytes_of(kv)) as pool:
-        pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, dtype=torch.uint8))
-        async with DeviceCopier(kv, pool, **kwargs) as copier:
-            yield copier, kv, pool
-
-
-# --------------------------------------------------------------------------- plan_copy
-
-
-def test_plan_orders_pairs_by_slot_and_merges_consecutive_slots() -> None:
-    plan = plan_copy([10, 11, 12, 13, 14], [5, 3, 4, 9, 6], max_rows=8)
-    assert plan == (
-        CopyChunk(
-            device_ids=(11, 12, 10, 14, 13),
-            runs=(SlotRun(first_slot=3, first_row=0, length=4), SlotRun(9, 4, 1)),
-        ),
-    )
-
-
-def test_plan_cuts_chunks_of_at_most_max_rows_and_splits_runs_at_the_cut() -> None:
-    plan = plan_copy([0, 1, 2, 3, 4], [20, 21, 22, 23, 24], max_rows=2)
-    assert [c.device_ids for c in plan] == [(0, 1), (2, 3), (4,)]
-    assert [c.runs for c in plan] == [
-        (SlotRun(20, 0, 2),),
-        (SlotRun(22, 0, 2),),
-        (SlotRun(24, 0, 1),),
-    ]
-
-
-def test_plan_keeps_repeated_slots_in_separate_runs() -> None:
-    plan = plan_copy([7, 8, 9], [4, 4, 5], max_rows=10)
-    assert plan[0].runs == (SlotRun(4, 0, 1), SlotRun(4, 1, 2))
-
-
-def test_plan_of_nothing_is_empty() -> None:
-    assert plan_copy([], [], max_rows=3) == ()
-
-
-def test_plan_rejects_unequal_lengths_and_zero_rows() -> None:
-    with pytest.raises(InvalidArgumentError, match="2 device block ids but 1 slots"):
-        plan_copy([1, 2], [1], max_rows=4)
-    with pytest.raises(InvalidArgumentError, match="max_rows"):
-        plan_copy([1], [1], max_rows=0)
-
-
-@given(
-    pairs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 30)), max_size=40),
-    max_rows=st.integers(1, 12),
-)
-def test_plan_covers_every_pair_once_with_ascending_slot_runs(
-    pairs: list[tuple[int, int]], max_rows: int
-) -> None:
-    ids, slots = [p[0] for p in pairs], [p[1] for p in pairs]
-    plan = plan_copy(ids, slots, max_rows)
-    planned: list[tuple[int, int]] = []
-    for chunk in plan:
-        assert 1 <= len(chunk.device_ids) <= max_rows
-        row = 0
-        for run in chunk.runs:
-            assert run.first_row == row and run.length >= 1
-            for k in range(run.length):
-                planned.append((chunk.device_ids[row + k], run.first_slot + k))
-            row += run.length
-        assert row == len(chunk.device_ids)
-    assert sorted(planned) == sorted(pairs)
-    assert [s for _, s in planned] == sorted(slots)
-
-
-@given(slots=st.sets(st.integers(0, 60), max_size=30))
-def test_plan_uses_one_run_per_maximal_range_of_distinct_slots(slots: set[int]) -> None:
-    ordered = sorted(slots)
-    expected = sum(1 for i, s in enumerate(ordered) if i == 0 or ordered[i - 1] != s - 1)
-    shuffled = ordered[1::2] + ordered[0::2]
-    plan = plan_copy(list(range(len(shuffled))), shuffled, max_rows=len(shuffled) or 1)
-    assert sum(len(c.runs) for c in plan) == expected
-
+from tiering.lifecycle import Lifecycle
 
 # --------------------------------------------------------------------------- copies
 
@@ -191,8 +52,8 @@ async def test_to_device_restores_clobbered_blocks_exactly(layout: str, device: 
         ids, slots = [5, 1, 8, 2, 10], [4, 5, 6, 1, 8]
         before = snapshot(kv)
         await copier.to_host(ids, slots)
-        for t in _layers(kv):
-            t[ids] = _random_tensor(tuple(t[ids].shape), t.dtype, torch.Generator()).to(device)
+        for t in layers_of(kv):
+            t[ids] = random_tensor(tuple(t[ids].shape), t.dtype, torch.Generator()).to(device)
         assert not same_bytes(kv, before)
         await copier.to_device(slots, ids)
         assert same_bytes(kv, before)
@@ -212,7 +73,7 @@ async def test_copies_touch_only_the_named_slots_and_blocks(device: str) -> None
 
 
 @pytest.mark.parametrize("device", DEVICES)
-async def test_job_bigger_than_staging_is_copied_in_chunks_exactly(device: str) -> None:
+async def test_job_bigger_than_a_chunk_is_copied_in_chunks_exactly(device: str) -> None:
     kv = make_kv("mixed_dtypes", device)
     block_bytes = block_bytes_of(kv)
     with HostPool(NUM_SLOTS, block_bytes) as pool:
@@ -265,13 +126,15 @@ async def test_concurrent_jobs_all_land() -> None:
 async def test_bad_to_host_raises_before_anything_is_copied(
     ids: object, slots: object, message: str
 ) -> None:
-    async with opened() as (copier, kv, pool):
+    executor = CountingExecutor(1)
+    backend = ThreadCopyBackend(max_workers=1, executor=executor)
+    async with opened(backend=backend) as (copier, kv, pool):
         host_before, kv_before = pool.tensor.clone(), snapshot(kv)
         with pytest.raises(InvalidArgumentError, match=message):
             copier.to_host(ids, slots)  # type: ignore[arg-type]
-        assert copier.in_flight == 0
-        await asyncio.sleep(0.01)  # a copy wrongly started would have had time to land
+        assert copier.in_flight == 0 and executor.submits == 0
         assert torch.equal(pool.tensor, host_before) and same_bytes(kv, kv_before)
+    executor.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -286,13 +149,15 @@ async def test_bad_to_host_raises_before_anything_is_copied(
 async def test_bad_to_device_raises_before_anything_is_copied(
     slots: list[int], ids: list[int], message: str
 ) -> None:
-    async with opened() as (copier, kv, _):
+    executor = CountingExecutor(1)
+    backend = ThreadCopyBackend(max_workers=1, executor=executor)
+    async with opened(backend=backend) as (copier, kv, _):
         kv_before = snapshot(kv)
         with pytest.raises(InvalidArgumentError, match=message):
             copier.to_device(slots, ids)
-        assert copier.in_flight == 0
-        await asyncio.sleep(0.01)
+        assert copier.in_flight == 0 and executor.submits == 0
         assert same_bytes(kv, kv_before)
+    executor.shutdown()
 
 
 async def test_check_block_ids_accepts_valid_ids_and_names_bad_ones() -> None:
@@ -305,12 +170,6 @@ async def test_check_block_ids_accepts_valid_ids_and_names_bad_ones() -> None:
             copier.check_block_ids([0.5])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_kv_block_bytes_is_the_sum_of_row_bytes(layout: str) -> None:
-    kv = make_kv(layout, "cpu")
-    assert kv_block_bytes(kv) == len(device_block(kv, 0)) == block_bytes_of(kv)
-
-
 def test_block_size_mismatch_is_rejected() -> None:
     kv = make_kv("mixed_dtypes", "cpu")
     with (
@@ -320,20 +179,23 @@ def test_block_size_mismatch_is_rejected() -> None:
         DeviceCopier(kv, pool)
 
 
+def test_malformed_kv_caches_are_rejected_by_the_copier() -> None:
+    with HostPool(4, 32) as pool, pytest.raises(InvalidArgumentError, match="not contiguous"):
+        DeviceCopier([torch.zeros(4, 8).t()], pool)
+
+
 @pytest.mark.parametrize(
-    ("kv", "message"),
+    ("kwargs", "message"),
     [
-        ([], "empty"),
-        ([torch.zeros(4, 8), torch.zeros(5, 8)], "has 5 blocks"),
-        ([torch.zeros(4, 8).t()], "not contiguous"),
-        (torch.zeros(()), "block dim"),
-        ([torch.zeros(4, 0)], "empty rows"),
-        ("kv", "tensor or a sequence"),
+        ({"staging_bytes": 0}, "staging_bytes must be a positive int, got 0"),
+        ({"max_workers": -1}, "max_workers must be a positive int, got -1"),
+        ({"max_workers": True}, "max_workers must be a positive int, got True"),
+        ({"backend": "threads"}, "backend must be a CopyBackend, got 'threads'"),
     ],
 )
-def test_malformed_kv_caches_are_rejected(kv: object, message: str) -> None:
+def test_bad_options_are_rejected(kwargs: dict[str, object], message: str) -> None:
     with HostPool(4, 32) as pool, pytest.raises(InvalidArgumentError, match=message):
-        DeviceCopier(kv, pool)  # type: ignore[arg-type]
+        DeviceCopier(torch.zeros(4, 8), pool, **kwargs)  # type: ignore[arg-type]
 
 
 def test_closed_pool_is_rejected() -> None:
@@ -349,6 +211,30 @@ async def test_call_off_the_loop_thread_is_rejected() -> None:
             await asyncio.to_thread(copier.to_host, [0], [0])
 
 
+# --------------------------------------------------------------------------- backends
+
+
+def test_the_default_backend_follows_the_kv_cache_device() -> None:
+    with HostPool(4, 32) as pool:
+        copier = DeviceCopier(torch.zeros(4, 8), pool, max_workers=3)
+        assert isinstance(copier.backend, ThreadCopyBackend)
+        assert copier.backend.max_workers == 3
+
+
+async def test_a_failed_backend_open_leaves_the_copier_closed() -> None:
+    class FailingOpen(ThreadCopyBackend):
+        async def open(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("no workers today")
+
+    with HostPool(NUM_SLOTS, 32) as pool:
+        copier = DeviceCopier(torch.zeros(NUM_BLOCKS, 8), pool, backend=FailingOpen())
+        with pytest.raises(RuntimeError, match="no workers today"):
+            await copier.__aenter__()
+        assert copier.state is Lifecycle.CLOSED
+        with pytest.raises(ClosedError):
+            copier.to_host([0], [0])
+
+
 # --------------------------------------------------------------------------- lifetime
 
 
@@ -358,7 +244,17 @@ async def test_copy_before_enter_raises_closed_error() -> None:
         DeviceCopier(kv, pool).to_host([0], [0])
 
 
-async def test_awaiting_a_copy_after_close_raises_closed_error() -> None:
+async def test_the_state_moves_through_the_lifecycle() -> None:
+    kv = make_kv("one_tensor", "cpu")
+    with HostPool(NUM_SLOTS, block_bytes_of(kv)) as pool:
+        copier = DeviceCopier(kv, pool)
+        assert copier.state is Lifecycle.NEW and not copier.closed
+        async with copier:
+            assert copier.state is Lifecycle.OPEN and not copier.closed
+        assert copier.state is Lifecycle.CLOSED and copier.closed
+
+
+async def test_copying_after_close_raises_closed_error() -> None:
     async with opened() as (copier, _, _):
         pass
     assert copier.closed
@@ -380,29 +276,11 @@ async def test_copy_after_the_pool_closed_raises_closed_error() -> None:
             copier.to_host([0], [0])
 
 
-@contextmanager
-def _hold_workers(copier: DeviceCopier, workers: int) -> Iterator[threading.Event]:
-    """Occupy the CPU path's worker threads until the yielded event is set (or the block ends)."""
-    gate = threading.Event()
-    started = threading.Barrier(workers + 1)
-
-    def hold() -> None:
-        started.wait()
-        gate.wait()
-
-    assert copier._executor is not None
-    for _ in range(workers):
-        copier._executor.submit(hold)
-    started.wait()
-    try:
-        yield gate
-    finally:
-        gate.set()
-
-
 async def test_cancelling_a_waiter_does_not_cancel_the_copy() -> None:
-    async with opened("mixed_dtypes", max_workers=1) as (copier, kv, pool):
-        with _hold_workers(copier, 1) as gate:
+    executor = CountingExecutor(1)
+    backend = ThreadCopyBackend(max_workers=1, executor=executor)
+    async with opened("mixed_dtypes", backend=backend) as (copier, kv, pool):
+        with executor.held() as gate:
             handle = copier.to_host([2, 3], [5, 6])
 
             async def wait_for_copy() -> None:
@@ -419,6 +297,7 @@ async def test_cancelling_a_waiter_does_not_cancel_the_copy() -> None:
         assert handle.done() and handle.error is None
         assert bytes(pool.slot_view(5)) == device_block(kv, 2)
         assert bytes(pool.slot_view(6)) == device_block(kv, 3)
+    executor.shutdown()
 
 
 async def test_an_unawaited_copy_still_runs_and_reports_through_its_callback() -> None:
@@ -434,33 +313,108 @@ async def test_an_unawaited_copy_still_runs_and_reports_through_its_callback() -
 
 async def test_leaving_the_block_waits_for_copies_in_flight() -> None:
     kv = make_kv("mixed_dtypes", "cpu")
+    executor = CountingExecutor(1)
     with HostPool(NUM_SLOTS, block_bytes_of(kv)) as pool:
-        async with DeviceCopier(kv, pool, max_workers=1) as copier:
-            with _hold_workers(copier, 1) as gate:
+        backend = ThreadCopyBackend(max_workers=1, executor=executor)
+        async with DeviceCopier(kv, pool, backend=backend) as copier:
+            with executor.held() as gate:
                 handle = copier.to_host([4], [0])
                 asyncio.get_running_loop().call_soon(gate.set)
         assert handle.done() and handle.error is None
         assert copier.in_flight == 0
         assert bytes(pool.slot_view(0)) == device_block(kv, 4)
+    executor.shutdown()
+
+
+async def test_a_cancelled_exit_blocks_until_the_copies_ended_and_closes() -> None:
+    kv = make_kv("mixed_dtypes", "cpu")
+    executor = CountingExecutor(1)
+    with HostPool(NUM_SLOTS, block_bytes_of(kv)) as pool:
+        backend = ThreadCopyBackend(max_workers=1, executor=executor)
+        copier = DeviceCopier(kv, pool, backend=backend)
+        handles = []
+        entered = asyncio.Event()
+
+        async def body() -> None:
+            async with copier:
+                handles.append(copier.to_host([4], [0]))
+                handles.append(copier.to_host([5], [1]))  # queued behind the first hop
+                entered.set()
+                await asyncio.Event().wait()
+
+        with executor.held() as gate:
+            task = asyncio.create_task(body())
+            await entered.wait()
+            task.cancel()  # leaves the body: the exit now waits for the copies
+            for _ in range(100):
+                if copier.state is Lifecycle.CLOSING:
+                    break
+                await asyncio.sleep(0)
+            assert copier.state is Lifecycle.CLOSING and copier.in_flight == 2
+            gate.set()
+            task.cancel()  # cancels that wait: the exit drains, blocking
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert copier.state is Lifecycle.CLOSED and copier.in_flight == 0
+        assert all(h.done() and h.error is None for h in handles)
+        assert bytes(pool.slot_view(0)) == device_block(kv, 4)
+        assert bytes(pool.slot_view(1)) == device_block(kv, 5)
+        assert executor.submits == 2
+    executor.shutdown()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 async def test_a_failed_copy_raises_transfer_error_and_the_copier_keeps_working(
-    monkeypatch: pytest.MonkeyPatch, device: str
+    monkeypatch: pytest.MonkeyPatch, device: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with opened("mixed_dtypes", device) as (copier, kv, pool):
 
         def broken_gather(*args: object, **kwargs: object) -> torch.Tensor:
             raise RuntimeError("simulated gather fault")
 
-        with monkeypatch.context() as patch:
+        with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
             patch.setattr(torch, "index_select", broken_gather)
-            handle = copier.to_host([1], [1])
-            with pytest.raises(TransferError, match="simulated gather fault"):
-                await handle
-        assert isinstance(handle.error, TransferError)
+            handles = [copier.to_host([1], [1]), copier.to_host([2], [2])]
+            for handle in handles:
+                with pytest.raises(TransferError, match="simulated gather fault"):
+                    await handle
+        assert isinstance(handles[0].error, TransferError)
+        assert copier.statistics().failures == {"to_host copy failed": 2}
+        assert sum("to_host copy failed" in r.getMessage() for r in caplog.records) == 1
         await copier.to_host([1], [1])
         assert bytes(pool.slot_view(1)) == device_block(kv, 1)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+async def test_statistics_count_copies_and_bytes_in_flight_and_done() -> None:
+    executor = CountingExecutor(1)
+    backend = ThreadCopyBackend(max_workers=1, executor=executor)
+    async with opened("mixed_dtypes", backend=backend) as (copier, kv, _):
+        block = block_bytes_of(kv)
+        assert copier.statistics().state is Lifecycle.OPEN
+        with executor.held() as gate:
+            store = copier.to_host([1, 2, 3], [1, 2, 3])
+            load = copier.to_device([4], [5])
+            stats = copier.statistics()
+            assert (stats.jobs_in_flight, stats.bytes_in_flight) == (2, 4 * block)
+            assert "2 jobs" in repr(copier)
+            gate.set()
+            await store
+            await load
+        stats = copier.statistics()
+        assert (stats.jobs_in_flight, stats.bytes_in_flight) == (0, 0)
+        assert dict(stats.counters) == {
+            "copies_to_host": 1,
+            "copies_to_device": 1,
+            "bytes_to_host": 3 * block,
+            "bytes_to_device": block,
+        }
+        assert stats.failures == {}
+        assert "copies_to_host=1" in repr(copier) and "ThreadCopyBackend" in repr(copier)
+    assert copier.statistics().state is Lifecycle.CLOSED
+    executor.shutdown()
 
 
 # --------------------------------------------------------------------------- CUDA only
@@ -477,9 +431,10 @@ def test_cuda_copies_need_a_pinned_pool() -> None:
 
 
 @pytest.mark.cuda
-async def test_cuda_pool_used_by_the_copier_is_pinned() -> None:
+async def test_cuda_pool_used_by_the_copier_is_pinned_and_the_backend_is_cuda() -> None:
     async with opened("mixed_dtypes", "cuda") as (copier, _, pool):
         assert copier.device.type == "cuda"
+        assert isinstance(copier.backend, CudaCopyBackend)
         assert pool.pinned and pool.tensor.is_pinned()
 
 
@@ -514,29 +469,6 @@ async def test_cuda_handle_completes_only_after_the_bytes_landed() -> None:
 
 
 @pytest.mark.cuda
-async def test_cuda_events_are_pooled_and_reused() -> None:
-    async with opened("mixed_dtypes", "cuda") as (copier, _, _):
-        for i in range(40):
-            await copier.to_host([i % NUM_BLOCKS], [i % NUM_SLOTS])
-        assert copier._events.created == 1
-        await asyncio.gather(*(copier.to_host([b], [b]) for b in range(NUM_SLOTS)))
-        assert copier._events.created <= NUM_SLOTS
-        assert copier._events.idle == copier._events.created
-        assert copier.in_flight == 0
-
-
-@pytest.mark.cuda
-async def test_cuda_unawaited_copies_are_completed_by_the_poller() -> None:
-    async with opened("mixed_dtypes", "cuda") as (copier, _, _):
-        handles = [copier.to_host([b], [b]) for b in range(NUM_SLOTS)]
-        ended = asyncio.Event()
-        handles[-1].add_done_callback(lambda _: ended.set())
-        await ended.wait()
-        await asyncio.gather(*handles)
-        assert all(h.done() for h in handles)
-
-
-@pytest.mark.cuda
 async def test_cuda_leaving_the_block_waits_for_copies_in_flight() -> None:
     kv = make_kv("mixed_dtypes", "cuda")
     with HostPool(NUM_SLOTS, block_bytes_of(kv)) as pool:
@@ -547,108 +479,3 @@ async def test_cuda_leaving_the_block_waits_for_copies_in_flight() -> None:
         assert handle.done() and handle.error is None and copier.in_flight == 0
         assert bytes(pool.slot_view(0)) == device_block(kv, 4)
         assert bytes(pool.slot_view(1)) == device_block(kv, 5)
-
-
-# ------------------------------------------------------- stream path, fake CUDA primitives
-# The CUDA branch (staging buffers, fence, events, poller) driven on CPU tensors: streams
-# and events are recorders and an event fires when the test says so. The copies are real.
-
-
-@dataclass
-class _FakeCuda:
-    fired: bool = True
-    current: _FakeStream = field(default_factory=lambda: _FakeStream())
-    recorded_streams: list[tuple[torch.Tensor, _FakeStream]] = field(default_factory=list)
-
-
-class _FakeStream:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.waited: list[tuple[_FakeEvent, _FakeStream | None]] = []
-
-    def wait_event(self, event: _FakeEvent) -> None:
-        self.waited.append((event, event.stream))
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _FakeEvent:
-    cuda: _FakeCuda
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.stream: _FakeStream | None = None
-
-    def record(self, stream: _FakeStream | None = None) -> None:
-        self.stream = stream
-
-    def query(self) -> bool:
-        return self.cuda.fired
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCuda:
-    cuda = _FakeCuda()
-    event_class = type("_BoundFakeEvent", (_FakeEvent,), {"cuda": cuda})
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", event_class)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cuda.current)
-    monkeypatch.setattr(
-        torch.Tensor,
-        "record_stream",
-        lambda tensor, stream: cuda.recorded_streams.append((tensor, stream)),
-    )
-    return cuda
-
-
-@asynccontextmanager
-async def stream_path_copier(
-    layout: str, staging_rows: int
-) -> AsyncIterator[tuple[DeviceCopier, torch.Tensor | list[torch.Tensor], HostPool]]:
-    kv = make_kv(layout, "cpu")
-    block_bytes = block_bytes_of(kv)
-    with HostPool(NUM_SLOTS, block_bytes) as pool:
-        copier = DeviceCopier(kv, pool, staging_bytes=staging_rows * block_bytes)
-        copier._is_cuda = True  # take the stream branch with CPU tensors
-        async with copier:
-            yield copier, kv, pool
-
-
-@pytest.mark.parametrize("staging_rows", [1, 3, 64])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-async def test_stream_path_copies_exactly_through_the_staging_buffer(
-    fake_cuda: _FakeCuda, layout: str, staging_rows: int
-) -> None:
-    async with stream_path_copier(layout, staging_rows) as (copier, kv, pool):
-        await assert_round_trip(copier, kv, pool)
-
-
-async def test_stream_path_orders_each_job_after_the_current_stream(fake_cuda: _FakeCuda) -> None:
-    async with stream_path_copier("mixed_dtypes", 4) as (copier, kv, _):
-        lanes = list(copier._lanes.values())
-        assert len({id(lane.stream) for lane in lanes}) == 2  # one stream per direction
-        for lane in lanes:  # the KV cache is marked as used on both copy streams
-            assert sum(s is lane.stream for _, s in fake_cuda.recorded_streams) == len(_layers(kv))
-        await copier.to_host([1], [1])
-        await copier.to_device([1], [2])
-        for lane in lanes:
-            [(fence, fence_stream)] = lane.stream.waited
-            assert fence is lane.fence and fence_stream is fake_cuda.current
-
-
-async def test_stream_path_handle_completes_only_once_its_event_fired(
-    fake_cuda: _FakeCuda,
-) -> None:
-    async with stream_path_copier("one_tensor", 4) as (copier, _, _):
-        fake_cuda.fired = False
-        handles = [copier.to_host([b], [b]) for b in range(3)]
-        await asyncio.sleep(0.02)  # many polls, with back-off
-        assert not any(h.done() for h in handles) and copier.in_flight == 3
-        fake_cuda.fired = True
-        await asyncio.gather(*handles)
-        assert copier.in_flight == 0
-        assert copier._events.created == 3 and copier._events.idle == 3
-        await copier.to_host([4], [4])
-        assert copier._events.created == 3  # an idle event is reused
-    assert copier._lanes == {}  # staging buffers released at exit

@@ -1,0 +1,219 @@
+"""CudaCopyBackend: copy streams, staging, fences and pooled events polled by the loop.
+
+Without a GPU the stream path runs on CPU tensors through a runtime the test builds:
+streams and events are recorders, and an event fires when the test says so. The copies
+(gathers, staging, slot runs) are real. The tests marked ``cuda`` use the real runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+from _device_kv import (
+    KV,
+    LAYOUTS,
+    NUM_BLOCKS,
+    NUM_SLOTS,
+    assert_round_trip,
+    block_bytes_of,
+    layers_of,
+    make_kv,
+    opened,
+)
+
+from tiering.copy_cuda import CudaCopyBackend, CudaRuntime
+from tiering.device import DeviceCopier
+from tiering.errors import ClosedError, TransferError
+from tiering.host_pool import HostPool
+from tiering.kv_layout import Direction
+
+
+class _FakeStream:
+    def __init__(self) -> None:
+        self.waited: list[tuple[_FakeEvent, _FakeStream | None]] = []
+        self.synchronized = 0
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append((event, event.stream))
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+class _FakeEvent:
+    def __init__(self, runtime: _FakeRuntime) -> None:
+        self.runtime = runtime
+        self.stream: _FakeStream | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.runtime.fired
+
+
+class _FakeRuntime(CudaRuntime):
+    """Streams and events that record what they are asked; events fire on ``fired``."""
+
+    def __init__(self) -> None:
+        self.fired = True
+        self.current = _FakeStream()
+        self.streams: list[_FakeStream] = []
+        self.recorded_streams: list[tuple[torch.Tensor, Any]] = []
+
+    def new_stream(self, device: torch.device) -> _FakeStream:
+        self.streams.append(_FakeStream())
+        return self.streams[-1]
+
+    def new_event(self) -> _FakeEvent:
+        return _FakeEvent(self)
+
+    def current_stream(self, device: torch.device) -> _FakeStream:
+        return self.current
+
+    def on_device(self, device: torch.device) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        self.recorded_streams.append((tensor, stream))
+
+
+@asynccontextmanager
+async def stream_path(
+    layout: str, staging_rows: int
+) -> AsyncIterator[tuple[DeviceCopier, KV, HostPool, CudaCopyBackend, _FakeRuntime]]:
+    kv = make_kv(layout, "cpu")
+    block_bytes = block_bytes_of(kv)
+    runtime = _FakeRuntime()
+    backend = CudaCopyBackend(runtime=runtime)
+    with HostPool(NUM_SLOTS, block_bytes) as pool:
+        staging = staging_rows * block_bytes
+        async with DeviceCopier(kv, pool, staging_bytes=staging, backend=backend) as copier:
+            yield copier, kv, pool, backend, runtime
+
+
+@pytest.mark.parametrize("staging_rows", [1, 3, 64])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+async def test_stream_path_copies_exactly_through_the_staging_buffer(
+    layout: str, staging_rows: int
+) -> None:
+    async with stream_path(layout, staging_rows) as (copier, kv, pool, _, _):
+        await assert_round_trip(copier, kv, pool)
+
+
+async def test_stream_path_orders_each_job_after_the_current_stream() -> None:
+    async with stream_path("mixed_dtypes", 4) as (copier, kv, _, backend, runtime):
+        streams = [backend.lane_stream(d) for d in Direction]
+        assert len({id(s) for s in streams}) == 2  # one stream per direction
+        for stream in streams:  # the KV cache is marked as used on both copy streams
+            used = sum(s is stream for _, s in runtime.recorded_streams)
+            assert used == len(layers_of(kv))
+        await copier.to_host([1], [1])
+        await copier.to_device([1], [2])
+        for direction, stream in zip(Direction, streams, strict=True):
+            [(fence, fence_stream)] = stream.waited  # type: ignore[attr-defined]
+            assert fence is backend.lane_fence(direction) and fence_stream is runtime.current
+
+
+async def test_stream_path_handle_completes_only_once_its_event_fired() -> None:
+    async with stream_path("one_tensor", 4) as (copier, _, _, backend, runtime):
+        runtime.fired = False
+        handles = [copier.to_host([b], [b]) for b in range(3)]
+        for _ in range(20):  # many polls, past the back-off to the timer
+            await asyncio.sleep(0.001)
+        assert not any(h.done() for h in handles) and copier.in_flight == 3
+        runtime.fired = True
+        await asyncio.gather(*handles)
+        assert copier.in_flight == 0
+        assert backend.events_created == 3 and backend.events_idle == 3
+        await copier.to_host([4], [4])
+        assert backend.events_created == 3  # an idle event is reused
+    assert backend.lanes == 0  # staging buffers released at exit
+    with pytest.raises(ClosedError):
+        backend.lane_stream(Direction.TO_HOST)
+
+
+async def test_stream_path_exit_waits_for_events_and_a_cancelled_exit_synchronizes() -> None:
+    runtime = _FakeRuntime()
+    backend = CudaCopyBackend(runtime=runtime)
+    kv = make_kv("one_tensor", "cpu")
+    with HostPool(NUM_SLOTS, block_bytes_of(kv)) as pool:
+        copier = DeviceCopier(kv, pool, backend=backend)
+        entered = asyncio.Event()
+        handles = []
+
+        async def body() -> None:
+            async with copier:
+                runtime.fired = False
+                handles.append(copier.to_host([2], [3]))
+                entered.set()
+                await asyncio.Event().wait()
+
+        task = asyncio.create_task(body())
+        await entered.wait()
+        task.cancel()
+        for _ in range(100):
+            if copier.closed:
+                break
+            await asyncio.sleep(0)
+        assert copier.closed and not handles[0].done()
+        runtime.fired = True  # what a synchronized stream would show
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert handles[0].done() and handles[0].error is None
+        assert all(s.synchronized == 1 for s in runtime.streams)
+        assert copier.in_flight == 0 and backend.lanes == 0
+
+
+async def test_stream_path_an_enqueue_failure_fails_only_that_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with stream_path("mixed_dtypes", 4) as (copier, _, _, _, _):
+        with monkeypatch.context() as patch:
+
+            def broken_scatter(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("simulated scatter fault")
+
+            patch.setattr(torch.Tensor, "index_copy_", broken_scatter)
+            load = copier.to_device([1], [1])
+            with pytest.raises(TransferError, match="simulated scatter fault"):
+                await load
+        await copier.to_host([5], [5])
+        assert copier.statistics().failures == {"to_device copy failed": 1}
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+
+@pytest.mark.cuda
+async def test_cuda_events_are_pooled_and_reused() -> None:
+    backend = CudaCopyBackend()
+    async with opened("mixed_dtypes", "cuda", backend=backend) as (copier, _, _):
+        for i in range(40):
+            await copier.to_host([i % NUM_BLOCKS], [i % NUM_SLOTS])
+        assert backend.events_created == 1
+        await asyncio.gather(*(copier.to_host([b], [b]) for b in range(NUM_SLOTS)))
+        assert backend.events_created <= NUM_SLOTS
+        assert backend.events_idle == backend.events_created
+        assert copier.in_flight == 0
+
+
+@pytest.mark.cuda
+async def test_cuda_unawaited_copies_are_completed_by_the_poller() -> None:
+    async with opened("mixed_dtypes", "cuda") as (copier, _, _):
+        handles = [copier.to_host([b], [b]) for b in range(NUM_SLOTS)]
+        ended = asyncio.Event()
+        handles[-1].add_done_callback(lambda _: ended.set())
+        await ended.wait()
+        await asyncio.gather(*handles)
+        assert all(h.done() for h in handles)

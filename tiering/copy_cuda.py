@@ -1,0 +1,350 @@
+"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
+
+Each direction has a copy stream of its own (so stores and loads use both copy engines),
+ordered after the caller's current stream, and a staging buffer laid out ``[rows, block
+words]``. A planned chunk moves with one gather (or scatter) per layer between the device
+tensors and the staging buffer, plus one copy per slot run between the staging buffer and
+the pinned host pool, whatever the number of blocks. One pooled CUDA event per job marks
+its end, and one poller task on the event loop reports the job when its event has fired:
+no thread spins on an event.
+
+Every CUDA call goes through a :class:`CudaRuntime`, which forwards to ``torch.cuda``; a
+test may give the backend a runtime of its own (recording streams and events that fire
+when it says) and drive the whole stream path with CPU tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from tiering.errors import ClosedError
+from tiering.kv_layout import CopyChunk, CopyOutcome, Direction, KVLayout, PlannedCopy
+
+_IMMEDIATE_POLLS = 2
+"""Event polls done with a bare yield (no timer) before backing off to ``_POLL_INTERVAL_S``."""
+_POLL_INTERVAL_S = 0.001
+"""Back-off between event polls: below ~1 ms ``asyncio.sleep`` busy-spins under uvloop."""
+_IDLE_EVENTS_KEPT = 64
+
+
+class CudaStream(Protocol):
+    """What the backend needs of a stream."""
+
+    def wait_event(self, event: Any) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class CudaEvent(Protocol):
+    """What the backend needs of an event."""
+
+    def record(self, stream: Any = None) -> None: ...
+    def query(self) -> bool: ...
+
+
+class CudaRuntime:
+    """The CUDA calls of :class:`CudaCopyBackend`, forwarded to ``torch.cuda``."""
+
+    def new_stream(self, device: torch.device) -> CudaStream:
+        """A new stream on ``device``."""
+        return torch.cuda.Stream(device)
+
+    def new_event(self) -> CudaEvent:
+        """A new event (timing off)."""
+        return torch.cuda.Event()
+
+    def current_stream(self, device: torch.device) -> CudaStream:
+        """The stream the caller is enqueuing on for ``device``."""
+        return torch.cuda.current_stream(device)
+
+    def on_device(self, device: torch.device) -> AbstractContextManager[Any]:
+        """Make ``device`` current for the block."""
+        return torch.cuda.device(device)
+
+    def use_stream(self, stream: CudaStream) -> AbstractContextManager[Any]:
+        """Make ``stream`` current for the block."""
+        return torch.cuda.stream(stream)  # type: ignore[arg-type]
+
+    def record_stream(self, tensor: torch.Tensor, stream: CudaStream) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor``."""
+        tensor.record_stream(stream)  # type: ignore[arg-type]
+
+
+class _StagingBuffer:
+    """A ``[rows, block words]`` buffer that grows on demand up to ``max_rows``."""
+
+    def __init__(self, layout: KVLayout, max_rows: int) -> None:
+        self._layout = layout
+        self._max_rows = max_rows
+        self._buffer: torch.Tensor | None = None
+
+    def rows(self, n: int) -> torch.Tensor:
+        buffer = self._buffer
+        if buffer is None or buffer.shape[0] < n:
+            # This runs inside the copy stream's context, so the caching allocator ties
+            # the memory to that stream: dropping the old buffer is stream-ordered.
+            rows = min(self._max_rows, max(n, 2 * (0 if buffer is None else buffer.shape[0])))
+            layout = self._layout
+            buffer = torch.empty(
+                (rows, layout.block_words), dtype=layout.word, device=layout.device
+            )
+            self._buffer = buffer
+        return buffer[:n]
+
+
+class _EventPool:
+    """Reusable events; keeps at most ``keep`` idle ones."""
+
+    def __init__(self, runtime: CudaRuntime, keep: int) -> None:
+        self._runtime = runtime
+        self._idle: list[CudaEvent] = []
+        self._keep = keep
+        self.created = 0
+
+    def acquire(self) -> CudaEvent:
+        if self._idle:
+            return self._idle.pop()
+        self.created += 1
+        return self._runtime.new_event()
+
+    def release(self, event: CudaEvent) -> None:
+        if len(self._idle) < self._keep:
+            self._idle.append(event)
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+
+@dataclass(slots=True)
+class _Lane:
+    """One direction: its copy stream, its staging buffer, its ordering event."""
+
+    stream: CudaStream
+    staging: _StagingBuffer
+    fence: CudaEvent
+
+
+@dataclass(slots=True)
+class _Pending:
+    event: CudaEvent | None = None
+    error: BaseException | None = None  # raised while enqueuing; reported once drained
+
+
+class CudaCopyBackend:
+    """Runs copies between a CUDA KV cache and a pinned host pool on copy streams.
+
+    Contract with :class:`~tiering.device.DeviceCopier` (which calls every method on its
+    event loop): :meth:`open` once, then :meth:`submit` per copy; ``on_done`` is called
+    on the loop with every submitted copy's outcome exactly once, never before the copy's
+    last queued operation has run; :meth:`drain_blocking` and :meth:`aclose` at the end.
+    """
+
+    def __init__(self, *, runtime: CudaRuntime | None = None) -> None:
+        self._runtime = runtime or CudaRuntime()
+        self._events = _EventPool(self._runtime, _IDLE_EVENTS_KEPT)
+        self._lanes: dict[Direction, _Lane] = {}
+        self._pending: dict[PlannedCopy, _Pending] = {}
+        self._layout: KVLayout | None = None
+        self._host: torch.Tensor | None = None
+        self._on_done: Callable[[Sequence[CopyOutcome]], None] | None = None
+        self._task_group: asyncio.TaskGroup | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._closing = False
+
+    @property
+    def events_created(self) -> int:
+        """CUDA events made so far (they are pooled and reused)."""
+        return self._events.created
+
+    @property
+    def events_idle(self) -> int:
+        """Events in the pool, waiting for reuse."""
+        return self._events.idle
+
+    @property
+    def lanes(self) -> int:
+        """Copy lanes (stream + staging buffer) held: 2 while open, 0 once closed."""
+        return len(self._lanes)
+
+    def lane_stream(self, direction: Direction) -> CudaStream:
+        """The copy stream of ``direction``. Raises ClosedError unless open."""
+        if direction not in self._lanes:
+            raise ClosedError("the CUDA copy backend is not open")
+        return self._lanes[direction].stream
+
+    def lane_fence(self, direction: Direction) -> CudaEvent:
+        """The event that orders ``direction``'s jobs after the caller's stream."""
+        if direction not in self._lanes:
+            raise ClosedError("the CUDA copy backend is not open")
+        return self._lanes[direction].fence
+
+    async def open(
+        self,
+        layout: KVLayout,
+        host: torch.Tensor,
+        *,
+        max_rows: int,
+        on_done: Callable[[Sequence[CopyOutcome]], None],
+    ) -> None:
+        """Make both lanes (staging buffers of up to ``max_rows`` rows) and start the poller.
+
+        Raises ClosedError if the backend was opened before.
+        """
+        if self._layout is not None:
+            raise ClosedError("a CudaCopyBackend can be opened only once")
+        self._layout, self._host, self._on_done = layout, host, on_done
+        runtime, device = self._runtime, layout.device
+        with runtime.on_device(device):
+            for direction in Direction:
+                stream = runtime.new_stream(device)
+                self._lanes[direction] = _Lane(
+                    stream, _StagingBuffer(layout, max_rows), runtime.new_event()
+                )
+                # If the caller frees the KV cache, the allocator waits for copies already
+                # queued on this stream before it reuses the memory. Memory from another
+                # allocator may refuse; the copier's own references and its draining exit
+                # still cover the copier's lifetime.
+                for layer in layout.layers:
+                    with contextlib.suppress(RuntimeError):
+                        runtime.record_stream(layer, stream)
+        self._wakeup = asyncio.Event()
+        self._task_group = asyncio.TaskGroup()
+        await self._task_group.__aenter__()
+        self._task_group.create_task(self._poll_events(), name="CudaCopyBackend.poller")
+
+    def submit(self, copy: PlannedCopy) -> None:
+        """Enqueue ``copy`` on its direction's lane, ordered after the caller's stream."""
+        assert self._layout is not None and self._wakeup is not None
+        lane = self._lanes[copy.direction]
+        pending = _Pending()
+        self._pending[copy] = pending
+        runtime, device = self._runtime, self._layout.device
+        try:
+            with runtime.on_device(device):
+                # Order after everything already queued on the caller's stream, through a
+                # reused event (Stream.wait_stream would create one per job).
+                lane.fence.record(runtime.current_stream(device))
+                lane.stream.wait_event(lane.fence)
+                with runtime.use_stream(lane.stream):
+                    try:
+                        for chunk in copy.chunks:
+                            self._copy_chunk(copy.direction, chunk, lane.staging)
+                    except Exception as exc:
+                        pending.error = exc  # reported once what was enqueued has drained
+                    pending.event = self._events.acquire()
+                    pending.event.record(lane.stream)
+        except Exception as exc:
+            # No event marks the job's end, and copies may already be queued: wait for the
+            # lane (blocking, on this failure path only) so that the job never ends while
+            # a queued copy can still touch its slots or blocks.
+            with contextlib.suppress(Exception):
+                lane.stream.synchronize()
+            self._report([(copy, pending.error or exc)])
+            return
+        self._wakeup.set()
+
+    def drain_blocking(self) -> None:
+        """Block until every lane is idle; report every job."""
+        for lane in self._lanes.values():
+            # A failure surfaces again in the per-job event query below.
+            with contextlib.suppress(Exception):
+                lane.stream.synchronize()
+        self._report_fired()
+
+    async def aclose(self) -> None:
+        """Stop the poller and release the lanes; call once no copy is in flight."""
+        self._closing = True
+        if self._task_group is not None:
+            task_group, self._task_group = self._task_group, None
+            assert self._wakeup is not None
+            self._wakeup.set()
+            # Not the caller's exception: a TaskGroup would wrap it in an ExceptionGroup.
+            await task_group.__aexit__(None, None, None)
+        # Every job's event has fired, so nothing queued on the lanes uses their staging
+        # buffers any more: hand the device memory back now, not when the backend is dropped.
+        self._lanes.clear()
+
+    # ----------------------------------------------------------------- internals
+
+    def _copy_chunk(self, direction: Direction, chunk: CopyChunk, staging: _StagingBuffer) -> None:
+        assert self._layout is not None and self._host is not None
+        host = self._host
+        index = self._index_tensor(chunk.device_ids)
+        rows = staging.rows(len(chunk.device_ids))
+        columns = self._layout.columns
+        if direction is Direction.TO_HOST:
+            for layer, offset, width in columns:
+                torch.index_select(layer, 0, index, out=rows[:, offset : offset + width])
+            for run in chunk.runs:
+                host[run.first_slot : run.first_slot + run.length].copy_(
+                    rows[run.first_row : run.first_row + run.length], non_blocking=True
+                )
+        else:
+            for run in chunk.runs:
+                rows[run.first_row : run.first_row + run.length].copy_(
+                    host[run.first_slot : run.first_slot + run.length], non_blocking=True
+                )
+            for layer, offset, width in columns:
+                layer.index_copy_(0, index, rows[:, offset : offset + width])
+
+    def _index_tensor(self, device_ids: tuple[int, ...]) -> torch.Tensor:
+        assert self._layout is not None
+        if self._layout.device.type != "cuda":
+            return torch.tensor(device_ids, dtype=torch.int64)
+        # Pinned so the upload is asynchronous on the copy stream; the pinned allocator
+        # keeps the host block until that upload has run.
+        staged = torch.tensor(device_ids, dtype=torch.int64, pin_memory=True)
+        return staged.to(self._layout.device, non_blocking=True)
+
+    async def _poll_events(self) -> None:
+        assert self._wakeup is not None
+        unfinished_polls = 0
+        while True:
+            if not self._pending:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                unfinished_polls = 0
+                continue
+            if self._report_fired():
+                unfinished_polls = 0
+            else:
+                unfinished_polls += 1
+            # A bare yield (call_soon) for the first polls catches short copies at once;
+            # then a 1 ms timer: never a busy spin, never more than ~1 ms late.
+            await asyncio.sleep(0 if unfinished_polls <= _IMMEDIATE_POLLS else _POLL_INTERVAL_S)
+
+    def _report_fired(self) -> bool:
+        fired: list[CopyOutcome] = []
+        for copy, pending in self._pending.items():
+            if pending.event is None:
+                continue
+            try:
+                if not pending.event.query():
+                    continue
+                error = pending.error
+            except Exception as exc:  # a failed kernel surfaces here (sticky CUDA error)
+                error = exc
+            fired.append((copy, error))
+        if fired:
+            self._report(fired)
+        return bool(fired)
+
+    def _report(self, outcomes: list[CopyOutcome]) -> None:
+        for copy, _ in outcomes:
+            pending = self._pending.pop(copy, None)
+            if pending is not None and pending.event is not None:
+                self._events.release(pending.event)
+        assert self._on_done is not None
+        self._on_done(outcomes)
+
+
+__all__ = ["CudaCopyBackend", "CudaEvent", "CudaRuntime", "CudaStream"]

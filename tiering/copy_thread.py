@@ -1,0 +1,245 @@
+"""The thread copy backend: KV copies in host memory on a small thread pool, coalesced.
+
+Without CUDA the device KV cache is host memory, so a copy is a gather (to a slot) or a
+scatter (to the device blocks) straight between the layers and the slot rows: one pass
+over the bytes, no staging buffer. Copies run on worker threads, never on the event
+loop's thread (torch releases the GIL in its kernels).
+
+Coalescing: every copy goes into one FIFO queue. A *hop* (one call on a worker thread)
+takes every copy queued at the moment it is dispatched, runs them in request order, and
+posts all their outcomes to the loop with one ``call_soon_threadsafe``. So copies that
+arrive while a hop is queued or running cost one hop together, not one each.
+
+Ordering rule: at most ``max_workers`` hops are in flight, and a hop is dispatched only if
+nothing it reads or writes (host slots, device blocks) is written by a hop in flight, nor
+anything it writes read by one. Since a hop always takes the whole queue, a copy starts
+only after every copy requested before it has started, and after every earlier copy it
+conflicts with has ended: copies whose slots or blocks overlap run in request order
+(a ``to_host`` into slot 3 followed by a ``to_device`` from slot 3 reads what was written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tiering.errors import ClosedError, InvalidArgumentError
+from tiering.kv_layout import CopyOutcome, Direction, KVLayout, PlannedCopy
+from tiering.validation import positive_int
+from tiering.workers import init_io_worker
+
+
+class _Access:
+    """What a set of copies reads and writes: host slots as themselves, device block ``b``
+    as ``~b`` (negative), so that one set holds both kinds."""
+
+    __slots__ = ("reads", "writes")
+
+    def __init__(self) -> None:
+        self.reads: set[int] = set()
+        self.writes: set[int] = set()
+
+    def add(self, copy: PlannedCopy) -> None:
+        blocks = [~block for block in copy.device_ids]
+        if copy.direction is Direction.TO_HOST:
+            self.writes.update(copy.slots)
+            self.reads.update(blocks)
+        else:
+            self.writes.update(blocks)
+            self.reads.update(copy.slots)
+
+    def conflicts(self, other: _Access) -> bool:
+        return not (
+            self.writes.isdisjoint(other.writes)
+            and self.writes.isdisjoint(other.reads)
+            and self.reads.isdisjoint(other.writes)
+        )
+
+
+@dataclass(slots=True, eq=False)
+class _Hop:
+    copies: list[PlannedCopy]
+    access: _Access
+    outcomes: list[CopyOutcome] | None = None  # set by the worker before it posts
+    work: concurrent.futures.Future[None] | None = field(default=None)
+
+
+class ThreadCopyBackend:
+    """Runs copies between a host-memory KV cache and host slots on worker threads.
+
+    ``max_workers`` bounds the hops in flight and sizes the thread pool the backend makes
+    when no ``executor`` is given. A given ``executor`` is used as is (and not shut down):
+    every hop is one ``executor.submit`` call, which is how tests count hops.
+
+    Contract with :class:`~tiering.device.DeviceCopier` (which calls every method on its
+    event loop): :meth:`open` once, then :meth:`submit` per copy; ``on_done`` is called
+    on the loop with the outcome of every submitted copy exactly once (a copy that fails
+    fails alone); :meth:`drain_blocking` and :meth:`aclose` at the end.
+
+    Raises InvalidArgumentError for a ``max_workers`` that is not a positive int or an
+    ``executor`` that is not a ``concurrent.futures.Executor``.
+    """
+
+    def __init__(self, *, max_workers: int = 2, executor: Executor | None = None) -> None:
+        self._max_workers = positive_int("max_workers", max_workers)
+        if executor is not None and not isinstance(executor, Executor):
+            raise InvalidArgumentError(
+                f"executor must be a concurrent.futures.Executor, got {executor!r}"
+            )
+        self._given_executor = executor
+        self._executor: Executor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._host: torch.Tensor | None = None
+        self._columns: tuple[tuple[torch.Tensor, int, int], ...] = ()
+        self._on_done: Callable[[Sequence[CopyOutcome]], None] | None = None
+        self._queue: list[PlannedCopy] = []
+        self._queued = _Access()
+        self._hops: set[_Hop] = set()  # dispatched; outcomes not delivered yet
+
+    @property
+    def max_workers(self) -> int:
+        """The most hops in flight at once."""
+        return self._max_workers
+
+    @property
+    def executor(self) -> Executor | None:
+        """The executor the hops run on while open (None before :meth:`open` and after
+        :meth:`aclose`)."""
+        return self._executor
+
+    @property
+    def hops_in_flight(self) -> int:
+        """Hops dispatched whose outcomes the loop has not received yet."""
+        return len(self._hops)
+
+    async def open(
+        self,
+        layout: KVLayout,
+        host: torch.Tensor,
+        *,
+        max_rows: int,
+        on_done: Callable[[Sequence[CopyOutcome]], None],
+    ) -> None:
+        """Start serving copies between ``layout``'s tensors and ``host`` (``[slots, words]``).
+
+        ``max_rows`` is unused here (there is no staging buffer). Raises ClosedError if
+        the backend was opened before, InvalidArgumentError if the KV cache is not in host
+        memory.
+        """
+        if self._loop is not None:
+            raise ClosedError("a ThreadCopyBackend can be opened only once")
+        if layout.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"the thread copy backend needs a KV cache in host memory, not on {layout.device}"
+            )
+        self._loop = asyncio.get_running_loop()
+        self._host = host
+        self._columns = layout.columns
+        self._on_done = on_done
+        self._executor = self._given_executor or ThreadPoolExecutor(
+            max_workers=self._max_workers,
+            thread_name_prefix="device-copy",
+            initializer=init_io_worker,
+        )
+
+    def submit(self, copy: PlannedCopy) -> None:
+        """Queue ``copy``; it runs in the next hop that may start (see the module doc)."""
+        self._queue.append(copy)
+        self._queued.add(copy)
+        self._dispatch()
+
+    def drain_blocking(self) -> None:
+        """Block the calling thread until every submitted copy has ended; deliver them all."""
+        assert self._on_done is not None
+        while self._hops or self._queue:
+            running = [hop.work for hop in self._hops if hop.work is not None]
+            concurrent.futures.wait(running)
+            for hop in list(self._hops):
+                self._hops.discard(hop)
+                self._on_done(self._outcomes_of(hop))
+            self._dispatch()  # nothing runs now: whatever is queued goes at once
+
+    async def aclose(self) -> None:
+        """Release the thread pool the backend made; call once no copy is in flight."""
+        executor, self._executor = self._executor, None
+        if executor is not None and executor is not self._given_executor:
+            # The workers are idle by now, so joining them is immediate.
+            executor.shutdown(wait=True)
+
+    # ----------------------------------------------------------------- internals
+
+    def _dispatch(self) -> None:
+        if not self._queue or len(self._hops) >= self._max_workers:
+            return
+        queued = self._queued
+        if any(hop.access.conflicts(queued) for hop in self._hops):
+            return  # the hop it conflicts with dispatches again when it ends
+        hop = _Hop(self._queue, queued)
+        self._queue, self._queued = [], _Access()
+        self._hops.add(hop)
+        assert self._on_done is not None
+        try:
+            if self._executor is None:
+                raise ClosedError("the thread copy backend is closed")
+            hop.work = self._executor.submit(self._run_hop, hop)
+        except RuntimeError as exc:  # the executor was shut down under us
+            self._hops.discard(hop)
+            self._on_done([(copy, exc) for copy in hop.copies])
+
+    def _run_hop(self, hop: _Hop) -> None:
+        """Worker thread: run the hop's copies in order, then post their outcomes once."""
+        outcomes: list[CopyOutcome] = []
+        try:
+            for copy in hop.copies:
+                try:
+                    self._copy(copy)
+                except Exception as exc:
+                    outcomes.append((copy, exc))
+                else:
+                    outcomes.append((copy, None))
+        finally:
+            hop.outcomes = outcomes
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+                self._loop.call_soon_threadsafe(self._hop_done, hop)
+
+    def _hop_done(self, hop: _Hop) -> None:
+        if hop not in self._hops:
+            return  # drain_blocking delivered it already
+        self._hops.discard(hop)
+        self._dispatch()
+        assert self._on_done is not None
+        self._on_done(self._outcomes_of(hop))
+
+    @staticmethod
+    def _outcomes_of(hop: _Hop) -> list[CopyOutcome]:
+        done = hop.outcomes or []
+        if len(done) == len(hop.copies):
+            return done
+        # A BaseException stopped the worker part-way: the rest never ran.
+        stopped = RuntimeError("the copy worker stopped before this copy ran")
+        return done + [(copy, stopped) for copy in hop.copies[len(done) :]]
+
+    def _copy(self, copy: PlannedCopy) -> None:
+        assert self._host is not None
+        host, columns = self._host, self._columns
+        to_host = copy.direction is Direction.TO_HOST
+        for chunk in copy.chunks:
+            index = torch.tensor(chunk.device_ids, dtype=torch.int64)
+            for run in chunk.runs:
+                ids = index[run.first_row : run.first_row + run.length]
+                rows = host[run.first_slot : run.first_slot + run.length]
+                for layer, offset, width in columns:
+                    if to_host:
+                        torch.index_select(layer, 0, ids, out=rows[:, offset : offset + width])
+                    else:
+                        layer.index_copy_(0, ids, rows[:, offset : offset + width])
+
+
+__all__ = ["ThreadCopyBackend"]

@@ -1,0 +1,276 @@
+"""The device KV cache's layout, and the planning of copies between it and host slots.
+
+The device KV cache is one tensor or a list of per-layer tensors whose first dimension is
+the block id. A block's bytes in a host slot are its rows across those tensors, in list
+order: ``[layer 0 row][layer 1 row]...``. :func:`describe_kv_caches` checks such a cache
+and sees it as words (:class:`KVLayout`); :func:`plan_copy` turns a job's (device block,
+slot) pairs into :class:`CopyChunk` s that the copy backends execute.
+
+Everything here is pure: no streams, no threads, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tiering.errors import InvalidArgumentError
+
+KVCaches = torch.Tensor | Sequence[torch.Tensor]
+"""A device KV cache: one tensor, or one tensor per layer; first dim = block id."""
+
+# Widest first: gathers move whole words when every row and offset allows it.
+_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """A checked device KV cache seen as words.
+
+    Layer ``i`` (``layers[i]``, shape ``[num_blocks, widths[i]]``, dtype ``word``) fills
+    columns ``offsets[i] : offsets[i] + widths[i]`` of a block's ``block_bytes //
+    word_bytes`` words; ``columns`` zips the three for the copy loops.
+    """
+
+    layers: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    widths: tuple[int, ...]
+    word: torch.dtype
+    word_bytes: int
+    num_blocks: int
+    block_bytes: int
+    device: torch.device
+
+    @property
+    def columns(self) -> tuple[tuple[torch.Tensor, int, int], ...]:
+        """``(layer, offset, width)`` for every layer, in order."""
+        return tuple(zip(self.layers, self.offsets, self.widths, strict=True))
+
+    @property
+    def block_words(self) -> int:
+        """Words per block (the width of a host slot seen as ``word``)."""
+        return self.block_bytes // self.word_bytes
+
+
+def describe_kv_caches(kv_caches: object) -> KVLayout:
+    """Check ``kv_caches`` and describe it as a :class:`KVLayout`.
+
+    Accepts a tensor or a sequence of tensors, each with a block dim, contiguous, dense,
+    with non-empty rows, all on one cuda or cpu device with the same number of blocks
+    (dtypes may differ). The layout's tensors alias ``kv_caches``' memory.
+
+    Raises InvalidArgumentError naming the offending tensor otherwise.
+    """
+    if isinstance(kv_caches, torch.Tensor):
+        tensors: list[object] = [kv_caches]
+    elif isinstance(kv_caches, Sequence) and not isinstance(kv_caches, str | bytes):
+        tensors = list(kv_caches)
+    else:
+        raise InvalidArgumentError(
+            f"kv_caches must be a tensor or a sequence of tensors, got {type(kv_caches).__name__}"
+        )
+    if not tensors:
+        raise InvalidArgumentError("kv_caches is empty")
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise InvalidArgumentError("kv_caches[0] must be a tensor with a block dim")
+    num_blocks, device = first.shape[0], first.device
+    if num_blocks <= 0:
+        raise InvalidArgumentError("the device KV cache has no blocks")
+    if device.type not in ("cuda", "cpu"):
+        raise InvalidArgumentError(f"device KV cache on {device}: only cuda and cpu are supported")
+    checked: list[torch.Tensor] = []
+    row_bytes: list[int] = []
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            raise InvalidArgumentError(f"kv_caches[{i}] must be a tensor with a block dim")
+        if tensor.shape[0] != num_blocks:
+            raise InvalidArgumentError(
+                f"kv_caches[{i}] has {tensor.shape[0]} blocks, kv_caches[0] has {num_blocks}"
+            )
+        if tensor.device != device:
+            raise InvalidArgumentError(f"kv_caches[{i}] is on {tensor.device}, not {device}")
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError(f"kv_caches[{i}] is not contiguous")
+        if tensor.is_sparse or tensor.is_quantized:
+            raise InvalidArgumentError(f"kv_caches[{i}] must be a dense tensor")
+        nbytes = tensor.numel() // num_blocks * tensor.element_size()
+        if nbytes == 0:
+            raise InvalidArgumentError(f"kv_caches[{i}] has empty rows")
+        checked.append(tensor)
+        row_bytes.append(nbytes)
+    word_bytes, word = next(
+        (size, dtype)
+        for size, dtype in _WORD_DTYPES
+        if all(n % size == 0 for n in row_bytes) and all(t.data_ptr() % size == 0 for t in checked)
+    )
+    layers = tuple(t.detach().view(num_blocks, -1).view(torch.uint8).view(word) for t in checked)
+    widths = tuple(n // word_bytes for n in row_bytes)
+    offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
+    return KVLayout(
+        layers=layers,
+        offsets=offsets,
+        widths=widths,
+        word=word,
+        word_bytes=word_bytes,
+        num_blocks=num_blocks,
+        block_bytes=sum(row_bytes),
+        device=device,
+    )
+
+
+def kv_block_bytes(kv_caches: KVCaches) -> int:
+    """Bytes of one block of ``kv_caches``: the sum of its rows' bytes across the tensors.
+
+    Raises InvalidArgumentError if the layout is malformed (as :class:`DeviceCopier` would).
+    """
+    return describe_kv_caches(kv_caches).block_bytes
+
+
+# --------------------------------------------------------------------------- id checks
+
+
+def as_index_list(name: str, values: object) -> list[int]:
+    """``values`` as a list of ints (``operator.index``; bools refused).
+
+    Raises InvalidArgumentError naming ``name`` and the value if ``values`` is not a sized
+    iterable (str and bytes refused) or holds something that is not an int.
+    """
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+        raise InvalidArgumentError(f"{name} must be a sequence of ints, got {values!r}")
+    out: list[int] = []
+    for value in values:  # type: ignore[attr-defined]
+        if isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}")
+        try:
+            out.append(operator.index(value))
+        except TypeError:
+            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}") from None
+    return out
+
+
+def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: bool) -> None:
+    """Raise InvalidArgumentError unless every value is in ``[0, limit)`` (and, if
+    ``unique``, none repeats); the message names ``name`` and the first bad value."""
+    for value in values:
+        if not 0 <= value < limit:
+            raise InvalidArgumentError(f"{name}: {value} is outside 0..{limit - 1}")
+    if unique and len(set(values)) != len(values):
+        seen: set[int] = set()
+        for value in values:
+            if value in seen:
+                raise InvalidArgumentError(
+                    f"{name}: {value} appears twice; a destination is written once"
+                )
+            seen.add(value)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+class Direction(enum.Enum):
+    """Which way a copy moves bytes."""
+
+    TO_HOST = "to_host"
+    TO_DEVICE = "to_device"
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRun:
+    """``length`` consecutive host slots from ``first_slot``, staging rows from ``first_row``."""
+
+    first_slot: int
+    first_row: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyChunk:
+    """A part of a job that fits the staging buffer.
+
+    Row ``r`` holds device block ``device_ids[r]``; ``runs`` map the rows, in order, onto
+    host slots and together cover every row exactly once.
+    """
+
+    device_ids: tuple[int, ...]
+    runs: tuple[SlotRun, ...]
+
+
+def plan_copy(
+    device_ids: Sequence[int], slots: Sequence[int], max_rows: int
+) -> tuple[CopyChunk, ...]:
+    """Plan a job copying device block ``device_ids[i]`` to/from host slot ``slots[i]``.
+
+    Pairs are ordered by slot so that slots given in any order still form the fewest runs;
+    the order inside a job carries no meaning. Each chunk holds at most ``max_rows`` pairs.
+    Equal slots (allowed as sources) stay separate runs.
+
+    Raises InvalidArgumentError if the lengths differ or ``max_rows < 1``.
+    """
+    if len(device_ids) != len(slots):
+        raise InvalidArgumentError(f"{len(device_ids)} device block ids but {len(slots)} slots")
+    if max_rows < 1:
+        raise InvalidArgumentError(f"max_rows must be at least 1, got {max_rows}")
+    if len(slots) == 1:  # the scheduler's common case, without the sort
+        return (CopyChunk((device_ids[0],), (SlotRun(slots[0], 0, 1),)),)
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    chunks: list[CopyChunk] = []
+    for start in range(0, len(order), max_rows):
+        part = order[start : start + max_rows]
+        runs: list[SlotRun] = []
+        for row, pair in enumerate(part):
+            slot = slots[pair]
+            last = runs[-1] if runs else None
+            if last is not None and slot == last.first_slot + last.length:
+                runs[-1] = SlotRun(last.first_slot, last.first_row, last.length + 1)
+            else:
+                runs.append(SlotRun(slot, row, 1))
+        chunks.append(CopyChunk(tuple(device_ids[pair] for pair in part), tuple(runs)))
+    return tuple(chunks)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlannedCopy:
+    """One checked, planned copy job, as a copy backend receives it.
+
+    Device block ``device_ids[i]`` moves to (``TO_HOST``) or from (``TO_DEVICE``) host
+    slot ``slots[i]``; ``chunks`` is :func:`plan_copy` of the pairs. Compared and hashed
+    by identity: a backend reports each job's end by handing back this object.
+    """
+
+    direction: Direction
+    device_ids: Sequence[int]
+    slots: Sequence[int]
+    chunks: tuple[CopyChunk, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the job moves."""
+        return len(self.device_ids)
+
+
+CopyOutcome = tuple[PlannedCopy, BaseException | None]
+"""How a backend reports a copy's end: the job, and the error that failed it (or None)."""
+
+
+__all__ = [
+    "CopyChunk",
+    "CopyOutcome",
+    "Direction",
+    "KVCaches",
+    "KVLayout",
+    "PlannedCopy",
+    "SlotRun",
+    "as_index_list",
+    "check_index_range",
+    "describe_kv_caches",
+    "kv_block_bytes",
+    "plan_copy",
+]
