@@ -8,7 +8,10 @@ loop's thread (torch releases the GIL in its kernels).
 Coalescing: every copy goes into one FIFO queue. A *hop* (one call on a worker thread)
 takes every copy queued at the moment it is dispatched, runs them in request order, and
 posts all their outcomes to the loop with one ``call_soon_threadsafe``. So copies that
-arrive while a hop is queued or running cost one hop together, not one each.
+arrive while a hop is queued or running cost one hop together, not one each. Inside a
+hop, consecutive small copies of one direction with disjoint destinations run as one
+gather and one scatter per layer; if that fails, they are rerun one by one, so a faulty
+copy fails only its own handle.
 
 Ordering rule: at most ``max_workers`` hops are in flight, and a hop is dispatched only if
 nothing it reads or writes (host slots, device blocks) is written by a hop in flight, nor
@@ -23,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,6 +37,11 @@ from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.kv_layout import CopyOutcome, Direction, KVLayout, PlannedCopy
 from tiering.validation import positive_int
 from tiering.workers import init_io_worker
+
+_GROUP_BLOCK_BYTES = 64 << 10
+"""Copies of blocks up to this size that run in one hop are merged: one gather and one
+scatter per layer for the whole group, where a torch call per copy would cost more than
+its bytes. Bigger blocks are copied straight between layer and slot (one pass)."""
 
 
 class _Access:
@@ -46,7 +55,7 @@ class _Access:
         self.writes: set[int] = set()
 
     def add(self, copy: PlannedCopy) -> None:
-        blocks = [~block for block in copy.device_ids]
+        blocks = map(operator.invert, copy.device_ids)
         if copy.direction is Direction.TO_HOST:
             self.writes.update(copy.slots)
             self.reads.update(blocks)
@@ -97,6 +106,7 @@ class ThreadCopyBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host: torch.Tensor | None = None
         self._columns: tuple[tuple[torch.Tensor, int, int], ...] = ()
+        self._block_bytes = 0
         self._on_done: Callable[[Sequence[CopyOutcome]], None] | None = None
         self._queue: list[PlannedCopy] = []
         self._queued = _Access()
@@ -141,6 +151,7 @@ class ThreadCopyBackend:
         self._loop = asyncio.get_running_loop()
         self._host = host
         self._columns = layout.columns
+        self._block_bytes = layout.block_bytes
         self._on_done = on_done
         self._executor = self._given_executor or ThreadPoolExecutor(
             max_workers=self._max_workers,
@@ -196,18 +207,63 @@ class ThreadCopyBackend:
         """Worker thread: run the hop's copies in order, then post their outcomes once."""
         outcomes: list[CopyOutcome] = []
         try:
-            for copy in hop.copies:
-                try:
-                    self._copy(copy)
-                except Exception as exc:
-                    outcomes.append((copy, exc))
-                else:
-                    outcomes.append((copy, None))
+            for group in self._groups(hop.copies):
+                if len(group) > 1:
+                    try:
+                        self._copy_group(group)
+                    except Exception:
+                        pass  # run them one by one below: only the faulty copy fails
+                    else:
+                        outcomes.extend((copy, None) for copy in group)
+                        continue
+                for copy in group:
+                    try:
+                        self._copy(copy)
+                    except Exception as exc:
+                        outcomes.append((copy, exc))
+                    else:
+                        outcomes.append((copy, None))
         finally:
             hop.outcomes = outcomes
             assert self._loop is not None
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
                 self._loop.call_soon_threadsafe(self._hop_done, hop)
+
+    def _groups(self, copies: list[PlannedCopy]) -> Iterator[list[PlannedCopy]]:
+        """Cut ``copies`` into runs that may execute as one: consecutive small copies of
+        one direction whose destinations are disjoint (sources are only read, so the
+        run's result is the same as one copy after the other). Big copies go alone."""
+        if self._block_bytes > _GROUP_BLOCK_BYTES:
+            yield from ([copy] for copy in copies)
+            return
+        group: list[PlannedCopy] = []
+        written: set[int] = set()
+        for copy in copies:
+            targets = copy.slots if copy.direction is Direction.TO_HOST else copy.device_ids
+            if group and (
+                copy.direction is not group[0].direction or not written.isdisjoint(targets)
+            ):
+                yield group
+                group, written = [], set()
+            group.append(copy)
+            written.update(targets)
+        if group:
+            yield group
+
+    def _copy_group(self, group: list[PlannedCopy]) -> None:
+        """Run a group from :meth:`_groups` with one gather and one scatter per layer."""
+        assert self._host is not None
+        host, columns = self._host, self._columns
+        ids = torch.tensor([b for copy in group for b in copy.device_ids], dtype=torch.int64)
+        slots = torch.tensor([s for copy in group for s in copy.slots], dtype=torch.int64)
+        if group[0].direction is Direction.TO_HOST:
+            for layer, offset, width in columns:
+                rows = torch.index_select(layer, 0, ids)
+                host[:, offset : offset + width].index_copy_(0, slots, rows)
+        else:
+            rows = torch.index_select(host, 0, slots)
+            for layer, offset, width in columns:
+                layer.index_copy_(0, ids, rows[:, offset : offset + width])
 
     def _hop_done(self, hop: _Hop) -> None:
         if hop not in self._hops:

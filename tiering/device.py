@@ -196,8 +196,9 @@ class DeviceCopier:
         self._state = Lifecycle.NEW
         self._in_flight: dict[PlannedCopy, _Job] = {}
         self._bytes_in_flight = 0
-        self._copies = {Direction.TO_HOST: 0, Direction.TO_DEVICE: 0}
-        self._bytes = {Direction.TO_HOST: 0, Direction.TO_DEVICE: 0}
+        # [copies, bytes] by direction; plain lists: an Enum's hash is Python code.
+        self._to_host_done = [0, 0]
+        self._to_device_done = [0, 0]
         self._failures = FailureLog(_log, "DeviceCopier")
 
     # ----------------------------------------------------------------- properties
@@ -254,10 +255,10 @@ class DeviceCopier:
             jobs_in_flight=len(self._in_flight),
             bytes_in_flight=self._bytes_in_flight,
             counters={
-                "copies_to_host": self._copies[Direction.TO_HOST],
-                "copies_to_device": self._copies[Direction.TO_DEVICE],
-                "bytes_to_host": self._bytes[Direction.TO_HOST],
-                "bytes_to_device": self._bytes[Direction.TO_DEVICE],
+                "copies_to_host": self._to_host_done[0],
+                "copies_to_device": self._to_device_done[0],
+                "bytes_to_host": self._to_host_done[1],
+                "bytes_to_device": self._to_device_done[1],
             },
             failures=self._failures.counts,
         )
@@ -388,8 +389,11 @@ class DeviceCopier:
                 continue
             direction = copy.direction
             if error is None:
-                self._copies[direction] += 1
-                self._bytes[direction] += job.nbytes
+                done = (
+                    self._to_host_done if direction is Direction.TO_HOST else self._to_device_done
+                )
+                done[0] += 1
+                done[1] += job.nbytes
                 job.future.set_result(None)
             else:
                 self._failures.record(f"{direction.value} copy failed", detail=repr(error))
