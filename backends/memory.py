@@ -90,7 +90,7 @@ class MemoryTier(TierActor):
         self._free_rows: list[int] = list(range(max_blocks - 1, -1, -1))
         # Rows of keys dropped by clear() while pinned: freed once the key is unpinned.
         self._orphaned: dict[OffloadKey, list[int]] = {}
-        self._failures = FailureLog(logger, "memory tier")
+        self._failure_log = FailureLog(logger, "memory tier")
         self._counters = {"stored_blocks": 0, "loaded_blocks": 0, "evicted_blocks": 0}
 
     # -- queries ----------------------------------------------------------------------
@@ -156,7 +156,7 @@ class MemoryTier(TierActor):
             "capacity_bytes": self.max_blocks * self.block_bytes,
             "pinned_blocks": self._index.pinned_resident,
             "counters": dict(self._counters),
-            "failures": dict(self._failures.counts),
+            "failures": dict(self._failure_log.counts),
         }
 
     # -- hooks ------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class MemoryTier(TierActor):
                 self._free_rows.append(row)
         self._counters["stored_blocks"] += len(placed)
         if refused:
-            self._failures.record(_FULL, len(refused), "no unpinned block left to evict")
+            self._failure_log.record(_FULL, len(refused), "no unpinned block left to evict")
             return JobResult(
                 job.job_id,
                 False,
@@ -223,7 +223,7 @@ class MemoryTier(TierActor):
             self._free_orphans(pinned)
         self._counters["loaded_blocks"] += len(copies)
         if missing:
-            self._failures.record(_NOT_HELD, len(missing))
+            self._failure_log.record(_NOT_HELD, len(missing))
             return JobResult(
                 job.job_id,
                 False,

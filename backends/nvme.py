@@ -255,7 +255,7 @@ class NVMeTier(TierActor):
         """Counters since creation; ``statistics().counters`` shows the same figures."""
         self._index = index
         self._space = space
-        self._failures = FailureLog(logger, "nvme tier")
+        self._failure_log = FailureLog(logger, "nvme tier")
         self._os = os_calls
         self._clock = clock
         self._ns_digest = namespace_digest(namespace)
@@ -498,7 +498,7 @@ class NVMeTier(TierActor):
             "capacity_bytes": self.capacity_bytes,
             "pinned_blocks": self._index.pinned_resident,
             "counters": counters,
-            "failures": dict(self._failures.counts),
+            "failures": dict(self._failure_log.counts),
         }
 
     # -- hooks ------------------------------------------------------------------------
@@ -513,13 +513,13 @@ class NVMeTier(TierActor):
             elif key not in index and key not in wanted:
                 wanted[key] = block_id
         if failed:
-            self._failures.record("bad key length", len(failed), next(iter(failed.values())))
+            self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
         wanted = await self._wait_until_free(wanted)
         if not wanted:
             return _result(job.job_id, failed, len(job.keys))
         if self._space.refusing():
             self.metrics.refused_blocks += len(wanted)
-            self._failures.record("disk full", len(wanted), DISK_FULL_REASON)
+            self._failure_log.record("disk full", len(wanted), DISK_FULL_REASON)
             return _result(
                 job.job_id, failed | dict.fromkeys(wanted, DISK_FULL_REASON), len(job.keys)
             )
@@ -557,7 +557,7 @@ class NVMeTier(TierActor):
                     reason += "; every other block is pinned (being read, written or held)"
                     failed.update(dict.fromkeys(refused, reason))
                     self.metrics.refused_blocks += len(refused)
-                    self._failures.record("no room", len(refused), reason)
+                    self._failure_log.record("no room", len(refused), reason)
                 report = await self.run_blocking(self._store_hop, admitted, removals)
             finally:
                 self._budget.release(budget)
@@ -581,7 +581,7 @@ class NVMeTier(TierActor):
             else:
                 failed[key] = "not in the nvme tier"
         if failed:
-            self._failures.record("not in the tier", len(failed))
+            self._failure_log.record("not in the tier", len(failed))
         if not reads:
             return _result(job.job_id, failed, len(job.keys))
         pinned = [key for key, _ in reads]
@@ -644,7 +644,7 @@ class NVMeTier(TierActor):
         if report.failed:
             failed.update(report.failed)
             cause = "disk full" if report.disk_full else "write error"
-            self._failures.record(cause, len(report.failed), next(iter(report.failed.values())))
+            self._failure_log.record(cause, len(report.failed), next(iter(report.failed.values())))
         self.metrics.stored_blocks += len(report.stored)
         self.metrics.bytes_written += len(report.stored) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
@@ -678,13 +678,13 @@ class NVMeTier(TierActor):
             failed[key] = reason
             if key in corrupt:
                 self.metrics.corrupt_blocks += 1
-                self._failures.record("corrupt block", 1, reason)
+                self._failure_log.record("corrupt block", 1, reason)
             elif reason == _MISSING:
                 self.metrics.missing_blocks += 1
-                self._failures.record("block file missing", 1, reason)
+                self._failure_log.record("block file missing", 1, reason)
             else:
                 self.metrics.read_errors += 1
-                self._failures.record("read error", 1, reason)
+                self._failure_log.record("read error", 1, reason)
             if generation == self._generation and index.remove(key):
                 self._space.freed()
 

@@ -23,8 +23,10 @@ endian)::
     4088 u64  header checksum: xxh3_64 of bytes 0..4087
 
 This module is pure: it computes names, digests and header bytes and never touches a
-file. xxhash releases the GIL while hashing large buffers, so checksums computed on a
-worker thread do not stall the event loop.
+file. Checksums are computed on the tier's worker threads, never on the loop. The
+xxhash binding holds the GIL while it hashes (measured: two threads hashing 2 MiB
+buffers take as long as one doing both), but at about 20 GB/s a 2 MiB block holds it
+for about 0.1 ms, well inside the loop's lag budget.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def fanout_dirs() -> list[str]:
 
 
 def payload_checksum(payload: memoryview | bytes | bytearray) -> bytes:
-    """The 16-byte xxh3_128 digest of a payload (releases the GIL on large buffers)."""
+    """The 16-byte xxh3_128 digest of a payload (holds the GIL: call it off the loop)."""
     return xxhash.xxh3_128_digest(payload)
 
 

@@ -318,17 +318,22 @@ async def test_usage_counts_blocks_bytes_pins_and_failures_by_cause() -> None:
         tier.submit_load(_job(2, [b"a", b"x", b"y"], [10, 11, 12]))
         await _wait_load_entered(tier)
         tier.hold([b"b"])
-        usage = tier._usage()
-        assert usage["used_blocks"] == 2 and usage["capacity_blocks"] == 3
-        assert usage["used_bytes"] == 2 * BLOCK and usage["capacity_bytes"] == 3 * BLOCK
-        assert usage["pinned_blocks"] == 2  # a being read, b held
+        stats = tier.statistics()
+        assert stats.used_blocks == 2 and stats.capacity_blocks == 3
+        assert stats.used_bytes == 2 * BLOCK and stats.capacity_bytes == 3 * BLOCK
+        assert stats.pinned_blocks == 2  # a being read, b held
+        assert stats.jobs_in_flight == 1 and "2 pinned" in repr(tier)
         tier.load_gate.set()
         assert (await tier.result(2)).failed_keys == (b"x", b"y")
         tier.release([b"b"])
-        usage = tier._usage()
-        assert usage["pinned_blocks"] == 0
-        assert usage["counters"] == {"stored_blocks": 2, "loaded_blocks": 1, "evicted_blocks": 0}
-        assert usage["failures"] == {"not in the memory tier": 2}
+        stats = tier.statistics()
+        assert stats.pinned_blocks == 0
+        assert dict(stats.counters) == {
+            "stored_blocks": 2,
+            "loaded_blocks": 1,
+            "evicted_blocks": 0,
+        }
+        assert dict(stats.failures) == {"not in the memory tier": 2}
 
 
 async def test_failures_are_logged_once_per_cause(caplog: pytest.LogCaptureFixture) -> None:
@@ -337,4 +342,4 @@ async def test_failures_are_logged_once_per_cause(caplog: pytest.LogCaptureFixtu
             for job_id in range(3):
                 await _run(tier, _job(job_id, [b"m1", b"m2"], [0, 1]), load=True)
     assert len([r for r in caplog.records if "not in the memory tier" in r.getMessage()]) == 1
-    assert tier._usage()["failures"] == {"not in the memory tier": 6}
+    assert dict(tier.statistics().failures) == {"not in the memory tier": 6}

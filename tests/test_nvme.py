@@ -564,7 +564,7 @@ async def test_a_held_block_is_never_evicted_until_released(
         tier.hold([c])
         refused = await _store(tier, [d], [3])
         assert refused.failed_keys == (d,) and "pinned" in (refused.error or "")
-        assert tier._usage()["pinned_blocks"] == 2
+        assert tier.statistics().pinned_blocks == 2
         tier.release([a])
         assert (await _store(tier, [d], [3])).success
         assert not tier.lookup(a) and tier.lookup(c) and tier.lookup(d)
@@ -604,12 +604,12 @@ async def test_usage_reports_counters_and_failures_by_cause_logged_once(
             await _load(tier, [b"absent"], [6])
         assert set(result.failed_keys) == set(keys)
         assert "checksum" in (result.error or "")
-        usage = tier._usage()
-    assert usage["used_blocks"] == 0 and usage["capacity_blocks"] == 4
-    assert usage["used_bytes"] == 0 and usage["capacity_bytes"] == 4 * FILE
-    assert usage["counters"]["stored_blocks"] == 2
-    assert usage["counters"]["corrupt_blocks"] == 2
-    assert usage["failures"] == {"corrupt block": 2, "not in the tier": 1}
+        stats = tier.statistics()
+    assert stats.used_blocks == 0 and stats.capacity_blocks == 4
+    assert stats.used_bytes == 0 and stats.capacity_bytes == 4 * FILE
+    assert stats.counters["stored_blocks"] == 2
+    assert stats.counters["corrupt_blocks"] == 2
+    assert dict(stats.failures) == {"corrupt block": 2, "not in the tier": 1}
     corrupt_lines = [r for r in caplog.records if "corrupt block" in r.getMessage()]
     assert len(corrupt_lines) == 1
 
