@@ -75,6 +75,8 @@ class TierFigures:
     loop_lag_p99_ms: float
     cold_load: bool
     o_direct: bool
+    idle_lag_p99_ms: float
+    """The same loop's lag with nothing running: what the machine adds by itself."""
 
 
 # -- page cache ---------------------------------------------------------------------------
@@ -240,6 +242,8 @@ async def bench_tier(
         max_inflight=args.max_inflight,
         max_inflight_bytes=args.max_inflight * job_blocks * block,
     )
+    async with LoopLagMonitor() as idle:
+        await asyncio.sleep(1.0)
     try:
         async with tier:
             store = await _drive(tier, batches, windows, job_blocks, load=False, report=report)
@@ -259,6 +263,7 @@ async def bench_tier(
         loop_lag_p99_ms=max(store.lag_p99_ms, load.lag_p99_ms),
         cold_load=cold,
         o_direct=o_direct,
+        idle_lag_p99_ms=idle.p99_ms,
     )
 
 
@@ -321,7 +326,8 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
             f"{_list(t.store_GBps for t in tiers)} vs {_list(base_writes)}), "
             f"load {load:.3f} GB/s (baseline {base_read:.3f}; each run "
             f"{_list(t.load_GBps for t in tiers)} vs {_list(base_reads)}), "
-            f"loop lag p99 {_list(t.loop_lag_p99_ms for t in tiers)} ms",
+            f"loop lag p99 {_list(t.loop_lag_p99_ms for t in tiers)} ms "
+            f"(idle loop {_list(t.idle_lag_p99_ms for t in tiers)} ms)",
             flush=True,
         )
         runs.append(entry)
