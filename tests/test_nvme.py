@@ -498,19 +498,25 @@ async def test_free_space_floor_refuses_what_eviction_cannot_cover(
         assert tier.lookup(keys[0]) and tier.metrics.refused_blocks == 1
 
 
-async def test_crossed_floor_evicts_to_restore_it(pool: memoryview, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hold_oldest", [False, True])
+async def test_crossed_floor_evicts_to_restore_it(
+    pool: memoryview, tmp_path: Path, hold_oldest: bool
+) -> None:
     faults = FaultInjector()
     clock = FakeClock()
     options = {"os_calls": faults, "clock": clock, "min_free_bytes": 10 * FILE}
     async with _tier(pool, tmp_path, **options) as tier:
         keys = _keys(4)
+        if hold_oldest:
+            tier.hold([keys[0]])  # held before it is stored: the floor must spare it
         await _store(tier, keys[:3], range(3))
         faults.report_free_bytes(9 * FILE)  # one file below the floor
         clock.now += 1
         result = await _store(tier, keys[3:], [3])
         assert result.success
         assert tier.metrics.evicted_blocks == 2  # one for the floor, one for the new block
-        assert [tier.lookup(k) for k in keys] == [False, False, True, True]
+        expected = [True, False, False, True] if hold_oldest else [False, False, True, True]
+        assert [tier.lookup(k) for k in keys] == expected
 
 
 class GatedReads(OsCalls):
@@ -573,21 +579,6 @@ async def test_a_held_block_is_never_evicted_until_released(
         tier.release([c])
         assert (await _load(tier, [c], [6])).success
     assert expected == _slot(pool, 0)
-
-
-async def test_a_held_block_survives_the_free_space_floor(pool: memoryview, tmp_path: Path) -> None:
-    faults = FaultInjector()
-    clock = FakeClock()
-    options = {"os_calls": faults, "clock": clock, "min_free_bytes": 10 * FILE}
-    async with _tier(pool, tmp_path, **options) as tier:
-        keys = _keys(4)
-        tier.hold([keys[0]])  # held before it is stored
-        await _store(tier, keys[:3], range(3))
-        faults.report_free_bytes(9 * FILE)  # one file below the floor
-        clock.now += 1
-        assert (await _store(tier, keys[3:], [3])).success
-        assert [tier.lookup(k) for k in keys] == [True, False, False, True]
-        tier.release([keys[0]])
 
 
 async def test_usage_reports_counters_and_failures_by_cause_logged_once(
