@@ -21,6 +21,7 @@ from tiering import (
     JobResult,
     TieringEngine,
 )
+from tiering.lifecycle import Lifecycle
 
 DEVICE_BLOCKS = 32
 
@@ -88,7 +89,7 @@ def gated(**kwargs) -> tuple[Callable[[memoryview, int], GatedMemoryTier], list[
 async def settle(engine: TieringEngine) -> None:
     """Wait until every job of the engine, its cascade included, has ended."""
     for _ in range(1000):
-        if not engine._tasks and not engine._open_jobs:
+        if engine.statistics().jobs_in_flight == 0:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("engine jobs did not settle")
@@ -105,10 +106,9 @@ async def store_and_evict(engine: TieringEngine, keys: list[bytes], ids: list[in
 
 
 def assert_no_leaks(engine: TieringEngine) -> None:
-    assert engine.manager.num_pinned == 0
+    stats = engine.statistics()
+    assert stats.pinned_blocks == 0 and stats.jobs_in_flight == 0
     assert engine.manager.num_in_flight == 0
-    assert not engine._fills
-    assert not engine._planner._waiters
 
 
 # ------------------------------------------------------------------ round trips
@@ -142,7 +142,7 @@ async def test_round_trip_through_the_memory_tier_after_cpu_eviction() -> None:
         result = await engine.load([h(i) for i in range(4)], [20, 21, 22, 23])
         assert result.success
         assert_rows(kv, [20, 21, 22, 23], expected)
-        assert engine.stats["promoted_blocks"] == 4
+        assert engine.statistics().counters["promoted_blocks"] == 4
         assert engine.manager.lookup([h(i) for i in range(4)]) == 4  # promoted into CPU
         await settle(engine)
         assert_no_leaks(engine)
@@ -182,7 +182,7 @@ async def test_write_back_cascades_only_on_eviction_and_data_survives() -> None:
         assert not made[0].lookup(h(1)), "write-back must not cascade at store time"
         assert (await engine.store([h(3), h(4)], [2, 3])).success  # evicts h1, h2
         assert made[0].lookup(h(1)) and made[0].lookup(h(2))
-        assert engine.stats["written_back_blocks"] == 2
+        assert engine.statistics().counters["written_back_blocks"] == 2
         wipe(kv, [0, 1])
         assert (await engine.load([h(1), h(2)], [5, 6])).success
         assert_rows(kv, [5, 6], expected)
@@ -252,8 +252,9 @@ async def test_cancelling_a_store_awaiter_still_completes_the_store() -> None:
         expected = rows(kv, [1])
         # Hold the copy workers so the store is certainly in flight when we cancel.
         gate = threading.Event()
-        for _ in range(engine._copier._max_workers):
-            engine._copier._executor.submit(gate.wait)
+        backend = engine._copier.backend
+        for _ in range(backend.max_workers):
+            backend.executor.submit(gate.wait)
         job = engine.store([h(2)], [1])
         waiter = asyncio.create_task(_await(job))
         await asyncio.sleep(0.01)
@@ -285,7 +286,7 @@ async def test_a_tier_that_raises_fails_that_load_only() -> None:
         made[0].fail_loads = True
         result = await engine.load([h(1)], [10])
         assert not result.success and result.failed_keys == (h(1),)
-        assert "could not be read" in result.error
+        assert "injected tier fault" in result.error
         await settle(engine)
         assert_no_leaks(engine)
         assert engine.manager.lookup([h(1)]) == 0  # the failed promotion left nothing behind
@@ -509,7 +510,9 @@ async def test_hard_close_then_leaving_the_block_releases_everything() -> None:
         with pytest.raises(ClosedError):
             engine.store([h(2)], [1])
     assert job.done() and not await job.cascaded
-    assert engine._pool is not None and engine._pool.closed
+    assert engine.state is Lifecycle.CLOSED
+    with pytest.raises(ClosedError):
+        _ = engine.host_pool
 
 
 # ------------------------------------------------------- randomized concurrency
@@ -563,7 +566,8 @@ async def test_random_concurrent_jobs_never_serve_wrong_bytes(write_policy: str,
                             assert torch.equal(layer[i], want), f"wrong bytes for {k.hex()}"
         await settle(engine)
         assert_no_leaks(engine)
-        assert engine.stats["bytes_to_device"] > 0, "no load landed: the test checked nothing"
+        landed = engine.statistics().counters["bytes_to_device"]
+        assert landed > 0, "no load landed: the test checked nothing"
 
 
 async def test_write_back_close_flushes_cpu_blocks_to_nvme(tmp_path) -> None:

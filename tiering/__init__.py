@@ -2,8 +2,10 @@
 
 The public API, re-exported here: the seed types and :class:`CPUOffloadingManager`
 (scheduler-side bookkeeping), eviction policies, prefix-chained hashing, the
-secondary-tier interface and the :class:`TierActor` base, the host pool and device
-transfers, and :class:`TieringEngine`. Secondary tiers live in ``backends`` and are
+secondary-tier interface, the :class:`TierActor` base and the :class:`TierClient`, the
+host pool and device transfers, the sans-I/O :class:`JobCore` and the
+:class:`TieringEngine` shell over it, the :class:`Lifecycle` and :class:`Statistics`
+every long-lived object shares. Secondary tiers live in ``backends`` and are
 built by name through :func:`make_tier`.
 """
 
@@ -33,8 +35,9 @@ from tiering.errors import (
 )
 from tiering.hashing import block_hashes, namespace_root
 from tiering.host_pool import HostPool
+from tiering.job_core import JobCore
+from tiering.lifecycle import Lifecycle
 from tiering.manager import BlockState, CPUOffloadingManager
-from tiering.planner import TransferPlanner
 from tiering.policies import (
     ARCPolicy,
     EvictionPolicy,
@@ -45,7 +48,10 @@ from tiering.policies import (
     register_policy,
 )
 from tiering.registry import make_tier, register_tier, tier_names
+from tiering.residency import ResidencyIndex
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+from tiering.statistics import FailureLog, Statistics
+from tiering.tier_client import TierClient, TierOutcome
 
 __all__ = [
     "ARCPolicy",
@@ -59,25 +65,31 @@ __all__ = [
     "CorruptBlockError",
     "DeviceCopier",
     "EvictionPolicy",
+    "FailureLog",
     "HostPool",
     "InvalidArgumentError",
     "Job",
+    "JobCore",
     "JobMetadata",
     "JobResult",
     "LRUPolicy",
+    "Lifecycle",
     "LoadStoreSpec",
     "NotLoadingError",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "ResidencyIndex",
     "S3FIFOPolicy",
     "SecondaryTierManager",
+    "Statistics",
     "TierActor",
     "TierBusyError",
+    "TierClient",
+    "TierOutcome",
     "TieringEngine",
     "TieringError",
     "TransferError",
-    "TransferPlanner",
     "UnknownPolicyError",
     "UnknownTierError",
     "as_block_hashes",

@@ -155,6 +155,7 @@ class CudaCopyBackend:
         self._host: torch.Tensor | None = None
         self._on_done: Callable[[Sequence[CopyOutcome]], None] | None = None
         self._task_group: asyncio.TaskGroup | None = None
+        self._poller: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._closing = False
 
@@ -217,7 +218,9 @@ class CudaCopyBackend:
         self._wakeup = asyncio.Event()
         self._task_group = asyncio.TaskGroup()
         await self._task_group.__aenter__()
-        self._task_group.create_task(self._poll_events(), name="CudaCopyBackend.poller")
+        self._poller = self._task_group.create_task(
+            self._poll_events(), name="CudaCopyBackend.poller"
+        )
 
     def submit(self, copy: PlannedCopy) -> None:
         """Enqueue ``copy`` on its direction's lane, ordered after the caller's stream."""
@@ -269,6 +272,16 @@ class CudaCopyBackend:
             await task_group.__aexit__(None, None, None)
         # Every job's event has fired, so nothing queued on the lanes uses their staging
         # buffers any more: hand the device memory back now, not when the backend is dropped.
+        self._lanes.clear()
+
+    def close(self) -> None:
+        """Release at once, without awaiting (a hard stop after :meth:`drain_blocking`):
+        the poller is cancelled and the lanes dropped. Idempotent."""
+        self._closing = True
+        self._task_group = None
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
         self._lanes.clear()
 
     # ----------------------------------------------------------------- internals

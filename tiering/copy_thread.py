@@ -183,6 +183,13 @@ class ThreadCopyBackend:
             # The workers are idle by now, so joining them is immediate.
             executor.shutdown(wait=True)
 
+    def close(self) -> None:
+        """Release at once, without awaiting (a hard stop after :meth:`drain_blocking`,
+        so the workers are idle). Idempotent."""
+        executor, self._executor = self._executor, None
+        if executor is not None and executor is not self._given_executor:
+            executor.shutdown(wait=False)
+
     # ----------------------------------------------------------------- internals
 
     def _dispatch(self) -> None:

@@ -59,7 +59,8 @@ class CopyBackend(Protocol):
     planned copy, returning at once; the backend calls ``on_done`` on the loop with each
     submitted copy's outcome exactly once, only when nothing of the copy can still run.
     ``drain_blocking`` blocks until every submitted copy has been reported; ``aclose``
-    releases the backend once none is in flight.
+    releases the backend once none is in flight, ``close`` does the same without
+    awaiting (a hard stop).
     """
 
     async def open(
@@ -73,6 +74,7 @@ class CopyBackend(Protocol):
     def submit(self, copy: PlannedCopy) -> None: ...
     def drain_blocking(self) -> None: ...
     async def aclose(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class CopyHandle:
@@ -185,7 +187,7 @@ class DeviceCopier:
             )
         elif not all(
             callable(getattr(backend, name, None))
-            for name in ("open", "submit", "drain_blocking", "aclose")
+            for name in ("open", "submit", "drain_blocking", "aclose", "close")
         ):
             raise InvalidArgumentError(f"backend must be a CopyBackend, got {backend!r}")
         self._layout = layout
@@ -296,6 +298,8 @@ class DeviceCopier:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._state is Lifecycle.CLOSED:  # hard-stopped by close()
+            return
         self._state = Lifecycle.CLOSING
         try:
             if self._in_flight:
@@ -305,6 +309,20 @@ class DeviceCopier:
             await self._stop()
             raise
         await self._stop()
+
+    def close(self) -> None:
+        """Hard stop, synchronous and idempotent: block until every started copy has
+        ended (their handles complete), then release the backend. For when the loop
+        cannot wait (a cancelled close); prefer leaving the ``async with``."""
+        if self._state is Lifecycle.CLOSED:
+            return
+        self._state = Lifecycle.CLOSING
+        try:
+            if self._in_flight:
+                self._backend.drain_blocking()
+        finally:
+            self._backend.close()
+            self._state = Lifecycle.CLOSED
 
     async def _stop(self) -> None:
         try:

@@ -49,11 +49,12 @@ class Statistics:
         object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
 
     def __repr__(self) -> str:
+        capacity = _size(self.capacity_bytes) if self.capacity_bytes else "-"
         parts = [
             str(self.state),
             f"{self.jobs_in_flight} jobs ({_size(self.bytes_in_flight)}) in flight",
             f"{self.used_blocks}/{self.capacity_blocks or '-'} blocks",
-            f"{_size(self.used_bytes)}/{_size(self.capacity_bytes) if self.capacity_bytes else '-'}",
+            f"{_size(self.used_bytes)}/{capacity}",
             f"{self.pinned_blocks} pinned",
         ]
         shown = {k: v for k, v in self.counters.items() if v}

@@ -1,0 +1,969 @@
+"""The engine's job state machine, without I/O: every rule about fills, pins and order.
+
+:class:`JobCore` owns the CPU tier's :class:`~tiering.manager.CPUOffloadingManager` and
+sees the secondary tiers only through synchronous questions (``lookup``) and holds. It
+takes calls (``store``, ``load``, ``flush``, ``begin_close``, ``hard_close``) and
+completions (``copy_done``, ``tier_done``, ``room_expired``) and answers each with the
+list of effects the shell must carry out: copies to start, tier jobs to submit, results
+to deliver. It never awaits, never blocks and never touches bytes, so it can be driven
+by a hypothesis state machine with any interleaving of completions.
+
+Rules it keeps (the model test checks each):
+
+* **Pins follow I/O.** A CPU slot that an I/O effect reads or writes is pinned (a
+  reader) or being filled (not ready) from the moment the effect is returned until its
+  completion has been passed back in. No other path releases it: not a result, not a
+  close, not a caller that stopped waiting.
+* **A fill is ended only by its owner.** A block being filled into CPU (by a store's
+  copy or a load's promotion) belongs to the job that reserved its slot; only that
+  job's completion marks it ready or drops it. Other loads of the block wait for it and
+  get their pin in the same step that makes it ready.
+* **Every job yields exactly one result**, and every store one ``cascaded`` answer.
+* **Write-back order.** A block evicted from CPU under ``write_back`` is written to the
+  secondary tiers before its slot is refilled. Blocks a load promotes are held in their
+  tier (``hold``) from planning until the promotion ends, so that write-back (or any
+  cascade) cannot evict them in between.
+* **Close loses nothing.** Graceful close admits no new job, lets running jobs and their
+  cascades finish, then (write-back) flushes every CPU block the tiers lack, then says
+  :class:`Drained`. A hard close resolves every job at once as failed, starts no new
+  I/O, and still releases each pin only when its I/O ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol
+
+from tiering.abstract import BlockHash, OffloadingEvent
+from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
+from tiering.lifecycle import Lifecycle
+from tiering.manager import CPUOffloadingManager
+from tiering.secondary import JobResult
+from tiering.statistics import FailureLog
+from tiering.validation import device_id_list, hash_list
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back")
+FLUSH_BATCH = 64
+"""Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
+
+
+# ------------------------------------------------------------------------ effects
+
+
+class CopyToHost(NamedTuple):
+    """Start copying device block ``device_ids[i]`` into CPU slot ``slots[i]``; report
+    its end with :meth:`JobCore.copy_done`."""
+
+    op: int
+    device_ids: list[int]
+    slots: list[int]
+
+
+class CopyToDevice(NamedTuple):
+    """Start copying CPU slot ``slots[i]`` into device block ``device_ids[i]``; report
+    its end with :meth:`JobCore.copy_done`."""
+
+    op: int
+    slots: list[int]
+    device_ids: list[int]
+
+
+class TierStore(NamedTuple):
+    """Submit a store of CPU slots ``slots[i]`` as ``keys[i]`` to secondary tier
+    ``tier``; report its outcome with :meth:`JobCore.tier_done`."""
+
+    op: int
+    tier: int
+    keys: list[BlockHash]
+    slots: list[int]
+
+
+class TierLoad(NamedTuple):
+    """Submit a load of ``keys[i]`` from secondary tier ``tier`` into CPU slot
+    ``slots[i]``; report its outcome with :meth:`JobCore.tier_done`."""
+
+    op: int
+    tier: int
+    keys: list[BlockHash]
+    slots: list[int]
+
+
+class Resolve(NamedTuple):
+    """Job ``job`` has its one result."""
+
+    job: int
+    result: JobResult
+
+
+class Cascaded(NamedTuple):
+    """Store job ``job`` reached every secondary tier (``ok``) or not; its last word."""
+
+    job: int
+    ok: bool
+
+
+class FlushDone(NamedTuple):
+    """Flush ``flush`` ended; ``ok`` if every tier took every block."""
+
+    flush: int
+    ok: bool
+
+
+class WaitForRoom(NamedTuple):
+    """Job ``job`` waits for CPU room; call :meth:`JobCore.room_expired` after
+    ``seconds`` (it is a no-op if the job started meanwhile)."""
+
+    job: int
+    seconds: float
+
+
+class Drained(NamedTuple):
+    """Closing: no job, cascade, write-back or flush is left; the tiers may close."""
+
+
+Effect = (
+    CopyToHost
+    | CopyToDevice
+    | TierStore
+    | TierLoad
+    | Resolve
+    | Cascaded
+    | FlushDone
+    | WaitForRoom
+    | Drained
+)
+
+
+class TierView(Protocol):
+    """What the core asks of a secondary tier; all synchronous and cheap."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def servable(self) -> bool: ...
+
+    def lookup(self, key: BlockHash) -> bool | None: ...
+
+    def hold(self, keys: Sequence[BlockHash]) -> None: ...
+
+    def release(self, keys: Sequence[BlockHash]) -> None: ...
+
+
+class TierOutcomeLike(Protocol):
+    """A tier job's outcome: ``failed`` maps each key that did not land to a reason."""
+
+    @property
+    def failed(self) -> Mapping[BlockHash, str]: ...
+
+
+# ------------------------------------------------------------------ internal state
+
+
+class _Fill:
+    """A block being written into its CPU slot by the job that reserved the slot."""
+
+    __slots__ = ("key", "owner", "slot", "waiters")
+
+    def __init__(self, key: BlockHash, slot: int, owner: int) -> None:
+        self.key = key
+        self.slot = slot
+        self.owner = owner  # the job whose I/O writes the slot; only it ends the fill
+        self.waiters: list[_Job] = []  # loads that get a pin when it lands
+
+
+class _Job:
+    """One store or load: its result, its I/O in flight and (stores) its cascade."""
+
+    __slots__ = (
+        "awaiting",
+        "cascade_answered",
+        "cascade_ok",
+        "cascade_pending",
+        "copied",
+        "copy_started",
+        "device_ids",
+        "failed",
+        "fills",
+        "hashes",
+        "id",
+        "io",
+        "is_load",
+        "pinned",
+        "promotions",
+        "resolved",
+        "slot_of",
+    )
+
+    def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
+        self.id = job_id
+        self.is_load = is_load
+        self.hashes = hashes  # a store: each distinct hash once; a load: as called
+        self.device_ids = ids
+        self.io = 0  # this job's effects in flight
+        self.resolved = False
+        self.failed: dict[BlockHash, str] = {}
+        self.fills: list[_Fill] = []  # fills this job owns
+        # stores
+        self.copied = False  # its own device -> CPU copy has ended (or there was none)
+        self.cascade_pending = 0
+        self.cascade_ok = True
+        self.cascade_answered = False
+        # loads
+        self.slot_of: dict[BlockHash, int] = {}
+        self.pinned: list[BlockHash] = []  # one CPU pin each, owned by this job
+        self.awaiting = 0  # fills this job waits for
+        self.promotions: dict[int, list[_Fill]] = {}  # tier -> fills it promotes
+        self.copy_started = False
+
+    @property
+    def done(self) -> bool:
+        return self.resolved and self.io == 0 and (self.is_load or self.cascade_answered)
+
+
+class _Flush:
+    __slots__ = ("id", "internal", "ok", "pending")
+
+    def __init__(self, flush_id: int, internal: bool) -> None:
+        self.id = flush_id
+        self.internal = internal  # the close's own flush: no FlushDone
+        self.pending = 0
+        self.ok = True
+
+
+# ---------------------------------------------------------------------- the core
+
+
+class JobCore:
+    """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
+
+    Args:
+        manager: the CPU tier's bookkeeping (slots, readers, readiness, policy).
+        tiers: the secondary tiers, fastest first.
+        num_device_blocks: blocks of the device KV cache (device ids are checked
+            against it).
+        block_bytes: bytes per block (for statistics).
+        write_policy: ``"write_through"`` or ``"write_back"``.
+        room_timeout: seconds a job may wait for CPU room (see :class:`WaitForRoom`).
+        enable_events: record secondary-tier store events for :meth:`take_tier_events`.
+
+    Every public method either raises before changing anything or returns the effects
+    of the change, in the order the shell must start them. A load's ``cascaded`` answer
+    is implied by its :class:`Resolve`; a store gets one :class:`Cascaded`.
+
+    Raises:
+        InvalidArgumentError: an unknown write policy.
+    """
+
+    def __init__(
+        self,
+        manager: CPUOffloadingManager,
+        tiers: Sequence[TierView],
+        *,
+        num_device_blocks: int,
+        block_bytes: int,
+        write_policy: str = "write_through",
+        room_timeout: float = 5.0,
+        enable_events: bool = False,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise InvalidArgumentError(
+                f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
+            )
+        self.manager = manager
+        self.tiers = list(tiers)
+        self.num_device_blocks = num_device_blocks
+        self.block_bytes = block_bytes
+        self.write_back = write_policy == "write_back"
+        self.room_timeout = room_timeout
+        self.enable_events = enable_events
+        self.state = Lifecycle.OPEN
+        self.counters: Counter[str] = Counter()
+        self.failures = FailureLog(logger, "engine")
+        self._servable = [t for t, tier in enumerate(self.tiers) if tier.servable]
+        self._jobs: dict[int, _Job] = {}  # planned, not yet done
+        self._waiting: dict[int, tuple[_Job, Callable[[], bool]]] = {}  # no room yet, FIFO
+        self._flushes: dict[int, _Flush] = {}
+        self._ops: dict[int, Callable[[object], None]] = {}  # I/O in flight -> its end
+        self._fills: dict[BlockHash, _Fill] = {}
+        self._tier_events: list[OffloadingEvent] = []
+        self._out: list[Effect] = []
+        self.blocks_in_flight = 0
+        """Blocks moved by copies and tier jobs in flight."""
+        self._next_id = 0
+        self._close_flushed = False
+        self._drained = False
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, block_hashes: object) -> int:
+        """Leading hashes ready in the CPU tier or stored in a servable secondary tier.
+
+        Raises:
+            InvalidArgumentError: ``block_hashes`` is not an iterable of bytes.
+        """
+        is_ready = self.manager.is_ready
+        n = 0
+        for h in hash_list("block_hashes", block_hashes):
+            if not is_ready(h) and self._holder(h) is None:
+                break
+            n += 1
+        return n
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs (waiting, running or cascading) and flushes that have not ended."""
+        return len(self._jobs) + len(self._waiting) + len(self._flushes)
+
+    @property
+    def ops_in_flight(self) -> int:
+        """Copies and tier jobs started and not yet reported back."""
+        return len(self._ops)
+
+    @property
+    def filling_blocks(self) -> int:
+        """CPU blocks being written by a store's copy or a load's promotion."""
+        return len(self._fills)
+
+    def take_tier_events(self) -> list[OffloadingEvent]:
+        """Secondary-tier store events since the last call (with ``enable_events``)."""
+        events, self._tier_events = self._tier_events, []
+        return events
+
+    # ------------------------------------------------------------------- stores
+
+    def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
+        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
+
+        A hash repeated in the call is stored once, from its first device block. Blocks
+        already ready in CPU are not copied again; a block another job is filling right
+        now is joined: this job waits for that fill and reports its outcome. The job
+        resolves once every block of the call is ready in CPU (``failed_keys`` names
+        those that are not); then, under write-through, the blocks cascade to every tier
+        that lacks them (:class:`Cascaded`). Without CPU room it waits
+        (:class:`WaitForRoom`), or fails at once if it could never fit.
+
+        Raises:
+            ClosedError: the engine is not open.
+            InvalidArgumentError: hashes not an iterable of bytes, device ids not ints in
+                range, a repeated device id, or the lengths differ; nothing changed.
+        """
+        self._check_open()
+        hashes, ids = self._arguments(block_hashes, device_block_ids)
+        job = _Job(self._new_id(), False, list(dict.fromkeys(hashes)), ids)
+        manager = self.manager
+
+        def plan() -> bool:
+            out = manager.prepare_store(hashes)
+            if out is None:
+                return False
+            new = out.block_hashes_to_store
+            first_id: dict[BlockHash, int] = {}
+            for h, d in zip(hashes, ids, strict=True):
+                first_id.setdefault(h, d)
+            job.device_ids = [first_id[h] for h in new]
+            job.fills = [
+                self._new_fill(h, s, job.id)
+                for h, s in zip(new, out.store_spec.block_ids, strict=True)
+            ]
+            fresh = set(new)
+            for h in job.hashes:
+                if h not in fresh and not manager.is_ready(h):
+                    self._fills[h].waiters.append(job)  # another job's fill: join it
+                    job.awaiting += 1
+            self._jobs[job.id] = job
+            self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._copy_in)
+            return True
+
+        if not plan():
+            self._wait_for_room(job, len({h for h in hashes if h not in manager}), plan)
+        return job.id, self._take()
+
+    def _copy_in(self, job: _Job) -> None:
+        """Victims written back (or none): copy the device blocks into the new slots."""
+        if not job.fills:
+            self._store_copied(job, None)
+        elif self.state is Lifecycle.CLOSED:
+            self._store_copied(job, "the engine closed before the copy started")
+        else:
+            op = self._start(job, len(job.fills), lambda error: self._store_copied(job, error))
+            self._out.append(CopyToHost(op, job.device_ids, [f.slot for f in job.fills]))
+
+    def _store_copied(self, job: _Job, error: object) -> None:
+        job.copied = True
+        if error is None:
+            self._end_fills(job.fills, None)
+            self.counters["bytes_to_host"] += len(job.fills) * self.block_bytes
+            self.counters["stored_blocks"] += len(job.fills)
+        else:
+            reason = f"device to CPU copy failed: {error}"
+            self._end_fills(job.fills, reason)
+            self.failures.record("device to CPU copy failed", 1, str(error))
+            for fill in job.fills:
+                job.failed[fill.key] = reason
+        self._store_settled(job)
+
+    def _store_settled(self, job: _Job) -> None:
+        """Once its own copy and every fill it joined have ended: resolve, then cascade."""
+        if job.awaiting or not job.copied or job.resolved:
+            return
+        self._resolve(job)
+        if job.failed:
+            self._answer_cascaded(job, False)
+        else:
+            self._cascade(job)
+
+    def _cascade(self, job: _Job) -> None:
+        """Write-through: pin the new blocks once per tier that lacks them, and store."""
+        if self.write_back or not self.tiers:
+            self._answer_cascaded(job, True)  # nothing to cascade at store time
+            return
+        if self.state is Lifecycle.CLOSED:
+            self._answer_cascaded(job, False)
+            return
+        for t in range(len(self.tiers)):
+            items = self._pin_for_tier(job.hashes, t)
+            if items:
+                job.cascade_pending += 1
+                self._tier_store(job, t, items, "cascaded_blocks", self._cascade_part_done)
+        if job.cascade_pending == 0:
+            self._answer_cascaded(job, True)
+
+    def _cascade_part_done(self, job: _Job, ok: bool) -> None:
+        job.cascade_ok &= ok
+        job.cascade_pending -= 1
+        if job.cascade_pending == 0:
+            self._answer_cascaded(job, job.cascade_ok)
+
+    def _answer_cascaded(self, job: _Job, ok: bool) -> None:
+        if not job.cascade_answered:
+            job.cascade_answered = True
+            self._out.append(Cascaded(job.id, ok))
+        self._forget_if_done(job)
+
+    # -------------------------------------------------------------------- loads
+
+    def load(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
+        """Admit a load of blocks into device blocks; returns ``(job id, effects)``.
+
+        Blocks ready in CPU are pinned now; blocks being filled are awaited; blocks only
+        a secondary tier holds get a CPU slot now and are promoted from the first
+        servable tier that holds them (held there until the promotion ends). A hash may
+        repeat: it lands in each of its device blocks. Keys that cannot be read end in
+        the result's ``failed_keys``; the others land.
+
+        Raises:
+            ClosedError: the engine is not open.
+            InvalidArgumentError: as :meth:`store`.
+            BlockNotFoundError: a hash no tier holds; nothing changed.
+        """
+        self._check_open()
+        hashes, ids = self._arguments(block_hashes, device_block_ids)
+        sources = self._sources(hashes)  # raises before anything changes
+        job = _Job(self._new_id(), True, hashes, ids)
+        manager = self.manager
+
+        def plan() -> bool:
+            nonlocal sources
+            if sources is None:
+                sources = self._sources(hashes)
+            found, sources = sources, None  # a retry asks the tiers again
+            out = manager.prepare_store(hashes) if found else None
+            if found and out is None:
+                return False
+            self._jobs[job.id] = job
+            ready = []
+            for h in dict.fromkeys(hashes):
+                if h in found:
+                    continue
+                job.slot_of[h] = manager.slot_of(h)
+                if manager.is_ready(h):
+                    ready.append(h)
+                else:
+                    self._fills[h].waiters.append(job)
+                    job.awaiting += 1
+            if ready:
+                manager.prepare_load(ready)
+                job.pinned = ready
+            if out is None:
+                self._promote(job)
+                return True
+            for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
+                fill = self._new_fill(h, slot, job.id)
+                fill.waiters.append(job)
+                job.awaiting += 1
+                job.slot_of[h] = slot
+                job.fills.append(fill)
+                job.promotions.setdefault(found[h], []).append(fill)
+            for t, fills in job.promotions.items():
+                self.tiers[t].hold([f.key for f in fills])
+            self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
+            return True
+
+        if not plan():
+            self._wait_for_room(job, len(set(hashes)), plan)
+        return job.id, self._take()
+
+    def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
+        """The tier to promote each non-resident hash from.
+
+        Raises:
+            BlockNotFoundError: a hash is neither resident nor in a servable tier.
+        """
+        manager = self.manager
+        sources: dict[BlockHash, int] = {}
+        for h in hashes:
+            if h in manager or h in sources:
+                continue
+            tier = self._holder(h)
+            if tier is None:
+                raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): no tier holds it")
+            sources[h] = tier
+        return sources
+
+    def _promote(self, job: _Job) -> None:
+        """Victims written back (or none): read each promoted block from its tier."""
+        for t, fills in job.promotions.items():
+            if self.state is Lifecycle.CLOSED:
+                self._promoted(job, t, fills, None)
+                continue
+            op = self._start(
+                job, len(fills), lambda o, t=t, fills=fills: self._promoted(job, t, fills, o)
+            )
+            self._out.append(TierLoad(op, t, [f.key for f in fills], [f.slot for f in fills]))
+        self._copy_out(job)
+
+    def _promoted(self, job: _Job, t: int, fills: list[_Fill], outcome: object) -> None:
+        keys = [f.key for f in fills]
+        self.tiers[t].release(keys)
+        failed = _failed_keys(outcome, keys, "the engine closed before the promotion")
+        if failed:
+            self.failures.record(
+                f"{self.tiers[t].name} tier load failed", len(failed), next(iter(failed.values()))
+            )
+        self.counters["promoted_blocks"] += len(keys) - len(failed)
+        self._end_fills([f for f in fills if f.key not in failed], None)
+        for f in fills:
+            if f.key in failed:
+                self._end_fills([f], failed[f.key])
+
+    def _copy_out(self, job: _Job) -> None:
+        """Once no fill is awaited: copy every block that is there to the device."""
+        if job.awaiting or job.copy_started:
+            return
+        job.copy_started = True
+        pairs = [
+            (job.slot_of[h], d)
+            for h, d in zip(job.hashes, job.device_ids, strict=True)
+            if h not in job.failed
+        ]
+        if not pairs:
+            self._copied_out(job, 0, None)
+        elif self.state is Lifecycle.CLOSED:
+            self._copied_out(job, 0, "the engine closed before the copy started")
+        else:
+            op = self._start(
+                job, len(pairs), lambda error: self._copied_out(job, len(pairs), error)
+            )
+            self._out.append(CopyToDevice(op, [s for s, _ in pairs], [d for _, d in pairs]))
+
+    def _copied_out(self, job: _Job, copied: int, error: object) -> None:
+        if job.pinned:
+            self.manager.complete_load(job.pinned)  # the copy has ended: pins may go
+            job.pinned = []
+        if error is None:
+            self.counters["bytes_to_device"] += copied * self.block_bytes
+            self.counters["loaded_blocks"] += copied
+        else:
+            reason = f"CPU to device copy failed: {error}"
+            self.failures.record("CPU to device copy failed", 1, str(error))
+            for h in job.hashes:
+                job.failed.setdefault(h, reason)
+        self._resolve(job)
+
+    # ------------------------------------------------------------------ fills
+
+    def _new_fill(self, key: BlockHash, slot: int, owner: int) -> _Fill:
+        fill = _Fill(key, slot, owner)
+        self._fills[key] = fill
+        return fill
+
+    def _end_fills(self, fills: list[_Fill], failure: str | None) -> None:
+        """The owner's I/O into these slots ended: publish (``failure`` None) or drop
+        them, and in the same step pin each landed block for every load waiting on it."""
+        fills = [f for f in fills if self._fills.get(f.key) is f]
+        if not fills:
+            return
+        for fill in fills:
+            del self._fills[fill.key]
+        manager = self.manager
+        manager.complete_store([f.key for f in fills], success=failure is None)
+        woken: list[_Job] = []
+        for fill in fills:
+            for waiter in fill.waiters:
+                waiter.awaiting -= 1
+                if failure is None:
+                    if waiter.is_load:  # its pin, in the step that makes the block ready
+                        manager.prepare_load((fill.key,))
+                        waiter.pinned.append(fill.key)
+                else:
+                    waiter.failed.setdefault(fill.key, failure)
+                if not waiter.awaiting:
+                    woken.append(waiter)
+        for waiter in woken:
+            if waiter.is_load:
+                self._copy_out(waiter)
+            else:
+                self._store_settled(waiter)
+
+    # -------------------------------------------------------------- write-back
+
+    def _write_back(
+        self, job: _Job, victims: list[BlockHash], slots: list[int], then: Callable[[_Job], None]
+    ) -> None:
+        """Write-back: store evicted blocks (intact in their old slots, which the job now
+        owns) to every tier lacking them, then call ``then(job)``; at once if none."""
+        if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
+            then(job)
+            return
+        pending = 0
+
+        def part_done(_job: _Job, _ok: bool) -> None:
+            nonlocal pending
+            pending -= 1
+            if pending == 0:
+                then(job)
+
+        for t, tier in enumerate(self.tiers):
+            look = tier.lookup
+            items = [(k, s) for k, s in zip(victims, slots, strict=True) if look(k) is not True]
+            if items:
+                pending += 1
+                self._tier_store(job, t, items, "written_back_blocks", part_done, pinned=False)
+        if pending == 0:
+            then(job)
+
+    # ------------------------------------------------------------- tier stores
+
+    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> list[tuple[BlockHash, int]]:
+        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks; ``(key, slot)``s."""
+        look = self.tiers[t].lookup
+        is_ready = self.manager.is_ready
+        chosen = [h for h in dict.fromkeys(keys) if is_ready(h) and look(h) is not True]
+        spec = self.manager.prepare_load(chosen)
+        return list(zip(chosen, spec.block_ids, strict=True))
+
+    def _tier_store(
+        self,
+        owner: _Job | _Flush,
+        t: int,
+        items: list[tuple[BlockHash, int]],
+        counter: str,
+        done: Callable[..., None],
+        *,
+        pinned: bool = True,
+    ) -> None:
+        """Submit one store of ``items`` to tier ``t``. When it ends: unpin (``pinned``),
+        count, record events, then ``done(owner, every key landed)``."""
+        keys = [k for k, _ in items]
+
+        def ended(outcome: object) -> None:
+            if pinned:
+                self.manager.complete_load(keys)
+            failed = _failed_keys(outcome, keys, "the engine closed before the tier store")
+            landed = [k for k in keys if k not in failed]
+            self.counters[counter] += len(landed)
+            if failed:
+                self.failures.record(
+                    f"{self.tiers[t].name} tier store failed",
+                    len(failed),
+                    next(iter(failed.values())),
+                )
+            if landed and self.enable_events:
+                medium = self.tiers[t].name.upper()
+                self._tier_events.append(
+                    OffloadingEvent(landed, self.manager.block_size, medium, False)
+                )
+            done(owner, not failed)
+
+        op = self._start(owner, len(items), ended)
+        self._out.append(TierStore(op, t, keys, [s for _, s in items]))
+
+    # -------------------------------------------------------------------- flush
+
+    def flush(self) -> tuple[int, list[Effect]]:
+        """Copy every ready CPU block to each secondary tier that lacks it.
+
+        Returns ``(flush id, effects)``; a :class:`FlushDone` reports the end. Its pins
+        are released only as its tier jobs end, whoever stops waiting for it.
+
+        Raises:
+            ClosedError: the engine is not open.
+        """
+        self._check_open()
+        flush = self._start_flush(internal=False)
+        return flush.id, self._take()
+
+    def _start_flush(self, *, internal: bool) -> _Flush:
+        flush = _Flush(self._new_id(), internal)
+        self._flushes[flush.id] = flush
+        ready = self.manager.ready_hashes()
+        for t in range(len(self.tiers)):
+            items = self._pin_for_tier(ready, t)
+            for start in range(0, len(items), FLUSH_BATCH):
+                flush.pending += 1
+                batch = items[start : start + FLUSH_BATCH]
+                self._tier_store(flush, t, batch, "flushed_blocks", self._flush_part_done)
+        if flush.pending == 0:
+            self._flush_done(flush)
+        return flush
+
+    def _flush_part_done(self, flush: _Flush, ok: bool) -> None:
+        flush.ok &= ok
+        flush.pending -= 1
+        if flush.pending == 0:
+            self._flush_done(flush)
+
+    def _flush_done(self, flush: _Flush) -> None:
+        del self._flushes[flush.id]
+        if not flush.internal:
+            self._out.append(FlushDone(flush.id, flush.ok))
+
+    # -------------------------------------------------------------------- close
+
+    def begin_close(self) -> list[Effect]:
+        """Graceful close: admit nothing more. :class:`Drained` follows once every job,
+        its cascade and every flush has ended and (write-back) a final flush has handed
+        the CPU tier's blocks to the secondary tiers. Idempotent."""
+        if self.state is Lifecycle.OPEN:
+            self.state = Lifecycle.CLOSING
+            self._check_drained()
+        return self._take()
+
+    def hard_close(self) -> list[Effect]:
+        """Resolve every job and flush now as failed and start no new I/O.
+
+        Pins and fills are still released only as the I/O in flight reports back;
+        :class:`Drained` follows once it all has. Idempotent.
+        """
+        if self.state is Lifecycle.CLOSED:
+            return self._take()
+        self.state = Lifecycle.CLOSED
+        reason = "the engine closed before the job finished"
+        waiting, self._waiting = self._waiting, {}
+        for job, _ in waiting.values():
+            self._fail(job, "engine closed", reason)
+        for job in list(self._jobs.values()):
+            self._fail(job, "engine closed", reason)
+            self._forget_if_done(job)
+        for flush in self._flushes.values():
+            if not flush.internal:
+                self._out.append(FlushDone(flush.id, False))
+                flush.internal = True  # its one answer is given
+        self._check_drained()
+        return self._take()
+
+    def _check_drained(self) -> None:
+        if self._drained or self.state is Lifecycle.OPEN:
+            return
+        if self.state is Lifecycle.CLOSING:
+            if self._jobs or self._waiting or self._flushes:
+                return
+            if self.write_back and self.tiers and not self._close_flushed:
+                self._close_flushed = True
+                if self._start_flush(internal=True).pending:
+                    return
+        elif self._ops:
+            return
+        self._drained = True
+        self._out.append(Drained())
+
+    # -------------------------------------------------------------- completions
+
+    def copy_done(self, op: int, error: object = None) -> list[Effect]:
+        """A copy effect ended; ``error`` is None on success, else why it failed.
+
+        Raises:
+            InvalidArgumentError: ``op`` is not an effect in flight.
+        """
+        self._end_op(op, error)
+        return self._take()
+
+    def tier_done(self, op: int, outcome: TierOutcomeLike | None) -> list[Effect]:
+        """A tier effect ended. ``outcome.failed`` names the keys that did not land
+        (with reasons); ``None`` means none landed.
+
+        Raises:
+            InvalidArgumentError: ``op`` is not an effect in flight.
+        """
+        self._end_op(op, outcome)
+        return self._take()
+
+    def room_expired(self, job_id: int) -> list[Effect]:
+        """A waiting job's room timeout passed: it fails if it is still waiting."""
+        entry = self._waiting.pop(job_id, None)
+        if entry is not None:
+            seconds = f"{self.room_timeout:g}"
+            self._fail(entry[0], "no CPU room", f"no CPU slot freed up within {seconds} s")
+            self._retry_waiting()
+            self._check_drained()
+        return self._take()
+
+    def _end_op(self, op: int, result: object) -> None:
+        ended = self._ops.pop(op, None)
+        if ended is None:
+            raise InvalidArgumentError(f"no effect {op!r} is in flight")
+        ended(result)
+        self._retry_waiting()
+        self._check_drained()
+
+    # ----------------------------------------------------------------- helpers
+
+    def _start(self, owner: _Job | _Flush, blocks: int, on_end: Callable[[object], None]) -> int:
+        """Register an I/O effect of ``owner`` moving ``blocks`` blocks; ``on_end`` runs
+        when it reports back."""
+        op = self._new_id()
+        self.blocks_in_flight += blocks
+        job = owner if isinstance(owner, _Job) else None
+        if job is not None:
+            job.io += 1
+
+        def ended(result: object) -> None:
+            self.blocks_in_flight -= blocks
+            if job is None:
+                on_end(result)
+                return
+            job.io -= 1
+            on_end(result)
+            self._forget_if_done(job)
+
+        self._ops[op] = ended
+        return op
+
+    def _forget_if_done(self, job: _Job) -> None:
+        if job.done:
+            self._jobs.pop(job.id, None)
+
+    def _resolve(self, job: _Job) -> None:
+        """Deliver the job's one result from ``job.failed``."""
+        if job.resolved:
+            return
+        job.resolved = True
+        keys = tuple(dict.fromkeys(h for h in job.hashes if h in job.failed))
+        if not keys:
+            self._out.append(Resolve(job.id, JobResult(job.id, True)))
+            self._forget_if_done(job)
+            return
+        self.counters["failed_jobs"] += 1
+        reasons = Counter(job.failed[k] for k in keys)
+        summary = "; ".join(f"{r} ({n})" for r, n in reasons.most_common(3))
+        self._out.append(
+            Resolve(
+                job.id, JobResult(job.id, False, keys, f"{len(keys)} block(s) failed: {summary}")
+            )
+        )
+        self._forget_if_done(job)
+
+    def _fail(self, job: _Job, cause: str, reason: str) -> None:
+        """Resolve ``job`` now with every key failed (close, no room, no source).
+
+        Its I/O in flight, if any, still ends through its completions; the pins and
+        fills it owns are released there, not here.
+        """
+        if not job.resolved:
+            self.failures.record(cause, 1, reason)
+            for h in job.hashes:
+                job.failed.setdefault(h, reason)
+            self._resolve(job)
+        if not job.is_load:
+            self._answer_cascaded(job, False)
+
+    def _wait_for_room(self, job: _Job, needed: int, plan: Callable[[], bool]) -> None:
+        if needed > self.manager.num_blocks:
+            kind = "load" if job.is_load else "store"
+            self._fail(
+                job,
+                "job larger than the CPU tier",
+                f"the {kind} needs {needed} CPU slots at once; the CPU tier has "
+                f"{self.manager.num_blocks}",
+            )
+            return
+        self._waiting[job.id] = (job, plan)
+        self._out.append(WaitForRoom(job.id, self.room_timeout))
+
+    def _retry_waiting(self) -> None:
+        """Start waiting jobs, oldest first, while they fit (later ones wait their turn)."""
+        while self._waiting and self.state is not Lifecycle.CLOSED:
+            job, plan = next(iter(self._waiting.values()))
+            try:
+                started = plan()
+            except BlockNotFoundError as exc:  # its block left every tier meanwhile
+                del self._waiting[job.id]
+                self._fail(job, "block left every tier", str(exc))
+                continue
+            if not started:
+                return
+            del self._waiting[job.id]
+
+    def _holder(self, h: BlockHash) -> int | None:
+        tiers = self.tiers
+        for t in self._servable:
+            if tiers[t].lookup(h) is True:
+                return t
+        return None
+
+    def _arguments(
+        self, block_hashes: object, device_block_ids: object
+    ) -> tuple[list[BlockHash], list[int]]:
+        hashes = hash_list("block_hashes", block_hashes)
+        ids = device_id_list("device_block_ids", device_block_ids, self.num_device_blocks)
+        if len(ids) != len(hashes):
+            raise InvalidArgumentError(
+                f"block_hashes has {len(hashes)} hashes but device_block_ids has {len(ids)} ids"
+            )
+        return hashes, ids
+
+    def _check_open(self) -> None:
+        if self.state is not Lifecycle.OPEN:
+            raise ClosedError(f"the engine is {self.state}; no new jobs are accepted")
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _take(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out
+
+
+def _failed_keys(outcome: object, keys: list[BlockHash], closed: str) -> dict[BlockHash, str]:
+    """The keys of a tier job that did not land, with reasons; all of them for ``None``."""
+    if outcome is None:
+        return dict.fromkeys(keys, closed)
+    failed: Mapping[BlockHash, str] = outcome.failed  # type: ignore[attr-defined]
+    if not failed:
+        return {}
+    return {k: failed[k] for k in keys if k in failed}
+
+
+__all__ = [
+    "FLUSH_BATCH",
+    "WRITE_POLICIES",
+    "Cascaded",
+    "CopyToDevice",
+    "CopyToHost",
+    "Drained",
+    "Effect",
+    "FlushDone",
+    "JobCore",
+    "Resolve",
+    "TierLoad",
+    "TierOutcomeLike",
+    "TierStore",
+    "TierView",
+    "WaitForRoom",
+]
