@@ -1,0 +1,337 @@
+"""A seeded, model-based soak of the engine's public API.
+
+Each seed picks a configuration (write policy, CPU eviction policy, a CPU tier of 2 to 6
+slots, a memory and/or an NVMe tier under ``tmp_path``) and runs several engine *lives*
+on the same NVMe root. A life is rounds of concurrent random jobs: stores, loads of
+``keys[:lookup(keys)]``, touches, awaiters cancelled at random points (the job must
+still complete), ``flush()`` awaited or cut short by ``wait_for``. Some lives inject
+tier faults through a :class:`backends.faults.FaultInjector`: EIO on reads, a flipped
+byte in a block file, ENOSPC for a few writes; any life may have slow calls. A life
+ends with a graceful close (sometimes with jobs still in flight) or a hard ``close()``.
+
+The reference model is simple because a block's content is a function of its key
+(:func:`tests._engine_helpers.block_content`). Checks:
+
+* every key a load reports as landed holds exactly its bytes on the device;
+* every job yields exactly one result, and one ``get_finished()`` entry, and a result
+  is successful exactly when it names no failed key;
+* after every round the engine settles: no job in flight, no pinned block;
+* after a graceful close of a life without damaging faults (slow calls allowed), every
+  key whose store succeeded in that life is found by ``lookup`` in the next engine on
+  that root and loads byte-exact (NVMe configurations only).
+
+A flipped byte is put back after its life ends (if the file is still the one flipped),
+so damage never leaks into a later life's durability check.
+
+Short in CI: ``KVT_SOAK_SEEDS`` seeds (default 8) from ``KVT_SOAK_FIRST_SEED``
+(default 0), ``KVT_SOAK_LIVES`` lives (default 3) of ``KVT_SOAK_ROUNDS`` rounds
+(default 10) each. Long on demand, e.g.::
+
+    KVT_SOAK_SEEDS=500 KVT_SOAK_ROUNDS=40 python3 -m pytest -q tests/test_engine_soak.py
+
+A failure names its seed; rerun it alone with ``KVT_SOAK_FIRST_SEED=<seed>
+KVT_SOAK_SEEDS=1``. Each seed's choices come from one ``random.Random(seed)``; the
+interleaving of concurrent jobs is up to the loop, so a rerun is close, not identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.faults import FaultInjector
+from tests._engine_helpers import (
+    DEVICE_BLOCKS,
+    block_files,
+    h,
+    holds,
+    make_kv,
+    nvme_spec,
+    put,
+    settle,
+    spin,
+    wipe,
+)
+from tiering import Job, JobResult, TieringEngine
+
+SEEDS = int(os.environ.get("KVT_SOAK_SEEDS", "8"))
+FIRST_SEED = int(os.environ.get("KVT_SOAK_FIRST_SEED", "0"))
+LIVES = int(os.environ.get("KVT_SOAK_LIVES", "3"))
+ROUNDS = int(os.environ.get("KVT_SOAK_ROUNDS", "10"))
+KEYS = 24
+
+
+@dataclass
+class _Config:
+    write_policy: str
+    policy: str
+    cpu_blocks: int
+    memory_blocks: int | None
+    nvme: bool
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> _Config:
+        tiers = rng.choice(["memory", "nvme", "both", "both"])
+        return cls(
+            write_policy=rng.choice(["write_through", "write_back"]),
+            policy=rng.choice(["lru", "arc", "s3fifo"]),
+            cpu_blocks=rng.randint(2, 6),
+            memory_blocks=rng.randint(3, 12) if tiers != "nvme" else None,
+            nvme=tiers != "memory",
+        )
+
+
+@dataclass
+class _Life:
+    """What one engine life issued and saw."""
+
+    jobs: list[tuple[str, Job, list[bytes], list[int]]] = field(default_factory=list)
+    finished: Counter[int] = field(default_factory=Counter)
+    stored_ok: set[bytes] = field(default_factory=set)
+    damaged: bool = False
+    flipped: list[tuple[Path, bytes, bytes]] = field(default_factory=list)
+    landed: int = 0
+
+
+class _Soak:
+    def __init__(self, seed: int, root: Path) -> None:
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.root = root
+        self.config = _Config.draw(self.rng)
+        self.kv = make_kv(seed)
+        self.keys = [h(1000 * (seed + 1) + i) for i in range(KEYS)]
+        self.must_survive: set[bytes] = set()
+        self.loads_landed = 0
+        self.jobs = 0
+        self.survivors_checked = 0
+
+    def _engine(self, faults: FaultInjector) -> TieringEngine:
+        tiers: list[Any] = []
+        if self.config.memory_blocks is not None:
+            tiers.append({"type": "memory", "max_blocks": self.config.memory_blocks})
+        if self.config.nvme:
+            tiers.append(nvme_spec(self.root, faults, enospc_retry_s=0.01))
+        return TieringEngine(
+            self.kv,
+            self.config.cpu_blocks,
+            policy=self.config.policy,
+            secondary_tiers=tiers,
+            write_policy=self.config.write_policy,
+        )
+
+    async def run(self) -> None:
+        for life_no in range(LIVES):
+            await self._life(life_no)
+        assert self.loads_landed > 0, "no load landed: the soak checked nothing"
+        print(
+            f"soak seed {self.seed}: {self.jobs} jobs, {self.loads_landed} loaded blocks "
+            f"checked, {self.survivors_checked} blocks checked after a reopen ({self.config})"
+        )
+
+    # ------------------------------------------------------------------ one life
+
+    async def _life(self, life_no: int) -> None:
+        rng = self.rng
+        faults = FaultInjector()
+        engine = self._engine(faults)
+        life = _Life()
+        faulty = rng.random() < 0.4
+        await engine.__aenter__()
+        try:
+            await self._check_survivors(engine, life)
+            for _ in range(ROUNDS):
+                if faulty and rng.random() < 0.3:
+                    self._inject(faults, life)
+                if rng.random() < 0.2:
+                    faults.delay(rng.choice(["pwritev", "preadv"]), 0.002, times=rng.randint(1, 4))
+                await self._round(engine, life)
+                await settle(engine)
+                self._drain(engine, life)
+            graceful = rng.random() < 0.75
+            in_flight = self._issue_some(engine, life) if rng.random() < 0.5 else []
+        except BaseException:
+            engine.close()
+            faults.clear()
+            with contextlib.suppress(Exception):
+                await engine.aclose()
+            raise
+        if graceful:
+            await engine.aclose()
+        else:
+            engine.close()
+            faults.clear()  # a hard stop must not wait on a slowed call
+            await engine.aclose()
+        faults.clear()
+        for kind, job, keys, ids in in_flight:
+            await self._check(kind, job, keys, ids, life)
+        with contextlib.suppress(Exception):
+            self._drain(engine, life)
+        self._check_results(life)
+        self._restore_flips(life)
+        clean = graceful and not life.damaged and self.config.nvme
+        self.must_survive = set(life.stored_ok) if clean else set()
+
+    async def _check_survivors(self, engine: TieringEngine, life: _Life) -> None:
+        """The previous life closed gracefully and cleanly: its stores are all here."""
+        keys = sorted(self.must_survive)
+        if not keys:
+            return
+        for key in keys:
+            assert engine.lookup([key]) == 1, f"seed {self.seed}: {key.hex()} lost by a close"
+        self.survivors_checked += len(keys)
+        for start in range(0, len(keys), self.config.cpu_blocks):
+            chunk = keys[start : start + self.config.cpu_blocks]
+            ids = list(range(len(chunk)))
+            wipe(self.kv, ids)
+            result = await engine.load(chunk, ids)
+            assert result.success, f"seed {self.seed}: survivors failed to load: {result}"
+            for key, i in zip(chunk, ids, strict=True):
+                assert holds(self.kv, key, i), f"seed {self.seed}: {key.hex()} wrong after reopen"
+            self.loads_landed += 1
+            await settle(engine)
+        engine.get_finished()
+
+    # ---------------------------------------------------------------- one round
+
+    async def _round(self, engine: TieringEngine, life: _Life) -> None:
+        rng = self.rng
+        jobs = self._issue_some(engine, life)
+        awaiters = []
+        for _, job, _, _ in jobs:
+            if rng.random() < 0.3:
+                awaiters.append(asyncio.create_task(_await(job)))
+        flushing = None
+        if rng.random() < 0.25:
+            flushing = asyncio.create_task(self._flush(engine))
+        if rng.random() < 0.2:
+            engine.touch(rng.sample(self.keys, 3))
+        await spin(rng.randint(0, 6))
+        for task in awaiters:
+            task.cancel()
+        for task in awaiters:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for kind, job, keys, ids in jobs:
+            await self._check(kind, job, keys, ids, life)
+        if flushing is not None:
+            await flushing
+
+    def _issue_some(
+        self, engine: TieringEngine, life: _Life
+    ) -> list[tuple[str, Job, list[bytes], list[int]]]:
+        rng = self.rng
+        free = list(range(DEVICE_BLOCKS))
+        rng.shuffle(free)
+        issued = []
+        for _ in range(rng.randint(1, 4)):
+            size = rng.randint(1, min(3, self.config.cpu_blocks))
+            keys = list(dict.fromkeys(rng.choice(self.keys) for _ in range(size)))
+            if rng.random() < 0.45:
+                ids = [free.pop() for _ in keys]
+                put(self.kv, keys, ids)
+                entry = ("store", engine.store(keys, ids), keys, ids)
+            else:
+                keys = keys[: engine.lookup(keys)]
+                if not keys:
+                    continue
+                ids = [free.pop() for _ in keys]
+                wipe(self.kv, ids)
+                entry = ("load", engine.load(keys, ids), keys, ids)
+            issued.append(entry)
+            life.jobs.append(entry)
+            self.jobs += 1
+        return issued
+
+    async def _check(
+        self, kind: str, job: Job, keys: list[bytes], ids: list[int], life: _Life
+    ) -> None:
+        result = await job
+        assert isinstance(result, JobResult) and result.job_id == job.job_id
+        assert result.success == (not result.failed_keys), f"seed {self.seed}: {result}"
+        assert result.success == (result.error is None), f"seed {self.seed}: {result}"
+        assert set(result.failed_keys) <= set(keys), f"seed {self.seed}: {result} names other keys"
+        if kind == "store":
+            if result.success:
+                life.stored_ok.update(keys)
+            return
+        for key, i in zip(keys, ids, strict=True):
+            if result.success or (result.failed_keys and key not in result.failed_keys):
+                assert holds(self.kv, key, i), (
+                    f"seed {self.seed}: load job {job.job_id} reported {key.hex()} landed "
+                    f"but device block {i} holds other bytes ({self.config})"
+                )
+                self.loads_landed += 1
+
+    async def _flush(self, engine: TieringEngine) -> None:
+        bound = self.rng.choice([None, 0.0, 0.001, 0.01])
+        if bound is None:
+            assert isinstance(await engine.flush(), bool)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(engine.flush(), bound)
+
+    def _drain(self, engine: TieringEngine, life: _Life) -> None:
+        for result in engine.get_finished():
+            life.finished[result.job_id] += 1
+
+    def _check_results(self, life: _Life) -> None:
+        for _, job, _, _ in life.jobs:
+            assert job.done(), f"seed {self.seed}: job {job.job_id} never finished"
+        ids = {job.job_id for _, job, _, _ in life.jobs}
+        counted = {i: n for i, n in life.finished.items() if n}
+        for job_id in ids:
+            assert counted.get(job_id) == 1, (
+                f"seed {self.seed}: job {job_id} appeared {counted.get(job_id, 0)} times "
+                "in get_finished()"
+            )
+
+    # ------------------------------------------------------------------ faults
+
+    def _inject(self, faults: FaultInjector, life: _Life) -> None:
+        rng = self.rng
+        choice = rng.choice(["eio-read", "flip", "enospc"] if self.config.nvme else ["none"])
+        if choice == "eio-read":
+            faults.fail("preadv", errno.EIO, times=rng.randint(1, 2))
+        elif choice == "enospc":
+            faults.fail("pwritev", errno.ENOSPC, times=rng.randint(1, 3))
+        elif choice == "flip":
+            files = block_files(self.root)
+            if not files:
+                return
+            path = rng.choice(files)
+            try:
+                original = path.read_bytes()
+            except FileNotFoundError:
+                return
+            flipped = bytearray(original)
+            flipped[-1 - rng.randrange(64)] ^= 0xFF
+            path.write_bytes(bytes(flipped))
+            life.flipped.append((path, bytes(flipped), original))
+        else:
+            return
+        life.damaged = True
+
+    def _restore_flips(self, life: _Life) -> None:
+        for path, flipped, original in reversed(life.flipped):
+            with contextlib.suppress(FileNotFoundError):
+                if path.read_bytes() == flipped:
+                    path.write_bytes(original)
+
+
+async def _await(job: Job) -> JobResult:
+    return await job
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + SEEDS))
+async def test_soak(seed: int, tmp_path: Path) -> None:
+    await _Soak(seed, tmp_path).run()
