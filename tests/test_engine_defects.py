@@ -182,7 +182,7 @@ async def test_5_a_failed_promotion_never_fails_a_later_fill_of_the_same_hash(
     hh, k, f1, f2, x = h(10), h(11), h(12), h(13), h(14)
     put(kv, [hh, k, f1, f2, x], [0, 1, 2, 3, 4])
     faults = FaultInjector()
-    faults.fail("pwritev", errno.EIO, path=k.hex())  # K reaches the memory tier only
+    keep_out = faults.fail("pwritev", errno.EIO, path=k.hex())  # K: memory tier only
     factory, made = key_gated()
     async with TieringEngine(
         kv, 2, secondary_tiers=[nvme_spec(tmp_path, faults), factory], write_policy="write_back"
@@ -193,6 +193,7 @@ async def test_5_a_failed_promotion_never_fails_a_later_fill_of_the_same_hash(
         await settle(engine)
         assert nvme.lookup(hh) is True and memory.lookup(hh) is True
         assert nvme.lookup(k) is False and memory.lookup(k) is True
+        faults.remove(keep_out)
         flip_last_byte(block_file(tmp_path, hh))
 
         k_gate, h_gate = made[0].gate(k), made[0].gate(hh)
@@ -204,8 +205,10 @@ async def test_5_a_failed_promotion_never_fails_a_later_fill_of_the_same_hash(
         second = engine.load([hh], [12])  # H again, now from the memory tier (held)
         k_gate.set()
         result = await first
-        assert hh in result.failed_keys and k not in result.failed_keys
+        assert k not in result.failed_keys
         assert_holds(kv, [k], [11])
+        if hh not in result.failed_keys:  # an engine may fall back to the memory tier
+            assert_holds(kv, [hh], [10])
         stored = await engine.store([x], [4])
         assert stored.success, stored
         h_gate.set()
@@ -220,6 +223,63 @@ async def test_5_a_failed_promotion_never_fails_a_later_fill_of_the_same_hash(
         _no_leaks(engine)
         if again.success:
             assert engine.lookup([hh]) == 1
+
+
+async def test_5_a_failed_promotion_never_fails_a_later_store_of_the_same_hash(
+    tmp_path: Path,
+) -> None:
+    """Defect 5, the store variant of the issue: after ``load(H)`` failed on a corrupt
+    NVMe file, ``store(H)`` (held while its CPU victim is written back) and ``store(X)``
+    succeed; ``load(X)`` must hold X's bytes and H must be stored after its success."""
+    kv = make_kv(55)
+    hh, k, f1, f2, d, z, x = (h(i) for i in range(60, 67))
+    put(kv, [hh, k, f1, f2, d, z, x], [0, 1, 2, 3, 4, 5, 6])
+    faults = FaultInjector()
+    keep_out = faults.fail("pwritev", errno.EIO, path=k.hex())  # K: memory tier only
+    factory, made = key_gated()
+    async with TieringEngine(
+        kv, 3, secondary_tiers=[nvme_spec(tmp_path, faults), factory], write_policy="write_back"
+    ) as engine:
+        nvme, memory = engine.tiers
+        assert (await engine.store([hh, k], [0, 1])).success
+        assert (await engine.store([f1, f2], [2, 3])).success
+        assert (await engine.store([d], [4])).success  # H, K leave the CPU tier
+        await settle(engine)
+        assert nvme.lookup(hh) is True and memory.lookup(k) is True and nvme.lookup(k) is False
+        faults.remove(keep_out)
+        flip_last_byte(block_file(tmp_path, hh))
+        k_gate = made[0].gate(k)
+        wipe(kv, [10, 11, 12, 13])
+        first = engine.load([hh, k], [10, 11])  # H from NVMe (corrupt), K from memory (held)
+        await until(lambda: nvme.lookup(hh) is False, "the corrupt H to leave the NVMe tier")
+        await asyncio.sleep(0.05)  # let the engine take in H's failed promotion
+        assert not first.done()
+        dirty = [key for key in (f1, f2, d) if engine.lookup([key]) == 1]
+        gates = [faults.hold("pwritev", path=key.hex()) for key in dirty]  # write-backs wait
+        filler = engine.store([z], [5])
+        again = engine.store([hh], [0])  # a new fill of H while the old load is running
+        await spin()
+        k_gate.set()
+        result = await first
+        assert k not in result.failed_keys
+        assert_holds(kv, [k], [11])
+        stored_x = engine.store([x], [6])
+        for gate in gates:
+            gate.open()
+        assert (await filler).success
+        stored_h = await again
+        assert (await stored_x).success
+        await settle(engine)
+        loaded = await engine.load([x], [12])
+        assert loaded.success, loaded
+        assert holds(kv, x, 12), "load(X) served another block's bytes with success=True"
+        if stored_h.success:
+            assert engine.lookup([hh]) == 1, "H vanished after its successful store"
+            wipe(kv, [13])
+            assert (await engine.load([hh], [13])).success
+            assert_holds(kv, [hh], [13])
+        await settle(engine)
+        _no_leaks(engine)
 
 
 # ------------------------------------------------------------------------------ 6
