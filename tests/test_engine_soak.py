@@ -114,6 +114,7 @@ class _Soak:
         self.loads_landed = 0
         self.jobs = 0
         self.survivors_checked = 0
+        self.recent: set[bytes] = set()
 
     def _engine(self, faults: FaultInjector) -> TieringEngine:
         tiers: list[Any] = []
@@ -241,6 +242,9 @@ class _Soak:
                 put(self.kv, keys, ids)
                 entry = ("store", engine.store(keys, ids), keys, ids)
             else:
+                if self.recent and rng.random() < 0.7:  # mostly keys likely to be held
+                    pool = sorted(self.recent)
+                    keys = list(dict.fromkeys(rng.choice(pool) for _ in range(size)))
                 keys = keys[: engine.lookup(keys)]
                 if not keys:
                     continue
@@ -263,6 +267,7 @@ class _Soak:
         if kind == "store":
             if result.success:
                 life.stored_ok.update(keys)
+                self.recent.update(keys)
             return
         for key, i in zip(keys, ids, strict=True):
             if result.success or (result.failed_keys and key not in result.failed_keys):
