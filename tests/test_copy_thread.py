@@ -44,10 +44,14 @@ async def test_copies_requested_while_a_hop_is_queued_share_one_hop() -> None:
     async with opened("mixed_dtypes", backend=backend) as (copier, kv, pool):
         with executor.held() as gate:
             handles = [copier.to_host([b % NUM_BLOCKS], [b % NUM_SLOTS]) for b in range(3)]
+            assert executor.submits == 0  # dispatch waits for the end of this iteration
+            await asyncio.sleep(0)
+            assert executor.submits == 1 and backend.hops_in_flight == 1  # all three
             handles += [copier.to_host([b], [b]) for b in range(3, NUM_SLOTS)]
+            await asyncio.sleep(0)
+            # The hop is held and max_workers is 1: the others wait for one hop together.
+            assert executor.submits == 1
             calls = _count_calls(handles)
-            # The first copy went at once; all the others wait for one hop together.
-            assert executor.submits == 1 and backend.hops_in_flight == 1
             gate.set()
             await asyncio.gather(*handles)
         assert executor.submits == 2
@@ -64,8 +68,8 @@ async def test_many_small_copies_issued_back_to_back_take_few_hops() -> None:
         handles = [copier.to_host([i % NUM_BLOCKS], [i % NUM_SLOTS]) for i in range(2000)]
         await asyncio.gather(*handles)
         assert all(h.done() and h.error is None for h in handles)
-        # Nothing returns to the loop while it issues: two single hops, then the rest.
-        assert executor.submits <= 3
+        # Nothing returns to the loop while it issues: they leave together.
+        assert executor.submits == 1
         for slot in range(NUM_SLOTS):
             last = max(i for i in range(2000) if i % NUM_SLOTS == slot)
             assert bytes(pool.slot_view(slot)) == device_block(kv, last % NUM_BLOCKS)
@@ -92,6 +96,7 @@ async def test_a_failing_copy_in_a_hop_fails_only_its_own_handle(
         with executor.held() as gate, monkeypatch.context() as patch:
             patch.setattr(torch, "index_select", gather_failing_on_block_7)
             first = copier.to_host([0], [0])
+            await asyncio.sleep(0)  # the first leaves alone, in its own hop
             batch = [copier.to_host([b], [b]) for b in (5, 6, 7, 8, 9)]
             gate.set()
             await first
@@ -116,8 +121,10 @@ async def test_an_overlapping_copy_waits_for_the_hop_it_depends_on() -> None:
     async with opened("mixed_dtypes", backend=backend) as (copier, kv, pool):
         with executor.held() as gate:
             store = copier.to_host([1], [3])  # writes slot 3
+            await asyncio.sleep(0)  # its hop leaves
             load = copier.to_device([3], [5])  # reads slot 3: must see block 1
             later = copier.to_host([8], [9])  # independent, but queued behind `load`
+            await asyncio.sleep(0)
             # A worker is free, yet the overlapping copy was not dispatched beside the first.
             assert executor.submits == 1 and backend.hops_in_flight == 1
             gate.set()
@@ -132,9 +139,13 @@ async def test_an_independent_copy_takes_a_free_worker_at_once() -> None:
     backend, executor = _counting_backend(2)
     async with opened("mixed_dtypes", backend=backend) as (copier, kv, pool):
         with executor.held() as gate:
-            handles = [copier.to_host([1], [3]), copier.to_device([4], [6])]
+            handles = [copier.to_host([1], [3])]
+            await asyncio.sleep(0)
+            handles.append(copier.to_device([4], [6]))
+            await asyncio.sleep(0)
             assert executor.submits == 2 and backend.hops_in_flight == 2
             handles.append(copier.to_host([2], [7]))  # both hops in flight: it waits
+            await asyncio.sleep(0)
             assert executor.submits == 2
             gate.set()
             await asyncio.gather(*handles)

@@ -338,7 +338,9 @@ async def test_a_cancelled_exit_blocks_until_the_copies_ended_and_closes() -> No
         async def body() -> None:
             async with copier:
                 handles.append(copier.to_host([4], [0]))
+                await asyncio.sleep(0)  # its hop leaves
                 handles.append(copier.to_host([5], [1]))  # queued behind the first hop
+                await asyncio.sleep(0)
                 entered.set()
                 await asyncio.Event().wait()
 

@@ -111,6 +111,7 @@ class ThreadCopyBackend:
         self._queue: list[PlannedCopy] = []
         self._queued = _Access()
         self._hops: set[_Hop] = set()  # dispatched; outcomes not delivered yet
+        self._dispatch_soon = False  # a dispatch is scheduled for this loop iteration
 
     @property
     def max_workers(self) -> int:
@@ -160,9 +161,21 @@ class ThreadCopyBackend:
         )
 
     def submit(self, copy: PlannedCopy) -> None:
-        """Queue ``copy``; it runs in the next hop that may start (see the module doc)."""
+        """Queue ``copy``; it runs in the next hop that may start (see the module doc).
+
+        Dispatch waits for the end of the current loop iteration: copies requested
+        together (a scheduler's step) leave in one hop, and no worker competes for the
+        GIL with the caller while it is still issuing them.
+        """
         self._queue.append(copy)
         self._queued.add(copy)
+        if not self._dispatch_soon:
+            self._dispatch_soon = True
+            assert self._loop is not None
+            self._loop.call_soon(self._dispatch_now)
+
+    def _dispatch_now(self) -> None:
+        self._dispatch_soon = False
         self._dispatch()
 
     def drain_blocking(self) -> None:

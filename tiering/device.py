@@ -125,8 +125,9 @@ def _retrieve_exception(future: asyncio.Future[None]) -> None:
 
 @dataclass(slots=True)
 class _Job:
-    future: asyncio.Future[None]
+    future: asyncio.Future[None] | None  # a handle's future, or None with ``on_done``
     nbytes: int
+    on_done: Callable[[TransferError | None], object] | None
 
 
 class DeviceCopier:
@@ -198,6 +199,7 @@ class DeviceCopier:
         self._state = Lifecycle.NEW
         self._in_flight: dict[PlannedCopy, _Job] = {}
         self._bytes_in_flight = 0
+        self._all_ended: asyncio.Future[None] | None = None  # set once none is in flight
         # [copies, bytes] by direction; plain lists: an Enum's hash is Python code.
         self._to_host_done = [0, 0]
         self._to_device_done = [0, 0]
@@ -303,7 +305,9 @@ class DeviceCopier:
         self._state = Lifecycle.CLOSING
         try:
             if self._in_flight:
-                await asyncio.wait([job.future for job in self._in_flight.values()])
+                assert self._loop is not None
+                self._all_ended = self._loop.create_future()
+                await self._all_ended
         except BaseException:
             self._backend.drain_blocking()
             await self._stop()
@@ -363,6 +367,39 @@ class DeviceCopier:
         self._check_job(ids, slot_list, Direction.TO_DEVICE)
         return self._start(Direction.TO_DEVICE, ids, slot_list)
 
+    def start(
+        self,
+        to_host: bool,
+        device_ids: list[int],
+        slots: list[int],
+        on_done: Callable[[TransferError | None], object],
+    ) -> None:
+        """Start a copy whose arguments the caller has checked, for a hot path.
+
+        Like :meth:`to_host` (``to_host`` True) or :meth:`to_device`, but the ids and slots
+        are trusted to be in range, equally long, and distinct where :meth:`to_host` /
+        :meth:`to_device` require it (the engine's job core checks device ids, and slots
+        come from the CPU tier's manager). Instead of a handle, ``on_done(error)`` is
+        called on the loop exactly once, when the copy has ended (``error`` None on
+        success). The lists must not be changed afterwards.
+
+        Raises:
+            ClosedError: the copier is not open.
+        """
+        if self._state is not Lifecycle.OPEN:
+            raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
+        direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
+        if not device_ids:
+            self._loop.call_soon(on_done, None)  # type: ignore[union-attr]
+            return
+        copy = PlannedCopy(
+            direction, device_ids, slots, plan_copy(device_ids, slots, self._max_rows)
+        )
+        nbytes = len(device_ids) * self._layout.block_bytes
+        self._in_flight[copy] = _Job(None, nbytes, on_done)
+        self._bytes_in_flight += nbytes
+        self._backend.submit(copy)
+
     # ----------------------------------------------------------------- internals
 
     def _check_job(self, ids: list[int], slots: list[int], direction: Direction) -> None:
@@ -391,33 +428,50 @@ class DeviceCopier:
             return handle
         copy = PlannedCopy(direction, ids, slots, plan_copy(ids, slots, self._max_rows))
         nbytes = len(ids) * self._layout.block_bytes
-        self._in_flight[copy] = _Job(future, nbytes)
+        self._in_flight[copy] = _Job(future, nbytes, None)
         self._bytes_in_flight += nbytes
         self._backend.submit(copy)
         return handle
 
     def _on_done(self, outcomes: Sequence[CopyOutcome]) -> None:
         """The backend's report, on the loop: complete each copy's handle once."""
+        try:
+            self._complete(outcomes)
+        finally:
+            ended = self._all_ended
+            if ended is not None and not self._in_flight and not ended.done():
+                ended.set_result(None)
+
+    def _complete(self, outcomes: Sequence[CopyOutcome]) -> None:
         for copy, error in outcomes:
             job = self._in_flight.pop(copy, None)
             if job is None:
                 continue
             self._bytes_in_flight -= job.nbytes
-            if job.future.done():  # the loop is being torn down
+            future = job.future
+            if future is not None and future.done():  # the loop is being torn down
                 continue
             direction = copy.direction
+            failure = None
             if error is None:
                 done = (
                     self._to_host_done if direction is Direction.TO_HOST else self._to_device_done
                 )
                 done[0] += 1
                 done[1] += job.nbytes
-                job.future.set_result(None)
             else:
                 self._failures.record(f"{direction.value} copy failed", detail=repr(error))
                 failure = TransferError(f"{direction.value} copy failed: {error!r}")
                 failure.__cause__ = error
-                job.future.set_exception(failure)
+            if job.on_done is not None:
+                try:
+                    job.on_done(failure)
+                except Exception:  # one caller's bug must not lose the other outcomes
+                    _log.exception("DeviceCopier: a copy's on_done callback raised")
+            elif failure is None:
+                future.set_result(None)  # type: ignore[union-attr]
+            else:
+                future.set_exception(failure)  # type: ignore[union-attr]
 
 
 __all__ = [

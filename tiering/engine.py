@@ -16,6 +16,7 @@ import logging
 import math
 import os
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -504,19 +505,17 @@ class TieringEngine:
             run[type(effect)](effect)
 
     def _copy_to_host(self, effect: CopyToHost) -> None:
-        self._copy(effect.op, lambda c: c.to_host(effect.device_ids, effect.slots))
+        self._copy(effect.op, True, effect.device_ids, effect.slots)
 
     def _copy_to_device(self, effect: CopyToDevice) -> None:
-        self._copy(effect.op, lambda c: c.to_device(effect.slots, effect.device_ids))
+        self._copy(effect.op, False, effect.device_ids, effect.slots)
 
-    def _copy(self, op: int, start: Callable[[DeviceCopier], Any]) -> None:
+    def _copy(self, op: int, to_host: bool, device_ids: list[int], slots: list[int]) -> None:
         assert self._copier is not None and self._loop is not None
         try:
-            handle = start(self._copier)
+            self._copier.start(to_host, device_ids, slots, partial(self._copy_ended, op))
         except TieringError as exc:  # the copier is closed: the copy never started
             self._loop.call_soon(self._copy_ended, op, exc)
-            return
-        handle.add_done_callback(lambda h: self._copy_ended(op, h.error))
 
     def _copy_ended(self, op: int, error: BaseException | None) -> None:
         if self._core is not None:

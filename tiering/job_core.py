@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from functools import partial
+from typing import Any, NamedTuple, Protocol
 
 from tiering.abstract import BlockHash, OffloadingEvent
 from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
@@ -197,6 +198,7 @@ class _Job:
         "promotions",
         "resolved",
         "slot_of",
+        "slots",
     )
 
     def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
@@ -208,6 +210,7 @@ class _Job:
         self.resolved = False
         self.failed: dict[BlockHash, str] = {}
         self.fills: list[_Fill] = []  # fills this job owns
+        self.slots: list[int] = []  # a store: the slots of its fills
         # stores
         self.copied = False  # its own device -> CPU copy has ended (or there was none)
         self.cascade_pending = 0
@@ -288,7 +291,8 @@ class JobCore:
         self._jobs: dict[int, _Job] = {}  # planned, not yet done
         self._waiting: dict[int, tuple[_Job, Callable[[], bool]]] = {}  # no room yet, FIFO
         self._flushes: dict[int, _Flush] = {}
-        self._ops: dict[int, Callable[[object], None]] = {}  # I/O in flight -> its end
+        # I/O in flight: op -> (owner, blocks, on_end(owner, result))
+        self._ops: dict[int, tuple[Any, int, Callable[[Any, object], None]]] = {}
         self._fills: dict[BlockHash, _Fill] = {}
         self._tier_events: list[OffloadingEvent] = []
         self._out: list[Effect] = []
@@ -354,34 +358,39 @@ class JobCore:
         """
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
-        job = _Job(self._new_id(), False, list(dict.fromkeys(hashes)), ids)
-        manager = self.manager
+        distinct = hashes if len(hashes) == 1 else list(dict.fromkeys(hashes))
+        job = _Job(self._new_id(), False, distinct, ids)
+        if not self._plan_store(job, hashes, ids):
+            needed = len({h for h in hashes if h not in self.manager})
+            self._wait_for_room(job, needed, partial(self._plan_store, job, hashes, ids))
+        return job.id, self._take()
 
-        def plan() -> bool:
-            out = manager.prepare_store(hashes)
-            if out is None:
-                return False
-            new = out.block_hashes_to_store
+    def _plan_store(self, job: _Job, hashes: list[BlockHash], ids: list[int]) -> bool:
+        """Reserve slots for the store's new blocks and start it; False without room."""
+        manager = self.manager
+        out = manager.prepare_store(hashes)
+        if out is None:
+            return False
+        new = out.block_hashes_to_store
+        slots = out.store_spec.block_ids
+        if len(new) != len(hashes):  # some were resident or repeated
             first_id: dict[BlockHash, int] = {}
             for h, d in zip(hashes, ids, strict=True):
                 first_id.setdefault(h, d)
             job.device_ids = [first_id[h] for h in new]
-            job.fills = [
-                self._new_fill(h, s, job.id)
-                for h, s in zip(new, out.store_spec.block_ids, strict=True)
-            ]
             fresh = set(new)
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
                     self._fills[h].waiters.append(job)  # another job's fill: join it
                     job.awaiting += 1
-            self._jobs[job.id] = job
+        job.fills = [self._new_fill(h, s, job.id) for h, s in zip(new, slots, strict=True)]
+        job.slots = slots
+        self._jobs[job.id] = job
+        if out.block_hashes_evicted and self.write_back:
             self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._copy_in)
-            return True
-
-        if not plan():
-            self._wait_for_room(job, len({h for h in hashes if h not in manager}), plan)
-        return job.id, self._take()
+        else:
+            self._copy_in(job)
+        return True
 
     def _copy_in(self, job: _Job) -> None:
         """Victims written back (or none): copy the device blocks into the new slots."""
@@ -390,8 +399,8 @@ class JobCore:
         elif self.state is Lifecycle.CLOSED:
             self._store_copied(job, "the engine closed before the copy started")
         else:
-            op = self._start(job, len(job.fills), lambda error: self._store_copied(job, error))
-            self._out.append(CopyToHost(op, job.device_ids, [f.slot for f in job.fills]))
+            op = self._start(job, len(job.fills), self._store_copied)
+            self._out.append(CopyToHost(op, job.device_ids, job.slots))
 
     def _store_copied(self, job: _Job, error: object) -> None:
         job.copied = True
@@ -465,48 +474,49 @@ class JobCore:
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
         job = _Job(self._new_id(), True, hashes, ids)
-        manager = self.manager
-
-        def plan() -> bool:
-            nonlocal sources
-            if sources is None:
-                sources = self._sources(hashes)
-            found, sources = sources, None  # a retry asks the tiers again
-            out = manager.prepare_store(hashes) if found else None
-            if found and out is None:
-                return False
-            self._jobs[job.id] = job
-            ready = []
-            for h in dict.fromkeys(hashes):
-                if h in found:
-                    continue
-                job.slot_of[h] = manager.slot_of(h)
-                if manager.is_ready(h):
-                    ready.append(h)
-                else:
-                    self._fills[h].waiters.append(job)
-                    job.awaiting += 1
-            if ready:
-                manager.prepare_load(ready)
-                job.pinned = ready
-            if out is None:
-                self._promote(job)
-                return True
-            for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
-                fill = self._new_fill(h, slot, job.id)
-                fill.waiters.append(job)
-                job.awaiting += 1
-                job.slot_of[h] = slot
-                job.fills.append(fill)
-                job.promotions.setdefault(found[h], []).append(fill)
-            for t, fills in job.promotions.items():
-                self.tiers[t].hold([f.key for f in fills])
-            self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
-            return True
-
-        if not plan():
-            self._wait_for_room(job, len(set(hashes)), plan)
+        if not self._plan_load(job, sources):
+            retry = partial(self._plan_load, job, None)  # a retry asks the tiers again
+            self._wait_for_room(job, len(set(hashes)), retry)
         return job.id, self._take()
+
+    def _plan_load(self, job: _Job, sources: dict[BlockHash, int] | None) -> bool:
+        """Pin, join or promote every block of the load and start it; False without
+        room for its promotions. Raises BlockNotFoundError if a block left every tier."""
+        manager = self.manager
+        hashes = job.hashes
+        found = self._sources(hashes) if sources is None else sources
+        out = manager.prepare_store(hashes) if found else None
+        if found and out is None:
+            return False
+        self._jobs[job.id] = job
+        ready = []
+        slot_of = job.slot_of
+        for h in hashes if len(hashes) == 1 else dict.fromkeys(hashes):
+            if h in found:
+                continue
+            slot_of[h] = manager.slot_of(h)
+            if manager.is_ready(h):
+                ready.append(h)
+            else:
+                self._fills[h].waiters.append(job)  # another job's fill: join it
+                job.awaiting += 1
+        if ready:
+            manager.prepare_load(ready)
+            job.pinned = ready
+        if out is None:
+            self._promote(job)
+            return True
+        for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
+            fill = self._new_fill(h, slot, job.id)
+            fill.waiters.append(job)
+            job.awaiting += 1
+            slot_of[h] = slot
+            job.fills.append(fill)
+            job.promotions.setdefault(found[h], []).append(fill)
+        for t, fills in job.promotions.items():
+            self.tiers[t].hold([f.key for f in fills])
+        self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
+        return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
         """The tier to promote each non-resident hash from.
@@ -529,15 +539,13 @@ class JobCore:
         """Victims written back (or none): read each promoted block from its tier."""
         for t, fills in job.promotions.items():
             if self.state is Lifecycle.CLOSED:
-                self._promoted(job, t, fills, None)
+                self._promoted(job, None, t=t, fills=fills)
                 continue
-            op = self._start(
-                job, len(fills), lambda o, t=t, fills=fills: self._promoted(job, t, fills, o)
-            )
+            op = self._start(job, len(fills), partial(self._promoted, t=t, fills=fills))
             self._out.append(TierLoad(op, t, [f.key for f in fills], [f.slot for f in fills]))
         self._copy_out(job)
 
-    def _promoted(self, job: _Job, t: int, fills: list[_Fill], outcome: object) -> None:
+    def _promoted(self, job: _Job, outcome: object, *, t: int, fills: list[_Fill]) -> None:
         keys = [f.key for f in fills]
         self.tiers[t].release(keys)
         failed = _failed_keys(outcome, keys, "the engine closed before the promotion")
@@ -562,20 +570,19 @@ class JobCore:
             if h not in job.failed
         ]
         if not pairs:
-            self._copied_out(job, 0, None)
+            self._copied_out(job, None)
         elif self.state is Lifecycle.CLOSED:
-            self._copied_out(job, 0, "the engine closed before the copy started")
+            self._copied_out(job, "the engine closed before the copy started")
         else:
-            op = self._start(
-                job, len(pairs), lambda error: self._copied_out(job, len(pairs), error)
-            )
+            op = self._start(job, len(pairs), self._copied_out)
             self._out.append(CopyToDevice(op, [s for s, _ in pairs], [d for _, d in pairs]))
 
-    def _copied_out(self, job: _Job, copied: int, error: object) -> None:
+    def _copied_out(self, job: _Job, error: object) -> None:
         if job.pinned:
             self.manager.complete_load(job.pinned)  # the copy has ended: pins may go
             job.pinned = []
         if error is None:
+            copied = sum(1 for h in job.hashes if h not in job.failed)
             self.counters["bytes_to_device"] += copied * self.block_bytes
             self.counters["loaded_blocks"] += copied
         else:
@@ -671,7 +678,7 @@ class JobCore:
         count, record events, then ``done(owner, every key landed)``."""
         keys = [k for k, _ in items]
 
-        def ended(outcome: object) -> None:
+        def ended(_owner: object, outcome: object) -> None:
             if pinned:
                 self.manager.complete_load(keys)
             failed = _failed_keys(outcome, keys, "the engine closed before the tier store")
@@ -814,34 +821,32 @@ class JobCore:
         return self._take()
 
     def _end_op(self, op: int, result: object) -> None:
-        ended = self._ops.pop(op, None)
-        if ended is None:
+        entry = self._ops.pop(op, None)
+        if entry is None:
             raise InvalidArgumentError(f"no effect {op!r} is in flight")
-        ended(result)
-        self._retry_waiting()
-        self._check_drained()
+        owner, blocks, on_end = entry
+        self.blocks_in_flight -= blocks
+        if type(owner) is _Job:
+            owner.io -= 1
+            on_end(owner, result)
+            self._forget_if_done(owner)
+        else:
+            on_end(owner, result)
+        if self._waiting:
+            self._retry_waiting()
+        if self.state is not Lifecycle.OPEN:
+            self._check_drained()
 
     # ----------------------------------------------------------------- helpers
 
-    def _start(self, owner: _Job | _Flush, blocks: int, on_end: Callable[[object], None]) -> int:
-        """Register an I/O effect of ``owner`` moving ``blocks`` blocks; ``on_end`` runs
-        when it reports back."""
+    def _start(self, owner: Any, blocks: int, on_end: Callable[[Any, object], None]) -> int:
+        """Register an I/O effect of ``owner`` (a job or a flush) moving ``blocks``
+        blocks; ``on_end(owner, result)`` runs when it reports back."""
         op = self._new_id()
         self.blocks_in_flight += blocks
-        job = owner if isinstance(owner, _Job) else None
-        if job is not None:
-            job.io += 1
-
-        def ended(result: object) -> None:
-            self.blocks_in_flight -= blocks
-            if job is None:
-                on_end(result)
-                return
-            job.io -= 1
-            on_end(result)
-            self._forget_if_done(job)
-
-        self._ops[op] = ended
+        if type(owner) is _Job:
+            owner.io += 1
+        self._ops[op] = (owner, blocks, on_end)
         return op
 
     def _forget_if_done(self, job: _Job) -> None:
