@@ -11,22 +11,20 @@ a task: each I/O's completion callback drives the next step.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
-import os
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any, Literal, Self
 
-import torch
-
 from tiering.abstract import BlockHash, OffloadingEvent
 from tiering.device import DeviceCopier, KVCaches, kv_block_bytes
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
+from tiering.hashing import cache_namespace
 from tiering.host_pool import HostPool
+from tiering.job import Job
 from tiering.job_core import (
+    COUNTERS,
     Cascaded,
     CopyToDevice,
     CopyToHost,
@@ -46,63 +44,11 @@ from tiering.registry import TierSpec, make_tier
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
 from tiering.tier_client import TierClient, TierOutcome
-from tiering.validation import hash_list, positive_int
+from tiering.validation import check_host_memory, hash_list, positive_int, seconds, tier_specs
 
 logger = logging.getLogger(__name__)
 
 WritePolicy = Literal["write_through", "write_back"]
-
-
-class Job:
-    """An awaitable handle of one engine store or load.
-
-    ``await job`` returns its :class:`JobResult` (it never raises for a failed job).
-    Cancelling a task that awaits the job does not cancel the job. For a store,
-    ``await job.cascaded`` returns True once every secondary tier holds its blocks (at
-    once when there is nothing to cascade, as under write-back) and False if a tier
-    failed, the store failed or the engine closed first; for a load it is True once the
-    load ended.
-    """
-
-    __slots__ = ("_cascaded", "_cascaded_value", "_result", "job_id", "kind")
-
-    def __init__(
-        self, job_id: int, kind: Literal["store", "load"], result: asyncio.Future[JobResult]
-    ):
-        self.job_id = job_id
-        self.kind = kind
-        self._result = result
-        self._cascaded: asyncio.Future[bool] | None = None
-        self._cascaded_value: bool | None = None
-
-    def __await__(self) -> Generator[Any, None, JobResult]:
-        return asyncio.shield(self._result).__await__()
-
-    def done(self) -> bool:
-        """True once the job's result is known."""
-        return self._result.done()
-
-    def result(self) -> JobResult:
-        """The result of a finished job; raises ``asyncio.InvalidStateError`` before."""
-        return self._result.result()
-
-    @property
-    def cascaded(self) -> Awaitable[bool]:
-        """Resolves once the store's blocks are in every secondary tier (see class doc)."""
-        if self._cascaded is None:
-            self._cascaded = self._result.get_loop().create_future()
-            if self._cascaded_value is not None:
-                self._cascaded.set_result(self._cascaded_value)
-        return asyncio.shield(self._cascaded)
-
-    def _set_cascaded(self, ok: bool) -> None:
-        if self._cascaded_value is None:
-            self._cascaded_value = ok
-            if self._cascaded is not None and not self._cascaded.done():
-                self._cascaded.set_result(ok)
-
-    def __repr__(self) -> str:
-        return f"<Job {self.job_id} {self.kind} {'done' if self.done() else 'running'}>"
 
 
 class TieringEngine:
@@ -158,17 +104,17 @@ class TieringEngine:
     ) -> None:
         self.block_bytes = kv_block_bytes(kv_caches)
         num_cpu_blocks = positive_int("num_cpu_blocks", num_cpu_blocks)
-        _check_host_memory(num_cpu_blocks, self.block_bytes)
+        check_host_memory(num_cpu_blocks, self.block_bytes)
         if write_policy not in ("write_through", "write_back"):
             raise InvalidArgumentError(
                 f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
             )
         if not isinstance(enable_events, bool):
             raise InvalidArgumentError(f"enable_events must be a bool, got {enable_events!r}")
-        self._tier_timeout = _seconds("tier_timeout", tier_timeout, allow_zero=False)
-        self._room_timeout = _seconds("room_timeout", room_timeout, allow_zero=True)
-        self._close_timeout = _seconds("close_timeout", close_timeout, allow_zero=True)
-        self._tier_specs = _tier_specs(secondary_tiers)
+        self._tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
+        self._room_timeout = seconds("room_timeout", room_timeout, allow_zero=True)
+        self._close_timeout = seconds("close_timeout", close_timeout, allow_zero=True)
+        self._tier_specs = tier_specs(secondary_tiers)
         self.block_size = positive_int("block_size", block_size)
         self.namespace = cache_namespace(cache_identity, kv_caches, block_size)
         self.manager = CPUOffloadingManager(
@@ -191,10 +137,10 @@ class TieringEngine:
         self._drained: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
         self._run_effect: dict[type, Callable[[Any], None]] = {
-            CopyToHost: self._copy_to_host,
-            CopyToDevice: self._copy_to_device,
-            TierStore: self._tier_store,
-            TierLoad: self._tier_load,
+            CopyToHost: self._copy,
+            CopyToDevice: self._copy,
+            TierStore: self._tier_job,
+            TierLoad: self._tier_job,
             Resolve: self._resolve,
             Cascaded: self._cascaded,
             FlushDone: self._flush_done,
@@ -281,7 +227,8 @@ class TieringEngine:
         self._state = Lifecycle.CLOSING
         deadline = self._loop.time() + self._close_timeout
         try:
-            self._execute(self._core_call(JobCore.begin_close))
+            assert self._core is not None  # open means fully opened
+            self._execute(self._core.begin_close())
             try:
                 async with asyncio.timeout_at(deadline):
                     await self._drained.wait()
@@ -290,7 +237,7 @@ class TieringEngine:
                     "engine: close_timeout (%gs) passed with work in flight; stopping hard",
                     self._close_timeout,
                 )
-                self._execute(self._core_call(JobCore.hard_close))
+                self._execute(self._core.hard_close())
             for client in self._clients:
                 await client.aclose(max(0.0, deadline - self._loop.time()))
             if self._copier is not None:
@@ -359,42 +306,23 @@ class TieringEngine:
     def statistics(self) -> Statistics:
         """A snapshot of the CPU tier and the jobs.
 
-        ``jobs_in_flight`` counts jobs (waiting, running or cascading) and flushes that
-        have not ended; ``pinned_blocks`` CPU blocks read by I/O in flight; counters:
-        ``bytes_to_host``, ``bytes_to_device``, ``stored_blocks``, ``loaded_blocks``,
-        ``promoted_blocks``, ``cascaded_blocks``, ``written_back_blocks``,
-        ``flushed_blocks``, ``failed_jobs``; failures by cause.
+        ``jobs_in_flight``: jobs (waiting, running or cascading) and flushes not ended;
+        ``bytes_in_flight``: what their copies and tier jobs move now; ``pinned_blocks``:
+        CPU blocks that I/O in flight reads; ``counters``: :data:`~tiering.job_core.
+        COUNTERS`; ``failures``: failed blocks and jobs by cause.
         """
-        core = self._core
-        manager = self.manager
-        counters = dict.fromkeys(
-            (
-                "bytes_to_host",
-                "bytes_to_device",
-                "stored_blocks",
-                "loaded_blocks",
-                "promoted_blocks",
-                "cascaded_blocks",
-                "written_back_blocks",
-                "flushed_blocks",
-                "failed_jobs",
-            ),
-            0,
-        )
-        if core is not None:
-            counters.update(core.counters)
-        in_flight = core.jobs_in_flight if core is not None else 0
+        core, manager, size = self._core, self.manager, self.block_bytes
         return Statistics(
             state=self._state,
-            jobs_in_flight=in_flight,
-            bytes_in_flight=(core.blocks_in_flight if core is not None else 0) * self.block_bytes,
+            jobs_in_flight=core.jobs_in_flight if core else 0,
+            bytes_in_flight=core.blocks_in_flight * size if core else 0,
             used_blocks=len(manager),
             capacity_blocks=manager.num_blocks,
-            used_bytes=len(manager) * self.block_bytes,
-            capacity_bytes=manager.num_blocks * self.block_bytes,
+            used_bytes=len(manager) * size,
+            capacity_bytes=manager.num_blocks * size,
             pinned_blocks=manager.num_pinned,
-            counters=counters,
-            failures=core.failures.counts if core is not None else {},
+            counters=core.counters if core else dict.fromkeys(COUNTERS, 0),
+            failures=core.failures.counts if core else {},
         )
 
     def __repr__(self) -> str:
@@ -441,11 +369,8 @@ class TieringEngine:
     def store(self, block_hashes: Sequence[BlockHash], device_block_ids: Sequence[int]) -> Job:
         """Copy device blocks into the CPU tier (then, by policy, to secondary tiers).
 
-        Returns at once. The job resolves once every block is ready in CPU (blocks
-        already there are not copied again; a block another job is storing is waited
-        for); the device blocks may then be reused. If every CPU slot is pinned or being
-        filled, the job waits up to ``room_timeout`` for room, then fails having changed
-        nothing.
+        Returns at once; the job resolves once every block is ready in CPU, and the
+        device blocks may then be reused (the full contract: :meth:`JobCore.store`).
 
         Raises:
             ClosedError: the engine is not open.
@@ -459,10 +384,9 @@ class TieringEngine:
     def load(self, block_hashes: Sequence[BlockHash], device_block_ids: Sequence[int]) -> Job:
         """Copy blocks into device blocks, promoting them from a secondary tier if needed.
 
-        Returns at once. A block being stored or promoted by another job is waited for,
-        not copied twice. Keys that could not be read (a tier failed or the data did not
-        verify) are reported in ``failed_keys``; the others land. A hash may repeat (it
-        lands in each of its device blocks).
+        Returns at once. Keys that could not be read (a tier failed or the bytes did not
+        verify) are in the result's ``failed_keys``; the others land (the full contract:
+        :meth:`JobCore.load`).
 
         Raises:
             ClosedError: the engine is not open.
@@ -504,32 +428,23 @@ class TieringEngine:
         for effect in effects:
             run[type(effect)](effect)
 
-    def _copy_to_host(self, effect: CopyToHost) -> None:
-        self._copy(effect.op, True, effect.device_ids, effect.slots)
-
-    def _copy_to_device(self, effect: CopyToDevice) -> None:
-        self._copy(effect.op, False, effect.device_ids, effect.slots)
-
-    def _copy(self, op: int, to_host: bool, device_ids: list[int], slots: list[int]) -> None:
+    def _copy(self, effect: CopyToHost | CopyToDevice) -> None:
         assert self._copier is not None and self._loop is not None
+        to_host = type(effect) is CopyToHost
+        done = partial(self._copy_ended, effect.op)
         try:
-            self._copier.start(to_host, device_ids, slots, partial(self._copy_ended, op))
+            self._copier.start(to_host, effect.device_ids, effect.slots, done)
         except TieringError as exc:  # the copier is closed: the copy never started
-            self._loop.call_soon(self._copy_ended, op, exc)
+            self._loop.call_soon(done, exc)
 
     def _copy_ended(self, op: int, error: BaseException | None) -> None:
         if self._core is not None:
             self._execute(self._core.copy_done(op, None if error is None else repr(error)))
 
-    def _tier_store(self, effect: TierStore) -> None:
-        self._clients[effect.tier].submit(
-            "store", effect.keys, effect.slots, lambda o: self._tier_ended(effect.op, o)
-        )
-
-    def _tier_load(self, effect: TierLoad) -> None:
-        self._clients[effect.tier].submit(
-            "load", effect.keys, effect.slots, lambda o: self._tier_ended(effect.op, o)
-        )
+    def _tier_job(self, effect: TierStore | TierLoad) -> None:
+        kind: Literal["store", "load"] = "store" if type(effect) is TierStore else "load"
+        done = partial(self._tier_ended, effect.op)
+        self._clients[effect.tier].submit(kind, effect.keys, effect.slots, done)
 
     def _tier_ended(self, op: int, outcome: TierOutcome) -> None:
         if self._core is not None:
@@ -582,93 +497,5 @@ class TieringEngine:
             raise ClosedError(f"the engine is {self._state}; no new jobs are accepted")
         return self._core
 
-    def _core_call(self, method: Callable[[JobCore], list[Effect]]) -> list[Effect]:
-        return method(self._core) if self._core is not None else []
 
-
-NAMESPACE_FORMAT = 1
-"""Bumped when the meaning of the bytes of a stored block changes."""
-
-
-def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
-    """A canonical string naming what a stored block's bytes mean.
-
-    It covers ``identity`` (the model and whatever else the caller says), the block
-    size in tokens, and every layer's dtype and per-block shape, so two engines share
-    blocks only if all of these agree.
-
-    Raises:
-        InvalidArgumentError: ``identity`` is not a string or a JSON-encodable mapping.
-    """
-    tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
-    layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]
-    if not isinstance(identity, str | Mapping):
-        raise InvalidArgumentError(
-            f"cache_identity must be a string or a mapping, got {type(identity).__name__}"
-        )
-    try:
-        return json.dumps(
-            {
-                "identity": identity,
-                "block_size": block_size,
-                "layout": layout,
-                "format": NAMESPACE_FORMAT,
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        )
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"cache_identity is not JSON-encodable: {exc}") from exc
-
-
-def _seconds(name: str, value: object, *, allow_zero: bool) -> float:
-    """``value`` as seconds: a finite, non-negative (or positive) real number."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not allow_zero)
-    ):
-        bound = "non-negative" if allow_zero else "positive"
-        raise InvalidArgumentError(
-            f"{name} must be a {bound} finite number of seconds, got {value!r}"
-        )
-    return float(value)
-
-
-def _tier_specs(specs: object) -> list[TierSpec]:
-    if isinstance(specs, str | bytes | Mapping) or callable(specs):
-        raise InvalidArgumentError(
-            f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
-            "wrap it in a list"
-        )
-    try:
-        out = list(specs)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"secondary_tiers must be a list of tier specs, got {specs!r:.60}"
-        ) from None
-    for i, spec in enumerate(out):
-        if not (isinstance(spec, str | Mapping) or callable(spec)):
-            raise InvalidArgumentError(
-                f"secondary_tiers[{i}] must be a tier name, a mapping with a 'type' or a "
-                f"factory, got {spec!r:.60}"
-            )
-    return out
-
-
-def _check_host_memory(num_blocks: int, block_bytes: int) -> None:
-    """Refuse a CPU tier larger than this machine's memory before allocating anything."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if num_blocks * block_bytes > total:
-        raise InvalidArgumentError(
-            f"num_cpu_blocks={num_blocks} needs {num_blocks * block_bytes} bytes of host "
-            f"memory ({block_bytes} per block); this machine has {total}"
-        )
-
-
-__all__ = ["Job", "TieringEngine", "WritePolicy", "cache_namespace"]
+__all__ = ["Job", "TieringEngine", "WritePolicy"]

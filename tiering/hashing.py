@@ -12,11 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+import torch
 
 from tiering.abstract import BlockHash
 from tiering.errors import InvalidArgumentError
+from tiering.kv_layout import KVCaches
 from tiering.validation import positive_int
 
 HASH_BYTES = 32
@@ -105,3 +108,38 @@ def block_hashes(
         prev = h.digest()
         hashes.append(prev)
     return hashes
+
+
+NAMESPACE_FORMAT = 1
+"""Bumped when the meaning of the bytes of a stored block changes."""
+
+
+def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
+    """A canonical string naming what a stored block's bytes mean.
+
+    It covers ``identity`` (the model and whatever else the caller says), the block
+    size in tokens, and every layer's dtype and per-block shape, so two engines share
+    blocks only if all of these agree.
+
+    Raises:
+        InvalidArgumentError: ``identity`` is not a string or a JSON-encodable mapping.
+    """
+    tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
+    layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]
+    if not isinstance(identity, str | Mapping):
+        raise InvalidArgumentError(
+            f"cache_identity must be a string or a mapping, got {type(identity).__name__}"
+        )
+    try:
+        return json.dumps(
+            {
+                "identity": identity,
+                "block_size": block_size,
+                "layout": layout,
+                "format": NAMESPACE_FORMAT,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"cache_identity is not JSON-encodable: {exc}") from exc

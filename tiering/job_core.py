@@ -48,6 +48,18 @@ from tiering.validation import device_id_list, hash_list
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back")
+COUNTERS = (
+    "bytes_to_host",
+    "bytes_to_device",
+    "stored_blocks",
+    "loaded_blocks",
+    "promoted_blocks",
+    "cascaded_blocks",
+    "written_back_blocks",
+    "flushed_blocks",
+    "failed_jobs",
+)
+"""The core's counters (monotonic totals), as ``statistics().counters`` shows them."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
 
@@ -285,7 +297,7 @@ class JobCore:
         self.room_timeout = room_timeout
         self.enable_events = enable_events
         self.state = Lifecycle.OPEN
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.failures = FailureLog(logger, "engine")
         self._servable = [t for t, tier in enumerate(self.tiers) if tier.servable]
         self._jobs: dict[int, _Job] = {}  # planned, not yet done
@@ -956,6 +968,7 @@ def _failed_keys(outcome: object, keys: list[BlockHash], closed: str) -> dict[Bl
 
 
 __all__ = [
+    "COUNTERS",
     "FLUSH_BATCH",
     "WRITE_POLICIES",
     "Cascaded",

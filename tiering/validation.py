@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import operator
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from tiering.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from tiering.registry import TierSpec
 
 
 def positive_int(name: str, value: object) -> int:
@@ -84,3 +91,53 @@ def device_id_list(name: str, value: object, limit: int) -> list[int]:
                 raise InvalidArgumentError(f"{name} repeats {d}; each device block is named once")
             seen.add(d)
     return ids
+
+
+def seconds(name: str, value: object, *, allow_zero: bool) -> float:
+    """``value`` as seconds: a finite, non-negative (or positive) real number."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
+        bound = "non-negative" if allow_zero else "positive"
+        raise InvalidArgumentError(
+            f"{name} must be a {bound} finite number of seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def tier_specs(specs: object) -> list[TierSpec]:
+    if isinstance(specs, str | bytes | Mapping) or callable(specs):
+        raise InvalidArgumentError(
+            f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
+            "wrap it in a list"
+        )
+    try:
+        out = list(specs)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"secondary_tiers must be a list of tier specs, got {specs!r:.60}"
+        ) from None
+    for i, spec in enumerate(out):
+        if not (isinstance(spec, str | Mapping) or callable(spec)):
+            raise InvalidArgumentError(
+                f"secondary_tiers[{i}] must be a tier name, a mapping with a 'type' or a "
+                f"factory, got {spec!r:.60}"
+            )
+    return out
+
+
+def check_host_memory(num_blocks: int, block_bytes: int) -> None:
+    """Refuse a CPU tier larger than this machine's memory before allocating anything."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if num_blocks * block_bytes > total:
+        raise InvalidArgumentError(
+            f"num_cpu_blocks={num_blocks} needs {num_blocks * block_bytes} bytes of host "
+            f"memory ({block_bytes} per block); this machine has {total}"
+        )
