@@ -392,9 +392,7 @@ class DeviceCopier:
         if not device_ids:
             self._loop.call_soon(on_done, None)  # type: ignore[union-attr]
             return
-        copy = PlannedCopy(
-            direction, device_ids, slots, plan_copy(device_ids, slots, self._max_rows)
-        )
+        copy = PlannedCopy(direction, device_ids, slots, self._max_rows)
         nbytes = len(device_ids) * self._layout.block_bytes
         self._in_flight[copy] = _Job(None, nbytes, on_done)
         self._bytes_in_flight += nbytes
@@ -426,7 +424,7 @@ class DeviceCopier:
         if not ids:
             future.set_result(None)
             return handle
-        copy = PlannedCopy(direction, ids, slots, plan_copy(ids, slots, self._max_rows))
+        copy = PlannedCopy(direction, ids, slots, self._max_rows)
         nbytes = len(ids) * self._layout.block_bytes
         self._in_flight[copy] = _Job(future, nbytes, None)
         self._bytes_in_flight += nbytes

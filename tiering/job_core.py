@@ -35,6 +35,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from tiering.abstract import BlockHash, OffloadingEvent
@@ -186,7 +187,18 @@ class _Fill:
         self.key = key
         self.slot = slot
         self.owner = owner  # the job whose I/O writes the slot; only it ends the fill
-        self.waiters: list[_Job] = []  # loads that get a pin when it lands
+        self.waiters: list[_Job] | tuple[()] = ()  # jobs waiting for it (a list once any)
+
+    def add_waiter(self, job: _Job) -> None:
+        if self.waiters:
+            self.waiters.append(job)  # type: ignore[union-attr]
+        else:
+            self.waiters = [job]
+
+
+_NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
+_NO_SLOTS: dict[BlockHash, int] = {}  # never written: a load makes its own
+_NO_PROMOTIONS: Mapping[int, list[_Fill]] = MappingProxyType({})
 
 
 class _Job:
@@ -220,8 +232,9 @@ class _Job:
         self.device_ids = ids
         self.io = 0  # this job's effects in flight
         self.resolved = False
-        self.failed: dict[BlockHash, str] = {}
-        self.fills: list[_Fill] = []  # fills this job owns
+        # Containers are made when first needed: most jobs never fail, promote or join.
+        self.failed: Mapping[BlockHash, str] = _NONE_FAILED
+        self.fills: list[_Fill] | tuple[()] = ()  # fills this job owns
         self.slots: list[int] = []  # a store: the slots of its fills
         # stores
         self.copied = False  # its own device -> CPU copy has ended (or there was none)
@@ -229,11 +242,17 @@ class _Job:
         self.cascade_ok = True
         self.cascade_answered = False
         # loads
-        self.slot_of: dict[BlockHash, int] = {}
-        self.pinned: list[BlockHash] = []  # one CPU pin each, owned by this job
+        self.slot_of: dict[BlockHash, int] = _NO_SLOTS  # a load: where each block sits
+        self.pinned: list[BlockHash] | tuple[()] = ()  # one CPU pin each, owned by this job
         self.awaiting = 0  # fills this job waits for
-        self.promotions: dict[int, list[_Fill]] = {}  # tier -> fills it promotes
+        self.promotions: Mapping[int, list[_Fill]] = _NO_PROMOTIONS  # tier -> its fills
         self.copy_started = False
+
+    def fail(self, key: BlockHash, reason: str) -> None:
+        """Record that ``key`` did not make it (the first reason stays)."""
+        if self.failed is _NONE_FAILED:
+            self.failed = {}
+        self.failed.setdefault(key, reason)  # type: ignore[attr-defined]
 
     @property
     def done(self) -> bool:
@@ -393,7 +412,7 @@ class JobCore:
             fresh = set(new)
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
-                    self._fills[h].waiters.append(job)  # another job's fill: join it
+                    self._fills[h].add_waiter(job)  # another job's fill: join it
                     job.awaiting += 1
         job.fills = [self._new_fill(h, s, job.id) for h, s in zip(new, slots, strict=True)]
         job.slots = slots
@@ -425,7 +444,7 @@ class JobCore:
             self._end_fills(job.fills, reason)
             self.failures.record("device to CPU copy failed", 1, str(error))
             for fill in job.fills:
-                job.failed[fill.key] = reason
+                job.fail(fill.key, reason)
         self._store_settled(job)
 
     def _store_settled(self, job: _Job) -> None:
@@ -502,7 +521,7 @@ class JobCore:
             return False
         self._jobs[job.id] = job
         ready = []
-        slot_of = job.slot_of
+        slot_of = job.slot_of = {}
         for h in hashes if len(hashes) == 1 else dict.fromkeys(hashes):
             if h in found:
                 continue
@@ -510,7 +529,7 @@ class JobCore:
             if manager.is_ready(h):
                 ready.append(h)
             else:
-                self._fills[h].waiters.append(job)  # another job's fill: join it
+                self._fills[h].add_waiter(job)  # another job's fill: join it
                 job.awaiting += 1
         if ready:
             manager.prepare_load(ready)
@@ -518,13 +537,16 @@ class JobCore:
         if out is None:
             self._promote(job)
             return True
+        fills: list[_Fill] = []
+        promotions: dict[int, list[_Fill]] = {}
+        job.fills, job.promotions = fills, promotions
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
             fill = self._new_fill(h, slot, job.id)
-            fill.waiters.append(job)
+            fill.add_waiter(job)
             job.awaiting += 1
             slot_of[h] = slot
-            job.fills.append(fill)
-            job.promotions.setdefault(found[h], []).append(fill)
+            fills.append(fill)
+            promotions.setdefault(found[h], []).append(fill)
         for t, fills in job.promotions.items():
             self.tiers[t].hold([f.key for f in fills])
         self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
@@ -592,7 +614,7 @@ class JobCore:
     def _copied_out(self, job: _Job, error: object) -> None:
         if job.pinned:
             self.manager.complete_load(job.pinned)  # the copy has ended: pins may go
-            job.pinned = []
+            job.pinned = ()
         if error is None:
             copied = sum(1 for h in job.hashes if h not in job.failed)
             self.counters["bytes_to_device"] += copied * self.block_bytes
@@ -601,7 +623,7 @@ class JobCore:
             reason = f"CPU to device copy failed: {error}"
             self.failures.record("CPU to device copy failed", 1, str(error))
             for h in job.hashes:
-                job.failed.setdefault(h, reason)
+                job.fail(h, reason)
         self._resolve(job)
 
     # ------------------------------------------------------------------ fills
@@ -628,9 +650,12 @@ class JobCore:
                 if failure is None:
                     if waiter.is_load:  # its pin, in the step that makes the block ready
                         manager.prepare_load((fill.key,))
-                        waiter.pinned.append(fill.key)
+                        if waiter.pinned:
+                            waiter.pinned.append(fill.key)  # type: ignore[union-attr]
+                        else:
+                            waiter.pinned = [fill.key]
                 else:
-                    waiter.failed.setdefault(fill.key, failure)
+                    waiter.fail(fill.key, failure)
                 if not waiter.awaiting:
                     woken.append(waiter)
         for waiter in woken:
@@ -894,7 +919,7 @@ class JobCore:
         if not job.resolved:
             self.failures.record(cause, 1, reason)
             for h in job.hashes:
-                job.failed.setdefault(h, reason)
+                job.fail(h, reason)
             self._resolve(job)
         if not job.is_load:
             self._answer_cascaded(job, False)

@@ -236,24 +236,41 @@ def plan_copy(
     return tuple(chunks)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class PlannedCopy:
-    """One checked, planned copy job, as a copy backend receives it.
+    """One checked copy job, as a copy backend receives it.
 
     Device block ``device_ids[i]`` moves to (``TO_HOST``) or from (``TO_DEVICE``) host
-    slot ``slots[i]``; ``chunks`` is :func:`plan_copy` of the pairs. Compared and hashed
-    by identity: a backend reports each job's end by handing back this object.
+    slot ``slots[i]``; ``chunks`` is :func:`plan_copy` of the pairs with at most
+    ``max_rows`` rows a chunk, computed on first use (by the thread that runs the copy,
+    so planning stays off the event loop where the backend allows it). Compared and
+    hashed by identity: a backend reports each job's end by handing back this object.
     """
 
-    direction: Direction
-    device_ids: Sequence[int]
-    slots: Sequence[int]
-    chunks: tuple[CopyChunk, ...]
+    __slots__ = ("_chunks", "device_ids", "direction", "max_rows", "slots")
+
+    def __init__(
+        self, direction: Direction, device_ids: Sequence[int], slots: Sequence[int], max_rows: int
+    ) -> None:
+        self.direction = direction
+        self.device_ids = device_ids
+        self.slots = slots
+        self.max_rows = max_rows
+        self._chunks: tuple[CopyChunk, ...] | None = None
+
+    @property
+    def chunks(self) -> tuple[CopyChunk, ...]:
+        """The copy's plan (see :func:`plan_copy`)."""
+        if self._chunks is None:
+            self._chunks = plan_copy(self.device_ids, self.slots, self.max_rows)
+        return self._chunks
 
     @property
     def num_blocks(self) -> int:
         """Blocks the job moves."""
         return len(self.device_ids)
+
+    def __repr__(self) -> str:
+        return f"<PlannedCopy {self.direction.value} {len(self.device_ids)} blocks>"
 
 
 CopyOutcome = tuple[PlannedCopy, BaseException | None]
