@@ -1,10 +1,22 @@
-"""Benchmark the engine: event-loop health, round-trip overhead, device copy speed.
+"""Benchmark the engine: the scheduler's hot path, event-loop health, round-trip overhead,
+device copy speed.
 
 Usage::
 
     python examples/bench_engine.py [--gib 1] [--loop uvloop|asyncio]
 
-Three measurements, in one run:
+Four measurements, in one run:
+
+0. Hot path: what a serving scheduler pays per call. Each step issues 200 ``store``
+   calls (one 4 KiB block each, so copies cost next to nothing), awaits them, then 200
+   ``lookup`` + ``load`` calls of the same blocks into other device blocks and awaits
+   those. Every call is timed on its own (``call_us_p50``, ``call_us_p99`` over all
+   calls; ``store_call_us_*`` and ``load_call_us_*`` apart); ``jobs_per_s`` is jobs over
+   the wall time of the steps, completions included. It runs with the garbage
+   collector as it is and after ``gc.freeze()`` (what serving frameworks do once their
+   start-up allocations are done), three times each, alternating; figures are medians,
+   the headline ones are the frozen runs (``*_gc_default`` the others). The same with 16
+   blocks per call gives ``call_us_*_16``.
 
 1. Loop lag: the engine moves ``--gib`` GiB of 2 MiB blocks device -> CPU -> memory tier
    (write-through) and promotes a quarter of them back memory tier -> CPU -> device,
@@ -25,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import time
@@ -84,7 +97,7 @@ async def loop_lag_run(total_bytes: int, progress: Progress) -> dict[str, float]
                     raise SystemExit(f"load failed: {result.error}")
                 progress.update(f"loop lag: loaded {first + n}/{count // 4} blocks")
             seconds = time.perf_counter() - start
-        stats = dict(engine.stats)
+        stats = engine.statistics().counters
     moved = (
         stats["bytes_to_host"]
         + stats["cascaded_blocks"] * BLOCK
@@ -134,6 +147,105 @@ async def roundtrip_run(repeats: int, blocks: int, progress: Progress) -> dict[s
         "engine_ms": statistics.median(engine_times) * 1e3,
         "plain_ms": statistics.median(plain) * 1e3,
     }
+
+
+SMALL_BLOCK = 4 << 10
+STEP_REQUESTS = 200
+HOT_STEPS = 20
+
+
+def _quantile_us(samples_ns: list[int], q: float) -> float:
+    ordered = sorted(samples_ns)
+    return round(ordered[int(q * (len(ordered) - 1))] / 1000, 2)
+
+
+async def hot_path_run(blocks_per_job: int, freeze: bool) -> dict[str, float]:
+    """Steps of ``STEP_REQUESTS`` stores then lookup+loads of small blocks; see item 0."""
+    per_step = STEP_REQUESTS * blocks_per_job
+    kv = torch.zeros((2 * per_step, SMALL_BLOCK // 2), dtype=torch.float16)
+    kv[:per_step].view(torch.int16).random_()
+    stores: list[int] = []
+    loads: list[int] = []
+    jobs = 0
+    async with TieringEngine(kv, (HOT_STEPS + 1) * per_step) as engine:
+        if freeze:
+            gc.freeze()
+        n = 0
+        start = 0.0
+        for step in range(HOT_STEPS + 1):  # step 0 warms up, untimed
+            if step == 1:
+                stores.clear()
+                loads.clear()
+                start = time.perf_counter()
+            pending = []
+            for r in range(STEP_REQUESTS):
+                hashes = [key(n + b) for b in range(blocks_per_job)]
+                n += blocks_per_job
+                ids = list(range(r * blocks_per_job, (r + 1) * blocks_per_job))
+                t0 = time.perf_counter_ns()
+                job = engine.store(hashes, ids)
+                stores.append(time.perf_counter_ns() - t0)
+                pending.append((job, hashes))
+            for job, _ in pending:
+                if not (await job).success:
+                    raise SystemExit("hot path: a store failed")
+            loaded = []
+            for r, (_, hashes) in enumerate(pending):
+                ids = list(
+                    range(per_step + r * blocks_per_job, per_step + (r + 1) * blocks_per_job)
+                )
+                t0 = time.perf_counter_ns()
+                hit = engine.lookup(hashes)
+                job = engine.load(hashes[:hit], ids[:hit])
+                loads.append(time.perf_counter_ns() - t0)
+                loaded.append(job)
+            for job in loaded:
+                if not (await job).success:
+                    raise SystemExit("hot path: a load failed")
+            jobs += 2 * STEP_REQUESTS
+        seconds = time.perf_counter() - start
+        if not torch.equal(kv[:per_step].view(torch.int16), kv[per_step:].view(torch.int16)):
+            raise SystemExit("hot path: loads did not bring back the stored bytes")
+    if freeze:
+        gc.unfreeze()
+    jobs -= 2 * STEP_REQUESTS  # the warm-up step
+    calls = stores + loads
+    return {
+        "call_us_p50": _quantile_us(calls, 0.5),
+        "call_us_p99": _quantile_us(calls, 0.99),
+        "store_call_us_p50": _quantile_us(stores, 0.5),
+        "store_call_us_p99": _quantile_us(stores, 0.99),
+        "load_call_us_p50": _quantile_us(loads, 0.5),
+        "load_call_us_p99": _quantile_us(loads, 0.99),
+        "jobs_per_s": round(jobs / seconds),
+    }
+
+
+async def hot_path_figures(progress: Progress) -> dict[str, float]:
+    """Item 0: alternating default-GC and frozen runs, medians; then 16 blocks a call."""
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for i in range(6):
+        progress.update(f"hot path run {i + 1}/8", force=True)
+        runs[i % 2 == 1].append(await hot_path_run(1, freeze=i % 2 == 1))
+    wide = []
+    for i in range(2):
+        progress.update(f"hot path run {7 + i}/8 (16 blocks a call)", force=True)
+        wide.append(await hot_path_run(16, freeze=True))
+
+    def median(rows: list[dict[str, float]], name: str) -> float:
+        return round(statistics.median(row[name] for row in rows), 2)
+
+    names = list(runs[True][0])
+    figures = {name: median(runs[True], name) for name in names}
+    figures.update({f"{name}_gc_default": median(runs[False], name) for name in names})
+    figures.update(
+        {
+            "call_us_p50_16": median(wide, "call_us_p50"),
+            "call_us_p99_16": median(wide, "call_us_p99"),
+            "jobs_per_s_16": median(wide, "jobs_per_s"),
+        }
+    )
+    return figures
 
 
 def pinned_copy_speed(total_bytes: int) -> tuple[float, float]:
@@ -222,6 +334,17 @@ async def device_copy_run(total_bytes: int, progress: Progress) -> dict[str, obj
 
 async def main_async(args: argparse.Namespace, progress: Progress) -> dict[str, object]:
     figures: dict[str, object] = {"loop": args.loop, "block_bytes": BLOCK}
+    hot_path = await hot_path_figures(progress)
+    progress.clear()
+    print(
+        f"hot path, 1 x 4 KiB block a call: p50 {hot_path['call_us_p50']} us, p99 "
+        f"{hot_path['call_us_p99']} us, {hot_path['jobs_per_s']} jobs/s (gc frozen); "
+        f"p50 {hot_path['call_us_p50_gc_default']} us, p99 "
+        f"{hot_path['call_us_p99_gc_default']} us, {hot_path['jobs_per_s_gc_default']} "
+        f"jobs/s (gc as it is); 16 blocks a call: p50 {hot_path['call_us_p50_16']} us, "
+        f"p99 {hot_path['call_us_p99_16']} us"
+    )
+    figures.update(hot_path)
     lag = await loop_lag_run(int(args.gib * (1 << 30)), progress)
     progress.clear()
     print(

@@ -117,7 +117,7 @@ async def run(device: torch.device, nvme_dir: Path | None) -> bool:
         for event in engine.take_events():
             verb = "evicted from" if event.removed else "stored in"
             print(f"event: {len(event.block_hashes)} blocks {verb} {event.medium}")
-        print(f"engine counters: {engine.stats}")
+        print(f"engine: {engine.statistics()!r}")
     return all_ok
 
 

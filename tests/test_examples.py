@@ -201,6 +201,17 @@ def test_bench_manager_reads_a_valid_trace(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("with_nvme", [False, True])
+def test_the_main_example_round_trips_every_byte(with_nvme: bool, tmp_path: Path) -> None:
+    """The README's first command: the driver runs to the end and checks the bytes."""
+    args = ["--nvme", str(tmp_path)] if with_nvme else []
+    done = _run(str(EXAMPLES / "driver.py"), *args)
+    assert done.returncode == 0, done.stderr
+    assert "all bytes round-tripped exactly" in done.stdout
+    if with_nvme:
+        assert "stored in NVME" in done.stdout
+
+
 def test_driver_rejects_an_unusable_nvme_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
