@@ -49,17 +49,15 @@ from tiering.job_core import (
 )
 from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
+from tiering.tier_client import TierOutcome
 
 KEYS = [bytes([i]) * 4 for i in range(5)]
 DEVICE_BLOCKS = 12
 GARBAGE = b"garbage"
 
 
-class Outcome:
-    """A tier job's outcome as the core reads it (``failed``: key -> reason)."""
-
-    def __init__(self, failed: dict[bytes, str]) -> None:
-        self.failed = failed
+def outcome(keys: list[bytes], failed: dict[bytes, str]) -> TierOutcome:
+    return TierOutcome(tuple(k for k in keys if k not in failed), failed)
 
 
 class ModelTier:
@@ -311,7 +309,7 @@ class JobCoreMachine(RuleBasedStateMachine):
             cut = len(keys) // 2 if fault in ("partial", "corrupt") else len(keys)
             failed = tier.store(keys[:cut], tags[:cut])
             failed.update(dict.fromkeys(keys[cut:], "injected store failure"))
-            self.apply(self.core.tier_done(op, Outcome(failed)))
+            self.apply(self.core.tier_done(op, outcome(keys, failed)))
         elif isinstance(effect, TierLoad):
             tier = self.tiers[effect.tier]
             failed: dict[bytes, str] = {}
@@ -327,7 +325,7 @@ class JobCoreMachine(RuleBasedStateMachine):
                     self.slots[s] = tier.data[key]
                 else:
                     failed[key] = "not in the tier"
-            self.apply(self.core.tier_done(op, Outcome(failed)))
+            self.apply(self.core.tier_done(op, outcome(effect.keys, failed)))
 
     # ------------------------------------------------------------ invariants
 

@@ -44,6 +44,7 @@ from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.secondary import JobResult
 from tiering.statistics import FailureLog
+from tiering.tier_client import TierOutcome
 from tiering.validation import device_id_list, hash_list
 
 logger = logging.getLogger(__name__)
@@ -168,13 +169,6 @@ class TierView(Protocol):
     def release(self, keys: Sequence[BlockHash]) -> None: ...
 
 
-class TierOutcomeLike(Protocol):
-    """A tier job's outcome: ``failed`` maps each key that did not land to a reason."""
-
-    @property
-    def failed(self) -> Mapping[BlockHash, str]: ...
-
-
 # ------------------------------------------------------------------ internal state
 
 
@@ -235,7 +229,7 @@ class _Job:
         # Containers are made when first needed: most jobs never fail, promote or join.
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
         self.fills: list[_Fill] | tuple[()] = ()  # fills this job owns
-        self.slots: list[int] = []  # a store: the slots of its fills
+        self.slots: list[int] | tuple[()] = ()  # a store: the slots of its fills
         # stores
         self.copied = False  # its own device -> CPU copy has ended (or there was none)
         self.cascade_pending = 0
@@ -436,12 +430,12 @@ class JobCore:
     def _store_copied(self, job: _Job, error: object) -> None:
         job.copied = True
         if error is None:
-            self._end_fills(job.fills, None)
+            self._end_fills(job, job.fills, None)
             self.counters["bytes_to_host"] += len(job.fills) * self.block_bytes
             self.counters["stored_blocks"] += len(job.fills)
         else:
             reason = f"device to CPU copy failed: {error}"
-            self._end_fills(job.fills, reason)
+            self._end_fills(job, job.fills, reason)
             self.failures.record("device to CPU copy failed", 1, str(error))
             for fill in job.fills:
                 job.fail(fill.key, reason)
@@ -547,8 +541,8 @@ class JobCore:
             slot_of[h] = slot
             fills.append(fill)
             promotions.setdefault(found[h], []).append(fill)
-        for t, fills in job.promotions.items():
-            self.tiers[t].hold([f.key for f in fills])
+        for t, promoted in promotions.items():
+            self.tiers[t].hold([f.key for f in promoted])
         self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
         return True
 
@@ -588,10 +582,10 @@ class JobCore:
                 f"{self.tiers[t].name} tier load failed", len(failed), next(iter(failed.values()))
             )
         self.counters["promoted_blocks"] += len(keys) - len(failed)
-        self._end_fills([f for f in fills if f.key not in failed], None)
+        self._end_fills(job, [f for f in fills if f.key not in failed], None)
         for f in fills:
             if f.key in failed:
-                self._end_fills([f], failed[f.key])
+                self._end_fills(job, [f], failed[f.key])
 
     def _copy_out(self, job: _Job) -> None:
         """Once no fill is awaited: copy every block that is there to the device."""
@@ -633,12 +627,17 @@ class JobCore:
         self._fills[key] = fill
         return fill
 
-    def _end_fills(self, fills: list[_Fill], failure: str | None) -> None:
-        """The owner's I/O into these slots ended: publish (``failure`` None) or drop
-        them, and in the same step pin each landed block for every load waiting on it."""
+    def _end_fills(self, owner: _Job, fills: list[_Fill], failure: str | None) -> None:
+        """``owner``'s I/O into these slots ended: publish (``failure`` None) or drop
+        them, and in the same step pin each landed block for every load waiting on it.
+
+        Only the job that reserved a fill may end it, and only once: a later fill of the
+        same hash (after this one failed) is another object and is left alone.
+        """
         fills = [f for f in fills if self._fills.get(f.key) is f]
         if not fills:
             return
+        assert all(f.owner == owner.id for f in fills), "a fill ended by a job that does not own it"
         for fill in fills:
             del self._fills[fill.key]
         manager = self.manager
@@ -837,7 +836,7 @@ class JobCore:
         self._end_op(op, error)
         return self._take()
 
-    def tier_done(self, op: int, outcome: TierOutcomeLike | None) -> list[Effect]:
+    def tier_done(self, op: int, outcome: TierOutcome | None) -> list[Effect]:
         """A tier effect ended. ``outcome.failed`` names the keys that did not land
         (with reasons); ``None`` means none landed.
 
@@ -986,7 +985,8 @@ def _failed_keys(outcome: object, keys: list[BlockHash], closed: str) -> dict[Bl
     """The keys of a tier job that did not land, with reasons; all of them for ``None``."""
     if outcome is None:
         return dict.fromkeys(keys, closed)
-    failed: Mapping[BlockHash, str] = outcome.failed  # type: ignore[attr-defined]
+    assert isinstance(outcome, TierOutcome)
+    failed = outcome.failed
     if not failed:
         return {}
     return {k: failed[k] for k in keys if k in failed}
@@ -1005,7 +1005,6 @@ __all__ = [
     "JobCore",
     "Resolve",
     "TierLoad",
-    "TierOutcomeLike",
     "TierStore",
     "TierView",
     "WaitForRoom",
