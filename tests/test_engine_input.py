@@ -218,3 +218,16 @@ async def test_a_failed_start_leaves_no_task_behind(tmp_path: Path) -> None:
     for _ in range(20):
         await asyncio.sleep(0)
     assert {t for t in asyncio.all_tasks() if t not in before and not t.done()} == set()
+
+
+async def test_results_nobody_drains_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiering.engine
+
+    monkeypatch.setattr(tiering.engine, "FINISHED_KEPT", 8)
+    async with TieringEngine(make_kv(), 32) as engine:
+        jobs = [engine.store([h(i)], [i]) for i in range(20)]
+        for job in jobs:
+            assert (await job).success  # awaiting is how this caller gets its results
+        finished = engine.get_finished()
+        assert [r.job_id for r in finished] == [job.job_id for job in jobs[-8:]]
+        assert engine.get_finished() == []

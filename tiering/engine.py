@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
@@ -49,6 +50,9 @@ from tiering.validation import check_host_memory, hash_list, positive_int, secon
 logger = logging.getLogger(__name__)
 
 WritePolicy = Literal["write_through", "write_back"]
+
+FINISHED_KEPT = 1 << 16
+"""The most results :meth:`TieringEngine.get_finished` keeps waiting for the caller."""
 
 
 class TieringEngine:
@@ -133,7 +137,9 @@ class TieringEngine:
         self._jobs: dict[int, Job] = {}  # jobs without their cascaded answer yet
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
-        self._finished: list[JobResult] = []
+        # Bounded: a caller that only awaits its jobs never drains it.
+        self._finished: deque[JobResult] = deque(maxlen=FINISHED_KEPT)
+        self._finished_dropped = 0
         self._drained: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
         self._run_effect: dict[type, Callable[[Any], None]] = {
@@ -360,8 +366,14 @@ class TieringEngine:
         return events
 
     def get_finished(self) -> list[JobResult]:
-        """Results of the engine jobs that finished since the last call; never blocks."""
-        finished, self._finished = self._finished, []
+        """Results of the engine jobs that finished since the last call; never blocks.
+
+        For callers that poll once per step. At most ``FINISHED_KEPT`` results wait here
+        (a caller that only awaits its jobs never drains them): beyond that the oldest
+        are dropped, with one warning.
+        """
+        finished = list(self._finished)
+        self._finished.clear()
         return finished
 
     # ---------------------------------------------------------------- the calls
@@ -464,6 +476,14 @@ class TieringEngine:
     def _resolve_job(self, job: Job, result: JobResult) -> None:
         if not job._result.done():
             job._result.set_result(result)
+            if len(self._finished) == FINISHED_KEPT:
+                self._finished_dropped += 1
+                if self._finished_dropped == 1:
+                    logger.warning(
+                        "engine: %d job results wait in get_finished(); dropping the oldest "
+                        "(await the jobs, or drain get_finished() every step)",
+                        FINISHED_KEPT,
+                    )
             self._finished.append(result)
 
     def _cascaded(self, effect: Cascaded) -> None:
