@@ -41,10 +41,11 @@ from tiering.job_core import (
 from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import EvictionPolicy
-from tiering.registry import TierSpec, make_tier
+from tiering.registry import TierSpec
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
 from tiering.tier_client import TierClient, TierOutcome
+from tiering.tier_stack import TierStack
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds, tier_specs
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,6 @@ class TieringEngine:
         self._tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
         self._room_timeout = seconds("room_timeout", room_timeout, allow_zero=True)
         self._close_timeout = seconds("close_timeout", close_timeout, allow_zero=True)
-        self._tier_specs = tier_specs(secondary_tiers)
         self.block_size = positive_int("block_size", block_size)
         self.namespace = cache_namespace(cache_identity, kv_caches, block_size)
         self.manager = CPUOffloadingManager(
@@ -126,11 +126,17 @@ class TieringEngine:
         )
         self.write_policy: WritePolicy = write_policy
         self.enable_events = enable_events
-        self._kv_caches = kv_caches
         self._state = Lifecycle.NEW
+        self._stack = TierStack(
+            kv_caches,
+            num_cpu_blocks,
+            self.block_bytes,
+            tier_specs(secondary_tiers),
+            namespace=self.namespace,
+            tier_timeout=self._tier_timeout,
+        )
         self.tiers: list[SecondaryTierManager] = []
         self._clients: list[TierClient] = []
-        self._pool: HostPool | None = None
         self._copier: DeviceCopier | None = None
         self._core: JobCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,33 +177,14 @@ class TieringEngine:
         self._closed = asyncio.Event()
         self._state = Lifecycle.CLOSING  # until open: a failure below leaves it closed
         try:
-            await self._open()
+            await self._stack.open()
         except BaseException:
             self._release_now()
             raise
-        self._state = Lifecycle.OPEN
-        return self
-
-    async def _open(self) -> None:
-        n = self.manager.num_blocks
-        try:
-            # Off the loop: page-locking a pool of many GiB takes seconds.
-            self._pool = await asyncio.to_thread(HostPool, n, self.block_bytes)
-        except (MemoryError, OSError) as exc:
-            raise TieringError(
-                f"cannot allocate the host pool for num_cpu_blocks={n} "
-                f"({n * self.block_bytes} bytes): {exc!r}"
-            ) from exc
-        self._copier = DeviceCopier(self._kv_caches, self._pool)
-        await self._copier.__aenter__()
-        for spec in self._tier_specs:
-            tier = make_tier(
-                spec, self._pool.view, self.block_bytes, defaults={"namespace": self.namespace}
-            )
-            client = TierClient(tier, timeout=self._tier_timeout)
-            self.tiers.append(tier)
-            self._clients.append(client)
-            await client.start()
+        assert self._stack.copier is not None
+        self._copier = self._stack.copier
+        self._clients = self._stack.clients
+        self.tiers = self._stack.tiers
         self._core = JobCore(
             self.manager,
             self._clients,
@@ -207,6 +194,8 @@ class TieringEngine:
             room_timeout=self._room_timeout,
             enable_events=self.enable_events,
         )
+        self._state = Lifecycle.OPEN
+        return self
 
     async def __aexit__(
         self,
@@ -229,11 +218,10 @@ class TieringEngine:
             if self._closed is not None:
                 await self._closed.wait()
             return
-        assert self._drained is not None and self._loop is not None
+        assert self._core is not None and self._drained is not None and self._loop
         self._state = Lifecycle.CLOSING
         deadline = self._loop.time() + self._close_timeout
         try:
-            assert self._core is not None  # open means fully opened
             self._execute(self._core.begin_close())
             try:
                 async with asyncio.timeout_at(deadline):
@@ -244,14 +232,9 @@ class TieringEngine:
                     self._close_timeout,
                 )
                 self._execute(self._core.hard_close())
-            for client in self._clients:
-                await client.aclose(max(0.0, deadline - self._loop.time()))
-            if self._copier is not None:
-                await self._copier.__aexit__(None, None, None)
-        except BaseException:
+            await self._stack.aclose(deadline)
+        finally:
             self._release_now()
-            raise
-        self._release_now()
 
     def close(self) -> None:
         """Hard stop, synchronous and idempotent: every unfinished job reports failure
@@ -269,26 +252,12 @@ class TieringEngine:
     def _release_now(self) -> None:
         """Stop everything without awaiting; idempotent. Pins and fills still end only
         through the completions of the I/O that holds them."""
-        self._state = Lifecycle.CLOSED if self._pool is None else Lifecycle.CLOSING
         if self._core is not None:
-            self._execute(self._core.hard_close())
+            self._execute(self._core.hard_close())  # every job and flush answered
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
-        for client in self._clients:
-            client.shutdown()
-        if self._copier is not None:
-            self._copier.close()  # blocks until copies in flight have ended
-        for job in list(self._jobs.values()):  # only if the core never started
-            self._resolve_job(job, JobResult(job.job_id, False, (), "the engine closed"))
-            job._set_cascaded(False)
-        self._jobs.clear()
-        for future in self._flushes.values():
-            if not future.done():
-                future.set_result(False)
-        self._flushes.clear()
-        if self._pool is not None:
-            self._pool.close()
+        self._stack.close()
         self._state = Lifecycle.CLOSED
         if self._closed is not None:
             self._closed.set()
@@ -305,9 +274,9 @@ class TieringEngine:
         Raises:
             ClosedError: the engine is not open.
         """
-        if self._state is not Lifecycle.OPEN or self._pool is None:
+        if self._state is not Lifecycle.OPEN or self._stack.pool is None:
             raise ClosedError(f"the engine is {self._state}; its host pool is not available")
-        return self._pool
+        return self._stack.pool
 
     def statistics(self) -> Statistics:
         """A snapshot of the CPU tier and the jobs.
@@ -465,26 +434,22 @@ class TieringEngine:
     def _resolve(self, effect: Resolve) -> None:
         job = self._jobs.get(effect.job)
         if job is not None:
-            self._resolve_job(job, effect.result)
+            job._result.set_result(effect.result)
             if job.kind == "load":
                 job._set_cascaded(True)
                 del self._jobs[effect.job]
         timer = self._timers.pop(effect.job, None)
         if timer is not None:
             timer.cancel()
-
-    def _resolve_job(self, job: Job, result: JobResult) -> None:
-        if not job._result.done():
-            job._result.set_result(result)
-            if len(self._finished) == FINISHED_KEPT:
-                self._finished_dropped += 1
-                if self._finished_dropped == 1:
-                    logger.warning(
-                        "engine: %d job results wait in get_finished(); dropping the oldest "
-                        "(await the jobs, or drain get_finished() every step)",
-                        FINISHED_KEPT,
-                    )
-            self._finished.append(result)
+        if len(self._finished) == FINISHED_KEPT:
+            self._finished_dropped += 1
+            if self._finished_dropped == 1:
+                logger.warning(
+                    "engine: %d job results wait in get_finished(); dropping the oldest "
+                    "(await the jobs, or drain get_finished() every step)",
+                    FINISHED_KEPT,
+                )
+        self._finished.append(effect.result)
 
     def _cascaded(self, effect: Cascaded) -> None:
         job = self._jobs.pop(effect.job, None)

@@ -1,0 +1,102 @@
+"""The resources under an engine: the CPU tier's memory, the device gateway, the tiers.
+
+:class:`TierStack` opens the host pool, the :class:`~tiering.device.DeviceCopier` and
+one :class:`~tiering.tier_client.TierClient` per secondary tier together, and closes
+them in the one order that is safe: the tiers first (they read and write host-pool
+slots), then the copier (its copies touch slots and device blocks), then the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from tiering.device import DeviceCopier, KVCaches
+from tiering.errors import TieringError
+from tiering.host_pool import HostPool
+from tiering.registry import TierSpec, make_tier
+from tiering.secondary import SecondaryTierManager
+from tiering.tier_client import TierClient
+
+
+class TierStack:
+    """Host pool, copier and tier clients of one engine, with one lifetime.
+
+    Nothing is allocated until :meth:`open`. ``tiers`` and ``clients`` are in the
+    order of ``specs`` (fastest first); persistent tiers that take a ``namespace``
+    receive ``namespace`` unless their spec sets one.
+    """
+
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        num_blocks: int,
+        block_bytes: int,
+        specs: Sequence[TierSpec],
+        *,
+        namespace: str,
+        tier_timeout: float,
+    ) -> None:
+        self._kv_caches = kv_caches
+        self._num_blocks = num_blocks
+        self._block_bytes = block_bytes
+        self._specs = list(specs)
+        self._namespace = namespace
+        self._tier_timeout = tier_timeout
+        self.pool: HostPool | None = None
+        self.copier: DeviceCopier | None = None
+        self.tiers: list[SecondaryTierManager] = []
+        self.clients: list[TierClient] = []
+
+    async def open(self) -> None:
+        """Allocate the pool, open the copier, build and start every tier.
+
+        On failure, whatever was opened stays for :meth:`close` to release.
+
+        Raises:
+            TieringError: the host pool cannot be allocated (the message names the
+                size), or a tier cannot be built or started (its own error).
+        """
+        n, size = self._num_blocks, self._block_bytes
+        try:
+            # Off the loop: page-locking a pool of many GiB takes seconds.
+            self.pool = await asyncio.to_thread(HostPool, n, size)
+        except (MemoryError, OSError) as exc:
+            raise TieringError(
+                f"cannot allocate the host pool for num_cpu_blocks={n} ({n * size} bytes): {exc!r}"
+            ) from exc
+        self.copier = DeviceCopier(self._kv_caches, self.pool)
+        await self.copier.__aenter__()
+        defaults = {"namespace": self._namespace}
+        for spec in self._specs:
+            tier = make_tier(spec, self.pool.view, size, defaults=defaults)
+            client = TierClient(tier, timeout=self._tier_timeout)
+            self.tiers.append(tier)
+            self.clients.append(client)
+            await client.start()
+
+    async def aclose(self, deadline: float) -> None:
+        """Close in order, the tiers' outstanding jobs getting until ``deadline`` (loop
+        time) to end; every tier job and copy has reported back when this returns.
+        If cancelled, call :meth:`close` (it finishes the job)."""
+        loop = asyncio.get_running_loop()
+        for client in self.clients:
+            await client.aclose(max(0.0, deadline - loop.time()))
+        if self.copier is not None:
+            await self.copier.__aexit__(None, None, None)
+        self.close()
+
+    def close(self) -> None:
+        """Stop everything now, synchronously and idempotently: tiers shut down (their
+        jobs report failure as their I/O ends), copies in flight are waited for
+        (blocking, briefly: their memory must not go away under them), and the host pool
+        is released (its memory stays mapped while a tier thread still holds a view)."""
+        for client in self.clients:
+            client.shutdown()
+        if self.copier is not None:
+            self.copier.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+__all__ = ["TierStack"]
