@@ -54,14 +54,18 @@ class _Access:
         self.reads: set[int] = set()
         self.writes: set[int] = set()
 
-    def add(self, copy: PlannedCopy) -> None:
-        blocks = map(operator.invert, copy.device_ids)
-        if copy.direction is Direction.TO_HOST:
-            self.writes.update(copy.slots)
-            self.reads.update(blocks)
-        else:
-            self.writes.update(blocks)
-            self.reads.update(copy.slots)
+    @classmethod
+    def of(cls, copies: list[PlannedCopy]) -> _Access:
+        access = cls()
+        for copy in copies:
+            blocks = map(operator.invert, copy.device_ids)
+            if copy.direction is Direction.TO_HOST:
+                access.writes.update(copy.slots)
+                access.reads.update(blocks)
+            else:
+                access.writes.update(blocks)
+                access.reads.update(copy.slots)
+        return access
 
     def conflicts(self, other: _Access) -> bool:
         return not (
@@ -74,9 +78,17 @@ class _Access:
 @dataclass(slots=True, eq=False)
 class _Hop:
     copies: list[PlannedCopy]
-    access: _Access
     outcomes: list[CopyOutcome] | None = None  # set by the worker before it posts
     work: concurrent.futures.Future[None] | None = field(default=None)
+    _access: _Access | None = None
+
+    @property
+    def access(self) -> _Access:
+        """What the hop reads and writes; worked out only when a later hop must check
+        for conflicts (the common case, one hop at a time, never needs it)."""
+        if self._access is None:
+            self._access = _Access.of(self.copies)
+        return self._access
 
 
 class ThreadCopyBackend:
@@ -109,7 +121,6 @@ class ThreadCopyBackend:
         self._block_bytes = 0
         self._on_done: Callable[[Sequence[CopyOutcome]], None] | None = None
         self._queue: list[PlannedCopy] = []
-        self._queued = _Access()
         self._hops: set[_Hop] = set()  # dispatched; outcomes not delivered yet
         self._dispatch_soon = False  # a dispatch is scheduled for this loop iteration
 
@@ -168,7 +179,6 @@ class ThreadCopyBackend:
         GIL with the caller while it is still issuing them.
         """
         self._queue.append(copy)
-        self._queued.add(copy)
         if not self._dispatch_soon:
             self._dispatch_soon = True
             assert self._loop is not None
@@ -208,11 +218,10 @@ class ThreadCopyBackend:
     def _dispatch(self) -> None:
         if not self._queue or len(self._hops) >= self._max_workers:
             return
-        queued = self._queued
-        if any(hop.access.conflicts(queued) for hop in self._hops):
+        hop = _Hop(self._queue)
+        if any(running.access.conflicts(hop.access) for running in self._hops):
             return  # the hop it conflicts with dispatches again when it ends
-        hop = _Hop(self._queue, queued)
-        self._queue, self._queued = [], _Access()
+        self._queue = []
         self._hops.add(hop)
         assert self._on_done is not None
         try:
