@@ -1,5 +1,6 @@
 """The README cannot drift from the code: its Quick start runs as written, its set-up
-commands are the ones CI runs, and every file it or docs/ points at exists."""
+commands are the ones CI runs, every file it or docs/ points at exists, and the module
+map in docs/architecture.md names every module."""
 
 from __future__ import annotations
 
@@ -70,17 +71,41 @@ def test_relative_links_resolve() -> None:
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
-def test_module_table_names_real_files() -> None:
-    table = _section(README.read_text(), "Architecture at a glance")
-    missing = []
-    for cell in re.findall(r"^\| ([^|]+) \|", table, re.M):
-        names = re.findall(r"`([\w/.]+)`", cell)
+def _table_paths(text: str) -> list[Path]:
+    """The files and folders named in the first column of a markdown table.
+
+    A cell may name several: "`tiering/kv_layout.py`, `copy_cuda.py`" - a bare name lives
+    beside the path named before it in the same cell.
+    """
+    paths = []
+    for cell in re.findall(r"^\| ([^|]+) \|", text, re.M):
         base = ""
-        for name in names:
-            # "tiering/kv_layout.py, copy_cuda.py": bare names live beside the first path.
+        for name in re.findall(r"`([\w/.]+)`", cell):
             if "/" in name:
                 base = name.rsplit("/", 1)[0] if not name.endswith("/") else name
-            path = ROOT / (name if "/" in name else f"{base}/{name}")
-            if not path.exists():
-                missing.append(str(path.relative_to(ROOT)))
+            paths.append(ROOT / (name if "/" in name else f"{base}/{name}"))
+    return paths
+
+
+def test_module_table_names_real_files() -> None:
+    table = _section(README.read_text(), "Architecture at a glance")
+    paths = _table_paths(table)
+    assert len(paths) > 10, "the README's module table was not found"
+    missing = [str(p.relative_to(ROOT)) for p in paths if not p.exists()]
     assert not missing, f"the README's module table names missing files: {missing}"
+
+
+def test_architecture_module_table_is_complete() -> None:
+    table = _section((ROOT / "docs" / "architecture.md").read_text(), "Modules")
+    named = set(_table_paths(table))
+    missing = sorted(str(p.relative_to(ROOT)) for p in named if not p.exists())
+    assert not missing, f"docs/architecture.md names missing files: {missing}"
+    modules = [
+        p
+        for package in ("tiering", "backends")
+        for p in sorted((ROOT / package).glob("*.py"))
+        if p.name != "__init__.py"
+    ]
+    unnamed = [str(p.relative_to(ROOT)) for p in modules if p not in named]
+    assert not unnamed, f"docs/architecture.md's module table lacks {unnamed}"
+    assert ROOT / "tiering" / "policies" in named, "docs/architecture.md lacks tiering/policies/"
