@@ -377,15 +377,19 @@ async def test_the_seed_example_tier_works_through_the_polling_path() -> None:
 # ------------------------------------------------------------ with the NVMe tier
 
 
-async def test_a_restarted_engine_finds_its_nvme_blocks(tmp_path) -> None:
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+async def test_a_restarted_engine_finds_its_nvme_blocks(write_policy: str, tmp_path) -> None:
+    """Write-through cascades at store time; write-back's graceful close flushes."""
     kv = make_kv(11)
     expected = rows(kv, [3, 4])
-    spec = nvme_spec(tmp_path)
-    async with TieringEngine(kv, 4, secondary_tiers=[spec], cache_identity="model-a") as engine:
+    options = {"secondary_tiers": [nvme_spec(tmp_path)], "cache_identity": "model-a"}
+    async with TieringEngine(kv, 4, write_policy=write_policy, **options) as engine:
         job = engine.store([h(1), h(2)], [3, 4])
         assert (await job).success and await job.cascaded
+        if write_policy == "write_back":
+            assert engine.tiers[0].lookup(h(1)) is not True  # not cascaded yet
     wipe(kv, [3, 4])
-    async with TieringEngine(kv, 4, secondary_tiers=[spec], cache_identity="model-a") as engine:
+    async with TieringEngine(kv, 4, **options) as engine:
         assert engine.lookup([h(1), h(2)]) == 2
         assert (await engine.load([h(1), h(2)], [8, 9])).success
         assert_rows(kv, [8, 9], expected)
@@ -495,21 +499,6 @@ async def test_random_concurrent_jobs_never_serve_wrong_bytes(write_policy: str,
         await settle(engine)
         landed = engine.statistics().counters["bytes_to_device"]
         assert landed > 0, "no load landed: the test checked nothing"
-
-
-async def test_write_back_close_flushes_cpu_blocks_to_nvme(tmp_path) -> None:
-    kv = make_kv(17)
-    expected = rows(kv, [1, 2])
-    spec = nvme_spec(tmp_path)
-    async with TieringEngine(kv, 4, secondary_tiers=[spec], write_policy="write_back") as engine:
-        job = engine.store([h(1), h(2)], [1, 2])
-        assert (await job).success
-        assert engine.tiers[0].lookup(h(1)) is not True  # write-back: not cascaded yet
-    wipe(kv, [1, 2])
-    async with TieringEngine(kv, 4, secondary_tiers=[spec]) as engine:
-        assert engine.lookup([h(1), h(2)]) == 2
-        assert (await engine.load([h(1), h(2)], [5, 6])).success
-        assert_rows(kv, [5, 6], expected)
 
 
 async def test_flush_copies_what_a_tier_lacks() -> None:
