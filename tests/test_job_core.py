@@ -294,3 +294,18 @@ def test_a_load_of_a_block_no_tier_holds_raises_and_changes_nothing() -> None:
     with pytest.raises(BlockNotFoundError):
         c.load([h(1), h(9)], [4, 5])
     assert c.manager.num_pinned == 0 and c.jobs_in_flight == 0
+
+
+def test_a_store_keeps_its_copied_block_while_it_waits_for_a_joined_fill() -> None:
+    tier = Tier()
+    c = core(blocks=2, tiers=(tier,))
+    _, (copy_a,) = c.store([h(1)], [0])
+    job_b, (copy_b,) = c.store([h(1), h(2)], [1, 2])  # joins h1's fill, copies h2
+    c.copy_done(copy_b.op)  # h2 is ready; B still waits for h1
+    waiting, effects = c.store([h(0)], [3])
+    assert effects == [WaitForRoom(waiting, 5.0)], "h2 must not be evicted before B cascades"
+    effects = c.copy_done(copy_a.op)
+    cascades = of(TierStore, effects)
+    assert any(h(2) in e.keys for e in cascades)
+    answers = finish_tier_stores(c, [tier], cascades)
+    assert Cascaded(job_b, True) in answers and h(2) in tier.keys

@@ -237,7 +237,9 @@ class _Job:
         self.cascade_answered = False
         # loads
         self.slot_of: dict[BlockHash, int] = _NO_SLOTS  # a load: where each block sits
-        self.pinned: list[BlockHash] | tuple[()] = ()  # one CPU pin each, owned by this job
+        # One CPU pin each, owned by this job: a load's until its copy to the device
+        # ends; a cascading store's until its cascade has pinned the blocks per tier.
+        self.pinned: list[BlockHash] | tuple[()] = ()
         self.awaiting = 0  # fills this job waits for
         self.promotions: Mapping[int, list[_Fill]] = _NO_PROMOTIONS  # tier -> its fills
         self.copy_started = False
@@ -431,6 +433,8 @@ class JobCore:
         job.copied = True
         if error is None:
             self._end_fills(job, job.fills, None)
+            if self._cascading():  # keep them until the cascade has pinned them itself
+                self._hold_for_cascade(job, [f.key for f in job.fills])
             self.counters["bytes_to_host"] += len(job.fills) * self.block_bytes
             self.counters["stored_blocks"] += len(job.fills)
         else:
@@ -447,9 +451,28 @@ class JobCore:
             return
         self._resolve(job)
         if job.failed:
+            self._release_held(job)
             self._answer_cascaded(job, False)
         else:
             self._cascade(job)
+
+    def _cascading(self) -> bool:
+        return not self.write_back and bool(self.tiers) and self.state is not Lifecycle.CLOSED
+
+    def _hold_for_cascade(self, job: _Job, keys: list[BlockHash]) -> None:
+        """Pin a store's blocks in the step they become ready: a block must not leave
+        the CPU tier before the job's cascade (planned once all of them are ready) has
+        it, even while the job still waits for a fill another job owns."""
+        self.manager.prepare_load(keys)
+        if job.pinned:
+            job.pinned.extend(keys)  # type: ignore[union-attr]
+        else:
+            job.pinned = keys
+
+    def _release_held(self, job: _Job) -> None:
+        if job.pinned:
+            self.manager.complete_load(job.pinned)
+            job.pinned = ()
 
     def _cascade(self, job: _Job) -> None:
         """Write-through: pin the new blocks once per tier that lacks them, and store."""
@@ -457,6 +480,7 @@ class JobCore:
             self._answer_cascaded(job, True)  # nothing to cascade at store time
             return
         if self.state is Lifecycle.CLOSED:
+            self._release_held(job)
             self._answer_cascaded(job, False)
             return
         for t in range(len(self.tiers)):
@@ -464,6 +488,7 @@ class JobCore:
             if items:
                 job.cascade_pending += 1
                 self._tier_store(job, t, items, "cascaded_blocks", self._cascade_part_done)
+        self._release_held(job)  # each tier job holds its own pins now
         if job.cascade_pending == 0:
             self._answer_cascaded(job, True)
 
@@ -647,12 +672,10 @@ class JobCore:
             for waiter in fill.waiters:
                 waiter.awaiting -= 1
                 if failure is None:
-                    if waiter.is_load:  # its pin, in the step that makes the block ready
-                        manager.prepare_load((fill.key,))
-                        if waiter.pinned:
-                            waiter.pinned.append(fill.key)  # type: ignore[union-attr]
-                        else:
-                            waiter.pinned = [fill.key]
+                    # A load's pin (or a cascading store's hold), in the step that makes
+                    # the block ready, so no eviction slips in between.
+                    if waiter.is_load or self._cascading():
+                        self._hold_for_cascade(waiter, [fill.key])
                 else:
                     waiter.fail(fill.key, failure)
                 if not waiter.awaiting:
@@ -921,6 +944,7 @@ class JobCore:
                 job.fail(h, reason)
             self._resolve(job)
         if not job.is_load:
+            self._release_held(job)  # a store's holds guard no I/O: they may go now
             self._answer_cascaded(job, False)
 
     def _wait_for_room(self, job: _Job, needed: int, plan: Callable[[], bool]) -> None:
