@@ -20,9 +20,11 @@ on the event-loop thread, in the shared :class:`~tiering.residency.ResidencyInde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import Counter, deque
@@ -73,6 +75,8 @@ FREE_SPACE_MAX_AGE_S = DEFAULT_MAX_AGE_S
 """Free space measured longer ago than this is measured again before a store plans."""
 
 _MISSING = "block file is missing"
+_THREAD_START_TIMEOUT_S = 5.0
+"""How long :meth:`NVMeTier.start` waits for all its I/O threads to be up at once."""
 
 
 @dataclass(slots=True)
@@ -316,6 +320,7 @@ class NVMeTier(TierActor):
                 # Before serving: a store of one of these keys must not have its new
                 # file removed by this clean-up.
                 await self.run_blocking(self._files.remove, excess)
+            await self._start_io_threads()
             await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
@@ -333,6 +338,14 @@ class NVMeTier(TierActor):
         # Here rather than in shutdown(): called from another thread, shutdown() only
         # schedules the stop, and the lock must outlive the writes still running.
         self._release_owner()
+
+    async def _start_io_threads(self) -> None:
+        # A pool starts its threads lazily, one per call while none is idle: in the
+        # first jobs the loop would wait for each thread's start handshake and compete
+        # with its initializer for the GIL. Calls that wait for each other make the pool
+        # start every thread now, before any job is served.
+        meeting = threading.Barrier(self.io_threads)
+        await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
     async def _prepare_directories(self) -> None:
         await aiofiles.os.makedirs(os.path.join(self.directory, OWNERS_DIR), exist_ok=True)
@@ -543,11 +556,14 @@ class NVMeTier(TierActor):
                 if room.victims:
                     self.metrics.evicted_blocks += len(room.victims)
                     self._space.freed()
-                admitted = list(wanted.items())[:granted]
-                for key, _ in admitted:
-                    self._trash.pop(key, None)  # the rename below replaces the old file
-                removals = room.victims + list(self._trash)
-                self._trash.clear()
+                admitted = list(wanted.items())
+                del admitted[granted:]
+                trash = self._trash
+                if trash:
+                    for key, _ in admitted:
+                        trash.pop(key, None)  # the rename below replaces the old file
+                removals = [*room.victims, *trash]
+                trash.clear()
                 for key in removals:
                     self._busy[key] = done
                 index.pin(removals)
@@ -620,7 +636,7 @@ class NVMeTier(TierActor):
             busy = self._busy
             if not busy:
                 return wanted
-            events = {busy[key] for key in wanted if key in busy}
+            events = {busy[key] for key in busy.keys() & wanted.keys()}
             if not events:
                 return wanted
             for event in events:
@@ -634,13 +650,13 @@ class NVMeTier(TierActor):
         self, report: StoreReport, generation: int, failed: dict[OffloadKey, str], granted: int
     ) -> int:
         """Record a store hop's outcome; returns the reserved units still to give back."""
-        index = self._index
-        for key in report.stored:
-            if generation != self._generation:
-                self._trash[key] = None  # cleared while it was being written
-            else:
-                index.insert(key, reserved=True)
-                granted -= 1
+        if generation != self._generation:
+            self._trash.update(dict.fromkeys(report.stored))  # cleared while being written
+        else:
+            insert = self._index.insert
+            for key in report.stored:
+                insert(key, reserved=True)
+            granted -= len(report.stored)
         if report.failed:
             failed.update(report.failed)
             cause = "disk full" if report.disk_full else "write error"
@@ -687,6 +703,12 @@ class NVMeTier(TierActor):
                 self._failure_log.record("read error", 1, reason)
             if generation == self._generation and index.remove(key):
                 self._space.freed()
+
+
+def _meet(meeting: threading.Barrier) -> None:
+    # A broken or timed-out meeting only means some thread starts later, in a job.
+    with contextlib.suppress(threading.BrokenBarrierError):
+        meeting.wait(_THREAD_START_TIMEOUT_S)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -946,6 +946,19 @@ async def test_each_job_is_one_executor_hop(pool: memoryview, tmp_path: Path) ->
         assert tier.hops - before == 2
 
 
+async def test_start_brings_up_every_io_thread_before_serving(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    # Started lazily, a thread would start inside a job: the loop waits for its start
+    # handshake and shares the GIL with its initializer in the middle of the data path.
+    async with _tier(pool, tmp_path, io_threads=3) as tier:
+        started = set(tier._executor._threads)  # type: ignore[attr-defined]
+        assert len(started) == 3
+        keys = _keys(8)
+        assert (await _store(tier, keys, range(8))).success
+        assert set(tier._executor._threads) == started  # type: ignore[attr-defined]
+
+
 async def test_closed_tier_refuses_jobs(pool: memoryview, tmp_path: Path) -> None:
     tier = _tier(pool, tmp_path)
     await tier.start()
