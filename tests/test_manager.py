@@ -28,7 +28,7 @@ def stored(capacity: int, keys: list[bytes], **kwargs) -> CPUOffloadingManager:
 
 def snapshot(m: CPUOffloadingManager) -> dict:
     return {
-        "blocks": {k: m.block_state(k) for k in list(m._blocks)},
+        "blocks": {k: m.block_state(k) for k in list(m._slot_of)},
         "free": sorted(m._free_slots),
         "evictable": m.num_evictable,
         "events": list(m._events),

@@ -33,7 +33,7 @@ class _ManagerMachine(RuleBasedStateMachine):
         out = self.m.prepare_store(keys)
         new = [k for k in dict.fromkeys(keys) if k not in before_ready]
         if out is None:
-            assert set(self.m._blocks) == set(before_ready)
+            assert set(self.m._slot_of) == set(before_ready)
             evictable = [
                 k for k in before_ready if before_ready[k] and not self.refs[k] and k not in keys
             ]

@@ -172,27 +172,9 @@ class TierView(Protocol):
 # ------------------------------------------------------------------ internal state
 
 
-class _Fill:
-    """A block being written into its CPU slot by the job that reserved the slot."""
-
-    __slots__ = ("key", "owner", "slot", "waiters")
-
-    def __init__(self, key: BlockHash, slot: int, owner: int) -> None:
-        self.key = key
-        self.slot = slot
-        self.owner = owner  # the job whose I/O writes the slot; only it ends the fill
-        self.waiters: list[_Job] | tuple[()] = ()  # jobs waiting for it (a list once any)
-
-    def add_waiter(self, job: _Job) -> None:
-        if self.waiters:
-            self.waiters.append(job)  # type: ignore[union-attr]
-        else:
-            self.waiters = [job]
-
-
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_SLOTS: dict[BlockHash, int] = {}  # never written: a load makes its own
-_NO_PROMOTIONS: Mapping[int, list[_Fill]] = MappingProxyType({})
+_NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 
 
 class _Job:
@@ -228,7 +210,7 @@ class _Job:
         self.resolved = False
         # Containers are made when first needed: most jobs never fail, promote or join.
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
-        self.fills: list[_Fill] | tuple[()] = ()  # fills this job owns
+        self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
         self.slots: list[int] | tuple[()] = ()  # a store: the slots of its fills
         # stores
         self.copied = False  # its own device -> CPU copy has ended (or there was none)
@@ -241,7 +223,7 @@ class _Job:
         # ends; a cascading store's until its cascade has pinned the blocks per tier.
         self.pinned: list[BlockHash] | tuple[()] = ()
         self.awaiting = 0  # fills this job waits for
-        self.promotions: Mapping[int, list[_Fill]] = _NO_PROMOTIONS  # tier -> its fills
+        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # tier -> blocks
         self.copy_started = False
 
     def fail(self, key: BlockHash, reason: str) -> None:
@@ -320,7 +302,10 @@ class JobCore:
         self._flushes: dict[int, _Flush] = {}
         # I/O in flight: op -> (owner, blocks, on_end(owner, result))
         self._ops: dict[int, tuple[Any, int, Callable[[Any, object], None]]] = {}
-        self._fills: dict[BlockHash, _Fill] = {}
+        # Blocks being filled -> the job that owns the fill (only it may end it), and the
+        # jobs waiting for a fill (made when the first one joins).
+        self._fills: dict[BlockHash, _Job] = {}
+        self._fill_waiters: dict[BlockHash, list[_Job]] = {}
         self._tier_events: list[OffloadingEvent] = []
         self._out: list[Effect] = []
         self.blocks_in_flight = 0
@@ -408,9 +393,11 @@ class JobCore:
             fresh = set(new)
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
-                    self._fills[h].add_waiter(job)  # another job's fill: join it
-                    job.awaiting += 1
-        job.fills = [self._new_fill(h, s, job.id) for h, s in zip(new, slots, strict=True)]
+                    self._join(h, job)  # another job's fill
+        fills = self._fills
+        for h in new:
+            fills[h] = job
+        job.fills = new
         job.slots = slots
         self._jobs[job.id] = job
         if out.block_hashes_evicted and self.write_back:
@@ -434,15 +421,15 @@ class JobCore:
         if error is None:
             self._end_fills(job, job.fills, None)
             if self._cascading():  # keep them until the cascade has pinned them itself
-                self._hold_for_cascade(job, [f.key for f in job.fills])
+                self._hold_for_cascade(job, list(job.fills))
             self.counters["bytes_to_host"] += len(job.fills) * self.block_bytes
             self.counters["stored_blocks"] += len(job.fills)
         else:
             reason = f"device to CPU copy failed: {error}"
             self._end_fills(job, job.fills, reason)
             self.failures.record("device to CPU copy failed", 1, str(error))
-            for fill in job.fills:
-                job.fail(fill.key, reason)
+            for h in job.fills:
+                job.fail(h, reason)
         self._store_settled(job)
 
     def _store_settled(self, job: _Job) -> None:
@@ -548,26 +535,22 @@ class JobCore:
             if manager.is_ready(h):
                 ready.append(h)
             else:
-                self._fills[h].add_waiter(job)  # another job's fill: join it
-                job.awaiting += 1
+                self._join(h, job)  # another job's fill
         if ready:
             manager.prepare_load(ready)
             job.pinned = ready
         if out is None:
             self._promote(job)
             return True
-        fills: list[_Fill] = []
-        promotions: dict[int, list[_Fill]] = {}
-        job.fills, job.promotions = fills, promotions
+        promotions: dict[int, list[BlockHash]] = {}
+        job.fills, job.promotions = out.block_hashes_to_store, promotions
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
-            fill = self._new_fill(h, slot, job.id)
-            fill.add_waiter(job)
-            job.awaiting += 1
+            self._fills[h] = job
+            self._join(h, job)  # its own fill: it gets its pin when the block lands
             slot_of[h] = slot
-            fills.append(fill)
-            promotions.setdefault(found[h], []).append(fill)
+            promotions.setdefault(found[h], []).append(h)
         for t, promoted in promotions.items():
-            self.tiers[t].hold([f.key for f in promoted])
+            self.tiers[t].hold(promoted)
         self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
         return True
 
@@ -590,16 +573,15 @@ class JobCore:
 
     def _promote(self, job: _Job) -> None:
         """Victims written back (or none): read each promoted block from its tier."""
-        for t, fills in job.promotions.items():
+        for t, keys in job.promotions.items():
             if self.state is Lifecycle.CLOSED:
-                self._promoted(job, None, t=t, fills=fills)
+                self._promoted(job, None, t=t, keys=keys)
                 continue
-            op = self._start(job, len(fills), partial(self._promoted, t=t, fills=fills))
-            self._out.append(TierLoad(op, t, [f.key for f in fills], [f.slot for f in fills]))
+            op = self._start(job, len(keys), partial(self._promoted, t=t, keys=keys))
+            self._out.append(TierLoad(op, t, keys, [job.slot_of[k] for k in keys]))
         self._copy_out(job)
 
-    def _promoted(self, job: _Job, outcome: object, *, t: int, fills: list[_Fill]) -> None:
-        keys = [f.key for f in fills]
+    def _promoted(self, job: _Job, outcome: object, *, t: int, keys: list[BlockHash]) -> None:
         self.tiers[t].release(keys)
         failed = _failed_keys(outcome, keys, "the engine closed before the promotion")
         if failed:
@@ -607,10 +589,10 @@ class JobCore:
                 f"{self.tiers[t].name} tier load failed", len(failed), next(iter(failed.values()))
             )
         self.counters["promoted_blocks"] += len(keys) - len(failed)
-        self._end_fills(job, [f for f in fills if f.key not in failed], None)
-        for f in fills:
-            if f.key in failed:
-                self._end_fills(job, [f], failed[f.key])
+        self._end_fills(job, [k for k in keys if k not in failed], None)
+        for k in keys:
+            if k in failed:
+                self._end_fills(job, [k], failed[k])
 
     def _copy_out(self, job: _Job) -> None:
         """Once no fill is awaited: copy every block that is there to the device."""
@@ -647,37 +629,42 @@ class JobCore:
 
     # ------------------------------------------------------------------ fills
 
-    def _new_fill(self, key: BlockHash, slot: int, owner: int) -> _Fill:
-        fill = _Fill(key, slot, owner)
-        self._fills[key] = fill
-        return fill
+    def _join(self, key: BlockHash, job: _Job) -> None:
+        """``job`` waits for the fill of ``key`` (its own, or another job's)."""
+        waiters = self._fill_waiters.get(key)
+        if waiters is None:
+            self._fill_waiters[key] = [job]
+        else:
+            waiters.append(job)
+        job.awaiting += 1
 
-    def _end_fills(self, owner: _Job, fills: list[_Fill], failure: str | None) -> None:
-        """``owner``'s I/O into these slots ended: publish (``failure`` None) or drop
-        them, and in the same step pin each landed block for every load waiting on it.
+    def _end_fills(self, owner: _Job, keys: list[BlockHash], failure: str | None) -> None:
+        """``owner``'s I/O into these blocks' slots ended: publish (``failure`` None) or
+        drop them, and in the same step pin each landed block for every load waiting on
+        it (and hold it for every cascading store waiting on it).
 
-        Only the job that reserved a fill may end it, and only once: a later fill of the
-        same hash (after this one failed) is another object and is left alone.
+        Only the job that reserved a fill ends it, and only once: a later fill of the
+        same block (after this one failed) belongs to another job and is left alone.
         """
-        fills = [f for f in fills if self._fills.get(f.key) is f]
-        if not fills:
+        fills = self._fills
+        keys = [k for k in keys if fills.get(k) is owner]
+        if not keys:
             return
-        assert all(f.owner == owner.id for f in fills), "a fill ended by a job that does not own it"
-        for fill in fills:
-            del self._fills[fill.key]
+        for k in keys:
+            del fills[k]
         manager = self.manager
-        manager.complete_store([f.key for f in fills], success=failure is None)
+        manager.complete_store(keys, success=failure is None)
         woken: list[_Job] = []
-        for fill in fills:
-            for waiter in fill.waiters:
+        for k in keys:
+            for waiter in self._fill_waiters.pop(k, ()):
                 waiter.awaiting -= 1
                 if failure is None:
                     # A load's pin (or a cascading store's hold), in the step that makes
                     # the block ready, so no eviction slips in between.
                     if waiter.is_load or self._cascading():
-                        self._hold_for_cascade(waiter, [fill.key])
+                        self._hold_for_cascade(waiter, [k])
                 else:
-                    waiter.fail(fill.key, failure)
+                    waiter.fail(k, failure)
                 if not waiter.awaiting:
                     woken.append(waiter)
         for waiter in woken:

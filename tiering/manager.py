@@ -26,17 +26,6 @@ from tiering.validation import positive_int
 _MEDIUM = "CPU"
 
 
-class _Block:
-    """One resident block. ``ref`` counts readers; ``ready`` is false while stored."""
-
-    __slots__ = ("ready", "ref", "slot")
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.ref = 0
-        self.ready = False
-
-
 @dataclass(frozen=True, slots=True)
 class BlockState:
     """A snapshot of one resident block, for inspection and tests."""
@@ -72,7 +61,12 @@ class CPUOffloadingManager(OffloadingManager):
         self.block_size = positive_int("block_size", block_size)
         self.policy = make_policy(policy, num_blocks)
         self.enable_events = enable_events
-        self._blocks: dict[BlockHash, _Block] = {}
+        # A resident block is its slot; its readers and readiness live in arrays indexed
+        # by slot, so that a block costs no object of its own (none for the garbage
+        # collector to scan on a scheduler's hot path).
+        self._slot_of: dict[BlockHash, int] = {}
+        self._ref: list[int] = [0] * num_blocks
+        self._ready = bytearray(num_blocks)
         # Popping from the end hands out low slot ids first, in ascending order.
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self._num_evictable = 0
@@ -86,23 +80,24 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             InvalidArgumentError: a hash is not bytes.
         """
-        blocks = self._blocks
+        slot_of, ready = self._slot_of, self._ready
         n = 0
         for h in as_block_hashes(block_hashes):
-            block = blocks.get(h)
-            if block is None or not block.ready:
+            slot = slot_of.get(h)
+            if slot is None or not ready[slot]:
                 break
             n += 1
         return n
 
     def ready_hashes(self) -> list[BlockHash]:
         """Every ready block's hash, least recently inserted first."""
-        return [h for h, block in self._blocks.items() if block.ready]
+        ready = self._ready
+        return [h for h, slot in self._slot_of.items() if ready[slot]]
 
     def is_ready(self, block_hash: BlockHash) -> bool:
         """True if the block is resident and its store completed."""
-        block = self._blocks.get(block_hash)
-        return block is not None and block.ready
+        slot = self._slot_of.get(block_hash)
+        return slot is not None and self._ready[slot] == 1
 
     def slot_of(self, block_hash: BlockHash) -> int:
         """The slot of a resident block (ready or not).
@@ -110,23 +105,23 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             BlockNotFoundError: the block is not resident.
         """
-        block = self._blocks.get(block_hash)
-        if block is None:
+        slot = self._slot_of.get(block_hash)
+        if slot is None:
             raise BlockNotFoundError(f"block {block_hash.hex()} is not in the CPU tier")
-        return block.slot
+        return slot
 
     def block_state(self, block_hash: BlockHash) -> BlockState | None:
         """The block's slot, reader count and readiness, or None if not resident."""
-        block = self._blocks.get(block_hash)
-        if block is None:
+        slot = self._slot_of.get(block_hash)
+        if slot is None:
             return None
-        return BlockState(block.slot, block.ref, block.ready)
+        return BlockState(slot, self._ref[slot], self._ready[slot] == 1)
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._slot_of)
 
     def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._blocks
+        return block_hash in self._slot_of
 
     @property
     def num_free(self) -> int:
@@ -141,12 +136,14 @@ class CPUOffloadingManager(OffloadingManager):
     @property
     def num_pinned(self) -> int:
         """Blocks with at least one reader."""
-        return sum(1 for b in self._blocks.values() if b.ref)
+        ref = self._ref
+        return sum(1 for slot in self._slot_of.values() if ref[slot])
 
     @property
     def num_in_flight(self) -> int:
         """Blocks whose store has not completed."""
-        return sum(1 for b in self._blocks.values() if not b.ready)
+        ready = self._ready
+        return sum(1 for slot in self._slot_of.values() if not ready[slot])
 
     # ------------------------------------------------------------------- loads
 
@@ -160,18 +157,18 @@ class CPUOffloadingManager(OffloadingManager):
             BlockNotFoundError: a hash is not resident or not ready; nothing changed.
         """
         hashes = as_block_hashes(block_hashes)
-        blocks = self._blocks
+        slot_of, ref, ready = self._slot_of, self._ref, self._ready
         slots: list[int] = []
         for i, h in enumerate(hashes):
-            block = blocks.get(h)
-            if block is None or not block.ready:
+            slot = slot_of.get(h)
+            if slot is None or not ready[slot]:
                 self._release(hashes[:i])
-                state = "not stored" if block is None else "still being stored"
+                state = "not stored" if slot is None else "still being stored"
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): {state}")
-            if block.ref == 0:
+            if ref[slot] == 0:
                 self._num_evictable -= 1
-            block.ref += 1
-            slots.append(block.slot)
+            ref[slot] += 1
+            slots.append(slot)
         return CPULoadStoreSpec(slots)
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
@@ -182,30 +179,32 @@ class CPUOffloadingManager(OffloadingManager):
             NotLoadingError: a hash has no reader left (or is not resident); nothing changed.
         """
         hashes = as_block_hashes(block_hashes)
-        blocks = self._blocks
+        slot_of, ref = self._slot_of, self._ref
         for i, h in enumerate(hashes):
-            block = blocks.get(h)
-            if block is None or block.ref == 0:
+            slot = slot_of.get(h)
+            if slot is None or ref[slot] == 0:
                 self._acquire(hashes[:i])
                 raise NotLoadingError(
                     f"complete_load of block {h!r} ({h.hex()}), which has no reader"
                 )
-            block.ref -= 1
-            if block.ref == 0:
+            ref[slot] -= 1
+            if ref[slot] == 0:
                 self._num_evictable += 1
 
     def _acquire(self, hashes: Sequence[BlockHash]) -> None:
+        ref = self._ref
         for h in hashes:
-            block = self._blocks[h]
-            if block.ref == 0:
+            slot = self._slot_of[h]
+            if ref[slot] == 0:
                 self._num_evictable -= 1
-            block.ref += 1
+            ref[slot] += 1
 
     def _release(self, hashes: Sequence[BlockHash]) -> None:
+        ref = self._ref
         for h in hashes:
-            block = self._blocks[h]
-            block.ref -= 1
-            if block.ref == 0:
+            slot = self._slot_of[h]
+            ref[slot] -= 1
+            if ref[slot] == 0:
                 self._num_evictable += 1
 
     # ------------------------------------------------------------------ recency
@@ -234,25 +233,26 @@ class CPUOffloadingManager(OffloadingManager):
             InvalidArgumentError: a hash is not bytes.
         """
         hashes = as_block_hashes(block_hashes)
-        blocks = self._blocks
-        to_store = [h for h in dict.fromkeys(hashes) if h not in blocks]
+        slot_of, ref, ready = self._slot_of, self._ref, self._ready
+        unique = hashes if len(hashes) == 1 else dict.fromkeys(hashes)
+        to_store = [h for h in unique if h not in slot_of]
         shortfall = len(to_store) - len(self._free_slots)
         evicted: list[BlockHash] = []
         evicted_slots: list[int] = []
         if shortfall > 0:
-            protected = {h for h in hashes if h in blocks}
+            protected = {h for h in hashes if h in slot_of}
             protected_evictable = sum(
-                1 for h in protected if blocks[h].ready and blocks[h].ref == 0
+                1 for h in protected if ready[slot_of[h]] and ref[slot_of[h]] == 0
             )
             if self._num_evictable - protected_evictable < shortfall:
                 return None
 
             def can_evict(h: BlockHash) -> bool:
-                block = blocks[h]
-                return block.ready and block.ref == 0 and h not in protected
+                slot = slot_of[h]
+                return ready[slot] == 1 and ref[slot] == 0 and h not in protected
 
             evicted = self.policy.evict(shortfall, can_evict)
-            evicted_slots = [blocks.pop(h).slot for h in evicted]
+            evicted_slots = [slot_of.pop(h) for h in evicted]
             # Reversed so the first victim's slot is handed out first.
             self._free_slots.extend(reversed(evicted_slots))
             self._num_evictable -= len(evicted)
@@ -264,7 +264,8 @@ class CPUOffloadingManager(OffloadingManager):
         slots: list[int] = []
         for h in to_store:
             slot = free.pop()
-            blocks[h] = _Block(slot)
+            slot_of[h] = slot
+            ready[slot] = 0
             insert(h)
             slots.append(slot)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted, evicted_slots)
@@ -280,14 +281,14 @@ class CPUOffloadingManager(OffloadingManager):
             InvalidArgumentError: a hash is not bytes; nothing changed.
         """
         hashes = as_block_hashes(block_hashes)
-        blocks = self._blocks
+        slot_of, ref, ready = self._slot_of, self._ref, self._ready
         if success:
             stored: list[BlockHash] = []
             for h in hashes:
-                block = blocks.get(h)
-                if block is not None and not block.ready:
-                    block.ready = True
-                    if block.ref == 0:
+                slot = slot_of.get(h)
+                if slot is not None and not ready[slot]:
+                    ready[slot] = 1
+                    if ref[slot] == 0:
                         self._num_evictable += 1
                     stored.append(h)
             if stored and self.enable_events:
@@ -295,11 +296,11 @@ class CPUOffloadingManager(OffloadingManager):
             return
         remove = self.policy.remove
         for h in hashes:
-            block = blocks.get(h)
-            if block is not None and not block.ready:
-                del blocks[h]
+            slot = slot_of.get(h)
+            if slot is not None and not ready[slot]:
+                del slot_of[h]
                 remove(h)
-                self._free_slots.append(block.slot)
+                self._free_slots.append(slot)
 
     # ------------------------------------------------------------------- events
 

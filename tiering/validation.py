@@ -6,7 +6,7 @@ import math
 import operator
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiering.errors import InvalidArgumentError
 
@@ -43,12 +43,7 @@ def hash_list(name: str, value: object) -> list[bytes]:
             f"{name} must be a sequence of bytes hashes, got one {type(value).__name__} "
             f"{value!r:.60}; wrap a single hash in a list"
         )
-    try:
-        hashes = list(value)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"{name} must be an iterable of bytes, got {value!r:.60}"
-        ) from None
+    hashes = _listed(name, value, "bytes")
     for h in hashes:
         if type(h) is not bytes:
             raise InvalidArgumentError(f"{name} must hold bytes, got {type(h).__name__} {h!r:.60}")
@@ -64,12 +59,7 @@ def device_id_list(name: str, value: object, limit: int) -> list[int]:
     """
     if isinstance(value, bytes | bytearray | str):
         raise InvalidArgumentError(f"{name} must be a sequence of ints, got {value!r:.60}")
-    try:
-        ids = list(value)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"{name} must be an iterable of ints, got {value!r:.60}"
-        ) from None
+    ids = _listed(name, value, "ints")
     for i, d in enumerate(ids):
         if type(d) is not int:
             if isinstance(d, bool):
@@ -115,12 +105,7 @@ def tier_specs(specs: object) -> list[TierSpec]:
             f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
             "wrap it in a list"
         )
-    try:
-        out = list(specs)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"secondary_tiers must be a list of tier specs, got {specs!r:.60}"
-        ) from None
+    out = _listed("secondary_tiers", specs, "tier specs")
     for i, spec in enumerate(out):
         if not (isinstance(spec, str | Mapping) or callable(spec)):
             raise InvalidArgumentError(
@@ -141,3 +126,13 @@ def check_host_memory(num_blocks: int, block_bytes: int) -> None:
             f"num_cpu_blocks={num_blocks} needs {num_blocks * block_bytes} bytes of host "
             f"memory ({block_bytes} per block); this machine has {total}"
         )
+
+
+def _listed(name: str, value: object, what: str) -> list[Any]:
+    """``value`` as a new list, or InvalidArgumentError naming ``name`` if not iterable."""
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{name} must be an iterable of {what}, got {value!r:.60}"
+        ) from None
