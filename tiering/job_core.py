@@ -18,6 +18,9 @@ Rules it keeps (the model test checks each):
   copy or a load's promotion) belongs to the job that reserved its slot; only that
   job's completion marks it ready or drops it. Other loads of the block wait for it and
   get their pin in the same step that makes it ready.
+* **Stores keep what they will cascade.** Under write-through a store's blocks are held
+  from the step each becomes ready until the store's cascade has pinned them per tier,
+  even while the store still waits for a fill another job owns.
 * **Every job yields exactly one result**, and every store one ``cascaded`` answer.
 * **Write-back order.** A block evicted from CPU under ``write_back`` is written to the
   secondary tiers before its slot is refilled. Blocks a load promotes are held in their
