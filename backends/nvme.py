@@ -56,7 +56,7 @@ from backends.nvme_format import (
     namespace_digest,
     namespace_dirname,
 )
-from backends.nvme_space import DEFAULT_MAX_AGE_S, DISK_FULL_REASON, SpaceGuard
+from backends.nvme_space import DISK_FULL_REASON, SpaceGuard
 from tiering.actor import TierActor
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.policies import EvictionPolicy
@@ -71,8 +71,6 @@ IDENTITY_FILE = "NAMESPACE"
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_ENOSPC_RETRY_S = 5.0
-FREE_SPACE_MAX_AGE_S = DEFAULT_MAX_AGE_S
-"""Free space measured longer ago than this is measured again before a store plans."""
 
 _MISSING = "block file is missing"
 _THREAD_START_TIMEOUT_S = 5.0
@@ -227,7 +225,7 @@ class NVMeTier(TierActor):
         if not isinstance(root, str | os.PathLike):
             raise InvalidArgumentError(f"root must be a path, got {root!r}")
         dirname = namespace_dirname(namespace)
-        _check_int("max_inflight_bytes", max_inflight_bytes, minimum=1)
+        positive_int("max_inflight_bytes", max_inflight_bytes)
         if fsync not in FSYNC_POLICIES:
             raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if o_direct not in (None, True, False):
@@ -709,11 +707,6 @@ def _meet(meeting: threading.Barrier) -> None:
     # A broken or timed-out meeting only means some thread starts later, in a job.
     with contextlib.suppress(threading.BrokenBarrierError):
         meeting.wait(_THREAD_START_TIMEOUT_S)
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult:

@@ -23,14 +23,14 @@ endian)::
     4088 u64  header checksum: xxh3_64 of bytes 0..4087
 
 This module is pure: it computes names, digests and header bytes and never touches a
-file. Checksums are computed on the tier's worker threads, never on the loop. The
-xxhash binding holds the GIL while it hashes (measured: two threads hashing 2 MiB
-buffers take as long as one doing both), but a 2 MiB block holds it for 0.05-0.15 ms
-(hot or cold bytes), well inside the loop's lag budget. Measured on 2 cores: two
-threads hashing 2 MiB blocks back to back raise a sleeping thread's p99 wake-up lag to
-3.6 ms (zlib.crc32, which releases the GIL, 1.2 ms), but in the tier a hash is a few
-percent of a block's I/O time, and dropping checksums altogether moved bench_nvme's
-2 MiB loop lag p99 by about 0.2 ms. The system libxxhash through ctypes releases the
+file. Checksums are computed on the tier's worker threads, never on the loop. How
+much the xxhash binding (4.1.0 here) holds the GIL varied between two measurements on
+this 2-core machine: two threads hashing 2 MiB blocks back to back took as long as one
+in one session and ran partly in parallel in another, raising a sleeping thread's p99
+wake-up lag to 3.6 ms and 1.6-2.0 ms (zlib.crc32, which releases the GIL: 1.2 and
+0.55 ms). Either way a 2 MiB block holds it for 0.05-0.15 ms, a hash is a few percent
+of a block's I/O time, and dropping checksums altogether moved bench_nvme's 2 MiB loop
+lag p99 by about 0.2 ms. The system libxxhash through ctypes releases the
 GIL, but its build here hashes 3 times slower (no AVX2 dispatch), so it is not used.
 """
 

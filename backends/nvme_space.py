@@ -21,11 +21,11 @@ Rules:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Literal
 
 from tiering.errors import InvalidArgumentError
+from tiering.validation import seconds
 
 DEFAULT_MAX_AGE_S = 1.0
 """Free space measured longer ago than this is measured again before a store plans."""
@@ -62,14 +62,8 @@ class SpaceGuard:
                 "bytes: header page + block); the tier could never store"
             )
         _check_int("min_free_bytes", min_free_bytes, minimum=0)
-        for name, value in (("enospc_retry_s", retry_s), ("max_age_s", max_age_s)):
-            if (
-                not isinstance(value, int | float)
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                raise InvalidArgumentError(f"{name} must be a number >= 0, got {value!r}")
+        seconds("enospc_retry_s", retry_s, allow_zero=True)
+        seconds("max_age_s", max_age_s, allow_zero=True)
         self.file_bytes = file_bytes
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_bytes // file_bytes

@@ -16,8 +16,8 @@ before it existed):
    the wall time of the steps, completions included. It runs with the garbage
    collector as it is and after ``gc.freeze()`` (what serving frameworks do once their
    start-up allocations are done), three times each, alternating; figures are medians,
-   the headline ones are the frozen runs (``*_gc_default`` the others). The same with 16
-   blocks per call gives ``call_us_*_16``.
+   the headline ones are the frozen runs (``*_gc_default`` the others). Two more runs
+   with 16 blocks per call, GC frozen, give ``call_us_*_16`` (medians).
 
 1. Loop lag: the engine moves ``--gib`` GiB of 2 MiB blocks device -> CPU -> memory tier
    (write-through) and promotes a quarter of them back memory tier -> CPU -> device,

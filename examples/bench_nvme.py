@@ -222,14 +222,14 @@ async def bench_tier(
     total: int,
     args: argparse.Namespace,
     report: Callable[[str], None],
-    round_no: int = 1,
-    keep_dirs: list[str] | None = None,
+    round_no: int,
+    keep_dirs: list[str],
 ) -> TierFigures:
     """One round: store ``total`` bytes into a new tier, then load them back.
 
     Each round uses its own namespace (so it starts empty). Its directory is appended
-    to ``keep_dirs`` for the caller to remove after the last round, or removed at once
-    when ``keep_dirs`` is None. Removing it between rounds would time the next round's
+    to ``keep_dirs`` for the caller to remove after the last round. Removing it between
+    rounds would time the next round's
     stores against a file system that has just freed thousands of inodes: ext4 without
     a journal then skips every recently freed inode when it allocates one (measured:
     about 0.2 ms of kernel CPU per file created), which makes the rounds unequal.
@@ -269,10 +269,7 @@ async def bench_tier(
             o_direct = bool(tier.o_direct)
             corrupt = tier.metrics.corrupt_blocks
     finally:
-        if keep_dirs is None:
-            await asyncio.to_thread(shutil.rmtree, tier.directory, True)
-        else:
-            keep_dirs.append(tier.directory)
+        keep_dirs.append(tier.directory)
         pool.close()
     if corrupt:
         raise SystemExit(f"{corrupt} blocks failed verification")

@@ -117,6 +117,18 @@ async def settle(engine: TieringEngine, bound_s: float = SETTLE_S) -> None:
         await asyncio.sleep(0.005)
 
 
+def assert_no_leaks(engine: TieringEngine) -> None:
+    """Nothing in flight and nothing pinned (call after :func:`settle`)."""
+    stats = engine.statistics()
+    assert stats.jobs_in_flight == 0 and stats.pinned_blocks == 0, repr(stats)
+    assert engine.manager.num_in_flight == 0
+
+
+async def result_of(job: Any) -> JobResult:
+    """``await job`` as a coroutine, for ``asyncio.create_task``."""
+    return await job
+
+
 async def poll(predicate: Callable[[], bool], bound_s: float = SETTLE_S) -> bool:
     """Let the loop run until ``predicate()`` holds (True) or ``bound_s`` passed (False)."""
     loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ from backends.example import ExampleSecondaryTier
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
     KeyGatedMemoryTier,
+    assert_no_leaks,
     block_files,
     flip_last_byte,
     h,
@@ -28,6 +29,7 @@ from tests._engine_helpers import (
     make_kv,
     nvme_spec,
     put,
+    result_of,
     settle,
     wipe,
 )
@@ -50,12 +52,6 @@ def rows(kv: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
 def assert_rows(kv: list[torch.Tensor], ids: list[int], expected: list[torch.Tensor]) -> None:
     for layer, want in zip(kv, expected, strict=True):
         assert torch.equal(layer[ids], want)
-
-
-def assert_no_leaks(engine: TieringEngine) -> None:
-    stats = engine.statistics()
-    assert stats.pinned_blocks == 0 and stats.jobs_in_flight == 0
-    assert engine.manager.num_in_flight == 0
 
 
 @contextlib.asynccontextmanager
@@ -88,10 +84,6 @@ async def store_and_evict(engine: TieringEngine, keys: list[bytes], ids: list[in
     job = engine.store(filler, list(range(len(filler))))
     assert (await job).success and await job.cascaded
     assert engine.manager.lookup(keys) == 0
-
-
-async def _await(job) -> JobResult:
-    return await job
 
 
 # ------------------------------------------------------------------ round trips
@@ -203,7 +195,7 @@ async def test_cancelling_an_awaiter_leaks_no_pin_or_slot(ticks: int) -> None:
         await store_and_evict(engine, [h(1), h(2)], [0, 1])
 
         job = engine.load([h(1), h(2)], [20, 21])
-        task = asyncio.create_task(_await(job))
+        task = asyncio.create_task(result_of(job))
         for _ in range(ticks):
             await asyncio.sleep(0)
         task.cancel()
@@ -223,11 +215,11 @@ async def test_cancelling_a_store_awaiter_still_completes_the_store() -> None:
         expected = rows(kv, [1])
         # Hold the copy workers so the store is certainly in flight when we cancel.
         gate = threading.Event()
-        backend = engine._copier.backend
+        backend = engine._stack.copier.backend
         for _ in range(backend.max_workers):
             backend.executor.submit(gate.wait)
         job = engine.store([h(2)], [1])
-        waiter = asyncio.create_task(_await(job))
+        waiter = asyncio.create_task(result_of(job))
         await asyncio.sleep(0.01)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):

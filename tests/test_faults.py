@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import backends.faults
 from backends.faults import FaultInjector
 from tiering.errors import InvalidArgumentError
 
@@ -176,7 +177,7 @@ def test_hold_after_lets_earlier_calls_pass(tmp_path: Path) -> None:
     assert (tmp_path / "second").read_bytes() == b"2"
 
 
-def test_a_held_rule_can_also_fail_the_call_after_the_gate(tmp_path: Path) -> None:
+def test_a_rule_added_while_a_call_is_held_does_not_apply_to_it(tmp_path: Path) -> None:
     faults = FaultInjector()
     rule = faults.hold("preadv")
     (tmp_path / "f").write_bytes(b"data")
@@ -200,10 +201,13 @@ def test_a_held_rule_can_also_fail_the_call_after_the_gate(tmp_path: Path) -> No
     assert errors == []
 
 
-def test_delay_sleeps_then_runs_the_call(tmp_path: Path) -> None:
+def test_delay_sleeps_then_runs_the_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(backends.faults.time, "sleep", slept.append)
     faults = FaultInjector()
     rule = faults.delay("pwritev", 0.02, path="f", times=2)
     assert _write(faults, tmp_path / "f", b"abc") == 3
+    assert slept == [0.02]
     assert (tmp_path / "f").read_bytes() == b"abc"
     assert rule.hits == 1 and rule.times == 1
     assert rule.delay_s == 0.02

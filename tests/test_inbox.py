@@ -28,13 +28,14 @@ def test_a_full_lane_raises_tier_busy_and_leaves_the_other_lane_open() -> None:
     inbox: Inbox[int] = Inbox(2, owner="t")
     inbox.put_nowait("store", 1)
     inbox.put_nowait("store", 2)
-    assert inbox.full("store") and not inbox.full("load")
+    stats = inbox.statistics()
+    assert (stats.queued_stores, stats.queued_loads, stats.max_size) == (2, 0, 2)
     with pytest.raises(TierBusyError, match="t: store inbox is full"):
         inbox.put_nowait("store", 3)
     inbox.put_nowait("load", 4)
-    assert len(inbox) == 3
     assert inbox.drain() == [4, 1, 2]
-    assert len(inbox) == 0
+    stats = inbox.statistics()
+    assert (stats.queued_stores, stats.queued_loads) == (0, 0)
 
 
 @pytest.mark.parametrize("size", [0, -1, 1.5, True, "4"])
@@ -47,7 +48,8 @@ def test_an_unknown_lane_is_rejected_and_nothing_is_queued() -> None:
     inbox: Inbox[int] = Inbox(2)
     with pytest.raises(InvalidArgumentError, match="'copy'"):
         inbox.put_nowait("copy", 1)  # type: ignore[arg-type]
-    assert len(inbox) == 0
+    stats = inbox.statistics()
+    assert (stats.queued_loads, stats.queued_stores) == (0, 0)
 
 
 async def test_put_waits_for_room_and_waiting_putters_are_admitted_in_order() -> None:
@@ -102,7 +104,7 @@ async def test_close_fails_waiting_putters_but_keeps_queued_items_gettable() -> 
     assert await inbox.get() == 1
     assert await inbox.get() is None
     inbox.close()  # idempotent
-    assert inbox.closed
+    assert inbox.statistics().closed
 
 
 async def test_get_waits_for_an_item_and_returns_none_when_closed_empty() -> None:

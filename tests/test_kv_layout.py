@@ -9,15 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiering.errors import InvalidArgumentError
-from tiering.kv_layout import (
-    CopyChunk,
-    SlotRun,
-    as_index_list,
-    check_index_range,
-    describe_kv_caches,
-    kv_block_bytes,
-    plan_copy,
-)
+from tiering.kv_layout import CopyChunk, SlotRun, describe_kv_caches, kv_block_bytes, plan_copy
+from tiering.validation import as_index_list, check_index_range
 
 # --------------------------------------------------------------------------- plan_copy
 

@@ -562,10 +562,10 @@ async def test_a_held_block_is_never_evicted_until_released(
     async with _tier(pool, tmp_path, capacity_bytes=2 * FILE) as tier:
         a, b, c, d = _keys(4)
         await _store(tier, [a, b], [0, 1])
-        expected = _slot(pool, 0)
         tier.touch([b])  # a is the least recently used: the policy's pick
         tier.hold([a])
         assert (await _store(tier, [c], [2])).success
+        expected = _slot(pool, 2)  # c's bytes
         assert tier.lookup(a) and not tier.lookup(b)
         tier.hold([c])
         refused = await _store(tier, [d], [3])
@@ -578,7 +578,7 @@ async def test_a_held_block_is_never_evicted_until_released(
             tier.release([a])
         tier.release([c])
         assert (await _load(tier, [c], [6])).success
-    assert expected == _slot(pool, 0)
+        assert _slot(pool, 6) == expected
 
 
 async def test_usage_reports_counters_and_failures_by_cause_logged_once(

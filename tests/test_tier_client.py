@@ -371,14 +371,19 @@ def test_job_results_are_read_the_one_documented_way() -> None:
 
 
 async def test_hold_release_touch_and_lookup_reach_the_tier(pool: HostPool) -> None:
-    example = ExampleSecondaryTier(pool.view, BLOCK, max_blocks=2)
+    tier = MemoryTier(pool.view, BLOCK, max_blocks=2)
     recorder = Recorder()
-    async with TierClient(example) as client:
+    async with TierClient(tier) as client:
         recorder.submit(client, "store", [b"a", b"b"], [0, 1])
         await recorder.all()
-        client.touch([b"a"])
-        client.hold([b"a"])
+        client.hold([b"a"])  # a is the least recently used, but held
+        recorder.submit(client, "store", [b"c"], [2])
+        await recorder.all()
+        assert client.lookup(b"a") is True and client.lookup(b"b") is False
         client.release([b"a"])
-        assert client.lookup(b"a") is True and client.lookup(b"z") is False
-        assert example.get_num_blocks() == 2
-        assert "example" in repr(client)
+        client.touch([b"c"])  # c most recent: a is the next to go
+        recorder.submit(client, "store", [b"d"], [3])
+        await recorder.all()
+        assert client.lookup(b"a") is False and client.lookup(b"c") is True
+        assert client.lookup(b"z") is False
+        assert "memory" in repr(client)

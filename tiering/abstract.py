@@ -17,16 +17,18 @@ BlockHash = bytes
 """A block's identity: bytes naming its tokens and everything before them."""
 
 
-def as_block_hashes(block_hashes: Iterable[BlockHash]) -> list[BlockHash] | tuple[BlockHash, ...]:
+def as_block_hashes(
+    block_hashes: Iterable[BlockHash], name: str = "block hashes"
+) -> list[BlockHash] | tuple[BlockHash, ...]:
     """``block_hashes`` as a list or tuple, each element checked to be bytes.
 
     Raises:
-        InvalidArgumentError: an element is not ``bytes``.
+        InvalidArgumentError: an element is not ``bytes`` (the message names ``name``).
     """
     hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
     for h in hashes:
         if type(h) is not bytes and not isinstance(h, bytes):
-            raise InvalidArgumentError(f"block hashes must be bytes, got {type(h).__name__} {h!r}")
+            raise InvalidArgumentError(f"{name} must hold bytes, got {type(h).__name__} {h!r:.60}")
     return hashes
 
 

@@ -10,7 +10,8 @@ loop.
 
 Life cycle (:class:`~tiering.lifecycle.Lifecycle`): ``NEW`` -> :meth:`~TierActor.start`
 -> ``OPEN`` -> :meth:`~TierActor.aclose` (graceful) or :meth:`~TierActor.shutdown`
-(hard) -> ``CLOSING`` -> ``CLOSED`` once no task and no blocking call of it runs. Every
+(hard) -> ``CLOSING`` -> ``CLOSED`` once every job is answered and no blocking call of
+it runs (tasks it cancelled may still be unwinding on the loop). Every
 admitted job yields exactly one :class:`JobResult`, whatever happens: from its hook,
 from the hook's failure, or from the close that cut it short, and never while a
 blocking call of the job still runs on a thread.
@@ -31,13 +32,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from tiering.errors import ClosedError, InvalidArgumentError, TierBusyError
+from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Inbox, InboxStatistics, Lane
 from tiering.ledger import ResultsLedger
 from tiering.lifecycle import Lifecycle
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, SecondaryTierManager
 from tiering.statistics import FailureLog, Statistics
-from tiering.validation import positive_int
+from tiering.validation import positive_int, seconds
 from tiering.workers import init_io_worker
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,6 @@ class TierActor(SecondaryTierManager):
             initializer=init_io_worker,
         )
         self._calls_running = 0  # run_blocking calls started and not yet returned
-        self._calls_idle = asyncio.Event()
-        self._calls_idle.set()
         self._stopped = False  # close decided: every job failed or finished, pool shut
 
         self._jobs: dict[int, _Job] = {}  # admitted, result not yet delivered
@@ -175,20 +174,16 @@ class TierActor(SecondaryTierManager):
         reported with ``success=False`` and an error saying why. A job cancelled inside
         a :meth:`run_blocking` call is reported only once that call has returned, so this
         returns within about ``timeout`` plus the remaining time of the blocking calls
-        running at the deadline. On return the state is ``CLOSED``: no task, thread call
-        or result of the tier is left pending. Idempotent; concurrent calls all return
+        running at the deadline. On return the state is ``CLOSED``: no thread call or
+        result of the tier is left pending (a hook that swallowed its cancellation may
+        still be unwinding on the loop). Idempotent; concurrent calls all return
         once the tier is closed. If the caller is cancelled meanwhile, the tier is
         stopped hard (:meth:`shutdown`) and the cancellation propagates.
 
         Raises:
             InvalidArgumentError: ``timeout`` is negative or not a number.
         """
-        if (
-            not isinstance(timeout, int | float)
-            or isinstance(timeout, bool)
-            or not timeout >= 0  # also rejects NaN
-        ):
-            raise InvalidArgumentError(f"timeout must be a non-negative number, got {timeout!r}")
+        seconds("timeout", timeout, allow_zero=True)
         if self._state is Lifecycle.NEW:
             self._stop(notify=True)
             return
@@ -366,13 +361,7 @@ class TierActor(SecondaryTierManager):
     def _submit_now(self, job: JobMetadata, lane: Lane) -> None:
         meta = self._admit(job)
         entry = _Job(meta, lane)
-        try:
-            self._inbox.put_nowait(lane, entry)
-        except TierBusyError:
-            raise TierBusyError(
-                f"{self._name()}: {lane} inbox is full ({self.inbox_size} jobs queued); "
-                "drain get_finished() and retry"
-            ) from None
+        self._inbox.put_nowait(lane, entry)
         self._register(entry)
 
     async def _put(self, job: JobMetadata, lane: Lane) -> None:
@@ -500,7 +489,6 @@ class TierActor(SecondaryTierManager):
         else:
             job_id = None
         self._calls_running += 1
-        self._calls_idle.clear()
         done = asyncio.wrap_future(call)
         try:
             return await self._wait_call(call, done)
@@ -529,7 +517,6 @@ class TierActor(SecondaryTierManager):
         if job_id is not None and self._ledger.is_busy(job_id):
             self._ledger.idle(job_id)
         if self._calls_running == 0:
-            self._calls_idle.set()
             self._maybe_closed()
 
     # -- subclass hooks ---------------------------------------------------------------

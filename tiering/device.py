@@ -9,7 +9,7 @@ to a copy backend and gives the caller a :class:`CopyHandle`. The backend is inj
   copies straight between layers and slot rows on a small thread pool, coalescing the
   copies that arrive together into one worker hop.
 
-Any object with the same four methods (:class:`CopyBackend`) may be given instead.
+Any object with the same five methods (:class:`CopyBackend`) may be given instead.
 """
 
 from __future__ import annotations
@@ -35,15 +35,13 @@ from tiering.kv_layout import (
     KVLayout,
     PlannedCopy,
     SlotRun,
-    as_index_list,
-    check_index_range,
     describe_kv_caches,
     kv_block_bytes,
     plan_copy,
 )
 from tiering.lifecycle import Lifecycle
 from tiering.statistics import FailureLog, Statistics
-from tiering.validation import positive_int
+from tiering.validation import as_index_list, check_index_range, positive_int
 
 DEFAULT_STAGING_BYTES = 64 << 20
 """Default size of one staging buffer; a job bigger than this is copied in chunks."""
@@ -388,15 +386,11 @@ class DeviceCopier:
         """
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
-        direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
         if not device_ids:
             self._loop.call_soon(on_done, None)  # type: ignore[union-attr]
             return
-        copy = PlannedCopy(direction, device_ids, slots, self._max_rows)
-        nbytes = len(device_ids) * self._layout.block_bytes
-        self._in_flight[copy] = _Job(None, nbytes, on_done)
-        self._bytes_in_flight += nbytes
-        self._backend.submit(copy)
+        direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
+        self._submit(direction, device_ids, slots, None, on_done)
 
     # ----------------------------------------------------------------- internals
 
@@ -423,13 +417,25 @@ class DeviceCopier:
         handle = CopyHandle(future, len(ids))
         if not ids:
             future.set_result(None)
-            return handle
+        else:
+            self._submit(direction, ids, slots, future, None)
+        return handle
+
+    def _submit(
+        self,
+        direction: Direction,
+        ids: list[int],
+        slots: list[int],
+        future: asyncio.Future[None] | None,
+        on_done: Callable[[TransferError | None], object] | None,
+    ) -> None:
+        """Hand a checked copy to the backend; its end completes ``future`` or calls
+        ``on_done``."""
         copy = PlannedCopy(direction, ids, slots, self._max_rows)
         nbytes = len(ids) * self._layout.block_bytes
-        self._in_flight[copy] = _Job(future, nbytes, None)
+        self._in_flight[copy] = _Job(future, nbytes, on_done)
         self._bytes_in_flight += nbytes
         self._backend.submit(copy)
-        return handle
 
     def _on_done(self, outcomes: Sequence[CopyOutcome]) -> None:
         """The backend's report, on the loop: complete each copy's handle once."""

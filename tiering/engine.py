@@ -19,13 +19,14 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 from tiering.abstract import BlockHash, OffloadingEvent
-from tiering.device import DeviceCopier, KVCaches, kv_block_bytes
+from tiering.device import KVCaches, kv_block_bytes
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.hashing import cache_namespace
 from tiering.host_pool import HostPool
 from tiering.job import Job
 from tiering.job_core import (
     COUNTERS,
+    WRITE_POLICIES,
     Cascaded,
     CopyToDevice,
     CopyToHost,
@@ -44,7 +45,7 @@ from tiering.policies import EvictionPolicy
 from tiering.registry import TierSpec
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
-from tiering.tier_client import TierClient, TierOutcome
+from tiering.tier_client import TierOutcome
 from tiering.tier_stack import TierStack
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds, tier_specs
 
@@ -110,7 +111,7 @@ class TieringEngine:
         self.block_bytes = kv_block_bytes(kv_caches)
         num_cpu_blocks = positive_int("num_cpu_blocks", num_cpu_blocks)
         check_host_memory(num_cpu_blocks, self.block_bytes)
-        if write_policy not in ("write_through", "write_back"):
+        if write_policy not in WRITE_POLICIES:
             raise InvalidArgumentError(
                 f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
             )
@@ -135,9 +136,6 @@ class TieringEngine:
             namespace=self.namespace,
             tier_timeout=self._tier_timeout,
         )
-        self.tiers: list[SecondaryTierManager] = []
-        self._clients: list[TierClient] = []
-        self._copier: DeviceCopier | None = None
         self._core: JobCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: dict[int, Job] = {}  # jobs without their cascaded answer yet
@@ -182,13 +180,10 @@ class TieringEngine:
             self._release_now()
             raise
         assert self._stack.copier is not None
-        self._copier = self._stack.copier
-        self._clients = self._stack.clients
-        self.tiers = self._stack.tiers
         self._core = JobCore(
             self.manager,
-            self._clients,
-            num_device_blocks=self._copier.num_device_blocks,
+            self._stack.clients,
+            num_device_blocks=self._stack.copier.num_device_blocks,
             block_bytes=self.block_bytes,
             write_policy=self.write_policy,
             room_timeout=self._room_timeout,
@@ -263,6 +258,11 @@ class TieringEngine:
             self._closed.set()
 
     @property
+    def tiers(self) -> list[SecondaryTierManager]:
+        """The secondary tiers, fastest first (built when the engine is entered)."""
+        return self._stack.tiers
+
+    @property
     def state(self) -> Lifecycle:
         """Where the engine is in its life."""
         return self._state
@@ -324,7 +324,7 @@ class TieringEngine:
         self._open_core()
         hashes = hash_list("block_hashes", block_hashes)
         self.manager.touch(hashes)
-        for client in self._clients:
+        for client in self._stack.clients:
             client.touch(hashes)
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -410,11 +410,12 @@ class TieringEngine:
             run[type(effect)](effect)
 
     def _copy(self, effect: CopyToHost | CopyToDevice) -> None:
-        assert self._copier is not None and self._loop is not None
+        copier = self._stack.copier
+        assert copier is not None and self._loop is not None
         to_host = type(effect) is CopyToHost
         done = partial(self._copy_ended, effect.op)
         try:
-            self._copier.start(to_host, effect.device_ids, effect.slots, done)
+            copier.start(to_host, effect.device_ids, effect.slots, done)
         except TieringError as exc:  # the copier is closed: the copy never started
             self._loop.call_soon(done, exc)
 
@@ -425,7 +426,7 @@ class TieringEngine:
     def _tier_job(self, effect: TierStore | TierLoad) -> None:
         kind: Literal["store", "load"] = "store" if type(effect) is TierStore else "load"
         done = partial(self._tier_ended, effect.op)
-        self._clients[effect.tier].submit(kind, effect.keys, effect.slots, done)
+        self._stack.clients[effect.tier].submit(kind, effect.keys, effect.slots, done)
 
     def _tier_ended(self, op: int, outcome: TierOutcome) -> None:
         if self._core is not None:

@@ -186,18 +186,6 @@ class Inbox(Generic[_T]):
             if not waiter.done():
                 waiter.set_result(None)
 
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` was called."""
-        return self._closed
-
-    def full(self, lane: Lane) -> bool:
-        """True if a :meth:`put_nowait` to ``lane`` would raise TierBusyError now."""
-        return len(self._lane(lane)) >= self.max_size or bool(self._putters[lane])
-
-    def __len__(self) -> int:
-        return len(self._lanes["load"]) + len(self._lanes["store"])
-
     def statistics(self) -> InboxStatistics:
         """A snapshot of the lanes and the tasks waiting on them."""
         return InboxStatistics(

@@ -12,7 +12,6 @@ Everything here is pure: no streams, no threads, no I/O.
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -134,44 +133,6 @@ def kv_block_bytes(kv_caches: KVCaches) -> int:
     return describe_kv_caches(kv_caches).block_bytes
 
 
-# --------------------------------------------------------------------------- id checks
-
-
-def as_index_list(name: str, values: object) -> list[int]:
-    """``values`` as a list of ints (``operator.index``; bools refused).
-
-    Raises InvalidArgumentError naming ``name`` and the value if ``values`` is not a sized
-    iterable (str and bytes refused) or holds something that is not an int.
-    """
-    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
-        raise InvalidArgumentError(f"{name} must be a sequence of ints, got {values!r}")
-    out: list[int] = []
-    for value in values:  # type: ignore[attr-defined]
-        if isinstance(value, bool):
-            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}")
-        try:
-            out.append(operator.index(value))
-        except TypeError:
-            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}") from None
-    return out
-
-
-def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: bool) -> None:
-    """Raise InvalidArgumentError unless every value is in ``[0, limit)`` (and, if
-    ``unique``, none repeats); the message names ``name`` and the first bad value."""
-    for value in values:
-        if not 0 <= value < limit:
-            raise InvalidArgumentError(f"{name}: {value} is outside 0..{limit - 1}")
-    if unique and len(set(values)) != len(values):
-        seen: set[int] = set()
-        for value in values:
-            if value in seen:
-                raise InvalidArgumentError(
-                    f"{name}: {value} appears twice; a destination is written once"
-                )
-            seen.add(value)
-
-
 # --------------------------------------------------------------------------- planning
 
 
@@ -285,8 +246,6 @@ __all__ = [
     "KVLayout",
     "PlannedCopy",
     "SlotRun",
-    "as_index_list",
-    "check_index_range",
     "describe_kv_caches",
     "kv_block_bytes",
     "plan_copy",

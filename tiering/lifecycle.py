@@ -2,8 +2,9 @@
 
 Engine, tiers and copier all move ``NEW -> OPEN -> CLOSING -> CLOSED`` and never back:
 ``OPEN`` once started (entered, or ``start()`` returned), ``CLOSING`` from the moment a
-graceful or hard close begins (nothing new is admitted), ``CLOSED`` once every task,
-thread and buffer it owns has been released.
+graceful or hard close begins (nothing new is admitted), ``CLOSED`` once its work is
+answered and its threads and buffers are released (a task it cancelled may still be
+unwinding on the loop for an iteration).
 """
 
 from __future__ import annotations
@@ -18,11 +19,6 @@ class Lifecycle(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
-
-    @property
-    def accepting(self) -> bool:
-        """True only while new work is admitted (``OPEN``)."""
-        return self is Lifecycle.OPEN
 
     def __str__(self) -> str:
         return self.value

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tiering.abstract import BlockHash
 from tiering.errors import InvalidArgumentError
 from tiering.policies import EvictionPolicy, make_policy
-from tiering.validation import positive_int
+from tiering.validation import hash_list, positive_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,13 +295,7 @@ class ResidencyIndex:
 
 
 def _key_list(keys: object) -> list[BlockHash]:
-    if isinstance(keys, bytes | str) or not isinstance(keys, Collection):
-        raise InvalidArgumentError(f"keys must be a collection of bytes keys, got {keys!r}")
-    listed = list(keys)
-    for key in listed:
-        if not isinstance(key, bytes):
-            raise InvalidArgumentError(f"keys must hold bytes keys, got {key!r}")
-    return listed
+    return hash_list("keys", keys)
 
 
 __all__ = ["ResidencyIndex", "Room"]

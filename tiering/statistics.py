@@ -104,10 +104,5 @@ class FailureLog:
         """Failures so far by cause (a read-only view)."""
         return MappingProxyType(self._counts)
 
-    @property
-    def total(self) -> int:
-        """All failures counted so far."""
-        return sum(self._counts.values())
-
 
 __all__ = ["FailureLog", "Statistics"]

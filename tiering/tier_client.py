@@ -16,17 +16,18 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Literal, Self
+from typing import Self
 
 from tiering.actor import TierActor
 from tiering.errors import InvalidArgumentError, TierBusyError
+from tiering.inbox import Lane
 from tiering.lifecycle import Lifecycle
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext, SecondaryTierManager
 from tiering.statistics import FailureLog, Statistics
+from tiering.validation import seconds
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["store", "load"]
 
 # Polled tiers are asked for results every millisecond while a job is outstanding
 # (asyncio.sleep below 1 ms busy-spins under uvloop).
@@ -59,7 +60,7 @@ class TierOutcome:
         reason = result.error or "the tier reported a failure without a reason"
         named = set(result.failed_keys) & set(keys)
         if not named:  # failed as a whole: nothing may be counted as transferred
-            return cls((), dict.fromkeys(keys, reason))
+            return cls.failure(keys, reason)
         return cls(tuple(k for k in keys if k not in named), dict.fromkeys(named, reason))
 
     @classmethod
@@ -71,7 +72,7 @@ class TierOutcome:
 @dataclass(eq=False, slots=True)
 class _Job:
     meta: JobMetadata
-    kind: Kind
+    kind: Lane
     on_done: Callable[[TierOutcome], None]
     deadline: float = math.inf  # polled tiers only
 
@@ -105,7 +106,7 @@ class TierClient:
             raise InvalidArgumentError(
                 f"tier must be a SecondaryTierManager, got {type(tier).__name__}"
             )
-        _check_timeout("timeout", timeout, allow_zero=False)
+        seconds("timeout", timeout, allow_zero=False)
         self.tier = tier
         self.timeout = float(timeout)
         self.name: str = tier.get_tier_type()
@@ -118,8 +119,8 @@ class TierClient:
         self._next_id = 0
         self._jobs: dict[int, _Job] = {}  # submitted, outcome not yet delivered
         self._keys_in_flight = 0
-        self._backlog: dict[Kind, deque[_Job]] = {"load": deque(), "store": deque()}
-        self._pump_wake: dict[Kind, asyncio.Event] = {
+        self._backlog: dict[Lane, deque[_Job]] = {"load": deque(), "store": deque()}
+        self._pump_wake: dict[Lane, asyncio.Event] = {
             "load": asyncio.Event(),
             "store": asyncio.Event(),
         }
@@ -170,7 +171,7 @@ class TierClient:
         Raises:
             InvalidArgumentError: ``timeout`` is negative or not a finite number.
         """
-        _check_timeout("timeout", timeout, allow_zero=True)
+        seconds("timeout", timeout, allow_zero=True)
         if self._state is Lifecycle.CLOSED:
             return
         if self._state is Lifecycle.CLOSING:
@@ -270,7 +271,7 @@ class TierClient:
 
     def submit(
         self,
-        kind: Kind,
+        kind: Lane,
         keys: Sequence[bytes],
         slots: Sequence[int],
         on_done: Callable[[TierOutcome], None],
@@ -360,7 +361,7 @@ class TierClient:
             else:
                 task_group.create_task(self._poll(), name=f"tier-client-{self.name}-poll")
 
-    async def _pump(self, kind: Kind) -> None:
+    async def _pump(self, kind: Lane) -> None:
         """Submit the backlog of ``kind`` in order, waiting for room in the inbox."""
         assert self._actor is not None
         backlog, wake = self._backlog[kind], self._pump_wake[kind]
@@ -539,18 +540,6 @@ class TierClient:
         if not callable(on_done):
             raise InvalidArgumentError(f"on_done must be callable, got {on_done!r}")
         return tuple(keys), tuple(slots)
-
-
-def _check_timeout(name: str, value: object, *, allow_zero: bool) -> None:
-    ok = (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        bound = "non-negative" if allow_zero else "positive"
-        raise InvalidArgumentError(f"{name} must be a {bound} finite number, got {value!r}")
 
 
 __all__ = ["TierClient", "TierOutcome"]

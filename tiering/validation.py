@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import operator
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tiering.abstract import as_block_hashes
 from tiering.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -44,9 +45,7 @@ def hash_list(name: str, value: object) -> list[bytes]:
             f"{value!r:.60}; wrap a single hash in a list"
         )
     hashes = _listed(name, value, "bytes")
-    for h in hashes:
-        if type(h) is not bytes:
-            raise InvalidArgumentError(f"{name} must hold bytes, got {type(h).__name__} {h!r:.60}")
+    as_block_hashes(hashes, name)
     return hashes
 
 
@@ -54,33 +53,50 @@ def device_id_list(name: str, value: object, limit: int) -> list[int]:
     """``value`` as a new list of distinct ints in ``[0, limit)`` (device block ids).
 
     Raises:
-        InvalidArgumentError: naming ``name`` and the value, if ``value`` is not an
-            iterable of ints, an id is out of range, or an id repeats.
+        InvalidArgumentError: naming ``name`` and the value, if ``value`` is not a
+            sequence of ints, an id is out of range, or an id repeats.
     """
-    if isinstance(value, bytes | bytearray | str):
-        raise InvalidArgumentError(f"{name} must be a sequence of ints, got {value!r:.60}")
-    ids = _listed(name, value, "ints")
-    for i, d in enumerate(ids):
-        if type(d) is not int:
-            if isinstance(d, bool):
-                raise InvalidArgumentError(f"{name} must hold ints, got {d!r}")
-            try:
-                ids[i] = d = operator.index(d)
-            except TypeError:
-                raise InvalidArgumentError(
-                    f"{name} must hold ints, got {type(d).__name__} {d!r:.60}"
-                ) from None
-        if not 0 <= d < limit:
-            raise InvalidArgumentError(
-                f"{name}: {d} is outside the device KV cache (0..{limit - 1})"
-            )
-    if len(set(ids)) != len(ids):
-        seen: set[int] = set()
-        for d in ids:
-            if d in seen:
-                raise InvalidArgumentError(f"{name} repeats {d}; each device block is named once")
-            seen.add(d)
+    ids = as_index_list(name, value)
+    check_index_range(name, ids, limit, unique=True)
     return ids
+
+
+def as_index_list(name: str, values: object) -> list[int]:
+    """``values`` as a list of ints (``operator.index``; bools refused).
+
+    Raises InvalidArgumentError naming ``name`` and the value if ``values`` is not a sized
+    iterable (str and bytes refused) or holds something that is not an int.
+    """
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+        raise InvalidArgumentError(f"{name} must be a sequence of ints, got {values!r}")
+    out: list[int] = []
+    for value in values:  # type: ignore[attr-defined]
+        if type(value) is int:
+            out.append(value)
+            continue
+        if isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}")
+        try:
+            out.append(operator.index(value))
+        except TypeError:
+            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}") from None
+    return out
+
+
+def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: bool) -> None:
+    """Raise InvalidArgumentError unless every value is in ``[0, limit)`` (and, if
+    ``unique``, none repeats); the message names ``name`` and the first bad value."""
+    for value in values:
+        if not 0 <= value < limit:
+            raise InvalidArgumentError(f"{name}: {value} is outside 0..{limit - 1}")
+    if unique and len(set(values)) != len(values):
+        seen: set[int] = set()
+        for value in values:
+            if value in seen:
+                raise InvalidArgumentError(
+                    f"{name}: {value} appears twice; each block is named once"
+                )
+            seen.add(value)
 
 
 def seconds(name: str, value: object, *, allow_zero: bool) -> float:
