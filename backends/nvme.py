@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -418,14 +418,10 @@ class NVMeTier(TierActor):
             )
         return excess
 
-    async def _remove_files(self, keys: Iterable[OffloadKey]) -> None:
-        for key in keys:
-            try:
-                await aiofiles.os.remove(self._files.path_of(key))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("nvme tier: could not remove a block file: %s", exc)
+    async def _remove_files(self, keys: Sequence[OffloadKey]) -> None:
+        # One hop for all of them (the tier's own pool is shut down by now).
+        if keys:
+            await asyncio.to_thread(self._files.remove, keys)
 
     def _release_owner(self) -> None:
         owner, self._owner = self._owner, None
