@@ -20,11 +20,13 @@ import pytest
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
     assert_holds,
+    engine_tasks,
     h,
     make_kv,
     nvme_spec,
     put,
     settle,
+    spin,
     wipe,
 )
 from tiering import ClosedError, InvalidArgumentError, TieringEngine, TieringError
@@ -215,9 +217,8 @@ async def test_a_failed_start_leaves_no_task_behind(tmp_path: Path) -> None:
     engine = TieringEngine(make_kv(), 4, secondary_tiers=[{"type": "memory"}, spec])
     with pytest.raises(TieringError):
         await engine.__aenter__()
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert {t for t in asyncio.all_tasks() if t not in before and not t.done()} == set()
+    await spin()
+    assert engine_tasks(before) == set()
 
 
 async def test_results_nobody_drains_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
