@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -308,6 +309,24 @@ async def test_an_unawaited_copy_still_runs_and_reports_through_its_callback() -
         handle.add_done_callback(lambda h: (seen.append(h.done()), ended.set()))
         await ended.wait()
         assert seen == [True]
+        assert bytes(pool.slot_view(1)) == device_block(kv, 9)
+
+
+async def test_start_reports_each_copy_once_through_on_done() -> None:
+    async with opened() as (copier, kv, pool):
+        ended = asyncio.Event()
+        seen: list[tuple[str, object]] = []
+
+        def on_done(name: str, error: object) -> None:
+            seen.append((name, error))
+            if len(seen) == 2:
+                ended.set()
+
+        copier.start(True, [9], [1], partial(on_done, "copy 9"))
+        copier.start(True, [], [], partial(on_done, "empty"))
+        await ended.wait()
+        await asyncio.sleep(0)
+        assert sorted(seen) == [("copy 9", None), ("empty", None)]
         assert bytes(pool.slot_view(1)) == device_block(kv, 9)
 
 

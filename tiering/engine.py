@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
@@ -23,7 +22,7 @@ from tiering.device import KVCaches, kv_block_bytes
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.hashing import cache_namespace
 from tiering.host_pool import HostPool
-from tiering.job import Job
+from tiering.job import FinishedResults, Job
 from tiering.job_core import (
     COUNTERS,
     WRITE_POLICIES,
@@ -52,9 +51,6 @@ from tiering.validation import check_host_memory, hash_list, positive_int, secon
 logger = logging.getLogger(__name__)
 
 WritePolicy = Literal["write_through", "write_back"]
-
-FINISHED_KEPT = 1 << 16
-"""The most results :meth:`TieringEngine.get_finished` keeps waiting for the caller."""
 
 
 class TieringEngine:
@@ -141,9 +137,7 @@ class TieringEngine:
         self._jobs: dict[int, Job] = {}  # jobs without their cascaded answer yet
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
-        # Bounded: a caller that only awaits its jobs never drains it.
-        self._finished: deque[JobResult] = deque(maxlen=FINISHED_KEPT)
-        self._finished_dropped = 0
+        self._finished = FinishedResults()
         self._drained: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
         self._run_effect: dict[type, Callable[[Any], None]] = {
@@ -337,13 +331,11 @@ class TieringEngine:
     def get_finished(self) -> list[JobResult]:
         """Results of the engine jobs that finished since the last call; never blocks.
 
-        For callers that poll once per step. At most ``FINISHED_KEPT`` results wait here
-        (a caller that only awaits its jobs never drains them): beyond that the oldest
-        are dropped, with one warning.
+        For callers that poll once per step. At most :data:`~tiering.job.FINISHED_KEPT`
+        results wait here (a caller that only awaits its jobs never drains them): beyond
+        that the oldest are dropped, with one warning.
         """
-        finished = list(self._finished)
-        self._finished.clear()
-        return finished
+        return self._finished.drain()
 
     # ---------------------------------------------------------------- the calls
 
@@ -442,14 +434,6 @@ class TieringEngine:
         timer = self._timers.pop(effect.job, None)
         if timer is not None:
             timer.cancel()
-        if len(self._finished) == FINISHED_KEPT:
-            self._finished_dropped += 1
-            if self._finished_dropped == 1:
-                logger.warning(
-                    "engine: %d job results wait in get_finished(); dropping the oldest "
-                    "(await the jobs, or drain get_finished() every step)",
-                    FINISHED_KEPT,
-                )
         self._finished.append(effect.result)
 
     def _cascaded(self, effect: Cascaded) -> None:

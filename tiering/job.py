@@ -1,12 +1,19 @@
-"""The awaitable handle of one engine store or load."""
+"""The awaitable handle of one engine store or load, and the results kept for polling."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import deque
 from collections.abc import Awaitable, Generator
 from typing import Any, Literal
 
 from tiering.secondary import JobResult
+
+logger = logging.getLogger(__name__)
+
+FINISHED_KEPT = 1 << 16
+"""The most results a :class:`FinishedResults` keeps unless told otherwise."""
 
 
 class Job:
@@ -61,4 +68,36 @@ class Job:
         return f"<Job {self.job_id} {self.kind} {'done' if self.done() else 'running'}>"
 
 
-__all__ = ["Job"]
+class FinishedResults:
+    """Results of finished jobs, kept for a caller that polls once per step.
+
+    Bounded: a caller that only awaits its jobs never drains it, so beyond ``capacity``
+    results the oldest are dropped, with one warning for the life of the buffer.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        maxlen = FINISHED_KEPT if capacity is None else capacity
+        self._results: deque[JobResult] = deque(maxlen=maxlen)
+        self.dropped = 0
+        """Results dropped unread so far."""
+
+    def append(self, result: JobResult) -> None:
+        """Keep ``result`` (dropping the oldest one when full)."""
+        if len(self._results) == self._results.maxlen:
+            self.dropped += 1
+            if self.dropped == 1:
+                logger.warning(
+                    "engine: %d job results wait in get_finished(); dropping the oldest "
+                    "(await the jobs, or drain get_finished() every step)",
+                    self._results.maxlen,
+                )
+        self._results.append(result)
+
+    def drain(self) -> list[JobResult]:
+        """The results kept, oldest first; the buffer is empty afterwards."""
+        results = list(self._results)
+        self._results.clear()
+        return results
+
+
+__all__ = ["FINISHED_KEPT", "FinishedResults", "Job"]
