@@ -364,7 +364,7 @@ class BlockFiles:
             try:
                 self._write_block(key, payload, final)
             except OSError as exc:
-                report.failed[key] = f"write failed: {_describe(exc)}"
+                report.failed[key] = f"write failed: {describe_os_error(exc)}"
                 if exc.errno in _DISK_FULL_ERRNOS:
                     report.disk_full = True
                 continue
@@ -373,7 +373,7 @@ class BlockFiles:
             try:
                 self._sync_batch([final for _, final in written])
             except OSError as exc:
-                reason = f"fsync failed: {_describe(exc)}"
+                reason = f"fsync failed: {describe_os_error(exc)}"
                 for key, final in written:
                     report.failed[key] = reason
                     self._unlink_quietly(final)
@@ -428,7 +428,7 @@ class BlockFiles:
             if done <= 0:
                 raise OSError(errno.EIO, "write made no progress")
             offset += done
-            buffers = _advance(buffers, done)
+            buffers = advance_buffers(buffers, done)
 
     def _sync_batch(self, finals: Sequence[str]) -> None:
         fd = self.os.open(self.directory, os.O_RDONLY | _O_CLOEXEC)
@@ -477,7 +477,7 @@ class BlockFiles:
                 report.failed[key] = f"corrupt block: {exc}"
                 report.corrupt.append(key)
             except OSError as exc:
-                report.failed[key] = f"read failed: {_describe(exc)}"
+                report.failed[key] = f"read failed: {describe_os_error(exc)}"
                 self._unlink_quietly(path)
             else:
                 report.loaded.append(key)
@@ -632,7 +632,8 @@ class BlockFiles:
             self._unlink_quietly(path)
 
 
-def _advance(buffers: list[memoryview], done: int) -> list[memoryview]:
+def advance_buffers(buffers: list[memoryview], done: int) -> list[memoryview]:
+    """What is left of ``buffers`` after a vectored transfer moved ``done`` bytes."""
     rest: list[memoryview] = []
     for buffer in buffers:
         if done >= buffer.nbytes:
@@ -643,7 +644,8 @@ def _advance(buffers: list[memoryview], done: int) -> list[memoryview]:
     return rest
 
 
-def _describe(exc: OSError) -> str:
+def describe_os_error(exc: OSError) -> str:
+    """An OSError as 'ENAME: message' for reasons and logs."""
     if exc.errno is None:
         return str(exc)
     return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or os.strerror(exc.errno)}"

@@ -1,0 +1,672 @@
+"""Segment files: KV blocks packed into large append-only files, and the index checkpoint.
+
+The blocking half of the NVMe tier's segment layout. :class:`SegmentFiles` does every
+file operation of it synchronously, without an event loop, and the tier calls it once
+per job on its own worker threads. It decides nothing: where each record goes (which
+segment, which offset) is chosen by the caller's index on the loop thread, and this
+module writes, reads, lists, scans and deletes what it is told to.
+
+Layout under the namespace directory::
+
+    segments/<writer id>-<seq, 8 hex digits>.seg     one writer appends to each
+    index.ckpt                                       the index checkpoint (temp + rename)
+
+A segment file starts with one segment header page, then holds records at fixed strides::
+
+    offset 0                    segment header page (HEADER_BYTES)
+    offset HEADER_BYTES + i*S   record i: a block header page (the format of
+                                :mod:`backends.nvme_format`), then the payload, padded
+                                to a multiple of ALIGNMENT; S = record_bytes
+
+Segment header (little endian): magic ``KVTSEG\\r\\n``, u16 format version, u16 header
+length, u32 zero, u64 payload bytes per record, 16 bytes namespace digest, then the
+writer id (ASCII, NUL-padded to 64 bytes), zeros, and an xxh3_64 of bytes 0..4087 at
+offset 4088. Every record keeps its own self-describing header and payload checksum, so
+a record is verified on its own when it is read: a torn record, a record of another key,
+namespace or length, and a flipped payload byte are each a failed key, never data.
+
+Guarantees:
+
+* Writes are positional (``pwritev``) and vectored: one call per run of consecutive
+  records (at most :data:`MAX_IOV` buffers), straight from the caller's memoryviews,
+  with O_DIRECT when enabled and every payload of the run is aligned.
+* A segment is created with ``O_EXCL`` and its header written before any record; its
+  name is unique (writer id and a sequence number), so writers never share a file.
+* ``fsync="batch"``: when a write call returns a key as written, its record is on stable
+  storage (one ``fdatasync`` per segment touched, and the directory is synced when the
+  call created a segment). ``"always"`` syncs after every run. ``"none"`` survives a
+  process crash (the kernel holds the data), not a power loss.
+* The checkpoint is written to a temporary name, synced, and renamed into place, so a
+  reader sees a whole old one or a whole new one; its body carries a checksum, and a
+  checkpoint that fails any check is reported as absent, never trusted.
+
+Every system call goes through an :class:`~backends.nvme_files.OsCalls` (fault injection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from backends.nvme_files import (
+    ALIGNMENT,
+    FSYNC_POLICIES,
+    REAL_OS,
+    FsyncPolicy,
+    OsCalls,
+    advance_buffers,
+    describe_os_error,
+    is_aligned,
+)
+from backends.nvme_format import (
+    HEADER_BYTES,
+    check_header,
+    decode_header,
+    encode_header,
+    payload_checksum,
+)
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+
+SEGMENTS_DIR = "segments"
+SEGMENT_SUFFIX = ".seg"
+CHECKPOINT_FILE = "index.ckpt"
+SEGMENT_FORMAT_VERSION = 1
+MAX_IOV = 1024
+"""The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
+
+_SEGMENT_MAGIC = b"KVTSEG\r\n"
+_SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")
+_TRAILER = struct.Struct("<Q")
+_TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
+_SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+_CHECKPOINT_MAGIC = b"KVTCKPT\n"
+_CHECKPOINT_VERSION = 1
+_CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
+"""magic, version, head length, record payload bytes, namespace digest, segments,
+entries, body length, body checksum (xxh3_128)."""
+
+
+def align_up(value: int, to: int = ALIGNMENT) -> int:
+    """``value`` rounded up to a multiple of ``to``."""
+    return -(-value // to) * to
+
+
+def segment_name(writer: str, seq: int) -> str:
+    """The file name of writer ``writer``'s segment number ``seq``.
+
+    Raises:
+        InvalidArgumentError: ``writer`` is not 1..64 lowercase hex digits, or ``seq`` is
+            outside 0..2**32-1.
+    """
+    if not re.fullmatch(r"[0-9a-f]{1,64}", writer) or not 0 <= seq < 1 << 32:
+        raise InvalidArgumentError(f"bad segment writer {writer!r} or sequence number {seq!r}")
+    return f"{writer}-{seq:08x}{SEGMENT_SUFFIX}"
+
+
+def parse_segment_name(name: str) -> tuple[str, int] | None:
+    """``(writer, seq)`` of a segment file name, or None for any other name."""
+    match = _SEGMENT_NAME.match(name)
+    return None if match is None else (match.group(1), int(match.group(2), 16))
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRun:
+    """Records to write at consecutive slots of one segment.
+
+    ``first`` is the record number of the first one (record ``i`` sits at byte
+    ``HEADER_BYTES + i * record_bytes``); ``create`` says the segment does not exist
+    yet and this run creates it (with its header).
+    """
+
+    segment: str
+    first: int
+    records: Sequence[tuple[bytes, memoryview]]
+    create: bool = False
+
+
+@dataclass(slots=True)
+class WriteReport:
+    """What one :meth:`SegmentFiles.write` call did.
+
+    ``written`` keys are complete on disk (durable per the fsync policy); ``failed``
+    maps every other key to a reason. ``disk_full`` is true when the file system
+    answered ENOSPC or EDQUOT. ``created`` lists the segments this call created (even
+    if a later write into one failed); ``free_bytes`` is the space left afterwards.
+    """
+
+    written: list[bytes] = field(default_factory=list)
+    failed: dict[bytes, str] = field(default_factory=dict)
+    disk_full: bool = False
+    created: list[str] = field(default_factory=list)
+    free_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class ReadReport:
+    """What one :meth:`SegmentFiles.read` call did.
+
+    ``loaded`` keys were verified and are in their slots; ``failed`` maps every other
+    key to a reason; ``corrupt`` names the failed keys whose record was there but did
+    not verify, and ``missing`` those whose segment or record was not there.
+    """
+
+    loaded: list[bytes] = field(default_factory=list)
+    failed: dict[bytes, str] = field(default_factory=dict)
+    corrupt: list[bytes] = field(default_factory=list)
+    missing: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentScan:
+    """The records found in a segment from some record number on.
+
+    ``records`` pairs each valid record's key with its record number, in file order;
+    ``end`` is the record number after the last slot the file holds (a partial slot at
+    the end counts as absent); ``invalid`` counts slots that held no valid record.
+    """
+
+    records: list[tuple[bytes, int]]
+    end: int
+    invalid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """An index snapshot: the segments it covers and the entries in them.
+
+    ``segments[i]`` is ``(name, records covered)``: the checkpoint describes records
+    ``0 .. covered-1`` of that segment (later ones must be scanned). ``digests`` (u64),
+    ``segment_of`` (u32, an index into ``segments``), ``record_of`` (u32) and ``ticks``
+    (u32, the last-use clock) are parallel arrays, one entry per indexed block.
+    """
+
+    segments: list[tuple[str, int]]
+    digests: np.ndarray
+    segment_of: np.ndarray
+    record_of: np.ndarray
+    ticks: np.ndarray
+
+
+def encode_segment_header(
+    into: memoryview, *, payload_bytes: int, ns_digest: bytes, writer: str
+) -> None:
+    """Write a segment header page into ``into`` (HEADER_BYTES long)."""
+    view = into if into.format == "B" else into.cast("B")
+    view[:] = bytes(HEADER_BYTES)
+    _SEGMENT_FIXED.pack_into(
+        view,
+        0,
+        _SEGMENT_MAGIC,
+        SEGMENT_FORMAT_VERSION,
+        HEADER_BYTES,
+        payload_bytes,
+        ns_digest,
+        writer.encode("ascii"),
+    )
+    _TRAILER.pack_into(view, _TRAILER_OFFSET, xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]))
+
+
+def check_segment_header(page: memoryview | bytes, *, payload_bytes: int, ns_digest: bytes) -> None:
+    """Raise CorruptBlockError unless ``page`` is a valid segment header of this
+    namespace and record size (the message says which check failed)."""
+    view = memoryview(page).cast("B") if not isinstance(page, bytes) else memoryview(page)
+    if len(view) < HEADER_BYTES:
+        raise CorruptBlockError("segment header is short")
+    (stored,) = _TRAILER.unpack_from(view, _TRAILER_OFFSET)
+    if xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]) != stored:
+        raise CorruptBlockError("segment header checksum mismatch")
+    magic, version, length, payload, digest, _writer = _SEGMENT_FIXED.unpack_from(view, 0)
+    if magic != _SEGMENT_MAGIC or version != SEGMENT_FORMAT_VERSION or length != HEADER_BYTES:
+        raise CorruptBlockError("not a segment of this format")
+    if digest != ns_digest:
+        raise CorruptBlockError("segment belongs to another namespace")
+    if payload != payload_bytes:
+        raise CorruptBlockError(f"segment records hold {payload} bytes, expected {payload_bytes}")
+
+
+class SegmentFiles:
+    """Blocking reads and writes of segment files in one namespace directory.
+
+    ``directory/segments`` must exist. ``o_direct`` says whether O_DIRECT may be used
+    (the caller probed the file system); a run whose payloads are not all aligned moves
+    with buffered I/O. Safe to call from several threads at once for distinct records:
+    threads share only thread-local header pages.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        block_bytes: int,
+        ns_digest: bytes,
+        fsync: FsyncPolicy = "batch",
+        o_direct: bool = False,
+        os_calls: OsCalls = REAL_OS,
+    ) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        self.directory = directory
+        self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
+        self.block_bytes = block_bytes
+        self.record_bytes = HEADER_BYTES + align_up(block_bytes)
+        """Bytes from one record's start to the next one's."""
+        self.ns_digest = ns_digest
+        self.fsync = fsync
+        self.o_direct = o_direct and bool(_O_DIRECT)
+        self.os = os_calls
+        self._local = threading.local()
+        self._padding = memoryview(mmap.mmap(-1, ALIGNMENT))[: align_up(block_bytes) - block_bytes]
+
+    def path_of(self, segment: str) -> str:
+        """The path of segment file ``segment``."""
+        return os.path.join(self.segments_dir, segment)
+
+    def offset_of(self, record: int) -> int:
+        """The byte offset of record number ``record`` in its segment."""
+        return HEADER_BYTES + record * self.record_bytes
+
+    def _pages(self, count: int) -> memoryview:
+        # Aligned header pages, reused per thread: O_DIRECT needs aligned buffers.
+        pages: mmap.mmap | None = getattr(self._local, "pages", None)
+        if pages is None or len(pages) < count * HEADER_BYTES:
+            pages = mmap.mmap(-1, max(count, 16) * HEADER_BYTES)
+            self._local.pages = pages
+        return memoryview(pages)[: count * HEADER_BYTES]
+
+    # -- write ------------------------------------------------------------------------
+
+    def write(self, runs: Sequence[RecordRun], *, writer: str) -> WriteReport:
+        """Write each run's records into its segment (creating those marked ``create``).
+
+        Never raises for an I/O error: each key lands in ``written`` or gets a reason in
+        ``failed``. A failed write fails the rest of its run; on ENOSPC/EDQUOT the later
+        runs are not attempted. With ``fsync`` other than ``"none"`` a key is reported
+        written only after its segment was synced.
+
+        Raises:
+            InvalidArgumentError: a payload is not ``block_bytes`` long (nothing written).
+        """
+        for run in runs:
+            for _key, payload in run.records:
+                if payload.nbytes != self.block_bytes:
+                    raise InvalidArgumentError(
+                        f"payload is {payload.nbytes} bytes, the tier stores {self.block_bytes}"
+                    )
+        report = WriteReport()
+        for position, run in enumerate(runs):
+            if report.disk_full:
+                for later in runs[position:]:
+                    for key, _ in later.records:
+                        report.failed.setdefault(key, "disk full (ENOSPC)")
+                break
+            try:
+                self._write_run(run, writer, report)
+            except OSError as exc:
+                reason = f"write failed: {describe_os_error(exc)}"
+                for key, _ in run.records:
+                    report.failed[key] = reason
+                if exc.errno in _DISK_FULL_ERRNOS:
+                    report.disk_full = True
+                continue
+            report.written.extend(key for key, _ in run.records)
+        if report.created and self.fsync != "none" and report.written:
+            try:
+                self._fsync_dir(self.segments_dir)
+            except OSError as exc:
+                reason = f"fsync failed: {describe_os_error(exc)}"
+                report.failed.update(dict.fromkeys(report.written, reason))
+                report.written = []
+        report.free_bytes = self.free_bytes()
+        return report
+
+    def _write_run(self, run: RecordRun, writer: str, report: WriteReport) -> None:
+        direct = self.o_direct and all(is_aligned(payload) for _, payload in run.records)
+        flags = os.O_WRONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+        path = self.path_of(run.segment)
+        if run.create:
+            flags |= os.O_CREAT | os.O_EXCL
+        fd = self.os.open(path, flags)
+        try:
+            if run.create:
+                report.created.append(run.segment)
+                page = self._pages(1)
+                encode_segment_header(
+                    page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
+                )
+                self._write_all(fd, [page], 0)
+            self._write_records(fd, run)
+            if self.fsync != "none":
+                self.os.fdatasync(fd)
+        finally:
+            self.os.close(fd)
+
+    def _write_records(self, fd: int, run: RecordRun) -> None:
+        records = run.records
+        pages = self._pages(len(records))
+        buffers: list[memoryview] = []
+        for i, (key, payload) in enumerate(records):
+            page = pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+            encode_header(
+                page,
+                key=key,
+                payload_bytes=self.block_bytes,
+                checksum=payload_checksum(payload),
+                ns_digest=self.ns_digest,
+            )
+            buffers.append(page)
+            buffers.append(payload)
+            if self._padding.nbytes:
+                buffers.append(self._padding)
+        per_record = 3 if self._padding.nbytes else 2
+        step = (MAX_IOV // per_record) * per_record
+        offset = self.offset_of(run.first)
+        for start in range(0, len(buffers), step):
+            chunk = buffers[start : start + step]
+            self._write_all(fd, chunk, offset)
+            offset += (len(chunk) // per_record) * self.record_bytes
+            if self.fsync == "always":
+                self.os.fdatasync(fd)
+
+    def _write_all(self, fd: int, buffers: list[memoryview], offset: int) -> None:
+        total = sum(buffer.nbytes for buffer in buffers)
+        done_total = 0
+        while done_total < total:
+            done = self.os.pwritev(fd, buffers, offset + done_total)
+            if done <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            done_total += done
+            buffers = advance_buffers(buffers, done)
+
+    def _fsync_dir(self, directory: str) -> None:
+        fd = self.os.open(directory, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            self.os.fsync(fd)
+        finally:
+            self.os.close(fd)
+
+    # -- read -------------------------------------------------------------------------
+
+    def read(self, reads: Sequence[tuple[bytes, str, int, memoryview]]) -> ReadReport:
+        """Read each ``(key, segment, record, slot)`` into ``slot`` and verify it.
+
+        Never raises for an I/O error or bad data: a key lands in ``loaded`` only if its
+        record's header (magic, version, namespace, key, payload length, header
+        checksum) and payload checksum matched; otherwise it gets a reason in
+        ``failed``. A failed key's slot may hold partial bytes and must not be used.
+        Each segment is opened once per call.
+        """
+        report = ReadReport()
+        by_segment: dict[str, list[tuple[bytes, int, memoryview]]] = {}
+        for key, segment, record, slot in reads:
+            if slot.nbytes != self.block_bytes:
+                raise InvalidArgumentError(
+                    f"slot is {slot.nbytes} bytes, the tier stores {self.block_bytes}"
+                )
+            by_segment.setdefault(segment, []).append((key, record, slot))
+        for segment, items in by_segment.items():
+            self._read_segment(segment, items, report)
+        return report
+
+    def _read_segment(
+        self, segment: str, items: list[tuple[bytes, int, memoryview]], report: ReadReport
+    ) -> None:
+        direct = self.o_direct and all(is_aligned(slot) for _, _, slot in items)
+        try:
+            fd = self.os.open(
+                self.path_of(segment), os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+            )
+        except FileNotFoundError:
+            for key, _, _ in items:
+                report.failed[key] = "segment file is missing"
+                report.missing.append(key)
+            return
+        except OSError as exc:
+            reason = f"read failed: {describe_os_error(exc)}"
+            report.failed.update((key, reason) for key, _, _ in items)
+            return
+        try:
+            page = self._pages(1)
+            for key, record, slot in items:
+                try:
+                    got = self.os.preadv(fd, [page, slot], self.offset_of(record))
+                    if got == 0:
+                        report.failed[key] = "record is missing (segment is shorter)"
+                        report.missing.append(key)
+                        continue
+                    if got != HEADER_BYTES + self.block_bytes:
+                        raise CorruptBlockError(f"short read: {got} bytes")
+                    header = decode_header(page)
+                    check_header(
+                        header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
+                    )
+                    if payload_checksum(slot) != header.payload_checksum:
+                        raise CorruptBlockError("payload checksum mismatch")
+                except CorruptBlockError as exc:
+                    report.failed[key] = f"corrupt block: {exc}"
+                    report.corrupt.append(key)
+                except OSError as exc:
+                    report.failed[key] = f"read failed: {describe_os_error(exc)}"
+                else:
+                    report.loaded.append(key)
+        finally:
+            self.os.close(fd)
+
+    # -- segments: list, scan, delete -----------------------------------------------
+
+    def list_segments(self) -> list[tuple[str, int]]:
+        """``(name, size in bytes)`` of every segment file, in name order."""
+        found = []
+        try:
+            entries = list(os.scandir(self.segments_dir))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            if parse_segment_name(entry.name) is None:
+                continue
+            try:
+                found.append((entry.name, entry.stat().st_size))
+            except FileNotFoundError:
+                continue
+        return sorted(found)
+
+    def records_in(self, size: int) -> int:
+        """Whole record slots in a segment file of ``size`` bytes."""
+        return max(0, (size - HEADER_BYTES) // self.record_bytes)
+
+    def scan(self, segment: str, start: int = 0) -> SegmentScan:
+        """Read the record headers of ``segment`` from record ``start`` to its end.
+
+        Payloads are not read (every load verifies them). A slot whose header does not
+        verify, or belongs to another namespace or record size, is skipped and counted.
+
+        Raises:
+            CorruptBlockError: the segment's own header is not valid for this namespace.
+            OSError: the file cannot be opened or read.
+        """
+        fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
+        try:
+            size = self.os.fstat(fd).st_size
+            page = self._pages(1)
+            if self.os.preadv(fd, [page], 0) != HEADER_BYTES:
+                raise CorruptBlockError("segment header is short")
+            check_segment_header(page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
+            end = self.records_in(size)
+            records: list[tuple[bytes, int]] = []
+            invalid = 0
+            for record in range(start, end):
+                if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
+                    invalid += 1
+                    continue
+                try:
+                    header = decode_header(page)
+                    check_header(
+                        header, key=None, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
+                    )
+                except CorruptBlockError:
+                    invalid += 1
+                    continue
+                records.append((header.key, record))
+            return SegmentScan(records, end, invalid)
+        finally:
+            self.os.close(fd)
+
+    def delete(self, segments: Sequence[str]) -> int:
+        """Unlink segment files; returns how many existed. Never raises."""
+        removed = 0
+        for segment in segments:
+            try:
+                self.os.unlink(self.path_of(segment))
+            except OSError:
+                continue
+            removed += 1
+        return removed
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the file system, or None if ``statvfs`` failed."""
+        try:
+            statvfs = self.os.statvfs(self.directory)
+        except OSError:
+            return None
+        if statvfs.f_files and not statvfs.f_favail:
+            return 0
+        return statvfs.f_bavail * statvfs.f_frsize
+
+    # -- checkpoint -------------------------------------------------------------------
+
+    def write_checkpoint(self, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
+        """Write ``checkpoint`` atomically as ``index.ckpt``; returns its size in bytes.
+
+        Raises:
+            OSError: it could not be written (the previous checkpoint is unchanged and the
+                temporary file removed).
+        """
+        names = "\n".join(f"{name} {covered}" for name, covered in checkpoint.segments).encode()
+        arrays = [
+            np.ascontiguousarray(checkpoint.digests, dtype="<u8"),
+            np.ascontiguousarray(checkpoint.segment_of, dtype="<u4"),
+            np.ascontiguousarray(checkpoint.record_of, dtype="<u4"),
+            np.ascontiguousarray(checkpoint.ticks, dtype="<u4"),
+        ]
+        count = len(arrays[0])
+        if any(len(array) != count for array in arrays):
+            raise InvalidArgumentError("checkpoint arrays differ in length")
+        body = [struct.pack("<Q", len(names)), names, *(memoryview(a).cast("B") for a in arrays)]
+        digest = xxhash.xxh3_128()
+        for part in body:
+            digest.update(part)
+        body_bytes = sum(len(part) for part in body)
+        head = _CHECKPOINT_HEAD.pack(
+            _CHECKPOINT_MAGIC,
+            _CHECKPOINT_VERSION,
+            _CHECKPOINT_HEAD.size,
+            self.block_bytes,
+            self.ns_digest,
+            len(checkpoint.segments),
+            count,
+            body_bytes,
+            digest.digest(),
+        )
+        final = os.path.join(self.directory, CHECKPOINT_FILE)
+        temp = f"{final}.{temp_suffix}.tmp"
+        fd = self.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC)
+        try:
+            try:
+                self._write_all(fd, [memoryview(head), *(memoryview(p) for p in body)], 0)
+                self.os.fdatasync(fd)
+            finally:
+                self.os.close(fd)
+            self.os.replace(temp, final)
+            self._fsync_dir(self.directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.os.unlink(temp)
+            raise
+        return len(head) + body_bytes
+
+    def read_checkpoint(self) -> tuple[Checkpoint | None, str | None]:
+        """The checkpoint on disk: ``(checkpoint, None)``, or ``(None, why not)`` when
+        there is none or it fails a check (wrong magic, version, namespace, record size,
+        length or checksum). Never raises."""
+        path = os.path.join(self.directory, CHECKPOINT_FILE)
+        try:
+            with open(path, "rb") as file:
+                data = file.read()
+        except FileNotFoundError:
+            return None, "no checkpoint"
+        except OSError as exc:
+            return None, f"checkpoint unreadable: {describe_os_error(exc)}"
+        try:
+            return self._parse_checkpoint(data), None
+        except (CorruptBlockError, ValueError, struct.error) as exc:
+            return None, f"checkpoint rejected: {exc}"
+
+    def _parse_checkpoint(self, data: bytes) -> Checkpoint:
+        if len(data) < _CHECKPOINT_HEAD.size:
+            raise CorruptBlockError("checkpoint is short")
+        magic, version, head_len, payload, ns, n_segments, count, body_len, checksum = (
+            _CHECKPOINT_HEAD.unpack_from(data, 0)
+        )
+        if (
+            magic != _CHECKPOINT_MAGIC
+            or version != _CHECKPOINT_VERSION
+            or head_len != _CHECKPOINT_HEAD.size
+        ):
+            raise CorruptBlockError("not a checkpoint of this format")
+        if ns != self.ns_digest or payload != self.block_bytes:
+            raise CorruptBlockError("checkpoint of another namespace or block size")
+        body = memoryview(data)[head_len:]
+        if len(body) != body_len:
+            raise CorruptBlockError(f"checkpoint body is {len(body)} bytes, expected {body_len}")
+        if xxhash.xxh3_128_digest(body) != checksum:
+            raise CorruptBlockError("checkpoint checksum mismatch")
+        (names_len,) = struct.unpack_from("<Q", body, 0)
+        names = bytes(body[8 : 8 + names_len]).decode("ascii").split("\n") if names_len else []
+        segments = []
+        for line in names:
+            name, _, covered = line.partition(" ")
+            if parse_segment_name(name) is None:
+                raise CorruptBlockError(f"bad segment name {name!r}")
+            segments.append((name, int(covered)))
+        if len(segments) != n_segments:
+            raise CorruptBlockError("segment table length mismatch")
+        at = 8 + names_len
+        arrays = []
+        for dtype, width in (("<u8", 8), ("<u4", 4), ("<u4", 4), ("<u4", 4)):
+            arrays.append(np.frombuffer(body, dtype=dtype, count=count, offset=at).copy())
+            at += width * count
+        if at != body_len:
+            raise CorruptBlockError("checkpoint arrays do not fill the body")
+        if count and int(arrays[1].max()) >= max(n_segments, 1):
+            raise CorruptBlockError("checkpoint entry names a segment it does not list")
+        return Checkpoint(segments, *arrays)
+
+
+def iter_runs(
+    placed: Sequence[tuple[str, int, bool]], records: Sequence[tuple[bytes, memoryview]]
+) -> Iterator[RecordRun]:
+    """Group records placed at ``(segment, record number, creates segment)`` into runs of
+    consecutive record numbers of one segment, in order."""
+    start = 0
+    for i in range(1, len(placed) + 1):
+        if (
+            i == len(placed)
+            or placed[i][0] != placed[start][0]
+            or placed[i][1] != placed[i - 1][1] + 1
+        ):
+            segment, first, create = placed[start]
+            yield RecordRun(segment, first, records[start:i], create)
+            start = i

@@ -1,0 +1,332 @@
+"""Tests of backends.nvme_segments: segment files and the index checkpoint (no loop)."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.faults import FaultInjector
+from backends.nvme_files import REAL_OS, OsCalls
+from backends.nvme_format import HEADER_BYTES, namespace_digest
+from backends.nvme_segments import (
+    CHECKPOINT_FILE,
+    MAX_IOV,
+    SEGMENTS_DIR,
+    Checkpoint,
+    RecordRun,
+    SegmentFiles,
+    iter_runs,
+    parse_segment_name,
+    segment_name,
+)
+from tiering.errors import InvalidArgumentError
+
+BLOCK = 16 << 10
+SLOTS = 8
+NS = namespace_digest("ns-a")
+WRITER = "ab12"
+
+
+@pytest.fixture
+def pool() -> Iterator[memoryview]:
+    buffer = mmap.mmap(-1, BLOCK * SLOTS)
+    view = memoryview(buffer)
+    for i in range(SLOTS):
+        view[i * BLOCK : (i + 1) * BLOCK] = os.urandom(BLOCK)
+    yield view
+    view.release()
+    buffer.close()
+
+
+def slot(pool: memoryview, i: int) -> memoryview:
+    return pool[i * BLOCK : (i + 1) * BLOCK]
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def files(tmp_path: Path, os_calls: OsCalls = REAL_OS, **options: object) -> SegmentFiles:
+    (tmp_path / SEGMENTS_DIR).mkdir(exist_ok=True)
+    return SegmentFiles(
+        str(tmp_path), block_bytes=BLOCK, ns_digest=NS, os_calls=os_calls, **options
+    )  # type: ignore[arg-type]
+
+
+def write(seg: SegmentFiles, pool: memoryview, placed: list[tuple[int, str, int, bool]]):
+    """Write key(i) from slot i at each (i, segment, record, creates)."""
+    records = [(key(i), slot(pool, i)) for i, *_ in placed]
+    runs = list(iter_runs([(s, r, c) for _, s, r, c in placed], records))
+    return seg.write(runs, writer=WRITER)
+
+
+def test_records_round_trip_byte_exact_across_segments(tmp_path: Path, pool: memoryview) -> None:
+    seg = files(tmp_path)
+    a, b = segment_name(WRITER, 0), segment_name(WRITER, 1)
+    report = write(seg, pool, [(0, a, 0, True), (1, a, 1, False), (2, b, 0, True)])
+    assert report.written == [key(0), key(1), key(2)] and not report.failed
+    assert report.created == [a, b]
+    target = mmap.mmap(-1, 3 * BLOCK)
+    out = memoryview(target)
+    reads = [
+        (key(i), s, r, out[i * BLOCK : (i + 1) * BLOCK])
+        for i, s, r in [(0, a, 0), (1, a, 1), (2, b, 0)]
+    ]
+    loaded = seg.read(reads)
+    assert loaded.loaded == [key(0), key(1), key(2)] and not loaded.failed
+    for i in range(3):
+        assert bytes(out[i * BLOCK : (i + 1) * BLOCK]) == bytes(slot(pool, i))
+    assert os.path.getsize(seg.path_of(a)) == HEADER_BYTES + 2 * seg.record_bytes
+
+
+def test_one_run_is_one_write_call(tmp_path: Path, pool: memoryview) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults)
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(SLOTS)])
+    assert faults.calls["pwritev"] == 2  # the segment header, then all eight records
+
+
+def test_a_run_longer_than_iov_max_is_split(tmp_path: Path, pool: memoryview) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults)
+    name = segment_name(WRITER, 0)
+    count = MAX_IOV // 2 + 3
+    records = [(key(i), slot(pool, i % SLOTS)) for i in range(count)]
+    report = seg.write([RecordRun(name, 0, records, create=True)], writer=WRITER)
+    assert len(report.written) == count
+    assert faults.calls["pwritev"] == 3
+    scan = seg.scan(name)
+    assert scan.records == [(key(i), i) for i in range(count)] and scan.invalid == 0
+
+
+def test_a_record_of_another_key_a_flipped_byte_and_a_missing_record_are_never_served(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    seg = files(tmp_path)
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(0, name, 0, True), (1, name, 1, False)])
+    with open(seg.path_of(name), "r+b") as file:
+        file.seek(seg.offset_of(1) + HEADER_BYTES + 100)
+        byte = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    out = memoryview(mmap.mmap(-1, 4 * BLOCK))
+    report = seg.read(
+        [
+            (key(7), name, 0, out[:BLOCK]),  # the record holds key 0
+            (key(1), name, 1, out[BLOCK : 2 * BLOCK]),  # payload flipped
+            (key(2), name, 5, out[2 * BLOCK : 3 * BLOCK]),  # beyond the end
+            (key(3), segment_name(WRITER, 9), 0, out[3 * BLOCK :]),  # no such segment
+        ]
+    )
+    assert report.loaded == []
+    assert "another key" in report.failed[key(7)]
+    assert "checksum" in report.failed[key(1)]
+    assert set(report.corrupt) == {key(7), key(1)}
+    assert set(report.missing) == {key(2), key(3)}
+
+
+def test_a_short_segment_tail_is_a_miss_and_the_scan_ignores_the_partial_slot(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    seg = files(tmp_path)
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(3)])
+    os.truncate(seg.path_of(name), seg.offset_of(2) + HEADER_BYTES + 10)  # record 2 torn
+    scan = seg.scan(name)
+    assert scan.records == [(key(0), 0), (key(1), 1)] and scan.end == 2
+    out = memoryview(mmap.mmap(-1, BLOCK))
+    report = seg.read([(key(2), name, 2, out)])
+    assert key(2) in report.failed and not report.loaded
+
+
+def test_scan_from_a_record_number_skips_garbage_slots(tmp_path: Path, pool: memoryview) -> None:
+    seg = files(tmp_path)
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(4)])
+    with open(seg.path_of(name), "r+b") as file:  # wreck record 2's header
+        file.seek(seg.offset_of(2))
+        file.write(b"\0" * 64)
+    scan = seg.scan(name, start=1)
+    assert scan.records == [(key(1), 1), (key(3), 3)] and scan.invalid == 1 and scan.end == 4
+
+
+def test_a_segment_of_another_namespace_is_refused_by_scan(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    name = segment_name(WRITER, 0)
+    write(files(tmp_path), pool, [(0, name, 0, True)])
+    other = SegmentFiles(str(tmp_path), block_bytes=BLOCK, ns_digest=namespace_digest("ns-b"))
+    with pytest.raises(Exception, match="another namespace"):
+        other.scan(name)
+
+
+def test_disk_full_fails_the_run_and_every_later_one(tmp_path: Path, pool: memoryview) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults)
+    a, b = segment_name(WRITER, 0), segment_name(WRITER, 1)
+    faults.fail("pwritev", errno.ENOSPC, path=a, after=1)  # the header lands, records do not
+    report = write(seg, pool, [(0, a, 0, True), (1, a, 1, False), (2, b, 0, True)])
+    assert report.disk_full and report.written == []
+    assert set(report.failed) == {key(0), key(1), key(2)}
+    assert "ENOSPC" in report.failed[key(0)]
+    assert report.created == [a]  # the caller learns the segment exists
+
+
+def test_batch_fsync_syncs_each_segment_and_the_directory_once(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults, fsync="batch")
+    a = segment_name(WRITER, 0)
+    write(seg, pool, [(0, a, 0, True), (1, a, 1, False)])
+    assert faults.calls["fdatasync"] == 1 and faults.calls["fsync"] == 1
+    faults.calls.clear()
+    write(seg, pool, [(2, a, 2, False)])
+    assert faults.calls["fdatasync"] == 1 and faults.calls["fsync"] == 0
+    faults.calls.clear()
+    files(tmp_path, faults, fsync="none").write(
+        [RecordRun(a, 3, [(key(3), slot(pool, 3))])], writer=WRITER
+    )
+    assert faults.calls["fdatasync"] == 0 and faults.calls["fsync"] == 0
+
+
+def test_a_failed_sync_fails_every_key_of_the_call(tmp_path: Path, pool: memoryview) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults, fsync="batch")
+    faults.fail("fdatasync", errno.EIO, times=1)
+    a = segment_name(WRITER, 0)
+    report = write(seg, pool, [(0, a, 0, True), (1, a, 1, False)])
+    assert report.written == [] and set(report.failed) == {key(0), key(1)}
+
+
+def test_payload_of_the_wrong_size_is_refused_before_anything_is_written(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    seg = files(tmp_path)
+    a = segment_name(WRITER, 0)
+    with pytest.raises(InvalidArgumentError, match="payload"):
+        seg.write([RecordRun(a, 0, [(key(0), pool[:100])], create=True)], writer=WRITER)
+    assert seg.list_segments() == []
+
+
+def test_segments_are_listed_with_sizes_and_deleted(tmp_path: Path, pool: memoryview) -> None:
+    seg = files(tmp_path)
+    a, b = segment_name(WRITER, 0), segment_name(WRITER, 1)
+    write(seg, pool, [(0, a, 0, True), (1, b, 0, True)])
+    (tmp_path / SEGMENTS_DIR / "notes.txt").write_text("not a segment")
+    size = HEADER_BYTES + seg.record_bytes
+    assert seg.list_segments() == [(a, size), (b, size)]
+    assert seg.delete([a, segment_name(WRITER, 7)]) == 1
+    assert seg.list_segments() == [(b, size)]
+
+
+def test_segment_names_parse_back_and_bad_ones_are_refused() -> None:
+    assert parse_segment_name(segment_name("00ff", 7)) == ("00ff", 7)
+    assert parse_segment_name("00ff-0000007.seg") is None
+    assert parse_segment_name("x.seg") is None
+    with pytest.raises(InvalidArgumentError):
+        segment_name("XYZ", 0)
+    with pytest.raises(InvalidArgumentError):
+        segment_name("ab", 1 << 32)
+
+
+def test_block_sizes_off_the_page_are_padded_to_aligned_records(tmp_path: Path) -> None:
+    (tmp_path / SEGMENTS_DIR).mkdir()
+    seg = SegmentFiles(str(tmp_path), block_bytes=1000, ns_digest=NS)
+    assert seg.record_bytes == HEADER_BYTES + 4096
+    payloads = [os.urandom(1000) for _ in range(2)]
+    name = segment_name(WRITER, 0)
+    records = [(key(i), memoryview(bytearray(p))) for i, p in enumerate(payloads)]
+    assert len(seg.write([RecordRun(name, 0, records, create=True)], writer=WRITER).written) == 2
+    out = [memoryview(bytearray(1000)) for _ in range(2)]
+    report = seg.read([(key(i), name, i, out[i]) for i in range(2)])
+    assert report.loaded == [key(0), key(1)]
+    assert [bytes(o) for o in out] == payloads
+
+
+# -- checkpoint ------------------------------------------------------------------------
+
+
+def checkpoint(n: int) -> Checkpoint:
+    rng = np.random.default_rng(n)
+    return Checkpoint(
+        [(segment_name(WRITER, 0), 10), (segment_name(WRITER, 1), 3)],
+        rng.integers(2, 1 << 63, n, dtype=np.uint64),
+        rng.integers(0, 2, n, dtype=np.uint32),
+        rng.integers(0, 10, n, dtype=np.uint32),
+        rng.integers(0, 1 << 31, n, dtype=np.uint32),
+    )
+
+
+def assert_same(a: Checkpoint, b: Checkpoint) -> None:
+    assert a.segments == b.segments
+    for name in ("digests", "segment_of", "record_of", "ticks"):
+        assert np.array_equal(getattr(a, name), getattr(b, name))
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000])
+def test_a_checkpoint_reads_back_exactly(tmp_path: Path, n: int) -> None:
+    seg = files(tmp_path)
+    written = checkpoint(n)
+    size = seg.write_checkpoint(written, temp_suffix="t1")
+    assert size == os.path.getsize(tmp_path / CHECKPOINT_FILE)
+    read, why = seg.read_checkpoint()
+    assert why is None and read is not None
+    assert_same(read, written)
+
+
+def test_no_checkpoint_is_reported_as_absent(tmp_path: Path) -> None:
+    assert files(tmp_path).read_checkpoint() == (None, "no checkpoint")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip", "truncate", "extend", "empty"],
+)
+def test_a_damaged_checkpoint_is_never_trusted(tmp_path: Path, damage: str) -> None:
+    seg = files(tmp_path)
+    seg.write_checkpoint(checkpoint(100), temp_suffix="t1")
+    path = tmp_path / CHECKPOINT_FILE
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        del data[-7:]
+    elif damage == "extend":
+        data += b"\0" * 8
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    read, why = seg.read_checkpoint()
+    assert read is None and why is not None and "rejected" in why
+
+
+def test_a_checkpoint_of_another_namespace_or_block_size_is_refused(tmp_path: Path) -> None:
+    files(tmp_path).write_checkpoint(checkpoint(5), temp_suffix="t1")
+    other_ns = SegmentFiles(str(tmp_path), block_bytes=BLOCK, ns_digest=namespace_digest("b"))
+    other_size = SegmentFiles(str(tmp_path), block_bytes=BLOCK * 2, ns_digest=NS)
+    for reader in (other_ns, other_size):
+        read, why = reader.read_checkpoint()
+        assert read is None and "another namespace or block size" in str(why)
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults)
+    first = checkpoint(10)
+    seg.write_checkpoint(first, temp_suffix="t1")
+    faults.fail("fdatasync", errno.EIO, times=1)
+    with pytest.raises(OSError):
+        seg.write_checkpoint(checkpoint(20), temp_suffix="t2")
+    read, _ = seg.read_checkpoint()
+    assert read is not None
+    assert_same(read, first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE, SEGMENTS_DIR]
