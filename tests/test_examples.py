@@ -305,3 +305,36 @@ def test_progress_draws_and_clears_on_a_terminal() -> None:
     # Step 2 fell within the interval; the shorter step 3 blanks step 1's tail; leaving
     # the block blanks the line and returns to its start.
     assert shown == "\rstep 1/3" + "\rstep 3  " + "\r      \r"
+
+
+# -- bench_nvme_scale -----------------------------------------------------------------
+
+
+def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    done = _run(
+        "examples/bench_nvme_scale.py",
+        "--blocks",
+        "300",
+        "--block-size",
+        "4K",
+        "--root",
+        str(root),
+        "--drop-cache",
+        "fadvise",  # not the whole machine's page cache, from a test
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["blocks"] == 300
+    assert summary["block_bytes"] == 4096
+    assert summary["recovered_blocks"] == 300
+    assert summary["verified_loads"] > 0
+    assert summary["restart_s"] > 0
+    assert summary["index_bytes_per_block"] > 0
+    assert summary["fill_GBps"] > 0
+    assert summary["cold_restart"] is False  # fadvise leaves the inodes cached
+    assert os.listdir(root) == []  # without --keep, what it wrote is gone
+    bad = _run("examples/bench_nvme_scale.py", "--block-size", "1000", "--root", str(root))
+    assert bad.returncode == 2, bad.stderr
+    assert "argument --block-size:" in bad.stderr.strip().splitlines()[-1]
+    assert bad.stdout == ""
