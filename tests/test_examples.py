@@ -9,6 +9,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,10 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
 @pytest.mark.parametrize(
     ("script", "defaults"),
     [
-        ("bench_nvme.py", ["(default: 2M,128K)", "(default: 1.0)", "(default: 3)"]),
+        (
+            "bench_nvme.py",
+            ["(default: 2M,128K)", "(default: 1.0)", "(default: 3)", "(default: quick)"],
+        ),
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
         ("bench_manager.py", ["(default: arc,lru,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
@@ -118,6 +122,17 @@ def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
         (["--max-inflight", "1.5"], "--max-inflight"),
         (["--fsync", "sometimes"], "--fsync"),
         (["--loop", "trio"], "--loop"),
+        (["--baseline-grid", "4"], "--baseline-grid"),
+        (["--baseline-grid", "1,2x0"], "--baseline-grid"),
+        (["--baseline-grid", "1,1x8"], "--baseline-grid"),
+        (["--baseline-grid", "fast"], "--baseline-grid"),
+        # 1 MiB holds one 1 MiB block: no stream for each of 2 fio jobs
+        (
+            ["--size-gib", "0.0009765625", "--block-sizes", "1M", "--baseline-grid", "2x1"],
+            "--baseline-grid",
+        ),
+        (["--vllm-fs", "on"], "--vllm-fs"),
+        (["--vllm-fs-threads", "0"], "--vllm-fs-threads"),
     ],
 )
 def test_bench_nvme_rejects(
@@ -146,6 +161,62 @@ def test_bench_nvme_directory_must_be_writable(
     args = parse_args([str(tmp_path / "new" / "dir"), "--block-sizes", "4K,1M"])
     assert (tmp_path / "new" / "dir").is_dir()
     assert args.block_sizes == [4096, 1 << 20]
+
+
+def test_bench_nvme_baseline_grid() -> None:
+    bench = _script("bench_nvme")
+    grid = bench.baseline_grid("full")
+    assert (grid.numjobs, grid.iodepths) == ((1, 2, 4), (1, 8, 32))
+    grid = bench.baseline_grid("1,4x2,64")
+    assert (grid.numjobs, grid.iodepths) == ((1, 4), (2, 64))
+    # A point needs a whole block per stream; a synchronous engine has depth 1 only.
+    labels = [p.label for p in bench.fio_points(grid, "io_uring", 4096, 2 * 4096)]
+    assert labels == ["numjobs=1,iodepth=2,io_uring", "numjobs=1,iodepth=64,io_uring"]
+    labels = [p.label for p in bench.fio_points(grid, "psync", 4096, 8 * 4096)]
+    assert labels == ["numjobs=1,iodepth=1,psync", "numjobs=4,iodepth=1,psync"]
+
+
+def test_bench_nvme_best_point_is_the_best_median() -> None:
+    rounds = [
+        {"a": (1.0, 5.0), "b": (3.0, 1.0)},
+        {"a": (9.0, 5.0), "b": (2.0, 1.0)},  # a's one lucky write does not make it best
+        {"a": (1.0, 5.0), "b": (2.5, 2.0)},
+    ]
+    best_point = _script("bench_nvme").best_point
+    assert best_point(rounds, 0) == ("b", 2.5, [3.0, 2.0, 2.5])
+    assert best_point(rounds, 1) == ("a", 5.0, [5.0, 5.0, 5.0])
+
+
+def test_bench_nvme_runs_and_ends_with_json(tmp_path: Path) -> None:
+    """A tiny run, without vLLM's tier whether or not vLLM is installed."""
+    done = _run(
+        "examples/bench_nvme.py",
+        str(tmp_path),
+        "--size-gib",
+        "0.0005",  # four 128 KiB blocks
+        "--block-sizes",
+        "128K",
+        "--repeat",
+        "1",
+        "--baseline-grid",
+        "1,2x2",
+        "--vllm-fs",
+        "off",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no progress line on a pipe
+    lines = done.stdout.strip().splitlines()
+    assert "vLLM fs comparison skipped: --vllm-fs off" in lines[0]
+    (run,) = json.loads(lines[-1])["runs"]
+    assert run["block_bytes"] == 128 << 10
+    for key in ("store_GBps", "load_GBps", "baseline_store_GBps", "baseline_load_GBps"):
+        assert run[key] > 0, key
+    engines = r"(io_uring|libaio|psync|python)"
+    for key in ("baseline_store_point", "baseline_load_point"):
+        assert re.fullmatch(rf"numjobs=[12],iodepth=[12],{engines}", run[key]), run[key]
+    for key in ("vllm_fs_store_GBps", "vllm_fs_load_GBps", "store_vs_vllm_fs"):
+        assert run[key] is None, key
+    assert sorted(os.listdir(tmp_path)) == []  # every file it made is gone
 
 
 @pytest.mark.parametrize(
