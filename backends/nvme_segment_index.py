@@ -1,0 +1,529 @@
+"""The segment layout's index: where each block sits, in about 40 bytes per block.
+
+Sans-I/O: plain synchronous code on the loop thread, no awaits, no files. It decides
+where new records go (which segment, which record number), which segments to delete to
+make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I/O.
+
+Memory: a block is indexed by a 64-bit digest of its key (:func:`key_digest`) in an
+open-addressing table of three flat arrays (digest, location, last use: 20 bytes a
+slot, at most 70 % full) plus 8 bytes per record in its segment's digest list: about
+36-65 bytes per block, against about 400 for a dict of keys with an ordered policy.
+Two keys with the same digest look like one block to the index; every read verifies
+the full key stored in the record's header, so such a collision can cost a hit, never
+serve another block's bytes.
+
+Eviction is by segment, oldest first (a log): space comes back only when a whole
+segment file is deleted. Records of the victim used recently (within the last
+``hot_fraction`` of the clock) are returned to be written again at the log's head, so a
+hot block outlives the segment it was first written to: FIFO with reinsertion, which
+approximates LRU at the cost of one rewrite per hot block per pass of the log.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from backends.nvme_segments import Checkpoint, SegmentScan, parse_segment_name, segment_name
+from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int
+
+_EMPTY = 0
+_MAX_LOAD = 0.7
+
+
+def key_digest(key: bytes) -> int:
+    """The index's 64-bit name for ``key`` (never 0, which marks an empty slot)."""
+    return xxhash.xxh3_64_intdigest(key) or 1
+
+
+class KeyTable:
+    """A fixed-size map from 64-bit digests to (location, tick), in flat arrays.
+
+    Linear probing with backward-shift deletion, so a table never holds tombstones and
+    a lookup stops at the first empty slot. Sized at construction for ``capacity``
+    entries at most 70 % full; :meth:`put` beyond ``capacity`` raises.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = positive_int("capacity", capacity)
+        size = 8
+        while size * _MAX_LOAD < capacity:
+            size *= 2
+        self._mask = size - 1
+        self._digests = array("Q", bytes(8 * size))
+        self._locs = array("Q", bytes(8 * size))
+        self._ticks = array("I", bytes(4 * size))
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table's arrays."""
+        return len(self._digests) * 20
+
+    def _find(self, digest: int) -> int:
+        """The slot holding ``digest``, or the empty slot where it would go."""
+        digests, mask = self._digests, self._mask
+        slot = digest & mask
+        while True:
+            found = digests[slot]
+            if found in (digest, _EMPTY):
+                return slot
+            slot = (slot + 1) & mask
+
+    def get(self, digest: int) -> int | None:
+        """The location of ``digest``, or None."""
+        slot = self._find(digest)
+        return self._locs[slot] if self._digests[slot] else None
+
+    def tick_of(self, digest: int) -> int | None:
+        """The last-use tick of ``digest``, or None."""
+        slot = self._find(digest)
+        return self._ticks[slot] if self._digests[slot] else None
+
+    def touch(self, digest: int, tick: int) -> bool:
+        """Set the last-use tick of a present digest; False if absent."""
+        slot = self._find(digest)
+        if not self._digests[slot]:
+            return False
+        self._ticks[slot] = tick
+        return True
+
+    def put(self, digest: int, loc: int, tick: int) -> int | None:
+        """Map ``digest`` to ``loc``; returns the location it replaced, if any.
+
+        Raises:
+            InvalidArgumentError: the table already holds ``capacity`` entries.
+        """
+        slot = self._find(digest)
+        old = self._locs[slot] if self._digests[slot] else None
+        if old is None:
+            if self._len >= self.capacity:
+                raise InvalidArgumentError(f"the key table is full ({self.capacity} entries)")
+            self._digests[slot] = digest
+            self._len += 1
+        self._locs[slot] = loc
+        self._ticks[slot] = tick
+        return old
+
+    def delete(self, digest: int) -> int | None:
+        """Remove ``digest``; returns its location, or None if absent."""
+        digests, locs, ticks, mask = self._digests, self._locs, self._ticks, self._mask
+        hole = self._find(digest)
+        if not digests[hole]:
+            return None
+        old = locs[hole]
+        # Backward shift: move later entries of the probe run into the hole when their
+        # home slot is not between the hole and them (cyclically).
+        slot = (hole + 1) & mask
+        while digests[slot]:
+            home = digests[slot] & mask
+            if (slot - home) & mask >= (slot - hole) & mask:
+                digests[hole], locs[hole], ticks[hole] = digests[slot], locs[slot], ticks[slot]
+                hole = slot
+            slot = (slot + 1) & mask
+        digests[hole] = _EMPTY
+        locs[hole] = 0
+        ticks[hole] = 0
+        self._len -= 1
+        return old
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of the present ``(digests, locations, ticks)``, in slot order."""
+        digests = np.frombuffer(self._digests, dtype=np.uint64)
+        present = digests != _EMPTY
+        locs = np.frombuffer(self._locs, dtype=np.uint64)
+        ticks = np.frombuffer(self._ticks, dtype=np.uint32)
+        return digests[present].copy(), locs[present].copy(), ticks[present].copy()
+
+
+def _loc(segment: int, record: int) -> int:
+    return segment << 32 | record
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a new record goes: ``segment`` (a file name), record number ``record``;
+    ``create``: this record's write creates the segment file."""
+
+    segment: str
+    record: int
+    create: bool
+
+
+@dataclass(slots=True)
+class _Segment:
+    name: str
+    digests: array = field(default_factory=lambda: array("Q"))  # record -> digest, 0 = none
+    live: int = 0
+    pins: int = 0  # reads in flight and writes not yet committed
+    sealed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """A segment the index gave up: delete ``segment``'s file once its pins are gone
+    (they are, when it is returned). ``dropped`` blocks left the index with it;
+    ``reinsert`` blocks (their digests and old record numbers) were used recently and
+    left the index too: write them again if they are wanted."""
+
+    segment: str
+    dropped: int
+    reinsert: list[tuple[int, int]]
+
+
+class SegmentIndex:
+    """Which blocks a segment-layout tier holds, where, and what to evict.
+
+    Capacity is counted in records on disk (live or dead): a segment's records come
+    back only when the segment is evicted. Segments take at most
+    ``records_per_segment`` records; this writer names its segments ``<writer>-<seq>``.
+
+    Guarantees:
+
+    * A pinned segment (a read or write in flight) is never evicted, and neither is a
+      segment holding a held key or the segment being written.
+    * ``used_records + reserved <= capacity_records`` after :meth:`make_room` granted.
+    * Every digest maps to one location; a newer record of a digest replaces the older
+      one, which becomes dead space.
+
+    Raises (constructor):
+        InvalidArgumentError: a size is not a positive int, ``writer`` is not hex, or
+            ``hot_fraction`` is outside [0, 1].
+    """
+
+    def __init__(
+        self,
+        capacity_records: int,
+        *,
+        records_per_segment: int,
+        writer: str,
+        hot_fraction: float = 0.25,
+    ) -> None:
+        self.capacity_records = positive_int("capacity_records", capacity_records)
+        self.records_per_segment = positive_int("records_per_segment", records_per_segment)
+        segment_name(writer, 0)  # validates the writer id
+        if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
+            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
+        self.writer = writer
+        self.hot_fraction = float(hot_fraction)
+        self._table = KeyTable(capacity_records)
+        self._segments: dict[int, _Segment] = {}  # slot number -> segment, oldest first
+        self._slot_of: dict[str, int] = {}
+        self._next_slot = 0
+        self._next_seq = 0
+        self._active: int | None = None
+        self._holds: Counter[int] = Counter()
+        self._clock = 0
+        self.used_records = 0
+        """Record slots of every segment, live or dead (what the disk holds)."""
+
+    # -- queries ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, digest: object) -> bool:
+        return isinstance(digest, int) and self._table.get(digest) is not None
+
+    def locate(self, digest: int) -> tuple[str, int] | None:
+        """``(segment name, record number)`` of a present digest, else None."""
+        loc = self._table.get(digest)
+        if loc is None:
+            return None
+        return self._segments[loc >> 32].name, loc & 0xFFFFFFFF
+
+    @property
+    def segments(self) -> list[str]:
+        """Segment names, oldest first."""
+        return [segment.name for segment in self._segments.values()]
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the index's arrays (table and per-segment digest lists)."""
+        lists = sum(len(s.digests) * 8 for s in self._segments.values())
+        return self._table.nbytes + lists
+
+    def live_fraction(self, segment: str) -> float:
+        """Live records of ``segment`` over its records."""
+        entry = self._segments[self._slot_of[segment]]
+        return entry.live / len(entry.digests) if len(entry.digests) else 1.0
+
+    # -- use --------------------------------------------------------------------------
+
+    def touch(self, digests: Iterable[int]) -> None:
+        """Mark present digests used now (absent ones are ignored)."""
+        for digest in digests:
+            self._clock += 1
+            self._table.touch(digest, self._clock & 0xFFFFFFFF)
+
+    def hold(self, digests: Iterable[int]) -> None:
+        """Keep these digests' segments from eviction until released (holds count)."""
+        self._holds.update(digests)
+
+    def release(self, digests: Iterable[int]) -> None:
+        """Undo one :meth:`hold` of each digest.
+
+        Raises:
+            InvalidArgumentError: a digest is released more often than held; nothing
+                released.
+        """
+        wanted = Counter(digests)
+        for digest, n in wanted.items():
+            if self._holds[digest] < n:
+                raise InvalidArgumentError(f"digest {digest:#x} released more often than held")
+        self._holds.subtract(wanted)
+        for digest in wanted:
+            if self._holds[digest] <= 0:
+                del self._holds[digest]
+
+    def pin(self, segment: str) -> None:
+        """One more read (or write) in flight in ``segment``: not evicted until unpinned."""
+        self._segments[self._slot_of[segment]].pins += 1
+
+    def unpin(self, segment: str) -> None:
+        """Undo one :meth:`pin`; a segment that is gone already is ignored."""
+        slot = self._slot_of.get(segment)
+        if slot is not None:
+            self._segments[slot].pins -= 1
+
+    # -- writes -----------------------------------------------------------------------
+
+    def room(self) -> int:
+        """Records that can be placed now without evicting."""
+        return self.capacity_records - self.used_records
+
+    def place(self, count: int) -> list[Placement]:
+        """Reserve ``count`` record slots at the log's head (opening segments as needed)
+        and pin their segments; commit each with :meth:`commit`, or :meth:`abandon` it.
+
+        Raises:
+            InvalidArgumentError: fewer than ``count`` records of room (call
+                :meth:`make_room` first).
+        """
+        if count > self.room():
+            raise InvalidArgumentError(f"{count} records do not fit ({self.room()} free)")
+        placed: list[Placement] = []
+        while len(placed) < count:
+            active = self._segments.get(self._active) if self._active is not None else None
+            if active is None or len(active.digests) >= self.records_per_segment:
+                if active is not None:
+                    active.sealed = True
+                active = self._open_segment()
+            record = len(active.digests)
+            take = min(count - len(placed), self.records_per_segment - record)
+            active.digests.extend([0] * take)
+            active.pins += take
+            placed.extend(
+                Placement(active.name, record + i, create=record + i == 0) for i in range(take)
+            )
+        self.used_records += count
+        return placed
+
+    def _open_segment(self) -> _Segment:
+        name = segment_name(self.writer, self._next_seq)
+        self._next_seq += 1
+        segment = self._add_segment(name)
+        self._active = self._slot_of[name]
+        return segment
+
+    def _add_segment(self, name: str) -> _Segment:
+        slot = self._next_slot
+        self._next_slot += 1
+        segment = _Segment(name)
+        self._segments[slot] = segment
+        self._slot_of[name] = slot
+        return segment
+
+    def commit(self, digest: int, placement: Placement) -> None:
+        """The record at ``placement`` holds ``digest`` now: index it there (an older
+        record of the same digest becomes dead) and unpin its segment."""
+        slot = self._slot_of[placement.segment]
+        segment = self._segments[slot]
+        segment.pins -= 1
+        self._clock += 1
+        old = self._table.put(digest, _loc(slot, placement.record), self._clock & 0xFFFFFFFF)
+        segment.digests[placement.record] = digest
+        segment.live += 1
+        if old is not None:
+            self._dead(old)
+
+    def abandon(self, placement: Placement) -> None:
+        """The write to ``placement`` failed: the slot stays taken (dead space)."""
+        self._segments[self._slot_of[placement.segment]].pins -= 1
+
+    def remove(self, digest: int) -> bool:
+        """Forget ``digest`` (its record failed verification); True if it was present."""
+        old = self._table.delete(digest)
+        if old is None:
+            return False
+        self._dead(old)
+        return True
+
+    def _dead(self, loc: int) -> None:
+        segment = self._segments[loc >> 32]
+        segment.live -= 1
+        segment.digests[loc & 0xFFFFFFFF] = 0
+
+    # -- eviction ---------------------------------------------------------------------
+
+    def make_room(self, count: int) -> tuple[int, list[Eviction]]:
+        """Evict the oldest evictable segments until ``count`` records fit.
+
+        Returns ``(records that fit now, evictions)``: at most ``count``; fewer when
+        every remaining segment is pinned, held or being written. Each eviction's file
+        is the caller's to delete.
+        """
+        evictions: list[Eviction] = []
+        while self.room() < count:
+            victim = self._oldest_evictable()
+            if victim is None:
+                break
+            evictions.append(self._evict(victim))
+        return min(count, max(0, self.room())), evictions
+
+    def _oldest_evictable(self) -> int | None:
+        holds = self._holds
+        for slot, segment in self._segments.items():
+            if slot == self._active or segment.pins:
+                continue
+            if holds and any(d in holds for d in segment.digests if d):
+                continue
+            return slot
+        return None
+
+    def _evict(self, slot: int) -> Eviction:
+        segment = self._segments.pop(slot)
+        del self._slot_of[segment.name]
+        window = int(self.hot_fraction * self.capacity_records)
+        table = self._table
+        dropped = 0
+        reinsert: list[tuple[int, int]] = []
+        for record, digest in enumerate(segment.digests):
+            if not digest or table.get(digest) != _loc(slot, record):
+                continue
+            tick = table.tick_of(digest)
+            table.delete(digest)
+            if window and tick is not None and (self._clock - tick) & 0xFFFFFFFF <= window:
+                reinsert.append((digest, record))
+            else:
+                dropped += 1
+        self.used_records -= len(segment.digests)
+        return Eviction(segment.name, dropped, reinsert)
+
+    def evict_segment(self, segment: str) -> Eviction:
+        """Give up ``segment`` now (it is unreadable, say): its blocks leave the index.
+
+        Raises:
+            InvalidArgumentError: unknown, pinned or the segment being written.
+        """
+        slot = self._slot_of.get(segment)
+        if slot is None or slot == self._active or self._segments[slot].pins:
+            raise InvalidArgumentError(f"segment {segment!r} is unknown, pinned or active")
+        eviction = self._evict(slot)
+        return Eviction(eviction.segment, eviction.dropped + len(eviction.reinsert), [])
+
+    # -- checkpoint and recovery --------------------------------------------------------
+
+    def snapshot(self) -> Checkpoint:
+        """The index as a checkpoint (segments oldest first, with records covered)."""
+        order = list(self._segments)
+        position = {slot: i for i, slot in enumerate(order)}
+        digests, locs, ticks = self._table.entries()
+        slots = (locs >> np.uint64(32)).astype(np.int64)
+        lookup = np.zeros(max(self._next_slot, 1), dtype=np.uint32)
+        for slot, i in position.items():
+            lookup[slot] = i
+        return Checkpoint(
+            [(self._segments[slot].name, len(self._segments[slot].digests)) for slot in order],
+            digests,
+            lookup[slots] if len(slots) else np.zeros(0, dtype=np.uint32),
+            (locs & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+            ticks,
+        )
+
+    def restore(
+        self,
+        checkpoint: Checkpoint | None,
+        on_disk: Sequence[tuple[str, int]],
+        scans: dict[str, SegmentScan],
+    ) -> int:
+        """Rebuild an empty index from a checkpoint and segment scans; returns the
+        blocks indexed.
+
+        ``on_disk`` lists the segments present now (name, records they hold) in the
+        order to index them (oldest first); the checkpoint's entries count only for
+        those, up to the records it covered, and ``scans[name]`` supplies the records
+        after that (or all of them, for a segment the checkpoint does not cover). Later
+        records of a digest win. Segments beyond capacity are not indexed: the caller
+        deletes those returned by :meth:`excess_segments`. New segments of this writer
+        continue its sequence after the highest one on disk.
+
+        Raises:
+            InvalidArgumentError: the index is not empty.
+        """
+        if self._segments:
+            raise InvalidArgumentError("restore needs an empty index")
+        covered: dict[str, int] = {}
+        by_name: dict[str, list[tuple[int, int, int]]] = {}
+        if checkpoint is not None:
+            listed = [name for name, _ in checkpoint.segments]
+            for name, upto in checkpoint.segments:
+                covered[name] = upto
+                by_name[name] = []
+            for d, s, r, t in zip(
+                checkpoint.digests.tolist(),
+                checkpoint.segment_of.tolist(),
+                checkpoint.record_of.tolist(),
+                checkpoint.ticks.tolist(),
+                strict=True,
+            ):
+                by_name[listed[s]].append((r, d, t))
+        for name, _records in on_disk:
+            parsed = parse_segment_name(name)
+            if parsed is not None and parsed[0] == self.writer:
+                self._next_seq = max(self._next_seq, parsed[1] + 1)
+        kept: set[str] = set()
+        total = 0
+        for name, records in reversed(on_disk):  # the newest segments are kept
+            if total + records > self.capacity_records:
+                break
+            total += records
+            kept.add(name)
+        for name, records in on_disk:
+            if name not in kept:
+                continue
+            segment = self._add_segment(name)
+            segment.sealed = True
+            segment.digests.extend([0] * records)
+            self.used_records += records
+            slot = self._slot_of[name]
+            upto = min(covered.get(name, 0), records)
+            entries = [(r, d, t) for r, d, t in by_name.get(name, ()) if r < upto]
+            scan = scans.get(name)
+            if scan is not None:
+                entries.extend((r, key_digest(k), 0) for k, r in scan.records if r >= upto)
+            for record, digest, tick in sorted(entries):
+                old = self._table.put(digest, _loc(slot, record), tick)
+                segment.digests[record] = digest
+                segment.live += 1
+                if old is not None:
+                    self._dead(old)
+                self._clock = max(self._clock, tick)  # ticks restart near the newest
+        self._active = None
+        return len(self._table)
+
+    def excess_segments(self, on_disk: Sequence[tuple[str, int]]) -> list[str]:
+        """The segments of ``on_disk`` that :meth:`restore` did not index."""
+        return [name for name, _ in on_disk if name not in self._slot_of]
+
+
+__all__ = ["Eviction", "KeyTable", "Placement", "SegmentIndex", "key_digest"]
