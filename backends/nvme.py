@@ -153,7 +153,251 @@ class _InflightBytes:
                 return  # a blocked load holds back stores
 
 
-class NVMeTier(TierActor):
+class NVMeTierBase(TierActor):
+    """What the NVMe tier's layouts share: the namespace directory and its identity file,
+    the owner lock, the O_DIRECT probe, the space guard, the I/O byte budget, metrics,
+    and the start-up sequence. A layout subclass supplies the files and the index
+    through the hooks below (``_subdirs``, ``_scan_disk``, ``_adopt_scan``,
+    ``_remove_excess``, ``_free_bytes``, ``_use_o_direct``).
+
+    Raises (constructor): InvalidArgumentError for any bad argument.
+    """
+
+    def __init__(
+        self,
+        primary_kv_view: memoryview,
+        block_bytes: int,
+        *,
+        root: str | os.PathLike[str],
+        namespace: str,
+        capacity_bytes: int,
+        file_bytes: int,
+        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+        fsync: FsyncPolicy = "batch",
+        o_direct: bool | None = None,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        enospc_retry_s: float = DEFAULT_ENOSPC_RETRY_S,
+        os_calls: OsCalls = REAL_OS,
+        clock: Callable[[], float] = time.monotonic,
+        **actor_kwargs: Any,
+    ) -> None:
+        if not isinstance(root, str | os.PathLike):
+            raise InvalidArgumentError(f"root must be a path, got {root!r}")
+        dirname = namespace_dirname(namespace)
+        positive_int("max_inflight_bytes", max_inflight_bytes)
+        if fsync not in FSYNC_POLICIES:
+            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        if o_direct not in (None, True, False):
+            raise InvalidArgumentError(f"o_direct must be True, False or None, got {o_direct!r}")
+        if not callable(clock):
+            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
+        self._space = SpaceGuard(
+            file_bytes=file_bytes,
+            capacity_bytes=capacity_bytes,
+            min_free_bytes=min_free_bytes,
+            retry_s=enospc_retry_s,
+            clock=clock,
+        )
+        super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
+        self.root = os.fspath(root)
+        self.namespace = namespace
+        self.directory = os.path.join(self.root, dirname)
+        self.file_bytes = file_bytes
+        """Bytes one block takes on disk (its header page included)."""
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = self._space.capacity_blocks
+        self.min_free_bytes = min_free_bytes
+        self.fsync = fsync
+        self.o_direct_requested = o_direct
+        self.o_direct: bool | None = None
+        """Whether O_DIRECT is in use; known after :meth:`start`."""
+        self.enospc_retry_s = float(enospc_retry_s)
+        self.metrics = NVMeMetrics()
+        """Counters since creation; ``statistics().counters`` shows the same figures."""
+        self._failure_log = FailureLog(logger, "nvme tier")
+        self._os = os_calls
+        self._clock = clock
+        self._ns_digest = namespace_digest(namespace)
+        self._instance_id = uuid.uuid4().hex
+        self._budget = _InflightBytes(max_inflight_bytes)
+        self._owner: OwnerLock | None = None
+        self._opened = False
+        self._start_lock = asyncio.Lock()
+
+    # -- layout hooks -------------------------------------------------------------------
+
+    def _subdirs(self) -> list[str]:
+        """Subdirectories of the namespace directory the layout needs (besides owners/)."""
+        raise NotImplementedError
+
+    def _scan_disk(self) -> Any:
+        """Worker thread, at start: what the layout finds on disk."""
+        raise NotImplementedError
+
+    def _adopt_scan(self, scan: Any) -> list[Any]:
+        """Loop thread, at start: index what ``_scan_disk`` found; returns what is over
+        the cap, for ``_remove_excess``."""
+        raise NotImplementedError
+
+    def _remove_excess(self, excess: list[Any]) -> None:
+        """Worker thread, at start: remove what ``_adopt_scan`` returned."""
+        raise NotImplementedError
+
+    def _free_bytes(self) -> int | None:
+        """Worker thread: free bytes on the file system, or None if unknown."""
+        raise NotImplementedError
+
+    def _use_o_direct(self, enabled: bool) -> None:
+        """The probe's verdict, before any job."""
+        raise NotImplementedError
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the namespace directory, recover the index from disk, then serve.
+
+        Raises:
+            ClosedError: the tier is closing or closed.
+            InvalidArgumentError: the namespace directory holds another namespace, or
+                ``o_direct=True`` and the file system refuses O_DIRECT.
+            TieringError: the root cannot be created, written or scanned (the message
+                carries the OS error).
+        """
+        if self.closed:
+            raise ClosedError(f"{self._name()} is closed and cannot be restarted")
+        async with self._start_lock:
+            if self._opened:
+                await super().start()
+                return
+            try:
+                await self._prepare_directories()
+                probe, scan, free = await self.run_blocking(self._open_on_disk)
+            except OSError as exc:
+                self._release_owner()
+                raise TieringError(
+                    f"nvme tier: root={self.root!r} cannot be used (it must be a writable "
+                    f"directory or creatable as one): {exc}"
+                ) from exc
+            except BaseException:
+                self._release_owner()
+                raise
+            excess = self._adopt(probe, scan, free)
+            self._opened = True
+            if excess:
+                # Before serving: a store of one of these keys must not have its new
+                # file removed by this clean-up.
+                await self.run_blocking(self._remove_excess, excess)
+            await self._start_io_threads()
+            await super().start()
+
+    def _on_closed(self) -> None:
+        # Here rather than in shutdown(): called from another thread, shutdown() only
+        # schedules the stop, and the lock must outlive the writes still running.
+        self._release_owner()
+
+    async def _start_io_threads(self) -> None:
+        # A pool starts its threads lazily, one per call while none is idle: in the
+        # first jobs the loop would wait for each thread's start handshake and compete
+        # with its initializer for the GIL. Calls that wait for each other make the pool
+        # start every thread now, before any job is served.
+        meeting = threading.Barrier(self.io_threads)
+        await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
+
+    async def _prepare_directories(self) -> None:
+        for sub in (OWNERS_DIR, *self._subdirs()):
+            await aiofiles.os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        identity = {"namespace": self.namespace, "format_version": FORMAT_VERSION}
+        path = os.path.join(self.directory, IDENTITY_FILE)
+        try:
+            async with aiofiles.open(path, encoding="utf-8") as existing:
+                text = await existing.read()
+        except FileNotFoundError:
+            temp = f"{path}.{self._instance_id}.tmp"
+            async with aiofiles.open(temp, "w", encoding="utf-8") as new:
+                await new.write(json.dumps(identity, sort_keys=True))
+            await aiofiles.os.replace(temp, path)
+            return
+        try:
+            found = json.loads(text).get("namespace")
+        except (ValueError, AttributeError):
+            found = None
+        if found != self.namespace:
+            raise InvalidArgumentError(
+                f"{self.directory!r} holds namespace {found!r}, not {self.namespace!r}; "
+                "refusing to use it"
+            )
+
+    def _open_on_disk(self) -> tuple[str | None, Any, int | None]:
+        """Worker thread: check the floor against the file system's size, take the owner
+        lock, probe O_DIRECT, scan, measure free space."""
+        statvfs = self._os.statvfs(self.directory)
+        self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
+        self._owner = OwnerLock(self.directory, self._instance_id)
+        probe = None
+        if self.o_direct_requested is not False:
+            probe = probe_o_direct(self.directory, self._os)
+        else:
+            probe = "disabled by configuration (o_direct=False)"
+        scan = self._scan_disk()
+        return probe, scan, self._free_bytes()
+
+    def _adopt(self, probe: str | None, scan: Any, free: int | None) -> list[Any]:
+        """Take the start-up findings; returns what is beyond the cap (to remove)."""
+        if probe is not None and self.o_direct_requested is True:
+            self._release_owner()
+            raise InvalidArgumentError(
+                f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
+            )
+        self.o_direct = probe is None
+        self._use_o_direct(self.o_direct)
+        if probe is not None and self.o_direct_requested is None:
+            logger.warning(
+                "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O",
+                self.directory,
+                probe,
+            )
+        self._space.measured(free)
+        return self._adopt_scan(scan)
+
+    def _release_owner(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.release()
+
+    # -- space ------------------------------------------------------------------------
+
+    @property
+    def read_only(self) -> bool:
+        """True while stores are refused because the file system was full."""
+        return self._space.read_only
+
+    async def _refresh_free_bytes(self) -> None:
+        self._space.measured(await self.run_blocking(self._free_bytes))
+
+    def _store_space_ended(
+        self, free_bytes: int | None, *, disk_full: bool, stored_any: bool
+    ) -> None:
+        """Record a store hop's effect on space: free bytes, disk full or space back."""
+        if free_bytes is not None:
+            self._space.measured(free_bytes)
+        change = self._space.store_ended(disk_full=disk_full, stored_any=stored_any)
+        if change == "full":
+            self.metrics.disk_full_events += 1
+            logger.warning(
+                "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
+                "on; retrying every %gs or after space is freed",
+                self.directory,
+                self.enospc_retry_s,
+            )
+        elif change == "resumed":
+            logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "nvme"
+
+
+class NVMeTier(NVMeTierBase):
     """A secondary tier that keeps blocks in files under ``root``.
 
     Args:
@@ -212,56 +456,23 @@ class NVMeTier(TierActor):
         root: str | os.PathLike[str],
         namespace: str,
         capacity_bytes: int,
-        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
-        fsync: FsyncPolicy = "batch",
         policy: str | EvictionPolicy = "lru",
-        o_direct: bool | None = None,
-        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-        enospc_retry_s: float = DEFAULT_ENOSPC_RETRY_S,
+        fsync: FsyncPolicy = "batch",
         os_calls: OsCalls = REAL_OS,
-        clock: Callable[[], float] = time.monotonic,
-        **actor_kwargs: Any,
+        **options: Any,
     ) -> None:
-        if not isinstance(root, str | os.PathLike):
-            raise InvalidArgumentError(f"root must be a path, got {root!r}")
-        dirname = namespace_dirname(namespace)
-        positive_int("max_inflight_bytes", max_inflight_bytes)
-        if fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        if o_direct not in (None, True, False):
-            raise InvalidArgumentError(f"o_direct must be True, False or None, got {o_direct!r}")
-        if not callable(clock):
-            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
-        space = SpaceGuard(
-            file_bytes=HEADER_BYTES + positive_int("block_bytes", block_bytes),
+        super().__init__(
+            primary_kv_view,
+            block_bytes,
+            root=root,
+            namespace=namespace,
             capacity_bytes=capacity_bytes,
-            min_free_bytes=min_free_bytes,
-            retry_s=enospc_retry_s,
-            clock=clock,
+            file_bytes=HEADER_BYTES + positive_int("block_bytes", block_bytes),
+            fsync=fsync,
+            os_calls=os_calls,
+            **options,
         )
-        index = ResidencyIndex(space.capacity_blocks, policy)
-        super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
-        self.root = os.fspath(root)
-        self.namespace = namespace
-        self.directory = os.path.join(self.root, dirname)
-        self.file_bytes = space.file_bytes
-        self.capacity_bytes = capacity_bytes
-        self.capacity_blocks = space.capacity_blocks
-        self.min_free_bytes = min_free_bytes
-        self.fsync = fsync
-        self.o_direct_requested = o_direct
-        self.o_direct: bool | None = None
-        """Whether O_DIRECT is in use; known after :meth:`start`."""
-        self.enospc_retry_s = float(enospc_retry_s)
-        self.metrics = NVMeMetrics()
-        """Counters since creation; ``statistics().counters`` shows the same figures."""
-        self._index = index
-        self._space = space
-        self._failure_log = FailureLog(logger, "nvme tier")
-        self._os = os_calls
-        self._clock = clock
-        self._ns_digest = namespace_digest(namespace)
-        self._instance_id = uuid.uuid4().hex
+        self._index = ResidencyIndex(self.capacity_blocks, policy)
         self._files = BlockFiles(
             self.directory,
             block_bytes=self.block_bytes,
@@ -271,11 +482,6 @@ class NVMeTier(TierActor):
             o_direct=False,
             os_calls=os_calls,
         )
-        self._budget = _InflightBytes(max_inflight_bytes)
-        self._owner: OwnerLock | None = None
-        self._opened = False
-        self._start_lock = asyncio.Lock()
-
         # Keys a running hop writes or removes, with the event set when it ends: a store
         # of such a key waits for it (eviction protection is the index's pins).
         self._busy: dict[OffloadKey, asyncio.Event] = {}
@@ -283,43 +489,6 @@ class NVMeTier(TierActor):
         self._generation = 0  # bumped by clear(): older hops' keys are not committed
 
     # -- life cycle -------------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Open the namespace directory, recover the index from disk, then serve.
-
-        Raises:
-            ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the namespace directory holds another namespace, or
-                ``o_direct=True`` and the file system refuses O_DIRECT.
-            TieringError: the root cannot be created, written or scanned (the message
-                carries the OS error).
-        """
-        if self.closed:
-            raise ClosedError(f"{self._name()} is closed and cannot be restarted")
-        async with self._start_lock:
-            if self._opened:
-                await super().start()
-                return
-            try:
-                await self._prepare_directories()
-                probe, scan, free = await self.run_blocking(self._open_on_disk)
-            except OSError as exc:
-                self._release_owner()
-                raise TieringError(
-                    f"nvme tier: root={self.root!r} cannot be used (it must be a writable "
-                    f"directory or creatable as one): {exc}"
-                ) from exc
-            except BaseException:
-                self._release_owner()
-                raise
-            excess = self._adopt(probe, scan, free)
-            self._opened = True
-            if excess:
-                # Before serving: a store of one of these keys must not have its new
-                # file removed by this clean-up.
-                await self.run_blocking(self._files.remove, excess)
-            await self._start_io_threads()
-            await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
         """Close as :meth:`TierActor.aclose`, then remove the files of cleared blocks.
@@ -332,73 +501,22 @@ class NVMeTier(TierActor):
         trash, self._trash = list(self._trash), {}
         await self._remove_files(trash)
 
-    def _on_closed(self) -> None:
-        # Here rather than in shutdown(): called from another thread, shutdown() only
-        # schedules the stop, and the lock must outlive the writes still running.
-        self._release_owner()
+    def _subdirs(self) -> list[str]:
+        return fanout_dirs()
 
-    async def _start_io_threads(self) -> None:
-        # A pool starts its threads lazily, one per call while none is idle: in the
-        # first jobs the loop would wait for each thread's start handshake and compete
-        # with its initializer for the GIL. Calls that wait for each other make the pool
-        # start every thread now, before any job is served.
-        meeting = threading.Barrier(self.io_threads)
-        await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
+    def _scan_disk(self) -> ScanReport:
+        return self._files.scan()
 
-    async def _prepare_directories(self) -> None:
-        await aiofiles.os.makedirs(os.path.join(self.directory, OWNERS_DIR), exist_ok=True)
-        for sub in fanout_dirs():
-            await aiofiles.os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
-        identity = {"namespace": self.namespace, "format_version": FORMAT_VERSION}
-        path = os.path.join(self.directory, IDENTITY_FILE)
-        try:
-            async with aiofiles.open(path, encoding="utf-8") as existing:
-                text = await existing.read()
-        except FileNotFoundError:
-            temp = f"{path}.{self._instance_id}.tmp"
-            async with aiofiles.open(temp, "w", encoding="utf-8") as new:
-                await new.write(json.dumps(identity, sort_keys=True))
-            await aiofiles.os.replace(temp, path)
-            return
-        try:
-            found = json.loads(text).get("namespace")
-        except (ValueError, AttributeError):
-            found = None
-        if found != self.namespace:
-            raise InvalidArgumentError(
-                f"{self.directory!r} holds namespace {found!r}, not {self.namespace!r}; "
-                "refusing to use it"
-            )
+    def _free_bytes(self) -> int | None:
+        return self._files.free_bytes()
 
-    def _open_on_disk(self) -> tuple[str | None, ScanReport, int | None]:
-        """Worker thread: check the floor against the file system's size, take the owner
-        lock, probe O_DIRECT, scan, measure free space."""
-        statvfs = self._os.statvfs(self.directory)
-        self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
-        self._owner = OwnerLock(self.directory, self._instance_id)
-        probe = None
-        if self.o_direct_requested is not False:
-            probe = probe_o_direct(self.directory, self._os)
-        else:
-            probe = "disabled by configuration (o_direct=False)"
-        scan = self._files.scan()
-        return probe, scan, self._files.free_bytes()
+    def _use_o_direct(self, enabled: bool) -> None:
+        self._files.o_direct = enabled
 
-    def _adopt(self, probe: str | None, scan: ScanReport, free: int | None) -> list[OffloadKey]:
-        """Take the start-up findings; returns the oldest blocks beyond the cap (to remove)."""
-        if probe is not None and self.o_direct_requested is True:
-            self._release_owner()
-            raise InvalidArgumentError(
-                f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
-            )
-        self.o_direct = probe is None
-        self._files.o_direct = self.o_direct
-        if probe is not None and self.o_direct_requested is None:
-            logger.warning(
-                "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O",
-                self.directory,
-                probe,
-            )
+    def _remove_excess(self, excess: list[OffloadKey]) -> None:
+        self._files.remove(excess)
+
+    def _adopt_scan(self, scan: ScanReport) -> list[OffloadKey]:
         keys = [key for key, _mtime in scan.blocks]  # oldest first
         split = max(0, len(keys) - self.capacity_blocks)
         excess, kept = keys[:split], keys[split:]
@@ -407,7 +525,6 @@ class NVMeTier(TierActor):
         self.metrics.recovered_blocks = len(kept)
         self.metrics.evicted_blocks += len(excess)
         self.metrics.removed_on_recovery.update(scan.removed)
-        self._space.measured(free)
         if scan.blocks or scan.removed:
             logger.info(
                 "nvme tier: recovered %d blocks in %s (%d over the cap evicted); removed %s",
@@ -423,16 +540,7 @@ class NVMeTier(TierActor):
         if keys:
             await asyncio.to_thread(self._files.remove, keys)
 
-    def _release_owner(self) -> None:
-        owner, self._owner = self._owner, None
-        if owner is not None:
-            owner.release()
-
     # -- queries ----------------------------------------------------------------------
-
-    @staticmethod
-    def get_tier_type() -> str:
-        return "nvme"
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if stored and verified-complete on disk, None while a store of it is
@@ -478,11 +586,6 @@ class NVMeTier(TierActor):
     def used_bytes(self) -> int:
         """Bytes of the block files this tier holds (header pages included)."""
         return len(self._index) * self.file_bytes
-
-    @property
-    def read_only(self) -> bool:
-        """True while stores are refused because the file system was full."""
-        return self._space.read_only
 
     def clear(self) -> None:
         """Drop every block: lookups miss at once, stores running now do not land.
@@ -637,9 +740,6 @@ class NVMeTier(TierActor):
                 await event.wait()
             wanted = {k: b for k, b in wanted.items() if k not in self._index}
 
-    async def _refresh_free_bytes(self) -> None:
-        self._space.measured(await self.run_blocking(self._files.free_bytes))
-
     def _commit_store(
         self, report: StoreReport, generation: int, failed: dict[OffloadKey, str], granted: int
     ) -> int:
@@ -658,19 +758,9 @@ class NVMeTier(TierActor):
         self.metrics.stored_blocks += len(report.stored)
         self.metrics.bytes_written += len(report.stored) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
-        if report.free_bytes is not None:
-            self._space.measured(report.free_bytes)
-        change = self._space.store_ended(disk_full=report.disk_full, stored_any=bool(report.stored))
-        if change == "full":
-            self.metrics.disk_full_events += 1
-            logger.warning(
-                "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
-                "on; retrying every %gs or after space is freed",
-                self.directory,
-                self.enospc_retry_s,
-            )
-        elif change == "resumed":
-            logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
+        self._store_space_ended(
+            report.free_bytes, disk_full=report.disk_full, stored_any=bool(report.stored)
+        )
         return granted
 
     def _commit_load(
@@ -715,4 +805,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["NVMeMetrics", "NVMeTier"]
+__all__ = ["NVMeMetrics", "NVMeTier", "NVMeTierBase"]
