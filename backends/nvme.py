@@ -396,6 +396,24 @@ class NVMeTierBase(TierActor):
     def get_tier_type() -> str:
         return "nvme"
 
+    def _pinned_blocks(self) -> int:
+        """Blocks that reads or writes in flight (or holds) keep from eviction now."""
+        raise NotImplementedError
+
+    def _usage(self) -> dict[str, Any]:
+        counters = asdict(self.metrics)
+        removed = counters.pop("removed_on_recovery")
+        counters["removed_on_recovery"] = sum(removed.values())
+        return {
+            "used_blocks": self.get_num_blocks(),
+            "capacity_blocks": self.capacity_blocks,
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "pinned_blocks": self._pinned_blocks(),
+            "counters": counters,
+            "failures": dict(self._failure_log.counts),
+        }
+
 
 class NVMeTier(NVMeTierBase):
     """A secondary tier that keeps blocks in files under ``root``.
@@ -597,19 +615,8 @@ class NVMeTier(NVMeTierBase):
             self._trash[key] = None
         self._space.freed()
 
-    def _usage(self) -> dict[str, Any]:
-        counters = asdict(self.metrics)
-        removed = counters.pop("removed_on_recovery")
-        counters["removed_on_recovery"] = sum(removed.values())
-        return {
-            "used_blocks": len(self._index),
-            "capacity_blocks": self.capacity_blocks,
-            "used_bytes": self.used_bytes,
-            "capacity_bytes": self.capacity_bytes,
-            "pinned_blocks": self._index.pinned_resident,
-            "counters": counters,
-            "failures": dict(self._failure_log.counts),
-        }
+    def _pinned_blocks(self) -> int:
+        return self._index.pinned_resident
 
     # -- hooks ------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -166,6 +166,7 @@ class _Segment:
     live: int = 0
     pins: int = 0  # reads in flight and writes not yet committed
     sealed: bool = False
+    protected: bool = False  # another live writer's segment: never evicted by this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +246,11 @@ class SegmentIndex:
     def segments(self) -> list[str]:
         """Segment names, oldest first."""
         return [segment.name for segment in self._segments.values()]
+
+    @property
+    def pinned_records(self) -> int:
+        """Records that reads or writes in flight use now (pins of every segment)."""
+        return sum(segment.pins for segment in self._segments.values())
 
     @property
     def memory_bytes(self) -> int:
@@ -375,25 +381,28 @@ class SegmentIndex:
 
     # -- eviction ---------------------------------------------------------------------
 
-    def make_room(self, count: int) -> tuple[int, list[Eviction]]:
-        """Evict the oldest evictable segments until ``count`` records fit.
+    def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
+        """Evict the oldest evictable segments until ``count`` records fit, with at most
+        ``limit`` records on disk afterwards (default: the capacity; a lower one is how
+        a free-space floor binds).
 
         Returns ``(records that fit now, evictions)``: at most ``count``; fewer when
-        every remaining segment is pinned, held or being written. Each eviction's file
-        is the caller's to delete.
+        every remaining segment is pinned, held, protected or being written. Each
+        eviction's file is the caller's to delete.
         """
+        bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
         evictions: list[Eviction] = []
-        while self.room() < count:
+        while bound - self.used_records < count:
             victim = self._oldest_evictable()
             if victim is None:
                 break
             evictions.append(self._evict(victim))
-        return min(count, max(0, self.room())), evictions
+        return min(count, max(0, bound - self.used_records)), evictions
 
     def _oldest_evictable(self) -> int | None:
         holds = self._holds
         for slot, segment in self._segments.items():
-            if slot == self._active or segment.pins:
+            if slot == self._active or segment.pins or segment.protected:
                 continue
             if holds and any(d in holds for d in segment.digests if d):
                 continue
@@ -418,6 +427,18 @@ class SegmentIndex:
                 dropped += 1
         self.used_records -= len(segment.digests)
         return Eviction(segment.name, dropped, reinsert)
+
+    def clear(self) -> list[str]:
+        """Forget every block and segment (new segments continue the sequence); returns
+        the segment names, whose files are the caller's to delete. Placements made
+        before must not be committed or abandoned afterwards."""
+        names = self.segments
+        self._table = KeyTable(self.capacity_records)
+        self._segments.clear()
+        self._slot_of.clear()
+        self._active = None
+        self.used_records = 0
+        return names
 
     def evict_segment(self, segment: str) -> Eviction:
         """Give up ``segment`` now (it is unreadable, say): its blocks leave the index.
@@ -455,6 +476,7 @@ class SegmentIndex:
         checkpoint: Checkpoint | None,
         on_disk: Sequence[tuple[str, int]],
         scans: dict[str, SegmentScan],
+        protected: Collection[str] = (),
     ) -> int:
         """Rebuild an empty index from a checkpoint and segment scans; returns the
         blocks indexed.
@@ -465,7 +487,8 @@ class SegmentIndex:
         after that (or all of them, for a segment the checkpoint does not cover). Later
         records of a digest win. Segments beyond capacity are not indexed: the caller
         deletes those returned by :meth:`excess_segments`. New segments of this writer
-        continue its sequence after the highest one on disk.
+        continue its sequence after the highest one on disk. ``protected`` segments
+        (another live writer's) are never evicted.
 
         Raises:
             InvalidArgumentError: the index is not empty.
@@ -503,6 +526,7 @@ class SegmentIndex:
                 continue
             segment = self._add_segment(name)
             segment.sealed = True
+            segment.protected = name in protected
             segment.digests.extend([0] * records)
             self.used_records += records
             slot = self._slot_of[name]

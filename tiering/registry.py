@@ -29,6 +29,7 @@ _BUILTINS: dict[str, str] = {
     "example": "backends.example:ExampleSecondaryTier",
     "memory": "backends.memory:MemoryTier",
     "nvme": "backends.nvme:NVMeTier",
+    "nvme-segments": "backends.nvme_segment_tier:NVMeSegmentTier",
 }
 _REGISTERED: dict[str, TierFactory] = {}
 

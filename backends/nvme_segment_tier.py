@@ -1,0 +1,513 @@
+"""The NVMe tier with its blocks packed into segment files (registered as ``"nvme-segments"``).
+
+The same tier as :class:`backends.nvme.NVMeTier` from the outside (namespaces, cap and
+free-space floor, disk full, verification before serving, shared roots, fault injection),
+with another layout: blocks are records appended to large segment files
+(:mod:`backends.nvme_segments`), indexed by :class:`~backends.nvme_segment_index.
+SegmentIndex` (about 50-65 bytes of memory per block), evicted a whole segment at a time,
+oldest first, and recovered from a checkpoint of the index plus a scan of what was
+written after it. A store job is one vectored write per run of records, not a create and
+a rename per block.
+
+What it does not do yet (the file layout stays the default ``"nvme"`` until it does):
+rewrite recently used blocks of an evicted segment (eviction is FIFO by segment), and
+checkpoint while serving other than every ``checkpoint_every`` records written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.nvme import NVMeTierBase, _result
+from backends.nvme_files import REAL_OS, FsyncPolicy, OsCalls, owner_alive
+from backends.nvme_format import HEADER_BYTES, MAX_KEY_BYTES
+from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
+from backends.nvme_segments import (
+    CHECKPOINT_FILE,
+    SEGMENTS_DIR,
+    Checkpoint,
+    ReadReport,
+    SegmentFiles,
+    SegmentScan,
+    WriteReport,
+    align_up,
+    iter_runs,
+    parse_segment_name,
+)
+from backends.nvme_space import DISK_FULL_REASON
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
+from tiering.validation import hash_list, positive_int
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_BYTES = 256 << 20
+MAX_RECORDS_PER_SEGMENT = 4096
+"""Bounds the work of evicting one segment (one index deletion per record)."""
+DEFAULT_CHECKPOINT_EVERY = 16384
+"""Records written between checkpoints: what a restart scans beyond the checkpoint."""
+
+
+@dataclass(slots=True)
+class _DiskState:
+    """What the start-up hop found, and the index it built from it (worker thread)."""
+
+    index: SegmentIndex
+    recovered: int
+    excess: list[str]
+    removed: Counter[str] = field(default_factory=Counter)
+    checkpoint_note: str | None = None
+
+
+class NVMeSegmentTier(NVMeTierBase):
+    """A secondary tier keeping blocks as records of segment files under ``root``.
+
+    Args: as :class:`backends.nvme.NVMeTier` (without ``policy``: eviction is by
+    segment, oldest first), plus
+
+        segment_bytes: the size a segment grows to before the next one starts (at most
+            4096 records).
+        checkpoint_every: records written between index checkpoints (also written at a
+            graceful close). A restart reads the checkpoint and scans only the records
+            written after it.
+
+    Guarantees (besides those of the file layout):
+
+    * A store's keys become visible only after their records are written (and synced
+      per ``fsync``: ``"batch"`` syncs each segment a job wrote once, ``"always"`` after
+      every run of records).
+    * A record is served only if its header (namespace, key, length, checksum) and
+      payload checksum verify; a stale or damaged checkpoint can cost hits, never
+      serve wrong bytes.
+    * Space comes back by deleting whole segments; a segment being read or written,
+      one holding a held key, and another live writer's segments are never deleted.
+
+    Raises (constructor): InvalidArgumentError for any bad argument.
+    """
+
+    def __init__(
+        self,
+        primary_kv_view: memoryview,
+        block_bytes: int,
+        *,
+        root: str | os.PathLike[str],
+        namespace: str,
+        capacity_bytes: int,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+        fsync: FsyncPolicy = "batch",
+        os_calls: OsCalls = REAL_OS,
+        **options: Any,
+    ) -> None:
+        record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
+        positive_int("segment_bytes", segment_bytes)
+        self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
+        super().__init__(
+            primary_kv_view,
+            block_bytes,
+            root=root,
+            namespace=namespace,
+            capacity_bytes=capacity_bytes,
+            file_bytes=record_bytes,
+            fsync=fsync,
+            os_calls=os_calls,
+            **options,
+        )
+        self.records_per_segment = max(
+            1, min(MAX_RECORDS_PER_SEGMENT, (segment_bytes - HEADER_BYTES) // record_bytes)
+        )
+        self._segments = SegmentFiles(
+            self.directory,
+            block_bytes=self.block_bytes,
+            ns_digest=self._ns_digest,
+            fsync=fsync,
+            os_calls=os_calls,
+        )
+        self._index = self._new_index()
+        # Digests a running hop writes, with the event set when it ends: a store of
+        # such a key waits for it rather than writing it twice.
+        self._writing: dict[int, asyncio.Event] = {}
+        self._writing_records = 0
+        self._trash: list[str] = []  # segments given up, files not yet deleted
+        self._generation = 0  # bumped by clear(): older hops' records are not committed
+        self._since_checkpoint = 0
+
+    def _new_index(self) -> SegmentIndex:
+        return SegmentIndex(
+            self.capacity_blocks,
+            records_per_segment=self.records_per_segment,
+            writer=self._instance_id,
+            hot_fraction=0.0,
+        )
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
+        """Close as :meth:`TierActor.aclose`, then write the index checkpoint and delete
+        the segments given up. Idempotent. After a hard :meth:`~TierActor.shutdown`
+        the next start scans what was written after the last checkpoint."""
+        first = not self.closed
+        await super().aclose(timeout)
+        if not first or not self._opened:
+            return
+        trash, self._trash = self._trash, []
+        checkpoint = self._index.snapshot()
+        try:
+            await asyncio.to_thread(self._close_on_disk, checkpoint, trash)
+        except OSError as exc:
+            logger.warning("nvme tier: could not write the index checkpoint: %s", exc)
+
+    def _close_on_disk(self, checkpoint: Checkpoint, trash: list[str]) -> None:
+        self._segments.delete(trash)
+        self._segments.write_checkpoint(checkpoint, temp_suffix=self._instance_id)
+
+    def _subdirs(self) -> list[str]:
+        return [SEGMENTS_DIR]
+
+    def _free_bytes(self) -> int | None:
+        return self._segments.free_bytes()
+
+    def _use_o_direct(self, enabled: bool) -> None:
+        self._segments.o_direct = enabled
+
+    def _remove_excess(self, excess: list[str]) -> None:
+        self._segments.delete(excess)
+
+    def _scan_disk(self) -> _DiskState:
+        """Worker thread: read the checkpoint, scan what it does not cover, build the
+        index (the loop is not blocked while a large index is rebuilt)."""
+        files = self._segments
+        removed: Counter[str] = Counter()
+        self._remove_dead_temporaries(removed)
+        checkpoint, note = files.read_checkpoint()
+        covered = dict(checkpoint.segments) if checkpoint is not None else {}
+        present = files.list_segments()
+        alive: dict[str, bool] = {}
+        on_disk: list[tuple[str, int, float]] = []
+        scans: dict[str, SegmentScan] = {}
+        protected: set[str] = set()
+        for name, size in present:
+            writer = parse_segment_name(name)[0]  # type: ignore[index]
+            if writer not in alive:
+                alive[writer] = owner_alive(self.directory, writer)
+            records = files.records_in(size)
+            start = min(covered.get(name, 0), records)
+            try:
+                scan = files.scan(name, start) if start < records or name not in covered else None
+            except CorruptBlockError:
+                if not alive[writer] and files.delete([name]):
+                    removed["corrupt segment"] += 1
+                continue
+            except OSError:
+                continue
+            if scan is not None:
+                scans[name] = scan
+                removed["invalid record"] += scan.invalid
+            if alive[writer]:
+                protected.add(name)
+            with contextlib.suppress(OSError):
+                on_disk.append((name, records, os.stat(files.path_of(name)).st_mtime))
+        order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
+        on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
+        listed = [(name, records) for name, records, _ in on_disk]
+        index = self._new_index()
+        recovered = index.restore(checkpoint, listed, scans, protected)
+        excess = [name for name in index.excess_segments(listed) if name not in protected]
+        return _DiskState(index, recovered, excess, removed, note)
+
+    def _remove_dead_temporaries(self, removed: Counter[str]) -> None:
+        prefix = CHECKPOINT_FILE + "."
+        for entry in os.scandir(self.directory):
+            if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
+                continue
+            writer = entry.name[len(prefix) : -len(".tmp")]
+            if writer != self._instance_id and not owner_alive(self.directory, writer):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed["temporary"] += 1
+
+    def _adopt_scan(self, scan: _DiskState) -> list[str]:
+        self._index = scan.index
+        self.metrics.recovered_blocks = scan.recovered
+        self.metrics.removed_on_recovery.update(scan.removed)
+        if scan.recovered or scan.excess or scan.removed:
+            logger.info(
+                "nvme tier: recovered %d blocks in %s (%s; %d segments over the cap "
+                "removed); removed %s",
+                scan.recovered,
+                self.directory,
+                scan.checkpoint_note or "from the checkpoint and the segments after it",
+                len(scan.excess),
+                dict(scan.removed) or "nothing",
+            )
+        return scan.excess
+
+    # -- queries ----------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
+        """True if stored, None while a store of it is queued or running, else False.
+
+        Raises:
+            InvalidArgumentError: ``key`` is not bytes.
+        """
+        if not isinstance(key, bytes):
+            raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
+        digest = key_digest(key)
+        if digest in self._index:
+            return True
+        return None if self.storing(key) else False
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
+        """Mark stored keys recently used; others are ignored."""
+        self._index.touch(key_digest(key) for key in hash_list("keys", keys))
+
+    def hold(self, keys: Collection[OffloadKey]) -> None:
+        """Keep ``keys``' segments from eviction until released (holds count).
+
+        Raises:
+            InvalidArgumentError: ``keys`` is not a collection of bytes; nothing held.
+        """
+        self._index.hold([key_digest(key) for key in hash_list("keys", keys)])
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        """Undo one :meth:`hold` of each key.
+
+        Raises:
+            InvalidArgumentError: a key is not bytes or released more often than held;
+                nothing released.
+        """
+        self._index.release([key_digest(key) for key in hash_list("keys", keys)])
+
+    def get_num_blocks(self) -> int:
+        """Blocks stored and loadable now."""
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the segments' record slots (dead records included)."""
+        return self._index.used_records * self.file_bytes
+
+    def clear(self) -> None:
+        """Drop every block: lookups miss at once, stores running now do not land.
+
+        The segment files are deleted by the next store job or by :meth:`aclose`.
+        """
+        self._generation += 1
+        self._trash.extend(self._index.clear())
+        self._space.freed()
+
+    def _pinned_blocks(self) -> int:
+        return self._index.pinned_records
+
+    # -- hooks ------------------------------------------------------------------------
+
+    async def _do_store(self, job: JobMetadata) -> JobResult:
+        failed: dict[OffloadKey, str] = {}
+        wanted: dict[OffloadKey, int] = {}
+        for key, block_id in zip(job.keys, job.block_ids, strict=True):
+            if len(key) > MAX_KEY_BYTES or not key:
+                failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
+            elif key not in wanted and key_digest(key) not in self._index:
+                wanted[key] = block_id
+        if failed:
+            self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
+        wanted = await self._wait_until_written(wanted)
+        if not wanted:
+            return _result(job.job_id, failed, len(job.keys))
+        if self._space.refusing():
+            self.metrics.refused_blocks += len(wanted)
+            self._failure_log.record("disk full", len(wanted), DISK_FULL_REASON)
+            return _result(
+                job.job_id, failed | dict.fromkeys(wanted, DISK_FULL_REASON), len(job.keys)
+            )
+        done = asyncio.Event()
+        digests = {key: key_digest(key) for key in wanted}
+        for digest in digests.values():
+            self._writing[digest] = done
+        budget = len(wanted) * self.block_bytes
+        placed: list[Placement] = []
+        generation = self._generation
+        try:
+            await self._budget.acquire(budget, is_load=False)
+            try:
+                pending = self._index.used_records - self._writing_records
+                if self._space.stale(self._writing_records + len(wanted)):
+                    await self._refresh_free_bytes()
+                limit, reason = self._space.limit(pending, self._writing_records)
+                fit, evictions = self._index.make_room(len(wanted), limit=limit)
+                if evictions:
+                    self.metrics.evicted_blocks += sum(e.dropped for e in evictions)
+                    self._space.freed()
+                admitted = list(wanted.items())[:fit]
+                if fit < len(wanted):
+                    refused = list(wanted)[fit:]
+                    reason += "; every other segment is in use (read, written or held)"
+                    failed.update(dict.fromkeys(refused, reason))
+                    self.metrics.refused_blocks += len(refused)
+                    self._failure_log.record("no room", len(refused), reason)
+                placed = self._index.place(fit)
+                self._writing_records += fit
+                delete = [e.segment for e in evictions] + self._trash
+                self._trash = []
+                report = await self.run_blocking(self._store_hop, admitted, placed, delete)
+            finally:
+                self._budget.release(budget)
+            self._commit_store(report, admitted, placed, digests, generation, failed)
+            placed = []
+            if self._since_checkpoint >= self.checkpoint_every and generation == self._generation:
+                await self._checkpoint()
+        finally:
+            if placed and generation == self._generation:  # cancelled before the commit
+                for placement in placed:
+                    self._index.abandon(placement)
+            self._writing_records -= len(placed) if placed else 0
+            for digest in digests.values():
+                if self._writing.get(digest) is done:
+                    del self._writing[digest]
+            done.set()
+        return _result(job.job_id, failed, len(job.keys))
+
+    async def _do_load(self, job: JobMetadata) -> JobResult:
+        failed: dict[OffloadKey, str] = {}
+        reads: list[tuple[OffloadKey, str, int, int]] = []
+        for key, block_id in zip(job.keys, job.block_ids, strict=True):
+            where = self._index.locate(key_digest(key))
+            if where is None:
+                failed[key] = "not in the nvme tier"
+            else:
+                reads.append((key, where[0], where[1], block_id))
+        if failed:
+            self._failure_log.record("not in the tier", len(failed))
+        if not reads:
+            return _result(job.job_id, failed, len(job.keys))
+        for _, segment, _, _ in reads:
+            self._index.pin(segment)
+        generation = self._generation
+        budget = len(reads) * self.block_bytes
+        try:
+            await self._budget.acquire(budget, is_load=True)
+            try:
+                report = await self.run_blocking(self._load_hop, reads)
+            finally:
+                self._budget.release(budget)
+        finally:
+            for _, segment, _, _ in reads:
+                self._index.unpin(segment)
+        self._commit_load(report, reads, generation, failed)
+        return _result(job.job_id, failed, len(job.keys))
+
+    # -- worker thread: one hop per job ------------------------------------------------
+
+    def _store_hop(
+        self,
+        admitted: Sequence[tuple[OffloadKey, int]],
+        placed: Sequence[Placement],
+        delete: Sequence[str],
+    ) -> WriteReport:
+        self._segments.delete(delete)
+        slot = self.slot
+        records = [(key, slot(block_id)) for key, block_id in admitted]
+        where = [(p.segment, p.record, p.create) for p in placed]
+        return self._segments.write(list(iter_runs(where, records)), writer=self._instance_id)
+
+    def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> ReadReport:
+        slot = self.slot
+        return self._segments.read(
+            [(key, segment, record, slot(block_id)) for key, segment, record, block_id in reads]
+        )
+
+    def _checkpoint_hop(self, checkpoint: Checkpoint) -> None:
+        self._segments.write_checkpoint(checkpoint, temp_suffix=self._instance_id)
+
+    # -- bookkeeping (loop thread) -------------------------------------------------------
+
+    async def _wait_until_written(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
+        """Wait until no running hop writes a wanted key; drop those stored meanwhile."""
+        while self._writing:
+            events = {
+                event for key in wanted if (event := self._writing.get(key_digest(key))) is not None
+            }
+            if not events:
+                break
+            for event in events:
+                await event.wait()
+            wanted = {k: b for k, b in wanted.items() if key_digest(k) not in self._index}
+        return wanted
+
+    def _commit_store(
+        self,
+        report: WriteReport,
+        admitted: Sequence[tuple[OffloadKey, int]],
+        placed: Sequence[Placement],
+        digests: dict[OffloadKey, int],
+        generation: int,
+        failed: dict[OffloadKey, str],
+    ) -> None:
+        self._writing_records -= len(placed)
+        written = set(report.written)
+        if generation != self._generation:  # cleared while being written
+            self._trash.extend({p.segment for p in placed})
+        else:
+            for (key, _), placement in zip(admitted, placed, strict=True):
+                if key in written:
+                    self._index.commit(digests[key], placement)
+                else:
+                    self._index.abandon(placement)
+        self._since_checkpoint += len(written)
+        if report.failed:
+            failed.update(report.failed)
+            cause = "disk full" if report.disk_full else "write error"
+            self._failure_log.record(cause, len(report.failed), next(iter(report.failed.values())))
+        self.metrics.stored_blocks += len(written)
+        self.metrics.bytes_written += len(written) * self.file_bytes
+        self.metrics.write_errors += len(report.failed)
+        self._store_space_ended(
+            report.free_bytes, disk_full=report.disk_full, stored_any=bool(written)
+        )
+
+    def _commit_load(
+        self,
+        report: ReadReport,
+        reads: Sequence[tuple[OffloadKey, str, int, int]],
+        generation: int,
+        failed: dict[OffloadKey, str],
+    ) -> None:
+        self.metrics.loaded_blocks += len(report.loaded)
+        self.metrics.bytes_read += len(report.loaded) * self.file_bytes
+        if report.loaded:
+            self._index.touch(key_digest(key) for key in report.loaded)
+        if not report.failed:
+            return
+        corrupt, missing = set(report.corrupt), set(report.missing)
+        where = {key: (segment, record) for key, segment, record, _ in reads}
+        for key, reason in report.failed.items():
+            failed[key] = reason
+            if key in corrupt:
+                self.metrics.corrupt_blocks += 1
+                self._failure_log.record("corrupt block", 1, reason)
+            elif key in missing:
+                self.metrics.missing_blocks += 1
+                self._failure_log.record("block missing", 1, reason)
+            else:
+                self.metrics.read_errors += 1
+                self._failure_log.record("read error", 1, reason)
+            digest = key_digest(key)
+            if generation == self._generation and self._index.locate(digest) == where[key]:
+                self._index.remove(digest)
+
+    async def _checkpoint(self) -> None:
+        self._since_checkpoint = 0
+        try:
+            await self.run_blocking(self._checkpoint_hop, self._index.snapshot())
+        except OSError as exc:
+            self._failure_log.record("checkpoint failed", 1, str(exc))
+
+
+__all__ = ["NVMeSegmentTier"]

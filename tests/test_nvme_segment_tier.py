@@ -1,0 +1,423 @@
+"""Tests of backends.nvme_segment_tier: the segment-layout NVMe tier, on real files."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backends.faults import FaultInjector
+from backends.nvme_format import HEADER_BYTES, namespace_dirname
+from backends.nvme_segment_tier import NVMeSegmentTier
+from backends.nvme_segments import CHECKPOINT_FILE, SEGMENTS_DIR
+from tests._engine_helpers import make_kv
+from tiering import TieringEngine
+from tiering.registry import make_tier
+from tiering.secondary import JobMetadata, JobResult
+
+BLOCK = 16 << 10
+RECORD = HEADER_BYTES + BLOCK
+SLOTS = 16
+NAMESPACE = "model=tiny;layout=segments"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def pool() -> Iterator[memoryview]:
+    buffer = mmap.mmap(-1, BLOCK * SLOTS)
+    view = memoryview(buffer)
+    view[:] = os.urandom(BLOCK * SLOTS)
+    yield view
+    view.release()
+    buffer.close()
+
+
+def tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeSegmentTier:
+    options: dict[str, Any] = {
+        "root": root,
+        "namespace": NAMESPACE,
+        "capacity_bytes": 64 * RECORD,
+        "min_free_bytes": 0,
+        "segment_bytes": HEADER_BYTES + 8 * RECORD,  # 8 records a segment
+    }
+    options.update(kwargs)
+    return NVMeSegmentTier(pool, BLOCK, **options)
+
+
+_job_ids = iter(range(1, 1 << 30))
+
+
+async def store(t: NVMeSegmentTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+    job = JobMetadata(next(_job_ids), list(keys), list(slots))
+    t.submit_store(job)
+    return await t.result(job.job_id)
+
+
+async def load(t: NVMeSegmentTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+    job = JobMetadata(next(_job_ids), list(keys), list(slots))
+    t.submit_load(job)
+    return await t.result(job.job_id)
+
+
+def slot(pool: memoryview, i: int) -> bytes:
+    return bytes(pool[i * BLOCK : (i + 1) * BLOCK])
+
+
+def keys(n: int, tag: str = "k") -> list[bytes]:
+    return [f"{tag}-{i}-".encode() + os.urandom(16) for i in range(n)]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 1]))
+
+
+def start_crashing_writer(root: Path, where: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_WRITER, str(root), str(BLOCK), where],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def segment_files(t: NVMeSegmentTier) -> list[str]:
+    return sorted(os.listdir(os.path.join(t.directory, SEGMENTS_DIR)))
+
+
+async def test_store_then_load_is_byte_exact_and_blocks_share_segment_files(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(10)
+    expected = [slot(pool, i) for i in range(10)]
+    async with tier(pool, tmp_path) as t:
+        assert (await store(t, names, range(10))).success
+        assert all(t.lookup(k) for k in names) and t.lookup(b"other") is False
+        pool[: 10 * BLOCK] = bytes(10 * BLOCK)
+        assert (await load(t, names, range(10))).success
+        assert [slot(pool, i) for i in range(10)] == expected
+        assert len(segment_files(t)) == 2  # 8 records, then 2
+        assert t.get_num_blocks() == 10 and t.used_bytes == 10 * RECORD
+
+
+async def test_a_store_job_is_one_write_per_segment_it_touches(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    async with tier(pool, tmp_path, os_calls=faults, fsync="none") as t:
+        faults.calls.clear()
+        assert (await store(t, keys(6), range(6))).success
+        assert faults.calls["pwritev"] == 2  # the new segment's header, then six records
+        assert faults.calls["open"] == 1
+
+
+async def test_a_graceful_restart_reads_the_checkpoint_not_the_records(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(12)
+    expected = [slot(pool, i) for i in range(12)]
+    async with tier(pool, tmp_path) as t:
+        assert (await store(t, names, range(12))).success
+    assert (tmp_path / namespace_dirname(NAMESPACE) / CHECKPOINT_FILE).exists()
+    faults = FaultInjector()
+    async with tier(pool, tmp_path, os_calls=faults) as t:
+        assert faults.calls["preadv"] <= 2  # the O_DIRECT probe; no record header read
+        assert t.metrics.recovered_blocks == 12 and all(t.lookup(k) for k in names)
+        pool[: 12 * BLOCK] = bytes(12 * BLOCK)
+        assert (await load(t, names, range(12))).success
+        assert [slot(pool, i) for i in range(12)] == expected
+
+
+async def test_records_written_after_the_checkpoint_are_found_by_scanning(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    first, later = keys(4, "first"), keys(5, "later")
+    async with tier(pool, tmp_path) as t:
+        assert (await store(t, first, range(4))).success
+    t = tier(pool, tmp_path)
+    await t.start()
+    assert (await store(t, later, range(4, 9))).success
+    t.shutdown()  # a hard stop: no checkpoint of `later`
+    await asyncio.sleep(0.05)
+    async with tier(pool, tmp_path) as again:
+        assert again.metrics.recovered_blocks == 9
+        assert (await load(again, first + later, range(9))).success
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+async def test_a_damaged_checkpoint_costs_nothing_but_a_scan(
+    pool: memoryview, tmp_path: Path, damage: str
+) -> None:
+    names = keys(10)
+    expected = [slot(pool, i) for i in range(10)]
+    async with tier(pool, tmp_path) as t:
+        assert (await store(t, names, range(10))).success
+    path = tmp_path / namespace_dirname(NAMESPACE) / CHECKPOINT_FILE
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) - 3] ^= 0x40
+    elif damage == "truncate":
+        del data[len(data) // 2 :]
+    else:
+        data = bytearray(os.urandom(len(data)))
+    path.write_bytes(bytes(data))
+    async with tier(pool, tmp_path) as t:
+        assert t.metrics.recovered_blocks == 10
+        pool[: 10 * BLOCK] = bytes(10 * BLOCK)
+        assert (await load(t, names, range(10))).success
+        assert [slot(pool, i) for i in range(10)] == expected
+
+
+async def test_a_stale_checkpoint_never_serves_wrong_bytes(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(8)
+    async with tier(pool, tmp_path) as t:
+        assert (await store(t, names, range(8))).success
+    directory = tmp_path / namespace_dirname(NAMESPACE)
+    stale = (directory / CHECKPOINT_FILE).read_bytes()
+    async with tier(pool, tmp_path) as t:
+        t.clear()  # every block dropped; the close deletes the segments
+    (directory / CHECKPOINT_FILE).write_bytes(stale)  # as if the new one never landed
+    async with tier(pool, tmp_path) as t:
+        assert t.get_num_blocks() == 0
+        assert not any(t.lookup(k) for k in names)
+        result = await load(t, names[:2], [0, 1])
+        assert not result.success and set(result.failed_keys) == set(names[:2])
+
+
+async def test_a_truncated_segment_keeps_the_records_before_the_cut(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(6)
+    expected = [slot(pool, i) for i in range(6)]
+    async with tier(pool, tmp_path) as t:
+        assert (await store(t, names, range(6))).success
+        [segment] = segment_files(t)
+        path = os.path.join(t.directory, SEGMENTS_DIR, segment)
+    os.truncate(path, HEADER_BYTES + 3 * RECORD + 100)  # records 3.. torn or gone
+    async with tier(pool, tmp_path) as t:
+        assert [bool(t.lookup(k)) for k in names[:3]] == [True] * 3
+        pool[: 6 * BLOCK] = bytes(6 * BLOCK)
+        assert (await load(t, names[:3], range(3))).success
+        assert [slot(pool, i) for i in range(3)] == expected[:3]
+        result = await load(t, names[3:], range(3, 6))
+        assert set(result.failed_keys) == set(names[3:])
+        assert not any(t.lookup(k) for k in names[3:])  # now misses
+
+
+async def test_a_flipped_byte_is_a_failed_key_and_then_a_miss(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(3)
+    async with tier(pool, tmp_path) as t:
+        assert (await store(t, names, range(3))).success
+        [segment] = segment_files(t)
+        flip_byte(
+            os.path.join(t.directory, SEGMENTS_DIR, segment),
+            HEADER_BYTES + RECORD + HEADER_BYTES + 7,
+        )
+        result = await load(t, names, [8, 9, 10])
+        assert result.failed_keys == (names[1],) and "checksum" in str(result.error)
+        assert t.lookup(names[1]) is False and t.lookup(names[0])
+        assert t.metrics.corrupt_blocks == 1
+
+
+async def test_the_cap_evicts_the_oldest_segment_whole(pool: memoryview, tmp_path: Path) -> None:
+    async with tier(pool, tmp_path, capacity_bytes=16 * RECORD) as t:
+        old, mid, new = keys(8, "old"), keys(8, "mid"), keys(8, "new")
+        for batch in (old, mid, new):
+            assert (await store(t, batch, range(8))).success
+        assert not any(t.lookup(k) for k in old)
+        assert all(t.lookup(k) for k in mid + new)
+        assert len(segment_files(t)) == 2 and t.metrics.evicted_blocks == 8
+
+
+async def test_a_segment_being_read_is_not_evicted_under_the_read(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    async with tier(pool, tmp_path, capacity_bytes=16 * RECORD, os_calls=faults) as t:
+        old = keys(8, "old")
+        assert (await store(t, old, range(8))).success
+        expected = slot(pool, 0)
+        gate = faults.hold("preadv", path=SEGMENTS_DIR)
+        reading = JobMetadata(next(_job_ids), [old[0]], [15])
+        t.submit_load(reading)
+        await asyncio.to_thread(gate.wait_reached, 10)
+        # Two more segments' worth: the oldest one is pinned, so only one fits.
+        first = await store(t, keys(8, "a"), range(8))
+        second = await store(t, keys(8, "b"), range(8))
+        assert first.success and not second.success
+        assert "in use" in str(second.error)
+        gate.open()
+        assert (await t.result(reading.job_id)).success
+        assert slot(pool, 15) == expected
+        third = await store(t, keys(8, "c"), range(8))  # the read ended: now it goes
+        assert third.success and not t.lookup(old[1])
+
+
+async def test_disk_full_turns_stores_read_only_and_loads_go_on(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    async with tier(pool, tmp_path, os_calls=faults, enospc_retry_s=3600) as t:
+        kept = keys(2)
+        assert (await store(t, kept, [0, 1])).success
+        faults.fail("pwritev", errno.ENOSPC)
+        result = await store(t, keys(2), [2, 3])
+        assert not result.success and t.read_only
+        refused = await store(t, keys(1), [4])
+        assert "full" in str(refused.error)
+        assert (await load(t, kept, [8, 9])).success
+
+
+async def test_clear_drops_everything_and_close_deletes_the_segments(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with tier(pool, tmp_path) as t:
+        names = keys(10)
+        assert (await store(t, names, range(10))).success
+        t.clear()
+        assert t.get_num_blocks() == 0 and not t.lookup(names[0])
+        assert (await store(t, names[:1], [0])).success  # the log goes on after a clear
+    async with tier(pool, tmp_path) as t:
+        assert t.get_num_blocks() == 1 and len(segment_files(t)) == 1
+
+
+async def test_registered_as_nvme_segments_and_round_trips_through_the_engine(
+    tmp_path: Path,
+) -> None:
+    spec = {"type": "nvme-segments", "root": str(tmp_path), "capacity_bytes": 1 << 24}
+    kv = make_kv(1)
+    ids = [20, 21, 22]
+    expected = kv[0][ids].clone()
+    names = [f"engine-{i}".encode() for i in range(3)]
+    async with TieringEngine(kv, 4, secondary_tiers=[spec]) as engine:
+        assert (await engine.store(names, ids)).success
+        assert isinstance(engine.tiers[0], NVMeSegmentTier)
+    kv[0][ids] = 0
+    async with TieringEngine(kv, 4, secondary_tiers=[spec]) as engine:
+        assert engine.lookup(names) == 3
+        assert (await engine.load(names, [25, 26, 27])).success
+    assert torch.equal(kv[0][[25, 26, 27]], expected)
+
+
+def test_bad_options_are_refused_naming_them(pool: memoryview, tmp_path: Path) -> None:
+    for name, value in (("segment_bytes", 0), ("checkpoint_every", -1), ("block_bytes", 0)):
+        options = {"segment_bytes": 1 << 20, "checkpoint_every": 10}
+        if name == "block_bytes":
+            with pytest.raises(Exception, match="block_bytes"):
+                NVMeSegmentTier(pool, 0, root=tmp_path, namespace="x", capacity_bytes=1 << 20)
+            continue
+        options[name] = value
+        with pytest.raises(Exception, match=name):
+            make_tier(
+                {
+                    "type": "nvme-segments",
+                    "root": str(tmp_path),
+                    "namespace": "x",
+                    "capacity_bytes": 1 << 20,
+                    **options,
+                },
+                pool,
+                BLOCK,
+            )
+
+
+_CRASHING_WRITER = textwrap.dedent(
+    """
+    import asyncio, mmap, sys
+    from backends.nvme_segment_tier import NVMeSegmentTier
+    from backends.nvme_files import OsCalls
+    from tiering.secondary import JobMetadata
+
+    BLOCK = int(sys.argv[2])
+    WHERE = sys.argv[3]  # "records" or "checkpoint"
+
+    class HangMidWrite(OsCalls):
+        armed = False
+        paths = {}
+        def open(self, path, flags, mode=0o644):
+            fd = super().open(path, flags, mode)
+            self.paths[fd] = path
+            return fd
+        def pwritev(self, fd, buffers, offset):
+            target = WHERE == "records" or self.paths.get(fd, "").endswith(".tmp")
+            if self.armed and target:
+                done = super().pwritev(fd, buffers[:1], offset)  # one buffer, then hang
+                print("MID-WRITE", flush=True)
+                import time; time.sleep(60)
+                return done
+            return super().pwritev(fd, buffers, offset)
+
+    async def main():
+        buffer = mmap.mmap(-1, BLOCK * 4)
+        for i in range(4):
+            buffer[i * BLOCK:(i + 1) * BLOCK] = bytes([i + 1]) * BLOCK
+        calls = HangMidWrite()
+        tier = NVMeSegmentTier(memoryview(buffer), BLOCK, root=sys.argv[1], namespace="crash",
+                               capacity_bytes=1 << 24, min_free_bytes=0, fsync="none",
+                               checkpoint_every=2, os_calls=calls)
+        await tier.start()
+        tier.submit_store(JobMetadata(1, [b"done-1", b"done-2"], [0, 1]))
+        assert (await tier.result(1)).success  # and a checkpoint of both was written
+        if WHERE == "records":
+            calls.armed = True
+            tier.submit_store(JobMetadata(2, [b"torn-1", b"torn-2"], [2, 3]))
+            await tier.result(2)
+        else:
+            tier.submit_store(JobMetadata(2, [b"more-1"], [2]))
+            await tier.result(2)
+            calls.armed = True  # the next checkpoint (after more-2) hangs half written
+            tier.submit_store(JobMetadata(3, [b"more-2"], [3]))
+            await tier.result(3)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["records", "checkpoint"])
+async def test_kill_9_mid_write_keeps_every_block_stored_before(
+    pool: memoryview, tmp_path: Path, where: str
+) -> None:
+    child = start_crashing_writer(tmp_path, where)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)  # type: ignore[union-attr]
+        assert line.strip() == b"MID-WRITE", child.stderr.read() if child.stderr else line  # type: ignore[union-attr]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()
+        child.stderr.close()
+    directory = tmp_path / namespace_dirname("crash")
+    if where == "checkpoint":
+        assert list(directory.glob("*.tmp")), "the child should have died mid-checkpoint"
+    async with NVMeSegmentTier(
+        pool, BLOCK, root=tmp_path, namespace="crash", capacity_bytes=1 << 24, min_free_bytes=0
+    ) as t:
+        stored = [b"done-1", b"done-2"] + ([b"more-1", b"more-2"] if where == "checkpoint" else [])
+        assert all(t.lookup(k) for k in stored)
+        assert not t.lookup(b"torn-1") and not t.lookup(b"torn-2")
+        assert (await load(t, stored, range(len(stored)))).success
+        assert [slot(pool, i) for i in range(len(stored))] == [
+            bytes([i + 1]) * BLOCK for i in range(len(stored))
+        ]
+        assert not list(directory.glob("*.tmp"))  # a dead writer's checkpoint temp is gone
