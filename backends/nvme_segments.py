@@ -439,31 +439,58 @@ class SegmentFiles:
             report.failed.update((key, reason) for key, _, _ in items)
             return
         try:
-            page = self._pages(1)
-            for key, record, slot in items:
-                try:
-                    got = self.os.preadv(fd, [page, slot], self.offset_of(record))
-                    if got == 0:
-                        report.failed[key] = "record is missing (segment is shorter)"
-                        report.missing.append(key)
-                        continue
-                    if got != HEADER_BYTES + self.block_bytes:
-                        raise CorruptBlockError(f"short read: {got} bytes")
-                    header = decode_header(page)
-                    check_header(
-                        header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
-                    )
-                    if payload_checksum(slot) != header.payload_checksum:
-                        raise CorruptBlockError("payload checksum mismatch")
-                except CorruptBlockError as exc:
-                    report.failed[key] = f"corrupt block: {exc}"
-                    report.corrupt.append(key)
-                except OSError as exc:
-                    report.failed[key] = f"read failed: {describe_os_error(exc)}"
-                else:
-                    report.loaded.append(key)
+            for run in _consecutive(items, MAX_IOV // 3):
+                self._read_run(fd, run, report)
         finally:
             self.os.close(fd)
+
+    def _read_run(
+        self, fd: int, run: list[tuple[bytes, int, memoryview]], report: ReadReport
+    ) -> None:
+        """Read records ``run[0][1]``, ``run[0][1] + 1``, ... in one ``preadv``, then
+        verify each."""
+        pages = self._pages(len(run))
+        sink = self._read_sink()
+        buffers: list[memoryview] = []
+        for i, (_, _, slot) in enumerate(run):
+            buffers.append(pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
+            buffers.append(slot)
+            if sink.nbytes:
+                buffers.append(sink)
+        try:
+            got = self.os.preadv(fd, buffers, self.offset_of(run[0][1]))
+        except OSError as exc:
+            reason = f"read failed: {describe_os_error(exc)}"
+            report.failed.update((key, reason) for key, _, _ in run)
+            return
+        for i, (key, _, slot) in enumerate(run):
+            available = got - i * self.record_bytes
+            try:
+                if available <= 0:
+                    report.failed[key] = "record is missing (segment is shorter)"
+                    report.missing.append(key)
+                    continue
+                if available < HEADER_BYTES + self.block_bytes:
+                    raise CorruptBlockError(f"short read: {available} bytes")
+                header = decode_header(pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
+                check_header(
+                    header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
+                )
+                if payload_checksum(slot) != header.payload_checksum:
+                    raise CorruptBlockError("payload checksum mismatch")
+            except CorruptBlockError as exc:
+                report.failed[key] = f"corrupt block: {exc}"
+                report.corrupt.append(key)
+            else:
+                report.loaded.append(key)
+
+    def _read_sink(self) -> memoryview:
+        # Where a read's padding between records goes (never the zeros that writes use).
+        sink: memoryview | None = getattr(self._local, "sink", None)
+        if sink is None:
+            sink = memoryview(mmap.mmap(-1, ALIGNMENT))[: self._padding.nbytes]
+            self._local.sink = sink
+        return sink
 
     # -- segments: list, scan, delete -----------------------------------------------
 
@@ -653,6 +680,22 @@ class SegmentFiles:
         if count and int(arrays[1].max()) >= max(n_segments, 1):
             raise CorruptBlockError("checkpoint entry names a segment it does not list")
         return Checkpoint(segments, *arrays)
+
+
+def _consecutive(
+    items: list[tuple[bytes, int, memoryview]], most: int
+) -> Iterator[list[tuple[bytes, int, memoryview]]]:
+    """``items`` (key, record, slot) in record order, cut into runs of consecutive
+    record numbers of at most ``most`` items."""
+    ordered = sorted(items, key=lambda item: item[1])
+    run: list[tuple[bytes, int, memoryview]] = []
+    for item in ordered:
+        if run and (item[1] != run[-1][1] + 1 or len(run) == most):
+            yield run
+            run = []
+        run.append(item)
+    if run:
+        yield run
 
 
 def iter_runs(

@@ -49,9 +49,14 @@ separately for writing and for reading. The last line of output is one JSON obje
                "vllm_fs_store_GBps": ..., "vllm_fs_load_GBps": ...,
                "store_vs_vllm_fs": ..., "load_vs_vllm_fs": ...,
                "vllm_fs_native_io": true|false, "loop_lag_p99_ms": ...,
-               "idle_loop_lag_p99_ms": ..., "cold_load": true|false}, ...]}
+               "idle_loop_lag_p99_ms": ..., "cold_load": true|false,
+               "layout": "files", "segments_store_GBps": ..., ...}, ...]}
 
-Figures are medians over the rounds. The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are null
+Figures are medians over the rounds. ``--layouts`` picks the NVMe layouts run in each
+round, one after the other: the file per block (``files``, ``NVMeTier``) and segment
+files (``segments``, ``NVMeSegmentTier``). The unprefixed figures are the first layout's
+(named by ``layout``); a second layout's store, load, ratios and loop lag repeat with its
+name as a prefix. The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are null
 when vLLM's tier did not run (one line before the results says why).
 ``loop_lag_p99_ms`` is the worst round's; ``idle_loop_lag_p99_ms`` is the worst round's
 lag of the same loop with nothing running (what the machine adds by itself). Each round
@@ -87,8 +92,9 @@ from _cli import (
     size_list,
 )
 
-from backends.nvme import NVMeTier
+from backends.nvme import NVMeTier, NVMeTierBase
 from backends.nvme_files import probe_o_direct
+from backends.nvme_segment_tier import NVMeSegmentTier
 from tiering.host_pool import HostPool
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
@@ -385,12 +391,14 @@ async def bench_tier(
     report: Callable[[str], None],
     round_no: int,
     keep_dirs: list[str],
+    layout: str = "files",
 ) -> TierFigures:
     """One round: store ``total`` bytes into a new tier, then load them back.
 
-    Each round uses its own namespace (so it starts empty). Its directory is appended
-    to ``keep_dirs`` for the caller to remove after the last round. Removing it between
-    rounds would time the next round's
+    ``layout``: ``"files"`` (``NVMeTier``, a file per block) or ``"segments"``
+    (``NVMeSegmentTier``). Each round uses its own namespace (so it starts empty). Its
+    directory is appended to ``keep_dirs`` for the caller to remove after the last
+    round. Removing it between rounds would time the next round's
     stores against a file system that has just freed thousands of inodes: ext4 without
     a journal then skips every recently freed inode when it allocates one (measured:
     about 0.2 ms of kernel CPU per file created), which makes the rounds unequal.
@@ -407,11 +415,12 @@ async def bench_tier(
     keys = [f"bench-{block}-{i}".encode().ljust(32, b".") for i in range(count)]
     batches = [keys[first : first + job_blocks] for first in range(0, count, job_blocks)]
 
-    tier = NVMeTier(
+    tier_class: type[NVMeTierBase] = NVMeSegmentTier if layout == "segments" else NVMeTier
+    tier = tier_class(
         view,
         block,
         root=directory,
-        namespace=f"bench;block={block};round={round_no}",
+        namespace=f"bench;block={block};round={round_no};layout={layout}",
         capacity_bytes=count * (block + 4096) * 2,
         min_free_bytes=0,
         fsync=args.fsync,
@@ -685,7 +694,7 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
         size = total // block * block
         points = fio_points(args.baseline_grid, engine, block, size) if use_fio else []
         baselines: list[Baseline] = []
-        tiers: list[TierFigures] = []
+        tiers: dict[str, list[TierFigures]] = {layout: [] for layout in args.layouts}
         vllms: list[VllmFigures] = []
         tier_dirs: list[str] = []  # removed once every round of this size has run
         try:
@@ -703,20 +712,24 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
                     )
                 else:
                     baselines.append(python_baseline(directory, block, size, direct, fsync))
-                with asyncio.Runner(loop_factory=loop_factory) as runner:
-                    tiers.append(
-                        runner.run(
-                            bench_tier(
-                                directory,
-                                block,
-                                size,
-                                args,
-                                lambda status, report=report: report(f"tier {status}"),
-                                round_no,
-                                tier_dirs,
+                for layout in args.layouts:
+                    with asyncio.Runner(loop_factory=loop_factory) as runner:
+                        tiers[layout].append(
+                            runner.run(
+                                bench_tier(
+                                    directory,
+                                    block,
+                                    size,
+                                    args,
+                                    lambda status, report=report, layout=layout: report(
+                                        f"tier ({layout}) {status}"
+                                    ),
+                                    round_no,
+                                    tier_dirs,
+                                    layout,
+                                )
                             )
                         )
-                    )
                 if vllm is not None:
                     progress.update(f"{where}: vLLM fs", force=True)
                     vllms.append(
@@ -728,7 +741,16 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
             progress.update(f"block {_size_text(block)}: removing the tiers' files", force=True)
             for tier_dir in tier_dirs:
                 shutil.rmtree(tier_dir, True)
-        runs.append(_summarize(block, size, args, baselines, tiers, vllms, vllm, progress))
+        first, *others = args.layouts
+        entry = _summarize(block, size, args, baselines, tiers[first], vllms, vllm, progress, first)
+        for layout in others:
+            extra = _summarize(
+                block, size, args, baselines, tiers[layout], vllms, vllm, progress, layout
+            )
+            for name in _LAYOUT_KEYS:
+                entry[f"{layout}_{name}"] = extra[name]
+        entry["layout"] = first
+        runs.append(entry)
     return runs
 
 
@@ -741,8 +763,10 @@ def _summarize(
     vllms: list[VllmFigures],
     vllm: VllmFs | None,
     progress: Progress,
+    layout: str = "files",
 ) -> dict[str, object]:
-    """One block size's JSON entry (medians over the rounds), and its lines of text."""
+    """One block size's JSON entry for one layout (medians over the rounds), and its
+    lines of text."""
     store = statistics.median(t.store_GBps for t in tiers)
     load = statistics.median(t.load_GBps for t in tiers)
     write_point, base_write, base_writes = best_point(baselines, 0)
@@ -788,7 +812,7 @@ def _summarize(
             f"{_list(v.load_GBps for v in vllms)}"
         )
     print(
-        f"block {_size_text(block)}: "
+        f"block {_size_text(block)}, {layout}: "
         f"{'O_DIRECT' if tiers[0].o_direct else 'buffered'}, fsync={args.fsync}: "
         f"store {store:.3f} GB/s (baseline {base_write:.3f} at {write_point}; each run "
         f"{_list(t.store_GBps for t in tiers)} vs {_list(base_writes)}), "
@@ -799,6 +823,18 @@ def _summarize(
         flush=True,
     )
     return entry
+
+
+_LAYOUT_KEYS = (
+    "store_GBps",
+    "load_GBps",
+    "store_ratio",
+    "load_ratio",
+    "store_vs_vllm_fs",
+    "load_vs_vllm_fs",
+    "loop_lag_p99_ms",
+)
+"""Figures reported again, prefixed with the layout's name, for each layout after the first."""
 
 
 def _rounded(value: float | None) -> float | None:
@@ -814,6 +850,15 @@ def _size_text(size: int) -> str:
         if size >= 1 << shift and size % (1 << shift) == 0:
             return f"{size >> shift} {unit}"
     return f"{size} B"
+
+
+def _layouts(text: str) -> list[str]:
+    layouts = [part.strip() for part in text.split(",")]
+    if not layouts or any(part not in ("files", "segments") for part in layouts):
+        raise argparse.ArgumentTypeError(f"expected files, segments or both, got {text!r}")
+    if len(set(layouts)) != len(layouts):
+        raise argparse.ArgumentTypeError(f"a layout repeats in {text!r}")
+    return layouts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -858,6 +903,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "fio points, NUMJOBSxIODEPTHS: quick (1,4x1,16), full (1,2,4x1,8,32), "
             "or your own such as 1,2x8,64"
         ),
+    )
+    parser.add_argument(
+        "--layouts",
+        type=_layouts,
+        default=["files"],
+        help="NVMe layouts to run each round, alternating: files, segments or "
+        "files,segments (figures of the second are prefixed 'segments_')",
     )
     parser.add_argument(
         "--vllm-fs",

@@ -93,6 +93,22 @@ def test_one_run_is_one_write_call(tmp_path: Path, pool: memoryview) -> None:
     assert faults.calls["pwritev"] == 2  # the segment header, then all eight records
 
 
+def test_consecutive_records_are_read_in_one_call(tmp_path: Path, pool: memoryview) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults)
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(6)])
+    out = memoryview(mmap.mmap(-1, 6 * BLOCK))
+    faults.calls.clear()
+    # Records 5, 0, 1, 2 and 4 (asked out of order): runs 0-2 and 4-5, two reads.
+    wanted = [5, 0, 1, 2, 4]
+    report = seg.read([(key(r), name, r, out[r * BLOCK : (r + 1) * BLOCK]) for r in wanted])
+    assert sorted(report.loaded) == sorted(key(r) for r in wanted) and not report.failed
+    assert faults.calls["preadv"] == 2
+    for r in wanted:
+        assert bytes(out[r * BLOCK : (r + 1) * BLOCK]) == bytes(slot(pool, r))
+
+
 def test_a_run_longer_than_iov_max_is_split(tmp_path: Path, pool: memoryview) -> None:
     faults = FaultInjector()
     seg = files(tmp_path, faults)
