@@ -42,7 +42,7 @@ from backends.nvme_segments import (
     parse_segment_name,
 )
 from backends.nvme_space import DISK_FULL_REASON
-from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.errors import InvalidArgumentError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.validation import hash_list, positive_int
 
@@ -201,11 +201,11 @@ class NVMeSegmentTier(NVMeTierBase):
             start = min(covered.get(name, 0), records)
             try:
                 scan = files.scan(name, start) if start < records or name not in covered else None
-            except CorruptBlockError:
+            except OSError:
+                continue
+            if scan is not None and not scan.header_ok and not scan.records and not start:
                 if not alive[writer] and files.delete([name]):
                     removed["corrupt segment"] += 1
-                continue
-            except OSError:
                 continue
             if scan is not None:
                 scans[name] = scan

@@ -30,8 +30,9 @@ Guarantees:
 * Writes are positional (``pwritev``) and vectored: one call per run of consecutive
   records (at most :data:`MAX_IOV` buffers), straight from the caller's memoryviews,
   with O_DIRECT when enabled and every payload of the run is aligned.
-* A segment is created with ``O_EXCL`` and its header written before any record; its
-  name is unique (writer id and a sequence number), so writers never share a file.
+* A segment's name is unique (writer id and a sequence number), so writers never share
+  a file; the run that creates a segment writes its header, and runs of other jobs may
+  land before it (each record verifies on its own).
 * ``fsync="batch"``: when a write call returns a key as written, its record is on stable
   storage (one ``fdatasync`` per segment touched, and the directory is synced when the
   call created a segment). ``"always"`` syncs after every run. ``"none"`` survives a
@@ -176,12 +177,16 @@ class SegmentScan:
 
     ``records`` pairs each valid record's key with its record number, in file order;
     ``end`` is the record number after the last slot the file holds (a partial slot at
-    the end counts as absent); ``invalid`` counts slots that held no valid record.
+    the end counts as absent); ``invalid`` counts slots that held no valid record;
+    ``header_ok`` says whether the segment's own header verified (records are checked
+    on their own either way: a crash can leave a segment whose first run, the one that
+    writes the header, never landed while later runs did).
     """
 
     records: list[tuple[bytes, int]]
     end: int
     invalid: int
+    header_ok: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,11 +340,10 @@ class SegmentFiles:
 
     def _write_run(self, run: RecordRun, writer: str, report: WriteReport) -> None:
         direct = self.o_direct and all(is_aligned(payload) for _, payload in run.records)
-        flags = os.O_WRONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-        path = self.path_of(run.segment)
-        if run.create:
-            flags |= os.O_CREAT | os.O_EXCL
-        fd = self.os.open(path, flags)
+        # O_CREAT for every run: jobs writing one segment run on several threads, and the
+        # run that writes its header may come last. Names are unique to this writer.
+        flags = os.O_WRONLY | os.O_CREAT | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+        fd = self.os.open(self.path_of(run.segment), flags)
         try:
             if run.create:
                 report.created.append(run.segment)
@@ -521,16 +525,19 @@ class SegmentFiles:
         verify, or belongs to another namespace or record size, is skipped and counted.
 
         Raises:
-            CorruptBlockError: the segment's own header is not valid for this namespace.
             OSError: the file cannot be opened or read.
         """
         fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
         try:
             size = self.os.fstat(fd).st_size
             page = self._pages(1)
-            if self.os.preadv(fd, [page], 0) != HEADER_BYTES:
-                raise CorruptBlockError("segment header is short")
-            check_segment_header(page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
+            header_ok = True
+            try:
+                if self.os.preadv(fd, [page], 0) != HEADER_BYTES:
+                    raise CorruptBlockError("segment header is short")
+                check_segment_header(page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
+            except CorruptBlockError:
+                header_ok = False
             end = self.records_in(size)
             records: list[tuple[bytes, int]] = []
             invalid = 0
@@ -547,7 +554,7 @@ class SegmentFiles:
                     invalid += 1
                     continue
                 records.append((header.key, record))
-            return SegmentScan(records, end, invalid)
+            return SegmentScan(records, end, invalid, header_ok)
         finally:
             self.os.close(fd)
 

@@ -40,9 +40,10 @@ Only the tier's public API is used. The phases:
    blocks -> ``index_bytes_per_block``; the peak during start ->
    ``start_peak_bytes_per_block``. Not timed: tracemalloc slows every allocation.
 
-Disk: each block is a file of a 4096-byte header page plus the payload today, so the
-fill needs about blocks x that (rounded up to the file system's block size) and one
-inode per block; the benchmark refuses (exit status 2) a file system with less free.
+Disk: each block takes a 4096-byte header page plus the payload: a file of its own
+(``--layout files``: rounded up to the file system's block size, one inode per block)
+or a record of a segment file (``--layout segments``); the benchmark refuses (exit
+status 2) a file system with less free.
 Without ``--keep`` everything it put under the root is removed at the end.
 
 The last line of output is one JSON object::
@@ -51,7 +52,8 @@ The last line of output is one JSON object::
      "index_bytes_per_block": ..., "start_peak_bytes_per_block": ...,
      "rss_bytes_per_block": ..., "fill_s": ..., "fill_GBps": ..., "cold_restart": ...,
      "page_cache_drop": "drop_caches"|"fadvise"|"none", "recovered_blocks": ...,
-     "verified_loads": ..., "reused": ..., "fsync": ..., "o_direct": ..., "root": ...}
+     "verified_loads": ..., "reused": ..., "fsync": ..., "layout": ..., "o_direct": ...,
+     "root": ...}
 
 ``fill_s`` and ``fill_GBps`` are null when the fill was reused; ``root`` is null when
 it was removed. Exit status 1 (after the JSON line, with the reason on stderr) when a
@@ -81,7 +83,8 @@ from typing import Any
 
 from _cli import Progress, ensure_directory, make_parser, parse_size, positive_int
 
-from backends.nvme import NVMeTier
+from backends.nvme import NVMeTier, NVMeTierBase
+from backends.nvme_segment_tier import NVMeSegmentTier
 from tiering.host_pool import HostPool
 from tiering.secondary import JobMetadata
 
@@ -112,13 +115,23 @@ def pool_bytes(seed: int, slots: int, block: int) -> bytes:
     return random.Random(seed).randbytes(slots * block)
 
 
-def namespace_for(block: int) -> str:
-    return f"bench-nvme-scale;block={block}"
+def namespace_for(block: int, layout: str) -> str:
+    return f"bench-nvme-scale;block={block};layout={layout}"
 
 
-def capacity_for(blocks: int, block: int) -> int:
-    """A cap well above what ``blocks`` block files take, so it never binds."""
-    return 2 * blocks * (block + _HEADER_BYTES)
+def tier_class(layout: str) -> type[NVMeTierBase]:
+    """The NVMe tier of ``layout``: a file per block, or segment files."""
+    return NVMeSegmentTier if layout == "segments" else NVMeTier
+
+
+def capacity_for(blocks: int, block: int, layout: str) -> int:
+    """A cap that never binds: twice what ``blocks`` block files take; for segments
+    (whose index is sized by the cap) what the records take plus 1 % and a few
+    segments."""
+    per_block = block + _HEADER_BYTES
+    if layout == "segments":
+        return blocks * per_block + blocks // 100 * per_block + 8 * (256 << 20)
+    return 2 * blocks * per_block
 
 
 def sample(count: int, size: int) -> list[int]:
@@ -149,6 +162,7 @@ def fill(
     blocks_per_job: int,
     jobs_in_flight: int,
     io_threads: int,
+    layout: str = "files",
 ) -> dict[str, Any]:
     """Store ``blocks`` blocks into a new tier under ``root``; returns its figures."""
     with Progress() as progress:
@@ -168,6 +182,7 @@ def fill(
                     jobs_in_flight=jobs_in_flight,
                     io_threads=io_threads,
                     progress=progress,
+                    layout=layout,
                 )
             )
         finally:
@@ -186,13 +201,14 @@ async def _fill(
     jobs_in_flight: int,
     io_threads: int,
     progress: Progress,
+    layout: str,
 ) -> dict[str, Any]:
-    tier = NVMeTier(
+    tier = tier_class(layout)(
         view,
         block,
         root=root,
-        namespace=namespace_for(block),
-        capacity_bytes=capacity_for(blocks, block),
+        namespace=namespace_for(block, layout),
+        capacity_bytes=capacity_for(blocks, block, layout),
         min_free_bytes=_MIN_FREE_BYTES,
         fsync=fsync,  # type: ignore[arg-type]
         max_inflight=jobs_in_flight,
@@ -261,6 +277,7 @@ def run_fill(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
             blocks_per_job=args.blocks_per_job,
             jobs_in_flight=args.jobs_in_flight,
             io_threads=args.io_threads,
+            layout=args.layout,
         )
         return job.result()
 
@@ -339,13 +356,13 @@ async def restarts(
     pool = HostPool(min(_LOAD_SAMPLE, args.blocks), args.block_size, pin=False)
     view = pool.view
 
-    def new_tier() -> NVMeTier:
-        return NVMeTier(
+    def new_tier() -> NVMeTierBase:
+        return tier_class(args.layout)(
             view,
             args.block_size,
             root=args.root,
-            namespace=namespace_for(args.block_size),
-            capacity_bytes=capacity_for(args.blocks, args.block_size),
+            namespace=namespace_for(args.block_size, args.layout),
+            capacity_bytes=capacity_for(args.blocks, args.block_size, args.layout),
             min_free_bytes=_MIN_FREE_BYTES,
             fsync=args.fsync,
             io_threads=args.io_threads,
@@ -485,6 +502,7 @@ def run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
         "verified_loads": found.verified_loads,
         "reused": args.reusing,
         "fsync": args.fsync,
+        "layout": args.layout,
         "o_direct": found.o_direct if o_direct_fill is None else o_direct_fill,
         "root": args.root if args.keep else None,
     }
@@ -512,7 +530,8 @@ def _write_marker(path: str, args: argparse.Namespace, **fields: Any) -> None:
     record = {
         "blocks": args.blocks,
         "block_bytes": args.block_size,
-        "namespace": namespace_for(args.block_size),
+        "namespace": namespace_for(args.block_size, args.layout),
+        "layout": args.layout,
         "seed": _SEED,
         "pool_slots": args.pool_slots,
         "fsync": args.fsync,
@@ -559,6 +578,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     parser.add_argument(
         "--root", help="the tier's root directory (default: a new temporary directory)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("files", "segments"),
+        default="files",
+        help="NVMe layout: a file per block (NVMeTier) or segment files (NVMeSegmentTier)",
     )
     parser.add_argument("--blocks", type=positive_int, default=1_000_000, help="blocks to fill")
     parser.add_argument(
@@ -640,13 +665,13 @@ def _check_marker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         )
     if not isinstance(recorded, dict) or not recorded.get("complete"):
         parser.error(f"argument --root: {args.root!r} holds an incomplete fill ({path}); remove it")
-    asked = {"blocks": args.blocks, "block_bytes": args.block_size}
+    asked = {"blocks": args.blocks, "block_bytes": args.block_size, "layout": args.layout}
     found = {name: recorded.get(name) for name in asked}
     if found != asked:
         parser.error(
             f"argument --root: {args.root!r} holds a fill of {found['blocks']} blocks of "
-            f"{found['block_bytes']} bytes, not {args.blocks} of {args.block_size}; "
-            "use those sizes or another root"
+            f"{found['block_bytes']} bytes in layout {found['layout']!r}, not "
+            f"{args.blocks} of {args.block_size} in {args.layout!r}; use those or another root"
         )
     return True
 
@@ -664,7 +689,7 @@ def _check_space(parser: argparse.ArgumentParser, args: argparse.Namespace, wher
             f"{need / (1 << 30):.2f} GiB on the file system of {where!r}, which has "
             f"{free / (1 << 30):.2f} GiB free; use fewer or smaller blocks, or another --root"
         )
-    if stats.f_files and stats.f_favail < args.blocks + 1024:
+    if args.layout == "files" and stats.f_files and stats.f_favail < args.blocks + 1024:
         parser.error(
             f"argument --blocks: {args.blocks} blocks need as many files (inodes) on the "
             f"file system of {where!r}, which has {stats.f_favail} free; use fewer blocks "

@@ -174,14 +174,25 @@ def test_scan_from_a_record_number_skips_garbage_slots(tmp_path: Path, pool: mem
     assert scan.records == [(key(1), 1), (key(3), 3)] and scan.invalid == 1 and scan.end == 4
 
 
-def test_a_segment_of_another_namespace_is_refused_by_scan(
-    tmp_path: Path, pool: memoryview
-) -> None:
+def test_a_segment_of_another_namespace_yields_no_records(tmp_path: Path, pool: memoryview) -> None:
     name = segment_name(WRITER, 0)
     write(files(tmp_path), pool, [(0, name, 0, True)])
     other = SegmentFiles(str(tmp_path), block_bytes=BLOCK, ns_digest=namespace_digest("ns-b"))
-    with pytest.raises(Exception, match="another namespace"):
-        other.scan(name)
+    scan = other.scan(name)
+    assert scan.records == [] and scan.invalid == 1 and not scan.header_ok
+
+
+def test_records_that_landed_before_their_segment_header_are_found(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    seg = files(tmp_path)
+    name = segment_name(WRITER, 0)
+    # Another job's run (records 2-3) lands first; the creating run never does.
+    run = RecordRun(name, 2, [(key(2), slot(pool, 2)), (key(3), slot(pool, 3))])
+    seg.write([run], writer=WRITER)
+    scan = seg.scan(name)
+    assert not scan.header_ok and scan.records == [(key(2), 2), (key(3), 3)]
+    assert scan.invalid == 2
 
 
 def test_disk_full_fails_the_run_and_every_later_one(tmp_path: Path, pool: memoryview) -> None:
