@@ -98,6 +98,8 @@ class NVMeMetrics:
     disk_full_events: int = 0
     """Times the tier turned read-only because the file system answered ENOSPC."""
     recovered_blocks: int = 0
+    relocated_blocks: int = 0
+    """Segment layout: recently used blocks of an evicted segment written again."""
     removed_on_recovery: Counter[str] = field(default_factory=Counter)
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
+import threading
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from typing import Any
 from backends.nvme import NVMeTierBase, _result
 from backends.nvme_files import REAL_OS, FsyncPolicy, OsCalls, owner_alive
 from backends.nvme_format import HEADER_BYTES, MAX_KEY_BYTES
-from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
+from backends.nvme_segment_index import Eviction, Placement, SegmentIndex, key_digest
 from backends.nvme_segments import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
@@ -51,6 +53,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEGMENT_BYTES = 256 << 20
 MAX_RECORDS_PER_SEGMENT = 4096
 """Bounds the work of evicting one segment (one index deletion per record)."""
+DEFAULT_HOT_FRACTION = 0.25
+"""Blocks used within the last quarter of the capacity's worth of uses are moved, not
+dropped, when their segment is evicted."""
+MOVE_BYTES_PER_JOB = 64 << 20
+"""The most bytes of moved records one store job reads and writes again."""
 DEFAULT_CHECKPOINT_EVERY = 16384
 """Records written between checkpoints: what a restart scans beyond the checkpoint."""
 
@@ -102,6 +109,7 @@ class NVMeSegmentTier(NVMeTierBase):
         capacity_bytes: int,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+        hot_fraction: float = DEFAULT_HOT_FRACTION,
         fsync: FsyncPolicy = "batch",
         os_calls: OsCalls = REAL_OS,
         **options: Any,
@@ -109,6 +117,9 @@ class NVMeSegmentTier(NVMeTierBase):
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         positive_int("segment_bytes", segment_bytes)
         self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
+        if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
+            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
+        self.hot_fraction = float(hot_fraction)
         super().__init__(
             primary_kv_view,
             block_bytes,
@@ -138,13 +149,14 @@ class NVMeSegmentTier(NVMeTierBase):
         self._trash: list[str] = []  # segments given up, files not yet deleted
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
+        self._local = threading.local()  # per I/O thread: buffers for moved records
 
     def _new_index(self) -> SegmentIndex:
         return SegmentIndex(
             self.capacity_blocks,
             records_per_segment=self.records_per_segment,
             writer=self._instance_id,
-            hot_fraction=0.0,
+            hot_fraction=self.hot_fraction,
         )
 
     # -- life cycle -------------------------------------------------------------------
@@ -342,8 +354,15 @@ class NVMeSegmentTier(NVMeTierBase):
                     await self._refresh_free_bytes()
                 limit, reason = self._space.limit(pending, self._writing_records)
                 fit, evictions = self._index.make_room(len(wanted), limit=limit)
+                hot = sum(len(e.reinsert) for e in evictions)
+                if hot:  # room for the evicted segments' recently used blocks too
+                    evictions += self._index.make_room(fit + hot, limit=limit)[1]
+                bound = min(limit, self.capacity_blocks)
+                moves = self._moves(evictions, bound - self._index.used_records - fit)
                 if evictions:
+                    hot = sum(len(e.reinsert) for e in evictions)
                     self.metrics.evicted_blocks += sum(e.dropped for e in evictions)
+                    self.metrics.evicted_blocks += hot - len(moves)
                     self._space.freed()
                 admitted = list(wanted.items())[:fit]
                 if fit < len(wanted):
@@ -352,14 +371,17 @@ class NVMeSegmentTier(NVMeTierBase):
                     failed.update(dict.fromkeys(refused, reason))
                     self.metrics.refused_blocks += len(refused)
                     self._failure_log.record("no room", len(refused), reason)
-                placed = self._index.place(fit)
-                self._writing_records += fit
+                placed = self._index.place(fit + len(moves))
+                self._writing_records += len(placed)
                 delete = [e.segment for e in evictions] + self._trash
                 self._trash = []
-                report = await self.run_blocking(self._store_hop, admitted, placed, delete)
+                report, moved = await self.run_blocking(
+                    self._store_hop, admitted, placed, moves, delete
+                )
             finally:
                 self._budget.release(budget)
-            self._commit_store(report, admitted, placed, digests, generation, failed)
+            self._commit_store(report, admitted, placed[:fit], digests, generation, failed)
+            self._commit_moves(report, moved, placed[fit:], generation)
             placed = []
             if self._since_checkpoint >= self.checkpoint_every and generation == self._generation:
                 await self._checkpoint()
@@ -409,13 +431,42 @@ class NVMeSegmentTier(NVMeTierBase):
         self,
         admitted: Sequence[tuple[OffloadKey, int]],
         placed: Sequence[Placement],
+        moves: Sequence[tuple[str, int]],
         delete: Sequence[str],
-    ) -> WriteReport:
+    ) -> tuple[WriteReport, list[bytes | None]]:
+        """Read the recently used records of evicted segments, delete those segments,
+        then write the job's blocks and the moved records: ``placed`` holds the job's
+        placements, then one per move. Returns the write's report and each move's key
+        (None where its record did not verify: it is not written)."""
+        buffers = self._move_buffers(len(moves))
+        moved = self._segments.read_records(
+            [
+                (segment, record, buffer)
+                for (segment, record), buffer in zip(moves, buffers, strict=True)
+            ]
+        )
         self._segments.delete(delete)
         slot = self.slot
         records = [(key, slot(block_id)) for key, block_id in admitted]
-        where = [(p.segment, p.record, p.create) for p in placed]
-        return self._segments.write(list(iter_runs(where, records)), writer=self._instance_id)
+        where = [(p.segment, p.record, p.create) for p in placed[: len(admitted)]]
+        for key, buffer, placement in zip(moved, buffers, placed[len(admitted) :], strict=True):
+            if key is not None:
+                records.append((key, buffer))
+                where.append((placement.segment, placement.record, placement.create))
+        runs = list(iter_runs(where, records))
+        return self._segments.write(runs, writer=self._instance_id), moved
+
+    def _move_buffers(self, count: int) -> list[memoryview]:
+        # Aligned (O_DIRECT) buffers for moved records, one set per I/O thread.
+        if not count:
+            return []
+        size = count * self.block_bytes
+        buffer: mmap.mmap | None = getattr(self._local, "moves", None)
+        if buffer is None or len(buffer) < size:
+            buffer = mmap.mmap(-1, max(size, MOVE_BYTES_PER_JOB))
+            self._local.moves = buffer
+        view = memoryview(buffer)
+        return [view[i * self.block_bytes : (i + 1) * self.block_bytes] for i in range(count)]
 
     def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> ReadReport:
         slot = self.slot
@@ -472,6 +523,35 @@ class NVMeSegmentTier(NVMeTierBase):
             report.free_bytes, disk_full=report.disk_full, stored_any=bool(written)
         )
 
+    def _moves(self, evictions: Sequence[Eviction], room: int) -> list[tuple[str, int]]:
+        """The recently used records of ``evictions`` to write again: as many as ``room``
+        records and the per-job byte bound allow (the newest records when not all fit)."""
+        hot = [(e.segment, record) for e in evictions for _, record in e.reinsert]
+        most = min(max(0, room), max(1, MOVE_BYTES_PER_JOB // self.block_bytes))
+        return hot[-most:] if most else []
+
+    def _commit_moves(
+        self,
+        report: WriteReport,
+        moved: Sequence[bytes | None],
+        placed: Sequence[Placement],
+        generation: int,
+    ) -> None:
+        """Index the moved records that were written, unless the key was stored again
+        meanwhile (the newer record wins) or the tier was cleared."""
+        self._writing_records -= len(placed)
+        written = set(report.written)
+        for key, placement in zip(moved, placed, strict=True):
+            if generation != self._generation:
+                continue
+            digest = None if key is None else key_digest(key)
+            if key in written and digest not in self._index:
+                self._index.commit(digest, placement)  # type: ignore[arg-type]
+                self.metrics.relocated_blocks += 1
+            else:
+                self._index.abandon(placement)
+                self.metrics.evicted_blocks += 1
+
     def _commit_load(
         self,
         report: ReadReport,
@@ -504,6 +584,7 @@ class NVMeSegmentTier(NVMeTierBase):
 
     async def _checkpoint(self) -> None:
         self._since_checkpoint = 0
+        self._local = threading.local()  # per I/O thread: buffers for moved records
         try:
             await self.run_blocking(self._checkpoint_hop, self._index.snapshot())
         except OSError as exc:

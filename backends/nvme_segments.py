@@ -53,6 +53,7 @@ import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -368,7 +369,7 @@ class SegmentFiles:
                 page,
                 key=key,
                 payload_bytes=self.block_bytes,
-                checksum=payload_checksum(payload),
+                checksum=_checksum_and_yield(payload),
                 ns_digest=self.ns_digest,
             )
             buffers.append(page)
@@ -411,82 +412,110 @@ class SegmentFiles:
         record's header (magic, version, namespace, key, payload length, header
         checksum) and payload checksum matched; otherwise it gets a reason in
         ``failed``. A failed key's slot may hold partial bytes and must not be used.
-        Each segment is opened once per call.
+        Each segment is opened once per call, and consecutive records are one read.
         """
         report = ReadReport()
-        by_segment: dict[str, list[tuple[bytes, int, memoryview]]] = {}
-        for key, segment, record, slot in reads:
+        outcomes = self._read_verified([(s, r, slot, key) for key, s, r, slot in reads])
+        for (key, _, _, _), (found, reason, missing) in zip(reads, outcomes, strict=True):
+            if found is not None:
+                report.loaded.append(key)
+                continue
+            report.failed[key] = reason
+            if missing:
+                report.missing.append(key)
+            elif reason.startswith("corrupt"):
+                report.corrupt.append(key)
+        return report
+
+    def read_records(self, reads: Sequence[tuple[str, int, memoryview]]) -> list[bytes | None]:
+        """Read each ``(segment, record, buffer)`` whatever key it holds (to write it
+        again elsewhere); returns the key of each record that verified, None for the
+        others. Never raises for an I/O error or bad data."""
+        return [found for found, _, _ in self._read_verified([(*read, None) for read in reads])]
+
+    def _read_verified(
+        self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]
+    ) -> list[tuple[bytes | None, str, bool]]:
+        """For each ``(segment, record, slot, expected key or None)``: ``(the key the
+        verified record holds, or None; the reason it failed; whether it was missing)``,
+        in the order given."""
+        outcomes: list[tuple[bytes | None, str, bool]] = [(None, "not read", False)] * len(reads)
+        by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
+        for i, (segment, record, slot, key) in enumerate(reads):
             if slot.nbytes != self.block_bytes:
                 raise InvalidArgumentError(
                     f"slot is {slot.nbytes} bytes, the tier stores {self.block_bytes}"
                 )
-            by_segment.setdefault(segment, []).append((key, record, slot))
+            by_segment.setdefault(segment, []).append((i, record, slot, key))
         for segment, items in by_segment.items():
-            self._read_segment(segment, items, report)
-        return report
+            self._read_segment(segment, items, outcomes)
+        return outcomes
 
     def _read_segment(
-        self, segment: str, items: list[tuple[bytes, int, memoryview]], report: ReadReport
+        self,
+        segment: str,
+        items: list[tuple[int, int, memoryview, bytes | None]],
+        outcomes: list[tuple[bytes | None, str, bool]],
     ) -> None:
-        direct = self.o_direct and all(is_aligned(slot) for _, _, slot in items)
+        direct = self.o_direct and all(is_aligned(slot) for _, _, slot, _ in items)
         try:
             fd = self.os.open(
                 self.path_of(segment), os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
             )
         except FileNotFoundError:
-            for key, _, _ in items:
-                report.failed[key] = "segment file is missing"
-                report.missing.append(key)
+            for i, _, _, _ in items:
+                outcomes[i] = (None, "segment file is missing", True)
             return
         except OSError as exc:
-            reason = f"read failed: {describe_os_error(exc)}"
-            report.failed.update((key, reason) for key, _, _ in items)
+            for i, _, _, _ in items:
+                outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
         try:
             for run in _consecutive(items, MAX_IOV // 3):
-                self._read_run(fd, run, report)
+                self._read_run(fd, run, outcomes)
         finally:
             self.os.close(fd)
 
     def _read_run(
-        self, fd: int, run: list[tuple[bytes, int, memoryview]], report: ReadReport
+        self,
+        fd: int,
+        run: list[tuple[int, int, memoryview, bytes | None]],
+        outcomes: list[tuple[bytes | None, str, bool]],
     ) -> None:
         """Read records ``run[0][1]``, ``run[0][1] + 1``, ... in one ``preadv``, then
         verify each."""
         pages = self._pages(len(run))
         sink = self._read_sink()
         buffers: list[memoryview] = []
-        for i, (_, _, slot) in enumerate(run):
-            buffers.append(pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
+        for j, (_, _, slot, _) in enumerate(run):
+            buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
             buffers.append(slot)
             if sink.nbytes:
                 buffers.append(sink)
         try:
             got = self.os.preadv(fd, buffers, self.offset_of(run[0][1]))
         except OSError as exc:
-            reason = f"read failed: {describe_os_error(exc)}"
-            report.failed.update((key, reason) for key, _, _ in run)
+            for i, _, _, _ in run:
+                outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
-        for i, (key, _, slot) in enumerate(run):
-            available = got - i * self.record_bytes
+        for j, (i, _, slot, key) in enumerate(run):
+            available = got - j * self.record_bytes
             try:
                 if available <= 0:
-                    report.failed[key] = "record is missing (segment is shorter)"
-                    report.missing.append(key)
+                    outcomes[i] = (None, "record is missing (segment is shorter)", True)
                     continue
                 if available < HEADER_BYTES + self.block_bytes:
                     raise CorruptBlockError(f"short read: {available} bytes")
-                header = decode_header(pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
+                header = decode_header(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
                 check_header(
                     header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if payload_checksum(slot) != header.payload_checksum:
+                if _checksum_and_yield(slot) != header.payload_checksum:
                     raise CorruptBlockError("payload checksum mismatch")
             except CorruptBlockError as exc:
-                report.failed[key] = f"corrupt block: {exc}"
-                report.corrupt.append(key)
+                outcomes[i] = (None, f"corrupt block: {exc}", False)
             else:
-                report.loaded.append(key)
+                outcomes[i] = (header.key, "", False)
 
     def _read_sink(self) -> memoryview:
         # Where a read's padding between records goes (never the zeros that writes use).
@@ -689,13 +718,24 @@ class SegmentFiles:
         return Checkpoint(segments, *arrays)
 
 
+def _checksum_and_yield(payload: memoryview) -> bytes:
+    """The payload's checksum, then a moment without the GIL.
+
+    The hash holds the GIL; a job's records are hashed back to back (then written or
+    read in one call), so without this the loop's thread could wait for the GIL for a
+    whole job's worth of hashing (up to the 5 ms switch interval)."""
+    checksum = payload_checksum(payload)
+    time.sleep(0)
+    return checksum
+
+
 def _consecutive(
-    items: list[tuple[bytes, int, memoryview]], most: int
-) -> Iterator[list[tuple[bytes, int, memoryview]]]:
-    """``items`` (key, record, slot) in record order, cut into runs of consecutive
-    record numbers of at most ``most`` items."""
+    items: list[tuple[int, int, memoryview, bytes | None]], most: int
+) -> Iterator[list[tuple[int, int, memoryview, bytes | None]]]:
+    """``items`` (position, record, slot, key) in record order, cut into runs of
+    consecutive record numbers of at most ``most`` items."""
     ordered = sorted(items, key=lambda item: item[1])
-    run: list[tuple[bytes, int, memoryview]] = []
+    run: list[tuple[int, int, memoryview, bytes | None]] = []
     for item in ordered:
         if run and (item[1] != run[-1][1] + 1 or len(run) == most):
             yield run

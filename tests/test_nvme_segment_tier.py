@@ -421,3 +421,34 @@ async def test_kill_9_mid_write_keeps_every_block_stored_before(
             bytes([i + 1]) * BLOCK for i in range(len(stored))
         ]
         assert not list(directory.glob("*.tmp"))  # a dead writer's checkpoint temp is gone
+
+
+async def test_recently_used_blocks_of_an_evicted_segment_are_moved_not_dropped(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with tier(pool, tmp_path, capacity_bytes=16 * RECORD, hot_fraction=0.25) as t:
+        old, mid = keys(8, "old"), keys(8, "mid")
+        expected = [slot(pool, i) for i in range(8)]
+        assert (await store(t, old, range(8))).success
+        assert (await store(t, mid, range(8, 16))).success
+        assert (await load(t, old[:2], [14, 15])).success  # old[0] and old[1] are hot now
+        new = keys(6, "new")
+        assert (await store(t, new, range(8, 14))).success  # evicts the oldest segment
+        assert t.metrics.relocated_blocks == 2
+        assert [bool(t.lookup(k)) for k in old] == [True, True] + [False] * 6
+        pool[: 2 * BLOCK] = bytes(2 * BLOCK)
+        assert (await load(t, old[:2], [0, 1])).success
+        assert [slot(pool, 0), slot(pool, 1)] == expected[:2]
+        assert all(t.lookup(k) for k in mid + new)
+
+
+async def test_without_a_hot_fraction_eviction_drops_every_block_of_the_segment(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with tier(pool, tmp_path, capacity_bytes=16 * RECORD, hot_fraction=0) as t:
+        old = keys(8, "old")
+        assert (await store(t, old, range(8))).success
+        assert (await store(t, keys(8, "mid"), range(8))).success
+        assert (await load(t, old[:2], [14, 15])).success
+        assert (await store(t, keys(6, "new"), range(6))).success
+        assert t.metrics.relocated_blocks == 0 and not any(t.lookup(k) for k in old)
