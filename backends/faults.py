@@ -18,7 +18,7 @@ Example::
     gate = faults.hold("pwritev", path=key.hex())   # that key's write waits ...
     ...                                             # ... (gate.reached is set when it does)
     gate.open()                                     # ... until here
-    tier = NVMeTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
+    tier = NVMeFileTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
                     os_calls=faults)
 """
 

@@ -74,7 +74,7 @@ DEFAULT_ENOSPC_RETRY_S = 5.0
 
 _MISSING = "block file is missing"
 _THREAD_START_TIMEOUT_S = 5.0
-"""How long :meth:`NVMeTier.start` waits for all its I/O threads to be up at once."""
+"""How long :meth:`NVMeFileTier.start` waits for all its I/O threads to be up at once."""
 
 
 @dataclass(slots=True)
@@ -417,7 +417,7 @@ class NVMeTierBase(TierActor):
         }
 
 
-class NVMeTier(NVMeTierBase):
+class NVMeFileTier(NVMeTierBase):
     """A secondary tier that keeps blocks in files under ``root``.
 
     Args:
@@ -507,6 +507,10 @@ class NVMeTier(NVMeTierBase):
         self._busy: dict[OffloadKey, asyncio.Event] = {}
         self._trash: dict[OffloadKey, None] = {}  # dropped by clear(), files not yet removed
         self._generation = 0  # bumped by clear(): older hops' keys are not committed
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "nvme-files"
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -814,4 +818,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["NVMeMetrics", "NVMeTier", "NVMeTierBase"]
+__all__ = ["NVMeFileTier", "NVMeMetrics", "NVMeTierBase"]

@@ -1,17 +1,15 @@
-"""The NVMe tier with its blocks packed into segment files (registered as ``"nvme-segments"``).
+"""The NVMe tier, registered as ``"nvme"``: KV blocks packed into segment files.
 
-The same tier as :class:`backends.nvme.NVMeTier` from the outside (namespaces, cap and
-free-space floor, disk full, verification before serving, shared roots, fault injection),
-with another layout: blocks are records appended to large segment files
-(:mod:`backends.nvme_segments`), indexed by :class:`~backends.nvme_segment_index.
-SegmentIndex` (about 50-65 bytes of memory per block), evicted a whole segment at a time,
-oldest first, and recovered from a checkpoint of the index plus a scan of what was
-written after it. A store job is one vectored write per run of records, not a create and
-a rename per block.
-
-What it does not do yet (the file layout stays the default ``"nvme"`` until it does):
-rewrite recently used blocks of an evicted segment (eviction is FIFO by segment), and
-checkpoint while serving other than every ``checkpoint_every`` records written.
+From the outside the same tier as the file-per-block :class:`backends.nvme.NVMeFileTier`
+(``"nvme-files"``): namespaces, cap and free-space floor, disk full, verification
+before serving, shared roots, fault injection. Inside, blocks are records appended to
+large segment files (:mod:`backends.nvme_segments`), indexed by :class:`~backends.
+nvme_segment_index.SegmentIndex` (about 50-65 bytes of memory per block), evicted a
+whole segment at a time, oldest first, with the recently used blocks of the victim
+written again (FIFO with reinsertion), and recovered from a checkpoint of the index plus
+a scan of what was written after it. A store job is one vectored write per segment it
+touches, not a create and a rename per block. Why it is the default, with figures:
+``docs/nvme.md``.
 """
 
 from __future__ import annotations
@@ -76,7 +74,7 @@ class _DiskState:
 class NVMeSegmentTier(NVMeTierBase):
     """A secondary tier keeping blocks as records of segment files under ``root``.
 
-    Args: as :class:`backends.nvme.NVMeTier` (without ``policy``: eviction is by
+    Args: as :class:`backends.nvme.NVMeFileTier` (without ``policy``: eviction is by
     segment, oldest first), plus
 
         segment_bytes: the size a segment grows to before the next one starts (at most

@@ -53,7 +53,7 @@ separately for writing and for reading. The last line of output is one JSON obje
                "layout": "files", "segments_store_GBps": ..., ...}, ...]}
 
 Figures are medians over the rounds. ``--layouts`` picks the NVMe layouts run in each
-round, one after the other: the file per block (``files``, ``NVMeTier``) and segment
+round, one after the other: the file per block (``files``, ``NVMeFileTier``) and segment
 files (``segments``, ``NVMeSegmentTier``). The unprefixed figures are the first layout's
 (named by ``layout``); a second layout's store, load, ratios and loop lag repeat with its
 name as a prefix. The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are null
@@ -92,7 +92,7 @@ from _cli import (
     size_list,
 )
 
-from backends.nvme import NVMeTier, NVMeTierBase
+from backends.nvme import NVMeFileTier, NVMeTierBase
 from backends.nvme_files import probe_o_direct
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tiering.host_pool import HostPool
@@ -346,7 +346,7 @@ def best_point(rounds: list[Baseline], direction: int) -> tuple[str, float, list
 
 
 async def _drive(
-    tier: NVMeTier,
+    tier: NVMeFileTier,
     batches: list[list[bytes]],
     windows: int,
     job_blocks: int,
@@ -395,7 +395,7 @@ async def bench_tier(
 ) -> TierFigures:
     """One round: store ``total`` bytes into a new tier, then load them back.
 
-    ``layout``: ``"files"`` (``NVMeTier``, a file per block) or ``"segments"``
+    ``layout``: ``"files"`` (``NVMeFileTier``, a file per block) or ``"segments"``
     (``NVMeSegmentTier``). Each round uses its own namespace (so it starts empty). Its
     directory is appended to ``keep_dirs`` for the caller to remove after the last
     round. Removing it between rounds would time the next round's
@@ -415,7 +415,7 @@ async def bench_tier(
     keys = [f"bench-{block}-{i}".encode().ljust(32, b".") for i in range(count)]
     batches = [keys[first : first + job_blocks] for first in range(0, count, job_blocks)]
 
-    tier_class: type[NVMeTierBase] = NVMeSegmentTier if layout == "segments" else NVMeTier
+    tier_class: type[NVMeTierBase] = NVMeSegmentTier if layout == "segments" else NVMeFileTier
     tier = tier_class(
         view,
         block,

@@ -25,7 +25,7 @@ Only the tier's public API is used. The phases:
    true only after the first: fadvise drops the files' data pages but not the cached
    directory entries and inodes that a restart's scan walks (``page_cache_drop`` says
    which was done).
-3. Cold restart: a NEW ``NVMeTier`` on the same root and namespace, constructed and
+3. Cold restart: a NEW ``NVMeFileTier`` on the same root and namespace, constructed and
    started (``await tier.start()``: it serves when that returns), timed without
    tracemalloc -> ``restart_s``. The growth of this process's VmRSS over construction
    and start (after ``gc.collect()``), divided by the blocks -> ``rss_bytes_per_block``
@@ -83,7 +83,7 @@ from typing import Any
 
 from _cli import Progress, ensure_directory, make_parser, parse_size, positive_int
 
-from backends.nvme import NVMeTier, NVMeTierBase
+from backends.nvme import NVMeFileTier, NVMeTierBase
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tiering.host_pool import HostPool
 from tiering.secondary import JobMetadata
@@ -121,7 +121,7 @@ def namespace_for(block: int, layout: str) -> str:
 
 def tier_class(layout: str) -> type[NVMeTierBase]:
     """The NVMe tier of ``layout``: a file per block, or segment files."""
-    return NVMeSegmentTier if layout == "segments" else NVMeTier
+    return NVMeSegmentTier if layout == "segments" else NVMeFileTier
 
 
 def capacity_for(blocks: int, block: int, layout: str) -> int:
@@ -423,7 +423,7 @@ async def restarts(
 
 
 async def check(
-    tier: NVMeTier, view: memoryview, args: argparse.Namespace, seed: int, pool_slots: int
+    tier: NVMeFileTier, view: memoryview, args: argparse.Namespace, seed: int, pool_slots: int
 ) -> tuple[list[str], int]:
     """The restarted tier's count, lookups and loads; returns (failures, blocks verified)."""
     failures: list[str] = []
@@ -583,7 +583,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--layout",
         choices=("files", "segments"),
         default="files",
-        help="NVMe layout: a file per block (NVMeTier) or segment files (NVMeSegmentTier)",
+        help="NVMe layout: a file per block (NVMeFileTier) or segment files (NVMeSegmentTier)",
     )
     parser.add_argument("--blocks", type=positive_int, default=1_000_000, help="blocks to fill")
     parser.add_argument(

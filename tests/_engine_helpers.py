@@ -9,6 +9,8 @@ any restart agree on what a key's bytes must be.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import struct
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,9 @@ import torch
 
 from backends.faults import Fault, FaultInjector
 from backends.memory import MemoryTier
+from backends.nvme_format import HEADER_BYTES, decode_header
 from tiering import JobMetadata, JobResult, TieringEngine
+from tiering.errors import CorruptBlockError
 
 DEVICE_BLOCKS = 32
 SETTLE_S = 30.0
@@ -68,10 +72,14 @@ def assert_holds(kv: Sequence[torch.Tensor], keys: Sequence[bytes], ids: Sequenc
         assert holds(kv, key, i), f"device block {i} does not hold the bytes of {key.hex()}"
 
 
-def nvme_spec(root: Path | str, faults: FaultInjector | None = None, **extra: Any) -> dict:
-    """An NVMe tier spec under ``root`` that never refuses for free space."""
+def nvme_spec(
+    root: Path | str, faults: FaultInjector | None = None, *, tier: str = "nvme", **extra: Any
+) -> dict:
+    """An NVMe tier spec under ``root`` that never refuses for free space; ``tier`` is
+    ``"nvme"`` (segment files) or ``"nvme-files"`` (a file per block, whose paths name
+    the key: what a fault aimed at one key's writes needs)."""
     spec: dict[str, Any] = {
-        "type": "nvme",
+        "type": tier,
         "root": str(root),
         "capacity_bytes": 64 << 20,
         "min_free_bytes": 0,
@@ -82,23 +90,44 @@ def nvme_spec(root: Path | str, faults: FaultInjector | None = None, **extra: An
     return spec
 
 
-def block_files(root: Path) -> list[Path]:
-    """The NVMe tier's block files under ``root``."""
-    return sorted(p for p in root.rglob("*.kvb") if p.is_file())
+def block_copies(root: Path) -> dict[bytes, list[tuple[Path, int, int]]]:
+    """Every stored copy of every block under ``root``, in either NVMe layout: key ->
+    ``(file, payload offset, payload length)`` (block files and segment records whose
+    header verifies)."""
+    copies: dict[bytes, list[tuple[Path, int, int]]] = {}
+    for path in sorted(root.rglob("*.kvb")):
+        data = path.read_bytes()
+        with contextlib.suppress(CorruptBlockError):
+            key = decode_header(data[:HEADER_BYTES]).key
+            copies.setdefault(key, []).append((path, HEADER_BYTES, len(data) - HEADER_BYTES))
+    for path in sorted(root.rglob("*.seg")):
+        data = path.read_bytes()
+        (payload,) = struct.unpack_from("<Q", data, 16)  # the segment header's record size
+        stride = HEADER_BYTES + -(-payload // 4096) * 4096
+        for start in range(HEADER_BYTES, len(data) - stride + 1, stride):
+            with contextlib.suppress(CorruptBlockError):
+                key = decode_header(data[start : start + HEADER_BYTES]).key
+                copies.setdefault(key, []).append((path, start + HEADER_BYTES, payload))
+    return copies
 
 
-def block_file(root: Path, key: bytes) -> Path:
-    """The NVMe block file of ``key`` (its name carries the key's hex)."""
-    found = [p for p in block_files(root) if key.hex() in p.name]
-    assert len(found) == 1, f"expected one block file for {key.hex()}, found {found}"
-    return found[0]
+def flip_byte(path: Path, offset: int) -> tuple[int, int]:
+    """Invert the byte at ``offset`` of ``path``; returns (the byte now, the byte before)."""
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        before = file.read(1)[0]
+        file.seek(offset)
+        file.write(bytes([before ^ 0xFF]))
+    return before ^ 0xFF, before
 
 
-def flip_last_byte(path: Path) -> None:
-    """Corrupt one payload byte of a block file (its checksum no longer matches)."""
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
+def corrupt_block(root: Path, key: bytes) -> None:
+    """Flip the last payload byte of every stored copy of ``key`` under ``root``: its
+    checksum no longer matches."""
+    copies = block_copies(root).get(key, [])
+    assert copies, f"no stored copy of {key.hex()} under {root}"
+    for path, offset, length in copies:
+        flip_byte(path, offset + length - 1)
 
 
 async def settle(engine: TieringEngine, bound_s: float = SETTLE_S) -> None:

@@ -20,9 +20,8 @@ from backends.faults import FaultInjector
 from tests._engine_helpers import (
     assert_holds,
     assert_no_leaks,
-    block_file,
+    corrupt_block,
     engine_tasks,
-    flip_last_byte,
     h,
     holds,
     key_gated,
@@ -179,7 +178,10 @@ async def test_5_a_failed_promotion_never_fails_a_later_fill_of_the_same_hash(
     keep_out = faults.fail("pwritev", errno.EIO, path=k.hex())  # K: memory tier only
     factory, made = key_gated()
     async with TieringEngine(
-        kv, 2, secondary_tiers=[nvme_spec(tmp_path, faults), factory], write_policy="write_back"
+        kv,
+        2,
+        secondary_tiers=[nvme_spec(tmp_path, faults, tier="nvme-files"), factory],
+        write_policy="write_back",
     ) as engine:
         nvme, memory = engine.tiers
         assert (await engine.store([hh, k], [0, 1])).success
@@ -188,7 +190,7 @@ async def test_5_a_failed_promotion_never_fails_a_later_fill_of_the_same_hash(
         assert nvme.lookup(hh) is True and memory.lookup(hh) is True
         assert nvme.lookup(k) is False and memory.lookup(k) is True
         faults.remove(keep_out)
-        flip_last_byte(block_file(tmp_path, hh))
+        corrupt_block(tmp_path, hh)
 
         k_gate, h_gate = made[0].gate(k), made[0].gate(hh)
         wipe(kv, [10, 11, 12, 13])
@@ -232,7 +234,10 @@ async def test_5_a_failed_promotion_never_fails_a_later_store_of_the_same_hash(
     keep_out = faults.fail("pwritev", errno.EIO, path=k.hex())  # K: memory tier only
     factory, made = key_gated()
     async with TieringEngine(
-        kv, 3, secondary_tiers=[nvme_spec(tmp_path, faults), factory], write_policy="write_back"
+        kv,
+        3,
+        secondary_tiers=[nvme_spec(tmp_path, faults, tier="nvme-files"), factory],
+        write_policy="write_back",
     ) as engine:
         nvme, memory = engine.tiers
         assert (await engine.store([hh, k], [0, 1])).success
@@ -241,7 +246,7 @@ async def test_5_a_failed_promotion_never_fails_a_later_store_of_the_same_hash(
         await settle(engine)
         assert nvme.lookup(hh) is True and memory.lookup(k) is True and nvme.lookup(k) is False
         faults.remove(keep_out)
-        flip_last_byte(block_file(tmp_path, hh))
+        corrupt_block(tmp_path, hh)
         k_gate = made[0].gate(k)
         wipe(kv, [10, 11, 12, 13])
         first = engine.load([hh, k], [10, 11])  # H from NVMe (corrupt), K from memory (held)
@@ -329,7 +334,7 @@ async def test_7_a_store_cut_short_by_close_never_reports_success(tmp_path: Path
     v, s = h(30), h(31)
     put(kv, [v, s], [0, 1])
     faults = FaultInjector()
-    spec = nvme_spec(tmp_path, faults)
+    spec = nvme_spec(tmp_path, faults, tier="nvme-files")
     engine = TieringEngine(
         kv, 1, secondary_tiers=[spec], write_policy="write_back", close_timeout=0.2
     )

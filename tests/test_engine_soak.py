@@ -1,13 +1,14 @@
 """A seeded, model-based soak of the engine's public API.
 
 Each seed picks a configuration (write policy, CPU eviction policy, a CPU tier of 2 to 6
-slots, a memory and/or an NVMe tier under ``tmp_path``) and runs several engine *lives*
-on the same NVMe root. A life is rounds of concurrent random jobs: stores, loads of
-``keys[:lookup(keys)]``, touches, awaiters cancelled at random points (the job must
-still complete), ``flush()`` awaited or cut short by ``wait_for``. Some lives inject
-tier faults through a :class:`backends.faults.FaultInjector`: EIO on reads, a flipped
-byte in a block file, ENOSPC for a few writes; any life may have slow calls. A life
-ends with a graceful close (sometimes with jobs still in flight) or a hard ``close()``.
+slots, a memory and/or an NVMe tier of either layout under ``tmp_path``) and runs
+several engine *lives* on the same NVMe root. A life is rounds of concurrent random
+jobs: stores, loads of ``keys[:lookup(keys)]``, touches, awaiters cancelled at random
+points (the job must still complete), ``flush()`` awaited or cut short by ``wait_for``.
+Some lives inject tier faults through a :class:`backends.faults.FaultInjector`: EIO on
+reads, a flipped byte in a stored block (a block file or a segment record), ENOSPC for
+a few writes; any life may have slow calls. A life ends with a graceful close
+(sometimes with jobs still in flight) or a hard ``close()``.
 
 The reference model is simple because a block's content is a function of its key
 (:func:`tests._engine_helpers.block_content`). Checks:
@@ -51,7 +52,8 @@ import pytest
 from backends.faults import FaultInjector
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
-    block_files,
+    block_copies,
+    flip_byte,
     h,
     holds,
     make_kv,
@@ -78,6 +80,7 @@ class _Config:
     cpu_blocks: int
     memory_blocks: int | None
     nvme: bool
+    nvme_tier: str  # "nvme" (segment files) or "nvme-files"
 
     @classmethod
     def draw(cls, rng: random.Random) -> _Config:
@@ -88,6 +91,7 @@ class _Config:
             cpu_blocks=rng.randint(2, 6),
             memory_blocks=rng.randint(3, 12) if tiers != "nvme" else None,
             nvme=tiers != "memory",
+            nvme_tier=rng.choice(["nvme", "nvme-files"]),
         )
 
 
@@ -99,7 +103,7 @@ class _Life:
     finished: Counter[int] = field(default_factory=Counter)
     stored_ok: set[bytes] = field(default_factory=set)
     damaged: bool = False
-    flipped: list[tuple[Path, bytes, bytes]] = field(default_factory=list)
+    flipped: list[tuple[Path, int, int, int]] = field(default_factory=list)
 
 
 class _Soak:
@@ -121,7 +125,8 @@ class _Soak:
         if self.config.memory_blocks is not None:
             tiers.append({"type": "memory", "max_blocks": self.config.memory_blocks})
         if self.config.nvme:
-            tiers.append(nvme_spec(self.root, faults, enospc_retry_s=0.01))
+            tier = self.config.nvme_tier
+            tiers.append(nvme_spec(self.root, faults, tier=tier, enospc_retry_s=0.01))
         return TieringEngine(
             self.kv,
             self.config.cpu_blocks,
@@ -309,27 +314,27 @@ class _Soak:
         elif choice == "enospc":
             faults.fail("pwritev", errno.ENOSPC, times=rng.randint(1, 3))
         elif choice == "flip":
-            files = block_files(self.root)
-            if not files:
+            copies = [copy for found in block_copies(self.root).values() for copy in found]
+            if not copies:
                 return
-            path = rng.choice(files)
+            path, offset, length = rng.choice(copies)
+            position = offset + length - 1 - rng.randrange(min(64, length))
             try:
-                original = path.read_bytes()
+                flipped, original = flip_byte(path, position)
             except FileNotFoundError:
                 return
-            flipped = bytearray(original)
-            flipped[-1 - rng.randrange(64)] ^= 0xFF
-            path.write_bytes(bytes(flipped))
-            life.flipped.append((path, bytes(flipped), original))
+            life.flipped.append((path, position, flipped, original))
         else:
             return
         life.damaged = True
 
     def _restore_flips(self, life: _Life) -> None:
-        for path, flipped, original in reversed(life.flipped):
-            with contextlib.suppress(FileNotFoundError):
-                if path.read_bytes() == flipped:
-                    path.write_bytes(original)
+        for path, position, flipped, original in reversed(life.flipped):
+            with contextlib.suppress(FileNotFoundError), open(path, "r+b") as file:
+                file.seek(position)
+                if file.read(1) == bytes([flipped]):  # still the copy that was flipped
+                    file.seek(position)
+                    file.write(bytes([original]))
 
 
 @pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + SEEDS))

@@ -22,7 +22,7 @@ import aiofiles.os
 import pytest
 
 from backends.faults import FaultInjector
-from backends.nvme import NVMeTier, _InflightBytes
+from backends.nvme import NVMeFileTier, _InflightBytes
 from backends.nvme_files import OsCalls, owner_alive
 from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
 from tiering.actor import TierActor
@@ -61,7 +61,7 @@ class FakeClock:
         return self.now
 
 
-def _tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeTier:
+def _tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeFileTier:
     options: dict[str, Any] = {
         "root": root,
         "namespace": NAMESPACE,
@@ -69,11 +69,11 @@ def _tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeTier:
         "min_free_bytes": 0,
     }
     options.update(kwargs)
-    return NVMeTier(pool, BLOCK, **options)
+    return NVMeFileTier(pool, BLOCK, **options)
 
 
 @pytest.fixture
-async def tier(pool: memoryview, tmp_path: Path) -> AsyncIterator[NVMeTier]:
+async def tier(pool: memoryview, tmp_path: Path) -> AsyncIterator[NVMeFileTier]:
     async with _tier(pool, tmp_path) as running:
         yield running
 
@@ -81,13 +81,13 @@ async def tier(pool: memoryview, tmp_path: Path) -> AsyncIterator[NVMeTier]:
 _job_ids = iter(range(1, 1 << 30))
 
 
-async def _store(tier: NVMeTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+async def _store(tier: NVMeFileTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
     job = JobMetadata(next(_job_ids), list(keys), list(slots))
     tier.submit_store(job)
     return await tier.result(job.job_id)
 
 
-async def _load(tier: NVMeTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+async def _load(tier: NVMeFileTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
     job = JobMetadata(next(_job_ids), list(keys), list(slots))
     tier.submit_load(job)
     return await tier.result(job.job_id)
@@ -105,7 +105,7 @@ def _exists(path: str) -> bool:
     return os.path.exists(path)
 
 
-def _block_files(tier: NVMeTier) -> list[str]:
+def _block_files(tier: NVMeFileTier) -> list[str]:
     return sorted(
         name
         for sub in os.listdir(tier.directory)
@@ -117,7 +117,7 @@ def _block_files(tier: NVMeTier) -> list[str]:
 # -- the basic contract ------------------------------------------------------------------
 
 
-async def test_store_then_load_is_byte_exact(tier: NVMeTier, pool: memoryview) -> None:
+async def test_store_then_load_is_byte_exact(tier: NVMeFileTier, pool: memoryview) -> None:
     keys = _keys(4)
     expected = [_slot(pool, i) for i in range(4)]
     assert (await _store(tier, keys, range(4))).success
@@ -129,19 +129,19 @@ async def test_store_then_load_is_byte_exact(tier: NVMeTier, pool: memoryview) -
     assert tier.get_num_blocks() == 4 and tier.used_bytes == 4 * FILE
 
 
-async def test_lookup_is_none_while_a_store_is_queued(tier: NVMeTier) -> None:
+async def test_lookup_is_none_while_a_store_is_queued(tier: NVMeFileTier) -> None:
     key = b"pending"
     tier.submit_store(JobMetadata(next(_job_ids), [key], [0]))
     assert tier.lookup(key) is None
     assert tier.lookup(b"other") is False
 
 
-async def test_lookup_rejects_a_non_bytes_key(tier: NVMeTier) -> None:
+async def test_lookup_rejects_a_non_bytes_key(tier: NVMeFileTier) -> None:
     with pytest.raises(InvalidArgumentError, match="bytes"):
         tier.lookup("text")  # type: ignore[arg-type]
 
 
-async def test_load_of_unknown_keys_is_partial(tier: NVMeTier, pool: memoryview) -> None:
+async def test_load_of_unknown_keys_is_partial(tier: NVMeFileTier, pool: memoryview) -> None:
     (known,) = _keys(1)
     await _store(tier, [known], [0])
     expected = _slot(pool, 0)
@@ -151,7 +151,7 @@ async def test_load_of_unknown_keys_is_partial(tier: NVMeTier, pool: memoryview)
 
 
 async def test_one_key_loaded_into_two_slots_lands_in_both(
-    tier: NVMeTier, pool: memoryview
+    tier: NVMeFileTier, pool: memoryview
 ) -> None:
     await _store(tier, [b"twice"], [0])
     expected = _slot(pool, 0)
@@ -160,7 +160,7 @@ async def test_one_key_loaded_into_two_slots_lands_in_both(
     assert tier.lookup(b"twice")
 
 
-async def test_storing_held_keys_again_is_a_no_op(tier: NVMeTier) -> None:
+async def test_storing_held_keys_again_is_a_no_op(tier: NVMeFileTier) -> None:
     keys = _keys(2)
     await _store(tier, keys, [0, 1])
     assert (await _store(tier, [*keys, keys[0]], [2, 3, 4])).success
@@ -168,7 +168,7 @@ async def test_storing_held_keys_again_is_a_no_op(tier: NVMeTier) -> None:
     assert len(_block_files(tier)) == 2
 
 
-async def test_key_too_long_for_the_header_fails_alone(tier: NVMeTier) -> None:
+async def test_key_too_long_for_the_header_fails_alone(tier: NVMeFileTier) -> None:
     good, bad = b"good", b"x" * 5000
     result = await _store(tier, [good, bad], [0, 1])
     assert result.failed_keys == (bad,) and "key length" in (result.error or "")
@@ -180,7 +180,7 @@ async def test_tier_is_registered_and_speaks_the_plain_protocol(
 ) -> None:
     tier = make_tier(
         {
-            "type": "nvme",
+            "type": "nvme-files",
             "root": str(tmp_path),
             "namespace": NAMESPACE,
             "capacity_bytes": 8 * FILE,
@@ -189,8 +189,8 @@ async def test_tier_is_registered_and_speaks_the_plain_protocol(
         pool,
         BLOCK,
     )
-    assert isinstance(tier, NVMeTier) and isinstance(tier, SecondaryTierManager)
-    assert tier.get_tier_type() == "nvme"
+    assert isinstance(tier, NVMeFileTier) and isinstance(tier, SecondaryTierManager)
+    assert tier.get_tier_type() == "nvme-files"
     assert isinstance(tier, TierActor)
     await tier.start()
     try:
@@ -216,7 +216,7 @@ async def test_unaligned_block_size_works_with_buffered_io(tmp_path: Path) -> No
     block = 1000
     buffer = bytearray(os.urandom(block * 4))
     view = memoryview(buffer)
-    async with NVMeTier(
+    async with NVMeFileTier(
         view, block, root=tmp_path, namespace="odd", capacity_bytes=1 << 20, min_free_bytes=0
     ) as tier:
         await _store(tier, [b"a", b"b"], [0, 1])
@@ -384,7 +384,7 @@ def _flip(path: str, offset: int) -> None:
     ids=["payload-byte", "header-byte", "truncated"],
 )
 async def test_corrupt_block_is_never_served_and_becomes_a_miss(
-    tier: NVMeTier, pool: memoryview, damage: Any
+    tier: NVMeFileTier, pool: memoryview, damage: Any
 ) -> None:
     keys = _keys(3)
     await _store(tier, keys, range(3))
@@ -770,7 +770,7 @@ async def test_two_engines_on_one_root_never_corrupt_each_other(
 _CRASHING_WRITER = textwrap.dedent(
     """
     import asyncio, mmap, os, sys
-    from backends.nvme import NVMeTier
+    from backends.nvme import NVMeFileTier
     from backends.nvme_files import OsCalls
     from tiering.secondary import JobMetadata
 
@@ -791,7 +791,7 @@ _CRASHING_WRITER = textwrap.dedent(
         for i in range(4):
             buffer[i * BLOCK:(i + 1) * BLOCK] = bytes([i + 1]) * BLOCK
         calls = HangMidWrite()
-        tier = NVMeTier(memoryview(buffer), BLOCK, root=sys.argv[1], namespace="crash",
+        tier = NVMeFileTier(memoryview(buffer), BLOCK, root=sys.argv[1], namespace="crash",
                         capacity_bytes=1 << 24, min_free_bytes=0, fsync="none",
                         os_calls=calls)
         await tier.start()
@@ -831,7 +831,7 @@ async def test_kill_9_mid_write_loses_only_the_blocks_in_flight(
         child.stderr.close()
     directory = tmp_path / namespace_dirname("crash")
     assert list(directory.glob("*/*.tmp")), "the child should have died mid-write"
-    async with NVMeTier(
+    async with NVMeFileTier(
         pool, BLOCK, root=tmp_path, namespace="crash", capacity_bytes=1 << 24, min_free_bytes=0
     ) as tier:
         assert tier.lookup(b"done-1") and tier.lookup(b"done-2")
@@ -871,7 +871,9 @@ async def test_clear_drops_everything_and_close_removes_the_files(
     assert os.listdir(os.path.join(tier.directory, "owners")) == []
 
 
-async def test_clear_then_store_again_keeps_the_new_block(tier: NVMeTier, pool: memoryview) -> None:
+async def test_clear_then_store_again_keeps_the_new_block(
+    tier: NVMeFileTier, pool: memoryview
+) -> None:
     (key,) = _keys(1)
     await _store(tier, [key], [0])
     tier.clear()
@@ -920,7 +922,7 @@ async def test_concurrent_starts_open_the_directory_once(pool: memoryview, tmp_p
         await tier.aclose()
 
 
-class CountingHops(NVMeTier):
+class CountingHops(NVMeFileTier):
     hops = 0
 
     async def run_blocking(self, fn: Any, /, *args: Any) -> Any:
@@ -1073,7 +1075,7 @@ def test_bad_options_are_refused(
 
 def test_a_root_that_is_not_a_path_is_refused(pool: memoryview) -> None:
     with pytest.raises(InvalidArgumentError, match="root must be a path"):
-        NVMeTier(pool, BLOCK, root=42, namespace="n", capacity_bytes=FILE)  # type: ignore[arg-type]
+        NVMeFileTier(pool, BLOCK, root=42, namespace="n", capacity_bytes=FILE)  # type: ignore[arg-type]
 
 
 def test_unknown_policy_is_refused(pool: memoryview, tmp_path: Path) -> None:

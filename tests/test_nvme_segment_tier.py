@@ -300,10 +300,10 @@ async def test_clear_drops_everything_and_close_deletes_the_segments(
         assert t.get_num_blocks() == 1 and len(segment_files(t)) == 1
 
 
-async def test_registered_as_nvme_segments_and_round_trips_through_the_engine(
+async def test_registered_as_nvme_and_round_trips_through_the_engine(
     tmp_path: Path,
 ) -> None:
-    spec = {"type": "nvme-segments", "root": str(tmp_path), "capacity_bytes": 1 << 24}
+    spec = {"type": "nvme", "root": str(tmp_path), "capacity_bytes": 1 << 24}
     kv = make_kv(1)
     ids = [20, 21, 22]
     expected = kv[0][ids].clone()
@@ -329,7 +329,7 @@ def test_bad_options_are_refused_naming_them(pool: memoryview, tmp_path: Path) -
         with pytest.raises(Exception, match=name):
             make_tier(
                 {
-                    "type": "nvme-segments",
+                    "type": "nvme",
                     "root": str(tmp_path),
                     "namespace": "x",
                     "capacity_bytes": 1 << 20,

@@ -28,8 +28,8 @@ TierSpec = str | Mapping[str, Any] | Callable[[memoryview, int], SecondaryTierMa
 _BUILTINS: dict[str, str] = {
     "example": "backends.example:ExampleSecondaryTier",
     "memory": "backends.memory:MemoryTier",
-    "nvme": "backends.nvme:NVMeTier",
-    "nvme-segments": "backends.nvme_segment_tier:NVMeSegmentTier",
+    "nvme": "backends.nvme_segment_tier:NVMeSegmentTier",
+    "nvme-files": "backends.nvme:NVMeFileTier",
 }
 _REGISTERED: dict[str, TierFactory] = {}
 
