@@ -102,6 +102,8 @@ def block_copies(root: Path) -> dict[bytes, list[tuple[Path, int, int]]]:
             copies.setdefault(key, []).append((path, HEADER_BYTES, len(data) - HEADER_BYTES))
     for path in sorted(root.rglob("*.seg")):
         data = path.read_bytes()
+        if len(data) < HEADER_BYTES:  # its first write failed
+            continue
         (payload,) = struct.unpack_from("<Q", data, 16)  # the segment header's record size
         stride = HEADER_BYTES + -(-payload // 4096) * 4096
         for start in range(HEADER_BYTES, len(data) - stride + 1, stride):
