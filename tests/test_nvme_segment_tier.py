@@ -452,3 +452,28 @@ async def test_without_a_hot_fraction_eviction_drops_every_block_of_the_segment(
         assert (await load(t, old[:2], [14, 15])).success
         assert (await store(t, keys(6, "new"), range(6))).success
         assert t.metrics.relocated_blocks == 0 and not any(t.lookup(k) for k in old)
+
+
+async def test_two_live_tiers_on_one_root_share_blocks_and_never_evict_each_others_segments(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    ours, theirs = keys(8, "ours"), keys(8, "theirs")
+    expected = [slot(pool, i) for i in range(8)]
+    async with tier(pool, tmp_path) as first:
+        assert (await store(first, theirs, range(8))).success  # a full segment of `first`
+        async with tier(pool, tmp_path, capacity_bytes=24 * RECORD, hot_fraction=0) as second:
+            assert all(second.lookup(k) for k in theirs)  # indexed at its start
+            assert (await store(second, ours, range(8))).success
+            shared = keys(2, "shared")
+            both = await asyncio.gather(store(first, shared, [0, 1]), store(second, shared, [0, 1]))
+            assert all(r.success for r in both)
+            # Full: the oldest segment is first's, alive, so second evicts its own.
+            assert (await store(second, keys(8, "more"), range(8))).success
+            assert all(second.lookup(k) for k in theirs)
+            assert not any(second.lookup(k) for k in ours)
+            pool[: 8 * BLOCK] = bytes(8 * BLOCK)
+            assert (await load(second, theirs, range(8))).success
+            assert [slot(pool, i) for i in range(8)] == expected
+            assert (await load(first, shared, [8, 9])).success
+            assert (await load(second, shared, [10, 11])).success
+            assert slot(pool, 8) == slot(pool, 10) and slot(pool, 9) == slot(pool, 11)
