@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,14 +101,17 @@ def block_copies(root: Path) -> dict[bytes, list[tuple[Path, int, int]]]:
             copies.setdefault(key, []).append((path, HEADER_BYTES, len(data) - HEADER_BYTES))
     for path in sorted(root.rglob("*.seg")):
         data = path.read_bytes()
-        if len(data) < HEADER_BYTES:  # its first write failed
-            continue
-        (payload,) = struct.unpack_from("<Q", data, 16)  # the segment header's record size
-        stride = HEADER_BYTES + -(-payload // 4096) * 4096
-        for start in range(HEADER_BYTES, len(data) - stride + 1, stride):
-            with contextlib.suppress(CorruptBlockError):
-                key = decode_header(data[start : start + HEADER_BYTES]).key
-                copies.setdefault(key, []).append((path, start + HEADER_BYTES, payload))
+        start = HEADER_BYTES  # records follow the segment header, at page boundaries
+        while start + HEADER_BYTES <= len(data):
+            try:
+                header = decode_header(data[start : start + HEADER_BYTES])
+            except CorruptBlockError:
+                start += 4096
+                continue
+            payload = header.payload_bytes
+            if start + HEADER_BYTES + payload <= len(data):
+                copies.setdefault(header.key, []).append((path, start + HEADER_BYTES, payload))
+            start += HEADER_BYTES + -(-payload // 4096) * 4096
     return copies
 
 
