@@ -16,7 +16,10 @@ Eviction is by segment, oldest first (a log): space comes back only when a whole
 segment file is deleted. Records of the victim used recently (within the last
 ``hot_fraction`` of the clock) are returned to be written again at the log's head, so a
 hot block outlives the segment it was first written to: FIFO with reinsertion, which
-approximates LRU at the cost of one rewrite per hot block per pass of the log.
+approximates LRU at the cost of one rewrite per hot block per pass of the log. A segment
+whose live records fell below ``compact_below`` of its records (blocks removed, or stored
+again elsewhere) goes first, whatever its age, and all its live records come back to be
+written again: compaction.
 """
 
 from __future__ import annotations
@@ -173,8 +176,9 @@ class _Segment:
 class Eviction:
     """A segment the index gave up: delete ``segment``'s file once its pins are gone
     (they are, when it is returned). ``dropped`` blocks left the index with it;
-    ``reinsert`` blocks (their digests and old record numbers) were used recently and
-    left the index too: write them again if they are wanted."""
+    ``reinsert`` blocks (their digests and old record numbers) were used recently, or
+    their segment was compacted, and left the index too: write them again if they are
+    wanted."""
 
     segment: str
     dropped: int
@@ -208,6 +212,7 @@ class SegmentIndex:
         records_per_segment: int,
         writer: str,
         hot_fraction: float = 0.25,
+        compact_below: float = 0.25,
     ) -> None:
         self.capacity_records = positive_int("capacity_records", capacity_records)
         self.records_per_segment = positive_int("records_per_segment", records_per_segment)
@@ -216,6 +221,9 @@ class SegmentIndex:
             raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
         self.writer = writer
         self.hot_fraction = float(hot_fraction)
+        if not isinstance(compact_below, int | float) or not 0 <= compact_below <= 1:
+            raise InvalidArgumentError(f"compact_below must be in [0, 1], got {compact_below!r}")
+        self.compact_below = float(compact_below)
         self._table = KeyTable(capacity_records)
         self._segments: dict[int, _Segment] = {}  # slot number -> segment, oldest first
         self._slot_of: dict[str, int] = {}
@@ -393,23 +401,31 @@ class SegmentIndex:
         bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
         evictions: list[Eviction] = []
         while bound - self.used_records < count:
-            victim = self._oldest_evictable()
+            victim = self._next_victim()
             if victim is None:
                 break
-            evictions.append(self._evict(victim))
+            evictions.append(self._evict(*victim))
         return min(count, max(0, bound - self.used_records)), evictions
 
-    def _oldest_evictable(self) -> int | None:
+    def _next_victim(self) -> tuple[int, bool] | None:
+        """``(slot, compact)``: the first evictable segment whose live fraction is below
+        ``compact_below`` (compacted: all its live blocks move), else the oldest
+        evictable one; None if nothing may be evicted."""
         holds = self._holds
+        oldest: int | None = None
         for slot, segment in self._segments.items():
             if slot == self._active or segment.pins or segment.protected:
                 continue
             if holds and any(d in holds for d in segment.digests if d):
                 continue
-            return slot
-        return None
+            records = len(segment.digests)
+            if records and segment.live < self.compact_below * records:
+                return slot, True
+            if oldest is None:
+                oldest = slot
+        return None if oldest is None else (oldest, False)
 
-    def _evict(self, slot: int) -> Eviction:
+    def _evict(self, slot: int, compact: bool = False) -> Eviction:
         segment = self._segments.pop(slot)
         del self._slot_of[segment.name]
         window = int(self.hot_fraction * self.capacity_records)
@@ -421,7 +437,8 @@ class SegmentIndex:
                 continue
             tick = table.tick_of(digest)
             table.delete(digest)
-            if window and tick is not None and (self._clock - tick) & 0xFFFFFFFF <= window:
+            recent = window and tick is not None and (self._clock - tick) & 0xFFFFFFFF <= window
+            if compact or recent:
                 reinsert.append((digest, record))
             else:
                 dropped += 1

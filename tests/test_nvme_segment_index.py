@@ -308,3 +308,16 @@ def test_the_index_takes_well_under_100_bytes_per_block() -> None:
         idx.commit(key_digest(i.to_bytes(8, "big")), placement)
     assert len(idx) == capacity
     assert idx.memory_bytes / capacity < 100
+
+
+def test_a_sparse_segment_is_compacted_before_the_oldest_and_all_its_blocks_come_back() -> None:
+    idx = index(capacity=12, per_segment=4, hot_fraction=0, compact_below=0.5)
+    store(idx, [1, 2, 3, 4])
+    store(idx, [5, 6, 7, 8])
+    store(idx, [9])  # the third segment is the one being written
+    for digest in (5, 6, 7):  # failed verification: the second segment is 1/4 live
+        assert idx.remove(digest)
+    fit, [eviction] = idx.make_room(4)
+    assert fit == 4 and eviction.segment == segment_name(WRITER, 1)
+    assert eviction.dropped == 0 and eviction.reinsert == [(8, 3)]
+    assert all(d in idx for d in (1, 2, 3, 4))

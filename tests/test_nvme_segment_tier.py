@@ -477,3 +477,90 @@ async def test_two_live_tiers_on_one_root_share_blocks_and_never_evict_each_othe
             assert (await load(first, shared, [8, 9])).success
             assert (await load(second, shared, [10, 11])).success
             assert slot(pool, 8) == slot(pool, 10) and slot(pool, 9) == slot(pool, 11)
+
+
+async def test_compaction_waits_for_a_load_of_the_segment_and_keeps_its_live_block(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    options = {"capacity_bytes": 24 * RECORD, "hot_fraction": 0, "os_calls": faults}
+    async with tier(pool, tmp_path, **options) as t:
+        a, b = keys(8, "a"), keys(8, "b")
+        assert (await store(t, a, range(8))).success
+        assert (await store(t, b, range(8))).success
+        expected = slot(pool, 7)  # b[7]'s bytes
+        assert (await store(t, keys(4, "c"), range(4))).success
+        sparse = os.path.join(t.directory, SEGMENTS_DIR, segment_files(t)[1])
+        for record in range(7):  # b[0..6] stop verifying, and leave the index when read
+            flip_byte(sparse, HEADER_BYTES + record * RECORD + HEADER_BYTES + 5)
+        assert set((await load(t, b[:7], range(7))).failed_keys) == set(b[:7])
+        gate = faults.hold("preadv", path=SEGMENTS_DIR)
+        reading = JobMetadata(next(_job_ids), [b[7]], [15])
+        t.submit_load(reading)
+        await asyncio.to_thread(gate.wait_reached, 10)
+        # The sparse segment is being read: the oldest one goes instead.
+        assert (await store(t, keys(8, "d"), range(8))).success
+        assert not any(t.lookup(k) for k in a) and t.lookup(b[7])
+        gate.open()
+        assert (await t.result(reading.job_id)).success and slot(pool, 15) == expected
+        # Now it is compacted: b[7] moves to the head of the log.
+        assert (await store(t, keys(8, "e"), range(8))).success
+        assert t.metrics.relocated_blocks == 1
+        assert os.path.basename(sparse) not in segment_files(t)
+        pool[15 * BLOCK :] = bytes(BLOCK)
+        assert (await load(t, [b[7]], [15])).success and slot(pool, 15) == expected
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_the_free_space_floor_evicts_segments_before_the_cap_binds(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults, clock = FaultInjector(), FakeClock()
+    options = {"os_calls": faults, "clock": clock, "min_free_bytes": 100 * RECORD}
+    async with tier(pool, tmp_path, hot_fraction=0, **options) as t:
+        old, mid = keys(8, "old"), keys(8, "mid")
+        assert (await store(t, old, range(8))).success
+        assert (await store(t, mid, range(8))).success
+        faults.report_free_bytes(104 * RECORD)  # four records above the floor
+        clock.now += 10  # the figure measured by the last job is stale now
+        new = keys(8, "new")
+        assert (await store(t, new, range(8))).success  # needs the oldest segment's room
+        assert not any(t.lookup(k) for k in old)
+        assert all(t.lookup(k) for k in mid + new)
+
+
+async def test_lookup_is_none_while_a_store_is_queued_and_other_namespaces_see_nothing(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with tier(pool, tmp_path) as t:
+        key = b"pending"
+        job = JobMetadata(next(_job_ids), [key], [0])
+        t.submit_store(job)
+        assert t.lookup(key) is None and t.lookup(b"other") is False
+        assert (await t.result(job.job_id)).success and t.lookup(key)
+    async with tier(pool, tmp_path, namespace="another model") as other:
+        assert other.lookup(key) is False and other.get_num_blocks() == 0
+
+
+async def test_a_checkpoint_is_written_while_serving_and_a_hard_stop_loses_nothing(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / namespace_dirname(NAMESPACE) / CHECKPOINT_FILE
+    names = keys(12)
+    t = tier(pool, tmp_path, checkpoint_every=8)
+    await t.start()
+    assert (await store(t, names[:8], range(8))).success
+    assert checkpoint.exists()  # written by the store job that reached 8 records
+    assert (await store(t, names[8:], range(8, 12))).success
+    t.shutdown()
+    await asyncio.sleep(0.05)
+    async with tier(pool, tmp_path) as again:
+        assert again.metrics.recovered_blocks == 12
+        assert (await load(again, names, range(12))).success
