@@ -24,6 +24,7 @@ written again: compaction.
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
@@ -139,13 +140,26 @@ class KeyTable:
         self._len -= 1
         return old
 
-    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Copies of the present ``(digests, locations, ticks)``, in slot order."""
+    def entries(self, chunk: int = 1 << 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of the present ``(digests, locations, ticks)``, in slot order.
+
+        Safe to call from another thread while the owner keeps using the table: it
+        copies ``chunk`` slots at a time and lets go of the GIL in between, so the
+        owner's thread is not held up; an entry the owner moves meanwhile may be copied
+        torn or twice (a checkpoint built from it can then cost hits, never serve wrong
+        bytes: reads verify)."""
         digests = np.frombuffer(self._digests, dtype=np.uint64)
-        present = digests != _EMPTY
         locs = np.frombuffer(self._locs, dtype=np.uint64)
         ticks = np.frombuffer(self._ticks, dtype=np.uint32)
-        return digests[present].copy(), locs[present].copy(), ticks[present].copy()
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for start in range(0, len(digests), chunk):
+            window = slice(start, start + chunk)
+            present = digests[window] != _EMPTY
+            parts.append((digests[window][present], locs[window][present], ticks[window][present]))
+            time.sleep(0)
+        if not parts:
+            return (np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint32))
+        return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))  # type: ignore[return-value]
 
 
 def _loc(segment: int, record: int) -> int:
@@ -471,21 +485,33 @@ class SegmentIndex:
 
     # -- checkpoint and recovery --------------------------------------------------------
 
-    def snapshot(self) -> Checkpoint:
-        """The index as a checkpoint (segments oldest first, with records covered)."""
-        order = list(self._segments)
-        position = {slot: i for i, slot in enumerate(order)}
+    def checkpoint_segments(self) -> list[tuple[int, str, int]]:
+        """``(slot, name, records)`` of every segment, oldest first: the half of a
+        checkpoint taken on the owner's thread (cheap), for :meth:`snapshot`."""
+        return [(slot, seg.name, len(seg.digests)) for slot, seg in self._segments.items()]
+
+    def snapshot(self, segments: list[tuple[int, str, int]] | None = None) -> Checkpoint:
+        """The index as a checkpoint (segments oldest first, with records covered).
+
+        With ``segments`` from :meth:`checkpoint_segments`, it may run on another thread
+        while the owner goes on (see :meth:`KeyTable.entries`): entries of segments
+        created since are left out."""
+        if segments is None:
+            segments = self.checkpoint_segments()
         digests, locs, ticks = self._table.entries()
         slots = (locs >> np.uint64(32)).astype(np.int64)
-        lookup = np.zeros(max(self._next_slot, 1), dtype=np.uint32)
-        for slot, i in position.items():
-            lookup[slot] = i
+        position = np.full(max(self._next_slot, 1) + 1, len(segments), dtype=np.int64)
+        for i, (slot, _, _) in enumerate(segments):
+            if slot < len(position):
+                position[slot] = i
+        where = position[np.minimum(slots, len(position) - 1)]
+        known = where < len(segments)
         return Checkpoint(
-            [(self._segments[slot].name, len(self._segments[slot].digests)) for slot in order],
-            digests,
-            lookup[slots] if len(slots) else np.zeros(0, dtype=np.uint32),
-            (locs & np.uint64(0xFFFFFFFF)).astype(np.uint32),
-            ticks,
+            [(name, records) for _, name, records in segments],
+            digests[known],
+            where[known].astype(np.uint32),
+            (locs[known] & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+            ticks[known],
         )
 
     def restore(

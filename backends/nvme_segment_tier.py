@@ -32,7 +32,6 @@ from backends.nvme_segment_index import Eviction, Placement, SegmentIndex, key_d
 from backends.nvme_segments import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
-    Checkpoint,
     ReadReport,
     SegmentFiles,
     SegmentScan,
@@ -168,15 +167,15 @@ class NVMeSegmentTier(NVMeTierBase):
         if not first or not self._opened:
             return
         trash, self._trash = self._trash, []
-        checkpoint = self._index.snapshot()
+        segments = self._index.checkpoint_segments()
         try:
-            await asyncio.to_thread(self._close_on_disk, checkpoint, trash)
+            await asyncio.to_thread(self._close_on_disk, segments, trash)
         except OSError as exc:
             logger.warning("nvme tier: could not write the index checkpoint: %s", exc)
 
-    def _close_on_disk(self, checkpoint: Checkpoint, trash: list[str]) -> None:
+    def _close_on_disk(self, segments: list[tuple[int, str, int]], trash: list[str]) -> None:
         self._segments.delete(trash)
-        self._segments.write_checkpoint(checkpoint, temp_suffix=self._instance_id)
+        self._checkpoint_hop(segments)
 
     def _subdirs(self) -> list[str]:
         return [SEGMENTS_DIR]
@@ -472,7 +471,9 @@ class NVMeSegmentTier(NVMeTierBase):
             [(key, segment, record, slot(block_id)) for key, segment, record, block_id in reads]
         )
 
-    def _checkpoint_hop(self, checkpoint: Checkpoint) -> None:
+    def _checkpoint_hop(self, segments: list[tuple[int, str, int]]) -> None:
+        # The entries are copied here, off the loop, while the loop goes on.
+        checkpoint = self._index.snapshot(segments)
         self._segments.write_checkpoint(checkpoint, temp_suffix=self._instance_id)
 
     # -- bookkeeping (loop thread) -------------------------------------------------------
@@ -584,7 +585,7 @@ class NVMeSegmentTier(NVMeTierBase):
         self._since_checkpoint = 0
         self._local = threading.local()  # per I/O thread: buffers for moved records
         try:
-            await self.run_blocking(self._checkpoint_hop, self._index.snapshot())
+            await self.run_blocking(self._checkpoint_hop, self._index.checkpoint_segments())
         except OSError as exc:
             self._failure_log.record("checkpoint failed", 1, str(exc))
 
