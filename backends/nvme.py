@@ -394,6 +394,38 @@ class NVMeTierBase(TierActor):
         elif change == "resumed":
             logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
 
+    async def _store_admission(
+        self, job: JobMetadata
+    ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, int]]:
+        """A store job's keys split into ``(failed, wanted)``: keys a header cannot hold
+        fail, keys held already (or repeated in the job) are skipped, keys that a running
+        hop writes are waited for, and while the disk is full every wanted key fails.
+        ``wanted`` maps each key to store to its slot."""
+        failed: dict[OffloadKey, str] = {}
+        wanted: dict[OffloadKey, int] = {}
+        for key, block_id in zip(job.keys, job.block_ids, strict=True):
+            if len(key) > MAX_KEY_BYTES or not key:
+                failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
+            elif key not in wanted and not self._holds_key(key):
+                wanted[key] = block_id
+        if failed:
+            self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
+        wanted = await self._wait_for_writes(wanted)
+        if wanted and self._space.refusing():
+            self.metrics.refused_blocks += len(wanted)
+            self._failure_log.record("disk full", len(wanted), DISK_FULL_REASON)
+            failed.update(dict.fromkeys(wanted, DISK_FULL_REASON))
+            wanted = {}
+        return failed, wanted
+
+    def _holds_key(self, key: OffloadKey) -> bool:
+        """True if the tier holds ``key`` already."""
+        raise NotImplementedError
+
+    async def _wait_for_writes(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
+        """Wait until no running hop writes a wanted key; returns those still not held."""
+        raise NotImplementedError
+
     @staticmethod
     def get_tier_type() -> str:
         return "nvme"
@@ -627,25 +659,10 @@ class NVMeFileTier(NVMeTierBase):
     # -- hooks ------------------------------------------------------------------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
-        failed: dict[OffloadKey, str] = {}
-        wanted: dict[OffloadKey, int] = {}
-        index = self._index
-        for key, block_id in zip(job.keys, job.block_ids, strict=True):
-            if len(key) > MAX_KEY_BYTES or not key:
-                failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
-            elif key not in index and key not in wanted:
-                wanted[key] = block_id
-        if failed:
-            self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
-        wanted = await self._wait_until_free(wanted)
+        failed, wanted = await self._store_admission(job)
         if not wanted:
             return _result(job.job_id, failed, len(job.keys))
-        if self._space.refusing():
-            self.metrics.refused_blocks += len(wanted)
-            self._failure_log.record("disk full", len(wanted), DISK_FULL_REASON)
-            return _result(
-                job.job_id, failed | dict.fromkeys(wanted, DISK_FULL_REASON), len(job.keys)
-            )
+        index = self._index
 
         done = asyncio.Event()
         claimed = list(wanted)
@@ -740,7 +757,10 @@ class NVMeFileTier(NVMeTierBase):
 
     # -- bookkeeping (loop thread, no awaits) ------------------------------------------
 
-    async def _wait_until_free(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
+    def _holds_key(self, key: OffloadKey) -> bool:
+        return key in self._index
+
+    async def _wait_for_writes(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
         """Wait until no running hop writes or removes a wanted key; drop those stored."""
         while True:
             busy = self._busy

@@ -27,7 +27,7 @@ from typing import Any
 
 from backends.nvme import NVMeTierBase, _result
 from backends.nvme_files import REAL_OS, FsyncPolicy, OsCalls, owner_alive
-from backends.nvme_format import HEADER_BYTES, MAX_KEY_BYTES
+from backends.nvme_format import HEADER_BYTES
 from backends.nvme_segment_index import Eviction, Placement, SegmentIndex, key_digest
 from backends.nvme_segments import (
     CHECKPOINT_FILE,
@@ -40,7 +40,6 @@ from backends.nvme_segments import (
     iter_runs,
     parse_segment_name,
 )
-from backends.nvme_space import DISK_FULL_REASON
 from tiering.errors import InvalidArgumentError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.validation import hash_list, positive_int
@@ -318,24 +317,9 @@ class NVMeSegmentTier(NVMeTierBase):
     # -- hooks ------------------------------------------------------------------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
-        failed: dict[OffloadKey, str] = {}
-        wanted: dict[OffloadKey, int] = {}
-        for key, block_id in zip(job.keys, job.block_ids, strict=True):
-            if len(key) > MAX_KEY_BYTES or not key:
-                failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
-            elif key not in wanted and key_digest(key) not in self._index:
-                wanted[key] = block_id
-        if failed:
-            self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
-        wanted = await self._wait_until_written(wanted)
+        failed, wanted = await self._store_admission(job)
         if not wanted:
             return _result(job.job_id, failed, len(job.keys))
-        if self._space.refusing():
-            self.metrics.refused_blocks += len(wanted)
-            self._failure_log.record("disk full", len(wanted), DISK_FULL_REASON)
-            return _result(
-                job.job_id, failed | dict.fromkeys(wanted, DISK_FULL_REASON), len(job.keys)
-            )
         done = asyncio.Event()
         digests = {key: key_digest(key) for key in wanted}
         for digest in digests.values():
@@ -478,7 +462,10 @@ class NVMeSegmentTier(NVMeTierBase):
 
     # -- bookkeeping (loop thread) -------------------------------------------------------
 
-    async def _wait_until_written(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
+    def _holds_key(self, key: OffloadKey) -> bool:
+        return key_digest(key) in self._index
+
+    async def _wait_for_writes(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
         """Wait until no running hop writes a wanted key; drop those stored meanwhile."""
         while self._writing:
             events = {
