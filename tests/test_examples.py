@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -369,13 +370,26 @@ def test_progress_draws_and_clears_on_a_terminal() -> None:
             progress.update("step 1/3", force=True)
             progress.update("step 2/3")  # within the interval: not drawn
             progress.update("step 3", force=True)
-        shown = os.read(primary, 4096).decode()
+        # Step 2 fell within the interval; the shorter step 3 blanks step 1's tail;
+        # leaving the block blanks the line and returns to its start.
+        expected = "\rstep 1/3" + "\rstep 3  " + "\r      \r"
+        shown = _read_pty(primary, len(expected))
     finally:
         os.close(secondary)
         os.close(primary)
-    # Step 2 fell within the interval; the shorter step 3 blanks step 1's tail; leaving
-    # the block blanks the line and returns to its start.
-    assert shown == "\rstep 1/3" + "\rstep 3  " + "\r      \r"
+    assert shown == expected
+
+
+def _read_pty(fd: int, size: int, timeout_s: float = 10.0) -> str:
+    """What a pseudo-terminal shows, read until ``size`` characters came or nothing more
+    came for ``timeout_s`` (a pty may hand over one write in several reads)."""
+    data = b""
+    while len(data) < size:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        if not ready:
+            break
+        data += os.read(fd, 4096)
+    return data.decode()
 
 
 # -- bench_nvme_scale -----------------------------------------------------------------
