@@ -80,6 +80,9 @@ class NVMeSegmentTier(NVMeTierBase):
         checkpoint_every: records written between index checkpoints (also written at a
             graceful close). A restart reads the checkpoint and scans only the records
             written after it.
+        hot_fraction: blocks of an evicted segment used within the last this fraction
+            of the capacity's worth of uses are written again rather than dropped (0:
+            plain FIFO).
 
     Guarantees (besides those of the file layout):
 
