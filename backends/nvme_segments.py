@@ -731,10 +731,11 @@ def _checksum_and_yield(payload: memoryview) -> bytes:
     The hash holds the GIL, and a job's records are hashed back to back (then written
     or read in one call): without the pause the loop's thread could wait for the GIL
     for a whole job's hashing, up to the 5 ms switch interval. Measured at 128 KiB
-    blocks (docs/benchmarks.md): a pause every MiB let the loop's p99 lag pass 2 ms in
-    3 of 7 rounds; a pause every record kept it under 1.3 ms, for about 15 % of store
-    throughput. 128 KiB pauses after every record of 128 KiB and more, and after every
-    few records of smaller blocks, whose hashes are short."""
+    blocks (docs/benchmarks.md): with a pause every MiB the loop's p99 lag passed 2 ms
+    in 2 of 4 rounds of an alternating comparison and in two of three whole runs; with
+    a pause every record it stayed at 1.07-1.53 ms, for about 15 % of store throughput.
+    128 KiB pauses after every record of 128 KiB and more, and after every few records
+    of smaller blocks, whose hashes are short."""
     checksum = payload_checksum(payload)
     done = getattr(_hashed, "bytes", 0) + payload.nbytes
     if done >= YIELD_BYTES:
