@@ -359,9 +359,13 @@ class NVMeSegmentTier(NVMeTierBase):
                 self._writing_records += len(placed)
                 delete = [e.segment for e in evictions] + self._trash
                 self._trash = []
-                report, moved = await self.run_blocking(
-                    self._store_hop, admitted, placed, moves, delete
-                )
+                try:
+                    report, moved = await self.run_blocking(
+                        self._store_hop, admitted, placed, moves, delete
+                    )
+                except BaseException:  # the hop never ran: its deletions are still owed
+                    self._trash.extend(delete)
+                    raise
             finally:
                 self._budget.release(budget)
             self._commit_store(report, admitted, placed[:fit], digests, generation, failed)
