@@ -61,7 +61,7 @@ ALIGNMENT = 4096
 """Buffer address, file offset and length alignment used for O_DIRECT."""
 
 OWNERS_DIR = "owners"
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -191,6 +191,36 @@ def free_bytes(statvfs: os.statvfs_result) -> int:
     if statvfs.f_files and not statvfs.f_favail:
         return 0
     return statvfs.f_bavail * statvfs.f_frsize
+
+
+def write_all(os_calls: OsCalls, fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write every byte of ``buffers`` at ``offset`` with ``pwritev``, resuming after
+    short writes.
+
+    Raises:
+        OSError: a write failed, or made no progress (EIO).
+    """
+    total = sum(buffer.nbytes for buffer in buffers)
+    written = 0
+    while written < total:
+        done = os_calls.pwritev(fd, buffers, offset + written)
+        if done <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        written += done
+        buffers = advance_buffers(buffers, done)
+
+
+def fsync_dir(os_calls: OsCalls, directory: str) -> None:
+    """Make ``directory``'s entries durable (``fsync`` of the directory).
+
+    Raises:
+        OSError: it could not be opened or synced.
+    """
+    fd = os_calls.open(directory, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os_calls.fsync(fd)
+    finally:
+        os_calls.close(fd)
 
 
 def probe_o_direct(directory: str, os_calls: OsCalls = REAL_OS) -> str | None:
@@ -365,7 +395,7 @@ class BlockFiles:
                 self._write_block(key, payload, final)
             except OSError as exc:
                 report.failed[key] = f"write failed: {describe_os_error(exc)}"
-                if exc.errno in _DISK_FULL_ERRNOS:
+                if exc.errno in DISK_FULL_ERRNOS:
                     report.disk_full = True
                 continue
             written.append((key, final))
@@ -378,7 +408,7 @@ class BlockFiles:
                     report.failed[key] = reason
                     self._unlink_quietly(final)
                 written = []
-                if exc.errno in _DISK_FULL_ERRNOS:
+                if exc.errno in DISK_FULL_ERRNOS:
                     report.disk_full = True
         report.stored = [key for key, _ in written]
         report.free_bytes = self.free_bytes()
@@ -402,7 +432,7 @@ class BlockFiles:
         fd = self.os.open(temp, flags)
         try:
             try:
-                self._write_fully(fd, header, payload)
+                write_all(self.os, fd, [header, payload], 0)
                 if self.fsync == "always":
                     self.os.fdatasync(fd)
             finally:
@@ -413,22 +443,11 @@ class BlockFiles:
             raise
         if self.fsync == "always":
             try:
-                self._fsync_dir(os.path.dirname(final))
+                fsync_dir(self.os, os.path.dirname(final))
             except BaseException:
                 # The key is reported failed, so its file must not stay behind unindexed.
                 self._unlink_quietly(final)
                 raise
-
-    def _write_fully(self, fd: int, header: memoryview, payload: memoryview) -> None:
-        buffers = [header, payload]
-        offset = 0
-        total = self.file_bytes
-        while offset < total:
-            done = self.os.pwritev(fd, buffers, offset)
-            if done <= 0:
-                raise OSError(errno.EIO, "write made no progress")
-            offset += done
-            buffers = advance_buffers(buffers, done)
 
     def _sync_batch(self, finals: Sequence[str]) -> None:
         fd = self.os.open(self.directory, os.O_RDONLY | _O_CLOEXEC)
@@ -447,14 +466,7 @@ class BlockFiles:
             finally:
                 self.os.close(fd)
         for directory in {os.path.dirname(final) for final in finals}:
-            self._fsync_dir(directory)
-
-    def _fsync_dir(self, directory: str) -> None:
-        fd = self.os.open(directory, os.O_RDONLY | _O_CLOEXEC)
-        try:
-            self.os.fsync(fd)
-        finally:
-            self.os.close(fd)
+            fsync_dir(self.os, directory)
 
     # -- load ----------------------------------------------------------------------
 

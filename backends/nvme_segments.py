@@ -47,7 +47,6 @@ Every system call goes through an :class:`~backends.nvme_files.OsCalls` (fault i
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import re
@@ -62,13 +61,16 @@ import xxhash
 
 from backends.nvme_files import (
     ALIGNMENT,
+    DISK_FULL_ERRNOS,
     FSYNC_POLICIES,
     REAL_OS,
     FsyncPolicy,
     OsCalls,
-    advance_buffers,
     describe_os_error,
+    free_bytes,
+    fsync_dir,
     is_aligned,
+    write_all,
 )
 from backends.nvme_format import (
     HEADER_BYTES,
@@ -93,7 +95,6 @@ _TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
 _SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 _CHECKPOINT_MAGIC = b"KVTCKPT\n"
 _CHECKPOINT_VERSION = 1
@@ -325,13 +326,13 @@ class SegmentFiles:
                 reason = f"write failed: {describe_os_error(exc)}"
                 for key, _ in run.records:
                     report.failed[key] = reason
-                if exc.errno in _DISK_FULL_ERRNOS:
+                if exc.errno in DISK_FULL_ERRNOS:
                     report.disk_full = True
                 continue
             report.written.extend(key for key, _ in run.records)
         if report.created and self.fsync != "none" and report.written:
             try:
-                self._fsync_dir(self.segments_dir)
+                fsync_dir(self.os, self.segments_dir)
             except OSError as exc:
                 reason = f"fsync failed: {describe_os_error(exc)}"
                 report.failed.update(dict.fromkeys(report.written, reason))
@@ -352,7 +353,7 @@ class SegmentFiles:
                 encode_segment_header(
                     page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
                 )
-                self._write_all(fd, [page], 0)
+                write_all(self.os, fd, [page], 0)
             self._write_records(fd, run)
             if self.fsync != "none":
                 self.os.fdatasync(fd)
@@ -381,27 +382,10 @@ class SegmentFiles:
         offset = self.offset_of(run.first)
         for start in range(0, len(buffers), step):
             chunk = buffers[start : start + step]
-            self._write_all(fd, chunk, offset)
+            write_all(self.os, fd, chunk, offset)
             offset += (len(chunk) // per_record) * self.record_bytes
             if self.fsync == "always":
                 self.os.fdatasync(fd)
-
-    def _write_all(self, fd: int, buffers: list[memoryview], offset: int) -> None:
-        total = sum(buffer.nbytes for buffer in buffers)
-        done_total = 0
-        while done_total < total:
-            done = self.os.pwritev(fd, buffers, offset + done_total)
-            if done <= 0:
-                raise OSError(errno.EIO, "write made no progress")
-            done_total += done
-            buffers = advance_buffers(buffers, done)
-
-    def _fsync_dir(self, directory: str) -> None:
-        fd = self.os.open(directory, os.O_RDONLY | _O_CLOEXEC)
-        try:
-            self.os.fsync(fd)
-        finally:
-            self.os.close(fd)
 
     # -- read -------------------------------------------------------------------------
 
@@ -601,12 +585,9 @@ class SegmentFiles:
     def free_bytes(self) -> int | None:
         """Free bytes on the file system, or None if ``statvfs`` failed."""
         try:
-            statvfs = self.os.statvfs(self.directory)
+            return free_bytes(self.os.statvfs(self.directory))
         except OSError:
             return None
-        if statvfs.f_files and not statvfs.f_favail:
-            return 0
-        return statvfs.f_bavail * statvfs.f_frsize
 
     # -- checkpoint -------------------------------------------------------------------
 
@@ -648,12 +629,12 @@ class SegmentFiles:
         fd = self.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC)
         try:
             try:
-                self._write_all(fd, [memoryview(head), *(memoryview(p) for p in body)], 0)
+                write_all(self.os, fd, [memoryview(head), *(memoryview(p) for p in body)], 0)
                 self.os.fdatasync(fd)
             finally:
                 self.os.close(fd)
             self.os.replace(temp, final)
-            self._fsync_dir(self.directory)
+            fsync_dir(self.os, self.directory)
         except BaseException:
             with contextlib.suppress(OSError):
                 self.os.unlink(temp)

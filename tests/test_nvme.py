@@ -6,7 +6,6 @@ import asyncio
 import errno
 import gc
 import logging
-import mmap
 import os
 import shutil
 import signal
@@ -25,6 +24,9 @@ from backends.faults import FaultInjector
 from backends.nvme import NVMeFileTier, _InflightBytes
 from backends.nvme_files import OsCalls, owner_alive
 from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
+from tests._nvme_helpers import load_job as _load
+from tests._nvme_helpers import next_job_id, random_pool
+from tests._nvme_helpers import store_job as _store
 from tiering.actor import TierActor
 from tiering.errors import (
     ClosedError,
@@ -45,12 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def pool() -> Iterator[memoryview]:
-    buffer = mmap.mmap(-1, BLOCK * SLOTS)  # page-aligned, like the host pool
-    view = memoryview(buffer)
-    view[:] = os.urandom(BLOCK * SLOTS)
-    yield view
-    view.release()
-    buffer.close()
+    with random_pool(BLOCK, SLOTS) as view:
+        yield view
 
 
 class FakeClock:
@@ -76,21 +74,6 @@ def _tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeFileTier:
 async def tier(pool: memoryview, tmp_path: Path) -> AsyncIterator[NVMeFileTier]:
     async with _tier(pool, tmp_path) as running:
         yield running
-
-
-_job_ids = iter(range(1, 1 << 30))
-
-
-async def _store(tier: NVMeFileTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
-    job = JobMetadata(next(_job_ids), list(keys), list(slots))
-    tier.submit_store(job)
-    return await tier.result(job.job_id)
-
-
-async def _load(tier: NVMeFileTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
-    job = JobMetadata(next(_job_ids), list(keys), list(slots))
-    tier.submit_load(job)
-    return await tier.result(job.job_id)
 
 
 def _slot(pool: memoryview, i: int) -> bytes:
@@ -131,7 +114,7 @@ async def test_store_then_load_is_byte_exact(tier: NVMeFileTier, pool: memoryvie
 
 async def test_lookup_is_none_while_a_store_is_queued(tier: NVMeFileTier) -> None:
     key = b"pending"
-    tier.submit_store(JobMetadata(next(_job_ids), [key], [0]))
+    tier.submit_store(JobMetadata(next_job_id(), [key], [0]))
     assert tier.lookup(key) is None
     assert tier.lookup(b"other") is False
 
@@ -307,7 +290,7 @@ async def test_blocks_over_the_cap_are_removed_before_the_tier_takes_jobs(
     monkeypatch.setattr(aiofiles.os, "remove", held_remove)
     tier = _tier(pool, tmp_path, capacity_bytes=FILE)  # `old` is over the cap now
     starting = asyncio.create_task(tier.start())
-    store = JobMetadata(next(_job_ids), [old], [4])
+    store = JobMetadata(next_job_id(), [old], [4])
     while True:  # store `old` again as soon as the tier takes jobs
         try:
             tier.submit_store(store)
@@ -545,7 +528,7 @@ async def test_blocks_being_read_are_never_evicted(pool: memoryview, tmp_path: P
         await _store(tier, [oldest, newer], [0, 1])
         expected = _slot(pool, 0)
         gated.armed = True
-        load = JobMetadata(next(_job_ids), [oldest], [5])
+        load = JobMetadata(next_job_id(), [oldest], [5])
         tier.submit_load(load)
         await _until(gated.entered)
         stored = await _store(tier, [incoming], [2])  # LRU would pick `oldest`
@@ -611,7 +594,7 @@ async def test_store_fails_when_every_block_is_being_read(pool: memoryview, tmp_
         held, incoming = _keys(2)
         await _store(tier, [held], [0])
         gated.armed = True
-        load = JobMetadata(next(_job_ids), [held], [5])
+        load = JobMetadata(next_job_id(), [held], [5])
         tier.submit_load(load)
         await _until(gated.entered)
         stored = await _store(tier, [incoming], [1])
@@ -748,7 +731,7 @@ async def test_two_engines_on_one_root_never_corrupt_each_other(
     (slow_key,) = _keys(1, "slow")
     gated = GatedWrites(slow_key.hex())
     async with _tier(pool, tmp_path, os_calls=gated) as first:
-        write = JobMetadata(next(_job_ids), [slow_key], [0])
+        write = JobMetadata(next_job_id(), [slow_key], [0])
         first.submit_store(write)
         await _until(gated.entered)  # a half-written temp file of `first` is on disk
         async with _tier(pool, tmp_path) as second:
@@ -903,7 +886,7 @@ async def test_clear_while_a_store_runs_keeps_its_keys_out(
     (key,) = _keys(1)
     gated = GatedWrites(key.hex())
     async with _tier(pool, tmp_path, os_calls=gated) as tier:
-        job = JobMetadata(next(_job_ids), [key], [0])
+        job = JobMetadata(next_job_id(), [key], [0])
         tier.submit_store(job)
         await _until(gated.entered)
         tier.clear()
@@ -986,7 +969,7 @@ async def test_shutdown_from_another_thread_keeps_the_owner_lock_until_the_loop_
     gated = GatedWrites(key.hex())
     tier = _tier(pool, tmp_path, os_calls=gated)
     await tier.start()
-    job = JobMetadata(next(_job_ids), [key], [0])
+    job = JobMetadata(next_job_id(), [key], [0])
     tier.submit_store(job)
     await _until(gated.entered)  # our temp file is on disk, mid-write
     lock_held_after_call: list[bool] = []

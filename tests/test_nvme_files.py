@@ -24,6 +24,7 @@ from backends.nvme_files import (
     probe_o_direct,
 )
 from backends.nvme_format import HEADER_BYTES, fanout_dirs, namespace_digest
+from tests._nvme_helpers import random_pool
 from tiering.errors import InvalidArgumentError
 
 BLOCK = 16 << 10
@@ -44,13 +45,8 @@ class RecordingOs(OsCalls):
 
 @pytest.fixture
 def pool() -> Iterator[memoryview]:
-    buffer = mmap.mmap(-1, BLOCK * SLOTS)
-    view = memoryview(buffer)
-    for i in range(SLOTS):
-        view[i * BLOCK : (i + 1) * BLOCK] = os.urandom(BLOCK)
-    yield view
-    view.release()
-    buffer.close()
+    with random_pool(BLOCK, SLOTS) as view:
+        yield view
 
 
 def _slot(pool: memoryview, i: int) -> memoryview:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import mmap
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,13 @@ from backends.nvme_format import HEADER_BYTES, namespace_dirname
 from backends.nvme_segment_tier import NVMeSegmentTier
 from backends.nvme_segments import CHECKPOINT_FILE, SEGMENTS_DIR
 from tests._engine_helpers import make_kv
+from tests._nvme_helpers import load_job as load
+from tests._nvme_helpers import next_job_id, random_pool
+from tests._nvme_helpers import store_job as store
 from tiering import TieringEngine
+from tiering.errors import InvalidArgumentError
 from tiering.registry import make_tier
-from tiering.secondary import JobMetadata, JobResult
+from tiering.secondary import JobMetadata
 
 BLOCK = 16 << 10
 RECORD = HEADER_BYTES + BLOCK
@@ -35,12 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def pool() -> Iterator[memoryview]:
-    buffer = mmap.mmap(-1, BLOCK * SLOTS)
-    view = memoryview(buffer)
-    view[:] = os.urandom(BLOCK * SLOTS)
-    yield view
-    view.release()
-    buffer.close()
+    with random_pool(BLOCK, SLOTS) as view:
+        yield view
 
 
 def tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeSegmentTier:
@@ -53,21 +52,6 @@ def tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeSegmentTier:
     }
     options.update(kwargs)
     return NVMeSegmentTier(pool, BLOCK, **options)
-
-
-_job_ids = iter(range(1, 1 << 30))
-
-
-async def store(t: NVMeSegmentTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
-    job = JobMetadata(next(_job_ids), list(keys), list(slots))
-    t.submit_store(job)
-    return await t.result(job.job_id)
-
-
-async def load(t: NVMeSegmentTier, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
-    job = JobMetadata(next(_job_ids), list(keys), list(slots))
-    t.submit_load(job)
-    return await t.result(job.job_id)
 
 
 def slot(pool: memoryview, i: int) -> bytes:
@@ -257,7 +241,7 @@ async def test_a_segment_being_read_is_not_evicted_under_the_read(
         assert (await store(t, old, range(8))).success
         expected = slot(pool, 0)
         gate = faults.hold("preadv", path=SEGMENTS_DIR)
-        reading = JobMetadata(next(_job_ids), [old[0]], [15])
+        reading = JobMetadata(next_job_id(), [old[0]], [15])
         t.submit_load(reading)
         await asyncio.to_thread(gate.wait_reached, 10)
         # Two more segments' worth: the oldest one is pinned, so only one fits.
@@ -318,26 +302,22 @@ async def test_registered_as_nvme_and_round_trips_through_the_engine(
     assert torch.equal(kv[0][[25, 26, 27]], expected)
 
 
-def test_bad_options_are_refused_naming_them(pool: memoryview, tmp_path: Path) -> None:
-    for name, value in (("segment_bytes", 0), ("checkpoint_every", -1), ("block_bytes", 0)):
-        options = {"segment_bytes": 1 << 20, "checkpoint_every": 10}
-        if name == "block_bytes":
-            with pytest.raises(Exception, match="block_bytes"):
-                NVMeSegmentTier(pool, 0, root=tmp_path, namespace="x", capacity_bytes=1 << 20)
-            continue
-        options[name] = value
-        with pytest.raises(Exception, match=name):
-            make_tier(
-                {
-                    "type": "nvme",
-                    "root": str(tmp_path),
-                    "namespace": "x",
-                    "capacity_bytes": 1 << 20,
-                    **options,
-                },
-                pool,
-                BLOCK,
-            )
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("segment_bytes", 0), ("checkpoint_every", -1), ("hot_fraction", 1.5), ("block_bytes", 0)],
+)
+def test_a_bad_option_is_refused_naming_it_and_its_value(
+    pool: memoryview, tmp_path: Path, name: str, value: object
+) -> None:
+    spec = {"type": "nvme", "root": str(tmp_path), "namespace": "x", "capacity_bytes": 1 << 20}
+    block = BLOCK
+    if name == "block_bytes":
+        block = 0
+    else:
+        spec[name] = value
+    with pytest.raises(InvalidArgumentError, match=f"{name}.*{value}"):
+        make_tier(spec, pool, block)
+    assert not (tmp_path / namespace_dirname("x")).exists()  # nothing was created
 
 
 _CRASHING_WRITER = textwrap.dedent(
@@ -495,7 +475,7 @@ async def test_compaction_waits_for_a_load_of_the_segment_and_keeps_its_live_blo
             flip_byte(sparse, HEADER_BYTES + record * RECORD + HEADER_BYTES + 5)
         assert set((await load(t, b[:7], range(7))).failed_keys) == set(b[:7])
         gate = faults.hold("preadv", path=SEGMENTS_DIR)
-        reading = JobMetadata(next(_job_ids), [b[7]], [15])
+        reading = JobMetadata(next_job_id(), [b[7]], [15])
         t.submit_load(reading)
         await asyncio.to_thread(gate.wait_reached, 10)
         # The sparse segment is being read: the oldest one goes instead.
@@ -541,7 +521,7 @@ async def test_lookup_is_none_while_a_store_is_queued_and_other_namespaces_see_n
 ) -> None:
     async with tier(pool, tmp_path) as t:
         key = b"pending"
-        job = JobMetadata(next(_job_ids), [key], [0])
+        job = JobMetadata(next_job_id(), [key], [0])
         t.submit_store(job)
         assert t.lookup(key) is None and t.lookup(b"other") is False
         assert (await t.result(job.job_id)).success and t.lookup(key)

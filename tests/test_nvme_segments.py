@@ -25,6 +25,7 @@ from backends.nvme_segments import (
     parse_segment_name,
     segment_name,
 )
+from tests._nvme_helpers import random_pool
 from tiering.errors import InvalidArgumentError
 
 BLOCK = 16 << 10
@@ -35,13 +36,8 @@ WRITER = "ab12"
 
 @pytest.fixture
 def pool() -> Iterator[memoryview]:
-    buffer = mmap.mmap(-1, BLOCK * SLOTS)
-    view = memoryview(buffer)
-    for i in range(SLOTS):
-        view[i * BLOCK : (i + 1) * BLOCK] = os.urandom(BLOCK)
-    yield view
-    view.release()
-    buffer.close()
+    with random_pool(BLOCK, SLOTS) as view:
+        yield view
 
 
 def slot(pool: memoryview, i: int) -> memoryview:

@@ -1,0 +1,46 @@
+"""Helpers shared by the NVMe tests: a host-pool-like buffer and jobs through the actor API."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+
+from tiering.actor import TierActor
+from tiering.secondary import JobMetadata, JobResult
+
+_job_ids = itertools.count(1)
+
+
+def next_job_id() -> int:
+    """A job id no other job of this test process has."""
+    return next(_job_ids)
+
+
+@contextlib.contextmanager
+def random_pool(block_bytes: int, slots: int) -> Iterator[memoryview]:
+    """A page-aligned buffer of ``slots`` blocks of random bytes, like the host pool."""
+    buffer = mmap.mmap(-1, block_bytes * slots)
+    view = memoryview(buffer)
+    view[:] = os.urandom(block_bytes * slots)
+    try:
+        yield view
+    finally:
+        view.release()
+        buffer.close()
+
+
+async def store_job(tier: TierActor, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+    """Submit a store of ``keys`` from ``slots`` and wait for its result."""
+    job = JobMetadata(next_job_id(), list(keys), list(slots))
+    tier.submit_store(job)
+    return await tier.result(job.job_id)
+
+
+async def load_job(tier: TierActor, keys: Sequence[bytes], slots: Sequence[int]) -> JobResult:
+    """Submit a load of ``keys`` into ``slots`` and wait for its result."""
+    job = JobMetadata(next_job_id(), list(keys), list(slots))
+    tier.submit_load(job)
+    return await tier.result(job.job_id)
