@@ -305,9 +305,12 @@ class JobCore:
         self._flushes: dict[int, _Flush] = {}
         # I/O in flight: op -> (owner, blocks, on_end(owner, result))
         self._ops: dict[int, tuple[Any, int, Callable[[Any, object], None]]] = {}
-        # Blocks being filled -> the job that owns the fill (only it may end it), and the
-        # jobs waiting for a fill (made when the first one joins).
-        self._fills: dict[BlockHash, _Job] = {}
+        # The job that owns the fill of each slot being filled (only it may end it), and
+        # the jobs waiting for a fill (made when the first one joins). Indexed by slot,
+        # not by hash: a dict that every block enters and leaves would be rebuilt now
+        # and then inside a caller's store, a spike of tens of microseconds.
+        self._fill_owner: list[_Job | None] = [None] * manager.num_blocks
+        self._num_filling = 0
         self._fill_waiters: dict[BlockHash, list[_Job]] = {}
         self._tier_events: list[OffloadingEvent] = []
         self._out: list[Effect] = []
@@ -346,7 +349,7 @@ class JobCore:
     @property
     def filling_blocks(self) -> int:
         """CPU blocks being written by a store's copy or a load's promotion."""
-        return len(self._fills)
+        return self._num_filling
 
     def take_tier_events(self) -> list[OffloadingEvent]:
         """Secondary-tier store events since the last call (with ``enable_events``)."""
@@ -397,9 +400,10 @@ class JobCore:
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
                     self._join(h, job)  # another job's fill
-        fills = self._fills
-        for h in new:
-            fills[h] = job
+        owner = self._fill_owner
+        for slot in slots:
+            owner[slot] = job
+        self._num_filling += len(slots)
         job.fills = new
         job.slots = slots
         self._jobs[job.id] = job
@@ -547,8 +551,10 @@ class JobCore:
             return True
         promotions: dict[int, list[BlockHash]] = {}
         job.fills, job.promotions = out.block_hashes_to_store, promotions
+        owner = self._fill_owner
+        self._num_filling += len(out.block_hashes_to_store)
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
-            self._fills[h] = job
+            owner[slot] = job
             self._join(h, job)  # its own fill: it gets its pin when the block lands
             slot_of[h] = slot
             promotions.setdefault(found[h], []).append(h)
@@ -649,13 +655,18 @@ class JobCore:
         Only the job that reserved a fill ends it, and only once: a later fill of the
         same block (after this one failed) belongs to another job and is left alone.
         """
-        fills = self._fills
-        keys = [k for k in keys if fills.get(k) is owner]
-        if not keys:
-            return
-        for k in keys:
-            del fills[k]
         manager = self.manager
+        slot_of, fill_owner = manager.resident_slot, self._fill_owner
+        ended = []
+        for k in keys:
+            slot = slot_of(k)
+            if slot is not None and fill_owner[slot] is owner:
+                fill_owner[slot] = None
+                ended.append(k)
+        if not ended:
+            return
+        keys = ended
+        self._num_filling -= len(keys)
         manager.complete_store(keys, success=failure is None)
         woken: list[_Job] = []
         for k in keys:

@@ -110,6 +110,10 @@ class CPUOffloadingManager(OffloadingManager):
             raise BlockNotFoundError(f"block {block_hash.hex()} is not in the CPU tier")
         return slot
 
+    def resident_slot(self, block_hash: BlockHash) -> int | None:
+        """The slot of a resident block (ready or not), or None if it is not resident."""
+        return self._slot_of.get(block_hash)
+
     def block_state(self, block_hash: BlockHash) -> BlockState | None:
         """The block's slot, reader count and readiness, or None if not resident."""
         slot = self._slot_of.get(block_hash)
