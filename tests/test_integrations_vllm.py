@@ -1,0 +1,320 @@
+"""Our tiers under vLLM 0.33's own TieringOffloadingManager (tiering.integrations.vllm).
+
+Every test drives vLLM's real manager and factory on CPU (see tests/_vllm_harness.py);
+only the GPU worker's copies are played by the test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.faults import FaultInjector
+from tests._engine_helpers import corrupt_block
+from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
+    CHUNK_BYTES,
+    MODULE,
+    LookupResult,
+    ReqContext,
+    Scheduler,
+    TransferJob,
+    key,
+    nvme_tier,
+    payload,
+)
+from tiering.errors import InvalidArgumentError, UnknownTierError
+from tiering.integrations.vllm import (
+    MemoryTierManager,
+    NVMeTierManager,
+    RegisteredTierManager,
+    vllm_namespace,
+)
+
+PRIMARY = 4  # CPU chunks: small, so stores evict quickly
+
+
+def blocks(prefix: str, n: int) -> dict[bytes, bytes]:
+    return {key(f"{prefix}{i}"): payload(key(f"{prefix}{i}")) for i in range(n)}
+
+
+def evict_all(s: Scheduler, stored: dict[bytes, bytes]) -> None:
+    """Store PRIMARY other blocks, so none of ``stored`` is left in the CPU tier."""
+    s.settle()
+    s.store(blocks("filler", PRIMARY))
+    s.settle()
+    assert not any(s.in_primary(k) for k in stored)
+
+
+def tier_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kv-tiering-")]
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path):
+    made: list[Scheduler] = []
+
+    def make(*tiers: dict, chunks: int = PRIMARY, **config) -> Scheduler:
+        s = Scheduler(chunks, list(tiers) or [nvme_tier(tmp_path / "nvme")], **config)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.shutdown()
+    assert tier_threads() == []
+
+
+# -- the round trip ---------------------------------------------------------------------
+
+
+def test_nvme_blocks_evicted_from_cpu_come_back_byte_exact(scheduler) -> None:
+    s = scheduler()
+    stored = blocks("a", PRIMARY)
+    s.store(stored)
+    evict_all(s, stored)
+
+    answers = s.resolve(stored)
+
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert all(answers["first", k] is LookupResult.HIT_PENDING for k in stored)
+    assert s.read(list(stored)) == stored
+    assert isinstance(s.tier, NVMeTierManager)
+
+
+def test_memory_tier_round_trip_through_vllm(scheduler) -> None:
+    s = scheduler({"type": "MemoryTierManager", "module_path": MODULE, "max_blocks": 64})
+    stored = blocks("m", PRIMARY)
+    s.store(stored)
+    evict_all(s, stored)
+
+    answers = s.resolve(stored)
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+    assert isinstance(s.tier, MemoryTierManager)
+
+
+def test_registered_tier_is_built_by_name_from_a_plain_config(scheduler) -> None:
+    s = scheduler(
+        {"type": "RegisteredTierManager", "module_path": MODULE, "tier": "memory", "max_blocks": 16}
+    )
+    stored = blocks("r", 2)
+    s.store(stored)
+    evict_all(s, stored)
+
+    answers = s.resolve(stored)
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+    assert type(s.tier) is RegisteredTierManager
+    assert s.tier.get_stats() is not None
+
+
+def test_a_corrupted_block_fails_its_promotion_and_is_never_served(scheduler, tmp_path) -> None:
+    s = scheduler()
+    stored = blocks("c", 2)
+    bad, good = list(stored)
+    s.store(stored)
+    evict_all(s, stored)
+    corrupt_block(tmp_path / "nvme", bad)
+
+    answers = s.resolve(stored)
+
+    assert answers[good] is LookupResult.HIT
+    assert answers[bad] is LookupResult.MISS
+    assert not s.in_primary(bad)
+    assert s.read([good]) == {good: stored[good]}
+
+
+def test_a_new_manager_on_the_same_root_starts_warm(scheduler) -> None:
+    first = scheduler()
+    stored = blocks("w", 3)
+    first.store(stored)
+    first.settle()
+    first.shutdown()
+
+    second = scheduler()
+    answers = second.resolve(stored)
+
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert second.read(list(stored)) == stored
+
+
+def test_two_models_on_one_root_never_see_each_others_blocks(scheduler) -> None:
+    a = scheduler(model="org/a")
+    stored = blocks("n", 2)
+    a.store(stored)
+    a.settle()
+
+    b = scheduler(model="org/b")
+
+    assert all(b.resolve(stored)[k] is LookupResult.MISS for k in stored)
+    assert vllm_namespace(a.spec, CHUNK_BYTES) != vllm_namespace(b.spec, CHUNK_BYTES)
+
+
+# -- jobs in flight ---------------------------------------------------------------------
+
+
+def _job(job_id: int, keys: list[bytes], chunks: list[int], promotion: bool) -> TransferJob:
+    return TransferJob(
+        job_id, keys, np.array(chunks, dtype=np.int64), promotion, ReqContext(req_id="t")
+    )
+
+
+def test_a_store_in_flight_is_retry_until_its_result_is_queued(scheduler, tmp_path) -> None:
+    faults = FaultInjector()
+    gate = faults.hold("pwritev", path=".seg")
+    s = scheduler(nvme_tier(tmp_path / "nvme", os_calls=faults))
+    tier = s.tier
+    k = key("inflight")
+
+    tier.submit_store(_job(10_000, [k], [0], False))
+    assert gate.wait_reached(10)
+
+    assert tier.lookup(k, ReqContext(req_id="t")) is LookupResult.RETRY
+    assert tier.has_pending_work()
+    assert list(tier.get_finished_jobs()) == []
+    gate.open()
+    tier.drain_jobs()
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (10_000, True)
+    assert result.transfer_bytes == CHUNK_BYTES
+    assert tier.lookup(k, ReqContext(req_id="t")) is LookupResult.HIT
+    assert not tier.has_pending_work()
+
+
+def test_drain_waits_for_every_job_and_shutdown_is_idempotent(scheduler, tmp_path) -> None:
+    faults = FaultInjector()
+    faults.delay("pwritev", 0.05, path=".seg")
+    s = scheduler(nvme_tier(tmp_path / "nvme", os_calls=faults))
+    tier = s.tier
+    for i in range(PRIMARY):
+        tier.submit_store(_job(20_000 + i, [key(f"d{i}")], [i], False))
+
+    tier.drain_jobs()
+
+    results = list(tier.get_finished_jobs())
+    assert sorted(r.job_id for r in results) == [20_000 + i for i in range(PRIMARY)]
+    assert all(r.success for r in results)
+    tier.shutdown()
+    tier.shutdown()
+    assert tier_threads() == []
+
+
+def test_shutdown_with_jobs_in_flight_reports_every_job(scheduler, tmp_path) -> None:
+    faults = FaultInjector()
+    faults.delay("pwritev", 0.05, path=".seg")
+    s = scheduler(nvme_tier(tmp_path / "nvme", os_calls=faults))
+    tier = s.tier
+    for i in range(PRIMARY):
+        tier.submit_store(_job(30_000 + i, [key(f"s{i}")], [i], False))
+
+    tier.shutdown()
+
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == [
+        30_000 + i for i in range(PRIMARY)
+    ]
+    assert not tier.has_pending_work()
+    tier.submit_store(_job(30_100, [key("late")], [0], False))
+    (late,) = tier.get_finished_jobs()
+    assert late.job_id == 30_100 and not late.success
+
+
+def test_a_partial_load_names_only_the_keys_that_landed(scheduler) -> None:
+    s = scheduler()
+    stored = blocks("p", 2)
+    s.store(stored)
+    s.settle()
+    present, missing = next(iter(stored)), key("never stored")
+
+    s.tier.submit_load(_job(40_000, [present, missing], [0, 1], True))
+    s.tier.drain_jobs()
+
+    (result,) = s.tier.get_finished_jobs()
+    assert not result.success
+    assert list(result.successful_keys) == [present]
+    assert s.chunk(0) == stored[present]
+
+
+def test_submit_calls_return_without_waiting_for_io(scheduler, tmp_path) -> None:
+    faults = FaultInjector()
+    faults.delay("pwritev", 0.2, path=".seg")
+    s = scheduler(nvme_tier(tmp_path / "nvme", os_calls=faults))
+
+    started = time.perf_counter()
+    s.tier.submit_store(_job(50_000, [key("slow")], [0], False))
+    s.tier.lookup(key("slow"), ReqContext(req_id="t"))
+    list(s.tier.get_finished_jobs())
+    elapsed = time.perf_counter() - started
+
+    assert elapsed < 0.1, f"the calls took {elapsed:.3f} s while a write sleeps 0.2 s"
+    s.tier.drain_jobs()
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"capacity_bytes": -1}, "capacity_bytes"),
+        ({"fsync": "sometimes"}, "fsync"),
+        ({"start_timeout": 0}, "start_timeout"),
+        ({"enable_kv_events": "yes"}, "enable_kv_events"),
+        ({"tier": "memory"}, "tier"),
+    ],
+)
+def test_a_bad_option_is_a_clear_error_and_leaves_nothing_running(
+    tmp_path: Path, options: dict, named: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=named):
+        Scheduler(PRIMARY, [nvme_tier(tmp_path / "nvme", **options)])
+    assert tier_threads() == []
+
+
+def test_an_unknown_tier_name_is_an_unknown_tier_error(tmp_path: Path) -> None:
+    config = {"type": "RegisteredTierManager", "module_path": MODULE, "tier": "tape"}
+    with pytest.raises(UnknownTierError, match="tape"):
+        Scheduler(PRIMARY, [config])
+    assert tier_threads() == []
+
+
+def test_events_report_blocks_stored_in_the_tier(scheduler, tmp_path) -> None:
+    s = scheduler(nvme_tier(tmp_path / "nvme", enable_kv_events=True), events=True)
+    stored = blocks("e", 2)
+    s.store(stored)
+    s.settle()
+
+    events = [e for e in s.tier.take_events()]
+
+    assert {k for e in events for k in e.keys} == set(stored)
+    assert all(not e.removed and e.ownership == s.tier.tier_type for e in events)
+
+
+def test_metric_definitions_cover_every_reported_name(scheduler) -> None:
+    s = scheduler()
+    s.store(blocks("x", 2))
+    s.settle()
+
+    stats = s.tier.get_stats()
+    names = set(NVMeTierManager.build_metric_definitions({}))
+    _types, values = stats.metric_sections()
+
+    assert set(values) <= names
+    assert sum(values["kv_tiering:store_blocks"].values()) == 2
+
+
+def test_importing_without_vllm_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "try:\n    import tiering.integrations.vllm\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "kv-tiering[vllm]" in out
