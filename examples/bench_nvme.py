@@ -498,16 +498,23 @@ class VllmFs:
         # falls back to Python os.write / os.readv.
         self.native_io = bool(getattr(fs_io, "_HAS_FSIO_C", False))
 
-    def spec(self, block: int, slots: int, name: str) -> Any:
-        """vLLM's tiering spec for a one-group model whose block is ``block`` bytes."""
+    def spec(
+        self, block: int, slots: int, name: str, secondary_tiers: list[dict[str, Any]] = ()
+    ) -> Any:
+        """vLLM's tiering spec for a one-group model whose block is ``block`` bytes, with
+        ``slots`` chunks in its CPU tier and these secondary tiers (built by
+        ``spec.get_manager()``)."""
         c = self.config
         return self.Spec(
             c.OffloadingConfig(
                 groups=(c.OffloadingGroupConfig(16, ("layers.0",), 0),),
                 worker_kv_bytes_per_block=block,
                 enable_kv_cache_events=False,
-                extra_config={"cpu_bytes_to_use": slots * block},
-                engine_id=f"bench-nvme-{os.getpid()}",
+                extra_config={
+                    "cpu_bytes_to_use": slots * block,
+                    "secondary_tiers": list(secondary_tiers),
+                },
+                engine_id=f"bench-{os.getpid()}-{name}",
                 model=c.OffloadingModelConfig(name=name, dtype="float16"),
                 cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
                 parallel=c.OffloadingParallelConfig(

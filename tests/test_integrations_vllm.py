@@ -6,6 +6,7 @@ only the GPU worker's copies are played by the test.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -256,6 +257,31 @@ def test_submit_calls_return_without_waiting_for_io(scheduler, tmp_path) -> None
 
 
 # -- configuration ----------------------------------------------------------------------
+
+
+def test_the_printed_kv_transfer_config_runs_our_tier_under_vllm(scheduler, tmp_path) -> None:
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    root = Path(__file__).resolve().parent.parent
+    printed = subprocess.run(
+        [sys.executable, "examples/vllm_config.py", str(tmp_path / "printed"),
+         "--nvme-capacity", "64M", "--cpu", "32K"],
+        cwd=root, capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    config = json.loads(printed)
+    KVTransferConfig(**config)  # vLLM's own check of the whole config
+    extra = config["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+
+    s = scheduler(*extra["secondary_tiers"])
+    stored = blocks("cfg", 2)
+    s.store(stored)
+    evict_all(s, stored)
+
+    answers = s.resolve(stored)
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+    assert list((tmp_path / "printed").iterdir())  # the tier wrote under the printed root
 
 
 @pytest.mark.parametrize(

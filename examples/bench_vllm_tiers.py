@@ -1,0 +1,373 @@
+"""Benchmark our NVMe tier against vLLM's file-system tier, both driven by vLLM's own
+tiering manager.
+
+Usage::
+
+    python examples/bench_vllm_tiers.py [DIR] [--size-gib 0.5] [--block-sizes 2M,128K]
+
+Needs vLLM 0.33 (``pip install --no-deps vllm==0.33.0`` plus what its kv_offload
+modules import; see ``.ci/run``). For each block size, ``--repeat`` rounds, each running
+vLLM's ``TieringOffloadingManager`` (a CPU primary tier of ``--cpu-mib``) twice: once
+with our tier (``NVMeTierManager`` from ``tiering.integrations.vllm``) and once with
+vLLM's ``fs`` tier, in alternating order, each with a root of its own under DIR:
+
+1. Store: the script plays vLLM's connector scheduler. Requests of ``--request-mib``
+   each store their chunks into the CPU tier (``prepare_store``, ``complete_store``, one
+   ``on_schedule_end`` a step), which cascades them to the secondary tier; when the CPU
+   tier is full of chunks still being cascaded, it steps until one frees. Timed until
+   no tier job is in flight.
+2. ``reset_cache`` empties the CPU tier, and the page cache is dropped when the tier
+   does not use O_DIRECT (``cold_load`` says whether every load was cold).
+3. Load: requests look their chunks up, step by step, as the scheduler does, until
+   every chunk is a HIT in the CPU tier again (promoted from the secondary tier). At
+   most as many requests are in flight as the CPU tier holds.
+
+The primary's bytes are random; one chunk in 16 is checked after its promotion against
+the bytes it was stored from. ``submit_us_p99`` is the 99th percentile of the time
+vLLM's thread spent inside one call of our tier (``submit_store``, ``submit_load``,
+``lookup``, ``get_finished_jobs``), over the rounds; ``vllm_fs_submit_us_p99`` is the
+same for vLLM's tier. Without CUDA libraries vLLM's tier uses Python file I/O instead
+of its C extension (``vllm_fs_native_io``). vLLM's tier never fsyncs; ours runs with
+``--fsync`` (default ``none``, like against like).
+
+Figures are medians over the rounds. The last line of output is one JSON object::
+
+    {"runs": [{"block_bytes": ..., "ours_store_GBps": ..., "ours_load_GBps": ...,
+               "vllm_fs_store_GBps": ..., "vllm_fs_load_GBps": ...,
+               "store_ratio": ..., "load_ratio": ..., "submit_us_p99": ...,
+               "vllm_fs_submit_us_p99": ..., "cold_load": true|false,
+               "vllm_fs_native_io": true|false}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from _cli import Progress, ensure_directory, make_parser, positive_float, positive_int, size_list
+from bench_nvme import VllmFs, drop_page_cache, files_under, load_vllm_fs
+
+from backends.nvme_files import probe_o_direct
+
+_ALIGN = 4096
+_STEP_SLEEP_S = 0.0002  # between scheduler steps while waiting on tier jobs
+_SAMPLE_EVERY = 16  # one promoted chunk in this many is byte-checked
+_SETTLE_S = 600.0  # a hang guard, far beyond any phase's time
+
+
+@dataclass
+class Side:
+    """One tier's figures from one round."""
+
+    store_GBps: float
+    load_GBps: float
+    cold: bool
+    call_ns: list[int] = field(default_factory=list)
+
+
+class _Timed:
+    """Wraps a tier's scheduler-facing calls to record how long each one takes (a
+    generator of results is drained inside the timing: that is the call's work)."""
+
+    CALLS = ("submit_store", "submit_load", "lookup", "get_finished_jobs")
+
+    def __init__(self, tier: Any, samples: list[int]) -> None:
+        for name in self.CALLS:
+            drain = name == "get_finished_jobs"
+            setattr(tier, name, self._timed(getattr(tier, name), samples, drain))
+
+    @staticmethod
+    def _timed(call: Callable[..., Any], samples: list[int], drain: bool) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                result = call(*args)
+                return list(result) if drain else result
+            finally:
+                samples.append(time.perf_counter_ns() - start)
+
+        return timed
+
+
+class _Driver:
+    """vLLM's connector scheduler (and its worker's copies) around one manager."""
+
+    def __init__(self, vllm: VllmFs, manager: Any, progress: Progress, label: str) -> None:
+        self.vllm = vllm
+        self.manager = manager
+        self.progress = progress
+        self.label = label
+        view = manager.primary_tier.get_kv_memoryview()
+        self.stride = view.strides[0]
+        self.flat = view.cast("B")
+        self.ids = 0
+
+    def context(self) -> Any:
+        self.ids += 1
+        context = self.vllm.base.ReqContext(req_id=f"{self.label}-{self.ids}")
+        with self.manager.lock:
+            self.manager.on_new_request(context)
+        return context
+
+    def step(self) -> None:
+        with self.manager.lock:
+            self.manager.on_schedule_end(self.vllm.base.ScheduleEndContext((), ()))
+
+    def chunk(self, chunk_id: int) -> bytes:
+        return bytes(self.flat[chunk_id * self.stride : (chunk_id + 1) * self.stride])
+
+    def store(self, requests: list[list[bytes]], sampled: dict[bytes, bytes]) -> float:
+        """Seconds to store every request's chunks and cascade them all."""
+        deadline = time.monotonic() + _SETTLE_S
+        start = time.perf_counter()
+        for n, keys in enumerate(requests):
+            context = self.context()
+            while True:
+                with self.manager.lock:
+                    out = self.manager.prepare_store(keys, context)
+                if out is not None:
+                    break
+                self._wait(deadline, "room in the CPU tier")
+            for k, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+                if k in sampled:
+                    sampled[k] = self.chunk(int(chunk))
+            with self.manager.lock:
+                self.manager.complete_store(out.keys_to_store, context)
+                self.manager.on_request_finished(context)
+            self.step()
+            self.progress.update(f"{self.label}: stored {n + 1}/{len(requests)} requests")
+        while self._pending():
+            self._wait(deadline, "the cascades to end")
+        return time.perf_counter() - start
+
+    def load(self, requests: list[list[bytes]], window: int, sampled: dict[bytes, bytes]) -> float:
+        """Seconds to bring every request's chunks back into the CPU tier."""
+        lookup_result = self.vllm.base.LookupResult
+        deadline = time.monotonic() + _SETTLE_S
+        todo = list(reversed(requests))
+        active: list[tuple[Any, list[bytes]]] = []
+        done = 0
+        start = time.perf_counter()
+        while todo or active:
+            while todo and len(active) < window:
+                active.append((self.context(), list(todo.pop())))
+            still = []
+            for context, keys in active:
+                left = []
+                for k in keys:
+                    with self.manager.lock:
+                        answer = self.manager.lookup(k, context)
+                    if answer is lookup_result.MISS:
+                        raise SystemExit(f"{self.label}: chunk {k.hex()} came back as a MISS")
+                    if answer is not lookup_result.HIT:
+                        left.append(k)
+                    elif k in sampled:
+                        self._check(k, context, sampled[k])
+                if left:
+                    still.append((context, left))
+                else:
+                    with self.manager.lock:
+                        self.manager.on_request_finished(context)
+                    done += 1
+                    self.progress.update(f"{self.label}: loaded {done}/{len(requests)} requests")
+            active = still
+            if active:
+                self._wait(deadline, "promotions")
+        return time.perf_counter() - start
+
+    def _check(self, k: bytes, context: Any, expected: bytes) -> None:
+        with self.manager.lock:
+            spec = self.manager.prepare_load([k], context)
+        got = self.chunk(int(spec.chunk_ids[0]))
+        with self.manager.lock:
+            self.manager.complete_load([k], context)
+        if got != expected:
+            raise SystemExit(f"{self.label}: chunk {k.hex()} came back with other bytes")
+
+    def _pending(self) -> bool:
+        with self.manager.lock:
+            return bool(self.manager.has_pending_work())
+
+    def _wait(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{self.label}: gave up waiting for {what}")
+        self.step()
+        time.sleep(_STEP_SLEEP_S)
+
+
+def run_side(
+    vllm: VllmFs,
+    ours: bool,
+    root: str,
+    block: int,
+    args: argparse.Namespace,
+    round_no: int,
+    progress: Progress,
+) -> Side:
+    """One tier through vLLM's manager: store ``--size-gib`` then load it all back."""
+    label = f"{'ours' if ours else 'vllm-fs'} {block >> 10} KiB round {round_no}"
+    total = int(args.size_gib * (1 << 30))
+    count = total // block
+    per_request = max(1, (args.request_mib << 20) // block)
+    slots = max(per_request, (args.cpu_mib << 20) // block)
+    name = f"{'ours' if ours else 'fs'}-{block}-{round_no}"
+    keys = [vllm.key(f"bench-vllm-tiers;{name};{i}") for i in range(count)]
+    requests = [keys[i : i + per_request] for i in range(0, count, per_request)]
+    tier_config: dict[str, Any]
+    if ours:
+        tier_config = {
+            "type": "NVMeTierManager",
+            "module_path": "tiering.integrations.vllm",
+            "root": root,
+            "capacity_bytes": 2 * total + (256 << 20),
+            "fsync": args.fsync,
+        }
+    else:
+        tier_config = {
+            "type": "fs",
+            "root_dir": root,
+            "n_read_threads": args.vllm_fs_threads,
+            "n_write_threads": args.vllm_fs_threads,
+        }
+    cold = probe_o_direct(root) is None if ours else bool(vllm.probe_o_direct(root))
+    manager = vllm.spec(block, slots, name, [tier_config]).get_manager()
+    samples: list[int] = []
+    try:
+        _Timed(manager.secondary_tiers[0], samples)
+        driver = _Driver(vllm, manager, progress, label)
+        view = driver.flat
+        for offset in range(0, view.nbytes, 1 << 20):  # random bytes, written once
+            end = min(offset + (1 << 20), view.nbytes)
+            view[offset:end] = os.urandom(end - offset)
+        sampled = dict.fromkeys(keys[::_SAMPLE_EVERY], b"")
+        store_s = driver.store(requests, sampled)
+        with manager.lock:
+            manager.reset_cache()
+            manager.on_reset_flushed()
+        if not cold:
+            progress.update(f"{label}: dropping the page cache", force=True)
+            cold = drop_page_cache(list(files_under(root)))
+        load_s = driver.load(requests, max(1, slots // per_request), sampled)
+        driver.flat.release()
+    finally:
+        manager.shutdown()
+    return Side(total / store_s / 1e9, total / load_s / 1e9, cold, samples)
+
+
+def _p99_us(samples: list[int]) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return round(ordered[int(0.99 * (len(ordered) - 1))] / 1000, 1)
+
+
+def run(directory: str, vllm: VllmFs, args: argparse.Namespace, progress: Progress) -> list[dict]:
+    """Every block size: ``--repeat`` rounds, ours and vLLM's alternating; medians."""
+    runs = []
+    for block in args.block_sizes:
+        sides: dict[bool, list[Side]] = {True: [], False: []}
+        for round_no in range(args.repeat):
+            order = (True, False) if round_no % 2 == 0 else (False, True)
+            for ours in order:
+                root = tempfile.mkdtemp(prefix="ours-" if ours else "fs-", dir=directory)
+                try:
+                    sides[ours].append(run_side(vllm, ours, root, block, args, round_no, progress))
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+                side = sides[ours][-1]
+                print(
+                    f"{block >> 10} KiB round {round_no + 1}: "
+                    f"{'ours' if ours else 'vLLM fs'} store {side.store_GBps:.2f} GB/s, "
+                    f"load {side.load_GBps:.2f} GB/s",
+                    file=sys.stderr,
+                )
+
+        def median(ours: bool, what: str, sides: dict[bool, list[Side]] = sides) -> float:
+            return statistics.median(getattr(side, what) for side in sides[ours])
+
+        row = {
+            "block_bytes": block,
+            "ours_store_GBps": round(median(True, "store_GBps"), 3),
+            "ours_load_GBps": round(median(True, "load_GBps"), 3),
+            "vllm_fs_store_GBps": round(median(False, "store_GBps"), 3),
+            "vllm_fs_load_GBps": round(median(False, "load_GBps"), 3),
+            "submit_us_p99": _p99_us([s for side in sides[True] for s in side.call_ns]),
+            "vllm_fs_submit_us_p99": _p99_us([s for side in sides[False] for s in side.call_ns]),
+            "cold_load": all(side.cold for side in sides[True] + sides[False]),
+            "vllm_fs_native_io": vllm.native_io,
+        }
+        row["store_ratio"] = round(row["ours_store_GBps"] / row["vllm_fs_store_GBps"], 3)
+        row["load_ratio"] = round(row["ours_load_GBps"] / row["vllm_fs_load_GBps"], 3)
+        runs.append(row)
+        print(
+            f"{block >> 10} KiB blocks (medians of {args.repeat}): store {row['ours_store_GBps']}"
+            f" vs {row['vllm_fs_store_GBps']} GB/s ({row['store_ratio']}x), load "
+            f"{row['ours_load_GBps']} vs {row['vllm_fs_load_GBps']} GB/s ({row['load_ratio']}x)"
+            f"; our calls p99 {row['submit_us_p99']} us",
+        )
+    return runs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, fully checked: a bad value exits with status 2 and a message
+    naming the option, before anything is written."""
+    parser = make_parser(__doc__)
+    parser.add_argument("directory", nargs="?", help="directory to test (default: a temp dir)")
+    parser.add_argument(
+        "--size-gib", type=positive_float, default=0.5, help="data per tier per round, GiB"
+    )
+    parser.add_argument(
+        "--block-sizes", type=size_list, default="2M,128K", help="chunk sizes (K, M suffixes)"
+    )
+    parser.add_argument("--cpu-mib", type=positive_int, default=256, help="vLLM's CPU tier, MiB")
+    parser.add_argument(
+        "--request-mib", type=positive_int, default=16, help="chunks per request, in MiB"
+    )
+    parser.add_argument(
+        "--fsync", choices=("none", "batch", "always"), default="none", help="our tier's fsync"
+    )
+    parser.add_argument(
+        "--vllm-fs-threads", type=positive_int, default=16, help="vLLM fs tier threads each way"
+    )
+    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; medians reported")
+    args = parser.parse_args(argv)
+    total = int(args.size_gib * (1 << 30))
+    for block in args.block_sizes:
+        if block % _ALIGN:
+            parser.error(f"argument --block-sizes: {block} is not a multiple of {_ALIGN}")
+        if total < block:
+            parser.error(f"argument --size-gib: {args.size_gib} GiB holds no {block}-byte block")
+    if len(set(args.block_sizes)) != len(args.block_sizes):
+        parser.error("argument --block-sizes: sizes repeat")
+    if args.directory is not None:
+        ensure_directory(parser, "directory", args.directory)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    vllm, why = load_vllm_fs()
+    if vllm is None:
+        raise SystemExit(f"bench_vllm_tiers needs vLLM 0.33: {why}")
+    with Progress() as progress:
+        if args.directory is None:
+            with tempfile.TemporaryDirectory(prefix="bench-vllm-tiers-") as directory:
+                runs = run(directory, vllm, args, progress)
+        else:
+            runs = run(args.directory, vllm, args, progress)
+    print(json.dumps({"runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
