@@ -31,6 +31,7 @@ from backends.nvme_format import HEADER_BYTES
 from backends.nvme_segment_index import Eviction, Placement, SegmentIndex, key_digest
 from backends.nvme_segments import (
     CHECKPOINT_FILE,
+    GIL_PAUSE_BYTES,
     SEGMENTS_DIR,
     ReadReport,
     SegmentFiles,
@@ -83,6 +84,9 @@ class NVMeSegmentTier(NVMeTierBase):
         hot_fraction: blocks of an evicted segment used within the last this fraction
             of the capacity's worth of uses are written again rather than dropped (0:
             plain FIFO).
+        gil_pause_bytes: bytes an I/O thread hashes before it lets go of the GIL for a
+            moment, so that the event loop's thread is not kept waiting for it (0:
+            never; for a tier on a loop of its own, whose lag delays only completions).
 
     Guarantees (besides those of the file layout):
 
@@ -110,11 +114,13 @@ class NVMeSegmentTier(NVMeTierBase):
         checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
         hot_fraction: float = DEFAULT_HOT_FRACTION,
         fsync: FsyncPolicy = "batch",
+        gil_pause_bytes: int = GIL_PAUSE_BYTES,
         os_calls: OsCalls = REAL_OS,
         **options: Any,
     ) -> None:
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         positive_int("segment_bytes", segment_bytes)
+        self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
         self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
         if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
             raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
@@ -138,6 +144,7 @@ class NVMeSegmentTier(NVMeTierBase):
             block_bytes=self.block_bytes,
             ns_digest=self._ns_digest,
             fsync=fsync,
+            gil_pause_bytes=gil_pause_bytes,
             os_calls=os_calls,
         )
         self._index = self._new_index()

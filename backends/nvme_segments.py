@@ -80,6 +80,7 @@ from backends.nvme_format import (
     payload_checksum,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.validation import positive_int
 
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".seg"
@@ -245,13 +246,18 @@ def check_segment_header(page: memoryview | bytes, *, payload_bytes: int, ns_dig
         raise CorruptBlockError(f"segment records hold {payload} bytes, expected {payload_bytes}")
 
 
+GIL_PAUSE_BYTES = 128 << 10
+"""The default bytes an I/O thread hashes before it lets go of the GIL for a moment."""
+
+
 class SegmentFiles:
     """Blocking reads and writes of segment files in one namespace directory.
 
     ``directory/segments`` must exist. ``o_direct`` says whether O_DIRECT may be used
     (the caller probed the file system); a run whose payloads are not all aligned moves
-    with buffered I/O. Safe to call from several threads at once for distinct records:
-    threads share only thread-local header pages.
+    with buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum` (0: no pauses). Safe to
+    call from several threads at once for distinct records: threads share only
+    thread-local header pages.
     """
 
     def __init__(
@@ -262,10 +268,12 @@ class SegmentFiles:
         ns_digest: bytes,
         fsync: FsyncPolicy = "batch",
         o_direct: bool = False,
+        gil_pause_bytes: int = GIL_PAUSE_BYTES,
         os_calls: OsCalls = REAL_OS,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
         self.directory = directory
         self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
         self.block_bytes = block_bytes
@@ -370,7 +378,7 @@ class SegmentFiles:
                 page,
                 key=key,
                 payload_bytes=self.block_bytes,
-                checksum=_checksum_and_yield(payload),
+                checksum=self._checksum(payload),
                 ns_digest=self.ns_digest,
             )
             buffers.append(page)
@@ -494,12 +502,33 @@ class SegmentFiles:
                 check_header(
                     header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if _checksum_and_yield(slot) != header.payload_checksum:
+                if self._checksum(slot) != header.payload_checksum:
                     raise CorruptBlockError("payload checksum mismatch")
             except CorruptBlockError as exc:
                 outcomes[i] = (None, f"corrupt block: {exc}", False)
             else:
                 outcomes[i] = (header.key, "", False)
+
+    def _checksum(self, payload: memoryview) -> bytes:
+        """The payload's checksum; after each ``gil_pause_bytes`` a thread has hashed, a
+        moment without the GIL (none when it is 0).
+
+        The hash holds the GIL, and a job's records are hashed back to back (then written
+        or read in one call): without the pause an event loop's thread could wait for the
+        GIL for a whole job's hashing, up to the 5 ms switch interval. Measured at 128 KiB
+        blocks (docs/benchmarks.md): with a pause every MiB the loop's p99 lag passed 2 ms
+        in 2 of 4 rounds of an alternating comparison and in two of three whole runs; with
+        a pause every record it stayed at 1.07-1.53 ms, for about 15 % of store
+        throughput. A tier on a private loop (the vLLM adapter's) can do without: its lag
+        only delays completions (docs/vllm.md)."""
+        checksum = payload_checksum(payload)
+        if self.gil_pause_bytes:
+            done = getattr(self._local, "hashed", 0) + payload.nbytes
+            if done >= self.gil_pause_bytes:
+                time.sleep(0)
+                done = 0
+            self._local.hashed = done
+        return checksum
 
     def _read_sink(self) -> memoryview:
         # Where a read's padding between records goes (never the zeros that writes use).
@@ -697,33 +726,6 @@ class SegmentFiles:
         if count and int(arrays[1].max()) >= max(n_segments, 1):
             raise CorruptBlockError("checkpoint entry names a segment it does not list")
         return Checkpoint(segments, *arrays)
-
-
-YIELD_BYTES = 128 << 10
-"""Bytes a thread hashes before it lets go of the GIL for a moment (see below)."""
-
-_hashed = threading.local()
-
-
-def _checksum_and_yield(payload: memoryview) -> bytes:
-    """The payload's checksum; after each :data:`YIELD_BYTES` hashed, a moment without
-    the GIL.
-
-    The hash holds the GIL, and a job's records are hashed back to back (then written
-    or read in one call): without the pause the loop's thread could wait for the GIL
-    for a whole job's hashing, up to the 5 ms switch interval. Measured at 128 KiB
-    blocks (docs/benchmarks.md): with a pause every MiB the loop's p99 lag passed 2 ms
-    in 2 of 4 rounds of an alternating comparison and in two of three whole runs; with
-    a pause every record it stayed at 1.07-1.53 ms, for about 15 % of store throughput.
-    128 KiB pauses after every record of 128 KiB and more, and after every few records
-    of smaller blocks, whose hashes are short."""
-    checksum = payload_checksum(payload)
-    done = getattr(_hashed, "bytes", 0) + payload.nbytes
-    if done >= YIELD_BYTES:
-        time.sleep(0)
-        done = 0
-    _hashed.bytes = done
-    return checksum
 
 
 def _consecutive(

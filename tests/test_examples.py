@@ -60,6 +60,9 @@ def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         ("bench_engine.py", ["--repeats", "0"], "--repeats"),
         ("bench_manager.py", ["missing-trace.jsonl", "64", "--policies", "lru,nope"], "--policies"),
         ("driver.py", ["--device", "tpu"], "--device"),
+        ("bench_vllm_tiers.py", ["--block-sizes", "1000"], "--block-sizes"),
+        ("vllm_config.py", ["relative/root"], "root"),
+        ("vllm_config.py", ["/kv", "--nvme-capacity", "lots"], "--nvme-capacity"),
     ],
 )
 def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str) -> None:
@@ -81,6 +84,8 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
         ("bench_manager.py", ["(default: arc,lru,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
+        ("bench_vllm_tiers.py", ["(default: 2M,128K)", "(default: none)", "(default: 5.0)"]),
+        ("vllm_config.py", ["(default: 100G)", "(default: 16G)", "(default: batch)"]),
     ],
 )
 def test_help_shows_defaults(script: str, defaults: list[str]) -> None:

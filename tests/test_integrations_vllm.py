@@ -284,6 +284,31 @@ def test_the_printed_kv_transfer_config_runs_our_tier_under_vllm(scheduler, tmp_
     assert list((tmp_path / "printed").iterdir())  # the tier wrote under the printed root
 
 
+def test_bench_vllm_tiers_runs_both_tiers_and_ends_with_json(tmp_path: Path) -> None:
+    """A tiny run: both tiers through vLLM's manager, bytes checked, one JSON line."""
+    done = subprocess.run(
+        [sys.executable, "examples/bench_vllm_tiers.py", str(tmp_path),
+         "--size-gib", "0.001", "--block-sizes", "64K", "--cpu-mib", "1",
+         "--request-mib", "1", "--repeat", "1", "--step-ms", "1"],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    assert run["block_bytes"] == 64 << 10
+    for figure in ("ours_store_GBps", "ours_load_GBps", "vllm_fs_store_GBps", "vllm_fs_load_GBps"):
+        assert run[figure] > 0
+    assert run["submit_us_p99"] > 0
+    assert list(tmp_path.iterdir()) == []  # each tier's root is removed after its round
+
+
+def test_the_nvme_tier_does_not_pause_for_its_private_loop_unless_told(scheduler, tmp_path) -> None:
+    s = scheduler(nvme_tier(tmp_path / "default"))
+    assert s.tier.kv_tier.gil_pause_bytes == 0
+    s = scheduler(nvme_tier(tmp_path / "told", gil_pause_bytes=65536))
+    assert s.tier.kv_tier.gil_pause_bytes == 65536
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [

@@ -84,12 +84,13 @@ def segment_files(t: NVMeSegmentTier) -> list[str]:
     return sorted(os.listdir(os.path.join(t.directory, SEGMENTS_DIR)))
 
 
+@pytest.mark.parametrize("gil_pause_bytes", [0, 1, 128 << 10])  # never, every record, default
 async def test_store_then_load_is_byte_exact_and_blocks_share_segment_files(
-    pool: memoryview, tmp_path: Path
+    pool: memoryview, tmp_path: Path, gil_pause_bytes: int
 ) -> None:
     names = keys(10)
     expected = [slot(pool, i) for i in range(10)]
-    async with tier(pool, tmp_path) as t:
+    async with tier(pool, tmp_path, gil_pause_bytes=gil_pause_bytes) as t:
         assert (await store(t, names, range(10))).success
         assert all(t.lookup(k) for k in names) and t.lookup(b"other") is False
         pool[: 10 * BLOCK] = bytes(10 * BLOCK)
@@ -304,7 +305,13 @@ async def test_registered_as_nvme_and_round_trips_through_the_engine(
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("segment_bytes", 0), ("checkpoint_every", -1), ("hot_fraction", 1.5), ("block_bytes", 0)],
+    [
+        ("segment_bytes", 0),
+        ("checkpoint_every", -1),
+        ("hot_fraction", 1.5),
+        ("block_bytes", 0),
+        ("gil_pause_bytes", -1),
+    ],
 )
 def test_a_bad_option_is_refused_naming_it_and_its_value(
     pool: memoryview, tmp_path: Path, name: str, value: object

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from tiering.registry import TierSpec
 
 
-def positive_int(name: str, value: object) -> int:
-    """``value`` as an int if it is an integer (not a bool) greater than zero.
+def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
+    """``value`` as an int if it is an integer (not a bool) greater than zero (or equal
+    to it, with ``allow_zero``).
 
     Raises:
         InvalidArgumentError: naming ``name`` and the value otherwise.
@@ -27,9 +28,10 @@ def positive_int(name: str, value: object) -> int:
         except TypeError:
             pass
         else:
-            if number > 0:
+            if number > 0 or (allow_zero and number == 0):
                 return number
-    raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    bound = "non-negative" if allow_zero else "positive"
+    raise InvalidArgumentError(f"{name} must be a {bound} int, got {value!r}")
 
 
 def hash_list(name: str, value: object) -> list[bytes]:
