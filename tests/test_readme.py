@@ -4,6 +4,7 @@ map in docs/architecture.md names every module."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -60,6 +61,21 @@ def test_set_up_commands_are_the_ones_ci_runs() -> None:
     assert "python3 examples/driver.py" in commands
     assert (ROOT / "examples" / "driver.py").is_file()
     assert (ROOT / ".ci" / "torch-cpu.txt").is_file()
+
+
+def test_vllm_section_shows_what_vllm_config_prints() -> None:
+    section = _section(README.read_text(), "With vLLM")
+    (command,) = re.findall(r'"\$\(python3 (examples/vllm_config\.py [^)]*)\)"', section)
+    printed = subprocess.run(
+        [sys.executable, *command.split()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    (shown,) = _code_blocks(section, "json")
+    assert json.loads(shown) == json.loads(printed)
 
 
 def test_relative_links_resolve() -> None:
