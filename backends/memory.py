@@ -173,6 +173,7 @@ class MemoryTier(TierActor):
         rows = [self._free_rows.pop() for _ in range(room.granted - len(room.victims))]
         rows += [self._row_of.pop(victim) for victim in room.victims]
         self._counters["evicted_blocks"] += len(room.victims)
+        self._note_removed(room.victims)
         placed = list(wanted.items())[: room.granted]
         refused = tuple(list(wanted)[room.granted :])
         copies = [(block_id, row) for (_, block_id), row in zip(placed, rows, strict=True)]

@@ -682,6 +682,7 @@ class NVMeFileTier(NVMeTierBase):
                 granted = room.granted
                 if room.victims:
                     self.metrics.evicted_blocks += len(room.victims)
+                    self._note_removed(room.victims)
                     self._space.freed()
                 admitted = list(wanted.items())
                 del admitted[granted:]
@@ -819,6 +820,7 @@ class NVMeFileTier(NVMeTierBase):
                 self.metrics.read_errors += 1
                 self._failure_log.record("read error", 1, reason)
             if generation == self._generation and index.remove(key):
+                self._note_removed((key,))
                 self._space.freed()
 
 

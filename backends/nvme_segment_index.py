@@ -189,13 +189,13 @@ class _Segment:
 @dataclass(frozen=True, slots=True)
 class Eviction:
     """A segment the index gave up: delete ``segment``'s file once its pins are gone
-    (they are, when it is returned). ``dropped`` blocks left the index with it;
-    ``reinsert`` blocks (their digests and old record numbers) were used recently, or
-    their segment was compacted, and left the index too: write them again if they are
-    wanted."""
+    (they are, when it is returned). The blocks at records ``dropped`` left the index
+    with it; ``reinsert`` blocks (their digests and old record numbers) were used
+    recently, or their segment was compacted, and left the index too: write them again
+    if they are wanted."""
 
     segment: str
-    dropped: int
+    dropped: list[int]
     reinsert: list[tuple[int, int]]
 
 
@@ -444,7 +444,7 @@ class SegmentIndex:
         del self._slot_of[segment.name]
         window = int(self.hot_fraction * self.capacity_records)
         table = self._table
-        dropped = 0
+        dropped: list[int] = []
         reinsert: list[tuple[int, int]] = []
         for record, digest in enumerate(segment.digests):
             if not digest or table.get(digest) != _loc(slot, record):
@@ -455,7 +455,7 @@ class SegmentIndex:
             if compact or recent:
                 reinsert.append((digest, record))
             else:
-                dropped += 1
+                dropped.append(record)
         self.used_records -= len(segment.digests)
         return Eviction(segment.name, dropped, reinsert)
 
@@ -470,18 +470,6 @@ class SegmentIndex:
         self._active = None
         self.used_records = 0
         return names
-
-    def evict_segment(self, segment: str) -> Eviction:
-        """Give up ``segment`` now (it is unreadable, say): its blocks leave the index.
-
-        Raises:
-            InvalidArgumentError: unknown, pinned or the segment being written.
-        """
-        slot = self._slot_of.get(segment)
-        if slot is None or slot == self._active or self._segments[slot].pins:
-            raise InvalidArgumentError(f"segment {segment!r} is unknown, pinned or active")
-        eviction = self._evict(slot)
-        return Eviction(eviction.segment, eviction.dropped + len(eviction.reinsert), [])
 
     # -- checkpoint and recovery --------------------------------------------------------
 

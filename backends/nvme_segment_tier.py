@@ -350,11 +350,13 @@ class NVMeSegmentTier(NVMeTierBase):
                     evictions += self._index.make_room(fit + hot, limit=limit)[1]
                 bound = min(limit, self.capacity_blocks)
                 moves = self._moves(evictions, bound - self._index.used_records - fit)
+                gone: list[tuple[str, int]] = []
                 if evictions:
-                    hot = sum(len(e.reinsert) for e in evictions)
-                    self.metrics.evicted_blocks += sum(e.dropped for e in evictions)
-                    self.metrics.evicted_blocks += hot - len(moves)
+                    gone = self._dropped_records(evictions, moves)
+                    self.metrics.evicted_blocks += len(gone)
                     self._space.freed()
+                    if self._removed is None:
+                        gone = []  # nobody asks which keys they held
                 admitted = list(wanted.items())[:fit]
                 if fit < len(wanted):
                     refused = list(wanted)[fit:]
@@ -367,8 +369,8 @@ class NVMeSegmentTier(NVMeTierBase):
                 delete = [e.segment for e in evictions] + self._trash
                 self._trash = []
                 try:
-                    report, moved = await self.run_blocking(
-                        self._store_hop, admitted, placed, moves, delete
+                    report, moved, gone_keys = await self.run_blocking(
+                        self._store_hop, admitted, placed, moves, gone, delete
                     )
                 except BaseException:  # the hop never ran: its deletions are still owed
                     self._trash.extend(delete)
@@ -377,6 +379,9 @@ class NVMeSegmentTier(NVMeTierBase):
                 self._budget.release(budget)
             self._commit_store(report, admitted, placed[:fit], digests, generation, failed)
             self._commit_moves(report, moved, placed[fit:], generation)
+            self._note_removed(
+                key for key in gone_keys if key is not None and key_digest(key) not in self._index
+            )
             placed = []
             if self._since_checkpoint >= self.checkpoint_every and generation == self._generation:
                 await self._checkpoint()
@@ -427,12 +432,14 @@ class NVMeSegmentTier(NVMeTierBase):
         admitted: Sequence[tuple[OffloadKey, int]],
         placed: Sequence[Placement],
         moves: Sequence[tuple[str, int]],
+        gone: Sequence[tuple[str, int]],
         delete: Sequence[str],
-    ) -> tuple[WriteReport, list[bytes | None]]:
-        """Read the recently used records of evicted segments, delete those segments,
-        then write the job's blocks and the moved records: ``placed`` holds the job's
-        placements, then one per move. Returns the write's report and each move's key
-        (None where its record did not verify: it is not written)."""
+    ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
+        """Read the recently used records of evicted segments and the keys of the
+        ``gone`` records, delete those segments, then write the job's blocks and the
+        moved records: ``placed`` holds the job's placements, then one per move. Returns
+        the write's report, each move's key (None where its record did not verify: it is
+        not written) and each gone record's key (None where its header did not)."""
         buffers = self._move_buffers(len(moves))
         moved = self._segments.read_records(
             [
@@ -440,6 +447,7 @@ class NVMeSegmentTier(NVMeTierBase):
                 for (segment, record), buffer in zip(moves, buffers, strict=True)
             ]
         )
+        gone_keys = self._segments.read_keys(gone)
         self._segments.delete(delete)
         slot = self.slot
         records = [(key, slot(block_id)) for key, block_id in admitted]
@@ -449,7 +457,7 @@ class NVMeSegmentTier(NVMeTierBase):
                 records.append((key, buffer))
                 where.append((placement.segment, placement.record, placement.create))
         runs = list(iter_runs(where, records))
-        return self._segments.write(runs, writer=self._instance_id), moved
+        return self._segments.write(runs, writer=self._instance_id), moved, gone_keys
 
     def _move_buffers(self, count: int) -> list[memoryview]:
         # Aligned (O_DIRECT) buffers for moved records, one set per I/O thread.
@@ -530,6 +538,20 @@ class NVMeSegmentTier(NVMeTierBase):
         most = min(max(0, room), max(1, MOVE_BYTES_PER_JOB // self.block_bytes))
         return hot[-most:] if most else []
 
+    @staticmethod
+    def _dropped_records(
+        evictions: Sequence[Eviction], moves: Sequence[tuple[str, int]]
+    ) -> list[tuple[str, int]]:
+        """The records of ``evictions`` whose blocks leave the tier: those dropped, and
+        the recently used ones that are not moved."""
+        moving = set(moves)
+        return [(e.segment, record) for e in evictions for record in e.dropped] + [
+            (e.segment, record)
+            for e in evictions
+            for _, record in e.reinsert
+            if (e.segment, record) not in moving
+        ]
+
     def _commit_moves(
         self,
         report: WriteReport,
@@ -551,6 +573,8 @@ class NVMeSegmentTier(NVMeTierBase):
             else:
                 self._index.abandon(placement)
                 self.metrics.evicted_blocks += 1
+                if key is not None and digest not in self._index:
+                    self._note_removed((key,))
 
     def _commit_load(
         self,
@@ -581,6 +605,7 @@ class NVMeSegmentTier(NVMeTierBase):
             digest = key_digest(key)
             if generation == self._generation and self._index.locate(digest) == where[key]:
                 self._index.remove(digest)
+                self._note_removed((key,))
 
     async def _checkpoint(self) -> None:
         self._since_checkpoint = 0

@@ -600,6 +600,38 @@ class SegmentFiles:
         finally:
             self.os.close(fd)
 
+    def read_keys(self, records: Sequence[tuple[str, int]]) -> list[bytes | None]:
+        """The key in the header of each ``(segment, record)``, or None where the header
+        cannot be read or does not verify (payloads are not read). Never raises."""
+        keys: list[bytes | None] = [None] * len(records)
+        by_segment: dict[str, list[tuple[int, int]]] = {}
+        for i, (segment, record) in enumerate(records):
+            by_segment.setdefault(segment, []).append((i, record))
+        page = self._pages(1)
+        for segment, items in by_segment.items():
+            try:
+                fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                for i, record in items:
+                    try:
+                        if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
+                            continue
+                        header = decode_header(page)
+                        check_header(
+                            header,
+                            key=None,
+                            payload_bytes=self.block_bytes,
+                            ns_digest=self.ns_digest,
+                        )
+                    except (OSError, CorruptBlockError):
+                        continue
+                    keys[i] = header.key
+            finally:
+                self.os.close(fd)
+        return keys
+
     def delete(self, segments: Sequence[str]) -> int:
         """Unlink segment files; returns how many existed. Never raises."""
         removed = 0

@@ -346,6 +346,36 @@ def test_events_report_blocks_stored_in_the_tier(scheduler, tmp_path) -> None:
     assert all(not e.removed and e.ownership == s.tier.tier_type for e in events)
 
 
+def test_events_replayed_in_order_give_what_the_tier_holds(scheduler, tmp_path) -> None:
+    record = 4096 + CHUNK_BYTES  # a header page and the chunk
+    tier = nvme_tier(
+        tmp_path / "nvme",
+        enable_kv_events=True,
+        segment_bytes=4096 + 4 * record,  # 4 records a segment
+        capacity_bytes=8 * record,
+    )
+    s = scheduler(tier, events=True)
+    every: list[bytes] = []
+    for batch in range(4):  # 16 blocks through a tier of 8: segments are evicted
+        stored = blocks(f"batch{batch}-", PRIMARY)
+        every += stored
+        s.store(stored)
+        s.settle()
+
+    held: set[bytes] = set()
+    removed: set[bytes] = set()
+    for event in s.tier.take_events():
+        if event.removed:
+            held.difference_update(event.keys)
+            removed.update(event.keys)
+        else:
+            held.update(event.keys)
+
+    context = ReqContext(req_id="check")
+    assert held == {k for k in every if s.tier.lookup(k, context) is LookupResult.HIT}
+    assert removed == set(every) - held and len(removed) >= 8  # every eviction was told
+
+
 def test_metric_definitions_cover_every_reported_name(scheduler) -> None:
     s = scheduler()
     s.store(blocks("x", 2))

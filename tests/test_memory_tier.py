@@ -161,6 +161,17 @@ async def test_a_store_that_cannot_fit_stores_the_leading_keys_and_fails_the_res
         assert [tier.lookup(k) for k in (b"A", b"B", b"C")] == [True, True, False]
 
 
+async def test_evicted_keys_are_reported_as_removals_once_asked_for() -> None:
+    view = _pool()
+    async with MemoryTier(view, BLOCK, max_blocks=2) as tier:
+        await _run(tier, _job(1, [b"A", b"B"], [0, 1]), load=False)
+        await _run(tier, _job(2, [b"C"], [2]), load=False)  # evicts A, unasked
+        assert tier.take_removed() == []
+        tier.report_removals()
+        await _run(tier, _job(3, [b"D"], [3]), load=False)  # evicts B
+        assert tier.take_removed() == [b"B"]
+
+
 async def test_a_key_being_loaded_is_not_evicted_mid_copy() -> None:
     view = _pool()
     payloads = _fill_random(view, [0, 1, 2])

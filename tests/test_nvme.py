@@ -435,6 +435,18 @@ async def test_byte_cap_evicts_least_recently_used(pool: memoryview, tmp_path: P
         assert len(_block_files(tier)) == 4
 
 
+async def test_removals_name_evicted_and_corrupt_blocks(pool: memoryview, tmp_path: Path) -> None:
+    keys = _keys(5)
+    async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as tier:
+        tier.report_removals()
+        await _store(tier, keys[:4], range(4))
+        await _store(tier, keys[4:], [4])  # evicts the least recently used: keys[0]
+        _flip(os.path.join(tier.directory, block_relpath(keys[2])), HEADER_BYTES + 5)
+        assert not (await _load(tier, keys[2:3], [6])).success
+        assert tier.take_removed() == [keys[0], keys[2]]
+        assert tier.take_removed() == []
+
+
 async def test_policy_is_chosen_by_name(pool: memoryview, tmp_path: Path) -> None:
     async with _tier(pool, tmp_path, capacity_bytes=2 * FILE, policy="s3fifo") as tier:
         keys = _keys(3)

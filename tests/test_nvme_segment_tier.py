@@ -233,6 +233,51 @@ async def test_the_cap_evicts_the_oldest_segment_whole(pool: memoryview, tmp_pat
         assert len(segment_files(t)) == 2 and t.metrics.evicted_blocks == 8
 
 
+async def test_removals_name_the_evicted_keys_once_asked_for(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with tier(pool, tmp_path, capacity_bytes=16 * RECORD) as t:
+        old, mid, new = keys(8, "old"), keys(8, "mid"), keys(8, "new")
+        assert (await store(t, old, range(8))).success
+        assert (await store(t, mid, range(8))).success
+        assert (await store(t, new[:4], range(4))).success  # evicts old, unasked
+        assert t.take_removed() == []
+        t.report_removals()
+        assert (await store(t, new[4:], range(4, 8))).success  # fills the third segment
+        assert (await store(t, keys(1, "last"), [0])).success  # evicts mid
+        assert sorted(t.take_removed()) == sorted(mid)
+        assert t.take_removed() == []  # each key is taken once
+
+
+async def test_removals_name_the_hot_blocks_that_could_not_be_moved_and_skip_moved_ones(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    async with tier(pool, tmp_path, capacity_bytes=16 * RECORD, hot_fraction=0.25) as t:
+        t.report_removals()
+        old, mid = keys(8, "old"), keys(8, "mid")
+        assert (await store(t, old, range(8))).success
+        assert (await store(t, mid, range(8, 16))).success
+        assert (await load(t, old[:2], [14, 15])).success  # old[0] and old[1] are hot now
+        assert (await store(t, keys(6, "new"), range(8, 14))).success  # evicts old
+        assert sorted(t.take_removed()) == sorted(old[2:])  # the hot two were moved
+
+
+async def test_a_block_that_fails_verification_is_a_removal(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(3)
+    async with tier(pool, tmp_path) as t:
+        t.report_removals()
+        assert (await store(t, names, range(3))).success
+        [segment] = segment_files(t)
+        flip_byte(
+            os.path.join(t.directory, SEGMENTS_DIR, segment),
+            HEADER_BYTES + RECORD + HEADER_BYTES + 7,
+        )
+        assert not (await load(t, names, [8, 9, 10])).success
+        assert t.take_removed() == [names[1]]
+
+
 async def test_a_segment_being_read_is_not_evicted_under_the_read(
     pool: memoryview, tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ touches the GPU.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,7 @@ class SecondaryTierManager(ABC):
         self.primary_kv_view = view
         self.block_bytes = block_bytes
         self.num_primary_slots = view.nbytes // block_bytes
+        self._removed: deque[OffloadKey] | None = None
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
@@ -117,6 +119,30 @@ class SecondaryTierManager(ABC):
     def release(self, keys: Collection[OffloadKey]) -> None:  # noqa: B027
         """Undo one :meth:`hold` of each key; releasing a key not held is an error of
         the caller and may raise :class:`~tiering.errors.InvalidArgumentError`."""
+
+    def report_removals(self) -> None:
+        """From now on, keep the keys this tier stops holding for :meth:`take_removed`.
+
+        Off until called, so that keys nobody reads never pile up; idempotent. Tiers
+        that track no removals (the default) keep reporting nothing.
+        """
+        if self._removed is None:
+            self._removed = deque()
+
+    def take_removed(self) -> list[OffloadKey]:
+        """The keys this tier stopped holding since the last call, oldest first: evicted,
+        or dropped because their bytes did not verify (not :meth:`clear`: after it, no
+        key is held). Empty unless :meth:`report_removals` was called. One caller at a
+        time, from any thread: each key is returned by exactly one call."""
+        removed = self._removed
+        if not removed:
+            return []
+        return [removed.popleft() for _ in range(len(removed))]
+
+    def _note_removed(self, keys: Iterable[OffloadKey]) -> None:
+        """For subclasses: ``keys`` left the tier (kept only while removals are reported)."""
+        if self._removed is not None:
+            self._removed.extend(keys)
 
     @staticmethod
     @abstractmethod

@@ -191,8 +191,8 @@ class RegisteredTierManager(SecondaryTierManager):
       to :func:`tiering.register_tier`); fixed by the subclasses.
     * ``namespace``: overrides the namespace derived from vLLM's spec (see
       :func:`vllm_namespace`); only for tiers that take one.
-    * ``enable_kv_events``: report ``OffloadingEvent`` s for stored blocks (effective
-      only when vLLM publishes KV cache events).
+    * ``enable_kv_events``: report ``OffloadingEvent`` s for blocks stored in and
+      removed from the tier (effective only when vLLM publishes KV cache events).
     * ``start_timeout``: seconds to wait for the tier to start (an NVMe tier rebuilds
       its index at start), default 600.
     * ``job_timeout``: seconds after which a job of a polled (non-actor) tier is
@@ -288,6 +288,8 @@ class RegisteredTierManager(SecondaryTierManager):
     async def _open(self, spec: dict[str, Any], block_bytes: int, job_timeout: float) -> TierClient:
         defaults = {"namespace": self._namespace, **_PRIVATE_LOOP_DEFAULTS}
         tier = make_tier(spec, self._flat_view, block_bytes, defaults=defaults)
+        if self._events is not None:
+            tier.report_removals()
         client = TierClient(tier, timeout=job_timeout)
         try:
             await client.start()
@@ -394,21 +396,15 @@ class RegisteredTierManager(SecondaryTierManager):
             result.transfer_time = time.monotonic() - pending.started
             self._finished.append(result)
             kind = pending.kind
+            if self._events is not None:
+                self._take_removals(self._events)  # what left the tier before this job ended
             if kind == "store":
                 self._storing.subtract(pending.keys)
                 for key in pending.keys:
                     if self._storing[key] <= 0:
                         del self._storing[key]
                 if self._events is not None and landed:
-                    self._events.append(
-                        OffloadingEvent(
-                            keys=list(landed),
-                            medium=self.medium,
-                            removed=False,
-                            locality=self.locality,
-                            ownership=self.tier_type,
-                        )
-                    )
+                    self._events.append(self._event(list(landed), removed=False))
             self._counters[f"{kind}_jobs"] += 1
             self._counters[f"{kind}_blocks"] += len(landed)
             self._counters[f"{kind}_bytes"] += result.transfer_bytes
@@ -424,12 +420,30 @@ class RegisteredTierManager(SecondaryTierManager):
         return finished
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Stored-block events since the last call (with ``enable_kv_events``)."""
+        """The tier's events since the last call, in the order they happened (with
+        ``enable_kv_events``): blocks stored, and blocks removed (evicted, or dropped
+        because they did not verify)."""
         if self._events is None:
             return ()
         with self._lock:
+            self._take_removals(self._events)
             events, self._events = self._events, []
         return events
+
+    def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(
+            keys=keys,
+            medium=self.medium,
+            removed=removed,
+            locality=self.locality,
+            ownership=self.tier_type,
+        )
+
+    def _take_removals(self, events: list[OffloadingEvent]) -> None:
+        """Under the lock: the tier's removals so far become the next event."""
+        removed = self._tier.take_removed()
+        if removed:
+            events.append(self._event(removed, removed=True))
 
     def drain_jobs(self) -> None:
         """Block until every submitted job's result is queued; aborts no transfer."""
