@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from functools import partial
 
 import pytest
 import torch
@@ -315,18 +314,18 @@ async def test_an_unawaited_copy_still_runs_and_reports_through_its_callback() -
 async def test_start_reports_each_copy_once_through_on_done() -> None:
     async with opened() as (copier, kv, pool):
         ended = asyncio.Event()
-        seen: list[tuple[str, object]] = []
+        seen: list[tuple[int, object]] = []
 
-        def on_done(name: str, error: object) -> None:
-            seen.append((name, error))
+        def on_done(token: int, error: object) -> None:
+            seen.append((token, error))
             if len(seen) == 2:
                 ended.set()
 
-        copier.start(True, [9], [1], partial(on_done, "copy 9"))
-        copier.start(True, [], [], partial(on_done, "empty"))
+        copier.start(True, [9], [1], on_done, 109)
+        copier.start(True, [], [], on_done, 100)
         await ended.wait()
         await asyncio.sleep(0)
-        assert sorted(seen) == [("copy 9", None), ("empty", None)]
+        assert sorted(seen) == [(100, None), (109, None)]
         assert bytes(pool.slot_view(1)) == device_block(kv, 9)
 
 

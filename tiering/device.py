@@ -17,9 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, cast
 
 import torch
 
@@ -121,11 +120,28 @@ def _retrieve_exception(future: asyncio.Future[None]) -> None:
         future.exception()
 
 
-@dataclass(slots=True)
-class _Job:
-    future: asyncio.Future[None] | None  # a handle's future, or None with ``on_done``
-    nbytes: int
-    on_done: Callable[[TransferError | None], object] | None
+class _InFlight(PlannedCopy):
+    """A copy handed to the backend, with whom to tell when it ends: a handle's future,
+    or ``on_done(token, error)`` (one object per copy: the hot path allocates little)."""
+
+    __slots__ = ("future", "nbytes", "on_done", "token")
+
+    def __init__(
+        self,
+        direction: Direction,
+        device_ids: Sequence[int],
+        slots: Sequence[int],
+        max_rows: int,
+        nbytes: int,
+        future: asyncio.Future[None] | None,
+        on_done: Callable[[int, TransferError | None], object] | None,
+        token: int,
+    ) -> None:
+        super().__init__(direction, device_ids, slots, max_rows)
+        self.nbytes = nbytes
+        self.future = future
+        self.on_done = on_done
+        self.token = token
 
 
 class DeviceCopier:
@@ -195,7 +211,7 @@ class DeviceCopier:
         self._max_rows = max(1, staging_bytes // layout.block_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state = Lifecycle.NEW
-        self._in_flight: dict[PlannedCopy, _Job] = {}
+        self._in_flight: set[_InFlight] = set()
         self._bytes_in_flight = 0
         self._all_ended: asyncio.Future[None] | None = None  # set once none is in flight
         # [copies, bytes] by direction; plain lists: an Enum's hash is Python code.
@@ -370,16 +386,18 @@ class DeviceCopier:
         to_host: bool,
         device_ids: list[int],
         slots: list[int],
-        on_done: Callable[[TransferError | None], object],
+        on_done: Callable[[int, TransferError | None], object],
+        token: int,
     ) -> None:
         """Start a copy whose arguments the caller has checked, for a hot path.
 
         Like :meth:`to_host` (``to_host`` True) or :meth:`to_device`, but the ids and slots
         are trusted to be in range, equally long, and distinct where :meth:`to_host` /
         :meth:`to_device` require it (the engine's job core checks device ids, and slots
-        come from the CPU tier's manager). Instead of a handle, ``on_done(error)`` is
-        called on the loop exactly once, when the copy has ended (``error`` None on
-        success). The lists must not be changed afterwards.
+        come from the CPU tier's manager). Instead of a handle, ``on_done(token, error)``
+        is called on the loop exactly once, when the copy has ended (``error`` None on
+        success); a token rather than a closure per copy keeps the hot path from
+        allocating. The lists must not be changed afterwards.
 
         Raises:
             ClosedError: the copier is not open.
@@ -387,10 +405,10 @@ class DeviceCopier:
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
         if not device_ids:
-            self._loop.call_soon(on_done, None)  # type: ignore[union-attr]
+            self._loop.call_soon(on_done, token, None)  # type: ignore[union-attr]
             return
         direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
-        self._submit(direction, device_ids, slots, None, on_done)
+        self._submit(direction, device_ids, slots, None, on_done, token)
 
     # ----------------------------------------------------------------- internals
 
@@ -427,13 +445,14 @@ class DeviceCopier:
         ids: list[int],
         slots: list[int],
         future: asyncio.Future[None] | None,
-        on_done: Callable[[TransferError | None], object] | None,
+        on_done: Callable[[int, TransferError | None], object] | None,
+        token: int = 0,
     ) -> None:
         """Hand a checked copy to the backend; its end completes ``future`` or calls
-        ``on_done``."""
-        copy = PlannedCopy(direction, ids, slots, self._max_rows)
+        ``on_done(token, error)``."""
         nbytes = len(ids) * self._layout.block_bytes
-        self._in_flight[copy] = _Job(future, nbytes, on_done)
+        copy = _InFlight(direction, ids, slots, self._max_rows, nbytes, future, on_done, token)
+        self._in_flight.add(copy)
         self._bytes_in_flight += nbytes
         self._backend.submit(copy)
 
@@ -448,14 +467,15 @@ class DeviceCopier:
 
     def _complete(self, outcomes: Sequence[CopyOutcome]) -> None:
         for copy, error in outcomes:
-            job = self._in_flight.pop(copy, None)
-            if job is None:
+            if copy not in self._in_flight:
                 continue
+            job = cast(_InFlight, copy)  # the backend hands back what it was given
+            self._in_flight.discard(job)
             self._bytes_in_flight -= job.nbytes
             future = job.future
             if future is not None and future.done():  # the loop is being torn down
                 continue
-            direction = copy.direction
+            direction = job.direction
             failure = None
             if error is None:
                 done = (
@@ -469,7 +489,7 @@ class DeviceCopier:
                 failure.__cause__ = error
             if job.on_done is not None:
                 try:
-                    job.on_done(failure)
+                    job.on_done(job.token, failure)
                 except Exception:  # one caller's bug must not lose the other outcomes
                     _log.exception("DeviceCopier: a copy's on_done callback raised")
             elif failure is None:

@@ -140,6 +140,7 @@ class TieringEngine:
         self._finished = FinishedResults()
         self._drained: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
+        self._on_copy_ended = self._copy_ended  # bound once: no allocation per copy
         self._run_effect: dict[type, Callable[[Any], None]] = {
             CopyToHost: self._copy,
             CopyToDevice: self._copy,
@@ -391,7 +392,7 @@ class TieringEngine:
 
     def _admitted(self, job_id: int, kind: Literal["store", "load"], effects: list[Effect]) -> Job:
         assert self._loop is not None
-        job = Job(job_id, kind, self._loop.create_future())
+        job = Job(job_id, kind, self._loop)
         self._jobs[job_id] = job
         self._execute(effects)
         return job
@@ -405,11 +406,10 @@ class TieringEngine:
         copier = self._stack.copier
         assert copier is not None and self._loop is not None
         to_host = type(effect) is CopyToHost
-        done = partial(self._copy_ended, effect.op)
         try:
-            copier.start(to_host, effect.device_ids, effect.slots, done)
+            copier.start(to_host, effect.device_ids, effect.slots, self._on_copy_ended, effect.op)
         except TieringError as exc:  # the copier is closed: the copy never started
-            self._loop.call_soon(done, exc)
+            self._loop.call_soon(self._copy_ended, effect.op, exc)
 
     def _copy_ended(self, op: int, error: BaseException | None) -> None:
         if self._core is not None:
@@ -427,7 +427,7 @@ class TieringEngine:
     def _resolve(self, effect: Resolve) -> None:
         job = self._jobs.get(effect.job)
         if job is not None:
-            job._result.set_result(effect.result)
+            job._set_result(effect.result)
             if job.kind == "load":
                 job._set_cascaded(True)
                 del self._jobs[effect.job]

@@ -27,33 +27,49 @@ class Job:
     load ended.
     """
 
-    __slots__ = ("_cascaded", "_cascaded_value", "_result", "job_id", "kind")
+    __slots__ = ("_cascaded", "_cascaded_value", "_loop", "_result", "_value", "job_id", "kind")
 
     def __init__(
-        self, job_id: int, kind: Literal["store", "load"], result: asyncio.Future[JobResult]
-    ):
+        self, job_id: int, kind: Literal["store", "load"], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.job_id = job_id
         self.kind = kind
-        self._result = result
+        self._loop = loop
+        # The future is made only for an await that comes before the result: most jobs
+        # end before anyone awaits them, and a scheduler issues hundreds per step.
+        self._result: asyncio.Future[JobResult] | None = None
+        self._value: JobResult | None = None
         self._cascaded: asyncio.Future[bool] | None = None
         self._cascaded_value: bool | None = None
 
     def __await__(self) -> Generator[Any, None, JobResult]:
-        return asyncio.shield(self._result).__await__()
+        if self._value is not None:
+            return self._value
+        if self._result is None:
+            self._result = self._loop.create_future()
+        return (yield from asyncio.shield(self._result).__await__())
 
     def done(self) -> bool:
         """True once the job's result is known."""
-        return self._result.done()
+        return self._value is not None
 
     def result(self) -> JobResult:
         """The result of a finished job; raises ``asyncio.InvalidStateError`` before."""
-        return self._result.result()
+        if self._value is None:
+            raise asyncio.InvalidStateError(f"job {self.job_id} has not ended")
+        return self._value
+
+    def _set_result(self, result: JobResult) -> None:
+        if self._value is None:
+            self._value = result
+            if self._result is not None and not self._result.done():
+                self._result.set_result(result)
 
     @property
     def cascaded(self) -> Awaitable[bool]:
         """Resolves once the store's blocks are in every secondary tier (see class doc)."""
         if self._cascaded is None:
-            self._cascaded = self._result.get_loop().create_future()
+            self._cascaded = self._loop.create_future()
             if self._cascaded_value is not None:
                 self._cascaded.set_result(self._cascaded_value)
         return asyncio.shield(self._cascaded)

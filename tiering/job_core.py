@@ -207,7 +207,7 @@ class _Job:
     def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
         self.id = job_id
         self.is_load = is_load
-        self.hashes = hashes  # a store: each distinct hash once; a load: as called
+        self.hashes = hashes  # a store: each distinct hash once (once planned); a load: as called
         self.device_ids = ids
         self.io = 0  # this job's effects in flight
         self.resolved = False
@@ -303,8 +303,14 @@ class JobCore:
         self._jobs: dict[int, _Job] = {}  # planned, not yet done
         self._waiting: dict[int, tuple[_Job, Callable[[], bool]]] = {}  # no room yet, FIFO
         self._flushes: dict[int, _Flush] = {}
-        # I/O in flight: op -> (owner, blocks, on_end(owner, result))
-        self._ops: dict[int, tuple[Any, int, Callable[[Any, object], None]]] = {}
+        # I/O in flight by op, column-wise (no object per op): its owner, the blocks it
+        # moves, and on_end(owner, result).
+        self._op_owner: dict[int, Any] = {}
+        self._op_blocks: dict[int, int] = {}
+        self._op_end: dict[int, Callable[[Any, object], None]] = {}
+        # Bound once: a bound method made per call is one more object for the collector.
+        self._on_store_copied = self._store_copied
+        self._on_copied_out = self._copied_out
         # The job that owns the fill of each slot being filled (only it may end it), and
         # the jobs waiting for a fill (made when the first one joins). Indexed by slot,
         # not by hash: a dict that every block enters and leaves would be rebuilt now
@@ -344,7 +350,7 @@ class JobCore:
     @property
     def ops_in_flight(self) -> int:
         """Copies and tier jobs started and not yet reported back."""
-        return len(self._ops)
+        return len(self._op_owner)
 
     @property
     def filling_blocks(self) -> int:
@@ -376,8 +382,7 @@ class JobCore:
         """
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
-        distinct = hashes if len(hashes) == 1 else list(dict.fromkeys(hashes))
-        job = _Job(self._new_id(), False, distinct, ids)
+        job = _Job(self._new_id(), False, hashes, ids)  # repeats go when it is planned
         if not self._plan_store(job, hashes, ids):
             needed = len({h for h in hashes if h not in self.manager})
             self._wait_for_room(job, needed, partial(self._plan_store, job, hashes, ids))
@@ -392,6 +397,7 @@ class JobCore:
         new = out.block_hashes_to_store
         slots = out.store_spec.block_ids
         if len(new) != len(hashes):  # some were resident or repeated
+            job.hashes = list(dict.fromkeys(hashes))
             first_id: dict[BlockHash, int] = {}
             for h, d in zip(hashes, ids, strict=True):
                 first_id.setdefault(h, d)
@@ -404,7 +410,7 @@ class JobCore:
         for slot in slots:
             owner[slot] = job
         self._num_filling += len(slots)
-        job.fills = new
+        job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         job.slots = slots
         self._jobs[job.id] = job
         if out.block_hashes_evicted and self.write_back:
@@ -420,7 +426,7 @@ class JobCore:
         elif self.state is Lifecycle.CLOSED:
             self._store_copied(job, "the engine closed before the copy started")
         else:
-            op = self._start(job, len(job.fills), self._store_copied)
+            op = self._start(job, len(job.fills), self._on_store_copied)
             self._out.append(CopyToHost(op, job.device_ids, job.slots))
 
     def _store_copied(self, job: _Job, error: object) -> None:
@@ -458,10 +464,12 @@ class JobCore:
         the CPU tier before the job's cascade (planned once all of them are ready) has
         it, even while the job still waits for a fill another job owns."""
         self.manager.prepare_load(keys)
-        if job.pinned:
-            job.pinned.extend(keys)  # type: ignore[union-attr]
-        else:
+        if not job.pinned:
             job.pinned = keys
+        elif job.pinned is job.hashes:  # shared with the job's keys: never grow it in place
+            job.pinned = [*job.pinned, *keys]
+        else:
+            job.pinned.extend(keys)  # type: ignore[union-attr]
 
     def _release_held(self, job: _Job) -> None:
         if job.pinned:
@@ -545,7 +553,7 @@ class JobCore:
                 self._join(h, job)  # another job's fill
         if ready:
             manager.prepare_load(ready)
-            job.pinned = ready
+            job.pinned = hashes if len(ready) == len(hashes) else ready  # all: the same keys
         if out is None:
             self._promote(job)
             return True
@@ -608,18 +616,23 @@ class JobCore:
         if job.awaiting or job.copy_started:
             return
         job.copy_started = True
-        pairs = [
-            (job.slot_of[h], d)
-            for h, d in zip(job.hashes, job.device_ids, strict=True)
-            if h not in job.failed
-        ]
-        if not pairs:
+        slot_of, failed = job.slot_of, job.failed
+        if failed:
+            pairs = [
+                (slot_of[h], d)
+                for h, d in zip(job.hashes, job.device_ids, strict=True)
+                if h not in failed
+            ]
+            slots, ids = [s for s, _ in pairs], [d for _, d in pairs]
+        else:
+            slots, ids = [slot_of[h] for h in job.hashes], job.device_ids
+        if not slots:
             self._copied_out(job, None)
         elif self.state is Lifecycle.CLOSED:
             self._copied_out(job, "the engine closed before the copy started")
         else:
-            op = self._start(job, len(pairs), self._copied_out)
-            self._out.append(CopyToDevice(op, [s for s, _ in pairs], [d for _, d in pairs]))
+            op = self._start(job, len(slots), self._on_copied_out)
+            self._out.append(CopyToDevice(op, slots, ids))
 
     def _copied_out(self, job: _Job, error: object) -> None:
         if job.pinned:
@@ -844,7 +857,7 @@ class JobCore:
                 self._close_flushed = True
                 if self._start_flush(internal=True).pending:
                     return
-        elif self._ops:
+        elif self._op_owner:
             return
         self._drained = True
         self._out.append(Drained())
@@ -881,11 +894,11 @@ class JobCore:
         return self._take()
 
     def _end_op(self, op: int, result: object) -> None:
-        entry = self._ops.pop(op, None)
-        if entry is None:
+        if op not in self._op_owner:
             raise InvalidArgumentError(f"no effect {op!r} is in flight")
-        owner, blocks, on_end = entry
-        self.blocks_in_flight -= blocks
+        owner = self._op_owner.pop(op)
+        on_end = self._op_end.pop(op)
+        self.blocks_in_flight -= self._op_blocks.pop(op)
         if type(owner) is _Job:
             owner.io -= 1
             on_end(owner, result)
@@ -906,7 +919,9 @@ class JobCore:
         self.blocks_in_flight += blocks
         if type(owner) is _Job:
             owner.io += 1
-        self._ops[op] = (owner, blocks, on_end)
+        self._op_owner[op] = owner
+        self._op_blocks[op] = blocks
+        self._op_end[op] = on_end
         return op
 
     def _forget_if_done(self, job: _Job) -> None:
