@@ -176,7 +176,6 @@ class TierView(Protocol):
 
 
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
-_NO_SLOTS: dict[BlockHash, int] = {}  # never written: a load makes its own
 _NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 
 
@@ -200,7 +199,6 @@ class _Job:
         "pinned",
         "promotions",
         "resolved",
-        "slot_of",
         "slots",
     )
 
@@ -214,14 +212,13 @@ class _Job:
         # Containers are made when first needed: most jobs never fail, promote or join.
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
         self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
-        self.slots: list[int] | tuple[()] = ()  # a store: the slots of its fills
+        self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
         # stores
         self.copied = False  # its own device -> CPU copy has ended (or there was none)
         self.cascade_pending = 0
         self.cascade_ok = True
         self.cascade_answered = False
         # loads
-        self.slot_of: dict[BlockHash, int] = _NO_SLOTS  # a load: where each block sits
         # One CPU pin each, owned by this job: a load's until its copy to the device
         # ends; a cascading store's until its cascade has pinned the blocks per tier.
         self.pinned: list[BlockHash] | tuple[()] = ()
@@ -542,11 +539,9 @@ class JobCore:
             return False
         self._jobs[job.id] = job
         ready = []
-        slot_of = job.slot_of = {}
         for h in hashes if len(hashes) == 1 else dict.fromkeys(hashes):
             if h in found:
                 continue
-            slot_of[h] = manager.slot_of(h)
             if manager.is_ready(h):
                 ready.append(h)
             else:
@@ -555,6 +550,7 @@ class JobCore:
             manager.prepare_load(ready)
             job.pinned = hashes if len(ready) == len(hashes) else ready  # all: the same keys
         if out is None:
+            job.slots = [manager.slot_of(h) for h in hashes]
             self._promote(job)
             return True
         promotions: dict[int, list[BlockHash]] = {}
@@ -564,10 +560,12 @@ class JobCore:
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
             owner[slot] = job
             self._join(h, job)  # its own fill: it gets its pin when the block lands
-            slot_of[h] = slot
             promotions.setdefault(found[h], []).append(h)
         for t, promoted in promotions.items():
             self.tiers[t].hold(promoted)
+        # Every block now has its slot (ready, being filled, or given to a promotion),
+        # and keeps it until the load has copied it out.
+        job.slots = [manager.slot_of(h) for h in hashes]
         self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
         return True
 
@@ -595,7 +593,7 @@ class JobCore:
                 self._promoted(job, None, t=t, keys=keys)
                 continue
             op = self._start(job, len(keys), partial(self._promoted, t=t, keys=keys))
-            self._out.append(TierLoad(op, t, keys, [job.slot_of[k] for k in keys]))
+            self._out.append(TierLoad(op, t, keys, [self.manager.slot_of(k) for k in keys]))
         self._copy_out(job)
 
     def _promoted(self, job: _Job, outcome: object, *, t: int, keys: list[BlockHash]) -> None:
@@ -616,16 +614,10 @@ class JobCore:
         if job.awaiting or job.copy_started:
             return
         job.copy_started = True
-        slot_of, failed = job.slot_of, job.failed
+        slots, ids, failed = job.slots, job.device_ids, job.failed
         if failed:
-            pairs = [
-                (slot_of[h], d)
-                for h, d in zip(job.hashes, job.device_ids, strict=True)
-                if h not in failed
-            ]
-            slots, ids = [s for s, _ in pairs], [d for _, d in pairs]
-        else:
-            slots, ids = [slot_of[h] for h in job.hashes], job.device_ids
+            kept = [i for i, h in enumerate(job.hashes) if h not in failed]
+            slots, ids = [slots[i] for i in kept], [ids[i] for i in kept]
         if not slots:
             self._copied_out(job, None)
         elif self.state is Lifecycle.CLOSED:
