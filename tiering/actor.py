@@ -25,7 +25,7 @@ import functools
 import logging
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -460,6 +460,17 @@ class TierActor(SecondaryTierManager):
     def storing(self, key: OffloadKey) -> bool:
         """True while ``key`` is in a store job of this tier without a result yet."""
         return key in self._storing
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> bool:
+        """Run ``coro`` as a background task of this tier's task group (it is cancelled
+        when the tier closes). Returns False, and closes ``coro``, when the tier is not
+        serving."""
+        task_group = self._task_group
+        if task_group is None or self._state is not Lifecycle.OPEN:
+            coro.close()
+            return False
+        task_group.create_task(coro, name=f"{self._name()}-{name}")
+        return True
 
     # -- blocking work ----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ _BUILTINS: dict[str, str] = {
     "memory": "backends.memory:MemoryTier",
     "nvme": "backends.nvme_segment_tier:NVMeSegmentTier",
     "nvme-files": "backends.nvme:NVMeFileTier",
+    "redis": "backends.redis:RedisTier",
 }
 _REGISTERED: dict[str, TierFactory] = {}
 

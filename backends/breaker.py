@@ -1,0 +1,105 @@
+"""A circuit breaker for a remote tier, sans-I/O: it decides, the tier does the calls.
+
+Closed, calls go through. After ``failures`` connection failures in a row it opens:
+calls are refused at once (the tier answers misses and fails stores fast instead of
+stalling the engine on a dead server). Once ``backoff_s`` has passed it lets one probe
+through (half-open); a success closes it, a failure opens it again for twice as long,
+up to ``max_backoff_s``. The clock is injected, so tests step it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int, seconds
+
+
+class BreakerState(Enum):
+    """Where a :class:`CircuitBreaker` is."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CircuitBreaker:
+    """Counts connection failures and says whether the next call may go.
+
+    Guarantees: while open, :meth:`allow` is False until the back-off has passed, then
+    True for exactly one probe at a time; :meth:`succeeded` closes it and resets the
+    back-off; :meth:`failed` during a probe reopens it with the back-off doubled.
+
+    Raises (constructor): InvalidArgumentError for a bad option, naming it.
+    """
+
+    def __init__(
+        self,
+        *,
+        failures: int = 3,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failures = positive_int("breaker_failures", failures)
+        self.backoff_s = seconds("breaker_backoff_s", backoff_s, allow_zero=False)
+        self.max_backoff_s = seconds("breaker_max_backoff_s", max_backoff_s, allow_zero=False)
+        if self.max_backoff_s < self.backoff_s:
+            raise InvalidArgumentError(
+                f"breaker_max_backoff_s ({max_backoff_s!r}) is below breaker_backoff_s "
+                f"({backoff_s!r})"
+            )
+        self._clock = clock
+        self._state = BreakerState.CLOSED
+        self._in_a_row = 0
+        self._current_backoff = self.backoff_s
+        self._retry_at = 0.0
+        self.opened = 0
+        """Times it has opened."""
+
+    @property
+    def state(self) -> BreakerState:
+        """Closed, open, or half-open (a probe is out); an open breaker whose back-off
+        has passed still reads open until :meth:`allow` lets the probe go."""
+        return self._state
+
+    def allow(self) -> bool:
+        """True if a call may go now (closed, or the one probe of a half-open breaker)."""
+        if self._state is BreakerState.CLOSED:
+            return True
+        if self._state is BreakerState.OPEN and self._clock() >= self._retry_at:
+            self._state = BreakerState.HALF_OPEN
+            return True
+        return False
+
+    def succeeded(self) -> None:
+        """A call reached the server: close, and forget earlier failures."""
+        self._state = BreakerState.CLOSED
+        self._in_a_row = 0
+        self._current_backoff = self.backoff_s
+
+    def failed(self) -> None:
+        """A call could not reach the server (refused, reset, timed out)."""
+        if self._state is BreakerState.HALF_OPEN:
+            self._current_backoff = min(self.max_backoff_s, self._current_backoff * 2)
+            self._open()
+            return
+        self._in_a_row += 1
+        if self._state is BreakerState.CLOSED and self._in_a_row >= self.failures:
+            self._open()
+
+    def _open(self) -> None:
+        self._state = BreakerState.OPEN
+        self._retry_at = self._clock() + self._current_backoff
+        self.opened += 1
+
+    def __repr__(self) -> str:
+        return f"<CircuitBreaker {self._state}, {self._in_a_row} failures in a row>"
+
+
+__all__ = ["BreakerState", "CircuitBreaker"]

@@ -1,0 +1,431 @@
+"""A remote tier on Redis or Valkey: one cache shared by every serving machine.
+
+Each block is one Redis hash under one key, so its header and payload live in one slot
+of a Redis Cluster too::
+
+    key:    b"kvt:" + namespace digest (hex) + b":" + tenant + b":" + block hash
+    fields: b"h" -> a compact header (magic, version, payload length, payload checksum,
+                   namespace digest, the key), b"p" -> the payload bytes
+
+The header carries what :mod:`backends.nvme_format` carries for a block file, without
+the page padding (Redis needs no aligned offsets). A load verifies the header (magic,
+namespace, key, length) and the payload's checksum before the CPU slot counts as
+loaded; a value that fails is a failed key and is deleted, never served.
+
+``lookup`` is synchronous and never waits on the network: it answers from a bounded
+presence cache (present answers kept ``presence_ttl_s``, absent ones ``absence_ttl_s``)
+and, for a key it has no fresh answer for, returns None ("ask again") and queues the
+key for a batched check: one pipelined round trip of ``EXISTS`` for every key queued
+meanwhile. A block another machine stored is therefore found one step later.
+
+Every call has a timeout. After ``breaker_failures`` connection failures in a row a
+:class:`~backends.breaker.CircuitBreaker` opens: lookups answer False, stores and loads
+fail at once, and a probe goes through after a back-off; the tier recovers by itself
+when the server is back. Redis going away never takes the engine down.
+
+Capacity is Redis's own: configure ``maxmemory`` with ``maxmemory-policy allkeys-lru``
+on the server; ``ttl_s`` (optional) expires blocks after that many seconds. A block
+evicted by the server between a lookup and a load is a failed key.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import xxhash
+
+from backends.breaker import BreakerState, CircuitBreaker
+from backends.nvme_format import check_key, namespace_digest, payload_checksum
+from tiering.actor import ACTOR_OPTIONS, TierActor
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
+from tiering.validation import positive_int, seconds
+
+try:
+    import redis.asyncio as aioredis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import RedisError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+except ImportError as exc:  # pragma: no cover - exercised only without redis-py
+    raise ImportError(
+        "the redis tier needs redis-py (pip install 'kv-tiering[redis]'); "
+        f"importing it failed: {type(exc).__name__}: {exc}"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVTRDS\r\n"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<8sHxxQ16s16sH")  # magic, version, payload length, checksum, ns, key len
+_TRAILER = struct.Struct("<Q")  # xxh3_64 of everything before it
+
+HEADER_FIELD = b"h"
+PAYLOAD_FIELD = b"p"
+
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+_CHECK_BATCH = 1000  # keys per EXISTS pipeline
+
+
+def encode_header(*, key: bytes, payload_bytes: int, checksum: bytes, ns_digest: bytes) -> bytes:
+    """The compact header of one block value."""
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, payload_bytes, checksum, ns_digest, len(key))
+    body = fixed + key
+    return body + _TRAILER.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def check_value(
+    header: bytes, payload: bytes, *, key: bytes, payload_bytes: int, ns_digest: bytes
+) -> None:
+    """Verify one block value read back (call it off the loop: it hashes the payload).
+
+    Raises:
+        CorruptBlockError: the header is damaged or of another format, names another
+            namespace, key or length, or the payload's checksum differs. The message
+            says which.
+    """
+    if len(header) < _FIXED.size + _TRAILER.size:
+        raise CorruptBlockError(f"header is {len(header)} bytes")
+    body, (stored,) = header[: -_TRAILER.size], _TRAILER.unpack(header[-_TRAILER.size :])
+    if xxhash.xxh3_64_intdigest(body) != stored:
+        raise CorruptBlockError("header checksum mismatch")
+    magic, version, length, checksum, ns, key_len = _FIXED.unpack_from(body, 0)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptBlockError("not a block value of this format")
+    if ns != ns_digest:
+        raise CorruptBlockError("block belongs to another namespace")
+    if body[_FIXED.size :] != key or key_len != len(key):
+        raise CorruptBlockError("block holds another key")
+    if length != payload_bytes or len(payload) != payload_bytes:
+        raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {payload_bytes}")
+    if payload_checksum(payload) != checksum:
+        raise CorruptBlockError("payload checksum mismatch")
+
+
+class RedisTier(TierActor):
+    """A secondary tier on a Redis (or Valkey) server, shared by many engines.
+
+    Args:
+        primary_kv_view, block_bytes: as every tier.
+        url: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
+            ``unix://``; never logged or shown.
+        namespace: what the blocks' bytes mean (the engine passes its cache identity);
+            two namespaces on one server never see each other's blocks.
+        tenant: an optional prefix that isolates tenants sharing a namespace.
+        timeout_s: the limit of every call to the server.
+        max_connections: the connection pool's bound.
+        ttl_s: expire stored blocks after this many seconds (None: never).
+        presence_ttl_s, absence_ttl_s: how long a lookup trusts a present / absent
+            answer; presence_entries bounds the presence cache.
+        breaker_failures, breaker_backoff_s, breaker_max_backoff_s: see
+            :class:`~backends.breaker.CircuitBreaker`.
+        inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
+
+    Guarantees: a load serves a block only if its header and checksum verify; a
+    connection failure fails the job's keys (never the engine); ``lookup`` never blocks.
+
+    Raises (constructor): InvalidArgumentError for a bad option, naming it and its value
+    (the url is named without its value, which may hold a password).
+    """
+
+    def __init__(
+        self,
+        primary_kv_view: memoryview,
+        block_bytes: int,
+        *,
+        url: str,
+        namespace: str,
+        tenant: str = "",
+        timeout_s: float = 5.0,
+        max_connections: int = 32,
+        ttl_s: float | None = None,
+        presence_ttl_s: float = 30.0,
+        absence_ttl_s: float = 1.0,
+        presence_entries: int = 1 << 20,
+        breaker_failures: int = 3,
+        breaker_backoff_s: float = 1.0,
+        breaker_max_backoff_s: float = 30.0,
+        **actor_kwargs: Any,
+    ) -> None:
+        unknown = set(actor_kwargs) - ACTOR_OPTIONS
+        if unknown:
+            raise InvalidArgumentError(f"unknown redis tier option(s): {sorted(unknown)}")
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgumentError(
+                "url must be a redis://, rediss:// or unix:// URL (value not shown: it may "
+                "hold a password)"
+            )
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidArgumentError(f"namespace must be a non-empty str, got {namespace!r}")
+        if not isinstance(tenant, str) or ":" in tenant:
+            raise InvalidArgumentError(f"tenant must be a str without ':', got {tenant!r}")
+        self.timeout_s = seconds("timeout_s", timeout_s, allow_zero=False)
+        self.max_connections = positive_int("max_connections", max_connections)
+        self.ttl_s = None if ttl_s is None else seconds("ttl_s", ttl_s, allow_zero=False)
+        self.presence_ttl_s = seconds("presence_ttl_s", presence_ttl_s, allow_zero=True)
+        self.absence_ttl_s = seconds("absence_ttl_s", absence_ttl_s, allow_zero=True)
+        self.presence_entries = positive_int("presence_entries", presence_entries)
+        self.breaker = CircuitBreaker(
+            failures=breaker_failures,
+            backoff_s=breaker_backoff_s,
+            max_backoff_s=breaker_max_backoff_s,
+        )
+        super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
+        self.namespace = namespace
+        self.tenant = tenant
+        self._ns_digest = namespace_digest(namespace)
+        self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + tenant.encode() + b":"
+        self._url = url
+        self._client: aioredis.Redis | None = None
+        # key -> (present, trusted until): a bounded LRU of recent answers
+        self._presence: OrderedDict[OffloadKey, tuple[bool, float]] = OrderedDict()
+        self._to_check: dict[OffloadKey, None] = {}  # queued for the next batched check
+        self._in_check: set[OffloadKey] = set()  # in the check on the wire now
+        self._checking = False
+        self._counters = {
+            "stored_blocks": 0,
+            "loaded_blocks": 0,
+            "corrupt_blocks": 0,
+            "missing_blocks": 0,
+            "unreachable_calls": 0,
+            "lookup_round_trips": 0,
+        }
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect (a server that does not answer opens the breaker; it is not fatal)
+        and start serving."""
+        if self._client is None:
+            self._client = aioredis.Redis.from_url(
+                self._url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                max_connections=self.max_connections,
+                decode_responses=False,
+            )
+        await super().start()
+        try:
+            await self._client.ping()
+            self.breaker.succeeded()
+        except _UNREACHABLE as exc:
+            self._unreachable("ping", exc)
+
+    async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
+        await super().aclose(timeout)
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    # -- queries ----------------------------------------------------------------------
+
+    @staticmethod
+    def get_tier_type() -> str:
+        return "redis"
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
+        """True/False from a fresh cached answer; otherwise None (ask again), and the
+        key is checked in the next batched round trip. False while the breaker is open.
+
+        Raises:
+            InvalidArgumentError: ``key`` is not bytes.
+        """
+        if not isinstance(key, bytes):
+            raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
+        if self.storing(key):
+            return None
+        entry = self._presence.get(key)
+        if entry is not None and entry[1] > time.monotonic():
+            return entry[0]
+        if self.breaker.state is not BreakerState.CLOSED or self.closed:
+            return False
+        if key not in self._in_check:
+            self._to_check[key] = None
+            self._schedule_check()
+        return None
+
+    def get_num_blocks(self) -> int:
+        """Blocks this tier knows to be on the server (its presence cache); the server
+        may hold more, stored by other engines."""
+        return sum(1 for present, _ in self._presence.values() if present)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
+        """Nothing to do: the server keeps its own recency (``allkeys-lru``)."""
+
+    def _usage(self) -> dict[str, Any]:
+        return {
+            "used_blocks": self.get_num_blocks(),
+            "counters": dict(self._counters),
+            "failures": {},
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<RedisTier {self.namespace!r} tenant={self.tenant!r} breaker={self.breaker.state}"
+            f" {self.statistics()!r}>"
+        )
+
+    # -- hooks ------------------------------------------------------------------------
+
+    async def _do_store(self, job: JobMetadata) -> JobResult:
+        keys = list(job.keys)
+        client = self._client
+        if client is None or not self.breaker.allow():
+            return self._refused(job, keys)
+        headers = await self.run_blocking(self._headers, keys, list(job.block_ids))
+        slot = self.slot
+        pipe = client.pipeline(transaction=False)
+        for key, block_id, header in zip(keys, job.block_ids, headers, strict=True):
+            name = self._name_of(key)
+            pipe.hset(name, mapping={HEADER_FIELD: header, PAYLOAD_FIELD: slot(block_id)})
+            if self.ttl_s is not None:
+                pipe.expire(name, max(1, round(self.ttl_s)))
+        try:
+            await pipe.execute()
+        except _UNREACHABLE as exc:
+            self._unreachable("store", exc)
+            return JobResult(job.job_id, False, tuple(keys), f"redis unreachable: {exc}")
+        except RedisError as exc:
+            return JobResult(job.job_id, False, tuple(keys), f"redis refused the store: {exc}")
+        self.breaker.succeeded()
+        for key in keys:
+            self._remember(key, True)
+        self._counters["stored_blocks"] += len(keys)
+        return JobResult(job.job_id, True)
+
+    async def _do_load(self, job: JobMetadata) -> JobResult:
+        keys = list(job.keys)
+        client = self._client
+        if client is None or not self.breaker.allow():
+            return self._refused(job, keys)
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(self._name_of(key), [HEADER_FIELD, PAYLOAD_FIELD])
+        try:
+            values = await pipe.execute()
+        except _UNREACHABLE as exc:
+            self._unreachable("load", exc)
+            return JobResult(job.job_id, False, tuple(keys), f"redis unreachable: {exc}")
+        self.breaker.succeeded()
+        reasons = await self.run_blocking(self._verify_and_copy, keys, list(job.block_ids), values)
+        failed = {key: why for key, why in zip(keys, reasons, strict=True) if why}
+        corrupt = [key for key, why in failed.items() if why.startswith("corrupt")]
+        for key in keys:
+            self._remember(key, key not in failed)
+        self._counters["loaded_blocks"] += len(keys) - len(failed)
+        self._counters["corrupt_blocks"] += len(corrupt)
+        self._counters["missing_blocks"] += len(failed) - len(corrupt)
+        if corrupt:
+            try:
+                await client.delete(*(self._name_of(key) for key in corrupt))
+            except RedisError as exc:
+                logger.debug("redis tier: deleting corrupt blocks failed: %r", exc)
+        if not failed:
+            return JobResult(job.job_id, True)
+        first = next(iter(failed.values()))
+        return JobResult(job.job_id, False, tuple(failed), f"{len(failed)} keys failed: {first}")
+
+    # -- worker thread: one hop per job -------------------------------------------------
+
+    def _headers(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> list[bytes]:
+        slot, ns, size = self.slot, self._ns_digest, self.block_bytes
+        return [
+            encode_header(
+                key=check_key(key),
+                payload_bytes=size,
+                checksum=payload_checksum(slot(block_id)),
+                ns_digest=ns,
+            )
+            for key, block_id in zip(keys, block_ids, strict=True)
+        ]
+
+    def _verify_and_copy(
+        self, keys: Sequence[bytes], block_ids: Sequence[int], values: Sequence[Any]
+    ) -> list[str]:
+        """Verify each value and copy the good ones into their slots; the reason each
+        key failed ("" for the ones that landed)."""
+        reasons = []
+        for key, block_id, value in zip(keys, block_ids, values, strict=True):
+            header, payload = value if value else (None, None)
+            if header is None or payload is None:
+                reasons.append("not in the redis tier")
+                continue
+            try:
+                check_value(
+                    header,
+                    payload,
+                    key=key,
+                    payload_bytes=self.block_bytes,
+                    ns_digest=self._ns_digest,
+                )
+            except CorruptBlockError as exc:
+                reasons.append(f"corrupt block: {exc}")
+                continue
+            self.slot(block_id)[:] = payload
+            reasons.append("")
+        return reasons
+
+    # -- internals --------------------------------------------------------------------
+
+    def _name_of(self, key: bytes) -> bytes:
+        return self._prefix + key
+
+    def _remember(self, key: OffloadKey, present: bool) -> None:
+        ttl = self.presence_ttl_s if present else self.absence_ttl_s
+        presence = self._presence
+        presence[key] = (present, time.monotonic() + ttl)
+        presence.move_to_end(key)
+        if len(presence) > self.presence_entries:
+            presence.popitem(last=False)
+
+    def _schedule_check(self) -> None:
+        if not self._checking:
+            self._checking = self.spawn(self._check_presence(), name="presence-check")
+
+    async def _check_presence(self) -> None:
+        """Check every queued key, in pipelined batches (one round trip each)."""
+        try:
+            while self._to_check and self._client is not None and self.breaker.allow():
+                batch = list(self._to_check)[:_CHECK_BATCH]
+                for key in batch:
+                    del self._to_check[key]
+                self._in_check.update(batch)
+                pipe = self._client.pipeline(transaction=False)
+                for key in batch:
+                    pipe.exists(self._name_of(key))
+                try:
+                    found = await pipe.execute()
+                except _UNREACHABLE as exc:
+                    self._unreachable("lookup", exc)
+                    return
+                except RedisError as exc:
+                    logger.debug("redis tier: presence check refused: %r", exc)
+                    return
+                self.breaker.succeeded()
+                self._counters["lookup_round_trips"] += 1
+                for key, count in zip(batch, found, strict=True):
+                    self._remember(key, bool(count))
+                self._in_check.clear()
+        finally:
+            self._checking = False
+            self._in_check.clear()
+            if self.breaker.state is not BreakerState.CLOSED:
+                self._to_check.clear()  # lookups answer False until the server is back
+
+    def _refused(self, job: JobMetadata, keys: list[bytes]) -> JobResult:
+        self._failures.record("redis unreachable (circuit open)", len(keys))
+        return JobResult(
+            job.job_id, False, tuple(keys), "redis unreachable: circuit open, retrying later"
+        )
+
+    def _unreachable(self, what: str, exc: BaseException) -> None:
+        self._counters["unreachable_calls"] += 1
+        self.breaker.failed()
+        self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
+
+
+__all__ = ["RedisTier", "check_value", "encode_header"]

@@ -1,0 +1,78 @@
+"""The circuit breaker of remote tiers (``backends.breaker``), with a stepped clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.breaker import BreakerState, CircuitBreaker
+from tiering.errors import InvalidArgumentError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker(clock: Clock, **options: float) -> CircuitBreaker:
+    return CircuitBreaker(clock=clock, **{"failures": 2, "backoff_s": 1.0, **options})
+
+
+def test_it_opens_after_failures_in_a_row_and_refuses_until_the_back_off() -> None:
+    clock = Clock()
+    b = breaker(clock)
+    b.failed()
+    assert b.allow() and b.state is BreakerState.CLOSED
+    b.failed()
+    assert b.state is BreakerState.OPEN and not b.allow()
+    clock.now += 0.99
+    assert not b.allow()
+
+
+def test_a_success_between_failures_resets_the_count() -> None:
+    b = breaker(Clock())
+    b.failed()
+    b.succeeded()
+    b.failed()
+    assert b.state is BreakerState.CLOSED
+
+
+def test_after_the_back_off_one_probe_goes_and_its_success_closes_it() -> None:
+    clock = Clock()
+    b = breaker(clock)
+    b.failed()
+    b.failed()
+    clock.now += 1.0
+    assert b.allow() and b.state is BreakerState.HALF_OPEN
+    assert not b.allow()  # one probe at a time
+    b.succeeded()
+    assert b.state is BreakerState.CLOSED and b.allow()
+
+
+def test_a_failed_probe_reopens_it_for_twice_as_long_up_to_the_cap() -> None:
+    clock = Clock()
+    b = breaker(clock, max_backoff_s=3.0)
+    b.failed()
+    b.failed()
+    for wait in (1.0, 2.0, 3.0, 3.0):  # doubled each time, capped
+        clock.now += wait - 0.01
+        assert not b.allow()
+        clock.now += 0.01
+        assert b.allow()
+        b.failed()
+    assert b.opened == 5
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"failures": 0}, "breaker_failures"),
+        ({"backoff_s": 0}, "breaker_backoff_s"),
+        ({"backoff_s": 5.0, "max_backoff_s": 1.0}, "breaker_max_backoff_s"),
+    ],
+)
+def test_a_bad_option_is_named(options: dict, named: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=named):
+        CircuitBreaker(**options)

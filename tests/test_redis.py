@@ -1,0 +1,172 @@
+"""The Redis tier against a real redis-server (``backends.redis``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from tests._nvme_helpers import load_job, random_pool, store_job
+from tests._redis_helpers import RedisServer
+from tiering import TieringEngine
+from tiering.errors import InvalidArgumentError
+from tiering.registry import make_tier
+
+BLOCK = 16 << 10
+SLOTS = 32
+
+
+@pytest.fixture
+def pool():
+    with random_pool(BLOCK, SLOTS) as view:
+        yield view
+
+
+@asynccontextmanager
+async def opened(pool: memoryview, server: RedisServer, **options: Any) -> AsyncIterator[Any]:
+    spec = {"type": "redis", "url": server.url, "namespace": "model-a", **options}
+    tier = make_tier(spec, pool, BLOCK)
+    await tier.start()
+    try:
+        yield tier
+    finally:
+        await tier.aclose()
+
+
+def keys(n: int, prefix: str = "k") -> list[bytes]:
+    return [f"{prefix}{i}".encode().ljust(32, b".") for i in range(n)]
+
+
+def slot(pool: memoryview, i: int) -> bytes:
+    return bytes(pool[i * BLOCK : (i + 1) * BLOCK])
+
+
+async def settled(answer: Callable[[], object], bound_s: float = 10.0) -> object:
+    """Ask until the answer is not None ("ask again"), as a scheduler does each step."""
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while (value := answer()) is None:
+        assert asyncio.get_running_loop().time() < deadline, "the lookup never settled"
+        await asyncio.sleep(0.005)
+    return value
+
+
+async def test_store_then_load_is_byte_exact(pool: memoryview, redis_server: RedisServer) -> None:
+    names = keys(4)
+    expected = [slot(pool, i) for i in range(4)]
+    async with opened(pool, redis_server) as tier:
+        assert (await store_job(tier, names, range(4))).success
+        assert (await load_job(tier, names, range(10, 14))).success
+    assert [slot(pool, i) for i in range(10, 14)] == expected
+
+
+async def test_a_lookup_never_waits_and_settles_after_one_batched_check(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(1000)
+    async with opened(pool, redis_server) as writer:
+        assert (await store_job(writer, names[:2], [0, 1])).success
+    redis_server.command("CONFIG", "RESETSTAT")
+    async with opened(pool, redis_server) as reader:  # a fresh cache: it knows nothing
+        assert all(reader.lookup(k) is None for k in names)  # queued, no waiting
+        answers = [await settled(lambda k=k: reader.lookup(k)) for k in names]
+        assert answers == [True, True] + [False] * 998
+        assert reader.statistics().counters["lookup_round_trips"] == 1
+    assert redis_server.command("INFO", "commandstats")["cmdstat_exists"]["calls"] == 1000
+
+
+async def test_another_engine_on_the_server_sees_the_blocks(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(3)
+    expected = [slot(pool, i) for i in range(3)]
+    async with opened(pool, redis_server) as first, opened(pool, redis_server) as second:
+        assert (await store_job(first, names, range(3))).success
+        assert [await settled(lambda k=k: second.lookup(k)) for k in names] == [True] * 3
+        assert (await load_job(second, names, range(20, 23))).success
+    assert [slot(pool, i) for i in range(20, 23)] == expected
+
+
+@pytest.mark.parametrize("other", [{"namespace": "model-b"}, {"tenant": "team-2"}])
+async def test_namespaces_and_tenants_never_see_each_others_blocks(
+    pool: memoryview, redis_server: RedisServer, other: dict
+) -> None:
+    names = keys(2)
+    async with opened(pool, redis_server) as mine, opened(pool, redis_server, **other) as theirs:
+        assert (await store_job(mine, names, [0, 1])).success
+        assert [await settled(lambda k=k: theirs.lookup(k)) for k in names] == [False, False]
+        result = await load_job(theirs, names, [5, 6])
+        assert not result.success and set(result.failed_keys) == set(names)
+
+
+async def test_a_corrupted_value_is_a_failed_key_never_served(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(2)
+    async with opened(pool, redis_server) as tier:
+        assert (await store_job(tier, names, [0, 1])).success
+        [name] = [n for n in redis_server.command("KEYS", "*") if n.endswith(names[1])]
+        redis_server.command("HSET", name, "p", os.urandom(BLOCK))  # same length, other bytes
+        pool[8 * BLOCK : 9 * BLOCK] = bytes(BLOCK)
+        result = await load_job(tier, names, [7, 8])
+        assert result.failed_keys == (names[1],) and "checksum" in str(result.error)
+        assert slot(pool, 7) == slot(pool, 0)
+        assert tier.statistics().counters["corrupt_blocks"] == 1
+        assert redis_server.command("EXISTS", name) == 0  # deleted, not served again
+        assert tier.lookup(names[1]) is False
+
+
+async def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(2)
+    options = {"timeout_s": 0.5, "breaker_failures": 1, "breaker_backoff_s": 0.05}
+    async with opened(pool, redis_server, **options) as tier:
+        assert (await store_job(tier, names[:1], [0])).success
+        redis_server.kill()
+        failed = await store_job(tier, names[1:], [1])
+        assert not failed.success and "unreachable" in str(failed.error)
+        assert str(tier.breaker.state) == "open"
+        refused = await load_job(tier, names[:1], [2])  # fails at once: no call is made
+        assert not refused.success
+        assert tier.lookup(names[1]) is False
+        redis_server.start()  # same port: the server is back (empty, no persistence)
+        await asyncio.sleep(0.1)  # past the back-off: the next call is the probe
+        assert (await store_job(tier, names[1:], [1])).success
+        assert str(tier.breaker.state) == "closed"
+
+
+async def test_blocks_evicted_from_cpu_come_back_from_redis_through_the_engine(
+    redis_server: RedisServer,
+) -> None:
+    kv = torch.randn(16, 4, 64).half()  # 16 device blocks of 512 bytes
+    tiers = [{"type": "redis", "url": redis_server.url}]
+    async with TieringEngine(kv, 4, secondary_tiers=tiers, cache_identity="redis-test") as engine:
+        first, second = [b"a%d" % i for i in range(4)], [b"b%d" % i for i in range(4)]
+        for hashes, blocks in ((first, [0, 1, 2, 3]), (second, [4, 5, 6, 7])):
+            job = engine.store(hashes, blocks)
+            assert (await job).success and await job.cascaded  # write-through: in redis
+        assert engine.lookup(first) == 4  # evicted from the CPU tier, held by redis
+        assert (await engine.load(first, [8, 9, 10, 11])).success
+    assert torch.equal(kv[0:4], kv[8:12])
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"url": "http://user:secret@host"}, "url"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"tenant": "a:b"}, "tenant"),
+        ({"breaker_failures": 0}, "breaker_failures"),
+        ({"presence_entries": -1}, "presence_entries"),
+    ],
+)
+def test_a_bad_option_is_a_clear_error(pool: memoryview, options: dict, named: str) -> None:
+    spec = {"type": "redis", "url": "redis://127.0.0.1:1/0", "namespace": "x", **options}
+    with pytest.raises(InvalidArgumentError, match=named) as raised:
+        make_tier(spec, pool, BLOCK)
+    assert "secret" not in str(raised.value)  # a password in the url is never shown
