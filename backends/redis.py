@@ -48,8 +48,8 @@ from tiering.validation import positive_int, seconds
 
 try:
     import redis.asyncio as aioredis
+    from redis.exceptions import AuthenticationError, RedisError
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import RedisError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without redis-py
     raise ImportError(
@@ -198,8 +198,14 @@ class RedisTier(TierActor):
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect (a server that does not answer opens the breaker; it is not fatal)
-        and start serving."""
+        """Connect and start serving. A server that does not answer only opens the
+        breaker (the tier recovers when it comes); one that refuses the credentials is
+        an error, since no call would ever succeed.
+
+        Raises:
+            InvalidArgumentError: the server refused the url's credentials (the message
+                quotes the server, never the password); nothing is left running.
+        """
         if self._client is None:
             self._client = aioredis.Redis.from_url(
                 self._url,
@@ -208,12 +214,18 @@ class RedisTier(TierActor):
                 max_connections=self.max_connections,
                 decode_responses=False,
             )
-        await super().start()
         try:
             await self._client.ping()
             self.breaker.succeeded()
+        except AuthenticationError as exc:
+            client, self._client = self._client, None
+            await client.aclose()
+            raise InvalidArgumentError(
+                f"url: the redis server refused its credentials ({exc})"
+            ) from None
         except _UNREACHABLE as exc:
             self._unreachable("ping", exc)
+        await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
         await super().aclose(timeout)

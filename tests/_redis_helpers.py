@@ -58,7 +58,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    if sock.recv(64):  # +PONG, or -NOAUTH with requirepass: it is up
                         return
             except OSError:
                 time.sleep(0.02)

@@ -155,6 +155,28 @@ async def test_blocks_evicted_from_cpu_come_back_from_redis_through_the_engine(
     assert torch.equal(kv[0:4], kv[8:12])
 
 
+@pytest.mark.parametrize("credentials", ["", ":wrong-pw-7f3a@"])
+async def test_refused_credentials_fail_the_start_without_showing_them(
+    pool: memoryview, tmp_path, credentials: str
+) -> None:
+    server = RedisServer(tmp_path, "--requirepass", "right-pw-9c1e")
+    server.start()
+    try:
+        url = server.url.replace("redis://", f"redis://{credentials}")
+        tier = make_tier({"type": "redis", "url": url, "namespace": "x"}, pool, BLOCK)
+        with pytest.raises(InvalidArgumentError, match="refused its credentials") as raised:
+            await tier.start()
+        assert "pw-" not in str(raised.value) and "pw-" not in repr(tier)
+        assert tier.state.name == "NEW"  # nothing started
+        right = server.url.replace("redis://", "redis://:right-pw-9c1e@")
+        async with opened(pool, server, url=right) as authed:
+            assert (await store_job(authed, keys(1), [0])).success
+            assert (await load_job(authed, keys(1), [1])).success
+        assert slot(pool, 1) == slot(pool, 0)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
