@@ -34,10 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def redis_server(tmp_path):
-    """A real redis-server on a free loopback port (see tests/_redis_helpers.py)."""
-    from tests._redis_helpers import RedisServer
+    """A real redis-server on a free loopback port, stopped after the test."""
+    from tests._redis_helpers import local_redis_server
 
-    server = RedisServer(tmp_path)
-    server.start()
+    server = local_redis_server(tmp_path)
     yield server
     server.stop()

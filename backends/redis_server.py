@@ -1,0 +1,87 @@
+"""A local ``redis-server`` for tests and benchmarks: started on a free loopback port in
+a directory of the caller's, stopped (or killed, and started again on the same port).
+
+Not for production: it runs without persistence and binds to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SERVER = shutil.which("redis-server")
+"""The ``redis-server`` binary on the PATH, or None."""
+_START_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalRedisServer:
+    """One ``redis-server`` process; ``url`` stays the same across restarts.
+
+    Raises (constructor): FileNotFoundError if ``redis-server`` is not installed.
+    """
+
+    def __init__(self, directory: Path, *args: str) -> None:
+        if SERVER is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        self.directory = directory
+        self.port = _free_port()
+        self.args = args
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start it and wait until it answers.
+
+        Raises:
+            RuntimeError: it did not answer within 10 s.
+        """
+        self._process = subprocess.Popen(
+            [SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.directory), *self.args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + _START_S
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64):  # +PONG, or -NOAUTH with requirepass: it is up
+                        return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def kill(self) -> None:
+        """Stop it at once (SIGKILL), as a crashed server."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL after 5 s); idempotent."""
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+
+    def command(self, *args: str | bytes) -> object:
+        """Run one command on the server with a plain synchronous client."""
+        import redis
+
+        with redis.Redis.from_url(self.url) as client:
+            return client.execute_command(*args)
