@@ -62,6 +62,8 @@ def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         ("driver.py", ["--device", "tpu"], "--device"),
         ("bench_vllm_tiers.py", ["--block-sizes", "1000"], "--block-sizes"),
         ("vllm_config.py", ["relative/root"], "root"),
+        ("bench_redis.py", ["http://localhost:6379"], "url"),
+        ("bench_redis.py", ["--job-blocks", "0"], "--job-blocks"),
         ("vllm_config.py", ["/kv", "--nvme-capacity", "lots"], "--nvme-capacity"),
     ],
 )
@@ -86,6 +88,7 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
         ("driver.py", ["default: cuda if available"]),
         ("bench_vllm_tiers.py", ["(default: 2M,128K)", "(default: none)", "(default: 5.0)"]),
         ("vllm_config.py", ["(default: 100G)", "(default: 16G)", "(default: batch)"]),
+        ("bench_redis.py", ["(default: 2M)", "(default: 256)", "(default: 4)"]),
     ],
 )
 def test_help_shows_defaults(script: str, defaults: list[str]) -> None:

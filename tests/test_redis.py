@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -170,7 +174,7 @@ async def test_refused_credentials_fail_the_start_without_showing_them(
         with pytest.raises(InvalidArgumentError, match="refused its credentials") as raised:
             await tier.start()
         assert "pw-" not in str(raised.value) and "pw-" not in repr(tier)
-        assert tier.state.name == "NEW"  # nothing started
+        assert tier.state.name == "CLOSED"  # nothing left running
         right = server.url.replace("redis://", "redis://:right-pw-9c1e@")
         async with opened(pool, server, url=right) as authed:
             assert (await store_job(authed, keys(1), [0])).success
@@ -178,6 +182,24 @@ async def test_refused_credentials_fail_the_start_without_showing_them(
         assert slot(pool, 1) == slot(pool, 0)
     finally:
         server.stop()
+
+
+def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
+    redis_server: RedisServer,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "examples/bench_redis.py", redis_server.url, "--size-mib", "2",
+         "--block-sizes", "64K", "--repeat", "1"],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    assert run["block_bytes"] == 64 << 10
+    for figure in ("store_GBps", "load_GBps", "baseline_store_GBps", "baseline_load_GBps"):
+        assert run[figure] > 0
+    assert run["loop_lag_p99_ms"] >= 0
+    assert redis_server.command("DBSIZE") == 0  # it cleans up after itself
 
 
 @pytest.mark.parametrize(

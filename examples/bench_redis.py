@@ -1,0 +1,249 @@
+"""Benchmark the Redis tier against a plain pipelined redis-py loop on the same server.
+
+Usage::
+
+    python examples/bench_redis.py [URL] [--block-sizes 2M] [--size-mib 256]
+
+Without URL it starts its own ``redis-server`` on a free loopback port (no persistence)
+and stops it at the end. For each block size, ``--repeat`` rounds, the baseline and the
+tier alternating (which goes first alternates too), each on an emptied database:
+
+* baseline: redis-py's asyncio client, ``--concurrency`` pipelines at a time, each
+  ``SET``-ing (then ``GET``-ting) ``--job-blocks`` values of the block size, sent from
+  memoryviews of one buffer (no copies on the client side either);
+* tier: :class:`backends.redis.RedisTier` store jobs of ``--job-blocks`` keys from a
+  host-pool-like buffer (``--concurrency`` running at once), then load jobs of them back
+  into other slots, every load verified (header and checksum) by the tier, and one
+  block in 16 compared byte for byte by the benchmark. The event loop's lag is sampled
+  while the tier runs.
+
+Figures are medians over the rounds. The last line of output is one JSON object::
+
+    {"runs": [{"block_bytes": ..., "store_GBps": ..., "load_GBps": ...,
+               "baseline_store_GBps": ..., "baseline_load_GBps": ...,
+               "store_ratio": ..., "load_ratio": ..., "loop_lag_p99_ms": ...}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from _cli import Progress, make_parser, positive_int, size_list
+
+from tiering.loop_lag import LoopLagMonitor
+from tiering.secondary import JobMetadata
+
+_job_ids = itertools.count(1)
+
+
+@dataclass
+class Round:
+    store_GBps: float
+    load_GBps: float
+    loop_lag_p99_ms: float = 0.0
+
+
+async def _in_batches(count: int, batch: int, concurrency: int, run) -> None:
+    """Run ``run(first, last)`` over ``range(count)`` in batches, ``concurrency`` at once."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(first: int) -> None:
+        async with limit:
+            await run(first, min(count, first + batch))
+
+    async with asyncio.TaskGroup() as group:
+        for first in range(0, count, batch):
+            group.create_task(one(first))
+
+
+async def baseline_round(url: str, view: memoryview, block: int, args: argparse.Namespace):
+    import redis.asyncio as aioredis
+
+    count = view.nbytes // block
+    names = [b"bench:%d" % i for i in range(count)]
+    client = aioredis.Redis.from_url(url, max_connections=args.concurrency + 1)
+    try:
+        await client.flushdb()
+
+        async def store(first: int, last: int) -> None:
+            pipe = client.pipeline(transaction=False)
+            for i in range(first, last):
+                pipe.set(names[i], view[i * block : (i + 1) * block])
+            await pipe.execute()
+
+        async def load(first: int, last: int) -> None:
+            pipe = client.pipeline(transaction=False)
+            for i in range(first, last):
+                pipe.get(names[i])
+            values = await pipe.execute()
+            if any(value is None or len(value) != block for value in values):
+                raise SystemExit("baseline: a value came back missing or short")
+
+        start = time.perf_counter()
+        await _in_batches(count, args.job_blocks, args.concurrency, store)
+        stored = time.perf_counter() - start
+        start = time.perf_counter()
+        await _in_batches(count, args.job_blocks, args.concurrency, load)
+        loaded = time.perf_counter() - start
+        await client.flushdb()
+    finally:
+        await client.aclose()
+    return Round(view.nbytes / stored / 1e9, view.nbytes / loaded / 1e9)
+
+
+async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Namespace):
+    from backends.redis import RedisTier
+
+    half = pool.nbytes // block // 2  # store from the first half, load into the second
+    tier = RedisTier(
+        pool,
+        block,
+        url=url,
+        namespace=f"bench-redis-{os.getpid()}",
+        max_inflight=args.concurrency,
+        max_connections=args.concurrency + 1,
+    )
+    keys = [b"block-%d" % i for i in range(half)]
+
+    async def job(kind: str, first: int, last: int) -> None:
+        slots = range(first, last) if kind == "store" else range(half + first, half + last)
+        meta = JobMetadata(next(_job_ids), keys[first:last], list(slots))
+        (tier.submit_store if kind == "store" else tier.submit_load)(meta)
+        result = await tier.result(meta.job_id)
+        if not result.success:
+            raise SystemExit(f"tier: a {kind} job failed: {result.error}")
+
+    await tier.start()
+    try:
+        async with LoopLagMonitor() as lag:
+            start = time.perf_counter()
+            await _in_batches(half, args.job_blocks, args.concurrency, partial(job, "store"))
+            stored = time.perf_counter() - start
+            start = time.perf_counter()
+            await _in_batches(half, args.job_blocks, args.concurrency, partial(job, "load"))
+            loaded = time.perf_counter() - start
+        for i in range(0, half, 16):
+            if (
+                pool[i * block : (i + 1) * block]
+                != pool[(half + i) * block : (half + i + 1) * block]
+            ):
+                raise SystemExit(f"tier: block {i} came back with other bytes")
+    finally:
+        await tier.aclose()
+    nbytes = half * block
+    return Round(nbytes / stored / 1e9, nbytes / loaded / 1e9, lag.p99_ms)
+
+
+async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
+    import redis.asyncio as aioredis
+
+    runs = []
+    for block in args.block_sizes:
+        count = max(1, (args.size_mib << 20) // block)
+        buffer = mmap.mmap(-1, 2 * count * block)
+        pool = memoryview(buffer)
+        pool[: count * block] = os.urandom(count * block)
+        rounds: dict[str, list[Round]] = {"baseline": [], "tier": []}
+        try:
+            for round_no in range(args.repeat):
+                order = ("baseline", "tier") if round_no % 2 == 0 else ("tier", "baseline")
+                for side in order:
+                    progress.update(f"{block >> 10} KiB round {round_no + 1}: {side}", force=True)
+                    if side == "baseline":
+                        result = await baseline_round(url, pool[: count * block], block, args)
+                    else:
+                        result = await tier_round(url, pool, block, args)
+                    rounds[side].append(result)
+                    progress.clear()
+                    print(
+                        f"{block >> 10} KiB round {round_no + 1}: {side} store "
+                        f"{result.store_GBps:.2f} GB/s, load {result.load_GBps:.2f} GB/s",
+                        file=sys.stderr,
+                    )
+        finally:
+            pool.release()
+            buffer.close()
+        client = aioredis.Redis.from_url(url)
+        try:
+            await client.flushdb()
+        finally:
+            await client.aclose()
+
+        def median(side: str, what: str, rounds: dict[str, list[Round]] = rounds) -> float:
+            return round(statistics.median(getattr(r, what) for r in rounds[side]), 3)
+
+        row = {
+            "block_bytes": block,
+            "store_GBps": median("tier", "store_GBps"),
+            "load_GBps": median("tier", "load_GBps"),
+            "baseline_store_GBps": median("baseline", "store_GBps"),
+            "baseline_load_GBps": median("baseline", "load_GBps"),
+            "loop_lag_p99_ms": round(max(r.loop_lag_p99_ms for r in rounds["tier"]), 3),
+        }
+        row["store_ratio"] = round(row["store_GBps"] / row["baseline_store_GBps"], 3)
+        row["load_ratio"] = round(row["load_GBps"] / row["baseline_load_GBps"], 3)
+        runs.append(row)
+        print(
+            f"{block >> 10} KiB blocks (medians of {args.repeat}): store {row['store_GBps']} vs "
+            f"{row['baseline_store_GBps']} GB/s ({row['store_ratio']}x), load "
+            f"{row['load_GBps']} vs {row['baseline_load_GBps']} GB/s ({row['load_ratio']}x); "
+            f"loop lag p99 (worst round) {row['loop_lag_p99_ms']} ms"
+        )
+    return runs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, fully checked: a bad value exits with status 2 naming it."""
+    parser = make_parser(__doc__)
+    parser.add_argument(
+        "url", nargs="?", help="redis:// URL of the server (default: start a local one)"
+    )
+    parser.add_argument("--block-sizes", type=size_list, default="2M", help="block sizes")
+    parser.add_argument("--size-mib", type=positive_int, default=256, help="data per round, MiB")
+    parser.add_argument("--job-blocks", type=positive_int, default=8, help="blocks per job")
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=4, help="jobs (and pipelines) at once"
+    )
+    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; medians reported")
+    args = parser.parse_args(argv)
+    if args.url is not None and not args.url.startswith(("redis://", "rediss://", "unix://")):
+        parser.error("argument url: must start with redis://, rediss:// or unix://")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench_redis needs redis-py: pip install 'kv-tiering[redis]'") from None
+    with Progress() as progress:
+        if args.url is not None:
+            runs = asyncio.run(run(args.url, args, progress))
+        else:
+            from backends.redis_server import LocalRedisServer
+
+            with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
+                server = LocalRedisServer(Path(directory))
+                server.start()
+                try:
+                    runs = asyncio.run(run(server.url, args, progress))
+                finally:
+                    server.stop()
+    print(json.dumps({"runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
