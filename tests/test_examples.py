@@ -11,7 +11,6 @@ import json
 import os
 import re
 import select
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +24,8 @@ TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 sys.path.insert(0, str(EXAMPLES))  # the scripts import their shared _cli module by name
 import _cli  # noqa: E402
 
+from tests._scripts import run_script  # noqa: E402
+
 
 def _script(name: str) -> ModuleType:
     """Import ``examples/<name>.py`` under a private module name (main() is not run)."""
@@ -37,17 +38,6 @@ def _script(name: str) -> ModuleType:
     sys.modules[module_name] = module  # dataclasses look their module up while building
     spec.loader.exec_module(module)
     return module
-
-
-def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 # -- each script, in a subprocess -----------------------------------------------------
@@ -68,7 +58,7 @@ def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str) -> None:
-    done = _run(f"examples/{script}", *args)
+    done = run_script(f"examples/{script}", *args)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert f"argument {named}:" in last
@@ -92,7 +82,7 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
     ],
 )
 def test_help_shows_defaults(script: str, defaults: list[str]) -> None:
-    done = _run(f"examples/{script}", "--help")
+    done = run_script(f"examples/{script}", "--help")
     assert done.returncode == 0, done.stderr
     flat = " ".join(done.stdout.split())  # argparse wraps help text at any space
     for default in defaults:
@@ -101,7 +91,7 @@ def test_help_shows_defaults(script: str, defaults: list[str]) -> None:
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
 def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
-    done = _run("examples/bench_manager.py", str(TRACE), "256", "--policies", "lru")
+    done = run_script("examples/bench_manager.py", str(TRACE), "256", "--policies", "lru")
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # no progress line on a pipe
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -198,7 +188,7 @@ def test_bench_nvme_best_point_is_the_best_median() -> None:
 
 def test_bench_nvme_runs_and_ends_with_json(tmp_path: Path) -> None:
     """A tiny run, without vLLM's tier whether or not vLLM is installed."""
-    done = _run(
+    done = run_script(
         "examples/bench_nvme.py",
         str(tmp_path),
         "--size-gib",
@@ -285,7 +275,7 @@ def test_bench_manager_reads_a_valid_trace(tmp_path: Path) -> None:
 def test_the_main_example_round_trips_every_byte(with_nvme: bool, tmp_path: Path) -> None:
     """The README's first command: the driver runs to the end and checks the bytes."""
     args = ["--nvme", str(tmp_path)] if with_nvme else []
-    done = _run(str(EXAMPLES / "driver.py"), *args)
+    done = run_script(str(EXAMPLES / "driver.py"), *args)
     assert done.returncode == 0, done.stderr
     assert "all bytes round-tripped exactly" in done.stdout
     if with_nvme:
@@ -405,7 +395,7 @@ def _read_pty(fd: int, size: int, timeout_s: float = 10.0) -> str:
 
 def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    done = _run(
+    done = run_script(
         "examples/bench_nvme_scale.py",
         "--blocks",
         "300",
@@ -427,7 +417,7 @@ def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> N
     assert summary["fill_GBps"] > 0
     assert summary["cold_restart"] is False  # fadvise leaves the inodes cached
     assert os.listdir(root) == []  # without --keep, what it wrote is gone
-    bad = _run("examples/bench_nvme_scale.py", "--block-size", "1000", "--root", str(root))
+    bad = run_script("examples/bench_nvme_scale.py", "--block-size", "1000", "--root", str(root))
     assert bad.returncode == 2, bad.stderr
     assert "argument --block-size:" in bad.stderr.strip().splitlines()[-1]
     assert bad.stdout == ""

@@ -17,6 +17,7 @@ import pytest
 
 from backends.faults import FaultInjector
 from tests._engine_helpers import corrupt_block
+from tests._scripts import last_json, run_script
 from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
     CHUNK_BYTES,
     MODULE,
@@ -288,15 +289,12 @@ def test_the_printed_kv_transfer_config_runs_our_tier_under_vllm(scheduler, tmp_
 
 def test_bench_vllm_tiers_runs_both_tiers_and_ends_with_json(tmp_path: Path) -> None:
     """A tiny run: both tiers through vLLM's manager, bytes checked, one JSON line."""
-    done = subprocess.run(
-        [sys.executable, "examples/bench_vllm_tiers.py", str(tmp_path),
-         "--size-gib", "0.001", "--block-sizes", "64K", "--cpu-mib", "1",
-         "--request-mib", "1", "--repeat", "1", "--step-ms", "1"],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-        timeout=120, check=False,
+    done = run_script(
+        "examples/bench_vllm_tiers.py", str(tmp_path), "--size-gib", "0.001",
+        "--block-sizes", "64K", "--cpu-mib", "1", "--request-mib", "1", "--repeat", "1",
+        "--step-ms", "1",
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    (run,) = last_json(done)["runs"]
     assert run["block_bytes"] == 64 << 10
     for figure in ("ours_store_GBps", "ours_load_GBps", "vllm_fs_store_GBps", "vllm_fs_load_GBps"):
         assert run[figure] > 0

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +14,7 @@ import torch
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import local_redis_server
+from tests._scripts import last_json, run_script
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
 from tiering.registry import make_tier
@@ -187,14 +184,11 @@ async def test_refused_credentials_fail_the_start_without_showing_them(
 def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
     redis_server: RedisServer,
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "examples/bench_redis.py", redis_server.url, "--size-mib", "2",
-         "--block-sizes", "64K", "--repeat", "1"],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-        timeout=120, check=False,
+    done = run_script(
+        "examples/bench_redis.py", redis_server.url, "--size-mib", "2", "--block-sizes", "64K",
+        "--repeat", "1",
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    (run,) = last_json(done)["runs"]
     assert run["block_bytes"] == 64 << 10
     for figure in ("store_GBps", "load_GBps", "baseline_store_GBps", "baseline_load_GBps"):
         assert run[figure] > 0
