@@ -34,6 +34,7 @@ evicted by the server between a lookup and a load is a failed key.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
@@ -437,8 +438,19 @@ class RedisTier(TierActor):
             presence.popitem(last=False)
 
     def _schedule_check(self) -> None:
-        if not self._checking:
+        """Start the batched check, on the loop; a lookup may come from another thread
+        (vLLM calls tiers from its scheduler thread), which hands the start over."""
+        if self._checking:
+            return
+        loop = self._loop
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
             self._checking = self.spawn(self._check_presence(), name="presence-check")
+        elif loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._schedule_check)
 
     async def _check_presence(self) -> None:
         """Check every queued key, in pipelined batches (one round trip each)."""

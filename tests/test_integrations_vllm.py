@@ -115,6 +115,20 @@ def test_registered_tier_is_built_by_name_from_a_plain_config(scheduler) -> None
     assert s.tier.get_stats() is not None
 
 
+def test_the_redis_tier_runs_under_vllm_by_name(scheduler, redis_server) -> None:
+    s = scheduler(
+        {"type": "RegisteredTierManager", "module_path": MODULE, "tier": "redis",
+         "url": redis_server.url}
+    )  # fmt: skip
+    stored = blocks("redis", 2)
+    s.store(stored)
+    evict_all(s, stored)
+
+    answers = s.resolve(stored)  # vLLM asks from its own thread; the tier never waits
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+
+
 def test_a_corrupted_block_fails_its_promotion_and_is_never_served(scheduler, tmp_path) -> None:
     s = scheduler()
     stored = blocks("c", 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -82,6 +83,22 @@ async def test_a_lookup_never_waits_and_settles_after_one_batched_check(
         assert answers == [True, True] + [False] * 998
         assert reader.statistics().counters["lookup_round_trips"] == 1
     assert redis_server.command("INFO", "commandstats")["cmdstat_exists"]["calls"] == 1000
+
+
+async def test_a_lookup_from_another_thread_is_checked_on_the_loop(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(1)
+    async with opened(pool, redis_server) as writer:
+        assert (await store_job(writer, names, [0])).success
+    async with opened(pool, redis_server) as reader:
+        answers: list[object] = []
+        caller = threading.Thread(target=lambda: answers.append(reader.lookup(names[0])))
+        caller.start()
+        caller.join()
+        assert answers == [None]  # it never waits, whatever thread asks
+        await settled(lambda: reader.statistics().counters["lookup_round_trips"] or None)
+        assert reader.lookup(names[0]) is True
 
 
 async def test_another_engine_on_the_server_sees_the_blocks(
