@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 import time
 from collections import OrderedDict
@@ -128,6 +129,9 @@ class RedisTier(TierActor):
             answer; presence_entries bounds the presence cache.
         breaker_failures, breaker_backoff_s, breaker_max_backoff_s: see
             :class:`~backends.breaker.CircuitBreaker`.
+        tls_ca_file, tls_cert_file, tls_key_file: with a ``rediss://`` url, the CA that
+            signed the server's certificate (default: the system's) and this client's
+            certificate and key (for servers that ask for one).
         inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
 
     Guarantees: a load serves a block only if its header and checksum verify; a
@@ -154,6 +158,9 @@ class RedisTier(TierActor):
         breaker_failures: int = 3,
         breaker_backoff_s: float = 1.0,
         breaker_max_backoff_s: float = 30.0,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
         **actor_kwargs: Any,
     ) -> None:
         unknown = set(actor_kwargs) - ACTOR_OPTIONS
@@ -168,6 +175,7 @@ class RedisTier(TierActor):
             raise InvalidArgumentError(f"namespace must be a non-empty str, got {namespace!r}")
         if not isinstance(tenant, str) or ":" in tenant:
             raise InvalidArgumentError(f"tenant must be a str without ':', got {tenant!r}")
+        self._tls = _tls_options(url, tls_ca_file, tls_cert_file, tls_key_file)
         self.timeout_s = seconds("timeout_s", timeout_s, allow_zero=False)
         self.max_connections = positive_int("max_connections", max_connections)
         self.ttl_s = None if ttl_s is None else seconds("ttl_s", ttl_s, allow_zero=False)
@@ -218,6 +226,7 @@ class RedisTier(TierActor):
                 socket_connect_timeout=self.timeout_s,
                 max_connections=self.max_connections,
                 decode_responses=False,
+                **self._tls,
             )
         try:
             await self.run_blocking(self._client.ping)
@@ -229,6 +238,13 @@ class RedisTier(TierActor):
                 f"url: the redis server refused its credentials ({exc})"
             ) from None
         except _UNREACHABLE as exc:
+            if "certificate verify failed" in str(exc).lower():
+                self._drop_client()
+                self.shutdown()
+                raise InvalidArgumentError(
+                    "tls_ca_file: the redis server's certificate did not verify against "
+                    f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({exc})"
+                ) from None
             self._unreachable("ping", exc)
         await super().start()
 
@@ -498,6 +514,29 @@ class RedisTier(TierActor):
         self._counters["unreachable_calls"] += 1
         self.breaker.failed()
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
+
+
+def _tls_options(
+    url: str, ca_file: str | None, cert_file: str | None, key_file: str | None
+) -> dict[str, str]:
+    """redis-py's TLS arguments from the tier's options, each checked.
+
+    Raises:
+        InvalidArgumentError: an option is not a readable file, or is given with a url
+            that is not ``rediss://``.
+    """
+    given = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
+    options = {}
+    for name, path in given.items():
+        if path is None:
+            continue
+        if not url.startswith("rediss://"):
+            raise InvalidArgumentError(f"{name} needs a rediss:// url (TLS), got {path!r}")
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise InvalidArgumentError(f"{name} must name a readable file, got {path!r}")
+        options[{"tls_ca_file": "ssl_ca_certs", "tls_cert_file": "ssl_certfile",
+                 "tls_key_file": "ssl_keyfile"}[name]] = path  # fmt: skip
+    return options
 
 
 def _detached(exc: RedisError | OSError) -> RedisError | OSError:

@@ -29,13 +29,29 @@ class LocalRedisServer:
     Raises (constructor): FileNotFoundError if ``redis-server`` is not installed.
     """
 
-    def __init__(self, directory: Path, *args: str) -> None:
+    def __init__(
+        self, directory: Path, *args: str, tls: tuple[Path, Path, Path] | None = None
+    ) -> None:
+        """``tls``: (certificate, key, CA certificate) files: the server then also
+        listens with TLS on ``tls_port`` (``tls_url``), clients not asked for a
+        certificate."""
         if SERVER is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
         self.directory = directory
         self.port = _free_port()
-        self.args = args
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.tls_port: int | None = None
+        self.tls_url: str | None = None
+        if tls is not None:
+            self.tls_port = _free_port()
+            self.tls_url = f"rediss://127.0.0.1:{self.tls_port}/0"
+            cert, key, ca = tls
+            args = (
+                *args, "--tls-port", str(self.tls_port), "--tls-cert-file", str(cert),
+                "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                "--tls-auth-clients", "no",
+            )  # fmt: skip
+        self.args = args
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,9 @@ import pytest
 from backends.redis_server import SERVER, LocalRedisServer
 
 
-def local_redis_server(directory: Path, *args: str) -> LocalRedisServer:
+def local_redis_server(
+    directory: Path, *args: str, tls: tuple[Path, Path, Path] | None = None
+) -> LocalRedisServer:
     """A started :class:`~backends.redis_server.LocalRedisServer`; without redis-server or
     redis-py the test skips, saying how to install them (fails with
     ``KV_TIERING_REQUIRE_REDIS=1``, as in CI)."""
@@ -24,6 +28,28 @@ def local_redis_server(directory: Path, *args: str) -> LocalRedisServer:
         missing.append("redis-py (pip install 'kv-tiering[redis]')")
     if missing:
         (pytest.fail if required else pytest.skip)(f"not installed: {', '.join(missing)}")
-    server = LocalRedisServer(directory, *args)
+    server = LocalRedisServer(directory, *args, tls=tls)
     server.start()
     return server
+
+
+def self_signed_tls(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it, made with the
+    ``openssl`` command (skips without it): ``(certificate, key, CA certificate)``."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    ca_key, ca_crt = directory / "ca.key", directory / "ca.crt"
+    key, csr, crt = directory / "server.key", directory / "server.csr", directory / "server.crt"
+    extensions = directory / "san.ext"
+    extensions.write_text("subjectAltName=IP:127.0.0.1\n")
+    for argv in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca_crt,
+         "-days", "1", "-subj", "/CN=kv-tiering test CA"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+         "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", csr, "-CA", ca_crt, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", crt, "-days", "1", "-extfile", extensions],
+    ):  # fmt: skip
+        subprocess.run([openssl, *map(str, argv)], check=True, capture_output=True, timeout=60)
+    return crt, key, ca_crt

@@ -14,7 +14,7 @@ import torch
 
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
-from tests._redis_helpers import local_redis_server
+from tests._redis_helpers import local_redis_server, self_signed_tls
 from tests._scripts import last_json, run_script
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
@@ -198,6 +198,25 @@ async def test_refused_credentials_fail_the_start_without_showing_them(
         server.stop()
 
 
+async def test_tls_with_the_server_s_ca_round_trips_and_without_it_is_a_clear_error(
+    pool: memoryview, tmp_path
+) -> None:
+    cert, key, ca = self_signed_tls(tmp_path)
+    server = local_redis_server(tmp_path, tls=(cert, key, ca))
+    try:
+        assert server.tls_url is not None
+        spec = {"type": "redis", "url": server.tls_url, "namespace": "x"}
+        untrusted = make_tier(spec, pool, BLOCK)
+        with pytest.raises(InvalidArgumentError, match="tls_ca_file"):
+            await untrusted.start()  # a self-signed CA the system does not trust
+        async with opened(pool, server, url=server.tls_url, tls_ca_file=str(ca)) as tier:
+            assert (await store_job(tier, keys(2), [0, 1])).success
+            assert (await load_job(tier, keys(2), [2, 3])).success
+        assert [slot(pool, 2), slot(pool, 3)] == [slot(pool, 0), slot(pool, 1)]
+    finally:
+        server.stop()
+
+
 def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
     redis_server: RedisServer,
 ) -> None:
@@ -221,6 +240,8 @@ def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
         ({"tenant": "a:b"}, "tenant"),
         ({"breaker_failures": 0}, "breaker_failures"),
         ({"presence_entries": -1}, "presence_entries"),
+        ({"tls_ca_file": "/etc/hostname"}, "tls_ca_file"),  # a file, but the url is not TLS
+        ({"url": "rediss://127.0.0.1:1/0", "tls_cert_file": "/no/such.pem"}, "tls_cert_file"),
     ],
 )
 def test_a_bad_option_is_a_clear_error(pool: memoryview, options: dict, named: str) -> None:
