@@ -35,10 +35,12 @@ def local_redis_server(
 
 def self_signed_tls(directory: Path) -> tuple[Path, Path, Path]:
     """A throwaway CA and a server certificate for 127.0.0.1 signed by it, made with the
-    ``openssl`` command (skips without it): ``(certificate, key, CA certificate)``."""
+    ``openssl`` command (without it the test skips, or fails as the servers do):
+    ``(certificate, key, CA certificate)``."""
     openssl = shutil.which("openssl")
     if openssl is None:
-        pytest.skip("openssl is not installed")
+        required = os.environ.get("KV_TIERING_REQUIRE_REDIS") == "1"
+        (pytest.fail if required else pytest.skip)("openssl is not installed")
     ca_key, ca_crt = directory / "ca.key", directory / "ca.crt"
     key, csr, crt = directory / "server.key", directory / "server.csr", directory / "server.crt"
     extensions = directory / "san.ext"
