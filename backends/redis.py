@@ -132,6 +132,7 @@ class RedisTier(TierActor):
         tls_ca_file, tls_cert_file, tls_key_file: with a ``rediss://`` url, the CA that
             signed the server's certificate (default: the system's) and this client's
             certificate and key (for servers that ask for one).
+        usage_every_s: how often the server's memory use is read for ``statistics()``.
         inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
 
     Guarantees: a load serves a block only if its header and checksum verify; a
@@ -161,6 +162,7 @@ class RedisTier(TierActor):
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        usage_every_s: float = 5.0,
         **actor_kwargs: Any,
     ) -> None:
         unknown = set(actor_kwargs) - ACTOR_OPTIONS
@@ -182,6 +184,7 @@ class RedisTier(TierActor):
         self.presence_ttl_s = seconds("presence_ttl_s", presence_ttl_s, allow_zero=True)
         self.absence_ttl_s = seconds("absence_ttl_s", absence_ttl_s, allow_zero=True)
         self.presence_entries = positive_int("presence_entries", presence_entries)
+        self.usage_every_s = seconds("usage_every_s", usage_every_s, allow_zero=False)
         self.breaker = CircuitBreaker(
             failures=breaker_failures,
             backoff_s=breaker_backoff_s,
@@ -199,6 +202,8 @@ class RedisTier(TierActor):
         self._to_check: dict[OffloadKey, None] = {}  # queued for the next batched check
         self._in_check: set[OffloadKey] = set()  # in the check on the wire now
         self._checking = False
+        # The server's INFO memory and DBSIZE, read every usage_every_s (0 until then).
+        self._server_usage = {"used_bytes": 0, "capacity_bytes": 0, "server_keys": 0}
         self._counters = {
             "stored_blocks": 0,
             "loaded_blocks": 0,
@@ -247,6 +252,7 @@ class RedisTier(TierActor):
                 ) from None
             self._unreachable("ping", exc)
         await super().start()
+        self.spawn(self._watch_usage(), name="usage")
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
         await super().aclose(timeout)
@@ -298,9 +304,15 @@ class RedisTier(TierActor):
         """Nothing to do: the server keeps its own recency (``allkeys-lru``)."""
 
     def _usage(self) -> dict[str, Any]:
+        """``used_bytes`` is the server's memory in use and ``capacity_bytes`` its
+        ``maxmemory`` (0: no limit), both as last read (every ``usage_every_s``); the
+        server's key count is ``counters["server_keys"]``."""
+        usage = self._server_usage
         return {
             "used_blocks": self.get_num_blocks(),
-            "counters": dict(self._counters),
+            "used_bytes": usage["used_bytes"],
+            "capacity_bytes": usage["capacity_bytes"],
+            "counters": {**self._counters, "server_keys": usage["server_keys"]},
             "failures": {},
         }
 
@@ -432,6 +444,21 @@ class RedisTier(TierActor):
                 logger.debug("redis tier: deleting corrupt blocks failed: %r", exc)
         return reasons
 
+    def _usage_hop(self) -> dict[str, int] | RedisError | OSError:
+        """The server's memory use, limit and key count; the client's error if that
+        failed."""
+        assert self._client is not None
+        try:
+            memory = self._client.info("memory")
+            keys = self._client.dbsize()
+        except (RedisError, OSError) as exc:
+            return _detached(exc)
+        return {
+            "used_bytes": int(memory.get("used_memory", 0)),
+            "capacity_bytes": int(memory.get("maxmemory", 0)),
+            "server_keys": int(keys),
+        }
+
     def _exists_hop(self, keys: Sequence[bytes]) -> list[int]:
         """``EXISTS`` of every key in one pipelined round trip."""
         assert self._client is not None
@@ -503,6 +530,16 @@ class RedisTier(TierActor):
             return JobResult(job.job_id, False, tuple(keys), f"redis unreachable: {error}")
         self._failures.record(f"redis refused a {what}", len(keys), str(error))
         return JobResult(job.job_id, False, tuple(keys), f"redis refused the {what}: {error}")
+
+    async def _watch_usage(self) -> None:
+        """Read the server's usage now and every ``usage_every_s`` while the tier runs
+        (skipped while the breaker is open)."""
+        while self._client is not None:
+            if self.breaker.state is BreakerState.CLOSED:
+                usage = await self.run_blocking(self._usage_hop)
+                if isinstance(usage, dict):
+                    self._server_usage = usage
+            await asyncio.sleep(self.usage_every_s)
 
     def _refused(self, job: JobMetadata, keys: list[bytes]) -> JobResult:
         self._failures.record("redis unreachable (circuit open)", len(keys))

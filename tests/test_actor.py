@@ -722,3 +722,29 @@ async def test_a_thread_call_of_a_hook_is_awaited_before_the_hook_unwinds() -> N
     async with asyncio.timeout(5):
         await tier.result(1)
     assert unwound_after_thread == [True]
+
+
+# -- background tasks -------------------------------------------------------------------
+
+
+async def test_a_spawned_task_runs_until_close_begins_and_never_delays_it() -> None:
+    ticks = 0
+
+    async def forever() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    tier = CopyTier(_pool())
+    assert not tier.spawn(forever(), name="early")  # not serving yet: refused
+    await tier.start()
+    assert tier.spawn(forever(), name="ticker")
+    await asyncio.sleep(0.01)
+    assert ticks > 0
+    async with asyncio.timeout(1):  # far below aclose's 5 s deadline
+        await tier.aclose()
+    stopped = ticks
+    await asyncio.sleep(0.01)
+    assert ticks == stopped
+    assert not tier.spawn(forever(), name="late")

@@ -85,6 +85,18 @@ async def test_a_lookup_never_waits_and_settles_after_one_batched_check(
     assert redis_server.command("INFO", "commandstats")["cmdstat_exists"]["calls"] == 1000
 
 
+async def test_statistics_report_the_server_s_memory_and_keys(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    redis_server.command("CONFIG", "SET", "maxmemory", str(256 << 20))
+    async with opened(pool, redis_server, usage_every_s=0.01) as tier:
+        assert (await store_job(tier, keys(4), range(4))).success
+        await settled(lambda: tier.statistics().counters["server_keys"] == 4 or None)
+        stats = tier.statistics()
+        assert stats.capacity_bytes == 256 << 20
+        assert stats.used_bytes > 4 * BLOCK  # the server's own figure, blocks included
+
+
 async def test_a_lookup_from_another_thread_is_checked_on_the_loop(
     pool: memoryview, redis_server: RedisServer
 ) -> None:

@@ -131,6 +131,7 @@ class TierActor(SecondaryTierManager):
             initializer=init_io_worker,
         )
         self._calls_running = 0  # run_blocking calls started and not yet returned
+        self._background: set[asyncio.Task[None]] = set()  # spawn()ed, cancelled at close
         self._stopped = False  # close decided: every job failed or finished, pool shut
 
         self._jobs: dict[int, _Job] = {}  # admitted, result not yet delivered
@@ -195,6 +196,7 @@ class TierActor(SecondaryTierManager):
 
         self._state = Lifecycle.CLOSING
         self._inbox.close()
+        self._cancel_background()
         runner = self._runner
         assert runner is not None
         try:
@@ -248,6 +250,8 @@ class TierActor(SecondaryTierManager):
         if self._state is not Lifecycle.NEW:
             self._state = Lifecycle.CLOSING
         self._inbox.close()
+        if loop_running:
+            self._cancel_background()
         self._cancel_reason = "cancelled: tier shut down before the job finished"
         self._cancel_cause = "cancelled by shutdown"
         if loop_running:
@@ -462,15 +466,21 @@ class TierActor(SecondaryTierManager):
         return key in self._storing
 
     def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> bool:
-        """Run ``coro`` as a background task of this tier's task group (it is cancelled
-        when the tier closes). Returns False, and closes ``coro``, when the tier is not
-        serving."""
+        """Run ``coro`` as a background task of this tier's task group, cancelled as
+        soon as the tier starts closing (a close does not wait for it). Returns False,
+        and closes ``coro``, when the tier is not serving."""
         task_group = self._task_group
         if task_group is None or self._state is not Lifecycle.OPEN:
             coro.close()
             return False
-        task_group.create_task(coro, name=f"{self._name()}-{name}")
+        task = task_group.create_task(coro, name=f"{self._name()}-{name}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         return True
+
+    def _cancel_background(self) -> None:
+        for task in list(self._background):
+            task.cancel()
 
     # -- blocking work ----------------------------------------------------------------
 
