@@ -216,13 +216,15 @@ class RedisTier(TierActor):
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start serving. A server that does not answer only opens the
-        breaker (the tier recovers when it comes); one that refuses the credentials is
-        an error, since no call would ever succeed.
+        """Connect and start serving. A server that does not answer (within
+        ``timeout_s``) only opens the breaker: the tier recovers when it comes. One that
+        refuses the credentials, or whose TLS certificate does not verify, is an error,
+        since no call would ever succeed.
 
         Raises:
             InvalidArgumentError: the server refused the url's credentials (the message
-                quotes the server, never the password); nothing is left running.
+                quotes the server, never the password), or its certificate did not
+                verify (naming ``tls_ca_file``); nothing is left running.
         """
         if self._client is None:
             self._client = redis.Redis.from_url(
