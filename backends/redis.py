@@ -199,6 +199,7 @@ class RedisTier(TierActor):
         self._client: redis.Redis | None = None
         # key -> (present, trusted until): a bounded LRU of recent answers
         self._presence: OrderedDict[OffloadKey, tuple[bool, float]] = OrderedDict()
+        self._known_present = 0  # its present answers, kept as they change: no scan
         self._to_check: dict[OffloadKey, None] = {}  # queued for the next batched check
         self._in_check: set[OffloadKey] = set()  # in the check on the wire now
         self._checking = False
@@ -300,7 +301,7 @@ class RedisTier(TierActor):
     def get_num_blocks(self) -> int:
         """Blocks this tier knows to be on the server (its presence cache); the server
         may hold more, stored by other engines."""
-        return sum(1 for present, _ in self._presence.values() if present)
+        return self._known_present
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
         """Nothing to do: the server keeps its own recency (``allkeys-lru``)."""
@@ -477,10 +478,13 @@ class RedisTier(TierActor):
     def _remember(self, key: OffloadKey, present: bool) -> None:
         ttl = self.presence_ttl_s if present else self.absence_ttl_s
         presence = self._presence
+        old = presence.get(key)
+        self._known_present += present - (old is not None and old[0])
         presence[key] = (present, time.monotonic() + ttl)
         presence.move_to_end(key)
         if len(presence) > self.presence_entries:
-            presence.popitem(last=False)
+            _, (dropped, _) = presence.popitem(last=False)
+            self._known_present -= dropped
 
     def _schedule_check(self) -> None:
         """Start the batched check, on the loop; a lookup may come from another thread
@@ -580,7 +584,8 @@ def _tls_options(
 
 def _detached(exc: RedisError | OSError) -> RedisError | OSError:
     """A copy of ``exc`` with no traceback and no chained errors: their frames (down in
-    the client's send) hold views of the host pool, which must not outlive the job."""
+    the client) hold the hop's views and replies, whole pipelines of block bytes, which
+    must not outlive the job."""
     try:
         return type(exc)(*exc.args)
     except TypeError:  # a class whose constructor wants other arguments

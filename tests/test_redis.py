@@ -97,6 +97,20 @@ async def test_statistics_report_the_server_s_memory_and_keys(
         assert stats.used_bytes > 4 * BLOCK  # the server's own figure, blocks included
 
 
+async def test_it_counts_the_blocks_it_knows_are_there_within_its_cache_bound(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(4)
+    async with opened(pool, redis_server, presence_entries=3) as tier:
+        assert (await store_job(tier, names[:2], [0, 1])).success
+        assert tier.get_num_blocks() == 2
+        assert not (await load_job(tier, [b"missing".ljust(32, b".")], [9])).success
+        assert tier.get_num_blocks() == 2  # an absent answer is not a block
+        assert (await store_job(tier, names[2:], [2, 3])).success
+        assert tier.get_num_blocks() == 2  # 3 answers kept: the oldest two went
+        assert tier.statistics().used_blocks == 2
+
+
 async def test_a_lookup_from_another_thread_is_checked_on_the_loop(
     pool: memoryview, redis_server: RedisServer
 ) -> None:
