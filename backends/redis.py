@@ -30,6 +30,12 @@ when the server is back. Redis going away never takes the engine down.
 Capacity is Redis's own: configure ``maxmemory`` with ``maxmemory-policy allkeys-lru``
 on the server; ``ttl_s`` (optional) expires blocks after that many seconds. A block
 evicted by the server between a lookup and a load is a failed key.
+
+With ``cluster=True`` the tier talks to a Redis Cluster through redis-py's cluster
+client: a job's pipeline is split by node and sent to all of them at once. A job's
+blocks go in pipelines of at most ``pipeline_bytes`` of payload each, so at most
+``max_inflight * pipeline_bytes`` payload bytes are in flight (and in the client's
+buffers) at once.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import struct
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -54,7 +62,13 @@ from tiering.validation import positive_int, seconds
 
 try:
     import redis
-    from redis.exceptions import AuthenticationError, RedisError
+    from redis.cluster import RedisCluster
+    from redis.exceptions import (
+        AuthenticationError,
+        ClusterDownError,
+        RedisClusterException,
+        RedisError,
+    )
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without redis-py
@@ -73,7 +87,19 @@ _TRAILER = struct.Struct("<Q")  # xxh3_64 of everything before it
 HEADER_FIELD = b"h"
 PAYLOAD_FIELD = b"p"
 
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+_CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
+"""What a call to the server may raise (the cluster client's own errors are no
+RedisErrors)."""
+_ClientError = RedisError | RedisClusterException | OSError
+_UNREACHABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    RedisClusterException,  # no node of the cluster answered, or a slot has no node
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
 
@@ -133,6 +159,11 @@ class RedisTier(TierActor):
             signed the server's certificate (default: the system's) and this client's
             certificate and key (for servers that ask for one).
         usage_every_s: how often the server's memory use is read for ``statistics()``.
+        cluster: the url names a node of a Redis Cluster (``redis://`` or ``rediss://``);
+            the tier finds the other nodes from it. A mismatch with the server found at
+            start is an error.
+        pipeline_bytes: the most payload bytes one pipelined round trip carries; a
+            larger job goes in several, one after another.
         inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
 
     Guarantees: a load serves a block only if its header and checksum verify; a
@@ -163,6 +194,8 @@ class RedisTier(TierActor):
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
         usage_every_s: float = 5.0,
+        cluster: bool = False,
+        pipeline_bytes: int = 64 << 20,
         **actor_kwargs: Any,
     ) -> None:
         unknown = set(actor_kwargs) - ACTOR_OPTIONS
@@ -177,6 +210,11 @@ class RedisTier(TierActor):
             raise InvalidArgumentError(f"namespace must be a non-empty str, got {namespace!r}")
         if not isinstance(tenant, str) or ":" in tenant:
             raise InvalidArgumentError(f"tenant must be a str without ':', got {tenant!r}")
+        if not isinstance(cluster, bool):
+            raise InvalidArgumentError(f"cluster must be a bool, got {cluster!r}")
+        if cluster and url.startswith("unix://"):
+            raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
+        self.cluster = cluster
         self._tls = _tls_options(url, tls_ca_file, tls_cert_file, tls_key_file)
         self.timeout_s = seconds("timeout_s", timeout_s, allow_zero=False)
         self.max_connections = positive_int("max_connections", max_connections)
@@ -185,6 +223,7 @@ class RedisTier(TierActor):
         self.absence_ttl_s = seconds("absence_ttl_s", absence_ttl_s, allow_zero=True)
         self.presence_entries = positive_int("presence_entries", presence_entries)
         self.usage_every_s = seconds("usage_every_s", usage_every_s, allow_zero=False)
+        self.pipeline_bytes = positive_int("pipeline_bytes", pipeline_bytes)
         self.breaker = CircuitBreaker(
             failures=breaker_failures,
             backoff_s=breaker_backoff_s,
@@ -196,7 +235,13 @@ class RedisTier(TierActor):
         self._ns_digest = namespace_digest(namespace)
         self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + tenant.encode() + b":"
         self._url = url
-        self._client: redis.Redis | None = None
+        self._blocks_per_pipeline = max(1, self.pipeline_bytes // block_bytes)
+        # Made by the first call that needs it (a cluster client connects as it is made,
+        # so one whose nodes are down at start is made later, by a probe) and dropped
+        # at close; the lock keeps the I/O threads from making two.
+        self._client: redis.Redis | RedisCluster | None = None
+        self._client_lock = threading.Lock()
+        self._serving = False  # from start until close: whether a client may be made
         # key -> (present, trusted until): a bounded LRU of recent answers
         self._presence: OrderedDict[OffloadKey, tuple[bool, float]] = OrderedDict()
         self._known_present = 0  # its present answers, kept as they change: no scan
@@ -212,6 +257,7 @@ class RedisTier(TierActor):
             "missing_blocks": 0,
             "unreachable_calls": 0,
             "lookup_round_trips": 0,
+            "pipelines": 0,
         }
 
     # -- life cycle -------------------------------------------------------------------
@@ -227,33 +273,26 @@ class RedisTier(TierActor):
                 quotes the server, never the password), or its certificate did not
                 verify (naming ``tls_ca_file``); nothing is left running.
         """
-        if self._client is None:
-            self._client = redis.Redis.from_url(
-                self._url,
-                socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s,
-                max_connections=self.max_connections,
-                decode_responses=False,
-                **self._tls,
-            )
-        try:
-            await self.run_blocking(self._client.ping)
-            self.breaker.succeeded()
-        except AuthenticationError as exc:
-            self._drop_client()
-            self.shutdown()
+        self._serving = True
+        error = await self.run_blocking(self._hello)
+        if isinstance(error, AuthenticationError):
+            self._fail_start()
             raise InvalidArgumentError(
-                f"url: the redis server refused its credentials ({exc})"
+                f"url: the redis server refused its credentials ({error})"
             ) from None
-        except _UNREACHABLE as exc:
-            if "certificate verify failed" in str(exc).lower():
-                self._drop_client()
-                self.shutdown()
-                raise InvalidArgumentError(
-                    "tls_ca_file: the redis server's certificate did not verify against "
-                    f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({exc})"
-                ) from None
-            self._unreachable("ping", exc)
+        if isinstance(error, InvalidArgumentError):
+            self._fail_start()
+            raise error
+        if error is not None and "certificate verify failed" in str(error).lower():
+            self._fail_start()
+            raise InvalidArgumentError(
+                "tls_ca_file: the redis server's certificate did not verify against "
+                f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({error})"
+            ) from None
+        if error is not None:
+            self._unreachable("ping", error)
+        else:
+            self.breaker.succeeded()
         await super().start()
         self.spawn(self._watch_usage(), name="usage")
 
@@ -266,8 +305,14 @@ class RedisTier(TierActor):
         if self.state.name == "CLOSED":
             self._drop_client()
 
+    def _fail_start(self) -> None:
+        self._drop_client()
+        self.shutdown()
+
     def _drop_client(self) -> None:
-        client, self._client = self._client, None
+        with self._client_lock:
+            self._serving = False
+            client, self._client = self._client, None
         if client is not None:
             client.close()  # disconnects the pool's idle connections; never blocks long
 
@@ -329,25 +374,28 @@ class RedisTier(TierActor):
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
         keys = list(job.keys)
-        if self._client is None or not self.breaker.allow():
+        if not self._serving or not self.breaker.allow():
             return self._refused(job, keys)
-        error = await self.run_blocking(self._store_hop, keys, list(job.block_ids))
-        if error is not None:
-            return self._call_failed(job, keys, "store", error)
+        outcome = await self.run_blocking(self._store_hop, keys, list(job.block_ids))
+        if not isinstance(outcome, int):
+            return self._call_failed(job, keys, "store", outcome)
         self.breaker.succeeded()
         for key in keys:
             self._remember(key, True)
         self._counters["stored_blocks"] += len(keys)
+        self._counters["pipelines"] += outcome
         return JobResult(job.job_id, True)
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
         keys = list(job.keys)
-        if self._client is None or not self.breaker.allow():
+        if not self._serving or not self.breaker.allow():
             return self._refused(job, keys)
-        reasons = await self.run_blocking(self._load_hop, keys, list(job.block_ids))
-        if isinstance(reasons, RedisError | OSError):
-            return self._call_failed(job, keys, "load", reasons)
+        outcome = await self.run_blocking(self._load_hop, keys, list(job.block_ids))
+        if not isinstance(outcome, tuple):
+            return self._call_failed(job, keys, "load", outcome)
+        reasons, pipelines = outcome
         self.breaker.succeeded()
+        self._counters["pipelines"] += pipelines
         failed = {key: why for key, why in zip(keys, reasons, strict=True) if why}
         corrupt = sum(1 for why in failed.values() if why.startswith("corrupt"))
         for key in keys:
@@ -369,106 +417,170 @@ class RedisTier(TierActor):
     # the hop's frames, and with them views of the host pool, alive in its traceback.
     # A view handed to the client is released once the call is over, whatever happened.
 
-    def _store_hop(
-        self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> RedisError | OSError | None:
-        """Write every block (header, then the payload straight from its slot) in one
-        pipelined round trip; the client's error if that failed."""
-        assert self._client is not None
-        slot, ns, size = self.slot, self._ns_digest, self.block_bytes
-        pipe = self._client.pipeline(transaction=False)
-        views: list[memoryview] = []
-        for key, block_id in zip(keys, block_ids, strict=True):
-            payload = slot(block_id)
-            views.append(payload)
-            header = encode_header(
-                key=check_key(key),
-                payload_bytes=size,
-                checksum=payload_checksum(payload),
-                ns_digest=ns,
-            )
-            name = self._name_of(key)
-            pipe.hset(name, mapping={HEADER_FIELD: header, PAYLOAD_FIELD: payload})
-            if self.ttl_s is not None:
-                pipe.expire(name, max(1, round(self.ttl_s)))
+    def _hello(self) -> _ClientError | InvalidArgumentError | None:
+        """Ping the server with a plain client and check that it is (or is not) a
+        cluster node, as ``cluster`` says; then make the tier's client. The error, if
+        any."""
+        probe = self._new_client(cluster=False)
         try:
-            pipe.execute()
-        except (RedisError, OSError) as exc:
+            probe.ping()
+            enabled = bool(probe.info("cluster").get("cluster_enabled", 0))
+        except _CLIENT_ERRORS as exc:
             return _detached(exc)
         finally:
-            pipe.reset()
+            probe.close()
+        if enabled != self.cluster:
+            said = "a Redis Cluster node" if enabled else "not a cluster node"
+            return InvalidArgumentError(
+                f"cluster: the redis server is {said}, but the tier has cluster={self.cluster}"
+            )
+        try:
+            self._connected()
+        except _CLIENT_ERRORS as exc:
+            return _detached(exc)
+        return None
+
+    def _store_hop(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int | _ClientError:
+        """Write every block (header, then the payload straight from its slot) in
+        pipelined round trips of at most ``pipeline_bytes``; how many, or the client's
+        error if one failed (the blocks before it are stored)."""
+        slot, ns, size = self.slot, self._ns_digest, self.block_bytes
+        views: list[memoryview] = []
+        pipelines = 0
+        try:
+            client = self._connected()
+            for start in range(0, len(keys), self._blocks_per_pipeline):
+                stop = start + self._blocks_per_pipeline
+                pipe = client.pipeline(transaction=False)
+                for key, block_id in zip(keys[start:stop], block_ids[start:stop], strict=True):
+                    payload = slot(block_id)
+                    views.append(payload)
+                    header = encode_header(
+                        key=check_key(key),
+                        payload_bytes=size,
+                        checksum=payload_checksum(payload),
+                        ns_digest=ns,
+                    )
+                    name = self._name_of(key)
+                    pipe.hset(name, mapping={HEADER_FIELD: header, PAYLOAD_FIELD: payload})
+                    if self.ttl_s is not None:
+                        pipe.expire(name, max(1, round(self.ttl_s)))
+                try:
+                    pipe.execute()
+                finally:
+                    pipe.reset()
+                pipelines += 1
+        except _CLIENT_ERRORS as exc:
+            return _detached(exc)
+        finally:
             # The client's own frames, kept in reference cycles after an error, may
             # still name these views: released, they no longer pin the host pool.
             for view in views:
                 view.release()
-        return None
+        return pipelines
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> list[str] | RedisError | OSError:
-        """Read every block in one pipelined round trip, verify each and copy the good
-        ones into their slots; delete the corrupt ones from the server. Returns why
-        each key failed ("" for the ones that landed), or the client's error."""
-        assert self._client is not None
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hmget(self._name_of(key), [HEADER_FIELD, PAYLOAD_FIELD])
+    ) -> tuple[list[str], int] | _ClientError:
+        """Read every block in pipelined round trips of at most ``pipeline_bytes``,
+        verify each and copy the good ones into their slots; delete the corrupt ones
+        from the server. Returns why each key failed ("" for the ones that landed) and
+        how many round trips it took, or the client's error."""
+        reasons: list[str] = []
+        corrupt: list[bytes] = []
+        pipelines = 0
         try:
-            values = pipe.execute()
-        except (RedisError, OSError) as exc:
+            client = self._connected()
+            for start in range(0, len(keys), self._blocks_per_pipeline):
+                stop = start + self._blocks_per_pipeline
+                pipe = client.pipeline(transaction=False)
+                for key in keys[start:stop]:
+                    pipe.hmget(self._name_of(key), [HEADER_FIELD, PAYLOAD_FIELD])
+                try:
+                    values = pipe.execute()
+                finally:
+                    pipe.reset()
+                pipelines += 1
+                for key, block_id, value in zip(
+                    keys[start:stop], block_ids[start:stop], values, strict=True
+                ):
+                    reasons.append(self._land(key, block_id, value, corrupt))
+                del values  # a whole pipeline of block bytes: not kept past its turn
+            if corrupt:
+                client.delete(*corrupt)
+        except _CLIENT_ERRORS as exc:
             return _detached(exc)
-        finally:
-            pipe.reset()
-        reasons = []
-        corrupt = []
-        for key, block_id, value in zip(keys, block_ids, values, strict=True):
-            header, payload = value if value else (None, None)
-            if header is None or payload is None:
-                reasons.append("not in the redis tier")
-                continue
-            try:
-                check_value(
-                    header,
-                    payload,
-                    key=key,
-                    payload_bytes=self.block_bytes,
-                    ns_digest=self._ns_digest,
-                )
-            except CorruptBlockError as exc:
-                reasons.append(f"corrupt block: {exc}")
-                corrupt.append(self._name_of(key))
-                continue
-            self.slot(block_id)[:] = payload
-            reasons.append("")
-        if corrupt:
-            try:
-                self._client.delete(*corrupt)
-            except RedisError as exc:
-                logger.debug("redis tier: deleting corrupt blocks failed: %r", exc)
-        return reasons
+        return reasons, pipelines
 
-    def _usage_hop(self) -> dict[str, int] | RedisError | OSError:
-        """The server's memory use, limit and key count; the client's error if that
-        failed."""
-        assert self._client is not None
+    def _land(
+        self, key: bytes, block_id: int, value: list[bytes | None] | None, corrupt: list[bytes]
+    ) -> str:
+        """Verify one value read back and copy it into its slot: "" if it landed, else
+        why not (a corrupt one's name is added to ``corrupt``)."""
+        header, payload = value if value else (None, None)
+        if header is None or payload is None:
+            return "not in the redis tier"
         try:
-            memory = self._client.info("memory")
-            keys = self._client.dbsize()
-        except (RedisError, OSError) as exc:
+            check_value(
+                header, payload, key=key, payload_bytes=self.block_bytes, ns_digest=self._ns_digest
+            )
+        except CorruptBlockError as exc:
+            corrupt.append(self._name_of(key))
+            return f"corrupt block: {exc}"
+        self.slot(block_id)[:] = payload
+        return ""
+
+    def _usage_hop(self) -> dict[str, int] | _ClientError:
+        """The server's memory use, limit and key count (summed over a cluster's
+        primaries); the client's error if that failed."""
+        try:
+            client = self._connected()
+            if isinstance(client, RedisCluster):
+                nodes = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                keys = client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+                memory = list(nodes.values())
+            else:
+                memory, keys = [client.info("memory")], client.dbsize()
+        except _CLIENT_ERRORS as exc:
             return _detached(exc)
         return {
-            "used_bytes": int(memory.get("used_memory", 0)),
-            "capacity_bytes": int(memory.get("maxmemory", 0)),
+            "used_bytes": sum(int(node.get("used_memory", 0)) for node in memory),
+            "capacity_bytes": sum(int(node.get("maxmemory", 0)) for node in memory),
             "server_keys": int(keys),
         }
 
     def _exists_hop(self, keys: Sequence[bytes]) -> list[int]:
         """``EXISTS`` of every key in one pipelined round trip."""
-        assert self._client is not None
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._connected().pipeline(transaction=False)
         for key in keys:
             pipe.exists(self._name_of(key))
         return pipe.execute()
+
+    def _connected(self) -> redis.Redis | RedisCluster:
+        """The tier's client, made now if this is the first call that needs it.
+
+        Raises:
+            RedisConnectionError: the tier is closed.
+            RedisClusterException: no node of the cluster answered.
+        """
+        with self._client_lock:
+            if self._client is None:
+                if not self._serving:
+                    raise RedisConnectionError("the redis tier is closed")
+                self._client = self._new_client(cluster=self.cluster)
+            return self._client
+
+    def _new_client(self, *, cluster: bool) -> redis.Redis | RedisCluster:
+        options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "max_connections": self.max_connections,
+            "decode_responses": False,
+            **self._tls,
+        }
+        if cluster:
+            return RedisCluster.from_url(self._url, **options)
+        return redis.Redis.from_url(self._url, **options)
 
     # -- internals --------------------------------------------------------------------
 
@@ -504,7 +616,7 @@ class RedisTier(TierActor):
     async def _check_presence(self) -> None:
         """Check every queued key, in pipelined batches (one round trip each)."""
         try:
-            while self._to_check and self._client is not None and self.breaker.allow():
+            while self._to_check and self._serving and self.breaker.allow():
                 batch = list(self._to_check)[:_CHECK_BATCH]
                 for key in batch:
                     del self._to_check[key]
@@ -514,7 +626,7 @@ class RedisTier(TierActor):
                 except _UNREACHABLE as exc:
                     self._unreachable("lookup", exc)
                     return
-                except RedisError as exc:
+                except _CLIENT_ERRORS as exc:
                     logger.debug("redis tier: presence check refused: %r", exc)
                     return
                 self.breaker.succeeded()
@@ -540,7 +652,7 @@ class RedisTier(TierActor):
     async def _watch_usage(self) -> None:
         """Read the server's usage now and every ``usage_every_s`` while the tier runs
         (skipped while the breaker is open)."""
-        while self._client is not None:
+        while self._serving:
             if self.breaker.state is BreakerState.CLOSED:
                 usage = await self.run_blocking(self._usage_hop)
                 if isinstance(usage, dict):
@@ -582,14 +694,24 @@ def _tls_options(
     return options
 
 
-def _detached(exc: RedisError | OSError) -> RedisError | OSError:
-    """A copy of ``exc`` with no traceback and no chained errors: their frames (down in
-    the client) hold the hop's views and replies, whole pipelines of block bytes, which
-    must not outlive the job."""
+def _detached(exc: _ClientError) -> _ClientError:
+    """A copy of ``exc`` with no traceback, no chained errors and no quoted command.
+
+    The frames of a traceback (down in the client) hold the hop's views and replies,
+    whole pipelines of block bytes, which must not outlive the job; and a pipeline's
+    error quotes the command that failed, block bytes again, which have no place in a
+    job's error.
+    """
+    args = list(exc.args)
+    if args and isinstance(args[0], str):
+        args[0] = _QUOTED_COMMAND.sub("", args[0])
     try:
-        return type(exc)(*exc.args)
+        return type(exc)(*args)
     except TypeError:  # a class whose constructor wants other arguments
-        return RedisError(str(exc))
+        return RedisError(str(args[0]) if args else type(exc).__name__)
+
+
+_QUOTED_COMMAND = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
 
 
 __all__ = ["RedisTier", "check_value", "encode_header"]

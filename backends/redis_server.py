@@ -1,5 +1,6 @@
 """A local ``redis-server`` for tests and benchmarks: started on a free loopback port in
-a directory of the caller's, stopped (or killed, and started again on the same port).
+a directory of the caller's, stopped (or killed, and started again on the same port); and
+a local Redis Cluster of such servers.
 
 Not for production: it runs without persistence and binds to 127.0.0.1 only.
 """
@@ -101,3 +102,66 @@ class LocalRedisServer:
 
         with redis.Redis.from_url(self.url) as client:
             return client.execute_command(*args)
+
+
+_SLOTS = 16384  # a Redis Cluster's hash slots
+
+
+class LocalRedisCluster:
+    """A Redis Cluster of ``nodes`` local primaries (no replicas), each in a directory of
+    its own under ``directory``, the slots split evenly between them; ``url`` names the
+    first node (a cluster client finds the others from it).
+
+    Raises (constructor): FileNotFoundError if ``redis-server`` is not installed.
+    """
+
+    def __init__(self, directory: Path, nodes: int = 3) -> None:
+        self.nodes: list[LocalRedisServer] = []
+        self.bus_ports: list[int] = []
+        for index in range(nodes):
+            node_dir = directory / f"node-{index}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            # The bus port is named: its default, the port + 10000, may be taken or
+            # past 65535 for a port from the ephemeral range.
+            self.bus_ports.append(_free_port())
+            self.nodes.append(
+                LocalRedisServer(
+                    node_dir, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-port", str(self.bus_ports[-1]),
+                )
+            )  # fmt: skip
+        self.url = self.nodes[0].url
+
+    def start(self) -> None:
+        """Start every node, give each its share of the slots, join them and wait until
+        every node reports the cluster ok.
+
+        Raises:
+            RuntimeError: a node did not answer, or the cluster was not ok within 10 s.
+        """
+        for node in self.nodes:
+            node.start()
+        count = len(self.nodes)
+        for index, node in enumerate(self.nodes):
+            node.command("CLUSTER", "SET-CONFIG-EPOCH", str(index + 1))
+            first, last = index * _SLOTS // count, (index + 1) * _SLOTS // count - 1
+            node.command("CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
+        for node, bus_port in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
+            self.nodes[0].command("CLUSTER", "MEET", "127.0.0.1", str(node.port), str(bus_port))
+        deadline = time.monotonic() + _START_S
+        while time.monotonic() < deadline:
+            if all(self._sees_everyone(node) for node in self.nodes):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the local redis cluster did not come up")
+
+    def _sees_everyone(self, node: LocalRedisServer) -> bool:
+        info = node.command("CLUSTER", "INFO")
+        known = node.command("CLUSTER", "NODES")
+        assert isinstance(info, bytes) and isinstance(known, bytes)
+        return b"cluster_state:ok" in info and len(known.splitlines()) == len(self.nodes)
+
+    def stop(self) -> None:
+        """Stop every node; idempotent."""
+        for node in self.nodes:
+            node.stop()

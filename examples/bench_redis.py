@@ -2,26 +2,29 @@
 
 Usage::
 
-    python examples/bench_redis.py [URL] [--block-sizes 2M] [--size-mib 256]
+    python examples/bench_redis.py [URL] [--block-sizes 2M] [--size-mib 256] [--cluster]
 
-Without URL it starts its own ``redis-server`` on a free loopback port (no persistence)
-and stops it at the end. For each block size, ``--repeat`` rounds, the baseline and the
-tier alternating (which goes first alternates too), each on an emptied database:
+Without URL it starts its own ``redis-server`` on a free loopback port (no persistence),
+or with ``--cluster`` a three-node Redis Cluster, and stops it at the end. With
+``--cluster`` both sides use redis-py's cluster clients. For each block size,
+``--repeat`` rounds, the baseline and the tier alternating (which goes first alternates
+too), each on an emptied database:
 
 * baseline: redis-py's asyncio client, ``--concurrency`` pipelines at a time, each
   ``SET``-ing (then ``GET``-ting) ``--job-blocks`` values of the block size, sent from
   memoryviews of one buffer (no copies on the client side either);
-* tier: :class:`backends.redis.RedisTier` store jobs of ``--job-blocks`` keys from a
-  host-pool-like buffer (``--concurrency`` running at once), then load jobs of them back
-  into other slots, every load verified (header and checksum) by the tier, and one
-  block in 16 compared byte for byte by the benchmark. The event loop's lag is sampled
-  while the tier runs.
+* tier: :class:`backends.redis.RedisTier` (pipelines of at most ``--pipeline-mib``)
+  store jobs of ``--job-blocks`` keys from a host-pool-like buffer (``--concurrency``
+  running at once), then load jobs of them back into other slots, every load verified
+  (header and checksum) by the tier, and one block in 16 compared byte for byte by the
+  benchmark. The event loop's lag is sampled while the tier runs.
 
-Figures are medians over the rounds. The last line of output is one JSON object::
+Figures are medians over the rounds. The last line of output is one JSON object: the
+figures of the first block size at its top level, and every block size's in ``runs``::
 
-    {"runs": [{"block_bytes": ..., "store_GBps": ..., "load_GBps": ...,
-               "baseline_store_GBps": ..., "baseline_load_GBps": ...,
-               "store_ratio": ..., "load_ratio": ..., "loop_lag_p99_ms": ...}, ...]}
+    {"block_bytes": ..., "store_GBps": ..., "load_GBps": ..., "baseline_store_GBps": ...,
+     "baseline_load_GBps": ..., "store_ratio": ..., "load_ratio": ...,
+     "loop_lag_p99_ms": ..., "runs": [{"block_bytes": ..., ...}, ...]}
 """
 
 from __future__ import annotations
@@ -68,12 +71,21 @@ async def _in_batches(count: int, batch: int, concurrency: int, run) -> None:
             group.create_task(one(first))
 
 
-async def baseline_round(url: str, view: memoryview, block: int, args: argparse.Namespace):
+def _client(url: str, args: argparse.Namespace, **options: object):
+    """redis-py's asyncio client, or its cluster client with ``--cluster``."""
+    if args.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, **options)
     import redis.asyncio as aioredis
 
+    return aioredis.Redis.from_url(url, **options)
+
+
+async def baseline_round(url: str, view: memoryview, block: int, args: argparse.Namespace):
     count = view.nbytes // block
     names = [b"bench:%d" % i for i in range(count)]
-    client = aioredis.Redis.from_url(url, max_connections=args.concurrency + 1)
+    client = _client(url, args, max_connections=args.concurrency + 1)
     try:
         await client.flushdb()
 
@@ -114,6 +126,8 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
         namespace=f"bench-redis-{os.getpid()}",
         max_inflight=args.concurrency,
         max_connections=args.concurrency + 1,
+        cluster=args.cluster,
+        pipeline_bytes=args.pipeline_mib << 20,
     )
     keys = [b"block-%d" % i for i in range(half)]
 
@@ -147,8 +161,6 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
 
 
 async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
-    import redis.asyncio as aioredis
-
     runs = []
     for block in args.block_sizes:
         count = max(1, (args.size_mib << 20) // block)
@@ -175,7 +187,7 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
         finally:
             pool.release()
             buffer.close()
-        client = aioredis.Redis.from_url(url)
+        client = _client(url, args)
         try:
             await client.flushdb()
         finally:
@@ -217,9 +229,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--concurrency", type=positive_int, default=4, help="jobs (and pipelines) at once"
     )
     parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; medians reported")
+    parser.add_argument(
+        "--pipeline-mib", type=positive_int, default=64, help="the tier's pipeline_bytes, MiB"
+    )
+    parser.add_argument(
+        "--cluster", action="store_true", help="a Redis Cluster (without URL: start one)"
+    )
     args = parser.parse_args(argv)
     if args.url is not None and not args.url.startswith(("redis://", "rediss://", "unix://")):
         parser.error("argument url: must start with redis://, rediss:// or unix://")
+    if args.cluster and args.url is not None and args.url.startswith("unix://"):
+        parser.error("argument --cluster: needs a redis:// or rediss:// url")
     return args
 
 
@@ -233,16 +253,16 @@ def main() -> None:
         if args.url is not None:
             runs = asyncio.run(run(args.url, args, progress))
         else:
-            from backends.redis_server import LocalRedisServer
+            from backends.redis_server import LocalRedisCluster, LocalRedisServer
 
             with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
-                server = LocalRedisServer(Path(directory))
+                server = (LocalRedisCluster if args.cluster else LocalRedisServer)(Path(directory))
                 server.start()
                 try:
                     runs = asyncio.run(run(server.url, args, progress))
                 finally:
                     server.stop()
-    print(json.dumps({"runs": runs}))
+    print(json.dumps({**runs[0], "runs": runs}))
 
 
 if __name__ == "__main__":

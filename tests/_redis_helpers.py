@@ -9,15 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.redis_server import SERVER, LocalRedisServer
+from backends.redis_server import SERVER, LocalRedisCluster, LocalRedisServer
 
 
-def local_redis_server(
-    directory: Path, *args: str, tls: tuple[Path, Path, Path] | None = None
-) -> LocalRedisServer:
-    """A started :class:`~backends.redis_server.LocalRedisServer`; without redis-server or
-    redis-py the test skips, saying how to install them (fails with
-    ``KV_TIERING_REQUIRE_REDIS=1``, as in CI)."""
+def _require_redis() -> None:
+    """Skip the test, saying how to install what is missing, without redis-server or
+    redis-py (fail with ``KV_TIERING_REQUIRE_REDIS=1``, as in CI)."""
     required = os.environ.get("KV_TIERING_REQUIRE_REDIS") == "1"
     missing = []
     if SERVER is None:
@@ -28,9 +25,30 @@ def local_redis_server(
         missing.append("redis-py (pip install 'kv-tiering[redis]')")
     if missing:
         (pytest.fail if required else pytest.skip)(f"not installed: {', '.join(missing)}")
+
+
+def local_redis_server(
+    directory: Path, *args: str, tls: tuple[Path, Path, Path] | None = None
+) -> LocalRedisServer:
+    """A started :class:`~backends.redis_server.LocalRedisServer` (or a skip, as
+    :func:`_require_redis` says)."""
+    _require_redis()
     server = LocalRedisServer(directory, *args, tls=tls)
     server.start()
     return server
+
+
+def local_redis_cluster(directory: Path) -> LocalRedisCluster:
+    """A started three-node :class:`~backends.redis_server.LocalRedisCluster` (or a
+    skip, as :func:`_require_redis` says)."""
+    _require_redis()
+    cluster = LocalRedisCluster(directory)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
 
 
 def self_signed_tls(directory: Path) -> tuple[Path, Path, Path]:

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from backends.redis_server import LocalRedisCluster
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
-from tests._redis_helpers import local_redis_server, self_signed_tls
+from tests._redis_helpers import local_redis_cluster, local_redis_server, self_signed_tls
 from tests._scripts import last_json, run_script
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
@@ -33,8 +34,25 @@ def pool():
         yield view
 
 
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A three-node local Redis Cluster for this module's tests, emptied after each."""
+    cluster = local_redis_cluster(tmp_path_factory.mktemp("cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def empty_cluster(redis_cluster: LocalRedisCluster):
+    yield redis_cluster
+    for node in redis_cluster.nodes:
+        node.command("FLUSHALL")
+
+
 @asynccontextmanager
-async def opened(pool: memoryview, server: RedisServer, **options: Any) -> AsyncIterator[Any]:
+async def opened(
+    pool: memoryview, server: RedisServer | LocalRedisCluster, **options: Any
+) -> AsyncIterator[Any]:
     spec = {"type": "redis", "url": server.url, "namespace": "model-a", **options}
     tier = make_tier(spec, pool, BLOCK)
     await tier.start()
@@ -188,6 +206,61 @@ async def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
         assert str(tier.breaker.state) == "closed"
 
 
+async def test_a_full_server_s_refusal_fails_the_job_without_quoting_its_bytes(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    redis_server.command("CONFIG", "SET", "maxmemory", "1")  # full; the policy: noeviction
+    async with opened(pool, redis_server) as tier:
+        refused = await store_job(tier, keys(2), [0, 1])
+        assert not refused.success and "maxmemory" in str(refused.error)
+        assert "HSET" not in str(refused.error)  # the client quotes the command: block bytes
+        assert str(tier.breaker.state) == "closed"  # a refusal is no outage
+        redis_server.command("CONFIG", "SET", "maxmemory", "0")
+        assert (await store_job(tier, keys(2), [0, 1])).success
+
+
+async def test_a_large_job_goes_in_pipelines_of_at_most_pipeline_bytes(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(5)
+    expected = [slot(pool, i) for i in range(5)]
+    async with opened(pool, redis_server, pipeline_bytes=2 * BLOCK + 1) as tier:
+        assert (await store_job(tier, names, range(5))).success
+        assert tier.statistics().counters["pipelines"] == 3  # 2 + 2 + 1 blocks
+        assert (await load_job(tier, names, range(10, 15))).success
+        assert tier.statistics().counters["pipelines"] == 6
+    assert [slot(pool, i) for i in range(10, 15)] == expected
+
+
+async def test_a_cluster_holds_blocks_on_every_node_and_serves_them_to_another_engine(
+    pool: memoryview, empty_cluster: LocalRedisCluster
+) -> None:
+    names = keys(24)
+    expected = [slot(pool, i) for i in range(24)]
+    options = {"cluster": True, "usage_every_s": 0.01}
+    async with opened(pool, empty_cluster, **options) as first:
+        assert (await store_job(first, names, range(24))).success
+        async with opened(pool, empty_cluster, **options) as second:
+            assert [await settled(lambda k=k: second.lookup(k)) for k in names] == [True] * 24
+            for start in (0, 8, 16):
+                assert (await load_job(second, names[start : start + 8], range(24, 32))).success
+                assert [slot(pool, i) for i in range(24, 32)] == expected[start : start + 8]
+            await settled(lambda: second.statistics().counters["server_keys"] == 24 or None)
+    held = [node.command("DBSIZE") for node in empty_cluster.nodes]
+    assert all(isinstance(count, int) and count > 0 for count in held) and sum(held) == 24
+
+
+async def test_the_cluster_option_must_match_the_server(
+    pool: memoryview, redis_server: RedisServer, redis_cluster: LocalRedisCluster
+) -> None:
+    for server, cluster in ((redis_cluster, False), (redis_server, True)):
+        spec = {"type": "redis", "url": server.url, "namespace": "x", "cluster": cluster}
+        tier = make_tier(spec, pool, BLOCK)
+        with pytest.raises(InvalidArgumentError, match=f"cluster={cluster}"):
+            await tier.start()
+        assert tier.state.name == "CLOSED"
+
+
 async def test_blocks_evicted_from_cpu_come_back_from_redis_through_the_engine(
     redis_server: RedisServer,
 ) -> None:
@@ -266,6 +339,9 @@ def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
         ({"tenant": "a:b"}, "tenant"),
         ({"breaker_failures": 0}, "breaker_failures"),
         ({"presence_entries": -1}, "presence_entries"),
+        ({"pipeline_bytes": 0}, "pipeline_bytes"),
+        ({"cluster": "yes"}, "cluster"),
+        ({"url": "unix:///tmp/redis.sock", "cluster": True}, "cluster"),
         ({"tls_ca_file": "/etc/hostname"}, "tls_ca_file"),  # a file, but the url is not TLS
         ({"url": "rediss://127.0.0.1:1/0", "tls_cert_file": "/no/such.pem"}, "tls_cert_file"),
     ],
