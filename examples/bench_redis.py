@@ -230,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; medians reported")
     parser.add_argument(
-        "--pipeline-mib", type=positive_int, default=64, help="the tier's pipeline_bytes, MiB"
+        "--pipeline-mib", type=positive_int, default=2, help="the tier's pipeline_bytes, MiB"
     )
     parser.add_argument(
         "--cluster", action="store_true", help="a Redis Cluster (without URL: start one)"
