@@ -276,9 +276,44 @@ async def test_blocks_evicted_from_cpu_come_back_from_redis_through_the_engine(
     assert torch.equal(kv[0:4], kv[8:12])
 
 
+async def test_with_redis_dead_the_engine_serves_from_cpu_and_nvme_and_recovers(
+    redis_server: RedisServer, tmp_path
+) -> None:
+    kv = torch.randn(16, 4, 64).half()  # 16 device blocks of 512 bytes
+    tiers = [
+        {"type": "nvme", "root": str(tmp_path / "nvme"), "capacity_bytes": 1 << 20},
+        {"type": "redis", "url": redis_server.url, "timeout_s": 0.5, "breaker_failures": 1,
+         "breaker_backoff_s": 0.05},
+    ]  # fmt: skip
+    async with TieringEngine(kv, 4, secondary_tiers=tiers, cache_identity="dead") as engine:
+        redis_tier = engine.tiers[1]
+        first, second, third = ([b"%s%d" % (p, i) for i in range(4)] for p in (b"a", b"b", b"c"))
+        job = engine.store(first, [0, 1, 2, 3])
+        assert (await job).success and await job.cascaded
+        redis_server.kill()
+        job = engine.store(second, [4, 5, 6, 7])  # pushes the first out of the CPU tier
+        assert (await job).success and not await job.cascaded  # NVMe has it, redis not
+        assert str(redis_tier.breaker.state) == "open"
+        assert engine.lookup(first) == 4  # from NVMe
+        assert (await engine.load(first, [8, 9, 10, 11])).success
+        assert torch.equal(kv[0:4], kv[8:12])
+        redis_server.start()  # back, empty
+        await asyncio.sleep(0.1)  # past the back-off
+        job = engine.store(third, [12, 13, 14, 15])
+        assert (await job).success and await job.cascaded
+        assert str(redis_tier.breaker.state) == "closed"
+
+
+async def test_blocks_expire_after_ttl_s(pool: memoryview, redis_server: RedisServer) -> None:
+    async with opened(pool, redis_server, ttl_s=30) as tier:
+        assert (await store_job(tier, keys(1), [0])).success
+        [name] = redis_server.command("KEYS", "*")
+        assert 0 < redis_server.command("TTL", name) <= 30
+
+
 @pytest.mark.parametrize("credentials", ["", ":wrong-pw-7f3a@"])
 async def test_refused_credentials_fail_the_start_without_showing_them(
-    pool: memoryview, tmp_path, credentials: str
+    pool: memoryview, tmp_path, credentials: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = local_redis_server(tmp_path, "--requirepass", "right-pw-9c1e")
     try:
@@ -292,7 +327,23 @@ async def test_refused_credentials_fail_the_start_without_showing_them(
         async with opened(pool, server, url=right) as authed:
             assert (await store_job(authed, keys(1), [0])).success
             assert (await load_job(authed, keys(1), [1])).success
+            assert "pw-" not in repr(authed) + repr(authed.statistics())
         assert slot(pool, 1) == slot(pool, 0)
+        assert "pw-" not in caplog.text
+    finally:
+        server.stop()
+
+
+async def test_an_acl_user_with_a_password_round_trips(pool: memoryview, tmp_path) -> None:
+    server = local_redis_server(tmp_path)
+    try:
+        server.command("ACL", "SETUSER", "kv-engine", "on", ">user-pw-41d2", "~kvt:*", "+@all")
+        server.command("ACL", "SETUSER", "default", "off")  # only the named user gets in
+        url = server.url.replace("redis://", "redis://kv-engine:user-pw-41d2@")
+        async with opened(pool, server, url=url) as tier:
+            assert (await store_job(tier, keys(2), [0, 1])).success
+            assert (await load_job(tier, keys(2), [2, 3])).success
+        assert [slot(pool, 2), slot(pool, 3)] == [slot(pool, 0), slot(pool, 1)]
     finally:
         server.stop()
 
