@@ -45,9 +45,9 @@ import time
 
 import torch
 import uvloop
-from _cli import Progress, make_parser, positive_float, positive_int
 
 from tiering import TieringEngine
+from tiering.cli_args import Progress, make_parser, positive_float, positive_int
 from tiering.device import DeviceCopier
 from tiering.host_pool import HostPool
 from tiering.loop_lag import LoopLagMonitor

@@ -20,8 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from _cli import Progress, choice_list, make_parser, positive_int
-
+from tiering.cli_args import Progress, choice_list, make_parser, positive_int
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import policy_names
 

@@ -83,7 +83,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from _cli import (
+from backends.nvme import NVMeFileTier, NVMeTierBase
+from backends.nvme_files import probe_o_direct
+from backends.nvme_segment_tier import NVMeSegmentTier
+from tiering.cli_args import (
     Progress,
     ensure_directory,
     make_parser,
@@ -91,10 +94,6 @@ from _cli import (
     positive_int,
     size_list,
 )
-
-from backends.nvme import NVMeFileTier, NVMeTierBase
-from backends.nvme_files import probe_o_direct
-from backends.nvme_segment_tier import NVMeSegmentTier
 from tiering.host_pool import HostPool
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata

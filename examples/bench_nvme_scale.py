@@ -81,10 +81,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from _cli import Progress, ensure_directory, make_parser, parse_size, positive_int
-
 from backends.nvme import NVMeFileTier, NVMeTierBase
 from backends.nvme_segment_tier import NVMeSegmentTier
+from tiering.cli_args import Progress, ensure_directory, make_parser, parse_size, positive_int
 from tiering.host_pool import HostPool
 from tiering.secondary import JobMetadata
 

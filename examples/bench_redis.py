@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from _cli import Progress, make_parser, positive_int, size_list
-
+from tiering.cli_args import Progress, make_parser, positive_int, size_list
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
 

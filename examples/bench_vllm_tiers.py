@@ -62,10 +62,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from _cli import Progress, ensure_directory, make_parser, positive_float, positive_int, size_list
 from bench_nvme import VllmFs, drop_page_cache, files_under, load_vllm_fs
 
 from backends.nvme_files import probe_o_direct
+from tiering.cli_args import (
+    Progress,
+    ensure_directory,
+    make_parser,
+    positive_float,
+    positive_int,
+    size_list,
+)
 
 _ALIGN = 4096
 _SAMPLE_EVERY = 16  # one promoted chunk in this many is byte-checked

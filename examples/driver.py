@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 import uvloop
-from _cli import ensure_directory, make_parser
 
 from tiering import TieringEngine
+from tiering.cli_args import ensure_directory, make_parser
 from tiering.hashing import block_hashes
 
 LAYERS = 4

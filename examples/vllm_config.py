@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 
-from _cli import make_parser, parse_size
+from tiering.cli_args import make_parser, parse_size
 
 
 def _size(text: str) -> int:

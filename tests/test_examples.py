@@ -4,27 +4,21 @@ progress line never reaches a pipe; the benchmark's last stdout line stays JSON.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import io
 import json
 import os
 import re
-import select
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests._scripts import run_script
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
-
-sys.path.insert(0, str(EXAMPLES))  # the scripts import their shared _cli module by name
-import _cli  # noqa: E402
-
-from tests._scripts import run_script  # noqa: E402
 
 
 def _script(name: str) -> ModuleType:
@@ -291,103 +285,6 @@ def test_driver_rejects_an_unusable_nvme_directory(
         _script("driver").parse_args(["--nvme", str(blocker)])
     assert exit_info.value.code == 2
     assert "argument --nvme:" in capsys.readouterr().err
-
-
-# -- the shared pieces --------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("4096", 4096),
-        ("128K", 128 << 10),
-        ("2M", 2 << 20),
-        ("2MiB", 2 << 20),
-        ("2mb", 2 << 20),
-        (" 1.5G ", 3 << 29),
-        ("1T", 1 << 40),
-    ],
-)
-def test_parse_size(text: str, size: int) -> None:
-    assert _cli.parse_size(text) == size
-
-
-@pytest.mark.parametrize("text", ["", "2X", "M", "0", "-4K", "0.3", "1e400", "nan", "B"])
-def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(ValueError, match=r"size|bytes"):
-        _cli.parse_size(text)
-
-
-def test_size_list() -> None:
-    assert _cli.size_list("2M,128K") == [2 << 20, 128 << 10]
-    with pytest.raises(argparse.ArgumentTypeError, match="'2X'"):
-        _cli.size_list("2M,2X")
-    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
-        _cli.size_list("2M,")
-
-
-def test_positive_numbers() -> None:
-    assert _cli.positive_int("7") == 7
-    assert _cli.positive_float("0.25") == 0.25
-    for bad in ("0", "-1", "1.0", "x", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
-            _cli.positive_int(bad)
-    for bad in ("0", "-0.5", "nan", "inf", "x"):
-        with pytest.raises(argparse.ArgumentTypeError, match="positive number"):
-            _cli.positive_float(bad)
-
-
-def test_choice_list() -> None:
-    parse = _cli.choice_list(["lru", "arc"])
-    assert parse("arc,lru") == ["arc", "lru"]
-    with pytest.raises(argparse.ArgumentTypeError, match=r"'fifo'.*arc, lru"):
-        parse("lru,fifo")
-    with pytest.raises(argparse.ArgumentTypeError, match="repeat"):
-        parse("lru,lru")
-
-
-def test_progress_is_silent_on_a_pipe() -> None:
-    read_fd, write_fd = os.pipe()
-    with os.fdopen(write_fd, "w") as pipe, _cli.Progress(pipe) as progress:
-        assert not progress.enabled
-        progress.update("working", force=True)
-    with os.fdopen(read_fd, "rb") as reader:
-        assert reader.read() == b""
-    buffer = io.StringIO()
-    with _cli.Progress(buffer) as progress:
-        progress.update("working", force=True)
-    assert buffer.getvalue() == ""
-
-
-def test_progress_draws_and_clears_on_a_terminal() -> None:
-    primary, secondary = os.openpty()
-    try:
-        tty = os.fdopen(secondary, "w", closefd=False)
-        with tty, _cli.Progress(tty, interval=3600) as progress:
-            assert progress.enabled
-            progress.update("step 1/3", force=True)
-            progress.update("step 2/3")  # within the interval: not drawn
-            progress.update("step 3", force=True)
-        # Step 2 fell within the interval; the shorter step 3 blanks step 1's tail;
-        # leaving the block blanks the line and returns to its start.
-        expected = "\rstep 1/3" + "\rstep 3  " + "\r      \r"
-        shown = _read_pty(primary, len(expected))
-    finally:
-        os.close(secondary)
-        os.close(primary)
-    assert shown == expected
-
-
-def _read_pty(fd: int, size: int, timeout_s: float = 10.0) -> str:
-    """What a pseudo-terminal shows, read until ``size`` characters came or nothing more
-    came for ``timeout_s`` (a pty may hand over one write in several reads)."""
-    data = b""
-    while len(data) < size:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
-        if not ready:
-            break
-        data += os.read(fd, 4096)
-    return data.decode()
 
 
 # -- bench_nvme_scale -----------------------------------------------------------------

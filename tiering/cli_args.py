@@ -1,4 +1,5 @@
-"""Command-line pieces the example scripts share: argument types, a parser, progress.
+"""Command-line pieces the `tiering` command and the example scripts share: argument types,
+a parser, progress.
 
 The argument types raise :class:`argparse.ArgumentTypeError`, so argparse reports a bad
 value as ``argument --name: <why>, got '<value>'`` and exits with status 2 before any

@@ -1,0 +1,1 @@
+"""The ``tiering`` command's subcommands, one module each (see :mod:`tiering.cli`)."""
