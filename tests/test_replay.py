@@ -1,0 +1,139 @@
+"""Replays: the bookkeeping model and the real engine agree (``tiering.replay``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiering import TieringEngine
+from tiering.errors import InvalidArgumentError
+from tiering.replay import CacheModel, expected_bytes, replay, simulate
+from tiering.workloads import Request, read_mooncake, synthetic_requests
+
+TRACE = (
+    Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+)
+BLOCK = 1024
+
+
+def _tree_workload(paths: list[list[int]]) -> list[Request]:
+    """Requests whose ids are prefix-chained: a request's i-th id names its first i+1
+    choices, so equal ids always mean equal prefixes."""
+    ids: dict[tuple[int, ...], int] = {}
+    requests = []
+    for t, path in enumerate(paths):
+        chain = tuple(ids.setdefault(tuple(path[: i + 1]), len(ids)) for i in range(len(path)))
+        requests.append(Request(float(t), chain, len(chain) * 512, 0))
+    return requests
+
+
+workloads = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(paths=workloads, cpu_blocks=st.integers(6, 12))  # room for any request's blocks
+def test_with_an_unbounded_tier_every_block_seen_before_is_a_hit(
+    paths: list[list[int]], cpu_blocks: int
+) -> None:
+    requests = _tree_workload(paths)
+    model = simulate(requests, cpu_blocks=cpu_blocks, tier_blocks=[None])
+    seen: set[int] = set()
+    ideal = 0
+    for r in requests:
+        ideal += sum(1 for i in r.block_ids if i in seen)  # prefix-chained: a seen block's
+        seen.update(r.block_ids)  # whole prefix was seen too, so the hits are leading
+    assert sum(model.hits.values()) == ideal
+    assert model.blocks == sum(len(r.block_ids) for r in requests)
+
+
+def test_the_model_counts_where_each_hit_comes_from() -> None:
+    model = CacheModel(2, tier_blocks=[None], tier_names=["disk"])
+    a, b, c = (bytes([i]) * 8 for i in range(3))
+    assert model.request([a, b]) == 0
+    assert model.request([c]) == 0  # evicts a (least recent) from the CPU tier
+    assert model.request([a, b]) == 2
+    assert model.hits == {"cpu": 1, "disk": 1}
+    with pytest.raises(InvalidArgumentError, match="tier_names"):
+        CacheModel(2, tier_blocks=[None], tier_names=[])
+
+
+def _engine_factory(cpu_blocks: int, tiers: list[dict] | None = None):
+    return lambda kv: TieringEngine(kv, cpu_blocks, secondary_tiers=tiers or [])
+
+
+async def test_the_engine_hits_what_the_model_promised_cpu_only() -> None:
+    requests = synthetic_requests(sessions=60, seed=1)
+    model = simulate(requests, cpu_blocks=40)
+    summary = await replay(requests, _engine_factory(40), device_blocks=64, block_bytes=BLOCK)
+    assert summary.mismatches == 0 and summary.failed_loads == 0
+    assert summary.hit_blocks == sum(model.hits.values()) > 0
+    assert summary.hits_by_tier == {"cpu": model.hits["cpu"]}
+
+
+async def test_the_engine_hits_what_the_model_promised_with_a_memory_tier() -> None:
+    requests = synthetic_requests(sessions=60, seed=2)
+    model = simulate(requests, cpu_blocks=30, tier_blocks=[None])
+    tiers = [{"type": "memory", "max_blocks": 10_000}]
+    summary = await replay(
+        requests, _engine_factory(30, tiers), device_blocks=64, block_bytes=BLOCK
+    )
+    assert summary.mismatches == 0
+    assert summary.hits_by_tier == {"cpu": model.hits["cpu"], "memory": model.hits["tier0"]}
+    assert summary.hits_by_tier["memory"] > 0  # the tier served some
+    paths = summary.bytes_by_path
+    assert paths["device->cpu"] == paths["cpu->memory"]  # write-through: all of it
+    assert paths["memory->cpu"] == model.hits["tier0"] * BLOCK
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
+async def test_the_shared_trace_through_cpu_and_nvme_matches_the_model(tmp_path: Path) -> None:
+    requests = read_mooncake(TRACE, limit=600)
+    model = simulate(requests, cpu_blocks=300, tier_blocks=[None])
+    tiers = [{"type": "nvme", "root": str(tmp_path), "capacity_bytes": 1 << 30}]
+    summary = await replay(
+        requests, _engine_factory(300, tiers), device_blocks=400, block_bytes=4096
+    )
+    assert summary.mismatches == 0
+    assert summary.hits_by_tier == {"cpu": model.hits["cpu"], "nvme": model.hits["tier0"]}
+    assert summary.to_json()["hit_ratio"] == round(model.hit_ratio, 4)
+
+
+async def test_wrong_bytes_in_a_tier_are_counted_as_mismatches() -> None:
+    requests = [Request(0.0, (1, 2), 1024, 0), Request(1.0, (1, 2), 1024, 0)]
+    engines: list[TieringEngine] = []
+
+    def make(kv: torch.Tensor) -> TieringEngine:
+        engines.append(TieringEngine(kv, 8))
+        return engines[-1]
+
+    def corrupt(done: int, _summary: object) -> None:
+        if done == 1:  # after the first request stored both blocks
+            engine = engines[0]
+            slot = engine.manager.slot_of((2).to_bytes(8, "big"))
+            engine.host_pool.view[slot * BLOCK] ^= 0xFF
+
+    summary = await replay(requests, make, device_blocks=4, block_bytes=BLOCK, on_request=corrupt)
+    assert summary.hit_blocks == 2 and summary.mismatches == 1
+
+
+async def test_a_request_longer_than_the_device_cache_is_refused_before_starting() -> None:
+    requests = [Request(0.0, tuple(range(10)), 10 * 512, 0)]
+    started: list[object] = []
+    with pytest.raises(InvalidArgumentError, match=r"device_blocks \(4\).*give at least 10"):
+        await replay(requests, started.append, device_blocks=4, block_bytes=BLOCK)  # type: ignore[arg-type]
+    assert started == []
+
+
+def test_expected_bytes_differ_by_key_and_repeat_a_digest() -> None:
+    one, two = expected_bytes(b"a" * 8, 256), expected_bytes(b"b" * 8, 256)
+    assert one.nbytes == 256 and not (one == two).all()
+    assert (one[:64] == one[64:128]).all()
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
+def test_lru_at_10000_blocks_on_the_shared_trace_hits_0_4239() -> None:
+    assert round(simulate(read_mooncake(TRACE), cpu_blocks=10_000).hit_ratio, 4) == 0.4239

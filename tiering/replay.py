@@ -1,0 +1,389 @@
+"""Replay a workload: through a real engine, or as bookkeeping only.
+
+:func:`replay` drives a real :class:`~tiering.engine.TieringEngine`: real bytes through
+its host pool and tiers, with a simulated device KV cache of ``device_blocks`` blocks
+used as staging. Per request, in order:
+
+1. ``touch`` the prompt's blocks and ``lookup`` how many leading ones the tiers hold;
+2. ``load`` that prefix into device blocks and compare every loaded block with the
+   bytes its hash stands for (:func:`expected_bytes`): a difference is a *mismatch*;
+3. "compute" the rest: fill their device blocks with the bytes their hashes stand for;
+4. ``store`` them.
+
+A key a load could not bring (a tier failed, or lost it) ends the hit there: it and
+the blocks after it are computed and stored again, as a server would.
+
+:class:`CacheModel` is the bookkeeping-only replay of the same steps (no bytes): the CPU
+tier's own :class:`~tiering.manager.CPUOffloadingManager`, called exactly as the engine
+calls it, and a least-recently-used set per secondary tier. With secondary tiers large
+enough to evict nothing, its hit ratio is the engine's; :func:`simulate` runs it over a
+workload, fast enough for a capacity sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiering.engine import TieringEngine
+from tiering.errors import InvalidArgumentError
+from tiering.loop_lag import LoopLagMonitor
+from tiering.manager import CPUOffloadingManager
+from tiering.validation import positive_int
+from tiering.workloads import Request
+
+CPU = "cpu"
+"""The CPU tier's name in hit and byte figures."""
+
+
+def expected_bytes(key: bytes, nbytes: int) -> np.ndarray:
+    """The bytes block ``key`` stands for in a replay: a 64-byte BLAKE2b digest of the
+    key, repeated to ``nbytes`` (a uint8 array). Distinct keys give distinct blocks."""
+    digest = np.frombuffer(hashlib.blake2b(key, digest_size=64).digest(), dtype=np.uint8)
+    return np.resize(digest, nbytes)
+
+
+# ------------------------------------------------------------------ bookkeeping
+
+
+class _LRUSet:
+    """A secondary tier in the model: the keys it holds, least recently used first."""
+
+    __slots__ = ("capacity", "keys")
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        keys = self.keys
+        for h in reversed(hashes):  # the first hash ends most recent
+            if h in keys:
+                keys.move_to_end(h)
+
+    def add(self, hashes: Sequence[bytes]) -> None:
+        keys = self.keys
+        for h in hashes:
+            keys[h] = None
+            keys.move_to_end(h)
+        if self.capacity is not None:
+            while len(keys) > self.capacity:
+                keys.popitem(last=False)
+
+
+class CacheModel:
+    """The bookkeeping of a replay, without bytes: what each request would hit, where.
+
+    Args:
+        cpu_blocks: the CPU tier's capacity.
+        policy: its eviction policy's name.
+        tier_blocks: one capacity per secondary tier, fastest first (None: unbounded);
+            stores go to every tier (write-through), evicting least recently used keys.
+        tier_names: their names in :attr:`hits` (default ``tier0``, ``tier1``...).
+
+    Raises:
+        InvalidArgumentError / UnknownPolicyError: a bad capacity or policy name.
+    """
+
+    def __init__(
+        self,
+        cpu_blocks: int,
+        policy: str = "lru",
+        tier_blocks: Sequence[int | None] = (),
+        tier_names: Sequence[str] | None = None,
+    ) -> None:
+        self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
+        for i, capacity in enumerate(tier_blocks):
+            if capacity is not None:
+                positive_int(f"tier_blocks[{i}]", capacity)
+        names = list(tier_names) if tier_names is not None else []
+        if tier_names is not None and len(names) != len(tier_blocks):
+            raise InvalidArgumentError(
+                f"tier_names must name each of the {len(tier_blocks)} tiers, got {names!r}"
+            )
+        self.tier_names = names or [f"tier{i}" for i in range(len(tier_blocks))]
+        self._tiers = [_LRUSet(capacity) for capacity in tier_blocks]
+        self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
+        self.blocks = 0
+
+    def request(self, hashes: Sequence[bytes]) -> int:
+        """One request's blocks: returns how many leading ones hit (and counts where)."""
+        manager, tiers = self.manager, self._tiers
+        manager.touch(hashes)
+        for tier in tiers:
+            tier.touch(hashes)
+        n = 0
+        promoted = False
+        for h in hashes:
+            if manager.is_ready(h):
+                self.hits[CPU] += 1
+            else:
+                holder = next((i for i, t in enumerate(tiers) if h in t.keys), None)
+                if holder is None:
+                    break
+                self.hits[self.tier_names[holder]] += 1
+                promoted = True
+            n += 1
+        if promoted:  # the engine gives the promoted blocks CPU slots, as a store does
+            out = manager.prepare_store(hashes[:n])
+            if out is not None:
+                manager.complete_store(out.block_hashes_to_store)
+        out = manager.prepare_store(hashes[n:])
+        if out is not None:
+            manager.complete_store(out.block_hashes_to_store)
+            for tier in tiers:
+                tier.add(out.block_hashes_to_store)
+        self.blocks += len(hashes)
+        return n
+
+    @property
+    def hit_ratio(self) -> float:
+        """Hit blocks / requested blocks so far (0 before any)."""
+        return sum(self.hits.values()) / self.blocks if self.blocks else 0.0
+
+
+def simulate(
+    requests: Sequence[Request],
+    *,
+    cpu_blocks: int,
+    policy: str = "lru",
+    tier_blocks: Sequence[int | None] = (),
+    full_blocks_only: bool = False,
+) -> CacheModel:
+    """Run ``requests`` through a fresh :class:`CacheModel`; returns it, with its hit
+    figures. Raises as :class:`CacheModel` does."""
+    model = CacheModel(cpu_blocks, policy, tier_blocks)
+    for request in requests:
+        model.request(request.keys(full_blocks_only=full_blocks_only))
+    return model
+
+
+# ------------------------------------------------------------------ engine replay
+
+
+@dataclass
+class ReplaySummary:
+    """What a replay through the engine did; :meth:`to_json` is its stable form.
+
+    Hit ratios are hit blocks / requested blocks, overall and by the tier each hit came
+    from (``cpu``, then the secondary tiers by type). ``bytes_by_path`` counts payload
+    bytes per direction (``device->cpu``, ``cpu->device``, ``cpu-><tier>``,
+    ``<tier>->cpu``), from the engine's and the tiers' counters.
+    """
+
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    mismatches: int = 0
+    failed_loads: int = 0
+    failed_stores: int = 0
+    seconds: float = 0.0
+    bytes_by_path: dict[str, int] = field(default_factory=dict)
+    store_latency_s: list[float] = field(default_factory=list, repr=False)
+    load_latency_s: list[float] = field(default_factory=list, repr=False)
+    loop_lag_p99_ms: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary as plain JSON values (the ``--json`` line of ``tiering replay``)."""
+        return {
+            "requests": self.requests,
+            "blocks": self.blocks,
+            "hit_ratio": round(self.hit_ratio, 4),
+            "hit_ratio_by_tier": {
+                tier: round(hits / self.blocks, 4) if self.blocks else 0.0
+                for tier, hits in self.hits_by_tier.items()
+            },
+            "mismatches": self.mismatches,
+            "failed_loads": self.failed_loads,
+            "failed_stores": self.failed_stores,
+            "seconds": round(self.seconds, 3),
+            "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
+            "bytes_by_path": dict(self.bytes_by_path),
+            "job_latency_ms": {
+                "store": _percentiles_ms(self.store_latency_s),
+                "load": _percentiles_ms(self.load_latency_s),
+            },
+            "loop_lag_p99_ms": round(self.loop_lag_p99_ms, 3),
+        }
+
+
+def _percentiles_ms(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {"p50": 0.0, "p99": 0.0, "count": 0}
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {
+        "p50": round(statistics.median(ordered) * 1e3, 3),
+        "p99": round(p99 * 1e3, 3),
+        "count": len(ordered),
+    }
+
+
+def tier_labels(engine: TieringEngine) -> list[str]:
+    """Each secondary tier's name in the figures: its type, numbered when two share one."""
+    types = [tier.get_tier_type() for tier in engine.tiers]
+    return [f"{t}{types[:i].count(t)}" if types.count(t) > 1 else t for i, t in enumerate(types)]
+
+
+async def replay(
+    requests: Sequence[Request],
+    make_engine: Callable[[torch.Tensor], TieringEngine],
+    *,
+    device_blocks: int,
+    block_bytes: int,
+    pace: float | None = None,
+    full_blocks_only: bool = False,
+    verify: bool = True,
+    on_request: Callable[[int, ReplaySummary], None] | None = None,
+) -> ReplaySummary:
+    """Replay ``requests`` through the engine ``make_engine(device_kv)`` builds around a
+    device KV cache of ``device_blocks`` blocks of ``block_bytes`` bytes (a CPU tensor),
+    and close it.
+
+    Args:
+        pace: None to run as fast as possible; otherwise a speed-up of the workload's
+            own arrival times (1.0: as recorded, 2.0: twice as fast).
+        verify: compare every loaded block with its expected bytes (mismatches).
+        on_request: called after each request with its number and the summary so far.
+
+    Returns:
+        The summary; ``mismatches`` counts loaded blocks whose bytes were wrong, which
+        never happens unless a tier served wrong bytes.
+
+    Raises:
+        InvalidArgumentError: a bad argument, or a request longer than ``device_blocks``
+            (naming the request); nothing ran.
+        TieringError: the engine could not start.
+    """
+    device_blocks = positive_int("device_blocks", device_blocks)
+    nbytes = positive_int("block_bytes", block_bytes)
+    if pace is not None and not (isinstance(pace, int | float) and pace > 0):
+        raise InvalidArgumentError(f"pace must be None or a positive number, got {pace!r}")
+    keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
+    for number, keys in enumerate(keyed):
+        if len(keys) > device_blocks:
+            raise InvalidArgumentError(
+                f"device_blocks ({device_blocks}) is smaller than request {number}, which "
+                f"has {len(keys)} blocks; give at least {max(map(len, keyed))}"
+            )
+    device = torch.zeros((device_blocks, nbytes), dtype=torch.uint8)
+    staging = device.numpy()  # the same memory: the engine copies from and into it
+    summary = ReplaySummary()
+    engine = make_engine(device)
+    async with engine, LoopLagMonitor() as lag:
+        labels = tier_labels(engine)
+        summary.hits_by_tier = dict.fromkeys([CPU, *labels], 0)
+        start = time.perf_counter()
+        for number, (request, keys) in enumerate(zip(requests, keyed, strict=True)):
+            if pace is not None:
+                delay = start + request.arrival_s / pace - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            await _one_request(engine, keys, staging, labels, summary, verify)
+            summary.requests += 1
+            if on_request is not None:
+                on_request(number + 1, summary)
+        summary.seconds = time.perf_counter() - start
+    summary.bytes_by_path = _bytes_by_path(engine, labels)  # closed: every cascade counted
+    summary.loop_lag_p99_ms = lag.p99_ms
+    return summary
+
+
+async def _one_request(
+    engine: TieringEngine,
+    keys: list[bytes],
+    staging: np.ndarray,
+    labels: list[str],
+    summary: ReplaySummary,
+    verify: bool,
+) -> None:
+    engine.touch(keys)
+    n = engine.lookup(keys)
+    sources = [_source(engine, labels, key) for key in keys[:n]]
+    if n:
+        began = time.perf_counter()
+        result = await engine.load(keys[:n], range(n))
+        summary.load_latency_s.append(time.perf_counter() - began)
+        if not result.success:
+            summary.failed_loads += 1
+            failed = set(result.failed_keys)
+            n = next(i for i, key in enumerate(keys[:n]) if key in failed)
+        if verify:  # the whole request's blocks in one hop off the loop
+            summary.mismatches += await asyncio.to_thread(_count_mismatches, staging, keys[:n])
+    for source in sources[:n]:
+        summary.hits_by_tier[source] = summary.hits_by_tier.get(source, 0) + 1
+    summary.hit_blocks += n
+    summary.blocks += len(keys)
+    if n < len(keys):
+        await asyncio.to_thread(_compute, staging, keys, n)  # the "model", off the loop
+        began = time.perf_counter()
+        result = await engine.store(keys[n:], range(n, len(keys)))
+        summary.store_latency_s.append(time.perf_counter() - began)
+        if not result.success:
+            summary.failed_stores += 1
+
+
+def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
+    """How many of the first ``len(keys)`` device blocks differ from their keys' bytes."""
+    nbytes = staging.shape[1]
+    return sum(
+        1
+        for i, key in enumerate(keys)
+        if not np.array_equal(staging[i], expected_bytes(key, nbytes))
+    )
+
+
+def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
+    """Fill device blocks ``first..`` with their keys' bytes, as a model would compute them."""
+    nbytes = staging.shape[1]
+    for i in range(first, len(keys)):
+        staging[i] = expected_bytes(keys[i], nbytes)
+
+
+def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
+    """Where a hit block is served from: the CPU tier, or the first tier holding it."""
+    if engine.manager.is_ready(key):
+        return CPU
+    for label, tier in zip(labels, engine.tiers, strict=True):
+        if tier.lookup(key):
+            return label
+    return "gone"  # it left every tier between the lookup and now
+
+
+def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
+    size = engine.block_bytes
+    counters = engine.statistics().counters
+    paths = {
+        "device->cpu": counters["bytes_to_host"],
+        "cpu->device": counters["bytes_to_device"],
+    }
+    for label, tier in zip(labels, engine.tiers, strict=True):
+        tier_counters = tier.statistics().counters
+        paths[f"cpu->{label}"] = tier_counters.get("stored_blocks", 0) * size
+        paths[f"{label}->cpu"] = tier_counters.get("loaded_blocks", 0) * size
+    return paths
+
+
+__all__ = [
+    "CPU",
+    "CacheModel",
+    "ReplaySummary",
+    "expected_bytes",
+    "replay",
+    "simulate",
+    "tier_labels",
+]

@@ -1,0 +1,213 @@
+"""Serving workloads to replay: Mooncake-format traces, and synthetic chat traffic.
+
+A workload is a list of :class:`Request`, ordered by arrival. Each request names its
+prompt's blocks by integer ids, prefix-chained as in the Mooncake traces: equal ids at
+the same position mean the whole prefix up to that block is equal, so a block's id is
+its cache key (:meth:`Request.keys` gives the 8-byte keys the engine is called with).
+
+* :func:`read_mooncake` reads a JSON-lines trace (``timestamp`` in ms, ``input_length``,
+  ``output_length``, ``hash_ids``; 512-token blocks, the last one usually partial).
+* :func:`synthetic_requests` makes multi-turn chat sessions sharing a few system
+  prompts, arriving at a given rate, from a seed: the same arguments always give the
+  same requests, so the main commands need no data file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int
+
+TOKENS_PER_BLOCK = 512
+"""Tokens per block in the Mooncake traces (and in :func:`synthetic_requests`)."""
+
+_MAX_ID = (1 << 64) - 1
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+class TraceError(InvalidArgumentError):
+    """A trace file cannot be read, or one of its lines (named by number) is not a
+    Mooncake trace record."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a workload.
+
+    * ``arrival_s``: seconds from the workload's start.
+    * ``block_ids``: the prompt's blocks, prefix-chained; the last one is partial when
+      ``input_tokens`` is not a multiple of :data:`TOKENS_PER_BLOCK`.
+    * ``input_tokens`` / ``output_tokens``: the prompt's and the answer's lengths.
+    * ``session``: the conversation it belongs to, when the workload knows (synthetic
+      traffic does; a Mooncake trace does not).
+    """
+
+    arrival_s: float
+    block_ids: tuple[int, ...]
+    input_tokens: int
+    output_tokens: int
+    session: int | None = None
+
+    @property
+    def full_blocks(self) -> int:
+        """How many of ``block_ids`` are full blocks (a partial last one is not)."""
+        return min(len(self.block_ids), self.input_tokens // TOKENS_PER_BLOCK)
+
+    def keys(self, *, full_blocks_only: bool = False) -> list[bytes]:
+        """The blocks' cache keys: each id as 8 big-endian bytes. With
+        ``full_blocks_only`` a partial last block is left out (it is almost never reused,
+        and vLLM never offloads one)."""
+        ids = self.block_ids[: self.full_blocks] if full_blocks_only else self.block_ids
+        return [i.to_bytes(8, "big") for i in ids]
+
+
+def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request]:
+    """The requests of a Mooncake-format JSON-lines trace, in file order (blank lines
+    are skipped); at most ``limit`` of them.
+
+    Raises:
+        TraceError: the file cannot be read or holds no request, or a line is not a JSON
+            object with a non-negative number ``timestamp`` (ms), non-negative integers
+            ``input_length`` and ``output_length``, and ``hash_ids``, a list of integers
+            in 0 .. 2**64 - 1. The message names the file and the line number.
+        InvalidArgumentError: ``limit`` is not a positive integer.
+    """
+    if limit is not None:
+        limit = positive_int("limit", limit)
+    path = Path(path)
+    requests: list[Request] = []
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    requests.append(_parse_line(line))
+                except ValueError as exc:
+                    raise TraceError(f"{path}:{number}: not a Mooncake trace line: {exc}") from None
+                if limit is not None and len(requests) >= limit:
+                    break
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"cannot read the trace {str(path)!r}: {exc}") from None
+    if not requests:
+        raise TraceError(f"the trace {str(path)!r} holds no requests")
+    return requests
+
+
+def _parse_line(line: str) -> Request:
+    """One trace line as a request.
+
+    Raises:
+        ValueError: why the line is not a trace record.
+    """
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    missing = [
+        k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in record
+    ]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    timestamp = record["timestamp"]
+    if not _is_number(timestamp) or timestamp < 0:
+        raise ValueError(f"timestamp must be a non-negative number, got {timestamp!r}")
+    lengths = []
+    for name in ("input_length", "output_length"):
+        value = record[name]
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        lengths.append(value)
+    ids = record["hash_ids"]
+    if not isinstance(ids, list):
+        raise ValueError(f"hash_ids must be a list, got {type(ids).__name__}")
+    for value in ids:
+        if not _is_int(value) or not 0 <= value <= _MAX_ID:
+            raise ValueError(f"hash id {value!r} is not an integer in 0 .. 2**64 - 1")
+    return Request(timestamp / 1000.0, tuple(ids), lengths[0], lengths[1])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def synthetic_requests(
+    *,
+    sessions: int = 200,
+    turns_per_session: int = 4,
+    system_prompts: int = 8,
+    system_prompt_blocks: int = 6,
+    user_blocks_per_turn: int = 2,
+    reply_blocks_per_turn: int = 1,
+    rate_per_s: float = 20.0,
+    think_time_s: float = 20.0,
+    seed: int = 0,
+) -> list[Request]:
+    """Multi-turn chat traffic, ordered by arrival; the same arguments give the same list.
+
+    Sessions start as a Poisson process of ``rate_per_s`` (sessions per second). Each
+    picks one of ``system_prompts`` system prompts (the first ones far more often: a
+    Zipf-like popularity) of ``system_prompt_blocks`` blocks each. Turn ``t`` sends the
+    system prompt, the whole conversation so far (each earlier turn's user blocks and
+    reply blocks) and ``user_blocks_per_turn`` new full blocks, plus a partial last block
+    that no later request repeats; the next turn follows after an exponentially
+    distributed think time of mean ``think_time_s``. So system prompts are shared by
+    every session, a conversation's prefix by its own later turns, and partial blocks
+    by nobody.
+
+    Raises:
+        InvalidArgumentError: a count is not a positive integer (``system_prompt_blocks``,
+            ``user_blocks_per_turn`` and ``reply_blocks_per_turn`` may be 0), or a rate or
+            time is not a positive finite number; naming the argument and its value.
+    """
+    sessions = positive_int("sessions", sessions)
+    turns_per_session = positive_int("turns_per_session", turns_per_session)
+    system_prompts = positive_int("system_prompts", system_prompts)
+    prompt_blocks = positive_int("system_prompt_blocks", system_prompt_blocks, allow_zero=True)
+    user_blocks = positive_int("user_blocks_per_turn", user_blocks_per_turn, allow_zero=True)
+    reply_blocks = positive_int("reply_blocks_per_turn", reply_blocks_per_turn, allow_zero=True)
+    for name, value in (("rate_per_s", rate_per_s), ("think_time_s", think_time_s)):
+        if not _is_number(value) or value <= 0:
+            raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
+    if not _is_int(seed):
+        raise InvalidArgumentError(f"seed must be an integer, got {seed!r}")
+
+    rng = random.Random(seed)
+    next_id = 0
+
+    def new_ids(count: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + count))
+        next_id += count
+        return ids
+
+    prompts = [new_ids(prompt_blocks) for _ in range(system_prompts)]
+    popularity = [1.0 / (rank + 1) for rank in range(system_prompts)]
+    requests: list[Request] = []
+    start = 0.0
+    for session in range(sessions):
+        start += rng.expovariate(rate_per_s)
+        history = list(rng.choices(prompts, weights=popularity)[0])
+        arrival = start
+        for _turn in range(turns_per_session):
+            user = new_ids(user_blocks)
+            partial_tokens = rng.randrange(1, TOKENS_PER_BLOCK)
+            ids = (*history, *user, *new_ids(1))
+            tokens = (len(history) + len(user)) * TOKENS_PER_BLOCK + partial_tokens
+            output = reply_blocks * TOKENS_PER_BLOCK + rng.randrange(0, TOKENS_PER_BLOCK)
+            requests.append(Request(arrival, ids, tokens, output, session))
+            history += user + new_ids(reply_blocks)
+            arrival += rng.expovariate(1.0 / think_time_s)
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+__all__ = ["TOKENS_PER_BLOCK", "Request", "TraceError", "read_mooncake", "synthetic_requests"]
