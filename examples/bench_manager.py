@@ -23,43 +23,16 @@ from pathlib import Path
 from tiering.cli_args import Progress, choice_list, make_parser, positive_int
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import policy_names
-
-
-class TraceError(ValueError):
-    """The trace file cannot be read or a line of it is not a Mooncake trace record."""
+from tiering.workloads import TraceError, read_mooncake
 
 
 def load_trace(path: Path) -> list[list[bytes]]:
-    """Each request's block hashes, as 8-byte big-endian keys of the trace's ``hash_ids``.
+    """Each request's block keys (:meth:`tiering.workloads.Request.keys`).
 
     Raises:
-        TraceError: the file cannot be read, or a line (named by number) is not a JSON
-            object whose ``hash_ids`` is a list of integers in 0 .. 2**64 - 1.
+        TraceError: as :func:`tiering.workloads.read_mooncake`.
     """
-    requests: list[list[bytes]] = []
-    try:
-        with path.open() as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    ids = json.loads(line)["hash_ids"]
-                    requests.append([_hash_key(i) for i in ids])
-                except (ValueError, KeyError, TypeError, OverflowError) as exc:
-                    raise TraceError(
-                        f"{path}:{line_no}: not a Mooncake trace line ({exc!r})"
-                    ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"cannot read {str(path)!r}: {exc}") from None
-    if not requests:
-        raise TraceError(f"{str(path)!r} holds no requests")
-    return requests
-
-
-def _hash_key(value: object) -> bytes:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"hash id {value!r} is not an integer")
-    return value.to_bytes(8, "big")
+    return [request.keys() for request in read_mooncake(path)]
 
 
 def replay(requests: list[list[bytes]], capacity: int, policy: str) -> dict[str, float]:
