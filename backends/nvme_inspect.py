@@ -1,0 +1,1122 @@
+"""Looking into an NVMe tier's root from outside the tier: inspect, verify, clear.
+
+Synchronous and independent of any event loop; the ``tiering inspect``, ``verify`` and
+``clear`` commands are thin shells around :func:`inspect_root`, :func:`verify_root` and
+:func:`clear_root`. Both layouts are understood, and a namespace directory may hold both
+(two tiers of different layouts given one namespace).
+
+What counts as what is the tier's own view, computed with the tier's own code:
+
+* **blocks** are what a tier started now would index: for the file layout, block files
+  whose header verifies, of this namespace and record size, under the name of their key
+  (as ``BlockFiles.scan``); for the segment layout, the entries of a
+  :class:`~backends.nvme_segment_index.SegmentIndex` rebuilt with ``restore`` from the
+  checkpoint and a scan of every segment (as the tier's start-up does).
+* **damaged** is what the tier's recovery drops or cannot use: torn, corrupt, foreign or
+  misplaced block files, record slots of a segment whose header does not verify, a
+  segment with neither a valid header nor a valid record, a rejected checkpoint, a
+  ``NAMESPACE`` file that does not name the directory's namespace.
+* **orphaned** is what nobody will read again: temporary files and lock files of writers
+  that are gone, segments holding no block the index would serve, leftover O_DIRECT
+  probes, and files with names the tier never writes (which the tier leaves alone).
+
+The record size of a namespace is not stored apart from its blocks: it is read from the
+block headers (the most common payload length among those that verify). A namespace
+none of whose blocks verifies has no known record size; its files are then reported
+damaged as a whole.
+
+Concurrency: every tier holds ``flock`` on ``owners/<id>.lock`` while it runs.
+:func:`inspect_root` and :func:`verify_root` without ``remove`` only read and may run
+next to a live tier; what they report about that namespace is then a snapshot taken
+while it changes (a record being written can look torn), and each namespace report says
+which owners were alive. :func:`verify_root` with ``remove`` and :func:`clear_root`
+refuse (:class:`~tiering.errors.TieringError`, nothing changed) a namespace with a live
+owner. Tiers do not exclude one another, so there is no lock to take: a tier that
+starts after that check and before the work ends races with it, as two engines sharing
+a root would not; stop the engines first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backends.nvme import IDENTITY_FILE
+from backends.nvme_files import OWNERS_DIR, describe_os_error, owner_alive
+from backends.nvme_format import (
+    BLOCK_SUFFIX,
+    HEADER_BYTES,
+    TEMP_SUFFIX,
+    BlockHeader,
+    block_relpath,
+    check_header,
+    decode_header,
+    fanout_dirs,
+    namespace_digest,
+    payload_checksum,
+)
+from backends.nvme_segment_index import SegmentIndex, key_digest
+from backends.nvme_segment_tier import MAX_RECORDS_PER_SEGMENT
+from backends.nvme_segments import (
+    CHECKPOINT_FILE,
+    SEGMENTS_DIR,
+    Checkpoint,
+    SegmentFiles,
+    SegmentScan,
+    parse_segment_name,
+)
+from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
+
+_NAMESPACE_DIR = re.compile(r"^(.+)-([0-9a-f]{32})$")
+_FANOUT = frozenset(fanout_dirs())
+_PROBE_PREFIX = ".odirect-probe."
+_READ_BATCH_BYTES = 32 << 20
+"""The most payload bytes one verification read holds in memory."""
+
+LAYOUT_SEGMENTS = "segments"
+LAYOUT_FILES = "files"
+
+
+# -- reports ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One damaged or orphaned thing: ``path`` relative to the root, and why."""
+
+    path: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceReport:
+    """What one namespace directory holds.
+
+    ``namespace`` is the identity its ``NAMESPACE`` file names (None when that file is
+    missing or unreadable); ``digest`` the 32 hex digits in the directory's name (what
+    ``--namespace`` accepts a prefix of). ``layouts`` lists the layouts present;
+    ``block_bytes`` is the payload length of its blocks (None when no block verifies).
+    ``payload_bytes`` is ``blocks * block_bytes``; ``disk_bytes`` the size of every file
+    in the directory. ``live_owners`` are the tiers running on it now.
+    """
+
+    directory: str
+    namespace: str | None
+    digest: str
+    layouts: tuple[str, ...]
+    block_bytes: int | None
+    blocks: int
+    payload_bytes: int
+    disk_bytes: int
+    files: int
+    live_owners: tuple[str, ...]
+    damaged: tuple[Finding, ...]
+    orphaned: tuple[Finding, ...]
+
+    @property
+    def label(self) -> str:
+        """The namespace string, or the directory name when it is unknown."""
+        return self.namespace if self.namespace is not None else self.directory
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "namespace": self.namespace,
+            "digest": self.digest,
+            "layouts": list(self.layouts),
+            "block_bytes": self.block_bytes,
+            "blocks": self.blocks,
+            "payload_bytes": self.payload_bytes,
+            "disk_bytes": self.disk_bytes,
+            "files": self.files,
+            "live_owners": list(self.live_owners),
+            "damaged": [f.to_json() for f in self.damaged],
+            "orphaned": [f.to_json() for f in self.orphaned],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RootReport:
+    """What :func:`inspect_root` found: the namespaces (by directory name) and the
+    root's other entries (never touched by the tier or these tools)."""
+
+    root: str
+    namespaces: tuple[NamespaceReport, ...]
+    other_entries: tuple[str, ...]
+
+    @property
+    def blocks(self) -> int:
+        return sum(ns.blocks for ns in self.namespaces)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(ns.payload_bytes for ns in self.namespaces)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(ns.disk_bytes for ns in self.namespaces)
+
+    @property
+    def damaged(self) -> int:
+        return sum(len(ns.damaged) for ns in self.namespaces)
+
+    @property
+    def orphaned(self) -> int:
+        return sum(len(ns.orphaned) for ns in self.namespaces)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "blocks": self.blocks,
+            "payload_bytes": self.payload_bytes,
+            "disk_bytes": self.disk_bytes,
+            "damaged": self.damaged,
+            "orphaned": self.orphaned,
+            "namespaces": [ns.to_json() for ns in self.namespaces],
+            "other_entries": list(self.other_entries),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BadBlock:
+    """A block that failed verification: ``path`` relative to the root, the record
+    number for a segment, the key in hex when its header could be read, why it failed,
+    and whether it was removed (or marked bad)."""
+
+    path: str
+    record: int | None
+    key: str | None
+    reason: str
+    removed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "record": self.record,
+            "key": self.key,
+            "reason": self.reason,
+            "removed": self.removed,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceVerify:
+    """One namespace's verification: blocks checked, the bad ones, live owners seen."""
+
+    directory: str
+    namespace: str | None
+    checked: int
+    bad: tuple[BadBlock, ...]
+    live_owners: tuple[str, ...]
+    checkpoint_rewritten: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "namespace": self.namespace,
+            "checked": self.checked,
+            "bad": [b.to_json() for b in self.bad],
+            "live_owners": list(self.live_owners),
+            "checkpoint_rewritten": self.checkpoint_rewritten,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What :func:`verify_root` checked and found; ``removed`` says whether bad blocks
+    were asked to be removed."""
+
+    root: str
+    remove: bool
+    namespaces: tuple[NamespaceVerify, ...]
+
+    @property
+    def checked(self) -> int:
+        return sum(ns.checked for ns in self.namespaces)
+
+    @property
+    def bad(self) -> tuple[BadBlock, ...]:
+        return tuple(b for ns in self.namespaces for b in ns.bad)
+
+    def to_json(self) -> dict[str, Any]:
+        bad = self.bad
+        return {
+            "root": self.root,
+            "remove": self.remove,
+            "checked": self.checked,
+            "bad": len(bad),
+            "removed": sum(b.removed for b in bad),
+            "namespaces": [ns.to_json() for ns in self.namespaces],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ClearReport:
+    """What :func:`clear_root` removed (or, with ``dry_run``, would remove): the
+    namespace directories, how many files and bytes, and the files it left because the
+    tier never writes such names (their directories stay too)."""
+
+    root: str
+    dry_run: bool
+    namespaces: tuple[str, ...]
+    files: int
+    bytes: int
+    left: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "dry_run": self.dry_run,
+            "namespaces": list(self.namespaces),
+            "files": self.files,
+            "bytes": self.bytes,
+            "left": list(self.left),
+        }
+
+
+# -- the root and its namespace directories -----------------------------------------------
+
+
+@dataclass(slots=True)
+class _Namespace:
+    root: str
+    name: str
+    digest: bytes
+    namespace: str | None = None
+    identity_problem: str | None = None
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.name)
+
+    def rel(self, *parts: str) -> str:
+        return os.path.join(self.name, *parts)
+
+
+def _open_root(root: str | os.PathLike[str]) -> tuple[str, list[_Namespace], list[str]]:
+    """The root's path, its namespace directories (name order) and its other entries.
+
+    Raises:
+        InvalidArgumentError: ``root`` does not exist, is not a directory, cannot be
+            listed, or is neither empty nor holds a namespace directory.
+    """
+    path = os.fspath(root)
+    if not os.path.lexists(path):
+        raise InvalidArgumentError(f"ROOT {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise InvalidArgumentError(f"ROOT {path!r} is not a directory")
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"ROOT {path!r} cannot be read: {describe_os_error(exc)}"
+        ) from None
+    namespaces: list[_Namespace] = []
+    others: list[str] = []
+    for entry in entries:
+        match = _NAMESPACE_DIR.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and _looks_like_namespace(entry.path):
+            namespaces.append(_read_identity(path, entry.name, bytes.fromhex(match.group(2))))
+        else:
+            others.append(entry.name)
+    if others and not namespaces:
+        raise InvalidArgumentError(
+            f"ROOT {path!r} is not an NVMe root: it holds no namespace directory "
+            "(<name>-<32 hex digits> with a NAMESPACE file, owners/ or segments/)"
+        )
+    return path, namespaces, others
+
+
+def _looks_like_namespace(path: str) -> bool:
+    return any(
+        os.path.lexists(os.path.join(path, part))
+        for part in (IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR)
+    )
+
+
+def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
+    ns = _Namespace(root, name, digest)
+    try:
+        with open(os.path.join(root, name, IDENTITY_FILE), encoding="utf-8") as file:
+            found = json.load(file).get("namespace")
+    except FileNotFoundError:
+        ns.identity_problem = "no NAMESPACE file (a tier start was cut short, or it was removed)"
+        return ns
+    except (OSError, ValueError, AttributeError) as exc:
+        ns.identity_problem = f"NAMESPACE file unreadable: {exc}"
+        return ns
+    if not isinstance(found, str) or namespace_digest(found) != digest:
+        ns.identity_problem = (
+            f"NAMESPACE file names {found!r}, not the directory's namespace; a tier refuses it"
+        )
+        return ns
+    ns.namespace = found
+    return ns
+
+
+def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace]:
+    """The namespaces ``wanted`` names: the namespace string, the directory name, or a
+    prefix (at least 4 hex digits) of the digest; all of them for None.
+
+    Raises:
+        InvalidArgumentError: nothing or more than one namespace matches.
+    """
+    if wanted is None:
+        return namespaces
+    exact = [ns for ns in namespaces if wanted in (ns.namespace, ns.name)]
+    if exact:
+        return exact
+    low = wanted.lower()
+    by_digest = []
+    if len(low) >= 4 and re.fullmatch(r"[0-9a-f]+", low):
+        by_digest = [ns for ns in namespaces if ns.digest.hex().startswith(low)]
+    if len(by_digest) == 1:
+        return by_digest
+    known = ", ".join(f"{ns.namespace or ns.name} ({ns.digest.hex()[:12]})" for ns in namespaces)
+    if by_digest:
+        raise InvalidArgumentError(
+            f"argument --namespace: {wanted!r} matches {len(by_digest)} namespaces; "
+            "give more digits"
+        )
+    raise InvalidArgumentError(
+        f"argument --namespace: no namespace {wanted!r} in the root; it holds: {known or 'none'}"
+    )
+
+
+def _live_owners(ns: _Namespace) -> tuple[str, ...]:
+    owners = os.path.join(ns.path, OWNERS_DIR)
+    try:
+        names = sorted(entry.name for entry in os.scandir(owners))
+    except OSError:
+        return ()
+    return tuple(
+        name.removesuffix(".lock")
+        for name in names
+        if name.endswith(".lock") and _alive(ns.path, name.removesuffix(".lock"))
+    )
+
+
+def _alive(directory: str, writer: str) -> bool:
+    try:
+        return owner_alive(directory, writer)
+    except OSError:
+        return True  # cannot tell (e.g. a read-only lock file): assume it runs
+
+
+def _refuse_if_live(namespaces: Sequence[_Namespace], action: str) -> None:
+    for ns in namespaces:
+        live = _live_owners(ns)
+        if live:
+            raise TieringError(
+                f"refusing to {action}: namespace {ns.namespace or ns.name!r} is in use by "
+                f"{len(live)} running tier(s) (owners/{live[0]}.lock is held); "
+                "stop them first. Nothing was changed"
+            )
+
+
+def _walk_files(path: str) -> Iterator[tuple[str, int]]:
+    """``(path, size)`` of every non-directory below ``path`` (links not followed)."""
+    for directory, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
+            full = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                yield full, os.lstat(full).st_size
+
+
+def _listdir(path: str) -> list[os.DirEntry[str]]:
+    try:
+        return sorted(os.scandir(path), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _most_common(sizes: Counter[int]) -> int | None:
+    return sizes.most_common(1)[0][0] if sizes else None
+
+
+def _read_header(path: str, offset: int = 0) -> BlockHeader | None:
+    try:
+        with open(path, "rb", buffering=0) as file:
+            page = os.pread(file.fileno(), HEADER_BYTES, offset)
+        return decode_header(page)
+    except (OSError, CorruptBlockError):
+        return None
+
+
+# -- the file layout ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _FileBlock:
+    rel: str  # relative to the namespace directory
+    key: bytes | None
+    problem: str | None  # why the tier's start-up would remove it, or None
+
+
+@dataclass(slots=True)
+class _FilesState:
+    block_bytes: int | None = None
+    blocks: list[_FileBlock] = field(default_factory=list)
+    orphaned: list[Finding] = field(default_factory=list)
+
+
+def _files_state(ns: _Namespace) -> _FilesState | None:
+    """The file layout's blocks in ``ns``, classified as ``BlockFiles.scan`` would (but
+    nothing removed); None when the layout is absent."""
+    subdirs = [d for d in _listdir(ns.path) if d.name in _FANOUT and d.is_dir()]
+    if not subdirs:
+        return None
+    state = _FilesState()
+    headers: list[tuple[str, int, BlockHeader | None]] = []
+    sizes: Counter[int] = Counter()
+    alive: dict[str, bool] = {}
+    for sub in subdirs:
+        for entry in _listdir(sub.path):
+            rel = os.path.join(sub.name, entry.name)
+            if entry.name.endswith(BLOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
+                header = _read_header(entry.path)
+                size = entry.stat(follow_symlinks=False).st_size
+                headers.append((rel, size, header))
+                if header is not None and header.namespace_digest == ns.digest:
+                    sizes[header.payload_bytes] += 1
+            elif entry.name.endswith(TEMP_SUFFIX):
+                writer = entry.name[: -len(TEMP_SUFFIX)].rpartition(".")[2].partition("-")[0]
+                if writer not in alive:
+                    alive[writer] = _alive(ns.path, writer)
+                if not alive[writer]:
+                    state.orphaned.append(
+                        Finding(ns.rel(rel), "temporary file of a writer that is gone")
+                    )
+            else:
+                state.orphaned.append(
+                    Finding(ns.rel(rel), "not a file the tier writes (the tier leaves it alone)")
+                )
+    state.block_bytes = _most_common(sizes)
+    for rel, size, header in headers:
+        state.blocks.append(_FileBlock(rel, header.key if header else None, None))
+        state.blocks[-1].problem = _file_problem(ns, rel, size, header, state.block_bytes)
+    return state
+
+
+def _file_problem(
+    ns: _Namespace, rel: str, size: int, header: BlockHeader | None, block_bytes: int | None
+) -> str | None:
+    # The checks of BlockFiles._check_block_file and _header_problem, in their order.
+    if block_bytes is None:
+        return "no block of this namespace verifies: record size unknown"
+    if size != HEADER_BYTES + block_bytes:
+        return f"torn: file is {size} bytes, expected {HEADER_BYTES + block_bytes}"
+    if header is None:
+        return "corrupt: the header does not verify"
+    if header.namespace_digest != ns.digest:
+        return "foreign: the block belongs to another namespace"
+    if header.payload_bytes != block_bytes:
+        return f"corrupt: payload length {header.payload_bytes}, expected {block_bytes}"
+    if block_relpath(header.key) != rel:
+        return "misplaced: the file name does not match the key inside"
+    return None
+
+
+def _verify_block_file(
+    path: str, key: bytes, block_bytes: int, ns_digest: bytes, page: memoryview, slot: memoryview
+) -> tuple[str | None, os.stat_result | None]:
+    """The checks of a load (``BlockFiles._read_block``), without removing anything:
+    ``(why it failed or None, the stat of the file read)``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return "block file is missing", None
+    except OSError as exc:
+        return f"read failed: {describe_os_error(exc)}", None
+    try:
+        stat = os.fstat(fd)
+        file_bytes = HEADER_BYTES + block_bytes
+        if stat.st_size != file_bytes:
+            return f"corrupt block: file is {stat.st_size} bytes, expected {file_bytes}", stat
+        got = os.preadv(fd, [page, slot], 0)
+        if got != file_bytes:
+            return f"corrupt block: short read: {got} of {file_bytes} bytes", stat
+        decoded = decode_header(page)
+        check_header(decoded, key=key, payload_bytes=block_bytes, ns_digest=ns_digest)
+        if payload_checksum(slot) != decoded.payload_checksum:
+            return "corrupt block: payload checksum mismatch", stat
+        return None, stat
+    except CorruptBlockError as exc:
+        return f"corrupt block: {exc}", stat
+    except OSError as exc:
+        return f"read failed: {describe_os_error(exc)}", stat
+    finally:
+        os.close(fd)
+
+
+def _unlink_if_same(path: str, stat: os.stat_result | None) -> bool:
+    # As the tier: another engine may have renamed a fresh block over the bad one.
+    try:
+        current = os.lstat(path)
+        if stat is not None and (current.st_dev, current.st_ino) != (stat.st_dev, stat.st_ino):
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def _verify_files(ns: _Namespace, state: _FilesState, remove: bool) -> tuple[int, list[BadBlock]]:
+    bad: list[BadBlock] = []
+    buffer = memoryview(bytearray(HEADER_BYTES + (state.block_bytes or 0)))
+    page, slot = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
+    for block in state.blocks:
+        path = os.path.join(ns.path, block.rel)
+        stat: os.stat_result | None = None
+        reason = block.problem
+        if reason is None and block.key is not None and state.block_bytes is not None:
+            reason, stat = _verify_block_file(
+                path, block.key, state.block_bytes, ns.digest, page, slot
+            )
+        if reason is None:
+            continue
+        removed = remove and _unlink_if_same(path, stat)
+        key = block.key.hex() if block.key is not None else None
+        bad.append(BadBlock(ns.rel(block.rel), None, key, reason, removed))
+    return len(state.blocks), bad
+
+
+# -- the segment layout ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _SegmentsState:
+    files: SegmentFiles | None = None
+    block_bytes: int | None = None
+    checkpoint: Checkpoint | None = None
+    index: SegmentIndex | None = None
+    damaged: list[Finding] = field(default_factory=list)
+    orphaned: list[Finding] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> int:
+        return 0 if self.index is None else len(self.index)
+
+
+def _segments_state(ns: _Namespace) -> _SegmentsState | None:
+    """The segment layout in ``ns`` as the tier's start-up sees it (the checkpoint, a
+    scan of every segment, the index ``restore`` builds from them); None when absent."""
+    seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
+    if not os.path.isdir(seg_dir):
+        return None
+    state = _SegmentsState()
+    sizes: Counter[int] = Counter()
+    names: list[str] = []
+    for entry in _listdir(seg_dir):
+        rel = ns.rel(SEGMENTS_DIR, entry.name)
+        if parse_segment_name(entry.name) is None or not entry.is_file(follow_symlinks=False):
+            state.orphaned.append(
+                Finding(rel, "not a file the tier writes (the tier leaves it alone)")
+            )
+            continue
+        names.append(entry.name)
+        # Record 0 sits right after the segment header whatever the record size.
+        header = _read_header(entry.path, HEADER_BYTES)
+        if header is not None and header.namespace_digest == ns.digest:
+            sizes[header.payload_bytes] += 1
+    state.block_bytes = _most_common(sizes)
+    if state.block_bytes is None:
+        state.damaged.extend(
+            Finding(
+                ns.rel(SEGMENTS_DIR, name),
+                "no segment's first record verifies: record size unknown",
+            )
+            for name in names
+        )
+        return state
+    files = SegmentFiles(
+        ns.path,
+        block_bytes=state.block_bytes,
+        ns_digest=ns.digest,
+        fsync="batch",
+        gil_pause_bytes=0,
+    )
+    state.files = files
+    checkpoint, note = files.read_checkpoint()
+    state.checkpoint = checkpoint
+    if checkpoint is None and note != "no checkpoint":
+        state.damaged.append(
+            Finding(ns.rel(CHECKPOINT_FILE), f"{note} (the tier scans every segment instead)")
+        )
+    covered = dict(checkpoint.segments) if checkpoint is not None else {}
+    on_disk: list[tuple[str, int, float]] = []
+    scans: dict[str, SegmentScan] = {}
+    for name, size in files.list_segments():
+        rel = ns.rel(SEGMENTS_DIR, name)
+        records = files.records_in(size)
+        try:
+            scan = files.scan(name, 0)
+            mtime = os.stat(files.path_of(name)).st_mtime
+        except OSError as exc:
+            state.damaged.append(Finding(rel, f"unreadable: {describe_os_error(exc)}"))
+            continue
+        start = min(covered.get(name, 0), records)
+        if not scan.header_ok and not scan.records and not start:
+            state.damaged.append(
+                Finding(rel, "neither its header nor any record verifies (removed at tier start)")
+            )
+            continue
+        if scan.invalid:
+            state.damaged.append(
+                Finding(rel, f"{scan.invalid} of {records} record slots do not verify "
+                        "(torn, damaged or marked bad; their space returns with the segment)")
+            )  # fmt: skip
+        if size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
+            state.damaged.append(Finding(rel, "ends in a partial record (a torn write)"))
+        scans[name] = scan
+        on_disk.append((name, records, mtime))
+    # The order of NVMeSegmentTier._scan_disk: the checkpoint's, then age.
+    order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
+    on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
+    listed = [(name, records) for name, records, _ in on_disk]
+    index = SegmentIndex(
+        max(1, sum(records for _, records in listed)),
+        records_per_segment=MAX_RECORDS_PER_SEGMENT,
+        writer=uuid.uuid4().hex,
+    )
+    index.restore(checkpoint, listed, scans)
+    state.index = index
+    live = Counter(name for name, _ in _live_entries(index))
+    for name, _records in listed:
+        if not live[name]:
+            state.orphaned.append(
+                Finding(
+                    ns.rel(SEGMENTS_DIR, name),
+                    "holds no block the index would serve (evicted first by the tier)",
+                )
+            )
+    return state
+
+
+def _live_entries(index: SegmentIndex) -> list[tuple[str, int]]:
+    """``(segment, record)`` of every block ``index`` holds."""
+    snap = index.snapshot()
+    return [
+        (snap.segments[s][0], r)
+        for s, r in zip(snap.segment_of.tolist(), snap.record_of.tolist(), strict=True)
+    ]
+
+
+def _verify_segments(
+    ns: _Namespace, state: _SegmentsState, remove: bool
+) -> tuple[int, list[BadBlock], bool]:
+    """Read every block the index holds with the tier's reader (``SegmentFiles.read``:
+    header, key, namespace, length, payload checksum); with ``remove``, mark the bad
+    records and drop them from the checkpoint. Returns (checked, bad, checkpoint
+    rewritten)."""
+    files, index = state.files, state.index
+    if files is None or index is None or not len(index):
+        return 0, [], False
+    snap = index.snapshot()
+    entries = [
+        (snap.segments[s][0], r, d)
+        for s, r, d in zip(
+            snap.segment_of.tolist(), snap.record_of.tolist(), snap.digests.tolist(), strict=True
+        )
+    ]
+    keys = files.read_keys([(segment, record) for segment, record, _ in entries])
+    # (segment, record) -> (key in its header or None, why it failed, whether the
+    # record itself is bad and must be marked; a missing record or a stale entry is not)
+    failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
+    size = files.block_bytes
+    per_batch = max(1, _READ_BATCH_BYTES // size)
+    buffer = memoryview(bytearray(per_batch * size))
+    for batch in _unique_key_batches(entries, keys, per_batch):
+        reads = [
+            (name, segment, record, buffer[i * size : (i + 1) * size])
+            for i, (name, _, segment, record, _) in enumerate(batch)
+        ]
+        report = files.read(reads)
+        missing = set(report.missing)
+        for name, key, segment, record, digest in batch:
+            if name in report.failed:
+                failures[(segment, record)] = (key, report.failed[name], name not in missing)
+            elif key_digest(name) != digest:
+                failures[(segment, record)] = (
+                    key,
+                    "stale index entry: the record holds another block",
+                    False,
+                )
+    marked: set[tuple[str, int]] = set()
+    dropped: set[tuple[str, int]] = set()
+    in_checkpoint = _checkpoint_locations(state.checkpoint)
+    if remove and failures:
+        marked = _mark_bad_records(files, [where for where, f in failures.items() if f[2]])
+        dropped = _drop_from_checkpoint(files, state.checkpoint, set(failures))
+    bad = []
+    for where, (key, reason, mark) in sorted(failures.items()):
+        unlisted = where not in in_checkpoint or where in dropped
+        removed = remove and unlisted and (where in marked or not mark)
+        bad.append(
+            BadBlock(
+                ns.rel(SEGMENTS_DIR, where[0]),
+                where[1],
+                key.hex() if key is not None else None,
+                reason,
+                removed,
+            )
+        )
+    return len(entries), bad, bool(dropped)
+
+
+def _checkpoint_locations(checkpoint: Checkpoint | None) -> set[tuple[str, int]]:
+    if checkpoint is None:
+        return set()
+    names = [name for name, _ in checkpoint.segments]
+    return {
+        (names[s], r)
+        for s, r in zip(checkpoint.segment_of.tolist(), checkpoint.record_of.tolist(), strict=True)
+    }
+
+
+_NO_KEY = b"\x00unverified-"
+"""Stands for the key of a record whose header does not verify: the tier's reader then
+fails it on the header (magic, checksum, namespace, length) before it compares keys."""
+
+
+def _unique_key_batches(
+    entries: Sequence[tuple[str, int, int]], keys: Sequence[bytes | None], most: int
+) -> Iterator[list[tuple[bytes, bytes | None, str, int, int]]]:
+    """``(name to read it by, key in its header or None, segment, record, digest)`` in
+    batches of at most ``most``, no name twice in one (the reader's report is keyed by
+    key)."""
+    batch: list[tuple[bytes, bytes | None, str, int, int]] = []
+    seen: set[bytes] = set()
+    for i, ((segment, record, digest), key) in enumerate(zip(entries, keys, strict=True)):
+        name = key if key is not None else _NO_KEY + str(i).encode()
+        if len(batch) == most or name in seen:
+            yield batch
+            batch, seen = [], set()
+        batch.append((name, key, segment, record, digest))
+        seen.add(name)
+    if batch:
+        yield batch
+
+
+def _mark_bad_records(
+    files: SegmentFiles, records: Sequence[tuple[str, int]]
+) -> set[tuple[str, int]]:
+    """Overwrite the header page of each bad record with zeros, synced, so that a scan
+    at the next start skips it (as a torn record); returns those marked."""
+    marked: set[tuple[str, int]] = set()
+    zeros = bytes(HEADER_BYTES)
+    by_segment: dict[str, list[int]] = {}
+    for segment, record in records:
+        by_segment.setdefault(segment, []).append(record)
+    for segment, numbers in by_segment.items():
+        try:
+            fd = os.open(files.path_of(segment), os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            for record in numbers:
+                if files.offset_of(record) + HEADER_BYTES <= size:
+                    os.pwrite(fd, zeros, files.offset_of(record))
+                    marked.add((segment, record))
+            os.fdatasync(fd)
+        except OSError:
+            marked.difference_update((segment, r) for r in numbers)
+        finally:
+            os.close(fd)
+    return marked
+
+
+def _drop_from_checkpoint(
+    files: SegmentFiles, checkpoint: Checkpoint | None, bad: set[tuple[str, int]]
+) -> set[tuple[str, int]]:
+    """Write the checkpoint again without the entries of ``bad`` records (atomically, as
+    the tier writes it); returns the locations whose entries it dropped (none if the
+    write failed: the old checkpoint then stays)."""
+    if checkpoint is None:
+        return set()
+    names = [name for name, _ in checkpoint.segments]
+    where = list(
+        zip(
+            [names[s] for s in checkpoint.segment_of.tolist()],
+            checkpoint.record_of.tolist(),
+            strict=True,
+        )
+    )
+    keep = np.array([loc not in bad for loc in where], dtype=bool)
+    if keep.all():
+        return set()
+    filtered = Checkpoint(
+        checkpoint.segments,
+        checkpoint.digests[keep],
+        checkpoint.segment_of[keep],
+        checkpoint.record_of[keep],
+        checkpoint.ticks[keep],
+    )
+    try:
+        # The temporary name carries an id no tier holds a lock for: if this process
+        # dies before the rename, the next tier start removes it as a dead writer's.
+        files.write_checkpoint(filtered, temp_suffix=uuid.uuid4().hex)
+    except OSError:
+        return set()
+    return {loc for loc, kept in zip(where, keep.tolist(), strict=True) if not kept}
+
+
+# -- inspect ----------------------------------------------------------------------------
+
+
+def _namespace_orphans(ns: _Namespace, layouts: Sequence[str]) -> list[Finding]:
+    """Leftovers at the top of the namespace directory and in ``owners/``."""
+    found: list[Finding] = []
+    known = {IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR, CHECKPOINT_FILE} | _FANOUT
+    for entry in _listdir(ns.path):
+        name = entry.name
+        if name in known:
+            continue
+        if name.startswith(f"{CHECKPOINT_FILE}.") and name.endswith(TEMP_SUFFIX):
+            writer = name[len(CHECKPOINT_FILE) + 1 : -len(TEMP_SUFFIX)]
+            if not _alive(ns.path, writer):
+                found.append(Finding(ns.rel(name), "temporary checkpoint of a writer that is gone"))
+        elif name.startswith(f"{IDENTITY_FILE}.") and name.endswith(TEMP_SUFFIX):
+            found.append(Finding(ns.rel(name), "temporary NAMESPACE file left by a tier start"))
+        elif name.startswith(_PROBE_PREFIX):
+            found.append(Finding(ns.rel(name), "O_DIRECT probe file left by a tier start"))
+        else:
+            found.append(
+                Finding(ns.rel(name), "not a file the tier writes (the tier leaves it alone)")
+            )
+    for entry in _listdir(os.path.join(ns.path, OWNERS_DIR)):
+        if entry.name.endswith(".lock"):
+            if not _alive(ns.path, entry.name.removesuffix(".lock")):
+                found.append(
+                    Finding(ns.rel(OWNERS_DIR, entry.name), "lock file of a writer that is gone")
+                )
+        elif not (entry.name.startswith(".") and entry.name.endswith(".new")):
+            found.append(
+                Finding(
+                    ns.rel(OWNERS_DIR, entry.name),
+                    "not a file the tier writes (the tier leaves it alone)",
+                )
+            )
+    return found
+
+
+@dataclass(slots=True)
+class _State:
+    ns: _Namespace
+    files: _FilesState | None
+    segments: _SegmentsState | None
+
+
+def _state(ns: _Namespace) -> _State:
+    return _State(ns, _files_state(ns), _segments_state(ns))
+
+
+def _report(state: _State) -> NamespaceReport:
+    ns, files, segments = state.ns, state.files, state.segments
+    layouts = tuple(
+        name
+        for name, present in ((LAYOUT_SEGMENTS, segments), (LAYOUT_FILES, files))
+        if present is not None
+    )
+    damaged: list[Finding] = []
+    if ns.identity_problem is not None:
+        damaged.append(Finding(ns.rel(IDENTITY_FILE), ns.identity_problem))
+    orphaned = _namespace_orphans(ns, layouts)
+    blocks = payload = 0
+    block_bytes = None
+    if segments is not None:
+        damaged += segments.damaged
+        orphaned += segments.orphaned
+        block_bytes = segments.block_bytes
+        blocks += segments.blocks
+        payload += segments.blocks * (segments.block_bytes or 0)
+    if files is not None:
+        valid = [b for b in files.blocks if b.problem is None]
+        damaged += [Finding(ns.rel(b.rel), b.problem) for b in files.blocks if b.problem]
+        orphaned += files.orphaned
+        block_bytes = block_bytes or files.block_bytes
+        blocks += len(valid)
+        payload += len(valid) * (files.block_bytes or 0)
+    sizes = [size for _, size in _walk_files(ns.path)]
+    return NamespaceReport(
+        directory=ns.name,
+        namespace=ns.namespace,
+        digest=ns.digest.hex(),
+        layouts=layouts,
+        block_bytes=block_bytes,
+        blocks=blocks,
+        payload_bytes=payload,
+        disk_bytes=sum(sizes),
+        files=len(sizes),
+        live_owners=_live_owners(ns),
+        damaged=tuple(damaged),
+        orphaned=tuple(orphaned),
+    )
+
+
+def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) -> RootReport:
+    """What ``root`` holds, per namespace directory; changes nothing on disk.
+
+    ``namespace`` limits the report to one namespace (its string, its directory name or
+    a prefix of at least 4 hex digits of its digest). Block payloads are not read (see
+    :func:`verify_root`); every block header and segment record header is.
+
+    Raises:
+        InvalidArgumentError: ``root`` does not exist, is not a directory, or is not an
+            NVMe root (neither empty nor holding a namespace directory); ``namespace``
+            matches none or several.
+    """
+    path, namespaces, others = _open_root(root)
+    selected = _select(namespaces, namespace)
+    return RootReport(path, tuple(_report(_state(ns)) for ns in selected), tuple(others))
+
+
+# -- verify -----------------------------------------------------------------------------
+
+
+def verify_root(
+    root: str | os.PathLike[str], *, remove: bool, namespace: str | None = None
+) -> VerifyReport:
+    """Read every block of ``root`` (or of one namespace) and check it as a load does:
+    length, header (magic, version, checksum, namespace, key, payload length) and
+    payload checksum.
+
+    For the file layout every block file counts, and files the tier's start-up would
+    remove (torn, corrupt, foreign, misplaced) are bad too; for the segment layout the
+    blocks are those the rebuilt index holds (a record no index entry names is never
+    served, so it is not a block). With ``remove``: a bad block file is unlinked (only
+    if it is still the file read, as the tier does); a bad record's header page is
+    overwritten with zeros, so a start's scan skips it, and its entry leaves the index
+    checkpoint (rewritten atomically). A later tier start then neither indexes nor
+    serves them.
+
+    Raises:
+        InvalidArgumentError: as :func:`inspect_root`.
+        TieringError: ``remove`` and a selected namespace has a live owner (nothing
+            changed). An OSError while removing is reported as the block not removed.
+    """
+    path, namespaces, _ = _open_root(root)
+    selected = _select(namespaces, namespace)
+    if remove:
+        _refuse_if_live(selected, "remove bad blocks")
+    results = []
+    for ns in selected:
+        state = _state(ns)
+        checked = 0
+        bad: list[BadBlock] = []
+        rewritten = False
+        if state.segments is not None:
+            n, found, rewritten = _verify_segments(ns, state.segments, remove)
+            checked += n
+            bad += found
+        if state.files is not None:
+            n, found = _verify_files(ns, state.files, remove)
+            checked += n
+            bad += found
+        results.append(
+            NamespaceVerify(ns.name, ns.namespace, checked, tuple(bad), _live_owners(ns), rewritten)
+        )
+    return VerifyReport(path, remove, tuple(results))
+
+
+# -- clear ------------------------------------------------------------------------------
+
+
+def _tier_file(rel_parts: tuple[str, ...]) -> bool:
+    """Whether the tier writes a file at this path relative to a namespace directory."""
+    if len(rel_parts) == 1:
+        name = rel_parts[0]
+        return (
+            name in (IDENTITY_FILE, CHECKPOINT_FILE)
+            or (name.startswith(f"{CHECKPOINT_FILE}.") and name.endswith(TEMP_SUFFIX))
+            or (name.startswith(f"{IDENTITY_FILE}.") and name.endswith(TEMP_SUFFIX))
+            or name.startswith(_PROBE_PREFIX)
+        )
+    if len(rel_parts) != 2:
+        return False
+    top, name = rel_parts
+    if top == SEGMENTS_DIR:
+        return parse_segment_name(name) is not None
+    if top == OWNERS_DIR:
+        return name.endswith(".lock") or (name.startswith(".") and name.endswith(".new"))
+    return top in _FANOUT and (name.endswith(BLOCK_SUFFIX) or name.endswith(TEMP_SUFFIX))
+
+
+def clear_root(
+    root: str | os.PathLike[str], *, namespace: str | None, dry_run: bool = False
+) -> ClearReport:
+    """Remove every block of ``root``, or of one namespace, with its namespace directory.
+
+    Removed: the files the tier writes (block files, segments, the checkpoint, the
+    ``NAMESPACE`` file, temporary, probe and lock files) and then the directories left
+    empty. Files with other names are left, with their directories, and listed in
+    ``left``. Nothing outside the namespace directories is touched; symbolic links are
+    removed, never followed. With ``dry_run`` nothing changes and the report says what
+    would go.
+
+    Raises:
+        InvalidArgumentError: as :func:`inspect_root`.
+        TieringError: a selected namespace has a live owner (nothing changed), or a
+            file could not be removed (the message names it; what went before is gone).
+    """
+    path, namespaces, _ = _open_root(root)
+    selected = _select(namespaces, namespace)
+    if not dry_run:
+        _refuse_if_live(selected, "clear")
+    files = nbytes = 0
+    left: list[str] = []
+    for ns in selected:
+        doomed: list[tuple[str, int]] = []
+        for full, size in sorted(_walk_files(ns.path)):
+            parts = tuple(os.path.relpath(full, ns.path).split(os.sep))
+            if _tier_file(parts):
+                doomed.append((full, size))
+            else:
+                left.append(os.path.relpath(full, path))
+        # The identity file goes last: until then the directory is still recognisably
+        # a namespace, so an interrupted clear can be run again.
+        doomed.sort(key=lambda item: os.path.basename(item[0]) == IDENTITY_FILE)
+        files += len(doomed)
+        nbytes += sum(size for _, size in doomed)
+        if dry_run:
+            continue
+        for full, _ in doomed:
+            try:
+                os.unlink(full)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise TieringError(
+                    f"could not remove {os.path.relpath(full, path)!r}: {describe_os_error(exc)}"
+                ) from None
+        for directory, _, _ in sorted(os.walk(ns.path, topdown=False), reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)  # only succeeds once empty
+    return ClearReport(path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left))
+
+
+__all__ = [
+    "BadBlock",
+    "ClearReport",
+    "Finding",
+    "NamespaceReport",
+    "NamespaceVerify",
+    "RootReport",
+    "VerifyReport",
+    "clear_root",
+    "inspect_root",
+    "verify_root",
+]

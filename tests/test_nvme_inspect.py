@@ -1,0 +1,298 @@
+"""Tests of backends.nvme_inspect on real roots written by the real tiers (both layouts)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.nvme import NVMeFileTier, NVMeTierBase
+from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
+from backends.nvme_inspect import clear_root, inspect_root, verify_root
+from backends.nvme_segment_tier import NVMeSegmentTier
+from backends.nvme_segments import CHECKPOINT_FILE, SEGMENTS_DIR
+from tests._nvme_helpers import load_job, random_pool, store_job
+from tiering.errors import InvalidArgumentError, TieringError
+
+BLOCK = 16 << 10
+RECORD = HEADER_BYTES + BLOCK
+SLOTS = 16
+SEGMENTS_NS = "model=tiny;layout=segments"
+FILES_NS = "model=tiny;layout=files"
+
+
+@pytest.fixture
+def pool() -> Iterator[memoryview]:
+    with random_pool(BLOCK, SLOTS) as view:
+        yield view
+
+
+def make_tier(layout: str, pool: memoryview, root: Path, **kwargs: Any) -> NVMeTierBase:
+    options: dict[str, Any] = {"root": root, "capacity_bytes": 64 * RECORD, "min_free_bytes": 0}
+    options.update(kwargs)
+    if layout == "segments":
+        options.setdefault("namespace", SEGMENTS_NS)
+        options.setdefault("segment_bytes", HEADER_BYTES + 8 * RECORD)
+        return NVMeSegmentTier(pool, BLOCK, **options)
+    options.setdefault("namespace", FILES_NS)
+    return NVMeFileTier(pool, BLOCK, **options)
+
+
+def keys(n: int, tag: str) -> list[bytes]:
+    return [f"{tag}-{i}-".encode() + os.urandom(8) for i in range(n)]
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 1]))
+
+
+def payload_offset(layout: str, root: Path, key: bytes, record: int) -> tuple[Path, int]:
+    """Where a byte of ``key``'s payload lies: its file, and an offset in it."""
+    if layout == "segments":
+        directory = root / namespace_dirname(SEGMENTS_NS) / SEGMENTS_DIR
+        [first, *_] = sorted(directory.iterdir())
+        return first, HEADER_BYTES + record * RECORD + HEADER_BYTES + 100
+    return root / namespace_dirname(FILES_NS) / block_relpath(key), HEADER_BYTES + 100
+
+
+async def fill(layout: str, pool: memoryview, root: Path, names: list[bytes]) -> None:
+    async with make_tier(layout, pool, root) as tier:
+        assert (await store_job(tier, names, range(len(names)))).success
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_inspect_counts_the_blocks_and_bytes_the_tier_stored(
+    pool: memoryview, tmp_path: Path, layout: str
+) -> None:
+    await fill(layout, pool, tmp_path, keys(10, "a"))
+    report = inspect_root(tmp_path)
+    [ns] = report.namespaces
+    assert ns.namespace == (SEGMENTS_NS if layout == "segments" else FILES_NS)
+    assert ns.layouts == (layout,) and ns.block_bytes == BLOCK
+    assert ns.blocks == 10 and ns.payload_bytes == 10 * BLOCK
+    disk = sum(p.stat().st_size for p in (tmp_path / ns.directory).rglob("*") if p.is_file())
+    assert ns.disk_bytes == disk > 10 * BLOCK
+    assert ns.damaged == () and ns.orphaned == () and ns.live_owners == ()
+    assert report.to_json()["blocks"] == 10
+
+
+async def test_both_layouts_in_one_root_are_two_namespaces(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    await fill("segments", pool, tmp_path, keys(12, "s"))
+    await fill("files", pool, tmp_path, keys(5, "f"))
+    report = inspect_root(tmp_path)
+    assert {ns.namespace: ns.blocks for ns in report.namespaces} == {
+        SEGMENTS_NS: 12,
+        FILES_NS: 5,
+    }
+    assert report.blocks == 17 and report.other_entries == ()
+    only = inspect_root(tmp_path, namespace=namespace_dirname(FILES_NS).rpartition("-")[2][:6])
+    assert [ns.namespace for ns in only.namespaces] == [FILES_NS]
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_verify_finds_a_flipped_payload_byte_and_remove_keeps_a_restart_from_serving_it(
+    pool: memoryview, tmp_path: Path, layout: str
+) -> None:
+    names = keys(6, "v")
+    await fill(layout, pool, tmp_path, names)
+    path, offset = payload_offset(layout, tmp_path, names[2], 2)
+    flip_byte(path, offset)
+
+    report = verify_root(tmp_path, remove=False)
+    assert report.checked == 6
+    [bad] = report.bad
+    assert "payload checksum mismatch" in bad.reason and not bad.removed
+    assert bad.key == names[2].hex()
+    assert verify_root(tmp_path, remove=False).bad == report.bad  # nothing changed
+
+    removed = verify_root(tmp_path, remove=True)
+    assert [b.removed for b in removed.bad] == [True]
+    assert verify_root(tmp_path, remove=False).bad == ()
+    async with make_tier(layout, pool, tmp_path) as tier:
+        assert tier.lookup(names[2]) is False
+        assert tier.get_num_blocks() == 5
+        others = names[:2] + names[3:]
+        assert (await load_job(tier, others, range(5))).success
+
+
+async def test_a_bad_record_named_by_the_checkpoint_leaves_it(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(6, "c")
+    await fill("segments", pool, tmp_path, names)
+    checkpoint = tmp_path / namespace_dirname(SEGMENTS_NS) / CHECKPOINT_FILE
+    before = checkpoint.read_bytes()
+    path, offset = payload_offset("segments", tmp_path, names[4], 4)
+    flip_byte(path, offset)
+    report = verify_root(tmp_path, remove=True)
+    assert [ns.checkpoint_rewritten for ns in report.namespaces] == [True]
+    assert checkpoint.read_bytes() != before
+    async with make_tier("segments", pool, tmp_path) as tier:
+        assert tier.metrics.recovered_blocks == 5 and tier.lookup(names[4]) is False
+
+
+async def test_without_remove_a_restart_still_indexes_the_bad_block_and_a_load_fails(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    # What --remove is for: verification alone changes nothing the tier sees.
+    names = keys(4, "n")
+    await fill("segments", pool, tmp_path, names)
+    path, offset = payload_offset("segments", tmp_path, names[1], 1)
+    flip_byte(path, offset)
+    assert len(verify_root(tmp_path, remove=False).bad) == 1
+    async with make_tier("segments", pool, tmp_path) as tier:
+        assert tier.lookup(names[1]) is True
+        assert not (await load_job(tier, [names[1]], [0])).success
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_a_leftover_temporary_file_is_orphaned_and_an_unknown_one_too(
+    pool: memoryview, tmp_path: Path, layout: str
+) -> None:
+    names = keys(3, "o")
+    await fill(layout, pool, tmp_path, names)
+    directory = tmp_path / namespace_dirname(SEGMENTS_NS if layout == "segments" else FILES_NS)
+    dead_writer = "ab" * 16
+    if layout == "segments":
+        temp = directory / f"{CHECKPOINT_FILE}.{dead_writer}.tmp"
+    else:
+        final = directory / block_relpath(b"never-renamed")
+        temp = final.with_name(f"{final.stem}.{dead_writer}-0.tmp")
+    temp.write_bytes(b"half a block")
+    (directory / "notes.txt").write_text("mine")
+    [ns] = inspect_root(tmp_path).namespaces
+    reasons = {f.path: f.reason for f in ns.orphaned}
+    assert "writer that is gone" in reasons[str(temp.relative_to(tmp_path))]
+    assert "not a file the tier writes" in reasons[f"{ns.directory}/notes.txt"]
+    assert ns.blocks == 3 and ns.damaged == ()
+
+
+async def test_a_segment_whose_records_all_live_elsewhere_is_orphaned(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(4, "d")
+    await fill("segments", pool, tmp_path, names)
+    directory = tmp_path / namespace_dirname(SEGMENTS_NS) / SEGMENTS_DIR
+    [original] = sorted(directory.iterdir())
+    # Another writer's later copy of every record: its records win, as at a tier start.
+    shutil.copyfile(original, directory / f"{'cd' * 16}-00000000.seg")
+    [ns] = inspect_root(tmp_path).namespaces
+    assert ns.blocks == 4
+    assert [(f.path, "no block" in f.reason) for f in ns.orphaned] == [
+        (str(original.relative_to(tmp_path)), True)
+    ]
+    async with make_tier("segments", pool, tmp_path) as tier:
+        assert tier.get_num_blocks() == 4
+
+
+async def test_a_torn_block_file_is_damaged_and_verify_counts_it_bad(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(3, "t")
+    await fill("files", pool, tmp_path, names)
+    torn = tmp_path / namespace_dirname(FILES_NS) / block_relpath(names[0])
+    os.truncate(torn, HEADER_BYTES + 10)
+    [ns] = inspect_root(tmp_path).namespaces
+    assert ns.blocks == 2 and [f.reason.split(":")[0] for f in ns.damaged] == ["torn"]
+    report = verify_root(tmp_path, remove=True)
+    assert len(report.bad) == 1 and report.bad[0].removed and not torn.exists()
+
+
+async def test_clear_of_one_namespace_leaves_the_other_and_files_it_does_not_know(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    await fill("segments", pool, tmp_path, keys(9, "s"))
+    await fill("files", pool, tmp_path, keys(3, "f"))
+    outside = tmp_path / "keep.txt"
+    outside.write_text("not a namespace")
+    stranger = tmp_path / namespace_dirname(SEGMENTS_NS) / "segments" / "mine.bin"
+    stranger.write_bytes(b"x")
+
+    preview = clear_root(tmp_path, namespace=SEGMENTS_NS, dry_run=True)
+    assert preview.files > 0 and inspect_root(tmp_path).blocks == 12  # nothing gone yet
+
+    done = clear_root(tmp_path, namespace=SEGMENTS_NS)
+    assert done.files == preview.files and done.bytes == preview.bytes
+    assert done.left == (str(stranger.relative_to(tmp_path)),)
+    assert stranger.exists() and outside.exists()
+    remaining = inspect_root(tmp_path)
+    # The cleared directory stays only for the file the tier never wrote.
+    assert [(ns.namespace, ns.blocks) for ns in remaining.namespaces] == [
+        (FILES_NS, 3),
+        (None, 0),
+    ]
+    async with make_tier("segments", pool, tmp_path) as tier:
+        assert tier.get_num_blocks() == 0
+
+
+async def test_clear_of_everything_leaves_an_empty_root(pool: memoryview, tmp_path: Path) -> None:
+    await fill("segments", pool, tmp_path, keys(2, "s"))
+    await fill("files", pool, tmp_path, keys(2, "f"))
+    report = clear_root(tmp_path, namespace=None)
+    assert len(report.namespaces) == 2 and report.left == ()
+    assert os.listdir(tmp_path) == []
+    assert inspect_root(tmp_path).namespaces == ()
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_a_live_tier_is_reported_and_removal_and_clear_refuse_it(
+    pool: memoryview, tmp_path: Path, layout: str
+) -> None:
+    async with make_tier(layout, pool, tmp_path) as tier:
+        assert (await store_job(tier, keys(3, "l"), range(3))).success
+        [ns] = inspect_root(tmp_path).namespaces
+        assert len(ns.live_owners) == 1 and ns.blocks == 3
+        assert verify_root(tmp_path, remove=False).checked == 3
+        with pytest.raises(TieringError, match="in use by 1 running tier"):
+            verify_root(tmp_path, remove=True)
+        with pytest.raises(TieringError, match="in use"):
+            clear_root(tmp_path, namespace=None)
+        assert (tmp_path / ns.directory / "owners").exists()
+    assert inspect_root(tmp_path).namespaces[0].live_owners == ()
+
+
+def test_a_root_that_is_missing_a_file_or_not_a_root_is_refused_naming_root(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "data.txt").write_text("precious")
+    for path, why in (
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "file", "is not a directory"),
+        (tmp_path / "other", "is not an NVMe root"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=f"ROOT .* {why}"):
+            inspect_root(path)
+        with pytest.raises(InvalidArgumentError, match=f"ROOT .* {why}"):
+            verify_root(path, remove=True)
+        with pytest.raises(InvalidArgumentError, match=f"ROOT .* {why}"):
+            clear_root(path, namespace=None)
+    assert (tmp_path / "other" / "data.txt").read_text() == "precious"
+
+
+async def test_an_unknown_or_ambiguous_namespace_is_refused(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    await fill("files", pool, tmp_path, keys(1, "f"))
+    with pytest.raises(InvalidArgumentError, match="--namespace: no namespace 'nope'"):
+        clear_root(tmp_path, namespace="nope")
+    with pytest.raises(InvalidArgumentError, match="no namespace 'abc'"):  # too short a prefix
+        inspect_root(tmp_path, namespace="abc")
+    assert inspect_root(tmp_path).blocks == 1
+
+
+def test_an_empty_directory_is_an_empty_root(tmp_path: Path) -> None:
+    assert inspect_root(tmp_path).to_json()["namespaces"] == []
+    assert verify_root(tmp_path, remove=True).checked == 0
+    assert clear_root(tmp_path, namespace=None).files == 0

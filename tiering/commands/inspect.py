@@ -1,0 +1,115 @@
+"""Show what an NVMe root holds: namespaces, blocks, bytes, damaged and orphaned files.
+
+Reads every block header and segment record header, never a payload (``tiering verify``
+reads those) and changes nothing, so it is safe next to a running engine (what it shows
+of a namespace in use is then a snapshot of something changing). Blocks are what a tier
+started now would serve; damaged is what the tier's start-up drops or cannot use;
+orphaned is what nobody reads again (leftovers of writers that are gone, segments with
+no live block, files the tier never writes). Exit status: 0 (1 only for an I/O failure,
+2 for a root that does not exist or is not an NVMe root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from backends.nvme_inspect import RootReport, inspect_root
+from tiering.cli import EXIT_OK
+
+NAME = "inspect"
+HELP = "what an NVMe root holds: namespaces, blocks, bytes, damaged or orphaned files"
+ORDER = 50
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", metavar="ROOT", help="the NVMe tier's root directory")
+    add_namespace_argument(parser)
+    add_json_argument(parser)
+
+
+def add_namespace_argument(parser: argparse.ArgumentParser) -> None:
+    """``--namespace``, shared by inspect, verify and clear."""
+    parser.add_argument(
+        "--namespace",
+        metavar="NS",
+        help="only this namespace: its string, its directory name, or at least 4 leading "
+        "hex digits of its digest (the ID column of `tiering inspect`)",
+    )
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    """``--json``, shared by inspect, verify and clear."""
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object on the last line of stdout",
+    )
+
+
+def print_json(document: dict[str, Any]) -> None:
+    """One JSON object on one line (the last line a command prints on stdout)."""
+    print(json.dumps(document, sort_keys=True))
+
+
+def human_bytes(count: int) -> str:
+    """``count`` bytes in binary units: ``512 B``, ``16.0 KiB``, ``1.5 GiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows as left-aligned columns two spaces apart (the first row is the heading)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]  # fmt: skip
+
+
+def render(report: RootReport) -> list[str]:
+    """The human-readable report."""
+    lines = [
+        f"root {report.root}: {len(report.namespaces)} namespace(s), {report.blocks} blocks, "
+        f"{human_bytes(report.payload_bytes)} payload, {human_bytes(report.disk_bytes)} on disk, "
+        f"{report.damaged} damaged, {report.orphaned} orphaned"
+    ]
+    if report.namespaces:
+        rows = [["NAMESPACE", "ID", "LAYOUT", "BLOCK", "BLOCKS", "PAYLOAD", "ON DISK",
+                 "DAMAGED", "ORPHANED", "IN USE"]]  # fmt: skip
+        for ns in report.namespaces:
+            rows.append(
+                [
+                    ns.label,
+                    ns.digest[:12],
+                    "+".join(ns.layouts) or "-",
+                    human_bytes(ns.block_bytes) if ns.block_bytes else "?",
+                    str(ns.blocks),
+                    human_bytes(ns.payload_bytes),
+                    human_bytes(ns.disk_bytes),
+                    str(len(ns.damaged)),
+                    str(len(ns.orphaned)),
+                    f"yes ({len(ns.live_owners)})" if ns.live_owners else "no",
+                ]
+            )
+        lines += table(rows)
+    for title, attribute in (("damaged", "damaged"), ("orphaned", "orphaned")):
+        findings = [f for ns in report.namespaces for f in getattr(ns, attribute)]
+        if findings:
+            lines.append(f"{title}:")
+            lines += [f"  {f.path}: {f.reason}" for f in findings]
+    if report.other_entries:
+        lines.append("not namespaces (left alone): " + ", ".join(report.other_entries))
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    report = inspect_root(args.root, namespace=args.namespace)
+    if args.json:
+        print_json(report.to_json())
+    else:
+        print("\n".join(render(report)))
+    return EXIT_OK
