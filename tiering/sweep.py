@@ -1,0 +1,200 @@
+"""Capacity sweeps: the bookkeeping replay at several CPU capacities and policies.
+
+:func:`sweep` runs :func:`~tiering.replay.simulate` (no bytes) for every pair of a
+capacity and a policy, and :func:`plot_sweep` draws the hit ratio against the capacity,
+one line per policy, so a user sees where the curve flattens. Capacities are blocks,
+or fractions of the workload's *footprint* (its distinct blocks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiering.errors import InvalidArgumentError
+from tiering.policies import policy_names
+from tiering.replay import simulate
+from tiering.workloads import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """One replay of a sweep: its capacity (blocks, and as a fraction of the footprint),
+    policy, prefix hit ratio, and the replay's speed in requests per second."""
+
+    capacity_blocks: int
+    capacity_fraction: float
+    policy: str
+    hit_ratio: float
+    requests_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """Every point of a sweep, capacities ascending, policies in the order given."""
+
+    requests: int
+    footprint_blocks: int
+    points: tuple[SweepPoint, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as plain JSON values (the ``--json`` line of ``tiering sweep``)."""
+        return {
+            "requests": self.requests,
+            "footprint_blocks": self.footprint_blocks,
+            "points": [
+                {
+                    "capacity_blocks": p.capacity_blocks,
+                    "capacity_fraction": round(p.capacity_fraction, 4),
+                    "policy": p.policy,
+                    "hit_ratio": round(p.hit_ratio, 4),
+                    "requests_per_s": round(p.requests_per_s),
+                }
+                for p in self.points
+            ],
+        }
+
+    def table(self) -> str:
+        """A text table: one row per capacity, one column per policy."""
+        policies = list(dict.fromkeys(p.policy for p in self.points))
+        rows: dict[int, dict[str, float]] = {}
+        fractions: dict[int, float] = {}
+        for p in self.points:
+            rows.setdefault(p.capacity_blocks, {})[p.policy] = p.hit_ratio
+            fractions[p.capacity_blocks] = p.capacity_fraction
+        header = f"{'capacity':>10} {'of footprint':>12} " + " ".join(f"{n:>8}" for n in policies)
+        lines = [header, "-" * len(header)]
+        for capacity, ratios in rows.items():
+            cells = " ".join(f"{ratios[n]:>8.4f}" for n in policies)
+            lines.append(f"{capacity:>10} {fractions[capacity]:>11.1%} {cells}")
+        return "\n".join(lines)
+
+
+def footprint(requests: Sequence[Request], *, full_blocks_only: bool = False) -> int:
+    """The workload's distinct blocks (full ones only, with ``full_blocks_only``)."""
+    return len({k for r in requests for k in r.keys(full_blocks_only=full_blocks_only)})
+
+
+def capacities_from(text: str, footprint_blocks: int) -> list[int]:
+    """Capacities from a comma-separated list of block counts (``1000``) and percentages
+    of the footprint (``5%``), each at least 1 block, ascending, repeats dropped.
+
+    Raises:
+        InvalidArgumentError: an item is neither, or is not positive; naming it.
+    """
+    capacities = set()
+    for item in (part.strip() for part in text.split(",")):
+        try:
+            if item.endswith("%"):
+                percent = float(item[:-1])
+                if not 0 < percent <= 100:
+                    raise ValueError
+                capacities.add(max(1, round(footprint_blocks * percent / 100)))
+            else:
+                blocks = int(item)
+                if blocks <= 0:
+                    raise ValueError
+                capacities.add(blocks)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"capacities: {item!r} is neither a positive block count nor a percentage "
+                f"in (0, 100]% (in {text!r})"
+            ) from None
+    return sorted(capacities)
+
+
+def sweep(
+    requests: Sequence[Request],
+    capacities: Sequence[int],
+    policies: Sequence[str] | None = None,
+    *,
+    full_blocks_only: bool = False,
+) -> SweepResult:
+    """The bookkeeping replay of ``requests`` at every capacity (CPU blocks) with every
+    policy (default: all registered ones).
+
+    Raises:
+        InvalidArgumentError / UnknownPolicyError: an empty workload or capacity list, a
+            capacity that is not a positive integer, or an unknown policy.
+    """
+    if not requests:
+        raise InvalidArgumentError("requests: the workload is empty")
+    if not capacities:
+        raise InvalidArgumentError("capacities: give at least one")
+    names = list(policies) if policies is not None else policy_names()
+    total = footprint(requests, full_blocks_only=full_blocks_only)
+    points = []
+    for capacity in sorted(capacities):
+        for policy in names:
+            began = time.perf_counter()
+            model = simulate(
+                requests, cpu_blocks=capacity, policy=policy, full_blocks_only=full_blocks_only
+            )
+            elapsed = time.perf_counter() - began
+            points.append(
+                SweepPoint(
+                    capacity,
+                    capacity / total if total else 0.0,
+                    policy,
+                    model.hit_ratio,
+                    len(requests) / elapsed if elapsed > 0 else 0.0,
+                )
+            )
+    return SweepResult(len(requests), total, tuple(points))
+
+
+def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Path:
+    """Draw hit ratio against capacity (log scale, as a fraction of the footprint), one
+    line per policy, into a PNG at ``path``; returns the path.
+
+    Raises:
+        InvalidArgumentError: matplotlib is not installed (``pip install
+            'kv-tiering[plot]'``), or ``path`` cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidArgumentError(
+            "plot: needs matplotlib (pip install 'kv-tiering[plot]')"
+        ) from None
+    path = Path(path)
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=110)
+    try:
+        for policy in dict.fromkeys(p.policy for p in result.points):
+            mine = [p for p in result.points if p.policy == policy]
+            axes.plot(
+                [p.capacity_fraction * 100 for p in mine],
+                [p.hit_ratio for p in mine],
+                marker="o",
+                label=policy,
+            )
+        axes.set_xscale("log")
+        axes.set_xlabel(f"CPU tier capacity, % of the footprint ({result.footprint_blocks} blocks)")
+        axes.set_ylabel("prefix hit ratio")
+        axes.set_title(title or f"hit ratio by capacity ({result.requests} requests)")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        try:
+            figure.savefig(path, format="png")
+        except OSError as exc:
+            raise InvalidArgumentError(f"plot: cannot write {str(path)!r}: {exc}") from None
+    finally:
+        plt.close(figure)
+    return path
+
+
+__all__ = [
+    "SweepPoint",
+    "SweepResult",
+    "capacities_from",
+    "footprint",
+    "plot_sweep",
+    "sweep",
+]
