@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from tiering.abstract import BlockHash, OffloadingEvent
 from tiering.device import KVCaches, kv_block_bytes
@@ -47,6 +47,9 @@ from tiering.statistics import Statistics
 from tiering.tier_client import TierOutcome
 from tiering.tier_stack import TierStack
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds, tier_specs
+
+if TYPE_CHECKING:
+    from tiering.config import TieringConfig
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +155,15 @@ class TieringEngine:
             WaitForRoom: self._wait_for_room,
             Drained: self._on_drained,
         }
+
+    @classmethod
+    def from_config(cls, config: TieringConfig, kv_caches: KVCaches) -> TieringEngine:
+        """The engine ``config`` describes over ``kv_caches``, not yet entered: see
+        :func:`tiering.config.engine_from_config`, which this delegates to (and which
+        raises ConfigError for a bad config)."""
+        from tiering.config import engine_from_config  # tiering.config imports this module
+
+        return engine_from_config(config, kv_caches)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -24,6 +24,20 @@ class BlockNotFoundError(TieringError, KeyError):
         return str(self.args[0]) if self.args else "block not found"
 
 
+class ConfigError(InvalidArgumentError):
+    """A configuration (a TOML file, a command-line override or a config object) is invalid.
+
+    The message names the field by its path (``engine.write_policy``,
+    ``tiers[0].capacity_bytes``), the bad value and, for a file, the file's path;
+    ``field`` and ``source`` hold the same two names. Nothing was applied.
+    """
+
+    def __init__(self, message: str, *, field: str = "", source: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.source = source
+
+
 class UnknownPolicyError(InvalidArgumentError):
     """An eviction policy name that no policy is registered under."""
 
