@@ -27,6 +27,13 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
+_DESCRIPTION = """kv-tiering's command: replay traffic through a real engine, sweep the CPU tier's
+capacity, and look into NVMe roots. `tiering COMMAND --help` describes each command.
+
+Exit codes: 0 done and nothing wrong found; 1 a failure found (wrong bytes served, a
+damaged block, a failed run); 2 a usage error (a bad option, an unreadable trace or
+config file)."""
+
 
 def commands() -> dict[str, ModuleType]:
     """The subcommand modules, by name, in the order they are listed in ``--help``
@@ -42,7 +49,7 @@ def commands() -> dict[str, ModuleType]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: every subcommand with its options."""
-    parser = make_parser(__doc__, prog="tiering")
+    parser = make_parser(_DESCRIPTION, prog="tiering")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in commands().items():
         doc = module.__doc__ or module.HELP

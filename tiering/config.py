@@ -207,9 +207,8 @@ class ReplayConfig(_Section):
     trace: str | None = _option(None)
     limit: int | None = _option(None, check=_positive)
     pace: Literal["max"] | float = _option("max", check=_pace)
-    device_blocks: int = _option(256, check=_positive)
+    device_blocks: int | None = _option(None, check=_positive)
     block_bytes: int = _option(64 << 10, check=_positive, size=True)
-    seed: int = _option(0)
     verify: bool = _option(True)
     full_blocks_only: bool = _option(False)
 

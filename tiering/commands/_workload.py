@@ -1,0 +1,128 @@
+"""What ``tiering replay`` and ``tiering sweep`` share: a config (a file, ``--set``
+overrides and shortcut options) and the workload it names.
+
+Precedence, lowest first: defaults, the ``--config`` file, the shortcut options
+(``--cpu``, ``--policy``...), then every ``--set SECTION.FIELD=VALUE`` in order. Without
+a trace (the ``TRACE`` argument or ``replay.trace``) the workload is the synthetic chat
+traffic of the ``[synthetic]`` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tiering.config import (
+    TieringConfig,
+    config_from_toml,
+    load_config,
+    parse_override,
+)
+from tiering.errors import ConfigError
+from tiering.workloads import Request, read_mooncake, synthetic_requests
+
+DEFAULT_CPU_BLOCKS = 10_000
+"""The CPU tier's size when neither the config nor ``--cpu`` gives one."""
+
+
+def _override(text: str) -> tuple[str, str]:
+    try:
+        return parse_override(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and repeatable ``--set SECTION.FIELD=VALUE``."""
+    parser.add_argument("--config", metavar="FILE", help="a TOML config (docs/config.md)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="SECTION.FIELD=VALUE",
+        type=_override,
+        action="append",
+        default=[],
+        help="override one config field (repeatable), e.g. engine.policy=arc",
+    )
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace (optional: the synthetic workload without one), ``--limit`` and
+    ``--full-blocks-only``."""
+    parser.add_argument(
+        "trace",
+        nargs="?",
+        help="a Mooncake-format JSONL trace (default: synthetic chat traffic)",
+    )
+    parser.add_argument("--limit", type=int, metavar="N", help="replay the first N requests")
+    parser.add_argument(
+        "--full-blocks-only",
+        action="store_true",
+        default=None,
+        help="leave out each prompt's partial last block",
+    )
+
+
+def resolve_config(args: argparse.Namespace, shortcuts: dict[str, Any]) -> TieringConfig:
+    """The config the command line describes (see the module's precedence).
+
+    ``shortcuts`` maps config paths to values from the command's own options (None:
+    not given).
+
+    Raises:
+        ConfigError: the file, an override or a shortcut is bad (naming the field).
+    """
+    overrides: dict[str, object] = {}
+    if args.trace is not None:
+        overrides["replay.trace"] = args.trace
+    if args.limit is not None:
+        overrides["replay.limit"] = args.limit
+    if args.full_blocks_only:
+        overrides["replay.full_blocks_only"] = True
+    overrides.update({path: value for path, value in shortcuts.items() if value is not None})
+    overrides.update(dict(args.overrides))
+    if args.config is not None:
+        config = load_config(args.config, overrides)
+    else:
+        config = config_from_toml("", overrides=overrides | _cpu_default(overrides))
+    return config
+
+
+def _cpu_default(overrides: dict[str, object]) -> dict[str, object]:
+    if "engine.cpu_blocks" in overrides or "engine.cpu_bytes" in overrides:
+        return {}
+    return {"engine.cpu_blocks": DEFAULT_CPU_BLOCKS}
+
+
+def load_workload(config: TieringConfig) -> list[Request]:
+    """The requests ``config.replay`` names: its trace's (up to ``limit``), or the
+    synthetic workload of ``config.synthetic``.
+
+    Raises:
+        TraceError: the trace cannot be read or a line of it is malformed.
+    """
+    replay = config.replay
+    if replay.trace is not None:
+        return read_mooncake(replay.trace, limit=replay.limit)
+    s = config.synthetic
+    requests = synthetic_requests(
+        sessions=s.sessions,
+        turns_per_session=s.turns_per_session,
+        system_prompts=s.system_prompts,
+        system_prompt_blocks=s.system_prompt_blocks,
+        user_blocks_per_turn=s.user_blocks_per_turn,
+        reply_blocks_per_turn=s.reply_blocks_per_turn,
+        rate_per_s=s.rate_per_s,
+        think_time_s=s.think_time_s,
+        seed=s.seed,
+    )
+    return requests[: replay.limit] if replay.limit is not None else requests
+
+
+def cpu_shortcut(text: str | None) -> dict[str, object]:
+    """``--cpu``: a plain integer is blocks, anything else a size in bytes (``64GiB``)."""
+    if text is None:
+        return {}
+    if text.strip().isdigit():
+        return {"engine.cpu_blocks": int(text), "engine.cpu_bytes": "none"}
+    return {"engine.cpu_bytes": text, "engine.cpu_blocks": "none"}

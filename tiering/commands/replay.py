@@ -1,0 +1,165 @@
+"""Replay a trace (or synthetic chat traffic) through a real engine and check every byte.
+
+Drives a real TieringEngine: per request it looks up the prompt's blocks, loads the hit
+prefix into a simulated device KV cache, "computes" the rest (fills each block with
+bytes derived from its hash), stores it, and checks every loaded block against its
+hash. Any mismatch fails the run (exit code 1). At the end: a summary table, or with
+--json one JSON object on the last line (requests, hit_ratio, hit_ratio_by_tier,
+mismatches, bytes_by_path, job_latency_ms, loop_lag_p99_ms, ...).
+
+Examples:
+  tiering replay                                     # synthetic traffic, CPU tier only
+  tiering replay trace.jsonl --cpu 10000 --nvme /var/tmp/kv --nvme-size 2GiB
+  tiering replay --config cache.toml --set engine.policy=arc --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+import torch
+
+from tiering.cli_args import Progress
+from tiering.commands._workload import (
+    add_config_arguments,
+    add_workload_arguments,
+    cpu_shortcut,
+    load_workload,
+    resolve_config,
+)
+from tiering.config import TieringConfig, engine_from_config, with_overrides
+from tiering.engine import TieringEngine
+from tiering.replay import ReplaySummary, replay
+from tiering.workloads import Request
+
+NAME = "replay"
+HELP = "replay a trace through a real engine, checking every loaded byte"
+ORDER = 10
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    add_config_arguments(parser)
+    tiers = parser.add_argument_group("tiers (shortcuts for config fields)")
+    tiers.add_argument("--cpu", metavar="SIZE", help="CPU tier: blocks (10000) or bytes (8GiB)")
+    tiers.add_argument("--policy", help="the CPU tier's eviction policy")
+    tiers.add_argument("--write-policy", choices=["write_through", "write_back"])
+    tiers.add_argument("--memory", metavar="BLOCKS", type=int, help="add a memory tier")
+    tiers.add_argument("--nvme", metavar="ROOT", help="add an NVMe tier in this directory")
+    tiers.add_argument(
+        "--nvme-size", metavar="SIZE", default="4GiB", help="the NVMe tier's capacity"
+    )
+    tiers.add_argument("--redis", metavar="URL", help="add a Redis tier on this server")
+    run = parser.add_argument_group("the replay")
+    run.add_argument("--block-bytes", metavar="SIZE", help="bytes per KV block")
+    run.add_argument(
+        "--device-blocks", type=int, metavar="N", help="the simulated device cache's blocks"
+    )
+    run.add_argument("--pace", help="'max', or a speed-up of the trace's own timestamps")
+    run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    shortcuts: dict[str, Any] = {
+        **cpu_shortcut(args.cpu),
+        "engine.policy": args.policy,
+        "engine.write_policy": args.write_policy,
+        "replay.block_bytes": args.block_bytes,
+        "replay.device_blocks": args.device_blocks,
+        "replay.pace": args.pace,
+        "metrics.port": args.metrics_port,
+    }
+    config = resolve_config(args, shortcuts)
+    config = with_overrides(config, _tier_shortcuts(args, config))
+    requests = load_workload(config)
+    with Progress() as progress:
+        summary = asyncio.run(_replay(config, requests, progress))
+    figures = summary.to_json()
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        print(format_summary(figures))
+    if summary.mismatches:
+        print(
+            f"tiering replay: {summary.mismatches} loaded blocks held wrong bytes",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str, object]:
+    """Tiers the shortcut options add after the config's own, fastest first."""
+    added: list[dict[str, object]] = []
+    if args.memory is not None:
+        added.append({"type": "memory", "max_blocks": args.memory})
+    if args.nvme is not None:
+        added.append({"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size})
+    if args.redis is not None:
+        added.append({"type": "redis", "url": args.redis})
+    overrides: dict[str, object] = {}
+    for i, tier in enumerate(added, start=len(config.tiers)):
+        for option, value in tier.items():
+            overrides[f"tiers.{i}.{option}"] = value
+    return overrides
+
+
+async def _replay(
+    config: TieringConfig, requests: list[Request], progress: Progress
+) -> ReplaySummary:
+    full = config.replay.full_blocks_only
+    longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
+    device_blocks = config.replay.device_blocks or longest
+    pace = None if config.replay.pace == "max" else float(config.replay.pace)
+
+    def make_engine(kv: torch.Tensor) -> TieringEngine:
+        return engine_from_config(config, kv)
+
+    def on_request(done: int, summary: ReplaySummary) -> None:
+        ratio = summary.hit_ratio
+        progress.update(f"replay: {done}/{len(requests)} requests, hit ratio {ratio:.4f}")
+
+    return await replay(
+        requests,
+        make_engine,
+        device_blocks=device_blocks,
+        block_bytes=config.replay.block_bytes,
+        pace=pace,
+        full_blocks_only=full,
+        verify=config.replay.verify,
+        on_request=on_request,
+    )
+
+
+def format_summary(figures: dict[str, Any]) -> str:
+    """The summary table of a replay's :meth:`~tiering.replay.ReplaySummary.to_json`."""
+    by_tier = "  ".join(f"{t} {r:.4f}" for t, r in figures["hit_ratio_by_tier"].items())
+    paths = "  ".join(f"{p} {_size(n)}" for p, n in figures["bytes_by_path"].items() if n)
+    latency = figures["job_latency_ms"]
+    rows = [
+        ("requests", f"{figures['requests']} ({figures['requests_per_s']} requests/s, "
+                     f"{figures['seconds']} s)"),
+        ("blocks", str(figures["blocks"])),
+        ("prefix hit ratio", f"{figures['hit_ratio']:.4f}  ({by_tier})"),
+        ("mismatches", str(figures["mismatches"])),
+        ("failed loads/stores", f"{figures['failed_loads']} / {figures['failed_stores']}"),
+        ("bytes moved", paths or "none"),
+        ("job latency", f"store p50 {latency['store']['p50']} ms, p99 "
+                        f"{latency['store']['p99']} ms; load p50 {latency['load']['p50']} ms, "
+                        f"p99 {latency['load']['p99']} ms"),
+        ("loop lag p99", f"{figures['loop_lag_p99_ms']} ms"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,73 @@
+"""Sweep the CPU tier's capacity: hit ratio by capacity and policy, as a table and a plot.
+
+Runs the bookkeeping-only replay (no bytes: fast) of a trace, or of synthetic chat
+traffic, at every capacity with every policy, prints a table (or with --json one JSON
+object on the last line), and with --plot draws a PNG of hit ratio against capacity,
+one line per policy (needs matplotlib: pip install 'kv-tiering[plot]'). Capacities are
+block counts or percentages of the workload's footprint (its distinct blocks).
+
+Examples:
+  tiering sweep
+  tiering sweep trace.jsonl --capacities 1%,2%,5%,10%,25%,50% --plot sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tiering.cli_args import Progress, choice_list
+from tiering.commands._workload import (
+    add_config_arguments,
+    add_workload_arguments,
+    load_workload,
+    resolve_config,
+)
+from tiering.policies import policy_names
+from tiering.sweep import capacities_from, footprint, plot_sweep, sweep
+
+NAME = "sweep"
+HELP = "hit ratio by CPU capacity and policy (bookkeeping only), with a plot"
+ORDER = 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--capacities",
+        default="1%,2%,5%,10%,25%,50%",
+        help="block counts and percentages of the footprint, comma-separated",
+    )
+    parser.add_argument(
+        "--policies",
+        type=choice_list(policy_names()),
+        default=",".join(policy_names()),
+        help="eviction policies, comma-separated",
+    )
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio curves here")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = resolve_config(args, {})
+    requests = load_workload(config)
+    full = config.replay.full_blocks_only
+    capacities = capacities_from(args.capacities, footprint(requests, full_blocks_only=full))
+    with Progress() as progress:
+        progress.update(
+            f"sweep: {len(capacities)} capacities x {len(args.policies)} policies", force=True
+        )
+        result = sweep(requests, capacities, args.policies, full_blocks_only=full)
+    if args.plot is not None:
+        plot_sweep(result, args.plot)
+    if args.json:
+        figures = result.to_json()
+        if args.plot is not None:
+            figures["plot"] = args.plot
+        print(json.dumps(figures))
+    else:
+        print(result.table())
+        if args.plot is not None:
+            print(f"plot: {args.plot}")
+    return 0
