@@ -426,6 +426,16 @@ def _refuse_if_live(namespaces: Sequence[_Namespace], action: str) -> None:
             )
 
 
+@contextlib.contextmanager
+def _os_errors(root: str) -> Iterator[None]:
+    """An OSError while reading the root becomes a TieringError naming it."""
+    try:
+        yield
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise TieringError(f"cannot read {root!r}{where}: {describe_os_error(exc)}") from None
+
+
 def _walk_files(path: str) -> Iterator[tuple[str, int]]:
     """``(path, size)`` of every non-directory below ``path`` (links not followed)."""
     for directory, dirs, files in os.walk(path):
@@ -978,10 +988,12 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
         InvalidArgumentError: ``root`` does not exist, is not a directory, or is not an
             NVMe root (neither empty nor holding a namespace directory); ``namespace``
             matches none or several.
+        TieringError: an OS error while reading (the message carries it).
     """
     path, namespaces, others = _open_root(root)
     selected = _select(namespaces, namespace)
-    return RootReport(path, tuple(_report(_state(ns)) for ns in selected), tuple(others))
+    with _os_errors(path):
+        return RootReport(path, tuple(_report(_state(ns)) for ns in selected), tuple(others))
 
 
 # -- verify -----------------------------------------------------------------------------
@@ -1006,30 +1018,32 @@ def verify_root(
     Raises:
         InvalidArgumentError: as :func:`inspect_root`.
         TieringError: ``remove`` and a selected namespace has a live owner (nothing
-            changed). An OSError while removing is reported as the block not removed.
+            changed), or an OS error while reading (the message carries it). A block
+            that could not be removed is reported as not removed.
     """
     path, namespaces, _ = _open_root(root)
     selected = _select(namespaces, namespace)
     if remove:
         _refuse_if_live(selected, "remove bad blocks")
-    results = []
-    for ns in selected:
-        state = _state(ns)
-        checked = 0
-        bad: list[BadBlock] = []
-        rewritten = False
-        if state.segments is not None:
-            n, found, rewritten = _verify_segments(ns, state.segments, remove)
-            checked += n
-            bad += found
-        if state.files is not None:
-            n, found = _verify_files(ns, state.files, remove)
-            checked += n
-            bad += found
-        results.append(
-            NamespaceVerify(ns.name, ns.namespace, checked, tuple(bad), _live_owners(ns), rewritten)
-        )
+    with _os_errors(path):
+        results = [_verify_namespace(ns, remove) for ns in selected]
     return VerifyReport(path, remove, tuple(results))
+
+
+def _verify_namespace(ns: _Namespace, remove: bool) -> NamespaceVerify:
+    state = _state(ns)
+    checked = 0
+    bad: list[BadBlock] = []
+    rewritten = False
+    if state.segments is not None:
+        n, found, rewritten = _verify_segments(ns, state.segments, remove)
+        checked += n
+        bad += found
+    if state.files is not None:
+        n, found = _verify_files(ns, state.files, remove)
+        checked += n
+        bad += found
+    return NamespaceVerify(ns.name, ns.namespace, checked, tuple(bad), _live_owners(ns), rewritten)
 
 
 # -- clear ------------------------------------------------------------------------------
@@ -1079,8 +1093,10 @@ def clear_root(
     files = nbytes = 0
     left: list[str] = []
     for ns in selected:
+        with _os_errors(path):
+            listing = sorted(_walk_files(ns.path))
         doomed: list[tuple[str, int]] = []
-        for full, size in sorted(_walk_files(ns.path)):
+        for full, size in listing:
             parts = tuple(os.path.relpath(full, ns.path).split(os.sep))
             if _tier_file(parts):
                 doomed.append((full, size))
