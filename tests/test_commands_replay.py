@@ -29,6 +29,7 @@ def test_replay_of_synthetic_traffic_hits_what_the_bookkeeping_promised(
     model = simulate(synthetic_requests()[:120], cpu_blocks=300)
     assert figures["requests"] == 120 and figures["mismatches"] == 0
     assert figures["hit_ratio"] == round(model.hit_ratio, 4) > 0
+    assert figures["bookkeeping_hit_ratio"] == figures["hit_ratio"]
     for key in ("hit_ratio_by_tier", "bytes_by_path", "job_latency_ms", "loop_lag_p99_ms"):
         assert key in figures
 
@@ -40,6 +41,9 @@ def test_replay_through_cpu_and_nvme_prints_a_summary_table(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "prefix hit ratio" in out and "nvme" in out and "mismatches           0" in out
+    hit = next(line for line in out.splitlines() if line.startswith("prefix hit ratio"))
+    promised = next(line for line in out.splitlines() if line.startswith("bookkeeping model"))
+    assert hit.split()[3] == promised.split()[2]  # nothing evicted from NVMe: equal
 
 
 def test_replay_reads_a_config_file_and_set_overrides_it(

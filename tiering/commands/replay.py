@@ -33,7 +33,7 @@ from tiering.commands._workload import (
 )
 from tiering.config import TieringConfig, engine_from_config, with_overrides
 from tiering.engine import TieringEngine
-from tiering.replay import ReplaySummary, replay
+from tiering.replay import ReplaySummary, replay, simulate
 from tiering.workloads import Request
 
 NAME = "replay"
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     with Progress() as progress:
         summary = asyncio.run(_replay(config, requests, progress))
     figures = summary.to_json()
+    figures["bookkeeping_hit_ratio"] = _bookkeeping_hit_ratio(config, requests)
     if args.json:
         print(json.dumps(figures))
     else:
@@ -107,6 +108,34 @@ def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str
         for option, value in tier.items():
             overrides[f"tiers.{i}.{option}"] = value
     return overrides
+
+
+def _bookkeeping_hit_ratio(config: TieringConfig, requests: list[Request]) -> float | None:
+    """The hit ratio the bookkeeping-only replay of this configuration promises (None
+    for write-back, which it does not model). It equals the engine's whenever no
+    secondary tier evicts; a tier's capacity in blocks is its ``max_blocks``, or its
+    ``capacity_bytes`` over the block size, or unbounded (Redis)."""
+    if config.engine.write_policy != "write_through":
+        return None
+    size = config.replay.block_bytes
+    cpu = config.engine.cpu_blocks or (config.engine.cpu_bytes or 0) // size
+    tier_blocks: list[int | None] = []
+    for tier in config.tiers:
+        options = tier.options
+        if "max_blocks" in options:
+            tier_blocks.append(int(options["max_blocks"]))  # type: ignore[call-overload]
+        elif "capacity_bytes" in options:
+            tier_blocks.append(max(1, int(options["capacity_bytes"]) // size))  # type: ignore[call-overload]
+        else:
+            tier_blocks.append(None)
+    model = simulate(
+        requests,
+        cpu_blocks=cpu,
+        policy=config.engine.policy,
+        tier_blocks=tier_blocks,
+        full_blocks_only=config.replay.full_blocks_only,
+    )
+    return round(model.hit_ratio, 4)
 
 
 async def _replay(
@@ -146,6 +175,7 @@ def format_summary(figures: dict[str, Any]) -> str:
                      f"{figures['seconds']} s)"),
         ("blocks", str(figures["blocks"])),
         ("prefix hit ratio", f"{figures['hit_ratio']:.4f}  ({by_tier})"),
+        ("bookkeeping model", _ratio(figures.get("bookkeeping_hit_ratio"))),
         ("mismatches", str(figures["mismatches"])),
         ("failed loads/stores", f"{figures['failed_loads']} / {figures['failed_stores']}"),
         ("bytes moved", paths or "none"),
@@ -156,6 +186,10 @@ def format_summary(figures: dict[str, Any]) -> str:
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _ratio(value: float | None) -> str:
+    return "not modelled (write-back)" if value is None else f"{value:.4f}"
 
 
 def _size(nbytes: int) -> str:
