@@ -128,6 +128,13 @@ async def test_a_request_longer_than_the_device_cache_is_refused_before_starting
     assert started == []
 
 
+@pytest.mark.parametrize("size", [1000, 64, 8])
+async def test_blocks_of_any_size_are_computed_and_checked(size: int) -> None:
+    requests = synthetic_requests(sessions=10, seed=3)
+    summary = await replay(requests, _engine_factory(200), device_blocks=64, block_bytes=size)
+    assert summary.hit_blocks > 0 and summary.mismatches == 0
+
+
 def test_expected_bytes_differ_by_key_and_repeat_a_digest() -> None:
     one, two = expected_bytes(b"a" * 8, 256), expected_bytes(b"b" * 8, 256)
     assert one.nbytes == 256 and not (one == two).all()
