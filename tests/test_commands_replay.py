@@ -125,3 +125,13 @@ def test_python_m_tiering_runs_the_command() -> None:
     usage = run_script("-m", "tiering", "replay", "--pace", "never")
     assert usage.returncode == 2 and "replay.pace" in usage.stderr
     assert "Traceback" not in usage.stderr
+
+
+def test_bench_lists_the_benchmarks_and_runs_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench"]) == 0
+    listed = capsys.readouterr().out
+    assert "manager" in listed and "redis" in listed
+    assert main(["bench", "nope"]) == 2
+    assert "choose one of" in capsys.readouterr().err
+    done = run_script("-m", "tiering", "bench", "manager", "--", "--help")
+    assert done.returncode == 0 and "bench_manager.py" in done.stdout
