@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -33,11 +34,13 @@ from tiering.job_core import (
     Effect,
     FlushDone,
     JobCore,
+    LookupStatistics,
     Resolve,
     TierLoad,
     TierStore,
     WaitForRoom,
 )
+from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import EvictionPolicy
@@ -144,6 +147,7 @@ class TieringEngine:
         self._drained: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
         self._on_copy_ended = self._copy_ended  # bound once: no allocation per copy
+        self._latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
         self._run_effect: dict[type, Callable[[Any], None]] = {
             CopyToHost: self._copy,
             CopyToDevice: self._copy,
@@ -187,6 +191,9 @@ class TieringEngine:
             self._release_now()
             raise
         assert self._stack.copier is not None
+        if self.enable_events:
+            for tier in self._stack.tiers:
+                tier.report_removals()
         self._core = JobCore(
             self.manager,
             self._stack.clients,
@@ -195,6 +202,7 @@ class TieringEngine:
             write_policy=self.write_policy,
             room_timeout=self._room_timeout,
             enable_events=self.enable_events,
+            take_removed=[tier.take_removed for tier in self._stack.tiers],
         )
         self._state = Lifecycle.OPEN
         return self
@@ -307,6 +315,21 @@ class TieringEngine:
             failures=core.failures.counts if core else {},
         )
 
+    def job_latency(self) -> Mapping[str, LatencySnapshot]:
+        """Job latencies so far, ``"store"`` and ``"load"``: from the call of
+        :meth:`store` / :meth:`load` to the job's result (failed jobs included), on
+        ``time.perf_counter`` (uvloop's ``loop.time()`` ticks in whole milliseconds).
+        Snapshots; call on the loop's thread."""
+        return {kind: histogram.snapshot() for kind, histogram in self._latency.items()}
+
+    def lookup_statistics(self) -> LookupStatistics:
+        """What :meth:`lookup` has answered so far: calls, hashes, hits (by the tier
+        that held each: ``hits_by_tier[0]`` the CPU tier, ``[i]`` ``tiers[i - 1]``) and
+        calls that stopped at a hash no tier holds; zeros before the engine is entered."""
+        if self._core is None:
+            return LookupStatistics(hits_by_tier=(0,) * (1 + len(self._stack.tiers)))
+        return self._core.lookup_statistics()
+
     def __repr__(self) -> str:
         return f"<TieringEngine {self.statistics()!r}>"
 
@@ -335,7 +358,11 @@ class TieringEngine:
             client.touch(hashes)
 
     def take_events(self) -> list[OffloadingEvent]:
-        """CPU-tier events, then secondary-tier store events, since the last call."""
+        """Events since the last call (with ``enable_events``): the CPU tier's (blocks
+        stored, blocks evicted), then the secondary tiers' (blocks the engine stored
+        there, blocks a tier evicted or dropped because they did not verify), each
+        medium's in the order they happened. The wire format for routers:
+        :mod:`tiering.events`."""
         events = self.manager.take_events()
         if self._core is not None:
             events.extend(self._core.take_tier_events())
@@ -364,8 +391,9 @@ class TieringEngine:
                 distinct ints inside the device KV cache, or the lengths differ; nothing
                 changed.
         """
+        started = perf_counter()
         job_id, effects = self._open_core().store(block_hashes, device_block_ids)
-        return self._admitted(job_id, "store", effects)
+        return self._admitted(job_id, "store", effects, started)
 
     def load(self, block_hashes: Sequence[BlockHash], device_block_ids: Sequence[int]) -> Job:
         """Copy blocks into device blocks, promoting them from a secondary tier if needed.
@@ -379,8 +407,9 @@ class TieringEngine:
             InvalidArgumentError: as :meth:`store`.
             BlockNotFoundError: a hash no tier holds; nothing changed.
         """
+        started = perf_counter()
         job_id, effects = self._open_core().load(block_hashes, device_block_ids)
-        return self._admitted(job_id, "load", effects)
+        return self._admitted(job_id, "load", effects, started)
 
     async def flush(self) -> bool:
         """Copy every ready CPU block to each secondary tier that lacks it.
@@ -402,9 +431,11 @@ class TieringEngine:
 
     # ------------------------------------------------------------------ effects
 
-    def _admitted(self, job_id: int, kind: Literal["store", "load"], effects: list[Effect]) -> Job:
+    def _admitted(
+        self, job_id: int, kind: Literal["store", "load"], effects: list[Effect], started: float
+    ) -> Job:
         assert self._loop is not None
-        job = Job(job_id, kind, self._loop)
+        job = Job(job_id, kind, self._loop, started)
         self._jobs[job_id] = job
         self._execute(effects)
         return job
@@ -439,6 +470,7 @@ class TieringEngine:
     def _resolve(self, effect: Resolve) -> None:
         job = self._jobs.get(effect.job)
         if job is not None:
+            self._latency[job.kind].observe(perf_counter() - job.started)
             job._set_result(effect.result)
             if job.kind == "load":
                 job._set_cascaded(True)

@@ -27,13 +27,28 @@ class Job:
     load ended.
     """
 
-    __slots__ = ("_cascaded", "_cascaded_value", "_loop", "_result", "_value", "job_id", "kind")
+    __slots__ = (
+        "_cascaded",
+        "_cascaded_value",
+        "_loop",
+        "_result",
+        "_value",
+        "job_id",
+        "kind",
+        "started",
+    )
 
     def __init__(
-        self, job_id: int, kind: Literal["store", "load"], loop: asyncio.AbstractEventLoop
+        self,
+        job_id: int,
+        kind: Literal["store", "load"],
+        loop: asyncio.AbstractEventLoop,
+        started: float = 0.0,
     ) -> None:
         self.job_id = job_id
         self.kind = kind
+        self.started = started
+        """When the job was submitted (``time.perf_counter()``), for its latency."""
         self._loop = loop
         # The future is made only for an await that comes before the result: most jobs
         # end before anyone awaits them, and a scheduler issues hundreds per step.

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -63,10 +64,32 @@ COUNTERS = (
     "written_back_blocks",
     "flushed_blocks",
     "failed_jobs",
+    "evicted_blocks",
 )
-"""The core's counters (monotonic totals), as ``statistics().counters`` shows them."""
+"""The core's counters (monotonic totals), as ``statistics().counters`` shows them;
+``evicted_blocks``: blocks the CPU tier evicted to make room. (Lookups are counted
+apart, :class:`LookupStatistics`: a lookup changes no statistics.)"""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupStatistics:
+    """What :meth:`JobCore.lookup` has answered so far (monotonic totals).
+
+    * ``lookups``: calls; ``blocks``: the hashes they were given; ``hit_blocks``: the
+      leading hashes they found (their answers, summed).
+    * ``first_misses``: calls that stopped at a hash no tier holds (rather than at the
+      end of their hashes).
+    * ``hits_by_tier``: ``hit_blocks`` by where each was found: ``[0]`` ready in the CPU
+      tier, ``[t + 1]`` in secondary tier ``t`` (the first servable tier holding it).
+    """
+
+    lookups: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    first_misses: int = 0
+    hits_by_tier: tuple[int, ...] = ()
 
 
 # ------------------------------------------------------------------------ effects
@@ -262,6 +285,10 @@ class JobCore:
         write_policy: ``"write_through"`` or ``"write_back"``.
         room_timeout: seconds a job may wait for CPU room (see :class:`WaitForRoom`).
         enable_events: record secondary-tier store events for :meth:`take_tier_events`.
+        take_removed: with ``enable_events``, one callable per tier returning the keys
+            that tier stopped holding since the last call (its
+            :meth:`~tiering.secondary.SecondaryTierManager.take_removed`); they become
+            removal events, in order with the tier's store events.
 
     Every public method either raises before changing anything or returns the effects
     of the change, in the order the shell must start them. A load's ``cascaded`` answer
@@ -281,6 +308,7 @@ class JobCore:
         write_policy: str = "write_through",
         room_timeout: float = 5.0,
         enable_events: bool = False,
+        take_removed: Sequence[Callable[[], Sequence[BlockHash]]] = (),
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise InvalidArgumentError(
@@ -296,6 +324,14 @@ class JobCore:
         self.state = Lifecycle.OPEN
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.failures = FailureLog(logger, "engine")
+        # Plain ints and one list, not the counters: the lookup path stays cheap.
+        self._lookups = self._lookup_blocks = self._lookup_first_misses = 0
+        self._lookup_hits = [0] * (1 + len(self.tiers))
+        if take_removed and len(take_removed) != len(self.tiers):
+            raise InvalidArgumentError(
+                f"take_removed has {len(take_removed)} callables for {len(self.tiers)} tiers"
+            )
+        self._take_removed = list(take_removed) if enable_events else []
         self._servable = [t for t, tier in enumerate(self.tiers) if tier.servable]
         self._jobs: dict[int, _Job] = {}  # planned, not yet done
         self._waiting: dict[int, tuple[_Job, Callable[[], bool]]] = {}  # no room yet, FIFO
@@ -331,13 +367,30 @@ class JobCore:
         Raises:
             InvalidArgumentError: ``block_hashes`` is not an iterable of bytes.
         """
+        hashes = hash_list("block_hashes", block_hashes)
         is_ready = self.manager.is_ready
-        n = 0
-        for h in hash_list("block_hashes", block_hashes):
-            if not is_ready(h) and self._holder(h) is None:
-                break
+        hits = self._lookup_hits
+        n = in_tiers = 0
+        for h in hashes:
+            if not is_ready(h):
+                t = self._holder(h)
+                if t is None:
+                    self._lookup_first_misses += 1
+                    break
+                hits[t + 1] += 1
+                in_tiers += 1
             n += 1
+        hits[0] += n - in_tiers  # counted per call: the CPU path stays one check per hash
+        self._lookups += 1
+        self._lookup_blocks += len(hashes)
         return n
+
+    def lookup_statistics(self) -> LookupStatistics:
+        """What :meth:`lookup` has answered so far."""
+        hits = tuple(self._lookup_hits)
+        return LookupStatistics(
+            self._lookups, self._lookup_blocks, sum(hits), self._lookup_first_misses, hits
+        )
 
     @property
     def jobs_in_flight(self) -> int:
@@ -355,9 +408,21 @@ class JobCore:
         return self._num_filling
 
     def take_tier_events(self) -> list[OffloadingEvent]:
-        """Secondary-tier store events since the last call (with ``enable_events``)."""
+        """Secondary-tier events since the last call (with ``enable_events``): blocks
+        stored by the engine's tier jobs and, given ``take_removed``, blocks the tiers
+        stopped holding, in the order they happened per tier."""
+        for t in range(len(self._take_removed)):
+            self._removal_event(t)
         events, self._tier_events = self._tier_events, []
         return events
+
+    def _removal_event(self, t: int) -> None:
+        removed = self._take_removed[t]()
+        if removed:
+            medium = self.tiers[t].name.upper()
+            self._tier_events.append(
+                OffloadingEvent(list(removed), self.manager.block_size, medium, True)
+            )
 
     # ------------------------------------------------------------------- stores
 
@@ -410,10 +475,13 @@ class JobCore:
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         job.slots = slots
         self._jobs[job.id] = job
-        if out.block_hashes_evicted and self.write_back:
-            self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._copy_in)
-        else:
-            self._copy_in(job)
+        if out.block_hashes_evicted:
+            self.counters["evicted_blocks"] += len(out.block_hashes_evicted)
+            if self.write_back:
+                victims, victim_slots = out.block_hashes_evicted, out.evicted_block_ids
+                self._write_back(job, victims, victim_slots, self._copy_in)
+                return True
+        self._copy_in(job)
         return True
 
     def _copy_in(self, job: _Job) -> None:
@@ -566,6 +634,7 @@ class JobCore:
         # Every block now has its slot (ready, being filled, or given to a promotion),
         # and keeps it until the load has copied it out.
         job.slots = [manager.slot_of(h) for h in hashes]
+        self.counters["evicted_blocks"] += len(out.block_hashes_evicted)
         self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
         return True
 
@@ -756,14 +825,24 @@ class JobCore:
                     next(iter(failed.values())),
                 )
             if landed and self.enable_events:
-                medium = self.tiers[t].name.upper()
-                self._tier_events.append(
-                    OffloadingEvent(landed, self.manager.block_size, medium, False)
-                )
+                self._store_event(t, landed)
             done(owner, not failed)
 
         op = self._start(owner, len(items), ended)
         self._out.append(TierStore(op, t, keys, [s for _, s in items]))
+
+    def _store_event(self, t: int, landed: list[BlockHash]) -> None:
+        """Removals first, then the stored keys the tier still holds: a key evicted and
+        stored again comes out removed-then-stored, and one stored and then evicted
+        before its job reported back comes out removed only, so a router that applies
+        events in order ends up with what the tier holds."""
+        if self._take_removed:
+            self._removal_event(t)
+        look = self.tiers[t].lookup
+        held = [k for k in landed if look(k) is not False]
+        if held:
+            medium = self.tiers[t].name.upper()
+            self._tier_events.append(OffloadingEvent(held, self.manager.block_size, medium, False))
 
     # -------------------------------------------------------------------- flush
 
@@ -1035,6 +1114,7 @@ __all__ = [
     "Effect",
     "FlushDone",
     "JobCore",
+    "LookupStatistics",
     "Resolve",
     "TierLoad",
     "TierStore",

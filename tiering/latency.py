@@ -1,0 +1,144 @@
+"""Latency histograms with fixed buckets, sans-I/O: what the engine records per job.
+
+A :class:`LatencyHistogram` counts observations (seconds) in fixed, log-spaced buckets
+(:data:`DEFAULT_BOUNDS`: 1-2-5 steps from 10 µs to 100 s), so recording one costs a
+binary search and two additions, and memory never grows. :meth:`LatencyHistogram.
+snapshot` returns an immutable :class:`LatencySnapshot` with the cumulative counts a
+Prometheus histogram exposes, and :meth:`LatencySnapshot.quantile` estimates quantiles
+from them the way Prometheus's ``histogram_quantile`` does (linear within a bucket).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from tiering.errors import InvalidArgumentError
+
+DEFAULT_BOUNDS: tuple[float, ...] = (
+    *(float(f"{m}e{e}") for e in range(-5, 2) for m in (1, 2, 5)),
+    100.0,
+)
+"""Upper bounds (seconds, inclusive) of the finite buckets: 10 µs, 20 µs, 50 µs, 100 µs,
+… 50 s, 100 s. Each bucket is 2 to 2.5 times as wide as the one before, so a quantile
+estimate is off by at most that factor; observations above 100 s land in ``+Inf``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySnapshot:
+    """An immutable reading of a :class:`LatencyHistogram`.
+
+    * ``bounds``: the finite buckets' upper bounds in seconds, ascending.
+    * ``cumulative``: ``cumulative[i]`` observations were ``<= bounds[i]``; one more
+      entry at the end counts every observation (the ``+Inf`` bucket), so it equals
+      ``count``.
+    * ``sum``: the observations' total in seconds; ``count``: how many there were;
+      ``max``: the largest (0.0 when there were none).
+    """
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    sum: float
+    count: int
+    max: float
+
+    @property
+    def mean(self) -> float:
+        """The mean observation in seconds; NaN when there are none."""
+        return self.sum / self.count if self.count else math.nan
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-quantile (0 < ``q`` <= 1) in seconds, estimated from the buckets.
+
+        The result lies in the bucket that holds the true ``q``-quantile of the
+        observations (the ``ceil(q * count)``-th smallest), interpolated linearly
+        inside it and never above ``max``; NaN when there are no observations.
+
+        Raises:
+            InvalidArgumentError: ``q`` is not in (0, 1].
+        """
+        if not isinstance(q, int | float) or not 0 < q <= 1:
+            raise InvalidArgumentError(f"quantile must lie in (0, 1], got {q!r}")
+        if not self.count:
+            return math.nan
+        rank = q * self.count
+        cumulative = self.cumulative
+        b = bisect_left(cumulative, rank)  # the first bucket reaching the rank
+        below = cumulative[b - 1] if b else 0
+        lower = self.bounds[b - 1] if b else 0.0
+        upper = self.bounds[b] if b < len(self.bounds) else self.max
+        upper = min(upper, self.max)
+        lower = min(lower, upper)
+        inside = cumulative[b] - below
+        return min(upper, lower + (upper - lower) * (rank - below) / inside)  # rounding
+
+
+class LatencyHistogram:
+    """Counts observations in fixed buckets; cheap enough for every job of the engine.
+
+    Not thread-safe: observe and snapshot on one thread (the engine's loop). Memory is
+    fixed at construction.
+
+    Raises:
+        InvalidArgumentError: ``bounds`` is empty, not strictly ascending, or holds a
+            value that is not a positive finite number.
+    """
+
+    __slots__ = ("_bounds", "_counts", "_max", "_sum")
+
+    def __init__(self, bounds: Sequence[float] = DEFAULT_BOUNDS) -> None:
+        checked = tuple(bounds)
+        if not checked or any(
+            not isinstance(b, int | float) or not math.isfinite(b) or b <= 0 for b in checked
+        ):
+            raise InvalidArgumentError(
+                f"bounds must be positive finite numbers, got {list(bounds)!r}"
+            )
+        if any(a >= b for a, b in pairwise(checked)):
+            raise InvalidArgumentError(f"bounds must be strictly ascending, got {list(checked)!r}")
+        self._bounds = tuple(float(b) for b in checked)
+        self._counts = [0] * (len(checked) + 1)  # per bucket, the last one is +Inf
+        self._sum = 0.0
+        self._max = 0.0
+
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """The finite buckets' upper bounds in seconds (inclusive), ascending."""
+        return self._bounds
+
+    def observe(self, seconds: float) -> None:
+        """Record one observation; a negative one (a clock that stepped back) counts as 0."""
+        if seconds < 0:
+            seconds = 0.0
+        self._counts[bisect_left(self._bounds, seconds)] += 1
+        self._sum += seconds
+        if seconds > self._max:
+            self._max = seconds
+
+    @property
+    def count(self) -> int:
+        """Observations so far."""
+        return sum(self._counts)
+
+    def snapshot(self) -> LatencySnapshot:
+        """An immutable reading: cumulative bucket counts, sum, count and max."""
+        counts = list(self._counts)  # one C-level copy: the buckets read together
+        cumulative = []
+        running = 0
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return LatencySnapshot(self._bounds, tuple(cumulative), self._sum, running, self._max)
+
+    def __repr__(self) -> str:
+        snap = self.snapshot()
+        if not snap.count:
+            return "<LatencyHistogram empty>"
+        p50, p99 = snap.quantile(0.5) * 1e6, snap.quantile(0.99) * 1e6
+        return f"<LatencyHistogram n={snap.count} p50~{p50:.0f}µs p99~{p99:.0f}µs>"
+
+
+__all__ = ["DEFAULT_BOUNDS", "LatencyHistogram", "LatencySnapshot"]

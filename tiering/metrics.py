@@ -1,0 +1,547 @@
+"""Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers.
+
+:func:`register_engine_metrics` adds an :class:`EngineCollector` to a
+``prometheus_client`` registry; at every scrape it reads fresh snapshots (the engine's
+and each tier's ``statistics()``, the job latency histograms, the lookup hits, and an
+optional :class:`~tiering.loop_lag.LoopLagMonitor`) and turns them into metric
+families under one prefix (``kv_tiering`` by default). :func:`serve_metrics` serves a
+registry over HTTP on a thread of its own; :func:`serve_engine_metrics` does both in
+one call. Every metric, its labels and its exact meaning: ``docs/metrics.md``.
+
+Threads. A scrape runs on the HTTP server's thread, while the engine's state belongs to
+its event loop's thread (``statistics()`` copies dicts that the loop changes, and a
+dict that gains a key during the copy raises "dictionary changed size during
+iteration"). So the collector reads on the loop: it schedules the reading with
+``call_soon_threadsafe`` and waits up to ``snapshot_timeout`` seconds for it. Where
+that cannot work it reads on the calling thread and retries a reading that raced a
+change: when the caller *is* the loop's thread (``generate_latest`` called from a
+coroutine), when no loop was running at registration or the loop has stopped or
+closed, and when the loop is busy past the timeout (a blocked loop is when metrics
+matter most, so the scrape still answers). A :class:`LoopLagMonitor`'s samples are
+only ever appended to, so they are read on the scrape thread.
+
+Requires ``prometheus-client`` >= 0.20 (the ``metrics`` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from tiering.errors import InvalidArgumentError
+from tiering.job_core import LookupStatistics
+from tiering.latency import LatencyHistogram, LatencySnapshot
+from tiering.statistics import Statistics
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from tiering.engine import TieringEngine
+    from tiering.loop_lag import LoopLagMonitor
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "kv_tiering"
+CPU_TIER = "cpu"
+"""The ``tier`` label of the primary (CPU) tier; its ``level`` is ``"0"``."""
+_READ_ATTEMPTS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class _TierReading:
+    name: str  # the tier type, e.g. "memory"
+    level: int  # 1 = the first secondary tier
+    servable: bool
+    stats: Statistics
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """Everything one scrape shows, read in one go (on the loop where possible)."""
+
+    engine: Statistics
+    block_bytes: int
+    cpu_idle_blocks: int
+    lookups: LookupStatistics
+    latency: Mapping[str, LatencySnapshot]
+    tiers: tuple[_TierReading, ...]
+
+
+def _read_engine(engine: TieringEngine) -> _Reading:
+    tiers = []
+    for level, tier in enumerate(engine.tiers, start=1):
+        statistics = getattr(tier, "statistics", None)
+        if callable(statistics):
+            stats = statistics()
+        else:  # a tier written against the seed interface: only its size is known
+            stats = Statistics(state=engine.state, used_blocks=tier.get_num_blocks())
+        servable = bool(getattr(tier, "holds_data", True))
+        tiers.append(_TierReading(tier.get_tier_type(), level, servable, stats))
+    return _Reading(
+        engine=engine.statistics(),
+        block_bytes=engine.block_bytes,
+        cpu_idle_blocks=engine.manager.num_evictable,
+        lookups=engine.lookup_statistics(),
+        latency=engine.job_latency(),
+        tiers=tuple(tiers),
+    )
+
+
+class EngineCollector:
+    """A ``prometheus_client`` collector of one engine; :meth:`collect` runs per scrape.
+
+    Args:
+        engine: the engine to read (entered or not; a closed one still answers).
+        prefix: the metric names' prefix, a valid Prometheus name.
+        loop_lag: a monitor whose samples become ``<prefix>_loop_lag_seconds``.
+        loop: the engine's event loop, where readings are taken (see the module
+            docstring); None reads on the scrape thread.
+        snapshot_timeout: seconds a scrape waits for the loop before it reads on its
+            own thread.
+
+    Raises:
+        InvalidArgumentError: ``prefix`` is not a valid metric name or
+            ``snapshot_timeout`` is not a positive number.
+    """
+
+    def __init__(
+        self,
+        engine: TieringEngine,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        loop_lag: LoopLagMonitor | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        snapshot_timeout: float = 1.0,
+    ) -> None:
+        if not isinstance(prefix, str) or not _valid_name(prefix):
+            raise InvalidArgumentError(
+                f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
+                f"got {prefix!r}"
+            )
+        if not isinstance(snapshot_timeout, int | float) or not snapshot_timeout > 0:
+            raise InvalidArgumentError(
+                f"snapshot_timeout must be a positive number, got {snapshot_timeout!r}"
+            )
+        self.engine = engine
+        self.prefix = prefix
+        self.loop_lag = loop_lag
+        self.loop = loop
+        self.snapshot_timeout = float(snapshot_timeout)
+        # Lag samples seen so far are folded into one histogram, so that a scrape costs
+        # the new samples only; scrapes may run on several server threads at once.
+        self._lag_lock = threading.Lock()
+        self._lag = LatencyHistogram()
+        self._lag_seen = 0
+
+    # -- reading ------------------------------------------------------------------------
+
+    def _read(self) -> _Reading:
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running() or _on_loop(loop):
+            return self._read_here()
+        answer: concurrent.futures.Future[_Reading] = concurrent.futures.Future()
+
+        def read_on_loop() -> None:
+            if not answer.set_running_or_notify_cancel():
+                return  # the scrape gave up waiting
+            try:
+                answer.set_result(_read_engine(self.engine))
+            except BaseException as exc:  # the scrape thread reports it
+                answer.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(read_on_loop)
+        except RuntimeError:  # closed meanwhile: nothing changes the engine any more
+            return self._read_here()
+        try:
+            return answer.result(self.snapshot_timeout)
+        except TimeoutError:
+            answer.cancel()
+            logger.debug("metrics: the loop did not answer in %gs", self.snapshot_timeout)
+            return self._read_here()
+
+    def _read_here(self) -> _Reading:
+        for attempt in range(_READ_ATTEMPTS):
+            try:
+                return _read_engine(self.engine)
+            except RuntimeError:  # a dict changed size under the copy: read again
+                if attempt == _READ_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _lag_snapshot(self) -> LatencySnapshot | None:
+        monitor = self.loop_lag
+        if monitor is None:
+            return None
+        with self._lag_lock:
+            samples = monitor.samples
+            if len(samples) < self._lag_seen:  # the list was replaced or cleared
+                self._lag, self._lag_seen = LatencyHistogram(), 0
+            new = samples[self._lag_seen :]  # one C-level slice: safe while appended to
+            self._lag_seen += len(new)
+            observe = self._lag.observe
+            for sample in new:
+                observe(sample)
+            return self._lag.snapshot()
+
+    # -- metric families ----------------------------------------------------------------
+
+    def collect(self) -> Iterable[Metric]:
+        """The metric families of a fresh reading (see ``docs/metrics.md``)."""
+        reading = self._read()
+        yield from self._engine_families(reading)
+        yield from self._lookup_families(reading)
+        yield from self._tier_families(reading)
+        yield from self._latency_families(reading)
+        lag = self._lag_snapshot()
+        if lag is not None:
+            name = f"{self.prefix}_loop_lag_seconds"
+            doc = "How late the event loop woke a periodic ticker (LoopLagMonitor samples)."
+            family = HistogramMetricFamily(name, doc)
+            family.add_metric([], _buckets(lag), lag.sum)
+            yield family
+            yield GaugeMetricFamily(
+                f"{self.prefix}_loop_lag_max_seconds", "The largest loop lag seen.", lag.max
+            )
+
+    def _engine_families(self, r: _Reading) -> Iterator[Metric]:
+        p, stats, counters = self.prefix, r.engine, r.engine.counters
+        yield GaugeMetricFamily(
+            f"{p}_jobs_in_flight",
+            "Engine jobs (waiting, running or cascading) and flushes not ended.",
+            stats.jobs_in_flight,
+        )
+        yield GaugeMetricFamily(
+            f"{p}_in_flight_bytes",
+            "Bytes the engine's copies and tier jobs in flight move now.",
+            stats.bytes_in_flight,
+        )
+        for counter, name, doc in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(f"{p}_{name}", doc, counters.get(counter, 0))
+        failures = CounterMetricFamily(
+            f"{p}_failures", "Failed blocks or jobs of the engine, by cause.", labels=["reason"]
+        )
+        for reason, count in sorted(stats.failures.items()):
+            failures.add_metric([reason], count)
+        yield failures
+
+    def _lookup_families(self, r: _Reading) -> Iterator[Metric]:
+        p, lookups = self.prefix, r.lookups
+        yield CounterMetricFamily(f"{p}_lookups", "Calls of engine.lookup.", lookups.lookups)
+        yield CounterMetricFamily(
+            f"{p}_lookup_blocks", "Hashes passed to engine.lookup.", lookups.blocks
+        )
+        yield CounterMetricFamily(
+            f"{p}_lookup_hit_blocks",
+            "Leading hashes engine.lookup found in some tier.",
+            lookups.hit_blocks,
+        )
+        yield CounterMetricFamily(
+            f"{p}_lookup_miss_blocks",
+            "Hashes passed to engine.lookup that it did not count as hits.",
+            lookups.blocks - lookups.hit_blocks,
+        )
+        labels = ["tier", "level"]
+        asked = CounterMetricFamily(
+            f"{p}_tier_lookups", "Hashes engine.lookup asked this tier about.", labels=labels
+        )
+        hits = CounterMetricFamily(
+            f"{p}_tier_lookup_hits", "Hashes engine.lookup found in this tier.", labels=labels
+        )
+        misses = CounterMetricFamily(
+            f"{p}_tier_lookup_misses",
+            "Hashes engine.lookup asked this tier about and did not find there.",
+            labels=labels,
+        )
+        # A hash is asked of the CPU tier, then of each servable tier in order, until
+        # one holds it; a call stops at the first hash none holds.
+        reaching = lookups.hit_blocks + lookups.first_misses
+        tiers = [(CPU_TIER, 0, True)] + [(t.name, t.level, t.servable) for t in r.tiers]
+        for name, level, servable in tiers:
+            by_tier = lookups.hits_by_tier
+            found = by_tier[level] if level < len(by_tier) else 0
+            seen = reaching if servable else 0
+            for family, value in ((asked, seen), (hits, found), (misses, seen - found)):
+                family.add_metric([name, str(level)], value)
+            if servable:
+                reaching -= found
+        yield from (asked, hits, misses)
+
+    def _tier_families(self, r: _Reading) -> Iterator[Metric]:
+        p, size = self.prefix, r.block_bytes
+        labels = ["tier", "level"]
+        gauges = {
+            field: GaugeMetricFamily(f"{p}_tier_{field}", doc, labels=labels)
+            for field, doc in _TIER_GAUGES
+        }
+        counters = {
+            name: CounterMetricFamily(f"{p}_tier_{name}", doc, labels=labels)
+            for name, doc in _TIER_COUNTERS
+        }
+        failures = CounterMetricFamily(
+            f"{p}_tier_failures",
+            "Failed blocks or jobs of this tier, by cause.",
+            labels=[*labels, "reason"],
+        )
+        engine = r.engine
+        rows: list[tuple[str, int, Statistics, int, Mapping[str, int]]] = [
+            (
+                CPU_TIER,
+                0,
+                engine,
+                r.cpu_idle_blocks,
+                {
+                    "stored_blocks": engine.counters["stored_blocks"],
+                    "loaded_blocks": engine.counters["loaded_blocks"],
+                    "evicted_blocks": engine.counters["evicted_blocks"],
+                },
+            )
+        ]
+        for tier in r.tiers:
+            stats = tier.stats
+            idle = max(0, stats.used_blocks - stats.pinned_blocks)
+            rows.append((tier.name, tier.level, stats, idle, stats.counters))
+        for name, level, stats, idle, tier_counters in rows:
+            values = [name, str(level)]
+            gauges["used_blocks"].add_metric(values, stats.used_blocks)
+            gauges["used_bytes"].add_metric(values, stats.used_bytes)
+            gauges["idle_blocks"].add_metric(values, idle)
+            gauges["pinned_blocks"].add_metric(values, stats.pinned_blocks)
+            if stats.capacity_blocks:
+                gauges["capacity_blocks"].add_metric(values, stats.capacity_blocks)
+            if stats.capacity_bytes:
+                gauges["capacity_bytes"].add_metric(values, stats.capacity_bytes)
+            if level:  # the CPU tier's work in flight is the engine's
+                gauges["jobs_in_flight"].add_metric(values, stats.jobs_in_flight)
+                gauges["in_flight_bytes"].add_metric(values, stats.bytes_in_flight)
+                for reason, count in sorted(stats.failures.items()):
+                    failures.add_metric([*values, reason], count)
+            for kind in ("stored", "loaded"):
+                blocks = tier_counters.get(f"{kind}_blocks")
+                if blocks is not None:
+                    counters[f"{kind}_blocks"].add_metric(values, blocks)
+                    counters[f"{kind}_bytes"].add_metric(values, blocks * size)
+            evicted = tier_counters.get("evicted_blocks")
+            if evicted is not None:
+                counters["evicted_blocks"].add_metric(values, evicted)
+            corrupt = tier_counters.get("corrupt_blocks")
+            if corrupt is not None:
+                counters["verification_failures"].add_metric(values, corrupt)
+        yield from gauges.values()
+        yield from counters.values()
+        yield failures
+
+    def _latency_families(self, r: _Reading) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            f"{self.prefix}_job_latency_seconds",
+            "Engine jobs from the store/load call to their result (failed jobs included).",
+            labels=["kind"],
+        )
+        for kind, snapshot in sorted(r.latency.items()):
+            family.add_metric([kind], _buckets(snapshot), snapshot.sum)
+        yield family
+
+
+_ENGINE_COUNTERS: Sequence[tuple[str, str, str]] = (
+    ("bytes_to_host", "device_to_host_bytes", "Bytes copied from device blocks into CPU slots."),
+    ("bytes_to_device", "host_to_device_bytes", "Bytes copied from CPU slots into device blocks."),
+    ("stored_blocks", "stored_blocks", "Blocks store jobs copied from the device into CPU."),
+    ("loaded_blocks", "loaded_blocks", "Blocks load jobs copied from CPU into the device."),
+    ("promoted_blocks", "promoted_blocks", "Blocks loads read from a secondary tier into CPU."),
+    ("cascaded_blocks", "cascaded_blocks", "Blocks write-through cascades stored in a tier."),
+    ("written_back_blocks", "written_back_blocks", "Evicted CPU blocks written back to a tier."),
+    ("flushed_blocks", "flushed_blocks", "Blocks flushes stored in a secondary tier."),
+    ("failed_jobs", "failed_jobs", "Store and load jobs whose result was not success."),
+)
+_TIER_GAUGES: Sequence[tuple[str, str]] = (
+    ("used_blocks", "Blocks this tier holds now (idle ready blocks included)."),
+    ("used_bytes", "Bytes this tier holds now (as the tier measures them)."),
+    ("idle_blocks", "Blocks this tier holds that nothing pins: what eviction may take."),
+    ("pinned_blocks", "Blocks this tier may not evict now (I/O in flight, holds)."),
+    ("capacity_blocks", "The most blocks this tier may hold (absent: no block bound)."),
+    ("capacity_bytes", "The most bytes this tier may hold (absent: no byte bound)."),
+    ("jobs_in_flight", "Jobs submitted to this secondary tier without a result yet."),
+    ("in_flight_bytes", "Payload bytes of this secondary tier's jobs in flight."),
+)
+_TIER_COUNTERS: Sequence[tuple[str, str]] = (
+    ("stored_blocks", "Blocks stored into this tier."),
+    ("stored_bytes", "Payload bytes stored into this tier (blocks x block bytes)."),
+    ("loaded_blocks", "Blocks loaded out of this tier."),
+    ("loaded_bytes", "Payload bytes loaded out of this tier (blocks x block bytes)."),
+    ("evicted_blocks", "Blocks this tier evicted to make room."),
+    ("verification_failures", "Blocks whose bytes failed verification on a load."),
+)
+
+
+def _buckets(snapshot: LatencySnapshot) -> list[tuple[str, float]]:
+    bounds = [floatToGoString(b) for b in snapshot.bounds] + ["+Inf"]
+    return list(zip(bounds, snapshot.cumulative, strict=True))
+
+
+def _valid_name(name: str) -> bool:
+    allowed = all(c.isascii() and (c.isalnum() or c in "_:") for c in name)
+    return allowed and bool(name) and not name[0].isdigit()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def register_engine_metrics(
+    engine: TieringEngine,
+    *,
+    registry: CollectorRegistry | None = None,
+    prefix: str = DEFAULT_PREFIX,
+    loop_lag: LoopLagMonitor | None = None,
+    snapshot_timeout: float = 1.0,
+) -> EngineCollector:
+    """Register an :class:`EngineCollector` of ``engine`` in ``registry`` (the global
+    ``prometheus_client.REGISTRY`` by default) and return it (``registry.unregister``
+    removes it).
+
+    Call it on the engine's loop (inside ``async with engine``, or before entering it,
+    from a coroutine on that loop): scrapes then read the engine there. Called with no
+    loop running, scrapes read on their own thread (see the module docstring).
+
+    Raises:
+        InvalidArgumentError: as :class:`EngineCollector`.
+        ValueError: the registry already has metrics of these names (another engine
+            with the same prefix: give each its own registry or prefix).
+    """
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    collector = EngineCollector(
+        engine, prefix=prefix, loop_lag=loop_lag, loop=loop, snapshot_timeout=snapshot_timeout
+    )
+    (REGISTRY if registry is None else registry).register(collector)
+    return collector
+
+
+class MetricsServer:
+    """A running HTTP endpoint serving a registry at ``/metrics`` (any path answers).
+
+    ``port`` is the port it listens on (useful after asking for port 0). Close it with
+    :meth:`close` or by leaving ``with`` (blocking), or on the event loop with
+    :meth:`aclose` or by leaving ``async with``; closing is idempotent and waits for
+    the server's thread to end.
+    """
+
+    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+        self.addr: str = server.server_address[0]
+        self.port: int = server.server_address[1]
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop serving, close the socket and join the thread; idempotent. Blocking
+        (for up to one poll interval of the server, 0.5 s): not for the event loop."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    async def aclose(self) -> None:
+        """:meth:`close` on a worker thread, for a coroutine on the event loop."""
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "serving"
+        return f"<MetricsServer http://{self.addr}:{self.port}/metrics {state}>"
+
+
+def serve_metrics(
+    port: int, *, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1"
+) -> MetricsServer:
+    """Serve ``registry`` (the global one by default) over HTTP on ``addr:port`` from a
+    daemon thread; ``port`` 0 picks a free port (read it from ``server.port``).
+
+    Loopback by default: metrics name the host's tiers and sizes, so exposing them
+    beyond the host is the caller's explicit choice (``addr="0.0.0.0"``).
+
+    Raises:
+        InvalidArgumentError: ``port`` is not an int in 0..65535.
+        OSError: the address cannot be bound (in use, not permitted).
+    """
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
+    server, thread = start_http_server(
+        port, addr=addr, registry=REGISTRY if registry is None else registry
+    )
+    return MetricsServer(server, thread)
+
+
+def serve_engine_metrics(
+    engine: TieringEngine,
+    port: int,
+    *,
+    addr: str = "127.0.0.1",
+    prefix: str = DEFAULT_PREFIX,
+    loop_lag: LoopLagMonitor | None = None,
+) -> MetricsServer:
+    """One call: ``engine``'s metrics in a registry of their own, served on
+    ``addr:port`` (what ``--metrics-port`` does). Call it on the engine's loop; close
+    the returned server when done (``async with serve_engine_metrics(...)``).
+
+    Raises:
+        InvalidArgumentError / OSError: as :func:`register_engine_metrics` and
+            :func:`serve_metrics`.
+    """
+    registry = CollectorRegistry()
+    register_engine_metrics(engine, registry=registry, prefix=prefix, loop_lag=loop_lag)
+    return serve_metrics(port, registry=registry, addr=addr)
+
+
+__all__ = [
+    "CPU_TIER",
+    "DEFAULT_PREFIX",
+    "EngineCollector",
+    "MetricsServer",
+    "register_engine_metrics",
+    "serve_engine_metrics",
+    "serve_metrics",
+]
