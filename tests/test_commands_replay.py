@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -135,3 +138,23 @@ def test_bench_lists_the_benchmarks_and_runs_one(capsys: pytest.CaptureFixture[s
     assert "choose one of" in capsys.readouterr().err
     done = run_script("-m", "tiering", "bench", "manager", "--", "--help")
     assert done.returncode == 0 and "bench_manager.py" in done.stdout
+
+
+def test_replay_serves_prometheus_metrics_while_it_runs() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    argv = ["-m", "tiering", "replay", "--limit", "40", "--pace", "1", "--metrics-port", "0"]
+    with subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    ) as replaying:  # fmt: skip
+        assert replaying.stderr is not None
+        line = replaying.stderr.readline()  # printed before the first request
+        assert line.startswith("metrics: http://127.0.0.1:"), line
+        with urllib.request.urlopen(line.split()[1], timeout=30) as response:
+            text = response.read().decode()
+        out, err = replaying.communicate(timeout=120)
+    assert replaying.returncode == 0, err
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert {"kv_tiering_lookups", "kv_tiering_tier_used_blocks"} <= names
+    assert "mismatches           0" in out

@@ -5,8 +5,11 @@ The public API, re-exported here: the seed types and :class:`CPUOffloadingManage
 secondary-tier interface, the :class:`TierActor` base and the :class:`TierClient`, the
 host pool and device transfers, the sans-I/O :class:`JobCore` and the
 :class:`TieringEngine` shell over it, the :class:`Lifecycle` and :class:`Statistics`
-every long-lived object shares. Secondary tiers live in ``backends`` and are
-built by name through :func:`make_tier`.
+every long-lived object shares; the typed :class:`TieringConfig`, workloads
+(:func:`read_mooncake`, :func:`synthetic_requests`), job latency histograms and the KV
+event wire format. Secondary tiers live in ``backends`` and are built by name through
+:func:`make_tier`. Replays, sweeps and metrics are in ``tiering.replay``,
+``tiering.sweep`` and ``tiering.metrics`` (the last needs prometheus-client).
 """
 
 from tiering.abstract import (
@@ -19,23 +22,28 @@ from tiering.abstract import (
     as_block_hashes,
 )
 from tiering.actor import TierActor
+from tiering.config import TieringConfig, load_config
 from tiering.device import CopyHandle, DeviceCopier, kv_block_bytes
 from tiering.engine import Job, TieringEngine
 from tiering.errors import (
     BlockNotFoundError,
     ClosedError,
+    ConfigError,
     CorruptBlockError,
     InvalidArgumentError,
     NotLoadingError,
     TierBusyError,
     TieringError,
+    TraceError,
     TransferError,
     UnknownPolicyError,
     UnknownTierError,
 )
+from tiering.events import decode_events, encode_events
 from tiering.hashing import block_hashes, namespace_root
 from tiering.host_pool import HostPool
-from tiering.job_core import JobCore
+from tiering.job_core import JobCore, LookupStatistics
+from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.lifecycle import Lifecycle
 from tiering.manager import BlockState, CPUOffloadingManager
 from tiering.policies import (
@@ -52,6 +60,7 @@ from tiering.residency import ResidencyIndex
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
 from tiering.statistics import FailureLog, Statistics
 from tiering.tier_client import TierClient, TierOutcome
+from tiering.workloads import Request, read_mooncake, synthetic_requests
 
 __all__ = [
     "ARCPolicy",
@@ -61,6 +70,7 @@ __all__ = [
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "ClosedError",
+    "ConfigError",
     "CopyHandle",
     "CorruptBlockError",
     "DeviceCopier",
@@ -73,12 +83,16 @@ __all__ = [
     "JobMetadata",
     "JobResult",
     "LRUPolicy",
+    "LatencyHistogram",
+    "LatencySnapshot",
     "Lifecycle",
     "LoadStoreSpec",
+    "LookupStatistics",
     "NotLoadingError",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "Request",
     "ResidencyIndex",
     "S3FIFOPolicy",
     "SecondaryTierManager",
@@ -87,19 +101,26 @@ __all__ = [
     "TierBusyError",
     "TierClient",
     "TierOutcome",
+    "TieringConfig",
     "TieringEngine",
     "TieringError",
+    "TraceError",
     "TransferError",
     "UnknownPolicyError",
     "UnknownTierError",
     "as_block_hashes",
     "block_hashes",
+    "decode_events",
+    "encode_events",
     "kv_block_bytes",
+    "load_config",
     "make_policy",
     "make_tier",
     "namespace_root",
     "policy_names",
+    "read_mooncake",
     "register_policy",
     "register_tier",
+    "synthetic_requests",
     "tier_names",
 ]

@@ -64,3 +64,8 @@ class TransferError(TieringError, RuntimeError):
 
 class CorruptBlockError(TieringError):
     """Bytes read from a tier failed verification (length, key or checksum); never served."""
+
+
+class TraceError(InvalidArgumentError):
+    """A trace file cannot be read, or one of its lines (named by number) is not a
+    Mooncake trace record."""

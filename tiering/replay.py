@@ -28,6 +28,7 @@ import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +250,8 @@ async def replay(
     full_blocks_only: bool = False,
     verify: bool = True,
     on_request: Callable[[int, ReplaySummary], None] | None = None,
+    on_open: Callable[[TieringEngine, LoopLagMonitor], AbstractContextManager[object]]
+    | None = None,
 ) -> ReplaySummary:
     """Replay ``requests`` through the engine ``make_engine(device_kv)`` builds around a
     device KV cache of ``device_blocks`` blocks of ``block_bytes`` bytes (a CPU tensor),
@@ -259,6 +262,9 @@ async def replay(
             own arrival times (1.0: as recorded, 2.0: twice as fast).
         verify: compare every loaded block with its expected bytes (mismatches).
         on_request: called after each request with its number and the summary so far.
+        on_open: called once the engine is open, with it and the loop-lag monitor; the
+            context manager it returns is left when the replay ends (serve metrics
+            with it, say).
 
     Returns:
         The summary; ``mismatches`` counts loaded blocks whose bytes were wrong, which
@@ -285,22 +291,36 @@ async def replay(
     summary = ReplaySummary()
     engine = make_engine(device)
     async with engine, LoopLagMonitor() as lag:
-        labels = tier_labels(engine)
-        summary.hits_by_tier = dict.fromkeys([CPU, *labels], 0)
-        start = time.perf_counter()
-        for number, (request, keys) in enumerate(zip(requests, keyed, strict=True)):
-            if pace is not None:
-                delay = start + request.arrival_s / pace - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            await _one_request(engine, keys, staging, labels, summary, verify)
-            summary.requests += 1
-            if on_request is not None:
-                on_request(number + 1, summary)
-        summary.seconds = time.perf_counter() - start
-    summary.bytes_by_path = _bytes_by_path(engine, labels)  # closed: every cascade counted
+        with on_open(engine, lag) if on_open is not None else nullcontext():
+            await _replay_all(engine, requests, keyed, staging, pace, verify, on_request, summary)
+    summary.bytes_by_path = _bytes_by_path(engine, tier_labels(engine))  # closed: all counted
     summary.loop_lag_p99_ms = lag.p99_ms
     return summary
+
+
+async def _replay_all(
+    engine: TieringEngine,
+    requests: Sequence[Request],
+    keyed: list[list[bytes]],
+    staging: np.ndarray,
+    pace: float | None,
+    verify: bool,
+    on_request: Callable[[int, ReplaySummary], None] | None,
+    summary: ReplaySummary,
+) -> None:
+    labels = tier_labels(engine)
+    summary.hits_by_tier = dict.fromkeys([CPU, *labels], 0)
+    start = time.perf_counter()
+    for number, (request, keys) in enumerate(zip(requests, keyed, strict=True)):
+        if pace is not None:
+            delay = start + request.arrival_s / pace - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await _one_request(engine, keys, staging, labels, summary, verify)
+        summary.requests += 1
+        if on_request is not None:
+            on_request(number + 1, summary)
+    summary.seconds = time.perf_counter() - start
 
 
 async def _one_request(

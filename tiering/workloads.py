@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiering.errors import InvalidArgumentError
+from tiering.errors import InvalidArgumentError, TraceError
 from tiering.validation import positive_int
 
 TOKENS_PER_BLOCK = 512
@@ -28,11 +28,6 @@ TOKENS_PER_BLOCK = 512
 
 _MAX_ID = (1 << 64) - 1
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
-
-
-class TraceError(InvalidArgumentError):
-    """A trace file cannot be read, or one of its lines (named by number) is not a
-    Mooncake trace record."""
 
 
 @dataclass(frozen=True, slots=True)

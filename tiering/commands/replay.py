@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from tiering.commands._workload import (
 )
 from tiering.config import TieringConfig, engine_from_config, with_overrides
 from tiering.engine import TieringEngine
+from tiering.loop_lag import LoopLagMonitor
 from tiering.replay import ReplaySummary, replay, simulate
 from tiering.workloads import Request
 
@@ -153,9 +155,21 @@ async def _replay(
         ratio = summary.hit_ratio
         progress.update(f"replay: {done}/{len(requests)} requests, hit ratio {ratio:.4f}")
 
+    metrics = config.metrics
+
+    def serve(engine: TieringEngine, lag: LoopLagMonitor) -> AbstractContextManager[object]:
+        if metrics.port is None:
+            return nullcontext()
+        from tiering.metrics import serve_engine_metrics
+
+        server = serve_engine_metrics(engine, metrics.port, prefix=metrics.prefix, loop_lag=lag)
+        print(f"metrics: http://127.0.0.1:{server.port}/metrics", file=sys.stderr, flush=True)
+        return server
+
     return await replay(
         requests,
         make_engine,
+        on_open=serve,
         device_blocks=device_blocks,
         block_bytes=config.replay.block_bytes,
         pace=pace,
