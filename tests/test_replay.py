@@ -144,3 +144,11 @@ def test_expected_bytes_differ_by_key_and_repeat_a_digest() -> None:
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 def test_lru_at_10000_blocks_on_the_shared_trace_hits_0_4239() -> None:
     assert round(simulate(read_mooncake(TRACE), cpu_blocks=10_000).hit_ratio, 4) == 0.4239
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
+async def test_the_engine_replays_the_shared_trace_at_lru_10000_to_0_4239() -> None:
+    requests = read_mooncake(TRACE)
+    summary = await replay(requests, _engine_factory(10_000), device_blocks=400, block_bytes=512)
+    assert summary.mismatches == 0 and summary.failed_loads == summary.failed_stores == 0
+    assert round(summary.hit_ratio, 4) == 0.4239  # the bookkeeping's figure: no hit lost
