@@ -28,9 +28,9 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import aiofiles
 import aiofiles.os
@@ -155,6 +155,19 @@ class _InflightBytes:
                 return  # a blocked load holds back stores
 
 
+def refuse_derived_options(cls: type[NVMeTierBase], options: Mapping[str, object]) -> None:
+    """Refuse a layout's caller passing an argument the layout computes itself.
+
+    Raises:
+        InvalidArgumentError: naming the option and its value.
+    """
+    for name in cls.DERIVED_OPTIONS & options.keys():
+        raise InvalidArgumentError(
+            f"{name} is computed by the {cls.__name__} from block_bytes, not an option; "
+            f"got {options[name]!r}"
+        )
+
+
 class NVMeTierBase(TierActor):
     """What the NVMe tier's layouts share: the namespace directory and its identity file,
     the owner lock, the O_DIRECT probe, the space guard, the I/O byte budget, metrics,
@@ -164,6 +177,10 @@ class NVMeTierBase(TierActor):
 
     Raises (constructor): InvalidArgumentError for any bad argument.
     """
+
+    DERIVED_OPTIONS: ClassVar[frozenset[str]] = frozenset({"file_bytes"})
+    """Arguments of this base that each layout computes from the block size; a
+    layout's caller may not pass them (configs leave them out)."""
 
     def __init__(
         self,
@@ -513,6 +530,7 @@ class NVMeFileTier(NVMeTierBase):
         os_calls: OsCalls = REAL_OS,
         **options: Any,
     ) -> None:
+        refuse_derived_options(type(self), options)
         super().__init__(
             primary_kv_view,
             block_bytes,

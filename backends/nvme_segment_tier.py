@@ -25,7 +25,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.nvme import NVMeTierBase, _result
+from backends.nvme import NVMeTierBase, _result, refuse_derived_options
 from backends.nvme_files import REAL_OS, FsyncPolicy, OsCalls, owner_alive
 from backends.nvme_format import HEADER_BYTES
 from backends.nvme_segment_index import Eviction, Placement, SegmentIndex, key_digest
@@ -118,6 +118,7 @@ class NVMeSegmentTier(NVMeTierBase):
         os_calls: OsCalls = REAL_OS,
         **options: Any,
     ) -> None:
+        refuse_derived_options(type(self), options)
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         positive_int("segment_bytes", segment_bytes)
         self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)

@@ -523,3 +523,8 @@ def test_cpu_bytes_that_hold_no_block_are_named(tmp_path: Path) -> None:
 def test_from_config_refuses_what_is_not_a_config() -> None:
     with pytest.raises(ConfigError, match="config = "):
         TieringEngine.from_config({"engine": {"cpu_blocks": 4}}, _kv())  # type: ignore[arg-type]
+
+
+def test_an_option_a_tier_computes_itself_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="takes no option 'file_bytes'"):
+        TierConfig("nvme", {"root": "/tmp/x", "capacity_bytes": 1 << 20, "file_bytes": 4096})

@@ -625,7 +625,7 @@ def _checked_tier(name: object, options: object, path: str) -> dict[str, object]
     if not isinstance(options, Mapping):
         raise _invalid(path, "expected a mapping of tier options", options)
     try:
-        factory = registry._resolve(name)
+        factory = registry.tier_factory(name)
     except UnknownTierError as exc:
         raise _invalid(f"{path}.type", str(exc), name) from None
     parameters, open_ended, required = _tier_parameters(factory)
@@ -666,6 +666,7 @@ def _tier_parameters(factory: Callable[..., object]) -> tuple[dict[str, Any], bo
     unknown names cannot be refused. Unresolvable annotations accept any value.
     """
     is_class = isinstance(factory, type)
+    derived = getattr(factory, "DERIVED_OPTIONS", frozenset())  # the tier sets them itself
     functions = (
         [vars(c)["__init__"] for c in factory.__mro__ if "__init__" in vars(c)]  # type: ignore[attr-defined]
         if is_class
@@ -695,6 +696,8 @@ def _tier_parameters(factory: Callable[..., object]) -> tuple[dict[str, Any], bo
             ):
                 continue
             if index < engine_positional and kind is not inspect.Parameter.KEYWORD_ONLY:
+                continue
+            if parameter.name in derived:
                 continue
             # The outermost signature wins: a subclass may narrow a base's parameter.
             parameters.setdefault(parameter.name, hints.get(parameter.name, Any))

@@ -86,10 +86,10 @@ def make_tier(
     """
     if isinstance(spec, str):
         name, kwargs = spec, {}
-        factory = _resolve(name)
+        factory = tier_factory(name)
     elif isinstance(spec, Mapping):
         name, kwargs = _split_mapping(spec)
-        factory = _resolve(name)
+        factory = tier_factory(name)
     elif callable(spec):
         name, kwargs, factory = getattr(spec, "__qualname__", repr(spec)), {}, spec
     else:
@@ -126,7 +126,15 @@ def _split_mapping(spec: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
-def _resolve(name: str) -> TierFactory:
+def tier_factory(name: str) -> TierFactory:
+    """The factory (usually the tier class) registered under ``name``: registered
+    ones first, then the built-ins, then ``kv_tiering.tiers`` entry points.
+
+    Raises:
+        UnknownTierError: nothing is registered under ``name``, or its module cannot be
+            imported.
+        InvalidArgumentError: its entry point is not callable.
+    """
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
@@ -187,6 +195,7 @@ __all__ = [
     "TierSpec",
     "make_tier",
     "register_tier",
+    "tier_factory",
     "tier_names",
     "unregister_tier",
 ]
