@@ -78,9 +78,8 @@ async def test_the_engine_hits_what_the_model_promised_with_a_memory_tier() -> N
     requests = synthetic_requests(sessions=60, seed=2)
     model = simulate(requests, cpu_blocks=30, tier_blocks=[None])
     tiers = [{"type": "memory", "max_blocks": 10_000}]
-    summary = await replay(
-        requests, _engine_factory(30, tiers), device_blocks=64, block_bytes=BLOCK
-    )
+    make = _engine_factory(30, tiers)
+    summary = await replay(requests, make, device_blocks=64, block_bytes=BLOCK, settle=True)
     assert summary.mismatches == 0
     assert summary.hits_by_tier == {"cpu": model.hits["cpu"], "memory": model.hits["tier0"]}
     assert summary.hits_by_tier["memory"] > 0  # the tier served some
@@ -94,9 +93,8 @@ async def test_the_shared_trace_through_cpu_and_nvme_matches_the_model(tmp_path:
     requests = read_mooncake(TRACE, limit=600)
     model = simulate(requests, cpu_blocks=300, tier_blocks=[None])
     tiers = [{"type": "nvme", "root": str(tmp_path), "capacity_bytes": 1 << 30}]
-    summary = await replay(
-        requests, _engine_factory(300, tiers), device_blocks=400, block_bytes=4096
-    )
+    make = _engine_factory(300, tiers)
+    summary = await replay(requests, make, device_blocks=400, block_bytes=4096, settle=True)
     assert summary.mismatches == 0
     assert summary.hits_by_tier == {"cpu": model.hits["cpu"], "nvme": model.hits["tier0"]}
     assert summary.to_json()["hit_ratio"] == round(model.hit_ratio, 4)

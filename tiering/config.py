@@ -210,6 +210,7 @@ class ReplayConfig(_Section):
     device_blocks: int | None = _option(None, check=_positive)
     block_bytes: int = _option(64 << 10, check=_positive, size=True)
     verify: bool = _option(True)
+    settle: bool = _option(False)
     full_blocks_only: bool = _option(False)
 
 

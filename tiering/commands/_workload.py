@@ -10,6 +10,7 @@ traffic of the ``[synthetic]`` section.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from tiering.config import (
@@ -104,18 +105,7 @@ def load_workload(config: TieringConfig) -> list[Request]:
     replay = config.replay
     if replay.trace is not None:
         return read_mooncake(replay.trace, limit=replay.limit)
-    s = config.synthetic
-    requests = synthetic_requests(
-        sessions=s.sessions,
-        turns_per_session=s.turns_per_session,
-        system_prompts=s.system_prompts,
-        system_prompt_blocks=s.system_prompt_blocks,
-        user_blocks_per_turn=s.user_blocks_per_turn,
-        reply_blocks_per_turn=s.reply_blocks_per_turn,
-        rate_per_s=s.rate_per_s,
-        think_time_s=s.think_time_s,
-        seed=s.seed,
-    )
+    requests = synthetic_requests(**dataclasses.asdict(config.synthetic))
     return requests[: replay.limit] if replay.limit is not None else requests
 
 

@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-blocks", type=int, metavar="N", help="the simulated device cache's blocks"
     )
     run.add_argument("--pace", help="'max', or a speed-up of the trace's own timestamps")
+    run.add_argument(
+        "--settle",
+        action="store_true",
+        default=None,
+        help="let each store reach every tier before the next request (exact bookkeeping)",
+    )
     run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -74,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "replay.block_bytes": args.block_bytes,
         "replay.device_blocks": args.device_blocks,
         "replay.pace": args.pace,
+        "replay.settle": args.settle,
         "metrics.port": args.metrics_port,
     }
     config = resolve_config(args, shortcuts)
@@ -175,6 +182,7 @@ async def _replay(
         pace=pace,
         full_blocks_only=full,
         verify=config.replay.verify,
+        settle=config.replay.settle,
         on_request=on_request,
     )
 
