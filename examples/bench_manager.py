@@ -26,13 +26,14 @@ from tiering.policies import policy_names
 from tiering.workloads import TraceError, read_mooncake
 
 
-def load_trace(path: Path) -> list[list[bytes]]:
-    """Each request's block keys (:meth:`tiering.workloads.Request.keys`).
+def load_trace(path: Path, *, full_blocks_only: bool = False) -> list[list[bytes]]:
+    """Each request's block keys (:meth:`tiering.workloads.Request.keys`), without the
+    partial last block with ``full_blocks_only``.
 
     Raises:
         TraceError: as :func:`tiering.workloads.read_mooncake`.
     """
-    return [request.keys() for request in read_mooncake(path)]
+    return [r.keys(full_blocks_only=full_blocks_only) for r in read_mooncake(path)]
 
 
 def replay(requests: list[list[bytes]], capacity: int, policy: str) -> dict[str, float]:
@@ -84,9 +85,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=",".join(policy_names()),
         help="comma-separated eviction policies to replay, in order",
     )
+    parser.add_argument(
+        "--full-blocks-only",
+        action="store_true",
+        help="leave out each prompt's partial last block (vLLM never offloads one)",
+    )
     args = parser.parse_args(argv)
     try:
-        requests = load_trace(args.trace)
+        requests = load_trace(args.trace, full_blocks_only=args.full_blocks_only)
     except TraceError as exc:
         parser.error(f"argument trace: {exc}")
     return args, requests
@@ -102,13 +108,14 @@ def main() -> None:
             r = results[policy]
             progress.clear()
             print(
-                f"{policy:>7}: hit ratio {r['hit_ratio']:.4f}  "
+                f"{policy:>10}: hit ratio {r['hit_ratio']:.4f}  "
                 f"{r['block_ops_per_s'] / 1e6:.2f} M block-ops/s  "
                 f"({r['block_ops']} ops in {r['seconds']:.3f} s)"
             )
     summary = {
         "trace": str(args.trace),
         "capacity": args.capacity,
+        "full_blocks_only": args.full_blocks_only,
         "requests": len(requests),
         "results": {
             p: {"hit_ratio": r["hit_ratio"], "block_ops_per_s": r["block_ops_per_s"]}

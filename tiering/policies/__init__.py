@@ -1,4 +1,5 @@
-"""Eviction policies, selectable by name (``"lru"``, ``"arc"``, ``"s3fifo"``)."""
+"""Eviction policies, selectable by name (``"lru"``, ``"arc"``, ``"s3fifo"``,
+``"prefix-lfu"``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from tiering.errors import UnknownPolicyError
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.lru import LRUPolicy
+from tiering.policies.prefix_lfu import PrefixLFUPolicy
 from tiering.policies.s3fifo import S3FIFOPolicy
 
 _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
+    "prefix-lfu": PrefixLFUPolicy,
 }
 
 
@@ -52,6 +55,7 @@ __all__ = [
     "ARCPolicy",
     "EvictionPolicy",
     "LRUPolicy",
+    "PrefixLFUPolicy",
     "S3FIFOPolicy",
     "make_policy",
     "policy_names",
