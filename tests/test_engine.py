@@ -20,6 +20,7 @@ from backends.example import ExampleSecondaryTier
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
     KeyGatedMemoryTier,
+    assert_holds,
     assert_no_leaks,
     corrupt_block,
     h,
@@ -485,3 +486,21 @@ async def test_flush_copies_what_a_tier_lacks() -> None:
         assert await engine.flush()
         assert made[0].lookup(h(1)) and made[0].lookup(h(2))
         assert_no_leaks(engine)  # at once: the flush's pins ended with its tier jobs
+
+
+async def test_a_block_the_policy_declines_is_not_stored_and_the_store_succeeds() -> None:
+    from tiering.policies import PrefixLFUPolicy
+
+    kv = make_kv()
+    policy = PrefixLFUPolicy(admission="second-sight")
+    async with TieringEngine(kv, 8, policy=policy) as engine:
+        seen, first_time = [h(1), h(2)], [h(3)]
+        put(kv, seen + first_time, [0, 1, 2])
+        engine.touch(seen)
+        engine.touch(seen + first_time)  # 1 and 2 requested before; 3 never
+        result = await engine.store(seen + first_time, [0, 1, 2])
+        assert result.success and result.failed_keys == ()
+        assert engine.lookup(seen + first_time) == 2  # 3 was not admitted
+        assert engine.statistics().counters["declined_blocks"] == 1
+        assert (await engine.load(seen, [5, 6])).success
+        assert_holds(kv, seen, [5, 6])

@@ -3,6 +3,8 @@ contract, scan resistance (``tiering.policies.prefix_lfu``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from _policy_ops import any_key as _any
 from _policy_ops import hot_hits_under_scan, operations, run_operations
@@ -11,8 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiering.errors import InvalidArgumentError
+from tiering.manager import CPUOffloadingManager
 from tiering.policies import PrefixLFUPolicy, make_policy
 from tiering.policies.lru import LRUPolicy
+from tiering.replay import CacheModel, simulate
+from tiering.workloads import Request
 
 
 def _policy(capacity: int = 10, **options: object) -> PrefixLFUPolicy:
@@ -38,7 +43,8 @@ def test_make_policy_builds_it_by_name() -> None:
 @pytest.mark.parametrize(
     ("option", "value"),
     [("age_weight", -1), ("age_weight", float("inf")), ("age_weight", "1"),
-     ("ghost_factor", 0), ("ghost_factor", 1.5), ("ghost_factor", True)],
+     ("ghost_factor", 0), ("ghost_factor", 1.5), ("ghost_factor", True),
+     ("admission", "never"), ("sample", 0)],
 )  # fmt: skip
 def test_a_bad_option_is_named(option: str, value: object) -> None:
     with pytest.raises(InvalidArgumentError, match=option):
@@ -129,3 +135,69 @@ def test_a_removed_block_leaves_no_history() -> None:
 
 def test_it_keeps_a_hot_set_through_scans_better_than_lru() -> None:
     assert hot_hits_under_scan(PrefixLFUPolicy(), 40) > hot_hits_under_scan(LRUPolicy(), 40)
+
+
+# -- admission ------------------------------------------------------------------------
+
+
+def test_second_sight_admits_only_a_block_requested_before() -> None:
+    policy = _policy(admission="second-sight")
+    policy.touch([_key(1)])
+    assert not policy.admit(_key(1))  # this request is its first
+    policy.touch([_key(1)])
+    assert policy.admit(_key(1))
+    assert _policy(admission="all").admit(_key(2))
+
+
+def test_a_declined_block_is_not_stored_and_evicts_nothing() -> None:
+    manager = CPUOffloadingManager(2, policy=PrefixLFUPolicy(admission="second-sight"))
+    keys = [_key(1), _key(2)]
+    manager.touch(keys)
+    manager.touch(keys)  # both requested before
+    out = manager.prepare_store(keys)
+    assert out is not None and out.block_hashes_to_store == keys
+    manager.complete_store(keys)
+    manager.touch([_key(3)])
+    out = manager.prepare_store([_key(3)])  # its first request: declined
+    assert out is not None and out.block_hashes_to_store == [] and out.block_hashes_evicted == []
+    assert manager.lookup(keys) == 2
+    forced = manager.prepare_store([_key(3)], admission=False)  # a promotion must land
+    assert forced is not None and forced.block_hashes_to_store == [_key(3)]
+
+
+def _hot_chain_and_one_offs(requests: int) -> list[Request]:
+    """Every request: the same 32-block chain, then 48 blocks nobody asks for again."""
+    fresh = iter(range(1000, 10**6))
+    return [
+        Request(float(t), (*range(32), *(next(fresh) for _ in range(48))), 80 * 512, 0)
+        for t in range(requests)
+    ]
+
+
+def _pairs(requests: int) -> list[Request]:
+    """Every block is asked for twice, by two requests in a row, and never again."""
+    return [
+        Request(float(t), tuple(range(40 * (t // 2), 40 * (t // 2) + 40)), 40 * 512, 0)
+        for t in range(requests)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("workload", "second_sight_wins"), [(_hot_chain_and_one_offs, True), (_pairs, False)]
+)
+def test_the_duel_follows_the_admission_that_wins(
+    workload: Callable[[int], list[Request]], second_sight_wins: bool
+) -> None:
+    requests = workload(60)
+    dueling = PrefixLFUPolicy(sample=1)  # every key feeds the shadows
+    model = CacheModel(64, dueling)
+    for request in requests:
+        model.request(request.keys())
+    assert dueling.prefers_second_sight is second_sight_wins
+    fixed = {
+        rule: simulate(requests, cpu_blocks=64, policy=PrefixLFUPolicy(admission=rule)).hit_ratio
+        for rule in ("all", "second-sight")
+    }
+    winner = "second-sight" if second_sight_wins else "all"
+    assert fixed[winner] > fixed["all" if second_sight_wins else "second-sight"]
+    assert model.hit_ratio >= 0.9 * fixed[winner]  # it got most of what the winner got

@@ -65,9 +65,11 @@ COUNTERS = (
     "flushed_blocks",
     "failed_jobs",
     "evicted_blocks",
+    "declined_blocks",
 )
 """The core's counters (monotonic totals), as ``statistics().counters`` shows them;
-``evicted_blocks``: blocks the CPU tier evicted to make room. (Lookups are counted
+``evicted_blocks``: blocks the CPU tier evicted to make room; ``declined_blocks``: blocks
+a store asked for that its eviction policy did not admit (not stored). (Lookups are counted
 apart, :class:`LookupStatistics`: a lookup changes no statistics.)"""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
@@ -465,6 +467,11 @@ class JobCore:
                 first_id.setdefault(h, d)
             job.device_ids = [first_id[h] for h in new]
             fresh = set(new)
+            declined = [h for h in job.hashes if h not in fresh and h not in manager]
+            if declined:  # the policy did not admit them: not stored, not waited for
+                self.counters["declined_blocks"] += len(declined)
+                gone = set(declined)
+                job.hashes = [h for h in job.hashes if h not in gone]
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
                     self._join(h, job)  # another job's fill
@@ -602,7 +609,7 @@ class JobCore:
         manager = self.manager
         hashes = job.hashes
         found = self._sources(hashes) if sources is None else sources
-        out = manager.prepare_store(hashes) if found else None
+        out = manager.prepare_store(hashes, admission=False) if found else None  # must land
         if found and out is None:
             return False
         self._jobs[job.id] = job

@@ -60,6 +60,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.num_blocks = positive_int("num_blocks", num_blocks)
         self.block_size = positive_int("block_size", block_size)
         self.policy = make_policy(policy, num_blocks)
+        self._admits_everything = self.policy.admits_everything
         self.enable_events = enable_events
         # A resident block is its slot; its readers and readiness live in arrays indexed
         # by slot, so that a block costs no object of its own (none for the garbage
@@ -222,12 +223,19 @@ class CPUOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------- stores
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        """Give a slot to every hash not yet resident, evicting if needed.
+    def prepare_store(
+        self, block_hashes: Iterable[BlockHash], *, admission: bool = True
+    ) -> PrepareStoreOutput | None:
+        """Give a slot to every hash not yet resident that the policy admits, evicting
+        if needed.
 
         Hashes already resident (ready or in flight) are skipped, as is a repeat of a
-        hash within the call. Resident hashes named in the call are never evicted for
-        their siblings. New blocks are not ready until ``complete_store``.
+        hash within the call. A hash the policy declines (:meth:`EvictionPolicy.admit`)
+        is skipped too: it is not stored, as if it had never been asked for, and nothing
+        is evicted for it; with ``admission`` False the policy is not asked (blocks that
+        must land, such as a load's promotions from a secondary tier). Resident hashes
+        named in the call are never evicted for their siblings. New blocks are not ready
+        until ``complete_store``.
 
         Returns:
             The hashes to store with their slots and the hashes evicted, or ``None`` if
@@ -240,6 +248,9 @@ class CPUOffloadingManager(OffloadingManager):
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         unique = hashes if len(hashes) == 1 else dict.fromkeys(hashes)
         to_store = [h for h in unique if h not in slot_of]
+        if admission and not self._admits_everything:
+            admit = self.policy.admit
+            to_store = [h for h in to_store if admit(h)]
         shortfall = len(to_store) - len(self._free_slots)
         evicted: list[BlockHash] = []
         evicted_slots: list[int] = []

@@ -367,6 +367,7 @@ _ENGINE_COUNTERS: Sequence[tuple[str, str, str]] = (
     ("written_back_blocks", "written_back_blocks", "Evicted CPU blocks written back to a tier."),
     ("flushed_blocks", "flushed_blocks", "Blocks flushes stored in a secondary tier."),
     ("failed_jobs", "failed_jobs", "Store and load jobs whose result was not success."),
+    ("declined_blocks", "declined_blocks", "Blocks stores asked for that the policy declined."),
 )
 _TIER_GAUGES: Sequence[tuple[str, str]] = (
     ("used_blocks", "Blocks this tier holds now (idle ready blocks included)."),

@@ -136,7 +136,7 @@ class CacheModel:
                 promoted = True
             n += 1
         if promoted:  # the engine gives the promoted blocks CPU slots, as a store does
-            out = manager.prepare_store(hashes[:n])
+            out = manager.prepare_store(hashes[:n], admission=False)
             if out is not None:
                 manager.complete_store(out.block_hashes_to_store)
         out = manager.prepare_store(hashes[n:])

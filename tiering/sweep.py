@@ -175,7 +175,10 @@ def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Pat
                 label=policy,
             )
         axes.set_xscale("log")
-        axes.set_xlabel(f"CPU tier capacity, % of the footprint ({result.footprint_blocks} blocks)")
+        ticks = sorted({p.capacity_fraction * 100 for p in result.points})
+        axes.set_xticks(ticks, [f"{t:.2g}%" for t in ticks])
+        axes.minorticks_off()
+        axes.set_xlabel(f"CPU tier capacity, of the footprint ({result.footprint_blocks} blocks)")
         axes.set_ylabel("prefix hit ratio")
         axes.set_title(title or f"hit ratio by capacity ({result.requests} requests)")
         axes.grid(True, which="both", alpha=0.3)

@@ -28,6 +28,9 @@ class EvictionPolicy(ABC):
     * ``evict(n, can_evict)`` is called only when at least ``n`` resident keys satisfy
       ``can_evict``; it must return exactly ``n`` distinct such keys, which are no
       longer resident afterwards. Keys failing ``can_evict`` stay resident.
+    * ``admit(key)`` is asked, for a key that is not resident, before a store gives it
+      a slot; a key it declines is not stored (nothing is evicted for it). A policy
+      that admits everything need not override it.
     """
 
     name: str = ""
@@ -64,6 +67,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
         """Pick and drop ``n`` resident keys accepted by ``can_evict``."""
+
+    def admit(self, key: BlockHash) -> bool:
+        """Whether a store may give ``key`` a slot (the default: always)."""
+        return True
+
+    @property
+    def admits_everything(self) -> bool:
+        """True unless the policy overrides :meth:`admit` (the manager then skips it)."""
+        return type(self).admit is EvictionPolicy.admit
 
     @abstractmethod
     def __len__(self) -> int:

@@ -26,6 +26,7 @@ Measured on the Mooncake synthetic trace (full blocks only, hit ratio against LR
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from tiering.policies.base import EvictionPolicy
 
 CLASSES = 16
 """Count classes: class ``c`` holds counts in ``[2**(c-1), 2**c)``; the last, the rest."""
+ADMISSIONS = ("duel", "all", "second-sight")
+"""The admission rules a :class:`PrefixLFUPolicy` may follow (see its ``admission``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +61,36 @@ class PrefixLFUPolicy(EvictionPolicy):
             request since the last touch).
         ghost_factor: the ghost remembers this many times the capacity of counts of
             blocks not cached.
+        admission: which blocks a store may add: ``"all"``; ``"second-sight"``, only a
+            block requested before (its count, kept by the ghost, is at least two: the
+            request storing it counts once); or ``"duel"``, whichever of the two is
+            ahead in two miniature shadow caches run on a sample of the keys.
+        sample: with ``"duel"``, one key in ``sample`` (by a hash of the key) feeds the
+            shadows, each ``capacity / sample`` blocks (at least 4).
 
-    Raises (constructor): InvalidArgumentError for a negative or non-finite weight, or a
-    ghost factor that is not a positive int.
+    Raises (constructor): InvalidArgumentError for a negative or non-finite weight, a
+    ghost factor or sample that is not a positive int, or an unknown admission.
     """
 
     name = "prefix-lfu"
 
-    def __init__(self, age_weight: float = 0.25, ghost_factor: int = 4) -> None:
+    def __init__(
+        self,
+        age_weight: float = 0.25,
+        ghost_factor: int = 4,
+        admission: str = "duel",
+        sample: int = 64,
+    ) -> None:
         super().__init__()
+        if admission not in ADMISSIONS:
+            raise InvalidArgumentError(
+                f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}"
+            )
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
+            raise InvalidArgumentError(f"sample must be a positive int, got {sample!r}")
+        self.admission = admission
+        self.sample = sample
+        self._shadows: tuple[_Shadow, _Shadow] | None = None  # made when bound
         if isinstance(age_weight, bool) or not isinstance(age_weight, int | float):
             raise InvalidArgumentError(f"age_weight must be a number >= 0, got {age_weight!r}")
         if not 0 <= age_weight < float("inf"):
@@ -85,6 +109,26 @@ class PrefixLFUPolicy(EvictionPolicy):
         self._children: dict[BlockHash, int] = {}  # key -> its cached children
 
     # ---------------------------------------------------------------- protocol
+
+    def bind(self, capacity: int) -> None:
+        super().bind(capacity)
+        if self.admission == "duel" and self._shadows is None:
+            size = max(4, capacity // self.sample)
+            self._shadows = (_Shadow(size, "all"), _Shadow(size, "second-sight"))
+
+    def admit(self, key: BlockHash) -> bool:
+        if self.admission == "all" or (self.admission == "duel" and not self.prefers_second_sight):
+            return True
+        return self._ghost.get(key, 0) >= 2  # requested before this request
+
+    @property
+    def prefers_second_sight(self) -> bool:
+        """Whether admission is second-sight now: always with ``"second-sight"``, never
+        with ``"all"``, and with ``"duel"`` while that shadow has more (decayed) hits."""
+        if self._shadows is None:
+            return self.admission == "second-sight"
+        everything, second = self._shadows
+        return second.hits > everything.hits
 
     def insert(self, key: BlockHash) -> None:
         count = self._ghost.pop(key, 1) or 1
@@ -124,6 +168,11 @@ class PrefixLFUPolicy(EvictionPolicy):
                 self._dequeue(key)
                 self._enqueue(key)
         self._trim_ghost()
+        if self._shadows is not None:
+            sampled = [k for k in keys if zlib.crc32(k) % self.sample == 0]
+            if sampled:
+                for shadow in self._shadows:
+                    shadow.request(sampled)
 
     def remove(self, key: BlockHash) -> None:
         self._forget(key)
@@ -230,3 +279,35 @@ class PrefixLFUPolicy(EvictionPolicy):
         while len(ghost) > limit:
             key, _ = ghost.popitem(last=False)
             self._parent.pop(key, None)
+
+
+class _Shadow:
+    """A miniature cache of sampled keys under one admission rule, counting its
+    (decayed) hits: half of the duel."""
+
+    __slots__ = ("capacity", "decay", "hits", "policy")
+
+    def __init__(self, capacity: int, admission: str) -> None:
+        self.capacity = capacity
+        self.policy = PrefixLFUPolicy(admission=admission)
+        self.policy.bind(capacity)
+        self.hits = 0.0
+        self.decay = 1.0 - 1.0 / (8 * capacity)  # remembers about 8 capacities of keys
+
+    def request(self, keys: Sequence[BlockHash]) -> None:
+        """One request's sampled keys, stored as a manager stores them: its cached keys
+        are hits, and the admitted others get room all at once, its own cached keys
+        protected (so a long one-off request shows what it pushes out)."""
+        policy = self.policy
+        policy.touch(keys)
+        hits = sum(1 for key in keys if key in policy)
+        self.hits = self.hits * self.decay ** len(keys) + hits
+        new = [k for k in dict.fromkeys(keys) if k not in policy and policy.admit(k)]
+        shortfall = len(policy) + len(new) - self.capacity
+        if shortfall > 0:
+            protected = set(keys)
+            if len(policy) - sum(1 for k in protected if k in policy) < shortfall:
+                return  # no room, as a manager's prepare_store would find
+            policy.evict(shortfall, lambda k: k not in protected)
+        for key in new:
+            policy.insert(key)
