@@ -1,6 +1,10 @@
-"""Replay a Mooncake-format KV trace through CPUOffloadingManager, once per policy.
+"""Replay a Mooncake-format KV trace through CPUOffloadingManager, per capacity and policy.
 
-Usage: python examples/bench_manager.py TRACE CAPACITY [--policies lru,arc,s3fifo]
+Usage: python examples/bench_manager.py TRACE CAPACITIES [--policies lru,arc,s3fifo]
+    [--full-blocks-only]
+
+CAPACITIES: CPU tier sizes, comma-separated, in blocks (10000) or as percentages of the
+trace's footprint, its distinct blocks (1%,2%,5%,10%,25%,50%).
 
 The project's synthetic trace lives beside the repository, at
 ``../shared/traces/synthetic_trace.jsonl``; it is not part of the project.
@@ -9,7 +13,10 @@ Per request, in this order: ``touch`` all of its blocks, ``lookup`` the prefix,
 ``prepare_load``/``complete_load`` the hit prefix, ``prepare_store``/``complete_store``
 the rest. Prints the prefix hit ratio (hit blocks / requested blocks) and block-ops
 per second (hashes each manager call examined / seconds spent in the calls, trace
-parsing excluded). The last line is one JSON object with every figure.
+parsing excluded), each policy's hit ratio also as a ratio to LRU's. The last line is
+one JSON object: ``{"trace", "full_blocks_only", "requests", "footprint_blocks",
+"runs": [{"capacity", "capacity_fraction", "policy", "hit_ratio", "vs_lru",
+"block_ops_per_s"}, ...]}``.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import json
 import time
 from pathlib import Path
 
-from tiering.cli_args import Progress, choice_list, make_parser, positive_int
+from tiering.cli_args import Progress, choice_list, make_parser
+from tiering.errors import InvalidArgumentError
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import policy_names
+from tiering.sweep import capacities_from
 from tiering.workloads import TraceError, read_mooncake
 
 
@@ -78,7 +87,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     exits with status 2 and a message naming the argument, before any replay starts."""
     parser = make_parser(__doc__)
     parser.add_argument("trace", type=Path, help="JSONL trace in the Mooncake format")
-    parser.add_argument("capacity", type=positive_int, help="CPU tier capacity in blocks")
+    parser.add_argument(
+        "capacities", help="CPU tier sizes: blocks or %% of the footprint, comma-separated"
+    )
     parser.add_argument(
         "--policies",
         type=choice_list(policy_names()),
@@ -95,32 +106,50 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         requests = load_trace(args.trace, full_blocks_only=args.full_blocks_only)
     except TraceError as exc:
         parser.error(f"argument trace: {exc}")
+    args.footprint = len({k for keys in requests for k in keys})
+    try:
+        args.capacities = capacities_from(args.capacities, args.footprint)
+    except InvalidArgumentError as exc:
+        parser.error(f"argument capacities: {exc}")
     return args, requests
 
 
 def main() -> None:
     args, requests = parse_args()
-    results: dict[str, dict[str, float]] = {}
+    runs: list[dict[str, object]] = []
     with Progress() as progress:
-        for number, policy in enumerate(args.policies, 1):
-            progress.update(f"replaying with {policy} ({number}/{len(args.policies)})", force=True)
-            results[policy] = replay(requests, args.capacity, policy)
-            r = results[policy]
-            progress.clear()
-            print(
-                f"{policy:>10}: hit ratio {r['hit_ratio']:.4f}  "
-                f"{r['block_ops_per_s'] / 1e6:.2f} M block-ops/s  "
-                f"({r['block_ops']} ops in {r['seconds']:.3f} s)"
-            )
+        for capacity in args.capacities:
+            lru_ratio = None
+            for policy in args.policies:
+                progress.update(f"replaying {capacity} blocks with {policy}", force=True)
+                r = replay(requests, capacity, policy)
+                if policy == "lru":
+                    lru_ratio = r["hit_ratio"]
+                progress.clear()
+                runs.append(
+                    {
+                        "capacity": capacity,
+                        "capacity_fraction": round(capacity / args.footprint, 4),
+                        "policy": policy,
+                        "hit_ratio": r["hit_ratio"],
+                        "block_ops_per_s": r["block_ops_per_s"],
+                    }
+                )
+                print(
+                    f"{capacity:>7} blocks ({capacity / args.footprint:6.1%}) {policy:>10}: "
+                    f"hit ratio {r['hit_ratio']:.4f}  "
+                    f"{r['block_ops_per_s'] / 1e6:.2f} M block-ops/s  "
+                    f"({r['block_ops']} ops in {r['seconds']:.3f} s)"
+                )
+            for run in runs:
+                if run["capacity"] == capacity:
+                    run["vs_lru"] = round(run["hit_ratio"] / lru_ratio, 3) if lru_ratio else None
     summary = {
         "trace": str(args.trace),
-        "capacity": args.capacity,
         "full_blocks_only": args.full_blocks_only,
         "requests": len(requests),
-        "results": {
-            p: {"hit_ratio": r["hit_ratio"], "block_ops_per_s": r["block_ops_per_s"]}
-            for p, r in results.items()
-        },
+        "footprint_blocks": args.footprint,
+        "runs": runs,
     }
     print(json.dumps(summary))
 

@@ -68,7 +68,7 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
             ["(default: 2M,128K)", "(default: 1.0)", "(default: 3)", "(default: quick)"],
         ),
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
-        ("bench_manager.py", ["(default: arc,lru,s3fifo)"]),
+        ("bench_manager.py", ["(default: arc,lru,prefix-lfu,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
         ("bench_vllm_tiers.py", ["(default: 2M,128K)", "(default: none)", "(default: 5.0)"]),
         ("vllm_config.py", ["(default: 100G)", "(default: 16G)", "(default: batch)"]),
@@ -85,15 +85,21 @@ def test_help_shows_defaults(script: str, defaults: list[str]) -> None:
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
 def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
-    done = run_script("examples/bench_manager.py", str(TRACE), "256", "--policies", "lru")
+    argv = [str(TRACE), "256,1%", "--policies", "lru,prefix-lfu", "--full-blocks-only"]
+    done = run_script("examples/bench_manager.py", *argv)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # no progress line on a pipe
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["capacity"] == 256
-    assert summary["requests"] > 0
-    assert set(summary["results"]) == {"lru"}
-    assert 0.0 <= summary["results"]["lru"]["hit_ratio"] <= 1.0
-    assert summary["results"]["lru"]["block_ops_per_s"] > 0
+    assert summary["requests"] > 0 and summary["footprint_blocks"] == 40_148
+    runs = summary["runs"]
+    assert [(r["capacity"], r["policy"]) for r in runs] == [
+        (256, "lru"), (256, "prefix-lfu"), (401, "lru"), (401, "prefix-lfu"),
+    ]  # fmt: skip
+    for run in runs:
+        assert 0.0 < run["hit_ratio"] <= 1.0 and run["block_ops_per_s"] > 0
+        assert run["vs_lru"] == pytest.approx(
+            run["hit_ratio"] / runs[0 if run["capacity"] == 256 else 2]["hit_ratio"], abs=1e-3
+        )
 
 
 # -- every checked value, in this process (same parser, no interpreter start-up) ------
@@ -248,7 +254,7 @@ def test_bench_manager_reads_a_valid_trace(tmp_path: Path) -> None:
     line = '{{"timestamp": 0, "input_length": 1536, "output_length": 1, "hash_ids": {}}}\n'
     trace.write_text(line.format([0, 1, 2]) + "\n" + line.format([0, 1, 7]))
     args, requests = _script("bench_manager").parse_args([str(trace), "8", "--policies", "lru"])
-    assert args.capacity == 8
+    assert args.capacities == [8]
     assert args.policies == ["lru"]
     assert requests == [
         [i.to_bytes(8, "big") for i in (0, 1, 2)],
