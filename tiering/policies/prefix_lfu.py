@@ -90,6 +90,7 @@ class PrefixLFUPolicy(EvictionPolicy):
             raise InvalidArgumentError(f"sample must be a positive int, got {sample!r}")
         self.admission = admission
         self.sample = sample
+        self._second_sight = admission == "second-sight"  # the duel moves it
         self._shadows: tuple[_Shadow, _Shadow] | None = None  # made when bound
         if isinstance(age_weight, bool) or not isinstance(age_weight, int | float):
             raise InvalidArgumentError(f"age_weight must be a number >= 0, got {age_weight!r}")
@@ -117,7 +118,7 @@ class PrefixLFUPolicy(EvictionPolicy):
             self._shadows = (_Shadow(size, "all"), _Shadow(size, "second-sight"))
 
     def admit(self, key: BlockHash) -> bool:
-        if self.admission == "all" or (self.admission == "duel" and not self.prefers_second_sight):
+        if not self._second_sight:
             return True
         return self._ghost.get(key, 0) >= 2  # requested before this request
 
@@ -125,10 +126,7 @@ class PrefixLFUPolicy(EvictionPolicy):
     def prefers_second_sight(self) -> bool:
         """Whether admission is second-sight now: always with ``"second-sight"``, never
         with ``"all"``, and with ``"duel"`` while that shadow has more (decayed) hits."""
-        if self._shadows is None:
-            return self.admission == "second-sight"
-        everything, second = self._shadows
-        return second.hits > everything.hits
+        return self._second_sight
 
     def insert(self, key: BlockHash) -> None:
         count = self._ghost.pop(key, 1) or 1
@@ -171,8 +169,10 @@ class PrefixLFUPolicy(EvictionPolicy):
         if self._shadows is not None:
             sampled = [k for k in keys if zlib.crc32(k) % self.sample == 0]
             if sampled:
-                for shadow in self._shadows:
-                    shadow.request(sampled)
+                everything, second = self._shadows
+                everything.request(sampled)
+                second.request(sampled)
+                self._second_sight = second.hits > everything.hits
 
     def remove(self, key: BlockHash) -> None:
         self._forget(key)
