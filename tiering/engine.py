@@ -382,8 +382,9 @@ class TieringEngine:
     def store(self, block_hashes: Sequence[BlockHash], device_block_ids: Sequence[int]) -> Job:
         """Copy device blocks into the CPU tier (then, by policy, to secondary tiers).
 
-        Returns at once; the job resolves once every block is ready in CPU, and the
-        device blocks may then be reused (the full contract: :meth:`JobCore.store`).
+        Returns at once; the job resolves once every block is ready in CPU (or left out
+        because the eviction policy did not admit it), and the device blocks may then be
+        reused (the full contract: :meth:`JobCore.store`).
 
         Raises:
             ClosedError: the engine is not open.

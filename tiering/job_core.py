@@ -433,11 +433,13 @@ class JobCore:
 
         A hash repeated in the call is stored once, from its first device block. Blocks
         already ready in CPU are not copied again; a block another job is filling right
-        now is joined: this job waits for that fill and reports its outcome. The job
-        resolves once every block of the call is ready in CPU (``failed_keys`` names
-        those that are not); then, under write-through, the blocks cascade to every tier
-        that lacks them (:class:`Cascaded`). Without CPU room it waits
-        (:class:`WaitForRoom`), or fails at once if it could never fit.
+        now is joined: this job waits for that fill and reports its outcome. A block the
+        CPU tier's eviction policy does not admit is left out: not stored, not waited
+        for, not a failure (counted in ``declined_blocks``). The job resolves once every
+        other block of the call is ready in CPU (``failed_keys`` names those that are
+        not); then, under write-through, the blocks cascade to every tier that lacks
+        them (:class:`Cascaded`). Without CPU room it waits (:class:`WaitForRoom`), or
+        fails at once if it could never fit.
 
         Raises:
             ClosedError: the engine is not open.
