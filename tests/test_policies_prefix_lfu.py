@@ -43,7 +43,7 @@ def test_make_policy_builds_it_by_name() -> None:
 @pytest.mark.parametrize(
     ("option", "value"),
     [("age_weight", -1), ("age_weight", float("inf")), ("age_weight", "1"),
-     ("ghost_factor", 0), ("ghost_factor", 1.5), ("ghost_factor", True),
+     ("ghost_factor", 0), ("ghost_factor", 1.5), ("ghost_factor", True), ("ghost_window", 0),
      ("admission", "never"), ("sample", 0)],
 )  # fmt: skip
 def test_a_bad_option_is_named(option: str, value: object) -> None:
@@ -105,6 +105,16 @@ def test_a_count_survives_eviction_in_the_ghost() -> None:
     _request(fresh, [1])
     _request(fresh, [9])
     assert fresh.evict(1, _any) == [_key(1)]  # 1 and 9 both at count 1; 1 is older
+
+
+def test_the_ghost_halves_its_counts_every_window_and_forgets_the_ones() -> None:
+    policy = _policy(4, ghost_window=2)  # ages every 8 touched keys
+    for _ in range(3):
+        policy.touch([_key(1)])  # not cached: the ghost counts 3
+    policy.touch([_key(2)])  # 1
+    assert dict(policy.snapshot().ghost) == {_key(1): 3, _key(2): 1}
+    policy.touch([_key(3), _key(4), _key(5), _key(6)])  # the 8th touched key: it ages
+    assert dict(policy.snapshot().ghost) == {_key(1): 1}  # halved; the ones forgotten
 
 
 def test_leaves_go_before_their_parents() -> None:

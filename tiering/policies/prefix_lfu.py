@@ -6,10 +6,12 @@ cached, the first blocks of shared system prompts are read by many sessions, and
 blocks are read once. So:
 
 * **Frequency over age.** Each block has a request count: every :meth:`touch` naming it
-  adds one, cached or not. A block leaving the cache keeps its count in a *ghost* (of
-  ``ghost_factor`` x capacity keys, oldest dropped first), so a block that returns
-  resumes its count. The victim is the evictable block with the lowest
-  ``count / age ** age_weight`` (age: requests since its last touch, plus one).
+  adds one, cached or not. A block not cached keeps its count in a *ghost*, so a block
+  that returns resumes its count. The ghost ages: every ``ghost_window`` x capacity
+  touched keys its counts halve, and a count that reaches 0 is forgotten (so it holds
+  about that many keys; ``ghost_factor`` x capacity bounds it, oldest dropped first).
+  The victim is the evictable block with the lowest ``count / age ** age_weight`` (age:
+  requests since its last touch, plus one).
 * **O(classes), not O(n).** Blocks wait in one least-recently-touched queue per count
   class (counts 1, 2-3, 4-7, ... : ``CLASSES`` classes); eviction compares only the
   first evictable block of each queue.
@@ -59,8 +61,9 @@ class PrefixLFUPolicy(EvictionPolicy):
     Args:
         age_weight: how much age discounts a count (0: pure frequency, 1: count per
             request since the last touch).
-        ghost_factor: the ghost remembers this many times the capacity of counts of
-            blocks not cached.
+        ghost_window: the ghost's counts halve every this many times the capacity
+            touched keys.
+        ghost_factor: the ghost never holds more than this many times the capacity.
         admission: which blocks a store may add: ``"all"``; ``"second-sight"``, only a
             block requested before (its count, kept by the ghost, is at least two: the
             request storing it counts once); or ``"duel"``, whichever of the two is
@@ -77,7 +80,8 @@ class PrefixLFUPolicy(EvictionPolicy):
     def __init__(
         self,
         age_weight: float = 0.25,
-        ghost_factor: int = 4,
+        ghost_window: int = 8,
+        ghost_factor: int = 32,
         admission: str = "duel",
         sample: int = 64,
     ) -> None:
@@ -96,8 +100,11 @@ class PrefixLFUPolicy(EvictionPolicy):
             raise InvalidArgumentError(f"age_weight must be a number >= 0, got {age_weight!r}")
         if not 0 <= age_weight < float("inf"):
             raise InvalidArgumentError(f"age_weight must be a number >= 0, got {age_weight!r}")
-        if isinstance(ghost_factor, bool) or not isinstance(ghost_factor, int) or ghost_factor < 1:
-            raise InvalidArgumentError(f"ghost_factor must be a positive int, got {ghost_factor!r}")
+        for name, value in (("ghost_window", ghost_window), ("ghost_factor", ghost_factor)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.ghost_window = ghost_window
+        self._touched = 0  # keys touched since the ghost last aged
         self.age_weight = float(age_weight)
         self.ghost_factor = ghost_factor
         self._tick = 0  # one per touch: ages are counted in requests
@@ -165,6 +172,9 @@ class PrefixLFUPolicy(EvictionPolicy):
             else:
                 self._dequeue(key)
                 self._enqueue(key)
+        self._touched += len(keys)
+        if self._touched >= self.ghost_window * max(1, self.capacity):
+            self._age_ghost()
         self._trim_ghost()
         if self._shadows is not None:
             sampled = [k for k in keys if zlib.crc32(k) % self.sample == 0]
@@ -273,6 +283,17 @@ class PrefixLFUPolicy(EvictionPolicy):
             # the rest of the chain follows unless it is requested again (measured
             # better than placing it by the age of its last touch: docs/replay.md).
             self._enqueue(parent, front=True)
+
+    def _age_ghost(self) -> None:
+        """Halve the ghost's counts, forgetting the keys whose count reaches 0."""
+        self._touched = 0
+        ghost, parents = self._ghost, self._parent
+        for key, count in list(ghost.items()):
+            if count > 1:
+                ghost[key] = count // 2
+            else:
+                del ghost[key]
+                parents.pop(key, None)
 
     def _trim_ghost(self) -> None:
         ghost, limit = self._ghost, self.ghost_factor * max(1, self.capacity)
