@@ -294,86 +294,93 @@ async def replay(
                 f"device_blocks ({device_blocks}) is smaller than request {number}, which "
                 f"has {len(keys)} blocks; give at least {max(map(len, keyed))}"
             )
-    device = torch.zeros((device_blocks, nbytes), dtype=torch.uint8)
-    staging = device.numpy()  # the same memory: the engine copies from and into it
-    summary = ReplaySummary()
-    engine = make_engine(device)
-    async with engine, LoopLagMonitor() as lag:
-        with on_open(engine, lag) if on_open is not None else nullcontext():
-            await _replay_all(
-                engine, requests, keyed, staging, pace, verify, settle, on_request, summary
-            )
-    summary.bytes_by_path = _bytes_by_path(engine, tier_labels(engine))  # closed: all counted
-    summary.loop_lag_p99_ms = lag.p99_ms
-    return summary
+    node = ReplayNode(make_engine, device_blocks, nbytes, verify=verify, settle=settle)
+    async with node.engine, LoopLagMonitor() as lag:
+        with on_open(node.engine, lag) if on_open is not None else nullcontext():
+            start = time.perf_counter()
+            for number, (request, keys) in enumerate(zip(requests, keyed, strict=True)):
+                if pace is not None:
+                    delay = start + request.arrival_s / pace - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                await node.request(keys)
+                if on_request is not None:
+                    on_request(number + 1, node.summary)
+            node.summary.seconds = time.perf_counter() - start
+    node.closed()
+    node.summary.loop_lag_p99_ms = lag.p99_ms
+    return node.summary
 
 
-async def _replay_all(
-    engine: TieringEngine,
-    requests: Sequence[Request],
-    keyed: list[list[bytes]],
-    staging: np.ndarray,
-    pace: float | None,
-    verify: bool,
-    settle: bool,
-    on_request: Callable[[int, ReplaySummary], None] | None,
-    summary: ReplaySummary,
-) -> None:
-    labels = tier_labels(engine)
-    summary.hits_by_tier = dict.fromkeys([CPU, *labels], 0)
-    start = time.perf_counter()
-    for number, (request, keys) in enumerate(zip(requests, keyed, strict=True)):
-        if pace is not None:
-            delay = start + request.arrival_s / pace - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-        await _one_request(engine, keys, staging, labels, summary, verify, settle)
+class ReplayNode:
+    """One engine under replay: its device cache (staging), its tiers' names and its
+    summary. ``make_engine(device_kv)`` builds the engine; enter ``node.engine`` (``async
+    with``) around the requests, and call :meth:`closed` after it closed.
+
+    Raises (constructor): what ``make_engine`` raises.
+    """
+
+    def __init__(
+        self,
+        make_engine: Callable[[torch.Tensor], TieringEngine],
+        device_blocks: int,
+        block_bytes: int,
+        *,
+        verify: bool = True,
+        settle: bool = False,
+    ) -> None:
+        device = torch.zeros((device_blocks, block_bytes), dtype=torch.uint8)
+        self.staging = device.numpy()  # the same memory: the engine copies from and into it
+        self.engine = make_engine(device)
+        self.verify = verify
+        self.settle = settle
+        self.summary = ReplaySummary()
+        self._labels: list[str] | None = None
+
+    async def request(self, keys: list[bytes]) -> int:
+        """Serve one request's blocks (the engine open): look up, load and check the hit
+        prefix, compute and store the rest. Returns the blocks that hit."""
+        engine, staging, summary = self.engine, self.staging, self.summary
+        if self._labels is None:
+            self._labels = tier_labels(engine)
+            summary.hits_by_tier = dict.fromkeys([CPU, *self._labels], 0)
+        engine.touch(keys)
+        n = engine.lookup(keys)
+        sources = [_source(engine, self._labels, key) for key in keys[:n]]
+        if n:
+            began = time.perf_counter()
+            try:
+                result = await engine.load(keys[:n], range(n))
+            except BlockNotFoundError:  # a tier let one go between the lookup and now
+                result = JobResult(0, False, tuple(keys[:n]), "left every tier")
+            summary.load_latency_s.append(time.perf_counter() - began)
+            if not result.success:
+                summary.failed_loads += 1
+                failed = set(result.failed_keys)
+                # The hit ends at the first key that did not land (all if none is named).
+                n = next((i for i, key in enumerate(keys[:n]) if key in failed), 0)
+            if self.verify:  # the whole request's blocks in one hop off the loop
+                summary.mismatches += await asyncio.to_thread(_count_mismatches, staging, keys[:n])
+        for source in sources[:n]:
+            summary.hits_by_tier[source] = summary.hits_by_tier.get(source, 0) + 1
+        summary.hit_blocks += n
+        summary.blocks += len(keys)
         summary.requests += 1
-        if on_request is not None:
-            on_request(number + 1, summary)
-    summary.seconds = time.perf_counter() - start
+        if n < len(keys):
+            await asyncio.to_thread(_compute, staging, keys, n)  # the "model", off the loop
+            began = time.perf_counter()
+            job = engine.store(keys[n:], range(n, len(keys)))
+            result = await job
+            summary.store_latency_s.append(time.perf_counter() - began)
+            if not result.success:
+                summary.failed_stores += 1
+            elif self.settle:
+                await job.cascaded
+        return n
 
-
-async def _one_request(
-    engine: TieringEngine,
-    keys: list[bytes],
-    staging: np.ndarray,
-    labels: list[str],
-    summary: ReplaySummary,
-    verify: bool,
-    settle: bool,
-) -> None:
-    engine.touch(keys)
-    n = engine.lookup(keys)
-    sources = [_source(engine, labels, key) for key in keys[:n]]
-    if n:
-        began = time.perf_counter()
-        try:
-            result = await engine.load(keys[:n], range(n))
-        except BlockNotFoundError:  # a tier let one go between the lookup and now
-            result = JobResult(0, False, tuple(keys[:n]), "left every tier")
-        summary.load_latency_s.append(time.perf_counter() - began)
-        if not result.success:
-            summary.failed_loads += 1
-            failed = set(result.failed_keys)
-            # The hit ends at the first key that did not land (all of them if none is named).
-            n = next((i for i, key in enumerate(keys[:n]) if key in failed), 0)
-        if verify:  # the whole request's blocks in one hop off the loop
-            summary.mismatches += await asyncio.to_thread(_count_mismatches, staging, keys[:n])
-    for source in sources[:n]:
-        summary.hits_by_tier[source] = summary.hits_by_tier.get(source, 0) + 1
-    summary.hit_blocks += n
-    summary.blocks += len(keys)
-    if n < len(keys):
-        await asyncio.to_thread(_compute, staging, keys, n)  # the "model", off the loop
-        began = time.perf_counter()
-        job = engine.store(keys[n:], range(n, len(keys)))
-        result = await job
-        summary.store_latency_s.append(time.perf_counter() - began)
-        if not result.success:
-            summary.failed_stores += 1
-        elif settle:
-            await job.cascaded
+    def closed(self) -> None:
+        """Take the bytes moved per path from the closed engine (every cascade counted)."""
+        self.summary.bytes_by_path = _bytes_by_path(self.engine, tier_labels(self.engine))
 
 
 def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
@@ -455,6 +462,7 @@ def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
 __all__ = [
     "CPU",
     "CacheModel",
+    "ReplayNode",
     "ReplaySummary",
     "expected_bytes",
     "replay",
