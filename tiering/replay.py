@@ -45,6 +45,8 @@ from tiering.workloads import Request
 
 CPU = "cpu"
 """The CPU tier's name in hit and byte figures."""
+ASK_AGAIN_S = 1.0
+"""How long a replay asks a lookup again while a tier answers "ask again"."""
 
 
 def expected_bytes(key: bytes, nbytes: int) -> np.ndarray:
@@ -345,7 +347,7 @@ class ReplayNode:
             self._labels = tier_labels(engine)
             summary.hits_by_tier = dict.fromkeys([CPU, *self._labels], 0)
         engine.touch(keys)
-        n = engine.lookup(keys)
+        n = await self._lookup(keys)
         sources = [_source(engine, self._labels, key) for key in keys[:n]]
         if n:
             began = time.perf_counter()
@@ -376,6 +378,22 @@ class ReplayNode:
                 summary.failed_stores += 1
             elif self.settle:
                 await job.cascaded
+        return n
+
+    async def _lookup(self, keys: list[bytes]) -> int:
+        """``engine.lookup``, asked again (as a scheduler does each step) while a tier
+        answers "ask again" (None) for the first block that missed, for up to
+        :data:`ASK_AGAIN_S`: a remote tier checks presence in the background."""
+        engine = self.engine
+        n = engine.lookup(keys)
+        deadline = time.monotonic() + ASK_AGAIN_S
+        while (
+            n < len(keys)
+            and any(tier.lookup(keys[n]) is None for tier in engine.tiers)
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.001)
+            n = engine.lookup(keys)
         return n
 
     def closed(self) -> None:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,9 +36,13 @@ from tiering.commands._workload import (
 )
 from tiering.config import TieringConfig, engine_from_config, with_overrides
 from tiering.engine import TieringEngine
+from tiering.fleet import ROUTERS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.replay import ReplaySummary, replay, simulate
 from tiering.workloads import Request
+
+SHARED_TIERS = frozenset({"redis"})
+"""Tier types every node of a fleet shares (the others are each node's own)."""
 
 NAME = "replay"
 HELP = "replay a trace through a real engine, checking every loaded byte"
@@ -69,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let each store reach every tier before the next request (exact bookkeeping)",
     )
     run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
+    fleet = parser.add_argument_group("a fleet (docs/fleet.md)")
+    fleet.add_argument("--nodes", type=int, metavar="N", help="engines behind a router")
+    fleet.add_argument("--router", choices=ROUTERS, help="how requests pick a node")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -83,9 +92,13 @@ def run(args: argparse.Namespace) -> int:
         "replay.settle": args.settle,
         "metrics.port": args.metrics_port,
     }
+    shortcuts["replay.nodes"] = args.nodes
+    shortcuts["replay.router"] = args.router
     config = resolve_config(args, shortcuts)
     config = with_overrides(config, _tier_shortcuts(args, config))
     requests = load_workload(config)
+    if config.replay.nodes > 1:
+        return _run_fleet(config, requests, args.json)
     with Progress() as progress:
         summary = asyncio.run(_replay(config, requests, progress))
     figures = summary.to_json()
@@ -101,6 +114,90 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) -> int:
+    """The fleet replay, with its shared tiers (Redis) and, as the baseline, without."""
+    shared = [i for i, tier in enumerate(config.tiers) if tier.type in SHARED_TIERS]
+    runs = {"shared": config} if shared else {}
+    runs["baseline"] = config if not shared else _without_tiers(config, shared)
+    figures: dict[str, Any] = {}
+    with Progress() as progress:
+        for name, run_config in runs.items():
+            summary = asyncio.run(_replay_fleet(run_config, requests, progress, name))
+            figures[name] = summary.to_json()
+    if shared:
+        baseline = figures["baseline"]["hit_ratio"]
+        figures["gain"] = round(figures["shared"]["hit_ratio"] / baseline, 3) if baseline else None
+    mismatches = sum(run["mismatches"] for run in figures.values() if isinstance(run, dict))
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        print(format_fleet(figures))
+    if mismatches:
+        print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _without_tiers(config: TieringConfig, drop: list[int]) -> TieringConfig:
+    return dataclasses.replace(
+        config, tiers=tuple(t for i, t in enumerate(config.tiers) if i not in drop)
+    )
+
+
+async def _replay_fleet(
+    config: TieringConfig, requests: list[Request], progress: Progress, name: str
+) -> FleetSummary:
+    full = config.replay.full_blocks_only
+    longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
+    events_on = with_overrides(config, {"engine.enable_events": True})
+
+    def make_engine(node: int, kv: torch.Tensor) -> TieringEngine:
+        return engine_from_config(_node_config(events_on, node), kv)
+
+    def on_request(done: int, summary: FleetSummary) -> None:
+        progress.update(f"fleet ({name}): {done}/{len(requests)} requests")
+
+    return await replay_fleet(
+        requests,
+        make_engine,
+        nodes=config.replay.nodes,
+        router=config.replay.router,
+        device_blocks=config.replay.device_blocks or longest,
+        block_bytes=config.replay.block_bytes,
+        full_blocks_only=full,
+        on_request=on_request,
+    )
+
+
+def _node_config(config: TieringConfig, node: int) -> TieringConfig:
+    """A node's config: its NVMe tiers under a directory of its own in their root."""
+    overrides: dict[str, object] = {}
+    for i, tier in enumerate(config.tiers):
+        if "root" in tier.options:
+            overrides[f"tiers.{i}.root"] = str(Path(str(tier.options["root"])) / f"node-{node}")
+    return with_overrides(config, overrides) if overrides else config
+
+
+def format_fleet(figures: dict[str, Any]) -> str:
+    """The table of a fleet replay: each run's hit ratio by source and by node."""
+    lines = []
+    for name in ("shared", "baseline"):
+        run = figures.get(name)
+        if run is None:
+            continue
+        sources = "  ".join(f"{s} {r:.4f}" for s, r in run["hit_ratio_by_source"].items())
+        nodes = " ".join(f"{r:.4f}" for r in run["hit_ratio_by_node"])
+        lines += [
+            f"{name} ({run['router']}, {run['nodes']} nodes): hit ratio {run['hit_ratio']:.4f}"
+            f"  ({sources})",
+            f"  by node {nodes}; requests {run['requests_by_node']}; mismatches "
+            f"{run['mismatches']}; {run['requests_per_s']} requests/s",
+        ]
+    if figures.get("gain") is not None:
+        lines.append(f"gain of the shared tier: {figures['gain']}x")
+    return "\n".join(lines)
 
 
 def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str, object]:

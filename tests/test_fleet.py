@@ -1,0 +1,114 @@
+"""A fleet of engines behind a router, sharing a Redis tier (``tiering.fleet``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backends.redis_server import LocalRedisServer
+from tiering import TieringEngine
+from tiering.abstract import OffloadingEvent
+from tiering.cli import main
+from tiering.errors import InvalidArgumentError
+from tiering.events import encode_events
+from tiering.fleet import Router, replay_fleet
+from tiering.workloads import synthetic_requests
+
+
+def _keys(*ids: int) -> list[bytes]:
+    return [i.to_bytes(8, "big") for i in ids]
+
+
+def _events(medium: str, ids: list[int], removed: bool = False) -> bytes:
+    return encode_events([OffloadingEvent(_keys(*ids), 16, medium, removed)])
+
+
+def test_round_robin_takes_the_nodes_in_turn() -> None:
+    router = Router("round-robin", 3)
+    assert [router.choose(_keys(1)) for _ in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_affinity_keeps_a_first_block_on_one_node() -> None:
+    router = Router("affinity", 4)
+    assert len({router.choose(_keys(7, i)) for i in range(20)}) == 1
+
+
+def test_least_loaded_picks_the_node_that_computed_least() -> None:
+    router = Router("least-loaded", 3)
+    router.served(0, blocks=10, hits=0)
+    router.served(1, blocks=10, hits=8)
+    router.served(2, blocks=5, hits=0)
+    assert router.choose(_keys(1)) == 1  # computed 2 blocks
+
+
+def test_kv_aware_follows_the_events_of_each_node_s_own_tiers() -> None:
+    router = Router("kv-aware", 3)
+    router.observe(1, _events("CPU", [1, 2]))
+    router.observe(2, _events("NVME", [1, 2, 3]))
+    router.observe(0, _events("REDIS", [1, 2, 3, 4]))  # shared: says nothing of node 0
+    assert router.choose(_keys(1, 2, 3, 4)) == 2
+    router.observe(2, _events("NVME", [2], removed=True))
+    assert router.choose(_keys(1, 2, 3, 4)) == 1  # node 2 now holds only block 1
+    with pytest.raises(InvalidArgumentError, match="router"):
+        Router("random", 2)
+
+
+def _factory(cpu_blocks: int, tiers: list[dict] | None = None, events: bool = True):
+    def make(node: int, kv: torch.Tensor) -> TieringEngine:
+        return TieringEngine(
+            kv, cpu_blocks, secondary_tiers=tiers or [], cache_identity="fleet",
+            enable_events=events,
+        )  # fmt: skip
+
+    return make
+
+
+@pytest.mark.parametrize("router", ["round-robin", "affinity", "least-loaded", "kv-aware"])
+async def test_every_router_serves_every_request_with_no_wrong_byte(router: str) -> None:
+    requests = synthetic_requests(sessions=20, seed=4)
+    summary = await replay_fleet(
+        requests, _factory(60), nodes=3, router=router, device_blocks=64, block_bytes=512
+    )
+    figures = summary.to_json()
+    assert figures["mismatches"] == 0 and sum(figures["requests_by_node"]) == len(requests)
+    assert figures["hit_ratio"] > 0
+
+
+async def test_kv_aware_routing_needs_engines_that_publish_events() -> None:
+    with pytest.raises(InvalidArgumentError, match="enable_events"):
+        await replay_fleet(
+            synthetic_requests(sessions=2), _factory(60, events=False), nodes=2,
+            router="kv-aware", device_blocks=64, block_bytes=512,
+        )  # fmt: skip
+
+
+async def test_a_block_one_node_computed_is_a_shared_hit_on_another(
+    redis_server: LocalRedisServer,
+) -> None:
+    requests = synthetic_requests(sessions=30, seed=5)
+    tiers = [{"type": "redis", "url": redis_server.url}]
+    summary = await replay_fleet(
+        requests, _factory(40, tiers), nodes=3, router="round-robin", device_blocks=64,
+        block_bytes=512,
+    )  # fmt: skip
+    figures = summary.to_json()
+    assert figures["mismatches"] == 0
+    assert figures["hit_ratio_by_source"]["redis"] > 0  # served from the fleet's tier
+    alone = await replay_fleet(
+        requests, _factory(40), nodes=3, router="round-robin", device_blocks=64, block_bytes=512
+    )
+    assert summary.hit_ratio > alone.hit_ratio
+
+
+def test_the_command_reports_the_shared_tier_against_none(
+    redis_server: LocalRedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["replay", "--limit", "150", "--cpu", "60", "--block-bytes", "1K", "--nodes", "3"]
+    assert main([*argv, "--redis", redis_server.url, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    shared, baseline = figures["shared"], figures["baseline"]
+    assert shared["mismatches"] == baseline["mismatches"] == 0
+    assert "redis" not in baseline["hit_ratio_by_source"]
+    assert figures["gain"] == round(shared["hit_ratio"] / baseline["hit_ratio"], 3) > 1

@@ -1,0 +1,215 @@
+"""A fleet replay: several engines behind a router, optionally sharing one remote tier.
+
+:func:`replay_fleet` builds ``nodes`` engines (each with its own simulated device cache
+and its own tiers, as ``make_engine(node, device_kv)`` configures them: typically a CPU
+tier, maybe NVMe, and one Redis tier every node points at) and replays a workload
+through them one request at a time: a :class:`Router` picks the node, which serves the
+request as :class:`~tiering.replay.ReplayNode` does (every loaded byte checked).
+
+Routers (:data:`ROUTERS`), all sans-I/O:
+
+* ``round-robin``: nodes in turn.
+* ``affinity``: a hash of the request's first block, so a conversation (and everything
+  sharing its system prompt) stays on one node.
+* ``least-loaded``: the node that has computed the fewest blocks so far (its misses: the
+  work a GPU would have done).
+* ``kv-aware``: the node whose own tiers hold the longest prefix of the request, learned
+  only from the engines' KV events in their published wire format
+  (:func:`tiering.events.encode_events`), never from their state; ties go to the least
+  loaded. Events of a shared medium (one every node reads, such as ``REDIS``) say
+  nothing about a node and are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiering.engine import TieringEngine
+from tiering.errors import InvalidArgumentError
+from tiering.events import decode_events, encode_events
+from tiering.replay import ReplayNode, ReplaySummary
+from tiering.validation import positive_int
+from tiering.workloads import Request
+
+ROUTERS = ("round-robin", "affinity", "least-loaded", "kv-aware")
+"""The routing rules :class:`Router` knows."""
+
+
+class Router:
+    """Picks the node for each request; fed back what each node computed and the events
+    each node published.
+
+    Args:
+        rule: one of :data:`ROUTERS`.
+        nodes: how many nodes there are.
+        shared_media: event media that every node shares (ignored by ``kv-aware``).
+
+    Raises (constructor): InvalidArgumentError for an unknown rule or a node count that
+    is not a positive int.
+    """
+
+    def __init__(self, rule: str, nodes: int, shared_media: Sequence[str] = ("REDIS",)) -> None:
+        if rule not in ROUTERS:
+            raise InvalidArgumentError(f"router must be one of {', '.join(ROUTERS)}, got {rule!r}")
+        self.rule = rule
+        self.nodes = positive_int("nodes", nodes)
+        self.shared_media = frozenset(m.upper() for m in shared_media)
+        self.computed = [0] * self.nodes  # blocks each node computed (its load)
+        # kv-aware: per node, how many of its own media hold each key
+        self._held: list[dict[bytes, int]] = [{} for _ in range(self.nodes)]
+        self._next = 0
+
+    def choose(self, keys: Sequence[bytes]) -> int:
+        """The node for a request with these block keys."""
+        if self.rule == "round-robin":
+            node, self._next = self._next, (self._next + 1) % self.nodes
+            return node
+        if self.rule == "affinity":
+            return zlib.crc32(keys[0]) % self.nodes if keys else 0
+        if self.rule == "least-loaded":
+            return min(range(self.nodes), key=lambda n: (self.computed[n], n))
+        best = max(range(self.nodes), key=lambda n: (self._prefix(n, keys), -self.computed[n]))
+        return best
+
+    def served(self, node: int, blocks: int, hits: int) -> None:
+        """``node`` served a request of ``blocks`` blocks, ``hits`` of them loaded."""
+        self.computed[node] += blocks - hits
+
+    def observe(self, node: int, payload: bytes) -> None:
+        """Events ``node`` published (the wire format of :mod:`tiering.events`).
+
+        Raises:
+            InvalidArgumentError: ``payload`` is not in that format.
+        """
+        held = self._held[node]
+        for event in decode_events(payload):
+            if event["medium"].upper() in self.shared_media:
+                continue
+            step = -1 if event["removed"] else 1
+            for key in event["block_hashes"]:
+                count = held.get(key, 0) + step
+                if count > 0:
+                    held[key] = count
+                else:
+                    held.pop(key, None)
+
+    def _prefix(self, node: int, keys: Sequence[bytes]) -> int:
+        held = self._held[node]
+        n = 0
+        for key in keys:
+            if key not in held:
+                break
+            n += 1
+        return n
+
+
+@dataclass
+class FleetSummary:
+    """What a fleet replay did: per node summaries and the router's load."""
+
+    router: str
+    nodes: list[ReplaySummary] = field(default_factory=list)
+    routed: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def blocks(self) -> int:
+        return sum(n.blocks for n in self.nodes)
+
+    @property
+    def hit_ratio(self) -> float:
+        return sum(n.hit_blocks for n in self.nodes) / self.blocks if self.blocks else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary as plain JSON values."""
+        by_source: dict[str, int] = {}
+        for node in self.nodes:
+            for source, hits in node.hits_by_tier.items():
+                by_source[source] = by_source.get(source, 0) + hits
+        requests = sum(n.requests for n in self.nodes)
+        return {
+            "router": self.router,
+            "nodes": len(self.nodes),
+            "requests": requests,
+            "blocks": self.blocks,
+            "hit_ratio": round(self.hit_ratio, 4),
+            "hit_ratio_by_source": {
+                s: round(h / self.blocks, 4) if self.blocks else 0.0 for s, h in by_source.items()
+            },
+            "hit_ratio_by_node": [round(n.hit_ratio, 4) for n in self.nodes],
+            "requests_by_node": list(self.routed),
+            "mismatches": sum(n.mismatches for n in self.nodes),
+            "failed_loads": sum(n.failed_loads for n in self.nodes),
+            "failed_stores": sum(n.failed_stores for n in self.nodes),
+            "seconds": round(self.seconds, 3),
+            "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
+        }
+
+
+async def replay_fleet(
+    requests: Sequence[Request],
+    make_engine: Callable[[int, torch.Tensor], TieringEngine],
+    *,
+    nodes: int,
+    router: str,
+    device_blocks: int,
+    block_bytes: int,
+    full_blocks_only: bool = False,
+    settle: bool = True,
+    on_request: Callable[[int, FleetSummary], None] | None = None,
+) -> FleetSummary:
+    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`.
+
+    Each engine is built by ``make_engine(node, device_kv)``; the ``kv-aware`` router
+    needs engines with ``enable_events``. ``settle`` lets each store reach every tier
+    before the next request, so a block one node stored is in the shared tier when the
+    next request looks.
+
+    Raises:
+        InvalidArgumentError: a bad argument, a request longer than ``device_blocks``,
+            or ``kv-aware`` with engines that publish no events; nothing ran.
+    """
+    nodes = positive_int("nodes", nodes)
+    routing = Router(router, nodes)
+    keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
+    longest = max((len(k) for k in keyed), default=0)
+    if longest > positive_int("device_blocks", device_blocks):
+        raise InvalidArgumentError(
+            f"device_blocks ({device_blocks}) is smaller than the longest request "
+            f"({longest} blocks)"
+        )
+    fleet = [
+        ReplayNode(lambda kv, n=n: make_engine(n, kv), device_blocks, block_bytes, settle=settle)
+        for n in range(nodes)
+    ]
+    if router == "kv-aware" and not all(node.engine.enable_events for node in fleet):
+        raise InvalidArgumentError("router 'kv-aware' needs engines with enable_events=True")
+    summary = FleetSummary(router, [node.summary for node in fleet], [0] * nodes)
+    async with AsyncExitStack() as engines:
+        for node in fleet:
+            await engines.enter_async_context(node.engine)
+        start = time.perf_counter()
+        for number, keys in enumerate(keyed):
+            n = routing.choose(keys)
+            hits = await fleet[n].request(keys)
+            routing.served(n, len(keys), hits)
+            summary.routed[n] += 1
+            events = fleet[n].engine.take_events()
+            if events:
+                routing.observe(n, encode_events(events, node=str(n)))
+            if on_request is not None:
+                on_request(number + 1, summary)
+        summary.seconds = time.perf_counter() - start
+    for node in fleet:
+        node.closed()
+    return summary
+
+
+__all__ = ["ROUTERS", "FleetSummary", "Router", "replay_fleet"]
