@@ -366,6 +366,10 @@ class JobCore:
     def lookup(self, block_hashes: object) -> int:
         """Leading hashes ready in the CPU tier or stored in a servable secondary tier.
 
+        A tier that answers "ask again" for the first hash it cannot place is asked about
+        the rest of ``block_hashes`` as well (see :meth:`_ask_ahead`); the answer still
+        stops at that hash.
+
         Raises:
             InvalidArgumentError: ``block_hashes`` is not an iterable of bytes.
         """
@@ -378,6 +382,7 @@ class JobCore:
                 t = self._holder(h)
                 if t is None:
                     self._lookup_first_misses += 1
+                    self._ask_ahead(hashes, n)
                     break
                 hits[t + 1] += 1
                 in_tiers += 1
@@ -386,6 +391,17 @@ class JobCore:
         self._lookups += 1
         self._lookup_blocks += len(hashes)
         return n
+
+    def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
+        """A tier that answers "ask again" (None) for the first missing hash is asked
+        about the hashes after it too: a remote tier then checks them all in one batched
+        round trip, rather than one hash per step of the scheduler."""
+        tiers = self.tiers
+        for t in self._servable:
+            tier = tiers[t]
+            if tier.lookup(hashes[n]) is None:
+                for h in hashes[n + 1 :]:
+                    tier.lookup(h)
 
     def lookup_statistics(self) -> LookupStatistics:
         """What :meth:`lookup` has answered so far."""

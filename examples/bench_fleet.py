@@ -1,0 +1,163 @@
+"""Benchmark a fleet on one shared Redis tier: every router, with and without it.
+
+Usage::
+
+    python examples/bench_fleet.py [TRACE] [--url URL] [--nodes 4] [--cpu-fraction 0.025]
+        [--block-bytes 4K] [--limit N] [--plot FILE.png]
+
+Without TRACE it replays synthetic chat traffic; without --url it starts its own
+redis-server on a free loopback port (no persistence) and stops it at the end. Each
+node gets a CPU tier of ``--cpu-fraction`` of the workload's footprint (its distinct
+blocks). For each router (round-robin, affinity, least-loaded, kv-aware) the fleet runs
+with the shared Redis tier (the server emptied first) and without it, every loaded
+block checked. Prints a table; with --plot draws hit ratio by router, with and without
+the shared tier (matplotlib). The last line is one JSON object::
+
+    {"nodes": ..., "cpu_blocks": ..., "runs": [{"router": ..., "shared_hit_ratio": ...,
+      "baseline_hit_ratio": ..., "gain": ..., "redis_hit_ratio": ...,
+      "mismatches": ..., "shared_requests_per_s": ...}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tiering import TieringEngine
+from tiering.cli_args import Progress, make_parser, parse_size, positive_int
+from tiering.errors import TraceError
+from tiering.fleet import ROUTERS, FleetSummary, replay_fleet
+from tiering.sweep import footprint
+from tiering.workloads import Request, read_mooncake, synthetic_requests
+
+
+async def one_run(
+    requests: list[Request], url: str | None, router: str, cpu_blocks: int, args: argparse.Namespace
+) -> FleetSummary:
+    tiers = [{"type": "redis", "url": url}] if url is not None else []
+
+    def make(node: int, kv: torch.Tensor) -> TieringEngine:
+        return TieringEngine(
+            kv, cpu_blocks, secondary_tiers=tiers, cache_identity="bench-fleet",
+            enable_events=True,
+        )  # fmt: skip
+
+    longest = max(len(r.keys()) for r in requests)
+    return await replay_fleet(
+        requests, make, nodes=args.nodes, router=router, device_blocks=longest,
+        block_bytes=args.block_bytes,
+    )  # fmt: skip
+
+
+def run(url: str, args: argparse.Namespace, requests: list[Request]) -> dict:
+    import redis
+
+    cpu_blocks = max(1, round(footprint(requests) * args.cpu_fraction))
+    rows = []
+    with Progress() as progress:
+        for router in ROUTERS:
+            progress.update(f"{router}: with the shared tier", force=True)
+            with redis.Redis.from_url(url) as client:
+                client.flushdb()
+            shared = asyncio.run(one_run(requests, url, router, cpu_blocks, args)).to_json()
+            progress.update(f"{router}: without it", force=True)
+            alone = asyncio.run(one_run(requests, None, router, cpu_blocks, args)).to_json()
+            progress.clear()
+            row = {
+                "router": router,
+                "shared_hit_ratio": shared["hit_ratio"],
+                "baseline_hit_ratio": alone["hit_ratio"],
+                "gain": round(shared["hit_ratio"] / alone["hit_ratio"], 3)
+                if alone["hit_ratio"]
+                else None,
+                "redis_hit_ratio": shared["hit_ratio_by_source"].get("redis", 0.0),
+                "mismatches": shared["mismatches"] + alone["mismatches"],
+                "shared_requests_per_s": shared["requests_per_s"],
+            }
+            rows.append(row)
+            print(
+                f"{router:>13}: hit ratio {row['shared_hit_ratio']:.4f} with the shared tier "
+                f"(redis {row['redis_hit_ratio']:.4f}), {row['baseline_hit_ratio']:.4f} "
+                f"without: {row['gain']}x; mismatches {row['mismatches']}"
+            )
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    return {"nodes": args.nodes, "cpu_blocks": cpu_blocks, "runs": rows}
+
+
+def plot(result: dict, path: str) -> None:
+    """Hit ratio by router, with and without the shared tier, as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["runs"]
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=110)
+    positions = range(len(rows))
+    axes.bar([p - 0.2 for p in positions], [r["baseline_hit_ratio"] for r in rows], 0.4,
+             label="each node's own tiers")  # fmt: skip
+    axes.bar([p + 0.2 for p in positions], [r["shared_hit_ratio"] for r in rows], 0.4,
+             label="plus the shared Redis tier")  # fmt: skip
+    axes.set_xticks(list(positions), [r["router"] for r in rows])
+    axes.set_ylabel("prefix hit ratio")
+    axes.set_title(f"{result['nodes']} nodes, CPU tier of {result['cpu_blocks']} blocks each")
+    axes.legend()
+    axes.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    plt.close(figure)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: a bad value exits with status 2 naming it."""
+    parser = make_parser(__doc__)
+    parser.add_argument("trace", nargs="?", help="a Mooncake JSONL trace (default: synthetic)")
+    parser.add_argument("--url", help="redis:// URL (default: start a local server)")
+    parser.add_argument("--nodes", type=positive_int, default=4, help="engines in the fleet")
+    parser.add_argument(
+        "--cpu-fraction", type=float, default=0.025, help="each CPU tier, of the footprint"
+    )
+    parser.add_argument("--block-bytes", type=parse_size, default="4K", help="bytes per block")
+    parser.add_argument("--limit", type=positive_int, help="replay the first N requests")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw hit ratio by router")
+    args = parser.parse_args(argv)
+    if not 0 < args.cpu_fraction <= 1:
+        parser.error(f"argument --cpu-fraction: must be in (0, 1], got {args.cpu_fraction}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        requests = read_mooncake(args.trace, limit=args.limit) if args.trace else None
+    except TraceError as exc:
+        raise SystemExit(f"bench_fleet: argument trace: {exc}") from None
+    if requests is None:
+        requests = synthetic_requests()[: args.limit] if args.limit else synthetic_requests()
+    if args.url is not None:
+        result = run(args.url, args, requests)
+    else:
+        from backends.redis_server import LocalRedisServer
+
+        with tempfile.TemporaryDirectory(prefix="bench-fleet-") as directory:
+            server = LocalRedisServer(Path(directory))
+            server.start()
+            try:
+                result = run(server.url, args, requests)
+            finally:
+                server.stop()
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
