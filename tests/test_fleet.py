@@ -13,7 +13,7 @@ from tiering.abstract import OffloadingEvent
 from tiering.cli import main
 from tiering.errors import InvalidArgumentError
 from tiering.events import encode_events
-from tiering.fleet import Router, replay_fleet
+from tiering.fleet import ROUTERS, Router, replay_fleet
 from tiering.workloads import synthetic_requests
 
 
@@ -112,3 +112,14 @@ def test_the_command_reports_the_shared_tier_against_none(
     assert shared["mismatches"] == baseline["mismatches"] == 0
     assert "redis" not in baseline["hit_ratio_by_source"]
     assert figures["gain"] == round(shared["hit_ratio"] / baseline["hit_ratio"], 3) > 1
+
+
+def test_bench_fleet_runs_every_router_and_ends_with_json(redis_server: LocalRedisServer) -> None:
+    from tests._scripts import last_json, run_script
+
+    done = run_script(
+        "examples/bench_fleet.py", "--url", redis_server.url, "--limit", "60", "--nodes", "2"
+    )
+    result = last_json(done)
+    assert [run["router"] for run in result["runs"]] == list(ROUTERS)
+    assert all(run["mismatches"] == 0 and run["shared_hit_ratio"] > 0 for run in result["runs"])

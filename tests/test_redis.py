@@ -186,6 +186,23 @@ async def test_a_corrupted_value_is_a_failed_key_never_served(
         assert tier.lookup(names[1]) is False
 
 
+async def test_an_engine_lookup_checks_a_whole_request_in_one_round_trip(
+    redis_server: RedisServer,
+) -> None:
+    kv = torch.randn(16, 4, 64).half()
+    tiers = [{"type": "redis", "url": redis_server.url}]
+    hashes = [b"h%d" % i for i in range(12)]
+    async with TieringEngine(kv, 4, secondary_tiers=tiers, cache_identity="ask") as writer:
+        for start in range(0, 12, 4):
+            job = writer.store(hashes[start : start + 4], range(4))
+            assert (await job).success and await job.cascaded
+    async with TieringEngine(kv, 4, secondary_tiers=tiers, cache_identity="ask") as reader:
+        assert reader.lookup(hashes) == 0  # it knows nothing yet: ask again
+        found = await settled(lambda: reader.lookup(hashes) or None)
+        assert found == 12
+        assert reader.tiers[0].statistics().counters["lookup_round_trips"] == 1
+
+
 async def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
     pool: memoryview, redis_server: RedisServer
 ) -> None:
