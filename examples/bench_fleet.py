@@ -5,14 +5,14 @@ Usage::
     python examples/bench_fleet.py [TRACE] [--url URL] [--nodes 4] [--cpu-fraction 0.025]
         [--block-bytes 4K] [--limit N] [--plot FILE.png]
 
-Without TRACE it replays synthetic chat traffic; without --url it starts its own redis-
-server on a free loopback port (no persistence) and stops it at the end. Each node gets
-a CPU tier of ``--cpu-fraction`` of the workload's footprint (its distinct blocks), and
-at least the longest request's blocks (a store stages a request's blocks in the CPU tier
-at once). For each router (round-robin, affinity, least-loaded, kv-aware) the fleet runs
-with the shared Redis tier (the server emptied first) and without it, every loaded block
-checked. Prints a table; with --plot draws hit ratio by router, with and without the
-shared tier (matplotlib).
+Without TRACE it replays synthetic chat traffic; without --url it starts its own
+redis-server on a free loopback port (no persistence) and stops it at the end. Each node
+gets a CPU tier of ``--cpu-fraction`` of the workload's footprint (its distinct blocks),
+and at least the longest request's blocks (a store stages a request's blocks in the CPU
+tier at once). For each router (round-robin, affinity, least-loaded, kv-aware) the fleet
+runs with the shared Redis tier (the server emptied first) and without it, every loaded
+block checked. Prints a table; with --plot draws hit ratio by router, with and without
+the shared tier (matplotlib).
 The last line is one JSON object::
 
     {"nodes": ..., "cpu_blocks": ..., "runs": [{"router": ..., "shared_hit_ratio": ...,
