@@ -112,7 +112,8 @@ def plot(result: dict, path: str) -> None:
     axes.set_xticks(list(positions), [r["router"] for r in rows])
     axes.set_ylabel("prefix hit ratio")
     axes.set_title(f"{result['nodes']} nodes, CPU tier of {result['cpu_blocks']} blocks each")
-    axes.legend()
+    axes.set_ylim(0, 1)  # room for the legend above the bars
+    axes.legend(loc="upper left")
     axes.grid(True, axis="y", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, format="png")
