@@ -13,7 +13,7 @@ from tiering.abstract import OffloadingEvent
 from tiering.cli import main
 from tiering.errors import InvalidArgumentError
 from tiering.events import encode_events
-from tiering.fleet import ROUTERS, Router, replay_fleet
+from tiering.fleet import ROUTERS, NodeOutage, Router, replay_fleet
 from tiering.workloads import synthetic_requests
 
 
@@ -123,3 +123,58 @@ def test_bench_fleet_runs_every_router_and_ends_with_json(redis_server: LocalRed
     result = last_json(done)
     assert [run["router"] for run in result["runs"]] == list(ROUTERS)
     assert all(run["mismatches"] == 0 and run["shared_hit_ratio"] > 0 for run in result["runs"])
+
+
+def test_a_down_node_gets_no_request_under_any_rule() -> None:
+    for rule in ("round-robin", "affinity", "least-loaded", "kv-aware"):
+        router = Router(rule, 3)
+        assert {router.choose(_keys(i), down={1}) for i in range(30)} <= {0, 2}
+        with pytest.raises(InvalidArgumentError, match="down"):
+            router.choose(_keys(1), down={0, 1, 2})
+
+
+async def test_a_node_killed_and_restarted_leaves_the_others_serving_every_byte(
+    tmp_path,
+) -> None:
+    requests = synthetic_requests(sessions=40, seed=6)
+    tiers = [{"type": "nvme", "root": str(tmp_path / "nvme"), "capacity_bytes": 1 << 24}]
+
+    def make(node: int, kv: torch.Tensor) -> TieringEngine:
+        root = {**tiers[0], "root": str(tmp_path / f"nvme-{node}")}
+        return TieringEngine(kv, 40, secondary_tiers=[root], enable_events=True)
+
+    served: list[list[int]] = []
+    summary = await replay_fleet(
+        requests, make, nodes=3, router="least-loaded", device_blocks=64, block_bytes=512,
+        outages=[NodeOutage(node=1, at=40, requests=30)], window=10,
+        on_request=lambda done, s: served.append(list(s.routed)),
+    )  # fmt: skip
+    figures = summary.to_json()
+    assert figures["mismatches"] == 0 and figures["requests"] == len(requests)
+    assert served[69][1] == served[39][1]  # nothing went to node 1 while it was down
+    assert served[-1][1] > served[69][1]  # and it served again once restarted
+    assert figures["restarts"] == 1 and len(figures["timeline"]) == -(-len(requests) // 10)
+
+
+async def test_redis_restarted_mid_replay_dips_and_recovers_with_no_wrong_byte(
+    redis_server: LocalRedisServer,
+) -> None:
+    requests = synthetic_requests(sessions=60, seed=7)
+    tiers = [{"type": "redis", "url": redis_server.url, "timeout_s": 0.5,
+              "breaker_failures": 1, "breaker_backoff_s": 0.05}]  # fmt: skip
+
+    def restart(done: int, _summary: object) -> None:
+        if done == 60:
+            redis_server.kill()
+        elif done == 90:
+            redis_server.start()  # empty: it kept nothing
+
+    summary = await replay_fleet(
+        requests, _factory(40, tiers), nodes=3, router="round-robin", device_blocks=64,
+        block_bytes=512, window=30, on_request=restart,
+    )  # fmt: skip
+    figures = summary.to_json()
+    assert figures["mismatches"] == 0 and figures["requests"] == len(requests)
+    timeline = [point["hit_ratio"] for point in figures["timeline"]]
+    assert timeline[2] < timeline[1]  # requests 60-90: Redis is gone
+    assert max(timeline[4:]) > timeline[2]  # it came back, and so did the shared hits

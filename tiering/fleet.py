@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,17 +66,31 @@ class Router:
         self._held: list[dict[bytes, int]] = [{} for _ in range(self.nodes)]
         self._next = 0
 
-    def choose(self, keys: Sequence[bytes]) -> int:
-        """The node for a request with these block keys."""
+    def choose(self, keys: Sequence[bytes], down: Collection[int] = ()) -> int:
+        """The node for a request with these block keys, never one of ``down``.
+
+        Raises:
+            InvalidArgumentError: every node is down.
+        """
+        up = [n for n in range(self.nodes) if n not in down]
+        if not up:
+            raise InvalidArgumentError("every node of the fleet is down")
         if self.rule == "round-robin":
+            while self._next in down:
+                self._next = (self._next + 1) % self.nodes
             node, self._next = self._next, (self._next + 1) % self.nodes
             return node
-        if self.rule == "affinity":
-            return zlib.crc32(keys[0]) % self.nodes if keys else 0
+        if self.rule == "affinity":  # a down node's share moves to the next one up
+            home = zlib.crc32(keys[0]) % self.nodes if keys else 0
+            ring = [(home + step) % self.nodes for step in range(self.nodes)]
+            return next(n for n in ring if n not in down)
         if self.rule == "least-loaded":
-            return min(range(self.nodes), key=lambda n: (self.computed[n], n))
-        best = max(range(self.nodes), key=lambda n: (self._prefix(n, keys), -self.computed[n]))
-        return best
+            return min(up, key=lambda n: (self.computed[n], n))
+        return max(up, key=lambda n: (self._prefix(n, keys), -self.computed[n]))
+
+    def forget(self, node: int) -> None:
+        """``node`` restarted: whatever its events said it held is gone."""
+        self._held[node].clear()
 
     def served(self, node: int, blocks: int, hits: int) -> None:
         """``node`` served a request of ``blocks`` blocks, ``hits`` of them loaded."""
@@ -110,14 +124,29 @@ class Router:
         return n
 
 
+@dataclass(frozen=True, slots=True)
+class NodeOutage:
+    """Node ``node`` is stopped at once (as a crash: its jobs fail, its CPU tier is
+    lost) before request number ``at`` (counted from 0) and started again, a fresh engine
+    on the same tiers (an NVMe root comes back warm), ``requests`` requests later."""
+
+    node: int
+    at: int
+    requests: int
+
+
 @dataclass
 class FleetSummary:
-    """What a fleet replay did: per node summaries and the router's load."""
+    """What a fleet replay did: per node summaries, the router's load, and the hit
+    ratio over time (one point per ``window`` requests) to show dips and recoveries."""
 
     router: str
     nodes: list[ReplaySummary] = field(default_factory=list)
     routed: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    window: int = 1
+    timeline: list[tuple[int, int]] = field(default_factory=list)  # (hit, requested) blocks
+    restarts: int = 0
 
     @property
     def blocks(self) -> int:
@@ -150,6 +179,14 @@ class FleetSummary:
             "failed_stores": sum(n.failed_stores for n in self.nodes),
             "seconds": round(self.seconds, 3),
             "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
+            "restarts": self.restarts,
+            "timeline": [
+                {
+                    "requests": min((i + 1) * self.window, requests),
+                    "hit_ratio": round(hit / blocks, 4) if blocks else 0.0,
+                }
+                for i, (hit, blocks) in enumerate(self.timeline)
+            ],
         }
 
 
@@ -163,6 +200,8 @@ async def replay_fleet(
     block_bytes: int,
     full_blocks_only: bool = False,
     settle: bool = True,
+    outages: Sequence[NodeOutage] = (),
+    window: int | None = None,
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`.
@@ -170,7 +209,10 @@ async def replay_fleet(
     Each engine is built by ``make_engine(node, device_kv)``; the ``kv-aware`` router
     needs engines with ``enable_events``. ``settle`` lets each store reach every tier
     before the next request, so a block one node stored is in the shared tier when the
-    next request looks.
+    next request looks. ``outages`` stop and restart nodes (requests go to the others
+    meanwhile); ``window`` (default: a twentieth of the requests) is the timeline's step.
+    ``on_request(done, summary)`` runs after each request (a test restarts a server
+    there).
 
     Raises:
         InvalidArgumentError: a bad argument, a request longer than ``device_blocks``,
@@ -191,16 +233,40 @@ async def replay_fleet(
     ]
     if router == "kv-aware" and not all(node.engine.enable_events for node in fleet):
         raise InvalidArgumentError("router 'kv-aware' needs engines with enable_events=True")
-    summary = FleetSummary(router, [node.summary for node in fleet], [0] * nodes)
+    for outage in outages:
+        if not 0 <= outage.node < nodes:
+            raise InvalidArgumentError(f"outages: no node {outage.node} in {nodes}")
+    step = window if window is not None else max(1, len(keyed) // 20)
+    summary = FleetSummary(
+        router, [node.summary for node in fleet], [0] * nodes, window=positive_int("window", step)
+    )
+    stops = {o.at: o for o in outages}
+    starts = {o.at + o.requests: o for o in outages}
+    down: set[int] = set()
     async with AsyncExitStack() as engines:
         for node in fleet:
             await engines.enter_async_context(node.engine)
         start = time.perf_counter()
         for number, keys in enumerate(keyed):
-            n = routing.choose(keys)
+            if number in starts and starts[number].node in down:
+                n = starts[number].node
+                fleet[n] = fleet[n].restarted()
+                await engines.enter_async_context(fleet[n].engine)
+                down.discard(n)
+                summary.restarts += 1
+            if number in stops:
+                n = stops[number].node
+                fleet[n].engine.close()  # a crash: in-flight work fails, the CPU tier is gone
+                routing.forget(n)
+                down.add(n)
+            n = routing.choose(keys, down)
             hits = await fleet[n].request(keys)
             routing.served(n, len(keys), hits)
             summary.routed[n] += 1
+            if number // step == len(summary.timeline):
+                summary.timeline.append((0, 0))
+            hit, blocks = summary.timeline[-1]
+            summary.timeline[-1] = (hit + hits, blocks + len(keys))
             events = fleet[n].engine.take_events()
             if events:
                 routing.observe(n, encode_events(events, node=str(n)))
@@ -212,4 +278,4 @@ async def replay_fleet(
     return summary
 
 
-__all__ = ["ROUTERS", "FleetSummary", "Router", "replay_fleet"]
+__all__ = ["ROUTERS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

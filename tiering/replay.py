@@ -333,6 +333,7 @@ class ReplayNode:
     ) -> None:
         device = torch.zeros((device_blocks, block_bytes), dtype=torch.uint8)
         self.staging = device.numpy()  # the same memory: the engine copies from and into it
+        self._make_engine = make_engine
         self.engine = make_engine(device)
         self.verify = verify
         self.settle = settle
@@ -395,6 +396,19 @@ class ReplayNode:
             await asyncio.sleep(0.001)
             n = engine.lookup(keys)
         return n
+
+    def restarted(self) -> ReplayNode:
+        """A node with a fresh engine from the same factory (its tiers' persistent data,
+        an NVMe root, comes back), carrying on this node's summary."""
+        node = ReplayNode(
+            self._make_engine,
+            self.staging.shape[0],
+            self.staging.shape[1],
+            verify=self.verify,
+            settle=self.settle,
+        )
+        node.summary = self.summary
+        return node
 
     def closed(self) -> None:
         """Take the bytes moved per path from the closed engine (every cascade counted)."""
