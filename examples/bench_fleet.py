@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
+from backends.redis_server import LocalRedisServer
 from tiering import TieringEngine
 from tiering.cli_args import Progress, make_parser, parse_size, positive_int
 from tiering.errors import TraceError
-from tiering.fleet import ROUTERS, FleetSummary, replay_fleet
+from tiering.fleet import ROUTERS, FleetSummary, NodeOutage, replay_fleet
 from tiering.sweep import footprint
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
@@ -95,6 +96,53 @@ def run(url: str, args: argparse.Namespace, requests: list[Request]) -> dict:
     return {"nodes": args.nodes, "cpu_blocks": cpu_blocks, "runs": rows}
 
 
+def faults(server: LocalRedisServer, args: argparse.Namespace, requests: list[Request]) -> dict:
+    """Round robin with node 1 crashed and restarted, and Redis killed and restarted
+    (empty): the timeline of the hit ratio shows the dips and the recoveries."""
+    count = len(requests)
+    kill_at, back_at = 2 * count // 3, 2 * count // 3 + count // 12
+
+    def restart(done: int, _summary: FleetSummary) -> None:
+        if done == kill_at:
+            server.kill()
+        elif done == back_at:
+            server.start()
+
+    longest = max(len(r.keys()) for r in requests)
+    cpu_blocks = max(longest, round(footprint(requests) * args.cpu_fraction))
+    tiers = [{"type": "redis", "url": server.url, "timeout_s": 0.5, "breaker_backoff_s": 0.2}]
+
+    def make(node: int, kv: torch.Tensor) -> TieringEngine:
+        return TieringEngine(kv, cpu_blocks, secondary_tiers=tiers, cache_identity="bench-fleet")
+
+    server.command("FLUSHALL")
+    outage = NodeOutage(node=1 % args.nodes, at=count // 3, requests=count // 6)
+    summary = asyncio.run(
+        replay_fleet(
+            requests,
+            make,
+            nodes=args.nodes,
+            router="round-robin",
+            device_blocks=longest,
+            block_bytes=args.block_bytes,
+            outages=[outage],
+            on_request=restart,
+        )
+    ).to_json()
+    print(
+        f"faults: node {outage.node} down for requests {outage.at}-{outage.at + outage.requests}"
+        f", redis down for {kill_at}-{back_at}; mismatches {summary['mismatches']}; hit ratio "
+        "by window: " + " ".join(f"{p['hit_ratio']:.2f}" for p in summary["timeline"])
+    )
+    return {
+        "node_down": [outage.at, outage.at + outage.requests],
+        "redis_down": [kill_at, back_at],
+        "mismatches": summary["mismatches"],
+        "hit_ratio": summary["hit_ratio"],
+        "timeline": summary["timeline"],
+    }
+
+
 def plot(result: dict, path: str) -> None:
     """Hit ratio by router, with and without the shared tier, as grouped bars."""
     import matplotlib
@@ -132,7 +180,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-bytes", type=parse_size, default="4K", help="bytes per block")
     parser.add_argument("--limit", type=positive_int, help="replay the first N requests")
     parser.add_argument("--plot", metavar="FILE.png", help="draw hit ratio by router")
+    parser.add_argument(
+        "--faults",
+        action="store_true",
+        help="also replay round robin with node 1 down for a sixth of the requests from a "
+        "third on, and Redis killed at two thirds and restarted (empty) a twelfth later "
+        "(needs the bench's own server: no --url)",
+    )
     args = parser.parse_args(argv)
+    if args.faults and args.url is not None:
+        parser.error("argument --faults: restarts the bench's own server; leave out --url")
     if not 0 < args.cpu_fraction <= 1:
         parser.error(f"argument --cpu-fraction: must be in (0, 1], got {args.cpu_fraction}")
     return args
@@ -149,13 +206,13 @@ def main() -> None:
     if args.url is not None:
         result = run(args.url, args, requests)
     else:
-        from backends.redis_server import LocalRedisServer
-
         with tempfile.TemporaryDirectory(prefix="bench-fleet-") as directory:
             server = LocalRedisServer(Path(directory))
             server.start()
             try:
                 result = run(server.url, args, requests)
+                if args.faults:
+                    result["faults"] = faults(server, args, requests)
             finally:
                 server.stop()
     if args.plot:
