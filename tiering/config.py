@@ -213,9 +213,7 @@ class ReplayConfig(_Section):
     settle: bool = _option(False)
     full_blocks_only: bool = _option(False)
     nodes: int = _option(1, check=_positive)
-    router: Literal["round-robin", "affinity", "least-loaded", "kv-aware"] = _option(
-        "round-robin"
-    )
+    router: Literal["round-robin", "affinity", "least-loaded", "kv-aware"] = _option("round-robin")
 
 
 @dataclass(frozen=True)
