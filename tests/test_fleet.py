@@ -106,6 +106,7 @@ def test_the_command_reports_the_shared_tier_against_none(
     redis_server: LocalRedisServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["replay", "--limit", "150", "--cpu", "60", "--block-bytes", "1K", "--nodes", "3"]
+    argv += ["--router", "kv-aware", "--transport", "zmq"]
     assert main([*argv, "--redis", redis_server.url, "--json"]) == 0
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     shared, baseline = figures["shared"], figures["baseline"]
@@ -178,3 +179,19 @@ async def test_redis_restarted_mid_replay_dips_and_recovers_with_no_wrong_byte(
     timeline = [point["hit_ratio"] for point in figures["timeline"]]
     assert timeline[2] < timeline[1]  # requests 60-90: Redis is gone
     assert max(timeline[4:]) > timeline[2]  # it came back, and so did the shared hits
+
+
+async def test_kv_aware_routing_over_zeromq_decides_as_it_does_in_process() -> None:
+    pytest.importorskip("zmq", reason="pip install 'kv-tiering[events]'")
+    requests = synthetic_requests(sessions=25, seed=8)
+    runs = {}
+    for transport in ("direct", "zmq"):
+        summary = await replay_fleet(
+            requests, _factory(60), nodes=3, router="kv-aware", device_blocks=64,
+            block_bytes=512, transport=transport,
+        )  # fmt: skip
+        runs[transport] = summary.to_json()
+    assert runs["zmq"]["lost_event_batches"] == 0
+    assert runs["zmq"]["requests_by_node"] == runs["direct"]["requests_by_node"]
+    assert runs["zmq"]["hit_ratio"] == runs["direct"]["hit_ratio"] > 0
+    assert runs["zmq"]["mismatches"] == 0

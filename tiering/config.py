@@ -214,6 +214,7 @@ class ReplayConfig(_Section):
     full_blocks_only: bool = _option(False)
     nodes: int = _option(1, check=_positive)
     router: Literal["round-robin", "affinity", "least-loaded", "kv-aware"] = _option("round-robin")
+    transport: Literal["direct", "zmq"] = _option("direct")
 
 
 @dataclass(frozen=True)

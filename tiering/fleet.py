@@ -22,6 +22,7 @@ Routers (:data:`ROUTERS`), all sans-I/O:
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
 from collections.abc import Callable, Collection, Sequence
@@ -31,9 +32,10 @@ from typing import Any
 
 import torch
 
+from tiering.abstract import OffloadingEvent
 from tiering.engine import TieringEngine
 from tiering.errors import InvalidArgumentError
-from tiering.events import decode_events, encode_events
+from tiering.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
 from tiering.replay import ReplayNode, ReplaySummary
 from tiering.validation import positive_int
 from tiering.workloads import Request
@@ -124,6 +126,97 @@ class Router:
         return n
 
 
+class _DirectLink:
+    """Events from the nodes to the router, in-process, in their wire format."""
+
+    lost = 0
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def open(self, nodes: int) -> None:
+        return None
+
+    async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
+        self.router.observe(node, encode_events(events, node=str(node)))
+
+    def close(self) -> None:
+        return None
+
+
+class _ZmqLink:
+    """Events from the nodes to the router over ZeroMQ, as a deployment carries them:
+    one :class:`~tiering.events.ZmqPublisher` (PUB, loopback) per node, one SUB socket
+    on the router's side. After each request the replay waits for that node's batch to
+    arrive (by its sequence number), so the router decides on what it was told; a batch
+    that never comes within ``wait_s`` counts in ``lost``."""
+
+    def __init__(self, router: Router, wait_s: float = 2.0) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.router = router
+        self.wait_s = wait_s
+        self.lost = 0
+        self._zmq = zmq
+        self._context = zmq.asyncio.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, DEFAULT_TOPIC)
+        self._publishers: list[ZmqPublisher] = []
+
+    async def open(self, nodes: int) -> None:
+        """Bind a publisher per node, connect to each, and wait until each is heard (a
+        SUB socket misses what is sent before its subscription reaches the publisher)."""
+        for node in range(nodes):
+            publisher = ZmqPublisher("tcp://127.0.0.1:*", node=str(node))
+            self._publishers.append(publisher)
+            self._sub.connect(publisher.endpoint)
+        for node, publisher in enumerate(self._publishers):
+            deadline = time.monotonic() + 10 * self.wait_s
+            while not await self._heard(node, publisher, [_PROBE], self.wait_s / 20):
+                if time.monotonic() > deadline:
+                    raise InvalidArgumentError(f"the ZeroMQ link to node {node} did not come up")
+
+    async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
+        if not await self._heard(node, self._publishers[node], events, self.wait_s):
+            self.lost += 1
+
+    async def _heard(
+        self, node: int, publisher: ZmqPublisher, events: Sequence[OffloadingEvent], wait_s: float
+    ) -> bool:
+        """Publish ``events`` from ``node`` and feed the router what arrives, until this
+        batch has (True) or ``wait_s`` passed (False)."""
+        expected = publisher.sequence
+        publisher.publish(events)
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                _, sequence, payload = await asyncio.wait_for(self._sub.recv_multipart(), left)
+            except TimeoutError:
+                return False
+            decoded = decode_events(payload)
+            sender = int(decoded[0]["node"]) if decoded and decoded[0]["node"] else None
+            if sender is None:
+                continue
+            self.router.observe(sender, payload)
+            if sender == node and int.from_bytes(sequence, "big") == expected:
+                return True
+        return False
+
+    def close(self) -> None:
+        for publisher in self._publishers:
+            publisher.close()
+        self._sub.close(linger=0)
+        self._context.term()
+
+
+_PROBE = OffloadingEvent([], 0, "PROBE", False)  # an empty batch: tells the router nothing
+
+TRANSPORTS = ("direct", "zmq")
+"""How a fleet replay carries KV events to the router."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeOutage:
     """Node ``node`` is stopped at once (as a crash: its jobs fail, its CPU tier is
@@ -147,6 +240,7 @@ class FleetSummary:
     window: int = 1
     timeline: list[tuple[int, int]] = field(default_factory=list)  # (hit, requested) blocks
     restarts: int = 0
+    lost_event_batches: int = 0
 
     @property
     def blocks(self) -> int:
@@ -180,6 +274,7 @@ class FleetSummary:
             "seconds": round(self.seconds, 3),
             "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
             "restarts": self.restarts,
+            "lost_event_batches": self.lost_event_batches,
             "timeline": [
                 {
                     "requests": min((i + 1) * self.window, requests),
@@ -202,6 +297,7 @@ async def replay_fleet(
     settle: bool = True,
     outages: Sequence[NodeOutage] = (),
     window: int | None = None,
+    transport: str = "direct",
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`.
@@ -212,7 +308,10 @@ async def replay_fleet(
     next request looks. ``outages`` stop and restart nodes (requests go to the others
     meanwhile); ``window`` (default: a twentieth of the requests) is the timeline's step.
     ``on_request(done, summary)`` runs after each request (a test restarts a server
-    there).
+    there). ``transport`` carries the engines' KV events to the router: ``"direct"``
+    (in-process) or ``"zmq"`` (a ZeroMQ PUB socket per node on loopback, as a deployed
+    router would subscribe to; needs pyzmq); either way in the wire format of
+    :mod:`tiering.events`.
 
     Raises:
         InvalidArgumentError: a bad argument, a request longer than ``device_blocks``,
@@ -220,6 +319,10 @@ async def replay_fleet(
     """
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)
+    if transport not in TRANSPORTS:
+        raise InvalidArgumentError(
+            f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
+        )
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     longest = max((len(k) for k in keyed), default=0)
     if longest > positive_int("device_blocks", device_blocks):
@@ -243,7 +346,10 @@ async def replay_fleet(
     stops = {o.at: o for o in outages}
     starts = {o.at + o.requests: o for o in outages}
     down: set[int] = set()
+    link = _ZmqLink(routing) if transport == "zmq" else _DirectLink(routing)
     async with AsyncExitStack() as engines:
+        engines.callback(link.close)
+        await link.open(nodes)
         for node in fleet:
             await engines.enter_async_context(node.engine)
         start = time.perf_counter()
@@ -269,13 +375,14 @@ async def replay_fleet(
             summary.timeline[-1] = (hit + hits, blocks + len(keys))
             events = fleet[n].engine.take_events()
             if events:
-                routing.observe(n, encode_events(events, node=str(n)))
+                await link.send(n, events)
             if on_request is not None:
                 on_request(number + 1, summary)
         summary.seconds = time.perf_counter() - start
+        summary.lost_event_batches = link.lost
     for node in fleet:
         node.closed()
     return summary
 
 
-__all__ = ["ROUTERS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]
+__all__ = ["ROUTERS", "TRANSPORTS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

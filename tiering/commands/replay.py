@@ -36,7 +36,7 @@ from tiering.commands._workload import (
 )
 from tiering.config import TieringConfig, engine_from_config, with_overrides
 from tiering.engine import TieringEngine
-from tiering.fleet import ROUTERS, FleetSummary, replay_fleet
+from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.replay import ReplaySummary, replay, simulate
 from tiering.workloads import Request
@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet = parser.add_argument_group("a fleet (docs/fleet.md)")
     fleet.add_argument("--nodes", type=int, metavar="N", help="engines behind a router")
     fleet.add_argument("--router", choices=ROUTERS, help="how requests pick a node")
+    fleet.add_argument("--transport", choices=TRANSPORTS, help="how KV events reach the router")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     }
     shortcuts["replay.nodes"] = args.nodes
     shortcuts["replay.router"] = args.router
+    shortcuts["replay.transport"] = args.transport
     config = resolve_config(args, shortcuts)
     config = with_overrides(config, _tier_shortcuts(args, config))
     requests = load_workload(config)
@@ -164,6 +166,7 @@ async def _replay_fleet(
         make_engine,
         nodes=config.replay.nodes,
         router=config.replay.router,
+        transport=config.replay.transport,
         device_blocks=config.replay.device_blocks or longest,
         block_bytes=config.replay.block_bytes,
         full_blocks_only=full,
