@@ -112,6 +112,11 @@ def test_the_command_reports_the_shared_tier_against_none(
     shared, baseline = figures["shared"], figures["baseline"]
     assert shared["mismatches"] == baseline["mismatches"] == 0
     assert "redis" not in baseline["hit_ratio_by_source"]
+    redis_ops = shared["shared_tier_counters"]["redis"]
+    assert redis_ops["stored_blocks"] > 0 and redis_ops["lookup_round_trips"] > 0
+    assert shared["bytes_by_path"]["cpu->redis"] == redis_ops["stored_blocks"] * 1024
+    assert baseline["own_capacity_blocks"] == 3 * 60 and baseline["footprint_blocks"] > 0
+    assert shared["job_latency_ms"]["load"]["count"] > 0
     assert figures["gain"] == round(shared["hit_ratio"] / baseline["hit_ratio"], 3) > 1
 
 

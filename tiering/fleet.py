@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +36,7 @@ from tiering.abstract import OffloadingEvent
 from tiering.engine import TieringEngine
 from tiering.errors import InvalidArgumentError
 from tiering.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
-from tiering.replay import ReplayNode, ReplaySummary
+from tiering.replay import ReplayNode, ReplaySummary, percentiles_ms
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
@@ -213,6 +213,9 @@ class _ZmqLink:
 
 _PROBE = OffloadingEvent([], 0, "PROBE", False)  # an empty batch: tells the router nothing
 
+SHARED_LABELS = frozenset({"redis"})
+"""Tiers (by their label in the figures) that a fleet's nodes share."""
+
 TRANSPORTS = ("direct", "zmq")
 """How a fleet replay carries KV events to the router."""
 
@@ -241,6 +244,7 @@ class FleetSummary:
     timeline: list[tuple[int, int]] = field(default_factory=list)  # (hit, requested) blocks
     restarts: int = 0
     lost_event_batches: int = 0
+    footprint_blocks: int = 0
 
     @property
     def blocks(self) -> int:
@@ -249,6 +253,16 @@ class FleetSummary:
     @property
     def hit_ratio(self) -> float:
         return sum(n.hit_blocks for n in self.nodes) / self.blocks if self.blocks else 0.0
+
+    def _shared_counters(self, label: str) -> dict[str, int]:
+        """A shared tier's counters summed over the nodes' clients of it, except what
+        each reads of the server itself (its key count), which is the same server's."""
+        counters = _summed(n.tier_counters.get(label, {}) for n in self.nodes)
+        if "server_keys" in counters:
+            counters["server_keys"] = max(
+                n.tier_counters.get(label, {}).get("server_keys", 0) for n in self.nodes
+            )
+        return counters
 
     def to_json(self) -> dict[str, Any]:
         """The summary as plain JSON values."""
@@ -275,6 +289,23 @@ class FleetSummary:
             "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
             "restarts": self.restarts,
             "lost_event_batches": self.lost_event_batches,
+            "bytes_by_path": _summed(n.bytes_by_path for n in self.nodes),
+            "job_latency_ms": {
+                "store": percentiles_ms([t for n in self.nodes for t in n.store_latency_s]),
+                "load": percentiles_ms([t for n in self.nodes for t in n.load_latency_s]),
+            },
+            "shared_tier_counters": {
+                label: self._shared_counters(label)
+                for label in sorted({k for n in self.nodes for k in n.tier_counters})
+                if label in SHARED_LABELS
+            },
+            "footprint_blocks": self.footprint_blocks,
+            "own_capacity_blocks": sum(
+                blocks
+                for n in self.nodes
+                for label, blocks in n.capacity_blocks.items()
+                if label not in SHARED_LABELS
+            ),
             "timeline": [
                 {
                     "requests": min((i + 1) * self.window, requests),
@@ -340,8 +371,13 @@ async def replay_fleet(
         if not 0 <= outage.node < nodes:
             raise InvalidArgumentError(f"outages: no node {outage.node} in {nodes}")
     step = window if window is not None else max(1, len(keyed) // 20)
+    footprint_blocks = len({k for keys in keyed for k in keys})
     summary = FleetSummary(
-        router, [node.summary for node in fleet], [0] * nodes, window=positive_int("window", step)
+        router,
+        [node.summary for node in fleet],
+        [0] * nodes,
+        window=positive_int("window", step),
+        footprint_blocks=footprint_blocks,
     )
     stops = {o.at: o for o in outages}
     starts = {o.at + o.requests: o for o in outages}
@@ -383,6 +419,14 @@ async def replay_fleet(
     for node in fleet:
         node.closed()
     return summary
+
+
+def _summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for mapping in mappings:
+        for key, value in mapping.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 __all__ = ["ROUTERS", "TRANSPORTS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

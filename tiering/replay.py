@@ -196,6 +196,8 @@ class ReplaySummary:
     store_latency_s: list[float] = field(default_factory=list, repr=False)
     load_latency_s: list[float] = field(default_factory=list, repr=False)
     loop_lag_p99_ms: float = 0.0
+    tier_counters: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
+    capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def hit_ratio(self) -> float:
@@ -218,14 +220,15 @@ class ReplaySummary:
             "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
             "bytes_by_path": dict(self.bytes_by_path),
             "job_latency_ms": {
-                "store": _percentiles_ms(self.store_latency_s),
-                "load": _percentiles_ms(self.load_latency_s),
+                "store": percentiles_ms(self.store_latency_s),
+                "load": percentiles_ms(self.load_latency_s),
             },
             "loop_lag_p99_ms": round(self.loop_lag_p99_ms, 3),
         }
 
 
-def _percentiles_ms(samples: list[float]) -> dict[str, float]:
+def percentiles_ms(samples: list[float]) -> dict[str, float]:
+    """p50 and p99 of latencies in seconds, as milliseconds, and their count."""
     if not samples:
         return {"p50": 0.0, "p99": 0.0, "count": 0}
     ordered = sorted(samples)
@@ -411,8 +414,21 @@ class ReplayNode:
         return node
 
     def closed(self) -> None:
-        """Take the bytes moved per path from the closed engine (every cascade counted)."""
-        self.summary.bytes_by_path = _bytes_by_path(self.engine, tier_labels(self.engine))
+        """Take the bytes moved per path, each tier's counters and each tier's capacity
+        in blocks from the closed engine (every cascade counted)."""
+        engine, summary = self.engine, self.summary
+        labels = tier_labels(engine)
+        summary.bytes_by_path = _bytes_by_path(engine, labels)
+        summary.capacity_blocks[CPU] = engine.manager.num_blocks
+        for label, tier in zip(labels, engine.tiers, strict=True):
+            stats = tier.statistics()
+            counters = summary.tier_counters.setdefault(label, {})
+            for name, value in stats.counters.items():  # a restarted node adds up
+                counters[name] = counters.get(name, 0) + value
+            if stats.capacity_blocks:
+                summary.capacity_blocks[label] = stats.capacity_blocks
+            elif stats.capacity_bytes:
+                summary.capacity_blocks[label] = stats.capacity_bytes // engine.block_bytes
 
 
 def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
@@ -497,6 +513,7 @@ __all__ = [
     "ReplayNode",
     "ReplaySummary",
     "expected_bytes",
+    "percentiles_ms",
     "replay",
     "simulate",
     "tier_labels",

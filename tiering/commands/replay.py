@@ -192,12 +192,21 @@ def format_fleet(figures: dict[str, Any]) -> str:
             continue
         sources = "  ".join(f"{s} {r:.4f}" for s, r in run["hit_ratio_by_source"].items())
         nodes = " ".join(f"{r:.4f}" for r in run["hit_ratio_by_node"])
+        own = run["own_capacity_blocks"]
+        share = own / run["footprint_blocks"] if run["footprint_blocks"] else 0.0
+        latency = run["job_latency_ms"]
         lines += [
             f"{name} ({run['router']}, {run['nodes']} nodes): hit ratio {run['hit_ratio']:.4f}"
             f"  ({sources})",
             f"  by node {nodes}; requests {run['requests_by_node']}; mismatches "
             f"{run['mismatches']}; {run['requests_per_s']} requests/s",
+            f"  the nodes' own tiers hold {own} blocks, {share:.1%} of the footprint "
+            f"({run['footprint_blocks']} blocks); job latency p99 store "
+            f"{latency['store']['p99']} ms, load {latency['load']['p99']} ms",
         ]
+        for label, counters in run["shared_tier_counters"].items():
+            shown = ", ".join(f"{k} {v}" for k, v in counters.items() if v)
+            lines.append(f"  {label}: {shown}")
     if figures.get("gain") is not None:
         lines.append(f"gain of the shared tier: {figures['gain']}x")
     return "\n".join(lines)
