@@ -204,6 +204,8 @@ def format_fleet(figures: dict[str, Any]) -> str:
             f"({run['footprint_blocks']} blocks); job latency p99 store "
             f"{latency['store']['p99']} ms, load {latency['load']['p99']} ms",
         ]
+        timeline = " ".join(f"{point['hit_ratio']:.2f}" for point in run["timeline"])
+        lines.append(f"  hit ratio over time: {timeline}")
         for label, counters in run["shared_tier_counters"].items():
             shown = ", ".join(f"{k} {v}" for k, v in counters.items() if v)
             lines.append(f"  {label}: {shown}")
