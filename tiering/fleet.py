@@ -34,7 +34,7 @@ import torch
 
 from tiering.abstract import OffloadingEvent
 from tiering.engine import TieringEngine
-from tiering.errors import InvalidArgumentError
+from tiering.errors import InvalidArgumentError, TieringError
 from tiering.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
 from tiering.replay import ReplayNode, ReplaySummary, percentiles_ms
 from tiering.validation import positive_int
@@ -158,7 +158,6 @@ class _ZmqLink:
         self.router = router
         self.wait_s = wait_s
         self.lost = 0
-        self._zmq = zmq
         self._context = zmq.asyncio.Context()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -176,7 +175,7 @@ class _ZmqLink:
             deadline = time.monotonic() + 10 * self.wait_s
             while not await self._heard(node, publisher, [_PROBE], self.wait_s / 20):
                 if time.monotonic() > deadline:
-                    raise InvalidArgumentError(f"the ZeroMQ link to node {node} did not come up")
+                    raise TieringError(f"the ZeroMQ link to node {node} did not come up")
 
     async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
         if not await self._heard(node, self._publishers[node], events, self.wait_s):
