@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -153,6 +154,45 @@ class _InflightBytes:
                 future.set_result(None)
             if queue:
                 return  # a blocked load holds back stores
+
+
+PRIVATE_DIR_MODE = 0o700
+"""Mode of the directories the tier makes: its user's alone (KV bytes are user data)."""
+PRIVATE_FILE_MODE = 0o600
+"""Mode of the files the tier writes."""
+
+
+def _check_private(option: str, path: str) -> None:
+    """Refuse a directory another user owns or anyone but its owner may write to.
+
+    Raises:
+        InvalidArgumentError: naming ``option``, the path and what is wrong with it.
+    """
+    status = os.stat(path)
+    if not stat.S_ISDIR(status.st_mode):
+        raise InvalidArgumentError(f"{option}: {path!r} is not a directory")
+    if status.st_uid != os.geteuid():
+        raise InvalidArgumentError(
+            f"{option}: {path!r} belongs to user {status.st_uid}, not to this process's "
+            f"({os.geteuid()}): another user could read or replace the KV blocks in it"
+        )
+    if status.st_mode & 0o022:
+        raise InvalidArgumentError(
+            f"{option}: {path!r} has mode {stat.S_IMODE(status.st_mode):o}: others can write "
+            "to it (plant or swap files); make it writable by its owner only (chmod go-w)"
+        )
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """Write a new file readable by this user only (never through a link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, PRIVATE_FILE_MODE)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def refuse_derived_options(cls: type[NVMeTierBase], options: Mapping[str, object]) -> None:
@@ -309,6 +349,34 @@ class NVMeTierBase(TierActor):
             await self._start_io_threads()
             await super().start()
 
+    def _make_private_directories(self) -> None:
+        """Worker thread: check the root and make the namespace's directories, private.
+
+        Raises:
+            InvalidArgumentError: the root, or the namespace directory in it, is not a
+                directory of this user that only it can write to, or the namespace
+                directory is a link (it could lead out of the root).
+        """
+        os.makedirs(self.root, mode=PRIVATE_DIR_MODE, exist_ok=True)
+        _check_private("root", self.root)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.directory, PRIVATE_DIR_MODE)
+        if os.path.islink(self.directory):
+            raise InvalidArgumentError(
+                f"root: {self.directory!r} is a symbolic link; the tier never follows one "
+                "out of its root"
+            )
+        _check_private("root", self.directory)
+        for sub in (OWNERS_DIR, *self._subdirs()):
+            path = os.path.join(self.directory, sub)
+            try:
+                os.mkdir(path, PRIVATE_DIR_MODE)
+            except FileExistsError:
+                if os.path.islink(path) or not os.path.isdir(path):
+                    raise InvalidArgumentError(
+                        f"root: {path!r} is not a directory of the tier (a link or a file)"
+                    ) from None
+
     def _on_closed(self) -> None:
         # Here rather than in shutdown(): called from another thread, shutdown() only
         # schedules the stop, and the lock must outlive the writes still running.
@@ -323,8 +391,7 @@ class NVMeTierBase(TierActor):
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
     async def _prepare_directories(self) -> None:
-        for sub in (OWNERS_DIR, *self._subdirs()):
-            await aiofiles.os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        await self.run_blocking(self._make_private_directories)
         identity = {"namespace": self.namespace, "format_version": FORMAT_VERSION}
         path = os.path.join(self.directory, IDENTITY_FILE)
         try:
@@ -332,8 +399,8 @@ class NVMeTierBase(TierActor):
                 text = await existing.read()
         except FileNotFoundError:
             temp = f"{path}.{self._instance_id}.tmp"
-            async with aiofiles.open(temp, "w", encoding="utf-8") as new:
-                await new.write(json.dumps(identity, sort_keys=True))
+            text = json.dumps(identity, sort_keys=True)
+            await self.run_blocking(_write_private, temp, text.encode())
             await aiofiles.os.replace(temp, path)
             return
         try:

@@ -78,13 +78,15 @@ def _load_syncfs() -> Callable[[int], int] | None:
 
 
 _SYNCFS = _load_syncfs()
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in a root is never followed
 
 
 class OsCalls:
     """The system calls the blocking core makes, as methods a test can override."""
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        return os.open(path, flags, mode)
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        """``os.open``, never through a symbolic link, files created private (0600)."""
+        return os.open(path, flags | _O_NOFOLLOW, mode)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -280,7 +282,7 @@ class OwnerLock:
         owners = os.path.join(namespace_dir, OWNERS_DIR)
         self.path = os.path.join(owners, f"{instance_id}.lock")
         staging = os.path.join(owners, f".{instance_id}.new")
-        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.replace(staging, self.path)

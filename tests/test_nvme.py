@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -668,7 +669,7 @@ def _mount_tmpfs(target: Path, size: str) -> str | None:
         return "tmpfs mounts need Linux"
     try:
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(target)],
             capture_output=True,
             text=True,
             timeout=10,
@@ -1122,3 +1123,72 @@ async def test_cancelled_budget_waiter_gives_its_place_back() -> None:
     assert budget.used == 0
     await budget.acquire(10, is_load=False)
     assert budget.used == 10
+
+
+# -- private by default -----------------------------------------------------------------
+
+
+def _modes(root: Path) -> tuple[set[int], set[int]]:
+    """The permission bits of every directory and every file under ``root``."""
+    dirs, files = set(), set()
+    for path in root.rglob("*"):
+        (dirs if path.is_dir() else files).add(stat.S_IMODE(path.stat().st_mode))
+    return dirs, files
+
+
+@pytest.mark.parametrize("layout", ["nvme", "nvme-files"])
+async def test_the_tier_keeps_its_files_and_directories_to_its_user(
+    pool: memoryview, tmp_path: Path, layout: str
+) -> None:
+    spec = {"type": layout, "root": str(tmp_path / "kv"), "namespace": NAMESPACE,
+            "capacity_bytes": 64 * FILE, "min_free_bytes": 0}  # fmt: skip
+    tier = make_tier(spec, pool, BLOCK)
+    await tier.start()
+    try:
+        assert (await _store(tier, _keys(3), range(3))).success
+    finally:
+        await tier.aclose()
+    dirs, files = _modes(tmp_path / "kv")
+    assert dirs == {0o700} and files and files <= {0o600}
+    assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+async def test_a_root_others_can_write_to_is_refused(
+    pool: memoryview, tmp_path: Path, mode: int
+) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    tier = _tier(pool, root)
+    with pytest.raises(InvalidArgumentError, match=rf"root: .*has mode {mode:o}"):
+        await tier.start()
+    assert list(root.iterdir()) == []  # nothing made in it
+
+
+async def test_a_namespace_directory_that_is_a_link_out_of_the_root_is_refused(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir(mode=0o700)
+    elsewhere.mkdir(mode=0o700)
+    (root / namespace_dirname(NAMESPACE)).symlink_to(elsewhere)
+    with pytest.raises(InvalidArgumentError, match="symbolic link"):
+        await _tier(pool, root).start()
+    assert list(elsewhere.iterdir()) == []  # nothing written through the link
+
+
+async def test_a_block_file_swapped_for_a_link_is_not_followed(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    keys = _keys(2)
+    async with _tier(pool, tmp_path) as tier:
+        assert (await _store(tier, keys, [0, 1])).success
+        directory = Path(tier.directory)
+        first, second = (directory / block_relpath(k) for k in keys)
+        decoy = tmp_path / "decoy"
+        decoy.write_bytes(first.read_bytes())  # a valid block file, outside the root
+        second.unlink()
+        second.symlink_to(decoy)
+        result = await _load(tier, keys, [5, 6])
+        assert result.failed_keys == (keys[1],)  # never read through the link
