@@ -49,12 +49,12 @@ class Statistics:
         object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
 
     def __repr__(self) -> str:
-        capacity = _size(self.capacity_bytes) if self.capacity_bytes else "-"
+        capacity = format_bytes(self.capacity_bytes) if self.capacity_bytes else "-"
         parts = [
             str(self.state),
-            f"{self.jobs_in_flight} jobs ({_size(self.bytes_in_flight)}) in flight",
+            f"{self.jobs_in_flight} jobs ({format_bytes(self.bytes_in_flight)}) in flight",
             f"{self.used_blocks}/{self.capacity_blocks or '-'} blocks",
-            f"{_size(self.used_bytes)}/{capacity}",
+            f"{format_bytes(self.used_bytes)}/{capacity}",
             f"{self.pinned_blocks} pinned",
         ]
         shown = {k: v for k, v in self.counters.items() if v}
@@ -65,8 +65,9 @@ class Statistics:
         return f"Statistics({'; '.join(parts)})"
 
 
-def _size(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` in binary units for people: ``512 B``, ``16.0 KiB``, ``1.5 GiB``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
             return f"{nbytes / (1 << shift):.1f} {unit}"
     return f"{nbytes} B"
@@ -105,4 +106,4 @@ class FailureLog:
         return MappingProxyType(self._counts)
 
 
-__all__ = ["FailureLog", "Statistics"]
+__all__ = ["FailureLog", "Statistics", "format_bytes"]

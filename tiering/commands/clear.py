@@ -17,13 +17,10 @@ import argparse
 
 from backends.nvme_inspect import ClearReport, clear_root
 from tiering.cli import EXIT_OK
-from tiering.commands.inspect import (
-    add_json_argument,
-    add_namespace_argument,
-    human_bytes,
-    print_json,
-)
+from tiering.commands._output import add_json_argument, print_json
+from tiering.commands.inspect import add_namespace_argument
 from tiering.errors import InvalidArgumentError
+from tiering.statistics import format_bytes
 
 NAME = "clear"
 HELP = "remove the blocks of an NVMe root, or of one namespace (needs --yes)"
@@ -45,7 +42,7 @@ def render(report: ClearReport) -> list[str]:
     """The human-readable report."""
     verb = "would remove" if report.dry_run else "removed"
     lines = [
-        f"root {report.root}: {verb} {report.files} files ({human_bytes(report.bytes)}) "
+        f"root {report.root}: {verb} {report.files} files ({format_bytes(report.bytes)}) "
         f"of {len(report.namespaces)} namespace(s)"
     ]
     lines += [f"  {name}" for name in report.namespaces]

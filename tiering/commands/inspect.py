@@ -12,11 +12,11 @@ no live block, files the tier never writes). Exit status: 0 (1 only for an I/O f
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
 
 from backends.nvme_inspect import RootReport, inspect_root
 from tiering.cli import EXIT_OK
+from tiering.commands._output import add_json_argument, print_json, table
+from tiering.statistics import format_bytes
 
 NAME = "inspect"
 HELP = "what an NVMe root holds: namespaces, blocks, bytes, damaged or orphaned files"
@@ -39,42 +39,11 @@ def add_namespace_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_json_argument(parser: argparse.ArgumentParser) -> None:
-    """``--json``, shared by inspect, verify and clear."""
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print the report as one JSON object on the last line of stdout",
-    )
-
-
-def print_json(document: dict[str, Any]) -> None:
-    """One JSON object on one line (the last line a command prints on stdout)."""
-    print(json.dumps(document, sort_keys=True))
-
-
-def human_bytes(count: int) -> str:
-    """``count`` bytes in binary units: ``512 B``, ``16.0 KiB``, ``1.5 GiB``."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def table(rows: list[list[str]]) -> list[str]:
-    """Rows as left-aligned columns two spaces apart (the first row is the heading)."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in rows]  # fmt: skip
-
-
 def render(report: RootReport) -> list[str]:
     """The human-readable report."""
     lines = [
         f"root {report.root}: {len(report.namespaces)} namespace(s), {report.blocks} blocks, "
-        f"{human_bytes(report.payload_bytes)} payload, {human_bytes(report.disk_bytes)} on disk, "
+        f"{format_bytes(report.payload_bytes)} payload, {format_bytes(report.disk_bytes)} on disk, "
         f"{report.damaged} damaged, {report.orphaned} orphaned"
     ]
     if report.namespaces:
@@ -86,10 +55,10 @@ def render(report: RootReport) -> list[str]:
                     ns.label,
                     ns.digest[:12],
                     "+".join(ns.layouts) or "-",
-                    human_bytes(ns.block_bytes) if ns.block_bytes else "?",
+                    format_bytes(ns.block_bytes) if ns.block_bytes else "?",
                     str(ns.blocks),
-                    human_bytes(ns.payload_bytes),
-                    human_bytes(ns.disk_bytes),
+                    format_bytes(ns.payload_bytes),
+                    format_bytes(ns.disk_bytes),
                     str(len(ns.damaged)),
                     str(len(ns.orphaned)),
                     f"yes ({len(ns.live_owners)})" if ns.live_owners else "no",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from tiering.cli_args import Progress
+from tiering.commands._output import add_json_argument, print_json
 from tiering.commands._workload import (
     add_config_arguments,
     add_workload_arguments,
@@ -39,6 +39,7 @@ from tiering.engine import TieringEngine
 from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.replay import ReplaySummary, replay, simulate
+from tiering.statistics import format_bytes
 from tiering.workloads import Request
 
 SHARED_TIERS = frozenset({"redis"})
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--nodes", type=int, metavar="N", help="engines behind a router")
     fleet.add_argument("--router", choices=ROUTERS, help="how requests pick a node")
     fleet.add_argument("--transport", choices=TRANSPORTS, help="how KV events reach the router")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     figures = summary.to_json()
     figures["bookkeeping_hit_ratio"] = _bookkeeping_hit_ratio(config, requests)
     if args.json:
-        print(json.dumps(figures))
+        print_json(figures)
     else:
         print(format_summary(figures))
     if summary.mismatches:
@@ -133,7 +134,7 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
         figures["gain"] = round(figures["shared"]["hit_ratio"] / baseline, 3) if baseline else None
     mismatches = sum(run["mismatches"] for run in figures.values() if isinstance(run, dict))
     if as_json:
-        print(json.dumps(figures))
+        print_json(figures)
     else:
         print(format_fleet(figures))
     if mismatches:
@@ -301,7 +302,7 @@ async def _replay(
 def format_summary(figures: dict[str, Any]) -> str:
     """The summary table of a replay's :meth:`~tiering.replay.ReplaySummary.to_json`."""
     by_tier = "  ".join(f"{t} {r:.4f}" for t, r in figures["hit_ratio_by_tier"].items())
-    paths = "  ".join(f"{p} {_size(n)}" for p, n in figures["bytes_by_path"].items() if n)
+    paths = "  ".join(f"{p} {format_bytes(n)}" for p, n in figures["bytes_by_path"].items() if n)
     latency = figures["job_latency_ms"]
     rows = [
         ("requests", f"{figures['requests']} ({figures['requests_per_s']} requests/s, "
@@ -323,10 +324,3 @@ def format_summary(figures: dict[str, Any]) -> str:
 
 def _ratio(value: float | None) -> str:
     return "not modelled (write-back)" if value is None else f"{value:.4f}"
-
-
-def _size(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
-    return f"{nbytes} B"

@@ -14,9 +14,9 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 
 from tiering.cli_args import Progress, choice_list
+from tiering.commands._output import add_json_argument, print_json
 from tiering.commands._workload import (
     add_config_arguments,
     add_workload_arguments,
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="eviction policies, comma-separated",
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio curves here")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         figures = result.to_json()
         if args.plot is not None:
             figures["plot"] = args.plot
-        print(json.dumps(figures))
+        print_json(figures)
     else:
         print(result.table())
         if args.plot is not None:

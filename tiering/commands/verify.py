@@ -17,7 +17,8 @@ import argparse
 
 from backends.nvme_inspect import VerifyReport, verify_root
 from tiering.cli import EXIT_FAILURE, EXIT_OK
-from tiering.commands.inspect import add_json_argument, add_namespace_argument, print_json, table
+from tiering.commands._output import add_json_argument, print_json, table
+from tiering.commands.inspect import add_namespace_argument
 
 NAME = "verify"
 HELP = "re-check every block of an NVMe root; report, and with --remove remove, bad ones"
