@@ -8,8 +8,9 @@ blocks are read once. So:
 * **Frequency over age.** Each block has a request count: every :meth:`touch` naming it
   adds one, cached or not. A block not cached keeps its count in a *ghost*, so a block
   that returns resumes its count. The ghost ages: every ``ghost_window`` x capacity
-  touched keys its counts halve, and a count that reaches 0 is forgotten (so it holds
-  about that many keys; ``ghost_factor`` x capacity bounds it, oldest dropped first).
+  touched keys its counts halve (computed when a count is read, so aging never walks
+  the ghost), and a count that reaches 0 counts as forgotten; ``ghost_factor`` x
+  capacity bounds it, oldest dropped first.
   The victim is the evictable block with the lowest ``count / age ** age_weight`` (age:
   requests since its last touch, plus one).
 * **O(classes), not O(n).** Blocks wait in one least-recently-touched queue per count
@@ -112,7 +113,10 @@ class PrefixLFUPolicy(EvictionPolicy):
         self._last: dict[BlockHash, int] = {}  # cached: the tick of its last touch
         self._class: dict[BlockHash, int] = {}  # cached: its queue, -1 while inner
         self._queues: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(CLASSES)]
-        self._ghost: OrderedDict[BlockHash, int] = OrderedDict()  # not cached: count
+        # not cached: (count, epoch it was last set in); it halves each epoch since,
+        # computed when read, so aging costs nothing however large the ghost
+        self._ghost: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
+        self._epoch = 0
         self._parent: dict[BlockHash, BlockHash] = {}  # cached or ghost keys only
         self._children: dict[BlockHash, int] = {}  # key -> its cached children
 
@@ -127,7 +131,7 @@ class PrefixLFUPolicy(EvictionPolicy):
     def admit(self, key: BlockHash) -> bool:
         if not self._second_sight:
             return True
-        return self._ghost.get(key, 0) >= 2  # requested before this request
+        return self._ghost_count(key) >= 2  # requested before this request
 
     @property
     def prefers_second_sight(self) -> bool:
@@ -136,7 +140,7 @@ class PrefixLFUPolicy(EvictionPolicy):
         return self._second_sight
 
     def insert(self, key: BlockHash) -> None:
-        count = self._ghost.pop(key, 1) or 1
+        count = max(1, self._take_ghost(key))
         self._count[key] = count
         self._last[key] = self._tick
         parent = self._parent.get(key)
@@ -160,7 +164,7 @@ class PrefixLFUPolicy(EvictionPolicy):
             previous = key
             c = count.get(key)
             if c is None:
-                ghost[key] = ghost.pop(key, 0) + 1
+                ghost[key] = (self._take_ghost(key) + 1, self._epoch)
                 continue
             count[key] = c = c + 1
             last[key] = tick
@@ -174,7 +178,8 @@ class PrefixLFUPolicy(EvictionPolicy):
                 self._enqueue(key)
         self._touched += len(keys)
         if self._touched >= self.ghost_window * max(1, self.capacity):
-            self._age_ghost()
+            self._touched = 0
+            self._epoch += 1  # every ghost count halves
         self._trim_ghost()
         if self._shadows is not None:
             sampled = [k for k in keys if zlib.crc32(k) % self.sample == 0]
@@ -195,7 +200,7 @@ class PrefixLFUPolicy(EvictionPolicy):
             victim = self._best_leaf(can_evict)
             if victim is None:
                 victim = next(k for k, c in self._class.items() if c < 0 and can_evict(k))
-            self._ghost[victim] = self._count[victim]
+            self._ghost[victim] = (self._count[victim], self._epoch)
             self._forget(victim)
             victims.append(victim)
         self._trim_ghost()
@@ -206,7 +211,7 @@ class PrefixLFUPolicy(EvictionPolicy):
         return PrefixLFUState(
             dict(self._count),
             dict(self._class),
-            tuple(self._ghost.items()),
+            tuple((k, n) for k in self._ghost if (n := self._ghost_count(k))),
             {k: n for k, n in self._children.items() if k in self._count},
         )
 
@@ -284,16 +289,16 @@ class PrefixLFUPolicy(EvictionPolicy):
             # better than placing it by the age of its last touch: docs/replay.md).
             self._enqueue(parent, front=True)
 
-    def _age_ghost(self) -> None:
-        """Halve the ghost's counts, forgetting the keys whose count reaches 0."""
-        self._touched = 0
-        ghost, parents = self._ghost, self._parent
-        for key, count in list(ghost.items()):
-            if count > 1:
-                ghost[key] = count // 2
-            else:
-                del ghost[key]
-                parents.pop(key, None)
+    def _ghost_count(self, key: BlockHash) -> int:
+        """``key``'s ghost count now, halved once per epoch since it was set (0 when
+        not in the ghost, or aged away)."""
+        entry = self._ghost.get(key)
+        return 0 if entry is None else entry[0] >> (self._epoch - entry[1])
+
+    def _take_ghost(self, key: BlockHash) -> int:
+        """Remove ``key`` from the ghost; its count now (0 if it was not there)."""
+        entry = self._ghost.pop(key, None)
+        return 0 if entry is None else entry[0] >> (self._epoch - entry[1])
 
     def _trim_ghost(self) -> None:
         ghost, limit = self._ghost, self.ghost_factor * max(1, self.capacity)
