@@ -57,8 +57,10 @@ from backends.nvme_format import (
     namespace_digest,
     namespace_dirname,
 )
+from backends.nvme_sealing import PayloadSealer
 from backends.nvme_space import DISK_FULL_REASON, SpaceGuard
 from tiering.actor import TierActor
+from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.policies import EvictionPolicy
 from tiering.residency import ResidencyIndex
@@ -183,9 +185,26 @@ def _check_private(option: str, path: str) -> None:
         )
 
 
-def _write_private(path: str, data: bytes) -> None:
-    """Write a new file readable by this user only (never through a link)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, PRIVATE_FILE_MODE)
+def _check_mode(option: str, mode: object, *, required: int, allowed: int) -> None:
+    """Refuse a mode that denies the owner what the tier needs or lets others write.
+
+    Raises:
+        InvalidArgumentError: naming ``option`` and the mode in octal.
+    """
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise InvalidArgumentError(f"{option} must be an int such as 0o{required:o}, got {mode!r}")
+    if mode & required != required or mode & ~allowed:
+        shown = f"0o{mode:o}" if mode >= 0 else repr(mode)
+        raise InvalidArgumentError(
+            f"{option} must include 0o{required:o} and stay within 0o{allowed:o} (nobody "
+            f"but the owner may write), got {shown}"
+        )
+
+
+def _write_private(path: str, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
+    """Write a new file of ``mode`` (by default readable by this user only), never
+    through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, mode)
     try:
         os.write(fd, data)
     finally:
@@ -236,12 +255,18 @@ class NVMeTierBase(TierActor):
         o_direct: bool | None = None,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         enospc_retry_s: float = DEFAULT_ENOSPC_RETRY_S,
+        encryption: Keyring | str | None = None,
+        file_mode: int = PRIVATE_FILE_MODE,
+        dir_mode: int = PRIVATE_DIR_MODE,
         os_calls: OsCalls = REAL_OS,
         clock: Callable[[], float] = time.monotonic,
         **actor_kwargs: Any,
     ) -> None:
         if not isinstance(root, str | os.PathLike):
             raise InvalidArgumentError(f"root must be a path, got {root!r}")
+        _check_mode("file_mode", file_mode, required=0o600, allowed=0o644)
+        _check_mode("dir_mode", dir_mode, required=0o700, allowed=0o755)
+        keyring = keyring_from(encryption, option="encryption")
         dirname = namespace_dirname(namespace)
         positive_int("max_inflight_bytes", max_inflight_bytes)
         if fsync not in FSYNC_POLICIES:
@@ -277,6 +302,15 @@ class NVMeTierBase(TierActor):
         self._os = os_calls
         self._clock = clock
         self._ns_digest = namespace_digest(namespace)
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
+        self._sealer = (
+            None
+            if keyring is None
+            else PayloadSealer(
+                BlockCipher(keyring), block_bytes=self.block_bytes, ns_digest=self._ns_digest
+            )
+        )
         self._instance_id = uuid.uuid4().hex
         self._budget = _InflightBytes(max_inflight_bytes)
         self._owner: OwnerLock | None = None
@@ -357,10 +391,10 @@ class NVMeTierBase(TierActor):
                 directory of this user that only it can write to, or the namespace
                 directory is a link (it could lead out of the root).
         """
-        os.makedirs(self.root, mode=PRIVATE_DIR_MODE, exist_ok=True)
+        os.makedirs(self.root, mode=self.dir_mode, exist_ok=True)
         _check_private("root", self.root)
         with contextlib.suppress(FileExistsError):
-            os.mkdir(self.directory, PRIVATE_DIR_MODE)
+            os.mkdir(self.directory, self.dir_mode)
         if os.path.islink(self.directory):
             raise InvalidArgumentError(
                 f"root: {self.directory!r} is a symbolic link; the tier never follows one "
@@ -370,7 +404,7 @@ class NVMeTierBase(TierActor):
         for sub in (OWNERS_DIR, *self._subdirs()):
             path = os.path.join(self.directory, sub)
             try:
-                os.mkdir(path, PRIVATE_DIR_MODE)
+                os.mkdir(path, self.dir_mode)
             except FileExistsError:
                 if os.path.islink(path) or not os.path.isdir(path):
                     raise InvalidArgumentError(
@@ -400,7 +434,7 @@ class NVMeTierBase(TierActor):
         except FileNotFoundError:
             temp = f"{path}.{self._instance_id}.tmp"
             text = json.dumps(identity, sort_keys=True)
-            await self.run_blocking(_write_private, temp, text.encode())
+            await self.run_blocking(_write_private, temp, text.encode(), self.file_mode)
             await aiofiles.os.replace(temp, path)
             return
         try:
@@ -556,6 +590,13 @@ class NVMeFileTier(NVMeTierBase):
         max_inflight_bytes: bound on payload bytes of jobs in their I/O at once.
         enospc_retry_s: after ENOSPC, stores are refused without I/O for this long
             (unless the tier freed space meanwhile), then one job probes again.
+        encryption: None (plain blocks), or a keyring (a :class:`~tiering.encryption.
+            Keyring` or its spec, such as ``"env:KV_TIERING_KEYS"``): payloads are
+            sealed with AES-GCM under its current key, and blocks under any of its key
+            ids are read. A block that is not sealed, or does not open, is a miss.
+        file_mode, dir_mode: modes of the files and directories the tier makes (0o600
+            and 0o700; the process umask still applies). They may add read access for
+            group and others, never write access.
         os_calls: the system-call layer (tests pass a :class:`backends.faults.
             FaultInjector`).
         clock: monotonic seconds (tests pass a fake).
@@ -567,7 +608,8 @@ class NVMeFileTier(NVMeTierBase):
       complete and renamed into place (and durable per ``fsync``). Keys already held
       are skipped; a key twice in a job is stored from its first slot.
     * A load reports a key loaded only after its length, header (magic, version,
-      namespace, key, payload length) and payload checksum matched. A key that fails
+      namespace, key, payload length) and payload checksum (with ``encryption``: its
+      GCM tag) matched. A key that fails
       is in ``failed_keys``, leaves the index (later lookups miss), its file is removed
       and ``metrics.corrupt_blocks`` (or ``read_errors``/``missing_blocks``) counts it.
       The others of the job still land.
@@ -617,6 +659,8 @@ class NVMeFileTier(NVMeTierBase):
             instance_id=self._instance_id,
             fsync=fsync,
             o_direct=False,
+            sealer=self._sealer,
+            file_mode=self.file_mode,
             os_calls=os_calls,
         )
         # Keys a running hop writes or removes, with the event set when it ends: a store

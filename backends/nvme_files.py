@@ -39,7 +39,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from backends.nvme_format import (
     BLOCK_SUFFIX,
@@ -51,8 +51,12 @@ from backends.nvme_format import (
     encode_header,
     fanout_dirs,
     payload_checksum,
+    refuse_sealed,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from backends.nvme_sealing import PayloadSealer
 
 FsyncPolicy = Literal["none", "batch", "always"]
 FSYNC_POLICIES: tuple[str, ...] = ("none", "batch", "always")
@@ -335,6 +339,8 @@ class BlockFiles:
         instance_id: str,
         fsync: FsyncPolicy = "batch",
         o_direct: bool = False,
+        sealer: PayloadSealer | None = None,
+        file_mode: int = 0o600,
         os_calls: OsCalls = REAL_OS,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
@@ -342,6 +348,8 @@ class BlockFiles:
         self.directory = directory
         self.block_bytes = block_bytes
         self.file_bytes = HEADER_BYTES + block_bytes
+        self.sealer = sealer
+        self.file_mode = file_mode
         self.ns_digest = ns_digest
         self.instance_id = instance_id
         self.fsync = fsync
@@ -422,19 +430,26 @@ class BlockFiles:
                 f"payload is {payload.nbytes} bytes, the tier stores {self.block_bytes}"
             )
         header = self._header_page()
+        if self.sealer is None:
+            seal, data, checksum = None, payload, payload_checksum(payload)
+        else:
+            buffer = self.sealer.buffers(1)[0]
+            seal = self.sealer.seal(key, payload, buffer)
+            data, checksum = buffer[: self.block_bytes], seal.tag
         encode_header(
             header,
             key=key,
             payload_bytes=payload.nbytes,
-            checksum=payload_checksum(payload),
+            checksum=checksum,
             ns_digest=self.ns_digest,
+            seal=seal,
         )
         temp = self._temp_path(final)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | self._direct_flag(payload)
-        fd = self.os.open(temp, flags)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | self._direct_flag(data)
+        fd = self.os.open(temp, flags, self.file_mode)
         try:
             try:
-                write_all(self.os, fd, [header, payload], 0)
+                write_all(self.os, fd, [header, data], 0)
                 if self.fsync == "always":
                     self.os.fdatasync(fd)
             finally:
@@ -502,7 +517,9 @@ class BlockFiles:
             raise InvalidArgumentError(
                 f"slot is {slot.nbytes} bytes, the tier stores {self.block_bytes}"
             )
-        fd = self.os.open(path, os.O_RDONLY | _O_CLOEXEC | self._direct_flag(slot))
+        buffer = None if self.sealer is None else self.sealer.buffers(1)[0]
+        target = slot if buffer is None else buffer[: self.block_bytes]
+        fd = self.os.open(path, os.O_RDONLY | _O_CLOEXEC | self._direct_flag(target))
         try:
             stat = self.os.fstat(fd)
             try:
@@ -511,15 +528,19 @@ class BlockFiles:
                         f"file is {stat.st_size} bytes, expected {self.file_bytes}"
                     )
                 header = self._header_page()
-                got = self.os.preadv(fd, [header, slot], 0)
+                got = self.os.preadv(fd, [header, target], 0)
                 if got != self.file_bytes:
                     raise CorruptBlockError(f"short read: {got} of {self.file_bytes} bytes")
                 decoded = decode_header(header)
                 check_header(
                     decoded, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if payload_checksum(slot) != decoded.payload_checksum:
-                    raise CorruptBlockError("payload checksum mismatch")
+                if self.sealer is not None and buffer is not None:
+                    self.sealer.open(decoded, buffer, slot)
+                else:
+                    refuse_sealed(decoded)
+                    if payload_checksum(slot) != decoded.payload_checksum:
+                        raise CorruptBlockError("payload checksum mismatch")
             except CorruptBlockError:
                 self._unlink_if_same(path, stat)
                 raise

@@ -12,15 +12,23 @@ endian)::
     0    8s   magic  b"KVTBLK\\r\\n" (the CR LF catches text-mode mangling)
     8    u16  format version (FORMAT_VERSION)
     10   u16  header length in bytes (HEADER_BYTES)
-    12   u8   checksum kind (1 = xxh3_128 of the payload)
+    12   u8   checksum kind: 1 = xxh3_128 of the payload; 2 = the payload is AES-GCM
+              ciphertext (:mod:`tiering.encryption`) and the next field is its tag
     13   3x   reserved, zero
     16   u64  payload length in bytes
-    24   16s  payload checksum (xxh3_128, big-endian digest)
+    24   16s  payload checksum (xxh3_128, big-endian digest), or the GCM tag
     40   16s  namespace digest (first 16 bytes of sha256 of the namespace string)
     56   u16  key length
     58   6x   reserved, zero
     64   ...  the key (the full block hash), then zeros
+    4072 u32  kind 2: the encryption key id (zero otherwise)
+    4076 12s  kind 2: the GCM nonce (zeros otherwise)
     4088 u64  header checksum: xxh3_64 of bytes 0..4087
+
+A sealed block (kind 2) carries no checksum of its plaintext, which would tell equal
+payloads apart; the tag verifies it, with the namespace digest and the key as associated
+data. A reader of the other kind never serves a block: a plain reader refuses kind 2,
+and an encrypting tier refuses kind 1.
 
 This module is pure: it computes names, digests and header bytes and never touches a
 file. Checksums are computed on the tier's worker threads, never on the loop. How
@@ -43,12 +51,14 @@ from dataclasses import dataclass
 
 import xxhash
 
+from tiering.encryption import NONCE_BYTES, TAG_BYTES, Seal
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
 MAGIC = b"KVTBLK\r\n"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 CHECKSUM_XXH3_128 = 1
+SEALED_AES_GCM = 2
 
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
@@ -59,7 +69,9 @@ _FIXED = struct.Struct("<8sHHB3xQ16s16sH6x")
 _KEY_OFFSET = _FIXED.size
 _TRAILER = struct.Struct("<Q")
 _TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
-MAX_KEY_BYTES = _TRAILER_OFFSET - _KEY_OFFSET
+_SEAL = struct.Struct(f"<I{NONCE_BYTES}s")
+_SEAL_OFFSET = _TRAILER_OFFSET - _SEAL.size
+MAX_KEY_BYTES = _SEAL_OFFSET - _KEY_OFFSET
 """The longest key a header can hold."""
 
 _LONG_KEY_NAME_BYTES = 64
@@ -75,7 +87,10 @@ class BlockHeader:
     key: bytes
     payload_bytes: int
     payload_checksum: bytes
+    """The xxh3_128 of the payload, or for a sealed block its GCM tag."""
     namespace_digest: bytes
+    seal: Seal | None = None
+    """How the payload was sealed; None for a plain block."""
 
 
 def _byte_view(buffer: memoryview | bytes | bytearray) -> memoryview:
@@ -148,8 +163,11 @@ def encode_header(
     payload_bytes: int,
     checksum: bytes,
     ns_digest: bytes,
+    seal: Seal | None = None,
 ) -> None:
-    """Write a complete header page for one block into ``into`` (HEADER_BYTES long).
+    """Write a complete header page for one block into ``into`` (HEADER_BYTES long);
+    with ``seal``, of a sealed block (``checksum`` is then ignored: the seal's tag goes
+    in its place).
 
     Raises:
         InvalidArgumentError: ``into`` has the wrong length, or ``key``, ``checksum`` or
@@ -158,6 +176,10 @@ def encode_header(
     check_key(key)
     if len(into) != HEADER_BYTES:
         raise InvalidArgumentError(f"a header buffer must be {HEADER_BYTES} bytes")
+    if seal is not None:
+        checksum = seal.tag
+        if len(seal.nonce) != NONCE_BYTES or len(seal.tag) != TAG_BYTES:
+            raise InvalidArgumentError("a seal's nonce must be 12 bytes and its tag 16")
     if len(checksum) != 16 or len(ns_digest) != 16:
         raise InvalidArgumentError("checksum and namespace digest must be 16 bytes each")
     if payload_bytes < 0:
@@ -169,7 +191,7 @@ def encode_header(
         MAGIC,
         FORMAT_VERSION,
         HEADER_BYTES,
-        CHECKSUM_XXH3_128,
+        CHECKSUM_XXH3_128 if seal is None else SEALED_AES_GCM,
         payload_bytes,
         checksum,
         ns_digest,
@@ -177,7 +199,11 @@ def encode_header(
     )
     end = _KEY_OFFSET + len(key)
     view[_KEY_OFFSET:end] = key
-    view[end:_TRAILER_OFFSET] = bytes(_TRAILER_OFFSET - end)
+    view[end:_SEAL_OFFSET] = bytes(_SEAL_OFFSET - end)
+    if seal is None:
+        view[_SEAL_OFFSET:_TRAILER_OFFSET] = bytes(_SEAL.size)
+    else:
+        _SEAL.pack_into(view, _SEAL_OFFSET, seal.key_id, seal.nonce)
     _TRAILER.pack_into(view, _TRAILER_OFFSET, xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]))
 
 
@@ -203,12 +229,16 @@ def decode_header(page: memoryview | bytes | bytearray) -> BlockHeader:
         raise CorruptBlockError("not a block file (bad magic)")
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"unsupported format version {version}")
-    if header_len != HEADER_BYTES or kind != CHECKSUM_XXH3_128:
+    if header_len != HEADER_BYTES or kind not in (CHECKSUM_XXH3_128, SEALED_AES_GCM):
         raise CorruptBlockError(f"unsupported header (length {header_len}, checksum {kind})")
     if not 0 < key_len <= MAX_KEY_BYTES:
         raise CorruptBlockError(f"bad key length {key_len}")
     key = bytes(view[_KEY_OFFSET : _KEY_OFFSET + key_len])
-    return BlockHeader(key, payload_bytes, checksum, ns_digest)
+    seal = None
+    if kind == SEALED_AES_GCM:
+        key_id, nonce = _SEAL.unpack_from(view, _SEAL_OFFSET)
+        seal = Seal(key_id, nonce, checksum)
+    return BlockHeader(key, payload_bytes, checksum, ns_digest, seal)
 
 
 def check_header(
@@ -227,3 +257,16 @@ def check_header(
         raise CorruptBlockError("block holds another key")
     if header.payload_bytes != payload_bytes:
         raise CorruptBlockError(f"payload length {header.payload_bytes}, expected {payload_bytes}")
+
+
+def refuse_sealed(header: BlockHeader) -> None:
+    """What a reader without a keyring does first: a sealed block is unreadable to it,
+    never served.
+
+    Raises:
+        CorruptBlockError: ``header`` is of a sealed block.
+    """
+    if header.seal is not None:
+        raise CorruptBlockError(
+            f"block is encrypted (key id {header.seal.key_id}) and this tier has no keyring"
+        )

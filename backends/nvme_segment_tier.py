@@ -146,6 +146,8 @@ class NVMeSegmentTier(NVMeTierBase):
             ns_digest=self._ns_digest,
             fsync=fsync,
             gil_pause_bytes=gil_pause_bytes,
+            sealer=self._sealer,
+            file_mode=self.file_mode,
             os_calls=os_calls,
         )
         self._index = self._new_index()

@@ -55,6 +55,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -78,9 +79,13 @@ from backends.nvme_format import (
     decode_header,
     encode_header,
     payload_checksum,
+    refuse_sealed,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.validation import positive_int
+
+if TYPE_CHECKING:
+    from backends.nvme_sealing import PayloadSealer
 
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".seg"
@@ -269,6 +274,8 @@ class SegmentFiles:
         fsync: FsyncPolicy = "batch",
         o_direct: bool = False,
         gil_pause_bytes: int = GIL_PAUSE_BYTES,
+        sealer: PayloadSealer | None = None,
+        file_mode: int = 0o600,
         os_calls: OsCalls = REAL_OS,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
@@ -283,6 +290,9 @@ class SegmentFiles:
         self.fsync = fsync
         self.o_direct = o_direct and bool(_O_DIRECT)
         self.os = os_calls
+        self.sealer = sealer
+        """Seals payloads on write and opens them on read; None: plain blocks."""
+        self.file_mode = file_mode
         self._local = threading.local()
         self._padding = memoryview(mmap.mmap(-1, ALIGNMENT))[: align_up(block_bytes) - block_bytes]
 
@@ -349,11 +359,13 @@ class SegmentFiles:
         return report
 
     def _write_run(self, run: RecordRun, writer: str, report: WriteReport) -> None:
-        direct = self.o_direct and all(is_aligned(payload) for _, payload in run.records)
+        direct = self.o_direct and (
+            self.sealer is not None or all(is_aligned(payload) for _, payload in run.records)
+        )
         # O_CREAT for every run: jobs writing one segment run on several threads, and the
         # run that writes its header may come last. Names are unique to this writer.
         flags = os.O_WRONLY | os.O_CREAT | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-        fd = self.os.open(self.path_of(run.segment), flags)
+        fd = self.os.open(self.path_of(run.segment), flags, self.file_mode)
         try:
             if run.create:
                 report.created.append(run.segment)
@@ -369,31 +381,44 @@ class SegmentFiles:
             self.os.close(fd)
 
     def _write_records(self, fd: int, run: RecordRun) -> None:
-        records = run.records
+        per_record = 3 if self._padding.nbytes else 2
+        per_call = MAX_IOV // per_record
+        if self.sealer is not None:
+            per_call = min(per_call, self.sealer.batch)
+        offset = self.offset_of(run.first)
+        for start in range(0, len(run.records), per_call):
+            chunk = run.records[start : start + per_call]
+            write_all(self.os, fd, self._record_buffers(chunk), offset)
+            offset += len(chunk) * self.record_bytes
+            if self.fsync == "always":
+                self.os.fdatasync(fd)
+
+    def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
+        """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
+        its payload (sealed into this thread's buffers when encrypting), its padding."""
         pages = self._pages(len(records))
+        sealed = None if self.sealer is None else self.sealer.buffers(len(records))
         buffers: list[memoryview] = []
         for i, (key, payload) in enumerate(records):
             page = pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+            if self.sealer is None or sealed is None:
+                seal, data, checksum = None, payload, self._checksum(payload)
+            else:
+                seal = self.sealer.seal(key, payload, sealed[i])
+                data, checksum = sealed[i][: self.block_bytes], seal.tag
             encode_header(
                 page,
                 key=key,
                 payload_bytes=self.block_bytes,
-                checksum=self._checksum(payload),
+                checksum=checksum,
                 ns_digest=self.ns_digest,
+                seal=seal,
             )
             buffers.append(page)
-            buffers.append(payload)
+            buffers.append(data)
             if self._padding.nbytes:
                 buffers.append(self._padding)
-        per_record = 3 if self._padding.nbytes else 2
-        step = (MAX_IOV // per_record) * per_record
-        offset = self.offset_of(run.first)
-        for start in range(0, len(buffers), step):
-            chunk = buffers[start : start + step]
-            write_all(self.os, fd, chunk, offset)
-            offset += (len(chunk) // per_record) * self.record_bytes
-            if self.fsync == "always":
-                self.os.fdatasync(fd)
+        return buffers
 
     # -- read -------------------------------------------------------------------------
 
@@ -449,7 +474,9 @@ class SegmentFiles:
         items: list[tuple[int, int, memoryview, bytes | None]],
         outcomes: list[tuple[bytes | None, str, bool]],
     ) -> None:
-        direct = self.o_direct and all(is_aligned(slot) for _, _, slot, _ in items)
+        direct = self.o_direct and (
+            self.sealer is not None or all(is_aligned(slot) for _, _, slot, _ in items)
+        )
         try:
             fd = self.os.open(
                 self.path_of(segment), os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
@@ -463,7 +490,8 @@ class SegmentFiles:
                 outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
         try:
-            for run in _consecutive(items, MAX_IOV // 3):
+            per_read = MAX_IOV // 3 if self.sealer is None else min(MAX_IOV // 3, self.sealer.batch)
+            for run in _consecutive(items, per_read):
                 self._read_run(fd, run, outcomes)
         finally:
             self.os.close(fd)
@@ -478,10 +506,11 @@ class SegmentFiles:
         verify each."""
         pages = self._pages(len(run))
         sink = self._read_sink()
+        sealed = None if self.sealer is None else self.sealer.buffers(len(run))
         buffers: list[memoryview] = []
         for j, (_, _, slot, _) in enumerate(run):
             buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-            buffers.append(slot)
+            buffers.append(slot if sealed is None else sealed[j][: self.block_bytes])
             if sink.nbytes:
                 buffers.append(sink)
         try:
@@ -502,8 +531,12 @@ class SegmentFiles:
                 check_header(
                     header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if self._checksum(slot) != header.payload_checksum:
-                    raise CorruptBlockError("payload checksum mismatch")
+                if self.sealer is not None and sealed is not None:
+                    self.sealer.open(header, sealed[j], slot)
+                else:
+                    refuse_sealed(header)
+                    if self._checksum(slot) != header.payload_checksum:
+                        raise CorruptBlockError("payload checksum mismatch")
             except CorruptBlockError as exc:
                 outcomes[i] = (None, f"corrupt block: {exc}", False)
             else:
@@ -687,7 +720,7 @@ class SegmentFiles:
         )
         final = os.path.join(self.directory, CHECKPOINT_FILE)
         temp = f"{final}.{temp_suffix}.tmp"
-        fd = self.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC)
+        fd = self.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, self.file_mode)
         try:
             try:
                 write_all(self.os, fd, [memoryview(head), *(memoryview(p) for p in body)], 0)

@@ -1,0 +1,75 @@
+"""Encrypted payloads on NVMe: seal on the way to disk, open on the way back.
+
+The NVMe layouts move plain payloads straight between the host pool and the disk. With
+a keyring they cannot: the host pool's slot must keep its plaintext, and AES-GCM writes
+a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a few
+page-aligned buffers (O_DIRECT still applies): a write seals the slot into one and
+writes that; a read fills one with ciphertext and opens it into the slot. The slot only
+ever receives bytes that authenticated (:meth:`PayloadSealer.open` raises otherwise,
+and the layouts then report the key failed, as for a checksum mismatch).
+
+Blocking, for the tier's worker threads only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+from backends.nvme_files import ALIGNMENT
+from backends.nvme_format import BlockHeader
+from tiering.encryption import TAG_BYTES, BlockCipher, Seal, associated_data
+from tiering.errors import CorruptBlockError
+
+SEAL_BATCH_BYTES = 8 << 20
+"""Bounce-buffer memory per worker thread: a job's records are sealed and written (or
+read and opened) this many bytes at a time."""
+
+
+class PayloadSealer:
+    """Seals and opens one namespace's payloads of ``block_bytes`` with ``cipher``.
+
+    Thread-safe: each thread gets its own buffers.
+    """
+
+    def __init__(self, cipher: BlockCipher, *, block_bytes: int, ns_digest: bytes) -> None:
+        self.cipher = cipher
+        self.block_bytes = block_bytes
+        self.ns_digest = ns_digest
+        self.stride = -(-(block_bytes + TAG_BYTES) // ALIGNMENT) * ALIGNMENT
+        self.batch = max(1, SEAL_BATCH_BYTES // self.stride)
+        """The most buffers :meth:`buffers` lends a thread at once."""
+        self._local = threading.local()
+
+    def buffers(self, count: int) -> list[memoryview]:
+        """``count`` (at most :attr:`batch`) aligned buffers of ``block_bytes + TAG_BYTES``,
+        this thread's, valid until its next call."""
+        if not 0 < count <= self.batch:
+            raise ValueError(f"count must be in 1..{self.batch}, got {count}")
+        arena: memoryview | None = getattr(self._local, "arena", None)
+        if arena is None:
+            arena = memoryview(mmap.mmap(-1, self.batch * self.stride))
+            self._local.arena = arena
+        size = self.block_bytes + TAG_BYTES
+        return [arena[i * self.stride : i * self.stride + size] for i in range(count)]
+
+    def seal(self, key: bytes, payload: memoryview, buffer: memoryview) -> Seal:
+        """Seal ``payload`` (``key``'s block) into ``buffer``; the first ``block_bytes``
+        of it are what goes to disk, the seal goes into the header."""
+        return self.cipher.seal_into(payload, buffer, associated_data(self.ns_digest, key))
+
+    def open(self, header: BlockHeader, buffer: memoryview, slot: memoryview) -> None:
+        """Open the ciphertext read into ``buffer[:block_bytes]`` (the block ``header``
+        describes, already checked against the expected key and namespace) into ``slot``.
+
+        Raises:
+            CorruptBlockError: the block is not sealed, or it does not open (an unknown
+                key id, a wrong key, altered or moved bytes); ``slot`` then holds
+                garbage.
+        """
+        if header.seal is None:
+            raise CorruptBlockError("block is not encrypted, and this tier reads only sealed ones")
+        n = self.block_bytes
+        buffer[n : n + TAG_BYTES] = header.seal.tag
+        aad = associated_data(self.ns_digest, header.key)
+        self.cipher.open_into(header.seal, buffer[: n + TAG_BYTES], aad, slot)

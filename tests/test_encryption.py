@@ -1,0 +1,152 @@
+"""Tests of tiering.encryption: keyrings, sealing and opening payloads (issue 14)."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+
+import pytest
+
+from tiering.encryption import (
+    TAG_BYTES,
+    AuthenticationError,
+    BlockCipher,
+    Keyring,
+    UnknownKeyError,
+    associated_data,
+    keyring_from,
+)
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+
+KEY_1 = os.urandom(32)
+KEY_2 = os.urandom(16)
+SPEC = f"2:{base64.b64encode(KEY_2).decode()}, 1:{base64.b64encode(KEY_1).decode()}"
+AAD = associated_data(b"n" * 16, b"block-key")
+
+
+def sealed(cipher: BlockCipher, payload: bytes, aad: bytes = AAD) -> tuple[object, bytearray]:
+    out = bytearray(len(payload) + TAG_BYTES)
+    return cipher.seal_into(memoryview(payload), memoryview(out), aad), out
+
+
+def test_a_spec_names_keys_by_id_and_the_first_one_seals() -> None:
+    keyring = Keyring.parse(SPEC)
+    assert keyring.current == 2
+    assert keyring.key_ids == (2, 1)
+    assert keyring.key(1) == KEY_1 and keyring.key(2) == KEY_2
+
+
+def test_a_spec_can_come_from_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV_TEST_KEYS", SPEC)
+    assert Keyring.parse("env:KV_TEST_KEYS").key_ids == (2, 1)
+    monkeypatch.delenv("KV_TEST_KEYS")
+    with pytest.raises(InvalidArgumentError, match="'KV_TEST_KEYS' is not set"):
+        keyring_from("env:KV_TEST_KEYS", option="tiers[0].encryption")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "entry 1 is not '<key id>:<base64 key>'"),
+        ("1=abc", "entry 1 is not"),
+        (f"x:{base64.b64encode(KEY_1).decode()}", "entry 1 is not"),
+        ("1:not base64!", "key 1 is not valid base64"),
+        (f"1:{base64.b64encode(b'short').decode()}", "key 1 is 5 bytes, not 16, 24 or 32"),
+        (f"0:{base64.b64encode(KEY_1).decode()}", "key id must be an int in"),
+        (f"{SPEC},2:{base64.b64encode(KEY_1).decode()}", "key id 2 appears twice"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_the_option_never_the_key(spec: str, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message) as refused:
+        keyring_from(spec, option="encryption")
+    text = str(refused.value) + repr(refused.value) + repr(refused.value.__cause__)
+    assert "encryption" in str(refused.value)
+    assert base64.b64encode(KEY_1).decode() not in text and "not base64!" not in text
+
+
+def test_a_keyring_object_checks_lengths_and_the_current_id() -> None:
+    with pytest.raises(InvalidArgumentError, match="key 3 must be 16, 24 or 32 bytes"):
+        Keyring({3: b"x" * 10}, 3)
+    with pytest.raises(InvalidArgumentError, match="current encryption key id 5 is not among"):
+        Keyring({1: KEY_1}, 5)
+    with pytest.raises(InvalidArgumentError, match="must be a keyring spec string or a Keyring"):
+        keyring_from(KEY_1)
+
+
+def test_no_repr_shows_key_material() -> None:
+    keyring = Keyring.parse(SPEC)
+    for text in (repr(keyring), repr(BlockCipher(keyring))):
+        assert "key_ids=[2, 1]" in text
+        for key in (KEY_1, KEY_2):
+            assert base64.b64encode(key).decode() not in text and repr(key) not in text
+
+
+def test_a_sealed_payload_opens_byte_exact_and_hides_the_plaintext() -> None:
+    cipher = BlockCipher(Keyring.parse(SPEC))
+    payload = os.urandom(8192)
+    seal, out = sealed(cipher, payload)
+    assert seal.key_id == 2 and len(seal.nonce) == 12 and seal.tag == out[-TAG_BYTES:]
+    assert payload[:64] not in out
+    back = bytearray(len(payload))
+    cipher.open_into(seal, memoryview(out), AAD, memoryview(back))
+    assert back == payload
+
+
+def test_two_seals_of_one_payload_differ() -> None:
+    cipher = BlockCipher(Keyring.parse(SPEC))
+    payload = bytes(4096)
+    (first, a), (second, b) = sealed(cipher, payload), sealed(cipher, payload)
+    assert first.nonce != second.nonce and a != b
+
+
+def test_rotation_opens_what_the_old_key_sealed() -> None:
+    old = BlockCipher(Keyring({1: KEY_1}, 1))
+    payload = os.urandom(4096)
+    seal, out = sealed(old, payload)
+    rotated = BlockCipher(Keyring.parse(SPEC))
+    back = bytearray(len(payload))
+    rotated.open_into(seal, memoryview(out), AAD, memoryview(back))
+    assert back == payload
+    assert sealed(rotated, payload)[0].key_id == 2
+
+
+@pytest.mark.parametrize("change", ["ciphertext", "tag", "associated data", "wrong key"])
+def test_anything_altered_fails_authentication(change: str) -> None:
+    cipher = BlockCipher(Keyring.parse(SPEC))
+    payload = os.urandom(4096)
+    seal, out = sealed(cipher, payload)
+    aad, reader = AAD, cipher
+    if change == "ciphertext":
+        out[100] ^= 1
+    elif change == "tag":
+        out[-1] ^= 1
+    elif change == "associated data":
+        aad = associated_data(b"n" * 16, b"another-key")
+    else:
+        reader = BlockCipher(Keyring({2: os.urandom(32)}, 2))
+    with pytest.raises(AuthenticationError, match="failed authentication under key id 2"):
+        reader.open_into(seal, memoryview(out), aad, memoryview(bytearray(len(payload))))
+
+
+def test_an_unknown_key_id_is_a_corrupt_block_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    writer = BlockCipher(Keyring({7: KEY_1}, 7))
+    reader = BlockCipher(Keyring.parse(SPEC))
+    payload = os.urandom(4096)
+    caplog.set_level(logging.ERROR, logger="tiering.encryption")
+    for _ in range(3):
+        seal, out = sealed(writer, payload)
+        with pytest.raises(UnknownKeyError) as failed:
+            reader.open_into(seal, memoryview(out), AAD, memoryview(bytearray(len(payload))))
+        assert isinstance(failed.value, CorruptBlockError)
+    assert "key id 7, which the keyring lacks (it holds [2, 1])" in str(failed.value)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "key id 7" in errors[0].getMessage()
+
+
+def test_sealing_into_a_short_buffer_is_refused() -> None:
+    cipher = BlockCipher(Keyring.parse(SPEC))
+    with pytest.raises(InvalidArgumentError, match="seal buffer is 4096 bytes, needs 4112"):
+        cipher.seal_into(memoryview(bytes(4096)), memoryview(bytearray(4096)), AAD)

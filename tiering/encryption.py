@@ -1,0 +1,282 @@
+"""Authenticated encryption of block payloads at rest: AES-GCM under a keyring.
+
+A tier that encrypts seals each block's payload with the keyring's *current* key and a
+fresh random 96-bit nonce, and stores the key id, the nonce and the 16-byte tag beside
+the ciphertext (the ciphertext is exactly as long as the payload, so aligned I/O stays
+aligned). The associated data is the block's namespace digest and its key, so a
+ciphertext copied under another block key or into another namespace fails to open.
+
+Reading accepts every key id the keyring holds, so keys rotate by putting the new key
+first and keeping the old ones until their blocks have aged out. A block whose key id
+the keyring lacks, or that fails authentication (a wrong key under the right id, a
+flipped byte, a moved block), raises a :class:`~tiering.errors.CorruptBlockError`
+subclass: the tier turns it into a miss, never into bytes, and the cipher logs each kind
+of failure once per key id.
+
+Key material never appears in an error, a log line or a ``repr``: errors name the option
+and the key id, never the key.
+
+Keyring specs (a tier's ``encryption`` option, a config file, or an environment
+variable)::
+
+    "2:<base64 key>,1:<base64 key>"    ids are ints in [1, 2**32); the first one writes
+    "env:KV_TIERING_KEYS"              the spec is read from that environment variable
+
+Keys are 16, 24 or 32 bytes (AES-128/192/256). Make one with
+``python3 -c "import base64, os; print(base64.b64encode(os.urandom(32)).decode())"``.
+
+With random nonces a key should seal fewer than 2**32 blocks (NIST SP 800-38D); rotate
+before that.
+"""
+
+from __future__ import annotations
+
+import binascii
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+
+NONCE_BYTES = 12
+TAG_BYTES = 16
+KEY_SIZES = (16, 24, 32)
+MAX_KEY_ID = 2**32 - 1
+ENV_PREFIX = "env:"
+
+_log = logging.getLogger(__name__)
+
+
+class UnknownKeyError(CorruptBlockError):
+    """A block was sealed under a key id the keyring does not hold; never served."""
+
+
+class AuthenticationError(CorruptBlockError):
+    """A sealed block failed authentication (wrong key, altered or moved bytes); never served."""
+
+
+def _aesgcm(key: bytes) -> Any:  # an AESGCM: the type lives in an optional dependency
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise InvalidArgumentError(
+            "encryption needs the 'cryptography' package: pip install 'kv-tiering[encryption]'"
+        ) from exc
+    return AESGCM(key)
+
+
+class Keyring:
+    """Encryption keys by id; the current one seals, every one opens.
+
+    Args:
+        keys: key id (an int in ``[1, 2**32)``) to key bytes (16, 24 or 32 bytes).
+        current: the id new blocks are sealed under; must be in ``keys``.
+
+    Raises:
+        InvalidArgumentError: no keys, a bad id or key length, or ``current`` not among
+            the ids. The message names ids, never key bytes.
+    """
+
+    __slots__ = ("_keys", "current")
+
+    def __init__(self, keys: Mapping[int, bytes], current: int) -> None:
+        if not isinstance(keys, Mapping) or not keys:
+            raise InvalidArgumentError("encryption keys must be a non-empty mapping of id to key")
+        checked: dict[int, bytes] = {}
+        for key_id, key in keys.items():
+            _check_key_id(key_id)
+            if not isinstance(key, bytes | bytearray) or len(key) not in KEY_SIZES:
+                raise InvalidArgumentError(
+                    f"encryption key {key_id} must be 16, 24 or 32 bytes"
+                    f" (got {type(key).__name__}"
+                    + (f" of {len(key)} bytes)" if isinstance(key, bytes | bytearray) else ")")
+                )
+            checked[key_id] = bytes(key)
+        _check_key_id(current)
+        if current not in checked:
+            raise InvalidArgumentError(
+                f"current encryption key id {current} is not among the key ids "
+                f"{sorted(checked)}"
+            )
+        self._keys = checked
+        self.current = current
+
+    @classmethod
+    def parse(cls, spec: str, *, option: str = "encryption") -> Keyring:
+        """A keyring from a spec (see the module docstring); the first entry is current.
+
+        Raises:
+            InvalidArgumentError: naming ``option`` (and the variable for ``env:``), for
+                an empty or malformed spec, a variable that is not set, a bad id, a
+                repeated id, or a key that is not base64 of 16, 24 or 32 bytes. The
+                message never quotes the spec.
+        """
+        if not isinstance(spec, str):
+            raise InvalidArgumentError(
+                f"{option} must be a keyring spec string, got {type(spec).__name__}"
+            )
+        source = option
+        if spec.startswith(ENV_PREFIX):
+            variable = spec[len(ENV_PREFIX) :]
+            value = os.environ.get(variable)
+            if not variable or value is None:
+                raise InvalidArgumentError(
+                    f"{option}: environment variable {variable!r} is not set"
+                )
+            spec, source = value, f"{option} (from ${variable})"
+        keys: dict[int, bytes] = {}
+        first: int | None = None
+        for position, entry in enumerate(spec.split(","), 1):
+            key_id_text, sep, encoded = entry.strip().partition(":")
+            if not sep or not key_id_text.strip().isdigit():
+                raise InvalidArgumentError(
+                    f"{source}: entry {position} is not '<key id>:<base64 key>'"
+                )
+            key_id = int(key_id_text)
+            if key_id in keys:
+                raise InvalidArgumentError(f"{source}: key id {key_id} appears twice")
+            try:
+                key = binascii.a2b_base64(encoded.strip(), strict_mode=True)
+            except (binascii.Error, ValueError):
+                raise InvalidArgumentError(
+                    f"{source}: key {key_id} is not valid base64"
+                ) from None  # the cause would quote the key
+            if len(key) not in KEY_SIZES:
+                raise InvalidArgumentError(
+                    f"{source}: key {key_id} is {len(key)} bytes, not 16, 24 or 32"
+                )
+            _check_key_id(key_id, source)
+            keys[key_id] = key
+            first = key_id if first is None else first
+        assert first is not None  # split always yields one entry
+        return cls(keys, first)
+
+    @property
+    def key_ids(self) -> tuple[int, ...]:
+        """Every key id held, the current one first."""
+        return (self.current, *(k for k in self._keys if k != self.current))
+
+    def key(self, key_id: int) -> bytes | None:
+        """The key under ``key_id``, or None."""
+        return self._keys.get(key_id)
+
+    def __repr__(self) -> str:
+        return f"Keyring(current={self.current}, key_ids={list(self.key_ids)})"
+
+
+def _check_key_id(key_id: object, source: str = "encryption") -> None:
+    if isinstance(key_id, bool) or not isinstance(key_id, int) or not 1 <= key_id <= MAX_KEY_ID:
+        raise InvalidArgumentError(f"{source}: key id must be an int in [1, 2**32), got {key_id!r}")
+
+
+def keyring_from(value: object, *, option: str = "encryption") -> Keyring | None:
+    """The keyring a tier option names: None (no encryption), a :class:`Keyring`, or a
+    spec string.
+
+    Raises:
+        InvalidArgumentError: as :meth:`Keyring.parse`, or a value of another type.
+    """
+    if value is None or isinstance(value, Keyring):
+        return value
+    if isinstance(value, str):
+        return Keyring.parse(value, option=option)
+    raise InvalidArgumentError(
+        f"{option} must be a keyring spec string or a Keyring, got {type(value).__name__}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """What a reader needs besides the ciphertext: the key id, the nonce and the tag."""
+
+    key_id: int
+    nonce: bytes
+    tag: bytes
+
+
+def associated_data(namespace_digest: bytes, key: bytes) -> bytes:
+    """The associated data a block is sealed with: its namespace digest, then its key."""
+    return bytes(namespace_digest) + bytes(key)
+
+
+class BlockCipher:
+    """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
+
+    Thread-safe: tiers call it on their worker threads (with cryptography >= 48 the work
+    runs without the GIL). It never touches the loop.
+    """
+
+    __slots__ = ("_ciphers", "_lock", "_reported", "keyring")
+
+    def __init__(self, keyring: Keyring) -> None:
+        self.keyring = keyring
+        self._ciphers = {k: _aesgcm(key) for k in keyring.key_ids if (key := keyring.key(k))}
+        self._reported: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
+        """Encrypt ``payload`` under the current key into ``out[:len(payload)]``.
+
+        ``out`` must be at least ``len(payload) + TAG_BYTES`` long: the tag is written
+        after the ciphertext (and returned in the :class:`Seal`).
+
+        Raises:
+            InvalidArgumentError: ``out`` is too short.
+        """
+        n = len(payload)
+        if len(out) < n + TAG_BYTES:
+            raise InvalidArgumentError(
+                f"seal buffer is {len(out)} bytes, needs {n + TAG_BYTES}"
+            )
+        nonce = os.urandom(NONCE_BYTES)
+        key_id = self.keyring.current
+        self._ciphers[key_id].encrypt_into(nonce, payload, aad, out[: n + TAG_BYTES])
+        return Seal(key_id, nonce, bytes(out[n : n + TAG_BYTES]))
+
+    def open_into(self, seal: Seal, sealed: memoryview, aad: bytes, out: memoryview) -> None:
+        """Decrypt and verify ``sealed`` (the ciphertext, then the tag) into ``out``
+        (``len(sealed) - TAG_BYTES`` bytes). ``out`` holds garbage after a failure: read
+        into a buffer nobody serves until this returns.
+
+        Raises:
+            UnknownKeyError: the keyring has no key ``seal.key_id``.
+            AuthenticationError: the tag does not verify (wrong key, altered or moved
+                bytes).
+        """
+        cipher = self._ciphers.get(seal.key_id)
+        # No exception is kept in a local: it would hold this frame (and ``out``, a view
+        # of the caller's buffer) in a reference cycle until the next collection.
+        if cipher is None:
+            message = (
+                f"block sealed under key id {seal.key_id}, which the keyring lacks "
+                f"(it holds {list(self.keyring.key_ids)})"
+            )
+            self._report("unknown key", seal.key_id, message)
+            raise UnknownKeyError(message)
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            cipher.decrypt_into(seal.nonce, sealed, aad, out)
+            return
+        except InvalidTag:
+            pass
+        message = (
+            f"block failed authentication under key id {seal.key_id}: "
+            "a wrong key under that id, or bytes altered or moved"
+        )
+        self._report("authentication", seal.key_id, message)
+        raise AuthenticationError(message)
+
+    def _report(self, kind: str, key_id: int, message: str) -> None:
+        """Log ``message`` the first time this kind of failure meets ``key_id``."""
+        with self._lock:
+            if (kind, key_id) in self._reported:
+                return
+            self._reported.add((kind, key_id))
+        _log.error("%s (reported once per key id; such blocks are misses)", message)
+
+    def __repr__(self) -> str:
+        return f"BlockCipher({self.keyring!r})"
