@@ -58,6 +58,11 @@ files (``segments``, ``NVMeSegmentTier``). The unprefixed figures are the first 
 (named by ``layout``); a second layout's store, load, ratios and loop lag repeat with its
 name as a prefix. The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are null
 when vLLM's tier did not run (one line before the results says why).
+With ``--encryption`` every layout also runs with encryption at rest (AES-256-GCM, a
+fresh key), right before or after its plain run (the order alternates by round), and
+adds ``encrypted_store_GBps``, ``encrypted_load_GBps``, ``encrypted_loop_lag_p99_ms``
+and ``encryption_store_cost`` / ``encryption_load_cost``: one minus the median over the
+rounds of encrypted / plain throughput (0.05: encryption costs 5 %).
 ``loop_lag_p99_ms`` is the worst round's; ``idle_loop_lag_p99_ms`` is the worst round's
 lag of the same loop with nothing running (what the machine adds by itself). Each round
 stores into a tier (and a vLLM root) of its own; the rounds' files are removed after the
@@ -94,6 +99,7 @@ from tiering.cli_args import (
     positive_int,
     size_list,
 )
+from tiering.encryption import Keyring
 from tiering.host_pool import HostPool
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
@@ -391,11 +397,14 @@ async def bench_tier(
     round_no: int,
     keep_dirs: list[str],
     layout: str = "files",
+    *,
+    sealed: bool = False,
 ) -> TierFigures:
     """One round: store ``total`` bytes into a new tier, then load them back.
 
     ``layout``: ``"files"`` (``NVMeFileTier``, a file per block) or ``"segments"``
-    (``NVMeSegmentTier``). Each round uses its own namespace (so it starts empty). Its
+    (``NVMeSegmentTier``); ``sealed``: with encryption at rest (a fresh AES-256 key).
+    Each round uses its own namespace (so it starts empty). Its
     directory is appended to ``keep_dirs`` for the caller to remove after the last
     round. Removing it between rounds would time the next round's
     stores against a file system that has just freed thousands of inodes: ext4 without
@@ -419,7 +428,8 @@ async def bench_tier(
         view,
         block,
         root=directory,
-        namespace=f"bench;block={block};round={round_no};layout={layout}",
+        namespace=f"bench;block={block};round={round_no};layout={layout};sealed={sealed}",
+        encryption=Keyring({1: os.urandom(32)}, 1) if sealed else None,
         capacity_bytes=count * (block + 4096) * 2,
         min_free_bytes=0,
         fsync=args.fsync,
@@ -701,6 +711,7 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
         points = fio_points(args.baseline_grid, engine, block, size) if use_fio else []
         baselines: list[Baseline] = []
         tiers: dict[str, list[TierFigures]] = {layout: [] for layout in args.layouts}
+        sealed: dict[str, list[TierFigures]] = {layout: [] for layout in args.layouts}
         vllms: list[VllmFigures] = []
         tier_dirs: list[str] = []  # removed once every round of this size has run
         try:
@@ -718,24 +729,33 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
                     )
                 else:
                     baselines.append(python_baseline(directory, block, size, direct, fsync))
+                # With --encryption each layout runs plain and sealed back to back,
+                # which one first alternating by round, so neither always meets the
+                # disk in the state the other left it in.
+                kinds = [False, True] if args.encryption else [False]
+                if round_no % 2 == 0:
+                    kinds.reverse()
                 for layout in args.layouts:
-                    with asyncio.Runner(loop_factory=loop_factory) as runner:
-                        tiers[layout].append(
-                            runner.run(
-                                bench_tier(
-                                    directory,
-                                    block,
-                                    size,
-                                    args,
-                                    lambda status, report=report, layout=layout: report(
-                                        f"tier ({layout}) {status}"
-                                    ),
-                                    round_no,
-                                    tier_dirs,
-                                    layout,
+                    for kind in kinds:
+                        name = f"{layout}, encrypted" if kind else layout
+                        with asyncio.Runner(loop_factory=loop_factory) as runner:
+                            (sealed if kind else tiers)[layout].append(
+                                runner.run(
+                                    bench_tier(
+                                        directory,
+                                        block,
+                                        size,
+                                        args,
+                                        lambda status, report=report, name=name: report(
+                                            f"tier ({name}) {status}"
+                                        ),
+                                        round_no,
+                                        tier_dirs,
+                                        layout,
+                                        sealed=kind,
+                                    )
                                 )
                             )
-                        )
                 if vllm is not None:
                     progress.update(f"{where}: vLLM fs", force=True)
                     vllms.append(
@@ -749,12 +769,17 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
                 shutil.rmtree(tier_dir, True)
         first, *others = args.layouts
         entry = _summarize(block, size, args, baselines, tiers[first], vllms, vllm, progress, first)
+        if args.encryption:
+            entry.update(_encryption_cost(block, first, tiers[first], sealed[first]))
         for layout in others:
             extra = _summarize(
                 block, size, args, baselines, tiers[layout], vllms, vllm, progress, layout
             )
+            if args.encryption:
+                extra.update(_encryption_cost(block, layout, tiers[layout], sealed[layout]))
             for name in _LAYOUT_KEYS:
-                entry[f"{layout}_{name}"] = extra[name]
+                if name in extra:
+                    entry[f"{layout}_{name}"] = extra[name]
         entry["layout"] = first
         runs.append(entry)
     return runs
@@ -839,8 +864,40 @@ _LAYOUT_KEYS = (
     "store_vs_vllm_fs",
     "load_vs_vllm_fs",
     "loop_lag_p99_ms",
+    *(f"encrypted_{name}" for name in ("store_GBps", "load_GBps", "loop_lag_p99_ms")),
+    "encryption_store_cost",
+    "encryption_load_cost",
 )
 """Figures reported again, prefixed with the layout's name, for each layout after the first."""
+
+
+def _encryption_cost(
+    block: int, layout: str, plain: list[TierFigures], sealed: list[TierFigures]
+) -> dict[str, object]:
+    """The sealed runs' figures and the cost of sealing: one minus the median over the
+    rounds of sealed / plain throughput (each round's pair ran back to back)."""
+    store_cost = 1 - statistics.median(
+        s.store_GBps / p.store_GBps for p, s in zip(plain, sealed, strict=True)
+    )
+    load_cost = 1 - statistics.median(
+        s.load_GBps / p.load_GBps for p, s in zip(plain, sealed, strict=True)
+    )
+    print(
+        f"block {_size_text(block)}, {layout}, encrypted: store "
+        f"{_list(s.store_GBps for s in sealed)} vs plain {_list(p.store_GBps for p in plain)}"
+        f" GB/s, load {_list(s.load_GBps for s in sealed)} vs plain "
+        f"{_list(p.load_GBps for p in plain)} GB/s: cost {store_cost:.1%} store, "
+        f"{load_cost:.1%} load (median of the rounds' ratios); loop lag p99 "
+        f"{_list(s.loop_lag_p99_ms for s in sealed)} ms",
+        flush=True,
+    )
+    return {
+        "encrypted_store_GBps": round(statistics.median(s.store_GBps for s in sealed), 3),
+        "encrypted_load_GBps": round(statistics.median(s.load_GBps for s in sealed), 3),
+        "encrypted_loop_lag_p99_ms": round(max(s.loop_lag_p99_ms for s in sealed), 3),
+        "encryption_store_cost": round(store_cost, 3),
+        "encryption_load_cost": round(load_cost, 3),
+    }
 
 
 def _rounded(value: float | None) -> float | None:
@@ -934,6 +991,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--repeat", type=positive_int, default=3, help="rounds per block size; medians reported"
+    )
+    parser.add_argument(
+        "--encryption",
+        action="store_true",
+        help="also run each layout with encryption at rest, back to back with it off, "
+        "and report the cost",
     )
     args = parser.parse_args(argv)
     total = int(args.size_gib * (1 << 30))

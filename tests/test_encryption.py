@@ -7,12 +7,14 @@ import logging
 import os
 
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tiering.encryption import (
     TAG_BYTES,
     AuthenticationError,
     BlockCipher,
     Keyring,
+    Seal,
     UnknownKeyError,
     associated_data,
     keyring_from,
@@ -25,7 +27,7 @@ SPEC = f"2:{base64.b64encode(KEY_2).decode()}, 1:{base64.b64encode(KEY_1).decode
 AAD = associated_data(b"n" * 16, b"block-key")
 
 
-def sealed(cipher: BlockCipher, payload: bytes, aad: bytes = AAD) -> tuple[object, bytearray]:
+def sealed(cipher: BlockCipher, payload: bytes, aad: bytes = AAD) -> tuple[Seal, bytearray]:
     out = bytearray(len(payload) + TAG_BYTES)
     return cipher.seal_into(memoryview(payload), memoryview(out), aad), out
 
@@ -82,15 +84,24 @@ def test_no_repr_shows_key_material() -> None:
             assert base64.b64encode(key).decode() not in text and repr(key) not in text
 
 
-def test_a_sealed_payload_opens_byte_exact_and_hides_the_plaintext() -> None:
+@pytest.mark.parametrize("size", [16, 8192, 2 << 20])
+def test_a_sealed_payload_opens_byte_exact_and_hides_the_plaintext(size: int) -> None:
     cipher = BlockCipher(Keyring.parse(SPEC))
-    payload = os.urandom(8192)
+    payload = os.urandom(size)
     seal, out = sealed(cipher, payload)
     assert seal.key_id == 2 and len(seal.nonce) == 12 and seal.tag == out[-TAG_BYTES:]
-    assert payload[:64] not in out
-    back = bytearray(len(payload))
+    assert payload[:16] not in out
+    back = bytearray(size)
     cipher.open_into(seal, memoryview(out), AAD, memoryview(back))
     assert back == payload
+
+
+def test_a_seal_is_standard_aes_gcm() -> None:
+    keyring = Keyring.parse(SPEC)
+    payload = os.urandom(5000)
+    seal, out = sealed(BlockCipher(keyring), payload)
+    reference = AESGCM(keyring.key(2)).encrypt(seal.nonce, payload, AAD)  # type: ignore[arg-type]
+    assert bytes(out) == reference
 
 
 def test_two_seals_of_one_payload_differ() -> None:
@@ -113,8 +124,9 @@ def test_rotation_opens_what_the_old_key_sealed() -> None:
 
 @pytest.mark.parametrize("change", ["ciphertext", "tag", "associated data", "wrong key"])
 def test_anything_altered_fails_authentication(change: str) -> None:
+    size = 4096
     cipher = BlockCipher(Keyring.parse(SPEC))
-    payload = os.urandom(4096)
+    payload = os.urandom(size)
     seal, out = sealed(cipher, payload)
     aad, reader = AAD, cipher
     if change == "ciphertext":
@@ -126,7 +138,7 @@ def test_anything_altered_fails_authentication(change: str) -> None:
     else:
         reader = BlockCipher(Keyring({2: os.urandom(32)}, 2))
     with pytest.raises(AuthenticationError, match="failed authentication under key id 2"):
-        reader.open_into(seal, memoryview(out), aad, memoryview(bytearray(len(payload))))
+        reader.open_into(seal, memoryview(out), aad, memoryview(bytearray(size)))
 
 
 def test_an_unknown_key_id_is_a_corrupt_block_logged_once(

