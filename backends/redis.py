@@ -12,6 +12,24 @@ the page padding (Redis needs no aligned offsets). A load verifies the header (m
 namespace, key, length) and the payload's checksum before the CPU slot counts as
 loaded; a value that fails is a failed key and is deleted, never served.
 
+With ``encryption`` (a keyring, :mod:`tiering.encryption`) every block is sealed with
+AES-GCM under the keyring's current key, and its value takes format version 2::
+
+    b"h" -> the same header, with version 2 and, in place of the payload checksum, the
+            key id (u32) and the 12-byte nonce; no checksum of the plaintext (equal
+            payloads would show as equal checksums)
+    b"p" -> the ciphertext (as long as the payload), then the 16-byte GCM tag
+
+The associated data is the namespace digest and the block's key, so a value copied to
+another block's key, or into another namespace, fails to open. A tier reads the format
+it writes and no other: without ``encryption`` a version-2 value is a corrupt block (as
+it is to a reader from before version 2), and with it a version-1 value is one too, so
+a tier that encrypts never serves bytes that did not authenticate. A value sealed under
+a key id the keyring lacks, or that does not authenticate, is a corrupt block as well:
+a failed key, deleted from the server, logged once per key id by the cipher. Sealing
+and opening run on the I/O threads inside the job's hop; a load decrypts straight into
+the CPU slot (a failed key's slot then holds garbage, as a failed load's may).
+
 The client (redis-py's synchronous one) runs on the tier's I/O threads, one hop per job:
 it copies every value it sends and receives, which on the event loop measured a loop
 lag p99 of 34-49 ms at 2 MiB blocks (docs/redis.md).
@@ -56,6 +74,7 @@ import xxhash
 from backends.breaker import BreakerState, CircuitBreaker
 from backends.nvme_format import check_key, namespace_digest, payload_checksum
 from tiering.actor import ACTOR_OPTIONS, TierActor
+from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, Seal, associated_data, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.validation import positive_int, seconds
@@ -81,7 +100,12 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTRDS\r\n"
 FORMAT_VERSION = 1
-_FIXED = struct.Struct("<8sHxxQ16s16sH")  # magic, version, payload length, checksum, ns, key len
+"""A plain block: the payload, and its checksum in the header."""
+SEALED_VERSION = 2
+"""An encrypted block: ciphertext and tag, the key id and nonce in the header."""
+# magic, version, payload length, checksum (v1) or key id + nonce (v2), ns, key len
+_FIXED = struct.Struct("<8sHxxQ16s16sH")
+_SEAL = struct.Struct("<I12s")  # a v2 header's 16 bytes in place of the checksum
 _TRAILER = struct.Struct("<Q")  # xxh3_64 of everything before it
 
 HEADER_FIELD = b"h"
@@ -103,39 +127,118 @@ _UNREACHABLE = (
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
 
-def encode_header(*, key: bytes, payload_bytes: int, checksum: bytes, ns_digest: bytes) -> bytes:
-    """The compact header of one block value."""
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, payload_bytes, checksum, ns_digest, len(key))
-    body = fixed + key
+def encode_header(
+    *,
+    key: bytes,
+    payload_bytes: int,
+    ns_digest: bytes,
+    checksum: bytes | None = None,
+    seal: Seal | None = None,
+) -> bytes:
+    """The compact header of one block value: a plain one (version 1) with the payload's
+    ``checksum``, or a sealed one (version 2) with ``seal``'s key id and nonce (its tag
+    goes after the ciphertext, in the payload field).
+
+    Raises:
+        InvalidArgumentError: not exactly one of ``checksum`` and ``seal`` is given.
+    """
+    if (checksum is None) == (seal is None):
+        raise InvalidArgumentError("a block header takes a checksum or a seal, not both")
+    if seal is None:
+        version, field = FORMAT_VERSION, checksum
+    else:
+        version, field = SEALED_VERSION, _SEAL.pack(seal.key_id, seal.nonce)
+    body = _FIXED.pack(MAGIC, version, payload_bytes, field, ns_digest, len(key)) + key
     return body + _TRAILER.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def check_value(
-    header: bytes, payload: bytes, *, key: bytes, payload_bytes: int, ns_digest: bytes
-) -> None:
-    """Verify one block value read back (call it off the loop: it hashes the payload).
+def _check_header(
+    header: bytes, *, key: bytes, payload_bytes: int, ns_digest: bytes
+) -> tuple[int, bytes]:
+    """The version and the 16-byte checksum-or-seal field of a header that verifies
+    (its own checksum, magic, a known version, namespace, key and length).
 
     Raises:
-        CorruptBlockError: the header is damaged or of another format, names another
-            namespace, key or length, or the payload's checksum differs. The message
-            says which.
+        CorruptBlockError: saying which check failed.
     """
     if len(header) < _FIXED.size + _TRAILER.size:
         raise CorruptBlockError(f"header is {len(header)} bytes")
     body, (stored,) = header[: -_TRAILER.size], _TRAILER.unpack(header[-_TRAILER.size :])
     if xxhash.xxh3_64_intdigest(body) != stored:
         raise CorruptBlockError("header checksum mismatch")
-    magic, version, length, checksum, ns, key_len = _FIXED.unpack_from(body, 0)
-    if magic != MAGIC or version != FORMAT_VERSION:
+    magic, version, length, field, ns, key_len = _FIXED.unpack_from(body, 0)
+    if magic != MAGIC or version not in (FORMAT_VERSION, SEALED_VERSION):
         raise CorruptBlockError("not a block value of this format")
     if ns != ns_digest:
         raise CorruptBlockError("block belongs to another namespace")
     if body[_FIXED.size :] != key or key_len != len(key):
         raise CorruptBlockError("block holds another key")
-    if length != payload_bytes or len(payload) != payload_bytes:
+    if length != payload_bytes:
+        raise CorruptBlockError(f"block is of {length} bytes, expected {payload_bytes}")
+    return version, field
+
+
+def check_value(
+    header: bytes, payload: bytes, *, key: bytes, payload_bytes: int, ns_digest: bytes
+) -> None:
+    """Verify one plain block value read back (call it off the loop: it hashes the
+    payload).
+
+    Raises:
+        CorruptBlockError: the header is damaged or of another format, names another
+            namespace, key or length, the value is encrypted (this reader has no keys:
+            never serve ciphertext), or the payload's checksum differs. The message
+            says which.
+    """
+    version, checksum = _check_header(
+        header, key=key, payload_bytes=payload_bytes, ns_digest=ns_digest
+    )
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError("block is encrypted, and this tier has no encryption keyring")
+    if len(payload) != payload_bytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {payload_bytes}")
     if payload_checksum(payload) != checksum:
         raise CorruptBlockError("payload checksum mismatch")
+
+
+def open_value(
+    header: bytes,
+    sealed: bytes,
+    *,
+    key: bytes,
+    payload_bytes: int,
+    ns_digest: bytes,
+    cipher: BlockCipher,
+    into: memoryview,
+) -> None:
+    """Verify one sealed block value read back and decrypt its payload into ``into``
+    (``payload_bytes`` long). Blocking: call it off the loop.
+
+    ``into`` holds the plaintext only if this returns; after a failure its bytes are
+    garbage (never to be served: the key has failed).
+
+    Raises:
+        CorruptBlockError: the header is damaged or of another format, names another
+            namespace, key or length, or the value is not encrypted (a tier that
+            encrypts serves nothing unauthenticated);
+            :class:`~tiering.encryption.UnknownKeyError` (the keyring lacks its key id)
+            or :class:`~tiering.encryption.AuthenticationError` (a wrong key, altered
+            or moved bytes), both CorruptBlockErrors, from the cipher, which logs each
+            once per key id.
+    """
+    version, field = _check_header(
+        header, key=key, payload_bytes=payload_bytes, ns_digest=ns_digest
+    )
+    if version != SEALED_VERSION:
+        raise CorruptBlockError("block is not encrypted, and this tier reads only encrypted ones")
+    if len(sealed) != payload_bytes + TAG_BYTES:
+        raise CorruptBlockError(
+            f"sealed payload is {len(sealed)} bytes, expected {payload_bytes + TAG_BYTES}"
+        )
+    key_id, nonce = _SEAL.unpack(field)
+    seal = Seal(key_id, nonce, bytes(sealed[payload_bytes:]))
+    with memoryview(sealed) as view:
+        cipher.open_into(seal, view, associated_data(ns_digest, key), into)
 
 
 class RedisTier(TierActor):
@@ -167,13 +270,22 @@ class RedisTier(TierActor):
             pipelines kept the client's reply buffers small: at 2 MiB blocks on a local
             server, loads ran about 1.5x faster with one block per pipeline than with
             eight (docs/redis.md).
+        encryption: None (blocks stored plain), or a keyring spec
+            (``"2:<base64 key>,1:<base64 key>"``, ``"env:VARIABLE"``) or
+            :class:`~tiering.encryption.Keyring`: blocks are sealed with AES-GCM under
+            its first (current) key and read under any of its keys (see the module
+            docstring for the format).
         inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
 
-    Guarantees: a load serves a block only if its header and checksum verify; a
-    connection failure fails the job's keys (never the engine); ``lookup`` never blocks.
+    Guarantees: a load serves a block only if its header and checksum verify (with
+    ``encryption``: its header verifies and it authenticates under the keyring, and a
+    plain block is never served); a connection failure fails the job's keys (never the
+    engine); ``lookup`` never blocks. Key material never shows in ``repr``, statistics,
+    errors or logs.
 
     Raises (constructor): InvalidArgumentError for a bad option, naming it and its value
-    (the url is named without its value, which may hold a password).
+    (the url is named without its value, which may hold a password; ``encryption``
+    without its keys).
     """
 
     def __init__(
@@ -199,6 +311,7 @@ class RedisTier(TierActor):
         usage_every_s: float = 5.0,
         cluster: bool = False,
         pipeline_bytes: int = 2 << 20,
+        encryption: str | Keyring | None = None,
         **actor_kwargs: Any,
     ) -> None:
         unknown = set(actor_kwargs) - ACTOR_OPTIONS
@@ -227,6 +340,8 @@ class RedisTier(TierActor):
         self.presence_entries = positive_int("presence_entries", presence_entries)
         self.usage_every_s = seconds("usage_every_s", usage_every_s, allow_zero=False)
         self.pipeline_bytes = positive_int("pipeline_bytes", pipeline_bytes)
+        keyring = keyring_from(encryption, option="encryption")
+        self._cipher = None if keyring is None else BlockCipher(keyring)
         self.breaker = CircuitBreaker(
             failures=breaker_failures,
             backoff_s=breaker_backoff_s,
@@ -239,6 +354,9 @@ class RedisTier(TierActor):
         self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + tenant.encode() + b":"
         self._url = url
         self._blocks_per_pipeline = max(1, self.pipeline_bytes // block_bytes)
+        # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption):
+        # made at its first store, reused by every later one.
+        self._seal_buffers = threading.local()
         # Made by the first call that needs it (a cluster client connects as it is made,
         # so one whose nodes are down at start is made later, by a probe) and dropped
         # at close; the lock keeps the I/O threads from making two.
@@ -367,10 +485,16 @@ class RedisTier(TierActor):
             "failures": {},
         }
 
+    @property
+    def keyring(self) -> Keyring | None:
+        """The keyring blocks are sealed and opened with (None: stored plain)."""
+        return None if self._cipher is None else self._cipher.keyring
+
     def __repr__(self) -> str:
+        sealed = "" if self._cipher is None else f" encryption={self._cipher.keyring!r}"
         return (
             f"<RedisTier {self.namespace!r} tenant={self.tenant!r} breaker={self.breaker.state}"
-            f" {self.statistics()!r}>"
+            f"{sealed} {self.statistics()!r}>"
         )
 
     # -- hooks ------------------------------------------------------------------------
@@ -444,28 +568,40 @@ class RedisTier(TierActor):
         return None
 
     def _store_hop(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int | _ClientError:
-        """Write every block (header, then the payload straight from its slot) in
-        pipelined round trips of at most ``pipeline_bytes``; how many, or the client's
-        error if one failed (the blocks before it are stored)."""
-        slot, ns, size = self.slot, self._ns_digest, self.block_bytes
+        """Write every block (header, then the payload straight from its slot, or with
+        ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
+        most ``pipeline_bytes``; how many, or the client's error if one failed (the
+        blocks before it are stored)."""
+        slot, ns, size, cipher = self.slot, self._ns_digest, self.block_bytes, self._cipher
         views: list[memoryview] = []
+        sealed = self._sealing_buffers() if cipher is not None else []
         pipelines = 0
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
                 pipe = client.pipeline(transaction=False)
-                for key, block_id in zip(keys[start:stop], block_ids[start:stop], strict=True):
+                for i, (key, block_id) in enumerate(
+                    zip(keys[start:stop], block_ids[start:stop], strict=True)
+                ):
                     payload = slot(block_id)
                     views.append(payload)
-                    header = encode_header(
-                        key=check_key(key),
-                        payload_bytes=size,
-                        checksum=payload_checksum(payload),
-                        ns_digest=ns,
-                    )
+                    if cipher is None:
+                        value = payload
+                        header = encode_header(
+                            key=check_key(key),
+                            payload_bytes=size,
+                            checksum=payload_checksum(payload),
+                            ns_digest=ns,
+                        )
+                    else:
+                        # The buffer is free again once the previous pipeline's
+                        # execute returned: the client has sent it by then.
+                        value = sealed[i]
+                        seal = cipher.seal_into(payload, value, associated_data(ns, check_key(key)))
+                        header = encode_header(key=key, payload_bytes=size, seal=seal, ns_digest=ns)
                     name = self._name_of(key)
-                    pipe.hset(name, mapping={HEADER_FIELD: header, PAYLOAD_FIELD: payload})
+                    pipe.hset(name, mapping={HEADER_FIELD: header, PAYLOAD_FIELD: value})
                     if self.ttl_s is not None:
                         pipe.expire(name, max(1, round(self.ttl_s)))
                 try:
@@ -526,15 +662,39 @@ class RedisTier(TierActor):
         header, payload = value if value else (None, None)
         if header is None or payload is None:
             return "not in the redis tier"
+        size, ns = self.block_bytes, self._ns_digest
         try:
-            check_value(
-                header, payload, key=key, payload_bytes=self.block_bytes, ns_digest=self._ns_digest
-            )
+            if self._cipher is None:
+                check_value(header, payload, key=key, payload_bytes=size, ns_digest=ns)
+                self.slot(block_id)[:] = payload
+            else:
+                with self.slot(block_id) as into:  # decrypted in place: no copy
+                    open_value(
+                        header,
+                        payload,
+                        key=key,
+                        payload_bytes=size,
+                        ns_digest=ns,
+                        cipher=self._cipher,
+                        into=into,
+                    )
         except CorruptBlockError as exc:
             corrupt.append(self._name_of(key))
             return f"corrupt block: {exc}"
-        self.slot(block_id)[:] = payload
         return ""
+
+    def _sealing_buffers(self) -> list[memoryview]:
+        """This I/O thread's buffers for one pipeline's sealed payloads
+        (``block_bytes + TAG_BYTES`` each), made on its first call."""
+        buffers: list[memoryview] | None = getattr(self._seal_buffers, "views", None)
+        if buffers is None:
+            stride = self.block_bytes + TAG_BYTES
+            arena = memoryview(bytearray(self._blocks_per_pipeline * stride))
+            buffers = [
+                arena[i * stride : (i + 1) * stride] for i in range(self._blocks_per_pipeline)
+            ]
+            self._seal_buffers.views = buffers
+        return buffers
 
     def _usage_hop(self) -> dict[str, int] | _ClientError:
         """The server's memory use, limit and key count (summed over a cluster's
@@ -720,4 +880,4 @@ def _detached(exc: _ClientError) -> _ClientError:
 _QUOTED_COMMAND = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
 
 
-__all__ = ["RedisTier", "check_value", "encode_header"]
+__all__ = ["RedisTier", "check_value", "encode_header", "open_value"]

@@ -3,12 +3,13 @@
 Usage::
 
     python examples/bench_redis.py [URL] [--block-sizes 2M] [--size-mib 256] [--cluster]
+        [--no-encryption]
 
 Without URL it starts its own ``redis-server`` on a free loopback port (no persistence),
 or with ``--cluster`` a three-node Redis Cluster, and stops it at the end. With
 ``--cluster`` both sides use redis-py's cluster clients. For each block size,
-``--repeat`` rounds, the baseline and the tier alternating (which goes first alternates
-too), each on an emptied database:
+``--repeat`` rounds of the baseline, the tier and the tier with encryption, in turn
+(which goes first rotates from round to round), each on an emptied database:
 
 * baseline: redis-py's asyncio client, ``--concurrency`` pipelines at a time, each
   ``SET``-ing (then ``GET``-ting) ``--job-blocks`` values of the block size, sent from
@@ -18,19 +19,31 @@ too), each on an emptied database:
   running at once), then load jobs of them back into other slots, every load verified
   (header and checksum) by the tier, and one block in 16 compared byte for byte by the
   benchmark. The event loop's lag is sampled while the tier runs.
+* encrypted (unless ``--no-encryption``): the same tier with ``encryption`` (one random
+  AES-256 key for the run): every block sealed with AES-GCM on the way to Redis and
+  opened straight into its slot on the way back.
 
 Figures are medians over the rounds. The last line of output is one JSON object: the
 figures of the first block size at its top level, and every block size's in ``runs``::
 
     {"block_bytes": ..., "store_GBps": ..., "load_GBps": ..., "baseline_store_GBps": ...,
      "baseline_load_GBps": ..., "store_ratio": ..., "load_ratio": ...,
-     "loop_lag_p99_ms": ..., "runs": [{"block_bytes": ..., ...}, ...]}
+     "loop_lag_p99_ms": ..., "encrypted_store_GBps": ..., "encrypted_load_GBps": ...,
+     "encrypted_store_ratio": ..., "encrypted_load_ratio": ...,
+     "encryption_store_cost_pct": ..., "encryption_load_cost_pct": ...,
+     "encrypted_loop_lag_p99_ms": ..., "runs": [{"block_bytes": ..., ...}, ...]}
+
+``encrypted_*_ratio`` is the median over the rounds of encrypted / plain tier
+throughput within each round (the two ran next to each other, so a round's noise
+mostly cancels), and ``encryption_*_cost_pct`` is ``100 * (1 - ratio)``: the share of
+the plain tier's throughput that encryption costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import itertools
 import json
 import mmap
@@ -114,7 +127,9 @@ async def baseline_round(url: str, view: memoryview, block: int, args: argparse.
     return Round(view.nbytes / stored / 1e9, view.nbytes / loaded / 1e9)
 
 
-async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Namespace):
+async def tier_round(
+    url: str, pool: memoryview, block: int, args: argparse.Namespace, encryption: str | None
+):
     from backends.redis import RedisTier
 
     half = pool.nbytes // block // 2  # store from the first half, load into the second
@@ -127,6 +142,7 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
         max_connections=args.concurrency + 1,
         cluster=args.cluster,
         pipeline_bytes=args.pipeline_mib << 20,
+        encryption=encryption,
     )
     keys = [b"block-%d" % i for i in range(half)]
 
@@ -161,21 +177,24 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
 
 async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
     runs = []
+    sides = ("baseline", "tier") + (() if args.no_encryption else ("encrypted",))
+    keyring = f"1:{base64.b64encode(os.urandom(32)).decode()}"  # this run's only key
     for block in args.block_sizes:
         count = max(1, (args.size_mib << 20) // block)
         buffer = mmap.mmap(-1, 2 * count * block)
         pool = memoryview(buffer)
         pool[: count * block] = os.urandom(count * block)
-        rounds: dict[str, list[Round]] = {"baseline": [], "tier": []}
+        rounds: dict[str, list[Round]] = {side: [] for side in sides}
         try:
             for round_no in range(args.repeat):
-                order = ("baseline", "tier") if round_no % 2 == 0 else ("tier", "baseline")
-                for side in order:
+                turn = round_no % len(sides)
+                for side in sides[turn:] + sides[:turn]:
                     progress.update(f"{block >> 10} KiB round {round_no + 1}: {side}", force=True)
                     if side == "baseline":
                         result = await baseline_round(url, pool[: count * block], block, args)
                     else:
-                        result = await tier_round(url, pool, block, args)
+                        sealed = keyring if side == "encrypted" else None
+                        result = await tier_round(url, pool, block, args, sealed)
                     rounds[side].append(result)
                     progress.clear()
                     print(
@@ -205,6 +224,8 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
         }
         row["store_ratio"] = round(row["store_GBps"] / row["baseline_store_GBps"], 3)
         row["load_ratio"] = round(row["load_GBps"] / row["baseline_load_GBps"], 3)
+        if "encrypted" in rounds:
+            row.update(_encryption_figures(rounds["tier"], rounds["encrypted"]))
         runs.append(row)
         print(
             f"{block >> 10} KiB blocks (medians of {args.repeat}): store {row['store_GBps']} vs "
@@ -212,7 +233,30 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
             f"{row['load_GBps']} vs {row['baseline_load_GBps']} GB/s ({row['load_ratio']}x); "
             f"loop lag p99 (worst round) {row['loop_lag_p99_ms']} ms"
         )
+        if "encrypted" in rounds:
+            print(
+                f"{block >> 10} KiB blocks, encrypted: store {row['encrypted_store_GBps']} GB/s "
+                f"(costs {row['encryption_store_cost_pct']}%), load "
+                f"{row['encrypted_load_GBps']} GB/s (costs {row['encryption_load_cost_pct']}%); "
+                f"loop lag p99 (worst round) {row['encrypted_loop_lag_p99_ms']} ms"
+            )
     return runs
+
+
+def _encryption_figures(plain: list[Round], sealed: list[Round]) -> dict[str, float]:
+    """The encrypted tier's medians, and its throughput against the plain tier's round
+    by round (see the module docstring)."""
+    figures: dict[str, float] = {}
+    for what in ("store", "load"):
+        attr = f"{what}_GBps"
+        ratio = statistics.median(
+            getattr(s, attr) / getattr(p, attr) for p, s in zip(plain, sealed, strict=True)
+        )
+        figures[f"encrypted_{attr}"] = round(statistics.median(getattr(s, attr) for s in sealed), 3)
+        figures[f"encrypted_{what}_ratio"] = round(ratio, 3)
+        figures[f"encryption_{what}_cost_pct"] = round(100 * (1 - ratio), 1)
+    figures["encrypted_loop_lag_p99_ms"] = round(max(r.loop_lag_p99_ms for r in sealed), 3)
+    return figures
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -233,6 +277,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cluster", action="store_true", help="a Redis Cluster (without URL: start one)"
+    )
+    parser.add_argument(
+        "--no-encryption",
+        action="store_true",
+        help="skip the tier with encryption (needs the 'cryptography' package)",
     )
     args = parser.parse_args(argv)
     if args.url is not None and not args.url.startswith(("redis://", "rediss://", "unix://")):

@@ -395,6 +395,11 @@ def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
     assert run["block_bytes"] == 64 << 10
     for figure in ("store_GBps", "load_GBps", "baseline_store_GBps", "baseline_load_GBps"):
         assert run[figure] > 0
+    for figure in ("encrypted_store_GBps", "encrypted_load_GBps"):  # measured alongside
+        assert run[figure] > 0
+    for what in ("store", "load"):
+        ratio = run[f"encrypted_{what}_ratio"]
+        assert ratio > 0 and run[f"encryption_{what}_cost_pct"] == round(100 * (1 - ratio), 1)
     assert run["loop_lag_p99_ms"] >= 0
     assert redis_server.command("DBSIZE") == 0  # it cleans up after itself
 
