@@ -5,7 +5,8 @@ The public API, re-exported here: the seed types and :class:`CPUOffloadingManage
 secondary-tier interface, the :class:`TierActor` base and the :class:`TierClient`, the
 host pool and device transfers, the sans-I/O :class:`JobCore` and the
 :class:`TieringEngine` shell over it, the :class:`Lifecycle` and :class:`Statistics`
-every long-lived object shares; the typed :class:`TieringConfig`, workloads
+every long-lived object shares; tenants' keys (:func:`tenant_keys`) and the
+:class:`Keyring` of encryption at rest; the typed :class:`TieringConfig`, workloads
 (:func:`read_mooncake`, :func:`synthetic_requests`), job latency histograms and the KV
 event wire format. Secondary tiers live in ``backends`` and are built by name through
 :func:`make_tier`. Replays, sweeps and metrics are in ``tiering.replay``,
@@ -24,6 +25,7 @@ from tiering.abstract import (
 from tiering.actor import TierActor
 from tiering.config import TieringConfig, load_config
 from tiering.device import CopyHandle, DeviceCopier, kv_block_bytes
+from tiering.encryption import AuthenticationError, Keyring, UnknownKeyError
 from tiering.engine import Job, TieringEngine
 from tiering.errors import (
     BlockNotFoundError,
@@ -59,11 +61,13 @@ from tiering.registry import make_tier, register_tier, tier_names
 from tiering.residency import ResidencyIndex
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
 from tiering.statistics import FailureLog, Statistics
+from tiering.tenancy import TenantLookups, tenant_keys, tenant_label
 from tiering.tier_client import TierClient, TierOutcome
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
 __all__ = [
     "ARCPolicy",
+    "AuthenticationError",
     "BlockHash",
     "BlockNotFoundError",
     "BlockState",
@@ -82,6 +86,7 @@ __all__ = [
     "JobCore",
     "JobMetadata",
     "JobResult",
+    "Keyring",
     "LRUPolicy",
     "LatencyHistogram",
     "LatencySnapshot",
@@ -97,6 +102,7 @@ __all__ = [
     "S3FIFOPolicy",
     "SecondaryTierManager",
     "Statistics",
+    "TenantLookups",
     "TierActor",
     "TierBusyError",
     "TierClient",
@@ -106,6 +112,7 @@ __all__ = [
     "TieringError",
     "TraceError",
     "TransferError",
+    "UnknownKeyError",
     "UnknownPolicyError",
     "UnknownTierError",
     "as_block_hashes",
@@ -122,5 +129,7 @@ __all__ = [
     "register_policy",
     "register_tier",
     "synthetic_requests",
+    "tenant_keys",
+    "tenant_label",
     "tier_names",
 ]

@@ -212,6 +212,7 @@ class ReplayConfig(_Section):
     verify: bool = _option(True)
     settle: bool = _option(False)
     full_blocks_only: bool = _option(False)
+    tenants: int = _option(1, check=_positive)
     nodes: int = _option(1, check=_positive)
     router: Literal["round-robin", "affinity", "least-loaded", "kv-aware"] = _option("round-robin")
     transport: Literal["direct", "zmq"] = _option("direct")

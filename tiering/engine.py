@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from time import perf_counter
 from types import TracebackType
@@ -47,6 +48,14 @@ from tiering.policies import EvictionPolicy
 from tiering.registry import TierSpec
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
+from tiering.tenancy import (
+    MAX_TENANT_LABELS,
+    OTHER_TENANTS,
+    Tenancy,
+    TenantLookups,
+    check_tenant,
+    tenant_label,
+)
 from tiering.tier_client import TierOutcome
 from tiering.tier_stack import TierStack
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds, tier_specs
@@ -88,6 +97,14 @@ class TieringEngine:
             being filled; then it fails.
         close_timeout: seconds a graceful close lets running jobs, their cascades and
             the write-back flush take before it stops hard.
+        shared_blocks: block hashes of public prefixes every tenant may hit on (see
+            :meth:`share_prefix`).
+
+    Tenants: ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``
+    id. A tenant's blocks live under keys scoped to it (:mod:`tiering.tenancy`) in
+    every tier, so no tenant hits, loads or times another's blocks, except the leading
+    blocks of prefixes shared with :meth:`share_prefix`. Results name the caller's
+    hashes; events and tiers see only the scoped keys (:meth:`tenant_keys`).
 
     Raises:
         InvalidArgumentError: any malformed argument (the message names it and its
@@ -109,7 +126,9 @@ class TieringEngine:
         tier_timeout: float = 30.0,
         room_timeout: float = 5.0,
         close_timeout: float = 10.0,
+        shared_blocks: Iterable[BlockHash] = (),
     ) -> None:
+        self._tenancy = Tenancy(shared_blocks)
         self.block_bytes = kv_block_bytes(kv_caches)
         num_cpu_blocks = positive_int("num_cpu_blocks", num_cpu_blocks)
         check_host_memory(num_cpu_blocks, self.block_bytes)
@@ -148,6 +167,8 @@ class TieringEngine:
         self._closed: asyncio.Event | None = None
         self._on_copy_ended = self._copy_ended  # bound once: no allocation per copy
         self._latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
+        self._tenant_lookups: dict[str, TenantLookups] = {}
+        self._callers_hashes: dict[int, dict[BlockHash, BlockHash]] = {}  # per tenant job
         self._run_effect: dict[type, Callable[[Any], None]] = {
             CopyToHost: self._copy,
             CopyToDevice: self._copy,
@@ -335,27 +356,77 @@ class TieringEngine:
 
     # ------------------------------------------------------------------- queries
 
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
-        """Leading hashes that are ready in the CPU tier or stored in a secondary tier.
+    def lookup(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> int:
+        """Leading hashes (of ``tenant``'s blocks) that are ready in the CPU tier or
+        stored in a secondary tier.
 
         Raises:
             ClosedError: the engine is not open.
-            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes.
+            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes, or a bad
+                ``tenant``.
         """
-        return self._open_core().lookup(block_hashes)
+        core = self._open_core()
+        if tenant is None:
+            return core.lookup(block_hashes)
+        keys = self.tenant_keys(block_hashes, tenant)
+        hits = core.lookup(keys)
+        label = tenant_label(tenant)
+        counts = self._tenant_lookups.get(label)
+        if counts is None:
+            if len(self._tenant_lookups) >= MAX_TENANT_LABELS:
+                label = OTHER_TENANTS
+            counts = self._tenant_lookups.setdefault(label, TenantLookups())
+        counts.lookups += 1
+        counts.blocks += len(keys)
+        counts.hit_blocks += hits
+        return hits
 
-    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Mark blocks recently used in every tier, the first hash most recently.
+    def touch(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> None:
+        """Mark blocks (of ``tenant``) recently used in every tier, the first hash most
+        recently.
 
         Raises:
             ClosedError: the engine is not open.
-            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes.
+            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes, or a bad
+                ``tenant``.
         """
         self._open_core()
-        hashes = hash_list("block_hashes", block_hashes)
+        hashes = self.tenant_keys(block_hashes, tenant)
         self.manager.touch(hashes)
         for client in self._stack.clients:
             client.touch(hashes)
+
+    def tenant_keys(
+        self, block_hashes: Sequence[BlockHash], tenant: str | None = None
+    ) -> list[BlockHash]:
+        """The keys ``tenant``'s blocks are stored under in every tier (and named by in
+        events): the hashes themselves without a tenant.
+
+        Raises:
+            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes, or a bad
+                ``tenant``.
+        """
+        hashes = hash_list("block_hashes", block_hashes)
+        return list(self._tenancy.keys(hashes, check_tenant(tenant)))
+
+    def share_prefix(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Let every tenant hit on these blocks: the hashes of a public prefix (say
+        :func:`~tiering.hashing.block_hashes` of a system prompt all tenants send). A
+        call's leading shared blocks keep their plain hash; from its first block that
+        is not shared on, the tenant's own keys. Sharing is explicit and cannot be
+        taken back while the engine runs.
+
+        Raises:
+            InvalidArgumentError: ``block_hashes`` is not an iterable of bytes; nothing
+                is shared then.
+        """
+        self._tenancy.share(block_hashes)
+
+    def tenant_statistics(self) -> dict[str, TenantLookups]:
+        """Lookups per tenant, by :func:`~tiering.tenancy.tenant_label` (the id never
+        shows); past :data:`MAX_TENANT_LABELS` labels, new tenants count under
+        ``"other"``. Copies."""
+        return {label: replace(counts) for label, counts in self._tenant_lookups.items()}
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call (with ``enable_events``): the CPU tier's (blocks
@@ -379,8 +450,15 @@ class TieringEngine:
 
     # ---------------------------------------------------------------- the calls
 
-    def store(self, block_hashes: Sequence[BlockHash], device_block_ids: Sequence[int]) -> Job:
-        """Copy device blocks into the CPU tier (then, by policy, to secondary tiers).
+    def store(
+        self,
+        block_hashes: Sequence[BlockHash],
+        device_block_ids: Sequence[int],
+        *,
+        tenant: str | None = None,
+    ) -> Job:
+        """Copy device blocks (of ``tenant``) into the CPU tier (then, by policy, to
+        secondary tiers).
 
         Returns at once; the job resolves once every block is ready in CPU (or left out
         because the eviction policy did not admit it), and the device blocks may then be
@@ -389,15 +467,24 @@ class TieringEngine:
         Raises:
             ClosedError: the engine is not open.
             InvalidArgumentError: hashes not a sequence of bytes, device block ids not
-                distinct ints inside the device KV cache, or the lengths differ; nothing
-                changed.
+                distinct ints inside the device KV cache, the lengths differ, or a bad
+                ``tenant``; nothing changed.
         """
         started = perf_counter()
-        job_id, effects = self._open_core().store(block_hashes, device_block_ids)
-        return self._admitted(job_id, "store", effects, started)
+        core = self._open_core()
+        keys = self._keys_of(block_hashes, tenant)
+        job_id, effects = core.store(keys, device_block_ids)
+        return self._admitted(job_id, "store", effects, started, block_hashes, keys)
 
-    def load(self, block_hashes: Sequence[BlockHash], device_block_ids: Sequence[int]) -> Job:
-        """Copy blocks into device blocks, promoting them from a secondary tier if needed.
+    def load(
+        self,
+        block_hashes: Sequence[BlockHash],
+        device_block_ids: Sequence[int],
+        *,
+        tenant: str | None = None,
+    ) -> Job:
+        """Copy blocks (of ``tenant``) into device blocks, promoting them from a
+        secondary tier if needed.
 
         Returns at once. Keys that could not be read (a tier failed or the bytes did not
         verify) are in the result's ``failed_keys``; the others land (the full contract:
@@ -406,11 +493,13 @@ class TieringEngine:
         Raises:
             ClosedError: the engine is not open.
             InvalidArgumentError: as :meth:`store`.
-            BlockNotFoundError: a hash no tier holds; nothing changed.
+            BlockNotFoundError: a hash no tier holds (for ``tenant``); nothing changed.
         """
         started = perf_counter()
-        job_id, effects = self._open_core().load(block_hashes, device_block_ids)
-        return self._admitted(job_id, "load", effects, started)
+        core = self._open_core()
+        keys = self._keys_of(block_hashes, tenant)
+        job_id, effects = core.load(keys, device_block_ids)
+        return self._admitted(job_id, "load", effects, started, block_hashes, keys)
 
     async def flush(self) -> bool:
         """Copy every ready CPU block to each secondary tier that lacks it.
@@ -432,12 +521,29 @@ class TieringEngine:
 
     # ------------------------------------------------------------------ effects
 
+    def _keys_of(
+        self, block_hashes: Sequence[BlockHash], tenant: str | None
+    ) -> Sequence[BlockHash]:
+        """The keys a call works on: the caller's hashes without a tenant (the core
+        checks them), the tenant's keys with one."""
+        if tenant is None:
+            return block_hashes
+        return self.tenant_keys(block_hashes, tenant)
+
     def _admitted(
-        self, job_id: int, kind: Literal["store", "load"], effects: list[Effect], started: float
+        self,
+        job_id: int,
+        kind: Literal["store", "load"],
+        effects: list[Effect],
+        started: float,
+        block_hashes: Sequence[BlockHash],
+        keys: Sequence[BlockHash],
     ) -> Job:
         assert self._loop is not None
         job = Job(job_id, kind, self._loop, started)
         self._jobs[job_id] = job
+        if keys is not block_hashes:  # a tenant's job: results name the caller's hashes
+            self._callers_hashes[job_id] = dict(zip(keys, block_hashes, strict=True))
         self._execute(effects)
         return job
 
@@ -469,17 +575,21 @@ class TieringEngine:
             self._execute(self._core.tier_done(op, outcome))
 
     def _resolve(self, effect: Resolve) -> None:
+        result = effect.result
+        callers = self._callers_hashes.pop(effect.job, None)
+        if callers is not None and result.failed_keys:
+            result = replace(result, failed_keys=tuple(callers[k] for k in result.failed_keys))
         job = self._jobs.get(effect.job)
         if job is not None:
             self._latency[job.kind].observe(perf_counter() - job.started)
-            job._set_result(effect.result)
+            job._set_result(result)
             if job.kind == "load":
                 job._set_cascaded(True)
                 del self._jobs[effect.job]
         timer = self._timers.pop(effect.job, None)
         if timer is not None:
             timer.cancel()
-        self._finished.append(effect.result)
+        self._finished.append(result)
 
     def _cascaded(self, effect: Cascaded) -> None:
         job = self._jobs.pop(effect.job, None)

@@ -47,6 +47,7 @@ from tiering.errors import InvalidArgumentError
 from tiering.job_core import LookupStatistics
 from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.statistics import Statistics
+from tiering.tenancy import TenantLookups
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -80,6 +81,7 @@ class _Reading:
     lookups: LookupStatistics
     latency: Mapping[str, LatencySnapshot]
     tiers: tuple[_TierReading, ...]
+    tenants: Mapping[str, TenantLookups]
 
 
 def _read_engine(engine: TieringEngine) -> _Reading:
@@ -99,6 +101,7 @@ def _read_engine(engine: TieringEngine) -> _Reading:
         lookups=engine.lookup_statistics(),
         latency=engine.job_latency(),
         tiers=tuple(tiers),
+        tenants=engine.tenant_statistics(),
     )
 
 
@@ -206,6 +209,7 @@ class EngineCollector:
         reading = self._read()
         yield from self._engine_families(reading)
         yield from self._lookup_families(reading)
+        yield from self._tenant_families(reading)
         yield from self._tier_families(reading)
         yield from self._latency_families(reading)
         lag = self._lag_snapshot()
@@ -239,6 +243,24 @@ class EngineCollector:
         for reason, count in sorted(stats.failures.items()):
             failures.add_metric([reason], count)
         yield failures
+
+    def _tenant_families(self, r: _Reading) -> Iterator[Metric]:
+        p = self.prefix
+        blocks = CounterMetricFamily(
+            f"{p}_tenant_lookup_blocks",
+            "Hashes a tenant passed to engine.lookup (tenant: an opaque label).",
+            labels=["tenant"],
+        )
+        hits = CounterMetricFamily(
+            f"{p}_tenant_lookup_hit_blocks",
+            "Leading hashes of a tenant's lookups found in some tier (tenant: an opaque label).",
+            labels=["tenant"],
+        )
+        for label, counts in sorted(r.tenants.items()):
+            blocks.add_metric([label], counts.blocks)
+            hits.add_metric([label], counts.hit_blocks)
+        yield blocks
+        yield hits
 
     def _lookup_families(self, r: _Reading) -> Iterator[Metric]:
         p, lookups = self.prefix, r.lookups

@@ -198,6 +198,9 @@ class ReplaySummary:
     loop_lag_p99_ms: float = 0.0
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
+    tenants: int = 1
+    cross_tenant_hits: int = 0
+    """Hit blocks a tenant never stored itself (nor shared): zero unless isolation broke."""
 
     @property
     def hit_ratio(self) -> float:
@@ -224,6 +227,8 @@ class ReplaySummary:
                 "load": percentiles_ms(self.load_latency_s),
             },
             "loop_lag_p99_ms": round(self.loop_lag_p99_ms, 3),
+            "tenants": self.tenants,
+            "cross_tenant_hits": self.cross_tenant_hits,
         }
 
 
@@ -256,6 +261,7 @@ async def replay(
     full_blocks_only: bool = False,
     verify: bool = True,
     settle: bool = False,
+    tenants: int = 1,
     on_request: Callable[[int, ReplaySummary], None] | None = None,
     on_open: Callable[[TieringEngine, LoopLagMonitor], AbstractContextManager[object]]
     | None = None,
@@ -272,6 +278,12 @@ async def replay(
             request. The CPU tier never evicts a block still being written to a tier,
             so without it the engine may evict other blocks than the bookkeeping model
             does when the tiers are slow; with it the two agree block for block.
+        tenants: with more than one, every request is sent once by each of that many
+            tenants (``tenant-0``, ``tenant-1``, ...), in turn: identical prompts from
+            tenants the engine must keep apart. Each tenant's blocks carry bytes of
+            their own (those of the tenant's keys, :meth:`TieringEngine.tenant_keys`),
+            so a block served across tenants is a mismatch, and every hit on a block
+            the tenant never stored counts in ``cross_tenant_hits``.
         on_request: called after each request with its number and the summary so far.
         on_open: called once the engine is open, with it and the loop-lag monitor; the
             context manager it returns is left when the replay ends (serve metrics
@@ -292,6 +304,8 @@ async def replay(
         isinstance(pace, bool) or not isinstance(pace, int | float) or not pace > 0
     ):
         raise InvalidArgumentError(f"pace must be None or a positive number, got {pace!r}")
+    tenants = positive_int("tenants", tenants)
+    names: list[str | None] = [f"tenant-{i}" for i in range(tenants)] if tenants > 1 else [None]
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     for number, keys in enumerate(keyed):
         if len(keys) > device_blocks:
@@ -308,12 +322,14 @@ async def replay(
                     delay = start + request.arrival_s / pace - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                await node.request(keys)
+                for tenant in names:
+                    await node.request(keys, tenant)
                 if on_request is not None:
                     on_request(number + 1, node.summary)
             node.summary.seconds = time.perf_counter() - start
     node.closed()
     node.summary.loop_lag_p99_ms = lag.p99_ms
+    node.summary.tenants = tenants
     return node.summary
 
 
@@ -342,21 +358,24 @@ class ReplayNode:
         self.settle = settle
         self.summary = ReplaySummary()
         self._labels: list[str] | None = None
+        self._stored_by: dict[str | None, set[bytes]] = {}  # with tenants: who stored what
 
-    async def request(self, keys: list[bytes]) -> int:
-        """Serve one request's blocks (the engine open): look up, load and check the hit
-        prefix, compute and store the rest. Returns the blocks that hit."""
+    async def request(self, keys: list[bytes], tenant: str | None = None) -> int:
+        """Serve one request's blocks (the engine open) for ``tenant``: look up, load and
+        check the hit prefix, compute and store the rest. Returns the blocks that hit."""
         engine, staging, summary = self.engine, self.staging, self.summary
         if self._labels is None:
             self._labels = tier_labels(engine)
             summary.hits_by_tier = dict.fromkeys([CPU, *self._labels], 0)
-        engine.touch(keys)
-        n = await self._lookup(keys)
-        sources = [_source(engine, self._labels, key) for key in keys[:n]]
+        # What the tiers hold, and so the bytes each block stands for: the tenant's keys.
+        held = keys if tenant is None else engine.tenant_keys(keys, tenant)
+        engine.touch(keys, tenant=tenant)
+        n = await self._lookup(keys, held, tenant)
+        sources = [_source(engine, self._labels, key) for key in held[:n]]
         if n:
             began = time.perf_counter()
             try:
-                result = await engine.load(keys[:n], range(n))
+                result = await engine.load(keys[:n], range(n), tenant=tenant)
             except BlockNotFoundError:  # a tier let one go between the lookup and now
                 result = JobResult(0, False, tuple(keys[:n]), "left every tier")
             summary.load_latency_s.append(time.perf_counter() - began)
@@ -366,38 +385,46 @@ class ReplayNode:
                 # The hit ends at the first key that did not land (all if none is named).
                 n = next((i for i, key in enumerate(keys[:n]) if key in failed), 0)
             if self.verify:  # the whole request's blocks in one hop off the loop
-                summary.mismatches += await asyncio.to_thread(_count_mismatches, staging, keys[:n])
+                summary.mismatches += await asyncio.to_thread(_count_mismatches, staging, held[:n])
+        if tenant is not None:
+            own = self._stored_by.setdefault(tenant, set())
+            summary.cross_tenant_hits += sum(1 for key in keys[:n] if key not in own)
         for source in sources[:n]:
             summary.hits_by_tier[source] = summary.hits_by_tier.get(source, 0) + 1
         summary.hit_blocks += n
         summary.blocks += len(keys)
         summary.requests += 1
         if n < len(keys):
-            await asyncio.to_thread(_compute, staging, keys, n)  # the "model", off the loop
+            await asyncio.to_thread(_compute, staging, held, n)  # the "model", off the loop
             began = time.perf_counter()
-            job = engine.store(keys[n:], range(n, len(keys)))
+            job = engine.store(keys[n:], range(n, len(keys)), tenant=tenant)
             result = await job
             summary.store_latency_s.append(time.perf_counter() - began)
+            if tenant is not None:  # a failed job's keys not named failed did land
+                failed = set(result.failed_keys) if result.failed_keys else set(keys[n:])
+                landed = keys[n:] if result.success else [k for k in keys[n:] if k not in failed]
+                self._stored_by[tenant].update(landed)
             if not result.success:
                 summary.failed_stores += 1
             elif self.settle:
                 await job.cascaded
         return n
 
-    async def _lookup(self, keys: list[bytes]) -> int:
+    async def _lookup(self, keys: list[bytes], held: list[bytes], tenant: str | None) -> int:
         """``engine.lookup``, asked again (as a scheduler does each step) while a tier
-        answers "ask again" (None) for the first block that missed, for up to
-        :data:`ASK_AGAIN_S`: a remote tier checks presence in the background."""
+        answers "ask again" (None) for the first block that missed (asked under the key
+        it holds, ``held``), for up to :data:`ASK_AGAIN_S`: a remote tier checks
+        presence in the background."""
         engine = self.engine
-        n = engine.lookup(keys)
+        n = engine.lookup(keys, tenant=tenant)
         deadline = time.monotonic() + ASK_AGAIN_S
         while (
             n < len(keys)
-            and any(tier.lookup(keys[n]) is None for tier in engine.tiers)
+            and any(tier.lookup(held[n]) is None for tier in engine.tiers)
             and time.monotonic() < deadline
         ):
             await asyncio.sleep(0.001)
-            n = engine.lookup(keys)
+            n = engine.lookup(keys, tenant=tenant)
         return n
 
     def restarted(self) -> ReplayNode:

@@ -36,6 +36,7 @@ from tiering.commands._workload import (
 )
 from tiering.config import TieringConfig, engine_from_config, with_overrides
 from tiering.engine import TieringEngine
+from tiering.errors import ConfigError
 from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.replay import ReplaySummary, replay, simulate
@@ -75,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="let each store reach every tier before the next request (exact bookkeeping)",
     )
+    run.add_argument(
+        "--tenants",
+        type=int,
+        metavar="N",
+        help="send every request once per tenant, N tenants the engine keeps apart",
+    )
     run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
     fleet = parser.add_argument_group("a fleet (docs/fleet.md)")
     fleet.add_argument("--nodes", type=int, metavar="N", help="engines behind a router")
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         "replay.device_blocks": args.device_blocks,
         "replay.pace": args.pace,
         "replay.settle": args.settle,
+        "replay.tenants": args.tenants,
         "metrics.port": args.metrics_port,
     }
     shortcuts["replay.nodes"] = args.nodes
@@ -101,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
     config = with_overrides(config, _tier_shortcuts(args, config))
     requests = load_workload(config)
     if config.replay.nodes > 1:
+        if config.replay.tenants > 1:
+            raise ConfigError(
+                "replay.tenants: a fleet replay (replay.nodes > 1) has one tenant, got "
+                f"{config.replay.tenants}",
+                field="replay.tenants",
+            )
         return _run_fleet(config, requests, args.json)
     with Progress() as progress:
         summary = asyncio.run(_replay(config, requests, progress))
@@ -231,6 +245,9 @@ def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str
     return overrides
 
 
+_TENANT_ID_STRIDE = 1 << 56  # the model keeps tenants apart by block id ranges
+
+
 def _bookkeeping_hit_ratio(config: TieringConfig, requests: list[Request]) -> float | None:
     """The hit ratio the bookkeeping-only replay of this configuration promises (None
     for write-back, which it does not model). It equals the engine's whenever no
@@ -249,6 +266,15 @@ def _bookkeeping_hit_ratio(config: TieringConfig, requests: list[Request]) -> fl
             tier_blocks.append(max(1, int(options["capacity_bytes"]) // size))  # type: ignore[call-overload]
         else:
             tier_blocks.append(None)
+    tenants = config.replay.tenants
+    if tenants > 1:  # each tenant's copy of a request, in the replay's order, apart
+        if any(i >= _TENANT_ID_STRIDE for r in requests for i in r.block_ids):
+            return None
+        requests = [
+            dataclasses.replace(r, block_ids=tuple(i + t * _TENANT_ID_STRIDE for i in r.block_ids))
+            for r in requests
+            for t in range(tenants)
+        ]
     model = simulate(
         requests,
         cpu_blocks=cpu,
@@ -295,6 +321,7 @@ async def _replay(
         full_blocks_only=full,
         verify=config.replay.verify,
         settle=config.replay.settle,
+        tenants=config.replay.tenants,
         on_request=on_request,
     )
 
@@ -311,6 +338,9 @@ def format_summary(figures: dict[str, Any]) -> str:
         ("prefix hit ratio", f"{figures['hit_ratio']:.4f}  ({by_tier})"),
         ("bookkeeping model", _ratio(figures.get("bookkeeping_hit_ratio"))),
         ("mismatches", str(figures["mismatches"])),
+        *([("cross-tenant hits", f"{figures['cross_tenant_hits']} "
+                                 f"({figures['tenants']} tenants)")]
+          if figures.get("tenants", 1) > 1 else []),
         ("failed loads/stores", f"{figures['failed_loads']} / {figures['failed_stores']}"),
         ("bytes moved", paths or "none"),
         ("job latency", f"store p50 {latency['store']['p50']} ms, p99 "

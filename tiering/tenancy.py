@@ -1,0 +1,159 @@
+"""Tenants: each tenant's blocks live under keys of its own.
+
+A cache hit leaks: a request that hits on a prefix learns that someone sent it. So an
+engine call may name a ``tenant``, and the tenant then enters the key every block is
+stored, looked up and loaded under: ``scoped = BLAKE2b(hash, key=BLAKE2b(tenant))``.
+Two tenants sending the same prompt get different keys for every block, so neither can
+hit, load, or time the presence of the other's blocks, in any tier (a shared Redis or
+NVMe root included: they only ever see the scoped keys).
+
+Sharing is opt-in, for prefixes an operator declares public (a common system prompt):
+:meth:`Tenancy.share` takes their block hashes, and a call's *leading* blocks that are
+shared keep their plain hash, so every tenant (and untenanted calls) hit on them. The
+first block that is not shared and every block after it are scoped: a block hash covers
+its whole prefix, so a shared block never follows a tenant's own.
+
+Calls without a tenant use the plain hashes, as before tenants existed. Tenant ids
+never reach a key, an event or a metric: metrics name a tenant by :func:`tenant_label`,
+a digest of the id.
+
+Sans-I/O: BLAKE2b of 32-byte hashes, on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tiering.abstract import BlockHash
+from tiering.errors import InvalidArgumentError
+from tiering.validation import hash_list
+
+MAX_TENANT_CHARS = 256
+MAX_TENANT_LABELS = 1024
+"""Tenants counted apart in an engine's statistics; later ones count under
+:data:`OTHER_TENANTS` (a metric's label set stays bounded)."""
+OTHER_TENANTS = "other"
+_TENANT_PERSON = b"kvtier.tenant"
+_SCOPE_PERSON = b"kvtier.scope"
+_LABEL_PERSON = b"kvtier.label"
+_CACHED_TENANTS = 4096
+
+
+@dataclass(slots=True)
+class TenantLookups:
+    """One tenant's ``engine.lookup`` calls, the hashes they named and how many of the
+    leading ones hit (monotonic totals)."""
+
+    lookups: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+
+
+def check_tenant(tenant: object) -> str | None:
+    """``tenant`` if it is None or a tenant id (1 to 256 characters).
+
+    Raises:
+        InvalidArgumentError: naming ``tenant`` and the value.
+    """
+    if tenant is None or (isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT_CHARS):
+        return tenant
+    raise InvalidArgumentError(
+        f"tenant must be None or a string of 1 to {MAX_TENANT_CHARS} characters, got {tenant!r:.80}"
+    )
+
+
+def tenant_label(tenant: str) -> str:
+    """The opaque label metrics use for ``tenant``: 16 hex digits of a BLAKE2b digest of
+    the id (the same in every process; the id itself never shows)."""
+    digest = hashlib.blake2b(tenant.encode("utf-8"), digest_size=8, person=_LABEL_PERSON)
+    return digest.hexdigest()
+
+
+class Tenancy:
+    """The keys each tenant's blocks are stored under, and the shared prefixes.
+
+    Args:
+        shared_blocks: block hashes every tenant may hit on (see :meth:`share`).
+
+    Raises (constructor): InvalidArgumentError if ``shared_blocks`` is not bytes hashes.
+    """
+
+    __slots__ = ("_secrets", "_shared")
+
+    def __init__(self, shared_blocks: Iterable[BlockHash] = ()) -> None:
+        self._shared: set[bytes] = set()
+        self._secrets: dict[str, bytes] = {}
+        self.share(shared_blocks)
+
+    def share(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Let every tenant hit on these blocks (the hashes of a public prefix, such as
+        :func:`~tiering.hashing.block_hashes` of a common system prompt). Sharing is for
+        prefixes: a shared hash counts only while every block before it in a call is
+        shared too.
+
+        Raises:
+            InvalidArgumentError: ``block_hashes`` is not an iterable of bytes; nothing
+                is shared then.
+        """
+        if isinstance(block_hashes, bytes | bytearray | str):
+            raise InvalidArgumentError(
+                "shared block hashes must be an iterable of bytes hashes, got one "
+                f"{type(block_hashes).__name__}"
+            )
+        try:
+            hashes = list(block_hashes)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"shared block hashes must be an iterable of bytes, got {block_hashes!r:.60}"
+            ) from None
+        for h in hashes:
+            if not isinstance(h, bytes) or not h:
+                raise InvalidArgumentError(f"a shared block hash must be bytes, got {h!r:.60}")
+        self._shared.update(hashes)
+
+    @property
+    def shared_blocks(self) -> int:
+        """How many block hashes are shared."""
+        return len(self._shared)
+
+    def keys(self, block_hashes: Sequence[BlockHash], tenant: str | None) -> Sequence[BlockHash]:
+        """The keys ``tenant``'s blocks ``block_hashes`` (bytes, checked by the caller)
+        live under: the hashes themselves without a tenant; otherwise the leading shared
+        ones as they are and the rest scoped to the tenant."""
+        if tenant is None:
+            return block_hashes
+        secret = self._secrets.get(tenant)
+        if secret is None:
+            if len(self._secrets) >= _CACHED_TENANTS:
+                self._secrets.clear()
+            secret = hashlib.blake2b(
+                tenant.encode("utf-8"), digest_size=32, person=_TENANT_PERSON
+            ).digest()
+            self._secrets[tenant] = secret
+        shared, blake2b = self._shared, hashlib.blake2b
+        keys: list[BlockHash] = []
+        public = bool(shared)
+        for h in block_hashes:
+            if public and h in shared:
+                keys.append(h)
+                continue
+            public = False
+            keys.append(blake2b(h, digest_size=32, key=secret, person=_SCOPE_PERSON).digest())
+        return keys
+
+
+def tenant_keys(
+    block_hashes: Sequence[BlockHash],
+    tenant: str | None,
+    shared_blocks: Iterable[BlockHash] = (),
+) -> list[BlockHash]:
+    """The keys an engine stores ``tenant``'s blocks under (for a router that matches
+    KV events, which carry these keys, against a tenant's prompts).
+
+    Raises:
+        InvalidArgumentError: a bad tenant or hashes.
+    """
+    hashes = hash_list("block_hashes", block_hashes)
+    return list(Tenancy(shared_blocks).keys(hashes, check_tenant(tenant)))
