@@ -63,7 +63,9 @@ from backends.nvme_format import (
     fanout_dirs,
     namespace_digest,
     payload_checksum,
+    refuse_sealed,
 )
+from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segment_tier import MAX_RECORDS_PER_SEGMENT
 from backends.nvme_segments import (
@@ -74,6 +76,7 @@ from backends.nvme_segments import (
     SegmentScan,
     parse_segment_name,
 )
+from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
 
 _NAMESPACE_DIR = re.compile(r"^(.+)-([0-9a-f]{32})$")
@@ -480,6 +483,7 @@ class _FilesState:
     block_bytes: int | None = None
     blocks: list[_FileBlock] = field(default_factory=list)
     orphaned: list[Finding] = field(default_factory=list)
+    sealed: bool = False  # some block is encrypted
 
 
 def _files_state(ns: _Namespace) -> _FilesState | None:
@@ -501,6 +505,7 @@ def _files_state(ns: _Namespace) -> _FilesState | None:
                 headers.append((rel, size, header))
                 if header is not None and header.namespace_digest == ns.digest:
                     sizes[header.payload_bytes] += 1
+                    state.sealed = state.sealed or header.seal is not None
             elif entry.name.endswith(TEMP_SUFFIX):
                 writer = entry.name[: -len(TEMP_SUFFIX)].rpartition(".")[2].partition("-")[0]
                 if writer not in alive:
@@ -540,7 +545,13 @@ def _file_problem(
 
 
 def _verify_block_file(
-    path: str, key: bytes, block_bytes: int, ns_digest: bytes, page: memoryview, slot: memoryview
+    path: str,
+    key: bytes,
+    block_bytes: int,
+    ns_digest: bytes,
+    page: memoryview,
+    slot: memoryview,
+    sealer: PayloadSealer | None,
 ) -> tuple[str | None, os.stat_result | None]:
     """The checks of a load (``BlockFiles._read_block``), without removing anything:
     ``(why it failed or None, the stat of the file read)``."""
@@ -555,11 +566,16 @@ def _verify_block_file(
         file_bytes = HEADER_BYTES + block_bytes
         if stat.st_size != file_bytes:
             return f"corrupt block: file is {stat.st_size} bytes, expected {file_bytes}", stat
-        got = os.preadv(fd, [page, slot], 0)
+        buffer = None if sealer is None else sealer.buffers(1)[0]
+        got = os.preadv(fd, [page, slot if buffer is None else buffer[:block_bytes]], 0)
         if got != file_bytes:
             return f"corrupt block: short read: {got} of {file_bytes} bytes", stat
         decoded = decode_header(page)
         check_header(decoded, key=key, payload_bytes=block_bytes, ns_digest=ns_digest)
+        if sealer is not None and buffer is not None:
+            sealer.open(decoded, buffer, slot)
+            return None, stat
+        refuse_sealed(decoded)
         if payload_checksum(slot) != decoded.payload_checksum:
             return "corrupt block: payload checksum mismatch", stat
         return None, stat
@@ -583,8 +599,11 @@ def _unlink_if_same(path: str, stat: os.stat_result | None) -> bool:
     return True
 
 
-def _verify_files(ns: _Namespace, state: _FilesState, remove: bool) -> tuple[int, list[BadBlock]]:
+def _verify_files(
+    ns: _Namespace, state: _FilesState, remove: bool, keyring: Keyring | None
+) -> tuple[int, list[BadBlock]]:
     bad: list[BadBlock] = []
+    sealer = _sealer(keyring, state.block_bytes, ns.digest)
     buffer = memoryview(bytearray(HEADER_BYTES + (state.block_bytes or 0)))
     page, slot = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
     for block in state.blocks:
@@ -593,7 +612,7 @@ def _verify_files(ns: _Namespace, state: _FilesState, remove: bool) -> tuple[int
         reason = block.problem
         if reason is None and block.key is not None and state.block_bytes is not None:
             reason, stat = _verify_block_file(
-                path, block.key, state.block_bytes, ns.digest, page, slot
+                path, block.key, state.block_bytes, ns.digest, page, slot, sealer
             )
         if reason is None:
             continue
@@ -614,6 +633,7 @@ class _SegmentsState:
     index: SegmentIndex | None = None
     damaged: list[Finding] = field(default_factory=list)
     orphaned: list[Finding] = field(default_factory=list)
+    sealed: bool = False  # some segment's first record is encrypted
 
     @property
     def blocks(self) -> int:
@@ -641,6 +661,7 @@ def _segments_state(ns: _Namespace) -> _SegmentsState | None:
         header = _read_header(entry.path, HEADER_BYTES)
         if header is not None and header.namespace_digest == ns.digest:
             sizes[header.payload_bytes] += 1
+            state.sealed = state.sealed or header.seal is not None
     state.block_bytes = _most_common(sizes)
     if state.block_bytes is None:
         state.damaged.extend(
@@ -724,8 +745,16 @@ def _live_entries(index: SegmentIndex) -> list[tuple[str, int]]:
     ]
 
 
+def _sealer(
+    keyring: Keyring | None, block_bytes: int | None, ns_digest: bytes
+) -> PayloadSealer | None:
+    if keyring is None or block_bytes is None:
+        return None
+    return PayloadSealer(BlockCipher(keyring), block_bytes=block_bytes, ns_digest=ns_digest)
+
+
 def _verify_segments(
-    ns: _Namespace, state: _SegmentsState, remove: bool
+    ns: _Namespace, state: _SegmentsState, remove: bool, keyring: Keyring | None
 ) -> tuple[int, list[BadBlock], bool]:
     """Read every block the index holds with the tier's reader (``SegmentFiles.read``:
     header, key, namespace, length, payload checksum); with ``remove``, mark the bad
@@ -734,6 +763,7 @@ def _verify_segments(
     files, index = state.files, state.index
     if files is None or index is None or not len(index):
         return 0, [], False
+    files.sealer = _sealer(keyring, files.block_bytes, ns.digest)
     snap = index.snapshot()
     entries = [
         (snap.segments[s][0], r, d)
@@ -1000,11 +1030,18 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
 
 
 def verify_root(
-    root: str | os.PathLike[str], *, remove: bool, namespace: str | None = None
+    root: str | os.PathLike[str],
+    *,
+    remove: bool,
+    namespace: str | None = None,
+    encryption: Keyring | str | None = None,
 ) -> VerifyReport:
     """Read every block of ``root`` (or of one namespace) and check it as a load does:
     length, header (magic, version, checksum, namespace, key, payload length) and
-    payload checksum.
+    payload checksum, or for an encrypted block its authentication under
+    ``encryption`` (a keyring or its spec, as the tier's option). Without a keyring an
+    encrypted block is reported bad (it cannot be checked), and ``remove`` is refused
+    for a namespace that holds encrypted blocks.
 
     For the file layout every block file counts, and files the tier's start-up would
     remove (torn, corrupt, foreign, misplaced) are bad too; for the segment layout the
@@ -1017,30 +1054,41 @@ def verify_root(
 
     Raises:
         InvalidArgumentError: as :func:`inspect_root`.
-        TieringError: ``remove`` and a selected namespace has a live owner (nothing
-            changed), or an OS error while reading (the message carries it). A block
-            that could not be removed is reported as not removed.
+        TieringError: ``remove`` and a selected namespace has a live owner, or holds
+            encrypted blocks and no keyring was given (nothing changed), or an OS error
+            while reading (the message carries it). A block that could not be removed
+            is reported as not removed.
     """
+    keyring = keyring_from(encryption, option="encryption")
     path, namespaces, _ = _open_root(root)
     selected = _select(namespaces, namespace)
     if remove:
         _refuse_if_live(selected, "remove bad blocks")
     with _os_errors(path):
-        results = [_verify_namespace(ns, remove) for ns in selected]
+        states = [(ns, _state(ns)) for ns in selected]
+        if remove and keyring is None:
+            for ns, state in states:
+                if any(part is not None and part.sealed for part in (state.files, state.segments)):
+                    raise TieringError(
+                        f"{ns.path}: holds encrypted blocks; without their keyring "
+                        "(--encryption) none can be checked, so none is removed"
+                    )
+        results = [_verify_namespace(ns, state, remove, keyring) for ns, state in states]
     return VerifyReport(path, remove, tuple(results))
 
 
-def _verify_namespace(ns: _Namespace, remove: bool) -> NamespaceVerify:
-    state = _state(ns)
+def _verify_namespace(
+    ns: _Namespace, state: _State, remove: bool, keyring: Keyring | None
+) -> NamespaceVerify:
     checked = 0
     bad: list[BadBlock] = []
     rewritten = False
     if state.segments is not None:
-        n, found, rewritten = _verify_segments(ns, state.segments, remove)
+        n, found, rewritten = _verify_segments(ns, state.segments, remove, keyring)
         checked += n
         bad += found
     if state.files is not None:
-        n, found = _verify_files(ns, state.files, remove)
+        n, found = _verify_files(ns, state.files, remove, keyring)
         checked += n
         bad += found
     return NamespaceVerify(ns.name, ns.namespace, checked, tuple(bad), _live_owners(ns), rewritten)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Iterator
@@ -26,7 +27,9 @@ def pool() -> Iterator[memoryview]:
         yield view
 
 
-async def make_root(pool: memoryview, root: Path, n: int = 6) -> list[bytes]:
+async def make_root(
+    pool: memoryview, root: Path, n: int = 6, encryption: str | None = None
+) -> list[bytes]:
     names = [f"c-{i}-".encode() + os.urandom(8) for i in range(n)]
     async with NVMeSegmentTier(
         pool,
@@ -36,6 +39,7 @@ async def make_root(pool: memoryview, root: Path, n: int = 6) -> list[bytes]:
         capacity_bytes=32 * RECORD,
         min_free_bytes=0,
         segment_bytes=HEADER_BYTES + 4 * RECORD,
+        encryption=encryption,
     ) as tier:
         assert (await store_job(tier, names, range(n))).success
     return names
@@ -86,6 +90,23 @@ async def test_verify_exits_1_on_a_bad_block_even_once_removed_then_0(
     assert code == EXIT_FAILURE and report["bad"] == 1 and report["removed"] == 1
     code, out, _ = run(capsys, "verify", str(tmp_path), "--json")
     assert code == EXIT_OK and last_json(out)["checked"] == 5
+
+
+async def test_verify_takes_the_keyring_from_an_environment_variable(
+    pool: memoryview,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KV_TEST_KEYS", "3:" + base64.b64encode(os.urandom(32)).decode())
+    await make_root(pool, tmp_path, encryption="env:KV_TEST_KEYS")
+    assert run(capsys, "verify", str(tmp_path), "--encryption", "env:KV_TEST_KEYS")[0] == EXIT_OK
+    code, out, _ = run(capsys, "verify", str(tmp_path))
+    assert code == EXIT_FAILURE and "encrypted (key id 3)" in out
+    code, _, err = run(capsys, "verify", str(tmp_path), "--remove")
+    assert code == EXIT_FAILURE and "holds encrypted blocks" in err
+    code, _, err = run(capsys, "verify", str(tmp_path), "--encryption", "env:KV_NOT_SET")
+    assert code == EXIT_USAGE and "'KV_NOT_SET' is not set" in err
 
 
 async def test_clear_needs_yes_or_dry_run_and_then_removes_the_namespace(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 from collections.abc import Iterator
@@ -123,6 +124,29 @@ async def test_verify_finds_a_flipped_payload_byte_and_remove_keeps_a_restart_fr
         assert tier.get_num_blocks() == 5
         others = names[:2] + names[3:]
         assert (await load_job(tier, others, range(5))).success
+
+
+KEYRING = "1:" + base64.b64encode(bytes(range(32))).decode()
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_verify_checks_encrypted_blocks_under_their_keyring_and_never_removes_blindly(
+    pool: memoryview, tmp_path: Path, layout: str
+) -> None:
+    names = keys(4, "e")
+    async with make_tier(layout, pool, tmp_path, encryption=KEYRING) as tier:
+        assert (await store_job(tier, names, range(4))).success
+    assert verify_root(tmp_path, remove=False, encryption=KEYRING).bad == ()
+    blind = verify_root(tmp_path, remove=False)  # no keyring: cannot be checked
+    assert len(blind.bad) == 4 and all("encrypted" in b.reason for b in blind.bad)
+    with pytest.raises(TieringError, match="holds encrypted blocks"):
+        verify_root(tmp_path, remove=True)
+    path, offset = payload_offset(layout, tmp_path, names[1], 1)
+    flip_byte(path, offset)
+    [bad] = verify_root(tmp_path, remove=True, encryption=KEYRING).bad
+    assert bad.key == names[1].hex() and "authentication" in bad.reason and bad.removed
+    async with make_tier(layout, pool, tmp_path, encryption=KEYRING) as tier:
+        assert tier.get_num_blocks() == 3 and tier.lookup(names[0])
 
 
 async def test_a_bad_record_named_by_the_checkpoint_leaves_it(

@@ -2,13 +2,15 @@
 ones and, with --remove, remove them.
 
 Checks each block's length, header (magic, version, header checksum, namespace, key,
-payload length) and payload checksum. --remove deletes a bad block file, or marks a bad
-segment record (its header page zeroed) and drops it from the index checkpoint, so a
-tier started later neither indexes nor serves it; it refuses a namespace that a running
-tier holds (its owner lock). Without --remove nothing changes and it may run next to an
-engine (a record being written can then look bad). Exit status: 0 every block verified,
-1 a bad block was found (even if removed) or the root is in use for --remove, 2 a usage
-error.
+payload length) and payload checksum; an encrypted block's authentication under the
+keyring --encryption names (without it an encrypted block cannot be checked: it is
+reported bad, and --remove is refused for its namespace). --remove deletes a bad block
+file, or marks a bad segment record (its header page zeroed) and drops it from the index
+checkpoint, so a tier started later neither indexes nor serves it; it refuses a
+namespace that a running tier holds (its owner lock). Without --remove nothing changes
+and it may run next to an engine (a record being written can then look bad). Exit
+status: 0 every block verified, 1 a bad block was found (even if removed) or the root is
+in use for --remove, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remove",
         action="store_true",
         help="remove the bad blocks, as the tier drops them (refused while a tier runs)",
+    )
+    parser.add_argument(
+        "--encryption",
+        metavar="SPEC",
+        help="the tier's keyring, to check encrypted blocks: 'env:VARIABLE' (or the spec "
+        "itself, which then shows in the process list)",
     )
     add_namespace_argument(parser)
     add_json_argument(parser)
@@ -60,7 +68,9 @@ def render(report: VerifyReport) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = verify_root(args.root, remove=args.remove, namespace=args.namespace)
+    report = verify_root(
+        args.root, remove=args.remove, namespace=args.namespace, encryption=args.encryption
+    )
     if args.json:
         print_json(report.to_json())
     else:
