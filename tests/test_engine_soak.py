@@ -5,7 +5,9 @@ slots, a memory and/or an NVMe tier of either layout under ``tmp_path``) and run
 several engine *lives* on the same NVMe root. A life is rounds of concurrent random
 jobs: stores, loads of ``keys[:lookup(keys)]``, touches, awaiters cancelled at random
 points (the job must still complete), ``flush()`` awaited or cut short by ``wait_for``.
-Some lives inject tier faults through a :class:`backends.faults.FaultInjector`: EIO on
+Jobs name one of several tenants in some configurations (a tenant's blocks hold bytes of
+its own, so one served across tenants is caught), and the NVMe tier encrypts its blocks
+in some. Some lives inject tier faults through a :class:`backends.faults.FaultInjector`: EIO on
 reads, a flipped byte in a stored block (a block file or a segment record), ENOSPC for
 a few writes; any life may have slow calls. A life ends with a graceful close
 (sometimes with jobs still in flight) or a hard ``close()``.
@@ -38,6 +40,7 @@ interleaving of concurrent jobs is up to the loop, so a rerun is close, not iden
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import errno
 import os
@@ -64,13 +67,14 @@ from tests._engine_helpers import (
     spin,
     wipe,
 )
-from tiering import Job, JobResult, TieringEngine
+from tiering import Job, JobResult, TieringEngine, tenant_keys
 
 SEEDS = int(os.environ.get("KVT_SOAK_SEEDS", "8"))
 FIRST_SEED = int(os.environ.get("KVT_SOAK_FIRST_SEED", "0"))
 LIVES = int(os.environ.get("KVT_SOAK_LIVES", "3"))
 ROUNDS = int(os.environ.get("KVT_SOAK_ROUNDS", "10"))
 KEYS = 24
+SOAK_KEYRING = "1:" + base64.b64encode(bytes(range(32))).decode()
 
 
 @dataclass
@@ -81,6 +85,8 @@ class _Config:
     memory_blocks: int | None
     nvme: bool
     nvme_tier: str  # "nvme" (segment files) or "nvme-files"
+    tenants: tuple[str | None, ...]  # each job names one of these
+    encrypted: bool  # the NVMe tier seals its blocks
 
     @classmethod
     def draw(cls, rng: random.Random) -> _Config:
@@ -92,16 +98,30 @@ class _Config:
             memory_blocks=rng.randint(3, 12) if tiers != "nvme" else None,
             nvme=tiers != "memory",
             nvme_tier=rng.choice(["nvme", "nvme-files"]),
+            tenants=rng.choice([(None,), (None, "t1", "t2")]),
+            encrypted=tiers != "memory" and rng.random() < 0.5,
         )
+
+
+@dataclass(frozen=True)
+class _Issued:
+    """One job as the soak issued it: its kind, handle, the caller's hashes, device
+    block ids and tenant."""
+
+    kind: str
+    job: Job
+    keys: list[bytes]
+    ids: list[int]
+    tenant: str | None
 
 
 @dataclass
 class _Life:
     """What one engine life issued and saw."""
 
-    jobs: list[tuple[str, Job, list[bytes], list[int]]] = field(default_factory=list)
+    jobs: list[_Issued] = field(default_factory=list)
     finished: Counter[int] = field(default_factory=Counter)
-    stored_ok: set[bytes] = field(default_factory=set)
+    stored_ok: set[tuple[str | None, bytes]] = field(default_factory=set)  # (tenant, key)
     damaged: bool = False
     flipped: list[tuple[Path, int, int, int]] = field(default_factory=list)
 
@@ -114,11 +134,11 @@ class _Soak:
         self.config = _Config.draw(self.rng)
         self.kv = make_kv(seed)
         self.keys = [h(1000 * (seed + 1) + i) for i in range(KEYS)]
-        self.must_survive: set[bytes] = set()
+        self.must_survive: set[tuple[str | None, bytes]] = set()
         self.loads_landed = 0
         self.jobs = 0
         self.survivors_checked = 0
-        self.recent: set[bytes] = set()
+        self.recent: set[tuple[str | None, bytes]] = set()
 
     def _engine(self, faults: FaultInjector) -> TieringEngine:
         tiers: list[Any] = []
@@ -126,7 +146,8 @@ class _Soak:
             tiers.append({"type": "memory", "max_blocks": self.config.memory_blocks})
         if self.config.nvme:
             tier = self.config.nvme_tier
-            tiers.append(nvme_spec(self.root, faults, tier=tier, enospc_retry_s=0.01))
+            sealed = {"encryption": SOAK_KEYRING} if self.config.encrypted else {}
+            tiers.append(nvme_spec(self.root, faults, tier=tier, enospc_retry_s=0.01, **sealed))
         return TieringEngine(
             self.kv,
             self.config.cpu_blocks,
@@ -178,8 +199,8 @@ class _Soak:
             faults.clear()  # a hard stop must not wait on a slowed call
             await engine.aclose()
         faults.clear()
-        for kind, job, keys, ids in in_flight:
-            await self._check(kind, job, keys, ids, life)
+        for issued in in_flight:
+            await self._check(issued, life)
         with contextlib.suppress(Exception):
             self._drain(engine, life)
         self._check_results(life)
@@ -189,22 +210,26 @@ class _Soak:
 
     async def _check_survivors(self, engine: TieringEngine, life: _Life) -> None:
         """The previous life closed gracefully and cleanly: its stores are all here."""
-        keys = sorted(self.must_survive)
-        if not keys:
-            return
-        for key in keys:
-            assert engine.lookup([key]) == 1, f"seed {self.seed}: {key.hex()} lost by a close"
-        self.survivors_checked += len(keys)
-        for start in range(0, len(keys), self.config.cpu_blocks):
-            chunk = keys[start : start + self.config.cpu_blocks]
-            ids = list(range(len(chunk)))
-            wipe(self.kv, ids)
-            result = await engine.load(chunk, ids)
-            assert result.success, f"seed {self.seed}: survivors failed to load: {result}"
-            for key, i in zip(chunk, ids, strict=True):
-                assert holds(self.kv, key, i), f"seed {self.seed}: {key.hex()} wrong after reopen"
-            self.loads_landed += 1
-            await settle(engine)
+        for tenant in self.config.tenants:
+            keys = sorted(k for t, k in self.must_survive if t == tenant)
+            for key in keys:
+                assert engine.lookup([key], tenant=tenant) == 1, (
+                    f"seed {self.seed}: {key.hex()} of tenant {tenant} lost by a close"
+                )
+            self.survivors_checked += len(keys)
+            for start in range(0, len(keys), self.config.cpu_blocks):
+                chunk = keys[start : start + self.config.cpu_blocks]
+                ids = list(range(len(chunk)))
+                wipe(self.kv, ids)
+                result = await engine.load(chunk, ids, tenant=tenant)
+                assert result.success, f"seed {self.seed}: survivors failed to load: {result}"
+                held = engine.tenant_keys(chunk, tenant)
+                for key, i in zip(held, ids, strict=True):
+                    assert holds(self.kv, key, i), (
+                        f"seed {self.seed}: {key.hex()} wrong after reopen"
+                    )
+                self.loads_landed += 1
+                await settle(engine)
         engine.get_finished()
 
     # ---------------------------------------------------------------- one round
@@ -213,28 +238,26 @@ class _Soak:
         rng = self.rng
         jobs = self._issue_some(engine, life)
         awaiters = []
-        for _, job, _, _ in jobs:
+        for issued in jobs:
             if rng.random() < 0.3:
-                awaiters.append(asyncio.create_task(result_of(job)))
+                awaiters.append(asyncio.create_task(result_of(issued.job)))
         flushing = None
         if rng.random() < 0.25:
             flushing = asyncio.create_task(self._flush(engine))
         if rng.random() < 0.2:
-            engine.touch(rng.sample(self.keys, 3))
+            engine.touch(rng.sample(self.keys, 3), tenant=rng.choice(self.config.tenants))
         await spin(rng.randint(0, 6))
         for task in awaiters:
             task.cancel()
         for task in awaiters:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for kind, job, keys, ids in jobs:
-            await self._check(kind, job, keys, ids, life)
+        for issued in jobs:
+            await self._check(issued, life)
         if flushing is not None:
             await flushing
 
-    def _issue_some(
-        self, engine: TieringEngine, life: _Life
-    ) -> list[tuple[str, Job, list[bytes], list[int]]]:
+    def _issue_some(self, engine: TieringEngine, life: _Life) -> list[_Issued]:
         rng = self.rng
         free = list(range(DEVICE_BLOCKS))
         rng.shuffle(free)
@@ -242,28 +265,36 @@ class _Soak:
         for _ in range(rng.randint(1, 4)):
             size = rng.randint(1, min(3, self.config.cpu_blocks))
             keys = list(dict.fromkeys(rng.choice(self.keys) for _ in range(size)))
+            tenant = rng.choice(self.config.tenants)
             if rng.random() < 0.45:
                 ids = [free.pop() for _ in keys]
-                put(self.kv, keys, ids)
-                entry = ("store", engine.store(keys, ids), keys, ids)
+                # A tenant's block holds the bytes of its tenant key: a load served from
+                # another tenant's block would hold other bytes.
+                put(self.kv, engine.tenant_keys(keys, tenant), ids)
+                entry = _Issued("store", engine.store(keys, ids, tenant=tenant), keys, ids, tenant)
             else:
-                if self.recent and rng.random() < 0.7:  # mostly keys likely to be held
-                    pool = sorted(self.recent)
-                    keys = list(dict.fromkeys(rng.choice(pool) for _ in range(size)))
-                keys = keys[: engine.lookup(keys)]
+                mine = sorted(k for t, k in self.recent if t == tenant)
+                if mine and rng.random() < 0.7:  # mostly keys likely to be held
+                    keys = list(dict.fromkeys(rng.choice(mine) for _ in range(size)))
+                keys = keys[: engine.lookup(keys, tenant=tenant)]
                 if not keys:
                     continue
                 ids = [free.pop() for _ in keys]
                 wipe(self.kv, ids)
-                entry = ("load", engine.load(keys, ids), keys, ids)
+                entry = _Issued("load", engine.load(keys, ids, tenant=tenant), keys, ids, tenant)
             issued.append(entry)
             life.jobs.append(entry)
             self.jobs += 1
         return issued
 
-    async def _check(
-        self, kind: str, job: Job, keys: list[bytes], ids: list[int], life: _Life
-    ) -> None:
+    async def _check(self, issued: _Issued, life: _Life) -> None:
+        kind, job, keys, ids, tenant = (
+            issued.kind,
+            issued.job,
+            issued.keys,
+            issued.ids,
+            issued.tenant,
+        )
         result = await job
         assert isinstance(result, JobResult) and result.job_id == job.job_id
         assert result.success == (not result.failed_keys), f"seed {self.seed}: {result}"
@@ -271,16 +302,21 @@ class _Soak:
         assert set(result.failed_keys) <= set(keys), f"seed {self.seed}: {result} names other keys"
         if kind == "store":
             if result.success:
-                life.stored_ok.update(keys)
-                self.recent.update(keys)
+                life.stored_ok.update((tenant, key) for key in keys)
+                self.recent.update((tenant, key) for key in keys)
             return
-        for key, i in zip(keys, ids, strict=True):
+        held = self._held(keys, tenant)
+        for key, mine, i in zip(keys, held, ids, strict=True):
             if key not in result.failed_keys:
-                assert holds(self.kv, key, i), (
+                assert holds(self.kv, mine, i), (
                     f"seed {self.seed}: load job {job.job_id} reported {key.hex()} landed "
                     f"but device block {i} holds other bytes ({self.config})"
                 )
                 self.loads_landed += 1
+
+    def _held(self, keys: list[bytes], tenant: str | None) -> list[bytes]:
+        """The keys ``tenant``'s blocks live under, whose bytes they hold."""
+        return tenant_keys(keys, tenant)
 
     async def _flush(self, engine: TieringEngine) -> None:
         bound = self.rng.choice([None, 0.0, 0.001, 0.01])
@@ -295,9 +331,9 @@ class _Soak:
             life.finished[result.job_id] += 1
 
     def _check_results(self, life: _Life) -> None:
-        for _, job, _, _ in life.jobs:
-            assert job.done(), f"seed {self.seed}: job {job.job_id} never finished"
-        ids = {job.job_id for _, job, _, _ in life.jobs}
+        for issued in life.jobs:
+            assert issued.job.done(), f"seed {self.seed}: job {issued.job.job_id} never finished"
+        ids = {issued.job.job_id for issued in life.jobs}
         for job_id in ids:
             assert life.finished[job_id] == 1, (
                 f"seed {self.seed}: job {job_id} appeared {life.finished[job_id]} times "
