@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests._engine_helpers import make_kv
 from tiering import TieringEngine, tenant_keys, tenant_label
@@ -18,6 +20,7 @@ from tiering.events import encode_events
 from tiering.hashing import block_hashes
 from tiering.metrics import serve_engine_metrics
 from tiering.replay import replay
+from tiering.tenancy import Tenancy
 from tiering.validation import hash_list
 from tiering.workloads import synthetic_requests
 
@@ -158,3 +161,24 @@ async def test_the_replay_counts_cross_tenant_hits_when_isolation_is_missing() -
         requests, lambda kv: _SharingEngine(kv, 48), device_blocks=64, block_bytes=1024, tenants=2
     )
     assert summary.cross_tenant_hits > 0
+
+
+hashes = st.lists(st.binary(min_size=1, max_size=40), min_size=0, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=hashes,
+    shared=hashes,
+    tenants=st.lists(st.text(min_size=1, max_size=8), min_size=2, max_size=2, unique=True),
+)
+def test_only_the_leading_shared_blocks_are_common_to_tenants(
+    calls: list[bytes], shared: list[bytes], tenants: list[str]
+) -> None:
+    tenancy = Tenancy(shared)
+    a, b = (list(tenancy.keys(calls, t)) for t in tenants)
+    common = next((i for i, h in enumerate(calls) if h not in set(shared)), len(calls))
+    assert a[:common] == b[:common] == calls[:common]
+    assert not set(a[common:]) & set(b[common:])  # nothing else in common
+    assert not set(a[common:]) & set(calls)  # nor with untenanted calls
+    assert a == list(tenancy.keys(calls, tenants[0]))  # stable
