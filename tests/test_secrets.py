@@ -1,9 +1,11 @@
-"""No secret anywhere visible: a password given to a tier never shows in logs, errors,
-``repr``, statistics, metrics or events, even when everything fails (issue 14)."""
+"""No secret anywhere visible: a password or an encryption key given to a tier never
+shows in logs, errors, ``repr``, statistics, metrics or events, even when everything
+fails (issue 14)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import urllib.request
 
@@ -60,3 +62,52 @@ async def test_a_redis_password_never_shows_anywhere(
     leaks = [place for place in seen if SECRET in place]
     assert not leaks, leaks
     assert any("unreachable" in place for place in seen)  # the failures were reported
+
+
+async def test_an_nvme_encryption_key_never_shows_anywhere(
+    tmp_path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    key = bytes(range(100, 132))
+    spec = "1:" + base64.b64encode(key).decode()
+    forms = [base64.b64encode(key).decode(), key.hex(), repr(key), key.decode("latin-1")]
+    monkeypatch.setenv("KV_SECRET_KEYS", spec)
+    kv = torch.randn(16, 4, 64).half()
+    tiers = [{"type": "nvme", "root": str(tmp_path / "nvme"), "capacity_bytes": 1 << 24}]
+    seen: list[str] = []
+    for keyring in ("env:KV_SECRET_KEYS", spec, "2:" + base64.b64encode(bytes(32)).decode()):
+        spec_tiers = [{**tiers[0], "encryption": keyring}]
+        async with TieringEngine(kv, 2, secondary_tiers=spec_tiers, enable_events=True) as engine:
+            job = engine.store([b"a", b"b"], [0, 1])
+            await job
+            await job.cascaded
+            engine.store([b"c", b"d"], [2, 3])  # evicts a and b from the CPU tier
+            await asyncio.sleep(0.05)
+            if engine.lookup([b"a"]):  # the last keyring lacks key 1: a failed load
+                seen.append(repr(await engine.load([b"a"], [4])))
+            with serve_engine_metrics(engine, 0) as metrics:
+                url = f"http://127.0.0.1:{metrics.port}/metrics"
+                text = await asyncio.to_thread(_read, url)
+            seen += [
+                text.decode(),
+                repr(engine),
+                repr(engine.tiers[0]),
+                repr(engine.tiers[0].statistics()),
+                encode_events(engine.take_events()).decode(),
+                repr(engine.get_finished()),
+            ]
+    short = base64.b64encode(key[:20]).decode()  # a bad spec names the option, not the key
+    forms.append(short)
+    with pytest.raises(TieringError, match="encryption: key 1 is 20 bytes") as refused:
+        bad = [{**tiers[0], "encryption": f"1:{short}"}]
+        async with TieringEngine(kv, 2, secondary_tiers=bad):
+            pass
+    seen += [str(refused.value), repr(refused.value), caplog.text]
+    assert "key id 1, which the keyring lacks" in caplog.text  # the failure was reported
+    leaks = [place for place in seen for form in forms if form in place]
+    assert not leaks, leaks
+
+
+def _read(url: str) -> bytes:
+    with urllib.request.urlopen(url) as response:
+        return response.read()
