@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from backends.redis_server import SERVER, LocalRedisCluster, LocalRedisServer
+from tiering.registry import make_tier
 
 
 def _require_redis() -> None:
@@ -73,3 +77,32 @@ def self_signed_tls(directory: Path) -> tuple[Path, Path, Path]:
     ):  # fmt: skip
         subprocess.run([openssl, *map(str, argv)], check=True, capture_output=True, timeout=60)
     return crt, key, ca_crt
+
+
+BLOCK = 16 << 10
+"""The block size of the Redis tier tests."""
+
+
+@asynccontextmanager
+async def opened(
+    pool: memoryview, server: LocalRedisServer | LocalRedisCluster, **options: Any
+) -> AsyncIterator[Any]:
+    """A started Redis tier of namespace ``model-a`` on ``server`` over ``pool``, closed
+    on leaving."""
+    spec = {"type": "redis", "url": server.url, "namespace": "model-a", **options}
+    tier = make_tier(spec, pool, BLOCK)
+    await tier.start()
+    try:
+        yield tier
+    finally:
+        await tier.aclose()
+
+
+def keys(n: int, prefix: str = "k") -> list[bytes]:
+    """``n`` distinct 32-byte block keys."""
+    return [f"{prefix}{i}".encode().ljust(32, b".") for i in range(n)]
+
+
+def slot(pool: memoryview, i: int) -> bytes:
+    """The bytes of slot ``i`` of ``pool``."""
+    return bytes(pool[i * BLOCK : (i + 1) * BLOCK])

@@ -19,6 +19,7 @@ import xxhash
 from backends.nvme import NVMeFileTier, NVMeTierBase
 from backends.nvme_format import HEADER_BYTES, SEALED_AES_GCM, decode_header
 from backends.nvme_segment_tier import NVMeSegmentTier
+from tests._engine_helpers import flip_byte
 from tests._nvme_helpers import load_job as load
 from tests._nvme_helpers import random_pool
 from tests._nvme_helpers import store_job as store
@@ -68,14 +69,6 @@ def headers(tier: NVMeTierBase) -> dict[bytes, tuple[Path, int]]:
                 continue
             found[header.key] = (path, offset)
     return found
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as file:
-        file.seek(offset)
-        byte = file.read(1)
-        file.seek(offset)
-        file.write(bytes([byte[0] ^ 1]))
 
 
 def slot(pool: memoryview, i: int) -> bytes:
@@ -174,7 +167,7 @@ async def test_a_flipped_ciphertext_byte_is_a_miss(
     async with make(layout, pool, tmp_path, encryption=OLD) as tier:
         assert (await store(tier, [b"a", b"b"], [0, 1])).success
         path, offset = headers(tier)[b"a"]
-        flip(path, offset + HEADER_BYTES + 1000)
+        flip_byte(path, offset + HEADER_BYTES + 1000)
         result = await load(tier, [b"a", b"b"], [4, 5])
         assert result.failed_keys == (b"a",)
         assert slot(pool, 5) == slot(pool, 1)  # the other block of the job still lands

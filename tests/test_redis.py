@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,7 +13,15 @@ import torch
 from backends.redis_server import LocalRedisCluster
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
-from tests._redis_helpers import local_redis_cluster, local_redis_server, self_signed_tls
+from tests._redis_helpers import (
+    BLOCK,
+    keys,
+    local_redis_cluster,
+    local_redis_server,
+    opened,
+    self_signed_tls,
+    slot,
+)
 from tests._scripts import last_json, run_script
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
@@ -24,7 +30,6 @@ from tiering.registry import make_tier
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
 
-BLOCK = 16 << 10
 SLOTS = 32
 
 
@@ -47,27 +52,6 @@ def empty_cluster(redis_cluster: LocalRedisCluster):
     yield redis_cluster
     for node in redis_cluster.nodes:
         node.command("FLUSHALL")
-
-
-@asynccontextmanager
-async def opened(
-    pool: memoryview, server: RedisServer | LocalRedisCluster, **options: Any
-) -> AsyncIterator[Any]:
-    spec = {"type": "redis", "url": server.url, "namespace": "model-a", **options}
-    tier = make_tier(spec, pool, BLOCK)
-    await tier.start()
-    try:
-        yield tier
-    finally:
-        await tier.aclose()
-
-
-def keys(n: int, prefix: str = "k") -> list[bytes]:
-    return [f"{prefix}{i}".encode().ljust(32, b".") for i in range(n)]
-
-
-def slot(pool: memoryview, i: int) -> bytes:
-    return bytes(pool[i * BLOCK : (i + 1) * BLOCK])
 
 
 async def settled(answer: Callable[[], object], bound_s: float = 10.0) -> object:

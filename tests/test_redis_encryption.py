@@ -10,8 +10,7 @@ import logging
 import os
 import struct
 import urllib.request
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 from backends.nvme_format import namespace_digest, payload_checksum
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
+from tests._redis_helpers import BLOCK, keys, opened, slot
 from tiering import TieringEngine
 from tiering.encryption import Seal
 from tiering.errors import InvalidArgumentError
@@ -33,7 +33,6 @@ pytest.importorskip("cryptography", reason="pip install 'kv-tiering[encryption]'
 
 from backends.redis import SEALED_VERSION, encode_header  # after the skips: needs redis-py
 
-BLOCK = 16 << 10
 SLOTS = 32
 TAG = 16
 NAMESPACE = "model-a"
@@ -54,26 +53,6 @@ def spec(*entries: tuple[int, bytes]) -> str:
 def pool():
     with random_pool(BLOCK, SLOTS) as view:
         yield view
-
-
-@asynccontextmanager
-async def opened(pool: memoryview, server: RedisServer, **options: Any) -> AsyncIterator[Any]:
-    tier = make_tier(
-        {"type": "redis", "url": server.url, "namespace": NAMESPACE, **options}, pool, BLOCK
-    )
-    await tier.start()
-    try:
-        yield tier
-    finally:
-        await tier.aclose()
-
-
-def keys(n: int, prefix: str = "k") -> list[bytes]:
-    return [f"{prefix}{i}".encode().ljust(32, b".") for i in range(n)]
-
-
-def slot(pool: memoryview, i: int) -> bytes:
-    return bytes(pool[i * BLOCK : (i + 1) * BLOCK])
 
 
 def name_of(key: bytes, namespace: str = NAMESPACE) -> bytes:
