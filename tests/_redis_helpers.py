@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,12 @@ def keys(n: int, prefix: str = "k") -> list[bytes]:
 def slot(pool: memoryview, i: int) -> bytes:
     """The bytes of slot ``i`` of ``pool``."""
     return bytes(pool[i * BLOCK : (i + 1) * BLOCK])
+
+
+async def settled(answer: Callable[[], object], bound_s: float = 10.0) -> object:
+    """Ask until the answer is not None ("ask again"), as a scheduler does each step."""
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while (value := answer()) is None:
+        assert asyncio.get_running_loop().time() < deadline, "the lookup never settled"
+        await asyncio.sleep(0.005)
+    return value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from tests._redis_helpers import (
     local_redis_server,
     opened,
     self_signed_tls,
+    settled,
     slot,
 )
 from tests._scripts import last_json, run_script
@@ -52,15 +52,6 @@ def empty_cluster(redis_cluster: LocalRedisCluster):
     yield redis_cluster
     for node in redis_cluster.nodes:
         node.command("FLUSHALL")
-
-
-async def settled(answer: Callable[[], object], bound_s: float = 10.0) -> object:
-    """Ask until the answer is not None ("ask again"), as a scheduler does each step."""
-    deadline = asyncio.get_running_loop().time() + bound_s
-    while (value := answer()) is None:
-        assert asyncio.get_running_loop().time() < deadline, "the lookup never settled"
-        await asyncio.sleep(0.005)
-    return value
 
 
 async def test_store_then_load_is_byte_exact(pool: memoryview, redis_server: RedisServer) -> None:

@@ -10,7 +10,6 @@ import logging
 import os
 import struct
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from backends.nvme_format import namespace_digest, payload_checksum
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
-from tests._redis_helpers import BLOCK, keys, opened, slot
+from tests._redis_helpers import BLOCK, keys, opened, settled, slot
 from tiering import TieringEngine
 from tiering.encryption import Seal
 from tiering.errors import InvalidArgumentError
@@ -71,15 +70,6 @@ def header_fields(header: bytes) -> tuple[int, int, bytes]:
     version = struct.unpack_from("<H", header, 8)[0]
     key_id, nonce = struct.unpack_from("<I12s", header, 20)
     return version, key_id, nonce
-
-
-async def settled(answer: Callable[[], object], bound_s: float = 10.0) -> object:
-    """Ask until the answer is not None ("ask again"), as a scheduler does each step."""
-    deadline = asyncio.get_running_loop().time() + bound_s
-    while (value := answer()) is None:
-        assert asyncio.get_running_loop().time() < deadline, "the lookup never settled"
-        await asyncio.sleep(0.005)
-    return value
 
 
 def encryption_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
