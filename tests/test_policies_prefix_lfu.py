@@ -211,3 +211,13 @@ def test_the_duel_follows_the_admission_that_wins(
     winner = "second-sight" if second_sight_wins else "all"
     assert fixed[winner] > fixed["all" if second_sight_wins else "second-sight"]
     assert model.hit_ratio >= 0.9 * fixed[winner]  # it got most of what the winner got
+
+
+def test_the_duels_shadows_follow_the_policys_own_weights_and_ghost() -> None:
+    policy = PrefixLFUPolicy(age_weight=1.5, ghost_window=3, ghost_factor=5, sample=2)
+    policy.bind(64)
+    shadows = [shadow.policy for shadow in policy._shadows or ()]
+    assert [s.admission for s in shadows] == ["all", "second-sight"]
+    for shadow in shadows:
+        assert (shadow.age_weight, shadow.ghost_window, shadow.ghost_factor) == (1.5, 3, 5)
+        assert shadow.capacity == 32

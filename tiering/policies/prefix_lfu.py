@@ -126,7 +126,20 @@ class PrefixLFUPolicy(EvictionPolicy):
         super().bind(capacity)
         if self.admission == "duel" and self._shadows is None:
             size = max(4, capacity // self.sample)
-            self._shadows = (_Shadow(size, "all"), _Shadow(size, "second-sight"))
+            self._shadows = (
+                _Shadow(size, self._shadow_policy("all")),
+                _Shadow(size, self._shadow_policy("second-sight")),
+            )
+
+    def _shadow_policy(self, admission: str) -> PrefixLFUPolicy:
+        """A policy for one shadow of the duel: this one's weights and ghost, the given
+        fixed admission (so the duel compares the admissions, nothing else)."""
+        return PrefixLFUPolicy(
+            age_weight=self.age_weight,
+            ghost_window=self.ghost_window,
+            ghost_factor=self.ghost_factor,
+            admission=admission,
+        )
 
     def admit(self, key: BlockHash) -> bool:
         if not self._second_sight:
@@ -313,9 +326,9 @@ class _Shadow:
 
     __slots__ = ("capacity", "decay", "hits", "policy")
 
-    def __init__(self, capacity: int, admission: str) -> None:
+    def __init__(self, capacity: int, policy: PrefixLFUPolicy) -> None:
         self.capacity = capacity
-        self.policy = PrefixLFUPolicy(admission=admission)
+        self.policy = policy
         self.policy.bind(capacity)
         self.hits = 0.0
         self.decay = 1.0 - 1.0 / (8 * capacity)  # remembers about 8 capacities of keys
