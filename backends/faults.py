@@ -45,6 +45,7 @@ OPERATIONS = frozenset(
         "fdatasync",
         "fsync",
         "syncfs",
+        "allocate",
         "replace",
         "unlink",
         "statvfs",
@@ -236,7 +237,7 @@ class FaultInjector(OsCalls):
 
     # -- calls -----------------------------------------------------------------------
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         self._fire("open", path)
         fd = self._inner.open(path, flags, mode)
         with self._lock:
@@ -277,6 +278,10 @@ class FaultInjector(OsCalls):
     def syncfs(self, fd: int) -> None:
         self._fire("syncfs", self._path_of(fd))
         self._inner.syncfs(fd)
+
+    def allocate(self, fd: int, offset: int, length: int) -> None:
+        self._fire("allocate", self._path_of(fd))
+        self._inner.allocate(fd, offset, length)
 
     def replace(self, src: str, dst: str) -> None:
         self._fire("replace", dst)

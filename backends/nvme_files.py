@@ -82,6 +82,20 @@ def _load_syncfs() -> Callable[[int], int] | None:
 
 
 _SYNCFS = _load_syncfs()
+
+
+def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _load_fallocate()
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in a root is never followed
 
 
@@ -123,6 +137,21 @@ class OsCalls:
             raise OSError(errno.ENOSYS, "syncfs is not available")
         if _SYNCFS(fd) != 0:
             err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def allocate(self, fd: int, offset: int, length: int) -> None:
+        """Allocate ``length`` bytes of ``fd`` from ``offset`` (Linux ``fallocate``,
+        growing the file if it ends before); nothing where the call or the file system
+        lacks it (it is an optimization, never needed for correctness). ctypes lets go of
+        the GIL for the call.
+
+        Raises:
+            OSError: the allocation failed (ENOSPC, EIO...).
+        """
+        if _FALLOCATE is None or _FALLOCATE(fd, 0, offset, length) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
             raise OSError(err, os.strerror(err))
 
     def replace(self, src: str, dst: str) -> None:
@@ -517,9 +546,7 @@ class BlockFiles:
             raise InvalidArgumentError(
                 f"slot is {slot.nbytes} bytes, the tier stores {self.block_bytes}"
             )
-        buffer = None if self.sealer is None else self.sealer.buffers(1)[0]
-        target = slot if buffer is None else buffer[: self.block_bytes]
-        fd = self.os.open(path, os.O_RDONLY | _O_CLOEXEC | self._direct_flag(target))
+        fd = self.os.open(path, os.O_RDONLY | _O_CLOEXEC | self._direct_flag(slot))
         try:
             stat = self.os.fstat(fd)
             try:
@@ -528,15 +555,15 @@ class BlockFiles:
                         f"file is {stat.st_size} bytes, expected {self.file_bytes}"
                     )
                 header = self._header_page()
-                got = self.os.preadv(fd, [header, target], 0)
+                got = self.os.preadv(fd, [header, slot], 0)
                 if got != self.file_bytes:
                     raise CorruptBlockError(f"short read: {got} of {self.file_bytes} bytes")
                 decoded = decode_header(header)
                 check_header(
                     decoded, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if self.sealer is not None and buffer is not None:
-                    self.sealer.open(decoded, buffer, slot)
+                if self.sealer is not None:
+                    self.sealer.open(decoded, slot)
                 else:
                     refuse_sealed(decoded)
                     if payload_checksum(slot) != decoded.payload_checksum:

@@ -566,14 +566,13 @@ def _verify_block_file(
         file_bytes = HEADER_BYTES + block_bytes
         if stat.st_size != file_bytes:
             return f"corrupt block: file is {stat.st_size} bytes, expected {file_bytes}", stat
-        buffer = None if sealer is None else sealer.buffers(1)[0]
-        got = os.preadv(fd, [page, slot if buffer is None else buffer[:block_bytes]], 0)
+        got = os.preadv(fd, [page, slot], 0)
         if got != file_bytes:
             return f"corrupt block: short read: {got} of {file_bytes} bytes", stat
         decoded = decode_header(page)
         check_header(decoded, key=key, payload_bytes=block_bytes, ns_digest=ns_digest)
-        if sealer is not None and buffer is not None:
-            sealer.open(decoded, buffer, slot)
+        if sealer is not None:
+            sealer.open(decoded, slot)
             return None, stat
         refuse_sealed(decoded)
         if payload_checksum(slot) != decoded.payload_checksum:

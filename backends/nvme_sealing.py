@@ -1,12 +1,15 @@
 """Encrypted payloads on NVMe: seal on the way to disk, open on the way back.
 
 The NVMe layouts move plain payloads straight between the host pool and the disk. With
-a keyring they cannot: the host pool's slot must keep its plaintext, and AES-GCM writes
-a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a few
-page-aligned buffers (O_DIRECT still applies): a write seals the slot into one and
-writes that; a read fills one with ciphertext and opens it into the slot. The slot only
-ever receives bytes that authenticated (:meth:`PayloadSealer.open` raises otherwise,
-and the layouts then report the key failed, as for a checksum mismatch).
+a keyring a write cannot: the host pool's slot must keep its plaintext, and AES-GCM
+writes a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a
+few page-aligned buffers (O_DIRECT still applies): a write seals the slot into one and
+writes that. A read needs none: the ciphertext goes straight into the slot, as a plain
+payload does, and is opened where it lies (a slot whose block does not authenticate
+holds garbage, and the layouts report its key failed, as for a checksum mismatch; a
+failed key's slot is never served). Opening in place, loads of sealed blocks ran as fast
+as plain ones (2.09-2.13 GB/s against 2.09-2.12, 2 MiB blocks, segment layout); opened
+from a buffer they had run 13-23 % slower.
 
 Blocking, for the tier's worker threads only.
 """
@@ -22,8 +25,8 @@ from tiering.encryption import TAG_BYTES, BlockCipher, Seal, associated_data
 from tiering.errors import CorruptBlockError
 
 SEAL_BATCH_BYTES = 8 << 20
-"""Bounce-buffer memory per worker thread: a job's records are sealed and written (or
-read and opened) this many bytes at a time."""
+"""Sealing-buffer memory per worker thread: a job's records are sealed and written this
+many bytes at a time (measured against 2 MiB and 32 MiB: 8 MiB stored fastest)."""
 
 
 class PayloadSealer:
@@ -58,9 +61,9 @@ class PayloadSealer:
         of it are what goes to disk, the seal goes into the header."""
         return self.cipher.seal_into(payload, buffer, associated_data(self.ns_digest, key))
 
-    def open(self, header: BlockHeader, buffer: memoryview, slot: memoryview) -> None:
-        """Open the ciphertext read into ``buffer[:block_bytes]`` (the block ``header``
-        describes, already checked against the expected key and namespace) into ``slot``.
+    def open(self, header: BlockHeader, slot: memoryview) -> None:
+        """Open, where it lies, the ciphertext read into ``slot`` (the block ``header``
+        describes, already checked against the expected key and namespace).
 
         Raises:
             CorruptBlockError: the block is not sealed, or it does not open (an unknown
@@ -69,7 +72,5 @@ class PayloadSealer:
         """
         if header.seal is None:
             raise CorruptBlockError("block is not encrypted, and this tier reads only sealed ones")
-        n = self.block_bytes
-        buffer[n : n + TAG_BYTES] = header.seal.tag
         aad = associated_data(self.ns_digest, header.key)
-        self.cipher.open_into(header.seal, buffer[: n + TAG_BYTES], aad, slot)
+        self.cipher.open_in_place(header.seal, slot, aad)

@@ -374,17 +374,29 @@ class SegmentFiles:
                     page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
                 )
                 write_all(self.os, fd, [page], 0)
+            if len(run.records) > self._records_per_call():
+                # A run written in several calls is allocated first, in one call: on
+                # ext4 a direct write that must allocate takes the file for itself and
+                # waits for all I/O in flight on it, so each such call of one job would
+                # stall every other job writing the segment (measured: with sealed
+                # payloads, three records a call, four jobs at once, 14-19 % slower
+                # stores; allocated first, 2-6 %).
+                length = len(run.records) * self.record_bytes
+                self.os.allocate(fd, self.offset_of(run.first), length)
             self._write_records(fd, run)
             if self.fsync != "none":
                 self.os.fdatasync(fd)
         finally:
             self.os.close(fd)
 
+    def _records_per_call(self) -> int:
+        """The most records one ``pwritev`` writes: as many as fit in :data:`MAX_IOV`
+        buffers, and with sealing, in this thread's sealing buffers."""
+        per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
+        return per_call if self.sealer is None else min(per_call, self.sealer.batch)
+
     def _write_records(self, fd: int, run: RecordRun) -> None:
-        per_record = 3 if self._padding.nbytes else 2
-        per_call = MAX_IOV // per_record
-        if self.sealer is not None:
-            per_call = min(per_call, self.sealer.batch)
+        per_call = self._records_per_call()
         offset = self.offset_of(run.first)
         for start in range(0, len(run.records), per_call):
             chunk = run.records[start : start + per_call]
@@ -474,9 +486,7 @@ class SegmentFiles:
         items: list[tuple[int, int, memoryview, bytes | None]],
         outcomes: list[tuple[bytes | None, str, bool]],
     ) -> None:
-        direct = self.o_direct and (
-            self.sealer is not None or all(is_aligned(slot) for _, _, slot, _ in items)
-        )
+        direct = self.o_direct and all(is_aligned(slot) for _, _, slot, _ in items)
         try:
             fd = self.os.open(
                 self.path_of(segment), os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
@@ -490,8 +500,7 @@ class SegmentFiles:
                 outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
         try:
-            per_read = MAX_IOV // 3 if self.sealer is None else min(MAX_IOV // 3, self.sealer.batch)
-            for run in _consecutive(items, per_read):
+            for run in _consecutive(items, MAX_IOV // 3):
                 self._read_run(fd, run, outcomes)
         finally:
             self.os.close(fd)
@@ -506,11 +515,10 @@ class SegmentFiles:
         verify each."""
         pages = self._pages(len(run))
         sink = self._read_sink()
-        sealed = None if self.sealer is None else self.sealer.buffers(len(run))
         buffers: list[memoryview] = []
         for j, (_, _, slot, _) in enumerate(run):
             buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-            buffers.append(slot if sealed is None else sealed[j][: self.block_bytes])
+            buffers.append(slot)
             if sink.nbytes:
                 buffers.append(sink)
         try:
@@ -531,8 +539,8 @@ class SegmentFiles:
                 check_header(
                     header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if self.sealer is not None and sealed is not None:
-                    self.sealer.open(header, sealed[j], slot)
+                if self.sealer is not None:
+                    self.sealer.open(header, slot)
                 else:
                     refuse_sealed(header)
                     if self._checksum(slot) != header.payload_checksum:

@@ -162,3 +162,20 @@ def test_sealing_into_a_short_buffer_is_refused() -> None:
     cipher = BlockCipher(Keyring.parse(SPEC))
     with pytest.raises(InvalidArgumentError, match="seal buffer is 4096 bytes, needs 4112"):
         cipher.seal_into(memoryview(bytes(4096)), memoryview(bytearray(4096)), AAD)
+
+
+@pytest.mark.parametrize("size", [1, 16, 17, 4096, 2 << 20])
+def test_a_payload_opens_in_place_and_a_changed_byte_fails(size: int) -> None:
+    cipher = BlockCipher(Keyring.parse(SPEC))
+    payload = os.urandom(size)
+    seal, out = sealed(cipher, payload)
+    data = bytearray(out[:size])  # the ciphertext alone, as a slot holds it
+    cipher.open_in_place(seal, memoryview(data), AAD)
+    assert data == payload
+    data = bytearray(out[:size])
+    data[-1] ^= 1
+    with pytest.raises(AuthenticationError):
+        cipher.open_in_place(seal, memoryview(data), AAD)
+    lacking = BlockCipher(Keyring({9: KEY_1}, 9))
+    with pytest.raises(UnknownKeyError):
+        lacking.open_in_place(seal, memoryview(bytearray(out[:size])), AAD)

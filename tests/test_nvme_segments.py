@@ -87,6 +87,7 @@ def test_one_run_is_one_write_call(tmp_path: Path, pool: memoryview) -> None:
     name = segment_name(WRITER, 0)
     write(seg, pool, [(i, name, i, i == 0) for i in range(SLOTS)])
     assert faults.calls["pwritev"] == 2  # the segment header, then all eight records
+    assert faults.calls["allocate"] == 0  # one call needs no allocation first
 
 
 def test_consecutive_records_are_read_in_one_call(tmp_path: Path, pool: memoryview) -> None:
@@ -114,6 +115,7 @@ def test_a_run_longer_than_iov_max_is_split(tmp_path: Path, pool: memoryview) ->
     report = seg.write([RecordRun(name, 0, records, create=True)], writer=WRITER)
     assert len(report.written) == count
     assert faults.calls["pwritev"] == 3
+    assert faults.calls["allocate"] == 1  # the run's space, before its two calls
     scan = seg.scan(name)
     assert scan.records == [(key(i), i) for i in range(count)] and scan.invalid == 0
 
@@ -201,6 +203,17 @@ def test_disk_full_fails_the_run_and_every_later_one(tmp_path: Path, pool: memor
     assert set(report.failed) == {key(0), key(1), key(2)}
     assert "ENOSPC" in report.failed[key(0)]
     assert report.created == [a]  # the caller learns the segment exists
+
+
+def test_a_failed_allocation_fails_the_run_as_a_full_disk(tmp_path: Path, pool: memoryview) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults)
+    name = segment_name(WRITER, 0)
+    faults.fail("allocate", errno.ENOSPC)
+    records = [(key(i), slot(pool, i % SLOTS)) for i in range(MAX_IOV // 2 + 1)]
+    report = seg.write([RecordRun(name, 0, records, create=True)], writer=WRITER)
+    assert report.disk_full and report.written == [] and len(report.failed) == len(records)
+    assert faults.calls["pwritev"] == 1  # the segment header only
 
 
 def test_batch_fsync_syncs_each_segment_and_the_directory_once(

@@ -45,6 +45,7 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 KEY_SIZES = (16, 24, 32)
 MAX_KEY_ID = 2**32 - 1
+_SLACK = 15  # room past its output that a cipher context's update_into asks for
 ENV_PREFIX = "env:"
 
 _log = logging.getLogger(__name__)
@@ -210,15 +211,19 @@ class BlockCipher:
     0.11 ms).
     """
 
-    __slots__ = ("_aead", "_lock", "_reported", "keyring")
+    __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
 
     def __init__(self, keyring: Keyring) -> None:
+        from cryptography.hazmat.primitives.ciphers import algorithms
+
         self.keyring = keyring
         self._aead: dict[int, Any] = {}
+        self._algorithms: dict[int, Any] = {}
         for key_id in keyring.key_ids:
             key = keyring.key(key_id)
             assert key is not None
             self._aead[key_id] = _aesgcm(key)
+            self._algorithms[key_id] = algorithms.AES(key)
         self._reported: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
@@ -263,6 +268,51 @@ class BlockCipher:
             raise UnknownKeyError(message)
         try:
             aead.decrypt_into(seal.nonce, sealed, aad, out)
+            return
+        except InvalidTag:
+            pass
+        message = (
+            f"block failed authentication under key id {seal.key_id}: "
+            "a wrong key under that id, or bytes altered or moved"
+        )
+        self._report("authentication", seal.key_id, message)
+        raise AuthenticationError(message)
+
+    def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
+        """Decrypt and verify the ciphertext in ``data`` where it lies (the tag is
+        ``seal.tag``): the plaintext replaces it. After a failure ``data`` holds garbage:
+        read into a buffer nobody serves until this returns.
+
+        Raises:
+            UnknownKeyError: the keyring has no key ``seal.key_id``.
+            AuthenticationError: the tag does not verify (wrong key, altered or moved
+                bytes).
+        """
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher, modes
+
+        algorithm = self._algorithms.get(seal.key_id)
+        if algorithm is None:
+            message = (
+                f"block sealed under key id {seal.key_id}, which the keyring lacks "
+                f"(it holds {list(self.keyring.key_ids)})"
+            )
+            self._report("unknown key", seal.key_id, message)
+            raise UnknownKeyError(message)
+        decryptor = Cipher(algorithm, modes.GCM(seal.nonce, seal.tag)).decryptor()
+        decryptor.authenticate_additional_data(aad)
+        # A cipher context writes as many bytes as it reads, but asks for _SLACK bytes of
+        # room beyond them: all but the last _SLACK + 1 bytes decrypt where they lie, the
+        # rest through a small buffer.
+        n = len(data)
+        head = max(0, n - _SLACK - 1)
+        if head:
+            decryptor.update_into(data[:head], data[: head + _SLACK])
+        tail = bytearray(2 * _SLACK + 1)
+        decryptor.update_into(data[head:], tail)
+        data[head:] = tail[: n - head]
+        try:
+            decryptor.finalize()
             return
         except InvalidTag:
             pass
