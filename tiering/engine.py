@@ -407,7 +407,8 @@ class TieringEngine:
                 ``tenant``.
         """
         hashes = hash_list("block_hashes", block_hashes)
-        return list(self._tenancy.keys(hashes, check_tenant(tenant)))
+        keys = self._tenancy.keys(hashes, check_tenant(tenant))
+        return keys if isinstance(keys, list) else list(keys)
 
     def share_prefix(self, block_hashes: Iterable[BlockHash]) -> None:
         """Let every tenant hit on these blocks: the hashes of a public prefix (say
@@ -578,7 +579,8 @@ class TieringEngine:
         result = effect.result
         callers = self._callers_hashes.pop(effect.job, None)
         if callers is not None and result.failed_keys:
-            result = replace(result, failed_keys=tuple(callers[k] for k in result.failed_keys))
+            named = tuple(callers.get(k, k) for k in result.failed_keys)
+            result = replace(result, failed_keys=named)
         job = self._jobs.get(effect.job)
         if job is not None:
             self._latency[job.kind].observe(perf_counter() - job.started)
