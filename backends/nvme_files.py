@@ -51,7 +51,7 @@ from backends.nvme_format import (
     encode_header,
     fanout_dirs,
     payload_checksum,
-    refuse_sealed,
+    verify_payload,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
@@ -562,12 +562,7 @@ class BlockFiles:
                 check_header(
                     decoded, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if self.sealer is not None:
-                    self.sealer.open(decoded, slot)
-                else:
-                    refuse_sealed(decoded)
-                    if payload_checksum(slot) != decoded.payload_checksum:
-                        raise CorruptBlockError("payload checksum mismatch")
+                verify_payload(decoded, slot, self.sealer)
             except CorruptBlockError:
                 self._unlink_if_same(path, stat)
                 raise

@@ -47,12 +47,17 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from tiering.encryption import NONCE_BYTES, TAG_BYTES, Seal
 from tiering.errors import CorruptBlockError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from backends.nvme_sealing import PayloadSealer
 
 MAGIC = b"KVTBLK\r\n"
 FORMAT_VERSION = 1
@@ -259,14 +264,27 @@ def check_header(
         raise CorruptBlockError(f"payload length {header.payload_bytes}, expected {payload_bytes}")
 
 
-def refuse_sealed(header: BlockHeader) -> None:
-    """What a reader without a keyring does first: a sealed block is unreadable to it,
-    never served.
+def verify_payload(
+    header: BlockHeader,
+    payload: memoryview,
+    sealer: PayloadSealer | None,
+    checksum: Callable[[memoryview], bytes] = payload_checksum,
+) -> None:
+    """Check a payload read under ``header`` (already checked against the expected key,
+    namespace and length) as every reader does: with ``sealer``, open it where it lies
+    (:meth:`~backends.nvme_sealing.PayloadSealer.open`); without, refuse a sealed block
+    and compare ``checksum(payload)`` with the header's.
 
     Raises:
-        CorruptBlockError: ``header`` is of a sealed block.
+        CorruptBlockError: the payload does not verify (``payload`` then holds garbage
+            when a ``sealer`` was given).
     """
+    if sealer is not None:
+        sealer.open(header, payload)
+        return
     if header.seal is not None:
         raise CorruptBlockError(
             f"block is encrypted (key id {header.seal.key_id}) and this tier has no keyring"
         )
+    if checksum(payload) != header.payload_checksum:
+        raise CorruptBlockError("payload checksum mismatch")

@@ -62,8 +62,7 @@ from backends.nvme_format import (
     decode_header,
     fanout_dirs,
     namespace_digest,
-    payload_checksum,
-    refuse_sealed,
+    verify_payload,
 )
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_index import SegmentIndex, key_digest
@@ -571,12 +570,7 @@ def _verify_block_file(
             return f"corrupt block: short read: {got} of {file_bytes} bytes", stat
         decoded = decode_header(page)
         check_header(decoded, key=key, payload_bytes=block_bytes, ns_digest=ns_digest)
-        if sealer is not None:
-            sealer.open(decoded, slot)
-            return None, stat
-        refuse_sealed(decoded)
-        if payload_checksum(slot) != decoded.payload_checksum:
-            return "corrupt block: payload checksum mismatch", stat
+        verify_payload(decoded, slot, sealer)
         return None, stat
     except CorruptBlockError as exc:
         return f"corrupt block: {exc}", stat

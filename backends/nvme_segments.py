@@ -79,7 +79,7 @@ from backends.nvme_format import (
     decode_header,
     encode_header,
     payload_checksum,
-    refuse_sealed,
+    verify_payload,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.validation import positive_int
@@ -409,14 +409,15 @@ class SegmentFiles:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
         its payload (sealed into this thread's buffers when encrypting), its padding."""
         pages = self._pages(len(records))
-        sealed = None if self.sealer is None else self.sealer.buffers(len(records))
+        sealer = self.sealer
+        sealed = [] if sealer is None else sealer.buffers(len(records))
         buffers: list[memoryview] = []
         for i, (key, payload) in enumerate(records):
             page = pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-            if self.sealer is None or sealed is None:
+            if sealer is None:
                 seal, data, checksum = None, payload, self._checksum(payload)
             else:
-                seal = self.sealer.seal(key, payload, sealed[i])
+                seal = sealer.seal(key, payload, sealed[i])
                 data, checksum = sealed[i][: self.block_bytes], seal.tag
             encode_header(
                 page,
@@ -539,12 +540,7 @@ class SegmentFiles:
                 check_header(
                     header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
-                if self.sealer is not None:
-                    self.sealer.open(header, slot)
-                else:
-                    refuse_sealed(header)
-                    if self._checksum(slot) != header.payload_checksum:
-                        raise CorruptBlockError("payload checksum mismatch")
+                verify_payload(header, slot, self.sealer, self._checksum)
             except CorruptBlockError as exc:
                 outcomes[i] = (None, f"corrupt block: {exc}", False)
             else:

@@ -59,14 +59,21 @@ class AuthenticationError(CorruptBlockError):
     """A sealed block failed authentication (wrong key, altered or moved bytes); never served."""
 
 
-def _aesgcm(key: bytes) -> Any:  # an AESGCM: the type lives in an optional dependency
+def _ciphers(key: bytes) -> tuple[Any, Any]:
+    """``key`` as a one-shot ``AESGCM`` and as an ``AES`` algorithm for cipher contexts
+    (typed ``Any``: their types live in an optional dependency).
+
+    Raises:
+        InvalidArgumentError: the ``cryptography`` package is missing.
+    """
     try:
+        from cryptography.hazmat.primitives.ciphers import algorithms
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise InvalidArgumentError(
             "encryption needs the 'cryptography' package: pip install 'kv-tiering[encryption]'"
         ) from exc
-    return AESGCM(key)
+    return AESGCM(key), algorithms.AES(key)
 
 
 class Keyring:
@@ -214,16 +221,13 @@ class BlockCipher:
     __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
 
     def __init__(self, keyring: Keyring) -> None:
-        from cryptography.hazmat.primitives.ciphers import algorithms
-
         self.keyring = keyring
         self._aead: dict[int, Any] = {}
         self._algorithms: dict[int, Any] = {}
         for key_id in keyring.key_ids:
             key = keyring.key(key_id)
             assert key is not None
-            self._aead[key_id] = _aesgcm(key)
-            self._algorithms[key_id] = algorithms.AES(key)
+            self._aead[key_id], self._algorithms[key_id] = _ciphers(key)
         self._reported: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
@@ -260,23 +264,13 @@ class BlockCipher:
         # of the caller's buffer) in a reference cycle until the next collection.
         aead = self._aead.get(seal.key_id)
         if aead is None:
-            message = (
-                f"block sealed under key id {seal.key_id}, which the keyring lacks "
-                f"(it holds {list(self.keyring.key_ids)})"
-            )
-            self._report("unknown key", seal.key_id, message)
-            raise UnknownKeyError(message)
+            raise self._unknown_key(seal.key_id)
         try:
             aead.decrypt_into(seal.nonce, sealed, aad, out)
             return
         except InvalidTag:
             pass
-        message = (
-            f"block failed authentication under key id {seal.key_id}: "
-            "a wrong key under that id, or bytes altered or moved"
-        )
-        self._report("authentication", seal.key_id, message)
-        raise AuthenticationError(message)
+        raise self._not_authentic(seal.key_id)
 
     def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
         """Decrypt and verify the ciphertext in ``data`` where it lies (the tag is
@@ -293,12 +287,7 @@ class BlockCipher:
 
         algorithm = self._algorithms.get(seal.key_id)
         if algorithm is None:
-            message = (
-                f"block sealed under key id {seal.key_id}, which the keyring lacks "
-                f"(it holds {list(self.keyring.key_ids)})"
-            )
-            self._report("unknown key", seal.key_id, message)
-            raise UnknownKeyError(message)
+            raise self._unknown_key(seal.key_id)
         decryptor = Cipher(algorithm, modes.GCM(seal.nonce, seal.tag)).decryptor()
         decryptor.authenticate_additional_data(aad)
         # A cipher context writes as many bytes as it reads, but asks for _SLACK bytes of
@@ -316,12 +305,27 @@ class BlockCipher:
             return
         except InvalidTag:
             pass
+        raise self._not_authentic(seal.key_id)
+
+    def _unknown_key(self, key_id: int) -> UnknownKeyError:
+        """The error for a block sealed under ``key_id``, which the keyring lacks (logged
+        the first time)."""
         message = (
-            f"block failed authentication under key id {seal.key_id}: "
+            f"block sealed under key id {key_id}, which the keyring lacks "
+            f"(it holds {list(self.keyring.key_ids)})"
+        )
+        self._report("unknown key", key_id, message)
+        return UnknownKeyError(message)
+
+    def _not_authentic(self, key_id: int) -> AuthenticationError:
+        """The error for a block that failed authentication under ``key_id`` (logged the
+        first time)."""
+        message = (
+            f"block failed authentication under key id {key_id}: "
             "a wrong key under that id, or bytes altered or moved"
         )
-        self._report("authentication", seal.key_id, message)
-        raise AuthenticationError(message)
+        self._report("authentication", key_id, message)
+        return AuthenticationError(message)
 
     def _report(self, kind: str, key_id: int, message: str) -> None:
         """Log ``message`` the first time this kind of failure meets ``key_id``."""
