@@ -3,8 +3,9 @@
 The NVMe layouts move plain payloads straight between the host pool and the disk. With
 a keyring a write cannot: the host pool's slot must keep its plaintext, and AES-GCM
 writes a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a
-few page-aligned buffers (O_DIRECT still applies): a write seals the slot into one and
-writes that. A read needs none: the ciphertext goes straight into the slot, as a plain
+few page-aligned buffers (O_DIRECT still applies) on huge pages where the kernel gives
+them (:func:`tiering.host_pool.io_buffer` says why that matters): a write seals the slot
+into one and writes that. A read needs none: the ciphertext goes straight into the slot, as a plain
 payload does, and is opened where it lies (a slot whose block does not authenticate
 holds garbage, and the layouts report its key failed, as for a checksum mismatch; a
 failed key's slot is never served). Opening in place, loads of sealed blocks ran as fast
@@ -20,7 +21,6 @@ blocks. So a thread gives up the CPU after each block it seals or opens
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 
@@ -28,6 +28,7 @@ from backends.nvme_files import ALIGNMENT
 from backends.nvme_format import BlockHeader
 from tiering.encryption import TAG_BYTES, BlockCipher, Seal, associated_data
 from tiering.errors import CorruptBlockError
+from tiering.host_pool import io_buffer
 
 SEAL_BATCH_BYTES = 8 << 20
 """Sealing-buffer memory per worker thread: a job's records are sealed and written this
@@ -44,19 +45,26 @@ class PayloadSealer:
         self.cipher = cipher
         self.block_bytes = block_bytes
         self.ns_digest = ns_digest
-        self.stride = -(-(block_bytes + TAG_BYTES) // ALIGNMENT) * ALIGNMENT
+        # Payloads packed at page-aligned offsets, not one page further apart for their
+        # tags: a 2 MiB payload then fills exactly one huge page of the buffer.
+        self.stride = -(-block_bytes // ALIGNMENT) * ALIGNMENT
         self.batch = max(1, SEAL_BATCH_BYTES // self.stride)
         """The most buffers :meth:`buffers` lends a thread at once."""
         self._local = threading.local()
 
     def buffers(self, count: int) -> list[memoryview]:
-        """``count`` (at most :attr:`batch`) aligned buffers of ``block_bytes + TAG_BYTES``,
-        this thread's, valid until its next call."""
+        """``count`` (at most :attr:`batch`) page-aligned buffers of ``block_bytes +
+        TAG_BYTES``, this thread's, valid until its next call.
+
+        Seal into them in order: a buffer's last ``TAG_BYTES`` may be the next one's
+        first, so a seal's tag (which its :class:`Seal` keeps) spills into the next
+        buffer, whose own seal then overwrites it.
+        """
         if not 0 < count <= self.batch:
             raise ValueError(f"count must be in 1..{self.batch}, got {count}")
         arena: memoryview | None = getattr(self._local, "arena", None)
         if arena is None:
-            arena = memoryview(mmap.mmap(-1, self.batch * self.stride))
+            arena = io_buffer(self.batch * self.stride + TAG_BYTES)
             self._local.arena = arena
         size = self.block_bytes + TAG_BYTES
         return [arena[i * self.stride : i * self.stride + size] for i in range(count)]

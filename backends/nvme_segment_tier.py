@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import threading
 from collections import Counter
@@ -42,6 +41,7 @@ from backends.nvme_segments import (
     parse_segment_name,
 )
 from tiering.errors import InvalidArgumentError
+from tiering.host_pool import io_buffer
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.validation import hash_list, positive_int
 
@@ -467,11 +467,10 @@ class NVMeSegmentTier(NVMeTierBase):
         if not count:
             return []
         size = count * self.block_bytes
-        buffer: mmap.mmap | None = getattr(self._local, "moves", None)
-        if buffer is None or len(buffer) < size:
-            buffer = mmap.mmap(-1, max(size, MOVE_BYTES_PER_JOB))
-            self._local.moves = buffer
-        view = memoryview(buffer)
+        view: memoryview | None = getattr(self._local, "moves", None)
+        if view is None or view.nbytes < size:
+            view = io_buffer(max(size, MOVE_BYTES_PER_JOB))
+            self._local.moves = view
         return [view[i * self.block_bytes : (i + 1) * self.block_bytes] for i in range(count)]
 
     def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> ReadReport:

@@ -18,11 +18,13 @@ import xxhash
 
 from backends.nvme import NVMeFileTier, NVMeTierBase
 from backends.nvme_format import HEADER_BYTES, SEALED_AES_GCM, decode_header
+from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tests._engine_helpers import flip_byte
 from tests._nvme_helpers import load_job as load
 from tests._nvme_helpers import random_pool
 from tests._nvme_helpers import store_job as store
+from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, associated_data
 from tiering.errors import InvalidArgumentError
 
 BLOCK = 16 << 10
@@ -238,3 +240,24 @@ def test_a_bad_privacy_option_is_refused_naming_it(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         make(NVMeSegmentTier, pool, tmp_path, **{option: value})
+
+
+def test_payloads_sealed_in_order_into_a_batch_each_open() -> None:
+    """The buffers of a batch overlap by a tag; sealed one after another, every payload
+    still goes to disk whole and opens with its own seal."""
+    sealer = PayloadSealer(
+        BlockCipher(Keyring({1: KEY_A}, 1)), block_bytes=BLOCK, ns_digest=b"n" * 16
+    )
+    payloads = [os.urandom(BLOCK) for _ in range(sealer.batch)]
+    buffers = sealer.buffers(sealer.batch)
+    keys = [i.to_bytes(32, "big") for i in range(sealer.batch)]
+    seals = [
+        sealer.seal(key, memoryview(payload), buffer)
+        for key, payload, buffer in zip(keys, payloads, buffers, strict=True)
+    ]
+    for key, payload, buffer, seal in zip(keys, payloads, buffers, seals, strict=True):
+        on_disk = bytearray(buffer[:BLOCK])
+        assert bytes(on_disk) != payload
+        sealer.cipher.open_in_place(seal, memoryview(on_disk), associated_data(b"n" * 16, key))
+        assert bytes(on_disk) == payload
+    assert len(seals[0].tag) == TAG_BYTES

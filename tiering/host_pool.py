@@ -26,9 +26,11 @@ any tensor over the pool lives, which makes unmapping under a live view impossib
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import operator
 import weakref
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Self
 
@@ -40,8 +42,52 @@ from tiering.validation import positive_int
 PAGE_SIZE: int = mmap.PAGESIZE
 """The alignment of the pool's buffer (the OS page size, at least 4096 on supported systems)."""
 
-_HUGE_PAGE_BYTES = 2 << 20
+HUGE_PAGE_BYTES = 2 << 20
+"""The size (and alignment) of a transparent huge page on x86-64 and most arm64 kernels."""
 _CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of zeroed, page-aligned anonymous memory that transparent huge pages
+    may back: ``MAP_PRIVATE`` (the ``mmap`` default, ``MAP_SHARED``, is shmem, which they
+    skip) and, from 2 MiB up, ``MADV_HUGEPAGE`` (a hint: without THP, 4 KiB pages)."""
+    mapping = mmap.mmap(
+        -1,
+        nbytes,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # only a hint; THP may be disabled
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+    return mapping
+
+
+def io_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of zeroed memory for direct I/O that starts on a 2 MiB boundary, so
+    that where transparent huge pages back it, every aligned 2 MiB of it is one
+    physically contiguous page.
+
+    Why it matters: a direct write goes to the disk as requests of at most so many
+    segments (254 on a virtio disk), and 4 KiB pages scattered by the allocator make one
+    segment each. Written from such pages, sealed 2 MiB blocks stored 21-24 % slower than
+    the host pool's own (huge-page) slots; from this memory, 8.5 % (the cipher itself).
+    The memory stays mapped while any view of it lives.
+    """
+    mapping = private_mapping(nbytes + HUGE_PAGE_BYTES)
+    view = memoryview(mapping)
+    with _address_of(view) as address:
+        start = -address % HUGE_PAGE_BYTES
+    return view[start : start + nbytes]
+
+
+@contextlib.contextmanager
+def _address_of(view: memoryview) -> Iterator[int]:
+    handle = ctypes.c_char.from_buffer(view)  # an export of ``view``, released on exit
+    try:
+        yield ctypes.addressof(handle)
+    finally:
+        del handle
 
 
 def _cuda_host_register(address: int, nbytes: int) -> None:
@@ -105,17 +151,7 @@ class HostPool:
             )
         self._nbytes = self._num_blocks * self._block_bytes
 
-        # MAP_PRIVATE anonymous memory (not the MAP_SHARED default, which is shmem-backed)
-        # so transparent huge pages apply.
-        self._mmap: mmap.mmap | None = mmap.mmap(
-            -1,
-            self._nbytes,
-            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        )
-        if self._nbytes >= _HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):  # only a hint; THP may be disabled
-                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        self._mmap: mmap.mmap | None = private_mapping(self._nbytes)
         flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
         self._tensor: torch.Tensor | None = flat.view(self._num_blocks, self._block_bytes)
         self._view: memoryview | None = memoryview(self._mmap)
