@@ -5,12 +5,12 @@ a keyring a write cannot: the host pool's slot must keep its plaintext, and AES-
 writes a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a
 few page-aligned buffers (O_DIRECT still applies) on huge pages where the kernel gives
 them (:func:`tiering.host_pool.io_buffer` says why that matters): a write seals the slot
-into one and writes that. A read needs none: the ciphertext goes straight into the slot, as a plain
-payload does, and is opened where it lies (a slot whose block does not authenticate
-holds garbage, and the layouts report its key failed, as for a checksum mismatch; a
-failed key's slot is never served). Opening in place, loads of sealed blocks ran as fast
-as plain ones (2.09-2.13 GB/s against 2.09-2.12, 2 MiB blocks, segment layout); opened
-from a buffer they had run 13-23 % slower.
+into one and writes that. A read needs none: the ciphertext goes straight into the slot,
+as a plain payload does, and is opened where it lies (a slot whose block does not
+authenticate holds garbage, and the layouts report its key failed, as for a checksum
+mismatch; a failed key's slot is never served). Opening in place, loads of sealed blocks
+ran as fast as plain ones (2.09-2.13 GB/s against 2.09-2.12, 2 MiB blocks, segment
+layout); opened from a buffer they had run 13-23 % slower.
 
 Blocking, for the tier's worker threads only. The cipher runs without the GIL but not
 without a core: on two cores, four I/O threads opening a job's blocks back to back kept
