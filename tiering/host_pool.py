@@ -30,7 +30,6 @@ import ctypes
 import mmap
 import operator
 import weakref
-from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Self
 
@@ -47,7 +46,7 @@ HUGE_PAGE_BYTES = 2 << 20
 _CUDA_HOST_REGISTER_PORTABLE = 1
 
 
-def private_mapping(nbytes: int) -> mmap.mmap:
+def _private_mapping(nbytes: int) -> mmap.mmap:
     """``nbytes`` of zeroed, page-aligned anonymous memory that transparent huge pages
     may back: ``MAP_PRIVATE`` (the ``mmap`` default, ``MAP_SHARED``, is shmem, which they
     skip) and, from 2 MiB up, ``MADV_HUGEPAGE`` (a hint: without THP, 4 KiB pages)."""
@@ -74,20 +73,10 @@ def io_buffer(nbytes: int) -> memoryview:
     plain ones from huge pages; written from this memory, 8.5 % slower (see
     ``docs/security.md``). The memory stays mapped while any view of it lives.
     """
-    mapping = private_mapping(nbytes + HUGE_PAGE_BYTES)
-    view = memoryview(mapping)
-    with _address_of(view) as address:
-        start = -address % HUGE_PAGE_BYTES
-    return view[start : start + nbytes]
-
-
-@contextlib.contextmanager
-def _address_of(view: memoryview) -> Iterator[int]:
-    handle = ctypes.c_char.from_buffer(view)  # an export of ``view``, released on exit
-    try:
-        yield ctypes.addressof(handle)
-    finally:
-        del handle
+    mapping = _private_mapping(nbytes + HUGE_PAGE_BYTES)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # a momentary export
+    start = -address % HUGE_PAGE_BYTES
+    return memoryview(mapping)[start : start + nbytes]
 
 
 def _cuda_host_register(address: int, nbytes: int) -> None:
@@ -151,7 +140,7 @@ class HostPool:
             )
         self._nbytes = self._num_blocks * self._block_bytes
 
-        self._mmap: mmap.mmap | None = private_mapping(self._nbytes)
+        self._mmap: mmap.mmap | None = _private_mapping(self._nbytes)
         flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
         self._tensor: torch.Tensor | None = flat.view(self._num_blocks, self._block_bytes)
         self._view: memoryview | None = memoryview(self._mmap)
