@@ -110,7 +110,7 @@ async def test_a_bad_tenant_is_refused_naming_it_and_nothing_changes(tenant: obj
             with pytest.raises(InvalidArgumentError, match="tenant must be None or a string"):
                 call()
         assert engine.statistics().used_blocks == 0
-        with pytest.raises(InvalidArgumentError, match="shared block hash must be bytes"):
+        with pytest.raises(InvalidArgumentError, match="block_hashes must hold bytes"):
             engine.share_prefix(["text"])  # type: ignore[list-item]
 
 

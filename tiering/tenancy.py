@@ -83,9 +83,8 @@ class Tenancy:
     __slots__ = ("_secrets", "_shared")
 
     def __init__(self, shared_blocks: Iterable[BlockHash] = ()) -> None:
-        self._shared: set[bytes] = set()
+        self._shared: set[bytes] = set(hash_list("shared_blocks", shared_blocks))
         self._secrets: dict[str, bytes] = {}
-        self.share(shared_blocks)
 
     def share(self, block_hashes: Iterable[BlockHash]) -> None:
         """Let every tenant hit on these blocks (the hashes of a public prefix, such as
@@ -97,21 +96,7 @@ class Tenancy:
             InvalidArgumentError: ``block_hashes`` is not an iterable of bytes; nothing
                 is shared then.
         """
-        if isinstance(block_hashes, bytes | bytearray | str):
-            raise InvalidArgumentError(
-                "shared block hashes must be an iterable of bytes hashes, got one "
-                f"{type(block_hashes).__name__}"
-            )
-        try:
-            hashes = list(block_hashes)
-        except TypeError:
-            raise InvalidArgumentError(
-                f"shared block hashes must be an iterable of bytes, got {block_hashes!r:.60}"
-            ) from None
-        for h in hashes:
-            if not isinstance(h, bytes) or not h:
-                raise InvalidArgumentError(f"a shared block hash must be bytes, got {h!r:.60}")
-        self._shared.update(hashes)
+        self._shared.update(hash_list("block_hashes", block_hashes))
 
     @property
     def shared_blocks(self) -> int:
