@@ -557,21 +557,23 @@ async def test_a_close_whose_write_back_fails_names_counts_and_logs_the_lost_blo
 ) -> None:
     kv = make_kv(31)
     faults = FaultInjector()
-    options: dict[str, Any] = {"write_policy": "write_back"}
     keys = [h(1), h(2), h(3)]
-    async with TieringEngine(kv, 8, secondary_tiers=[nvme_spec(tmp_path, faults)], **options) as e:
-        assert (await e.store(keys, [0, 1, 2])).success  # in CPU only, under write-back
+    engine = TieringEngine(
+        kv, 8, secondary_tiers=[nvme_spec(tmp_path, faults)], write_policy="write_back"
+    )
+    async with engine:
+        assert (await engine.store(keys, [0, 1, 2])).success  # in CPU only, under write-back
         faults.fail("pwritev", errno.EIO)  # every write of the close's flush fails
         with caplog.at_level(logging.WARNING, logger="tiering.engine"):
-            closed = await e.aclose()
+            closed = await engine.aclose()
     faults.clear()
     assert not closed.success and sorted(closed.failed_keys) == keys
     assert closed.error is not None and closed.error.startswith("3 block(s) failed")
-    assert e.statistics().counters["lost_blocks"] == 3
+    assert engine.statistics().counters["lost_blocks"] == 3
     assert "lost" in caplog.text and "3 block(s) failed" in caplog.text
-    assert await e.aclose() == closed  # every call answers the same
-    async with TieringEngine(kv, 8, secondary_tiers=[nvme_spec(tmp_path)], **options) as e:
-        assert e.lookup(keys[:1]) == 0  # lost indeed, as the result said
+    assert await engine.aclose() == closed  # every call answers the same
+    async with TieringEngine(kv, 8, secondary_tiers=[nvme_spec(tmp_path)]) as reopened:
+        assert all(reopened.lookup([key]) == 0 for key in keys)  # lost, as the result said
 
 
 async def test_an_evicted_block_whose_write_back_fails_is_counted_lost(tmp_path) -> None:

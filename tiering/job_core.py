@@ -276,7 +276,7 @@ class _Flush:
     def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
         self.id = flush_id
         self.internal = internal  # no FlushDone (the close's own, or already answered)
-        self.closing = closing  # the close's write-back: what it fails is lost
+        self.closing = closing  # the close's write-back: what it fails, close_result names
         self.pending = 0
         self.ok = True
         self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
