@@ -48,8 +48,15 @@ from tiering.validation import hash_list, positive_int
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 256 << 20
+"""The segment size when ``segment_bytes`` is not given, unless the cap is small (below)."""
 MAX_RECORDS_PER_SEGMENT = 4096
 """Bounds the work of evicting one segment (one index deletion per record)."""
+DERIVED_SEGMENTS_PER_CAP = 8
+"""Without ``segment_bytes``, segments shrink so that the cap holds at least this many:
+an eviction then gives up an eighth of the cache, not half of it."""
+MIN_SEGMENTS_PER_CAP = 2
+"""The fewest segments a cap must hold: the segment being written is never evicted, so
+a cap of one segment fills once and then refuses every store."""
 DEFAULT_HOT_FRACTION = 0.25
 """Blocks used within the last quarter of the capacity's worth of uses are moved, not
 dropped, when their segment is evicted."""
@@ -77,7 +84,9 @@ class NVMeSegmentTier(NVMeTierBase):
     segment, oldest first), plus
 
         segment_bytes: the size a segment grows to before the next one starts (at most
-            4096 records).
+            4096 records). Default: 256 MiB, or less for a cap under 2 GiB, so that
+            the cap holds 8 segments (one record each at the least). Given, the cap
+            must hold at least two segments.
         checkpoint_every: records written between index checkpoints (also written at a
             graceful close). A restart reads the checkpoint and scans only the records
             written after it.
@@ -110,7 +119,7 @@ class NVMeSegmentTier(NVMeTierBase):
         root: str | os.PathLike[str],
         namespace: str,
         capacity_bytes: int,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        segment_bytes: int | None = None,
         checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
         hot_fraction: float = DEFAULT_HOT_FRACTION,
         fsync: FsyncPolicy = "batch",
@@ -120,7 +129,7 @@ class NVMeSegmentTier(NVMeTierBase):
     ) -> None:
         refuse_derived_options(type(self), options)
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
-        positive_int("segment_bytes", segment_bytes)
+        records_per_segment = _records_per_segment(capacity_bytes, segment_bytes, record_bytes)
         self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
         self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
         if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
@@ -137,9 +146,7 @@ class NVMeSegmentTier(NVMeTierBase):
             os_calls=os_calls,
             **options,
         )
-        self.records_per_segment = max(
-            1, min(MAX_RECORDS_PER_SEGMENT, (segment_bytes - HEADER_BYTES) // record_bytes)
-        )
+        self.records_per_segment = records_per_segment
         self._segments = SegmentFiles(
             self.directory,
             block_bytes=self.block_bytes,
@@ -616,6 +623,42 @@ class NVMeSegmentTier(NVMeTierBase):
             await self.run_blocking(self._checkpoint_hop, self._index.checkpoint_segments())
         except OSError as exc:
             self._failure_log.record("checkpoint failed", 1, str(exc))
+
+
+def _records_per_segment(capacity_bytes: object, segment_bytes: object, record_bytes: int) -> int:
+    """Records a segment takes: from ``segment_bytes``, or (None) from the cap.
+
+    Raises:
+        InvalidArgumentError: ``segment_bytes`` is not a positive int or None, or the cap
+            holds fewer than two segments (both options named); a bad ``capacity_bytes``
+            is left to the space guard, which names it.
+    """
+    if segment_bytes is not None:
+        positive_int("segment_bytes", segment_bytes)
+    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
+        capacity_bytes = 0  # the space guard refuses it, naming it
+    capacity_records = capacity_bytes // record_bytes
+    largest = min(MAX_RECORDS_PER_SEGMENT, (DEFAULT_SEGMENT_BYTES - HEADER_BYTES) // record_bytes)
+    if segment_bytes is None:
+        records = max(1, min(largest, capacity_records // DERIVED_SEGMENTS_PER_CAP))
+        if 0 < capacity_records < MIN_SEGMENTS_PER_CAP:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes} holds {capacity_records} record of "
+                f"{record_bytes} bytes; a segment tier needs room for at least "
+                f"{MIN_SEGMENTS_PER_CAP} (the segment being written is never evicted)"
+            )
+        return records
+    records = max(1, min(MAX_RECORDS_PER_SEGMENT, (segment_bytes - HEADER_BYTES) // record_bytes))
+    if 0 < capacity_records < MIN_SEGMENTS_PER_CAP * records:
+        raise InvalidArgumentError(
+            f"capacity_bytes={capacity_bytes} holds {capacity_records} records of "
+            f"{record_bytes} bytes, fewer than {MIN_SEGMENTS_PER_CAP} segments of "
+            f"segment_bytes={segment_bytes} ({records} records each): the segment being "
+            "written is never evicted, so the tier would fill once and then refuse every "
+            "store; raise capacity_bytes, lower segment_bytes, or leave segment_bytes out "
+            "(it then follows from the cap)"
+        )
+    return records
 
 
 __all__ = ["NVMeSegmentTier"]

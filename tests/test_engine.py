@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
 import random
 import threading
 from collections.abc import AsyncIterator
@@ -17,6 +19,8 @@ import pytest
 import torch
 
 from backends.example import ExampleSecondaryTier
+from backends.faults import FaultInjector
+from backends.nvme_format import HEADER_BYTES
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
     KeyGatedMemoryTier,
@@ -38,6 +42,7 @@ from tiering import (
     ClosedError,
     JobMetadata,
     JobResult,
+    OffloadingEvent,
     TieringEngine,
 )
 from tiering.lifecycle import Lifecycle
@@ -504,3 +509,100 @@ async def test_a_block_the_policy_declines_is_not_stored_and_the_store_succeeds(
         assert engine.statistics().counters["declined_blocks"] == 1
         assert (await engine.load(seen, [5, 6])).success
         assert_holds(kv, seen, [5, 6])
+
+
+# -------------------------------------- write-back over a small NVMe cap (issue 24)
+
+RECORD = HEADER_BYTES + 4096
+"""A make_kv block (512 bytes) in a segment: its header page and one page of payload."""
+
+
+def nvme_removals(events: list[OffloadingEvent]) -> set[bytes]:
+    """The keys that removal events of the NVMe tier name."""
+    return {k for e in events if e.removed and e.medium == "NVME" for k in e.block_hashes}
+
+
+async def test_write_back_over_a_small_nvme_cap_keeps_or_reports_every_stored_block(
+    tmp_path,
+) -> None:
+    """Three caps' worth of blocks through a CPU tier of four: after a graceful close and
+    a reopen, each block whose store succeeded loads byte-exact or was named by a
+    removal event of the NVMe tier (the close's included, taken after it)."""
+    kv = make_kv(30)
+    spec = nvme_spec(tmp_path, capacity_bytes=16 * RECORD)  # segment_bytes follows the cap
+    keys = [h(3000 + i) for i in range(48)]
+    options: dict[str, Any] = {"secondary_tiers": [spec], "write_policy": "write_back"}
+    async with TieringEngine(kv, 4, enable_events=True, **options) as engine:
+        events: list[OffloadingEvent] = []
+        for key in keys:
+            put(kv, [key], [0])
+            assert (await engine.store([key], [0])).success
+            events += engine.take_events()
+        closed = await engine.aclose()
+        events += engine.take_events()
+    removed = nvme_removals(events)
+    async with TieringEngine(kv, 4, **options) as engine:
+        kept = [key for key in keys if engine.lookup([key]) == 1]
+        for key in kept:
+            wipe(kv, [1])
+            assert (await engine.load([key], [1])).success
+            assert holds(kv, key, 1), f"{key.hex()} came back with other bytes"
+    assert set(keys) - set(kept) - removed == set(), "stored, then gone without a word"
+    assert len(kept) == 16 and not removed & set(kept)
+    assert closed.success and closed.failed_keys == ()
+
+
+async def test_a_close_whose_write_back_fails_names_counts_and_logs_the_lost_blocks(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv = make_kv(31)
+    faults = FaultInjector()
+    keys = [h(1), h(2), h(3)]
+    engine = TieringEngine(
+        kv, 8, secondary_tiers=[nvme_spec(tmp_path, faults)], write_policy="write_back"
+    )
+    async with engine:
+        assert (await engine.store(keys, [0, 1, 2])).success  # in CPU only, under write-back
+        faults.fail("pwritev", errno.EIO)  # every write of the close's flush fails
+        with caplog.at_level(logging.WARNING, logger="tiering.engine"):
+            closed = await engine.aclose()
+    faults.clear()
+    assert not closed.success and sorted(closed.failed_keys) == keys
+    assert closed.error is not None and closed.error.startswith("3 block(s) failed")
+    assert engine.statistics().counters["lost_blocks"] == 3
+    assert "lost" in caplog.text and "3 block(s) failed" in caplog.text
+    assert await engine.aclose() == closed  # every call answers the same
+    async with TieringEngine(kv, 8, secondary_tiers=[nvme_spec(tmp_path)]) as reopened:
+        assert all(reopened.lookup([key]) == 0 for key in keys)  # lost, as the result said
+
+
+async def test_an_evicted_block_whose_write_back_fails_is_counted_lost(tmp_path) -> None:
+    kv = make_kv(32)
+    faults = FaultInjector()
+    spec = nvme_spec(tmp_path, faults)
+    async with TieringEngine(
+        kv, 2, secondary_tiers=[spec], write_policy="write_back", enable_events=True
+    ) as engine:
+        assert (await engine.store([h(1), h(2)], [0, 1])).success
+        faults.fail("pwritev", errno.EIO, times=1)
+        assert (await engine.store([h(3)], [2])).success  # evicts one; its write-back fails
+        await settle(engine)
+        stats = engine.statistics()
+        assert stats.counters["lost_blocks"] == 1
+        assert stats.failures["evicted block lost: no tier took its write-back"] == 1
+        events = engine.take_events()
+        (victim,) = [k for e in events if e.removed and e.medium == "CPU" for k in e.block_hashes]
+        assert engine.lookup([victim]) == 0  # in no tier: the CPU tier's removal says so
+        assert not [e for e in events if e.medium == "NVME" and victim in e.block_hashes]
+
+
+async def test_a_hard_close_under_write_back_names_the_cpu_blocks_it_drops(tmp_path) -> None:
+    kv = make_kv(33)
+    spec = nvme_spec(tmp_path)
+    engine = TieringEngine(kv, 4, secondary_tiers=[spec], write_policy="write_back")
+    async with engine:
+        assert (await engine.store([h(1), h(2)], [0, 1])).success
+        closed = engine.close()
+    assert not closed.success and sorted(closed.failed_keys) == [h(1), h(2)]
+    assert engine.statistics().counters["lost_blocks"] == 2
+    assert await engine.aclose() == closed

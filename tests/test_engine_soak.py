@@ -26,9 +26,25 @@ The reference model is simple because a block's content is a function of its key
 A flipped byte is put back after its life ends (if the file is still the one flipped),
 so damage never leaks into a later life's durability check.
 
+The small-caps soak (``test_soak_small_caps_write_back``) runs a segment-layout NVMe tier
+under write-back whose cap holds fewer blocks than the soak's keys (2 to 16 segments per
+cap, or the segment size the tier derives), so the tier evicts all the time; every life
+ends with a graceful close (sometimes with jobs in flight) and the next one reopens the
+root. It follows the events (``enable_events``) as a router would, and checks, besides
+the above:
+
+* the close's result (what ``aclose()`` returns) names every block the CPU tier held
+  and the NVMe tier did not, unless a removal event of the close said that the NVMe
+  tier took it and evicted it again;
+* every block whose store succeeded is held by some medium by the events, or a removal
+  event named it;
+* every block the events say the NVMe tier holds after the close is found after the
+  reopen and loads byte-exact.
+
 Short in CI: ``KVT_SOAK_SEEDS`` seeds (default 8) from ``KVT_SOAK_FIRST_SEED``
-(default 0), ``KVT_SOAK_LIVES`` lives (default 3) of ``KVT_SOAK_ROUNDS`` rounds
-(default 10) each. Long on demand, e.g.::
+(default 0), ``KVT_SOAK_SMALL_CAPS_SEEDS`` small-caps seeds (default 4),
+``KVT_SOAK_LIVES`` lives (default 3) of ``KVT_SOAK_ROUNDS`` rounds (default 10) each.
+Long on demand, e.g.::
 
     KVT_SOAK_SEEDS=500 KVT_SOAK_ROUNDS=40 python3 -m pytest -q tests/test_engine_soak.py
 
@@ -53,6 +69,8 @@ from typing import Any
 import pytest
 
 from backends.faults import FaultInjector
+from backends.nvme_format import HEADER_BYTES
+from backends.nvme_segments import align_up
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
     block_copies,
@@ -68,11 +86,13 @@ from tests._engine_helpers import (
     wipe,
 )
 from tiering import Job, JobResult, TieringEngine, tenant_keys
+from tiering.kv_layout import kv_block_bytes
 
 SEEDS = int(os.environ.get("KVT_SOAK_SEEDS", "8"))
 FIRST_SEED = int(os.environ.get("KVT_SOAK_FIRST_SEED", "0"))
 LIVES = int(os.environ.get("KVT_SOAK_LIVES", "3"))
 ROUNDS = int(os.environ.get("KVT_SOAK_ROUNDS", "10"))
+SMALL_CAPS_SEEDS = int(os.environ.get("KVT_SOAK_SMALL_CAPS_SEEDS", "4"))
 KEYS = 24
 SOAK_KEYRING = "1:" + base64.b64encode(bytes(range(32))).decode()
 
@@ -87,6 +107,14 @@ class _Config:
     nvme_tier: str  # "nvme" (segment files) or "nvme-files"
     tenants: tuple[str | None, ...]  # each job names one of these
     encrypted: bool  # the NVMe tier seals its blocks
+    # Small caps: the NVMe tier's cap and segment size in records (None: the tier's
+    # defaults), every life closes gracefully, and events are followed (see _Soak).
+    nvme_records: int | None = None
+    segment_records: int | None = None
+
+    @property
+    def small_caps(self) -> bool:
+        return self.nvme_records is not None
 
     @classmethod
     def draw(cls, rng: random.Random) -> _Config:
@@ -100,6 +128,26 @@ class _Config:
             nvme_tier=rng.choice(["nvme", "nvme-files"]),
             tenants=rng.choice([(None,), (None, "t1", "t2")]),
             encrypted=tiers != "memory" and rng.random() < 0.5,
+        )
+
+    @classmethod
+    def draw_small_caps(cls, rng: random.Random) -> _Config:
+        """A segment tier under write-back whose cap holds fewer blocks than the soak's
+        keys, so that it evicts: 2 to 16 segments per cap, or the segment size the
+        tier derives from the cap."""
+        nvme_records = rng.randint(8, 20)
+        per_cap = rng.choice([None, 2, 4, 16])
+        return cls(
+            write_policy="write_back",
+            policy=rng.choice(["lru", "arc", "s3fifo"]),
+            cpu_blocks=rng.randint(2, 16),
+            memory_blocks=rng.randint(3, 12) if rng.random() < 0.3 else None,
+            nvme=True,
+            nvme_tier="nvme",
+            tenants=rng.choice([(None,), (None, "t1", "t2")]),
+            encrypted=rng.random() < 0.3,
+            nvme_records=nvme_records,
+            segment_records=None if per_cap is None else max(1, nvme_records // per_cap),
         )
 
 
@@ -124,16 +172,28 @@ class _Life:
     stored_ok: set[tuple[str | None, bytes]] = field(default_factory=set)  # (tenant, key)
     damaged: bool = False
     flipped: list[tuple[Path, int, int, int]] = field(default_factory=list)
+    # Small caps: the keys each medium holds by the events so far, as a router that
+    # applies them in order sees it.
+    held: dict[str, set[bytes]] = field(default_factory=dict)
+    removed: set[bytes] = field(default_factory=set)  # named by a removal event
+    closed: bool = False  # events from now on happened during the close
+    removed_by_close: set[bytes] = field(default_factory=set)  # from the NVMe tier
 
 
 class _Soak:
-    def __init__(self, seed: int, root: Path) -> None:
+    def __init__(self, seed: int, root: Path, *, small_caps: bool = False) -> None:
         self.rng = random.Random(seed)
         self.seed = seed
         self.root = root
-        self.config = _Config.draw(self.rng)
+        self.config = _Config.draw_small_caps(self.rng) if small_caps else _Config.draw(self.rng)
         self.kv = make_kv(seed)
         self.keys = [h(1000 * (seed + 1) + i) for i in range(KEYS)]
+        # (tenant, key) by the key its blocks live under in every tier (and in events).
+        self.owner_of = {
+            scoped: (tenant, key)
+            for tenant in self.config.tenants
+            for key, scoped in zip(self.keys, tenant_keys(self.keys, tenant), strict=True)
+        }
         self.must_survive: set[tuple[str | None, bytes]] = set()
         self.loads_landed = 0
         self.jobs = 0
@@ -146,14 +206,20 @@ class _Soak:
             tiers.append({"type": "memory", "max_blocks": self.config.memory_blocks})
         if self.config.nvme:
             tier = self.config.nvme_tier
-            sealed = {"encryption": SOAK_KEYRING} if self.config.encrypted else {}
-            tiers.append(nvme_spec(self.root, faults, tier=tier, enospc_retry_s=0.01, **sealed))
+            options: dict[str, Any] = {"encryption": SOAK_KEYRING} if self.config.encrypted else {}
+            if self.config.nvme_records is not None:
+                record = HEADER_BYTES + align_up(kv_block_bytes(self.kv))
+                options["capacity_bytes"] = self.config.nvme_records * record
+                if self.config.segment_records is not None:
+                    options["segment_bytes"] = HEADER_BYTES + self.config.segment_records * record
+            tiers.append(nvme_spec(self.root, faults, tier=tier, enospc_retry_s=0.01, **options))
         return TieringEngine(
             self.kv,
             self.config.cpu_blocks,
             policy=self.config.policy,
             secondary_tiers=tiers,
             write_policy=self.config.write_policy,
+            enable_events=self.config.small_caps,
         )
 
     async def run(self) -> None:
@@ -172,9 +238,12 @@ class _Soak:
         faults = FaultInjector()
         engine = self._engine(faults)
         life = _Life()
-        faulty = rng.random() < 0.4
+        # Small caps: blocks must survive every close, so no damaging faults.
+        faulty = rng.random() < 0.4 and not self.config.small_caps
         await engine.__aenter__()
         try:
+            if self.config.small_caps:
+                self._follow_events(engine, life)
             await self._check_survivors(engine, life)
             for _ in range(ROUNDS):
                 if faulty and rng.random() < 0.3:
@@ -184,7 +253,7 @@ class _Soak:
                 await self._round(engine, life)
                 await settle(engine)
                 self._drain(engine, life)
-            graceful = rng.random() < 0.75
+            graceful = rng.random() < 0.75 or self.config.small_caps
             in_flight = self._issue_some(engine, life) if rng.random() < 0.5 else []
         except BaseException:
             engine.close()
@@ -192,21 +261,61 @@ class _Soak:
             with contextlib.suppress(Exception):
                 await engine.aclose()
             raise
+        closed: JobResult | None = None
         if graceful:
-            await engine.aclose()
+            closed = await engine.aclose()
         else:
             engine.close()
             faults.clear()  # a hard stop must not wait on a slowed call
             await engine.aclose()
         faults.clear()
+        life.closed = True
         for issued in in_flight:
             await self._check(issued, life)
         with contextlib.suppress(Exception):
             self._drain(engine, life)
         self._check_results(life)
         self._restore_flips(life)
+        if self.config.small_caps:
+            self.must_survive = self._survivors_by_events(life, closed)
+            return
         clean = graceful and not life.damaged and self.config.nvme
         self.must_survive = set(life.stored_ok) if clean else set()
+
+    def _follow_events(self, engine: TieringEngine, life: _Life) -> None:
+        """Start following events: the reopened NVMe tier holds what lookup finds
+        (nothing is in the CPU or a memory tier yet); later events change that."""
+        held = {
+            scoped for scoped, (t, key) in self.owner_of.items() if engine.lookup([key], tenant=t)
+        }
+        life.held = {"NVME": held}
+
+    def _survivors_by_events(
+        self, life: _Life, closed: JobResult | None
+    ) -> set[tuple[str | None, bytes]]:
+        """After a graceful close, checked against the events as a router sees them.
+
+        The CPU tier's blocks that the NVMe tier does not hold are gone with the close:
+        each was either taken by the NVMe tier and evicted again during the close (a
+        removal event), or is named by the close's result. Every block whose store
+        succeeded is held by a medium or was named by a removal event. Returns what the
+        NVMe tier holds by the events: all of it must be there after the reopen."""
+        assert isinstance(closed, JobResult), f"seed {self.seed}: aclose() returned {closed!r}"
+        nvme, cpu = life.held.get("NVME", set()), life.held.get("CPU", set())
+        unnamed = cpu - nvme - life.removed_by_close - set(closed.failed_keys)
+        assert not unnamed, (
+            f"seed {self.seed}: the close lost {len(unnamed)} block(s) without naming them: "
+            f"{closed} ({self.config})"
+        )
+        assert closed.success == (not closed.failed_keys), f"seed {self.seed}: {closed}"
+        for tenant, key in life.stored_ok:
+            scoped = tenant_keys([key], tenant)[0]
+            where = [medium for medium, keys in life.held.items() if scoped in keys]
+            assert where or scoped in life.removed, (
+                f"seed {self.seed}: {key.hex()} of tenant {tenant} stored with success, "
+                f"then gone from every medium with no removal event ({self.config})"
+            )
+        return {self.owner_of[scoped] for scoped in nvme}
 
     async def _check_survivors(self, engine: TieringEngine, life: _Life) -> None:
         """The previous life closed gracefully and cleanly: its stores are all here."""
@@ -329,6 +438,16 @@ class _Soak:
     def _drain(self, engine: TieringEngine, life: _Life) -> None:
         for result in engine.get_finished():
             life.finished[result.job_id] += 1
+        if self.config.small_caps:
+            for event in engine.take_events():
+                held = life.held.setdefault(event.medium, set())
+                if event.removed:
+                    held.difference_update(event.block_hashes)
+                    life.removed.update(event.block_hashes)
+                    if life.closed and event.medium == "NVME":
+                        life.removed_by_close.update(event.block_hashes)
+                else:
+                    held.update(event.block_hashes)
 
     def _check_results(self, life: _Life) -> None:
         for issued in life.jobs:
@@ -376,3 +495,8 @@ class _Soak:
 @pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + SEEDS))
 async def test_soak(seed: int, tmp_path: Path) -> None:
     await _Soak(seed, tmp_path).run()
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + SMALL_CAPS_SEEDS))
+async def test_soak_small_caps_write_back(seed: int, tmp_path: Path) -> None:
+    await _Soak(seed, tmp_path, small_caps=True).run()

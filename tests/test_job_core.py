@@ -222,6 +222,32 @@ def test_graceful_close_under_write_back_flushes_before_draining() -> None:
     assert c.tier_done(flush.op, ok(flush.keys)) == [Drained()]
 
 
+def test_a_victim_whose_write_back_a_tier_refuses_is_counted_lost() -> None:
+    tier = Tier(capacity=0)
+    c = core(blocks=1, tiers=(tier,), policy="write_back")
+    stored(c, [h(1)])
+    _, (write_back,) = c.store([h(2)], [1])
+    (copy,) = c.tier_done(write_back.op, TierOutcome((), {h(1): "tier full"}))
+    assert isinstance(copy, CopyToHost)  # the slot is refilled: h1 is gone
+    assert c.counters["lost_blocks"] == 1
+    assert c.failures.counts["evicted block lost: no tier took its write-back"] == 1
+
+
+def test_a_close_names_the_blocks_its_write_back_could_not_hand_over() -> None:
+    tier = Tier()
+    c = core(tiers=(tier,), policy="write_back")
+    stored(c, [h(1), h(2)])
+    assert c.close_result().success  # nothing lost before a close
+    (flush,) = c.begin_close()
+    assert c.tier_done(flush.op, TierOutcome((h(1),), {h(2): "tier full"})) == [Drained()]
+    result = c.close_result()
+    assert not result.success and result.failed_keys == (h(2),)
+    assert result.error == "1 block(s) failed: tier full (1)"
+    assert c.counters["lost_blocks"] == 1
+    c.hard_close()  # after the drain: nothing more is lost
+    assert c.close_result() == result and c.counters["lost_blocks"] == 1
+
+
 def test_hard_close_resolves_every_job_once_and_starts_nothing() -> None:
     tier = Tier()
     c = core(blocks=1, tiers=(tier,), policy="write_back")

@@ -372,6 +372,50 @@ def test_a_bad_option_is_refused_naming_it_and_its_value(
     assert not (tmp_path / namespace_dirname("x")).exists()  # nothing was created
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"capacity_bytes": 16 * RECORD, "segment_bytes": HEADER_BYTES + 16 * RECORD},
+        {"capacity_bytes": 16 * RECORD, "segment_bytes": 256 << 20},
+        {"capacity_bytes": 23 * RECORD, "segment_bytes": HEADER_BYTES + 12 * RECORD},
+    ],
+)
+def test_a_cap_of_fewer_than_two_segments_is_refused_naming_both_options(
+    pool: memoryview, tmp_path: Path, options: dict[str, int]
+) -> None:
+    spec = {"type": "nvme", "root": str(tmp_path), "namespace": "x", **options}
+    with pytest.raises(InvalidArgumentError, match=r"capacity_bytes=.*segment_bytes="):
+        make_tier(spec, pool, BLOCK)
+    assert not (tmp_path / namespace_dirname("x")).exists()  # nothing was created
+
+
+def test_a_cap_of_one_record_is_refused_without_segment_bytes(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    spec = {"type": "nvme", "root": str(tmp_path), "namespace": "x", "capacity_bytes": RECORD}
+    with pytest.raises(InvalidArgumentError, match="capacity_bytes="):
+        make_tier(spec, pool, BLOCK)
+
+
+async def test_without_segment_bytes_a_small_cap_holds_eight_segments_and_keeps_storing(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    options = {"capacity_bytes": 16 * RECORD, "min_free_bytes": 0}
+    t = NVMeSegmentTier(pool, BLOCK, root=tmp_path, namespace=NAMESPACE, **options)
+    assert t.records_per_segment == 2
+    async with t:
+        t.report_removals()
+        stored: list[bytes] = []
+        for _ in range(24):  # six caps' worth, a quarter of the cap a job
+            batch = keys(4)
+            assert (await store(t, batch, range(4))).success
+            stored += batch
+        held = [k for k in stored if t.lookup(k)]
+        assert len(held) == 16 and held == stored[-16:]
+        assert sorted(t.take_removed()) == sorted(stored[:-16])  # every other one is named
+        assert len(segment_files(t)) == 8
+
+
 _CRASHING_WRITER = textwrap.dedent(
     """
     import asyncio, mmap, sys

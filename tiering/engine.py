@@ -236,19 +236,29 @@ class TieringEngine:
     ) -> None:
         await self.aclose()
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> JobResult:
         """Close gracefully, within ``close_timeout``: admit no new job, let running jobs
         and their cascades finish, then (write-back) flush the CPU tier's blocks to the
         secondary tiers; then close the tiers, the copier and the host pool. What is not
         done by the deadline is stopped as :meth:`close` does (those jobs report
         failure). If this is cancelled, everything is still released before the
-        cancellation propagates. Idempotent; concurrent calls all wait for the end."""
+        cancellation propagates. Idempotent; concurrent calls all wait for the end.
+
+        Returns the close's result: ``success`` unless, under write-back, CPU blocks did
+        not reach every secondary tier that lacked them (a tier refused or failed them,
+        or the deadline came first); then ``failed_keys`` names them (the keys the
+        tiers and events use: a tenant's keys, see :meth:`tenant_keys`), ``error`` sums
+        up why, and a warning is logged; those no tier holds are lost with the CPU
+        tier and counted in ``statistics().counters["lost_blocks"]``. Every call
+        returns the same result. Events of the close (its write-back's stores, and
+        what the tiers evicted to take them) are taken with :meth:`take_events` after
+        it returns."""
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
         if self._state is not Lifecycle.OPEN:
             if self._closed is not None:
                 await self._closed.wait()
-            return
+            return self._close_result()
         assert self._core is not None and self._drained is not None and self._loop
         self._state = Lifecycle.CLOSING
         deadline = self._loop.time() + self._close_timeout
@@ -266,25 +276,42 @@ class TieringEngine:
             await self._stack.aclose(deadline)
         finally:
             self._release_now()
+        return self._close_result()
 
-    def close(self) -> None:
+    def close(self) -> JobResult:
         """Hard stop, synchronous and idempotent: every unfinished job reports failure
         now, the tiers stop, copies in flight are waited for (blocking, briefly: their
         memory must not go away under them), and the host pool is released.
+
+        Returns the close's result, as :meth:`aclose` does: under write-back, it names
+        the CPU blocks (and evicted blocks still being written back) that not every
+        secondary tier held yet; those held by none are lost with the CPU tier.
 
         Prefer ``aclose`` (or leaving the ``async with``); this is the fallback when the
         loop cannot wait.
         """
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
-            return
-        self._release_now()
+        else:
+            self._release_now()
+        return self._close_result()
+
+    def _close_result(self) -> JobResult:
+        return JobResult(0, True) if self._core is None else self._core.close_result()
 
     def _release_now(self) -> None:
         """Stop everything without awaiting; idempotent. Pins and fills still end only
         through the completions of the I/O that holds them."""
         if self._core is not None:
             self._execute(self._core.hard_close())  # every job and flush answered
+            if self._state is not Lifecycle.CLOSED:
+                result = self._core.close_result()
+                if not result.success:
+                    logger.warning(
+                        "engine: closed without writing every CPU block back to every "
+                        "secondary tier (those in none are lost, see lost_blocks): %s",
+                        result.error,
+                    )
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()

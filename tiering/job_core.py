@@ -26,10 +26,14 @@ Rules it keeps (the model test checks each):
   secondary tiers before its slot is refilled. Blocks a load promotes are held in their
   tier (``hold``) from planning until the promotion ends, so that write-back (or any
   cascade) cannot evict them in between.
-* **Close loses nothing.** Graceful close admits no new job, lets running jobs and their
-  cascades finish, then (write-back) flushes every CPU block the tiers lack, then says
-  :class:`Drained`. A hard close resolves every job at once as failed, starts no new
-  I/O, and still releases each pin only when its I/O ends.
+* **Close loses nothing, or says what it lost.** Graceful close admits no new job, lets
+  running jobs and their cascades finish, then (write-back) flushes every CPU block the
+  tiers lack, then says :class:`Drained`. A hard close resolves every job at once as
+  failed, starts no new I/O, and still releases each pin only when its I/O ends.
+  Under write-back, :meth:`JobCore.close_result` names each CPU block the close did not
+  hand to every tier that lacked it; a block that leaves the CPU tier (evicted, or at a
+  close) while no tier holds it is lost: counted (``lost_blocks``) and its cause
+  recorded.
 """
 
 from __future__ import annotations
@@ -66,11 +70,15 @@ COUNTERS = (
     "failed_jobs",
     "evicted_blocks",
     "declined_blocks",
+    "lost_blocks",
 )
 """The core's counters (monotonic totals), as ``statistics().counters`` shows them;
 ``evicted_blocks``: blocks the CPU tier evicted to make room; ``declined_blocks``: blocks
-a store asked for that its eviction policy did not admit (not stored). (Lookups are counted
-apart, :class:`LookupStatistics`: a lookup changes no statistics.)"""
+a store asked for that its eviction policy did not admit (not stored); ``lost_blocks``:
+under write-back, blocks that left the CPU tier (evicted, or at a close) while no
+secondary tier held them: every tier refused or failed their write-back, or a hard
+close came first. (Lookups are counted apart, :class:`LookupStatistics`: a lookup
+changes no statistics.)"""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
 
@@ -263,13 +271,16 @@ class _Job:
 
 
 class _Flush:
-    __slots__ = ("id", "internal", "ok", "pending")
+    __slots__ = ("closing", "failed", "failures", "id", "internal", "ok", "pending")
 
-    def __init__(self, flush_id: int, internal: bool) -> None:
+    def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
         self.id = flush_id
-        self.internal = internal  # the close's own flush: no FlushDone
+        self.internal = internal  # no FlushDone (the close's own, or already answered)
+        self.closing = closing  # the close's write-back: what it fails, close_result names
         self.pending = 0
         self.ok = True
+        self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
+        self.failures: Counter[BlockHash] = Counter()  # tiers that did not take each key
 
 
 # ---------------------------------------------------------------------- the core
@@ -360,6 +371,10 @@ class JobCore:
         self._next_id = 0
         self._close_flushed = False
         self._drained = False
+        self._close_id: int | None = None
+        self._close_failed: dict[BlockHash, str] = {}  # not written back to every tier
+        self._close_lost: set[BlockHash] = set()  # of those, held by no tier: counted lost
+        self._writing_back: Counter[BlockHash] = Counter()  # victims with write-backs in flight
 
     # ------------------------------------------------------------------ queries
 
@@ -584,8 +599,8 @@ class JobCore:
         if job.cascade_pending == 0:
             self._answer_cascaded(job, True)
 
-    def _cascade_part_done(self, job: _Job, ok: bool) -> None:
-        job.cascade_ok &= ok
+    def _cascade_part_done(self, job: _Job, failed: Mapping[BlockHash, str]) -> None:
+        job.cascade_ok &= not failed
         job.cascade_pending -= 1
         if job.cascade_pending == 0:
             self._answer_cascaded(job, job.cascade_ok)
@@ -792,16 +807,41 @@ class JobCore:
         self, job: _Job, victims: list[BlockHash], slots: list[int], then: Callable[[_Job], None]
     ) -> None:
         """Write-back: store evicted blocks (intact in their old slots, which the job now
-        owns) to every tier lacking them, then call ``then(job)``; at once if none."""
+        owns) to every tier lacking them, then call ``then(job)``; at once if none.
+
+        A victim that every tier lacked and none took is lost once its slot is refilled:
+        counted and its cause recorded (its removal from the CPU tier is an event
+        already, and no tier reports it stored)."""
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
             then(job)
             return
         pending = 0
+        reasons: dict[BlockHash, str] = {}
+        failures: Counter[BlockHash] = Counter()
+        writing = self._writing_back
+        writing.update(victims)
 
-        def part_done(_job: _Job, _ok: bool) -> None:
+        def part_done(_job: _Job, failed: Mapping[BlockHash, str]) -> None:
             nonlocal pending
             pending -= 1
+            failures.update(failed.keys())
+            for k, reason in failed.items():
+                reasons.setdefault(k, reason)
             if pending == 0:
+                writing.subtract(victims)
+                for k in victims:
+                    if writing[k] <= 0:
+                        del writing[k]
+                # Failed in every tier (a tier that held it was not asked); a hard close
+                # has counted those it found still being written.
+                everywhere = len(self.tiers)
+                lost = {
+                    k: reasons[k]
+                    for k, n in failures.items()
+                    if n == everywhere and k not in self._close_lost
+                }
+                if lost:
+                    self._lose(lost, "evicted block lost: no tier took its write-back")
                 then(job)
 
         for t, tier in enumerate(self.tiers):
@@ -834,7 +874,8 @@ class JobCore:
         pinned: bool = True,
     ) -> None:
         """Submit one store of ``items`` to tier ``t``. When it ends: unpin (``pinned``),
-        count, record events, then ``done(owner, every key landed)``."""
+        count, record events, then ``done(owner, the keys that did not land, with
+        reasons)``."""
         keys = [k for k, _ in items]
 
         def ended(_owner: object, outcome: object) -> None:
@@ -851,7 +892,7 @@ class JobCore:
                 )
             if landed and self.enable_events:
                 self._store_event(t, landed)
-            done(owner, not failed)
+            done(owner, failed)
 
         op = self._start(owner, len(items), ended)
         self._out.append(TierStore(op, t, keys, [s for _, s in items]))
@@ -884,8 +925,8 @@ class JobCore:
         flush = self._start_flush(internal=False)
         return flush.id, self._take()
 
-    def _start_flush(self, *, internal: bool) -> _Flush:
-        flush = _Flush(self._new_id(), internal)
+    def _start_flush(self, *, internal: bool, closing: bool = False) -> _Flush:
+        flush = _Flush(self._new_id(), internal, closing)
         self._flushes[flush.id] = flush
         ready = self.manager.ready_hashes()
         for t in range(len(self.tiers)):
@@ -898,14 +939,23 @@ class JobCore:
             self._flush_done(flush)
         return flush
 
-    def _flush_part_done(self, flush: _Flush, ok: bool) -> None:
-        flush.ok &= ok
+    def _flush_part_done(self, flush: _Flush, failed: Mapping[BlockHash, str]) -> None:
+        flush.ok &= not failed
+        if flush.closing:
+            flush.failures.update(failed.keys())
+            for k, reason in failed.items():
+                flush.failed.setdefault(k, reason)
         flush.pending -= 1
         if flush.pending == 0:
             self._flush_done(flush)
 
     def _flush_done(self, flush: _Flush) -> None:
         del self._flushes[flush.id]
+        if flush.closing and flush.failed:
+            everywhere = len(self.tiers)  # failed in every tier: each lacked it
+            self._lose_at_close(
+                flush.failed, [k for k, n in flush.failures.items() if n == everywhere]
+            )
         if not flush.internal:
             self._out.append(FlushDone(flush.id, flush.ok))
 
@@ -917,6 +967,7 @@ class JobCore:
         the CPU tier's blocks to the secondary tiers. Idempotent."""
         if self.state is Lifecycle.OPEN:
             self.state = Lifecycle.CLOSING
+            self._close_id = self._new_id()
             self._check_drained()
         return self._take()
 
@@ -929,6 +980,10 @@ class JobCore:
         if self.state is Lifecycle.CLOSED:
             return self._take()
         self.state = Lifecycle.CLOSED
+        if self._close_id is None:
+            self._close_id = self._new_id()
+        if self.write_back and self.tiers and not self._drained:
+            self._lose_unwritten()
         reason = "the engine closed before the job finished"
         waiting, self._waiting = self._waiting, {}
         for job, _ in waiting.values():
@@ -951,12 +1006,55 @@ class JobCore:
                 return
             if self.write_back and self.tiers and not self._close_flushed:
                 self._close_flushed = True
-                if self._start_flush(internal=True).pending:
+                if self._start_flush(internal=True, closing=True).pending:
                     return
         elif self._op_owner:
             return
         self._drained = True
         self._out.append(Drained())
+
+    def close_result(self) -> JobResult:
+        """The close's write-back as a :class:`JobResult` of its own id: ``success``
+        unless, under write-back, CPU blocks did not reach every secondary tier that
+        lacked them (a tier refused or failed them, or a hard close came first); then
+        ``failed_keys`` names them and ``error`` sums up why. Those that no tier holds
+        are lost with the CPU tier (``lost_blocks``). Final once :class:`Drained` was
+        said or :meth:`hard_close` was called; before any close, a success."""
+        job_id = self._close_id if self._close_id is not None else 0
+        failed = self._close_failed
+        if not failed:
+            return JobResult(job_id, True)
+        keys = tuple(failed)
+        return JobResult(job_id, False, keys, _summary(keys, failed))
+
+    def _lose_at_close(self, failed: Mapping[BlockHash, str], lost: Iterable[BlockHash]) -> None:
+        """The close did not write ``failed`` back to every tier that lacked them; the
+        ``lost`` of them are in no tier, so gone with the CPU tier (each counted once)."""
+        for k, reason in failed.items():
+            self._close_failed.setdefault(k, reason)
+        new = {k: failed[k] for k in lost if k not in self._close_lost}
+        if new:
+            self._close_lost.update(new)
+            self._lose(new, "block lost at close: no tier took its write-back")
+
+    def _lose_unwritten(self) -> None:
+        """A hard close under write-back: every ready CPU block, and every evicted block
+        whose write-back is in flight, that a tier does not hold now was not written
+        back; held by none, it is lost with the CPU tier (one being written counts:
+        nothing waits for the write)."""
+        tiers = self.tiers
+        held_by = {
+            h: sum(tier.lookup(h) is True for tier in tiers)
+            for h in dict.fromkeys((*self.manager.ready_hashes(), *self._writing_back))
+        }
+        reason = "the engine stopped before it was written back"
+        unwritten = {h: reason for h, n in held_by.items() if n < len(tiers)}
+        self._lose_at_close(unwritten, [h for h, n in held_by.items() if n == 0])
+
+    def _lose(self, lost: Mapping[BlockHash, str], cause: str) -> None:
+        """Count and record blocks lost under write-back."""
+        self.counters["lost_blocks"] += len(lost)
+        self.failures.record(cause, len(lost), next(iter(lost.values())))
 
     # -------------------------------------------------------------- completions
 
@@ -1035,12 +1133,8 @@ class JobCore:
             self._forget_if_done(job)
             return
         self.counters["failed_jobs"] += 1
-        reasons = Counter(job.failed[k] for k in keys)
-        summary = "; ".join(f"{r} ({n})" for r, n in reasons.most_common(3))
         self._out.append(
-            Resolve(
-                job.id, JobResult(job.id, False, keys, f"{len(keys)} block(s) failed: {summary}")
-            )
+            Resolve(job.id, JobResult(job.id, False, keys, _summary(keys, job.failed)))
         )
         self._forget_if_done(job)
 
@@ -1115,6 +1209,13 @@ class JobCore:
     def _take(self) -> list[Effect]:
         out, self._out = self._out, []
         return out
+
+
+def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
+    """``<n> block(s) failed: <reason> (<count>); …``, the three most common reasons."""
+    reasons = Counter(failed[k] for k in keys)
+    summary = "; ".join(f"{r} ({n})" for r, n in reasons.most_common(3))
+    return f"{len(keys)} block(s) failed: {summary}"
 
 
 def _failed_keys(outcome: object, keys: list[BlockHash], closed: str) -> dict[BlockHash, str]:

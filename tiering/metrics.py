@@ -390,6 +390,7 @@ _ENGINE_COUNTERS: Sequence[tuple[str, str, str]] = (
     ("flushed_blocks", "flushed_blocks", "Blocks flushes stored in a secondary tier."),
     ("failed_jobs", "failed_jobs", "Store and load jobs whose result was not success."),
     ("declined_blocks", "declined_blocks", "Blocks stores asked for that the policy declined."),
+    ("lost_blocks", "lost_blocks", "Write-back blocks that left CPU while in no other tier."),
 )
 _TIER_GAUGES: Sequence[tuple[str, str]] = (
     ("used_blocks", "Blocks this tier holds now (idle ready blocks included)."),
