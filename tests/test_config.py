@@ -68,7 +68,10 @@ def test_the_documented_example_loads_as_described(tmp_path: Path) -> None:
         },
     ]
     assert config.replay == ReplayConfig(
-        trace="traces/conversation.jsonl", limit=10000, pace=2.0, block_bytes=128 << 10
+        trace=str(tmp_path / "traces" / "conversation.jsonl"),  # the file's directory's
+        limit=10000,
+        pace=2.0,
+        block_bytes=128 << 10,
     )
     assert config.synthetic == SyntheticConfig()
     assert config.metrics == MetricsConfig(port=9400)

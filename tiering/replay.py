@@ -42,6 +42,7 @@ from tiering.errors import BlockNotFoundError, InvalidArgumentError
 from tiering.loop_lag import LoopLagMonitor
 from tiering.manager import CPUOffloadingManager
 from tiering.secondary import JobResult
+from tiering.tenancy import Tenancy
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
@@ -280,13 +281,35 @@ def simulate(
     policy: str = "lru",
     tier_blocks: Sequence[TierLayout] = (),
     full_blocks_only: bool = False,
+    tenants: int = 1,
 ) -> CacheModel:
     """Run ``requests`` through a fresh :class:`CacheModel`; returns it, with its hit
-    figures. Raises as :class:`CacheModel` does."""
+    figures. With ``tenants`` above 1 each request is sent once per tenant, under that
+    tenant's keys, as :func:`replay` sends it.
+
+    Raises:
+        InvalidArgumentError / UnknownPolicyError: as :class:`CacheModel`, or a bad
+            ``tenants``.
+    """
     model = CacheModel(cpu_blocks, policy, tier_blocks)
+    names = tenant_names(tenants)
+    tenancy = Tenancy()
     for request in requests:
-        model.request(request.keys(full_blocks_only=full_blocks_only))
+        keys = request.keys(full_blocks_only=full_blocks_only)
+        for name in names:
+            model.request(keys if name is None else tenancy.keys(keys, name))
     return model
+
+
+def tenant_names(tenants: int) -> list[str | None]:
+    """The tenants a replay sends each request for: ``tenant-0``, ``tenant-1``... (one
+    tenant: None, the untenanted calls).
+
+    Raises:
+        InvalidArgumentError: ``tenants`` is not a positive int.
+    """
+    tenants = positive_int("tenants", tenants)
+    return [f"tenant-{i}" for i in range(tenants)] if tenants > 1 else [None]
 
 
 # ------------------------------------------------------------------ engine replay
@@ -419,7 +442,8 @@ async def replay(
             tenants the engine must keep apart. Each tenant's blocks carry bytes of
             their own (those of the tenant's keys, :meth:`TieringEngine.tenant_keys`),
             so a block served across tenants is a mismatch, and every hit on a block
-            the tenant never stored counts in ``cross_tenant_hits``.
+            the tenant never stored but another did counts in ``cross_tenant_hits``
+            (one nobody stored in this replay, in ``warm_hits``).
         on_request: called after each request with its number and the summary so far.
         on_open: called once the engine is open, with it and the loop-lag monitor; the
             context manager it returns is left when the replay ends (serve metrics
@@ -440,8 +464,7 @@ async def replay(
         isinstance(pace, bool) or not isinstance(pace, int | float) or not pace > 0
     ):
         raise InvalidArgumentError(f"pace must be None or a positive number, got {pace!r}")
-    tenants = positive_int("tenants", tenants)
-    names: list[str | None] = [f"tenant-{i}" for i in range(tenants)] if tenants > 1 else [None]
+    names = tenant_names(tenants)
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     for number, keys in enumerate(keyed):
         if len(keys) > device_blocks:
@@ -705,6 +728,7 @@ __all__ = [
     "percentiles_ms",
     "replay",
     "simulate",
+    "tenant_names",
     "tier_labels",
     "tier_layout",
 ]

@@ -3,13 +3,18 @@
 Drives a real TieringEngine: per request it looks up the prompt's blocks, loads the hit
 prefix into a simulated device KV cache, "computes" the rest (fills each block with
 bytes derived from its hash), stores it, and checks every loaded block against its
-hash. Any mismatch fails the run (exit code 1). At the end: a summary table, or with
---json one JSON object on the last line (requests, hit_ratio, hit_ratio_by_tier,
-mismatches, bytes_by_path, job_latency_ms, loop_lag_p99_ms, ...).
+hash. At the end: a summary table, or with --json one JSON object on the last line
+(requests, hit_ratio, hit_ratio_by_tier, bookkeeping_hit_ratio, bookkeeping_notes,
+mismatches, failed_blocks_by_tier, warm_hits, bytes_by_path, job_latency_ms, ...).
+
+Exit codes: 0 done; 1 the run failed (a loaded block held wrong bytes, every store
+failed, or a tier stored and served nothing while its transfers failed); 2 a usage
+error, before anything ran (a bad option, trace or config, or a CPU tier smaller than
+the longest request).
 
 Examples:
   tiering replay                                     # synthetic traffic, CPU tier only
-  tiering replay trace.jsonl --cpu 10000 --nvme /var/tmp/kv --nvme-size 2GiB
+  tiering replay trace.jsonl --cpu 10000 --block-bytes 16K --nvme /var/tmp/kv --nvme-size 2GiB
   tiering replay --config cache.toml --set engine.policy=arc --json
 """
 
@@ -28,17 +33,25 @@ import torch
 from tiering.cli_args import Progress
 from tiering.commands._output import add_json_argument, print_json
 from tiering.commands._workload import (
+    DEFAULT_CPU_BLOCKS,
     add_config_arguments,
     add_workload_arguments,
     cpu_shortcut,
     load_workload,
     resolve_config,
 )
-from tiering.config import TieringConfig, engine_from_config, with_overrides
+from tiering.config import (
+    EngineConfig,
+    ReplayConfig,
+    TieringConfig,
+    engine_from_config,
+    with_overrides,
+)
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
 from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
+from tiering.policies import policy_names
 from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate
 from tiering.statistics import format_bytes
 from tiering.workloads import Request
@@ -55,9 +68,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_config_arguments(parser)
     tiers = parser.add_argument_group("tiers (shortcuts for config fields)")
-    tiers.add_argument("--cpu", metavar="SIZE", help="CPU tier: blocks (10000) or bytes (8GiB)")
-    tiers.add_argument("--policy", help="the CPU tier's eviction policy")
-    tiers.add_argument("--write-policy", choices=["write_through", "write_back"])
+    tiers.add_argument(
+        "--cpu",
+        metavar="SIZE",
+        help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks)",
+    )
+    tiers.add_argument(
+        "--policy",
+        choices=policy_names(),
+        help=f"the CPU tier's eviction policy (default: {_default(EngineConfig, 'policy')})",
+    )
+    tiers.add_argument(
+        "--write-policy",
+        choices=["write_through", "write_back"],
+        help=f"when stores go down the tiers (default: {_default(EngineConfig, 'write_policy')})",
+    )
     tiers.add_argument("--memory", metavar="BLOCKS", type=int, help="add a memory tier")
     tiers.add_argument("--nvme", metavar="ROOT", help="add an NVMe tier in this directory")
     tiers.add_argument(
@@ -65,11 +90,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tiers.add_argument("--redis", metavar="URL", help="add a Redis tier on this server")
     run = parser.add_argument_group("the replay")
-    run.add_argument("--block-bytes", metavar="SIZE", help="bytes per KV block")
+    block_bytes = _default(ReplayConfig, "block_bytes")
+    assert isinstance(block_bytes, int)
     run.add_argument(
-        "--device-blocks", type=int, metavar="N", help="the simulated device cache's blocks"
+        "--block-bytes",
+        metavar="SIZE",
+        help=f"bytes per KV block (default: {format_bytes(block_bytes)})",
     )
-    run.add_argument("--pace", help="'max', or a speed-up of the trace's own timestamps")
+    run.add_argument(
+        "--device-blocks",
+        type=int,
+        metavar="N",
+        help="the simulated device cache's blocks (default: the longest request's)",
+    )
+    run.add_argument(
+        "--pace",
+        help="'max', or a speed-up of the trace's own timestamps, 1 real time "
+        f"(default: {_default(ReplayConfig, 'pace')})",
+    )
     run.add_argument(
         "--settle",
         action="store_true",
@@ -80,14 +118,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenants",
         type=int,
         metavar="N",
-        help="send every request once per tenant, N tenants the engine keeps apart",
+        help="send every request once per tenant, N tenants the engine keeps apart "
+        f"(default: {_default(ReplayConfig, 'tenants')})",
     )
     run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
     fleet = parser.add_argument_group("a fleet (docs/fleet.md)")
-    fleet.add_argument("--nodes", type=int, metavar="N", help="engines behind a router")
-    fleet.add_argument("--router", choices=ROUTERS, help="how requests pick a node")
-    fleet.add_argument("--transport", choices=TRANSPORTS, help="how KV events reach the router")
+    fleet.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help=f"engines behind a router (default: {_default(ReplayConfig, 'nodes')})",
+    )
+    fleet.add_argument(
+        "--router",
+        choices=ROUTERS,
+        help=f"how requests pick a node (default: {_default(ReplayConfig, 'router')})",
+    )
+    fleet.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help=f"how KV events reach the router (default: {_default(ReplayConfig, 'transport')})",
+    )
     add_json_argument(parser)
+
+
+def _default(section: type[EngineConfig | ReplayConfig], name: str) -> object:
+    """A config field's default: what an option left out (and not in --config) means."""
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,9 +379,6 @@ def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str
     return overrides
 
 
-_TENANT_ID_STRIDE = 1 << 56  # the model keeps tenants apart by block id ranges
-
-
 def _bookkeeping(
     config: TieringConfig, requests: list[Request], summary: ReplaySummary
 ) -> dict[str, Any]:
@@ -335,21 +389,13 @@ def _bookkeeping(
     notes = _bookkeeping_notes(config, summary)
     if config.engine.write_policy != "write_through":
         return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}
-    tenants = config.replay.tenants
-    if tenants > 1:  # each tenant's copy of a request, in the replay's order, apart
-        if any(i >= _TENANT_ID_STRIDE for r in requests for i in r.block_ids):
-            return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}
-        requests = [
-            dataclasses.replace(r, block_ids=tuple(i + t * _TENANT_ID_STRIDE for i in r.block_ids))
-            for r in requests
-            for t in range(tenants)
-        ]
     model = simulate(
         requests,
         cpu_blocks=summary.capacity_blocks[CPU],
         policy=config.engine.policy,
         tier_blocks=list(summary.tier_layouts.values()),
         full_blocks_only=config.replay.full_blocks_only,
+        tenants=config.replay.tenants,
     )
     ratio = round(model.hit_ratio, 4)
     if not notes and ratio != round(summary.hit_ratio, 4):
@@ -472,7 +518,7 @@ def _bookkeeping_row(figures: dict[str, Any]) -> str:
     """The model's hit ratio, and whether the engine's must equal it or why not."""
     ratio, notes = figures.get("bookkeeping_hit_ratio"), figures.get("bookkeeping_notes", [])
     if ratio is None:
-        return f"not modelled ({'; '.join(notes) or 'tenant ids out of range'})"
+        return f"none ({'; '.join(notes)})"
     gap = figures["hit_ratio"] - ratio
     if not notes:
         return f"{ratio:.4f}  (exact: equal)"
