@@ -208,6 +208,18 @@ def test_a_tier_that_never_worked_fails_the_run_with_its_reason(
     assert "redis unreachable" in reason
 
 
+def test_a_fleet_whose_shared_tier_never_worked_fails_the_run(
+    closed_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
+    argv = ["replay", "--nodes", "2", "--limit", "40", "--block-bytes", "4K", "--cpu", "100"]
+    assert main([*argv, "--redis", f"redis://127.0.0.1:{closed_port}"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "tiering replay: error: shared run, node 0: the redis tier stored and served nothing" in err
+    )
+
+
 def test_the_summary_counts_each_tiers_failed_blocks(
     closed_port: int, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -273,10 +273,16 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
     runs = {"shared": config} if shared else {}
     runs["baseline"] = config if not shared else _without_tiers(config, shared)
     figures: dict[str, Any] = {}
+    failures: list[str] = []
     with Progress() as progress:
         for name, run_config in runs.items():
             summary = asyncio.run(_replay_fleet(run_config, requests, progress, name))
             figures[name] = summary.to_json()
+            failures += [
+                f"{name} run, node {i}: {failure}"
+                for i, node in enumerate(summary.nodes)
+                if (failure := _failed_tier(node)) is not None
+            ]
     if shared:
         baseline = figures["baseline"]["hit_ratio"]
         figures["gain"] = round(figures["shared"]["hit_ratio"] / baseline, 3) if baseline else None
@@ -287,6 +293,9 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
         print(format_fleet(figures))
     if mismatches:
         print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
+        return 1
+    if failures:
+        print(f"tiering replay: error: {failures[0]}", file=sys.stderr)
         return 1
     return 0
 
