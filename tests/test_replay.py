@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
-from tiering.replay import CacheModel, expected_bytes, replay, simulate
+from tiering.replay import CacheModel, SegmentLayout, expected_bytes, replay, simulate
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
 TRACE = (
@@ -109,6 +109,17 @@ async def test_the_engine_hits_what_the_model_promised_while_its_tier_evicts(
     model = simulate(requests, cpu_blocks=40, tier_blocks=layouts)
     assert summary.hits_by_tier == {"cpu": model.hits["cpu"], tier["type"]: model.hits["tier0"]}
     assert model.hits["tier0"] > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("capacity_records", 0), ("records_per_segment", -1), ("moves_per_job", 1.5),
+     ("hot_fraction", 1.5)],
+)  # fmt: skip
+def test_a_segment_layout_refuses_a_bad_value_naming_it(field: str, value: object) -> None:
+    good = {"capacity_records": 64, "records_per_segment": 8, "hot_fraction": 0.25}
+    with pytest.raises(InvalidArgumentError, match=field):
+        SegmentLayout(**{**good, "moves_per_job": 16, field: value})  # type: ignore[arg-type]
 
 
 async def test_the_model_sends_each_tenants_requests_under_the_tenants_keys() -> None:

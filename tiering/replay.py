@@ -74,6 +74,19 @@ class SegmentLayout:
     hot_fraction: float
     moves_per_job: int
 
+    def __post_init__(self) -> None:
+        """Raises: InvalidArgumentError for a count that is not a positive int, or a
+        ``hot_fraction`` outside [0, 1]."""
+        for name in ("capacity_records", "records_per_segment", "moves_per_job"):
+            positive_int(name, getattr(self, name))
+        fraction = self.hot_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 <= fraction <= 1
+        ):
+            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {fraction!r}")
+
 
 TierLayout = int | SegmentLayout | None
 """A secondary tier in the model: a capacity in blocks (least recently used evicted), a
@@ -155,7 +168,7 @@ class _SegmentLog:
         most = min(max(0, room), self._moves_per_job)
         moving = [d for e in evictions for d, _ in e.reinsert][-most:] if most else []
         placed = index.place(fit + len(moving))
-        for digest, placement in zip(wanted[:fit], placed, strict=False):
+        for digest, placement in zip(wanted[:fit], placed[:fit], strict=True):
             index.commit(digest, placement)
         for digest, placement in zip(moving, placed[fit:], strict=True):
             if digest in index:  # stored again meanwhile: the newer record wins
@@ -352,7 +365,8 @@ class ReplaySummary:
     """Blocks each secondary tier held when the first request came (a reused NVMe
     root, say); only tiers that held some."""
     warm_hits: int = 0
-    """Hit blocks that no request of this replay stored: the tiers held them before."""
+    """Hit blocks that no request of this replay stored: the tiers held them before (in
+    a fleet, also those another node stored in a shared tier)."""
     tenants: int = 1
     cross_tenant_hits: int = 0
     """Hit blocks a tenant never stored itself but another tenant of this replay did:
@@ -528,7 +542,7 @@ class ReplayNode:
             summary.hits_by_tier = dict.fromkeys([CPU, *self._labels], 0)
             for label, tier in zip(self._labels, engine.tiers, strict=True):
                 held_before = tier.statistics().used_blocks
-                if held_before:
+                if held_before and not summary.requests:  # not a restarted node's
                     summary.warm_blocks[label] = held_before
         # What the tiers hold, and so the bytes each block stands for: the tenant's keys.
         held = keys if tenant is None else engine.tenant_keys(keys, tenant)
