@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import socket
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ import pytest
 from tests._scripts import last_json, run_script
 from tiering.cli import main
 from tiering.replay import simulate
-from tiering.workloads import synthetic_requests
+from tiering.workloads import Request, synthetic_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
@@ -22,6 +26,52 @@ SMALL = ["--limit", "120", "--block-bytes", "4K"]
 
 def _json(capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _write_trace(path: Path, requests: list[Request]) -> Path:
+    """``requests`` as a Mooncake-format trace at ``path``."""
+    lines = [
+        json.dumps(
+            {
+                "timestamp": round(r.arrival_s * 1000, 3),
+                "input_length": r.input_tokens,
+                "output_length": r.output_tokens,
+                "hash_ids": list(r.block_ids),
+            }
+        )
+        for r in requests
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _evicting_nvme(tmp_path: Path) -> list[str]:
+    """A generated trace of 240 requests (948 distinct blocks of 4 KiB, 1,950 stored)
+    through 40 CPU blocks and an NVMe tier of 128 records in segments of 15: the NVMe
+    tier evicts, and serves hits."""
+    trace = _write_trace(tmp_path / "t.jsonl", synthetic_requests(sessions=60, seed=7))
+    config = tmp_path / "cache.toml"
+    config.write_text(
+        "[engine]\ncpu_blocks = 40\n\n[[tiers]]\ntype = 'nvme'\n"
+        f"root = '{tmp_path / 'nvme'}'\ncapacity_bytes = '1MiB'\nsegment_bytes = '128KiB'\n"
+        "min_free_bytes = 0\n\n[replay]\nblock_bytes = '4K'\n"
+    )
+    return ["replay", str(trace), "--config", str(config), "--json"]
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A loopback port bound but not listening: every connection to it is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def _readme_command(name: str) -> list[str]:
+    """The README's ``$ tiering NAME ...`` command line, its words after ``tiering``."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(m for m in re.findall(r"^\$ tiering (.+)$", readme, re.M) if m.startswith(name))
+    return shlex.split(line)
 
 
 def test_replay_of_synthetic_traffic_hits_what_the_bookkeeping_promised(
@@ -95,6 +145,143 @@ def test_a_malformed_trace_names_its_line(
     assert "t.jsonl:2:" in capsys.readouterr().err
 
 
+def test_a_line_that_is_not_json_names_the_files_line_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('\n\n{"timestamp": 0,\n')
+    assert main(["replay", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert "t.jsonl:3: not a Mooncake trace line: not JSON: " in err
+    assert "line 1" not in err and "at column 17" in err  # the decoder's own line is not shown
+
+
+def test_replay_help_shows_every_default_and_the_policies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["replay", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--policy {arc,lru,prefix-lfu,s3fifo}" in text
+    for default in (
+        "bytes per KV block (default: 64.0 KiB)",
+        "cache's blocks (default: the longest request's)",
+        "(default: max)",
+        "(default: 10000 blocks)",
+        "eviction policy (default: lru)",
+    ):
+        assert default in text
+    assert "(default: [])" not in text
+
+
+def test_a_cpu_tier_smaller_than_the_longest_request_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nvme = tmp_path / "nvme"
+    assert main(["replay", *SMALL, "--cpu", "8", "--nvme", str(nvme)]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu (engine.cpu_blocks) = 8: the CPU tier must hold the longest request's" in err
+    longest = max(len(r.block_ids) for r in synthetic_requests()[:120])
+    assert f"longest request's {longest} blocks" in err and f"at least --cpu {longest}" in err
+    assert not nvme.exists()  # refused before anything ran
+
+
+def test_a_cpu_size_in_bytes_below_the_longest_request_names_its_blocks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["replay", *SMALL, "--cpu", "48K"]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu (engine.cpu_bytes) = 48.0 KiB, room for 12 blocks of 4.0 KiB" in err
+
+
+def test_a_tier_that_never_worked_fails_the_run_with_its_reason(
+    closed_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
+    argv = ["replay", "--limit", "40", "--block-bytes", "4K", "--cpu", "100", "--json"]
+    assert main([*argv, "--redis", f"redis://127.0.0.1:{closed_port}"]) == 1
+    out, err = capsys.readouterr()
+    figures = json.loads(out.strip().splitlines()[-1])
+    failed = figures["failed_blocks_by_tier"]["redis"]
+    assert failed["store"] > 0 and figures["hit_ratio_by_tier"]["redis"] == 0
+    reason = next(line for line in err.splitlines() if line.startswith("tiering replay: error:"))
+    assert f"the redis tier stored and served nothing: {failed['store']} block stores" in reason
+    assert "redis unreachable" in reason
+
+
+def test_a_fleet_whose_shared_tier_never_worked_fails_the_run(
+    closed_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
+    argv = ["replay", "--nodes", "2", "--limit", "40", "--block-bytes", "4K", "--cpu", "100"]
+    assert main([*argv, "--redis", f"redis://127.0.0.1:{closed_port}"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "tiering replay: error: shared run, node 0: the redis tier stored and served nothing" in err
+    )
+
+
+def test_the_summary_counts_each_tiers_failed_blocks(
+    closed_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
+    argv = ["replay", "--limit", "40", "--block-bytes", "4K", "--cpu", "100", "--memory", "50"]
+    assert main([*argv, "--redis", f"redis://127.0.0.1:{closed_port}"]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if "failed loads" in line)
+    assert re.fullmatch(
+        r"failed loads/stores\s+0 / 0 jobs; memory 0 / 0 blocks; redis 0 / [1-9]\d* blocks", row
+    )
+
+
+def test_the_bookkeeping_equals_the_engine_under_settle_while_the_nvme_tier_evicts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*_evicting_nvme(tmp_path), "--settle"]) == 0
+    figures = _json(capsys)
+    stored = figures["bytes_by_path"]["cpu->nvme"] // 4096
+    assert stored > (1 << 20) // 4096  # more blocks went down than 1 MiB holds: it evicted
+    assert figures["hit_ratio_by_tier"]["nvme"] > 0
+    assert figures["bookkeeping_notes"] == []  # the model claims to be exact...
+    assert figures["bookkeeping_hit_ratio"] == figures["hit_ratio"]  # ...and it is
+
+
+def test_without_settle_an_evicting_tier_is_named_as_why_the_bookkeeping_may_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_evicting_nvme(tmp_path)) == 0
+    notes = _json(capsys)["bookkeeping_notes"]
+    assert any("the nvme tier evicted" in note and "--settle" in note for note in notes)
+
+
+def test_a_reused_nvme_root_is_reported_and_the_bookkeeping_not_called_exact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["replay", *SMALL, "--cpu", "100", "--nvme", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    cold = _json(capsys)
+    assert cold["warm_hits"] == 0 and cold["warm_blocks"] == {} and cold["bookkeeping_notes"] == []
+    assert main(argv) == 0  # the same root again: it holds the first run's blocks
+    out, err = capsys.readouterr()
+    warm = json.loads(out.strip().splitlines()[-1])
+    held = warm["warm_blocks"]["nvme"]
+    assert held > 0 and warm["warm_hits"] > 0 and warm["hit_ratio"] > cold["hit_ratio"]
+    assert f"warning: the tiers held blocks before this replay (the nvme tier {held} blocks)" in err
+    assert any("were in the tiers before the replay" in note for note in warm["bookkeeping_notes"])
+
+
+def test_a_relative_trace_in_a_config_file_is_found_beside_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    _write_trace(configs / "t.jsonl", synthetic_requests(sessions=5))
+    (configs / "cache.toml").write_text(
+        "[engine]\ncpu_blocks = 50\n\n[replay]\ntrace = 't.jsonl'\n"
+    )
+    monkeypatch.chdir(tmp_path)  # not the file's directory
+    assert main(["replay", "--config", "configs/cache.toml", "--block-bytes", "4K", "--json"]) == 0
+    assert _json(capsys)["requests"] == 20
+
+
 def test_sweep_prints_a_table_and_draws_a_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -112,6 +299,33 @@ def test_sweep_prints_a_table_and_draws_a_plot(
         ("lru", True),
         ("arc", True),
     ]
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
+def test_the_readmes_sweep_command_draws_the_readmes_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="pip install 'kv-tiering[plot]'")
+    from matplotlib.image import imread
+
+    argv = _readme_command("sweep")
+    assert argv[1] == "trace.jsonl" and argv[-2] == "--plot"
+    drawn = tmp_path / "sweep.png"
+    assert main([argv[0], str(TRACE), *argv[2:-1], str(drawn)]) == 0
+    assert (imread(drawn) == imread(ROOT / "docs" / "sweep-mooncake.png")).all()
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
+def test_the_readmes_replay_command_prints_the_readmes_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _readme_command("replay trace.jsonl")
+    root = argv.index("--nvme") + 1
+    argv[1], argv[root] = str(TRACE), str(tmp_path / "kv")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    readme = (ROOT / "README.md").read_text()
+    for row in ("prefix hit ratio", "bookkeeping model", "mismatches"):
+        printed = next(line for line in out.splitlines() if line.startswith(row))
+        assert printed in readme, printed
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")

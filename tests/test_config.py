@@ -68,7 +68,10 @@ def test_the_documented_example_loads_as_described(tmp_path: Path) -> None:
         },
     ]
     assert config.replay == ReplayConfig(
-        trace="traces/conversation.jsonl", limit=10000, pace=2.0, block_bytes=128 << 10
+        trace=str(tmp_path / "traces" / "conversation.jsonl"),  # the file's directory's
+        limit=10000,
+        pace=2.0,
+        block_bytes=128 << 10,
     )
     assert config.synthetic == SyntheticConfig()
     assert config.metrics == MetricsConfig(port=9400)
@@ -422,6 +425,48 @@ def test_a_bad_override_is_named_and_nothing_is_applied(
 
     assert str(caught.value).startswith(named), str(caught.value)
     assert base.engine.policy == "arc"
+
+
+_PATHS = (
+    "[engine]\ncpu_blocks = 8\n\n[[tiers]]\ntype = 'nvme'\nroot = 'kv'\ncapacity_bytes = 4096\n"
+    "\n[[tiers]]\ntype = 'nvme'\nroot = '/abs/kv'\ncapacity_bytes = 4096\n"
+    "\n[replay]\ntrace = 'traces/t.jsonl'\n"
+)
+
+
+def test_relative_paths_in_a_file_are_taken_from_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "configs").mkdir()
+    write(tmp_path / "configs", _PATHS)
+    monkeypatch.chdir(tmp_path)  # another directory than the file's
+
+    config = load_config("configs/kv-tiering.toml")
+
+    assert config.replay.trace == str(tmp_path / "configs" / "traces" / "t.jsonl")
+    assert config.tiers[0].options["root"] == str(tmp_path / "configs" / "kv")
+    assert config.tiers[1].options["root"] == "/abs/kv"  # an absolute path stays
+
+
+def test_a_tiers_file_options_are_taken_from_the_files_directory(tmp_path: Path) -> None:
+    pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
+    text = (
+        "[engine]\ncpu_blocks = 8\n\n[[tiers]]\ntype = 'redis'\nurl = 'rediss://127.0.0.1:6390/0'\n"
+        "tls_ca_file = 'ca.pem'\n"
+    )
+
+    config = load_config(write(tmp_path, text))
+
+    assert config.tiers[0].options["tls_ca_file"] == str(tmp_path / "ca.pem")
+
+
+def test_paths_given_as_overrides_stay_relative_to_the_current_directory(tmp_path: Path) -> None:
+    path = write(tmp_path, _PATHS)
+
+    config = load_config(path, {"replay.trace": "mine.jsonl", "tiers.0.root": "here"})
+
+    assert config.replay.trace == "mine.jsonl"
+    assert config.tiers[0].options["root"] == "here"
 
 
 def test_load_config_applies_overrides_before_checking(tmp_path: Path) -> None:

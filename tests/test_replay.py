@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
-from tiering.replay import CacheModel, expected_bytes, replay, simulate
+from tiering.replay import CacheModel, SegmentLayout, expected_bytes, replay, simulate
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
 TRACE = (
@@ -86,6 +86,49 @@ async def test_the_engine_hits_what_the_model_promised_with_a_memory_tier() -> N
     paths = summary.bytes_by_path
     assert paths["device->cpu"] == paths["cpu->memory"]  # write-through: all of it
     assert paths["memory->cpu"] == model.hits["tier0"] * BLOCK
+
+
+@pytest.mark.parametrize(
+    "tier",
+    [
+        {"type": "memory", "max_blocks": 60},
+        {"type": "nvme", "capacity_bytes": 1 << 20, "segment_bytes": 128 << 10},
+    ],
+    ids=["memory", "nvme-segments"],
+)
+async def test_the_engine_hits_what_the_model_promised_while_its_tier_evicts(
+    tmp_path: Path, tier: dict
+) -> None:
+    requests = synthetic_requests(sessions=60, seed=7)
+    if tier["type"] == "nvme":
+        tier = {**tier, "root": str(tmp_path), "min_free_bytes": 0}
+    make = _engine_factory(40, [tier])
+    summary = await replay(requests, make, device_blocks=64, block_bytes=4096, settle=True)
+    assert summary.tier_counters[tier["type"]]["evicted_blocks"] > 0
+    layouts = list(summary.tier_layouts.values())  # the tier's real capacity and layout
+    model = simulate(requests, cpu_blocks=40, tier_blocks=layouts)
+    assert summary.hits_by_tier == {"cpu": model.hits["cpu"], tier["type"]: model.hits["tier0"]}
+    assert model.hits["tier0"] > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("capacity_records", 0), ("records_per_segment", -1), ("moves_per_job", 1.5),
+     ("hot_fraction", 1.5)],
+)  # fmt: skip
+def test_a_segment_layout_refuses_a_bad_value_naming_it(field: str, value: object) -> None:
+    good = {"capacity_records": 64, "records_per_segment": 8, "hot_fraction": 0.25}
+    with pytest.raises(InvalidArgumentError, match=field):
+        SegmentLayout(**{**good, "moves_per_job": 16, field: value})  # type: ignore[arg-type]
+
+
+async def test_the_model_sends_each_tenants_requests_under_the_tenants_keys() -> None:
+    requests = synthetic_requests(sessions=60, seed=7)
+    make = lambda kv: TieringEngine(kv, 40, policy="prefix-lfu")  # noqa: E731
+    summary = await replay(requests, make, device_blocks=64, block_bytes=BLOCK, tenants=2)
+    # prefix-lfu samples keys for its shadow caches: only the tenants' real keys agree.
+    model = simulate(requests, cpu_blocks=40, policy="prefix-lfu", tenants=2)
+    assert summary.hit_blocks == sum(model.hits.values()) > 0
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")

@@ -59,6 +59,17 @@ def test_a_malformed_line_is_named_by_number(tmp_path: Path, line: str, why: str
         read_mooncake(trace)
 
 
+def test_a_line_that_is_not_json_is_named_by_the_files_line_alone(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_line() + "\n\n" + '{"timestamp": 0,' + "\n")
+    with pytest.raises(TraceError) as caught:
+        read_mooncake(trace)
+    assert str(caught.value) == (
+        f"{trace}:3: not a Mooncake trace line: not JSON: Expecting property name enclosed "
+        "in double quotes at column 17"
+    )
+
+
 def test_a_missing_or_empty_trace_is_a_trace_error(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot read"):
         read_mooncake(tmp_path / "absent.jsonl")

@@ -333,7 +333,10 @@ def load_config(
 
     Every section (``[engine]``, ``[[tiers]]``, ``[replay]``, ``[synthetic]``,
     ``[metrics]``) and every key is optional except the CPU tier's size; a missing one
-    takes its default.
+    takes its default. A relative path the file gives (``replay.trace``, a tier's
+    ``root`` or ``*_file`` option) is taken relative to the file's directory, wherever
+    the program runs; one an override gives stays as given (relative to the current
+    directory).
 
     Raises:
         ConfigError: the file cannot be read or is not TOML, a section or key is
@@ -350,14 +353,21 @@ def load_config(
         ) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{source}: not UTF-8 text: {exc}", source=source) from exc
-    return config_from_toml(text, source=source, overrides=overrides)
+    directory = os.path.dirname(os.path.abspath(source))
+    return config_from_toml(text, source=source, overrides=overrides, relative_to=directory)
 
 
 def config_from_toml(
-    text: str, *, source: str | None = None, overrides: Mapping[str, object] | None = None
+    text: str,
+    *,
+    source: str | None = None,
+    overrides: Mapping[str, object] | None = None,
+    relative_to: str | os.PathLike[str] | None = None,
 ) -> TieringConfig:
     """The config written in TOML ``text``, as :func:`load_config` reads a file;
-    ``source`` (a file name) starts every error message.
+    ``source`` (a file name) starts every error message. With ``relative_to``, the
+    relative paths ``text`` gives (``replay.trace``, a tier's ``root`` or ``*_file``
+    option) are joined to it; the overrides' are left as given.
 
     Raises:
         ConfigError: as :func:`load_config`.
@@ -367,6 +377,8 @@ def config_from_toml(
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{prefix}not valid TOML: {exc}", source=source) from exc
+    if relative_to is not None:
+        _resolve_paths(raw, os.fspath(relative_to))
     try:
         if overrides:
             _apply_overrides(raw, overrides)
@@ -537,6 +549,27 @@ def _to_raw(config: TieringConfig) -> dict[str, Any]:
             if getattr(value, f.name) is not None
         }
     return raw
+
+
+def _resolve_paths(raw: dict[str, Any], directory: str) -> None:
+    """Join the relative paths of a parsed file to ``directory`` (in place): the
+    ``replay.trace`` field, and every tier option named ``root`` or ending in ``_file``.
+    Values of another type are left for the checks to refuse."""
+
+    def joined(value: object) -> object:
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            return os.path.join(directory, value)
+        return value
+
+    replay = raw.get("replay")
+    if isinstance(replay, dict) and "trace" in replay:
+        replay["trace"] = joined(replay["trace"])
+    tiers = raw.get("tiers")
+    for tier in tiers if isinstance(tiers, list) else []:
+        if isinstance(tier, dict):
+            for option, value in tier.items():
+                if option == "root" or option.endswith("_file"):
+                    tier[option] = joined(value)
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> None:

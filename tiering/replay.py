@@ -15,9 +15,11 @@ the blocks after it are computed and stored again, as a server would.
 
 :class:`CacheModel` is the bookkeeping-only replay of the same steps (no bytes): the CPU
 tier's own :class:`~tiering.manager.CPUOffloadingManager`, called exactly as the engine
-calls it, and a least-recently-used set per secondary tier. With secondary tiers large
-enough to evict nothing, its hit ratio is the engine's; :func:`simulate` runs it over a
-workload, fast enough for a capacity sweep.
+calls it, and per secondary tier either a least-recently-used set (a memory tier) or,
+for the segment-layout NVMe tier, that tier's own index driven as the tier drives it
+(:class:`SegmentLayout`). When each store's cascade ends before the next request
+(``settle``) its hit ratio is the engine's, block for block, evicting tiers included;
+:func:`simulate` runs it over a workload, fast enough for a capacity sweep.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tiering.errors import BlockNotFoundError, InvalidArgumentError
 from tiering.loop_lag import LoopLagMonitor
 from tiering.manager import CPUOffloadingManager
 from tiering.secondary import JobResult
+from tiering.tenancy import Tenancy
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
@@ -59,8 +62,40 @@ def expected_bytes(key: bytes, nbytes: int) -> np.ndarray:
 # ------------------------------------------------------------------ bookkeeping
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentLayout:
+    """An NVMe tier in the segment layout (``"nvme"``) as the bookkeeping models it: its
+    capacity in records, the records a segment takes, the fraction of recent uses whose
+    blocks an evicted segment writes again, and the most records one store job moves.
+    :func:`tier_layout` reads them off a tier."""
+
+    capacity_records: int
+    records_per_segment: int
+    hot_fraction: float
+    moves_per_job: int
+
+    def __post_init__(self) -> None:
+        """Raises: InvalidArgumentError for a count that is not a positive int, or a
+        ``hot_fraction`` outside [0, 1]."""
+        for name in ("capacity_records", "records_per_segment", "moves_per_job"):
+            positive_int(name, getattr(self, name))
+        fraction = self.hot_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 <= fraction <= 1
+        ):
+            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {fraction!r}")
+
+
+TierLayout = int | SegmentLayout | None
+"""A secondary tier in the model: a capacity in blocks (least recently used evicted), a
+:class:`SegmentLayout`, or None (unbounded)."""
+
+
 class _LRUSet:
-    """A secondary tier in the model: the keys it holds, least recently used first."""
+    """A secondary tier in the model: the keys it holds, least recently used first (a
+    memory tier, or any tier that evicts the least recently used block)."""
 
     __slots__ = ("capacity", "keys")
 
@@ -68,20 +103,102 @@ class _LRUSet:
         self.capacity = capacity
         self.keys: OrderedDict[bytes, None] = OrderedDict()
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.keys
+
     def touch(self, hashes: Sequence[bytes]) -> None:
         keys = self.keys
         for h in reversed(hashes):  # the first hash ends most recent
             if h in keys:
                 keys.move_to_end(h)
 
+    def loaded(self, hashes: Sequence[bytes]) -> None:
+        """A load from the tier changes no recency."""
+
     def add(self, hashes: Sequence[bytes]) -> None:
+        """One store job of keys the tier lacks."""
         keys = self.keys
         for h in hashes:
             keys[h] = None
-            keys.move_to_end(h)
         if self.capacity is not None:
             while len(keys) > self.capacity:
                 keys.popitem(last=False)
+
+
+class _SegmentLog:
+    """An NVMe tier in the segment layout in the model: the tier's own index
+    (:class:`backends.nvme_segment_index.SegmentIndex`), driven as the tier drives it:
+    touches and loads mark keys used in the order given, and a store job makes room by
+    whole segments, oldest first, writing the recently used blocks of the evicted ones
+    again (as many as the room and the per-job bound allow)."""
+
+    __slots__ = ("_digest", "_index", "_moves_per_job")
+
+    def __init__(self, layout: SegmentLayout) -> None:
+        # Imported here: tiering never imports backends at import time.
+        from backends.nvme_segment_index import SegmentIndex, key_digest
+
+        self._digest = key_digest
+        self._index = SegmentIndex(
+            layout.capacity_records,
+            records_per_segment=layout.records_per_segment,
+            writer="0",
+            hot_fraction=layout.hot_fraction,
+        )
+        self._moves_per_job = layout.moves_per_job
+
+    def __contains__(self, key: bytes) -> bool:
+        return self._digest(key) in self._index
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        self._index.touch(map(self._digest, hashes))
+
+    def loaded(self, hashes: Sequence[bytes]) -> None:
+        self._index.touch(map(self._digest, hashes))
+
+    def add(self, hashes: Sequence[bytes]) -> None:
+        """One store job of keys the tier lacks."""
+        index = self._index
+        wanted = list(dict.fromkeys(map(self._digest, hashes)))
+        fit, evictions = index.make_room(len(wanted))
+        hot = sum(len(e.reinsert) for e in evictions)
+        if hot:  # room for the evicted segments' recently used blocks too
+            evictions += index.make_room(fit + hot)[1]
+        room = index.capacity_records - index.used_records - fit
+        most = min(max(0, room), self._moves_per_job)
+        moving = [d for e in evictions for d, _ in e.reinsert][-most:] if most else []
+        placed = index.place(fit + len(moving))
+        for digest, placement in zip(wanted[:fit], placed[:fit], strict=True):
+            index.commit(digest, placement)
+        for digest, placement in zip(moving, placed[fit:], strict=True):
+            if digest in index:  # stored again meanwhile: the newer record wins
+                index.abandon(placement)
+            else:
+                index.commit(digest, placement)
+
+
+def tier_layout(tier: object) -> TierLayout:
+    """How the model represents ``tier`` (an open or closed secondary tier): a
+    :class:`SegmentLayout` for the segment-layout NVMe tier, else its capacity in blocks
+    from its statistics (``capacity_blocks``, or ``capacity_bytes`` over its block
+    size), or None where it reports neither."""
+    records = getattr(tier, "records_per_segment", None)
+    stats = tier.statistics()  # type: ignore[attr-defined]
+    block_bytes = int(getattr(tier, "block_bytes", 0))
+    if isinstance(records, int) and stats.capacity_blocks:
+        from backends.nvme_segment_tier import MOVE_BYTES_PER_JOB
+
+        return SegmentLayout(
+            capacity_records=stats.capacity_blocks,
+            records_per_segment=records,
+            hot_fraction=float(getattr(tier, "hot_fraction", 0.0)),
+            moves_per_job=max(1, MOVE_BYTES_PER_JOB // max(1, block_bytes)),
+        )
+    if stats.capacity_blocks:
+        return int(stats.capacity_blocks)
+    if stats.capacity_bytes and block_bytes:
+        return max(1, stats.capacity_bytes // block_bytes)
+    return None
 
 
 class CacheModel:
@@ -90,8 +207,10 @@ class CacheModel:
     Args:
         cpu_blocks: the CPU tier's capacity.
         policy: its eviction policy's name.
-        tier_blocks: one capacity per secondary tier, fastest first (None: unbounded);
-            stores go to every tier (write-through), evicting least recently used keys.
+        tier_blocks: one :data:`TierLayout` per secondary tier, fastest first: a
+            capacity in blocks (least recently used evicted), a :class:`SegmentLayout`,
+            or None (unbounded). Stores go to every tier that lacks the block
+            (write-through).
         tier_names: their names in :attr:`hits` (default ``tier0``, ``tier1``...).
 
     Raises:
@@ -102,20 +221,25 @@ class CacheModel:
         self,
         cpu_blocks: int,
         policy: str = "lru",
-        tier_blocks: Sequence[int | None] = (),
+        tier_blocks: Sequence[TierLayout] = (),
         tier_names: Sequence[str] | None = None,
     ) -> None:
         self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
-        for i, capacity in enumerate(tier_blocks):
-            if capacity is not None:
-                positive_int(f"tier_blocks[{i}]", capacity)
+        tiers: list[_LRUSet | _SegmentLog] = []
+        for i, layout in enumerate(tier_blocks):
+            if isinstance(layout, SegmentLayout):
+                tiers.append(_SegmentLog(layout))
+                continue
+            if layout is not None:
+                positive_int(f"tier_blocks[{i}]", layout)
+            tiers.append(_LRUSet(layout))
         names = list(tier_names) if tier_names is not None else []
         if tier_names is not None and len(names) != len(tier_blocks):
             raise InvalidArgumentError(
                 f"tier_names must name each of the {len(tier_blocks)} tiers, got {names!r}"
             )
         self.tier_names = names or [f"tier{i}" for i in range(len(tier_blocks))]
-        self._tiers = [_LRUSet(capacity) for capacity in tier_blocks]
+        self._tiers = tiers
         self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
         self.blocks = 0
 
@@ -126,26 +250,34 @@ class CacheModel:
         for tier in tiers:
             tier.touch(hashes)
         n = 0
-        promoted = False
+        promoted: dict[int, list[bytes]] = {}
         for h in hashes:
             if manager.is_ready(h):
                 self.hits[CPU] += 1
             else:
-                holder = next((i for i, t in enumerate(tiers) if h in t.keys), None)
+                holder = next((i for i, t in enumerate(tiers) if h in t), None)
                 if holder is None:
                     break
                 self.hits[self.tier_names[holder]] += 1
-                promoted = True
+                promoted.setdefault(holder, []).append(h)
             n += 1
         if promoted:  # the engine gives the promoted blocks CPU slots, as a store does
             out = manager.prepare_store(hashes[:n], admission=False)
             if out is not None:
                 manager.complete_store(out.block_hashes_to_store)
-        out = manager.prepare_store(hashes[n:])
-        if out is not None:
-            manager.complete_store(out.block_hashes_to_store)
-            for tier in tiers:
-                tier.add(out.block_hashes_to_store)
+            for i, keys in promoted.items():
+                tiers[i].loaded(keys)
+        rest = hashes[n:]
+        if rest:
+            out = manager.prepare_store(rest)
+            if out is not None:
+                manager.complete_store(out.block_hashes_to_store)
+                # Write-through: the request's blocks now ready go to each tier lacking them.
+                ready = [h for h in dict.fromkeys(rest) if manager.is_ready(h)]
+                for tier in tiers:
+                    missing = [h for h in ready if h not in tier]
+                    if missing:
+                        tier.add(missing)
         self.blocks += len(hashes)
         return n
 
@@ -160,15 +292,37 @@ def simulate(
     *,
     cpu_blocks: int,
     policy: str = "lru",
-    tier_blocks: Sequence[int | None] = (),
+    tier_blocks: Sequence[TierLayout] = (),
     full_blocks_only: bool = False,
+    tenants: int = 1,
 ) -> CacheModel:
     """Run ``requests`` through a fresh :class:`CacheModel`; returns it, with its hit
-    figures. Raises as :class:`CacheModel` does."""
+    figures. With ``tenants`` above 1 each request is sent once per tenant, under that
+    tenant's keys, as :func:`replay` sends it.
+
+    Raises:
+        InvalidArgumentError / UnknownPolicyError: as :class:`CacheModel`, or a bad
+            ``tenants``.
+    """
     model = CacheModel(cpu_blocks, policy, tier_blocks)
+    names = tenant_names(tenants)
+    tenancy = Tenancy()
     for request in requests:
-        model.request(request.keys(full_blocks_only=full_blocks_only))
+        keys = request.keys(full_blocks_only=full_blocks_only)
+        for name in names:
+            model.request(keys if name is None else tenancy.keys(keys, name))
     return model
+
+
+def tenant_names(tenants: int) -> list[str | None]:
+    """The tenants a replay sends each request for: ``tenant-0``, ``tenant-1``... (one
+    tenant: None, the untenanted calls).
+
+    Raises:
+        InvalidArgumentError: ``tenants`` is not a positive int.
+    """
+    tenants = positive_int("tenants", tenants)
+    return [f"tenant-{i}" for i in range(tenants)] if tenants > 1 else [None]
 
 
 # ------------------------------------------------------------------ engine replay
@@ -198,9 +352,25 @@ class ReplaySummary:
     loop_lag_p99_ms: float = 0.0
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
+    tier_layouts: dict[str, TierLayout] = field(default_factory=dict, repr=False)
+    """How the bookkeeping model represents each secondary tier (:func:`tier_layout`)."""
+    failed_blocks_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed."""
+    tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
+    """Per secondary tier: its own failures by cause (``statistics().failures``); under
+    ``cpu``, the engine's (which count the failed tier blocks too)."""
+    tier_types: dict[str, str] = field(default_factory=dict, repr=False)
+    """Each secondary tier's type, by its name in the figures."""
+    warm_blocks: dict[str, int] = field(default_factory=dict)
+    """Blocks each secondary tier held when the first request came (a reused NVMe
+    root, say); only tiers that held some."""
+    warm_hits: int = 0
+    """Hit blocks that no request of this replay stored: the tiers held them before (in
+    a fleet, also those another node stored in a shared tier)."""
     tenants: int = 1
     cross_tenant_hits: int = 0
-    """Hit blocks a tenant never stored itself (nor shared): zero unless isolation broke."""
+    """Hit blocks a tenant never stored itself but another tenant of this replay did:
+    zero unless isolation broke."""
 
     @property
     def hit_ratio(self) -> float:
@@ -219,6 +389,9 @@ class ReplaySummary:
             "mismatches": self.mismatches,
             "failed_loads": self.failed_loads,
             "failed_stores": self.failed_stores,
+            "failed_blocks_by_tier": {t: dict(n) for t, n in self.failed_blocks_by_tier.items()},
+            "warm_blocks": dict(self.warm_blocks),
+            "warm_hits": self.warm_hits,
             "seconds": round(self.seconds, 3),
             "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
             "bytes_by_path": dict(self.bytes_by_path),
@@ -283,7 +456,8 @@ async def replay(
             tenants the engine must keep apart. Each tenant's blocks carry bytes of
             their own (those of the tenant's keys, :meth:`TieringEngine.tenant_keys`),
             so a block served across tenants is a mismatch, and every hit on a block
-            the tenant never stored counts in ``cross_tenant_hits``.
+            the tenant never stored but another did counts in ``cross_tenant_hits``
+            (one nobody stored in this replay, in ``warm_hits``).
         on_request: called after each request with its number and the summary so far.
         on_open: called once the engine is open, with it and the loop-lag monitor; the
             context manager it returns is left when the replay ends (serve metrics
@@ -304,8 +478,7 @@ async def replay(
         isinstance(pace, bool) or not isinstance(pace, int | float) or not pace > 0
     ):
         raise InvalidArgumentError(f"pace must be None or a positive number, got {pace!r}")
-    tenants = positive_int("tenants", tenants)
-    names: list[str | None] = [f"tenant-{i}" for i in range(tenants)] if tenants > 1 else [None]
+    names = tenant_names(tenants)
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     for number, keys in enumerate(keyed):
         if len(keys) > device_blocks:
@@ -358,7 +531,7 @@ class ReplayNode:
         self.settle = settle
         self.summary = ReplaySummary()
         self._labels: list[str] | None = None
-        self._stored_by: dict[str | None, set[bytes]] = {}  # with tenants: who stored what
+        self._stored_by: dict[str | None, set[bytes]] = {}  # which tenant stored what
 
     async def request(self, keys: list[bytes], tenant: str | None = None) -> int:
         """Serve one request's blocks (the engine open) for ``tenant``: look up, load and
@@ -367,6 +540,10 @@ class ReplayNode:
         if self._labels is None:
             self._labels = tier_labels(engine)
             summary.hits_by_tier = dict.fromkeys([CPU, *self._labels], 0)
+            for label, tier in zip(self._labels, engine.tiers, strict=True):
+                held_before = tier.statistics().used_blocks
+                if held_before and not summary.requests:  # not a restarted node's
+                    summary.warm_blocks[label] = held_before
         # What the tiers hold, and so the bytes each block stands for: the tenant's keys.
         held = keys if tenant is None else engine.tenant_keys(keys, tenant)
         engine.touch(keys, tenant=tenant)
@@ -386,9 +563,14 @@ class ReplayNode:
                 n = next((i for i, key in enumerate(keys[:n]) if key in failed), 0)
             if self.verify:  # the whole request's blocks in one hop off the loop
                 summary.mismatches += await asyncio.to_thread(_count_mismatches, staging, held[:n])
-        if tenant is not None:
-            own = self._stored_by.setdefault(tenant, set())
-            summary.cross_tenant_hits += sum(1 for key in keys[:n] if key not in own)
+        own = self._stored_by.setdefault(tenant, set())
+        for key in keys[:n]:
+            if key in own:
+                continue
+            if any(key in keys_of for other, keys_of in self._stored_by.items() if other != tenant):
+                summary.cross_tenant_hits += 1
+            else:  # no request of this replay stored it: a tier held it before
+                summary.warm_hits += 1
         for source in sources[:n]:
             summary.hits_by_tier[source] = summary.hits_by_tier.get(source, 0) + 1
         summary.hit_blocks += n
@@ -400,10 +582,11 @@ class ReplayNode:
             job = engine.store(keys[n:], range(n, len(keys)), tenant=tenant)
             result = await job
             summary.store_latency_s.append(time.perf_counter() - began)
-            if tenant is not None:  # a failed job's keys not named failed did land
+            if result.success:
+                own.update(keys[n:])
+            else:  # a failed job's keys not named failed did land
                 failed = set(result.failed_keys) if result.failed_keys else set(keys[n:])
-                landed = keys[n:] if result.success else [k for k in keys[n:] if k not in failed]
-                self._stored_by[tenant].update(landed)
+                own.update(k for k in keys[n:] if k not in failed)
             if not result.success:
                 summary.failed_stores += 1
             elif self.settle:
@@ -441,17 +624,31 @@ class ReplayNode:
         return node
 
     def closed(self) -> None:
-        """Take the bytes moved per path, each tier's counters and each tier's capacity
-        in blocks from the closed engine (every cascade counted)."""
+        """Take the bytes moved per path, each tier's counters, failures, layout and
+        capacity in blocks, and the blocks that failed per tier, from the closed engine
+        (every cascade counted)."""
         engine, summary = self.engine, self.summary
         labels = tier_labels(engine)
         summary.bytes_by_path = _bytes_by_path(engine, labels)
         summary.capacity_blocks[CPU] = engine.manager.num_blocks
+        engine_failures = engine.statistics().failures
+        causes = summary.tier_failures.setdefault(CPU, {})
+        for cause, count in engine_failures.items():
+            causes[cause] = causes.get(cause, 0) + count
+        for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
+            failed = summary.failed_blocks_by_tier.setdefault(name, {"load": 0, "store": 0})
+            for kind in ("load", "store"):  # a restarted node adds up
+                failed[kind] += engine_failures.get(f"{name} tier {kind} failed", 0)
         for label, tier in zip(labels, engine.tiers, strict=True):
             stats = tier.statistics()
             counters = summary.tier_counters.setdefault(label, {})
             for name, value in stats.counters.items():  # a restarted node adds up
                 counters[name] = counters.get(name, 0) + value
+            causes = summary.tier_failures.setdefault(label, {})
+            for cause, count in stats.failures.items():
+                causes[cause] = causes.get(cause, 0) + count
+            summary.tier_layouts[label] = tier_layout(tier)
+            summary.tier_types[label] = tier.get_tier_type()
             if stats.capacity_blocks:
                 summary.capacity_blocks[label] = stats.capacity_blocks
             elif stats.capacity_bytes:
@@ -539,9 +736,13 @@ __all__ = [
     "CacheModel",
     "ReplayNode",
     "ReplaySummary",
+    "SegmentLayout",
+    "TierLayout",
     "expected_bytes",
     "percentiles_ms",
     "replay",
     "simulate",
+    "tenant_names",
     "tier_labels",
+    "tier_layout",
 ]

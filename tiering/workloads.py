@@ -100,7 +100,10 @@ def _parse_line(line: str) -> Request:
     Raises:
         ValueError: why the line is not a trace record.
     """
-    record = json.loads(line)
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as exc:  # its own "line 1" would mix with the file's line
+        raise ValueError(f"not JSON: {exc.msg} at column {exc.pos + 1}") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     missing = [

@@ -42,7 +42,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.FIELD=VALUE",
         type=_override,
         action="append",
-        default=[],
         help="override one config field (repeatable), e.g. engine.policy=arc",
     )
 
@@ -81,7 +80,7 @@ def resolve_config(args: argparse.Namespace, shortcuts: dict[str, Any]) -> Tieri
     if args.full_blocks_only:
         overrides["replay.full_blocks_only"] = True
     overrides.update({path: value for path, value in shortcuts.items() if value is not None})
-    overrides.update(dict(args.overrides))
+    overrides.update(dict(args.overrides or ()))
     if args.config is not None:
         config = load_config(args.config, overrides)
     else:

@@ -3,13 +3,18 @@
 Drives a real TieringEngine: per request it looks up the prompt's blocks, loads the hit
 prefix into a simulated device KV cache, "computes" the rest (fills each block with
 bytes derived from its hash), stores it, and checks every loaded block against its
-hash. Any mismatch fails the run (exit code 1). At the end: a summary table, or with
---json one JSON object on the last line (requests, hit_ratio, hit_ratio_by_tier,
-mismatches, bytes_by_path, job_latency_ms, loop_lag_p99_ms, ...).
+hash. At the end: a summary table, or with --json one JSON object on the last line
+(requests, hit_ratio, hit_ratio_by_tier, bookkeeping_hit_ratio, bookkeeping_notes,
+mismatches, failed_blocks_by_tier, warm_hits, bytes_by_path, job_latency_ms, ...).
+
+Exit codes: 0 done; 1 the run failed (a loaded block held wrong bytes, every store
+failed, or a tier stored and served nothing while its transfers failed); 2 a usage
+error, before anything ran (a bad option, trace or config, or a CPU tier smaller than
+the longest request).
 
 Examples:
   tiering replay                                     # synthetic traffic, CPU tier only
-  tiering replay trace.jsonl --cpu 10000 --nvme /var/tmp/kv --nvme-size 2GiB
+  tiering replay trace.jsonl --cpu 10000 --block-bytes 16K --nvme /var/tmp/kv --nvme-size 2GiB
   tiering replay --config cache.toml --set engine.policy=arc --json
 """
 
@@ -28,18 +33,26 @@ import torch
 from tiering.cli_args import Progress
 from tiering.commands._output import add_json_argument, print_json
 from tiering.commands._workload import (
+    DEFAULT_CPU_BLOCKS,
     add_config_arguments,
     add_workload_arguments,
     cpu_shortcut,
     load_workload,
     resolve_config,
 )
-from tiering.config import TieringConfig, engine_from_config, with_overrides
+from tiering.config import (
+    EngineConfig,
+    ReplayConfig,
+    TieringConfig,
+    engine_from_config,
+    with_overrides,
+)
 from tiering.engine import TieringEngine
-from tiering.errors import ConfigError
+from tiering.errors import ConfigError, InvalidArgumentError
 from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
-from tiering.replay import ReplaySummary, replay, simulate
+from tiering.policies import policy_names
+from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate
 from tiering.statistics import format_bytes
 from tiering.workloads import Request
 
@@ -55,9 +68,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_config_arguments(parser)
     tiers = parser.add_argument_group("tiers (shortcuts for config fields)")
-    tiers.add_argument("--cpu", metavar="SIZE", help="CPU tier: blocks (10000) or bytes (8GiB)")
-    tiers.add_argument("--policy", help="the CPU tier's eviction policy")
-    tiers.add_argument("--write-policy", choices=["write_through", "write_back"])
+    tiers.add_argument(
+        "--cpu",
+        metavar="SIZE",
+        help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks)",
+    )
+    tiers.add_argument(
+        "--policy",
+        choices=policy_names(),
+        help=f"the CPU tier's eviction policy (default: {_default(EngineConfig, 'policy')})",
+    )
+    tiers.add_argument(
+        "--write-policy",
+        choices=["write_through", "write_back"],
+        help=f"when stores go down the tiers (default: {_default(EngineConfig, 'write_policy')})",
+    )
     tiers.add_argument("--memory", metavar="BLOCKS", type=int, help="add a memory tier")
     tiers.add_argument("--nvme", metavar="ROOT", help="add an NVMe tier in this directory")
     tiers.add_argument(
@@ -65,11 +90,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tiers.add_argument("--redis", metavar="URL", help="add a Redis tier on this server")
     run = parser.add_argument_group("the replay")
-    run.add_argument("--block-bytes", metavar="SIZE", help="bytes per KV block")
+    block_bytes = _default(ReplayConfig, "block_bytes")
+    assert isinstance(block_bytes, int)
     run.add_argument(
-        "--device-blocks", type=int, metavar="N", help="the simulated device cache's blocks"
+        "--block-bytes",
+        metavar="SIZE",
+        help=f"bytes per KV block (default: {format_bytes(block_bytes)})",
     )
-    run.add_argument("--pace", help="'max', or a speed-up of the trace's own timestamps")
+    run.add_argument(
+        "--device-blocks",
+        type=int,
+        metavar="N",
+        help="the simulated device cache's blocks (default: the longest request's)",
+    )
+    run.add_argument(
+        "--pace",
+        help="'max', or a speed-up of the trace's own timestamps, 1 real time "
+        f"(default: {_default(ReplayConfig, 'pace')})",
+    )
     run.add_argument(
         "--settle",
         action="store_true",
@@ -80,14 +118,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenants",
         type=int,
         metavar="N",
-        help="send every request once per tenant, N tenants the engine keeps apart",
+        help="send every request once per tenant, N tenants the engine keeps apart "
+        f"(default: {_default(ReplayConfig, 'tenants')})",
     )
     run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
     fleet = parser.add_argument_group("a fleet (docs/fleet.md)")
-    fleet.add_argument("--nodes", type=int, metavar="N", help="engines behind a router")
-    fleet.add_argument("--router", choices=ROUTERS, help="how requests pick a node")
-    fleet.add_argument("--transport", choices=TRANSPORTS, help="how KV events reach the router")
+    fleet.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help=f"engines behind a router (default: {_default(ReplayConfig, 'nodes')})",
+    )
+    fleet.add_argument(
+        "--router",
+        choices=ROUTERS,
+        help=f"how requests pick a node (default: {_default(ReplayConfig, 'router')})",
+    )
+    fleet.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help=f"how KV events reach the router (default: {_default(ReplayConfig, 'transport')})",
+    )
     add_json_argument(parser)
+
+
+def _default(section: type[EngineConfig | ReplayConfig], name: str) -> object:
+    """A config field's default: what an option left out (and not in --config) means."""
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     config = resolve_config(args, shortcuts)
     config = with_overrides(config, _tier_shortcuts(args, config))
     requests = load_workload(config)
+    _check_cpu_room(config, requests)
     if config.replay.nodes > 1:
         if config.replay.tenants > 1:
             raise ConfigError(
@@ -119,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     with Progress() as progress:
         summary = asyncio.run(_replay(config, requests, progress))
     figures = summary.to_json()
-    figures["bookkeeping_hit_ratio"] = _bookkeeping_hit_ratio(config, requests)
+    figures.update(_bookkeeping(config, requests, summary))
+    if summary.warm_blocks or summary.warm_hits:
+        print(f"tiering replay: warning: {_warm_note(summary)}", file=sys.stderr)
     if args.json:
         print_json(figures)
     else:
@@ -130,7 +190,81 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    failure = _failed_tier(summary)
+    if failure is not None:
+        print(f"tiering replay: error: {failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
+    """Refuse a CPU tier that cannot hold the longest request: every block a request
+    stores or loads passes through it at once, so each of its stores would fail.
+
+    Raises:
+        InvalidArgumentError: naming ``--cpu`` and the config field, before anything ran.
+    """
+    full = config.replay.full_blocks_only
+    longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
+    size = config.replay.block_bytes
+    engine = config.engine
+    if engine.cpu_blocks is not None:
+        blocks, given = engine.cpu_blocks, f"--cpu (engine.cpu_blocks) = {engine.cpu_blocks}"
+    else:
+        assert engine.cpu_bytes is not None  # EngineConfig sets exactly one
+        blocks = engine.cpu_bytes // size
+        given = (
+            f"--cpu (engine.cpu_bytes) = {format_bytes(engine.cpu_bytes)}, room for {blocks} "
+            f"blocks of {format_bytes(size)}"
+        )
+    if blocks < longest:
+        raise InvalidArgumentError(
+            f"{given}: the CPU tier must hold the longest request's {longest} blocks at once "
+            f"(every block a request loads or stores passes through it); give at least "
+            f"--cpu {longest}"
+        )
+
+
+def _failed_tier(summary: ReplaySummary) -> str | None:
+    """Why the run failed as a whole, or None: the CPU tier failed every store, or a
+    secondary tier stored and served nothing while its stores or loads failed."""
+    causes = summary.tier_failures
+    stores = len(summary.store_latency_s)
+    if stores and summary.failed_stores == stores:
+        return f"every one of the {stores} stores failed ({_causes(causes.get(CPU, {}))})"
+    for name, failed in summary.failed_blocks_by_tier.items():
+        labels = [label for label, t in summary.tier_types.items() if t == name]
+        counters = [summary.tier_counters.get(label, {}) for label in labels]
+        worked = sum(c.get("stored_blocks", 0) + c.get("loaded_blocks", 0) for c in counters)
+        if worked or not (failed["store"] or failed["load"]):
+            continue
+        own: dict[str, int] = {}
+        for label in labels:
+            for cause, count in causes.get(label, {}).items():
+                own[cause] = own.get(cause, 0) + count
+        return (
+            f"the {name} tier stored and served nothing: {failed['store']} block stores and "
+            f"{failed['load']} block loads failed ({_causes(own)})"
+        )
+    return None
+
+
+def _causes(counts: dict[str, int]) -> str:
+    if not counts:
+        return "no cause recorded"
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    return "; ".join(f"{cause}: {count}" for cause, count in ranked[:3])
+
+
+def _warm_note(summary: ReplaySummary) -> str:
+    """What the tiers held before the replay, and the hits that came of it."""
+    held = ", ".join(f"the {label} tier {n} blocks" for label, n in summary.warm_blocks.items())
+    parts = [f"the tiers held blocks before this replay ({held})" if held else ""]
+    parts.append(
+        f"{summary.warm_hits} hit blocks were stored before it, so the hit ratio is not a "
+        "cold start's (replay into an empty NVMe root, or `tiering clear` it first)"
+    )
+    return "; ".join(p for p in parts if p)
 
 
 def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) -> int:
@@ -139,10 +273,16 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
     runs = {"shared": config} if shared else {}
     runs["baseline"] = config if not shared else _without_tiers(config, shared)
     figures: dict[str, Any] = {}
+    failures: list[str] = []
     with Progress() as progress:
         for name, run_config in runs.items():
             summary = asyncio.run(_replay_fleet(run_config, requests, progress, name))
             figures[name] = summary.to_json()
+            failures += [
+                f"{name} run, node {i}: {failure}"
+                for i, node in enumerate(summary.nodes)
+                if (failure := _failed_tier(node)) is not None
+            ]
     if shared:
         baseline = figures["baseline"]["hit_ratio"]
         figures["gain"] = round(figures["shared"]["hit_ratio"] / baseline, 3) if baseline else None
@@ -153,6 +293,9 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
         print(format_fleet(figures))
     if mismatches:
         print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
+        return 1
+    if failures:
+        print(f"tiering replay: error: {failures[0]}", file=sys.stderr)
         return 1
     return 0
 
@@ -245,44 +388,66 @@ def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str
     return overrides
 
 
-_TENANT_ID_STRIDE = 1 << 56  # the model keeps tenants apart by block id ranges
-
-
-def _bookkeeping_hit_ratio(config: TieringConfig, requests: list[Request]) -> float | None:
-    """The hit ratio the bookkeeping-only replay of this configuration promises (None
-    for write-back, which it does not model). It equals the engine's whenever no
-    secondary tier evicts; a tier's capacity in blocks is its ``max_blocks``, or its
-    ``capacity_bytes`` over the block size, or unbounded (Redis)."""
+def _bookkeeping(
+    config: TieringConfig, requests: list[Request], summary: ReplaySummary
+) -> dict[str, Any]:
+    """The hit ratio the bookkeeping-only replay of this configuration promises, with
+    the tiers' real capacities and layouts (:func:`~tiering.replay.tier_layout`), and
+    why the engine's may differ from it (``bookkeeping_notes``; none: the two must be
+    equal). Write-back is not modelled (the ratio is then None)."""
+    notes = _bookkeeping_notes(config, summary)
     if config.engine.write_policy != "write_through":
-        return None
-    size = config.replay.block_bytes
-    cpu = config.engine.cpu_blocks or (config.engine.cpu_bytes or 0) // size
-    tier_blocks: list[int | None] = []
-    for tier in config.tiers:
-        options = tier.options
-        if "max_blocks" in options:
-            tier_blocks.append(int(options["max_blocks"]))  # type: ignore[call-overload]
-        elif "capacity_bytes" in options:
-            tier_blocks.append(max(1, int(options["capacity_bytes"]) // size))  # type: ignore[call-overload]
-        else:
-            tier_blocks.append(None)
-    tenants = config.replay.tenants
-    if tenants > 1:  # each tenant's copy of a request, in the replay's order, apart
-        if any(i >= _TENANT_ID_STRIDE for r in requests for i in r.block_ids):
-            return None
-        requests = [
-            dataclasses.replace(r, block_ids=tuple(i + t * _TENANT_ID_STRIDE for i in r.block_ids))
-            for r in requests
-            for t in range(tenants)
-        ]
+        return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}
     model = simulate(
         requests,
-        cpu_blocks=cpu,
+        cpu_blocks=summary.capacity_blocks[CPU],
         policy=config.engine.policy,
-        tier_blocks=tier_blocks,
+        tier_blocks=list(summary.tier_layouts.values()),
         full_blocks_only=config.replay.full_blocks_only,
+        tenants=config.replay.tenants,
     )
-    return round(model.hit_ratio, 4)
+    ratio = round(model.hit_ratio, 4)
+    if not notes and ratio != round(summary.hit_ratio, 4):
+        notes.append("no known cause: the model or the engine is wrong (please report it)")
+    return {"bookkeeping_hit_ratio": ratio, "bookkeeping_notes": notes}
+
+
+def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[str]:
+    """Why the engine's hit ratio may differ from the bookkeeping's in this run."""
+    notes = []
+    if config.engine.write_policy != "write_through":
+        notes.append("write-back is not modelled")
+    if summary.warm_blocks or summary.warm_hits:
+        notes.append(f"{summary.warm_hits} hit blocks were in the tiers before the replay")
+    failed = sum(n for counts in summary.failed_blocks_by_tier.values() for n in counts.values())
+    if summary.failed_loads or summary.failed_stores or failed:
+        notes.append(
+            f"{summary.failed_loads} loads, {summary.failed_stores} stores and {failed} tier "
+            "block transfers failed"
+        )
+    evicting = [
+        label
+        for label, counters in summary.tier_counters.items()
+        if counters.get("evicted_blocks", 0)
+    ]
+    if evicting and not config.replay.settle:
+        notes.append(
+            f"the {', '.join(evicting)} tier evicted while cascades ran behind the requests "
+            "(--settle lets each end first: the model is then exact)"
+        )
+    # The engine's tiers are the config's, in its order.
+    for (label, layout), tier in zip(summary.tier_layouts.items(), config.tiers, strict=True):
+        exact = (
+            layout is None
+            or isinstance(layout, SegmentLayout)
+            or (tier.type == "memory" and tier.options.get("policy", "lru") == "lru")
+        )
+        if not exact:
+            notes.append(
+                f"the {label} tier is modelled as least recently used over {layout} blocks, "
+                "which it need not be"
+            )
+    return notes
 
 
 async def _replay(
@@ -336,12 +501,18 @@ def format_summary(figures: dict[str, Any]) -> str:
                      f"{figures['seconds']} s)"),
         ("blocks", str(figures["blocks"])),
         ("prefix hit ratio", f"{figures['hit_ratio']:.4f}  ({by_tier})"),
-        ("bookkeeping model", _ratio(figures.get("bookkeeping_hit_ratio"))),
+        ("bookkeeping model", _bookkeeping_row(figures)),
         ("mismatches", str(figures["mismatches"])),
         *([("cross-tenant hits", f"{figures['cross_tenant_hits']} "
                                  f"({figures['tenants']} tenants)")]
           if figures.get("tenants", 1) > 1 else []),
-        ("failed loads/stores", f"{figures['failed_loads']} / {figures['failed_stores']}"),
+        ("failed loads/stores", f"{figures['failed_loads']} / {figures['failed_stores']} jobs"
+                                + "".join(f"; {tier} {n['load']} / {n['store']} blocks"
+                                          for tier, n in figures["failed_blocks_by_tier"].items())),
+        *([("warm start", f"{figures['warm_hits']} hit blocks were in the tiers before "
+                          "the replay" + "".join(f"; {tier} held {n} blocks"
+                                                 for tier, n in figures["warm_blocks"].items()))]
+          if figures["warm_hits"] or figures["warm_blocks"] else []),
         ("bytes moved", paths or "none"),
         ("job latency", f"store p50 {latency['store']['p50']} ms, p99 "
                         f"{latency['store']['p99']} ms; load p50 {latency['load']['p50']} ms, "
@@ -352,5 +523,13 @@ def format_summary(figures: dict[str, Any]) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def _ratio(value: float | None) -> str:
-    return "not modelled (write-back)" if value is None else f"{value:.4f}"
+def _bookkeeping_row(figures: dict[str, Any]) -> str:
+    """The model's hit ratio, and whether the engine's must equal it or why not."""
+    ratio, notes = figures.get("bookkeeping_hit_ratio"), figures.get("bookkeeping_notes", [])
+    if ratio is None:
+        return f"none ({'; '.join(notes)})"
+    gap = figures["hit_ratio"] - ratio
+    if not notes:
+        return f"{ratio:.4f}  (exact: equal)"
+    said = f"engine {gap:+.4f}" if gap else "equal"
+    return f"{ratio:.4f}  ({said}; may differ: {'; '.join(notes)})"
