@@ -65,9 +65,9 @@ def test_set_up_commands_are_the_ones_ci_runs() -> None:
 
 def test_vllm_section_shows_what_vllm_config_prints() -> None:
     section = _section(README.read_text(), "With vLLM")
-    (command,) = re.findall(r'"\$\(python3 (examples/vllm_config\.py [^)]*)\)"', section)
+    (command,) = re.findall(r'"\$\(tiering (vllm-config [^)]*)\)"', section)
     printed = subprocess.run(
-        [sys.executable, *command.split()],
+        [sys.executable, "-m", "tiering", *command.split()],
         cwd=ROOT,
         capture_output=True,
         text=True,
