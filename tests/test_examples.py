@@ -63,8 +63,15 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
     [
         (
             "bench_nvme.py",
-            ["(default: 2M,128K)", "(default: 1.0)", "(default: 3)", "(default: quick)"],
+            [
+                "(default: 2M,128K)",
+                "(default: 1.0)",
+                "(default: 3)",
+                "(default: quick)",
+                "(default: segments)",
+            ],
         ),
+        ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: auto)"]),
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
         ("bench_manager.py", ["(default: arc,lru,prefix-lfu,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
@@ -78,6 +85,33 @@ def test_help_shows_defaults(script: str, defaults: list[str]) -> None:
     flat = " ".join(done.stdout.split())  # argparse wraps help text at any space
     for default in defaults:
         assert default in flat, (default, done.stdout)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.py")))
+def test_help_shows_defaults_as_they_are_typed(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # some import their neighbours
+    with pytest.raises(SystemExit) as exit_info:
+        _script(name).parse_args(["--help"])
+    assert exit_info.value.code == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "(default: " in flat
+    assert "(default: [" not in flat and "(default: (" not in flat, flat
+
+
+def test_nvme_benchmarks_default_to_the_segment_layout() -> None:
+    """What they measure by default is the NVMe tier's default layout ("nvme": segments)."""
+    assert _script("bench_nvme").parse_args([]).layouts == ["segments"]
+    assert _script("bench_nvme_scale").parse_args(["--blocks", "10"]).layout == "segments"
+
+
+def test_bench_nvme_scale_defaults_to_a_laptop_sized_fill() -> None:
+    done = run_script("examples/bench_nvme_scale.py", "--help")
+    assert done.returncode == 0, done.stderr
+    flat = " ".join(done.stdout.split())
+    assert "(default: 100000)" in flat and "about 2 GiB on disk" in flat
+    assert "--blocks 1000000" in flat  # how to get the docs' size is said
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
@@ -205,6 +239,7 @@ def test_bench_nvme_runs_and_ends_with_json(tmp_path: Path) -> None:
     assert "vLLM fs comparison skipped: --vllm-fs off" in lines[0]
     (run,) = json.loads(lines[-1])["runs"]
     assert run["block_bytes"] == 128 << 10
+    assert run["layout"] == "segments"  # the default
     for key in ("store_GBps", "load_GBps", "baseline_store_GBps", "baseline_load_GBps"):
         assert run[key] > 0, key
     engines = r"(io_uring|libaio|psync|python)"
@@ -301,6 +336,7 @@ def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> N
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["blocks"] == 300
     assert summary["block_bytes"] == 4096
+    assert summary["layout"] == "segments"  # the default
     assert summary["recovered_blocks"] == 300
     assert summary["verified_loads"] > 0
     assert summary["restart_s"] > 0
