@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 
 from tests._scripts import run_script
+from tiering.cli_args import Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -266,6 +267,18 @@ def test_bench_engine_rejects(
         _script("bench_engine").parse_args(argv)
     assert exit_info.value.code == 2
     assert f"argument {named}:" in capsys.readouterr().err
+
+
+async def test_bench_engine_says_it_streams_what_gib_asks_for() -> None:
+    """``--gib 0.25`` streams 0.25 GiB; the line says so, and what all hops moved."""
+    bench = _script("bench_engine")
+    args = bench.parse_args(["--gib", "0.25"])
+    lag = await bench.loop_lag_run(int(args.gib * (1 << 30)), Progress())
+    assert lag["streamed_bytes"] == 1 << 28
+    assert lag["bytes_moved"] == 5 * (1 << 28) // 2  # to CPU, to the tier, a quarter back
+    line = bench.loop_lag_summary(lag)
+    assert line.startswith("loop lag while streaming 0.25 GiB of 2 MiB blocks"), line
+    assert "(0.62 GiB over all hops" in line
 
 
 def test_bench_manager_rejects_a_bad_trace_naming_the_line(
