@@ -269,6 +269,33 @@ def test_bench_engine_rejects(
     assert f"argument {named}:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--size-mib", "32", "--repeat", "1"], "--repeat"),  # once printed a cost of -100.8 %
+        (["--repeat", "2"], "--repeat"),  # three sides: baseline, tier, encrypted tier
+        (["--no-encryption", "--repeat", "1"], "--repeat"),
+        (["--size-mib", "32"], "--size-mib"),  # 2 jobs of 8 blocks, 4 at once: one wave
+        (["--block-sizes", "128K,2M", "--size-mib", "64"], "--size-mib"),  # short at 2M
+    ],
+)
+def test_bench_redis_refuses_settings_that_cannot_give_a_figure(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _script("bench_redis").parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {named}:" in capsys.readouterr().err
+
+
+def test_bench_redis_accepts_a_small_run_with_enough_jobs_and_rounds() -> None:
+    parse_args = _script("bench_redis").parse_args
+    args = parse_args(["--size-mib", "32", "--job-blocks", "2", "--repeat", "3"])
+    assert (args.size_mib, args.job_blocks, args.repeat) == (32, 2, 3)
+    assert parse_args(["--no-encryption", "--repeat", "2"]).repeat == 2
+    assert parse_args([]).size_mib == 256  # the defaults pass their own checks
+
+
 async def test_bench_engine_says_it_streams_what_gib_asks_for() -> None:
     """``--gib 0.25`` streams 0.25 GiB; the line says so, and what all hops moved."""
     bench = _script("bench_engine")
