@@ -30,8 +30,8 @@ that it measures throughput, not one job's latency: settings short of either are
 refused (exit status 2) before anything runs. The host buffer the tier loads into is
 written once before the first round, so no side pays its first-touch page faults.
 
-The last line of output is one JSON object: the
-figures of the first block size at its top level, and every block size's in ``runs``::
+The last line of output is one JSON object: the figures of the first block size at its
+top level, and every block size's in ``runs``::
 
     {"block_bytes": ..., "store_GBps": ..., "load_GBps": ..., "baseline_store_GBps": ...,
      "baseline_load_GBps": ..., "store_ratio": ..., "load_ratio": ...,
