@@ -50,14 +50,15 @@ separately for writing and for reading. The last line of output is one JSON obje
                "store_vs_vllm_fs": ..., "load_vs_vllm_fs": ...,
                "vllm_fs_native_io": true|false, "loop_lag_p99_ms": ...,
                "idle_loop_lag_p99_ms": ..., "cold_load": true|false,
-               "layout": "files", "segments_store_GBps": ..., ...}, ...]}
+               "layout": "segments", "files_store_GBps": ..., ...}, ...]}
 
 Figures are medians over the rounds. ``--layouts`` picks the NVMe layouts run in each
-round, one after the other: the file per block (``files``, ``NVMeFileTier``) and segment
-files (``segments``, ``NVMeSegmentTier``). The unprefixed figures are the first layout's
-(named by ``layout``); a second layout's store, load, ratios and loop lag repeat with its
-name as a prefix. The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are null
-when vLLM's tier did not run (one line before the results says why).
+round, one after the other: segment files (``segments``, ``NVMeSegmentTier``, the
+default tier ``"nvme"``) and the file per block (``files``, ``NVMeFileTier``,
+``"nvme-files"``). The unprefixed figures are the first layout's (named by ``layout``);
+a second layout's store, load, ratios and loop lag repeat with its name as a prefix.
+The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are null when vLLM's tier did not run (one
+line before the results says why).
 With ``--encryption`` every layout also runs with encryption at rest (AES-256-GCM, a
 fresh key), right before or after its plain run (the order alternates by round), and
 adds ``encrypted_store_GBps``, ``encrypted_load_GBps``, ``encrypted_loop_lag_p99_ms``
@@ -396,14 +397,14 @@ async def bench_tier(
     report: Callable[[str], None],
     round_no: int,
     keep_dirs: list[str],
-    layout: str = "files",
+    layout: str = "segments",
     *,
     sealed: bool = False,
 ) -> TierFigures:
     """One round: store ``total`` bytes into a new tier, then load them back.
 
-    ``layout``: ``"files"`` (``NVMeFileTier``, a file per block) or ``"segments"``
-    (``NVMeSegmentTier``); ``sealed``: with encryption at rest (a fresh AES-256 key).
+    ``layout``: ``"segments"`` (``NVMeSegmentTier``) or ``"files"`` (``NVMeFileTier``, a
+    file per block); ``sealed``: with encryption at rest (a fresh AES-256 key).
     Each round uses its own namespace (so it starts empty). Its
     directory is appended to ``keep_dirs`` for the caller to remove after the last
     round. Removing it between rounds would time the next round's
@@ -794,7 +795,7 @@ def _summarize(
     vllms: list[VllmFigures],
     vllm: VllmFs | None,
     progress: Progress,
-    layout: str = "files",
+    layout: str = "segments",
 ) -> dict[str, object]:
     """One block size's JSON entry for one layout (medians over the rounds), and its
     lines of text."""
@@ -970,9 +971,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--layouts",
         type=_layouts,
-        default=["files"],
-        help="NVMe layouts to run each round, alternating: files, segments or "
-        "files,segments (figures of the second are prefixed 'segments_')",
+        default="segments",
+        help="NVMe layouts to run each round, one after the other: segments (the default "
+        "tier), files, or both such as segments,files (the figures of the second carry "
+        "its name as a prefix: files_store_GBps)",
     )
     parser.add_argument(
         "--vllm-fs",

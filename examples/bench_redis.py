@@ -23,8 +23,15 @@ or with ``--cluster`` a three-node Redis Cluster, and stops it at the end. With
   AES-256 key for the run): every block sealed with AES-GCM on the way to Redis and
   opened straight into its slot on the way back.
 
-Figures are medians over the rounds. The last line of output is one JSON object: the
-figures of the first block size at its top level, and every block size's in ``runs``::
+Figures are medians over the rounds. Since the sides take turns going first, it takes
+at least as many rounds as sides (3, or 2 with ``--no-encryption``) for each to run in
+every place once, and each phase runs at least two jobs per ``--concurrency`` slot so
+that it measures throughput, not one job's latency: settings short of either are
+refused (exit status 2) before anything runs. The host buffer the tier loads into is
+written once before the first round, so no side pays its first-touch page faults.
+
+The last line of output is one JSON object: the figures of the first block size at its
+top level, and every block size's in ``runs``::
 
     {"block_bytes": ..., "store_GBps": ..., "load_GBps": ..., "baseline_store_GBps": ...,
      "baseline_load_GBps": ..., "store_ratio": ..., "load_ratio": ...,
@@ -145,6 +152,11 @@ async def tier_round(
         encryption=encryption,
     )
     keys = [b"block-%d" % i for i in range(half)]
+    flusher = _client(url, args)
+    try:
+        await flusher.flushdb()  # every side starts on an emptied database
+    finally:
+        await flusher.aclose()
 
     async def job(kind: str, first: int, last: int) -> None:
         slots = range(first, last) if kind == "store" else range(half + first, half + last)
@@ -184,6 +196,13 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
         buffer = mmap.mmap(-1, 2 * count * block)
         pool = memoryview(buffer)
         pool[: count * block] = os.urandom(count * block)
+        # Fault in the half the tier loads into now: otherwise the first side that loads
+        # pays the page faults of fresh memory, and in the first round that is always
+        # the same side.
+        zeros = bytes(1 << 20)
+        for offset in range(count * block, 2 * count * block, len(zeros)):
+            end = min(offset + len(zeros), 2 * count * block)
+            pool[offset:end] = zeros[: end - offset]
         rounds: dict[str, list[Round]] = {side: [] for side in sides}
         try:
             for round_no in range(args.repeat):
@@ -288,6 +307,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("argument url: must start with redis://, rediss:// or unix://")
     if args.cluster and args.url is not None and args.url.startswith("unix://"):
         parser.error("argument --cluster: needs a redis:// or rediss:// url")
+    sides = 2 if args.no_encryption else 3
+    if args.repeat < sides:
+        parser.error(
+            f"argument --repeat: {sides} sides take turns going first, so the figures need "
+            f"at least {sides} rounds, got {args.repeat}"
+        )
+    jobs_needed = 2 * args.concurrency
+    for block in args.block_sizes:
+        jobs = -(-max(1, (args.size_mib << 20) // block) // args.job_blocks)
+        if jobs < jobs_needed:
+            need_mib = -(-jobs_needed * args.job_blocks * block // (1 << 20))
+            parser.error(
+                f"argument --size-mib: {args.size_mib} MiB of {block >> 10} KiB blocks makes "
+                f"{jobs} jobs of --job-blocks {args.job_blocks}, fewer than the "
+                f"{jobs_needed} (2 x --concurrency {args.concurrency}) a throughput needs; "
+                f"use --size-mib {need_mib} or more, or a smaller --job-blocks"
+            )
     return args
 
 

@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 
 from tests._scripts import run_script
+from tiering.cli_args import Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -45,10 +46,8 @@ def _script(name: str) -> ModuleType:
         ("bench_manager.py", ["missing-trace.jsonl", "64", "--policies", "lru,nope"], "--policies"),
         ("driver.py", ["--device", "tpu"], "--device"),
         ("bench_vllm_tiers.py", ["--block-sizes", "1000"], "--block-sizes"),
-        ("vllm_config.py", ["relative/root"], "root"),
         ("bench_redis.py", ["http://localhost:6379"], "url"),
         ("bench_redis.py", ["--job-blocks", "0"], "--job-blocks"),
-        ("vllm_config.py", ["/kv", "--nvme-capacity", "lots"], "--nvme-capacity"),
     ],
 )
 def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str) -> None:
@@ -65,13 +64,19 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
     [
         (
             "bench_nvme.py",
-            ["(default: 2M,128K)", "(default: 1.0)", "(default: 3)", "(default: quick)"],
+            [
+                "(default: 2M,128K)",
+                "(default: 1.0)",
+                "(default: 3)",
+                "(default: quick)",
+                "(default: segments)",
+            ],
         ),
+        ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: auto)"]),
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
         ("bench_manager.py", ["(default: arc,lru,prefix-lfu,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
         ("bench_vllm_tiers.py", ["(default: 2M,128K)", "(default: none)", "(default: 5.0)"]),
-        ("vllm_config.py", ["(default: 100G)", "(default: 16G)", "(default: batch)"]),
         ("bench_redis.py", ["(default: 2M)", "(default: 256)", "(default: 4)"]),
     ],
 )
@@ -81,6 +86,36 @@ def test_help_shows_defaults(script: str, defaults: list[str]) -> None:
     flat = " ".join(done.stdout.split())  # argparse wraps help text at any space
     for default in defaults:
         assert default in flat, (default, done.stdout)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.py")))
+def test_help_shows_defaults_as_they_are_typed(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # some import their neighbours
+    with pytest.raises(SystemExit) as exit_info:
+        _script(name).parse_args(["--help"])
+    assert exit_info.value.code == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "(default: " in flat
+    assert "(default: [" not in flat and "(default: (" not in flat, flat
+
+
+def test_nvme_benchmarks_default_to_the_segment_layout() -> None:
+    """What they measure by default is the NVMe tier's default layout ("nvme": segments)."""
+    assert _script("bench_nvme").parse_args([]).layouts == ["segments"]
+    assert _script("bench_nvme_scale").parse_args(["--blocks", "10"]).layout == "segments"
+
+
+def test_bench_nvme_scale_defaults_to_a_laptop_sized_fill(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = _script("bench_nvme_scale")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "(default: 100000)" in flat and "about 2 GiB on disk" in flat
+    assert "--blocks 1000000" in flat  # how to get the docs' size is said
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
@@ -208,6 +243,7 @@ def test_bench_nvme_runs_and_ends_with_json(tmp_path: Path) -> None:
     assert "vLLM fs comparison skipped: --vllm-fs off" in lines[0]
     (run,) = json.loads(lines[-1])["runs"]
     assert run["block_bytes"] == 128 << 10
+    assert run["layout"] == "segments"  # the default
     for key in ("store_GBps", "load_GBps", "baseline_store_GBps", "baseline_load_GBps"):
         assert run[key] > 0, key
     engines = r"(io_uring|libaio|psync|python)"
@@ -234,6 +270,45 @@ def test_bench_engine_rejects(
         _script("bench_engine").parse_args(argv)
     assert exit_info.value.code == 2
     assert f"argument {named}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--size-mib", "32", "--repeat", "1"], "--repeat"),  # once printed a cost of -100.8 %
+        (["--repeat", "2"], "--repeat"),  # three sides: baseline, tier, encrypted tier
+        (["--no-encryption", "--repeat", "1"], "--repeat"),
+        (["--size-mib", "32"], "--size-mib"),  # 2 jobs of 8 blocks, 4 at once: one wave
+        (["--block-sizes", "128K,2M", "--size-mib", "64"], "--size-mib"),  # short at 2M
+    ],
+)
+def test_bench_redis_refuses_settings_that_cannot_give_a_figure(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _script("bench_redis").parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {named}:" in capsys.readouterr().err
+
+
+def test_bench_redis_accepts_a_small_run_with_enough_jobs_and_rounds() -> None:
+    parse_args = _script("bench_redis").parse_args
+    args = parse_args(["--size-mib", "32", "--job-blocks", "2", "--repeat", "3"])
+    assert (args.size_mib, args.job_blocks, args.repeat) == (32, 2, 3)
+    assert parse_args(["--no-encryption", "--repeat", "2"]).repeat == 2
+    assert parse_args([]).size_mib == 256  # the defaults pass their own checks
+
+
+async def test_bench_engine_says_it_streams_what_gib_asks_for() -> None:
+    """``--gib 0.25`` streams 0.25 GiB; the line says so, and what all hops moved."""
+    bench = _script("bench_engine")
+    args = bench.parse_args(["--gib", "0.25"])
+    lag = await bench.loop_lag_run(int(args.gib * (1 << 30)), Progress())
+    assert lag["streamed_bytes"] == 1 << 28
+    assert lag["bytes_moved"] == 5 * (1 << 28) // 2  # to CPU, to the tier, a quarter back
+    line = bench.loop_lag_summary(lag)
+    assert line.startswith("loop lag while streaming 0.25 GiB of 2 MiB blocks"), line
+    assert "(0.62 GiB over all hops" in line
 
 
 def test_bench_manager_rejects_a_bad_trace_naming_the_line(
@@ -304,6 +379,7 @@ def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> N
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["blocks"] == 300
     assert summary["block_bytes"] == 4096
+    assert summary["layout"] == "segments"  # the default
     assert summary["recovered_blocks"] == 300
     assert summary["verified_loads"] > 0
     assert summary["restart_s"] > 0

@@ -281,7 +281,7 @@ def test_the_printed_kv_transfer_config_runs_our_tier_under_vllm(scheduler, tmp_
 
     root = Path(__file__).resolve().parent.parent
     printed = subprocess.run(
-        [sys.executable, "examples/vllm_config.py", str(tmp_path / "printed"),
+        [sys.executable, "-m", "tiering", "vllm-config", str(tmp_path / "printed"),
          "--nvme-capacity", "64M", "--cpu", "32K"],
         cwd=root, capture_output=True, text=True, check=True, timeout=120,
     ).stdout  # fmt: skip

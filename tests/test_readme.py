@@ -63,11 +63,23 @@ def test_set_up_commands_are_the_ones_ci_runs() -> None:
     assert (ROOT / ".ci" / "torch-cpu.txt").is_file()
 
 
+def test_the_torch_pin_is_the_cpu_build_and_the_readme_says_where_it_is() -> None:
+    lines = (ROOT / ".ci" / "torch-cpu.txt").read_text().splitlines()
+    pins = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    # A "+cpu" pin resolves to the CPU build or to nothing: never to PyPI's CUDA build.
+    assert len(pins) == 1 and re.fullmatch(r"torch==\d+\.\d+\.\d+\+cpu", pins[0]), pins
+    section = _section(README.read_text(), "Set up")
+    first = "python3 -m pip install -r .ci/torch-cpu.txt"
+    assert f"{first} --index-url https://download.pytorch.org/whl/cpu" in section
+    flat = " ".join(section.split())
+    assert f"The user requested (constraint) {pins[0]}" in flat  # pip's words without it
+
+
 def test_vllm_section_shows_what_vllm_config_prints() -> None:
     section = _section(README.read_text(), "With vLLM")
-    (command,) = re.findall(r'"\$\(python3 (examples/vllm_config\.py [^)]*)\)"', section)
+    (command,) = re.findall(r'"\$\(tiering (vllm-config [^)]*)\)"', section)
     printed = subprocess.run(
-        [sys.executable, *command.split()],
+        [sys.executable, "-m", "tiering", *command.split()],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -364,7 +364,7 @@ def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
 ) -> None:
     done = run_script(
         "examples/bench_redis.py", redis_server.url, "--size-mib", "2", "--block-sizes", "64K",
-        "--repeat", "1",
+        "--job-blocks", "2", "--repeat", "3",
     )  # fmt: skip
     (run,) = last_json(done)["runs"]
     assert run["block_bytes"] == 64 << 10

@@ -1,9 +1,10 @@
 """Run one of the project's benchmarks (examples/bench_*.py), or list them.
 
 The benchmarks live in the source tree's examples/ directory, next to the tiering
-package; each prints its figures and ends with one JSON object on its last line. Any
-arguments after the name go to the benchmark (use -- before ones that start with a
-dash). The exit code is the benchmark's.
+package: a clone (or an editable install of one) has them, a wheel install does not.
+Each prints its figures and ends with one JSON object on its last line. Any arguments
+after the name go to the benchmark (use -- before ones that start with a dash). The exit
+code is the benchmark's.
 
 Examples:
   tiering bench                      # list them
@@ -45,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     found = benchmarks()
     if not found:
         raise InvalidArgumentError(
-            f"no benchmarks found: they are the source tree's examples/bench_*.py, and "
-            f"{str(EXAMPLES)!r} is not there (install from a clone of the repository)"
+            f"no benchmarks here: they ship with the source tree (examples/bench_*.py), "
+            f"not with the installed package, and {str(EXAMPLES)!r} is not there; run them "
+            "from a clone of the repository (python3 -m pip install -e . in it)"
         )
     if args.name is None:
         for name, path in found.items():

@@ -1,0 +1,97 @@
+"""Print the --kv-transfer-config that runs vLLM 0.33 with kv-tiering's NVMe tier under
+vLLM's own CPU tier.
+
+Examples:
+  tiering vllm-config /mnt/nvme/kv-cache --nvme-capacity 500G --cpu 64G
+  vllm serve MODEL --kv-transfer-config "$(tiering vllm-config /mnt/nvme/kv-cache)"
+
+It prints one line of JSON naming vLLM's OffloadingConnector with its
+TieringOffloadingSpec: a CPU tier of --cpu bytes, and below it kv-tiering's
+NVMeTierManager (module tiering.integrations.vllm) holding at most --nvme-capacity bytes
+under ROOT. It needs no vLLM itself; vLLM must be able to import kv-tiering (install it
+into vLLM's environment). Sizes take K, M, G, T (powers of 1024, an optional iB or B).
+Exit status: 0 printed, 2 a usage error (a bad size, a relative ROOT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from tiering.cli import EXIT_OK
+from tiering.cli_args import parse_size
+from tiering.errors import InvalidArgumentError
+
+NAME = "vllm-config"
+HELP = "print the --kv-transfer-config that puts the NVMe tier under vLLM's CPU tier"
+ORDER = 40
+
+
+def kv_transfer_config(
+    root: str, nvme_capacity: int, cpu_bytes: int, fsync: str = "batch", events: bool = False
+) -> dict[str, object]:
+    """vLLM 0.33's KV transfer config (``KVTransferConfig``'s fields) with kv-tiering's
+    NVMe tier of ``nvme_capacity`` bytes under ``root`` below vLLM's CPU tier of
+    ``cpu_bytes``."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": cpu_bytes,
+            "secondary_tiers": [
+                {
+                    "type": "NVMeTierManager",
+                    "module_path": "tiering.integrations.vllm",
+                    "root": root,
+                    "capacity_bytes": nvme_capacity,
+                    "fsync": fsync,
+                    "enable_kv_events": events,
+                }
+            ],
+        },
+    }
+
+
+def _size(text: str) -> int:
+    """An argparse type: a size in bytes (``500G``, ``64GiB``, ``4096``)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "root", metavar="ROOT", help="absolute path of the NVMe cache (made by the tier if absent)"
+    )
+    parser.add_argument(
+        "--nvme-capacity",
+        type=_size,
+        default="100G",
+        metavar="SIZE",
+        help="bytes the NVMe tier may hold",
+    )
+    parser.add_argument(
+        "--cpu", type=_size, default="16G", metavar="SIZE", help="bytes of vLLM's CPU tier"
+    )
+    parser.add_argument(
+        "--fsync",
+        choices=("none", "batch", "always"),
+        default="batch",
+        help="the NVMe tier's durability (docs/nvme.md)",
+    )
+    parser.add_argument(
+        "--events", action="store_true", help="report stored blocks as vLLM KV events"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # vLLM builds the tier in its own processes, whose working directory is not this
+    # shell's: a relative root would land somewhere else.
+    if not os.path.isabs(args.root):
+        raise InvalidArgumentError(f"root: must be an absolute path, got {args.root!r}")
+    config = kv_transfer_config(args.root, args.nvme_capacity, args.cpu, args.fsync, args.events)
+    print(json.dumps(config))
+    return EXIT_OK
