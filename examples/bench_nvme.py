@@ -97,6 +97,7 @@ from tiering.cli_args import (
     make_parser,
     positive_float,
     positive_int,
+    run_main,
     size_list,
 )
 from tiering.encryption import Keyring
@@ -1037,4 +1038,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from tiering.cli_args import Progress, make_parser, positive_int, size_list
+from tiering.cli_args import Progress, make_parser, positive_int, run_main, size_list
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
 
@@ -314,4 +314,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
