@@ -202,9 +202,13 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
                         f"{result.store_GBps:.2f} GB/s, load {result.load_GBps:.2f} GB/s",
                         file=sys.stderr,
                     )
-        finally:
+        except BaseException:
+            # An interrupted round's frames, which the traceback keeps, still hold views
+            # of the buffer: closing it would fail; it is unmapped once they go.
             pool.release()
-            buffer.close()
+            raise
+        pool.release()
+        buffer.close()
         client = _client(url, args)
         try:
             await client.flushdb()
