@@ -106,15 +106,13 @@ def run_benchmark(command: list[str]) -> int:
 def _wait_after_interrupt(child: subprocess.Popen[bytes]) -> int:
     """The benchmark's status once it ends, after a Ctrl-C: SIGINT is passed on once, if
     it still runs after the grace time; a Ctrl-C pressed again only waits on."""
-    deadline = time.monotonic() + INTERRUPT_GRACE_S
-    signalled = False
+    deadline: float | None = time.monotonic() + INTERRUPT_GRACE_S
     while True:
         try:
-            if signalled:
-                return child.wait()
-            return child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return child.wait(timeout=left)
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGINT)
-            signalled = True
+            deadline = None
         except KeyboardInterrupt:  # pressed again: it reaches the benchmark as well
             continue
