@@ -207,13 +207,15 @@ async def test_verify_names_each_bad_block_by_segment_record_and_key(
     pool: memoryview, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     names = await make_root(pool, tmp_path)
-    flip_payload_byte(tmp_path)  # record 0 of the first segment
+    flip_payload_byte(tmp_path)  # in record 0 of the first segment
+    [ns] = last_json(run(capsys, "verify", str(tmp_path), "--json")[1])["namespaces"]
+    [bad] = ns["bad"]
+    assert bad["key"] in {name.hex() for name in names}
+    assert bad["path"].endswith("-00000000.seg") and bad["record"] == 0
     code, out, _ = run(capsys, "verify", str(tmp_path))
     assert code == EXIT_FAILURE
     [line] = [row for row in out.splitlines() if "payload checksum mismatch" in row]
-    [segment, *_] = sorted((tmp_path / namespace_dirname(NAMESPACE) / "segments").iterdir())
-    where = f"{namespace_dirname(NAMESPACE)}/segments/{segment.name} record 0"
-    assert line == f"  {where} key {names[0].hex()}: corrupt block: payload checksum mismatch"
+    assert line == f"  {bad['path']} record 0 key {bad['key']}: {bad['reason']}"
 
 
 async def test_verify_shows_progress_on_a_terminal_only(pool: memoryview, tmp_path: Path) -> None:
