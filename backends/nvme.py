@@ -185,6 +185,37 @@ def _check_private(option: str, path: str) -> None:
         )
 
 
+def check_root(
+    path: str, *, option: str = "root", create: bool = False, mode: int = PRIVATE_DIR_MODE
+) -> None:
+    """Check ``path`` as an NVMe root: the one check the tier's start and the
+    ``tiering inspect`` / ``verify`` / ``clear`` commands share.
+
+    The root must be a directory of this process's user that nobody else may write to
+    (see docs/security.md). With ``create``, a missing root is made (with ``mode``, its
+    missing parents too); without it, a missing root is refused.
+
+    Raises:
+        InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
+            ``create``), is not a directory (a file, or under one), cannot be created
+            for lack of permission, belongs to another user, or others may write to it.
+        OSError: any other failure of the file system (I/O, no space).
+    """
+    if create:
+        try:
+            os.makedirs(path, mode=mode, exist_ok=True)
+        except FileExistsError:  # something that is not a directory is in the way
+            raise InvalidArgumentError(f"{option}: {path!r} is not a directory") from None
+        except (NotADirectoryError, PermissionError) as exc:
+            raise InvalidArgumentError(
+                f"{option}: {path!r} cannot be created: {exc.strerror}"
+            ) from None
+    try:
+        _check_private(option, path)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
+
+
 def _check_mode(option: str, mode: object, *, required: int, allowed: int) -> None:
     """Refuse a mode that denies the owner what the tier needs or lets others write.
 
@@ -351,10 +382,12 @@ class NVMeTierBase(TierActor):
 
         Raises:
             ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the namespace directory holds another namespace, or
-                ``o_direct=True`` and the file system refuses O_DIRECT.
-            TieringError: the root cannot be created, written or scanned (the message
-                carries the OS error).
+            InvalidArgumentError: the root fails :func:`check_root` (not a directory,
+                not creatable, another user's, writable by others), the namespace
+                directory holds another namespace, or ``o_direct=True`` and the file
+                system refuses O_DIRECT.
+            TieringError: the root cannot be written or scanned (the message carries
+                the OS error).
         """
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
@@ -391,8 +424,7 @@ class NVMeTierBase(TierActor):
                 directory of this user that only it can write to, or the namespace
                 directory is a link (it could lead out of the root).
         """
-        os.makedirs(self.root, mode=self.dir_mode, exist_ok=True)
-        _check_private("root", self.root)
+        check_root(self.root, create=True, mode=self.dir_mode)
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.directory, self.dir_mode)
         if os.path.islink(self.directory):
@@ -969,4 +1001,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["NVMeFileTier", "NVMeMetrics", "NVMeTierBase"]
+__all__ = ["NVMeFileTier", "NVMeMetrics", "NVMeTierBase", "check_root"]

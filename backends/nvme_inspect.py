@@ -13,12 +13,14 @@ What counts as what is the tier's own view, computed with the tier's own code:
   :class:`~backends.nvme_segment_index.SegmentIndex` rebuilt with ``restore`` from the
   checkpoint and a scan of every segment (as the tier's start-up does).
 * **damaged** is what the tier's recovery drops or cannot use: torn, corrupt, foreign or
-  misplaced block files, record slots of a segment whose header does not verify, a
-  segment with neither a valid header nor a valid record, a rejected checkpoint, a
-  ``NAMESPACE`` file that does not name the directory's namespace.
+  misplaced block files, record slots of a segment whose header does not verify (but
+  not those :func:`verify_root` marked removed), a segment with neither a valid header
+  nor a valid record, a rejected checkpoint, a ``NAMESPACE`` file that does not name
+  the directory's namespace.
 * **orphaned** is what nobody will read again: temporary files and lock files of writers
-  that are gone, segments holding no block the index would serve, leftover O_DIRECT
-  probes, and files with names the tier never writes (which the tier leaves alone).
+  that are gone, segments holding no block the index would serve, record slots
+  :func:`verify_root` marked removed, leftover O_DIRECT probes, and files with names
+  the tier never writes (which the tier leaves alone).
 
 The record size of a namespace is not stored apart from its blocks: it is read from the
 block headers (the most common payload length among those that verify). A namespace
@@ -44,13 +46,13 @@ import os
 import re
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from backends.nvme import IDENTITY_FILE
+from backends.nvme import IDENTITY_FILE, check_root
 from backends.nvme_files import OWNERS_DIR, describe_os_error, owner_alive
 from backends.nvme_format import (
     BLOCK_SUFFIX,
@@ -83,6 +85,10 @@ _FANOUT = frozenset(fanout_dirs())
 _PROBE_PREFIX = ".odirect-probe."
 _READ_BATCH_BYTES = 32 << 20
 """The most payload bytes one verification read holds in memory."""
+_REMOVED_MARK = b"KVTIER removed by verify\n"
+"""How the header page that ``verify --remove`` writes over a bad segment record begins.
+It is no block header (the tier's scan skips the slot, as it skips a torn one), and
+``inspect`` tells it from damage: the slot is counted removed, not damaged."""
 
 LAYOUT_SEGMENTS = "segments"
 LAYOUT_FILES = "files"
@@ -311,19 +317,18 @@ def _open_root(root: str | os.PathLike[str]) -> tuple[str, list[_Namespace], lis
     """The root's path, its namespace directories (name order) and its other entries.
 
     Raises:
-        InvalidArgumentError: ``root`` does not exist, is not a directory, cannot be
-            listed, or is neither empty nor holds a namespace directory.
+        InvalidArgumentError: ``root`` fails the tier's own :func:`check_root` (it does
+            not exist, is not a directory, belongs to another user or others may write
+            to it), cannot be listed, or is neither empty nor holds a namespace
+            directory.
     """
     path = os.fspath(root)
-    if not os.path.lexists(path):
-        raise InvalidArgumentError(f"ROOT {path!r} does not exist")
-    if not os.path.isdir(path):
-        raise InvalidArgumentError(f"ROOT {path!r} is not a directory")
     try:
+        check_root(path, option="ROOT")
         entries = sorted(os.scandir(path), key=lambda e: e.name)
     except OSError as exc:
         raise InvalidArgumentError(
-            f"ROOT {path!r} cannot be read: {describe_os_error(exc)}"
+            f"ROOT: {path!r} cannot be read: {describe_os_error(exc)}"
         ) from None
     namespaces: list[_Namespace] = []
     others: list[str] = []
@@ -335,7 +340,7 @@ def _open_root(root: str | os.PathLike[str]) -> tuple[str, list[_Namespace], lis
             others.append(entry.name)
     if others and not namespaces:
         raise InvalidArgumentError(
-            f"ROOT {path!r} is not an NVMe root: it holds no namespace directory "
+            f"ROOT: {path!r} is not an NVMe root: it holds no namespace directory "
             "(<name>-<32 hex digits> with a NAMESPACE file, owners/ or segments/)"
         )
     return path, namespaces, others
@@ -593,13 +598,18 @@ def _unlink_if_same(path: str, stat: os.stat_result | None) -> bool:
 
 
 def _verify_files(
-    ns: _Namespace, state: _FilesState, remove: bool, keyring: Keyring | None
+    ns: _Namespace,
+    state: _FilesState,
+    remove: bool,
+    keyring: Keyring | None,
+    advance: Callable[[int], None],
 ) -> tuple[int, list[BadBlock]]:
     bad: list[BadBlock] = []
     sealer = _sealer(keyring, state.block_bytes, ns.digest)
     buffer = memoryview(bytearray(HEADER_BYTES + (state.block_bytes or 0)))
     page, slot = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
     for block in state.blocks:
+        advance(1)
         path = os.path.join(ns.path, block.rel)
         stat: os.stat_result | None = None
         reason = block.problem
@@ -697,10 +707,16 @@ def _segments_state(ns: _Namespace) -> _SegmentsState | None:
                 Finding(rel, "neither its header nor any record verifies (removed at tier start)")
             )
             continue
-        if scan.invalid:
+        removed = _removed_slots(files, name, records) if scan.invalid else 0
+        if scan.invalid > removed:
             state.damaged.append(
-                Finding(rel, f"{scan.invalid} of {records} record slots do not verify "
-                        "(torn, damaged or marked bad; their space returns with the segment)")
+                Finding(rel, f"{scan.invalid - removed} of {records} record slots do not "
+                        "verify (torn or damaged; their space returns with the segment)")
+            )  # fmt: skip
+        if removed:
+            state.orphaned.append(
+                Finding(rel, f"{removed} of {records} record slots removed by `tiering verify "
+                        "--remove` (their space returns with the segment)")
             )  # fmt: skip
         if size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
             state.damaged.append(Finding(rel, "ends in a partial record (a torn write)"))
@@ -729,6 +745,22 @@ def _segments_state(ns: _Namespace) -> _SegmentsState | None:
     return state
 
 
+def _removed_slots(files: SegmentFiles, segment: str, records: int) -> int:
+    """How many of the first ``records`` slots of ``segment`` carry the removal mark.
+
+    Raises:
+        OSError: the segment cannot be opened or read.
+    """
+    fd = os.open(files.path_of(segment), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return sum(
+            os.pread(fd, len(_REMOVED_MARK), files.offset_of(record)) == _REMOVED_MARK
+            for record in range(records)
+        )
+    finally:
+        os.close(fd)
+
+
 def _live_entries(index: SegmentIndex) -> list[tuple[str, int]]:
     """``(segment, record)`` of every block ``index`` holds."""
     snap = index.snapshot()
@@ -747,7 +779,11 @@ def _sealer(
 
 
 def _verify_segments(
-    ns: _Namespace, state: _SegmentsState, remove: bool, keyring: Keyring | None
+    ns: _Namespace,
+    state: _SegmentsState,
+    remove: bool,
+    keyring: Keyring | None,
+    advance: Callable[[int], None],
 ) -> tuple[int, list[BadBlock], bool]:
     """Read every block the index holds with the tier's reader (``SegmentFiles.read``:
     header, key, namespace, length, payload checksum); with ``remove``, mark the bad
@@ -777,6 +813,7 @@ def _verify_segments(
             for i, (name, _, segment, record, _) in enumerate(batch)
         ]
         report = files.read(reads)
+        advance(len(batch))
         missing = set(report.missing)
         for name, key, segment, record, digest in batch:
             if name in report.failed:
@@ -846,10 +883,11 @@ def _unique_key_batches(
 def _mark_bad_records(
     files: SegmentFiles, records: Sequence[tuple[str, int]]
 ) -> set[tuple[str, int]]:
-    """Overwrite the header page of each bad record with zeros, synced, so that a scan
-    at the next start skips it (as a torn record); returns those marked."""
+    """Overwrite the header page of each bad record with the removal mark, synced, so
+    that a scan at the next start skips it (as a torn record) and ``inspect`` counts it
+    removed; returns those marked."""
     marked: set[tuple[str, int]] = set()
-    zeros = bytes(HEADER_BYTES)
+    mark = _REMOVED_MARK.ljust(HEADER_BYTES, b"\0")
     by_segment: dict[str, list[int]] = {}
     for segment, record in records:
         by_segment.setdefault(segment, []).append(record)
@@ -862,7 +900,7 @@ def _mark_bad_records(
             size = os.fstat(fd).st_size
             for record in numbers:
                 if files.offset_of(record) + HEADER_BYTES <= size:
-                    os.pwrite(fd, zeros, files.offset_of(record))
+                    os.pwrite(fd, mark, files.offset_of(record))
                     marked.add((segment, record))
             os.fdatasync(fd)
         except OSError:
@@ -1008,9 +1046,11 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
     :func:`verify_root`); every block header and segment record header is.
 
     Raises:
-        InvalidArgumentError: ``root`` does not exist, is not a directory, or is not an
-            NVMe root (neither empty nor holding a namespace directory); ``namespace``
-            matches none or several.
+        InvalidArgumentError: ``root`` fails the tier's own check of a root
+            (:func:`~backends.nvme.check_root`: it does not exist, is not a directory,
+            belongs to another user or others may write to it) or is not an NVMe root
+            (neither empty nor holding a namespace directory); ``namespace`` matches
+            none or several.
         TieringError: an OS error while reading (the message carries it).
     """
     path, namespaces, others = _open_root(root)
@@ -1028,6 +1068,7 @@ def verify_root(
     remove: bool,
     namespace: str | None = None,
     encryption: Keyring | str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Read every block of ``root`` (or of one namespace) and check it as a load does:
     length, header (magic, version, checksum, namespace, key, payload length) and
@@ -1041,9 +1082,12 @@ def verify_root(
     blocks are those the rebuilt index holds (a record no index entry names is never
     served, so it is not a block). With ``remove``: a bad block file is unlinked (only
     if it is still the file read, as the tier does); a bad record's header page is
-    overwritten with zeros, so a start's scan skips it, and its entry leaves the index
-    checkpoint (rewritten atomically). A later tier start then neither indexes nor
-    serves them.
+    overwritten with a removal mark, so a start's scan skips it (and :func:`inspect_root`
+    counts it removed, not damaged), and its entry leaves the index checkpoint
+    (rewritten atomically). A later tier start then neither indexes nor serves them.
+
+    ``on_progress(checked, total)``, if given, is called as blocks are checked (from
+    ``(0, total)`` on, once the headers are read).
 
     Raises:
         InvalidArgumentError: as :func:`inspect_root`.
@@ -1066,22 +1110,40 @@ def verify_root(
                         f"{ns.path}: holds encrypted blocks; without their keyring "
                         "(--encryption) none can be checked, so none is removed"
                     )
-        results = [_verify_namespace(ns, state, remove, keyring) for ns, state in states]
+        total = sum(
+            (state.segments.blocks if state.segments is not None else 0)
+            + (len(state.files.blocks) if state.files is not None else 0)
+            for _, state in states
+        )
+        done = 0
+
+        def advance(blocks: int) -> None:
+            nonlocal done
+            done += blocks
+            if on_progress is not None:
+                on_progress(done, total)
+
+        advance(0)
+        results = [_verify_namespace(ns, state, remove, keyring, advance) for ns, state in states]
     return VerifyReport(path, remove, tuple(results))
 
 
 def _verify_namespace(
-    ns: _Namespace, state: _State, remove: bool, keyring: Keyring | None
+    ns: _Namespace,
+    state: _State,
+    remove: bool,
+    keyring: Keyring | None,
+    advance: Callable[[int], None],
 ) -> NamespaceVerify:
     checked = 0
     bad: list[BadBlock] = []
     rewritten = False
     if state.segments is not None:
-        n, found, rewritten = _verify_segments(ns, state.segments, remove, keyring)
+        n, found, rewritten = _verify_segments(ns, state.segments, remove, keyring, advance)
         checked += n
         bad += found
     if state.files is not None:
-        n, found = _verify_files(ns, state.files, remove, keyring)
+        n, found = _verify_files(ns, state.files, remove, keyring, advance)
         checked += n
         bad += found
     return NamespaceVerify(ns.name, ns.namespace, checked, tuple(bad), _live_owners(ns), rewritten)

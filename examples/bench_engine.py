@@ -49,7 +49,7 @@ import torch
 import uvloop
 
 from tiering import TieringEngine
-from tiering.cli_args import Progress, make_parser, positive_float, positive_int
+from tiering.cli_args import Progress, make_parser, positive_float, positive_int, run_main
 from tiering.device import DeviceCopier
 from tiering.host_pool import HostPool
 from tiering.loop_lag import LoopLagMonitor
@@ -421,4 +421,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -33,7 +33,7 @@ import torch
 
 from backends.redis_server import LocalRedisServer
 from tiering import TieringEngine
-from tiering.cli_args import Progress, make_parser, parse_size, positive_int
+from tiering.cli_args import Progress, make_parser, parse_size, positive_int, run_main
 from tiering.errors import TraceError
 from tiering.fleet import ROUTERS, FleetSummary, NodeOutage, replay_fleet
 from tiering.sweep import footprint
@@ -222,4 +222,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

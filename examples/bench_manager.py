@@ -27,7 +27,7 @@ import json
 import time
 from pathlib import Path
 
-from tiering.cli_args import Progress, choice_list, make_parser
+from tiering.cli_args import Progress, choice_list, make_parser, run_main
 from tiering.errors import InvalidArgumentError
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import policy_names
@@ -155,4 +155,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -98,6 +98,7 @@ from tiering.cli_args import (
     make_parser,
     positive_float,
     positive_int,
+    run_main,
     size_list,
 )
 from tiering.encryption import Keyring
@@ -1039,4 +1040,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -85,7 +85,14 @@ from typing import Any
 
 from backends.nvme import NVMeFileTier, NVMeTierBase
 from backends.nvme_segment_tier import NVMeSegmentTier
-from tiering.cli_args import Progress, ensure_directory, make_parser, parse_size, positive_int
+from tiering.cli_args import (
+    Progress,
+    ensure_directory,
+    make_parser,
+    parse_size,
+    positive_int,
+    run_main,
+)
 from tiering.host_pool import HostPool
 from tiering.secondary import JobMetadata
 
@@ -727,4 +734,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

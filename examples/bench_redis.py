@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from tiering.cli_args import Progress, make_parser, positive_int, size_list
+from tiering.cli_args import Progress, make_parser, positive_int, run_main, size_list
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
 
@@ -221,9 +221,13 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
                         f"{result.store_GBps:.2f} GB/s, load {result.load_GBps:.2f} GB/s",
                         file=sys.stderr,
                     )
-        finally:
+        except BaseException:
+            # An interrupted round's frames, which the traceback keeps, still hold views
+            # of the buffer: closing it would fail; it is unmapped once they go.
             pool.release()
-            buffer.close()
+            raise
+        pool.release()
+        buffer.close()
         client = _client(url, args)
         try:
             await client.flushdb()
@@ -350,4 +354,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -71,6 +71,7 @@ from tiering.cli_args import (
     make_parser,
     positive_float,
     positive_int,
+    run_main,
     size_list,
 )
 
@@ -401,4 +402,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

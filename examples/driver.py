@@ -20,7 +20,7 @@ import torch
 import uvloop
 
 from tiering import TieringEngine
-from tiering.cli_args import ensure_directory, make_parser
+from tiering.cli_args import ensure_directory, make_parser, run_main
 from tiering.hashing import block_hashes
 
 LAYERS = 4
@@ -150,4 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,22 +1,73 @@
-"""Running the example scripts from tests, as a user runs them."""
+"""Running the example scripts and the ``tiering`` command from tests, as a user runs them."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a script run by a test: this checkout's packages first on the
+    path (a script's own directory, examples/, would otherwise leave ``tiering`` to
+    whichever copy is installed), plus ``extra``."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def run_script(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``python3 <argv>`` from the repository root; output captured, never raising."""
     return subprocess.run(
         [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        check=False,
+        check=False, env=script_env(),
     )  # fmt: skip
+
+
+def interrupt_script(
+    *argv: str, ready: str, to_group: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python3 <argv>`` from the repository root, sent SIGINT once ``ready`` appears
+    in its stdout; its whole output captured.
+
+    With ``to_group`` the signal goes to the process's group, as a terminal's Ctrl-C
+    does (the script runs in a session of its own); else to the process alone. Fails if
+    the script ends before ``ready`` shows, or either wait exceeds ``timeout``.
+    """
+    process = subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=script_env(PYTHONUNBUFFERED="1"), start_new_session=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    seen = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while ready.encode() not in seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {ready!r} on stdout within {timeout} s: {seen!r}"
+            if select.select([process.stdout], [], [], left)[0]:
+                chunk = os.read(process.stdout.fileno(), 65536)
+                assert chunk, f"ended before {ready!r} showed: {seen!r}"
+                seen += chunk
+        if to_group:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=timeout)
+    except BaseException as exc:
+        os.killpg(process.pid, signal.SIGKILL)  # the script and any process it started
+        _, err = process.communicate()
+        raise AssertionError(f"{exc}; the script's stderr: {err.decode()}") from exc
+    return subprocess.CompletedProcess(
+        process.args, process.returncode, (seen + out).decode(), err.decode()
+    )
 
 
 def last_json(done: subprocess.CompletedProcess[str]) -> Any:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import pytest
 from backends.nvme_format import HEADER_BYTES, namespace_dirname
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tests._nvme_helpers import random_pool, store_job
-from tests._scripts import run_script
+from tests._scripts import ROOT, run_script, script_env
 from tiering.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 BLOCK = 16 << 10
@@ -168,3 +171,99 @@ async def test_python_m_tiering_inspect_json_in_a_subprocess(
     report = json.loads(done.stdout.strip().splitlines()[-1])
     [ns] = report["namespaces"]
     assert ns["namespace"] == NAMESPACE and ns["blocks"] == len(names)
+
+
+@pytest.mark.parametrize("kind", ["world-writable", "a-file", "missing"])
+@pytest.mark.parametrize(
+    "argv", [["inspect"], ["verify"], ["clear", "--dry-run"], ["replay", "--limit", "1", "--nvme"]]
+)
+def test_every_command_refuses_a_root_the_tier_refuses_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], kind: str
+) -> None:
+    root = tmp_path / "root"
+    if kind == "world-writable":
+        root.mkdir()
+        os.chmod(root, 0o777)
+        why = "has mode 777: others can write to it"
+    elif kind == "a-file":
+        root.write_bytes(b"precious")
+        why = "is not a directory"
+    elif argv[0] == "replay":
+        pytest.skip("the tier makes a missing root, as documented")
+    else:
+        why = "does not exist"
+    code, out, err = run(capsys, *argv, str(root))
+    assert code == EXIT_USAGE and out == ""
+    option = "root" if argv[0] == "replay" else "ROOT"
+    assert err.startswith(f"tiering {argv[0]}: error: {option}: {str(root)!r} {why}")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    if kind == "world-writable":
+        assert os.listdir(root) == []  # nothing made in it
+    elif kind == "a-file":
+        assert root.read_bytes() == b"precious"
+
+
+async def test_verify_names_each_bad_block_by_segment_record_and_key(
+    pool: memoryview, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    names = await make_root(pool, tmp_path)
+    flip_payload_byte(tmp_path)  # in record 0 of the first segment
+    [ns] = last_json(run(capsys, "verify", str(tmp_path), "--json")[1])["namespaces"]
+    [bad] = ns["bad"]
+    assert bad["key"] in {name.hex() for name in names}
+    assert bad["path"].endswith("-00000000.seg") and bad["record"] == 0
+    code, out, _ = run(capsys, "verify", str(tmp_path))
+    assert code == EXIT_FAILURE
+    [line] = [row for row in out.splitlines() if "payload checksum mismatch" in row]
+    assert line == f"  {bad['path']} record 0 key {bad['key']}: {bad['reason']}"
+
+
+async def test_verify_shows_progress_on_a_terminal_only(pool: memoryview, tmp_path: Path) -> None:
+    await make_root(pool, tmp_path)
+    code, out, terminal = run_on_a_terminal("verify", str(tmp_path))
+    assert code == EXIT_OK
+    assert b"\rverify: reading block headers" in terminal
+    assert b"\rverify: 6/6 blocks checked" in terminal
+    assert out.startswith(f"root {tmp_path}: 6 blocks checked, 0 bad\n")
+    assert "\r" not in out  # the progress line never reaches stdout
+
+
+def run_on_a_terminal(*argv: str) -> tuple[int, str, bytes]:
+    """``tiering <argv>`` with stderr on a pseudo-terminal: its exit status, stdout, and
+    everything the terminal showed."""
+    primary, secondary = os.openpty()
+    try:
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tiering", *argv],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=secondary, env=script_env(),
+            )  # fmt: skip
+        finally:
+            os.close(secondary)  # the child holds its own copy
+        shown = b""
+        # Until the child closes the terminal (EIO or EOF), or it stays silent for long.
+        while select.select([primary], [], [], 120)[0]:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+        out, _ = process.communicate(timeout=120)
+    finally:
+        os.close(primary)
+    return process.returncode, out.decode(), shown
+
+
+async def test_inspect_counts_a_record_verify_removed_as_removed_not_damaged(
+    pool: memoryview, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await make_root(pool, tmp_path)
+    flip_payload_byte(tmp_path)
+    assert run(capsys, "verify", str(tmp_path), "--remove")[0] == EXIT_FAILURE
+    code, out, _ = run(capsys, "inspect", str(tmp_path))
+    assert code == EXIT_OK
+    first = out.splitlines()[0]
+    assert ": 1 namespace(s), 5 blocks," in first and first.endswith(" 0 damaged, 1 orphaned")
+    assert "1 of 4 record slots removed by `tiering verify --remove`" in out

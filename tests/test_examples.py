@@ -14,8 +14,8 @@ from types import ModuleType
 
 import pytest
 
-from tests._scripts import run_script
-from tiering.cli_args import Progress
+from tests._scripts import interrupt_script, run_script
+from tiering.cli_args import EXIT_INTERRUPTED, Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -135,6 +135,20 @@ def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
         assert run["vs_lru"] == pytest.approx(
             run["hit_ratio"] / runs[0 if run["capacity"] == 256 else 2]["hit_ratio"], abs=1e-3
         )
+
+
+def test_ctrl_c_stops_an_example_with_one_line_and_exit_130(tmp_path: Path) -> None:
+    # Long enough that it is still replaying when the signal comes (after its first line of
+    # figures), on a busy machine too: 4 policies at 99 capacities, 2,000 requests.
+    trace = tmp_path / "trace.jsonl"
+    line = '{{"timestamp": {}, "input_length": 4096, "output_length": 1, "hash_ids": {}}}\n'
+    trace.write_text(
+        "".join(line.format(i, list(range(i % 50, i % 50 + 256))) for i in range(2000))
+    )
+    capacities = ",".join(f"{p}%" for p in range(1, 100))
+    done = interrupt_script("examples/bench_manager.py", str(trace), capacities, ready="\n")
+    assert done.returncode == EXIT_INTERRUPTED
+    assert done.stderr == "bench_manager.py: interrupted\n"
 
 
 # -- every checked value, in this process (same parser, no interpreter start-up) ------

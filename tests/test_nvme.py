@@ -7,6 +7,7 @@ import errno
 import gc
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -32,7 +33,6 @@ from tiering.actor import TierActor
 from tiering.errors import (
     ClosedError,
     InvalidArgumentError,
-    TieringError,
     UnknownPolicyError,
 )
 from tiering.host_pool import HostPool
@@ -310,16 +310,20 @@ async def test_blocks_over_the_cap_are_removed_before_the_tier_takes_jobs(
         await tier.aclose()
 
 
-@pytest.mark.parametrize("under_a_file", [False, True], ids=["root-is-a-file", "parent-is-a-file"])
-async def test_unwritable_root_fails_start_clearly(
-    pool: memoryview, tmp_path: Path, under_a_file: bool
+@pytest.mark.parametrize(
+    ("under_a_file", "why"),
+    [(False, "is not a directory"), (True, "cannot be created: Not a directory")],
+    ids=["root-is-a-file", "parent-is-a-file"],
+)
+async def test_a_root_that_is_or_lies_under_a_file_is_refused_naming_root(
+    pool: memoryview, tmp_path: Path, under_a_file: bool, why: str
 ) -> None:
     # Works as root too: no permission bit can make a regular file a directory.
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("x")
     root = blocker / "cache" if under_a_file else blocker
     tier = _tier(pool, root)
-    with pytest.raises(TieringError, match=f"root={str(root)!r}"):
+    with pytest.raises(InvalidArgumentError, match=f"^root: {re.escape(repr(str(root)))} {why}$"):
         await tier.start()
     await tier.aclose()
     assert blocker.read_text() == "x"

@@ -126,6 +126,25 @@ async def test_verify_finds_a_flipped_payload_byte_and_remove_keeps_a_restart_fr
         assert (await load_job(tier, others, range(5))).success
 
 
+async def test_a_record_verify_removed_is_counted_removed_not_damaged_by_inspect(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    names = keys(6, "r")
+    await fill("segments", pool, tmp_path, names)
+    segment, _ = payload_offset("segments", tmp_path, names[2], 2)
+    flip_byte(segment, HEADER_BYTES + 2 * RECORD + 10)  # in record 2's header: damaged
+    assert inspect_root(tmp_path).damaged == 1
+
+    assert [b.removed for b in verify_root(tmp_path, remove=True).bad] == [True]
+    report = inspect_root(tmp_path)
+    assert report.damaged == 0 and report.blocks == 5
+    [ns] = report.namespaces
+    assert [f.reason for f in ns.orphaned] == [
+        "1 of 6 record slots removed by `tiering verify --remove` (their space returns with "
+        "the segment)"
+    ]
+
+
 KEYRING = "1:" + base64.b64encode(bytes(range(32))).decode()
 
 
@@ -296,13 +315,31 @@ def test_a_root_that_is_missing_a_file_or_not_a_root_is_refused_naming_root(
         (tmp_path / "file", "is not a directory"),
         (tmp_path / "other", "is not an NVMe root"),
     ):
-        with pytest.raises(InvalidArgumentError, match=f"ROOT .* {why}"):
+        with pytest.raises(InvalidArgumentError, match=f"ROOT: .* {why}"):
             inspect_root(path)
-        with pytest.raises(InvalidArgumentError, match=f"ROOT .* {why}"):
+        with pytest.raises(InvalidArgumentError, match=f"ROOT: .* {why}"):
             verify_root(path, remove=True)
-        with pytest.raises(InvalidArgumentError, match=f"ROOT .* {why}"):
+        with pytest.raises(InvalidArgumentError, match=f"ROOT: .* {why}"):
             clear_root(path, namespace=None)
     assert (tmp_path / "other" / "data.txt").read_text() == "precious"
+
+
+async def test_a_root_others_can_write_to_is_refused_as_the_tier_refuses_it(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    await fill("segments", pool, tmp_path, keys(2, "w"))
+    os.chmod(tmp_path, 0o777)
+    try:
+        for call in (
+            lambda: inspect_root(tmp_path),
+            lambda: verify_root(tmp_path, remove=True),
+            lambda: clear_root(tmp_path, namespace=None, dry_run=True),
+        ):
+            with pytest.raises(InvalidArgumentError, match=r"^ROOT: .* has mode 777: others"):
+                call()
+    finally:
+        os.chmod(tmp_path, 0o700)
+    assert inspect_root(tmp_path).blocks == 2  # nothing was removed
 
 
 async def test_an_unknown_or_ambiguous_namespace_is_refused(

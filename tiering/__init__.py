@@ -11,59 +11,70 @@ every long-lived object shares; tenants' keys (:func:`tenant_keys`) and the
 event wire format. Secondary tiers live in ``backends`` and are built by name through
 :func:`make_tier`. Replays, sweeps and metrics are in ``tiering.replay``,
 ``tiering.sweep`` and ``tiering.metrics`` (the last needs prometheus-client).
+
+Importing the package imports none of them: each name is imported from its module when
+first used (``from tiering import TieringEngine`` as before), so a program that needs only
+a light part (the ``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay
+for torch.
 """
 
-from tiering.abstract import (
-    BlockHash,
-    CPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingEvent,
-    OffloadingManager,
-    PrepareStoreOutput,
-    as_block_hashes,
-)
-from tiering.actor import TierActor
-from tiering.config import TieringConfig, load_config
-from tiering.device import CopyHandle, DeviceCopier, kv_block_bytes
-from tiering.encryption import AuthenticationError, Keyring, UnknownKeyError
-from tiering.engine import Job, TieringEngine
-from tiering.errors import (
-    BlockNotFoundError,
-    ClosedError,
-    ConfigError,
-    CorruptBlockError,
-    InvalidArgumentError,
-    NotLoadingError,
-    TierBusyError,
-    TieringError,
-    TraceError,
-    TransferError,
-    UnknownPolicyError,
-    UnknownTierError,
-)
-from tiering.events import decode_events, encode_events
-from tiering.hashing import block_hashes, namespace_root
-from tiering.host_pool import HostPool
-from tiering.job_core import JobCore, LookupStatistics
-from tiering.latency import LatencyHistogram, LatencySnapshot
-from tiering.lifecycle import Lifecycle
-from tiering.manager import BlockState, CPUOffloadingManager
-from tiering.policies import (
-    ARCPolicy,
-    EvictionPolicy,
-    LRUPolicy,
-    S3FIFOPolicy,
-    make_policy,
-    policy_names,
-    register_policy,
-)
-from tiering.registry import make_tier, register_tier, tier_names
-from tiering.residency import ResidencyIndex
-from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
-from tiering.statistics import FailureLog, Statistics
-from tiering.tenancy import TenantLookups, tenant_keys, tenant_label
-from tiering.tier_client import TierClient, TierOutcome
-from tiering.workloads import Request, read_mooncake, synthetic_requests
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tiering.abstract import (
+        BlockHash,
+        CPULoadStoreSpec,
+        LoadStoreSpec,
+        OffloadingEvent,
+        OffloadingManager,
+        PrepareStoreOutput,
+        as_block_hashes,
+    )
+    from tiering.actor import TierActor
+    from tiering.config import TieringConfig, load_config
+    from tiering.device import CopyHandle, DeviceCopier, kv_block_bytes
+    from tiering.encryption import AuthenticationError, Keyring, UnknownKeyError
+    from tiering.engine import Job, TieringEngine
+    from tiering.errors import (
+        BlockNotFoundError,
+        ClosedError,
+        ConfigError,
+        CorruptBlockError,
+        InvalidArgumentError,
+        NotLoadingError,
+        TierBusyError,
+        TieringError,
+        TraceError,
+        TransferError,
+        UnknownPolicyError,
+        UnknownTierError,
+    )
+    from tiering.events import decode_events, encode_events
+    from tiering.hashing import block_hashes, namespace_root
+    from tiering.host_pool import HostPool
+    from tiering.job_core import JobCore, LookupStatistics
+    from tiering.latency import LatencyHistogram, LatencySnapshot
+    from tiering.lifecycle import Lifecycle
+    from tiering.manager import BlockState, CPUOffloadingManager
+    from tiering.policies import (
+        ARCPolicy,
+        EvictionPolicy,
+        LRUPolicy,
+        S3FIFOPolicy,
+        make_policy,
+        policy_names,
+        register_policy,
+    )
+    from tiering.registry import make_tier, register_tier, tier_names
+    from tiering.residency import ResidencyIndex
+    from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+    from tiering.statistics import FailureLog, Statistics
+    from tiering.tenancy import TenantLookups, tenant_keys, tenant_label
+    from tiering.tier_client import TierClient, TierOutcome
+    from tiering.workloads import Request, read_mooncake, synthetic_requests
 
 __all__ = [
     "ARCPolicy",
@@ -133,3 +144,73 @@ __all__ = [
     "tenant_label",
     "tier_names",
 ]
+
+# Where each public name lives; ``__getattr__`` imports it from there on first use.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "tiering.abstract": (
+        "BlockHash",
+        "CPULoadStoreSpec",
+        "LoadStoreSpec",
+        "OffloadingEvent",
+        "OffloadingManager",
+        "PrepareStoreOutput",
+        "as_block_hashes",
+    ),
+    "tiering.actor": ("TierActor",),
+    "tiering.config": ("TieringConfig", "load_config"),
+    "tiering.device": ("CopyHandle", "DeviceCopier", "kv_block_bytes"),
+    "tiering.encryption": ("AuthenticationError", "Keyring", "UnknownKeyError"),
+    "tiering.engine": ("Job", "TieringEngine"),
+    "tiering.errors": (
+        "BlockNotFoundError",
+        "ClosedError",
+        "ConfigError",
+        "CorruptBlockError",
+        "InvalidArgumentError",
+        "NotLoadingError",
+        "TierBusyError",
+        "TieringError",
+        "TraceError",
+        "TransferError",
+        "UnknownPolicyError",
+        "UnknownTierError",
+    ),
+    "tiering.events": ("decode_events", "encode_events"),
+    "tiering.hashing": ("block_hashes", "namespace_root"),
+    "tiering.host_pool": ("HostPool",),
+    "tiering.job_core": ("JobCore", "LookupStatistics"),
+    "tiering.latency": ("LatencyHistogram", "LatencySnapshot"),
+    "tiering.lifecycle": ("Lifecycle",),
+    "tiering.manager": ("BlockState", "CPUOffloadingManager"),
+    "tiering.policies": (
+        "ARCPolicy",
+        "EvictionPolicy",
+        "LRUPolicy",
+        "S3FIFOPolicy",
+        "make_policy",
+        "policy_names",
+        "register_policy",
+    ),
+    "tiering.registry": ("make_tier", "register_tier", "tier_names"),
+    "tiering.residency": ("ResidencyIndex",),
+    "tiering.secondary": ("JobMetadata", "JobResult", "SecondaryTierManager"),
+    "tiering.statistics": ("FailureLog", "Statistics"),
+    "tiering.tenancy": ("TenantLookups", "tenant_keys", "tenant_label"),
+    "tiering.tier_client": ("TierClient", "TierOutcome"),
+    "tiering.workloads": ("Request", "read_mooncake", "synthetic_requests"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    """A public name, imported from its module on first use (then cached here)."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiering' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,26 +1,33 @@
 """The ``tiering`` command (``python -m tiering`` or the ``tiering`` console script).
 
-Each subcommand is a module of :mod:`tiering.commands` that defines ``NAME``, ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int``; the command finds them by itself, so
-adding one touches no other file.
+Each subcommand is a module of :mod:`tiering.commands` that defines a docstring,
+``NAME``, ``HELP`` and ``ORDER`` (as literals), ``add_arguments(parser)`` and
+``run(args) -> int``; the command finds them by itself, so adding one touches no other
+file. Listing them (``tiering --help``) reads their source and imports none of them, so
+neither it nor ``tiering --version`` imports torch; a subcommand's module, with what it
+needs, is imported only when that subcommand is named.
 
 Exit codes, for every subcommand: 0 done and nothing wrong found, 1 a failure found (a
 mismatch, a damaged block, a failed run), 2 a usage error (a bad option, an unreadable
-trace or config file). A user error prints one line, ``tiering <subcommand>: error:
-<message>``, never a traceback.
+trace or config file), 130 interrupted (Ctrl-C, even while still importing). A user
+error prints one line, ``tiering <subcommand>: error: <message>``, and an interruption
+``tiering <subcommand>: interrupted``, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import pkgutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import tiering.commands
-from tiering.cli_args import make_parser
+from tiering.cli_args import EXIT_INTERRUPTED, make_parser
 from tiering.errors import InvalidArgumentError, TieringError
 
 EXIT_OK = 0
@@ -32,45 +39,137 @@ capacity, and look into NVMe roots. `tiering COMMAND --help` describes each comm
 
 Exit codes: 0 done and nothing wrong found; 1 a failure found (wrong bytes served, a
 damaged block, a failed run); 2 a usage error (a bad option, an unreadable trace or
-config file)."""
+config file); 130 interrupted."""
+
+_DEFAULT_ORDER = 100
 
 
-def commands() -> dict[str, ModuleType]:
-    """The subcommand modules, by name, in the order they are listed in ``--help``
-    (each module's ``ORDER``, then its name)."""
-    found = []
-    for info in pkgutil.iter_modules(tiering.commands.__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"tiering.commands.{info.name}")
-        found.append((getattr(module, "ORDER", 100), module.NAME, module))
-    return {name: module for _, name, module in sorted(found, key=lambda t: t[:2])}
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A subcommand as ``tiering --help`` lists it: its name, one-line help, docstring,
+    place in the list, and the module that implements it (imported by :meth:`load`)."""
+
+    name: str
+    help: str
+    doc: str
+    order: int
+    module: str
+
+    def load(self) -> ModuleType:
+        """The subcommand's module, imported (with everything it needs) now."""
+        return importlib.import_module(self.module)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line: every subcommand with its options."""
+def commands() -> dict[str, Command]:
+    """The subcommands, by name, in the order ``--help`` lists them (each module's
+    ``ORDER``, then its name); their modules are read, not imported."""
+    found = [
+        _describe(f"{tiering.commands.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(tiering.commands.__path__)
+        if not info.name.startswith("_")
+    ]
+    return {c.name: c for c in sorted(found, key=lambda c: (c.order, c.name))}
+
+
+def _describe(module: str) -> Command:
+    """The subcommand ``module`` defines, from its source: its docstring and its
+    ``NAME``, ``HELP`` and ``ORDER`` assignments. A module whose source cannot be had,
+    or whose ``NAME`` or ``HELP`` is not a plain string literal, is imported instead."""
+    spec = importlib.util.find_spec(module)
+    get_source = getattr(spec.loader, "get_source", None) if spec is not None else None
+    source = get_source(module) if get_source is not None else None
+    if source is not None:
+        tree = ast.parse(source)
+        values: dict[str, object] = {}
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Constant)
+            ):
+                values[node.targets[0].id] = node.value.value
+        name, help_, order = values.get("NAME"), values.get("HELP"), values.get("ORDER")
+        if isinstance(name, str) and isinstance(help_, str):
+            order = order if isinstance(order, int) else _DEFAULT_ORDER
+            return Command(name, help_, ast.get_docstring(tree) or help_, order, module)
+    loaded = importlib.import_module(module)
+    return Command(
+        loaded.NAME,
+        loaded.HELP,
+        loaded.__doc__ or loaded.HELP,
+        getattr(loaded, "ORDER", _DEFAULT_ORDER),
+        module,
+    )
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print the installed package's version and exit 0 (looked up only
+    when asked for)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            shown = version("kv-tiering")
+        except PackageNotFoundError:
+            shown = "(version unknown: the package is not installed)"
+        print(f"{parser.prog} {shown}")
+        parser.exit()
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The command line: every subcommand, and the options of ``command`` alone (of
+    none when None): only its module is imported."""
     parser = make_parser(_DESCRIPTION, prog="tiering")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in commands().items():
-        doc = module.__doc__ or module.HELP
+    for name, info in commands().items():
+        first, _, rest = info.doc.strip().partition("\n\n")
         child = sub.add_parser(
             name,
-            help=module.HELP,
-            description=doc.strip().partition("\n\n")[0],
-            epilog=doc.strip().partition("\n\n")[2] or None,
+            help=info.help,
+            description=first,
+            epilog=rest or None,
             formatter_class=parser.formatter_class,
         )
-        module.add_arguments(child)
-        child.set_defaults(_run=module.run, _parser=child)
+        if name == command:
+            module = info.load()
+            module.add_arguments(child)
+            child.set_defaults(_run=module.run, _parser=child)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser()
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+
+    Ctrl-C anywhere in it, the import of the subcommand's dependencies included, prints
+    one line and returns 130."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    # The first word that is not an option names the subcommand (the command's own
+    # options, --help and --version, take no value).
+    command = next((arg for arg in args if not arg.startswith("-")), None)
+    try:
+        return _run(args, command)
+    except KeyboardInterrupt:
+        print(f"tiering{f' {command}' if command else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: list[str], command: str | None) -> int:
+    parser = build_parser(command)
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or argparse's own usage error
+    except SystemExit as exc:  # --help, --version, or argparse's own usage error
         return int(exc.code or 0)
     try:
         return int(args._run(args))
@@ -80,9 +179,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TieringError as exc:
         print(f"tiering {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print(f"tiering {args.command}: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # `tiering ... | head`: the reader went away
         return EXIT_OK
 

@@ -1,11 +1,14 @@
 """Command-line pieces the `tiering` command and the example scripts share: argument types,
-a parser, progress.
+a parser, progress, how a script exits on Ctrl-C.
 
 The argument types raise :class:`argparse.ArgumentTypeError`, so argparse reports a bad
 value as ``argument --name: <why>, got '<value>'`` and exits with status 2 before any
 work starts. :class:`Progress` draws one self-overwriting status line on stderr, and
 only when stderr is a terminal: piped or captured output (and the JSON line a benchmark
-prints last on stdout) is never touched by it.
+prints last on stdout) is never touched by it. :func:`run_main` runs a script's
+``main`` so that Ctrl-C ends it with one line and status 130, never a traceback.
+
+This module imports nothing heavy (no torch): a script imports it cheaply.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+EXIT_INTERRUPTED = 130
+"""The exit status of a command or script stopped by Ctrl-C (128 + SIGINT, as shells
+report a process the signal killed)."""
 
 
 def make_parser(doc: str | None, **kwargs: object) -> argparse.ArgumentParser:
@@ -187,3 +194,20 @@ class Progress:
         tb: TracebackType | None,
     ) -> None:
         self.clear()
+
+
+def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
+    """Run a script's ``main`` and exit with the status it returns (0 for None).
+
+    Ctrl-C (a KeyboardInterrupt out of ``main``, after its ``finally`` blocks and
+    context managers ran) prints one line on stderr, ``<prog>: interrupted`` (``prog``
+    defaults to the script's file name), and exits with status 130, never a traceback.
+    A ``sys.exit`` inside ``main`` passes through unchanged.
+    """
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        name = prog or os.path.basename(sys.argv[0]) or "python"
+        print(f"{name}: interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(status or 0)

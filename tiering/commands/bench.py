@@ -4,7 +4,8 @@ The benchmarks live in the source tree's examples/ directory, next to the tierin
 package: a clone (or an editable install of one) has them, a wheel install does not.
 Each prints its figures and ends with one JSON object on its last line. Any arguments
 after the name go to the benchmark (use -- before ones that start with a dash). The exit
-code is the benchmark's.
+code is the benchmark's; Ctrl-C stops the benchmark, which says so in one line, and
+exits 130.
 
 Examples:
   tiering bench                      # list them
@@ -15,8 +16,13 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import ast
+import shutil
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 from tiering.errors import InvalidArgumentError
@@ -27,6 +33,9 @@ ORDER = 30
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 """Where the benchmarks are: the source tree's examples/, beside the package."""
+
+INTERRUPT_GRACE_S = 2.0
+"""After Ctrl-C, how long the benchmark has to stop by itself before it is sent SIGINT."""
 
 
 def benchmarks() -> dict[str, Path]:
@@ -51,13 +60,61 @@ def run(args: argparse.Namespace) -> int:
             "from a clone of the repository (python3 -m pip install -e . in it)"
         )
     if args.name is None:
-        for name, path in found.items():
-            doc = path.read_text(encoding="utf-8").split('"""')[1].strip().splitlines()[0]
-            print(f"{name:<14} {doc}")
+        print("\n".join(listing(found)))
         return 0
     if args.name not in found:
         raise InvalidArgumentError(
             f"name: no benchmark {args.name!r}; choose one of {', '.join(found)}"
         )
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
-    return subprocess.run([sys.executable, str(found[args.name]), *extra], check=False).returncode
+    return run_benchmark([sys.executable, str(found[args.name]), *extra])
+
+
+def listing(found: dict[str, Path], width: int | None = None) -> list[str]:
+    """The benchmarks' names, each beside the whole first paragraph of its docstring,
+    wrapped to ``width`` columns (default: the terminal's, at most 100)."""
+    width = width or min(100, shutil.get_terminal_size().columns)
+    column = max(len(name) for name in found) + 2
+    lines = []
+    for name, path in found.items():
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        summary = " ".join(doc.partition("\n\n")[0].split())
+        lines += textwrap.wrap(
+            summary,
+            width=max(width, column + 20),
+            initial_indent=name.ljust(column),
+            subsequent_indent=" " * column,
+        ) or [name]
+    return lines
+
+
+def run_benchmark(command: list[str]) -> int:
+    """Run ``command`` and return its exit status (128 + the signal's number if a signal
+    ended it).
+
+    On Ctrl-C the benchmark, in this process group, receives SIGINT from the terminal
+    too: it is given ``INTERRUPT_GRACE_S`` to stop by itself (it prints its own line and
+    exits 130), then sent SIGINT, which covers a signal sent to this process alone; this
+    process prints nothing and returns the benchmark's status.
+    """
+    child = subprocess.Popen(command)
+    try:
+        status = child.wait()
+    except KeyboardInterrupt:
+        status = _wait_after_interrupt(child)
+    return status if status >= 0 else 128 - status
+
+
+def _wait_after_interrupt(child: subprocess.Popen[bytes]) -> int:
+    """The benchmark's status once it ends, after a Ctrl-C: SIGINT is passed on once, if
+    it still runs after the grace time; a Ctrl-C pressed again only waits on."""
+    deadline: float | None = time.monotonic() + INTERRUPT_GRACE_S
+    while True:
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return child.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGINT)
+            deadline = None
+        except KeyboardInterrupt:  # pressed again: it reaches the benchmark as well
+            continue

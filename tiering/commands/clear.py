@@ -8,7 +8,8 @@ refuses a namespace a running tier holds. Asks nothing: it deletes only with --y
 Without it, it prints what it would remove and exits with status 2, so a script that
 forgot --yes never mistakes it for done; --dry-run prints the same and exits 0.
 Exit status: 0 done (or --dry-run), 1 the namespace is in use or a file could not be
-removed, 2 a usage error (no --yes, a bad ROOT or --namespace).
+removed, 2 a usage error (no --yes, a bad ROOT or --namespace; ROOT is checked as the
+tier checks its root: a directory of this user that nobody else may write to).
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ reads those) and changes nothing, so it is safe next to a running engine (what i
 of a namespace in use is then a snapshot of something changing). Blocks are what a tier
 started now would serve; damaged is what the tier's start-up drops or cannot use;
 orphaned is what nobody reads again (leftovers of writers that are gone, segments with
-no live block, files the tier never writes). Exit status: 0 (1 only for an I/O failure,
-2 for a root that does not exist or is not an NVMe root).
+no live block, record slots `tiering verify --remove` removed, files the tier never
+writes). ROOT is checked as the tier checks its root: it must be a directory of this
+user that nobody else may write to. Exit status: 0 (1 only for an I/O failure, 2 for a
+ROOT that fails that check or is not an NVMe root).
 """
 
 from __future__ import annotations

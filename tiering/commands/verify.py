@@ -4,13 +4,15 @@ ones and, with --remove, remove them.
 Checks each block's length, header (magic, version, header checksum, namespace, key,
 payload length) and payload checksum; an encrypted block's authentication under the
 keyring --encryption names (without it an encrypted block cannot be checked: it is
-reported bad, and --remove is refused for its namespace). --remove deletes a bad block
-file, or marks a bad segment record (its header page zeroed) and drops it from the index
-checkpoint, so a tier started later neither indexes nor serves it; it refuses a
-namespace that a running tier holds (its owner lock). Without --remove nothing changes
-and it may run next to an engine (a record being written can then look bad). Exit
-status: 0 every block verified, 1 a bad block was found (even if removed) or the root is
-in use for --remove, 2 a usage error.
+reported bad, and --remove is refused for its namespace). Each bad block is named by its
+file (or segment and record), its key and why it failed; a progress line shows on stderr
+when it is a terminal. --remove deletes a bad block file, or marks a bad segment record
+removed (its header page overwritten) and drops it from the index checkpoint, so a tier
+started later neither indexes nor serves it, and `tiering inspect` counts its slot
+removed, not damaged; it refuses a namespace that a running tier holds (its owner lock).
+Without --remove nothing changes and it may run next to an engine (a record being
+written can then look bad). Exit status: 0 every block verified, 1 a bad block was found
+(even if removed) or the root is in use for --remove, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 
 from backends.nvme_inspect import VerifyReport, verify_root
 from tiering.cli import EXIT_FAILURE, EXIT_OK
+from tiering.cli_args import Progress
 from tiering.commands._output import add_json_argument, print_json, table
 from tiering.commands.inspect import add_namespace_argument
 
@@ -62,15 +65,24 @@ def render(report: VerifyReport) -> list[str]:
         lines.append("bad blocks:")
         for block in bad:
             where = block.path + (f" record {block.record}" if block.record is not None else "")
+            key = block.key if block.key is not None else "unreadable"
             status = " [removed]" if block.removed else ""
-            lines.append(f"  {where}: {block.reason}{status}")
+            lines.append(f"  {where} key {key}: {block.reason}{status}")
     return lines
 
 
 def run(args: argparse.Namespace) -> int:
-    report = verify_root(
-        args.root, remove=args.remove, namespace=args.namespace, encryption=args.encryption
-    )
+    with Progress() as progress:
+        progress.update("verify: reading block headers", force=True)
+        report = verify_root(
+            args.root,
+            remove=args.remove,
+            namespace=args.namespace,
+            encryption=args.encryption,
+            on_progress=lambda done, total: progress.update(
+                f"verify: {done}/{total} blocks checked", force=done == total
+            ),
+        )
     if args.json:
         print_json(report.to_json())
     else:
