@@ -1047,7 +1047,7 @@ def _url_problem(url: object, *, cluster: bool) -> str | None:
     connection_class = options.pop("connection_class", Connection)
     try:
         connection_class(**options)  # builds the connection redis-py would, unconnected
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RedisError):
         return "its query has an option redis-py does not take, or an invalid value"
     return None
 

@@ -137,9 +137,8 @@ def move_slot_of(
     answers MOVED."""
     source = owner_of(cluster, name)
     slot = str(source.command("CLUSTER", "KEYSLOT", name))
-    source_id, target_id = (node.command("CLUSTER", "MYID") for node in (source, to))
-    to.command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)  # type: ignore[arg-type]
-    source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)  # type: ignore[arg-type]
+    to.command("CLUSTER", "SETSLOT", slot, "IMPORTING", _id_of(source))
+    source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", _id_of(to))
     held = source.command("CLUSTER", "GETKEYSINSLOT", slot, "1000")
     assert isinstance(held, list)
     if held:
@@ -151,9 +150,14 @@ def move_slot_of(
 def give_slot_of(cluster: LocalRedisCluster, name: bytes, to: LocalRedisServer) -> None:
     """Make the slot of ``name`` ``to``'s on every node (the end of a migration)."""
     slot = str(to.command("CLUSTER", "KEYSLOT", name))
-    target_id = to.command("CLUSTER", "MYID")
     for node in [to, *(n for n in cluster.nodes if n is not to)]:
-        node.command("CLUSTER", "SETSLOT", slot, "NODE", target_id)  # type: ignore[arg-type]
+        node.command("CLUSTER", "SETSLOT", slot, "NODE", _id_of(to))
+
+
+def _id_of(node: LocalRedisServer) -> bytes:
+    node_id = node.command("CLUSTER", "MYID")
+    assert isinstance(node_id, bytes)
+    return node_id
 
 
 def keys(n: int, prefix: str = "k") -> list[bytes]:

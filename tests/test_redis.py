@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import threading
 
 import pytest
 import torch
 import xxhash
 
+from backends.nvme_format import namespace_digest, payload_checksum
 from backends.redis_server import LocalRedisCluster
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
@@ -516,22 +518,24 @@ async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
     assert slot(pool, 11) == slot(pool, 0)
 
 
-async def test_a_value_of_an_earlier_format_version_is_a_miss(
+async def test_a_block_in_the_format_from_before_the_tenant_is_a_miss(
     pool: memoryview, redis_server: RedisServer
 ) -> None:
-    """Versions 1 and 2 bound no tenant: a tier reads them as corrupt, never serves them."""
+    """A version-1 record (its header without the tenant) is read as corrupt: deleted,
+    never served, even though it is sound in its own format."""
     [key] = keys(1)
+    payload = slot(pool, 0)
+    old_layout = struct.Struct("<8sHxxQ16s16sH")  # magic, version 1, length, checksum, ns
+    body = old_layout.pack(
+        b"KVTRDS\r\n", 1, BLOCK, payload_checksum(payload), namespace_digest("model-a"), len(key)
+    )
+    body += key
+    header = body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+    redis_server.command("HSET", name_of(key), "h", header, "p", payload)
     async with opened(pool, redis_server) as tier:
-        assert (await store_job(tier, [key], [0])).success
-        header = bytearray(redis_server.command("HGET", name_of(key), "h"))  # type: ignore[arg-type]
-        header[8:10] = (1).to_bytes(2, "little")  # the version field
-        body = bytes(header[:-8])
-        header[-8:] = xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")  # still sound
-        redis_server.command("HSET", name_of(key), "h", bytes(header))
         result = await load_job(tier, [key], [10])
-        assert result.failed_keys == (key,) and "not a block value of this format" in str(
-            result.error
-        )
+        assert result.failed_keys == (key,)
+        assert "not a block value of this format" in str(result.error)
         assert redis_server.command("EXISTS", name_of(key)) == 0
 
 
@@ -541,6 +545,7 @@ BAD_URLS = [
     "redis://127.0.0.1:6390/0?socket_timeout=abc",
     "redis://127.0.0.1:6390/0?health_check_interval=abc",
     "redis://127.0.0.1:6390/0?no_such_option=1",
+    "redis://127.0.0.1:6390/0?protocol=4",
     "redis://127.0.0.1:6390/not-a-db",
     "redis://user:Zq9Secret/pw@127.0.0.1:6390/0",
     "redis://user:Zq9Secret#pw@127.0.0.1:6390/0",
