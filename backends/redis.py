@@ -571,7 +571,7 @@ class RedisTier(TierActor):
             if key in failed:
                 self._forget(key)
             else:
-                self._remember(key, True)
+                self._learned(key, True)
         self._counters["stored_blocks"] += len(keys) - len(failed)
         self._counters["pipelines"] += pipelines
         if not failed:
@@ -595,11 +595,11 @@ class RedisTier(TierActor):
         for key in keys:
             why = failed.get(key)
             if why is None:
-                self._remember(key, True)
+                self._learned(key, True)
             elif why.startswith(_REFUSED):
                 self._forget(key)  # the server would not say: no answer kept
             else:  # absent, or corrupt and deleted
-                self._remember(key, False)
+                self._learned(key, False)
                 corrupt += why.startswith(_CORRUPT)
                 missing += why.startswith(_MISSING)
         refused = len(failed) - corrupt - missing
@@ -883,9 +883,18 @@ class RedisTier(TierActor):
             _, (dropped, _) = presence.popitem(last=False)
             self._known_present -= dropped
 
+    def _learned(self, key: OffloadKey, present: bool) -> None:
+        """Remember what a store or load just found of ``key``. A presence check on the
+        wire now may have read the server before that: its answer for ``key`` is
+        dropped."""
+        self._in_check.discard(key)
+        self._remember(key, present)
+
     def _forget(self, key: OffloadKey) -> None:
-        """Drop the cached answer for ``key``: a lookup asks the server again (the engine
-        then stores a block the tier is not known to hold)."""
+        """Drop the cached answer for ``key`` (and a check's on the wire now): a lookup
+        asks the server again (the engine then stores a block the tier is not known to
+        hold)."""
+        self._in_check.discard(key)
         old = self._presence.pop(key, None)
         if old is not None:
             self._known_present -= old[0]
@@ -923,9 +932,11 @@ class RedisTier(TierActor):
                     return
                 self.breaker.succeeded()
                 self._counters["lookup_round_trips"] += 1
+                in_check = self._in_check
                 for key, count in zip(batch, found, strict=True):
-                    # An error reply (the server would not say) reads as absent.
-                    self._remember(key, isinstance(count, int) and count > 0)
+                    if key in in_check:  # else a store or load has answered since
+                        # An error reply (the server would not say) reads as absent.
+                        self._remember(key, isinstance(count, int) and count > 0)
                 self._in_check.clear()
         finally:
             self._checking = False

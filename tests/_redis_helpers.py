@@ -100,6 +100,55 @@ async def opened(
         await tier.aclose()
 
 
+class HeldReplies:
+    """A TCP proxy in front of a server (``url`` names it) that holds back the server's
+    replies on each connection that sent ``marker`` in a request, until ``released`` is
+    set; ``seen`` is set once such a reply is held (the server has run the command)."""
+
+    def __init__(self, upstream: LocalRedisServer, marker: bytes) -> None:
+        self.upstream, self.marker = upstream, marker
+        self.seen, self.released = asyncio.Event(), asyncio.Event()
+        self.url = ""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream.port)
+        marked = False
+
+        async def requests() -> None:
+            nonlocal marked
+            while data := await reader.read(1 << 16):
+                marked = marked or self.marker in data
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def replies() -> None:
+            while data := await up_reader.read(1 << 16):
+                if marked and not self.released.is_set():
+                    self.seen.set()
+                    await self.released.wait()
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        await asyncio.gather(requests(), replies(), return_exceptions=True)
+
+
+@asynccontextmanager
+async def holding_replies(upstream: LocalRedisServer, marker: bytes) -> AsyncIterator[HeldReplies]:
+    """A :class:`HeldReplies` proxy in front of ``upstream``, serving while inside."""
+    proxy = HeldReplies(upstream, marker)
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    proxy.url = f"redis://127.0.0.1:{port}/0"
+    try:
+        yield proxy
+    finally:
+        proxy.released.set()
+        server.close()
+        await server.wait_closed()
+
+
 def name_of(key: bytes, namespace: str = "model-a", tenant: str = "") -> bytes:
     """The Redis key a block of ``namespace`` and ``tenant`` is stored under."""
     digest = namespace_digest(namespace).hex().encode()

@@ -19,6 +19,7 @@ from tests._redis_helpers import (
     BLOCK,
     client_of,
     give_slot_of,
+    holding_replies,
     keys,
     local_redis_cluster,
     local_redis_server,
@@ -493,6 +494,25 @@ async def test_after_a_failed_load_call_a_store_through_the_engine_sends_the_blo
         assert (await job).success and await job.cascaded
         assert tier.statistics().counters["stored_blocks"] == stored + 4
         assert redis_server.command("DBSIZE") == 4
+
+
+async def test_a_presence_check_that_read_the_server_before_a_store_does_not_undo_it(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    """A check's "absent", read before a store landed but back after it, is dropped: the
+    tier knows the block is there (an engine would otherwise not load it)."""
+    [key] = keys(1)
+    async with (
+        holding_replies(redis_server, b"EXISTS") as proxy,
+        opened(pool, redis_server, url=proxy.url) as tier,
+    ):
+        assert tier.lookup(key) is None  # unknown: a check goes out
+        await proxy.seen.wait()  # the server has answered "absent"; the answer is held
+        assert (await store_job(tier, [key], [0])).success
+        assert tier.lookup(key) is True
+        proxy.released.set()
+        await settled(lambda: tier.statistics().counters["lookup_round_trips"] or None)
+        assert tier.lookup(key) is True
 
 
 async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
