@@ -4,43 +4,53 @@ Each block is one Redis hash under one key, so its header and payload live in on
 of a Redis Cluster too::
 
     key:    b"kvt:" + namespace digest (hex) + b":" + tenant + b":" + block hash
-    fields: b"h" -> a compact header (magic, version, payload length, payload checksum,
-                   namespace digest, the key), b"p" -> the payload bytes
+    fields: b"h" -> a compact header (magic, version 3, payload length, payload
+                   checksum, namespace digest, the tenant and the key),
+            b"p" -> the payload bytes
 
 The header carries what :mod:`backends.nvme_format` carries for a block file, without
-the page padding (Redis needs no aligned offsets). A load verifies the header (magic,
-namespace, key, length) and the payload's checksum before the CPU slot counts as
-loaded; a value that fails is a failed key and is deleted, never served.
+the page padding (Redis needs no aligned offsets), and the tenant besides: every record
+is bound to its namespace, tenant and key, so a value moved to another key, tenant or
+namespace never loads. A load verifies the header (magic, version, namespace, tenant,
+key, length) and the payload's checksum before the CPU slot counts as loaded; a value
+that fails, or that is no hash at all (another client wrote the key), is a failed key
+and is deleted, never served, and the job's other keys land. Versions 1 and 2, from
+before the tenant was in the header, read as corrupt: a miss.
 
 With ``encryption`` (a keyring, :mod:`tiering.encryption`) every block is sealed with
-AES-GCM under the keyring's current key, and its value takes format version 2::
+AES-GCM under the keyring's current key, and its value takes format version 4::
 
-    b"h" -> the same header, with version 2 and, in place of the payload checksum, the
+    b"h" -> the same header, with version 4 and, in place of the payload checksum, the
             key id (u32) and the 12-byte nonce; no checksum of the plaintext (equal
             payloads would show as equal checksums)
     b"p" -> the ciphertext (as long as the payload), then the 16-byte GCM tag
 
-The associated data is the namespace digest and the block's key, so a value copied to
-another block's key, or into another namespace, fails to open. A tier reads the format
-it writes and no other: without ``encryption`` a version-2 value is a corrupt block (as
-it is to a reader from before version 2), and with it a version-1 value is one too, so
-a tier that encrypts never serves bytes that did not authenticate. A value sealed under
-a key id the keyring lacks, or that does not authenticate, is a corrupt block as well:
-a failed key, deleted from the server, logged once per key id by the cipher. Sealing
-and opening run on the I/O threads inside the job's hop; a load decrypts straight into
-the CPU slot (a failed key's slot then holds garbage, as a failed load's may).
+The associated data is :func:`record_binding`: the namespace digest, the tenant and the
+block's key, so a value copied to another block's key, tenant or namespace fails to
+open, even under a header forged to match. A tier reads the format it writes and no
+other: without ``encryption`` a sealed value is a corrupt block, and with it a plain
+value is one too, so a tier that encrypts never serves bytes that did not authenticate.
+A value sealed under a key id the keyring lacks, or that does not authenticate, is a
+corrupt block as well: a failed key, deleted from the server, logged once per key id by
+the cipher. Sealing and opening run on the I/O threads inside the job's hop; a load
+decrypts straight into the CPU slot (a failed key's slot then holds garbage, as a
+failed load's may).
 
 The client (redis-py's synchronous one) runs on the tier's I/O threads, one hop per job:
 it copies every value it sends and receives, which on the event loop measured a loop
-lag p99 of 34-49 ms at 2 MiB blocks (docs/redis.md).
+lag p99 of 34-49 ms at 2 MiB blocks (docs/redis.md). An error reply to one key's
+command (WRONGTYPE, OOM) fails that key only; a connection failure fails the call.
 
 ``lookup`` is synchronous and never waits on the network: it answers from a bounded
 presence cache (present answers kept ``presence_ttl_s``, absent ones ``absence_ttl_s``)
 and, for a key it has no fresh answer for, returns None ("ask again") and queues the
 key for a batched check: one pipelined round trip of ``EXISTS`` for every key queued
-meanwhile. A block another machine stored is therefore found one step later.
+meanwhile. A block another machine stored is therefore found one step later. A store
+or load that fails (a key, or the whole call) drops the cached answers of its keys, so
+the engine stores them again rather than trust a block the tier may not hold.
 
-Every call has a timeout. After ``breaker_failures`` connection failures in a row a
+Every call has a timeout, ``timeout_s``, and is not retried, on one server or a
+cluster. After ``breaker_failures`` connection failures in a row a
 :class:`~backends.breaker.CircuitBreaker` opens: lookups answer False, stores and loads
 fail at once, and a probe goes through after a back-off; the tier recovers by itself
 when the server is back. Redis going away never takes the engine down.
@@ -51,9 +61,10 @@ evicted by the server between a lookup and a load is a failed key.
 
 With ``cluster=True`` the tier talks to a Redis Cluster through redis-py's cluster
 client: a job's pipeline is split by node, written to every node before any reply is
-read. A job's blocks go in pipelines of at most ``pipeline_bytes`` of payload each, so
-at most ``max_inflight * pipeline_bytes`` payload bytes are in flight (and in the
-client's buffers) at once.
+read, and a command redirected (MOVED, ASK) is sent again where the cluster says. A
+node that does not answer fails the call within about ``timeout_s``. A job's blocks go
+in pipelines of at most ``pipeline_bytes`` of payload each, so at most ``max_inflight *
+pipeline_bytes`` payload bytes are in flight (and in the client's buffers) at once.
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ import re
 import struct
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -81,15 +93,21 @@ from tiering.validation import positive_int, seconds
 
 try:
     import redis
-    from redis.cluster import RedisCluster
+    from redis.backoff import NoBackoff
+    from redis.cluster import PipelineCommand, RedisCluster
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, parse_url
     from redis.exceptions import (
+        AskError,
         AuthenticationError,
         ClusterDownError,
         RedisClusterException,
         RedisError,
+        ResponseError,
+        TryAgainError,
     )
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without redis-py
     raise ImportError(
         "the redis tier needs redis-py (pip install 'kv-tiering[redis]'); "
@@ -99,14 +117,19 @@ except ImportError as exc:  # pragma: no cover - exercised only without redis-py
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTRDS\r\n"
-FORMAT_VERSION = 1
-"""A plain block: the payload, and its checksum in the header."""
-SEALED_VERSION = 2
+FORMAT_VERSION = 3
+"""A plain block: the payload, and its checksum in the header. (Versions 1 and 2, from
+before the tenant was bound into the record, read as corrupt.)"""
+SEALED_VERSION = 4
 """An encrypted block: ciphertext and tag, the key id and nonce in the header."""
-# magic, version, payload length, checksum (v1) or key id + nonce (v2), ns, key len
-_FIXED = struct.Struct("<8sHxxQ16s16sH")
-_SEAL = struct.Struct("<I12s")  # a v2 header's 16 bytes in place of the checksum
+# magic, version, payload length, checksum (plain) or key id + nonce (sealed), namespace
+# digest, tenant length, key length; then the tenant and the key
+_FIXED = struct.Struct("<8sHxxQ16s16sHH")
+_SEAL = struct.Struct("<I12s")  # a sealed header's 16 bytes in place of the checksum
 _TRAILER = struct.Struct("<Q")  # xxh3_64 of everything before it
+_BOUND = struct.Struct("<HH")  # tenant and key lengths, ahead of them in the binding
+MAX_TENANT_BYTES = 0xFFFF
+"""The longest tenant (UTF-8) a header can hold."""
 
 HEADER_FIELD = b"h"
 PAYLOAD_FIELD = b"p"
@@ -125,38 +148,61 @@ _UNREACHABLE = (
     OSError,
 )
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
+_NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
+"""Replies of a cluster pipeline that mean the node, not the key, failed."""
+
+# How a load or store of one key failed; the first words of its reason.
+_MISSING = "not in the redis tier"
+_CORRUPT = "corrupt block"
+_REFUSED = "redis refused"
+
+
+def record_binding(ns_digest: bytes, tenant: bytes, key: bytes) -> bytes:
+    """What a block's record is bound to: its namespace digest, tenant and key (the
+    associated data a sealed block is sealed with). Lengths go first, so no two
+    (tenant, key) pairs give the same bytes."""
+    return associated_data(ns_digest, _BOUND.pack(len(tenant), len(key)) + tenant + key)
 
 
 def encode_header(
     *,
     key: bytes,
+    tenant: bytes,
     payload_bytes: int,
     ns_digest: bytes,
     checksum: bytes | None = None,
     seal: Seal | None = None,
 ) -> bytes:
-    """The compact header of one block value: a plain one (version 1) with the payload's
-    ``checksum``, or a sealed one (version 2) with ``seal``'s key id and nonce (its tag
-    goes after the ciphertext, in the payload field).
+    """The compact header of one block value of ``tenant`` (``b""`` for none): a plain
+    one (:data:`FORMAT_VERSION`) with the payload's ``checksum``, or a sealed one
+    (:data:`SEALED_VERSION`) with ``seal``'s key id and nonce (its tag goes after the
+    ciphertext, in the payload field).
 
     Raises:
-        InvalidArgumentError: not exactly one of ``checksum`` and ``seal`` is given.
+        InvalidArgumentError: not exactly one of ``checksum`` and ``seal`` is given, or
+            ``tenant`` is longer than :data:`MAX_TENANT_BYTES`.
     """
     if (checksum is None) == (seal is None):
         raise InvalidArgumentError("a block header takes a checksum or a seal, not both")
+    if len(tenant) > MAX_TENANT_BYTES:
+        raise InvalidArgumentError(f"tenant is {len(tenant)} bytes, at most {MAX_TENANT_BYTES}")
     if seal is None:
         version, field = FORMAT_VERSION, checksum
     else:
         version, field = SEALED_VERSION, _SEAL.pack(seal.key_id, seal.nonce)
-    body = _FIXED.pack(MAGIC, version, payload_bytes, field, ns_digest, len(key)) + key
+    body = (
+        _FIXED.pack(MAGIC, version, payload_bytes, field, ns_digest, len(tenant), len(key))
+        + tenant
+        + key
+    )
     return body + _TRAILER.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def _check_header(
-    header: bytes, *, key: bytes, payload_bytes: int, ns_digest: bytes
+    header: bytes, *, key: bytes, tenant: bytes, payload_bytes: int, ns_digest: bytes
 ) -> tuple[int, bytes]:
     """The version and the 16-byte checksum-or-seal field of a header that verifies
-    (its own checksum, magic, a known version, namespace, key and length).
+    (its own checksum, magic, a known version, namespace, tenant, key and length).
 
     Raises:
         CorruptBlockError: saying which check failed.
@@ -166,12 +212,16 @@ def _check_header(
     body, (stored,) = header[: -_TRAILER.size], _TRAILER.unpack(header[-_TRAILER.size :])
     if xxhash.xxh3_64_intdigest(body) != stored:
         raise CorruptBlockError("header checksum mismatch")
-    magic, version, length, field, ns, key_len = _FIXED.unpack_from(body, 0)
+    magic, version, length, field, ns, tenant_len, key_len = _FIXED.unpack_from(body, 0)
     if magic != MAGIC or version not in (FORMAT_VERSION, SEALED_VERSION):
         raise CorruptBlockError("not a block value of this format")
     if ns != ns_digest:
         raise CorruptBlockError("block belongs to another namespace")
-    if body[_FIXED.size :] != key or key_len != len(key):
+    if len(body) != _FIXED.size + tenant_len + key_len:
+        raise CorruptBlockError("header lengths do not add up")
+    if body[_FIXED.size : _FIXED.size + tenant_len] != tenant:
+        raise CorruptBlockError("block belongs to another tenant")
+    if body[_FIXED.size + tenant_len :] != key:
         raise CorruptBlockError("block holds another key")
     if length != payload_bytes:
         raise CorruptBlockError(f"block is of {length} bytes, expected {payload_bytes}")
@@ -179,19 +229,25 @@ def _check_header(
 
 
 def check_value(
-    header: bytes, payload: bytes, *, key: bytes, payload_bytes: int, ns_digest: bytes
+    header: bytes,
+    payload: bytes,
+    *,
+    key: bytes,
+    tenant: bytes,
+    payload_bytes: int,
+    ns_digest: bytes,
 ) -> None:
-    """Verify one plain block value read back (call it off the loop: it hashes the
-    payload).
+    """Verify one plain block value of ``tenant`` read back (call it off the loop: it
+    hashes the payload).
 
     Raises:
-        CorruptBlockError: the header is damaged or of another format, names another
-            namespace, key or length, the value is encrypted (this reader has no keys:
-            never serve ciphertext), or the payload's checksum differs. The message
-            says which.
+        CorruptBlockError: the header is damaged or of another format or version, names
+            another namespace, tenant, key or length, the value is encrypted (this
+            reader has no keys: never serve ciphertext), or the payload's checksum
+            differs. The message says which.
     """
     version, checksum = _check_header(
-        header, key=key, payload_bytes=payload_bytes, ns_digest=ns_digest
+        header, key=key, tenant=tenant, payload_bytes=payload_bytes, ns_digest=ns_digest
     )
     if version != FORMAT_VERSION:
         raise CorruptBlockError("block is encrypted, and this tier has no encryption keyring")
@@ -206,28 +262,29 @@ def open_value(
     sealed: bytes,
     *,
     key: bytes,
+    tenant: bytes,
     payload_bytes: int,
     ns_digest: bytes,
     cipher: BlockCipher,
     into: memoryview,
 ) -> None:
-    """Verify one sealed block value read back and decrypt its payload into ``into``
-    (``payload_bytes`` long). Blocking: call it off the loop.
+    """Verify one sealed block value of ``tenant`` read back and decrypt its payload
+    into ``into`` (``payload_bytes`` long). Blocking: call it off the loop.
 
     ``into`` holds the plaintext only if this returns; after a failure its bytes are
     garbage (never to be served: the key has failed).
 
     Raises:
-        CorruptBlockError: the header is damaged or of another format, names another
-            namespace, key or length, or the value is not encrypted (a tier that
-            encrypts serves nothing unauthenticated);
+        CorruptBlockError: the header is damaged or of another format or version, names
+            another namespace, tenant, key or length, or the value is not encrypted (a
+            tier that encrypts serves nothing unauthenticated);
             :class:`~tiering.encryption.UnknownKeyError` (the keyring lacks its key id)
             or :class:`~tiering.encryption.AuthenticationError` (a wrong key, altered
             or moved bytes), both CorruptBlockErrors, from the cipher, which logs each
             once per key id.
     """
     version, field = _check_header(
-        header, key=key, payload_bytes=payload_bytes, ns_digest=ns_digest
+        header, key=key, tenant=tenant, payload_bytes=payload_bytes, ns_digest=ns_digest
     )
     if version != SEALED_VERSION:
         raise CorruptBlockError("block is not encrypted, and this tier reads only encrypted ones")
@@ -238,7 +295,7 @@ def open_value(
     key_id, nonce = _SEAL.unpack(field)
     seal = Seal(key_id, nonce, bytes(sealed[payload_bytes:]))
     with memoryview(sealed) as view:
-        cipher.open_into(seal, view, associated_data(ns_digest, key), into)
+        cipher.open_into(seal, view, record_binding(ns_digest, tenant, key), into)
 
 
 class RedisTier(TierActor):
@@ -247,11 +304,14 @@ class RedisTier(TierActor):
     Args:
         primary_kv_view, block_bytes: as every tier.
         url: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
-            ``unix://``; never logged or shown.
+            ``unix://``, checked here with redis-py's own parser (a '/', '?', '#' or
+            '@' in the user name or password percent-encoded; no query option the tier
+            sets itself, such as ``socket_timeout``); never logged or shown.
         namespace: what the blocks' bytes mean (the engine passes its cache identity);
             two namespaces on one server never see each other's blocks.
-        tenant: an optional prefix that isolates tenants sharing a namespace.
-        timeout_s: the limit of every call to the server.
+        tenant: an optional prefix that isolates tenants sharing a namespace, bound
+            into every record like the namespace.
+        timeout_s: the limit of every call to the server (none is retried).
         max_connections: the connection pool's bound.
         ttl_s: expire stored blocks after this many seconds (None: never).
         presence_ttl_s, absence_ttl_s: how long a lookup trusts a present / absent
@@ -277,11 +337,13 @@ class RedisTier(TierActor):
             docstring for the format).
         inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
 
-    Guarantees: a load serves a block only if its header and checksum verify (with
-    ``encryption``: its header verifies and it authenticates under the keyring, and a
-    plain block is never served); a connection failure fails the job's keys (never the
-    engine); ``lookup`` never blocks. Key material never shows in ``repr``, statistics,
-    errors or logs.
+    Guarantees: a load serves a block only if its header (namespace, tenant, key) and
+    checksum verify (with ``encryption``: its header verifies and it authenticates under
+    the keyring, and a plain block is never served); a key the server refuses, or that
+    holds no block, fails alone; a connection failure fails the job's keys (never the
+    engine), within about ``timeout_s``; ``lookup`` never blocks, and forgets what it
+    knew of a key whose store or load failed (it asks the server again). Key material
+    never shows in ``repr``, statistics, errors or logs.
 
     Raises (constructor): InvalidArgumentError for a bad option, naming it and its value
     (the url is named without its value, which may hold a password; ``encryption``
@@ -317,19 +379,15 @@ class RedisTier(TierActor):
         unknown = set(actor_kwargs) - ACTOR_OPTIONS
         if unknown:
             raise InvalidArgumentError(f"unknown redis tier option(s): {sorted(unknown)}")
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidArgumentError(
-                "url must be a redis://, rediss:// or unix:// URL (value not shown: it may "
-                "hold a password)"
-            )
         if not isinstance(namespace, str) or not namespace:
             raise InvalidArgumentError(f"namespace must be a non-empty str, got {namespace!r}")
         if not isinstance(tenant, str) or ":" in tenant:
             raise InvalidArgumentError(f"tenant must be a str without ':', got {tenant!r}")
+        if len(tenant.encode()) > MAX_TENANT_BYTES:
+            raise InvalidArgumentError(f"tenant must be at most {MAX_TENANT_BYTES} bytes (UTF-8)")
         if not isinstance(cluster, bool):
             raise InvalidArgumentError(f"cluster must be a bool, got {cluster!r}")
-        if cluster and url.startswith("unix://"):
-            raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
+        _check_url(url, cluster=cluster)
         self.cluster = cluster
         self._tls = _tls_options(url, tls_ca_file, tls_cert_file, tls_key_file)
         self.timeout_s = seconds("timeout_s", timeout_s, allow_zero=False)
@@ -350,8 +408,9 @@ class RedisTier(TierActor):
         super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
         self.namespace = namespace
         self.tenant = tenant
+        self._tenant = tenant.encode()
         self._ns_digest = namespace_digest(namespace)
-        self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + tenant.encode() + b":"
+        self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + self._tenant + b":"
         self._url = url
         self._blocks_per_pipeline = max(1, self.pipeline_bytes // block_bytes)
         # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption):
@@ -504,14 +563,22 @@ class RedisTier(TierActor):
         if not self._serving or not self.breaker.allow():
             return self._refused(job, keys)
         outcome = await self.run_blocking(self._store_hop, keys, list(job.block_ids))
-        if not isinstance(outcome, int):
+        if not isinstance(outcome, tuple):
             return self._call_failed(job, keys, "store", outcome)
+        failed, pipelines = outcome
         self.breaker.succeeded()
         for key in keys:
-            self._remember(key, True)
-        self._counters["stored_blocks"] += len(keys)
-        self._counters["pipelines"] += outcome
-        return JobResult(job.job_id, True)
+            if key in failed:
+                self._forget(key)
+            else:
+                self._learned(key, True)
+        self._counters["stored_blocks"] += len(keys) - len(failed)
+        self._counters["pipelines"] += pipelines
+        if not failed:
+            return JobResult(job.job_id, True)
+        first = next(iter(failed.values()))
+        self._failures.record("redis refused a block's store", len(failed), first)
+        return JobResult(job.job_id, False, tuple(failed), f"{len(failed)} keys failed: {first}")
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
         keys = list(job.keys)
@@ -524,12 +591,24 @@ class RedisTier(TierActor):
         self.breaker.succeeded()
         self._counters["pipelines"] += pipelines
         failed = {key: why for key, why in zip(keys, reasons, strict=True) if why}
-        corrupt = sum(1 for why in failed.values() if why.startswith("corrupt"))
+        corrupt = missing = 0
         for key in keys:
-            self._remember(key, key not in failed)
+            why = failed.get(key)
+            if why is None:
+                self._learned(key, True)
+            elif why.startswith(_REFUSED):
+                self._forget(key)  # the server would not say: no answer kept
+            else:  # absent, or corrupt and deleted
+                self._learned(key, False)
+                corrupt += why.startswith(_CORRUPT)
+                missing += why.startswith(_MISSING)
+        refused = len(failed) - corrupt - missing
         self._counters["loaded_blocks"] += len(keys) - len(failed)
         self._counters["corrupt_blocks"] += corrupt
-        self._counters["missing_blocks"] += len(failed) - corrupt
+        self._counters["missing_blocks"] += missing
+        if refused:
+            first_refusal = next(why for why in failed.values() if why.startswith(_REFUSED))
+            self._failures.record("redis refused a block's load", refused, first_refusal)
         if not failed:
             return JobResult(job.job_id, True)
         first = next(iter(failed.values()))
@@ -567,20 +646,33 @@ class RedisTier(TierActor):
             return _detached(exc)
         return None
 
-    def _store_hop(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int | _ClientError:
+    def _store_hop(
+        self, keys: Sequence[bytes], block_ids: Sequence[int]
+    ) -> tuple[dict[bytes, str], int] | _ClientError:
         """Write every block (header, then the payload straight from its slot, or with
         ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
-        most ``pipeline_bytes``; how many, or the client's error if one failed (the
+        most ``pipeline_bytes``. Returns the keys the server refused, with why (a key
+        that held a value of another type is deleted, so that its next store lands),
+        and how many round trips it took; or the client's error if a call failed (the
         blocks before it are stored)."""
-        slot, ns, size, cipher = self.slot, self._ns_digest, self.block_bytes, self._cipher
+        slot, ns, tenant, size, cipher = (
+            self.slot,
+            self._ns_digest,
+            self._tenant,
+            self.block_bytes,
+            self._cipher,
+        )
+        per_block = 1 if self.ttl_s is None else 2  # HSET, then EXPIRE
         views: list[memoryview] = []
         sealed = self._sealing_buffers() if cipher is not None else []
+        failed: dict[bytes, str] = {}
+        wrong_type: list[bytes] = []
         pipelines = 0
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
-                pipe = client.pipeline(transaction=False)
+                commands: list[tuple[Any, ...]] = []
                 for i, (key, block_id) in enumerate(
                     zip(keys[start:stop], block_ids[start:stop], strict=True)
                 ):
@@ -590,25 +682,33 @@ class RedisTier(TierActor):
                         value = payload
                         header = encode_header(
                             key=check_key(key),
+                            tenant=tenant,
                             payload_bytes=size,
                             checksum=payload_checksum(payload),
                             ns_digest=ns,
                         )
                     else:
-                        # The buffer is free again once the previous pipeline's
-                        # execute returned: the client has sent it by then.
+                        # The buffer is free again once the previous round trip
+                        # returned: the client has sent it by then.
                         value = sealed[i]
-                        seal = cipher.seal_into(payload, value, associated_data(ns, check_key(key)))
-                        header = encode_header(key=key, payload_bytes=size, seal=seal, ns_digest=ns)
+                        binding = record_binding(ns, tenant, check_key(key))
+                        seal = cipher.seal_into(payload, value, binding)
+                        header = encode_header(
+                            key=key, tenant=tenant, payload_bytes=size, seal=seal, ns_digest=ns
+                        )
                     name = self._name_of(key)
-                    pipe.hset(name, mapping={HEADER_FIELD: header, PAYLOAD_FIELD: value})
+                    commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
                     if self.ttl_s is not None:
-                        pipe.expire(name, max(1, round(self.ttl_s)))
-                try:
-                    pipe.execute()
-                finally:
-                    pipe.reset()
+                        commands.append(("EXPIRE", name, max(1, round(self.ttl_s))))
+                replies = _round_trip(client, commands)
                 pipelines += 1
+                for i, key in enumerate(keys[start:stop]):
+                    error = _first_error(replies[i * per_block : (i + 1) * per_block])
+                    if error is not None:
+                        failed[key] = f"{_REFUSED} the store: {error}"
+                        if _holds_another_type(error):
+                            wrong_type.append(self._name_of(key))
+                del commands, replies
         except _CLIENT_ERRORS as exc:
             return _detached(exc)
         finally:
@@ -616,15 +716,17 @@ class RedisTier(TierActor):
             # still name these views: released, they no longer pin the host pool.
             for view in views:
                 view.release()
-        return pipelines
+        self._delete(client, wrong_type)
+        return failed, pipelines
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
     ) -> tuple[list[str], int] | _ClientError:
         """Read every block in pipelined round trips of at most ``pipeline_bytes``,
         verify each and copy the good ones into their slots; delete the corrupt ones
-        from the server. Returns why each key failed ("" for the ones that landed) and
-        how many round trips it took, or the client's error."""
+        (and values of another type) from the server. Returns why each key failed (""
+        for the ones that landed) and how many round trips it took, or the client's
+        error."""
         reasons: list[str] = []
         corrupt: list[bytes] = []
         pipelines = 0
@@ -632,13 +734,11 @@ class RedisTier(TierActor):
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
-                pipe = client.pipeline(transaction=False)
-                for key in keys[start:stop]:
-                    pipe.hmget(self._name_of(key), [HEADER_FIELD, PAYLOAD_FIELD])
-                try:
-                    values = pipe.execute()
-                finally:
-                    pipe.reset()
+                commands = [
+                    ("HMGET", self._name_of(key), HEADER_FIELD, PAYLOAD_FIELD)
+                    for key in keys[start:stop]
+                ]
+                values = _round_trip(client, commands)
                 pipelines += 1
                 for key, block_id, value in zip(
                     keys[start:stop], block_ids[start:stop], values, strict=True
@@ -647,25 +747,42 @@ class RedisTier(TierActor):
                 del values  # a whole pipeline of block bytes: not kept past its turn
         except _CLIENT_ERRORS as exc:
             return _detached(exc)
-        if corrupt:
-            try:
-                client.delete(*corrupt)
-            except _CLIENT_ERRORS as exc:  # the blocks that landed still count
-                logger.debug("redis tier: deleting corrupt blocks failed: %r", _detached(exc))
+        self._delete(client, corrupt)
         return reasons, pipelines
 
+    def _delete(self, client: redis.Redis | RedisCluster, names: list[bytes]) -> None:
+        """Delete ``names`` (values that are no blocks of this tier) from the server, as
+        far as it goes: a failure is logged, and the next load of each fails again."""
+        if not names:
+            return
+        try:
+            client.delete(*names)
+        except _CLIENT_ERRORS as exc:  # the job's other keys still count
+            logger.debug("redis tier: deleting corrupt blocks failed: %r", _detached(exc))
+
     def _land(
-        self, key: bytes, block_id: int, value: list[bytes | None] | None, corrupt: list[bytes]
+        self,
+        key: bytes,
+        block_id: int,
+        value: list[bytes | None] | ResponseError | None,
+        corrupt: list[bytes],
     ) -> str:
         """Verify one value read back and copy it into its slot: "" if it landed, else
         why not (a corrupt one's name is added to ``corrupt``)."""
+        if isinstance(value, ResponseError):
+            if not _holds_another_type(value):
+                return f"{_REFUSED} the load: {value}"
+            corrupt.append(self._name_of(key))
+            return f"{_CORRUPT}: the key holds no block ({value})"
         header, payload = value if value else (None, None)
         if header is None or payload is None:
-            return "not in the redis tier"
-        size, ns = self.block_bytes, self._ns_digest
+            return _MISSING
+        size, ns, tenant = self.block_bytes, self._ns_digest, self._tenant
         try:
             if self._cipher is None:
-                check_value(header, payload, key=key, payload_bytes=size, ns_digest=ns)
+                check_value(
+                    header, payload, key=key, tenant=tenant, payload_bytes=size, ns_digest=ns
+                )
                 self.slot(block_id)[:] = payload
             else:
                 with self.slot(block_id) as into:  # decrypted in place: no copy
@@ -673,6 +790,7 @@ class RedisTier(TierActor):
                         header,
                         payload,
                         key=key,
+                        tenant=tenant,
                         payload_bytes=size,
                         ns_digest=ns,
                         cipher=self._cipher,
@@ -680,7 +798,7 @@ class RedisTier(TierActor):
                     )
         except CorruptBlockError as exc:
             corrupt.append(self._name_of(key))
-            return f"corrupt block: {exc}"
+            return f"{_CORRUPT}: {exc}"
         return ""
 
     def _sealing_buffers(self) -> list[memoryview]:
@@ -715,12 +833,10 @@ class RedisTier(TierActor):
             "server_keys": int(keys),
         }
 
-    def _exists_hop(self, keys: Sequence[bytes]) -> list[int]:
-        """``EXISTS`` of every key in one pipelined round trip."""
-        pipe = self._connected().pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self._name_of(key))
-        return pipe.execute()
+    def _exists_hop(self, keys: Sequence[bytes]) -> list[int | ResponseError]:
+        """``EXISTS`` of every key in one pipelined round trip (an error reply in the
+        place of a key the server would not answer for)."""
+        return _round_trip(self._connected(), [("EXISTS", self._name_of(key)) for key in keys])
 
     def _connected(self) -> redis.Redis | RedisCluster:
         """The tier's client, made now if this is the first call that needs it.
@@ -745,7 +861,10 @@ class RedisTier(TierActor):
             **self._tls,
         }
         if cluster:
-            return RedisCluster.from_url(self._url, **options)
+            # No retries: with redis-py's, a call to a node that stops answering took
+            # several timeouts and back-offs (docs/redis.md). Redirections (MOVED, ASK)
+            # are no retries: they are followed all the same.
+            return RedisCluster.from_url(self._url, retry=Retry(NoBackoff(), 0), **options)
         return redis.Redis.from_url(self._url, **options)
 
     # -- internals --------------------------------------------------------------------
@@ -763,6 +882,22 @@ class RedisTier(TierActor):
         if len(presence) > self.presence_entries:
             _, (dropped, _) = presence.popitem(last=False)
             self._known_present -= dropped
+
+    def _learned(self, key: OffloadKey, present: bool) -> None:
+        """Remember what a store or load just found of ``key``. A presence check on the
+        wire now may have read the server before that: its answer for ``key`` is
+        dropped."""
+        self._in_check.discard(key)
+        self._remember(key, present)
+
+    def _forget(self, key: OffloadKey) -> None:
+        """Drop the cached answer for ``key`` (and a check's on the wire now): a lookup
+        asks the server again (the engine then stores a block the tier is not known to
+        hold)."""
+        self._in_check.discard(key)
+        old = self._presence.pop(key, None)
+        if old is not None:
+            self._known_present -= old[0]
 
     def _schedule_check(self) -> None:
         """Start the batched check, on the loop; a lookup may come from another thread
@@ -797,8 +932,11 @@ class RedisTier(TierActor):
                     return
                 self.breaker.succeeded()
                 self._counters["lookup_round_trips"] += 1
+                in_check = self._in_check
                 for key, count in zip(batch, found, strict=True):
-                    self._remember(key, bool(count))
+                    if key in in_check:  # else a store or load has answered since
+                        # An error reply (the server would not say) reads as absent.
+                        self._remember(key, isinstance(count, int) and count > 0)
                 self._in_check.clear()
         finally:
             self._checking = False
@@ -809,6 +947,8 @@ class RedisTier(TierActor):
     def _call_failed(
         self, job: JobMetadata, keys: list[bytes], what: str, error: BaseException
     ) -> JobResult:
+        for key in keys:  # whatever the server holds now, the cache no longer knows
+            self._forget(key)
         if isinstance(error, _UNREACHABLE):
             self._unreachable(what, error)
             return JobResult(job.job_id, False, tuple(keys), f"redis unreachable: {error}")
@@ -826,6 +966,8 @@ class RedisTier(TierActor):
             await asyncio.sleep(self.usage_every_s)
 
     def _refused(self, job: JobMetadata, keys: list[bytes]) -> JobResult:
+        for key in keys:
+            self._forget(key)
         self._failures.record("redis unreachable (circuit open)", len(keys))
         return JobResult(
             job.job_id, False, tuple(keys), "redis unreachable: circuit open, retrying later"
@@ -835,6 +977,156 @@ class RedisTier(TierActor):
         self._counters["unreachable_calls"] += 1
         self.breaker.failed()
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
+
+
+_TIER_SETS = {
+    "socket_timeout": "timeout_s",
+    "socket_connect_timeout": "timeout_s",
+    "max_connections": "max_connections",
+    "retry_on_timeout": "timeout_s",
+    "retry_on_error": "timeout_s",
+}
+"""Query options of a url that the tier sets itself, and the tier option that does."""
+
+
+def _check_url(url: object, *, cluster: bool) -> None:
+    """Check that redis-py will connect with ``url`` as the tier means it to.
+
+    Raises:
+        InvalidArgumentError: ``url`` is not a str of the redis://, rediss:// or
+            unix:// scheme, or redis-py's parser refuses it, or it says something the
+            tier would silently get wrong (a path that is no database number, a query
+            option the tier sets itself, a database other than 0 for a cluster); or
+            ``cluster`` is given with a unix:// url. The message names ``url`` and what
+            is wrong, and never quotes the url or any part of it (it may hold a
+            password).
+    """
+    if isinstance(url, str) and url.startswith("unix://") and cluster:
+        raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
+    problem = _url_problem(url, cluster=cluster)
+    if problem is not None:  # raised here, outside any handler: no parser error chained
+        raise InvalidArgumentError(f"url: {problem} (the url is not shown: it may hold a password)")
+
+
+def _url_problem(url: object, *, cluster: bool) -> str | None:
+    """What is wrong with ``url`` (see :func:`_check_url`), in words that quote no part
+    of it; None if nothing is."""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        return "must be a redis://, rediss:// or unix:// URL"
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # its message may quote a piece of the url
+        return "its host cannot be parsed"
+    try:
+        port = None if parts.scheme == "unix" else parts.port
+    except ValueError:  # its message quotes the port, which may be a piece of a password
+        return (
+            "its port is not a number from 1 to 65535 (a '/', '?' or '#' in the user "
+            "name or password must be percent-encoded: %2F, %3F, %23)"
+        )
+    # A password always comes before an '@': with one after the host (or a fragment),
+    # part of the credentials spilled into the path, query or fragment.
+    if "#" in url or "@" in parts.path + parts.query:
+        return (
+            "it holds an unescaped '/', '?', '#' or '@' after the user name or password "
+            "(percent-encode them: %2F, %3F, %23, %40)"
+        )
+    if port == 0:
+        return "its port is not a number from 1 to 65535"
+    if parts.scheme == "unix":
+        if not parts.path:
+            return "a unix:// url needs the path of the server's socket"
+    else:
+        database = urllib.parse.unquote(parts.path).strip("/")
+        if database and not database.isdigit():
+            return "its path must be the database number (/0, /1, ...) or nothing"
+    for name, values in urllib.parse.parse_qs(parts.query).items():
+        if name in _TIER_SETS:
+            return f"its query sets {name}, which the tier sets from {_TIER_SETS[name]}"
+        parse = URL_QUERY_ARGUMENT_PARSERS.get(name)  # a name redis-py knows: safe to show
+        try:
+            if parse is not None:
+                parse(values[0])
+        except (TypeError, ValueError):
+            return f"its query option {name} has an invalid value"
+    try:
+        options = parse_url(url)  # the parser redis-py connects with
+    except (TypeError, ValueError):
+        return "redis-py cannot parse it"
+    if cluster and options.get("db", 0) != 0:
+        return "a Redis Cluster has database 0 only"
+    connection_class = options.pop("connection_class", Connection)
+    try:
+        connection_class(**options)  # builds the connection redis-py would, unconnected
+    except (TypeError, ValueError, RedisError):
+        return "its query has an option redis-py does not take, or an invalid value"
+    return None
+
+
+def _round_trip(
+    client: redis.Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
+) -> list[Any]:
+    """Send ``commands`` pipelined (one round trip, or one per node of a cluster) and
+    read every reply, once. An error reply to one command (the server refusing that
+    key: WRONGTYPE, OOM) comes back in its place; a cluster's redirection (MOVED, ASK,
+    TRYAGAIN) is followed by sending that command again on its own.
+
+    Raises:
+        what the client raises (a RedisError or RedisClusterException) when a connection
+        fails or times out or the cluster is down. Nothing is retried, so a call ends
+        within about the socket timeout; a cluster client first refreshes its map of
+        the slots (as redis-py does), so a failed-over node is found.
+    """
+    if not isinstance(client, RedisCluster):
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies = pipe.execute(raise_on_error=False)
+    else:
+        # Not the pipeline's own execute: after a node timed out it sends each of that
+        # node's commands again on its own, each waiting for its timeout. Without
+        # redirections each node is written and read once, its errors left in place;
+        # the redirected commands are sent again below.
+        stack = [PipelineCommand(command, {}, i) for i, command in enumerate(commands)]
+        pipe = client.pipeline(transaction=False)
+        replies = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
+        down = next((reply for reply in replies if isinstance(reply, _NODE_DOWN)), None)
+        if down is not None:
+            _forget_frames(replies)
+            try:
+                client.nodes_manager.initialize()
+            except _CLIENT_ERRORS as exc:  # the next call tries again
+                logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
+            raise _detached(down)  # a copy: the original sits in the replies
+        for i, reply in enumerate(replies):
+            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
+                try:
+                    replies[i] = client.execute_command(*commands[i])
+                except ResponseError as exc:
+                    if isinstance(exc, ClusterDownError):
+                        raise
+                    replies[i] = exc
+    _forget_frames(replies)
+    return replies
+
+
+def _forget_frames(replies: list[Any]) -> None:
+    """Clear the tracebacks of error replies: their frames, down in the client, name the
+    commands and with them views of the host pool, which must not outlive the call."""
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            reply.__traceback__ = None
+
+
+def _first_error(replies: Sequence[Any]) -> ResponseError | None:
+    """The first error reply of ``replies``, if any."""
+    return next((reply for reply in replies if isinstance(reply, ResponseError)), None)
+
+
+def _holds_another_type(error: ResponseError) -> bool:
+    """The server refused a command because the key holds a value of another type (not
+    a hash: another client wrote it): for this tier, a corrupt block."""
+    return str(error).startswith("WRONGTYPE")
 
 
 def _tls_options(

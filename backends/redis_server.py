@@ -8,6 +8,7 @@ Not for production: it runs without persistence and binds to 127.0.0.1 only.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -78,6 +79,17 @@ class LocalRedisServer:
                 time.sleep(0.02)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
+    def pause(self) -> None:
+        """Stop it answering (SIGSTOP), as a hung server: connections open, no replies.
+        Call :meth:`resume` before stopping it."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused server answer again (SIGCONT)."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """Stop it at once (SIGKILL), as a crashed server."""
         if self._process is not None:
@@ -86,8 +98,9 @@ class LocalRedisServer:
             self._process = None
 
     def stop(self) -> None:
-        """Stop it (SIGTERM, then SIGKILL after 5 s); idempotent."""
+        """Stop it (SIGTERM, then SIGKILL after 5 s), paused or not; idempotent."""
         if self._process is not None:
+            self.resume()  # a paused process would not act on SIGTERM
             self._process.terminate()
             try:
                 self._process.wait(5)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from backends.nvme_format import namespace_digest
 from backends.redis_server import SERVER, LocalRedisCluster, LocalRedisServer
 from tiering.registry import make_tier
 
@@ -97,6 +98,115 @@ async def opened(
         yield tier
     finally:
         await tier.aclose()
+
+
+class HeldReplies:
+    """A TCP proxy in front of a server (``url`` names it) that holds back the server's
+    replies on each connection that sent ``marker`` in a request, until ``released`` is
+    set; ``seen`` is set once such a reply is held (the server has run the command)."""
+
+    def __init__(self, upstream: LocalRedisServer, marker: bytes) -> None:
+        self.upstream, self.marker = upstream, marker
+        self.seen, self.released = asyncio.Event(), asyncio.Event()
+        self.url = ""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream.port)
+        marked = False
+
+        async def requests() -> None:
+            nonlocal marked
+            while data := await reader.read(1 << 16):
+                marked = marked or self.marker in data
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def replies() -> None:
+            while data := await up_reader.read(1 << 16):
+                if marked and not self.released.is_set():
+                    self.seen.set()
+                    await self.released.wait()
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        await asyncio.gather(requests(), replies(), return_exceptions=True)
+
+
+@asynccontextmanager
+async def holding_replies(upstream: LocalRedisServer, marker: bytes) -> AsyncIterator[HeldReplies]:
+    """A :class:`HeldReplies` proxy in front of ``upstream``, serving while inside."""
+    proxy = HeldReplies(upstream, marker)
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    proxy.url = f"redis://127.0.0.1:{port}/0"
+    try:
+        yield proxy
+    finally:
+        proxy.released.set()
+        server.close()
+        await server.wait_closed()
+
+
+def name_of(key: bytes, namespace: str = "model-a", tenant: str = "") -> bytes:
+    """The Redis key a block of ``namespace`` and ``tenant`` is stored under."""
+    digest = namespace_digest(namespace).hex().encode()
+    return b"kvt:" + digest + b":" + tenant.encode() + b":" + key
+
+
+def client_of(server: LocalRedisServer | LocalRedisCluster) -> Any:
+    """A plain redis-py client of ``server`` (a cluster client for a cluster), as
+    another program on the server would use; close it after use."""
+    import redis
+
+    if isinstance(server, LocalRedisCluster):
+        return redis.RedisCluster.from_url(server.url)
+    return redis.Redis.from_url(server.url)
+
+
+def owner_of(cluster: LocalRedisCluster, name: bytes) -> LocalRedisServer:
+    """The node of ``cluster`` that serves the slot of the Redis key ``name``."""
+    slot = cluster.nodes[0].command("CLUSTER", "KEYSLOT", name)
+    ranges = cluster.nodes[0].command("CLUSTER", "SLOTS")
+    assert isinstance(slot, int) and isinstance(ranges, list)
+    for first, last, (_, port, *_), *_ in ranges:
+        if first <= slot <= last:
+            return next(node for node in cluster.nodes if node.port == port)
+    raise AssertionError("no node serves the slot")
+
+
+def move_slot_of(
+    cluster: LocalRedisCluster, name: bytes, to: LocalRedisServer, *, finish: bool
+) -> None:
+    """Migrate the slot of ``name``, its keys and all, from its node to ``to``, as
+    ``redis-cli --cluster reshard`` does. With ``finish`` False it stops halfway: the
+    keys are on ``to`` but the slot still migrating, so the old node answers ASK (end
+    it with :func:`give_slot_of`); with it, the slot is ``to``'s and the old node
+    answers MOVED."""
+    source = owner_of(cluster, name)
+    slot = str(source.command("CLUSTER", "KEYSLOT", name))
+    to.command("CLUSTER", "SETSLOT", slot, "IMPORTING", _id_of(source))
+    source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", _id_of(to))
+    held = source.command("CLUSTER", "GETKEYSINSLOT", slot, "1000")
+    assert isinstance(held, list)
+    if held:
+        source.command("MIGRATE", "127.0.0.1", str(to.port), "", "0", "5000", "KEYS", *held)
+    if finish:
+        give_slot_of(cluster, name, to)
+
+
+def give_slot_of(cluster: LocalRedisCluster, name: bytes, to: LocalRedisServer) -> None:
+    """Make the slot of ``name`` ``to``'s on every node (the end of a migration)."""
+    slot = str(to.command("CLUSTER", "KEYSLOT", name))
+    for node in [to, *(n for n in cluster.nodes if n is not to)]:
+        node.command("CLUSTER", "SETSLOT", slot, "NODE", _id_of(to))
+
+
+def _id_of(node: LocalRedisServer) -> bytes:
+    node_id = node.command("CLUSTER", "MYID")
+    assert isinstance(node_id, bytes)
+    return node_id
 
 
 def keys(n: int, prefix: str = "k") -> list[bytes]:

@@ -4,26 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import threading
 
 import pytest
 import torch
+import xxhash
 
+from backends.nvme_format import namespace_digest, payload_checksum
 from backends.redis_server import LocalRedisCluster
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import (
     BLOCK,
+    client_of,
+    give_slot_of,
+    holding_replies,
     keys,
     local_redis_cluster,
     local_redis_server,
+    move_slot_of,
+    name_of,
     opened,
+    owner_of,
     self_signed_tls,
     settled,
     slot,
 )
 from tests._scripts import last_json, run_script
 from tiering import TieringEngine
+from tiering.cli import main
 from tiering.errors import InvalidArgumentError
 from tiering.registry import make_tier
 
@@ -399,3 +409,272 @@ def test_a_bad_option_is_a_clear_error(pool: memoryview, options: dict, named: s
     with pytest.raises(InvalidArgumentError, match=named) as raised:
         make_tier(spec, pool, BLOCK)
     assert "secret" not in str(raised.value)  # a password in the url is never shown
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+async def test_a_value_of_another_type_fails_only_its_key_and_is_deleted(
+    pool: memoryview, request: pytest.FixtureRequest, where: str
+) -> None:
+    server = request.getfixturevalue("redis_server" if where == "server" else "empty_cluster")
+    names = keys(4)
+    expected = [slot(pool, i) for i in range(4)]
+    async with opened(pool, server, cluster=where == "cluster") as tier:
+        assert (await store_job(tier, names, range(4))).success
+        with client_of(server) as other:  # another client puts a string in a block's place
+            other.delete(name_of(names[2]))
+            other.set(name_of(names[2]), b"garbage")
+            result = await load_job(tier, names, range(10, 14))
+            assert result.failed_keys == (names[2],) and "WRONGTYPE" in str(result.error)
+            assert [slot(pool, i) for i in (10, 11, 13)] == [expected[i] for i in (0, 1, 3)]
+            assert tier.statistics().counters["corrupt_blocks"] == 1
+            assert other.exists(name_of(names[2])) == 0  # deleted, never served
+        assert tier.lookup(names[2]) is False
+
+
+async def test_a_store_over_a_value_of_another_type_fails_only_its_key_and_clears_it(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(3)
+    redis_server.command("SET", name_of(names[1]), "garbage")
+    async with opened(pool, redis_server) as tier:
+        result = await store_job(tier, names, range(3))
+        assert result.failed_keys == (names[1],) and "WRONGTYPE" in str(result.error)
+        assert tier.statistics().counters["stored_blocks"] == 2
+        assert redis_server.command("EXISTS", name_of(names[1])) == 0
+        assert (await store_job(tier, names[1:2], [1])).success  # the next store lands
+        assert (await load_job(tier, names, range(10, 13))).success
+    assert [slot(pool, i) for i in range(10, 13)] == [slot(pool, i) for i in range(3)]
+
+
+async def test_after_a_refused_load_a_store_through_the_engine_sends_the_block_again(
+    redis_server: RedisServer,
+) -> None:
+    kv = torch.randn(16, 4, 64).half()  # 16 device blocks of 512 bytes
+    tiers = [{"type": "redis", "url": redis_server.url}]
+    async with TieringEngine(kv, 4, secondary_tiers=tiers, cache_identity="heal") as engine:
+        tier = engine.tiers[0]
+        first, second = [b"a%d" % i for i in range(4)], [b"b%d" % i for i in range(4)]
+        for hashes, blocks in ((first, [0, 1, 2, 3]), (second, [4, 5, 6, 7])):
+            job = engine.store(hashes, blocks)
+            assert (await job).success and await job.cascaded  # first: only in redis now
+        name = name_of(first[1], engine.namespace)
+        redis_server.command("DEL", name)
+        redis_server.command("SET", name, "garbage")
+        loaded = await engine.load(first, [8, 9, 10, 11])
+        assert loaded.failed_keys == (first[1],)
+        stored = tier.statistics().counters["stored_blocks"]
+        job = engine.store(first[1:2], [1])
+        assert (await job).success and await job.cascaded
+        assert tier.statistics().counters["stored_blocks"] == stored + 1  # sent, not skipped
+        assert redis_server.command("TYPE", name) == b"hash"
+    async with TieringEngine(kv, 4, secondary_tiers=tiers, cache_identity="heal") as other:
+        assert await settled(lambda: other.lookup(first) or None) == 4
+        assert (await other.load(first, [12, 13, 14, 15])).success
+    assert torch.equal(kv[0:4], kv[12:16])
+
+
+async def test_after_a_failed_load_call_a_store_through_the_engine_sends_the_blocks_again(
+    redis_server: RedisServer,
+) -> None:
+    kv = torch.randn(16, 4, 64).half()
+    tiers = [{"type": "redis", "url": redis_server.url, "timeout_s": 0.5, "breaker_failures": 1,
+              "breaker_backoff_s": 0.05}]  # fmt: skip
+    async with TieringEngine(kv, 4, secondary_tiers=tiers, cache_identity="lost") as engine:
+        tier = engine.tiers[0]
+        first, second = [b"a%d" % i for i in range(4)], [b"b%d" % i for i in range(4)]
+        for hashes, blocks in ((first, [0, 1, 2, 3]), (second, [4, 5, 6, 7])):
+            job = engine.store(hashes, blocks)
+            assert (await job).success and await job.cascaded
+        redis_server.kill()
+        assert not (await engine.load(first, [8, 9, 10, 11])).success
+        redis_server.start()  # back, and empty: it held the blocks in memory only
+        await asyncio.sleep(0.1)  # past the back-off
+        stored = tier.statistics().counters["stored_blocks"]
+        job = engine.store(first, [0, 1, 2, 3])
+        assert (await job).success and await job.cascaded
+        assert tier.statistics().counters["stored_blocks"] == stored + 4
+        assert redis_server.command("DBSIZE") == 4
+
+
+async def test_a_presence_check_that_read_the_server_before_a_store_does_not_undo_it(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    """A check's "absent", read before a store landed but back after it, is dropped: the
+    tier knows the block is there (an engine would otherwise not load it)."""
+    [key] = keys(1)
+    async with (
+        holding_replies(redis_server, b"EXISTS") as proxy,
+        opened(pool, redis_server, url=proxy.url) as tier,
+    ):
+        assert tier.lookup(key) is None  # unknown: a check goes out
+        await proxy.seen.wait()  # the server has answered "absent"; the answer is held
+        assert (await store_job(tier, [key], [0])).success
+        assert tier.lookup(key) is True
+        proxy.released.set()
+        await settled(lambda: tier.statistics().counters["lookup_round_trips"] or None)
+        assert tier.lookup(key) is True
+
+
+async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    [key] = keys(1)
+    async with (
+        opened(pool, redis_server, tenant="A") as a,
+        opened(pool, redis_server, tenant="B") as b,
+    ):
+        assert (await store_job(a, [key], [0])).success
+        value = redis_server.command("HGETALL", name_of(key, tenant="A"))
+        assert isinstance(value, dict)
+        redis_server.command(
+            "HSET", name_of(key, tenant="B"), *(x for kv in value.items() for x in kv)
+        )
+        pool[10 * BLOCK : 11 * BLOCK] = bytes(BLOCK)
+        result = await load_job(b, [key], [10])
+        assert result.failed_keys == (key,) and "another tenant" in str(result.error)
+        assert slot(pool, 10) == bytes(BLOCK)  # never served
+        assert redis_server.command("EXISTS", name_of(key, tenant="B")) == 0
+        assert (await load_job(a, [key], [11])).success  # A's own value is untouched
+    assert slot(pool, 11) == slot(pool, 0)
+
+
+async def test_a_block_in_the_format_from_before_the_tenant_is_a_miss(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    """A version-1 record (its header without the tenant) is read as corrupt: deleted,
+    never served, even though it is sound in its own format."""
+    [key] = keys(1)
+    payload = slot(pool, 0)
+    old_layout = struct.Struct("<8sHxxQ16s16sH")  # magic, version 1, length, checksum, ns
+    body = old_layout.pack(
+        b"KVTRDS\r\n", 1, BLOCK, payload_checksum(payload), namespace_digest("model-a"), len(key)
+    )
+    body += key
+    header = body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+    redis_server.command("HSET", name_of(key), "h", header, "p", payload)
+    async with opened(pool, redis_server) as tier:
+        result = await load_job(tier, [key], [10])
+        assert result.failed_keys == (key,)
+        assert "not a block value of this format" in str(result.error)
+        assert redis_server.command("EXISTS", name_of(key)) == 0
+
+
+BAD_URLS = [
+    "redis://127.0.0.1:notaport/0",
+    "redis://127.0.0.1:99999/0",
+    "redis://127.0.0.1:6390/0?socket_timeout=abc",
+    "redis://127.0.0.1:6390/0?health_check_interval=abc",
+    "redis://127.0.0.1:6390/0?no_such_option=1",
+    "redis://127.0.0.1:6390/0?protocol=4",
+    "redis://127.0.0.1:6390/not-a-db",
+    "redis://user:Zq9Secret/pw@127.0.0.1:6390/0",
+    "redis://user:Zq9Secret#pw@127.0.0.1:6390/0",
+    "redis://user:Zq9Secret?pw@127.0.0.1:6390/0",
+    "redis://user:12345/Zq9Secret@127.0.0.1:6390/0",  # parses, as host "user", port 12345
+    "redis://user:12345?Zq9Secret@127.0.0.1:6390/0",
+]
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_a_malformed_url_is_a_clear_error_that_never_shows_it(
+    pool: memoryview, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = {"type": "redis", "url": url, "namespace": "x"}
+    with pytest.raises(InvalidArgumentError, match="url: ") as raised:
+        make_tier(spec, pool, BLOCK)
+    chain: list[BaseException] = []  # no parser's error chained: it may quote the url
+    error: BaseException | None = raised.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert all(isinstance(error, InvalidArgumentError) for error in chain)
+    shown = "".join(str(error) + repr(error) for error in chain) + caplog.text
+    assert "Zq9Secret" not in shown and "12345" not in shown and "6390" not in shown
+
+
+async def test_a_malformed_url_fails_the_engine_s_start_without_showing_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kv = torch.randn(16, 4, 64).half()
+    tiers = [{"type": "redis", "url": "redis://user:Zq9Secret/pw@127.0.0.1:6390/0"}]
+    with pytest.raises(InvalidArgumentError, match="url: ") as raised:
+        async with TieringEngine(kv, 4, secondary_tiers=tiers):
+            pass
+    assert "Zq9Secret" not in str(raised.value) + repr(raised.value) + caplog.text
+
+
+def test_replay_with_a_malformed_redis_url_exits_2_with_one_line_not_showing_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = "redis://user:Zq9Secret/pw@127.0.0.1:6390/0"
+    assert main(["replay", "--limit", "5", "--redis", url]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and "url: " in err
+    assert "Zq9Secret" not in out + err
+
+
+async def test_a_paused_cluster_node_fails_each_call_within_timeout_s_then_the_breaker_opens(
+    pool: memoryview, tmp_path
+) -> None:
+    """A node that stops answering (SIGSTOP: its connections stay open) costs a call
+    about ``timeout_s``, not the client's retries (12-23 s each at 0.5 s before)."""
+    cluster = local_redis_cluster(tmp_path)  # its own: a pause must not reach other tests
+    names = keys(24)
+    expected = [slot(pool, i) for i in range(24)]
+    timeout_s, bound_s = 0.5, 5.0  # the bound: generous for a busy machine
+    options = {"cluster": True, "timeout_s": timeout_s, "breaker_failures": 2,
+               "breaker_backoff_s": 0.2}  # fmt: skip
+    try:
+        async with opened(pool, cluster, **options) as tier:
+            assert (await store_job(tier, names, range(24))).success
+            paused = cluster.nodes[1]
+            on_paused = [k for k in names if owner_of(cluster, name_of(k)) is paused]
+            elsewhere = [k for k in names if k not in on_paused]
+            assert on_paused and elsewhere
+            job = [on_paused[0], elsewhere[0], on_paused[-1]]
+            clock = asyncio.get_running_loop().time
+            paused.pause()
+            try:
+                for call in (load_job(tier, job, [24, 25, 26]), store_job(tier, job, [0, 1, 2])):
+                    started = clock()
+                    failed = await call
+                    assert clock() - started < bound_s
+                    assert set(failed.failed_keys) == set(job)
+                    assert "redis unreachable" in str(failed.error)
+                assert str(tier.breaker.state) == "open"
+                refused = await load_job(tier, elsewhere[:1], [27])  # fails with no call
+                assert "circuit open" in str(refused.error)
+            finally:
+                paused.resume()
+            await asyncio.sleep(0.3)  # past the back-off: the next call is the probe
+            assert (await load_job(tier, on_paused[:4], range(28, 28 + len(on_paused[:4])))).success
+            assert str(tier.breaker.state) == "closed"
+            held = [names.index(k) for k in on_paused[:4]]
+            assert [slot(pool, 28 + i) for i in range(len(held))] == [expected[i] for i in held]
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("stage", ["moved", "ask"])
+async def test_a_cluster_tier_follows_a_slot_migrating_to_another_node(
+    pool: memoryview, empty_cluster: LocalRedisCluster, stage: str
+) -> None:
+    """Halfway through a migration the old node answers ASK, after it MOVED: the tier
+    (whose map of the slots is from before) loads and stores through either."""
+    names = keys(6)
+    expected = [slot(pool, i) for i in range(6)]
+    async with opened(pool, empty_cluster, cluster=True) as tier:
+        assert (await store_job(tier, names, range(6))).success  # the map is made
+        moved = name_of(names[0])
+        source = owner_of(empty_cluster, moved)
+        target = next(node for node in empty_cluster.nodes if node is not source)
+        try:
+            move_slot_of(empty_cluster, moved, target, finish=stage == "moved")
+            assert (await load_job(tier, names, range(10, 16))).success
+            assert [slot(pool, i) for i in range(10, 16)] == expected
+            assert (await store_job(tier, names[:1], [0])).success
+            hash_slot = target.command("CLUSTER", "KEYSLOT", moved)
+            on_target = target.command("CLUSTER", "GETKEYSINSLOT", str(hash_slot), "10")
+            assert isinstance(on_target, list) and moved in on_target  # where the slot went
+        finally:
+            give_slot_of(empty_cluster, moved, target)  # the migration ends, in any case

@@ -18,7 +18,7 @@ import torch
 from backends.nvme_format import namespace_digest, payload_checksum
 from backends.redis_server import LocalRedisServer as RedisServer
 from tests._nvme_helpers import load_job, random_pool, store_job
-from tests._redis_helpers import BLOCK, keys, opened, settled, slot
+from tests._redis_helpers import BLOCK, keys, name_of, opened, settled, slot
 from tiering import TieringEngine
 from tiering.encryption import Seal
 from tiering.errors import InvalidArgumentError
@@ -52,11 +52,6 @@ def spec(*entries: tuple[int, bytes]) -> str:
 def pool():
     with random_pool(BLOCK, SLOTS) as view:
         yield view
-
-
-def name_of(key: bytes, namespace: str = NAMESPACE) -> bytes:
-    """The Redis key a block of ``namespace`` (tenant "") is stored under."""
-    return b"kvt:" + namespace_digest(namespace).hex().encode() + b"::" + key
 
 
 def raw(server: RedisServer, key: bytes, field: str) -> bytes:
@@ -205,6 +200,7 @@ async def test_a_value_copied_to_another_block_s_key_is_a_miss(
             _, key_id, nonce = header_fields(header)
             header = encode_header(
                 key=target,
+                tenant=b"",
                 payload_bytes=BLOCK,
                 ns_digest=namespace_digest(NAMESPACE),
                 seal=Seal(key_id, nonce, sealed[-TAG:]),
@@ -227,6 +223,7 @@ async def test_a_value_copied_into_another_namespace_is_a_miss(
     _, key_id, nonce = header_fields(header)
     forged = encode_header(
         key=key,
+        tenant=b"",
         payload_bytes=BLOCK,
         ns_digest=namespace_digest("model-b"),
         seal=Seal(key_id, nonce, sealed[-TAG:]),
@@ -235,6 +232,47 @@ async def test_a_value_copied_into_another_namespace_is_a_miss(
     async with opened(pool, redis_server, namespace="model-b", **options) as theirs:
         result = await load_job(theirs, [key], [10])
         assert result.failed_keys == (key,) and "authentication" in str(result.error)
+
+
+@pytest.mark.parametrize("forged", [False, True], ids=["as-is", "header-forged"])
+async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
+    redis_server: RedisServer, forged: bool
+) -> None:
+    """Two engines whose tiers differ only in ``tenant``, one keyring: copied as is, the
+    header names the other tenant; with a header forged for the new tenant, the
+    associated data no longer matches."""
+    kv = torch.randn(16, 4, 64).half()
+
+    def tiers(tenant: str) -> list[dict[str, Any]]:
+        keyring = spec((1, OLD_KEY))
+        return [{"type": "redis", "url": redis_server.url, "tenant": tenant, "encryption": keyring}]
+
+    [block] = hashes = [b"h0"]
+    async with (
+        TieringEngine(kv, 4, secondary_tiers=tiers("A"), cache_identity="m") as mine,
+        TieringEngine(kv, 4, secondary_tiers=tiers("B"), cache_identity="m") as theirs,
+    ):
+        job = mine.store(hashes, [0])
+        assert (await job).success and await job.cascaded
+        namespace = mine.namespace
+        source, target = name_of(block, namespace, "A"), name_of(block, namespace, "B")
+        header, sealed = (redis_server.command("HGET", source, f) for f in ("h", "p"))
+        assert isinstance(header, bytes) and isinstance(sealed, bytes)
+        if forged:
+            _, key_id, nonce = header_fields(header)
+            header = encode_header(
+                key=block,
+                tenant=b"B",
+                payload_bytes=len(sealed) - TAG,
+                ns_digest=namespace_digest(namespace),
+                seal=Seal(key_id, nonce, sealed[-TAG:]),
+            )
+        redis_server.command("HSET", target, "h", header, "p", sealed)
+        assert await settled(lambda: theirs.lookup(hashes) or None) == 1  # present to B
+        result = await theirs.load(hashes, [8])
+        assert result.failed_keys == (block,)
+        assert ("authentication" if forged else "another tenant") in str(result.error)
+        assert redis_server.command("EXISTS", target) == 0  # deleted, never served
 
 
 async def test_plain_and_encrypting_tiers_never_serve_each_other_s_blocks(
@@ -262,10 +300,11 @@ async def test_plain_and_encrypting_tiers_never_serve_each_other_s_blocks(
 def test_a_header_takes_a_checksum_or_a_seal() -> None:
     ns = namespace_digest(NAMESPACE)
     with pytest.raises(InvalidArgumentError):
-        encode_header(key=b"k", payload_bytes=BLOCK, ns_digest=ns)
+        encode_header(key=b"k", tenant=b"", payload_bytes=BLOCK, ns_digest=ns)
     with pytest.raises(InvalidArgumentError):
         encode_header(
             key=b"k",
+            tenant=b"",
             payload_bytes=BLOCK,
             ns_digest=ns,
             checksum=bytes(16),
