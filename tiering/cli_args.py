@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import runpy
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import NoReturn, TextIO
 
@@ -211,3 +212,21 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoRetur
         print(f"{name}: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     sys.exit(status or 0)
+
+
+def run_path(path: str, argv: Sequence[str]) -> NoReturn:
+    """Run the script at ``path`` as ``python3 path argv...`` would (as ``__main__``,
+    its directory first on the import path) and exit with its status.
+
+    Ctrl-C at any point, while the script still imports (torch takes seconds) as well as
+    later, prints one line on stderr, ``<script's file name>: interrupted``, and exits
+    with status 130, never a traceback.
+    """
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except KeyboardInterrupt:
+        print(f"{os.path.basename(path)}: interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(0)

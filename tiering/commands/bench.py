@@ -34,6 +34,11 @@ ORDER = 30
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 """Where the benchmarks are: the source tree's examples/, beside the package."""
 
+# The benchmark runs through run_path, so that a Ctrl-C while it still imports (torch)
+# ends it with one line too; -P keeps the current directory off its import path, as
+# running the script by its path would.
+_RUN_PATH = "import sys; from tiering.cli_args import run_path; run_path(sys.argv[1], sys.argv[2:])"
+
 INTERRUPT_GRACE_S = 2.0
 """After Ctrl-C, how long the benchmark has to stop by itself before it is sent SIGINT."""
 
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             f"name: no benchmark {args.name!r}; choose one of {', '.join(found)}"
         )
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
-    return run_benchmark([sys.executable, str(found[args.name]), *extra])
+    return run_benchmark([sys.executable, "-P", "-c", _RUN_PATH, str(found[args.name]), *extra])
 
 
 def listing(found: dict[str, Path], width: int | None = None) -> list[str]:
