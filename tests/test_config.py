@@ -28,6 +28,7 @@ from tiering.config import (
     with_overrides,
 )
 from tiering.errors import ConfigError
+from tiering.policies import policy_names
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -75,6 +76,13 @@ def test_the_documented_example_loads_as_described(tmp_path: Path) -> None:
     )
     assert config.synthetic == SyntheticConfig()
     assert config.metrics == MetricsConfig(port=9400)
+
+
+def test_the_documented_policies_are_every_built_in_one() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| `policy` |"))
+    documented = re.findall(r"`([a-z0-9-]+)`", row.split("|")[3])
+    assert sorted(documented) == sorted(policy_names())
 
 
 def test_a_file_with_only_the_cpu_size_takes_every_default(tmp_path: Path) -> None:
