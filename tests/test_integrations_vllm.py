@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from backends.faults import FaultInjector
+from backends.nvme_segments import STAGING_BYTES
 from tests._engine_helpers import corrupt_block
 from tests._scripts import last_json, run_script
 from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
@@ -321,6 +322,24 @@ def test_the_nvme_tier_does_not_pause_for_its_private_loop_unless_told(scheduler
     assert s.tier.kv_tier.gil_pause_bytes == 0
     s = scheduler(nvme_tier(tmp_path / "told", gil_pause_bytes=65536))
     assert s.tier.kv_tier.gil_pause_bytes == 65536
+
+
+def test_the_nvme_tier_stages_direct_io_for_vllm_s_shared_memory_unless_told(
+    scheduler, tmp_path
+) -> None:
+    """vLLM's CPU tier is a shared memory file of 4 KiB pages: the tier moves its direct
+    I/O through staging buffers by default (docs/vllm.md), and blocks still come back
+    byte-exact; ``staging_bytes: 0`` moves it straight to and from vLLM's memory."""
+    s = scheduler(nvme_tier(tmp_path / "default"))
+    assert s.tier.kv_tier.staging_bytes == STAGING_BYTES
+    stored = blocks("staged", PRIMARY)
+    s.store(stored)
+    evict_all(s, stored)
+    answers = s.resolve(stored)
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+    s = scheduler(nvme_tier(tmp_path / "told", staging_bytes=0))
+    assert s.tier.kv_tier.staging_bytes == 0
 
 
 @pytest.mark.parametrize(
