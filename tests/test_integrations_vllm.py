@@ -306,15 +306,28 @@ def test_bench_vllm_tiers_runs_both_tiers_and_ends_with_json(tmp_path: Path) -> 
     """A tiny run: both tiers through vLLM's manager, bytes checked, one JSON line."""
     done = run_script(
         "examples/bench_vllm_tiers.py", str(tmp_path), "--size-gib", "0.001",
-        "--block-sizes", "64K", "--cpu-mib", "1", "--request-mib", "1", "--repeat", "1",
+        "--block-sizes", "64K", "--cpu-mib", "1", "--request-mib", "1", "--repeat", "2",
         "--step-ms", "1",
     )  # fmt: skip
     (run,) = last_json(done)["runs"]
-    assert run["block_bytes"] == 64 << 10
-    for figure in ("ours_store_GBps", "ours_load_GBps", "vllm_fs_store_GBps", "vllm_fs_load_GBps"):
-        assert run[figure] > 0
+    assert run["block_bytes"] == 64 << 10 and run["rounds"] == 2
+    for side in ("ours", "vllm_fs"):
+        for what in ("store", "load"):
+            figure = f"{side}_{what}_GBps"
+            assert 0 < run[f"{figure}_min"] <= run[figure] <= run[f"{figure}_max"]
+    for what in ("store", "load"):  # a ratio of medians, and the rounds' own ratios
+        assert run[f"{what}_ratio"] == pytest.approx(
+            run[f"ours_{what}_GBps"] / run[f"vllm_fs_{what}_GBps"], rel=0.01
+        )
+        low, mid, high = (run[f"{what}_ratio_pairs_{x}"] for x in ("min", "median", "max"))
+        assert 0 < low <= mid <= high
     assert run["submit_us_p99"] > 0
-    assert list(tmp_path.iterdir()) == []  # each tier's root is removed after its round
+    # ABBA: ours first in round 1, vLLM's first in round 2
+    rounds = [line for line in done.stderr.splitlines() if " round " in line]
+    assert [line.split(": ")[1].split(" store")[0] for line in rounds] == [
+        "ours", "vLLM fs", "vLLM fs", "ours"
+    ]  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # the roots are removed after the last round
 
 
 def test_the_nvme_tier_does_not_pause_for_its_private_loop_unless_told(scheduler, tmp_path) -> None:
