@@ -96,6 +96,13 @@ class NVMeSegmentTier(NVMeTierBase):
         gil_pause_bytes: bytes an I/O thread hashes before it lets go of the GIL for a
             moment, so that the event loop's thread is not kept waiting for it (0:
             never; for a tier on a loop of its own, whose lag delays only completions).
+        staging_bytes: 0 (default) moves direct I/O straight between the disk and the
+            slots; otherwise through a staging buffer of this many bytes per I/O thread
+            (at least one record), on huge pages: for a ``primary_kv_view`` in memory of
+            scattered 4 KiB pages, such as a shared memory file (vLLM's CPU tier), whose
+            direct transfers would each go to the disk as many small requests
+            (:class:`~backends.nvme_segments.SegmentFiles`). Costs one copy of each
+            payload, off the loop and without the GIL.
 
     Guarantees (besides those of the file layout):
 
@@ -124,6 +131,7 @@ class NVMeSegmentTier(NVMeTierBase):
         hot_fraction: float = DEFAULT_HOT_FRACTION,
         fsync: FsyncPolicy = "batch",
         gil_pause_bytes: int = GIL_PAUSE_BYTES,
+        staging_bytes: int = 0,
         os_calls: OsCalls = REAL_OS,
         **options: Any,
     ) -> None:
@@ -131,6 +139,7 @@ class NVMeSegmentTier(NVMeTierBase):
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         records_per_segment = _records_per_segment(capacity_bytes, segment_bytes, record_bytes)
         self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
+        self.staging_bytes = positive_int("staging_bytes", staging_bytes, allow_zero=True)
         self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
         if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
             raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
@@ -153,6 +162,7 @@ class NVMeSegmentTier(NVMeTierBase):
             ns_digest=self._ns_digest,
             fsync=fsync,
             gil_pause_bytes=gil_pause_bytes,
+            staging_bytes=staging_bytes,
             sealer=self._sealer,
             file_mode=self.file_mode,
             os_calls=os_calls,

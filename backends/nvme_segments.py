@@ -29,7 +29,9 @@ Guarantees:
 
 * Writes are positional (``pwritev``) and vectored: one call per run of consecutive
   records (at most :data:`MAX_IOV` buffers), straight from the caller's memoryviews,
-  with O_DIRECT when enabled and every payload of the run is aligned.
+  with O_DIRECT when enabled and every payload of the run is aligned. With
+  ``staging_bytes``, direct I/O goes through a staging buffer of each thread instead
+  (see :class:`SegmentFiles`).
 * A segment's name is unique (writer id and a sequence number), so writers never share
   a file; the run that creates a segment writes its header, and runs of other jobs may
   land before it (each record verifies on its own).
@@ -47,6 +49,7 @@ Every system call goes through an :class:`~backends.nvme_files.OsCalls` (fault i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import re
@@ -67,6 +70,7 @@ from backends.nvme_files import (
     REAL_OS,
     FsyncPolicy,
     OsCalls,
+    buffer_address,
     describe_os_error,
     free_bytes,
     fsync_dir,
@@ -82,6 +86,7 @@ from backends.nvme_format import (
     verify_payload,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.host_pool import io_buffer
 from tiering.validation import positive_int
 
 if TYPE_CHECKING:
@@ -254,6 +259,9 @@ def check_segment_header(page: memoryview | bytes, *, payload_bytes: int, ns_dig
 GIL_PAUSE_BYTES = 128 << 10
 """The default bytes an I/O thread hashes before it lets go of the GIL for a moment."""
 
+STAGING_BYTES = 32 << 20
+"""The staging buffer of each I/O thread when staging is on and no size is given."""
+
 
 class SegmentFiles:
     """Blocking reads and writes of segment files in one namespace directory.
@@ -263,6 +271,18 @@ class SegmentFiles:
     with buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum` (0: no pauses). Safe to
     call from several threads at once for distinct records: threads share only
     thread-local header pages.
+
+    ``staging_bytes`` (0: off): direct I/O moves a run's records, laid out as on disk,
+    through a staging buffer of this many bytes of each thread (at least one record),
+    on huge pages where the kernel gives them, and payloads are copied between it and
+    the slots without the GIL. For slots in memory of scattered 4 KiB pages (a shared
+    memory file, as vLLM's CPU tier is): a direct transfer takes one segment per page,
+    and a disk takes a bounded number of segments per request (254 on a virtio disk),
+    so such a transfer goes as many small requests; from the staging buffer it goes as
+    few large ones (figures: ``docs/vllm.md``). A load still verifies each payload in
+    its slot, after the copy; a store's checksum is taken of the staged copy, the bytes
+    written. Without O_DIRECT nothing is staged (the kernel copies anyway). Sealed
+    writes already go through the sealer's buffers and are not staged again.
     """
 
     def __init__(
@@ -274,6 +294,7 @@ class SegmentFiles:
         fsync: FsyncPolicy = "batch",
         o_direct: bool = False,
         gil_pause_bytes: int = GIL_PAUSE_BYTES,
+        staging_bytes: int = 0,
         sealer: PayloadSealer | None = None,
         file_mode: int = 0o600,
         os_calls: OsCalls = REAL_OS,
@@ -281,6 +302,7 @@ class SegmentFiles:
         if fsync not in FSYNC_POLICIES:
             raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
+        self.staging_bytes = positive_int("staging_bytes", staging_bytes, allow_zero=True)
         self.directory = directory
         self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
         self.block_bytes = block_bytes
@@ -295,6 +317,20 @@ class SegmentFiles:
         self.file_mode = file_mode
         self._local = threading.local()
         self._padding = memoryview(mmap.mmap(-1, ALIGNMENT))[: align_up(block_bytes) - block_bytes]
+        self._staged_records = max(1, staging_bytes // self.record_bytes) if staging_bytes else 0
+
+    @property
+    def staged(self) -> int:
+        """Records one staged call moves; 0 when I/O is not staged (off, or no O_DIRECT)."""
+        return self._staged_records if self.o_direct else 0
+
+    def _staging(self) -> memoryview:
+        # This thread's staging buffer: records laid out as on disk, on huge pages.
+        staging: memoryview | None = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = io_buffer(self._staged_records * self.record_bytes)
+            self._local.staging = staging
+        return staging
 
     def path_of(self, segment: str) -> str:
         """The path of segment file ``segment``."""
@@ -360,7 +396,9 @@ class SegmentFiles:
 
     def _write_run(self, run: RecordRun, writer: str, report: WriteReport) -> None:
         direct = self.o_direct and (
-            self.sealer is not None or all(is_aligned(payload) for _, payload in run.records)
+            self.sealer is not None
+            or self.staged > 0
+            or all(is_aligned(payload) for _, payload in run.records)
         )
         # O_CREAT for every run: jobs writing one segment run on several threads, and the
         # run that writes its header may come last. Names are unique to this writer.
@@ -393,7 +431,9 @@ class SegmentFiles:
         """The most records one ``pwritev`` writes: as many as fit in :data:`MAX_IOV`
         buffers, and with sealing, in this thread's sealing buffers."""
         per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
-        return per_call if self.sealer is None else min(per_call, self.sealer.batch)
+        if self.sealer is not None:
+            return min(per_call, self.sealer.batch)
+        return self.staged or per_call
 
     def _write_records(self, fd: int, run: RecordRun) -> None:
         per_call = self._records_per_call()
@@ -407,7 +447,10 @@ class SegmentFiles:
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
-        its payload (sealed into this thread's buffers when encrypting), its padding."""
+        its payload (sealed into this thread's buffers when encrypting), its padding; or,
+        staged, the one buffer they were copied into."""
+        if self.sealer is None and self.staged:
+            return [self._staged_records_buffer(records)]
         pages = self._pages(len(records))
         sealer = self.sealer
         sealed = [] if sealer is None else sealer.buffers(len(records))
@@ -432,6 +475,26 @@ class SegmentFiles:
             if self._padding.nbytes:
                 buffers.append(self._padding)
         return buffers
+
+    def _staged_records_buffer(self, records: Sequence[tuple[bytes, memoryview]]) -> memoryview:
+        """Lay ``records`` out in this thread's staging buffer as on disk: each payload
+        copied in, its checksum taken of the copy, its header page and padding."""
+        staging = self._staging()
+        step, size = self.record_bytes, self.block_bytes
+        for i, (key, payload) in enumerate(records):
+            start = i * step
+            data = staging[start + HEADER_BYTES : start + HEADER_BYTES + size]
+            copy_bytes(data, payload)
+            encode_header(
+                staging[start : start + HEADER_BYTES],
+                key=key,
+                payload_bytes=size,
+                checksum=self._checksum(data),
+                ns_digest=self.ns_digest,
+            )
+            if self._padding.nbytes:  # reads through this buffer leave other bytes there
+                staging[start + HEADER_BYTES + size : start + step] = self._padding
+        return staging[: len(records) * step]
 
     # -- read -------------------------------------------------------------------------
 
@@ -487,7 +550,8 @@ class SegmentFiles:
         items: list[tuple[int, int, memoryview, bytes | None]],
         outcomes: list[tuple[bytes | None, str, bool]],
     ) -> None:
-        direct = self.o_direct and all(is_aligned(slot) for _, _, slot, _ in items)
+        staged = self.staged
+        direct = self.o_direct and (staged > 0 or all(is_aligned(slot) for _, _, slot, _ in items))
         try:
             fd = self.os.open(
                 self.path_of(segment), os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
@@ -501,8 +565,8 @@ class SegmentFiles:
                 outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
         try:
-            for run in _consecutive(items, MAX_IOV // 3):
-                self._read_run(fd, run, outcomes)
+            for run in _consecutive(items, staged if direct and staged else MAX_IOV // 3):
+                self._read_run(fd, run, outcomes, staged=direct and staged > 0)
         finally:
             self.os.close(fd)
 
@@ -511,17 +575,28 @@ class SegmentFiles:
         fd: int,
         run: list[tuple[int, int, memoryview, bytes | None]],
         outcomes: list[tuple[bytes | None, str, bool]],
+        *,
+        staged: bool = False,
     ) -> None:
-        """Read records ``run[0][1]``, ``run[0][1] + 1``, ... in one ``preadv``, then
-        verify each."""
-        pages = self._pages(len(run))
-        sink = self._read_sink()
-        buffers: list[memoryview] = []
-        for j, (_, _, slot, _) in enumerate(run):
-            buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-            buffers.append(slot)
-            if sink.nbytes:
-                buffers.append(sink)
+        """Read records ``run[0][1]``, ``run[0][1] + 1``, ... in one ``preadv`` (into the
+        slots, or ``staged`` into this thread's staging buffer, each payload then copied
+        into its slot once its header checks), then verify each payload in its slot."""
+        step = self.record_bytes
+        if staged:
+            staging = self._staging()
+            pages = staging
+            buffers = [staging[: len(run) * step]]
+            page_step = step
+        else:
+            pages = self._pages(len(run))
+            page_step = HEADER_BYTES
+            sink = self._read_sink()
+            buffers = []
+            for j, (_, _, slot, _) in enumerate(run):
+                buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
+                buffers.append(slot)
+                if sink.nbytes:
+                    buffers.append(sink)
         try:
             got = self.os.preadv(fd, buffers, self.offset_of(run[0][1]))
         except OSError as exc:
@@ -529,17 +604,21 @@ class SegmentFiles:
                 outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
         for j, (i, _, slot, key) in enumerate(run):
-            available = got - j * self.record_bytes
+            available = got - j * step
             try:
                 if available <= 0:
                     outcomes[i] = (None, "record is missing (segment is shorter)", True)
                     continue
                 if available < HEADER_BYTES + self.block_bytes:
                     raise CorruptBlockError(f"short read: {available} bytes")
-                header = decode_header(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
+                start = j * page_step
+                header = decode_header(pages[start : start + HEADER_BYTES])
                 check_header(
                     header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
                 )
+                if staged:
+                    payload = start + HEADER_BYTES
+                    copy_bytes(slot, pages[payload : payload + slot.nbytes])
                 verify_payload(header, slot, self.sealer, self._checksum)
             except CorruptBlockError as exc:
                 outcomes[i] = (None, f"corrupt block: {exc}", False)
@@ -795,6 +874,17 @@ class SegmentFiles:
         if count and int(arrays[1].max()) >= max(n_segments, 1):
             raise CorruptBlockError("checkpoint entry names a segment it does not list")
         return Checkpoint(segments, *arrays)
+
+
+def copy_bytes(target: memoryview, source: memoryview) -> None:
+    """``target[:] = source`` (equal lengths), with the GIL released for the copy when
+    both buffers are writable and contiguous (``ctypes.memmove`` releases it: I/O threads
+    copy in parallel, and the loop's thread is not kept waiting); else a plain copy."""
+    into, of = buffer_address(target), buffer_address(source)
+    if into is None or of is None or target.nbytes != source.nbytes:
+        target[:] = source
+    else:
+        ctypes.memmove(into, of, source.nbytes)
 
 
 def _consecutive(

@@ -9,7 +9,9 @@ Needs vLLM 0.33 (``pip install --no-deps vllm==0.33.0`` plus what its kv_offload
 modules import: ``.ci/install-vllm``). For each block size, ``--repeat`` rounds, each
 running vLLM's ``TieringOffloadingManager`` (a CPU primary tier of ``--cpu-mib``) twice: once
 with our tier (``NVMeTierManager`` from ``tiering.integrations.vllm``) and once with
-vLLM's ``fs`` tier, in alternating order, each with a root of its own under DIR:
+vLLM's ``fs`` tier, each with a root of its own under DIR. The order alternates ABBA
+(ours first in rounds 1, 4, 5, 8, ...; vLLM's first in the others), so that neither
+tier always runs first, or always after the other, in a window of the disk's speed:
 
 1. Store: the script plays vLLM's connector scheduler. Requests of ``--request-mib``
    each store their chunks into the CPU tier (``prepare_store``, ``complete_store``, one
@@ -29,6 +31,10 @@ vLLM's ``fs`` tier, in alternating order, each with a root of its own under DIR:
    not set it far below that: a spinning scheduler spends the loads' time in vLLM's own
    lookups, for either tier alike (0.2 ms steps measured 0.30 GB/s for both at 128 KiB).
 
+Every root stays on disk until the last round of its block size (then all are removed):
+deleting thousands of vLLM's block files just before the next side's stores made those
+stores slower on ext4 (freshly freed inodes are skipped), whichever tier came next.
+
 The primary's bytes are random; one chunk in 16 is checked after its promotion against
 the bytes it was stored from. ``submit_us_p99`` is the 99th percentile of the time
 vLLM's thread spent inside one call of our tier (``submit_store``, ``submit_load``,
@@ -37,14 +43,24 @@ same for vLLM's tier. Without CUDA libraries vLLM's tier uses Python file I/O in
 of its C extension (``vllm_fs_native_io``). vLLM's tier never fsyncs; ours runs with
 ``--fsync`` (default ``none``, like against like).
 
-Figures are medians over the rounds. The last line of output is one JSON object::
+Each round's figures go to stderr as they come. Figures are medians over the rounds,
+with their spread (``_min``/``_max``); ``store_ratio`` and ``load_ratio`` are ratios of
+those medians, and ``*_ratio_pairs_*`` the median, least and most of the rounds' own
+ratios (ours over vLLM's in the same round). The last line of output is one JSON
+object::
 
-    {"runs": [{"block_bytes": ..., "ours_store_GBps": ..., "ours_load_GBps": ...,
-               "vllm_fs_store_GBps": ..., "vllm_fs_load_GBps": ...,
+    {"runs": [{"block_bytes": ..., "rounds": ...,
+               "ours_store_GBps": ..., "ours_store_GBps_min": ..., "ours_store_GBps_max": ...,
+               "ours_load_GBps": ..., ..._min, ..._max,
+               "vllm_fs_store_GBps": ..., ..._min, ..._max,
+               "vllm_fs_load_GBps": ..., ..._min, ..._max,
                "ours_store_unsynced_GBps": ..., "vllm_fs_store_unsynced_GBps": ...,
-               "store_ratio": ..., "load_ratio": ..., "submit_us_p99": ...,
-               "vllm_fs_submit_us_p99": ..., "cold_load": true|false,
-               "vllm_fs_native_io": true|false}, ...]}
+               "store_ratio": ..., "load_ratio": ...,
+               "store_ratio_pairs_median": ..., "store_ratio_pairs_min": ...,
+               "store_ratio_pairs_max": ..., "load_ratio_pairs_median": ...,
+               "load_ratio_pairs_min": ..., "load_ratio_pairs_max": ...,
+               "submit_us_p99": ..., "vllm_fs_submit_us_p99": ...,
+               "cold_load": true|false, "vllm_fs_native_io": true|false}, ...]}
 """
 
 from __future__ import annotations
@@ -78,6 +94,7 @@ from tiering.cli_args import (
 _ALIGN = 4096
 _SAMPLE_EVERY = 16  # one promoted chunk in this many is byte-checked
 _SETTLE_S = 600.0  # a hang guard, far beyond any phase's time
+_SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most: our record headers, vLLM's files
 
 
 @dataclass
@@ -294,52 +311,89 @@ def _p99_us(samples: list[int]) -> float | None:
     return round(ordered[int(0.99 * (len(ordered) - 1))] / 1000, 1)
 
 
+def _ours_first(round_no: int) -> bool:
+    """ABBA: ours first in rounds 0, 3, 4, 7, 8, ... (counted from 0)."""
+    return round_no % 4 in (0, 3)
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    """Median, least and most."""
+    return statistics.median(values), min(values), max(values)
+
+
+def _figures(block: int, sides: dict[bool, list[Side]], native_io: bool) -> dict[str, Any]:
+    """One block size's row of the JSON line from its rounds (see the module docstring)."""
+    row: dict[str, Any] = {"block_bytes": block, "rounds": len(sides[True])}
+    for ours, prefix in ((True, "ours"), (False, "vllm_fs")):
+        for what in ("store", "load"):
+            mid, low, high = _spread([getattr(side, f"{what}_GBps") for side in sides[ours]])
+            row[f"{prefix}_{what}_GBps"] = round(mid, 3)
+            row[f"{prefix}_{what}_GBps_min"] = round(low, 3)
+            row[f"{prefix}_{what}_GBps_max"] = round(high, 3)
+        unsynced = statistics.median(side.store_unsynced_GBps for side in sides[ours])
+        row[f"{prefix}_store_unsynced_GBps"] = round(unsynced, 3)
+    for what in ("store", "load"):
+        row[f"{what}_ratio"] = round(row[f"ours_{what}_GBps"] / row[f"vllm_fs_{what}_GBps"], 3)
+        pairs = [
+            getattr(a, f"{what}_GBps") / getattr(b, f"{what}_GBps")
+            for a, b in zip(sides[True], sides[False], strict=True)
+        ]
+        mid, low, high = _spread(pairs)
+        row[f"{what}_ratio_pairs_median"] = round(mid, 3)
+        row[f"{what}_ratio_pairs_min"] = round(low, 3)
+        row[f"{what}_ratio_pairs_max"] = round(high, 3)
+    row["submit_us_p99"] = _p99_us([s for side in sides[True] for s in side.call_ns])
+    row["vllm_fs_submit_us_p99"] = _p99_us([s for side in sides[False] for s in side.call_ns])
+    row["cold_load"] = all(side.cold for side in sides[True] + sides[False])
+    row["vllm_fs_native_io"] = native_io
+    return row
+
+
+def _rounds_text(sides: list[Side], what: str) -> str:
+    return " ".join(f"{getattr(side, what):.2f}" for side in sides)
+
+
 def run(directory: str, vllm: VllmFs, args: argparse.Namespace, progress: Progress) -> list[dict]:
-    """Every block size: ``--repeat`` rounds, ours and vLLM's alternating; medians."""
+    """Every block size: ``--repeat`` rounds, ours and vLLM's in ABBA order; medians."""
     runs = []
     for block in args.block_sizes:
         sides: dict[bool, list[Side]] = {True: [], False: []}
-        for round_no in range(args.repeat):
-            order = (True, False) if round_no % 2 == 0 else (False, True)
-            for ours in order:
-                root = tempfile.mkdtemp(prefix="ours-" if ours else "fs-", dir=directory)
-                try:
+        roots: list[str] = []
+        try:
+            for round_no in range(args.repeat):
+                first = _ours_first(round_no)
+                for ours in (first, not first):
+                    root = tempfile.mkdtemp(prefix="ours-" if ours else "fs-", dir=directory)
+                    roots.append(root)
                     sides[ours].append(run_side(vllm, ours, root, block, args, round_no, progress))
-                finally:
-                    shutil.rmtree(root, ignore_errors=True)
-                side = sides[ours][-1]
-                print(
-                    f"{block >> 10} KiB round {round_no + 1}: "
-                    f"{'ours' if ours else 'vLLM fs'} store {side.store_GBps:.2f} GB/s "
-                    f"({side.store_unsynced_GBps:.2f} before the sync), "
-                    f"load {side.load_GBps:.2f} GB/s",
-                    file=sys.stderr,
-                )
-
-        def median(ours: bool, what: str, sides: dict[bool, list[Side]] = sides) -> float:
-            return statistics.median(getattr(side, what) for side in sides[ours])
-
-        row = {
-            "block_bytes": block,
-            "ours_store_GBps": round(median(True, "store_GBps"), 3),
-            "ours_load_GBps": round(median(True, "load_GBps"), 3),
-            "vllm_fs_store_GBps": round(median(False, "store_GBps"), 3),
-            "ours_store_unsynced_GBps": round(median(True, "store_unsynced_GBps"), 3),
-            "vllm_fs_store_unsynced_GBps": round(median(False, "store_unsynced_GBps"), 3),
-            "vllm_fs_load_GBps": round(median(False, "load_GBps"), 3),
-            "submit_us_p99": _p99_us([s for side in sides[True] for s in side.call_ns]),
-            "vllm_fs_submit_us_p99": _p99_us([s for side in sides[False] for s in side.call_ns]),
-            "cold_load": all(side.cold for side in sides[True] + sides[False]),
-            "vllm_fs_native_io": vllm.native_io,
-        }
-        row["store_ratio"] = round(row["ours_store_GBps"] / row["vllm_fs_store_GBps"], 3)
-        row["load_ratio"] = round(row["ours_load_GBps"] / row["vllm_fs_load_GBps"], 3)
+                    side = sides[ours][-1]
+                    print(
+                        f"{block >> 10} KiB round {round_no + 1}: "
+                        f"{'ours' if ours else 'vLLM fs'} store {side.store_GBps:.2f} GB/s "
+                        f"({side.store_unsynced_GBps:.2f} before the sync), "
+                        f"load {side.load_GBps:.2f} GB/s",
+                        file=sys.stderr,
+                    )
+        finally:
+            for root in roots:
+                shutil.rmtree(root, ignore_errors=True)
+        row = _figures(block, sides, vllm.native_io)
         runs.append(row)
         print(
-            f"{block >> 10} KiB blocks (medians of {args.repeat}): store {row['ours_store_GBps']}"
-            f" vs {row['vllm_fs_store_GBps']} GB/s ({row['store_ratio']}x), load "
-            f"{row['ours_load_GBps']} vs {row['vllm_fs_load_GBps']} GB/s ({row['load_ratio']}x)"
-            f"; our calls p99 {row['submit_us_p99']} us",
+            f"{block >> 10} KiB blocks, {args.repeat} rounds (ABBA), GB/s, median [min-max]:\n"
+            f"  store: ours {row['ours_store_GBps']} [{row['ours_store_GBps_min']}-"
+            f"{row['ours_store_GBps_max']}], vLLM fs {row['vllm_fs_store_GBps']} "
+            f"[{row['vllm_fs_store_GBps_min']}-{row['vllm_fs_store_GBps_max']}]: "
+            f"{row['store_ratio']}x (rounds' own ratios {row['store_ratio_pairs_median']} "
+            f"[{row['store_ratio_pairs_min']}-{row['store_ratio_pairs_max']}])\n"
+            f"  load:  ours {row['ours_load_GBps']} [{row['ours_load_GBps_min']}-"
+            f"{row['ours_load_GBps_max']}], vLLM fs {row['vllm_fs_load_GBps']} "
+            f"[{row['vllm_fs_load_GBps_min']}-{row['vllm_fs_load_GBps_max']}]: "
+            f"{row['load_ratio']}x (rounds' own ratios {row['load_ratio_pairs_median']} "
+            f"[{row['load_ratio_pairs_min']}-{row['load_ratio_pairs_max']}])\n"
+            f"  rounds, ours load:    {_rounds_text(sides[True], 'load_GBps')}\n"
+            f"  rounds, vLLM fs load: {_rounds_text(sides[False], 'load_GBps')}\n"
+            f"  our calls p99 {row['submit_us_p99']} us (vLLM fs {row['vllm_fs_submit_us_p99']})",
         )
     return runs
 
@@ -372,7 +426,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how long one scheduler step takes (the model's forward pass) while the "
         "driver waits on tier jobs",
     )
-    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; medians reported")
+    parser.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=8,
+        help="rounds per block size, each tier once a round in ABBA order; medians reported",
+    )
     args = parser.parse_args(argv)
     total = int(args.size_gib * (1 << 30))
     for block in args.block_sizes:
@@ -384,6 +443,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("argument --block-sizes: sizes repeat")
     if args.directory is not None:
         ensure_directory(parser, "directory", args.directory)
+    where = args.directory if args.directory is not None else tempfile.gettempdir()
+    need = 2 * args.repeat * total * _SPACE_MARGIN  # every root stays until the last round
+    free = shutil.disk_usage(where).free
+    if free < need:
+        parser.error(
+            f"argument --repeat: {args.repeat} rounds of two tiers x {args.size_gib} GiB need "
+            f"about {need / (1 << 30):.1f} GiB under {where}, which has "
+            f"{free / (1 << 30):.1f} GiB free; lower --repeat or --size-gib"
+        )
     return args
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from backends.faults import FaultInjector
+from backends.nvme_segments import STAGING_BYTES
 from tests._engine_helpers import corrupt_block
 from tests._scripts import last_json, run_script
 from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
@@ -305,15 +306,28 @@ def test_bench_vllm_tiers_runs_both_tiers_and_ends_with_json(tmp_path: Path) -> 
     """A tiny run: both tiers through vLLM's manager, bytes checked, one JSON line."""
     done = run_script(
         "examples/bench_vllm_tiers.py", str(tmp_path), "--size-gib", "0.001",
-        "--block-sizes", "64K", "--cpu-mib", "1", "--request-mib", "1", "--repeat", "1",
+        "--block-sizes", "64K", "--cpu-mib", "1", "--request-mib", "1", "--repeat", "2",
         "--step-ms", "1",
     )  # fmt: skip
     (run,) = last_json(done)["runs"]
-    assert run["block_bytes"] == 64 << 10
-    for figure in ("ours_store_GBps", "ours_load_GBps", "vllm_fs_store_GBps", "vllm_fs_load_GBps"):
-        assert run[figure] > 0
+    assert run["block_bytes"] == 64 << 10 and run["rounds"] == 2
+    for side in ("ours", "vllm_fs"):
+        for what in ("store", "load"):
+            figure = f"{side}_{what}_GBps"
+            assert 0 < run[f"{figure}_min"] <= run[figure] <= run[f"{figure}_max"]
+    for what in ("store", "load"):  # a ratio of medians, and the rounds' own ratios
+        assert run[f"{what}_ratio"] == pytest.approx(
+            run[f"ours_{what}_GBps"] / run[f"vllm_fs_{what}_GBps"], rel=0.01
+        )
+        low, mid, high = (run[f"{what}_ratio_pairs_{x}"] for x in ("min", "median", "max"))
+        assert 0 < low <= mid <= high
     assert run["submit_us_p99"] > 0
-    assert list(tmp_path.iterdir()) == []  # each tier's root is removed after its round
+    # ABBA: ours first in round 1, vLLM's first in round 2
+    rounds = [line for line in done.stderr.splitlines() if " round " in line]
+    assert [line.split(": ")[1].split(" store")[0] for line in rounds] == [
+        "ours", "vLLM fs", "vLLM fs", "ours"
+    ]  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # the roots are removed after the last round
 
 
 def test_the_nvme_tier_does_not_pause_for_its_private_loop_unless_told(scheduler, tmp_path) -> None:
@@ -321,6 +335,24 @@ def test_the_nvme_tier_does_not_pause_for_its_private_loop_unless_told(scheduler
     assert s.tier.kv_tier.gil_pause_bytes == 0
     s = scheduler(nvme_tier(tmp_path / "told", gil_pause_bytes=65536))
     assert s.tier.kv_tier.gil_pause_bytes == 65536
+
+
+def test_the_nvme_tier_stages_direct_io_for_vllm_s_shared_memory_unless_told(
+    scheduler, tmp_path
+) -> None:
+    """vLLM's CPU tier is a shared memory file of 4 KiB pages: the tier moves its direct
+    I/O through staging buffers by default (docs/vllm.md), and blocks still come back
+    byte-exact; ``staging_bytes: 0`` moves it straight to and from vLLM's memory."""
+    s = scheduler(nvme_tier(tmp_path / "default"))
+    assert s.tier.kv_tier.staging_bytes == STAGING_BYTES
+    stored = blocks("staged", PRIMARY)
+    s.store(stored)
+    evict_all(s, stored)
+    answers = s.resolve(stored)
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+    s = scheduler(nvme_tier(tmp_path / "told", staging_bytes=0))
+    assert s.tier.kv_tier.staging_bytes == 0
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from backends.faults import FaultInjector
-from backends.nvme_files import REAL_OS, OsCalls
+from backends.nvme_files import REAL_OS, OsCalls, probe_o_direct
 from backends.nvme_format import HEADER_BYTES, namespace_digest
 from backends.nvme_segments import (
     CHECKPOINT_FILE,
@@ -49,7 +49,7 @@ def key(i: int) -> bytes:
 
 
 def files(tmp_path: Path, os_calls: OsCalls = REAL_OS, **options: object) -> SegmentFiles:
-    (tmp_path / SEGMENTS_DIR).mkdir(exist_ok=True)
+    (tmp_path / SEGMENTS_DIR).mkdir(parents=True, exist_ok=True)
     return SegmentFiles(
         str(tmp_path), block_bytes=BLOCK, ns_digest=NS, os_calls=os_calls, **options
     )  # type: ignore[arg-type]
@@ -286,6 +286,96 @@ def test_block_sizes_off_the_page_are_padded_to_aligned_records(tmp_path: Path) 
     report = seg.read([(key(i), name, i, out[i]) for i in range(2)])
     assert report.loaded == [key(0), key(1)]
     assert [bytes(o) for o in out] == payloads
+
+
+# -- staged I/O -------------------------------------------------------------------------
+
+
+def staged_files(tmp_path: Path, os_calls: OsCalls = REAL_OS, **options: object) -> SegmentFiles:
+    """Segment files with O_DIRECT and a staging buffer of three records per call."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    why = probe_o_direct(str(tmp_path))
+    if why is not None:
+        pytest.skip(f"staging applies to direct I/O only: {why}")
+    options.setdefault("staging_bytes", 3 * (HEADER_BYTES + BLOCK))
+    return files(tmp_path, os_calls, o_direct=True, **options)
+
+
+def test_staged_writes_put_the_same_bytes_on_disk_as_direct_ones(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    staged = staged_files(tmp_path / "staged")
+    plain = files(tmp_path / "plain", o_direct=True)
+    name = segment_name(WRITER, 0)
+    for seg in (staged, plain):
+        report = write(seg, pool, [(i, name, i, i == 0) for i in range(SLOTS)])
+        assert len(report.written) == SLOTS and not report.failed
+    with open(staged.path_of(name), "rb") as a, open(plain.path_of(name), "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_staged_io_moves_at_most_the_staging_buffer_a_call(
+    tmp_path: Path, pool: memoryview
+) -> None:
+    faults = FaultInjector()
+    seg = staged_files(tmp_path, faults)
+    assert seg.staged == 3
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(SLOTS)])
+    assert faults.calls["pwritev"] == 1 + 3  # the segment header, then records 3 + 3 + 2
+    out = memoryview(mmap.mmap(-1, SLOTS * BLOCK))
+    faults.calls.clear()
+    report = seg.read([(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(SLOTS)])
+    assert report.loaded == [key(i) for i in range(SLOTS)] and not report.failed
+    assert faults.calls["preadv"] == 3
+    assert bytes(out) == bytes(pool)
+
+
+def test_staged_io_takes_slots_at_any_address(tmp_path: Path, pool: memoryview) -> None:
+    """Staged, a slot or payload need not be aligned (or writable) for direct I/O: the
+    staging buffer is."""
+    seg = staged_files(tmp_path)
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(4)])
+    out = memoryview(bytearray(4 * BLOCK + 1))[1:]  # off the page, and not an mmap
+    report = seg.read([(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(4)])
+    assert report.loaded == [key(i) for i in range(4)]
+    assert bytes(out) == bytes(pool[: 4 * BLOCK])
+    records = [(key(0), memoryview(bytes(slot(pool, 0))))]  # a read-only payload too
+    assert seg.write([RecordRun(name, 4, records, create=False)], writer=WRITER).written
+    assert seg.read([(key(0), name, 4, out[:BLOCK])]).loaded == [key(0)]
+
+
+def test_staged_reads_serve_nothing_that_does_not_verify(tmp_path: Path, pool: memoryview) -> None:
+    seg = staged_files(tmp_path)
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(4)])
+    with open(seg.path_of(name), "r+b") as file:
+        file.seek(seg.offset_of(1) + HEADER_BYTES + 100)
+        byte = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    os.truncate(seg.path_of(name), seg.offset_of(3) + HEADER_BYTES + 10)  # record 3 torn
+    out = memoryview(mmap.mmap(-1, 6 * BLOCK))
+    wanted = [(key(0), 0), (key(1), 1), (key(9), 2), (key(3), 3), (key(4), 4)]
+    report = seg.read([(k, name, r, out[r * BLOCK : (r + 1) * BLOCK]) for k, r in wanted])
+    assert report.loaded == [key(0)]
+    assert "checksum" in report.failed[key(1)]
+    assert "another key" in report.failed[key(9)]
+    assert "short read" in report.failed[key(3)]
+    assert report.missing == [key(4)]
+    assert bytes(out[:BLOCK]) == bytes(slot(pool, 0))
+
+
+def test_nothing_is_staged_without_direct_io(tmp_path: Path, pool: memoryview) -> None:
+    faults = FaultInjector()
+    seg = files(tmp_path, faults, staging_bytes=3 * (HEADER_BYTES + BLOCK))  # o_direct off
+    assert seg.staged == 0
+    name = segment_name(WRITER, 0)
+    write(seg, pool, [(i, name, i, i == 0) for i in range(SLOTS)])
+    assert faults.calls["pwritev"] == 2  # the segment header, then all eight records
+    with pytest.raises(InvalidArgumentError, match="staging_bytes"):
+        files(tmp_path, staging_bytes=-1)
 
 
 # -- checkpoint ------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import uvloop
 
+from backends.nvme_segments import STAGING_BYTES
 from tiering.errors import InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT
 from tiering.registry import make_tier
@@ -95,6 +96,12 @@ _DRAIN_CHECK_S = 1.0
 # threads need not pause for it (measured in docs/vllm.md: 128 KiB loads ~18% faster,
 # vLLM's scheduler thread no later).
 _PRIVATE_LOOP_DEFAULTS: dict[str, Any] = {"gil_pause_bytes": 0}
+
+# Options a tier takes (when it names them) because vLLM's CPU tier is a shared memory
+# file of 4 KiB pages: direct I/O straight into or out of it goes to the disk as many
+# small requests, so the NVMe tier stages it through huge-page buffers of its own
+# (measured in docs/vllm.md).
+_SHARED_MEMORY_DEFAULTS: dict[str, Any] = {"staging_bytes": STAGING_BYTES}
 
 METRIC_PREFIX = "kv_tiering:"
 """Prefix of the Prometheus metrics these tiers report through vLLM."""
@@ -199,7 +206,9 @@ class RegisteredTierManager(SecondaryTierManager):
       reported failed, default 30.
     * every other key: an option of the tier itself. The tier's loop is private, so
       options that protect a shared loop default to off (the NVMe tier's
-      ``gil_pause_bytes`` is 0 unless given).
+      ``gil_pause_bytes`` is 0 unless given); vLLM's CPU tier is shared memory of
+      4 KiB pages, so the NVMe tier stages its direct I/O (``staging_bytes`` is
+      :data:`~backends.nvme_segments.STAGING_BYTES` per I/O thread unless given).
 
     Guarantees: every submitted job's :class:`JobResult` is reported exactly once, by
     ``get_finished_jobs``; a load reports only keys whose bytes landed and verified
@@ -286,7 +295,11 @@ class RegisteredTierManager(SecondaryTierManager):
         return tier
 
     async def _open(self, spec: dict[str, Any], block_bytes: int, job_timeout: float) -> TierClient:
-        defaults = {"namespace": self._namespace, **_PRIVATE_LOOP_DEFAULTS}
+        defaults = {
+            "namespace": self._namespace,
+            **_PRIVATE_LOOP_DEFAULTS,
+            **_SHARED_MEMORY_DEFAULTS,
+        }
         tier = make_tier(spec, self._flat_view, block_bytes, defaults=defaults)
         if self._events is not None:
             tier.report_removals()
