@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,3 +76,28 @@ def last_json(done: subprocess.CompletedProcess[str]) -> Any:
     """The JSON object on a benchmark's last stdout line (after checking it succeeded)."""
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_STALL_TORCH = """
+import importlib.abc, sys, time
+
+class StallTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.stdout.write("importing torch\\n")  # one write: the test waits for the line
+            sys.stdout.flush()
+            time.sleep(600)
+        return None
+
+sys.meta_path.insert(0, StallTorch())
+"""
+
+
+def stall_torch_imports(directory: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Make every script a test starts from now on stall in its import of torch: it
+    prints the line returned (wait for it with :func:`interrupt_script`'s ``ready``),
+    then waits for the test's signal. (A ``sitecustomize`` in ``directory``, put on the
+    scripts' ``PYTHONPATH``, which every Python process runs first.)"""
+    (directory / "sitecustomize.py").write_text(_STALL_TORCH)
+    monkeypatch.setenv("PYTHONPATH", str(directory))
+    return "importing torch\n"

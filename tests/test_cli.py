@@ -4,27 +4,13 @@ imports, Ctrl-C at any point. The subcommands have test modules of their own."""
 from __future__ import annotations
 
 from importlib.metadata import version
+from pathlib import Path
 
-from tests._scripts import interrupt_script, run_script
+import pytest
+
+from tests._scripts import interrupt_script, run_script, stall_torch_imports
 from tiering.cli import EXIT_OK
 from tiering.cli_args import EXIT_INTERRUPTED
-
-# A `python -m tiering` whose import of torch stalls: it says so on stdout, then waits
-# (for the test's SIGINT), so the interruption lands inside the subcommand's imports.
-_STALLED_TORCH = """
-import importlib.abc, runpy, sys, time
-
-class StallTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            sys.stdout.write("importing torch\\n")  # one write: the test waits for the line
-            sys.stdout.flush()
-            time.sleep(600)
-        return None
-
-sys.meta_path.insert(0, StallTorch())
-runpy.run_module("tiering", run_name="__main__", alter_sys=True)
-"""
 
 
 def test_version_prints_the_installed_package_version() -> None:
@@ -42,10 +28,12 @@ def test_help_and_version_import_no_torch() -> None:
         assert [name for name in imported if name.split(".")[0] == "torch"] == []
 
 
-def test_ctrl_c_while_a_subcommand_imports_prints_one_line_and_exits_130() -> None:
-    done = interrupt_script(
-        "-c", _STALLED_TORCH, "replay", "--limit", "1", ready="importing torch\n"
-    )
+def test_ctrl_c_while_a_subcommand_imports_prints_one_line_and_exits_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The interruption lands inside the subcommand's imports.
+    ready = stall_torch_imports(tmp_path, monkeypatch)
+    done = interrupt_script("-m", "tiering", "replay", "--limit", "1", ready=ready)
     assert done.returncode == EXIT_INTERRUPTED
     assert done.stderr == "tiering replay: interrupted\n"
     assert done.stdout == "importing torch\n"  # interrupted in the import: nothing ran

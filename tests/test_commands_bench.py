@@ -7,26 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tests._scripts import ROOT, interrupt_script
+from tests._scripts import ROOT, interrupt_script, stall_torch_imports
 from tiering.cli import EXIT_OK, main
 from tiering.cli_args import EXIT_INTERRUPTED
 from tiering.commands.bench import benchmarks
 
-# A sitecustomize whose process stalls in its import of torch: it says so on stdout, then
-# waits (for the test's SIGINT).
-_STALLED_TORCH = """
-import importlib.abc, sys, time
-
-class StallTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            sys.stdout.write("importing torch\\n")  # one write: the test waits for the line
-            sys.stdout.flush()
-            time.sleep(600)
-        return None
-
-sys.meta_path.insert(0, StallTorch())
-"""
 # Long enough that it is still running when the signal comes, on a busy machine too; the
 # signal comes once it printed its first line (a figure: past its imports and start-up).
 _LONG_ENGINE_RUN = ["bench", "engine", "--", "--gib", "0.01", "--repeats", "5000"]
@@ -58,11 +43,9 @@ def test_ctrl_c_stops_the_benchmark_with_one_line_and_exit_130() -> None:
 def test_ctrl_c_while_the_benchmark_imports_torch_prints_one_line_and_exits_130(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Every process of the run stalls in its import of torch (sitecustomize runs first
-    # in each); `tiering bench` imports none, so the stall is the benchmark's.
-    (tmp_path / "sitecustomize.py").write_text(_STALLED_TORCH)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    done = interrupt_script("-m", "tiering", *_LONG_ENGINE_RUN, ready="importing torch\n")
+    # `tiering bench` imports no torch: the stall is the benchmark's.
+    ready = stall_torch_imports(tmp_path, monkeypatch)
+    done = interrupt_script("-m", "tiering", *_LONG_ENGINE_RUN, ready=ready)
     assert done.returncode == EXIT_INTERRUPTED
     assert done.stderr == "bench_engine.py: interrupted\n"
     assert done.stdout == "importing torch\n"  # interrupted in the import: nothing ran
