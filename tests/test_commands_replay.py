@@ -67,10 +67,13 @@ def closed_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def _readme_command(name: str) -> list[str]:
-    """The README's ``$ tiering NAME ...`` command line, its words after ``tiering``."""
-    readme = (ROOT / "README.md").read_text()
-    line = next(m for m in re.findall(r"^\$ tiering (.+)$", readme, re.M) if m.startswith(name))
+REPLAY_DOC = ROOT / "docs" / "replay.md"
+
+
+def _documented_command(name: str) -> list[str]:
+    """docs/replay.md's ``$ tiering NAME ...`` command line, its words after ``tiering``."""
+    page = REPLAY_DOC.read_text()
+    line = next(m for m in re.findall(r"^\$ tiering (.+)$", page, re.M) if m.startswith(name))
     return shlex.split(line)
 
 
@@ -302,11 +305,11 @@ def test_sweep_prints_a_table_and_draws_a_plot(
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
-def test_the_readmes_sweep_command_draws_the_readmes_plot(tmp_path: Path) -> None:
+def test_the_documented_sweep_command_draws_the_documented_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="pip install 'kv-tiering[plot]'")
     from matplotlib.image import imread
 
-    argv = _readme_command("sweep")
+    argv = _documented_command("sweep")
     assert argv[1] == "trace.jsonl" and argv[-2] == "--plot"
     drawn = tmp_path / "sweep.png"
     assert main([argv[0], str(TRACE), *argv[2:-1], str(drawn)]) == 0
@@ -314,18 +317,18 @@ def test_the_readmes_sweep_command_draws_the_readmes_plot(tmp_path: Path) -> Non
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
-def test_the_readmes_replay_command_prints_the_readmes_figures(
+def test_the_documented_replay_command_prints_the_documented_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = _readme_command("replay trace.jsonl")
+    argv = _documented_command("replay trace.jsonl")
     root = argv.index("--nvme") + 1
     argv[1], argv[root] = str(TRACE), str(tmp_path / "kv")
     assert main(argv) == 0
     out = capsys.readouterr().out
-    readme = (ROOT / "README.md").read_text()
+    page = REPLAY_DOC.read_text()
     for row in ("prefix hit ratio", "bookkeeping model", "mismatches"):
         printed = next(line for line in out.splitlines() if line.startswith(row))
-        assert printed in readme, printed
+        assert printed in page, printed
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")

@@ -75,8 +75,8 @@ def test_the_torch_pin_is_the_cpu_build_and_the_readme_says_where_it_is() -> Non
     assert f"The user requested (constraint) {pins[0]}" in flat  # pip's words without it
 
 
-def test_vllm_section_shows_what_vllm_config_prints() -> None:
-    section = _section(README.read_text(), "With vLLM")
+def test_vllm_docs_show_what_vllm_config_prints() -> None:
+    section = _section((ROOT / "docs" / "vllm.md").read_text(), "Set up")
     (command,) = re.findall(r'"\$\(tiering (vllm-config [^)]*)\)"', section)
     printed = subprocess.run(
         [sys.executable, "-m", "tiering", *command.split()],
