@@ -405,3 +405,21 @@ def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> N
     assert bad.returncode == 2, bad.stderr
     assert "argument --block-size:" in bad.stderr.strip().splitlines()[-1]
     assert bad.stdout == ""
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
+def test_bench_ab_compares_two_checkouts_figure_by_figure() -> None:
+    argv = [str(ROOT), str(ROOT), "bench_manager.py", "--rounds", "2", "--"]
+    argv += [str(TRACE), "256", "--policies", "lru", "--full-blocks-only"]
+    done = run_script("examples/bench_ab.py", *argv)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["rounds"] == 2
+    assert summary["figures"]["runs.0.hit_ratio"]["ratio"] == 1.0  # the same code, twice
+    assert summary["figures"]["requests"] == {"base": 3993.0, "subject": 3993.0, "ratio": 1.0}
+
+
+def test_bench_ab_exits_1_when_a_side_fails() -> None:
+    done = run_script("examples/bench_ab.py", str(ROOT), str(ROOT), "no_such_bench.py")
+    assert done.returncode == 1
+    assert "no_such_bench.py failed in" in done.stderr
