@@ -1,70 +1,35 @@
 """A remote tier on Redis or Valkey: one cache shared by every serving machine.
 
-Each block is one Redis hash under one key, so its header and payload live in one slot
-of a Redis Cluster too::
+Each block is one Redis hash, so its header and payload live in one slot of a Redis
+Cluster too::
 
     key:    b"kvt:" + namespace digest (hex) + b":" + tenant + b":" + block hash
-    fields: b"h" -> a compact header (magic, version 3, payload length, payload
-                   checksum, namespace digest, the tenant and the key),
-            b"p" -> the payload bytes
+    fields: b"h" -> the block record's compact header (:mod:`backends.block_record`)
+            b"p" -> the payload, or with ``encryption`` its AES-GCM ciphertext
 
-The header carries what :mod:`backends.nvme_format` carries for a block file, without
-the page padding (Redis needs no aligned offsets), and the tenant besides: every record
-is bound to its namespace, tenant and key, so a value moved to another key, tenant or
-namespace never loads. A load verifies the header (magic, version, namespace, tenant,
-key, length) and the payload's checksum before the CPU slot counts as loaded; a value
-that fails, or that is no hash at all (another client wrote the key), is a failed key
-and is deleted, never served, and the job's other keys land. Versions 1 and 2, from
-before the tenant was in the header, read as corrupt: a miss.
+A load serves a block only if its header (namespace, tenant, key, length) and its
+checksum verify, or with ``encryption`` it authenticates under the keyring; a tier
+reads the kind of record it writes and no other. A value that fails, or that is no hash
+at all (another client wrote the key), is a failed key and is deleted, never served,
+and the job's other keys land; so is a value of an older format. An error reply to one
+key's command (WRONGTYPE, OOM) fails that key only; a connection failure fails the call.
 
-With ``encryption`` (a keyring, :mod:`tiering.encryption`) every block is sealed with
-AES-GCM under the keyring's current key, and its value takes format version 4::
+The client (redis-py's synchronous one) copies every value it sends and receives, so it
+runs on the tier's I/O threads, one hop per job, never on the loop; the checksums and
+the cipher run there too.
 
-    b"h" -> the same header, with version 4 and, in place of the payload checksum, the
-            key id (u32) and the 12-byte nonce; no checksum of the plaintext (equal
-            payloads would show as equal checksums)
-    b"p" -> the ciphertext (as long as the payload), then the 16-byte GCM tag
+``lookup`` never waits on the network: it answers from a bounded presence cache and, for
+a key it has no fresh answer for, returns None ("ask again") and queues the key for a
+batched check (one pipelined round trip of ``EXISTS``). A store or load that fails drops
+the cached answers of its keys, so the engine stores them again rather than trust a
+block the tier may not hold.
 
-The associated data is :func:`record_binding`: the namespace digest, the tenant and the
-block's key, so a value copied to another block's key, tenant or namespace fails to
-open, even under a header forged to match. A tier reads the format it writes and no
-other: without ``encryption`` a sealed value is a corrupt block, and with it a plain
-value is one too, so a tier that encrypts never serves bytes that did not authenticate.
-A value sealed under a key id the keyring lacks, or that does not authenticate, is a
-corrupt block as well: a failed key, deleted from the server, logged once per key id by
-the cipher. Sealing and opening run on the I/O threads inside the job's hop; a load
-decrypts straight into the CPU slot (a failed key's slot then holds garbage, as a
-failed load's may).
-
-The client (redis-py's synchronous one) runs on the tier's I/O threads, one hop per job:
-it copies every value it sends and receives, which on the event loop measured a loop
-lag p99 of 34-49 ms at 2 MiB blocks (docs/redis.md). An error reply to one key's
-command (WRONGTYPE, OOM) fails that key only; a connection failure fails the call.
-
-``lookup`` is synchronous and never waits on the network: it answers from a bounded
-presence cache (present answers kept ``presence_ttl_s``, absent ones ``absence_ttl_s``)
-and, for a key it has no fresh answer for, returns None ("ask again") and queues the
-key for a batched check: one pipelined round trip of ``EXISTS`` for every key queued
-meanwhile. A block another machine stored is therefore found one step later. A store
-or load that fails (a key, or the whole call) drops the cached answers of its keys, so
-the engine stores them again rather than trust a block the tier may not hold.
-
-Every call has a timeout, ``timeout_s``, and is not retried, on one server or a
-cluster. After ``breaker_failures`` connection failures in a row a
-:class:`~backends.breaker.CircuitBreaker` opens: lookups answer False, stores and loads
-fail at once, and a probe goes through after a back-off; the tier recovers by itself
-when the server is back. Redis going away never takes the engine down.
-
-Capacity is Redis's own: configure ``maxmemory`` with ``maxmemory-policy allkeys-lru``
-on the server; ``ttl_s`` (optional) expires blocks after that many seconds. A block
-evicted by the server between a lookup and a load is a failed key.
-
-With ``cluster=True`` the tier talks to a Redis Cluster through redis-py's cluster
-client: a job's pipeline is split by node, written to every node before any reply is
-read, and a command redirected (MOVED, ASK) is sent again where the cluster says. A
-node that does not answer fails the call within about ``timeout_s``. A job's blocks go
-in pipelines of at most ``pipeline_bytes`` of payload each, so at most ``max_inflight *
-pipeline_bytes`` payload bytes are in flight (and in the client's buffers) at once.
+Every call has a timeout and is not retried, on one server or a cluster (whose MOVED,
+ASK and TRYAGAIN the tier follows itself); after ``breaker_failures`` connection
+failures in a row a :class:`~backends.breaker.CircuitBreaker` opens, and the tier
+recovers by itself when the server is back. A job's blocks go in pipelines of at most
+``pipeline_bytes`` of payload, so at most ``max_inflight * pipeline_bytes`` payload
+bytes are in flight at once. docs/redis.md tells the whole story.
 """
 
 from __future__ import annotations
@@ -73,20 +38,26 @@ import asyncio
 import logging
 import os
 import re
-import struct
 import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-import xxhash
-
+from backends.block_record import (
+    MAX_TENANT_BYTES,
+    check_header,
+    compact_header,
+    decode_header,
+    namespace_digest,
+    payload_checksum,
+    record_binding,
+    verify_payload,
+)
 from backends.breaker import BreakerState, CircuitBreaker
-from backends.nvme_format import check_key, namespace_digest, payload_checksum
 from tiering.actor import ACTOR_OPTIONS, TierActor
-from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, Seal, associated_data, keyring_from
+from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.validation import positive_int, seconds
@@ -116,21 +87,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without redis-py
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVTRDS\r\n"
-FORMAT_VERSION = 3
-"""A plain block: the payload, and its checksum in the header. (Versions 1 and 2, from
-before the tenant was bound into the record, read as corrupt.)"""
-SEALED_VERSION = 4
-"""An encrypted block: ciphertext and tag, the key id and nonce in the header."""
-# magic, version, payload length, checksum (plain) or key id + nonce (sealed), namespace
-# digest, tenant length, key length; then the tenant and the key
-_FIXED = struct.Struct("<8sHxxQ16s16sHH")
-_SEAL = struct.Struct("<I12s")  # a sealed header's 16 bytes in place of the checksum
-_TRAILER = struct.Struct("<Q")  # xxh3_64 of everything before it
-_BOUND = struct.Struct("<HH")  # tenant and key lengths, ahead of them in the binding
-MAX_TENANT_BYTES = 0xFFFF
-"""The longest tenant (UTF-8) a header can hold."""
-
 HEADER_FIELD = b"h"
 PAYLOAD_FIELD = b"p"
 
@@ -147,155 +103,16 @@ _UNREACHABLE = (
     TimeoutError,
     OSError,
 )
-_CHECK_BATCH = 1000  # keys per EXISTS pipeline
 _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
 """Replies of a cluster pipeline that mean the node, not the key, failed."""
+_CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
 # How a load or store of one key failed; the first words of its reason.
 _MISSING = "not in the redis tier"
 _CORRUPT = "corrupt block"
 _REFUSED = "redis refused"
 
-
-def record_binding(ns_digest: bytes, tenant: bytes, key: bytes) -> bytes:
-    """What a block's record is bound to: its namespace digest, tenant and key (the
-    associated data a sealed block is sealed with). Lengths go first, so no two
-    (tenant, key) pairs give the same bytes."""
-    return associated_data(ns_digest, _BOUND.pack(len(tenant), len(key)) + tenant + key)
-
-
-def encode_header(
-    *,
-    key: bytes,
-    tenant: bytes,
-    payload_bytes: int,
-    ns_digest: bytes,
-    checksum: bytes | None = None,
-    seal: Seal | None = None,
-) -> bytes:
-    """The compact header of one block value of ``tenant`` (``b""`` for none): a plain
-    one (:data:`FORMAT_VERSION`) with the payload's ``checksum``, or a sealed one
-    (:data:`SEALED_VERSION`) with ``seal``'s key id and nonce (its tag goes after the
-    ciphertext, in the payload field).
-
-    Raises:
-        InvalidArgumentError: not exactly one of ``checksum`` and ``seal`` is given, or
-            ``tenant`` is longer than :data:`MAX_TENANT_BYTES`.
-    """
-    if (checksum is None) == (seal is None):
-        raise InvalidArgumentError("a block header takes a checksum or a seal, not both")
-    if len(tenant) > MAX_TENANT_BYTES:
-        raise InvalidArgumentError(f"tenant is {len(tenant)} bytes, at most {MAX_TENANT_BYTES}")
-    if seal is None:
-        version, field = FORMAT_VERSION, checksum
-    else:
-        version, field = SEALED_VERSION, _SEAL.pack(seal.key_id, seal.nonce)
-    body = (
-        _FIXED.pack(MAGIC, version, payload_bytes, field, ns_digest, len(tenant), len(key))
-        + tenant
-        + key
-    )
-    return body + _TRAILER.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def _check_header(
-    header: bytes, *, key: bytes, tenant: bytes, payload_bytes: int, ns_digest: bytes
-) -> tuple[int, bytes]:
-    """The version and the 16-byte checksum-or-seal field of a header that verifies
-    (its own checksum, magic, a known version, namespace, tenant, key and length).
-
-    Raises:
-        CorruptBlockError: saying which check failed.
-    """
-    if len(header) < _FIXED.size + _TRAILER.size:
-        raise CorruptBlockError(f"header is {len(header)} bytes")
-    body, (stored,) = header[: -_TRAILER.size], _TRAILER.unpack(header[-_TRAILER.size :])
-    if xxhash.xxh3_64_intdigest(body) != stored:
-        raise CorruptBlockError("header checksum mismatch")
-    magic, version, length, field, ns, tenant_len, key_len = _FIXED.unpack_from(body, 0)
-    if magic != MAGIC or version not in (FORMAT_VERSION, SEALED_VERSION):
-        raise CorruptBlockError("not a block value of this format")
-    if ns != ns_digest:
-        raise CorruptBlockError("block belongs to another namespace")
-    if len(body) != _FIXED.size + tenant_len + key_len:
-        raise CorruptBlockError("header lengths do not add up")
-    if body[_FIXED.size : _FIXED.size + tenant_len] != tenant:
-        raise CorruptBlockError("block belongs to another tenant")
-    if body[_FIXED.size + tenant_len :] != key:
-        raise CorruptBlockError("block holds another key")
-    if length != payload_bytes:
-        raise CorruptBlockError(f"block is of {length} bytes, expected {payload_bytes}")
-    return version, field
-
-
-def check_value(
-    header: bytes,
-    payload: bytes,
-    *,
-    key: bytes,
-    tenant: bytes,
-    payload_bytes: int,
-    ns_digest: bytes,
-) -> None:
-    """Verify one plain block value of ``tenant`` read back (call it off the loop: it
-    hashes the payload).
-
-    Raises:
-        CorruptBlockError: the header is damaged or of another format or version, names
-            another namespace, tenant, key or length, the value is encrypted (this
-            reader has no keys: never serve ciphertext), or the payload's checksum
-            differs. The message says which.
-    """
-    version, checksum = _check_header(
-        header, key=key, tenant=tenant, payload_bytes=payload_bytes, ns_digest=ns_digest
-    )
-    if version != FORMAT_VERSION:
-        raise CorruptBlockError("block is encrypted, and this tier has no encryption keyring")
-    if len(payload) != payload_bytes:
-        raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {payload_bytes}")
-    if payload_checksum(payload) != checksum:
-        raise CorruptBlockError("payload checksum mismatch")
-
-
-def open_value(
-    header: bytes,
-    sealed: bytes,
-    *,
-    key: bytes,
-    tenant: bytes,
-    payload_bytes: int,
-    ns_digest: bytes,
-    cipher: BlockCipher,
-    into: memoryview,
-) -> None:
-    """Verify one sealed block value of ``tenant`` read back and decrypt its payload
-    into ``into`` (``payload_bytes`` long). Blocking: call it off the loop.
-
-    ``into`` holds the plaintext only if this returns; after a failure its bytes are
-    garbage (never to be served: the key has failed).
-
-    Raises:
-        CorruptBlockError: the header is damaged or of another format or version, names
-            another namespace, tenant, key or length, or the value is not encrypted (a
-            tier that encrypts serves nothing unauthenticated);
-            :class:`~tiering.encryption.UnknownKeyError` (the keyring lacks its key id)
-            or :class:`~tiering.encryption.AuthenticationError` (a wrong key, altered
-            or moved bytes), both CorruptBlockErrors, from the cipher, which logs each
-            once per key id.
-    """
-    version, field = _check_header(
-        header, key=key, tenant=tenant, payload_bytes=payload_bytes, ns_digest=ns_digest
-    )
-    if version != SEALED_VERSION:
-        raise CorruptBlockError("block is not encrypted, and this tier reads only encrypted ones")
-    if len(sealed) != payload_bytes + TAG_BYTES:
-        raise CorruptBlockError(
-            f"sealed payload is {len(sealed)} bytes, expected {payload_bytes + TAG_BYTES}"
-        )
-    key_id, nonce = _SEAL.unpack(field)
-    seal = Seal(key_id, nonce, bytes(sealed[payload_bytes:]))
-    with memoryview(sealed) as view:
-        cipher.open_into(seal, view, record_binding(ns_digest, tenant, key), into)
+_Hop = Callable[[Sequence[bytes], Sequence[int]], "tuple[dict[bytes, str], int] | _ClientError"]
 
 
 class RedisTier(TierActor):
@@ -326,24 +143,17 @@ class RedisTier(TierActor):
             the tier finds the other nodes from it. A mismatch with the server found at
             start is an error.
         pipeline_bytes: the most payload bytes one pipelined round trip carries (at
-            least one block); a larger job goes in several, one after another. Smaller
-            pipelines kept the client's reply buffers small: at 2 MiB blocks on a local
-            server, loads ran about 1.5x faster with one block per pipeline than with
-            eight (docs/redis.md).
+            least one block); a larger job goes in several, one after another.
         encryption: None (blocks stored plain), or a keyring spec
             (``"2:<base64 key>,1:<base64 key>"``, ``"env:VARIABLE"``) or
             :class:`~tiering.encryption.Keyring`: blocks are sealed with AES-GCM under
-            its first (current) key and read under any of its keys (see the module
-            docstring for the format).
+            its first (current) key and read under any of its keys.
         inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
 
-    Guarantees: a load serves a block only if its header (namespace, tenant, key) and
-    checksum verify (with ``encryption``: its header verifies and it authenticates under
-    the keyring, and a plain block is never served); a key the server refuses, or that
-    holds no block, fails alone; a connection failure fails the job's keys (never the
-    engine), within about ``timeout_s``; ``lookup`` never blocks, and forgets what it
-    knew of a key whose store or load failed (it asks the server again). Key material
-    never shows in ``repr``, statistics, errors or logs.
+    Guarantees: a load serves a block only if it verifies (see the module docstring); a
+    key the server refuses, or that holds no block, fails alone; a connection failure
+    fails the job's keys (never the engine), within about ``timeout_s``; ``lookup``
+    never blocks. Key material never shows in ``repr``, statistics, errors or logs.
 
     Raises (constructor): InvalidArgumentError for a bad option, naming it and its value
     (the url is named without its value, which may hold a password; ``encryption``
@@ -413,8 +223,7 @@ class RedisTier(TierActor):
         self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + self._tenant + b":"
         self._url = url
         self._blocks_per_pipeline = max(1, self.pipeline_bytes // block_bytes)
-        # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption):
-        # made at its first store, reused by every later one.
+        # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption).
         self._seal_buffers = threading.local()
         # Made by the first call that needs it (a cluster client connects as it is made,
         # so one whose nodes are down at start is made later, by a probe) and dropped
@@ -430,45 +239,42 @@ class RedisTier(TierActor):
         self._checking = False
         # The server's INFO memory and DBSIZE, read every usage_every_s (0 until then).
         self._server_usage = {"used_bytes": 0, "capacity_bytes": 0, "server_keys": 0}
-        self._counters = {
-            "stored_blocks": 0,
-            "loaded_blocks": 0,
-            "corrupt_blocks": 0,
-            "missing_blocks": 0,
-            "unreachable_calls": 0,
-            "lookup_round_trips": 0,
-            "pipelines": 0,
-        }
+        self._counters = dict.fromkeys(
+            ("stored_blocks", "loaded_blocks", "corrupt_blocks", "missing_blocks",
+             "unreachable_calls", "lookup_round_trips", "pipelines"),
+            0,
+        )  # fmt: skip
 
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         """Connect and start serving. A server that does not answer (within
-        ``timeout_s``) only opens the breaker: the tier recovers when it comes. One that
-        refuses the credentials, or whose TLS certificate does not verify, is an error,
-        since no call would ever succeed.
+        ``timeout_s``) only opens the breaker: the tier recovers when it comes.
 
         Raises:
             InvalidArgumentError: the server refused the url's credentials (the message
-                quotes the server, never the password), or its certificate did not
-                verify (naming ``tls_ca_file``); nothing is left running.
+                quotes the server, never the password), its certificate did not verify
+                (naming ``tls_ca_file``), or it is (not) a cluster node against
+                ``cluster``; nothing is left running.
         """
         self._serving = True
         error = await self.run_blocking(self._hello)
+        refusal: InvalidArgumentError | None = None
         if isinstance(error, AuthenticationError):
-            self._fail_start()
-            raise InvalidArgumentError(
+            refusal = InvalidArgumentError(
                 f"url: the redis server refused its credentials ({error})"
-            ) from None
-        if isinstance(error, InvalidArgumentError):
-            self._fail_start()
-            raise error
-        if error is not None and "certificate verify failed" in str(error).lower():
-            self._fail_start()
-            raise InvalidArgumentError(
+            )
+        elif isinstance(error, InvalidArgumentError):
+            refusal = error
+        elif error is not None and "certificate verify failed" in str(error).lower():
+            refusal = InvalidArgumentError(
                 "tls_ca_file: the redis server's certificate did not verify against "
                 f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({error})"
-            ) from None
+            )
+        if refusal is not None:
+            self._drop_client()
+            self.shutdown()
+            raise refusal
         if error is not None:
             self._unreachable("ping", error)
         else:
@@ -484,10 +290,6 @@ class RedisTier(TierActor):
         super().shutdown()
         if self.state.name == "CLOSED":
             self._drop_client()
-
-    def _fail_start(self) -> None:
-        self._drop_client()
-        self.shutdown()
 
     def _drop_client(self) -> None:
         with self._client_lock:
@@ -559,65 +361,57 @@ class RedisTier(TierActor):
     # -- hooks ------------------------------------------------------------------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
-        keys = list(job.keys)
-        if not self._serving or not self.breaker.allow():
-            return self._refused(job, keys)
-        outcome = await self.run_blocking(self._store_hop, keys, list(job.block_ids))
-        if not isinstance(outcome, tuple):
-            return self._call_failed(job, keys, "store", outcome)
-        failed, pipelines = outcome
-        self.breaker.succeeded()
-        for key in keys:
-            if key in failed:
-                self._forget(key)
-            else:
-                self._learned(key, True)
-        self._counters["stored_blocks"] += len(keys) - len(failed)
-        self._counters["pipelines"] += pipelines
-        if not failed:
-            return JobResult(job.job_id, True)
-        first = next(iter(failed.values()))
-        self._failures.record("redis refused a block's store", len(failed), first)
-        return JobResult(job.job_id, False, tuple(failed), f"{len(failed)} keys failed: {first}")
+        return await self._run_hop(job, "store", self._store_hop)
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
+        return await self._run_hop(job, "load", self._load_hop)
+
+    async def _run_hop(self, job: JobMetadata, what: str, hop: _Hop) -> JobResult:
+        """Run ``hop`` for ``job``'s keys on an I/O thread (unless the breaker refuses)
+        and account for what each key came to."""
         keys = list(job.keys)
         if not self._serving or not self.breaker.allow():
-            return self._refused(job, keys)
-        outcome = await self.run_blocking(self._load_hop, keys, list(job.block_ids))
+            outcome: tuple[dict[bytes, str], int] | BaseException | None = None
+        else:
+            outcome = await self.run_blocking(hop, keys, list(job.block_ids))
         if not isinstance(outcome, tuple):
-            return self._call_failed(job, keys, "load", outcome)
-        reasons, pipelines = outcome
+            for key in keys:  # whatever the server holds now, the cache no longer knows
+                self._forget(key)
+            if outcome is None:
+                reason = "redis unreachable: circuit open, retrying later"
+                self._failures.record("redis unreachable (circuit open)", len(keys))
+            elif isinstance(outcome, _UNREACHABLE):
+                reason = f"redis unreachable: {outcome}"
+                self._unreachable(what, outcome)
+            else:
+                reason = f"redis refused the {what}: {outcome}"
+                self._failures.record(f"redis refused a {what}", len(keys), str(outcome))
+            return JobResult(job.job_id, False, tuple(keys), reason)
+        failed, pipelines = outcome
         self.breaker.succeeded()
-        self._counters["pipelines"] += pipelines
-        failed = {key: why for key, why in zip(keys, reasons, strict=True) if why}
-        corrupt = missing = 0
+        refusals = []
         for key in keys:
             why = failed.get(key)
             if why is None:
-                self._learned(key, True)
+                self._remember(key, True)
             elif why.startswith(_REFUSED):
                 self._forget(key)  # the server would not say: no answer kept
+                refusals.append(why)
             else:  # absent, or corrupt and deleted
-                self._learned(key, False)
-                corrupt += why.startswith(_CORRUPT)
-                missing += why.startswith(_MISSING)
-        refused = len(failed) - corrupt - missing
-        self._counters["loaded_blocks"] += len(keys) - len(failed)
-        self._counters["corrupt_blocks"] += corrupt
-        self._counters["missing_blocks"] += missing
-        if refused:
-            first_refusal = next(why for why in failed.values() if why.startswith(_REFUSED))
-            self._failures.record("redis refused a block's load", refused, first_refusal)
+                self._remember(key, False)
+                self._counters["corrupt_blocks"] += why.startswith(_CORRUPT)
+                self._counters["missing_blocks"] += why.startswith(_MISSING)
+        done = "stored_blocks" if what == "store" else "loaded_blocks"
+        self._counters[done] += len(keys) - len(failed)
+        self._counters["pipelines"] += pipelines
+        if refusals:
+            self._failures.record(f"redis refused a block's {what}", len(refusals), refusals[0])
         if not failed:
             return JobResult(job.job_id, True)
         first = next(iter(failed.values()))
         return JobResult(job.job_id, False, tuple(failed), f"{len(failed)} keys failed: {first}")
 
-    # -- worker thread: one hop per job -------------------------------------------------
-
-    # The client runs here, not on the loop: it copies every value it sends and receives
-    # (2 MiB each), and on the loop that measured a p99 lag of 34-49 ms.
+    # -- I/O threads: one hop per job -----------------------------------------------
 
     # A hop returns the client's error rather than raising it: a raised error would keep
     # the hop's frames, and with them views of the host pool, alive in its traceback.
@@ -631,19 +425,16 @@ class RedisTier(TierActor):
         try:
             probe.ping()
             enabled = bool(probe.info("cluster").get("cluster_enabled", 0))
+            if enabled != self.cluster:
+                said = "a Redis Cluster node" if enabled else "not a cluster node"
+                return InvalidArgumentError(
+                    f"cluster: the redis server is {said}, but the tier has cluster={self.cluster}"
+                )
+            self._connected()
         except _CLIENT_ERRORS as exc:
             return _detached(exc)
         finally:
             probe.close()
-        if enabled != self.cluster:
-            said = "a Redis Cluster node" if enabled else "not a cluster node"
-            return InvalidArgumentError(
-                f"cluster: the redis server is {said}, but the tier has cluster={self.cluster}"
-            )
-        try:
-            self._connected()
-        except _CLIENT_ERRORS as exc:
-            return _detached(exc)
         return None
 
     def _store_hop(
@@ -655,13 +446,7 @@ class RedisTier(TierActor):
         that held a value of another type is deleted, so that its next store lands),
         and how many round trips it took; or the client's error if a call failed (the
         blocks before it are stored)."""
-        slot, ns, tenant, size, cipher = (
-            self.slot,
-            self._ns_digest,
-            self._tenant,
-            self.block_bytes,
-            self._cipher,
-        )
+        ns, tenant, size, cipher = self._ns_digest, self._tenant, self.block_bytes, self._cipher
         per_block = 1 if self.ttl_s is None else 2  # HSET, then EXPIRE
         views: list[memoryview] = []
         sealed = self._sealing_buffers() if cipher is not None else []
@@ -672,42 +457,39 @@ class RedisTier(TierActor):
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
+                batch = keys[start:stop]
                 commands: list[tuple[Any, ...]] = []
-                for i, (key, block_id) in enumerate(
-                    zip(keys[start:stop], block_ids[start:stop], strict=True)
-                ):
-                    payload = slot(block_id)
-                    views.append(payload)
+                for i, (key, block_id) in enumerate(zip(batch, block_ids[start:stop], strict=True)):
+                    value = self.slot(block_id)
+                    views.append(value)
+                    binding = record_binding(ns, tenant, key)
                     if cipher is None:
-                        value = payload
-                        header = encode_header(
-                            key=check_key(key),
-                            tenant=tenant,
-                            payload_bytes=size,
-                            checksum=payload_checksum(payload),
-                            ns_digest=ns,
-                        )
+                        seal, checksum = None, payload_checksum(value, binding)
                     else:
                         # The buffer is free again once the previous round trip
                         # returned: the client has sent it by then.
-                        value = sealed[i]
-                        binding = record_binding(ns, tenant, check_key(key))
-                        seal = cipher.seal_into(payload, value, binding)
-                        header = encode_header(
-                            key=key, tenant=tenant, payload_bytes=size, seal=seal, ns_digest=ns
-                        )
-                    name = self._name_of(key)
+                        seal, checksum = cipher.seal_into(value, sealed[i], binding), None
+                        value = sealed[i][:size]
+                    header = compact_header(
+                        key=key,
+                        tenant=tenant,
+                        payload_bytes=size,
+                        ns_digest=ns,
+                        checksum=checksum,
+                        seal=seal,
+                    )
+                    name = self._prefix + key
                     commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
                     if self.ttl_s is not None:
                         commands.append(("EXPIRE", name, max(1, round(self.ttl_s))))
                 replies = _round_trip(client, commands)
                 pipelines += 1
-                for i, key in enumerate(keys[start:stop]):
+                for i, key in enumerate(batch):
                     error = _first_error(replies[i * per_block : (i + 1) * per_block])
                     if error is not None:
                         failed[key] = f"{_REFUSED} the store: {error}"
                         if _holds_another_type(error):
-                            wrong_type.append(self._name_of(key))
+                            wrong_type.append(self._prefix + key)
                 del commands, replies
         except _CLIENT_ERRORS as exc:
             return _detached(exc)
@@ -721,34 +503,58 @@ class RedisTier(TierActor):
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[list[str], int] | _ClientError:
+    ) -> tuple[dict[bytes, str], int] | _ClientError:
         """Read every block in pipelined round trips of at most ``pipeline_bytes``,
         verify each and copy the good ones into their slots; delete the corrupt ones
-        (and values of another type) from the server. Returns why each key failed (""
-        for the ones that landed) and how many round trips it took, or the client's
-        error."""
-        reasons: list[str] = []
+        (and values of another type) from the server. Returns why each failed key
+        failed and how many round trips it took, or the client's error."""
+        failed: dict[bytes, str] = {}
         corrupt: list[bytes] = []
         pipelines = 0
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
-                commands = [
-                    ("HMGET", self._name_of(key), HEADER_FIELD, PAYLOAD_FIELD)
-                    for key in keys[start:stop]
-                ]
+                batch = keys[start:stop]
+                commands = [("HMGET", self._prefix + k, HEADER_FIELD, PAYLOAD_FIELD) for k in batch]
                 values = _round_trip(client, commands)
                 pipelines += 1
-                for key, block_id, value in zip(
-                    keys[start:stop], block_ids[start:stop], values, strict=True
-                ):
-                    reasons.append(self._land(key, block_id, value, corrupt))
+                for key, block_id, value in zip(batch, block_ids[start:stop], values, strict=True):
+                    why = self._land(key, block_id, value)
+                    if why:
+                        failed[key] = why
+                        if why.startswith(_CORRUPT):
+                            corrupt.append(self._prefix + key)
                 del values  # a whole pipeline of block bytes: not kept past its turn
         except _CLIENT_ERRORS as exc:
             return _detached(exc)
         self._delete(client, corrupt)
-        return reasons, pipelines
+        return failed, pipelines
+
+    def _land(self, key: bytes, block_id: int, value: list[bytes | None] | ResponseError) -> str:
+        """Verify one value read back and put its payload into its slot: "" if it
+        landed, else why not."""
+        if isinstance(value, ResponseError):
+            if not _holds_another_type(value):
+                return f"{_REFUSED} the load: {value}"
+            return f"{_CORRUPT}: the key holds no block ({value})"
+        header, payload = value if value else (None, None)
+        if header is None or payload is None:
+            return _MISSING
+        try:
+            record = decode_header(header)
+            check_header(
+                record,
+                key=key,
+                tenant=self._tenant,
+                payload_bytes=self.block_bytes,
+                ns_digest=self._ns_digest,
+            )
+            with self.slot(block_id) as into:
+                verify_payload(record, payload, self._cipher, into=into)
+        except CorruptBlockError as exc:
+            return f"{_CORRUPT}: {exc}"
+        return ""
 
     def _delete(self, client: redis.Redis | RedisCluster, names: list[bytes]) -> None:
         """Delete ``names`` (values that are no blocks of this tier) from the server, as
@@ -759,47 +565,6 @@ class RedisTier(TierActor):
             client.delete(*names)
         except _CLIENT_ERRORS as exc:  # the job's other keys still count
             logger.debug("redis tier: deleting corrupt blocks failed: %r", _detached(exc))
-
-    def _land(
-        self,
-        key: bytes,
-        block_id: int,
-        value: list[bytes | None] | ResponseError | None,
-        corrupt: list[bytes],
-    ) -> str:
-        """Verify one value read back and copy it into its slot: "" if it landed, else
-        why not (a corrupt one's name is added to ``corrupt``)."""
-        if isinstance(value, ResponseError):
-            if not _holds_another_type(value):
-                return f"{_REFUSED} the load: {value}"
-            corrupt.append(self._name_of(key))
-            return f"{_CORRUPT}: the key holds no block ({value})"
-        header, payload = value if value else (None, None)
-        if header is None or payload is None:
-            return _MISSING
-        size, ns, tenant = self.block_bytes, self._ns_digest, self._tenant
-        try:
-            if self._cipher is None:
-                check_value(
-                    header, payload, key=key, tenant=tenant, payload_bytes=size, ns_digest=ns
-                )
-                self.slot(block_id)[:] = payload
-            else:
-                with self.slot(block_id) as into:  # decrypted in place: no copy
-                    open_value(
-                        header,
-                        payload,
-                        key=key,
-                        tenant=tenant,
-                        payload_bytes=size,
-                        ns_digest=ns,
-                        cipher=self._cipher,
-                        into=into,
-                    )
-        except CorruptBlockError as exc:
-            corrupt.append(self._name_of(key))
-            return f"{_CORRUPT}: {exc}"
-        return ""
 
     def _sealing_buffers(self) -> list[memoryview]:
         """This I/O thread's buffers for one pipeline's sealed payloads
@@ -836,7 +601,7 @@ class RedisTier(TierActor):
     def _exists_hop(self, keys: Sequence[bytes]) -> list[int | ResponseError]:
         """``EXISTS`` of every key in one pipelined round trip (an error reply in the
         place of a key the server would not answer for)."""
-        return _round_trip(self._connected(), [("EXISTS", self._name_of(key)) for key in keys])
+        return _round_trip(self._connected(), [("EXISTS", self._prefix + key) for key in keys])
 
     def _connected(self) -> redis.Redis | RedisCluster:
         """The tier's client, made now if this is the first call that needs it.
@@ -861,18 +626,18 @@ class RedisTier(TierActor):
             **self._tls,
         }
         if cluster:
-            # No retries: with redis-py's, a call to a node that stops answering took
-            # several timeouts and back-offs (docs/redis.md). Redirections (MOVED, ASK)
-            # are no retries: they are followed all the same.
+            # No retries: with redis-py's, a call to a node that stops answering takes
+            # several timeouts and back-offs. Redirections (MOVED, ASK) are no retries:
+            # they are followed all the same.
             return RedisCluster.from_url(self._url, retry=Retry(NoBackoff(), 0), **options)
         return redis.Redis.from_url(self._url, **options)
 
-    # -- internals --------------------------------------------------------------------
-
-    def _name_of(self, key: bytes) -> bytes:
-        return self._prefix + key
+    # -- presence cache and background tasks (loop thread) ----------------------------
 
     def _remember(self, key: OffloadKey, present: bool) -> None:
+        """Cache what was just found of ``key``; a presence check on the wire now may
+        have read the server before that, so its answer for ``key`` is dropped."""
+        self._in_check.discard(key)
         ttl = self.presence_ttl_s if present else self.absence_ttl_s
         presence = self._presence
         old = presence.get(key)
@@ -883,17 +648,9 @@ class RedisTier(TierActor):
             _, (dropped, _) = presence.popitem(last=False)
             self._known_present -= dropped
 
-    def _learned(self, key: OffloadKey, present: bool) -> None:
-        """Remember what a store or load just found of ``key``. A presence check on the
-        wire now may have read the server before that: its answer for ``key`` is
-        dropped."""
-        self._in_check.discard(key)
-        self._remember(key, present)
-
     def _forget(self, key: OffloadKey) -> None:
         """Drop the cached answer for ``key`` (and a check's on the wire now): a lookup
-        asks the server again (the engine then stores a block the tier is not known to
-        hold)."""
+        asks the server again."""
         self._in_check.discard(key)
         old = self._presence.pop(key, None)
         if old is not None:
@@ -932,28 +689,15 @@ class RedisTier(TierActor):
                     return
                 self.breaker.succeeded()
                 self._counters["lookup_round_trips"] += 1
-                in_check = self._in_check
                 for key, count in zip(batch, found, strict=True):
-                    if key in in_check:  # else a store or load has answered since
+                    if key in self._in_check:  # else a store or load has answered since
                         # An error reply (the server would not say) reads as absent.
                         self._remember(key, isinstance(count, int) and count > 0)
-                self._in_check.clear()
         finally:
             self._checking = False
             self._in_check.clear()
             if self.breaker.state is not BreakerState.CLOSED:
                 self._to_check.clear()  # lookups answer False until the server is back
-
-    def _call_failed(
-        self, job: JobMetadata, keys: list[bytes], what: str, error: BaseException
-    ) -> JobResult:
-        for key in keys:  # whatever the server holds now, the cache no longer knows
-            self._forget(key)
-        if isinstance(error, _UNREACHABLE):
-            self._unreachable(what, error)
-            return JobResult(job.job_id, False, tuple(keys), f"redis unreachable: {error}")
-        self._failures.record(f"redis refused a {what}", len(keys), str(error))
-        return JobResult(job.job_id, False, tuple(keys), f"redis refused the {what}: {error}")
 
     async def _watch_usage(self) -> None:
         """Read the server's usage now and every ``usage_every_s`` while the tier runs
@@ -964,14 +708,6 @@ class RedisTier(TierActor):
                 if isinstance(usage, dict):
                     self._server_usage = usage
             await asyncio.sleep(self.usage_every_s)
-
-    def _refused(self, job: JobMetadata, keys: list[bytes]) -> JobResult:
-        for key in keys:
-            self._forget(key)
-        self._failures.record("redis unreachable (circuit open)", len(keys))
-        return JobResult(
-            job.job_id, False, tuple(keys), "redis unreachable: circuit open, retrying later"
-        )
 
     def _unreachable(self, what: str, exc: BaseException) -> None:
         self._counters["unreachable_calls"] += 1
@@ -1172,4 +908,4 @@ def _detached(exc: _ClientError) -> _ClientError:
 _QUOTED_COMMAND = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
 
 
-__all__ = ["RedisTier", "check_value", "encode_header", "open_value"]
+__all__ = ["RedisTier"]
