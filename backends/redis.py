@@ -259,22 +259,10 @@ class RedisTier(TierActor):
         """
         self._serving = True
         error = await self.run_blocking(self._hello)
-        refusal: InvalidArgumentError | None = None
-        if isinstance(error, AuthenticationError):
-            refusal = InvalidArgumentError(
-                f"url: the redis server refused its credentials ({error})"
-            )
-        elif isinstance(error, InvalidArgumentError):
-            refusal = error
-        elif error is not None and "certificate verify failed" in str(error).lower():
-            refusal = InvalidArgumentError(
-                "tls_ca_file: the redis server's certificate did not verify against "
-                f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({error})"
-            )
-        if refusal is not None:
+        if isinstance(error, InvalidArgumentError):
             self._drop_client()
             self.shutdown()
-            raise refusal
+            raise error
         if error is not None:
             self._unreachable("ping", error)
         else:
@@ -419,8 +407,8 @@ class RedisTier(TierActor):
 
     def _hello(self) -> _ClientError | InvalidArgumentError | None:
         """Ping the server with a plain client and check that it is (or is not) a
-        cluster node, as ``cluster`` says; then make the tier's client. The error, if
-        any."""
+        cluster node, as ``cluster`` says; then make the tier's client. Returns the
+        client's error, or an InvalidArgumentError if no call could ever succeed."""
         probe = self._new_client(cluster=False)
         try:
             probe.ping()
@@ -431,8 +419,15 @@ class RedisTier(TierActor):
                     f"cluster: the redis server is {said}, but the tier has cluster={self.cluster}"
                 )
             self._connected()
+        except AuthenticationError as exc:
+            return InvalidArgumentError(f"url: the redis server refused its credentials ({exc})")
         except _CLIENT_ERRORS as exc:
-            return _detached(exc)
+            if "certificate verify failed" not in str(exc).lower():
+                return _detached(exc)
+            return InvalidArgumentError(
+                "tls_ca_file: the redis server's certificate did not verify against "
+                f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({exc})"
+            )
         finally:
             probe.close()
         return None
@@ -729,13 +724,10 @@ def _check_url(url: object, *, cluster: bool) -> None:
     """Check that redis-py will connect with ``url`` as the tier means it to.
 
     Raises:
-        InvalidArgumentError: ``url`` is not a str of the redis://, rediss:// or
-            unix:// scheme, or redis-py's parser refuses it, or it says something the
-            tier would silently get wrong (a path that is no database number, a query
-            option the tier sets itself, a database other than 0 for a cluster); or
-            ``cluster`` is given with a unix:// url. The message names ``url`` and what
-            is wrong, and never quotes the url or any part of it (it may hold a
-            password).
+        InvalidArgumentError: ``url`` is no redis://, rediss:// or unix:// url that
+            redis-py parses, or it says what the tier would get wrong (a path that is no
+            database number, a query option the tier sets itself, a database other than
+            0 or a unix:// url for a cluster). The message never quotes the url.
     """
     if isinstance(url, str) and url.startswith("unix://") and cluster:
         raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
@@ -745,8 +737,7 @@ def _check_url(url: object, *, cluster: bool) -> None:
 
 
 def _url_problem(url: object, *, cluster: bool) -> str | None:
-    """What is wrong with ``url`` (see :func:`_check_url`), in words that quote no part
-    of it; None if nothing is."""
+    """What is wrong with ``url``, in words that quote no part of it; None if nothing."""
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
         return "must be a redis://, rediss:// or unix:// URL"
     try:
@@ -803,15 +794,13 @@ def _round_trip(
     client: redis.Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
 ) -> list[Any]:
     """Send ``commands`` pipelined (one round trip, or one per node of a cluster) and
-    read every reply, once. An error reply to one command (the server refusing that
-    key: WRONGTYPE, OOM) comes back in its place; a cluster's redirection (MOVED, ASK,
-    TRYAGAIN) is followed by sending that command again on its own.
+    read every reply, once. An error reply to one command (WRONGTYPE, OOM) comes back in
+    its place; a cluster's MOVED, ASK or TRYAGAIN is followed by sending that command
+    again on its own.
 
     Raises:
-        what the client raises (a RedisError or RedisClusterException) when a connection
-        fails or times out or the cluster is down. Nothing is retried, so a call ends
-        within about the socket timeout; a cluster client first refreshes its map of
-        the slots (as redis-py does), so a failed-over node is found.
+        the client's error when a connection fails or times out or the cluster is down;
+        nothing is retried (a cluster client first refreshes its map of the slots).
     """
     if not isinstance(client, RedisCluster):
         pipe = client.pipeline(transaction=False)
@@ -855,24 +844,21 @@ def _forget_frames(replies: list[Any]) -> None:
 
 
 def _first_error(replies: Sequence[Any]) -> ResponseError | None:
-    """The first error reply of ``replies``, if any."""
     return next((reply for reply in replies if isinstance(reply, ResponseError)), None)
 
 
 def _holds_another_type(error: ResponseError) -> bool:
-    """The server refused a command because the key holds a value of another type (not
-    a hash: another client wrote it): for this tier, a corrupt block."""
+    """The key holds no hash (another client wrote it): for this tier, a corrupt block."""
     return str(error).startswith("WRONGTYPE")
 
 
 def _tls_options(
     url: str, ca_file: str | None, cert_file: str | None, key_file: str | None
 ) -> dict[str, str]:
-    """redis-py's TLS arguments from the tier's options, each checked.
+    """redis-py's TLS arguments from the tier's options.
 
     Raises:
-        InvalidArgumentError: an option is not a readable file, or is given with a url
-            that is not ``rediss://``.
+        InvalidArgumentError: an option is no readable file, or its url no rediss://.
     """
     given = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
     options = {}
@@ -889,13 +875,9 @@ def _tls_options(
 
 
 def _detached(exc: _ClientError) -> _ClientError:
-    """A copy of ``exc`` with no traceback, no chained errors and no quoted command.
-
-    The frames of a traceback (down in the client) hold the hop's views and replies,
-    whole pipelines of block bytes, which must not outlive the job; and a pipeline's
-    error quotes the command that failed, block bytes again, which have no place in a
-    job's error.
-    """
+    """A copy of ``exc`` with no traceback, no chained errors and no quoted command:
+    a traceback's frames hold the hop's views and replies (block bytes that must not
+    outlive the job), and a pipeline's error quotes the failed command (block bytes)."""
     args = list(exc.args)
     if args and isinstance(args[0], str):
         args[0] = _QUOTED_COMMAND.sub("", args[0])
