@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import re
 import threading
 import time
-import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -56,55 +53,34 @@ from backends.block_record import (
     verify_payload,
 )
 from backends.breaker import BreakerState, CircuitBreaker
+from backends.redis_client import (
+    CLIENT_ERRORS,
+    UNREACHABLE,
+    AuthenticationError,
+    ClientError,
+    Redis,
+    RedisCluster,
+    RedisConnectionError,
+    ResponseError,
+    check_url,
+    detached,
+    first_error,
+    holds_another_type,
+    new_client,
+    round_trip,
+    tls_options,
+)
 from tiering.actor import ACTOR_OPTIONS, TierActor
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.validation import positive_int, seconds
 
-try:
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.cluster import PipelineCommand, RedisCluster
-    from redis.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, parse_url
-    from redis.exceptions import (
-        AskError,
-        AuthenticationError,
-        ClusterDownError,
-        RedisClusterException,
-        RedisError,
-        ResponseError,
-        TryAgainError,
-    )
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-    from redis.retry import Retry
-except ImportError as exc:  # pragma: no cover - exercised only without redis-py
-    raise ImportError(
-        "the redis tier needs redis-py (pip install 'kv-tiering[redis]'); "
-        f"importing it failed: {type(exc).__name__}: {exc}"
-    ) from exc
-
 logger = logging.getLogger(__name__)
 
 HEADER_FIELD = b"h"
 PAYLOAD_FIELD = b"p"
 
-_CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
-"""What a call to the server may raise (the cluster client's own errors are no
-RedisErrors)."""
-_ClientError = RedisError | RedisClusterException | OSError
-_UNREACHABLE = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    ClusterDownError,
-    RedisClusterException,  # no node of the cluster answered, or a slot has no node
-    ConnectionError,
-    TimeoutError,
-    OSError,
-)
-_NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
-"""Replies of a cluster pipeline that mean the node, not the key, failed."""
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
 # How a load or store of one key failed; the first words of its reason.
@@ -112,7 +88,7 @@ _MISSING = "not in the redis tier"
 _CORRUPT = "corrupt block"
 _REFUSED = "redis refused"
 
-_Hop = Callable[[Sequence[bytes], Sequence[int]], "tuple[dict[bytes, str], int] | _ClientError"]
+_Hop = Callable[[Sequence[bytes], Sequence[int]], "tuple[dict[bytes, str], int] | ClientError"]
 
 
 class RedisTier(TierActor):
@@ -197,9 +173,9 @@ class RedisTier(TierActor):
             raise InvalidArgumentError(f"tenant must be at most {MAX_TENANT_BYTES} bytes (UTF-8)")
         if not isinstance(cluster, bool):
             raise InvalidArgumentError(f"cluster must be a bool, got {cluster!r}")
-        _check_url(url, cluster=cluster)
+        check_url(url, cluster=cluster)
         self.cluster = cluster
-        self._tls = _tls_options(url, tls_ca_file, tls_cert_file, tls_key_file)
+        self._tls = tls_options(url, tls_ca_file, tls_cert_file, tls_key_file)
         self.timeout_s = seconds("timeout_s", timeout_s, allow_zero=False)
         self.max_connections = positive_int("max_connections", max_connections)
         self.ttl_s = None if ttl_s is None else seconds("ttl_s", ttl_s, allow_zero=False)
@@ -228,7 +204,7 @@ class RedisTier(TierActor):
         # Made by the first call that needs it (a cluster client connects as it is made,
         # so one whose nodes are down at start is made later, by a probe) and dropped
         # at close; the lock keeps the I/O threads from making two.
-        self._client: redis.Redis | RedisCluster | None = None
+        self._client: Redis | RedisCluster | None = None
         self._client_lock = threading.Lock()
         self._serving = False  # from start until close: whether a client may be made
         # key -> (present, trusted until): a bounded LRU of recent answers
@@ -368,7 +344,7 @@ class RedisTier(TierActor):
             if outcome is None:
                 reason = "redis unreachable: circuit open, retrying later"
                 self._failures.record("redis unreachable (circuit open)", len(keys))
-            elif isinstance(outcome, _UNREACHABLE):
+            elif isinstance(outcome, UNREACHABLE):
                 reason = f"redis unreachable: {outcome}"
                 self._unreachable(what, outcome)
             else:
@@ -405,11 +381,11 @@ class RedisTier(TierActor):
     # the hop's frames, and with them views of the host pool, alive in its traceback.
     # A view handed to the client is released once the call is over, whatever happened.
 
-    def _hello(self) -> _ClientError | InvalidArgumentError | None:
+    def _hello(self) -> ClientError | InvalidArgumentError | None:
         """Ping the server with a plain client and check that it is (or is not) a
         cluster node, as ``cluster`` says; then make the tier's client. Returns the
         client's error, or an InvalidArgumentError if no call could ever succeed."""
-        probe = self._new_client(cluster=False)
+        probe = self._client_of(cluster=False)
         try:
             probe.ping()
             enabled = bool(probe.info("cluster").get("cluster_enabled", 0))
@@ -421,9 +397,9 @@ class RedisTier(TierActor):
             self._connected()
         except AuthenticationError as exc:
             return InvalidArgumentError(f"url: the redis server refused its credentials ({exc})")
-        except _CLIENT_ERRORS as exc:
+        except CLIENT_ERRORS as exc:
             if "certificate verify failed" not in str(exc).lower():
-                return _detached(exc)
+                return detached(exc)
             return InvalidArgumentError(
                 "tls_ca_file: the redis server's certificate did not verify against "
                 f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({exc})"
@@ -434,7 +410,7 @@ class RedisTier(TierActor):
 
     def _store_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[dict[bytes, str], int] | _ClientError:
+    ) -> tuple[dict[bytes, str], int] | ClientError:
         """Write every block (header, then the payload straight from its slot, or with
         ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
         most ``pipeline_bytes``. Returns the keys the server refused, with why (a key
@@ -477,17 +453,17 @@ class RedisTier(TierActor):
                     commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
                     if self.ttl_s is not None:
                         commands.append(("EXPIRE", name, max(1, round(self.ttl_s))))
-                replies = _round_trip(client, commands)
+                replies = round_trip(client, commands)
                 pipelines += 1
                 for i, key in enumerate(batch):
-                    error = _first_error(replies[i * per_block : (i + 1) * per_block])
+                    error = first_error(replies[i * per_block : (i + 1) * per_block])
                     if error is not None:
                         failed[key] = f"{_REFUSED} the store: {error}"
-                        if _holds_another_type(error):
+                        if holds_another_type(error):
                             wrong_type.append(self._prefix + key)
                 del commands, replies
-        except _CLIENT_ERRORS as exc:
-            return _detached(exc)
+        except CLIENT_ERRORS as exc:
+            return detached(exc)
         finally:
             # The client's own frames, kept in reference cycles after an error, may
             # still name these views: released, they no longer pin the host pool.
@@ -498,7 +474,7 @@ class RedisTier(TierActor):
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[dict[bytes, str], int] | _ClientError:
+    ) -> tuple[dict[bytes, str], int] | ClientError:
         """Read every block in pipelined round trips of at most ``pipeline_bytes``,
         verify each and copy the good ones into their slots; delete the corrupt ones
         (and values of another type) from the server. Returns why each failed key
@@ -512,7 +488,7 @@ class RedisTier(TierActor):
                 stop = start + self._blocks_per_pipeline
                 batch = keys[start:stop]
                 commands = [("HMGET", self._prefix + k, HEADER_FIELD, PAYLOAD_FIELD) for k in batch]
-                values = _round_trip(client, commands)
+                values = round_trip(client, commands)
                 pipelines += 1
                 for key, block_id, value in zip(batch, block_ids[start:stop], values, strict=True):
                     why = self._land(key, block_id, value)
@@ -521,8 +497,8 @@ class RedisTier(TierActor):
                         if why.startswith(_CORRUPT):
                             corrupt.append(self._prefix + key)
                 del values  # a whole pipeline of block bytes: not kept past its turn
-        except _CLIENT_ERRORS as exc:
-            return _detached(exc)
+        except CLIENT_ERRORS as exc:
+            return detached(exc)
         self._delete(client, corrupt)
         return failed, pipelines
 
@@ -530,7 +506,7 @@ class RedisTier(TierActor):
         """Verify one value read back and put its payload into its slot: "" if it
         landed, else why not."""
         if isinstance(value, ResponseError):
-            if not _holds_another_type(value):
+            if not holds_another_type(value):
                 return f"{_REFUSED} the load: {value}"
             return f"{_CORRUPT}: the key holds no block ({value})"
         header, payload = value if value else (None, None)
@@ -551,15 +527,15 @@ class RedisTier(TierActor):
             return f"{_CORRUPT}: {exc}"
         return ""
 
-    def _delete(self, client: redis.Redis | RedisCluster, names: list[bytes]) -> None:
+    def _delete(self, client: Redis | RedisCluster, names: list[bytes]) -> None:
         """Delete ``names`` (values that are no blocks of this tier) from the server, as
         far as it goes: a failure is logged, and the next load of each fails again."""
         if not names:
             return
         try:
             client.delete(*names)
-        except _CLIENT_ERRORS as exc:  # the job's other keys still count
-            logger.debug("redis tier: deleting corrupt blocks failed: %r", _detached(exc))
+        except CLIENT_ERRORS as exc:  # the job's other keys still count
+            logger.debug("redis tier: deleting corrupt blocks failed: %r", detached(exc))
 
     def _sealing_buffers(self) -> list[memoryview]:
         """This I/O thread's buffers for one pipeline's sealed payloads
@@ -574,7 +550,7 @@ class RedisTier(TierActor):
             self._seal_buffers.views = buffers
         return buffers
 
-    def _usage_hop(self) -> dict[str, int] | _ClientError:
+    def _usage_hop(self) -> dict[str, int] | ClientError:
         """The server's memory use, limit and key count (summed over a cluster's
         primaries); the client's error if that failed."""
         try:
@@ -585,8 +561,8 @@ class RedisTier(TierActor):
                 memory = list(nodes.values())
             else:
                 memory, keys = [client.info("memory")], client.dbsize()
-        except _CLIENT_ERRORS as exc:
-            return _detached(exc)
+        except CLIENT_ERRORS as exc:
+            return detached(exc)
         return {
             "used_bytes": sum(int(node.get("used_memory", 0)) for node in memory),
             "capacity_bytes": sum(int(node.get("maxmemory", 0)) for node in memory),
@@ -596,9 +572,9 @@ class RedisTier(TierActor):
     def _exists_hop(self, keys: Sequence[bytes]) -> list[int | ResponseError]:
         """``EXISTS`` of every key in one pipelined round trip (an error reply in the
         place of a key the server would not answer for)."""
-        return _round_trip(self._connected(), [("EXISTS", self._prefix + key) for key in keys])
+        return round_trip(self._connected(), [("EXISTS", self._prefix + key) for key in keys])
 
-    def _connected(self) -> redis.Redis | RedisCluster:
+    def _connected(self) -> Redis | RedisCluster:
         """The tier's client, made now if this is the first call that needs it.
 
         Raises:
@@ -609,23 +585,17 @@ class RedisTier(TierActor):
             if self._client is None:
                 if not self._serving:
                     raise RedisConnectionError("the redis tier is closed")
-                self._client = self._new_client(cluster=self.cluster)
+                self._client = self._client_of(cluster=self.cluster)
             return self._client
 
-    def _new_client(self, *, cluster: bool) -> redis.Redis | RedisCluster:
-        options: dict[str, Any] = {
-            "socket_timeout": self.timeout_s,
-            "socket_connect_timeout": self.timeout_s,
-            "max_connections": self.max_connections,
-            "decode_responses": False,
-            **self._tls,
-        }
-        if cluster:
-            # No retries: with redis-py's, a call to a node that stops answering takes
-            # several timeouts and back-offs. Redirections (MOVED, ASK) are no retries:
-            # they are followed all the same.
-            return RedisCluster.from_url(self._url, retry=Retry(NoBackoff(), 0), **options)
-        return redis.Redis.from_url(self._url, **options)
+    def _client_of(self, *, cluster: bool) -> Redis | RedisCluster:
+        return new_client(
+            self._url,
+            cluster=cluster,
+            timeout_s=self.timeout_s,
+            max_connections=self.max_connections,
+            tls=self._tls,
+        )
 
     # -- presence cache and background tasks (loop thread) ----------------------------
 
@@ -676,10 +646,10 @@ class RedisTier(TierActor):
                 self._in_check.update(batch)
                 try:
                     found = await self.run_blocking(self._exists_hop, batch)
-                except _UNREACHABLE as exc:
+                except UNREACHABLE as exc:
                     self._unreachable("lookup", exc)
                     return
-                except _CLIENT_ERRORS as exc:
+                except CLIENT_ERRORS as exc:
                     logger.debug("redis tier: presence check refused: %r", exc)
                     return
                 self.breaker.succeeded()
@@ -708,186 +678,6 @@ class RedisTier(TierActor):
         self._counters["unreachable_calls"] += 1
         self.breaker.failed()
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
-
-
-_TIER_SETS = {
-    "socket_timeout": "timeout_s",
-    "socket_connect_timeout": "timeout_s",
-    "max_connections": "max_connections",
-    "retry_on_timeout": "timeout_s",
-    "retry_on_error": "timeout_s",
-}
-"""Query options of a url that the tier sets itself, and the tier option that does."""
-
-
-def _check_url(url: object, *, cluster: bool) -> None:
-    """Check that redis-py will connect with ``url`` as the tier means it to.
-
-    Raises:
-        InvalidArgumentError: ``url`` is no redis://, rediss:// or unix:// url that
-            redis-py parses, or it says what the tier would get wrong (a path that is no
-            database number, a query option the tier sets itself, a database other than
-            0 or a unix:// url for a cluster). The message never quotes the url.
-    """
-    if isinstance(url, str) and url.startswith("unix://") and cluster:
-        raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
-    problem = _url_problem(url, cluster=cluster)
-    if problem is not None:  # raised here, outside any handler: no parser error chained
-        raise InvalidArgumentError(f"url: {problem} (the url is not shown: it may hold a password)")
-
-
-def _url_problem(url: object, *, cluster: bool) -> str | None:
-    """What is wrong with ``url``, in words that quote no part of it; None if nothing."""
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        return "must be a redis://, rediss:// or unix:// URL"
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:  # its message may quote a piece of the url
-        return "its host cannot be parsed"
-    try:
-        port = None if parts.scheme == "unix" else parts.port
-    except ValueError:  # its message quotes the port, which may be a piece of a password
-        return (
-            "its port is not a number from 1 to 65535 (a '/', '?' or '#' in the user "
-            "name or password must be percent-encoded: %2F, %3F, %23)"
-        )
-    # A password always comes before an '@': with one after the host (or a fragment),
-    # part of the credentials spilled into the path, query or fragment.
-    if "#" in url or "@" in parts.path + parts.query:
-        return (
-            "it holds an unescaped '/', '?', '#' or '@' after the user name or password "
-            "(percent-encode them: %2F, %3F, %23, %40)"
-        )
-    if port == 0:
-        return "its port is not a number from 1 to 65535"
-    if parts.scheme == "unix":
-        if not parts.path:
-            return "a unix:// url needs the path of the server's socket"
-    else:
-        database = urllib.parse.unquote(parts.path).strip("/")
-        if database and not database.isdigit():
-            return "its path must be the database number (/0, /1, ...) or nothing"
-    for name, values in urllib.parse.parse_qs(parts.query).items():
-        if name in _TIER_SETS:
-            return f"its query sets {name}, which the tier sets from {_TIER_SETS[name]}"
-        parse = URL_QUERY_ARGUMENT_PARSERS.get(name)  # a name redis-py knows: safe to show
-        try:
-            if parse is not None:
-                parse(values[0])
-        except (TypeError, ValueError):
-            return f"its query option {name} has an invalid value"
-    try:
-        options = parse_url(url)  # the parser redis-py connects with
-    except (TypeError, ValueError):
-        return "redis-py cannot parse it"
-    if cluster and options.get("db", 0) != 0:
-        return "a Redis Cluster has database 0 only"
-    connection_class = options.pop("connection_class", Connection)
-    try:
-        connection_class(**options)  # builds the connection redis-py would, unconnected
-    except (TypeError, ValueError, RedisError):
-        return "its query has an option redis-py does not take, or an invalid value"
-    return None
-
-
-def _round_trip(
-    client: redis.Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
-) -> list[Any]:
-    """Send ``commands`` pipelined (one round trip, or one per node of a cluster) and
-    read every reply, once. An error reply to one command (WRONGTYPE, OOM) comes back in
-    its place; a cluster's MOVED, ASK or TRYAGAIN is followed by sending that command
-    again on its own.
-
-    Raises:
-        the client's error when a connection fails or times out or the cluster is down;
-        nothing is retried (a cluster client first refreshes its map of the slots).
-    """
-    if not isinstance(client, RedisCluster):
-        pipe = client.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
-        replies = pipe.execute(raise_on_error=False)
-    else:
-        # Not the pipeline's own execute: after a node timed out it sends each of that
-        # node's commands again on its own, each waiting for its timeout. Without
-        # redirections each node is written and read once, its errors left in place;
-        # the redirected commands are sent again below.
-        stack = [PipelineCommand(command, {}, i) for i, command in enumerate(commands)]
-        pipe = client.pipeline(transaction=False)
-        replies = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
-        down = next((reply for reply in replies if isinstance(reply, _NODE_DOWN)), None)
-        if down is not None:
-            _forget_frames(replies)
-            try:
-                client.nodes_manager.initialize()
-            except _CLIENT_ERRORS as exc:  # the next call tries again
-                logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
-            raise _detached(down)  # a copy: the original sits in the replies
-        for i, reply in enumerate(replies):
-            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
-                try:
-                    replies[i] = client.execute_command(*commands[i])
-                except ResponseError as exc:
-                    if isinstance(exc, ClusterDownError):
-                        raise
-                    replies[i] = exc
-    _forget_frames(replies)
-    return replies
-
-
-def _forget_frames(replies: list[Any]) -> None:
-    """Clear the tracebacks of error replies: their frames, down in the client, name the
-    commands and with them views of the host pool, which must not outlive the call."""
-    for reply in replies:
-        if isinstance(reply, BaseException):
-            reply.__traceback__ = None
-
-
-def _first_error(replies: Sequence[Any]) -> ResponseError | None:
-    return next((reply for reply in replies if isinstance(reply, ResponseError)), None)
-
-
-def _holds_another_type(error: ResponseError) -> bool:
-    """The key holds no hash (another client wrote it): for this tier, a corrupt block."""
-    return str(error).startswith("WRONGTYPE")
-
-
-def _tls_options(
-    url: str, ca_file: str | None, cert_file: str | None, key_file: str | None
-) -> dict[str, str]:
-    """redis-py's TLS arguments from the tier's options.
-
-    Raises:
-        InvalidArgumentError: an option is no readable file, or its url no rediss://.
-    """
-    given = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
-    options = {}
-    for name, path in given.items():
-        if path is None:
-            continue
-        if not url.startswith("rediss://"):
-            raise InvalidArgumentError(f"{name} needs a rediss:// url (TLS), got {path!r}")
-        if not isinstance(path, str) or not os.path.isfile(path):
-            raise InvalidArgumentError(f"{name} must name a readable file, got {path!r}")
-        options[{"tls_ca_file": "ssl_ca_certs", "tls_cert_file": "ssl_certfile",
-                 "tls_key_file": "ssl_keyfile"}[name]] = path  # fmt: skip
-    return options
-
-
-def _detached(exc: _ClientError) -> _ClientError:
-    """A copy of ``exc`` with no traceback, no chained errors and no quoted command:
-    a traceback's frames hold the hop's views and replies (block bytes that must not
-    outlive the job), and a pipeline's error quotes the failed command (block bytes)."""
-    args = list(exc.args)
-    if args and isinstance(args[0], str):
-        args[0] = _QUOTED_COMMAND.sub("", args[0])
-    try:
-        return type(exc)(*args)
-    except TypeError:  # a class whose constructor wants other arguments
-        return RedisError(str(args[0]) if args else type(exc).__name__)
-
-
-_QUOTED_COMMAND = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
 
 
 __all__ = ["RedisTier"]
