@@ -39,6 +39,7 @@ import hashlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -146,7 +147,7 @@ def encode_header(
     """
     check_key(key)
     if (checksum is None) == (seal is None):
-        raise InvalidArgumentError("a block header takes a checksum or a seal, not both")
+        raise InvalidArgumentError("a block header takes either a checksum or a seal")
     if seal is not None and (len(seal.nonce) != NONCE_BYTES or len(seal.tag) != TAG_BYTES):
         raise InvalidArgumentError("a seal's nonce must be 12 bytes and its tag 16")
     field = seal.tag if seal is not None else checksum
@@ -185,26 +186,10 @@ def encode_header(
     _TRAILER.pack_into(view, trailer, xxhash.xxh3_64_intdigest(view[:trailer]))
 
 
-def compact_header(
-    *,
-    key: bytes,
-    payload_bytes: int,
-    ns_digest: bytes,
-    tenant: bytes = b"",
-    checksum: bytes | None = None,
-    seal: Seal | None = None,
-) -> bytes:
-    """A compact header (:func:`encode_header`'s, as bytes)."""
+def compact_header(*, key: bytes, tenant: bytes = b"", **fields: Any) -> bytes:
+    """A compact header: :func:`encode_header` with the same arguments, as bytes."""
     into = bytearray(compact_bytes(tenant, key))
-    encode_header(
-        into,
-        key=key,
-        payload_bytes=payload_bytes,
-        ns_digest=ns_digest,
-        tenant=tenant,
-        checksum=checksum,
-        seal=seal,
-    )
+    encode_header(into, key=key, tenant=tenant, **fields)
     return bytes(into)
 
 
