@@ -29,7 +29,9 @@ ASK and TRYAGAIN the tier follows itself); after ``breaker_failures`` connection
 failures in a row a :class:`~backends.breaker.CircuitBreaker` opens, and the tier
 recovers by itself when the server is back. A job's blocks go in pipelines of at most
 ``pipeline_bytes`` of payload, so at most ``max_inflight * pipeline_bytes`` payload
-bytes are in flight at once. docs/redis.md tells the whole story.
+bytes are in flight at once. Capacity is the server's (``maxmemory``, best with
+``allkeys-lru``; ``ttl_s`` optional): a block evicted between a lookup and a load is a
+failed key. docs/redis.md tells the whole story.
 """
 
 from __future__ import annotations
