@@ -258,20 +258,17 @@ def verify_payload(
     *,
     into: memoryview | None = None,
 ) -> None:
-    """Verify the payload read under ``header`` (already checked against the expected
-    key, tenant, namespace and length), as every reader does. Without ``cipher``: refuse
-    a sealed record, compare ``checksum(payload, binding)`` with the header's, then
-    copy the payload to ``into`` if given. With ``cipher``: refuse a plain record, copy
-    the ciphertext to ``into`` if given, and open it in place (``into``, else
-    ``payload``, then holds the plaintext). Blocking: call it off the loop.
+    """Verify the payload read under ``header`` (already checked by
+    :func:`check_header`) as every reader does, off the loop. Without ``cipher``: refuse
+    a sealed record, compare ``checksum(payload, binding)`` with the header's, then copy
+    the payload to ``into`` if given. With ``cipher``: refuse a plain record, copy the
+    ciphertext to ``into`` if given, and open it there (else in ``payload``) in place.
 
     Raises:
         CorruptBlockError: the payload's length is not the header's, the record is of
-            the other kind, or it does not verify: a checksum mismatch, or from the
-            cipher an :class:`~tiering.encryption.UnknownKeyError` or
-            :class:`~tiering.encryption.AuthenticationError` (logged once per key id).
-            A plain reader writes nothing to ``into`` then; a sealed one leaves garbage
-            there (never to be served: the key has failed).
+            the other kind, or it does not verify (from the cipher: an UnknownKeyError
+            or AuthenticationError, logged once per key id). A plain reader has then
+            written nothing to ``into``; a sealed one leaves garbage, never served.
     """
     if len(payload) != header.payload_bytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {header.payload_bytes}")
