@@ -1,10 +1,7 @@
 """A circuit breaker for a remote tier, sans-I/O: it decides, the tier does the calls.
 
-Closed, calls go through. After ``failures`` connection failures in a row it opens:
-calls are refused at once (the tier answers misses and fails stores fast instead of
-stalling the engine on a dead server). Once ``backoff_s`` has passed it lets one probe
-through (half-open); a success closes it, a failure opens it again for twice as long,
-up to ``max_backoff_s``. The clock is injected, so tests step it.
+It keeps a tier from stalling the engine on a dead server: the tier answers misses and
+fails stores at once while it is open. The clock is injected, so tests step it.
 """
 
 from __future__ import annotations
@@ -31,9 +28,10 @@ class BreakerState(Enum):
 class CircuitBreaker:
     """Counts connection failures and says whether the next call may go.
 
-    Guarantees: while open, :meth:`allow` is False until the back-off has passed, then
-    True for exactly one probe at a time; :meth:`succeeded` closes it and resets the
-    back-off; :meth:`failed` during a probe reopens it with the back-off doubled.
+    Closed, calls go through; after ``failures`` connection failures in a row it opens,
+    and :meth:`allow` is False until ``backoff_s`` has passed, then True for exactly one
+    probe at a time (half-open). :meth:`succeeded` closes it and resets the back-off;
+    :meth:`failed` during a probe reopens it for twice as long, up to ``max_backoff_s``.
 
     Raises (constructor): InvalidArgumentError for a bad option, naming it.
     """

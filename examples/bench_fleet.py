@@ -12,7 +12,8 @@ and at least the longest request's blocks (a store stages a request's blocks in 
 tier at once). For each router (round-robin, affinity, least-loaded, kv-aware) the fleet
 runs with the shared Redis tier (the server emptied first) and without it, every loaded
 block checked. Prints a table; with --plot draws hit ratio by router, with and without
-the shared tier (matplotlib).
+the shared tier (matplotlib). Runs from a checkout: its local server is the tests'
+(tests/_redis_servers.py).
 The last line is one JSON object::
 
     {"nodes": ..., "cpu_blocks": ..., "runs": [{"router": ..., "shared_hit_ratio": ...,
@@ -31,13 +32,15 @@ from pathlib import Path
 
 import torch
 
-from backends.redis_server import LocalRedisServer
 from tiering import TieringEngine
 from tiering.cli_args import Progress, make_parser, parse_size, positive_int, run_main
 from tiering.errors import TraceError
 from tiering.fleet import ROUTERS, FleetSummary, NodeOutage, replay_fleet
 from tiering.sweep import footprint
 from tiering.workloads import Request, read_mooncake, synthetic_requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _redis_servers import LocalRedisServer  # a test aid: tests/ is on sys.path now
 
 
 async def one_run(

@@ -6,7 +6,8 @@ Usage::
         [--no-encryption]
 
 Without URL it starts its own ``redis-server`` on a free loopback port (no persistence),
-or with ``--cluster`` a three-node Redis Cluster, and stops it at the end. With
+or with ``--cluster`` a three-node Redis Cluster, and stops it at the end (run it from a
+checkout: that server is the tests' own, tests/_redis_servers.py). With
 ``--cluster`` both sides use redis-py's cluster clients. For each block size,
 ``--repeat`` rounds of the baseline, the tier and the tier with encryption, in turn
 (which goes first rotates from round to round), each on an emptied database:
@@ -341,7 +342,8 @@ def main() -> None:
         if args.url is not None:
             runs = asyncio.run(run(args.url, args, progress))
         else:
-            from backends.redis_server import LocalRedisCluster, LocalRedisServer
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from _redis_servers import LocalRedisCluster, LocalRedisServer
 
             with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
                 server = (LocalRedisCluster if args.cluster else LocalRedisServer)(Path(directory))

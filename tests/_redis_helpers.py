@@ -1,4 +1,4 @@
-"""A real redis-server for the Redis tests (see ``backends.redis_server``)."""
+"""A real redis-server for the Redis tests (see ``tests._redis_servers``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from backends.nvme_format import namespace_digest
-from backends.redis_server import SERVER, LocalRedisCluster, LocalRedisServer
+from backends.block_record import namespace_digest
+from tests._redis_servers import SERVER, LocalRedisCluster, LocalRedisServer
 from tiering.registry import make_tier
 
 
@@ -36,7 +36,7 @@ def _require_redis() -> None:
 def local_redis_server(
     directory: Path, *args: str, tls: tuple[Path, Path, Path] | None = None
 ) -> LocalRedisServer:
-    """A started :class:`~backends.redis_server.LocalRedisServer` (or a skip, as
+    """A started :class:`~tests._redis_servers.LocalRedisServer` (or a skip, as
     :func:`_require_redis` says)."""
     _require_redis()
     server = LocalRedisServer(directory, *args, tls=tls)
@@ -45,7 +45,7 @@ def local_redis_server(
 
 
 def local_redis_cluster(directory: Path) -> LocalRedisCluster:
-    """A started three-node :class:`~backends.redis_server.LocalRedisCluster` (or a
+    """A started three-node :class:`~tests._redis_servers.LocalRedisCluster` (or a
     skip, as :func:`_require_redis` says)."""
     _require_redis()
     cluster = LocalRedisCluster(directory)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from backends.redis_server import LocalRedisServer
+from tests._redis_servers import LocalRedisServer
 from tiering import TieringEngine
 from tiering.abstract import OffloadingEvent
 from tiering.cli import main

@@ -11,9 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from backends.nvme_format import namespace_digest, payload_checksum
-from backends.redis_server import LocalRedisCluster
-from backends.redis_server import LocalRedisServer as RedisServer
+from backends.block_record import namespace_digest
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import (
     BLOCK,
@@ -31,6 +29,8 @@ from tests._redis_helpers import (
     settled,
     slot,
 )
+from tests._redis_servers import LocalRedisCluster
+from tests._redis_servers import LocalRedisServer as RedisServer
 from tests._scripts import last_json, run_script
 from tiering import TieringEngine
 from tiering.cli import main
@@ -538,24 +538,26 @@ async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
     assert slot(pool, 11) == slot(pool, 0)
 
 
-async def test_a_block_in_the_format_from_before_the_tenant_is_a_miss(
-    pool: memoryview, redis_server: RedisServer
+@pytest.mark.parametrize("version", [1, 3])
+async def test_a_block_in_an_older_format_is_a_miss(
+    pool: memoryview, redis_server: RedisServer, version: int
 ) -> None:
-    """A version-1 record (its header without the tenant) is read as corrupt: deleted,
-    never served, even though it is sound in its own format."""
+    """A record of the tier's own older formats (version 1, its header without the
+    tenant; version 3, the last before the shared block record) is read as corrupt:
+    deleted, never served, even though it is sound in its own format."""
     [key] = keys(1)
     payload = slot(pool, 0)
-    old_layout = struct.Struct("<8sHxxQ16s16sH")  # magic, version 1, length, checksum, ns
-    body = old_layout.pack(
-        b"KVTRDS\r\n", 1, BLOCK, payload_checksum(payload), namespace_digest("model-a"), len(key)
-    )
-    body += key
+    old_layout = struct.Struct("<8sHxxQ16s16sH" + ("H" if version == 3 else ""))
+    lengths = (0, len(key)) if version == 3 else (len(key),)
+    checksum = xxhash.xxh3_128_digest(payload)
+    ns = namespace_digest("model-a")
+    body = old_layout.pack(b"KVTRDS\r\n", version, BLOCK, checksum, ns, *lengths) + key
     header = body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
     redis_server.command("HSET", name_of(key), "h", header, "p", payload)
     async with opened(pool, redis_server) as tier:
         result = await load_job(tier, [key], [10])
         assert result.failed_keys == (key,)
-        assert "not a block value of this format" in str(result.error)
+        assert "not a block record" in str(result.error)
         assert redis_server.command("EXISTS", name_of(key)) == 0
 
 

@@ -8,17 +8,22 @@ import asyncio
 import base64
 import logging
 import os
-import struct
 import urllib.request
 from typing import Any
 
 import pytest
 import torch
 
-from backends.nvme_format import namespace_digest, payload_checksum
-from backends.redis_server import LocalRedisServer as RedisServer
+from backends.block_record import (
+    compact_header,
+    decode_header,
+    namespace_digest,
+    payload_checksum,
+    record_binding,
+)
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import BLOCK, keys, name_of, opened, settled, slot
+from tests._redis_servers import LocalRedisServer as RedisServer
 from tiering import TieringEngine
 from tiering.encryption import Seal
 from tiering.errors import InvalidArgumentError
@@ -29,8 +34,6 @@ from tiering.registry import make_tier
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
 pytest.importorskip("cryptography", reason="pip install 'kv-tiering[encryption]'")
-
-from backends.redis import SEALED_VERSION, encode_header  # after the skips: needs redis-py
 
 SLOTS = 32
 TAG = 16
@@ -60,11 +63,26 @@ def raw(server: RedisServer, key: bytes, field: str) -> bytes:
     return value
 
 
-def header_fields(header: bytes) -> tuple[int, int, bytes]:
-    """A raw header's version, key id and nonce (the layout in backends/redis.py)."""
-    version = struct.unpack_from("<H", header, 8)[0]
-    key_id, nonce = struct.unpack_from("<I12s", header, 20)
-    return version, key_id, nonce
+def header_fields(header: bytes) -> tuple[bool, int, bytes]:
+    """Whether a raw header is a sealed record's, and its key id and nonce."""
+    seal = decode_header(header).seal
+    return (True, seal.key_id, seal.nonce) if seal is not None else (False, 0, b"")
+
+
+def forged(
+    header: bytes, *, key: bytes = b"", tenant: bytes | None = None, namespace: str = "", tag=b""
+) -> bytes:
+    """A sealed record's ``header`` made again, its own checksum sound, with the given
+    fields changed (the key id and nonce kept)."""
+    record = decode_header(header)
+    assert record.seal is not None
+    return compact_header(
+        key=key or record.key,
+        tenant=record.tenant if tenant is None else tenant,
+        payload_bytes=record.payload_bytes,
+        ns_digest=namespace_digest(namespace) if namespace else record.namespace_digest,
+        seal=Seal(record.seal.key_id, record.seal.nonce, tag or record.seal.tag),
+    )
 
 
 def encryption_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -89,12 +107,12 @@ async def test_sealed_blocks_round_trip_byte_exact_and_hold_no_plaintext(
     assert [slot(pool, i) for i in range(10, 15)] == expected
     for i, name in enumerate(names):
         stored, header = raw(redis_server, name, "p"), raw(redis_server, name, "h")
-        assert len(stored) == BLOCK + TAG  # the ciphertext, as long as the payload, and the tag
+        assert len(stored) == BLOCK  # the ciphertext, as long as the payload (the tag: "h")
         assert b"plaintext-marker" not in stored
         assert expected[i][:64] not in stored and expected[i][BLOCK // 2 :][:64] not in stored
-        assert payload_checksum(expected[i]) not in header  # no checksum of the plaintext
-        version, key_id, _ = header_fields(header)
-        assert (version, key_id) == (SEALED_VERSION, 1)
+        binding = record_binding(namespace_digest(NAMESPACE), b"", name)
+        assert payload_checksum(expected[i], binding) not in header  # no plaintext checksum
+        assert header_fields(header)[:2] == (True, 1)
     nonces = {header_fields(raw(redis_server, name, "h"))[2] for name in names}
     assert len(nonces) == 5  # a fresh nonce for every block
     # The same plaintext (blocks 0 and 1) seals to different bytes.
@@ -174,21 +192,29 @@ async def test_a_rotated_keyring_reads_old_blocks_and_writes_new_ones_under_the_
 async def test_a_flipped_byte_of_ciphertext_or_tag_is_a_miss(
     pool: memoryview, redis_server: RedisServer, where: int
 ) -> None:
+    """A byte of the ciphertext, or of the tag (``where`` past the payload) in a header
+    made again around it, its own checksum sound."""
     names = keys(2)
     async with opened(pool, redis_server, encryption=spec((1, OLD_KEY))) as tier:
         assert (await store_job(tier, names, [0, 1])).success
         stored = bytearray(raw(redis_server, names[1], "p"))
-        stored[where] ^= 0x01
-        redis_server.command("HSET", name_of(names[1]), "p", bytes(stored))
+        header = raw(redis_server, names[1], "h")
+        if where < BLOCK:
+            stored[where] ^= 0x01
+        else:
+            tag = bytearray(decode_header(header).payload_checksum)
+            tag[where - BLOCK] ^= 0x01
+            header = forged(header, tag=bytes(tag))
+        redis_server.command("HSET", name_of(names[1]), "h", header, "p", bytes(stored))
         result = await load_job(tier, names, [10, 11])
         assert result.failed_keys == (names[1],) and "authentication" in str(result.error)
         assert slot(pool, 10) == slot(pool, 0)  # the other key landed
         assert redis_server.command("EXISTS", name_of(names[1])) == 0
 
 
-@pytest.mark.parametrize("forged", [False, True], ids=["as-is", "header-forged"])
+@pytest.mark.parametrize("forge", [False, True], ids=["as-is", "header-forged"])
 async def test_a_value_copied_to_another_block_s_key_is_a_miss(
-    pool: memoryview, redis_server: RedisServer, forged: bool
+    pool: memoryview, redis_server: RedisServer, forge: bool
 ) -> None:
     """Copied as is, the header names the other key; with a header forged for the new
     key (same key id and nonce), the associated data no longer matches."""
@@ -196,19 +222,12 @@ async def test_a_value_copied_to_another_block_s_key_is_a_miss(
     async with opened(pool, redis_server, encryption=spec((1, OLD_KEY))) as tier:
         assert (await store_job(tier, [source, target], [0, 1])).success
         header, sealed = raw(redis_server, source, "h"), raw(redis_server, source, "p")
-        if forged:
-            _, key_id, nonce = header_fields(header)
-            header = encode_header(
-                key=target,
-                tenant=b"",
-                payload_bytes=BLOCK,
-                ns_digest=namespace_digest(NAMESPACE),
-                seal=Seal(key_id, nonce, sealed[-TAG:]),
-            )
+        if forge:
+            header = forged(header, key=target)
         redis_server.command("HSET", name_of(target), "h", header, "p", sealed)
         result = await load_job(tier, [source, target], [10, 11])
         assert result.failed_keys == (target,)
-        assert ("authentication" if forged else "another key") in str(result.error)
+        assert ("authentication" if forge else "another key") in str(result.error)
         assert slot(pool, 10) == slot(pool, 0)
 
 
@@ -220,23 +239,16 @@ async def test_a_value_copied_into_another_namespace_is_a_miss(
     async with opened(pool, redis_server, **options) as mine:
         assert (await store_job(mine, [key], [0])).success
     header, sealed = raw(redis_server, key, "h"), raw(redis_server, key, "p")
-    _, key_id, nonce = header_fields(header)
-    forged = encode_header(
-        key=key,
-        tenant=b"",
-        payload_bytes=BLOCK,
-        ns_digest=namespace_digest("model-b"),
-        seal=Seal(key_id, nonce, sealed[-TAG:]),
-    )
-    redis_server.command("HSET", name_of(key, "model-b"), "h", forged, "p", sealed)
+    other = forged(header, namespace="model-b")
+    redis_server.command("HSET", name_of(key, "model-b"), "h", other, "p", sealed)
     async with opened(pool, redis_server, namespace="model-b", **options) as theirs:
         result = await load_job(theirs, [key], [10])
         assert result.failed_keys == (key,) and "authentication" in str(result.error)
 
 
-@pytest.mark.parametrize("forged", [False, True], ids=["as-is", "header-forged"])
+@pytest.mark.parametrize("forge", [False, True], ids=["as-is", "header-forged"])
 async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
-    redis_server: RedisServer, forged: bool
+    redis_server: RedisServer, forge: bool
 ) -> None:
     """Two engines whose tiers differ only in ``tenant``, one keyring: copied as is, the
     header names the other tenant; with a header forged for the new tenant, the
@@ -258,20 +270,13 @@ async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
         source, target = name_of(block, namespace, "A"), name_of(block, namespace, "B")
         header, sealed = (redis_server.command("HGET", source, f) for f in ("h", "p"))
         assert isinstance(header, bytes) and isinstance(sealed, bytes)
-        if forged:
-            _, key_id, nonce = header_fields(header)
-            header = encode_header(
-                key=block,
-                tenant=b"B",
-                payload_bytes=len(sealed) - TAG,
-                ns_digest=namespace_digest(namespace),
-                seal=Seal(key_id, nonce, sealed[-TAG:]),
-            )
+        if forge:
+            header = forged(header, tenant=b"B")
         redis_server.command("HSET", target, "h", header, "p", sealed)
         assert await settled(lambda: theirs.lookup(hashes) or None) == 1  # present to B
         result = await theirs.load(hashes, [8])
         assert result.failed_keys == (block,)
-        assert ("authentication" if forged else "another tenant") in str(result.error)
+        assert ("authentication" if forge else "another tenant") in str(result.error)
         assert redis_server.command("EXISTS", target) == 0  # deleted, never served
 
 
@@ -295,21 +300,6 @@ async def test_plain_and_encrypting_tiers_never_serve_each_other_s_blocks(
         assert "not encrypted" in str(result.error)
         assert enc.statistics().counters["loaded_blocks"] == 0
         assert plain.statistics().counters["loaded_blocks"] == 0
-
-
-def test_a_header_takes_a_checksum_or_a_seal() -> None:
-    ns = namespace_digest(NAMESPACE)
-    with pytest.raises(InvalidArgumentError):
-        encode_header(key=b"k", tenant=b"", payload_bytes=BLOCK, ns_digest=ns)
-    with pytest.raises(InvalidArgumentError):
-        encode_header(
-            key=b"k",
-            tenant=b"",
-            payload_bytes=BLOCK,
-            ns_digest=ns,
-            checksum=bytes(16),
-            seal=Seal(1, bytes(12), bytes(16)),
-        )
 
 
 @pytest.mark.parametrize(

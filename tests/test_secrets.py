@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 import torch
 
-from backends.redis_server import LocalRedisServer
 from tests._redis_helpers import local_redis_server
+from tests._redis_servers import LocalRedisServer
 from tiering import TieringEngine, TieringError
 from tiering.events import encode_events
 from tiering.metrics import serve_engine_metrics

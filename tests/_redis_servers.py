@@ -1,8 +1,10 @@
-"""A local ``redis-server`` for tests and benchmarks: started on a free loopback port in
-a directory of the caller's, stopped (or killed, and started again on the same port); and
-a local Redis Cluster of such servers.
+"""A local ``redis-server`` for the tests and the Redis benchmarks: started on a free
+loopback port in a directory of the caller's, stopped (or killed, and started again on
+the same port); and a local Redis Cluster of such servers.
 
-Not for production: it runs without persistence and binds to 127.0.0.1 only.
+A test aid, not product: it runs without persistence and binds to 127.0.0.1 only. It
+imports nothing of the project or of pytest, so examples/bench_redis.py and
+bench_fleet.py load it from a checkout (with tests/ on ``sys.path``).
 """
 
 from __future__ import annotations
