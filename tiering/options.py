@@ -1,0 +1,202 @@
+"""Typed options: one pydantic model per tier (and per config section), the single source
+of the options' names, types, defaults and checks.
+
+A tier class names its model in the class attribute ``Options`` and its constructor,
+``__init__(self, primary_kv_view, block_bytes, options=None, /, **values)``, validates
+them with :meth:`Options.check` (an ``Options`` instance may be passed instead). The
+registry, the TOML config, ``--set`` overrides and the docs' option tables read the
+same model.
+
+Values are checked strictly: a field takes a value of its type (an int is taken for a
+float, a size string for a :data:`Size`), never a look-alike (``"16"`` for an int).
+Command-line text, marked as :class:`Text`, is converted to its field's type first
+(pydantic's lax mode: ``"2.0"``, ``"on"``, ``"64GiB"``; ``"none"`` or ``""`` unsets a
+field whose default is None). A bad value raises an :class:`InvalidArgumentError`
+(:class:`ConfigError` on the config path) naming the option's path, the value and the
+reason; a field marked :data:`SECRET` never has its value shown.
+
+pydantic rather than msgspec: its errors carry the field's path and reason in a form
+these messages are built from, and its lax mode is the text conversion ``--set``
+needs; vLLM and SGLang depend on it already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Self
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from tiering.cli_args import parse_size
+from tiering.errors import ConfigError, InvalidArgumentError
+
+
+class Text(str):
+    """A value written as text (a ``--set`` override): converted to its field's type."""
+
+
+def _size(value: object) -> object:
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise PydanticCustomError("size", "expected a size such as 64GiB or 4096") from None
+
+
+Size = Annotated[int, BeforeValidator(_size)]
+"""Bytes: an int, or a size string as :func:`tiering.cli_args.parse_size` reads it."""
+
+SECRET: dict[str, Any] = {"secret": True}
+"""``json_schema_extra`` of a field whose value no error shows (a url that may hold a
+password, key material)."""
+
+
+def secret(default: Any = ...) -> Any:
+    """A field whose value no error and no repr shows (a url that may hold a password,
+    key material)."""
+    return Field(default, repr=False, json_schema_extra=SECRET)
+
+
+_NONE_WORDS = ("none", "")
+
+
+class Options(BaseModel):
+    """Frozen, typed options; unknown names are refused. :meth:`check` validates a
+    mapping of them (construction from keywords raises pydantic's ValidationError)."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, arbitrary_types_allowed=True
+    )
+
+    WHERE: ClassVar[str] = ""
+    """The path errors name the options under (``engine``, ``tiers[0]``)."""
+    ERROR: ClassVar[type[InvalidArgumentError]] = InvalidArgumentError
+    UNKNOWN: ClassVar[str] = "{owner} takes no option {name!r}; it takes {fields}"
+    """The reason an unknown name is refused."""
+
+    @classmethod
+    def check(
+        cls,
+        values: Mapping[str, object] | Options,
+        *,
+        where: str | None = None,
+        owner: str | None = None,
+        error: type[InvalidArgumentError] | None = None,
+    ) -> Self:
+        """``values`` validated as these options (an instance of them as it is).
+
+        Raises:
+            InvalidArgumentError: (``error``, by default :attr:`ERROR`) naming the
+                option's path under ``where`` (by default :attr:`WHERE`), its value and
+                the reason; ``owner`` (by default the class's name) is who takes the
+                options.
+        """
+        if isinstance(values, cls):
+            return values
+        where = cls.WHERE if where is None else where
+        if not isinstance(values, Mapping):
+            message = f"{where or 'options'}: expected a mapping, got {type(values).__name__}"
+            raise _raise(error or cls.ERROR, where, message)
+        return cls._validated(values, cls.model_validate, where, owner, error)
+
+    @classmethod
+    def _validated(
+        cls,
+        values: Mapping[str, object],
+        build: Callable[[dict[str, object]], Any],
+        where: str,
+        owner: str | None,
+        error: type[InvalidArgumentError] | None,
+    ) -> Any:
+        """``build(values)``, each :class:`Text` value converted to its field's type
+        first; pydantic's errors raised as ``error`` (see :meth:`check`)."""
+        converted = dict(values)
+        name: object = None
+        try:
+            for name, value in values.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if not isinstance(value, Text):
+                    continue
+                if field is None:
+                    converted[name] = str(value)  # refused as unknown, the text shown
+                elif field.default is None and value.strip().lower() in _NONE_WORDS:
+                    converted[name] = None
+                else:
+                    adapter = TypeAdapter(Annotated[field.annotation, field])  # type: ignore[name-defined]
+                    converted[name] = adapter.validate_strings(str(value))
+        except ValidationError as exc:
+            errors = [{**e, "loc": (name, *e["loc"])} for e in exc.errors()]
+            raise cls._error(errors, values, where, owner, error or cls.ERROR) from None  # type: ignore[arg-type]
+        try:
+            return build(converted)
+        except ValidationError as exc:
+            raise cls._error(exc.errors(), values, where, owner, error or cls.ERROR) from None
+
+    @classmethod
+    def _error(
+        cls,
+        errors: list[ErrorDetails],
+        values: Mapping[str, object],
+        where: str,
+        owner: str | None,
+        error: type[InvalidArgumentError],
+    ) -> InvalidArgumentError:
+        """The error for pydantic's ``errors`` of ``values``: the first field's."""
+        first = errors[0]
+        name = str(first["loc"][0]) if first["loc"] else ""
+        reasons = [_reason(e) for e in errors if (e["loc"][:1] == first["loc"][:1])]
+        if not name:  # a check across fields: its message starts with a field's name
+            return _raise(error, where, f"{where}.{reasons[0]}" if where else reasons[0])
+        path = f"{where}.{name}" if where else name
+        owner = owner or cls.__name__
+        if first["type"] == "missing":
+            return _raise(error, path, f"{path}: {owner} needs this option; it is missing")
+        if first["type"] == "extra_forbidden":
+            fields = ", ".join(cls.model_fields)
+            reasons = [cls.UNKNOWN.format(owner=owner, name=name, fields=fields, where=where)]
+        field = cls.model_fields.get(name)
+        if field is not None and field.json_schema_extra == SECRET:
+            shown = " (the value is not shown: it may hold a secret)"
+            return _raise(error, path, f"{path}: {'; or '.join(dict.fromkeys(reasons))}{shown}")
+        value = values[name] if name in values else first["input"]
+        return _raise(
+            error, path, f"{path} = {_show(value)}: {'; or '.join(dict.fromkeys(reasons))}"
+        )
+
+
+def _reason(error: ErrorDetails) -> str:
+    if error["type"] == "value_error":
+        return str(error.get("ctx", {}).get("error", error["msg"]))
+    return error["msg"]
+
+
+def _raise(error: type[InvalidArgumentError], path: str, message: str) -> InvalidArgumentError:
+    if issubclass(error, ConfigError):
+        return error(message, field=path)
+    return error(message)
+
+
+def _show(value: object) -> str:
+    text = repr(str(value) if isinstance(value, Text) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class ActorOptions(Options):
+    """What every :class:`~tiering.actor.TierActor` takes: the inbox's size, the jobs
+    run at once and the threads of its blocking byte work (each a positive int)."""
+
+    inbox_size: PositiveInt = 64
+    max_inflight: PositiveInt = 4
+    io_threads: PositiveInt = 4
+
+    def actor_options(self) -> dict[str, int]:
+        """The keyword arguments of :class:`~tiering.actor.TierActor` these hold."""
+        return {name: getattr(self, name) for name in ActorOptions.model_fields}
+
+
+__all__ = ["SECRET", "ActorOptions", "Options", "PositiveInt", "Size", "Text", "secret"]
