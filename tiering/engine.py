@@ -45,7 +45,7 @@ from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import EvictionPolicy
-from tiering.registry import TierSpec
+from tiering.registry import TierSpec, tier_specs
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
 from tiering.tenancy import (
@@ -58,7 +58,7 @@ from tiering.tenancy import (
 )
 from tiering.tier_client import TierOutcome
 from tiering.tier_stack import TierStack
-from tiering.validation import check_host_memory, hash_list, positive_int, seconds, tier_specs
+from tiering.validation import check_host_memory, hash_list, positive_int, seconds
 
 if TYPE_CHECKING:
     from tiering.config import TieringConfig
