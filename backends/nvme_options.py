@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from tiering.encryption import Keyring
-from tiering.options import ActorOptions, PositiveInt, Size, secret
+from tiering.options import ActorOptions, Bytes, PositiveInt, SecondsOrZero, Size, secret
 from tiering.policies import EvictionPolicy
 
 
@@ -42,12 +42,12 @@ class _NVMeCommonOptions(ActorOptions):
 
     root: str | os.PathLike[str]
     namespace: str = Field(min_length=1)
-    capacity_bytes: Size = Field(gt=0)
+    capacity_bytes: Bytes
     min_free_bytes: Size = Field(1 << 30, ge=0)
     fsync: Literal["none", "batch", "always"] = "batch"
     o_direct: bool | None = None
-    max_inflight_bytes: Size = Field(256 << 20, gt=0)
-    enospc_retry_s: float = Field(5.0, ge=0, allow_inf_nan=False)
+    max_inflight_bytes: Bytes = 256 << 20
+    enospc_retry_s: SecondsOrZero = 5.0
     encryption: str | Keyring | None = secret(None)
     file_mode: Annotated[int, _mode(0o600, 0o644)] = 0o600
     dir_mode: Annotated[int, _mode(0o700, 0o755)] = 0o700
@@ -60,7 +60,7 @@ class _NVMeCommonOptions(ActorOptions):
 class NVMeOptions(_NVMeCommonOptions):
     """The segment-layout NVMe tier's options (docs/nvme.md)."""
 
-    segment_bytes: Size | None = Field(None, gt=0)
+    segment_bytes: Bytes | None = None
     checkpoint_every: PositiveInt = 16384
     hot_fraction: float = Field(0.25, ge=0, le=1)
     gil_pause_bytes: Size = Field(128 << 10, ge=0)

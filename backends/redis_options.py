@@ -13,12 +13,9 @@ from typing import Annotated, Self
 from pydantic import AfterValidator, Field, model_validator
 
 from tiering.encryption import Keyring
-from tiering.options import ActorOptions, PositiveInt, secret
+from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
 
 MAX_TENANT_BYTES = 0xFFFF
-
-_Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-_SecondsOrZero = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 def _tenant(tenant: str) -> str:
@@ -45,19 +42,19 @@ class RedisOptions(ActorOptions):
     url: str = secret()
     namespace: str = Field(min_length=1)
     tenant: Annotated[str, AfterValidator(_tenant)] = ""
-    timeout_s: _Seconds = 5.0
+    timeout_s: Seconds = 5.0
     max_connections: PositiveInt = 32
-    ttl_s: _Seconds | None = None
-    presence_ttl_s: _SecondsOrZero = 30.0
-    absence_ttl_s: _SecondsOrZero = 1.0
+    ttl_s: Seconds | None = None
+    presence_ttl_s: SecondsOrZero = 30.0
+    absence_ttl_s: SecondsOrZero = 1.0
     presence_entries: PositiveInt = 1 << 20
     breaker_failures: PositiveInt = 3
-    breaker_backoff_s: _Seconds = 1.0
-    breaker_max_backoff_s: _Seconds = 30.0
+    breaker_backoff_s: Seconds = 1.0
+    breaker_max_backoff_s: Seconds = 30.0
     tls_ca_file: _File = None
     tls_cert_file: _File = None
     tls_key_file: _File = None
-    usage_every_s: _Seconds = 5.0
+    usage_every_s: Seconds = 5.0
     cluster: bool = False
     pipeline_bytes: PositiveInt = 2 << 20
     encryption: str | Keyring | None = secret(None)

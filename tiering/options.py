@@ -22,6 +22,7 @@ needs; vLLM and SGLang depend on it already.
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Self
 
@@ -35,10 +36,20 @@ from tiering.errors import ConfigError, InvalidArgumentError
 class Text(str):
     """A value written as text (a ``--set`` override): converted to its field's type."""
 
+    def as_toml(self) -> object:
+        """The value for an option of unknown type: what the text reads as in TOML
+        (``3``, ``true``, ``[1, 2]``), else the text itself."""
+        try:
+            return tomllib.loads(f"value = {self}")["value"]
+        except tomllib.TOMLDecodeError:
+            return str(self)
+
 
 def _size(value: object) -> object:
     if not isinstance(value, str):
         return value
+    if value.strip().isdecimal():  # "0" too, which parse_size refuses
+        return int(value)
     try:
         return parse_size(value)
     except ValueError:
@@ -124,7 +135,10 @@ class Options(BaseModel):
                 elif field.default is None and value.strip().lower() in _NONE_WORDS:
                     converted[name] = None
                 else:
-                    adapter = TypeAdapter(Annotated[field.annotation, field])  # type: ignore[name-defined]
+                    adapter = TypeAdapter(
+                        Annotated[field.annotation, field],  # type: ignore[name-defined]
+                        config=ConfigDict(arbitrary_types_allowed=True),
+                    )
                     converted[name] = adapter.validate_strings(str(value))
         except ValidationError as exc:
             errors = [{**e, "loc": (name, *e["loc"])} for e in exc.errors()]
@@ -144,7 +158,8 @@ class Options(BaseModel):
         error: type[InvalidArgumentError],
     ) -> InvalidArgumentError:
         """The error for pydantic's ``errors`` of ``values``: the first field's."""
-        first = errors[0]
+        # An unknown name first: a misspelt option also leaves the one meant missing.
+        first = min(errors, key=lambda e: e["type"] != "extra_forbidden")
         name = str(first["loc"][0]) if first["loc"] else ""
         reasons = [_reason(e) for e in errors if (e["loc"][:1] == first["loc"][:1])]
         if not name:  # a check across fields: its message starts with a field's name
@@ -184,6 +199,11 @@ def _show(value: object) -> str:
 
 
 PositiveInt = Annotated[int, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
+Bytes = Annotated[Size, Field(gt=0)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A positive, finite number of seconds."""
+SecondsOrZero = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class ActorOptions(Options):
@@ -199,4 +219,16 @@ class ActorOptions(Options):
         return {name: getattr(self, name) for name in ActorOptions.model_fields}
 
 
-__all__ = ["SECRET", "ActorOptions", "Options", "PositiveInt", "Size", "Text", "secret"]
+__all__ = [
+    "SECRET",
+    "ActorOptions",
+    "Bytes",
+    "Count",
+    "Options",
+    "PositiveInt",
+    "Seconds",
+    "SecondsOrZero",
+    "Size",
+    "Text",
+    "secret",
+]

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from tiering.errors import InvalidArgumentError, UnknownTierError
-from tiering.options import Options
+from tiering.errors import ConfigError, InvalidArgumentError, UnknownTierError
+from tiering.options import Options, Text
 from tiering.secondary import SecondaryTierManager
 
 ENTRY_POINT_GROUP = "kv_tiering.tiers"
@@ -108,9 +108,7 @@ def make_tier(
         )
     try:
         if model is not None:
-            given = {k: v for k, v in (defaults or {}).items() if k in model.model_fields}
-            options = {**given, **options}
-            model.check(options, owner=f"tier {name!r}")
+            options = {**options, **check_options(name, options, defaults=defaults)}
         tier = factory(primary_kv_view, block_bytes, **options)
     except InvalidArgumentError as exc:
         if repr(name) in str(exc):
@@ -123,6 +121,41 @@ def make_tier(
             f"factory for tier {name!r} returned {type(tier).__name__}, not a SecondaryTierManager"
         )
     return tier
+
+
+def check_options(
+    name: str,
+    options: object,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    where: str = "",
+) -> dict[str, object]:
+    """``options`` of the tier registered as ``name`` checked by its typed options, with
+    ``defaults`` for those it declares and ``options`` leaves out: each given option's
+    value converted (a size string to bytes, :class:`~tiering.options.Text` to the
+    field's type). A tier without typed options gets them as given (text as TOML).
+
+    Raises:
+        UnknownTierError: as :func:`tier_factory`.
+        InvalidArgumentError: naming the option (as ``where.option`` and a
+            :class:`~tiering.errors.ConfigError` when ``where`` is given), its value and
+            the reason.
+    """
+    error = ConfigError if where else InvalidArgumentError
+    if not isinstance(options, Mapping):
+        raise error(
+            f"{where or 'options'}: expected a mapping of tier options, got {options!r:.60}"
+        )
+    for key in options:
+        if not isinstance(key, str) or key == "type":
+            why = "the tier's type is given once" if key == "type" else "option names are str"
+            raise error(f"{where}[{key!r}]: {why}")
+    model = tier_options(name)
+    if model is None:
+        return {k: v.as_toml() if isinstance(v, Text) else v for k, v in options.items()}
+    given = {k: v for k, v in (defaults or {}).items() if k in model.model_fields} | dict(options)
+    checked = model.check(given, where=where, owner=f"tier {name!r}", error=error)
+    return {key: getattr(checked, key) for key in given}
 
 
 def tier_options(name: str) -> type[Options] | None:
@@ -223,6 +256,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "TierFactory",
     "TierSpec",
+    "check_options",
     "make_tier",
     "register_tier",
     "tier_factory",

@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _default(section: type[EngineConfig | ReplayConfig], name: str) -> object:
     """A config field's default: what an option left out (and not in --config) means."""
-    return next(f.default for f in dataclasses.fields(section) if f.name == name)
+    return section.model_fields[name].default
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,8 +162,7 @@ def run(args: argparse.Namespace) -> int:
     shortcuts["replay.nodes"] = args.nodes
     shortcuts["replay.router"] = args.router
     shortcuts["replay.transport"] = args.transport
-    config = resolve_config(args, shortcuts)
-    config = with_overrides(config, _tier_shortcuts(args, config))
+    config = resolve_config(args, shortcuts, _tier_shortcuts(args))
     requests = load_workload(config)
     _check_cpu_room(config, requests)
     if config.replay.nodes > 1:
@@ -372,7 +371,7 @@ def format_fleet(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str, object]:
+def _tier_shortcuts(args: argparse.Namespace) -> list[dict[str, object]]:
     """Tiers the shortcut options add after the config's own, fastest first."""
     added: list[dict[str, object]] = []
     if args.memory is not None:
@@ -381,11 +380,7 @@ def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str
         added.append({"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size})
     if args.redis is not None:
         added.append({"type": "redis", "url": args.redis})
-    overrides: dict[str, object] = {}
-    for i, tier in enumerate(added, start=len(config.tiers)):
-        for option, value in tier.items():
-            overrides[f"tiers.{i}.{option}"] = value
-    return overrides
+    return added
 
 
 def _bookkeeping(
