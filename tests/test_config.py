@@ -21,7 +21,6 @@ from tiering.config import (
     TierConfig,
     TieringConfig,
     config_from_toml,
-    engine_from_config,
     load_config,
     parse_override,
     to_toml,
@@ -559,7 +558,7 @@ async def test_from_config_builds_an_engine_that_round_trips_a_block_through_nvm
     # A new engine from the same config: the CPU and memory tiers start empty, so the
     # blocks can only come back from the NVMe tier's files.
     kv[[0, 1, 2]] = 0
-    async with engine_from_config(config, kv) as again:
+    async with TieringEngine.from_config(config, kv) as again:
         assert again.lookup(keys) == 3
         result = await again.load(keys, [5, 6, 7])
         assert result.success
@@ -572,6 +571,14 @@ def test_cpu_bytes_that_hold_no_block_are_named(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"engine\.cpu_bytes = 256: holds no block"):
         TieringEngine.from_config(config, _kv())
+
+
+def test_engine_from_config_is_a_deprecated_name_of_from_config() -> None:
+    import tiering.config
+
+    with pytest.warns(DeprecationWarning, match="TieringEngine.from_config"):
+        build = tiering.config.engine_from_config
+    assert build == TieringEngine.from_config
 
 
 def test_from_config_refuses_what_is_not_a_config() -> None:

@@ -1,25 +1,23 @@
 """One typed configuration for an engine, its secondary tiers, a replay and its metrics.
 
-A :class:`TieringConfig` holds one pydantic model per section and the tiers, each tier's
-options checked by its typed options (:func:`tiering.registry.tier_options`). It comes
-from a TOML file (:func:`load_config`) or from code, optionally with command-line
-overrides (:func:`with_overrides`; one ``--set section.field=value`` each, read by
-:func:`parse_override`), and :func:`to_toml` writes one back. Every way in checks the
-whole config before anything is returned: a :class:`~tiering.errors.ConfigError` names
-the field by its path (``engine.write_policy``, ``tiers[0].capacity_bytes``), the bad
-value and, for a file, the file; a config is never half-applied.
-``TieringEngine.from_config`` builds the engine a config describes.
-
-The file format and every field, with defaults: ``docs/config.md``.
+A :class:`TieringConfig` (one pydantic model per section, and the tiers with options
+checked by each tier's typed options) comes from TOML (:func:`load_config`) or code,
+with ``--set`` overrides (:func:`with_overrides`, :func:`parse_override`), and
+:func:`to_toml` writes it back. The whole config is checked before anything is
+returned: a :class:`~tiering.errors.ConfigError` names the field's path
+(``tiers[0].capacity_bytes``), the value and the file. ``TieringEngine.from_config``
+builds the engine. The format, every field and its default: ``docs/config.md``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import tomllib
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, Self
 
@@ -28,7 +26,7 @@ from pydantic import AfterValidator, Field, model_validator
 
 from tiering import registry
 from tiering.errors import ConfigError, UnknownTierError
-from tiering.options import Bytes, Count, Options, PositiveInt, Seconds, SecondsOrZero, Text
+from tiering.options import Bytes, Count, Options, PositiveInt, Seconds, SecondsOrZero, Text, shown
 from tiering.policies import policy_names
 
 SECTIONS = ("engine", "tiers", "replay", "synthetic", "metrics")
@@ -130,20 +128,27 @@ class MetricsConfig(_Section):
 
 @dataclass(frozen=True)
 class TierConfig:
-    """One secondary tier: its registered ``type`` name and its options, checked and
+    """One secondary tier: its registered ``type`` and its options, checked and
     converted by :func:`tiering.registry.check_options` (``namespace`` may be left out:
-    the engine supplies it) and held in a read-only mapping.
-
-    Raises:
-        ConfigError: naming ``tier.type`` or ``tier.OPTION`` (``tiers[i]...`` in a
-            config from a file or overrides) and the value.
-    """
+    the engine supplies it), held read-only. Raises ConfigError naming ``tier.OPTION``
+    (``tiers[i].OPTION`` from a file or overrides) and the value."""
 
     type: str
     options: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    where: InitVar[str] = "tier"  # the path errors name the tier by
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "options", _tier_options(self.type, self.options, "tier"))
+    def __post_init__(self, where: str) -> None:
+        if not isinstance(self.type, str) or not self.type:
+            raise _invalid(f"{where}.type", "expected the name of a registered tier", self.type)
+        try:
+            supplied = {"namespace": _STAND_IN_NAMESPACE}
+            checked = registry.check_options(
+                self.type, self.options, defaults=supplied, where=where
+            )
+        except UnknownTierError as exc:
+            raise _invalid(f"{where}.type", str(exc), self.type) from None
+        options = MappingProxyType({key: checked[key] for key in self.options})
+        object.__setattr__(self, "options", options)
 
     def spec(self) -> dict[str, object]:
         """``{"type": name, **options}`` as a new dict: what the engine builds it from."""
@@ -152,12 +157,9 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class TieringConfig:
-    """The engine, its secondary tiers (fastest first), a replay, the synthetic workload
-    and metrics. ``tiers`` may be any iterable of :class:`TierConfig` (held as a tuple).
-
-    Raises:
-        ConfigError: a section is not of its config class.
-    """
+    """The engine, its secondary tiers (fastest first; any iterable of
+    :class:`TierConfig`, held as a tuple), a replay, the synthetic workload and metrics.
+    Raises ConfigError for a section that is not of its config class."""
 
     engine: EngineConfig
     tiers: tuple[TierConfig, ...] = ()
@@ -177,12 +179,7 @@ class TieringConfig:
         object.__setattr__(self, "tiers", tiers)
 
 
-_SECTIONS: dict[str, type[_Section]] = {
-    "engine": EngineConfig,
-    "replay": ReplayConfig,
-    "synthetic": SyntheticConfig,
-    "metrics": MetricsConfig,
-}
+_SECTIONS = {cls.WHERE: cls for cls in (EngineConfig, ReplayConfig, SyntheticConfig, MetricsConfig)}
 
 
 def load_config(
@@ -191,14 +188,10 @@ def load_config(
     *,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in the TOML file at ``path``; see :func:`config_from_toml`. A relative
-    path the file gives (``replay.trace``, a tier's ``root`` or ``*_file`` option) is
-    taken from the file's directory; one an override gives stays as given.
-
-    Raises:
-        ConfigError: the file cannot be read or is not TOML, a section or key is
-            unknown, or a value is bad; the message starts with the file's path.
-    """
+    """The config in the TOML file at ``path``, as :func:`config_from_toml` reads it; a
+    relative path in the file (``replay.trace``, a tier's ``root`` or ``*_file``
+    option) is taken from the file's directory. Raises ConfigError (also for a file
+    that cannot be read), the message starting with the file's path."""
     source = os.fspath(path)
     try:
         with open(path, "rb") as file:
@@ -220,15 +213,11 @@ def config_from_toml(
     relative_to: str | os.PathLike[str] | None = None,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config written in TOML ``text``, with ``add_tiers`` (tier tables) after its
-    tiers and then ``overrides`` (as :func:`with_overrides` takes them) applied before
-    anything is checked, so an override may supply what the text lacks. Every section
-    and key is optional except the CPU tier's size. ``source`` (a file name) starts
-    every error message; the text's relative paths are joined to ``relative_to``.
-
-    Raises:
-        ConfigError: naming the field and the value (and ``source``).
-    """
+    """The config in TOML ``text``, with ``add_tiers`` (tier tables) after its tiers,
+    then ``overrides`` (as :func:`with_overrides` takes them, staying as given) applied
+    before anything is checked: an override may supply what the text lacks. Every key
+    is optional but the CPU tier's size. The text's relative paths are joined to
+    ``relative_to``. Raises ConfigError naming ``source``, the field and the value."""
     prefix = f"{source}: " if source else ""
     try:
         raw = tomllib.loads(text)
@@ -248,17 +237,14 @@ def config_from_toml(
 
 
 def with_overrides(config: TieringConfig, overrides: Mapping[str, object]) -> TieringConfig:
-    """A new config: ``config`` with each ``path -> value`` of ``overrides`` set.
+    """A new config: ``config`` with each ``path -> value`` of ``overrides`` set, then
+    checked whole (``config`` never changes).
 
-    A path is ``section.field`` or ``tiers.INDEX.option``; an index one past the last
-    tier adds a tier (which then needs a ``type``). A str value is text converted to
-    the field's type (``"2.0"``, ``"true"``, ``"64GiB"``; ``"none"`` or ``""`` unsets a
-    field that may be None); any other value must have the field's type. The whole
-    config is checked after all are applied; ``config`` is never changed.
-
-    Raises:
-        ConfigError: a path names no section, field or tier, or a value is bad.
-    """
+    A path is ``section.field`` or ``tiers.INDEX.option`` (an index one past the last
+    tier adds one, which then needs a ``type``). A str value is text converted to the
+    field's type (``"2.0"``, ``"on"``, ``"64GiB"``; ``"none"`` or ``""`` unsets a field
+    whose default is None); any other value must have the field's type. Raises
+    ConfigError naming the path and the value."""
     if not isinstance(config, TieringConfig):
         raise _invalid("config", "expected a TieringConfig", config)
     raw: dict[str, Any] = {name: getattr(config, name).model_dump() for name in _SECTIONS}
@@ -269,11 +255,8 @@ def with_overrides(config: TieringConfig, overrides: Mapping[str, object]) -> Ti
 
 def parse_override(text: str) -> tuple[str, str]:
     """``"engine.policy=arc"`` as ``("engine.policy", "arc")``: one ``--set`` option,
-    split at the first ``=``, blanks around both parts dropped (an argparse ``type``).
-
-    Raises:
-        ConfigError: no ``=``, or the path is not dotted names.
-    """
+    split at the first ``=``, blanks dropped (an argparse ``type``). Raises ConfigError
+    without an ``=`` or for a path that is not dotted names."""
     path, equals, value = text.partition("=")
     if not equals or not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)+", path.strip()):
         raise ConfigError(
@@ -286,11 +269,8 @@ def parse_override(text: str) -> tuple[str, str]:
 
 def to_toml(config: TieringConfig) -> str:
     """``config`` as TOML that :func:`load_config` reads back to an equal config: every
-    field but those that are None.
-
-    Raises:
-        ConfigError: a tier option holds what TOML cannot (an object set from code).
-    """
+    field but those that are None. Raises ConfigError naming a tier option TOML cannot
+    hold (an object set from code)."""
     tiers = [tier.spec() for tier in config.tiers]
     for i, tier in enumerate(tiers):
         for key, value in tier.items():
@@ -303,11 +283,15 @@ def to_toml(config: TieringConfig) -> str:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "engine_from_config":  # the engine builds itself; kept for this name's callers
-        from tiering.engine import TieringEngine
-
-        return TieringEngine.from_config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name != "engine_from_config":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Deprecated: the engine builds itself from a config; this module never imports it.
+    warnings.warn(
+        "tiering.config.engine_from_config is deprecated; use TieringEngine.from_config",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return importlib.import_module("tiering.engine").TieringEngine.from_config
 
 
 # A raw tree is what TOML parses to ({"engine": {...}, "tiers": [{...}], ...}), with Text
@@ -334,21 +318,8 @@ def _from_raw(raw: Mapping[str, object]) -> TieringConfig:
             message = f"tiers[{i}].type: every tier needs a type; known tiers: {known}"
             raise ConfigError(message, field=f"tiers[{i}].type")
         options = {key: value for key, value in tier.items() if key != "type"}
-        built.append(
-            TierConfig(str(tier["type"]), _tier_options(tier["type"], options, f"tiers[{i}]"))
-        )
+        built.append(TierConfig(tier["type"], options, f"tiers[{i}]"))
     return TieringConfig(tiers=tuple(built), **sections)
-
-
-def _tier_options(name: object, options: object, where: str) -> Mapping[str, object]:
-    if not isinstance(name, str) or not name:
-        raise _invalid(f"{where}.type", "expected the name of a registered tier", name)
-    try:
-        supplied = {"namespace": _STAND_IN_NAMESPACE}
-        checked = registry.check_options(name, options, defaults=supplied, where=where)
-    except UnknownTierError as exc:
-        raise _invalid(f"{where}.type", str(exc), name) from None
-    return MappingProxyType({key: checked[key] for key in options})  # type: ignore[union-attr]
 
 
 def _resolve_paths(raw: dict[str, Any], directory: str) -> None:
@@ -394,13 +365,12 @@ def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> No
             table, key = raw.setdefault(section, {}), rest[0]
         if not isinstance(table, dict):
             raise _invalid(section, "expected a table", table)
-        table[key] = Text(value) if isinstance(value, str) else value
+        text = isinstance(value, str) and (section, key) != ("tiers", "type")
+        table[key] = Text(value) if text else value
 
 
 def _invalid(path: object, why: str, value: object) -> ConfigError:
-    shown = repr(str(value) if isinstance(value, Text) else value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ConfigError(f"{path} = {shown}: {why}", field=str(path))
+    return ConfigError(f"{path} = {shown(value)}: {why}", field=str(path))
 
 
 __all__ = [

@@ -171,14 +171,12 @@ class Options(BaseModel):
         if first["type"] == "extra_forbidden":
             fields = ", ".join(cls.model_fields)
             reasons = [cls.UNKNOWN.format(owner=owner, name=name, fields=fields, where=where)]
+        why = "; or ".join(dict.fromkeys(reasons))
         field = cls.model_fields.get(name)
         if field is not None and field.json_schema_extra == SECRET:
-            shown = " (the value is not shown: it may hold a secret)"
-            return _raise(error, path, f"{path}: {'; or '.join(dict.fromkeys(reasons))}{shown}")
+            return _raise(error, path, f"{path}: {why} (not shown: the value may hold a secret)")
         value = values[name] if name in values else first["input"]
-        return _raise(
-            error, path, f"{path} = {_show(value)}: {'; or '.join(dict.fromkeys(reasons))}"
-        )
+        return _raise(error, path, f"{path} = {shown(value)}: {why}")
 
 
 def _reason(error: ErrorDetails) -> str:
@@ -193,7 +191,8 @@ def _raise(error: type[InvalidArgumentError], path: str, message: str) -> Invali
     return error(message)
 
 
-def _show(value: object) -> str:
+def shown(value: object) -> str:
+    """``value`` as an error message shows it: its repr (a Text's as a str), cut at 80."""
     text = repr(str(value) if isinstance(value, Text) else value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -231,4 +230,5 @@ __all__ = [
     "Size",
     "Text",
     "secret",
+    "shown",
 ]

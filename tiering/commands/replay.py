@@ -44,7 +44,6 @@ from tiering.config import (
     EngineConfig,
     ReplayConfig,
     TieringConfig,
-    engine_from_config,
     with_overrides,
 )
 from tiering.engine import TieringEngine
@@ -313,7 +312,7 @@ async def _replay_fleet(
     events_on = with_overrides(config, {"engine.enable_events": True})
 
     def make_engine(node: int, kv: torch.Tensor) -> TieringEngine:
-        return engine_from_config(_node_config(events_on, node), kv)
+        return TieringEngine.from_config(_node_config(events_on, node), kv)
 
     def on_request(done: int, summary: FleetSummary) -> None:
         progress.update(f"fleet ({name}): {done}/{len(requests)} requests")
@@ -454,7 +453,7 @@ async def _replay(
     pace = None if config.replay.pace == "max" else float(config.replay.pace)
 
     def make_engine(kv: torch.Tensor) -> TieringEngine:
-        return engine_from_config(config, kv)
+        return TieringEngine.from_config(config, kv)
 
     def on_request(done: int, summary: ReplaySummary) -> None:
         ratio = summary.hit_ratio
