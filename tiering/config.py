@@ -1,12 +1,8 @@
-"""One typed configuration for an engine, its secondary tiers, a replay and its metrics.
-
-A :class:`TieringConfig` (one pydantic model per section, and the tiers with options
-checked by each tier's typed options) comes from TOML (:func:`load_config`) or code,
-with ``--set`` overrides (:func:`with_overrides`, :func:`parse_override`), and
-:func:`to_toml` writes it back. The whole config is checked before anything is
-returned: a :class:`~tiering.errors.ConfigError` names the field's path
-(``tiers[0].capacity_bytes``), the value and the file. ``TieringEngine.from_config``
-builds the engine. The format, every field and its default: ``docs/config.md``.
+"""One typed configuration (:class:`TieringConfig`) for an engine, its secondary tiers, a
+replay and its metrics: from TOML or code, with ``--set`` overrides, written back as TOML,
+checked whole before anything is returned (a :class:`~tiering.errors.ConfigError` names
+the field's path, the value and the file). ``TieringEngine.from_config`` builds the
+engine. The format, every field and its default: ``docs/config.md``.
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ from tiering.options import Bytes, Count, Options, PositiveInt, Seconds, Seconds
 from tiering.policies import policy_names
 
 SECTIONS = ("engine", "tiers", "replay", "synthetic", "metrics")
-"""The top-level sections of a config file, in the order :func:`to_toml` writes them."""
-
-_STAND_IN_NAMESPACE = "config"
-"""Checks a tier's options without its ``namespace``, which the engine supplies."""
+"""The top-level sections of a config file."""
+_STAND_IN_NAMESPACE = "config"  # the engine supplies a tier's namespace
 
 
 def _known_policy(name: str) -> str:
@@ -323,20 +317,21 @@ def _from_raw(raw: Mapping[str, object]) -> TieringConfig:
 
 
 def _resolve_paths(raw: dict[str, Any], directory: str) -> None:
-    """Join the relative paths of a parsed file to ``directory`` (in place): the
-    ``replay.trace`` field, and every tier option named ``root`` or ending in ``_file``.
-    Values of another type are left for the checks to refuse."""
-
-    def joined(table: object, key: str) -> None:
+    """Join the relative paths of a parsed file to ``directory``, in place: the
+    ``replay.trace`` field and every tier option named ``root`` or ending in ``_file``
+    (a value of another type is left for the checks to refuse)."""
+    tiers = raw["tiers"] if isinstance(raw.get("tiers"), list) else []
+    places = [(raw.get("replay"), "trace")]
+    places += [
+        (tier, key)
+        for tier in tiers
+        for key in (tier if isinstance(tier, dict) else ())
+        if key == "root" or key.endswith("_file")
+    ]
+    for table, key in places:
         value = table.get(key) if isinstance(table, dict) else None
         if isinstance(value, str) and value and not os.path.isabs(value):
             table[key] = os.path.join(directory, value)  # type: ignore[index]
-
-    joined(raw.get("replay"), "trace")
-    for tier in raw.get("tiers") if isinstance(raw.get("tiers"), list) else []:
-        for option in list(tier) if isinstance(tier, dict) else []:
-            if option == "root" or option.endswith("_file"):
-                joined(tier, option)
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> None:
@@ -348,25 +343,23 @@ def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> No
         if section not in SECTIONS:
             known = ", ".join(SECTIONS)
             raise _invalid(path, f"unknown section {section!r}; the sections are {known}", value)
+        table = raw.setdefault(section, [] if section == "tiers" else {})
         if section == "tiers":
             if len(rest) != 2 or not rest[0].isdecimal() or not rest[1]:
                 raise _invalid(path, "expected tiers.INDEX.OPTION (e.g. tiers.0.root)", value)
-            tiers, index = raw.setdefault("tiers", []), int(rest[0])
-            if not isinstance(tiers, list) or index > len(tiers):
-                count = len(tiers) if isinstance(tiers, list) else 0
+            if not isinstance(table, list) or int(rest[0]) > len(table):
+                count = len(table) if isinstance(table, list) else 0
                 why = f"there are {count} tiers; an override may change one or add tiers.{count}"
                 raise _invalid(path, why, value)
-            if index == len(tiers):
-                tiers.append({})
-            table, key = tiers[index], rest[1]
+            if int(rest[0]) == len(table):
+                table.append({})
+            table = table[int(rest[0])]
         elif len(rest) != 1 or not rest[0]:
             raise _invalid(path, f"expected {section}.FIELD", value)
-        else:
-            table, key = raw.setdefault(section, {}), rest[0]
         if not isinstance(table, dict):
             raise _invalid(section, "expected a table", table)
-        text = isinstance(value, str) and (section, key) != ("tiers", "type")
-        table[key] = Text(value) if text else value
+        text = isinstance(value, str) and (section, rest[-1]) != ("tiers", "type")
+        table[rest[-1]] = Text(value) if text else value
 
 
 def _invalid(path: object, why: str, value: object) -> ConfigError:
@@ -382,7 +375,6 @@ __all__ = [
     "TierConfig",
     "TieringConfig",
     "config_from_toml",
-    "engine_from_config",  # noqa: F822 - the module's __getattr__ gives it
     "load_config",
     "parse_override",
     "to_toml",
