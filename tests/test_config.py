@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -579,12 +581,9 @@ def test_cpu_bytes_that_hold_no_block_are_named(tmp_path: Path) -> None:
         TieringEngine.from_config(config, _kv())
 
 
-def test_engine_from_config_is_a_deprecated_name_of_from_config() -> None:
-    import tiering.config
-
-    with pytest.warns(DeprecationWarning, match="TieringEngine.from_config"):
-        build = tiering.config.engine_from_config
-    assert build == TieringEngine.from_config
+def test_the_config_does_not_import_the_engine() -> None:
+    code = "import sys, tiering.config; assert 'tiering.engine' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_from_config_refuses_what_is_not_a_config() -> None:

@@ -7,11 +7,9 @@ engine. The format, every field and its default: ``docs/config.md``.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import tomllib
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
@@ -274,18 +272,6 @@ def to_toml(config: TieringConfig) -> str:
                 raise _invalid(f"tiers[{i}].{key}", "cannot be written as TOML", value) from None
     sections = {name: getattr(config, name).model_dump(exclude_none=True) for name in _SECTIONS}
     return tomli_w.dumps({**sections, "tiers": tiers})
-
-
-def __getattr__(name: str) -> Any:
-    if name != "engine_from_config":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # Deprecated: the engine builds itself from a config; this module never imports it.
-    warnings.warn(
-        "tiering.config.engine_from_config is deprecated; use TieringEngine.from_config",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return importlib.import_module("tiering.engine").TieringEngine.from_config
 
 
 # A raw tree is what TOML parses to ({"engine": {...}, "tiers": [{...}], ...}), with Text
