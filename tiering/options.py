@@ -122,31 +122,35 @@ class Options(BaseModel):
         error: type[InvalidArgumentError] | None,
     ) -> Any:
         """``build(values)``, each :class:`Text` value converted to its field's type
-        first; pydantic's errors raised as ``error`` (see :meth:`check`)."""
+        first; pydantic's errors raised as ``error`` (see :meth:`check`), with no
+        exception chained (pydantic's quote the values, which may be secret)."""
         converted = dict(values)
-        name: object = None
         try:
             for name, value in values.items():
-                field = cls.model_fields.get(name) if isinstance(name, str) else None
-                if not isinstance(value, Text):
-                    continue
-                if field is None:
-                    converted[name] = str(value)  # refused as unknown, the text shown
-                elif field.default is None and value.strip().lower() in _NONE_WORDS:
-                    converted[name] = None
-                else:
-                    adapter = TypeAdapter(
-                        Annotated[field.annotation, field],  # type: ignore[name-defined]
-                        config=ConfigDict(arbitrary_types_allowed=True),
-                    )
-                    converted[name] = adapter.validate_strings(str(value))
-        except ValidationError as exc:
-            errors = [{**e, "loc": (name, *e["loc"])} for e in exc.errors()]
-            raise cls._error(errors, values, where, owner, error or cls.ERROR) from None  # type: ignore[arg-type]
-        try:
+                if isinstance(value, Text):
+                    converted[name] = cls._from_text(name, value)
             return build(converted)
-        except ValidationError as exc:
-            raise cls._error(exc.errors(), values, where, owner, error or cls.ERROR) from None
+        except (ValidationError, _TextError) as exc:
+            errors = exc.errors()
+        raise cls._error(errors, values, where, owner, error or cls.ERROR)
+
+    @classmethod
+    def _from_text(cls, name: str, text: Text) -> object:
+        """``text`` as field ``name``'s type (lax), None for "none" or "" where the
+        default is None; an unknown name's text as it is, for the model to refuse."""
+        field = cls.model_fields.get(name)
+        if field is None:
+            return str(text)
+        if field.default is None and text.strip().lower() in _NONE_WORDS:
+            return None
+        adapter = TypeAdapter(
+            Annotated[field.annotation, field],  # type: ignore[name-defined]
+            config=ConfigDict(arbitrary_types_allowed=True),
+        )
+        try:
+            return adapter.validate_strings(str(text))
+        except ValidationError as exc:  # named after the field, as the model's are
+            raise _TextError([{**e, "loc": (name, *e["loc"])} for e in exc.errors()]) from None
 
     @classmethod
     def _error(
@@ -177,6 +181,18 @@ class Options(BaseModel):
             return _raise(error, path, f"{path}: {why} (not shown: the value may hold a secret)")
         value = values[name] if name in values else first["input"]
         return _raise(error, path, f"{path} = {shown(value)}: {why}")
+
+
+class _TextError(Exception):
+    """Text that does not convert to its field's type: pydantic's errors, as
+    :meth:`ValidationError.errors` gives them."""
+
+    def __init__(self, errors: list[ErrorDetails]) -> None:
+        super().__init__(errors)
+        self._errors = errors
+
+    def errors(self) -> list[ErrorDetails]:
+        return self._errors
 
 
 def _reason(error: ErrorDetails) -> str:
