@@ -13,7 +13,7 @@ Command-line text, marked as :class:`Text`, is converted to its field's type fir
 (pydantic's lax mode: ``"2.0"``, ``"on"``, ``"64GiB"``; ``"none"`` or ``""`` unsets a
 field whose default is None). A bad value raises an :class:`InvalidArgumentError`
 (:class:`ConfigError` on the config path) naming the option's path, the value and the
-reason; a field marked :data:`SECRET` never has its value shown.
+reason; a :func:`secret` field never has its value shown.
 
 pydantic rather than msgspec: its errors carry the field's path and reason in a form
 these messages are built from, and its lax mode is the text conversion ``--set``
@@ -59,15 +59,13 @@ def _size(value: object) -> object:
 Size = Annotated[int, BeforeValidator(_size)]
 """Bytes: an int, or a size string as :func:`tiering.cli_args.parse_size` reads it."""
 
-SECRET: dict[str, Any] = {"secret": True}
-"""``json_schema_extra`` of a field whose value no error shows (a url that may hold a
-password, key material)."""
+_SECRET: dict[str, Any] = {"secret": True}
 
 
 def secret(default: Any = ...) -> Any:
     """A field whose value no error and no repr shows (a url that may hold a password,
     key material)."""
-    return Field(default, repr=False, json_schema_extra=SECRET)
+    return Field(default, repr=False, json_schema_extra=_SECRET)
 
 
 _NONE_WORDS = ("none", "")
@@ -124,15 +122,19 @@ class Options(BaseModel):
         """``build(values)``, each :class:`Text` value converted to its field's type
         first; pydantic's errors raised as ``error`` (see :meth:`check`), with no
         exception chained (pydantic's quote the values, which may be secret)."""
-        converted = dict(values)
+        converted, name = dict(values), ""
         try:
             for name, value in values.items():
                 if isinstance(value, Text):
                     converted[name] = cls._from_text(name, value)
-            return build(converted)
-        except (ValidationError, _TextError) as exc:
-            errors = exc.errors()
-        raise cls._error(errors, values, where, owner, error or cls.ERROR)
+        except ValidationError as exc:  # one field's own errors: named after it
+            errors = [{**e, "loc": (name, *e["loc"])} for e in exc.errors()]
+        else:
+            try:
+                return build(converted)
+            except ValidationError as exc:
+                errors = exc.errors()
+        raise cls._error(errors, values, where, owner, error or cls.ERROR)  # type: ignore[arg-type]
 
     @classmethod
     def _from_text(cls, name: str, text: Text) -> object:
@@ -147,10 +149,7 @@ class Options(BaseModel):
             Annotated[field.annotation, field],  # type: ignore[name-defined]
             config=ConfigDict(arbitrary_types_allowed=True),
         )
-        try:
-            return adapter.validate_strings(str(text))
-        except ValidationError as exc:  # named after the field, as the model's are
-            raise _TextError([{**e, "loc": (name, *e["loc"])} for e in exc.errors()]) from None
+        return adapter.validate_strings(str(text))
 
     @classmethod
     def _error(
@@ -177,22 +176,10 @@ class Options(BaseModel):
             reasons = [cls.UNKNOWN.format(owner=owner, name=name, fields=fields, where=where)]
         why = "; or ".join(dict.fromkeys(reasons))
         field = cls.model_fields.get(name)
-        if field is not None and field.json_schema_extra == SECRET:
+        if field is not None and field.json_schema_extra == _SECRET:
             return _raise(error, path, f"{path}: {why} (not shown: the value may hold a secret)")
         value = values[name] if name in values else first["input"]
         return _raise(error, path, f"{path} = {shown(value)}: {why}")
-
-
-class _TextError(Exception):
-    """Text that does not convert to its field's type: pydantic's errors, as
-    :meth:`ValidationError.errors` gives them."""
-
-    def __init__(self, errors: list[ErrorDetails]) -> None:
-        super().__init__(errors)
-        self._errors = errors
-
-    def errors(self) -> list[ErrorDetails]:
-        return self._errors
 
 
 def _reason(error: ErrorDetails) -> str:
@@ -235,7 +222,6 @@ class ActorOptions(Options):
 
 
 __all__ = [
-    "SECRET",
     "ActorOptions",
     "Bytes",
     "Count",
