@@ -79,13 +79,10 @@ def make_tier(
     *,
     defaults: Mapping[str, Any] | None = None,
 ) -> SecondaryTierManager:
-    """Build a secondary tier over the host pool from a name, a mapping or a factory.
-
-    ``spec`` is a tier name, a mapping ``{"type": name, **options}``, or a callable
-    ``factory(primary_kv_view, block_bytes)``. A named tier's options are checked by
-    its typed options before it is built; ``defaults`` (the engine passes
-    ``namespace``) fill the options those declare and the spec leaves out. A factory
-    without typed options gets the options as they are and checks them itself.
+    """Build a secondary tier over the host pool from a name, a mapping
+    ``{"type": name, **options}`` or a callable ``factory(primary_kv_view, block_bytes)``.
+    A named tier's options go through :func:`check_options` (with ``defaults``: the
+    engine passes ``namespace``) before it is built.
 
     Raises:
         UnknownTierError: no tier is known by that name (the message lists the known
@@ -94,11 +91,9 @@ def make_tier(
             rejects it (the message names the tier and the option), or the factory
             returned something that is not a SecondaryTierManager.
     """
-    model: type[Options] | None = None
     if isinstance(spec, str | Mapping):
         name, options = (spec, {}) if isinstance(spec, str) else _split_mapping(spec)
         factory = tier_factory(name)
-        model = tier_options(name)
     elif callable(spec):
         name, options, factory = getattr(spec, "__qualname__", repr(spec)), {}, spec
     else:
@@ -107,8 +102,8 @@ def make_tier(
             f"got {type(spec).__name__}"
         )
     try:
-        if model is not None:
-            options = {**options, **check_options(name, options, defaults=defaults)}
+        if factory is not spec:
+            options = check_options(name, options, defaults=defaults)
         tier = factory(primary_kv_view, block_bytes, **options)
     except InvalidArgumentError as exc:
         if repr(name) in str(exc):
@@ -130,10 +125,11 @@ def check_options(
     defaults: Mapping[str, Any] | None = None,
     where: str = "",
 ) -> dict[str, object]:
-    """``options`` of the tier registered as ``name`` checked by its typed options, with
-    ``defaults`` for those it declares and ``options`` leaves out: each given option's
-    value converted (a size string to bytes, :class:`~tiering.options.Text` to the
-    field's type). A tier without typed options gets them as given (text as TOML).
+    """``options`` of the tier registered as ``name``, checked and converted by its
+    typed options (a size string to bytes, :class:`~tiering.options.Text` to the
+    field's type), with the ``defaults`` those declare where ``options`` leaves them
+    out. A tier without typed options checks its own: it gets ``options`` as given
+    (text read as TOML) and no defaults.
 
     Raises:
         UnknownTierError: as :func:`tier_factory`.
@@ -202,16 +198,13 @@ def tier_specs(specs: object) -> list[TierSpec]:
 
 
 def _split_mapping(spec: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    kwargs = dict(spec)
-    name = kwargs.pop("type", None)
+    options = dict(spec)
+    name = options.pop("type", None)
     if not isinstance(name, str) or not name:
         raise InvalidArgumentError(
-            f"tier spec mapping needs a 'type' naming the tier, got {spec.get('type')!r}"
+            f"tier spec mapping needs a 'type' naming the tier, got {name!r}"
         )
-    bad_keys = [k for k in kwargs if not isinstance(k, str)]
-    if bad_keys:
-        raise InvalidArgumentError(f"tier {name!r}: option names must be str, got {bad_keys!r}")
-    return name, kwargs
+    return name, options
 
 
 def tier_factory(name: str) -> TierFactory:
