@@ -1,8 +1,9 @@
 """The Redis tier's options (:class:`RedisOptions`, for ``"redis"``), read by the registry
 and the config.
 
-The tier's constructor still checks its arguments itself; it is to take this model
-instead (``Options = RedisOptions``), and its hand-written checks go.
+The tier's constructor still checks its arguments itself, and alone checks the url's
+syntax (with redis-py's parser); it is to take this model instead (``Options =
+RedisOptions``, the url check moving into it), and its hand-written checks go.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pydantic import AfterValidator, Field, model_validator
 from tiering.encryption import Keyring
 from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
 
-MAX_TENANT_BYTES = 0xFFFF
+MAX_TENANT_BYTES = 0xFFFF  # the block record's limit on a tenant's bytes
 
 
 def _tenant(tenant: str) -> str:
@@ -24,6 +25,12 @@ def _tenant(tenant: str) -> str:
     if len(tenant.encode()) > MAX_TENANT_BYTES:
         raise ValueError(f"must be at most {MAX_TENANT_BYTES} bytes (UTF-8)")
     return tenant
+
+
+def _redis_url(url: str) -> str:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    return url
 
 
 def _readable_file(path: str | None) -> str | None:
@@ -39,7 +46,7 @@ class RedisOptions(ActorOptions):
     """The Redis tier's options (docs/redis.md). ``url`` is never shown in an error: it
     may hold a password."""
 
-    url: str = secret()
+    url: Annotated[str, AfterValidator(_redis_url)] = secret()
     namespace: str = Field(min_length=1)
     tenant: Annotated[str, AfterValidator(_tenant)] = ""
     timeout_s: Seconds = 5.0
@@ -61,10 +68,9 @@ class RedisOptions(ActorOptions):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        """The checks across options; the url's own is the tier's (it needs redis-py)."""
-        from backends.redis import _check_url  # redis-py is an optional dependency
-
-        _check_url(self.url, cluster=self.cluster)
+        """The checks across options."""
+        if self.url.startswith("unix://") and self.cluster:
+            raise ValueError("cluster needs a redis:// or rediss:// url, not unix://")
         if self.breaker_max_backoff_s < self.breaker_backoff_s:
             raise ValueError(
                 f"breaker_max_backoff_s = {self.breaker_max_backoff_s!r} is below "

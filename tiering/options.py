@@ -177,7 +177,7 @@ class Options(BaseModel):
         why = "; or ".join(dict.fromkeys(reasons))
         field = cls.model_fields.get(name)
         if field is not None and field.json_schema_extra == _SECRET:
-            return _raise(error, path, f"{path}: {why} (not shown: the value may hold a secret)")
+            return _raise(error, path, f"{path}: {why} (its value is not shown)")
         value = values[name] if name in values else first["input"]
         return _raise(error, path, f"{path} = {shown(value)}: {why}")
 
