@@ -17,9 +17,10 @@ from dataclasses import replace
 from functools import partial
 from time import perf_counter
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
 from tiering.abstract import BlockHash, OffloadingEvent
+from tiering.config import TieringConfig
 from tiering.device import KVCaches, kv_block_bytes
 from tiering.errors import ClosedError, ConfigError, InvalidArgumentError, TieringError
 from tiering.hashing import cache_namespace
@@ -59,9 +60,6 @@ from tiering.tenancy import (
 from tiering.tier_client import TierOutcome
 from tiering.tier_stack import TierStack
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds
-
-if TYPE_CHECKING:
-    from tiering.config import TieringConfig
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +191,6 @@ class TieringEngine:
             InvalidArgumentError: ``kv_caches`` is malformed or the CPU tier would not fit
                 in this machine's memory (as the constructor raises).
         """
-        from tiering.config import TieringConfig  # the config module never imports this one
-
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
         engine = config.engine
