@@ -161,8 +161,10 @@ class Options(BaseModel):
         error: type[InvalidArgumentError],
     ) -> InvalidArgumentError:
         """The error for pydantic's ``errors`` of ``values``: the first field's."""
-        # An unknown name first: a misspelt option also leaves the one meant missing.
-        first = min(errors, key=lambda e: e["type"] != "extra_forbidden")
+        # An unknown name first (a misspelt option also leaves the one meant missing),
+        # a missing one last (a bad value given says more).
+        order = {"extra_forbidden": 0, "missing": 2}
+        first = min(errors, key=lambda e: order.get(e["type"], 1))
         name = str(first["loc"][0]) if first["loc"] else ""
         reasons = [_reason(e) for e in errors if (e["loc"][:1] == first["loc"][:1])]
         if not name:  # a check across fields: its message starts with a field's name
