@@ -1,23 +1,14 @@
-"""Typed options: one pydantic model per tier (and per config section), the single source
-of the options' names, types, defaults and checks.
+"""Typed options: one pydantic model per tier (and per config section), the one source of
+the options' names, types, defaults and checks for the tier, the registry, the TOML
+config, ``--set`` and the docs' tables. A tier class names its model ``Options``, and
+its constructor checks what it is given (keywords, or an instance) with :meth:`~Options.check`.
 
-A tier class names its model in the class attribute ``Options`` and its constructor,
-``__init__(self, primary_kv_view, block_bytes, options=None, /, **values)``, validates
-them with :meth:`Options.check` (an ``Options`` instance may be passed instead). The
-registry, the TOML config, ``--set`` overrides and the docs' option tables read the
-same model.
-
-Values are checked strictly: a field takes a value of its type (an int is taken for a
-float, a size string for a :data:`Size`), never a look-alike (``"16"`` for an int).
-Command-line text, marked as :class:`Text`, is converted to its field's type first
-(pydantic's lax mode: ``"2.0"``, ``"on"``, ``"64GiB"``; ``"none"`` or ``""`` unsets a
-field whose default is None). A bad value raises an :class:`InvalidArgumentError`
-(:class:`ConfigError` on the config path) naming the option's path, the value and the
-reason; a :func:`secret` field never has its value shown.
-
-pydantic rather than msgspec: its errors carry the field's path and reason in a form
-these messages are built from, and its lax mode is the text conversion ``--set``
-needs; vLLM and SGLang depend on it already.
+Values are checked strictly (an int is taken for a float, a size string for a
+:data:`Size`, nothing else for another type); command-line :class:`Text` is converted to
+its field's type first (pydantic's lax mode; ``"none"`` or ``""`` unsets a field whose
+default is None). A bad value raises :class:`InvalidArgumentError` (:class:`ConfigError`
+on the config path) naming the option's path, the value (never a :func:`secret`'s) and
+the reason. docs/config.md says why pydantic rather than msgspec.
 """
 
 from __future__ import annotations
@@ -79,11 +70,9 @@ class Options(BaseModel):
         extra="forbid", frozen=True, strict=True, arbitrary_types_allowed=True
     )
 
-    WHERE: ClassVar[str] = ""
-    """The path errors name the options under (``engine``, ``tiers[0]``)."""
+    WHERE: ClassVar[str] = ""  # the path errors name the options under ("engine")
     ERROR: ClassVar[type[InvalidArgumentError]] = InvalidArgumentError
     UNKNOWN: ClassVar[str] = "{owner} takes no option {name!r}; it takes {fields}"
-    """The reason an unknown name is refused."""
 
     @classmethod
     def check(
@@ -94,14 +83,10 @@ class Options(BaseModel):
         owner: str | None = None,
         error: type[InvalidArgumentError] | None = None,
     ) -> Self:
-        """``values`` validated as these options (an instance of them as it is).
-
-        Raises:
-            InvalidArgumentError: (``error``, by default :attr:`ERROR`) naming the
-                option's path under ``where`` (by default :attr:`WHERE`), its value and
-                the reason; ``owner`` (by default the class's name) is who takes the
-                options.
-        """
+        """``values`` validated as these options (an instance of them as it is). Raises
+        ``error`` (by default :attr:`ERROR`) naming the option's path under ``where``
+        (by default :attr:`WHERE`), its value and the reason; ``owner`` (by default the
+        class's name) is who takes the options."""
         if isinstance(values, cls):
             return values
         where = cls.WHERE if where is None else where

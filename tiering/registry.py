@@ -1,12 +1,8 @@
-"""Secondary tiers by name: built-ins, registered factories and installed entry points.
-
-``tiering`` never imports ``backends`` at import time: built-in tiers are named by
-import path and imported the first time :func:`make_tier` builds one. A name is
-resolved in this order: :func:`register_tier` registrations, built-ins, then entry
-points of the group ``kv_tiering.tiers`` (each loading to a factory).
-
-A tier's options are checked by its typed options (:func:`tier_options`) before it is
-built; a factory without them checks its own.
+"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins, then
+entry points of the group ``kv_tiering.tiers``. Built-ins are named by import path and
+imported when first built, so importing ``tiering`` imports no ``backends``. A tier's
+options are checked by its typed options (:func:`tier_options`) before it is built; a
+factory without them checks its own.
 """
 
 from __future__ import annotations
@@ -45,11 +41,8 @@ _REGISTERED: dict[str, TierFactory] = {}
 
 
 def register_tier(name: str, factory: TierFactory) -> None:
-    """Make ``factory`` buildable as ``name``; it replaces a built-in or earlier one.
-
-    Raises:
-        InvalidArgumentError: ``name`` is not a non-empty str or ``factory`` not callable.
-    """
+    """Make ``factory`` buildable as ``name``, over a built-in or earlier one. Raises
+    InvalidArgumentError if ``name`` is not a non-empty str or ``factory`` not callable."""
     if not isinstance(name, str) or not name:
         raise InvalidArgumentError(f"tier name must be a non-empty str, got {name!r}")
     if not callable(factory):
@@ -58,11 +51,8 @@ def register_tier(name: str, factory: TierFactory) -> None:
 
 
 def unregister_tier(name: str) -> None:
-    """Forget a :func:`register_tier` registration (built-ins come back into view).
-
-    Raises:
-        UnknownTierError: nothing is registered under ``name``.
-    """
+    """Forget a :func:`register_tier` registration (a built-in comes back into view).
+    Raises UnknownTierError if nothing is registered under ``name``."""
     if _REGISTERED.pop(name, None) is None:
         raise UnknownTierError(f"no tier is registered under {name!r}")
 
@@ -133,9 +123,8 @@ def check_options(
 
     Raises:
         UnknownTierError: as :func:`tier_factory`.
-        InvalidArgumentError: naming the option (as ``where.option`` and a
-            :class:`~tiering.errors.ConfigError` when ``where`` is given), its value and
-            the reason.
+        InvalidArgumentError: (ConfigError when ``where`` is given) naming the option
+            (``where.option``), its value and the reason.
     """
     error = ConfigError if where else InvalidArgumentError
     if not isinstance(options, Mapping):
@@ -156,11 +145,7 @@ def check_options(
 
 def tier_options(name: str) -> type[Options] | None:
     """The typed options of the tier registered as ``name``: its factory's ``Options``,
-    or None for a factory that checks its options itself.
-
-    Raises:
-        UnknownTierError: as :func:`tier_factory`.
-    """
+    or None for a factory that checks its own. Raises as :func:`tier_factory`."""
     factory = tier_factory(name)
     model = getattr(factory, "Options", None)
     if isinstance(model, type) and issubclass(model, Options):
@@ -171,12 +156,8 @@ def tier_options(name: str) -> type[Options] | None:
 
 
 def tier_specs(specs: object) -> list[TierSpec]:
-    """``specs`` as a new list of tier specs (``secondary_tiers``).
-
-    Raises:
-        InvalidArgumentError: ``specs`` is one spec rather than a list, is not
-            iterable, or holds something that is no tier spec.
-    """
+    """``specs`` as a new list of tier specs (``secondary_tiers``). Raises
+    InvalidArgumentError for one spec rather than a list, or a list holding a non-spec."""
     if isinstance(specs, str | bytes | Mapping) or callable(specs):
         raise InvalidArgumentError(
             f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
