@@ -11,7 +11,10 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from pydantic import Field
+
 from tiering.errors import InvalidArgumentError
+from tiering.options import Options
 from tiering.secondary import (
     JobMetadata,
     JobResult,
@@ -29,6 +32,14 @@ class _PendingJob:
     keys: tuple[OffloadKey, ...]  # stores: only the keys that were absent at submit time
     is_store: bool
     missing: tuple[OffloadKey, ...] = ()  # loads: keys not held at submit time
+
+
+class ExampleOptions(Options):
+    """The example tier's options: room for ``max_blocks`` keys; with
+    ``simulate_async``, results come on the next :meth:`~ExampleSecondaryTier.get_finished`."""
+
+    max_blocks: int = Field(1000, ge=0)
+    simulate_async: bool = False
 
 
 class ExampleSecondaryTier(SecondaryTierManager):
@@ -58,6 +69,7 @@ class ExampleSecondaryTier(SecondaryTierManager):
     """
 
     holds_data = False
+    Options = ExampleOptions
 
     def __init__(
         self,
@@ -66,12 +78,14 @@ class ExampleSecondaryTier(SecondaryTierManager):
         max_blocks: int = 1000,
         simulate_async: bool = False,
     ) -> None:
-        """Raises: InvalidArgumentError for a bad view, block size or ``max_blocks``."""
+        """The seed's signature; the options are checked by :class:`ExampleOptions`.
+
+        Raises: InvalidArgumentError for a bad view, block size or option."""
+        options = {"max_blocks": max_blocks, "simulate_async": simulate_async}
+        checked = ExampleOptions.check(options, owner="ExampleSecondaryTier")
         super().__init__(primary_kv_view, block_bytes)
-        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 0:
-            raise InvalidArgumentError(f"max_blocks must be a non-negative int, got {max_blocks!r}")
-        self.max_blocks = max_blocks
-        self.simulate_async = bool(simulate_async)
+        self.max_blocks = checked.max_blocks
+        self.simulate_async = checked.simulate_async
         self._blocks: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
         self._pending: list[_PendingJob] = []
         self._completed: list[JobResult] = []
@@ -173,4 +187,4 @@ class ExampleSecondaryTier(SecondaryTierManager):
         return job
 
 
-__all__ = ["ExampleSecondaryTier"]
+__all__ = ["ExampleOptions", "ExampleSecondaryTier"]

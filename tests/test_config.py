@@ -3,7 +3,13 @@ built from a config (real tiers, a real block round trip)."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import subprocess
+import sys
+import types
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +17,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BeforeValidator
+from pydantic_core import PydanticUndefined
 
-from tiering import InvalidArgumentError, TieringEngine
+from tiering import InvalidArgumentError, TieringEngine, registry
 from tiering.config import (
     EngineConfig,
     MetricsConfig,
@@ -21,7 +29,6 @@ from tiering.config import (
     TierConfig,
     TieringConfig,
     config_from_toml,
-    engine_from_config,
     load_config,
     parse_override,
     to_toml,
@@ -393,7 +400,7 @@ def test_overrides_change_nothing_else_and_never_the_original(base: TieringConfi
 
 def test_values_that_are_not_text_must_have_the_fields_type(base: TieringConfig) -> None:
     assert with_overrides(base, {"replay.limit": 5, "replay.pace": 3}).replay.limit == 5
-    with pytest.raises(ConfigError, match=r"replay\.limit = 5\.0: expected"):
+    with pytest.raises(ConfigError, match=r"replay\.limit = 5\.0: Input should be a valid integer"):
         with_overrides(base, {"replay.limit": 5.0})
 
 
@@ -462,6 +469,7 @@ def test_a_tiers_file_options_are_taken_from_the_files_directory(tmp_path: Path)
         "[engine]\ncpu_blocks = 8\n\n[[tiers]]\ntype = 'redis'\nurl = 'rediss://127.0.0.1:6390/0'\n"
         "tls_ca_file = 'ca.pem'\n"
     )
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")  # checked: a file
 
     config = load_config(write(tmp_path, text))
 
@@ -558,7 +566,7 @@ async def test_from_config_builds_an_engine_that_round_trips_a_block_through_nvm
     # A new engine from the same config: the CPU and memory tiers start empty, so the
     # blocks can only come back from the NVMe tier's files.
     kv[[0, 1, 2]] = 0
-    async with engine_from_config(config, kv) as again:
+    async with TieringEngine.from_config(config, kv) as again:
         assert again.lookup(keys) == 3
         result = await again.load(keys, [5, 6, 7])
         assert result.success
@@ -573,6 +581,11 @@ def test_cpu_bytes_that_hold_no_block_are_named(tmp_path: Path) -> None:
         TieringEngine.from_config(config, _kv())
 
 
+def test_the_config_does_not_import_the_engine() -> None:
+    code = "import sys, tiering.config; assert 'tiering.engine' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_from_config_refuses_what_is_not_a_config() -> None:
     with pytest.raises(ConfigError, match="config = "):
         TieringEngine.from_config({"engine": {"cpu_blocks": 4}}, _kv())  # type: ignore[arg-type]
@@ -581,3 +594,88 @@ def test_from_config_refuses_what_is_not_a_config() -> None:
 def test_an_option_a_tier_computes_itself_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match="takes no option 'file_bytes'"):
         TierConfig("nvme", {"root": "/tmp/x", "capacity_bytes": 1 << 20, "file_bytes": 4096})
+
+
+# ---------------------------------------------------------------------------- the docs' tables
+
+
+def _type_name(annotation: Any, metadata: Sequence[object] = ()) -> str:
+    """An option's type as docs/config.md writes it (``size`` for a Size)."""
+    if any(isinstance(item, BeforeValidator) for item in metadata):
+        return "size"
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        base, *inner = typing.get_args(annotation)
+        return _type_name(base, inner)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(member) for member in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return " \\| ".join(f'"{choice}"' for choice in typing.get_args(annotation))
+    if annotation is type(None):
+        return "none"
+    return str(getattr(origin or annotation, "__name__", annotation))
+
+
+def _default_text(name: str, default: object) -> str:
+    if default is PydanticUndefined:
+        return "required"
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return f"`{str(default).lower()}`"
+    if isinstance(default, str):
+        return f'`"{default}"`'
+    if isinstance(default, int) and name.endswith("_mode"):
+        return f"`0o{default:o}`"
+    if callable(default):
+        return f"`{default.__module__}.{default.__name__}`"
+    return f"`{default}`"
+
+
+@pytest.mark.parametrize(
+    ("tier", "model"),
+    [
+        ("memory", "backends.memory:MemoryOptions"),
+        ("example", "backends.example:ExampleOptions"),
+        ("nvme", "backends.nvme_options:NVMeOptions"),
+        ("redis", "backends.redis_options:RedisOptions"),
+    ],
+)
+def test_the_documented_option_tables_are_the_tiers_options(tier: str, model: str) -> None:
+    module, _, name = model.partition(":")
+    options = getattr(importlib.import_module(module), name)
+    assert registry.tier_options(tier) is options
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split(f"##### `{tier}`\n\n", 1)[1].split("\n\n", 1)[0]
+    expected = ["| option | type | default |", "|---|---|---|"] + [
+        f"| `{option}` | {_type_name(field.annotation, field.metadata)} | "
+        f"{_default_text(option, field.default)} |"
+        for option, field in options.model_fields.items()
+    ]
+
+    assert section.splitlines() == expected
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def test_shortcut_options_come_after_the_file_and_before_set(tmp_path: Path) -> None:
+    from tiering.cli import build_parser
+    from tiering.commands._workload import cpu_shortcut, resolve_config
+    from tiering.commands.replay import _tier_shortcuts
+
+    path = write(tmp_path, "[engine]\ncpu_blocks = 8\npolicy = 'arc'\n[[tiers]]\ntype = 'memory'\n")
+    line = ["replay", "--config", str(path), "--cpu", "64", "--nvme", str(tmp_path / "kv")]
+
+    def resolved(*more: str) -> TieringConfig:
+        args = build_parser("replay").parse_args([*line, *more])
+        return resolve_config(args, cpu_shortcut(args.cpu), _tier_shortcuts(args))
+
+    config = resolved()
+    assert config.engine.cpu_blocks == 64 and config.engine.policy == "arc"  # over the file
+    assert [tier.type for tier in config.tiers] == ["memory", "nvme"]  # added after its tiers
+    assert config.tiers[1].options["capacity_bytes"] == 4 << 30  # --nvme-size's default
+
+    config = resolved("--set", "engine.cpu_blocks=32", "--set", "tiers.1.capacity_bytes=8MiB")
+    assert config.engine.cpu_blocks == 32  # --set over --cpu
+    assert config.tiers[1].options["capacity_bytes"] == 8 << 20  # --set over --nvme-size

@@ -266,7 +266,7 @@ async def test_memory_tier_reports_its_type_and_rejects_bad_sizes() -> None:
         MemoryTier(_pool(), BLOCK, max_blocks=0)
     with pytest.raises(InvalidArgumentError, match="max_inflight"):
         MemoryTier(_pool(), BLOCK, max_inflight=0)
-    with pytest.raises(InvalidArgumentError, match="unknown options"):
+    with pytest.raises(InvalidArgumentError, match="takes no option 'max_inflght'"):
         MemoryTier(_pool(), BLOCK, max_inflght=2)
 
 
@@ -354,3 +354,13 @@ async def test_failures_are_logged_once_per_cause(caplog: pytest.LogCaptureFixtu
                 await _run(tier, _job(job_id, [b"m1", b"m2"], [0, 1]), load=True)
     assert len([r for r in caplog.records if "not in the memory tier" in r.getMessage()]) == 1
     assert dict(tier.statistics().failures) == {"not in the memory tier": 6}
+
+
+def test_memory_tier_takes_its_options_as_one_model_or_as_keywords() -> None:
+    from backends.memory import MemoryOptions
+
+    tier = MemoryTier(_pool(), BLOCK, MemoryOptions(max_blocks=3, max_inflight=2), max_blocks=5)
+    assert (tier.max_blocks, tier.max_inflight) == (5, 2)  # the keywords win
+    tier.shutdown()
+    with pytest.raises(InvalidArgumentError, match=r"max_blocks = 2\.5"):
+        MemoryTier(_pool(), BLOCK, max_blocks=2.5)

@@ -152,3 +152,36 @@ def test_importing_tiering_imports_no_backend() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.usefixtures("clean_registrations")
+def test_engine_defaults_reach_only_tiers_whose_options_declare_them(view: memoryview) -> None:
+    seen: dict[str, object] = {}
+
+    def custom(primary_kv_view: memoryview, block_bytes: int, **options: object) -> MemoryTier:
+        seen.update(options)  # a factory without typed options checks its own
+        return MemoryTier(primary_kv_view, block_bytes)
+
+    register_tier("custom", custom)
+    make_tier({"type": "custom", "size": "9"}, view, BLOCK, defaults={"namespace": "n"}).shutdown()
+    assert seen == {"size": "9"}  # as given, and no namespace
+
+    memory = make_tier({"type": "memory"}, view, BLOCK, defaults={"namespace": "n"})
+    memory.shutdown()  # MemoryOptions declares no namespace: none was passed, none refused
+
+
+def test_a_named_tiers_options_are_checked_and_converted_before_it_is_built(
+    view: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[object] = []
+    monkeypatch.setattr(MemoryTier, "__init__", lambda self, *a, **k: built.append(k))
+    with pytest.raises(InvalidArgumentError, match=r"tier 'memory'.*max_blocks = 'x'"):
+        make_tier({"type": "memory", "max_blocks": "x"}, view, BLOCK)
+    assert built == []  # refused before the tier existed
+
+    with pytest.raises(InvalidArgumentError, match=r"capacity_bytes = '5 parsecs'"):
+        registry.check_options("nvme", {"root": "/x", "capacity_bytes": "5 parsecs"})
+    checked = registry.check_options(
+        "nvme", {"root": "/x", "capacity_bytes": "2MiB"}, defaults={"namespace": "n", "x": 1}
+    )
+    assert checked == {"namespace": "n", "root": "/x", "capacity_bytes": 2 << 20}

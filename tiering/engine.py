@@ -17,11 +17,12 @@ from dataclasses import replace
 from functools import partial
 from time import perf_counter
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
 from tiering.abstract import BlockHash, OffloadingEvent
+from tiering.config import TieringConfig
 from tiering.device import KVCaches, kv_block_bytes
-from tiering.errors import ClosedError, InvalidArgumentError, TieringError
+from tiering.errors import ClosedError, ConfigError, InvalidArgumentError, TieringError
 from tiering.hashing import cache_namespace
 from tiering.host_pool import HostPool
 from tiering.job import FinishedResults, Job
@@ -45,7 +46,7 @@ from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import EvictionPolicy
-from tiering.registry import TierSpec
+from tiering.registry import TierSpec, tier_specs
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
 from tiering.tenancy import (
@@ -58,10 +59,7 @@ from tiering.tenancy import (
 )
 from tiering.tier_client import TierOutcome
 from tiering.tier_stack import TierStack
-from tiering.validation import check_host_memory, hash_list, positive_int, seconds, tier_specs
-
-if TYPE_CHECKING:
-    from tiering.config import TieringConfig
+from tiering.validation import check_host_memory, hash_list, positive_int, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +181,42 @@ class TieringEngine:
 
     @classmethod
     def from_config(cls, config: TieringConfig, kv_caches: KVCaches) -> TieringEngine:
-        """The engine ``config`` describes over ``kv_caches``, not yet entered: see
-        :func:`tiering.config.engine_from_config`, which this delegates to (and which
-        raises ConfigError for a bad config)."""
-        from tiering.config import engine_from_config  # tiering.config imports this module
+        """The engine ``config`` describes over ``kv_caches``, not yet entered (use it as
+        ``async with``). ``engine.cpu_bytes`` becomes as many CPU slots as fit, at the
+        block size of ``kv_caches``; the tiers are built from their specs when it opens.
 
-        return engine_from_config(config, kv_caches)
+        Raises:
+            ConfigError: ``config`` is not a TieringConfig, or ``engine.cpu_bytes`` holds
+                no block of this KV cache.
+            InvalidArgumentError: ``kv_caches`` is malformed or the CPU tier would not fit
+                in this machine's memory (as the constructor raises).
+        """
+        if not isinstance(config, TieringConfig):
+            raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
+        engine = config.engine
+        num_cpu_blocks = engine.cpu_blocks
+        if num_cpu_blocks is None:
+            block_bytes = kv_block_bytes(kv_caches)
+            num_cpu_blocks = (engine.cpu_bytes or 0) // block_bytes
+            if num_cpu_blocks == 0:
+                raise ConfigError(
+                    f"engine.cpu_bytes = {engine.cpu_bytes!r}: holds no block of this KV cache "
+                    f"({block_bytes} bytes per block)",
+                    field="engine.cpu_bytes",
+                )
+        return cls(
+            kv_caches,
+            num_cpu_blocks,
+            policy=engine.policy,
+            secondary_tiers=[tier.spec() for tier in config.tiers],
+            write_policy=engine.write_policy,
+            block_size=engine.block_size,
+            enable_events=engine.enable_events,
+            cache_identity=engine.cache_identity,
+            tier_timeout=engine.tier_timeout,
+            room_timeout=engine.room_timeout,
+            close_timeout=engine.close_timeout,
+        )
 
     # ------------------------------------------------------------------ lifetime
 

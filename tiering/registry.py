@@ -1,20 +1,19 @@
-"""Secondary tiers by name: built-ins, registered factories and installed entry points.
-
-``tiering`` never imports ``backends`` at import time: built-in tiers are named by
-import path and imported the first time :func:`make_tier` builds one. A name is
-resolved in this order: :func:`register_tier` registrations, built-ins, then entry
-points of the group ``kv_tiering.tiers`` (each loading to a factory).
+"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins, then
+entry points of the group ``kv_tiering.tiers``. Built-ins are named by import path and
+imported when first built, so importing ``tiering`` imports no ``backends``. A tier's
+options are checked by its typed options (:func:`tier_options`) before it is built; a
+factory without them checks its own.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from tiering.errors import InvalidArgumentError, UnknownTierError
+from tiering.errors import ConfigError, InvalidArgumentError, UnknownTierError
+from tiering.options import Options, Text
 from tiering.secondary import SecondaryTierManager
 
 ENTRY_POINT_GROUP = "kv_tiering.tiers"
@@ -32,15 +31,18 @@ _BUILTINS: dict[str, str] = {
     "nvme-files": "backends.nvme:NVMeFileTier",
     "redis": "backends.redis:RedisTier",
 }
+_BUILTIN_OPTIONS: dict[str, str] = {
+    # Until these tiers name their options themselves (``Options``).
+    "nvme": "backends.nvme_options:NVMeOptions",
+    "nvme-files": "backends.nvme_options:NVMeFileOptions",
+    "redis": "backends.redis_options:RedisOptions",
+}
 _REGISTERED: dict[str, TierFactory] = {}
 
 
 def register_tier(name: str, factory: TierFactory) -> None:
-    """Make ``factory`` buildable as ``name``; it replaces a built-in or earlier one.
-
-    Raises:
-        InvalidArgumentError: ``name`` is not a non-empty str or ``factory`` not callable.
-    """
+    """Make ``factory`` buildable as ``name``, over a built-in or earlier one. Raises
+    InvalidArgumentError if ``name`` is not a non-empty str or ``factory`` not callable."""
     if not isinstance(name, str) or not name:
         raise InvalidArgumentError(f"tier name must be a non-empty str, got {name!r}")
     if not callable(factory):
@@ -49,11 +51,8 @@ def register_tier(name: str, factory: TierFactory) -> None:
 
 
 def unregister_tier(name: str) -> None:
-    """Forget a :func:`register_tier` registration (built-ins come back into view).
-
-    Raises:
-        UnknownTierError: nothing is registered under ``name``.
-    """
+    """Forget a :func:`register_tier` registration (a built-in comes back into view).
+    Raises UnknownTierError if nothing is registered under ``name``."""
     if _REGISTERED.pop(name, None) is None:
         raise UnknownTierError(f"no tier is registered under {name!r}")
 
@@ -70,42 +69,38 @@ def make_tier(
     *,
     defaults: Mapping[str, Any] | None = None,
 ) -> SecondaryTierManager:
-    """Build a secondary tier over the host pool from a name, a mapping or a factory.
-
-    ``spec`` is a tier name, a mapping ``{"type": name, **kwargs}`` (kwargs go to the
-    tier's constructor), or a callable ``factory(primary_kv_view, block_bytes)``.
-    ``defaults`` are keyword arguments a named tier receives when its constructor
-    accepts them and the spec does not set them (the engine passes ``namespace``).
+    """Build a secondary tier over the host pool from a name, a mapping
+    ``{"type": name, **options}`` or a callable ``factory(primary_kv_view, block_bytes)``.
+    A named tier's options go through :func:`check_options` (with ``defaults``: the
+    engine passes ``namespace``) before it is built.
 
     Raises:
         UnknownTierError: no tier is known by that name (the message lists the known
             ones), or a built-in's module cannot be imported.
-        InvalidArgumentError: ``spec`` has the wrong shape, the kwargs do not fit the
-            tier's constructor or the tier rejects them (the message names the tier),
-            or the factory returned something that is not a SecondaryTierManager.
+        InvalidArgumentError: ``spec`` has the wrong shape, an option is bad or the tier
+            rejects it (the message names the tier and the option), or the factory
+            returned something that is not a SecondaryTierManager.
     """
-    if isinstance(spec, str):
-        name, kwargs = spec, {}
-        factory = tier_factory(name)
-    elif isinstance(spec, Mapping):
-        name, kwargs = _split_mapping(spec)
+    if isinstance(spec, str | Mapping):
+        name, options = (spec, {}) if isinstance(spec, str) else _split_mapping(spec)
         factory = tier_factory(name)
     elif callable(spec):
-        name, kwargs, factory = getattr(spec, "__qualname__", repr(spec)), {}, spec
+        name, options, factory = getattr(spec, "__qualname__", repr(spec)), {}, spec
     else:
         raise InvalidArgumentError(
             "tier spec must be a name, a mapping with a 'type' key, or a factory; "
             f"got {type(spec).__name__}"
         )
-    if defaults and not callable(spec):
-        kwargs = {**_accepted(factory, defaults), **kwargs}
-    _check_signature(name, factory, primary_kv_view, block_bytes, kwargs)
     try:
-        tier = factory(primary_kv_view, block_bytes, **kwargs)
+        if factory is not spec:
+            options = check_options(name, options, defaults=defaults)
+        tier = factory(primary_kv_view, block_bytes, **options)
     except InvalidArgumentError as exc:
         if repr(name) in str(exc):
             raise
         raise InvalidArgumentError(f"tier {name!r}: {exc}") from exc
+    except TypeError as exc:  # a factory without typed options, called with bad options
+        raise InvalidArgumentError(f"tier {name!r}: bad options {sorted(options)}: {exc}") from exc
     if not isinstance(tier, SecondaryTierManager):
         raise InvalidArgumentError(
             f"factory for tier {name!r} returned {type(tier).__name__}, not a SecondaryTierManager"
@@ -113,17 +108,84 @@ def make_tier(
     return tier
 
 
+def check_options(
+    name: str,
+    options: object,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    where: str = "",
+) -> dict[str, object]:
+    """``options`` of the tier registered as ``name``, checked and converted by its
+    typed options (a size string to bytes, :class:`~tiering.options.Text` to the
+    field's type), with the ``defaults`` those declare where ``options`` leaves them
+    out. A tier without typed options checks its own: it gets ``options`` as given
+    (text read as TOML) and no defaults.
+
+    Raises:
+        UnknownTierError: as :func:`tier_factory`.
+        InvalidArgumentError: (ConfigError when ``where`` is given) naming the option
+            (``where.option``), its value and the reason.
+    """
+    error = ConfigError if where else InvalidArgumentError
+    if not isinstance(options, Mapping):
+        raise error(
+            f"{where or 'options'}: expected a mapping of tier options, got {options!r:.60}"
+        )
+    for key in options:
+        if not isinstance(key, str) or key == "type":
+            why = "the tier's type is given once" if key == "type" else "option names are str"
+            raise error(f"{where}[{key!r}]: {why}")
+    model = tier_options(name)
+    if model is None:
+        return {k: v.as_toml() if isinstance(v, Text) else v for k, v in options.items()}
+    given = {k: v for k, v in (defaults or {}).items() if k in model.model_fields} | dict(options)
+    checked = model.check(given, where=where, owner=f"tier {name!r}", error=error)
+    return {key: getattr(checked, key) for key in given}
+
+
+def tier_options(name: str) -> type[Options] | None:
+    """The typed options of the tier registered as ``name``: its factory's ``Options``,
+    or None for a factory that checks its own. Raises as :func:`tier_factory`."""
+    factory = tier_factory(name)
+    model = getattr(factory, "Options", None)
+    if isinstance(model, type) and issubclass(model, Options):
+        return model
+    if name in _BUILTIN_OPTIONS and name not in _REGISTERED:
+        return _imported(name, _BUILTIN_OPTIONS[name])  # type: ignore[no-any-return]
+    return None
+
+
+def tier_specs(specs: object) -> list[TierSpec]:
+    """``specs`` as a new list of tier specs (``secondary_tiers``). Raises
+    InvalidArgumentError for one spec rather than a list, or a list holding a non-spec."""
+    if isinstance(specs, str | bytes | Mapping) or callable(specs):
+        raise InvalidArgumentError(
+            f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
+            "wrap it in a list"
+        )
+    try:
+        out = list(specs)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"secondary_tiers must be an iterable of tier specs, got {specs!r:.60}"
+        ) from None
+    for i, spec in enumerate(out):
+        if not (isinstance(spec, str | Mapping) or callable(spec)):
+            raise InvalidArgumentError(
+                f"secondary_tiers[{i}] must be a tier name, a mapping with a 'type' or a "
+                f"factory, got {spec!r:.60}"
+            )
+    return out
+
+
 def _split_mapping(spec: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    kwargs = dict(spec)
-    name = kwargs.pop("type", None)
+    options = dict(spec)
+    name = options.pop("type", None)
     if not isinstance(name, str) or not name:
         raise InvalidArgumentError(
-            f"tier spec mapping needs a 'type' naming the tier, got {spec.get('type')!r}"
+            f"tier spec mapping needs a 'type' naming the tier, got {name!r}"
         )
-    bad_keys = [k for k in kwargs if not isinstance(k, str)]
-    if bad_keys:
-        raise InvalidArgumentError(f"tier {name!r}: option names must be str, got {bad_keys!r}")
-    return name, kwargs
+    return name, options
 
 
 def tier_factory(name: str) -> TierFactory:
@@ -138,15 +200,7 @@ def tier_factory(name: str) -> TierFactory:
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
-        module_name, _, attribute = _BUILTINS[name].partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise UnknownTierError(
-                f"tier {name!r} ({_BUILTINS[name]}) cannot be imported: {exc}"
-            ) from exc
-        factory: TierFactory = getattr(module, attribute)
-        return factory
+        return _imported(name, _BUILTINS[name])  # type: ignore[no-any-return]
     for ep in _entry_points():
         if ep.name == name:
             loaded = ep.load()
@@ -158,31 +212,14 @@ def tier_factory(name: str) -> TierFactory:
     raise UnknownTierError(f"unknown tier {name!r}; known tiers: {tier_names()}")
 
 
-def _accepted(factory: TierFactory, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options ``factory`` names as keyword parameters."""
+def _imported(name: str, path: str) -> object:
+    """The object at ``module:attribute`` ``path``, for the built-in tier ``name``."""
+    module_name, _, attribute = path.partition(":")
     try:
-        parameters = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {k: v for k, v in options.items() if k in parameters}
-
-
-def _check_signature(
-    name: str,
-    factory: TierFactory,
-    primary_kv_view: memoryview,
-    block_bytes: int,
-    kwargs: dict[str, Any],
-) -> None:
-    """Reject kwargs the factory cannot take before calling it (clear error, no side effects)."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return  # no introspectable signature: the call itself will tell
-    try:
-        signature.bind(primary_kv_view, block_bytes, **kwargs)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"tier {name!r}: bad options {sorted(kwargs)}: {exc}") from exc
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UnknownTierError(f"tier {name!r} ({path}) cannot be imported: {exc}") from exc
+    return getattr(module, attribute)
 
 
 def _entry_points() -> tuple[EntryPoint, ...]:
@@ -193,9 +230,12 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "TierFactory",
     "TierSpec",
+    "check_options",
     "make_tier",
     "register_tier",
     "tier_factory",
     "tier_names",
+    "tier_options",
+    "tier_specs",
     "unregister_tier",
 ]

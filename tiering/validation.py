@@ -5,14 +5,11 @@ from __future__ import annotations
 import math
 import operator
 import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from tiering.abstract import as_block_hashes
 from tiering.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from tiering.registry import TierSpec
 
 
 def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
@@ -115,22 +112,6 @@ def seconds(name: str, value: object, *, allow_zero: bool) -> float:
             f"{name} must be a {bound} finite number of seconds, got {value!r}"
         )
     return float(value)
-
-
-def tier_specs(specs: object) -> list[TierSpec]:
-    if isinstance(specs, str | bytes | Mapping) or callable(specs):
-        raise InvalidArgumentError(
-            f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
-            "wrap it in a list"
-        )
-    out = _listed("secondary_tiers", specs, "tier specs")
-    for i, spec in enumerate(out):
-        if not (isinstance(spec, str | Mapping) or callable(spec)):
-            raise InvalidArgumentError(
-                f"secondary_tiers[{i}] must be a tier name, a mapping with a 'type' or a "
-                f"factory, got {spec!r:.60}"
-            )
-    return out
 
 
 def check_host_memory(num_blocks: int, block_bytes: int) -> None:

@@ -2,7 +2,8 @@
 overrides and shortcut options) and the workload it names.
 
 Precedence, lowest first: defaults, the ``--config`` file, the shortcut options
-(``--cpu``, ``--policy``...), then every ``--set SECTION.FIELD=VALUE`` in order. Without
+(``--cpu``, ``--policy``..., and the tiers ``--memory``, ``--nvme``, ``--redis`` add
+after the file's), then every ``--set SECTION.FIELD=VALUE`` in order. Without
 a trace (the ``TRACE`` argument or ``replay.trace``) the workload is the synthetic chat
 traffic of the ``[synthetic]`` section.
 """
@@ -10,7 +11,7 @@ traffic of the ``[synthetic]`` section.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tiering.config import (
@@ -63,11 +64,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_config(args: argparse.Namespace, shortcuts: dict[str, Any]) -> TieringConfig:
+def resolve_config(
+    args: argparse.Namespace,
+    shortcuts: dict[str, Any],
+    tiers: Sequence[Mapping[str, object]] = (),
+) -> TieringConfig:
     """The config the command line describes (see the module's precedence).
 
     ``shortcuts`` maps config paths to values from the command's own options (None:
-    not given).
+    not given); ``tiers`` are the tier specs its options add.
 
     Raises:
         ConfigError: the file, an override or a shortcut is bad (naming the field).
@@ -82,10 +87,8 @@ def resolve_config(args: argparse.Namespace, shortcuts: dict[str, Any]) -> Tieri
     overrides.update({path: value for path, value in shortcuts.items() if value is not None})
     overrides.update(dict(args.overrides or ()))
     if args.config is not None:
-        config = load_config(args.config, overrides)
-    else:
-        config = config_from_toml("", overrides=overrides | _cpu_default(overrides))
-    return config
+        return load_config(args.config, overrides, add_tiers=tiers)
+    return config_from_toml("", overrides=overrides | _cpu_default(overrides), add_tiers=tiers)
 
 
 def _cpu_default(overrides: dict[str, object]) -> dict[str, object]:
@@ -104,7 +107,7 @@ def load_workload(config: TieringConfig) -> list[Request]:
     replay = config.replay
     if replay.trace is not None:
         return read_mooncake(replay.trace, limit=replay.limit)
-    requests = synthetic_requests(**dataclasses.asdict(config.synthetic))
+    requests = synthetic_requests(**config.synthetic.model_dump())
     return requests[: replay.limit] if replay.limit is not None else requests
 
 

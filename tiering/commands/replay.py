@@ -44,7 +44,6 @@ from tiering.config import (
     EngineConfig,
     ReplayConfig,
     TieringConfig,
-    engine_from_config,
     with_overrides,
 )
 from tiering.engine import TieringEngine
@@ -144,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _default(section: type[EngineConfig | ReplayConfig], name: str) -> object:
     """A config field's default: what an option left out (and not in --config) means."""
-    return next(f.default for f in dataclasses.fields(section) if f.name == name)
+    return section.model_fields[name].default
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,8 +161,7 @@ def run(args: argparse.Namespace) -> int:
     shortcuts["replay.nodes"] = args.nodes
     shortcuts["replay.router"] = args.router
     shortcuts["replay.transport"] = args.transport
-    config = resolve_config(args, shortcuts)
-    config = with_overrides(config, _tier_shortcuts(args, config))
+    config = resolve_config(args, shortcuts, _tier_shortcuts(args))
     requests = load_workload(config)
     _check_cpu_room(config, requests)
     if config.replay.nodes > 1:
@@ -314,7 +312,7 @@ async def _replay_fleet(
     events_on = with_overrides(config, {"engine.enable_events": True})
 
     def make_engine(node: int, kv: torch.Tensor) -> TieringEngine:
-        return engine_from_config(_node_config(events_on, node), kv)
+        return TieringEngine.from_config(_node_config(events_on, node), kv)
 
     def on_request(done: int, summary: FleetSummary) -> None:
         progress.update(f"fleet ({name}): {done}/{len(requests)} requests")
@@ -372,7 +370,7 @@ def format_fleet(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str, object]:
+def _tier_shortcuts(args: argparse.Namespace) -> list[dict[str, object]]:
     """Tiers the shortcut options add after the config's own, fastest first."""
     added: list[dict[str, object]] = []
     if args.memory is not None:
@@ -381,11 +379,7 @@ def _tier_shortcuts(args: argparse.Namespace, config: TieringConfig) -> dict[str
         added.append({"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size})
     if args.redis is not None:
         added.append({"type": "redis", "url": args.redis})
-    overrides: dict[str, object] = {}
-    for i, tier in enumerate(added, start=len(config.tiers)):
-        for option, value in tier.items():
-            overrides[f"tiers.{i}.{option}"] = value
-    return overrides
+    return added
 
 
 def _bookkeeping(
@@ -459,7 +453,7 @@ async def _replay(
     pace = None if config.replay.pace == "max" else float(config.replay.pace)
 
     def make_engine(kv: torch.Tensor) -> TieringEngine:
-        return engine_from_config(config, kv)
+        return TieringEngine.from_config(config, kv)
 
     def on_request(done: int, summary: ReplaySummary) -> None:
         ratio = summary.hit_ratio

@@ -1,0 +1,76 @@
+"""The NVMe tiers' options (:class:`NVMeOptions` for ``"nvme"``, the segment layout, and
+:class:`NVMeFileOptions` for ``"nvme-files"``), read by the registry and the config.
+
+The tiers' constructors still check their arguments themselves; they are to take these
+models instead (``Options = NVMeOptions``), and their hand-written checks go.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field
+
+from tiering.encryption import Keyring
+from tiering.options import ActorOptions, Bytes, PositiveInt, SecondsOrZero, Size, secret
+from tiering.policies import EvictionPolicy
+
+
+def _mode(required: int, allowed: int) -> AfterValidator:
+    def check(mode: int) -> int:
+        if mode & required != required or mode & ~allowed:
+            raise ValueError(
+                f"must include 0o{required:o} and stay within 0o{allowed:o} (nobody but the "
+                "owner may write)"
+            )
+        return mode
+
+    return AfterValidator(check)
+
+
+def _an_object(value: object) -> object:
+    if value is None or isinstance(value, str | bytes | int | float | list | dict):
+        raise ValueError("must be an object such as OsCalls, which a config cannot hold")
+    return value
+
+
+class _NVMeCommonOptions(ActorOptions):
+    """What both NVMe layouts take."""
+
+    root: str | os.PathLike[str]
+    namespace: str = Field(min_length=1)
+    capacity_bytes: Bytes
+    min_free_bytes: Size = Field(1 << 30, ge=0)
+    fsync: Literal["none", "batch", "always"] = "batch"
+    o_direct: bool | None = None
+    max_inflight_bytes: Bytes = 256 << 20
+    enospc_retry_s: SecondsOrZero = 5.0
+    encryption: str | Keyring | None = secret(None)
+    file_mode: Annotated[int, _mode(0o600, 0o644)] = 0o600
+    dir_mode: Annotated[int, _mode(0o700, 0o755)] = 0o700
+    os_calls: Annotated[Any, AfterValidator(_an_object)] = Field(
+        None, description="the OS calls (a test double); None: the real ones"
+    )
+    clock: Callable[[], float] = time.monotonic
+
+
+class NVMeOptions(_NVMeCommonOptions):
+    """The segment-layout NVMe tier's options (docs/nvme.md)."""
+
+    segment_bytes: Bytes | None = None
+    checkpoint_every: PositiveInt = 16384
+    hot_fraction: float = Field(0.25, ge=0, le=1)
+    gil_pause_bytes: Size = Field(128 << 10, ge=0)
+    staging_bytes: Size = Field(0, ge=0)
+
+
+class NVMeFileOptions(_NVMeCommonOptions):
+    """The file-per-block NVMe tier's options."""
+
+    policy: str | EvictionPolicy = "lru"
+
+
+__all__ = ["NVMeFileOptions", "NVMeOptions"]
