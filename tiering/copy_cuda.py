@@ -1,16 +1,11 @@
 """The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
 
-Each direction has a copy stream of its own (so stores and loads use both copy engines),
-ordered after the caller's current stream, and a staging buffer laid out ``[rows, block
-words]``. A planned chunk moves with one gather (or scatter) per layer between the device
-tensors and the staging buffer, plus one copy per slot run between the staging buffer and
-the pinned host pool, whatever the number of blocks. One pooled CUDA event per job marks
-its end, and one poller task on the event loop reports the job when its event has fired:
-no thread spins on an event.
-
-Every CUDA call goes through a :class:`CudaRuntime`, which forwards to ``torch.cuda``; a
-test may give the backend a runtime of its own (recording streams and events that fire
-when it says) and drive the whole stream path with CPU tensors.
+Each direction has its own copy stream (stores and loads use both copy engines), ordered
+after the caller's current stream, and a ``[rows, block words]`` staging buffer. A planned
+chunk moves with one gather (or scatter) per layer plus one copy per slot run, whatever
+the number of blocks. One pooled CUDA event per job marks its end; one poller task on the
+loop reports it, so no thread spins on an event. Every CUDA call goes through a
+:class:`CudaRuntime`, which a test may replace to drive the stream path with CPU tensors.
 """
 
 from __future__ import annotations
@@ -138,13 +133,8 @@ class _Pending:
 
 
 class CudaCopyBackend:
-    """Runs copies between a CUDA KV cache and a pinned host pool on copy streams.
-
-    Contract with :class:`~tiering.device.DeviceCopier` (which calls every method on its
-    event loop): :meth:`open` once, then :meth:`submit` per copy; ``on_done`` is called
-    on the loop with every submitted copy's outcome exactly once, never before the copy's
-    last queued operation has run; :meth:`drain_blocking` and :meth:`aclose` at the end.
-    """
+    """Runs copies between a CUDA KV cache and a pinned host pool on copy streams; a
+    :class:`~tiering.device.CopyBackend`."""
 
     def __init__(self, *, runtime: CudaRuntime | None = None) -> None:
         self._runtime = runtime or CudaRuntime()
@@ -275,8 +265,8 @@ class CudaCopyBackend:
         self._lanes.clear()
 
     def close(self) -> None:
-        """Release at once, without awaiting (a hard stop after :meth:`drain_blocking`):
-        the poller is cancelled and the lanes dropped. Idempotent."""
+        """Hard stop after :meth:`drain_blocking`: cancel the poller, drop the lanes.
+        Idempotent."""
         self._closing = True
         self._task_group = None
         if self._poller is not None:

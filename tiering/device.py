@@ -1,15 +1,9 @@
 """Device transfers: copy KV blocks between the device KV cache and host-pool slots.
 
-:class:`DeviceCopier` checks each request, plans it (:mod:`tiering.kv_layout`), hands it
-to a copy backend and gives the caller a :class:`CopyHandle`. The backend is injected:
-
-- :class:`~tiering.copy_cuda.CudaCopyBackend` (the default for a CUDA KV cache): copy
-  streams, staging buffers, pooled events polled by the loop;
-- :class:`~tiering.copy_thread.ThreadCopyBackend` (the default for a CPU KV cache):
-  copies straight between layers and slot rows on a small thread pool, coalescing the
-  copies that arrive together into one worker hop.
-
-Any object with the same five methods (:class:`CopyBackend`) may be given instead.
+:class:`DeviceCopier` checks each request, plans it (:mod:`tiering.kv_layout`) and hands
+it to a :class:`CopyBackend`: :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV
+cache, :class:`~tiering.copy_thread.ThreadCopyBackend` for a CPU one, or any object with
+the same five methods.
 """
 
 from __future__ import annotations
@@ -75,12 +69,11 @@ class CopyBackend(Protocol):
 
 
 class CopyHandle:
-    """A started copy. ``await handle`` returns once the bytes are in place.
+    """A started copy. ``await handle`` returns once the bytes are in place, or raises
+    :class:`~tiering.errors.TransferError`.
 
-    Awaiting raises :class:`~tiering.errors.TransferError` if the copy failed. The copy runs
-    whether or not anyone awaits the handle, and cancelling a task that awaits it does not
-    cancel the copy: the handle turns done only when the copy has really ended, so memory
-    it touches may be reused only then.
+    Cancelling an awaiting task does not cancel the copy: the handle turns done only when
+    the copy has really ended, so the memory it touches may be reused only then.
     """
 
     __slots__ = ("_future", "num_blocks")
@@ -147,28 +140,21 @@ class _InFlight(PlannedCopy):
 class DeviceCopier:
     """Copies whole KV blocks between the device KV cache and slots of a host pool.
 
-    Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:``; call its methods on
-    the event loop that entered it, and enter and exit it in the same task. Leaving the
-    block waits until every started copy has ended (if that wait is cancelled it blocks
-    until they have, since their memory must not be released under them). Close the copier
-    before the host pool. The state (:attr:`state`) moves NEW -> OPEN (entered) -> CLOSING
-    (leaving) -> CLOSED.
+    Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:`` on one loop and
+    task, and close it before the host pool. Leaving waits until every started copy has
+    ended (blocking if that wait is cancelled: their memory must not be released under
+    them). :attr:`state` moves NEW -> OPEN -> CLOSING -> CLOSED.
 
-    ``kv_caches``: a tensor or a sequence of per-layer tensors, first dim = block id, each
-    contiguous, all on one device with the same number of blocks; dtypes may differ.
-    ``staging_bytes`` bounds the blocks per planned chunk (the CUDA backend's staging
-    buffer; at least one block is always allowed). ``backend`` runs the copies; by default
-    a :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV cache and a
-    :class:`~tiering.copy_thread.ThreadCopyBackend` of ``max_workers`` threads otherwise
-    (``max_workers`` is not used when a backend is given). A backend serves one copier.
+    ``kv_caches`` (see :func:`~tiering.kv_layout.describe_kv_caches`); ``staging_bytes``
+    bounds the blocks per planned chunk (at least one); ``backend`` defaults to a
+    :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV cache, else a
+    :class:`~tiering.copy_thread.ThreadCopyBackend` of ``max_workers`` threads. A backend
+    serves one copier. :meth:`statistics` counts successful ``copies_to_host``,
+    ``copies_to_device``, ``bytes_to_host`` and ``bytes_to_device``; failures by direction.
 
-    :meth:`statistics` counters: ``copies_to_host``, ``copies_to_device`` (copies that
-    ended successfully), ``bytes_to_host``, ``bytes_to_device`` (their payload); failed
-    copies count under ``failures`` by direction.
-
-    Raises InvalidArgumentError if the layout is malformed, the block size differs from
-    ``host_pool.block_bytes``, the pool is closed, or the KV cache is on CUDA and the pool
-    is not pinned (an unpinned copy would block the event loop).
+    Raises InvalidArgumentError for a malformed layout, a block size other than
+    ``host_pool.block_bytes``, a closed pool, or a CUDA KV cache with an unpinned pool (its
+    copies would block the event loop).
     """
 
     def __init__(
@@ -360,11 +346,11 @@ class DeviceCopier:
         )
 
     def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
-        """Start copying device block ``device_ids[i]`` into host slot ``slots[i]``.
+        """Start copying device block ``device_ids[i]`` into host slot ``slots[i]``; returns
+        at once. Device ids may repeat; slots may not.
 
-        Returns at once. Device ids may repeat; slots may not. Raises (with nothing started)
-        InvalidArgumentError for unequal lengths, an id out of range or not an int, or a
-        repeated slot; ClosedError if the copier is not entered, left, or the pool closed.
+        Raises (with nothing started) InvalidArgumentError for unequal lengths, a bad id
+        or a repeated slot; ClosedError if the copier or the pool is not open.
         """
         ids = as_index_list("device block ids", device_ids)
         slot_list = as_index_list("slots", slots)
@@ -372,10 +358,8 @@ class DeviceCopier:
         return self._start(Direction.TO_HOST, ids, slot_list)
 
     def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> CopyHandle:
-        """Start copying host slot ``slots[i]`` into device block ``device_ids[i]``.
-
-        Returns at once. Slots may repeat; device ids may not. Raises like :meth:`to_host`.
-        """
+        """Start copying host slot ``slots[i]`` into device block ``device_ids[i]``; slots
+        may repeat, device ids may not. Raises like :meth:`to_host`."""
         slot_list = as_index_list("slots", slots)
         ids = as_index_list("device block ids", device_ids)
         self._check_job(ids, slot_list, Direction.TO_DEVICE)
@@ -391,16 +375,10 @@ class DeviceCopier:
     ) -> None:
         """Start a copy whose arguments the caller has checked, for a hot path.
 
-        Like :meth:`to_host` (``to_host`` True) or :meth:`to_device`, but the ids and slots
-        are trusted to be in range, equally long, and distinct where :meth:`to_host` /
-        :meth:`to_device` require it (the engine's job core checks device ids, and slots
-        come from the CPU tier's manager). Instead of a handle, ``on_done(token, error)``
-        is called on the loop exactly once, when the copy has ended (``error`` None on
-        success); a token rather than a closure per copy keeps the hot path from
-        allocating. The lists must not be changed afterwards.
-
-        Raises:
-            ClosedError: the copier is not open.
+        Like :meth:`to_host` / :meth:`to_device`, with ids and slots trusted to be valid;
+        instead of a handle, ``on_done(token, error)`` is called on the loop exactly once
+        when the copy has ended (a token, not a closure, so the hot path does not
+        allocate). The lists must not change afterwards. Raises ClosedError if not open.
         """
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")

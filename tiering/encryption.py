@@ -1,32 +1,20 @@
 """Authenticated encryption of block payloads at rest: AES-GCM under a keyring.
 
-A tier that encrypts seals each block's payload with the keyring's *current* key and a
-fresh random 96-bit nonce, and stores the key id, the nonce and the 16-byte tag beside
-the ciphertext (the ciphertext is exactly as long as the payload, so aligned I/O stays
-aligned). The associated data is the block's namespace digest and its key, so a
-ciphertext copied under another block key or into another namespace fails to open.
+A block is sealed under the keyring's current key and a fresh random 96-bit nonce; the
+key id, nonce and 16-byte tag are stored beside a ciphertext exactly as long as the
+payload (aligned I/O stays aligned). The associated data is the namespace digest and the
+block key, so a ciphertext moved to another key or namespace fails to open. Every key id
+held opens, so keys rotate by putting the new key first. An unknown key id or a failed
+tag raises a :class:`~tiering.errors.CorruptBlockError` subclass (a miss, logged once per
+kind and key id). Key material never appears in an error, a log line or a ``repr``.
 
-Reading accepts every key id the keyring holds, so keys rotate by putting the new key
-first and keeping the old ones until their blocks have aged out. A block whose key id
-the keyring lacks, or that fails authentication (a wrong key under the right id, a
-flipped byte, a moved block), raises a :class:`~tiering.errors.CorruptBlockError`
-subclass: the tier turns it into a miss, never into bytes, and the cipher logs each kind
-of failure once per key id.
-
-Key material never appears in an error, a log line or a ``repr``: errors name the option
-and the key id, never the key.
-
-Keyring specs (a tier's ``encryption`` option, a config file, or an environment
-variable)::
+Keyring specs (see docs/security.md)::
 
     "2:<base64 key>,1:<base64 key>"    ids are ints in [1, 2**32); the first one writes
     "env:KV_TIERING_KEYS"              the spec is read from that environment variable
 
-Keys are 16, 24 or 32 bytes (AES-128/192/256). Make one with
-``python3 -c "import base64, os; print(base64.b64encode(os.urandom(32)).decode())"``.
-
-With random nonces a key should seal fewer than 2**32 blocks (NIST SP 800-38D); rotate
-before that.
+Keys are 16, 24 or 32 bytes (AES-128/192/256). With random nonces a key seals fewer
+than 2**32 blocks (NIST SP 800-38D); rotate before that.
 """
 
 from __future__ import annotations
@@ -60,11 +48,9 @@ class AuthenticationError(CorruptBlockError):
 
 
 def _ciphers(key: bytes) -> tuple[Any, Any]:
-    """``key`` as a one-shot ``AESGCM`` and as an ``AES`` algorithm for cipher contexts
-    (typed ``Any``: their types live in an optional dependency).
+    """``key`` as a one-shot ``AESGCM`` and as an ``AES`` algorithm for cipher contexts.
 
-    Raises:
-        InvalidArgumentError: the ``cryptography`` package is missing.
+    Raises InvalidArgumentError if the ``cryptography`` package is missing.
     """
     try:
         from cryptography.hazmat.primitives.ciphers import algorithms
@@ -77,15 +63,11 @@ def _ciphers(key: bytes) -> tuple[Any, Any]:
 
 
 class Keyring:
-    """Encryption keys by id; the current one seals, every one opens.
+    """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
+    seals, every one opens.
 
-    Args:
-        keys: key id (an int in ``[1, 2**32)``) to key bytes (16, 24 or 32 bytes).
-        current: the id new blocks are sealed under; must be in ``keys``.
-
-    Raises:
-        InvalidArgumentError: no keys, a bad id or key length, or ``current`` not among
-            the ids. The message names ids, never key bytes.
+    Raises InvalidArgumentError (naming ids, never key bytes) for no keys, a bad id or
+    key length, or ``current`` not among the ids.
     """
 
     __slots__ = ("_keys", "current")
@@ -115,11 +97,9 @@ class Keyring:
     def parse(cls, spec: str, *, option: str = "encryption") -> Keyring:
         """A keyring from a spec (see the module docstring); the first entry is current.
 
-        Raises:
-            InvalidArgumentError: naming ``option`` (and the variable for ``env:``), for
-                an empty or malformed spec, a variable that is not set, a bad id, a
-                repeated id, or a key that is not base64 of 16, 24 or 32 bytes. The
-                message never quotes the spec.
+        Raises InvalidArgumentError naming ``option`` (and the variable for ``env:``),
+        never quoting the spec, for a malformed spec, an unset variable, a bad or repeated
+        id, or a key that is not base64 of 16, 24 or 32 bytes.
         """
         if not isinstance(spec, str):
             raise InvalidArgumentError(
@@ -181,10 +161,7 @@ def _check_key_id(key_id: object, source: str = "encryption") -> None:
 
 def keyring_from(value: object, *, option: str = "encryption") -> Keyring | None:
     """The keyring a tier option names: None (no encryption), a :class:`Keyring`, or a
-    spec string.
-
-    Raises:
-        InvalidArgumentError: as :meth:`Keyring.parse`, or a value of another type.
+    spec string. Raises InvalidArgumentError as :meth:`Keyring.parse`, or for another type.
     """
     if value is None or isinstance(value, Keyring):
         return value
@@ -212,10 +189,7 @@ def associated_data(namespace_digest: bytes, key: bytes) -> bytes:
 class BlockCipher:
     """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
 
-    Thread-safe: tiers call it on their worker threads, never on the loop. From
-    ``cryptography`` 50 on the cipher runs without the GIL (48 held it: a thread
-    sealing 2 MiB payloads kept another waiting for the GIL 5-6 ms at p99; with 50,
-    0.11 ms).
+    Thread-safe: tiers call it on their worker threads, never on the loop.
     """
 
     __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
@@ -232,13 +206,10 @@ class BlockCipher:
         self._lock = threading.Lock()
 
     def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
-        """Encrypt ``payload`` under the current key into ``out[:len(payload)]``.
+        """Encrypt ``payload`` under the current key into ``out[:len(payload)]``, the tag
+        after it (and in the returned :class:`Seal`).
 
-        ``out`` must be at least ``len(payload) + TAG_BYTES`` long: the tag is written
-        after the ciphertext (and returned in the :class:`Seal`).
-
-        Raises:
-            InvalidArgumentError: ``out`` is too short.
+        Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``.
         """
         n = len(payload)
         if len(out) < n + TAG_BYTES:
@@ -250,13 +221,9 @@ class BlockCipher:
 
     def open_into(self, seal: Seal, sealed: memoryview, aad: bytes, out: memoryview) -> None:
         """Decrypt and verify ``sealed`` (the ciphertext, then its tag) into ``out``
-        (``len(sealed) - TAG_BYTES`` bytes). ``out`` holds garbage after a failure: read
-        into a buffer nobody serves until this returns.
+        (``len(sealed) - TAG_BYTES`` bytes), which holds garbage after a failure.
 
-        Raises:
-            UnknownKeyError: the keyring has no key ``seal.key_id``.
-            AuthenticationError: the tag does not verify (wrong key, altered or moved
-                bytes).
+        Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError.
         """
         from cryptography.exceptions import InvalidTag
 
@@ -273,14 +240,8 @@ class BlockCipher:
         raise self._not_authentic(seal.key_id)
 
     def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
-        """Decrypt and verify the ciphertext in ``data`` where it lies (the tag is
-        ``seal.tag``): the plaintext replaces it. After a failure ``data`` holds garbage:
-        read into a buffer nobody serves until this returns.
-
-        Raises:
-            UnknownKeyError: the keyring has no key ``seal.key_id``.
-            AuthenticationError: the tag does not verify (wrong key, altered or moved
-                bytes).
+        """Decrypt and verify the ciphertext in ``data`` in place (the tag is
+        ``seal.tag``); ``data`` holds garbage after a failure. Raises as :meth:`open_into`.
         """
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
@@ -308,8 +269,7 @@ class BlockCipher:
         raise self._not_authentic(seal.key_id)
 
     def _unknown_key(self, key_id: int) -> UnknownKeyError:
-        """The error for a block sealed under ``key_id``, which the keyring lacks (logged
-        the first time)."""
+        """The error for a key id the keyring lacks (logged the first time)."""
         message = (
             f"block sealed under key id {key_id}, which the keyring lacks "
             f"(it holds {list(self.keyring.key_ids)})"
@@ -318,8 +278,7 @@ class BlockCipher:
         return UnknownKeyError(message)
 
     def _not_authentic(self, key_id: int) -> AuthenticationError:
-        """The error for a block that failed authentication under ``key_id`` (logged the
-        first time)."""
+        """The error for a failed tag under ``key_id`` (logged the first time)."""
         message = (
             f"block failed authentication under key id {key_id}: "
             "a wrong key under that id, or bytes altered or moved"
