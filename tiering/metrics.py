@@ -1,26 +1,17 @@
 """Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers.
 
 :func:`register_engine_metrics` adds an :class:`EngineCollector` to a
-``prometheus_client`` registry; at every scrape it reads fresh snapshots (the engine's
-and each tier's ``statistics()``, the job latency histograms, the lookup hits, and an
-optional :class:`~tiering.loop_lag.LoopLagMonitor`) and turns them into metric
-families under one prefix (``kv_tiering`` by default). :func:`serve_metrics` serves a
-registry over HTTP on a thread of its own; :func:`serve_engine_metrics` does both in
-one call. Every metric, its labels and its exact meaning: ``docs/metrics.md``.
+``prometheus_client`` registry; each scrape reads fresh snapshots (statistics, latency
+histograms, lookups, an optional :class:`~tiering.loop_lag.LoopLagMonitor`) into metric
+families under one prefix. :func:`serve_metrics` serves a registry over HTTP on a thread
+of its own; :func:`serve_engine_metrics` does both. Every metric: ``docs/metrics.md``.
 
-Threads. A scrape runs on the HTTP server's thread, while the engine's state belongs to
-its event loop's thread (``statistics()`` copies dicts that the loop changes, and a
-dict that gains a key during the copy raises "dictionary changed size during
-iteration"). So the collector reads on the loop: it schedules the reading with
-``call_soon_threadsafe`` and waits up to ``snapshot_timeout`` seconds for it. Where
-that cannot work it reads on the calling thread and retries a reading that raced a
-change: when the caller *is* the loop's thread (``generate_latest`` called from a
-coroutine), when no loop was running at registration or the loop has stopped or
-closed, and when the loop is busy past the timeout (a blocked loop is when metrics
-matter most, so the scrape still answers). A :class:`LoopLagMonitor`'s samples are
-only ever appended to, so they are read on the scrape thread.
-
-Requires ``prometheus-client`` >= 0.20 (the ``metrics`` extra).
+Threads: the engine's state belongs to its loop's thread (copying a dict that gains a
+key raises), so a scrape reads on the loop via ``call_soon_threadsafe``, waiting up to
+``snapshot_timeout``. It reads on its own thread, retrying a read that raced a change,
+when it runs on the loop's thread, when no loop runs, or when the loop is busy past the
+timeout (a blocked loop is when metrics matter most). Loop lag samples are only
+appended to, so they are read on the scrape thread.
 """
 
 from __future__ import annotations
@@ -106,20 +97,13 @@ def _read_engine(engine: TieringEngine) -> _Reading:
 
 
 class EngineCollector:
-    """A ``prometheus_client`` collector of one engine; :meth:`collect` runs per scrape.
+    """A ``prometheus_client`` collector of one engine (entered, or closed: it still
+    answers); :meth:`collect` runs per scrape.
 
-    Args:
-        engine: the engine to read (entered or not; a closed one still answers).
-        prefix: the metric names' prefix, a valid Prometheus name.
-        loop_lag: a monitor whose samples become ``<prefix>_loop_lag_seconds``.
-        loop: the engine's event loop, where readings are taken (see the module
-            docstring); None reads on the scrape thread.
-        snapshot_timeout: seconds a scrape waits for the loop before it reads on its
-            own thread.
-
-    Raises:
-        InvalidArgumentError: ``prefix`` is not a valid metric name or
-            ``snapshot_timeout`` is not a positive number.
+    ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; ``loop`` is where
+    readings are taken (None: on the scrape thread); ``snapshot_timeout`` is how many
+    seconds a scrape waits for it. Raises InvalidArgumentError for a ``prefix`` that is
+    not a Prometheus name or a ``snapshot_timeout`` that is not a positive number.
     """
 
     def __init__(
@@ -437,18 +421,12 @@ def register_engine_metrics(
     loop_lag: LoopLagMonitor | None = None,
     snapshot_timeout: float = 1.0,
 ) -> EngineCollector:
-    """Register an :class:`EngineCollector` of ``engine`` in ``registry`` (the global
-    ``prometheus_client.REGISTRY`` by default) and return it (``registry.unregister``
-    removes it).
+    """Register and return an :class:`EngineCollector` of ``engine`` in ``registry``
+    (the global ``prometheus_client.REGISTRY`` by default).
 
-    Call it on the engine's loop (inside ``async with engine``, or before entering it,
-    from a coroutine on that loop): scrapes then read the engine there. Called with no
-    loop running, scrapes read on their own thread (see the module docstring).
-
-    Raises:
-        InvalidArgumentError: as :class:`EngineCollector`.
-        ValueError: the registry already has metrics of these names (another engine
-            with the same prefix: give each its own registry or prefix).
+    Call it on the engine's loop, so that scrapes read the engine there. Raises
+    InvalidArgumentError as :class:`EngineCollector`; ValueError if the registry already
+    has metrics of these names (another engine with this prefix).
     """
     try:
         loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -462,12 +440,10 @@ def register_engine_metrics(
 
 
 class MetricsServer:
-    """A running HTTP endpoint serving a registry at ``/metrics`` (any path answers).
+    """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``.
 
-    ``port`` is the port it listens on (useful after asking for port 0). Close it with
-    :meth:`close` or by leaving ``with`` (blocking), or on the event loop with
-    :meth:`aclose` or by leaving ``async with``; closing is idempotent and waits for
-    the server's thread to end.
+    Close it with :meth:`close` / ``with`` (blocking) or :meth:`aclose` / ``async with``
+    (on the loop); closing is idempotent and joins the server's thread.
     """
 
     def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
@@ -478,8 +454,8 @@ class MetricsServer:
         self._closed = False
 
     def close(self) -> None:
-        """Stop serving, close the socket and join the thread; idempotent. Blocking
-        (for up to one poll interval of the server, 0.5 s): not for the event loop."""
+        """Stop serving, close the socket and join the thread; idempotent. Blocks up to
+        the server's poll interval (0.5 s): not for the event loop."""
         if self._closed:
             return
         self._closed = True
@@ -522,14 +498,10 @@ def serve_metrics(
     port: int, *, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1"
 ) -> MetricsServer:
     """Serve ``registry`` (the global one by default) over HTTP on ``addr:port`` from a
-    daemon thread; ``port`` 0 picks a free port (read it from ``server.port``).
+    daemon thread; ``port`` 0 picks a free port. Loopback by default: metrics name the
+    host's tiers and sizes.
 
-    Loopback by default: metrics name the host's tiers and sizes, so exposing them
-    beyond the host is the caller's explicit choice (``addr="0.0.0.0"``).
-
-    Raises:
-        InvalidArgumentError: ``port`` is not an int in 0..65535.
-        OSError: the address cannot be bound (in use, not permitted).
+    Raises InvalidArgumentError for a ``port`` not in 0..65535, OSError if it cannot bind.
     """
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
@@ -547,13 +519,9 @@ def serve_engine_metrics(
     prefix: str = DEFAULT_PREFIX,
     loop_lag: LoopLagMonitor | None = None,
 ) -> MetricsServer:
-    """One call: ``engine``'s metrics in a registry of their own, served on
-    ``addr:port`` (what ``--metrics-port`` does). Call it on the engine's loop; close
-    the returned server when done (``async with serve_engine_metrics(...)``).
-
-    Raises:
-        InvalidArgumentError / OSError: as :func:`register_engine_metrics` and
-            :func:`serve_metrics`.
+    """``engine``'s metrics in a registry of their own, served on ``addr:port`` (what
+    ``--metrics-port`` does). Call it on the engine's loop; close the server when done.
+    Raises as :func:`register_engine_metrics` and :func:`serve_metrics`.
     """
     registry = CollectorRegistry()
     register_engine_metrics(engine, registry=registry, prefix=prefix, loop_lag=loop_lag)
