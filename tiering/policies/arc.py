@@ -32,35 +32,21 @@ class ARCSnapshot:
 class ARCPolicy(EvictionPolicy):
     """ARC: balances recency (``T1``) against frequency (``T2``) with ghost feedback.
 
-    Rules, with ``c`` the bound capacity and ``p`` the adaptive target size of ``T1``
-    (starts at 0):
+    With ``c`` the capacity and ``p`` the adaptive target size of ``T1`` (from 0):
 
-    * ``insert(key)``: a key found in ghost list ``B1`` raises ``p`` by
-      ``max(|B2|/|B1|, 1)`` (capped at ``c``); one found in ``B2`` lowers it by
-      ``max(|B1|/|B2|, 1)`` (floored at 0). Either way it leaves the ghost list and
-      becomes the most recent key of ``T2``. Any other key becomes the most recent
-      key of ``T1``.
-    * ``touch(keys)``: a resident key in ``T1`` moves to the most recent end of
-      ``T2``; one in ``T2`` becomes its most recent. ``keys[0]`` ends most recent.
-      Ghost keys are not resident and are ignored.
-    * ``evict(n, can_evict)``: ARC's REPLACE, once per victim: take the least
-      recent evictable key of ``T1`` if ``|T1| > p``, else of ``T2``; when the
-      preferred list holds no evictable key, take from the other. Because the
-      manager evicts *before* it inserts, the policy cannot know whether the
-      incoming key is a ``B2`` ghost, so ARC's ``|T1| == p`` tie-break for that case
-      is dropped (ties go to ``T2``). A victim becomes the most recent ghost of
-      ``B1`` (from ``T1``) or ``B2`` (from ``T2``). Keys failing ``can_evict`` keep
-      their place.
-    * ``remove(key)``: the key leaves with no ghost entry and ``p`` is unchanged.
+    * ``insert``: a ghost of ``B1`` raises ``p`` by ``max(|B2|/|B1|, 1)`` (capped at
+      ``c``), one of ``B2`` lowers it by ``max(|B1|/|B2|, 1)`` (floored at 0); either
+      joins ``T2``. Any other key joins ``T1``.
+    * ``touch``: a resident key moves to the most recent end of ``T2``.
+    * ``evict``: ARC's REPLACE per victim: the least recent evictable key of ``T1`` if
+      ``|T1| > p``, else of ``T2``, else of the other list. The manager evicts before it
+      inserts, so the ``|T1| == p`` tie-break for an incoming ``B2`` ghost is dropped
+      (ties go to ``T2``). A victim becomes the newest ghost of ``B1`` or ``B2``.
+    * ``remove``: no ghost entry, ``p`` unchanged.
 
-    Ghost bounds: while at most ``c`` keys are resident (the manager's guarantee),
-    after every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c``; the oldest ghosts
-    of ``B1`` (first bound), then of ``B2`` (second bound), are dropped to keep them.
-    The second bound never needs ``B1`` trimmed once the first holds. No key is
-    ever both resident and a ghost.
-
-    Cost: ``insert``/``touch``/``remove`` are O(1) per key; ``evict`` is O(n plus
-    the pinned keys it steps over), like :class:`~tiering.policies.lru.LRUPolicy`.
+    After every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (oldest ghosts
+    dropped); no key is both resident and a ghost. ``insert``/``touch``/``remove`` are
+    O(1) per key; ``evict`` O(n plus the pinned keys it steps over).
     """
 
     name = "arc"
@@ -91,10 +77,7 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, key: BlockHash) -> None:
         """Admit ``key`` (to ``T2`` if it is a ghost, adapting ``p``; else to ``T1``).
-
-        Raises:
-            InvalidArgumentError: ``key`` is already resident; nothing was changed.
-        """
+        Raises InvalidArgumentError if it is already resident."""
         t1, t2 = self._t1, self._t2
         if key in t2 or key in t1:
             raise InvalidArgumentError(f"key {key!r} is already resident in the ARC policy")
@@ -127,21 +110,12 @@ class ARCPolicy(EvictionPolicy):
                 t2[key] = None
 
     def remove(self, key: BlockHash) -> None:
-        """Forget resident ``key`` without a ghost entry.
-
-        Raises:
-            BlockNotFoundError: ``key`` is not resident; nothing was changed.
-        """
+        """Forget resident ``key`` without a ghost entry (BlockNotFoundError if absent)."""
         if self._t1.pop(key, _ABSENT) is _ABSENT and self._t2.pop(key, _ABSENT) is _ABSENT:
             raise BlockNotFoundError(f"key {key!r} is not resident in the ARC policy")
 
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """Drop and return ``n`` distinct resident keys accepted by ``can_evict``.
-
-        Calls ``can_evict`` at most once per resident key. If the manager's guarantee
-        is broken (fewer than ``n`` evictable keys), returns every evictable key
-        (fewer than ``n``); it always terminates. ``n <= 0`` returns ``[]``.
-        """
+        """As :meth:`EvictionPolicy.evict`; ``can_evict`` is called at most once a key."""
         victims: list[BlockHash] = []
         if n <= 0:
             return victims
