@@ -1,8 +1,7 @@
 """Event-loop health: how late the loop wakes a periodic ticker.
 
-A coroutine that sleeps ``interval`` and wakes ``interval + lag`` later measures
-``lag``: the time something held the loop thread (a copy, a checksum, a blocking
-call). The engine's promise is that its own work never adds more than a few ms.
+A coroutine that sleeps ``interval`` and wakes ``interval + lag`` later measures ``lag``,
+the time something held the loop thread.
 """
 
 from __future__ import annotations
@@ -16,15 +15,9 @@ from tiering.errors import InvalidArgumentError
 
 
 class LoopLagMonitor:
-    """Samples event-loop lag every ``interval`` seconds while entered.
-
-    Use as ``async with LoopLagMonitor() as lag: ...`` and read ``lag.p99_ms`` (or
-    ``percentile_ms``) afterwards or during. The ticker task lives exactly as long as
-    the ``async with`` block.
-
-    Raises:
-        InvalidArgumentError: ``interval`` is not a positive number.
-    """
+    """Samples event-loop lag every ``interval`` seconds (a positive number, else
+    InvalidArgumentError) while its ``async with`` block runs; read ``p99_ms`` or
+    ``percentile_ms`` during or after it."""
 
     def __init__(self, interval: float = 0.001) -> None:
         if not isinstance(interval, int | float) or interval <= 0:

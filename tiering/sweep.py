@@ -81,9 +81,7 @@ def footprint(requests: Sequence[Request], *, full_blocks_only: bool = False) ->
 def capacities_from(text: str, footprint_blocks: int) -> list[int]:
     """Capacities from a comma-separated list of block counts (``1000``) and percentages
     of the footprint (``5%``), each at least 1 block, ascending, repeats dropped.
-
-    Raises:
-        InvalidArgumentError: an item is neither, or is not positive; naming it.
+    Raises InvalidArgumentError naming an item that is neither, or not positive.
     """
     capacities = set()
     for item in (part.strip() for part in text.split(",")):
@@ -114,11 +112,8 @@ def sweep(
     full_blocks_only: bool = False,
 ) -> SweepResult:
     """The bookkeeping replay of ``requests`` at every capacity (CPU blocks) with every
-    policy (default: all registered ones).
-
-    Raises:
-        InvalidArgumentError / UnknownPolicyError: an empty workload or capacity list, a
-            capacity that is not a positive integer, or an unknown policy.
+    policy (default: all registered ones). Raises InvalidArgumentError for an empty
+    workload or capacity list or a bad capacity, UnknownPolicyError for a bad policy.
     """
     if not requests:
         raise InvalidArgumentError("requests: the workload is empty")
@@ -148,11 +143,8 @@ def sweep(
 
 def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Path:
     """Draw hit ratio against capacity (log scale, as a fraction of the footprint), one
-    line per policy, into a PNG at ``path``; returns the path.
-
-    Raises:
-        InvalidArgumentError: matplotlib is not installed (``pip install
-            'kv-tiering[plot]'``), or ``path`` cannot be written.
+    line per policy, into a PNG at ``path``; returns the path. Raises
+    InvalidArgumentError without matplotlib or if ``path`` cannot be written.
     """
     try:
         import matplotlib
