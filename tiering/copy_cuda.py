@@ -274,8 +274,6 @@ class CudaCopyBackend:
             self._poller = None
         self._lanes.clear()
 
-    # ----------------------------------------------------------------- internals
-
     def _copy_chunk(self, direction: Direction, chunk: CopyChunk, staging: _StagingBuffer) -> None:
         assert self._layout is not None and self._host is not None
         host = self._host

@@ -194,8 +194,6 @@ class ThreadCopyBackend:
         if executor is not None and executor is not self._given_executor:
             executor.shutdown(wait=wait)
 
-    # ----------------------------------------------------------------- internals
-
     def _dispatch(self) -> None:
         if not self._queue or len(self._hops) >= self._max_workers:
             return

@@ -205,8 +205,6 @@ class DeviceCopier:
         self._to_device_done = [0, 0]
         self._failures = FailureLog(_log, "DeviceCopier")
 
-    # ----------------------------------------------------------------- properties
-
     @property
     def num_device_blocks(self) -> int:
         """Number of blocks of the device KV cache."""
@@ -274,8 +272,6 @@ class DeviceCopier:
             f"{self.statistics()!r}>"
         )
 
-    # ----------------------------------------------------------------- lifetime
-
     async def __aenter__(self) -> Self:
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a DeviceCopier can be entered only once")
@@ -334,8 +330,6 @@ class DeviceCopier:
         finally:
             self._state = Lifecycle.CLOSED
 
-    # ----------------------------------------------------------------- API
-
     def check_block_ids(self, device_ids: Sequence[int]) -> None:
         """Raise InvalidArgumentError unless every id is an int in ``[0, num_device_blocks)``."""
         check_index_range(
@@ -387,8 +381,6 @@ class DeviceCopier:
             return
         direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
         self._submit(direction, device_ids, slots, None, on_done, token)
-
-    # ----------------------------------------------------------------- internals
 
     def _check_job(self, ids: list[int], slots: list[int], direction: Direction) -> None:
         if self._state is not Lifecycle.OPEN:

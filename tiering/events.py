@@ -22,8 +22,9 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol
 
 from tiering.abstract import OffloadingEvent
 from tiering.errors import InvalidArgumentError
@@ -137,9 +138,6 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- publishers
-
-
 class EventPublisher(Protocol):
     """Something that sends batches of events to routers."""
 
@@ -184,7 +182,7 @@ class CallbackPublisher:
         """Nothing to release."""
 
 
-class ZmqPublisher:
+class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
     """A ZeroMQ PUB socket bound to ``endpoint`` (a wildcard port is resolved in
     :attr:`endpoint`); each batch is one message of frames ``topic``, the sequence number
     (8 bytes, big-endian, from 0) and the payload.
@@ -249,9 +247,6 @@ class ZmqPublisher:
     def close(self) -> None:
         """Close the socket without waiting for unsent messages; idempotent."""
         self._socket.close(linger=0)
-
-    def __enter__(self) -> Self:
-        return self
 
     def __exit__(
         self,

@@ -23,9 +23,6 @@ KVCaches = torch.Tensor | Sequence[torch.Tensor]
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
-# --------------------------------------------------------------------------- layout
-
-
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """A checked device KV cache seen as words.
@@ -124,9 +121,6 @@ def kv_block_bytes(kv_caches: KVCaches) -> int:
     """Bytes of one block of ``kv_caches`` (its rows across the tensors). Raises
     InvalidArgumentError if the layout is malformed."""
     return describe_kv_caches(kv_caches).block_bytes
-
-
-# --------------------------------------------------------------------------- planning
 
 
 class Direction(enum.Enum):

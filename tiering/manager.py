@@ -70,8 +70,6 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_evictable = 0
         self._events: list[OffloadingEvent] = []
 
-    # ----------------------------------------------------------------- queries
-
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
         """Length of the leading run of hashes that are stored and ready; no side effects."""
         slot_of, ready = self._slot_of, self._ready
@@ -139,8 +137,6 @@ class CPUOffloadingManager(OffloadingManager):
         ready = self._ready
         return sum(1 for slot in self._slot_of.values() if not ready[slot])
 
-    # ------------------------------------------------------------------- loads
-
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         """Add a reader to each block (two for a hash named twice) and return their slots,
         in order. Raises BlockNotFoundError if a hash is not resident or not ready."""
@@ -191,14 +187,10 @@ class CPUOffloadingManager(OffloadingManager):
             if ref[slot] == 0:
                 self._num_evictable += 1
 
-    # ------------------------------------------------------------------ recency
-
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """Mark resident blocks most recently used, the first most recent of all; hashes
         not resident are ignored."""
         self.policy.touch(as_block_hashes(block_hashes))
-
-    # ------------------------------------------------------------------- stores
 
     def prepare_store(
         self, block_hashes: Iterable[BlockHash], *, admission: bool = True
@@ -277,8 +269,6 @@ class CPUOffloadingManager(OffloadingManager):
                 del slot_of[h]
                 remove(h)
                 self._free_slots.append(slot)
-
-    # ------------------------------------------------------------------- events
 
     def take_events(self) -> list[OffloadingEvent]:
         """The events since the last call, oldest first; clears them."""

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -135,11 +137,9 @@ class EngineCollector:
         self._lag = LatencyHistogram()
         self._lag_seen = 0
 
-    # -- reading ------------------------------------------------------------------------
-
     def _read(self) -> _Reading:
         loop = self.loop
-        if loop is None or loop.is_closed() or not loop.is_running() or _on_loop(loop):
+        if loop is None or loop.is_closed() or not loop.is_running() or _running_loop() is loop:
             return self._read_here()
         answer: concurrent.futures.Future[_Reading] = concurrent.futures.Future()
 
@@ -163,13 +163,10 @@ class EngineCollector:
             return self._read_here()
 
     def _read_here(self) -> _Reading:
-        for attempt in range(_READ_ATTEMPTS):
-            try:
+        for _ in range(_READ_ATTEMPTS - 1):
+            with contextlib.suppress(RuntimeError):  # a dict changed size under the copy
                 return _read_engine(self.engine)
-            except RuntimeError:  # a dict changed size under the copy: read again
-                if attempt == _READ_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+        return _read_engine(self.engine)
 
     def _lag_snapshot(self) -> LatencySnapshot | None:
         monitor = self.loop_lag
@@ -185,8 +182,6 @@ class EngineCollector:
             for sample in new:
                 observe(sample)
             return self._lag.snapshot()
-
-    # -- metric families ----------------------------------------------------------------
 
     def collect(self) -> Iterable[Metric]:
         """The metric families of a fresh reading (see ``docs/metrics.md``)."""
@@ -305,18 +300,12 @@ class EngineCollector:
             labels=[*labels, "reason"],
         )
         engine = r.engine
+        cpu_counters = {
+            name: engine.counters[name]
+            for name in ("stored_blocks", "loaded_blocks", "evicted_blocks")
+        }
         rows: list[tuple[str, int, Statistics, int, Mapping[str, int]]] = [
-            (
-                CPU_TIER,
-                0,
-                engine,
-                r.cpu_idle_blocks,
-                {
-                    "stored_blocks": engine.counters["stored_blocks"],
-                    "loaded_blocks": engine.counters["loaded_blocks"],
-                    "evicted_blocks": engine.counters["evicted_blocks"],
-                },
-            )
+            (CPU_TIER, 0, engine, r.cpu_idle_blocks, cpu_counters)
         ]
         for tier in r.tiers:
             stats = tier.stats
@@ -342,12 +331,12 @@ class EngineCollector:
                 if blocks is not None:
                     counters[f"{kind}_blocks"].add_metric(values, blocks)
                     counters[f"{kind}_bytes"].add_metric(values, blocks * size)
-            evicted = tier_counters.get("evicted_blocks")
-            if evicted is not None:
-                counters["evicted_blocks"].add_metric(values, evicted)
-            corrupt = tier_counters.get("corrupt_blocks")
-            if corrupt is not None:
-                counters["verification_failures"].add_metric(values, corrupt)
+            for counter, family in (
+                ("evicted_blocks", "evicted_blocks"),
+                ("corrupt_blocks", "verification_failures"),
+            ):
+                if (value := tier_counters.get(counter)) is not None:
+                    counters[family].add_metric(values, value)
         yield from gauges.values()
         yield from counters.values()
         yield failures
@@ -406,11 +395,11 @@ def _valid_name(name: str) -> bool:
     return allowed and bool(name) and not name[0].isdigit()
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        return asyncio.get_running_loop() is loop
+        return asyncio.get_running_loop()
     except RuntimeError:
-        return False
+        return None
 
 
 def register_engine_metrics(
@@ -428,18 +417,20 @@ def register_engine_metrics(
     InvalidArgumentError as :class:`EngineCollector`; ValueError if the registry already
     has metrics of these names (another engine with this prefix).
     """
-    try:
-        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        loop = None
     collector = EngineCollector(
-        engine, prefix=prefix, loop_lag=loop_lag, loop=loop, snapshot_timeout=snapshot_timeout
+        engine,
+        prefix=prefix,
+        loop_lag=loop_lag,
+        loop=_running_loop(),
+        snapshot_timeout=snapshot_timeout,
     )
     (REGISTRY if registry is None else registry).register(collector)
     return collector
 
 
-class MetricsServer:
+class MetricsServer(
+    AbstractContextManager["MetricsServer"], AbstractAsyncContextManager["MetricsServer"]
+):
     """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``.
 
     Close it with :meth:`close` / ``with`` (blocking) or :meth:`aclose` / ``async with``
@@ -467,9 +458,6 @@ class MetricsServer:
         """:meth:`close` on a worker thread, for a coroutine on the event loop."""
         await asyncio.to_thread(self.close)
 
-    def __enter__(self) -> Self:
-        return self
-
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -477,9 +465,6 @@ class MetricsServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
 
     async def __aexit__(
         self,

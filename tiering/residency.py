@@ -57,8 +57,6 @@ class ResidencyIndex:
         self.reserved = 0
         """Units of room promised to stores in progress (or taken by no resident key)."""
 
-    # -- queries ----------------------------------------------------------------------
-
     def __len__(self) -> int:
         return len(self._resident)
 
@@ -96,8 +94,6 @@ class ResidencyIndex:
         """How many resident keys eviction could take now, sparing ``protected``."""
         spared = sum(1 for key in set(protected) if key in self._resident and key not in self._pins)
         return len(self._resident) - self._pinned_resident - spared
-
-    # -- residency --------------------------------------------------------------------
 
     def insert(self, key: BlockHash, *, reserved: bool = False) -> bool:
         """Make ``key`` resident (most recently used); False if it already was. With
@@ -149,8 +145,6 @@ class ResidencyIndex:
         self._pinned_resident = 0
         return dropped
 
-    # -- room -------------------------------------------------------------------------
-
     def reserve(
         self, count: int, *, protected: Collection[BlockHash] = (), limit: int | None = None
     ) -> Room:
@@ -190,8 +184,6 @@ class ResidencyIndex:
         victims = self._policy.evict(n, lambda key: key not in pins and key not in spared)
         self._resident.difference_update(victims)
         return victims
-
-    # -- pins -------------------------------------------------------------------------
 
     def pin(self, keys: Iterable[BlockHash]) -> None:
         """Add one pin per occurrence of each key (resident or not)."""

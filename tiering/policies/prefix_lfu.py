@@ -103,8 +103,6 @@ class PrefixLFUPolicy(EvictionPolicy):
         self._parent: dict[BlockHash, BlockHash] = {}  # cached or ghost keys only
         self._children: dict[BlockHash, int] = {}  # key -> its cached children
 
-    # ---------------------------------------------------------------- protocol
-
     def bind(self, capacity: int) -> None:
         super().bind(capacity)
         if self.admission == "duel" and self._shadows is None:
@@ -214,8 +212,6 @@ class PrefixLFUPolicy(EvictionPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._count
-
-    # ---------------------------------------------------------------- internals
 
     def _best_leaf(self, can_evict: Callable[[BlockHash], bool]) -> BlockHash | None:
         """The evictable leaf with the lowest score among the queues' first evictable
