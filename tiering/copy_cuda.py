@@ -47,11 +47,9 @@ class CudaRuntime:
     """The CUDA calls of :class:`CudaCopyBackend`, forwarded to ``torch.cuda``."""
 
     def new_stream(self, device: torch.device) -> CudaStream:
-        """A new stream on ``device``."""
         return torch.cuda.Stream(device)
 
     def new_event(self) -> CudaEvent:
-        """A new event (timing off)."""
         return torch.cuda.Event()
 
     def current_stream(self, device: torch.device) -> CudaStream:
@@ -59,11 +57,9 @@ class CudaRuntime:
         return torch.cuda.current_stream(device)
 
     def on_device(self, device: torch.device) -> AbstractContextManager[Any]:
-        """Make ``device`` current for the block."""
         return torch.cuda.device(device)
 
     def use_stream(self, stream: CudaStream) -> AbstractContextManager[Any]:
-        """Make ``stream`` current for the block."""
         return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
     def record_stream(self, tensor: torch.Tensor, stream: CudaStream) -> None:
@@ -166,15 +162,16 @@ class CudaCopyBackend:
 
     def lane_stream(self, direction: Direction) -> CudaStream:
         """The copy stream of ``direction``. Raises ClosedError unless open."""
-        if direction not in self._lanes:
-            raise ClosedError("the CUDA copy backend is not open")
-        return self._lanes[direction].stream
+        return self._lane(direction).stream
 
     def lane_fence(self, direction: Direction) -> CudaEvent:
         """The event that orders ``direction``'s jobs after the caller's stream."""
+        return self._lane(direction).fence
+
+    def _lane(self, direction: Direction) -> _Lane:
         if direction not in self._lanes:
             raise ClosedError("the CUDA copy backend is not open")
-        return self._lanes[direction].fence
+        return self._lanes[direction]
 
     async def open(
         self,

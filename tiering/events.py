@@ -1,11 +1,8 @@
 """KV events for routers: a stable wire format for ``take_events()``, and publishers.
 
-One :class:`~tiering.abstract.OffloadingEvent` is one line of UTF-8 JSON (version
-:data:`EVENT_FORMAT_VERSION`; fields and example in ``docs/metrics.md``)::
-
-    {"v": 1, "medium": "CPU", "removed": false, "block_size": 16,
-     "block_hashes": ["9f2c…", …], "node": "gpu-7", "tenant": "team-a"}
-
+One :class:`~tiering.abstract.OffloadingEvent` is one line of UTF-8 JSON with the keys
+``v`` (:data:`EVENT_FORMAT_VERSION`), ``medium``, ``removed``, ``block_size``,
+``block_hashes`` (hex) and, when given, ``node`` and ``tenant`` (see docs/metrics.md).
 Fields may be added within a version (readers ignore unknown keys); a change of meaning
 makes a new version. Within one medium, events come in the order they happened, so a
 reader applying them in order knows what the medium holds.
@@ -116,11 +113,11 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
     if not isinstance(medium, str) or type(removed) is not bool or type(size) is not int:
         raise bad("medium must be a string, removed a bool and block_size an int")
     hashes = record["block_hashes"]
-    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
-        raise bad("block_hashes must be a list of hex strings")
     try:
+        if not isinstance(hashes, list):
+            raise TypeError
         block_hashes = [bytes.fromhex(h) for h in hashes]
-    except ValueError:
+    except (TypeError, ValueError):
         raise bad("block_hashes must be a list of hex strings") from None
     labels = {}
     for label in ("node", "tenant"):

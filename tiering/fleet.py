@@ -15,6 +15,7 @@ such as ``REDIS`` are ignored).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import zlib
 from collections import Counter
@@ -97,13 +98,7 @@ class Router:
                     held.pop(key, None)
 
     def _prefix(self, node: int, keys: Sequence[bytes]) -> int:
-        held = self._held[node]
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in itertools.takewhile(self._held[node].__contains__, keys))
 
 
 class _DirectLink:

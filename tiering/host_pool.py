@@ -4,10 +4,8 @@ Slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)``, reachable as a
 ``memoryview`` (secondary tiers), a ``torch.uint8`` tensor ``[num_blocks, block_bytes]``
 (device copies) and by address (O_DIRECT I/O).
 
-An anonymous ``mmap`` rather than ``torch.empty(..., pin_memory=True)``: it is
-page-aligned (slots are O_DIRECT targets), it is not rounded up to a power of two as the
-pinned caching allocator's requests are, and it is the same memory with and without CUDA.
-Pinning page-locks it in place with ``cudaHostRegister`` (portable flag).
+An anonymous ``mmap``, page-locked in place with ``cudaHostRegister`` when pinned, rather
+than ``torch.empty(..., pin_memory=True)``: why in docs/architecture.md.
 
 The tensor is built over a ``memoryview`` of the mapping, not the mapping itself:
 ``torch.frombuffer`` releases its buffer export, so only the intermediate view's export

@@ -12,7 +12,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 from tiering.errors import InvalidArgumentError
 
@@ -108,13 +108,9 @@ class LatencyHistogram:
 
     def snapshot(self) -> LatencySnapshot:
         """An immutable reading: cumulative bucket counts, sum, count and max."""
-        counts = list(self._counts)  # one C-level copy: the buckets read together
-        cumulative = []
-        running = 0
-        for c in counts:
-            running += c
-            cumulative.append(running)
-        return LatencySnapshot(self._bounds, tuple(cumulative), self._sum, running, self._max)
+        # One C-level copy first: the buckets are read together.
+        cumulative = tuple(accumulate(list(self._counts)))
+        return LatencySnapshot(self._bounds, cumulative, self._sum, cumulative[-1], self._max)
 
     def __repr__(self) -> str:
         snap = self.snapshot()

@@ -1,17 +1,9 @@
 """Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers.
 
-:func:`register_engine_metrics` adds an :class:`EngineCollector` to a
-``prometheus_client`` registry; each scrape reads fresh snapshots (statistics, latency
-histograms, lookups, an optional :class:`~tiering.loop_lag.LoopLagMonitor`) into metric
-families under one prefix. :func:`serve_metrics` serves a registry over HTTP on a thread
-of its own; :func:`serve_engine_metrics` does both. Every metric: ``docs/metrics.md``.
-
-Threads: the engine's state belongs to its loop's thread (copying a dict that gains a
-key raises), so a scrape reads on the loop via ``call_soon_threadsafe``, waiting up to
-``snapshot_timeout``. It reads on its own thread, retrying a read that raced a change,
-when it runs on the loop's thread, when no loop runs, or when the loop is busy past the
-timeout (a blocked loop is when metrics matter most). Loop lag samples are only
-appended to, so they are read on the scrape thread.
+:func:`register_engine_metrics` adds an :class:`EngineCollector` to a ``prometheus_client``
+registry, :func:`serve_metrics` serves a registry over HTTP on a thread of its own, and
+:func:`serve_engine_metrics` does both. Every metric, and why a scrape reads the engine on
+its loop's thread (and when on its own instead): ``docs/metrics.md``.
 """
 
 from __future__ import annotations

@@ -30,23 +30,15 @@ class ARCSnapshot:
 
 
 class ARCPolicy(EvictionPolicy):
-    """ARC: balances recency (``T1``) against frequency (``T2``) with ghost feedback.
+    """ARC (Megiddo & Modha) with capacity ``c`` and adaptive ``T1`` target ``p``.
 
-    With ``c`` the capacity and ``p`` the adaptive target size of ``T1`` (from 0):
-
-    * ``insert``: a ghost of ``B1`` raises ``p`` by ``max(|B2|/|B1|, 1)`` (capped at
-      ``c``), one of ``B2`` lowers it by ``max(|B1|/|B2|, 1)`` (floored at 0); either
-      joins ``T2``. Any other key joins ``T1``.
-    * ``touch``: a resident key moves to the most recent end of ``T2``.
-    * ``evict``: ARC's REPLACE per victim: the least recent evictable key of ``T1`` if
-      ``|T1| > p``, else of ``T2``, else of the other list. The manager evicts before it
-      inserts, so the ``|T1| == p`` tie-break for an incoming ``B2`` ghost is dropped
-      (ties go to ``T2``). A victim becomes the newest ghost of ``B1`` or ``B2``.
-    * ``remove``: no ghost entry, ``p`` unchanged.
-
-    After every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (oldest ghosts
-    dropped); no key is both resident and a ghost. ``insert``/``touch``/``remove`` are
-    O(1) per key; ``evict`` O(n plus the pinned keys it steps over).
+    One deviation from the paper: the manager evicts before it inserts, so REPLACE
+    cannot know whether the incoming key is a ``B2`` ghost and ties (``|T1| == p``) go
+    to ``T2``. When the preferred list has no evictable key, the other one gives. After
+    every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (oldest ghosts dropped), and
+    no key is both resident and a ghost. ``remove`` leaves no ghost and keeps ``p``.
+    ``insert``/``touch``/``remove`` are O(1) per key; ``evict`` O(n plus the pinned keys
+    it steps over).
     """
 
     name = "arc"

@@ -30,26 +30,17 @@ class S3FIFOSnapshot:
 
 
 class S3FIFOPolicy(EvictionPolicy):
-    """S3-FIFO: a small FIFO filters one-hit keys before they reach the main FIFO.
+    """S3-FIFO (Algorithm 1 of the paper): a small FIFO ``S`` filters one-hit keys before
+    they reach the main FIFO ``M``; keys evicted from ``S`` unpromoted go to the ghost
+    queue ``G``, and a ghost that returns joins ``M``. Counters saturate at 3.
 
-    Algorithm 1 of the paper, with ``c`` the capacity:
-
-    * ``insert``: a key in the ghost queue ``G`` joins the main queue ``M``, any other
-      the small queue ``S``; its counter starts at 0.
-    * ``touch``: each resident key's counter rises by one, saturating at 3.
-    * ``evict``, per victim: from ``S`` if ``|S| >= small_ratio * c``, else from ``M``,
-      else from the other. ``S``'s head with a counter above 1 moves to ``M`` (counter
-      cleared), otherwise it is the victim and joins ``G``. ``M``'s head with a counter
-      above 0 is decremented and requeued, otherwise it is the victim. Unlike the
-      paper, a promotion never evicts from ``M`` in the same step (the manager owns the
-      resident total); the next steps drain an over-full ``M``.
-    * ``remove``: no ghost entry.
-
-    Keys failing ``can_evict`` (assumed stable during a call) go to their queue's tail
-    unchanged. ``S`` is given up once all its keys were stepped over, ``M`` after
-    ``|M|`` consecutive stepped-over keys, so ``evict`` takes at most
-    O(n + |S| + 4|M|) steps. ``G`` holds at most ``c - floor(small_ratio * c)`` keys
-    (at least 1), oldest dropped first; no key is both resident and in ``G``.
+    Deviations: a promotion from ``S`` clears the counter (as the authors' code does)
+    and never evicts from ``M`` in the same step (the manager owns the resident total;
+    later steps drain an over-full ``M``). Keys failing ``can_evict`` (assumed stable
+    during a call) go to their queue's tail unchanged; ``S`` is given up once all its
+    keys were stepped over, ``M`` after ``|M|`` in a row, so ``evict`` takes at most
+    O(n + |S| + 4|M|) steps. ``G`` holds at most ``c - floor(small_ratio * c)`` keys (at
+    least 1), oldest dropped first; no key is both resident and in ``G``.
     """
 
     name = "s3fifo"
