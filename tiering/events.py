@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from tiering.abstract import OffloadingEvent
 from tiering.errors import InvalidArgumentError
-from tiering.validation import positive_int
+from tiering.validation import positive_int, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +267,7 @@ async def run_publisher(
     and loses that batch; the task goes on. Raises InvalidArgumentError for a bad
     ``interval``.
     """
-    if not isinstance(interval, int | float) or not interval > 0:
-        raise InvalidArgumentError(f"interval must be a positive number, got {interval!r}")
+    seconds("interval", interval, allow_zero=False)
     logged: set[type[BaseException]] = set()
 
     def drain() -> None:

@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Self
 
 from tiering.errors import InvalidArgumentError
+from tiering.validation import seconds
 
 
 class LoopLagMonitor:
@@ -20,9 +21,7 @@ class LoopLagMonitor:
     ``percentile_ms`` during or after it."""
 
     def __init__(self, interval: float = 0.001) -> None:
-        if not isinstance(interval, int | float) or interval <= 0:
-            raise InvalidArgumentError(f"interval must be a positive number, got {interval!r}")
-        self.interval = float(interval)
+        self.interval = seconds("interval", interval, allow_zero=False)
         self.samples: list[float] = []
         self._task: asyncio.Task[None] | None = None
 

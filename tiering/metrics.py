@@ -33,6 +33,7 @@ from tiering.job_core import LookupStatistics
 from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.statistics import Statistics
 from tiering.tenancy import TenantLookups
+from tiering.validation import seconds
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -114,15 +115,11 @@ class EngineCollector:
                 f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
                 f"got {prefix!r}"
             )
-        if not isinstance(snapshot_timeout, int | float) or not snapshot_timeout > 0:
-            raise InvalidArgumentError(
-                f"snapshot_timeout must be a positive number, got {snapshot_timeout!r}"
-            )
         self.engine = engine
         self.prefix = prefix
         self.loop_lag = loop_lag
         self.loop = loop
-        self.snapshot_timeout = float(snapshot_timeout)
+        self.snapshot_timeout = seconds("snapshot_timeout", snapshot_timeout, allow_zero=False)
         # Lag samples seen so far are folded into one histogram, so that a scrape costs
         # the new samples only; scrapes may run on several server threads at once.
         self._lag_lock = threading.Lock()

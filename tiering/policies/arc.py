@@ -15,18 +15,15 @@ _ABSENT = object()
 
 @dataclass(frozen=True, slots=True)
 class ARCSnapshot:
-    """A copy of an :class:`ARCPolicy`'s lists, each ordered least to most recent."""
+    """A copy of an :class:`ARCPolicy`'s lists, each ordered least to most recent:
+    resident keys seen once (``t1``) or again or readmitted from a ghost (``t2``), the
+    ghosts evicted from each (``b1``, ``b2``), and the target ``p`` for ``|t1|``."""
 
     t1: tuple[BlockHash, ...]
-    """Resident keys seen once since they were (re)admitted."""
     t2: tuple[BlockHash, ...]
-    """Resident keys seen at least twice (or readmitted from a ghost list)."""
     b1: tuple[BlockHash, ...]
-    """Ghosts of keys evicted from ``t1`` (keys only, not resident)."""
     b2: tuple[BlockHash, ...]
-    """Ghosts of keys evicted from ``t2`` (keys only, not resident)."""
     target_t1: float
-    """ARC's adaptive target ``p`` for the size of ``t1``, in ``[0, capacity]``."""
 
 
 class ARCPolicy(EvictionPolicy):

@@ -17,16 +17,13 @@ _ABSENT = object()
 
 @dataclass(frozen=True, slots=True)
 class S3FIFOSnapshot:
-    """A copy of an :class:`S3FIFOPolicy`'s queues, each ordered oldest (next out) first."""
+    """A copy of an :class:`S3FIFOPolicy`'s queues ``S``, ``M`` and ``G``, each oldest
+    (next out) first, and every resident key's counter (0..3)."""
 
     small: tuple[BlockHash, ...]
-    """Resident keys in the small probationary queue ``S``."""
     main: tuple[BlockHash, ...]
-    """Resident keys in the main queue ``M``."""
     ghost: tuple[BlockHash, ...]
-    """Keys evicted from ``S`` without promotion (not resident)."""
     freq: dict[BlockHash, int]
-    """The access counter (0..3) of every resident key."""
 
 
 class S3FIFOPolicy(EvictionPolicy):
