@@ -151,7 +151,6 @@ class DeviceCopier:
     :class:`~tiering.copy_thread.ThreadCopyBackend` of ``max_workers`` threads. A backend
     serves one copier. :meth:`statistics` counts successful ``copies_to_host``,
     ``copies_to_device``, ``bytes_to_host`` and ``bytes_to_device``; failures by direction.
-
     Raises InvalidArgumentError for a malformed layout, a block size other than
     ``host_pool.block_bytes``, a closed pool, or a CUDA KV cache with an unpinned pool (its
     copies would block the event loop).

@@ -65,7 +65,6 @@ def _ciphers(key: bytes) -> tuple[Any, Any]:
 class Keyring:
     """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
     seals, every one opens.
-
     Raises InvalidArgumentError (naming ids, never key bytes) for no keys, a bad id or
     key length, or ``current`` not among the ids.
     """
@@ -208,7 +207,6 @@ class BlockCipher:
     def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
         """Encrypt ``payload`` under the current key into ``out[:len(payload)]``, the tag
         after it (and in the returned :class:`Seal`).
-
         Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``.
         """
         n = len(payload)
@@ -222,7 +220,6 @@ class BlockCipher:
     def open_into(self, seal: Seal, sealed: memoryview, aad: bytes, out: memoryview) -> None:
         """Decrypt and verify ``sealed`` (the ciphertext, then its tag) into ``out``
         (``len(sealed) - TAG_BYTES`` bytes), which holds garbage after a failure.
-
         Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError.
         """
         from cryptography.exceptions import InvalidTag

@@ -76,7 +76,6 @@ def decode_events(data: bytes) -> list[dict[str, Any]]:
     """Parse what :func:`encode_events` wrote: one dict per event, in order, with
     ``block_hashes`` as ``bytes`` and ``node``/``tenant`` None when absent; unknown keys
     and blank lines are skipped.
-
     Raises InvalidArgumentError, naming the line, for anything not in this format or of
     another version.
     """
@@ -150,7 +149,6 @@ class EventPublisher(Protocol):
 class CallbackPublisher:
     """Hands each non-empty batch, encoded, to ``callback(payload)`` on the caller's
     thread; what it raises propagates from :meth:`publish`.
-
     Raises InvalidArgumentError if ``callback`` is not callable or a label not a string.
     """
 
@@ -186,7 +184,6 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
 
     Sends never block: beyond ``send_hwm`` queued messages per subscriber ZeroMQ drops
     them (``dropped`` counts refused sends). Use from one thread, e.g. the event loop.
-
     Raises InvalidArgumentError for a bad label, ``topic`` or ``send_hwm``; ImportError
     without ``pyzmq``; ``zmq.ZMQError`` if ``endpoint`` cannot be bound.
     """

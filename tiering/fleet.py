@@ -307,7 +307,6 @@ async def replay_fleet(
     (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
     summary)`` runs after each request. ``transport`` carries KV events to the router,
     ``"direct"`` (in-process) or ``"zmq"`` (needs pyzmq), in the wire format either way.
-
     Raises InvalidArgumentError (nothing ran) for a bad argument, a request longer than
     ``device_blocks``, or ``kv-aware`` with engines that publish no events.
     """

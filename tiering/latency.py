@@ -65,7 +65,6 @@ class LatencySnapshot:
 class LatencyHistogram:
     """Counts observations in fixed buckets; cheap enough for every job of the engine.
     Not thread-safe: observe and snapshot on one thread (the engine's loop).
-
     Raises InvalidArgumentError unless ``bounds`` are positive finite numbers, strictly
     ascending.
     """

@@ -41,7 +41,6 @@ class CPUOffloadingManager(OffloadingManager):
     blocks hold distinct slots in ``range(num_blocks)``; every method completes or raises
     before changing anything. Every method taking hashes raises InvalidArgumentError for
     one that is not bytes.
-
     Raises InvalidArgumentError if ``num_blocks`` or ``block_size`` is not a positive
     int, UnknownPolicyError if ``policy`` names no registered policy.
     """

@@ -474,7 +474,6 @@ def serve_metrics(
     """Serve ``registry`` (the global one by default) over HTTP on ``addr:port`` from a
     daemon thread; ``port`` 0 picks a free port. Loopback by default: metrics name the
     host's tiers and sizes.
-
     Raises InvalidArgumentError for a ``port`` not in 0..65535, OSError if it cannot bind.
     """
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:

@@ -42,7 +42,6 @@ class ResidencyIndex:
     A pinned or protected key is never evicted; ``len(index) + index.reserved <=
     index.capacity`` after every call (a lower ``limit`` is restored as far as unpinned
     keys allow); counts are exact; a call that raises changes nothing.
-
     Raises InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for an unknown
     ``policy``.
     """
@@ -98,7 +97,6 @@ class ResidencyIndex:
     def insert(self, key: BlockHash, *, reserved: bool = False) -> bool:
         """Make ``key`` resident (most recently used); False if it already was. With
         ``reserved`` one reserved unit is consumed either way.
-
         Raises InvalidArgumentError if ``reserved`` but nothing is, or the index is full.
         """
         if reserved:

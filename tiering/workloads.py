@@ -136,7 +136,6 @@ def synthetic_requests(
     prompt, the conversation so far, ``user_blocks_per_turn`` new full blocks and a
     partial block no later request repeats; the next turn follows an exponential think
     time of mean ``think_time_s``.
-
     Raises InvalidArgumentError, naming the argument, for a count that is not a positive
     int (the three block counts may be 0) or a rate or time that is not positive finite.
     """

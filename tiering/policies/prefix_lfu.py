@@ -57,7 +57,6 @@ class PrefixLFUPolicy(EvictionPolicy):
     blocks a store may add: ``"all"``; ``"second-sight"``, only a block requested before
     (ghost count at least two); or ``"duel"``, whichever of the two is ahead in two
     shadow caches of ``capacity / sample`` blocks (at least 4) fed one key in ``sample``.
-
     Raises InvalidArgumentError for a negative or non-finite weight, a ghost window,
     ghost factor or sample that is not a positive int, or an unknown admission.
     """
