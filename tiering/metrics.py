@@ -232,31 +232,16 @@ class EngineCollector:
 
     def _lookup_families(self, r: _Reading) -> Iterator[Metric]:
         p, lookups = self.prefix, r.lookups
-        yield CounterMetricFamily(f"{p}_lookups", "Calls of engine.lookup.", lookups.lookups)
-        yield CounterMetricFamily(
-            f"{p}_lookup_blocks", "Hashes passed to engine.lookup.", lookups.blocks
-        )
-        yield CounterMetricFamily(
-            f"{p}_lookup_hit_blocks",
-            "Leading hashes engine.lookup found in some tier.",
-            lookups.hit_blocks,
-        )
-        yield CounterMetricFamily(
-            f"{p}_lookup_miss_blocks",
-            "Hashes passed to engine.lookup that it did not count as hits.",
-            lookups.blocks - lookups.hit_blocks,
-        )
-        labels = ["tier", "level"]
-        asked = CounterMetricFamily(
-            f"{p}_tier_lookups", "Hashes engine.lookup asked this tier about.", labels=labels
-        )
-        hits = CounterMetricFamily(
-            f"{p}_tier_lookup_hits", "Hashes engine.lookup found in this tier.", labels=labels
-        )
-        misses = CounterMetricFamily(
-            f"{p}_tier_lookup_misses",
-            "Hashes engine.lookup asked this tier about and did not find there.",
-            labels=labels,
+        misses = lookups.blocks - lookups.hit_blocks
+        for (name, doc), value in zip(
+            _LOOKUP_COUNTERS,
+            (lookups.lookups, lookups.blocks, lookups.hit_blocks, misses),
+            strict=True,
+        ):
+            yield CounterMetricFamily(f"{p}_{name}", doc, value)
+        asked, hits, missed = (
+            CounterMetricFamily(f"{p}_{name}", doc, labels=["tier", "level"])
+            for name, doc in _TIER_LOOKUP_COUNTERS
         )
         # A hash is asked of the CPU tier, then of each servable tier in order, until
         # one holds it; a call stops at the first hash none holds.
@@ -266,11 +251,11 @@ class EngineCollector:
             by_tier = lookups.hits_by_tier
             found = by_tier[level] if level < len(by_tier) else 0
             seen = reaching if servable else 0
-            for family, value in ((asked, seen), (hits, found), (misses, seen - found)):
+            for family, value in ((asked, seen), (hits, found), (missed, seen - found)):
                 family.add_metric([name, str(level)], value)
             if servable:
                 reaching -= found
-        yield from (asked, hits, misses)
+        yield from (asked, hits, missed)
 
     def _tier_families(self, r: _Reading) -> Iterator[Metric]:
         p, size = self.prefix, r.block_bytes
@@ -353,6 +338,17 @@ _ENGINE_COUNTERS: Sequence[tuple[str, str, str]] = (
     ("failed_jobs", "failed_jobs", "Store and load jobs whose result was not success."),
     ("declined_blocks", "declined_blocks", "Blocks stores asked for that the policy declined."),
     ("lost_blocks", "lost_blocks", "Write-back blocks that left CPU while in no other tier."),
+)
+_LOOKUP_COUNTERS: Sequence[tuple[str, str]] = (
+    ("lookups", "Calls of engine.lookup."),
+    ("lookup_blocks", "Hashes passed to engine.lookup."),
+    ("lookup_hit_blocks", "Leading hashes engine.lookup found in some tier."),
+    ("lookup_miss_blocks", "Hashes passed to engine.lookup that it did not count as hits."),
+)
+_TIER_LOOKUP_COUNTERS: Sequence[tuple[str, str]] = (
+    ("tier_lookups", "Hashes engine.lookup asked this tier about."),
+    ("tier_lookup_hits", "Hashes engine.lookup found in this tier."),
+    ("tier_lookup_misses", "Hashes engine.lookup asked this tier about and did not find there."),
 )
 _TIER_GAUGES: Sequence[tuple[str, str]] = (
     ("used_blocks", "Blocks this tier holds now (idle ready blocks included)."),

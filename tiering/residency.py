@@ -231,10 +231,7 @@ class ResidencyIndex:
                     f"release of block {_hex(key)}: held {self._holds.get(key, 0)} times, "
                     f"released {n} times"
                 )
-        self._holds.subtract(wanted)
-        for key in wanted:
-            if self._holds[key] <= 0:
-                del self._holds[key]
+        self._holds -= wanted  # keeps positive counts only
         self.unpin(listed)
         return listed
 
