@@ -45,13 +45,10 @@ _log = logging.getLogger(__name__)
 class CopyBackend(Protocol):
     """What :class:`DeviceCopier` needs of a copy backend; it calls all of it on its loop.
 
-    ``open`` once (``host`` is the host pool as ``[slots, block words]`` of
-    ``layout.word``; no chunk has more than ``max_rows`` rows); ``submit`` per checked,
-    planned copy, returning at once; the backend calls ``on_done`` on the loop with each
-    submitted copy's outcome exactly once, only when nothing of the copy can still run.
-    ``drain_blocking`` blocks until every submitted copy has been reported; ``aclose``
-    releases the backend once none is in flight, ``close`` does the same without
-    awaiting (a hard stop).
+    ``open`` once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns
+    at once, and ``on_done`` gets each copy's outcome on the loop exactly once, when
+    nothing of it can still run. ``drain_blocking`` blocks until all are reported;
+    ``aclose`` releases the backend once none is in flight, ``close`` without awaiting.
     """
 
     async def open(
@@ -141,19 +138,15 @@ class DeviceCopier:
     """Copies whole KV blocks between the device KV cache and slots of a host pool.
 
     Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:`` on one loop and
-    task, and close it before the host pool. Leaving waits until every started copy has
-    ended (blocking if that wait is cancelled: their memory must not be released under
-    them). :attr:`state` moves NEW -> OPEN -> CLOSING -> CLOSED.
-
-    ``kv_caches`` (see :func:`~tiering.kv_layout.describe_kv_caches`); ``staging_bytes``
-    bounds the blocks per planned chunk (at least one); ``backend`` defaults to a
-    :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV cache, else a
-    :class:`~tiering.copy_thread.ThreadCopyBackend` of ``max_workers`` threads. A backend
-    serves one copier. :meth:`statistics` counts successful ``copies_to_host``,
-    ``copies_to_device``, ``bytes_to_host`` and ``bytes_to_device``; failures by direction.
-    Raises InvalidArgumentError for a malformed layout, a block size other than
-    ``host_pool.block_bytes``, a closed pool, or a CUDA KV cache with an unpinned pool (its
-    copies would block the event loop).
+    task, before closing the host pool; leaving waits (blocking if cancelled) until every
+    started copy has ended. ``staging_bytes`` bounds the blocks per planned chunk (at
+    least one); ``backend`` defaults to a :class:`~tiering.copy_cuda.CudaCopyBackend` for
+    a CUDA KV cache, else a :class:`~tiering.copy_thread.ThreadCopyBackend` of
+    ``max_workers`` threads, and serves this copier alone. :meth:`statistics` counts
+    ``copies_to_host``, ``copies_to_device``, ``bytes_to_host`` and ``bytes_to_device``.
+    Raises InvalidArgumentError for a malformed layout, a block size other than the
+    pool's, a closed pool, or a CUDA KV cache with an unpinned pool (its copies would
+    block the event loop).
     """
 
     def __init__(

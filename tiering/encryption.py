@@ -114,7 +114,6 @@ class Keyring:
                 )
             spec, source = value, f"{option} (from ${variable})"
         keys: dict[int, bytes] = {}
-        first: int | None = None
         for position, entry in enumerate(spec.split(","), 1):
             key_id_text, sep, encoded = entry.strip().partition(":")
             if not sep or not key_id_text.strip().isdigit():
@@ -136,9 +135,7 @@ class Keyring:
                 )
             _check_key_id(key_id, source)
             keys[key_id] = key
-            first = key_id if first is None else first
-        assert first is not None  # split always yields one entry
-        return cls(keys, first)
+        return cls(keys, next(iter(keys)))  # split yields at least one entry
 
     @property
     def key_ids(self) -> tuple[int, ...]:

@@ -178,12 +178,10 @@ class CallbackPublisher:
 
 
 class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
-    """A ZeroMQ PUB socket bound to ``endpoint`` (a wildcard port is resolved in
-    :attr:`endpoint`); each batch is one message of frames ``topic``, the sequence number
-    (8 bytes, big-endian, from 0) and the payload.
-
-    Sends never block: beyond ``send_hwm`` queued messages per subscriber ZeroMQ drops
-    them (``dropped`` counts refused sends). Use from one thread, e.g. the event loop.
+    """A ZeroMQ PUB socket bound to ``endpoint`` (a wildcard port resolved in
+    :attr:`endpoint`); a batch is one message: ``topic``, the sequence number (8 bytes,
+    big-endian, from 0), the payload. Sends never block: past ``send_hwm`` queued messages
+    per subscriber ZeroMQ drops them (``dropped`` counts refusals). Use from one thread.
     Raises InvalidArgumentError for a bad label, ``topic`` or ``send_hwm``; ImportError
     without ``pyzmq``; ``zmq.ZMQError`` if ``endpoint`` cannot be bound.
     """

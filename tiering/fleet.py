@@ -303,12 +303,11 @@ async def replay_fleet(
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`.
 
     ``kv-aware`` needs engines with ``enable_events``. ``settle`` lets each store reach
-    every tier before the next request. ``outages`` stop and restart nodes; ``window``
+    every tier before the next request; ``outages`` stop and restart nodes; ``window``
     (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
-    summary)`` runs after each request. ``transport`` carries KV events to the router,
-    ``"direct"`` (in-process) or ``"zmq"`` (needs pyzmq), in the wire format either way.
-    Raises InvalidArgumentError (nothing ran) for a bad argument, a request longer than
-    ``device_blocks``, or ``kv-aware`` with engines that publish no events.
+    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
+    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a
+    request longer than ``device_blocks``, or ``kv-aware`` without events.
     """
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)

@@ -96,16 +96,11 @@ def _cuda_host_unregister(address: int) -> None:
 class HostPool:
     """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer.
 
-    ``address % PAGE_SIZE == 0``; ``view``, ``tensor``, ``slot_view`` and ``slot_tensor``
-    alias the same zero-filled bytes; when ``pinned`` they are page-locked for CUDA DMA.
-    ``pin=None`` pins when ``torch.cuda.is_available()``.
-
-    Raises InvalidArgumentError for bad sizes, a ``pin`` that is not a bool or None, or
-    ``pin=True`` without CUDA; TieringError if page-locking fails (e.g. the memlock limit).
-
-    ``close()`` is idempotent; afterwards every accessor raises ClosedError. The mapping
-    is released once no view or tensor handed out is alive, never while one can read it.
-    Close the copiers that use the pool first.
+    ``view``, ``tensor``, ``slot_view`` and ``slot_tensor`` alias the same zero-filled
+    bytes, page-locked for CUDA DMA when ``pinned`` (``pin=None``: if CUDA is available).
+    Raises InvalidArgumentError for bad sizes or ``pin``, TieringError if page-locking
+    fails (e.g. the memlock limit). ``close()`` is idempotent; afterwards every accessor
+    raises ClosedError, and the mapping goes once no view or tensor handed out is alive.
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:

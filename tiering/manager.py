@@ -38,11 +38,9 @@ class CPUOffloadingManager(OffloadingManager):
     """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots.
 
     A block being stored (not ready) or read (ref count > 0) is never evicted; resident
-    blocks hold distinct slots in ``range(num_blocks)``; every method completes or raises
-    before changing anything. Every method taking hashes raises InvalidArgumentError for
-    one that is not bytes.
-    Raises InvalidArgumentError if ``num_blocks`` or ``block_size`` is not a positive
-    int, UnknownPolicyError if ``policy`` names no registered policy.
+    blocks hold distinct slots; every method completes or raises before changing
+    anything, InvalidArgumentError for a hash that is not bytes. The constructor raises
+    InvalidArgumentError for bad sizes, UnknownPolicyError for an unknown ``policy``.
     """
 
     def __init__(

@@ -1,12 +1,8 @@
-"""Tenants: each tenant's blocks live under keys of its own.
+"""Tenants: each tenant's blocks live under keys of its own (docs/security.md#tenants).
 
-A cache hit leaks that someone sent a prefix, so an engine call may name a ``tenant``,
-which enters every block's key: ``scoped = BLAKE2b(hash, key=BLAKE2b(tenant))``. Two
-tenants never hit, load or time each other's blocks in any tier. A call's *leading*
-blocks that an operator declared public (:meth:`Tenancy.share`) keep their plain hash;
-every block from the first unshared one on is scoped (a hash covers its prefix). Calls
-without a tenant use the plain hashes. Tenant ids never reach a key, an event or a
-metric (metrics use :func:`tenant_label`, a digest). Sans-I/O.
+A tenant's key is ``BLAKE2b(hash, key=BLAKE2b(tenant))``, except for a call's leading
+blocks that the operator shared (:meth:`Tenancy.share`); calls without a tenant use the
+plain hashes. Tenant ids never reach a key, an event or a metric. Sans-I/O.
 """
 
 from __future__ import annotations

@@ -133,11 +133,10 @@ def synthetic_requests(
 
     Sessions start as a Poisson process of ``rate_per_s``, each with one of
     ``system_prompts`` system prompts (Zipf-like popularity). A turn sends the system
-    prompt, the conversation so far, ``user_blocks_per_turn`` new full blocks and a
-    partial block no later request repeats; the next turn follows an exponential think
-    time of mean ``think_time_s``.
-    Raises InvalidArgumentError, naming the argument, for a count that is not a positive
-    int (the three block counts may be 0) or a rate or time that is not positive finite.
+    prompt, the conversation so far, ``user_blocks_per_turn`` new blocks and a partial
+    block; the next follows an exponential think time of mean ``think_time_s``. Raises
+    InvalidArgumentError, naming the argument, for a bad count (block counts may be 0),
+    rate or time.
     """
     sessions = positive_int("sessions", sessions)
     turns_per_session = positive_int("turns_per_session", turns_per_session)
