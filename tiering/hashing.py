@@ -49,19 +49,14 @@ def namespace_root(namespace: Namespace = b"") -> BlockHash:
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            raise InvalidArgumentError("token_ids must be a 1-D array of integers")
-        tokens = token_ids
-    else:
-        if hasattr(token_ids, "tolist"):  # a torch tensor or similar
-            token_ids = token_ids.tolist()
-        try:
-            tokens = np.asarray(token_ids)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidArgumentError(f"token_ids must be integers: {exc}") from exc
-        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-            raise InvalidArgumentError("token_ids must be a flat sequence of integers")
+    if not isinstance(token_ids, np.ndarray) and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()  # a torch tensor or similar
+    try:
+        tokens = np.asarray(token_ids)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(f"token_ids must be integers: {exc}") from exc
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise InvalidArgumentError("token_ids must be a flat sequence of integers")
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= 2**63):
         raise InvalidArgumentError("token ids must lie in [0, 2**63)")
     return tokens.astype("<i8", copy=False)

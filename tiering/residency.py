@@ -164,7 +164,9 @@ class ResidencyIndex:
             spared = frozenset(protected)
             n = min(shortfall, self.evictable(spared))
             if n > 0:
-                victims = self._evict(n, spared)
+                pins = self._pins
+                victims = self._policy.evict(n, lambda k: k not in pins and k not in spared)
+                self._resident.difference_update(victims)
         granted = max(0, min(count, room + len(victims)))
         self.reserved += granted
         return Room(granted, victims)
@@ -176,12 +178,6 @@ class ResidencyIndex:
                 f"unreserve count must be an int in 0..{self.reserved}, got {count!r}"
             )
         self.reserved -= count
-
-    def _evict(self, n: int, spared: frozenset[BlockHash]) -> list[BlockHash]:
-        pins = self._pins
-        victims = self._policy.evict(n, lambda key: key not in pins and key not in spared)
-        self._resident.difference_update(victims)
-        return victims
 
     def pin(self, keys: Iterable[BlockHash]) -> None:
         """Add one pin per occurrence of each key (resident or not)."""
