@@ -1,11 +1,10 @@
 """The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
 
-Each direction has its own copy stream (stores and loads use both copy engines), ordered
-after the caller's current stream, and a ``[rows, block words]`` staging buffer. A planned
-chunk moves with one gather (or scatter) per layer plus one copy per slot run, whatever
-the number of blocks. One pooled CUDA event per job marks its end; one poller task on the
-loop reports it, so no thread spins on an event. Every CUDA call goes through a
-:class:`CudaRuntime`, which a test may replace to drive the stream path with CPU tensors.
+Each direction has its own copy stream, ordered after the caller's current stream, and
+a ``[rows, block words]`` staging buffer; a chunk moves with one gather (or scatter) per
+layer plus one copy per slot run. One pooled event per job marks its end, polled by one
+task on the loop (no thread spins). CUDA calls go through a :class:`CudaRuntime`, which
+tests replace to drive the stream path with CPU tensors.
 """
 
 from __future__ import annotations

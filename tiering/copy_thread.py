@@ -1,18 +1,13 @@
 """The thread copy backend: KV copies in host memory on a small thread pool, coalesced.
 
-Without CUDA the device KV cache is host memory, so a copy is a gather or scatter
-straight between the layers and the slot rows (one pass, no staging buffer), on worker
-threads, never on the loop's thread (torch releases the GIL in its kernels).
-
-Coalescing: a *hop* (one call on a worker thread) takes every copy queued when it is
-dispatched, runs them in request order and posts their outcomes with one
-``call_soon_threadsafe``. Inside a hop, consecutive small copies of one direction with
-disjoint destinations run as one gather and one scatter per layer; if that fails they
-rerun one by one, so a faulty copy fails only its own handle.
-
-Ordering: at most ``max_workers`` hops are in flight, and a hop is dispatched only if it
-does not conflict (write/write or read/write on a host slot or device block) with one in
-flight. So copies whose slots or blocks overlap run in request order.
+A copy is a gather or scatter straight between the layers and the slot rows, on worker
+threads (torch releases the GIL in its kernels). A *hop* (one call on a worker) takes
+every copy queued when it is dispatched, runs them in request order and posts their
+outcomes with one ``call_soon_threadsafe``; consecutive small copies of one direction
+with disjoint destinations run as one gather and scatter per layer, rerun one by one if
+that fails, so a faulty copy fails alone. At most ``max_workers`` hops are in flight, and
+a hop waits while it conflicts (a host slot or device block written by one and read or
+written by the other) with one in flight, so overlapping copies run in request order.
 """
 
 from __future__ import annotations
@@ -38,15 +33,13 @@ scatter per layer for the whole group, where a torch call per copy would cost mo
 its bytes. Bigger blocks are copied straight between layer and slot (one pass)."""
 
 
+@dataclass(slots=True)
 class _Access:
     """What a set of copies reads and writes: host slots as themselves, device block ``b``
     as ``~b`` (negative), so that one set holds both kinds."""
 
-    __slots__ = ("reads", "writes")
-
-    def __init__(self) -> None:
-        self.reads: set[int] = set()
-        self.writes: set[int] = set()
+    reads: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
 
     @classmethod
     def of(cls, copies: list[PlannedCopy]) -> _Access:
@@ -73,7 +66,7 @@ class _Access:
 class _Hop:
     copies: list[PlannedCopy]
     outcomes: list[CopyOutcome] | None = None  # set by the worker before it posts
-    work: concurrent.futures.Future[None] | None = field(default=None)
+    work: concurrent.futures.Future[None] | None = None
     _access: _Access | None = None
 
     @property

@@ -1,20 +1,13 @@
 """Authenticated encryption of block payloads at rest: AES-GCM under a keyring.
 
-A block is sealed under the keyring's current key and a fresh random 96-bit nonce; the
-key id, nonce and 16-byte tag are stored beside a ciphertext exactly as long as the
-payload (aligned I/O stays aligned). The associated data is the namespace digest and the
-block key, so a ciphertext moved to another key or namespace fails to open. Every key id
-held opens, so keys rotate by putting the new key first. An unknown key id or a failed
-tag raises a :class:`~tiering.errors.CorruptBlockError` subclass (a miss, logged once per
-kind and key id). Key material never appears in an error, a log line or a ``repr``.
-
-Keyring specs (see docs/security.md)::
-
-    "2:<base64 key>,1:<base64 key>"    ids are ints in [1, 2**32); the first one writes
-    "env:KV_TIERING_KEYS"              the spec is read from that environment variable
-
-Keys are 16, 24 or 32 bytes (AES-128/192/256). With random nonces a key seals fewer
-than 2**32 blocks (NIST SP 800-38D); rotate before that.
+A block is sealed under the keyring's current key and a fresh random 96-bit nonce into a
+ciphertext exactly as long as the payload; the associated data (namespace digest, block
+key) makes a moved block fail to open. Every key id held opens, so keys rotate by
+putting the new one first. An unknown key id or a failed tag raises a
+:class:`~tiering.errors.CorruptBlockError` subclass (a miss, logged once per kind and
+key id). Key material never appears in an error, a log line or a ``repr``. Specs
+(``"2:<base64 key>,1:<base64 key>"`` or ``"env:VARIABLE"``), key sizes and rotation:
+docs/security.md.
 """
 
 from __future__ import annotations

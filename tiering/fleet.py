@@ -5,11 +5,9 @@
 one request at a time: a :class:`Router` picks the node, which serves the request as a
 :class:`~tiering.replay.ReplayNode` (every loaded byte checked).
 
-Routers (:data:`ROUTERS`), all sans-I/O: ``round-robin``; ``affinity`` (a hash of the
-first block, so a conversation stays on one node); ``least-loaded`` (fewest blocks
-computed so far); ``kv-aware`` (the longest prefix held by the node's own tiers, learned
-only from its published KV events; ties to the least loaded; events of a shared medium
-such as ``REDIS`` are ignored).
+Routers (:data:`ROUTERS`, sans-I/O, compared in docs/fleet.md): ``round-robin``,
+``affinity``, ``least-loaded`` and ``kv-aware``, which learns only from the nodes'
+published KV events (those of a shared medium such as ``REDIS`` are ignored).
 """
 
 from __future__ import annotations
