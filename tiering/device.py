@@ -87,9 +87,7 @@ class CopyHandle:
     @property
     def error(self) -> TransferError | None:
         """Why the copy failed; None while it runs or if it succeeded."""
-        if not self._future.done():
-            return None
-        return self._future.exception()  # type: ignore[return-value]
+        return self._future.exception() if self._future.done() else None  # type: ignore[return-value]
 
     def add_done_callback(self, callback: Callable[[CopyHandle], object]) -> None:
         """Call ``callback(handle)`` on the event loop when the copy ends."""

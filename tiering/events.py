@@ -43,8 +43,9 @@ def encode_events(
     Raises InvalidArgumentError if ``node`` or ``tenant`` is not a string or None, or an
     event's fields have the wrong types.
     """
-    for label, value in (("node", node), ("tenant", tenant)):
-        if value is not None and not isinstance(value, str):
+    labels = {k: v for k, v in (("node", node), ("tenant", tenant)) if v is not None}
+    for label, value in labels.items():
+        if not isinstance(value, str):
             raise InvalidArgumentError(f"{label} must be a string or None, got {value!r}")
     lines = []
     for event in events:
@@ -62,13 +63,9 @@ def encode_events(
             "removed": event.removed,
             "block_size": event.block_size,
             "block_hashes": [h.hex() for h in event.block_hashes],
+            **labels,
         }
-        if node is not None:
-            record["node"] = node
-        if tenant is not None:
-            record["tenant"] = tenant
-        lines.append(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
-        lines.append("\n")
+        lines.append(json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n")
     return "".join(lines).encode()
 
 
@@ -85,11 +82,8 @@ def decode_events(data: bytes) -> list[dict[str, Any]]:
         text = bytes(data).decode()
     except UnicodeDecodeError as exc:
         raise InvalidArgumentError(f"events are not UTF-8: {exc}") from None
-    decoded = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if line.strip():
-            decoded.append(_decode_line(line, number))
-    return decoded
+    lines = enumerate(text.split("\n"), start=1)
+    return [_decode_line(line, number) for number, line in lines if line.strip()]
 
 
 def _decode_line(line: str, number: int) -> dict[str, Any]:

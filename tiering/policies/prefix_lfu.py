@@ -122,9 +122,8 @@ class PrefixLFUPolicy(EvictionPolicy):
         )
 
     def admit(self, key: BlockHash) -> bool:
-        if not self._second_sight:
-            return True
-        return self._ghost_count(key) >= 2  # requested before this request
+        # Second sight: requested before this request.
+        return not self._second_sight or self._ghost_count(key) >= 2
 
     @property
     def prefers_second_sight(self) -> bool:
