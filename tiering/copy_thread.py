@@ -149,9 +149,8 @@ class ThreadCopyBackend:
         )
 
     def submit(self, copy: PlannedCopy) -> None:
-        """Queue ``copy`` for the next hop, dispatched at the end of this loop iteration so
-        that copies requested together leave in one hop and no worker competes for the
-        GIL while the caller still issues them."""
+        """Queue ``copy`` for the hop dispatched at the end of this loop iteration, so that
+        copies requested together leave together and no worker competes for the GIL."""
         self._queue.append(copy)
         if not self._dispatch_soon:
             self._dispatch_soon = True

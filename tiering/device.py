@@ -301,9 +301,8 @@ class DeviceCopier:
         await self._stop()
 
     def close(self) -> None:
-        """Hard stop, synchronous and idempotent: block until every started copy has
-        ended (their handles complete), then release the backend. For when the loop
-        cannot wait (a cancelled close); prefer leaving the ``async with``."""
+        """Hard stop, idempotent: block until every started copy has ended, then release
+        the backend; for when the loop cannot wait (prefer leaving the ``async with``)."""
         if self._state is Lifecycle.CLOSED:
             return
         self._state = Lifecycle.CLOSING

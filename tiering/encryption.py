@@ -149,9 +149,8 @@ def _check_key_id(key_id: object, source: str = "encryption") -> None:
 
 
 def keyring_from(value: object, *, option: str = "encryption") -> Keyring | None:
-    """The keyring a tier option names: None (no encryption), a :class:`Keyring`, or a
-    spec string. Raises InvalidArgumentError as :meth:`Keyring.parse`, or for another type.
-    """
+    """The keyring a tier option names (None, a :class:`Keyring` or a spec string);
+    InvalidArgumentError as :meth:`Keyring.parse`, or for another type."""
     if value is None or isinstance(value, Keyring):
         return value
     if isinstance(value, str):
@@ -227,9 +226,8 @@ class BlockCipher:
         raise self._not_authentic(seal.key_id)
 
     def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
-        """Decrypt and verify the ciphertext in ``data`` in place (the tag is
-        ``seal.tag``); ``data`` holds garbage after a failure. Raises as :meth:`open_into`.
-        """
+        """Decrypt and verify ``data`` in place (the tag is ``seal.tag``); it holds
+        garbage after a failure. Raises as :meth:`open_into`."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 

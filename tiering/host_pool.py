@@ -36,9 +36,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 def _private_mapping(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of zeroed, page-aligned anonymous memory that transparent huge pages
-    may back: ``MAP_PRIVATE`` (the ``mmap`` default, ``MAP_SHARED``, is shmem, which they
-    skip) and, from 2 MiB up, ``MADV_HUGEPAGE`` (a hint: without THP, 4 KiB pages)."""
+    """``nbytes`` of zeroed, page-aligned anonymous memory that transparent huge pages may
+    back: ``MAP_PRIVATE`` (THP skip shmem) and, from 2 MiB up, ``MADV_HUGEPAGE``."""
     mapping = mmap.mmap(
         -1,
         nbytes,

@@ -26,9 +26,8 @@ DEFAULT_BOUNDS: tuple[float, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class LatencySnapshot:
-    """An immutable reading of a :class:`LatencyHistogram`: ``cumulative[i]``
-    observations were ``<= bounds[i]`` (seconds), and a last entry (``+Inf``) equals
-    ``count``; ``sum`` and ``max`` (0.0 for none) in seconds."""
+    """A reading of a :class:`LatencyHistogram`: ``cumulative[i]`` observations were
+    ``<= bounds[i]`` seconds, the last (``+Inf``) all ``count``; ``sum``, ``max`` in s."""
 
     bounds: tuple[float, ...]
     cumulative: tuple[int, ...]

@@ -16,9 +16,8 @@ from tiering.validation import seconds
 
 
 class LoopLagMonitor:
-    """Samples event-loop lag every ``interval`` seconds (a positive number, else
-    InvalidArgumentError) while its ``async with`` block runs; read ``p99_ms`` or
-    ``percentile_ms`` during or after it."""
+    """Samples event-loop lag every ``interval`` seconds (InvalidArgumentError unless
+    positive) inside its ``async with``; read ``p99_ms`` during or after it."""
 
     def __init__(self, interval: float = 0.001) -> None:
         self.interval = seconds("interval", interval, allow_zero=False)

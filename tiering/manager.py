@@ -242,9 +242,8 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted, evicted_slots)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        """Finish stores prepared earlier: with ``success`` the named in-flight blocks
-        become ready; without it they are removed and their slots freed. Ready and
-        non-resident hashes are left as they are."""
+        """Finish stores prepared earlier: the named in-flight blocks become ready, or
+        without ``success`` leave and free their slots; other hashes are left alone."""
         hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         if success:

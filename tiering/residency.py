@@ -24,9 +24,8 @@ from tiering.validation import hash_list, positive_int
 
 @dataclass(frozen=True, slots=True)
 class Room:
-    """What :meth:`ResidencyIndex.reserve` granted: ``granted`` units reserved for the
-    caller (to unreserve or consume with ``insert(reserved=True)``), and the ``victims``
-    evicted for them, in eviction order, whose bytes are the caller's to remove."""
+    """What :meth:`ResidencyIndex.reserve` granted: ``granted`` units reserved, and the
+    ``victims`` evicted for them, in order, whose bytes are the caller's to remove."""
 
     granted: int
     victims: list[BlockHash]
@@ -131,9 +130,8 @@ class ResidencyIndex:
         self._policy.touch([key for key in keys if key in self._resident])
 
     def clear(self, *, keep_room_for_pinned: bool = False) -> list[BlockHash]:
-        """Drop and return every resident key; pins and holds stay. With
-        ``keep_room_for_pinned`` each pinned key's unit stays reserved (its bytes are in
-        use) for the caller to unreserve later."""
+        """Drop and return every resident key; pins and holds stay, and with
+        ``keep_room_for_pinned`` so does each pinned key's unit, as reserved."""
         dropped = list(self._resident)
         for key in dropped:
             self._policy.remove(key)

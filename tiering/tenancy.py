@@ -64,8 +64,7 @@ class Tenancy:
         self._secrets: dict[str, bytes] = {}
 
     def share(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Let every tenant hit on these blocks of a public prefix (a shared hash counts
-        only while every block before it in a call is shared). InvalidArgumentError,
+        """Let every tenant hit on these blocks of a public prefix; InvalidArgumentError,
         sharing nothing, if ``block_hashes`` is not an iterable of bytes."""
         self._shared.update(hash_list("block_hashes", block_hashes))
 
@@ -75,9 +74,8 @@ class Tenancy:
         return len(self._shared)
 
     def keys(self, block_hashes: Sequence[BlockHash], tenant: str | None) -> Sequence[BlockHash]:
-        """The keys ``tenant``'s blocks ``block_hashes`` (bytes, checked by the caller)
-        live under: the hashes themselves without a tenant; otherwise the leading shared
-        ones as they are and the rest scoped to the tenant."""
+        """The keys ``tenant``'s blocks live under (see the module docstring); the
+        caller has checked ``block_hashes``."""
         if tenant is None:
             return block_hashes
         secret = self._secrets.get(tenant)
