@@ -122,8 +122,8 @@ class _VersionAction(argparse.Action):
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
-    """The command line: every subcommand, and the options of ``command`` alone (of
-    none when None): only its module is imported."""
+    """The command line: every subcommand, with the options of ``command`` alone (None:
+    of none), whose module alone is imported."""
     parser = make_parser(_DESCRIPTION, prog="tiering")
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -180,10 +180,8 @@ class CudaCopyBackend:
         max_rows: int,
         on_done: Callable[[Sequence[CopyOutcome]], None],
     ) -> None:
-        """Make both lanes (staging buffers of up to ``max_rows`` rows) and start the poller.
-
-        Raises ClosedError if the backend was opened before.
-        """
+        """Make both lanes (staging buffers of up to ``max_rows`` rows) and start the
+        poller; ClosedError if opened before."""
         if self._layout is not None:
             raise ClosedError("a CudaCopyBackend can be opened only once")
         self._layout, self._host, self._on_done = layout, host, on_done

@@ -79,12 +79,11 @@ class _Hop:
 
 
 class ThreadCopyBackend:
-    """Runs copies between a host-memory KV cache and host slots on worker threads; a
-    :class:`~tiering.device.CopyBackend`.
+    """A :class:`~tiering.device.CopyBackend` for a host-memory KV cache, on threads.
 
     ``max_workers`` bounds the hops in flight and sizes the pool made when no ``executor``
-    is given; a given one is used as is (one ``submit`` per hop) and not shut down.
-    Raises InvalidArgumentError for a bad ``max_workers`` or ``executor``.
+    is given (one ``submit`` per hop; a given one is not shut down). Raises
+    InvalidArgumentError for a bad ``max_workers`` or ``executor``.
     """
 
     def __init__(self, *, max_workers: int = 2, executor: Executor | None = None) -> None:

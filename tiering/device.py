@@ -329,11 +329,9 @@ class DeviceCopier:
         )
 
     def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
-        """Start copying device block ``device_ids[i]`` into host slot ``slots[i]``; returns
-        at once. Device ids may repeat; slots may not.
-
-        Raises (with nothing started) InvalidArgumentError for unequal lengths, a bad id
-        or a repeated slot; ClosedError if the copier or the pool is not open.
+        """Start copying device block ``device_ids[i]`` into host slot ``slots[i]`` (ids
+        may repeat, slots not); returns at once. Raises, starting nothing,
+        InvalidArgumentError for bad arguments, ClosedError unless copier and pool are open.
         """
         ids = as_index_list("device block ids", device_ids)
         slot_list = as_index_list("slots", slots)
@@ -356,12 +354,10 @@ class DeviceCopier:
         on_done: Callable[[int, TransferError | None], object],
         token: int,
     ) -> None:
-        """Start a copy whose arguments the caller has checked, for a hot path.
-
-        Like :meth:`to_host` / :meth:`to_device`, with ids and slots trusted to be valid;
-        instead of a handle, ``on_done(token, error)`` is called on the loop exactly once
-        when the copy has ended (a token, not a closure, so the hot path does not
-        allocate). The lists must not change afterwards. Raises ClosedError if not open.
+        """:meth:`to_host` / :meth:`to_device` for a hot path, with arguments the caller
+        has checked (the lists must not change afterwards): ``on_done(token, error)`` is
+        called on the loop once the copy has ended (a token: no closure to allocate).
+        Raises ClosedError if not open.
         """
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")

@@ -41,10 +41,8 @@ class AuthenticationError(CorruptBlockError):
 
 
 def _ciphers(key: bytes) -> tuple[Any, Any]:
-    """``key`` as a one-shot ``AESGCM`` and as an ``AES`` algorithm for cipher contexts.
-
-    Raises InvalidArgumentError if the ``cryptography`` package is missing.
-    """
+    """``key`` as a one-shot ``AESGCM`` and an ``AES`` algorithm for cipher contexts;
+    InvalidArgumentError without the ``cryptography`` package."""
     try:
         from cryptography.hazmat.primitives.ciphers import algorithms
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -87,11 +85,9 @@ class Keyring:
 
     @classmethod
     def parse(cls, spec: str, *, option: str = "encryption") -> Keyring:
-        """A keyring from a spec (see the module docstring); the first entry is current.
-
-        Raises InvalidArgumentError naming ``option`` (and the variable for ``env:``),
-        never quoting the spec, for a malformed spec, an unset variable, a bad or repeated
-        id, or a key that is not base64 of 16, 24 or 32 bytes.
+        """A keyring from a spec, its first entry current. Raises InvalidArgumentError
+        naming ``option`` (and an ``env:`` variable), never quoting the spec, for a bad
+        spec, an unset variable, a bad or repeated id, or a bad key.
         """
         if not isinstance(spec, str):
             raise InvalidArgumentError(

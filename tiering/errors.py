@@ -25,10 +25,9 @@ class BlockNotFoundError(TieringError, KeyError):
 
 
 class ConfigError(InvalidArgumentError):
-    """A configuration (a TOML file, a command-line override or a config object) is
-    invalid; nothing was applied. The message names the field by its path
-    (``tiers[0].capacity_bytes``), the value and any file, as ``field`` and ``source`` do.
-    """
+    """A configuration (file, override or object) is invalid; nothing was applied. The
+    message names the field's path (``tiers[0].capacity_bytes``) and any file, as
+    ``field`` and ``source`` do."""
 
     def __init__(self, message: str, *, field: str = "", source: str | None = None) -> None:
         super().__init__(message)

@@ -250,11 +250,10 @@ class _EventSource(Protocol):
 async def run_publisher(
     source: _EventSource, publisher: EventPublisher, *, interval: float = 0.05
 ) -> None:
-    """Every ``interval`` seconds, publish what ``source.take_events()`` returns, until
-    cancelled (then one last drain). Run it as a task on the engine's loop, as the only
-    caller of ``take_events``. A publisher that raises is logged once per kind of error
-    and loses that batch; the task goes on. Raises InvalidArgumentError for a bad
-    ``interval``.
+    """Every ``interval`` seconds, and once more when cancelled, publish what
+    ``source.take_events()`` returns; run it on the engine's loop as its only caller. A
+    publisher's error is logged once per kind and loses that batch. Raises
+    InvalidArgumentError for a bad ``interval``.
     """
     seconds("interval", interval, allow_zero=False)
     logged: set[type[BaseException]] = set()

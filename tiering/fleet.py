@@ -37,10 +37,8 @@ ROUTERS = ("round-robin", "affinity", "least-loaded", "kv-aware")
 
 
 class Router:
-    """Picks the node for each request by ``rule`` (one of :data:`ROUTERS`), fed back
-    what each node computed and the events it published (those of ``shared_media`` are
-    ignored). Raises InvalidArgumentError for an unknown rule or a bad node count.
-    """
+    """Picks each request's node by ``rule``, fed back what each node computed and the
+    events it published. Raises InvalidArgumentError for a bad rule or node count."""
 
     def __init__(self, rule: str, nodes: int, shared_media: Sequence[str] = ("REDIS",)) -> None:
         if rule not in ROUTERS:
@@ -118,10 +116,9 @@ class _DirectLink:
 
 
 class _ZmqLink:
-    """Events from the nodes to the router over ZeroMQ: a loopback
-    :class:`~tiering.events.ZmqPublisher` per node, one SUB socket for the router. After
-    each request the replay waits for that node's batch (by sequence number), so the
-    router decides on what it was told; one not come within ``wait_s`` counts in ``lost``."""
+    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node.
+    After each request the replay waits up to ``wait_s`` for that node's batch (else it
+    counts in ``lost``), so the router decides on what it was told."""
 
     def __init__(self, router: Router, wait_s: float = 2.0) -> None:
         import zmq
@@ -225,8 +222,7 @@ class FleetSummary:
         return sum(n.hit_blocks for n in self.nodes) / self.blocks if self.blocks else 0.0
 
     def _shared_counters(self, label: str) -> dict[str, int]:
-        """A shared tier's counters summed over the nodes' clients of it, except what
-        each reads of the server itself (its key count), which is the same server's."""
+        """A shared tier's counters summed over its clients, but for the server's own."""
         counters = _summed(n.tier_counters.get(label, {}) for n in self.nodes)
         if "server_keys" in counters:
             counters["server_keys"] = max(

@@ -28,10 +28,8 @@ Namespace = str | bytes | Mapping[str, object]
 
 
 def namespace_root(namespace: Namespace = b"") -> BlockHash:
-    """The parent hash of a sequence's first block within ``namespace``: bytes, a
-    string, or a mapping of identity fields (encoded as canonical JSON). Raises
-    InvalidArgumentError for another type or a mapping that is not JSON-encodable.
-    """
+    """The parent hash of a sequence's first block within ``namespace`` (bytes, a string,
+    or a mapping encoded as canonical JSON); InvalidArgumentError for anything else."""
     if isinstance(namespace, bytes):
         data = namespace
     elif isinstance(namespace, str):
@@ -69,10 +67,9 @@ def block_hashes(
     parent: BlockHash | None = None,
     namespace: Namespace = b"",
 ) -> list[BlockHash]:
-    """One hash per full block of ``token_ids`` (ints in ``[0, 2**63)``); a trailing
-    partial block is not hashed. The chain continues from ``parent`` if given, else
-    starts at ``namespace_root(namespace)``. Raises InvalidArgumentError for a bad block
-    size, tokens, parent or namespace.
+    """One hash per full block of ``token_ids`` (ints in ``[0, 2**63)``), chained from
+    ``parent`` if given, else from ``namespace_root(namespace)``. Raises
+    InvalidArgumentError for a bad block size, tokens, parent or namespace.
     """
     positive_int("block_size", block_size)
     if parent is not None and not isinstance(parent, bytes):
@@ -96,8 +93,7 @@ NAMESPACE_FORMAT = 1
 
 def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
     """A canonical string naming what a stored block's bytes mean: ``identity`` (the
-    model and whatever else the caller says), the block size and every layer's dtype and
-    per-block shape, so engines share blocks only if all agree. Raises
+    model, ...), the block size and each layer's dtype and per-block shape. Raises
     InvalidArgumentError unless ``identity`` is a string or a JSON-encodable mapping.
     """
     tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)

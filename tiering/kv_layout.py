@@ -53,11 +53,10 @@ class KVLayout:
 
 
 def describe_kv_caches(kv_caches: object) -> KVLayout:
-    """Check ``kv_caches`` and describe it as a :class:`KVLayout` aliasing its memory.
-
-    Accepts a tensor or a sequence of tensors, each with a block dim, contiguous, dense,
-    with non-empty rows, all on one cuda or cpu device with the same number of blocks
-    (dtypes may differ); raises InvalidArgumentError naming the offending tensor otherwise.
+    """Check ``kv_caches`` and describe it as a :class:`KVLayout` aliasing its memory:
+    a tensor or sequence of tensors, each dense, contiguous, with a block dim and non-empty
+    rows, all on one cuda or cpu device with one number of blocks (dtypes may differ).
+    Raises InvalidArgumentError naming the offending tensor otherwise.
     """
     if isinstance(kv_caches, torch.Tensor):
         tensors: list[object] = [kv_caches]
@@ -154,10 +153,9 @@ class CopyChunk:
 def plan_copy(
     device_ids: Sequence[int], slots: Sequence[int], max_rows: int
 ) -> tuple[CopyChunk, ...]:
-    """Plan a job copying device block ``device_ids[i]`` to/from host slot ``slots[i]``,
-    in chunks of at most ``max_rows`` pairs ordered by slot (the fewest runs; equal slots
-    stay separate runs). Raises InvalidArgumentError if the lengths differ or
-    ``max_rows < 1``.
+    """Plan copying device block ``device_ids[i]`` to/from host slot ``slots[i]`` in
+    chunks of at most ``max_rows`` pairs, ordered by slot for the fewest runs. Raises
+    InvalidArgumentError if the lengths differ or ``max_rows < 1``.
     """
     if len(device_ids) != len(slots):
         raise InvalidArgumentError(f"{len(device_ids)} device block ids but {len(slots)} slots")

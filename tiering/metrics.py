@@ -92,13 +92,11 @@ def _read_engine(engine: TieringEngine) -> _Reading:
 
 
 class EngineCollector:
-    """A ``prometheus_client`` collector of one engine (entered, or closed: it still
-    answers); :meth:`collect` runs per scrape.
+    """A ``prometheus_client`` collector of one engine, open or closed.
 
-    ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; ``loop`` is where
-    readings are taken (None: on the scrape thread); ``snapshot_timeout`` is how many
-    seconds a scrape waits for it. Raises InvalidArgumentError for a ``prefix`` that is
-    not a Prometheus name or a ``snapshot_timeout`` that is not a positive number.
+    ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; readings are taken on
+    ``loop`` (None: the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
+    InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``.
     """
 
     def __init__(
@@ -396,11 +394,9 @@ def register_engine_metrics(
     snapshot_timeout: float = 1.0,
 ) -> EngineCollector:
     """Register and return an :class:`EngineCollector` of ``engine`` in ``registry``
-    (the global ``prometheus_client.REGISTRY`` by default).
-
-    Call it on the engine's loop, so that scrapes read the engine there. Raises
-    InvalidArgumentError as :class:`EngineCollector`; ValueError if the registry already
-    has metrics of these names (another engine with this prefix).
+    (default: the global one); call it on the engine's loop, where scrapes then read.
+    Raises InvalidArgumentError as :class:`EngineCollector`, ValueError if the registry
+    has metrics of these names already (another engine with this prefix).
     """
     collector = EngineCollector(
         engine,

@@ -40,9 +40,8 @@ class ResidencyIndex:
 
     A pinned or protected key is never evicted; ``len(index) + index.reserved <=
     index.capacity`` after every call (a lower ``limit`` is restored as far as unpinned
-    keys allow); counts are exact; a call that raises changes nothing.
-    Raises InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for an unknown
-    ``policy``.
+    keys allow); counts are exact; a call that raises changes nothing. Raises
+    InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``.
     """
 
     def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru") -> None:
@@ -144,10 +143,8 @@ class ResidencyIndex:
     def reserve(
         self, count: int, *, protected: Collection[BlockHash] = (), limit: int | None = None
     ) -> Room:
-        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed.
-
-        ``limit`` further bounds resident plus reserved units (e.g. free disk space);
-        where it is exceeded, eviction goes past ``count`` to restore it. Raises
+        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed;
+        ``limit`` further bounds resident plus reserved units, and eviction restores it.
         InvalidArgumentError for a negative ``count`` or a ``limit`` that is not an int.
         """
         if not isinstance(count, int) or count < 0:

@@ -17,10 +17,9 @@ from tiering.lifecycle import Lifecycle
 
 @dataclass(frozen=True, slots=True)
 class Statistics:
-    """A snapshot of one engine, tier or copier: its state; admitted jobs without a
-    result and their payload bytes; what it holds and may hold (capacity 0: no bound);
-    the blocks that may not be evicted now; monotonic ``counters`` by name (each kind
-    of object documents its own); and ``failures`` by cause."""
+    """A snapshot of one engine, tier or copier: state, jobs and bytes in flight, what
+    it holds and may hold (0: no bound), pinned blocks, monotonic ``counters`` (named
+    by each kind of object) and ``failures`` by cause."""
 
     state: Lifecycle
     jobs_in_flight: int = 0

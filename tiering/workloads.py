@@ -27,10 +27,9 @@ _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request: its arrival in seconds from the workload's start, its prompt's
-    blocks (the last partial when ``input_tokens`` is not a multiple of
-    :data:`TOKENS_PER_BLOCK`), the prompt's and answer's lengths, and its conversation
-    where the workload knows it (synthetic traffic does)."""
+    """One request: its arrival (seconds from the start), its prompt's blocks (the last
+    one partial unless ``input_tokens`` is a multiple of :data:`TOKENS_PER_BLOCK`), the
+    prompt's and answer's lengths, and its conversation where known."""
 
     arrival_s: float
     block_ids: tuple[int, ...]
@@ -52,11 +51,9 @@ class Request:
 
 def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request]:
     """The first ``limit`` requests of a Mooncake-format JSON-lines trace, in file order.
-
-    Raises TraceError, naming the file and line, if the file cannot be read, holds no
-    request, or a line is not an object with a non-negative ``timestamp`` (ms),
-    non-negative int ``input_length`` and ``output_length``, and ``hash_ids`` of ints in
-    0 .. 2**64 - 1; InvalidArgumentError for a bad ``limit``.
+    Raises TraceError, naming file and line, if the file cannot be read, holds no request,
+    or has a line not of the format (``timestamp`` in ms, ``input_length``,
+    ``output_length``, ``hash_ids`` of 64-bit ints); InvalidArgumentError for a bad limit.
     """
     if limit is not None:
         limit = positive_int("limit", limit)

@@ -32,10 +32,8 @@ def policy_names() -> list[str]:
 
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     """A policy bound to ``capacity`` blocks, from a registered name or an instance.
-
-    Raises UnknownPolicyError for an unregistered name or another type,
-    InvalidArgumentError for a bad ``capacity``.
-    """
+    Raises UnknownPolicyError for any other ``policy``, InvalidArgumentError for a bad
+    ``capacity``."""
     if isinstance(policy, EvictionPolicy):
         instance = policy
     elif isinstance(policy, str) and policy in _POLICIES:

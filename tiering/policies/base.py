@@ -55,9 +55,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """Pick and drop ``n`` distinct resident keys accepted by ``can_evict``; ``[]`` for
-        ``n <= 0``. Where fewer are evictable (a broken protocol) it returns those and
-        still terminates."""
+        """Pick and drop ``n`` distinct resident keys accepted by ``can_evict`` (fewer,
+        without looping forever, if fewer are evictable)."""
 
     def admit(self, key: BlockHash) -> bool:
         """Whether a store may give ``key`` a slot (the default: always)."""

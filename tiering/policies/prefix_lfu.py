@@ -39,9 +39,8 @@ ADMISSIONS = ("duel", "all", "second-sight")
 
 @dataclass(frozen=True, slots=True)
 class PrefixLFUState:
-    """A copy of a :class:`PrefixLFUPolicy`'s state, for tests and debugging: each cached
-    key's count and queue (``-1``: an inner block, waiting for its children), the
-    ghost's counts, oldest first, and each cached key's cached children."""
+    """A copy of a :class:`PrefixLFUPolicy`'s counts, queues (``-1``: an inner block),
+    ghost counts (oldest first) and cached children, for tests and debugging."""
 
     counts: Mapping[BlockHash, int]
     queue_of: Mapping[BlockHash, int]
@@ -309,9 +308,8 @@ class _Shadow:
         self.decay = 1.0 - 1.0 / (8 * capacity)  # remembers about 8 capacities of keys
 
     def request(self, keys: Sequence[BlockHash]) -> None:
-        """One request's sampled keys, stored as a manager stores them: its cached keys
-        are hits, and the admitted others get room all at once, its own cached keys
-        protected (so a long one-off request shows what it pushes out)."""
+        """One request's sampled keys, stored as a manager stores them (room for all the
+        admitted new keys at once, its own cached keys protected)."""
         policy = self.policy
         policy.touch(keys)
         hits = sum(1 for key in keys if key in policy)
