@@ -71,8 +71,7 @@ class _Hop:
 
     @property
     def access(self) -> _Access:
-        """What the hop reads and writes; worked out only when a later hop must check
-        for conflicts (the common case, one hop at a time, never needs it)."""
+        """What the hop reads and writes, worked out only when a later hop must check."""
         if self._access is None:
             self._access = _Access.of(self.copies)
         return self._access

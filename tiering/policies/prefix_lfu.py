@@ -211,8 +211,7 @@ class PrefixLFUPolicy(EvictionPolicy):
         return key in self._count
 
     def _best_leaf(self, can_evict: Callable[[BlockHash], bool]) -> BlockHash | None:
-        """The evictable leaf with the lowest score among the queues' first evictable
-        ones (None if no leaf may go)."""
+        """The lowest-scoring of the queues' first evictable leaves, or None."""
         best: BlockHash | None = None
         best_score = 0.0
         now, weight, count, last = self._tick + 1, self.age_weight, self._count, self._last
@@ -276,8 +275,7 @@ class PrefixLFUPolicy(EvictionPolicy):
             self._enqueue(parent, front=True)
 
     def _ghost_count(self, key: BlockHash) -> int:
-        """``key``'s ghost count now, halved once per epoch since it was set (0 when
-        not in the ghost, or aged away)."""
+        """``key``'s ghost count, halved once per epoch since it was set (0 if absent)."""
         entry = self._ghost.get(key)
         return 0 if entry is None else entry[0] >> (self._epoch - entry[1])
 
