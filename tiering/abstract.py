@@ -20,11 +20,8 @@ BlockHash = bytes
 def as_block_hashes(
     block_hashes: Iterable[BlockHash], name: str = "block hashes"
 ) -> list[BlockHash] | tuple[BlockHash, ...]:
-    """``block_hashes`` as a list or tuple, each element checked to be bytes.
-
-    Raises:
-        InvalidArgumentError: an element is not ``bytes`` (the message names ``name``).
-    """
+    """``block_hashes`` as a list or tuple, each element checked to be bytes
+    (InvalidArgumentError naming ``name`` otherwise)."""
     hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
     for h in hashes:
         if type(h) is not bytes and not isinstance(h, bytes):
@@ -54,13 +51,9 @@ class CPULoadStoreSpec(LoadStoreSpec):
 
 @dataclass(slots=True)
 class PrepareStoreOutput:
-    """What a ``prepare_store`` decided.
-
-    ``block_hashes_to_store[i]`` goes to slot ``store_spec.block_ids[i]``;
-    ``block_hashes_evicted`` left the tier to make room, ``evicted_block_ids[i]`` being
-    the slot ``block_hashes_evicted[i]`` held (an extension of the seed type: a
-    write-back cache must copy a victim out before its slot is refilled).
-    """
+    """What a ``prepare_store`` decided: ``block_hashes_to_store[i]`` goes to slot
+    ``store_spec.block_ids[i]``; ``block_hashes_evicted[i]`` left ``evicted_block_ids[i]``
+    (beyond the seed type: write-back copies a victim out before its slot is refilled)."""
 
     block_hashes_to_store: list[BlockHash]
     store_spec: LoadStoreSpec

@@ -1,17 +1,13 @@
 """The ``tiering`` command (``python -m tiering`` or the ``tiering`` console script).
 
-Each subcommand is a module of :mod:`tiering.commands` that defines a docstring,
-``NAME``, ``HELP`` and ``ORDER`` (as literals), ``add_arguments(parser)`` and
-``run(args) -> int``; the command finds them by itself, so adding one touches no other
-file. Listing them (``tiering --help``) reads their source and imports none of them, so
-neither it nor ``tiering --version`` imports torch; a subcommand's module, with what it
-needs, is imported only when that subcommand is named.
+Each subcommand is a module of :mod:`tiering.commands` defining a docstring, literal
+``NAME``, ``HELP`` and ``ORDER``, ``add_arguments(parser)`` and ``run(args) -> int``;
+adding one touches no other file. ``tiering --help`` reads their source without
+importing them (nor torch); a subcommand's module is imported only when it is named.
 
-Exit codes, for every subcommand: 0 done and nothing wrong found, 1 a failure found (a
-mismatch, a damaged block, a failed run), 2 a usage error (a bad option, an unreadable
-trace or config file), 130 interrupted (Ctrl-C, even while still importing). A user
-error prints one line, ``tiering <subcommand>: error: <message>``, and an interruption
-``tiering <subcommand>: interrupted``, never a traceback.
+Exit codes are in ``_DESCRIPTION``. A user error prints one line, ``tiering
+<subcommand>: error: <message>``, and Ctrl-C (even while importing) ``tiering
+<subcommand>: interrupted``, never a traceback.
 """
 
 from __future__ import annotations
@@ -46,8 +42,8 @@ _DEFAULT_ORDER = 100
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand as ``tiering --help`` lists it: its name, one-line help, docstring,
-    place in the list, and the module that implements it (imported by :meth:`load`)."""
+    """A subcommand as ``tiering --help`` lists it, and its module (imported by
+    :meth:`load`)."""
 
     name: str
     help: str
@@ -72,9 +68,8 @@ def commands() -> dict[str, Command]:
 
 
 def _describe(module: str) -> Command:
-    """The subcommand ``module`` defines, from its source: its docstring and its
-    ``NAME``, ``HELP`` and ``ORDER`` assignments. A module whose source cannot be had,
-    or whose ``NAME`` or ``HELP`` is not a plain string literal, is imported instead."""
+    """The subcommand ``module`` defines, read from its source; imported instead where
+    the source cannot be had or ``NAME`` or ``HELP`` is not a string literal."""
     spec = importlib.util.find_spec(module)
     get_source = getattr(spec.loader, "get_source", None) if spec is not None else None
     source = get_source(module) if get_source is not None else None
@@ -104,8 +99,7 @@ def _describe(module: str) -> Command:
 
 
 class _VersionAction(argparse.Action):
-    """``--version``: print the installed package's version and exit 0 (looked up only
-    when asked for)."""
+    """``--version``: print the installed package's version (looked up only when asked)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
@@ -128,8 +122,8 @@ class _VersionAction(argparse.Action):
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
-    """The command line: every subcommand, and the options of ``command`` alone (of
-    none when None): only its module is imported."""
+    """The command line: every subcommand, with the options of ``command`` alone (None:
+    of none), whose module alone is imported."""
     parser = make_parser(_DESCRIPTION, prog="tiering")
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -150,10 +144,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
-
-    Ctrl-C anywhere in it, the import of the subcommand's dependencies included, prints
-    one line and returns 130."""
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code
+    (130 after Ctrl-C anywhere, imports included)."""
     args = list(sys.argv[1:] if argv is None else argv)
     # The first word that is not an option names the subcommand (the command's own
     # options, --help and --version, take no value).

@@ -1,16 +1,10 @@
 """The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
 
-Each direction has a copy stream of its own (so stores and loads use both copy engines),
-ordered after the caller's current stream, and a staging buffer laid out ``[rows, block
-words]``. A planned chunk moves with one gather (or scatter) per layer between the device
-tensors and the staging buffer, plus one copy per slot run between the staging buffer and
-the pinned host pool, whatever the number of blocks. One pooled CUDA event per job marks
-its end, and one poller task on the event loop reports the job when its event has fired:
-no thread spins on an event.
-
-Every CUDA call goes through a :class:`CudaRuntime`, which forwards to ``torch.cuda``; a
-test may give the backend a runtime of its own (recording streams and events that fire
-when it says) and drive the whole stream path with CPU tensors.
+Each direction has its own copy stream, ordered after the caller's current stream, and
+a ``[rows, block words]`` staging buffer; a chunk moves with one gather (or scatter) per
+layer plus one copy per slot run. One pooled event per job marks its end, polled by one
+task on the loop (no thread spins). CUDA calls go through a :class:`CudaRuntime`, which
+tests replace to drive the stream path with CPU tensors.
 """
 
 from __future__ import annotations
@@ -52,11 +46,9 @@ class CudaRuntime:
     """The CUDA calls of :class:`CudaCopyBackend`, forwarded to ``torch.cuda``."""
 
     def new_stream(self, device: torch.device) -> CudaStream:
-        """A new stream on ``device``."""
         return torch.cuda.Stream(device)
 
     def new_event(self) -> CudaEvent:
-        """A new event (timing off)."""
         return torch.cuda.Event()
 
     def current_stream(self, device: torch.device) -> CudaStream:
@@ -64,11 +56,9 @@ class CudaRuntime:
         return torch.cuda.current_stream(device)
 
     def on_device(self, device: torch.device) -> AbstractContextManager[Any]:
-        """Make ``device`` current for the block."""
         return torch.cuda.device(device)
 
     def use_stream(self, stream: CudaStream) -> AbstractContextManager[Any]:
-        """Make ``stream`` current for the block."""
         return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
     def record_stream(self, tensor: torch.Tensor, stream: CudaStream) -> None:
@@ -138,13 +128,8 @@ class _Pending:
 
 
 class CudaCopyBackend:
-    """Runs copies between a CUDA KV cache and a pinned host pool on copy streams.
-
-    Contract with :class:`~tiering.device.DeviceCopier` (which calls every method on its
-    event loop): :meth:`open` once, then :meth:`submit` per copy; ``on_done`` is called
-    on the loop with every submitted copy's outcome exactly once, never before the copy's
-    last queued operation has run; :meth:`drain_blocking` and :meth:`aclose` at the end.
-    """
+    """Runs copies between a CUDA KV cache and a pinned host pool on copy streams; a
+    :class:`~tiering.device.CopyBackend`."""
 
     def __init__(self, *, runtime: CudaRuntime | None = None) -> None:
         self._runtime = runtime or CudaRuntime()
@@ -176,15 +161,16 @@ class CudaCopyBackend:
 
     def lane_stream(self, direction: Direction) -> CudaStream:
         """The copy stream of ``direction``. Raises ClosedError unless open."""
-        if direction not in self._lanes:
-            raise ClosedError("the CUDA copy backend is not open")
-        return self._lanes[direction].stream
+        return self._lane(direction).stream
 
     def lane_fence(self, direction: Direction) -> CudaEvent:
         """The event that orders ``direction``'s jobs after the caller's stream."""
+        return self._lane(direction).fence
+
+    def _lane(self, direction: Direction) -> _Lane:
         if direction not in self._lanes:
             raise ClosedError("the CUDA copy backend is not open")
-        return self._lanes[direction].fence
+        return self._lanes[direction]
 
     async def open(
         self,
@@ -194,10 +180,8 @@ class CudaCopyBackend:
         max_rows: int,
         on_done: Callable[[Sequence[CopyOutcome]], None],
     ) -> None:
-        """Make both lanes (staging buffers of up to ``max_rows`` rows) and start the poller.
-
-        Raises ClosedError if the backend was opened before.
-        """
+        """Make both lanes (staging buffers of up to ``max_rows`` rows) and start the
+        poller; ClosedError if opened before."""
         if self._layout is not None:
             raise ClosedError("a CudaCopyBackend can be opened only once")
         self._layout, self._host, self._on_done = layout, host, on_done
@@ -275,16 +259,14 @@ class CudaCopyBackend:
         self._lanes.clear()
 
     def close(self) -> None:
-        """Release at once, without awaiting (a hard stop after :meth:`drain_blocking`):
-        the poller is cancelled and the lanes dropped. Idempotent."""
+        """Hard stop after :meth:`drain_blocking`: cancel the poller, drop the lanes.
+        Idempotent."""
         self._closing = True
         self._task_group = None
         if self._poller is not None:
             self._poller.cancel()
             self._poller = None
         self._lanes.clear()
-
-    # ----------------------------------------------------------------- internals
 
     def _copy_chunk(self, direction: Direction, chunk: CopyChunk, staging: _StagingBuffer) -> None:
         assert self._layout is not None and self._host is not None

@@ -1,24 +1,13 @@
 """The thread copy backend: KV copies in host memory on a small thread pool, coalesced.
 
-Without CUDA the device KV cache is host memory, so a copy is a gather (to a slot) or a
-scatter (to the device blocks) straight between the layers and the slot rows: one pass
-over the bytes, no staging buffer. Copies run on worker threads, never on the event
-loop's thread (torch releases the GIL in its kernels).
-
-Coalescing: every copy goes into one FIFO queue. A *hop* (one call on a worker thread)
-takes every copy queued at the moment it is dispatched, runs them in request order, and
-posts all their outcomes to the loop with one ``call_soon_threadsafe``. So copies that
-arrive while a hop is queued or running cost one hop together, not one each. Inside a
-hop, consecutive small copies of one direction with disjoint destinations run as one
-gather and one scatter per layer; if that fails, they are rerun one by one, so a faulty
-copy fails only its own handle.
-
-Ordering rule: at most ``max_workers`` hops are in flight, and a hop is dispatched only if
-nothing it reads or writes (host slots, device blocks) is written by a hop in flight, nor
-anything it writes read by one. Since a hop always takes the whole queue, a copy starts
-only after every copy requested before it has started, and after every earlier copy it
-conflicts with has ended: copies whose slots or blocks overlap run in request order
-(a ``to_host`` into slot 3 followed by a ``to_device`` from slot 3 reads what was written).
+A copy is a gather or scatter straight between the layers and the slot rows, on worker
+threads (torch releases the GIL in its kernels). A *hop* (one call on a worker) takes
+every copy queued when it is dispatched, runs them in request order and posts their
+outcomes with one ``call_soon_threadsafe``; consecutive small copies of one direction
+with disjoint destinations run as one gather and scatter per layer, rerun one by one if
+that fails, so a faulty copy fails alone. At most ``max_workers`` hops are in flight, and
+a hop waits while it conflicts (a host slot or device block written by one and read or
+written by the other) with one in flight, so overlapping copies run in request order.
 """
 
 from __future__ import annotations
@@ -44,15 +33,13 @@ scatter per layer for the whole group, where a torch call per copy would cost mo
 its bytes. Bigger blocks are copied straight between layer and slot (one pass)."""
 
 
+@dataclass(slots=True)
 class _Access:
     """What a set of copies reads and writes: host slots as themselves, device block ``b``
     as ``~b`` (negative), so that one set holds both kinds."""
 
-    __slots__ = ("reads", "writes")
-
-    def __init__(self) -> None:
-        self.reads: set[int] = set()
-        self.writes: set[int] = set()
+    reads: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
 
     @classmethod
     def of(cls, copies: list[PlannedCopy]) -> _Access:
@@ -79,32 +66,23 @@ class _Access:
 class _Hop:
     copies: list[PlannedCopy]
     outcomes: list[CopyOutcome] | None = None  # set by the worker before it posts
-    work: concurrent.futures.Future[None] | None = field(default=None)
+    work: concurrent.futures.Future[None] | None = None
     _access: _Access | None = None
 
     @property
     def access(self) -> _Access:
-        """What the hop reads and writes; worked out only when a later hop must check
-        for conflicts (the common case, one hop at a time, never needs it)."""
+        """What the hop reads and writes, worked out only when a later hop must check."""
         if self._access is None:
             self._access = _Access.of(self.copies)
         return self._access
 
 
 class ThreadCopyBackend:
-    """Runs copies between a host-memory KV cache and host slots on worker threads.
+    """A :class:`~tiering.device.CopyBackend` for a host-memory KV cache, on threads.
 
-    ``max_workers`` bounds the hops in flight and sizes the thread pool the backend makes
-    when no ``executor`` is given. A given ``executor`` is used as is (and not shut down):
-    every hop is one ``executor.submit`` call, which is how tests count hops.
-
-    Contract with :class:`~tiering.device.DeviceCopier` (which calls every method on its
-    event loop): :meth:`open` once, then :meth:`submit` per copy; ``on_done`` is called
-    on the loop with the outcome of every submitted copy exactly once (a copy that fails
-    fails alone); :meth:`drain_blocking` and :meth:`aclose` at the end.
-
-    Raises InvalidArgumentError for a ``max_workers`` that is not a positive int or an
-    ``executor`` that is not a ``concurrent.futures.Executor``.
+    ``max_workers`` bounds the hops in flight and sizes the pool made when no ``executor``
+    is given (one ``submit`` per hop; a given one is not shut down). Raises
+    InvalidArgumentError for a bad ``max_workers`` or ``executor``.
     """
 
     def __init__(self, *, max_workers: int = 2, executor: Executor | None = None) -> None:
@@ -131,8 +109,7 @@ class ThreadCopyBackend:
 
     @property
     def executor(self) -> Executor | None:
-        """The executor the hops run on while open (None before :meth:`open` and after
-        :meth:`aclose`)."""
+        """The executor the hops run on while open, else None."""
         return self._executor
 
     @property
@@ -148,11 +125,9 @@ class ThreadCopyBackend:
         max_rows: int,
         on_done: Callable[[Sequence[CopyOutcome]], None],
     ) -> None:
-        """Start serving copies between ``layout``'s tensors and ``host`` (``[slots, words]``).
-
-        ``max_rows`` is unused here (there is no staging buffer). Raises ClosedError if
-        the backend was opened before, InvalidArgumentError if the KV cache is not in host
-        memory.
+        """Start serving copies between ``layout``'s tensors and ``host`` (``max_rows`` is
+        unused). Raises ClosedError if opened before, InvalidArgumentError if the KV cache
+        is not in host memory.
         """
         if self._loop is not None:
             raise ClosedError("a ThreadCopyBackend can be opened only once")
@@ -172,12 +147,8 @@ class ThreadCopyBackend:
         )
 
     def submit(self, copy: PlannedCopy) -> None:
-        """Queue ``copy``; it runs in the next hop that may start (see the module doc).
-
-        Dispatch waits for the end of the current loop iteration: copies requested
-        together (a scheduler's step) leave in one hop, and no worker competes for the
-        GIL with the caller while it is still issuing them.
-        """
+        """Queue ``copy`` for the hop dispatched at the end of this loop iteration, so that
+        copies requested together leave together and no worker competes for the GIL."""
         self._queue.append(copy)
         if not self._dispatch_soon:
             self._dispatch_soon = True
@@ -200,20 +171,18 @@ class ThreadCopyBackend:
             self._dispatch()  # nothing runs now: whatever is queued goes at once
 
     async def aclose(self) -> None:
-        """Release the thread pool the backend made; call once no copy is in flight."""
-        executor, self._executor = self._executor, None
-        if executor is not None and executor is not self._given_executor:
-            # The workers are idle by now, so joining them is immediate.
-            executor.shutdown(wait=True)
+        """Release the thread pool the backend made; call once no copy is in flight (so
+        joining the idle workers is immediate)."""
+        self._release(wait=True)
 
     def close(self) -> None:
-        """Release at once, without awaiting (a hard stop after :meth:`drain_blocking`,
-        so the workers are idle). Idempotent."""
+        """Hard stop after :meth:`drain_blocking`, without awaiting. Idempotent."""
+        self._release(wait=False)
+
+    def _release(self, *, wait: bool) -> None:
         executor, self._executor = self._executor, None
         if executor is not None and executor is not self._given_executor:
-            executor.shutdown(wait=False)
-
-    # ----------------------------------------------------------------- internals
+            executor.shutdown(wait=wait)
 
     def _dispatch(self) -> None:
         if not self._queue or len(self._hops) >= self._max_workers:
@@ -260,8 +229,7 @@ class ThreadCopyBackend:
 
     def _groups(self, copies: list[PlannedCopy]) -> Iterator[list[PlannedCopy]]:
         """Cut ``copies`` into runs that may execute as one: consecutive small copies of
-        one direction whose destinations are disjoint (sources are only read, so the
-        run's result is the same as one copy after the other). Big copies go alone."""
+        one direction with disjoint destinations. Big copies go alone."""
         if self._block_bytes > _GROUP_BLOCK_BYTES:
             yield from ([copy] for copy in copies)
             return

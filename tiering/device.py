@@ -1,15 +1,9 @@
 """Device transfers: copy KV blocks between the device KV cache and host-pool slots.
 
-:class:`DeviceCopier` checks each request, plans it (:mod:`tiering.kv_layout`), hands it
-to a copy backend and gives the caller a :class:`CopyHandle`. The backend is injected:
-
-- :class:`~tiering.copy_cuda.CudaCopyBackend` (the default for a CUDA KV cache): copy
-  streams, staging buffers, pooled events polled by the loop;
-- :class:`~tiering.copy_thread.ThreadCopyBackend` (the default for a CPU KV cache):
-  copies straight between layers and slot rows on a small thread pool, coalescing the
-  copies that arrive together into one worker hop.
-
-Any object with the same five methods (:class:`CopyBackend`) may be given instead.
+:class:`DeviceCopier` checks each request, plans it (:mod:`tiering.kv_layout`) and hands
+it to a :class:`CopyBackend`: :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV
+cache, :class:`~tiering.copy_thread.ThreadCopyBackend` for a CPU one, or any object with
+the same five methods.
 """
 
 from __future__ import annotations
@@ -51,13 +45,10 @@ _log = logging.getLogger(__name__)
 class CopyBackend(Protocol):
     """What :class:`DeviceCopier` needs of a copy backend; it calls all of it on its loop.
 
-    ``open`` once (``host`` is the host pool as ``[slots, block words]`` of
-    ``layout.word``; no chunk has more than ``max_rows`` rows); ``submit`` per checked,
-    planned copy, returning at once; the backend calls ``on_done`` on the loop with each
-    submitted copy's outcome exactly once, only when nothing of the copy can still run.
-    ``drain_blocking`` blocks until every submitted copy has been reported; ``aclose``
-    releases the backend once none is in flight, ``close`` does the same without
-    awaiting (a hard stop).
+    ``open`` once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns
+    at once, and ``on_done`` gets each copy's outcome on the loop exactly once, when
+    nothing of it can still run. ``drain_blocking`` blocks until all are reported;
+    ``aclose`` releases the backend once none is in flight, ``close`` without awaiting.
     """
 
     async def open(
@@ -75,12 +66,11 @@ class CopyBackend(Protocol):
 
 
 class CopyHandle:
-    """A started copy. ``await handle`` returns once the bytes are in place.
+    """A started copy. ``await handle`` returns once the bytes are in place, or raises
+    :class:`~tiering.errors.TransferError`.
 
-    Awaiting raises :class:`~tiering.errors.TransferError` if the copy failed. The copy runs
-    whether or not anyone awaits the handle, and cancelling a task that awaits it does not
-    cancel the copy: the handle turns done only when the copy has really ended, so memory
-    it touches may be reused only then.
+    Cancelling an awaiting task does not cancel the copy: the handle turns done only when
+    the copy has really ended, so the memory it touches may be reused only then.
     """
 
     __slots__ = ("_future", "num_blocks")
@@ -97,9 +87,7 @@ class CopyHandle:
     @property
     def error(self) -> TransferError | None:
         """Why the copy failed; None while it runs or if it succeeded."""
-        if not self._future.done():
-            return None
-        return self._future.exception()  # type: ignore[return-value]
+        return self._future.exception() if self._future.done() else None  # type: ignore[return-value]
 
     def add_done_callback(self, callback: Callable[[CopyHandle], object]) -> None:
         """Call ``callback(handle)`` on the event loop when the copy ends."""
@@ -147,28 +135,16 @@ class _InFlight(PlannedCopy):
 class DeviceCopier:
     """Copies whole KV blocks between the device KV cache and slots of a host pool.
 
-    Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:``; call its methods on
-    the event loop that entered it, and enter and exit it in the same task. Leaving the
-    block waits until every started copy has ended (if that wait is cancelled it blocks
-    until they have, since their memory must not be released under them). Close the copier
-    before the host pool. The state (:attr:`state`) moves NEW -> OPEN (entered) -> CLOSING
-    (leaving) -> CLOSED.
-
-    ``kv_caches``: a tensor or a sequence of per-layer tensors, first dim = block id, each
-    contiguous, all on one device with the same number of blocks; dtypes may differ.
-    ``staging_bytes`` bounds the blocks per planned chunk (the CUDA backend's staging
-    buffer; at least one block is always allowed). ``backend`` runs the copies; by default
-    a :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV cache and a
-    :class:`~tiering.copy_thread.ThreadCopyBackend` of ``max_workers`` threads otherwise
-    (``max_workers`` is not used when a backend is given). A backend serves one copier.
-
-    :meth:`statistics` counters: ``copies_to_host``, ``copies_to_device`` (copies that
-    ended successfully), ``bytes_to_host``, ``bytes_to_device`` (their payload); failed
-    copies count under ``failures`` by direction.
-
-    Raises InvalidArgumentError if the layout is malformed, the block size differs from
-    ``host_pool.block_bytes``, the pool is closed, or the KV cache is on CUDA and the pool
-    is not pinned (an unpinned copy would block the event loop).
+    Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:`` on one loop and
+    task, before closing the host pool; leaving waits (blocking if cancelled) until every
+    started copy has ended. ``staging_bytes`` bounds the blocks per planned chunk (at
+    least one); ``backend`` defaults to a :class:`~tiering.copy_cuda.CudaCopyBackend` for
+    a CUDA KV cache, else a :class:`~tiering.copy_thread.ThreadCopyBackend` of
+    ``max_workers`` threads, and serves this copier alone. :meth:`statistics` counts
+    ``copies_to_host``, ``copies_to_device``, ``bytes_to_host`` and ``bytes_to_device``.
+    Raises InvalidArgumentError for a malformed layout, a block size other than the
+    pool's, a closed pool, or a CUDA KV cache with an unpinned pool (its copies would
+    block the event loop).
     """
 
     def __init__(
@@ -218,8 +194,6 @@ class DeviceCopier:
         self._to_host_done = [0, 0]
         self._to_device_done = [0, 0]
         self._failures = FailureLog(_log, "DeviceCopier")
-
-    # ----------------------------------------------------------------- properties
 
     @property
     def num_device_blocks(self) -> int:
@@ -288,8 +262,6 @@ class DeviceCopier:
             f"{self.statistics()!r}>"
         )
 
-    # ----------------------------------------------------------------- lifetime
-
     async def __aenter__(self) -> Self:
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a DeviceCopier can be entered only once")
@@ -329,9 +301,8 @@ class DeviceCopier:
         await self._stop()
 
     def close(self) -> None:
-        """Hard stop, synchronous and idempotent: block until every started copy has
-        ended (their handles complete), then release the backend. For when the loop
-        cannot wait (a cancelled close); prefer leaving the ``async with``."""
+        """Hard stop, idempotent: block until every started copy has ended, then release
+        the backend; for when the loop cannot wait (prefer leaving the ``async with``)."""
         if self._state is Lifecycle.CLOSED:
             return
         self._state = Lifecycle.CLOSING
@@ -348,8 +319,6 @@ class DeviceCopier:
         finally:
             self._state = Lifecycle.CLOSED
 
-    # ----------------------------------------------------------------- API
-
     def check_block_ids(self, device_ids: Sequence[int]) -> None:
         """Raise InvalidArgumentError unless every id is an int in ``[0, num_device_blocks)``."""
         check_index_range(
@@ -360,11 +329,9 @@ class DeviceCopier:
         )
 
     def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
-        """Start copying device block ``device_ids[i]`` into host slot ``slots[i]``.
-
-        Returns at once. Device ids may repeat; slots may not. Raises (with nothing started)
-        InvalidArgumentError for unequal lengths, an id out of range or not an int, or a
-        repeated slot; ClosedError if the copier is not entered, left, or the pool closed.
+        """Start copying device block ``device_ids[i]`` into host slot ``slots[i]`` (ids
+        may repeat, slots not); returns at once. Raises, starting nothing,
+        InvalidArgumentError for bad arguments, ClosedError unless copier and pool are open.
         """
         ids = as_index_list("device block ids", device_ids)
         slot_list = as_index_list("slots", slots)
@@ -372,10 +339,8 @@ class DeviceCopier:
         return self._start(Direction.TO_HOST, ids, slot_list)
 
     def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> CopyHandle:
-        """Start copying host slot ``slots[i]`` into device block ``device_ids[i]``.
-
-        Returns at once. Slots may repeat; device ids may not. Raises like :meth:`to_host`.
-        """
+        """Start copying host slot ``slots[i]`` into device block ``device_ids[i]``; slots
+        may repeat, device ids may not. Raises like :meth:`to_host`."""
         slot_list = as_index_list("slots", slots)
         ids = as_index_list("device block ids", device_ids)
         self._check_job(ids, slot_list, Direction.TO_DEVICE)
@@ -389,18 +354,10 @@ class DeviceCopier:
         on_done: Callable[[int, TransferError | None], object],
         token: int,
     ) -> None:
-        """Start a copy whose arguments the caller has checked, for a hot path.
-
-        Like :meth:`to_host` (``to_host`` True) or :meth:`to_device`, but the ids and slots
-        are trusted to be in range, equally long, and distinct where :meth:`to_host` /
-        :meth:`to_device` require it (the engine's job core checks device ids, and slots
-        come from the CPU tier's manager). Instead of a handle, ``on_done(token, error)``
-        is called on the loop exactly once, when the copy has ended (``error`` None on
-        success); a token rather than a closure per copy keeps the hot path from
-        allocating. The lists must not be changed afterwards.
-
-        Raises:
-            ClosedError: the copier is not open.
+        """:meth:`to_host` / :meth:`to_device` for a hot path, with arguments the caller
+        has checked (the lists must not change afterwards): ``on_done(token, error)`` is
+        called on the loop once the copy has ended (a token: no closure to allocate).
+        Raises ClosedError if not open.
         """
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
@@ -409,8 +366,6 @@ class DeviceCopier:
             return
         direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
         self._submit(direction, device_ids, slots, None, on_done, token)
-
-    # ----------------------------------------------------------------- internals
 
     def _check_job(self, ids: list[int], slots: list[int], direction: Direction) -> None:
         if self._state is not Lifecycle.OPEN:

@@ -1,32 +1,13 @@
 """Authenticated encryption of block payloads at rest: AES-GCM under a keyring.
 
-A tier that encrypts seals each block's payload with the keyring's *current* key and a
-fresh random 96-bit nonce, and stores the key id, the nonce and the 16-byte tag beside
-the ciphertext (the ciphertext is exactly as long as the payload, so aligned I/O stays
-aligned). The associated data is the block's namespace digest and its key, so a
-ciphertext copied under another block key or into another namespace fails to open.
-
-Reading accepts every key id the keyring holds, so keys rotate by putting the new key
-first and keeping the old ones until their blocks have aged out. A block whose key id
-the keyring lacks, or that fails authentication (a wrong key under the right id, a
-flipped byte, a moved block), raises a :class:`~tiering.errors.CorruptBlockError`
-subclass: the tier turns it into a miss, never into bytes, and the cipher logs each kind
-of failure once per key id.
-
-Key material never appears in an error, a log line or a ``repr``: errors name the option
-and the key id, never the key.
-
-Keyring specs (a tier's ``encryption`` option, a config file, or an environment
-variable)::
-
-    "2:<base64 key>,1:<base64 key>"    ids are ints in [1, 2**32); the first one writes
-    "env:KV_TIERING_KEYS"              the spec is read from that environment variable
-
-Keys are 16, 24 or 32 bytes (AES-128/192/256). Make one with
-``python3 -c "import base64, os; print(base64.b64encode(os.urandom(32)).decode())"``.
-
-With random nonces a key should seal fewer than 2**32 blocks (NIST SP 800-38D); rotate
-before that.
+A block is sealed under the keyring's current key and a fresh random 96-bit nonce into a
+ciphertext exactly as long as the payload; the associated data (namespace digest, block
+key) makes a moved block fail to open. Every key id held opens, so keys rotate by
+putting the new one first. An unknown key id or a failed tag raises a
+:class:`~tiering.errors.CorruptBlockError` subclass (a miss, logged once per kind and
+key id). Key material never appears in an error, a log line or a ``repr``. Specs
+(``"2:<base64 key>,1:<base64 key>"`` or ``"env:VARIABLE"``), key sizes and rotation:
+docs/security.md.
 """
 
 from __future__ import annotations
@@ -60,12 +41,8 @@ class AuthenticationError(CorruptBlockError):
 
 
 def _ciphers(key: bytes) -> tuple[Any, Any]:
-    """``key`` as a one-shot ``AESGCM`` and as an ``AES`` algorithm for cipher contexts
-    (typed ``Any``: their types live in an optional dependency).
-
-    Raises:
-        InvalidArgumentError: the ``cryptography`` package is missing.
-    """
+    """``key`` as a one-shot ``AESGCM`` and an ``AES`` algorithm for cipher contexts;
+    InvalidArgumentError without the ``cryptography`` package."""
     try:
         from cryptography.hazmat.primitives.ciphers import algorithms
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -77,15 +54,10 @@ def _ciphers(key: bytes) -> tuple[Any, Any]:
 
 
 class Keyring:
-    """Encryption keys by id; the current one seals, every one opens.
-
-    Args:
-        keys: key id (an int in ``[1, 2**32)``) to key bytes (16, 24 or 32 bytes).
-        current: the id new blocks are sealed under; must be in ``keys``.
-
-    Raises:
-        InvalidArgumentError: no keys, a bad id or key length, or ``current`` not among
-            the ids. The message names ids, never key bytes.
+    """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
+    seals, every one opens.
+    Raises InvalidArgumentError (naming ids, never key bytes) for no keys, a bad id or
+    key length, or ``current`` not among the ids.
     """
 
     __slots__ = ("_keys", "current")
@@ -113,13 +85,9 @@ class Keyring:
 
     @classmethod
     def parse(cls, spec: str, *, option: str = "encryption") -> Keyring:
-        """A keyring from a spec (see the module docstring); the first entry is current.
-
-        Raises:
-            InvalidArgumentError: naming ``option`` (and the variable for ``env:``), for
-                an empty or malformed spec, a variable that is not set, a bad id, a
-                repeated id, or a key that is not base64 of 16, 24 or 32 bytes. The
-                message never quotes the spec.
+        """A keyring from a spec, its first entry current. Raises InvalidArgumentError
+        naming ``option`` (and an ``env:`` variable), never quoting the spec, for a bad
+        spec, an unset variable, a bad or repeated id, or a bad key.
         """
         if not isinstance(spec, str):
             raise InvalidArgumentError(
@@ -135,7 +103,6 @@ class Keyring:
                 )
             spec, source = value, f"{option} (from ${variable})"
         keys: dict[int, bytes] = {}
-        first: int | None = None
         for position, entry in enumerate(spec.split(","), 1):
             key_id_text, sep, encoded = entry.strip().partition(":")
             if not sep or not key_id_text.strip().isdigit():
@@ -157,9 +124,7 @@ class Keyring:
                 )
             _check_key_id(key_id, source)
             keys[key_id] = key
-            first = key_id if first is None else first
-        assert first is not None  # split always yields one entry
-        return cls(keys, first)
+        return cls(keys, next(iter(keys)))  # split yields at least one entry
 
     @property
     def key_ids(self) -> tuple[int, ...]:
@@ -180,12 +145,8 @@ def _check_key_id(key_id: object, source: str = "encryption") -> None:
 
 
 def keyring_from(value: object, *, option: str = "encryption") -> Keyring | None:
-    """The keyring a tier option names: None (no encryption), a :class:`Keyring`, or a
-    spec string.
-
-    Raises:
-        InvalidArgumentError: as :meth:`Keyring.parse`, or a value of another type.
-    """
+    """The keyring a tier option names (None, a :class:`Keyring` or a spec string);
+    InvalidArgumentError as :meth:`Keyring.parse`, or for another type."""
     if value is None or isinstance(value, Keyring):
         return value
     if isinstance(value, str):
@@ -212,10 +173,7 @@ def associated_data(namespace_digest: bytes, key: bytes) -> bytes:
 class BlockCipher:
     """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
 
-    Thread-safe: tiers call it on their worker threads, never on the loop. From
-    ``cryptography`` 50 on the cipher runs without the GIL (48 held it: a thread
-    sealing 2 MiB payloads kept another waiting for the GIL 5-6 ms at p99; with 50,
-    0.11 ms).
+    Thread-safe: tiers call it on their worker threads, never on the loop.
     """
 
     __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
@@ -232,13 +190,9 @@ class BlockCipher:
         self._lock = threading.Lock()
 
     def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
-        """Encrypt ``payload`` under the current key into ``out[:len(payload)]``.
-
-        ``out`` must be at least ``len(payload) + TAG_BYTES`` long: the tag is written
-        after the ciphertext (and returned in the :class:`Seal`).
-
-        Raises:
-            InvalidArgumentError: ``out`` is too short.
+        """Encrypt ``payload`` under the current key into ``out[:len(payload)]``, the tag
+        after it (and in the returned :class:`Seal`).
+        Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``.
         """
         n = len(payload)
         if len(out) < n + TAG_BYTES:
@@ -250,13 +204,8 @@ class BlockCipher:
 
     def open_into(self, seal: Seal, sealed: memoryview, aad: bytes, out: memoryview) -> None:
         """Decrypt and verify ``sealed`` (the ciphertext, then its tag) into ``out``
-        (``len(sealed) - TAG_BYTES`` bytes). ``out`` holds garbage after a failure: read
-        into a buffer nobody serves until this returns.
-
-        Raises:
-            UnknownKeyError: the keyring has no key ``seal.key_id``.
-            AuthenticationError: the tag does not verify (wrong key, altered or moved
-                bytes).
+        (``len(sealed) - TAG_BYTES`` bytes), which holds garbage after a failure.
+        Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError.
         """
         from cryptography.exceptions import InvalidTag
 
@@ -273,15 +222,8 @@ class BlockCipher:
         raise self._not_authentic(seal.key_id)
 
     def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
-        """Decrypt and verify the ciphertext in ``data`` where it lies (the tag is
-        ``seal.tag``): the plaintext replaces it. After a failure ``data`` holds garbage:
-        read into a buffer nobody serves until this returns.
-
-        Raises:
-            UnknownKeyError: the keyring has no key ``seal.key_id``.
-            AuthenticationError: the tag does not verify (wrong key, altered or moved
-                bytes).
-        """
+        """Decrypt and verify ``data`` in place (the tag is ``seal.tag``); it holds
+        garbage after a failure. Raises as :meth:`open_into`."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
@@ -308,8 +250,7 @@ class BlockCipher:
         raise self._not_authentic(seal.key_id)
 
     def _unknown_key(self, key_id: int) -> UnknownKeyError:
-        """The error for a block sealed under ``key_id``, which the keyring lacks (logged
-        the first time)."""
+        """The error for a key id the keyring lacks (logged the first time)."""
         message = (
             f"block sealed under key id {key_id}, which the keyring lacks "
             f"(it holds {list(self.keyring.key_ids)})"
@@ -318,8 +259,7 @@ class BlockCipher:
         return UnknownKeyError(message)
 
     def _not_authentic(self, key_id: int) -> AuthenticationError:
-        """The error for a block that failed authentication under ``key_id`` (logged the
-        first time)."""
+        """The error for a failed tag under ``key_id`` (logged the first time)."""
         message = (
             f"block failed authentication under key id {key_id}: "
             "a wrong key under that id, or bytes altered or moved"

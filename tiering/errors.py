@@ -25,12 +25,9 @@ class BlockNotFoundError(TieringError, KeyError):
 
 
 class ConfigError(InvalidArgumentError):
-    """A configuration (a TOML file, a command-line override or a config object) is invalid.
-
-    The message names the field by its path (``engine.write_policy``,
-    ``tiers[0].capacity_bytes``), the bad value and, for a file, the file's path;
-    ``field`` and ``source`` hold the same two names. Nothing was applied.
-    """
+    """A configuration (file, override or object) is invalid; nothing was applied. The
+    message names the field's path (``tiers[0].capacity_bytes``) and any file, as
+    ``field`` and ``source`` do."""
 
     def __init__(self, message: str, *, field: str = "", source: str | None = None) -> None:
         super().__init__(message)

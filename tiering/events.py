@@ -1,36 +1,15 @@
 """KV events for routers: a stable wire format for ``take_events()``, and publishers.
 
-**Format** (version 1, ``docs/metrics.md`` has an example). One
-:class:`~tiering.abstract.OffloadingEvent` is one line of UTF-8 JSON, ending with
-``"\\n"``; a batch is its lines concatenated (JSON lines). Each line is an object whose
-keys come in this order::
+One :class:`~tiering.abstract.OffloadingEvent` is one line of UTF-8 JSON with the keys
+``v`` (:data:`EVENT_FORMAT_VERSION`), ``medium``, ``removed``, ``block_size``,
+``block_hashes`` (hex) and, when given, ``node`` and ``tenant`` (see docs/metrics.md).
+Fields may be added within a version (readers ignore unknown keys); a change of meaning
+makes a new version. Within one medium, events come in the order they happened, so a
+reader applying them in order knows what the medium holds.
 
-    {"v": 1, "medium": "CPU", "removed": false, "block_size": 16,
-     "block_hashes": ["9f2c…", …], "node": "gpu-7", "tenant": "team-a"}
-
-* ``v``: the format version, 1. Fields may be added within a version (readers ignore
-  keys they do not know); a change of meaning or a removed field makes a new version.
-* ``medium``: where the blocks are or were: ``"CPU"`` (the primary tier) or a
-  secondary tier's type in upper case (``"MEMORY"``, ``"NVME"``, ``"REDIS"``).
-* ``removed``: false, the blocks became stored in the medium; true, they left it
-  (evicted, or dropped because their bytes did not verify).
-* ``block_size``: tokens per block.
-* ``block_hashes``: the blocks' hashes as lower-case hex strings, in the event's order.
-* ``node``, ``tenant``: opaque strings the publisher was given, present only then.
-
-Within one medium, events come in the order they happened: a reader that applies them
-in order (add on stored, discard on removed) knows what the medium holds.
-
-**Publishers.** :class:`CallbackPublisher` hands each encoded batch to a function (an
-in-process router, or any transport the caller already runs: Kafka, NATS, HTTP).
-:class:`ZmqPublisher` is a ZeroMQ PUB socket, when ``pyzmq`` is installed. PUB/SUB is
-chosen because it is what routers already consume (vLLM publishes its KV cache events
-over a ZeroMQ PUB socket as ``(topic, sequence, payload)`` frames, and KV-aware routers
-subscribe to that), because one publisher serves any number of routers without a
-broker, and because a PUB socket never blocks its sender: a slow or absent subscriber
-makes it drop messages at its high-water mark instead of stalling the event loop.
-Routers detect a drop by a gap in the sequence numbers and resynchronize (for
-instance by treating the node's blocks as unknown). :func:`run_publisher` drains an
+:class:`CallbackPublisher` hands each encoded batch to a function; :class:`ZmqPublisher`
+is a ZeroMQ PUB socket (what routers already consume; it never blocks its sender, and a
+dropped batch shows as a gap in the sequence numbers). :func:`run_publisher` drains an
 engine's ``take_events()`` into a publisher periodically.
 """
 
@@ -40,11 +19,13 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol
 
 from tiering.abstract import OffloadingEvent
 from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +40,12 @@ def encode_events(
 ) -> bytes:
     """``events`` as JSON lines (the module's format); ``b""`` for no events.
 
-    Raises:
-        InvalidArgumentError: ``node`` or ``tenant`` is given but not a string, or an
-            event's fields have the wrong types (hashes not bytes, block size not an
-            int, medium not a string, removed not a bool).
+    Raises InvalidArgumentError if ``node`` or ``tenant`` is not a string or None, or an
+    event's fields have the wrong types.
     """
-    for label, value in (("node", node), ("tenant", tenant)):
-        if value is not None and not isinstance(value, str):
+    labels = {k: v for k, v in (("node", node), ("tenant", tenant)) if v is not None}
+    for label, value in labels.items():
+        if not isinstance(value, str):
             raise InvalidArgumentError(f"{label} must be a string or None, got {value!r}")
     lines = []
     for event in events:
@@ -83,26 +63,18 @@ def encode_events(
             "removed": event.removed,
             "block_size": event.block_size,
             "block_hashes": [h.hex() for h in event.block_hashes],
+            **labels,
         }
-        if node is not None:
-            record["node"] = node
-        if tenant is not None:
-            record["tenant"] = tenant
-        lines.append(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
-        lines.append("\n")
+        lines.append(json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n")
     return "".join(lines).encode()
 
 
 def decode_events(data: bytes) -> list[dict[str, Any]]:
-    """Parse what :func:`encode_events` wrote: one dict per event, in order, with keys
-    ``v``, ``medium``, ``removed``, ``block_size``, ``block_hashes`` (as ``bytes``),
-    ``node`` and ``tenant`` (None when absent). Unknown keys are ignored; blank lines
-    are skipped.
-
-    Raises:
-        InvalidArgumentError: not UTF-8 JSON lines of this format, a field missing or of
-            the wrong type, or a version other than :data:`EVENT_FORMAT_VERSION` (the
-            message names the line).
+    """Parse what :func:`encode_events` wrote: one dict per event, in order, with
+    ``block_hashes`` as ``bytes`` and ``node``/``tenant`` None when absent; unknown keys
+    and blank lines are skipped.
+    Raises InvalidArgumentError, naming the line, for anything not in this format or of
+    another version.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise InvalidArgumentError(f"data must be bytes, got {type(data).__name__}")
@@ -110,11 +82,8 @@ def decode_events(data: bytes) -> list[dict[str, Any]]:
         text = bytes(data).decode()
     except UnicodeDecodeError as exc:
         raise InvalidArgumentError(f"events are not UTF-8: {exc}") from None
-    decoded = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if line.strip():
-            decoded.append(_decode_line(line, number))
-    return decoded
+    lines = enumerate(text.split("\n"), start=1)
+    return [_decode_line(line, number) for number, line in lines if line.strip()]
 
 
 def _decode_line(line: str, number: int) -> dict[str, Any]:
@@ -137,11 +106,11 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
     if not isinstance(medium, str) or type(removed) is not bool or type(size) is not int:
         raise bad("medium must be a string, removed a bool and block_size an int")
     hashes = record["block_hashes"]
-    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
-        raise bad("block_hashes must be a list of hex strings")
     try:
+        if not isinstance(hashes, list):
+            raise TypeError
         block_hashes = [bytes.fromhex(h) for h in hashes]
-    except ValueError:
+    except (TypeError, ValueError):
         raise bad("block_hashes must be a list of hex strings") from None
     labels = {}
     for label in ("node", "tenant"):
@@ -159,9 +128,6 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- publishers
-
-
 class EventPublisher(Protocol):
     """Something that sends batches of events to routers."""
 
@@ -175,10 +141,9 @@ class EventPublisher(Protocol):
 
 
 class CallbackPublisher:
-    """Hands each non-empty batch, encoded (:func:`encode_events`), to ``callback``.
-
-    ``callback(payload)`` runs on the caller's thread, synchronously; if it raises, the
-    exception propagates to :meth:`publish` (:func:`run_publisher` logs it and goes on).
+    """Hands each non-empty batch, encoded, to ``callback(payload)`` on the caller's
+    thread; what it raises propagates from :meth:`publish`.
+    Raises InvalidArgumentError if ``callback`` is not callable or a label not a string.
     """
 
     def __init__(
@@ -188,8 +153,6 @@ class CallbackPublisher:
         node: str | None = None,
         tenant: str | None = None,
     ) -> None:
-        """Raises: InvalidArgumentError if ``callback`` is not callable or a label is
-        not a string."""
         if not callable(callback):
             raise InvalidArgumentError(f"callback must be callable, got {callback!r}")
         encode_events((), node=node, tenant=tenant)  # checks the labels
@@ -208,22 +171,13 @@ class CallbackPublisher:
         """Nothing to release."""
 
 
-class ZmqPublisher:
-    """A ZeroMQ PUB socket bound to ``endpoint``; each batch is one message of three
-    frames: ``topic``, the batch's sequence number (8 bytes, big-endian, from 0), and
-    the payload (:func:`encode_events`).
-
-    ``endpoint`` may use a wildcard port (``"tcp://127.0.0.1:*"``); :attr:`endpoint`
-    then holds the bound one. Sends never block: beyond ``send_hwm`` queued messages
-    per subscriber, ZeroMQ drops them (``dropped`` counts sends it refused outright).
-    Use from one thread (ZeroMQ sockets are not thread-safe); sending is a queue
-    handoff to ZeroMQ's I/O thread, so it is fit for the event loop.
-
-    Raises:
-        InvalidArgumentError: a label is not a string, ``topic`` is not bytes, or
-            ``send_hwm`` is not a positive int.
-        ImportError: ``pyzmq`` is not installed.
-        zmq.ZMQError: ``endpoint`` cannot be bound.
+class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
+    """A ZeroMQ PUB socket bound to ``endpoint`` (a wildcard port resolved in
+    :attr:`endpoint`); a batch is one message: ``topic``, the sequence number (8 bytes,
+    big-endian, from 0), the payload. Sends never block: past ``send_hwm`` queued messages
+    per subscriber ZeroMQ drops them (``dropped`` counts refusals). Use from one thread.
+    Raises InvalidArgumentError for a bad label, ``topic`` or ``send_hwm``; ImportError
+    without ``pyzmq``; ``zmq.ZMQError`` if ``endpoint`` cannot be bound.
     """
 
     def __init__(
@@ -240,8 +194,7 @@ class ZmqPublisher:
         encode_events((), node=node, tenant=tenant)
         if not isinstance(topic, bytes):
             raise InvalidArgumentError(f"topic must be bytes, got {topic!r}")
-        if not isinstance(send_hwm, int) or isinstance(send_hwm, bool) or send_hwm <= 0:
-            raise InvalidArgumentError(f"send_hwm must be a positive int, got {send_hwm!r}")
+        positive_int("send_hwm", send_hwm)
         self._zmq = zmq
         self.topic = topic
         self.node = node
@@ -261,12 +214,8 @@ class ZmqPublisher:
             raise
 
     def publish(self, events: Sequence[OffloadingEvent]) -> int:
-        """Send ``events`` as the next batch; nothing for no events. Returns the number
-        of events handed to ZeroMQ (0 if it refused the message).
-
-        Raises:
-            InvalidArgumentError: the publisher is closed.
-        """
+        """Send ``events`` as the next batch; returns the number handed to ZeroMQ (0 for
+        none or a refused message). Raises InvalidArgumentError once closed."""
         if self._socket.closed:
             raise InvalidArgumentError("the ZeroMQ publisher is closed")
         if not events:
@@ -285,9 +234,6 @@ class ZmqPublisher:
         """Close the socket without waiting for unsent messages; idempotent."""
         self._socket.close(linger=0)
 
-    def __enter__(self) -> Self:
-        return self
-
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -304,18 +250,12 @@ class _EventSource(Protocol):
 async def run_publisher(
     source: _EventSource, publisher: EventPublisher, *, interval: float = 0.05
 ) -> None:
-    """Every ``interval`` seconds, publish what ``source.take_events()`` returns, until
-    cancelled; on cancellation, one last drain is published before it re-raises.
-
-    Run it as a task on the engine's loop; it must be the only caller of
-    ``take_events`` (each event is returned once). A publisher that raises is logged
-    (once per kind of error) and the events of that batch are lost; the task goes on.
-
-    Raises:
-        InvalidArgumentError: ``interval`` is not a positive number.
+    """Every ``interval`` seconds, and once more when cancelled, publish what
+    ``source.take_events()`` returns; run it on the engine's loop as its only caller. A
+    publisher's error is logged once per kind and loses that batch. Raises
+    InvalidArgumentError for a bad ``interval``.
     """
-    if not isinstance(interval, int | float) or not interval > 0:
-        raise InvalidArgumentError(f"interval must be a positive number, got {interval!r}")
+    seconds("interval", interval, allow_zero=False)
     logged: set[type[BaseException]] = set()
 
     def drain() -> None:

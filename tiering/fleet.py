@@ -1,30 +1,22 @@
 """A fleet replay: several engines behind a router, optionally sharing one remote tier.
 
-:func:`replay_fleet` builds ``nodes`` engines (each with its own simulated device cache
-and its own tiers, as ``make_engine(node, device_kv)`` configures them: typically a CPU
-tier, maybe NVMe, and one Redis tier every node points at) and replays a workload
-through them one request at a time: a :class:`Router` picks the node, which serves the
-request as :class:`~tiering.replay.ReplayNode` does (every loaded byte checked).
+:func:`replay_fleet` builds ``nodes`` engines with ``make_engine(node, device_kv)``
+(typically a CPU tier, maybe NVMe, and one Redis tier they share) and replays a workload
+one request at a time: a :class:`Router` picks the node, which serves the request as a
+:class:`~tiering.replay.ReplayNode` (every loaded byte checked).
 
-Routers (:data:`ROUTERS`), all sans-I/O:
-
-* ``round-robin``: nodes in turn.
-* ``affinity``: a hash of the request's first block, so a conversation (and everything
-  sharing its system prompt) stays on one node.
-* ``least-loaded``: the node that has computed the fewest blocks so far (its misses: the
-  work a GPU would have done).
-* ``kv-aware``: the node whose own tiers hold the longest prefix of the request, learned
-  only from the engines' KV events in their published wire format
-  (:func:`tiering.events.encode_events`), never from their state; ties go to the least
-  loaded. Events of a shared medium (one every node reads, such as ``REDIS``) say
-  nothing about a node and are ignored.
+Routers (:data:`ROUTERS`, sans-I/O, compared in docs/fleet.md): ``round-robin``,
+``affinity``, ``least-loaded`` and ``kv-aware``, which learns only from the nodes'
+published KV events (those of a shared medium such as ``REDIS`` are ignored).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -45,17 +37,8 @@ ROUTERS = ("round-robin", "affinity", "least-loaded", "kv-aware")
 
 
 class Router:
-    """Picks the node for each request; fed back what each node computed and the events
-    each node published.
-
-    Args:
-        rule: one of :data:`ROUTERS`.
-        nodes: how many nodes there are.
-        shared_media: event media that every node shares (ignored by ``kv-aware``).
-
-    Raises (constructor): InvalidArgumentError for an unknown rule or a node count that
-    is not a positive int.
-    """
+    """Picks each request's node by ``rule``, fed back what each node computed and the
+    events it published. Raises InvalidArgumentError for a bad rule or node count."""
 
     def __init__(self, rule: str, nodes: int, shared_media: Sequence[str] = ("REDIS",)) -> None:
         if rule not in ROUTERS:
@@ -69,11 +52,8 @@ class Router:
         self._next = 0
 
     def choose(self, keys: Sequence[bytes], down: Collection[int] = ()) -> int:
-        """The node for a request with these block keys, never one of ``down``.
-
-        Raises:
-            InvalidArgumentError: every node is down.
-        """
+        """The node for a request with these block keys, never one of ``down``; raises
+        InvalidArgumentError if every node is down."""
         up = [n for n in range(self.nodes) if n not in down]
         if not up:
             raise InvalidArgumentError("every node of the fleet is down")
@@ -99,11 +79,8 @@ class Router:
         self.computed[node] += blocks - hits
 
     def observe(self, node: int, payload: bytes) -> None:
-        """Events ``node`` published (the wire format of :mod:`tiering.events`).
-
-        Raises:
-            InvalidArgumentError: ``payload`` is not in that format.
-        """
+        """Events ``node`` published, in the wire format of :mod:`tiering.events`
+        (InvalidArgumentError otherwise)."""
         held = self._held[node]
         for event in decode_events(payload):
             if event["medium"].upper() in self.shared_media:
@@ -117,13 +94,7 @@ class Router:
                     held.pop(key, None)
 
     def _prefix(self, node: int, keys: Sequence[bytes]) -> int:
-        held = self._held[node]
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in itertools.takewhile(self._held[node].__contains__, keys))
 
 
 class _DirectLink:
@@ -145,11 +116,9 @@ class _DirectLink:
 
 
 class _ZmqLink:
-    """Events from the nodes to the router over ZeroMQ, as a deployment carries them:
-    one :class:`~tiering.events.ZmqPublisher` (PUB, loopback) per node, one SUB socket
-    on the router's side. After each request the replay waits for that node's batch to
-    arrive (by its sequence number), so the router decides on what it was told; a batch
-    that never comes within ``wait_s`` counts in ``lost``."""
+    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node.
+    After each request the replay waits up to ``wait_s`` for that node's batch (else it
+    counts in ``lost``), so the router decides on what it was told."""
 
     def __init__(self, router: Router, wait_s: float = 2.0) -> None:
         import zmq
@@ -221,9 +190,8 @@ TRANSPORTS = ("direct", "zmq")
 
 @dataclass(frozen=True, slots=True)
 class NodeOutage:
-    """Node ``node`` is stopped at once (as a crash: its jobs fail, its CPU tier is
-    lost) before request number ``at`` (counted from 0) and started again, a fresh engine
-    on the same tiers (an NVMe root comes back warm), ``requests`` requests later."""
+    """Node ``node`` crashes before request ``at`` (from 0; its jobs fail, its CPU tier
+    is lost) and restarts ``requests`` requests later, a fresh engine on the same tiers."""
 
     node: int
     at: int
@@ -233,7 +201,7 @@ class NodeOutage:
 @dataclass
 class FleetSummary:
     """What a fleet replay did: per node summaries, the router's load, and the hit
-    ratio over time (one point per ``window`` requests) to show dips and recoveries."""
+    ratio over time (one point per ``window`` requests)."""
 
     router: str
     nodes: list[ReplaySummary] = field(default_factory=list)
@@ -254,8 +222,7 @@ class FleetSummary:
         return sum(n.hit_blocks for n in self.nodes) / self.blocks if self.blocks else 0.0
 
     def _shared_counters(self, label: str) -> dict[str, int]:
-        """A shared tier's counters summed over the nodes' clients of it, except what
-        each reads of the server itself (its key count), which is the same server's."""
+        """A shared tier's counters summed over its clients, but for the server's own."""
         counters = _summed(n.tier_counters.get(label, {}) for n in self.nodes)
         if "server_keys" in counters:
             counters["server_keys"] = max(
@@ -265,10 +232,7 @@ class FleetSummary:
 
     def to_json(self) -> dict[str, Any]:
         """The summary as plain JSON values."""
-        by_source: dict[str, int] = {}
-        for node in self.nodes:
-            for source, hits in node.hits_by_tier.items():
-                by_source[source] = by_source.get(source, 0) + hits
+        by_source = _summed(n.hits_by_tier for n in self.nodes)
         requests = sum(n.requests for n in self.nodes)
         return {
             "router": self.router,
@@ -332,20 +296,12 @@ async def replay_fleet(
 ) -> FleetSummary:
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`.
 
-    Each engine is built by ``make_engine(node, device_kv)``; the ``kv-aware`` router
-    needs engines with ``enable_events``. ``settle`` lets each store reach every tier
-    before the next request, so a block one node stored is in the shared tier when the
-    next request looks. ``outages`` stop and restart nodes (requests go to the others
-    meanwhile); ``window`` (default: a twentieth of the requests) is the timeline's step.
-    ``on_request(done, summary)`` runs after each request (a test restarts a server
-    there). ``transport`` carries the engines' KV events to the router: ``"direct"``
-    (in-process) or ``"zmq"`` (a ZeroMQ PUB socket per node on loopback, as a deployed
-    router would subscribe to; needs pyzmq); either way in the wire format of
-    :mod:`tiering.events`.
-
-    Raises:
-        InvalidArgumentError: a bad argument, a request longer than ``device_blocks``,
-            or ``kv-aware`` with engines that publish no events; nothing ran.
+    ``kv-aware`` needs engines with ``enable_events``. ``settle`` lets each store reach
+    every tier before the next request; ``outages`` stop and restart nodes; ``window``
+    (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
+    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
+    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a
+    request longer than ``device_blocks``, or ``kv-aware`` without events.
     """
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)
@@ -421,11 +377,10 @@ async def replay_fleet(
 
 
 def _summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
+    total: Counter[str] = Counter()
     for mapping in mappings:
-        for key, value in mapping.items():
-            total[key] = total.get(key, 0) + value
-    return total
+        total.update(mapping)
+    return dict(total)
 
 
 __all__ = ["ROUTERS", "TRANSPORTS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

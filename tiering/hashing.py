@@ -1,10 +1,8 @@
 """Prefix-chained block hashes: the keys blocks are stored under in every tier.
 
 A block's hash covers its tokens, the hash of the block before it, and a namespace
-(model id, dtype, KV layout, ...): equal hashes mean the whole prefix up to and
-including that block is equal, for the same model and layout. Hashes are BLAKE2b
-digests of a fixed byte encoding, so they are identical in every process and on
-every machine (no Python ``hash()``, no ``PYTHONHASHSEED``).
+(model, dtype, KV layout, ...), so equal hashes mean equal prefixes. They are BLAKE2b
+digests of a fixed encoding: the same in every process and on every machine.
 """
 
 from __future__ import annotations
@@ -30,15 +28,8 @@ Namespace = str | bytes | Mapping[str, object]
 
 
 def namespace_root(namespace: Namespace = b"") -> BlockHash:
-    """The parent hash of a sequence's first block within ``namespace``.
-
-    ``namespace`` may be bytes, a string, or a mapping of identity fields (for
-    example ``{"model": "llama-3-8b", "dtype": "bfloat16", "block_size": 16}``), which
-    is encoded as canonical JSON so key order does not matter.
-
-    Raises:
-        InvalidArgumentError: the namespace is of another type or not JSON-encodable.
-    """
+    """The parent hash of a sequence's first block within ``namespace`` (bytes, a string,
+    or a mapping encoded as canonical JSON); InvalidArgumentError for anything else."""
     if isinstance(namespace, bytes):
         data = namespace
     elif isinstance(namespace, str):
@@ -56,19 +47,14 @@ def namespace_root(namespace: Namespace = b"") -> BlockHash:
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            raise InvalidArgumentError("token_ids must be a 1-D array of integers")
-        tokens = token_ids
-    else:
-        if hasattr(token_ids, "tolist"):  # a torch tensor or similar
-            token_ids = token_ids.tolist()
-        try:
-            tokens = np.asarray(token_ids)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidArgumentError(f"token_ids must be integers: {exc}") from exc
-        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-            raise InvalidArgumentError("token_ids must be a flat sequence of integers")
+    if not isinstance(token_ids, np.ndarray) and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()  # a torch tensor or similar
+    try:
+        tokens = np.asarray(token_ids)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(f"token_ids must be integers: {exc}") from exc
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise InvalidArgumentError("token_ids must be a flat sequence of integers")
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= 2**63):
         raise InvalidArgumentError("token ids must lie in [0, 2**63)")
     return tokens.astype("<i8", copy=False)
@@ -81,18 +67,9 @@ def block_hashes(
     parent: BlockHash | None = None,
     namespace: Namespace = b"",
 ) -> list[BlockHash]:
-    """One hash per full block of ``token_ids``; a trailing partial block is not hashed.
-
-    Args:
-        token_ids: the prompt's token ids (ints in ``[0, 2**63)``).
-        block_size: tokens per block.
-        parent: hash of the block just before ``token_ids[0]``, to continue a chain;
-            by default the chain starts at ``namespace_root(namespace)``.
-        namespace: the cache identity; ignored when ``parent`` is given (the parent
-            already carries it).
-
-    Raises:
-        InvalidArgumentError: bad block size, tokens, parent or namespace.
+    """One hash per full block of ``token_ids`` (ints in ``[0, 2**63)``), chained from
+    ``parent`` if given, else from ``namespace_root(namespace)``. Raises
+    InvalidArgumentError for a bad block size, tokens, parent or namespace.
     """
     positive_int("block_size", block_size)
     if parent is not None and not isinstance(parent, bytes):
@@ -115,14 +92,9 @@ NAMESPACE_FORMAT = 1
 
 
 def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
-    """A canonical string naming what a stored block's bytes mean.
-
-    It covers ``identity`` (the model and whatever else the caller says), the block
-    size in tokens, and every layer's dtype and per-block shape, so two engines share
-    blocks only if all of these agree.
-
-    Raises:
-        InvalidArgumentError: ``identity`` is not a string or a JSON-encodable mapping.
+    """A canonical string naming what a stored block's bytes mean: ``identity`` (the
+    model, ...), the block size and each layer's dtype and per-block shape. Raises
+    InvalidArgumentError unless ``identity`` is a string or a JSON-encodable mapping.
     """
     tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
     layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]

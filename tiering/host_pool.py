@@ -1,26 +1,15 @@
 """The CPU tier's memory: one page-aligned, optionally pinned buffer of fixed-size slots.
 
-Slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)`` of the buffer. The same
-memory is reachable as a flat ``memoryview`` (what secondary tiers read and write), as a
-``torch.uint8`` tensor of shape ``[num_blocks, block_bytes]`` (what device copies use) and
-by address (what O_DIRECT I/O needs).
+Slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)``, reachable as a flat
+``memoryview`` (secondary tiers), a ``torch.uint8`` tensor ``[num_blocks, block_bytes]``
+(device copies) and by address (O_DIRECT I/O).
 
-Why an anonymous ``mmap`` and not ``torch.empty(..., pin_memory=True)``:
+An anonymous ``mmap``, page-locked in place with ``cudaHostRegister`` when pinned, rather
+than ``torch.empty(..., pin_memory=True)``: why in docs/architecture.md.
 
-- ``mmap`` memory is page-aligned by construction, so every slot whose offset is a
-  multiple of the page size is a valid O_DIRECT target without an extra aligned copy.
-- PyTorch's pinned allocator is a caching allocator that rounds each request up to a
-  power of two: a 65 GiB pool would reserve 128 GiB of page-locked memory.
-- The buffer is the same kind of memory with and without CUDA, so the CPU-only test path
-  exercises the production layout. When pinned, it is page-locked in place with
-  ``cudaHostRegister`` (portable flag: pinned for every CUDA context of the process),
-  which ``Tensor.is_pinned()`` and asynchronous copies recognise.
-
-The tensor is built over a ``memoryview`` of the mapping, never over the mapping itself:
-``torch.frombuffer`` releases the buffer export it takes and keeps only a reference to the
-object, so a tensor made straight from the ``mmap`` would let ``mmap.close()`` unmap memory
-the tensor still points at. The intermediate ``memoryview`` holds the export for as long as
-any tensor over the pool lives, which makes unmapping under a live view impossible.
+The tensor is built over a ``memoryview`` of the mapping, not the mapping itself:
+``torch.frombuffer`` releases its buffer export, so only the intermediate view's export
+keeps ``mmap.close()`` from unmapping memory a live tensor points at.
 """
 
 from __future__ import annotations
@@ -47,9 +36,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 def _private_mapping(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of zeroed, page-aligned anonymous memory that transparent huge pages
-    may back: ``MAP_PRIVATE`` (the ``mmap`` default, ``MAP_SHARED``, is shmem, which they
-    skip) and, from 2 MiB up, ``MADV_HUGEPAGE`` (a hint: without THP, 4 KiB pages)."""
+    """``nbytes`` of zeroed, page-aligned anonymous memory that transparent huge pages may
+    back: ``MAP_PRIVATE`` (THP skip shmem) and, from 2 MiB up, ``MADV_HUGEPAGE``."""
     mapping = mmap.mmap(
         -1,
         nbytes,
@@ -64,14 +52,10 @@ def _private_mapping(nbytes: int) -> mmap.mmap:
 
 def io_buffer(nbytes: int) -> memoryview:
     """``nbytes`` of zeroed memory for direct I/O that starts on a 2 MiB boundary, so
-    that where transparent huge pages back it, every aligned 2 MiB of it is one
-    physically contiguous page.
-
-    Why it matters: a direct write goes to the disk as requests of at most so many
-    segments (254 on a virtio disk), and 4 KiB pages scattered by the allocator make one
-    segment each. Sealed 2 MiB blocks written from such pages stored 22.6 % slower than
-    plain ones from huge pages; written from this memory, 8.5 % slower (see
-    ``docs/security.md``). The memory stays mapped while any view of it lives.
+    that where transparent huge pages back it, every aligned 2 MiB is one physically
+    contiguous page: a direct write is split into requests of a bounded number of
+    segments, one per scattered 4 KiB page (see docs/security.md). The memory stays
+    mapped while any view of it lives.
     """
     mapping = _private_mapping(nbytes + HUGE_PAGE_BYTES)
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # a momentary export
@@ -111,20 +95,11 @@ def _cuda_host_unregister(address: int) -> None:
 class HostPool:
     """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer.
 
-    Guarantees: ``address % PAGE_SIZE == 0``; ``view``, ``tensor``, ``slot_view`` and
-    ``slot_tensor`` all alias the same bytes (a write through one is seen by the others);
-    the buffer starts zero-filled; when ``pinned`` it is page-locked for CUDA DMA.
-
-    ``pin=None`` pins when ``torch.cuda.is_available()``. Raises
-    :class:`~tiering.errors.InvalidArgumentError` for non-positive or non-int sizes, a
-    ``pin`` that is not a bool or None, or ``pin=True`` without CUDA;
-    :class:`~tiering.errors.TieringError` if page-locking fails (e.g. the memlock limit).
-
-    ``close()`` is idempotent. After it every accessor of the memory raises
-    :class:`~tiering.errors.ClosedError`. The mapping is released at once unless a view or
-    tensor handed out earlier is still alive; then it is released when the last one is
-    garbage-collected, never while something can still read it. Close copiers that use the
-    pool before the pool.
+    ``view``, ``tensor``, ``slot_view`` and ``slot_tensor`` alias the same zero-filled
+    bytes, page-locked for CUDA DMA when ``pinned`` (``pin=None``: if CUDA is available).
+    Raises InvalidArgumentError for bad sizes or ``pin``, TieringError if page-locking
+    fails (e.g. the memlock limit). ``close()`` is idempotent; afterwards every accessor
+    raises ClosedError, and the mapping goes once no view or tensor handed out is alive.
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:

@@ -1,11 +1,8 @@
 """The device KV cache's layout, and the planning of copies between it and host slots.
 
-The device KV cache is one tensor or a list of per-layer tensors whose first dimension is
-the block id. A block's bytes in a host slot are its rows across those tensors, in list
-order: ``[layer 0 row][layer 1 row]...``. :func:`describe_kv_caches` checks such a cache
-and sees it as words (:class:`KVLayout`); :func:`plan_copy` turns a job's (device block,
-slot) pairs into :class:`CopyChunk` s that the copy backends execute.
-
+A block's bytes in a host slot are its rows across the KV cache's tensors, in list order.
+:func:`describe_kv_caches` checks a cache and sees it as words (:class:`KVLayout`);
+:func:`plan_copy` turns a job's (device block, slot) pairs into :class:`CopyChunk` s.
 Everything here is pure: no streams, no threads, no I/O.
 """
 
@@ -24,9 +21,6 @@ KVCaches = torch.Tensor | Sequence[torch.Tensor]
 
 # Widest first: gathers move whole words when every row and offset allows it.
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-
-
-# --------------------------------------------------------------------------- layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +53,9 @@ class KVLayout:
 
 
 def describe_kv_caches(kv_caches: object) -> KVLayout:
-    """Check ``kv_caches`` and describe it as a :class:`KVLayout`.
-
-    Accepts a tensor or a sequence of tensors, each with a block dim, contiguous, dense,
-    with non-empty rows, all on one cuda or cpu device with the same number of blocks
-    (dtypes may differ). The layout's tensors alias ``kv_caches``' memory.
-
+    """Check ``kv_caches`` and describe it as a :class:`KVLayout` aliasing its memory:
+    a tensor or sequence of tensors, each dense, contiguous, with a block dim and non-empty
+    rows, all on one cuda or cpu device with one number of blocks (dtypes may differ).
     Raises InvalidArgumentError naming the offending tensor otherwise.
     """
     if isinstance(kv_caches, torch.Tensor):
@@ -126,14 +117,9 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
 
 
 def kv_block_bytes(kv_caches: KVCaches) -> int:
-    """Bytes of one block of ``kv_caches``: the sum of its rows' bytes across the tensors.
-
-    Raises InvalidArgumentError if the layout is malformed (as :class:`DeviceCopier` would).
-    """
+    """Bytes of one block of ``kv_caches`` (its rows across the tensors). Raises
+    InvalidArgumentError if the layout is malformed."""
     return describe_kv_caches(kv_caches).block_bytes
-
-
-# --------------------------------------------------------------------------- planning
 
 
 class Direction(enum.Enum):
@@ -167,13 +153,9 @@ class CopyChunk:
 def plan_copy(
     device_ids: Sequence[int], slots: Sequence[int], max_rows: int
 ) -> tuple[CopyChunk, ...]:
-    """Plan a job copying device block ``device_ids[i]`` to/from host slot ``slots[i]``.
-
-    Pairs are ordered by slot so that slots given in any order still form the fewest runs;
-    the order inside a job carries no meaning. Each chunk holds at most ``max_rows`` pairs.
-    Equal slots (allowed as sources) stay separate runs.
-
-    Raises InvalidArgumentError if the lengths differ or ``max_rows < 1``.
+    """Plan copying device block ``device_ids[i]`` to/from host slot ``slots[i]`` in
+    chunks of at most ``max_rows`` pairs, ordered by slot for the fewest runs. Raises
+    InvalidArgumentError if the lengths differ or ``max_rows < 1``.
     """
     if len(device_ids) != len(slots):
         raise InvalidArgumentError(f"{len(device_ids)} device block ids but {len(slots)} slots")
@@ -198,13 +180,11 @@ def plan_copy(
 
 
 class PlannedCopy:
-    """One checked copy job, as a copy backend receives it.
+    """One checked copy job, as a copy backend receives it: device block
+    ``device_ids[i]`` to or from host slot ``slots[i]``.
 
-    Device block ``device_ids[i]`` moves to (``TO_HOST``) or from (``TO_DEVICE``) host
-    slot ``slots[i]``; ``chunks`` is :func:`plan_copy` of the pairs with at most
-    ``max_rows`` rows a chunk, computed on first use (by the thread that runs the copy,
-    so planning stays off the event loop where the backend allows it). Compared and
-    hashed by identity: a backend reports each job's end by handing back this object.
+    ``chunks`` is planned on first use, by the thread that runs the copy where the backend
+    allows it. Compared by identity: a backend reports a job's end by handing it back.
     """
 
     __slots__ = ("_chunks", "device_ids", "direction", "max_rows", "slots")

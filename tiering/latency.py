@@ -1,11 +1,9 @@
 """Latency histograms with fixed buckets, sans-I/O: what the engine records per job.
 
-A :class:`LatencyHistogram` counts observations (seconds) in fixed, log-spaced buckets
-(:data:`DEFAULT_BOUNDS`: 1-2-5 steps from 10 µs to 100 s), so recording one costs a
-binary search and two additions, and memory never grows. :meth:`LatencyHistogram.
-snapshot` returns an immutable :class:`LatencySnapshot` with the cumulative counts a
-Prometheus histogram exposes, and :meth:`LatencySnapshot.quantile` estimates quantiles
-from them the way Prometheus's ``histogram_quantile`` does (linear within a bucket).
+A :class:`LatencyHistogram` counts observations (seconds) in fixed, log-spaced buckets,
+so recording one costs a binary search and two additions. Its :class:`LatencySnapshot`
+holds the cumulative counts a Prometheus histogram exposes and estimates quantiles as
+Prometheus's ``histogram_quantile`` does (linear within a bucket).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 from tiering.errors import InvalidArgumentError
 
@@ -22,22 +20,14 @@ DEFAULT_BOUNDS: tuple[float, ...] = (
     *(float(f"{m}e{e}") for e in range(-5, 2) for m in (1, 2, 5)),
     100.0,
 )
-"""Upper bounds (seconds, inclusive) of the finite buckets: 10 µs, 20 µs, 50 µs, 100 µs,
-… 50 s, 100 s. Each bucket is 2 to 2.5 times as wide as the one before, so a quantile
-estimate is off by at most that factor; observations above 100 s land in ``+Inf``."""
+"""Inclusive upper bounds (seconds) of the finite buckets, 1-2-5 steps from 10 µs to
+100 s: a quantile estimate is off by at most a factor 2.5; above 100 s is ``+Inf``."""
 
 
 @dataclass(frozen=True, slots=True)
 class LatencySnapshot:
-    """An immutable reading of a :class:`LatencyHistogram`.
-
-    * ``bounds``: the finite buckets' upper bounds in seconds, ascending.
-    * ``cumulative``: ``cumulative[i]`` observations were ``<= bounds[i]``; one more
-      entry at the end counts every observation (the ``+Inf`` bucket), so it equals
-      ``count``.
-    * ``sum``: the observations' total in seconds; ``count``: how many there were;
-      ``max``: the largest (0.0 when there were none).
-    """
+    """A reading of a :class:`LatencyHistogram`: ``cumulative[i]`` observations were
+    ``<= bounds[i]`` seconds, the last (``+Inf``) all ``count``; ``sum``, ``max`` in s."""
 
     bounds: tuple[float, ...]
     cumulative: tuple[int, ...]
@@ -51,14 +41,9 @@ class LatencySnapshot:
         return self.sum / self.count if self.count else math.nan
 
     def quantile(self, q: float) -> float:
-        """The ``q``-quantile (0 < ``q`` <= 1) in seconds, estimated from the buckets.
-
-        The result lies in the bucket that holds the true ``q``-quantile of the
-        observations (the ``ceil(q * count)``-th smallest), interpolated linearly
-        inside it and never above ``max``; NaN when there are no observations.
-
-        Raises:
-            InvalidArgumentError: ``q`` is not in (0, 1].
+        """The ``q``-quantile in seconds, interpolated linearly inside the bucket that
+        holds the true one and never above ``max``; NaN for no observations. Raises
+        InvalidArgumentError unless 0 < ``q`` <= 1.
         """
         if not isinstance(q, int | float) or not 0 < q <= 1:
             raise InvalidArgumentError(f"quantile must lie in (0, 1], got {q!r}")
@@ -78,13 +63,9 @@ class LatencySnapshot:
 
 class LatencyHistogram:
     """Counts observations in fixed buckets; cheap enough for every job of the engine.
-
-    Not thread-safe: observe and snapshot on one thread (the engine's loop). Memory is
-    fixed at construction.
-
-    Raises:
-        InvalidArgumentError: ``bounds`` is empty, not strictly ascending, or holds a
-            value that is not a positive finite number.
+    Not thread-safe: observe and snapshot on one thread (the engine's loop).
+    Raises InvalidArgumentError unless ``bounds`` are positive finite numbers, strictly
+    ascending.
     """
 
     __slots__ = ("_bounds", "_counts", "_max", "_sum")
@@ -125,13 +106,9 @@ class LatencyHistogram:
 
     def snapshot(self) -> LatencySnapshot:
         """An immutable reading: cumulative bucket counts, sum, count and max."""
-        counts = list(self._counts)  # one C-level copy: the buckets read together
-        cumulative = []
-        running = 0
-        for c in counts:
-            running += c
-            cumulative.append(running)
-        return LatencySnapshot(self._bounds, tuple(cumulative), self._sum, running, self._max)
+        # One C-level copy first: the buckets are read together.
+        cumulative = tuple(accumulate(list(self._counts)))
+        return LatencySnapshot(self._bounds, cumulative, self._sum, cumulative[-1], self._max)
 
     def __repr__(self) -> str:
         snap = self.snapshot()

@@ -1,8 +1,7 @@
 """Event-loop health: how late the loop wakes a periodic ticker.
 
-A coroutine that sleeps ``interval`` and wakes ``interval + lag`` later measures
-``lag``: the time something held the loop thread (a copy, a checksum, a blocking
-call). The engine's promise is that its own work never adds more than a few ms.
+A coroutine that sleeps ``interval`` and wakes ``interval + lag`` later measures ``lag``,
+the time something held the loop thread.
 """
 
 from __future__ import annotations
@@ -13,23 +12,15 @@ from types import TracebackType
 from typing import Self
 
 from tiering.errors import InvalidArgumentError
+from tiering.validation import seconds
 
 
 class LoopLagMonitor:
-    """Samples event-loop lag every ``interval`` seconds while entered.
-
-    Use as ``async with LoopLagMonitor() as lag: ...`` and read ``lag.p99_ms`` (or
-    ``percentile_ms``) afterwards or during. The ticker task lives exactly as long as
-    the ``async with`` block.
-
-    Raises:
-        InvalidArgumentError: ``interval`` is not a positive number.
-    """
+    """Samples event-loop lag every ``interval`` seconds (InvalidArgumentError unless
+    positive) inside its ``async with``; read ``p99_ms`` during or after it."""
 
     def __init__(self, interval: float = 0.001) -> None:
-        if not isinstance(interval, int | float) or interval <= 0:
-            raise InvalidArgumentError(f"interval must be a positive number, got {interval!r}")
-        self.interval = float(interval)
+        self.interval = seconds("interval", interval, allow_zero=False)
         self.samples: list[float] = []
         self._task: asyncio.Task[None] | None = None
 

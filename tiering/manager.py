@@ -1,9 +1,8 @@
 """The CPU tier's block bookkeeping: which block hash sits in which slot.
 
-:class:`CPUOffloadingManager` is sans-I/O: plain synchronous code, no awaits, no
-copies. It decides; the engine (or a serving framework's worker) moves the bytes.
-It sits on a scheduler's hot path, so every method is a tight loop over the hashes
-given, O(1) amortised per hash.
+:class:`CPUOffloadingManager` is sans-I/O: it decides, the engine (or a serving
+framework's worker) moves the bytes. It sits on a scheduler's hot path: O(1) amortised
+per hash.
 """
 
 from __future__ import annotations
@@ -38,15 +37,10 @@ class BlockState:
 class CPUOffloadingManager(OffloadingManager):
     """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots.
 
-    Guarantees:
-
-    * A block being stored (not ready) or read (ref count > 0) is never evicted.
-    * Slot ids handed out are distinct among resident blocks and in ``range(num_blocks)``.
-    * Every method either completes or raises before changing anything.
-
-    Raises (constructor):
-        InvalidArgumentError: ``num_blocks`` or ``block_size`` is not a positive int.
-        UnknownPolicyError: ``policy`` names no registered policy.
+    A block being stored (not ready) or read (ref count > 0) is never evicted; resident
+    blocks hold distinct slots; every method completes or raises before changing
+    anything, InvalidArgumentError for a hash that is not bytes. The constructor raises
+    InvalidArgumentError for bad sizes, UnknownPolicyError for an unknown ``policy``.
     """
 
     def __init__(
@@ -73,14 +67,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_evictable = 0
         self._events: list[OffloadingEvent] = []
 
-    # ----------------------------------------------------------------- queries
-
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
-        """Length of the leading run of hashes that are stored and ready; no side effects.
-
-        Raises:
-            InvalidArgumentError: a hash is not bytes.
-        """
+        """Length of the leading run of hashes that are stored and ready; no side effects."""
         slot_of, ready = self._slot_of, self._ready
         n = 0
         for h in as_block_hashes(block_hashes):
@@ -101,11 +89,7 @@ class CPUOffloadingManager(OffloadingManager):
         return slot is not None and self._ready[slot] == 1
 
     def slot_of(self, block_hash: BlockHash) -> int:
-        """The slot of a resident block (ready or not).
-
-        Raises:
-            BlockNotFoundError: the block is not resident.
-        """
+        """The slot of a resident block (ready or not); raises BlockNotFoundError if none."""
         slot = self._slot_of.get(block_hash)
         if slot is None:
             raise BlockNotFoundError(f"block {block_hash.hex()} is not in the CPU tier")
@@ -150,17 +134,9 @@ class CPUOffloadingManager(OffloadingManager):
         ready = self._ready
         return sum(1 for slot in self._slot_of.values() if not ready[slot])
 
-    # ------------------------------------------------------------------- loads
-
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
-        """Add a reader to each block and return their slots, in order.
-
-        A hash named twice gets two readers (and needs two ``complete_load``).
-
-        Raises:
-            InvalidArgumentError: a hash is not bytes.
-            BlockNotFoundError: a hash is not resident or not ready; nothing changed.
-        """
+        """Add a reader to each block (two for a hash named twice) and return their slots,
+        in order. Raises BlockNotFoundError if a hash is not resident or not ready."""
         hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         slots: list[int] = []
@@ -177,12 +153,8 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(slots)
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Remove one reader from each block.
-
-        Raises:
-            InvalidArgumentError: a hash is not bytes.
-            NotLoadingError: a hash has no reader left (or is not resident); nothing changed.
-        """
+        """Remove one reader from each block. Raises NotLoadingError if a hash has no
+        reader left (or is not resident)."""
         hashes = as_block_hashes(block_hashes)
         slot_of, ref = self._slot_of, self._ref
         for i, h in enumerate(hashes):
@@ -212,37 +184,21 @@ class CPUOffloadingManager(OffloadingManager):
             if ref[slot] == 0:
                 self._num_evictable += 1
 
-    # ------------------------------------------------------------------ recency
-
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Mark resident blocks most recently used, the first hash most recent of all.
-
-        Hashes not resident are ignored. Raises InvalidArgumentError for non-bytes.
-        """
+        """Mark resident blocks most recently used, the first most recent of all; hashes
+        not resident are ignored."""
         self.policy.touch(as_block_hashes(block_hashes))
-
-    # ------------------------------------------------------------------- stores
 
     def prepare_store(
         self, block_hashes: Iterable[BlockHash], *, admission: bool = True
     ) -> PrepareStoreOutput | None:
         """Give a slot to every hash not yet resident that the policy admits, evicting
-        if needed.
+        if needed; ``None`` (and nothing changed) if not enough blocks can be evicted.
 
-        Hashes already resident (ready or in flight) are skipped, as is a repeat of a
-        hash within the call. A hash the policy declines (:meth:`EvictionPolicy.admit`)
-        is skipped too: it is not stored, as if it had never been asked for, and nothing
-        is evicted for it; with ``admission`` False the policy is not asked (blocks that
-        must land, such as a load's promotions from a secondary tier). Resident hashes
-        named in the call are never evicted for their siblings. New blocks are not ready
-        until ``complete_store``.
-
-        Returns:
-            The hashes to store with their slots and the hashes evicted, or ``None`` if
-            not enough blocks can be evicted — in which case nothing changed.
-
-        Raises:
-            InvalidArgumentError: a hash is not bytes.
+        Resident hashes and repeats are skipped, as are hashes the policy declines
+        (:meth:`EvictionPolicy.admit`, not asked when ``admission`` is False: blocks that
+        must land, such as promotions). Resident hashes named in the call are never
+        evicted for their siblings. New blocks are not ready until ``complete_store``.
         """
         hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
@@ -286,15 +242,8 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted, evicted_slots)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
-        """Finish stores prepared earlier.
-
-        With ``success`` the named in-flight blocks become ready (and loadable). Without
-        it, the named blocks that are still not ready are removed and their slots freed;
-        blocks already ready stay. Hashes that are not resident are ignored.
-
-        Raises:
-            InvalidArgumentError: a hash is not bytes; nothing changed.
-        """
+        """Finish stores prepared earlier: the named in-flight blocks become ready, or
+        without ``success`` leave and free their slots; other hashes are left alone."""
         hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         if success:
@@ -316,8 +265,6 @@ class CPUOffloadingManager(OffloadingManager):
                 del slot_of[h]
                 remove(h)
                 self._free_slots.append(slot)
-
-    # ------------------------------------------------------------------- events
 
     def take_events(self) -> list[OffloadingEvent]:
         """The events since the last call, oldest first; clears them."""

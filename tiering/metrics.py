@@ -1,38 +1,23 @@
 """Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers.
 
-:func:`register_engine_metrics` adds an :class:`EngineCollector` to a
-``prometheus_client`` registry; at every scrape it reads fresh snapshots (the engine's
-and each tier's ``statistics()``, the job latency histograms, the lookup hits, and an
-optional :class:`~tiering.loop_lag.LoopLagMonitor`) and turns them into metric
-families under one prefix (``kv_tiering`` by default). :func:`serve_metrics` serves a
-registry over HTTP on a thread of its own; :func:`serve_engine_metrics` does both in
-one call. Every metric, its labels and its exact meaning: ``docs/metrics.md``.
-
-Threads. A scrape runs on the HTTP server's thread, while the engine's state belongs to
-its event loop's thread (``statistics()`` copies dicts that the loop changes, and a
-dict that gains a key during the copy raises "dictionary changed size during
-iteration"). So the collector reads on the loop: it schedules the reading with
-``call_soon_threadsafe`` and waits up to ``snapshot_timeout`` seconds for it. Where
-that cannot work it reads on the calling thread and retries a reading that raced a
-change: when the caller *is* the loop's thread (``generate_latest`` called from a
-coroutine), when no loop was running at registration or the loop has stopped or
-closed, and when the loop is busy past the timeout (a blocked loop is when metrics
-matter most, so the scrape still answers). A :class:`LoopLagMonitor`'s samples are
-only ever appended to, so they are read on the scrape thread.
-
-Requires ``prometheus-client`` >= 0.20 (the ``metrics`` extra).
+:func:`register_engine_metrics` adds an :class:`EngineCollector` to a ``prometheus_client``
+registry, :func:`serve_metrics` serves a registry over HTTP on a thread of its own, and
+:func:`serve_engine_metrics` does both. Every metric, and why a scrape reads the engine on
+its loop's thread (and when on its own instead): ``docs/metrics.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -48,6 +33,7 @@ from tiering.job_core import LookupStatistics
 from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.statistics import Statistics
 from tiering.tenancy import TenantLookups
+from tiering.validation import seconds
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -106,20 +92,11 @@ def _read_engine(engine: TieringEngine) -> _Reading:
 
 
 class EngineCollector:
-    """A ``prometheus_client`` collector of one engine; :meth:`collect` runs per scrape.
+    """A ``prometheus_client`` collector of one engine, open or closed.
 
-    Args:
-        engine: the engine to read (entered or not; a closed one still answers).
-        prefix: the metric names' prefix, a valid Prometheus name.
-        loop_lag: a monitor whose samples become ``<prefix>_loop_lag_seconds``.
-        loop: the engine's event loop, where readings are taken (see the module
-            docstring); None reads on the scrape thread.
-        snapshot_timeout: seconds a scrape waits for the loop before it reads on its
-            own thread.
-
-    Raises:
-        InvalidArgumentError: ``prefix`` is not a valid metric name or
-            ``snapshot_timeout`` is not a positive number.
+    ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; readings are taken on
+    ``loop`` (None: the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
+    InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``.
     """
 
     def __init__(
@@ -136,26 +113,20 @@ class EngineCollector:
                 f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
                 f"got {prefix!r}"
             )
-        if not isinstance(snapshot_timeout, int | float) or not snapshot_timeout > 0:
-            raise InvalidArgumentError(
-                f"snapshot_timeout must be a positive number, got {snapshot_timeout!r}"
-            )
         self.engine = engine
         self.prefix = prefix
         self.loop_lag = loop_lag
         self.loop = loop
-        self.snapshot_timeout = float(snapshot_timeout)
+        self.snapshot_timeout = seconds("snapshot_timeout", snapshot_timeout, allow_zero=False)
         # Lag samples seen so far are folded into one histogram, so that a scrape costs
         # the new samples only; scrapes may run on several server threads at once.
         self._lag_lock = threading.Lock()
         self._lag = LatencyHistogram()
         self._lag_seen = 0
 
-    # -- reading ------------------------------------------------------------------------
-
     def _read(self) -> _Reading:
         loop = self.loop
-        if loop is None or loop.is_closed() or not loop.is_running() or _on_loop(loop):
+        if loop is None or loop.is_closed() or not loop.is_running() or _running_loop() is loop:
             return self._read_here()
         answer: concurrent.futures.Future[_Reading] = concurrent.futures.Future()
 
@@ -179,13 +150,10 @@ class EngineCollector:
             return self._read_here()
 
     def _read_here(self) -> _Reading:
-        for attempt in range(_READ_ATTEMPTS):
-            try:
+        for _ in range(_READ_ATTEMPTS - 1):
+            with contextlib.suppress(RuntimeError):  # a dict changed size under the copy
                 return _read_engine(self.engine)
-            except RuntimeError:  # a dict changed size under the copy: read again
-                if attempt == _READ_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+        return _read_engine(self.engine)
 
     def _lag_snapshot(self) -> LatencySnapshot | None:
         monitor = self.loop_lag
@@ -201,8 +169,6 @@ class EngineCollector:
             for sample in new:
                 observe(sample)
             return self._lag.snapshot()
-
-    # -- metric families ----------------------------------------------------------------
 
     def collect(self) -> Iterable[Metric]:
         """The metric families of a fresh reading (see ``docs/metrics.md``)."""
@@ -264,31 +230,16 @@ class EngineCollector:
 
     def _lookup_families(self, r: _Reading) -> Iterator[Metric]:
         p, lookups = self.prefix, r.lookups
-        yield CounterMetricFamily(f"{p}_lookups", "Calls of engine.lookup.", lookups.lookups)
-        yield CounterMetricFamily(
-            f"{p}_lookup_blocks", "Hashes passed to engine.lookup.", lookups.blocks
-        )
-        yield CounterMetricFamily(
-            f"{p}_lookup_hit_blocks",
-            "Leading hashes engine.lookup found in some tier.",
-            lookups.hit_blocks,
-        )
-        yield CounterMetricFamily(
-            f"{p}_lookup_miss_blocks",
-            "Hashes passed to engine.lookup that it did not count as hits.",
-            lookups.blocks - lookups.hit_blocks,
-        )
-        labels = ["tier", "level"]
-        asked = CounterMetricFamily(
-            f"{p}_tier_lookups", "Hashes engine.lookup asked this tier about.", labels=labels
-        )
-        hits = CounterMetricFamily(
-            f"{p}_tier_lookup_hits", "Hashes engine.lookup found in this tier.", labels=labels
-        )
-        misses = CounterMetricFamily(
-            f"{p}_tier_lookup_misses",
-            "Hashes engine.lookup asked this tier about and did not find there.",
-            labels=labels,
+        misses = lookups.blocks - lookups.hit_blocks
+        for (name, doc), value in zip(
+            _LOOKUP_COUNTERS,
+            (lookups.lookups, lookups.blocks, lookups.hit_blocks, misses),
+            strict=True,
+        ):
+            yield CounterMetricFamily(f"{p}_{name}", doc, value)
+        asked, hits, missed = (
+            CounterMetricFamily(f"{p}_{name}", doc, labels=["tier", "level"])
+            for name, doc in _TIER_LOOKUP_COUNTERS
         )
         # A hash is asked of the CPU tier, then of each servable tier in order, until
         # one holds it; a call stops at the first hash none holds.
@@ -298,11 +249,11 @@ class EngineCollector:
             by_tier = lookups.hits_by_tier
             found = by_tier[level] if level < len(by_tier) else 0
             seen = reaching if servable else 0
-            for family, value in ((asked, seen), (hits, found), (misses, seen - found)):
+            for family, value in ((asked, seen), (hits, found), (missed, seen - found)):
                 family.add_metric([name, str(level)], value)
             if servable:
                 reaching -= found
-        yield from (asked, hits, misses)
+        yield from (asked, hits, missed)
 
     def _tier_families(self, r: _Reading) -> Iterator[Metric]:
         p, size = self.prefix, r.block_bytes
@@ -321,18 +272,12 @@ class EngineCollector:
             labels=[*labels, "reason"],
         )
         engine = r.engine
+        cpu_counters = {
+            name: engine.counters[name]
+            for name in ("stored_blocks", "loaded_blocks", "evicted_blocks")
+        }
         rows: list[tuple[str, int, Statistics, int, Mapping[str, int]]] = [
-            (
-                CPU_TIER,
-                0,
-                engine,
-                r.cpu_idle_blocks,
-                {
-                    "stored_blocks": engine.counters["stored_blocks"],
-                    "loaded_blocks": engine.counters["loaded_blocks"],
-                    "evicted_blocks": engine.counters["evicted_blocks"],
-                },
-            )
+            (CPU_TIER, 0, engine, r.cpu_idle_blocks, cpu_counters)
         ]
         for tier in r.tiers:
             stats = tier.stats
@@ -358,12 +303,12 @@ class EngineCollector:
                 if blocks is not None:
                     counters[f"{kind}_blocks"].add_metric(values, blocks)
                     counters[f"{kind}_bytes"].add_metric(values, blocks * size)
-            evicted = tier_counters.get("evicted_blocks")
-            if evicted is not None:
-                counters["evicted_blocks"].add_metric(values, evicted)
-            corrupt = tier_counters.get("corrupt_blocks")
-            if corrupt is not None:
-                counters["verification_failures"].add_metric(values, corrupt)
+            for counter, family in (
+                ("evicted_blocks", "evicted_blocks"),
+                ("corrupt_blocks", "verification_failures"),
+            ):
+                if (value := tier_counters.get(counter)) is not None:
+                    counters[family].add_metric(values, value)
         yield from gauges.values()
         yield from counters.values()
         yield failures
@@ -391,6 +336,17 @@ _ENGINE_COUNTERS: Sequence[tuple[str, str, str]] = (
     ("failed_jobs", "failed_jobs", "Store and load jobs whose result was not success."),
     ("declined_blocks", "declined_blocks", "Blocks stores asked for that the policy declined."),
     ("lost_blocks", "lost_blocks", "Write-back blocks that left CPU while in no other tier."),
+)
+_LOOKUP_COUNTERS: Sequence[tuple[str, str]] = (
+    ("lookups", "Calls of engine.lookup."),
+    ("lookup_blocks", "Hashes passed to engine.lookup."),
+    ("lookup_hit_blocks", "Leading hashes engine.lookup found in some tier."),
+    ("lookup_miss_blocks", "Hashes passed to engine.lookup that it did not count as hits."),
+)
+_TIER_LOOKUP_COUNTERS: Sequence[tuple[str, str]] = (
+    ("tier_lookups", "Hashes engine.lookup asked this tier about."),
+    ("tier_lookup_hits", "Hashes engine.lookup found in this tier."),
+    ("tier_lookup_misses", "Hashes engine.lookup asked this tier about and did not find there."),
 )
 _TIER_GAUGES: Sequence[tuple[str, str]] = (
     ("used_blocks", "Blocks this tier holds now (idle ready blocks included)."),
@@ -422,11 +378,11 @@ def _valid_name(name: str) -> bool:
     return allowed and bool(name) and not name[0].isdigit()
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        return asyncio.get_running_loop() is loop
+        return asyncio.get_running_loop()
     except RuntimeError:
-        return False
+        return None
 
 
 def register_engine_metrics(
@@ -437,37 +393,29 @@ def register_engine_metrics(
     loop_lag: LoopLagMonitor | None = None,
     snapshot_timeout: float = 1.0,
 ) -> EngineCollector:
-    """Register an :class:`EngineCollector` of ``engine`` in ``registry`` (the global
-    ``prometheus_client.REGISTRY`` by default) and return it (``registry.unregister``
-    removes it).
-
-    Call it on the engine's loop (inside ``async with engine``, or before entering it,
-    from a coroutine on that loop): scrapes then read the engine there. Called with no
-    loop running, scrapes read on their own thread (see the module docstring).
-
-    Raises:
-        InvalidArgumentError: as :class:`EngineCollector`.
-        ValueError: the registry already has metrics of these names (another engine
-            with the same prefix: give each its own registry or prefix).
+    """Register and return an :class:`EngineCollector` of ``engine`` in ``registry``
+    (default: the global one); call it on the engine's loop, where scrapes then read.
+    Raises InvalidArgumentError as :class:`EngineCollector`, ValueError if the registry
+    has metrics of these names already (another engine with this prefix).
     """
-    try:
-        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        loop = None
     collector = EngineCollector(
-        engine, prefix=prefix, loop_lag=loop_lag, loop=loop, snapshot_timeout=snapshot_timeout
+        engine,
+        prefix=prefix,
+        loop_lag=loop_lag,
+        loop=_running_loop(),
+        snapshot_timeout=snapshot_timeout,
     )
     (REGISTRY if registry is None else registry).register(collector)
     return collector
 
 
-class MetricsServer:
-    """A running HTTP endpoint serving a registry at ``/metrics`` (any path answers).
+class MetricsServer(
+    AbstractContextManager["MetricsServer"], AbstractAsyncContextManager["MetricsServer"]
+):
+    """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``.
 
-    ``port`` is the port it listens on (useful after asking for port 0). Close it with
-    :meth:`close` or by leaving ``with`` (blocking), or on the event loop with
-    :meth:`aclose` or by leaving ``async with``; closing is idempotent and waits for
-    the server's thread to end.
+    Close it with :meth:`close` / ``with`` (blocking) or :meth:`aclose` / ``async with``
+    (on the loop); closing is idempotent and joins the server's thread.
     """
 
     def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
@@ -478,8 +426,8 @@ class MetricsServer:
         self._closed = False
 
     def close(self) -> None:
-        """Stop serving, close the socket and join the thread; idempotent. Blocking
-        (for up to one poll interval of the server, 0.5 s): not for the event loop."""
+        """Stop serving, close the socket and join the thread; idempotent. Blocks up to
+        the server's poll interval (0.5 s): not for the event loop."""
         if self._closed:
             return
         self._closed = True
@@ -491,9 +439,6 @@ class MetricsServer:
         """:meth:`close` on a worker thread, for a coroutine on the event loop."""
         await asyncio.to_thread(self.close)
 
-    def __enter__(self) -> Self:
-        return self
-
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -501,9 +446,6 @@ class MetricsServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
 
     async def __aexit__(
         self,
@@ -522,14 +464,9 @@ def serve_metrics(
     port: int, *, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1"
 ) -> MetricsServer:
     """Serve ``registry`` (the global one by default) over HTTP on ``addr:port`` from a
-    daemon thread; ``port`` 0 picks a free port (read it from ``server.port``).
-
-    Loopback by default: metrics name the host's tiers and sizes, so exposing them
-    beyond the host is the caller's explicit choice (``addr="0.0.0.0"``).
-
-    Raises:
-        InvalidArgumentError: ``port`` is not an int in 0..65535.
-        OSError: the address cannot be bound (in use, not permitted).
+    daemon thread; ``port`` 0 picks a free port. Loopback by default: metrics name the
+    host's tiers and sizes.
+    Raises InvalidArgumentError for a ``port`` not in 0..65535, OSError if it cannot bind.
     """
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
@@ -547,13 +484,9 @@ def serve_engine_metrics(
     prefix: str = DEFAULT_PREFIX,
     loop_lag: LoopLagMonitor | None = None,
 ) -> MetricsServer:
-    """One call: ``engine``'s metrics in a registry of their own, served on
-    ``addr:port`` (what ``--metrics-port`` does). Call it on the engine's loop; close
-    the returned server when done (``async with serve_engine_metrics(...)``).
-
-    Raises:
-        InvalidArgumentError / OSError: as :func:`register_engine_metrics` and
-            :func:`serve_metrics`.
+    """``engine``'s metrics in a registry of their own, served on ``addr:port`` (what
+    ``--metrics-port`` does). Call it on the engine's loop; close the server when done.
+    Raises as :func:`register_engine_metrics` and :func:`serve_metrics`.
     """
     registry = CollectorRegistry()
     register_engine_metrics(engine, registry=registry, prefix=prefix, loop_lag=loop_lag)

@@ -1,19 +1,13 @@
 """The residency index that the memory and NVMe tiers share: keys, pins, room, eviction.
 
-:class:`ResidencyIndex` is sans-I/O: plain synchronous code with no awaits and no
-I/O. It knows which keys a tier holds, which of them may not leave now, how much room
-is promised to stores in progress, and asks an eviction policy for victims. The tier
-owns the bytes (rows, files) and tells the index what happened.
-
-Words:
+:class:`ResidencyIndex` is sans-I/O; the tier owns the bytes and tells it what happened.
 
 * **resident**: a key whose bytes are complete in the tier; it is in the policy.
-* **pin**: one reason a key may not be evicted now: a load reading it, a write or
-  removal of its bytes in progress (:meth:`ResidencyIndex.pin`), or a caller's hold
-  (:meth:`ResidencyIndex.hold`). Pins count, and a key that is not resident may be
-  pinned: the pin protects it from the moment it becomes resident.
-* **reserved**: units of room promised to stores in progress (or otherwise taken by
-  no resident key). Resident keys plus reserved units never exceed the capacity.
+* **pin**: one counted reason a key may not be evicted now (a load, a write or removal
+  in progress, or a caller's :meth:`~ResidencyIndex.hold`); a key not yet resident may
+  be pinned, protecting it from the moment it becomes resident.
+* **reserved**: units of room promised to stores in progress (or taken by no resident
+  key). Resident keys plus reserved units never exceed the capacity.
 """
 
 from __future__ import annotations
@@ -30,13 +24,8 @@ from tiering.validation import hash_list, positive_int
 
 @dataclass(frozen=True, slots=True)
 class Room:
-    """What :meth:`ResidencyIndex.reserve` granted.
-
-    ``granted`` units are now reserved for the caller (release them with
-    :meth:`ResidencyIndex.unreserve` or consume them with ``insert(reserved=True)``);
-    ``victims`` left the index to make that room (in eviction order), and their bytes
-    are the caller's to remove.
-    """
+    """What :meth:`ResidencyIndex.reserve` granted: ``granted`` units reserved, and the
+    ``victims`` evicted for them, in order, whose bytes are the caller's to remove."""
 
     granted: int
     victims: list[BlockHash]
@@ -49,20 +38,10 @@ def _hex(key: BlockHash) -> str:
 class ResidencyIndex:
     """Resident keys, pins and eviction for a tier of ``capacity`` blocks.
 
-    Guarantees:
-
-    * A pinned key (pin or hold) and a key the caller protects in a call are never
-      evicted by that call.
-    * ``len(index) + index.reserved <= index.capacity`` after every call, except when
-      the caller lowers the bound with ``limit`` (then eviction restores it as far as
-      unpinned keys allow).
-    * Counts are exact and O(1): :attr:`pinned_resident`, :meth:`evictable` (O(size of
-      the protected set)).
-    * A call that raises changes nothing.
-
-    Raises (constructor):
-        InvalidArgumentError: ``capacity`` is not a positive int.
-        UnknownPolicyError: ``policy`` is neither a registered name nor an instance.
+    A pinned or protected key is never evicted; ``len(index) + index.reserved <=
+    index.capacity`` after every call (a lower ``limit`` is restored as far as unpinned
+    keys allow); counts are exact; a call that raises changes nothing. Raises
+    InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``.
     """
 
     def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru") -> None:
@@ -74,8 +53,6 @@ class ResidencyIndex:
         self._pinned_resident = 0
         self.reserved = 0
         """Units of room promised to stores in progress (or taken by no resident key)."""
-
-    # -- queries ----------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -115,17 +92,10 @@ class ResidencyIndex:
         spared = sum(1 for key in set(protected) if key in self._resident and key not in self._pins)
         return len(self._resident) - self._pinned_resident - spared
 
-    # -- residency --------------------------------------------------------------------
-
     def insert(self, key: BlockHash, *, reserved: bool = False) -> bool:
-        """Make ``key`` resident (most recently used); False if it already was.
-
-        With ``reserved`` one reserved unit is consumed (also when the key was already
-        resident: its unit is simply given back).
-
-        Raises:
-            InvalidArgumentError: ``reserved`` but nothing is reserved, or not
-                ``reserved`` and the index is full.
+        """Make ``key`` resident (most recently used); False if it already was. With
+        ``reserved`` one reserved unit is consumed either way.
+        Raises InvalidArgumentError if ``reserved`` but nothing is, or the index is full.
         """
         if reserved:
             if self.reserved <= 0:
@@ -145,10 +115,7 @@ class ResidencyIndex:
         return True
 
     def remove(self, key: BlockHash) -> bool:
-        """Drop ``key`` without eviction (its bytes failed or vanished); False if absent.
-
-        Its pins and holds stay: they protect it again if it is stored anew.
-        """
+        """Drop ``key`` without eviction; False if absent. Its pins and holds stay."""
         if key not in self._resident:
             return False
         self._resident.discard(key)
@@ -162,11 +129,8 @@ class ResidencyIndex:
         self._policy.touch([key for key in keys if key in self._resident])
 
     def clear(self, *, keep_room_for_pinned: bool = False) -> list[BlockHash]:
-        """Drop every resident key; returns them. Pins and holds stay.
-
-        With ``keep_room_for_pinned`` each dropped key that is pinned keeps its unit as
-        reserved (its bytes are still in use); the caller unreserves it later.
-        """
+        """Drop and return every resident key; pins and holds stay, and with
+        ``keep_room_for_pinned`` so does each pinned key's unit, as reserved."""
         dropped = list(self._resident)
         for key in dropped:
             self._policy.remove(key)
@@ -176,19 +140,12 @@ class ResidencyIndex:
         self._pinned_resident = 0
         return dropped
 
-    # -- room -------------------------------------------------------------------------
-
     def reserve(
         self, count: int, *, protected: Collection[BlockHash] = (), limit: int | None = None
     ) -> Room:
-        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed.
-
-        ``limit`` is a further bound on resident plus reserved units (e.g. free disk
-        space); where it is already exceeded, eviction goes on past ``count`` to restore
-        it as far as it can. Grants are all-or-some: the caller gets ``granted`` units.
-
-        Raises:
-            InvalidArgumentError: ``count`` is negative or ``limit`` is not an int.
+        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed;
+        ``limit`` further bounds resident plus reserved units, and eviction restores it.
+        InvalidArgumentError for a negative ``count`` or a ``limit`` that is not an int.
         """
         if not isinstance(count, int) or count < 0:
             raise InvalidArgumentError(f"count must be an int >= 0, got {count!r}")
@@ -202,30 +159,20 @@ class ResidencyIndex:
             spared = frozenset(protected)
             n = min(shortfall, self.evictable(spared))
             if n > 0:
-                victims = self._evict(n, spared)
+                pins = self._pins
+                victims = self._policy.evict(n, lambda k: k not in pins and k not in spared)
+                self._resident.difference_update(victims)
         granted = max(0, min(count, room + len(victims)))
         self.reserved += granted
         return Room(granted, victims)
 
     def unreserve(self, count: int) -> None:
-        """Give back ``count`` reserved units.
-
-        Raises:
-            InvalidArgumentError: ``count`` is negative or more than is reserved.
-        """
+        """Give back ``count`` reserved units; InvalidArgumentError if out of range."""
         if not isinstance(count, int) or not 0 <= count <= self.reserved:
             raise InvalidArgumentError(
                 f"unreserve count must be an int in 0..{self.reserved}, got {count!r}"
             )
         self.reserved -= count
-
-    def _evict(self, n: int, spared: frozenset[BlockHash]) -> list[BlockHash]:
-        pins = self._pins
-        victims = self._policy.evict(n, lambda key: key not in pins and key not in spared)
-        self._resident.difference_update(victims)
-        return victims
-
-    # -- pins -------------------------------------------------------------------------
 
     def pin(self, keys: Iterable[BlockHash]) -> None:
         """Add one pin per occurrence of each key (resident or not)."""
@@ -238,11 +185,8 @@ class ResidencyIndex:
             pins[key] = count + 1
 
     def unpin(self, keys: Iterable[BlockHash]) -> None:
-        """Remove one pin per occurrence of each key.
-
-        Raises:
-            InvalidArgumentError: a key would lose more pins than it has (named in hex).
-        """
+        """Remove one pin per occurrence of each key; InvalidArgumentError (nothing
+        changed) if a key would lose more pins than it has."""
         wanted = Counter(keys)
         pins = self._pins
         for key, n in wanted.items():
@@ -261,24 +205,16 @@ class ResidencyIndex:
                     self._pinned_resident -= 1
 
     def hold(self, keys: Collection[BlockHash]) -> None:
-        """Hold each key once more (a pin a caller owns); see :meth:`release`.
-
-        Raises:
-            InvalidArgumentError: ``keys`` is not a collection of bytes; nothing held.
-        """
-        listed = _key_list(keys)
+        """Hold each key once more (a pin the caller owns; see :meth:`release`).
+        InvalidArgumentError if ``keys`` is not a collection of bytes."""
+        listed = hash_list("keys", keys)
         self._holds.update(listed)
         self.pin(listed)
 
     def release(self, keys: Collection[BlockHash]) -> list[BlockHash]:
         """Undo one :meth:`hold` per occurrence of each key; returns the keys as a list.
-
-        Raises:
-            InvalidArgumentError: ``keys`` is not a collection of bytes, or a key would
-                be released more often than it is held (the key is named in hex);
-                nothing changed.
-        """
-        listed = _key_list(keys)
+        InvalidArgumentError (nothing changed) for keys not bytes or not held that often."""
+        listed = hash_list("keys", keys)
         wanted = Counter(listed)
         for key, n in wanted.items():
             if self._holds.get(key, 0) < n:
@@ -286,16 +222,9 @@ class ResidencyIndex:
                     f"release of block {_hex(key)}: held {self._holds.get(key, 0)} times, "
                     f"released {n} times"
                 )
-        self._holds.subtract(wanted)
-        for key in wanted:
-            if self._holds[key] <= 0:
-                del self._holds[key]
+        self._holds -= wanted  # keeps positive counts only
         self.unpin(listed)
         return listed
-
-
-def _key_list(keys: object) -> list[BlockHash]:
-    return hash_list("keys", keys)
 
 
 __all__ = ["ResidencyIndex", "Room"]

@@ -1,8 +1,7 @@
 """The one statistics shape of kv-tiering, and failure counting that logs once per cause.
 
-Engine, tiers and copier each answer ``statistics()`` with a :class:`Statistics`
-snapshot: an immutable value, safe to keep and compare, that never changes after it
-is taken. Their ``repr`` shows it.
+Engine, tiers and copier each answer ``statistics()`` with an immutable
+:class:`Statistics` snapshot, which their ``repr`` shows.
 """
 
 from __future__ import annotations
@@ -18,19 +17,9 @@ from tiering.lifecycle import Lifecycle
 
 @dataclass(frozen=True, slots=True)
 class Statistics:
-    """A snapshot of one engine, tier or copier.
-
-    * ``state``: where it is in its :class:`~tiering.lifecycle.Lifecycle`.
-    * ``jobs_in_flight`` / ``bytes_in_flight``: admitted work whose result is not known
-      yet, and the payload bytes it moves.
-    * ``used_blocks`` / ``capacity_blocks``, ``used_bytes`` / ``capacity_bytes``: what it
-      holds now and the most it may hold (0 where there is no such bound).
-    * ``pinned_blocks``: blocks that may not be evicted now (read or written by I/O in
-      flight, or held by a caller).
-    * ``counters``: monotonic totals since creation, by name (``stored_blocks``,
-      ``bytes_to_host``...); each kind of object documents its own names.
-    * ``failures``: failed blocks or jobs since creation, by cause.
-    """
+    """A snapshot of one engine, tier or copier: state, jobs and bytes in flight, what
+    it holds and may hold (0: no bound), pinned blocks, monotonic ``counters`` (named
+    by each kind of object) and ``failures`` by cause."""
 
     state: Lifecycle
     jobs_in_flight: int = 0
@@ -74,12 +63,8 @@ def format_bytes(nbytes: int) -> str:
 
 
 class FailureLog:
-    """Counts failures by cause and logs each cause once, not once per block.
-
-    A *cause* is a short, stable category ("disk full", "checksum mismatch", "tier
-    closed"), not a message that carries counts or keys: the first failure of a cause is
-    logged at WARNING with its detail; later ones only count.
-    """
+    """Counts failures by cause and logs the first of each cause (a short, stable
+    category such as "disk full", never one carrying keys) at WARNING with its detail."""
 
     def __init__(self, logger: logging.Logger, owner: str) -> None:
         self._logger = logger

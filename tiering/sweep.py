@@ -79,12 +79,8 @@ def footprint(requests: Sequence[Request], *, full_blocks_only: bool = False) ->
 
 
 def capacities_from(text: str, footprint_blocks: int) -> list[int]:
-    """Capacities from a comma-separated list of block counts (``1000``) and percentages
-    of the footprint (``5%``), each at least 1 block, ascending, repeats dropped.
-
-    Raises:
-        InvalidArgumentError: an item is neither, or is not positive; naming it.
-    """
+    """Capacities, ascending and distinct, from comma-separated block counts (``1000``)
+    and footprint percentages (``5%``); InvalidArgumentError names a bad item."""
     capacities = set()
     for item in (part.strip() for part in text.split(",")):
         try:
@@ -114,12 +110,7 @@ def sweep(
     full_blocks_only: bool = False,
 ) -> SweepResult:
     """The bookkeeping replay of ``requests`` at every capacity (CPU blocks) with every
-    policy (default: all registered ones).
-
-    Raises:
-        InvalidArgumentError / UnknownPolicyError: an empty workload or capacity list, a
-            capacity that is not a positive integer, or an unknown policy.
-    """
+    policy (default: all). Raises InvalidArgumentError or UnknownPolicyError."""
     if not requests:
         raise InvalidArgumentError("requests: the workload is empty")
     if not capacities:
@@ -147,13 +138,8 @@ def sweep(
 
 
 def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Path:
-    """Draw hit ratio against capacity (log scale, as a fraction of the footprint), one
-    line per policy, into a PNG at ``path``; returns the path.
-
-    Raises:
-        InvalidArgumentError: matplotlib is not installed (``pip install
-            'kv-tiering[plot]'``), or ``path`` cannot be written.
-    """
+    """Draw hit ratio against capacity (log scale), one line per policy, into a PNG at
+    ``path``; InvalidArgumentError without matplotlib or if ``path`` cannot be written."""
     try:
         import matplotlib
 

@@ -1,23 +1,8 @@
-"""Tenants: each tenant's blocks live under keys of its own.
+"""Tenants: each tenant's blocks live under keys of its own (docs/security.md#tenants).
 
-A cache hit leaks: a request that hits on a prefix learns that someone sent it. So an
-engine call may name a ``tenant``, and the tenant then enters the key every block is
-stored, looked up and loaded under: ``scoped = BLAKE2b(hash, key=BLAKE2b(tenant))``.
-Two tenants sending the same prompt get different keys for every block, so neither can
-hit, load, or time the presence of the other's blocks, in any tier (a shared Redis or
-NVMe root included: they only ever see the scoped keys).
-
-Sharing is opt-in, for prefixes an operator declares public (a common system prompt):
-:meth:`Tenancy.share` takes their block hashes, and a call's *leading* blocks that are
-shared keep their plain hash, so every tenant (and untenanted calls) hit on them. The
-first block that is not shared and every block after it are scoped: a block hash covers
-its whole prefix, so a shared block never follows a tenant's own.
-
-Calls without a tenant use the plain hashes, as before tenants existed. Tenant ids
-never reach a key, an event or a metric: metrics name a tenant by :func:`tenant_label`,
-a digest of the id.
-
-Sans-I/O: BLAKE2b of 32-byte hashes, on the caller's thread.
+A tenant's key is ``BLAKE2b(hash, key=BLAKE2b(tenant))``, except for a call's leading
+blocks that the operator shared (:meth:`Tenancy.share`); calls without a tenant use the
+plain hashes. Tenant ids never reach a key, an event or a metric. Sans-I/O.
 """
 
 from __future__ import annotations
@@ -52,11 +37,8 @@ class TenantLookups:
 
 
 def check_tenant(tenant: object) -> str | None:
-    """``tenant`` if it is None or a tenant id (1 to 256 characters).
-
-    Raises:
-        InvalidArgumentError: naming ``tenant`` and the value.
-    """
+    """``tenant`` if it is None or a tenant id (1 to 256 characters), else
+    InvalidArgumentError."""
     if tenant is None or (isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT_CHARS):
         return tenant
     raise InvalidArgumentError(
@@ -72,13 +54,8 @@ def tenant_label(tenant: str) -> str:
 
 
 class Tenancy:
-    """The keys each tenant's blocks are stored under, and the shared prefixes.
-
-    Args:
-        shared_blocks: block hashes every tenant may hit on (see :meth:`share`).
-
-    Raises (constructor): InvalidArgumentError if ``shared_blocks`` is not bytes hashes.
-    """
+    """The keys each tenant's blocks are stored under, and the ``shared_blocks`` every
+    tenant may hit on (InvalidArgumentError if not bytes hashes)."""
 
     __slots__ = ("_secrets", "_shared")
 
@@ -87,15 +64,8 @@ class Tenancy:
         self._secrets: dict[str, bytes] = {}
 
     def share(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Let every tenant hit on these blocks (the hashes of a public prefix, such as
-        :func:`~tiering.hashing.block_hashes` of a common system prompt). Sharing is for
-        prefixes: a shared hash counts only while every block before it in a call is
-        shared too.
-
-        Raises:
-            InvalidArgumentError: ``block_hashes`` is not an iterable of bytes; nothing
-                is shared then.
-        """
+        """Let every tenant hit on these blocks of a public prefix; InvalidArgumentError,
+        sharing nothing, if ``block_hashes`` is not an iterable of bytes."""
         self._shared.update(hash_list("block_hashes", block_hashes))
 
     @property
@@ -104,9 +74,8 @@ class Tenancy:
         return len(self._shared)
 
     def keys(self, block_hashes: Sequence[BlockHash], tenant: str | None) -> Sequence[BlockHash]:
-        """The keys ``tenant``'s blocks ``block_hashes`` (bytes, checked by the caller)
-        live under: the hashes themselves without a tenant; otherwise the leading shared
-        ones as they are and the rest scoped to the tenant."""
+        """The keys ``tenant``'s blocks live under (see the module docstring); the
+        caller has checked ``block_hashes``."""
         if tenant is None:
             return block_hashes
         secret = self._secrets.get(tenant)
@@ -134,11 +103,8 @@ def tenant_keys(
     tenant: str | None,
     shared_blocks: Iterable[BlockHash] = (),
 ) -> list[BlockHash]:
-    """The keys an engine stores ``tenant``'s blocks under (for a router that matches
-    KV events, which carry these keys, against a tenant's prompts).
-
-    Raises:
-        InvalidArgumentError: a bad tenant or hashes.
+    """The keys an engine stores ``tenant``'s blocks under (for a router matching KV
+    events against a tenant's prompts). InvalidArgumentError for a bad tenant or hashes.
     """
     hashes = hash_list("block_hashes", block_hashes)
     return list(Tenancy(shared_blocks).keys(hashes, check_tenant(tenant)))

@@ -1,15 +1,10 @@
 """Serving workloads to replay: Mooncake-format traces, and synthetic chat traffic.
 
-A workload is a list of :class:`Request`, ordered by arrival. Each request names its
-prompt's blocks by integer ids, prefix-chained as in the Mooncake traces: equal ids at
-the same position mean the whole prefix up to that block is equal, so a block's id is
-its cache key (:meth:`Request.keys` gives the 8-byte keys the engine is called with).
-
-* :func:`read_mooncake` reads a JSON-lines trace (``timestamp`` in ms, ``input_length``,
-  ``output_length``, ``hash_ids``; 512-token blocks, the last one usually partial).
-* :func:`synthetic_requests` makes multi-turn chat sessions sharing a few system
-  prompts, arriving at a given rate, from a seed: the same arguments always give the
-  same requests, so the main commands need no data file.
+A workload is a list of :class:`Request`, ordered by arrival, naming its prompt's blocks
+by prefix-chained integer ids as the Mooncake traces do (equal ids mean equal prefixes,
+so an id is a cache key). :func:`read_mooncake` reads such a JSON-lines trace;
+:func:`synthetic_requests` makes seeded multi-turn chat traffic, so the commands need no
+data file.
 """
 
 from __future__ import annotations
@@ -32,15 +27,9 @@ _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request of a workload.
-
-    * ``arrival_s``: seconds from the workload's start.
-    * ``block_ids``: the prompt's blocks, prefix-chained; the last one is partial when
-      ``input_tokens`` is not a multiple of :data:`TOKENS_PER_BLOCK`.
-    * ``input_tokens`` / ``output_tokens``: the prompt's and the answer's lengths.
-    * ``session``: the conversation it belongs to, when the workload knows (synthetic
-      traffic does; a Mooncake trace does not).
-    """
+    """One request: its arrival (seconds from the start), its prompt's blocks (the last
+    one partial unless ``input_tokens`` is a multiple of :data:`TOKENS_PER_BLOCK`), the
+    prompt's and answer's lengths, and its conversation where known."""
 
     arrival_s: float
     block_ids: tuple[int, ...]
@@ -54,23 +43,17 @@ class Request:
         return min(len(self.block_ids), self.input_tokens // TOKENS_PER_BLOCK)
 
     def keys(self, *, full_blocks_only: bool = False) -> list[bytes]:
-        """The blocks' cache keys: each id as 8 big-endian bytes. With
-        ``full_blocks_only`` a partial last block is left out (it is almost never reused,
-        and vLLM never offloads one)."""
+        """The blocks' cache keys, each id as 8 big-endian bytes; ``full_blocks_only``
+        leaves out a partial last block (vLLM never offloads one)."""
         ids = self.block_ids[: self.full_blocks] if full_blocks_only else self.block_ids
         return [i.to_bytes(8, "big") for i in ids]
 
 
 def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request]:
-    """The requests of a Mooncake-format JSON-lines trace, in file order (blank lines
-    are skipped); at most ``limit`` of them.
-
-    Raises:
-        TraceError: the file cannot be read or holds no request, or a line is not a JSON
-            object with a non-negative number ``timestamp`` (ms), non-negative integers
-            ``input_length`` and ``output_length``, and ``hash_ids``, a list of integers
-            in 0 .. 2**64 - 1. The message names the file and the line number.
-        InvalidArgumentError: ``limit`` is not a positive integer.
+    """The first ``limit`` requests of a Mooncake-format JSON-lines trace, in file order.
+    Raises TraceError, naming file and line, if the file cannot be read, holds no request,
+    or has a line not of the format (``timestamp`` in ms, ``input_length``,
+    ``output_length``, ``hash_ids`` of 64-bit ints); InvalidArgumentError for a bad limit.
     """
     if limit is not None:
         limit = positive_int("limit", limit)
@@ -95,20 +78,14 @@ def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request
 
 
 def _parse_line(line: str) -> Request:
-    """One trace line as a request.
-
-    Raises:
-        ValueError: why the line is not a trace record.
-    """
+    """One trace line as a request; ValueError says why it is not one."""
     try:
         record = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as exc:  # its own "line 1" would mix with the file's line
         raise ValueError(f"not JSON: {exc.msg} at column {exc.pos + 1}") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    missing = [
-        k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in record
-    ]
+    missing = [k for k in _FIELDS if k not in record]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     timestamp = record["timestamp"]
@@ -151,20 +128,12 @@ def synthetic_requests(
 ) -> list[Request]:
     """Multi-turn chat traffic, ordered by arrival; the same arguments give the same list.
 
-    Sessions start as a Poisson process of ``rate_per_s`` (sessions per second). Each
-    picks one of ``system_prompts`` system prompts (the first ones far more often: a
-    Zipf-like popularity) of ``system_prompt_blocks`` blocks each. Turn ``t`` sends the
-    system prompt, the whole conversation so far (each earlier turn's user blocks and
-    reply blocks) and ``user_blocks_per_turn`` new full blocks, plus a partial last block
-    that no later request repeats; the next turn follows after an exponentially
-    distributed think time of mean ``think_time_s``. So system prompts are shared by
-    every session, a conversation's prefix by its own later turns, and partial blocks
-    by nobody.
-
-    Raises:
-        InvalidArgumentError: a count is not a positive integer (``system_prompt_blocks``,
-            ``user_blocks_per_turn`` and ``reply_blocks_per_turn`` may be 0), or a rate or
-            time is not a positive finite number; naming the argument and its value.
+    Sessions start as a Poisson process of ``rate_per_s``, each with one of
+    ``system_prompts`` system prompts (Zipf-like popularity). A turn sends the system
+    prompt, the conversation so far, ``user_blocks_per_turn`` new blocks and a partial
+    block; the next follows an exponential think time of mean ``think_time_s``. Raises
+    InvalidArgumentError, naming the argument, for a bad count (block counts may be 0),
+    rate or time.
     """
     sessions = positive_int("sessions", sessions)
     turns_per_session = positive_int("turns_per_session", turns_per_session)

@@ -95,13 +95,9 @@ def listing(found: dict[str, Path], width: int | None = None) -> list[str]:
 
 def run_benchmark(command: list[str]) -> int:
     """Run ``command`` and return its exit status (128 + the signal's number if a signal
-    ended it).
-
-    On Ctrl-C the benchmark, in this process group, receives SIGINT from the terminal
-    too: it is given ``INTERRUPT_GRACE_S`` to stop by itself (it prints its own line and
-    exits 130), then sent SIGINT, which covers a signal sent to this process alone; this
-    process prints nothing and returns the benchmark's status.
-    """
+    ended it). After Ctrl-C (which the benchmark, in this process group, receives too)
+    it has ``INTERRUPT_GRACE_S`` to stop by itself before it is sent SIGINT; this
+    process prints nothing."""
     child = subprocess.Popen(command)
     try:
         status = child.wait()

@@ -32,12 +32,8 @@ def policy_names() -> list[str]:
 
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     """A policy bound to ``capacity`` blocks, from a registered name or an instance.
-
-    Raises:
-        UnknownPolicyError: ``policy`` is a string no policy is registered under, or
-            neither a string nor an :class:`EvictionPolicy`.
-        InvalidArgumentError: ``capacity`` is not a positive int.
-    """
+    Raises UnknownPolicyError for any other ``policy``, InvalidArgumentError for a bad
+    ``capacity``."""
     if isinstance(policy, EvictionPolicy):
         instance = policy
     elif isinstance(policy, str) and policy in _POLICIES:

@@ -15,52 +15,26 @@ _ABSENT = object()
 
 @dataclass(frozen=True, slots=True)
 class ARCSnapshot:
-    """A copy of an :class:`ARCPolicy`'s lists, each ordered least to most recent."""
+    """A copy of an :class:`ARCPolicy`'s lists, each ordered least to most recent:
+    resident keys seen once (``t1``) or again or readmitted from a ghost (``t2``), the
+    ghosts evicted from each (``b1``, ``b2``), and the target ``p`` for ``|t1|``."""
 
     t1: tuple[BlockHash, ...]
-    """Resident keys seen once since they were (re)admitted."""
     t2: tuple[BlockHash, ...]
-    """Resident keys seen at least twice (or readmitted from a ghost list)."""
     b1: tuple[BlockHash, ...]
-    """Ghosts of keys evicted from ``t1`` (keys only, not resident)."""
     b2: tuple[BlockHash, ...]
-    """Ghosts of keys evicted from ``t2`` (keys only, not resident)."""
     target_t1: float
-    """ARC's adaptive target ``p`` for the size of ``t1``, in ``[0, capacity]``."""
 
 
 class ARCPolicy(EvictionPolicy):
-    """ARC: balances recency (``T1``) against frequency (``T2``) with ghost feedback.
+    """ARC (Megiddo & Modha) with capacity ``c`` and adaptive ``T1`` target ``p``.
 
-    Rules, with ``c`` the bound capacity and ``p`` the adaptive target size of ``T1``
-    (starts at 0):
-
-    * ``insert(key)``: a key found in ghost list ``B1`` raises ``p`` by
-      ``max(|B2|/|B1|, 1)`` (capped at ``c``); one found in ``B2`` lowers it by
-      ``max(|B1|/|B2|, 1)`` (floored at 0). Either way it leaves the ghost list and
-      becomes the most recent key of ``T2``. Any other key becomes the most recent
-      key of ``T1``.
-    * ``touch(keys)``: a resident key in ``T1`` moves to the most recent end of
-      ``T2``; one in ``T2`` becomes its most recent. ``keys[0]`` ends most recent.
-      Ghost keys are not resident and are ignored.
-    * ``evict(n, can_evict)``: ARC's REPLACE, once per victim: take the least
-      recent evictable key of ``T1`` if ``|T1| > p``, else of ``T2``; when the
-      preferred list holds no evictable key, take from the other. Because the
-      manager evicts *before* it inserts, the policy cannot know whether the
-      incoming key is a ``B2`` ghost, so ARC's ``|T1| == p`` tie-break for that case
-      is dropped (ties go to ``T2``). A victim becomes the most recent ghost of
-      ``B1`` (from ``T1``) or ``B2`` (from ``T2``). Keys failing ``can_evict`` keep
-      their place.
-    * ``remove(key)``: the key leaves with no ghost entry and ``p`` is unchanged.
-
-    Ghost bounds: while at most ``c`` keys are resident (the manager's guarantee),
-    after every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c``; the oldest ghosts
-    of ``B1`` (first bound), then of ``B2`` (second bound), are dropped to keep them.
-    The second bound never needs ``B1`` trimmed once the first holds. No key is
-    ever both resident and a ghost.
-
-    Cost: ``insert``/``touch``/``remove`` are O(1) per key; ``evict`` is O(n plus
-    the pinned keys it steps over), like :class:`~tiering.policies.lru.LRUPolicy`.
+    One deviation from the paper: the manager evicts before it inserts, so REPLACE
+    cannot know whether the incoming key is a ``B2`` ghost and ties (``|T1| == p``) go
+    to ``T2``. When the preferred list has no evictable key, the other one gives. After
+    every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (oldest ghosts dropped), and
+    no key is both resident and a ghost. ``remove`` leaves no ghost and keeps ``p``.
+    ``insert``/``touch``/``remove`` are O(1) a key, ``evict`` O(n + pinned keys passed).
     """
 
     name = "arc"
@@ -91,10 +65,7 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, key: BlockHash) -> None:
         """Admit ``key`` (to ``T2`` if it is a ghost, adapting ``p``; else to ``T1``).
-
-        Raises:
-            InvalidArgumentError: ``key`` is already resident; nothing was changed.
-        """
+        Raises InvalidArgumentError if it is already resident."""
         t1, t2 = self._t1, self._t2
         if key in t2 or key in t1:
             raise InvalidArgumentError(f"key {key!r} is already resident in the ARC policy")
@@ -127,21 +98,12 @@ class ARCPolicy(EvictionPolicy):
                 t2[key] = None
 
     def remove(self, key: BlockHash) -> None:
-        """Forget resident ``key`` without a ghost entry.
-
-        Raises:
-            BlockNotFoundError: ``key`` is not resident; nothing was changed.
-        """
+        """Forget resident ``key`` without a ghost entry (BlockNotFoundError if absent)."""
         if self._t1.pop(key, _ABSENT) is _ABSENT and self._t2.pop(key, _ABSENT) is _ABSENT:
             raise BlockNotFoundError(f"key {key!r} is not resident in the ARC policy")
 
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """Drop and return ``n`` distinct resident keys accepted by ``can_evict``.
-
-        Calls ``can_evict`` at most once per resident key. If the manager's guarantee
-        is broken (fewer than ``n`` evictable keys), returns every evictable key
-        (fewer than ``n``); it always terminates. ``n <= 0`` returns ``[]``.
-        """
+        """As :meth:`EvictionPolicy.evict`; ``can_evict`` is called at most once a key."""
         victims: list[BlockHash] = []
         if n <= 0:
             return victims

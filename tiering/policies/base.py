@@ -18,19 +18,12 @@ from tiering.validation import positive_int
 class EvictionPolicy(ABC):
     """Decides which resident keys leave first.
 
-    Protocol (guaranteed by the owning manager):
-
-    * ``bind(capacity)`` is called once, before anything else.
-    * ``insert(key)`` is called for a key that is not resident; it becomes resident.
-    * ``touch(keys)`` may name keys that are not resident; those are ignored.
-    * ``remove(key)`` is called for a resident key that leaves without eviction
-      (a failed store); the policy forgets it without recording history.
-    * ``evict(n, can_evict)`` is called only when at least ``n`` resident keys satisfy
-      ``can_evict``; it must return exactly ``n`` distinct such keys, which are no
-      longer resident afterwards. Keys failing ``can_evict`` stay resident.
-    * ``admit(key)`` is asked, for a key that is not resident, before a store gives it
-      a slot; a key it declines is not stored (nothing is evicted for it). A policy
-      that admits everything need not override it.
+    Protocol (guaranteed by the owning manager): ``bind(capacity)`` comes first, once;
+    ``insert(key)`` names a key not resident; ``touch(keys)`` ignores keys not resident;
+    ``remove(key)`` forgets a resident key without history (a failed store);
+    ``evict(n, can_evict)`` is called only when at least ``n`` resident keys satisfy
+    ``can_evict`` and returns exactly ``n`` distinct such keys, no longer resident;
+    ``admit(key)`` is asked before a store gives a key a slot.
     """
 
     name: str = ""
@@ -39,12 +32,8 @@ class EvictionPolicy(ABC):
         self.capacity = 0
 
     def bind(self, capacity: int) -> None:
-        """Size the policy for a tier of ``capacity`` blocks.
-
-        Raises:
-            InvalidArgumentError: ``capacity`` is not a positive int, or the policy is
-                already bound to another capacity (one instance serves one tier).
-        """
+        """Size the policy for a tier of ``capacity`` blocks. Raises InvalidArgumentError
+        for a bad capacity or one other than already bound (an instance serves one tier)."""
         positive_int("capacity", capacity)
         if self.capacity and self.capacity != capacity:
             raise InvalidArgumentError(
@@ -66,7 +55,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """Pick and drop ``n`` resident keys accepted by ``can_evict``."""
+        """Pick and drop ``n`` distinct resident keys accepted by ``can_evict`` (fewer,
+        without looping forever, if fewer are evictable)."""
 
     def admit(self, key: BlockHash) -> bool:
         """Whether a store may give ``key`` a slot (the default: always)."""

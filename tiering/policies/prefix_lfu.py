@@ -1,30 +1,22 @@
 """Frequency over age for prefix-chained KV blocks, leaves first (``"prefix-lfu"``).
 
-A KV block is worth keeping for the requests that will hit it, and prefix-chained
-blocks have a shape generic policies ignore: a block is only useful while its parent is
-cached, the first blocks of shared system prompts are read by many sessions, and most
-blocks are read once. So:
+A prefix-chained block is only useful while its parent is cached, shared system prompts'
+first blocks are read by many sessions, and most blocks are read once. So:
 
-* **Frequency over age.** Each block has a request count: every :meth:`touch` naming it
-  adds one, cached or not. A block not cached keeps its count in a *ghost*, so a block
-  that returns resumes its count. The ghost ages: every ``ghost_window`` x capacity
-  touched keys its counts halve (computed when a count is read, so aging never walks
-  the ghost), and a count that reaches 0 counts as forgotten; ``ghost_factor`` x
-  capacity bounds it, oldest dropped first.
-  The victim is the evictable block with the lowest ``count / age ** age_weight`` (age:
-  requests since its last touch, plus one).
+* **Frequency over age.** Every :meth:`touch` naming a block adds one to its count,
+  cached or not; a block not cached keeps its count in a *ghost*, whose counts halve
+  every ``ghost_window`` x capacity touched keys (computed on read) and which holds at
+  most ``ghost_factor`` x capacity keys, oldest dropped first. The victim is the
+  evictable block with the lowest ``count / age ** age_weight`` (age: requests since
+  its last touch, plus one).
 * **O(classes), not O(n).** Blocks wait in one least-recently-touched queue per count
-  class (counts 1, 2-3, 4-7, ... : ``CLASSES`` classes); eviction compares only the
-  first evictable block of each queue.
-* **Leaves first.** A block whose child is cached waits outside the queues: it is not
-  evicted before its children, so the cache stays prefix-closed. The parent of each
-  block is learned from the order of the keys :meth:`touch` gets (a request's blocks, in
-  prefix order). When its last cached child leaves, a block rejoins its queue at the
-  front: it is the next candidate of its class. Only if every evictable block is an
-  inner one (the rest pinned) does an inner block go.
+  class (1, 2-3, 4-7, ...); eviction compares only each queue's first evictable block.
+* **Leaves first.** A block whose child is cached (learned from the key order
+  :meth:`touch` gets) waits outside the queues, so the cache stays prefix-closed; when
+  its last cached child leaves it rejoins its queue at the front. An inner block goes
+  only if every evictable block is inner.
 
-Measured on the Mooncake synthetic trace (full blocks only, hit ratio against LRU at
-1 / 2 / 5 / 10 / 25 / 50 % of the footprint): see ``docs/replay.md``.
+Hit ratios against LRU: ``docs/replay.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +29,7 @@ from dataclasses import dataclass
 from tiering.abstract import BlockHash
 from tiering.errors import InvalidArgumentError
 from tiering.policies.base import EvictionPolicy
+from tiering.validation import positive_int
 
 CLASSES = 16
 """Count classes: class ``c`` holds counts in ``[2**(c-1), 2**c)``; the last, the rest."""
@@ -46,9 +39,8 @@ ADMISSIONS = ("duel", "all", "second-sight")
 
 @dataclass(frozen=True, slots=True)
 class PrefixLFUState:
-    """A copy of a :class:`PrefixLFUPolicy`'s state, for tests and debugging: each cached
-    key's count and queue (``-1``: an inner block, waiting for its children), the
-    ghost's counts, oldest first, and each cached key's cached children."""
+    """A copy of a :class:`PrefixLFUPolicy`'s counts, queues (``-1``: an inner block),
+    ghost counts (oldest first) and cached children, for tests and debugging."""
 
     counts: Mapping[BlockHash, int]
     queue_of: Mapping[BlockHash, int]
@@ -59,20 +51,12 @@ class PrefixLFUState:
 class PrefixLFUPolicy(EvictionPolicy):
     """Evicts the cached leaf block with the lowest count / age**age_weight.
 
-    Args:
-        age_weight: how much age discounts a count (0: pure frequency, 1: count per
-            request since the last touch).
-        ghost_window: the ghost's counts halve every this many times the capacity
-            touched keys.
-        ghost_factor: the ghost never holds more than this many times the capacity.
-        admission: which blocks a store may add: ``"all"``; ``"second-sight"``, only a
-            block requested before (its count, kept by the ghost, is at least two: the
-            request storing it counts once); or ``"duel"``, whichever of the two is
-            ahead in two miniature shadow caches run on a sample of the keys.
-        sample: with ``"duel"``, one key in ``sample`` (by a hash of the key) feeds the
-            shadows, each ``capacity / sample`` blocks (at least 4).
-
-    Raises (constructor): InvalidArgumentError for a negative or non-finite weight, a
+    ``age_weight``: 0 is pure frequency, 1 count per request since the last touch.
+    ``ghost_window``, ``ghost_factor``: see the module docstring. ``admission``: which
+    blocks a store may add: ``"all"``; ``"second-sight"``, only a block requested before
+    (ghost count at least two); or ``"duel"``, whichever of the two is ahead in two
+    shadow caches of ``capacity / sample`` blocks (at least 4) fed one key in ``sample``.
+    Raises InvalidArgumentError for a negative or non-finite weight, a ghost window,
     ghost factor or sample that is not a positive int, or an unknown admission.
     """
 
@@ -91,23 +75,20 @@ class PrefixLFUPolicy(EvictionPolicy):
             raise InvalidArgumentError(
                 f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}"
             )
-        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
-            raise InvalidArgumentError(f"sample must be a positive int, got {sample!r}")
         self.admission = admission
-        self.sample = sample
+        self.sample = positive_int("sample", sample)
         self._second_sight = admission == "second-sight"  # the duel moves it
         self._shadows: tuple[_Shadow, _Shadow] | None = None  # made when bound
-        if isinstance(age_weight, bool) or not isinstance(age_weight, int | float):
+        if (
+            isinstance(age_weight, bool)
+            or not isinstance(age_weight, int | float)
+            or not 0 <= age_weight < float("inf")
+        ):
             raise InvalidArgumentError(f"age_weight must be a number >= 0, got {age_weight!r}")
-        if not 0 <= age_weight < float("inf"):
-            raise InvalidArgumentError(f"age_weight must be a number >= 0, got {age_weight!r}")
-        for name, value in (("ghost_window", ghost_window), ("ghost_factor", ghost_factor)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        self.ghost_window = ghost_window
+        self.ghost_window = positive_int("ghost_window", ghost_window)
         self._touched = 0  # keys touched since the ghost last aged
         self.age_weight = float(age_weight)
-        self.ghost_factor = ghost_factor
+        self.ghost_factor = positive_int("ghost_factor", ghost_factor)
         self._tick = 0  # one per touch: ages are counted in requests
         self._count: dict[BlockHash, int] = {}  # cached: its request count
         self._last: dict[BlockHash, int] = {}  # cached: the tick of its last touch
@@ -119,8 +100,6 @@ class PrefixLFUPolicy(EvictionPolicy):
         self._epoch = 0
         self._parent: dict[BlockHash, BlockHash] = {}  # cached or ghost keys only
         self._children: dict[BlockHash, int] = {}  # key -> its cached children
-
-    # ---------------------------------------------------------------- protocol
 
     def bind(self, capacity: int) -> None:
         super().bind(capacity)
@@ -142,9 +121,8 @@ class PrefixLFUPolicy(EvictionPolicy):
         )
 
     def admit(self, key: BlockHash) -> bool:
-        if not self._second_sight:
-            return True
-        return self._ghost_count(key) >= 2  # requested before this request
+        # Second sight: requested before this request.
+        return not self._second_sight or self._ghost_count(key) >= 2
 
     @property
     def prefers_second_sight(self) -> bool:
@@ -162,9 +140,7 @@ class PrefixLFUPolicy(EvictionPolicy):
         if key in self._children:
             self._class[key] = -1
         else:
-            c = min(count.bit_length(), CLASSES) - 1
-            self._class[key] = c
-            self._queues[c][key] = None
+            self._enqueue(key)
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
         self._tick += 1
@@ -234,11 +210,8 @@ class PrefixLFUPolicy(EvictionPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._count
 
-    # ---------------------------------------------------------------- internals
-
     def _best_leaf(self, can_evict: Callable[[BlockHash], bool]) -> BlockHash | None:
-        """The evictable leaf with the lowest score among the queues' first evictable
-        ones (None if no leaf may go)."""
+        """The lowest-scoring of the queues' first evictable leaves, or None."""
         best: BlockHash | None = None
         best_score = 0.0
         now, weight, count, last = self._tick + 1, self.age_weight, self._count, self._last
@@ -298,20 +271,19 @@ class PrefixLFUPolicy(EvictionPolicy):
         del self._children[parent]
         if parent in self._count:
             # A leaf again, and its class's next candidate: once a chain's tail has gone,
-            # the rest of the chain follows unless it is requested again (measured
-            # better than placing it by the age of its last touch: docs/replay.md).
+            # the rest of the chain follows unless it is requested again.
             self._enqueue(parent, front=True)
 
     def _ghost_count(self, key: BlockHash) -> int:
-        """``key``'s ghost count now, halved once per epoch since it was set (0 when
-        not in the ghost, or aged away)."""
+        """``key``'s ghost count, halved once per epoch since it was set (0 if absent)."""
         entry = self._ghost.get(key)
         return 0 if entry is None else entry[0] >> (self._epoch - entry[1])
 
     def _take_ghost(self, key: BlockHash) -> int:
         """Remove ``key`` from the ghost; its count now (0 if it was not there)."""
-        entry = self._ghost.pop(key, None)
-        return 0 if entry is None else entry[0] >> (self._epoch - entry[1])
+        count = self._ghost_count(key)
+        self._ghost.pop(key, None)
+        return count
 
     def _trim_ghost(self) -> None:
         ghost, limit = self._ghost, self.ghost_factor * max(1, self.capacity)
@@ -334,9 +306,8 @@ class _Shadow:
         self.decay = 1.0 - 1.0 / (8 * capacity)  # remembers about 8 capacities of keys
 
     def request(self, keys: Sequence[BlockHash]) -> None:
-        """One request's sampled keys, stored as a manager stores them: its cached keys
-        are hits, and the admitted others get room all at once, its own cached keys
-        protected (so a long one-off request shows what it pushes out)."""
+        """One request's sampled keys, stored as a manager stores them (room for all the
+        admitted new keys at once, its own cached keys protected)."""
         policy = self.policy
         policy.touch(keys)
         hits = sum(1 for key in keys if key in policy)

@@ -17,68 +17,34 @@ _ABSENT = object()
 
 @dataclass(frozen=True, slots=True)
 class S3FIFOSnapshot:
-    """A copy of an :class:`S3FIFOPolicy`'s queues, each ordered oldest (next out) first."""
+    """A copy of an :class:`S3FIFOPolicy`'s queues ``S``, ``M`` and ``G``, each oldest
+    (next out) first, and every resident key's counter (0..3)."""
 
     small: tuple[BlockHash, ...]
-    """Resident keys in the small probationary queue ``S``."""
     main: tuple[BlockHash, ...]
-    """Resident keys in the main queue ``M``."""
     ghost: tuple[BlockHash, ...]
-    """Keys evicted from ``S`` without promotion (not resident)."""
     freq: dict[BlockHash, int]
-    """The access counter (0..3) of every resident key."""
 
 
 class S3FIFOPolicy(EvictionPolicy):
-    """S3-FIFO: a small FIFO filters one-hit keys before they reach the main FIFO.
+    """S3-FIFO (Algorithm 1 of the paper): a small FIFO ``S`` filters one-hit keys before
+    they reach the main FIFO ``M``; keys evicted from ``S`` unpromoted go to the ghost
+    queue ``G``, and a ghost that returns joins ``M``. Counters saturate at 3.
 
-    Rules (Algorithm 1 of the paper), with ``c`` the bound capacity:
-
-    * ``insert(key)``: a key found in the ghost queue ``G`` leaves ``G`` and joins the
-      tail of the main queue ``M``; any other key joins the tail of the small queue
-      ``S``. Its counter starts at 0.
-    * ``touch(keys)``: each resident key's counter rises by one, saturating at 3.
-      Order within ``keys`` is irrelevant to FIFO queues.
-    * ``evict(n, can_evict)``, once per victim: evict from ``S`` if
-      ``|S| >= small_ratio * c`` (the paper's test, on the real-valued share: below
-      ``c = 10`` any non-empty ``S`` qualifies), else from ``M``; if the chosen queue
-      holds no evictable key, from the other.
-
-      - From ``S``: pop the head; if its counter is above 1 it moves to ``M``'s tail
-        with its counter cleared (as the authors' implementation does) and the next
-        head is tried; otherwise it is the victim and its key joins ``G``'s tail.
-      - From ``M``: pop the head; if its counter is above 0 it is decremented and the
-        key goes back to ``M``'s tail; otherwise it is the victim (no ghost entry).
-
-      Unlike the paper's EVICTS, a promotion never evicts from ``M`` in the same
-      step: the manager owns the resident total, and one step frees exactly one
-      key; an over-full ``M`` is drained by the next steps, which turn to ``M`` once
-      ``S`` has fallen below its share.
-    * ``remove(key)``: the key leaves with no ghost entry.
-
-    Keys failing ``can_evict`` move to the tail of their own queue with their counter
-    unchanged. Termination: ``S`` is given up for the call once every key left in it
-    has been stepped over in this call (such keys form its tail, and nothing else
-    joins ``S`` during ``evict``); ``M`` is given up after ``|M|`` consecutive
-    stepped-over keys with no decrement or promotion between them (every key of
-    ``M`` failed ``can_evict``). Decrements are bounded by the counters (at most 3
-    each; no touch happens during ``evict``), so ``evict`` terminates, doing at worst
-    O(n + |S| + 4|M|) steps; the decrements it does were paid for by ``touch``.
-    ``can_evict`` is assumed not to change its answer during one call.
-
-    After every call ``G`` holds at most ``c - floor(small_ratio * c)`` keys (at
-    least 1), the number ``M`` is meant to hold, dropping its oldest first. No key is
-    ever both resident and in ``G``.
+    Deviations: a promotion from ``S`` clears the counter (as the authors' code does)
+    and never evicts from ``M`` in the same step (the manager owns the resident total;
+    later steps drain an over-full ``M``). Keys failing ``can_evict`` (assumed stable
+    during a call) go to their queue's tail unchanged; ``S`` is given up once all its
+    keys were stepped over, ``M`` after ``|M|`` in a row, so ``evict`` takes at most
+    O(n + |S| + 4|M|) steps. ``G`` holds at most ``c - floor(small_ratio * c)`` keys (at
+    least 1), oldest dropped first; no key is both resident and in ``G``.
     """
 
     name = "s3fifo"
 
     def __init__(self, small_ratio: float = 0.1) -> None:
-        """Create an unbound policy whose small queue targets ``small_ratio`` of the tier.
-
-        Raises:
-            InvalidArgumentError: ``small_ratio`` is not a number in ``(0, 1)``.
-        """
+        """An unbound policy whose small queue targets ``small_ratio`` (in ``(0, 1)``, else
+        InvalidArgumentError) of the tier."""
         super().__init__()
         if (
             not isinstance(small_ratio, int | float)
@@ -98,11 +64,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._freq: dict[BlockHash, int] = {}
 
     def bind(self, capacity: int) -> None:
-        """Size ``S``'s share and ``G`` for a tier of ``capacity`` blocks.
-
-        Raises:
-            InvalidArgumentError: as :meth:`EvictionPolicy.bind`; nothing was changed.
-        """
+        """Size ``S``'s share and ``G``; raises as :meth:`EvictionPolicy.bind`."""
         super().bind(capacity)
         self._small_target = self.small_ratio * capacity
         self._ghost_capacity = max(1, capacity - int(self._small_target))
@@ -123,10 +85,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def insert(self, key: BlockHash) -> None:
         """Admit ``key`` (to ``M`` if it is in ``G``, else to ``S``) with counter 0.
-
-        Raises:
-            InvalidArgumentError: ``key`` is already resident; nothing was changed.
-        """
+        Raises InvalidArgumentError if it is already resident."""
         freq = self._freq
         if key in freq:
             raise InvalidArgumentError(f"key {key!r} is already resident in the S3-FIFO policy")
@@ -145,23 +104,14 @@ class S3FIFOPolicy(EvictionPolicy):
                 freq[key] = count + 1
 
     def remove(self, key: BlockHash) -> None:
-        """Forget resident ``key`` without a ghost entry.
-
-        Raises:
-            BlockNotFoundError: ``key`` is not resident; nothing was changed.
-        """
+        """Forget resident ``key`` without a ghost entry (BlockNotFoundError if absent)."""
         if self._freq.pop(key, _ABSENT) is _ABSENT:
             raise BlockNotFoundError(f"key {key!r} is not resident in the S3-FIFO policy")
         if self._small.pop(key, _ABSENT) is _ABSENT:
             del self._main[key]
 
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """Drop and return ``n`` distinct resident keys accepted by ``can_evict``.
-
-        If the manager's guarantee is broken (fewer than ``n`` evictable keys),
-        returns every evictable key (fewer than ``n``); it always terminates.
-        ``n <= 0`` returns ``[]``.
-        """
+        """As :meth:`EvictionPolicy.evict`."""
         victims: list[BlockHash] = []
         if n <= 0:
             return victims
