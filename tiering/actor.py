@@ -28,14 +28,12 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Inbox, InboxStatistics, Lane
-from tiering.ledger import ResultsLedger
-from tiering.lifecycle import Lifecycle
+from tiering.ledger import ResultsLedger, TierJob
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, SecondaryTierManager
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import positive_int, seconds
@@ -59,16 +57,7 @@ _CURRENT_JOB: contextvars.ContextVar[tuple[TierActor, int] | None] = contextvars
 )
 
 
-@dataclass(eq=False, slots=True)
-class _Job:
-    """An admitted job: queued until the serving task hands it to a job task."""
-
-    meta: JobMetadata
-    lane: Lane
-    task: asyncio.Task[JobResult] | None = None
-
-
-class TierActor(SecondaryTierManager):
+class TierActor(AsyncService, SecondaryTierManager):
     """A secondary tier served by an asyncio actor; subclasses implement the two hooks.
 
     Guarantees:
@@ -120,7 +109,7 @@ class TierActor(SecondaryTierManager):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Task[None] | None = None
         self._task_group: asyncio.TaskGroup | None = None
-        self._inbox: Inbox[_Job] = Inbox(inbox_size, owner=type(self).__name__)
+        self._inbox: Inbox[TierJob] = Inbox(inbox_size, owner=type(self).__name__)
         self._ledger = ResultsLedger(owner=type(self).__name__, on_delivered=self._delivered)
         self._failures = FailureLog(logger, type(self).__name__)
         self._inflight = asyncio.Semaphore(max_inflight)
@@ -134,7 +123,7 @@ class TierActor(SecondaryTierManager):
         self._background: set[asyncio.Task[None]] = set()  # spawn()ed, cancelled at close
         self._stopped = False  # close decided: every job failed or finished, pool shut
 
-        self._jobs: dict[int, _Job] = {}  # admitted, result not yet delivered
+        self._next_id = 0  # for jobs the engine sends
         self._reserved_ids: set[int] = set()  # put_* waiting for room
         self._storing: Counter[OffloadKey] = Counter()
         # Why jobs cut short by a close fail: the message, and its cause for statistics.
@@ -261,23 +250,11 @@ class TierActor(SecondaryTierManager):
         else:
             # No loop will run the tasks again, so no thread call can report back.
             self._calls_running = 0
-            for job_id in list(self._jobs):
-                while self._ledger.is_busy(job_id):
-                    self._ledger.idle(job_id)
+            for job in self._ledger.undelivered():
+                while job.busy:
+                    self._ledger.idle(job.meta.job_id)
         usable = loop is None or not loop.is_closed()
         self._stop(notify=usable)
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     @property
     def state(self) -> Lifecycle:
@@ -363,21 +340,46 @@ class TierActor(SecondaryTierManager):
         await self._put(job, "load")
 
     def _submit_now(self, job: JobMetadata, lane: Lane) -> None:
-        meta = self._admit(job)
-        entry = _Job(meta, lane)
+        entry = TierJob(self._admit(job), lane)
         self._inbox.put_nowait(lane, entry)
         self._register(entry)
 
+    def _send(
+        self,
+        lane: Lane,
+        keys: tuple[OffloadKey, ...],
+        slots: tuple[int, ...],
+        on_done: Callable[[JobResult], None],
+    ) -> bool:
+        """Queue a job whose arguments the caller has checked (the engine's road, through
+        :meth:`TierClient.send <tiering.tier_client.TierClient.send>`); a full lane parks
+        it rather than refuse it; returns False if it was parked. ``on_done(result)`` is
+        called exactly once, later on the loop (or at once if a close finds no loop
+        running), never inside this call.
+
+        Raises:
+            ClosedError: the tier is not open; nothing was queued.
+        """
+        if self._state is not Lifecycle.OPEN:
+            raise ClosedError(f"the {self.get_tier_type()} tier is {self._state}")
+        while self._next_id in self._ledger or self._next_id in self._reserved_ids:
+            self._next_id += 1
+        job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
+        self._next_id += 1
+        queued = self._inbox.park(lane, job)
+        self._register(job)
+        return queued
+
     async def _put(self, job: JobMetadata, lane: Lane) -> None:
-        meta = self._admit(job)
-        entry = _Job(meta, lane)
-        self._reserved_ids.add(meta.job_id)
+        entry = TierJob(self._admit(job), lane)
+        job_id = entry.meta.job_id
+        self._reserved_ids.add(job_id)
         try:
             await self._inbox.put(lane, entry)
         except ClosedError:
-            raise ClosedError(f"{self._name()} closed while job {meta.job_id} waited") from None
+            raise ClosedError(f"{self._name()} closed while job {job_id} waited") from None
         finally:
-            self._reserved_ids.discard(meta.job_id)
+            self._reserved_ids.discard(job_id)
         # No await between the inbox taking the job and this: the server cannot see it
         # before it is registered.
         self._register(entry)
@@ -430,9 +432,8 @@ class TierActor(SecondaryTierManager):
                 )
         return JobMetadata(job_id, keys, block_ids)
 
-    def _register(self, job: _Job) -> None:
-        self._ledger.admit(job.meta.job_id, job.meta.keys)
-        self._jobs[job.meta.job_id] = job
+    def _register(self, job: TierJob) -> None:
+        self._ledger.admit(job)
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
@@ -584,7 +585,7 @@ class TierActor(SecondaryTierManager):
             job.task = task
             task.add_done_callback(functools.partial(self._on_job_done, job))
 
-    async def _run_job(self, job: _Job) -> JobResult:
+    async def _run_job(self, job: TierJob) -> JobResult:
         """Run one hook; turn every failure of it into a failed JobResult."""
         meta = job.meta
         _CURRENT_JOB.set((self, meta.job_id))
@@ -609,7 +610,7 @@ class TierActor(SecondaryTierManager):
         return job_result
 
     def _hook_failed(
-        self, job: _Job, cause: str, error: str, exc: BaseException | None
+        self, job: TierJob, cause: str, error: str, exc: BaseException | None
     ) -> JobResult:
         self._failures.record(f"{job.lane} hook {cause}", detail=error)
         logger.debug(
@@ -617,11 +618,11 @@ class TierActor(SecondaryTierManager):
         )
         return JobResult(job.meta.job_id, False, tuple(job.meta.keys), error)
 
-    def _on_job_done(self, job: _Job, task: asyncio.Task[JobResult]) -> None:
+    def _on_job_done(self, job: TierJob, task: asyncio.Task[JobResult]) -> None:
         self._inflight.release()
         job_id = job.meta.job_id
-        if job_id not in self._jobs:
-            return  # its result was already delivered (a stubborn hook ended late)
+        if job.result is not None:
+            return  # decided already (a close failed it; a stubborn hook ended late)
         if task.cancelled():
             self._fail(job_id, self._cancel_reason, self._cancel_cause)
         elif (exc := task.exception()) is not None:
@@ -644,8 +645,7 @@ class TierActor(SecondaryTierManager):
 
     # -- completion and closing -------------------------------------------------------
 
-    def _delivered(self, job_id: int, job_result: JobResult) -> None:
-        job = self._jobs.pop(job_id)
+    def _delivered(self, job: TierJob, job_result: JobResult) -> None:
         if job.lane == "store":
             keys = set(job.meta.keys)
             self._storing.subtract(keys)
@@ -658,7 +658,7 @@ class TierActor(SecondaryTierManager):
             self._failures.record(cause, detail=reason)
 
     def _cancel_running_jobs(self) -> None:
-        for job in self._jobs.values():
+        for job in self._ledger.undelivered():
             if job.task is not None and not job.task.done():
                 job.task.cancel()
 
@@ -670,6 +670,9 @@ class TierActor(SecondaryTierManager):
             return
         self._stopped = True
         self._inbox.close()
+        unqueued = "the tier closed before the tier had room for the job"
+        for job in self._inbox.unpark():
+            self._fail(job.meta.job_id, unqueued, self._cancel_cause)
         self._inbox.drain()  # queued jobs are failed below with the rest
         undecided = self._ledger.fail_undecided(self._cancel_reason, notify=notify)
         self._failures.record(self._cancel_cause, count=len(undecided), detail=self._cancel_reason)

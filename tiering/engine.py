@@ -596,7 +596,7 @@ class TieringEngine:
     def _tier_job(self, effect: TierStore | TierLoad) -> None:
         kind: Literal["store", "load"] = "store" if type(effect) is TierStore else "load"
         done = partial(self._tier_ended, effect.op)
-        self._stack.clients[effect.tier].submit(kind, effect.keys, effect.slots, done)
+        self._stack.clients[effect.tier].send(kind, effect.keys, effect.slots, done)
 
     def _tier_ended(self, op: int, outcome: TierOutcome) -> None:
         if self._core is not None:
