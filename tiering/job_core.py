@@ -38,6 +38,7 @@ Rules it keeps (the model test checks each):
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -212,16 +213,61 @@ _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 
 
+class Phase(enum.Enum):
+    """Where a store or load is; a job only moves forward.
+
+    A hard close gives a job its result in whatever phase it is; the I/O it started
+    still ends through the phases that follow, since only that releases its pins.
+    """
+
+    WAITING = "waiting for CPU room"
+    MOVING = "moving"  # planned: its copy into CPU, promotions and joined fills run
+    COPYING_OUT = "copying out"  # a load: its copy to the device runs
+    CASCADING = "cascading"  # a store: resolved; its blocks go to the secondary tiers
+    DONE = "done"  # its result (and a store's cascaded answer) is given
+
+
+class _Fanout:
+    """Tier stores started together (a cascade, a write-back, a flush): the keys the
+    tiers did not take, and whether every one of the stores has reported back."""
+
+    __slots__ = ("failed", "failures", "pending")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
+        self.failures: Counter[BlockHash] = Counter()  # tiers that did not take each key
+
+    def part_done(self, failed: Mapping[BlockHash, str]) -> bool:
+        """One store reported back; True if it was the last."""
+        self.pending -= 1
+        if failed:
+            self.failures.update(failed.keys())
+            for k, reason in failed.items():
+                self.failed.setdefault(k, reason)
+        return self.pending == 0
+
+    def failed_in(self, tiers: int) -> dict[BlockHash, str]:
+        """The keys that ``tiers`` stores failed (every tier asked, when it is their number)."""
+        return {k: self.failed[k] for k, n in self.failures.items() if n == tiers}
+
+
+class _Flush(_Fanout):
+    __slots__ = ("closing", "id", "internal")
+
+    def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
+        super().__init__()
+        self.id = flush_id
+        self.internal = internal  # no FlushDone (the close's own, or already answered)
+        self.closing = closing  # the close's write-back: what it fails, close_result names
+
+
 class _Job:
-    """One store or load: its result, its I/O in flight and (stores) its cascade."""
+    """One store or load: its phase, result, I/O in flight and (stores) its cascade."""
 
     __slots__ = (
         "awaiting",
-        "cascade_answered",
-        "cascade_ok",
-        "cascade_pending",
-        "copied",
-        "copy_started",
+        "cascade",
         "device_ids",
         "failed",
         "fills",
@@ -229,6 +275,7 @@ class _Job:
         "id",
         "io",
         "is_load",
+        "phase",
         "pinned",
         "promotions",
         "resolved",
@@ -238,26 +285,21 @@ class _Job:
     def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
         self.id = job_id
         self.is_load = is_load
+        self.phase = Phase.WAITING
         self.hashes = hashes  # a store: each distinct hash once (once planned); a load: as called
         self.device_ids = ids
         self.io = 0  # this job's effects in flight
         self.resolved = False
+        self.awaiting = 0  # fills it waits for (a store's own copy counts as one)
         # Containers are made when first needed: most jobs never fail, promote or join.
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
         self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
         self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
-        # stores
-        self.copied = False  # its own device -> CPU copy has ended (or there was none)
-        self.cascade_pending = 0
-        self.cascade_ok = True
-        self.cascade_answered = False
-        # loads
         # One CPU pin each, owned by this job: a load's until its copy to the device
         # ends; a cascading store's until its cascade has pinned the blocks per tier.
         self.pinned: list[BlockHash] | tuple[()] = ()
-        self.awaiting = 0  # fills this job waits for
-        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # tier -> blocks
-        self.copy_started = False
+        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
+        self.cascade: _Fanout | None = None
 
     def fail(self, key: BlockHash, reason: str) -> None:
         """Record that ``key`` did not make it (the first reason stays)."""
@@ -267,20 +309,7 @@ class _Job:
 
     @property
     def done(self) -> bool:
-        return self.resolved and self.io == 0 and (self.is_load or self.cascade_answered)
-
-
-class _Flush:
-    __slots__ = ("closing", "failed", "failures", "id", "internal", "ok", "pending")
-
-    def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
-        self.id = flush_id
-        self.internal = internal  # no FlushDone (the close's own, or already answered)
-        self.closing = closing  # the close's write-back: what it fails, close_result names
-        self.pending = 0
-        self.ok = True
-        self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
-        self.failures: Counter[BlockHash] = Counter()  # tiers that did not take each key
+        return self.resolved and self.io == 0 and (self.is_load or self.phase is Phase.DONE)
 
 
 # ---------------------------------------------------------------------- the core
@@ -512,6 +541,8 @@ class JobCore:
         for slot in slots:
             owner[slot] = job
         self._num_filling += len(slots)
+        job.phase = Phase.MOVING
+        job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         job.slots = slots
         self._jobs[job.id] = job
@@ -535,7 +566,7 @@ class JobCore:
             self._out.append(CopyToHost(op, job.device_ids, job.slots))
 
     def _store_copied(self, job: _Job, error: object) -> None:
-        job.copied = True
+        job.awaiting -= 1
         if error is None:
             self._end_fills(job, job.fills, None)
             if self._cascading():  # keep them until the cascade has pinned them itself
@@ -552,7 +583,7 @@ class JobCore:
 
     def _store_settled(self, job: _Job) -> None:
         """Once its own copy and every fill it joined have ended: resolve, then cascade."""
-        if job.awaiting or not job.copied or job.resolved:
+        if job.awaiting or job.phase is not Phase.MOVING:
             return
         self._resolve(job)
         if job.failed:
@@ -590,24 +621,27 @@ class JobCore:
             self._release_held(job)
             self._answer_cascaded(job, False)
             return
+        cascade = job.cascade = _Fanout()
         for t in range(len(self.tiers)):
             items = self._pin_for_tier(job.hashes, t)
             if items:
-                job.cascade_pending += 1
+                cascade.pending += 1
                 self._tier_store(job, t, items, "cascaded_blocks", self._cascade_part_done)
         self._release_held(job)  # each tier job holds its own pins now
-        if job.cascade_pending == 0:
+        if cascade.pending:
+            job.phase = Phase.CASCADING
+        else:
             self._answer_cascaded(job, True)
 
     def _cascade_part_done(self, job: _Job, failed: Mapping[BlockHash, str]) -> None:
-        job.cascade_ok &= not failed
-        job.cascade_pending -= 1
-        if job.cascade_pending == 0:
-            self._answer_cascaded(job, job.cascade_ok)
+        cascade = job.cascade
+        assert cascade is not None
+        if cascade.part_done(failed):
+            self._answer_cascaded(job, not cascade.failed)
 
     def _answer_cascaded(self, job: _Job, ok: bool) -> None:
-        if not job.cascade_answered:
-            job.cascade_answered = True
+        if job.phase is not Phase.DONE:
+            job.phase = Phase.DONE
             self._out.append(Cascaded(job.id, ok))
         self._forget_if_done(job)
 
@@ -646,6 +680,7 @@ class JobCore:
         if found and out is None:
             return False
         self._jobs[job.id] = job
+        job.phase = Phase.MOVING
         ready = []
         for h in hashes if len(hashes) == 1 else dict.fromkeys(hashes):
             if h in found:
@@ -720,9 +755,9 @@ class JobCore:
 
     def _copy_out(self, job: _Job) -> None:
         """Once no fill is awaited: copy every block that is there to the device."""
-        if job.awaiting or job.copy_started:
+        if job.awaiting or job.phase is not Phase.MOVING:
             return
-        job.copy_started = True
+        job.phase = Phase.COPYING_OUT
         slots, ids, failed = job.slots, job.device_ids, job.failed
         if failed:
             kept = [i for i, h in enumerate(job.hashes) if h not in failed]
@@ -736,6 +771,7 @@ class JobCore:
             self._out.append(CopyToDevice(op, slots, ids))
 
     def _copied_out(self, job: _Job, error: object) -> None:
+        job.phase = Phase.DONE
         if job.pinned:
             self.manager.complete_load(job.pinned)  # the copy has ended: pins may go
             job.pinned = ()
@@ -815,42 +851,33 @@ class JobCore:
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
             then(job)
             return
-        pending = 0
-        reasons: dict[BlockHash, str] = {}
-        failures: Counter[BlockHash] = Counter()
+        fanout = _Fanout()
         writing = self._writing_back
         writing.update(victims)
 
         def part_done(_job: _Job, failed: Mapping[BlockHash, str]) -> None:
-            nonlocal pending
-            pending -= 1
-            failures.update(failed.keys())
-            for k, reason in failed.items():
-                reasons.setdefault(k, reason)
-            if pending == 0:
-                writing.subtract(victims)
-                for k in victims:
-                    if writing[k] <= 0:
-                        del writing[k]
-                # Failed in every tier (a tier that held it was not asked); a hard close
-                # has counted those it found still being written.
-                everywhere = len(self.tiers)
-                lost = {
-                    k: reasons[k]
-                    for k, n in failures.items()
-                    if n == everywhere and k not in self._close_lost
-                }
-                if lost:
-                    self._lose(lost, "evicted block lost: no tier took its write-back")
-                then(job)
+            if not fanout.part_done(failed):
+                return
+            writing.subtract(victims)
+            for k in victims:
+                if writing[k] <= 0:
+                    del writing[k]
+            # Failed in every tier (a tier that held it was not asked); a hard close has
+            # counted those it found still being written.
+            lost = fanout.failed_in(len(self.tiers))
+            for k in self._close_lost.intersection(lost):
+                del lost[k]
+            if lost:
+                self._lose(lost, "evicted block lost: no tier took its write-back")
+            then(job)
 
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
             items = [(k, s) for k, s in zip(victims, slots, strict=True) if look(k) is not True]
             if items:
-                pending += 1
+                fanout.pending += 1
                 self._tier_store(job, t, items, "written_back_blocks", part_done, pinned=False)
-        if pending == 0:
+        if fanout.pending == 0:
             then(job)
 
     # ------------------------------------------------------------- tier stores
@@ -940,24 +967,15 @@ class JobCore:
         return flush
 
     def _flush_part_done(self, flush: _Flush, failed: Mapping[BlockHash, str]) -> None:
-        flush.ok &= not failed
-        if flush.closing:
-            flush.failures.update(failed.keys())
-            for k, reason in failed.items():
-                flush.failed.setdefault(k, reason)
-        flush.pending -= 1
-        if flush.pending == 0:
+        if flush.part_done(failed):
             self._flush_done(flush)
 
     def _flush_done(self, flush: _Flush) -> None:
         del self._flushes[flush.id]
-        if flush.closing and flush.failed:
-            everywhere = len(self.tiers)  # failed in every tier: each lacked it
-            self._lose_at_close(
-                flush.failed, [k for k, n in flush.failures.items() if n == everywhere]
-            )
+        if flush.closing and flush.failed:  # failed in every tier: each lacked it
+            self._lose_at_close(flush.failed, flush.failed_in(len(self.tiers)))
         if not flush.internal:
-            self._out.append(FlushDone(flush.id, flush.ok))
+            self._out.append(FlushDone(flush.id, not flush.failed))
 
     # -------------------------------------------------------------------- close
 
@@ -1241,6 +1259,7 @@ __all__ = [
     "FlushDone",
     "JobCore",
     "LookupStatistics",
+    "Phase",
     "Resolve",
     "TierLoad",
     "TierStore",
