@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from time import perf_counter
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal
 
 from tiering.abstract import BlockHash, OffloadingEvent
 from tiering.device import KVCaches, kv_block_bytes
@@ -42,7 +41,7 @@ from tiering.job_core import (
     WaitForRoom,
 )
 from tiering.latency import LatencyHistogram, LatencySnapshot
-from tiering.lifecycle import Lifecycle
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import EvictionPolicy
 from tiering.registry import TierSpec
@@ -68,37 +67,21 @@ logger = logging.getLogger(__name__)
 WritePolicy = Literal["write_through", "write_back"]
 
 
-class TieringEngine:
+class TieringEngine(AsyncService):
     """KV blocks across device, CPU and secondary tiers, driven by one asyncio loop.
 
     Use as ``async with TieringEngine(kv_caches, num_cpu_blocks) as engine:``, entered
     and left in one task on the loop that calls it. Methods are for that loop's thread.
 
-    Args:
-        kv_caches: the serving framework's device KV cache: one tensor or per-layer
-            tensors whose first dimension is the block id (CUDA or CPU).
-        num_cpu_blocks: slots of the CPU tier (the host pool).
-        policy: the CPU tier's eviction policy, by name or instance.
-        secondary_tiers: a list of tiers below the CPU tier, fastest first. Each is a
-            registered type name, a mapping ``{"type": name, **kwargs}``, or a factory
-            ``(primary_kv_view, block_bytes) -> SecondaryTierManager``.
-        write_policy: ``"write_through"`` (every stored block cascades to every
-            secondary tier) or ``"write_back"`` (a block cascades when evicted from CPU,
-            and at close).
-        block_size: tokens per block (reported in events).
-        enable_events: collect :class:`OffloadingEvent` records for ``take_events``.
-        cache_identity: what the KV bytes mean beyond their layout, typically the model
-            id and revision. With the KV layout it forms ``engine.namespace``, which
-            persistent tiers that take a ``namespace`` (NVMe) receive unless their spec
-            sets one: another model or layout can never read this engine's blocks.
-        tier_timeout: seconds to wait for a result from a tier that is not a
-            :class:`~tiering.actor.TierActor` (such a tier may drop a job silently).
-        room_timeout: seconds a job waits for CPU slots when every slot is pinned or
-            being filled; then it fails.
-        close_timeout: seconds a graceful close lets running jobs, their cascades and
-            the write-back flush take before it stops hard.
-        shared_blocks: block hashes of public prefixes every tenant may hit on (see
-            :meth:`share_prefix`).
+    ``kv_caches`` is the serving framework's device KV cache (one tensor or per-layer
+    tensors whose first dimension is the block id); ``num_cpu_blocks`` the CPU tier's
+    slots; ``secondary_tiers`` the tiers below it, fastest first, each a registered type
+    name, a mapping ``{"type": name, **options}`` or a factory ``(primary_kv_view,
+    block_bytes) -> SecondaryTierManager``. ``write_through`` cascades every stored
+    block to every secondary tier, ``write_back`` a block evicted from CPU (and every
+    block at close). ``cache_identity`` (model id and revision) and the KV layout form
+    ``engine.namespace``, which persistent tiers taking a ``namespace`` receive unless
+    their spec sets one. The other options are described in docs/config.md.
 
     Tenants: ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``
     id. A tenant's blocks live under keys scoped to it (:mod:`tiering.tenancy`) in
@@ -138,7 +121,7 @@ class TieringEngine:
             )
         if not isinstance(enable_events, bool):
             raise InvalidArgumentError(f"enable_events must be a bool, got {enable_events!r}")
-        self._tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
+        tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
         self._room_timeout = seconds("room_timeout", room_timeout, allow_zero=True)
         self._close_timeout = seconds("close_timeout", close_timeout, allow_zero=True)
         self.block_size = positive_int("block_size", block_size)
@@ -155,7 +138,7 @@ class TieringEngine:
             self.block_bytes,
             tier_specs(secondary_tiers),
             namespace=self.namespace,
-            tier_timeout=self._tier_timeout,
+            tier_timeout=tier_timeout,
         )
         self._core: JobCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,12 +146,11 @@ class TieringEngine:
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._finished = FinishedResults()
-        self._drained: asyncio.Event | None = None
-        self._closed: asyncio.Event | None = None
+        self._drained = asyncio.Event()
+        self._closed = asyncio.Event()
         self._on_copy_ended = self._copy_ended  # bound once: no allocation per copy
         self._latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
         self._tenant_lookups: dict[str, TenantLookups] = {}
-        self._callers_hashes: dict[int, dict[BlockHash, BlockHash]] = {}  # per tenant job
         self._run_effect: dict[type, Callable[[Any], None]] = {
             CopyToHost: self._copy,
             CopyToDevice: self._copy,
@@ -178,7 +160,7 @@ class TieringEngine:
             Cascaded: self._cascaded,
             FlushDone: self._flush_done,
             WaitForRoom: self._wait_for_room,
-            Drained: self._on_drained,
+            Drained: lambda _: self._drained.set(),
         }
 
     @classmethod
@@ -192,8 +174,9 @@ class TieringEngine:
 
     # ------------------------------------------------------------------ lifetime
 
-    async def __aenter__(self) -> Self:
-        """Allocate the host pool, start the copier and the tiers, and open.
+    async def start(self) -> None:
+        """Allocate the host pool, start the copier and the tiers, and open (what
+        entering the engine does).
 
         Raises:
             ClosedError: the engine was entered before.
@@ -203,18 +186,13 @@ class TieringEngine:
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a TieringEngine can be entered once")
         self._loop = asyncio.get_running_loop()
-        self._drained = asyncio.Event()
-        self._closed = asyncio.Event()
         self._state = Lifecycle.CLOSING  # until open: a failure below leaves it closed
         try:
-            await self._stack.open()
+            await self._stack.open(report_removals=self.enable_events)
         except BaseException:
             self._release_now()
             raise
         assert self._stack.copier is not None
-        if self.enable_events:
-            for tier in self._stack.tiers:
-                tier.report_removals()
         self._core = JobCore(
             self.manager,
             self._stack.clients,
@@ -226,40 +204,27 @@ class TieringEngine:
             take_removed=[tier.take_removed for tier in self._stack.tiers],
         )
         self._state = Lifecycle.OPEN
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> JobResult:
         """Close gracefully, within ``close_timeout``: admit no new job, let running jobs
         and their cascades finish, then (write-back) flush the CPU tier's blocks to the
         secondary tiers; then close the tiers, the copier and the host pool. What is not
-        done by the deadline is stopped as :meth:`close` does (those jobs report
-        failure). If this is cancelled, everything is still released before the
-        cancellation propagates. Idempotent; concurrent calls all wait for the end.
+        done by the deadline is stopped as :meth:`close` does. If this is cancelled,
+        everything is still released before the cancellation propagates. Idempotent;
+        concurrent calls all wait for the end and return the same result.
 
         Returns the close's result: ``success`` unless, under write-back, CPU blocks did
-        not reach every secondary tier that lacked them (a tier refused or failed them,
-        or the deadline came first); then ``failed_keys`` names them (the keys the
-        tiers and events use: a tenant's keys, see :meth:`tenant_keys`), ``error`` sums
-        up why, and a warning is logged; those no tier holds are lost with the CPU
-        tier and counted in ``statistics().counters["lost_blocks"]``. Every call
-        returns the same result. Events of the close (its write-back's stores, and
-        what the tiers evicted to take them) are taken with :meth:`take_events` after
-        it returns."""
+        not reach every secondary tier that lacked them; then ``failed_keys`` names them
+        (the keys tiers and events use, see :meth:`tenant_keys`), ``error`` sums up why,
+        and a warning is logged; those no tier holds are lost with the CPU tier and
+        counted in ``statistics().counters["lost_blocks"]``. Events of the close are
+        taken with :meth:`take_events` after it returns."""
         if self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSED
+            return self.close()
         if self._state is not Lifecycle.OPEN:
-            if self._closed is not None:
-                await self._closed.wait()
+            await self._closed.wait()
             return self._close_result()
-        assert self._core is not None and self._drained is not None and self._loop
+        assert self._core is not None and self._loop is not None
         self._state = Lifecycle.CLOSING
         deadline = self._loop.time() + self._close_timeout
         try:
@@ -281,17 +246,12 @@ class TieringEngine:
     def close(self) -> JobResult:
         """Hard stop, synchronous and idempotent: every unfinished job reports failure
         now, the tiers stop, copies in flight are waited for (blocking, briefly: their
-        memory must not go away under them), and the host pool is released.
-
-        Returns the close's result, as :meth:`aclose` does: under write-back, it names
-        the CPU blocks (and evicted blocks still being written back) that not every
-        secondary tier held yet; those held by none are lost with the CPU tier.
-
-        Prefer ``aclose`` (or leaving the ``async with``); this is the fallback when the
-        loop cannot wait.
-        """
+        memory must not go away under them), and the host pool is released. Returns the
+        close's result, as :meth:`aclose` does. Prefer ``aclose``; this is the fallback
+        when the loop cannot wait."""
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
+            self._closed.set()
         else:
             self._release_now()
         return self._close_result()
@@ -304,21 +264,19 @@ class TieringEngine:
         through the completions of the I/O that holds them."""
         if self._core is not None:
             self._execute(self._core.hard_close())  # every job and flush answered
-            if self._state is not Lifecycle.CLOSED:
-                result = self._core.close_result()
-                if not result.success:
-                    logger.warning(
-                        "engine: closed without writing every CPU block back to every "
-                        "secondary tier (those in none are lost, see lost_blocks): %s",
-                        result.error,
-                    )
+            result = self._core.close_result()
+            if self._state is not Lifecycle.CLOSED and not result.success:
+                logger.warning(
+                    "engine: closed without writing every CPU block back to every "
+                    "secondary tier (those in none are lost, see lost_blocks): %s",
+                    result.error,
+                )
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
         self._stack.close()
         self._state = Lifecycle.CLOSED
-        if self._closed is not None:
-            self._closed.set()
+        self._closed.set()
 
     @property
     def tiers(self) -> list[SecondaryTierManager]:
@@ -342,13 +300,10 @@ class TieringEngine:
         return self._stack.pool
 
     def statistics(self) -> Statistics:
-        """A snapshot of the CPU tier and the jobs.
-
-        ``jobs_in_flight``: jobs (waiting, running or cascading) and flushes not ended;
-        ``bytes_in_flight``: what their copies and tier jobs move now; ``pinned_blocks``:
-        CPU blocks that I/O in flight reads; ``counters``: :data:`~tiering.job_core.
-        COUNTERS`; ``failures``: failed blocks and jobs by cause.
-        """
+        """A snapshot of the CPU tier and the jobs: ``jobs_in_flight`` (jobs waiting,
+        running or cascading, and flushes), ``bytes_in_flight`` (what their copies and
+        tier jobs move now), ``pinned_blocks`` (CPU blocks I/O in flight reads),
+        ``counters`` (:data:`~tiering.job_core.COUNTERS`) and ``failures`` by cause."""
         core, manager, size = self._core, self.manager, self.block_bytes
         return Statistics(
             state=self._state,
@@ -366,8 +321,7 @@ class TieringEngine:
     def job_latency(self) -> Mapping[str, LatencySnapshot]:
         """Job latencies so far, ``"store"`` and ``"load"``: from the call of
         :meth:`store` / :meth:`load` to the job's result (failed jobs included), on
-        ``time.perf_counter`` (uvloop's ``loop.time()`` ticks in whole milliseconds).
-        Snapshots; call on the loop's thread."""
+        ``time.perf_counter`` (uvloop's ``loop.time()`` ticks in whole milliseconds)."""
         return {kind: histogram.snapshot() for kind, histogram in self._latency.items()}
 
     def lookup_statistics(self) -> LookupStatistics:
@@ -384,8 +338,8 @@ class TieringEngine:
     # ------------------------------------------------------------------- queries
 
     def lookup(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> int:
-        """Leading hashes (of ``tenant``'s blocks) that are ready in the CPU tier or
-        stored in a secondary tier.
+        """Leading hashes (of ``tenant``'s blocks) ready in the CPU tier or stored in a
+        secondary tier.
 
         Raises:
             ClosedError: the engine is not open.
@@ -398,11 +352,9 @@ class TieringEngine:
         keys = self.tenant_keys(block_hashes, tenant)
         hits = core.lookup(keys)
         label = tenant_label(tenant)
-        counts = self._tenant_lookups.get(label)
-        if counts is None:
-            if len(self._tenant_lookups) >= MAX_TENANT_LABELS:
-                label = OTHER_TENANTS
-            counts = self._tenant_lookups.setdefault(label, TenantLookups())
+        if label not in self._tenant_lookups and len(self._tenant_lookups) >= MAX_TENANT_LABELS:
+            label = OTHER_TENANTS
+        counts = self._tenant_lookups.setdefault(label, TenantLookups())
         counts.lookups += 1
         counts.blocks += len(keys)
         counts.hit_blocks += hits
@@ -413,9 +365,7 @@ class TieringEngine:
         recently.
 
         Raises:
-            ClosedError: the engine is not open.
-            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes, or a bad
-                ``tenant``.
+            ClosedError, InvalidArgumentError: as :meth:`lookup`.
         """
         self._open_core()
         hashes = self.tenant_keys(block_hashes, tenant)
@@ -441,8 +391,8 @@ class TieringEngine:
         """Let every tenant hit on these blocks: the hashes of a public prefix (say
         :func:`~tiering.hashing.block_hashes` of a system prompt all tenants send). A
         call's leading shared blocks keep their plain hash; from its first block that
-        is not shared on, the tenant's own keys. Sharing is explicit and cannot be
-        taken back while the engine runs.
+        is not shared on, the tenant's own keys. Sharing cannot be taken back while the
+        engine runs.
 
         Raises:
             InvalidArgumentError: ``block_hashes`` is not an iterable of bytes; nothing
@@ -460,8 +410,7 @@ class TieringEngine:
         """Events since the last call (with ``enable_events``): the CPU tier's (blocks
         stored, blocks evicted), then the secondary tiers' (blocks the engine stored
         there, blocks a tier evicted or dropped because they did not verify), each
-        medium's in the order they happened. The wire format for routers:
-        :mod:`tiering.events`."""
+        medium's in the order they happened. The wire format: :mod:`tiering.events`."""
         events = self.manager.take_events()
         if self._core is not None:
             events.extend(self._core.take_tier_events())
@@ -469,11 +418,9 @@ class TieringEngine:
 
     def get_finished(self) -> list[JobResult]:
         """Results of the engine jobs that finished since the last call; never blocks.
-
-        For callers that poll once per step. At most :data:`~tiering.job.FINISHED_KEPT`
-        results wait here (a caller that only awaits its jobs never drains them): beyond
-        that the oldest are dropped, with one warning.
-        """
+        At most :data:`~tiering.job.FINISHED_KEPT` wait here (a caller that only awaits
+        its jobs never drains them): beyond that the oldest are dropped, with one
+        warning."""
         return self._finished.drain()
 
     # ---------------------------------------------------------------- the calls
@@ -486,11 +433,9 @@ class TieringEngine:
         tenant: str | None = None,
     ) -> Job:
         """Copy device blocks (of ``tenant``) into the CPU tier (then, by policy, to
-        secondary tiers).
-
-        Returns at once; the job resolves once every block is ready in CPU (or left out
-        because the eviction policy did not admit it), and the device blocks may then be
-        reused (the full contract: :meth:`JobCore.store`).
+        secondary tiers). Returns at once; the job resolves once every block is ready
+        in CPU (or left out because the eviction policy did not admit it), and the
+        device blocks may then be reused (the full contract: :meth:`JobCore.store`).
 
         Raises:
             ClosedError: the engine is not open.
@@ -498,11 +443,7 @@ class TieringEngine:
                 distinct ints inside the device KV cache, the lengths differ, or a bad
                 ``tenant``; nothing changed.
         """
-        started = perf_counter()
-        core = self._open_core()
-        keys = self._keys_of(block_hashes, tenant)
-        job_id, effects = core.store(keys, device_block_ids)
-        return self._admitted(job_id, "store", effects, started, block_hashes, keys)
+        return self._call("store", block_hashes, device_block_ids, tenant)
 
     def load(
         self,
@@ -512,22 +453,16 @@ class TieringEngine:
         tenant: str | None = None,
     ) -> Job:
         """Copy blocks (of ``tenant``) into device blocks, promoting them from a
-        secondary tier if needed.
-
-        Returns at once. Keys that could not be read (a tier failed or the bytes did not
-        verify) are in the result's ``failed_keys``; the others land (the full contract:
-        :meth:`JobCore.load`).
+        secondary tier if needed. Returns at once. Keys that could not be read (a tier
+        failed or the bytes did not verify) are in the result's ``failed_keys``; the
+        others land (the full contract: :meth:`JobCore.load`).
 
         Raises:
             ClosedError: the engine is not open.
             InvalidArgumentError: as :meth:`store`.
             BlockNotFoundError: a hash no tier holds (for ``tenant``); nothing changed.
         """
-        started = perf_counter()
-        core = self._open_core()
-        keys = self._keys_of(block_hashes, tenant)
-        job_id, effects = core.load(keys, device_block_ids)
-        return self._admitted(job_id, "load", effects, started, block_hashes, keys)
+        return self._call("load", block_hashes, device_block_ids, tenant)
 
     async def flush(self) -> bool:
         """Copy every ready CPU block to each secondary tier that lacks it.
@@ -549,29 +484,21 @@ class TieringEngine:
 
     # ------------------------------------------------------------------ effects
 
-    def _keys_of(
-        self, block_hashes: Sequence[BlockHash], tenant: str | None
-    ) -> Sequence[BlockHash]:
-        """The keys a call works on: the caller's hashes without a tenant (the core
-        checks them), the tenant's keys with one."""
-        if tenant is None:
-            return block_hashes
-        return self.tenant_keys(block_hashes, tenant)
-
-    def _admitted(
+    def _call(
         self,
-        job_id: int,
         kind: Literal["store", "load"],
-        effects: list[Effect],
-        started: float,
         block_hashes: Sequence[BlockHash],
-        keys: Sequence[BlockHash],
+        device_block_ids: Sequence[int],
+        tenant: str | None,
     ) -> Job:
+        started = perf_counter()
+        core = self._open_core()
+        # Without a tenant the core checks the caller's hashes itself.
+        keys = block_hashes if tenant is None else self.tenant_keys(block_hashes, tenant)
+        job_id, effects = (core.store if kind == "store" else core.load)(keys, device_block_ids)
+        names = None if keys is block_hashes else dict(zip(keys, block_hashes, strict=True))
         assert self._loop is not None
-        job = Job(job_id, kind, self._loop, started)
-        self._jobs[job_id] = job
-        if keys is not block_hashes:  # a tenant's job: results name the caller's hashes
-            self._callers_hashes[job_id] = dict(zip(keys, block_hashes, strict=True))
+        job = self._jobs[job_id] = Job(job_id, kind, self._loop, started, names)
         self._execute(effects)
         return job
 
@@ -603,22 +530,15 @@ class TieringEngine:
             self._execute(self._core.tier_done(op, outcome))
 
     def _resolve(self, effect: Resolve) -> None:
-        result = effect.result
-        callers = self._callers_hashes.pop(effect.job, None)
-        if callers is not None and result.failed_keys:
-            named = tuple(callers.get(k, k) for k in result.failed_keys)
-            result = replace(result, failed_keys=named)
-        job = self._jobs.get(effect.job)
-        if job is not None:
-            self._latency[job.kind].observe(perf_counter() - job.started)
-            job._set_result(result)
-            if job.kind == "load":
-                job._set_cascaded(True)
-                del self._jobs[effect.job]
+        job = self._jobs[effect.job]
+        self._latency[job.kind].observe(perf_counter() - job.started)
+        self._finished.append(job._set_result(effect.result))
+        if job.kind == "load":
+            job._set_cascaded(True)
+            del self._jobs[effect.job]
         timer = self._timers.pop(effect.job, None)
         if timer is not None:
             timer.cancel()
-        self._finished.append(result)
 
     def _cascaded(self, effect: Cascaded) -> None:
         job = self._jobs.pop(effect.job, None)
@@ -639,12 +559,6 @@ class TieringEngine:
         self._timers.pop(job_id, None)
         if self._core is not None:
             self._execute(self._core.room_expired(job_id))
-
-    def _on_drained(self, effect: Drained) -> None:
-        if self._drained is not None:
-            self._drained.set()
-
-    # ------------------------------------------------------------------ helpers
 
     def _open_core(self) -> JobCore:
         if self._state is not Lifecycle.OPEN or self._core is None:

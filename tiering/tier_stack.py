@@ -48,8 +48,9 @@ class TierStack:
         self.tiers: list[SecondaryTierManager] = []
         self.clients: list[TierClient] = []
 
-    async def open(self) -> None:
-        """Allocate the pool, open the copier, build and start every tier.
+    async def open(self, *, report_removals: bool = False) -> None:
+        """Allocate the pool, open the copier, build and start every tier (asking each
+        to report the keys it removes, with ``report_removals``).
 
         On failure, whatever was opened stays for :meth:`close` to release.
 
@@ -71,6 +72,8 @@ class TierStack:
         for spec in self._specs:
             tier = make_tier(spec, self.pool.view, size, defaults=defaults)
             client = TierClient(tier, timeout=self._tier_timeout)
+            if report_removals:
+                tier.report_removals()
             self.tiers.append(tier)
             self.clients.append(client)
             await client.start()
