@@ -42,7 +42,7 @@ import enum
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -53,6 +53,7 @@ from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.secondary import JobResult
 from tiering.statistics import FailureLog
+from tiering.tenancy import MAX_TENANT_LABELS, OTHER_TENANTS, TenantLookups
 from tiering.tier_client import TierOutcome
 from tiering.validation import device_id_list, hash_list
 
@@ -352,15 +353,11 @@ class JobCore:
         enable_events: bool = False,
         take_removed: Sequence[Callable[[], Sequence[BlockHash]]] = (),
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise InvalidArgumentError(
-                f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
-            )
+        self.write_back = check_write_policy(write_policy) == "write_back"
         self.manager = manager
         self.tiers = list(tiers)
         self.num_device_blocks = num_device_blocks
         self.block_bytes = block_bytes
-        self.write_back = write_policy == "write_back"
         self.room_timeout = room_timeout
         self.enable_events = enable_events
         self.state = Lifecycle.OPEN
@@ -369,6 +366,7 @@ class JobCore:
         # Plain ints and one list, not the counters: the lookup path stays cheap.
         self._lookups = self._lookup_blocks = self._lookup_first_misses = 0
         self._lookup_hits = [0] * (1 + len(self.tiers))
+        self._tenant_lookups: dict[str, TenantLookups] = {}
         if take_removed and len(take_removed) != len(self.tiers):
             raise InvalidArgumentError(
                 f"take_removed has {len(take_removed)} callables for {len(self.tiers)} tiers"
@@ -407,8 +405,9 @@ class JobCore:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, block_hashes: object) -> int:
-        """Leading hashes ready in the CPU tier or stored in a servable secondary tier.
+    def lookup(self, block_hashes: object, tenant: str | None = None) -> int:
+        """Leading hashes ready in the CPU tier or stored in a servable secondary tier;
+        counted for :meth:`tenant_statistics` under the ``tenant`` label, if given.
 
         A tier that answers "ask again" for the first hash it cannot place is asked about
         the rest of ``block_hashes`` as well (see :meth:`_ask_ahead`); the answer still
@@ -434,6 +433,14 @@ class JobCore:
         hits[0] += n - in_tiers  # counted per call: the CPU path stays one check per hash
         self._lookups += 1
         self._lookup_blocks += len(hashes)
+        if tenant is not None:
+            lookups = self._tenant_lookups
+            if tenant not in lookups and len(lookups) >= MAX_TENANT_LABELS:
+                tenant = OTHER_TENANTS
+            counts = lookups.setdefault(tenant, TenantLookups())
+            counts.lookups += 1
+            counts.blocks += len(hashes)
+            counts.hit_blocks += n
         return n
 
     def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
@@ -453,6 +460,12 @@ class JobCore:
         return LookupStatistics(
             self._lookups, self._lookup_blocks, sum(hits), self._lookup_first_misses, hits
         )
+
+    def tenant_statistics(self) -> dict[str, TenantLookups]:
+        """Lookups per tenant label (:func:`~tiering.tenancy.tenant_label`: the id never
+        shows); past :data:`~tiering.tenancy.MAX_TENANT_LABELS` labels, new tenants
+        count under ``"other"``. Copies."""
+        return {label: replace(counts) for label, counts in self._tenant_lookups.items()}
 
     @property
     def jobs_in_flight(self) -> int:
@@ -1229,6 +1242,19 @@ class JobCore:
         return out
 
 
+def check_write_policy(write_policy: object) -> str:
+    """``write_policy`` if it is one of :data:`WRITE_POLICIES`.
+
+    Raises:
+        InvalidArgumentError: it is not.
+    """
+    if write_policy not in WRITE_POLICIES:
+        raise InvalidArgumentError(
+            f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
+        )
+    return write_policy  # type: ignore[return-value]
+
+
 def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
     """``<n> block(s) failed: <reason> (<count>); …``, the three most common reasons."""
     reasons = Counter(failed[k] for k in keys)
@@ -1265,4 +1291,5 @@ __all__ = [
     "TierStore",
     "TierView",
     "WaitForRoom",
+    "check_write_policy",
 ]
