@@ -328,11 +328,11 @@ async def test_an_outcome_waits_for_the_tiers_thread_call_to_end(pool: HostPool)
     [
         (("copy", [b"a"], [0]), "kind must be"),
         (("store", [b"a", b"b"], [0]), "2 keys but 1 slots"),
-        (("store", ["a"], [0]), "keys must be bytes"),
+        (("store", ["a"], [0]), "keys must hold bytes"),
         (("store", b"ab", [0, 1]), "keys must be a sequence"),
-        (("store", None, [0]), "keys must be a sequence"),
-        (("load", [b"a"], [True]), "slots must be ints"),
-        (("load", [b"a"], [0.0]), "slots must be ints"),
+        (("store", None, [0]), "keys must be an iterable"),
+        (("load", [b"a"], [True]), "slots must hold ints"),
+        (("load", [b"a"], [0.0]), "slots must hold ints"),
         (("load", [b"a"], 5), "slots must be a sequence"),
     ],
 )

@@ -34,7 +34,13 @@ from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Inbox, InboxStatistics, Lane
 from tiering.ledger import ResultsLedger, TierJob
 from tiering.lifecycle import AsyncService, Lifecycle
-from tiering.secondary import JobMetadata, JobResult, OffloadKey, SecondaryTierManager
+from tiering.secondary import (
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    SecondaryTierManager,
+    checked_job,
+)
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import positive_int, seconds
 from tiering.workers import init_io_worker
@@ -415,22 +421,7 @@ class TierActor(AsyncService, SecondaryTierManager):
                 f"{self._name()}: job {job_id} is already submitted or its result not yet "
                 "drained by get_finished()"
             )
-        keys = tuple(job.keys)
-        block_ids = tuple(job.block_ids)
-        for key in keys:
-            if not isinstance(key, bytes):
-                raise InvalidArgumentError(
-                    f"job {job_id}: keys must be bytes, got {type(key).__name__}"
-                )
-        limit = self.num_primary_slots
-        for block_id in block_ids:
-            if not isinstance(block_id, int) or isinstance(block_id, bool):
-                raise InvalidArgumentError(f"job {job_id}: slot id {block_id!r} is not an int")
-            if not 0 <= block_id < limit:
-                raise InvalidArgumentError(
-                    f"job {job_id}: slot {block_id} is outside the host pool (0..{limit - 1})"
-                )
-        return JobMetadata(job_id, keys, block_ids)
+        return checked_job(job_id, job.keys, job.block_ids, self.num_primary_slots)
 
     def _register(self, job: TierJob) -> None:
         self._ledger.admit(job)

@@ -8,32 +8,14 @@ list of effects the shell must carry out: copies to start, tier jobs to submit, 
 to deliver. It never awaits, never blocks and never touches bytes, so it can be driven
 by a hypothesis state machine with any interleaving of completions.
 
-Rules it keeps (the model test checks each):
-
-* **Pins follow I/O.** A CPU slot that an I/O effect reads or writes is pinned (a
-  reader) or being filled (not ready) from the moment the effect is returned until its
-  completion has been passed back in. No other path releases it: not a result, not a
-  close, not a caller that stopped waiting.
-* **A fill is ended only by its owner.** A block being filled into CPU (by a store's
-  copy or a load's promotion) belongs to the job that reserved its slot; only that
-  job's completion marks it ready or drops it. Other loads of the block wait for it and
-  get their pin in the same step that makes it ready.
-* **Stores keep what they will cascade.** Under write-through a store's blocks are held
-  from the step each becomes ready until the store's cascade has pinned them per tier,
-  even while the store still waits for a fill another job owns.
-* **Every job yields exactly one result**, and every store one ``cascaded`` answer.
-* **Write-back order.** A block evicted from CPU under ``write_back`` is written to the
-  secondary tiers before its slot is refilled. Blocks a load promotes are held in their
-  tier (``hold``) from planning until the promotion ends, so that write-back (or any
-  cascade) cannot evict them in between.
-* **Close loses nothing, or says what it lost.** Graceful close admits no new job, lets
-  running jobs and their cascades finish, then (write-back) flushes every CPU block the
-  tiers lack, then says :class:`Drained`. A hard close resolves every job at once as
-  failed, starts no new I/O, and still releases each pin only when its I/O ends.
-  Under write-back, :meth:`JobCore.close_result` names each CPU block the close did not
-  hand to every tier that lacked it; a block that leaves the CPU tier (evicted, or at a
-  close) while no tier holds it is lost: counted (``lost_blocks``) and its cause
-  recorded.
+Rules it keeps (docs/job-lifecycle.md states each; the model test checks each):
+pins follow I/O (a slot an effect reads or writes stays pinned or filling until that
+effect's completion comes back, whatever else happens); a fill is ended only by the job
+that reserved its slot; a write-through store holds its blocks until its cascade has
+pinned them per tier; every job yields one result and every store one ``cascaded``
+answer; under write-back an evicted block is written to the tiers before its slot is
+refilled, and a block a load promotes is held in its tier until the promotion ends; a
+close loses nothing or says what it lost (:meth:`JobCore.close_result`, ``lost_blocks``).
 """
 
 from __future__ import annotations
@@ -74,28 +56,18 @@ COUNTERS = (
     "declined_blocks",
     "lost_blocks",
 )
-"""The core's counters (monotonic totals), as ``statistics().counters`` shows them;
-``evicted_blocks``: blocks the CPU tier evicted to make room; ``declined_blocks``: blocks
-a store asked for that its eviction policy did not admit (not stored); ``lost_blocks``:
-under write-back, blocks that left the CPU tier (evicted, or at a close) while no
-secondary tier held them: every tier refused or failed their write-back, or a hard
-close came first. (Lookups are counted apart, :class:`LookupStatistics`: a lookup
-changes no statistics.)"""
+"""The core's monotonic counters. ``declined_blocks``: blocks a store's eviction policy
+did not admit; ``lost_blocks``: under write-back, blocks that left the CPU tier while no
+secondary tier held them. Lookups are counted apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
 
 
 @dataclass(frozen=True, slots=True)
 class LookupStatistics:
-    """What :meth:`JobCore.lookup` has answered so far (monotonic totals).
-
-    * ``lookups``: calls; ``blocks``: the hashes they were given; ``hit_blocks``: the
-      leading hashes they found (their answers, summed).
-    * ``first_misses``: calls that stopped at a hash no tier holds (rather than at the
-      end of their hashes).
-    * ``hits_by_tier``: ``hit_blocks`` by where each was found: ``[0]`` ready in the CPU
-      tier, ``[t + 1]`` in secondary tier ``t`` (the first servable tier holding it).
-    """
+    """What :meth:`JobCore.lookup` has answered so far (monotonic totals): calls,
+    hashes given, leading hashes found, calls that stopped at a hash no tier holds, and
+    the hits by where each was found (``[0]`` the CPU tier, ``[t + 1]`` tier ``t``)."""
 
     lookups: int = 0
     blocks: int = 0
@@ -319,23 +291,13 @@ class _Job:
 class JobCore:
     """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
 
-    Args:
-        manager: the CPU tier's bookkeeping (slots, readers, readiness, policy).
-        tiers: the secondary tiers, fastest first.
-        num_device_blocks: blocks of the device KV cache (device ids are checked
-            against it).
-        block_bytes: bytes per block (for statistics).
-        write_policy: ``"write_through"`` or ``"write_back"``.
-        room_timeout: seconds a job may wait for CPU room (see :class:`WaitForRoom`).
-        enable_events: record secondary-tier store events for :meth:`take_tier_events`.
-        take_removed: with ``enable_events``, one callable per tier returning the keys
-            that tier stopped holding since the last call (its
-            :meth:`~tiering.secondary.SecondaryTierManager.take_removed`); they become
-            removal events, in order with the tier's store events.
-
-    Every public method either raises before changing anything or returns the effects
-    of the change, in the order the shell must start them. A load's ``cascaded`` answer
-    is implied by its :class:`Resolve`; a store gets one :class:`Cascaded`.
+    ``tiers`` are the secondary tiers, fastest first; device ids are checked against
+    ``num_device_blocks``; a job waits ``room_timeout`` seconds for CPU room at most.
+    With ``enable_events`` it records the tiers' store events, and ``take_removed`` (one
+    callable per tier, its :meth:`~tiering.secondary.SecondaryTierManager.take_removed`)
+    adds their removals, in order. Every public method either raises before changing
+    anything or returns the effects of the change, in the order the shell must start
+    them. A load's ``cascaded`` answer is implied by its :class:`Resolve`.
 
     Raises:
         InvalidArgumentError: an unknown write policy.

@@ -23,7 +23,14 @@ from tiering.actor import TierActor
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Lane
 from tiering.lifecycle import AsyncService, Lifecycle
-from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext, SecondaryTierManager
+from tiering.secondary import (
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    ReqContext,
+    SecondaryTierManager,
+    checked_job,
+)
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import seconds
 
@@ -263,25 +270,16 @@ class TierClient(AsyncService):
         (tier -> CPU slots) job.
 
         Raises:
-            InvalidArgumentError: ``kind`` is not "store"/"load", ``keys``/``slots`` are
-                not sequences of equal length, a key is not bytes, a slot is not an
-                int, or ``on_done`` is not callable. Nothing is submitted.
+            InvalidArgumentError: ``kind`` is not "store"/"load", ``keys`` are not bytes
+                and ``slots`` ints as many, or ``on_done`` is not callable (see
+                :func:`~tiering.secondary.checked_job`). Nothing is submitted.
         """
         if kind not in ("store", "load"):
             raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
-        if not isinstance(keys, Sequence) or isinstance(keys, bytes | str):
-            raise InvalidArgumentError(f"keys must be a sequence of bytes, got {keys!r}")
-        if not isinstance(slots, Sequence) or isinstance(slots, bytes | str):
-            raise InvalidArgumentError(f"slots must be a sequence of ints, got {slots!r}")
-        if len(keys) != len(slots):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(slots)} slots")
-        if not all(isinstance(key, bytes) for key in keys):
-            raise InvalidArgumentError(f"keys must be bytes, got {keys!r}")
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in slots):
-            raise InvalidArgumentError(f"slots must be ints, got {slots!r}")
+        job = checked_job(0, keys, slots)
         if not callable(on_done):
             raise InvalidArgumentError(f"on_done must be callable, got {on_done!r}")
-        self.send(kind, keys, slots, on_done)
+        self.send(kind, job.keys, job.block_ids, on_done)
 
     def send(
         self,
