@@ -1,17 +1,15 @@
 """A tier's inbox: two bounded FIFO lanes, loads handed out before stores.
 
 A load is on a request's critical path while a store only saves work for later, so
-:meth:`Inbox.get` always takes the oldest queued load before any store. Each lane holds
-at most ``max_size`` items. A full lane is back-pressure, met one of three ways:
-:meth:`Inbox.put_nowait` raises :class:`~tiering.errors.TierBusyError`, :meth:`Inbox.put`
-waits for room, and :meth:`Inbox.park` leaves the item in the lane's waiting line, from
-which it is queued as room appears, in order with waiting putters (the engine's road:
-it never waits and never fails a job for back-pressure; its CPU pins bound what it parks).
-
-Closing stops admission at once (waiting putters raise
-:class:`~tiering.errors.ClosedError`) while queued and parked items stay gettable, so a
-graceful close drains them; :meth:`Inbox.get` returns ``None`` once closed and empty.
-Everything runs on one event loop; nothing here is thread-safe.
+:meth:`Inbox.get` takes the oldest queued load before any store. A lane holds at most
+``max_size`` items; when it is full, :meth:`Inbox.put_nowait` raises
+:class:`~tiering.errors.TierBusyError`, :meth:`Inbox.put` waits, and :meth:`Inbox.park`
+leaves the item in the lane's waiting line, queued in order as room appears (the
+engine's road: it never waits and never fails a job for back-pressure; its CPU pins
+bound what it parks). Closing stops admission (waiting putters raise
+:class:`~tiering.errors.ClosedError`); queued and parked items stay gettable, and
+:meth:`Inbox.get` returns ``None`` once closed and empty. One event loop; not
+thread-safe.
 """
 
 from __future__ import annotations
@@ -32,13 +30,9 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class InboxStatistics:
-    """A snapshot of an :class:`Inbox` (as trio's memory channels report).
-
-    ``queued_loads``/``queued_stores``: items in each lane now; ``max_size``: the bound of
-    each lane; ``tasks_waiting_put``: :meth:`Inbox.put` calls waiting for room (both
-    lanes); ``tasks_waiting_get``: :meth:`Inbox.get` calls waiting for an item;
-    ``parked``: items parked for room (both lanes).
-    """
+    """A snapshot of an :class:`Inbox` (as trio's memory channels report): items
+    queued per lane, the bound of each, :meth:`~Inbox.put` and :meth:`~Inbox.get` calls
+    waiting, and items parked for room (both lanes)."""
 
     queued_loads: int
     queued_stores: int
@@ -59,9 +53,8 @@ class _Parked(Generic[_T]):
 class Inbox(Generic[_T]):
     """Two bounded FIFO lanes (``"load"`` and ``"store"``) feeding one or more getters.
 
-    Guarantees: items of one lane come out in the order they were queued; a queued load
-    always comes out before any queued store; a lane never holds more than ``max_size``
-    items; a put that raises (or is cancelled while waiting) admits nothing.
+    A lane's items come out in the order queued, queued loads before any store; a lane
+    never holds more than ``max_size``; a put that raises (or is cancelled) admits nothing.
     """
 
     def __init__(self, max_size: int, *, owner: str = "inbox") -> None:
@@ -107,15 +100,11 @@ class Inbox(Generic[_T]):
         return False
 
     async def put(self, lane: Lane, item: _T) -> None:
-        """Queue ``item`` in ``lane``, waiting for room if the lane is full.
-
-        Waiters of a lane are admitted in arrival order. When this returns the item is
-        queued; when it raises, nothing was admitted.
+        """Queue ``item`` in ``lane``, waiting in line for room if the lane is full.
 
         Raises:
-            InvalidArgumentError: ``lane`` is not ``"load"`` or ``"store"``.
-            ClosedError: the inbox is closed, or closes while this waits.
-            asyncio.CancelledError: the caller was cancelled while waiting.
+            InvalidArgumentError, ClosedError: as :meth:`put_nowait` (ClosedError also if
+                the inbox closes while this waits); raising, nothing was admitted.
         """
         if self._has_room(lane):
             self._append(lane, item)
