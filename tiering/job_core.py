@@ -717,11 +717,7 @@ class JobCore:
 
     def _promoted(self, job: _Job, outcome: object, *, t: int, keys: list[BlockHash]) -> None:
         self.tiers[t].release(keys)
-        failed = _failed_keys(outcome, keys, "the engine closed before the promotion")
-        if failed:
-            self.failures.record(
-                f"{self.tiers[t].name} tier load failed", len(failed), next(iter(failed.values()))
-            )
+        failed = self._tier_failed(t, "load", outcome, keys)
         self.counters["promoted_blocks"] += len(keys) - len(failed)
         self._end_fills(job, [k for k in keys if k not in failed], None)
         for k in keys:
@@ -883,15 +879,9 @@ class JobCore:
         def ended(_owner: object, outcome: object) -> None:
             if pinned:
                 self.manager.complete_load(keys)
-            failed = _failed_keys(outcome, keys, "the engine closed before the tier store")
+            failed = self._tier_failed(t, "store", outcome, keys)
             landed = [k for k in keys if k not in failed]
             self.counters[counter] += len(landed)
-            if failed:
-                self.failures.record(
-                    f"{self.tiers[t].name} tier store failed",
-                    len(failed),
-                    next(iter(failed.values())),
-                )
             if landed and self.enable_events:
                 self._store_event(t, landed)
             done(owner, failed)
@@ -1111,6 +1101,24 @@ class JobCore:
         self._op_end[op] = on_end
         return op
 
+    def _tier_failed(
+        self, t: int, kind: str, outcome: object, keys: list[BlockHash]
+    ) -> dict[BlockHash, str]:
+        """The keys of tier ``t``'s ``kind`` job that did not land, with reasons (all of
+        them for an outcome of ``None``), recorded as failures."""
+        if outcome is None:
+            what = "promotion" if kind == "load" else "tier store"
+            failed = dict.fromkeys(keys, f"the engine closed before the {what}")
+        else:
+            assert isinstance(outcome, TierOutcome)
+            if outcome.ok:
+                return {}
+            failed = {k: outcome.failed[k] for k in keys if k in outcome.failed}
+        if failed:
+            cause = f"{self.tiers[t].name} tier {kind} failed"
+            self.failures.record(cause, len(failed), next(iter(failed.values())))
+        return failed
+
     def _forget_if_done(self, job: _Job) -> None:
         if job.done:
             self._jobs.pop(job.id, None)
@@ -1121,14 +1129,11 @@ class JobCore:
             return
         job.resolved = True
         keys = tuple(dict.fromkeys(h for h in job.hashes if h in job.failed))
-        if not keys:
-            self._out.append(Resolve(job.id, JobResult(job.id, True)))
-            self._forget_if_done(job)
-            return
-        self.counters["failed_jobs"] += 1
-        self._out.append(
-            Resolve(job.id, JobResult(job.id, False, keys, _summary(keys, job.failed)))
-        )
+        result = JobResult(job.id, True)
+        if keys:
+            self.counters["failed_jobs"] += 1
+            result = JobResult(job.id, False, keys, _summary(keys, job.failed))
+        self._out.append(Resolve(job.id, result))
         self._forget_if_done(job)
 
     def _fail(self, job: _Job, cause: str, reason: str) -> None:
@@ -1222,17 +1227,6 @@ def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
     reasons = Counter(failed[k] for k in keys)
     summary = "; ".join(f"{r} ({n})" for r, n in reasons.most_common(3))
     return f"{len(keys)} block(s) failed: {summary}"
-
-
-def _failed_keys(outcome: object, keys: list[BlockHash], closed: str) -> dict[BlockHash, str]:
-    """The keys of a tier job that did not land, with reasons; all of them for ``None``."""
-    if outcome is None:
-        return dict.fromkeys(keys, closed)
-    assert isinstance(outcome, TierOutcome)
-    failed = outcome.failed
-    if not failed:
-        return {}
-    return {k: failed[k] for k in keys if k in failed}
 
 
 __all__ = [
