@@ -368,16 +368,10 @@ class JobCore:
     # ------------------------------------------------------------------ queries
 
     def lookup(self, block_hashes: object, tenant: str | None = None) -> int:
-        """Leading hashes ready in the CPU tier or stored in a servable secondary tier;
-        counted for :meth:`tenant_statistics` under the ``tenant`` label, if given.
-
-        A tier that answers "ask again" for the first hash it cannot place is asked about
-        the rest of ``block_hashes`` as well (see :meth:`_ask_ahead`); the answer still
-        stops at that hash.
-
-        Raises:
-            InvalidArgumentError: ``block_hashes`` is not an iterable of bytes.
-        """
+        """Leading hashes ready in the CPU tier or stored in a servable secondary tier
+        (counted under the ``tenant`` label, if given). A tier answering "ask again" for
+        the first missing hash is asked about the rest too (:meth:`_ask_ahead`).
+        Raises InvalidArgumentError if ``block_hashes`` is not an iterable of bytes."""
         hashes = hash_list("block_hashes", block_hashes)
         is_ready = self.manager.is_ready
         hits = self._lookup_hits
@@ -689,11 +683,8 @@ class JobCore:
         return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
-        """The tier to promote each non-resident hash from.
-
-        Raises:
-            BlockNotFoundError: a hash is neither resident nor in a servable tier.
-        """
+        """The tier to promote each non-resident hash from; BlockNotFoundError if a
+        hash is neither resident nor in a servable tier."""
         manager = self.manager
         sources: dict[BlockHash, int] = {}
         for h in hashes:
@@ -905,14 +896,9 @@ class JobCore:
     # -------------------------------------------------------------------- flush
 
     def flush(self) -> tuple[int, list[Effect]]:
-        """Copy every ready CPU block to each secondary tier that lacks it.
-
-        Returns ``(flush id, effects)``; a :class:`FlushDone` reports the end. Its pins
-        are released only as its tier jobs end, whoever stops waiting for it.
-
-        Raises:
-            ClosedError: the engine is not open.
-        """
+        """Copy every ready CPU block to each secondary tier that lacks it; returns
+        ``(flush id, effects)``, and a :class:`FlushDone` follows. Its pins go only as
+        its tier jobs end. Raises ClosedError unless open."""
         self._check_open()
         flush = self._start_flush(internal=False)
         return flush.id, self._take()
@@ -997,12 +983,10 @@ class JobCore:
         self._out.append(Drained())
 
     def close_result(self) -> JobResult:
-        """The close's write-back as a :class:`JobResult` of its own id: ``success``
-        unless, under write-back, CPU blocks did not reach every secondary tier that
-        lacked them (a tier refused or failed them, or a hard close came first); then
-        ``failed_keys`` names them and ``error`` sums up why. Those that no tier holds
-        are lost with the CPU tier (``lost_blocks``). Final once :class:`Drained` was
-        said or :meth:`hard_close` was called; before any close, a success."""
+        """The close's write-back as a :class:`JobResult` of its own id: failed, naming
+        them, if under write-back CPU blocks did not reach every secondary tier that
+        lacked them (those no tier holds are lost: ``lost_blocks``). Final once
+        :class:`Drained` was said or :meth:`hard_close` called; a success before."""
         job_id = self._close_id if self._close_id is not None else 0
         failed = self._close_failed
         if not failed:
@@ -1043,20 +1027,13 @@ class JobCore:
 
     def copy_done(self, op: int, error: object = None) -> list[Effect]:
         """A copy effect ended; ``error`` is None on success, else why it failed.
-
-        Raises:
-            InvalidArgumentError: ``op`` is not an effect in flight.
-        """
+        Raises InvalidArgumentError if ``op`` is not an effect in flight."""
         self._end_op(op, error)
         return self._take()
 
     def tier_done(self, op: int, outcome: TierOutcome | None) -> list[Effect]:
-        """A tier effect ended. ``outcome.failed`` names the keys that did not land
-        (with reasons); ``None`` means none landed.
-
-        Raises:
-            InvalidArgumentError: ``op`` is not an effect in flight.
-        """
+        """A tier effect ended: ``outcome.failed`` names the keys that did not land, with
+        reasons (``None``: none landed); as :meth:`copy_done`."""
         self._end_op(op, outcome)
         return self._take()
 
@@ -1210,11 +1187,7 @@ class JobCore:
 
 
 def check_write_policy(write_policy: object) -> str:
-    """``write_policy`` if it is one of :data:`WRITE_POLICIES`.
-
-    Raises:
-        InvalidArgumentError: it is not.
-    """
+    """``write_policy`` if it is one of :data:`WRITE_POLICIES`, else InvalidArgumentError."""
     if write_policy not in WRITE_POLICIES:
         raise InvalidArgumentError(
             f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
