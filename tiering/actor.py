@@ -296,7 +296,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         on_done: Callable[[JobResult], None],
     ) -> bool:
         """Queue a job whose arguments the caller has checked (the engine's road, through
-        :meth:`TierClient.send <tiering.tier_client.TierClient.send>`); a full lane parks
+        :meth:`TierClient.submit <tiering.tier_client.TierClient.submit>`); a full lane parks
         it rather than refuse it; returns False if it was parked. ``on_done(result)`` is
         called exactly once, later on the loop (or at once if a close finds no loop
         running), never inside this call.

@@ -1,6 +1,6 @@
 """The one way the engine reaches a secondary tier: :class:`TierClient` and :class:`TierOutcome`.
 
-Whatever the tier is, the engine submits a job with :meth:`TierClient.send` and later
+Whatever the tier is, the engine submits a job with :meth:`TierClient.submit` and later
 receives one :class:`TierOutcome`: the keys that landed and the keys that failed, each
 with a reason. Every tier is served as a :class:`~tiering.actor.TierActor`, so the road
 has one bounded queue (the actor's inbox); a tier written against the seed's polled
@@ -176,7 +176,7 @@ class PolledTier(TierActor):
 class TierClient(AsyncService):
     """The engine's handle on one secondary tier, actor or polled.
 
-    Guarantees of :meth:`send` (and :meth:`submit`): it never blocks, never awaits and
+    Guarantees of :meth:`submit`: it never blocks, never awaits and
     never raises for anything the tier does; ``on_done`` is called exactly once per job,
     always later on the event loop (never from inside the call) and, for a
     :class:`~tiering.actor.TierActor`, only once the tier has stopped touching the job's
@@ -209,6 +209,12 @@ class TierClient(AsyncService):
         )
         self._jobs_in_flight = 0
         self._keys_in_flight = 0
+        # Queries go straight to the tier, synchronous and cheap (SecondaryTierManager's
+        # lookup, touch, hold and release).
+        self.lookup: Callable[..., bool | None] = tier.lookup
+        self.touch: Callable[..., None] = tier.touch
+        self.hold: Callable[[Collection[OffloadKey]], None] = tier.hold
+        self.release: Callable[[Collection[OffloadKey]], None] = tier.release
 
     async def start(self) -> None:
         """Start the tier; a no-op if it is open.
@@ -239,24 +245,6 @@ class TierClient(AsyncService):
         """Jobs parked for room in the tier's inbox now."""
         return self.actor.inbox_statistics().parked
 
-    # -- pass-through queries ---------------------------------------------------------
-
-    def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """The tier's answer: True held, False not, None in transfer."""
-        return self.tier.lookup(key, req_context)
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        """Mark keys recently used in the tier, ``keys[0]`` most recently."""
-        self.tier.touch(keys, req_context)
-
-    def hold(self, keys: Collection[OffloadKey]) -> None:
-        """Keep ``keys`` from eviction until :meth:`release` (see SecondaryTierManager)."""
-        self.tier.hold(keys)
-
-    def release(self, keys: Collection[OffloadKey]) -> None:
-        """Undo one :meth:`hold` of each key."""
-        self.tier.release(keys)
-
     # -- submission -------------------------------------------------------------------
 
     def submit(
@@ -265,32 +253,26 @@ class TierClient(AsyncService):
         keys: Sequence[bytes],
         slots: Sequence[int],
         on_done: Callable[[TierOutcome], None],
+        *,
+        checked: bool = False,
     ) -> None:
-        """Check the arguments, then :meth:`send` a store (CPU slots -> tier) or load
-        (tier -> CPU slots) job.
+        """Queue a store (CPU slots -> tier) or load (tier -> CPU slots) job: ``keys[i]``
+        moves from or into CPU slot ``slots[i]``; ``on_done(outcome)`` follows exactly
+        once, later (see the class doc). ``checked=True`` says the caller has checked
+        the arguments (the engine's core has), and they are taken as they are.
 
         Raises:
-            InvalidArgumentError: ``kind`` is not "store"/"load", ``keys`` are not bytes
-                and ``slots`` ints as many, or ``on_done`` is not callable (see
-                :func:`~tiering.secondary.checked_job`). Nothing is submitted.
+            InvalidArgumentError: unless ``checked``: ``kind`` is not "store"/"load",
+                ``keys`` are not bytes and ``slots`` ints as many, or ``on_done`` is not
+                callable (see :func:`~tiering.secondary.checked_job`). Nothing is queued.
         """
-        if kind not in ("store", "load"):
-            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
-        job = checked_job(0, keys, slots)
-        if not callable(on_done):
-            raise InvalidArgumentError(f"on_done must be callable, got {on_done!r}")
-        self.send(kind, job.keys, job.block_ids, on_done)
-
-    def send(
-        self,
-        kind: Lane,
-        keys: Sequence[bytes],
-        slots: Sequence[int],
-        on_done: Callable[[TierOutcome], None],
-    ) -> None:
-        """Queue a job whose arguments the caller has checked (the engine's core has):
-        ``keys[i]`` moves from (store) or into (load) CPU slot ``slots[i]``. Never
-        raises; ``on_done(outcome)`` follows exactly once, later (see the class doc)."""
+        if not checked:
+            if kind not in ("store", "load"):
+                raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
+            job = checked_job(0, keys, slots)
+            if not callable(on_done):
+                raise InvalidArgumentError(f"on_done must be callable, got {on_done!r}")
+            keys, slots = job.keys, job.block_ids
         keys = tuple(keys)
         self._counters["jobs_submitted"] += 1
         self._jobs_in_flight += 1

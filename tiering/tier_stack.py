@@ -101,7 +101,7 @@ class TierStack:
         follows."""
         kind = "store" if type(effect) is TierStore else "load"
         done = partial(on_done, effect.op)
-        self.clients[effect.tier].send(kind, effect.keys, effect.slots, done)
+        self.clients[effect.tier].submit(kind, effect.keys, effect.slots, done, checked=True)
 
     async def aclose(self, deadline: float) -> None:
         """Close in order, the tiers' outstanding jobs getting until ``deadline`` (loop
