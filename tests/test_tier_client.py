@@ -390,3 +390,12 @@ async def test_hold_release_touch_and_lookup_reach_the_tier(pool: HostPool) -> N
         assert client.lookup(b"a") is False and client.lookup(b"c") is True
         assert client.lookup(b"z") is False
         assert "memory" in repr(client)
+
+
+async def test_submit_off_the_tiers_event_loop_is_refused(pool: HostPool) -> None:
+    calls: list[TierOutcome] = []
+    async with TierClient(MemoryTier(pool.view, BLOCK)) as client:
+        with pytest.raises(InvalidArgumentError, match="event loop"):
+            await asyncio.to_thread(client.submit, "store", [b"a"], [0], calls.append)
+        assert client.statistics().counters["jobs_submitted"] == 0
+    assert calls == []

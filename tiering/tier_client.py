@@ -263,10 +263,19 @@ class TierClient(AsyncService):
 
         Raises:
             InvalidArgumentError: unless ``checked``: ``kind`` is not "store"/"load",
-                ``keys`` are not bytes and ``slots`` ints as many, or ``on_done`` is not
-                callable (see :func:`~tiering.secondary.checked_job`). Nothing is queued.
+                ``keys`` are not bytes and ``slots`` ints as many, ``on_done`` is not
+                callable (see :func:`~tiering.secondary.checked_job`), or the call is not
+                on the tier's event loop. Nothing is queued.
         """
         if not checked:
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is None or self.actor._loop not in (None, loop):
+                raise InvalidArgumentError(
+                    f"tier client {self.name}: submit must be called on the tier's event loop"
+                )
             if kind not in ("store", "load"):
                 raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
             job = checked_job(0, keys, slots)
