@@ -61,11 +61,8 @@ class ResultsLedger:
         """Keys of the jobs counted by :attr:`pending`."""
 
     def admit(self, job: TierJob) -> None:
-        """Start tracking ``job``; its id must not be known (pending or undrained).
-
-        Raises:
-            InvalidArgumentError: the job id is not an int, or is in use.
-        """
+        """Start tracking ``job``; raises InvalidArgumentError if its id is not an int
+        or is in use (pending, or its result not drained)."""
         job_id = job.meta.job_id
         if not isinstance(job_id, int) or isinstance(job_id, bool):
             raise InvalidArgumentError(f"job_id must be an int, got {job_id!r}")
@@ -116,15 +113,10 @@ class ResultsLedger:
     # -- results ----------------------------------------------------------------------
 
     def finish(self, job_id: int, result: JobResult, *, notify: bool = True) -> bool:
-        """Decide the job's one result; the first decision wins, later ones are ignored.
-
-        The result is delivered now, or once the job stops being busy. ``notify=False``
-        (only for a loop that can no longer run callbacks) skips resolving waiters.
-        Returns True if this call decided the result.
-
-        Raises:
-            InvalidArgumentError: unknown job, or ``result`` is for another job id.
-        """
+        """Decide the job's one result (the first decision wins; True if this one did),
+        delivered now or once the job stops being busy. ``notify=False`` (for a loop
+        that runs no more callbacks) leaves waiters unresolved. Raises
+        InvalidArgumentError for an unknown job or a result of another job id."""
         job = self._jobs.get(job_id)
         if job is None:
             raise InvalidArgumentError(f"{self._owner}: unknown job {job_id!r}")
@@ -156,11 +148,8 @@ class ResultsLedger:
         return undecided
 
     def waiter(self, job_id: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[JobResult]:
-        """A new future resolving to the job's result (already resolved if delivered).
-
-        Raises:
-            InvalidArgumentError: unknown job (never admitted, or already drained).
-        """
+        """A new future of the job's result (resolved if delivered already); raises
+        InvalidArgumentError for a job never admitted or already drained."""
         job = self._jobs.get(job_id)
         if job is None:
             raise InvalidArgumentError(
