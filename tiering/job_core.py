@@ -348,8 +348,8 @@ class JobCore:
         self._on_copied_out = self._copied_out
         # The job that owns the fill of each slot being filled (only it may end it), and
         # the jobs waiting for a fill (made when the first one joins). Indexed by slot,
-        # not by hash: a dict that every block enters and leaves would be rebuilt now
-        # and then inside a caller's store, a spike of tens of microseconds.
+        # not by hash: a dict that every block enters and leaves would now and then be
+        # rebuilt inside a caller's store, a latency spike on the hot path.
         self._fill_owner: list[_Job | None] = [None] * manager.num_blocks
         self._num_filling = 0
         self._fill_waiters: dict[BlockHash, list[_Job]] = {}
