@@ -200,6 +200,11 @@ class Phase(enum.Enum):
     DONE = "done"  # its result (and a store's cascaded answer) is given
 
 
+# Phases as module constants: the hot path compares them by identity without an enum
+# attribute lookup each time.
+_WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
+
+
 class _Fanout:
     """Tier stores started together (a cascade, a write-back, a flush): the keys the
     tiers did not take, and whether every one of the stores has reported back."""
@@ -208,13 +213,16 @@ class _Fanout:
 
     def __init__(self) -> None:
         self.pending = 0
+        # Made at the first failure: most fan-outs (a cascade per store) have none.
         self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
-        self.failures: Counter[BlockHash] = Counter()  # tiers that did not take each key
+        self.failures: Counter[BlockHash] | None = None  # tiers that did not take each key
 
     def part_done(self, failed: Mapping[BlockHash, str]) -> bool:
         """One store reported back; True if it was the last."""
         self.pending -= 1
         if failed:
+            if self.failures is None:
+                self.failures = Counter()
             self.failures.update(failed.keys())
             for k, reason in failed.items():
                 self.failed.setdefault(k, reason)
@@ -222,7 +230,8 @@ class _Fanout:
 
     def failed_in(self, tiers: int) -> dict[BlockHash, str]:
         """The keys that ``tiers`` stores failed (every tier asked, when it is their number)."""
-        return {k: self.failed[k] for k, n in self.failures.items() if n == tiers}
+        failures = self.failures or {}
+        return {k: self.failed[k] for k, n in failures.items() if n == tiers}
 
 
 class _Flush(_Fanout):
@@ -258,7 +267,7 @@ class _Job:
     def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
         self.id = job_id
         self.is_load = is_load
-        self.phase = Phase.WAITING
+        self.phase = _WAITING
         self.hashes = hashes  # a store: each distinct hash once (once planned); a load: as called
         self.device_ids = ids
         self.io = 0  # this job's effects in flight
@@ -282,7 +291,7 @@ class _Job:
 
     @property
     def done(self) -> bool:
-        return self.resolved and self.io == 0 and (self.is_load or self.phase is Phase.DONE)
+        return self.resolved and self.io == 0 and (self.is_load or self.phase is _DONE)
 
 
 # ---------------------------------------------------------------------- the core
@@ -510,7 +519,7 @@ class JobCore:
         for slot in slots:
             owner[slot] = job
         self._num_filling += len(slots)
-        job.phase = Phase.MOVING
+        job.phase = _MOVING
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         job.slots = slots
@@ -552,7 +561,7 @@ class JobCore:
 
     def _store_settled(self, job: _Job) -> None:
         """Once its own copy and every fill it joined have ended: resolve, then cascade."""
-        if job.awaiting or job.phase is not Phase.MOVING:
+        if job.awaiting or job.phase is not _MOVING:
             return
         self._resolve(job)
         if job.failed:
@@ -598,7 +607,7 @@ class JobCore:
                 self._tier_store(job, t, items, "cascaded_blocks", self._cascade_part_done)
         self._release_held(job)  # each tier job holds its own pins now
         if cascade.pending:
-            job.phase = Phase.CASCADING
+            job.phase = _CASCADING
         else:
             self._answer_cascaded(job, True)
 
@@ -609,8 +618,8 @@ class JobCore:
             self._answer_cascaded(job, not cascade.failed)
 
     def _answer_cascaded(self, job: _Job, ok: bool) -> None:
-        if job.phase is not Phase.DONE:
-            job.phase = Phase.DONE
+        if job.phase is not _DONE:
+            job.phase = _DONE
             self._out.append(Cascaded(job.id, ok))
         self._forget_if_done(job)
 
@@ -649,7 +658,7 @@ class JobCore:
         if found and out is None:
             return False
         self._jobs[job.id] = job
-        job.phase = Phase.MOVING
+        job.phase = _MOVING
         ready = []
         for h in hashes if len(hashes) == 1 else dict.fromkeys(hashes):
             if h in found:
@@ -717,9 +726,9 @@ class JobCore:
 
     def _copy_out(self, job: _Job) -> None:
         """Once no fill is awaited: copy every block that is there to the device."""
-        if job.awaiting or job.phase is not Phase.MOVING:
+        if job.awaiting or job.phase is not _MOVING:
             return
-        job.phase = Phase.COPYING_OUT
+        job.phase = _COPYING_OUT
         slots, ids, failed = job.slots, job.device_ids, job.failed
         if failed:
             kept = [i for i, h in enumerate(job.hashes) if h not in failed]
@@ -733,7 +742,7 @@ class JobCore:
             self._out.append(CopyToDevice(op, slots, ids))
 
     def _copied_out(self, job: _Job, error: object) -> None:
-        job.phase = Phase.DONE
+        job.phase = _DONE
         if job.pinned:
             self.manager.complete_load(job.pinned)  # the copy has ended: pins may go
             job.pinned = ()
