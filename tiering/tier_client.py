@@ -227,8 +227,7 @@ class TierClient(AsyncService):
     async def aclose(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Close the tier gracefully (:meth:`TierActor.aclose`), within ``timeout``
         seconds (the client's ``timeout`` if None); every job's ``on_done`` has been
-        called when this returns, except a job inside a thread call the tier cannot
-        interrupt, whose failure follows when that call returns."""
+        called when this returns."""
         await self.actor.aclose(self.timeout if timeout is None else timeout)
 
     def shutdown(self) -> None:
