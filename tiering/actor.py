@@ -345,15 +345,8 @@ class TierActor(AsyncService, SecondaryTierManager):
             raise InvalidArgumentError(
                 f"{self._name()}: jobs must be submitted from the tier's event-loop thread"
             )
-        job_id = job.job_id
-        if not isinstance(job_id, int) or isinstance(job_id, bool):
-            raise InvalidArgumentError(f"job_id must be an int, got {job_id!r}")
-        if job_id in self._ledger or job_id in self._reserved_ids:
-            raise InvalidArgumentError(
-                f"{self._name()}: job {job_id} is already submitted or its result not yet "
-                "drained by get_finished()"
-            )
-        return checked_job(job_id, job.keys, job.block_ids, self.num_primary_slots)
+        self._ledger.check_free(job.job_id, self._reserved_ids)
+        return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)
 
     def _register(self, job: TierJob) -> None:
         self._ledger.admit(job)

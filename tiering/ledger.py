@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from tiering.errors import InvalidArgumentError
@@ -61,19 +61,23 @@ class ResultsLedger:
         """Keys of the jobs counted by :attr:`pending`."""
 
     def admit(self, job: TierJob) -> None:
-        """Start tracking ``job``; raises InvalidArgumentError if its id is not an int
-        or is in use (pending, or its result not drained)."""
+        """Start tracking ``job``; raises as :meth:`check_free` does."""
         job_id = job.meta.job_id
+        self.check_free(job_id)
+        self._jobs[job_id] = job
+        self.pending += 1
+        self.keys_pending += len(job.meta.keys)
+
+    def check_free(self, job_id: object, taken: Collection[int] = ()) -> None:
+        """Raise InvalidArgumentError unless ``job_id`` is an int that is neither in use
+        here (pending, or its result not drained) nor in ``taken``."""
         if not isinstance(job_id, int) or isinstance(job_id, bool):
             raise InvalidArgumentError(f"job_id must be an int, got {job_id!r}")
-        if job_id in self._jobs:
+        if job_id in self._jobs or job_id in taken:
             raise InvalidArgumentError(
                 f"{self._owner}: job {job_id} is already submitted or its result not yet "
                 "drained by get_finished()"
             )
-        self._jobs[job_id] = job
-        self.pending += 1
-        self.keys_pending += len(job.meta.keys)
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._jobs
