@@ -272,10 +272,10 @@ async def test_cancelling_a_waiting_put_admits_nothing() -> None:
 @pytest.mark.parametrize(
     ("job", "message"),
     [
-        (JobMetadata(7, [b"ok", "text"], [0, 1]), "keys must be bytes"),
-        (JobMetadata(7, [b"ok"], [SLOTS]), "outside the host pool"),
-        (JobMetadata(7, [b"ok"], [-1]), "outside the host pool"),
-        (JobMetadata(7, [b"ok"], [True]), "is not an int"),
+        (JobMetadata(7, [b"ok", "text"], [0, 1]), "keys must hold bytes"),
+        (JobMetadata(7, [b"ok"], [SLOTS]), "of the host pool.*outside 0..7"),
+        (JobMetadata(7, [b"ok"], [-1]), "of the host pool.*outside 0..7"),
+        (JobMetadata(7, [b"ok"], [True]), "slots must hold ints"),
         ("not a job", "expected a JobMetadata"),
     ],
 )

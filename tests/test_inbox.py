@@ -154,3 +154,20 @@ def test_statistics_is_a_frozen_snapshot() -> None:
     with pytest.raises(AttributeError):
         stats.queued_loads = 0  # type: ignore[misc]
     assert "1 loads" not in repr(inbox) and "2 stores" in repr(inbox)
+
+
+def test_parked_items_are_queued_in_order_as_room_appears_and_unpark_takes_the_rest() -> None:
+    inbox: Inbox[int] = Inbox(1)
+    assert inbox.park("store", 1)
+    assert not inbox.park("store", 2)
+    assert not inbox.park("store", 3)
+    assert inbox.statistics().parked == 2
+    with pytest.raises(TierBusyError):
+        inbox.put_nowait("store", 9)  # parked items keep their turn
+    assert inbox.get_nowait() == 1  # its room goes to 2
+    assert (inbox.statistics().queued_stores, inbox.statistics().parked) == (1, 1)
+    inbox.close()
+    with pytest.raises(ClosedError):
+        inbox.park("load", 4)
+    assert inbox.unpark() == [3]
+    assert [inbox.get_nowait(), inbox.get_nowait()] == [2, None]

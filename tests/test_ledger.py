@@ -7,15 +7,19 @@ import asyncio
 import pytest
 
 from tiering.errors import InvalidArgumentError
-from tiering.ledger import ResultsLedger
-from tiering.secondary import JobResult
+from tiering.ledger import ResultsLedger, TierJob
+from tiering.secondary import JobMetadata, JobResult
+
+
+def _job(job_id: object, keys: list[bytes]) -> TierJob:
+    return TierJob(JobMetadata(job_id, keys, range(len(keys))), "store")  # type: ignore[arg-type]
 
 
 async def test_one_result_reaches_every_waiter_and_drain_once_then_the_id_is_free() -> None:
     delivered: list[tuple[int, JobResult]] = []
-    ledger = ResultsLedger(on_delivered=lambda i, r: delivered.append((i, r)))
+    ledger = ResultsLedger(on_delivered=lambda j, r: delivered.append((j.meta.job_id, r)))
     loop = asyncio.get_running_loop()
-    ledger.admit(1, [b"a", b"b"])
+    ledger.admit(_job(1, [b"a", b"b"]))
     early = ledger.waiter(1, loop)
     assert ledger.pending == 1 and ledger.keys_pending == 2
     assert ledger.finish(1, JobResult(1, True))
@@ -25,17 +29,17 @@ async def test_one_result_reaches_every_waiter_and_drain_once_then_the_id_is_fre
     assert delivered == [(1, JobResult(1, True))]
     assert ledger.pending == 0 and ledger.keys_pending == 0
     with pytest.raises(InvalidArgumentError, match="job 1 is already submitted"):
-        ledger.admit(1, [b"c"])
+        ledger.admit(_job(1, [b"c"]))
     assert ledger.drain() == [JobResult(1, True)]
     assert ledger.drain() == []
     with pytest.raises(InvalidArgumentError, match="unknown job 1"):
         ledger.waiter(1, loop)
-    ledger.admit(1, [b"c"])  # drained ids may be reused
+    ledger.admit(_job(1, [b"c"]))  # drained ids may be reused
 
 
 async def test_a_busy_job_gets_its_result_only_when_it_is_idle_again() -> None:
     ledger = ResultsLedger()
-    ledger.admit(7, [b"k"])
+    ledger.admit(_job(7, [b"k"]))
     waiter = ledger.waiter(7, asyncio.get_running_loop())
     ledger.busy(7)
     ledger.busy(7)
@@ -52,7 +56,7 @@ async def test_a_busy_job_gets_its_result_only_when_it_is_idle_again() -> None:
 async def test_fail_undecided_fails_every_job_without_a_result() -> None:
     ledger = ResultsLedger()
     for job_id in (1, 2, 3):
-        ledger.admit(job_id, [bytes([job_id])])
+        ledger.admit(_job(job_id, [bytes([job_id])]))
     ledger.finish(2, JobResult(2, True))
     ledger.busy(3)
     assert ledger.fail_undecided("closed") == [1, 3]
@@ -66,13 +70,13 @@ async def test_fail_undecided_fails_every_job_without_a_result() -> None:
 def test_a_job_id_that_is_not_an_int_is_rejected(job_id: object) -> None:
     ledger = ResultsLedger()
     with pytest.raises(InvalidArgumentError, match="job_id must be an int"):
-        ledger.admit(job_id, [])  # type: ignore[arg-type]
+        ledger.admit(_job(job_id, []))  # type: ignore[arg-type]
     assert ledger.pending == 0
 
 
 def test_misuse_raises_and_changes_nothing() -> None:
     ledger = ResultsLedger(owner="tier-x")
-    ledger.admit(1, [b"a"])
+    ledger.admit(_job(1, [b"a"]))
     with pytest.raises(InvalidArgumentError, match="result for job 2 given for job 1"):
         ledger.finish(1, JobResult(2, True))
     with pytest.raises(InvalidArgumentError, match="tier-x: unknown job 5"):

@@ -209,7 +209,8 @@ async def test_a_store_the_example_tier_drops_silently_times_out(pool: HostPool)
     assert not dropped.ok
     assert "0.05s timeout" in dropped.failed[b"a"]
     assert recorder.exactly_once()
-    assert dict(client.statistics().failures) == {"timeout": 1}
+    assert dict(client.statistics().failures) == {"store failed in the tier": 1}
+    assert dict(client.actor.statistics().failures) == {"timeout": 1}
 
 
 async def test_on_done_is_never_called_inside_submit(pool: HostPool) -> None:
@@ -217,9 +218,11 @@ async def test_on_done_is_never_called_inside_submit(pool: HostPool) -> None:
     example = ExampleSecondaryTier(pool.view, BLOCK)  # completes jobs inside its submit
     async with TierClient(example) as client:
         recorder.submit(client, "store", [b"a"], [0])
+        assert recorder.calls == []
+        await recorder.all()  # queued loads go before stores: store first
         recorder.submit(client, "load", [b"a"], [1])
         recorder.submit(client, "load", [b"a"], [SLOTS])  # the tier raises in submit
-        assert recorder.calls == []
+        assert len(recorder.calls) == 1
         outcomes = await recorder.all()
     assert [o.ok for o in outcomes] == [True, True, False]
     assert (
@@ -325,11 +328,11 @@ async def test_an_outcome_waits_for_the_tiers_thread_call_to_end(pool: HostPool)
     [
         (("copy", [b"a"], [0]), "kind must be"),
         (("store", [b"a", b"b"], [0]), "2 keys but 1 slots"),
-        (("store", ["a"], [0]), "keys must be bytes"),
+        (("store", ["a"], [0]), "keys must hold bytes"),
         (("store", b"ab", [0, 1]), "keys must be a sequence"),
-        (("store", None, [0]), "keys must be a sequence"),
-        (("load", [b"a"], [True]), "slots must be ints"),
-        (("load", [b"a"], [0.0]), "slots must be ints"),
+        (("store", None, [0]), "keys must be an iterable"),
+        (("load", [b"a"], [True]), "slots must hold ints"),
+        (("load", [b"a"], [0.0]), "slots must hold ints"),
         (("load", [b"a"], 5), "slots must be a sequence"),
     ],
 )
@@ -387,3 +390,12 @@ async def test_hold_release_touch_and_lookup_reach_the_tier(pool: HostPool) -> N
         assert client.lookup(b"a") is False and client.lookup(b"c") is True
         assert client.lookup(b"z") is False
         assert "memory" in repr(client)
+
+
+async def test_submit_off_the_tiers_event_loop_is_refused(pool: HostPool) -> None:
+    calls: list[TierOutcome] = []
+    async with TierClient(MemoryTier(pool.view, BLOCK)) as client:
+        with pytest.raises(InvalidArgumentError, match="event loop"):
+            await asyncio.to_thread(client.submit, "store", [b"a"], [0], calls.append)
+        assert client.statistics().counters["jobs_submitted"] == 0
+    assert calls == []

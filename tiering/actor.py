@@ -1,20 +1,13 @@
 """The asynchronous base of every secondary tier: an actor with a bounded inbox.
 
-A :class:`TierActor` owns an :class:`~tiering.inbox.Inbox` (two bounded lanes, loads
-before stores), one serving task that feeds it to the subclass's hooks, at most
+A :class:`TierActor` owns an :class:`~tiering.inbox.Inbox` (the one bounded queue
+between its callers and it), one serving task feeding the subclass's hooks, at most
 ``max_inflight`` job tasks, a :class:`~tiering.ledger.ResultsLedger` and a bounded thread
-pool for blocking byte work. Every task it runs belongs to one
-:class:`asyncio.TaskGroup`, hosted by a runner task the actor owns, so
-:meth:`TierActor.start` and :meth:`TierActor.aclose` may be called from any task of the
-loop.
-
-Life cycle (:class:`~tiering.lifecycle.Lifecycle`): ``NEW`` -> :meth:`~TierActor.start`
--> ``OPEN`` -> :meth:`~TierActor.aclose` (graceful) or :meth:`~TierActor.shutdown`
-(hard) -> ``CLOSING`` -> ``CLOSED`` once every job is answered and no blocking call of
-it runs (tasks it cancelled may still be unwinding on the loop). Every
-admitted job yields exactly one :class:`JobResult`, whatever happens: from its hook,
-from the hook's failure, or from the close that cut it short, and never while a
-blocking call of the job still runs on a thread.
+pool for blocking byte work. Its tasks belong to one :class:`asyncio.TaskGroup` hosted
+by a runner task of its own, so :meth:`~TierActor.start` and :meth:`~TierActor.aclose`
+may be called from any task of the loop. Every admitted job yields exactly one
+:class:`JobResult` (from its hook, the hook's failure, or the close that cut it short),
+never while a blocking call of the job still runs on a thread.
 """
 
 from __future__ import annotations
@@ -28,15 +21,19 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Inbox, InboxStatistics, Lane
-from tiering.ledger import ResultsLedger
-from tiering.lifecycle import Lifecycle
-from tiering.secondary import JobMetadata, JobResult, OffloadKey, SecondaryTierManager
+from tiering.ledger import ResultsLedger, TierJob
+from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.secondary import (
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    SecondaryTierManager,
+    checked_job,
+)
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import positive_int, seconds
 from tiering.workers import init_io_worker
@@ -59,38 +56,22 @@ _CURRENT_JOB: contextvars.ContextVar[tuple[TierActor, int] | None] = contextvars
 )
 
 
-@dataclass(eq=False, slots=True)
-class _Job:
-    """An admitted job: queued until the serving task hands it to a job task."""
-
-    meta: JobMetadata
-    lane: Lane
-    task: asyncio.Task[JobResult] | None = None
-
-
-class TierActor(SecondaryTierManager):
+class TierActor(AsyncService, SecondaryTierManager):
     """A secondary tier served by an asyncio actor; subclasses implement the two hooks.
 
-    Guarantees:
+    Guarantees: ``submit_*`` check, enqueue and return at once (raising, they change
+    nothing); queued loads go before queued stores, at most ``max_inflight`` jobs run
+    at once; each admitted job's one result reaches every :meth:`result` future and
+    :meth:`get_finished` once (or its ``on_done``, for a job the engine sent); a hook
+    that raises or returns no ``JobResult`` for its job fails that job only (all its
+    keys; counted by cause in ``statistics().failures``, logged once per cause); a
+    result is never delivered while a :meth:`run_blocking` call of the job runs, so
+    whoever sees it may reuse the slots. A failed load's slots are undefined.
 
-    * ``submit_store``/``submit_load`` validate, enqueue and return at once; when they
-      raise, nothing changed.
-    * Queued loads are handed out before queued stores (a load is on a request's
-      critical path); at most ``max_inflight`` jobs run at once.
-    * Each admitted job yields exactly one :class:`JobResult`, delivered to every
-      :meth:`result` future of the job and once through :meth:`get_finished`. A hook
-      that raises, or returns something other than a ``JobResult`` for its job, fails
-      only that job (``failed_keys`` = all its keys); the actor keeps serving. Such
-      failures are counted by cause in ``statistics().failures`` and logged once per
-      cause.
-    * A job's result is never delivered while a :meth:`run_blocking` call made by the
-      job still runs on a thread: whoever sees the result may reuse the job's slots.
-    * A failed load may have written some of its slots; their contents are undefined.
-
-    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (called on the loop
-    thread; do the bulk byte work in ONE :meth:`run_blocking` call per job), plus
-    ``lookup``, ``get_num_blocks``, ``get_tier_type`` and optionally ``touch``/``clear``
-    and :meth:`_usage`. All bookkeeping must happen on the loop thread.
+    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (on the loop thread;
+    the bulk byte work in ONE :meth:`run_blocking` call per job), ``lookup``,
+    ``get_num_blocks``, ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`.
+    All bookkeeping happens on the loop thread.
     """
 
     def __init__(
@@ -102,13 +83,8 @@ class TierActor(SecondaryTierManager):
         max_inflight: int = 4,
         io_threads: int = 4,
     ) -> None:
-        """Create a tier that is not yet started.
-
-        Raises:
-            InvalidArgumentError: ``primary_kv_view`` is not a writable memoryview of
-                whole blocks, or ``block_bytes``, ``inbox_size``, ``max_inflight`` or
-                ``io_threads`` is not a positive int.
-        """
+        """A tier not yet started. Raises InvalidArgumentError if ``primary_kv_view`` is
+        not a writable memoryview of whole blocks or a size is not a positive int."""
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
@@ -120,7 +96,7 @@ class TierActor(SecondaryTierManager):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Task[None] | None = None
         self._task_group: asyncio.TaskGroup | None = None
-        self._inbox: Inbox[_Job] = Inbox(inbox_size, owner=type(self).__name__)
+        self._inbox: Inbox[TierJob] = Inbox(inbox_size, owner=type(self).__name__)
         self._ledger = ResultsLedger(owner=type(self).__name__, on_delivered=self._delivered)
         self._failures = FailureLog(logger, type(self).__name__)
         self._inflight = asyncio.Semaphore(max_inflight)
@@ -134,7 +110,7 @@ class TierActor(SecondaryTierManager):
         self._background: set[asyncio.Task[None]] = set()  # spawn()ed, cancelled at close
         self._stopped = False  # close decided: every job failed or finished, pool shut
 
-        self._jobs: dict[int, _Job] = {}  # admitted, result not yet delivered
+        self._next_id = 0  # for jobs the engine sends
         self._reserved_ids: set[int] = set()  # put_* waiting for room
         self._storing: Counter[OffloadKey] = Counter()
         # Why jobs cut short by a close fail: the message, and its cause for statistics.
@@ -144,12 +120,8 @@ class TierActor(SecondaryTierManager):
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start serving on the running loop; a no-op if already open.
-
-        Raises:
-            ClosedError: the tier is closing or closed.
-            InvalidArgumentError: it was started on another event loop.
-        """
+        """Start serving on the running loop; a no-op if already open. Raises
+        ClosedError once closing, InvalidArgumentError if open on another loop."""
         if self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         loop = asyncio.get_running_loop()
@@ -167,23 +139,14 @@ class TierActor(SecondaryTierManager):
     # The deadline is part of the close protocol (graceful phase, then cancel), so it
     # is a parameter rather than a caller-side asyncio.timeout.
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
-        """Close gracefully: admit nothing more, finish admitted jobs, then stop.
-
-        Submissions raise :class:`ClosedError` from the moment this is called, and
-        ``put_*`` calls waiting for room raise it too. Queued and in-flight jobs run to
-        completion if they finish within ``timeout`` seconds; the rest are cancelled and
-        reported with ``success=False`` and an error saying why. A job cancelled inside
-        a :meth:`run_blocking` call is reported only once that call has returned, so this
-        returns within about ``timeout`` plus the remaining time of the blocking calls
-        running at the deadline. On return the state is ``CLOSED``: no thread call or
-        result of the tier is left pending (a hook that swallowed its cancellation may
-        still be unwinding on the loop). Idempotent; concurrent calls all return
-        once the tier is closed. If the caller is cancelled meanwhile, the tier is
-        stopped hard (:meth:`shutdown`) and the cancellation propagates.
-
-        Raises:
-            InvalidArgumentError: ``timeout`` is negative or not a number.
-        """
+        """Close gracefully: admit nothing more (waiting ``put_*`` calls raise
+        ClosedError), let queued, parked and running jobs finish within ``timeout``
+        seconds, then cancel the rest, failing each with the reason. A job inside a
+        :meth:`run_blocking` call is reported once the call returns, so this returns
+        within about ``timeout`` plus those calls' remaining time, the state ``CLOSED``.
+        Idempotent; concurrent calls all return once closed. Cancelled, it stops the
+        tier hard (:meth:`shutdown`) and propagates. Raises InvalidArgumentError for a
+        negative or non-numeric ``timeout``."""
         seconds("timeout", timeout, allow_zero=True)
         if self._state is Lifecycle.NEW:
             self._stop(notify=True)
@@ -222,29 +185,18 @@ class TierActor(SecondaryTierManager):
             raise
 
     def shutdown(self) -> None:
-        """Stop at once: cancel every task and fail every unfinished job.
-
-        Each admitted job without a result is failed before this returns, except a job
-        whose :meth:`run_blocking` call is running on a thread: a thread cannot be
-        interrupted, so this may return while such calls still run, and those jobs'
-        failures are delivered (and the state becomes ``CLOSED``) on the loop once the
-        calls have returned. Called from another thread while the loop runs, the stop is
-        scheduled on the loop. After the loop has stopped, results are recorded at once
-        (there is nothing left to wait on) without resolving :meth:`result` futures.
-        The thread pool is shut down without waiting; queued blocking calls are dropped.
-        Idempotent; safe before :meth:`start`.
-        """
+        """Stop at once: cancel every task, fail every unfinished job, shut the thread
+        pool down without waiting. A job inside a :meth:`run_blocking` call (a thread
+        cannot be interrupted) gets its failure, and the tier ``CLOSED``, on the loop
+        once the call returns. From another thread the stop is scheduled on the loop;
+        with the loop stopped, results are recorded at once without resolving futures.
+        Idempotent; safe before :meth:`start`."""
         loop = self._loop
         loop_running = loop is not None and loop.is_running() and not loop.is_closed()
-        if loop_running:
-            try:
-                on_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                on_loop = False
-            if not on_loop:
-                assert loop is not None
-                loop.call_soon_threadsafe(self.shutdown)
-                return
+        if loop_running and not self._on_loop():
+            assert loop is not None
+            loop.call_soon_threadsafe(self.shutdown)
+            return
         if self._state is Lifecycle.CLOSED or self._stopped:
             return
         if self._state is not Lifecycle.NEW:
@@ -261,23 +213,11 @@ class TierActor(SecondaryTierManager):
         else:
             # No loop will run the tasks again, so no thread call can report back.
             self._calls_running = 0
-            for job_id in list(self._jobs):
-                while self._ledger.is_busy(job_id):
-                    self._ledger.idle(job_id)
+            for job in self._ledger.undelivered():
+                while job.busy:
+                    self._ledger.idle(job.meta.job_id)
         usable = loop is None or not loop.is_closed()
         self._stop(notify=usable)
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     @property
     def state(self) -> Lifecycle:
@@ -292,9 +232,8 @@ class TierActor(SecondaryTierManager):
     # -- statistics -------------------------------------------------------------------
 
     def statistics(self) -> Statistics:
-        """A snapshot: state, jobs (queued or running) and their bytes in flight,
-        plus what :meth:`_usage` reports; ``failures`` adds the actor's own (hooks that
-        raised, jobs cancelled by a close) to the subclass's."""
+        """State, jobs without a result and their bytes, what :meth:`_usage` reports,
+        and failures by cause (the actor's own added to the subclass's)."""
         usage = dict(self._usage())
         failures = Counter(usage.pop("failures", {}))
         failures.update(self._failures.counts)
@@ -307,16 +246,12 @@ class TierActor(SecondaryTierManager):
         )
 
     def inbox_statistics(self) -> InboxStatistics:
-        """A snapshot of the inbox: queued loads and stores, its bound, waiting tasks."""
+        """A snapshot of the inbox."""
         return self._inbox.statistics()
 
     def _usage(self) -> dict[str, Any]:
-        """What the tier holds, as :class:`Statistics` fields (``used_blocks``,
-        ``capacity_bytes``, ``pinned_blocks``, ``counters``, ``failures``...).
-
-        Subclasses override it; the default reports ``used_blocks`` only. Called on the
-        loop thread; must be cheap.
-        """
+        """What the tier holds, as cheap :class:`Statistics` fields (the default:
+        ``used_blocks``); subclasses override it."""
         return {"used_blocks": self.get_num_blocks()}
 
     def __repr__(self) -> str:
@@ -335,61 +270,70 @@ class TierActor(SecondaryTierManager):
         self._submit_now(job, "store")
 
     def submit_load(self, job: JobMetadata) -> None:
-        """Queue a load job (this tier -> CPU slots); returns at once.
-
-        Raises:
-            InvalidArgumentError: the job is malformed (see :meth:`_admit`).
-            ClosedError: the tier is not started, closing or closed.
-            TierBusyError: the load inbox is full; drain results and retry.
-        """
+        """Queue a load job (this tier -> CPU slots), as :meth:`submit_store` does."""
         self._submit_now(job, "load")
 
     async def put_store(self, job: JobMetadata) -> None:
-        """Like :meth:`submit_store`, but wait for room in the inbox instead of raising.
-
-        Raises:
-            InvalidArgumentError, ClosedError: as :meth:`submit_store` (ClosedError also
-                if the tier starts closing while this waits). Cancelling the caller while
-                it waits admits nothing.
-        """
+        """Like :meth:`submit_store`, but wait for room in the inbox instead of raising
+        TierBusyError (ClosedError if the tier starts closing meanwhile). Cancelling the
+        caller while it waits admits nothing."""
         await self._put(job, "store")
 
     async def put_load(self, job: JobMetadata) -> None:
-        """Like :meth:`submit_load`, but wait for room in the inbox instead of raising.
-
-        Raises:
-            InvalidArgumentError, ClosedError: as :meth:`put_store`.
-        """
+        """Like :meth:`put_store`, for a load."""
         await self._put(job, "load")
 
     def _submit_now(self, job: JobMetadata, lane: Lane) -> None:
-        meta = self._admit(job)
-        entry = _Job(meta, lane)
+        entry = TierJob(self._admit(job), lane)
         self._inbox.put_nowait(lane, entry)
         self._register(entry)
 
+    def _send(
+        self,
+        lane: Lane,
+        keys: tuple[OffloadKey, ...],
+        slots: tuple[int, ...],
+        on_done: Callable[[JobResult], None],
+    ) -> bool:
+        """Queue a job whose arguments the caller has checked (the engine's road, through
+        :meth:`TierClient.submit <tiering.tier_client.TierClient.submit>`); a full lane parks
+        it rather than refuse it; returns False if it was parked. ``on_done(result)`` is
+        called exactly once, later on the loop (or at once if a close finds no loop
+        running), never inside this call.
+
+        Raises:
+            ClosedError: the tier is not open; nothing was queued.
+        """
+        if self._state is not Lifecycle.OPEN:
+            raise ClosedError(f"the {self.get_tier_type()} tier is {self._state}")
+        while self._next_id in self._ledger or self._next_id in self._reserved_ids:
+            self._next_id += 1
+        job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
+        self._next_id += 1
+        queued = self._inbox.park(lane, job)
+        self._register(job)
+        return queued
+
     async def _put(self, job: JobMetadata, lane: Lane) -> None:
-        meta = self._admit(job)
-        entry = _Job(meta, lane)
-        self._reserved_ids.add(meta.job_id)
+        entry = TierJob(self._admit(job), lane)
+        job_id = entry.meta.job_id
+        self._reserved_ids.add(job_id)
         try:
             await self._inbox.put(lane, entry)
         except ClosedError:
-            raise ClosedError(f"{self._name()} closed while job {meta.job_id} waited") from None
+            raise ClosedError(f"{self._name()} closed while job {job_id} waited") from None
         finally:
-            self._reserved_ids.discard(meta.job_id)
+            self._reserved_ids.discard(job_id)
         # No await between the inbox taking the job and this: the server cannot see it
         # before it is registered.
         self._register(entry)
 
     def _admit(self, job: JobMetadata) -> JobMetadata:
-        """Validate ``job`` and return an immutable snapshot of it; changes nothing.
+        """``job`` checked, as an immutable snapshot; changes nothing.
 
         Raises:
-            InvalidArgumentError: not a JobMetadata, called off the tier's loop, a
-                job_id that is not an int or names a job whose result has not been
-                drained by get_finished(), a key that is not bytes, or a slot id outside
-                the host pool.
+            InvalidArgumentError: not a JobMetadata, called off the tier's loop, a job id
+                not an int or in use, or keys and slots :func:`checked_job` refuses.
             ClosedError: the tier is not open.
         """
         if not isinstance(job, JobMetadata):
@@ -397,68 +341,31 @@ class TierActor(SecondaryTierManager):
         if self._state is not Lifecycle.OPEN:
             state = "not started" if self._state is Lifecycle.NEW else self._state.value
             raise ClosedError(f"{self._name()} is {state}; job {job.job_id!r} not accepted")
-        try:
-            on_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            on_loop = False
-        if not on_loop:
+        if not self._on_loop():
             raise InvalidArgumentError(
                 f"{self._name()}: jobs must be submitted from the tier's event-loop thread"
             )
-        job_id = job.job_id
-        if not isinstance(job_id, int) or isinstance(job_id, bool):
-            raise InvalidArgumentError(f"job_id must be an int, got {job_id!r}")
-        if job_id in self._ledger or job_id in self._reserved_ids:
-            raise InvalidArgumentError(
-                f"{self._name()}: job {job_id} is already submitted or its result not yet "
-                "drained by get_finished()"
-            )
-        keys = tuple(job.keys)
-        block_ids = tuple(job.block_ids)
-        for key in keys:
-            if not isinstance(key, bytes):
-                raise InvalidArgumentError(
-                    f"job {job_id}: keys must be bytes, got {type(key).__name__}"
-                )
-        limit = self.num_primary_slots
-        for block_id in block_ids:
-            if not isinstance(block_id, int) or isinstance(block_id, bool):
-                raise InvalidArgumentError(f"job {job_id}: slot id {block_id!r} is not an int")
-            if not 0 <= block_id < limit:
-                raise InvalidArgumentError(
-                    f"job {job_id}: slot {block_id} is outside the host pool (0..{limit - 1})"
-                )
-        return JobMetadata(job_id, keys, block_ids)
+        self._ledger.check_free(job.job_id, self._reserved_ids)
+        return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)
 
-    def _register(self, job: _Job) -> None:
-        self._ledger.admit(job.meta.job_id, job.meta.keys)
-        self._jobs[job.meta.job_id] = job
+    def _register(self, job: TierJob) -> None:
+        self._ledger.admit(job)
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
     # -- results ----------------------------------------------------------------------
 
     def result(self, job_id: int) -> asyncio.Future[JobResult]:
-        """A future that resolves to the job's :class:`JobResult`.
-
-        Works for a job that is queued, in flight, or finished but not yet drained by
-        :meth:`get_finished`. It never raises for a failed job (``success=False``
-        instead). Each call returns a new future, so cancelling one awaiter affects
-        neither the job nor other awaiters.
-
-        Raises:
-            InvalidArgumentError: no such job (never submitted, or already drained).
-        """
+        """A new future of the job's :class:`JobResult` (queued, running, or finished
+        and not yet drained); cancelling it affects nobody else. Raises
+        InvalidArgumentError for a job never submitted or already drained."""
         if self._loop is None:
             raise InvalidArgumentError(f"{self._name()}: unknown job {job_id!r} (not started)")
         return self._ledger.waiter(job_id, self._loop)
 
     def get_finished(self) -> list[JobResult]:
-        """Results of the jobs finished since the last call, in completion order.
-
-        Never blocks. Each result is returned exactly once; afterwards its job id is
-        forgotten (``result()`` no longer knows it, and the id may be reused).
-        """
+        """Results of the jobs finished since the last call, in completion order; never
+        blocks. Each comes once; then its job id is forgotten and may be reused."""
         return self._ledger.drain()
 
     def storing(self, key: OffloadKey) -> bool:
@@ -485,19 +392,13 @@ class TierActor(SecondaryTierManager):
     # -- blocking work ----------------------------------------------------------------
 
     async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
-        """Run ``fn(*args)`` on this tier's own bounded thread pool and return its result.
+        """``fn(*args)`` run on this tier's own bounded thread pool.
 
-        Never uses the loop's default executor. Cancelling the caller before the call
-        has started on a thread drops the call; once it has started, the caller's
-        cancellation is held back until ``fn`` returns (its result or error is then
-        discarded and :class:`asyncio.CancelledError` raised), so the code around the
-        call never releases what the thread still uses. Called from a job's hook, the
-        job's result is not delivered while the call runs.
-
-        Raises:
-            ClosedError: the thread pool is shut down.
-            asyncio.CancelledError: the caller was cancelled (see above).
-            Exception: whatever ``fn`` raises.
+        Cancelled before the call starts on a thread, the call is dropped; after, the
+        cancellation waits until ``fn`` returns (its outcome discarded), so the code
+        around the call never releases what the thread still uses. From a job's hook,
+        the job's result is held back while the call runs. Raises ClosedError once the
+        pool is shut down, else whatever ``fn`` raises.
         """
         try:
             call = self._executor.submit(fn, *args)
@@ -544,19 +445,13 @@ class TierActor(SecondaryTierManager):
 
     @abstractmethod
     async def _do_store(self, job: JobMetadata) -> JobResult:
-        """Copy the job's CPU slots into this tier; return the job's result.
-
-        Called on the loop thread with a validated snapshot (tuples of bytes keys and
-        in-range slot ids). Raising fails the whole job.
-        """
+        """Copy the job's CPU slots into this tier; return the job's result. Called on
+        the loop thread with a checked snapshot (tuples); raising fails the whole job."""
 
     @abstractmethod
     async def _do_load(self, job: JobMetadata) -> JobResult:
-        """Copy this tier's blocks into the job's CPU slots; return the job's result.
-
-        Same calling convention as :meth:`_do_store`. Keys not held here belong in
-        ``failed_keys``; the others should still land.
-        """
+        """Copy this tier's blocks into the job's CPU slots, as :meth:`_do_store` is
+        called; keys not held here go in ``failed_keys``, the others still land."""
 
     # -- serving ----------------------------------------------------------------------
 
@@ -566,10 +461,8 @@ class TierActor(SecondaryTierManager):
             task_group.create_task(self._serve(), name=f"{self._name()}-serve")
 
     async def _serve(self) -> None:
-        """Hand queued jobs to job tasks, loads first, at most ``max_inflight`` at once.
-
-        Returns once the inbox is closed and empty.
-        """
+        """Hand queued jobs to job tasks, loads first, at most ``max_inflight`` at once,
+        until the inbox is closed and empty."""
         task_group = self._task_group
         assert task_group is not None
         while True:
@@ -584,7 +477,7 @@ class TierActor(SecondaryTierManager):
             job.task = task
             task.add_done_callback(functools.partial(self._on_job_done, job))
 
-    async def _run_job(self, job: _Job) -> JobResult:
+    async def _run_job(self, job: TierJob) -> JobResult:
         """Run one hook; turn every failure of it into a failed JobResult."""
         meta = job.meta
         _CURRENT_JOB.set((self, meta.job_id))
@@ -609,7 +502,7 @@ class TierActor(SecondaryTierManager):
         return job_result
 
     def _hook_failed(
-        self, job: _Job, cause: str, error: str, exc: BaseException | None
+        self, job: TierJob, cause: str, error: str, exc: BaseException | None
     ) -> JobResult:
         self._failures.record(f"{job.lane} hook {cause}", detail=error)
         logger.debug(
@@ -617,11 +510,11 @@ class TierActor(SecondaryTierManager):
         )
         return JobResult(job.meta.job_id, False, tuple(job.meta.keys), error)
 
-    def _on_job_done(self, job: _Job, task: asyncio.Task[JobResult]) -> None:
+    def _on_job_done(self, job: TierJob, task: asyncio.Task[JobResult]) -> None:
         self._inflight.release()
         job_id = job.meta.job_id
-        if job_id not in self._jobs:
-            return  # its result was already delivered (a stubborn hook ended late)
+        if job.result is not None:
+            return  # decided already (a close failed it; a stubborn hook ended late)
         if task.cancelled():
             self._fail(job_id, self._cancel_reason, self._cancel_cause)
         elif (exc := task.exception()) is not None:
@@ -644,8 +537,7 @@ class TierActor(SecondaryTierManager):
 
     # -- completion and closing -------------------------------------------------------
 
-    def _delivered(self, job_id: int, job_result: JobResult) -> None:
-        job = self._jobs.pop(job_id)
+    def _delivered(self, job: TierJob, job_result: JobResult) -> None:
         if job.lane == "store":
             keys = set(job.meta.keys)
             self._storing.subtract(keys)
@@ -658,7 +550,7 @@ class TierActor(SecondaryTierManager):
             self._failures.record(cause, detail=reason)
 
     def _cancel_running_jobs(self) -> None:
-        for job in self._jobs.values():
+        for job in self._ledger.undelivered():
             if job.task is not None and not job.task.done():
                 job.task.cancel()
 
@@ -670,6 +562,12 @@ class TierActor(SecondaryTierManager):
             return
         self._stopped = True
         self._inbox.close()
+        unqueued = "closed before the tier had room for the job"
+        parked = self._inbox.unpark()
+        for job in parked:
+            self._ledger.fail(job.meta.job_id, unqueued, notify=notify)
+        if parked:
+            self._failures.record(self._cancel_cause, count=len(parked), detail=unqueued)
         self._inbox.drain()  # queued jobs are failed below with the rest
         undecided = self._ledger.fail_undecided(self._cancel_reason, notify=notify)
         self._failures.record(self._cancel_cause, count=len(undecided), detail=self._cancel_reason)
@@ -685,9 +583,13 @@ class TierActor(SecondaryTierManager):
 
     def _on_closed(self) -> None:
         """Release what the subclass holds beyond the actor; called once as the tier
-        becomes CLOSED (no blocking call of it still runs, except after a
-        :meth:`shutdown` with the loop stopped), on the loop thread or with no loop
-        running."""
+        becomes CLOSED (no blocking call of it runs, unless the loop stopped first)."""
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
     def _name(self) -> str:
         return f"{type(self).__name__}"

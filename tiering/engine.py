@@ -1,11 +1,10 @@
 """The asyncio engine: the thin shell that carries out :class:`~tiering.job_core.JobCore`.
 
 Every rule about slots, pins, fills, write policies, flush and close order lives in the
-sans-I/O job core. This module only executes the effects it returns (copies through
-the :class:`~tiering.device.DeviceCopier`, tier jobs through one
-:class:`~tiering.tier_client.TierClient` per tier, results to :class:`Job` handles,
-timers for jobs waiting for room) and feeds every completion back into it. No job owns
-a task: each I/O's completion callback drives the next step.
+sans-I/O job core. The shell executes the effects it returns (copies and tier jobs
+through the :class:`~tiering.tier_stack.TierStack`, results to :class:`Job` handles,
+room timers) and feeds every completion back. No job owns a task: each I/O's completion
+callback drives the next step.
 """
 
 from __future__ import annotations
@@ -13,50 +12,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from functools import partial
 from time import perf_counter
-from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
+from tiering import job_core
 from tiering.abstract import BlockHash, OffloadingEvent
 from tiering.config import TieringConfig
 from tiering.device import KVCaches, kv_block_bytes
-from tiering.errors import ClosedError, ConfigError, InvalidArgumentError, TieringError
+from tiering.errors import ClosedError, ConfigError, InvalidArgumentError
 from tiering.hashing import cache_namespace
 from tiering.host_pool import HostPool
 from tiering.job import FinishedResults, Job
-from tiering.job_core import (
-    COUNTERS,
-    WRITE_POLICIES,
-    Cascaded,
-    CopyToDevice,
-    CopyToHost,
-    Drained,
-    Effect,
-    FlushDone,
-    JobCore,
-    LookupStatistics,
-    Resolve,
-    TierLoad,
-    TierStore,
-    WaitForRoom,
-)
 from tiering.latency import LatencyHistogram, LatencySnapshot
-from tiering.lifecycle import Lifecycle
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import EvictionPolicy
 from tiering.registry import TierSpec, tier_specs
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
-from tiering.tenancy import (
-    MAX_TENANT_LABELS,
-    OTHER_TENANTS,
-    Tenancy,
-    TenantLookups,
-    check_tenant,
-    tenant_label,
-)
+from tiering.tenancy import Tenancy, TenantLookups, check_tenant, tenant_label
 from tiering.tier_client import TierOutcome
 from tiering.tier_stack import TierStack
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds
@@ -66,47 +41,30 @@ logger = logging.getLogger(__name__)
 WritePolicy = Literal["write_through", "write_back"]
 
 
-class TieringEngine:
+class TieringEngine(AsyncService):
     """KV blocks across device, CPU and secondary tiers, driven by one asyncio loop.
 
     Use as ``async with TieringEngine(kv_caches, num_cpu_blocks) as engine:``, entered
     and left in one task on the loop that calls it. Methods are for that loop's thread.
 
-    Args:
-        kv_caches: the serving framework's device KV cache: one tensor or per-layer
-            tensors whose first dimension is the block id (CUDA or CPU).
-        num_cpu_blocks: slots of the CPU tier (the host pool).
-        policy: the CPU tier's eviction policy, by name or instance.
-        secondary_tiers: a list of tiers below the CPU tier, fastest first. Each is a
-            registered type name, a mapping ``{"type": name, **kwargs}``, or a factory
-            ``(primary_kv_view, block_bytes) -> SecondaryTierManager``.
-        write_policy: ``"write_through"`` (every stored block cascades to every
-            secondary tier) or ``"write_back"`` (a block cascades when evicted from CPU,
-            and at close).
-        block_size: tokens per block (reported in events).
-        enable_events: collect :class:`OffloadingEvent` records for ``take_events``.
-        cache_identity: what the KV bytes mean beyond their layout, typically the model
-            id and revision. With the KV layout it forms ``engine.namespace``, which
-            persistent tiers that take a ``namespace`` (NVMe) receive unless their spec
-            sets one: another model or layout can never read this engine's blocks.
-        tier_timeout: seconds to wait for a result from a tier that is not a
-            :class:`~tiering.actor.TierActor` (such a tier may drop a job silently).
-        room_timeout: seconds a job waits for CPU slots when every slot is pinned or
-            being filled; then it fails.
-        close_timeout: seconds a graceful close lets running jobs, their cascades and
-            the write-back flush take before it stops hard.
-        shared_blocks: block hashes of public prefixes every tenant may hit on (see
-            :meth:`share_prefix`).
+    ``kv_caches``: the device KV cache (a tensor, or per-layer tensors, indexed by block
+    id first); ``num_cpu_blocks``: the CPU tier's slots; ``secondary_tiers``: fastest
+    first, each a registered type name, ``{"type": name, **options}`` or a factory
+    ``(primary_kv_view, block_bytes) -> SecondaryTierManager``; ``write_through``
+    cascades every stored block, ``write_back`` each block evicted from CPU (and all at
+    close). ``cache_identity`` and the KV layout form ``engine.namespace``, which tiers
+    taking a ``namespace`` receive. The other options: docs/config.md.
 
-    Tenants: ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``
-    id. A tenant's blocks live under keys scoped to it (:mod:`tiering.tenancy`) in
-    every tier, so no tenant hits, loads or times another's blocks, except the leading
-    blocks of prefixes shared with :meth:`share_prefix`. Results name the caller's
-    hashes; events and tiers see only the scoped keys (:meth:`tenant_keys`).
+    ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
+    blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`): no tenant
+    hits, loads or times another's blocks, except prefixes shared with
+    :meth:`share_prefix`. Results name the caller's hashes; events and tiers see the
+    scoped keys (:meth:`tenant_keys`). Every call raises ClosedError unless the engine
+    is open, and InvalidArgumentError (naming the argument) for a malformed argument,
+    changing nothing then.
 
     Raises:
-        InvalidArgumentError: any malformed argument (the message names it and its
-            value); nothing is allocated.
+        InvalidArgumentError: a malformed argument; nothing is allocated.
         UnknownPolicyError / UnknownTierError: a name nothing is registered under.
     """
 
@@ -130,13 +88,10 @@ class TieringEngine:
         self.block_bytes = kv_block_bytes(kv_caches)
         num_cpu_blocks = positive_int("num_cpu_blocks", num_cpu_blocks)
         check_host_memory(num_cpu_blocks, self.block_bytes)
-        if write_policy not in WRITE_POLICIES:
-            raise InvalidArgumentError(
-                f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
-            )
+        job_core.check_write_policy(write_policy)
         if not isinstance(enable_events, bool):
             raise InvalidArgumentError(f"enable_events must be a bool, got {enable_events!r}")
-        self._tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
+        tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
         self._room_timeout = seconds("room_timeout", room_timeout, allow_zero=True)
         self._close_timeout = seconds("close_timeout", close_timeout, allow_zero=True)
         self.block_size = positive_int("block_size", block_size)
@@ -153,30 +108,28 @@ class TieringEngine:
             self.block_bytes,
             tier_specs(secondary_tiers),
             namespace=self.namespace,
-            tier_timeout=self._tier_timeout,
+            tier_timeout=tier_timeout,
         )
-        self._core: JobCore | None = None
+        # Until entered, a core without tiers answers the queries (zeros, no events).
+        self._core = job_core.JobCore(self.manager, (), num_device_blocks=0, block_bytes=0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: dict[int, Job] = {}  # jobs without their cascaded answer yet
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._finished = FinishedResults()
-        self._drained: asyncio.Event | None = None
-        self._closed: asyncio.Event | None = None
-        self._on_copy_ended = self._copy_ended  # bound once: no allocation per copy
+        self._drained = asyncio.Event()
+        self._closed = asyncio.Event()
         self._latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
-        self._tenant_lookups: dict[str, TenantLookups] = {}
-        self._callers_hashes: dict[int, dict[BlockHash, BlockHash]] = {}  # per tenant job
         self._run_effect: dict[type, Callable[[Any], None]] = {
-            CopyToHost: self._copy,
-            CopyToDevice: self._copy,
-            TierStore: self._tier_job,
-            TierLoad: self._tier_job,
-            Resolve: self._resolve,
-            Cascaded: self._cascaded,
-            FlushDone: self._flush_done,
-            WaitForRoom: self._wait_for_room,
-            Drained: self._on_drained,
+            job_core.CopyToHost: partial(self._stack.copy, on_end=self._copy_ended),
+            job_core.CopyToDevice: partial(self._stack.copy, on_end=self._copy_ended),
+            job_core.TierStore: partial(self._stack.send, on_done=self._tier_ended),
+            job_core.TierLoad: partial(self._stack.send, on_done=self._tier_ended),
+            job_core.Resolve: self._resolve,
+            job_core.Cascaded: self._cascaded,
+            job_core.FlushDone: self._flush_done,
+            job_core.WaitForRoom: self._wait_for_room,
+            job_core.Drained: lambda _: self._drained.set(),
         }
 
     @classmethod
@@ -220,30 +173,21 @@ class TieringEngine:
 
     # ------------------------------------------------------------------ lifetime
 
-    async def __aenter__(self) -> Self:
-        """Allocate the host pool, start the copier and the tiers, and open.
-
-        Raises:
-            ClosedError: the engine was entered before.
-            TieringError: the host pool cannot be allocated, or a tier cannot start
-                (the message says which); everything started is released again.
-        """
+    async def start(self) -> None:
+        """Allocate the host pool, start the copier and the tiers, and open (what
+        entering does). Raises ClosedError if entered before, TieringError if the pool
+        cannot be allocated or a tier cannot start (everything started is released)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a TieringEngine can be entered once")
         self._loop = asyncio.get_running_loop()
-        self._drained = asyncio.Event()
-        self._closed = asyncio.Event()
         self._state = Lifecycle.CLOSING  # until open: a failure below leaves it closed
         try:
-            await self._stack.open()
+            await self._stack.open(report_removals=self.enable_events)
         except BaseException:
             self._release_now()
             raise
         assert self._stack.copier is not None
-        if self.enable_events:
-            for tier in self._stack.tiers:
-                tier.report_removals()
-        self._core = JobCore(
+        self._core = job_core.JobCore(
             self.manager,
             self._stack.clients,
             num_device_blocks=self._stack.copier.num_device_blocks,
@@ -254,40 +198,22 @@ class TieringEngine:
             take_removed=[tier.take_removed for tier in self._stack.tiers],
         )
         self._state = Lifecycle.OPEN
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> JobResult:
-        """Close gracefully, within ``close_timeout``: admit no new job, let running jobs
-        and their cascades finish, then (write-back) flush the CPU tier's blocks to the
-        secondary tiers; then close the tiers, the copier and the host pool. What is not
-        done by the deadline is stopped as :meth:`close` does (those jobs report
-        failure). If this is cancelled, everything is still released before the
-        cancellation propagates. Idempotent; concurrent calls all wait for the end.
-
-        Returns the close's result: ``success`` unless, under write-back, CPU blocks did
-        not reach every secondary tier that lacked them (a tier refused or failed them,
-        or the deadline came first); then ``failed_keys`` names them (the keys the
-        tiers and events use: a tenant's keys, see :meth:`tenant_keys`), ``error`` sums
-        up why, and a warning is logged; those no tier holds are lost with the CPU
-        tier and counted in ``statistics().counters["lost_blocks"]``. Every call
-        returns the same result. Events of the close (its write-back's stores, and
-        what the tiers evicted to take them) are taken with :meth:`take_events` after
-        it returns."""
+        """Close gracefully within ``close_timeout``: admit no new job, let running jobs
+        and cascades finish, flush (write-back), then close tiers, copier and host pool;
+        what the deadline cuts short is stopped as :meth:`close` does, as is everything
+        if this is cancelled. Idempotent; every call returns the close's result:
+        ``success`` unless, under write-back, CPU blocks did not reach every secondary
+        tier that lacked them (``failed_keys``, in the tiers' keys, and ``error`` say
+        which and why; a warning is logged; those no tier holds are lost and counted in
+        ``counters["lost_blocks"]``). Its events follow in :meth:`take_events`."""
         if self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSED
+            return self.close()
         if self._state is not Lifecycle.OPEN:
-            if self._closed is not None:
-                await self._closed.wait()
+            await self._closed.wait()
             return self._close_result()
-        assert self._core is not None and self._drained is not None and self._loop
+        assert self._loop is not None
         self._state = Lifecycle.CLOSING
         deadline = self._loop.time() + self._close_timeout
         try:
@@ -307,46 +233,37 @@ class TieringEngine:
         return self._close_result()
 
     def close(self) -> JobResult:
-        """Hard stop, synchronous and idempotent: every unfinished job reports failure
-        now, the tiers stop, copies in flight are waited for (blocking, briefly: their
-        memory must not go away under them), and the host pool is released.
-
-        Returns the close's result, as :meth:`aclose` does: under write-back, it names
-        the CPU blocks (and evicted blocks still being written back) that not every
-        secondary tier held yet; those held by none are lost with the CPU tier.
-
-        Prefer ``aclose`` (or leaving the ``async with``); this is the fallback when the
-        loop cannot wait.
-        """
+        """Hard stop, synchronous and idempotent, for when the loop cannot wait: every
+        unfinished job fails now, the tiers stop, copies in flight are waited for
+        (briefly: their memory must stay), the host pool is released. Returns the
+        close's result, as :meth:`aclose` does."""
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
+            self._closed.set()
         else:
             self._release_now()
         return self._close_result()
 
     def _close_result(self) -> JobResult:
-        return JobResult(0, True) if self._core is None else self._core.close_result()
+        return self._core.close_result()
 
     def _release_now(self) -> None:
         """Stop everything without awaiting; idempotent. Pins and fills still end only
         through the completions of the I/O that holds them."""
-        if self._core is not None:
-            self._execute(self._core.hard_close())  # every job and flush answered
-            if self._state is not Lifecycle.CLOSED:
-                result = self._core.close_result()
-                if not result.success:
-                    logger.warning(
-                        "engine: closed without writing every CPU block back to every "
-                        "secondary tier (those in none are lost, see lost_blocks): %s",
-                        result.error,
-                    )
+        self._execute(self._core.hard_close())  # every job and flush answered
+        result = self._core.close_result()
+        if self._state is not Lifecycle.CLOSED and not result.success:
+            logger.warning(
+                "engine: closed without writing every CPU block back to every "
+                "secondary tier (those in none are lost, see lost_blocks): %s",
+                result.error,
+            )
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
         self._stack.close()
         self._state = Lifecycle.CLOSED
-        if self._closed is not None:
-            self._closed.set()
+        self._closed.set()
 
     @property
     def tiers(self) -> list[SecondaryTierManager]:
@@ -360,50 +277,36 @@ class TieringEngine:
 
     @property
     def host_pool(self) -> HostPool:
-        """The CPU tier's memory.
-
-        Raises:
-            ClosedError: the engine is not open.
-        """
+        """The CPU tier's memory, while the engine is open."""
         if self._state is not Lifecycle.OPEN or self._stack.pool is None:
             raise ClosedError(f"the engine is {self._state}; its host pool is not available")
         return self._stack.pool
 
     def statistics(self) -> Statistics:
-        """A snapshot of the CPU tier and the jobs.
-
-        ``jobs_in_flight``: jobs (waiting, running or cascading) and flushes not ended;
-        ``bytes_in_flight``: what their copies and tier jobs move now; ``pinned_blocks``:
-        CPU blocks that I/O in flight reads; ``counters``: :data:`~tiering.job_core.
-        COUNTERS`; ``failures``: failed blocks and jobs by cause.
-        """
+        """The CPU tier and the jobs (waiting, running or cascading, and flushes), the
+        bytes they move now, :data:`~tiering.job_core.COUNTERS`, failures by cause."""
         core, manager, size = self._core, self.manager, self.block_bytes
         return Statistics(
             state=self._state,
-            jobs_in_flight=core.jobs_in_flight if core else 0,
-            bytes_in_flight=core.blocks_in_flight * size if core else 0,
+            jobs_in_flight=core.jobs_in_flight,
+            bytes_in_flight=core.blocks_in_flight * size,
             used_blocks=len(manager),
             capacity_blocks=manager.num_blocks,
             used_bytes=len(manager) * size,
             capacity_bytes=manager.num_blocks * size,
             pinned_blocks=manager.num_pinned,
-            counters=core.counters if core else dict.fromkeys(COUNTERS, 0),
-            failures=core.failures.counts if core else {},
+            counters=core.counters,
+            failures=core.failures.counts,
         )
 
     def job_latency(self) -> Mapping[str, LatencySnapshot]:
-        """Job latencies so far, ``"store"`` and ``"load"``: from the call of
-        :meth:`store` / :meth:`load` to the job's result (failed jobs included), on
-        ``time.perf_counter`` (uvloop's ``loop.time()`` ticks in whole milliseconds).
-        Snapshots; call on the loop's thread."""
+        """``"store"`` and ``"load"`` latencies so far, from the call to the job's result
+        (failed jobs too), on ``time.perf_counter`` (uvloop's clock ticks in ms)."""
         return {kind: histogram.snapshot() for kind, histogram in self._latency.items()}
 
-    def lookup_statistics(self) -> LookupStatistics:
-        """What :meth:`lookup` has answered so far: calls, hashes, hits (by the tier
-        that held each: ``hits_by_tier[0]`` the CPU tier, ``[i]`` ``tiers[i - 1]``) and
-        calls that stopped at a hash no tier holds; zeros before the engine is entered."""
-        if self._core is None:
-            return LookupStatistics(hits_by_tier=(0,) * (1 + len(self._stack.tiers)))
+    def lookup_statistics(self) -> job_core.LookupStatistics:
+        """What :meth:`lookup` has answered so far (``hits_by_tier[0]`` the CPU tier,
+        ``[i]`` ``tiers[i - 1]``); zeros before the engine is entered."""
         return self._core.lookup_statistics()
 
     def __repr__(self) -> str:
@@ -412,39 +315,15 @@ class TieringEngine:
     # ------------------------------------------------------------------- queries
 
     def lookup(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> int:
-        """Leading hashes (of ``tenant``'s blocks) that are ready in the CPU tier or
-        stored in a secondary tier.
-
-        Raises:
-            ClosedError: the engine is not open.
-            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes, or a bad
-                ``tenant``.
-        """
+        """Leading hashes (of ``tenant``'s blocks) ready in the CPU tier or stored in a
+        secondary tier."""
         core = self._open_core()
         if tenant is None:
             return core.lookup(block_hashes)
-        keys = self.tenant_keys(block_hashes, tenant)
-        hits = core.lookup(keys)
-        label = tenant_label(tenant)
-        counts = self._tenant_lookups.get(label)
-        if counts is None:
-            if len(self._tenant_lookups) >= MAX_TENANT_LABELS:
-                label = OTHER_TENANTS
-            counts = self._tenant_lookups.setdefault(label, TenantLookups())
-        counts.lookups += 1
-        counts.blocks += len(keys)
-        counts.hit_blocks += hits
-        return hits
+        return core.lookup(self.tenant_keys(block_hashes, tenant), tenant_label(tenant))
 
     def touch(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> None:
-        """Mark blocks (of ``tenant``) recently used in every tier, the first hash most
-        recently.
-
-        Raises:
-            ClosedError: the engine is not open.
-            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes, or a bad
-                ``tenant``.
-        """
+        """Mark blocks (of ``tenant``) recently used in every tier, the first most."""
         self._open_core()
         hashes = self.tenant_keys(block_hashes, tenant)
         self.manager.touch(hashes)
@@ -455,53 +334,33 @@ class TieringEngine:
         self, block_hashes: Sequence[BlockHash], tenant: str | None = None
     ) -> list[BlockHash]:
         """The keys ``tenant``'s blocks are stored under in every tier (and named by in
-        events): the hashes themselves without a tenant.
-
-        Raises:
-            InvalidArgumentError: ``block_hashes`` is not a sequence of bytes, or a bad
-                ``tenant``.
-        """
+        events): the hashes themselves without a tenant."""
         hashes = hash_list("block_hashes", block_hashes)
         keys = self._tenancy.keys(hashes, check_tenant(tenant))
         return keys if isinstance(keys, list) else list(keys)
 
     def share_prefix(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Let every tenant hit on these blocks: the hashes of a public prefix (say
-        :func:`~tiering.hashing.block_hashes` of a system prompt all tenants send). A
-        call's leading shared blocks keep their plain hash; from its first block that
-        is not shared on, the tenant's own keys. Sharing is explicit and cannot be
-        taken back while the engine runs.
-
-        Raises:
-            InvalidArgumentError: ``block_hashes`` is not an iterable of bytes; nothing
-                is shared then.
-        """
+        """Let every tenant hit on these blocks (a public prefix's hashes): a call's
+        leading shared blocks keep their plain hash, the rest are the tenant's own keys.
+        Sharing cannot be taken back while the engine runs."""
         self._tenancy.share(block_hashes)
 
     def tenant_statistics(self) -> dict[str, TenantLookups]:
-        """Lookups per tenant, by :func:`~tiering.tenancy.tenant_label` (the id never
-        shows); past :data:`MAX_TENANT_LABELS` labels, new tenants count under
-        ``"other"``. Copies."""
-        return {label: replace(counts) for label, counts in self._tenant_lookups.items()}
+        """Lookups per tenant label (:meth:`~tiering.job_core.JobCore.tenant_statistics`)."""
+        return self._core.tenant_statistics()
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call (with ``enable_events``): the CPU tier's (blocks
         stored, blocks evicted), then the secondary tiers' (blocks the engine stored
         there, blocks a tier evicted or dropped because they did not verify), each
-        medium's in the order they happened. The wire format for routers:
-        :mod:`tiering.events`."""
+        medium's in the order they happened. The wire format: :mod:`tiering.events`."""
         events = self.manager.take_events()
-        if self._core is not None:
-            events.extend(self._core.take_tier_events())
+        events.extend(self._core.take_tier_events())
         return events
 
     def get_finished(self) -> list[JobResult]:
-        """Results of the engine jobs that finished since the last call; never blocks.
-
-        For callers that poll once per step. At most :data:`~tiering.job.FINISHED_KEPT`
-        results wait here (a caller that only awaits its jobs never drains them): beyond
-        that the oldest are dropped, with one warning.
-        """
+        """Results of the jobs finished since the last call; never blocks. Beyond
+        :data:`~tiering.job.FINISHED_KEPT` undrained, the oldest go, with one warning."""
         return self._finished.drain()
 
     # ---------------------------------------------------------------- the calls
@@ -514,23 +373,12 @@ class TieringEngine:
         tenant: str | None = None,
     ) -> Job:
         """Copy device blocks (of ``tenant``) into the CPU tier (then, by policy, to
-        secondary tiers).
-
-        Returns at once; the job resolves once every block is ready in CPU (or left out
-        because the eviction policy did not admit it), and the device blocks may then be
-        reused (the full contract: :meth:`JobCore.store`).
-
-        Raises:
-            ClosedError: the engine is not open.
-            InvalidArgumentError: hashes not a sequence of bytes, device block ids not
-                distinct ints inside the device KV cache, the lengths differ, or a bad
-                ``tenant``; nothing changed.
+        secondary tiers). Returns at once; the job resolves once every block is ready
+        in CPU (or left out because the eviction policy did not admit it), and the
+        device blocks may then be reused (:meth:`~tiering.job_core.JobCore.store`).
+        Device block ids must be distinct ints inside the device KV cache, one per hash.
         """
-        started = perf_counter()
-        core = self._open_core()
-        keys = self._keys_of(block_hashes, tenant)
-        job_id, effects = core.store(keys, device_block_ids)
-        return self._admitted(job_id, "store", effects, started, block_hashes, keys)
+        return self._call("store", block_hashes, device_block_ids, tenant)
 
     def load(
         self,
@@ -540,34 +388,17 @@ class TieringEngine:
         tenant: str | None = None,
     ) -> Job:
         """Copy blocks (of ``tenant``) into device blocks, promoting them from a
-        secondary tier if needed.
-
-        Returns at once. Keys that could not be read (a tier failed or the bytes did not
-        verify) are in the result's ``failed_keys``; the others land (the full contract:
-        :meth:`JobCore.load`).
-
-        Raises:
-            ClosedError: the engine is not open.
-            InvalidArgumentError: as :meth:`store`.
-            BlockNotFoundError: a hash no tier holds (for ``tenant``); nothing changed.
-        """
-        started = perf_counter()
-        core = self._open_core()
-        keys = self._keys_of(block_hashes, tenant)
-        job_id, effects = core.load(keys, device_block_ids)
-        return self._admitted(job_id, "load", effects, started, block_hashes, keys)
+        secondary tier if needed. Returns at once. Keys that could not be read (a tier
+        failed or the bytes did not verify) are in the result's ``failed_keys``; the
+        others land (:meth:`~tiering.job_core.JobCore.load`). Raises BlockNotFoundError
+        for a hash no tier holds (for ``tenant``), changing nothing."""
+        return self._call("load", block_hashes, device_block_ids, tenant)
 
     async def flush(self) -> bool:
-        """Copy every ready CPU block to each secondary tier that lacks it.
-
-        Under ``write_back`` this makes the lower tiers complete (a graceful close does
-        it too); under ``write_through`` it retries cascades that failed. Returns True if
-        every tier took every block. Cancelling the caller does not stop the flush: its
-        pins are released as its tier jobs end.
-
-        Raises:
-            ClosedError: the engine is not open.
-        """
+        """Copy every ready CPU block to each secondary tier that lacks it: under
+        ``write_back`` the lower tiers become complete, under ``write_through`` failed
+        cascades are retried. True if every tier took every block. Cancelling the
+        caller does not stop the flush (its pins go as its tier jobs end)."""
         flush_id, effects = self._open_core().flush()
         assert self._loop is not None
         future: asyncio.Future[bool] = self._loop.create_future()
@@ -577,105 +408,67 @@ class TieringEngine:
 
     # ------------------------------------------------------------------ effects
 
-    def _keys_of(
-        self, block_hashes: Sequence[BlockHash], tenant: str | None
-    ) -> Sequence[BlockHash]:
-        """The keys a call works on: the caller's hashes without a tenant (the core
-        checks them), the tenant's keys with one."""
-        if tenant is None:
-            return block_hashes
-        return self.tenant_keys(block_hashes, tenant)
-
-    def _admitted(
+    def _call(
         self,
-        job_id: int,
         kind: Literal["store", "load"],
-        effects: list[Effect],
-        started: float,
         block_hashes: Sequence[BlockHash],
-        keys: Sequence[BlockHash],
+        device_block_ids: Sequence[int],
+        tenant: str | None,
     ) -> Job:
+        started = perf_counter()
+        core = self._open_core()
+        # Without a tenant the core checks the caller's hashes itself.
+        keys = block_hashes if tenant is None else self.tenant_keys(block_hashes, tenant)
+        job_id, effects = (core.store if kind == "store" else core.load)(keys, device_block_ids)
+        names = None if keys is block_hashes else dict(zip(keys, block_hashes, strict=True))
         assert self._loop is not None
-        job = Job(job_id, kind, self._loop, started)
-        self._jobs[job_id] = job
-        if keys is not block_hashes:  # a tenant's job: results name the caller's hashes
-            self._callers_hashes[job_id] = dict(zip(keys, block_hashes, strict=True))
+        job = self._jobs[job_id] = Job(job_id, kind, self._loop, started, names)
         self._execute(effects)
         return job
 
-    def _execute(self, effects: list[Effect]) -> None:
+    def _execute(self, effects: list[job_core.Effect]) -> None:
         run = self._run_effect
         for effect in effects:
             run[type(effect)](effect)
 
-    def _copy(self, effect: CopyToHost | CopyToDevice) -> None:
-        copier = self._stack.copier
-        assert copier is not None and self._loop is not None
-        to_host = type(effect) is CopyToHost
-        try:
-            copier.start(to_host, effect.device_ids, effect.slots, self._on_copy_ended, effect.op)
-        except TieringError as exc:  # the copier is closed: the copy never started
-            self._loop.call_soon(self._copy_ended, effect.op, exc)
-
     def _copy_ended(self, op: int, error: BaseException | None) -> None:
-        if self._core is not None:
-            self._execute(self._core.copy_done(op, None if error is None else repr(error)))
-
-    def _tier_job(self, effect: TierStore | TierLoad) -> None:
-        kind: Literal["store", "load"] = "store" if type(effect) is TierStore else "load"
-        done = partial(self._tier_ended, effect.op)
-        self._stack.clients[effect.tier].submit(kind, effect.keys, effect.slots, done)
+        self._execute(self._core.copy_done(op, None if error is None else repr(error)))
 
     def _tier_ended(self, op: int, outcome: TierOutcome) -> None:
-        if self._core is not None:
-            self._execute(self._core.tier_done(op, outcome))
+        self._execute(self._core.tier_done(op, outcome))
 
-    def _resolve(self, effect: Resolve) -> None:
-        result = effect.result
-        callers = self._callers_hashes.pop(effect.job, None)
-        if callers is not None and result.failed_keys:
-            named = tuple(callers.get(k, k) for k in result.failed_keys)
-            result = replace(result, failed_keys=named)
-        job = self._jobs.get(effect.job)
-        if job is not None:
-            self._latency[job.kind].observe(perf_counter() - job.started)
-            job._set_result(result)
-            if job.kind == "load":
-                job._set_cascaded(True)
-                del self._jobs[effect.job]
+    def _resolve(self, effect: job_core.Resolve) -> None:
+        job = self._jobs[effect.job]
+        self._latency[job.kind].observe(perf_counter() - job.started)
+        self._finished.append(job._set_result(effect.result))
+        if job.kind == "load":
+            job._set_cascaded(True)
+            del self._jobs[effect.job]
         timer = self._timers.pop(effect.job, None)
         if timer is not None:
             timer.cancel()
-        self._finished.append(result)
 
-    def _cascaded(self, effect: Cascaded) -> None:
+    def _cascaded(self, effect: job_core.Cascaded) -> None:
         job = self._jobs.pop(effect.job, None)
         if job is not None:
             job._set_cascaded(effect.ok)
 
-    def _flush_done(self, effect: FlushDone) -> None:
+    def _flush_done(self, effect: job_core.FlushDone) -> None:
         future = self._flushes.pop(effect.flush, None)
         if future is not None and not future.done():
             future.set_result(effect.ok)
 
-    def _wait_for_room(self, effect: WaitForRoom) -> None:
+    def _wait_for_room(self, effect: job_core.WaitForRoom) -> None:
         assert self._loop is not None
         job_id = effect.job
         self._timers[job_id] = self._loop.call_later(effect.seconds, self._room_expired, job_id)
 
     def _room_expired(self, job_id: int) -> None:
         self._timers.pop(job_id, None)
-        if self._core is not None:
-            self._execute(self._core.room_expired(job_id))
+        self._execute(self._core.room_expired(job_id))
 
-    def _on_drained(self, effect: Drained) -> None:
-        if self._drained is not None:
-            self._drained.set()
-
-    # ------------------------------------------------------------------ helpers
-
-    def _open_core(self) -> JobCore:
-        if self._state is not Lifecycle.OPEN or self._core is None:
+    def _open_core(self) -> job_core.JobCore:
+        if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the engine is {self._state}; no new jobs are accepted")
         return self._core
 

@@ -1,14 +1,15 @@
-"""A tier actor's inbox: two bounded FIFO lanes, loads handed out before stores.
+"""A tier's inbox: two bounded FIFO lanes, loads handed out before stores.
 
 A load is on a request's critical path while a store only saves work for later, so
-:meth:`Inbox.get` always takes the oldest queued load before any store. Each lane holds
-at most ``max_size`` items; a full lane is back-pressure: :meth:`Inbox.put_nowait`
-raises :class:`~tiering.errors.TierBusyError` and :meth:`Inbox.put` waits for room.
-
-Closing stops admission at once (waiting putters raise
-:class:`~tiering.errors.ClosedError`) while what is queued stays gettable, so a graceful
-close drains it; :meth:`Inbox.get` returns ``None`` once the inbox is closed and empty.
-Everything runs on one event loop; nothing here is thread-safe.
+:meth:`Inbox.get` takes the oldest queued load before any store. A lane holds at most
+``max_size`` items; when it is full, :meth:`Inbox.put_nowait` raises
+:class:`~tiering.errors.TierBusyError`, :meth:`Inbox.put` waits, and :meth:`Inbox.park`
+leaves the item in the lane's waiting line, queued in order as room appears (the
+engine's road: it never waits and never fails a job for back-pressure; its CPU pins
+bound what it parks). Closing stops admission (waiting putters raise
+:class:`~tiering.errors.ClosedError`); queued and parked items stay gettable, and
+:meth:`Inbox.get` returns ``None`` once closed and empty. One event loop; not
+thread-safe.
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class InboxStatistics:
-    """A snapshot of an :class:`Inbox` (as trio's memory channels report).
-
-    ``queued_loads``/``queued_stores``: items in each lane now; ``max_size``: the bound of
-    each lane; ``tasks_waiting_put``: :meth:`Inbox.put` calls waiting for room (both
-    lanes); ``tasks_waiting_get``: :meth:`Inbox.get` calls waiting for an item.
-    """
+    """A snapshot of an :class:`Inbox` (as trio's memory channels report): items
+    queued per lane, the bound of each, :meth:`~Inbox.put` and :meth:`~Inbox.get` calls
+    waiting, and items parked for room (both lanes)."""
 
     queued_loads: int
     queued_stores: int
@@ -42,14 +40,21 @@ class InboxStatistics:
     tasks_waiting_put: int
     tasks_waiting_get: int
     closed: bool
+    parked: int = 0
+
+
+class _Parked(Generic[_T]):
+    __slots__ = ("item",)
+
+    def __init__(self, item: _T) -> None:
+        self.item = item
 
 
 class Inbox(Generic[_T]):
     """Two bounded FIFO lanes (``"load"`` and ``"store"``) feeding one or more getters.
 
-    Guarantees: items of one lane come out in the order they went in; a queued load
-    always comes out before any queued store; a lane never holds more than ``max_size``
-    items; a put that raises (or is cancelled while waiting) admits nothing.
+    A lane's items come out in the order queued, queued loads before any store; a lane
+    never holds more than ``max_size``; a put that raises (or is cancelled) admits nothing.
     """
 
     def __init__(self, max_size: int, *, owner: str = "inbox") -> None:
@@ -57,7 +62,10 @@ class Inbox(Generic[_T]):
         self.max_size = positive_int("max_size", max_size)
         self._owner = owner
         self._lanes: dict[Lane, deque[_T]] = {lane: deque() for lane in _LANES}
-        self._putters: dict[Lane, deque[asyncio.Future[None]]] = {lane: deque() for lane in _LANES}
+        # Who waits for room in each lane, in order: putters' futures and parked items.
+        self._waiting: dict[Lane, deque[asyncio.Future[None] | _Parked[_T]]] = {
+            lane: deque() for lane in _LANES
+        }
         self._getters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
@@ -69,39 +77,41 @@ class Inbox(Generic[_T]):
         Raises:
             InvalidArgumentError: ``lane`` is not ``"load"`` or ``"store"``.
             ClosedError: the inbox is closed.
-            TierBusyError: the lane is full (or putters are already waiting for room in
-                it: they go first).
+            TierBusyError: the lane is full (or others already wait for room in it).
         """
-        queue = self._lane(lane)
-        if self._closed:
-            raise ClosedError(f"{self._owner}: inbox is closed; nothing more is admitted")
-        if len(queue) >= self.max_size or self._putters[lane]:
+        if not self._has_room(lane):
             raise TierBusyError(
                 f"{self._owner}: {lane} inbox is full ({self.max_size} jobs queued); "
                 "drain get_finished() and retry"
             )
         self._append(lane, item)
 
-    async def put(self, lane: Lane, item: _T) -> None:
-        """Queue ``item`` in ``lane``, waiting for room if the lane is full.
-
-        Waiting putters of a lane are admitted in arrival order. When this returns the
-        item is queued; when it raises, nothing was admitted.
+    def park(self, lane: Lane, item: _T) -> bool:
+        """Queue ``item`` now if ``lane`` has room, else park it in the lane's waiting
+        line (queued as room appears, in order). Returns True if it was queued now.
 
         Raises:
-            InvalidArgumentError: ``lane`` is not ``"load"`` or ``"store"``.
-            ClosedError: the inbox is closed, or closes while this waits.
-            asyncio.CancelledError: the caller was cancelled while waiting.
+            InvalidArgumentError, ClosedError: as :meth:`put_nowait`.
         """
-        queue = self._lane(lane)
-        if self._closed:
-            raise ClosedError(f"{self._owner}: inbox is closed; nothing more is admitted")
-        putters = self._putters[lane]
-        if len(queue) < self.max_size and not putters:
+        if self._has_room(lane):
+            self._append(lane, item)
+            return True
+        self._waiting[lane].append(_Parked(item))
+        return False
+
+    async def put(self, lane: Lane, item: _T) -> None:
+        """Queue ``item`` in ``lane``, waiting in line for room if the lane is full.
+
+        Raises:
+            InvalidArgumentError, ClosedError: as :meth:`put_nowait` (ClosedError also if
+                the inbox closes while this waits); raising, nothing was admitted.
+        """
+        if self._has_room(lane):
             self._append(lane, item)
             return
+        waiting, queue = self._waiting[lane], self._lanes[lane]
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        putters.append(waiter)
+        waiting.append(waiter)
         try:
             while True:
                 await waiter
@@ -112,21 +122,20 @@ class Inbox(Generic[_T]):
                 if len(queue) < self.max_size:
                     break
                 # Woken, but the room is gone (a drain raced it): wait again, first in line.
-                putters.remove(waiter)
+                waiting.remove(waiter)
                 waiter = asyncio.get_running_loop().create_future()
-                putters.appendleft(waiter)
+                waiting.appendleft(waiter)
         except BaseException:
             # Pass a wake-up this waiter received but cannot use on to the next one.
             woken = waiter.done() and not waiter.cancelled()
-            if waiter in putters:
-                putters.remove(waiter)
+            if waiter in waiting:
+                waiting.remove(waiter)
             if woken:
-                self._wake_putter(lane)
+                self._admit_waiting(lane)
             raise
-        putters.remove(waiter)
+        waiting.remove(waiter)
         self._append(lane, item)
-        # Room may remain for the next waiter too.
-        self._wake_putter(lane)
+        self._admit_waiting(lane)  # room may remain for the next in line too
 
     # -- getting ----------------------------------------------------------------------
 
@@ -136,7 +145,7 @@ class Inbox(Generic[_T]):
             queue = self._lanes[lane]
             if queue:
                 item = queue.popleft()
-                self._wake_putter(lane)
+                self._admit_waiting(lane)
                 return item
         return None
 
@@ -163,69 +172,92 @@ class Inbox(Generic[_T]):
                 raise
 
     def drain(self) -> list[_T]:
-        """Take every queued item at once (loads first, each lane in order)."""
+        """Take every queued item at once (loads first, each lane in order); parked items
+        move up into the room this makes."""
         items: list[_T] = []
         for lane in _LANES:
             items.extend(self._lanes[lane])
             self._lanes[lane].clear()
-            self._wake_putter(lane)
+            self._admit_waiting(lane)
+        return items
+
+    def unpark(self) -> list[_T]:
+        """Take every parked item (loads first, each lane in order); none gets queued."""
+        items: list[_T] = []
+        for lane in _LANES:
+            waiting = self._waiting[lane]
+            items.extend(w.item for w in waiting if isinstance(w, _Parked))
+            self._waiting[lane] = deque(w for w in waiting if not isinstance(w, _Parked))
         return items
 
     # -- closing and state ------------------------------------------------------------
 
     def close(self) -> None:
-        """Admit nothing more; wake every waiter. Queued items stay gettable. Idempotent."""
+        """Admit nothing more; wake every waiter. Queued and parked items stay gettable.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         for lane in _LANES:
-            for waiter in self._putters[lane]:
-                if not waiter.done():
+            for waiter in self._waiting[lane]:
+                if isinstance(waiter, asyncio.Future) and not waiter.done():
                     waiter.set_result(None)
-        for waiter in self._getters:
-            if not waiter.done():
-                waiter.set_result(None)
+        for getter in self._getters:
+            if not getter.done():
+                getter.set_result(None)
 
     def statistics(self) -> InboxStatistics:
         """A snapshot of the lanes and the tasks waiting on them."""
+        waiting = [w for lane in _LANES for w in self._waiting[lane]]
         return InboxStatistics(
             queued_loads=len(self._lanes["load"]),
             queued_stores=len(self._lanes["store"]),
             max_size=self.max_size,
-            tasks_waiting_put=sum(
-                1 for lane in _LANES for w in self._putters[lane] if not w.done()
-            ),
+            tasks_waiting_put=sum(isinstance(w, asyncio.Future) and not w.done() for w in waiting),
             tasks_waiting_get=sum(1 for w in self._getters if not w.done()),
             closed=self._closed,
+            parked=sum(isinstance(w, _Parked) for w in waiting),
         )
 
     def __repr__(self) -> str:
         s = self.statistics()
         return (
             f"Inbox({self._owner}: {s.queued_loads} loads, {s.queued_stores} stores queued "
-            f"of {s.max_size} each; {s.tasks_waiting_put} putting, {s.tasks_waiting_get} "
-            f"getting{'; closed' if s.closed else ''})"
+            f"of {s.max_size} each, {s.parked} parked; {s.tasks_waiting_put} putting, "
+            f"{s.tasks_waiting_get} getting{'; closed' if s.closed else ''})"
         )
 
     # -- internals --------------------------------------------------------------------
 
-    def _lane(self, lane: object) -> deque[_T]:
+    def _has_room(self, lane: object) -> bool:
+        """Whether an item put in ``lane`` now goes straight in (checks lane and state)."""
         if lane not in self._lanes:
             raise InvalidArgumentError(f"lane must be 'load' or 'store', got {lane!r}")
-        return self._lanes[lane]  # type: ignore[index]
+        if self._closed:
+            raise ClosedError(f"{self._owner}: inbox is closed; nothing more is admitted")
+        return len(self._lanes[lane]) < self.max_size and not self._waiting[lane]  # type: ignore[index]
 
     def _append(self, lane: Lane, item: _T) -> None:
         self._lanes[lane].append(item)
         self._wake_getter()
 
-    def _wake_putter(self, lane: Lane) -> None:
-        putters = self._putters[lane]
-        if len(self._lanes[lane]) >= self.max_size:
-            return
-        for waiter in putters:
-            if not waiter.done():
-                waiter.set_result(None)
+    def _admit_waiting(self, lane: Lane) -> None:
+        """Give the room in ``lane`` to those waiting, in order: queue parked items, wake
+        the first putter not woken yet (a woken putter takes its room when it runs)."""
+        waiting, queue = self._waiting[lane], self._lanes[lane]
+        room = self.max_size - len(queue)
+        i = 0
+        while room > 0 and i < len(waiting):
+            entry = waiting[i]
+            if isinstance(entry, _Parked):
+                del waiting[i]
+                self._append(lane, entry.item)
+            elif not entry.done():
+                entry.set_result(None)
                 return
+            else:
+                i += 1
+            room -= 1
 
     def _wake_getter(self) -> None:
         for waiter in self._getters:

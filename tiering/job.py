@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Generator, Mapping
+from dataclasses import replace
 from typing import Any, Literal
 
+from tiering.abstract import BlockHash
 from tiering.secondary import JobResult
 
 logger = logging.getLogger(__name__)
@@ -20,7 +22,8 @@ class Job:
     """An awaitable handle of one engine store or load.
 
     ``await job`` returns its :class:`JobResult` (it never raises for a failed job).
-    Cancelling a task that awaits the job does not cancel the job. For a store,
+    Cancelling a task that awaits the job does not cancel the job. Its result names the
+    caller's hashes (a tenant's job runs on the tenant's keys). For a store,
     ``await job.cascaded`` returns True once every secondary tier holds its blocks (at
     once when there is nothing to cascade, as under write-back) and False if a tier
     failed, the store failed or the engine closed first; for a load it is True once the
@@ -31,6 +34,7 @@ class Job:
         "_cascaded",
         "_cascaded_value",
         "_loop",
+        "_names",
         "_result",
         "_value",
         "job_id",
@@ -44,12 +48,14 @@ class Job:
         kind: Literal["store", "load"],
         loop: asyncio.AbstractEventLoop,
         started: float = 0.0,
+        names: Mapping[BlockHash, BlockHash] | None = None,
     ) -> None:
         self.job_id = job_id
         self.kind = kind
         self.started = started
         """When the job was submitted (``time.perf_counter()``), for its latency."""
         self._loop = loop
+        self._names = names  # the caller's hash of each key the job ran on, if they differ
         # The future is made only for an await that comes before the result: most jobs
         # end before anyone awaits them, and a scheduler issues hundreds per step.
         self._result: asyncio.Future[JobResult] | None = None
@@ -74,11 +80,16 @@ class Job:
             raise asyncio.InvalidStateError(f"job {self.job_id} has not ended")
         return self._value
 
-    def _set_result(self, result: JobResult) -> None:
+    def _set_result(self, result: JobResult) -> JobResult:
+        """Settle the job (the first result stays); returns the result as the caller sees it."""
+        names = self._names
+        if names is not None and result.failed_keys:
+            result = replace(result, failed_keys=tuple(names.get(k, k) for k in result.failed_keys))
         if self._value is None:
             self._value = result
             if self._result is not None and not self._result.done():
                 self._result.set_result(result)
+        return result
 
     @property
     def cascaded(self) -> Awaitable[bool]:

@@ -8,40 +8,23 @@ list of effects the shell must carry out: copies to start, tier jobs to submit, 
 to deliver. It never awaits, never blocks and never touches bytes, so it can be driven
 by a hypothesis state machine with any interleaving of completions.
 
-Rules it keeps (the model test checks each):
-
-* **Pins follow I/O.** A CPU slot that an I/O effect reads or writes is pinned (a
-  reader) or being filled (not ready) from the moment the effect is returned until its
-  completion has been passed back in. No other path releases it: not a result, not a
-  close, not a caller that stopped waiting.
-* **A fill is ended only by its owner.** A block being filled into CPU (by a store's
-  copy or a load's promotion) belongs to the job that reserved its slot; only that
-  job's completion marks it ready or drops it. Other loads of the block wait for it and
-  get their pin in the same step that makes it ready.
-* **Stores keep what they will cascade.** Under write-through a store's blocks are held
-  from the step each becomes ready until the store's cascade has pinned them per tier,
-  even while the store still waits for a fill another job owns.
-* **Every job yields exactly one result**, and every store one ``cascaded`` answer.
-* **Write-back order.** A block evicted from CPU under ``write_back`` is written to the
-  secondary tiers before its slot is refilled. Blocks a load promotes are held in their
-  tier (``hold``) from planning until the promotion ends, so that write-back (or any
-  cascade) cannot evict them in between.
-* **Close loses nothing, or says what it lost.** Graceful close admits no new job, lets
-  running jobs and their cascades finish, then (write-back) flushes every CPU block the
-  tiers lack, then says :class:`Drained`. A hard close resolves every job at once as
-  failed, starts no new I/O, and still releases each pin only when its I/O ends.
-  Under write-back, :meth:`JobCore.close_result` names each CPU block the close did not
-  hand to every tier that lacked it; a block that leaves the CPU tier (evicted, or at a
-  close) while no tier holds it is lost: counted (``lost_blocks``) and its cause
-  recorded.
+Rules it keeps (docs/job-lifecycle.md states each; the model test checks each):
+pins follow I/O (a slot an effect reads or writes stays pinned or filling until that
+effect's completion comes back, whatever else happens); a fill is ended only by the job
+that reserved its slot; a write-through store holds its blocks until its cascade has
+pinned them per tier; every job yields one result and every store one ``cascaded``
+answer; under write-back an evicted block is written to the tiers before its slot is
+refilled, and a block a load promotes is held in its tier until the promotion ends; a
+close loses nothing or says what it lost (:meth:`JobCore.close_result`, ``lost_blocks``).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -52,6 +35,7 @@ from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.secondary import JobResult
 from tiering.statistics import FailureLog
+from tiering.tenancy import MAX_TENANT_LABELS, OTHER_TENANTS, TenantLookups
 from tiering.tier_client import TierOutcome
 from tiering.validation import device_id_list, hash_list
 
@@ -72,28 +56,18 @@ COUNTERS = (
     "declined_blocks",
     "lost_blocks",
 )
-"""The core's counters (monotonic totals), as ``statistics().counters`` shows them;
-``evicted_blocks``: blocks the CPU tier evicted to make room; ``declined_blocks``: blocks
-a store asked for that its eviction policy did not admit (not stored); ``lost_blocks``:
-under write-back, blocks that left the CPU tier (evicted, or at a close) while no
-secondary tier held them: every tier refused or failed their write-back, or a hard
-close came first. (Lookups are counted apart, :class:`LookupStatistics`: a lookup
-changes no statistics.)"""
+"""The core's monotonic counters. ``declined_blocks``: blocks a store's eviction policy
+did not admit; ``lost_blocks``: under write-back, blocks that left the CPU tier while no
+secondary tier held them. Lookups are counted apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
 
 
 @dataclass(frozen=True, slots=True)
 class LookupStatistics:
-    """What :meth:`JobCore.lookup` has answered so far (monotonic totals).
-
-    * ``lookups``: calls; ``blocks``: the hashes they were given; ``hit_blocks``: the
-      leading hashes they found (their answers, summed).
-    * ``first_misses``: calls that stopped at a hash no tier holds (rather than at the
-      end of their hashes).
-    * ``hits_by_tier``: ``hit_blocks`` by where each was found: ``[0]`` ready in the CPU
-      tier, ``[t + 1]`` in secondary tier ``t`` (the first servable tier holding it).
-    """
+    """What :meth:`JobCore.lookup` has answered so far (monotonic totals): calls,
+    hashes given, leading hashes found, calls that stopped at a hash no tier holds, and
+    the hits by where each was found (``[0]`` the CPU tier, ``[t + 1]`` tier ``t``)."""
 
     lookups: int = 0
     blocks: int = 0
@@ -212,16 +186,70 @@ _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 
 
+class Phase(enum.Enum):
+    """Where a store or load is; a job only moves forward.
+
+    A hard close gives a job its result in whatever phase it is; the I/O it started
+    still ends through the phases that follow, since only that releases its pins.
+    """
+
+    WAITING = "waiting for CPU room"
+    MOVING = "moving"  # planned: its copy into CPU, promotions and joined fills run
+    COPYING_OUT = "copying out"  # a load: its copy to the device runs
+    CASCADING = "cascading"  # a store: resolved; its blocks go to the secondary tiers
+    DONE = "done"  # its result (and a store's cascaded answer) is given
+
+
+# Phases as module constants: the hot path compares them by identity without an enum
+# attribute lookup each time.
+_WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
+
+
+class _Fanout:
+    """Tier stores started together (a cascade, a write-back, a flush): the keys the
+    tiers did not take, and whether every one of the stores has reported back."""
+
+    __slots__ = ("failed", "failures", "pending")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        # Made at the first failure: most fan-outs (a cascade per store) have none.
+        self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
+        self.failures: Counter[BlockHash] | None = None  # tiers that did not take each key
+
+    def part_done(self, failed: Mapping[BlockHash, str]) -> bool:
+        """One store reported back; True if it was the last."""
+        self.pending -= 1
+        if failed:
+            if self.failures is None:
+                self.failures = Counter()
+            self.failures.update(failed.keys())
+            for k, reason in failed.items():
+                self.failed.setdefault(k, reason)
+        return self.pending == 0
+
+    def failed_in(self, tiers: int) -> dict[BlockHash, str]:
+        """The keys that ``tiers`` stores failed (every tier asked, when it is their number)."""
+        failures = self.failures or {}
+        return {k: self.failed[k] for k, n in failures.items() if n == tiers}
+
+
+class _Flush(_Fanout):
+    __slots__ = ("closing", "id", "internal")
+
+    def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
+        super().__init__()
+        self.id = flush_id
+        self.internal = internal  # no FlushDone (the close's own, or already answered)
+        self.closing = closing  # the close's write-back: what it fails, close_result names
+
+
 class _Job:
-    """One store or load: its result, its I/O in flight and (stores) its cascade."""
+    """One store or load: its phase, result, I/O in flight and (stores) its cascade."""
 
     __slots__ = (
         "awaiting",
-        "cascade_answered",
-        "cascade_ok",
-        "cascade_pending",
-        "copied",
-        "copy_started",
+        "cascade",
         "device_ids",
         "failed",
         "fills",
@@ -229,6 +257,7 @@ class _Job:
         "id",
         "io",
         "is_load",
+        "phase",
         "pinned",
         "promotions",
         "resolved",
@@ -238,26 +267,21 @@ class _Job:
     def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
         self.id = job_id
         self.is_load = is_load
+        self.phase = _WAITING
         self.hashes = hashes  # a store: each distinct hash once (once planned); a load: as called
         self.device_ids = ids
         self.io = 0  # this job's effects in flight
         self.resolved = False
+        self.awaiting = 0  # fills it waits for (a store's own copy counts as one)
         # Containers are made when first needed: most jobs never fail, promote or join.
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
         self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
         self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
-        # stores
-        self.copied = False  # its own device -> CPU copy has ended (or there was none)
-        self.cascade_pending = 0
-        self.cascade_ok = True
-        self.cascade_answered = False
-        # loads
         # One CPU pin each, owned by this job: a load's until its copy to the device
         # ends; a cascading store's until its cascade has pinned the blocks per tier.
         self.pinned: list[BlockHash] | tuple[()] = ()
-        self.awaiting = 0  # fills this job waits for
-        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # tier -> blocks
-        self.copy_started = False
+        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
+        self.cascade: _Fanout | None = None
 
     def fail(self, key: BlockHash, reason: str) -> None:
         """Record that ``key`` did not make it (the first reason stays)."""
@@ -267,20 +291,7 @@ class _Job:
 
     @property
     def done(self) -> bool:
-        return self.resolved and self.io == 0 and (self.is_load or self.cascade_answered)
-
-
-class _Flush:
-    __slots__ = ("closing", "failed", "failures", "id", "internal", "ok", "pending")
-
-    def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
-        self.id = flush_id
-        self.internal = internal  # no FlushDone (the close's own, or already answered)
-        self.closing = closing  # the close's write-back: what it fails, close_result names
-        self.pending = 0
-        self.ok = True
-        self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
-        self.failures: Counter[BlockHash] = Counter()  # tiers that did not take each key
+        return self.resolved and self.io == 0 and (self.is_load or self.phase is _DONE)
 
 
 # ---------------------------------------------------------------------- the core
@@ -289,23 +300,13 @@ class _Flush:
 class JobCore:
     """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
 
-    Args:
-        manager: the CPU tier's bookkeeping (slots, readers, readiness, policy).
-        tiers: the secondary tiers, fastest first.
-        num_device_blocks: blocks of the device KV cache (device ids are checked
-            against it).
-        block_bytes: bytes per block (for statistics).
-        write_policy: ``"write_through"`` or ``"write_back"``.
-        room_timeout: seconds a job may wait for CPU room (see :class:`WaitForRoom`).
-        enable_events: record secondary-tier store events for :meth:`take_tier_events`.
-        take_removed: with ``enable_events``, one callable per tier returning the keys
-            that tier stopped holding since the last call (its
-            :meth:`~tiering.secondary.SecondaryTierManager.take_removed`); they become
-            removal events, in order with the tier's store events.
-
-    Every public method either raises before changing anything or returns the effects
-    of the change, in the order the shell must start them. A load's ``cascaded`` answer
-    is implied by its :class:`Resolve`; a store gets one :class:`Cascaded`.
+    ``tiers`` are the secondary tiers, fastest first; device ids are checked against
+    ``num_device_blocks``; a job waits ``room_timeout`` seconds for CPU room at most.
+    With ``enable_events`` it records the tiers' store events, and ``take_removed`` (one
+    callable per tier, its :meth:`~tiering.secondary.SecondaryTierManager.take_removed`)
+    adds their removals, in order. Every public method either raises before changing
+    anything or returns the effects of the change, in the order the shell must start
+    them. A load's ``cascaded`` answer is implied by its :class:`Resolve`.
 
     Raises:
         InvalidArgumentError: an unknown write policy.
@@ -323,15 +324,11 @@ class JobCore:
         enable_events: bool = False,
         take_removed: Sequence[Callable[[], Sequence[BlockHash]]] = (),
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise InvalidArgumentError(
-                f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
-            )
+        self.write_back = check_write_policy(write_policy) == "write_back"
         self.manager = manager
         self.tiers = list(tiers)
         self.num_device_blocks = num_device_blocks
         self.block_bytes = block_bytes
-        self.write_back = write_policy == "write_back"
         self.room_timeout = room_timeout
         self.enable_events = enable_events
         self.state = Lifecycle.OPEN
@@ -340,6 +337,7 @@ class JobCore:
         # Plain ints and one list, not the counters: the lookup path stays cheap.
         self._lookups = self._lookup_blocks = self._lookup_first_misses = 0
         self._lookup_hits = [0] * (1 + len(self.tiers))
+        self._tenant_lookups: dict[str, TenantLookups] = {}
         if take_removed and len(take_removed) != len(self.tiers):
             raise InvalidArgumentError(
                 f"take_removed has {len(take_removed)} callables for {len(self.tiers)} tiers"
@@ -359,8 +357,8 @@ class JobCore:
         self._on_copied_out = self._copied_out
         # The job that owns the fill of each slot being filled (only it may end it), and
         # the jobs waiting for a fill (made when the first one joins). Indexed by slot,
-        # not by hash: a dict that every block enters and leaves would be rebuilt now
-        # and then inside a caller's store, a spike of tens of microseconds.
+        # not by hash: a dict that every block enters and leaves would now and then be
+        # rebuilt inside a caller's store, a latency spike on the hot path.
         self._fill_owner: list[_Job | None] = [None] * manager.num_blocks
         self._num_filling = 0
         self._fill_waiters: dict[BlockHash, list[_Job]] = {}
@@ -378,16 +376,11 @@ class JobCore:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, block_hashes: object) -> int:
-        """Leading hashes ready in the CPU tier or stored in a servable secondary tier.
-
-        A tier that answers "ask again" for the first hash it cannot place is asked about
-        the rest of ``block_hashes`` as well (see :meth:`_ask_ahead`); the answer still
-        stops at that hash.
-
-        Raises:
-            InvalidArgumentError: ``block_hashes`` is not an iterable of bytes.
-        """
+    def lookup(self, block_hashes: object, tenant: str | None = None) -> int:
+        """Leading hashes ready in the CPU tier or stored in a servable secondary tier
+        (counted under the ``tenant`` label, if given). A tier answering "ask again" for
+        the first missing hash is asked about the rest too (:meth:`_ask_ahead`).
+        Raises InvalidArgumentError if ``block_hashes`` is not an iterable of bytes."""
         hashes = hash_list("block_hashes", block_hashes)
         is_ready = self.manager.is_ready
         hits = self._lookup_hits
@@ -405,6 +398,14 @@ class JobCore:
         hits[0] += n - in_tiers  # counted per call: the CPU path stays one check per hash
         self._lookups += 1
         self._lookup_blocks += len(hashes)
+        if tenant is not None:
+            lookups = self._tenant_lookups
+            if tenant not in lookups and len(lookups) >= MAX_TENANT_LABELS:
+                tenant = OTHER_TENANTS
+            counts = lookups.setdefault(tenant, TenantLookups())
+            counts.lookups += 1
+            counts.blocks += len(hashes)
+            counts.hit_blocks += n
         return n
 
     def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
@@ -424,6 +425,12 @@ class JobCore:
         return LookupStatistics(
             self._lookups, self._lookup_blocks, sum(hits), self._lookup_first_misses, hits
         )
+
+    def tenant_statistics(self) -> dict[str, TenantLookups]:
+        """Lookups per tenant label (:func:`~tiering.tenancy.tenant_label`: the id never
+        shows); past :data:`~tiering.tenancy.MAX_TENANT_LABELS` labels, new tenants
+        count under ``"other"``. Copies."""
+        return {label: replace(counts) for label, counts in self._tenant_lookups.items()}
 
     @property
     def jobs_in_flight(self) -> int:
@@ -512,6 +519,8 @@ class JobCore:
         for slot in slots:
             owner[slot] = job
         self._num_filling += len(slots)
+        job.phase = _MOVING
+        job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         job.slots = slots
         self._jobs[job.id] = job
@@ -535,7 +544,7 @@ class JobCore:
             self._out.append(CopyToHost(op, job.device_ids, job.slots))
 
     def _store_copied(self, job: _Job, error: object) -> None:
-        job.copied = True
+        job.awaiting -= 1
         if error is None:
             self._end_fills(job, job.fills, None)
             if self._cascading():  # keep them until the cascade has pinned them itself
@@ -552,7 +561,7 @@ class JobCore:
 
     def _store_settled(self, job: _Job) -> None:
         """Once its own copy and every fill it joined have ended: resolve, then cascade."""
-        if job.awaiting or not job.copied or job.resolved:
+        if job.awaiting or job.phase is not _MOVING:
             return
         self._resolve(job)
         if job.failed:
@@ -590,24 +599,27 @@ class JobCore:
             self._release_held(job)
             self._answer_cascaded(job, False)
             return
+        cascade = job.cascade = _Fanout()
         for t in range(len(self.tiers)):
             items = self._pin_for_tier(job.hashes, t)
             if items:
-                job.cascade_pending += 1
+                cascade.pending += 1
                 self._tier_store(job, t, items, "cascaded_blocks", self._cascade_part_done)
         self._release_held(job)  # each tier job holds its own pins now
-        if job.cascade_pending == 0:
+        if cascade.pending:
+            job.phase = _CASCADING
+        else:
             self._answer_cascaded(job, True)
 
     def _cascade_part_done(self, job: _Job, failed: Mapping[BlockHash, str]) -> None:
-        job.cascade_ok &= not failed
-        job.cascade_pending -= 1
-        if job.cascade_pending == 0:
-            self._answer_cascaded(job, job.cascade_ok)
+        cascade = job.cascade
+        assert cascade is not None
+        if cascade.part_done(failed):
+            self._answer_cascaded(job, not cascade.failed)
 
     def _answer_cascaded(self, job: _Job, ok: bool) -> None:
-        if not job.cascade_answered:
-            job.cascade_answered = True
+        if job.phase is not _DONE:
+            job.phase = _DONE
             self._out.append(Cascaded(job.id, ok))
         self._forget_if_done(job)
 
@@ -646,6 +658,7 @@ class JobCore:
         if found and out is None:
             return False
         self._jobs[job.id] = job
+        job.phase = _MOVING
         ready = []
         for h in hashes if len(hashes) == 1 else dict.fromkeys(hashes):
             if h in found:
@@ -679,11 +692,8 @@ class JobCore:
         return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
-        """The tier to promote each non-resident hash from.
-
-        Raises:
-            BlockNotFoundError: a hash is neither resident nor in a servable tier.
-        """
+        """The tier to promote each non-resident hash from; BlockNotFoundError if a
+        hash is neither resident nor in a servable tier."""
         manager = self.manager
         sources: dict[BlockHash, int] = {}
         for h in hashes:
@@ -707,11 +717,7 @@ class JobCore:
 
     def _promoted(self, job: _Job, outcome: object, *, t: int, keys: list[BlockHash]) -> None:
         self.tiers[t].release(keys)
-        failed = _failed_keys(outcome, keys, "the engine closed before the promotion")
-        if failed:
-            self.failures.record(
-                f"{self.tiers[t].name} tier load failed", len(failed), next(iter(failed.values()))
-            )
+        failed = self._tier_failed(t, "load", outcome, keys)
         self.counters["promoted_blocks"] += len(keys) - len(failed)
         self._end_fills(job, [k for k in keys if k not in failed], None)
         for k in keys:
@@ -720,9 +726,9 @@ class JobCore:
 
     def _copy_out(self, job: _Job) -> None:
         """Once no fill is awaited: copy every block that is there to the device."""
-        if job.awaiting or job.copy_started:
+        if job.awaiting or job.phase is not _MOVING:
             return
-        job.copy_started = True
+        job.phase = _COPYING_OUT
         slots, ids, failed = job.slots, job.device_ids, job.failed
         if failed:
             kept = [i for i, h in enumerate(job.hashes) if h not in failed]
@@ -736,6 +742,7 @@ class JobCore:
             self._out.append(CopyToDevice(op, slots, ids))
 
     def _copied_out(self, job: _Job, error: object) -> None:
+        job.phase = _DONE
         if job.pinned:
             self.manager.complete_load(job.pinned)  # the copy has ended: pins may go
             job.pinned = ()
@@ -815,42 +822,33 @@ class JobCore:
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
             then(job)
             return
-        pending = 0
-        reasons: dict[BlockHash, str] = {}
-        failures: Counter[BlockHash] = Counter()
+        fanout = _Fanout()
         writing = self._writing_back
         writing.update(victims)
 
         def part_done(_job: _Job, failed: Mapping[BlockHash, str]) -> None:
-            nonlocal pending
-            pending -= 1
-            failures.update(failed.keys())
-            for k, reason in failed.items():
-                reasons.setdefault(k, reason)
-            if pending == 0:
-                writing.subtract(victims)
-                for k in victims:
-                    if writing[k] <= 0:
-                        del writing[k]
-                # Failed in every tier (a tier that held it was not asked); a hard close
-                # has counted those it found still being written.
-                everywhere = len(self.tiers)
-                lost = {
-                    k: reasons[k]
-                    for k, n in failures.items()
-                    if n == everywhere and k not in self._close_lost
-                }
-                if lost:
-                    self._lose(lost, "evicted block lost: no tier took its write-back")
-                then(job)
+            if not fanout.part_done(failed):
+                return
+            writing.subtract(victims)
+            for k in victims:
+                if writing[k] <= 0:
+                    del writing[k]
+            # Failed in every tier (a tier that held it was not asked); a hard close has
+            # counted those it found still being written.
+            lost = fanout.failed_in(len(self.tiers))
+            for k in self._close_lost.intersection(lost):
+                del lost[k]
+            if lost:
+                self._lose(lost, "evicted block lost: no tier took its write-back")
+            then(job)
 
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
             items = [(k, s) for k, s in zip(victims, slots, strict=True) if look(k) is not True]
             if items:
-                pending += 1
+                fanout.pending += 1
                 self._tier_store(job, t, items, "written_back_blocks", part_done, pinned=False)
-        if pending == 0:
+        if fanout.pending == 0:
             then(job)
 
     # ------------------------------------------------------------- tier stores
@@ -881,15 +879,9 @@ class JobCore:
         def ended(_owner: object, outcome: object) -> None:
             if pinned:
                 self.manager.complete_load(keys)
-            failed = _failed_keys(outcome, keys, "the engine closed before the tier store")
+            failed = self._tier_failed(t, "store", outcome, keys)
             landed = [k for k in keys if k not in failed]
             self.counters[counter] += len(landed)
-            if failed:
-                self.failures.record(
-                    f"{self.tiers[t].name} tier store failed",
-                    len(failed),
-                    next(iter(failed.values())),
-                )
             if landed and self.enable_events:
                 self._store_event(t, landed)
             done(owner, failed)
@@ -913,14 +905,9 @@ class JobCore:
     # -------------------------------------------------------------------- flush
 
     def flush(self) -> tuple[int, list[Effect]]:
-        """Copy every ready CPU block to each secondary tier that lacks it.
-
-        Returns ``(flush id, effects)``; a :class:`FlushDone` reports the end. Its pins
-        are released only as its tier jobs end, whoever stops waiting for it.
-
-        Raises:
-            ClosedError: the engine is not open.
-        """
+        """Copy every ready CPU block to each secondary tier that lacks it; returns
+        ``(flush id, effects)``, and a :class:`FlushDone` follows. Its pins go only as
+        its tier jobs end. Raises ClosedError unless open."""
         self._check_open()
         flush = self._start_flush(internal=False)
         return flush.id, self._take()
@@ -940,24 +927,15 @@ class JobCore:
         return flush
 
     def _flush_part_done(self, flush: _Flush, failed: Mapping[BlockHash, str]) -> None:
-        flush.ok &= not failed
-        if flush.closing:
-            flush.failures.update(failed.keys())
-            for k, reason in failed.items():
-                flush.failed.setdefault(k, reason)
-        flush.pending -= 1
-        if flush.pending == 0:
+        if flush.part_done(failed):
             self._flush_done(flush)
 
     def _flush_done(self, flush: _Flush) -> None:
         del self._flushes[flush.id]
-        if flush.closing and flush.failed:
-            everywhere = len(self.tiers)  # failed in every tier: each lacked it
-            self._lose_at_close(
-                flush.failed, [k for k, n in flush.failures.items() if n == everywhere]
-            )
+        if flush.closing and flush.failed:  # failed in every tier: each lacked it
+            self._lose_at_close(flush.failed, flush.failed_in(len(self.tiers)))
         if not flush.internal:
-            self._out.append(FlushDone(flush.id, flush.ok))
+            self._out.append(FlushDone(flush.id, not flush.failed))
 
     # -------------------------------------------------------------------- close
 
@@ -1014,12 +992,10 @@ class JobCore:
         self._out.append(Drained())
 
     def close_result(self) -> JobResult:
-        """The close's write-back as a :class:`JobResult` of its own id: ``success``
-        unless, under write-back, CPU blocks did not reach every secondary tier that
-        lacked them (a tier refused or failed them, or a hard close came first); then
-        ``failed_keys`` names them and ``error`` sums up why. Those that no tier holds
-        are lost with the CPU tier (``lost_blocks``). Final once :class:`Drained` was
-        said or :meth:`hard_close` was called; before any close, a success."""
+        """The close's write-back as a :class:`JobResult` of its own id: failed, naming
+        them, if under write-back CPU blocks did not reach every secondary tier that
+        lacked them (those no tier holds are lost: ``lost_blocks``). Final once
+        :class:`Drained` was said or :meth:`hard_close` called; a success before."""
         job_id = self._close_id if self._close_id is not None else 0
         failed = self._close_failed
         if not failed:
@@ -1060,20 +1036,13 @@ class JobCore:
 
     def copy_done(self, op: int, error: object = None) -> list[Effect]:
         """A copy effect ended; ``error`` is None on success, else why it failed.
-
-        Raises:
-            InvalidArgumentError: ``op`` is not an effect in flight.
-        """
+        Raises InvalidArgumentError if ``op`` is not an effect in flight."""
         self._end_op(op, error)
         return self._take()
 
     def tier_done(self, op: int, outcome: TierOutcome | None) -> list[Effect]:
-        """A tier effect ended. ``outcome.failed`` names the keys that did not land
-        (with reasons); ``None`` means none landed.
-
-        Raises:
-            InvalidArgumentError: ``op`` is not an effect in flight.
-        """
+        """A tier effect ended: ``outcome.failed`` names the keys that did not land, with
+        reasons (``None``: none landed); as :meth:`copy_done`."""
         self._end_op(op, outcome)
         return self._take()
 
@@ -1118,6 +1087,24 @@ class JobCore:
         self._op_end[op] = on_end
         return op
 
+    def _tier_failed(
+        self, t: int, kind: str, outcome: object, keys: list[BlockHash]
+    ) -> dict[BlockHash, str]:
+        """The keys of tier ``t``'s ``kind`` job that did not land, with reasons (all of
+        them for an outcome of ``None``), recorded as failures."""
+        if outcome is None:
+            what = "promotion" if kind == "load" else "tier store"
+            failed = dict.fromkeys(keys, f"the engine closed before the {what}")
+        else:
+            assert isinstance(outcome, TierOutcome)
+            if outcome.ok:
+                return {}
+            failed = {k: outcome.failed[k] for k in keys if k in outcome.failed}
+        if failed:
+            cause = f"{self.tiers[t].name} tier {kind} failed"
+            self.failures.record(cause, len(failed), next(iter(failed.values())))
+        return failed
+
     def _forget_if_done(self, job: _Job) -> None:
         if job.done:
             self._jobs.pop(job.id, None)
@@ -1128,14 +1115,11 @@ class JobCore:
             return
         job.resolved = True
         keys = tuple(dict.fromkeys(h for h in job.hashes if h in job.failed))
-        if not keys:
-            self._out.append(Resolve(job.id, JobResult(job.id, True)))
-            self._forget_if_done(job)
-            return
-        self.counters["failed_jobs"] += 1
-        self._out.append(
-            Resolve(job.id, JobResult(job.id, False, keys, _summary(keys, job.failed)))
-        )
+        result = JobResult(job.id, True)
+        if keys:
+            self.counters["failed_jobs"] += 1
+            result = JobResult(job.id, False, keys, _summary(keys, job.failed))
+        self._out.append(Resolve(job.id, result))
         self._forget_if_done(job)
 
     def _fail(self, job: _Job, cause: str, reason: str) -> None:
@@ -1211,22 +1195,20 @@ class JobCore:
         return out
 
 
+def check_write_policy(write_policy: object) -> str:
+    """``write_policy`` if it is one of :data:`WRITE_POLICIES`, else InvalidArgumentError."""
+    if write_policy not in WRITE_POLICIES:
+        raise InvalidArgumentError(
+            f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
+        )
+    return write_policy  # type: ignore[return-value]
+
+
 def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
     """``<n> block(s) failed: <reason> (<count>); …``, the three most common reasons."""
     reasons = Counter(failed[k] for k in keys)
     summary = "; ".join(f"{r} ({n})" for r, n in reasons.most_common(3))
     return f"{len(keys)} block(s) failed: {summary}"
-
-
-def _failed_keys(outcome: object, keys: list[BlockHash], closed: str) -> dict[BlockHash, str]:
-    """The keys of a tier job that did not land, with reasons; all of them for ``None``."""
-    if outcome is None:
-        return dict.fromkeys(keys, closed)
-    assert isinstance(outcome, TierOutcome)
-    failed = outcome.failed
-    if not failed:
-        return {}
-    return {k: failed[k] for k in keys if k in failed}
 
 
 __all__ = [
@@ -1241,9 +1223,11 @@ __all__ = [
     "FlushDone",
     "JobCore",
     "LookupStatistics",
+    "Phase",
     "Resolve",
     "TierLoad",
     "TierStore",
     "TierView",
     "WaitForRoom",
+    "check_write_policy",
 ]

@@ -10,6 +10,7 @@ unwinding on the loop for an iteration).
 from __future__ import annotations
 
 import enum
+from typing import Any, Self
 
 
 class Lifecycle(enum.Enum):
@@ -24,4 +25,22 @@ class Lifecycle(enum.Enum):
         return self.value
 
 
-__all__ = ["Lifecycle"]
+class AsyncService:
+    """``async with`` for an object that has ``start()`` and ``aclose()``: entering
+    starts it, leaving closes it gracefully (whatever the block raised)."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> Any:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["AsyncService", "Lifecycle"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from tiering.abstract import BlockHash
 from tiering.errors import InvalidArgumentError
-from tiering.validation import positive_int
+from tiering.validation import as_index_list, check_index_range, hash_list, positive_int
 
 OffloadKey = BlockHash
 ReqContext = Any
@@ -56,6 +56,24 @@ class JobResult:
     success: bool
     failed_keys: tuple[OffloadKey, ...] = field(default=())
     error: str | None = None
+
+
+def checked_job(
+    job_id: int, keys: object, slots: object, num_slots: int | None = None
+) -> JobMetadata:
+    """A job of tuples from arguments a caller passed in: ``keys`` bytes, ``slots`` ints
+    (CPU slots of the host pool, given its ``num_slots``), as many of each.
+
+    Raises:
+        InvalidArgumentError: naming the argument that is not so.
+    """
+    key_list = hash_list("keys", keys)
+    slot_list = as_index_list("slots", slots)
+    if len(key_list) != len(slot_list):
+        raise InvalidArgumentError(f"{len(key_list)} keys but {len(slot_list)} slots")
+    if num_slots is not None:
+        check_index_range("slots (CPU slots of the host pool)", slot_list, num_slots, unique=False)
+    return JobMetadata(job_id, tuple(key_list), tuple(slot_list))
 
 
 class SecondaryTierManager(ABC):

@@ -1,35 +1,42 @@
 """The one way the engine reaches a secondary tier: :class:`TierClient` and :class:`TierOutcome`.
 
-Whatever the tier is, a :class:`~tiering.actor.TierActor` with a bounded inbox or a tier
-written against the seed interface that must be polled, the engine submits a job with
-:meth:`TierClient.submit` and later receives one :class:`TierOutcome`: the keys that
-landed and the keys that failed, each with a reason. Everything a tier can do wrong
-(refuse the job, be closed, be full, raise, never answer) becomes a failed outcome.
+Whatever the tier is, the engine submits a job with :meth:`TierClient.submit` and later
+receives one :class:`TierOutcome`: the keys that landed and the keys that failed, each
+with a reason. Every tier is served as a :class:`~tiering.actor.TierActor`, so the road
+has one bounded queue (the actor's inbox); a tier written against the seed's polled
+interface sits behind :class:`PolledTier`, a small actor that submits to it and polls
+for the result. Everything a tier can do wrong (refuse the job, be closed, raise, never
+answer) becomes a failed outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType, TracebackType
-from typing import Self
+from functools import partial
+from types import MappingProxyType
+from typing import Any
 
 from tiering.actor import TierActor
-from tiering.errors import InvalidArgumentError, TierBusyError
+from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Lane
-from tiering.lifecycle import Lifecycle
-from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext, SecondaryTierManager
+from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.secondary import (
+    JobMetadata,
+    JobResult,
+    OffloadKey,
+    ReqContext,
+    SecondaryTierManager,
+    checked_job,
+)
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import seconds
 
 logger = logging.getLogger(__name__)
 
-
-# Polled tiers are asked for results every millisecond while a job is outstanding
+# A polled tier is asked for results every millisecond while a job waits for one
 # (asyncio.sleep below 1 ms busy-spins under uvloop).
 _POLL_S = 0.001
 
@@ -69,34 +76,119 @@ class TierOutcome:
         return cls((), dict.fromkeys(keys, reason))
 
 
-@dataclass(eq=False, slots=True)
-class _Job:
-    meta: JobMetadata
-    kind: Lane
-    on_done: Callable[[TierOutcome], None]
-    deadline: float = math.inf  # polled tiers only
+class PolledTier(TierActor):
+    """A tier written against the seed's polled interface, served as a TierActor.
+
+    Each job submits to ``tier`` and polls its ``get_finished()`` until the job's result
+    comes; with none after ``timeout`` seconds the job fails (the reason names the
+    timeout), since such a tier may drop a job silently, and it might still touch the
+    job's slots afterwards. A submit that raises fails the job with the tier's reason.
+    Queries go straight to ``tier``; closing the adapter shuts ``tier`` down.
+    """
+
+    def __init__(self, tier: SecondaryTierManager, *, timeout: float, inbox_size: int = 64) -> None:
+        """Raises: InvalidArgumentError: ``timeout`` is not a positive finite number."""
+        super().__init__(
+            tier.primary_kv_view,
+            tier.block_bytes,
+            inbox_size=inbox_size,
+            max_inflight=inbox_size,
+            io_threads=1,
+        )
+        self.tier = tier
+        self.timeout = seconds("timeout", timeout, allow_zero=False)
+        self.holds_data = bool(getattr(tier, "holds_data", True))
+        self._polling: set[int] = set()  # jobs waiting for their result
+        self._results: dict[int, JobResult] = {}  # polled, not yet taken by their job
+
+    def get_tier_type(self) -> str:  # type: ignore[override]
+        return self.tier.get_tier_type()
+
+    def get_num_blocks(self) -> int:
+        return self.tier.get_num_blocks()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
+        return self.tier.lookup(key, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
+        self.tier.touch(keys, req_context)
+
+    def hold(self, keys: Collection[OffloadKey]) -> None:
+        self.tier.hold(keys)
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        self.tier.release(keys)
+
+    def clear(self) -> None:
+        self.tier.clear()
+
+    def report_removals(self) -> None:
+        self.tier.report_removals()
+
+    def take_removed(self) -> list[OffloadKey]:
+        return self.tier.take_removed()
+
+    def _on_closed(self) -> None:
+        self.tier.shutdown()
+
+    async def _do_store(self, job: JobMetadata) -> JobResult:
+        return await self._polled(job, self.tier.submit_store)
+
+    async def _do_load(self, job: JobMetadata) -> JobResult:
+        return await self._polled(job, self.tier.submit_load)
+
+    async def _polled(self, job: JobMetadata, submit: Callable[[JobMetadata], None]) -> JobResult:
+        keys = tuple(job.keys)
+        try:
+            submit(job)
+        except Exception as exc:
+            return JobResult(job.job_id, False, keys, f"the tier refused the job: {exc}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        self._polling.add(job.job_id)
+        try:
+            self._poll()
+            while (result := self._results.pop(job.job_id, None)) is None:
+                if loop.time() >= deadline:
+                    reason = (
+                        f"no result from the {self.get_tier_type()} tier within the "
+                        f"{self.timeout:g}s timeout (the tier may drop jobs silently)"
+                    )
+                    self._failures.record("timeout", detail=reason)
+                    return JobResult(job.job_id, False, keys, reason)
+                await asyncio.sleep(_POLL_S)
+                self._poll()
+        finally:
+            self._polling.discard(job.job_id)
+        return result
+
+    def _poll(self) -> None:
+        try:
+            results: Iterable[Any] = list(self.tier.get_finished())
+        except Exception as exc:
+            self._failures.record("get_finished raised", detail=repr(exc))
+            return
+        for result in results:
+            if isinstance(result, JobResult) and result.job_id in self._polling:
+                self._results[result.job_id] = result
 
 
-class TierClient:
+class TierClient(AsyncService):
     """The engine's handle on one secondary tier, actor or polled.
 
-    Guarantees of :meth:`submit`: it never blocks, never awaits and never raises for
-    anything the tier does; ``on_done`` is called exactly once per submit, always later
-    on the event loop (never from inside ``submit``), and, for a
-    :class:`~tiering.actor.TierActor`, only once the tier has stopped touching the
-    job's slots. For a polled tier the client cannot know when the tier stops touching
-    the slots: a job it has no result for after ``timeout`` seconds is reported failed
-    (reason naming the timeout), and the tier might still touch its slots afterwards.
+    Guarantees of :meth:`submit`: it never blocks, never awaits and
+    never raises for anything the tier does; ``on_done`` is called exactly once per job,
+    always later on the event loop (never from inside the call) and, for a
+    :class:`~tiering.actor.TierActor`, only once the tier has stopped touching the job's
+    slots. A job that finds the tier's inbox full is parked in it and queued as room
+    appears (``backlog`` counts them); a close fails parked jobs with a reason saying so.
 
-    When an actor's inbox is full, jobs wait in the client's own FIFO backlog (one per
-    kind) and a pump task submits them in order as room appears.
-
-    Life cycle: ``NEW`` -> :meth:`start` -> ``OPEN`` -> :meth:`aclose` or :meth:`shutdown`
-    -> ``CLOSING`` -> ``CLOSED`` once every job has its outcome and every task ended.
+    Life cycle: the tier's (``state``); :meth:`start`, :meth:`aclose` and
+    :meth:`shutdown` start and close the tier.
     """
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float = 30.0) -> None:
-        """Wrap ``tier`` (not started here).
+        """Wrap ``tier`` (not started here); ``timeout`` bounds a polled tier's jobs.
 
         Raises:
             InvalidArgumentError: ``tier`` is not a SecondaryTierManager, or ``timeout``
@@ -106,166 +198,51 @@ class TierClient:
             raise InvalidArgumentError(
                 f"tier must be a SecondaryTierManager, got {type(tier).__name__}"
             )
-        seconds("timeout", timeout, allow_zero=False)
+        self.timeout = seconds("timeout", timeout, allow_zero=False)
         self.tier = tier
-        self.timeout = float(timeout)
+        self.actor = tier if isinstance(tier, TierActor) else PolledTier(tier, timeout=timeout)
         self.name: str = tier.get_tier_type()
         self.servable: bool = bool(getattr(tier, "holds_data", True))
-        self._actor: TierActor | None = tier if isinstance(tier, TierActor) else None
-
-        self._state = Lifecycle.NEW
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: asyncio.Task[None] | None = None
-        self._next_id = 0
-        self._jobs: dict[int, _Job] = {}  # submitted, outcome not yet delivered
-        self._keys_in_flight = 0
-        self._backlog: dict[Lane, deque[_Job]] = {"load": deque(), "store": deque()}
-        self._pump_wake: dict[Lane, asyncio.Event] = {
-            "load": asyncio.Event(),
-            "store": asyncio.Event(),
-        }
-        self._polled: deque[_Job] = deque()  # polled tiers: by deadline
-        self._poll_wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._closed_event = asyncio.Event()
-        self._close_hooked = False
         self._failures = FailureLog(logger, f"tier client {self.name}")
-        self._counters = {
-            "jobs_submitted": 0,
-            "jobs_backlogged": 0,
-            "keys_landed": 0,
-            "keys_failed": 0,
-        }
-
-    # -- life cycle -------------------------------------------------------------------
+        self._counters = dict.fromkeys(
+            ("jobs_submitted", "jobs_backlogged", "keys_landed", "keys_failed"), 0
+        )
+        self._jobs_in_flight = 0
+        self._keys_in_flight = 0
+        # Queries go straight to the tier, synchronous and cheap (SecondaryTierManager's
+        # lookup, touch, hold and release).
+        self.lookup: Callable[..., bool | None] = tier.lookup
+        self.touch: Callable[..., None] = tier.touch
+        self.hold: Callable[[Collection[OffloadKey]], None] = tier.hold
+        self.release: Callable[[Collection[OffloadKey]], None] = tier.release
 
     async def start(self) -> None:
-        """Start the tier (if it is a TierActor) and the client's tasks; no-op if open.
+        """Start the tier; a no-op if it is open.
 
         Raises:
-            ClosedError, TieringError: as the tier's ``start`` (the client stays NEW).
-            InvalidArgumentError: the client is closing or closed.
+            ClosedError, TieringError: as the tier's ``start``.
         """
-        if self._state is Lifecycle.OPEN:
-            return
-        if self._state is not Lifecycle.NEW:
-            raise InvalidArgumentError(f"tier client {self.name} is {self._state}; cannot start")
-        if self._actor is not None:
-            await self._actor.start()
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._state = Lifecycle.OPEN
-        self._runner = loop.create_task(self._run(), name=f"tier-client-{self.name}")
-        await asyncio.sleep(0)  # let the runner enter its TaskGroup
+        await self.actor.start()
 
-    # The deadline is part of the close protocol, so it is a parameter.
-    async def aclose(self, timeout: float) -> None:  # noqa: ASYNC109
-        """Close gracefully: admit nothing more, let outstanding jobs finish within
-        ``timeout`` seconds, then close the tier (an actor fails what is left and
-        reports it; jobs of a polled tier still without a result are failed). Every
-        outstanding job's ``on_done`` has been called when this returns. Idempotent. If
-        the caller is cancelled meanwhile, the client and tier are stopped hard
-        (:meth:`shutdown`) and the cancellation propagates.
-
-        Raises:
-            InvalidArgumentError: ``timeout`` is negative or not a finite number.
-        """
-        seconds("timeout", timeout, allow_zero=True)
-        if self._state is Lifecycle.CLOSED:
-            return
-        if self._state is Lifecycle.CLOSING:
-            await self._closed_event.wait()
-            return
-        if self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSING
-            self.tier.shutdown()
-            self._maybe_closed()
-            return
-        self._state = Lifecycle.CLOSING
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        try:
-            if self._jobs:
-                async with asyncio.timeout_at(deadline):
-                    await self._idle.wait()
-        except TimeoutError:
-            pass
-        except asyncio.CancelledError:
-            self.shutdown()
-            raise
-        try:
-            await self._stop_runner()
-            self._fail_backlog("the client closed before the tier had room for the job")
-            if self._actor is not None:
-                await self._actor.aclose(max(0.0, deadline - loop.time()))
-                self._collect_actor_results()
-            else:
-                self.tier.shutdown()
-            self._fail_all("the client closed before the tier reported a result", "client closed")
-            self._maybe_closed()
-            await self._closed_event.wait()
-        except asyncio.CancelledError:
-            self.shutdown()
-            raise
+    async def aclose(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Close the tier gracefully (:meth:`TierActor.aclose`), within ``timeout``
+        seconds (the client's ``timeout`` if None); every job's ``on_done`` has been
+        called when this returns."""
+        await self.actor.aclose(self.timeout if timeout is None else timeout)
 
     def shutdown(self) -> None:
-        """Stop hard, now: cancel the client's tasks and stop the tier
-        (``tier.shutdown()``). Jobs in the backlog or at a polled tier get failed
-        outcomes at once; an actor's jobs get theirs as the actor reports them (a job
-        inside a blocking call only once that call returns). Synchronous, idempotent;
-        outcomes are delivered on the loop, or here if the loop no longer runs."""
-        if self._state is Lifecycle.CLOSED:
-            return
-        self._state = Lifecycle.CLOSING
-        if self._runner is not None and not self._runner.done():
-            self._runner.cancel()
-        self._fail_backlog("the client shut down before the tier had room for the job")
-        self.tier.shutdown()
-        loop_running = self._loop is not None and self._loop.is_running()
-        if self._actor is None or not loop_running:
-            self._fail_all("the client shut down before the tier reported a result", "shutdown")
-        self._maybe_closed()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose(self.timeout)
+        """Stop the tier hard, now (:meth:`TierActor.shutdown`); synchronous, idempotent."""
+        self.actor.shutdown()
 
     @property
     def state(self) -> Lifecycle:
-        """Where the client is in its life cycle."""
-        return self._state
+        """Where the tier is in its life cycle."""
+        return self.actor.state
 
     @property
     def backlog(self) -> int:
-        """Jobs waiting in the client for room in the tier's inbox now."""
-        return len(self._backlog["load"]) + len(self._backlog["store"])
-
-    # -- pass-through queries ---------------------------------------------------------
-
-    def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """The tier's answer: True held, False not, None in transfer."""
-        return self.tier.lookup(key, req_context)
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        """Mark keys recently used in the tier, ``keys[0]`` most recently."""
-        self.tier.touch(keys, req_context)
-
-    def hold(self, keys: Collection[OffloadKey]) -> None:
-        """Keep ``keys`` from eviction until :meth:`release` (see SecondaryTierManager)."""
-        self.tier.hold(keys)
-
-    def release(self, keys: Collection[OffloadKey]) -> None:
-        """Undo one :meth:`hold` of each key."""
-        self.tier.release(keys)
+        """Jobs parked for room in the tier's inbox now."""
+        return self.actor.inbox_statistics().parked
 
     # -- submission -------------------------------------------------------------------
 
@@ -275,74 +252,74 @@ class TierClient:
         keys: Sequence[bytes],
         slots: Sequence[int],
         on_done: Callable[[TierOutcome], None],
+        *,
+        checked: bool = False,
     ) -> None:
-        """Send a store (CPU slots -> tier) or load (tier -> CPU slots) job.
-
-        Never blocks or awaits; ``on_done(outcome)`` is called exactly once, later, on
-        the loop (see the class docstring). A closed client or tier, a full inbox that
-        stays full, a tier that raises, a tier that never answers: all end as a failed
-        outcome, never as an exception here.
+        """Queue a store (CPU slots -> tier) or load (tier -> CPU slots) job: ``keys[i]``
+        moves from or into CPU slot ``slots[i]``; ``on_done(outcome)`` follows exactly
+        once, later (see the class doc). ``checked=True`` says the caller has checked
+        the arguments (the engine's core has), and they are taken as they are.
 
         Raises:
-            InvalidArgumentError: ``kind`` is not "store"/"load", ``keys``/``slots`` are
-                not sequences of equal length, a key is not bytes, a slot is not an
-                int, or ``on_done`` is not callable. Nothing is submitted.
+            InvalidArgumentError: unless ``checked``: ``kind`` is not "store"/"load",
+                ``keys`` are not bytes and ``slots`` ints as many, ``on_done`` is not
+                callable (see :func:`~tiering.secondary.checked_job`), or the call is not
+                on the tier's event loop. Nothing is queued.
         """
-        meta = self._validated(kind, keys, slots, on_done)
-        loop = self._loop_for_submit()
-        self._next_id += 1
-        job = _Job(JobMetadata(self._next_id, meta[0], meta[1]), kind, on_done)
-        self._jobs[job.meta.job_id] = job
-        self._keys_in_flight += len(job.meta.keys)
-        self._idle.clear()
-        self._counters["jobs_submitted"] += 1
-        if self._state is not Lifecycle.OPEN:
-            self._finish_soon(loop, job, f"the {self.name} tier client is {self._state}", "closed")
-            return
-        if self._actor is not None:
-            self._submit_to_actor(loop, job)
-        else:
-            self._submit_to_polled(loop, job)
-
-    def _submit_to_actor(self, loop: asyncio.AbstractEventLoop, job: _Job) -> None:
-        assert self._actor is not None
-        backlog = self._backlog[job.kind]
-        if not backlog:
-            submit = self._actor.submit_load if job.kind == "load" else self._actor.submit_store
+        if not checked:
             try:
-                submit(job.meta)
-            except TierBusyError:
-                pass  # back-pressure: into the backlog
-            except Exception as exc:
-                self._finish_soon(loop, job, f"the tier refused the job: {exc}", "refused")
-                return
-            else:
-                self._attach(job)
-                return
-        backlog.append(job)
-        self._counters["jobs_backlogged"] += 1
-        self._pump_wake[job.kind].set()
-
-    def _submit_to_polled(self, loop: asyncio.AbstractEventLoop, job: _Job) -> None:
-        submit = self.tier.submit_load if job.kind == "load" else self.tier.submit_store
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is None or self.actor._loop not in (None, loop):
+                raise InvalidArgumentError(
+                    f"tier client {self.name}: submit must be called on the tier's event loop"
+                )
+            if kind not in ("store", "load"):
+                raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
+            job = checked_job(0, keys, slots)
+            if not callable(on_done):
+                raise InvalidArgumentError(f"on_done must be callable, got {on_done!r}")
+            keys, slots = job.keys, job.block_ids
+        keys = tuple(keys)
+        self._counters["jobs_submitted"] += 1
+        self._jobs_in_flight += 1
+        self._keys_in_flight += len(keys)
+        done = partial(self._ended, kind, keys, on_done)
         try:
-            submit(job.meta)
-        except Exception as exc:
-            self._finish_soon(loop, job, f"the tier refused the job: {exc}", "refused")
+            queued = self.actor._send(kind, keys, tuple(slots), done)
+        except ClosedError as exc:
+            asyncio.get_running_loop().call_soon(done, JobResult(0, False, keys, str(exc)))
             return
-        job.deadline = loop.time() + self.timeout
-        self._polled.append(job)
-        self._poll_wake.set()
+        if not queued:
+            self._counters["jobs_backlogged"] += 1
 
-    # -- statistics -------------------------------------------------------------------
+    def _ended(
+        self,
+        kind: Lane,
+        keys: tuple[bytes, ...],
+        on_done: Callable[[TierOutcome], None],
+        result: JobResult,
+    ) -> None:
+        outcome = TierOutcome.from_result(keys, result)
+        self._jobs_in_flight -= 1
+        self._keys_in_flight -= len(keys)
+        self._counters["keys_landed"] += len(outcome.landed)
+        self._counters["keys_failed"] += len(outcome.failed)
+        if not outcome.ok:
+            self._failures.record(f"{kind} failed in the tier", detail=result.error or "")
+        try:
+            on_done(outcome)
+        except Exception:
+            logger.exception("tier client %s: on_done of a %s job raised", self.name, kind)
 
     def statistics(self) -> Statistics:
-        """The client's own snapshot: state, jobs (in the backlog, at the tier) without an
-        outcome and their bytes, counters (``jobs_submitted``, ``jobs_backlogged``,
-        ``keys_landed``, ``keys_failed``) and failed jobs by cause."""
+        """The client's own snapshot: the tier's state, jobs without an outcome and
+        their bytes, counters (``jobs_submitted``, ``jobs_backlogged``, ``keys_landed``,
+        ``keys_failed``) and failed jobs by cause (the tier's own statistics say why)."""
         return Statistics(
-            state=self._state,
-            jobs_in_flight=len(self._jobs),
+            state=self.state,
+            jobs_in_flight=self._jobs_in_flight,
             bytes_in_flight=self._keys_in_flight * self.tier.block_bytes,
             counters=self._counters,
             failures=self._failures.counts,
@@ -351,195 +328,5 @@ class TierClient:
     def __repr__(self) -> str:
         return f"<TierClient {self.name} backlog={self.backlog} {self.statistics()!r}>"
 
-    # -- tasks ------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        async with asyncio.TaskGroup() as task_group:
-            if self._actor is not None:
-                for kind in ("load", "store"):
-                    task_group.create_task(self._pump(kind), name=f"tier-client-{self.name}-pump")
-            else:
-                task_group.create_task(self._poll(), name=f"tier-client-{self.name}-poll")
-
-    async def _pump(self, kind: Lane) -> None:
-        """Submit the backlog of ``kind`` in order, waiting for room in the inbox."""
-        assert self._actor is not None
-        backlog, wake = self._backlog[kind], self._pump_wake[kind]
-        put = self._actor.put_load if kind == "load" else self._actor.put_store
-        while True:
-            if not backlog:
-                wake.clear()
-                await wake.wait()
-                continue
-            job = backlog[0]
-            try:
-                await put(job.meta)  # cancelled while waiting: nothing admitted
-            except Exception as exc:
-                backlog.popleft()
-                self._finish(job, f"the tier refused the job: {exc}", "refused")
-                continue
-            backlog.popleft()
-            self._attach(job)
-
-    async def _poll(self) -> None:
-        """Drain a polled tier's results, and time jobs out, while any is outstanding."""
-        assert self._loop is not None
-        while True:
-            if not self._polled:
-                self._poll_wake.clear()
-                await self._poll_wake.wait()
-                continue
-            self._drain_polled()
-            now = self._loop.time()
-            while self._polled and (
-                self._polled[0].meta.job_id not in self._jobs or self._polled[0].deadline <= now
-            ):
-                job = self._polled.popleft()
-                if job.meta.job_id in self._jobs:
-                    self._finish(
-                        job,
-                        f"no result from the {self.name} tier within the {self.timeout:g}s "
-                        "timeout (the tier may drop jobs silently)",
-                        "timeout",
-                    )
-            await asyncio.sleep(_POLL_S)
-
-    def _drain_polled(self) -> None:
-        try:
-            results = list(self.tier.get_finished())
-        except Exception as exc:
-            self._failures.record("get_finished raised", detail=repr(exc))
-            return
-        for result in results:
-            job = self._jobs.get(result.job_id) if isinstance(result, JobResult) else None
-            if job is not None:
-                self._deliver_result(job, result)
-
-    async def _stop_runner(self) -> None:
-        runner = self._runner
-        if runner is not None and not runner.done():
-            runner.cancel()
-            await asyncio.wait({runner})
-
-    # -- outcomes ---------------------------------------------------------------------
-
-    def _attach(self, job: _Job) -> None:
-        assert self._actor is not None
-        future = self._actor.result(job.meta.job_id)
-        future.add_done_callback(lambda f: self._on_actor_result(job, f))
-
-    def _on_actor_result(self, job: _Job, future: asyncio.Future[JobResult]) -> None:
-        assert self._actor is not None
-        if future.cancelled():
-            self._finish(job, "the tier's result was cancelled", "no result")
-        else:
-            self._deliver_result(job, future.result())
-        # Results reach the client through result(); drain them so the tier forgets them.
-        self._actor.get_finished()
-
-    def _collect_actor_results(self) -> None:
-        """After the actor closed: deliver results whose callbacks have not run yet."""
-        assert self._actor is not None
-        for result in self._actor.get_finished():
-            job = self._jobs.get(result.job_id)
-            if job is not None:
-                self._deliver_result(job, result)
-
-    def _deliver_result(self, job: _Job, result: JobResult) -> None:
-        outcome = TierOutcome.from_result(job.meta.keys, result)
-        if not outcome.ok and job.meta.job_id in self._jobs:
-            self._failures.record(f"{job.kind} failed in the tier", detail=result.error or "")
-        self._deliver(job, outcome)
-
-    def _finish_soon(
-        self, loop: asyncio.AbstractEventLoop, job: _Job, reason: str, cause: str
-    ) -> None:
-        loop.call_soon(self._finish, job, reason, cause)
-
-    def _finish(self, job: _Job, reason: str, cause: str) -> None:
-        if job.meta.job_id in self._jobs:
-            self._failures.record(cause, detail=reason)
-            self._deliver(job, TierOutcome.failure(job.meta.keys, reason))
-
-    def _deliver(self, job: _Job, outcome: TierOutcome) -> None:
-        """Call ``on_done`` once for ``job``; later calls for it do nothing."""
-        if self._jobs.pop(job.meta.job_id, None) is None:
-            return
-        self._keys_in_flight -= len(job.meta.keys)
-        self._counters["keys_landed"] += len(outcome.landed)
-        self._counters["keys_failed"] += len(outcome.failed)
-        try:
-            job.on_done(outcome)
-        except Exception:
-            logger.exception("tier client %s: on_done of job %d raised", self.name, job.meta.job_id)
-        if not self._jobs:
-            self._idle.set()
-            self._maybe_closed()
-
-    def _fail_backlog(self, reason: str) -> None:
-        for kind in ("load", "store"):
-            backlog = self._backlog[kind]  # type: ignore[index]
-            while backlog:
-                job = backlog.popleft()
-                self._finish_later(job, reason, "client closed")
-
-    def _fail_all(self, reason: str, cause: str) -> None:
-        for job in list(self._jobs.values()):
-            self._finish_later(job, reason, cause)
-        self._polled.clear()
-
-    def _finish_later(self, job: _Job, reason: str, cause: str) -> None:
-        loop = self._loop
-        if loop is not None and loop.is_running() and not loop.is_closed():
-            loop.call_soon(self._finish, job, reason, cause)
-        else:
-            self._finish(job, reason, cause)
-
-    def _maybe_closed(self) -> None:
-        if self._state is not Lifecycle.CLOSING or self._jobs:
-            return
-        if self._runner is not None and not self._runner.done():
-            if not self._close_hooked:
-                self._close_hooked = True
-                self._runner.add_done_callback(lambda _: self._maybe_closed())
-            return
-        self._state = Lifecycle.CLOSED
-        self._closed_event.set()
-
-    # -- validation -------------------------------------------------------------------
-
-    def _loop_for_submit(self) -> asyncio.AbstractEventLoop:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is None or (self._loop is not None and loop is not self._loop):
-            raise InvalidArgumentError(
-                f"tier client {self.name}: submit must be called on the client's event loop"
-            )
-        return loop
-
-    @staticmethod
-    def _validated(
-        kind: object, keys: object, slots: object, on_done: object
-    ) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
-        if kind not in ("store", "load"):
-            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
-        if not isinstance(keys, Sequence) or isinstance(keys, bytes | str):
-            raise InvalidArgumentError(f"keys must be a sequence of bytes, got {keys!r}")
-        if not isinstance(slots, Sequence) or isinstance(slots, bytes | str):
-            raise InvalidArgumentError(f"slots must be a sequence of ints, got {slots!r}")
-        if len(keys) != len(slots):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(slots)} slots")
-        for key in keys:
-            if not isinstance(key, bytes):
-                raise InvalidArgumentError(f"keys must be bytes, got {key!r}")
-        for slot in slots:
-            if not isinstance(slot, int) or isinstance(slot, bool):
-                raise InvalidArgumentError(f"slots must be ints, got {slot!r}")
-        if not callable(on_done):
-            raise InvalidArgumentError(f"on_done must be callable, got {on_done!r}")
-        return tuple(keys), tuple(slots)
-
-
-__all__ = ["TierClient", "TierOutcome"]
+__all__ = ["PolledTier", "TierClient", "TierOutcome"]

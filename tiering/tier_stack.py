@@ -9,14 +9,16 @@ slots), then the copier (its copies touch slots and device blocks), then the poo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from tiering.device import DeviceCopier, KVCaches
 from tiering.errors import TieringError
 from tiering.host_pool import HostPool
+from tiering.job_core import CopyToDevice, CopyToHost, TierLoad, TierStore
 from tiering.registry import TierSpec, make_tier
 from tiering.secondary import SecondaryTierManager
-from tiering.tier_client import TierClient
+from tiering.tier_client import TierClient, TierOutcome
 
 
 class TierStack:
@@ -48,8 +50,9 @@ class TierStack:
         self.tiers: list[SecondaryTierManager] = []
         self.clients: list[TierClient] = []
 
-    async def open(self) -> None:
-        """Allocate the pool, open the copier, build and start every tier.
+    async def open(self, *, report_removals: bool = False) -> None:
+        """Allocate the pool, open the copier, build and start every tier (asking each
+        to report the keys it removes, with ``report_removals``).
 
         On failure, whatever was opened stays for :meth:`close` to release.
 
@@ -71,9 +74,34 @@ class TierStack:
         for spec in self._specs:
             tier = make_tier(spec, self.pool.view, size, defaults=defaults)
             client = TierClient(tier, timeout=self._tier_timeout)
+            if report_removals:
+                tier.report_removals()
             self.tiers.append(tier)
             self.clients.append(client)
             await client.start()
+
+    def copy(
+        self,
+        effect: CopyToHost | CopyToDevice,
+        on_end: Callable[[int, BaseException | None], None],
+    ) -> None:
+        """Start the copy ``effect`` asks for; ``on_end(op, error or None)`` follows on
+        the loop (with the copier's error if it is closed)."""
+        assert self.copier is not None
+        to_host = type(effect) is CopyToHost
+        try:
+            self.copier.start(to_host, effect.device_ids, effect.slots, on_end, effect.op)
+        except TieringError as exc:  # the copier is closed: the copy never started
+            asyncio.get_running_loop().call_soon(on_end, effect.op, exc)
+
+    def send(
+        self, effect: TierStore | TierLoad, on_done: Callable[[int, TierOutcome], None]
+    ) -> None:
+        """Send the tier job ``effect`` asks for to its tier; ``on_done(op, outcome)``
+        follows."""
+        kind = "store" if type(effect) is TierStore else "load"
+        done = partial(on_done, effect.op)
+        self.clients[effect.tier].submit(kind, effect.keys, effect.slots, done, checked=True)
 
     async def aclose(self, deadline: float) -> None:
         """Close in order, the tiers' outstanding jobs getting until ``deadline`` (loop
