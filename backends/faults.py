@@ -1,6 +1,6 @@
 """Fault injection for file-backed tiers: make chosen system calls fail, fall short or stall.
 
-:class:`FaultInjector` is an :class:`~backends.nvme_files.OsCalls` that passes every call
+:class:`FaultInjector` is an :class:`~backends.nvme_os.OsCalls` that passes every call
 to a real one unless a rule says otherwise. Rules match a call by operation name and,
 optionally, by a substring of the path involved (for calls on a file descriptor, the path
 it was opened with). A rule can raise an ``OSError`` with a chosen errno (ENOSPC, EIO,
@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backends.nvme_files import REAL_OS, OsCalls
+from backends.nvme_os import REAL_OS, OsCalls
 from tiering.errors import InvalidArgumentError
 
 OPERATIONS = frozenset(

@@ -36,19 +36,7 @@ from typing import Any, ClassVar
 import aiofiles
 import aiofiles.os
 
-from backends.nvme_files import (
-    FSYNC_POLICIES,
-    OWNERS_DIR,
-    REAL_OS,
-    BlockFiles,
-    FsyncPolicy,
-    LoadReport,
-    OsCalls,
-    OwnerLock,
-    ScanReport,
-    StoreReport,
-    probe_o_direct,
-)
+from backends.nvme_files import BlockFiles, LoadReport, ScanReport, StoreReport
 from backends.nvme_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -56,6 +44,15 @@ from backends.nvme_format import (
     fanout_dirs,
     namespace_digest,
     namespace_dirname,
+)
+from backends.nvme_os import (
+    FSYNC_POLICIES,
+    OWNERS_DIR,
+    REAL_OS,
+    FsyncPolicy,
+    OsCalls,
+    OwnerLock,
+    probe_o_direct,
 )
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_space import DISK_FULL_REASON, SpaceGuard

@@ -49,15 +49,12 @@ import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import xxhash
 
 from tiering.encryption import NONCE_BYTES, TAG_BYTES, Seal
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-
-if TYPE_CHECKING:
-    from backends.nvme_sealing import PayloadSealer
 
 MAGIC = b"KVTBLK\r\n"
 FORMAT_VERSION = 1
@@ -264,10 +261,17 @@ def check_header(
         raise CorruptBlockError(f"payload length {header.payload_bytes}, expected {payload_bytes}")
 
 
+class PayloadOpener(Protocol):
+    """What :func:`verify_payload` needs of a sealer (:class:`~backends.nvme_sealing.
+    PayloadSealer`): opening a sealed payload where it lies."""
+
+    def open(self, header: BlockHeader, slot: memoryview) -> None: ...
+
+
 def verify_payload(
     header: BlockHeader,
     payload: memoryview,
-    sealer: PayloadSealer | None,
+    sealer: PayloadOpener | None,
     checksum: Callable[[memoryview], bytes] = payload_checksum,
 ) -> None:
     """Check a payload read under ``header`` (already checked against the expected key,

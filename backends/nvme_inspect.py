@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 
 from backends.nvme import IDENTITY_FILE, check_root
-from backends.nvme_files import OWNERS_DIR, describe_os_error, owner_alive
 from backends.nvme_format import (
     BLOCK_SUFFIX,
     HEADER_BYTES,
@@ -66,6 +65,7 @@ from backends.nvme_format import (
     namespace_digest,
     verify_payload,
 )
+from backends.nvme_os import OWNERS_DIR, describe_os_error, owner_alive
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segment_tier import MAX_RECORDS_PER_SEGMENT

@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 import threading
 
-from backends.nvme_files import ALIGNMENT
 from backends.nvme_format import BlockHeader
+from backends.nvme_os import ALIGNMENT
 from tiering.encryption import TAG_BYTES, BlockCipher, Seal, associated_data
 from tiering.errors import CorruptBlockError
 from tiering.host_pool import io_buffer

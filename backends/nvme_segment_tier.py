@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.nvme import NVMeTierBase, _result, refuse_derived_options
-from backends.nvme_files import REAL_OS, FsyncPolicy, OsCalls, owner_alive
 from backends.nvme_format import HEADER_BYTES
+from backends.nvme_os import REAL_OS, FsyncPolicy, OsCalls, owner_alive
 from backends.nvme_segment_index import Eviction, Placement, SegmentIndex, key_digest
 from backends.nvme_segments import (
     CHECKPOINT_FILE,

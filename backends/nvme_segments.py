@@ -43,7 +43,7 @@ Guarantees:
   reader sees a whole old one or a whole new one; its body carries a checksum, and a
   checkpoint that fails any check is reported as absent, never trusted.
 
-Every system call goes through an :class:`~backends.nvme_files.OsCalls` (fault injection).
+Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -63,7 +63,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from backends.nvme_files import (
+from backends.nvme_format import (
+    HEADER_BYTES,
+    check_header,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    verify_payload,
+)
+from backends.nvme_os import (
     ALIGNMENT,
     DISK_FULL_ERRNOS,
     FSYNC_POLICIES,
@@ -76,14 +84,6 @@ from backends.nvme_files import (
     fsync_dir,
     is_aligned,
     write_all,
-)
-from backends.nvme_format import (
-    HEADER_BYTES,
-    check_header,
-    decode_header,
-    encode_header,
-    payload_checksum,
-    verify_payload,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.host_pool import io_buffer

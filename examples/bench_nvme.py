@@ -90,7 +90,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.nvme import NVMeFileTier, NVMeTierBase
-from backends.nvme_files import probe_o_direct
+from backends.nvme_os import probe_o_direct
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tiering.cli_args import (
     Progress,

@@ -24,8 +24,8 @@ import pytest
 
 from backends.faults import FaultInjector
 from backends.nvme import NVMeFileTier, _InflightBytes
-from backends.nvme_files import OsCalls, owner_alive
 from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
+from backends.nvme_os import OsCalls, owner_alive
 from tests._nvme_helpers import load_job as _load
 from tests._nvme_helpers import next_job_id, random_pool
 from tests._nvme_helpers import store_job as _store
@@ -771,7 +771,7 @@ _CRASHING_WRITER = textwrap.dedent(
     """
     import asyncio, mmap, os, sys
     from backends.nvme import NVMeFileTier
-    from backends.nvme_files import OsCalls
+    from backends.nvme_os import OsCalls
     from tiering.secondary import JobMetadata
 
     BLOCK = int(sys.argv[2])

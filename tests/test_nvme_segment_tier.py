@@ -446,7 +446,7 @@ _CRASHING_WRITER = textwrap.dedent(
     """
     import asyncio, mmap, sys
     from backends.nvme_segment_tier import NVMeSegmentTier
-    from backends.nvme_files import OsCalls
+    from backends.nvme_os import OsCalls
     from tiering.secondary import JobMetadata
 
     BLOCK = int(sys.argv[2])

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from backends.faults import FaultInjector
-from backends.nvme_files import REAL_OS, OsCalls, probe_o_direct
 from backends.nvme_format import HEADER_BYTES, namespace_digest
+from backends.nvme_os import REAL_OS, OsCalls, probe_o_direct
 from backends.nvme_segments import (
     CHECKPOINT_FILE,
     MAX_IOV,
