@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from backends.faults import FaultInjector
-from backends.nvme_files import (
+from backends.nvme_files import BlockFiles
+from backends.nvme_os import (
     OWNERS_DIR,
     REAL_OS,
-    BlockFiles,
     OsCalls,
     OwnerLock,
     free_bytes,
