@@ -626,7 +626,7 @@ class NVMeFileTier(NVMeTierBase):
         file_mode, dir_mode: modes of the files and directories the tier makes (0o600
             and 0o700; the process umask still applies). They may add read access for
             group and others, never write access.
-        os_calls: the system-call layer (tests pass a :class:`backends.faults.
+        os_calls: the system-call layer (tests pass a :class:`tests._faults.
             FaultInjector`).
         clock: monotonic seconds (tests pass a fake).
         **actor_kwargs: ``inbox_size``, ``max_inflight``, ``io_threads`` of TierActor.

@@ -22,7 +22,7 @@ Guarantees:
   its instance id, so liveness is a non-blocking lock attempt.
 
 Every system call goes through an :class:`OsCalls` object, so tests can inject faults
-(see :mod:`backends.faults`).
+(see :mod:`tests._faults`).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from backends.faults import Fault, FaultInjector
 from backends.memory import MemoryTier
 from backends.nvme_format import HEADER_BYTES, decode_header
+from tests._faults import Fault, FaultInjector
 from tiering import JobMetadata, JobResult, TieringEngine
 from tiering.errors import CorruptBlockError
 

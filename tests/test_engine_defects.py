@@ -2,7 +2,7 @@
 
 Each test reproduces one defect as the issue describes it, through the public API only,
 with CPU tensors and real tiers (memory, NVMe under ``tmp_path``). A slow or failing
-tier is made with a :class:`backends.faults.FaultInjector` as the NVMe tier's
+tier is made with a :class:`tests._faults.FaultInjector` as the NVMe tier's
 ``os_calls`` or with a memory tier whose loads wait at a gate. Where the defect is a
 wrong block served, the test compares the BYTES on the device, not only ``success``.
 """
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from backends.faults import FaultInjector
 from tests._engine_helpers import (
     assert_holds,
     assert_no_leaks,
@@ -35,6 +34,7 @@ from tests._engine_helpers import (
     until,
     wipe,
 )
+from tests._faults import FaultInjector
 from tiering import ClosedError, InvalidArgumentError, TieringEngine, TieringError
 from tiering.lifecycle import Lifecycle
 

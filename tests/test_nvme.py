@@ -22,10 +22,10 @@ from typing import Any
 import aiofiles.os
 import pytest
 
-from backends.faults import FaultInjector
 from backends.nvme import NVMeFileTier, _InflightBytes
 from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
 from backends.nvme_os import OsCalls, owner_alive
+from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as _load
 from tests._nvme_helpers import next_job_id, random_pool
 from tests._nvme_helpers import store_job as _store

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.faults import FaultInjector
 from backends.nvme_files import BlockFiles
+from backends.nvme_format import HEADER_BYTES, fanout_dirs, namespace_digest
 from backends.nvme_os import (
     OWNERS_DIR,
     REAL_OS,
@@ -23,7 +23,7 @@ from backends.nvme_os import (
     owner_alive,
     probe_o_direct,
 )
-from backends.nvme_format import HEADER_BYTES, fanout_dirs, namespace_digest
+from tests._faults import FaultInjector
 from tests._nvme_helpers import random_pool
 from tiering.errors import InvalidArgumentError
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from backends.faults import FaultInjector
 from backends.nvme_os import (
     ALIGNMENT,
     OWNERS_DIR,
@@ -24,6 +23,7 @@ from backends.nvme_os import (
     probe_o_direct,
     write_all,
 )
+from tests._faults import FaultInjector
 
 
 def _owners(tmp_path: Path) -> str:

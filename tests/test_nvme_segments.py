@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.faults import FaultInjector
 from backends.nvme_format import HEADER_BYTES, namespace_digest
 from backends.nvme_os import REAL_OS, OsCalls, probe_o_direct
 from backends.nvme_segments import (
@@ -25,6 +24,7 @@ from backends.nvme_segments import (
     parse_segment_name,
     segment_name,
 )
+from tests._faults import FaultInjector
 from tests._nvme_helpers import random_pool
 from tiering.errors import InvalidArgumentError
 

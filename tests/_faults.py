@@ -18,8 +18,8 @@ Example::
     gate = faults.hold("pwritev", path=key.hex())   # that key's write waits ...
     ...                                             # ... (gate.reached is set when it does)
     gate.open()                                     # ... until here
-    tier = NVMeFileTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
-                    os_calls=faults)
+    tier = NVMeTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
+                os_calls=faults)
 """
 
 from __future__ import annotations
