@@ -1,6 +1,6 @@
-"""The NVMe tier's on-disk format: namespace directories, block file names, block headers.
+"""The NVMe tier's on-disk format: namespace directory names and block record headers.
 
-Every stored block is one file, self-describing and verifiable on its own::
+Every stored block is one record, self-describing and verifiable on its own::
 
     offset 0     header page (HEADER_BYTES = 4096 bytes, see below)
     offset 4096  payload: exactly ``payload_bytes`` bytes, the block as it sat in its CPU slot
@@ -62,11 +62,6 @@ HEADER_BYTES = 4096
 CHECKSUM_XXH3_128 = 1
 SEALED_AES_GCM = 2
 
-BLOCK_SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
-FANOUT = 256
-"""Block files are spread over this many subdirectories (``00`` .. ``ff``)."""
-
 _FIXED = struct.Struct("<8sHHB3xQ16s16sH6x")
 _KEY_OFFSET = _FIXED.size
 _TRAILER = struct.Struct("<Q")
@@ -75,9 +70,6 @@ _SEAL = struct.Struct(f"<I{NONCE_BYTES}s")
 _SEAL_OFFSET = _TRAILER_OFFSET - _SEAL.size
 MAX_KEY_BYTES = _SEAL_OFFSET - _KEY_OFFSET
 """The longest key a header can hold."""
-
-_LONG_KEY_NAME_BYTES = 64
-"""Keys longer than this are named by a digest instead of their hex (file-name limits)."""
 
 _READABLE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -133,24 +125,6 @@ def check_key(key: object) -> bytes:
             f"block key must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)}"
         )
     return key
-
-
-def block_relpath(key: bytes) -> str:
-    """The path of ``key``'s block file relative to the namespace directory.
-
-    ``<fanout>/<name>.kvb`` where ``<fanout>`` is two hex digits of xxh3_64(key) and
-    ``<name>`` is the key's hex, or ``h`` plus a sha256 hex digest for long keys (the
-    header still holds the full key, and every read compares it).
-    """
-    fan = xxhash.xxh3_64_intdigest(key) % FANOUT
-    long_key = len(key) > _LONG_KEY_NAME_BYTES
-    name = "h" + hashlib.sha256(key).hexdigest() if long_key else key.hex()
-    return f"{fan:02x}/{name}{BLOCK_SUFFIX}"
-
-
-def fanout_dirs() -> list[str]:
-    """The names of the fan-out subdirectories, ``00`` .. ``ff``."""
-    return [f"{i:02x}" for i in range(FANOUT)]
 
 
 def payload_checksum(payload: memoryview | bytes | bytearray) -> bytes:

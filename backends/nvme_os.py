@@ -3,7 +3,8 @@
 Every system call of the tier's blocking code goes through an :class:`OsCalls`, so tests
 can inject faults (``tests/_faults.py``). Besides it: the O_DIRECT probe and alignment
 helpers, vectored writes that resume after short transfers, directory syncs, free space,
-and the owner lock by which writers sharing a root tell live writers from dead ones.
+the owner lock by which writers sharing a root tell live writers from dead ones, and the
+checks that keep a root, its directories and files to their user (docs/security.md).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 from collections.abc import Callable, Sequence
 from typing import Literal
+
+from tiering.errors import InvalidArgumentError
 
 FsyncPolicy = Literal["none", "batch", "always"]
 FSYNC_POLICIES: tuple[str, ...] = ("none", "batch", "always")
@@ -280,3 +284,87 @@ def describe_os_error(exc: OSError) -> str:
     if exc.errno is None:
         return str(exc)
     return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or os.strerror(exc.errno)}"
+
+
+PRIVATE_DIR_MODE = 0o700
+"""Mode of the directories the tier makes: its user's alone (KV bytes are user data)."""
+PRIVATE_FILE_MODE = 0o600
+"""Mode of the files the tier writes."""
+
+
+def check_private(option: str, path: str) -> None:
+    """Refuse a directory another user owns or anyone but its owner may write to.
+
+    Raises:
+        InvalidArgumentError: naming ``option``, the path and what is wrong with it.
+    """
+    status = os.stat(path)
+    if not stat.S_ISDIR(status.st_mode):
+        raise InvalidArgumentError(f"{option}: {path!r} is not a directory")
+    if status.st_uid != os.geteuid():
+        raise InvalidArgumentError(
+            f"{option}: {path!r} belongs to user {status.st_uid}, not to this process's "
+            f"({os.geteuid()}): another user could read or replace the KV blocks in it"
+        )
+    if status.st_mode & 0o022:
+        raise InvalidArgumentError(
+            f"{option}: {path!r} has mode {stat.S_IMODE(status.st_mode):o}: others can write "
+            "to it (plant or swap files); make it writable by its owner only (chmod go-w)"
+        )
+
+
+def check_root(
+    path: str, *, option: str = "root", create: bool = False, mode: int = PRIVATE_DIR_MODE
+) -> None:
+    """Check ``path`` as an NVMe root: the one check the tier's start and the
+    ``tiering inspect`` / ``verify`` / ``clear`` commands share.
+
+    The root must be a directory of this process's user that nobody else may write to
+    (see docs/security.md). With ``create``, a missing root is made (with ``mode``, its
+    missing parents too); without it, a missing root is refused.
+
+    Raises:
+        InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
+            ``create``), is not a directory (a file, or under one), cannot be created
+            for lack of permission, belongs to another user, or others may write to it.
+        OSError: any other failure of the file system (I/O, no space).
+    """
+    if create:
+        try:
+            os.makedirs(path, mode=mode, exist_ok=True)
+        except FileExistsError:  # something that is not a directory is in the way
+            raise InvalidArgumentError(f"{option}: {path!r} is not a directory") from None
+        except (NotADirectoryError, PermissionError) as exc:
+            raise InvalidArgumentError(
+                f"{option}: {path!r} cannot be created: {exc.strerror}"
+            ) from None
+    try:
+        check_private(option, path)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
+
+
+def check_mode(option: str, mode: object, *, required: int, allowed: int) -> None:
+    """Refuse a mode that denies the owner what the tier needs or lets others write.
+
+    Raises:
+        InvalidArgumentError: naming ``option`` and the mode in octal.
+    """
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise InvalidArgumentError(f"{option} must be an int such as 0o{required:o}, got {mode!r}")
+    if mode & required != required or mode & ~allowed:
+        shown = f"0o{mode:o}" if mode >= 0 else repr(mode)
+        raise InvalidArgumentError(
+            f"{option} must include 0o{required:o} and stay within 0o{allowed:o} (nobody "
+            f"but the owner may write), got {shown}"
+        )
+
+
+def write_private(path: str, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
+    """Write a new file of ``mode`` (by default readable by this user only), never
+    through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, mode)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)

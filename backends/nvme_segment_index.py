@@ -199,6 +199,24 @@ class Eviction:
     reinsert: list[tuple[int, int]]
 
 
+@dataclass(frozen=True, slots=True)
+class RoomPlan:
+    """How one store job makes room (:meth:`SegmentIndex.plan_room`).
+
+    ``fit`` of the job's records fit; ``evictions`` are the segments given up (their
+    files are the caller's to delete); ``moves`` the recently used records of those
+    segments to write again, as ``(segment, record, digest)``; ``gone`` the records
+    whose blocks leave the tier, as ``(segment, record)``; ``placed`` one placement per
+    job record that fits, then one per move.
+    """
+
+    fit: int
+    evictions: list[Eviction]
+    moves: list[tuple[str, int, int]]
+    gone: list[tuple[str, int]]
+    placed: list[Placement]
+
+
 class SegmentIndex:
     """Which blocks a segment-layout tier holds, where, and what to evict.
 
@@ -273,6 +291,15 @@ class SegmentIndex:
     def pinned_records(self) -> int:
         """Records that reads or writes in flight use now (pins of every segment)."""
         return sum(segment.pins for segment in self._segments.values())
+
+    @property
+    def held_records(self) -> int:
+        """Records whose key is held (see :meth:`hold`)."""
+        return sum(1 for digest in self._holds if digest in self)
+
+    def holds(self, digest: int) -> int:
+        """How many holds of ``digest`` are not released yet."""
+        return self._holds[digest]
 
     @property
     def memory_bytes(self) -> int:
@@ -420,6 +447,25 @@ class SegmentIndex:
                 break
             evictions.append(self._evict(*victim))
         return min(count, max(0, bound - self.used_records)), evictions
+
+    def plan_room(self, count: int, *, limit: int | None = None, most_moves: int) -> RoomPlan:
+        """Make room for a store job of ``count`` records as the tier does, and place
+        them: evict segments (:meth:`make_room`, with room for the victims' recently
+        used blocks too), choose which of those blocks move (the newest, as many as the
+        room left and ``most_moves`` allow), and place the job's records, then the moves.
+        """
+        fit, evictions = self.make_room(count, limit=limit)
+        if any(e.reinsert for e in evictions):
+            hot = sum(len(e.reinsert) for e in evictions)
+            evictions += self.make_room(fit + hot, limit=limit)[1]
+        bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
+        most = min(max(0, bound - self.used_records - fit), most_moves)
+        hot_records = [(e.segment, record, d) for e in evictions for d, record in e.reinsert]
+        moves = hot_records[-most:] if most else []
+        moving = {(segment, record) for segment, record, _ in moves}
+        gone = [(e.segment, record) for e in evictions for record in e.dropped]
+        gone += [(seg, rec) for seg, rec, _ in hot_records if (seg, rec) not in moving]
+        return RoomPlan(fit, evictions, moves, gone, self.place(fit + len(moves)))
 
     def _next_victim(self) -> tuple[int, bool] | None:
         """``(slot, compact)``: the first evictable segment whose live fraction is below

@@ -104,7 +104,7 @@ class _Config:
     cpu_blocks: int
     memory_blocks: int | None
     nvme: bool
-    nvme_tier: str  # "nvme" (segment files) or "nvme-files"
+    nvme_tier: str  # the registered name of the NVMe tier
     tenants: tuple[str | None, ...]  # each job names one of these
     encrypted: bool  # the NVMe tier seals its blocks
     # Small caps: the NVMe tier's cap and segment size in records (None: the tier's
@@ -125,7 +125,7 @@ class _Config:
             cpu_blocks=rng.randint(2, 6),
             memory_blocks=rng.randint(3, 12) if tiers != "nvme" else None,
             nvme=tiers != "memory",
-            nvme_tier=rng.choice(["nvme", "nvme-files"]),
+            nvme_tier="nvme",
             tenants=rng.choice([(None,), (None, "t1", "t2")]),
             encrypted=tiers != "memory" and rng.random() < 0.5,
         )

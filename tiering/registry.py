@@ -28,8 +28,7 @@ TierSpec = str | Mapping[str, Any] | Callable[[memoryview, int], SecondaryTierMa
 _BUILTINS: dict[str, str] = {
     "example": "backends.example:ExampleSecondaryTier",
     "memory": "backends.memory:MemoryTier",
-    "nvme": "backends.nvme_segment_tier:NVMeSegmentTier",
-    "nvme-files": "backends.nvme:NVMeFileTier",
+    "nvme": "backends.nvme:NVMeTier",
     "redis": "backends.redis:RedisTier",
 }
 _REGISTERED: dict[str, TierFactory] = {}
