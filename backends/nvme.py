@@ -105,81 +105,66 @@ class NVMeMetrics:
     """Times the tier turned read-only because the file system answered ENOSPC."""
     recovered_blocks: int = 0
     relocated_blocks: int = 0
-    """Segment layout: recently used blocks of an evicted segment written again."""
+    """Recently used blocks of an evicted segment written again."""
     removed_on_recovery: Counter[str] = field(default_factory=Counter)
 
 
 class NVMeTier(TierActor):
-    """A secondary tier keeping blocks as records of segment files under ``root``.
+    """A secondary tier keeping blocks as records of segment files under ``root``
+    (docs/nvme.md describes each option at length).
 
     Args:
-        primary_kv_view: the host pool (writable, ideally page-aligned: slots whose
-            address and size are 4096-aligned move with O_DIRECT).
+        primary_kv_view: the host pool (writable; slots whose address and size are
+            4096-aligned move with O_DIRECT).
         block_bytes: bytes per block.
         root: the directory holding namespaces; created if missing.
-        namespace: the cache identity (model, dtype, block geometry, format version, as
-            the engine derives it). Blocks of one namespace are never served to another.
-        capacity_bytes: most bytes of records (header page included) kept here.
-        segment_bytes: the size a segment grows to before the next one starts (at most
-            4096 records). Default: 256 MiB, or less for a cap under 2 GiB, so that
-            the cap holds 8 segments (one record each at the least). Given, the cap
-            must hold at least two segments.
+        namespace: the cache identity; blocks of one namespace are never served to another.
+        capacity_bytes: most bytes of records (header pages included) kept here.
+        segment_bytes: the size a segment grows to (at most 4096 records). Default: 256
+            MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
         checkpoint_every: records written between index checkpoints (also written at a
-            graceful close). A restart reads the checkpoint and scans only the records
-            written after it.
+            graceful close); a restart scans only the records written after it.
         hot_fraction: blocks of an evicted segment used within the last this fraction
-            of the capacity's worth of uses are written again rather than dropped (0:
-            plain FIFO).
-        min_free_bytes: free space on the file system below which stores evict (or are
-            refused); whichever of this and ``capacity_bytes`` binds first wins.
+            of the capacity's worth of uses are written again, not dropped (0: FIFO).
+        min_free_bytes: free space on the file system that stores keep (by evicting, or
+            failing); whichever of this and ``capacity_bytes`` binds first wins.
         fsync: ``"none"`` (survives a process crash, not a power loss), ``"batch"``
-            (default: when a store job reports success its records are on stable
-            storage: one sync per segment the job wrote), ``"always"`` (after every run
-            of records).
-        o_direct: True to require O_DIRECT, False to never use it, None (default) to
-            probe once at start and fall back to buffered I/O with one log line.
+            (a store job's success means its records are on stable storage: one sync
+            per segment it wrote), ``"always"`` (a sync after every run of records).
+        o_direct: True to require O_DIRECT, False to never use it, None to probe at
+            start and fall back to buffered I/O with one log line.
         max_inflight_bytes: bound on payload bytes of jobs in their I/O at once.
         enospc_retry_s: after ENOSPC, stores are refused without I/O for this long
             (unless the tier freed space meanwhile), then one job probes again.
-        encryption: None (plain blocks), or a keyring (a :class:`~tiering.encryption.
-            Keyring` or its spec, such as ``"env:KV_TIERING_KEYS"``): payloads are
-            sealed with AES-GCM under its current key, and blocks under any of its key
-            ids are read. A block that is not sealed, or does not open, is a miss.
+        encryption: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
+            spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM;
+            a block that is not sealed, or does not open, is a miss.
         gil_pause_bytes: bytes an I/O thread hashes before it lets go of the GIL for a
-            moment, so that the event loop's thread is not kept waiting for it (0:
-            never; for a tier on a loop of its own, whose lag delays only completions).
-        staging_bytes: 0 (default) moves direct I/O straight between the disk and the
-            slots; otherwise through a staging buffer of this many bytes per I/O thread
-            (at least one record), on huge pages: for a ``primary_kv_view`` in memory of
-            scattered 4 KiB pages, such as a shared memory file (vLLM's CPU tier), whose
-            direct transfers would each go to the disk as many small requests
-            (:class:`~backends.nvme_segments.SegmentFiles`). Costs one copy of each
-            payload, off the loop and without the GIL.
-        file_mode, dir_mode: modes of the files and directories the tier makes (0o600
-            and 0o700; the process umask still applies). They may add read access for
-            group and others, never write access.
+            moment, so that the loop's thread is not kept waiting (0: never).
+        staging_bytes: 0 moves direct I/O straight between disk and slots; otherwise
+            through a huge-page staging buffer of this many bytes per I/O thread, for a
+            ``primary_kv_view`` of scattered 4 KiB pages (vLLM's shared-memory CPU tier).
+        file_mode, dir_mode: modes of what the tier makes (0o600 and 0o700); they may add
+            read access for group and others, never write access.
         os_calls: the system-call layer (tests pass a fault injector).
         clock: monotonic seconds (tests pass a fake).
         **actor_kwargs: ``inbox_size``, ``max_inflight``, ``io_threads`` of TierActor.
 
     Guarantees:
 
-    * A store's keys become visible (``lookup`` True) only after their records are
+    * A store's keys become visible (``lookup`` True) only once their records are
       written (and synced per ``fsync``). Keys already held are skipped; a key twice in
       a job is stored from its first slot.
-    * A record is served only if its header (magic, version, namespace, key, payload
-      length) and payload checksum (with ``encryption``: its GCM tag) verify; a stale or
-      damaged checkpoint can cost hits, never serve wrong bytes. A key that fails is in
-      ``failed_keys`` and leaves the index (later lookups miss); the job's others land.
-    * Space comes back by deleting whole segments; a segment being read or written,
-      one holding a held key, and another live writer's segments are never deleted.
-      Stores that still do not fit fail (``failed_keys``).
-    * ENOSPC (or EDQUOT) makes the tier read-only for stores; loads keep working. It
-      turns writable again by itself when a later store succeeds (see
-      ``enospc_retry_s``).
-    * An I/O error fails the keys it hit, in that job only.
-    * :meth:`start` recovers the index from disk (a restart keeps the cache warm) and
-      removes what a crashed writer left unfinished.
+    * A record is served only if its header (magic, version, namespace, key, length) and
+      payload checksum (or GCM tag) verify; a stale or damaged checkpoint can cost hits,
+      never serve wrong bytes. A key that fails is in ``failed_keys`` and leaves the
+      index; the job's other keys land. An I/O error fails the keys it hit, in that job.
+    * Space comes back by deleting whole segments; a segment being read or written, one
+      holding a held key, and another live writer's segments are never deleted. Stores
+      that still do not fit fail.
+    * ENOSPC (or EDQUOT) makes the tier read-only for stores until a later store
+      succeeds (see ``enospc_retry_s``); loads keep working.
+    * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
 
     Raises (constructor): InvalidArgumentError for any bad argument.
     """

@@ -31,15 +31,9 @@ data. A reader of the other kind never serves a block: a plain reader refuses ki
 and an encrypting tier refuses kind 1.
 
 This module is pure: it computes names, digests and header bytes and never touches a
-file. Checksums are computed on the tier's worker threads, never on the loop. How
-much the xxhash binding (4.1.0 here) holds the GIL varied between two measurements on
-this 2-core machine: two threads hashing 2 MiB blocks back to back took as long as one
-in one session and ran partly in parallel in another, raising a sleeping thread's p99
-wake-up lag to 3.6 ms and 1.6-2.0 ms (zlib.crc32, which releases the GIL: 1.2 and
-0.55 ms). Either way a 2 MiB block holds it for 0.05-0.15 ms, a hash is a few percent
-of a block's I/O time, and dropping checksums altogether moved bench_nvme's 2 MiB loop
-lag p99 by about 0.2 ms. The system libxxhash through ctypes releases the
-GIL, but its build here hashes 3 times slower (no AVX2 dispatch), so it is not used.
+file. Checksums are computed on the tier's worker threads, never on the loop; the
+xxhash binding holds the GIL while it hashes (docs/nvme.md, "Measurements behind the
+code", says how much that costs and why it stays).
 """
 
 from __future__ import annotations

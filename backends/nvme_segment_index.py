@@ -1,4 +1,4 @@
-"""The segment layout's index: where each block sits, in about 40 bytes per block.
+"""The NVMe tier's index: where each block sits, in a few dozen bytes per block.
 
 Sans-I/O: plain synchronous code on the loop thread, no awaits, no files. It decides
 where new records go (which segment, which record number), which segments to delete to
@@ -6,8 +6,7 @@ make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I
 
 Memory: a block is indexed by a 64-bit digest of its key (:func:`key_digest`) in an
 open-addressing table of three flat arrays (digest, location, last use: 20 bytes a
-slot, at most 70 % full) plus 8 bytes per record in its segment's digest list: about
-36-65 bytes per block, against about 400 for a dict of keys with an ordered policy.
+slot, at most 70 % full) plus 8 bytes per record in its segment's digest list.
 Two keys with the same digest look like one block to the index; every read verifies
 the full key stored in the record's header, so such a collision can cost a hit, never
 serve another block's bytes.
@@ -218,7 +217,7 @@ class RoomPlan:
 
 
 class SegmentIndex:
-    """Which blocks a segment-layout tier holds, where, and what to evict.
+    """Which blocks the NVMe tier holds, where, and what to evict.
 
     Capacity is counted in records on disk (live or dead): a segment's records come
     back only when the segment is evicted. Segments take at most

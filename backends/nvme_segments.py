@@ -1,6 +1,6 @@
 """Segment files: KV blocks packed into large append-only files, and the index checkpoint.
 
-The blocking half of the NVMe tier's segment layout. :class:`SegmentFiles` does every
+The blocking half of the NVMe tier. :class:`SegmentFiles` does every
 file operation of it synchronously, without an event loop, and the tier calls it once
 per job on its own worker threads. It decides nothing: where each record goes (which
 segment, which offset) is chosen by the caller's index on the loop thread, and this
@@ -416,9 +416,7 @@ class SegmentFiles:
                 # A run written in several calls is allocated first, in one call: on
                 # ext4 a direct write that must allocate takes the file for itself and
                 # waits for all I/O in flight on it, so each such call of one job would
-                # stall every other job writing the segment (measured: with sealed
-                # payloads, three records a call, four jobs at once, 14-19 % slower
-                # stores; allocated first, 6-12 %).
+                # stall every other job writing the segment (docs/security.md).
                 length = len(run.records) * self.record_bytes
                 self.os.allocate(fd, self.offset_of(run.first), length)
             self._write_records(fd, run)
@@ -631,11 +629,9 @@ class SegmentFiles:
 
         The hash holds the GIL, and a job's records are hashed back to back (then written
         or read in one call): without the pause an event loop's thread could wait for the
-        GIL for a whole job's hashing, up to the 5 ms switch interval. Measured at 128 KiB
-        blocks (docs/benchmarks.md): with a pause every MiB the loop's p99 lag passed 2 ms
-        in 2 of 4 rounds of an alternating comparison and in two of three whole runs; with
-        a pause every record it stayed at 1.07-1.53 ms, for about 15 % of store
-        throughput. A tier on a private loop (the vLLM adapter's) can do without: its lag
+        GIL for a whole job's hashing, up to the 5 ms switch interval (docs/nvme.md has
+        the trade-off between pause interval, loop lag and store speed). A tier on a
+        private loop (the vLLM adapter's) can do without: its lag
         only delays completions (docs/vllm.md)."""
         checksum = payload_checksum(payload)
         if self.gil_pause_bytes:

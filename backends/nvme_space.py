@@ -9,7 +9,7 @@ refused because the file system answered ENOSPC. It never touches a file.
 
 Rules:
 
-* **Cap.** At most ``capacity_bytes // file_bytes`` block files are held.
+* **Cap.** At most ``capacity_bytes // file_bytes`` records are held.
 * **Floor.** A store may not bring free space below ``min_free_bytes``; blocks already
   promised to running stores count as written. Whichever of cap and floor binds first
   wins; a floor already crossed asks for eviction beyond the store's own need.
@@ -125,7 +125,7 @@ class SpaceGuard:
 
     def stale(self, pending_blocks: int) -> bool:
         """True if free space must be measured before planning ``pending_blocks`` more
-        block files (reserved ones included): unknown, old, near the floor, or the tier
+        records (reserved ones included): unknown, old, near the floor, or the tier
         is read-only (space may have returned)."""
         if self._full_since is not None or self.free_bytes is None:
             return True
@@ -134,7 +134,7 @@ class SpaceGuard:
         return self.free_bytes - pending_blocks * self.file_bytes < self.min_free_bytes
 
     def limit(self, held_blocks: int, reserved_blocks: int) -> tuple[int, str]:
-        """The most block files (held plus reserved) allowed now, and why it binds.
+        """The most records (held plus reserved) allowed now, and why it binds.
 
         ``held_blocks`` are on disk already (their space is gone from ``free_bytes``);
         ``reserved_blocks`` are promised to running stores and not yet written.
@@ -158,7 +158,7 @@ class SpaceGuard:
         return self._full_since is not None
 
     def freed(self) -> None:
-        """The tier removed block files: a refused store may probe again at once."""
+        """The tier freed space: a refused store may probe again at once."""
         self._freed = True
 
     def refusing(self) -> bool:

@@ -1,4 +1,4 @@
-"""Encryption at rest in both NVMe layouts (backends.nvme_sealing, issue 14): sealed
+"""Encryption at rest in the NVMe tier (backends.nvme_sealing, issue 14): sealed
 blocks round-trip byte-exact, no plaintext reaches the disk, and a wrong or missing key,
 a tampered byte, a moved block or a block of the other kind is a miss, never bytes."""
 

@@ -1,4 +1,4 @@
-"""Tests of backends.nvme_segment_tier: the segment-layout NVMe tier, on real files."""
+"""Tests of backends.nvme.NVMeTier's segments: placement, checkpoint, recovery, eviction."""
 
 from __future__ import annotations
 
