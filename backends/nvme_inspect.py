@@ -45,7 +45,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -94,9 +93,6 @@ class Finding:
     path: str
     reason: str
 
-    def to_json(self) -> dict[str, str]:
-        return {"path": self.path, "reason": self.reason}
-
 
 @dataclass(frozen=True, slots=True)
 class NamespaceReport:
@@ -128,63 +124,37 @@ class NamespaceReport:
         """The namespace string, or the directory name when it is unknown."""
         return self.namespace if self.namespace is not None else self.directory
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "namespace": self.namespace,
-            "digest": self.digest,
-            "layouts": list(self.layouts),
-            "block_bytes": self.block_bytes,
-            "blocks": self.blocks,
-            "payload_bytes": self.payload_bytes,
-            "disk_bytes": self.disk_bytes,
-            "files": self.files,
-            "live_owners": list(self.live_owners),
-            "damaged": [f.to_json() for f in self.damaged],
-            "orphaned": [f.to_json() for f in self.orphaned],
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class RootReport:
-    """What :func:`inspect_root` found: the namespaces (by directory name) and the
-    root's other entries (never touched by the tier or these tools)."""
+    """What :func:`inspect_root` found: totals over the namespaces, the namespaces (by
+    directory name), and the root's other entries (never touched by the tier or these
+    tools). ``damaged`` and ``orphaned`` count findings."""
 
     root: str
+    blocks: int
+    payload_bytes: int
+    disk_bytes: int
+    damaged: int
+    orphaned: int
     namespaces: tuple[NamespaceReport, ...]
     other_entries: tuple[str, ...]
 
-    @property
-    def blocks(self) -> int:
-        return sum(ns.blocks for ns in self.namespaces)
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(ns.payload_bytes for ns in self.namespaces)
-
-    @property
-    def disk_bytes(self) -> int:
-        return sum(ns.disk_bytes for ns in self.namespaces)
-
-    @property
-    def damaged(self) -> int:
-        return sum(len(ns.damaged) for ns in self.namespaces)
-
-    @property
-    def orphaned(self) -> int:
-        return sum(len(ns.orphaned) for ns in self.namespaces)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "blocks": self.blocks,
-            "payload_bytes": self.payload_bytes,
-            "disk_bytes": self.disk_bytes,
-            "damaged": self.damaged,
-            "orphaned": self.orphaned,
-            "namespaces": [ns.to_json() for ns in self.namespaces],
-            "other_entries": list(self.other_entries),
-        }
+    @classmethod
+    def of(
+        cls, root: str, namespaces: tuple[NamespaceReport, ...], others: tuple[str, ...]
+    ) -> RootReport:
+        """The report of ``namespaces``, with their totals."""
+        return cls(
+            root,
+            sum(ns.blocks for ns in namespaces),
+            sum(ns.payload_bytes for ns in namespaces),
+            sum(ns.disk_bytes for ns in namespaces),
+            sum(len(ns.damaged) for ns in namespaces),
+            sum(len(ns.orphaned) for ns in namespaces),
+            namespaces,
+            others,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,15 +169,6 @@ class BadBlock:
     reason: str
     removed: bool
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "record": self.record,
-            "key": self.key,
-            "reason": self.reason,
-            "removed": self.removed,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class NamespaceVerify:
@@ -220,44 +181,30 @@ class NamespaceVerify:
     live_owners: tuple[str, ...]
     checkpoint_rewritten: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "namespace": self.namespace,
-            "checked": self.checked,
-            "bad": [b.to_json() for b in self.bad],
-            "live_owners": list(self.live_owners),
-            "checkpoint_rewritten": self.checkpoint_rewritten,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
-    """What :func:`verify_root` checked and found; ``removed`` says whether bad blocks
-    were asked to be removed."""
+    """What :func:`verify_root` checked and found: blocks checked, bad, and of those
+    removed (``remove``: bad blocks were asked to be removed), per namespace."""
 
     root: str
     remove: bool
+    checked: int
+    bad: int
+    removed: int
     namespaces: tuple[NamespaceVerify, ...]
 
-    @property
-    def checked(self) -> int:
-        return sum(ns.checked for ns in self.namespaces)
+    @classmethod
+    def of(cls, root: str, remove: bool, namespaces: tuple[NamespaceVerify, ...]) -> VerifyReport:
+        """The report of ``namespaces``, with their totals."""
+        bad = [b for ns in namespaces for b in ns.bad]
+        checked = sum(ns.checked for ns in namespaces)
+        return cls(root, remove, checked, len(bad), sum(b.removed for b in bad), namespaces)
 
     @property
-    def bad(self) -> tuple[BadBlock, ...]:
+    def bad_blocks(self) -> tuple[BadBlock, ...]:
+        """Every bad block, namespace by namespace."""
         return tuple(b for ns in self.namespaces for b in ns.bad)
-
-    def to_json(self) -> dict[str, Any]:
-        bad = self.bad
-        return {
-            "root": self.root,
-            "remove": self.remove,
-            "checked": self.checked,
-            "bad": len(bad),
-            "removed": sum(b.removed for b in bad),
-            "namespaces": [ns.to_json() for ns in self.namespaces],
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,16 +219,6 @@ class ClearReport:
     files: int
     bytes: int
     left: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "dry_run": self.dry_run,
-            "namespaces": list(self.namespaces),
-            "files": self.files,
-            "bytes": self.bytes,
-            "left": list(self.left),
-        }
 
 
 # -- the root and its namespace directories -----------------------------------------------
@@ -881,7 +818,7 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
     path, namespaces, others = _open_root(root)
     selected = _select(namespaces, namespace)
     with _os_errors(path):
-        return RootReport(path, tuple(_report(_state(ns)) for ns in selected), tuple(others))
+        return RootReport.of(path, tuple(_report(_state(ns)) for ns in selected), tuple(others))
 
 
 # -- verify -----------------------------------------------------------------------------
@@ -945,7 +882,7 @@ def verify_root(
 
         advance(0)
         results = [_verify_namespace(ns, state, remove, keyring, advance) for ns, state in states]
-    return VerifyReport(path, remove, tuple(results))
+    return VerifyReport.of(path, remove, tuple(results))
 
 
 def _verify_namespace(

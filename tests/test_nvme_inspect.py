@@ -6,6 +6,7 @@ import base64
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ async def test_inspect_counts_the_blocks_and_bytes_the_tier_stored(
     disk = sum(p.stat().st_size for p in (tmp_path / ns.directory).rglob("*") if p.is_file())
     assert ns.disk_bytes == disk > 10 * BLOCK
     assert ns.damaged == () and ns.orphaned == () and ns.live_owners == ()
-    assert report.to_json()["blocks"] == 10
+    assert asdict(report)["blocks"] == 10
 
 
 async def test_two_namespaces_in_one_root_are_reported_apart(
@@ -104,14 +105,14 @@ async def test_verify_finds_a_flipped_payload_byte_and_remove_keeps_a_restart_fr
 
     report = verify_root(tmp_path, remove=False)
     assert report.checked == 6
-    [bad] = report.bad
+    [bad] = report.bad_blocks
     assert "payload checksum mismatch" in bad.reason and not bad.removed
     assert bad.key == names[2].hex()
-    assert verify_root(tmp_path, remove=False).bad == report.bad  # nothing changed
+    assert verify_root(tmp_path, remove=False).bad_blocks == report.bad_blocks  # nothing changed
 
     removed = verify_root(tmp_path, remove=True)
-    assert [b.removed for b in removed.bad] == [True]
-    assert verify_root(tmp_path, remove=False).bad == ()
+    assert [b.removed for b in removed.bad_blocks] == [True]
+    assert verify_root(tmp_path, remove=False).bad_blocks == ()
     async with make_tier("segments", pool, tmp_path) as tier:
         assert tier.lookup(names[2]) is False
         assert tier.get_num_blocks() == 5
@@ -128,7 +129,7 @@ async def test_a_record_verify_removed_is_counted_removed_not_damaged_by_inspect
     flip_byte(segment, HEADER_BYTES + 2 * RECORD + 10)  # in record 2's header: damaged
     assert inspect_root(tmp_path).damaged == 1
 
-    assert [b.removed for b in verify_root(tmp_path, remove=True).bad] == [True]
+    assert [b.removed for b in verify_root(tmp_path, remove=True).bad_blocks] == [True]
     report = inspect_root(tmp_path)
     assert report.damaged == 0 and report.blocks == 5
     [ns] = report.namespaces
@@ -147,14 +148,14 @@ async def test_verify_checks_encrypted_blocks_under_their_keyring_and_never_remo
     names = keys(4, "e")
     async with make_tier("segments", pool, tmp_path, encryption=KEYRING) as tier:
         assert (await store_job(tier, names, range(4))).success
-    assert verify_root(tmp_path, remove=False, encryption=KEYRING).bad == ()
+    assert verify_root(tmp_path, remove=False, encryption=KEYRING).bad_blocks == ()
     blind = verify_root(tmp_path, remove=False)  # no keyring: cannot be checked
-    assert len(blind.bad) == 4 and all("encrypted" in b.reason for b in blind.bad)
+    assert len(blind.bad_blocks) == 4 and all("encrypted" in b.reason for b in blind.bad_blocks)
     with pytest.raises(TieringError, match="holds encrypted blocks"):
         verify_root(tmp_path, remove=True)
     path, offset = payload_offset(tmp_path, 1)
     flip_byte(path, offset)
-    [bad] = verify_root(tmp_path, remove=True, encryption=KEYRING).bad
+    [bad] = verify_root(tmp_path, remove=True, encryption=KEYRING).bad_blocks
     assert bad.key == names[1].hex() and "authentication" in bad.reason and bad.removed
     async with make_tier("segments", pool, tmp_path, encryption=KEYRING) as tier:
         assert tier.get_num_blocks() == 3 and tier.lookup(names[0])
@@ -184,7 +185,7 @@ async def test_without_remove_a_restart_still_indexes_the_bad_block_and_a_load_f
     await fill("segments", pool, tmp_path, names)
     path, offset = payload_offset(tmp_path, 1)
     flip_byte(path, offset)
-    assert len(verify_root(tmp_path, remove=False).bad) == 1
+    assert len(verify_root(tmp_path, remove=False).bad_blocks) == 1
     async with make_tier("segments", pool, tmp_path) as tier:
         assert tier.lookup(names[1]) is True
         assert not (await load_job(tier, [names[1]], [0])).success
@@ -327,6 +328,6 @@ async def test_an_unknown_or_ambiguous_namespace_is_refused(
 
 
 def test_an_empty_directory_is_an_empty_root(tmp_path: Path) -> None:
-    assert inspect_root(tmp_path).to_json()["namespaces"] == []
+    assert asdict(inspect_root(tmp_path))["namespaces"] == ()
     assert verify_root(tmp_path, remove=True).checked == 0
     assert clear_root(tmp_path, namespace=None).files == 0
