@@ -381,7 +381,7 @@ class NVMeTier(TierActor):
             probe = probe_o_direct(self.directory, self._os)
         else:
             probe = "disabled by configuration (o_direct=False)"
-        found = recover(self._segments, self._new_index, writer=self._instance_id)
+        found = recover(self._segments, lambda _: self._new_index(), writer=self._instance_id)
         return probe, found, self._segments.free_bytes()
 
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:

@@ -55,7 +55,7 @@ from backends.nvme_format import (
     namespace_digest,
 )
 from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
-from backends.nvme_recovery import IDENTITY_FILE
+from backends.nvme_recovery import IDENTITY_FILE, recover
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segments import (
@@ -63,7 +63,6 @@ from backends.nvme_segments import (
     SEGMENTS_DIR,
     Checkpoint,
     SegmentFiles,
-    SegmentScan,
     parse_segment_name,
 )
 from backends.nvme_space import MAX_RECORDS_PER_SEGMENT
@@ -338,15 +337,8 @@ def _live_owners(ns: _Namespace) -> tuple[str, ...]:
     return tuple(
         name.removesuffix(".lock")
         for name in names
-        if name.endswith(".lock") and _alive(ns.path, name.removesuffix(".lock"))
+        if name.endswith(".lock") and owner_alive(ns.path, name.removesuffix(".lock"))
     )
-
-
-def _alive(directory: str, writer: str) -> bool:
-    try:
-        return owner_alive(directory, writer)
-    except OSError:
-        return True  # cannot tell (e.g. a read-only lock file): assume it runs
 
 
 def _refuse_if_live(namespaces: Sequence[_Namespace], action: str) -> None:
@@ -457,29 +449,33 @@ def _segments_state(ns: _Namespace) -> _SegmentsState | None:
         gil_pause_bytes=0,
     )
     state.files = files
-    checkpoint, note = files.read_checkpoint()
-    state.checkpoint = checkpoint
-    if checkpoint is None and note != "no checkpoint":
+    # The tier's own recovery, read-only; an index as large as what is on disk keeps
+    # every block the tier would index, whatever its cap.
+    found = recover(
+        files,
+        lambda records: SegmentIndex(
+            max(1, records), records_per_segment=MAX_RECORDS_PER_SEGMENT, writer="0"
+        ),
+        writer=uuid.uuid4().hex,
+        read_only=True,
+    )
+    state.checkpoint, state.index = found.checkpoint, found.index
+    note = found.checkpoint_note
+    if found.checkpoint is None and note != "no checkpoint":
         state.damaged.append(
             Finding(ns.rel(CHECKPOINT_FILE), f"{note} (the tier scans every segment instead)")
         )
-    covered = dict(checkpoint.segments) if checkpoint is not None else {}
-    on_disk: list[tuple[str, int, float]] = []
-    scans: dict[str, SegmentScan] = {}
     for name, size in files.list_segments():
         rel = ns.rel(SEGMENTS_DIR, name)
         records = files.records_in(size)
-        try:
-            scan = files.scan(name, 0)
-            mtime = os.stat(files.path_of(name)).st_mtime
-        except OSError as exc:
-            state.damaged.append(Finding(rel, f"unreadable: {describe_os_error(exc)}"))
-            continue
-        start = min(covered.get(name, 0), records)
-        if not scan.header_ok and not scan.records and not start:
+        scan = found.scans.get(name)
+        if name in found.unreadable:
+            state.damaged.append(Finding(rel, f"unreadable: {found.unreadable[name]}"))
+        elif name in found.corrupt:
             state.damaged.append(
                 Finding(rel, "neither its header nor any record verifies (removed at tier start)")
             )
+        if scan is None:
             continue
         removed = _removed_slots(files, name, records) if scan.invalid else 0
         if scan.invalid > removed:
@@ -494,21 +490,8 @@ def _segments_state(ns: _Namespace) -> _SegmentsState | None:
             )  # fmt: skip
         if size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
             state.damaged.append(Finding(rel, "ends in a partial record (a torn write)"))
-        scans[name] = scan
-        on_disk.append((name, records, mtime))
-    # The order of NVMeSegmentTier._scan_disk: the checkpoint's, then age.
-    order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
-    on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
-    listed = [(name, records) for name, records, _ in on_disk]
-    index = SegmentIndex(
-        max(1, sum(records for _, records in listed)),
-        records_per_segment=MAX_RECORDS_PER_SEGMENT,
-        writer=uuid.uuid4().hex,
-    )
-    index.restore(checkpoint, listed, scans)
-    state.index = index
-    live = Counter(name for name, _ in _live_entries(index))
-    for name, _records in listed:
+    live = Counter(name for name, _ in _live_entries(found.index))
+    for name, _records in found.listed:
         if not live[name]:
             state.orphaned.append(
                 Finding(
@@ -732,7 +715,7 @@ def _namespace_orphans(ns: _Namespace, layouts: Sequence[str]) -> list[Finding]:
             continue
         if name.startswith(f"{CHECKPOINT_FILE}.") and name.endswith(TEMP_SUFFIX):
             writer = name[len(CHECKPOINT_FILE) + 1 : -len(TEMP_SUFFIX)]
-            if not _alive(ns.path, writer):
+            if not owner_alive(ns.path, writer):
                 found.append(Finding(ns.rel(name), "temporary checkpoint of a writer that is gone"))
         elif name.startswith(f"{IDENTITY_FILE}.") and name.endswith(TEMP_SUFFIX):
             found.append(Finding(ns.rel(name), "temporary NAMESPACE file left by a tier start"))
@@ -744,7 +727,7 @@ def _namespace_orphans(ns: _Namespace, layouts: Sequence[str]) -> list[Finding]:
             )
     for entry in _listdir(os.path.join(ns.path, OWNERS_DIR)):
         if entry.name.endswith(".lock"):
-            if not _alive(ns.path, entry.name.removesuffix(".lock")):
+            if not owner_alive(ns.path, entry.name.removesuffix(".lock")):
                 found.append(
                     Finding(ns.rel(OWNERS_DIR, entry.name), "lock file of a writer that is gone")
                 )

@@ -252,12 +252,15 @@ class OwnerLock:
 
 
 def owner_alive(namespace_dir: str, instance_id: str) -> bool:
-    """True if the writer ``instance_id`` still holds its lock (is running)."""
+    """True if the writer ``instance_id`` still holds its lock (is running), or if that
+    cannot be told: nothing of a writer that may be running is ever removed."""
     path = os.path.join(namespace_dir, OWNERS_DIR, f"{instance_id}.lock")
     try:
         fd = os.open(path, os.O_RDWR | _O_CLOEXEC)
     except FileNotFoundError:
         return False
+    except OSError:
+        return True  # cannot tell (a lock file this user cannot open): assume it runs
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

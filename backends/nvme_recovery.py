@@ -20,6 +20,7 @@ from backends.nvme_os import (
     OWNERS_DIR,
     check_private,
     check_root,
+    describe_os_error,
     owner_alive,
     write_private,
 )
@@ -27,6 +28,7 @@ from backends.nvme_segment_index import SegmentIndex
 from backends.nvme_segments import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
+    Checkpoint,
     SegmentFiles,
     SegmentScan,
     parse_segment_name,
@@ -103,35 +105,43 @@ class Recovery:
     """Segments over the cap (none of a live writer): the tier deletes them."""
     removed: Counter[str] = field(default_factory=Counter)
     """What was dropped, by cause: ``corrupt segment``, ``invalid record``, ``temporary``."""
+    checkpoint: Checkpoint | None = None
     checkpoint_note: str | None = None
     """Why the checkpoint was not used, if it was not."""
     scans: dict[str, SegmentScan] = field(default_factory=dict)
-    """The scan of each segment read beyond the checkpoint."""
-    live_writers: set[str] = field(default_factory=set)
-    """Writers of segments found that hold their owner lock."""
+    """The scan of each segment read (beyond the checkpoint; read-only: from record 0)."""
+    corrupt: list[str] = field(default_factory=list)
+    """Segments of dead writers in which neither the header nor a record verifies."""
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """Segments that could not be read, and why."""
+    listed: list[tuple[str, int]] = field(default_factory=list)
+    """``(segment, records)`` of every segment indexed, oldest first."""
 
 
 def recover(
     files: SegmentFiles,
-    new_index: Callable[[], SegmentIndex],
+    new_index: Callable[[int], SegmentIndex],
     *,
     writer: str,
     read_only: bool = False,
 ) -> Recovery:
-    """Read the checkpoint, scan what it does not cover, and build an index.
+    """Read the checkpoint, scan what it does not cover, and build an index with
+    ``new_index(records on disk)``.
 
-    Unless ``read_only``, a segment whose header is bad (of a dead writer) and the
-    checkpoint temporaries of dead writers are deleted; with it, nothing is written and
-    no lock is taken, and they are only counted.
+    The tier's start deletes, as it goes, the segments of dead writers in which nothing
+    verifies and the checkpoint temporaries of dead writers. With ``read_only`` (what
+    ``tiering inspect`` and ``verify`` see) nothing is written, no lock is taken, those
+    are only reported, and every segment is scanned from its first record, so that
+    damage the checkpoint covers is reported too.
     """
     directory = files.directory
-    removed: Counter[str] = Counter()
-    _remove_dead_temporaries(directory, writer, removed, read_only)
-    checkpoint, note = files.read_checkpoint()
-    covered = dict(checkpoint.segments) if checkpoint is not None else {}
+    found = Recovery(SegmentIndex(1, records_per_segment=1, writer=writer), 0, [])
+    _remove_dead_temporaries(directory, writer, found.removed, read_only)
+    checkpoint, found.checkpoint_note = files.read_checkpoint()
+    found.checkpoint = checkpoint
+    covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     alive: dict[str, bool] = {}
     on_disk: list[tuple[str, int, float]] = []
-    scans: dict[str, SegmentScan] = {}
     protected: set[str] = set()
     for name, size in files.list_segments():
         owner = parse_segment_name(name)[0]  # type: ignore[index]
@@ -141,27 +151,29 @@ def recover(
         start = min(covered.get(name, 0), records)
         try:
             scan = files.scan(name, start) if start < records or name not in covered else None
-        except OSError:
+            mtime = os.stat(files.path_of(name)).st_mtime
+        except OSError as exc:
+            found.unreadable[name] = describe_os_error(exc)
             continue
         if scan is not None and not scan.header_ok and not scan.records and not start:
             if not alive[owner] and (read_only or files.delete([name])):
-                removed["corrupt segment"] += 1
+                found.corrupt.append(name)
+                found.removed["corrupt segment"] += 1
             continue
         if scan is not None:
-            scans[name] = scan
-            removed["invalid record"] += scan.invalid
+            found.scans[name] = scan
+            found.removed["invalid record"] += scan.invalid
         if alive[owner]:
             protected.add(name)
-        with contextlib.suppress(OSError):
-            on_disk.append((name, records, os.stat(files.path_of(name)).st_mtime))
+        on_disk.append((name, records, mtime))
     order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
     on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
-    listed = [(name, records) for name, records, _ in on_disk]
-    index = new_index()
-    recovered = index.restore(checkpoint, listed, scans, protected)
-    excess = [name for name in index.excess_segments(listed) if name not in protected]
-    live = {owner for owner, is_alive in alive.items() if is_alive}
-    return Recovery(index, recovered, excess, removed, note, scans, live)
+    found.listed = [(name, records) for name, records, _ in on_disk]
+    found.index = new_index(sum(records for _, records in found.listed))
+    found.recovered = found.index.restore(checkpoint, found.listed, found.scans, protected)
+    excess = found.index.excess_segments(found.listed)
+    found.excess = [name for name in excess if name not in protected]
+    return found
 
 
 def _remove_dead_temporaries(
