@@ -57,14 +57,14 @@ from backends.nvme_format import (
 from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
 from backends.nvme_recovery import IDENTITY_FILE, recover
 from backends.nvme_sealing import PayloadSealer
-from backends.nvme_segment_index import SegmentIndex, key_digest
-from backends.nvme_segments import (
+from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
     Checkpoint,
-    SegmentFiles,
     parse_segment_name,
 )
+from backends.nvme_segment_index import SegmentIndex, key_digest
+from backends.nvme_segments import SegmentFiles
 from backends.nvme_space import MAX_RECORDS_PER_SEGMENT
 from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError

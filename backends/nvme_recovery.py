@@ -24,15 +24,14 @@ from backends.nvme_os import (
     owner_alive,
     write_private,
 )
-from backends.nvme_segment_index import SegmentIndex
-from backends.nvme_segments import (
+from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
     Checkpoint,
-    SegmentFiles,
-    SegmentScan,
     parse_segment_name,
 )
+from backends.nvme_segment_index import SegmentIndex
+from backends.nvme_segments import SegmentFiles, SegmentScan
 from tiering.errors import InvalidArgumentError
 
 IDENTITY_FILE = "NAMESPACE"

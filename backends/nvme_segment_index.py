@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from backends.nvme_segments import Checkpoint, SegmentScan, parse_segment_name, segment_name
+from backends.nvme_segment_format import Checkpoint, parse_segment_name, segment_name
+from backends.nvme_segments import SegmentScan
 from tiering.errors import InvalidArgumentError
 from tiering.validation import positive_int
 

@@ -27,8 +27,8 @@ import pytest
 from backends.nvme import NVMeTier
 from backends.nvme_format import HEADER_BYTES, namespace_dirname
 from backends.nvme_os import OsCalls, owner_alive
+from backends.nvme_segment_format import SEGMENTS_DIR
 from backends.nvme_segment_index import key_digest
-from backends.nvme_segments import SEGMENTS_DIR
 from backends.nvme_space import InflightBytes
 from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as _load

@@ -15,7 +15,7 @@ import pytest
 from backends.nvme import NVMeTier
 from backends.nvme_format import HEADER_BYTES, namespace_dirname
 from backends.nvme_inspect import clear_root, inspect_root, verify_root
-from backends.nvme_segments import CHECKPOINT_FILE, SEGMENTS_DIR
+from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tiering.errors import InvalidArgumentError, TieringError
 

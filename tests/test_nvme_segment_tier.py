@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from backends.nvme_format import HEADER_BYTES, namespace_dirname
+from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR
 from backends.nvme_segment_tier import NVMeSegmentTier
-from backends.nvme_segments import CHECKPOINT_FILE, SEGMENTS_DIR
 from tests._engine_helpers import make_kv
 from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as load
