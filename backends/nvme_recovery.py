@@ -134,13 +134,15 @@ def recover(
     damage the checkpoint covers is reported too.
     """
     directory = files.directory
-    found = Recovery(SegmentIndex(1, records_per_segment=1, writer=writer), 0, [])
-    _remove_dead_temporaries(directory, writer, found.removed, read_only)
-    checkpoint, found.checkpoint_note = files.read_checkpoint()
-    found.checkpoint = checkpoint
+    removed: Counter[str] = Counter()
+    _remove_dead_temporaries(directory, writer, removed, read_only)
+    checkpoint, note = files.read_checkpoint()
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     alive: dict[str, bool] = {}
     on_disk: list[tuple[str, int, float]] = []
+    scans: dict[str, SegmentScan] = {}
+    corrupt: list[str] = []
+    unreadable: dict[str, str] = {}
     protected: set[str] = set()
     for name, size in files.list_segments():
         owner = parse_segment_name(name)[0]  # type: ignore[index]
@@ -152,27 +154,28 @@ def recover(
             scan = files.scan(name, start) if start < records or name not in covered else None
             mtime = os.stat(files.path_of(name)).st_mtime
         except OSError as exc:
-            found.unreadable[name] = describe_os_error(exc)
+            unreadable[name] = describe_os_error(exc)
             continue
         if scan is not None and not scan.header_ok and not scan.records and not start:
             if not alive[owner] and (read_only or files.delete([name])):
-                found.corrupt.append(name)
-                found.removed["corrupt segment"] += 1
+                corrupt.append(name)
+                removed["corrupt segment"] += 1
             continue
         if scan is not None:
-            found.scans[name] = scan
-            found.removed["invalid record"] += scan.invalid
+            scans[name] = scan
+            removed["invalid record"] += scan.invalid
         if alive[owner]:
             protected.add(name)
         on_disk.append((name, records, mtime))
     order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
     on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
-    found.listed = [(name, records) for name, records, _ in on_disk]
-    found.index = new_index(sum(records for _, records in found.listed))
-    found.recovered = found.index.restore(checkpoint, found.listed, found.scans, protected)
-    excess = found.index.excess_segments(found.listed)
-    found.excess = [name for name in excess if name not in protected]
-    return found
+    listed = [(name, records) for name, records, _ in on_disk]
+    index = new_index(sum(records for _, records in listed))
+    recovered = index.restore(checkpoint, listed, scans, protected)
+    excess = [name for name in index.excess_segments(listed) if name not in protected]
+    return Recovery(
+        index, recovered, excess, removed, checkpoint, note, scans, corrupt, unreadable, listed
+    )
 
 
 def _remove_dead_temporaries(
