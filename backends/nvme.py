@@ -1,83 +1,86 @@
-"""The NVMe tier: KV blocks in files on a local drive, durable, verified and bounded.
+"""The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
+and bounded.
 
 Layout under ``root``::
 
     root/<readable-prefix>-<namespace digest>/   one directory per cache identity
         NAMESPACE                                the full namespace string (JSON)
         owners/<instance>.lock                   one per running tier, held with flock
-        00/ .. ff/                               fan-out: <key hex>.kvb block files
+        segments/<writer>-<seq>.seg              records appended to segment files
+        index.ckpt                               the index checkpoint
 
-Each block is one file (format: :mod:`backends.nvme_format`), so a block becomes
-visible atomically by a rename, eviction is an unlink that returns the space at once,
-recovery is a directory scan, and engines sharing a root never write into each other's
-files. The blocking work of a job runs in ONE call on the tier's own thread pool (the
-slot views are cut there too, so the loop does little per block); the bookkeeping lives
-on the event-loop thread, in the shared :class:`~tiering.residency.ResidencyIndex`
-(resident keys, pins, holds, eviction) and :class:`backends.nvme_space.SpaceGuard`
-(cap, free-space floor, disk full).
+Blocks are records appended to large segment files (:mod:`backends.nvme_segments`),
+indexed by :class:`~backends.nvme_segment_index.SegmentIndex` on the event-loop thread,
+evicted a whole segment at a time, oldest first, with the recently used blocks of the
+victim written again (FIFO with reinsertion), and recovered from a checkpoint of the
+index plus a scan of what was written after it (:mod:`backends.nvme_recovery`). A store
+job is one vectored write per segment it touches. The blocking work of a job runs in ONE
+call on the tier's own thread pool (the slot views are cut there too); the cap, the
+free-space floor and disk full are the :class:`~backends.nvme_space.SpaceGuard`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import stat
 import threading
 import time
 import uuid
-from collections import Counter, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-import aiofiles
-import aiofiles.os
-
-from backends.nvme_files import (
+from backends.nvme_format import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest, namespace_dirname
+from backends.nvme_os import (
     FSYNC_POLICIES,
-    OWNERS_DIR,
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
     REAL_OS,
-    BlockFiles,
     FsyncPolicy,
-    LoadReport,
     OsCalls,
     OwnerLock,
-    ScanReport,
-    StoreReport,
+    check_mode,
+    check_root,
     probe_o_direct,
 )
-from backends.nvme_format import (
-    FORMAT_VERSION,
-    HEADER_BYTES,
-    MAX_KEY_BYTES,
-    fanout_dirs,
-    namespace_digest,
-    namespace_dirname,
-)
+from backends.nvme_recovery import Recovery, open_directory, recover
 from backends.nvme_sealing import PayloadSealer
-from backends.nvme_space import DISK_FULL_REASON, SpaceGuard
+from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
+from backends.nvme_segments import (
+    GIL_PAUSE_BYTES,
+    ReadReport,
+    SegmentFiles,
+    WriteReport,
+    align_up,
+    iter_runs,
+)
+from backends.nvme_space import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_HOT_FRACTION,
+    DISK_FULL_REASON,
+    MOVE_BYTES_PER_JOB,
+    InflightBytes,
+    SpaceGuard,
+    records_per_segment,
+)
 from tiering.actor import TierActor
 from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
-from tiering.policies import EvictionPolicy
-from tiering.residency import ResidencyIndex
+from tiering.host_pool import io_buffer
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.statistics import FailureLog
-from tiering.validation import positive_int
+from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
 
-IDENTITY_FILE = "NAMESPACE"
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_ENOSPC_RETRY_S = 5.0
-
-_MISSING = "block file is missing"
 _THREAD_START_TIMEOUT_S = 5.0
-"""How long :meth:`NVMeFileTier.start` waits for all its I/O threads to be up at once."""
+"""How long :meth:`NVMeTier.start` waits for all its I/O threads to be up at once."""
 
 
 @dataclass(slots=True)
@@ -102,175 +105,69 @@ class NVMeMetrics:
     """Times the tier turned read-only because the file system answered ENOSPC."""
     recovered_blocks: int = 0
     relocated_blocks: int = 0
-    """Segment layout: recently used blocks of an evicted segment written again."""
+    """Recently used blocks of an evicted segment written again."""
     removed_on_recovery: Counter[str] = field(default_factory=Counter)
 
 
-class _InflightBytes:
-    """A loop-thread byte budget for jobs' I/O; waiting loads are admitted before stores.
+class NVMeTier(TierActor):
+    """A secondary tier keeping blocks as records of segment files under ``root``
+    (docs/nvme.md describes each option at length).
 
-    A job larger than the whole budget runs alone rather than never.
-    """
+    Args:
+        primary_kv_view: the host pool (writable; slots whose address and size are
+            4096-aligned move with O_DIRECT).
+        block_bytes: bytes per block.
+        root: the directory holding namespaces; created if missing.
+        namespace: the cache identity; blocks of one namespace are never served to another.
+        capacity_bytes: most bytes of records (header pages included) kept here.
+        segment_bytes: the size a segment grows to (at most 4096 records). Default: 256
+            MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
+        checkpoint_every: records written between index checkpoints (also written at a
+            graceful close); a restart scans only the records written after it.
+        hot_fraction: blocks of an evicted segment used within the last this fraction
+            of the capacity's worth of uses are written again, not dropped (0: FIFO).
+        min_free_bytes: free space on the file system that stores keep (by evicting, or
+            failing); whichever of this and ``capacity_bytes`` binds first wins.
+        fsync: ``"none"`` (survives a process crash, not a power loss), ``"batch"``
+            (a store job's success means its records are on stable storage: one sync
+            per segment it wrote), ``"always"`` (a sync after every run of records).
+        o_direct: True to require O_DIRECT, False to never use it, None to probe at
+            start and fall back to buffered I/O with one log line.
+        max_inflight_bytes: bound on payload bytes of jobs in their I/O at once.
+        enospc_retry_s: after ENOSPC, stores are refused without I/O for this long
+            (unless the tier freed space meanwhile), then one job probes again.
+        encryption: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
+            spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM;
+            a block that is not sealed, or does not open, is a miss.
+        gil_pause_bytes: bytes an I/O thread hashes before it lets go of the GIL for a
+            moment, so that the loop's thread is not kept waiting (0: never).
+        staging_bytes: 0 moves direct I/O straight between disk and slots; otherwise
+            through a huge-page staging buffer of this many bytes per I/O thread, for a
+            ``primary_kv_view`` of scattered 4 KiB pages (vLLM's shared-memory CPU tier).
+        file_mode, dir_mode: modes of what the tier makes (0o600 and 0o700); they may add
+            read access for group and others, never write access.
+        os_calls: the system-call layer (tests pass a fault injector).
+        clock: monotonic seconds (tests pass a fake).
+        **actor_kwargs: ``inbox_size``, ``max_inflight``, ``io_threads`` of TierActor.
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._waiting: dict[bool, deque[tuple[int, asyncio.Future[None]]]] = {
-            True: deque(),
-            False: deque(),
-        }
+    Guarantees:
 
-    def _fits(self, nbytes: int) -> bool:
-        return self.used == 0 or self.used + nbytes <= self.limit
-
-    async def acquire(self, nbytes: int, *, is_load: bool) -> None:
-        ahead = self._waiting[True] if is_load else (*self._waiting[True], *self._waiting[False])
-        if not ahead and self._fits(nbytes):
-            self.used += nbytes
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (nbytes, future)
-        self._waiting[is_load].append(entry)
-        try:
-            await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.release(nbytes)  # granted, but the caller is gone
-            else:
-                self._waiting[is_load].remove(entry)
-                self._grant()
-            raise
-
-    def release(self, nbytes: int) -> None:
-        self.used -= nbytes
-        self._grant()
-
-    def _grant(self) -> None:
-        for is_load in (True, False):
-            queue = self._waiting[is_load]
-            while queue and self._fits(queue[0][0]):
-                nbytes, future = queue.popleft()
-                if future.done():
-                    continue
-                self.used += nbytes
-                future.set_result(None)
-            if queue:
-                return  # a blocked load holds back stores
-
-
-PRIVATE_DIR_MODE = 0o700
-"""Mode of the directories the tier makes: its user's alone (KV bytes are user data)."""
-PRIVATE_FILE_MODE = 0o600
-"""Mode of the files the tier writes."""
-
-
-def _check_private(option: str, path: str) -> None:
-    """Refuse a directory another user owns or anyone but its owner may write to.
-
-    Raises:
-        InvalidArgumentError: naming ``option``, the path and what is wrong with it.
-    """
-    status = os.stat(path)
-    if not stat.S_ISDIR(status.st_mode):
-        raise InvalidArgumentError(f"{option}: {path!r} is not a directory")
-    if status.st_uid != os.geteuid():
-        raise InvalidArgumentError(
-            f"{option}: {path!r} belongs to user {status.st_uid}, not to this process's "
-            f"({os.geteuid()}): another user could read or replace the KV blocks in it"
-        )
-    if status.st_mode & 0o022:
-        raise InvalidArgumentError(
-            f"{option}: {path!r} has mode {stat.S_IMODE(status.st_mode):o}: others can write "
-            "to it (plant or swap files); make it writable by its owner only (chmod go-w)"
-        )
-
-
-def check_root(
-    path: str, *, option: str = "root", create: bool = False, mode: int = PRIVATE_DIR_MODE
-) -> None:
-    """Check ``path`` as an NVMe root: the one check the tier's start and the
-    ``tiering inspect`` / ``verify`` / ``clear`` commands share.
-
-    The root must be a directory of this process's user that nobody else may write to
-    (see docs/security.md). With ``create``, a missing root is made (with ``mode``, its
-    missing parents too); without it, a missing root is refused.
-
-    Raises:
-        InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
-            ``create``), is not a directory (a file, or under one), cannot be created
-            for lack of permission, belongs to another user, or others may write to it.
-        OSError: any other failure of the file system (I/O, no space).
-    """
-    if create:
-        try:
-            os.makedirs(path, mode=mode, exist_ok=True)
-        except FileExistsError:  # something that is not a directory is in the way
-            raise InvalidArgumentError(f"{option}: {path!r} is not a directory") from None
-        except (NotADirectoryError, PermissionError) as exc:
-            raise InvalidArgumentError(
-                f"{option}: {path!r} cannot be created: {exc.strerror}"
-            ) from None
-    try:
-        _check_private(option, path)
-    except FileNotFoundError:
-        raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
-
-
-def _check_mode(option: str, mode: object, *, required: int, allowed: int) -> None:
-    """Refuse a mode that denies the owner what the tier needs or lets others write.
-
-    Raises:
-        InvalidArgumentError: naming ``option`` and the mode in octal.
-    """
-    if isinstance(mode, bool) or not isinstance(mode, int):
-        raise InvalidArgumentError(f"{option} must be an int such as 0o{required:o}, got {mode!r}")
-    if mode & required != required or mode & ~allowed:
-        shown = f"0o{mode:o}" if mode >= 0 else repr(mode)
-        raise InvalidArgumentError(
-            f"{option} must include 0o{required:o} and stay within 0o{allowed:o} (nobody "
-            f"but the owner may write), got {shown}"
-        )
-
-
-def _write_private(path: str, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
-    """Write a new file of ``mode`` (by default readable by this user only), never
-    through a link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, mode)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def refuse_derived_options(cls: type[NVMeTierBase], options: Mapping[str, object]) -> None:
-    """Refuse a layout's caller passing an argument the layout computes itself.
-
-    Raises:
-        InvalidArgumentError: naming the option and its value.
-    """
-    for name in cls.DERIVED_OPTIONS & options.keys():
-        raise InvalidArgumentError(
-            f"{name} is computed by the {cls.__name__} from block_bytes, not an option; "
-            f"got {options[name]!r}"
-        )
-
-
-class NVMeTierBase(TierActor):
-    """What the NVMe tier's layouts share: the namespace directory and its identity file,
-    the owner lock, the O_DIRECT probe, the space guard, the I/O byte budget, metrics,
-    and the start-up sequence. A layout subclass supplies the files and the index
-    through the hooks below (``_subdirs``, ``_scan_disk``, ``_adopt_scan``,
-    ``_remove_excess``, ``_free_bytes``, ``_use_o_direct``).
+    * A store's keys become visible (``lookup`` True) only once their records are
+      written (and synced per ``fsync``). Keys already held are skipped; a key twice in
+      a job is stored from its first slot.
+    * A record is served only if its header (magic, version, namespace, key, length) and
+      payload checksum (or GCM tag) verify; a stale or damaged checkpoint can cost hits,
+      never serve wrong bytes. A key that fails is in ``failed_keys`` and leaves the
+      index; the job's other keys land. An I/O error fails the keys it hit, in that job.
+    * Space comes back by deleting whole segments; a segment being read or written, one
+      holding a held key, and another live writer's segments are never deleted. Stores
+      that still do not fit fail.
+    * ENOSPC (or EDQUOT) makes the tier read-only for stores until a later store
+      succeeds (see ``enospc_retry_s``); loads keep working.
+    * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
 
     Raises (constructor): InvalidArgumentError for any bad argument.
     """
-
-    DERIVED_OPTIONS: ClassVar[frozenset[str]] = frozenset({"file_bytes"})
-    """Arguments of this base that each layout computes from the block size; a
-    layout's caller may not pass them (configs leave them out)."""
 
     def __init__(
         self,
@@ -280,23 +177,35 @@ class NVMeTierBase(TierActor):
         root: str | os.PathLike[str],
         namespace: str,
         capacity_bytes: int,
-        file_bytes: int,
+        segment_bytes: int | None = None,
+        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+        hot_fraction: float = DEFAULT_HOT_FRACTION,
         min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
         fsync: FsyncPolicy = "batch",
         o_direct: bool | None = None,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         enospc_retry_s: float = DEFAULT_ENOSPC_RETRY_S,
         encryption: Keyring | str | None = None,
+        gil_pause_bytes: int = GIL_PAUSE_BYTES,
+        staging_bytes: int = 0,
         file_mode: int = PRIVATE_FILE_MODE,
         dir_mode: int = PRIVATE_DIR_MODE,
         os_calls: OsCalls = REAL_OS,
         clock: Callable[[], float] = time.monotonic,
         **actor_kwargs: Any,
     ) -> None:
+        record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
+        per_segment = records_per_segment(capacity_bytes, segment_bytes, record_bytes)
+        self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
+        self.staging_bytes = positive_int("staging_bytes", staging_bytes, allow_zero=True)
+        self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
+        if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
+            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
+        self.hot_fraction = float(hot_fraction)
         if not isinstance(root, str | os.PathLike):
             raise InvalidArgumentError(f"root must be a path, got {root!r}")
-        _check_mode("file_mode", file_mode, required=0o600, allowed=0o644)
-        _check_mode("dir_mode", dir_mode, required=0o700, allowed=0o755)
+        check_mode("file_mode", file_mode, required=0o600, allowed=0o644)
+        check_mode("dir_mode", dir_mode, required=0o700, allowed=0o755)
         keyring = keyring_from(encryption, option="encryption")
         dirname = namespace_dirname(namespace)
         positive_int("max_inflight_bytes", max_inflight_bytes)
@@ -307,7 +216,7 @@ class NVMeTierBase(TierActor):
         if not callable(clock):
             raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
         self._space = SpaceGuard(
-            file_bytes=file_bytes,
+            file_bytes=record_bytes,
             capacity_bytes=capacity_bytes,
             min_free_bytes=min_free_bytes,
             retry_s=enospc_retry_s,
@@ -317,25 +226,25 @@ class NVMeTierBase(TierActor):
         self.root = os.fspath(root)
         self.namespace = namespace
         self.directory = os.path.join(self.root, dirname)
-        self.file_bytes = file_bytes
+        self.file_bytes = record_bytes
         """Bytes one block takes on disk (its header page included)."""
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
+        self.records_per_segment = per_segment
         self.min_free_bytes = min_free_bytes
         self.fsync = fsync
         self.o_direct_requested = o_direct
         self.o_direct: bool | None = None
         """Whether O_DIRECT is in use; known after :meth:`start`."""
         self.enospc_retry_s = float(enospc_retry_s)
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
         self.metrics = NVMeMetrics()
         """Counters since creation; ``statistics().counters`` shows the same figures."""
         self._failure_log = FailureLog(logger, "nvme tier")
         self._os = os_calls
-        self._clock = clock
         self._ns_digest = namespace_digest(namespace)
-        self.file_mode = file_mode
-        self.dir_mode = dir_mode
-        self._sealer = (
+        sealer = (
             None
             if keyring is None
             else PayloadSealer(
@@ -343,37 +252,43 @@ class NVMeTierBase(TierActor):
             )
         )
         self._instance_id = uuid.uuid4().hex
-        self._budget = _InflightBytes(max_inflight_bytes)
+        self._budget = InflightBytes(max_inflight_bytes)
         self._owner: OwnerLock | None = None
         self._opened = False
         self._start_lock = asyncio.Lock()
+        self._segments = SegmentFiles(
+            self.directory,
+            block_bytes=self.block_bytes,
+            ns_digest=self._ns_digest,
+            fsync=fsync,
+            gil_pause_bytes=gil_pause_bytes,
+            staging_bytes=staging_bytes,
+            sealer=sealer,
+            file_mode=self.file_mode,
+            os_calls=os_calls,
+        )
+        self._index = self._new_index()
+        # Digests a running hop writes, with the event set when it ends: a store of
+        # such a key waits for it rather than writing it twice.
+        self._writing: dict[int, asyncio.Event] = {}
+        self._writing_records = 0
+        self._trash: list[str] = []  # segments given up, files not yet deleted
+        self._generation = 0  # bumped by clear(): older hops' records are not committed
+        self._since_checkpoint = 0
+        self._local = threading.local()  # per I/O thread: buffers for moved records
+        self._most_moves = max(1, MOVE_BYTES_PER_JOB // self.block_bytes)
 
-    # -- layout hooks -------------------------------------------------------------------
+    def _new_index(self) -> SegmentIndex:
+        return SegmentIndex(
+            self.capacity_blocks,
+            records_per_segment=self.records_per_segment,
+            writer=self._instance_id,
+            hot_fraction=self.hot_fraction,
+        )
 
-    def _subdirs(self) -> list[str]:
-        """Subdirectories of the namespace directory the layout needs (besides owners/)."""
-        raise NotImplementedError
-
-    def _scan_disk(self) -> Any:
-        """Worker thread, at start: what the layout finds on disk."""
-        raise NotImplementedError
-
-    def _adopt_scan(self, scan: Any) -> list[Any]:
-        """Loop thread, at start: index what ``_scan_disk`` found; returns what is over
-        the cap, for ``_remove_excess``."""
-        raise NotImplementedError
-
-    def _remove_excess(self, excess: list[Any]) -> None:
-        """Worker thread, at start: remove what ``_adopt_scan`` returned."""
-        raise NotImplementedError
-
-    def _free_bytes(self) -> int | None:
-        """Worker thread: free bytes on the file system, or None if unknown."""
-        raise NotImplementedError
-
-    def _use_o_direct(self, enabled: bool) -> None:
-        """The probe's verdict, before any job."""
-        raise NotImplementedError
+    @staticmethod
+    def get_tier_type() -> str:
+        return "nvme"
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -396,8 +311,7 @@ class NVMeTierBase(TierActor):
                 await super().start()
                 return
             try:
-                await self._prepare_directories()
-                probe, scan, free = await self.run_blocking(self._open_on_disk)
+                probe, found, free = await self.run_blocking(self._open_on_disk)
             except OSError as exc:
                 self._release_owner()
                 raise TieringError(
@@ -407,41 +321,33 @@ class NVMeTierBase(TierActor):
             except BaseException:
                 self._release_owner()
                 raise
-            excess = self._adopt(probe, scan, free)
+            excess = self._adopt(probe, found, free)
             self._opened = True
             if excess:
                 # Before serving: a store of one of these keys must not have its new
                 # file removed by this clean-up.
-                await self.run_blocking(self._remove_excess, excess)
+                await self.run_blocking(self._segments.delete, excess)
             await self._start_io_threads()
             await super().start()
 
-    def _make_private_directories(self) -> None:
-        """Worker thread: check the root and make the namespace's directories, private.
+    async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
+        """Close as :meth:`TierActor.aclose`, then write the index checkpoint and delete
+        the segments given up. Idempotent. After a hard :meth:`~TierActor.shutdown`
+        the next start scans what was written after the last checkpoint."""
+        first = not self.closed
+        await super().aclose(timeout)
+        if not first or not self._opened:
+            return
+        trash, self._trash = self._trash, []
+        segments = self._index.checkpoint_segments()
+        try:
+            await asyncio.to_thread(self._close_on_disk, segments, trash)
+        except OSError as exc:
+            logger.warning("nvme tier: could not write the index checkpoint: %s", exc)
 
-        Raises:
-            InvalidArgumentError: the root, or the namespace directory in it, is not a
-                directory of this user that only it can write to, or the namespace
-                directory is a link (it could lead out of the root).
-        """
-        check_root(self.root, create=True, mode=self.dir_mode)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(self.directory, self.dir_mode)
-        if os.path.islink(self.directory):
-            raise InvalidArgumentError(
-                f"root: {self.directory!r} is a symbolic link; the tier never follows one "
-                "out of its root"
-            )
-        _check_private("root", self.directory)
-        for sub in (OWNERS_DIR, *self._subdirs()):
-            path = os.path.join(self.directory, sub)
-            try:
-                os.mkdir(path, self.dir_mode)
-            except FileExistsError:
-                if os.path.islink(path) or not os.path.isdir(path):
-                    raise InvalidArgumentError(
-                        f"root: {path!r} is not a directory of the tier (a link or a file)"
-                    ) from None
+    def _close_on_disk(self, segments: list[tuple[int, str, int]], trash: list[str]) -> None:
+        self._segments.delete(trash)
+        self._checkpoint_hop(segments)
 
     def _on_closed(self) -> None:
         # Here rather than in shutdown(): called from another thread, shutdown() only
@@ -456,52 +362,37 @@ class NVMeTierBase(TierActor):
         meeting = threading.Barrier(self.io_threads)
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
-    async def _prepare_directories(self) -> None:
-        await self.run_blocking(self._make_private_directories)
-        identity = {"namespace": self.namespace, "format_version": FORMAT_VERSION}
-        path = os.path.join(self.directory, IDENTITY_FILE)
-        try:
-            async with aiofiles.open(path, encoding="utf-8") as existing:
-                text = await existing.read()
-        except FileNotFoundError:
-            temp = f"{path}.{self._instance_id}.tmp"
-            text = json.dumps(identity, sort_keys=True)
-            await self.run_blocking(_write_private, temp, text.encode(), self.file_mode)
-            await aiofiles.os.replace(temp, path)
-            return
-        try:
-            found = json.loads(text).get("namespace")
-        except (ValueError, AttributeError):
-            found = None
-        if found != self.namespace:
-            raise InvalidArgumentError(
-                f"{self.directory!r} holds namespace {found!r}, not {self.namespace!r}; "
-                "refusing to use it"
-            )
-
-    def _open_on_disk(self) -> tuple[str | None, Any, int | None]:
-        """Worker thread: check the floor against the file system's size, take the owner
-        lock, probe O_DIRECT, scan, measure free space."""
+    def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
+        """Worker thread: make and check the namespace directory, check the floor
+        against the file system's size, take the owner lock, probe O_DIRECT, recover
+        the index, measure free space."""
+        open_directory(
+            self.root,
+            self.directory,
+            self.namespace,
+            dir_mode=self.dir_mode,
+            file_mode=self.file_mode,
+            writer=self._instance_id,
+        )
         statvfs = self._os.statvfs(self.directory)
         self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
         self._owner = OwnerLock(self.directory, self._instance_id)
-        probe = None
         if self.o_direct_requested is not False:
             probe = probe_o_direct(self.directory, self._os)
         else:
             probe = "disabled by configuration (o_direct=False)"
-        scan = self._scan_disk()
-        return probe, scan, self._free_bytes()
+        found = recover(self._segments, lambda _: self._new_index(), writer=self._instance_id)
+        return probe, found, self._segments.free_bytes()
 
-    def _adopt(self, probe: str | None, scan: Any, free: int | None) -> list[Any]:
-        """Take the start-up findings; returns what is beyond the cap (to remove)."""
+    def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
+        """Take the start-up findings; returns the segments over the cap (to delete)."""
         if probe is not None and self.o_direct_requested is True:
             self._release_owner()
             raise InvalidArgumentError(
                 f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
             )
         self.o_direct = probe is None
-        self._use_o_direct(self.o_direct)
+        self._segments.o_direct = self.o_direct
         if probe is not None and self.o_direct_requested is None:
             logger.warning(
                 "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O",
@@ -509,7 +400,20 @@ class NVMeTierBase(TierActor):
                 probe,
             )
         self._space.measured(free)
-        return self._adopt_scan(scan)
+        self._index = found.index
+        self.metrics.recovered_blocks = found.recovered
+        self.metrics.removed_on_recovery.update(found.removed)
+        if found.recovered or found.excess or found.removed:
+            logger.info(
+                "nvme tier: recovered %d blocks in %s (%s; %d segments over the cap "
+                "removed); removed %s",
+                found.recovered,
+                self.directory,
+                found.checkpoint_note or "from the checkpoint and the segments after it",
+                len(found.excess),
+                dict(found.removed) or "nothing",
+            )
+        return found.excess
 
     def _release_owner(self) -> None:
         owner, self._owner = self._owner, None
@@ -524,7 +428,7 @@ class NVMeTierBase(TierActor):
         return self._space.read_only
 
     async def _refresh_free_bytes(self) -> None:
-        self._space.measured(await self.run_blocking(self._free_bytes))
+        self._space.measured(await self.run_blocking(self._segments.free_bytes))
 
     def _store_space_ended(
         self, free_bytes: int | None, *, disk_full: bool, stored_any: bool
@@ -556,7 +460,7 @@ class NVMeTierBase(TierActor):
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
             if len(key) > MAX_KEY_BYTES or not key:
                 failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
-            elif key not in wanted and not self._holds_key(key):
+            elif key not in wanted and key_digest(key) not in self._index:
                 wanted[key] = block_id
         if failed:
             self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
@@ -568,22 +472,6 @@ class NVMeTierBase(TierActor):
             wanted = {}
         return failed, wanted
 
-    def _holds_key(self, key: OffloadKey) -> bool:
-        """True if the tier holds ``key`` already."""
-        raise NotImplementedError
-
-    async def _wait_for_writes(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
-        """Wait until no running hop writes a wanted key; returns those still not held."""
-        raise NotImplementedError
-
-    @staticmethod
-    def get_tier_type() -> str:
-        return "nvme"
-
-    def _pinned_blocks(self) -> int:
-        """Blocks that reads or writes in flight (or holds) keep from eviction now."""
-        raise NotImplementedError
-
     def _usage(self) -> dict[str, Any]:
         counters = asdict(self.metrics)
         removed = counters.pop("removed_on_recovery")
@@ -593,229 +481,70 @@ class NVMeTierBase(TierActor):
             "capacity_blocks": self.capacity_blocks,
             "used_bytes": self.used_bytes,
             "capacity_bytes": self.capacity_bytes,
-            "pinned_blocks": self._pinned_blocks(),
+            "pinned_blocks": self._index.pinned_records + self._index.held_records,
             "counters": counters,
             "failures": dict(self._failure_log.counts),
         }
 
-
-class NVMeFileTier(NVMeTierBase):
-    """A secondary tier that keeps blocks in files under ``root``.
-
-    Args:
-        primary_kv_view: the host pool (writable, ideally page-aligned: slots whose
-            address and size are 4096-aligned move with O_DIRECT).
-        block_bytes: bytes per block.
-        root: the directory holding namespaces; created if missing.
-        namespace: the cache identity (model, dtype, block geometry, format version, as
-            the engine derives it). Blocks of one namespace are never served to another.
-        capacity_bytes: most bytes of block files (header page included) kept here.
-        min_free_bytes: free space on the file system below which stores evict (or are
-            refused); whichever of this and ``capacity_bytes`` binds first wins.
-        fsync: ``"none"`` (rename only; survives a process crash, not a power loss),
-            ``"batch"`` (default: when a store job reports success its blocks are on
-            stable storage: one ``syncfs`` per job), ``"always"`` (each block: fdatasync,
-            rename, fsync of its directory, before the next).
-        policy: eviction policy name (as the CPU tier's) or an EvictionPolicy instance.
-        o_direct: True to require O_DIRECT, False to never use it, None (default) to
-            probe once at start and fall back to buffered I/O with one log line.
-        max_inflight_bytes: bound on payload bytes of jobs in their I/O at once.
-        enospc_retry_s: after ENOSPC, stores are refused without I/O for this long
-            (unless the tier freed space meanwhile), then one job probes again.
-        encryption: None (plain blocks), or a keyring (a :class:`~tiering.encryption.
-            Keyring` or its spec, such as ``"env:KV_TIERING_KEYS"``): payloads are
-            sealed with AES-GCM under its current key, and blocks under any of its key
-            ids are read. A block that is not sealed, or does not open, is a miss.
-        file_mode, dir_mode: modes of the files and directories the tier makes (0o600
-            and 0o700; the process umask still applies). They may add read access for
-            group and others, never write access.
-        os_calls: the system-call layer (tests pass a :class:`backends.faults.
-            FaultInjector`).
-        clock: monotonic seconds (tests pass a fake).
-        **actor_kwargs: ``inbox_size``, ``max_inflight``, ``io_threads`` of TierActor.
-
-    Guarantees:
-
-    * A store's keys become visible (``lookup`` True) only after their files are
-      complete and renamed into place (and durable per ``fsync``). Keys already held
-      are skipped; a key twice in a job is stored from its first slot.
-    * A load reports a key loaded only after its length, header (magic, version,
-      namespace, key, payload length) and payload checksum (with ``encryption``: its
-      GCM tag) matched. A key that fails
-      is in ``failed_keys``, leaves the index (later lookups miss), its file is removed
-      and ``metrics.corrupt_blocks`` (or ``read_errors``/``missing_blocks``) counts it.
-      The others of the job still land.
-    * Room is made by evicting keys by ``policy``; keys being loaded or written are
-      never evicted. Stores that still do not fit fail (``failed_keys``).
-    * ENOSPC (or EDQUOT) makes the tier read-only for stores; loads keep working. It
-      turns writable again by itself when a later store succeeds (see
-      ``enospc_retry_s``).
-    * An I/O error fails the keys it hit, in that job only.
-    * :meth:`start` recovers the index from disk (a restart keeps the cache warm) and
-      removes torn, foreign and dead writers' temporary files.
-
-    Raises (constructor): InvalidArgumentError for any bad argument;
-    UnknownPolicyError for an unknown policy name.
-    """
-
-    def __init__(
-        self,
-        primary_kv_view: memoryview,
-        block_bytes: int,
-        *,
-        root: str | os.PathLike[str],
-        namespace: str,
-        capacity_bytes: int,
-        policy: str | EvictionPolicy = "lru",
-        fsync: FsyncPolicy = "batch",
-        os_calls: OsCalls = REAL_OS,
-        **options: Any,
-    ) -> None:
-        refuse_derived_options(type(self), options)
-        super().__init__(
-            primary_kv_view,
-            block_bytes,
-            root=root,
-            namespace=namespace,
-            capacity_bytes=capacity_bytes,
-            file_bytes=HEADER_BYTES + positive_int("block_bytes", block_bytes),
-            fsync=fsync,
-            os_calls=os_calls,
-            **options,
-        )
-        self._index = ResidencyIndex(self.capacity_blocks, policy)
-        self._files = BlockFiles(
-            self.directory,
-            block_bytes=self.block_bytes,
-            ns_digest=self._ns_digest,
-            instance_id=self._instance_id,
-            fsync=fsync,
-            o_direct=False,
-            sealer=self._sealer,
-            file_mode=self.file_mode,
-            os_calls=os_calls,
-        )
-        # Keys a running hop writes or removes, with the event set when it ends: a store
-        # of such a key waits for it (eviction protection is the index's pins).
-        self._busy: dict[OffloadKey, asyncio.Event] = {}
-        self._trash: dict[OffloadKey, None] = {}  # dropped by clear(), files not yet removed
-        self._generation = 0  # bumped by clear(): older hops' keys are not committed
-
-    @staticmethod
-    def get_tier_type() -> str:
-        return "nvme-files"
-
-    # -- life cycle -------------------------------------------------------------------
-
-    async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
-        """Close as :meth:`TierActor.aclose`, then remove the files of cleared blocks.
-
-        Idempotent. A hard :meth:`~TierActor.shutdown` leaves those files on disk; the
-        next start recovers them as blocks. Either way the owner lock is released as
-        the tier closes, on the loop thread.
-        """
-        await super().aclose(timeout)
-        trash, self._trash = list(self._trash), {}
-        await self._remove_files(trash)
-
-    def _subdirs(self) -> list[str]:
-        return fanout_dirs()
-
-    def _scan_disk(self) -> ScanReport:
-        return self._files.scan()
-
-    def _free_bytes(self) -> int | None:
-        return self._files.free_bytes()
-
-    def _use_o_direct(self, enabled: bool) -> None:
-        self._files.o_direct = enabled
-
-    def _remove_excess(self, excess: list[OffloadKey]) -> None:
-        self._files.remove(excess)
-
-    def _adopt_scan(self, scan: ScanReport) -> list[OffloadKey]:
-        keys = [key for key, _mtime in scan.blocks]  # oldest first
-        split = max(0, len(keys) - self.capacity_blocks)
-        excess, kept = keys[:split], keys[split:]
-        for key in kept:  # in age order, so the policy ranks them by age
-            self._index.insert(key)
-        self.metrics.recovered_blocks = len(kept)
-        self.metrics.evicted_blocks += len(excess)
-        self.metrics.removed_on_recovery.update(scan.removed)
-        if scan.blocks or scan.removed:
-            logger.info(
-                "nvme tier: recovered %d blocks in %s (%d over the cap evicted); removed %s",
-                len(kept),
-                self.directory,
-                len(excess),
-                dict(scan.removed) or "nothing",
-            )
-        return excess
-
-    async def _remove_files(self, keys: Sequence[OffloadKey]) -> None:
-        # One hop for all of them (the tier's own pool is shut down by now).
-        if keys:
-            await asyncio.to_thread(self._files.remove, keys)
-
     # -- queries ----------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """True if stored and verified-complete on disk, None while a store of it is
-        queued or running, else False.
+        """True if stored, None while a store of it is queued or running, else False.
 
         Raises:
             InvalidArgumentError: ``key`` is not bytes.
         """
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
-        if key in self._index:
+        digest = key_digest(key)
+        if digest in self._index:
             return True
         return None if self.storing(key) else False
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        """Mark stored keys recently used, ``keys[0]`` the most recent; others ignored."""
-        self._index.touch(list(keys))
+        """Mark stored keys recently used; others are ignored."""
+        self._index.touch(key_digest(key) for key in hash_list("keys", keys))
 
     def hold(self, keys: Collection[OffloadKey]) -> None:
-        """Keep ``keys`` from eviction (by a store, the cap or the floor) until released.
-
-        Holds count; a key not (yet) stored may be held and is protected once stored.
+        """Keep ``keys``' segments from eviction until released (holds count).
 
         Raises:
             InvalidArgumentError: ``keys`` is not a collection of bytes; nothing held.
         """
-        self._index.hold(keys)
+        self._index.hold([key_digest(key) for key in hash_list("keys", keys)])
 
     def release(self, keys: Collection[OffloadKey]) -> None:
         """Undo one :meth:`hold` of each key.
 
         Raises:
-            InvalidArgumentError: a key is not bytes, or is released more often than
-                held (named in hex); nothing released.
+            InvalidArgumentError: a key is not bytes or released more often than held
+                (named in hex); nothing released.
         """
-        self._index.release(keys)
+        keys = hash_list("keys", keys)
+        digests = [key_digest(key) for key in keys]
+        wanted = Counter(digests)
+        for key, digest in zip(keys, digests, strict=True):
+            if self._index.holds(digest) < wanted[digest]:
+                raise InvalidArgumentError(f"key {key.hex()} is released more often than held")
+        self._index.release(digests)
 
     def get_num_blocks(self) -> int:
-        """Blocks stored and loadable now (stores in progress not counted)."""
+        """Blocks stored and loadable now."""
         return len(self._index)
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the block files this tier holds (header pages included)."""
-        return len(self._index) * self.file_bytes
+        """Bytes of the segments' record slots (dead records included)."""
+        return self._index.used_records * self.file_bytes
 
     def clear(self) -> None:
         """Drop every block: lookups miss at once, stores running now do not land.
 
-        The files are removed by the next store job or by :meth:`aclose`.
+        The segment files are deleted by the next store job or by :meth:`aclose`.
         """
         self._generation += 1
-        for key in self._index.clear():
-            self._trash[key] = None
+        self._trash.extend(self._index.clear())
         self._space.freed()
-
-    def _pinned_blocks(self) -> int:
-        return self._index.pinned_resident
 
     # -- hooks ------------------------------------------------------------------------
 
@@ -823,74 +552,86 @@ class NVMeFileTier(NVMeTierBase):
         failed, wanted = await self._store_admission(job)
         if not wanted:
             return _result(job.job_id, failed, len(job.keys))
-        index = self._index
-
         done = asyncio.Event()
-        claimed = list(wanted)
-        for key in claimed:
-            self._busy[key] = done
-        index.pin(claimed)
-        generation = self._generation
+        digests = {key: key_digest(key) for key in wanted}
+        for digest in digests.values():
+            self._writing[digest] = done
         budget = len(wanted) * self.block_bytes
-        granted = 0
+        placed: list[Placement] = []
+        generation = self._generation
         try:
             await self._budget.acquire(budget, is_load=False)
             try:
-                if self._space.stale(index.reserved + len(wanted)):
+                pending = self._index.used_records - self._writing_records
+                if self._space.stale(self._writing_records + len(wanted)):
                     await self._refresh_free_bytes()
-                limit, reason = self._space.limit(len(index), index.reserved)
-                room = index.reserve(len(wanted), protected=job.keys, limit=limit)
-                granted = room.granted
-                if room.victims:
-                    self.metrics.evicted_blocks += len(room.victims)
-                    self._note_removed(room.victims)
+                limit, reason = self._space.limit(pending, self._writing_records)
+                plan = self._index.plan_room(
+                    len(wanted),
+                    limit=limit,
+                    most_moves=max(1, MOVE_BYTES_PER_JOB // self.block_bytes),
+                )
+                fit, placed = plan.fit, plan.placed
+                moves = [(segment, record) for segment, record, _ in plan.moves]
+                gone = plan.gone
+                if plan.evictions:
+                    self.metrics.evicted_blocks += len(gone)
                     self._space.freed()
-                admitted = list(wanted.items())
-                del admitted[granted:]
-                trash = self._trash
-                if trash:
-                    for key, _ in admitted:
-                        trash.pop(key, None)  # the rename below replaces the old file
-                removals = [*room.victims, *trash]
-                trash.clear()
-                for key in removals:
-                    self._busy[key] = done
-                index.pin(removals)
-                claimed += removals
-                if granted < len(wanted):
-                    refused = list(wanted)[granted:]
-                    reason += "; every other block is pinned (being read, written or held)"
+                    if self._removed is None:
+                        gone = []  # nobody asks which keys they held
+                admitted = list(wanted.items())[:fit]
+                if fit < len(wanted):
+                    refused = list(wanted)[fit:]
+                    reason += "; every other segment is in use (read, written or held)"
                     failed.update(dict.fromkeys(refused, reason))
                     self.metrics.refused_blocks += len(refused)
                     self._failure_log.record("no room", len(refused), reason)
-                report = await self.run_blocking(self._store_hop, admitted, removals)
+                self._writing_records += len(placed)
+                delete = [e.segment for e in plan.evictions] + self._trash
+                self._trash = []
+                try:
+                    report, moved, gone_keys = await self.run_blocking(
+                        self._store_hop, admitted, placed, moves, gone, delete
+                    )
+                except BaseException:  # the hop never ran: its deletions are still owed
+                    self._trash.extend(delete)
+                    raise
             finally:
                 self._budget.release(budget)
-            granted = self._commit_store(report, generation, failed, granted)
+            self._commit_store(report, admitted, placed[:fit], digests, generation, failed)
+            self._commit_moves(report, moved, placed[fit:], generation)
+            self._note_removed(
+                key for key in gone_keys if key is not None and key_digest(key) not in self._index
+            )
+            placed = []
+            if self._since_checkpoint >= self.checkpoint_every and generation == self._generation:
+                await self._checkpoint()
         finally:
-            index.unreserve(granted)
-            index.unpin(claimed)
-            for key in claimed:
-                if self._busy.get(key) is done:
-                    del self._busy[key]
+            if placed and generation == self._generation:  # cancelled before the commit
+                for placement in placed:
+                    self._index.abandon(placement)
+            self._writing_records -= len(placed) if placed else 0
+            for digest in digests.values():
+                if self._writing.get(digest) is done:
+                    del self._writing[digest]
             done.set()
         return _result(job.job_id, failed, len(job.keys))
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
-        index = self._index
-        reads: list[tuple[OffloadKey, int]] = []
+        reads: list[tuple[OffloadKey, str, int, int]] = []
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
-            if key in index:
-                reads.append((key, block_id))
-            else:
+            where = self._index.locate(key_digest(key))
+            if where is None:
                 failed[key] = "not in the nvme tier"
+            else:
+                reads.append((key, where[0], where[1], block_id))
         if failed:
             self._failure_log.record("not in the tier", len(failed))
         if not reads:
             return _result(job.job_id, failed, len(job.keys))
-        pinned = [key for key, _ in reads]
-        index.pin(pinned)
+        for _, segment, _, _ in reads:
+            self._index.pin(segment)
         generation = self._generation
         budget = len(reads) * self.block_bytes
         try:
@@ -900,89 +641,175 @@ class NVMeFileTier(NVMeTierBase):
             finally:
                 self._budget.release(budget)
         finally:
-            index.unpin(pinned)
-        self._commit_load(report, generation, failed)
+            for _, segment, _, _ in reads:
+                self._index.unpin(segment)
+        self._commit_load(report, reads, generation, failed)
         return _result(job.job_id, failed, len(job.keys))
 
     # -- worker thread: one hop per job ------------------------------------------------
 
     def _store_hop(
-        self, admitted: Sequence[tuple[OffloadKey, int]], removals: Sequence[OffloadKey]
-    ) -> StoreReport:
-        # The slot views are cut here rather than on the loop: per-block work.
+        self,
+        admitted: Sequence[tuple[OffloadKey, int]],
+        placed: Sequence[Placement],
+        moves: Sequence[tuple[str, int]],
+        gone: Sequence[tuple[str, int]],
+        delete: Sequence[str],
+    ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
+        """Read the recently used records of evicted segments and the keys of the
+        ``gone`` records, delete those segments, then write the job's blocks and the
+        moved records: ``placed`` holds the job's placements, then one per move. Returns
+        the write's report, each move's key (None where its record did not verify: it is
+        not written) and each gone record's key (None where its header did not)."""
+        buffers = self._move_buffers(len(moves))
+        moved = self._segments.read_records(
+            [
+                (segment, record, buffer)
+                for (segment, record), buffer in zip(moves, buffers, strict=True)
+            ]
+        )
+        gone_keys = self._segments.read_keys(gone)
+        self._segments.delete(delete)
         slot = self.slot
-        return self._files.store([(key, slot(block_id)) for key, block_id in admitted], removals)
+        records = [(key, slot(block_id)) for key, block_id in admitted]
+        where = [(p.segment, p.record, p.create) for p in placed[: len(admitted)]]
+        for key, buffer, placement in zip(moved, buffers, placed[len(admitted) :], strict=True):
+            if key is not None:
+                records.append((key, buffer))
+                where.append((placement.segment, placement.record, placement.create))
+        runs = list(iter_runs(where, records))
+        return self._segments.write(runs, writer=self._instance_id), moved, gone_keys
 
-    def _load_hop(self, reads: Sequence[tuple[OffloadKey, int]]) -> LoadReport:
+    def _move_buffers(self, count: int) -> list[memoryview]:
+        # Aligned (O_DIRECT) buffers for moved records, one set per I/O thread.
+        if not count:
+            return []
+        size = count * self.block_bytes
+        view: memoryview | None = getattr(self._local, "moves", None)
+        if view is None or view.nbytes < size:
+            view = io_buffer(max(size, MOVE_BYTES_PER_JOB))
+            self._local.moves = view
+        return [view[i * self.block_bytes : (i + 1) * self.block_bytes] for i in range(count)]
+
+    def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> ReadReport:
         slot = self.slot
-        return self._files.load([(key, slot(block_id)) for key, block_id in reads])
+        return self._segments.read(
+            [(key, segment, record, slot(block_id)) for key, segment, record, block_id in reads]
+        )
 
-    # -- bookkeeping (loop thread, no awaits) ------------------------------------------
+    def _checkpoint_hop(self, segments: list[tuple[int, str, int]]) -> None:
+        # The entries are copied here, off the loop, while the loop goes on.
+        checkpoint = self._index.snapshot(segments)
+        self._segments.write_checkpoint(checkpoint, temp_suffix=self._instance_id)
 
-    def _holds_key(self, key: OffloadKey) -> bool:
-        return key in self._index
+    # -- bookkeeping (loop thread) -------------------------------------------------------
 
     async def _wait_for_writes(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
-        """Wait until no running hop writes or removes a wanted key; drop those stored."""
-        while True:
-            busy = self._busy
-            if not busy:
-                return wanted
-            events = {busy[key] for key in busy.keys() & wanted.keys()}
+        """Wait until no running hop writes a wanted key; drop those stored meanwhile."""
+        while self._writing:
+            events = {
+                event for key in wanted if (event := self._writing.get(key_digest(key))) is not None
+            }
             if not events:
-                return wanted
+                break
             for event in events:
                 await event.wait()
-            wanted = {k: b for k, b in wanted.items() if k not in self._index}
+            wanted = {k: b for k, b in wanted.items() if key_digest(k) not in self._index}
+        return wanted
 
     def _commit_store(
-        self, report: StoreReport, generation: int, failed: dict[OffloadKey, str], granted: int
-    ) -> int:
-        """Record a store hop's outcome; returns the reserved units still to give back."""
-        if generation != self._generation:
-            self._trash.update(dict.fromkeys(report.stored))  # cleared while being written
+        self,
+        report: WriteReport,
+        admitted: Sequence[tuple[OffloadKey, int]],
+        placed: Sequence[Placement],
+        digests: dict[OffloadKey, int],
+        generation: int,
+        failed: dict[OffloadKey, str],
+    ) -> None:
+        self._writing_records -= len(placed)
+        written = set(report.written)
+        if generation != self._generation:  # cleared while being written
+            self._trash.extend({p.segment for p in placed})
         else:
-            insert = self._index.insert
-            for key in report.stored:
-                insert(key, reserved=True)
-            granted -= len(report.stored)
+            for (key, _), placement in zip(admitted, placed, strict=True):
+                if key in written:
+                    self._index.commit(digests[key], placement)
+                else:
+                    self._index.abandon(placement)
+        self._since_checkpoint += len(written)
         if report.failed:
             failed.update(report.failed)
             cause = "disk full" if report.disk_full else "write error"
             self._failure_log.record(cause, len(report.failed), next(iter(report.failed.values())))
-        self.metrics.stored_blocks += len(report.stored)
-        self.metrics.bytes_written += len(report.stored) * self.file_bytes
+        self.metrics.stored_blocks += len(written)
+        self.metrics.bytes_written += len(written) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
         self._store_space_ended(
-            report.free_bytes, disk_full=report.disk_full, stored_any=bool(report.stored)
+            report.free_bytes, disk_full=report.disk_full, stored_any=bool(written)
         )
-        return granted
+
+    def _commit_moves(
+        self,
+        report: WriteReport,
+        moved: Sequence[bytes | None],
+        placed: Sequence[Placement],
+        generation: int,
+    ) -> None:
+        """Index the moved records that were written, unless the key was stored again
+        meanwhile (the newer record wins) or the tier was cleared."""
+        self._writing_records -= len(placed)
+        written = set(report.written)
+        for key, placement in zip(moved, placed, strict=True):
+            if generation != self._generation:
+                continue
+            digest = None if key is None else key_digest(key)
+            if key in written and digest not in self._index:
+                self._index.commit(digest, placement)  # type: ignore[arg-type]
+                self.metrics.relocated_blocks += 1
+            else:
+                self._index.abandon(placement)
+                self.metrics.evicted_blocks += 1
+                if key is not None and digest not in self._index:
+                    self._note_removed((key,))
 
     def _commit_load(
-        self, report: LoadReport, generation: int, failed: dict[OffloadKey, str]
+        self,
+        report: ReadReport,
+        reads: Sequence[tuple[OffloadKey, str, int, int]],
+        generation: int,
+        failed: dict[OffloadKey, str],
     ) -> None:
-        index = self._index
         self.metrics.loaded_blocks += len(report.loaded)
         self.metrics.bytes_read += len(report.loaded) * self.file_bytes
         if report.loaded:
-            index.touch(report.loaded)
+            self._index.touch(key_digest(key) for key in report.loaded)
         if not report.failed:
             return
-        corrupt = set(report.corrupt)
+        corrupt, missing = set(report.corrupt), set(report.missing)
+        where = {key: (segment, record) for key, segment, record, _ in reads}
         for key, reason in report.failed.items():
             failed[key] = reason
             if key in corrupt:
                 self.metrics.corrupt_blocks += 1
                 self._failure_log.record("corrupt block", 1, reason)
-            elif reason == _MISSING:
+            elif key in missing:
                 self.metrics.missing_blocks += 1
-                self._failure_log.record("block file missing", 1, reason)
+                self._failure_log.record("block missing", 1, reason)
             else:
                 self.metrics.read_errors += 1
                 self._failure_log.record("read error", 1, reason)
-            if generation == self._generation and index.remove(key):
+            digest = key_digest(key)
+            if generation == self._generation and self._index.locate(digest) == where[key]:
+                self._index.remove(digest)
                 self._note_removed((key,))
-                self._space.freed()
+
+    async def _checkpoint(self) -> None:
+        self._since_checkpoint = 0
+        self._local = threading.local()  # per I/O thread: buffers for moved records
+        try:
+            await self.run_blocking(self._checkpoint_hop, self._index.checkpoint_segments())
+        except OSError as exc:
+            self._failure_log.record("checkpoint failed", 1, str(exc))
 
 
 def _meet(meeting: threading.Barrier) -> None:
@@ -1001,4 +828,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["NVMeFileTier", "NVMeMetrics", "NVMeTierBase", "check_root"]
+__all__ = ["NVMeMetrics", "NVMeTier", "check_root"]

@@ -1,6 +1,6 @@
-"""The NVMe tier's on-disk format: namespace directories, block file names, block headers.
+"""The NVMe tier's on-disk format: namespace directory names and block record headers.
 
-Every stored block is one file, self-describing and verifiable on its own::
+Every stored block is one record, self-describing and verifiable on its own::
 
     offset 0     header page (HEADER_BYTES = 4096 bytes, see below)
     offset 4096  payload: exactly ``payload_bytes`` bytes, the block as it sat in its CPU slot
@@ -31,15 +31,9 @@ data. A reader of the other kind never serves a block: a plain reader refuses ki
 and an encrypting tier refuses kind 1.
 
 This module is pure: it computes names, digests and header bytes and never touches a
-file. Checksums are computed on the tier's worker threads, never on the loop. How
-much the xxhash binding (4.1.0 here) holds the GIL varied between two measurements on
-this 2-core machine: two threads hashing 2 MiB blocks back to back took as long as one
-in one session and ran partly in parallel in another, raising a sleeping thread's p99
-wake-up lag to 3.6 ms and 1.6-2.0 ms (zlib.crc32, which releases the GIL: 1.2 and
-0.55 ms). Either way a 2 MiB block holds it for 0.05-0.15 ms, a hash is a few percent
-of a block's I/O time, and dropping checksums altogether moved bench_nvme's 2 MiB loop
-lag p99 by about 0.2 ms. The system libxxhash through ctypes releases the
-GIL, but its build here hashes 3 times slower (no AVX2 dispatch), so it is not used.
+file. Checksums are computed on the tier's worker threads, never on the loop; the
+xxhash binding holds the GIL while it hashes (docs/nvme.md, "Measurements behind the
+code", says how much that costs and why it stays).
 """
 
 from __future__ import annotations
@@ -49,26 +43,18 @@ import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import xxhash
 
 from tiering.encryption import NONCE_BYTES, TAG_BYTES, Seal
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
-if TYPE_CHECKING:
-    from backends.nvme_sealing import PayloadSealer
-
 MAGIC = b"KVTBLK\r\n"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 CHECKSUM_XXH3_128 = 1
 SEALED_AES_GCM = 2
-
-BLOCK_SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
-FANOUT = 256
-"""Block files are spread over this many subdirectories (``00`` .. ``ff``)."""
 
 _FIXED = struct.Struct("<8sHHB3xQ16s16sH6x")
 _KEY_OFFSET = _FIXED.size
@@ -78,9 +64,6 @@ _SEAL = struct.Struct(f"<I{NONCE_BYTES}s")
 _SEAL_OFFSET = _TRAILER_OFFSET - _SEAL.size
 MAX_KEY_BYTES = _SEAL_OFFSET - _KEY_OFFSET
 """The longest key a header can hold."""
-
-_LONG_KEY_NAME_BYTES = 64
-"""Keys longer than this are named by a digest instead of their hex (file-name limits)."""
 
 _READABLE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -136,24 +119,6 @@ def check_key(key: object) -> bytes:
             f"block key must be 1..{MAX_KEY_BYTES} bytes long, got {len(key)}"
         )
     return key
-
-
-def block_relpath(key: bytes) -> str:
-    """The path of ``key``'s block file relative to the namespace directory.
-
-    ``<fanout>/<name>.kvb`` where ``<fanout>`` is two hex digits of xxh3_64(key) and
-    ``<name>`` is the key's hex, or ``h`` plus a sha256 hex digest for long keys (the
-    header still holds the full key, and every read compares it).
-    """
-    fan = xxhash.xxh3_64_intdigest(key) % FANOUT
-    long_key = len(key) > _LONG_KEY_NAME_BYTES
-    name = "h" + hashlib.sha256(key).hexdigest() if long_key else key.hex()
-    return f"{fan:02x}/{name}{BLOCK_SUFFIX}"
-
-
-def fanout_dirs() -> list[str]:
-    """The names of the fan-out subdirectories, ``00`` .. ``ff``."""
-    return [f"{i:02x}" for i in range(FANOUT)]
 
 
 def payload_checksum(payload: memoryview | bytes | bytearray) -> bytes:
@@ -264,10 +229,17 @@ def check_header(
         raise CorruptBlockError(f"payload length {header.payload_bytes}, expected {payload_bytes}")
 
 
+class PayloadOpener(Protocol):
+    """What :func:`verify_payload` needs of a sealer (:class:`~backends.nvme_sealing.
+    PayloadSealer`): opening a sealed payload where it lies."""
+
+    def open(self, header: BlockHeader, slot: memoryview) -> None: ...
+
+
 def verify_payload(
     header: BlockHeader,
     payload: memoryview,
-    sealer: PayloadSealer | None,
+    sealer: PayloadOpener | None,
     checksum: Callable[[memoryview], bytes] = payload_checksum,
 ) -> None:
     """Check a payload read under ``header`` (already checked against the expected key,

@@ -2,19 +2,16 @@
 
 Synchronous and independent of any event loop; the ``tiering inspect``, ``verify`` and
 ``clear`` commands are thin shells around :func:`inspect_root`, :func:`verify_root` and
-:func:`clear_root`. Both layouts are understood, and a namespace directory may hold both
-(two tiers of different layouts given one namespace).
+:func:`clear_root`.
 
 What counts as what is the tier's own view, computed with the tier's own code:
 
-* **blocks** are what a tier started now would index: for the file layout, block files
-  whose header verifies, of this namespace and record size, under the name of their key
-  (as ``BlockFiles.scan``); for the segment layout, the entries of a
+* **blocks** are what a tier started now would index: the entries of a
   :class:`~backends.nvme_segment_index.SegmentIndex` rebuilt with ``restore`` from the
   checkpoint and a scan of every segment (as the tier's start-up does).
-* **damaged** is what the tier's recovery drops or cannot use: torn, corrupt, foreign or
-  misplaced block files, record slots of a segment whose header does not verify (but
-  not those :func:`verify_root` marked removed), a segment with neither a valid header
+* **damaged** is what the tier's recovery drops or cannot use: record slots of a
+  segment whose header does not verify (but not those :func:`verify_root` marked
+  removed), a segment with neither a valid header
   nor a valid record, a rejected checkpoint, a ``NAMESPACE`` file that does not name
   the directory's namespace.
 * **orphaned** is what nobody will read again: temporary files and lock files of writers
@@ -48,40 +45,32 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from backends.nvme import IDENTITY_FILE, check_root
-from backends.nvme_files import OWNERS_DIR, describe_os_error, owner_alive
 from backends.nvme_format import (
-    BLOCK_SUFFIX,
     HEADER_BYTES,
-    TEMP_SUFFIX,
     BlockHeader,
-    block_relpath,
-    check_header,
     decode_header,
-    fanout_dirs,
     namespace_digest,
-    verify_payload,
 )
+from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
+from backends.nvme_recovery import IDENTITY_FILE, recover
 from backends.nvme_sealing import PayloadSealer
-from backends.nvme_segment_index import SegmentIndex, key_digest
-from backends.nvme_segment_tier import MAX_RECORDS_PER_SEGMENT
-from backends.nvme_segments import (
+from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
     Checkpoint,
-    SegmentFiles,
-    SegmentScan,
     parse_segment_name,
 )
+from backends.nvme_segment_index import SegmentIndex, key_digest
+from backends.nvme_segments import SegmentFiles
+from backends.nvme_space import MAX_RECORDS_PER_SEGMENT
 from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
 
 _NAMESPACE_DIR = re.compile(r"^(.+)-([0-9a-f]{32})$")
-_FANOUT = frozenset(fanout_dirs())
+TEMP_SUFFIX = ".tmp"
 _PROBE_PREFIX = ".odirect-probe."
 _READ_BATCH_BYTES = 32 << 20
 """The most payload bytes one verification read holds in memory."""
@@ -91,7 +80,6 @@ It is no block header (the tier's scan skips the slot, as it skips a torn one), 
 ``inspect`` tells it from damage: the slot is counted removed, not damaged."""
 
 LAYOUT_SEGMENTS = "segments"
-LAYOUT_FILES = "files"
 
 
 # -- reports ----------------------------------------------------------------------------
@@ -103,9 +91,6 @@ class Finding:
 
     path: str
     reason: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"path": self.path, "reason": self.reason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,63 +123,37 @@ class NamespaceReport:
         """The namespace string, or the directory name when it is unknown."""
         return self.namespace if self.namespace is not None else self.directory
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "namespace": self.namespace,
-            "digest": self.digest,
-            "layouts": list(self.layouts),
-            "block_bytes": self.block_bytes,
-            "blocks": self.blocks,
-            "payload_bytes": self.payload_bytes,
-            "disk_bytes": self.disk_bytes,
-            "files": self.files,
-            "live_owners": list(self.live_owners),
-            "damaged": [f.to_json() for f in self.damaged],
-            "orphaned": [f.to_json() for f in self.orphaned],
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class RootReport:
-    """What :func:`inspect_root` found: the namespaces (by directory name) and the
-    root's other entries (never touched by the tier or these tools)."""
+    """What :func:`inspect_root` found: totals over the namespaces, the namespaces (by
+    directory name), and the root's other entries (never touched by the tier or these
+    tools). ``damaged`` and ``orphaned`` count findings."""
 
     root: str
+    blocks: int
+    payload_bytes: int
+    disk_bytes: int
+    damaged: int
+    orphaned: int
     namespaces: tuple[NamespaceReport, ...]
     other_entries: tuple[str, ...]
 
-    @property
-    def blocks(self) -> int:
-        return sum(ns.blocks for ns in self.namespaces)
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(ns.payload_bytes for ns in self.namespaces)
-
-    @property
-    def disk_bytes(self) -> int:
-        return sum(ns.disk_bytes for ns in self.namespaces)
-
-    @property
-    def damaged(self) -> int:
-        return sum(len(ns.damaged) for ns in self.namespaces)
-
-    @property
-    def orphaned(self) -> int:
-        return sum(len(ns.orphaned) for ns in self.namespaces)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "blocks": self.blocks,
-            "payload_bytes": self.payload_bytes,
-            "disk_bytes": self.disk_bytes,
-            "damaged": self.damaged,
-            "orphaned": self.orphaned,
-            "namespaces": [ns.to_json() for ns in self.namespaces],
-            "other_entries": list(self.other_entries),
-        }
+    @classmethod
+    def of(
+        cls, root: str, namespaces: tuple[NamespaceReport, ...], others: tuple[str, ...]
+    ) -> RootReport:
+        """The report of ``namespaces``, with their totals."""
+        return cls(
+            root,
+            sum(ns.blocks for ns in namespaces),
+            sum(ns.payload_bytes for ns in namespaces),
+            sum(ns.disk_bytes for ns in namespaces),
+            sum(len(ns.damaged) for ns in namespaces),
+            sum(len(ns.orphaned) for ns in namespaces),
+            namespaces,
+            others,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,15 +168,6 @@ class BadBlock:
     reason: str
     removed: bool
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "record": self.record,
-            "key": self.key,
-            "reason": self.reason,
-            "removed": self.removed,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class NamespaceVerify:
@@ -230,44 +180,30 @@ class NamespaceVerify:
     live_owners: tuple[str, ...]
     checkpoint_rewritten: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "namespace": self.namespace,
-            "checked": self.checked,
-            "bad": [b.to_json() for b in self.bad],
-            "live_owners": list(self.live_owners),
-            "checkpoint_rewritten": self.checkpoint_rewritten,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
-    """What :func:`verify_root` checked and found; ``removed`` says whether bad blocks
-    were asked to be removed."""
+    """What :func:`verify_root` checked and found: blocks checked, bad, and of those
+    removed (``remove``: bad blocks were asked to be removed), per namespace."""
 
     root: str
     remove: bool
+    checked: int
+    bad: int
+    removed: int
     namespaces: tuple[NamespaceVerify, ...]
 
-    @property
-    def checked(self) -> int:
-        return sum(ns.checked for ns in self.namespaces)
+    @classmethod
+    def of(cls, root: str, remove: bool, namespaces: tuple[NamespaceVerify, ...]) -> VerifyReport:
+        """The report of ``namespaces``, with their totals."""
+        bad = [b for ns in namespaces for b in ns.bad]
+        checked = sum(ns.checked for ns in namespaces)
+        return cls(root, remove, checked, len(bad), sum(b.removed for b in bad), namespaces)
 
     @property
-    def bad(self) -> tuple[BadBlock, ...]:
+    def bad_blocks(self) -> tuple[BadBlock, ...]:
+        """Every bad block, namespace by namespace."""
         return tuple(b for ns in self.namespaces for b in ns.bad)
-
-    def to_json(self) -> dict[str, Any]:
-        bad = self.bad
-        return {
-            "root": self.root,
-            "remove": self.remove,
-            "checked": self.checked,
-            "bad": len(bad),
-            "removed": sum(b.removed for b in bad),
-            "namespaces": [ns.to_json() for ns in self.namespaces],
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,16 +218,6 @@ class ClearReport:
     files: int
     bytes: int
     left: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "dry_run": self.dry_run,
-            "namespaces": list(self.namespaces),
-            "files": self.files,
-            "bytes": self.bytes,
-            "left": list(self.left),
-        }
 
 
 # -- the root and its namespace directories -----------------------------------------------
@@ -411,15 +337,8 @@ def _live_owners(ns: _Namespace) -> tuple[str, ...]:
     return tuple(
         name.removesuffix(".lock")
         for name in names
-        if name.endswith(".lock") and _alive(ns.path, name.removesuffix(".lock"))
+        if name.endswith(".lock") and owner_alive(ns.path, name.removesuffix(".lock"))
     )
-
-
-def _alive(directory: str, writer: str) -> bool:
-    try:
-        return owner_alive(directory, writer)
-    except OSError:
-        return True  # cannot tell (e.g. a read-only lock file): assume it runs
 
 
 def _refuse_if_live(namespaces: Sequence[_Namespace], action: str) -> None:
@@ -470,159 +389,6 @@ def _read_header(path: str, offset: int = 0) -> BlockHeader | None:
         return decode_header(page)
     except (OSError, CorruptBlockError):
         return None
-
-
-# -- the file layout ---------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _FileBlock:
-    rel: str  # relative to the namespace directory
-    key: bytes | None
-    problem: str | None  # why the tier's start-up would remove it, or None
-
-
-@dataclass(slots=True)
-class _FilesState:
-    block_bytes: int | None = None
-    blocks: list[_FileBlock] = field(default_factory=list)
-    orphaned: list[Finding] = field(default_factory=list)
-    sealed: bool = False  # some block is encrypted
-
-
-def _files_state(ns: _Namespace) -> _FilesState | None:
-    """The file layout's blocks in ``ns``, classified as ``BlockFiles.scan`` would (but
-    nothing removed); None when the layout is absent."""
-    subdirs = [d for d in _listdir(ns.path) if d.name in _FANOUT and d.is_dir()]
-    if not subdirs:
-        return None
-    state = _FilesState()
-    headers: list[tuple[str, int, BlockHeader | None]] = []
-    sizes: Counter[int] = Counter()
-    alive: dict[str, bool] = {}
-    for sub in subdirs:
-        for entry in _listdir(sub.path):
-            rel = os.path.join(sub.name, entry.name)
-            if entry.name.endswith(BLOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
-                header = _read_header(entry.path)
-                size = entry.stat(follow_symlinks=False).st_size
-                headers.append((rel, size, header))
-                if header is not None and header.namespace_digest == ns.digest:
-                    sizes[header.payload_bytes] += 1
-                    state.sealed = state.sealed or header.seal is not None
-            elif entry.name.endswith(TEMP_SUFFIX):
-                writer = entry.name[: -len(TEMP_SUFFIX)].rpartition(".")[2].partition("-")[0]
-                if writer not in alive:
-                    alive[writer] = _alive(ns.path, writer)
-                if not alive[writer]:
-                    state.orphaned.append(
-                        Finding(ns.rel(rel), "temporary file of a writer that is gone")
-                    )
-            else:
-                state.orphaned.append(
-                    Finding(ns.rel(rel), "not a file the tier writes (the tier leaves it alone)")
-                )
-    state.block_bytes = _most_common(sizes)
-    for rel, size, header in headers:
-        state.blocks.append(_FileBlock(rel, header.key if header else None, None))
-        state.blocks[-1].problem = _file_problem(ns, rel, size, header, state.block_bytes)
-    return state
-
-
-def _file_problem(
-    ns: _Namespace, rel: str, size: int, header: BlockHeader | None, block_bytes: int | None
-) -> str | None:
-    # The checks of BlockFiles._check_block_file and _header_problem, in their order.
-    if block_bytes is None:
-        return "no block of this namespace verifies: record size unknown"
-    if size != HEADER_BYTES + block_bytes:
-        return f"torn: file is {size} bytes, expected {HEADER_BYTES + block_bytes}"
-    if header is None:
-        return "corrupt: the header does not verify"
-    if header.namespace_digest != ns.digest:
-        return "foreign: the block belongs to another namespace"
-    if header.payload_bytes != block_bytes:
-        return f"corrupt: payload length {header.payload_bytes}, expected {block_bytes}"
-    if block_relpath(header.key) != rel:
-        return "misplaced: the file name does not match the key inside"
-    return None
-
-
-def _verify_block_file(
-    path: str,
-    key: bytes,
-    block_bytes: int,
-    ns_digest: bytes,
-    page: memoryview,
-    slot: memoryview,
-    sealer: PayloadSealer | None,
-) -> tuple[str | None, os.stat_result | None]:
-    """The checks of a load (``BlockFiles._read_block``), without removing anything:
-    ``(why it failed or None, the stat of the file read)``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        return "block file is missing", None
-    except OSError as exc:
-        return f"read failed: {describe_os_error(exc)}", None
-    try:
-        stat = os.fstat(fd)
-        file_bytes = HEADER_BYTES + block_bytes
-        if stat.st_size != file_bytes:
-            return f"corrupt block: file is {stat.st_size} bytes, expected {file_bytes}", stat
-        got = os.preadv(fd, [page, slot], 0)
-        if got != file_bytes:
-            return f"corrupt block: short read: {got} of {file_bytes} bytes", stat
-        decoded = decode_header(page)
-        check_header(decoded, key=key, payload_bytes=block_bytes, ns_digest=ns_digest)
-        verify_payload(decoded, slot, sealer)
-        return None, stat
-    except CorruptBlockError as exc:
-        return f"corrupt block: {exc}", stat
-    except OSError as exc:
-        return f"read failed: {describe_os_error(exc)}", stat
-    finally:
-        os.close(fd)
-
-
-def _unlink_if_same(path: str, stat: os.stat_result | None) -> bool:
-    # As the tier: another engine may have renamed a fresh block over the bad one.
-    try:
-        current = os.lstat(path)
-        if stat is not None and (current.st_dev, current.st_ino) != (stat.st_dev, stat.st_ino):
-            return False
-        os.unlink(path)
-    except OSError:
-        return False
-    return True
-
-
-def _verify_files(
-    ns: _Namespace,
-    state: _FilesState,
-    remove: bool,
-    keyring: Keyring | None,
-    advance: Callable[[int], None],
-) -> tuple[int, list[BadBlock]]:
-    bad: list[BadBlock] = []
-    sealer = _sealer(keyring, state.block_bytes, ns.digest)
-    buffer = memoryview(bytearray(HEADER_BYTES + (state.block_bytes or 0)))
-    page, slot = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
-    for block in state.blocks:
-        advance(1)
-        path = os.path.join(ns.path, block.rel)
-        stat: os.stat_result | None = None
-        reason = block.problem
-        if reason is None and block.key is not None and state.block_bytes is not None:
-            reason, stat = _verify_block_file(
-                path, block.key, state.block_bytes, ns.digest, page, slot, sealer
-            )
-        if reason is None:
-            continue
-        removed = remove and _unlink_if_same(path, stat)
-        key = block.key.hex() if block.key is not None else None
-        bad.append(BadBlock(ns.rel(block.rel), None, key, reason, removed))
-    return len(state.blocks), bad
 
 
 # -- the segment layout ------------------------------------------------------------------
@@ -683,29 +449,33 @@ def _segments_state(ns: _Namespace) -> _SegmentsState | None:
         gil_pause_bytes=0,
     )
     state.files = files
-    checkpoint, note = files.read_checkpoint()
-    state.checkpoint = checkpoint
-    if checkpoint is None and note != "no checkpoint":
+    # The tier's own recovery, read-only; an index as large as what is on disk keeps
+    # every block the tier would index, whatever its cap.
+    found = recover(
+        files,
+        lambda records: SegmentIndex(
+            max(1, records), records_per_segment=MAX_RECORDS_PER_SEGMENT, writer="0"
+        ),
+        writer=uuid.uuid4().hex,
+        read_only=True,
+    )
+    state.checkpoint, state.index = found.checkpoint, found.index
+    note = found.checkpoint_note
+    if found.checkpoint is None and note != "no checkpoint":
         state.damaged.append(
             Finding(ns.rel(CHECKPOINT_FILE), f"{note} (the tier scans every segment instead)")
         )
-    covered = dict(checkpoint.segments) if checkpoint is not None else {}
-    on_disk: list[tuple[str, int, float]] = []
-    scans: dict[str, SegmentScan] = {}
     for name, size in files.list_segments():
         rel = ns.rel(SEGMENTS_DIR, name)
         records = files.records_in(size)
-        try:
-            scan = files.scan(name, 0)
-            mtime = os.stat(files.path_of(name)).st_mtime
-        except OSError as exc:
-            state.damaged.append(Finding(rel, f"unreadable: {describe_os_error(exc)}"))
-            continue
-        start = min(covered.get(name, 0), records)
-        if not scan.header_ok and not scan.records and not start:
+        scan = found.scans.get(name)
+        if name in found.unreadable:
+            state.damaged.append(Finding(rel, f"unreadable: {found.unreadable[name]}"))
+        elif name in found.corrupt:
             state.damaged.append(
                 Finding(rel, "neither its header nor any record verifies (removed at tier start)")
             )
+        if scan is None:
             continue
         removed = _removed_slots(files, name, records) if scan.invalid else 0
         if scan.invalid > removed:
@@ -720,21 +490,8 @@ def _segments_state(ns: _Namespace) -> _SegmentsState | None:
             )  # fmt: skip
         if size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
             state.damaged.append(Finding(rel, "ends in a partial record (a torn write)"))
-        scans[name] = scan
-        on_disk.append((name, records, mtime))
-    # The order of NVMeSegmentTier._scan_disk: the checkpoint's, then age.
-    order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
-    on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
-    listed = [(name, records) for name, records, _ in on_disk]
-    index = SegmentIndex(
-        max(1, sum(records for _, records in listed)),
-        records_per_segment=MAX_RECORDS_PER_SEGMENT,
-        writer=uuid.uuid4().hex,
-    )
-    index.restore(checkpoint, listed, scans)
-    state.index = index
-    live = Counter(name for name, _ in _live_entries(index))
-    for name, _records in listed:
+    live = Counter(name for name, _ in _live_entries(found.index))
+    for name, _records in found.listed:
         if not live[name]:
             state.orphaned.append(
                 Finding(
@@ -951,14 +708,14 @@ def _drop_from_checkpoint(
 def _namespace_orphans(ns: _Namespace, layouts: Sequence[str]) -> list[Finding]:
     """Leftovers at the top of the namespace directory and in ``owners/``."""
     found: list[Finding] = []
-    known = {IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR, CHECKPOINT_FILE} | _FANOUT
+    known = {IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR, CHECKPOINT_FILE}
     for entry in _listdir(ns.path):
         name = entry.name
         if name in known:
             continue
         if name.startswith(f"{CHECKPOINT_FILE}.") and name.endswith(TEMP_SUFFIX):
             writer = name[len(CHECKPOINT_FILE) + 1 : -len(TEMP_SUFFIX)]
-            if not _alive(ns.path, writer):
+            if not owner_alive(ns.path, writer):
                 found.append(Finding(ns.rel(name), "temporary checkpoint of a writer that is gone"))
         elif name.startswith(f"{IDENTITY_FILE}.") and name.endswith(TEMP_SUFFIX):
             found.append(Finding(ns.rel(name), "temporary NAMESPACE file left by a tier start"))
@@ -970,7 +727,7 @@ def _namespace_orphans(ns: _Namespace, layouts: Sequence[str]) -> list[Finding]:
             )
     for entry in _listdir(os.path.join(ns.path, OWNERS_DIR)):
         if entry.name.endswith(".lock"):
-            if not _alive(ns.path, entry.name.removesuffix(".lock")):
+            if not owner_alive(ns.path, entry.name.removesuffix(".lock")):
                 found.append(
                     Finding(ns.rel(OWNERS_DIR, entry.name), "lock file of a writer that is gone")
                 )
@@ -987,21 +744,16 @@ def _namespace_orphans(ns: _Namespace, layouts: Sequence[str]) -> list[Finding]:
 @dataclass(slots=True)
 class _State:
     ns: _Namespace
-    files: _FilesState | None
     segments: _SegmentsState | None
 
 
 def _state(ns: _Namespace) -> _State:
-    return _State(ns, _files_state(ns), _segments_state(ns))
+    return _State(ns, _segments_state(ns))
 
 
 def _report(state: _State) -> NamespaceReport:
-    ns, files, segments = state.ns, state.files, state.segments
-    layouts = tuple(
-        name
-        for name, present in ((LAYOUT_SEGMENTS, segments), (LAYOUT_FILES, files))
-        if present is not None
-    )
+    ns, segments = state.ns, state.segments
+    layouts = (LAYOUT_SEGMENTS,) if segments is not None else ()
     damaged: list[Finding] = []
     if ns.identity_problem is not None:
         damaged.append(Finding(ns.rel(IDENTITY_FILE), ns.identity_problem))
@@ -1014,13 +766,6 @@ def _report(state: _State) -> NamespaceReport:
         block_bytes = segments.block_bytes
         blocks += segments.blocks
         payload += segments.blocks * (segments.block_bytes or 0)
-    if files is not None:
-        valid = [b for b in files.blocks if b.problem is None]
-        damaged += [Finding(ns.rel(b.rel), b.problem) for b in files.blocks if b.problem]
-        orphaned += files.orphaned
-        block_bytes = block_bytes or files.block_bytes
-        blocks += len(valid)
-        payload += len(valid) * (files.block_bytes or 0)
     sizes = [size for _, size in _walk_files(ns.path)]
     return NamespaceReport(
         directory=ns.name,
@@ -1056,7 +801,7 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
     path, namespaces, others = _open_root(root)
     selected = _select(namespaces, namespace)
     with _os_errors(path):
-        return RootReport(path, tuple(_report(_state(ns)) for ns in selected), tuple(others))
+        return RootReport.of(path, tuple(_report(_state(ns)) for ns in selected), tuple(others))
 
 
 # -- verify -----------------------------------------------------------------------------
@@ -1077,11 +822,8 @@ def verify_root(
     encrypted block is reported bad (it cannot be checked), and ``remove`` is refused
     for a namespace that holds encrypted blocks.
 
-    For the file layout every block file counts, and files the tier's start-up would
-    remove (torn, corrupt, foreign, misplaced) are bad too; for the segment layout the
-    blocks are those the rebuilt index holds (a record no index entry names is never
-    served, so it is not a block). With ``remove``: a bad block file is unlinked (only
-    if it is still the file read, as the tier does); a bad record's header page is
+    The blocks are those the rebuilt index holds (a record no index entry names is never
+    served, so it is not a block). With ``remove``: a bad record's header page is
     overwritten with a removal mark, so a start's scan skips it (and :func:`inspect_root`
     counts it removed, not damaged), and its entry leaves the index checkpoint
     (rewritten atomically). A later tier start then neither indexes nor serves them.
@@ -1105,15 +847,13 @@ def verify_root(
         states = [(ns, _state(ns)) for ns in selected]
         if remove and keyring is None:
             for ns, state in states:
-                if any(part is not None and part.sealed for part in (state.files, state.segments)):
+                if state.segments is not None and state.segments.sealed:
                     raise TieringError(
                         f"{ns.path}: holds encrypted blocks; without their keyring "
                         "(--encryption) none can be checked, so none is removed"
                     )
         total = sum(
-            (state.segments.blocks if state.segments is not None else 0)
-            + (len(state.files.blocks) if state.files is not None else 0)
-            for _, state in states
+            state.segments.blocks if state.segments is not None else 0 for _, state in states
         )
         done = 0
 
@@ -1125,7 +865,7 @@ def verify_root(
 
         advance(0)
         results = [_verify_namespace(ns, state, remove, keyring, advance) for ns, state in states]
-    return VerifyReport(path, remove, tuple(results))
+    return VerifyReport.of(path, remove, tuple(results))
 
 
 def _verify_namespace(
@@ -1140,10 +880,6 @@ def _verify_namespace(
     rewritten = False
     if state.segments is not None:
         n, found, rewritten = _verify_segments(ns, state.segments, remove, keyring, advance)
-        checked += n
-        bad += found
-    if state.files is not None:
-        n, found = _verify_files(ns, state.files, remove, keyring, advance)
         checked += n
         bad += found
     return NamespaceVerify(ns.name, ns.namespace, checked, tuple(bad), _live_owners(ns), rewritten)
@@ -1169,7 +905,7 @@ def _tier_file(rel_parts: tuple[str, ...]) -> bool:
         return parse_segment_name(name) is not None
     if top == OWNERS_DIR:
         return name.endswith(".lock") or (name.startswith(".") and name.endswith(".new"))
-    return top in _FANOUT and (name.endswith(BLOCK_SUFFIX) or name.endswith(TEMP_SUFFIX))
+    return False
 
 
 def clear_root(
@@ -1177,7 +913,7 @@ def clear_root(
 ) -> ClearReport:
     """Remove every block of ``root``, or of one namespace, with its namespace directory.
 
-    Removed: the files the tier writes (block files, segments, the checkpoint, the
+    Removed: the files the tier writes (segments, the checkpoint, the
     ``NAMESPACE`` file, temporary, probe and lock files) and then the directories left
     empty. Files with other names are left, with their directories, and listed in
     ``left``. Nothing outside the namespace directories is touched; symbolic links are

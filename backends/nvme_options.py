@@ -1,5 +1,5 @@
-"""The NVMe tiers' options (:class:`NVMeOptions` for ``"nvme"``, the segment layout, and
-:class:`NVMeFileOptions` for ``"nvme-files"``), read by the registry and the config.
+"""The NVMe tier's options (:class:`NVMeOptions` for ``"nvme"``), read by the registry and
+the config.
 
 The tiers' constructors still check their arguments themselves; they are to take these
 models instead (``Options = NVMeOptions``), and their hand-written checks go.
@@ -16,7 +16,6 @@ from pydantic import AfterValidator, Field
 
 from tiering.encryption import Keyring
 from tiering.options import ActorOptions, Bytes, PositiveInt, SecondsOrZero, Size, secret
-from tiering.policies import EvictionPolicy
 
 
 def _mode(required: int, allowed: int) -> AfterValidator:
@@ -37,8 +36,8 @@ def _an_object(value: object) -> object:
     return value
 
 
-class _NVMeCommonOptions(ActorOptions):
-    """What both NVMe layouts take."""
+class NVMeOptions(ActorOptions):
+    """The NVMe tier's options (docs/nvme.md)."""
 
     root: str | os.PathLike[str]
     namespace: str = Field(min_length=1)
@@ -55,11 +54,6 @@ class _NVMeCommonOptions(ActorOptions):
         None, description="the OS calls (a test double); None: the real ones"
     )
     clock: Callable[[], float] = time.monotonic
-
-
-class NVMeOptions(_NVMeCommonOptions):
-    """The segment-layout NVMe tier's options (docs/nvme.md)."""
-
     segment_bytes: Bytes | None = None
     checkpoint_every: PositiveInt = 16384
     hot_fraction: float = Field(0.25, ge=0, le=1)
@@ -67,10 +61,4 @@ class NVMeOptions(_NVMeCommonOptions):
     staging_bytes: Size = Field(0, ge=0)
 
 
-class NVMeFileOptions(_NVMeCommonOptions):
-    """The file-per-block NVMe tier's options."""
-
-    policy: str | EvictionPolicy = "lru"
-
-
-__all__ = ["NVMeFileOptions", "NVMeOptions"]
+__all__ = ["NVMeOptions"]

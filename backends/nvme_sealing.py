@@ -1,22 +1,20 @@
 """Encrypted payloads on NVMe: seal on the way to disk, open on the way back.
 
-The NVMe layouts move plain payloads straight between the host pool and the disk. With
+The NVMe tier moves plain payloads straight between the host pool and the disk. With
 a keyring a write cannot: the host pool's slot must keep its plaintext, and AES-GCM
 writes a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a
 few page-aligned buffers (O_DIRECT still applies) on huge pages where the kernel gives
 them (:func:`tiering.host_pool.io_buffer` says why that matters): a write seals the slot
 into one and writes that. A read needs none: the ciphertext goes straight into the slot,
 as a plain payload does, and is opened where it lies (a slot whose block does not
-authenticate holds garbage, and the layouts report its key failed, as for a checksum
-mismatch; a failed key's slot is never served). Opening in place, loads of sealed blocks
-ran as fast as plain ones (2.09-2.13 GB/s against 2.09-2.12, 2 MiB blocks, segment
-layout); opened from a buffer they had run 13-23 % slower.
+authenticate holds garbage, and the tier reports its key failed, as for a checksum
+mismatch; a failed key's slot is never served). Opened in place, sealed loads cost no
+more than plain ones (docs/security.md has the figures).
 
 Blocking, for the tier's worker threads only. The cipher runs without the GIL but not
-without a core: on two cores, four I/O threads opening a job's blocks back to back kept
-the event loop's thread off the CPU, its p99 wake-up lag 2.1 ms against 0.6 ms for plain
-blocks. So a thread gives up the CPU after each block it seals or opens
-(``os.sched_yield``, a quarter of a microsecond when nothing else waits): 0.4 ms.
+without a core: I/O threads opening a job's blocks back to back keep the event loop's
+thread off the CPU, so a thread gives up the CPU after each block it seals or opens
+(``os.sched_yield``).
 """
 
 from __future__ import annotations
@@ -24,15 +22,15 @@ from __future__ import annotations
 import os
 import threading
 
-from backends.nvme_files import ALIGNMENT
 from backends.nvme_format import BlockHeader
+from backends.nvme_os import ALIGNMENT
 from tiering.encryption import TAG_BYTES, BlockCipher, Seal, associated_data
 from tiering.errors import CorruptBlockError
 from tiering.host_pool import io_buffer
 
 SEAL_BATCH_BYTES = 8 << 20
 """Sealing-buffer memory per worker thread: a job's records are sealed and written this
-many bytes at a time (against 32 and 128 MiB, 8 MiB stored fastest)."""
+many bytes at a time (the fastest of the sizes tried, docs/nvme.md)."""
 
 
 class PayloadSealer:

@@ -1,4 +1,4 @@
-"""The segment layout's index: where each block sits, in about 40 bytes per block.
+"""The NVMe tier's index: where each block sits, in a few dozen bytes per block.
 
 Sans-I/O: plain synchronous code on the loop thread, no awaits, no files. It decides
 where new records go (which segment, which record number), which segments to delete to
@@ -6,8 +6,7 @@ make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I
 
 Memory: a block is indexed by a 64-bit digest of its key (:func:`key_digest`) in an
 open-addressing table of three flat arrays (digest, location, last use: 20 bytes a
-slot, at most 70 % full) plus 8 bytes per record in its segment's digest list: about
-36-65 bytes per block, against about 400 for a dict of keys with an ordered policy.
+slot, at most 70 % full) plus 8 bytes per record in its segment's digest list.
 Two keys with the same digest look like one block to the index; every read verifies
 the full key stored in the record's header, so such a collision can cost a hit, never
 serve another block's bytes.
@@ -33,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from backends.nvme_segments import Checkpoint, SegmentScan, parse_segment_name, segment_name
+from backends.nvme_segment_format import Checkpoint, parse_segment_name, segment_name
+from backends.nvme_segments import SegmentScan
 from tiering.errors import InvalidArgumentError
 from tiering.validation import positive_int
 
@@ -199,8 +199,26 @@ class Eviction:
     reinsert: list[tuple[int, int]]
 
 
+@dataclass(frozen=True, slots=True)
+class RoomPlan:
+    """How one store job makes room (:meth:`SegmentIndex.plan_room`).
+
+    ``fit`` of the job's records fit; ``evictions`` are the segments given up (their
+    files are the caller's to delete); ``moves`` the recently used records of those
+    segments to write again, as ``(segment, record, digest)``; ``gone`` the records
+    whose blocks leave the tier, as ``(segment, record)``; ``placed`` one placement per
+    job record that fits, then one per move.
+    """
+
+    fit: int
+    evictions: list[Eviction]
+    moves: list[tuple[str, int, int]]
+    gone: list[tuple[str, int]]
+    placed: list[Placement]
+
+
 class SegmentIndex:
-    """Which blocks a segment-layout tier holds, where, and what to evict.
+    """Which blocks the NVMe tier holds, where, and what to evict.
 
     Capacity is counted in records on disk (live or dead): a segment's records come
     back only when the segment is evicted. Segments take at most
@@ -273,6 +291,15 @@ class SegmentIndex:
     def pinned_records(self) -> int:
         """Records that reads or writes in flight use now (pins of every segment)."""
         return sum(segment.pins for segment in self._segments.values())
+
+    @property
+    def held_records(self) -> int:
+        """Records whose key is held (see :meth:`hold`)."""
+        return sum(1 for digest in self._holds if digest in self)
+
+    def holds(self, digest: int) -> int:
+        """How many holds of ``digest`` are not released yet."""
+        return self._holds[digest]
 
     @property
     def memory_bytes(self) -> int:
@@ -420,6 +447,25 @@ class SegmentIndex:
                 break
             evictions.append(self._evict(*victim))
         return min(count, max(0, bound - self.used_records)), evictions
+
+    def plan_room(self, count: int, *, limit: int | None = None, most_moves: int) -> RoomPlan:
+        """Make room for a store job of ``count`` records as the tier does, and place
+        them: evict segments (:meth:`make_room`, with room for the victims' recently
+        used blocks too), choose which of those blocks move (the newest, as many as the
+        room left and ``most_moves`` allow), and place the job's records, then the moves.
+        """
+        fit, evictions = self.make_room(count, limit=limit)
+        if any(e.reinsert for e in evictions):
+            hot = sum(len(e.reinsert) for e in evictions)
+            evictions += self.make_room(fit + hot, limit=limit)[1]
+        bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
+        most = min(max(0, bound - self.used_records - fit), most_moves)
+        hot_records = [(e.segment, record, d) for e in evictions for d, record in e.reinsert]
+        moves = hot_records[-most:] if most else []
+        moving = {(segment, record) for segment, record, _ in moves}
+        gone = [(e.segment, record) for e in evictions for record in e.dropped]
+        gone += [(seg, rec) for seg, rec, _ in hot_records if (seg, rec) not in moving]
+        return RoomPlan(fit, evictions, moves, gone, self.place(fit + len(moves)))
 
     def _next_victim(self) -> tuple[int, bool] | None:
         """``(slot, compact)``: the first evictable segment whose live fraction is below

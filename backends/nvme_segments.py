@@ -1,7 +1,7 @@
 """Segment files: KV blocks packed into large append-only files, and the index checkpoint.
 
-The blocking half of the NVMe tier's segment layout. :class:`SegmentFiles` does every
-file operation of it synchronously, without an event loop, and the tier calls it once
+The blocking half of the NVMe tier. :class:`SegmentFiles` does every file operation of
+it synchronously, without an event loop, and the tier calls it once
 per job on its own worker threads. It decides nothing: where each record goes (which
 segment, which offset) is chosen by the caller's index on the loop thread, and this
 module writes, reads, lists, scans and deletes what it is told to.
@@ -18,12 +18,10 @@ A segment file starts with one segment header page, then holds records at fixed 
                                 :mod:`backends.nvme_format`), then the payload, padded
                                 to a multiple of ALIGNMENT; S = record_bytes
 
-Segment header (little endian): magic ``KVTSEG\\r\\n``, u16 format version, u16 header
-length, u32 zero, u64 payload bytes per record, 16 bytes namespace digest, then the
-writer id (ASCII, NUL-padded to 64 bytes), zeros, and an xxh3_64 of bytes 0..4087 at
-offset 4088. Every record keeps its own self-describing header and payload checksum, so
-a record is verified on its own when it is read: a torn record, a record of another key,
-namespace or length, and a flipped payload byte are each a failed key, never data.
+The segment header and the checkpoint's format are :mod:`backends.nvme_segment_format`'s.
+Every record keeps its own self-describing header and payload checksum, so a record is
+verified on its own when it is read: a torn record, a record of another key, namespace
+or length, and a flipped payload byte are each a failed key, never data.
 
 Guarantees:
 
@@ -43,7 +41,7 @@ Guarantees:
   reader sees a whole old one or a whole new one; its body carries a checksum, and a
   checkpoint that fails any check is reported as absent, never trusted.
 
-Every system call goes through an :class:`~backends.nvme_files.OsCalls` (fault injection).
+Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -52,7 +50,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import re
 import struct
 import threading
 import time
@@ -60,10 +57,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-import xxhash
-
-from backends.nvme_files import (
+from backends.nvme_format import (
+    HEADER_BYTES,
+    check_header,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    verify_payload,
+)
+from backends.nvme_os import (
     ALIGNMENT,
     DISK_FULL_ERRNOS,
     FSYNC_POLICIES,
@@ -77,13 +79,15 @@ from backends.nvme_files import (
     is_aligned,
     write_all,
 )
-from backends.nvme_format import (
-    HEADER_BYTES,
-    check_header,
-    decode_header,
-    encode_header,
-    payload_checksum,
-    verify_payload,
+from backends.nvme_segment_format import (
+    CHECKPOINT_FILE,
+    SEGMENTS_DIR,
+    Checkpoint,
+    check_segment_header,
+    encode_checkpoint,
+    encode_segment_header,
+    parse_checkpoint,
+    parse_segment_name,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.host_pool import io_buffer
@@ -92,49 +96,16 @@ from tiering.validation import positive_int
 if TYPE_CHECKING:
     from backends.nvme_sealing import PayloadSealer
 
-SEGMENTS_DIR = "segments"
-SEGMENT_SUFFIX = ".seg"
-CHECKPOINT_FILE = "index.ckpt"
-SEGMENT_FORMAT_VERSION = 1
 MAX_IOV = 1024
 """The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
 
-_SEGMENT_MAGIC = b"KVTSEG\r\n"
-_SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")
-_TRAILER = struct.Struct("<Q")
-_TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
-_SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-_CHECKPOINT_MAGIC = b"KVTCKPT\n"
-_CHECKPOINT_VERSION = 1
-_CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
-"""magic, version, head length, record payload bytes, namespace digest, segments,
-entries, body length, body checksum (xxh3_128)."""
 
 
 def align_up(value: int, to: int = ALIGNMENT) -> int:
     """``value`` rounded up to a multiple of ``to``."""
     return -(-value // to) * to
-
-
-def segment_name(writer: str, seq: int) -> str:
-    """The file name of writer ``writer``'s segment number ``seq``.
-
-    Raises:
-        InvalidArgumentError: ``writer`` is not 1..64 lowercase hex digits, or ``seq`` is
-            outside 0..2**32-1.
-    """
-    if not re.fullmatch(r"[0-9a-f]{1,64}", writer) or not 0 <= seq < 1 << 32:
-        raise InvalidArgumentError(f"bad segment writer {writer!r} or sequence number {seq!r}")
-    return f"{writer}-{seq:08x}{SEGMENT_SUFFIX}"
-
-
-def parse_segment_name(name: str) -> tuple[str, int] | None:
-    """``(writer, seq)`` of a segment file name, or None for any other name."""
-    match = _SEGMENT_NAME.match(name)
-    return None if match is None else (match.group(1), int(match.group(2), 16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,60 +171,6 @@ class SegmentScan:
     end: int
     invalid: int
     header_ok: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """An index snapshot: the segments it covers and the entries in them.
-
-    ``segments[i]`` is ``(name, records covered)``: the checkpoint describes records
-    ``0 .. covered-1`` of that segment (later ones must be scanned). ``digests`` (u64),
-    ``segment_of`` (u32, an index into ``segments``), ``record_of`` (u32) and ``ticks``
-    (u32, the last-use clock) are parallel arrays, one entry per indexed block.
-    """
-
-    segments: list[tuple[str, int]]
-    digests: np.ndarray
-    segment_of: np.ndarray
-    record_of: np.ndarray
-    ticks: np.ndarray
-
-
-def encode_segment_header(
-    into: memoryview, *, payload_bytes: int, ns_digest: bytes, writer: str
-) -> None:
-    """Write a segment header page into ``into`` (HEADER_BYTES long)."""
-    view = into if into.format == "B" else into.cast("B")
-    view[:] = bytes(HEADER_BYTES)
-    _SEGMENT_FIXED.pack_into(
-        view,
-        0,
-        _SEGMENT_MAGIC,
-        SEGMENT_FORMAT_VERSION,
-        HEADER_BYTES,
-        payload_bytes,
-        ns_digest,
-        writer.encode("ascii"),
-    )
-    _TRAILER.pack_into(view, _TRAILER_OFFSET, xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]))
-
-
-def check_segment_header(page: memoryview | bytes, *, payload_bytes: int, ns_digest: bytes) -> None:
-    """Raise CorruptBlockError unless ``page`` is a valid segment header of this
-    namespace and record size (the message says which check failed)."""
-    view = memoryview(page).cast("B") if not isinstance(page, bytes) else memoryview(page)
-    if len(view) < HEADER_BYTES:
-        raise CorruptBlockError("segment header is short")
-    (stored,) = _TRAILER.unpack_from(view, _TRAILER_OFFSET)
-    if xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]) != stored:
-        raise CorruptBlockError("segment header checksum mismatch")
-    magic, version, length, payload, digest, _writer = _SEGMENT_FIXED.unpack_from(view, 0)
-    if magic != _SEGMENT_MAGIC or version != SEGMENT_FORMAT_VERSION or length != HEADER_BYTES:
-        raise CorruptBlockError("not a segment of this format")
-    if digest != ns_digest:
-        raise CorruptBlockError("segment belongs to another namespace")
-    if payload != payload_bytes:
-        raise CorruptBlockError(f"segment records hold {payload} bytes, expected {payload_bytes}")
 
 
 GIL_PAUSE_BYTES = 128 << 10
@@ -416,9 +333,7 @@ class SegmentFiles:
                 # A run written in several calls is allocated first, in one call: on
                 # ext4 a direct write that must allocate takes the file for itself and
                 # waits for all I/O in flight on it, so each such call of one job would
-                # stall every other job writing the segment (measured: with sealed
-                # payloads, three records a call, four jobs at once, 14-19 % slower
-                # stores; allocated first, 6-12 %).
+                # stall every other job writing the segment (docs/security.md).
                 length = len(run.records) * self.record_bytes
                 self.os.allocate(fd, self.offset_of(run.first), length)
             self._write_records(fd, run)
@@ -631,11 +546,9 @@ class SegmentFiles:
 
         The hash holds the GIL, and a job's records are hashed back to back (then written
         or read in one call): without the pause an event loop's thread could wait for the
-        GIL for a whole job's hashing, up to the 5 ms switch interval. Measured at 128 KiB
-        blocks (docs/benchmarks.md): with a pause every MiB the loop's p99 lag passed 2 ms
-        in 2 of 4 rounds of an alternating comparison and in two of three whole runs; with
-        a pause every record it stayed at 1.07-1.53 ms, for about 15 % of store
-        throughput. A tier on a private loop (the vLLM adapter's) can do without: its lag
+        GIL for a whole job's hashing, up to the 5 ms switch interval (docs/nvme.md has
+        the trade-off between pause interval, loop lag and store speed). A tier on a
+        private loop (the vLLM adapter's) can do without: its lag
         only delays completions (docs/vllm.md)."""
         checksum = payload_checksum(payload)
         if self.gil_pause_bytes:
@@ -775,38 +688,15 @@ class SegmentFiles:
             OSError: it could not be written (the previous checkpoint is unchanged and the
                 temporary file removed).
         """
-        names = "\n".join(f"{name} {covered}" for name, covered in checkpoint.segments).encode()
-        arrays = [
-            np.ascontiguousarray(checkpoint.digests, dtype="<u8"),
-            np.ascontiguousarray(checkpoint.segment_of, dtype="<u4"),
-            np.ascontiguousarray(checkpoint.record_of, dtype="<u4"),
-            np.ascontiguousarray(checkpoint.ticks, dtype="<u4"),
-        ]
-        count = len(arrays[0])
-        if any(len(array) != count for array in arrays):
-            raise InvalidArgumentError("checkpoint arrays differ in length")
-        body = [struct.pack("<Q", len(names)), names, *(memoryview(a).cast("B") for a in arrays)]
-        digest = xxhash.xxh3_128()
-        for part in body:
-            digest.update(part)
-        body_bytes = sum(len(part) for part in body)
-        head = _CHECKPOINT_HEAD.pack(
-            _CHECKPOINT_MAGIC,
-            _CHECKPOINT_VERSION,
-            _CHECKPOINT_HEAD.size,
-            self.block_bytes,
-            self.ns_digest,
-            len(checkpoint.segments),
-            count,
-            body_bytes,
-            digest.digest(),
+        parts = encode_checkpoint(
+            checkpoint, block_bytes=self.block_bytes, ns_digest=self.ns_digest
         )
         final = os.path.join(self.directory, CHECKPOINT_FILE)
         temp = f"{final}.{temp_suffix}.tmp"
         fd = self.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, self.file_mode)
         try:
             try:
-                write_all(self.os, fd, [memoryview(head), *(memoryview(p) for p in body)], 0)
+                write_all(self.os, fd, [memoryview(p) for p in parts], 0)
                 self.os.fdatasync(fd)
             finally:
                 self.os.close(fd)
@@ -816,7 +706,7 @@ class SegmentFiles:
             with contextlib.suppress(OSError):
                 self.os.unlink(temp)
             raise
-        return len(head) + body_bytes
+        return sum(len(p) for p in parts)
 
     def read_checkpoint(self) -> tuple[Checkpoint | None, str | None]:
         """The checkpoint on disk: ``(checkpoint, None)``, or ``(None, why not)`` when
@@ -831,49 +721,11 @@ class SegmentFiles:
         except OSError as exc:
             return None, f"checkpoint unreadable: {describe_os_error(exc)}"
         try:
-            return self._parse_checkpoint(data), None
+            return parse_checkpoint(
+                data, block_bytes=self.block_bytes, ns_digest=self.ns_digest
+            ), None
         except (CorruptBlockError, ValueError, struct.error) as exc:
             return None, f"checkpoint rejected: {exc}"
-
-    def _parse_checkpoint(self, data: bytes) -> Checkpoint:
-        if len(data) < _CHECKPOINT_HEAD.size:
-            raise CorruptBlockError("checkpoint is short")
-        magic, version, head_len, payload, ns, n_segments, count, body_len, checksum = (
-            _CHECKPOINT_HEAD.unpack_from(data, 0)
-        )
-        if (
-            magic != _CHECKPOINT_MAGIC
-            or version != _CHECKPOINT_VERSION
-            or head_len != _CHECKPOINT_HEAD.size
-        ):
-            raise CorruptBlockError("not a checkpoint of this format")
-        if ns != self.ns_digest or payload != self.block_bytes:
-            raise CorruptBlockError("checkpoint of another namespace or block size")
-        body = memoryview(data)[head_len:]
-        if len(body) != body_len:
-            raise CorruptBlockError(f"checkpoint body is {len(body)} bytes, expected {body_len}")
-        if xxhash.xxh3_128_digest(body) != checksum:
-            raise CorruptBlockError("checkpoint checksum mismatch")
-        (names_len,) = struct.unpack_from("<Q", body, 0)
-        names = bytes(body[8 : 8 + names_len]).decode("ascii").split("\n") if names_len else []
-        segments = []
-        for line in names:
-            name, _, covered = line.partition(" ")
-            if parse_segment_name(name) is None:
-                raise CorruptBlockError(f"bad segment name {name!r}")
-            segments.append((name, int(covered)))
-        if len(segments) != n_segments:
-            raise CorruptBlockError("segment table length mismatch")
-        at = 8 + names_len
-        arrays = []
-        for dtype, width in (("<u8", 8), ("<u4", 4), ("<u4", 4), ("<u4", 4)):
-            arrays.append(np.frombuffer(body, dtype=dtype, count=count, offset=at).copy())
-            at += width * count
-        if at != body_len:
-            raise CorruptBlockError("checkpoint arrays do not fill the body")
-        if count and int(arrays[1].max()) >= max(n_segments, 1):
-            raise CorruptBlockError("checkpoint entry names a segment it does not list")
-        return Checkpoint(segments, *arrays)
 
 
 def copy_bytes(target: memoryview, source: memoryview) -> None:

@@ -4,10 +4,12 @@
 loop) and feeds the figure in; the guard says whether that figure is fresh enough to
 plan a store by, how many blocks the floor still allows, and whether stores are
 refused because the file system answered ENOSPC. It never touches a file.
+:class:`InflightBytes` bounds the payload bytes of the jobs in their I/O at once, and
+:func:`records_per_segment` sizes segments from the cap.
 
 Rules:
 
-* **Cap.** At most ``capacity_bytes // file_bytes`` block files are held.
+* **Cap.** At most ``capacity_bytes // file_bytes`` records are held.
 * **Floor.** A store may not bring free space below ``min_free_bytes``; blocks already
   promised to running stores count as written. Whichever of cap and floor binds first
   wins; a floor already crossed asks for eviction beyond the store's own need.
@@ -21,11 +23,14 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
+from backends.nvme_format import HEADER_BYTES
 from tiering.errors import InvalidArgumentError
-from tiering.validation import seconds
+from tiering.validation import positive_int, seconds
 
 DEFAULT_MAX_AGE_S = 1.0
 """Free space measured longer ago than this is measured again before a store plans."""
@@ -33,6 +38,25 @@ DEFAULT_MAX_AGE_S = 1.0
 DISK_FULL_REASON = (
     "nvme tier is read-only: the file system was full (ENOSPC); stores resume once space returns"
 )
+
+
+DEFAULT_SEGMENT_BYTES = 256 << 20
+"""The segment size when ``segment_bytes`` is not given, unless the cap is small (below)."""
+MAX_RECORDS_PER_SEGMENT = 4096
+"""Bounds the work of evicting one segment (one index deletion per record)."""
+DERIVED_SEGMENTS_PER_CAP = 8
+"""Without ``segment_bytes``, segments shrink so that the cap holds at least this many:
+an eviction then gives up an eighth of the cache, not half of it."""
+MIN_SEGMENTS_PER_CAP = 2
+"""The fewest segments a cap must hold: the segment being written is never evicted, so
+a cap of one segment fills once and then refuses every store."""
+DEFAULT_HOT_FRACTION = 0.25
+"""Blocks used within the last quarter of the capacity's worth of uses are moved, not
+dropped, when their segment is evicted."""
+MOVE_BYTES_PER_JOB = 64 << 20
+"""The most bytes of moved records one store job reads and writes again."""
+DEFAULT_CHECKPOINT_EVERY = 16384
+"""Records written between checkpoints: what a restart scans beyond the checkpoint."""
 
 
 class SpaceGuard:
@@ -101,7 +125,7 @@ class SpaceGuard:
 
     def stale(self, pending_blocks: int) -> bool:
         """True if free space must be measured before planning ``pending_blocks`` more
-        block files (reserved ones included): unknown, old, near the floor, or the tier
+        records (reserved ones included): unknown, old, near the floor, or the tier
         is read-only (space may have returned)."""
         if self._full_since is not None or self.free_bytes is None:
             return True
@@ -110,7 +134,7 @@ class SpaceGuard:
         return self.free_bytes - pending_blocks * self.file_bytes < self.min_free_bytes
 
     def limit(self, held_blocks: int, reserved_blocks: int) -> tuple[int, str]:
-        """The most block files (held plus reserved) allowed now, and why it binds.
+        """The most records (held plus reserved) allowed now, and why it binds.
 
         ``held_blocks`` are on disk already (their space is gone from ``free_bytes``);
         ``reserved_blocks`` are promised to running stores and not yet written.
@@ -134,7 +158,7 @@ class SpaceGuard:
         return self._full_since is not None
 
     def freed(self) -> None:
-        """The tier removed block files: a refused store may probe again at once."""
+        """The tier freed space: a refused store may probe again at once."""
         self._freed = True
 
     def refusing(self) -> bool:
@@ -169,6 +193,94 @@ class SpaceGuard:
             self._full_since = None
             return "resumed"
         return None
+
+
+class InflightBytes:
+    """A loop-thread byte budget for jobs' I/O; waiting loads are admitted before stores.
+
+    A job larger than the whole budget runs alone rather than never.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiting: dict[bool, deque[tuple[int, asyncio.Future[None]]]] = {
+            True: deque(),
+            False: deque(),
+        }
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.used == 0 or self.used + nbytes <= self.limit
+
+    async def acquire(self, nbytes: int, *, is_load: bool) -> None:
+        ahead = self._waiting[True] if is_load else (*self._waiting[True], *self._waiting[False])
+        if not ahead and self._fits(nbytes):
+            self.used += nbytes
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, future)
+        self._waiting[is_load].append(entry)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(nbytes)  # granted, but the caller is gone
+            else:
+                self._waiting[is_load].remove(entry)
+                self._grant()
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self._grant()
+
+    def _grant(self) -> None:
+        for is_load in (True, False):
+            queue = self._waiting[is_load]
+            while queue and self._fits(queue[0][0]):
+                nbytes, future = queue.popleft()
+                if future.done():
+                    continue
+                self.used += nbytes
+                future.set_result(None)
+            if queue:
+                return  # a blocked load holds back stores
+
+
+def records_per_segment(capacity_bytes: object, segment_bytes: object, record_bytes: int) -> int:
+    """Records a segment takes: from ``segment_bytes``, or (None) from the cap.
+
+    Raises:
+        InvalidArgumentError: ``segment_bytes`` is not a positive int or None, or the cap
+            holds fewer than two segments (both options named); a bad ``capacity_bytes``
+            is left to the space guard, which names it.
+    """
+    if segment_bytes is not None:
+        positive_int("segment_bytes", segment_bytes)
+    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
+        capacity_bytes = 0  # the space guard refuses it, naming it
+    capacity_records = capacity_bytes // record_bytes
+    largest = min(MAX_RECORDS_PER_SEGMENT, (DEFAULT_SEGMENT_BYTES - HEADER_BYTES) // record_bytes)
+    if segment_bytes is None:
+        records = max(1, min(largest, capacity_records // DERIVED_SEGMENTS_PER_CAP))
+        if 0 < capacity_records < MIN_SEGMENTS_PER_CAP:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes} holds {capacity_records} record of "
+                f"{record_bytes} bytes; a segment tier needs room for at least "
+                f"{MIN_SEGMENTS_PER_CAP} (the segment being written is never evicted)"
+            )
+        return records
+    records = max(1, min(MAX_RECORDS_PER_SEGMENT, (segment_bytes - HEADER_BYTES) // record_bytes))
+    if 0 < capacity_records < MIN_SEGMENTS_PER_CAP * records:
+        raise InvalidArgumentError(
+            f"capacity_bytes={capacity_bytes} holds {capacity_records} records of "
+            f"{record_bytes} bytes, fewer than {MIN_SEGMENTS_PER_CAP} segments of "
+            f"segment_bytes={segment_bytes} ({records} records each): the segment being "
+            "written is never evicted, so the tier would fill once and then refuse every "
+            "store; raise capacity_bytes, lower segment_bytes, or leave segment_bytes out "
+            "(it then follows from the cap)"
+        )
+    return records
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

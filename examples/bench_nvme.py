@@ -49,17 +49,11 @@ separately for writing and for reading. The last line of output is one JSON obje
                "vllm_fs_store_GBps": ..., "vllm_fs_load_GBps": ...,
                "store_vs_vllm_fs": ..., "load_vs_vllm_fs": ...,
                "vllm_fs_native_io": true|false, "loop_lag_p99_ms": ...,
-               "idle_loop_lag_p99_ms": ..., "cold_load": true|false,
-               "layout": "segments", "files_store_GBps": ..., ...}, ...]}
+               "idle_loop_lag_p99_ms": ..., "cold_load": true|false}, ...]}
 
-Figures are medians over the rounds. ``--layouts`` picks the NVMe layouts run in each
-round, one after the other: segment files (``segments``, ``NVMeSegmentTier``, the
-default tier ``"nvme"``) and the file per block (``files``, ``NVMeFileTier``,
-``"nvme-files"``). The unprefixed figures are the first layout's (named by ``layout``);
-a second layout's store, load, ratios and loop lag repeat with its name as a prefix.
-The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are null when vLLM's tier did not run (one
-line before the results says why).
-With ``--encryption`` every layout also runs with encryption at rest (AES-256-GCM, a
+Figures are medians over the rounds. The ``vllm_fs_*`` and ``*_vs_vllm_fs`` keys are
+null when vLLM's tier did not run (one line before the results says why).
+With ``--encryption`` the tier also runs with encryption at rest (AES-256-GCM, a
 fresh key), right before or after its plain run (the order alternates by round), and
 adds ``encrypted_store_GBps``, ``encrypted_load_GBps``, ``encrypted_loop_lag_p99_ms``
 and ``encryption_store_cost`` / ``encryption_load_cost``: one minus the median over the
@@ -89,9 +83,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from backends.nvme import NVMeFileTier, NVMeTierBase
-from backends.nvme_files import probe_o_direct
-from backends.nvme_segment_tier import NVMeSegmentTier
+from backends.nvme import NVMeTier
+from backends.nvme_os import probe_o_direct
 from tiering.cli_args import (
     Progress,
     ensure_directory,
@@ -353,7 +346,7 @@ def best_point(rounds: list[Baseline], direction: int) -> tuple[str, float, list
 
 
 async def _drive(
-    tier: NVMeFileTier,
+    tier: NVMeTier,
     batches: list[list[bytes]],
     windows: int,
     job_blocks: int,
@@ -398,14 +391,12 @@ async def bench_tier(
     report: Callable[[str], None],
     round_no: int,
     keep_dirs: list[str],
-    layout: str = "segments",
     *,
     sealed: bool = False,
 ) -> TierFigures:
     """One round: store ``total`` bytes into a new tier, then load them back.
 
-    ``layout``: ``"segments"`` (``NVMeSegmentTier``) or ``"files"`` (``NVMeFileTier``, a
-    file per block); ``sealed``: with encryption at rest (a fresh AES-256 key).
+    ``sealed``: with encryption at rest (a fresh AES-256 key).
     Each round uses its own namespace (so it starts empty). Its
     directory is appended to ``keep_dirs`` for the caller to remove after the last
     round. Removing it between rounds would time the next round's
@@ -425,12 +416,11 @@ async def bench_tier(
     keys = [f"bench-{block}-{i}".encode().ljust(32, b".") for i in range(count)]
     batches = [keys[first : first + job_blocks] for first in range(0, count, job_blocks)]
 
-    tier_class: type[NVMeTierBase] = NVMeSegmentTier if layout == "segments" else NVMeFileTier
-    tier = tier_class(
+    tier = NVMeTier(
         view,
         block,
         root=directory,
-        namespace=f"bench;block={block};round={round_no};layout={layout};sealed={sealed}",
+        namespace=f"bench;block={block};round={round_no};sealed={sealed}",
         encryption=Keyring({1: os.urandom(32)}, 1) if sealed else None,
         capacity_bytes=count * (block + 4096) * 2,
         min_free_bytes=0,
@@ -712,8 +702,8 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
         size = total // block * block
         points = fio_points(args.baseline_grid, engine, block, size) if use_fio else []
         baselines: list[Baseline] = []
-        tiers: dict[str, list[TierFigures]] = {layout: [] for layout in args.layouts}
-        sealed: dict[str, list[TierFigures]] = {layout: [] for layout in args.layouts}
+        tiers: list[TierFigures] = []
+        sealed: list[TierFigures] = []
         vllms: list[VllmFigures] = []
         tier_dirs: list[str] = []  # removed once every round of this size has run
         try:
@@ -731,33 +721,31 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
                     )
                 else:
                     baselines.append(python_baseline(directory, block, size, direct, fsync))
-                # With --encryption each layout runs plain and sealed back to back,
+                # With --encryption the tier runs plain and sealed back to back,
                 # which one first alternating by round, so neither always meets the
                 # disk in the state the other left it in.
                 kinds = [False, True] if args.encryption else [False]
                 if round_no % 2 == 0:
                     kinds.reverse()
-                for layout in args.layouts:
-                    for kind in kinds:
-                        name = f"{layout}, encrypted" if kind else layout
-                        with asyncio.Runner(loop_factory=loop_factory) as runner:
-                            (sealed if kind else tiers)[layout].append(
-                                runner.run(
-                                    bench_tier(
-                                        directory,
-                                        block,
-                                        size,
-                                        args,
-                                        lambda status, report=report, name=name: report(
-                                            f"tier ({name}) {status}"
-                                        ),
-                                        round_no,
-                                        tier_dirs,
-                                        layout,
-                                        sealed=kind,
-                                    )
+                for kind in kinds:
+                    name = "encrypted" if kind else "plain"
+                    with asyncio.Runner(loop_factory=loop_factory) as runner:
+                        (sealed if kind else tiers).append(
+                            runner.run(
+                                bench_tier(
+                                    directory,
+                                    block,
+                                    size,
+                                    args,
+                                    lambda status, report=report, name=name: report(
+                                        f"tier ({name}) {status}"
+                                    ),
+                                    round_no,
+                                    tier_dirs,
+                                    sealed=kind,
                                 )
                             )
+                        )
                 if vllm is not None:
                     progress.update(f"{where}: vLLM fs", force=True)
                     vllms.append(
@@ -769,20 +757,9 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
             progress.update(f"block {_size_text(block)}: removing the tiers' files", force=True)
             for tier_dir in tier_dirs:
                 shutil.rmtree(tier_dir, True)
-        first, *others = args.layouts
-        entry = _summarize(block, size, args, baselines, tiers[first], vllms, vllm, progress, first)
+        entry = _summarize(block, size, args, baselines, tiers, vllms, vllm, progress)
         if args.encryption:
-            entry.update(_encryption_cost(block, first, tiers[first], sealed[first]))
-        for layout in others:
-            extra = _summarize(
-                block, size, args, baselines, tiers[layout], vllms, vllm, progress, layout
-            )
-            if args.encryption:
-                extra.update(_encryption_cost(block, layout, tiers[layout], sealed[layout]))
-            for name in _LAYOUT_KEYS:
-                if name in extra:
-                    entry[f"{layout}_{name}"] = extra[name]
-        entry["layout"] = first
+            entry.update(_encryption_cost(block, tiers, sealed))
         runs.append(entry)
     return runs
 
@@ -796,10 +773,8 @@ def _summarize(
     vllms: list[VllmFigures],
     vllm: VllmFs | None,
     progress: Progress,
-    layout: str = "segments",
 ) -> dict[str, object]:
-    """One block size's JSON entry for one layout (medians over the rounds), and its
-    lines of text."""
+    """One block size's JSON entry (medians over the rounds), and its lines of text."""
     store = statistics.median(t.store_GBps for t in tiers)
     load = statistics.median(t.load_GBps for t in tiers)
     write_point, base_write, base_writes = best_point(baselines, 0)
@@ -845,7 +820,7 @@ def _summarize(
             f"{_list(v.load_GBps for v in vllms)}"
         )
     print(
-        f"block {_size_text(block)}, {layout}: "
+        f"block {_size_text(block)}, tier: "
         f"{'O_DIRECT' if tiers[0].o_direct else 'buffered'}, fsync={args.fsync}: "
         f"store {store:.3f} GB/s (baseline {base_write:.3f} at {write_point}; each run "
         f"{_list(t.store_GBps for t in tiers)} vs {_list(base_writes)}), "
@@ -858,23 +833,8 @@ def _summarize(
     return entry
 
 
-_LAYOUT_KEYS = (
-    "store_GBps",
-    "load_GBps",
-    "store_ratio",
-    "load_ratio",
-    "store_vs_vllm_fs",
-    "load_vs_vllm_fs",
-    "loop_lag_p99_ms",
-    *(f"encrypted_{name}" for name in ("store_GBps", "load_GBps", "loop_lag_p99_ms")),
-    "encryption_store_cost",
-    "encryption_load_cost",
-)
-"""Figures reported again, prefixed with the layout's name, for each layout after the first."""
-
-
 def _encryption_cost(
-    block: int, layout: str, plain: list[TierFigures], sealed: list[TierFigures]
+    block: int, plain: list[TierFigures], sealed: list[TierFigures]
 ) -> dict[str, object]:
     """The sealed runs' figures and the cost of sealing: one minus the median over the
     rounds of sealed / plain throughput (each round's pair ran back to back)."""
@@ -885,7 +845,7 @@ def _encryption_cost(
         s.load_GBps / p.load_GBps for p, s in zip(plain, sealed, strict=True)
     )
     print(
-        f"block {_size_text(block)}, {layout}, encrypted: store "
+        f"block {_size_text(block)}, encrypted: store "
         f"{_list(s.store_GBps for s in sealed)} vs plain {_list(p.store_GBps for p in plain)}"
         f" GB/s, load {_list(s.load_GBps for s in sealed)} vs plain "
         f"{_list(p.load_GBps for p in plain)} GB/s: cost {store_cost:.1%} store, "
@@ -915,15 +875,6 @@ def _size_text(size: int) -> str:
         if size >= 1 << shift and size % (1 << shift) == 0:
             return f"{size >> shift} {unit}"
     return f"{size} B"
-
-
-def _layouts(text: str) -> list[str]:
-    layouts = [part.strip() for part in text.split(",")]
-    if not layouts or any(part not in ("files", "segments") for part in layouts):
-        raise argparse.ArgumentTypeError(f"expected files, segments or both, got {text!r}")
-    if len(set(layouts)) != len(layouts):
-        raise argparse.ArgumentTypeError(f"a layout repeats in {text!r}")
-    return layouts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -970,14 +921,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ),
     )
     parser.add_argument(
-        "--layouts",
-        type=_layouts,
-        default="segments",
-        help="NVMe layouts to run each round, one after the other: segments (the default "
-        "tier), files, or both such as segments,files (the figures of the second carry "
-        "its name as a prefix: files_store_GBps)",
-    )
-    parser.add_argument(
         "--vllm-fs",
         choices=("auto", "off"),
         default="auto",
@@ -998,7 +941,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--encryption",
         action="store_true",
-        help="also run each layout with encryption at rest, back to back with it off, "
+        help="also run the tier with encryption at rest, back to back with it off, "
         "and report the cost",
     )
     args = parser.parse_args(argv)

@@ -26,7 +26,7 @@ Only the tier's public API is used. The phases:
    true only after the first: fadvise drops the files' data pages but not the cached
    directory entries and inodes that a restart's scan walks (``page_cache_drop`` says
    which was done).
-3. Cold restart: a NEW tier of the same layout on the same root and namespace, built and
+3. Cold restart: a NEW tier on the same root and namespace, built and
    started (``await tier.start()``: it serves when that returns), timed without
    tracemalloc -> ``restart_s``. The growth of this process's VmRSS over construction
    and start (after ``gc.collect()``), divided by the blocks -> ``rss_bytes_per_block``
@@ -41,11 +41,9 @@ Only the tier's public API is used. The phases:
    blocks -> ``index_bytes_per_block``; the peak during start ->
    ``start_peak_bytes_per_block``. Not timed: tracemalloc slows every allocation.
 
-Disk: each block takes a 4096-byte header page plus the payload: a record of a segment
-file (``--layout segments``, the default tier) or a file of its own (``--layout files``:
-rounded up to the file system's block size, one inode per block); the defaults (100,000
-blocks of 16 KiB) need about 2 GiB, and the benchmark refuses (exit status 2) a file
-system with less free.
+Disk: each block takes a 4096-byte header page plus the payload, a record of a segment
+file; the defaults (100,000 blocks of 16 KiB) need about 2 GiB, and the benchmark
+refuses (exit status 2) a file system with less free.
 Without ``--keep`` everything it put under the root is removed at the end.
 
 The last line of output is one JSON object::
@@ -54,7 +52,7 @@ The last line of output is one JSON object::
      "index_bytes_per_block": ..., "start_peak_bytes_per_block": ...,
      "rss_bytes_per_block": ..., "fill_s": ..., "fill_GBps": ..., "cold_restart": ...,
      "page_cache_drop": "drop_caches"|"fadvise"|"none", "recovered_blocks": ...,
-     "verified_loads": ..., "reused": ..., "fsync": ..., "layout": ..., "o_direct": ...,
+     "verified_loads": ..., "reused": ..., "fsync": ..., "o_direct": ...,
      "root": ...}
 
 ``fill_s`` and ``fill_GBps`` are null when the fill was reused; ``root`` is null when
@@ -83,8 +81,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from backends.nvme import NVMeFileTier, NVMeTierBase
-from backends.nvme_segment_tier import NVMeSegmentTier
+from backends.nvme import NVMeTier
 from tiering.cli_args import (
     Progress,
     ensure_directory,
@@ -103,7 +100,7 @@ _HEADER_BYTES = 4096
 _MIN_FREE_BYTES = 64 << 20
 """The tier's free-space floor: small, so the fill never reaches it."""
 _DISK_SLACK_BYTES = 256 << 20
-"""Room asked for beyond the block files: directories, the namespace, the marker."""
+"""Room asked for beyond the records: directories, the namespace, the marker."""
 _MARKER = "bench_nvme_scale.json"
 _SEED = 20240805
 _LOOKUP_SAMPLE = 1000
@@ -123,23 +120,16 @@ def pool_bytes(seed: int, slots: int, block: int) -> bytes:
     return random.Random(seed).randbytes(slots * block)
 
 
-def namespace_for(block: int, layout: str) -> str:
-    return f"bench-nvme-scale;block={block};layout={layout}"
+def namespace_for(block: int) -> str:
+    # Unchanged, so that a root kept by an earlier run can be reused.
+    return f"bench-nvme-scale;block={block};layout=segments"
 
 
-def tier_class(layout: str) -> type[NVMeTierBase]:
-    """The NVMe tier of ``layout``: a file per block, or segment files."""
-    return NVMeSegmentTier if layout == "segments" else NVMeFileTier
-
-
-def capacity_for(blocks: int, block: int, layout: str) -> int:
-    """A cap that never binds: twice what ``blocks`` block files take; for segments
-    (whose index is sized by the cap) what the records take plus 1 % and a few
-    segments."""
+def capacity_for(blocks: int, block: int) -> int:
+    """A cap that never binds (the index is sized by it): what the records take plus
+    1 % and a few segments."""
     per_block = block + _HEADER_BYTES
-    if layout == "segments":
-        return blocks * per_block + blocks // 100 * per_block + 8 * (256 << 20)
-    return 2 * blocks * per_block
+    return blocks * per_block + blocks // 100 * per_block + 8 * (256 << 20)
 
 
 def sample(count: int, size: int) -> list[int]:
@@ -170,7 +160,6 @@ def fill(
     blocks_per_job: int,
     jobs_in_flight: int,
     io_threads: int,
-    layout: str = "segments",
 ) -> dict[str, Any]:
     """Store ``blocks`` blocks into a new tier under ``root``; returns its figures."""
     with Progress() as progress:
@@ -190,7 +179,6 @@ def fill(
                     jobs_in_flight=jobs_in_flight,
                     io_threads=io_threads,
                     progress=progress,
-                    layout=layout,
                 )
             )
         finally:
@@ -209,14 +197,13 @@ async def _fill(
     jobs_in_flight: int,
     io_threads: int,
     progress: Progress,
-    layout: str,
 ) -> dict[str, Any]:
-    tier = tier_class(layout)(
+    tier = NVMeTier(
         view,
         block,
         root=root,
-        namespace=namespace_for(block, layout),
-        capacity_bytes=capacity_for(blocks, block, layout),
+        namespace=namespace_for(block),
+        capacity_bytes=capacity_for(blocks, block),
         min_free_bytes=_MIN_FREE_BYTES,
         fsync=fsync,  # type: ignore[arg-type]
         max_inflight=jobs_in_flight,
@@ -285,7 +272,6 @@ def run_fill(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
             blocks_per_job=args.blocks_per_job,
             jobs_in_flight=args.jobs_in_flight,
             io_threads=args.io_threads,
-            layout=args.layout,
         )
         return job.result()
 
@@ -364,13 +350,13 @@ async def restarts(
     pool = HostPool(min(_LOAD_SAMPLE, args.blocks), args.block_size, pin=False)
     view = pool.view
 
-    def new_tier() -> NVMeTierBase:
-        return tier_class(args.layout)(
+    def new_tier() -> NVMeTier:
+        return NVMeTier(
             view,
             args.block_size,
             root=args.root,
-            namespace=namespace_for(args.block_size, args.layout),
-            capacity_bytes=capacity_for(args.blocks, args.block_size, args.layout),
+            namespace=namespace_for(args.block_size),
+            capacity_bytes=capacity_for(args.blocks, args.block_size),
             min_free_bytes=_MIN_FREE_BYTES,
             fsync=args.fsync,
             io_threads=args.io_threads,
@@ -431,7 +417,7 @@ async def restarts(
 
 
 async def check(
-    tier: NVMeTierBase, view: memoryview, args: argparse.Namespace, seed: int, pool_slots: int
+    tier: NVMeTier, view: memoryview, args: argparse.Namespace, seed: int, pool_slots: int
 ) -> tuple[list[str], int]:
     """The restarted tier's count, lookups and loads; returns (failures, blocks verified)."""
     failures: list[str] = []
@@ -510,7 +496,6 @@ def run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
         "verified_loads": found.verified_loads,
         "reused": args.reusing,
         "fsync": args.fsync,
-        "layout": args.layout,
         "o_direct": found.o_direct if o_direct_fill is None else o_direct_fill,
         "root": args.root if args.keep else None,
     }
@@ -538,8 +523,7 @@ def _write_marker(path: str, args: argparse.Namespace, **fields: Any) -> None:
     record = {
         "blocks": args.blocks,
         "block_bytes": args.block_size,
-        "namespace": namespace_for(args.block_size, args.layout),
-        "layout": args.layout,
+        "namespace": namespace_for(args.block_size),
         "seed": _SEED,
         "pool_slots": args.pool_slots,
         "fsync": args.fsync,
@@ -586,13 +570,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     parser.add_argument(
         "--root", help="the tier's root directory (default: a new temporary directory)"
-    )
-    parser.add_argument(
-        "--layout",
-        choices=("segments", "files"),
-        default="segments",
-        help="NVMe layout: segment files (NVMeSegmentTier, the default tier) or a file per "
-        "block (NVMeFileTier)",
     )
     parser.add_argument(
         "--blocks",
@@ -680,13 +657,17 @@ def _check_marker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         )
     if not isinstance(recorded, dict) or not recorded.get("complete"):
         parser.error(f"argument --root: {args.root!r} holds an incomplete fill ({path}); remove it")
-    asked = {"blocks": args.blocks, "block_bytes": args.block_size, "layout": args.layout}
+    asked = {
+        "blocks": args.blocks,
+        "block_bytes": args.block_size,
+        "namespace": namespace_for(args.block_size),
+    }
     found = {name: recorded.get(name) for name in asked}
     if found != asked:
         parser.error(
             f"argument --root: {args.root!r} holds a fill of {found['blocks']} blocks of "
-            f"{found['block_bytes']} bytes in layout {found['layout']!r}, not "
-            f"{args.blocks} of {args.block_size} in {args.layout!r}; use those or another root"
+            f"{found['block_bytes']} bytes in namespace {found['namespace']!r}, not "
+            f"{args.blocks} of {args.block_size}; use those or another root"
         )
     return True
 
@@ -703,12 +684,6 @@ def _check_space(parser: argparse.ArgumentParser, args: argparse.Namespace, wher
             f"argument --blocks: {args.blocks} blocks of {args.block_size} bytes need about "
             f"{need / (1 << 30):.2f} GiB on the file system of {where!r}, which has "
             f"{free / (1 << 30):.2f} GiB free; use fewer or smaller blocks, or another --root"
-        )
-    if args.layout == "files" and stats.f_files and stats.f_favail < args.blocks + 1024:
-        parser.error(
-            f"argument --blocks: {args.blocks} blocks need as many files (inodes) on the "
-            f"file system of {where!r}, which has {stats.f_favail} free; use fewer blocks "
-            "or another --root"
         )
 
 

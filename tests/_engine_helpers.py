@@ -9,16 +9,15 @@ any restart agree on what a key's bytes must be.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from backends.faults import Fault, FaultInjector
 from backends.memory import MemoryTier
 from backends.nvme_format import HEADER_BYTES, decode_header
+from tests._faults import Fault, FaultInjector
 from tiering import JobMetadata, JobResult, TieringEngine
 from tiering.errors import CorruptBlockError
 
@@ -72,11 +71,16 @@ def assert_holds(kv: Sequence[torch.Tensor], keys: Sequence[bytes], ids: Sequenc
 
 
 def nvme_spec(
-    root: Path | str, faults: FaultInjector | None = None, *, tier: str = "nvme", **extra: Any
+    root: Path | str,
+    faults: FaultInjector | None = None,
+    *,
+    tier: str = "nvme",
+    one_record_segments: bool = False,
+    **extra: Any,
 ) -> dict:
-    """An NVMe tier spec under ``root`` that never refuses for free space; ``tier`` is
-    ``"nvme"`` (segment files) or ``"nvme-files"`` (a file per block, whose paths name
-    the key: what a fault aimed at one key's writes needs)."""
+    """An NVMe tier spec under ``root`` that never refuses for free space (``tier``: the
+    registered name). ``one_record_segments`` makes each record a segment of its own, so
+    that each block is a write of its own: what a fault aimed at one key's writes needs."""
     spec: dict[str, Any] = {
         "type": tier,
         "root": str(root),
@@ -85,20 +89,16 @@ def nvme_spec(
     }
     if faults is not None:
         spec["os_calls"] = faults
+    if one_record_segments:
+        spec["segment_bytes"] = HEADER_BYTES + 1  # rounds up to one record
     spec.update(extra)
     return spec
 
 
 def block_copies(root: Path) -> dict[bytes, list[tuple[Path, int, int]]]:
-    """Every stored copy of every block under ``root``, in either NVMe layout: key ->
-    ``(file, payload offset, payload length)`` (block files and segment records whose
-    header verifies)."""
+    """Every stored copy of every block under ``root``: key -> ``(segment file, payload
+    offset, payload length)`` (records whose header verifies)."""
     copies: dict[bytes, list[tuple[Path, int, int]]] = {}
-    for path in sorted(root.rglob("*.kvb")):
-        data = path.read_bytes()
-        with contextlib.suppress(CorruptBlockError):
-            key = decode_header(data[:HEADER_BYTES]).key
-            copies.setdefault(key, []).append((path, HEADER_BYTES, len(data) - HEADER_BYTES))
     for path in sorted(root.rglob("*.seg")):
         data = path.read_bytes()
         start = HEADER_BYTES  # records follow the segment header, at page boundaries

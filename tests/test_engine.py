@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from backends.example import ExampleSecondaryTier
-from backends.faults import FaultInjector
 from backends.nvme_format import HEADER_BYTES
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
@@ -37,6 +36,7 @@ from tests._engine_helpers import (
     settle,
     wipe,
 )
+from tests._faults import FaultInjector
 from tiering import (
     BlockNotFoundError,
     ClosedError,

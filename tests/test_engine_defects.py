@@ -2,7 +2,7 @@
 
 Each test reproduces one defect as the issue describes it, through the public API only,
 with CPU tensors and real tiers (memory, NVMe under ``tmp_path``). A slow or failing
-tier is made with a :class:`backends.faults.FaultInjector` as the NVMe tier's
+tier is made with a :class:`tests._faults.FaultInjector` as the NVMe tier's
 ``os_calls`` or with a memory tier whose loads wait at a gate. Where the defect is a
 wrong block served, the test compares the BYTES on the device, not only ``success``.
 """
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from backends.faults import FaultInjector
 from tests._engine_helpers import (
     assert_holds,
     assert_no_leaks,
@@ -35,6 +34,7 @@ from tests._engine_helpers import (
     until,
     wipe,
 )
+from tests._faults import FaultInjector
 from tiering import ClosedError, InvalidArgumentError, TieringEngine, TieringError
 from tiering.lifecycle import Lifecycle
 
@@ -175,12 +175,12 @@ async def test_5_a_failed_promotion_never_fails_a_later_fill_of_the_same_hash(
     hh, k, f1, f2, x = h(10), h(11), h(12), h(13), h(14)
     put(kv, [hh, k, f1, f2, x], [0, 1, 2, 3, 4])
     faults = FaultInjector()
-    keep_out = faults.fail("pwritev", errno.EIO, path=k.hex())  # K: memory tier only
+    keep_out = faults.fail("pwritev", errno.EIO, key=k)  # K: memory tier only
     factory, made = key_gated()
     async with TieringEngine(
         kv,
         2,
-        secondary_tiers=[nvme_spec(tmp_path, faults, tier="nvme-files"), factory],
+        secondary_tiers=[nvme_spec(tmp_path, faults, one_record_segments=True), factory],
         write_policy="write_back",
     ) as engine:
         nvme, memory = engine.tiers
@@ -231,12 +231,12 @@ async def test_5_a_failed_promotion_never_fails_a_later_store_of_the_same_hash(
     hh, k, f1, f2, d, z, x = (h(i) for i in range(60, 67))
     put(kv, [hh, k, f1, f2, d, z, x], [0, 1, 2, 3, 4, 5, 6])
     faults = FaultInjector()
-    keep_out = faults.fail("pwritev", errno.EIO, path=k.hex())  # K: memory tier only
+    keep_out = faults.fail("pwritev", errno.EIO, key=k)  # K: memory tier only
     factory, made = key_gated()
     async with TieringEngine(
         kv,
         3,
-        secondary_tiers=[nvme_spec(tmp_path, faults, tier="nvme-files"), factory],
+        secondary_tiers=[nvme_spec(tmp_path, faults, one_record_segments=True), factory],
         write_policy="write_back",
     ) as engine:
         nvme, memory = engine.tiers
@@ -254,7 +254,7 @@ async def test_5_a_failed_promotion_never_fails_a_later_store_of_the_same_hash(
         await asyncio.sleep(0.05)  # let the engine take in H's failed promotion
         assert not first.done()
         dirty = [key for key in (f1, f2, d) if engine.lookup([key]) == 1]
-        gates = [faults.hold("pwritev", path=key.hex()) for key in dirty]  # write-backs wait
+        gates = [faults.hold("pwritev", key=key) for key in dirty]  # write-backs wait
         filler = engine.store([z], [5])
         again = engine.store([hh], [0])  # a new fill of H while the old load is running
         await spin()
@@ -334,13 +334,13 @@ async def test_7_a_store_cut_short_by_close_never_reports_success(tmp_path: Path
     v, s = h(30), h(31)
     put(kv, [v, s], [0, 1])
     faults = FaultInjector()
-    spec = nvme_spec(tmp_path, faults, tier="nvme-files")
+    spec = nvme_spec(tmp_path, faults, one_record_segments=True)
     engine = TieringEngine(
         kv, 1, secondary_tiers=[spec], write_policy="write_back", close_timeout=0.2
     )
     await engine.__aenter__()
     assert (await engine.store([v], [0])).success  # dirty: only the CPU tier holds it
-    gate = faults.hold("pwritev", path=v.hex())
+    gate = faults.hold("pwritev", key=v)
     store = engine.store([s], [1])  # evicts v: its write-back waits at the gate
     await reached(gate)
     closing = asyncio.create_task(engine.aclose())

@@ -7,7 +7,7 @@ jobs: stores, loads of ``keys[:lookup(keys)]``, touches, awaiters cancelled at r
 points (the job must still complete), ``flush()`` awaited or cut short by ``wait_for``.
 Jobs name one of several tenants in some configurations (a tenant's blocks hold bytes of
 its own, so one served across tenants is caught), and the NVMe tier encrypts its blocks
-in some. Some lives inject tier faults through a :class:`backends.faults.FaultInjector`: EIO on
+in some. Some lives inject tier faults through a :class:`tests._faults.FaultInjector`: EIO on
 reads, a flipped byte in a stored block (a block file or a segment record), ENOSPC for
 a few writes; any life may have slow calls. A life ends with a graceful close
 (sometimes with jobs still in flight) or a hard ``close()``.
@@ -68,7 +68,6 @@ from typing import Any
 
 import pytest
 
-from backends.faults import FaultInjector
 from backends.nvme_format import HEADER_BYTES
 from backends.nvme_segments import align_up
 from tests._engine_helpers import (
@@ -85,6 +84,7 @@ from tests._engine_helpers import (
     spin,
     wipe,
 )
+from tests._faults import FaultInjector
 from tiering import Job, JobResult, TieringEngine, tenant_keys
 from tiering.kv_layout import kv_block_bytes
 
@@ -104,7 +104,7 @@ class _Config:
     cpu_blocks: int
     memory_blocks: int | None
     nvme: bool
-    nvme_tier: str  # "nvme" (segment files) or "nvme-files"
+    nvme_tier: str  # the registered name of the NVMe tier
     tenants: tuple[str | None, ...]  # each job names one of these
     encrypted: bool  # the NVMe tier seals its blocks
     # Small caps: the NVMe tier's cap and segment size in records (None: the tier's
@@ -125,7 +125,7 @@ class _Config:
             cpu_blocks=rng.randint(2, 6),
             memory_blocks=rng.randint(3, 12) if tiers != "nvme" else None,
             nvme=tiers != "memory",
-            nvme_tier=rng.choice(["nvme", "nvme-files"]),
+            nvme_tier="nvme",
             tenants=rng.choice([(None,), (None, "t1", "t2")]),
             encrypted=tiers != "memory" and rng.random() < 0.5,
         )

@@ -69,7 +69,6 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
                 "(default: 1.0)",
                 "(default: 3)",
                 "(default: quick)",
-                "(default: segments)",
             ],
         ),
         ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: auto)"]),
@@ -99,12 +98,6 @@ def test_help_shows_defaults_as_they_are_typed(
     flat = " ".join(capsys.readouterr().out.split())
     assert "(default: " in flat
     assert "(default: [" not in flat and "(default: (" not in flat, flat
-
-
-def test_nvme_benchmarks_default_to_the_segment_layout() -> None:
-    """What they measure by default is the NVMe tier's default layout ("nvme": segments)."""
-    assert _script("bench_nvme").parse_args([]).layouts == ["segments"]
-    assert _script("bench_nvme_scale").parse_args(["--blocks", "10"]).layout == "segments"
 
 
 def test_bench_nvme_scale_defaults_to_a_laptop_sized_fill(
@@ -257,7 +250,6 @@ def test_bench_nvme_runs_and_ends_with_json(tmp_path: Path) -> None:
     assert "vLLM fs comparison skipped: --vllm-fs off" in lines[0]
     (run,) = json.loads(lines[-1])["runs"]
     assert run["block_bytes"] == 128 << 10
-    assert run["layout"] == "segments"  # the default
     for key in ("store_GBps", "load_GBps", "baseline_store_GBps", "baseline_load_GBps"):
         assert run[key] > 0, key
     engines = r"(io_uring|libaio|psync|python)"
@@ -393,7 +385,6 @@ def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> N
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["blocks"] == 300
     assert summary["block_bytes"] == 4096
-    assert summary["layout"] == "segments"  # the default
     assert summary["recovered_blocks"] == 300
     assert summary["verified_loads"] > 0
     assert summary["restart_s"] > 0

@@ -1,4 +1,4 @@
-"""Tests of backends.faults: the fault-injecting system-call layer."""
+"""Tests of tests._faults: the fault-injecting system-call layer."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import backends.faults
-from backends.faults import FaultInjector
+import tests._faults
+from tests._faults import FaultInjector
 from tiering.errors import InvalidArgumentError
 
 
@@ -203,7 +203,7 @@ def test_a_rule_added_while_a_call_is_held_does_not_apply_to_it(tmp_path: Path) 
 
 def test_delay_sleeps_then_runs_the_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(backends.faults.time, "sleep", slept.append)
+    monkeypatch.setattr(tests._faults.time, "sleep", slept.append)
     faults = FaultInjector()
     rule = faults.delay("pwritev", 0.02, path="f", times=2)
     assert _write(faults, tmp_path / "f", b"abc") == 3

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.faults import FaultInjector
 from backends.nvme_segments import STAGING_BYTES
 from tests._engine_helpers import corrupt_block
+from tests._faults import FaultInjector
 from tests._scripts import last_json, run_script
 from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
     CHUNK_BYTES,

@@ -1,4 +1,9 @@
-"""Tests of backends.nvme: the NVMe tier through its actor API, on real files."""
+"""Tests of backends.nvme: the NVMe tier through its actor API, on real files.
+
+The tier here keeps one record a segment and moves no record again on eviction, so that
+it evicts block by block, oldest first; tests/test_nvme_segment_tier.py checks segments
+of many records, reinsertion and recovery.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +14,23 @@ import logging
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import textwrap
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiofiles.os
 import pytest
 
-from backends.faults import FaultInjector
-from backends.nvme import NVMeFileTier, _InflightBytes
-from backends.nvme_files import OsCalls, owner_alive
-from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
+from backends.nvme import NVMeTier
+from backends.nvme_format import HEADER_BYTES, namespace_dirname
+from backends.nvme_os import OsCalls, owner_alive
+from backends.nvme_segment_format import SEGMENTS_DIR
+from backends.nvme_segment_index import key_digest
+from backends.nvme_space import InflightBytes
+from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as _load
 from tests._nvme_helpers import next_job_id, random_pool
 from tests._nvme_helpers import store_job as _store
@@ -33,7 +38,6 @@ from tiering.actor import TierActor
 from tiering.errors import (
     ClosedError,
     InvalidArgumentError,
-    UnknownPolicyError,
 )
 from tiering.host_pool import HostPool
 from tiering.registry import make_tier
@@ -60,19 +64,22 @@ class FakeClock:
         return self.now
 
 
-def _tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeFileTier:
+def _tier(pool: memoryview, root: Path, **kwargs: Any) -> NVMeTier:
+    # One record a segment and no reinsertion: eviction is per block, oldest first.
     options: dict[str, Any] = {
         "root": root,
         "namespace": NAMESPACE,
         "capacity_bytes": 64 * FILE,
         "min_free_bytes": 0,
+        "segment_bytes": HEADER_BYTES + FILE,
+        "hot_fraction": 0.0,
     }
     options.update(kwargs)
-    return NVMeFileTier(pool, BLOCK, **options)
+    return NVMeTier(pool, BLOCK, **options)
 
 
 @pytest.fixture
-async def tier(pool: memoryview, tmp_path: Path) -> AsyncIterator[NVMeFileTier]:
+async def tier(pool: memoryview, tmp_path: Path) -> AsyncIterator[NVMeTier]:
     async with _tier(pool, tmp_path) as running:
         yield running
 
@@ -89,19 +96,21 @@ def _exists(path: str) -> bool:
     return os.path.exists(path)
 
 
-def _block_files(tier: NVMeFileTier) -> list[str]:
-    return sorted(
-        name
-        for sub in os.listdir(tier.directory)
-        if len(sub) == 2
-        for name in os.listdir(os.path.join(tier.directory, sub))
-    )
+def _segment_files(tier: NVMeTier) -> list[str]:
+    return sorted(os.listdir(os.path.join(tier.directory, SEGMENTS_DIR)))
+
+
+def _record(tier: NVMeTier, key: bytes) -> tuple[str, int]:
+    """The path of the segment file holding ``key``'s record, and the record's offset."""
+    where = tier._index.locate(key_digest(key))
+    assert where is not None, key
+    return tier._segments.path_of(where[0]), tier._segments.offset_of(where[1])
 
 
 # -- the basic contract ------------------------------------------------------------------
 
 
-async def test_store_then_load_is_byte_exact(tier: NVMeFileTier, pool: memoryview) -> None:
+async def test_store_then_load_is_byte_exact(tier: NVMeTier, pool: memoryview) -> None:
     keys = _keys(4)
     expected = [_slot(pool, i) for i in range(4)]
     assert (await _store(tier, keys, range(4))).success
@@ -113,19 +122,19 @@ async def test_store_then_load_is_byte_exact(tier: NVMeFileTier, pool: memoryvie
     assert tier.get_num_blocks() == 4 and tier.used_bytes == 4 * FILE
 
 
-async def test_lookup_is_none_while_a_store_is_queued(tier: NVMeFileTier) -> None:
+async def test_lookup_is_none_while_a_store_is_queued(tier: NVMeTier) -> None:
     key = b"pending"
     tier.submit_store(JobMetadata(next_job_id(), [key], [0]))
     assert tier.lookup(key) is None
     assert tier.lookup(b"other") is False
 
 
-async def test_lookup_rejects_a_non_bytes_key(tier: NVMeFileTier) -> None:
+async def test_lookup_rejects_a_non_bytes_key(tier: NVMeTier) -> None:
     with pytest.raises(InvalidArgumentError, match="bytes"):
         tier.lookup("text")  # type: ignore[arg-type]
 
 
-async def test_load_of_unknown_keys_is_partial(tier: NVMeFileTier, pool: memoryview) -> None:
+async def test_load_of_unknown_keys_is_partial(tier: NVMeTier, pool: memoryview) -> None:
     (known,) = _keys(1)
     await _store(tier, [known], [0])
     expected = _slot(pool, 0)
@@ -135,7 +144,7 @@ async def test_load_of_unknown_keys_is_partial(tier: NVMeFileTier, pool: memoryv
 
 
 async def test_one_key_loaded_into_two_slots_lands_in_both(
-    tier: NVMeFileTier, pool: memoryview
+    tier: NVMeTier, pool: memoryview
 ) -> None:
     await _store(tier, [b"twice"], [0])
     expected = _slot(pool, 0)
@@ -144,15 +153,15 @@ async def test_one_key_loaded_into_two_slots_lands_in_both(
     assert tier.lookup(b"twice")
 
 
-async def test_storing_held_keys_again_is_a_no_op(tier: NVMeFileTier) -> None:
+async def test_storing_held_keys_again_is_a_no_op(tier: NVMeTier) -> None:
     keys = _keys(2)
     await _store(tier, keys, [0, 1])
     assert (await _store(tier, [*keys, keys[0]], [2, 3, 4])).success
     assert tier.metrics.stored_blocks == 2
-    assert len(_block_files(tier)) == 2
+    assert tier.used_bytes == 2 * FILE and len(_segment_files(tier)) == 2
 
 
-async def test_key_too_long_for_the_header_fails_alone(tier: NVMeFileTier) -> None:
+async def test_key_too_long_for_the_header_fails_alone(tier: NVMeTier) -> None:
     good, bad = b"good", b"x" * 5000
     result = await _store(tier, [good, bad], [0, 1])
     assert result.failed_keys == (bad,) and "key length" in (result.error or "")
@@ -164,7 +173,7 @@ async def test_tier_is_registered_and_speaks_the_plain_protocol(
 ) -> None:
     tier = make_tier(
         {
-            "type": "nvme-files",
+            "type": "nvme",
             "root": str(tmp_path),
             "namespace": NAMESPACE,
             "capacity_bytes": 8 * FILE,
@@ -173,8 +182,8 @@ async def test_tier_is_registered_and_speaks_the_plain_protocol(
         pool,
         BLOCK,
     )
-    assert isinstance(tier, NVMeFileTier) and isinstance(tier, SecondaryTierManager)
-    assert tier.get_tier_type() == "nvme-files"
+    assert isinstance(tier, NVMeTier) and isinstance(tier, SecondaryTierManager)
+    assert tier.get_tier_type() == "nvme"
     assert isinstance(tier, TierActor)
     await tier.start()
     try:
@@ -200,7 +209,7 @@ async def test_unaligned_block_size_works_with_buffered_io(tmp_path: Path) -> No
     block = 1000
     buffer = bytearray(os.urandom(block * 4))
     view = memoryview(buffer)
-    async with NVMeFileTier(
+    async with NVMeTier(
         view, block, root=tmp_path, namespace="odd", capacity_bytes=1 << 20, min_free_bytes=0
     ) as tier:
         await _store(tier, [b"a", b"b"], [0, 1])
@@ -234,20 +243,20 @@ async def test_other_namespace_never_sees_our_blocks(pool: memoryview, tmp_path:
         assert theirs.directory != ours.directory
 
 
-async def test_a_foreign_block_planted_in_our_directory_is_removed_at_start(
+async def test_a_foreign_segment_planted_in_our_directory_is_removed_at_start(
     pool: memoryview, tmp_path: Path
 ) -> None:
     key = b"planted"
     async with _tier(pool, tmp_path, namespace="other") as other:
         await _store(other, [key], [0])
-        source = os.path.join(other.directory, block_relpath(key))
-    ours_dir = tmp_path / namespace_dirname(NAMESPACE)
-    (ours_dir / block_relpath(key)).parent.mkdir(parents=True)
-    shutil.copy(source, ours_dir / block_relpath(key))
+        source, _ = _record(other, key)
+    ours_dir = tmp_path / namespace_dirname(NAMESPACE) / SEGMENTS_DIR
+    ours_dir.mkdir(parents=True)
+    shutil.copy(source, ours_dir / os.path.basename(source))
     async with _tier(pool, tmp_path) as ours:
         assert ours.lookup(key) is False
-        assert ours.metrics.removed_on_recovery["foreign"] == 1
-        assert _block_files(ours) == []
+        assert ours.metrics.removed_on_recovery["corrupt segment"] == 1
+        assert _segment_files(ours) == []
 
 
 async def test_directory_of_another_identity_is_refused(pool: memoryview, tmp_path: Path) -> None:
@@ -267,29 +276,19 @@ async def test_restart_with_a_smaller_cap_evicts_the_oldest(
     async with _tier(pool, tmp_path) as first:
         for i, key in enumerate(keys):
             await _store(first, [key], [i])
-            os.utime(os.path.join(first.directory, block_relpath(key)), (1e6 + i, 1e6 + i))
     async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as second:
         assert [second.lookup(k) for k in keys] == [False, False, True, True, True, True]
-        assert len(_block_files(second)) == 4
+        assert len(_segment_files(second)) == 4
 
 
 async def test_blocks_over_the_cap_are_removed_before_the_tier_takes_jobs(
-    pool: memoryview, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pool: memoryview, tmp_path: Path
 ) -> None:
-    old, new = _keys(2)
+    old, mid, new = _keys(3)
     async with _tier(pool, tmp_path) as first:
-        for i, key in enumerate((old, new)):
+        for i, key in enumerate((old, mid, new)):
             await _store(first, [key], [i])
-            os.utime(os.path.join(first.directory, block_relpath(key)), (1e6 + i, 1e6 + i))
-    removals_may_go_on = asyncio.Event()
-    real_remove = aiofiles.os.remove
-
-    async def held_remove(path: str) -> None:
-        await removals_may_go_on.wait()
-        await real_remove(path)
-
-    monkeypatch.setattr(aiofiles.os, "remove", held_remove)
-    tier = _tier(pool, tmp_path, capacity_bytes=FILE)  # `old` is over the cap now
+    tier = _tier(pool, tmp_path, capacity_bytes=2 * FILE)  # `old` is over the cap now
     starting = asyncio.create_task(tier.start())
     store = JobMetadata(next_job_id(), [old], [4])
     while True:  # store `old` again as soon as the tier takes jobs
@@ -300,13 +299,11 @@ async def test_blocks_over_the_cap_are_removed_before_the_tier_takes_jobs(
             await asyncio.sleep(0.001)
     try:
         assert (await tier.result(store.job_id)).success
-        removals_may_go_on.set()
         await starting
         expected = _slot(pool, 4)
         assert (await _load(tier, [old], [5])).success
         assert _slot(pool, 5) == expected
     finally:
-        removals_may_go_on.set()
         await tier.aclose()
 
 
@@ -348,7 +345,7 @@ def test_a_cap_below_one_block_file_is_refused_naming_the_value(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=f"capacity_bytes={FILE - 1}.*one block file"):
         _tier(pool, tmp_path, capacity_bytes=FILE - 1)
-    assert _tier(pool, tmp_path, capacity_bytes=FILE).capacity_blocks == 1
+    assert _tier(pool, tmp_path, capacity_bytes=2 * FILE).capacity_blocks == 2
 
 
 # -- verify before serving ---------------------------------------------------------------
@@ -365,26 +362,24 @@ def _flip(path: str, offset: int) -> None:
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda p: _flip(p, HEADER_BYTES + 5),
-        lambda p: _flip(p, 60),
-        lambda p: os.truncate(p, FILE - 4096),
+        lambda path, at: _flip(path, at + HEADER_BYTES + 5),
+        lambda path, at: _flip(path, at + 60),
+        lambda path, at: os.truncate(path, at + FILE - 4096),
     ],
     ids=["payload-byte", "header-byte", "truncated"],
 )
 async def test_corrupt_block_is_never_served_and_becomes_a_miss(
-    tier: NVMeFileTier, pool: memoryview, damage: Any
+    tier: NVMeTier, pool: memoryview, damage: Any
 ) -> None:
     keys = _keys(3)
     await _store(tier, keys, range(3))
     expected = [_slot(pool, 0), _slot(pool, 2)]
-    path = os.path.join(tier.directory, block_relpath(keys[1]))
-    damage(path)
+    damage(*_record(tier, keys[1]))
     result = await _load(tier, keys, [4, 5, 6])
     assert not result.success and result.failed_keys == (keys[1],)
     assert [_slot(pool, 4), _slot(pool, 6)] == expected
     assert tier.metrics.corrupt_blocks == 1
     assert tier.lookup(keys[1]) is False
-    assert not _exists(path)
     again = await _load(tier, [keys[1]], [7])
     assert again.error and "not in the nvme tier" in again.error
     assert tier.metrics.corrupt_blocks == 1
@@ -395,7 +390,8 @@ async def test_short_read_is_never_served(pool: memoryview, tmp_path: Path) -> N
     async with _tier(pool, tmp_path, os_calls=faults) as tier:
         (key,) = _keys(1)
         await _store(tier, [key], [0])
-        faults.short_read(max_bytes=FILE - 4096, path=key.hex())  # aligned: O_DIRECT
+        path, _ = _record(tier, key)
+        faults.short_read(max_bytes=FILE - 4096, path=os.path.basename(path))  # aligned
         result = await _load(tier, [key], [1])
         assert result.failed_keys == (key,) and "short read" in (result.error or "")
         assert tier.lookup(key) is False
@@ -407,7 +403,7 @@ async def test_read_eio_fails_that_job_only(pool: memoryview, tmp_path: Path) ->
         keys = _keys(2)
         await _store(tier, keys, [0, 1])
         expected = _slot(pool, 1)
-        faults.fail("preadv", errno.EIO, path=keys[0].hex())
+        faults.fail("preadv", errno.EIO, path=os.path.basename(_record(tier, keys[0])[0]))
         first = await _load(tier, [keys[0]], [2])
         second = await _load(tier, [keys[1]], [3])
         assert not first.success and "EIO" in (first.error or "")
@@ -419,7 +415,7 @@ async def test_write_eio_fails_that_job_only(pool: memoryview, tmp_path: Path) -
     faults = FaultInjector()
     async with _tier(pool, tmp_path, os_calls=faults) as tier:
         bad, good = _keys(2)
-        faults.fail("pwritev", errno.EIO, path=bad.hex())
+        faults.fail("pwritev", errno.EIO, times=1)
         assert not (await _store(tier, [bad], [0])).success
         assert (await _store(tier, [good], [1])).success
         assert not tier.read_only
@@ -429,15 +425,14 @@ async def test_write_eio_fails_that_job_only(pool: memoryview, tmp_path: Path) -
 # -- capacity ----------------------------------------------------------------------------
 
 
-async def test_byte_cap_evicts_least_recently_used(pool: memoryview, tmp_path: Path) -> None:
+async def test_byte_cap_evicts_the_oldest(pool: memoryview, tmp_path: Path) -> None:
     keys = _keys(6)
     async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as tier:
         await _store(tier, keys[:4], range(4))
-        tier.touch([keys[0]])
         await _store(tier, keys[4:], [4, 5])
-        assert [tier.lookup(k) for k in keys] == [True, False, False, True, True, True]
+        assert [tier.lookup(k) for k in keys] == [False, False, True, True, True, True]
         assert tier.metrics.evicted_blocks == 2
-        assert len(_block_files(tier)) == 4
+        assert len(_segment_files(tier)) == 4
 
 
 async def test_removals_name_evicted_and_corrupt_blocks(pool: memoryview, tmp_path: Path) -> None:
@@ -445,19 +440,12 @@ async def test_removals_name_evicted_and_corrupt_blocks(pool: memoryview, tmp_pa
     async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as tier:
         tier.report_removals()
         await _store(tier, keys[:4], range(4))
-        await _store(tier, keys[4:], [4])  # evicts the least recently used: keys[0]
-        _flip(os.path.join(tier.directory, block_relpath(keys[2])), HEADER_BYTES + 5)
+        await _store(tier, keys[4:], [4])  # evicts the oldest: keys[0]
+        path, at = _record(tier, keys[2])
+        _flip(path, at + HEADER_BYTES + 5)
         assert not (await _load(tier, keys[2:3], [6])).success
         assert tier.take_removed() == [keys[0], keys[2]]
         assert tier.take_removed() == []
-
-
-async def test_policy_is_chosen_by_name(pool: memoryview, tmp_path: Path) -> None:
-    async with _tier(pool, tmp_path, capacity_bytes=2 * FILE, policy="s3fifo") as tier:
-        keys = _keys(3)
-        for i, key in enumerate(keys):
-            await _store(tier, [key], [i])
-        assert tier.get_num_blocks() == 2
 
 
 async def test_store_larger_than_the_cap_stores_what_fits(pool: memoryview, tmp_path: Path) -> None:
@@ -506,17 +494,17 @@ async def test_crossed_floor_evicts_to_restore_it(
     clock = FakeClock()
     options = {"os_calls": faults, "clock": clock, "min_free_bytes": 10 * FILE}
     async with _tier(pool, tmp_path, **options) as tier:
-        keys = _keys(4)
+        keys = _keys(5)
         if hold_oldest:
             tier.hold([keys[0]])  # held before it is stored: the floor must spare it
-        await _store(tier, keys[:3], range(3))
-        faults.report_free_bytes(9 * FILE)  # one file below the floor
+        await _store(tier, keys[:4], range(4))
+        faults.report_free_bytes(9 * FILE)  # one record below the floor
         clock.now += 1
-        result = await _store(tier, keys[3:], [3])
+        result = await _store(tier, keys[4:], [4])
         assert result.success
         assert tier.metrics.evicted_blocks == 2  # one for the floor, one for the new block
-        expected = [True, False, False, True] if hold_oldest else [False, False, True, True]
-        assert [tier.lookup(k) for k in keys] == expected
+        expected = [True, False, False] if hold_oldest else [False, False, True]
+        assert [tier.lookup(k) for k in keys] == [*expected, True, True]
 
 
 class GatedReads(OsCalls):
@@ -540,43 +528,43 @@ async def _until(flag: threading.Event) -> None:
 
 async def test_blocks_being_read_are_never_evicted(pool: memoryview, tmp_path: Path) -> None:
     gated = GatedReads()
-    async with _tier(pool, tmp_path, os_calls=gated, capacity_bytes=2 * FILE) as tier:
-        oldest, newer, incoming = _keys(3)
-        await _store(tier, [oldest, newer], [0, 1])
+    async with _tier(pool, tmp_path, os_calls=gated, capacity_bytes=3 * FILE) as tier:
+        oldest, newer, newest, incoming = _keys(4)
+        await _store(tier, [oldest, newer, newest], [0, 1, 2])
         expected = _slot(pool, 0)
         gated.armed = True
         load = JobMetadata(next_job_id(), [oldest], [5])
         tier.submit_load(load)
         await _until(gated.entered)
-        stored = await _store(tier, [incoming], [2])  # LRU would pick `oldest`
+        stored = await _store(tier, [incoming], [3])  # the oldest is being read
         gated.gate.set()
         assert (await tier.result(load.job_id)).success
         assert stored.success
-        assert tier.lookup(oldest) and not tier.lookup(newer)
+        assert tier.lookup(oldest) and not tier.lookup(newer) and tier.lookup(newest)
         assert _slot(pool, 5) == expected
 
 
 async def test_a_held_block_is_never_evicted_until_released(
     pool: memoryview, tmp_path: Path
 ) -> None:
-    async with _tier(pool, tmp_path, capacity_bytes=2 * FILE) as tier:
-        a, b, c, d = _keys(4)
-        await _store(tier, [a, b], [0, 1])
-        tier.touch([b])  # a is the least recently used: the policy's pick
-        tier.hold([a])
+    # The newest segment is the one being written: never evicted either.
+    async with _tier(pool, tmp_path, capacity_bytes=3 * FILE) as tier:
+        a, b, c, d, e = _keys(5)
+        await _store(tier, [a, b, e], [0, 1, 4])
+        tier.hold([a])  # a is the oldest: the eviction's pick
         assert (await _store(tier, [c], [2])).success
         expected = _slot(pool, 2)  # c's bytes
         assert tier.lookup(a) and not tier.lookup(b)
-        tier.hold([c])
+        tier.hold([e])
         refused = await _store(tier, [d], [3])
-        assert refused.failed_keys == (d,) and "pinned" in (refused.error or "")
+        assert refused.failed_keys == (d,) and "in use" in (refused.error or "")
         assert tier.statistics().pinned_blocks == 2
         tier.release([a])
         assert (await _store(tier, [d], [3])).success
-        assert not tier.lookup(a) and tier.lookup(c) and tier.lookup(d)
+        assert not tier.lookup(a) and tier.lookup(c) and tier.lookup(d) and tier.lookup(e)
         with pytest.raises(InvalidArgumentError, match=a.hex()):
             tier.release([a])
-        tier.release([c])
+        tier.release([e])
         assert (await _load(tier, [c], [6])).success
         assert _slot(pool, 6) == expected
 
@@ -587,9 +575,8 @@ async def test_usage_reports_counters_and_failures_by_cause_logged_once(
     async with _tier(pool, tmp_path, capacity_bytes=4 * FILE) as tier:
         keys = _keys(2)
         await _store(tier, keys, [0, 1])
-        files = [os.path.join(tier.directory, block_relpath(k)) for k in keys]
-        for path in files:
-            _flip(path, HEADER_BYTES + 7)
+        for path, at in [_record(tier, k) for k in keys]:
+            _flip(path, at + HEADER_BYTES + 7)
         with caplog.at_level(logging.WARNING, logger="backends.nvme"):
             result = await _load(tier, keys, [4, 5])
             await _load(tier, [b"absent"], [6])
@@ -597,7 +584,8 @@ async def test_usage_reports_counters_and_failures_by_cause_logged_once(
         assert "checksum" in (result.error or "")
         stats = tier.statistics()
     assert stats.used_blocks == 0 and stats.capacity_blocks == 4
-    assert stats.used_bytes == 0 and stats.capacity_bytes == 4 * FILE
+    # A dead record keeps its room until its segment goes.
+    assert stats.used_bytes == 2 * FILE and stats.capacity_bytes == 4 * FILE
     assert stats.counters["stored_blocks"] == 2
     assert stats.counters["corrupt_blocks"] == 2
     assert dict(stats.failures) == {"corrupt block": 2, "not in the tier": 1}
@@ -607,18 +595,19 @@ async def test_usage_reports_counters_and_failures_by_cause_logged_once(
 
 async def test_store_fails_when_every_block_is_being_read(pool: memoryview, tmp_path: Path) -> None:
     gated = GatedReads()
-    async with _tier(pool, tmp_path, os_calls=gated, capacity_bytes=1 * FILE) as tier:
-        held, incoming = _keys(2)
-        await _store(tier, [held], [0])
+    async with _tier(pool, tmp_path, os_calls=gated, capacity_bytes=2 * FILE) as tier:
+        held = _keys(2)
+        (incoming,) = _keys(1, "incoming")
+        await _store(tier, held, [0, 1])
         gated.armed = True
-        load = JobMetadata(next_job_id(), [held], [5])
+        load = JobMetadata(next_job_id(), held, [5, 6])
         tier.submit_load(load)
         await _until(gated.entered)
-        stored = await _store(tier, [incoming], [1])
+        stored = await _store(tier, [incoming], [2])
         gated.gate.set()
         assert (await tier.result(load.job_id)).success
         assert stored.failed_keys == (incoming,)
-        assert "being read" in (stored.error or "")
+        assert "in use (read, written or held)" in (stored.error or "")
 
 
 # -- disk full ---------------------------------------------------------------------------
@@ -720,21 +709,15 @@ def _umount(target: Path) -> None:
 
 
 class GatedWrites(OsCalls):
-    """Real calls, but the first write of an armed key writes half its bytes, then waits."""
+    """Real calls, but the first write once ``armed`` writes its first buffer, then waits."""
 
-    def __init__(self, key_hex: str) -> None:
-        self.key_hex = key_hex
-        self.paths: dict[int, str] = {}
+    def __init__(self) -> None:
+        self.armed = True
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        fd = super().open(path, flags, mode)
-        self.paths[fd] = path
-        return fd
-
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        if self.key_hex in self.paths.get(fd, "") and not self.entered.is_set():
+        if self.armed and not self.entered.is_set():
             written = super().pwritev(fd, [buffers[0]], offset)
             self.entered.set()
             self.gate.wait(10)
@@ -746,13 +729,14 @@ async def test_two_engines_on_one_root_never_corrupt_each_other(
     pool: memoryview, tmp_path: Path
 ) -> None:
     (slow_key,) = _keys(1, "slow")
-    gated = GatedWrites(slow_key.hex())
+    gated = GatedWrites()
     async with _tier(pool, tmp_path, os_calls=gated) as first:
         write = JobMetadata(next_job_id(), [slow_key], [0])
         first.submit_store(write)
-        await _until(gated.entered)  # a half-written temp file of `first` is on disk
+        await _until(gated.entered)  # a half-written record of `first` is on disk
         async with _tier(pool, tmp_path) as second:
-            assert second.metrics.removed_on_recovery["temporary"] == 0
+            # The half-written segment is a live writer's: left alone.
+            assert sum(second.metrics.removed_on_recovery.values()) == 0
             shared = _keys(3, "shared")
             both = await asyncio.gather(
                 _store(second, shared, [1, 2, 3]), _store(first, shared, [1, 2, 3])
@@ -767,94 +751,6 @@ async def test_two_engines_on_one_root_never_corrupt_each_other(
             assert [_slot(pool, i) for i in (5, 6, 7)] == expected[1:]
 
 
-_CRASHING_WRITER = textwrap.dedent(
-    """
-    import asyncio, mmap, os, sys
-    from backends.nvme import NVMeFileTier
-    from backends.nvme_files import OsCalls
-    from tiering.secondary import JobMetadata
-
-    BLOCK = int(sys.argv[2])
-
-    class HangMidWrite(OsCalls):
-        armed = False
-        def pwritev(self, fd, buffers, offset):
-            if self.armed:  # the header page only: a torn file, aligned for O_DIRECT
-                done = super().pwritev(fd, [buffers[0]], offset)
-                print("MID-WRITE", flush=True)
-                import time; time.sleep(60)
-                return done
-            return super().pwritev(fd, buffers, offset)
-
-    async def main():
-        buffer = mmap.mmap(-1, BLOCK * 4)
-        for i in range(4):
-            buffer[i * BLOCK:(i + 1) * BLOCK] = bytes([i + 1]) * BLOCK
-        calls = HangMidWrite()
-        tier = NVMeFileTier(memoryview(buffer), BLOCK, root=sys.argv[1], namespace="crash",
-                        capacity_bytes=1 << 24, min_free_bytes=0, fsync="none",
-                        os_calls=calls)
-        await tier.start()
-        tier.submit_store(JobMetadata(1, [b"done-1", b"done-2"], [0, 1]))
-        assert (await tier.result(1)).success
-        calls.armed = True
-        tier.submit_store(JobMetadata(2, [b"torn-1", b"torn-2"], [2, 3]))
-        await tier.result(2)
-
-    asyncio.run(main())
-    """
-)
-
-
-def _start_crashing_writer(root: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-c", _CRASHING_WRITER, str(root), str(BLOCK)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-
-
-async def test_kill_9_mid_write_loses_only_the_blocks_in_flight(
-    pool: memoryview, tmp_path: Path
-) -> None:
-    child = _start_crashing_writer(tmp_path)
-    try:
-        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)  # type: ignore[union-attr]
-        assert line.strip() == b"MID-WRITE", child.stderr.read() if child.stderr else line  # type: ignore[union-attr]
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-        assert child.stdout is not None and child.stderr is not None
-        child.stdout.close()
-        child.stderr.close()
-    directory = tmp_path / namespace_dirname("crash")
-    assert list(directory.glob("*/*.tmp")), "the child should have died mid-write"
-    async with NVMeFileTier(
-        pool, BLOCK, root=tmp_path, namespace="crash", capacity_bytes=1 << 24, min_free_bytes=0
-    ) as tier:
-        assert tier.lookup(b"done-1") and tier.lookup(b"done-2")
-        assert not tier.lookup(b"torn-1") and not tier.lookup(b"torn-2")
-        assert tier.metrics.removed_on_recovery["temporary"] == 1
-        assert not list(directory.glob("*/*.tmp"))
-        assert (await _load(tier, [b"done-1", b"done-2"], [0, 1])).success
-        assert _slot(pool, 0) == b"\x01" * BLOCK and _slot(pool, 1) == b"\x02" * BLOCK
-
-
-async def test_torn_final_file_from_a_power_loss_is_removed_at_start(
-    pool: memoryview, tmp_path: Path
-) -> None:
-    keys = _keys(2)
-    async with _tier(pool, tmp_path) as first:
-        await _store(first, keys, [0, 1])
-        torn = os.path.join(first.directory, block_relpath(keys[0]))
-    os.truncate(torn, HEADER_BYTES + 100)
-    async with _tier(pool, tmp_path) as second:
-        assert second.lookup(keys[0]) is False and second.lookup(keys[1])
-        assert second.metrics.removed_on_recovery["torn"] == 1
-
-
 # -- clear, close, options ---------------------------------------------------------------
 
 
@@ -867,13 +763,11 @@ async def test_clear_drops_everything_and_close_removes_the_files(
         tier.clear()
         assert tier.get_num_blocks() == 0 and not any(tier.lookup(k) for k in keys)
         assert not (await _load(tier, keys[:1], [5])).success
-    assert _block_files(tier) == []
+    assert _segment_files(tier) == []
     assert os.listdir(os.path.join(tier.directory, "owners")) == []
 
 
-async def test_clear_then_store_again_keeps_the_new_block(
-    tier: NVMeFileTier, pool: memoryview
-) -> None:
+async def test_clear_then_store_again_keeps_the_new_block(tier: NVMeTier, pool: memoryview) -> None:
     (key,) = _keys(1)
     await _store(tier, [key], [0])
     tier.clear()
@@ -894,14 +788,15 @@ async def test_a_cleared_key_refused_for_room_still_has_its_file_removed(
         tier.clear()
         result = await _store(tier, [*fresh, cleared[0]], [2, 3, 0])
         assert result.failed_keys == (cleared[0],)
-    assert _block_files(tier) == sorted(os.path.basename(tier._files.path_of(k)) for k in fresh)
+        kept = sorted(os.path.basename(_record(tier, k)[0]) for k in fresh)
+    assert _segment_files(tier) == kept
 
 
 async def test_clear_while_a_store_runs_keeps_its_keys_out(
     pool: memoryview, tmp_path: Path
 ) -> None:
     (key,) = _keys(1)
-    gated = GatedWrites(key.hex())
+    gated = GatedWrites()
     async with _tier(pool, tmp_path, os_calls=gated) as tier:
         job = JobMetadata(next_job_id(), [key], [0])
         tier.submit_store(job)
@@ -910,7 +805,7 @@ async def test_clear_while_a_store_runs_keeps_its_keys_out(
         gated.gate.set()
         await tier.result(job.job_id)
         assert tier.lookup(key) is False and tier.get_num_blocks() == 0
-    assert _block_files(tier) == []
+    assert _segment_files(tier) == []
 
 
 async def test_concurrent_starts_open_the_directory_once(pool: memoryview, tmp_path: Path) -> None:
@@ -922,7 +817,7 @@ async def test_concurrent_starts_open_the_directory_once(pool: memoryview, tmp_p
         await tier.aclose()
 
 
-class CountingHops(NVMeFileTier):
+class CountingHops(NVMeTier):
     hops = 0
 
     async def run_blocking(self, fn: Any, /, *args: Any) -> Any:
@@ -983,7 +878,7 @@ async def test_shutdown_from_another_thread_keeps_the_owner_lock_until_the_loop_
     pool: memoryview, tmp_path: Path
 ) -> None:
     (key,) = _keys(1)
-    gated = GatedWrites(key.hex())
+    gated = GatedWrites()
     tier = _tier(pool, tmp_path, os_calls=gated)
     await tier.start()
     job = JobMetadata(next_job_id(), [key], [0])
@@ -1075,19 +970,14 @@ def test_bad_options_are_refused(
 
 def test_a_root_that_is_not_a_path_is_refused(pool: memoryview) -> None:
     with pytest.raises(InvalidArgumentError, match="root must be a path"):
-        NVMeFileTier(pool, BLOCK, root=42, namespace="n", capacity_bytes=FILE)  # type: ignore[arg-type]
-
-
-def test_unknown_policy_is_refused(pool: memoryview, tmp_path: Path) -> None:
-    with pytest.raises(UnknownPolicyError):
-        _tier(pool, tmp_path, policy="mru")
+        NVMeTier(pool, BLOCK, root=42, namespace="n", capacity_bytes=64 * FILE)  # type: ignore[arg-type]
 
 
 # -- the byte budget ---------------------------------------------------------------------
 
 
 async def test_byte_budget_admits_waiting_loads_before_stores() -> None:
-    budget = _InflightBytes(100)
+    budget = InflightBytes(100)
     await budget.acquire(100, is_load=False)
     order: list[str] = []
 
@@ -1108,7 +998,7 @@ async def test_byte_budget_admits_waiting_loads_before_stores() -> None:
 
 
 async def test_byte_budget_lets_an_oversized_job_run_alone() -> None:
-    budget = _InflightBytes(10)
+    budget = InflightBytes(10)
     await budget.acquire(1000, is_load=True)
     assert budget.used == 1000
     budget.release(1000)
@@ -1116,7 +1006,7 @@ async def test_byte_budget_lets_an_oversized_job_run_alone() -> None:
 
 
 async def test_cancelled_budget_waiter_gives_its_place_back() -> None:
-    budget = _InflightBytes(10)
+    budget = InflightBytes(10)
     await budget.acquire(10, is_load=False)
     waiter = asyncio.create_task(budget.acquire(10, is_load=True))
     await asyncio.sleep(0)
@@ -1140,11 +1030,10 @@ def _modes(root: Path) -> tuple[set[int], set[int]]:
     return dirs, files
 
 
-@pytest.mark.parametrize("layout", ["nvme", "nvme-files"])
 async def test_the_tier_keeps_its_files_and_directories_to_its_user(
-    pool: memoryview, tmp_path: Path, layout: str
+    pool: memoryview, tmp_path: Path
 ) -> None:
-    spec = {"type": layout, "root": str(tmp_path / "kv"), "namespace": NAMESPACE,
+    spec = {"type": "nvme", "root": str(tmp_path / "kv"), "namespace": NAMESPACE,
             "capacity_bytes": 64 * FILE, "min_free_bytes": 0}  # fmt: skip
     tier = make_tier(spec, pool, BLOCK)
     await tier.start()
@@ -1182,17 +1071,16 @@ async def test_a_namespace_directory_that_is_a_link_out_of_the_root_is_refused(
     assert list(elsewhere.iterdir()) == []  # nothing written through the link
 
 
-async def test_a_block_file_swapped_for_a_link_is_not_followed(
+async def test_a_segment_swapped_for_a_link_is_not_followed(
     pool: memoryview, tmp_path: Path
 ) -> None:
     keys = _keys(2)
     async with _tier(pool, tmp_path) as tier:
         assert (await _store(tier, keys, [0, 1])).success
-        directory = Path(tier.directory)
-        first, second = (directory / block_relpath(k) for k in keys)
+        second, _ = _record(tier, keys[1])
         decoy = tmp_path / "decoy"
-        decoy.write_bytes(first.read_bytes())  # a valid block file, outside the root
-        second.unlink()
-        second.symlink_to(decoy)
+        shutil.copy(second, decoy)  # the same segment, outside the root
+        os.unlink(second)
+        os.symlink(decoy, second)
         result = await _load(tier, keys, [5, 6])
         assert result.failed_keys == (keys[1],)  # never read through the link

@@ -12,15 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.nvme_format import (
-    FANOUT,
     HEADER_BYTES,
     MAX_KEY_BYTES,
-    block_relpath,
     check_header,
     check_key,
     decode_header,
     encode_header,
-    fanout_dirs,
     namespace_digest,
     namespace_dirname,
     payload_checksum,
@@ -171,25 +168,6 @@ def test_namespace_dirname_of_punctuation_only_still_has_a_prefix() -> None:
 def test_namespace_dirname_rejects_a_non_string_or_empty(namespace: object) -> None:
     with pytest.raises(InvalidArgumentError, match="non-empty string"):
         namespace_dirname(namespace)  # type: ignore[arg-type]
-
-
-def test_block_relpath_uses_a_fanout_dir_and_the_key_hex() -> None:
-    key = bytes(range(32))
-    fan, name = block_relpath(key).split("/")
-    assert fan in fanout_dirs()
-    assert name == key.hex() + ".kvb"
-
-
-def test_long_keys_are_named_by_digest_within_file_name_limits() -> None:
-    key = b"z" * 3000
-    name = block_relpath(key).split("/")[1]
-    assert len(name) < 100 and name.startswith("h")
-    assert block_relpath(key) != block_relpath(b"z" * 2999)
-
-
-def test_fanout_spreads_keys_over_many_dirs() -> None:
-    dirs = {block_relpath(i.to_bytes(8, "little")).split("/")[0] for i in range(2000)}
-    assert len(dirs) > FANOUT * 0.9
 
 
 def test_payload_checksum_sees_one_flipped_bit() -> None:

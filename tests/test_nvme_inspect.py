@@ -1,4 +1,4 @@
-"""Tests of backends.nvme_inspect on real roots written by the real tiers (both layouts)."""
+"""Tests of backends.nvme_inspect on real roots written by the real tier."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import base64
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from backends.nvme import NVMeFileTier, NVMeTierBase
-from backends.nvme_format import HEADER_BYTES, block_relpath, namespace_dirname
+from backends.nvme import NVMeTier
+from backends.nvme_format import HEADER_BYTES, namespace_dirname
 from backends.nvme_inspect import clear_root, inspect_root, verify_root
-from backends.nvme_segment_tier import NVMeSegmentTier
-from backends.nvme_segments import CHECKPOINT_FILE, SEGMENTS_DIR
+from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tiering.errors import InvalidArgumentError, TieringError
 
@@ -23,7 +23,7 @@ BLOCK = 16 << 10
 RECORD = HEADER_BYTES + BLOCK
 SLOTS = 16
 SEGMENTS_NS = "model=tiny;layout=segments"
-FILES_NS = "model=tiny;layout=files"
+OTHER_NS = "model=tiny;other"
 
 
 @pytest.fixture
@@ -32,15 +32,13 @@ def pool() -> Iterator[memoryview]:
         yield view
 
 
-def make_tier(layout: str, pool: memoryview, root: Path, **kwargs: Any) -> NVMeTierBase:
+def make_tier(name: str, pool: memoryview, root: Path, **kwargs: Any) -> NVMeTier:
+    """A tier of namespace SEGMENTS_NS (``name`` "segments") or OTHER_NS ("other")."""
     options: dict[str, Any] = {"root": root, "capacity_bytes": 64 * RECORD, "min_free_bytes": 0}
     options.update(kwargs)
-    if layout == "segments":
-        options.setdefault("namespace", SEGMENTS_NS)
-        options.setdefault("segment_bytes", HEADER_BYTES + 8 * RECORD)
-        return NVMeSegmentTier(pool, BLOCK, **options)
-    options.setdefault("namespace", FILES_NS)
-    return NVMeFileTier(pool, BLOCK, **options)
+    options.setdefault("namespace", SEGMENTS_NS if name == "segments" else OTHER_NS)
+    options.setdefault("segment_bytes", HEADER_BYTES + 8 * RECORD)
+    return NVMeTier(pool, BLOCK, **options)
 
 
 def keys(n: int, tag: str) -> list[bytes]:
@@ -55,71 +53,67 @@ def flip_byte(path: Path, offset: int) -> None:
         file.write(bytes([byte[0] ^ 1]))
 
 
-def payload_offset(layout: str, root: Path, key: bytes, record: int) -> tuple[Path, int]:
-    """Where a byte of ``key``'s payload lies: its file, and an offset in it."""
-    if layout == "segments":
-        directory = root / namespace_dirname(SEGMENTS_NS) / SEGMENTS_DIR
-        [first, *_] = sorted(directory.iterdir())
-        return first, HEADER_BYTES + record * RECORD + HEADER_BYTES + 100
-    return root / namespace_dirname(FILES_NS) / block_relpath(key), HEADER_BYTES + 100
+def payload_offset(root: Path, record: int, namespace: str = SEGMENTS_NS) -> tuple[Path, int]:
+    """Where a byte of the payload of the first segment's ``record`` lies."""
+    directory = root / namespace_dirname(namespace) / SEGMENTS_DIR
+    [first, *_] = sorted(directory.iterdir())
+    return first, HEADER_BYTES + record * RECORD + HEADER_BYTES + 100
 
 
-async def fill(layout: str, pool: memoryview, root: Path, names: list[bytes]) -> None:
-    async with make_tier(layout, pool, root) as tier:
+async def fill(name: str, pool: memoryview, root: Path, names: list[bytes]) -> None:
+    async with make_tier(name, pool, root) as tier:
         assert (await store_job(tier, names, range(len(names)))).success
 
 
-@pytest.mark.parametrize("layout", ["segments", "files"])
 async def test_inspect_counts_the_blocks_and_bytes_the_tier_stored(
-    pool: memoryview, tmp_path: Path, layout: str
+    pool: memoryview, tmp_path: Path
 ) -> None:
-    await fill(layout, pool, tmp_path, keys(10, "a"))
+    await fill("segments", pool, tmp_path, keys(10, "a"))
     report = inspect_root(tmp_path)
     [ns] = report.namespaces
-    assert ns.namespace == (SEGMENTS_NS if layout == "segments" else FILES_NS)
-    assert ns.layouts == (layout,) and ns.block_bytes == BLOCK
+    assert ns.namespace == SEGMENTS_NS
+    assert ns.layouts == ("segments",) and ns.block_bytes == BLOCK
     assert ns.blocks == 10 and ns.payload_bytes == 10 * BLOCK
     disk = sum(p.stat().st_size for p in (tmp_path / ns.directory).rglob("*") if p.is_file())
     assert ns.disk_bytes == disk > 10 * BLOCK
     assert ns.damaged == () and ns.orphaned == () and ns.live_owners == ()
-    assert report.to_json()["blocks"] == 10
+    assert asdict(report)["blocks"] == 10
 
 
-async def test_both_layouts_in_one_root_are_two_namespaces(
+async def test_two_namespaces_in_one_root_are_reported_apart(
     pool: memoryview, tmp_path: Path
 ) -> None:
     await fill("segments", pool, tmp_path, keys(12, "s"))
-    await fill("files", pool, tmp_path, keys(5, "f"))
+    await fill("other", pool, tmp_path, keys(5, "f"))
     report = inspect_root(tmp_path)
     assert {ns.namespace: ns.blocks for ns in report.namespaces} == {
         SEGMENTS_NS: 12,
-        FILES_NS: 5,
+        OTHER_NS: 5,
     }
     assert report.blocks == 17 and report.other_entries == ()
-    only = inspect_root(tmp_path, namespace=namespace_dirname(FILES_NS).rpartition("-")[2][:6])
-    assert [ns.namespace for ns in only.namespaces] == [FILES_NS]
+    only = inspect_root(tmp_path, namespace=namespace_dirname(OTHER_NS).rpartition("-")[2][:6])
+    assert [ns.namespace for ns in only.namespaces] == [OTHER_NS]
 
 
-@pytest.mark.parametrize("layout", ["segments", "files"])
 async def test_verify_finds_a_flipped_payload_byte_and_remove_keeps_a_restart_from_serving_it(
-    pool: memoryview, tmp_path: Path, layout: str
+    pool: memoryview, tmp_path: Path
 ) -> None:
     names = keys(6, "v")
-    await fill(layout, pool, tmp_path, names)
-    path, offset = payload_offset(layout, tmp_path, names[2], 2)
+    await fill("segments", pool, tmp_path, names)
+    path, offset = payload_offset(tmp_path, 2)
     flip_byte(path, offset)
 
     report = verify_root(tmp_path, remove=False)
     assert report.checked == 6
-    [bad] = report.bad
+    [bad] = report.bad_blocks
     assert "payload checksum mismatch" in bad.reason and not bad.removed
     assert bad.key == names[2].hex()
-    assert verify_root(tmp_path, remove=False).bad == report.bad  # nothing changed
+    assert verify_root(tmp_path, remove=False).bad_blocks == report.bad_blocks  # nothing changed
 
     removed = verify_root(tmp_path, remove=True)
-    assert [b.removed for b in removed.bad] == [True]
-    assert verify_root(tmp_path, remove=False).bad == ()
-    async with make_tier(layout, pool, tmp_path) as tier:
+    assert [b.removed for b in removed.bad_blocks] == [True]
+    assert verify_root(tmp_path, remove=False).bad_blocks == ()
+    async with make_tier("segments", pool, tmp_path) as tier:
         assert tier.lookup(names[2]) is False
         assert tier.get_num_blocks() == 5
         others = names[:2] + names[3:]
@@ -131,11 +125,11 @@ async def test_a_record_verify_removed_is_counted_removed_not_damaged_by_inspect
 ) -> None:
     names = keys(6, "r")
     await fill("segments", pool, tmp_path, names)
-    segment, _ = payload_offset("segments", tmp_path, names[2], 2)
+    segment, _ = payload_offset(tmp_path, 2)
     flip_byte(segment, HEADER_BYTES + 2 * RECORD + 10)  # in record 2's header: damaged
     assert inspect_root(tmp_path).damaged == 1
 
-    assert [b.removed for b in verify_root(tmp_path, remove=True).bad] == [True]
+    assert [b.removed for b in verify_root(tmp_path, remove=True).bad_blocks] == [True]
     report = inspect_root(tmp_path)
     assert report.damaged == 0 and report.blocks == 5
     [ns] = report.namespaces
@@ -148,23 +142,22 @@ async def test_a_record_verify_removed_is_counted_removed_not_damaged_by_inspect
 KEYRING = "1:" + base64.b64encode(bytes(range(32))).decode()
 
 
-@pytest.mark.parametrize("layout", ["segments", "files"])
 async def test_verify_checks_encrypted_blocks_under_their_keyring_and_never_removes_blindly(
-    pool: memoryview, tmp_path: Path, layout: str
+    pool: memoryview, tmp_path: Path
 ) -> None:
     names = keys(4, "e")
-    async with make_tier(layout, pool, tmp_path, encryption=KEYRING) as tier:
+    async with make_tier("segments", pool, tmp_path, encryption=KEYRING) as tier:
         assert (await store_job(tier, names, range(4))).success
-    assert verify_root(tmp_path, remove=False, encryption=KEYRING).bad == ()
+    assert verify_root(tmp_path, remove=False, encryption=KEYRING).bad_blocks == ()
     blind = verify_root(tmp_path, remove=False)  # no keyring: cannot be checked
-    assert len(blind.bad) == 4 and all("encrypted" in b.reason for b in blind.bad)
+    assert len(blind.bad_blocks) == 4 and all("encrypted" in b.reason for b in blind.bad_blocks)
     with pytest.raises(TieringError, match="holds encrypted blocks"):
         verify_root(tmp_path, remove=True)
-    path, offset = payload_offset(layout, tmp_path, names[1], 1)
+    path, offset = payload_offset(tmp_path, 1)
     flip_byte(path, offset)
-    [bad] = verify_root(tmp_path, remove=True, encryption=KEYRING).bad
+    [bad] = verify_root(tmp_path, remove=True, encryption=KEYRING).bad_blocks
     assert bad.key == names[1].hex() and "authentication" in bad.reason and bad.removed
-    async with make_tier(layout, pool, tmp_path, encryption=KEYRING) as tier:
+    async with make_tier("segments", pool, tmp_path, encryption=KEYRING) as tier:
         assert tier.get_num_blocks() == 3 and tier.lookup(names[0])
 
 
@@ -175,7 +168,7 @@ async def test_a_bad_record_named_by_the_checkpoint_leaves_it(
     await fill("segments", pool, tmp_path, names)
     checkpoint = tmp_path / namespace_dirname(SEGMENTS_NS) / CHECKPOINT_FILE
     before = checkpoint.read_bytes()
-    path, offset = payload_offset("segments", tmp_path, names[4], 4)
+    path, offset = payload_offset(tmp_path, 4)
     flip_byte(path, offset)
     report = verify_root(tmp_path, remove=True)
     assert [ns.checkpoint_rewritten for ns in report.namespaces] == [True]
@@ -190,27 +183,22 @@ async def test_without_remove_a_restart_still_indexes_the_bad_block_and_a_load_f
     # What --remove is for: verification alone changes nothing the tier sees.
     names = keys(4, "n")
     await fill("segments", pool, tmp_path, names)
-    path, offset = payload_offset("segments", tmp_path, names[1], 1)
+    path, offset = payload_offset(tmp_path, 1)
     flip_byte(path, offset)
-    assert len(verify_root(tmp_path, remove=False).bad) == 1
+    assert len(verify_root(tmp_path, remove=False).bad_blocks) == 1
     async with make_tier("segments", pool, tmp_path) as tier:
         assert tier.lookup(names[1]) is True
         assert not (await load_job(tier, [names[1]], [0])).success
 
 
-@pytest.mark.parametrize("layout", ["segments", "files"])
 async def test_a_leftover_temporary_file_is_orphaned_and_an_unknown_one_too(
-    pool: memoryview, tmp_path: Path, layout: str
+    pool: memoryview, tmp_path: Path
 ) -> None:
     names = keys(3, "o")
-    await fill(layout, pool, tmp_path, names)
-    directory = tmp_path / namespace_dirname(SEGMENTS_NS if layout == "segments" else FILES_NS)
+    await fill("segments", pool, tmp_path, names)
+    directory = tmp_path / namespace_dirname(SEGMENTS_NS)
     dead_writer = "ab" * 16
-    if layout == "segments":
-        temp = directory / f"{CHECKPOINT_FILE}.{dead_writer}.tmp"
-    else:
-        final = directory / block_relpath(b"never-renamed")
-        temp = final.with_name(f"{final.stem}.{dead_writer}-0.tmp")
+    temp = directory / f"{CHECKPOINT_FILE}.{dead_writer}.tmp"
     temp.write_bytes(b"half a block")
     (directory / "notes.txt").write_text("mine")
     [ns] = inspect_root(tmp_path).namespaces
@@ -238,24 +226,11 @@ async def test_a_segment_whose_records_all_live_elsewhere_is_orphaned(
         assert tier.get_num_blocks() == 4
 
 
-async def test_a_torn_block_file_is_damaged_and_verify_counts_it_bad(
-    pool: memoryview, tmp_path: Path
-) -> None:
-    names = keys(3, "t")
-    await fill("files", pool, tmp_path, names)
-    torn = tmp_path / namespace_dirname(FILES_NS) / block_relpath(names[0])
-    os.truncate(torn, HEADER_BYTES + 10)
-    [ns] = inspect_root(tmp_path).namespaces
-    assert ns.blocks == 2 and [f.reason.split(":")[0] for f in ns.damaged] == ["torn"]
-    report = verify_root(tmp_path, remove=True)
-    assert len(report.bad) == 1 and report.bad[0].removed and not torn.exists()
-
-
 async def test_clear_of_one_namespace_leaves_the_other_and_files_it_does_not_know(
     pool: memoryview, tmp_path: Path
 ) -> None:
     await fill("segments", pool, tmp_path, keys(9, "s"))
-    await fill("files", pool, tmp_path, keys(3, "f"))
+    await fill("other", pool, tmp_path, keys(3, "f"))
     outside = tmp_path / "keep.txt"
     outside.write_text("not a namespace")
     stranger = tmp_path / namespace_dirname(SEGMENTS_NS) / "segments" / "mine.bin"
@@ -270,28 +245,27 @@ async def test_clear_of_one_namespace_leaves_the_other_and_files_it_does_not_kno
     assert stranger.exists() and outside.exists()
     remaining = inspect_root(tmp_path)
     # The cleared directory stays only for the file the tier never wrote.
-    assert [(ns.namespace, ns.blocks) for ns in remaining.namespaces] == [
-        (FILES_NS, 3),
+    assert {(ns.namespace, ns.blocks) for ns in remaining.namespaces} == {
+        (OTHER_NS, 3),
         (None, 0),
-    ]
+    }
     async with make_tier("segments", pool, tmp_path) as tier:
         assert tier.get_num_blocks() == 0
 
 
 async def test_clear_of_everything_leaves_an_empty_root(pool: memoryview, tmp_path: Path) -> None:
     await fill("segments", pool, tmp_path, keys(2, "s"))
-    await fill("files", pool, tmp_path, keys(2, "f"))
+    await fill("other", pool, tmp_path, keys(2, "f"))
     report = clear_root(tmp_path, namespace=None)
     assert len(report.namespaces) == 2 and report.left == ()
     assert os.listdir(tmp_path) == []
     assert inspect_root(tmp_path).namespaces == ()
 
 
-@pytest.mark.parametrize("layout", ["segments", "files"])
 async def test_a_live_tier_is_reported_and_removal_and_clear_refuse_it(
-    pool: memoryview, tmp_path: Path, layout: str
+    pool: memoryview, tmp_path: Path
 ) -> None:
-    async with make_tier(layout, pool, tmp_path) as tier:
+    async with make_tier("segments", pool, tmp_path) as tier:
         assert (await store_job(tier, keys(3, "l"), range(3))).success
         [ns] = inspect_root(tmp_path).namespaces
         assert len(ns.live_owners) == 1 and ns.blocks == 3
@@ -345,7 +319,7 @@ async def test_a_root_others_can_write_to_is_refused_as_the_tier_refuses_it(
 async def test_an_unknown_or_ambiguous_namespace_is_refused(
     pool: memoryview, tmp_path: Path
 ) -> None:
-    await fill("files", pool, tmp_path, keys(1, "f"))
+    await fill("other", pool, tmp_path, keys(1, "f"))
     with pytest.raises(InvalidArgumentError, match="--namespace: no namespace 'nope'"):
         clear_root(tmp_path, namespace="nope")
     with pytest.raises(InvalidArgumentError, match="no namespace 'abc'"):  # too short a prefix
@@ -354,6 +328,6 @@ async def test_an_unknown_or_ambiguous_namespace_is_refused(
 
 
 def test_an_empty_directory_is_an_empty_root(tmp_path: Path) -> None:
-    assert inspect_root(tmp_path).to_json()["namespaces"] == []
+    assert asdict(inspect_root(tmp_path))["namespaces"] == ()
     assert verify_root(tmp_path, remove=True).checked == 0
     assert clear_root(tmp_path, namespace=None).files == 0

@@ -1,4 +1,4 @@
-"""Encryption at rest in both NVMe layouts (backends.nvme_sealing, issue 14): sealed
+"""Encryption at rest in the NVMe tier (backends.nvme_sealing, issue 14): sealed
 blocks round-trip byte-exact, no plaintext reaches the disk, and a wrong or missing key,
 a tampered byte, a moved block or a block of the other kind is a miss, never bytes."""
 
@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 import xxhash
 
-from backends.nvme import NVMeFileTier, NVMeTierBase
+from backends.nvme import NVMeTier
 from backends.nvme_format import HEADER_BYTES, SEALED_AES_GCM, decode_header
 from backends.nvme_sealing import PayloadSealer
-from backends.nvme_segment_tier import NVMeSegmentTier
 from tests._engine_helpers import flip_byte
 from tests._nvme_helpers import load_job as load
 from tests._nvme_helpers import random_pool
@@ -33,7 +32,7 @@ KEY_A = os.urandom(32)
 KEY_B = os.urandom(32)
 OLD = f"1:{base64.b64encode(KEY_A).decode()}"
 ROTATED = f"2:{base64.b64encode(KEY_B).decode()},{OLD}"
-LAYOUTS = [NVMeSegmentTier, NVMeFileTier]
+LAYOUTS = [NVMeTier]
 
 
 @pytest.fixture
@@ -42,7 +41,7 @@ def pool() -> Iterator[memoryview]:
         yield view
 
 
-def make(layout: type[NVMeTierBase], pool: memoryview, root: Path, **kwargs: Any) -> Any:
+def make(layout: type[NVMeTier], pool: memoryview, root: Path, **kwargs: Any) -> Any:
     options: dict[str, Any] = {
         "root": root,
         "namespace": "model=tiny;sealed",
@@ -53,18 +52,17 @@ def make(layout: type[NVMeTierBase], pool: memoryview, root: Path, **kwargs: Any
     return layout(pool, BLOCK, **options)
 
 
-def block_files(tier: NVMeTierBase) -> list[Path]:
-    """Every file holding block payloads: segment files or block files."""
-    return sorted(p for p in Path(tier.directory).rglob("*") if p.suffix in (".seg", ".kvb"))
+def block_files(tier: NVMeTier) -> list[Path]:
+    """Every file holding block payloads: the segment files."""
+    return sorted(p for p in Path(tier.directory).rglob("*") if p.suffix == ".seg")
 
 
-def headers(tier: NVMeTierBase) -> dict[bytes, tuple[Path, int]]:
+def headers(tier: NVMeTier) -> dict[bytes, tuple[Path, int]]:
     """Each stored key's file and the offset of its header page."""
     found: dict[bytes, tuple[Path, int]] = {}
     for path in block_files(tier):
         data = path.read_bytes()
-        start = 0 if path.suffix == ".kvb" else HEADER_BYTES  # a segment's own header first
-        for offset in range(start, len(data) - HEADER_BYTES + 1, HEADER_BYTES):
+        for offset in range(HEADER_BYTES, len(data) - HEADER_BYTES + 1, HEADER_BYTES):
             try:
                 header = decode_header(data[offset : offset + HEADER_BYTES])
             except Exception:
@@ -73,13 +71,19 @@ def headers(tier: NVMeTierBase) -> dict[bytes, tuple[Path, int]]:
     return found
 
 
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        file.write(data)
+
+
 def slot(pool: memoryview, i: int) -> bytes:
     return bytes(pool[i * BLOCK : (i + 1) * BLOCK])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_sealed_blocks_round_trip_and_no_plaintext_reaches_the_disk(
-    layout: type[NVMeTierBase], pool: memoryview, tmp_path: Path
+    layout: type[NVMeTier], pool: memoryview, tmp_path: Path
 ) -> None:
     async with make(layout, pool, tmp_path, encryption=OLD) as tier:
         keys = [b"a", b"b", b"c"]
@@ -102,7 +106,7 @@ async def test_sealed_blocks_round_trip_and_no_plaintext_reaches_the_disk(
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_a_restart_with_the_same_keyring_keeps_every_block(
-    layout: type[NVMeTierBase], pool: memoryview, tmp_path: Path
+    layout: type[NVMeTier], pool: memoryview, tmp_path: Path
 ) -> None:
     async with make(layout, pool, tmp_path, encryption=OLD) as tier:
         assert (await store(tier, [b"a", b"b"], [0, 1])).success
@@ -114,7 +118,7 @@ async def test_a_restart_with_the_same_keyring_keeps_every_block(
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_rotation_reads_the_old_key_and_writes_the_new_one(
-    layout: type[NVMeTierBase], pool: memoryview, tmp_path: Path
+    layout: type[NVMeTier], pool: memoryview, tmp_path: Path
 ) -> None:
     async with make(layout, pool, tmp_path, encryption=OLD) as tier:
         assert (await store(tier, [b"old"], [0])).success
@@ -140,7 +144,7 @@ async def test_rotation_reads_the_old_key_and_writes_the_new_one(
     ids=["wrong-key", "missing-key-id"],
 )
 async def test_a_wrong_or_missing_key_is_a_miss_with_one_error(
-    layout: type[NVMeTierBase],
+    layout: type[NVMeTier],
     reader: str,
     logged: str,
     pool: memoryview,
@@ -164,7 +168,7 @@ async def test_a_wrong_or_missing_key_is_a_miss_with_one_error(
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_a_flipped_ciphertext_byte_is_a_miss(
-    layout: type[NVMeTierBase], pool: memoryview, tmp_path: Path
+    layout: type[NVMeTier], pool: memoryview, tmp_path: Path
 ) -> None:
     async with make(layout, pool, tmp_path, encryption=OLD) as tier:
         assert (await store(tier, [b"a", b"b"], [0, 1])).success
@@ -180,15 +184,15 @@ async def test_a_block_moved_under_another_key_fails_authentication(
 ) -> None:
     # Whoever can write the files can forge a self-consistent header (its checksum is
     # no secret): only the associated data tells the block it was sealed for another key.
-    async with make(NVMeFileTier, pool, tmp_path, encryption=OLD) as tier:
+    async with make(NVMeTier, pool, tmp_path, encryption=OLD) as tier:
         assert (await store(tier, [b"victim", b"other1"], [0, 1])).success
-        (source, _), (target, _) = headers(tier)[b"other1"], headers(tier)[b"victim"]
-        data = bytearray(source.read_bytes())
+        (source, at), (target, there) = headers(tier)[b"other1"], headers(tier)[b"victim"]
+        data = bytearray(source.read_bytes()[at : at + HEADER_BYTES + BLOCK])
         data[64:70] = b"victim"
         struct.pack_into("<H", data, 56, 6)
         struct.pack_into("<Q", data, HEADER_BYTES - 8, xxhash.xxh3_64_intdigest(data[:4088]))
         assert decode_header(bytes(data[:HEADER_BYTES])).key == b"victim"
-        target.write_bytes(bytes(data))
+        overwrite(target, there, bytes(data))
         result = await load(tier, [b"victim"], [4])
         assert not result.success
 
@@ -196,7 +200,7 @@ async def test_a_block_moved_under_another_key_fails_authentication(
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("writer", "reader"), [(OLD, None), (None, OLD)], ids=["sealed", "plain"])
 async def test_a_block_of_the_other_kind_is_a_miss(
-    layout: type[NVMeTierBase],
+    layout: type[NVMeTier],
     writer: str | None,
     reader: str | None,
     pool: memoryview,
@@ -211,7 +215,7 @@ async def test_a_block_of_the_other_kind_is_a_miss(
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_file_and_dir_modes_are_configurable_within_owner_only_writes(
-    layout: type[NVMeTierBase], pool: memoryview, tmp_path: Path
+    layout: type[NVMeTier], pool: memoryview, tmp_path: Path
 ) -> None:
     old_umask = os.umask(0o022)
     try:
@@ -239,7 +243,7 @@ def test_a_bad_privacy_option_is_refused_naming_it(
     option: str, value: object, message: str, pool: memoryview, tmp_path: Path
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
-        make(NVMeSegmentTier, pool, tmp_path, **{option: value})
+        make(NVMeTier, pool, tmp_path, **{option: value})
 
 
 def test_payloads_sealed_in_order_into_a_batch_each_open() -> None:

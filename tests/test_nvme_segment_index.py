@@ -9,8 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from backends.nvme_segment_format import segment_name
 from backends.nvme_segment_index import KeyTable, Placement, SegmentIndex, key_digest
-from backends.nvme_segments import SegmentScan, segment_name
+from backends.nvme_segments import SegmentScan
 from tiering.errors import InvalidArgumentError
 
 WRITER = "ab"

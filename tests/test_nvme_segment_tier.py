@@ -1,4 +1,4 @@
-"""Tests of backends.nvme_segment_tier: the segment-layout NVMe tier, on real files."""
+"""Tests of backends.nvme.NVMeTier's segments: placement, checkpoint, recovery, eviction."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from backends.faults import FaultInjector
 from backends.nvme_format import HEADER_BYTES, namespace_dirname
+from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR
 from backends.nvme_segment_tier import NVMeSegmentTier
-from backends.nvme_segments import CHECKPOINT_FILE, SEGMENTS_DIR
 from tests._engine_helpers import make_kv
+from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as load
 from tests._nvme_helpers import next_job_id, random_pool
 from tests._nvme_helpers import store_job as store
@@ -446,7 +446,7 @@ _CRASHING_WRITER = textwrap.dedent(
     """
     import asyncio, mmap, sys
     from backends.nvme_segment_tier import NVMeSegmentTier
-    from backends.nvme_files import OsCalls
+    from backends.nvme_os import OsCalls
     from tiering.secondary import JobMetadata
 
     BLOCK = int(sys.argv[2])

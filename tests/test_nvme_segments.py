@@ -11,20 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.faults import FaultInjector
-from backends.nvme_files import REAL_OS, OsCalls, probe_o_direct
 from backends.nvme_format import HEADER_BYTES, namespace_digest
-from backends.nvme_segments import (
+from backends.nvme_os import REAL_OS, OsCalls, probe_o_direct
+from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
-    MAX_IOV,
     SEGMENTS_DIR,
     Checkpoint,
-    RecordRun,
-    SegmentFiles,
-    iter_runs,
     parse_segment_name,
     segment_name,
 )
+from backends.nvme_segments import MAX_IOV, RecordRun, SegmentFiles, iter_runs
+from tests._faults import FaultInjector
 from tests._nvme_helpers import random_pool
 from tiering.errors import InvalidArgumentError
 

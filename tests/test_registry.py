@@ -34,7 +34,7 @@ def clean_registrations() -> Iterator[None]:
 
 
 def test_built_in_names_are_listed() -> None:
-    assert {"example", "memory", "nvme", "nvme-files"} <= set(tier_names())
+    assert {"example", "memory", "nvme"} <= set(tier_names())
 
 
 def test_a_name_builds_the_built_in_tier(view: memoryview) -> None:

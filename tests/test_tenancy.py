@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests._engine_helpers import make_kv
+from tests._engine_helpers import corrupt_block, make_kv
 from tiering import TieringEngine, tenant_keys, tenant_label
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
 from tiering.events import encode_events
@@ -77,24 +77,16 @@ def test_tenant_keys_are_stable_distinct_and_hide_the_tenant() -> None:
     assert "alice" not in tenant_label("alice") and len(tenant_label("alice")) == 16
 
 
-def flip_last_byte(root: Path, key: bytes) -> None:
-    """Damage the payload of ``key``'s block file under ``root``."""
-    (path,) = root.rglob(f"{key.hex()}.kvb")
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 1
-    path.write_bytes(bytes(data))
-
-
 async def test_results_name_the_callers_hashes(tmp_path: Path) -> None:
     kv = make_kv(16)
-    tiers = [{"type": "nvme-files", "root": tmp_path / "nvme", "capacity_bytes": 1 << 24}]
+    tiers = [{"type": "nvme", "root": tmp_path / "nvme", "capacity_bytes": 1 << 24}]
     async with TieringEngine(kv, 4, secondary_tiers=tiers) as engine:
         job = engine.store(PROMPT, range(4), tenant="alice")
         assert (await job).success and await job.cascaded
         other = block_hashes(list(range(500, 564)), 16)
         assert (await engine.store(other, range(4, 8), tenant="alice")).success  # evicts
         assert engine.lookup(PROMPT, tenant="alice") == 4  # now from the NVMe tier
-        flip_last_byte(tmp_path / "nvme", engine.tenant_keys(PROMPT, "alice")[2])
+        corrupt_block(tmp_path / "nvme", engine.tenant_keys(PROMPT, "alice")[2])
         result = await engine.load(PROMPT, range(8, 12), tenant="alice")
     assert not result.success and result.failed_keys == (PROMPT[2],)
 

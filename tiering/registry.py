@@ -27,14 +27,12 @@ TierSpec = str | Mapping[str, Any] | Callable[[memoryview, int], SecondaryTierMa
 _BUILTINS: dict[str, str] = {
     "example": "backends.example:ExampleSecondaryTier",
     "memory": "backends.memory:MemoryTier",
-    "nvme": "backends.nvme_segment_tier:NVMeSegmentTier",
-    "nvme-files": "backends.nvme:NVMeFileTier",
+    "nvme": "backends.nvme:NVMeTier",
     "redis": "backends.redis:RedisTier",
 }
 _BUILTIN_OPTIONS: dict[str, str] = {
     # Until these tiers name their options themselves (``Options``).
     "nvme": "backends.nvme_options:NVMeOptions",
-    "nvme-files": "backends.nvme_options:NVMeFileOptions",
     "redis": "backends.redis_options:RedisOptions",
 }
 _REGISTERED: dict[str, TierFactory] = {}

@@ -126,11 +126,10 @@ class _LRUSet:
 
 
 class _SegmentLog:
-    """An NVMe tier in the segment layout in the model: the tier's own index
-    (:class:`backends.nvme_segment_index.SegmentIndex`), driven as the tier drives it:
-    touches and loads mark keys used in the order given, and a store job makes room by
-    whole segments, oldest first, writing the recently used blocks of the evicted ones
-    again (as many as the room and the per-job bound allow)."""
+    """The NVMe tier in the model: the tier's own index (:class:`backends.
+    nvme_segment_index.SegmentIndex`), driven as the tier drives it: touches and loads
+    mark keys used in the order given, and a store job makes room with the tier's own
+    :meth:`~backends.nvme_segment_index.SegmentIndex.plan_room`."""
 
     __slots__ = ("_digest", "_index", "_moves_per_job")
 
@@ -160,17 +159,10 @@ class _SegmentLog:
         """One store job of keys the tier lacks."""
         index = self._index
         wanted = list(dict.fromkeys(map(self._digest, hashes)))
-        fit, evictions = index.make_room(len(wanted))
-        hot = sum(len(e.reinsert) for e in evictions)
-        if hot:  # room for the evicted segments' recently used blocks too
-            evictions += index.make_room(fit + hot)[1]
-        room = index.capacity_records - index.used_records - fit
-        most = min(max(0, room), self._moves_per_job)
-        moving = [d for e in evictions for d, _ in e.reinsert][-most:] if most else []
-        placed = index.place(fit + len(moving))
-        for digest, placement in zip(wanted[:fit], placed[:fit], strict=True):
+        plan = index.plan_room(len(wanted), most_moves=self._moves_per_job)
+        for digest, placement in zip(wanted[: plan.fit], plan.placed[: plan.fit], strict=True):
             index.commit(digest, placement)
-        for digest, placement in zip(moving, placed[fit:], strict=True):
+        for (_, _, digest), placement in zip(plan.moves, plan.placed[plan.fit :], strict=True):
             if digest in index:  # stored again meanwhile: the newer record wins
                 index.abandon(placement)
             else:
@@ -186,7 +178,7 @@ def tier_layout(tier: object) -> TierLayout:
     stats = tier.statistics()  # type: ignore[attr-defined]
     block_bytes = int(getattr(tier, "block_bytes", 0))
     if isinstance(records, int) and stats.capacity_blocks:
-        from backends.nvme_segment_tier import MOVE_BYTES_PER_JOB
+        from backends.nvme_space import MOVE_BYTES_PER_JOB
 
         return SegmentLayout(
             capacity_records=stats.capacity_blocks,

@@ -15,6 +15,7 @@ tier checks its root: a directory of this user that nobody else may write to).
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from backends.nvme_inspect import ClearReport, clear_root
 from tiering.cli import EXIT_OK
@@ -56,7 +57,7 @@ def render(report: ClearReport) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     report = clear_root(args.root, namespace=args.namespace, dry_run=not args.yes)
     if args.json:
-        print_json(report.to_json())
+        print_json(asdict(report))
     else:
         print("\n".join(render(report)))
     if not args.yes and not args.dry_run:

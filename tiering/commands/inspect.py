@@ -14,6 +14,7 @@ ROOT that fails that check or is not an NVMe root).
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from backends.nvme_inspect import RootReport, inspect_root
 from tiering.cli import EXIT_OK
@@ -80,7 +81,7 @@ def render(report: RootReport) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     report = inspect_root(args.root, namespace=args.namespace)
     if args.json:
-        print_json(report.to_json())
+        print_json(asdict(report))
     else:
         print("\n".join(render(report)))
     return EXIT_OK

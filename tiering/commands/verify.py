@@ -18,6 +18,7 @@ written can then look bad). Exit status: 0 every block verified, 1 a bad block w
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from backends.nvme_inspect import VerifyReport, verify_root
 from tiering.cli import EXIT_FAILURE, EXIT_OK
@@ -49,11 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def render(report: VerifyReport) -> list[str]:
     """The human-readable report."""
-    bad = report.bad
-    removed = sum(b.removed for b in bad)
+    bad = report.bad_blocks
     lines = [
-        f"root {report.root}: {report.checked} blocks checked, {len(bad)} bad"
-        + (f", {removed} removed" if report.remove else "")
+        f"root {report.root}: {report.checked} blocks checked, {report.bad} bad"
+        + (f", {report.removed} removed" if report.remove else "")
     ]
     rows = [["NAMESPACE", "CHECKED", "BAD", "IN USE"]]
     for ns in report.namespaces:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             ),
         )
     if args.json:
-        print_json(report.to_json())
+        print_json(asdict(report))
     else:
         print("\n".join(render(report)))
     return EXIT_FAILURE if report.bad else EXIT_OK

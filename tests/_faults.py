@@ -1,12 +1,14 @@
-"""Fault injection for file-backed tiers: make chosen system calls fail, fall short or stall.
+"""Fault injection for file-backed tiers: make chosen system calls fail, fall short or
+stall.
 
-:class:`FaultInjector` is an :class:`~backends.nvme_files.OsCalls` that passes every call
-to a real one unless a rule says otherwise. Rules match a call by operation name and,
-optionally, by a substring of the path involved (for calls on a file descriptor, the path
-it was opened with). A rule can raise an ``OSError`` with a chosen errno (ENOSPC, EIO,
-...), make a read or write transfer fewer bytes than asked (a real, shorter transfer),
-make ``statvfs`` report a chosen amount of free space, or make a call SLOW: hold it
-until the test opens a gate (:meth:`FaultInjector.hold`) or sleep a given time first
+:class:`FaultInjector` is an :class:`~backends.nvme_os.OsCalls` that passes every
+call to a real one unless a rule says otherwise. Rules match a call by operation name
+and, optionally, by a substring of the path involved (for calls on a file descriptor,
+the path it was opened with) and, for writes, by the key of a block record header they
+carry. A rule can raise an ``OSError`` with a chosen errno (ENOSPC, EIO, ...), make a
+read or write transfer fewer bytes than asked (a real, shorter transfer), make
+``statvfs`` report a chosen amount of free space, or make a call SLOW: hold it until the
+test opens a gate (:meth:`FaultInjector.hold`) or sleep a given time first
 (:meth:`FaultInjector.delay`); a slow call then runs for real. Tests use it where a real
 faulty device cannot be had; it is safe to use from several worker threads at once.
 
@@ -15,11 +17,11 @@ Example::
     faults = FaultInjector()
     faults.fail("pwritev", errno.ENOSPC)          # the disk is full, for every write
     faults.fail("preadv", errno.EIO, path="ab12", times=1)  # one file, once
-    gate = faults.hold("pwritev", path=key.hex())   # that key's write waits ...
+    gate = faults.hold("pwritev", key=key)          # that key's write waits ...
     ...                                             # ... (gate.reached is set when it does)
     gate.open()                                     # ... until here
-    tier = NVMeFileTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
-                    os_calls=faults)
+    tier = NVMeTier(view, block_bytes, root=..., namespace=..., capacity_bytes=...,
+                os_calls=faults)
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backends.nvme_files import REAL_OS, OsCalls
+from backends.nvme_format import MAGIC
+from backends.nvme_os import REAL_OS, OsCalls
 from tiering.errors import InvalidArgumentError
 
 OPERATIONS = frozenset(
@@ -52,6 +55,8 @@ OPERATIONS = frozenset(
     }
 )
 _TRANSFERS = frozenset({"pwritev", "preadv"})
+_KEY_OFFSET = 64
+"""Where a block record header holds its key (see backends/nvme_format.py)."""
 
 
 @dataclass(slots=True)
@@ -65,6 +70,7 @@ class Fault:
 
     op: str
     path: str | None = None
+    key: bytes | None = None
     errno: int | None = None
     max_bytes: int | None = None
     free_bytes: int | None = None
@@ -84,8 +90,10 @@ class Fault:
         """Block until a call has matched this rule (True) or ``timeout`` s passed."""
         return self.reached.wait(timeout)
 
-    def _matches(self, op: str, path: str | None) -> bool:
+    def _matches(self, op: str, path: str | None, buffers: Sequence[memoryview]) -> bool:
         if op != self.op or (self.times is not None and self.times <= 0):
+            return False
+        if self.key is not None and not any(_is_header_of(b, self.key) for b in buffers):
             return False
         return self.path is None or (path is not None and self.path in path)
 
@@ -109,15 +117,17 @@ class FaultInjector(OsCalls):
         err: int,
         *,
         path: str | None = None,
+        key: bytes | None = None,
         times: int | None = None,
         after: int = 0,
     ) -> Fault:
-        """Make ``op`` raise ``OSError(err)`` on matching calls.
+        """Make ``op`` raise ``OSError(err)`` on matching calls; with ``key``, only the
+        writes that carry a block record header of ``key``.
 
         Raises:
             InvalidArgumentError: unknown operation, or a non-positive ``times``.
         """
-        return self._add(Fault(op, path=path, errno=err, times=times, after=after))
+        return self._add(Fault(op, path=path, key=key, errno=err, times=times, after=after))
 
     def short_read(
         self, *, max_bytes: int, path: str | None = None, times: int | None = None
@@ -136,10 +146,12 @@ class FaultInjector(OsCalls):
         op: str,
         *,
         path: str | None = None,
+        key: bytes | None = None,
         times: int | None = 1,
         after: int = 0,
     ) -> Fault:
-        """Make matching calls block, in the calling thread, until the rule is opened.
+        """Make matching calls block, in the calling thread, until the rule is opened;
+        ``key`` as for :meth:`fail`.
 
         The returned rule's ``reached`` is set as a call starts waiting; ``open()`` lets
         it (and later matching calls) run for real. :meth:`remove` and :meth:`clear`
@@ -150,7 +162,7 @@ class FaultInjector(OsCalls):
             InvalidArgumentError: unknown operation, or a non-positive ``times``.
         """
         gate = threading.Event()
-        return self._add(Fault(op, path=path, gate=gate, times=times, after=after))
+        return self._add(Fault(op, path=path, key=key, gate=gate, times=times, after=after))
 
     def delay(
         self,
@@ -205,12 +217,12 @@ class FaultInjector(OsCalls):
             self._rules.append(fault)
         return fault
 
-    def _fire(self, op: str, path: str | None) -> Fault | None:
+    def _fire(self, op: str, path: str | None, buffers: Sequence[memoryview] = ()) -> Fault | None:
         """Count the call; return the rule that applies to it, raising its error if any."""
         with self._lock:
             self.calls[op] += 1
             for rule in self._rules:
-                if not rule._matches(op, path):
+                if not rule._matches(op, path, buffers):
                     continue
                 if rule.after > 0:
                     rule.after -= 1
@@ -252,7 +264,7 @@ class FaultInjector(OsCalls):
         self._fire("close", path)
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        rule = self._fire("pwritev", self._path_of(fd))
+        rule = self._fire("pwritev", self._path_of(fd), buffers)
         return self._inner.pwritev(fd, _limit(buffers, rule), offset)
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
@@ -301,6 +313,12 @@ class FaultInjector(OsCalls):
         fields[3] = max(fields[3], available)  # f_bfree >= f_bavail
         fields[4] = available
         return os.statvfs_result(fields)
+
+
+def _is_header_of(buffer: memoryview, key: bytes) -> bool:
+    """Whether ``buffer`` starts with a block record header naming ``key``."""
+    end = _KEY_OFFSET + len(key)
+    return buffer.nbytes >= end and buffer[: len(MAGIC)] == MAGIC and buffer[_KEY_OFFSET:end] == key
 
 
 def _limit(buffers: Sequence[memoryview], rule: Fault | None) -> Sequence[memoryview]:

@@ -1,0 +1,373 @@
+"""The operating-system layer of the NVMe tier: system calls, direct I/O and writer liveness.
+
+Every system call of the tier's blocking code goes through an :class:`OsCalls`, so tests
+can inject faults (``tests/_faults.py``). Besides it: the O_DIRECT probe and alignment
+helpers, vectored writes that resume after short transfers, directory syncs, free space,
+the owner lock by which writers sharing a root tell live writers from dead ones, and the
+checks that keep a root, its directories and files to their user (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import mmap
+import os
+import stat
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from tiering.errors import InvalidArgumentError
+
+FsyncPolicy = Literal["none", "batch", "always"]
+FSYNC_POLICIES: tuple[str, ...] = ("none", "batch", "always")
+
+ALIGNMENT = 4096
+"""Buffer address, file offset and length alignment used for O_DIRECT."""
+
+OWNERS_DIR = "owners"
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
+    """``name`` of the C library with ``errno`` kept, or None where it is missing."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = getattr(libc, name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNCFS = _libc_function("syncfs", [ctypes.c_int])
+_FALLOCATE = _libc_function(
+    "fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in a root is never followed
+
+
+class OsCalls:
+    """The system calls the blocking core makes, as methods a test can override."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        """``os.open``, never through a symbolic link, files created private (0600)."""
+        return os.open(path, flags | _O_NOFOLLOW, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def stat(self, path: str) -> os.stat_result:
+        return os.stat(path)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def syncfs(self, fd: int) -> None:
+        """Flush the whole file system holding ``fd`` (Linux ``syncfs``).
+
+        Raises:
+            OSError: the flush failed, or ``syncfs`` is not available here (ENOSYS).
+        """
+        if _SYNCFS is None:
+            raise OSError(errno.ENOSYS, "syncfs is not available")
+        if _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def allocate(self, fd: int, offset: int, length: int) -> None:
+        """Allocate ``length`` bytes of ``fd`` from ``offset`` (Linux ``fallocate``,
+        growing the file if it ends before); nothing where the call or the file system
+        lacks it (it is an optimization, never needed for correctness). ctypes lets go of
+        the GIL for the call.
+
+        Raises:
+            OSError: the allocation failed (ENOSPC, EIO...).
+        """
+        if _FALLOCATE is None or _FALLOCATE(fd, 0, offset, length) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(err, os.strerror(err))
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def statvfs(self, path: str) -> os.statvfs_result:
+        return os.statvfs(path)
+
+
+REAL_OS = OsCalls()
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The address of a buffer's first byte, or None if it cannot be taken (read-only)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
+
+
+def is_aligned(view: memoryview) -> bool:
+    """True if ``view`` can take part in O_DIRECT I/O: aligned address and length."""
+    if view.nbytes % ALIGNMENT:
+        return False
+    address = buffer_address(view)
+    return address is not None and address % ALIGNMENT == 0
+
+
+def free_bytes(statvfs: os.statvfs_result) -> int:
+    """Bytes an unprivileged writer can still use; 0 when the inodes are exhausted."""
+    if statvfs.f_files and not statvfs.f_favail:
+        return 0
+    return statvfs.f_bavail * statvfs.f_frsize
+
+
+def write_all(os_calls: OsCalls, fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write every byte of ``buffers`` at ``offset`` with ``pwritev``, resuming after
+    short writes.
+
+    Raises:
+        OSError: a write failed, or made no progress (EIO).
+    """
+    total = sum(buffer.nbytes for buffer in buffers)
+    written = 0
+    while written < total:
+        done = os_calls.pwritev(fd, buffers, offset + written)
+        if done <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        written += done
+        buffers = advance_buffers(buffers, done)
+
+
+def fsync_dir(os_calls: OsCalls, directory: str) -> None:
+    """Make ``directory``'s entries durable (``fsync`` of the directory).
+
+    Raises:
+        OSError: it could not be opened or synced.
+    """
+    fd = os_calls.open(directory, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os_calls.fsync(fd)
+    finally:
+        os_calls.close(fd)
+
+
+def probe_o_direct(directory: str, os_calls: OsCalls = REAL_OS) -> str | None:
+    """Write and read back one aligned page with O_DIRECT in ``directory``.
+
+    Returns None when the file system accepts O_DIRECT, else the reason it does not.
+    Raises nothing for an O_DIRECT refusal; other OSErrors (e.g. the directory is not
+    writable) propagate.
+    """
+    if not _O_DIRECT:
+        return "O_DIRECT is not available on this platform"
+    path = os.path.join(directory, f".odirect-probe.{os.getpid()}.{os.urandom(6).hex()}")
+    page = mmap.mmap(-1, ALIGNMENT)
+    try:
+        with memoryview(page) as view:
+            return _probe_direct_file(path, page, view, os_calls)
+    finally:
+        page.close()
+
+
+def _probe_direct_file(
+    path: str, page: mmap.mmap, view: memoryview, os_calls: OsCalls
+) -> str | None:
+    page[:8] = b"kvprobe!"
+    try:
+        fd = os_calls.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return f"open with O_DIRECT failed: {os.strerror(exc.errno)}"
+        raise
+    try:
+        if os_calls.pwritev(fd, [view], 0) != ALIGNMENT:
+            return "a direct write was short"
+        page[:8] = bytes(8)
+        if os_calls.preadv(fd, [view], 0) != ALIGNMENT or page[:8] != b"kvprobe!":
+            return "a direct read did not return what was written"
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return f"direct I/O failed: {os.strerror(exc.errno)}"
+        raise
+    finally:
+        os_calls.close(fd)
+        os_calls.unlink(path)
+    return None
+
+
+class OwnerLock:
+    """This writer's liveness lock: ``owners/<instance>.lock`` held with ``flock``.
+
+    The lock file appears under its final name already locked (it is created and locked
+    under a temporary name, then renamed), so a scanner never mistakes a starting writer
+    for a dead one.
+    """
+
+    def __init__(self, namespace_dir: str, instance_id: str) -> None:
+        self.instance_id = instance_id
+        owners = os.path.join(namespace_dir, OWNERS_DIR)
+        self.path = os.path.join(owners, f"{instance_id}.lock")
+        staging = os.path.join(owners, f".{instance_id}.new")
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(staging, self.path)
+        except OSError:
+            os.close(fd)
+            os.unlink(staging)
+            raise
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock; idempotent."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
+
+
+def owner_alive(namespace_dir: str, instance_id: str) -> bool:
+    """True if the writer ``instance_id`` still holds its lock (is running), or if that
+    cannot be told: nothing of a writer that may be running is ever removed."""
+    path = os.path.join(namespace_dir, OWNERS_DIR, f"{instance_id}.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | _O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell (a lock file this user cannot open): assume it runs
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def advance_buffers(buffers: list[memoryview], done: int) -> list[memoryview]:
+    """What is left of ``buffers`` after a vectored transfer moved ``done`` bytes."""
+    rest: list[memoryview] = []
+    for buffer in buffers:
+        if done >= buffer.nbytes:
+            done -= buffer.nbytes
+            continue
+        rest.append(buffer[done:] if done else buffer)
+        done = 0
+    return rest
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError as 'ENAME: message' for reasons and logs."""
+    if exc.errno is None:
+        return str(exc)
+    return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or os.strerror(exc.errno)}"
+
+
+PRIVATE_DIR_MODE = 0o700
+"""Mode of the directories the tier makes: its user's alone (KV bytes are user data)."""
+PRIVATE_FILE_MODE = 0o600
+"""Mode of the files the tier writes."""
+
+
+def check_private(option: str, path: str) -> None:
+    """Refuse a directory another user owns or anyone but its owner may write to.
+
+    Raises:
+        InvalidArgumentError: naming ``option``, the path and what is wrong with it.
+    """
+    status = os.stat(path)
+    if not stat.S_ISDIR(status.st_mode):
+        raise InvalidArgumentError(f"{option}: {path!r} is not a directory")
+    if status.st_uid != os.geteuid():
+        raise InvalidArgumentError(
+            f"{option}: {path!r} belongs to user {status.st_uid}, not to this process's "
+            f"({os.geteuid()}): another user could read or replace the KV blocks in it"
+        )
+    if status.st_mode & 0o022:
+        raise InvalidArgumentError(
+            f"{option}: {path!r} has mode {stat.S_IMODE(status.st_mode):o}: others can write "
+            "to it (plant or swap files); make it writable by its owner only (chmod go-w)"
+        )
+
+
+def check_root(
+    path: str, *, option: str = "root", create: bool = False, mode: int = PRIVATE_DIR_MODE
+) -> None:
+    """Check ``path`` as an NVMe root: the one check the tier's start and the
+    ``tiering inspect`` / ``verify`` / ``clear`` commands share.
+
+    The root must be a directory of this process's user that nobody else may write to
+    (see docs/security.md). With ``create``, a missing root is made (with ``mode``, its
+    missing parents too); without it, a missing root is refused.
+
+    Raises:
+        InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
+            ``create``), is not a directory (a file, or under one), cannot be created
+            for lack of permission, belongs to another user, or others may write to it.
+        OSError: any other failure of the file system (I/O, no space).
+    """
+    if create:
+        try:
+            os.makedirs(path, mode=mode, exist_ok=True)
+        except FileExistsError:  # something that is not a directory is in the way
+            raise InvalidArgumentError(f"{option}: {path!r} is not a directory") from None
+        except (NotADirectoryError, PermissionError) as exc:
+            raise InvalidArgumentError(
+                f"{option}: {path!r} cannot be created: {exc.strerror}"
+            ) from None
+    try:
+        check_private(option, path)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
+
+
+def check_mode(option: str, mode: object, *, required: int, allowed: int) -> None:
+    """Refuse a mode that denies the owner what the tier needs or lets others write.
+
+    Raises:
+        InvalidArgumentError: naming ``option`` and the mode in octal.
+    """
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise InvalidArgumentError(f"{option} must be an int such as 0o{required:o}, got {mode!r}")
+    if mode & required != required or mode & ~allowed:
+        shown = f"0o{mode:o}" if mode >= 0 else repr(mode)
+        raise InvalidArgumentError(
+            f"{option} must include 0o{required:o} and stay within 0o{allowed:o} (nobody "
+            f"but the owner may write), got {shown}"
+        )
+
+
+def write_private(path: str, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
+    """Write a new file of ``mode`` (by default readable by this user only), never
+    through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, mode)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)

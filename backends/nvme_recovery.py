@@ -1,0 +1,193 @@
+"""Opening an NVMe namespace directory: its directories, its identity, and the recovery
+of the segment index from the checkpoint plus a scan of what was written after it.
+
+Blocking, for a worker thread: the tier calls :func:`open_directory` and
+:func:`recover` once, at start, so that the loop is not blocked while a large index is
+rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backends.nvme_format import FORMAT_VERSION
+from backends.nvme_os import (
+    OWNERS_DIR,
+    check_private,
+    check_root,
+    describe_os_error,
+    owner_alive,
+    write_private,
+)
+from backends.nvme_segment_format import (
+    CHECKPOINT_FILE,
+    SEGMENTS_DIR,
+    Checkpoint,
+    parse_segment_name,
+)
+from backends.nvme_segment_index import SegmentIndex
+from backends.nvme_segments import SegmentFiles, SegmentScan
+from tiering.errors import InvalidArgumentError
+
+IDENTITY_FILE = "NAMESPACE"
+"""The namespace directory's identity: the full namespace string (JSON)."""
+
+
+def open_directory(
+    root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
+) -> None:
+    """Check ``root``, make ``directory`` (the namespace's) and its subdirectories,
+    private, and write or check its identity file.
+
+    Raises:
+        InvalidArgumentError: the root fails :func:`~backends.nvme_os.check_root`, the
+            namespace directory or a subdirectory is a link or a file, or the directory
+            holds another namespace.
+        OSError: any other failure of the file system.
+    """
+    check_root(root, create=True, mode=dir_mode)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, dir_mode)
+    if os.path.islink(directory):
+        raise InvalidArgumentError(
+            f"root: {directory!r} is a symbolic link; the tier never follows one out of its root"
+        )
+    check_private("root", directory)
+    for sub in (OWNERS_DIR, SEGMENTS_DIR):
+        path = os.path.join(directory, sub)
+        try:
+            os.mkdir(path, dir_mode)
+        except FileExistsError:
+            if os.path.islink(path) or not os.path.isdir(path):
+                raise InvalidArgumentError(
+                    f"root: {path!r} is not a directory of the tier (a link or a file)"
+                ) from None
+    path = os.path.join(directory, IDENTITY_FILE)
+    try:
+        with open(path, encoding="utf-8") as existing:
+            text = existing.read()
+    except FileNotFoundError:
+        identity = {"namespace": namespace, "format_version": FORMAT_VERSION}
+        temp = f"{path}.{writer}.tmp"
+        write_private(temp, json.dumps(identity, sort_keys=True).encode(), file_mode)
+        os.replace(temp, path)
+        return
+    found = read_identity(text)
+    if found != namespace:
+        raise InvalidArgumentError(
+            f"{directory!r} holds namespace {found!r}, not {namespace!r}; refusing to use it"
+        )
+
+
+def read_identity(text: str) -> str | None:
+    """The namespace an identity file's ``text`` names, or None if it names none."""
+    try:
+        found = json.loads(text).get("namespace")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What :func:`recover` found, and the index it built from it."""
+
+    index: SegmentIndex
+    recovered: int
+    """Blocks the index holds."""
+    excess: list[str]
+    """Segments over the cap (none of a live writer): the tier deletes them."""
+    removed: Counter[str] = field(default_factory=Counter)
+    """What was dropped, by cause: ``corrupt segment``, ``invalid record``, ``temporary``."""
+    checkpoint: Checkpoint | None = None
+    checkpoint_note: str | None = None
+    """Why the checkpoint was not used, if it was not."""
+    scans: dict[str, SegmentScan] = field(default_factory=dict)
+    """The scan of each segment read (beyond the checkpoint; read-only: from record 0)."""
+    corrupt: list[str] = field(default_factory=list)
+    """Segments of dead writers in which neither the header nor a record verifies."""
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """Segments that could not be read, and why."""
+    listed: list[tuple[str, int]] = field(default_factory=list)
+    """``(segment, records)`` of every segment indexed, oldest first."""
+
+
+def recover(
+    files: SegmentFiles,
+    new_index: Callable[[int], SegmentIndex],
+    *,
+    writer: str,
+    read_only: bool = False,
+) -> Recovery:
+    """Read the checkpoint, scan what it does not cover, and build an index with
+    ``new_index(records on disk)``.
+
+    The tier's start deletes, as it goes, the segments of dead writers in which nothing
+    verifies and the checkpoint temporaries of dead writers. With ``read_only`` (what
+    ``tiering inspect`` and ``verify`` see) nothing is written, no lock is taken, those
+    are only reported, and every segment is scanned from its first record, so that
+    damage the checkpoint covers is reported too.
+    """
+    directory = files.directory
+    removed: Counter[str] = Counter()
+    _remove_dead_temporaries(directory, writer, removed, read_only)
+    checkpoint, note = files.read_checkpoint()
+    covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
+    alive: dict[str, bool] = {}
+    on_disk: list[tuple[str, int, float]] = []
+    scans: dict[str, SegmentScan] = {}
+    corrupt: list[str] = []
+    unreadable: dict[str, str] = {}
+    protected: set[str] = set()
+    for name, size in files.list_segments():
+        owner = parse_segment_name(name)[0]  # type: ignore[index]
+        if owner not in alive:
+            alive[owner] = owner_alive(directory, owner)
+        records = files.records_in(size)
+        start = min(covered.get(name, 0), records)
+        try:
+            scan = files.scan(name, start) if start < records or name not in covered else None
+            mtime = os.stat(files.path_of(name)).st_mtime
+        except OSError as exc:
+            unreadable[name] = describe_os_error(exc)
+            continue
+        if scan is not None and not scan.header_ok and not scan.records and not start:
+            if not alive[owner] and (read_only or files.delete([name])):
+                corrupt.append(name)
+                removed["corrupt segment"] += 1
+            continue
+        if scan is not None:
+            scans[name] = scan
+            removed["invalid record"] += scan.invalid
+        if alive[owner]:
+            protected.add(name)
+        on_disk.append((name, records, mtime))
+    order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
+    on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
+    listed = [(name, records) for name, records, _ in on_disk]
+    index = new_index(sum(records for _, records in listed))
+    recovered = index.restore(checkpoint, listed, scans, protected)
+    excess = [name for name in index.excess_segments(listed) if name not in protected]
+    return Recovery(
+        index, recovered, excess, removed, checkpoint, note, scans, corrupt, unreadable, listed
+    )
+
+
+def _remove_dead_temporaries(
+    directory: str, writer: str, removed: Counter[str], read_only: bool
+) -> None:
+    prefix = CHECKPOINT_FILE + "."
+    for entry in os.scandir(directory):
+        if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
+            continue
+        owner = entry.name[len(prefix) : -len(".tmp")]
+        if owner != writer and not owner_alive(directory, owner):
+            with contextlib.suppress(OSError):
+                if not read_only:
+                    os.unlink(entry.path)
+                removed["temporary"] += 1
