@@ -202,52 +202,49 @@ class BlockCipher:
         self._aead[key_id].encrypt_into(nonce, payload, aad, out[: n + TAG_BYTES])
         return Seal(key_id, nonce, bytes(out[n : n + TAG_BYTES]))
 
-    def open_into(self, seal: Seal, sealed: memoryview, aad: bytes, out: memoryview) -> None:
-        """Decrypt and verify ``sealed`` (the ciphertext, then its tag) into ``out``
-        (``len(sealed) - TAG_BYTES`` bytes), which holds garbage after a failure.
-        Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError.
+    def open_into(
+        self, seal: Seal, ciphertext: memoryview, aad: bytes, out: memoryview | None = None
+    ) -> None:
+        """Decrypt and verify ``ciphertext`` (its tag is ``seal.tag``) into ``out``, as
+        long as it and not overlapping it, or in place without ``out``. After a failure
+        the output holds nothing decrypted (a failed tag zeroes it).
+        Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError, and
+        InvalidArgumentError if ``out`` is not as long as ``ciphertext``.
         """
-        from cryptography.exceptions import InvalidTag
-
-        # No exception is kept in a local: it would hold this frame (and ``out``, a view
-        # of the caller's buffer) in a reference cycle until the next collection.
-        aead = self._aead.get(seal.key_id)
-        if aead is None:
-            raise self._unknown_key(seal.key_id)
-        try:
-            aead.decrypt_into(seal.nonce, sealed, aad, out)
-            return
-        except InvalidTag:
-            pass
-        raise self._not_authentic(seal.key_id)
-
-    def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
-        """Decrypt and verify ``data`` in place (the tag is ``seal.tag``); it holds
-        garbage after a failure. Raises as :meth:`open_into`."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
         algorithm = self._algorithms.get(seal.key_id)
         if algorithm is None:
             raise self._unknown_key(seal.key_id)
+        out = ciphertext if out is None else out
+        n = len(ciphertext)
+        if len(out) != n:
+            raise InvalidArgumentError(f"open buffer is {len(out)} bytes, the ciphertext {n}")
         decryptor = Cipher(algorithm, modes.GCM(seal.nonce, seal.tag)).decryptor()
         decryptor.authenticate_additional_data(aad)
         # A cipher context writes as many bytes as it reads, but asks for _SLACK bytes of
-        # room beyond them: all but the last _SLACK + 1 bytes decrypt where they lie, the
+        # room beyond them: all but the last _SLACK + 1 bytes go straight to ``out``, the
         # rest through a small buffer.
-        n = len(data)
         head = max(0, n - _SLACK - 1)
         if head:
-            decryptor.update_into(data[:head], data[: head + _SLACK])
+            decryptor.update_into(ciphertext[:head], out[: head + _SLACK])
         tail = bytearray(2 * _SLACK + 1)
-        decryptor.update_into(data[head:], tail)
-        data[head:] = tail[: n - head]
+        decryptor.update_into(ciphertext[head:], tail)
+        out[head:] = tail[: n - head]
+        # No exception is kept in a local: it would hold this frame (and ``out``, a view
+        # of the caller's buffer) in a reference cycle until the next collection.
         try:
             decryptor.finalize()
             return
         except InvalidTag:
             pass
+        out[:] = bytes(n)  # it decrypted unauthenticated bytes: none of them stays
         raise self._not_authentic(seal.key_id)
+
+    def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
+        """:meth:`open_into` without ``out``: ``data`` is decrypted where it lies."""
+        self.open_into(seal, data, aad)
 
     def _unknown_key(self, key_id: int) -> UnknownKeyError:
         """The error for a key id the keyring lacks (logged the first time)."""
