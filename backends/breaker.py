@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from enum import Enum
+from typing import Self
 
-from tiering.errors import InvalidArgumentError
-from tiering.validation import positive_int, seconds
+from pydantic import model_validator
+
+from tiering.options import Options, PositiveInt, Seconds
 
 
 class BreakerState(Enum):
@@ -25,6 +27,23 @@ class BreakerState(Enum):
         return self.value
 
 
+class BreakerOptions(Options):
+    """A :class:`CircuitBreaker`'s options, as a tier takes them."""
+
+    breaker_failures: PositiveInt = 3
+    breaker_backoff_s: Seconds = 1.0
+    breaker_max_backoff_s: Seconds = 30.0
+
+    @model_validator(mode="after")
+    def _backoff_in_order(self) -> Self:
+        if self.breaker_max_backoff_s < self.breaker_backoff_s:
+            raise ValueError(
+                f"breaker_max_backoff_s = {self.breaker_max_backoff_s!r} is below "
+                f"breaker_backoff_s = {self.breaker_backoff_s!r}"
+            )
+        return self
+
+
 class CircuitBreaker:
     """Counts connection failures and says whether the next call may go.
 
@@ -33,7 +52,8 @@ class CircuitBreaker:
     probe at a time (half-open). :meth:`succeeded` closes it and resets the back-off;
     :meth:`failed` during a probe reopens it for twice as long, up to ``max_backoff_s``.
 
-    Raises (constructor): InvalidArgumentError for a bad option, naming it.
+    Raises (constructor): InvalidArgumentError for a bad option, naming it as
+    :class:`BreakerOptions` does.
     """
 
     def __init__(
@@ -44,14 +64,17 @@ class CircuitBreaker:
         max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.failures = positive_int("breaker_failures", failures)
-        self.backoff_s = seconds("breaker_backoff_s", backoff_s, allow_zero=False)
-        self.max_backoff_s = seconds("breaker_max_backoff_s", max_backoff_s, allow_zero=False)
-        if self.max_backoff_s < self.backoff_s:
-            raise InvalidArgumentError(
-                f"breaker_max_backoff_s ({max_backoff_s!r}) is below breaker_backoff_s "
-                f"({backoff_s!r})"
-            )
+        checked = BreakerOptions.check(
+            {
+                "breaker_failures": failures,
+                "breaker_backoff_s": backoff_s,
+                "breaker_max_backoff_s": max_backoff_s,
+            },
+            owner="CircuitBreaker",
+        )
+        self.failures = checked.breaker_failures
+        self.backoff_s = checked.breaker_backoff_s
+        self.max_backoff_s = checked.breaker_max_backoff_s
         self._clock = clock
         self._state = BreakerState.CLOSED
         self._in_a_row = 0
@@ -100,4 +123,4 @@ class CircuitBreaker:
         return f"<CircuitBreaker {self._state}, {self._in_a_row} failures in a row>"
 
 
-__all__ = ["BreakerState", "CircuitBreaker"]
+__all__ = ["BreakerOptions", "BreakerState", "CircuitBreaker"]

@@ -35,7 +35,6 @@ _BUILTIN_OPTIONS: dict[str, str] = {
     # Until these tiers name their options themselves (``Options``).
     "nvme": "backends.nvme_options:NVMeOptions",
     "nvme-files": "backends.nvme_options:NVMeFileOptions",
-    "redis": "backends.redis_options:RedisOptions",
 }
 _REGISTERED: dict[str, TierFactory] = {}
 
