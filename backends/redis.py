@@ -92,7 +92,7 @@ _MISSING = "not in the redis tier"
 _CORRUPT = "corrupt block"
 _REFUSED = "redis refused"
 
-_Hop = Callable[[Sequence[bytes], Sequence[int]], "tuple[dict[bytes, str], int] | ClientError"]
+_Hop = Callable[[Sequence[bytes], Sequence[int]], "dict[bytes, str] | ClientError"]
 
 _TLS_ARGUMENTS = {
     "tls_ca_file": "ssl_ca_certs",
@@ -119,30 +119,13 @@ _File = Annotated[str | None, AfterValidator(_readable_file)]
 
 
 class RedisOptions(BreakerOptions, ActorOptions):
-    """The Redis tier's options (a table in docs/redis.md):
+    """The Redis tier's options; what each means: the table in docs/redis.md.
 
-    * ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
-      ``unix://``, checked with redis-py's own parser
-      (:func:`~backends.redis_client.check_url`); never shown in an error.
-    * ``namespace``: what the blocks' bytes mean (the engine passes its cache identity);
-      two namespaces on one server never see each other's blocks. ``tenant``: an
-      optional prefix (no ``:``) isolating tenants that share one, bound into every
-      record like the namespace.
-    * ``timeout_s``: the limit of every call (none is retried); ``max_connections``: the
-      connection pool's bound; ``ttl_s``: expire stored blocks (None: never).
-    * ``presence_ttl_s``, ``absence_ttl_s``: how long a lookup trusts a present / absent
-      answer; ``presence_entries`` bounds the presence cache.
-    * ``breaker_*``: the :class:`~backends.breaker.CircuitBreaker`'s.
-    * ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``: with ``rediss://``, the CA
-      that signed the server's certificate (default: the system's) and this client's
-      certificate and key.
-    * ``usage_every_s``: how often the server's memory use is read for ``statistics()``.
-    * ``cluster``: the url names a node of a Redis Cluster, which must match the server.
-    * ``pipeline_bytes``: the most payload one round trip carries (at least one block).
-    * ``encryption``: None (plain), or a :class:`~tiering.encryption.Keyring` or its
-      spec: blocks are sealed with AES-GCM under its current key, opened under any;
-      never shown.
-    * ``inbox_size``, ``max_inflight``, ``io_threads``: the tier actor's.
+    ``url`` (it may hold a password) and ``encryption`` (a keyring or its spec) are never
+    shown. The url's syntax is checked with redis-py's own parser, for ``cluster`` too
+    (:func:`~backends.redis_client.check_url`); the ``tls_*`` files go with ``rediss://``
+    only. ``namespace`` and ``tenant`` (no ``:``) are bound into every record: blocks
+    under another never show.
     """
 
     url: str = secret()
@@ -351,10 +334,10 @@ class RedisTier(TierActor):
         and account for what each key came to."""
         keys = list(job.keys)
         if not self._serving or not self.breaker.allow():
-            outcome: tuple[dict[bytes, str], int] | BaseException | None = None
+            outcome: dict[bytes, str] | BaseException | None = None
         else:
             outcome = await self.run_blocking(hop, keys, list(job.block_ids))
-        if not isinstance(outcome, tuple):
+        if not isinstance(outcome, dict):
             for key in keys:  # whatever the server holds now, the cache no longer knows
                 self._forget(key)
             if outcome is None:
@@ -367,7 +350,7 @@ class RedisTier(TierActor):
                 reason = f"redis refused the {what}: {outcome}"
                 self._failures.record(f"redis refused a {what}", len(keys), str(outcome))
             return JobResult(job.job_id, False, tuple(keys), reason)
-        failed, pipelines = outcome
+        failed = outcome
         self.breaker.succeeded()
         refusals = []
         for key in keys:
@@ -383,7 +366,7 @@ class RedisTier(TierActor):
                 self._counters["missing_blocks"] += why.startswith(_MISSING)
         done = "stored_blocks" if what == "store" else "loaded_blocks"
         self._counters[done] += len(keys) - len(failed)
-        self._counters["pipelines"] += pipelines
+        self._counters["pipelines"] += -(-len(keys) // self._blocks_per_pipeline)
         if refusals:
             self._failures.record(f"redis refused a block's {what}", len(refusals), refusals[0])
         if not failed:
@@ -426,20 +409,18 @@ class RedisTier(TierActor):
 
     def _store_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[dict[bytes, str], int] | ClientError:
+    ) -> dict[bytes, str] | ClientError:
         """Write every block (header, then the payload straight from its slot, or with
         ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
         most ``pipeline_bytes``. Returns the keys the server refused, with why (a key
-        that held a value of another type is deleted, so that its next store lands),
-        and how many round trips it took; or the client's error if a call failed (the
-        blocks before it are stored)."""
+        that held a value of another type is deleted, so that its next store lands), or
+        the client's error if a call failed (the blocks before it are stored)."""
         ns, tenant, size, cipher = self._ns_digest, self._tenant, self.block_bytes, self._cipher
         per_block = 1 if self.options.ttl_s is None else 2  # HSET, then EXPIRE
         views: list[memoryview] = []
         sealed = self._sealing_buffers() if cipher is not None else []
         failed: dict[bytes, str] = {}
         wrong_type: list[bytes] = []
-        pipelines = 0
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
@@ -470,7 +451,6 @@ class RedisTier(TierActor):
                     if self.options.ttl_s is not None:
                         commands.append(("EXPIRE", name, max(1, round(self.options.ttl_s))))
                 replies = round_trip(client, commands)
-                pipelines += 1
                 for i, key in enumerate(batch):
                     error = first_error(replies[i * per_block : (i + 1) * per_block])
                     if error is not None:
@@ -486,18 +466,17 @@ class RedisTier(TierActor):
             for view in views:
                 view.release()
         self._delete(client, wrong_type)
-        return failed, pipelines
+        return failed
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[dict[bytes, str], int] | ClientError:
+    ) -> dict[bytes, str] | ClientError:
         """Read every block in pipelined round trips of at most ``pipeline_bytes``,
         verify each and copy the good ones into their slots; delete the corrupt ones
         (and values of another type) from the server. Returns why each failed key
-        failed and how many round trips it took, or the client's error."""
+        failed, or the client's error."""
         failed: dict[bytes, str] = {}
         corrupt: list[bytes] = []
-        pipelines = 0
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
@@ -505,7 +484,6 @@ class RedisTier(TierActor):
                 batch = keys[start:stop]
                 commands = [("HMGET", self._prefix + k, HEADER_FIELD, PAYLOAD_FIELD) for k in batch]
                 values = round_trip(client, commands)
-                pipelines += 1
                 for key, block_id, value in zip(batch, block_ids[start:stop], values, strict=True):
                     why = self._land(key, block_id, value)
                     if why:
@@ -516,7 +494,7 @@ class RedisTier(TierActor):
         except CLIENT_ERRORS as exc:
             return detached(exc)
         self._delete(client, corrupt)
-        return failed, pipelines
+        return failed
 
     def _land(self, key: bytes, block_id: int, value: list[bytes | None] | ResponseError) -> str:
         """Verify one value read back and put its payload into its slot: "" if it

@@ -1,6 +1,6 @@
 """redis-py's client as the Redis tier uses it: urls checked without ever quoting
-them, TLS options, clients that never retry, pipelines that fail one key at a time, and
-errors stripped of block bytes.
+them, clients that never retry, pipelines that fail one key at a time, and errors
+stripped of block bytes.
 
 Blocking: for the tier's I/O threads. Nothing is retried, on one server or a cluster
 (redis-py's retries made a call to a node that stopped answering wait for several
@@ -52,9 +52,7 @@ UNREACHABLE = (
     RedisTimeoutError,
     ClusterDownError,
     RedisClusterException,  # no node of the cluster answered, or a slot has no node
-    ConnectionError,
-    TimeoutError,
-    OSError,
+    OSError,  # the builtin ConnectionError and TimeoutError too
 )
 _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
 """Replies of a cluster pipeline that mean the node, not the key, failed."""
