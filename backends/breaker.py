@@ -28,7 +28,8 @@ class BreakerState(Enum):
 
 
 class BreakerOptions(Options):
-    """A :class:`CircuitBreaker`'s options, as a tier takes them."""
+    """A :class:`CircuitBreaker`'s options, as a tier takes them (:meth:`~tiering.options.
+    Options.check` names a bad one)."""
 
     breaker_failures: PositiveInt = 3
     breaker_backoff_s: Seconds = 1.0
@@ -47,38 +48,25 @@ class BreakerOptions(Options):
 class CircuitBreaker:
     """Counts connection failures and says whether the next call may go.
 
-    Closed, calls go through; after ``failures`` connection failures in a row it opens,
-    and :meth:`allow` is False until ``backoff_s`` has passed, then True for exactly one
-    probe at a time (half-open). :meth:`succeeded` closes it and resets the back-off;
-    :meth:`failed` during a probe reopens it for twice as long, up to ``max_backoff_s``.
-
-    Raises (constructor): InvalidArgumentError for a bad option, naming it as
-    :class:`BreakerOptions` does.
+    Closed, calls go through; after ``breaker_failures`` connection failures in a row it
+    opens, and :meth:`allow` is False until ``breaker_backoff_s`` has passed, then True
+    for exactly one probe at a time (half-open). :meth:`succeeded` closes it and resets
+    the back-off; :meth:`failed` during a probe reopens it for twice as long, up to
+    ``breaker_max_backoff_s``. ``options`` default to :class:`BreakerOptions`'s defaults.
     """
 
     def __init__(
         self,
+        options: BreakerOptions | None = None,
+        /,
         *,
-        failures: int = 3,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        checked = BreakerOptions.check(
-            {
-                "breaker_failures": failures,
-                "breaker_backoff_s": backoff_s,
-                "breaker_max_backoff_s": max_backoff_s,
-            },
-            owner="CircuitBreaker",
-        )
-        self.failures = checked.breaker_failures
-        self.backoff_s = checked.breaker_backoff_s
-        self.max_backoff_s = checked.breaker_max_backoff_s
+        self.options = BreakerOptions() if options is None else options
         self._clock = clock
         self._state = BreakerState.CLOSED
         self._in_a_row = 0
-        self._current_backoff = self.backoff_s
+        self._current_backoff = self.options.breaker_backoff_s
         self._retry_at = 0.0
         self.opened = 0
         """Times it has opened."""
@@ -102,16 +90,18 @@ class CircuitBreaker:
         """A call reached the server: close, and forget earlier failures."""
         self._state = BreakerState.CLOSED
         self._in_a_row = 0
-        self._current_backoff = self.backoff_s
+        self._current_backoff = self.options.breaker_backoff_s
 
     def failed(self) -> None:
         """A call could not reach the server (refused, reset, timed out)."""
         if self._state is BreakerState.HALF_OPEN:
-            self._current_backoff = min(self.max_backoff_s, self._current_backoff * 2)
+            self._current_backoff = min(
+                self.options.breaker_max_backoff_s, self._current_backoff * 2
+            )
             self._open()
             return
         self._in_a_row += 1
-        if self._state is BreakerState.CLOSED and self._in_a_row >= self.failures:
+        if self._state is BreakerState.CLOSED and self._in_a_row >= self.options.breaker_failures:
             self._open()
 
     def _open(self) -> None:

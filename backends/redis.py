@@ -188,15 +188,16 @@ class RedisTier(TierActor):
         o = self.options = RedisOptions.check({**dict(options or {}), **values}, owner="RedisTier")
         keyring = keyring_from(o.encryption, option="encryption")
         self._cipher = None if keyring is None else BlockCipher(keyring)
-        self.breaker = CircuitBreaker(
-            failures=o.breaker_failures,
-            backoff_s=o.breaker_backoff_s,
-            max_backoff_s=o.breaker_max_backoff_s,
-        )
+        self.breaker = CircuitBreaker(o)
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
-        self._tenant = o.tenant.encode()
-        self._ns_digest = namespace_digest(o.namespace)
-        self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + self._tenant + b":"
+        tenant, ns = o.tenant.encode(), namespace_digest(o.namespace)
+        self._prefix = b"kvt:" + ns.hex().encode() + b":" + tenant + b":"
+        # What every record of this tier is written with and checked against.
+        self._record: dict[str, Any] = {
+            "tenant": tenant,
+            "payload_bytes": block_bytes,
+            "ns_digest": ns,
+        }
         self._blocks_per_pipeline = max(1, o.pipeline_bytes // block_bytes)
         # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption).
         self._seal_buffers = threading.local()
@@ -415,7 +416,7 @@ class RedisTier(TierActor):
         most ``pipeline_bytes``. Returns the keys the server refused, with why (a key
         that held a value of another type is deleted, so that its next store lands), or
         the client's error if a call failed (the blocks before it are stored)."""
-        ns, tenant, size, cipher = self._ns_digest, self._tenant, self.block_bytes, self._cipher
+        cipher, record = self._cipher, self._record
         per_block = 1 if self.options.ttl_s is None else 2  # HSET, then EXPIRE
         views: list[memoryview] = []
         sealed = self._sealing_buffers() if cipher is not None else []
@@ -430,22 +431,15 @@ class RedisTier(TierActor):
                 for i, (key, block_id) in enumerate(zip(batch, block_ids[start:stop], strict=True)):
                     value = self.slot(block_id)
                     views.append(value)
-                    binding = record_binding(ns, tenant, key)
+                    binding = record_binding(record["ns_digest"], record["tenant"], key)
                     if cipher is None:
                         seal, checksum = None, payload_checksum(value, binding)
                     else:
                         # The buffer is free again once the previous round trip
                         # returned: the client has sent it by then.
                         seal, checksum = cipher.seal_into(value, sealed[i], binding), None
-                        value = sealed[i][:size]
-                    header = compact_header(
-                        key=key,
-                        tenant=tenant,
-                        payload_bytes=size,
-                        ns_digest=ns,
-                        checksum=checksum,
-                        seal=seal,
-                    )
+                        value = sealed[i][: self.block_bytes]
+                    header = compact_header(key=key, checksum=checksum, seal=seal, **record)
                     name = self._prefix + key
                     commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
                     if self.options.ttl_s is not None:
@@ -508,13 +502,7 @@ class RedisTier(TierActor):
             return _MISSING
         try:
             record = decode_header(header)
-            check_header(
-                record,
-                key=key,
-                tenant=self._tenant,
-                payload_bytes=self.block_bytes,
-                ns_digest=self._ns_digest,
-            )
+            check_header(record, key=key, **self._record)
             with self.slot(block_id) as into:
                 verify_payload(record, payload, self._cipher, into=into)
         except CorruptBlockError as exc:
@@ -674,4 +662,4 @@ class RedisTier(TierActor):
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
 
 
-__all__ = ["RedisTier"]
+__all__ = ["RedisOptions", "RedisTier"]
