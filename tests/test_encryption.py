@@ -68,9 +68,11 @@ def test_a_bad_spec_is_refused_naming_the_option_never_the_key(spec: str, messag
 
 
 def test_a_keyring_object_checks_lengths_and_the_current_id() -> None:
-    with pytest.raises(InvalidArgumentError, match="key 3 must be 16, 24 or 32 bytes"):
+    with pytest.raises(
+        InvalidArgumentError, match="encryption: key 3 is 10 bytes, not 16, 24 or 32"
+    ):
         Keyring({3: b"x" * 10}, 3)
-    with pytest.raises(InvalidArgumentError, match="current encryption key id 5 is not among"):
+    with pytest.raises(InvalidArgumentError, match="encryption: the current key id 5 is not among"):
         Keyring({1: KEY_1}, 5)
     with pytest.raises(InvalidArgumentError, match="must be a keyring spec string or a Keyring"):
         keyring_from(KEY_1)

@@ -56,31 +56,30 @@ def _ciphers(key: bytes) -> tuple[Any, Any]:
 class Keyring:
     """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
     seals, every one opens.
-    Raises InvalidArgumentError (naming ids, never key bytes) for no keys, a bad id or
-    key length, or ``current`` not among the ids.
+    Raises InvalidArgumentError (naming ``source`` and ids, never key bytes) for no keys,
+    a bad id or key length, or ``current`` not among the ids.
     """
 
     __slots__ = ("_keys", "current")
 
-    def __init__(self, keys: Mapping[int, bytes], current: int) -> None:
+    def __init__(
+        self, keys: Mapping[int, bytes], current: int, *, source: str = "encryption"
+    ) -> None:
         if not isinstance(keys, Mapping) or not keys:
-            raise InvalidArgumentError("encryption keys must be a non-empty mapping of id to key")
-        checked: dict[int, bytes] = {}
+            raise InvalidArgumentError(f"{source}: keys must be a non-empty mapping of id to key")
         for key_id, key in keys.items():
-            _check_key_id(key_id)
+            _check_key_id(key_id, source)
             if not isinstance(key, bytes | bytearray) or len(key) not in KEY_SIZES:
+                got = f"{len(key)} bytes" if isinstance(key, bytes | bytearray) else "no bytes"
                 raise InvalidArgumentError(
-                    f"encryption key {key_id} must be 16, 24 or 32 bytes"
-                    f" (got {type(key).__name__}"
-                    + (f" of {len(key)} bytes)" if isinstance(key, bytes | bytearray) else ")")
+                    f"{source}: key {key_id} is {got}, not 16, 24 or 32 bytes"
                 )
-            checked[key_id] = bytes(key)
-        _check_key_id(current)
-        if current not in checked:
+        _check_key_id(current, source)
+        if current not in keys:
             raise InvalidArgumentError(
-                f"current encryption key id {current} is not among the key ids {sorted(checked)}"
+                f"{source}: the current key id {current} is not among the key ids {sorted(keys)}"
             )
-        self._keys = checked
+        self._keys = {key_id: bytes(key) for key_id, key in keys.items()}
         self.current = current
 
     @classmethod
@@ -113,18 +112,12 @@ class Keyring:
             if key_id in keys:
                 raise InvalidArgumentError(f"{source}: key id {key_id} appears twice")
             try:
-                key = binascii.a2b_base64(encoded.strip(), strict_mode=True)
+                keys[key_id] = binascii.a2b_base64(encoded.strip(), strict_mode=True)
             except (binascii.Error, ValueError):
                 raise InvalidArgumentError(
                     f"{source}: key {key_id} is not valid base64"
                 ) from None  # the cause would quote the key
-            if len(key) not in KEY_SIZES:
-                raise InvalidArgumentError(
-                    f"{source}: key {key_id} is {len(key)} bytes, not 16, 24 or 32"
-                )
-            _check_key_id(key_id, source)
-            keys[key_id] = key
-        return cls(keys, next(iter(keys)))  # split yields at least one entry
+        return cls(keys, next(iter(keys)), source=source)  # split yields at least one entry
 
     @property
     def key_ids(self) -> tuple[int, ...]:
@@ -139,7 +132,7 @@ class Keyring:
         return f"Keyring(current={self.current}, key_ids={list(self.key_ids)})"
 
 
-def _check_key_id(key_id: object, source: str = "encryption") -> None:
+def _check_key_id(key_id: object, source: str) -> None:
     if isinstance(key_id, bool) or not isinstance(key_id, int) or not 1 <= key_id <= MAX_KEY_ID:
         raise InvalidArgumentError(f"{source}: key id must be an int in [1, 2**32), got {key_id!r}")
 
