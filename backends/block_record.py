@@ -261,14 +261,15 @@ def verify_payload(
     """Verify the payload read under ``header`` (already checked by
     :func:`check_header`) as every reader does, off the loop. Without ``cipher``: refuse
     a sealed record, compare ``checksum(payload, binding)`` with the header's, then copy
-    the payload to ``into`` if given. With ``cipher``: refuse a plain record, copy the
-    ciphertext to ``into`` if given, and open it there (else in ``payload``) in place.
+    the payload to ``into`` if given. With ``cipher``: refuse a plain record and open the
+    ciphertext into ``into`` (one pass, no copy first), or in place without it.
 
     Raises:
         CorruptBlockError: the payload's length is not the header's, the record is of
             the other kind, or it does not verify (from the cipher: an UnknownKeyError
-            or AuthenticationError, logged once per key id). A plain reader has then
-            written nothing to ``into``; a sealed one leaves garbage, never served.
+            or AuthenticationError, logged once per key id); ``into`` then holds nothing
+            of the payload.
+        InvalidArgumentError: a sealed payload that is not a memoryview, without ``into``.
     """
     if len(payload) != header.payload_bytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {header.payload_bytes}")
@@ -285,12 +286,9 @@ def verify_payload(
         return
     if header.seal is None:
         raise CorruptBlockError("block is not encrypted, and this tier reads only encrypted ones")
-    if into is not None:
-        into[:] = payload
-    target = into if into is not None else payload
-    if not isinstance(target, memoryview):
+    if into is None and not isinstance(payload, memoryview):
         raise InvalidArgumentError("a sealed payload opens in place: pass a writable into")
-    cipher.open_in_place(header.seal, target, header.binding)
+    cipher.open_into(header.seal, memoryview(payload), header.binding, into)
 
 
 __all__ = [

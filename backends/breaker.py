@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from enum import Enum
+from typing import Self
 
-from tiering.errors import InvalidArgumentError
-from tiering.validation import positive_int, seconds
+from pydantic import model_validator
+
+from tiering.options import Options, PositiveInt, Seconds
 
 
 class BreakerState(Enum):
@@ -25,37 +27,46 @@ class BreakerState(Enum):
         return self.value
 
 
+class BreakerOptions(Options):
+    """A :class:`CircuitBreaker`'s options, as a tier takes them (:meth:`~tiering.options.
+    Options.check` names a bad one)."""
+
+    breaker_failures: PositiveInt = 3
+    breaker_backoff_s: Seconds = 1.0
+    breaker_max_backoff_s: Seconds = 30.0
+
+    @model_validator(mode="after")
+    def _backoff_in_order(self) -> Self:
+        if self.breaker_max_backoff_s < self.breaker_backoff_s:
+            raise ValueError(
+                f"breaker_max_backoff_s = {self.breaker_max_backoff_s!r} is below "
+                f"breaker_backoff_s = {self.breaker_backoff_s!r}"
+            )
+        return self
+
+
 class CircuitBreaker:
     """Counts connection failures and says whether the next call may go.
 
-    Closed, calls go through; after ``failures`` connection failures in a row it opens,
-    and :meth:`allow` is False until ``backoff_s`` has passed, then True for exactly one
-    probe at a time (half-open). :meth:`succeeded` closes it and resets the back-off;
-    :meth:`failed` during a probe reopens it for twice as long, up to ``max_backoff_s``.
-
-    Raises (constructor): InvalidArgumentError for a bad option, naming it.
+    Closed, calls go through; after ``breaker_failures`` connection failures in a row it
+    opens, and :meth:`allow` is False until ``breaker_backoff_s`` has passed, then True
+    for exactly one probe at a time (half-open). :meth:`succeeded` closes it and resets
+    the back-off; :meth:`failed` during a probe reopens it for twice as long, up to
+    ``breaker_max_backoff_s``. ``options`` default to :class:`BreakerOptions`'s defaults.
     """
 
     def __init__(
         self,
+        options: BreakerOptions | None = None,
+        /,
         *,
-        failures: int = 3,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.failures = positive_int("breaker_failures", failures)
-        self.backoff_s = seconds("breaker_backoff_s", backoff_s, allow_zero=False)
-        self.max_backoff_s = seconds("breaker_max_backoff_s", max_backoff_s, allow_zero=False)
-        if self.max_backoff_s < self.backoff_s:
-            raise InvalidArgumentError(
-                f"breaker_max_backoff_s ({max_backoff_s!r}) is below breaker_backoff_s "
-                f"({backoff_s!r})"
-            )
+        self.options = BreakerOptions() if options is None else options
         self._clock = clock
         self._state = BreakerState.CLOSED
         self._in_a_row = 0
-        self._current_backoff = self.backoff_s
+        self._current_backoff = self.options.breaker_backoff_s
         self._retry_at = 0.0
         self.opened = 0
         """Times it has opened."""
@@ -79,16 +90,18 @@ class CircuitBreaker:
         """A call reached the server: close, and forget earlier failures."""
         self._state = BreakerState.CLOSED
         self._in_a_row = 0
-        self._current_backoff = self.backoff_s
+        self._current_backoff = self.options.breaker_backoff_s
 
     def failed(self) -> None:
         """A call could not reach the server (refused, reset, timed out)."""
         if self._state is BreakerState.HALF_OPEN:
-            self._current_backoff = min(self.max_backoff_s, self._current_backoff * 2)
+            self._current_backoff = min(
+                self.options.breaker_max_backoff_s, self._current_backoff * 2
+            )
             self._open()
             return
         self._in_a_row += 1
-        if self._state is BreakerState.CLOSED and self._in_a_row >= self.failures:
+        if self._state is BreakerState.CLOSED and self._in_a_row >= self.options.breaker_failures:
             self._open()
 
     def _open(self) -> None:
@@ -100,4 +113,4 @@ class CircuitBreaker:
         return f"<CircuitBreaker {self._state}, {self._in_a_row} failures in a row>"
 
 
-__all__ = ["BreakerState", "CircuitBreaker"]
+__all__ = ["BreakerOptions", "BreakerState", "CircuitBreaker"]

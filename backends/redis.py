@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Annotated, Any, Self
+
+from pydantic import AfterValidator, Field, model_validator
 
 from backends.block_record import (
     MAX_TENANT_BYTES,
@@ -54,7 +57,7 @@ from backends.block_record import (
     record_binding,
     verify_payload,
 )
-from backends.breaker import BreakerState, CircuitBreaker
+from backends.breaker import BreakerOptions, BreakerState, CircuitBreaker
 from backends.redis_client import (
     CLIENT_ERRORS,
     UNREACHABLE,
@@ -70,13 +73,12 @@ from backends.redis_client import (
     holds_another_type,
     new_client,
     round_trip,
-    tls_options,
 )
-from tiering.actor import ACTOR_OPTIONS, TierActor
+from tiering.actor import TierActor
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.validation import positive_int, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -90,117 +92,113 @@ _MISSING = "not in the redis tier"
 _CORRUPT = "corrupt block"
 _REFUSED = "redis refused"
 
-_Hop = Callable[[Sequence[bytes], Sequence[int]], "tuple[dict[bytes, str], int] | ClientError"]
+_Hop = Callable[[Sequence[bytes], Sequence[int]], "dict[bytes, str] | ClientError"]
+
+_TLS_ARGUMENTS = {
+    "tls_ca_file": "ssl_ca_certs",
+    "tls_cert_file": "ssl_certfile",
+    "tls_key_file": "ssl_keyfile",
+}  # the tier's TLS options, and redis-py's names of them
+
+
+def _tenant(tenant: str) -> str:
+    if ":" in tenant:
+        raise ValueError("must not hold ':'")
+    if len(tenant.encode()) > MAX_TENANT_BYTES:
+        raise ValueError(f"must be at most {MAX_TENANT_BYTES} bytes (UTF-8)")
+    return tenant
+
+
+def _readable_file(path: str | None) -> str | None:
+    if path is not None and not os.path.isfile(path):
+        raise ValueError("must name a readable file")
+    return path
+
+
+_File = Annotated[str | None, AfterValidator(_readable_file)]
+
+
+class RedisOptions(BreakerOptions, ActorOptions):
+    """The Redis tier's options; what each means: the table in docs/redis.md.
+
+    ``url`` (it may hold a password) and ``encryption`` (a keyring or its spec) are never
+    shown. The url's syntax is checked with redis-py's own parser, for ``cluster`` too
+    (:func:`~backends.redis_client.check_url`); the ``tls_*`` files go with ``rediss://``
+    only. ``namespace`` and ``tenant`` (no ``:``) are bound into every record: blocks
+    under another never show.
+    """
+
+    url: str = secret()
+    namespace: str = Field(min_length=1)
+    tenant: Annotated[str, AfterValidator(_tenant)] = ""
+    timeout_s: Seconds = 5.0
+    max_connections: PositiveInt = 32
+    ttl_s: Seconds | None = None
+    presence_ttl_s: SecondsOrZero = 30.0
+    absence_ttl_s: SecondsOrZero = 1.0
+    presence_entries: PositiveInt = 1 << 20
+    tls_ca_file: _File = None
+    tls_cert_file: _File = None
+    tls_key_file: _File = None
+    usage_every_s: Seconds = 5.0
+    cluster: bool = False
+    pipeline_bytes: PositiveInt = 2 << 20
+    encryption: str | Keyring | None = secret(None)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        """The url's syntax (for ``cluster`` too), and TLS files only with TLS."""
+        check_url(self.url, cluster=self.cluster)
+        for name in _TLS_ARGUMENTS:
+            if getattr(self, name) is not None and not self.url.startswith("rediss://"):
+                raise ValueError(f"{name} needs a rediss:// url (TLS)")
+        return self
+
+    def tls_arguments(self) -> dict[str, str]:
+        """redis-py's TLS arguments from the ``tls_*`` options given."""
+        given = {arg: getattr(self, name) for name, arg in _TLS_ARGUMENTS.items()}
+        return {arg: path for arg, path in given.items() if path is not None}
 
 
 class RedisTier(TierActor):
-    """A secondary tier on a Redis (or Valkey) server, shared by many engines.
-
-    Args:
-        primary_kv_view, block_bytes: as every tier.
-        url: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
-            ``unix://``, checked here with redis-py's own parser (a '/', '?', '#' or
-            '@' in the user name or password percent-encoded; no query option the tier
-            sets itself, such as ``socket_timeout``); never logged or shown.
-        namespace: what the blocks' bytes mean (the engine passes its cache identity);
-            two namespaces on one server never see each other's blocks.
-        tenant: an optional prefix that isolates tenants sharing a namespace, bound
-            into every record like the namespace.
-        timeout_s: the limit of every call to the server (none is retried).
-        max_connections: the connection pool's bound.
-        ttl_s: expire stored blocks after this many seconds (None: never).
-        presence_ttl_s, absence_ttl_s: how long a lookup trusts a present / absent
-            answer; presence_entries bounds the presence cache.
-        breaker_failures, breaker_backoff_s, breaker_max_backoff_s: see
-            :class:`~backends.breaker.CircuitBreaker`.
-        tls_ca_file, tls_cert_file, tls_key_file: with a ``rediss://`` url, the CA that
-            signed the server's certificate (default: the system's) and this client's
-            certificate and key (for servers that ask for one).
-        usage_every_s: how often the server's memory use is read for ``statistics()``.
-        cluster: the url names a node of a Redis Cluster (``redis://`` or ``rediss://``);
-            the tier finds the other nodes from it. A mismatch with the server found at
-            start is an error.
-        pipeline_bytes: the most payload bytes one pipelined round trip carries (at
-            least one block); a larger job goes in several, one after another.
-        encryption: None (blocks stored plain), or a keyring spec
-            (``"2:<base64 key>,1:<base64 key>"``, ``"env:VARIABLE"``) or
-            :class:`~tiering.encryption.Keyring`: blocks are sealed with AES-GCM under
-            its first (current) key and read under any of its keys.
-        inbox_size, max_inflight, io_threads: :class:`~tiering.actor.TierActor` options.
+    """A secondary tier on a Redis (or Valkey) server, shared by many engines; its
+    options are :class:`RedisOptions`.
 
     Guarantees: a load serves a block only if it verifies (see the module docstring); a
     key the server refuses, or that holds no block, fails alone; a connection failure
     fails the job's keys (never the engine), within about ``timeout_s``; ``lookup``
     never blocks. Key material never shows in ``repr``, statistics, errors or logs.
-
-    Raises (constructor): InvalidArgumentError for a bad option, naming it and its value
-    (the url is named without its value, which may hold a password; ``encryption``
-    without its keys).
     """
+
+    Options = RedisOptions
 
     def __init__(
         self,
         primary_kv_view: memoryview,
         block_bytes: int,
-        *,
-        url: str,
-        namespace: str,
-        tenant: str = "",
-        timeout_s: float = 5.0,
-        max_connections: int = 32,
-        ttl_s: float | None = None,
-        presence_ttl_s: float = 30.0,
-        absence_ttl_s: float = 1.0,
-        presence_entries: int = 1 << 20,
-        breaker_failures: int = 3,
-        breaker_backoff_s: float = 1.0,
-        breaker_max_backoff_s: float = 30.0,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        usage_every_s: float = 5.0,
-        cluster: bool = False,
-        pipeline_bytes: int = 2 << 20,
-        encryption: str | Keyring | None = None,
-        **actor_kwargs: Any,
+        options: RedisOptions | None = None,
+        /,
+        **values: Any,
     ) -> None:
-        unknown = set(actor_kwargs) - ACTOR_OPTIONS
-        if unknown:
-            raise InvalidArgumentError(f"unknown redis tier option(s): {sorted(unknown)}")
-        if not isinstance(namespace, str) or not namespace:
-            raise InvalidArgumentError(f"namespace must be a non-empty str, got {namespace!r}")
-        if not isinstance(tenant, str) or ":" in tenant:
-            raise InvalidArgumentError(f"tenant must be a str without ':', got {tenant!r}")
-        if len(tenant.encode()) > MAX_TENANT_BYTES:
-            raise InvalidArgumentError(f"tenant must be at most {MAX_TENANT_BYTES} bytes (UTF-8)")
-        if not isinstance(cluster, bool):
-            raise InvalidArgumentError(f"cluster must be a bool, got {cluster!r}")
-        check_url(url, cluster=cluster)
-        self.cluster = cluster
-        self._tls = tls_options(url, tls_ca_file, tls_cert_file, tls_key_file)
-        self.timeout_s = seconds("timeout_s", timeout_s, allow_zero=False)
-        self.max_connections = positive_int("max_connections", max_connections)
-        self.ttl_s = None if ttl_s is None else seconds("ttl_s", ttl_s, allow_zero=False)
-        self.presence_ttl_s = seconds("presence_ttl_s", presence_ttl_s, allow_zero=True)
-        self.absence_ttl_s = seconds("absence_ttl_s", absence_ttl_s, allow_zero=True)
-        self.presence_entries = positive_int("presence_entries", presence_entries)
-        self.usage_every_s = seconds("usage_every_s", usage_every_s, allow_zero=False)
-        self.pipeline_bytes = positive_int("pipeline_bytes", pipeline_bytes)
-        keyring = keyring_from(encryption, option="encryption")
+        """Takes a :class:`RedisOptions`, keywords, or both (keywords win).
+
+        Raises: InvalidArgumentError for a bad view, size or option, naming it and its
+        value (the url without its value, which may hold a password; ``encryption``
+        without its keys)."""
+        o = self.options = RedisOptions.check({**dict(options or {}), **values}, owner="RedisTier")
+        keyring = keyring_from(o.encryption, option="encryption")
         self._cipher = None if keyring is None else BlockCipher(keyring)
-        self.breaker = CircuitBreaker(
-            failures=breaker_failures,
-            backoff_s=breaker_backoff_s,
-            max_backoff_s=breaker_max_backoff_s,
-        )
-        super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
-        self.namespace = namespace
-        self.tenant = tenant
-        self._tenant = tenant.encode()
-        self._ns_digest = namespace_digest(namespace)
-        self._prefix = b"kvt:" + self._ns_digest.hex().encode() + b":" + self._tenant + b":"
-        self._url = url
-        self._blocks_per_pipeline = max(1, self.pipeline_bytes // block_bytes)
+        self.breaker = CircuitBreaker(o)
+        super().__init__(primary_kv_view, block_bytes, **o.actor_options())
+        tenant, ns = o.tenant.encode(), namespace_digest(o.namespace)
+        self._prefix = b"kvt:" + ns.hex().encode() + b":" + tenant + b":"
+        # What every record of this tier is written with and checked against.
+        self._record: dict[str, Any] = {
+            "tenant": tenant,
+            "payload_bytes": block_bytes,
+            "ns_digest": ns,
+        }
+        self._blocks_per_pipeline = max(1, o.pipeline_bytes // block_bytes)
         # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption).
         self._seal_buffers = threading.local()
         # Made by the first call that needs it (a cluster client connects as it is made,
@@ -318,9 +316,9 @@ class RedisTier(TierActor):
         return None if self._cipher is None else self._cipher.keyring
 
     def __repr__(self) -> str:
-        sealed = "" if self._cipher is None else f" encryption={self._cipher.keyring!r}"
+        o, sealed = self.options, "" if self._cipher is None else f" encryption={self.keyring!r}"
         return (
-            f"<RedisTier {self.namespace!r} tenant={self.tenant!r} breaker={self.breaker.state}"
+            f"<RedisTier {o.namespace!r} tenant={o.tenant!r} breaker={self.breaker.state}"
             f"{sealed} {self.statistics()!r}>"
         )
 
@@ -337,10 +335,10 @@ class RedisTier(TierActor):
         and account for what each key came to."""
         keys = list(job.keys)
         if not self._serving or not self.breaker.allow():
-            outcome: tuple[dict[bytes, str], int] | BaseException | None = None
+            outcome: dict[bytes, str] | BaseException | None = None
         else:
             outcome = await self.run_blocking(hop, keys, list(job.block_ids))
-        if not isinstance(outcome, tuple):
+        if not isinstance(outcome, dict):
             for key in keys:  # whatever the server holds now, the cache no longer knows
                 self._forget(key)
             if outcome is None:
@@ -353,7 +351,7 @@ class RedisTier(TierActor):
                 reason = f"redis refused the {what}: {outcome}"
                 self._failures.record(f"redis refused a {what}", len(keys), str(outcome))
             return JobResult(job.job_id, False, tuple(keys), reason)
-        failed, pipelines = outcome
+        failed = outcome
         self.breaker.succeeded()
         refusals = []
         for key in keys:
@@ -369,7 +367,7 @@ class RedisTier(TierActor):
                 self._counters["missing_blocks"] += why.startswith(_MISSING)
         done = "stored_blocks" if what == "store" else "loaded_blocks"
         self._counters[done] += len(keys) - len(failed)
-        self._counters["pipelines"] += pipelines
+        self._counters["pipelines"] += -(-len(keys) // self._blocks_per_pipeline)
         if refusals:
             self._failures.record(f"redis refused a block's {what}", len(refusals), refusals[0])
         if not failed:
@@ -391,10 +389,10 @@ class RedisTier(TierActor):
         try:
             probe.ping()
             enabled = bool(probe.info("cluster").get("cluster_enabled", 0))
-            if enabled != self.cluster:
+            if enabled != self.options.cluster:
                 said = "a Redis Cluster node" if enabled else "not a cluster node"
                 return InvalidArgumentError(
-                    f"cluster: the redis server is {said}, but the tier has cluster={self.cluster}"
+                    f"cluster: the redis server is {said}, but the tier has cluster={not enabled}"
                 )
             self._connected()
         except AuthenticationError as exc:
@@ -404,7 +402,7 @@ class RedisTier(TierActor):
                 return detached(exc)
             return InvalidArgumentError(
                 "tls_ca_file: the redis server's certificate did not verify against "
-                f"{self._tls.get('ssl_ca_certs', 'the system CAs')!r} ({exc})"
+                f"{self.options.tls_ca_file or 'the system CAs'!r} ({exc})"
             )
         finally:
             probe.close()
@@ -412,20 +410,18 @@ class RedisTier(TierActor):
 
     def _store_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[dict[bytes, str], int] | ClientError:
+    ) -> dict[bytes, str] | ClientError:
         """Write every block (header, then the payload straight from its slot, or with
         ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
         most ``pipeline_bytes``. Returns the keys the server refused, with why (a key
-        that held a value of another type is deleted, so that its next store lands),
-        and how many round trips it took; or the client's error if a call failed (the
-        blocks before it are stored)."""
-        ns, tenant, size, cipher = self._ns_digest, self._tenant, self.block_bytes, self._cipher
-        per_block = 1 if self.ttl_s is None else 2  # HSET, then EXPIRE
+        that held a value of another type is deleted, so that its next store lands), or
+        the client's error if a call failed (the blocks before it are stored)."""
+        cipher, record = self._cipher, self._record
+        per_block = 1 if self.options.ttl_s is None else 2  # HSET, then EXPIRE
         views: list[memoryview] = []
         sealed = self._sealing_buffers() if cipher is not None else []
         failed: dict[bytes, str] = {}
         wrong_type: list[bytes] = []
-        pipelines = 0
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
@@ -435,28 +431,20 @@ class RedisTier(TierActor):
                 for i, (key, block_id) in enumerate(zip(batch, block_ids[start:stop], strict=True)):
                     value = self.slot(block_id)
                     views.append(value)
-                    binding = record_binding(ns, tenant, key)
+                    binding = record_binding(record["ns_digest"], record["tenant"], key)
                     if cipher is None:
                         seal, checksum = None, payload_checksum(value, binding)
                     else:
                         # The buffer is free again once the previous round trip
                         # returned: the client has sent it by then.
                         seal, checksum = cipher.seal_into(value, sealed[i], binding), None
-                        value = sealed[i][:size]
-                    header = compact_header(
-                        key=key,
-                        tenant=tenant,
-                        payload_bytes=size,
-                        ns_digest=ns,
-                        checksum=checksum,
-                        seal=seal,
-                    )
+                        value = sealed[i][: self.block_bytes]
+                    header = compact_header(key=key, checksum=checksum, seal=seal, **record)
                     name = self._prefix + key
                     commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
-                    if self.ttl_s is not None:
-                        commands.append(("EXPIRE", name, max(1, round(self.ttl_s))))
+                    if self.options.ttl_s is not None:
+                        commands.append(("EXPIRE", name, max(1, round(self.options.ttl_s))))
                 replies = round_trip(client, commands)
-                pipelines += 1
                 for i, key in enumerate(batch):
                     error = first_error(replies[i * per_block : (i + 1) * per_block])
                     if error is not None:
@@ -472,18 +460,17 @@ class RedisTier(TierActor):
             for view in views:
                 view.release()
         self._delete(client, wrong_type)
-        return failed, pipelines
+        return failed
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> tuple[dict[bytes, str], int] | ClientError:
+    ) -> dict[bytes, str] | ClientError:
         """Read every block in pipelined round trips of at most ``pipeline_bytes``,
         verify each and copy the good ones into their slots; delete the corrupt ones
         (and values of another type) from the server. Returns why each failed key
-        failed and how many round trips it took, or the client's error."""
+        failed, or the client's error."""
         failed: dict[bytes, str] = {}
         corrupt: list[bytes] = []
-        pipelines = 0
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
@@ -491,7 +478,6 @@ class RedisTier(TierActor):
                 batch = keys[start:stop]
                 commands = [("HMGET", self._prefix + k, HEADER_FIELD, PAYLOAD_FIELD) for k in batch]
                 values = round_trip(client, commands)
-                pipelines += 1
                 for key, block_id, value in zip(batch, block_ids[start:stop], values, strict=True):
                     why = self._land(key, block_id, value)
                     if why:
@@ -502,7 +488,7 @@ class RedisTier(TierActor):
         except CLIENT_ERRORS as exc:
             return detached(exc)
         self._delete(client, corrupt)
-        return failed, pipelines
+        return failed
 
     def _land(self, key: bytes, block_id: int, value: list[bytes | None] | ResponseError) -> str:
         """Verify one value read back and put its payload into its slot: "" if it
@@ -516,13 +502,7 @@ class RedisTier(TierActor):
             return _MISSING
         try:
             record = decode_header(header)
-            check_header(
-                record,
-                key=key,
-                tenant=self._tenant,
-                payload_bytes=self.block_bytes,
-                ns_digest=self._ns_digest,
-            )
+            check_header(record, key=key, **self._record)
             with self.slot(block_id) as into:
                 verify_payload(record, payload, self._cipher, into=into)
         except CorruptBlockError as exc:
@@ -587,16 +567,16 @@ class RedisTier(TierActor):
             if self._client is None:
                 if not self._serving:
                     raise RedisConnectionError("the redis tier is closed")
-                self._client = self._client_of(cluster=self.cluster)
+                self._client = self._client_of(cluster=self.options.cluster)
             return self._client
 
     def _client_of(self, *, cluster: bool) -> Redis | RedisCluster:
         return new_client(
-            self._url,
+            self.options.url,
             cluster=cluster,
-            timeout_s=self.timeout_s,
-            max_connections=self.max_connections,
-            tls=self._tls,
+            timeout_s=self.options.timeout_s,
+            max_connections=self.options.max_connections,
+            tls=self.options.tls_arguments(),
         )
 
     # -- presence cache and background tasks (loop thread) ----------------------------
@@ -605,13 +585,13 @@ class RedisTier(TierActor):
         """Cache what was just found of ``key``; a presence check on the wire now may
         have read the server before that, so its answer for ``key`` is dropped."""
         self._in_check.discard(key)
-        ttl = self.presence_ttl_s if present else self.absence_ttl_s
+        ttl = self.options.presence_ttl_s if present else self.options.absence_ttl_s
         presence = self._presence
         old = presence.get(key)
         self._known_present += present - (old is not None and old[0])
         presence[key] = (present, time.monotonic() + ttl)
         presence.move_to_end(key)
-        if len(presence) > self.presence_entries:
+        if len(presence) > self.options.presence_entries:
             _, (dropped, _) = presence.popitem(last=False)
             self._known_present -= dropped
 
@@ -674,7 +654,7 @@ class RedisTier(TierActor):
                 usage = await self.run_blocking(self._usage_hop)
                 if isinstance(usage, dict):
                     self._server_usage = usage
-            await asyncio.sleep(self.usage_every_s)
+            await asyncio.sleep(self.options.usage_every_s)
 
     def _unreachable(self, what: str, exc: BaseException) -> None:
         self._counters["unreachable_calls"] += 1
@@ -682,4 +662,4 @@ class RedisTier(TierActor):
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
 
 
-__all__ = ["RedisTier"]
+__all__ = ["RedisOptions", "RedisTier"]

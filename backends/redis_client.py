@@ -1,6 +1,6 @@
 """redis-py's client as the Redis tier uses it: urls checked without ever quoting
-them, TLS options, clients that never retry, pipelines that fail one key at a time, and
-errors stripped of block bytes.
+them, clients that never retry, pipelines that fail one key at a time, and errors
+stripped of block bytes.
 
 Blocking: for the tier's I/O threads. Nothing is retried, on one server or a cluster
 (redis-py's retries made a call to a node that stopped answering wait for several
@@ -11,7 +11,6 @@ and are followed.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import urllib.parse
 from collections.abc import Sequence
@@ -53,9 +52,7 @@ UNREACHABLE = (
     RedisTimeoutError,
     ClusterDownError,
     RedisClusterException,  # no node of the cluster answered, or a slot has no node
-    ConnectionError,
-    TimeoutError,
-    OSError,
+    OSError,  # the builtin ConnectionError and TimeoutError too
 )
 _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
 """Replies of a cluster pipeline that mean the node, not the key, failed."""
@@ -223,28 +220,6 @@ def holds_another_type(error: ResponseError) -> bool:
     return str(error).startswith("WRONGTYPE")
 
 
-def tls_options(
-    url: str, ca_file: str | None, cert_file: str | None, key_file: str | None
-) -> dict[str, str]:
-    """redis-py's TLS arguments from the tier's options.
-
-    Raises:
-        InvalidArgumentError: an option is no readable file, or its url no rediss://.
-    """
-    given = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
-    options = {}
-    for name, path in given.items():
-        if path is None:
-            continue
-        if not url.startswith("rediss://"):
-            raise InvalidArgumentError(f"{name} needs a rediss:// url (TLS), got {path!r}")
-        if not isinstance(path, str) or not os.path.isfile(path):
-            raise InvalidArgumentError(f"{name} must name a readable file, got {path!r}")
-        options[{"tls_ca_file": "ssl_ca_certs", "tls_cert_file": "ssl_certfile",
-                 "tls_key_file": "ssl_keyfile"}[name]] = path  # fmt: skip
-    return options
-
-
 def detached(exc: ClientError) -> ClientError:
     """A copy of ``exc`` with no traceback, no chained errors and no quoted command:
     a traceback's frames hold the hop's views and replies (block bytes that must not
@@ -276,5 +251,4 @@ __all__ = [
     "holds_another_type",
     "new_client",
     "round_trip",
-    "tls_options",
 ]

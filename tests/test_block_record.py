@@ -99,6 +99,19 @@ def test_a_sealed_record_round_trips_and_holds_no_plaintext_checksum(padded: boo
     assert bytes(slot) == PAYLOAD
 
 
+def test_a_sealed_payload_that_fails_leaves_nothing_of_it_in_into() -> None:
+    cipher = _cipher()
+    if cipher is None:
+        pytest.skip("pip install 'kv-tiering[encryption]'")
+    header, sealed = sealed_record(cipher, padded=False)
+    changed = bytearray(sealed)
+    changed[len(changed) // 2] ^= 1
+    into = memoryview(bytearray(b"\xff" * len(sealed)))
+    with pytest.raises(CorruptBlockError, match="authentication"):
+        verify_payload(decode_header(header), bytes(changed), cipher, into=into)
+    assert bytes(into) == bytes(len(sealed))  # zeroed: no unauthenticated plaintext
+
+
 def test_a_record_without_a_tenant_is_one_with_an_empty_tenant() -> None:
     header, payload = plain_record(padded=True, tenant=b"")
     assert decode_header(header).tenant == b""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.breaker import BreakerState, CircuitBreaker
+from backends.breaker import BreakerOptions, BreakerState, CircuitBreaker
 from tiering.errors import InvalidArgumentError
 
 
@@ -17,7 +17,8 @@ class Clock:
 
 
 def breaker(clock: Clock, **options: float) -> CircuitBreaker:
-    return CircuitBreaker(clock=clock, **{"failures": 2, "backoff_s": 1.0, **options})
+    values = {"breaker_failures": 2, "breaker_backoff_s": 1.0, **options}
+    return CircuitBreaker(BreakerOptions.check(values), clock=clock)
 
 
 def test_it_opens_after_failures_in_a_row_and_refuses_until_the_back_off() -> None:
@@ -53,7 +54,7 @@ def test_after_the_back_off_one_probe_goes_and_its_success_closes_it() -> None:
 
 def test_a_failed_probe_reopens_it_for_twice_as_long_up_to_the_cap() -> None:
     clock = Clock()
-    b = breaker(clock, max_backoff_s=3.0)
+    b = breaker(clock, breaker_max_backoff_s=3.0)
     b.failed()
     b.failed()
     for wait in (1.0, 2.0, 3.0, 3.0):  # doubled each time, capped
@@ -68,11 +69,23 @@ def test_a_failed_probe_reopens_it_for_twice_as_long_up_to_the_cap() -> None:
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"failures": 0}, "breaker_failures"),
-        ({"backoff_s": 0}, "breaker_backoff_s"),
-        ({"backoff_s": 5.0, "max_backoff_s": 1.0}, "breaker_max_backoff_s"),
+        ({"breaker_failures": 0}, "breaker_failures"),
+        ({"breaker_backoff_s": 0}, "breaker_backoff_s"),
+        ({"breaker_backoff_s": float("inf")}, "breaker_backoff_s"),
+        ({"breaker_backoff_s": 5.0, "breaker_max_backoff_s": 1.0}, "breaker_max_backoff_s"),
     ],
 )
 def test_a_bad_option_is_named(options: dict, named: str) -> None:
     with pytest.raises(InvalidArgumentError, match=named):
-        CircuitBreaker(**options)
+        BreakerOptions.check(options)
+
+
+def test_without_options_it_opens_after_three_failures_for_one_second() -> None:
+    clock = Clock()
+    b = CircuitBreaker(clock=clock)
+    for _ in range(3):
+        assert b.state is BreakerState.CLOSED
+        b.failed()
+    assert not b.allow()
+    clock.now += 1.0
+    assert b.allow() and b.state is BreakerState.HALF_OPEN

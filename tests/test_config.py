@@ -638,7 +638,7 @@ def _default_text(name: str, default: object) -> str:
         ("memory", "backends.memory:MemoryOptions"),
         ("example", "backends.example:ExampleOptions"),
         ("nvme", "backends.nvme_options:NVMeOptions"),
-        ("redis", "backends.redis_options:RedisOptions"),
+        ("redis", "backends.redis:RedisOptions"),
     ],
 )
 def test_the_documented_option_tables_are_the_tiers_options(tier: str, model: str) -> None:

@@ -68,9 +68,11 @@ def test_a_bad_spec_is_refused_naming_the_option_never_the_key(spec: str, messag
 
 
 def test_a_keyring_object_checks_lengths_and_the_current_id() -> None:
-    with pytest.raises(InvalidArgumentError, match="key 3 must be 16, 24 or 32 bytes"):
+    with pytest.raises(
+        InvalidArgumentError, match="encryption: key 3 is 10 bytes, not 16, 24 or 32"
+    ):
         Keyring({3: b"x" * 10}, 3)
-    with pytest.raises(InvalidArgumentError, match="current encryption key id 5 is not among"):
+    with pytest.raises(InvalidArgumentError, match="encryption: the current key id 5 is not among"):
         Keyring({1: KEY_1}, 5)
     with pytest.raises(InvalidArgumentError, match="must be a keyring spec string or a Keyring"):
         keyring_from(KEY_1)
@@ -92,7 +94,7 @@ def test_a_sealed_payload_opens_byte_exact_and_hides_the_plaintext(size: int) ->
     assert seal.key_id == 2 and len(seal.nonce) == 12 and seal.tag == out[-TAG_BYTES:]
     assert payload[:16] not in out
     back = bytearray(size)
-    cipher.open_into(seal, memoryview(out), AAD, memoryview(back))
+    cipher.open_into(seal, memoryview(out)[:size], AAD, memoryview(back))
     assert back == payload
 
 
@@ -117,7 +119,7 @@ def test_rotation_opens_what_the_old_key_sealed() -> None:
     seal, out = sealed(old, payload)
     rotated = BlockCipher(Keyring.parse(SPEC))
     back = bytearray(len(payload))
-    rotated.open_into(seal, memoryview(out), AAD, memoryview(back))
+    rotated.open_into(seal, memoryview(out)[: len(payload)], AAD, memoryview(back))
     assert back == payload
     assert sealed(rotated, payload)[0].key_id == 2
 
@@ -132,13 +134,13 @@ def test_anything_altered_fails_authentication(change: str) -> None:
     if change == "ciphertext":
         out[100] ^= 1
     elif change == "tag":
-        out[-1] ^= 1
+        seal = Seal(seal.key_id, seal.nonce, bytes([seal.tag[0] ^ 1]) + seal.tag[1:])
     elif change == "associated data":
         aad = associated_data(b"n" * 16, b"another-key")
     else:
         reader = BlockCipher(Keyring({2: os.urandom(32)}, 2))
     with pytest.raises(AuthenticationError, match="failed authentication under key id 2"):
-        reader.open_into(seal, memoryview(out), aad, memoryview(bytearray(size)))
+        reader.open_into(seal, memoryview(out)[:size], aad, memoryview(bytearray(size)))
 
 
 def test_an_unknown_key_id_is_a_corrupt_block_logged_once(
@@ -151,7 +153,7 @@ def test_an_unknown_key_id_is_a_corrupt_block_logged_once(
     for _ in range(3):
         seal, out = sealed(writer, payload)
         with pytest.raises(UnknownKeyError) as failed:
-            reader.open_into(seal, memoryview(out), AAD, memoryview(bytearray(len(payload))))
+            reader.open_into(seal, memoryview(out)[:4096], AAD, memoryview(bytearray(4096)))
         assert isinstance(failed.value, CorruptBlockError)
     assert "key id 7, which the keyring lacks (it holds [2, 1])" in str(failed.value)
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -165,17 +167,40 @@ def test_sealing_into_a_short_buffer_is_refused() -> None:
 
 
 @pytest.mark.parametrize("size", [1, 16, 17, 4096, 2 << 20])
-def test_a_payload_opens_in_place_and_a_changed_byte_fails(size: int) -> None:
+@pytest.mark.parametrize("where", ["in place", "into another buffer"])
+def test_a_payload_opens_and_a_changed_byte_fails(size: int, where: str) -> None:
     cipher = BlockCipher(Keyring.parse(SPEC))
     payload = os.urandom(size)
     seal, out = sealed(cipher, payload)
-    data = bytearray(out[:size])  # the ciphertext alone, as a slot holds it
-    cipher.open_in_place(seal, memoryview(data), AAD)
-    assert data == payload
-    data = bytearray(out[:size])
-    data[-1] ^= 1
+
+    into = bytearray(size) if where == "in place" else bytearray(os.urandom(size))
+
+    def opened(reader: BlockCipher, ciphertext: bytearray) -> bytearray:
+        if where == "in place":
+            reader.open_in_place(seal, memoryview(ciphertext), AAD)
+            return ciphertext
+        source = bytes(ciphertext)
+        try:
+            reader.open_into(seal, memoryview(ciphertext), AAD, memoryview(into))
+        finally:
+            assert ciphertext == source  # the source is left as it was
+        return into
+
+    assert opened(cipher, bytearray(out[:size])) == payload  # the ciphertext alone
+    changed = bytearray(out[:size])
+    changed[0] ^= 1
     with pytest.raises(AuthenticationError):
-        cipher.open_in_place(seal, memoryview(data), AAD)
-    lacking = BlockCipher(Keyring({9: KEY_1}, 9))
+        opened(cipher, changed)
+    output = changed if where == "in place" else into
+    assert output == bytes(size)  # zeroed: none of the unauthenticated plaintext stays
     with pytest.raises(UnknownKeyError):
-        lacking.open_in_place(seal, memoryview(bytearray(out[:size])), AAD)
+        opened(BlockCipher(Keyring({9: KEY_1}, 9)), bytearray(out[:size]))
+
+
+def test_opening_into_a_buffer_of_another_length_is_refused() -> None:
+    cipher = BlockCipher(Keyring.parse(SPEC))
+    seal, out = sealed(cipher, bytes(4096))
+    with pytest.raises(
+        InvalidArgumentError, match="open buffer is 4095 bytes, the ciphertext 4096"
+    ):
+        cipher.open_into(seal, memoryview(out)[:4096], AAD, memoryview(bytearray(4095)))

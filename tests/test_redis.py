@@ -34,8 +34,9 @@ from tests._redis_servers import LocalRedisServer as RedisServer
 from tests._scripts import last_json, run_script
 from tiering import TieringEngine
 from tiering.cli import main
-from tiering.errors import InvalidArgumentError
-from tiering.registry import make_tier
+from tiering.config import load_config
+from tiering.errors import ConfigError, InvalidArgumentError
+from tiering.registry import make_tier, tier_factory
 
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
@@ -592,6 +593,29 @@ def test_a_malformed_url_is_a_clear_error_that_never_shows_it(
     assert all(isinstance(error, InvalidArgumentError) for error in chain)
     shown = "".join(str(error) + repr(error) for error in chain) + caplog.text
     assert "Zq9Secret" not in shown and "12345" not in shown and "6390" not in shown
+
+
+@pytest.mark.parametrize("url", BAD_URLS[:3] + BAD_URLS[-4:])
+def test_a_config_with_a_malformed_url_is_refused_when_loaded_without_showing_it(
+    tmp_path, url: str
+) -> None:
+    """The url is checked by the tier's options, so loading the config catches it."""
+    path = tmp_path / "kv-tiering.toml"
+    path.write_text(f"[engine]\ncpu_blocks = 8\n\n[[tiers]]\ntype = 'redis'\nurl = '{url}'\n")
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.url: ") as raised:
+        load_config(path)
+    shown = str(raised.value) + repr(raised.value)
+    assert "Zq9Secret" not in shown and "12345" not in shown and "6390" not in shown
+
+
+def test_the_options_take_an_instance_and_keywords_win(pool: memoryview) -> None:
+    RedisTier = tier_factory("redis")
+    options = RedisTier.Options.check({"url": "redis://127.0.0.1:1/0", "namespace": "a"})
+    tier = RedisTier(pool, BLOCK, options, tenant="t", timeout_s=2)
+    assert tier.options.namespace == "a" and tier.options.tenant == "t"
+    assert tier.options.timeout_s == 2.0 and options.timeout_s == 5.0
+    with pytest.raises(InvalidArgumentError, match=r"breaker_max_backoff_s = 0\.5 is below"):
+        RedisTier(pool, BLOCK, options, breaker_max_backoff_s=0.5)
 
 
 async def test_a_malformed_url_fails_the_engine_s_start_without_showing_it(

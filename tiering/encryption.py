@@ -56,31 +56,30 @@ def _ciphers(key: bytes) -> tuple[Any, Any]:
 class Keyring:
     """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
     seals, every one opens.
-    Raises InvalidArgumentError (naming ids, never key bytes) for no keys, a bad id or
-    key length, or ``current`` not among the ids.
+    Raises InvalidArgumentError (naming ``source`` and ids, never key bytes) for no keys,
+    a bad id or key length, or ``current`` not among the ids.
     """
 
     __slots__ = ("_keys", "current")
 
-    def __init__(self, keys: Mapping[int, bytes], current: int) -> None:
+    def __init__(
+        self, keys: Mapping[int, bytes], current: int, *, source: str = "encryption"
+    ) -> None:
         if not isinstance(keys, Mapping) or not keys:
-            raise InvalidArgumentError("encryption keys must be a non-empty mapping of id to key")
-        checked: dict[int, bytes] = {}
+            raise InvalidArgumentError(f"{source}: keys must be a non-empty mapping of id to key")
         for key_id, key in keys.items():
-            _check_key_id(key_id)
+            _check_key_id(key_id, source)
             if not isinstance(key, bytes | bytearray) or len(key) not in KEY_SIZES:
+                got = f"{len(key)} bytes" if isinstance(key, bytes | bytearray) else "no bytes"
                 raise InvalidArgumentError(
-                    f"encryption key {key_id} must be 16, 24 or 32 bytes"
-                    f" (got {type(key).__name__}"
-                    + (f" of {len(key)} bytes)" if isinstance(key, bytes | bytearray) else ")")
+                    f"{source}: key {key_id} is {got}, not 16, 24 or 32 bytes"
                 )
-            checked[key_id] = bytes(key)
-        _check_key_id(current)
-        if current not in checked:
+        _check_key_id(current, source)
+        if current not in keys:
             raise InvalidArgumentError(
-                f"current encryption key id {current} is not among the key ids {sorted(checked)}"
+                f"{source}: the current key id {current} is not among the key ids {sorted(keys)}"
             )
-        self._keys = checked
+        self._keys = {key_id: bytes(key) for key_id, key in keys.items()}
         self.current = current
 
     @classmethod
@@ -113,18 +112,12 @@ class Keyring:
             if key_id in keys:
                 raise InvalidArgumentError(f"{source}: key id {key_id} appears twice")
             try:
-                key = binascii.a2b_base64(encoded.strip(), strict_mode=True)
+                keys[key_id] = binascii.a2b_base64(encoded.strip(), strict_mode=True)
             except (binascii.Error, ValueError):
                 raise InvalidArgumentError(
                     f"{source}: key {key_id} is not valid base64"
                 ) from None  # the cause would quote the key
-            if len(key) not in KEY_SIZES:
-                raise InvalidArgumentError(
-                    f"{source}: key {key_id} is {len(key)} bytes, not 16, 24 or 32"
-                )
-            _check_key_id(key_id, source)
-            keys[key_id] = key
-        return cls(keys, next(iter(keys)))  # split yields at least one entry
+        return cls(keys, next(iter(keys)), source=source)  # split yields at least one entry
 
     @property
     def key_ids(self) -> tuple[int, ...]:
@@ -139,7 +132,7 @@ class Keyring:
         return f"Keyring(current={self.current}, key_ids={list(self.key_ids)})"
 
 
-def _check_key_id(key_id: object, source: str = "encryption") -> None:
+def _check_key_id(key_id: object, source: str) -> None:
     if isinstance(key_id, bool) or not isinstance(key_id, int) or not 1 <= key_id <= MAX_KEY_ID:
         raise InvalidArgumentError(f"{source}: key id must be an int in [1, 2**32), got {key_id!r}")
 
@@ -202,52 +195,49 @@ class BlockCipher:
         self._aead[key_id].encrypt_into(nonce, payload, aad, out[: n + TAG_BYTES])
         return Seal(key_id, nonce, bytes(out[n : n + TAG_BYTES]))
 
-    def open_into(self, seal: Seal, sealed: memoryview, aad: bytes, out: memoryview) -> None:
-        """Decrypt and verify ``sealed`` (the ciphertext, then its tag) into ``out``
-        (``len(sealed) - TAG_BYTES`` bytes), which holds garbage after a failure.
-        Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError.
+    def open_into(
+        self, seal: Seal, ciphertext: memoryview, aad: bytes, out: memoryview | None = None
+    ) -> None:
+        """Decrypt and verify ``ciphertext`` (its tag is ``seal.tag``) into ``out``, as
+        long as it and not overlapping it, or in place without ``out``. After a failure
+        the output holds nothing decrypted (a failed tag zeroes it).
+        Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError, and
+        InvalidArgumentError if ``out`` is not as long as ``ciphertext``.
         """
-        from cryptography.exceptions import InvalidTag
-
-        # No exception is kept in a local: it would hold this frame (and ``out``, a view
-        # of the caller's buffer) in a reference cycle until the next collection.
-        aead = self._aead.get(seal.key_id)
-        if aead is None:
-            raise self._unknown_key(seal.key_id)
-        try:
-            aead.decrypt_into(seal.nonce, sealed, aad, out)
-            return
-        except InvalidTag:
-            pass
-        raise self._not_authentic(seal.key_id)
-
-    def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
-        """Decrypt and verify ``data`` in place (the tag is ``seal.tag``); it holds
-        garbage after a failure. Raises as :meth:`open_into`."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
         algorithm = self._algorithms.get(seal.key_id)
         if algorithm is None:
             raise self._unknown_key(seal.key_id)
+        out = ciphertext if out is None else out
+        n = len(ciphertext)
+        if len(out) != n:
+            raise InvalidArgumentError(f"open buffer is {len(out)} bytes, the ciphertext {n}")
         decryptor = Cipher(algorithm, modes.GCM(seal.nonce, seal.tag)).decryptor()
         decryptor.authenticate_additional_data(aad)
         # A cipher context writes as many bytes as it reads, but asks for _SLACK bytes of
-        # room beyond them: all but the last _SLACK + 1 bytes decrypt where they lie, the
+        # room beyond them: all but the last _SLACK + 1 bytes go straight to ``out``, the
         # rest through a small buffer.
-        n = len(data)
         head = max(0, n - _SLACK - 1)
         if head:
-            decryptor.update_into(data[:head], data[: head + _SLACK])
+            decryptor.update_into(ciphertext[:head], out[: head + _SLACK])
         tail = bytearray(2 * _SLACK + 1)
-        decryptor.update_into(data[head:], tail)
-        data[head:] = tail[: n - head]
+        decryptor.update_into(ciphertext[head:], tail)
+        out[head:] = tail[: n - head]
+        # No exception is kept in a local: it would hold this frame (and ``out``, a view
+        # of the caller's buffer) in a reference cycle until the next collection.
         try:
             decryptor.finalize()
             return
         except InvalidTag:
             pass
+        out[:] = bytes(n)  # it decrypted unauthenticated bytes: none of them stays
         raise self._not_authentic(seal.key_id)
+
+    def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
+        """:meth:`open_into` without ``out``: ``data`` is decrypted where it lies."""
+        self.open_into(seal, data, aad)
 
     def _unknown_key(self, key_id: int) -> UnknownKeyError:
         """The error for a key id the keyring lacks (logged the first time)."""
