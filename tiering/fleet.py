@@ -16,8 +16,7 @@ import asyncio
 import itertools
 import time
 import zlib
-from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from tiering.abstract import OffloadingEvent
 from tiering.engine import TieringEngine
 from tiering.errors import InvalidArgumentError, TieringError
 from tiering.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
-from tiering.replay import ReplayNode, ReplaySummary, percentiles_ms
+from tiering.replay import ReplayNode, ReplaySummary, device_blocks_for, percentiles_ms, summed
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
@@ -223,7 +222,7 @@ class FleetSummary:
 
     def _shared_counters(self, label: str) -> dict[str, int]:
         """A shared tier's counters summed over its clients, but for the server's own."""
-        counters = _summed(n.tier_counters.get(label, {}) for n in self.nodes)
+        counters = summed(n.tier_counters.get(label, {}) for n in self.nodes)
         if "server_keys" in counters:
             counters["server_keys"] = max(
                 n.tier_counters.get(label, {}).get("server_keys", 0) for n in self.nodes
@@ -232,7 +231,7 @@ class FleetSummary:
 
     def to_json(self) -> dict[str, Any]:
         """The summary as plain JSON values."""
-        by_source = _summed(n.hits_by_tier for n in self.nodes)
+        by_source = summed(n.hits_by_tier for n in self.nodes)
         requests = sum(n.requests for n in self.nodes)
         return {
             "router": self.router,
@@ -252,7 +251,7 @@ class FleetSummary:
             "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
             "restarts": self.restarts,
             "lost_event_batches": self.lost_event_batches,
-            "bytes_by_path": _summed(n.bytes_by_path for n in self.nodes),
+            "bytes_by_path": summed(n.bytes_by_path for n in self.nodes),
             "job_latency_ms": {
                 "store": percentiles_ms([t for n in self.nodes for t in n.store_latency_s]),
                 "load": percentiles_ms([t for n in self.nodes for t in n.load_latency_s]),
@@ -285,7 +284,7 @@ async def replay_fleet(
     *,
     nodes: int,
     router: str,
-    device_blocks: int,
+    device_blocks: int | None = None,
     block_bytes: int,
     full_blocks_only: bool = False,
     settle: bool = True,
@@ -310,12 +309,7 @@ async def replay_fleet(
             f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
         )
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
-    longest = max((len(k) for k in keyed), default=0)
-    if longest > positive_int("device_blocks", device_blocks):
-        raise InvalidArgumentError(
-            f"device_blocks ({device_blocks}) is smaller than the longest request "
-            f"({longest} blocks)"
-        )
+    device_blocks = device_blocks_for(keyed, device_blocks)
     fleet = [
         ReplayNode(lambda kv, n=n: make_engine(n, kv), device_blocks, block_bytes, settle=settle)
         for n in range(nodes)
@@ -374,13 +368,6 @@ async def replay_fleet(
     for node in fleet:
         node.closed()
     return summary
-
-
-def _summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    total: Counter[str] = Counter()
-    for mapping in mappings:
-        total.update(mapping)
-    return dict(total)
 
 
 __all__ = ["ROUTERS", "TRANSPORTS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

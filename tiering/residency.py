@@ -1,4 +1,4 @@
-"""The residency index that the memory and NVMe tiers share: keys, pins, room, eviction.
+"""The memory tier's residency index: keys, pins, room, eviction.
 
 :class:`ResidencyIndex` is sans-I/O; the tier owns the bytes and tells it what happened.
 
@@ -39,8 +39,7 @@ class ResidencyIndex:
     """Resident keys, pins and eviction for a tier of ``capacity`` blocks.
 
     A pinned or protected key is never evicted; ``len(index) + index.reserved <=
-    index.capacity`` after every call (a lower ``limit`` is restored as far as unpinned
-    keys allow); counts are exact; a call that raises changes nothing. Raises
+    index.capacity`` after every call; counts are exact; a call that raises changes nothing. Raises
     InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``.
     """
 
@@ -140,19 +139,12 @@ class ResidencyIndex:
         self._pinned_resident = 0
         return dropped
 
-    def reserve(
-        self, count: int, *, protected: Collection[BlockHash] = (), limit: int | None = None
-    ) -> Room:
-        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed;
-        ``limit`` further bounds resident plus reserved units, and eviction restores it.
-        InvalidArgumentError for a negative ``count`` or a ``limit`` that is not an int.
-        """
+    def reserve(self, count: int, *, protected: Collection[BlockHash] = ()) -> Room:
+        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed.
+        InvalidArgumentError for a negative ``count``."""
         if not isinstance(count, int) or count < 0:
             raise InvalidArgumentError(f"count must be an int >= 0, got {count!r}")
-        if limit is not None and not isinstance(limit, int):
-            raise InvalidArgumentError(f"limit must be an int or None, got {limit!r}")
-        bound = self.capacity if limit is None else min(self.capacity, limit)
-        room = bound - len(self._resident) - self.reserved
+        room = self.capacity - len(self._resident) - self.reserved
         victims: list[BlockHash] = []
         shortfall = count - room
         if shortfall > 0:

@@ -4,8 +4,7 @@ Drives a real TieringEngine: per request it looks up the prompt's blocks, loads 
 prefix into a simulated device KV cache, "computes" the rest (fills each block with
 bytes derived from its hash), stores it, and checks every loaded block against its
 hash. At the end: a summary table, or with --json one JSON object on the last line
-(requests, hit_ratio, hit_ratio_by_tier, bookkeeping_hit_ratio, bookkeeping_notes,
-mismatches, failed_blocks_by_tier, warm_hits, bytes_by_path, job_latency_ms, ...).
+(docs/replay.md lists its fields).
 
 Exit codes: 0 done; 1 the run failed (a loaded block held wrong bytes, every store
 failed, or a tier stored and served nothing while its transfers failed); 2 a usage
@@ -40,18 +39,13 @@ from tiering.commands._workload import (
     load_workload,
     resolve_config,
 )
-from tiering.config import (
-    EngineConfig,
-    ReplayConfig,
-    TieringConfig,
-    with_overrides,
-)
+from tiering.config import EngineConfig, ReplayConfig, TieringConfig, with_overrides
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
 from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.policies import policy_names
-from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate
+from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
 from tiering.statistics import format_bytes
 from tiering.workloads import Request
 
@@ -157,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
         "replay.settle": args.settle,
         "replay.tenants": args.tenants,
         "metrics.port": args.metrics_port,
+        "replay.nodes": args.nodes,
+        "replay.router": args.router,
+        "replay.transport": args.transport,
     }
-    shortcuts["replay.nodes"] = args.nodes
-    shortcuts["replay.router"] = args.router
-    shortcuts["replay.transport"] = args.transport
     config = resolve_config(args, shortcuts, _tier_shortcuts(args))
     requests = load_workload(config)
     _check_cpu_room(config, requests)
@@ -182,26 +176,22 @@ def run(args: argparse.Namespace) -> int:
         print_json(figures)
     else:
         print(format_summary(figures))
-    if summary.mismatches:
-        print(
-            f"tiering replay: {summary.mismatches} loaded blocks held wrong bytes",
-            file=sys.stderr,
-        )
-        return 1
-    failure = _failed_tier(summary)
-    if failure is not None:
+    return _status(summary.mismatches, _failed_tier(summary))
+
+
+def _status(mismatches: int, failure: str | None) -> int:
+    """The exit status of a replay that loaded ``mismatches`` wrong blocks and failed as a
+    whole for ``failure`` (None: it did not), each said on stderr."""
+    if mismatches:
+        print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
+    elif failure is not None:
         print(f"tiering replay: error: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if mismatches or failure is not None else 0
 
 
 def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
-    """Refuse a CPU tier that cannot hold the longest request: every block a request
-    stores or loads passes through it at once, so each of its stores would fail.
-
-    Raises:
-        InvalidArgumentError: naming ``--cpu`` and the config field, before anything ran.
-    """
+    """Refuse a CPU tier that cannot hold the longest request (every block a request stores
+    or loads passes through it at once): InvalidArgumentError naming ``--cpu``."""
     full = config.replay.full_blocks_only
     longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
     size = config.replay.block_bytes
@@ -236,10 +226,7 @@ def _failed_tier(summary: ReplaySummary) -> str | None:
         worked = sum(c.get("stored_blocks", 0) + c.get("loaded_blocks", 0) for c in counters)
         if worked or not (failed["store"] or failed["load"]):
             continue
-        own: dict[str, int] = {}
-        for label in labels:
-            for cause, count in causes.get(label, {}).items():
-                own[cause] = own.get(cause, 0) + count
+        own = summed(causes.get(label, {}) for label in labels)
         return (
             f"the {name} tier stored and served nothing: {failed['store']} block stores and "
             f"{failed['load']} block loads failed ({_causes(own)})"
@@ -257,12 +244,11 @@ def _causes(counts: dict[str, int]) -> str:
 def _warm_note(summary: ReplaySummary) -> str:
     """What the tiers held before the replay, and the hits that came of it."""
     held = ", ".join(f"the {label} tier {n} blocks" for label, n in summary.warm_blocks.items())
-    parts = [f"the tiers held blocks before this replay ({held})" if held else ""]
-    parts.append(
-        f"{summary.warm_hits} hit blocks were stored before it, so the hit ratio is not a "
-        "cold start's (replay into an empty NVMe root, or `tiering clear` it first)"
+    before = f"the tiers held blocks before this replay ({held}); " if held else ""
+    return (
+        f"{before}{summary.warm_hits} hit blocks were stored before it, so the hit ratio is "
+        "not a cold start's (replay into an empty NVMe root, or `tiering clear` it first)"
     )
-    return "; ".join(p for p in parts if p)
 
 
 def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) -> int:
@@ -289,13 +275,7 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
         print_json(figures)
     else:
         print(format_fleet(figures))
-    if mismatches:
-        print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
-        return 1
-    if failures:
-        print(f"tiering replay: error: {failures[0]}", file=sys.stderr)
-        return 1
-    return 0
+    return _status(mismatches, failures[0] if failures else None)
 
 
 def _without_tiers(config: TieringConfig, drop: list[int]) -> TieringConfig:
@@ -307,8 +287,6 @@ def _without_tiers(config: TieringConfig, drop: list[int]) -> TieringConfig:
 async def _replay_fleet(
     config: TieringConfig, requests: list[Request], progress: Progress, name: str
 ) -> FleetSummary:
-    full = config.replay.full_blocks_only
-    longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
     events_on = with_overrides(config, {"engine.enable_events": True})
 
     def make_engine(node: int, kv: torch.Tensor) -> TieringEngine:
@@ -323,9 +301,9 @@ async def _replay_fleet(
         nodes=config.replay.nodes,
         router=config.replay.router,
         transport=config.replay.transport,
-        device_blocks=config.replay.device_blocks or longest,
+        device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
-        full_blocks_only=full,
+        full_blocks_only=config.replay.full_blocks_only,
         on_request=on_request,
     )
 
@@ -447,9 +425,6 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
 async def _replay(
     config: TieringConfig, requests: list[Request], progress: Progress
 ) -> ReplaySummary:
-    full = config.replay.full_blocks_only
-    longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
-    device_blocks = config.replay.device_blocks or longest
     pace = None if config.replay.pace == "max" else float(config.replay.pace)
 
     def make_engine(kv: torch.Tensor) -> TieringEngine:
@@ -474,10 +449,10 @@ async def _replay(
         requests,
         make_engine,
         on_open=serve,
-        device_blocks=device_blocks,
+        device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
         pace=pace,
-        full_blocks_only=full,
+        full_blocks_only=config.replay.full_blocks_only,
         verify=config.replay.verify,
         settle=config.replay.settle,
         tenants=config.replay.tenants,
