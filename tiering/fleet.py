@@ -1,13 +1,9 @@
 """A fleet replay: several engines behind a router, optionally sharing one remote tier.
 
-:func:`replay_fleet` builds ``nodes`` engines with ``make_engine(node, device_kv)``
-(typically a CPU tier, maybe NVMe, and one Redis tier they share) and replays a workload
-one request at a time: a :class:`Router` picks the node, which serves the request as a
+:func:`replay_fleet` builds ``nodes`` engines with ``make_engine(node, device_kv)`` and
+replays a workload one request at a time: a :class:`Router` (sans-I/O; the rules are
+compared in docs/fleet.md) picks the node, which serves the request as a
 :class:`~tiering.replay.ReplayNode` (every loaded byte checked).
-
-Routers (:data:`ROUTERS`, sans-I/O, compared in docs/fleet.md): ``round-robin``,
-``affinity``, ``least-loaded`` and ``kv-aware``, which learns only from the nodes'
-published KV events (those of a shared medium such as ``REDIS`` are ignored).
 """
 
 from __future__ import annotations
@@ -180,8 +176,8 @@ class _ZmqLink:
 
 _PROBE = OffloadingEvent([], 0, "PROBE", False)  # an empty batch: tells the router nothing
 
-SHARED_LABELS = frozenset({"redis"})
-"""Tiers (by their label in the figures) that a fleet's nodes share."""
+SHARED_TIERS = frozenset({"redis"})
+"""Tier types (and so their labels in the figures) every node of a fleet shares."""
 
 TRANSPORTS = ("direct", "zmq")
 """How a fleet replay carries KV events to the router."""
@@ -259,14 +255,14 @@ class FleetSummary:
             "shared_tier_counters": {
                 label: self._shared_counters(label)
                 for label in sorted({k for n in self.nodes for k in n.tier_counters})
-                if label in SHARED_LABELS
+                if label in SHARED_TIERS
             },
             "footprint_blocks": self.footprint_blocks,
             "own_capacity_blocks": sum(
                 blocks
                 for n in self.nodes
                 for label, blocks in n.capacity_blocks.items()
-                if label not in SHARED_LABELS
+                if label not in SHARED_TIERS
             ),
             "timeline": [
                 {
@@ -293,7 +289,8 @@ async def replay_fleet(
     transport: str = "direct",
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
-    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`.
+    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
+    device cache of ``device_blocks`` (default: the longest request's).
 
     ``kv-aware`` needs engines with ``enable_events``. ``settle`` lets each store reach
     every tier before the next request; ``outages`` stop and restart nodes; ``window``

@@ -59,20 +59,6 @@ class ResidencyIndex:
     def __contains__(self, key: object) -> bool:
         return key in self._resident
 
-    def keys(self) -> list[BlockHash]:
-        """The resident keys, in no particular order (a copy)."""
-        return list(self._resident)
-
-    @property
-    def policy(self) -> EvictionPolicy:
-        """The eviction policy (bound to :attr:`capacity`)."""
-        return self._policy
-
-    @property
-    def room(self) -> int:
-        """Units neither resident nor reserved (never negative)."""
-        return max(0, self.capacity - len(self._resident) - self.reserved)
-
     @property
     def pinned_resident(self) -> int:
         """Resident keys with at least one pin or hold."""
@@ -99,7 +85,7 @@ class ResidencyIndex:
         if reserved:
             if self.reserved <= 0:
                 raise InvalidArgumentError(f"insert of {_hex(key)} from a reservation, but none")
-        elif key not in self._resident and self.room <= 0:
+        elif key not in self._resident and len(self._resident) + self.reserved >= self.capacity:
             raise InvalidArgumentError(
                 f"insert of {_hex(key)}: the index is full ({self.capacity} blocks)"
             )
@@ -111,16 +97,6 @@ class ResidencyIndex:
         self._policy.insert(key)
         if key in self._pins:
             self._pinned_resident += 1
-        return True
-
-    def remove(self, key: BlockHash) -> bool:
-        """Drop ``key`` without eviction; False if absent. Its pins and holds stay."""
-        if key not in self._resident:
-            return False
-        self._resident.discard(key)
-        self._policy.remove(key)
-        if key in self._pins:
-            self._pinned_resident -= 1
         return True
 
     def touch(self, keys: Collection[BlockHash]) -> None:

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiering.errors import InvalidArgumentError, TraceError
+from tiering.errors import TraceError
 from tiering.validation import positive_int
 
 TOKENS_PER_BLOCK = 512
@@ -132,21 +132,14 @@ def synthetic_requests(
     ``system_prompts`` system prompts (Zipf-like popularity). A turn sends the system
     prompt, the conversation so far, ``user_blocks_per_turn`` new blocks and a partial
     block; the next follows an exponential think time of mean ``think_time_s``. Raises
-    InvalidArgumentError, naming the argument, for a bad count (block counts may be 0),
-    rate or time.
+    InvalidArgumentError (the ConfigError of ``[synthetic]``) naming a bad argument.
     """
-    sessions = positive_int("sessions", sessions)
-    turns_per_session = positive_int("turns_per_session", turns_per_session)
-    system_prompts = positive_int("system_prompts", system_prompts)
-    prompt_blocks = positive_int("system_prompt_blocks", system_prompt_blocks, allow_zero=True)
-    user_blocks = positive_int("user_blocks_per_turn", user_blocks_per_turn, allow_zero=True)
-    reply_blocks = positive_int("reply_blocks_per_turn", reply_blocks_per_turn, allow_zero=True)
-    for name, value in (("rate_per_s", rate_per_s), ("think_time_s", think_time_s)):
-        if not _is_number(value) or value <= 0:
-            raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
-    if not _is_int(seed):
-        raise InvalidArgumentError(f"seed must be an integer, got {seed!r}")
+    arguments = dict(locals())  # exactly the parameters: this is the first statement
+    from tiering.config import SyntheticConfig  # the one check of these arguments
 
+    SyntheticConfig(**arguments)
+    prompt_blocks, user_blocks = system_prompt_blocks, user_blocks_per_turn
+    reply_blocks = reply_blocks_per_turn
     rng = random.Random(seed)
     next_id = 0
 

@@ -42,15 +42,12 @@ from tiering.commands._workload import (
 from tiering.config import EngineConfig, ReplayConfig, TieringConfig, with_overrides
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
-from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
+from tiering.fleet import ROUTERS, SHARED_TIERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.policies import policy_names
 from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
 from tiering.statistics import format_bytes
 from tiering.workloads import Request
-
-SHARED_TIERS = frozenset({"redis"})
-"""Tier types every node of a fleet shares (the others are each node's own)."""
 
 NAME = "replay"
 HELP = "replay a trace through a real engine, checking every loaded byte"
