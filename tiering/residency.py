@@ -1,13 +1,8 @@
-"""The memory tier's residency index: keys, pins, room, eviction.
-
-:class:`ResidencyIndex` is sans-I/O; the tier owns the bytes and tells it what happened.
-
-* **resident**: a key whose bytes are complete in the tier; it is in the policy.
-* **pin**: one counted reason a key may not be evicted now (a load, a write or removal
-  in progress, or a caller's :meth:`~ResidencyIndex.hold`); a key not yet resident may
-  be pinned, protecting it from the moment it becomes resident.
-* **reserved**: units of room promised to stores in progress (or taken by no resident
-  key). Resident keys plus reserved units never exceed the capacity.
+"""The memory tier's residency index (sans-I/O; the tier owns the bytes and tells it what
+happened). A key is *resident* once its bytes are complete in the tier (it is then in the
+policy); a *pin* is one counted reason a key may not be evicted now (a load in progress,
+a caller's :meth:`~ResidencyIndex.hold`), taken before or after the key is resident;
+*reserved* units are room promised to stores in progress (or held by no resident key).
 """
 
 from __future__ import annotations
@@ -36,12 +31,10 @@ def _hex(key: BlockHash) -> str:
 
 
 class ResidencyIndex:
-    """Resident keys, pins and eviction for a tier of ``capacity`` blocks.
-
-    A pinned or protected key is never evicted; ``len(index) + index.reserved <=
-    index.capacity`` after every call; counts are exact; a call that raises changes nothing. Raises
-    InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``.
-    """
+    """Resident keys, pins and eviction for a tier of ``capacity`` blocks. A pinned or
+    protected key is never evicted; ``len(index) + index.reserved <= index.capacity``
+    after every call; counts are exact; a call that raises changes nothing. Raises
+    InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``."""
 
     def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru") -> None:
         self.capacity = positive_int("capacity", capacity)

@@ -50,10 +50,9 @@ class Request:
 
 
 def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request]:
-    """The first ``limit`` requests of a Mooncake-format JSON-lines trace, in file order.
-    Raises TraceError, naming file and line, if the file cannot be read, holds no request,
-    or has a line not of the format (``timestamp`` in ms, ``input_length``,
-    ``output_length``, ``hash_ids`` of 64-bit ints); InvalidArgumentError for a bad limit.
+    """The first ``limit`` requests of a Mooncake-format JSON-lines trace (docs/replay.md),
+    in file order. Raises TraceError, naming file and line, if the file cannot be read,
+    holds no request or has a line not of the format; InvalidArgumentError for a bad limit.
     """
     if limit is not None:
         limit = positive_int("limit", limit)
