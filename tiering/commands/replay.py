@@ -39,7 +39,13 @@ from tiering.commands._workload import (
     load_workload,
     resolve_config,
 )
-from tiering.config import EngineConfig, ReplayConfig, TieringConfig, with_overrides
+from tiering.config import (
+    EngineConfig,
+    MetricsConfig,
+    ReplayConfig,
+    TieringConfig,
+    with_overrides,
+)
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
 from tiering.fleet import ROUTERS, SHARED_TIERS, TRANSPORTS, FleetSummary, replay_fleet
@@ -54,105 +60,69 @@ HELP = "replay a trace through a real engine, checking every loaded byte"
 ORDER = 10
 
 
+def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
+    """The options that set one config field: (group, option, field, argparse keywords).
+    Left out, an option leaves the field as the defaults and --config give it."""
+    return [
+        ("tiers", "--policy", "engine.policy",
+         {"choices": policy_names(), "help": "the CPU tier's eviction policy"}),
+        ("tiers", "--write-policy", "engine.write_policy",
+         {"choices": ["write_through", "write_back"], "help": "when stores go down the tiers"}),
+        ("run", "--block-bytes", "replay.block_bytes",
+         {"metavar": "SIZE", "help": "bytes per KV block"}),
+        ("run", "--device-blocks", "replay.device_blocks", {"type": int, "metavar": "N",
+         "help": "the simulated device cache's blocks (default: the longest request's)"}),
+        ("run", "--pace", "replay.pace", {"metavar": "PACE",
+         "help": "'max', or a speed-up of the trace's own timestamps, 1 real time"}),
+        ("run", "--settle", "replay.settle", {"action": "store_true", "default": None,
+         "help": "let each store reach every tier before the next request (exact bookkeeping)"}),
+        ("run", "--tenants", "replay.tenants", {"type": int, "metavar": "N",
+         "help": "send every request once per tenant, N tenants the engine keeps apart"}),
+        ("run", "--metrics-port", "metrics.port",
+         {"type": int, "metavar": "PORT", "help": "serve Prometheus metrics"}),
+        ("fleet", "--nodes", "replay.nodes",
+         {"type": int, "metavar": "N", "help": "engines behind a router"}),
+        ("fleet", "--router", "replay.router",
+         {"choices": ROUTERS, "help": "how requests pick a node"}),
+        ("fleet", "--transport", "replay.transport",
+         {"choices": TRANSPORTS, "help": "how KV events reach the router"}),
+    ]  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_config_arguments(parser)
-    tiers = parser.add_argument_group("tiers (shortcuts for config fields)")
-    tiers.add_argument(
+    groups = {
+        "tiers": parser.add_argument_group("tiers (shortcuts for config fields)"),
+        "run": parser.add_argument_group("the replay"),
+        "fleet": parser.add_argument_group("a fleet (docs/fleet.md)"),
+    }
+    groups["tiers"].add_argument(
         "--cpu",
         metavar="SIZE",
         help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks)",
     )
-    tiers.add_argument(
-        "--policy",
-        choices=policy_names(),
-        help=f"the CPU tier's eviction policy (default: {_default(EngineConfig, 'policy')})",
-    )
-    tiers.add_argument(
-        "--write-policy",
-        choices=["write_through", "write_back"],
-        help=f"when stores go down the tiers (default: {_default(EngineConfig, 'write_policy')})",
-    )
+    sections = {"engine": EngineConfig, "replay": ReplayConfig, "metrics": MetricsConfig}
+    for group, option, path, keywords in _field_options():
+        section, name = path.split(".")
+        default = sections[section].model_fields[name].default  # what leaving it out means
+        if default is not None and not isinstance(default, bool):
+            shown = format_bytes(default) if name.endswith("_bytes") else default
+            keywords = {**keywords, "help": f"{keywords['help']} (default: {shown})"}
+        groups[group].add_argument(option, dest=path, **keywords)
+    tiers = groups["tiers"]
     tiers.add_argument("--memory", metavar="BLOCKS", type=int, help="add a memory tier")
     tiers.add_argument("--nvme", metavar="ROOT", help="add an NVMe tier in this directory")
     tiers.add_argument(
         "--nvme-size", metavar="SIZE", default="4GiB", help="the NVMe tier's capacity"
     )
     tiers.add_argument("--redis", metavar="URL", help="add a Redis tier on this server")
-    run = parser.add_argument_group("the replay")
-    block_bytes = _default(ReplayConfig, "block_bytes")
-    assert isinstance(block_bytes, int)
-    run.add_argument(
-        "--block-bytes",
-        metavar="SIZE",
-        help=f"bytes per KV block (default: {format_bytes(block_bytes)})",
-    )
-    run.add_argument(
-        "--device-blocks",
-        type=int,
-        metavar="N",
-        help="the simulated device cache's blocks (default: the longest request's)",
-    )
-    run.add_argument(
-        "--pace",
-        help="'max', or a speed-up of the trace's own timestamps, 1 real time "
-        f"(default: {_default(ReplayConfig, 'pace')})",
-    )
-    run.add_argument(
-        "--settle",
-        action="store_true",
-        default=None,
-        help="let each store reach every tier before the next request (exact bookkeeping)",
-    )
-    run.add_argument(
-        "--tenants",
-        type=int,
-        metavar="N",
-        help="send every request once per tenant, N tenants the engine keeps apart "
-        f"(default: {_default(ReplayConfig, 'tenants')})",
-    )
-    run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
-    fleet = parser.add_argument_group("a fleet (docs/fleet.md)")
-    fleet.add_argument(
-        "--nodes",
-        type=int,
-        metavar="N",
-        help=f"engines behind a router (default: {_default(ReplayConfig, 'nodes')})",
-    )
-    fleet.add_argument(
-        "--router",
-        choices=ROUTERS,
-        help=f"how requests pick a node (default: {_default(ReplayConfig, 'router')})",
-    )
-    fleet.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        help=f"how KV events reach the router (default: {_default(ReplayConfig, 'transport')})",
-    )
     add_json_argument(parser)
 
 
-def _default(section: type[EngineConfig | ReplayConfig], name: str) -> object:
-    """A config field's default: what an option left out (and not in --config) means."""
-    return section.model_fields[name].default
-
-
 def run(args: argparse.Namespace) -> int:
-    shortcuts: dict[str, Any] = {
-        **cpu_shortcut(args.cpu),
-        "engine.policy": args.policy,
-        "engine.write_policy": args.write_policy,
-        "replay.block_bytes": args.block_bytes,
-        "replay.device_blocks": args.device_blocks,
-        "replay.pace": args.pace,
-        "replay.settle": args.settle,
-        "replay.tenants": args.tenants,
-        "metrics.port": args.metrics_port,
-        "replay.nodes": args.nodes,
-        "replay.router": args.router,
-        "replay.transport": args.transport,
-    }
-    config = resolve_config(args, shortcuts, _tier_shortcuts(args))
+    shortcuts = {path: getattr(args, path) for _, _, path, _ in _field_options()}
+    config = resolve_config(args, cpu_shortcut(args.cpu) | shortcuts, _tier_shortcuts(args))
     requests = load_workload(config)
     _check_cpu_room(config, requests)
     if config.replay.nodes > 1:
