@@ -266,13 +266,8 @@ def tenant_names(tenants: int) -> list[str | None]:
 
 @dataclass
 class ReplaySummary:
-    """What a replay through the engine did; :meth:`to_json` is its stable form.
-
-    Hit ratios are hit blocks / requested blocks, overall and by the tier each hit came
-    from (``cpu``, then the secondary tiers by type). ``bytes_by_path`` counts payload
-    bytes per direction (``device->cpu``, ``cpu->device``, ``cpu-><tier>``,
-    ``<tier>->cpu``), from the engine's and the tiers' counters.
-    """
+    """What a replay through the engine did; :meth:`to_json` is its stable form (its
+    fields: docs/replay.md). Secondary tiers are named by :func:`tier_labels`."""
 
     requests: int = 0
     blocks: int = 0
@@ -289,24 +284,18 @@ class ReplaySummary:
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
     tier_layouts: dict[str, TierLayout] = field(default_factory=dict, repr=False)
-    """How the bookkeeping model represents each secondary tier (:func:`tier_layout`)."""
     failed_blocks_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed."""
     tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
-    """Per secondary tier: its own failures by cause (``statistics().failures``); under
-    ``cpu``, the engine's (which count the failed tier blocks too)."""
+    """Per secondary tier, its failures by cause; under ``cpu``, the engine's."""
     tier_types: dict[str, str] = field(default_factory=dict, repr=False)
-    """Each secondary tier's type, by its name in the figures."""
     warm_blocks: dict[str, int] = field(default_factory=dict)
-    """Blocks each secondary tier held when the first request came (a reused NVMe
-    root, say); only tiers that held some."""
+    """Blocks each secondary tier held when the first request came (only those held)."""
     warm_hits: int = 0
-    """Hit blocks that no request of this replay stored: the tiers held them before (in
-    a fleet, also those another node stored in a shared tier)."""
+    """Hit blocks no request of this replay stored (in a fleet, nor this node)."""
     tenants: int = 1
     cross_tenant_hits: int = 0
-    """Hit blocks a tenant never stored itself but another tenant of this replay did:
-    zero unless isolation broke."""
+    """Hit blocks a tenant never stored but another tenant did: 0 unless isolation broke."""
 
     @property
     def hit_ratio(self) -> float:
@@ -379,19 +368,15 @@ async def replay(
     device KV cache (a CPU tensor) of ``device_blocks`` blocks (default: the longest
     request's) of ``block_bytes`` bytes, and close it; docs/replay.md gives the steps.
 
-    ``pace`` is None (as fast as possible) or a speed-up of the requests' own arrival
-    times. ``verify`` compares every loaded block with its expected bytes
-    (``mismatches``, which only a tier serving wrong bytes makes). ``settle`` lets each
-    store's cascade end before the next request, so the engine evicts exactly as the
-    bookkeeping model does. With ``tenants`` above 1 each request is sent once per tenant
-    (:func:`tenant_names`) with bytes of the tenant's keys: a block served across
-    tenants is a mismatch, and a hit on a block only another tenant stored counts in
-    ``cross_tenant_hits``. ``on_request(number, summary)`` runs after each request;
-    ``on_open(engine, loop_lag)`` once the engine is open, and the context manager it
-    returns is left when the replay ends (a metrics server, say).
-
-    Raises InvalidArgumentError (nothing ran) for a bad argument or a request longer
-    than ``device_blocks``; TieringError if the engine could not start.
+    ``pace``: None (as fast as possible) or a speed-up of the arrival times. ``verify``:
+    compare every loaded block with its expected bytes (``mismatches``). ``settle``: let
+    each store's cascade end before the next request (the engine then evicts as the
+    bookkeeping model does). ``tenants``: send each request once per tenant, with bytes
+    of the tenant's keys (a block served across tenants is a mismatch). ``on_request(
+    number, summary)`` runs after each request; ``on_open(engine, loop_lag)`` once the
+    engine is open, its context manager left when the replay ends (a metrics server).
+    Raises InvalidArgumentError (nothing ran) for a bad argument or a request longer than
+    ``device_blocks``, TieringError if the engine could not start.
     """
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     device_blocks = device_blocks_for(keyed, device_blocks)
@@ -551,7 +536,9 @@ class ReplayNode:
         failures = engine.statistics().failures
         _add(summary.tier_failures, CPU, failures)
         for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
-            failed = {kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")}
+            failed = {
+                kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
+            }
             _add(summary.failed_blocks_by_tier, name, failed)
         for label, tier in zip(labels, engine.tiers, strict=True):
             stats = tier.statistics()
