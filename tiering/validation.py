@@ -78,13 +78,8 @@ def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: b
         if not 0 <= value < limit:
             raise InvalidArgumentError(f"{name}: {value} is outside 0..{limit - 1}")
     if unique and len(set(values)) != len(values):
-        seen: set[int] = set()
-        for value in values:
-            if value in seen:
-                raise InvalidArgumentError(
-                    f"{name}: {value} appears twice; each block is named once"
-                )
-            seen.add(value)
+        twice = next(value for i, value in enumerate(values) if value in values[:i])
+        raise InvalidArgumentError(f"{name}: {twice} appears twice; each block is named once")
 
 
 def seconds(name: str, value: object, *, allow_zero: bool) -> float:
