@@ -134,8 +134,7 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class TieringConfig:
-    """The sections and the tiers (fastest first; any iterable of :class:`TierConfig`,
-    held as a tuple), checked as given."""
+    """The sections and the tiers (fastest first; any iterable, held as a tuple), checked."""
 
     engine: EngineConfig
     tiers: tuple[TierConfig, ...] = ()
@@ -186,19 +185,14 @@ def config_from_toml(
     relative_to: str | os.PathLike[str] | None = None,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in TOML ``text``, ``add_tiers`` (tier tables) after its tiers, then
-    ``overrides`` (as :func:`with_overrides` takes them) applied before anything is
-    checked; relative paths (``replay.trace``, a tier's ``root``, ``*_file``) joined to
-    ``relative_to``. Raises ConfigError naming ``source``, the field and the value."""
+    """The config in TOML ``text``, ``add_tiers`` after its tiers, then ``overrides`` (as
+    :func:`with_overrides` takes them) applied before anything is checked, its relative
+    paths joined to ``relative_to``. Raises ConfigError naming ``source`` and the field."""
     prefix = f"{source}: " if source else ""
     try:
         raw = tomllib.loads(text)
-        tables = [raw.get("replay"), *(raw["tiers"] if isinstance(raw.get("tiers"), list) else ())]
-        for i, table in enumerate(tables if relative_to is not None else ()):
-            for key in table if isinstance(table, dict) else ():  # a non-str: refused later
-                path = key == "trace" if i == 0 else key == "root" or key.endswith("_file")
-                if path and isinstance(table[key], str) and not os.path.isabs(table[key] or "/"):
-                    table[key] = os.path.join(relative_to, table[key])
+        if relative_to is not None:
+            _resolve_paths(raw, os.fspath(relative_to))
         if add_tiers and isinstance(raw.setdefault("tiers", []), list):
             raw["tiers"].extend(dict(tier) for tier in add_tiers)
         _apply_overrides(raw, overrides or {})
@@ -210,9 +204,8 @@ def config_from_toml(
 
 
 def with_overrides(config: TieringConfig, overrides: Mapping[str, object]) -> TieringConfig:
-    """A new config: ``config`` with each ``section.field`` or ``tiers.INDEX.option`` of
-    ``overrides`` set (a str as text for the field's type), checked whole. Raises
-    ConfigError naming the path and the value."""
+    """``config`` with each ``section.field`` or ``tiers.INDEX.option`` of ``overrides`` set
+    (a str as text for the field's type), checked whole. Raises ConfigError naming it."""
     if not isinstance(config, TieringConfig):
         raise _invalid("config", "expected a TieringConfig", config)
     raw: dict[str, Any] = {name: getattr(config, name).model_dump() for name in _SECTIONS}
@@ -226,10 +219,8 @@ def parse_override(text: str) -> tuple[str, str]:
     the first ``=``. Raises ConfigError without an ``=`` or a dotted path."""
     path, equals, value = (part.strip() for part in text.partition("="))
     if not equals or not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)+", path):
-        example = "e.g. engine.policy=arc or tiers.0.capacity_bytes=64GiB"
-        raise ConfigError(
-            f"override {text!r}: expected SECTION.FIELD=VALUE ({example})", field=path
-        )
+        why = "expected SECTION.FIELD=VALUE (e.g. engine.policy=arc or tiers.0.max_blocks=64)"
+        raise ConfigError(f"override {text!r}: {why}", field=path)
     return path, value
 
 
@@ -237,18 +228,16 @@ def to_toml(config: TieringConfig) -> str:
     """``config`` as TOML that :func:`load_config` reads back to an equal config (fields
     that are None left out). Raises ConfigError naming a tier option TOML cannot hold."""
     tiers = [tier.spec() for tier in config.tiers]
-    for (i, tier), key in ((t, k) for t in enumerate(tiers) for k in t[1]):
+    for i, key, value in ((i, k, v) for i, tier in enumerate(tiers) for k, v in tier.items()):
         try:
-            tomli_w.dumps({key: tier[key]})
+            tomli_w.dumps({key: value})
         except TypeError:
-            raise _invalid(f"tiers[{i}].{key}", "cannot be written as TOML", tier[key]) from None
+            raise _invalid(f"tiers[{i}].{key}", "cannot be written as TOML", value) from None
     sections = {name: getattr(config, name).model_dump(exclude_none=True) for name in _SECTIONS}
     return tomli_w.dumps({**sections, "tiers": tiers})
 
 
 def _from_raw(raw: Mapping[str, object]) -> TieringConfig:
-    """The config of a raw tree, what TOML parses to, with Text where overrides put text: a
-    file, overrides and both together are checked alike."""
     for key, value in raw.items():
         if key not in SECTIONS:
             raise _invalid(key, f"unknown section; the sections are {', '.join(SECTIONS)}", value)
@@ -266,6 +255,17 @@ def _from_raw(raw: Mapping[str, object]) -> TieringConfig:
         options = {key: value for key, value in tier.items() if key != "type"}
         built.append(TierConfig(tier.get("type"), options, f"tiers[{i}]"))  # type: ignore[arg-type]
     return TieringConfig(tiers=tuple(built), **sections)
+
+
+def _resolve_paths(raw: dict[str, Any], directory: str) -> None:
+    """Join a parsed file's relative paths to ``directory``, in place (a value that is no
+    str is left for the checks): ``replay.trace``, a tier's ``root`` or ``*_file``."""
+    replay, tiers = raw.get("replay"), raw.get("tiers")
+    for table in [replay, *(tiers if isinstance(tiers, list) else ())]:
+        for key, value in table.items() if isinstance(table, dict) else ():
+            named = key == "trace" if table is replay else key == "root" or key.endswith("_file")
+            if named and isinstance(value, str) and value and not os.path.isabs(value):
+                table[key] = os.path.join(directory, value)
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> None:
