@@ -15,6 +15,7 @@ from typing import Any
 from tiering.errors import ConfigError, InvalidArgumentError, UnknownTierError
 from tiering.options import Options, Text
 from tiering.secondary import SecondaryTierManager
+from tiering.validation import as_list
 
 ENTRY_POINT_GROUP = "kv_tiering.tiers"
 
@@ -148,12 +149,7 @@ def tier_specs(specs: object) -> list[TierSpec]:
             f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
             "wrap it in a list"
         )
-    try:
-        out = list(specs)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"secondary_tiers must be an iterable of tier specs, got {specs!r:.60}"
-        ) from None
+    out = as_list("secondary_tiers", specs, "tier specs")
     for i, spec in enumerate(out):
         if not (isinstance(spec, str | Mapping) or callable(spec)):
             raise InvalidArgumentError(

@@ -6,6 +6,7 @@ import math
 import operator
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from tiering.abstract import as_block_hashes
 from tiering.errors import InvalidArgumentError
@@ -34,14 +35,19 @@ def hash_list(name: str, value: object) -> list[bytes]:
             f"{name} must be a sequence of bytes hashes, got one {type(value).__name__} "
             f"{value!r:.60}; wrap a single hash in a list"
         )
-    try:
-        hashes = list(value)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"{name} must be an iterable of bytes, got {value!r:.60}"
-        ) from None
+    hashes = as_list(name, value, "bytes")
     as_block_hashes(hashes, name)
     return hashes
+
+
+def as_list(name: str, value: object, what: str) -> list[Any]:
+    """``value`` as a new list; InvalidArgumentError naming ``name`` if not iterable."""
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{name} must be an iterable of {what}, got {value!r:.60}"
+        ) from None
 
 
 def device_id_list(name: str, value: object, limit: int) -> list[int]:
