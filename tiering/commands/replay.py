@@ -220,9 +220,10 @@ def _warm_note(summary: ReplaySummary) -> str:
 
 def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) -> int:
     """The fleet replay, with its shared tiers (Redis) and, as the baseline, without."""
-    shared = [i for i, tier in enumerate(config.tiers) if tier.type in SHARED_TIERS]
+    own = tuple(tier for tier in config.tiers if tier.type not in SHARED_TIERS)
+    shared = len(own) < len(config.tiers)
     runs = {"shared": config} if shared else {}
-    runs["baseline"] = config if not shared else _without_tiers(config, shared)
+    runs["baseline"] = dataclasses.replace(config, tiers=own)
     figures: dict[str, Any] = {}
     failures: list[str] = []
     with Progress() as progress:
@@ -243,12 +244,6 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
     else:
         print(format_fleet(figures))
     return _status(mismatches, failures[0] if failures else None)
-
-
-def _without_tiers(config: TieringConfig, drop: list[int]) -> TieringConfig:
-    return dataclasses.replace(
-        config, tiers=tuple(t for i, t in enumerate(config.tiers) if i not in drop)
-    )
 
 
 async def _replay_fleet(
