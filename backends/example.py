@@ -157,9 +157,11 @@ class ExampleSecondaryTier(SecondaryTierManager):
     def _complete(self, job: _PendingJob) -> None:
         if job.is_store:
             self._blocks.update(dict.fromkeys(job.keys))
-        why = f"{len(job.missing)} of {len(job.keys)} blocks are not in the example tier"
-        result = JobResult(job.job_id, False, job.missing, why) if job.missing else None
-        self._completed.append(result or JobResult(job.job_id, True))
+        if job.missing:
+            why = f"{len(job.missing)} of {len(job.keys)} blocks are not in the example tier"
+            self._completed.append(JobResult(job.job_id, False, job.missing, why))
+        else:
+            self._completed.append(JobResult(job.job_id, True))
 
     def _validated(self, job: JobMetadata) -> JobMetadata:
         if not isinstance(job, JobMetadata):

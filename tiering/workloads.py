@@ -137,8 +137,6 @@ def synthetic_requests(
     from tiering.config import SyntheticConfig  # the one check of these arguments
 
     SyntheticConfig(**arguments)
-    prompt_blocks, user_blocks = system_prompt_blocks, user_blocks_per_turn
-    reply_blocks = reply_blocks_per_turn
     rng = random.Random(seed)
     next_id = 0
 
@@ -148,7 +146,7 @@ def synthetic_requests(
         next_id += count
         return ids
 
-    prompts = [new_ids(prompt_blocks) for _ in range(system_prompts)]
+    prompts = [new_ids(system_prompt_blocks) for _ in range(system_prompts)]
     popularity = [1.0 / (rank + 1) for rank in range(system_prompts)]
     requests: list[Request] = []
     start = 0.0
@@ -157,13 +155,13 @@ def synthetic_requests(
         history = list(rng.choices(prompts, weights=popularity)[0])
         arrival = start
         for _turn in range(turns_per_session):
-            user = new_ids(user_blocks)
+            user = new_ids(user_blocks_per_turn)
             partial_tokens = rng.randrange(1, TOKENS_PER_BLOCK)
             ids = (*history, *user, *new_ids(1))
             tokens = (len(history) + len(user)) * TOKENS_PER_BLOCK + partial_tokens
-            output = reply_blocks * TOKENS_PER_BLOCK + rng.randrange(0, TOKENS_PER_BLOCK)
+            output = reply_blocks_per_turn * TOKENS_PER_BLOCK + rng.randrange(0, TOKENS_PER_BLOCK)
             requests.append(Request(arrival, ids, tokens, output, session))
-            history += user + new_ids(reply_blocks)
+            history += user + new_ids(reply_blocks_per_turn)
             arrival += rng.expovariate(1.0 / think_time_s)
     requests.sort(key=lambda r: r.arrival_s)
     return requests
