@@ -78,9 +78,8 @@ class ExampleSecondaryTier(SecondaryTierManager):
         max_blocks: int = 1000,
         simulate_async: bool = False,
     ) -> None:
-        """The seed's signature; the options are checked by :class:`ExampleOptions`.
-
-        Raises: InvalidArgumentError for a bad view, block size or option."""
+        """The seed's signature, checked by :class:`ExampleOptions`. Raises
+        InvalidArgumentError for a bad view, block size or option."""
         options = {"max_blocks": max_blocks, "simulate_async": simulate_async}
         checked = ExampleOptions.check(options, owner="ExampleSecondaryTier")
         super().__init__(primary_kv_view, block_bytes)
@@ -157,18 +156,10 @@ class ExampleSecondaryTier(SecondaryTierManager):
 
     def _complete(self, job: _PendingJob) -> None:
         if job.is_store:
-            for key in job.keys:
-                self._blocks[key] = None
-            self._completed.append(JobResult(job.job_id, True))
-        elif job.missing:
-            self._completed.append(
-                JobResult(
-                    job.job_id,
-                    False,
-                    job.missing,
-                    f"{len(job.missing)} of {len(job.keys)} blocks are not in the example tier",
-                )
-            )
+            self._blocks.update(dict.fromkeys(job.keys))
+        if job.missing:
+            why = f"{len(job.missing)} of {len(job.keys)} blocks are not in the example tier"
+            self._completed.append(JobResult(job.job_id, False, job.missing, why))
         else:
             self._completed.append(JobResult(job.job_id, True))
 

@@ -1,19 +1,12 @@
 """An in-memory secondary tier that really holds the bytes: the data-integrity reference.
 
-Storage is one preallocated arena of ``max_blocks`` rows of ``block_bytes`` (a numpy
-uint8 array), not one ``bytes`` object per block, because:
-
-* memory is bounded and known up front, and the pages are only committed when
-  first written; rows are reused, so steady state allocates nothing and leaves the
-  garbage collector and allocator out of the data path;
-* copies are row-to-row numpy assignments (one memcpy each, with the GIL released),
-  so several jobs' copies overlap on the tier's io threads, whereas memoryview slice
-  assignment holds the GIL.
-
-All bookkeeping lives on the loop thread: which key is in which row and the free rows
-here, resident keys, pins, holds and eviction in the shared
-:class:`~tiering.residency.ResidencyIndex`. The io thread only copies rows the loop
-has handed to the job.
+Its storage is one preallocated arena of ``max_blocks`` rows of ``block_bytes`` (numpy
+uint8), not a ``bytes`` object per block: memory is bounded up front and reused, so the
+steady state allocates nothing; and a row-to-row copy is one memcpy with the GIL
+released, so jobs' copies overlap on the io threads (a memoryview slice assignment holds
+the GIL). The bookkeeping lives on the loop thread: rows here, resident keys, pins,
+holds and eviction in a :class:`~tiering.residency.ResidencyIndex`; the io thread only
+copies the rows the loop handed to the job.
 """
 
 from __future__ import annotations
@@ -47,24 +40,17 @@ class MemoryOptions(ActorOptions):
 
 
 class MemoryTier(TierActor):
-    """Blocks kept in process memory, at most ``max_blocks`` of them, evicted by ``policy``
-    (least recently used by default).
+    """Blocks kept in process memory, at most ``max_blocks`` of them, evicted by ``policy``.
 
-    Guarantees:
-
-    * A store copies each slot's bytes; a key becomes visible (``lookup`` True, loadable)
-      only once its bytes are fully copied. Keys already held are skipped. If a key
-      appears twice in one store job, its first slot is stored.
-    * Room is made by evicting keys that are not pinned (being loaded, or held through
-      :meth:`hold`) and not part of the storing job. A store that cannot fit all its new
-      keys stores the leading ones and fails the rest (``failed_keys``, job
-      ``success=False``); it never evicts a pinned key.
-    * A load writes every held key into its slot; keys not held are ``failed_keys``
-      (partial success: the others land). A key being loaded is pinned until its copy
-      ends, so it is never evicted or overwritten mid-copy.
-    * All of a job's copying happens in ONE :meth:`run_blocking` call.
-    * Failures are counted by cause in ``statistics().failures`` and logged once per
-      cause.
+    * A key is visible (``lookup`` True, loadable) only once its bytes are copied; keys
+      held are skipped, and a key twice in one store job is stored from its first slot.
+    * Room is made by evicting keys neither pinned (being loaded, or held through
+      :meth:`hold`) nor in the storing job; a store that cannot fit its new keys stores
+      the leading ones and fails the rest (``failed_keys``).
+    * A load writes every held key into its slot and fails the others (``failed_keys``);
+      a key being loaded is pinned until its copy ends.
+    * A job's copying is ONE :meth:`run_blocking` call; failures are counted by cause
+      in ``statistics().failures`` and logged once per cause.
     """
 
     Options = MemoryOptions
@@ -77,10 +63,9 @@ class MemoryTier(TierActor):
         /,
         **values: Any,
     ) -> None:
-        """Takes a :class:`MemoryOptions`, keywords, or both (keywords win).
-
-        Raises: InvalidArgumentError for a bad view, size or option; UnknownPolicyError
-        for an unknown ``policy`` name."""
+        """Takes a :class:`MemoryOptions`, keywords, or both (keywords win). Raises
+        InvalidArgumentError for a bad view, size or option, UnknownPolicyError for an
+        unknown ``policy``."""
         checked = MemoryOptions.check({**dict(options or {}), **values}, owner="MemoryTier")
         super().__init__(primary_kv_view, block_bytes, **checked.actor_options())
         max_blocks = self.max_blocks = checked.max_blocks
@@ -101,10 +86,7 @@ class MemoryTier(TierActor):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if held, None while a store of it is queued or running, else False.
-
-        Raises:
-            InvalidArgumentError: ``key`` is not bytes.
-        """
+        Raises InvalidArgumentError if ``key`` is not bytes."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
         if key in self._row_of:
@@ -117,19 +99,12 @@ class MemoryTier(TierActor):
 
     def hold(self, keys: Collection[OffloadKey]) -> None:
         """Keep ``keys`` from eviction until released; holds count, absent keys allowed.
-
-        Raises:
-            InvalidArgumentError: a key is not bytes (nothing held).
-        """
+        Raises InvalidArgumentError (nothing held) if a key is not bytes."""
         self._index.hold(keys)
 
     def release(self, keys: Collection[OffloadKey]) -> None:
-        """Undo one :meth:`hold` of each key.
-
-        Raises:
-            InvalidArgumentError: a key is not bytes, or is released more often than
-                held (named in hex); nothing released.
-        """
+        """Undo one :meth:`hold` of each key. Raises InvalidArgumentError (nothing
+        released) for a key not bytes or released more often than held (named in hex)."""
         self._free_orphans(self._index.release(keys))
 
     @staticmethod

@@ -294,7 +294,7 @@ def test_a_required_tier_option_left_out_is_named(tmp_path: Path) -> None:
 def test_a_tier_without_a_type_is_named(tmp_path: Path) -> None:
     path = write(tmp_path, _ENGINE + "[[tiers]]\nmax_blocks = 3\n")
 
-    with pytest.raises(ConfigError, match=r"tiers\[0\]\.type: every tier needs a type"):
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.type = None: every tier needs a type"):
         load_config(path)
 
 
@@ -408,7 +408,7 @@ def test_an_override_may_add_a_tier_that_then_needs_a_type(base: TieringConfig) 
     added = with_overrides(base, {"tiers.2.max_blocks": "8", "tiers.2.type": "memory"})
     assert added.tiers[2] == TierConfig("memory", {"max_blocks": 8})
 
-    with pytest.raises(ConfigError, match=r"tiers\[2\]\.type: every tier needs a type"):
+    with pytest.raises(ConfigError, match=r"tiers\[2\]\.type = None: every tier needs a type"):
         with_overrides(base, {"tiers.2.max_blocks": "8"})
 
 

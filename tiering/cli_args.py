@@ -1,14 +1,6 @@
-"""Command-line pieces the `tiering` command and the example scripts share: argument types,
-a parser, progress, how a script exits on Ctrl-C.
-
-The argument types raise :class:`argparse.ArgumentTypeError`, so argparse reports a bad
-value as ``argument --name: <why>, got '<value>'`` and exits with status 2 before any
-work starts. :class:`Progress` draws one self-overwriting status line on stderr, and
-only when stderr is a terminal: piped or captured output (and the JSON line a benchmark
-prints last on stdout) is never touched by it. :func:`run_main` runs a script's
-``main`` so that Ctrl-C ends it with one line and status 130, never a traceback.
-
-This module imports nothing heavy (no torch): a script imports it cheaply.
+"""Command-line pieces the `tiering` command and the example scripts share: argument types
+(a bad value is argparse's usage error, status 2, before any work starts), a parser, a
+progress line, and how a script exits on Ctrl-C. It imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -22,13 +14,12 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import NoReturn, TextIO
+from typing import NoReturn, TextIO, TypeVar
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-EXIT_INTERRUPTED = 130
-"""The exit status of a command or script stopped by Ctrl-C (128 + SIGINT, as shells
-report a process the signal killed)."""
+_N = TypeVar("_N", int, float)
+EXIT_INTERRUPTED = 130  # a command or script stopped by Ctrl-C: 128 + SIGINT, as shells say
 
 
 def make_parser(doc: str | None, **kwargs: object) -> argparse.ArgumentParser:
@@ -55,23 +46,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 def positive_int(text: str) -> int:
     """An argparse type: a decimal integer > 0."""
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    return _positive(text, lambda t: int(t, 10), "integer")
 
 
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
+    return _positive(text, float, "number")
+
+
+def _positive(text: str, convert: Callable[[str], _N], what: str) -> _N:
     try:
-        value = float(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive {what}, got {text!r}")
     return value
 
 
@@ -99,17 +88,22 @@ def parse_size(text: str) -> int:
     return int(amount)
 
 
+def size(text: str) -> int:
+    """An argparse type: a size in bytes, as :func:`parse_size` reads it."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def size_list(text: str) -> list[int]:
-    """An argparse type: comma-separated sizes (``"2M,128K"``), each as :func:`parse_size`."""
+    """An argparse type: comma-separated sizes (``"2M,128K"``), each as :func:`size`."""
     parts = [part.strip() for part in text.split(",")]
     if not all(parts):
         raise argparse.ArgumentTypeError(
             f"must be comma-separated sizes like 2M,128K, got {text!r}"
         )
-    try:
-        return [parse_size(part) for part in parts]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return [size(part) for part in parts]
 
 
 def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
@@ -146,13 +140,9 @@ def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) ->
 
 
 class Progress:
-    """One status line on ``stream`` (stderr by default), redrawn in place.
-
-    Silent unless the stream is a terminal, so a benchmark's captured output is exactly
-    what it would be without it. Redraws at most every ``interval`` seconds; ``clear()``
-    (or leaving the ``with`` block) erases the line so the next ordinary print starts on
-    a clean row. Writing is cheap enough to call from the event loop.
-    """
+    """One status line on ``stream`` (stderr by default), redrawn in place at most every
+    ``interval`` seconds, and only on a terminal (captured output is never touched);
+    :meth:`clear` (or leaving the ``with`` block) erases it. Cheap enough for the loop."""
 
     def __init__(self, stream: TextIO | None = None, *, interval: float = 0.2) -> None:
         self._stream = sys.stderr if stream is None else stream
@@ -198,13 +188,9 @@ class Progress:
 
 
 def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
-    """Run a script's ``main`` and exit with the status it returns (0 for None).
-
-    Ctrl-C (a KeyboardInterrupt out of ``main``, after its ``finally`` blocks and
-    context managers ran) prints one line on stderr, ``<prog>: interrupted`` (``prog``
-    defaults to the script's file name), and exits with status 130, never a traceback.
-    A ``sys.exit`` inside ``main`` passes through unchanged.
-    """
+    """Run a script's ``main`` and exit with the status it returns (0 for None). Ctrl-C
+    (after ``main``'s ``finally`` blocks ran) prints ``<prog>: interrupted`` (default: the
+    script's file name) and exits 130, never a traceback; ``sys.exit`` passes through."""
     try:
         status = main()
     except KeyboardInterrupt:
@@ -215,13 +201,9 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoRetur
 
 
 def run_path(path: str, argv: Sequence[str]) -> NoReturn:
-    """Run the script at ``path`` as ``python3 path argv...`` would (as ``__main__``,
-    its directory first on the import path) and exit with its status.
-
-    Ctrl-C at any point, while the script still imports (torch takes seconds) as well as
-    later, prints one line on stderr, ``<script's file name>: interrupted``, and exits
-    with status 130, never a traceback.
-    """
+    """Run the script at ``path`` as ``python3 path argv...`` would and exit with its
+    status; Ctrl-C at any point, while it still imports too, prints ``<script's file
+    name>: interrupted`` and exits 130, never a traceback."""
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:

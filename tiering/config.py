@@ -1,8 +1,6 @@
-"""One typed configuration (:class:`TieringConfig`) for an engine, its secondary tiers, a
-replay and its metrics: from TOML or code, with ``--set`` overrides, written back as TOML,
-checked whole before anything is returned (a :class:`~tiering.errors.ConfigError` names
-the field's path, the value and the file). ``TieringEngine.from_config`` builds the
-engine. The format, every field and its default: ``docs/config.md``.
+"""One typed configuration (:class:`TieringConfig`) of an engine, its tiers, a replay and
+its metrics: from TOML or code, with ``--set`` overrides, written back as TOML, checked
+whole before anything is returned. Every field and default: docs/config.md.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, Self
 
@@ -24,8 +23,6 @@ from tiering.options import Bytes, Count, Options, PositiveInt, Seconds, Seconds
 from tiering.policies import policy_names
 
 SECTIONS = ("engine", "tiers", "replay", "synthetic", "metrics")
-"""The top-level sections of a config file."""
-_STAND_IN_NAMESPACE = "config"  # the engine supplies a tier's namespace
 
 
 def _known_policy(name: str) -> str:
@@ -35,21 +32,18 @@ def _known_policy(name: str) -> str:
 
 
 class _Section(Options):
-    """A config section, checked on construction: a bad field raises ConfigError
-    naming ``SECTION.field`` and the value."""
+    """A config section: a bad field raises ConfigError naming ``SECTION.field``."""
 
     ERROR = ConfigError
     UNKNOWN = "unknown key; [{where}] takes {fields}"
 
     def __init__(self, /, **values: Any) -> None:
-        cls = type(self)
-        cls._validated(values, lambda v: super(_Section, self).__init__(**v), cls.WHERE, None, None)
+        init = super().__init__
+        self._validated(values, lambda v: init(**v), self.WHERE, None, None)
 
 
 class EngineConfig(_Section):
-    """The arguments of :class:`~tiering.engine.TieringEngine`. The CPU tier's size is
-    ``cpu_blocks`` slots or ``cpu_bytes`` bytes (the slots that fit, at the KV cache's
-    block size): exactly one is set."""
+    """The arguments of :class:`~tiering.engine.TieringEngine`; one CPU size is set."""
 
     WHERE = "engine"
     cpu_blocks: PositiveInt | None = None
@@ -66,17 +60,14 @@ class EngineConfig(_Section):
     @model_validator(mode="after")
     def _one_cpu_size(self) -> Self:
         if (self.cpu_blocks is None) == (self.cpu_bytes is None):
-            raise ValueError(
-                f"cpu_blocks = {self.cpu_blocks!r}, engine.cpu_bytes = {self.cpu_bytes!r}: "
-                "the CPU tier's size; set exactly one of them, got "
-                + ("neither" if self.cpu_blocks is None else "both")
-            )
+            got = "neither" if self.cpu_blocks is None else "both"
+            sizes = f"cpu_blocks = {self.cpu_blocks!r}, engine.cpu_bytes = {self.cpu_bytes!r}"
+            raise ValueError(f"{sizes}: the CPU tier's size; set exactly one of them, got {got}")
         return self
 
 
 class ReplayConfig(_Section):
-    """How ``tiering replay`` replays a trace (or the synthetic workload). ``pace`` is
-    ``"max"`` (as fast as the engine goes) or a speed-up over the trace's timestamps."""
+    """How ``tiering replay`` replays a trace (or the synthetic workload)."""
 
     WHERE = "replay"
     trace: str | None = None
@@ -94,8 +85,7 @@ class ReplayConfig(_Section):
 
 
 class SyntheticConfig(_Section):
-    """The arguments of :func:`tiering.workloads.synthetic_requests`, the workload
-    replayed when ``replay.trace`` is unset."""
+    """The arguments of :func:`tiering.workloads.synthetic_requests`."""
 
     WHERE = "synthetic"
     sessions: PositiveInt = 200
@@ -110,8 +100,7 @@ class SyntheticConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """A Prometheus endpoint on ``port`` (None: not served; 0: any free port), every
-    metric's name starting with ``prefix``."""
+    """A Prometheus endpoint on ``port`` (None: not served; 0: any free port)."""
 
     WHERE = "metrics"
     port: Annotated[int, Field(ge=0, le=65535)] | None = None
@@ -120,10 +109,8 @@ class MetricsConfig(_Section):
 
 @dataclass(frozen=True)
 class TierConfig:
-    """One secondary tier: its registered ``type`` and its options, checked and
-    converted by :func:`tiering.registry.check_options` (``namespace`` may be left out:
-    the engine supplies it), held read-only. Raises ConfigError naming ``tier.OPTION``
-    (``tiers[i].OPTION`` from a file or overrides) and the value."""
+    """A secondary tier's ``type`` and options, checked by :func:`tiering.registry.
+    check_options`. Raises ConfigError naming ``tier.OPTION`` (or ``tiers[i].OPTION``)."""
 
     type: str
     options: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
@@ -131,16 +118,14 @@ class TierConfig:
 
     def __post_init__(self, where: str) -> None:
         if not isinstance(self.type, str) or not self.type:
-            raise _invalid(f"{where}.type", "expected the name of a registered tier", self.type)
+            why = f"every tier needs a type; known tiers: {registry.tier_names()}"
+            raise _invalid(f"{where}.type", why, self.type)
+        stand_in = {"namespace": "config"}  # the engine supplies a tier's namespace
         try:
-            supplied = {"namespace": _STAND_IN_NAMESPACE}
-            checked = registry.check_options(
-                self.type, self.options, defaults=supplied, where=where
-            )
+            got = registry.check_options(self.type, self.options, defaults=stand_in, where=where)
         except UnknownTierError as exc:
             raise _invalid(f"{where}.type", str(exc), self.type) from None
-        options = MappingProxyType({key: checked[key] for key in self.options})
-        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "options", MappingProxyType({k: got[k] for k in self.options}))
 
     def spec(self) -> dict[str, object]:
         """``{"type": name, **options}`` as a new dict: what the engine builds it from."""
@@ -149,9 +134,7 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class TieringConfig:
-    """The engine, its secondary tiers (fastest first; any iterable of
-    :class:`TierConfig`, held as a tuple), a replay, the synthetic workload and metrics.
-    Raises ConfigError for a section that is not of its config class."""
+    """The sections and the tiers (fastest first; any iterable, held as a tuple), checked."""
 
     engine: EngineConfig
     tiers: tuple[TierConfig, ...] = ()
@@ -180,14 +163,11 @@ def load_config(
     *,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in the TOML file at ``path``, as :func:`config_from_toml` reads it; a
-    relative path in the file (``replay.trace``, a tier's ``root`` or ``*_file``
-    option) is taken from the file's directory. Raises ConfigError (also for a file
-    that cannot be read), the message starting with the file's path."""
+    """The config in the TOML file at ``path`` (:func:`config_from_toml`, relative paths
+    from the file's directory). Raises ConfigError starting with the file's path."""
     source = os.fspath(path)
     try:
-        with open(path, "rb") as file:
-            text = file.read().decode("utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         why = f"cannot read the config file: {getattr(exc, 'strerror', None) or exc}"
         raise ConfigError(f"{source}: {why}", source=source) from exc
@@ -205,38 +185,27 @@ def config_from_toml(
     relative_to: str | os.PathLike[str] | None = None,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in TOML ``text``, with ``add_tiers`` (tier tables) after its tiers,
-    then ``overrides`` (as :func:`with_overrides` takes them, staying as given) applied
-    before anything is checked: an override may supply what the text lacks. Every key
-    is optional but the CPU tier's size. The text's relative paths are joined to
-    ``relative_to``. Raises ConfigError naming ``source``, the field and the value."""
+    """The config in TOML ``text``, ``add_tiers`` after its tiers, then ``overrides`` (as
+    :func:`with_overrides` takes them) applied before anything is checked, its relative
+    paths joined to ``relative_to``. Raises ConfigError naming ``source`` and the field."""
     prefix = f"{source}: " if source else ""
     try:
         raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{prefix}not valid TOML: {exc}", source=source) from exc
-    if relative_to is not None:
-        _resolve_paths(raw, os.fspath(relative_to))
-    try:
+        if relative_to is not None:
+            _resolve_paths(raw, os.fspath(relative_to))
         if add_tiers and isinstance(raw.setdefault("tiers", []), list):
             raw["tiers"].extend(dict(tier) for tier in add_tiers)
         _apply_overrides(raw, overrides or {})
         return _from_raw(raw)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{prefix}not valid TOML: {exc}", source=source) from exc
     except ConfigError as exc:
-        if source is None:
-            raise
         raise ConfigError(f"{prefix}{exc}", field=exc.field, source=source) from None
 
 
 def with_overrides(config: TieringConfig, overrides: Mapping[str, object]) -> TieringConfig:
-    """A new config: ``config`` with each ``path -> value`` of ``overrides`` set, then
-    checked whole (``config`` never changes).
-
-    A path is ``section.field`` or ``tiers.INDEX.option`` (an index one past the last
-    tier adds one, which then needs a ``type``). A str value is text converted to the
-    field's type (``"2.0"``, ``"on"``, ``"64GiB"``; ``"none"`` or ``""`` unsets a field
-    whose default is None); any other value must have the field's type. Raises
-    ConfigError naming the path and the value."""
+    """``config`` with each ``section.field`` or ``tiers.INDEX.option`` of ``overrides`` set
+    (a str as text for the field's type), checked whole. Raises ConfigError naming it."""
     if not isinstance(config, TieringConfig):
         raise _invalid("config", "expected a TieringConfig", config)
     raw: dict[str, Any] = {name: getattr(config, name).model_dump() for name in _SECTIONS}
@@ -246,36 +215,26 @@ def with_overrides(config: TieringConfig, overrides: Mapping[str, object]) -> Ti
 
 
 def parse_override(text: str) -> tuple[str, str]:
-    """``"engine.policy=arc"`` as ``("engine.policy", "arc")``: one ``--set`` option,
-    split at the first ``=``, blanks dropped (an argparse ``type``). Raises ConfigError
-    without an ``=`` or for a path that is not dotted names."""
-    path, equals, value = text.partition("=")
-    if not equals or not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)+", path.strip()):
-        raise ConfigError(
-            f"override {text!r}: expected SECTION.FIELD=VALUE (e.g. engine.policy=arc or "
-            "tiers.0.capacity_bytes=64GiB)",
-            field=path.strip(),
-        )
-    return path.strip(), value.strip()
+    """``"engine.policy=arc"`` as ``("engine.policy", "arc")`` (one ``--set``), split at
+    the first ``=``. Raises ConfigError without an ``=`` or a dotted path."""
+    path, equals, value = (part.strip() for part in text.partition("="))
+    if not equals or not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)+", path):
+        why = "expected SECTION.FIELD=VALUE (e.g. engine.policy=arc or tiers.0.max_blocks=64)"
+        raise ConfigError(f"override {text!r}: {why}", field=path)
+    return path, value
 
 
 def to_toml(config: TieringConfig) -> str:
-    """``config`` as TOML that :func:`load_config` reads back to an equal config: every
-    field but those that are None. Raises ConfigError naming a tier option TOML cannot
-    hold (an object set from code)."""
+    """``config`` as TOML that :func:`load_config` reads back to an equal config (fields
+    that are None left out). Raises ConfigError naming a tier option TOML cannot hold."""
     tiers = [tier.spec() for tier in config.tiers]
-    for i, tier in enumerate(tiers):
-        for key, value in tier.items():
-            try:
-                tomli_w.dumps({key: value})
-            except TypeError:
-                raise _invalid(f"tiers[{i}].{key}", "cannot be written as TOML", value) from None
+    for i, key, value in ((i, k, v) for i, tier in enumerate(tiers) for k, v in tier.items()):
+        try:
+            tomli_w.dumps({key: value})
+        except TypeError:
+            raise _invalid(f"tiers[{i}].{key}", "cannot be written as TOML", value) from None
     sections = {name: getattr(config, name).model_dump(exclude_none=True) for name in _SECTIONS}
     return tomli_w.dumps({**sections, "tiers": tiers})
-
-
-# A raw tree is what TOML parses to ({"engine": {...}, "tiers": [{...}], ...}), with Text
-# where overrides put text: a file, overrides and both together are checked alike.
 
 
 def _from_raw(raw: Mapping[str, object]) -> TieringConfig:
@@ -293,31 +252,20 @@ def _from_raw(raw: Mapping[str, object]) -> TieringConfig:
     for i, tier in enumerate(tiers):
         if not isinstance(tier, Mapping):
             raise _invalid(f"tiers[{i}]", "expected a table of tier options", tier)
-        if "type" not in tier:
-            known = registry.tier_names()
-            message = f"tiers[{i}].type: every tier needs a type; known tiers: {known}"
-            raise ConfigError(message, field=f"tiers[{i}].type")
         options = {key: value for key, value in tier.items() if key != "type"}
-        built.append(TierConfig(tier["type"], options, f"tiers[{i}]"))
+        built.append(TierConfig(tier.get("type"), options, f"tiers[{i}]"))  # type: ignore[arg-type]
     return TieringConfig(tiers=tuple(built), **sections)
 
 
 def _resolve_paths(raw: dict[str, Any], directory: str) -> None:
-    """Join the relative paths of a parsed file to ``directory``, in place: the
-    ``replay.trace`` field and every tier option named ``root`` or ending in ``_file``
-    (a value of another type is left for the checks to refuse)."""
-    tiers = raw["tiers"] if isinstance(raw.get("tiers"), list) else []
-    places = [(raw.get("replay"), "trace")]
-    places += [
-        (tier, key)
-        for tier in tiers
-        for key in (tier if isinstance(tier, dict) else ())
-        if key == "root" or key.endswith("_file")
-    ]
-    for table, key in places:
-        value = table.get(key) if isinstance(table, dict) else None
-        if isinstance(value, str) and value and not os.path.isabs(value):
-            table[key] = os.path.join(directory, value)  # type: ignore[index]
+    """Join a parsed file's relative paths to ``directory``, in place (a value that is no
+    str is left for the checks): ``replay.trace``, a tier's ``root`` or ``*_file``."""
+    replay, tiers = raw.get("replay"), raw.get("tiers")
+    for table in [replay, *(tiers if isinstance(tiers, list) else ())]:
+        for key, value in table.items() if isinstance(table, dict) else ():
+            named = key == "trace" if table is replay else key == "root" or key.endswith("_file")
+            if named and isinstance(value, str) and value and not os.path.isabs(value):
+                table[key] = os.path.join(directory, value)
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> None:
@@ -329,19 +277,19 @@ def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> No
         if section not in SECTIONS:
             known = ", ".join(SECTIONS)
             raise _invalid(path, f"unknown section {section!r}; the sections are {known}", value)
-        table = raw.setdefault(section, [] if section == "tiers" else {})
-        if section == "tiers":
-            if len(rest) != 2 or not rest[0].isdecimal() or not rest[1]:
-                raise _invalid(path, "expected tiers.INDEX.OPTION (e.g. tiers.0.root)", value)
-            if not isinstance(table, list) or int(rest[0]) > len(table):
-                count = len(table) if isinstance(table, list) else 0
+        tiers = section == "tiers"
+        table = raw.setdefault(section, [] if tiers else {})
+        if len(rest) != 1 + tiers or not rest[-1] or (tiers and not rest[0].isdecimal()):
+            shape = "tiers.INDEX.OPTION (e.g. tiers.0.root)" if tiers else f"{section}.FIELD"
+            raise _invalid(path, f"expected {shape}", value)
+        if tiers:
+            count = len(table) if isinstance(table, list) else 0
+            if not isinstance(table, list) or int(rest[0]) > count:
                 why = f"there are {count} tiers; an override may change one or add tiers.{count}"
                 raise _invalid(path, why, value)
-            if int(rest[0]) == len(table):
+            if int(rest[0]) == count:
                 table.append({})
             table = table[int(rest[0])]
-        elif len(rest) != 1 or not rest[0]:
-            raise _invalid(path, f"expected {section}.FIELD", value)
         if not isinstance(table, dict):
             raise _invalid(section, "expected a table", table)
         text = isinstance(value, str) and (section, rest[-1]) != ("tiers", "type")
@@ -350,19 +298,3 @@ def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, object]) -> No
 
 def _invalid(path: object, why: str, value: object) -> ConfigError:
     return ConfigError(f"{path} = {shown(value)}: {why}", field=str(path))
-
-
-__all__ = [
-    "SECTIONS",
-    "EngineConfig",
-    "MetricsConfig",
-    "ReplayConfig",
-    "SyntheticConfig",
-    "TierConfig",
-    "TieringConfig",
-    "config_from_toml",
-    "load_config",
-    "parse_override",
-    "to_toml",
-    "with_overrides",
-]

@@ -1,13 +1,9 @@
 """A fleet replay: several engines behind a router, optionally sharing one remote tier.
 
-:func:`replay_fleet` builds ``nodes`` engines with ``make_engine(node, device_kv)``
-(typically a CPU tier, maybe NVMe, and one Redis tier they share) and replays a workload
-one request at a time: a :class:`Router` picks the node, which serves the request as a
+:func:`replay_fleet` builds ``nodes`` engines with ``make_engine(node, device_kv)`` and
+replays a workload one request at a time: a :class:`Router` (sans-I/O; the rules are
+compared in docs/fleet.md) picks the node, which serves the request as a
 :class:`~tiering.replay.ReplayNode` (every loaded byte checked).
-
-Routers (:data:`ROUTERS`, sans-I/O, compared in docs/fleet.md): ``round-robin``,
-``affinity``, ``least-loaded`` and ``kv-aware``, which learns only from the nodes'
-published KV events (those of a shared medium such as ``REDIS`` are ignored).
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ import asyncio
 import itertools
 import time
 import zlib
-from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +23,7 @@ from tiering.abstract import OffloadingEvent
 from tiering.engine import TieringEngine
 from tiering.errors import InvalidArgumentError, TieringError
 from tiering.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
-from tiering.replay import ReplayNode, ReplaySummary, percentiles_ms
+from tiering.replay import ReplayNode, ReplaySummary, device_blocks_for, percentiles_ms, summed
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
@@ -181,8 +176,8 @@ class _ZmqLink:
 
 _PROBE = OffloadingEvent([], 0, "PROBE", False)  # an empty batch: tells the router nothing
 
-SHARED_LABELS = frozenset({"redis"})
-"""Tiers (by their label in the figures) that a fleet's nodes share."""
+SHARED_TIERS = frozenset({"redis"})
+"""Tier types (and so their labels in the figures) every node of a fleet shares."""
 
 TRANSPORTS = ("direct", "zmq")
 """How a fleet replay carries KV events to the router."""
@@ -223,7 +218,7 @@ class FleetSummary:
 
     def _shared_counters(self, label: str) -> dict[str, int]:
         """A shared tier's counters summed over its clients, but for the server's own."""
-        counters = _summed(n.tier_counters.get(label, {}) for n in self.nodes)
+        counters = summed(n.tier_counters.get(label, {}) for n in self.nodes)
         if "server_keys" in counters:
             counters["server_keys"] = max(
                 n.tier_counters.get(label, {}).get("server_keys", 0) for n in self.nodes
@@ -232,7 +227,7 @@ class FleetSummary:
 
     def to_json(self) -> dict[str, Any]:
         """The summary as plain JSON values."""
-        by_source = _summed(n.hits_by_tier for n in self.nodes)
+        by_source = summed(n.hits_by_tier for n in self.nodes)
         requests = sum(n.requests for n in self.nodes)
         return {
             "router": self.router,
@@ -252,7 +247,7 @@ class FleetSummary:
             "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
             "restarts": self.restarts,
             "lost_event_batches": self.lost_event_batches,
-            "bytes_by_path": _summed(n.bytes_by_path for n in self.nodes),
+            "bytes_by_path": summed(n.bytes_by_path for n in self.nodes),
             "job_latency_ms": {
                 "store": percentiles_ms([t for n in self.nodes for t in n.store_latency_s]),
                 "load": percentiles_ms([t for n in self.nodes for t in n.load_latency_s]),
@@ -260,14 +255,14 @@ class FleetSummary:
             "shared_tier_counters": {
                 label: self._shared_counters(label)
                 for label in sorted({k for n in self.nodes for k in n.tier_counters})
-                if label in SHARED_LABELS
+                if label in SHARED_TIERS
             },
             "footprint_blocks": self.footprint_blocks,
             "own_capacity_blocks": sum(
                 blocks
                 for n in self.nodes
                 for label, blocks in n.capacity_blocks.items()
-                if label not in SHARED_LABELS
+                if label not in SHARED_TIERS
             ),
             "timeline": [
                 {
@@ -285,7 +280,7 @@ async def replay_fleet(
     *,
     nodes: int,
     router: str,
-    device_blocks: int,
+    device_blocks: int | None = None,
     block_bytes: int,
     full_blocks_only: bool = False,
     settle: bool = True,
@@ -294,7 +289,8 @@ async def replay_fleet(
     transport: str = "direct",
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
-    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`.
+    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
+    device cache of ``device_blocks`` (default: the longest request's).
 
     ``kv-aware`` needs engines with ``enable_events``. ``settle`` lets each store reach
     every tier before the next request; ``outages`` stop and restart nodes; ``window``
@@ -310,12 +306,7 @@ async def replay_fleet(
             f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
         )
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
-    longest = max((len(k) for k in keyed), default=0)
-    if longest > positive_int("device_blocks", device_blocks):
-        raise InvalidArgumentError(
-            f"device_blocks ({device_blocks}) is smaller than the longest request "
-            f"({longest} blocks)"
-        )
+    device_blocks = device_blocks_for(keyed, device_blocks)
     fleet = [
         ReplayNode(lambda kv, n=n: make_engine(n, kv), device_blocks, block_bytes, settle=settle)
         for n in range(nodes)
@@ -374,13 +365,6 @@ async def replay_fleet(
     for node in fleet:
         node.closed()
     return summary
-
-
-def _summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    total: Counter[str] = Counter()
-    for mapping in mappings:
-        total.update(mapping)
-    return dict(total)
 
 
 __all__ = ["ROUTERS", "TRANSPORTS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

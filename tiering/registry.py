@@ -15,6 +15,7 @@ from typing import Any
 from tiering.errors import ConfigError, InvalidArgumentError, UnknownTierError
 from tiering.options import Options, Text
 from tiering.secondary import SecondaryTierManager
+from tiering.validation import as_list
 
 ENTRY_POINT_GROUP = "kv_tiering.tiers"
 
@@ -66,18 +67,11 @@ def make_tier(
     *,
     defaults: Mapping[str, Any] | None = None,
 ) -> SecondaryTierManager:
-    """Build a secondary tier over the host pool from a name, a mapping
-    ``{"type": name, **options}`` or a callable ``factory(primary_kv_view, block_bytes)``.
-    A named tier's options go through :func:`check_options` (with ``defaults``: the
-    engine passes ``namespace``) before it is built.
-
-    Raises:
-        UnknownTierError: no tier is known by that name (the message lists the known
-            ones), or a built-in's module cannot be imported.
-        InvalidArgumentError: ``spec`` has the wrong shape, an option is bad or the tier
-            rejects it (the message names the tier and the option), or the factory
-            returned something that is not a SecondaryTierManager.
-    """
+    """A secondary tier over the host pool from a :data:`TierSpec`; a named tier's options
+    go through :func:`check_options` (with ``defaults``: the engine's ``namespace``) first.
+    Raises UnknownTierError (listing the known tiers) as :func:`tier_factory`, and
+    InvalidArgumentError naming the tier and the option for a bad spec or option, or a
+    factory that returned no SecondaryTierManager."""
     if isinstance(spec, str | Mapping):
         name, options = (spec, {}) if isinstance(spec, str) else _split_mapping(spec)
         factory = tier_factory(name)
@@ -112,17 +106,11 @@ def check_options(
     defaults: Mapping[str, Any] | None = None,
     where: str = "",
 ) -> dict[str, object]:
-    """``options`` of the tier registered as ``name``, checked and converted by its
-    typed options (a size string to bytes, :class:`~tiering.options.Text` to the
-    field's type), with the ``defaults`` those declare where ``options`` leaves them
-    out. A tier without typed options checks its own: it gets ``options`` as given
-    (text read as TOML) and no defaults.
-
-    Raises:
-        UnknownTierError: as :func:`tier_factory`.
-        InvalidArgumentError: (ConfigError when ``where`` is given) naming the option
-            (``where.option``), its value and the reason.
-    """
+    """``options`` of the tier registered as ``name``, checked and converted by its typed
+    options, with the ``defaults`` those declare where ``options`` leaves them out; a tier
+    without typed options gets them as given (text read as TOML) and no defaults. Raises
+    UnknownTierError as :func:`tier_factory`, InvalidArgumentError (ConfigError when
+    ``where`` is given) naming ``where.option``, its value and the reason."""
     error = ConfigError if where else InvalidArgumentError
     if not isinstance(options, Mapping):
         raise error(
@@ -160,12 +148,7 @@ def tier_specs(specs: object) -> list[TierSpec]:
             f"secondary_tiers must be a list of tier specs, got one spec {specs!r:.60}; "
             "wrap it in a list"
         )
-    try:
-        out = list(specs)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"secondary_tiers must be an iterable of tier specs, got {specs!r:.60}"
-        ) from None
+    out = as_list("secondary_tiers", specs, "tier specs")
     for i, spec in enumerate(out):
         if not (isinstance(spec, str | Mapping) or callable(spec)):
             raise InvalidArgumentError(
@@ -186,14 +169,9 @@ def _split_mapping(spec: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def tier_factory(name: str) -> TierFactory:
-    """The factory (usually the tier class) registered under ``name``: registered
-    ones first, then the built-ins, then ``kv_tiering.tiers`` entry points.
-
-    Raises:
-        UnknownTierError: nothing is registered under ``name``, or its module cannot be
-            imported.
-        InvalidArgumentError: its entry point is not callable.
-    """
+    """The factory (usually the tier class) under ``name``: registered ones first, then
+    the built-ins, then entry points. Raises UnknownTierError if there is none or its
+    module cannot be imported, InvalidArgumentError if its entry point is not callable."""
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:

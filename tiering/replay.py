@@ -1,25 +1,8 @@
-"""Replay a workload: through a real engine, or as bookkeeping only.
-
-:func:`replay` drives a real :class:`~tiering.engine.TieringEngine`: real bytes through
-its host pool and tiers, with a simulated device KV cache of ``device_blocks`` blocks
-used as staging. Per request, in order:
-
-1. ``touch`` the prompt's blocks and ``lookup`` how many leading ones the tiers hold;
-2. ``load`` that prefix into device blocks and compare every loaded block with the
-   bytes its hash stands for (:func:`expected_bytes`): a difference is a *mismatch*;
-3. "compute" the rest: fill their device blocks with the bytes their hashes stand for;
-4. ``store`` them.
-
-A key a load could not bring (a tier failed, or lost it) ends the hit there: it and
-the blocks after it are computed and stored again, as a server would.
-
-:class:`CacheModel` is the bookkeeping-only replay of the same steps (no bytes): the CPU
-tier's own :class:`~tiering.manager.CPUOffloadingManager`, called exactly as the engine
-calls it, and per secondary tier either a least-recently-used set (a memory tier) or,
-for the segment-layout NVMe tier, that tier's own index driven as the tier drives it
-(:class:`SegmentLayout`). When each store's cascade ends before the next request
-(``settle``) its hit ratio is the engine's, block for block, evicting tiers included;
-:func:`simulate` runs it over a workload, fast enough for a capacity sweep.
+"""Replay a workload through a real engine (:func:`replay`: real bytes, every loaded block
+checked against :func:`expected_bytes`), or as bookkeeping only (:class:`CacheModel` and
+:func:`simulate`: the CPU tier's own manager and, per secondary tier, a least-recently-used
+set or the NVMe tier's own segment index, fast enough for a capacity sweep). docs/replay.md
+gives a request's steps and when the two agree block for block.
 """
 
 from __future__ import annotations
@@ -28,8 +11,8 @@ import asyncio
 import hashlib
 import statistics
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,28 +29,21 @@ from tiering.tenancy import Tenancy
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
-CPU = "cpu"
-"""The CPU tier's name in hit and byte figures."""
-ASK_AGAIN_S = 1.0
-"""How long a replay asks a lookup again while a tier answers "ask again"."""
+CPU = "cpu"  # the CPU tier's name in hit and byte figures
+ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers "ask again"
 
 
 def expected_bytes(key: bytes, nbytes: int) -> np.ndarray:
-    """The bytes block ``key`` stands for in a replay: a 64-byte BLAKE2b digest of the
-    key, repeated to ``nbytes`` (a uint8 array). Distinct keys give distinct blocks."""
-    digest = np.frombuffer(hashlib.blake2b(key, digest_size=64).digest(), dtype=np.uint8)
-    return np.resize(digest, nbytes)
-
-
-# ------------------------------------------------------------------ bookkeeping
+    """The bytes block ``key`` stands for in a replay: its 64-byte BLAKE2b digest repeated
+    to ``nbytes`` (a uint8 array)."""
+    return np.resize(_digests([key])[0], nbytes)
 
 
 @dataclass(frozen=True, slots=True)
 class SegmentLayout:
-    """An NVMe tier in the segment layout (``"nvme"``) as the bookkeeping models it: its
-    capacity in records, the records a segment takes, the fraction of recent uses whose
-    blocks an evicted segment writes again, and the most records one store job moves.
-    :func:`tier_layout` reads them off a tier."""
+    """The NVMe tier as the bookkeeping models it (:func:`tier_layout` reads it off one):
+    its capacity in records, a segment's records, the fraction of recent uses an evicted
+    segment writes again, and the most records one store job moves."""
 
     capacity_records: int
     records_per_segment: int
@@ -75,17 +51,12 @@ class SegmentLayout:
     moves_per_job: int
 
     def __post_init__(self) -> None:
-        """Raises: InvalidArgumentError for a count that is not a positive int, or a
+        """Raises InvalidArgumentError for a count that is not a positive int, or a
         ``hot_fraction`` outside [0, 1]."""
         for name in ("capacity_records", "records_per_segment", "moves_per_job"):
             positive_int(name, getattr(self, name))
-        fraction = self.hot_fraction
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, int | float)
-            or not 0 <= fraction <= 1
-        ):
-            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {fraction!r}")
+        if type(self.hot_fraction) not in (int, float) or not 0 <= self.hot_fraction <= 1:
+            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {self.hot_fraction!r}")
 
 
 TierLayout = int | SegmentLayout | None
@@ -94,8 +65,7 @@ TierLayout = int | SegmentLayout | None
 
 
 class _LRUSet:
-    """A secondary tier in the model: the keys it holds, least recently used first (a
-    memory tier, or any tier that evicts the least recently used block)."""
+    """A tier that evicts the least recently used key: its keys, least recent first."""
 
     __slots__ = ("capacity", "keys")
 
@@ -126,10 +96,9 @@ class _LRUSet:
 
 
 class _SegmentLog:
-    """The NVMe tier in the model: the tier's own index (:class:`backends.
-    nvme_segment_index.SegmentIndex`), driven as the tier drives it: touches and loads
-    mark keys used in the order given, and a store job makes room with the tier's own
-    :meth:`~backends.nvme_segment_index.SegmentIndex.plan_room`."""
+    """The NVMe tier's own index (:class:`backends.nvme_segment_index.SegmentIndex`),
+    driven as the tier drives it: touches and loads mark keys used, a store job makes
+    room with the index's own ``plan_room``."""
 
     __slots__ = ("_digest", "_index", "_moves_per_job")
 
@@ -152,8 +121,7 @@ class _SegmentLog:
     def touch(self, hashes: Sequence[bytes]) -> None:
         self._index.touch(map(self._digest, hashes))
 
-    def loaded(self, hashes: Sequence[bytes]) -> None:
-        self._index.touch(map(self._digest, hashes))
+    loaded = touch  # a load marks its keys used
 
     def add(self, hashes: Sequence[bytes]) -> None:
         """One store job of keys the tier lacks."""
@@ -170,10 +138,8 @@ class _SegmentLog:
 
 
 def tier_layout(tier: object) -> TierLayout:
-    """How the model represents ``tier`` (an open or closed secondary tier): a
-    :class:`SegmentLayout` for the segment-layout NVMe tier, else its capacity in blocks
-    from its statistics (``capacity_blocks``, or ``capacity_bytes`` over its block
-    size), or None where it reports neither."""
+    """How the model represents ``tier`` (open or closed): a :class:`SegmentLayout` for the
+    NVMe tier, else its capacity in blocks from its statistics, or None (unbounded)."""
     records = getattr(tier, "records_per_segment", None)
     stats = tier.statistics()  # type: ignore[attr-defined]
     block_bytes = int(getattr(tier, "block_bytes", 0))
@@ -194,19 +160,10 @@ def tier_layout(tier: object) -> TierLayout:
 
 
 class CacheModel:
-    """The bookkeeping of a replay, without bytes: what each request would hit, where.
-
-    Args:
-        cpu_blocks: the CPU tier's capacity.
-        policy: its eviction policy's name.
-        tier_blocks: one :data:`TierLayout` per secondary tier, fastest first: a
-            capacity in blocks (least recently used evicted), a :class:`SegmentLayout`,
-            or None (unbounded). Stores go to every tier that lacks the block
-            (write-through).
-        tier_names: their names in :attr:`hits` (default ``tier0``, ``tier1``...).
-
-    Raises:
-        InvalidArgumentError / UnknownPolicyError: a bad capacity or policy name.
+    """The bookkeeping of a replay, without bytes: what each request would hit, where. A
+    CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
+    secondary tier, fastest first, written through, named ``tier_names`` in :attr:`hits`
+    (default ``tier0``, ``tier1``...). Raises InvalidArgumentError or UnknownPolicyError.
     """
 
     def __init__(
@@ -288,14 +245,8 @@ def simulate(
     full_blocks_only: bool = False,
     tenants: int = 1,
 ) -> CacheModel:
-    """Run ``requests`` through a fresh :class:`CacheModel`; returns it, with its hit
-    figures. With ``tenants`` above 1 each request is sent once per tenant, under that
-    tenant's keys, as :func:`replay` sends it.
-
-    Raises:
-        InvalidArgumentError / UnknownPolicyError: as :class:`CacheModel`, or a bad
-            ``tenants``.
-    """
+    """A fresh :class:`CacheModel` that ran ``requests``, once per tenant under the
+    tenant's keys as :func:`replay` sends them. Raises as :class:`CacheModel`."""
     model = CacheModel(cpu_blocks, policy, tier_blocks)
     names = tenant_names(tenants)
     tenancy = Tenancy()
@@ -308,27 +259,15 @@ def simulate(
 
 def tenant_names(tenants: int) -> list[str | None]:
     """The tenants a replay sends each request for: ``tenant-0``, ``tenant-1``... (one
-    tenant: None, the untenanted calls).
-
-    Raises:
-        InvalidArgumentError: ``tenants`` is not a positive int.
-    """
+    tenant: None, the untenanted calls). Raises InvalidArgumentError for a bad count."""
     tenants = positive_int("tenants", tenants)
     return [f"tenant-{i}" for i in range(tenants)] if tenants > 1 else [None]
 
 
-# ------------------------------------------------------------------ engine replay
-
-
 @dataclass
 class ReplaySummary:
-    """What a replay through the engine did; :meth:`to_json` is its stable form.
-
-    Hit ratios are hit blocks / requested blocks, overall and by the tier each hit came
-    from (``cpu``, then the secondary tiers by type). ``bytes_by_path`` counts payload
-    bytes per direction (``device->cpu``, ``cpu->device``, ``cpu-><tier>``,
-    ``<tier>->cpu``), from the engine's and the tiers' counters.
-    """
+    """What a replay through the engine did; :meth:`to_json` is its stable form (its
+    fields: docs/replay.md). Secondary tiers are named by :func:`tier_labels`."""
 
     requests: int = 0
     blocks: int = 0
@@ -345,24 +284,18 @@ class ReplaySummary:
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
     tier_layouts: dict[str, TierLayout] = field(default_factory=dict, repr=False)
-    """How the bookkeeping model represents each secondary tier (:func:`tier_layout`)."""
     failed_blocks_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed."""
     tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
-    """Per secondary tier: its own failures by cause (``statistics().failures``); under
-    ``cpu``, the engine's (which count the failed tier blocks too)."""
+    """Per secondary tier, its failures by cause; under ``cpu``, the engine's."""
     tier_types: dict[str, str] = field(default_factory=dict, repr=False)
-    """Each secondary tier's type, by its name in the figures."""
     warm_blocks: dict[str, int] = field(default_factory=dict)
-    """Blocks each secondary tier held when the first request came (a reused NVMe
-    root, say); only tiers that held some."""
+    """Blocks each secondary tier held when the first request came (only those held)."""
     warm_hits: int = 0
-    """Hit blocks that no request of this replay stored: the tiers held them before (in
-    a fleet, also those another node stored in a shared tier)."""
+    """Hit blocks no request of this replay stored (in a fleet, nor this node)."""
     tenants: int = 1
     cross_tenant_hits: int = 0
-    """Hit blocks a tenant never stored itself but another tenant of this replay did:
-    zero unless isolation broke."""
+    """Hit blocks a tenant never stored but another tenant did: 0 unless isolation broke."""
 
     @property
     def hit_ratio(self) -> float:
@@ -420,7 +353,7 @@ async def replay(
     requests: Sequence[Request],
     make_engine: Callable[[torch.Tensor], TieringEngine],
     *,
-    device_blocks: int,
+    device_blocks: int | None = None,
     block_bytes: int,
     pace: float | None = None,
     full_blocks_only: bool = False,
@@ -432,52 +365,25 @@ async def replay(
     | None = None,
 ) -> ReplaySummary:
     """Replay ``requests`` through the engine ``make_engine(device_kv)`` builds around a
-    device KV cache of ``device_blocks`` blocks of ``block_bytes`` bytes (a CPU tensor),
-    and close it.
+    device KV cache (a CPU tensor) of ``device_blocks`` blocks (default: the longest
+    request's) of ``block_bytes`` bytes, and close it; docs/replay.md gives the steps.
 
-    Args:
-        pace: None to run as fast as possible; otherwise a speed-up of the workload's
-            own arrival times (1.0: as recorded, 2.0: twice as fast).
-        verify: compare every loaded block with its expected bytes (mismatches).
-        settle: let each store's cascade to the secondary tiers end before the next
-            request. The CPU tier never evicts a block still being written to a tier,
-            so without it the engine may evict other blocks than the bookkeeping model
-            does when the tiers are slow; with it the two agree block for block.
-        tenants: with more than one, every request is sent once by each of that many
-            tenants (``tenant-0``, ``tenant-1``, ...), in turn: identical prompts from
-            tenants the engine must keep apart. Each tenant's blocks carry bytes of
-            their own (those of the tenant's keys, :meth:`TieringEngine.tenant_keys`),
-            so a block served across tenants is a mismatch, and every hit on a block
-            the tenant never stored but another did counts in ``cross_tenant_hits``
-            (one nobody stored in this replay, in ``warm_hits``).
-        on_request: called after each request with its number and the summary so far.
-        on_open: called once the engine is open, with it and the loop-lag monitor; the
-            context manager it returns is left when the replay ends (serve metrics
-            with it, say).
-
-    Returns:
-        The summary; ``mismatches`` counts loaded blocks whose bytes were wrong, which
-        never happens unless a tier served wrong bytes.
-
-    Raises:
-        InvalidArgumentError: a bad argument, or a request longer than ``device_blocks``
-            (naming the request); nothing ran.
-        TieringError: the engine could not start.
+    ``pace``: None (as fast as possible) or a speed-up of the arrival times. ``verify``:
+    compare every loaded block with its expected bytes (``mismatches``). ``settle``: let
+    each store's cascade end before the next request (the engine then evicts as the
+    bookkeeping model does). ``tenants``: send each request once per tenant, with bytes
+    of the tenant's keys (a block served across tenants is a mismatch). ``on_request(
+    number, summary)`` runs after each request; ``on_open(engine, loop_lag)`` once the
+    engine is open, its context manager left when the replay ends (a metrics server).
+    Raises InvalidArgumentError (nothing ran) for a bad argument or a request longer than
+    ``device_blocks``, TieringError if the engine could not start.
     """
-    device_blocks = positive_int("device_blocks", device_blocks)
+    keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
+    device_blocks = device_blocks_for(keyed, device_blocks)
     nbytes = positive_int("block_bytes", block_bytes)
-    if pace is not None and (
-        isinstance(pace, bool) or not isinstance(pace, int | float) or not pace > 0
-    ):
+    if pace is not None and (type(pace) not in (int, float) or not pace > 0):
         raise InvalidArgumentError(f"pace must be None or a positive number, got {pace!r}")
     names = tenant_names(tenants)
-    keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
-    for number, keys in enumerate(keyed):
-        if len(keys) > device_blocks:
-            raise InvalidArgumentError(
-                f"device_blocks ({device_blocks}) is smaller than request {number}, which "
-                f"has {len(keys)} blocks; give at least {max(map(len, keyed))}"
-            )
     node = ReplayNode(make_engine, device_blocks, nbytes, verify=verify, settle=settle)
     async with node.engine, LoopLagMonitor() as lag:
         with on_open(node.engine, lag) if on_open is not None else nullcontext():
@@ -498,13 +404,26 @@ async def replay(
     return node.summary
 
 
+def device_blocks_for(keyed: Sequence[Sequence[bytes]], device_blocks: int | None) -> int:
+    """``device_blocks`` (None: the longest request's blocks) for requests of these keys.
+    Raises InvalidArgumentError, naming the first request it cannot hold."""
+    longest = max(map(len, keyed), default=0)
+    if device_blocks is None:
+        return max(1, longest)
+    positive_int("device_blocks", device_blocks)
+    for number, keys in enumerate(keyed):
+        if len(keys) > device_blocks:
+            raise InvalidArgumentError(
+                f"device_blocks ({device_blocks}) is smaller than request {number}, which "
+                f"has {len(keys)} blocks; give at least {longest}"
+            )
+    return device_blocks
+
+
 class ReplayNode:
     """One engine under replay: its device cache (staging), its tiers' names and its
-    summary. ``make_engine(device_kv)`` builds the engine; enter ``node.engine`` (``async
-    with``) around the requests, and call :meth:`closed` after it closed.
-
-    Raises (constructor): what ``make_engine`` raises.
-    """
+    summary. ``make_engine(device_kv)`` builds the engine (raising what it raises); enter
+    ``node.engine`` (``async with``) around the requests, then call :meth:`closed`."""
 
     def __init__(
         self,
@@ -574,11 +493,8 @@ class ReplayNode:
             job = engine.store(keys[n:], range(n, len(keys)), tenant=tenant)
             result = await job
             summary.store_latency_s.append(time.perf_counter() - began)
-            if result.success:
-                own.update(keys[n:])
-            else:  # a failed job's keys not named failed did land
-                failed = set(result.failed_keys) if result.failed_keys else set(keys[n:])
-                own.update(k for k in keys[n:] if k not in failed)
+            failed = set() if result.success else set(result.failed_keys or keys[n:])
+            own.update(key for key in keys[n:] if key not in failed)  # the others landed
             if not result.success:
                 summary.failed_stores += 1
             elif self.settle:
@@ -586,10 +502,9 @@ class ReplayNode:
         return n
 
     async def _lookup(self, keys: list[bytes], held: list[bytes], tenant: str | None) -> int:
-        """``engine.lookup``, asked again (as a scheduler does each step) while a tier
-        answers "ask again" (None) for the first block that missed (asked under the key
-        it holds, ``held``), for up to :data:`ASK_AGAIN_S`: a remote tier checks
-        presence in the background."""
+        """``engine.lookup``, asked again (as a scheduler does each step) for up to
+        :data:`ASK_AGAIN_S` while a tier answers "ask again" (None) for the first block
+        that missed (under the key it holds): a remote tier checks in the background."""
         engine = self.engine
         n = engine.lookup(keys, tenant=tenant)
         deadline = time.monotonic() + ASK_AGAIN_S
@@ -605,68 +520,46 @@ class ReplayNode:
     def restarted(self) -> ReplayNode:
         """A node with a fresh engine from the same factory (its tiers' persistent data,
         an NVMe root, comes back), carrying on this node's summary."""
-        node = ReplayNode(
-            self._make_engine,
-            self.staging.shape[0],
-            self.staging.shape[1],
-            verify=self.verify,
-            settle=self.settle,
-        )
+        blocks, nbytes = self.staging.shape
+        node = ReplayNode(self._make_engine, blocks, nbytes, verify=self.verify, settle=self.settle)
         node.summary = self.summary
         return node
 
     def closed(self) -> None:
         """Take the bytes moved per path, each tier's counters, failures, layout and
-        capacity in blocks, and the blocks that failed per tier, from the closed engine
-        (every cascade counted)."""
+        capacity, and the blocks that failed per tier, from the closed engine (every
+        cascade counted; a restarted node's figures add up)."""
         engine, summary = self.engine, self.summary
         labels = tier_labels(engine)
         summary.bytes_by_path = _bytes_by_path(engine, labels)
         summary.capacity_blocks[CPU] = engine.manager.num_blocks
-        engine_failures = engine.statistics().failures
-        causes = summary.tier_failures.setdefault(CPU, {})
-        for cause, count in engine_failures.items():
-            causes[cause] = causes.get(cause, 0) + count
+        failures = engine.statistics().failures
+        _add(summary.tier_failures, CPU, failures)
         for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
-            failed = summary.failed_blocks_by_tier.setdefault(name, {"load": 0, "store": 0})
-            for kind in ("load", "store"):  # a restarted node adds up
-                failed[kind] += engine_failures.get(f"{name} tier {kind} failed", 0)
+            failed = {
+                kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
+            }
+            _add(summary.failed_blocks_by_tier, name, failed)
         for label, tier in zip(labels, engine.tiers, strict=True):
             stats = tier.statistics()
-            counters = summary.tier_counters.setdefault(label, {})
-            for name, value in stats.counters.items():  # a restarted node adds up
-                counters[name] = counters.get(name, 0) + value
-            causes = summary.tier_failures.setdefault(label, {})
-            for cause, count in stats.failures.items():
-                causes[cause] = causes.get(cause, 0) + count
+            _add(summary.tier_counters, label, stats.counters)
+            _add(summary.tier_failures, label, stats.failures)
             summary.tier_layouts[label] = tier_layout(tier)
             summary.tier_types[label] = tier.get_tier_type()
-            if stats.capacity_blocks:
-                summary.capacity_blocks[label] = stats.capacity_blocks
-            elif stats.capacity_bytes:
-                summary.capacity_blocks[label] = stats.capacity_bytes // engine.block_bytes
+            if capacity := stats.capacity_blocks or stats.capacity_bytes // engine.block_bytes:
+                summary.capacity_blocks[label] = capacity
 
 
-def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
-    """How many of the first ``len(keys)`` device blocks differ from their keys' bytes."""
-    if not keys:
-        return 0
-    matches = _blocks_view(staging, 0, len(keys)) == _digests(keys)[:, None, :]
-    tail = _tail(staging, 0, len(keys))
-    good = matches.all(axis=(1, 2))
-    if tail is not None:
-        good &= (tail == _digests(keys)[:, : tail.shape[1]]).all(axis=1)
-    return int(len(keys) - good.sum())
+def summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """The counts of ``mappings`` added up by name (a name counted 0 kept)."""
+    total: Counter[str] = Counter()
+    for mapping in mappings:
+        total.update(mapping)
+    return dict(total)
 
 
-def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
-    """Fill device blocks ``first..`` with their keys' bytes, as a model would compute them."""
-    rest = keys[first:]
-    digests = _digests(rest)
-    _blocks_view(staging, first, len(keys))[...] = digests[:, None, :]
-    tail = _tail(staging, first, len(keys))
-    if tail is not None:
-        tail[...] = digests[:, : tail.shape[1]]
+def _add(table: dict[str, dict[str, int]], name: str, counts: Mapping[str, int]) -> None:
+    table[name] = summed([table.get(name, {}), counts])
 
 
 # Whole-request array operations, not a loop per block: NumPy lets go of the GIL while it
@@ -674,29 +567,43 @@ def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
 # switch interval (5 ms) at a time.
 
 
+def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
+    """How many of the first ``len(keys)`` device blocks differ from their keys' bytes."""
+    if not keys:
+        return 0
+    whole, tail = _views(staging, 0, len(keys))
+    digests = _digests(keys)
+    good = (whole == digests[:, None, :]).all(axis=(1, 2))
+    good &= (tail == digests[:, : tail.shape[1]]).all(axis=1)
+    return len(keys) - int(good.sum())
+
+
+def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
+    """Fill device blocks ``first..`` with their keys' bytes, as a model would compute them."""
+    whole, tail = _views(staging, first, len(keys))
+    digests = _digests(keys[first:])
+    whole[...] = digests[:, None, :]
+    tail[...] = digests[:, : tail.shape[1]]
+
+
 def _digests(keys: list[bytes]) -> np.ndarray:
-    """Each key's 64-byte digest, one row per key (the pattern :func:`expected_bytes`
-    repeats)."""
+    """Each key's 64-byte BLAKE2b digest, one row per key."""
     joined = b"".join(hashlib.blake2b(key, digest_size=64).digest() for key in keys)
     return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 64)
 
 
-def _blocks_view(staging: np.ndarray, first: int, last: int) -> np.ndarray:
-    """Blocks ``first..last`` as (blocks, repeats, 64): the whole 64-byte repeats."""
+def _views(staging: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks ``first..last`` as their whole 64-byte repeats, (blocks, repeats, 64), and
+    the bytes after the last whole repeat: views, never copies (a reshape of a row slice
+    would copy when bytes are left after the repeats)."""
     repeats = staging.shape[1] // 64
-    # A view, never a copy (a reshape of a row slice would copy when a tail is left).
-    return np.lib.stride_tricks.as_strided(
+    whole = np.lib.stride_tricks.as_strided(
         staging[first:last],
         shape=(last - first, repeats, 64),
         strides=(staging.strides[0], 64, 1),
         writeable=True,
     )
-
-
-def _tail(staging: np.ndarray, first: int, last: int) -> np.ndarray | None:
-    """The bytes after the last whole repeat of blocks ``first..last`` (None if none)."""
-    start = staging.shape[1] // 64 * 64
-    return staging[first:last, start:] if start < staging.shape[1] else None
+    return whole, staging[first:last, repeats * 64 :]
 
 
 def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
@@ -712,10 +619,7 @@ def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
 def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
     size = engine.block_bytes
     counters = engine.statistics().counters
-    paths = {
-        "device->cpu": counters["bytes_to_host"],
-        "cpu->device": counters["bytes_to_device"],
-    }
+    paths = {"device->cpu": counters["bytes_to_host"], "cpu->device": counters["bytes_to_device"]}
     for label, tier in zip(labels, engine.tiers, strict=True):
         tier_counters = tier.statistics().counters
         paths[f"cpu->{label}"] = tier_counters.get("stored_blocks", 0) * size
@@ -730,10 +634,12 @@ __all__ = [
     "ReplaySummary",
     "SegmentLayout",
     "TierLayout",
+    "device_blocks_for",
     "expected_bytes",
     "percentiles_ms",
     "replay",
     "simulate",
+    "summed",
     "tenant_names",
     "tier_labels",
     "tier_layout",

@@ -1,13 +1,8 @@
-"""The residency index that the memory and NVMe tiers share: keys, pins, room, eviction.
-
-:class:`ResidencyIndex` is sans-I/O; the tier owns the bytes and tells it what happened.
-
-* **resident**: a key whose bytes are complete in the tier; it is in the policy.
-* **pin**: one counted reason a key may not be evicted now (a load, a write or removal
-  in progress, or a caller's :meth:`~ResidencyIndex.hold`); a key not yet resident may
-  be pinned, protecting it from the moment it becomes resident.
-* **reserved**: units of room promised to stores in progress (or taken by no resident
-  key). Resident keys plus reserved units never exceed the capacity.
+"""The memory tier's residency index (sans-I/O; the tier owns the bytes and tells it what
+happened). A key is *resident* once its bytes are complete in the tier (it is then in the
+policy); a *pin* is one counted reason a key may not be evicted now (a load in progress,
+a caller's :meth:`~ResidencyIndex.hold`), taken before or after the key is resident;
+*reserved* units are room promised to stores in progress (or held by no resident key).
 """
 
 from __future__ import annotations
@@ -36,13 +31,10 @@ def _hex(key: BlockHash) -> str:
 
 
 class ResidencyIndex:
-    """Resident keys, pins and eviction for a tier of ``capacity`` blocks.
-
-    A pinned or protected key is never evicted; ``len(index) + index.reserved <=
-    index.capacity`` after every call (a lower ``limit`` is restored as far as unpinned
-    keys allow); counts are exact; a call that raises changes nothing. Raises
-    InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``.
-    """
+    """Resident keys, pins and eviction for a tier of ``capacity`` blocks. A pinned or
+    protected key is never evicted; ``len(index) + index.reserved <= index.capacity``
+    after every call; counts are exact; a call that raises changes nothing. Raises
+    InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``."""
 
     def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru") -> None:
         self.capacity = positive_int("capacity", capacity)
@@ -59,20 +51,6 @@ class ResidencyIndex:
 
     def __contains__(self, key: object) -> bool:
         return key in self._resident
-
-    def keys(self) -> list[BlockHash]:
-        """The resident keys, in no particular order (a copy)."""
-        return list(self._resident)
-
-    @property
-    def policy(self) -> EvictionPolicy:
-        """The eviction policy (bound to :attr:`capacity`)."""
-        return self._policy
-
-    @property
-    def room(self) -> int:
-        """Units neither resident nor reserved (never negative)."""
-        return max(0, self.capacity - len(self._resident) - self.reserved)
 
     @property
     def pinned_resident(self) -> int:
@@ -100,7 +78,7 @@ class ResidencyIndex:
         if reserved:
             if self.reserved <= 0:
                 raise InvalidArgumentError(f"insert of {_hex(key)} from a reservation, but none")
-        elif key not in self._resident and self.room <= 0:
+        elif key not in self._resident and len(self._resident) + self.reserved >= self.capacity:
             raise InvalidArgumentError(
                 f"insert of {_hex(key)}: the index is full ({self.capacity} blocks)"
             )
@@ -112,16 +90,6 @@ class ResidencyIndex:
         self._policy.insert(key)
         if key in self._pins:
             self._pinned_resident += 1
-        return True
-
-    def remove(self, key: BlockHash) -> bool:
-        """Drop ``key`` without eviction; False if absent. Its pins and holds stay."""
-        if key not in self._resident:
-            return False
-        self._resident.discard(key)
-        self._policy.remove(key)
-        if key in self._pins:
-            self._pinned_resident -= 1
         return True
 
     def touch(self, keys: Collection[BlockHash]) -> None:
@@ -140,19 +108,12 @@ class ResidencyIndex:
         self._pinned_resident = 0
         return dropped
 
-    def reserve(
-        self, count: int, *, protected: Collection[BlockHash] = (), limit: int | None = None
-    ) -> Room:
-        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed;
-        ``limit`` further bounds resident plus reserved units, and eviction restores it.
-        InvalidArgumentError for a negative ``count`` or a ``limit`` that is not an int.
-        """
+    def reserve(self, count: int, *, protected: Collection[BlockHash] = ()) -> Room:
+        """Reserve up to ``count`` units, evicting unpinned, unprotected keys if needed.
+        InvalidArgumentError for a negative ``count``."""
         if not isinstance(count, int) or count < 0:
             raise InvalidArgumentError(f"count must be an int >= 0, got {count!r}")
-        if limit is not None and not isinstance(limit, int):
-            raise InvalidArgumentError(f"limit must be an int or None, got {limit!r}")
-        bound = self.capacity if limit is None else min(self.capacity, limit)
-        room = bound - len(self._resident) - self.reserved
+        room = self.capacity - len(self._resident) - self.reserved
         victims: list[BlockHash] = []
         shortfall = count - room
         if shortfall > 0:

@@ -13,12 +13,8 @@ from tiering.errors import InvalidArgumentError
 
 
 def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
-    """``value`` as an int if it is an integer (not a bool) greater than zero (or equal
-    to it, with ``allow_zero``).
-
-    Raises:
-        InvalidArgumentError: naming ``name`` and the value otherwise.
-    """
+    """``value`` as an int if it is an integer (not a bool) above zero (or zero, with
+    ``allow_zero``); otherwise InvalidArgumentError naming ``name`` and the value."""
     if not isinstance(value, bool):
         try:
             number = operator.index(value)  # type: ignore[arg-type]
@@ -32,40 +28,39 @@ def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
 
 
 def hash_list(name: str, value: object) -> list[bytes]:
-    """``value`` as a new list of bytes (block hashes).
-
-    Raises:
-        InvalidArgumentError: naming ``name`` and the value, if ``value`` is one bytes
-            object, not iterable, or holds something that is not bytes.
-    """
+    """``value`` as a new list of bytes (block hashes). Raises InvalidArgumentError naming
+    ``name`` and the value if it is one bytes object, not iterable, or holds a non-bytes."""
     if isinstance(value, bytes | bytearray | memoryview | str):
         raise InvalidArgumentError(
             f"{name} must be a sequence of bytes hashes, got one {type(value).__name__} "
             f"{value!r:.60}; wrap a single hash in a list"
         )
-    hashes = _listed(name, value, "bytes")
+    hashes = as_list(name, value, "bytes")
     as_block_hashes(hashes, name)
     return hashes
 
 
-def device_id_list(name: str, value: object, limit: int) -> list[int]:
-    """``value`` as a new list of distinct ints in ``[0, limit)`` (device block ids).
+def as_list(name: str, value: object, what: str) -> list[Any]:
+    """``value`` as a new list; InvalidArgumentError naming ``name`` if not iterable."""
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{name} must be an iterable of {what}, got {value!r:.60}"
+        ) from None
 
-    Raises:
-        InvalidArgumentError: naming ``name`` and the value, if ``value`` is not a
-            sequence of ints, an id is out of range, or an id repeats.
-    """
+
+def device_id_list(name: str, value: object, limit: int) -> list[int]:
+    """``value`` as a new list of distinct ints in ``[0, limit)`` (device block ids); else
+    InvalidArgumentError naming ``name`` and the value."""
     ids = as_index_list(name, value)
     check_index_range(name, ids, limit, unique=True)
     return ids
 
 
 def as_index_list(name: str, values: object) -> list[int]:
-    """``values`` as a list of ints (``operator.index``; bools refused).
-
-    Raises InvalidArgumentError naming ``name`` and the value if ``values`` is not a sized
-    iterable (str and bytes refused) or holds something that is not an int.
-    """
+    """``values`` (a sized iterable, not str or bytes) as a list of ints (``operator.index``;
+    bools refused); else InvalidArgumentError naming ``name`` and the value."""
     if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
         raise InvalidArgumentError(f"{name} must be a sequence of ints, got {values!r}")
     out: list[int] = []
@@ -89,13 +84,8 @@ def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: b
         if not 0 <= value < limit:
             raise InvalidArgumentError(f"{name}: {value} is outside 0..{limit - 1}")
     if unique and len(set(values)) != len(values):
-        seen: set[int] = set()
-        for value in values:
-            if value in seen:
-                raise InvalidArgumentError(
-                    f"{name}: {value} appears twice; each block is named once"
-                )
-            seen.add(value)
+        twice = next(value for i, value in enumerate(values) if value in values[:i])
+        raise InvalidArgumentError(f"{name}: {twice} appears twice; each block is named once")
 
 
 def seconds(name: str, value: object, *, allow_zero: bool) -> float:
@@ -125,13 +115,3 @@ def check_host_memory(num_blocks: int, block_bytes: int) -> None:
             f"num_cpu_blocks={num_blocks} needs {num_blocks * block_bytes} bytes of host "
             f"memory ({block_bytes} per block); this machine has {total}"
         )
-
-
-def _listed(name: str, value: object, what: str) -> list[Any]:
-    """``value`` as a new list, or InvalidArgumentError naming ``name`` if not iterable."""
-    try:
-        return list(value)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"{name} must be an iterable of {what}, got {value!r:.60}"
-        ) from None

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiering.errors import InvalidArgumentError, TraceError
+from tiering.errors import TraceError
 from tiering.validation import positive_int
 
 TOKENS_PER_BLOCK = 512
@@ -50,10 +50,9 @@ class Request:
 
 
 def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request]:
-    """The first ``limit`` requests of a Mooncake-format JSON-lines trace, in file order.
-    Raises TraceError, naming file and line, if the file cannot be read, holds no request,
-    or has a line not of the format (``timestamp`` in ms, ``input_length``,
-    ``output_length``, ``hash_ids`` of 64-bit ints); InvalidArgumentError for a bad limit.
+    """The first ``limit`` requests of a Mooncake-format JSON-lines trace (docs/replay.md),
+    in file order. Raises TraceError, naming file and line, if the file cannot be read,
+    holds no request or has a line not of the format; InvalidArgumentError for a bad limit.
     """
     if limit is not None:
         limit = positive_int("limit", limit)
@@ -132,21 +131,12 @@ def synthetic_requests(
     ``system_prompts`` system prompts (Zipf-like popularity). A turn sends the system
     prompt, the conversation so far, ``user_blocks_per_turn`` new blocks and a partial
     block; the next follows an exponential think time of mean ``think_time_s``. Raises
-    InvalidArgumentError, naming the argument, for a bad count (block counts may be 0),
-    rate or time.
+    InvalidArgumentError (the ConfigError of ``[synthetic]``) naming a bad argument.
     """
-    sessions = positive_int("sessions", sessions)
-    turns_per_session = positive_int("turns_per_session", turns_per_session)
-    system_prompts = positive_int("system_prompts", system_prompts)
-    prompt_blocks = positive_int("system_prompt_blocks", system_prompt_blocks, allow_zero=True)
-    user_blocks = positive_int("user_blocks_per_turn", user_blocks_per_turn, allow_zero=True)
-    reply_blocks = positive_int("reply_blocks_per_turn", reply_blocks_per_turn, allow_zero=True)
-    for name, value in (("rate_per_s", rate_per_s), ("think_time_s", think_time_s)):
-        if not _is_number(value) or value <= 0:
-            raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
-    if not _is_int(seed):
-        raise InvalidArgumentError(f"seed must be an integer, got {seed!r}")
+    arguments = dict(locals())  # exactly the parameters: this is the first statement
+    from tiering.config import SyntheticConfig  # the one check of these arguments
 
+    SyntheticConfig(**arguments)
     rng = random.Random(seed)
     next_id = 0
 
@@ -156,7 +146,7 @@ def synthetic_requests(
         next_id += count
         return ids
 
-    prompts = [new_ids(prompt_blocks) for _ in range(system_prompts)]
+    prompts = [new_ids(system_prompt_blocks) for _ in range(system_prompts)]
     popularity = [1.0 / (rank + 1) for rank in range(system_prompts)]
     requests: list[Request] = []
     start = 0.0
@@ -165,13 +155,13 @@ def synthetic_requests(
         history = list(rng.choices(prompts, weights=popularity)[0])
         arrival = start
         for _turn in range(turns_per_session):
-            user = new_ids(user_blocks)
+            user = new_ids(user_blocks_per_turn)
             partial_tokens = rng.randrange(1, TOKENS_PER_BLOCK)
             ids = (*history, *user, *new_ids(1))
             tokens = (len(history) + len(user)) * TOKENS_PER_BLOCK + partial_tokens
-            output = reply_blocks * TOKENS_PER_BLOCK + rng.randrange(0, TOKENS_PER_BLOCK)
+            output = reply_blocks_per_turn * TOKENS_PER_BLOCK + rng.randrange(0, TOKENS_PER_BLOCK)
             requests.append(Request(arrival, ids, tokens, output, session))
-            history += user + new_ids(reply_blocks)
+            history += user + new_ids(reply_blocks_per_turn)
             arrival += rng.expovariate(1.0 / think_time_s)
     requests.sort(key=lambda r: r.arrival_s)
     return requests

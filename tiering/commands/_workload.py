@@ -1,11 +1,6 @@
-"""What ``tiering replay`` and ``tiering sweep`` share: a config (a file, ``--set``
-overrides and shortcut options) and the workload it names.
-
-Precedence, lowest first: defaults, the ``--config`` file, the shortcut options
-(``--cpu``, ``--policy``..., and the tiers ``--memory``, ``--nvme``, ``--redis`` add
-after the file's), then every ``--set SECTION.FIELD=VALUE`` in order. Without
-a trace (the ``TRACE`` argument or ``replay.trace``) the workload is the synthetic chat
-traffic of the ``[synthetic]`` section.
+"""What ``tiering replay`` and ``tiering sweep`` share: a config (defaults, then the
+``--config`` file, the shortcut options, then each ``--set`` in order: docs/config.md)
+and the workload it names (without a trace, the ``[synthetic]`` chat traffic).
 """
 
 from __future__ import annotations
@@ -14,17 +9,11 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tiering.config import (
-    TieringConfig,
-    config_from_toml,
-    load_config,
-    parse_override,
-)
+from tiering.config import TieringConfig, config_from_toml, load_config, parse_override
 from tiering.errors import ConfigError
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
-DEFAULT_CPU_BLOCKS = 10_000
-"""The CPU tier's size when neither the config nor ``--cpu`` gives one."""
+DEFAULT_CPU_BLOCKS = 10_000  # the CPU tier's size when neither the config nor --cpu gives one
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -69,14 +58,9 @@ def resolve_config(
     shortcuts: dict[str, Any],
     tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config the command line describes (see the module's precedence).
-
-    ``shortcuts`` maps config paths to values from the command's own options (None:
-    not given); ``tiers`` are the tier specs its options add.
-
-    Raises:
-        ConfigError: the file, an override or a shortcut is bad (naming the field).
-    """
+    """The config the command line describes: ``shortcuts`` maps config paths to the
+    command's own options (None: not given), ``tiers`` are the tier specs its options
+    add. Raises ConfigError naming the field of a bad file, override or shortcut."""
     overrides: dict[str, object] = {}
     if args.trace is not None:
         overrides["replay.trace"] = args.trace
@@ -99,11 +83,7 @@ def _cpu_default(overrides: dict[str, object]) -> dict[str, object]:
 
 def load_workload(config: TieringConfig) -> list[Request]:
     """The requests ``config.replay`` names: its trace's (up to ``limit``), or the
-    synthetic workload of ``config.synthetic``.
-
-    Raises:
-        TraceError: the trace cannot be read or a line of it is malformed.
-    """
+    synthetic workload of ``config.synthetic``. Raises TraceError for a bad trace."""
     replay = config.replay
     if replay.trace is not None:
         return read_mooncake(replay.trace, limit=replay.limit)

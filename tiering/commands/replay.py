@@ -4,8 +4,7 @@ Drives a real TieringEngine: per request it looks up the prompt's blocks, loads 
 prefix into a simulated device KV cache, "computes" the rest (fills each block with
 bytes derived from its hash), stores it, and checks every loaded block against its
 hash. At the end: a summary table, or with --json one JSON object on the last line
-(requests, hit_ratio, hit_ratio_by_tier, bookkeeping_hit_ratio, bookkeeping_notes,
-mismatches, failed_blocks_by_tier, warm_hits, bytes_by_path, job_latency_ms, ...).
+(docs/replay.md lists its fields).
 
 Exit codes: 0 done; 1 the run failed (a loaded block held wrong bytes, every store
 failed, or a tier stored and served nothing while its transfers failed); 2 a usage
@@ -42,126 +41,88 @@ from tiering.commands._workload import (
 )
 from tiering.config import (
     EngineConfig,
+    MetricsConfig,
     ReplayConfig,
     TieringConfig,
     with_overrides,
 )
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
-from tiering.fleet import ROUTERS, TRANSPORTS, FleetSummary, replay_fleet
+from tiering.fleet import ROUTERS, SHARED_TIERS, TRANSPORTS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.policies import policy_names
-from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate
+from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
 from tiering.statistics import format_bytes
 from tiering.workloads import Request
-
-SHARED_TIERS = frozenset({"redis"})
-"""Tier types every node of a fleet shares (the others are each node's own)."""
 
 NAME = "replay"
 HELP = "replay a trace through a real engine, checking every loaded byte"
 ORDER = 10
 
 
+def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
+    """The options that set one config field: (group, option, field, argparse keywords).
+    Left out, an option leaves the field as the defaults and --config give it."""
+    return [
+        ("tiers", "--policy", "engine.policy",
+         {"choices": policy_names(), "help": "the CPU tier's eviction policy"}),
+        ("tiers", "--write-policy", "engine.write_policy",
+         {"choices": ["write_through", "write_back"], "help": "when stores go down the tiers"}),
+        ("run", "--block-bytes", "replay.block_bytes",
+         {"metavar": "SIZE", "help": "bytes per KV block"}),
+        ("run", "--device-blocks", "replay.device_blocks", {"type": int, "metavar": "N",
+         "help": "the simulated device cache's blocks (default: the longest request's)"}),
+        ("run", "--pace", "replay.pace", {"metavar": "PACE",
+         "help": "'max', or a speed-up of the trace's own timestamps, 1 real time"}),
+        ("run", "--settle", "replay.settle", {"action": "store_true", "default": None,
+         "help": "let each store reach every tier before the next request (exact bookkeeping)"}),
+        ("run", "--tenants", "replay.tenants", {"type": int, "metavar": "N",
+         "help": "send every request once per tenant, N tenants the engine keeps apart"}),
+        ("run", "--metrics-port", "metrics.port",
+         {"type": int, "metavar": "PORT", "help": "serve Prometheus metrics"}),
+        ("fleet", "--nodes", "replay.nodes",
+         {"type": int, "metavar": "N", "help": "engines behind a router"}),
+        ("fleet", "--router", "replay.router",
+         {"choices": ROUTERS, "help": "how requests pick a node"}),
+        ("fleet", "--transport", "replay.transport",
+         {"choices": TRANSPORTS, "help": "how KV events reach the router"}),
+    ]  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_config_arguments(parser)
-    tiers = parser.add_argument_group("tiers (shortcuts for config fields)")
-    tiers.add_argument(
+    groups = {
+        "tiers": parser.add_argument_group("tiers (shortcuts for config fields)"),
+        "run": parser.add_argument_group("the replay"),
+        "fleet": parser.add_argument_group("a fleet (docs/fleet.md)"),
+    }
+    groups["tiers"].add_argument(
         "--cpu",
         metavar="SIZE",
         help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks)",
     )
-    tiers.add_argument(
-        "--policy",
-        choices=policy_names(),
-        help=f"the CPU tier's eviction policy (default: {_default(EngineConfig, 'policy')})",
-    )
-    tiers.add_argument(
-        "--write-policy",
-        choices=["write_through", "write_back"],
-        help=f"when stores go down the tiers (default: {_default(EngineConfig, 'write_policy')})",
-    )
+    sections = {"engine": EngineConfig, "replay": ReplayConfig, "metrics": MetricsConfig}
+    for group, option, path, keywords in _field_options():
+        section, name = path.split(".")
+        default = sections[section].model_fields[name].default  # what leaving it out means
+        if default is not None and not isinstance(default, bool):
+            shown = format_bytes(default) if name.endswith("_bytes") else default
+            keywords = {**keywords, "help": f"{keywords['help']} (default: {shown})"}
+        groups[group].add_argument(option, dest=path, **keywords)
+    tiers = groups["tiers"]
     tiers.add_argument("--memory", metavar="BLOCKS", type=int, help="add a memory tier")
     tiers.add_argument("--nvme", metavar="ROOT", help="add an NVMe tier in this directory")
     tiers.add_argument(
         "--nvme-size", metavar="SIZE", default="4GiB", help="the NVMe tier's capacity"
     )
     tiers.add_argument("--redis", metavar="URL", help="add a Redis tier on this server")
-    run = parser.add_argument_group("the replay")
-    block_bytes = _default(ReplayConfig, "block_bytes")
-    assert isinstance(block_bytes, int)
-    run.add_argument(
-        "--block-bytes",
-        metavar="SIZE",
-        help=f"bytes per KV block (default: {format_bytes(block_bytes)})",
-    )
-    run.add_argument(
-        "--device-blocks",
-        type=int,
-        metavar="N",
-        help="the simulated device cache's blocks (default: the longest request's)",
-    )
-    run.add_argument(
-        "--pace",
-        help="'max', or a speed-up of the trace's own timestamps, 1 real time "
-        f"(default: {_default(ReplayConfig, 'pace')})",
-    )
-    run.add_argument(
-        "--settle",
-        action="store_true",
-        default=None,
-        help="let each store reach every tier before the next request (exact bookkeeping)",
-    )
-    run.add_argument(
-        "--tenants",
-        type=int,
-        metavar="N",
-        help="send every request once per tenant, N tenants the engine keeps apart "
-        f"(default: {_default(ReplayConfig, 'tenants')})",
-    )
-    run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics")
-    fleet = parser.add_argument_group("a fleet (docs/fleet.md)")
-    fleet.add_argument(
-        "--nodes",
-        type=int,
-        metavar="N",
-        help=f"engines behind a router (default: {_default(ReplayConfig, 'nodes')})",
-    )
-    fleet.add_argument(
-        "--router",
-        choices=ROUTERS,
-        help=f"how requests pick a node (default: {_default(ReplayConfig, 'router')})",
-    )
-    fleet.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        help=f"how KV events reach the router (default: {_default(ReplayConfig, 'transport')})",
-    )
     add_json_argument(parser)
 
 
-def _default(section: type[EngineConfig | ReplayConfig], name: str) -> object:
-    """A config field's default: what an option left out (and not in --config) means."""
-    return section.model_fields[name].default
-
-
 def run(args: argparse.Namespace) -> int:
-    shortcuts: dict[str, Any] = {
-        **cpu_shortcut(args.cpu),
-        "engine.policy": args.policy,
-        "engine.write_policy": args.write_policy,
-        "replay.block_bytes": args.block_bytes,
-        "replay.device_blocks": args.device_blocks,
-        "replay.pace": args.pace,
-        "replay.settle": args.settle,
-        "replay.tenants": args.tenants,
-        "metrics.port": args.metrics_port,
-    }
-    shortcuts["replay.nodes"] = args.nodes
-    shortcuts["replay.router"] = args.router
-    shortcuts["replay.transport"] = args.transport
-    config = resolve_config(args, shortcuts, _tier_shortcuts(args))
+    shortcuts = {path: getattr(args, path) for _, _, path, _ in _field_options()}
+    config = resolve_config(args, cpu_shortcut(args.cpu) | shortcuts, _tier_shortcuts(args))
     requests = load_workload(config)
     _check_cpu_room(config, requests)
     if config.replay.nodes > 1:
@@ -182,26 +143,22 @@ def run(args: argparse.Namespace) -> int:
         print_json(figures)
     else:
         print(format_summary(figures))
-    if summary.mismatches:
-        print(
-            f"tiering replay: {summary.mismatches} loaded blocks held wrong bytes",
-            file=sys.stderr,
-        )
-        return 1
-    failure = _failed_tier(summary)
-    if failure is not None:
+    return _status(summary.mismatches, _failed_tier(summary))
+
+
+def _status(mismatches: int, failure: str | None) -> int:
+    """The exit status of a replay that loaded ``mismatches`` wrong blocks and failed as a
+    whole for ``failure`` (None: it did not), each said on stderr."""
+    if mismatches:
+        print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
+    elif failure is not None:
         print(f"tiering replay: error: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if mismatches or failure is not None else 0
 
 
 def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
-    """Refuse a CPU tier that cannot hold the longest request: every block a request
-    stores or loads passes through it at once, so each of its stores would fail.
-
-    Raises:
-        InvalidArgumentError: naming ``--cpu`` and the config field, before anything ran.
-    """
+    """Refuse a CPU tier that cannot hold the longest request (every block a request stores
+    or loads passes through it at once): InvalidArgumentError naming ``--cpu``."""
     full = config.replay.full_blocks_only
     longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
     size = config.replay.block_bytes
@@ -236,10 +193,7 @@ def _failed_tier(summary: ReplaySummary) -> str | None:
         worked = sum(c.get("stored_blocks", 0) + c.get("loaded_blocks", 0) for c in counters)
         if worked or not (failed["store"] or failed["load"]):
             continue
-        own: dict[str, int] = {}
-        for label in labels:
-            for cause, count in causes.get(label, {}).items():
-                own[cause] = own.get(cause, 0) + count
+        own = summed(causes.get(label, {}) for label in labels)
         return (
             f"the {name} tier stored and served nothing: {failed['store']} block stores and "
             f"{failed['load']} block loads failed ({_causes(own)})"
@@ -257,19 +211,19 @@ def _causes(counts: dict[str, int]) -> str:
 def _warm_note(summary: ReplaySummary) -> str:
     """What the tiers held before the replay, and the hits that came of it."""
     held = ", ".join(f"the {label} tier {n} blocks" for label, n in summary.warm_blocks.items())
-    parts = [f"the tiers held blocks before this replay ({held})" if held else ""]
-    parts.append(
-        f"{summary.warm_hits} hit blocks were stored before it, so the hit ratio is not a "
-        "cold start's (replay into an empty NVMe root, or `tiering clear` it first)"
+    before = f"the tiers held blocks before this replay ({held}); " if held else ""
+    return (
+        f"{before}{summary.warm_hits} hit blocks were stored before it, so the hit ratio is "
+        "not a cold start's (replay into an empty NVMe root, or `tiering clear` it first)"
     )
-    return "; ".join(p for p in parts if p)
 
 
 def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) -> int:
     """The fleet replay, with its shared tiers (Redis) and, as the baseline, without."""
-    shared = [i for i, tier in enumerate(config.tiers) if tier.type in SHARED_TIERS]
+    own = tuple(tier for tier in config.tiers if tier.type not in SHARED_TIERS)
+    shared = len(own) < len(config.tiers)
     runs = {"shared": config} if shared else {}
-    runs["baseline"] = config if not shared else _without_tiers(config, shared)
+    runs["baseline"] = dataclasses.replace(config, tiers=own)
     figures: dict[str, Any] = {}
     failures: list[str] = []
     with Progress() as progress:
@@ -289,26 +243,12 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
         print_json(figures)
     else:
         print(format_fleet(figures))
-    if mismatches:
-        print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
-        return 1
-    if failures:
-        print(f"tiering replay: error: {failures[0]}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _without_tiers(config: TieringConfig, drop: list[int]) -> TieringConfig:
-    return dataclasses.replace(
-        config, tiers=tuple(t for i, t in enumerate(config.tiers) if i not in drop)
-    )
+    return _status(mismatches, failures[0] if failures else None)
 
 
 async def _replay_fleet(
     config: TieringConfig, requests: list[Request], progress: Progress, name: str
 ) -> FleetSummary:
-    full = config.replay.full_blocks_only
-    longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
     events_on = with_overrides(config, {"engine.enable_events": True})
 
     def make_engine(node: int, kv: torch.Tensor) -> TieringEngine:
@@ -323,9 +263,9 @@ async def _replay_fleet(
         nodes=config.replay.nodes,
         router=config.replay.router,
         transport=config.replay.transport,
-        device_blocks=config.replay.device_blocks or longest,
+        device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
-        full_blocks_only=full,
+        full_blocks_only=config.replay.full_blocks_only,
         on_request=on_request,
     )
 
@@ -447,9 +387,6 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
 async def _replay(
     config: TieringConfig, requests: list[Request], progress: Progress
 ) -> ReplaySummary:
-    full = config.replay.full_blocks_only
-    longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
-    device_blocks = config.replay.device_blocks or longest
     pace = None if config.replay.pace == "max" else float(config.replay.pace)
 
     def make_engine(kv: torch.Tensor) -> TieringEngine:
@@ -474,10 +411,10 @@ async def _replay(
         requests,
         make_engine,
         on_open=serve,
-        device_blocks=device_blocks,
+        device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
         pace=pace,
-        full_blocks_only=full,
+        full_blocks_only=config.replay.full_blocks_only,
         verify=config.replay.verify,
         settle=config.replay.settle,
         tenants=config.replay.tenants,

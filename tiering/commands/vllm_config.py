@@ -20,7 +20,7 @@ import json
 import os
 
 from tiering.cli import EXIT_OK
-from tiering.cli_args import parse_size
+from tiering.cli_args import size
 from tiering.errors import InvalidArgumentError
 
 NAME = "vllm-config"
@@ -54,27 +54,19 @@ def kv_transfer_config(
     }
 
 
-def _size(text: str) -> int:
-    """An argparse type: a size in bytes (``500G``, ``64GiB``, ``4096``)."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "root", metavar="ROOT", help="absolute path of the NVMe cache (made by the tier if absent)"
     )
     parser.add_argument(
         "--nvme-capacity",
-        type=_size,
+        type=size,
         default="100G",
         metavar="SIZE",
         help="bytes the NVMe tier may hold",
     )
     parser.add_argument(
-        "--cpu", type=_size, default="16G", metavar="SIZE", help="bytes of vLLM's CPU tier"
+        "--cpu", type=size, default="16G", metavar="SIZE", help="bytes of vLLM's CPU tier"
     )
     parser.add_argument(
         "--fsync",
