@@ -27,6 +27,7 @@ from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Inbox, InboxStatistics, Lane
 from tiering.ledger import ResultsLedger, TierJob
 from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.options import ActorOptions
 from tiering.secondary import (
     JobMetadata,
     JobResult,
@@ -35,15 +36,15 @@ from tiering.secondary import (
     checked_job,
 )
 from tiering.statistics import FailureLog, Statistics
-from tiering.validation import positive_int, seconds
+from tiering.validation import seconds
 from tiering.workers import init_io_worker
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-ACTOR_OPTIONS = frozenset({"inbox_size", "max_inflight", "io_threads"})
-"""The keyword options every TierActor takes; subclasses forwarding ``**kwargs`` check them."""
+ACTOR_OPTIONS = frozenset(ActorOptions.model_fields)
+"""The keyword options every TierActor takes (:class:`~tiering.options.ActorOptions`' fields)."""
 
 # How long aclose waits, after cancelling, for hooks to unwind before failing their
 # jobs anyway: a hook that swallows cancellation must not hang the caller. (Jobs inside
@@ -83,14 +84,19 @@ class TierActor(AsyncService, SecondaryTierManager):
         max_inflight: int = 4,
         io_threads: int = 4,
     ) -> None:
-        """A tier not yet started. Raises InvalidArgumentError if ``primary_kv_view`` is
-        not a writable memoryview of whole blocks or a size is not a positive int."""
+        """A tier not yet started; the sizes are checked as :class:`ActorOptions`. Raises
+        InvalidArgumentError if ``primary_kv_view`` is not a writable memoryview of whole
+        blocks or a size is not a positive int."""
+        options = ActorOptions.check(
+            {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads},
+            owner=type(self).__name__,
+        )
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
-        self.inbox_size = positive_int("inbox_size", inbox_size)
-        self.max_inflight = positive_int("max_inflight", max_inflight)
-        self.io_threads = positive_int("io_threads", io_threads)
+        self.inbox_size = inbox_size = options.inbox_size
+        self.max_inflight = max_inflight = options.max_inflight
+        self.io_threads = io_threads = options.io_threads
 
         self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -1,21 +1,11 @@
 """The engine's job state machine, without I/O: every rule about fills, pins and order.
 
 :class:`JobCore` owns the CPU tier's :class:`~tiering.manager.CPUOffloadingManager` and
-sees the secondary tiers only through synchronous questions (``lookup``) and holds. It
-takes calls (``store``, ``load``, ``flush``, ``begin_close``, ``hard_close``) and
-completions (``copy_done``, ``tier_done``, ``room_expired``) and answers each with the
-list of effects the shell must carry out: copies to start, tier jobs to submit, results
-to deliver. It never awaits, never blocks and never touches bytes, so it can be driven
-by a hypothesis state machine with any interleaving of completions.
-
-Rules it keeps (docs/job-lifecycle.md states each; the model test checks each):
-pins follow I/O (a slot an effect reads or writes stays pinned or filling until that
-effect's completion comes back, whatever else happens); a fill is ended only by the job
-that reserved its slot; a write-through store holds its blocks until its cascade has
-pinned them per tier; every job yields one result and every store one ``cascaded``
-answer; under write-back an evicted block is written to the tiers before its slot is
-refilled, and a block a load promotes is held in its tier until the promotion ends; a
-close loses nothing or says what it lost (:meth:`JobCore.close_result`, ``lost_blocks``).
+sees the secondary tiers only through synchronous questions and holds (:class:`TierView`).
+Calls and completions go in; the effects the shell must carry out, in order, come out. It
+never awaits, blocks or touches bytes, so a hypothesis state machine drives it with any
+interleaving of completions. The calls, the effects and the rules it keeps (each checked
+by tests/test_job_core_model.py): docs/job-lifecycle.md.
 """
 
 from __future__ import annotations
@@ -76,12 +66,11 @@ class LookupStatistics:
     hits_by_tier: tuple[int, ...] = ()
 
 
-# ------------------------------------------------------------------------ effects
+# The effects (docs/job-lifecycle.md#effects-out says what the shell does with each).
 
 
 class CopyToHost(NamedTuple):
-    """Start copying device block ``device_ids[i]`` into CPU slot ``slots[i]``; report
-    its end with :meth:`JobCore.copy_done`."""
+    """Copy device blocks ``device_ids[i]`` into CPU ``slots[i]``; then ``copy_done``."""
 
     op: int
     device_ids: list[int]
@@ -89,8 +78,7 @@ class CopyToHost(NamedTuple):
 
 
 class CopyToDevice(NamedTuple):
-    """Start copying CPU slot ``slots[i]`` into device block ``device_ids[i]``; report
-    its end with :meth:`JobCore.copy_done`."""
+    """Copy CPU ``slots[i]`` into device blocks ``device_ids[i]``; then ``copy_done``."""
 
     op: int
     slots: list[int]
@@ -98,8 +86,7 @@ class CopyToDevice(NamedTuple):
 
 
 class TierStore(NamedTuple):
-    """Submit a store of CPU slots ``slots[i]`` as ``keys[i]`` to secondary tier
-    ``tier``; report its outcome with :meth:`JobCore.tier_done`."""
+    """Store CPU ``slots[i]`` as ``keys[i]`` in tier ``tier``; then ``tier_done``."""
 
     op: int
     tier: int
@@ -108,8 +95,7 @@ class TierStore(NamedTuple):
 
 
 class TierLoad(NamedTuple):
-    """Submit a load of ``keys[i]`` from secondary tier ``tier`` into CPU slot
-    ``slots[i]``; report its outcome with :meth:`JobCore.tier_done`."""
+    """Load ``keys[i]`` from tier ``tier`` into CPU ``slots[i]``; then ``tier_done``."""
 
     op: int
     tier: int
@@ -139,8 +125,7 @@ class FlushDone(NamedTuple):
 
 
 class WaitForRoom(NamedTuple):
-    """Job ``job`` waits for CPU room; call :meth:`JobCore.room_expired` after
-    ``seconds`` (it is a no-op if the job started meanwhile)."""
+    """Job ``job`` waits for CPU room: ``room_expired(job)`` after ``seconds``."""
 
     job: int
     seconds: float
@@ -206,19 +191,22 @@ _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
 class _Fanout:
-    """Tier stores started together (a cascade, a write-back, a flush): the keys the
-    tiers did not take, and whether every one of the stores has reported back."""
+    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush): the
+    stores not yet reported back, the keys the tiers did not take, and ``then(self)``,
+    called once the last store has reported back."""
 
-    __slots__ = ("failed", "failures", "pending")
+    __slots__ = ("failed", "failures", "owner", "pending", "then")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Any, then: Callable[[Any], None]) -> None:
+        self.owner = owner
+        self.then = then
         self.pending = 0
-        # Made at the first failure: most fan-outs (a cascade per store) have none.
         self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
+        # Made at the first failure: most fan-outs (a cascade per store) have none.
         self.failures: Counter[BlockHash] | None = None  # tiers that did not take each key
 
-    def part_done(self, failed: Mapping[BlockHash, str]) -> bool:
-        """One store reported back; True if it was the last."""
+    def part_done(self, failed: Mapping[BlockHash, str]) -> None:
+        """One store reported back, ``failed`` the keys it did not take."""
         self.pending -= 1
         if failed:
             if self.failures is None:
@@ -226,7 +214,8 @@ class _Fanout:
             self.failures.update(failed.keys())
             for k, reason in failed.items():
                 self.failed.setdefault(k, reason)
-        return self.pending == 0
+        if self.pending == 0:
+            self.then(self)
 
     def failed_in(self, tiers: int) -> dict[BlockHash, str]:
         """The keys that ``tiers`` stores failed (every tier asked, when it is their number)."""
@@ -237,19 +226,20 @@ class _Fanout:
 class _Flush(_Fanout):
     __slots__ = ("closing", "id", "internal")
 
-    def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
-        super().__init__()
+    def __init__(
+        self, flush_id: int, then: Callable[[Any], None], internal: bool, closing: bool
+    ) -> None:
+        super().__init__(self, then)
         self.id = flush_id
         self.internal = internal  # no FlushDone (the close's own, or already answered)
         self.closing = closing  # the close's write-back: what it fails, close_result names
 
 
 class _Job:
-    """One store or load: its phase, result, I/O in flight and (stores) its cascade."""
+    """One store or load: its phase, result, I/O in flight, fills and pins."""
 
     __slots__ = (
         "awaiting",
-        "cascade",
         "device_ids",
         "failed",
         "fills",
@@ -281,7 +271,6 @@ class _Job:
         # ends; a cascading store's until its cascade has pinned the blocks per tier.
         self.pinned: list[BlockHash] | tuple[()] = ()
         self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
-        self.cascade: _Fanout | None = None
 
     def fail(self, key: BlockHash, reason: str) -> None:
         """Record that ``key`` did not make it (the first reason stays)."""
@@ -355,6 +344,7 @@ class JobCore:
         # Bound once: a bound method made per call is one more object for the collector.
         self._on_store_copied = self._store_copied
         self._on_copied_out = self._copied_out
+        self._on_cascaded = self._cascaded
         # The job that owns the fill of each slot being filled (only it may end it), and
         # the jobs waiting for a fill (made when the first one joins). Indexed by slot,
         # not by hash: a dict that every block enters and leaves would now and then be
@@ -599,23 +589,17 @@ class JobCore:
             self._release_held(job)
             self._answer_cascaded(job, False)
             return
-        cascade = job.cascade = _Fanout()
+        cascade = _Fanout(job, self._on_cascaded)
         for t in range(len(self.tiers)):
-            items = self._pin_for_tier(job.hashes, t)
-            if items:
-                cascade.pending += 1
-                self._tier_store(job, t, items, "cascaded_blocks", self._cascade_part_done)
+            self._tier_store(cascade, t, self._pin_for_tier(job.hashes, t), "cascaded_blocks")
         self._release_held(job)  # each tier job holds its own pins now
         if cascade.pending:
             job.phase = _CASCADING
         else:
             self._answer_cascaded(job, True)
 
-    def _cascade_part_done(self, job: _Job, failed: Mapping[BlockHash, str]) -> None:
-        cascade = job.cascade
-        assert cascade is not None
-        if cascade.part_done(failed):
-            self._answer_cascaded(job, not cascade.failed)
+    def _cascaded(self, cascade: _Fanout) -> None:
+        self._answer_cascaded(cascade.owner, not cascade.failed)
 
     def _answer_cascaded(self, job: _Job, ok: bool) -> None:
         if job.phase is not _DONE:
@@ -822,13 +806,9 @@ class JobCore:
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
             then(job)
             return
-        fanout = _Fanout()
         writing = self._writing_back
-        writing.update(victims)
 
-        def part_done(_job: _Job, failed: Mapping[BlockHash, str]) -> None:
-            if not fanout.part_done(failed):
-                return
+        def written(fanout: _Fanout) -> None:
             writing.subtract(victims)
             for k in victims:
                 if writing[k] <= 0:
@@ -842,13 +822,14 @@ class JobCore:
                 self._lose(lost, "evicted block lost: no tier took its write-back")
             then(job)
 
+        fanout = _Fanout(job, written)
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
             items = [(k, s) for k, s in zip(victims, slots, strict=True) if look(k) is not True]
-            if items:
-                fanout.pending += 1
-                self._tier_store(job, t, items, "written_back_blocks", part_done, pinned=False)
-        if fanout.pending == 0:
+            self._tier_store(fanout, t, items, "written_back_blocks", pinned=False)
+        if fanout.pending:
+            writing.update(victims)
+        else:
             then(job)
 
     # ------------------------------------------------------------- tier stores
@@ -863,17 +844,18 @@ class JobCore:
 
     def _tier_store(
         self,
-        owner: _Job | _Flush,
+        fanout: _Fanout,
         t: int,
         items: list[tuple[BlockHash, int]],
         counter: str,
-        done: Callable[..., None],
         *,
         pinned: bool = True,
     ) -> None:
-        """Submit one store of ``items`` to tier ``t``. When it ends: unpin (``pinned``),
-        count, record events, then ``done(owner, the keys that did not land, with
-        reasons)``."""
+        """Submit one store of ``items`` (if any) to tier ``t`` for ``fanout``. When it
+        ends: unpin (``pinned``), count, record events, then tell the fan-out which keys
+        did not land."""
+        if not items:
+            return
         keys = [k for k, _ in items]
 
         def ended(_owner: object, outcome: object) -> None:
@@ -884,9 +866,10 @@ class JobCore:
             self.counters[counter] += len(landed)
             if landed and self.enable_events:
                 self._store_event(t, landed)
-            done(owner, failed)
+            fanout.part_done(failed)
 
-        op = self._start(owner, len(items), ended)
+        fanout.pending += 1
+        op = self._start(fanout.owner, len(items), ended)
         self._out.append(TierStore(op, t, keys, [s for _, s in items]))
 
     def _store_event(self, t: int, landed: list[BlockHash]) -> None:
@@ -913,22 +896,16 @@ class JobCore:
         return flush.id, self._take()
 
     def _start_flush(self, *, internal: bool, closing: bool = False) -> _Flush:
-        flush = _Flush(self._new_id(), internal, closing)
+        flush = _Flush(self._new_id(), self._flush_done, internal, closing)
         self._flushes[flush.id] = flush
         ready = self.manager.ready_hashes()
         for t in range(len(self.tiers)):
             items = self._pin_for_tier(ready, t)
             for start in range(0, len(items), FLUSH_BATCH):
-                flush.pending += 1
-                batch = items[start : start + FLUSH_BATCH]
-                self._tier_store(flush, t, batch, "flushed_blocks", self._flush_part_done)
+                self._tier_store(flush, t, items[start : start + FLUSH_BATCH], "flushed_blocks")
         if flush.pending == 0:
             self._flush_done(flush)
         return flush
-
-    def _flush_part_done(self, flush: _Flush, failed: Mapping[BlockHash, str]) -> None:
-        if flush.part_done(failed):
-            self._flush_done(flush)
 
     def _flush_done(self, flush: _Flush) -> None:
         del self._flushes[flush.id]
