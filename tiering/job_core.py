@@ -14,7 +14,7 @@ import enum
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -235,42 +235,26 @@ class _Flush(_Fanout):
         self.closing = closing  # the close's write-back: what it fails, close_result names
 
 
+@dataclass(slots=True, eq=False)
 class _Job:
-    """One store or load: its phase, result, I/O in flight, fills and pins."""
+    """One store or load: its phase, result, I/O in flight, fills and pins. Containers
+    are made when first needed: most jobs never fail, promote or join."""
 
-    __slots__ = (
-        "awaiting",
-        "device_ids",
-        "failed",
-        "fills",
-        "hashes",
-        "id",
-        "io",
-        "is_load",
-        "phase",
-        "pinned",
-        "promotions",
-        "resolved",
-        "slots",
-    )
-
-    def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
-        self.id = job_id
-        self.is_load = is_load
-        self.phase = _WAITING
-        self.hashes = hashes  # a store: each distinct hash once (once planned); a load: as called
-        self.device_ids = ids
-        self.io = 0  # this job's effects in flight
-        self.resolved = False
-        self.awaiting = 0  # fills it waits for (a store's own copy counts as one)
-        # Containers are made when first needed: most jobs never fail, promote or join.
-        self.failed: Mapping[BlockHash, str] = _NONE_FAILED
-        self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
-        self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
-        # One CPU pin each, owned by this job: a load's until its copy to the device
-        # ends; a cascading store's until its cascade has pinned the blocks per tier.
-        self.pinned: list[BlockHash] | tuple[()] = ()
-        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
+    id: int
+    is_load: bool
+    hashes: list[BlockHash]  # a store: each distinct hash once (once planned); a load: as called
+    device_ids: list[int]
+    phase: Phase = _WAITING
+    io: int = 0  # this job's effects in flight
+    resolved: bool = False
+    awaiting: int = 0  # fills it waits for (a store's own copy counts as one)
+    failed: Mapping[BlockHash, str] = field(default_factory=lambda: _NONE_FAILED)
+    fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
+    slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
+    # One CPU pin each, owned by this job: a load's until its copy to the device ends; a
+    # cascading store's until its cascade has pinned the blocks per tier.
+    pinned: list[BlockHash] | tuple[()] = ()
+    promotions: Mapping[int, list[BlockHash]] = field(default_factory=lambda: _NO_PROMOTIONS)
 
     def fail(self, key: BlockHash, reason: str) -> None:
         """Record that ``key`` did not make it (the first reason stays)."""
