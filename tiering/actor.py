@@ -123,8 +123,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._cancel_reason = "cancelled: tier closed before the job finished"
         self._cancel_cause = "cancelled by close"
 
-    # -- life cycle -------------------------------------------------------------------
-
     async def start(self) -> None:
         """Start serving on the running loop; a no-op if already open. Raises
         ClosedError once closing, InvalidArgumentError if open on another loop."""
@@ -235,8 +233,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         """True once the tier accepts no more work (closing or closed)."""
         return self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED)
 
-    # -- statistics -------------------------------------------------------------------
-
     def statistics(self) -> Statistics:
         """State, jobs without a result and their bytes, what :meth:`_usage` reports,
         and failures by cause (the actor's own added to the subclass's)."""
@@ -262,8 +258,6 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def __repr__(self) -> str:
         return f"<{self._name()} {self.statistics()!r}>"
-
-    # -- submission -------------------------------------------------------------------
 
     def submit_store(self, job: JobMetadata) -> None:
         """Queue a store job (CPU slots -> this tier); returns at once.
@@ -359,8 +353,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
-    # -- results ----------------------------------------------------------------------
-
     def result(self, job_id: int) -> asyncio.Future[JobResult]:
         """A new future of the job's :class:`JobResult` (queued, running, or finished
         and not yet drained); cancelling it affects nobody else. Raises
@@ -394,8 +386,6 @@ class TierActor(AsyncService, SecondaryTierManager):
     def _cancel_background(self) -> None:
         for task in list(self._background):
             task.cancel()
-
-    # -- blocking work ----------------------------------------------------------------
 
     async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
         """``fn(*args)`` run on this tier's own bounded thread pool.
@@ -447,8 +437,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         if self._calls_running == 0:
             self._maybe_closed()
 
-    # -- subclass hooks ---------------------------------------------------------------
-
     @abstractmethod
     async def _do_store(self, job: JobMetadata) -> JobResult:
         """Copy the job's CPU slots into this tier; return the job's result. Called on
@@ -458,8 +446,6 @@ class TierActor(AsyncService, SecondaryTierManager):
     async def _do_load(self, job: JobMetadata) -> JobResult:
         """Copy this tier's blocks into the job's CPU slots, as :meth:`_do_store` is
         called; keys not held here go in ``failed_keys``, the others still land."""
-
-    # -- serving ----------------------------------------------------------------------
 
     async def _run(self) -> None:
         async with asyncio.TaskGroup() as task_group:
@@ -540,8 +526,6 @@ class TierActor(AsyncService, SecondaryTierManager):
             self._cancel_cause = "tier actor stopped unexpectedly"
             self._cancel_running_jobs()
             self._stop(notify=True)
-
-    # -- completion and closing -------------------------------------------------------
 
     def _delivered(self, job: TierJob, job_result: JobResult) -> None:
         if job.lane == "store":

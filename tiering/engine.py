@@ -158,8 +158,6 @@ class TieringEngine(AsyncService):
             close_timeout=engine.close_timeout,
         )
 
-    # ------------------------------------------------------------------ lifetime
-
     async def start(self) -> None:
         """Allocate the host pool, start the copier and the tiers, and open (what
         entering does). Raises ClosedError if entered before, TieringError if the pool
@@ -293,8 +291,6 @@ class TieringEngine(AsyncService):
     def __repr__(self) -> str:
         return f"<TieringEngine {self.statistics()!r}>"
 
-    # ------------------------------------------------------------------- queries
-
     def lookup(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> int:
         """Leading hashes (of ``tenant``'s blocks) ready in the CPU tier or stored in a
         secondary tier."""
@@ -343,8 +339,6 @@ class TieringEngine(AsyncService):
         :data:`~tiering.job.FINISHED_KEPT` undrained, the oldest go, with one warning."""
         return self._finished.drain()
 
-    # ---------------------------------------------------------------- the calls
-
     def store(
         self,
         block_hashes: Sequence[BlockHash],
@@ -380,8 +374,6 @@ class TieringEngine(AsyncService):
         self._flushes[flush_id] = future
         self._execute(effects)
         return await asyncio.shield(future)
-
-    # ------------------------------------------------------------------ effects
 
     def _call(
         self,

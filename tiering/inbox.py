@@ -69,8 +69,6 @@ class Inbox(Generic[_T]):
         self._getters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
-    # -- putting ----------------------------------------------------------------------
-
     def put_nowait(self, lane: Lane, item: _T) -> None:
         """Queue ``item`` in ``lane`` now.
 
@@ -137,8 +135,6 @@ class Inbox(Generic[_T]):
         self._append(lane, item)
         self._admit_waiting(lane)  # room may remain for the next in line too
 
-    # -- getting ----------------------------------------------------------------------
-
     def get_nowait(self) -> _T | None:
         """The oldest queued load, else the oldest queued store, else ``None``."""
         for lane in _LANES:
@@ -190,8 +186,6 @@ class Inbox(Generic[_T]):
             self._waiting[lane] = deque(w for w in waiting if not isinstance(w, _Parked))
         return items
 
-    # -- closing and state ------------------------------------------------------------
-
     def close(self) -> None:
         """Admit nothing more; wake every waiter. Queued and parked items stay gettable.
         Idempotent."""
@@ -226,8 +220,6 @@ class Inbox(Generic[_T]):
             f"of {s.max_size} each, {s.parked} parked; {s.tasks_waiting_put} putting, "
             f"{s.tasks_waiting_get} getting{'; closed' if s.closed else ''})"
         )
-
-    # -- internals --------------------------------------------------------------------
 
     def _has_room(self, lane: object) -> bool:
         """Whether an item put in ``lane`` now goes straight in (checks lane and state)."""

@@ -164,9 +164,6 @@ class TierView(Protocol):
     def release(self, keys: Sequence[BlockHash]) -> None: ...
 
 
-# ------------------------------------------------------------------ internal state
-
-
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 

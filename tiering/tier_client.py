@@ -244,8 +244,6 @@ class TierClient(AsyncService):
         """Jobs parked for room in the tier's inbox now."""
         return self.actor.inbox_statistics().parked
 
-    # -- submission -------------------------------------------------------------------
-
     def submit(
         self,
         kind: Lane,
