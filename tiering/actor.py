@@ -1,13 +1,9 @@
-"""The asynchronous base of every secondary tier: an actor with a bounded inbox.
+"""The asynchronous base of every secondary tier: an actor with a bounded inbox
+(docs/architecture.md#tiers-are-actors).
 
-A :class:`TierActor` owns an :class:`~tiering.inbox.Inbox` (the one bounded queue
-between its callers and it), one serving task feeding the subclass's hooks, at most
-``max_inflight`` job tasks, a :class:`~tiering.ledger.ResultsLedger` and a bounded thread
-pool for blocking byte work. Its tasks belong to one :class:`asyncio.TaskGroup` hosted
-by a runner task of its own, so :meth:`~TierActor.start` and :meth:`~TierActor.aclose`
-may be called from any task of the loop. Every admitted job yields exactly one
-:class:`JobResult` (from its hook, the hook's failure, or the close that cut it short),
-never while a blocking call of the job still runs on a thread.
+Its tasks belong to one :class:`asyncio.TaskGroup` hosted by a runner task of its own,
+so :meth:`~TierActor.start` and :meth:`~TierActor.aclose` may be called from any task of
+the loop.
 """
 
 from __future__ import annotations
@@ -64,15 +60,13 @@ class TierActor(AsyncService, SecondaryTierManager):
     nothing); queued loads go before queued stores, at most ``max_inflight`` jobs run
     at once; each admitted job's one result reaches every :meth:`result` future and
     :meth:`get_finished` once (or its ``on_done``, for a job the engine sent); a hook
-    that raises or returns no ``JobResult`` for its job fails that job only (all its
-    keys; counted by cause in ``statistics().failures``, logged once per cause); a
-    result is never delivered while a :meth:`run_blocking` call of the job runs, so
-    whoever sees it may reuse the slots. A failed load's slots are undefined.
+    that raises or returns no ``JobResult`` for its job fails that job only (counted by
+    cause); a result is never delivered while a :meth:`run_blocking` call of the job
+    runs, so whoever sees it may reuse the slots. A failed load's slots are undefined.
 
-    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (on the loop thread;
-    the bulk byte work in ONE :meth:`run_blocking` call per job), ``lookup``,
+    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (on the loop thread, the
+    bulk byte work in ONE :meth:`run_blocking` call per job), ``lookup``,
     ``get_num_blocks``, ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`.
-    All bookkeeping happens on the loop thread.
     """
 
     def __init__(
