@@ -1,15 +1,11 @@
-"""A tier's inbox: two bounded FIFO lanes, loads handed out before stores.
+"""A tier's inbox: two bounded FIFO lanes, loads (on a request's critical path) handed
+out before stores (docs/architecture.md#tiers-are-actors).
 
-A load is on a request's critical path while a store only saves work for later, so
-:meth:`Inbox.get` takes the oldest queued load before any store. A lane holds at most
-``max_size`` items; when it is full, :meth:`Inbox.put_nowait` raises
-:class:`~tiering.errors.TierBusyError`, :meth:`Inbox.put` waits, and :meth:`Inbox.park`
-leaves the item in the lane's waiting line, queued in order as room appears (the
-engine's road: it never waits and never fails a job for back-pressure; its CPU pins
-bound what it parks). Closing stops admission (waiting putters raise
-:class:`~tiering.errors.ClosedError`); queued and parked items stay gettable, and
-:meth:`Inbox.get` returns ``None`` once closed and empty. One event loop; not
-thread-safe.
+When a lane is full, :meth:`Inbox.put_nowait` raises TierBusyError, :meth:`Inbox.put`
+waits and :meth:`Inbox.park` leaves the item in the lane's waiting line, queued in order
+as room appears. Closing stops admission (waiting putters raise ClosedError); queued and
+parked items stay gettable, and :meth:`Inbox.get` returns ``None`` once closed and
+empty. One event loop; not thread-safe.
 """
 
 from __future__ import annotations
