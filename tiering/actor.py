@@ -88,21 +88,21 @@ class TierActor(AsyncService, SecondaryTierManager):
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
-        self.inbox_size = inbox_size = options.inbox_size
-        self.max_inflight = max_inflight = options.max_inflight
-        self.io_threads = io_threads = options.io_threads
+        self.inbox_size = options.inbox_size
+        self.max_inflight = options.max_inflight
+        self.io_threads = options.io_threads
 
         self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Task[None] | None = None
         self._task_group: asyncio.TaskGroup | None = None
-        self._inbox: Inbox[TierJob] = Inbox(inbox_size, owner=type(self).__name__)
+        self._inbox: Inbox[TierJob] = Inbox(self.inbox_size, owner=type(self).__name__)
         self._ledger = ResultsLedger(owner=type(self).__name__, on_delivered=self._delivered)
         self._failures = FailureLog(logger, type(self).__name__)
-        self._inflight = asyncio.Semaphore(max_inflight)
+        self._inflight = asyncio.Semaphore(self.max_inflight)
         self._closed_event = asyncio.Event()
         self._executor = ThreadPoolExecutor(
-            max_workers=io_threads,
+            max_workers=self.io_threads,
             thread_name_prefix=f"{type(self).__name__}-io",
             initializer=init_io_worker,
         )
