@@ -19,7 +19,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from tiering.abstract import BlockHash, OffloadingEvent
+from tiering.abstract import BlockHash, OffloadingEvent, PrepareStoreOutput
 from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
 from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
@@ -462,8 +462,7 @@ class JobCore:
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         job.slots = out.store_spec.block_ids
         self._jobs[job.id] = job
-        self.counters["evicted_blocks"] += len(out.block_hashes_evicted)
-        self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._copy_in)
+        self._write_back(job, out, self._copy_in)
         return True
 
     def _copy_in(self, job: _Job) -> None:
@@ -589,8 +588,7 @@ class JobCore:
         # Every block has its slot now (ready, being filled, or promoted into), kept
         # until the load has copied it out.
         job.slots = [manager.slot_of(h) for h in hashes]
-        self.counters["evicted_blocks"] += len(out.block_hashes_evicted)
-        self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
+        self._write_back(job, out, self._promote)
         return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
@@ -620,9 +618,8 @@ class JobCore:
         failed = self._tier_failed(t, "load", outcome, keys)
         self.counters["promoted_blocks"] += len(keys) - len(failed)
         self._end_fills(job, [k for k in keys if k not in failed], None)
-        for k in keys:
-            if k in failed:
-                self._end_fills(job, [k], failed[k])
+        for k, reason in failed.items():
+            self._end_fills(job, [k], reason)
 
     def _copy_out(self, job: _Job) -> None:
         """Once no fill is awaited: copy every block that is there to the device."""
@@ -727,13 +724,13 @@ class JobCore:
 
     # Tier stores: cascades, write-backs and flushes.
 
-    def _write_back(
-        self, job: _Job, victims: list[BlockHash], slots: list[int], then: Callable[[_Job], None]
-    ) -> None:
-        """Write-back: store evicted blocks (intact in their old slots, which the job now
-        owns) to every tier lacking them, then call ``then(job)``; at once if none. A
-        victim that every tier lacked and none took is lost once its slot is refilled
-        (counted, its cause recorded)."""
+    def _write_back(self, job: _Job, out: PrepareStoreOutput, then: Callable[[_Job], None]) -> None:
+        """Count the blocks ``job``'s slots evicted; under write-back store them (intact in
+        their old slots, which the job now owns) to every tier lacking them, then call
+        ``then(job)``; at once if none. A victim that every tier lacked and none took is
+        lost once its slot is refilled (counted, its cause recorded)."""
+        victims, slots = out.block_hashes_evicted, out.evicted_block_ids
+        self.counters["evicted_blocks"] += len(victims)
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
             then(job)
             return
