@@ -169,11 +169,8 @@ _NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 
 
 class Phase(enum.Enum):
-    """Where a store or load is; a job only moves forward.
-
-    A hard close gives a job its result in whatever phase it is; the I/O it started
-    still ends through the phases that follow, since only that releases its pins.
-    """
+    """Where a store or load is; a job only moves forward. A hard close gives a job its
+    result in any phase; its I/O still ends through the phases that follow (its pins)."""
 
     WAITING = "waiting for CPU room"
     MOVING = "moving"  # planned: its copy into CPU, promotions and joined fills run
