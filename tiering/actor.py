@@ -217,16 +217,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         usable = loop is None or not loop.is_closed()
         self._stop(notify=usable)
 
-    @property
-    def state(self) -> Lifecycle:
-        """Where the tier is in its life cycle (read-only)."""
-        return self._state
-
-    @property
-    def closed(self) -> bool:
-        """True once the tier accepts no more work (closing or closed)."""
-        return self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED)
-
     def statistics(self) -> Statistics:
         """State, jobs without a result and their bytes, what :meth:`_usage` reports,
         and failures by cause (the actor's own added to the subclass's)."""

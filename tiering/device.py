@@ -229,16 +229,6 @@ class DeviceCopier(AsyncService):
         """Number of started copies that have not ended."""
         return len(self._in_flight)
 
-    @property
-    def state(self) -> Lifecycle:
-        """Where the copier is in its life."""
-        return self._state
-
-    @property
-    def closed(self) -> bool:
-        """True once the ``async with`` block is being (or has been) left."""
-        return self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED)
-
     def statistics(self) -> Statistics:
         """A snapshot: state, copies and bytes in flight, counters, failures by cause."""
         return Statistics(

@@ -250,11 +250,6 @@ class TieringEngine(AsyncService):
         return self._stack.tiers
 
     @property
-    def state(self) -> Lifecycle:
-        """Where the engine is in its life."""
-        return self._state
-
-    @property
     def host_pool(self) -> HostPool:
         """The CPU tier's memory, while the engine is open."""
         if self._state is not Lifecycle.OPEN or self._stack.pool is None:

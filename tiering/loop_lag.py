@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from tiering.errors import InvalidArgumentError
-from tiering.lifecycle import AsyncService
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.validation import seconds
 
 
@@ -25,10 +25,12 @@ class LoopLagMonitor(AsyncService):
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        self._state = Lifecycle.OPEN
         self._task = asyncio.create_task(self._tick(), name="loop-lag-monitor")
         await asyncio.sleep(0)  # let the ticker take its first timestamp
 
     async def aclose(self) -> None:
+        self._state = Lifecycle.CLOSED
         if self._task is not None:
             self._task.cancel()
             try:

@@ -30,7 +30,7 @@ from prometheus_client.utils import floatToGoString
 from tiering.errors import InvalidArgumentError
 from tiering.job_core import LookupStatistics
 from tiering.latency import LatencyHistogram, LatencySnapshot
-from tiering.lifecycle import AsyncService
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.statistics import Statistics
 from tiering.tenancy import TenantLookups
 from tiering.validation import seconds
@@ -421,14 +421,14 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
         self._thread = thread
         self.addr: str = server.server_address[0]
         self.port: int = server.server_address[1]
-        self._closed = False
+        self._state = Lifecycle.OPEN
 
     def close(self) -> None:
         """Stop serving, close the socket and join the thread; idempotent. Blocks up to
         the server's poll interval (0.5 s): not for the event loop."""
-        if self._closed:
+        if self._state is Lifecycle.CLOSED:
             return
-        self._closed = True
+        self._state = Lifecycle.CLOSED
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
@@ -444,7 +444,7 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "serving"
+        state = "closed" if self.closed else "serving"
         return f"<MetricsServer http://{self.addr}:{self.port}/metrics {state}>"
 
 
