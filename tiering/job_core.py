@@ -14,7 +14,7 @@ import enum
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -164,6 +164,7 @@ class TierView(Protocol):
     def release(self, keys: Sequence[BlockHash]) -> None: ...
 
 
+_CLOSED_BEFORE_COPY = "the engine closed before the copy started"
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 
@@ -229,26 +230,42 @@ class _Flush(_Fanout):
         self.closing = closing  # the close's write-back: what it fails, close_result names
 
 
-@dataclass(slots=True, eq=False)
 class _Job:
     """One store or load: its phase, result, I/O in flight, fills and pins. Containers
     are made when first needed: most jobs never fail, promote or join."""
 
-    id: int
-    is_load: bool
-    hashes: list[BlockHash]  # a store: each distinct hash once (once planned); a load: as called
-    device_ids: list[int]
-    phase: Phase = _WAITING
-    io: int = 0  # this job's effects in flight
-    resolved: bool = False
-    awaiting: int = 0  # fills it waits for (a store's own copy counts as one)
-    failed: Mapping[BlockHash, str] = field(default_factory=lambda: _NONE_FAILED)
-    fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
-    slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
-    # One CPU pin each, owned by this job: a load's until its copy to the device ends; a
-    # cascading store's until its cascade has pinned the blocks per tier.
-    pinned: list[BlockHash] | tuple[()] = ()
-    promotions: Mapping[int, list[BlockHash]] = field(default_factory=lambda: _NO_PROMOTIONS)
+    __slots__ = (
+        "awaiting",
+        "device_ids",
+        "failed",
+        "fills",
+        "hashes",
+        "id",
+        "io",
+        "is_load",
+        "phase",
+        "pinned",
+        "promotions",
+        "resolved",
+        "slots",
+    )
+
+    def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
+        self.id = job_id
+        self.is_load = is_load
+        self.hashes = hashes  # a store: each distinct hash once (once planned); a load: as called
+        self.device_ids = ids
+        self.phase = _WAITING
+        self.io = 0  # this job's effects in flight
+        self.resolved = False
+        self.awaiting = 0  # fills it waits for (a store's own copy counts as one)
+        self.failed: Mapping[BlockHash, str] = _NONE_FAILED
+        self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
+        self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
+        # One CPU pin each, owned by this job: a load's until its copy to the device ends;
+        # a cascading store's until its cascade has pinned the blocks per tier.
+        self.pinned: list[BlockHash] | tuple[()] = ()
+        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
 
     def fail(self, key: BlockHash, reason: str) -> None:
         """Record that ``key`` did not make it (the first reason stays)."""
@@ -453,17 +470,30 @@ class JobCore:
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
                     self._join(h, job)  # another job's fill
-        self._own_fills(job, out.store_spec.block_ids)
+        job.slots = slots = out.store_spec.block_ids
+        fill_owner = self._fill_owner
+        for slot in slots:
+            fill_owner[slot] = job
+        self._num_filling += len(slots)
         job.phase = _MOVING
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
-        job.slots = out.store_spec.block_ids
         self._jobs[job.id] = job
-        self._write_back(job, out, self._copy_in)
+        if out.block_hashes_evicted:
+            self._write_back(job, out, self._copy_in)
+        else:
+            self._copy_in(job)
         return True
 
     def _copy_in(self, job: _Job) -> None:
-        self._copy(job, CopyToHost, job.slots, job.device_ids, self._on_store_copied)
+        """Victims written back (or none): copy the device blocks into the new slots."""
+        if not job.fills:
+            self._store_copied(job, None)
+        elif self.state is Lifecycle.CLOSED:
+            self._store_copied(job, _CLOSED_BEFORE_COPY)
+        else:
+            op = self._start(job, len(job.fills), self._on_store_copied)
+            self._out.append(CopyToHost(op, job.device_ids, job.slots))
 
     def _store_copied(self, job: _Job, error: object) -> None:
         job.awaiting -= 1
@@ -576,8 +606,10 @@ class JobCore:
             return True
         promotions: dict[int, list[BlockHash]] = {}
         job.fills, job.promotions = out.block_hashes_to_store, promotions
-        self._own_fills(job, out.store_spec.block_ids)
-        for h in out.block_hashes_to_store:
+        fill_owner = self._fill_owner
+        self._num_filling += len(out.block_hashes_to_store)
+        for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
+            fill_owner[slot] = job
             self._join(h, job)  # its own fill: it gets its pin when the block lands
             promotions.setdefault(found[h], []).append(h)
         for t, promoted in promotions.items():
@@ -627,7 +659,13 @@ class JobCore:
         if failed:
             kept = [i for i, h in enumerate(job.hashes) if h not in failed]
             slots, ids = [slots[i] for i in kept], [ids[i] for i in kept]
-        self._copy(job, CopyToDevice, slots, ids, self._on_copied_out)
+        if not slots:
+            self._copied_out(job, None)
+        elif self.state is Lifecycle.CLOSED:
+            self._copied_out(job, _CLOSED_BEFORE_COPY)
+        else:
+            op = self._start(job, len(slots), self._on_copied_out)
+            self._out.append(CopyToDevice(op, slots, ids))
 
     def _copied_out(self, job: _Job, error: object) -> None:
         job.phase = _DONE
@@ -640,28 +678,6 @@ class JobCore:
             self._copy_failed(job, job.hashes, "CPU to device", error)
         self._resolve(job)
 
-    def _copy(
-        self,
-        job: _Job,
-        effect: type[CopyToHost | CopyToDevice],
-        slots: list[int],
-        ids: list[int],
-        on_end: Callable[[_Job, object], None],
-    ) -> None:
-        """Copy between CPU ``slots`` and device blocks ``ids``, then ``on_end(job,
-        error)``: at once with nothing to copy, or failed once the engine is closed."""
-        if not slots:
-            on_end(job, None)
-        elif self.state is Lifecycle.CLOSED:
-            on_end(job, "the engine closed before the copy started")
-        else:
-            op = self._start(job, len(slots), on_end)
-            self._out.append(
-                CopyToDevice(op, slots, ids)
-                if effect is CopyToDevice
-                else CopyToHost(op, ids, slots)
-            )
-
     def _copy_failed(self, job: _Job, keys: list[BlockHash], what: str, error: object) -> str:
         """Record that ``job``'s ``what`` copy of ``keys`` failed; returns the reason."""
         reason = f"{what} copy failed: {error}"
@@ -670,13 +686,7 @@ class JobCore:
             job.fail(h, reason)
         return reason
 
-    # Fills: only the job that reserved a slot ends its fill (docs/job-lifecycle.md).
-
-    def _own_fills(self, job: _Job, slots: list[int]) -> None:
-        owner = self._fill_owner
-        for slot in slots:
-            owner[slot] = job
-        self._num_filling += len(slots)
+    # Fills: only the job that reserved a slot (its _fill_owner) ends its fill.
 
     def _join(self, key: BlockHash, job: _Job) -> None:
         """``job`` waits for the fill of ``key`` (its own, or another job's)."""
