@@ -229,7 +229,7 @@ async def test_a_failed_backend_open_leaves_the_copier_closed() -> None:
     with HostPool(NUM_SLOTS, 32) as pool:
         copier = DeviceCopier(torch.zeros(NUM_BLOCKS, 8), pool, backend=FailingOpen())
         with pytest.raises(RuntimeError, match="no workers today"):
-            await copier.__aenter__()
+            await copier.start()
         assert copier.state is Lifecycle.CLOSED
         with pytest.raises(ClosedError):
             copier.to_host([0], [0])
@@ -321,8 +321,8 @@ async def test_start_reports_each_copy_once_through_on_done() -> None:
             if len(seen) == 2:
                 ended.set()
 
-        copier.start(True, [9], [1], on_done, 109)
-        copier.start(True, [], [], on_done, 100)
+        copier.submit(True, [9], [1], on_done, 109)
+        copier.submit(True, [], [], on_done, 100)
         await ended.wait()
         await asyncio.sleep(0)
         assert sorted(seen) == [(100, None), (109, None)]

@@ -1,13 +1,9 @@
-"""The asynchronous base of every secondary tier: an actor with a bounded inbox.
+"""The asynchronous base of every secondary tier: an actor with a bounded inbox
+(docs/architecture.md#tiers-are-actors).
 
-A :class:`TierActor` owns an :class:`~tiering.inbox.Inbox` (the one bounded queue
-between its callers and it), one serving task feeding the subclass's hooks, at most
-``max_inflight`` job tasks, a :class:`~tiering.ledger.ResultsLedger` and a bounded thread
-pool for blocking byte work. Its tasks belong to one :class:`asyncio.TaskGroup` hosted
-by a runner task of its own, so :meth:`~TierActor.start` and :meth:`~TierActor.aclose`
-may be called from any task of the loop. Every admitted job yields exactly one
-:class:`JobResult` (from its hook, the hook's failure, or the close that cut it short),
-never while a blocking call of the job still runs on a thread.
+Its tasks belong to one :class:`asyncio.TaskGroup` hosted by a runner task of its own,
+so :meth:`~TierActor.start` and :meth:`~TierActor.aclose` may be called from any task of
+the loop.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.inbox import Inbox, InboxStatistics, Lane
 from tiering.ledger import ResultsLedger, TierJob
 from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.options import ActorOptions
 from tiering.secondary import (
     JobMetadata,
     JobResult,
@@ -35,15 +32,15 @@ from tiering.secondary import (
     checked_job,
 )
 from tiering.statistics import FailureLog, Statistics
-from tiering.validation import positive_int, seconds
+from tiering.validation import seconds
 from tiering.workers import init_io_worker
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-ACTOR_OPTIONS = frozenset({"inbox_size", "max_inflight", "io_threads"})
-"""The keyword options every TierActor takes; subclasses forwarding ``**kwargs`` check them."""
+ACTOR_OPTIONS = frozenset(ActorOptions.model_fields)
+"""The keyword options every TierActor takes (:class:`~tiering.options.ActorOptions`' fields)."""
 
 # How long aclose waits, after cancelling, for hooks to unwind before failing their
 # jobs anyway: a hook that swallows cancellation must not hang the caller. (Jobs inside
@@ -63,15 +60,13 @@ class TierActor(AsyncService, SecondaryTierManager):
     nothing); queued loads go before queued stores, at most ``max_inflight`` jobs run
     at once; each admitted job's one result reaches every :meth:`result` future and
     :meth:`get_finished` once (or its ``on_done``, for a job the engine sent); a hook
-    that raises or returns no ``JobResult`` for its job fails that job only (all its
-    keys; counted by cause in ``statistics().failures``, logged once per cause); a
-    result is never delivered while a :meth:`run_blocking` call of the job runs, so
-    whoever sees it may reuse the slots. A failed load's slots are undefined.
+    that raises or returns no ``JobResult`` for its job fails that job only (counted by
+    cause); a result is never delivered while a :meth:`run_blocking` call of the job
+    runs, so whoever sees it may reuse the slots. A failed load's slots are undefined.
 
-    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (on the loop thread;
-    the bulk byte work in ONE :meth:`run_blocking` call per job), ``lookup``,
+    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (on the loop thread, the
+    bulk byte work in ONE :meth:`run_blocking` call per job), ``lookup``,
     ``get_num_blocks``, ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`.
-    All bookkeeping happens on the loop thread.
     """
 
     def __init__(
@@ -83,26 +78,31 @@ class TierActor(AsyncService, SecondaryTierManager):
         max_inflight: int = 4,
         io_threads: int = 4,
     ) -> None:
-        """A tier not yet started. Raises InvalidArgumentError if ``primary_kv_view`` is
-        not a writable memoryview of whole blocks or a size is not a positive int."""
+        """A tier not yet started; the sizes are checked as :class:`ActorOptions`. Raises
+        InvalidArgumentError if ``primary_kv_view`` is not a writable memoryview of whole
+        blocks or a size is not a positive int."""
+        options = ActorOptions.check(
+            {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads},
+            owner=type(self).__name__,
+        )
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
-        self.inbox_size = positive_int("inbox_size", inbox_size)
-        self.max_inflight = positive_int("max_inflight", max_inflight)
-        self.io_threads = positive_int("io_threads", io_threads)
+        self.inbox_size = options.inbox_size
+        self.max_inflight = options.max_inflight
+        self.io_threads = options.io_threads
 
         self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Task[None] | None = None
         self._task_group: asyncio.TaskGroup | None = None
-        self._inbox: Inbox[TierJob] = Inbox(inbox_size, owner=type(self).__name__)
+        self._inbox: Inbox[TierJob] = Inbox(self.inbox_size, owner=type(self).__name__)
         self._ledger = ResultsLedger(owner=type(self).__name__, on_delivered=self._delivered)
         self._failures = FailureLog(logger, type(self).__name__)
-        self._inflight = asyncio.Semaphore(max_inflight)
+        self._inflight = asyncio.Semaphore(self.max_inflight)
         self._closed_event = asyncio.Event()
         self._executor = ThreadPoolExecutor(
-            max_workers=io_threads,
+            max_workers=self.io_threads,
             thread_name_prefix=f"{type(self).__name__}-io",
             initializer=init_io_worker,
         )
@@ -116,8 +116,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         # Why jobs cut short by a close fail: the message, and its cause for statistics.
         self._cancel_reason = "cancelled: tier closed before the job finished"
         self._cancel_cause = "cancelled by close"
-
-    # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start serving on the running loop; a no-op if already open. Raises
@@ -219,18 +217,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         usable = loop is None or not loop.is_closed()
         self._stop(notify=usable)
 
-    @property
-    def state(self) -> Lifecycle:
-        """Where the tier is in its life cycle (read-only)."""
-        return self._state
-
-    @property
-    def closed(self) -> bool:
-        """True once the tier accepts no more work (closing or closed)."""
-        return self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED)
-
-    # -- statistics -------------------------------------------------------------------
-
     def statistics(self) -> Statistics:
         """State, jobs without a result and their bytes, what :meth:`_usage` reports,
         and failures by cause (the actor's own added to the subclass's)."""
@@ -256,8 +242,6 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def __repr__(self) -> str:
         return f"<{self._name()} {self.statistics()!r}>"
-
-    # -- submission -------------------------------------------------------------------
 
     def submit_store(self, job: JobMetadata) -> None:
         """Queue a store job (CPU slots -> this tier); returns at once.
@@ -353,8 +337,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
-    # -- results ----------------------------------------------------------------------
-
     def result(self, job_id: int) -> asyncio.Future[JobResult]:
         """A new future of the job's :class:`JobResult` (queued, running, or finished
         and not yet drained); cancelling it affects nobody else. Raises
@@ -388,8 +370,6 @@ class TierActor(AsyncService, SecondaryTierManager):
     def _cancel_background(self) -> None:
         for task in list(self._background):
             task.cancel()
-
-    # -- blocking work ----------------------------------------------------------------
 
     async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
         """``fn(*args)`` run on this tier's own bounded thread pool.
@@ -441,8 +421,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         if self._calls_running == 0:
             self._maybe_closed()
 
-    # -- subclass hooks ---------------------------------------------------------------
-
     @abstractmethod
     async def _do_store(self, job: JobMetadata) -> JobResult:
         """Copy the job's CPU slots into this tier; return the job's result. Called on
@@ -452,8 +430,6 @@ class TierActor(AsyncService, SecondaryTierManager):
     async def _do_load(self, job: JobMetadata) -> JobResult:
         """Copy this tier's blocks into the job's CPU slots, as :meth:`_do_store` is
         called; keys not held here go in ``failed_keys``, the others still land."""
-
-    # -- serving ----------------------------------------------------------------------
 
     async def _run(self) -> None:
         async with asyncio.TaskGroup() as task_group:
@@ -534,8 +510,6 @@ class TierActor(AsyncService, SecondaryTierManager):
             self._cancel_cause = "tier actor stopped unexpectedly"
             self._cancel_running_jobs()
             self._stop(notify=True)
-
-    # -- completion and closing -------------------------------------------------------
 
     def _delivered(self, job: TierJob, job_result: JobResult) -> None:
         if job.lane == "store":

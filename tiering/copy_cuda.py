@@ -1,9 +1,5 @@
-"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
-
-Each direction has its own copy stream, ordered after the caller's current stream, and
-a ``[rows, block words]`` staging buffer; a chunk moves with one gather (or scatter) per
-layer plus one copy per slot run. One pooled event per job marks its end, polled by one
-task on the loop (no thread spins). CUDA calls go through a :class:`CudaRuntime`, which
+"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events
+(docs/architecture.md#gpu-copies). CUDA calls go through a :class:`CudaRuntime`, which
 tests replace to drive the stream path with CPU tensors.
 """
 

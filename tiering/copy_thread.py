@@ -1,13 +1,11 @@
-"""The thread copy backend: KV copies in host memory on a small thread pool, coalesced.
+"""The thread copy backend: KV copies in host memory on a small thread pool, coalesced
+(docs/architecture.md#gpu-copies).
 
-A copy is a gather or scatter straight between the layers and the slot rows, on worker
-threads (torch releases the GIL in its kernels). A *hop* (one call on a worker) takes
-every copy queued when it is dispatched, runs them in request order and posts their
-outcomes with one ``call_soon_threadsafe``; consecutive small copies of one direction
-with disjoint destinations run as one gather and scatter per layer, rerun one by one if
-that fails, so a faulty copy fails alone. At most ``max_workers`` hops are in flight, and
-a hop waits while it conflicts (a host slot or device block written by one and read or
-written by the other) with one in flight, so overlapping copies run in request order.
+A *hop* (one call on a worker) takes every copy queued when it is dispatched, runs them
+in request order and posts their outcomes with one ``call_soon_threadsafe``; a merged
+group that fails is rerun one by one, so a faulty copy fails alone. At most
+``max_workers`` hops are in flight, and a hop waits while it conflicts (a host slot or
+device block written by one and read or written by the other) with one in flight.
 """
 
 from __future__ import annotations

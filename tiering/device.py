@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Generator, Sequence
-from types import TracebackType
-from typing import Any, Protocol, Self, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -32,7 +31,7 @@ from tiering.kv_layout import (
     kv_block_bytes,
     plan_copy,
 )
-from tiering.lifecycle import Lifecycle
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import as_index_list, check_index_range, positive_int
 
@@ -132,7 +131,7 @@ class _InFlight(PlannedCopy):
         self.token = token
 
 
-class DeviceCopier:
+class DeviceCopier(AsyncService):
     """Copies whole KV blocks between the device KV cache and slots of a host pool.
 
     Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:`` on one loop and
@@ -230,16 +229,6 @@ class DeviceCopier:
         """Number of started copies that have not ended."""
         return len(self._in_flight)
 
-    @property
-    def state(self) -> Lifecycle:
-        """Where the copier is in its life."""
-        return self._state
-
-    @property
-    def closed(self) -> bool:
-        """True once the ``async with`` block is being (or has been) left."""
-        return self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED)
-
     def statistics(self) -> Statistics:
         """A snapshot: state, copies and bytes in flight, counters, failures by cause."""
         return Statistics(
@@ -262,7 +251,10 @@ class DeviceCopier:
             f"{self.statistics()!r}>"
         )
 
-    async def __aenter__(self) -> Self:
+    async def start(self) -> None:
+        """Open the backend on the running loop (what entering does). Raises ClosedError
+        if started before or the pool is closed, else what the backend's ``open`` raises
+        (then the copier is closed)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a DeviceCopier can be entered only once")
         if self._pool.closed:
@@ -278,15 +270,13 @@ class DeviceCopier:
             await self._stop()  # whatever the backend made before it failed
             raise
         self._state = Lifecycle.OPEN
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._state is Lifecycle.CLOSED:  # hard-stopped by close()
+    async def aclose(self) -> None:
+        """Wait until every started copy has ended (blocking, if cancelled), then release
+        the backend (what leaving does); idempotent."""
+        if self._state is Lifecycle.NEW:
+            self._state = Lifecycle.CLOSED
+        if self._state is Lifecycle.CLOSED:  # hard-stopped by close(), or never opened
             return
         self._state = Lifecycle.CLOSING
         try:
@@ -336,7 +326,7 @@ class DeviceCopier:
         ids = as_index_list("device block ids", device_ids)
         slot_list = as_index_list("slots", slots)
         self._check_job(ids, slot_list, Direction.TO_HOST)
-        return self._start(Direction.TO_HOST, ids, slot_list)
+        return self._copy_handle(Direction.TO_HOST, ids, slot_list)
 
     def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> CopyHandle:
         """Start copying host slot ``slots[i]`` into device block ``device_ids[i]``; slots
@@ -344,9 +334,9 @@ class DeviceCopier:
         slot_list = as_index_list("slots", slots)
         ids = as_index_list("device block ids", device_ids)
         self._check_job(ids, slot_list, Direction.TO_DEVICE)
-        return self._start(Direction.TO_DEVICE, ids, slot_list)
+        return self._copy_handle(Direction.TO_DEVICE, ids, slot_list)
 
-    def start(
+    def submit(
         self,
         to_host: bool,
         device_ids: list[int],
@@ -365,7 +355,7 @@ class DeviceCopier:
             self._loop.call_soon(on_done, token, None)  # type: ignore[union-attr]
             return
         direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
-        self._submit(direction, device_ids, slots, None, on_done, token)
+        self._hand_over(direction, device_ids, slots, None, on_done, token)
 
     def _check_job(self, ids: list[int], slots: list[int], direction: Direction) -> None:
         if self._state is not Lifecycle.OPEN:
@@ -384,17 +374,17 @@ class DeviceCopier:
         check_index_range("device block ids", ids, self._layout.num_blocks, unique=not to_host)
         check_index_range("slots", slots, self._pool.num_blocks, unique=to_host)
 
-    def _start(self, direction: Direction, ids: list[int], slots: list[int]) -> CopyHandle:
+    def _copy_handle(self, direction: Direction, ids: list[int], slots: list[int]) -> CopyHandle:
         assert self._loop is not None
         future: asyncio.Future[None] = self._loop.create_future()
         handle = CopyHandle(future, len(ids))
         if not ids:
             future.set_result(None)
         else:
-            self._submit(direction, ids, slots, future, None)
+            self._hand_over(direction, ids, slots, future, None)
         return handle
 
-    def _submit(
+    def _hand_over(
         self,
         direction: Direction,
         ids: list[int],

@@ -1,10 +1,6 @@
-"""The asyncio engine: the thin shell that carries out :class:`~tiering.job_core.JobCore`.
-
-Every rule about slots, pins, fills, write policies, flush and close order lives in the
-sans-I/O job core. The shell executes the effects it returns (copies and tier jobs
-through the :class:`~tiering.tier_stack.TierStack`, results to :class:`Job` handles,
-room timers) and feeds every completion back. No job owns a task: each I/O's completion
-callback drives the next step.
+"""The asyncio engine: the thin shell that carries out :class:`~tiering.job_core.JobCore`'s
+effects (copies and tier jobs through the :class:`~tiering.tier_stack.TierStack`, results
+to :class:`Job` handles, room timers) and feeds every completion back; no job owns a task.
 """
 
 from __future__ import annotations
@@ -56,12 +52,10 @@ class TieringEngine(AsyncService):
     taking a ``namespace`` receive. The other options: docs/config.md.
 
     ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
-    blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`): no tenant
-    hits, loads or times another's blocks, except prefixes shared with
-    :meth:`share_prefix`. Results name the caller's hashes; events and tiers see the
-    scoped keys (:meth:`tenant_keys`). Every call raises ClosedError unless the engine
-    is open, and InvalidArgumentError (naming the argument) for a malformed argument,
-    changing nothing then.
+    blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`, except
+    prefixes shared with :meth:`share_prefix`); results name the caller's hashes, events
+    and tiers the scoped keys. Every call raises ClosedError unless the engine is open,
+    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing.
 
     Raises:
         InvalidArgumentError: a malformed argument; nothing is allocated.
@@ -134,16 +128,9 @@ class TieringEngine(AsyncService):
 
     @classmethod
     def from_config(cls, config: TieringConfig, kv_caches: KVCaches) -> TieringEngine:
-        """The engine ``config`` describes over ``kv_caches``, not yet entered (use it as
-        ``async with``). ``engine.cpu_bytes`` becomes as many CPU slots as fit, at the
-        block size of ``kv_caches``; the tiers are built from their specs when it opens.
-
-        Raises:
-            ConfigError: ``config`` is not a TieringConfig, or ``engine.cpu_bytes`` holds
-                no block of this KV cache.
-            InvalidArgumentError: ``kv_caches`` is malformed or the CPU tier would not fit
-                in this machine's memory (as the constructor raises).
-        """
+        """The engine ``config`` describes over ``kv_caches``, not yet entered;
+        ``engine.cpu_bytes`` becomes as many CPU slots as fit. Raises ConfigError for a
+        non-TieringConfig or a ``cpu_bytes`` holding no block, else as the constructor."""
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
         engine = config.engine
@@ -170,8 +157,6 @@ class TieringEngine(AsyncService):
             room_timeout=engine.room_timeout,
             close_timeout=engine.close_timeout,
         )
-
-    # ------------------------------------------------------------------ lifetime
 
     async def start(self) -> None:
         """Allocate the host pool, start the copier and the tiers, and open (what
@@ -202,17 +187,15 @@ class TieringEngine(AsyncService):
     async def aclose(self) -> JobResult:
         """Close gracefully within ``close_timeout``: admit no new job, let running jobs
         and cascades finish, flush (write-back), then close tiers, copier and host pool;
-        what the deadline cuts short is stopped as :meth:`close` does, as is everything
-        if this is cancelled. Idempotent; every call returns the close's result:
-        ``success`` unless, under write-back, CPU blocks did not reach every secondary
-        tier that lacked them (``failed_keys``, in the tiers' keys, and ``error`` say
-        which and why; a warning is logged; those no tier holds are lost and counted in
-        ``counters["lost_blocks"]``). Its events follow in :meth:`take_events`."""
+        what the deadline cuts short (everything, if cancelled) stops as :meth:`close`
+        does. Idempotent; returns the close's result: failed, naming them in the tiers'
+        keys, if under write-back CPU blocks did not reach every tier lacking them (a
+        warning is logged; those no tier holds count in ``counters["lost_blocks"]``)."""
         if self._state is Lifecycle.NEW:
             return self.close()
         if self._state is not Lifecycle.OPEN:
             await self._closed.wait()
-            return self._close_result()
+            return self._core.close_result()
         assert self._loop is not None
         self._state = Lifecycle.CLOSING
         deadline = self._loop.time() + self._close_timeout
@@ -230,21 +213,17 @@ class TieringEngine(AsyncService):
             await self._stack.aclose(deadline)
         finally:
             self._release_now()
-        return self._close_result()
+        return self._core.close_result()
 
     def close(self) -> JobResult:
-        """Hard stop, synchronous and idempotent, for when the loop cannot wait: every
-        unfinished job fails now, the tiers stop, copies in flight are waited for
-        (briefly: their memory must stay), the host pool is released. Returns the
-        close's result, as :meth:`aclose` does."""
+        """Hard stop, synchronous and idempotent: every unfinished job fails now, the
+        tiers stop, copies in flight are waited for briefly (their memory must stay),
+        the host pool is released. Returns the close's result, as :meth:`aclose` does."""
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
             self._closed.set()
         else:
             self._release_now()
-        return self._close_result()
-
-    def _close_result(self) -> JobResult:
         return self._core.close_result()
 
     def _release_now(self) -> None:
@@ -269,11 +248,6 @@ class TieringEngine(AsyncService):
     def tiers(self) -> list[SecondaryTierManager]:
         """The secondary tiers, fastest first (built when the engine is entered)."""
         return self._stack.tiers
-
-    @property
-    def state(self) -> Lifecycle:
-        """Where the engine is in its life."""
-        return self._state
 
     @property
     def host_pool(self) -> HostPool:
@@ -312,8 +286,6 @@ class TieringEngine(AsyncService):
     def __repr__(self) -> str:
         return f"<TieringEngine {self.statistics()!r}>"
 
-    # ------------------------------------------------------------------- queries
-
     def lookup(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> int:
         """Leading hashes (of ``tenant``'s blocks) ready in the CPU tier or stored in a
         secondary tier."""
@@ -350,10 +322,9 @@ class TieringEngine(AsyncService):
         return self._core.tenant_statistics()
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Events since the last call (with ``enable_events``): the CPU tier's (blocks
-        stored, blocks evicted), then the secondary tiers' (blocks the engine stored
-        there, blocks a tier evicted or dropped because they did not verify), each
-        medium's in the order they happened. The wire format: :mod:`tiering.events`."""
+        """Events since the last call (with ``enable_events``): the CPU tier's, then the
+        secondary tiers' (stored there, or evicted or dropped unverified), each medium's
+        in order. The wire format: :mod:`tiering.events`."""
         events = self.manager.take_events()
         events.extend(self._core.take_tier_events())
         return events
@@ -363,8 +334,6 @@ class TieringEngine(AsyncService):
         :data:`~tiering.job.FINISHED_KEPT` undrained, the oldest go, with one warning."""
         return self._finished.drain()
 
-    # ---------------------------------------------------------------- the calls
-
     def store(
         self,
         block_hashes: Sequence[BlockHash],
@@ -373,11 +342,8 @@ class TieringEngine(AsyncService):
         tenant: str | None = None,
     ) -> Job:
         """Copy device blocks (of ``tenant``) into the CPU tier (then, by policy, to
-        secondary tiers). Returns at once; the job resolves once every block is ready
-        in CPU (or left out because the eviction policy did not admit it), and the
-        device blocks may then be reused (:meth:`~tiering.job_core.JobCore.store`).
-        Device block ids must be distinct ints inside the device KV cache, one per hash.
-        """
+        secondary tiers); returns at once. Once the job resolves the device blocks may be
+        reused (:meth:`~tiering.job_core.JobCore.store`: distinct device ids, one per hash)."""
         return self._call("store", block_hashes, device_block_ids, tenant)
 
     def load(
@@ -388,25 +354,21 @@ class TieringEngine(AsyncService):
         tenant: str | None = None,
     ) -> Job:
         """Copy blocks (of ``tenant``) into device blocks, promoting them from a
-        secondary tier if needed. Returns at once. Keys that could not be read (a tier
-        failed or the bytes did not verify) are in the result's ``failed_keys``; the
-        others land (:meth:`~tiering.job_core.JobCore.load`). Raises BlockNotFoundError
+        secondary tier if needed; returns at once (:meth:`~tiering.job_core.JobCore.load`:
+        keys that could not be read are in ``failed_keys``). Raises BlockNotFoundError
         for a hash no tier holds (for ``tenant``), changing nothing."""
         return self._call("load", block_hashes, device_block_ids, tenant)
 
     async def flush(self) -> bool:
-        """Copy every ready CPU block to each secondary tier that lacks it: under
-        ``write_back`` the lower tiers become complete, under ``write_through`` failed
-        cascades are retried. True if every tier took every block. Cancelling the
-        caller does not stop the flush (its pins go as its tier jobs end)."""
+        """Copy every ready CPU block to each secondary tier that lacks it (completing
+        them under write-back, retrying failed cascades under write-through); True if
+        every tier took every block. Cancelling the caller does not stop the flush."""
         flush_id, effects = self._open_core().flush()
         assert self._loop is not None
         future: asyncio.Future[bool] = self._loop.create_future()
         self._flushes[flush_id] = future
         self._execute(effects)
         return await asyncio.shield(future)
-
-    # ------------------------------------------------------------------ effects
 
     def _call(
         self,
@@ -444,24 +406,22 @@ class TieringEngine(AsyncService):
         if job.kind == "load":
             job._set_cascaded(True)
             del self._jobs[effect.job]
-        timer = self._timers.pop(effect.job, None)
-        if timer is not None:
+        if (timer := self._timers.pop(effect.job, None)) is not None:
             timer.cancel()
 
     def _cascaded(self, effect: job_core.Cascaded) -> None:
-        job = self._jobs.pop(effect.job, None)
-        if job is not None:
+        if (job := self._jobs.pop(effect.job, None)) is not None:
             job._set_cascaded(effect.ok)
 
     def _flush_done(self, effect: job_core.FlushDone) -> None:
-        future = self._flushes.pop(effect.flush, None)
-        if future is not None and not future.done():
+        if (future := self._flushes.pop(effect.flush, None)) and not future.done():
             future.set_result(effect.ok)
 
     def _wait_for_room(self, effect: job_core.WaitForRoom) -> None:
         assert self._loop is not None
-        job_id = effect.job
-        self._timers[job_id] = self._loop.call_later(effect.seconds, self._room_expired, job_id)
+        self._timers[effect.job] = self._loop.call_later(
+            effect.seconds, self._room_expired, effect.job
+        )
 
     def _room_expired(self, job_id: int) -> None:
         self._timers.pop(job_id, None)

@@ -19,7 +19,6 @@ import ctypes
 import mmap
 import operator
 import weakref
-from types import TracebackType
 from typing import Any, Self
 
 import torch
@@ -200,12 +199,7 @@ class HostPool:
         self._check_open()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -1,15 +1,11 @@
-"""A tier's inbox: two bounded FIFO lanes, loads handed out before stores.
+"""A tier's inbox: two bounded FIFO lanes, loads (on a request's critical path) handed
+out before stores (docs/architecture.md#tiers-are-actors).
 
-A load is on a request's critical path while a store only saves work for later, so
-:meth:`Inbox.get` takes the oldest queued load before any store. A lane holds at most
-``max_size`` items; when it is full, :meth:`Inbox.put_nowait` raises
-:class:`~tiering.errors.TierBusyError`, :meth:`Inbox.put` waits, and :meth:`Inbox.park`
-leaves the item in the lane's waiting line, queued in order as room appears (the
-engine's road: it never waits and never fails a job for back-pressure; its CPU pins
-bound what it parks). Closing stops admission (waiting putters raise
-:class:`~tiering.errors.ClosedError`); queued and parked items stay gettable, and
-:meth:`Inbox.get` returns ``None`` once closed and empty. One event loop; not
-thread-safe.
+When a lane is full, :meth:`Inbox.put_nowait` raises TierBusyError, :meth:`Inbox.put`
+waits and :meth:`Inbox.park` leaves the item in the lane's waiting line, queued in order
+as room appears. Closing stops admission (waiting putters raise ClosedError); queued and
+parked items stay gettable, and :meth:`Inbox.get` returns ``None`` once closed and
+empty. One event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -68,8 +64,6 @@ class Inbox(Generic[_T]):
         }
         self._getters: deque[asyncio.Future[None]] = deque()
         self._closed = False
-
-    # -- putting ----------------------------------------------------------------------
 
     def put_nowait(self, lane: Lane, item: _T) -> None:
         """Queue ``item`` in ``lane`` now.
@@ -137,8 +131,6 @@ class Inbox(Generic[_T]):
         self._append(lane, item)
         self._admit_waiting(lane)  # room may remain for the next in line too
 
-    # -- getting ----------------------------------------------------------------------
-
     def get_nowait(self) -> _T | None:
         """The oldest queued load, else the oldest queued store, else ``None``."""
         for lane in _LANES:
@@ -190,8 +182,6 @@ class Inbox(Generic[_T]):
             self._waiting[lane] = deque(w for w in waiting if not isinstance(w, _Parked))
         return items
 
-    # -- closing and state ------------------------------------------------------------
-
     def close(self) -> None:
         """Admit nothing more; wake every waiter. Queued and parked items stay gettable.
         Idempotent."""
@@ -226,8 +216,6 @@ class Inbox(Generic[_T]):
             f"of {s.max_size} each, {s.parked} parked; {s.tasks_waiting_put} putting, "
             f"{s.tasks_waiting_get} getting{'; closed' if s.closed else ''})"
         )
-
-    # -- internals --------------------------------------------------------------------
 
     def _has_room(self, lane: object) -> bool:
         """Whether an item put in ``lane`` now goes straight in (checks lane and state)."""

@@ -19,15 +19,11 @@ FINISHED_KEPT = 1 << 16
 
 
 class Job:
-    """An awaitable handle of one engine store or load.
+    """An awaitable handle of one engine store or load (docs/job-lifecycle.md#calls).
 
-    ``await job`` returns its :class:`JobResult` (it never raises for a failed job).
-    Cancelling a task that awaits the job does not cancel the job. Its result names the
-    caller's hashes (a tenant's job runs on the tenant's keys). For a store,
-    ``await job.cascaded`` returns True once every secondary tier holds its blocks (at
-    once when there is nothing to cascade, as under write-back) and False if a tier
-    failed, the store failed or the engine closed first; for a load it is True once the
-    load ended.
+    ``await job`` returns its :class:`JobResult`, naming the caller's hashes, and never
+    raises for a failed job; ``await job.cascaded`` is a store's second answer. Cancelling
+    an awaiting task cancels neither.
     """
 
     __slots__ = (

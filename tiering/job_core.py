@@ -1,21 +1,11 @@
 """The engine's job state machine, without I/O: every rule about fills, pins and order.
 
 :class:`JobCore` owns the CPU tier's :class:`~tiering.manager.CPUOffloadingManager` and
-sees the secondary tiers only through synchronous questions (``lookup``) and holds. It
-takes calls (``store``, ``load``, ``flush``, ``begin_close``, ``hard_close``) and
-completions (``copy_done``, ``tier_done``, ``room_expired``) and answers each with the
-list of effects the shell must carry out: copies to start, tier jobs to submit, results
-to deliver. It never awaits, never blocks and never touches bytes, so it can be driven
-by a hypothesis state machine with any interleaving of completions.
-
-Rules it keeps (docs/job-lifecycle.md states each; the model test checks each):
-pins follow I/O (a slot an effect reads or writes stays pinned or filling until that
-effect's completion comes back, whatever else happens); a fill is ended only by the job
-that reserved its slot; a write-through store holds its blocks until its cascade has
-pinned them per tier; every job yields one result and every store one ``cascaded``
-answer; under write-back an evicted block is written to the tiers before its slot is
-refilled, and a block a load promotes is held in its tier until the promotion ends; a
-close loses nothing or says what it lost (:meth:`JobCore.close_result`, ``lost_blocks``).
+sees the secondary tiers only through synchronous questions and holds (:class:`TierView`).
+Calls and completions go in; the effects the shell must carry out, in order, come out. It
+never awaits, blocks or touches bytes, so a hypothesis state machine drives it with any
+interleaving of completions. The calls, the effects and the rules it keeps (each checked
+by tests/test_job_core_model.py): docs/job-lifecycle.md.
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from tiering.abstract import BlockHash, OffloadingEvent
+from tiering.abstract import BlockHash, OffloadingEvent, PrepareStoreOutput
 from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
 from tiering.lifecycle import Lifecycle
 from tiering.manager import CPUOffloadingManager
@@ -76,12 +66,11 @@ class LookupStatistics:
     hits_by_tier: tuple[int, ...] = ()
 
 
-# ------------------------------------------------------------------------ effects
+# The effects (docs/job-lifecycle.md#effects-out says what the shell does with each).
 
 
 class CopyToHost(NamedTuple):
-    """Start copying device block ``device_ids[i]`` into CPU slot ``slots[i]``; report
-    its end with :meth:`JobCore.copy_done`."""
+    """Copy device blocks ``device_ids[i]`` into CPU ``slots[i]``; then ``copy_done``."""
 
     op: int
     device_ids: list[int]
@@ -89,8 +78,7 @@ class CopyToHost(NamedTuple):
 
 
 class CopyToDevice(NamedTuple):
-    """Start copying CPU slot ``slots[i]`` into device block ``device_ids[i]``; report
-    its end with :meth:`JobCore.copy_done`."""
+    """Copy CPU ``slots[i]`` into device blocks ``device_ids[i]``; then ``copy_done``."""
 
     op: int
     slots: list[int]
@@ -98,8 +86,7 @@ class CopyToDevice(NamedTuple):
 
 
 class TierStore(NamedTuple):
-    """Submit a store of CPU slots ``slots[i]`` as ``keys[i]`` to secondary tier
-    ``tier``; report its outcome with :meth:`JobCore.tier_done`."""
+    """Store CPU ``slots[i]`` as ``keys[i]`` in tier ``tier``; then ``tier_done``."""
 
     op: int
     tier: int
@@ -108,8 +95,7 @@ class TierStore(NamedTuple):
 
 
 class TierLoad(NamedTuple):
-    """Submit a load of ``keys[i]`` from secondary tier ``tier`` into CPU slot
-    ``slots[i]``; report its outcome with :meth:`JobCore.tier_done`."""
+    """Load ``keys[i]`` from tier ``tier`` into CPU ``slots[i]``; then ``tier_done``."""
 
     op: int
     tier: int
@@ -139,8 +125,7 @@ class FlushDone(NamedTuple):
 
 
 class WaitForRoom(NamedTuple):
-    """Job ``job`` waits for CPU room; call :meth:`JobCore.room_expired` after
-    ``seconds`` (it is a no-op if the job started meanwhile)."""
+    """Job ``job`` waits for CPU room: ``room_expired(job)`` after ``seconds``."""
 
     job: int
     seconds: float
@@ -179,19 +164,14 @@ class TierView(Protocol):
     def release(self, keys: Sequence[BlockHash]) -> None: ...
 
 
-# ------------------------------------------------------------------ internal state
-
-
+_CLOSED_BEFORE_COPY = "the engine closed before the copy started"
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
 
 
 class Phase(enum.Enum):
-    """Where a store or load is; a job only moves forward.
-
-    A hard close gives a job its result in whatever phase it is; the I/O it started
-    still ends through the phases that follow, since only that releases its pins.
-    """
+    """Where a store or load is; a job only moves forward. A hard close gives a job its
+    result in any phase; its I/O still ends through the phases that follow (its pins)."""
 
     WAITING = "waiting for CPU room"
     MOVING = "moving"  # planned: its copy into CPU, promotions and joined fills run
@@ -206,19 +186,22 @@ _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
 class _Fanout:
-    """Tier stores started together (a cascade, a write-back, a flush): the keys the
-    tiers did not take, and whether every one of the stores has reported back."""
+    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush): the
+    stores not yet reported back, the keys the tiers did not take, and ``then(self)``,
+    called once the last store has reported back."""
 
-    __slots__ = ("failed", "failures", "pending")
+    __slots__ = ("failed", "failures", "owner", "pending", "then")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Any, then: Callable[[Any], None]) -> None:
+        self.owner = owner
+        self.then = then
         self.pending = 0
-        # Made at the first failure: most fan-outs (a cascade per store) have none.
         self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
+        # Made at the first failure: most fan-outs (a cascade per store) have none.
         self.failures: Counter[BlockHash] | None = None  # tiers that did not take each key
 
-    def part_done(self, failed: Mapping[BlockHash, str]) -> bool:
-        """One store reported back; True if it was the last."""
+    def part_done(self, failed: Mapping[BlockHash, str]) -> None:
+        """One store reported back, ``failed`` the keys it did not take."""
         self.pending -= 1
         if failed:
             if self.failures is None:
@@ -226,7 +209,8 @@ class _Fanout:
             self.failures.update(failed.keys())
             for k, reason in failed.items():
                 self.failed.setdefault(k, reason)
-        return self.pending == 0
+        if self.pending == 0:
+            self.then(self)
 
     def failed_in(self, tiers: int) -> dict[BlockHash, str]:
         """The keys that ``tiers`` stores failed (every tier asked, when it is their number)."""
@@ -237,19 +221,21 @@ class _Fanout:
 class _Flush(_Fanout):
     __slots__ = ("closing", "id", "internal")
 
-    def __init__(self, flush_id: int, internal: bool, closing: bool = False) -> None:
-        super().__init__()
+    def __init__(
+        self, flush_id: int, then: Callable[[Any], None], internal: bool, closing: bool
+    ) -> None:
+        super().__init__(self, then)
         self.id = flush_id
         self.internal = internal  # no FlushDone (the close's own, or already answered)
         self.closing = closing  # the close's write-back: what it fails, close_result names
 
 
 class _Job:
-    """One store or load: its phase, result, I/O in flight and (stores) its cascade."""
+    """One store or load: its phase, result, I/O in flight, fills and pins. Containers
+    are made when first needed: most jobs never fail, promote or join."""
 
     __slots__ = (
         "awaiting",
-        "cascade",
         "device_ids",
         "failed",
         "fills",
@@ -267,21 +253,19 @@ class _Job:
     def __init__(self, job_id: int, is_load: bool, hashes: list[BlockHash], ids: list[int]) -> None:
         self.id = job_id
         self.is_load = is_load
-        self.phase = _WAITING
         self.hashes = hashes  # a store: each distinct hash once (once planned); a load: as called
         self.device_ids = ids
+        self.phase = _WAITING
         self.io = 0  # this job's effects in flight
         self.resolved = False
         self.awaiting = 0  # fills it waits for (a store's own copy counts as one)
-        # Containers are made when first needed: most jobs never fail, promote or join.
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
         self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
         self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
-        # One CPU pin each, owned by this job: a load's until its copy to the device
-        # ends; a cascading store's until its cascade has pinned the blocks per tier.
+        # One CPU pin each, owned by this job: a load's until its copy to the device ends;
+        # a cascading store's until its cascade has pinned the blocks per tier.
         self.pinned: list[BlockHash] | tuple[()] = ()
         self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
-        self.cascade: _Fanout | None = None
 
     def fail(self, key: BlockHash, reason: str) -> None:
         """Record that ``key`` did not make it (the first reason stays)."""
@@ -294,9 +278,6 @@ class _Job:
         return self.resolved and self.io == 0 and (self.is_load or self.phase is _DONE)
 
 
-# ---------------------------------------------------------------------- the core
-
-
 class JobCore:
     """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
 
@@ -304,12 +285,10 @@ class JobCore:
     ``num_device_blocks``; a job waits ``room_timeout`` seconds for CPU room at most.
     With ``enable_events`` it records the tiers' store events, and ``take_removed`` (one
     callable per tier, its :meth:`~tiering.secondary.SecondaryTierManager.take_removed`)
-    adds their removals, in order. Every public method either raises before changing
-    anything or returns the effects of the change, in the order the shell must start
-    them. A load's ``cascaded`` answer is implied by its :class:`Resolve`.
-
-    Raises:
-        InvalidArgumentError: an unknown write policy.
+    adds their removals, in order. Every public method raises before changing anything
+    or returns the effects of the change, in order. A load's ``cascaded`` answer is
+    implied by its :class:`Resolve`. Raises InvalidArgumentError for an unknown write
+    policy.
     """
 
     def __init__(
@@ -327,6 +306,10 @@ class JobCore:
         self.write_back = check_write_policy(write_policy) == "write_back"
         self.manager = manager
         self.tiers = list(tiers)
+        if take_removed and len(take_removed) != len(self.tiers):
+            raise InvalidArgumentError(
+                f"take_removed has {len(take_removed)} callables for {len(self.tiers)} tiers"
+            )
         self.num_device_blocks = num_device_blocks
         self.block_bytes = block_bytes
         self.room_timeout = room_timeout
@@ -334,15 +317,13 @@ class JobCore:
         self.state = Lifecycle.OPEN
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.failures = FailureLog(logger, "engine")
+        self.blocks_in_flight = 0  # moved by copies and tier jobs in flight
         # Plain ints and one list, not the counters: the lookup path stays cheap.
         self._lookups = self._lookup_blocks = self._lookup_first_misses = 0
         self._lookup_hits = [0] * (1 + len(self.tiers))
         self._tenant_lookups: dict[str, TenantLookups] = {}
-        if take_removed and len(take_removed) != len(self.tiers):
-            raise InvalidArgumentError(
-                f"take_removed has {len(take_removed)} callables for {len(self.tiers)} tiers"
-            )
         self._take_removed = list(take_removed) if enable_events else []
+        self._tier_events: list[OffloadingEvent] = []
         self._servable = [t for t, tier in enumerate(self.tiers) if tier.servable]
         self._jobs: dict[int, _Job] = {}  # planned, not yet done
         self._waiting: dict[int, tuple[_Job, Callable[[], bool]]] = {}  # no room yet, FIFO
@@ -355,32 +336,24 @@ class JobCore:
         # Bound once: a bound method made per call is one more object for the collector.
         self._on_store_copied = self._store_copied
         self._on_copied_out = self._copied_out
-        # The job that owns the fill of each slot being filled (only it may end it), and
-        # the jobs waiting for a fill (made when the first one joins). Indexed by slot,
-        # not by hash: a dict that every block enters and leaves would now and then be
-        # rebuilt inside a caller's store, a latency spike on the hot path.
+        self._on_cascaded = self._cascaded
+        # The job owning the fill of each slot being filled, indexed by slot: a dict every
+        # block enters and leaves would now and then be rebuilt inside a caller's store.
         self._fill_owner: list[_Job | None] = [None] * manager.num_blocks
         self._num_filling = 0
-        self._fill_waiters: dict[BlockHash, list[_Job]] = {}
-        self._tier_events: list[OffloadingEvent] = []
+        self._fill_waiters: dict[BlockHash, list[_Job]] = {}  # made as the first one joins
         self._out: list[Effect] = []
-        self.blocks_in_flight = 0
-        """Blocks moved by copies and tier jobs in flight."""
         self._next_id = 0
-        self._close_flushed = False
-        self._drained = False
         self._close_id: int | None = None
+        self._close_flushed = self._drained = False
         self._close_failed: dict[BlockHash, str] = {}  # not written back to every tier
         self._close_lost: set[BlockHash] = set()  # of those, held by no tier: counted lost
         self._writing_back: Counter[BlockHash] = Counter()  # victims with write-backs in flight
 
-    # ------------------------------------------------------------------ queries
-
     def lookup(self, block_hashes: object, tenant: str | None = None) -> int:
         """Leading hashes ready in the CPU tier or stored in a servable secondary tier
-        (counted under the ``tenant`` label, if given). A tier answering "ask again" for
-        the first missing hash is asked about the rest too (:meth:`_ask_ahead`).
-        Raises InvalidArgumentError if ``block_hashes`` is not an iterable of bytes."""
+        (counted under the ``tenant`` label, if given). Raises InvalidArgumentError if
+        ``block_hashes`` is not an iterable of bytes."""
         hashes = hash_list("block_hashes", block_hashes)
         is_ready = self.manager.is_ready
         hits = self._lookup_hits
@@ -410,11 +383,9 @@ class JobCore:
 
     def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
         """A tier that answers "ask again" (None) for the first missing hash is asked
-        about the hashes after it too: a remote tier then checks them all in one batched
-        round trip, rather than one hash per step of the scheduler."""
-        tiers = self.tiers
+        about the rest too, so a remote tier checks them in one batched round trip."""
         for t in self._servable:
-            tier = tiers[t]
+            tier = self.tiers[t]
             if tier.lookup(hashes[n]) is None:
                 for h in hashes[n + 1 :]:
                     tier.lookup(h)
@@ -427,9 +398,8 @@ class JobCore:
         )
 
     def tenant_statistics(self) -> dict[str, TenantLookups]:
-        """Lookups per tenant label (:func:`~tiering.tenancy.tenant_label`: the id never
-        shows); past :data:`~tiering.tenancy.MAX_TENANT_LABELS` labels, new tenants
-        count under ``"other"``. Copies."""
+        """Copies of the lookups per tenant label; past
+        :data:`~tiering.tenancy.MAX_TENANT_LABELS` labels, new tenants count as ``"other"``."""
         return {label: replace(counts) for label, counts in self._tenant_lookups.items()}
 
     @property
@@ -448,42 +418,33 @@ class JobCore:
         return self._num_filling
 
     def take_tier_events(self) -> list[OffloadingEvent]:
-        """Secondary-tier events since the last call (with ``enable_events``): blocks
-        stored by the engine's tier jobs and, given ``take_removed``, blocks the tiers
-        stopped holding, in the order they happened per tier."""
+        """Secondary-tier events since the last call (with ``enable_events``): blocks the
+        engine's tier jobs stored and, given ``take_removed``, blocks the tiers stopped
+        holding, in order per tier."""
         for t in range(len(self._take_removed)):
             self._removal_event(t)
         events, self._tier_events = self._tier_events, []
         return events
 
     def _removal_event(self, t: int) -> None:
-        removed = self._take_removed[t]()
-        if removed:
-            medium = self.tiers[t].name.upper()
-            self._tier_events.append(
-                OffloadingEvent(list(removed), self.manager.block_size, medium, True)
-            )
+        if removed := self._take_removed[t]():
+            self._tier_event(t, list(removed), True)
 
-    # ------------------------------------------------------------------- stores
+    def _tier_event(self, t: int, keys: list[BlockHash], removed: bool) -> None:
+        medium = self.tiers[t].name.upper()
+        self._tier_events.append(OffloadingEvent(keys, self.manager.block_size, medium, removed))
+
+    # Stores (docs/job-lifecycle.md#a-store-step-by-step).
 
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
         """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
 
-        A hash repeated in the call is stored once, from its first device block. Blocks
-        already ready in CPU are not copied again; a block another job is filling right
-        now is joined: this job waits for that fill and reports its outcome. A block the
-        CPU tier's eviction policy does not admit is left out: not stored, not waited
-        for, not a failure (counted in ``declined_blocks``). The job resolves once every
-        other block of the call is ready in CPU (``failed_keys`` names those that are
-        not); then, under write-through, the blocks cascade to every tier that lacks
-        them (:class:`Cascaded`). Without CPU room it waits (:class:`WaitForRoom`), or
-        fails at once if it could never fit.
-
-        Raises:
-            ClosedError: the engine is not open.
-            InvalidArgumentError: hashes not an iterable of bytes, device ids not ints in
-                range, a repeated device id, or the lengths differ; nothing changed.
-        """
+        A repeated hash is stored once, from its first device block; ready blocks are
+        not copied again, a block being filled is joined, a block the eviction policy
+        does not admit is left out (``declined_blocks``). The job resolves once every
+        other block is ready in CPU; then, under write-through, it cascades. Raises
+        ClosedError unless open, InvalidArgumentError for malformed arguments (hashes not
+        bytes, device ids not distinct ints in range, lengths that differ)."""
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         job = _Job(self._new_id(), False, hashes, ids)  # repeats go when it is planned
@@ -499,38 +460,29 @@ class JobCore:
         if out is None:
             return False
         new = out.block_hashes_to_store
-        slots = out.store_spec.block_ids
-        if len(new) != len(hashes):  # some were resident or repeated
-            job.hashes = list(dict.fromkeys(hashes))
-            first_id: dict[BlockHash, int] = {}
-            for h, d in zip(hashes, ids, strict=True):
-                first_id.setdefault(h, d)
-            job.device_ids = [first_id[h] for h in new]
+        if len(new) != len(hashes):  # some were resident, repeated or declined
             fresh = set(new)
-            declined = [h for h in job.hashes if h not in fresh and h not in manager]
-            if declined:  # the policy did not admit them: not stored, not waited for
-                self.counters["declined_blocks"] += len(declined)
-                gone = set(declined)
-                job.hashes = [h for h in job.hashes if h not in gone]
+            first_id = dict(zip(reversed(hashes), reversed(ids), strict=True))
+            job.device_ids = [first_id[h] for h in new]
+            unique = list(dict.fromkeys(hashes))
+            job.hashes = [h for h in unique if h in fresh or h in manager]
+            self.counters["declined_blocks"] += len(unique) - len(job.hashes)
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
                     self._join(h, job)  # another job's fill
-        owner = self._fill_owner
+        job.slots = slots = out.store_spec.block_ids
+        fill_owner = self._fill_owner
         for slot in slots:
-            owner[slot] = job
+            fill_owner[slot] = job
         self._num_filling += len(slots)
         job.phase = _MOVING
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
-        job.slots = slots
         self._jobs[job.id] = job
         if out.block_hashes_evicted:
-            self.counters["evicted_blocks"] += len(out.block_hashes_evicted)
-            if self.write_back:
-                victims, victim_slots = out.block_hashes_evicted, out.evicted_block_ids
-                self._write_back(job, victims, victim_slots, self._copy_in)
-                return True
-        self._copy_in(job)
+            self._write_back(job, out, self._copy_in)
+        else:
+            self._copy_in(job)
         return True
 
     def _copy_in(self, job: _Job) -> None:
@@ -538,7 +490,7 @@ class JobCore:
         if not job.fills:
             self._store_copied(job, None)
         elif self.state is Lifecycle.CLOSED:
-            self._store_copied(job, "the engine closed before the copy started")
+            self._store_copied(job, _CLOSED_BEFORE_COPY)
         else:
             op = self._start(job, len(job.fills), self._on_store_copied)
             self._out.append(CopyToHost(op, job.device_ids, job.slots))
@@ -548,35 +500,26 @@ class JobCore:
         if error is None:
             self._end_fills(job, job.fills, None)
             if self._cascading():  # keep them until the cascade has pinned them itself
-                self._hold_for_cascade(job, list(job.fills))
+                self._hold(job, list(job.fills))
             self.counters["bytes_to_host"] += len(job.fills) * self.block_bytes
             self.counters["stored_blocks"] += len(job.fills)
         else:
-            reason = f"device to CPU copy failed: {error}"
+            reason = self._copy_failed(job, job.fills, "device to CPU", error)
             self._end_fills(job, job.fills, reason)
-            self.failures.record("device to CPU copy failed", 1, str(error))
-            for h in job.fills:
-                job.fail(h, reason)
         self._store_settled(job)
 
     def _store_settled(self, job: _Job) -> None:
         """Once its own copy and every fill it joined have ended: resolve, then cascade."""
-        if job.awaiting or job.phase is not _MOVING:
-            return
-        self._resolve(job)
-        if job.failed:
-            self._release_held(job)
-            self._answer_cascaded(job, False)
-        else:
+        if not job.awaiting and job.phase is _MOVING:
+            self._resolve(job)
             self._cascade(job)
 
     def _cascading(self) -> bool:
         return not self.write_back and bool(self.tiers) and self.state is not Lifecycle.CLOSED
 
-    def _hold_for_cascade(self, job: _Job, keys: list[BlockHash]) -> None:
-        """Pin a store's blocks in the step they become ready: a block must not leave
-        the CPU tier before the job's cascade (planned once all of them are ready) has
-        it, even while the job still waits for a fill another job owns."""
+    def _hold(self, job: _Job, keys: list[BlockHash]) -> None:
+        """Pin ``keys`` for ``job`` in the step they become ready: a load's until its copy
+        out, a store's until its cascade has pinned them per tier."""
         self.manager.prepare_load(keys)
         if not job.pinned:
             job.pinned = keys
@@ -592,30 +535,24 @@ class JobCore:
 
     def _cascade(self, job: _Job) -> None:
         """Write-through: pin the new blocks once per tier that lacks them, and store."""
-        if self.write_back or not self.tiers:
+        if not job.failed and (self.write_back or not self.tiers):
             self._answer_cascaded(job, True)  # nothing to cascade at store time
             return
-        if self.state is Lifecycle.CLOSED:
+        if job.failed or self.state is Lifecycle.CLOSED:
             self._release_held(job)
             self._answer_cascaded(job, False)
             return
-        cascade = job.cascade = _Fanout()
+        cascade = _Fanout(job, self._on_cascaded)
         for t in range(len(self.tiers)):
-            items = self._pin_for_tier(job.hashes, t)
-            if items:
-                cascade.pending += 1
-                self._tier_store(job, t, items, "cascaded_blocks", self._cascade_part_done)
+            self._tier_store(cascade, t, self._pin_for_tier(job.hashes, t), "cascaded_blocks")
         self._release_held(job)  # each tier job holds its own pins now
         if cascade.pending:
             job.phase = _CASCADING
         else:
             self._answer_cascaded(job, True)
 
-    def _cascade_part_done(self, job: _Job, failed: Mapping[BlockHash, str]) -> None:
-        cascade = job.cascade
-        assert cascade is not None
-        if cascade.part_done(failed):
-            self._answer_cascaded(job, not cascade.failed)
+    def _cascaded(self, cascade: _Fanout) -> None:
+        self._answer_cascaded(cascade.owner, not cascade.failed)
 
     def _answer_cascaded(self, job: _Job, ok: bool) -> None:
         if job.phase is not _DONE:
@@ -623,22 +560,15 @@ class JobCore:
             self._out.append(Cascaded(job.id, ok))
         self._forget_if_done(job)
 
-    # -------------------------------------------------------------------- loads
+    # Loads (docs/job-lifecycle.md#a-load-step-by-step).
 
     def load(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
         """Admit a load of blocks into device blocks; returns ``(job id, effects)``.
 
-        Blocks ready in CPU are pinned now; blocks being filled are awaited; blocks only
-        a secondary tier holds get a CPU slot now and are promoted from the first
-        servable tier that holds them (held there until the promotion ends). A hash may
-        repeat: it lands in each of its device blocks. Keys that cannot be read end in
-        the result's ``failed_keys``; the others land.
-
-        Raises:
-            ClosedError: the engine is not open.
-            InvalidArgumentError: as :meth:`store`.
-            BlockNotFoundError: a hash no tier holds; nothing changed.
-        """
+        Ready blocks are pinned now, blocks being filled awaited, blocks only a
+        secondary tier holds promoted from the first servable one. A repeated hash lands
+        in each of its device blocks; keys that cannot be read end in ``failed_keys``.
+        Raises as :meth:`store`, and BlockNotFoundError for a hash no tier holds."""
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
@@ -676,31 +606,28 @@ class JobCore:
             return True
         promotions: dict[int, list[BlockHash]] = {}
         job.fills, job.promotions = out.block_hashes_to_store, promotions
-        owner = self._fill_owner
+        fill_owner = self._fill_owner
         self._num_filling += len(out.block_hashes_to_store)
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
-            owner[slot] = job
+            fill_owner[slot] = job
             self._join(h, job)  # its own fill: it gets its pin when the block lands
             promotions.setdefault(found[h], []).append(h)
         for t, promoted in promotions.items():
-            self.tiers[t].hold(promoted)
-        # Every block now has its slot (ready, being filled, or given to a promotion),
-        # and keeps it until the load has copied it out.
+            self.tiers[t].hold(promoted)  # released as the promotion ends
+        # Every block has its slot now (ready, being filled, or promoted into), kept
+        # until the load has copied it out.
         job.slots = [manager.slot_of(h) for h in hashes]
-        self.counters["evicted_blocks"] += len(out.block_hashes_evicted)
-        self._write_back(job, out.block_hashes_evicted, out.evicted_block_ids, self._promote)
+        self._write_back(job, out, self._promote)
         return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
         """The tier to promote each non-resident hash from; BlockNotFoundError if a
         hash is neither resident nor in a servable tier."""
-        manager = self.manager
         sources: dict[BlockHash, int] = {}
         for h in hashes:
-            if h in manager or h in sources:
+            if h in self.manager or h in sources:
                 continue
-            tier = self._holder(h)
-            if tier is None:
+            if (tier := self._holder(h)) is None:
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): no tier holds it")
             sources[h] = tier
         return sources
@@ -720,9 +647,8 @@ class JobCore:
         failed = self._tier_failed(t, "load", outcome, keys)
         self.counters["promoted_blocks"] += len(keys) - len(failed)
         self._end_fills(job, [k for k in keys if k not in failed], None)
-        for k in keys:
-            if k in failed:
-                self._end_fills(job, [k], failed[k])
+        for k, reason in failed.items():
+            self._end_fills(job, [k], reason)
 
     def _copy_out(self, job: _Job) -> None:
         """Once no fill is awaited: copy every block that is there to the device."""
@@ -736,33 +662,35 @@ class JobCore:
         if not slots:
             self._copied_out(job, None)
         elif self.state is Lifecycle.CLOSED:
-            self._copied_out(job, "the engine closed before the copy started")
+            self._copied_out(job, _CLOSED_BEFORE_COPY)
         else:
             op = self._start(job, len(slots), self._on_copied_out)
             self._out.append(CopyToDevice(op, slots, ids))
 
     def _copied_out(self, job: _Job, error: object) -> None:
         job.phase = _DONE
-        if job.pinned:
-            self.manager.complete_load(job.pinned)  # the copy has ended: pins may go
-            job.pinned = ()
+        self._release_held(job)  # the copy has ended: its pins may go
         if error is None:
             copied = sum(1 for h in job.hashes if h not in job.failed)
             self.counters["bytes_to_device"] += copied * self.block_bytes
             self.counters["loaded_blocks"] += copied
         else:
-            reason = f"CPU to device copy failed: {error}"
-            self.failures.record("CPU to device copy failed", 1, str(error))
-            for h in job.hashes:
-                job.fail(h, reason)
+            self._copy_failed(job, job.hashes, "CPU to device", error)
         self._resolve(job)
 
-    # ------------------------------------------------------------------ fills
+    def _copy_failed(self, job: _Job, keys: list[BlockHash], what: str, error: object) -> str:
+        """Record that ``job``'s ``what`` copy of ``keys`` failed; returns the reason."""
+        reason = f"{what} copy failed: {error}"
+        self.failures.record(f"{what} copy failed", 1, str(error))
+        for h in keys:
+            job.fail(h, reason)
+        return reason
+
+    # Fills: only the job that reserved a slot (its _fill_owner) ends its fill.
 
     def _join(self, key: BlockHash, job: _Job) -> None:
         """``job`` waits for the fill of ``key`` (its own, or another job's)."""
-        waiters = self._fill_waiters.get(key)
-        if waiters is None:
+        if (waiters := self._fill_waiters.get(key)) is None:
             self._fill_waiters[key] = [job]
         else:
             waiters.append(job)
@@ -770,12 +698,9 @@ class JobCore:
 
     def _end_fills(self, owner: _Job, keys: list[BlockHash], failure: str | None) -> None:
         """``owner``'s I/O into these blocks' slots ended: publish (``failure`` None) or
-        drop them, and in the same step pin each landed block for every load waiting on
-        it (and hold it for every cascading store waiting on it).
-
-        Only the job that reserved a fill ends it, and only once: a later fill of the
-        same block (after this one failed) belongs to another job and is left alone.
-        """
+        drop them, and in the same step pin each landed block for every load (and
+        cascading store) waiting on it. A later fill of the same block, after this one
+        failed, belongs to another job and is left alone."""
         manager = self.manager
         slot_of, fill_owner = manager.resident_slot, self._fill_owner
         ended = []
@@ -786,20 +711,16 @@ class JobCore:
                 ended.append(k)
         if not ended:
             return
-        keys = ended
-        self._num_filling -= len(keys)
-        manager.complete_store(keys, success=failure is None)
+        self._num_filling -= len(ended)
+        manager.complete_store(ended, success=failure is None)
         woken: list[_Job] = []
-        for k in keys:
+        for k in ended:
             for waiter in self._fill_waiters.pop(k, ()):
                 waiter.awaiting -= 1
-                if failure is None:
-                    # A load's pin (or a cascading store's hold), in the step that makes
-                    # the block ready, so no eviction slips in between.
-                    if waiter.is_load or self._cascading():
-                        self._hold_for_cascade(waiter, [k])
-                else:
+                if failure is not None:
                     waiter.fail(k, failure)
+                elif waiter.is_load or self._cascading():
+                    self._hold(waiter, [k])  # in the step that makes it ready: no eviction
                 if not waiter.awaiting:
                     woken.append(waiter)
         for waiter in woken:
@@ -808,32 +729,26 @@ class JobCore:
             else:
                 self._store_settled(waiter)
 
-    # -------------------------------------------------------------- write-back
+    # Tier stores: cascades, write-backs and flushes.
 
-    def _write_back(
-        self, job: _Job, victims: list[BlockHash], slots: list[int], then: Callable[[_Job], None]
-    ) -> None:
-        """Write-back: store evicted blocks (intact in their old slots, which the job now
-        owns) to every tier lacking them, then call ``then(job)``; at once if none.
-
-        A victim that every tier lacked and none took is lost once its slot is refilled:
-        counted and its cause recorded (its removal from the CPU tier is an event
-        already, and no tier reports it stored)."""
+    def _write_back(self, job: _Job, out: PrepareStoreOutput, then: Callable[[_Job], None]) -> None:
+        """Count the blocks ``job``'s slots evicted; under write-back store them (intact in
+        their old slots, which the job now owns) to every tier lacking them, then call
+        ``then(job)``; at once if none. A victim that every tier lacked and none took is
+        lost once its slot is refilled (counted, its cause recorded)."""
+        victims, slots = out.block_hashes_evicted, out.evicted_block_ids
+        self.counters["evicted_blocks"] += len(victims)
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
             then(job)
             return
-        fanout = _Fanout()
         writing = self._writing_back
-        writing.update(victims)
 
-        def part_done(_job: _Job, failed: Mapping[BlockHash, str]) -> None:
-            if not fanout.part_done(failed):
-                return
+        def written(fanout: _Fanout) -> None:
             writing.subtract(victims)
             for k in victims:
                 if writing[k] <= 0:
                     del writing[k]
-            # Failed in every tier (a tier that held it was not asked); a hard close has
+            # Failed in every tier (one that held it was not asked); a hard close has
             # counted those it found still being written.
             lost = fanout.failed_in(len(self.tiers))
             for k in self._close_lost.intersection(lost):
@@ -842,38 +757,36 @@ class JobCore:
                 self._lose(lost, "evicted block lost: no tier took its write-back")
             then(job)
 
+        fanout = _Fanout(job, written)
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
             items = [(k, s) for k, s in zip(victims, slots, strict=True) if look(k) is not True]
-            if items:
-                fanout.pending += 1
-                self._tier_store(job, t, items, "written_back_blocks", part_done, pinned=False)
-        if fanout.pending == 0:
+            self._tier_store(fanout, t, items, "written_back_blocks", pinned=False)
+        if fanout.pending:
+            writing.update(victims)
+        else:
             then(job)
-
-    # ------------------------------------------------------------- tier stores
 
     def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> list[tuple[BlockHash, int]]:
         """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks; ``(key, slot)``s."""
         look = self.tiers[t].lookup
         is_ready = self.manager.is_ready
         chosen = [h for h in dict.fromkeys(keys) if is_ready(h) and look(h) is not True]
-        spec = self.manager.prepare_load(chosen)
-        return list(zip(chosen, spec.block_ids, strict=True))
+        return list(zip(chosen, self.manager.prepare_load(chosen).block_ids, strict=True))
 
     def _tier_store(
         self,
-        owner: _Job | _Flush,
+        fanout: _Fanout,
         t: int,
         items: list[tuple[BlockHash, int]],
         counter: str,
-        done: Callable[..., None],
         *,
         pinned: bool = True,
     ) -> None:
-        """Submit one store of ``items`` to tier ``t``. When it ends: unpin (``pinned``),
-        count, record events, then ``done(owner, the keys that did not land, with
-        reasons)``."""
+        """Submit one store of ``items`` (if any) to tier ``t`` for ``fanout``. When it
+        ends: unpin (``pinned``), count, record events, report the keys that failed."""
+        if not items:
+            return
         keys = [k for k, _ in items]
 
         def ended(_owner: object, outcome: object) -> None:
@@ -884,51 +797,39 @@ class JobCore:
             self.counters[counter] += len(landed)
             if landed and self.enable_events:
                 self._store_event(t, landed)
-            done(owner, failed)
+            fanout.part_done(failed)
 
-        op = self._start(owner, len(items), ended)
+        fanout.pending += 1
+        op = self._start(fanout.owner, len(items), ended)
         self._out.append(TierStore(op, t, keys, [s for _, s in items]))
 
     def _store_event(self, t: int, landed: list[BlockHash]) -> None:
-        """Removals first, then the stored keys the tier still holds: a key evicted and
-        stored again comes out removed-then-stored, and one stored and then evicted
-        before its job reported back comes out removed only, so a router that applies
-        events in order ends up with what the tier holds."""
+        """Removals first, then the stored keys the tier still holds, so a router that
+        applies events in order ends up with what the tier holds."""
         if self._take_removed:
             self._removal_event(t)
         look = self.tiers[t].lookup
-        held = [k for k in landed if look(k) is not False]
-        if held:
-            medium = self.tiers[t].name.upper()
-            self._tier_events.append(OffloadingEvent(held, self.manager.block_size, medium, False))
-
-    # -------------------------------------------------------------------- flush
+        if held := [k for k in landed if look(k) is not False]:
+            self._tier_event(t, held, False)
 
     def flush(self) -> tuple[int, list[Effect]]:
         """Copy every ready CPU block to each secondary tier that lacks it; returns
-        ``(flush id, effects)``, and a :class:`FlushDone` follows. Its pins go only as
-        its tier jobs end. Raises ClosedError unless open."""
+        ``(flush id, effects)``, and a :class:`FlushDone` follows. Raises ClosedError
+        unless open."""
         self._check_open()
-        flush = self._start_flush(internal=False)
-        return flush.id, self._take()
+        return self._start_flush(internal=False).id, self._take()
 
     def _start_flush(self, *, internal: bool, closing: bool = False) -> _Flush:
-        flush = _Flush(self._new_id(), internal, closing)
+        flush = _Flush(self._new_id(), self._flush_done, internal, closing)
         self._flushes[flush.id] = flush
         ready = self.manager.ready_hashes()
         for t in range(len(self.tiers)):
             items = self._pin_for_tier(ready, t)
             for start in range(0, len(items), FLUSH_BATCH):
-                flush.pending += 1
-                batch = items[start : start + FLUSH_BATCH]
-                self._tier_store(flush, t, batch, "flushed_blocks", self._flush_part_done)
+                self._tier_store(flush, t, items[start : start + FLUSH_BATCH], "flushed_blocks")
         if flush.pending == 0:
             self._flush_done(flush)
         return flush
-
-    def _flush_part_done(self, flush: _Flush, failed: Mapping[BlockHash, str]) -> None:
-        if flush.part_done(failed):
-            self._flush_done(flush)
 
     def _flush_done(self, flush: _Flush) -> None:
         del self._flushes[flush.id]
@@ -937,12 +838,12 @@ class JobCore:
         if not flush.internal:
             self._out.append(FlushDone(flush.id, not flush.failed))
 
-    # -------------------------------------------------------------------- close
+    # Close (docs/job-lifecycle.md#close).
 
     def begin_close(self) -> list[Effect]:
         """Graceful close: admit nothing more. :class:`Drained` follows once every job,
-        its cascade and every flush has ended and (write-back) a final flush has handed
-        the CPU tier's blocks to the secondary tiers. Idempotent."""
+        cascade and flush has ended and (write-back) a final flush has handed the CPU
+        tier's blocks to the secondary tiers. Idempotent."""
         if self.state is Lifecycle.OPEN:
             self.state = Lifecycle.CLOSING
             self._close_id = self._new_id()
@@ -950,11 +851,9 @@ class JobCore:
         return self._take()
 
     def hard_close(self) -> list[Effect]:
-        """Resolve every job and flush now as failed and start no new I/O.
-
-        Pins and fills are still released only as the I/O in flight reports back;
-        :class:`Drained` follows once it all has. Idempotent.
-        """
+        """Resolve every job and flush now as failed and start no new I/O; pins and fills
+        still go only as the I/O in flight reports back, then :class:`Drained`.
+        Idempotent."""
         if self.state is Lifecycle.CLOSED:
             return self._take()
         self.state = Lifecycle.CLOSED
@@ -997,42 +896,36 @@ class JobCore:
         lacked them (those no tier holds are lost: ``lost_blocks``). Final once
         :class:`Drained` was said or :meth:`hard_close` called; a success before."""
         job_id = self._close_id if self._close_id is not None else 0
-        failed = self._close_failed
-        if not failed:
+        if not (failed := self._close_failed):
             return JobResult(job_id, True)
-        keys = tuple(failed)
-        return JobResult(job_id, False, keys, _summary(keys, failed))
+        return JobResult(job_id, False, tuple(failed), _summary(tuple(failed), failed))
 
     def _lose_at_close(self, failed: Mapping[BlockHash, str], lost: Iterable[BlockHash]) -> None:
         """The close did not write ``failed`` back to every tier that lacked them; the
         ``lost`` of them are in no tier, so gone with the CPU tier (each counted once)."""
         for k, reason in failed.items():
             self._close_failed.setdefault(k, reason)
-        new = {k: failed[k] for k in lost if k not in self._close_lost}
-        if new:
+        if new := {k: failed[k] for k in lost if k not in self._close_lost}:
             self._close_lost.update(new)
             self._lose(new, "block lost at close: no tier took its write-back")
 
     def _lose_unwritten(self) -> None:
         """A hard close under write-back: every ready CPU block, and every evicted block
-        whose write-back is in flight, that a tier does not hold now was not written
-        back; held by none, it is lost with the CPU tier (one being written counts:
-        nothing waits for the write)."""
-        tiers = self.tiers
+        being written back, that some tier lacks now was not written back; held by
+        none, it is lost with the CPU tier (nothing waits for the write)."""
         held_by = {
-            h: sum(tier.lookup(h) is True for tier in tiers)
+            h: sum(tier.lookup(h) is True for tier in self.tiers)
             for h in dict.fromkeys((*self.manager.ready_hashes(), *self._writing_back))
         }
         reason = "the engine stopped before it was written back"
-        unwritten = {h: reason for h, n in held_by.items() if n < len(tiers)}
+        unwritten = {h: reason for h, n in held_by.items() if n < len(self.tiers)}
         self._lose_at_close(unwritten, [h for h, n in held_by.items() if n == 0])
 
     def _lose(self, lost: Mapping[BlockHash, str], cause: str) -> None:
-        """Count and record blocks lost under write-back."""
         self.counters["lost_blocks"] += len(lost)
         self.failures.record(cause, len(lost), next(iter(lost.values())))
 
-    # -------------------------------------------------------------- completions
+    # Completions.
 
     def copy_done(self, op: int, error: object = None) -> list[Effect]:
         """A copy effect ended; ``error`` is None on success, else why it failed.
@@ -1048,8 +941,7 @@ class JobCore:
 
     def room_expired(self, job_id: int) -> list[Effect]:
         """A waiting job's room timeout passed: it fails if it is still waiting."""
-        entry = self._waiting.pop(job_id, None)
-        if entry is not None:
+        if (entry := self._waiting.pop(job_id, None)) is not None:
             seconds = f"{self.room_timeout:g}"
             self._fail(entry[0], "no CPU room", f"no CPU slot freed up within {seconds} s")
             self._retry_waiting()
@@ -1072,8 +964,6 @@ class JobCore:
             self._retry_waiting()
         if self.state is not Lifecycle.OPEN:
             self._check_drained()
-
-    # ----------------------------------------------------------------- helpers
 
     def _start(self, owner: Any, blocks: int, on_end: Callable[[Any, object], None]) -> int:
         """Register an I/O effect of ``owner`` (a job or a flush) moving ``blocks``
@@ -1123,11 +1013,8 @@ class JobCore:
         self._forget_if_done(job)
 
     def _fail(self, job: _Job, cause: str, reason: str) -> None:
-        """Resolve ``job`` now with every key failed (close, no room, no source).
-
-        Its I/O in flight, if any, still ends through its completions; the pins and
-        fills it owns are released there, not here.
-        """
+        """Resolve ``job`` now with every key failed (close, no room, no source); the
+        pins and fills its I/O in flight owns go only as that I/O ends."""
         if not job.resolved:
             self.failures.record(cause, 1, reason)
             for h in job.hashes:
@@ -1165,9 +1052,8 @@ class JobCore:
             del self._waiting[job.id]
 
     def _holder(self, h: BlockHash) -> int | None:
-        tiers = self.tiers
         for t in self._servable:
-            if tiers[t].lookup(h) is True:
+            if self.tiers[t].lookup(h) is True:
                 return t
         return None
 

@@ -91,8 +91,6 @@ class ResultsLedger:
         """Jobs whose work still touches their slots."""
         return sum(1 for job in self._jobs.values() if job.busy)
 
-    # -- busy jobs --------------------------------------------------------------------
-
     def busy(self, job_id: int) -> None:
         """Mark one more piece of work of the job as touching its slots (counts)."""
         job = self._jobs.get(job_id)
@@ -113,8 +111,6 @@ class ResultsLedger:
         """True while some work of the job still touches its slots."""
         job = self._jobs.get(job_id)
         return job is not None and job.busy > 0
-
-    # -- results ----------------------------------------------------------------------
 
     def finish(self, job_id: int, result: JobResult, *, notify: bool = True) -> bool:
         """Decide the job's one result (the first decision wins; True if this one did),

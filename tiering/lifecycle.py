@@ -27,7 +27,20 @@ class Lifecycle(enum.Enum):
 
 class AsyncService:
     """``async with`` for an object that has ``start()`` and ``aclose()``: entering
-    starts it, leaving closes it gracefully (whatever the block raised)."""
+    starts it, leaving closes it gracefully (whatever the block raised). ``state`` is
+    what the object keeps in ``_state``."""
+
+    _state: Lifecycle = Lifecycle.NEW
+
+    @property
+    def state(self) -> Lifecycle:
+        """Where it is in its life cycle."""
+        return self._state
+
+    @property
+    def closed(self) -> bool:
+        """True once closing or closed: it admits nothing new."""
+        return self.state in (Lifecycle.CLOSING, Lifecycle.CLOSED)
 
     async def start(self) -> None:
         raise NotImplementedError

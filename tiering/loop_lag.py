@@ -8,33 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import TracebackType
-from typing import Self
 
 from tiering.errors import InvalidArgumentError
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.validation import seconds
 
 
-class LoopLagMonitor:
+class LoopLagMonitor(AsyncService):
     """Samples event-loop lag every ``interval`` seconds (InvalidArgumentError unless
-    positive) inside its ``async with``; read ``p99_ms`` during or after it."""
+    positive) from :meth:`start` (entering) to :meth:`aclose` (leaving); read ``p99_ms``
+    during or after."""
 
     def __init__(self, interval: float = 0.001) -> None:
         self.interval = seconds("interval", interval, allow_zero=False)
         self.samples: list[float] = []
         self._task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> Self:
+    async def start(self) -> None:
+        self._state = Lifecycle.OPEN
         self._task = asyncio.create_task(self._tick(), name="loop-lag-monitor")
         await asyncio.sleep(0)  # let the ticker take its first timestamp
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def aclose(self) -> None:
+        self._state = Lifecycle.CLOSED
         if self._task is not None:
             self._task.cancel()
             try:

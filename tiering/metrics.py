@@ -14,9 +14,8 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
@@ -31,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 from tiering.errors import InvalidArgumentError
 from tiering.job_core import LookupStatistics
 from tiering.latency import LatencyHistogram, LatencySnapshot
+from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.statistics import Statistics
 from tiering.tenancy import TenantLookups
 from tiering.validation import seconds
@@ -409,9 +409,7 @@ def register_engine_metrics(
     return collector
 
 
-class MetricsServer(
-    AbstractContextManager["MetricsServer"], AbstractAsyncContextManager["MetricsServer"]
-):
+class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
     """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``.
 
     Close it with :meth:`close` / ``with`` (blocking) or :meth:`aclose` / ``async with``
@@ -423,40 +421,30 @@ class MetricsServer(
         self._thread = thread
         self.addr: str = server.server_address[0]
         self.port: int = server.server_address[1]
-        self._closed = False
+        self._state = Lifecycle.OPEN
 
     def close(self) -> None:
         """Stop serving, close the socket and join the thread; idempotent. Blocks up to
         the server's poll interval (0.5 s): not for the event loop."""
-        if self._closed:
+        if self._state is Lifecycle.CLOSED:
             return
-        self._closed = True
+        self._state = Lifecycle.CLOSED
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+    async def start(self) -> None:
+        """Nothing to start: it serves from the moment it is made."""
 
     async def aclose(self) -> None:
         """:meth:`close` on a worker thread, for a coroutine on the event loop."""
         await asyncio.to_thread(self.close)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "serving"
+        state = "closed" if self.closed else "serving"
         return f"<MetricsServer http://{self.addr}:{self.port}/metrics {state}>"
 
 

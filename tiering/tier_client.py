@@ -1,12 +1,10 @@
-"""The one way the engine reaches a secondary tier: :class:`TierClient` and :class:`TierOutcome`.
+"""The one way the engine reaches a secondary tier: :class:`TierClient` and :class:`TierOutcome`
+(docs/architecture.md#tiers-are-actors).
 
-Whatever the tier is, the engine submits a job with :meth:`TierClient.submit` and later
-receives one :class:`TierOutcome`: the keys that landed and the keys that failed, each
-with a reason. Every tier is served as a :class:`~tiering.actor.TierActor`, so the road
-has one bounded queue (the actor's inbox); a tier written against the seed's polled
-interface sits behind :class:`PolledTier`, a small actor that submits to it and polls
-for the result. Everything a tier can do wrong (refuse the job, be closed, raise, never
-answer) becomes a failed outcome.
+A job submitted with :meth:`TierClient.submit` gets one :class:`TierOutcome`: the keys
+that landed and the keys that failed, each with a reason; everything a tier can do wrong
+(refuse the job, be closed, raise, never answer) becomes a failed outcome. A tier written
+against the seed's polled interface sits behind :class:`PolledTier`.
 """
 
 from __future__ import annotations
@@ -243,8 +241,6 @@ class TierClient(AsyncService):
     def backlog(self) -> int:
         """Jobs parked for room in the tier's inbox now."""
         return self.actor.inbox_statistics().parked
-
-    # -- submission -------------------------------------------------------------------
 
     def submit(
         self,

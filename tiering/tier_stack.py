@@ -69,7 +69,7 @@ class TierStack:
                 f"cannot allocate the host pool for num_cpu_blocks={n} ({n * size} bytes): {exc!r}"
             ) from exc
         self.copier = DeviceCopier(self._kv_caches, self.pool)
-        await self.copier.__aenter__()
+        await self.copier.start()
         defaults = {"namespace": self._namespace}
         for spec in self._specs:
             tier = make_tier(spec, self.pool.view, size, defaults=defaults)
@@ -90,7 +90,7 @@ class TierStack:
         assert self.copier is not None
         to_host = type(effect) is CopyToHost
         try:
-            self.copier.start(to_host, effect.device_ids, effect.slots, on_end, effect.op)
+            self.copier.submit(to_host, effect.device_ids, effect.slots, on_end, effect.op)
         except TieringError as exc:  # the copier is closed: the copy never started
             asyncio.get_running_loop().call_soon(on_end, effect.op, exc)
 
@@ -111,7 +111,7 @@ class TierStack:
         for client in self.clients:
             await client.aclose(max(0.0, deadline - loop.time()))
         if self.copier is not None:
-            await self.copier.__aexit__(None, None, None)
+            await self.copier.aclose()
         self.close()
 
     def close(self) -> None:

@@ -1,41 +1,16 @@
 """kv-tiering's secondary tiers under vLLM 0.33's CPU tier, with no fork of vLLM.
 
-vLLM's ``TieringOffloadingManager`` builds an out-of-tree secondary tier from one entry
-of ``kv_connector_extra_config["secondary_tiers"]``::
+vLLM's ``TieringOffloadingManager`` builds one from an entry of
+``kv_connector_extra_config["secondary_tiers"]``::
 
     {"type": "NVMeTierManager", "module_path": "tiering.integrations.vllm",
      "root": "/mnt/nvme/kv", "capacity_bytes": 500_000_000_000}
 
-The classes here are those tiers: :class:`NVMeTierManager` (our NVMe tier),
-:class:`MemoryTierManager` (our memory tier) and :class:`RegisteredTierManager`, which
-builds any tier registered with :func:`tiering.register_tier` by name (``"tier":
-"<name>"``). Every other key of the entry is an option of our tier, checked by it: a
-bad one raises :class:`~tiering.errors.InvalidArgumentError` naming it, before anything
-is created.
-
-Threading. vLLM calls a tier under its manager lock, from the scheduler thread or its
-tier-poll thread, and every call must return at once. Each manager here owns a private
-uvloop event loop on a daemon thread, where our tier (an asyncio actor) and its
-:class:`~tiering.tier_client.TierClient` live:
-
-* ``submit_store``/``submit_load``/``touch`` copy their arguments on the calling thread
-  and hand them to the loop through a deque; the loop is woken once per batch.
-* Results come back through a list under a lock that ``get_finished_jobs`` empties.
-* ``lookup`` answers from the tier's index without the loop. The index is only written
-  on the loop thread, in steps the GIL keeps whole for a reader, except that a reader
-  racing an eviction may see a block as present or absent for an instant. That costs
-  at most a hit or a failed promotion: every block is verified when it is loaded, so
-  a wrong answer never serves wrong bytes.
-* ``drain_jobs`` blocks until every submitted job has its result queued, and aborts no
-  transfer. ``shutdown`` closes the tier gracefully, stops the loop and joins its thread;
-  it is idempotent.
-
-The cache namespace comes from vLLM's offloading spec (model, dtype, KV groups, block
-geometry, parallel layout and the chunk size in bytes), so two models or layouts that
-share a root never see each other's blocks.
-
-Importing this module without vLLM installed raises :class:`ImportError` naming the
-``vllm`` extra.
+:class:`NVMeTierManager` and :class:`MemoryTierManager` build our NVMe and memory tiers,
+:class:`RegisteredTierManager` any tier registered by name. Each owns a private uvloop
+loop on a daemon thread where the tier and its :class:`~tiering.tier_client.TierClient`
+live; vLLM's calls hand their work over and return at once. The options, threading,
+events and metrics: docs/vllm.md. Importing this module without vLLM raises ImportError.
 """
 
 from __future__ import annotations
@@ -91,17 +66,10 @@ _T = TypeVar("_T")
 # How long drain_jobs waits between checks that the loop thread still runs.
 _DRAIN_CHECK_S = 1.0
 
-# Options a tier takes (when it names them) because its loop is private here: lag on
-# that loop delays only completions, never vLLM's threads, so the NVMe tier's I/O
-# threads need not pause for it (measured in docs/vllm.md: 128 KiB loads ~18% faster,
-# vLLM's scheduler thread no later).
-_PRIVATE_LOOP_DEFAULTS: dict[str, Any] = {"gil_pause_bytes": 0}
-
-# Options a tier takes (when it names them) because vLLM's CPU tier is a shared memory
-# file of 4 KiB pages: direct I/O straight into or out of it goes to the disk as many
-# small requests, so the NVMe tier stages it through huge-page buffers of its own
-# (measured in docs/vllm.md).
-_SHARED_MEMORY_DEFAULTS: dict[str, Any] = {"staging_bytes": STAGING_BYTES}
+# Defaults for the tiers that take these options (docs/vllm.md#how-it-works says why):
+# the loop is private, so the NVMe tier's I/O threads need not pause for its lag; vLLM's
+# CPU tier is shared memory of 4 KiB pages, so direct I/O goes through staging buffers.
+_TIER_DEFAULTS: dict[str, Any] = {"gil_pause_bytes": 0, "staging_bytes": STAGING_BYTES}
 
 METRIC_PREFIX = "kv_tiering:"
 """Prefix of the Prometheus metrics these tiers report through vLLM."""
@@ -110,12 +78,8 @@ _TIER_LABEL = "tier_type"
 
 
 def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
-    """The cache namespace of a vLLM engine: what its stored chunks' bytes mean.
-
-    Covers the model and KV dtype, each KV group's tokens per block and layer names,
-    tokens per hash, blocks per chunk, the chunk's size in bytes, the layout flags and,
-    unless the offloaded bytes are parallelism-agnostic, the parallel sizes and rank.
-    """
+    """The cache namespace of a vLLM engine: what its stored chunks' bytes mean (the
+    fields: docs/vllm.md#how-it-works)."""
     config = offloading_spec.config
     parallel = config.parallel
     agnostic = parallel.is_parallelism_agnostic or config.replicated_layout
@@ -130,16 +94,11 @@ def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
         "replicated_layout": config.replicated_layout,
         "canonical_layout": config.canonical_layout,
         "kv_cache_layout": config.kv_cache_layout,
-        "parallel": None
-        if agnostic
-        else [
-            parallel.tp_size,
-            parallel.pp_size,
-            parallel.pcp_size,
-            parallel.dcp_size,
-            parallel.rank,
-        ],
+        "parallel": None,
     }
+    if not agnostic:
+        sizes = (parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size)
+        fields["parallel"] = [*sizes, parallel.rank]
     return json.dumps(
         {"vllm": fields, "format": NAMESPACE_FORMAT}, sort_keys=True, separators=(",", ":")
     )
@@ -190,36 +149,15 @@ class _Pending:
 
 
 class RegisteredTierManager(SecondaryTierManager):
-    """A vLLM secondary tier backed by any kv-tiering tier, built by registered name.
-
-    Options (besides vLLM's ``type``/``module_path``/``backpressure``):
-
-    * ``tier``: the kv-tiering tier name (``"nvme"``, ``"memory"``, or any name given
-      to :func:`tiering.register_tier`); fixed by the subclasses.
-    * ``namespace``: overrides the namespace derived from vLLM's spec (see
-      :func:`vllm_namespace`); only for tiers that take one.
-    * ``enable_kv_events``: report ``OffloadingEvent`` s for blocks stored in and
-      removed from the tier (effective only when vLLM publishes KV cache events).
-    * ``start_timeout``: seconds to wait for the tier to start (an NVMe tier rebuilds
-      its index at start), default 600.
-    * ``job_timeout``: seconds after which a job of a polled (non-actor) tier is
-      reported failed, default 30.
-    * every other key: an option of the tier itself. The tier's loop is private, so
-      options that protect a shared loop default to off (the NVMe tier's
-      ``gil_pause_bytes`` is 0 unless given); vLLM's CPU tier is shared memory of
-      4 KiB pages, so the NVMe tier stages its direct I/O (``staging_bytes`` is
-      :data:`~backends.nvme_segments.STAGING_BYTES` per I/O thread unless given).
+    """A vLLM secondary tier backed by the kv-tiering tier registered as ``tier`` (the
+    subclasses fix it); the other options: docs/vllm.md#set-up.
 
     Guarantees: every submitted job's :class:`JobResult` is reported exactly once, by
     ``get_finished_jobs``; a load reports only keys whose bytes landed and verified
     (``successful_keys`` on a partial failure); no call but ``drain_jobs`` and
-    ``shutdown`` waits for I/O.
-
-    Raises (constructor):
-        InvalidArgumentError: an option is bad (named with its value), or the tier
-            refuses it; nothing is left running.
-        UnknownTierError: ``tier`` names no registered tier.
-        TimeoutError: the tier did not start within ``start_timeout``.
+    ``shutdown`` waits for I/O. The constructor raises InvalidArgumentError for a bad
+    option (named with its value; nothing is left running), UnknownTierError for an
+    unknown ``tier``, TimeoutError if the tier did not start within ``start_timeout``.
     """
 
     tier_name: ClassVar[str | None] = None
@@ -295,11 +233,7 @@ class RegisteredTierManager(SecondaryTierManager):
         return tier
 
     async def _open(self, spec: dict[str, Any], block_bytes: int, job_timeout: float) -> TierClient:
-        defaults = {
-            "namespace": self._namespace,
-            **_PRIVATE_LOOP_DEFAULTS,
-            **_SHARED_MEMORY_DEFAULTS,
-        }
+        defaults = {"namespace": self._namespace, **_TIER_DEFAULTS}
         tier = make_tier(spec, self._flat_view, block_bytes, defaults=defaults)
         if self._events is not None:
             tier.report_removals()
@@ -318,8 +252,6 @@ class RegisteredTierManager(SecondaryTierManager):
         that starts I/O."""
         return self._tier
 
-    # -- queries ---------------------------------------------------------------------
-
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if the tier holds ``key``; RETRY while a store of it is in flight; else MISS."""
         held = self._tier.lookup(key)
@@ -335,8 +267,6 @@ class RegisteredTierManager(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
-
-    # -- jobs ------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Queue a cascade of primary chunks into the tier; returns at once."""
@@ -497,8 +427,6 @@ class RegisteredTierManager(SecondaryTierManager):
         self._drain_handoff()
         await self._client.aclose(self._client.timeout)
 
-    # -- metrics ---------------------------------------------------------------------
-
     @classmethod
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
@@ -550,23 +478,14 @@ class RegisteredTierManager(SecondaryTierManager):
 
 
 class NVMeTierManager(RegisteredTierManager):
-    """kv-tiering's NVMe tier (segment files, verified loads, warm restart) under vLLM.
-
-    Options: those of :class:`backends.nvme_segment_tier.NVMeSegmentTier` (``root``
-    and ``capacity_bytes`` required; ``fsync``, ``min_free_bytes``, ...), plus those of
-    :class:`RegisteredTierManager`.
-    """
+    """kv-tiering's NVMe tier under vLLM (``root`` and ``capacity_bytes`` required)."""
 
     tier_name = "nvme"
     medium = Medium.STORAGE
 
 
 class MemoryTierManager(RegisteredTierManager):
-    """kv-tiering's memory tier (a bounded in-process store) under vLLM.
-
-    Options: those of :class:`backends.memory.MemoryTier` (``max_blocks``, ``policy``),
-    plus those of :class:`RegisteredTierManager`.
-    """
+    """kv-tiering's memory tier (a bounded in-process store) under vLLM."""
 
     tier_name = "memory"
     medium = Medium.CPU
