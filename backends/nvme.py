@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from backends.nvme_format import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest, namespace_dirname
+from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
 from backends.nvme_os import (
     FSYNC_POLICIES,
     PRIVATE_DIR_MODE,
@@ -48,6 +48,7 @@ from backends.nvme_os import (
 )
 from backends.nvme_recovery import Recovery, open_directory, recover
 from backends.nvme_sealing import PayloadSealer
+from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
 from backends.nvme_segments import (
     GIL_PAUSE_BYTES,

@@ -48,12 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.nvme_format import (
-    HEADER_BYTES,
-    BlockHeader,
-    decode_header,
-    namespace_digest,
-)
+from backends.block_record import HEADER_BYTES, BlockHeader, decode_header, namespace_digest
 from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
 from backends.nvme_recovery import IDENTITY_FILE, recover
 from backends.nvme_sealing import PayloadSealer

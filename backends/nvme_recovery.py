@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backends.nvme_format import FORMAT_VERSION
+from backends.block_record import FORMAT_VERSION
 from backends.nvme_os import (
     OWNERS_DIR,
     check_private,

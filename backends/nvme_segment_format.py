@@ -1,5 +1,5 @@
-"""The segment files' formats, without I/O: file names, the segment header, the index
-checkpoint.
+"""The NVMe tier's own formats, without I/O: directory and file names, the segment
+header, the index checkpoint (each record is a padded :mod:`backends.block_record`).
 
 A segment file starts with one segment header page (little endian): magic
 ``KVTSEG\\r\\n``, u16 format version, u16 header length, u32 zero, u64 payload bytes per
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from backends.nvme_format import HEADER_BYTES
+from backends.block_record import HEADER_BYTES, namespace_digest
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
 SEGMENTS_DIR = "segments"
@@ -31,11 +31,26 @@ _SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")
 _TRAILER = struct.Struct("<Q")
 _TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
 _SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
+_READABLE = re.compile(r"[^A-Za-z0-9._-]+")
 _CHECKPOINT_MAGIC = b"KVTCKPT\n"
 _CHECKPOINT_VERSION = 1
 _CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
 """magic, version, head length, record payload bytes, namespace digest, segments,
 entries, body length, body checksum (xxh3_128)."""
+
+
+def namespace_dirname(namespace: str) -> str:
+    """A safe directory name for ``namespace``: a readable prefix (only
+    ``[A-Za-z0-9._-]``, at most 40 characters, so an operator can tell directories
+    apart) plus the 32 hex digits of its digest (so names are distinct).
+
+    Raises:
+        InvalidArgumentError: ``namespace`` is not a non-empty string.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidArgumentError(f"namespace must be a non-empty string, got {namespace!r}")
+    readable = _READABLE.sub("_", namespace).strip("._-")[:40] or "ns"
+    return f"{readable}-{namespace_digest(namespace).hex()}"
 
 
 def segment_name(writer: str, seq: int) -> str:

@@ -14,8 +14,8 @@ Layout under the namespace directory::
 A segment file starts with one segment header page, then holds records at fixed strides::
 
     offset 0                    segment header page (HEADER_BYTES)
-    offset HEADER_BYTES + i*S   record i: a block header page (the format of
-                                :mod:`backends.nvme_format`), then the payload, padded
+    offset HEADER_BYTES + i*S   record i: a padded block header page
+                                (:mod:`backends.block_record`), then the payload, padded
                                 to a multiple of ALIGNMENT; S = record_bytes
 
 The segment header and the checkpoint's format are :mod:`backends.nvme_segment_format`'s.
@@ -57,12 +57,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from backends.nvme_format import (
+from backends.block_record import (
     HEADER_BYTES,
     check_header,
     decode_header,
     encode_header,
     payload_checksum,
+    record_binding,
     verify_payload,
 )
 from backends.nvme_os import (
@@ -373,10 +374,11 @@ class SegmentFiles:
         for i, (key, payload) in enumerate(records):
             page = pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
             if sealer is None:
-                seal, data, checksum = None, payload, self._checksum(payload)
+                seal, data = None, payload
+                checksum = self._checksum(payload, record_binding(self.ns_digest, b"", key))
             else:
-                seal = sealer.seal(key, payload, sealed[i])
-                data, checksum = sealed[i][: self.block_bytes], seal.tag
+                seal, checksum = sealer.seal(key, payload, sealed[i]), None
+                data = sealed[i][: self.block_bytes]
             encode_header(
                 page,
                 key=key,
@@ -404,7 +406,7 @@ class SegmentFiles:
                 staging[start : start + HEADER_BYTES],
                 key=key,
                 payload_bytes=size,
-                checksum=self._checksum(data),
+                checksum=self._checksum(data, record_binding(self.ns_digest, b"", key)),
                 ns_digest=self.ns_digest,
             )
             if self._padding.nbytes:  # reads through this buffer leave other bytes there
@@ -534,14 +536,18 @@ class SegmentFiles:
                 if staged:
                     payload = start + HEADER_BYTES
                     copy_bytes(slot, pages[payload : payload + slot.nbytes])
-                verify_payload(header, slot, self.sealer, self._checksum)
+                if self.sealer is None:
+                    verify_payload(header, slot, None, self._checksum)
+                else:
+                    verify_payload(header, slot, self.sealer.cipher)
+                    os.sched_yield()  # see backends/nvme_sealing.py
             except CorruptBlockError as exc:
                 outcomes[i] = (None, f"corrupt block: {exc}", False)
             else:
                 outcomes[i] = (header.key, "", False)
 
-    def _checksum(self, payload: memoryview) -> bytes:
-        """The payload's checksum; after each ``gil_pause_bytes`` a thread has hashed, a
+    def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
+        """:func:`payload_checksum`; after each ``gil_pause_bytes`` a thread has hashed, a
         moment without the GIL (none when it is 0).
 
         The hash holds the GIL, and a job's records are hashed back to back (then written
@@ -550,7 +556,7 @@ class SegmentFiles:
         the trade-off between pause interval, loop lag and store speed). A tier on a
         private loop (the vLLM adapter's) can do without: its lag
         only delays completions (docs/vllm.md)."""
-        checksum = payload_checksum(payload)
+        checksum = payload_checksum(payload, binding)
         if self.gil_pause_bytes:
             done = getattr(self._local, "hashed", 0) + payload.nbytes
             if done >= self.gil_pause_bytes:

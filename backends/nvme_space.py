@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
-from backends.nvme_format import HEADER_BYTES
+from backends.block_record import HEADER_BYTES
 from tiering.errors import InvalidArgumentError
 from tiering.validation import positive_int, seconds
 

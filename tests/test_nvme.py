@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
+from backends.block_record import HEADER_BYTES
 from backends.nvme import NVMeTier
-from backends.nvme_format import HEADER_BYTES, namespace_dirname
 from backends.nvme_os import OsCalls, owner_alive
-from backends.nvme_segment_format import SEGMENTS_DIR
+from backends.nvme_segment_format import SEGMENTS_DIR, namespace_dirname
 from backends.nvme_segment_index import key_digest
 from backends.nvme_space import InflightBytes
 from tests._faults import FaultInjector

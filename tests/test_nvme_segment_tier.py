@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from backends.nvme_format import HEADER_BYTES, namespace_dirname
-from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR
+from backends.block_record import HEADER_BYTES
+from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR, namespace_dirname
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tests._engine_helpers import make_kv
 from tests._faults import FaultInjector

@@ -5,18 +5,27 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from backends.nvme_format import HEADER_BYTES, namespace_digest
+from backends.block_record import (
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    decode_header,
+    encode_header,
+    namespace_digest,
+    payload_checksum,
+)
 from backends.nvme_os import REAL_OS, OsCalls, probe_o_direct
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
     Checkpoint,
+    namespace_dirname,
     parse_segment_name,
     segment_name,
 )
@@ -453,3 +462,33 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> Non
     assert read is not None
     assert_same(read, first)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE, SEGMENTS_DIR]
+
+
+def test_a_padded_header_holds_the_longest_key() -> None:
+    page = bytearray(HEADER_BYTES)
+    key = b"\xff" * MAX_KEY_BYTES
+    encode_header(page, key=key, payload_bytes=1, ns_digest=NS, checksum=bytes(16))
+    assert decode_header(page).key == key
+
+
+def test_payload_checksum_sees_one_flipped_bit() -> None:
+    payload = bytearray(os.urandom(1 << 20))
+    before = payload_checksum(memoryview(payload), b"binding")
+    payload[123456] ^= 0x10
+    assert payload_checksum(memoryview(payload), b"binding") != before
+
+
+def test_namespace_dirname_is_safe_readable_and_deterministic() -> None:
+    name = namespace_dirname("meta-llama/Llama-3 8B;dtype=bf16;../../etc")
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", name)
+    assert name.startswith("meta-llama_Llama-3_8B_dtype")
+    assert "/" not in name and ".." not in name.split("-")[0]
+    assert name == namespace_dirname("meta-llama/Llama-3 8B;dtype=bf16;../../etc")
+    assert namespace_dirname("model a") != namespace_dirname("model/a")
+    assert namespace_dirname("///").startswith("ns-")
+
+
+@pytest.mark.parametrize("namespace", ["", None, b"bytes"])
+def test_namespace_dirname_rejects_a_non_string_or_empty(namespace: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        namespace_dirname(namespace)  # type: ignore[arg-type]
