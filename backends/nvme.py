@@ -31,36 +31,18 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field
 
 from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
-from backends.nvme_os import (
-    FSYNC_POLICIES,
-    PRIVATE_DIR_MODE,
-    PRIVATE_FILE_MODE,
-    REAL_OS,
-    FsyncPolicy,
-    OsCalls,
-    OwnerLock,
-    check_mode,
-    check_root,
-    probe_o_direct,
-)
+from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct
 from backends.nvme_recovery import Recovery, open_directory, recover
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
-from backends.nvme_segments import (
-    GIL_PAUSE_BYTES,
-    ReadReport,
-    SegmentFiles,
-    WriteReport,
-    align_up,
-    iter_runs,
-)
+from backends.nvme_segments import ReadReport, SegmentFiles, WriteReport, align_up, iter_runs
 from backends.nvme_space import (
-    DEFAULT_CHECKPOINT_EVERY,
-    DEFAULT_HOT_FRACTION,
     DISK_FULL_REASON,
     MOVE_BYTES_PER_JOB,
     InflightBytes,
@@ -71,17 +53,91 @@ from tiering.actor import TierActor
 from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.host_pool import io_buffer
+from tiering.options import ActorOptions, Bytes, PositiveInt, SecondsOrZero, Size, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.statistics import FailureLog
 from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MIN_FREE_BYTES = 1 << 30
-DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
-DEFAULT_ENOSPC_RETRY_S = 5.0
 _THREAD_START_TIMEOUT_S = 5.0
 """How long :meth:`NVMeTier.start` waits for all its I/O threads to be up at once."""
+
+
+def _mode(required: int, allowed: int) -> AfterValidator:
+    def check(mode: int) -> int:
+        if mode & required != required or mode & ~allowed:
+            raise ValueError(
+                f"must include 0o{required:o} and stay within 0o{allowed:o} (nobody but the "
+                f"owner may write), got 0o{mode:o}"
+            )
+        return mode
+
+    return AfterValidator(check)
+
+
+def _an_object(value: object) -> object:
+    if isinstance(value, str | bytes | int | float | list | dict):
+        raise ValueError("must be an object such as OsCalls, which a config cannot hold")
+    return value
+
+
+class NVMeOptions(ActorOptions):
+    """The NVMe tier's options (docs/nvme.md describes each at length).
+
+    * ``root``: the directory holding namespaces; created if missing.
+    * ``namespace``: the cache identity; blocks of one are never served to another.
+    * ``capacity_bytes``: most bytes of records (header pages included) kept here.
+    * ``min_free_bytes``: free space on the file system that stores keep (by evicting,
+      or failing); whichever of this and ``capacity_bytes`` binds first wins.
+    * ``fsync``: ``"none"`` (survives a process crash, not a power loss), ``"batch"`` (a
+      store job's success means its records are on stable storage: one sync per segment
+      it wrote), ``"always"`` (a sync after every run of records).
+    * ``o_direct``: True requires O_DIRECT, False never uses it, None probes at start
+      and falls back to buffered I/O with one log line.
+    * ``max_inflight_bytes``: bound on payload bytes of jobs in their I/O at once.
+    * ``enospc_retry_s``: after ENOSPC, stores are refused without I/O for this long
+      (unless the tier freed space meanwhile), then one job probes again.
+    * ``encryption``: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
+      spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM; a
+      block that is not sealed, or does not open, is a miss.
+    * ``file_mode``, ``dir_mode``: modes of what the tier makes; they may add read
+      access for group and others, never write access.
+    * ``os_calls``: the system-call layer (tests pass a fault injector); ``clock``:
+      monotonic seconds (tests pass a fake).
+    * ``segment_bytes``: the size a segment grows to (at most 4096 records). None: 256
+      MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
+    * ``checkpoint_every``: records written between index checkpoints (also written at
+      a graceful close); a restart scans only the records written after it.
+    * ``hot_fraction``: blocks of an evicted segment used within the last this fraction
+      of the capacity's worth of uses are written again, not dropped (0: FIFO).
+    * ``gil_pause_bytes``: bytes an I/O thread hashes before it lets go of the GIL for a
+      moment, so that the loop's thread is not kept waiting (0: never).
+    * ``staging_bytes``: 0 moves direct I/O straight between disk and slots; otherwise
+      through a huge-page staging buffer of this many bytes per I/O thread, for a host
+      pool of scattered 4 KiB pages (vLLM's shared-memory CPU tier).
+    """
+
+    root: str | os.PathLike[str]
+    namespace: str = Field(min_length=1)
+    capacity_bytes: Bytes
+    min_free_bytes: Size = Field(1 << 30, ge=0)
+    fsync: Literal["none", "batch", "always"] = "batch"
+    o_direct: bool | None = None
+    max_inflight_bytes: Bytes = 256 << 20
+    enospc_retry_s: SecondsOrZero = 5.0
+    encryption: str | Keyring | None = secret(None)
+    file_mode: Annotated[int, _mode(0o600, 0o644)] = 0o600
+    dir_mode: Annotated[int, _mode(0o700, 0o755)] = 0o700
+    os_calls: Annotated[Any, AfterValidator(_an_object)] = Field(
+        None, description="the OS calls (a test double); None: the real ones"
+    )
+    clock: Callable[[], float] = time.monotonic
+    segment_bytes: Bytes | None = None
+    checkpoint_every: PositiveInt = 16384
+    hot_fraction: float = Field(0.25, ge=0, le=1)
+    gil_pause_bytes: Size = Field(128 << 10, ge=0)
+    staging_bytes: Size = Field(0, ge=0)
 
 
 @dataclass(slots=True)
@@ -111,45 +167,9 @@ class NVMeMetrics:
 
 
 class NVMeTier(TierActor):
-    """A secondary tier keeping blocks as records of segment files under ``root``
-    (docs/nvme.md describes each option at length).
-
-    Args:
-        primary_kv_view: the host pool (writable; slots whose address and size are
-            4096-aligned move with O_DIRECT).
-        block_bytes: bytes per block.
-        root: the directory holding namespaces; created if missing.
-        namespace: the cache identity; blocks of one namespace are never served to another.
-        capacity_bytes: most bytes of records (header pages included) kept here.
-        segment_bytes: the size a segment grows to (at most 4096 records). Default: 256
-            MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
-        checkpoint_every: records written between index checkpoints (also written at a
-            graceful close); a restart scans only the records written after it.
-        hot_fraction: blocks of an evicted segment used within the last this fraction
-            of the capacity's worth of uses are written again, not dropped (0: FIFO).
-        min_free_bytes: free space on the file system that stores keep (by evicting, or
-            failing); whichever of this and ``capacity_bytes`` binds first wins.
-        fsync: ``"none"`` (survives a process crash, not a power loss), ``"batch"``
-            (a store job's success means its records are on stable storage: one sync
-            per segment it wrote), ``"always"`` (a sync after every run of records).
-        o_direct: True to require O_DIRECT, False to never use it, None to probe at
-            start and fall back to buffered I/O with one log line.
-        max_inflight_bytes: bound on payload bytes of jobs in their I/O at once.
-        enospc_retry_s: after ENOSPC, stores are refused without I/O for this long
-            (unless the tier freed space meanwhile), then one job probes again.
-        encryption: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
-            spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM;
-            a block that is not sealed, or does not open, is a miss.
-        gil_pause_bytes: bytes an I/O thread hashes before it lets go of the GIL for a
-            moment, so that the loop's thread is not kept waiting (0: never).
-        staging_bytes: 0 moves direct I/O straight between disk and slots; otherwise
-            through a huge-page staging buffer of this many bytes per I/O thread, for a
-            ``primary_kv_view`` of scattered 4 KiB pages (vLLM's shared-memory CPU tier).
-        file_mode, dir_mode: modes of what the tier makes (0o600 and 0o700); they may add
-            read access for group and others, never write access.
-        os_calls: the system-call layer (tests pass a fault injector).
-        clock: monotonic seconds (tests pass a fake).
-        **actor_kwargs: ``inbox_size``, ``max_inflight``, ``io_threads`` of TierActor.
+    """A secondary tier keeping blocks as records of segment files under ``root``; its
+    options are :class:`NVMeOptions`. Slots of the host pool whose address and size are
+    4096-aligned move with O_DIRECT.
 
     Guarantees:
 
@@ -166,85 +186,53 @@ class NVMeTier(TierActor):
     * ENOSPC (or EDQUOT) makes the tier read-only for stores until a later store
       succeeds (see ``enospc_retry_s``); loads keep working.
     * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
-
-    Raises (constructor): InvalidArgumentError for any bad argument.
     """
+
+    Options = NVMeOptions
 
     def __init__(
         self,
         primary_kv_view: memoryview,
         block_bytes: int,
-        *,
-        root: str | os.PathLike[str],
-        namespace: str,
-        capacity_bytes: int,
-        segment_bytes: int | None = None,
-        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
-        hot_fraction: float = DEFAULT_HOT_FRACTION,
-        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
-        fsync: FsyncPolicy = "batch",
-        o_direct: bool | None = None,
-        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-        enospc_retry_s: float = DEFAULT_ENOSPC_RETRY_S,
-        encryption: Keyring | str | None = None,
-        gil_pause_bytes: int = GIL_PAUSE_BYTES,
-        staging_bytes: int = 0,
-        file_mode: int = PRIVATE_FILE_MODE,
-        dir_mode: int = PRIVATE_DIR_MODE,
-        os_calls: OsCalls = REAL_OS,
-        clock: Callable[[], float] = time.monotonic,
-        **actor_kwargs: Any,
+        options: NVMeOptions | None = None,
+        /,
+        **values: Any,
     ) -> None:
+        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win).
+
+        Raises: InvalidArgumentError for a bad view, size or option (named), or a cap
+        that holds fewer than two segments or than the free-space floor allows."""
+        o = NVMeOptions.check({**dict(options or {}), **values}, owner="NVMeTier")
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
-        per_segment = records_per_segment(capacity_bytes, segment_bytes, record_bytes)
-        self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
-        self.staging_bytes = positive_int("staging_bytes", staging_bytes, allow_zero=True)
-        self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
-        if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
-            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
-        self.hot_fraction = float(hot_fraction)
-        if not isinstance(root, str | os.PathLike):
-            raise InvalidArgumentError(f"root must be a path, got {root!r}")
-        check_mode("file_mode", file_mode, required=0o600, allowed=0o644)
-        check_mode("dir_mode", dir_mode, required=0o700, allowed=0o755)
-        keyring = keyring_from(encryption, option="encryption")
-        dirname = namespace_dirname(namespace)
-        positive_int("max_inflight_bytes", max_inflight_bytes)
-        if fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        if o_direct not in (None, True, False):
-            raise InvalidArgumentError(f"o_direct must be True, False or None, got {o_direct!r}")
-        if not callable(clock):
-            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
+        self.records_per_segment = records_per_segment(
+            o.capacity_bytes, o.segment_bytes, record_bytes
+        )
+        keyring = keyring_from(o.encryption, option="encryption")
         self._space = SpaceGuard(
             file_bytes=record_bytes,
-            capacity_bytes=capacity_bytes,
-            min_free_bytes=min_free_bytes,
-            retry_s=enospc_retry_s,
-            clock=clock,
+            capacity_bytes=o.capacity_bytes,
+            min_free_bytes=o.min_free_bytes,
+            retry_s=o.enospc_retry_s,
+            clock=o.clock,
         )
-        super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
-        self.root = os.fspath(root)
-        self.namespace = namespace
-        self.directory = os.path.join(self.root, dirname)
+        super().__init__(primary_kv_view, block_bytes, **o.actor_options())
+        self.options = o
+        self.root = os.fspath(o.root)
+        self.namespace = o.namespace
+        self.directory = os.path.join(self.root, namespace_dirname(o.namespace))
         self.file_bytes = record_bytes
         """Bytes one block takes on disk (its header page included)."""
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
-        self.records_per_segment = per_segment
-        self.min_free_bytes = min_free_bytes
-        self.fsync = fsync
-        self.o_direct_requested = o_direct
+        self.fsync = o.fsync
+        self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
         self.o_direct: bool | None = None
         """Whether O_DIRECT is in use; known after :meth:`start`."""
-        self.enospc_retry_s = float(enospc_retry_s)
-        self.file_mode = file_mode
-        self.dir_mode = dir_mode
         self.metrics = NVMeMetrics()
         """Counters since creation; ``statistics().counters`` shows the same figures."""
         self._failure_log = FailureLog(logger, "nvme tier")
-        self._os = os_calls
-        self._ns_digest = namespace_digest(namespace)
+        self._os = o.os_calls or REAL_OS
+        self._ns_digest = namespace_digest(o.namespace)
         sealer = (
             None
             if keyring is None
@@ -253,7 +241,7 @@ class NVMeTier(TierActor):
             )
         )
         self._instance_id = uuid.uuid4().hex
-        self._budget = InflightBytes(max_inflight_bytes)
+        self._budget = InflightBytes(o.max_inflight_bytes)
         self._owner: OwnerLock | None = None
         self._opened = False
         self._start_lock = asyncio.Lock()
@@ -261,12 +249,12 @@ class NVMeTier(TierActor):
             self.directory,
             block_bytes=self.block_bytes,
             ns_digest=self._ns_digest,
-            fsync=fsync,
-            gil_pause_bytes=gil_pause_bytes,
-            staging_bytes=staging_bytes,
+            fsync=o.fsync,
+            gil_pause_bytes=o.gil_pause_bytes,
+            staging_bytes=o.staging_bytes,
             sealer=sealer,
-            file_mode=self.file_mode,
-            os_calls=os_calls,
+            file_mode=o.file_mode,
+            os_calls=self._os,
         )
         self._index = self._new_index()
         # Digests a running hop writes, with the event set when it ends: a store of
@@ -277,14 +265,13 @@ class NVMeTier(TierActor):
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
         self._local = threading.local()  # per I/O thread: buffers for moved records
-        self._most_moves = max(1, MOVE_BYTES_PER_JOB // self.block_bytes)
 
     def _new_index(self) -> SegmentIndex:
         return SegmentIndex(
             self.capacity_blocks,
             records_per_segment=self.records_per_segment,
             writer=self._instance_id,
-            hot_fraction=self.hot_fraction,
+            hot_fraction=self.options.hot_fraction,
         )
 
     @staticmethod
@@ -371,14 +358,14 @@ class NVMeTier(TierActor):
             self.root,
             self.directory,
             self.namespace,
-            dir_mode=self.dir_mode,
-            file_mode=self.file_mode,
+            dir_mode=self.options.dir_mode,
+            file_mode=self.options.file_mode,
             writer=self._instance_id,
         )
         statvfs = self._os.statvfs(self.directory)
         self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
         self._owner = OwnerLock(self.directory, self._instance_id)
-        if self.o_direct_requested is not False:
+        if self.options.o_direct is not False:
             probe = probe_o_direct(self.directory, self._os)
         else:
             probe = "disabled by configuration (o_direct=False)"
@@ -387,14 +374,14 @@ class NVMeTier(TierActor):
 
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
         """Take the start-up findings; returns the segments over the cap (to delete)."""
-        if probe is not None and self.o_direct_requested is True:
+        if probe is not None and self.options.o_direct is True:
             self._release_owner()
             raise InvalidArgumentError(
                 f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
             )
         self.o_direct = probe is None
         self._segments.o_direct = self.o_direct
-        if probe is not None and self.o_direct_requested is None:
+        if probe is not None and self.options.o_direct is None:
             logger.warning(
                 "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O",
                 self.directory,
@@ -444,7 +431,7 @@ class NVMeTier(TierActor):
                 "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
                 "on; retrying every %gs or after space is freed",
                 self.directory,
-                self.enospc_retry_s,
+                self.options.enospc_retry_s,
             )
         elif change == "resumed":
             logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
@@ -605,7 +592,8 @@ class NVMeTier(TierActor):
                 key for key in gone_keys if key is not None and key_digest(key) not in self._index
             )
             placed = []
-            if self._since_checkpoint >= self.checkpoint_every and generation == self._generation:
+            due = self._since_checkpoint >= self.options.checkpoint_every
+            if due and generation == self._generation:
                 await self._checkpoint()
         finally:
             if placed and generation == self._generation:  # cancelled before the commit
@@ -829,4 +817,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["NVMeMetrics", "NVMeTier", "check_root"]
+__all__ = ["NVMeMetrics", "NVMeOptions", "NVMeTier", "check_root"]

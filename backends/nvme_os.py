@@ -23,7 +23,6 @@ from typing import Literal
 from tiering.errors import InvalidArgumentError
 
 FsyncPolicy = Literal["none", "batch", "always"]
-FSYNC_POLICIES: tuple[str, ...] = ("none", "batch", "always")
 
 ALIGNMENT = 4096
 """Buffer address, file offset and length alignment used for O_DIRECT."""
@@ -345,22 +344,6 @@ def check_root(
         check_private(option, path)
     except FileNotFoundError:
         raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
-
-
-def check_mode(option: str, mode: object, *, required: int, allowed: int) -> None:
-    """Refuse a mode that denies the owner what the tier needs or lets others write.
-
-    Raises:
-        InvalidArgumentError: naming ``option`` and the mode in octal.
-    """
-    if isinstance(mode, bool) or not isinstance(mode, int):
-        raise InvalidArgumentError(f"{option} must be an int such as 0o{required:o}, got {mode!r}")
-    if mode & required != required or mode & ~allowed:
-        shown = f"0o{mode:o}" if mode >= 0 else repr(mode)
-        raise InvalidArgumentError(
-            f"{option} must include 0o{required:o} and stay within 0o{allowed:o} (nobody "
-            f"but the owner may write), got {shown}"
-        )
 
 
 def write_private(path: str, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:

@@ -69,7 +69,6 @@ from backends.block_record import (
 from backends.nvme_os import (
     ALIGNMENT,
     DISK_FULL_ERRNOS,
-    FSYNC_POLICIES,
     REAL_OS,
     FsyncPolicy,
     OsCalls,
@@ -92,7 +91,6 @@ from backends.nvme_segment_format import (
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.host_pool import io_buffer
-from tiering.validation import positive_int
 
 if TYPE_CHECKING:
     from backends.nvme_sealing import PayloadSealer
@@ -217,10 +215,8 @@ class SegmentFiles:
         file_mode: int = 0o600,
         os_calls: OsCalls = REAL_OS,
     ) -> None:
-        if fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
-        self.staging_bytes = positive_int("staging_bytes", staging_bytes, allow_zero=True)
+        self.gil_pause_bytes = gil_pause_bytes
+        self.staging_bytes = staging_bytes
         self.directory = directory
         self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
         self.block_bytes = block_bytes

@@ -950,7 +950,7 @@ async def test_o_direct_false_is_never_probed(pool: memoryview, tmp_path: Path) 
     [
         ({"namespace": ""}, "namespace"),
         ({"capacity_bytes": FILE - 1}, "capacity_bytes"),
-        ({"capacity_bytes": "1G"}, "capacity_bytes"),
+        ({"capacity_bytes": "lots"}, "capacity_bytes"),
         ({"min_free_bytes": 1.5}, "min_free_bytes"),
         ({"enospc_retry_s": float("nan")}, "enospc_retry_s"),
         ({"min_free_bytes": -1}, "min_free_bytes"),
@@ -969,7 +969,7 @@ def test_bad_options_are_refused(
 
 
 def test_a_root_that_is_not_a_path_is_refused(pool: memoryview) -> None:
-    with pytest.raises(InvalidArgumentError, match="root must be a path"):
+    with pytest.raises(InvalidArgumentError, match=r"^root = 42: Input should be a valid string"):
         NVMeTier(pool, BLOCK, root=42, namespace="n", capacity_bytes=64 * FILE)  # type: ignore[arg-type]
 
 

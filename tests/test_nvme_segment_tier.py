@@ -382,6 +382,7 @@ async def test_registered_as_nvme_and_round_trips_through_the_engine(
         ("hot_fraction", 1.5),
         ("block_bytes", 0),
         ("gil_pause_bytes", -1),
+        ("staging_bytes", -1),
     ],
 )
 def test_a_bad_option_is_refused_naming_it_and_its_value(

@@ -380,8 +380,6 @@ def test_nothing_is_staged_without_direct_io(tmp_path: Path, pool: memoryview) -
     name = segment_name(WRITER, 0)
     write(seg, pool, [(i, name, i, i == 0) for i in range(SLOTS)])
     assert faults.calls["pwritev"] == 2  # the segment header, then all eight records
-    with pytest.raises(InvalidArgumentError, match="staging_bytes"):
-        files(tmp_path, staging_bytes=-1)
 
 
 # -- checkpoint ------------------------------------------------------------------------

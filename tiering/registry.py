@@ -32,7 +32,6 @@ _BUILTINS: dict[str, str] = {
 }
 _BUILTIN_OPTIONS: dict[str, str] = {
     # Until these tiers name their options themselves (``Options``).
-    "nvme": "backends.nvme_options:NVMeOptions",
     "redis": "backends.redis_options:RedisOptions",
 }
 _REGISTERED: dict[str, TierFactory] = {}
