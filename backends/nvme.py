@@ -651,12 +651,11 @@ class NVMeTier(TierActor):
         the write's report, each move's key (None where its record did not verify: it is
         not written) and each gone record's key (None where its header did not)."""
         buffers = self._move_buffers(len(moves))
-        moved = self._segments.read_records(
-            [
-                (segment, record, buffer)
-                for (segment, record), buffer in zip(moves, buffers, strict=True)
-            ]
-        )
+        reads = [
+            (segment, record, buffer)
+            for (segment, record), buffer in zip(moves, buffers, strict=True)
+        ]
+        moved = [key if not why else None for key, why, _ in self._segments.read_records(reads)]
         gone_keys = self._segments.read_keys(gone)
         self._segments.delete(delete)
         slot = self.slot

@@ -28,6 +28,7 @@ ALIGNMENT = 4096
 """Buffer address, file offset and length alignment used for O_DIRECT."""
 
 OWNERS_DIR = "owners"
+PROBE_PREFIX = ".odirect-probe."
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -182,7 +183,7 @@ def probe_o_direct(directory: str, os_calls: OsCalls = REAL_OS) -> str | None:
     """
     if not _O_DIRECT:
         return "O_DIRECT is not available on this platform"
-    path = os.path.join(directory, f".odirect-probe.{os.getpid()}.{os.urandom(6).hex()}")
+    path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
     page = mmap.mmap(-1, ALIGNMENT)
     try:
         with memoryview(page) as view:

@@ -26,16 +26,15 @@ from backends.nvme_os import (
 )
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
+    IDENTITY_FILE,
     SEGMENTS_DIR,
     Checkpoint,
     parse_segment_name,
+    temporary_writer,
 )
-from backends.nvme_segment_index import SegmentIndex
+from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segments import SegmentFiles, SegmentScan
 from tiering.errors import InvalidArgumentError
-
-IDENTITY_FILE = "NAMESPACE"
-"""The namespace directory's identity: the full namespace string (JSON)."""
 
 
 def open_directory(
@@ -163,7 +162,7 @@ def recover(
             continue
         if scan is not None:
             scans[name] = scan
-            removed["invalid record"] += scan.invalid
+            removed["invalid record"] += scan.invalid + scan.removed
         if alive[owner]:
             protected.add(name)
         on_disk.append((name, records, mtime))
@@ -178,15 +177,45 @@ def recover(
     )
 
 
+def verify_index(
+    files: SegmentFiles,
+    index: SegmentIndex,
+    *,
+    on_batch: Callable[[int], None],
+    batch_bytes: int = 32 << 20,
+) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
+    """Read every record ``index`` holds and verify it as a load does
+    (:meth:`SegmentFiles.read_records`), at most ``batch_bytes`` of payload in memory at
+    once, calling ``on_batch(records read)`` after each batch. Returns the records
+    checked and the failures: ``(segment, record)`` -> ``(the key its header names or
+    None, why, whether the record itself is bad)``; a missing record is not, nor one
+    that verifies but holds another key than its index entry (a stale entry)."""
+    snapshot = index.snapshot()
+    entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
+    size = files.block_bytes
+    per_batch = max(1, batch_bytes // size)
+    buffer = memoryview(bytearray(per_batch * size))
+    failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
+    for start in range(0, len(entries), per_batch):
+        batch = entries[start : start + per_batch]
+        reads = [(*where, buffer[i * size : (i + 1) * size]) for i, (where, _) in enumerate(batch)]
+        for (where, digest), (key, why, missing) in zip(
+            batch, files.read_records(reads), strict=True
+        ):
+            if why:
+                failures[where] = (key, why, not missing)
+            elif key_digest(key) != digest:  # type: ignore[arg-type]
+                failures[where] = (key, "stale index entry: the record holds another block", False)
+        on_batch(len(batch))
+    return len(entries), failures
+
+
 def _remove_dead_temporaries(
     directory: str, writer: str, removed: Counter[str], read_only: bool
 ) -> None:
-    prefix = CHECKPOINT_FILE + "."
     for entry in os.scandir(directory):
-        if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
-            continue
-        owner = entry.name[len(prefix) : -len(".tmp")]
-        if owner != writer and not owner_alive(directory, owner):
+        owner = temporary_writer(entry.name, CHECKPOINT_FILE)
+        if owner is not None and owner != writer and not owner_alive(directory, owner):
             with contextlib.suppress(OSError):
                 if not read_only:
                     os.unlink(entry.path)

@@ -81,6 +81,7 @@ from backends.nvme_os import (
 )
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
+    REMOVED_MARK,
     SEGMENTS_DIR,
     Checkpoint,
     check_segment_header,
@@ -170,6 +171,8 @@ class SegmentScan:
     end: int
     invalid: int
     header_ok: bool = True
+    removed: int = 0
+    """Slots :meth:`SegmentFiles.mark_removed` marked (not counted ``invalid``)."""
 
 
 GIL_PAUSE_BYTES = 128 << 10
@@ -422,8 +425,8 @@ class SegmentFiles:
         """
         report = ReadReport()
         outcomes = self._read_verified([(s, r, slot, key) for key, s, r, slot in reads])
-        for (key, _, _, _), (found, reason, missing) in zip(reads, outcomes, strict=True):
-            if found is not None:
+        for (key, _, _, _), (_, reason, missing) in zip(reads, outcomes, strict=True):
+            if not reason:
                 report.loaded.append(key)
                 continue
             report.failed[key] = reason
@@ -433,18 +436,20 @@ class SegmentFiles:
                 report.corrupt.append(key)
         return report
 
-    def read_records(self, reads: Sequence[tuple[str, int, memoryview]]) -> list[bytes | None]:
-        """Read each ``(segment, record, buffer)`` whatever key it holds (to write it
-        again elsewhere); returns the key of each record that verified, None for the
-        others. Never raises for an I/O error or bad data."""
-        return [found for found, _, _ in self._read_verified([(*read, None) for read in reads])]
+    def read_records(
+        self, reads: Sequence[tuple[str, int, memoryview]]
+    ) -> list[tuple[bytes | None, str, bool]]:
+        """Read each ``(segment, record, buffer)`` whatever key it holds and verify it as
+        :meth:`read` does; returns, for each, ``(the key its header names or None, why it
+        failed or "" when it verified, whether the record was missing)``. Never raises
+        for an I/O error or bad data."""
+        return self._read_verified([(*read, None) for read in reads])
 
     def _read_verified(
         self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]
     ) -> list[tuple[bytes | None, str, bool]]:
-        """For each ``(segment, record, slot, expected key or None)``: ``(the key the
-        verified record holds, or None; the reason it failed; whether it was missing)``,
-        in the order given."""
+        """For each ``(segment, record, slot, expected key or None)``, in the order
+        given: what :meth:`read_records` returns."""
         outcomes: list[tuple[bytes | None, str, bool]] = [(None, "not read", False)] * len(reads)
         by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
         for i, (segment, record, slot, key) in enumerate(reads):
@@ -518,6 +523,7 @@ class SegmentFiles:
             return
         for j, (i, _, slot, key) in enumerate(run):
             available = got - j * step
+            header = None
             try:
                 if available <= 0:
                     outcomes[i] = (None, "record is missing (segment is shorter)", True)
@@ -538,7 +544,7 @@ class SegmentFiles:
                     verify_payload(header, slot, self.sealer.cipher)
                     os.sched_yield()  # see backends/nvme_sealing.py
             except CorruptBlockError as exc:
-                outcomes[i] = (None, f"corrupt block: {exc}", False)
+                outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
             else:
                 outcomes[i] = (header.key, "", False)
 
@@ -602,7 +608,6 @@ class SegmentFiles:
         """
         fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
         try:
-            size = self.os.fstat(fd).st_size
             page = self._pages(1)
             header_ok = True
             try:
@@ -611,57 +616,76 @@ class SegmentFiles:
                 check_segment_header(page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
             except CorruptBlockError:
                 header_ok = False
-            end = self.records_in(size)
+            end = self.records_in(self.os.fstat(fd).st_size)
             records: list[tuple[bytes, int]] = []
-            invalid = 0
+            invalid = removed = 0
             for record in range(start, end):
-                if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
+                key = self._key_at(fd, page, record)
+                if key is not None:
+                    records.append((key, record))
+                elif page[: len(REMOVED_MARK)] == REMOVED_MARK:
+                    removed += 1
+                else:
                     invalid += 1
-                    continue
-                try:
-                    header = decode_header(page)
-                    check_header(
-                        header, key=None, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
-                    )
-                except CorruptBlockError:
-                    invalid += 1
-                    continue
-                records.append((header.key, record))
-            return SegmentScan(records, end, invalid, header_ok)
+            return SegmentScan(records, end, invalid, header_ok, removed)
         finally:
             self.os.close(fd)
+
+    def _key_at(self, fd: int, page: memoryview, record: int) -> bytes | None:
+        """The key of record ``record`` whose header page is read into ``page``; None
+        where it is short or does not verify for this namespace and record size."""
+        if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
+            return None
+        try:
+            header = decode_header(page)
+            check_header(header, key=None, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
+        except CorruptBlockError:
+            return None
+        return header.key
 
     def read_keys(self, records: Sequence[tuple[str, int]]) -> list[bytes | None]:
         """The key in the header of each ``(segment, record)``, or None where the header
         cannot be read or does not verify (payloads are not read). Never raises."""
         keys: list[bytes | None] = [None] * len(records)
-        by_segment: dict[str, list[tuple[int, int]]] = {}
-        for i, (segment, record) in enumerate(records):
-            by_segment.setdefault(segment, []).append((i, record))
         page = self._pages(1)
-        for segment, items in by_segment.items():
+        for segment, items in _by_segment(records).items():
             try:
                 fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
             except OSError:
                 continue
             try:
                 for i, record in items:
-                    try:
-                        if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
-                            continue
-                        header = decode_header(page)
-                        check_header(
-                            header,
-                            key=None,
-                            payload_bytes=self.block_bytes,
-                            ns_digest=self.ns_digest,
-                        )
-                    except (OSError, CorruptBlockError):
-                        continue
-                    keys[i] = header.key
+                    with contextlib.suppress(OSError):
+                        keys[i] = self._key_at(fd, page, record)
             finally:
                 self.os.close(fd)
         return keys
+
+    def mark_removed(self, records: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Overwrite the header page of each ``(segment, record)`` with
+        :data:`REMOVED_MARK`, synced: a scan skips the slot and counts it removed.
+        Returns those marked (a segment that fails is left out). Never raises."""
+        marked: set[tuple[str, int]] = set()
+        mark = memoryview(REMOVED_MARK.ljust(HEADER_BYTES, b"\0"))
+        for segment, items in _by_segment(records).items():
+            done: set[tuple[str, int]] = set()
+            try:
+                fd = self.os.open(self.path_of(segment), os.O_WRONLY | _O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                size = self.os.fstat(fd).st_size
+                for _, record in items:
+                    if self.offset_of(record) + HEADER_BYTES <= size:
+                        write_all(self.os, fd, [mark], self.offset_of(record))
+                        done.add((segment, record))
+                self.os.fdatasync(fd)
+                marked |= done
+            except OSError:
+                pass
+            finally:
+                self.os.close(fd)
+        return marked
 
     def delete(self, segments: Sequence[str]) -> int:
         """Unlink segment files; returns how many existed. Never raises."""
@@ -739,6 +763,14 @@ def copy_bytes(target: memoryview, source: memoryview) -> None:
         target[:] = source
     else:
         ctypes.memmove(into, of, source.nbytes)
+
+
+def _by_segment(records: Sequence[tuple[str, int]]) -> dict[str, list[tuple[int, int]]]:
+    """``(position, record)`` of each of ``records``, by segment."""
+    by_segment: dict[str, list[tuple[int, int]]] = {}
+    for i, (segment, record) in enumerate(records):
+        by_segment.setdefault(segment, []).append((i, record))
+    return by_segment
 
 
 def _consecutive(
