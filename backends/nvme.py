@@ -1,22 +1,12 @@
 """The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
-and bounded.
+and bounded (docs/nvme.md: the layout on disk, how it works, each option at length).
 
-Layout under ``root``::
-
-    root/<readable-prefix>-<namespace digest>/   one directory per cache identity
-        NAMESPACE                                the full namespace string (JSON)
-        owners/<instance>.lock                   one per running tier, held with flock
-        segments/<writer>-<seq>.seg              records appended to segment files
-        index.ckpt                               the index checkpoint
-
-Blocks are records appended to large segment files (:mod:`backends.nvme_segments`),
-indexed by :class:`~backends.nvme_segment_index.SegmentIndex` on the event-loop thread,
-evicted a whole segment at a time, oldest first, with the recently used blocks of the
-victim written again (FIFO with reinsertion), and recovered from a checkpoint of the
-index plus a scan of what was written after it (:mod:`backends.nvme_recovery`). A store
-job is one vectored write per segment it touches. The blocking work of a job runs in ONE
-call on the tier's own thread pool (the slot views are cut there too); the cap, the
-free-space floor and disk full are the :class:`~backends.nvme_space.SpaceGuard`'s.
+Blocks are records appended to segment files (:mod:`backends.nvme_segments`), indexed on
+the event-loop thread (:class:`~backends.nvme_segment_index.SegmentIndex`), evicted a
+segment at a time (FIFO with reinsertion of recently used blocks) and recovered from a
+checkpoint plus a scan (:mod:`backends.nvme_recovery`). The blocking work of a job runs
+in ONE call on the tier's own thread pool; the cap, the free-space floor and disk full
+are the :class:`~backends.nvme_space.SpaceGuard`'s.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
-from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct
+from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct, thread_buffer
 from backends.nvme_recovery import Recovery, open_directory, recover
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import namespace_dirname
@@ -52,7 +42,6 @@ from backends.nvme_space import (
 from tiering.actor import TierActor
 from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
-from tiering.host_pool import io_buffer
 from tiering.options import ActorOptions, Bytes, PositiveInt, SecondsOrZero, Size, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.statistics import FailureLog
@@ -300,16 +289,15 @@ class NVMeTier(TierActor):
                 return
             try:
                 probe, found, free = await self.run_blocking(self._open_on_disk)
-            except OSError as exc:
+                excess = self._adopt(probe, found, free)
+            except BaseException as exc:
                 self._release_owner()
+                if not isinstance(exc, OSError):
+                    raise
                 raise TieringError(
                     f"nvme tier: root={self.root!r} cannot be used (it must be a writable "
                     f"directory or creatable as one): {exc}"
                 ) from exc
-            except BaseException:
-                self._release_owner()
-                raise
-            excess = self._adopt(probe, found, free)
             self._opened = True
             if excess:
                 # Before serving: a store of one of these keys must not have its new
@@ -375,7 +363,6 @@ class NVMeTier(TierActor):
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
         """Take the start-up findings; returns the segments over the cap (to delete)."""
         if probe is not None and self.options.o_direct is True:
-            self._release_owner()
             raise InvalidArgumentError(
                 f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
             )
@@ -670,14 +657,9 @@ class NVMeTier(TierActor):
 
     def _move_buffers(self, count: int) -> list[memoryview]:
         # Aligned (O_DIRECT) buffers for moved records, one set per I/O thread.
-        if not count:
-            return []
-        size = count * self.block_bytes
-        view: memoryview | None = getattr(self._local, "moves", None)
-        if view is None or view.nbytes < size:
-            view = io_buffer(max(size, MOVE_BYTES_PER_JOB))
-            self._local.moves = view
-        return [view[i * self.block_bytes : (i + 1) * self.block_bytes] for i in range(count)]
+        size = self.block_bytes
+        view = thread_buffer(self._local, "moves", count * size, at_least=MOVE_BYTES_PER_JOB)
+        return [view[i * size : (i + 1) * size] for i in range(count)]
 
     def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> ReadReport:
         slot = self.slot

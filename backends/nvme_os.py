@@ -17,10 +17,12 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 from tiering.errors import InvalidArgumentError
+from tiering.host_pool import io_buffer
 
 FsyncPolicy = Literal["none", "batch", "always"]
 
@@ -268,6 +270,19 @@ def owner_alive(namespace_dir: str, instance_id: str) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def thread_buffer(
+    local: threading.local, name: str, nbytes: int, *, at_least: int = 0
+) -> memoryview:
+    """This thread's buffer ``name`` of ``local``: ``nbytes`` of 2 MiB-aligned memory
+    (:func:`~tiering.host_pool.io_buffer`, fit for O_DIRECT), made ``max(nbytes,
+    at_least)`` long when missing or too short, then reused."""
+    view: memoryview | None = getattr(local, name, None)
+    if view is None or view.nbytes < nbytes:
+        view = io_buffer(max(nbytes, at_least))
+        setattr(local, name, view)
+    return view[:nbytes]
 
 
 def advance_buffers(buffers: list[memoryview], done: int) -> list[memoryview]:

@@ -20,9 +20,8 @@ import os
 import threading
 
 from backends.block_record import record_binding
-from backends.nvme_os import ALIGNMENT
+from backends.nvme_os import ALIGNMENT, thread_buffer
 from tiering.encryption import TAG_BYTES, BlockCipher, Seal
-from tiering.host_pool import io_buffer
 
 SEAL_BATCH_BYTES = 8 << 20
 """Sealing-buffer memory per worker thread: a job's records are sealed and written this
@@ -56,10 +55,7 @@ class PayloadSealer:
         """
         if not 0 < count <= self.batch:
             raise ValueError(f"count must be in 1..{self.batch}, got {count}")
-        arena: memoryview | None = getattr(self._local, "arena", None)
-        if arena is None:
-            arena = io_buffer(self.batch * self.stride + TAG_BYTES)
-            self._local.arena = arena
+        arena = thread_buffer(self._local, "arena", self.batch * self.stride + TAG_BYTES)
         size = self.block_bytes + TAG_BYTES
         return [arena[i * self.stride : i * self.stride + size] for i in range(count)]
 

@@ -1,45 +1,27 @@
 """Segment files: KV blocks packed into large append-only files, and the index checkpoint.
 
-The blocking half of the NVMe tier. :class:`SegmentFiles` does every file operation of
-it synchronously, without an event loop, and the tier calls it once
-per job on its own worker threads. It decides nothing: where each record goes (which
-segment, which offset) is chosen by the caller's index on the loop thread, and this
-module writes, reads, lists, scans and deletes what it is told to.
-
-Layout under the namespace directory::
-
-    segments/<writer id>-<seq, 8 hex digits>.seg     one writer appends to each
-    index.ckpt                                       the index checkpoint (temp + rename)
-
-A segment file starts with one segment header page, then holds records at fixed strides::
-
-    offset 0                    segment header page (HEADER_BYTES)
-    offset HEADER_BYTES + i*S   record i: a padded block header page
-                                (:mod:`backends.block_record`), then the payload, padded
-                                to a multiple of ALIGNMENT; S = record_bytes
-
-The segment header and the checkpoint's format are :mod:`backends.nvme_segment_format`'s.
-Every record keeps its own self-describing header and payload checksum, so a record is
-verified on its own when it is read: a torn record, a record of another key, namespace
-or length, and a flipped payload byte are each a failed key, never data.
+The blocking half of the NVMe tier: :class:`SegmentFiles` does every file operation
+synchronously, once per job on the tier's worker threads, and decides nothing (the
+caller's index chooses each record's segment and slot). A segment file is a segment
+header page (:mod:`backends.nvme_segment_format`), then records at a fixed stride
+(``record_bytes``): a padded :mod:`backends.block_record` header page and the payload,
+padded to a multiple of ALIGNMENT. Each record verifies on its own when read: a torn
+record, one of another key, namespace or length, and a flipped payload byte are each a
+failed key, never data.
 
 Guarantees:
 
-* Writes are positional (``pwritev``) and vectored: one call per run of consecutive
-  records (at most :data:`MAX_IOV` buffers), straight from the caller's memoryviews,
-  with O_DIRECT when enabled and every payload of the run is aligned. With
-  ``staging_bytes``, direct I/O goes through a staging buffer of each thread instead
-  (see :class:`SegmentFiles`).
+* Writes are positional and vectored: one ``pwritev`` per run of consecutive records (at
+  most :data:`MAX_IOV` buffers), straight from the caller's memoryviews, with O_DIRECT
+  when enabled and every payload of the run is aligned (or through a staging buffer).
 * A segment's name is unique (writer id and a sequence number), so writers never share
   a file; the run that creates a segment writes its header, and runs of other jobs may
-  land before it (each record verifies on its own).
-* ``fsync="batch"``: when a write call returns a key as written, its record is on stable
-  storage (one ``fdatasync`` per segment touched, and the directory is synced when the
-  call created a segment). ``"always"`` syncs after every run. ``"none"`` survives a
-  process crash (the kernel holds the data), not a power loss.
-* The checkpoint is written to a temporary name, synced, and renamed into place, so a
-  reader sees a whole old one or a whole new one; its body carries a checksum, and a
-  checkpoint that fails any check is reported as absent, never trusted.
+  land before it.
+* ``fsync="batch"``: a key reported written is on stable storage (one ``fdatasync`` per
+  segment touched, the directory synced when a segment was created); ``"always"`` syncs
+  after every run; ``"none"`` survives a process crash, not a power loss.
+* The checkpoint is written to a temporary name, synced and renamed into place; one that
+  fails any check is reported as absent, never trusted.
 
 Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
 """
@@ -77,6 +59,7 @@ from backends.nvme_os import (
     free_bytes,
     fsync_dir,
     is_aligned,
+    thread_buffer,
     write_all,
 )
 from backends.nvme_segment_format import (
@@ -91,7 +74,6 @@ from backends.nvme_segment_format import (
     parse_segment_name,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-from tiering.host_pool import io_buffer
 
 if TYPE_CHECKING:
     from backends.nvme_sealing import PayloadSealer
@@ -185,23 +167,18 @@ STAGING_BYTES = 32 << 20
 class SegmentFiles:
     """Blocking reads and writes of segment files in one namespace directory.
 
-    ``directory/segments`` must exist. ``o_direct`` says whether O_DIRECT may be used
-    (the caller probed the file system); a run whose payloads are not all aligned moves
-    with buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum` (0: no pauses). Safe to
-    call from several threads at once for distinct records: threads share only
-    thread-local header pages.
+    ``directory/segments`` must exist. ``o_direct``: whether O_DIRECT may be used (the
+    caller probed the file system); a run whose payloads are not all aligned moves with
+    buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum`. Safe to call from several
+    threads at once for distinct records (threads share no buffers).
 
     ``staging_bytes`` (0: off): direct I/O moves a run's records, laid out as on disk,
-    through a staging buffer of this many bytes of each thread (at least one record),
-    on huge pages where the kernel gives them, and payloads are copied between it and
-    the slots without the GIL. For slots in memory of scattered 4 KiB pages (a shared
-    memory file, as vLLM's CPU tier is): a direct transfer takes one segment per page,
-    and a disk takes a bounded number of segments per request (254 on a virtio disk),
-    so such a transfer goes as many small requests; from the staging buffer it goes as
-    few large ones (figures: ``docs/vllm.md``). A load still verifies each payload in
-    its slot, after the copy; a store's checksum is taken of the staged copy, the bytes
-    written. Without O_DIRECT nothing is staged (the kernel copies anyway). Sealed
-    writes already go through the sealer's buffers and are not staged again.
+    through a staging buffer of this many bytes per thread on huge pages, and payloads
+    are copied between it and the slots without the GIL. For slots of scattered 4 KiB
+    pages (vLLM's shared-memory CPU tier), whose direct transfers the disk would take as
+    many small requests (docs/vllm.md). A load still verifies each payload in its slot; a
+    store's checksum is taken of the staged copy. Not staged: buffered I/O, and sealed
+    writes (already in the sealer's buffers).
     """
 
     def __init__(
@@ -241,14 +218,6 @@ class SegmentFiles:
         """Records one staged call moves; 0 when I/O is not staged (off, or no O_DIRECT)."""
         return self._staged_records if self.o_direct else 0
 
-    def _staging(self) -> memoryview:
-        # This thread's staging buffer: records laid out as on disk, on huge pages.
-        staging: memoryview | None = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = io_buffer(self._staged_records * self.record_bytes)
-            self._local.staging = staging
-        return staging
-
     def path_of(self, segment: str) -> str:
         """The path of segment file ``segment``."""
         return os.path.join(self.segments_dir, segment)
@@ -259,11 +228,7 @@ class SegmentFiles:
 
     def _pages(self, count: int) -> memoryview:
         # Aligned header pages, reused per thread: O_DIRECT needs aligned buffers.
-        pages: mmap.mmap | None = getattr(self._local, "pages", None)
-        if pages is None or len(pages) < count * HEADER_BYTES:
-            pages = mmap.mmap(-1, max(count, 16) * HEADER_BYTES)
-            self._local.pages = pages
-        return memoryview(pages)[: count * HEADER_BYTES]
+        return thread_buffer(self._local, "pages", count * HEADER_BYTES, at_least=16 * HEADER_BYTES)
 
     # -- write ------------------------------------------------------------------------
 
@@ -395,7 +360,7 @@ class SegmentFiles:
     def _staged_records_buffer(self, records: Sequence[tuple[bytes, memoryview]]) -> memoryview:
         """Lay ``records`` out in this thread's staging buffer as on disk: each payload
         copied in, its checksum taken of the copy, its header page and padding."""
-        staging = self._staging()
+        staging = thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
         step, size = self.record_bytes, self.block_bytes
         for i, (key, payload) in enumerate(records):
             start = i * step
@@ -501,14 +466,17 @@ class SegmentFiles:
         into its slot once its header checks), then verify each payload in its slot."""
         step = self.record_bytes
         if staged:
-            staging = self._staging()
+            staging = thread_buffer(
+                self._local, "staging", self._staged_records * self.record_bytes
+            )
             pages = staging
             buffers = [staging[: len(run) * step]]
             page_step = step
         else:
             pages = self._pages(len(run))
             page_step = HEADER_BYTES
-            sink = self._read_sink()
+            # Where a read's padding between records goes (never the zeros writes use).
+            sink = thread_buffer(self._local, "sink", self._padding.nbytes)
             buffers = []
             for j, (_, _, slot, _) in enumerate(run):
                 buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
@@ -549,15 +517,9 @@ class SegmentFiles:
                 outcomes[i] = (header.key, "", False)
 
     def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
-        """:func:`payload_checksum`; after each ``gil_pause_bytes`` a thread has hashed, a
-        moment without the GIL (none when it is 0).
-
-        The hash holds the GIL, and a job's records are hashed back to back (then written
-        or read in one call): without the pause an event loop's thread could wait for the
-        GIL for a whole job's hashing, up to the 5 ms switch interval (docs/nvme.md has
-        the trade-off between pause interval, loop lag and store speed). A tier on a
-        private loop (the vLLM adapter's) can do without: its lag
-        only delays completions (docs/vllm.md)."""
+        """:func:`payload_checksum`; after each ``gil_pause_bytes`` a thread has hashed
+        (0: never), a moment without the GIL, so that the loop's thread does not wait
+        for a whole job's hashing (docs/nvme.md has the trade-off)."""
         checksum = payload_checksum(payload, binding)
         if self.gil_pause_bytes:
             done = getattr(self._local, "hashed", 0) + payload.nbytes
@@ -566,14 +528,6 @@ class SegmentFiles:
                 done = 0
             self._local.hashed = done
         return checksum
-
-    def _read_sink(self) -> memoryview:
-        # Where a read's padding between records goes (never the zeros that writes use).
-        sink: memoryview | None = getattr(self._local, "sink", None)
-        if sink is None:
-            sink = memoryview(mmap.mmap(-1, ALIGNMENT))[: self._padding.nbytes]
-            self._local.sink = sink
-        return sink
 
     # -- segments: list, scan, delete -----------------------------------------------
 
