@@ -16,16 +16,14 @@ import contextlib
 import logging
 import os
 import threading
-import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal
-
-from pydantic import AfterValidator, Field
+from typing import Any
 
 from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
+from backends.nvme_options import NVMeOptions
 from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct, thread_buffer
 from backends.nvme_recovery import Recovery, open_directory, recover
 from backends.nvme_sealing import PayloadSealer
@@ -40,93 +38,15 @@ from backends.nvme_space import (
     records_per_segment,
 )
 from tiering.actor import TierActor
-from tiering.encryption import BlockCipher, Keyring, keyring_from
+from tiering.encryption import BlockCipher, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
-from tiering.options import ActorOptions, Bytes, PositiveInt, SecondsOrZero, Size, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.statistics import FailureLog
 from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
 
-_THREAD_START_TIMEOUT_S = 5.0
-"""How long :meth:`NVMeTier.start` waits for all its I/O threads to be up at once."""
-
-
-def _mode(required: int, allowed: int) -> AfterValidator:
-    def check(mode: int) -> int:
-        if mode & required != required or mode & ~allowed:
-            raise ValueError(
-                f"must include 0o{required:o} and stay within 0o{allowed:o} (nobody but the "
-                f"owner may write), got 0o{mode:o}"
-            )
-        return mode
-
-    return AfterValidator(check)
-
-
-def _an_object(value: object) -> object:
-    if isinstance(value, str | bytes | int | float | list | dict):
-        raise ValueError("must be an object such as OsCalls, which a config cannot hold")
-    return value
-
-
-class NVMeOptions(ActorOptions):
-    """The NVMe tier's options (docs/nvme.md describes each at length).
-
-    * ``root``: the directory holding namespaces; created if missing.
-    * ``namespace``: the cache identity; blocks of one are never served to another.
-    * ``capacity_bytes``: most bytes of records (header pages included) kept here.
-    * ``min_free_bytes``: free space on the file system that stores keep (by evicting,
-      or failing); whichever of this and ``capacity_bytes`` binds first wins.
-    * ``fsync``: ``"none"`` (survives a process crash, not a power loss), ``"batch"`` (a
-      store job's success means its records are on stable storage: one sync per segment
-      it wrote), ``"always"`` (a sync after every run of records).
-    * ``o_direct``: True requires O_DIRECT, False never uses it, None probes at start
-      and falls back to buffered I/O with one log line.
-    * ``max_inflight_bytes``: bound on payload bytes of jobs in their I/O at once.
-    * ``enospc_retry_s``: after ENOSPC, stores are refused without I/O for this long
-      (unless the tier freed space meanwhile), then one job probes again.
-    * ``encryption``: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
-      spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM; a
-      block that is not sealed, or does not open, is a miss.
-    * ``file_mode``, ``dir_mode``: modes of what the tier makes; they may add read
-      access for group and others, never write access.
-    * ``os_calls``: the system-call layer (tests pass a fault injector); ``clock``:
-      monotonic seconds (tests pass a fake).
-    * ``segment_bytes``: the size a segment grows to (at most 4096 records). None: 256
-      MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
-    * ``checkpoint_every``: records written between index checkpoints (also written at
-      a graceful close); a restart scans only the records written after it.
-    * ``hot_fraction``: blocks of an evicted segment used within the last this fraction
-      of the capacity's worth of uses are written again, not dropped (0: FIFO).
-    * ``gil_pause_bytes``: bytes an I/O thread hashes before it lets go of the GIL for a
-      moment, so that the loop's thread is not kept waiting (0: never).
-    * ``staging_bytes``: 0 moves direct I/O straight between disk and slots; otherwise
-      through a huge-page staging buffer of this many bytes per I/O thread, for a host
-      pool of scattered 4 KiB pages (vLLM's shared-memory CPU tier).
-    """
-
-    root: str | os.PathLike[str]
-    namespace: str = Field(min_length=1)
-    capacity_bytes: Bytes
-    min_free_bytes: Size = Field(1 << 30, ge=0)
-    fsync: Literal["none", "batch", "always"] = "batch"
-    o_direct: bool | None = None
-    max_inflight_bytes: Bytes = 256 << 20
-    enospc_retry_s: SecondsOrZero = 5.0
-    encryption: str | Keyring | None = secret(None)
-    file_mode: Annotated[int, _mode(0o600, 0o644)] = 0o600
-    dir_mode: Annotated[int, _mode(0o700, 0o755)] = 0o700
-    os_calls: Annotated[Any, AfterValidator(_an_object)] = Field(
-        None, description="the OS calls (a test double); None: the real ones"
-    )
-    clock: Callable[[], float] = time.monotonic
-    segment_bytes: Bytes | None = None
-    checkpoint_every: PositiveInt = 16384
-    hot_fraction: float = Field(0.25, ge=0, le=1)
-    gil_pause_bytes: Size = Field(128 << 10, ge=0)
-    staging_bytes: Size = Field(0, ge=0)
+_THREAD_START_TIMEOUT_S = 5.0  # how long start() waits for its I/O threads to meet
 
 
 @dataclass(slots=True)
@@ -274,12 +194,10 @@ class NVMeTier(TierActor):
 
         Raises:
             ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the root fails :func:`check_root` (not a directory,
-                not creatable, another user's, writable by others), the namespace
+            InvalidArgumentError: the root fails :func:`check_root`, the namespace
                 directory holds another namespace, or ``o_direct=True`` and the file
                 system refuses O_DIRECT.
-            TieringError: the root cannot be written or scanned (the message carries
-                the OS error).
+            TieringError: the root cannot be written or scanned (with the OS error).
         """
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
@@ -317,24 +235,20 @@ class NVMeTier(TierActor):
         trash, self._trash = self._trash, []
         segments = self._index.checkpoint_segments()
         try:
-            await asyncio.to_thread(self._close_on_disk, segments, trash)
+            await asyncio.to_thread(self._segments.delete, trash)
+            await asyncio.to_thread(self._checkpoint_hop, segments)
         except OSError as exc:
             logger.warning("nvme tier: could not write the index checkpoint: %s", exc)
 
-    def _close_on_disk(self, segments: list[tuple[int, str, int]], trash: list[str]) -> None:
-        self._segments.delete(trash)
-        self._checkpoint_hop(segments)
-
     def _on_closed(self) -> None:
-        # Here rather than in shutdown(): called from another thread, shutdown() only
-        # schedules the stop, and the lock must outlive the writes still running.
+        # Not in shutdown(), which from another thread only schedules the stop: the
+        # lock must outlive the writes still running.
         self._release_owner()
 
     async def _start_io_threads(self) -> None:
-        # A pool starts its threads lazily, one per call while none is idle: in the
-        # first jobs the loop would wait for each thread's start handshake and compete
-        # with its initializer for the GIL. Calls that wait for each other make the pool
-        # start every thread now, before any job is served.
+        # A pool starts its threads lazily, one per call while none is idle (the loop
+        # would then wait for each handshake in the first jobs): calls that wait for
+        # each other make it start every thread now, before any job is served.
         meeting = threading.Barrier(self.io_threads)
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
@@ -402,16 +316,13 @@ class NVMeTier(TierActor):
         """True while stores are refused because the file system was full."""
         return self._space.read_only
 
-    async def _refresh_free_bytes(self) -> None:
-        self._space.measured(await self.run_blocking(self._segments.free_bytes))
-
-    def _store_space_ended(
-        self, free_bytes: int | None, *, disk_full: bool, stored_any: bool
-    ) -> None:
+    def _store_space_ended(self, report: WriteReport) -> None:
         """Record a store hop's effect on space: free bytes, disk full or space back."""
-        if free_bytes is not None:
-            self._space.measured(free_bytes)
-        change = self._space.store_ended(disk_full=disk_full, stored_any=stored_any)
+        if report.free_bytes is not None:
+            self._space.measured(report.free_bytes)
+        change = self._space.store_ended(
+            disk_full=report.disk_full, stored_any=bool(report.written)
+        )
         if change == "full":
             self.metrics.disk_full_events += 1
             logger.warning(
@@ -496,12 +407,11 @@ class NVMeTier(TierActor):
                 (named in hex); nothing released.
         """
         keys = hash_list("keys", keys)
-        digests = [key_digest(key) for key in keys]
-        wanted = Counter(digests)
-        for key, digest in zip(keys, digests, strict=True):
-            if self._index.holds(digest) < wanted[digest]:
+        counts = Counter(map(key_digest, keys))
+        for key in keys:
+            if self._index.holds(key_digest(key)) < counts[key_digest(key)]:
                 raise InvalidArgumentError(f"key {key.hex()} is released more often than held")
-        self._index.release(digests)
+        self._index.release(counts.elements())
 
     def get_num_blocks(self) -> int:
         """Blocks stored and loadable now."""
@@ -539,7 +449,8 @@ class NVMeTier(TierActor):
             try:
                 pending = self._index.used_records - self._writing_records
                 if self._space.stale(self._writing_records + len(wanted)):
-                    await self._refresh_free_bytes()
+                    free = await self.run_blocking(self._segments.free_bytes)
+                    self._space.measured(free)
                 limit, reason = self._space.limit(pending, self._writing_records)
                 plan = self._index.plan_room(
                     len(wanted),
@@ -573,8 +484,7 @@ class NVMeTier(TierActor):
                     raise
             finally:
                 self._budget.release(budget)
-            self._commit_store(report, admitted, placed[:fit], digests, generation, failed)
-            self._commit_moves(report, moved, placed[fit:], generation)
+            self._commit_store(report, admitted, moved, placed, digests, generation, failed)
             self._note_removed(
                 key for key in gone_keys if key is not None and key_digest(key) not in self._index
             )
@@ -691,21 +601,36 @@ class NVMeTier(TierActor):
         self,
         report: WriteReport,
         admitted: Sequence[tuple[OffloadKey, int]],
+        moved: Sequence[bytes | None],
         placed: Sequence[Placement],
         digests: dict[OffloadKey, int],
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
+        """Index the job's records that were written (``placed``: their placements, then
+        the moved records'), and the moved records written unless their key was stored
+        again meanwhile (the newer record wins); none if the tier was cleared meanwhile."""
         self._writing_records -= len(placed)
         written = set(report.written)
+        ours, theirs = placed[: len(admitted)], placed[len(admitted) :]
         if generation != self._generation:  # cleared while being written
-            self._trash.extend({p.segment for p in placed})
+            self._trash.extend({p.segment for p in ours})
         else:
-            for (key, _), placement in zip(admitted, placed, strict=True):
+            for (key, _), placement in zip(admitted, ours, strict=True):
                 if key in written:
                     self._index.commit(digests[key], placement)
                 else:
                     self._index.abandon(placement)
+            for key, placement in zip(moved, theirs, strict=True):
+                digest = None if key is None else key_digest(key)
+                if key in written and digest not in self._index:
+                    self._index.commit(digest, placement)  # type: ignore[arg-type]
+                    self.metrics.relocated_blocks += 1
+                else:
+                    self._index.abandon(placement)
+                    self.metrics.evicted_blocks += 1
+                    if key is not None and digest not in self._index:
+                        self._note_removed((key,))
         self._since_checkpoint += len(written)
         if report.failed:
             failed.update(report.failed)
@@ -714,33 +639,7 @@ class NVMeTier(TierActor):
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
-        self._store_space_ended(
-            report.free_bytes, disk_full=report.disk_full, stored_any=bool(written)
-        )
-
-    def _commit_moves(
-        self,
-        report: WriteReport,
-        moved: Sequence[bytes | None],
-        placed: Sequence[Placement],
-        generation: int,
-    ) -> None:
-        """Index the moved records that were written, unless the key was stored again
-        meanwhile (the newer record wins) or the tier was cleared."""
-        self._writing_records -= len(placed)
-        written = set(report.written)
-        for key, placement in zip(moved, placed, strict=True):
-            if generation != self._generation:
-                continue
-            digest = None if key is None else key_digest(key)
-            if key in written and digest not in self._index:
-                self._index.commit(digest, placement)  # type: ignore[arg-type]
-                self.metrics.relocated_blocks += 1
-            else:
-                self._index.abandon(placement)
-                self.metrics.evicted_blocks += 1
-                if key is not None and digest not in self._index:
-                    self._note_removed((key,))
+        self._store_space_ended(report)
 
     def _commit_load(
         self,
@@ -759,15 +658,15 @@ class NVMeTier(TierActor):
         where = {key: (segment, record) for key, segment, record, _ in reads}
         for key, reason in report.failed.items():
             failed[key] = reason
-            if key in corrupt:
-                self.metrics.corrupt_blocks += 1
-                self._failure_log.record("corrupt block", 1, reason)
-            elif key in missing:
-                self.metrics.missing_blocks += 1
-                self._failure_log.record("block missing", 1, reason)
-            else:
-                self.metrics.read_errors += 1
-                self._failure_log.record("read error", 1, reason)
+            counter, cause = (
+                ("corrupt_blocks", "corrupt block")
+                if key in corrupt
+                else ("missing_blocks", "block missing")
+                if key in missing
+                else ("read_errors", "read error")
+            )
+            setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
+            self._failure_log.record(cause, 1, reason)
             digest = key_digest(key)
             if generation == self._generation and self._index.locate(digest) == where[key]:
                 self._index.remove(digest)

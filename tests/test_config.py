@@ -637,7 +637,7 @@ def _default_text(name: str, default: object) -> str:
     [
         ("memory", "backends.memory:MemoryOptions"),
         ("example", "backends.example:ExampleOptions"),
-        ("nvme", "backends.nvme:NVMeOptions"),
+        ("nvme", "backends.nvme_options:NVMeOptions"),
         ("redis", "backends.redis_options:RedisOptions"),
     ],
 )
