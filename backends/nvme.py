@@ -25,7 +25,7 @@ from typing import Any
 from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
 from backends.nvme_options import NVMeOptions
 from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct, thread_buffer
-from backends.nvme_recovery import Recovery, open_directory, recover
+from backends.nvme_recovery import Recovery, open_directory, recover, write_checkpoint
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
@@ -580,7 +580,7 @@ class NVMeTier(TierActor):
     def _checkpoint_hop(self, segments: list[tuple[int, str, int]]) -> None:
         # The entries are copied here, off the loop, while the loop goes on.
         checkpoint = self._index.snapshot(segments)
-        self._segments.write_checkpoint(checkpoint, temp_suffix=self._instance_id)
+        write_checkpoint(self._segments, checkpoint, temp_suffix=self._instance_id)
 
     # -- bookkeeping (loop thread) -------------------------------------------------------
 

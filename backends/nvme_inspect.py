@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from backends.block_record import HEADER_BYTES, decode_header, namespace_digest
 from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
-from backends.nvme_recovery import Recovery, recover, verify_index
+from backends.nvme_recovery import Recovery, recover, verify_index, write_checkpoint
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
@@ -608,7 +608,8 @@ def _verify(
                 # The temporary name carries an id no tier holds a lock for: if this
                 # process dies before the rename, a tier start removes it as a dead
                 # writer's.
-                files.write_checkpoint(
+                write_checkpoint(
+                    files,
                     found.checkpoint.without(set(failures)),  # type: ignore[union-attr]
                     temp_suffix=uuid.uuid4().hex,
                 )

@@ -1,5 +1,6 @@
-"""Opening an NVMe namespace directory: its directories, its identity, and the recovery
-of the segment index from the checkpoint plus a scan of what was written after it.
+"""Opening an NVMe namespace directory: its directories, its identity, the index
+checkpoint's file, and the recovery of the segment index from the checkpoint plus a
+scan of what was written after it (and, for ``tiering verify``, a read of every block).
 
 Blocking, for a worker thread: the tier calls :func:`open_directory` and
 :func:`recover` once, at start, so that the loop is not blocked while a large index is
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +23,9 @@ from backends.nvme_os import (
     check_private,
     check_root,
     describe_os_error,
+    fsync_dir,
     owner_alive,
+    write_all,
     write_private,
 )
 from backends.nvme_segment_format import (
@@ -29,12 +33,16 @@ from backends.nvme_segment_format import (
     IDENTITY_FILE,
     SEGMENTS_DIR,
     Checkpoint,
+    encode_checkpoint,
+    parse_checkpoint,
     parse_segment_name,
     temporary_writer,
 )
 from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segments import SegmentFiles, SegmentScan
-from tiering.errors import InvalidArgumentError
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def open_directory(
@@ -135,7 +143,7 @@ def recover(
     directory = files.directory
     removed: Counter[str] = Counter()
     _remove_dead_temporaries(directory, writer, removed, read_only)
-    checkpoint, note = files.read_checkpoint()
+    checkpoint, note = read_checkpoint(files)
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     alive: dict[str, bool] = {}
     on_disk: list[tuple[str, int, float]] = []
@@ -208,6 +216,53 @@ def verify_index(
                 failures[where] = (key, "stale index entry: the record holds another block", False)
         on_batch(len(batch))
     return len(entries), failures
+
+
+def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
+    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` (to a temporary name
+    of ``temp_suffix``, synced, renamed into place); returns its size in bytes.
+
+    Raises:
+        OSError: it could not be written (the previous checkpoint is unchanged and the
+            temporary file removed).
+    """
+    parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
+    final = os.path.join(files.directory, CHECKPOINT_FILE)
+    temp = f"{final}.{temp_suffix}.tmp"
+    fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, files.file_mode)
+    try:
+        try:
+            write_all(files.os, fd, [memoryview(p) for p in parts], 0)
+            files.os.fdatasync(fd)
+        finally:
+            files.os.close(fd)
+        files.os.replace(temp, final)
+        fsync_dir(files.os, files.directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            files.os.unlink(temp)
+        raise
+    return sum(len(p) for p in parts)
+
+
+def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
+    """The checkpoint of ``files`` on disk: ``(checkpoint, None)``, or ``(None, why not)`` when
+    there is none or it fails a check (wrong magic, version, namespace, record size,
+    length or checksum). Never raises."""
+    path = os.path.join(files.directory, CHECKPOINT_FILE)
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        return None, "no checkpoint"
+    except OSError as exc:
+        return None, f"checkpoint unreadable: {describe_os_error(exc)}"
+    try:
+        return parse_checkpoint(
+            data, block_bytes=files.block_bytes, ns_digest=files.ns_digest
+        ), None
+    except (CorruptBlockError, ValueError, struct.error) as exc:
+        return None, f"checkpoint rejected: {exc}"
 
 
 def _remove_dead_temporaries(

@@ -32,7 +32,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -63,14 +62,10 @@ from backends.nvme_os import (
     write_all,
 )
 from backends.nvme_segment_format import (
-    CHECKPOINT_FILE,
     REMOVED_MARK,
     SEGMENTS_DIR,
-    Checkpoint,
     check_segment_header,
-    encode_checkpoint,
     encode_segment_header,
-    parse_checkpoint,
     parse_segment_name,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
@@ -327,55 +322,40 @@ class SegmentFiles:
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
-        its payload (sealed into this thread's buffers when encrypting), its padding; or,
-        staged, the one buffer they were copied into."""
-        if self.sealer is None and self.staged:
-            return [self._staged_records_buffer(records)]
-        pages = self._pages(len(records))
-        sealer = self.sealer
-        sealed = [] if sealer is None else sealer.buffers(len(records))
+        its payload (sealed into this thread's sealing buffers when encrypting) and its
+        padding; staged, the one buffer they were laid out in as on disk (each payload
+        copied in, its checksum taken of the copy)."""
+        staged, size = self.sealer is None and self.staged > 0, self.block_bytes
+        step = self.record_bytes if staged else HEADER_BYTES
+        pages = self._staging() if staged else self._pages(len(records))
+        sealed = [] if self.sealer is None else self.sealer.buffers(len(records))
         buffers: list[memoryview] = []
         for i, (key, payload) in enumerate(records):
-            page = pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-            if sealer is None:
-                seal, data = None, payload
-                checksum = self._checksum(payload, record_binding(self.ns_digest, b"", key))
-            else:
-                seal, checksum = sealer.seal(key, payload, sealed[i]), None
-                data = sealed[i][: self.block_bytes]
+            page, start = pages[i * step : i * step + HEADER_BYTES], i * step + HEADER_BYTES
+            seal, data = None, payload
+            if staged:
+                data = pages[start : start + size]
+                copy_bytes(data, payload)
+                if self._padding.nbytes:  # reads through this buffer leave other bytes there
+                    pages[start + size : (i + 1) * step] = self._padding
+            elif self.sealer is not None:
+                seal, data = self.sealer.seal(key, payload, sealed[i]), sealed[i][:size]
+            binding = record_binding(self.ns_digest, b"", key)
+            checksum = None if seal else self._checksum(data, binding)
             encode_header(
                 page,
                 key=key,
-                payload_bytes=self.block_bytes,
-                checksum=checksum,
+                payload_bytes=size,
                 ns_digest=self.ns_digest,
+                checksum=checksum,
                 seal=seal,
             )
-            buffers.append(page)
-            buffers.append(data)
-            if self._padding.nbytes:
-                buffers.append(self._padding)
-        return buffers
+            buffers += [page, data, self._padding] if self._padding.nbytes else [page, data]
+        return [pages[: len(records) * step]] if staged else buffers
 
-    def _staged_records_buffer(self, records: Sequence[tuple[bytes, memoryview]]) -> memoryview:
-        """Lay ``records`` out in this thread's staging buffer as on disk: each payload
-        copied in, its checksum taken of the copy, its header page and padding."""
-        staging = thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
-        step, size = self.record_bytes, self.block_bytes
-        for i, (key, payload) in enumerate(records):
-            start = i * step
-            data = staging[start + HEADER_BYTES : start + HEADER_BYTES + size]
-            copy_bytes(data, payload)
-            encode_header(
-                staging[start : start + HEADER_BYTES],
-                key=key,
-                payload_bytes=size,
-                checksum=self._checksum(data, record_binding(self.ns_digest, b"", key)),
-                ns_digest=self.ns_digest,
-            )
-            if self._padding.nbytes:  # reads through this buffer leave other bytes there
-                staging[start + HEADER_BYTES + size : start + step] = self._padding
-        return staging[: len(records) * step]
+    def _staging(self) -> memoryview:
+        # This thread's staging buffer: records laid out as on disk, on huge pages.
+        return thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
 
     # -- read -------------------------------------------------------------------------
 
@@ -466,10 +446,7 @@ class SegmentFiles:
         into its slot once its header checks), then verify each payload in its slot."""
         step = self.record_bytes
         if staged:
-            staging = thread_buffer(
-                self._local, "staging", self._staged_records * self.record_bytes
-            )
-            pages = staging
+            staging = pages = self._staging()
             buffers = [staging[: len(run) * step]]
             page_step = step
         else:
@@ -658,54 +635,6 @@ class SegmentFiles:
             return free_bytes(self.os.statvfs(self.directory))
         except OSError:
             return None
-
-    # -- checkpoint -------------------------------------------------------------------
-
-    def write_checkpoint(self, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
-        """Write ``checkpoint`` atomically as ``index.ckpt``; returns its size in bytes.
-
-        Raises:
-            OSError: it could not be written (the previous checkpoint is unchanged and the
-                temporary file removed).
-        """
-        parts = encode_checkpoint(
-            checkpoint, block_bytes=self.block_bytes, ns_digest=self.ns_digest
-        )
-        final = os.path.join(self.directory, CHECKPOINT_FILE)
-        temp = f"{final}.{temp_suffix}.tmp"
-        fd = self.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, self.file_mode)
-        try:
-            try:
-                write_all(self.os, fd, [memoryview(p) for p in parts], 0)
-                self.os.fdatasync(fd)
-            finally:
-                self.os.close(fd)
-            self.os.replace(temp, final)
-            fsync_dir(self.os, self.directory)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                self.os.unlink(temp)
-            raise
-        return sum(len(p) for p in parts)
-
-    def read_checkpoint(self) -> tuple[Checkpoint | None, str | None]:
-        """The checkpoint on disk: ``(checkpoint, None)``, or ``(None, why not)`` when
-        there is none or it fails a check (wrong magic, version, namespace, record size,
-        length or checksum). Never raises."""
-        path = os.path.join(self.directory, CHECKPOINT_FILE)
-        try:
-            with open(path, "rb") as file:
-                data = file.read()
-        except FileNotFoundError:
-            return None, "no checkpoint"
-        except OSError as exc:
-            return None, f"checkpoint unreadable: {describe_os_error(exc)}"
-        try:
-            return parse_checkpoint(
-                data, block_bytes=self.block_bytes, ns_digest=self.ns_digest
-            ), None
-        except (CorruptBlockError, ValueError, struct.error) as exc:
-            return None, f"checkpoint rejected: {exc}"
 
 
 def copy_bytes(target: memoryview, source: memoryview) -> None:

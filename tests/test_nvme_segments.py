@@ -21,6 +21,7 @@ from backends.block_record import (
     payload_checksum,
 )
 from backends.nvme_os import REAL_OS, OsCalls, probe_o_direct
+from backends.nvme_recovery import read_checkpoint, write_checkpoint
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
@@ -406,15 +407,15 @@ def assert_same(a: Checkpoint, b: Checkpoint) -> None:
 def test_a_checkpoint_reads_back_exactly(tmp_path: Path, n: int) -> None:
     seg = files(tmp_path)
     written = checkpoint(n)
-    size = seg.write_checkpoint(written, temp_suffix="t1")
+    size = write_checkpoint(seg, written, temp_suffix="t1")
     assert size == os.path.getsize(tmp_path / CHECKPOINT_FILE)
-    read, why = seg.read_checkpoint()
+    read, why = read_checkpoint(seg)
     assert why is None and read is not None
     assert_same(read, written)
 
 
 def test_no_checkpoint_is_reported_as_absent(tmp_path: Path) -> None:
-    assert files(tmp_path).read_checkpoint() == (None, "no checkpoint")
+    assert read_checkpoint(files(tmp_path)) == (None, "no checkpoint")
 
 
 @pytest.mark.parametrize(
@@ -423,7 +424,7 @@ def test_no_checkpoint_is_reported_as_absent(tmp_path: Path) -> None:
 )
 def test_a_damaged_checkpoint_is_never_trusted(tmp_path: Path, damage: str) -> None:
     seg = files(tmp_path)
-    seg.write_checkpoint(checkpoint(100), temp_suffix="t1")
+    write_checkpoint(seg, checkpoint(100), temp_suffix="t1")
     path = tmp_path / CHECKPOINT_FILE
     data = bytearray(path.read_bytes())
     if damage == "flip":
@@ -435,16 +436,16 @@ def test_a_damaged_checkpoint_is_never_trusted(tmp_path: Path, damage: str) -> N
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
-    read, why = seg.read_checkpoint()
+    read, why = read_checkpoint(seg)
     assert read is None and why is not None and "rejected" in why
 
 
 def test_a_checkpoint_of_another_namespace_or_block_size_is_refused(tmp_path: Path) -> None:
-    files(tmp_path).write_checkpoint(checkpoint(5), temp_suffix="t1")
+    write_checkpoint(files(tmp_path), checkpoint(5), temp_suffix="t1")
     other_ns = SegmentFiles(str(tmp_path), block_bytes=BLOCK, ns_digest=namespace_digest("b"))
     other_size = SegmentFiles(str(tmp_path), block_bytes=BLOCK * 2, ns_digest=NS)
     for reader in (other_ns, other_size):
-        read, why = reader.read_checkpoint()
+        read, why = read_checkpoint(reader)
         assert read is None and "another namespace or block size" in str(why)
 
 
@@ -452,11 +453,11 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> Non
     faults = FaultInjector()
     seg = files(tmp_path, faults)
     first = checkpoint(10)
-    seg.write_checkpoint(first, temp_suffix="t1")
+    write_checkpoint(seg, first, temp_suffix="t1")
     faults.fail("fdatasync", errno.EIO, times=1)
     with pytest.raises(OSError):
-        seg.write_checkpoint(checkpoint(20), temp_suffix="t2")
-    read, _ = seg.read_checkpoint()
+        write_checkpoint(seg, checkpoint(20), temp_suffix="t2")
+    read, _ = read_checkpoint(seg)
     assert read is not None
     assert_same(read, first)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE, SEGMENTS_DIR]
