@@ -48,7 +48,6 @@ def _libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None
     return fn
 
 
-_SYNCFS = _libc_function("syncfs", [ctypes.c_int])
 _FALLOCATE = _libc_function(
     "fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 )
@@ -74,26 +73,11 @@ class OsCalls:
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
-        return os.stat(path)
-
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
-
-    def syncfs(self, fd: int) -> None:
-        """Flush the whole file system holding ``fd`` (Linux ``syncfs``).
-
-        Raises:
-            OSError: the flush failed, or ``syncfs`` is not available here (ENOSYS).
-        """
-        if _SYNCFS is None:
-            raise OSError(errno.ENOSYS, "syncfs is not available")
-        if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
 
     def allocate(self, fd: int, offset: int, length: int) -> None:
         """Allocate ``length`` bytes of ``fd`` from ``offset`` (Linux ``fallocate``,

@@ -44,10 +44,8 @@ OPERATIONS = frozenset(
         "pwritev",
         "preadv",
         "fstat",
-        "stat",
         "fdatasync",
         "fsync",
-        "syncfs",
         "allocate",
         "replace",
         "unlink",
@@ -277,10 +275,6 @@ class FaultInjector(OsCalls):
         self._fire("fstat", self._path_of(fd))
         return self._inner.fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
-        self._fire("stat", path)
-        return self._inner.stat(path)
-
     def fdatasync(self, fd: int) -> None:
         self._fire("fdatasync", self._path_of(fd))
         self._inner.fdatasync(fd)
@@ -288,10 +282,6 @@ class FaultInjector(OsCalls):
     def fsync(self, fd: int) -> None:
         self._fire("fsync", self._path_of(fd))
         self._inner.fsync(fd)
-
-    def syncfs(self, fd: int) -> None:
-        self._fire("syncfs", self._path_of(fd))
-        self._inner.syncfs(fd)
 
     def allocate(self, fd: int, offset: int, length: int) -> None:
         self._fire("allocate", self._path_of(fd))
