@@ -29,7 +29,7 @@ from backends.nvme_recovery import Recovery, open_directory, recover, write_chec
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
-from backends.nvme_segments import ReadReport, SegmentFiles, WriteReport, align_up, iter_runs
+from backends.nvme_segments import ReadOutcome, SegmentFiles, WriteReport, align_up, iter_runs
 from backends.nvme_space import (
     DISK_FULL_REASON,
     MOVE_BYTES_PER_JOB,
@@ -549,10 +549,10 @@ class NVMeTier(TierActor):
         not written) and each gone record's key (None where its header did not)."""
         buffers = self._move_buffers(len(moves))
         reads = [
-            (segment, record, buffer)
+            (segment, record, buffer, None)
             for (segment, record), buffer in zip(moves, buffers, strict=True)
         ]
-        moved = [key if not why else None for key, why, _ in self._segments.read_records(reads)]
+        moved = [key if not why else None for key, why, _ in self._segments.read(reads)]
         gone_keys = self._segments.read_keys(gone)
         self._segments.delete(delete)
         slot = self.slot
@@ -571,10 +571,10 @@ class NVMeTier(TierActor):
         view = thread_buffer(self._local, "moves", count * size, at_least=MOVE_BYTES_PER_JOB)
         return [view[i * size : (i + 1) * size] for i in range(count)]
 
-    def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> ReadReport:
+    def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> list[ReadOutcome]:
         slot = self.slot
         return self._segments.read(
-            [(key, segment, record, slot(block_id)) for key, segment, record, block_id in reads]
+            [(segment, record, slot(block_id), key) for key, segment, record, block_id in reads]
         )
 
     def _checkpoint_hop(self, segments: list[tuple[int, str, int]]) -> None:
@@ -643,32 +643,30 @@ class NVMeTier(TierActor):
 
     def _commit_load(
         self,
-        report: ReadReport,
+        outcomes: Sequence[ReadOutcome],
         reads: Sequence[tuple[OffloadKey, str, int, int]],
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
-        self.metrics.loaded_blocks += len(report.loaded)
-        self.metrics.bytes_read += len(report.loaded) * self.file_bytes
-        if report.loaded:
-            self._index.touch(key_digest(key) for key in report.loaded)
-        if not report.failed:
-            return
-        corrupt, missing = set(report.corrupt), set(report.missing)
-        where = {key: (segment, record) for key, segment, record, _ in reads}
-        for key, reason in report.failed.items():
+        loaded = [read[0] for read, (_, why, _) in zip(reads, outcomes, strict=True) if not why]
+        self.metrics.loaded_blocks += len(loaded)
+        self.metrics.bytes_read += len(loaded) * self.file_bytes
+        if loaded:
+            self._index.touch(key_digest(key) for key in loaded)
+        bad = {read[0]: (read, out) for read, out in zip(reads, outcomes, strict=True) if out[1]}
+        for key, ((_, segment, record, _), (_, reason, missing)) in bad.items():
             failed[key] = reason
             counter, cause = (
-                ("corrupt_blocks", "corrupt block")
-                if key in corrupt
-                else ("missing_blocks", "block missing")
-                if key in missing
+                ("missing_blocks", "block missing")
+                if missing
+                else ("corrupt_blocks", "corrupt block")
+                if reason.startswith("corrupt")
                 else ("read_errors", "read error")
             )
             setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
             self._failure_log.record(cause, 1, reason)
             digest = key_digest(key)
-            if generation == self._generation and self._index.locate(digest) == where[key]:
+            if generation == self._generation and self._index.locate(digest) == (segment, record):
                 self._index.remove(digest)
                 self._note_removed((key,))
 

@@ -193,7 +193,7 @@ def verify_index(
     batch_bytes: int = 32 << 20,
 ) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
     """Read every record ``index`` holds and verify it as a load does
-    (:meth:`SegmentFiles.read_records`), at most ``batch_bytes`` of payload in memory at
+    (:meth:`SegmentFiles.read`), at most ``batch_bytes`` of payload in memory at
     once, calling ``on_batch(records read)`` after each batch. Returns the records
     checked and the failures: ``(segment, record)`` -> ``(the key its header names or
     None, why, whether the record itself is bad)``; a missing record is not, nor one
@@ -206,10 +206,10 @@ def verify_index(
     failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
     for start in range(0, len(entries), per_batch):
         batch = entries[start : start + per_batch]
-        reads = [(*where, buffer[i * size : (i + 1) * size]) for i, (where, _) in enumerate(batch)]
-        for (where, digest), (key, why, missing) in zip(
-            batch, files.read_records(reads), strict=True
-        ):
+        reads = [
+            (*where, buffer[i * size : (i + 1) * size], None) for i, (where, _) in enumerate(batch)
+        ]
+        for (where, digest), (key, why, missing) in zip(batch, files.read(reads), strict=True):
             if why:
                 failures[where] = (key, why, not missing)
             elif key_digest(key) != digest:  # type: ignore[arg-type]

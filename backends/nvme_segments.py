@@ -117,19 +117,10 @@ class WriteReport:
     free_bytes: int | None = None
 
 
-@dataclass(slots=True)
-class ReadReport:
-    """What one :meth:`SegmentFiles.read` call did.
-
-    ``loaded`` keys were verified and are in their slots; ``failed`` maps every other
-    key to a reason; ``corrupt`` names the failed keys whose record was there but did
-    not verify, and ``missing`` those whose segment or record was not there.
-    """
-
-    loaded: list[bytes] = field(default_factory=list)
-    failed: dict[bytes, str] = field(default_factory=dict)
-    corrupt: list[bytes] = field(default_factory=list)
-    missing: list[bytes] = field(default_factory=list)
+ReadOutcome = tuple[bytes | None, str, bool]
+"""What :meth:`SegmentFiles.read` says of one record: the key its header names (None
+when the header does not decode), why it failed ("" when it verified), and whether the
+record was missing (its segment gone, or shorter)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,43 +350,19 @@ class SegmentFiles:
 
     # -- read -------------------------------------------------------------------------
 
-    def read(self, reads: Sequence[tuple[bytes, str, int, memoryview]]) -> ReadReport:
-        """Read each ``(key, segment, record, slot)`` into ``slot`` and verify it.
+    def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
+        """Read each ``(segment, record, slot, expected key or None for any)`` into its
+        slot and verify it: its header (magic, version, namespace, key, payload length,
+        header checksum) and payload checksum or GCM tag. Returns one
+        :data:`ReadOutcome` per read, in order; a failed read's slot may hold partial
+        bytes and must not be used. Each segment is opened once per call, and
+        consecutive records are one read.
 
-        Never raises for an I/O error or bad data: a key lands in ``loaded`` only if its
-        record's header (magic, version, namespace, key, payload length, header
-        checksum) and payload checksum matched; otherwise it gets a reason in
-        ``failed``. A failed key's slot may hold partial bytes and must not be used.
-        Each segment is opened once per call, and consecutive records are one read.
+        Raises:
+            InvalidArgumentError: a slot is not ``block_bytes`` long (nothing read);
+                never for an I/O error or bad data.
         """
-        report = ReadReport()
-        outcomes = self._read_verified([(s, r, slot, key) for key, s, r, slot in reads])
-        for (key, _, _, _), (_, reason, missing) in zip(reads, outcomes, strict=True):
-            if not reason:
-                report.loaded.append(key)
-                continue
-            report.failed[key] = reason
-            if missing:
-                report.missing.append(key)
-            elif reason.startswith("corrupt"):
-                report.corrupt.append(key)
-        return report
-
-    def read_records(
-        self, reads: Sequence[tuple[str, int, memoryview]]
-    ) -> list[tuple[bytes | None, str, bool]]:
-        """Read each ``(segment, record, buffer)`` whatever key it holds and verify it as
-        :meth:`read` does; returns, for each, ``(the key its header names or None, why it
-        failed or "" when it verified, whether the record was missing)``. Never raises
-        for an I/O error or bad data."""
-        return self._read_verified([(*read, None) for read in reads])
-
-    def _read_verified(
-        self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]
-    ) -> list[tuple[bytes | None, str, bool]]:
-        """For each ``(segment, record, slot, expected key or None)``, in the order
-        given: what :meth:`read_records` returns."""
-        outcomes: list[tuple[bytes | None, str, bool]] = [(None, "not read", False)] * len(reads)
+        outcomes: list[ReadOutcome] = [(None, "not read", False)] * len(reads)
         by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
         for i, (segment, record, slot, key) in enumerate(reads):
             if slot.nbytes != self.block_bytes:
@@ -411,7 +378,7 @@ class SegmentFiles:
         self,
         segment: str,
         items: list[tuple[int, int, memoryview, bytes | None]],
-        outcomes: list[tuple[bytes | None, str, bool]],
+        outcomes: list[ReadOutcome],
     ) -> None:
         staged = self.staged
         direct = self.o_direct and (staged > 0 or all(is_aligned(slot) for _, _, slot, _ in items))
@@ -437,7 +404,7 @@ class SegmentFiles:
         self,
         fd: int,
         run: list[tuple[int, int, memoryview, bytes | None]],
-        outcomes: list[tuple[bytes | None, str, bool]],
+        outcomes: list[ReadOutcome],
         *,
         staged: bool = False,
     ) -> None:

@@ -49,13 +49,8 @@ an eviction then gives up an eighth of the cache, not half of it."""
 MIN_SEGMENTS_PER_CAP = 2
 """The fewest segments a cap must hold: the segment being written is never evicted, so
 a cap of one segment fills once and then refuses every store."""
-DEFAULT_HOT_FRACTION = 0.25
-"""Blocks used within the last quarter of the capacity's worth of uses are moved, not
-dropped, when their segment is evicted."""
 MOVE_BYTES_PER_JOB = 64 << 20
 """The most bytes of moved records one store job reads and writes again."""
-DEFAULT_CHECKPOINT_EVERY = 16384
-"""Records written between checkpoints: what a restart scans beyond the checkpoint."""
 
 
 class SpaceGuard:

@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -47,6 +48,23 @@ def pool() -> Iterator[memoryview]:
         yield view
 
 
+def read(seg: SegmentFiles, reads: list[tuple[bytes, str, int, memoryview]]) -> SimpleNamespace:
+    """``seg.read`` of ``(key, segment, record, slot)`` reads, summed up: the keys loaded,
+    the failed ones with their reasons, and of those the corrupt and the missing."""
+    outcomes = seg.read([(segment, record, out, k) for k, segment, record, out in reads])
+    report = SimpleNamespace(loaded=[], failed={}, corrupt=[], missing=[])
+    for (k, *_), (_, why, missing) in zip(reads, outcomes, strict=True):
+        if not why:
+            report.loaded.append(k)
+            continue
+        report.failed[k] = why
+        if missing:
+            report.missing.append(k)
+        elif why.startswith("corrupt"):
+            report.corrupt.append(k)
+    return report
+
+
 def slot(pool: memoryview, i: int) -> memoryview:
     return pool[i * BLOCK : (i + 1) * BLOCK]
 
@@ -81,7 +99,7 @@ def test_records_round_trip_byte_exact_across_segments(tmp_path: Path, pool: mem
         (key(i), s, r, out[i * BLOCK : (i + 1) * BLOCK])
         for i, s, r in [(0, a, 0), (1, a, 1), (2, b, 0)]
     ]
-    loaded = seg.read(reads)
+    loaded = read(seg, reads)
     assert loaded.loaded == [key(0), key(1), key(2)] and not loaded.failed
     for i in range(3):
         assert bytes(out[i * BLOCK : (i + 1) * BLOCK]) == bytes(slot(pool, i))
@@ -106,7 +124,7 @@ def test_consecutive_records_are_read_in_one_call(tmp_path: Path, pool: memoryvi
     faults.calls.clear()
     # Records 5, 0, 1, 2 and 4 (asked out of order): runs 0-2 and 4-5, two reads.
     wanted = [5, 0, 1, 2, 4]
-    report = seg.read([(key(r), name, r, out[r * BLOCK : (r + 1) * BLOCK]) for r in wanted])
+    report = read(seg, [(key(r), name, r, out[r * BLOCK : (r + 1) * BLOCK]) for r in wanted])
     assert sorted(report.loaded) == sorted(key(r) for r in wanted) and not report.failed
     assert faults.calls["preadv"] == 2
     for r in wanted:
@@ -139,13 +157,14 @@ def test_a_record_of_another_key_a_flipped_byte_and_a_missing_record_are_never_s
         file.seek(-1, os.SEEK_CUR)
         file.write(bytes([byte[0] ^ 0xFF]))
     out = memoryview(mmap.mmap(-1, 4 * BLOCK))
-    report = seg.read(
+    report = read(
+        seg,
         [
             (key(7), name, 0, out[:BLOCK]),  # the record holds key 0
             (key(1), name, 1, out[BLOCK : 2 * BLOCK]),  # payload flipped
             (key(2), name, 5, out[2 * BLOCK : 3 * BLOCK]),  # beyond the end
             (key(3), segment_name(WRITER, 9), 0, out[3 * BLOCK :]),  # no such segment
-        ]
+        ],
     )
     assert report.loaded == []
     assert "another key" in report.failed[key(7)]
@@ -164,7 +183,7 @@ def test_a_short_segment_tail_is_a_miss_and_the_scan_ignores_the_partial_slot(
     scan = seg.scan(name)
     assert scan.records == [(key(0), 0), (key(1), 1)] and scan.end == 2
     out = memoryview(mmap.mmap(-1, BLOCK))
-    report = seg.read([(key(2), name, 2, out)])
+    report = read(seg, [(key(2), name, 2, out)])
     assert key(2) in report.failed and not report.loaded
 
 
@@ -290,7 +309,7 @@ def test_block_sizes_off_the_page_are_padded_to_aligned_records(tmp_path: Path) 
     records = [(key(i), memoryview(bytearray(p))) for i, p in enumerate(payloads)]
     assert len(seg.write([RecordRun(name, 0, records, create=True)], writer=WRITER).written) == 2
     out = [memoryview(bytearray(1000)) for _ in range(2)]
-    report = seg.read([(key(i), name, i, out[i]) for i in range(2)])
+    report = read(seg, [(key(i), name, i, out[i]) for i in range(2)])
     assert report.loaded == [key(0), key(1)]
     assert [bytes(o) for o in out] == payloads
 
@@ -332,7 +351,7 @@ def test_staged_io_moves_at_most_the_staging_buffer_a_call(
     assert faults.calls["pwritev"] == 1 + 3  # the segment header, then records 3 + 3 + 2
     out = memoryview(mmap.mmap(-1, SLOTS * BLOCK))
     faults.calls.clear()
-    report = seg.read([(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(SLOTS)])
+    report = read(seg, [(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(SLOTS)])
     assert report.loaded == [key(i) for i in range(SLOTS)] and not report.failed
     assert faults.calls["preadv"] == 3
     assert bytes(out) == bytes(pool)
@@ -345,12 +364,12 @@ def test_staged_io_takes_slots_at_any_address(tmp_path: Path, pool: memoryview) 
     name = segment_name(WRITER, 0)
     write(seg, pool, [(i, name, i, i == 0) for i in range(4)])
     out = memoryview(bytearray(4 * BLOCK + 1))[1:]  # off the page, and not an mmap
-    report = seg.read([(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(4)])
+    report = read(seg, [(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(4)])
     assert report.loaded == [key(i) for i in range(4)]
     assert bytes(out) == bytes(pool[: 4 * BLOCK])
     records = [(key(0), memoryview(bytes(slot(pool, 0))))]  # a read-only payload too
     assert seg.write([RecordRun(name, 4, records, create=False)], writer=WRITER).written
-    assert seg.read([(key(0), name, 4, out[:BLOCK])]).loaded == [key(0)]
+    assert read(seg, [(key(0), name, 4, out[:BLOCK])]).loaded == [key(0)]
 
 
 def test_staged_reads_serve_nothing_that_does_not_verify(tmp_path: Path, pool: memoryview) -> None:
@@ -365,7 +384,7 @@ def test_staged_reads_serve_nothing_that_does_not_verify(tmp_path: Path, pool: m
     os.truncate(seg.path_of(name), seg.offset_of(3) + HEADER_BYTES + 10)  # record 3 torn
     out = memoryview(mmap.mmap(-1, 6 * BLOCK))
     wanted = [(key(0), 0), (key(1), 1), (key(9), 2), (key(3), 3), (key(4), 4)]
-    report = seg.read([(k, name, r, out[r * BLOCK : (r + 1) * BLOCK]) for k, r in wanted])
+    report = read(seg, [(k, name, r, out[r * BLOCK : (r + 1) * BLOCK]) for k, r in wanted])
     assert report.loaded == [key(0)]
     assert "checksum" in report.failed[key(1)]
     assert "another key" in report.failed[key(9)]
