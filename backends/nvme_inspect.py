@@ -1,34 +1,25 @@
 """An NVMe tier's root seen from outside the tier, as reports: inspect, verify, clear.
 
-Synchronous and independent of any event loop; the ``tiering inspect``, ``verify`` and
-``clear`` commands are thin shells around :func:`inspect_root`, :func:`verify_root` and
-:func:`clear_root`. What they see is the tier's own view, from the tier's own code:
-:func:`~backends.nvme_recovery.recover` read-only (no lock, nothing written, every
-segment scanned from its first record), :func:`~backends.nvme_recovery.verify_index`,
-:meth:`~backends.nvme_segments.SegmentFiles.mark_removed` and
-:func:`~backends.nvme_segment_format.tier_file`. This module turns them into reports:
+Synchronous; the ``tiering inspect``, ``verify`` and ``clear`` commands are thin shells
+around :func:`inspect_root`, :func:`verify_root` and :func:`clear_root`. What they see
+is the tier's own view, from the tier's own code (:func:`~backends.nvme_recovery.recover`
+read-only, :func:`~backends.nvme_recovery.verify_index`,
+:meth:`~backends.nvme_segments.SegmentFiles.mark_removed`,
+:func:`~backends.nvme_segment_format.tier_file`): **blocks** are what a tier started now
+would index; **damaged** is what its start-up drops or cannot use (record slots that do
+not verify, a segment with neither a valid header nor record, a rejected checkpoint, a
+``NAMESPACE`` file naming another namespace); **orphaned** is what nobody reads again
+(temporary and lock files of writers that are gone, segments with no block the index
+serves, slots ``verify --remove`` marked, O_DIRECT probes, files the tier never writes).
+A namespace's record size is the most common payload length of its segments' first
+records that verify; without one, its segments are damaged.
 
-* **blocks** are what a tier started now would index.
-* **damaged** is what the tier's recovery drops or cannot use: record slots that do not
-  verify (but not those ``verify --remove`` marked removed), a segment with neither a
-  valid header nor a valid record, a rejected checkpoint, a ``NAMESPACE`` file that does
-  not name the directory's namespace.
-* **orphaned** is what nobody will read again: temporary and lock files of writers that
-  are gone, segments holding no block the index would serve, record slots ``verify
-  --remove`` marked, leftover O_DIRECT probes, and files with names the tier never
-  writes (which the tier leaves alone).
-
-The record size of a namespace is read from the block headers (the most common payload
-length among segments' first records that verify); a namespace none of whose first
-records verifies has no known record size, and its segments are reported damaged.
-
-Concurrency: every tier holds ``flock`` on ``owners/<id>.lock`` while it runs.
-:func:`inspect_root` and :func:`verify_root` without ``remove`` only read and may run
-next to a live tier (what they report of its namespace is a snapshot of something
-changing: a record being written can look torn); each namespace report says which
-owners were alive. :func:`verify_root` with ``remove`` and :func:`clear_root` refuse
-(:class:`~tiering.errors.TieringError`, nothing changed) a namespace with a live owner;
-a tier that starts after that check races with them: stop the engines first.
+Every tier holds ``flock`` on ``owners/<id>.lock`` while it runs. Reading (inspect,
+verify without ``remove``) may run next to a live tier, and then reports a snapshot of
+something changing (a record being written can look torn) and the live owners;
+``remove`` and :func:`clear_root` refuse a namespace with a live owner
+(:class:`~tiering.errors.TieringError`, nothing changed). A tier that starts after that
+check races with them: stop the engines first.
 """
 
 from __future__ import annotations
