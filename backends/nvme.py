@@ -134,7 +134,9 @@ class NVMeTier(TierActor):
         self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
         self.fsync = o.fsync
+        # Read by the vLLM adapter's tests and the replay model (tiering.replay.tier_layout).
         self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
+        self.hot_fraction = o.hot_fraction
         self.o_direct: bool | None = None
         """Whether O_DIRECT is in use; known after :meth:`start`."""
         self.metrics = NVMeMetrics()
@@ -180,7 +182,7 @@ class NVMeTier(TierActor):
             self.capacity_blocks,
             records_per_segment=self.records_per_segment,
             writer=self._instance_id,
-            hot_fraction=self.options.hot_fraction,
+            hot_fraction=self.hot_fraction,
         )
 
     @staticmethod
