@@ -171,6 +171,7 @@ def recover(
         if scan is not None:
             scans[name] = scan
             removed["invalid record"] += scan.invalid + scan.removed
+            records = max(records, scan.end)  # a live writer's segment grew meanwhile
         if alive[owner]:
             protected.add(name)
         on_disk.append((name, records, mtime))
