@@ -1,22 +1,12 @@
 """The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
-and bounded.
+and bounded (docs/nvme.md: the layout on disk, how it works, each option at length).
 
-Layout under ``root``::
-
-    root/<readable-prefix>-<namespace digest>/   one directory per cache identity
-        NAMESPACE                                the full namespace string (JSON)
-        owners/<instance>.lock                   one per running tier, held with flock
-        segments/<writer>-<seq>.seg              records appended to segment files
-        index.ckpt                               the index checkpoint
-
-Blocks are records appended to large segment files (:mod:`backends.nvme_segments`),
-indexed by :class:`~backends.nvme_segment_index.SegmentIndex` on the event-loop thread,
-evicted a whole segment at a time, oldest first, with the recently used blocks of the
-victim written again (FIFO with reinsertion), and recovered from a checkpoint of the
-index plus a scan of what was written after it (:mod:`backends.nvme_recovery`). A store
-job is one vectored write per segment it touches. The blocking work of a job runs in ONE
-call on the tier's own thread pool (the slot views are cut there too); the cap, the
-free-space floor and disk full are the :class:`~backends.nvme_space.SpaceGuard`'s.
+Blocks are records appended to segment files (:mod:`backends.nvme_segments`), indexed on
+the event-loop thread (:class:`~backends.nvme_segment_index.SegmentIndex`), evicted a
+segment at a time (FIFO with reinsertion of recently used blocks) and recovered from a
+checkpoint plus a scan (:mod:`backends.nvme_recovery`). The blocking work of a job runs
+in ONE call on the tier's own thread pool; the cap, the free-space floor and disk full
+are the :class:`~backends.nvme_space.SpaceGuard`'s.
 """
 
 from __future__ import annotations
@@ -26,40 +16,21 @@ import contextlib
 import logging
 import os
 import threading
-import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from backends.nvme_format import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest, namespace_dirname
-from backends.nvme_os import (
-    FSYNC_POLICIES,
-    PRIVATE_DIR_MODE,
-    PRIVATE_FILE_MODE,
-    REAL_OS,
-    FsyncPolicy,
-    OsCalls,
-    OwnerLock,
-    check_mode,
-    check_root,
-    probe_o_direct,
-)
-from backends.nvme_recovery import Recovery, open_directory, recover
+from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
+from backends.nvme_options import NVMeOptions
+from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct, thread_buffer
+from backends.nvme_recovery import Recovery, open_directory, recover, write_checkpoint
 from backends.nvme_sealing import PayloadSealer
+from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
-from backends.nvme_segments import (
-    GIL_PAUSE_BYTES,
-    ReadReport,
-    SegmentFiles,
-    WriteReport,
-    align_up,
-    iter_runs,
-)
+from backends.nvme_segments import ReadOutcome, SegmentFiles, WriteReport, align_up, iter_runs
 from backends.nvme_space import (
-    DEFAULT_CHECKPOINT_EVERY,
-    DEFAULT_HOT_FRACTION,
     DISK_FULL_REASON,
     MOVE_BYTES_PER_JOB,
     InflightBytes,
@@ -67,20 +38,15 @@ from backends.nvme_space import (
     records_per_segment,
 )
 from tiering.actor import TierActor
-from tiering.encryption import BlockCipher, Keyring, keyring_from
+from tiering.encryption import BlockCipher, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
-from tiering.host_pool import io_buffer
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 from tiering.statistics import FailureLog
 from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MIN_FREE_BYTES = 1 << 30
-DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
-DEFAULT_ENOSPC_RETRY_S = 5.0
-_THREAD_START_TIMEOUT_S = 5.0
-"""How long :meth:`NVMeTier.start` waits for all its I/O threads to be up at once."""
+_THREAD_START_TIMEOUT_S = 5.0  # how long start() waits for its I/O threads to meet
 
 
 @dataclass(slots=True)
@@ -110,45 +76,9 @@ class NVMeMetrics:
 
 
 class NVMeTier(TierActor):
-    """A secondary tier keeping blocks as records of segment files under ``root``
-    (docs/nvme.md describes each option at length).
-
-    Args:
-        primary_kv_view: the host pool (writable; slots whose address and size are
-            4096-aligned move with O_DIRECT).
-        block_bytes: bytes per block.
-        root: the directory holding namespaces; created if missing.
-        namespace: the cache identity; blocks of one namespace are never served to another.
-        capacity_bytes: most bytes of records (header pages included) kept here.
-        segment_bytes: the size a segment grows to (at most 4096 records). Default: 256
-            MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
-        checkpoint_every: records written between index checkpoints (also written at a
-            graceful close); a restart scans only the records written after it.
-        hot_fraction: blocks of an evicted segment used within the last this fraction
-            of the capacity's worth of uses are written again, not dropped (0: FIFO).
-        min_free_bytes: free space on the file system that stores keep (by evicting, or
-            failing); whichever of this and ``capacity_bytes`` binds first wins.
-        fsync: ``"none"`` (survives a process crash, not a power loss), ``"batch"``
-            (a store job's success means its records are on stable storage: one sync
-            per segment it wrote), ``"always"`` (a sync after every run of records).
-        o_direct: True to require O_DIRECT, False to never use it, None to probe at
-            start and fall back to buffered I/O with one log line.
-        max_inflight_bytes: bound on payload bytes of jobs in their I/O at once.
-        enospc_retry_s: after ENOSPC, stores are refused without I/O for this long
-            (unless the tier freed space meanwhile), then one job probes again.
-        encryption: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
-            spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM;
-            a block that is not sealed, or does not open, is a miss.
-        gil_pause_bytes: bytes an I/O thread hashes before it lets go of the GIL for a
-            moment, so that the loop's thread is not kept waiting (0: never).
-        staging_bytes: 0 moves direct I/O straight between disk and slots; otherwise
-            through a huge-page staging buffer of this many bytes per I/O thread, for a
-            ``primary_kv_view`` of scattered 4 KiB pages (vLLM's shared-memory CPU tier).
-        file_mode, dir_mode: modes of what the tier makes (0o600 and 0o700); they may add
-            read access for group and others, never write access.
-        os_calls: the system-call layer (tests pass a fault injector).
-        clock: monotonic seconds (tests pass a fake).
-        **actor_kwargs: ``inbox_size``, ``max_inflight``, ``io_threads`` of TierActor.
+    """A secondary tier keeping blocks as records of segment files under ``root``; its
+    options are :class:`NVMeOptions`. Slots of the host pool whose address and size are
+    4096-aligned move with O_DIRECT.
 
     Guarantees:
 
@@ -165,85 +95,55 @@ class NVMeTier(TierActor):
     * ENOSPC (or EDQUOT) makes the tier read-only for stores until a later store
       succeeds (see ``enospc_retry_s``); loads keep working.
     * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
-
-    Raises (constructor): InvalidArgumentError for any bad argument.
     """
+
+    Options = NVMeOptions
 
     def __init__(
         self,
         primary_kv_view: memoryview,
         block_bytes: int,
-        *,
-        root: str | os.PathLike[str],
-        namespace: str,
-        capacity_bytes: int,
-        segment_bytes: int | None = None,
-        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
-        hot_fraction: float = DEFAULT_HOT_FRACTION,
-        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
-        fsync: FsyncPolicy = "batch",
-        o_direct: bool | None = None,
-        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-        enospc_retry_s: float = DEFAULT_ENOSPC_RETRY_S,
-        encryption: Keyring | str | None = None,
-        gil_pause_bytes: int = GIL_PAUSE_BYTES,
-        staging_bytes: int = 0,
-        file_mode: int = PRIVATE_FILE_MODE,
-        dir_mode: int = PRIVATE_DIR_MODE,
-        os_calls: OsCalls = REAL_OS,
-        clock: Callable[[], float] = time.monotonic,
-        **actor_kwargs: Any,
+        options: NVMeOptions | None = None,
+        /,
+        **values: Any,
     ) -> None:
+        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win).
+
+        Raises: InvalidArgumentError for a bad view, size or option (named), or a cap
+        that holds fewer than two segments or than the free-space floor allows."""
+        o = NVMeOptions.check({**dict(options or {}), **values}, owner="NVMeTier")
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
-        per_segment = records_per_segment(capacity_bytes, segment_bytes, record_bytes)
-        self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
-        self.staging_bytes = positive_int("staging_bytes", staging_bytes, allow_zero=True)
-        self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
-        if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
-            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
-        self.hot_fraction = float(hot_fraction)
-        if not isinstance(root, str | os.PathLike):
-            raise InvalidArgumentError(f"root must be a path, got {root!r}")
-        check_mode("file_mode", file_mode, required=0o600, allowed=0o644)
-        check_mode("dir_mode", dir_mode, required=0o700, allowed=0o755)
-        keyring = keyring_from(encryption, option="encryption")
-        dirname = namespace_dirname(namespace)
-        positive_int("max_inflight_bytes", max_inflight_bytes)
-        if fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        if o_direct not in (None, True, False):
-            raise InvalidArgumentError(f"o_direct must be True, False or None, got {o_direct!r}")
-        if not callable(clock):
-            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
+        self.records_per_segment = records_per_segment(
+            o.capacity_bytes, o.segment_bytes, record_bytes
+        )
+        keyring = keyring_from(o.encryption, option="encryption")
         self._space = SpaceGuard(
             file_bytes=record_bytes,
-            capacity_bytes=capacity_bytes,
-            min_free_bytes=min_free_bytes,
-            retry_s=enospc_retry_s,
-            clock=clock,
+            capacity_bytes=o.capacity_bytes,
+            min_free_bytes=o.min_free_bytes,
+            retry_s=o.enospc_retry_s,
+            clock=o.clock,
         )
-        super().__init__(primary_kv_view, block_bytes, **actor_kwargs)
-        self.root = os.fspath(root)
-        self.namespace = namespace
-        self.directory = os.path.join(self.root, dirname)
+        super().__init__(primary_kv_view, block_bytes, **o.actor_options())
+        self.options = o
+        self.root = os.fspath(o.root)
+        self.namespace = o.namespace
+        self.directory = os.path.join(self.root, namespace_dirname(o.namespace))
         self.file_bytes = record_bytes
         """Bytes one block takes on disk (its header page included)."""
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
-        self.records_per_segment = per_segment
-        self.min_free_bytes = min_free_bytes
-        self.fsync = fsync
-        self.o_direct_requested = o_direct
+        self.fsync = o.fsync
+        # Read by the vLLM adapter's tests and the replay model (tiering.replay.tier_layout).
+        self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
+        self.hot_fraction = o.hot_fraction
         self.o_direct: bool | None = None
         """Whether O_DIRECT is in use; known after :meth:`start`."""
-        self.enospc_retry_s = float(enospc_retry_s)
-        self.file_mode = file_mode
-        self.dir_mode = dir_mode
         self.metrics = NVMeMetrics()
         """Counters since creation; ``statistics().counters`` shows the same figures."""
         self._failure_log = FailureLog(logger, "nvme tier")
-        self._os = os_calls
-        self._ns_digest = namespace_digest(namespace)
+        self._os = o.os_calls or REAL_OS
+        self._ns_digest = namespace_digest(o.namespace)
         sealer = (
             None
             if keyring is None
@@ -252,7 +152,7 @@ class NVMeTier(TierActor):
             )
         )
         self._instance_id = uuid.uuid4().hex
-        self._budget = InflightBytes(max_inflight_bytes)
+        self._budget = InflightBytes(o.max_inflight_bytes)
         self._owner: OwnerLock | None = None
         self._opened = False
         self._start_lock = asyncio.Lock()
@@ -260,12 +160,12 @@ class NVMeTier(TierActor):
             self.directory,
             block_bytes=self.block_bytes,
             ns_digest=self._ns_digest,
-            fsync=fsync,
-            gil_pause_bytes=gil_pause_bytes,
-            staging_bytes=staging_bytes,
+            fsync=o.fsync,
+            gil_pause_bytes=o.gil_pause_bytes,
+            staging_bytes=o.staging_bytes,
             sealer=sealer,
-            file_mode=self.file_mode,
-            os_calls=os_calls,
+            file_mode=o.file_mode,
+            os_calls=self._os,
         )
         self._index = self._new_index()
         # Digests a running hop writes, with the event set when it ends: a store of
@@ -276,7 +176,6 @@ class NVMeTier(TierActor):
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
         self._local = threading.local()  # per I/O thread: buffers for moved records
-        self._most_moves = max(1, MOVE_BYTES_PER_JOB // self.block_bytes)
 
     def _new_index(self) -> SegmentIndex:
         return SegmentIndex(
@@ -297,12 +196,10 @@ class NVMeTier(TierActor):
 
         Raises:
             ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the root fails :func:`check_root` (not a directory,
-                not creatable, another user's, writable by others), the namespace
+            InvalidArgumentError: the root fails :func:`check_root`, the namespace
                 directory holds another namespace, or ``o_direct=True`` and the file
                 system refuses O_DIRECT.
-            TieringError: the root cannot be written or scanned (the message carries
-                the OS error).
+            TieringError: the root cannot be written or scanned (with the OS error).
         """
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
@@ -312,16 +209,15 @@ class NVMeTier(TierActor):
                 return
             try:
                 probe, found, free = await self.run_blocking(self._open_on_disk)
-            except OSError as exc:
+                excess = self._adopt(probe, found, free)
+            except BaseException as exc:
                 self._release_owner()
+                if not isinstance(exc, OSError):
+                    raise
                 raise TieringError(
                     f"nvme tier: root={self.root!r} cannot be used (it must be a writable "
                     f"directory or creatable as one): {exc}"
                 ) from exc
-            except BaseException:
-                self._release_owner()
-                raise
-            excess = self._adopt(probe, found, free)
             self._opened = True
             if excess:
                 # Before serving: a store of one of these keys must not have its new
@@ -341,24 +237,20 @@ class NVMeTier(TierActor):
         trash, self._trash = self._trash, []
         segments = self._index.checkpoint_segments()
         try:
-            await asyncio.to_thread(self._close_on_disk, segments, trash)
+            await asyncio.to_thread(self._segments.delete, trash)
+            await asyncio.to_thread(self._checkpoint_hop, segments)
         except OSError as exc:
             logger.warning("nvme tier: could not write the index checkpoint: %s", exc)
 
-    def _close_on_disk(self, segments: list[tuple[int, str, int]], trash: list[str]) -> None:
-        self._segments.delete(trash)
-        self._checkpoint_hop(segments)
-
     def _on_closed(self) -> None:
-        # Here rather than in shutdown(): called from another thread, shutdown() only
-        # schedules the stop, and the lock must outlive the writes still running.
+        # Not in shutdown(), which from another thread only schedules the stop: the
+        # lock must outlive the writes still running.
         self._release_owner()
 
     async def _start_io_threads(self) -> None:
-        # A pool starts its threads lazily, one per call while none is idle: in the
-        # first jobs the loop would wait for each thread's start handshake and compete
-        # with its initializer for the GIL. Calls that wait for each other make the pool
-        # start every thread now, before any job is served.
+        # A pool starts its threads lazily, one per call while none is idle (the loop
+        # would then wait for each handshake in the first jobs): calls that wait for
+        # each other make it start every thread now, before any job is served.
         meeting = threading.Barrier(self.io_threads)
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
@@ -370,14 +262,14 @@ class NVMeTier(TierActor):
             self.root,
             self.directory,
             self.namespace,
-            dir_mode=self.dir_mode,
-            file_mode=self.file_mode,
+            dir_mode=self.options.dir_mode,
+            file_mode=self.options.file_mode,
             writer=self._instance_id,
         )
         statvfs = self._os.statvfs(self.directory)
         self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
         self._owner = OwnerLock(self.directory, self._instance_id)
-        if self.o_direct_requested is not False:
+        if self.options.o_direct is not False:
             probe = probe_o_direct(self.directory, self._os)
         else:
             probe = "disabled by configuration (o_direct=False)"
@@ -386,14 +278,13 @@ class NVMeTier(TierActor):
 
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
         """Take the start-up findings; returns the segments over the cap (to delete)."""
-        if probe is not None and self.o_direct_requested is True:
-            self._release_owner()
+        if probe is not None and self.options.o_direct is True:
             raise InvalidArgumentError(
                 f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
             )
         self.o_direct = probe is None
         self._segments.o_direct = self.o_direct
-        if probe is not None and self.o_direct_requested is None:
+        if probe is not None and self.options.o_direct is None:
             logger.warning(
                 "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O",
                 self.directory,
@@ -427,23 +318,20 @@ class NVMeTier(TierActor):
         """True while stores are refused because the file system was full."""
         return self._space.read_only
 
-    async def _refresh_free_bytes(self) -> None:
-        self._space.measured(await self.run_blocking(self._segments.free_bytes))
-
-    def _store_space_ended(
-        self, free_bytes: int | None, *, disk_full: bool, stored_any: bool
-    ) -> None:
+    def _store_space_ended(self, report: WriteReport) -> None:
         """Record a store hop's effect on space: free bytes, disk full or space back."""
-        if free_bytes is not None:
-            self._space.measured(free_bytes)
-        change = self._space.store_ended(disk_full=disk_full, stored_any=stored_any)
+        if report.free_bytes is not None:
+            self._space.measured(report.free_bytes)
+        change = self._space.store_ended(
+            disk_full=report.disk_full, stored_any=bool(report.written)
+        )
         if change == "full":
             self.metrics.disk_full_events += 1
             logger.warning(
                 "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
                 "on; retrying every %gs or after space is freed",
                 self.directory,
-                self.enospc_retry_s,
+                self.options.enospc_retry_s,
             )
         elif change == "resumed":
             logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
@@ -521,12 +409,11 @@ class NVMeTier(TierActor):
                 (named in hex); nothing released.
         """
         keys = hash_list("keys", keys)
-        digests = [key_digest(key) for key in keys]
-        wanted = Counter(digests)
-        for key, digest in zip(keys, digests, strict=True):
-            if self._index.holds(digest) < wanted[digest]:
+        counts = Counter(map(key_digest, keys))
+        for key in keys:
+            if self._index.holds(key_digest(key)) < counts[key_digest(key)]:
                 raise InvalidArgumentError(f"key {key.hex()} is released more often than held")
-        self._index.release(digests)
+        self._index.release(counts.elements())
 
     def get_num_blocks(self) -> int:
         """Blocks stored and loadable now."""
@@ -564,7 +451,8 @@ class NVMeTier(TierActor):
             try:
                 pending = self._index.used_records - self._writing_records
                 if self._space.stale(self._writing_records + len(wanted)):
-                    await self._refresh_free_bytes()
+                    free = await self.run_blocking(self._segments.free_bytes)
+                    self._space.measured(free)
                 limit, reason = self._space.limit(pending, self._writing_records)
                 plan = self._index.plan_room(
                     len(wanted),
@@ -598,13 +486,13 @@ class NVMeTier(TierActor):
                     raise
             finally:
                 self._budget.release(budget)
-            self._commit_store(report, admitted, placed[:fit], digests, generation, failed)
-            self._commit_moves(report, moved, placed[fit:], generation)
+            self._commit_store(report, admitted, moved, placed, digests, generation, failed)
             self._note_removed(
                 key for key in gone_keys if key is not None and key_digest(key) not in self._index
             )
             placed = []
-            if self._since_checkpoint >= self.checkpoint_every and generation == self._generation:
+            due = self._since_checkpoint >= self.options.checkpoint_every
+            if due and generation == self._generation:
                 await self._checkpoint()
         finally:
             if placed and generation == self._generation:  # cancelled before the commit
@@ -662,12 +550,11 @@ class NVMeTier(TierActor):
         the write's report, each move's key (None where its record did not verify: it is
         not written) and each gone record's key (None where its header did not)."""
         buffers = self._move_buffers(len(moves))
-        moved = self._segments.read_records(
-            [
-                (segment, record, buffer)
-                for (segment, record), buffer in zip(moves, buffers, strict=True)
-            ]
-        )
+        reads = [
+            (segment, record, buffer, None)
+            for (segment, record), buffer in zip(moves, buffers, strict=True)
+        ]
+        moved = [key if not why else None for key, why, _ in self._segments.read(reads)]
         gone_keys = self._segments.read_keys(gone)
         self._segments.delete(delete)
         slot = self.slot
@@ -682,25 +569,20 @@ class NVMeTier(TierActor):
 
     def _move_buffers(self, count: int) -> list[memoryview]:
         # Aligned (O_DIRECT) buffers for moved records, one set per I/O thread.
-        if not count:
-            return []
-        size = count * self.block_bytes
-        view: memoryview | None = getattr(self._local, "moves", None)
-        if view is None or view.nbytes < size:
-            view = io_buffer(max(size, MOVE_BYTES_PER_JOB))
-            self._local.moves = view
-        return [view[i * self.block_bytes : (i + 1) * self.block_bytes] for i in range(count)]
+        size = self.block_bytes
+        view = thread_buffer(self._local, "moves", count * size, at_least=MOVE_BYTES_PER_JOB)
+        return [view[i * size : (i + 1) * size] for i in range(count)]
 
-    def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> ReadReport:
+    def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> list[ReadOutcome]:
         slot = self.slot
         return self._segments.read(
-            [(key, segment, record, slot(block_id)) for key, segment, record, block_id in reads]
+            [(segment, record, slot(block_id), key) for key, segment, record, block_id in reads]
         )
 
     def _checkpoint_hop(self, segments: list[tuple[int, str, int]]) -> None:
         # The entries are copied here, off the loop, while the loop goes on.
         checkpoint = self._index.snapshot(segments)
-        self._segments.write_checkpoint(checkpoint, temp_suffix=self._instance_id)
+        write_checkpoint(self._segments, checkpoint, temp_suffix=self._instance_id)
 
     # -- bookkeeping (loop thread) -------------------------------------------------------
 
@@ -721,21 +603,36 @@ class NVMeTier(TierActor):
         self,
         report: WriteReport,
         admitted: Sequence[tuple[OffloadKey, int]],
+        moved: Sequence[bytes | None],
         placed: Sequence[Placement],
         digests: dict[OffloadKey, int],
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
+        """Index the job's records that were written (``placed``: their placements, then
+        the moved records'), and the moved records written unless their key was stored
+        again meanwhile (the newer record wins); none if the tier was cleared meanwhile."""
         self._writing_records -= len(placed)
         written = set(report.written)
+        ours, theirs = placed[: len(admitted)], placed[len(admitted) :]
         if generation != self._generation:  # cleared while being written
-            self._trash.extend({p.segment for p in placed})
+            self._trash.extend({p.segment for p in ours})
         else:
-            for (key, _), placement in zip(admitted, placed, strict=True):
+            for (key, _), placement in zip(admitted, ours, strict=True):
                 if key in written:
                     self._index.commit(digests[key], placement)
                 else:
                     self._index.abandon(placement)
+            for key, placement in zip(moved, theirs, strict=True):
+                digest = None if key is None else key_digest(key)
+                if key in written and digest not in self._index:
+                    self._index.commit(digest, placement)  # type: ignore[arg-type]
+                    self.metrics.relocated_blocks += 1
+                else:
+                    self._index.abandon(placement)
+                    self.metrics.evicted_blocks += 1
+                    if key is not None and digest not in self._index:
+                        self._note_removed((key,))
         self._since_checkpoint += len(written)
         if report.failed:
             failed.update(report.failed)
@@ -744,62 +641,34 @@ class NVMeTier(TierActor):
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
-        self._store_space_ended(
-            report.free_bytes, disk_full=report.disk_full, stored_any=bool(written)
-        )
-
-    def _commit_moves(
-        self,
-        report: WriteReport,
-        moved: Sequence[bytes | None],
-        placed: Sequence[Placement],
-        generation: int,
-    ) -> None:
-        """Index the moved records that were written, unless the key was stored again
-        meanwhile (the newer record wins) or the tier was cleared."""
-        self._writing_records -= len(placed)
-        written = set(report.written)
-        for key, placement in zip(moved, placed, strict=True):
-            if generation != self._generation:
-                continue
-            digest = None if key is None else key_digest(key)
-            if key in written and digest not in self._index:
-                self._index.commit(digest, placement)  # type: ignore[arg-type]
-                self.metrics.relocated_blocks += 1
-            else:
-                self._index.abandon(placement)
-                self.metrics.evicted_blocks += 1
-                if key is not None and digest not in self._index:
-                    self._note_removed((key,))
+        self._store_space_ended(report)
 
     def _commit_load(
         self,
-        report: ReadReport,
+        outcomes: Sequence[ReadOutcome],
         reads: Sequence[tuple[OffloadKey, str, int, int]],
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
-        self.metrics.loaded_blocks += len(report.loaded)
-        self.metrics.bytes_read += len(report.loaded) * self.file_bytes
-        if report.loaded:
-            self._index.touch(key_digest(key) for key in report.loaded)
-        if not report.failed:
-            return
-        corrupt, missing = set(report.corrupt), set(report.missing)
-        where = {key: (segment, record) for key, segment, record, _ in reads}
-        for key, reason in report.failed.items():
+        loaded = [read[0] for read, (_, why, _) in zip(reads, outcomes, strict=True) if not why]
+        self.metrics.loaded_blocks += len(loaded)
+        self.metrics.bytes_read += len(loaded) * self.file_bytes
+        if loaded:
+            self._index.touch(key_digest(key) for key in loaded)
+        bad = {read[0]: (read, out) for read, out in zip(reads, outcomes, strict=True) if out[1]}
+        for key, ((_, segment, record, _), (_, reason, missing)) in bad.items():
             failed[key] = reason
-            if key in corrupt:
-                self.metrics.corrupt_blocks += 1
-                self._failure_log.record("corrupt block", 1, reason)
-            elif key in missing:
-                self.metrics.missing_blocks += 1
-                self._failure_log.record("block missing", 1, reason)
-            else:
-                self.metrics.read_errors += 1
-                self._failure_log.record("read error", 1, reason)
+            counter, cause = (
+                ("missing_blocks", "block missing")
+                if missing
+                else ("corrupt_blocks", "corrupt block")
+                if reason.startswith("corrupt")
+                else ("read_errors", "read error")
+            )
+            setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
+            self._failure_log.record(cause, 1, reason)
             digest = key_digest(key)
-            if generation == self._generation and self._index.locate(digest) == where[key]:
+            if generation == self._generation and self._index.locate(digest) == (segment, record):
                 self._index.remove(digest)
                 self._note_removed((key,))
 
@@ -828,4 +697,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["NVMeMetrics", "NVMeTier", "check_root"]
+__all__ = ["NVMeMetrics", "NVMeOptions", "NVMeTier", "check_root"]

@@ -17,18 +17,20 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 from tiering.errors import InvalidArgumentError
+from tiering.host_pool import io_buffer
 
 FsyncPolicy = Literal["none", "batch", "always"]
-FSYNC_POLICIES: tuple[str, ...] = ("none", "batch", "always")
 
 ALIGNMENT = 4096
 """Buffer address, file offset and length alignment used for O_DIRECT."""
 
 OWNERS_DIR = "owners"
+PROBE_PREFIX = ".odirect-probe."
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -46,7 +48,6 @@ def _libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None
     return fn
 
 
-_SYNCFS = _libc_function("syncfs", [ctypes.c_int])
 _FALLOCATE = _libc_function(
     "fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 )
@@ -72,26 +73,11 @@ class OsCalls:
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
-        return os.stat(path)
-
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
-
-    def syncfs(self, fd: int) -> None:
-        """Flush the whole file system holding ``fd`` (Linux ``syncfs``).
-
-        Raises:
-            OSError: the flush failed, or ``syncfs`` is not available here (ENOSYS).
-        """
-        if _SYNCFS is None:
-            raise OSError(errno.ENOSYS, "syncfs is not available")
-        if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
 
     def allocate(self, fd: int, offset: int, length: int) -> None:
         """Allocate ``length`` bytes of ``fd`` from ``offset`` (Linux ``fallocate``,
@@ -183,7 +169,7 @@ def probe_o_direct(directory: str, os_calls: OsCalls = REAL_OS) -> str | None:
     """
     if not _O_DIRECT:
         return "O_DIRECT is not available on this platform"
-    path = os.path.join(directory, f".odirect-probe.{os.getpid()}.{os.urandom(6).hex()}")
+    path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
     page = mmap.mmap(-1, ALIGNMENT)
     try:
         with memoryview(page) as view:
@@ -270,6 +256,19 @@ def owner_alive(namespace_dir: str, instance_id: str) -> bool:
     return False
 
 
+def thread_buffer(
+    local: threading.local, name: str, nbytes: int, *, at_least: int = 0
+) -> memoryview:
+    """This thread's buffer ``name`` of ``local``: ``nbytes`` of 2 MiB-aligned memory
+    (:func:`~tiering.host_pool.io_buffer`, fit for O_DIRECT), made ``max(nbytes,
+    at_least)`` long when missing or too short, then reused."""
+    view: memoryview | None = getattr(local, name, None)
+    if view is None or view.nbytes < nbytes:
+        view = io_buffer(max(nbytes, at_least))
+        setattr(local, name, view)
+    return view[:nbytes]
+
+
 def advance_buffers(buffers: list[memoryview], done: int) -> list[memoryview]:
     """What is left of ``buffers`` after a vectored transfer moved ``done`` bytes."""
     rest: list[memoryview] = []
@@ -345,22 +344,6 @@ def check_root(
         check_private(option, path)
     except FileNotFoundError:
         raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
-
-
-def check_mode(option: str, mode: object, *, required: int, allowed: int) -> None:
-    """Refuse a mode that denies the owner what the tier needs or lets others write.
-
-    Raises:
-        InvalidArgumentError: naming ``option`` and the mode in octal.
-    """
-    if isinstance(mode, bool) or not isinstance(mode, int):
-        raise InvalidArgumentError(f"{option} must be an int such as 0o{required:o}, got {mode!r}")
-    if mode & required != required or mode & ~allowed:
-        shown = f"0o{mode:o}" if mode >= 0 else repr(mode)
-        raise InvalidArgumentError(
-            f"{option} must include 0o{required:o} and stay within 0o{allowed:o} (nobody "
-            f"but the owner may write), got {shown}"
-        )
 
 
 def write_private(path: str, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:

@@ -1,5 +1,6 @@
-"""Opening an NVMe namespace directory: its directories, its identity, and the recovery
-of the segment index from the checkpoint plus a scan of what was written after it.
+"""Opening an NVMe namespace directory: its directories, its identity, the index
+checkpoint's file, and the recovery of the segment index from the checkpoint plus a
+scan of what was written after it (and, for ``tiering verify``, a read of every block).
 
 Blocking, for a worker thread: the tier calls :func:`open_directory` and
 :func:`recover` once, at start, so that the loop is not blocked while a large index is
@@ -11,31 +12,37 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backends.nvme_format import FORMAT_VERSION
+from backends.block_record import FORMAT_VERSION
 from backends.nvme_os import (
     OWNERS_DIR,
     check_private,
     check_root,
     describe_os_error,
+    fsync_dir,
     owner_alive,
+    write_all,
     write_private,
 )
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
+    IDENTITY_FILE,
     SEGMENTS_DIR,
     Checkpoint,
+    encode_checkpoint,
+    parse_checkpoint,
     parse_segment_name,
+    temporary_writer,
 )
-from backends.nvme_segment_index import SegmentIndex
+from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segments import SegmentFiles, SegmentScan
-from tiering.errors import InvalidArgumentError
+from tiering.errors import CorruptBlockError, InvalidArgumentError
 
-IDENTITY_FILE = "NAMESPACE"
-"""The namespace directory's identity: the full namespace string (JSON)."""
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def open_directory(
@@ -136,7 +143,7 @@ def recover(
     directory = files.directory
     removed: Counter[str] = Counter()
     _remove_dead_temporaries(directory, writer, removed, read_only)
-    checkpoint, note = files.read_checkpoint()
+    checkpoint, note = read_checkpoint(files)
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     alive: dict[str, bool] = {}
     on_disk: list[tuple[str, int, float]] = []
@@ -163,7 +170,8 @@ def recover(
             continue
         if scan is not None:
             scans[name] = scan
-            removed["invalid record"] += scan.invalid
+            removed["invalid record"] += scan.invalid + scan.removed
+            records = max(records, scan.end)  # a live writer's segment grew meanwhile
         if alive[owner]:
             protected.add(name)
         on_disk.append((name, records, mtime))
@@ -178,15 +186,92 @@ def recover(
     )
 
 
+def verify_index(
+    files: SegmentFiles,
+    index: SegmentIndex,
+    *,
+    on_batch: Callable[[int], None],
+    batch_bytes: int = 32 << 20,
+) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
+    """Read every record ``index`` holds and verify it as a load does
+    (:meth:`SegmentFiles.read`), at most ``batch_bytes`` of payload in memory at
+    once, calling ``on_batch(records read)`` after each batch. Returns the records
+    checked and the failures: ``(segment, record)`` -> ``(the key its header names or
+    None, why, whether the record itself is bad)``; a missing record is not, nor one
+    that verifies but holds another key than its index entry (a stale entry)."""
+    snapshot = index.snapshot()
+    entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
+    size = files.block_bytes
+    per_batch = max(1, batch_bytes // size)
+    buffer = memoryview(bytearray(per_batch * size))
+    failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
+    for start in range(0, len(entries), per_batch):
+        batch = entries[start : start + per_batch]
+        reads = [
+            (*where, buffer[i * size : (i + 1) * size], None) for i, (where, _) in enumerate(batch)
+        ]
+        for (where, digest), (key, why, missing) in zip(batch, files.read(reads), strict=True):
+            if why:
+                failures[where] = (key, why, not missing)
+            elif key_digest(key) != digest:  # type: ignore[arg-type]
+                failures[where] = (key, "stale index entry: the record holds another block", False)
+        on_batch(len(batch))
+    return len(entries), failures
+
+
+def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
+    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` (to a temporary name
+    of ``temp_suffix``, synced, renamed into place); returns its size in bytes.
+
+    Raises:
+        OSError: it could not be written (the previous checkpoint is unchanged and the
+            temporary file removed).
+    """
+    parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
+    final = os.path.join(files.directory, CHECKPOINT_FILE)
+    temp = f"{final}.{temp_suffix}.tmp"
+    fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, files.file_mode)
+    try:
+        try:
+            write_all(files.os, fd, [memoryview(p) for p in parts], 0)
+            files.os.fdatasync(fd)
+        finally:
+            files.os.close(fd)
+        files.os.replace(temp, final)
+        fsync_dir(files.os, files.directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            files.os.unlink(temp)
+        raise
+    return sum(len(p) for p in parts)
+
+
+def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
+    """The checkpoint of ``files`` on disk: ``(checkpoint, None)``, or ``(None, why not)`` when
+    there is none or it fails a check (wrong magic, version, namespace, record size,
+    length or checksum). Never raises."""
+    path = os.path.join(files.directory, CHECKPOINT_FILE)
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        return None, "no checkpoint"
+    except OSError as exc:
+        return None, f"checkpoint unreadable: {describe_os_error(exc)}"
+    try:
+        return parse_checkpoint(
+            data, block_bytes=files.block_bytes, ns_digest=files.ns_digest
+        ), None
+    except (CorruptBlockError, ValueError, struct.error) as exc:
+        return None, f"checkpoint rejected: {exc}"
+
+
 def _remove_dead_temporaries(
     directory: str, writer: str, removed: Counter[str], read_only: bool
 ) -> None:
-    prefix = CHECKPOINT_FILE + "."
     for entry in os.scandir(directory):
-        if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
-            continue
-        owner = entry.name[len(prefix) : -len(".tmp")]
-        if owner != writer and not owner_alive(directory, owner):
+        owner = temporary_writer(entry.name, CHECKPOINT_FILE)
+        if owner is not None and owner != writer and not owner_alive(directory, owner):
             with contextlib.suppress(OSError):
                 if not read_only:
                     os.unlink(entry.path)

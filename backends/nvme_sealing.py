@@ -1,20 +1,17 @@
-"""Encrypted payloads on NVMe: seal on the way to disk, open on the way back.
+"""Encrypted payloads on NVMe: the per-thread buffers a write seals into.
 
 The NVMe tier moves plain payloads straight between the host pool and the disk. With
 a keyring a write cannot: the host pool's slot must keep its plaintext, and AES-GCM
 writes a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a
 few page-aligned buffers (O_DIRECT still applies) on huge pages where the kernel gives
 them (:func:`tiering.host_pool.io_buffer` says why that matters): a write seals the slot
-into one and writes that. A read needs none: the ciphertext goes straight into the slot,
-as a plain payload does, and is opened where it lies (a slot whose block does not
-authenticate holds garbage, and the tier reports its key failed, as for a checksum
-mismatch; a failed key's slot is never served). Opened in place, sealed loads cost no
-more than plain ones (docs/security.md has the figures).
+into one and writes that. A read needs none: the ciphertext goes straight into the slot
+and :func:`backends.block_record.verify_payload` opens it there.
 
 Blocking, for the tier's worker threads only. The cipher runs without the GIL but not
-without a core: I/O threads opening a job's blocks back to back keep the event loop's
-thread off the CPU, so a thread gives up the CPU after each block it seals or opens
-(``os.sched_yield``).
+without a core: I/O threads sealing or opening a job's blocks back to back keep the
+event loop's thread off the CPU, so a thread gives up the CPU after each block
+(``os.sched_yield``; :meth:`PayloadSealer.seal` here, the reader after opening).
 """
 
 from __future__ import annotations
@@ -22,11 +19,9 @@ from __future__ import annotations
 import os
 import threading
 
-from backends.nvme_format import BlockHeader
-from backends.nvme_os import ALIGNMENT
-from tiering.encryption import TAG_BYTES, BlockCipher, Seal, associated_data
-from tiering.errors import CorruptBlockError
-from tiering.host_pool import io_buffer
+from backends.block_record import record_binding
+from backends.nvme_os import ALIGNMENT, thread_buffer
+from tiering.encryption import TAG_BYTES, BlockCipher, Seal
 
 SEAL_BATCH_BYTES = 8 << 20
 """Sealing-buffer memory per worker thread: a job's records are sealed and written this
@@ -34,7 +29,7 @@ many bytes at a time (the fastest of the sizes tried, docs/nvme.md)."""
 
 
 class PayloadSealer:
-    """Seals and opens one namespace's payloads of ``block_bytes`` with ``cipher``.
+    """Seals one namespace's payloads of ``block_bytes`` with ``cipher``.
 
     Thread-safe: each thread gets its own buffers.
     """
@@ -60,31 +55,15 @@ class PayloadSealer:
         """
         if not 0 < count <= self.batch:
             raise ValueError(f"count must be in 1..{self.batch}, got {count}")
-        arena: memoryview | None = getattr(self._local, "arena", None)
-        if arena is None:
-            arena = io_buffer(self.batch * self.stride + TAG_BYTES)
-            self._local.arena = arena
+        arena = thread_buffer(self._local, "arena", self.batch * self.stride + TAG_BYTES)
         size = self.block_bytes + TAG_BYTES
         return [arena[i * self.stride : i * self.stride + size] for i in range(count)]
 
     def seal(self, key: bytes, payload: memoryview, buffer: memoryview) -> Seal:
-        """Seal ``payload`` (``key``'s block) into ``buffer``; the first ``block_bytes``
-        of it are what goes to disk, the seal goes into the header."""
-        seal = self.cipher.seal_into(payload, buffer, associated_data(self.ns_digest, key))
+        """Seal ``payload`` (``key``'s block, bound by :func:`record_binding` with no
+        tenant) into ``buffer``; its first ``block_bytes`` go to disk, the seal into
+        the header."""
+        binding = record_binding(self.ns_digest, b"", key)
+        seal = self.cipher.seal_into(payload, buffer, binding)
         os.sched_yield()
         return seal
-
-    def open(self, header: BlockHeader, slot: memoryview) -> None:
-        """Open, where it lies, the ciphertext read into ``slot`` (the block ``header``
-        describes, already checked against the expected key and namespace).
-
-        Raises:
-            CorruptBlockError: the block is not sealed, or it does not open (an unknown
-                key id, a wrong key, altered or moved bytes); ``slot`` then holds
-                garbage.
-        """
-        if header.seal is None:
-            raise CorruptBlockError("block is not encrypted, and this tier reads only sealed ones")
-        aad = associated_data(self.ns_digest, header.key)
-        self.cipher.open_in_place(header.seal, slot, aad)
-        os.sched_yield()

@@ -1,5 +1,5 @@
-"""The segment files' formats, without I/O: file names, the segment header, the index
-checkpoint.
+"""The NVMe tier's own formats, without I/O: directory and file names, the segment
+header, the index checkpoint (each record is a padded :mod:`backends.block_record`).
 
 A segment file starts with one segment header page (little endian): magic
 ``KVTSEG\\r\\n``, u16 format version, u16 header length, u32 zero, u64 payload bytes per
@@ -19,23 +19,46 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from backends.nvme_format import HEADER_BYTES
+from backends.block_record import HEADER_BYTES, namespace_digest
+from backends.nvme_os import OWNERS_DIR, PROBE_PREFIX
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".seg"
 CHECKPOINT_FILE = "index.ckpt"
+IDENTITY_FILE = "NAMESPACE"
+"""The namespace directory's identity: the full namespace string (JSON)."""
+TEMP_SUFFIX = ".tmp"
+REMOVED_MARK = b"KVTIER removed by verify\n"
+"""How a record slot's header page begins once ``tiering verify --remove`` removed its
+record: no block header (a scan skips the slot, as it skips a torn one), and told apart
+from damage (:attr:`~backends.nvme_segments.SegmentScan.removed`)."""
 SEGMENT_FORMAT_VERSION = 1
 _SEGMENT_MAGIC = b"KVTSEG\r\n"
 _SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")
 _TRAILER = struct.Struct("<Q")
 _TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
 _SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
+_READABLE = re.compile(r"[^A-Za-z0-9._-]+")
 _CHECKPOINT_MAGIC = b"KVTCKPT\n"
 _CHECKPOINT_VERSION = 1
 _CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
 """magic, version, head length, record payload bytes, namespace digest, segments,
 entries, body length, body checksum (xxh3_128)."""
+
+
+def namespace_dirname(namespace: str) -> str:
+    """A safe directory name for ``namespace``: a readable prefix (only
+    ``[A-Za-z0-9._-]``, at most 40 characters, so an operator can tell directories
+    apart) plus the 32 hex digits of its digest (so names are distinct).
+
+    Raises:
+        InvalidArgumentError: ``namespace`` is not a non-empty string.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidArgumentError(f"namespace must be a non-empty string, got {namespace!r}")
+    readable = _READABLE.sub("_", namespace).strip("._-")[:40] or "ns"
+    return f"{readable}-{namespace_digest(namespace).hex()}"
 
 
 def segment_name(writer: str, seq: int) -> str:
@@ -56,6 +79,37 @@ def parse_segment_name(name: str) -> tuple[str, int] | None:
     return None if match is None else (match.group(1), int(match.group(2), 16))
 
 
+def temporary_writer(name: str, final: str) -> str | None:
+    """The writer whose temporary file of ``final`` (``<final>.<writer>.tmp``) ``name``
+    is, or None if it is none."""
+    if name.startswith(f"{final}.") and name.endswith(TEMP_SUFFIX):
+        return name[len(final) + 1 : -len(TEMP_SUFFIX)]
+    return None
+
+
+def tier_file(parts: tuple[str, ...]) -> str | None:
+    """What the tier writes at ``parts``, a path below a namespace directory split at
+    its separators: ``"identity"``, ``"checkpoint"``, ``"identity temporary"``,
+    ``"checkpoint temporary"``, ``"probe"``, ``"segment"``, ``"lock"``, ``"lock
+    temporary"``; None for a name the tier never writes."""
+    if len(parts) == 1:
+        (name,) = parts
+        if name in (IDENTITY_FILE, CHECKPOINT_FILE):
+            return "identity" if name == IDENTITY_FILE else "checkpoint"
+        for final, kind in ((IDENTITY_FILE, "identity"), (CHECKPOINT_FILE, "checkpoint")):
+            if temporary_writer(name, final) is not None:
+                return f"{kind} temporary"
+        return "probe" if name.startswith(PROBE_PREFIX) else None
+    if len(parts) == 2 and parts[0] == SEGMENTS_DIR and parse_segment_name(parts[1]):
+        return "segment"
+    if len(parts) == 2 and parts[0] == OWNERS_DIR:
+        if parts[1].endswith(".lock"):
+            return "lock"
+        if parts[1].startswith(".") and parts[1].endswith(".new"):
+            return "lock temporary"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """An index snapshot: the segments it covers and the entries in them.
@@ -71,6 +125,25 @@ class Checkpoint:
     segment_of: np.ndarray
     record_of: np.ndarray
     ticks: np.ndarray
+
+    def locations(self) -> list[tuple[str, int]]:
+        """``(segment, record)`` of each entry, in entry order."""
+        names = [name for name, _ in self.segments]
+        return [
+            (names[s], r)
+            for s, r in zip(self.segment_of.tolist(), self.record_of.tolist(), strict=True)
+        ]
+
+    def without(self, locations: set[tuple[str, int]]) -> Checkpoint:
+        """This checkpoint less the entries at ``locations``."""
+        keep = np.array([where not in locations for where in self.locations()], dtype=bool)
+        return Checkpoint(
+            self.segments,
+            self.digests[keep],
+            self.segment_of[keep],
+            self.record_of[keep],
+            self.ticks[keep],
+        )
 
 
 def encode_segment_header(

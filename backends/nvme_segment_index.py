@@ -182,7 +182,6 @@ class _Segment:
     digests: array = field(default_factory=lambda: array("Q"))  # record -> digest, 0 = none
     live: int = 0
     pins: int = 0  # reads in flight and writes not yet committed
-    sealed: bool = False
     protected: bool = False  # another live writer's segment: never evicted by this one
 
 
@@ -370,8 +369,6 @@ class SegmentIndex:
         while len(placed) < count:
             active = self._segments.get(self._active) if self._active is not None else None
             if active is None or len(active.digests) >= self.records_per_segment:
-                if active is not None:
-                    active.sealed = True
                 active = self._open_segment()
             record = len(active.digests)
             take = min(count - len(placed), self.records_per_segment - record)
@@ -602,7 +599,6 @@ class SegmentIndex:
             if name not in kept:
                 continue
             segment = self._add_segment(name)
-            segment.sealed = True
             segment.protected = name in protected
             segment.digests.extend([0] * records)
             self.used_records += records

@@ -1,45 +1,27 @@
 """Segment files: KV blocks packed into large append-only files, and the index checkpoint.
 
-The blocking half of the NVMe tier. :class:`SegmentFiles` does every file operation of
-it synchronously, without an event loop, and the tier calls it once
-per job on its own worker threads. It decides nothing: where each record goes (which
-segment, which offset) is chosen by the caller's index on the loop thread, and this
-module writes, reads, lists, scans and deletes what it is told to.
-
-Layout under the namespace directory::
-
-    segments/<writer id>-<seq, 8 hex digits>.seg     one writer appends to each
-    index.ckpt                                       the index checkpoint (temp + rename)
-
-A segment file starts with one segment header page, then holds records at fixed strides::
-
-    offset 0                    segment header page (HEADER_BYTES)
-    offset HEADER_BYTES + i*S   record i: a block header page (the format of
-                                :mod:`backends.nvme_format`), then the payload, padded
-                                to a multiple of ALIGNMENT; S = record_bytes
-
-The segment header and the checkpoint's format are :mod:`backends.nvme_segment_format`'s.
-Every record keeps its own self-describing header and payload checksum, so a record is
-verified on its own when it is read: a torn record, a record of another key, namespace
-or length, and a flipped payload byte are each a failed key, never data.
+The blocking half of the NVMe tier: :class:`SegmentFiles` does every file operation
+synchronously, once per job on the tier's worker threads, and decides nothing (the
+caller's index chooses each record's segment and slot). A segment file is a segment
+header page (:mod:`backends.nvme_segment_format`), then records at a fixed stride
+(``record_bytes``): a padded :mod:`backends.block_record` header page and the payload,
+padded to a multiple of ALIGNMENT. Each record verifies on its own when read: a torn
+record, one of another key, namespace or length, and a flipped payload byte are each a
+failed key, never data.
 
 Guarantees:
 
-* Writes are positional (``pwritev``) and vectored: one call per run of consecutive
-  records (at most :data:`MAX_IOV` buffers), straight from the caller's memoryviews,
-  with O_DIRECT when enabled and every payload of the run is aligned. With
-  ``staging_bytes``, direct I/O goes through a staging buffer of each thread instead
-  (see :class:`SegmentFiles`).
+* Writes are positional and vectored: one ``pwritev`` per run of consecutive records (at
+  most :data:`MAX_IOV` buffers), straight from the caller's memoryviews, with O_DIRECT
+  when enabled and every payload of the run is aligned (or through a staging buffer).
 * A segment's name is unique (writer id and a sequence number), so writers never share
   a file; the run that creates a segment writes its header, and runs of other jobs may
-  land before it (each record verifies on its own).
-* ``fsync="batch"``: when a write call returns a key as written, its record is on stable
-  storage (one ``fdatasync`` per segment touched, and the directory is synced when the
-  call created a segment). ``"always"`` syncs after every run. ``"none"`` survives a
-  process crash (the kernel holds the data), not a power loss.
-* The checkpoint is written to a temporary name, synced, and renamed into place, so a
-  reader sees a whole old one or a whole new one; its body carries a checksum, and a
-  checkpoint that fails any check is reported as absent, never trusted.
+  land before it.
+* ``fsync="batch"``: a key reported written is on stable storage (one ``fdatasync`` per
+  segment touched, the directory synced when a segment was created); ``"always"`` syncs
+  after every run; ``"none"`` survives a process crash, not a power loss.
+* The checkpoint is written to a temporary name, synced and renamed into place; one that
+  fails any check is reported as absent, never trusted.
 
 Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
 """
@@ -50,25 +32,24 @@ import contextlib
 import ctypes
 import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from backends.nvme_format import (
+from backends.block_record import (
     HEADER_BYTES,
     check_header,
     decode_header,
     encode_header,
     payload_checksum,
+    record_binding,
     verify_payload,
 )
 from backends.nvme_os import (
     ALIGNMENT,
     DISK_FULL_ERRNOS,
-    FSYNC_POLICIES,
     REAL_OS,
     FsyncPolicy,
     OsCalls,
@@ -77,21 +58,17 @@ from backends.nvme_os import (
     free_bytes,
     fsync_dir,
     is_aligned,
+    thread_buffer,
     write_all,
 )
 from backends.nvme_segment_format import (
-    CHECKPOINT_FILE,
+    REMOVED_MARK,
     SEGMENTS_DIR,
-    Checkpoint,
     check_segment_header,
-    encode_checkpoint,
     encode_segment_header,
-    parse_checkpoint,
     parse_segment_name,
 )
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-from tiering.host_pool import io_buffer
-from tiering.validation import positive_int
 
 if TYPE_CHECKING:
     from backends.nvme_sealing import PayloadSealer
@@ -140,19 +117,10 @@ class WriteReport:
     free_bytes: int | None = None
 
 
-@dataclass(slots=True)
-class ReadReport:
-    """What one :meth:`SegmentFiles.read` call did.
-
-    ``loaded`` keys were verified and are in their slots; ``failed`` maps every other
-    key to a reason; ``corrupt`` names the failed keys whose record was there but did
-    not verify, and ``missing`` those whose segment or record was not there.
-    """
-
-    loaded: list[bytes] = field(default_factory=list)
-    failed: dict[bytes, str] = field(default_factory=dict)
-    corrupt: list[bytes] = field(default_factory=list)
-    missing: list[bytes] = field(default_factory=list)
+ReadOutcome = tuple[bytes | None, str, bool]
+"""What :meth:`SegmentFiles.read` says of one record: the key its header names (None
+when the header does not decode), why it failed ("" when it verified), and whether the
+record was missing (its segment gone, or shorter)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +139,8 @@ class SegmentScan:
     end: int
     invalid: int
     header_ok: bool = True
+    removed: int = 0
+    """Slots :meth:`SegmentFiles.mark_removed` marked (not counted ``invalid``)."""
 
 
 GIL_PAUSE_BYTES = 128 << 10
@@ -183,23 +153,18 @@ STAGING_BYTES = 32 << 20
 class SegmentFiles:
     """Blocking reads and writes of segment files in one namespace directory.
 
-    ``directory/segments`` must exist. ``o_direct`` says whether O_DIRECT may be used
-    (the caller probed the file system); a run whose payloads are not all aligned moves
-    with buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum` (0: no pauses). Safe to
-    call from several threads at once for distinct records: threads share only
-    thread-local header pages.
+    ``directory/segments`` must exist. ``o_direct``: whether O_DIRECT may be used (the
+    caller probed the file system); a run whose payloads are not all aligned moves with
+    buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum`. Safe to call from several
+    threads at once for distinct records (threads share no buffers).
 
     ``staging_bytes`` (0: off): direct I/O moves a run's records, laid out as on disk,
-    through a staging buffer of this many bytes of each thread (at least one record),
-    on huge pages where the kernel gives them, and payloads are copied between it and
-    the slots without the GIL. For slots in memory of scattered 4 KiB pages (a shared
-    memory file, as vLLM's CPU tier is): a direct transfer takes one segment per page,
-    and a disk takes a bounded number of segments per request (254 on a virtio disk),
-    so such a transfer goes as many small requests; from the staging buffer it goes as
-    few large ones (figures: ``docs/vllm.md``). A load still verifies each payload in
-    its slot, after the copy; a store's checksum is taken of the staged copy, the bytes
-    written. Without O_DIRECT nothing is staged (the kernel copies anyway). Sealed
-    writes already go through the sealer's buffers and are not staged again.
+    through a staging buffer of this many bytes per thread on huge pages, and payloads
+    are copied between it and the slots without the GIL. For slots of scattered 4 KiB
+    pages (vLLM's shared-memory CPU tier), whose direct transfers the disk would take as
+    many small requests (docs/vllm.md). A load still verifies each payload in its slot; a
+    store's checksum is taken of the staged copy. Not staged: buffered I/O, and sealed
+    writes (already in the sealer's buffers).
     """
 
     def __init__(
@@ -216,10 +181,8 @@ class SegmentFiles:
         file_mode: int = 0o600,
         os_calls: OsCalls = REAL_OS,
     ) -> None:
-        if fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        self.gil_pause_bytes = positive_int("gil_pause_bytes", gil_pause_bytes, allow_zero=True)
-        self.staging_bytes = positive_int("staging_bytes", staging_bytes, allow_zero=True)
+        self.gil_pause_bytes = gil_pause_bytes
+        self.staging_bytes = staging_bytes
         self.directory = directory
         self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
         self.block_bytes = block_bytes
@@ -241,14 +204,6 @@ class SegmentFiles:
         """Records one staged call moves; 0 when I/O is not staged (off, or no O_DIRECT)."""
         return self._staged_records if self.o_direct else 0
 
-    def _staging(self) -> memoryview:
-        # This thread's staging buffer: records laid out as on disk, on huge pages.
-        staging: memoryview | None = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = io_buffer(self._staged_records * self.record_bytes)
-            self._local.staging = staging
-        return staging
-
     def path_of(self, segment: str) -> str:
         """The path of segment file ``segment``."""
         return os.path.join(self.segments_dir, segment)
@@ -259,11 +214,7 @@ class SegmentFiles:
 
     def _pages(self, count: int) -> memoryview:
         # Aligned header pages, reused per thread: O_DIRECT needs aligned buffers.
-        pages: mmap.mmap | None = getattr(self._local, "pages", None)
-        if pages is None or len(pages) < count * HEADER_BYTES:
-            pages = mmap.mmap(-1, max(count, 16) * HEADER_BYTES)
-            self._local.pages = pages
-        return memoryview(pages)[: count * HEADER_BYTES]
+        return thread_buffer(self._local, "pages", count * HEADER_BYTES, at_least=16 * HEADER_BYTES)
 
     # -- write ------------------------------------------------------------------------
 
@@ -362,92 +313,56 @@ class SegmentFiles:
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
-        its payload (sealed into this thread's buffers when encrypting), its padding; or,
-        staged, the one buffer they were copied into."""
-        if self.sealer is None and self.staged:
-            return [self._staged_records_buffer(records)]
-        pages = self._pages(len(records))
-        sealer = self.sealer
-        sealed = [] if sealer is None else sealer.buffers(len(records))
+        its payload (sealed into this thread's sealing buffers when encrypting) and its
+        padding; staged, the one buffer they were laid out in as on disk (each payload
+        copied in, its checksum taken of the copy)."""
+        staged, size = self.sealer is None and self.staged > 0, self.block_bytes
+        step = self.record_bytes if staged else HEADER_BYTES
+        pages = self._staging() if staged else self._pages(len(records))
+        sealed = [] if self.sealer is None else self.sealer.buffers(len(records))
         buffers: list[memoryview] = []
         for i, (key, payload) in enumerate(records):
-            page = pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-            if sealer is None:
-                seal, data, checksum = None, payload, self._checksum(payload)
-            else:
-                seal = sealer.seal(key, payload, sealed[i])
-                data, checksum = sealed[i][: self.block_bytes], seal.tag
+            page, start = pages[i * step : i * step + HEADER_BYTES], i * step + HEADER_BYTES
+            seal, data = None, payload
+            if staged:
+                data = pages[start : start + size]
+                copy_bytes(data, payload)
+                if self._padding.nbytes:  # reads through this buffer leave other bytes there
+                    pages[start + size : (i + 1) * step] = self._padding
+            elif self.sealer is not None:
+                seal, data = self.sealer.seal(key, payload, sealed[i]), sealed[i][:size]
+            binding = record_binding(self.ns_digest, b"", key)
+            checksum = None if seal else self._checksum(data, binding)
             encode_header(
                 page,
                 key=key,
-                payload_bytes=self.block_bytes,
-                checksum=checksum,
+                payload_bytes=size,
                 ns_digest=self.ns_digest,
+                checksum=checksum,
                 seal=seal,
             )
-            buffers.append(page)
-            buffers.append(data)
-            if self._padding.nbytes:
-                buffers.append(self._padding)
-        return buffers
+            buffers += [page, data, self._padding] if self._padding.nbytes else [page, data]
+        return [pages[: len(records) * step]] if staged else buffers
 
-    def _staged_records_buffer(self, records: Sequence[tuple[bytes, memoryview]]) -> memoryview:
-        """Lay ``records`` out in this thread's staging buffer as on disk: each payload
-        copied in, its checksum taken of the copy, its header page and padding."""
-        staging = self._staging()
-        step, size = self.record_bytes, self.block_bytes
-        for i, (key, payload) in enumerate(records):
-            start = i * step
-            data = staging[start + HEADER_BYTES : start + HEADER_BYTES + size]
-            copy_bytes(data, payload)
-            encode_header(
-                staging[start : start + HEADER_BYTES],
-                key=key,
-                payload_bytes=size,
-                checksum=self._checksum(data),
-                ns_digest=self.ns_digest,
-            )
-            if self._padding.nbytes:  # reads through this buffer leave other bytes there
-                staging[start + HEADER_BYTES + size : start + step] = self._padding
-        return staging[: len(records) * step]
+    def _staging(self) -> memoryview:
+        # This thread's staging buffer: records laid out as on disk, on huge pages.
+        return thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
 
     # -- read -------------------------------------------------------------------------
 
-    def read(self, reads: Sequence[tuple[bytes, str, int, memoryview]]) -> ReadReport:
-        """Read each ``(key, segment, record, slot)`` into ``slot`` and verify it.
+    def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
+        """Read each ``(segment, record, slot, expected key or None for any)`` into its
+        slot and verify it: its header (magic, version, namespace, key, payload length,
+        header checksum) and payload checksum or GCM tag. Returns one
+        :data:`ReadOutcome` per read, in order; a failed read's slot may hold partial
+        bytes and must not be used. Each segment is opened once per call, and
+        consecutive records are one read.
 
-        Never raises for an I/O error or bad data: a key lands in ``loaded`` only if its
-        record's header (magic, version, namespace, key, payload length, header
-        checksum) and payload checksum matched; otherwise it gets a reason in
-        ``failed``. A failed key's slot may hold partial bytes and must not be used.
-        Each segment is opened once per call, and consecutive records are one read.
+        Raises:
+            InvalidArgumentError: a slot is not ``block_bytes`` long (nothing read);
+                never for an I/O error or bad data.
         """
-        report = ReadReport()
-        outcomes = self._read_verified([(s, r, slot, key) for key, s, r, slot in reads])
-        for (key, _, _, _), (found, reason, missing) in zip(reads, outcomes, strict=True):
-            if found is not None:
-                report.loaded.append(key)
-                continue
-            report.failed[key] = reason
-            if missing:
-                report.missing.append(key)
-            elif reason.startswith("corrupt"):
-                report.corrupt.append(key)
-        return report
-
-    def read_records(self, reads: Sequence[tuple[str, int, memoryview]]) -> list[bytes | None]:
-        """Read each ``(segment, record, buffer)`` whatever key it holds (to write it
-        again elsewhere); returns the key of each record that verified, None for the
-        others. Never raises for an I/O error or bad data."""
-        return [found for found, _, _ in self._read_verified([(*read, None) for read in reads])]
-
-    def _read_verified(
-        self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]
-    ) -> list[tuple[bytes | None, str, bool]]:
-        """For each ``(segment, record, slot, expected key or None)``: ``(the key the
-        verified record holds, or None; the reason it failed; whether it was missing)``,
-        in the order given."""
-        outcomes: list[tuple[bytes | None, str, bool]] = [(None, "not read", False)] * len(reads)
+        outcomes: list[ReadOutcome] = [(None, "not read", False)] * len(reads)
         by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
         for i, (segment, record, slot, key) in enumerate(reads):
             if slot.nbytes != self.block_bytes:
@@ -463,7 +378,7 @@ class SegmentFiles:
         self,
         segment: str,
         items: list[tuple[int, int, memoryview, bytes | None]],
-        outcomes: list[tuple[bytes | None, str, bool]],
+        outcomes: list[ReadOutcome],
     ) -> None:
         staged = self.staged
         direct = self.o_direct and (staged > 0 or all(is_aligned(slot) for _, _, slot, _ in items))
@@ -489,7 +404,7 @@ class SegmentFiles:
         self,
         fd: int,
         run: list[tuple[int, int, memoryview, bytes | None]],
-        outcomes: list[tuple[bytes | None, str, bool]],
+        outcomes: list[ReadOutcome],
         *,
         staged: bool = False,
     ) -> None:
@@ -498,14 +413,14 @@ class SegmentFiles:
         into its slot once its header checks), then verify each payload in its slot."""
         step = self.record_bytes
         if staged:
-            staging = self._staging()
-            pages = staging
+            staging = pages = self._staging()
             buffers = [staging[: len(run) * step]]
             page_step = step
         else:
             pages = self._pages(len(run))
             page_step = HEADER_BYTES
-            sink = self._read_sink()
+            # Where a read's padding between records goes (never the zeros writes use).
+            sink = thread_buffer(self._local, "sink", self._padding.nbytes)
             buffers = []
             for j, (_, _, slot, _) in enumerate(run):
                 buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
@@ -520,6 +435,7 @@ class SegmentFiles:
             return
         for j, (i, _, slot, key) in enumerate(run):
             available = got - j * step
+            header = None
             try:
                 if available <= 0:
                     outcomes[i] = (None, "record is missing (segment is shorter)", True)
@@ -534,23 +450,21 @@ class SegmentFiles:
                 if staged:
                     payload = start + HEADER_BYTES
                     copy_bytes(slot, pages[payload : payload + slot.nbytes])
-                verify_payload(header, slot, self.sealer, self._checksum)
+                if self.sealer is None:
+                    verify_payload(header, slot, None, self._checksum)
+                else:
+                    verify_payload(header, slot, self.sealer.cipher)
+                    os.sched_yield()  # see backends/nvme_sealing.py
             except CorruptBlockError as exc:
-                outcomes[i] = (None, f"corrupt block: {exc}", False)
+                outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
             else:
                 outcomes[i] = (header.key, "", False)
 
-    def _checksum(self, payload: memoryview) -> bytes:
-        """The payload's checksum; after each ``gil_pause_bytes`` a thread has hashed, a
-        moment without the GIL (none when it is 0).
-
-        The hash holds the GIL, and a job's records are hashed back to back (then written
-        or read in one call): without the pause an event loop's thread could wait for the
-        GIL for a whole job's hashing, up to the 5 ms switch interval (docs/nvme.md has
-        the trade-off between pause interval, loop lag and store speed). A tier on a
-        private loop (the vLLM adapter's) can do without: its lag
-        only delays completions (docs/vllm.md)."""
-        checksum = payload_checksum(payload)
+    def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
+        """:func:`payload_checksum`; after each ``gil_pause_bytes`` a thread has hashed
+        (0: never), a moment without the GIL, so that the loop's thread does not wait
+        for a whole job's hashing (docs/nvme.md has the trade-off)."""
+        checksum = payload_checksum(payload, binding)
         if self.gil_pause_bytes:
             done = getattr(self._local, "hashed", 0) + payload.nbytes
             if done >= self.gil_pause_bytes:
@@ -558,14 +472,6 @@ class SegmentFiles:
                 done = 0
             self._local.hashed = done
         return checksum
-
-    def _read_sink(self) -> memoryview:
-        # Where a read's padding between records goes (never the zeros that writes use).
-        sink: memoryview | None = getattr(self._local, "sink", None)
-        if sink is None:
-            sink = memoryview(mmap.mmap(-1, ALIGNMENT))[: self._padding.nbytes]
-            self._local.sink = sink
-        return sink
 
     # -- segments: list, scan, delete -----------------------------------------------
 
@@ -600,7 +506,6 @@ class SegmentFiles:
         """
         fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
         try:
-            size = self.os.fstat(fd).st_size
             page = self._pages(1)
             header_ok = True
             try:
@@ -609,57 +514,76 @@ class SegmentFiles:
                 check_segment_header(page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
             except CorruptBlockError:
                 header_ok = False
-            end = self.records_in(size)
+            end = self.records_in(self.os.fstat(fd).st_size)
             records: list[tuple[bytes, int]] = []
-            invalid = 0
+            invalid = removed = 0
             for record in range(start, end):
-                if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
+                key = self._key_at(fd, page, record)
+                if key is not None:
+                    records.append((key, record))
+                elif page[: len(REMOVED_MARK)] == REMOVED_MARK:
+                    removed += 1
+                else:
                     invalid += 1
-                    continue
-                try:
-                    header = decode_header(page)
-                    check_header(
-                        header, key=None, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
-                    )
-                except CorruptBlockError:
-                    invalid += 1
-                    continue
-                records.append((header.key, record))
-            return SegmentScan(records, end, invalid, header_ok)
+            return SegmentScan(records, end, invalid, header_ok, removed)
         finally:
             self.os.close(fd)
+
+    def _key_at(self, fd: int, page: memoryview, record: int) -> bytes | None:
+        """The key of record ``record`` whose header page is read into ``page``; None
+        where it is short or does not verify for this namespace and record size."""
+        if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
+            return None
+        try:
+            header = decode_header(page)
+            check_header(header, key=None, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
+        except CorruptBlockError:
+            return None
+        return header.key
 
     def read_keys(self, records: Sequence[tuple[str, int]]) -> list[bytes | None]:
         """The key in the header of each ``(segment, record)``, or None where the header
         cannot be read or does not verify (payloads are not read). Never raises."""
         keys: list[bytes | None] = [None] * len(records)
-        by_segment: dict[str, list[tuple[int, int]]] = {}
-        for i, (segment, record) in enumerate(records):
-            by_segment.setdefault(segment, []).append((i, record))
         page = self._pages(1)
-        for segment, items in by_segment.items():
+        for segment, items in _by_segment(records).items():
             try:
                 fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
             except OSError:
                 continue
             try:
                 for i, record in items:
-                    try:
-                        if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
-                            continue
-                        header = decode_header(page)
-                        check_header(
-                            header,
-                            key=None,
-                            payload_bytes=self.block_bytes,
-                            ns_digest=self.ns_digest,
-                        )
-                    except (OSError, CorruptBlockError):
-                        continue
-                    keys[i] = header.key
+                    with contextlib.suppress(OSError):
+                        keys[i] = self._key_at(fd, page, record)
             finally:
                 self.os.close(fd)
         return keys
+
+    def mark_removed(self, records: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Overwrite the header page of each ``(segment, record)`` with
+        :data:`REMOVED_MARK`, synced: a scan skips the slot and counts it removed.
+        Returns those marked (a segment that fails is left out). Never raises."""
+        marked: set[tuple[str, int]] = set()
+        mark = memoryview(REMOVED_MARK.ljust(HEADER_BYTES, b"\0"))
+        for segment, items in _by_segment(records).items():
+            done: set[tuple[str, int]] = set()
+            try:
+                fd = self.os.open(self.path_of(segment), os.O_WRONLY | _O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                size = self.os.fstat(fd).st_size
+                for _, record in items:
+                    if self.offset_of(record) + HEADER_BYTES <= size:
+                        write_all(self.os, fd, [mark], self.offset_of(record))
+                        done.add((segment, record))
+                self.os.fdatasync(fd)
+                marked |= done
+            except OSError:
+                pass
+            finally:
+                self.os.close(fd)
+        return marked
 
     def delete(self, segments: Sequence[str]) -> int:
         """Unlink segment files; returns how many existed. Never raises."""
@@ -679,54 +603,6 @@ class SegmentFiles:
         except OSError:
             return None
 
-    # -- checkpoint -------------------------------------------------------------------
-
-    def write_checkpoint(self, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
-        """Write ``checkpoint`` atomically as ``index.ckpt``; returns its size in bytes.
-
-        Raises:
-            OSError: it could not be written (the previous checkpoint is unchanged and the
-                temporary file removed).
-        """
-        parts = encode_checkpoint(
-            checkpoint, block_bytes=self.block_bytes, ns_digest=self.ns_digest
-        )
-        final = os.path.join(self.directory, CHECKPOINT_FILE)
-        temp = f"{final}.{temp_suffix}.tmp"
-        fd = self.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, self.file_mode)
-        try:
-            try:
-                write_all(self.os, fd, [memoryview(p) for p in parts], 0)
-                self.os.fdatasync(fd)
-            finally:
-                self.os.close(fd)
-            self.os.replace(temp, final)
-            fsync_dir(self.os, self.directory)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                self.os.unlink(temp)
-            raise
-        return sum(len(p) for p in parts)
-
-    def read_checkpoint(self) -> tuple[Checkpoint | None, str | None]:
-        """The checkpoint on disk: ``(checkpoint, None)``, or ``(None, why not)`` when
-        there is none or it fails a check (wrong magic, version, namespace, record size,
-        length or checksum). Never raises."""
-        path = os.path.join(self.directory, CHECKPOINT_FILE)
-        try:
-            with open(path, "rb") as file:
-                data = file.read()
-        except FileNotFoundError:
-            return None, "no checkpoint"
-        except OSError as exc:
-            return None, f"checkpoint unreadable: {describe_os_error(exc)}"
-        try:
-            return parse_checkpoint(
-                data, block_bytes=self.block_bytes, ns_digest=self.ns_digest
-            ), None
-        except (CorruptBlockError, ValueError, struct.error) as exc:
-            return None, f"checkpoint rejected: {exc}"
-
 
 def copy_bytes(target: memoryview, source: memoryview) -> None:
     """``target[:] = source`` (equal lengths), with the GIL released for the copy when
@@ -737,6 +613,14 @@ def copy_bytes(target: memoryview, source: memoryview) -> None:
         target[:] = source
     else:
         ctypes.memmove(into, of, source.nbytes)
+
+
+def _by_segment(records: Sequence[tuple[str, int]]) -> dict[str, list[tuple[int, int]]]:
+    """``(position, record)`` of each of ``records``, by segment."""
+    by_segment: dict[str, list[tuple[int, int]]] = {}
+    for i, (segment, record) in enumerate(records):
+        by_segment.setdefault(segment, []).append((i, record))
+    return by_segment
 
 
 def _consecutive(

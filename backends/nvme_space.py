@@ -28,9 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
-from backends.nvme_format import HEADER_BYTES
+from backends.block_record import HEADER_BYTES
 from tiering.errors import InvalidArgumentError
-from tiering.validation import positive_int, seconds
 
 DEFAULT_MAX_AGE_S = 1.0
 """Free space measured longer ago than this is measured again before a store plans."""
@@ -50,21 +49,16 @@ an eviction then gives up an eighth of the cache, not half of it."""
 MIN_SEGMENTS_PER_CAP = 2
 """The fewest segments a cap must hold: the segment being written is never evicted, so
 a cap of one segment fills once and then refuses every store."""
-DEFAULT_HOT_FRACTION = 0.25
-"""Blocks used within the last quarter of the capacity's worth of uses are moved, not
-dropped, when their segment is evicted."""
 MOVE_BYTES_PER_JOB = 64 << 20
 """The most bytes of moved records one store job reads and writes again."""
-DEFAULT_CHECKPOINT_EVERY = 16384
-"""Records written between checkpoints: what a restart scans beyond the checkpoint."""
 
 
 class SpaceGuard:
-    """Cap, floor, cached free space and the read-only (disk full) state of one tier.
+    """Cap, floor, cached free space and the read-only (disk full) state of one tier
+    (its sizes already checked by :class:`~backends.nvme.NVMeOptions`).
 
     Raises (constructor):
-        InvalidArgumentError: a size is not an int in range, or ``capacity_bytes`` holds
-            not even one block file, or ``retry_s``/``max_age_s`` is not a number >= 0.
+        InvalidArgumentError: ``capacity_bytes`` holds not even one block file.
     """
 
     def __init__(
@@ -77,17 +71,11 @@ class SpaceGuard:
         clock: Callable[[], float],
         max_age_s: float = DEFAULT_MAX_AGE_S,
     ) -> None:
-        _check_int("file_bytes", file_bytes, minimum=1)
-        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
-            raise InvalidArgumentError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
         if capacity_bytes < file_bytes:
             raise InvalidArgumentError(
                 f"capacity_bytes={capacity_bytes!r} is below one block file ({file_bytes} "
                 "bytes: header page + block); the tier could never store"
             )
-        _check_int("min_free_bytes", min_free_bytes, minimum=0)
-        seconds("enospc_retry_s", retry_s, allow_zero=True)
-        seconds("max_age_s", max_age_s, allow_zero=True)
         self.file_bytes = file_bytes
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_bytes // file_bytes
@@ -247,18 +235,12 @@ class InflightBytes:
                 return  # a blocked load holds back stores
 
 
-def records_per_segment(capacity_bytes: object, segment_bytes: object, record_bytes: int) -> int:
+def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_bytes: int) -> int:
     """Records a segment takes: from ``segment_bytes``, or (None) from the cap.
 
     Raises:
-        InvalidArgumentError: ``segment_bytes`` is not a positive int or None, or the cap
-            holds fewer than two segments (both options named); a bad ``capacity_bytes``
-            is left to the space guard, which names it.
+        InvalidArgumentError: the cap holds fewer than two segments (both options named).
     """
-    if segment_bytes is not None:
-        positive_int("segment_bytes", segment_bytes)
-    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
-        capacity_bytes = 0  # the space guard refuses it, naming it
     capacity_records = capacity_bytes // record_bytes
     largest = min(MAX_RECORDS_PER_SEGMENT, (DEFAULT_SEGMENT_BYTES - HEADER_BYTES) // record_bytes)
     if segment_bytes is None:
@@ -281,11 +263,6 @@ def records_per_segment(capacity_bytes: object, segment_bytes: object, record_by
             "(it then follows from the cap)"
         )
     return records
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 __all__ = ["DEFAULT_MAX_AGE_S", "DISK_FULL_REASON", "SpaceGuard"]

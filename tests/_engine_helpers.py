@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from backends.block_record import HEADER_BYTES, decode_header
 from backends.memory import MemoryTier
-from backends.nvme_format import HEADER_BYTES, decode_header
 from tests._faults import Fault, FaultInjector
 from tiering import JobMetadata, JobResult, TieringEngine
 from tiering.errors import CorruptBlockError

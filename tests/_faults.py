@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backends.nvme_format import MAGIC
+from backends.block_record import MAGIC
 from backends.nvme_os import REAL_OS, OsCalls
 from tiering.errors import InvalidArgumentError
 
@@ -44,10 +44,8 @@ OPERATIONS = frozenset(
         "pwritev",
         "preadv",
         "fstat",
-        "stat",
         "fdatasync",
         "fsync",
-        "syncfs",
         "allocate",
         "replace",
         "unlink",
@@ -55,8 +53,10 @@ OPERATIONS = frozenset(
     }
 )
 _TRANSFERS = frozenset({"pwritev", "preadv"})
-_KEY_OFFSET = 64
-"""Where a block record header holds its key (see backends/nvme_format.py)."""
+_TENANT_LENGTH_OFFSET = 56
+"""Where a block record header holds its tenant's length; the tenant, then the key,
+follow from ``_KEY_OFFSET`` (see backends/block_record.py)."""
+_KEY_OFFSET = 76
 
 
 @dataclass(slots=True)
@@ -275,10 +275,6 @@ class FaultInjector(OsCalls):
         self._fire("fstat", self._path_of(fd))
         return self._inner.fstat(fd)
 
-    def stat(self, path: str) -> os.stat_result:
-        self._fire("stat", path)
-        return self._inner.stat(path)
-
     def fdatasync(self, fd: int) -> None:
         self._fire("fdatasync", self._path_of(fd))
         self._inner.fdatasync(fd)
@@ -286,10 +282,6 @@ class FaultInjector(OsCalls):
     def fsync(self, fd: int) -> None:
         self._fire("fsync", self._path_of(fd))
         self._inner.fsync(fd)
-
-    def syncfs(self, fd: int) -> None:
-        self._fire("syncfs", self._path_of(fd))
-        self._inner.syncfs(fd)
 
     def allocate(self, fd: int, offset: int, length: int) -> None:
         self._fire("allocate", self._path_of(fd))
@@ -317,8 +309,11 @@ class FaultInjector(OsCalls):
 
 def _is_header_of(buffer: memoryview, key: bytes) -> bool:
     """Whether ``buffer`` starts with a block record header naming ``key``."""
-    end = _KEY_OFFSET + len(key)
-    return buffer.nbytes >= end and buffer[: len(MAGIC)] == MAGIC and buffer[_KEY_OFFSET:end] == key
+    if buffer.nbytes < _KEY_OFFSET or buffer[: len(MAGIC)] != MAGIC:
+        return False
+    tenant = buffer[_TENANT_LENGTH_OFFSET : _TENANT_LENGTH_OFFSET + 2]
+    start = _KEY_OFFSET + int.from_bytes(tenant, "little")
+    return buffer[start : start + len(key)] == key
 
 
 def _limit(buffers: Sequence[memoryview], rule: Fault | None) -> Sequence[memoryview]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.nvme_format import HEADER_BYTES, namespace_dirname
+from backends.block_record import HEADER_BYTES
+from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tests._nvme_helpers import random_pool, store_job
 from tests._scripts import ROOT, run_script, script_env

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from backends.block_record import HEADER_BYTES
 from backends.example import ExampleSecondaryTier
-from backends.nvme_format import HEADER_BYTES
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
     KeyGatedMemoryTier,

@@ -68,7 +68,7 @@ from typing import Any
 
 import pytest
 
-from backends.nvme_format import HEADER_BYTES
+from backends.block_record import HEADER_BYTES
 from backends.nvme_segments import align_up
 from tests._engine_helpers import (
     DEVICE_BLOCKS,

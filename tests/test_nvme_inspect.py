@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from backends.block_record import HEADER_BYTES
 from backends.nvme import NVMeTier
-from backends.nvme_format import HEADER_BYTES, namespace_dirname
 from backends.nvme_inspect import clear_root, inspect_root, verify_root
-from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR
+from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR, namespace_dirname
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tiering.errors import InvalidArgumentError, TieringError
 

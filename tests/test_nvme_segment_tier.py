@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from backends.nvme_format import HEADER_BYTES, namespace_dirname
-from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR
+from backends.block_record import HEADER_BYTES
+from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR, namespace_dirname
 from backends.nvme_segment_tier import NVMeSegmentTier
 from tests._engine_helpers import make_kv
 from tests._faults import FaultInjector
@@ -382,6 +382,7 @@ async def test_registered_as_nvme_and_round_trips_through_the_engine(
         ("hot_fraction", 1.5),
         ("block_bytes", 0),
         ("gil_pause_bytes", -1),
+        ("staging_bytes", -1),
     ],
 )
 def test_a_bad_option_is_refused_naming_it_and_its_value(

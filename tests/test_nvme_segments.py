@@ -5,18 +5,29 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from backends.nvme_format import HEADER_BYTES, namespace_digest
+from backends.block_record import (
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    decode_header,
+    encode_header,
+    namespace_digest,
+    payload_checksum,
+)
 from backends.nvme_os import REAL_OS, OsCalls, probe_o_direct
+from backends.nvme_recovery import read_checkpoint, write_checkpoint
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
     Checkpoint,
+    namespace_dirname,
     parse_segment_name,
     segment_name,
 )
@@ -35,6 +46,23 @@ WRITER = "ab12"
 def pool() -> Iterator[memoryview]:
     with random_pool(BLOCK, SLOTS) as view:
         yield view
+
+
+def read(seg: SegmentFiles, reads: list[tuple[bytes, str, int, memoryview]]) -> SimpleNamespace:
+    """``seg.read`` of ``(key, segment, record, slot)`` reads, summed up: the keys loaded,
+    the failed ones with their reasons, and of those the corrupt and the missing."""
+    outcomes = seg.read([(segment, record, out, k) for k, segment, record, out in reads])
+    report = SimpleNamespace(loaded=[], failed={}, corrupt=[], missing=[])
+    for (k, *_), (_, why, missing) in zip(reads, outcomes, strict=True):
+        if not why:
+            report.loaded.append(k)
+            continue
+        report.failed[k] = why
+        if missing:
+            report.missing.append(k)
+        elif why.startswith("corrupt"):
+            report.corrupt.append(k)
+    return report
 
 
 def slot(pool: memoryview, i: int) -> memoryview:
@@ -71,7 +99,7 @@ def test_records_round_trip_byte_exact_across_segments(tmp_path: Path, pool: mem
         (key(i), s, r, out[i * BLOCK : (i + 1) * BLOCK])
         for i, s, r in [(0, a, 0), (1, a, 1), (2, b, 0)]
     ]
-    loaded = seg.read(reads)
+    loaded = read(seg, reads)
     assert loaded.loaded == [key(0), key(1), key(2)] and not loaded.failed
     for i in range(3):
         assert bytes(out[i * BLOCK : (i + 1) * BLOCK]) == bytes(slot(pool, i))
@@ -96,7 +124,7 @@ def test_consecutive_records_are_read_in_one_call(tmp_path: Path, pool: memoryvi
     faults.calls.clear()
     # Records 5, 0, 1, 2 and 4 (asked out of order): runs 0-2 and 4-5, two reads.
     wanted = [5, 0, 1, 2, 4]
-    report = seg.read([(key(r), name, r, out[r * BLOCK : (r + 1) * BLOCK]) for r in wanted])
+    report = read(seg, [(key(r), name, r, out[r * BLOCK : (r + 1) * BLOCK]) for r in wanted])
     assert sorted(report.loaded) == sorted(key(r) for r in wanted) and not report.failed
     assert faults.calls["preadv"] == 2
     for r in wanted:
@@ -129,13 +157,14 @@ def test_a_record_of_another_key_a_flipped_byte_and_a_missing_record_are_never_s
         file.seek(-1, os.SEEK_CUR)
         file.write(bytes([byte[0] ^ 0xFF]))
     out = memoryview(mmap.mmap(-1, 4 * BLOCK))
-    report = seg.read(
+    report = read(
+        seg,
         [
             (key(7), name, 0, out[:BLOCK]),  # the record holds key 0
             (key(1), name, 1, out[BLOCK : 2 * BLOCK]),  # payload flipped
             (key(2), name, 5, out[2 * BLOCK : 3 * BLOCK]),  # beyond the end
             (key(3), segment_name(WRITER, 9), 0, out[3 * BLOCK :]),  # no such segment
-        ]
+        ],
     )
     assert report.loaded == []
     assert "another key" in report.failed[key(7)]
@@ -154,7 +183,7 @@ def test_a_short_segment_tail_is_a_miss_and_the_scan_ignores_the_partial_slot(
     scan = seg.scan(name)
     assert scan.records == [(key(0), 0), (key(1), 1)] and scan.end == 2
     out = memoryview(mmap.mmap(-1, BLOCK))
-    report = seg.read([(key(2), name, 2, out)])
+    report = read(seg, [(key(2), name, 2, out)])
     assert key(2) in report.failed and not report.loaded
 
 
@@ -280,7 +309,7 @@ def test_block_sizes_off_the_page_are_padded_to_aligned_records(tmp_path: Path) 
     records = [(key(i), memoryview(bytearray(p))) for i, p in enumerate(payloads)]
     assert len(seg.write([RecordRun(name, 0, records, create=True)], writer=WRITER).written) == 2
     out = [memoryview(bytearray(1000)) for _ in range(2)]
-    report = seg.read([(key(i), name, i, out[i]) for i in range(2)])
+    report = read(seg, [(key(i), name, i, out[i]) for i in range(2)])
     assert report.loaded == [key(0), key(1)]
     assert [bytes(o) for o in out] == payloads
 
@@ -322,7 +351,7 @@ def test_staged_io_moves_at_most_the_staging_buffer_a_call(
     assert faults.calls["pwritev"] == 1 + 3  # the segment header, then records 3 + 3 + 2
     out = memoryview(mmap.mmap(-1, SLOTS * BLOCK))
     faults.calls.clear()
-    report = seg.read([(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(SLOTS)])
+    report = read(seg, [(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(SLOTS)])
     assert report.loaded == [key(i) for i in range(SLOTS)] and not report.failed
     assert faults.calls["preadv"] == 3
     assert bytes(out) == bytes(pool)
@@ -335,12 +364,12 @@ def test_staged_io_takes_slots_at_any_address(tmp_path: Path, pool: memoryview) 
     name = segment_name(WRITER, 0)
     write(seg, pool, [(i, name, i, i == 0) for i in range(4)])
     out = memoryview(bytearray(4 * BLOCK + 1))[1:]  # off the page, and not an mmap
-    report = seg.read([(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(4)])
+    report = read(seg, [(key(i), name, i, out[i * BLOCK : (i + 1) * BLOCK]) for i in range(4)])
     assert report.loaded == [key(i) for i in range(4)]
     assert bytes(out) == bytes(pool[: 4 * BLOCK])
     records = [(key(0), memoryview(bytes(slot(pool, 0))))]  # a read-only payload too
     assert seg.write([RecordRun(name, 4, records, create=False)], writer=WRITER).written
-    assert seg.read([(key(0), name, 4, out[:BLOCK])]).loaded == [key(0)]
+    assert read(seg, [(key(0), name, 4, out[:BLOCK])]).loaded == [key(0)]
 
 
 def test_staged_reads_serve_nothing_that_does_not_verify(tmp_path: Path, pool: memoryview) -> None:
@@ -355,7 +384,7 @@ def test_staged_reads_serve_nothing_that_does_not_verify(tmp_path: Path, pool: m
     os.truncate(seg.path_of(name), seg.offset_of(3) + HEADER_BYTES + 10)  # record 3 torn
     out = memoryview(mmap.mmap(-1, 6 * BLOCK))
     wanted = [(key(0), 0), (key(1), 1), (key(9), 2), (key(3), 3), (key(4), 4)]
-    report = seg.read([(k, name, r, out[r * BLOCK : (r + 1) * BLOCK]) for k, r in wanted])
+    report = read(seg, [(k, name, r, out[r * BLOCK : (r + 1) * BLOCK]) for k, r in wanted])
     assert report.loaded == [key(0)]
     assert "checksum" in report.failed[key(1)]
     assert "another key" in report.failed[key(9)]
@@ -371,8 +400,6 @@ def test_nothing_is_staged_without_direct_io(tmp_path: Path, pool: memoryview) -
     name = segment_name(WRITER, 0)
     write(seg, pool, [(i, name, i, i == 0) for i in range(SLOTS)])
     assert faults.calls["pwritev"] == 2  # the segment header, then all eight records
-    with pytest.raises(InvalidArgumentError, match="staging_bytes"):
-        files(tmp_path, staging_bytes=-1)
 
 
 # -- checkpoint ------------------------------------------------------------------------
@@ -399,15 +426,15 @@ def assert_same(a: Checkpoint, b: Checkpoint) -> None:
 def test_a_checkpoint_reads_back_exactly(tmp_path: Path, n: int) -> None:
     seg = files(tmp_path)
     written = checkpoint(n)
-    size = seg.write_checkpoint(written, temp_suffix="t1")
+    size = write_checkpoint(seg, written, temp_suffix="t1")
     assert size == os.path.getsize(tmp_path / CHECKPOINT_FILE)
-    read, why = seg.read_checkpoint()
+    read, why = read_checkpoint(seg)
     assert why is None and read is not None
     assert_same(read, written)
 
 
 def test_no_checkpoint_is_reported_as_absent(tmp_path: Path) -> None:
-    assert files(tmp_path).read_checkpoint() == (None, "no checkpoint")
+    assert read_checkpoint(files(tmp_path)) == (None, "no checkpoint")
 
 
 @pytest.mark.parametrize(
@@ -416,7 +443,7 @@ def test_no_checkpoint_is_reported_as_absent(tmp_path: Path) -> None:
 )
 def test_a_damaged_checkpoint_is_never_trusted(tmp_path: Path, damage: str) -> None:
     seg = files(tmp_path)
-    seg.write_checkpoint(checkpoint(100), temp_suffix="t1")
+    write_checkpoint(seg, checkpoint(100), temp_suffix="t1")
     path = tmp_path / CHECKPOINT_FILE
     data = bytearray(path.read_bytes())
     if damage == "flip":
@@ -428,16 +455,16 @@ def test_a_damaged_checkpoint_is_never_trusted(tmp_path: Path, damage: str) -> N
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
-    read, why = seg.read_checkpoint()
+    read, why = read_checkpoint(seg)
     assert read is None and why is not None and "rejected" in why
 
 
 def test_a_checkpoint_of_another_namespace_or_block_size_is_refused(tmp_path: Path) -> None:
-    files(tmp_path).write_checkpoint(checkpoint(5), temp_suffix="t1")
+    write_checkpoint(files(tmp_path), checkpoint(5), temp_suffix="t1")
     other_ns = SegmentFiles(str(tmp_path), block_bytes=BLOCK, ns_digest=namespace_digest("b"))
     other_size = SegmentFiles(str(tmp_path), block_bytes=BLOCK * 2, ns_digest=NS)
     for reader in (other_ns, other_size):
-        read, why = reader.read_checkpoint()
+        read, why = read_checkpoint(reader)
         assert read is None and "another namespace or block size" in str(why)
 
 
@@ -445,11 +472,41 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> Non
     faults = FaultInjector()
     seg = files(tmp_path, faults)
     first = checkpoint(10)
-    seg.write_checkpoint(first, temp_suffix="t1")
+    write_checkpoint(seg, first, temp_suffix="t1")
     faults.fail("fdatasync", errno.EIO, times=1)
     with pytest.raises(OSError):
-        seg.write_checkpoint(checkpoint(20), temp_suffix="t2")
-    read, _ = seg.read_checkpoint()
+        write_checkpoint(seg, checkpoint(20), temp_suffix="t2")
+    read, _ = read_checkpoint(seg)
     assert read is not None
     assert_same(read, first)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE, SEGMENTS_DIR]
+
+
+def test_a_padded_header_holds_the_longest_key() -> None:
+    page = bytearray(HEADER_BYTES)
+    key = b"\xff" * MAX_KEY_BYTES
+    encode_header(page, key=key, payload_bytes=1, ns_digest=NS, checksum=bytes(16))
+    assert decode_header(page).key == key
+
+
+def test_payload_checksum_sees_one_flipped_bit() -> None:
+    payload = bytearray(os.urandom(1 << 20))
+    before = payload_checksum(memoryview(payload), b"binding")
+    payload[123456] ^= 0x10
+    assert payload_checksum(memoryview(payload), b"binding") != before
+
+
+def test_namespace_dirname_is_safe_readable_and_deterministic() -> None:
+    name = namespace_dirname("meta-llama/Llama-3 8B;dtype=bf16;../../etc")
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", name)
+    assert name.startswith("meta-llama_Llama-3_8B_dtype")
+    assert "/" not in name and ".." not in name.split("-")[0]
+    assert name == namespace_dirname("meta-llama/Llama-3 8B;dtype=bf16;../../etc")
+    assert namespace_dirname("model a") != namespace_dirname("model/a")
+    assert namespace_dirname("///").startswith("ns-")
+
+
+@pytest.mark.parametrize("namespace", ["", None, b"bytes"])
+def test_namespace_dirname_rejects_a_non_string_or_empty(namespace: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        namespace_dirname(namespace)  # type: ignore[arg-type]

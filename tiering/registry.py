@@ -31,10 +31,6 @@ _BUILTINS: dict[str, str] = {
     "nvme": "backends.nvme:NVMeTier",
     "redis": "backends.redis:RedisTier",
 }
-_BUILTIN_OPTIONS: dict[str, str] = {
-    # Until these tiers name their options themselves (``Options``).
-    "nvme": "backends.nvme_options:NVMeOptions",
-}
 _REGISTERED: dict[str, TierFactory] = {}
 
 
@@ -133,11 +129,7 @@ def tier_options(name: str) -> type[Options] | None:
     or None for a factory that checks its own. Raises as :func:`tier_factory`."""
     factory = tier_factory(name)
     model = getattr(factory, "Options", None)
-    if isinstance(model, type) and issubclass(model, Options):
-        return model
-    if name in _BUILTIN_OPTIONS and name not in _REGISTERED:
-        return _imported(name, _BUILTIN_OPTIONS[name])  # type: ignore[no-any-return]
-    return None
+    return model if isinstance(model, type) and issubclass(model, Options) else None
 
 
 def tier_specs(specs: object) -> list[TierSpec]:

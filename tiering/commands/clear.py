@@ -15,12 +15,11 @@ tier checks its root: a directory of this user that nobody else may write to).
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 
 from backends.nvme_inspect import ClearReport, clear_root
 from tiering.cli import EXIT_OK
-from tiering.commands._output import add_json_argument, print_json
-from tiering.commands.inspect import add_namespace_argument
+from tiering.commands.inspect import add_arguments as add_root_arguments
+from tiering.commands.inspect import show
 from tiering.errors import InvalidArgumentError
 from tiering.statistics import format_bytes
 
@@ -30,14 +29,12 @@ ORDER = 52
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", metavar="ROOT", help="the NVMe tier's root directory")
-    add_namespace_argument(parser)
+    add_root_arguments(parser)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--yes", action="store_true", help="really remove them")
     group.add_argument(
         "--dry-run", action="store_true", help="only print what would be removed (exit 0)"
     )
-    add_json_argument(parser)
 
 
 def render(report: ClearReport) -> list[str]:
@@ -56,10 +53,7 @@ def render(report: ClearReport) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     report = clear_root(args.root, namespace=args.namespace, dry_run=not args.yes)
-    if args.json:
-        print_json(asdict(report))
-    else:
-        print("\n".join(render(report)))
+    show(report, render, args.json)
     if not args.yes and not args.dry_run:
         raise InvalidArgumentError(
             f"nothing removed: add --yes to remove these {report.files} files "

@@ -14,7 +14,9 @@ ROOT that fails that check or is not an NVMe root).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 from backends.nvme_inspect import RootReport, inspect_root
 from tiering.cli import EXIT_OK
@@ -27,19 +29,15 @@ ORDER = 50
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """ROOT, ``--namespace`` and ``--json``: inspect's, and those verify and clear share."""
     parser.add_argument("root", metavar="ROOT", help="the NVMe tier's root directory")
-    add_namespace_argument(parser)
-    add_json_argument(parser)
-
-
-def add_namespace_argument(parser: argparse.ArgumentParser) -> None:
-    """``--namespace``, shared by inspect, verify and clear."""
     parser.add_argument(
         "--namespace",
         metavar="NS",
         help="only this namespace: its string, its directory name, or at least 4 leading "
         "hex digits of its digest (the ID column of `tiering inspect`)",
     )
+    add_json_argument(parser)
 
 
 def render(report: RootReport) -> list[str]:
@@ -78,10 +76,15 @@ def render(report: RootReport) -> list[str]:
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
-    report = inspect_root(args.root, namespace=args.namespace)
-    if args.json:
+def show(report: Any, render: Callable[[Any], list[str]], as_json: bool) -> None:
+    """Print ``report`` as one JSON line, or as ``render`` makes it (inspect, verify and
+    clear)."""
+    if as_json:
         print_json(asdict(report))
     else:
         print("\n".join(render(report)))
+
+
+def run(args: argparse.Namespace) -> int:
+    show(inspect_root(args.root, namespace=args.namespace), render, args.json)
     return EXIT_OK

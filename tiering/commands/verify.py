@@ -18,13 +18,13 @@ written can then look bad). Exit status: 0 every block verified, 1 a bad block w
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 
 from backends.nvme_inspect import VerifyReport, verify_root
 from tiering.cli import EXIT_FAILURE, EXIT_OK
 from tiering.cli_args import Progress
-from tiering.commands._output import add_json_argument, print_json, table
-from tiering.commands.inspect import add_namespace_argument
+from tiering.commands._output import table
+from tiering.commands.inspect import add_arguments as add_root_arguments
+from tiering.commands.inspect import show
 
 NAME = "verify"
 HELP = "re-check every block of an NVMe root; report, and with --remove remove, bad ones"
@@ -32,7 +32,7 @@ ORDER = 51
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", metavar="ROOT", help="the NVMe tier's root directory")
+    add_root_arguments(parser)
     parser.add_argument(
         "--remove",
         action="store_true",
@@ -44,8 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the tier's keyring, to check encrypted blocks: 'env:VARIABLE' (or the spec "
         "itself, which then shows in the process list)",
     )
-    add_namespace_argument(parser)
-    add_json_argument(parser)
 
 
 def render(report: VerifyReport) -> list[str]:
@@ -83,8 +81,5 @@ def run(args: argparse.Namespace) -> int:
                 f"verify: {done}/{total} blocks checked", force=done == total
             ),
         )
-    if args.json:
-        print_json(asdict(report))
-    else:
-        print("\n".join(render(report)))
+    show(report, render, args.json)
     return EXIT_FAILURE if report.bad else EXIT_OK
