@@ -20,7 +20,6 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from types import TracebackType
 from typing import Any, Protocol
 
 from tiering.abstract import OffloadingEvent
@@ -234,12 +233,7 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
         """Close the socket without waiting for unsent messages; idempotent."""
         self._socket.close(linger=0)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -275,15 +269,6 @@ async def run_publisher(
         drain()
 
 
-def zmq_available() -> bool:
-    """True if ``pyzmq`` can be imported (so :class:`ZmqPublisher` works)."""
-    try:
-        import zmq  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 __all__ = [
     "DEFAULT_TOPIC",
     "EVENT_FORMAT_VERSION",
@@ -293,5 +278,4 @@ __all__ = [
     "decode_events",
     "encode_events",
     "run_publisher",
-    "zmq_available",
 ]
