@@ -200,9 +200,8 @@ def run_path(path: str, argv: Sequence[str]) -> NoReturn:
     name>: interrupted`` and exits 130, never a traceback."""
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    try:
+
+    def main() -> None:
         runpy.run_path(path, run_name="__main__")
-    except KeyboardInterrupt:
-        print(f"{os.path.basename(path)}: interrupted", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
-    sys.exit(0)
+
+    run_main(main, os.path.basename(path))
