@@ -1,16 +1,7 @@
-"""KV events for routers: a stable wire format for ``take_events()``, and publishers.
-
-One :class:`~tiering.abstract.OffloadingEvent` is one line of UTF-8 JSON with the keys
-``v`` (:data:`EVENT_FORMAT_VERSION`), ``medium``, ``removed``, ``block_size``,
-``block_hashes`` (hex) and, when given, ``node`` and ``tenant`` (see docs/metrics.md).
-Fields may be added within a version (readers ignore unknown keys); a change of meaning
-makes a new version. Within one medium, events come in the order they happened, so a
-reader applying them in order knows what the medium holds.
-
-:class:`CallbackPublisher` hands each encoded batch to a function; :class:`ZmqPublisher`
-is a ZeroMQ PUB socket (what routers already consume; it never blocks its sender, and a
-dropped batch shows as a gap in the sequence numbers). :func:`run_publisher` drains an
-engine's ``take_events()`` into a publisher periodically.
+"""KV events for routers: the wire format of ``take_events()`` (one JSON line per
+:class:`~tiering.abstract.OffloadingEvent`; its fields, versioning and ordering:
+docs/metrics.md), and publishers: :class:`CallbackPublisher`, :class:`ZmqPublisher`,
+and :func:`run_publisher` to drain an engine into one periodically.
 """
 
 from __future__ import annotations
