@@ -22,15 +22,20 @@ EXIT_INTERRUPTED = 130  # a command or script stopped by Ctrl-C: 128 + SIGINT, a
 
 
 def make_parser(doc: str | None, **kwargs: object) -> argparse.ArgumentParser:
-    """A parser whose ``--help`` shows every option's default; described by ``doc``'s
-    first paragraph (the script's docstring), the rest of it shown as the epilog."""
-    first, _, rest = (doc or "").strip().partition("\n\n")
+    """A parser whose ``--help`` shows every option's default, described by ``doc`` as
+    :func:`described` splits it."""
     return argparse.ArgumentParser(
-        description=first,
-        epilog=rest or None,
         formatter_class=_HelpFormatter,
+        **described(doc),
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def described(doc: str | None) -> dict[str, str | None]:
+    """A parser's ``description`` (``doc``'s first paragraph, e.g. a script's docstring)
+    and ``epilog`` (the rest of it, None if nothing)."""
+    first, _, rest = (doc or "").strip().partition("\n\n")
+    return {"description": first, "epilog": rest or None}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
