@@ -1,9 +1,5 @@
-"""Device transfers: copy KV blocks between the device KV cache and host-pool slots.
-
-:class:`DeviceCopier` checks each request, plans it (:mod:`tiering.kv_layout`) and hands
-it to a :class:`CopyBackend`: :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV
-cache, :class:`~tiering.copy_thread.ThreadCopyBackend` for a CPU one, or any object with
-the same five methods.
+"""Device transfers: :class:`DeviceCopier` checks each copy of KV blocks between the device
+KV cache and host-pool slots and hands it to a :class:`CopyBackend`, which runs it.
 """
 
 from __future__ import annotations
