@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import tiering.commands
-from tiering.cli_args import EXIT_INTERRUPTED, make_parser
+from tiering.cli_args import EXIT_INTERRUPTED, described, make_parser
 from tiering.errors import InvalidArgumentError, TieringError
 
 EXIT_OK = 0
@@ -128,13 +128,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, info in commands().items():
-        first, _, rest = info.doc.strip().partition("\n\n")
         child = sub.add_parser(
-            name,
-            help=info.help,
-            description=first,
-            epilog=rest or None,
-            formatter_class=parser.formatter_class,
+            name, help=info.help, formatter_class=parser.formatter_class, **described(info.doc)
         )
         if name == command:
             module = info.load()

@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
 from typing import NoReturn, TextIO, TypeVar
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -23,15 +22,20 @@ EXIT_INTERRUPTED = 130  # a command or script stopped by Ctrl-C: 128 + SIGINT, a
 
 
 def make_parser(doc: str | None, **kwargs: object) -> argparse.ArgumentParser:
-    """A parser whose ``--help`` shows every option's default; described by ``doc``'s
-    first paragraph (the script's docstring), the rest of it shown as the epilog."""
-    first, _, rest = (doc or "").strip().partition("\n\n")
+    """A parser whose ``--help`` shows every option's default, described by ``doc`` as
+    :func:`described` splits it."""
     return argparse.ArgumentParser(
-        description=first,
-        epilog=rest or None,
         formatter_class=_HelpFormatter,
+        **described(doc),
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def described(doc: str | None) -> dict[str, str | None]:
+    """A parser's ``description`` (``doc``'s first paragraph, e.g. a script's docstring)
+    and ``epilog`` (the rest of it, None if nothing)."""
+    first, _, rest = (doc or "").strip().partition("\n\n")
+    return {"description": first, "epilog": rest or None}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -178,12 +182,7 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.clear()
 
 
@@ -206,9 +205,8 @@ def run_path(path: str, argv: Sequence[str]) -> NoReturn:
     name>: interrupted`` and exits 130, never a traceback."""
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    try:
+
+    def main() -> None:
         runpy.run_path(path, run_name="__main__")
-    except KeyboardInterrupt:
-        print(f"{os.path.basename(path)}: interrupted", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
-    sys.exit(0)
+
+    run_main(main, os.path.basename(path))

@@ -84,30 +84,6 @@ class _StagingBuffer:
         return buffer[:n]
 
 
-class _EventPool:
-    """Reusable events; keeps at most ``keep`` idle ones."""
-
-    def __init__(self, runtime: CudaRuntime, keep: int) -> None:
-        self._runtime = runtime
-        self._idle: list[CudaEvent] = []
-        self._keep = keep
-        self.created = 0
-
-    def acquire(self) -> CudaEvent:
-        if self._idle:
-            return self._idle.pop()
-        self.created += 1
-        return self._runtime.new_event()
-
-    def release(self, event: CudaEvent) -> None:
-        if len(self._idle) < self._keep:
-            self._idle.append(event)
-
-    @property
-    def idle(self) -> int:
-        return len(self._idle)
-
-
 @dataclass(slots=True)
 class _Lane:
     """One direction: its copy stream, its staging buffer, its ordering event."""
@@ -129,7 +105,8 @@ class CudaCopyBackend:
 
     def __init__(self, *, runtime: CudaRuntime | None = None) -> None:
         self._runtime = runtime or CudaRuntime()
-        self._events = _EventPool(self._runtime, _IDLE_EVENTS_KEPT)
+        self._idle_events: list[CudaEvent] = []  # fired events kept for reuse
+        self._events_created = 0
         self._lanes: dict[Direction, _Lane] = {}
         self._pending: dict[PlannedCopy, _Pending] = {}
         self._layout: KVLayout | None = None
@@ -143,12 +120,12 @@ class CudaCopyBackend:
     @property
     def events_created(self) -> int:
         """CUDA events made so far (they are pooled and reused)."""
-        return self._events.created
+        return self._events_created
 
     @property
     def events_idle(self) -> int:
         """Events in the pool, waiting for reuse."""
-        return self._events.idle
+        return len(self._idle_events)
 
     @property
     def lanes(self) -> int:
@@ -221,7 +198,11 @@ class CudaCopyBackend:
                             self._copy_chunk(copy.direction, chunk, lane.staging)
                     except Exception as exc:
                         pending.error = exc  # reported once what was enqueued has drained
-                    pending.event = self._events.acquire()
+                    if self._idle_events:
+                        pending.event = self._idle_events.pop()
+                    else:
+                        self._events_created += 1
+                        pending.event = runtime.new_event()
                     pending.event.record(lane.stream)
         except Exception as exc:
             # No event marks the job's end, and copies may already be queued: wait for the
@@ -330,10 +311,11 @@ class CudaCopyBackend:
         return bool(fired)
 
     def _report(self, outcomes: list[CopyOutcome]) -> None:
+        idle = self._idle_events
         for copy, _ in outcomes:
             pending = self._pending.pop(copy, None)
-            if pending is not None and pending.event is not None:
-                self._events.release(pending.event)
+            if pending is not None and pending.event is not None and len(idle) < _IDLE_EVENTS_KEPT:
+                idle.append(pending.event)
         assert self._on_done is not None
         self._on_done(outcomes)
 

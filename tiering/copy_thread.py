@@ -1,11 +1,10 @@
 """The thread copy backend: KV copies in host memory on a small thread pool, coalesced
-(docs/architecture.md#gpu-copies).
+into *hops* (docs/architecture.md#gpu-copies).
 
-A *hop* (one call on a worker) takes every copy queued when it is dispatched, runs them
-in request order and posts their outcomes with one ``call_soon_threadsafe``; a merged
-group that fails is rerun one by one, so a faulty copy fails alone. At most
-``max_workers`` hops are in flight, and a hop waits while it conflicts (a host slot or
-device block written by one and read or written by the other) with one in flight.
+A hop (one call on a worker) runs every copy queued when it is dispatched, in request
+order, and posts their outcomes at once; a merged group that fails is rerun one by one,
+so a faulty copy fails alone. A hop waits while it conflicts (a host slot or device
+block written by one and read or written by the other) with one in flight.
 """
 
 from __future__ import annotations

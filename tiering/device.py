@@ -1,9 +1,5 @@
-"""Device transfers: copy KV blocks between the device KV cache and host-pool slots.
-
-:class:`DeviceCopier` checks each request, plans it (:mod:`tiering.kv_layout`) and hands
-it to a :class:`CopyBackend`: :class:`~tiering.copy_cuda.CudaCopyBackend` for a CUDA KV
-cache, :class:`~tiering.copy_thread.ThreadCopyBackend` for a CPU one, or any object with
-the same five methods.
+"""Device transfers: :class:`DeviceCopier` checks each copy of KV blocks between the device
+KV cache and host-pool slots and hands it to a :class:`CopyBackend`, which runs it.
 """
 
 from __future__ import annotations
@@ -323,18 +319,12 @@ class DeviceCopier(AsyncService):
         may repeat, slots not); returns at once. Raises, starting nothing,
         InvalidArgumentError for bad arguments, ClosedError unless copier and pool are open.
         """
-        ids = as_index_list("device block ids", device_ids)
-        slot_list = as_index_list("slots", slots)
-        self._check_job(ids, slot_list, Direction.TO_HOST)
-        return self._copy_handle(Direction.TO_HOST, ids, slot_list)
+        return self._start(Direction.TO_HOST, device_ids, slots)
 
     def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> CopyHandle:
         """Start copying host slot ``slots[i]`` into device block ``device_ids[i]``; slots
         may repeat, device ids may not. Raises like :meth:`to_host`."""
-        slot_list = as_index_list("slots", slots)
-        ids = as_index_list("device block ids", device_ids)
-        self._check_job(ids, slot_list, Direction.TO_DEVICE)
-        return self._copy_handle(Direction.TO_DEVICE, ids, slot_list)
+        return self._start(Direction.TO_DEVICE, device_ids, slots)
 
     def submit(
         self,
@@ -357,7 +347,12 @@ class DeviceCopier(AsyncService):
         direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
         self._hand_over(direction, device_ids, slots, None, on_done, token)
 
-    def _check_job(self, ids: list[int], slots: list[int], direction: Direction) -> None:
+    def _start(
+        self, direction: Direction, device_ids: Sequence[int], slots: Sequence[int]
+    ) -> CopyHandle:
+        """Check a :meth:`to_host` / :meth:`to_device` request, then hand it over."""
+        ids = as_index_list("device block ids", device_ids)
+        slot_list = as_index_list("slots", slots)
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
         if self._pool.closed:
@@ -368,21 +363,17 @@ class DeviceCopier(AsyncService):
             running = None
         if running is not self._loop:
             raise InvalidArgumentError("call the DeviceCopier on the event loop that entered it")
-        if len(ids) != len(slots):
-            raise InvalidArgumentError(f"{len(ids)} device block ids but {len(slots)} slots")
+        if len(ids) != len(slot_list):
+            raise InvalidArgumentError(f"{len(ids)} device block ids but {len(slot_list)} slots")
         to_host = direction is Direction.TO_HOST
         check_index_range("device block ids", ids, self._layout.num_blocks, unique=not to_host)
-        check_index_range("slots", slots, self._pool.num_blocks, unique=to_host)
-
-    def _copy_handle(self, direction: Direction, ids: list[int], slots: list[int]) -> CopyHandle:
-        assert self._loop is not None
-        future: asyncio.Future[None] = self._loop.create_future()
-        handle = CopyHandle(future, len(ids))
-        if not ids:
-            future.set_result(None)
+        check_index_range("slots", slot_list, self._pool.num_blocks, unique=to_host)
+        future: asyncio.Future[None] = running.create_future()
+        if ids:
+            self._hand_over(direction, ids, slot_list, future, None)
         else:
-            self._hand_over(direction, ids, slots, future, None)
-        return handle
+            future.set_result(None)
+        return CopyHandle(future, len(ids))
 
     def _hand_over(
         self,

@@ -1,16 +1,7 @@
-"""KV events for routers: a stable wire format for ``take_events()``, and publishers.
-
-One :class:`~tiering.abstract.OffloadingEvent` is one line of UTF-8 JSON with the keys
-``v`` (:data:`EVENT_FORMAT_VERSION`), ``medium``, ``removed``, ``block_size``,
-``block_hashes`` (hex) and, when given, ``node`` and ``tenant`` (see docs/metrics.md).
-Fields may be added within a version (readers ignore unknown keys); a change of meaning
-makes a new version. Within one medium, events come in the order they happened, so a
-reader applying them in order knows what the medium holds.
-
-:class:`CallbackPublisher` hands each encoded batch to a function; :class:`ZmqPublisher`
-is a ZeroMQ PUB socket (what routers already consume; it never blocks its sender, and a
-dropped batch shows as a gap in the sequence numbers). :func:`run_publisher` drains an
-engine's ``take_events()`` into a publisher periodically.
+"""KV events for routers: the wire format of ``take_events()`` (one JSON line per
+:class:`~tiering.abstract.OffloadingEvent`; its fields, versioning and ordering:
+docs/metrics.md), and publishers: :class:`CallbackPublisher`, :class:`ZmqPublisher`,
+and :func:`run_publisher` to drain an engine into one periodically.
 """
 
 from __future__ import annotations
@@ -20,7 +11,6 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from types import TracebackType
 from typing import Any, Protocol
 
 from tiering.abstract import OffloadingEvent
@@ -234,12 +224,7 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
         """Close the socket without waiting for unsent messages; idempotent."""
         self._socket.close(linger=0)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -275,15 +260,6 @@ async def run_publisher(
         drain()
 
 
-def zmq_available() -> bool:
-    """True if ``pyzmq`` can be imported (so :class:`ZmqPublisher` works)."""
-    try:
-        import zmq  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 __all__ = [
     "DEFAULT_TOPIC",
     "EVENT_FORMAT_VERSION",
@@ -293,5 +269,4 @@ __all__ = [
     "decode_events",
     "encode_events",
     "run_publisher",
-    "zmq_available",
 ]

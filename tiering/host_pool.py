@@ -2,14 +2,8 @@
 
 Slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)``, reachable as a flat
 ``memoryview`` (secondary tiers), a ``torch.uint8`` tensor ``[num_blocks, block_bytes]``
-(device copies) and by address (O_DIRECT I/O).
-
-An anonymous ``mmap``, page-locked in place with ``cudaHostRegister`` when pinned, rather
-than ``torch.empty(..., pin_memory=True)``: why in docs/architecture.md.
-
-The tensor is built over a ``memoryview`` of the mapping, not the mapping itself:
-``torch.frombuffer`` releases its buffer export, so only the intermediate view's export
-keeps ``mmap.close()`` from unmapping memory a live tensor points at.
+(device copies) and by address (O_DIRECT I/O). Why an anonymous ``mmap`` pinned in place:
+docs/architecture.md#the-host-pool.
 """
 
 from __future__ import annotations
@@ -115,6 +109,8 @@ class HostPool:
         self._nbytes = self._num_blocks * self._block_bytes
 
         self._mmap: mmap.mmap | None = _private_mapping(self._nbytes)
+        # Over a memoryview, not the mapping: torch.frombuffer releases its own buffer
+        # export, so only this view's keeps mmap.close() from unmapping a live tensor.
         flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
         self._tensor: torch.Tensor | None = flat.view(self._num_blocks, self._block_bytes)
         self._view: memoryview | None = memoryview(self._mmap)

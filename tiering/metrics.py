@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -47,6 +48,7 @@ DEFAULT_PREFIX = "kv_tiering"
 CPU_TIER = "cpu"
 """The ``tier`` label of the primary (CPU) tier; its ``level`` is ``"0"``."""
 _READ_ATTEMPTS = 5
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +110,9 @@ class EngineCollector:
         loop: asyncio.AbstractEventLoop | None = None,
         snapshot_timeout: float = 1.0,
     ) -> None:
-        if not isinstance(prefix, str) or not _valid_name(prefix):
+        if not isinstance(prefix, str) or not _METRIC_NAME.fullmatch(prefix):
             raise InvalidArgumentError(
-                f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
-                f"got {prefix!r}"
+                f"prefix must be a Prometheus metric name ({_METRIC_NAME.pattern}), got {prefix!r}"
             )
         self.engine = engine
         self.prefix = prefix
@@ -371,11 +372,6 @@ _TIER_COUNTERS: Sequence[tuple[str, str]] = (
 def _buckets(snapshot: LatencySnapshot) -> list[tuple[str, float]]:
     bounds = [floatToGoString(b) for b in snapshot.bounds] + ["+Inf"]
     return list(zip(bounds, snapshot.cumulative, strict=True))
-
-
-def _valid_name(name: str) -> bool:
-    allowed = all(c.isascii() and (c.isalnum() or c in "_:") for c in name)
-    return allowed and bool(name) and not name[0].isdigit()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

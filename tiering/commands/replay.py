@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tiering.cli_args import Progress
-from tiering.commands._output import add_json_argument, print_json
+from tiering.commands._output import add_json_argument, print_json, table
 from tiering.commands._workload import (
     DEFAULT_CPU_BLOCKS,
     add_config_arguments,
@@ -450,8 +450,7 @@ def format_summary(figures: dict[str, Any]) -> str:
                         f"p99 {latency['load']['p99']} ms"),
         ("loop lag p99", f"{figures['loop_lag_p99_ms']} ms"),
     ]  # fmt: skip
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    return "\n".join(table([list(row) for row in rows]))
 
 
 def _bookkeeping_row(figures: dict[str, Any]) -> str:
