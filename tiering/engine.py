@@ -82,7 +82,6 @@ class TieringEngine(AsyncService):
         self.block_bytes = kv_block_bytes(kv_caches)
         num_cpu_blocks = positive_int("num_cpu_blocks", num_cpu_blocks)
         check_host_memory(num_cpu_blocks, self.block_bytes)
-        job_core.check_write_policy(write_policy)
         if not isinstance(enable_events, bool):
             raise InvalidArgumentError(f"enable_events must be a bool, got {enable_events!r}")
         tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
@@ -104,8 +103,11 @@ class TieringEngine(AsyncService):
             namespace=self.namespace,
             tier_timeout=tier_timeout,
         )
-        # Until entered, a core without tiers answers the queries (zeros, no events).
-        self._core = job_core.JobCore(self.manager, (), num_device_blocks=0, block_bytes=0)
+        # Until entered, a core without tiers answers the queries (zeros, no events); it
+        # checks the write policy.
+        self._core = job_core.JobCore(
+            self.manager, (), num_device_blocks=0, block_bytes=0, write_policy=write_policy
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: dict[int, Job] = {}  # jobs without their cascaded answer yet
         self._flushes: dict[int, asyncio.Future[bool]] = {}

@@ -1,11 +1,7 @@
 """The engine's job state machine, without I/O: every rule about fills, pins and order.
 
-:class:`JobCore` owns the CPU tier's :class:`~tiering.manager.CPUOffloadingManager` and
-sees the secondary tiers only through synchronous questions and holds (:class:`TierView`).
-Calls and completions go in; the effects the shell must carry out, in order, come out. It
-never awaits, blocks or touches bytes, so a hypothesis state machine drives it with any
-interleaving of completions. The calls, the effects and the rules it keeps (each checked
-by tests/test_job_core_model.py): docs/job-lifecycle.md.
+Calls and completions go in; the effects the shell must carry out, in order, come out. The
+calls, the effects and the rules it keeps: docs/job-lifecycle.md.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ COUNTERS = (
     "declined_blocks",
     "lost_blocks",
 )
-"""The core's monotonic counters. ``declined_blocks``: blocks a store's eviction policy
-did not admit; ``lost_blocks``: under write-back, blocks that left the CPU tier while no
-secondary tier held them. Lookups are counted apart (:class:`LookupStatistics`)."""
+"""The core's monotonic counters (docs/job-lifecycle.md names each); lookups are counted
+apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
 
@@ -180,8 +175,7 @@ class Phase(enum.Enum):
     DONE = "done"  # its result (and a store's cascaded answer) is given
 
 
-# Phases as module constants: the hot path compares them by identity without an enum
-# attribute lookup each time.
+# Module constants: the hot path compares phases without an attribute lookup.
 _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
@@ -281,14 +275,11 @@ class _Job:
 class JobCore:
     """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
 
-    ``tiers`` are the secondary tiers, fastest first; device ids are checked against
-    ``num_device_blocks``; a job waits ``room_timeout`` seconds for CPU room at most.
-    With ``enable_events`` it records the tiers' store events, and ``take_removed`` (one
-    callable per tier, its :meth:`~tiering.secondary.SecondaryTierManager.take_removed`)
-    adds their removals, in order. Every public method raises before changing anything
-    or returns the effects of the change, in order. A load's ``cascaded`` answer is
-    implied by its :class:`Resolve`. Raises InvalidArgumentError for an unknown write
-    policy.
+    ``tiers`` are the secondary tiers, fastest first; a job waits ``room_timeout`` seconds
+    for CPU room at most. With ``enable_events`` it records the tiers' store events, and
+    ``take_removed`` (one callable per tier) their removals. Every public method raises
+    before changing anything or returns the effects of the change, in order. Raises
+    InvalidArgumentError for an unknown write policy.
     """
 
     def __init__(
@@ -303,7 +294,11 @@ class JobCore:
         enable_events: bool = False,
         take_removed: Sequence[Callable[[], Sequence[BlockHash]]] = (),
     ) -> None:
-        self.write_back = check_write_policy(write_policy) == "write_back"
+        if write_policy not in WRITE_POLICIES:
+            raise InvalidArgumentError(
+                f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
+            )
+        self.write_back = write_policy == "write_back"
         self.manager = manager
         self.tiers = list(tiers)
         if take_removed and len(take_removed) != len(self.tiers):
@@ -1081,15 +1076,6 @@ class JobCore:
         return out
 
 
-def check_write_policy(write_policy: object) -> str:
-    """``write_policy`` if it is one of :data:`WRITE_POLICIES`, else InvalidArgumentError."""
-    if write_policy not in WRITE_POLICIES:
-        raise InvalidArgumentError(
-            f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
-        )
-    return write_policy  # type: ignore[return-value]
-
-
 def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
     """``<n> block(s) failed: <reason> (<count>); …``, the three most common reasons."""
     reasons = Counter(failed[k] for k in keys)
@@ -1115,5 +1101,4 @@ __all__ = [
     "TierStore",
     "TierView",
     "WaitForRoom",
-    "check_write_policy",
 ]
