@@ -41,25 +41,21 @@ class TieringEngine(AsyncService):
     """KV blocks across device, CPU and secondary tiers, driven by one asyncio loop.
 
     Use as ``async with TieringEngine(kv_caches, num_cpu_blocks) as engine:``, entered
-    and left in one task on the loop that calls it. Methods are for that loop's thread.
-
-    ``kv_caches``: the device KV cache (a tensor, or per-layer tensors, indexed by block
-    id first); ``num_cpu_blocks``: the CPU tier's slots; ``secondary_tiers``: fastest
-    first, each a registered type name, ``{"type": name, **options}`` or a factory
-    ``(primary_kv_view, block_bytes) -> SecondaryTierManager``; ``write_through``
-    cascades every stored block, ``write_back`` each block evicted from CPU (and all at
-    close). ``cache_identity`` and the KV layout form ``engine.namespace``, which tiers
-    taking a ``namespace`` receive. The other options: docs/config.md.
+    and left in one task on the loop whose thread calls it. ``kv_caches``: the device KV
+    cache (a tensor, or per-layer tensors, indexed by block id first); ``num_cpu_blocks``:
+    the CPU tier's slots; ``secondary_tiers``: fastest first, each a registered name,
+    ``{"type": name, **options}`` or a factory ``(primary_kv_view, block_bytes)``;
+    ``write_through`` cascades every stored block, ``write_back`` each block evicted from
+    CPU (and all at close). ``cache_identity`` and the KV layout form ``engine.namespace``,
+    which tiers taking a ``namespace`` receive. The other options: docs/config.md.
 
     ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
     blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`, except
     prefixes shared with :meth:`share_prefix`); results name the caller's hashes, events
     and tiers the scoped keys. Every call raises ClosedError unless the engine is open,
-    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing.
-
-    Raises:
-        InvalidArgumentError: a malformed argument; nothing is allocated.
-        UnknownPolicyError / UnknownTierError: a name nothing is registered under.
+    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing;
+    so does the constructor (allocating nothing), and UnknownPolicyError /
+    UnknownTierError for a name nothing is registered under.
     """
 
     def __init__(

@@ -75,7 +75,8 @@ class PolledTier(TierActor):
     comes; with none after ``timeout`` seconds the job fails (the reason names the
     timeout), since such a tier may drop a job silently, and it might still touch the
     job's slots afterwards. A submit that raises fails the job with the tier's reason.
-    Queries go straight to ``tier``; closing the adapter shuts ``tier`` down.
+    It serves jobs only: its :class:`TierClient` sends queries (lookup, touch, hold,
+    release) to ``tier`` itself. Closing the adapter shuts ``tier`` down.
     """
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float, inbox_size: int = 64) -> None:
@@ -89,7 +90,6 @@ class PolledTier(TierActor):
         )
         self.tier = tier
         self.timeout = seconds("timeout", timeout, allow_zero=False)
-        self.holds_data = bool(getattr(tier, "holds_data", True))
         self._polling: set[int] = set()  # jobs waiting for their result
         self._results: dict[int, JobResult] = {}  # polled, not yet taken by their job
 
@@ -101,24 +101,6 @@ class PolledTier(TierActor):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         return self.tier.lookup(key, req_context)
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        self.tier.touch(keys, req_context)
-
-    def hold(self, keys: Collection[OffloadKey]) -> None:
-        self.tier.hold(keys)
-
-    def release(self, keys: Collection[OffloadKey]) -> None:
-        self.tier.release(keys)
-
-    def clear(self) -> None:
-        self.tier.clear()
-
-    def report_removals(self) -> None:
-        self.tier.report_removals()
-
-    def take_removed(self) -> list[OffloadKey]:
-        return self.tier.take_removed()
 
     def _on_closed(self) -> None:
         self.tier.shutdown()
