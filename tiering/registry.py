@@ -1,8 +1,6 @@
-"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins, then
-entry points of the group ``kv_tiering.tiers``. Built-ins are named by import path and
-imported when first built, so importing ``tiering`` imports no ``backends``. A tier's
-options are checked by its typed options (:func:`tier_options`) before it is built; a
-factory without them checks its own.
+"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins
+(imported when first built: importing ``tiering`` imports no ``backends``), then entry
+points of the group ``kv_tiering.tiers``.
 """
 
 from __future__ import annotations
@@ -103,8 +101,8 @@ def check_options(
     where: str = "",
 ) -> dict[str, object]:
     """``options`` of the tier registered as ``name``, checked and converted by its typed
-    options, with the ``defaults`` those declare where ``options`` leaves them out; a tier
-    without typed options gets them as given (text read as TOML) and no defaults. Raises
+    options, with the ``defaults`` they declare where ``options`` leaves them out (a
+    factory without typed options gets them as given, text read as TOML). Raises
     UnknownTierError as :func:`tier_factory`, InvalidArgumentError (ConfigError when
     ``where`` is given) naming ``where.option``, its value and the reason."""
     error = ConfigError if where else InvalidArgumentError

@@ -1,16 +1,10 @@
 """kv-tiering's secondary tiers under vLLM 0.33's CPU tier, with no fork of vLLM.
 
-vLLM's ``TieringOffloadingManager`` builds one from an entry of
-``kv_connector_extra_config["secondary_tiers"]``::
-
-    {"type": "NVMeTierManager", "module_path": "tiering.integrations.vllm",
-     "root": "/mnt/nvme/kv", "capacity_bytes": 500_000_000_000}
-
 :class:`NVMeTierManager` and :class:`MemoryTierManager` build our NVMe and memory tiers,
-:class:`RegisteredTierManager` any tier registered by name. Each owns a private uvloop
-loop on a daemon thread where the tier and its :class:`~tiering.tier_client.TierClient`
-live; vLLM's calls hand their work over and return at once. The options, threading,
-events and metrics: docs/vllm.md. Importing this module without vLLM raises ImportError.
+:class:`RegisteredTierManager` any tier registered by name, each on a private uvloop loop
+on a daemon thread; vLLM's calls hand their work over and return at once. Set-up,
+options, threading, events and metrics: docs/vllm.md. Without vLLM, importing this
+module raises ImportError.
 """
 
 from __future__ import annotations
@@ -152,12 +146,11 @@ class RegisteredTierManager(SecondaryTierManager):
     """A vLLM secondary tier backed by the kv-tiering tier registered as ``tier`` (the
     subclasses fix it); the other options: docs/vllm.md#set-up.
 
-    Guarantees: every submitted job's :class:`JobResult` is reported exactly once, by
-    ``get_finished_jobs``; a load reports only keys whose bytes landed and verified
-    (``successful_keys`` on a partial failure); no call but ``drain_jobs`` and
-    ``shutdown`` waits for I/O. The constructor raises InvalidArgumentError for a bad
-    option (named with its value; nothing is left running), UnknownTierError for an
-    unknown ``tier``, TimeoutError if the tier did not start within ``start_timeout``.
+    Every job's :class:`JobResult` is reported exactly once, by ``get_finished_jobs``; a
+    load reports only keys whose bytes landed and verified; no call but ``drain_jobs``
+    and ``shutdown`` waits for I/O. The constructor raises InvalidArgumentError for a bad
+    option (nothing is left running), UnknownTierError for an unknown ``tier``,
+    TimeoutError if the tier did not start within ``start_timeout``.
     """
 
     tier_name: ClassVar[str | None] = None
@@ -247,9 +240,8 @@ class RegisteredTierManager(SecondaryTierManager):
 
     @property
     def kv_tier(self) -> Any:
-        """The kv-tiering tier behind this manager, for inspection (its ``metrics``,
-        options and ``get_num_blocks``); it runs on the private loop, so call nothing
-        that starts I/O."""
+        """The kv-tiering tier behind this manager, for inspection; it runs on the private
+        loop, so call nothing that starts I/O."""
         return self._tier
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -363,9 +355,8 @@ class RegisteredTierManager(SecondaryTierManager):
         return finished
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """The tier's events since the last call, in the order they happened (with
-        ``enable_kv_events``): blocks stored, and blocks removed (evicted, or dropped
-        because they did not verify)."""
+        """The tier's events since the last call, in order (with ``enable_kv_events``):
+        blocks stored, and blocks removed (evicted, or dropped unverified)."""
         if self._events is None:
             return ()
         with self._lock:
