@@ -432,14 +432,10 @@ class JobCore:
     # Stores (docs/job-lifecycle.md#a-store-step-by-step).
 
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
-
-        A repeated hash is stored once, from its first device block; ready blocks are
-        not copied again, a block being filled is joined, a block the eviction policy
-        does not admit is left out (``declined_blocks``). The job resolves once every
-        other block is ready in CPU; then, under write-through, it cascades. Raises
-        ClosedError unless open, InvalidArgumentError for malformed arguments (hashes not
-        bytes, device ids not distinct ints in range, lengths that differ)."""
+        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``
+        (docs/job-lifecycle.md#a-store-step-by-step). Raises ClosedError unless open,
+        InvalidArgumentError for malformed arguments (hashes not bytes, device ids not
+        distinct ints in range, lengths that differ)."""
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         job = _Job(self._new_id(), False, hashes, ids)  # repeats go when it is planned
@@ -558,12 +554,9 @@ class JobCore:
     # Loads (docs/job-lifecycle.md#a-load-step-by-step).
 
     def load(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a load of blocks into device blocks; returns ``(job id, effects)``.
-
-        Ready blocks are pinned now, blocks being filled awaited, blocks only a
-        secondary tier holds promoted from the first servable one. A repeated hash lands
-        in each of its device blocks; keys that cannot be read end in ``failed_keys``.
-        Raises as :meth:`store`, and BlockNotFoundError for a hash no tier holds."""
+        """Admit a load of blocks into device blocks; returns ``(job id, effects)``
+        (docs/job-lifecycle.md#a-load-step-by-step). Raises as :meth:`store`, and
+        BlockNotFoundError for a hash no tier holds."""
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes

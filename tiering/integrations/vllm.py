@@ -389,12 +389,8 @@ class RegisteredTierManager(SecondaryTierManager):
                 self._lock.wait(_DRAIN_CHECK_S)
 
     def _fail_pending_locked(self, reason: str) -> None:
-        for job_id, pending in list(self._pending.items()):
-            self._lock.release()
-            try:
-                self._job_ended(job_id, TierOutcome.failure(pending.keys, reason))
-            finally:
-                self._lock.acquire()
+        for job_id, pending in list(self._pending.items()):  # the lock is reentrant
+            self._job_ended(job_id, TierOutcome.failure(pending.keys, reason))
 
     def shutdown(self) -> None:
         """Close the tier gracefully (jobs in flight end first), stop the loop thread and
