@@ -217,11 +217,7 @@ class TieringEngine(AsyncService):
         """Hard stop, synchronous and idempotent: every unfinished job fails now, the
         tiers stop, copies in flight are waited for briefly (their memory must stay),
         the host pool is released. Returns the close's result, as :meth:`aclose` does."""
-        if self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSED
-            self._closed.set()
-        else:
-            self._release_now()
+        self._release_now()
         return self._core.close_result()
 
     def _release_now(self) -> None:

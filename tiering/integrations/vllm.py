@@ -213,12 +213,11 @@ class RegisteredTierManager(SecondaryTierManager):
 
     def _tier_name(self, tier: str | None) -> str:
         fixed = type(self).tier_name
-        if fixed is not None:
-            if tier is not None and tier != fixed:
-                raise InvalidArgumentError(
-                    f"tier: {type(self).__name__} always builds the {fixed!r} tier, got {tier!r}"
-                )
-            return fixed
+        if fixed is not None and tier not in (None, fixed):
+            raise InvalidArgumentError(
+                f"tier: {type(self).__name__} always builds the {fixed!r} tier, got {tier!r}"
+            )
+        tier = fixed or tier
         if not isinstance(tier, str) or not tier:
             raise InvalidArgumentError(
                 f"tier must name a registered kv-tiering tier (e.g. 'nvme'), got {tier!r}"
