@@ -99,8 +99,7 @@ class TieringEngine(AsyncService):
             namespace=self.namespace,
             tier_timeout=tier_timeout,
         )
-        # Until entered, a core without tiers answers the queries (zeros, no events); it
-        # checks the write policy.
+        # Until entered, a core without tiers answers the queries and checks the policy.
         self._core = job_core.JobCore(
             self.manager, (), num_device_blocks=0, block_bytes=0, write_policy=write_policy
         )

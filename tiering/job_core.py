@@ -602,8 +602,7 @@ class JobCore:
             promotions.setdefault(found[h], []).append(h)
         for t, promoted in promotions.items():
             self.tiers[t].hold(promoted)  # released as the promotion ends
-        # Every block has its slot now (ready, being filled, or promoted into), kept
-        # until the load has copied it out.
+        # Every block has its slot now, kept until the load has copied it out.
         job.slots = [manager.slot_of(h) for h in hashes]
         self._write_back(job, out, self._promote)
         return True

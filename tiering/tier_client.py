@@ -177,8 +177,7 @@ class TierClient(AsyncService):
         )
         self._jobs_in_flight = 0
         self._keys_in_flight = 0
-        # Queries go straight to the tier, synchronous and cheap (SecondaryTierManager's
-        # lookup, touch, hold and release).
+        # Queries go straight to the tier: synchronous and cheap.
         self.lookup: Callable[..., bool | None] = tier.lookup
         self.touch: Callable[..., None] = tier.touch
         self.hold: Callable[[Collection[OffloadKey]], None] = tier.hold

@@ -60,9 +60,7 @@ _T = TypeVar("_T")
 # How long drain_jobs waits between checks that the loop thread still runs.
 _DRAIN_CHECK_S = 1.0
 
-# Defaults for the tiers that take these options (docs/vllm.md#how-it-works says why):
-# the loop is private, so the NVMe tier's I/O threads need not pause for its lag; vLLM's
-# CPU tier is shared memory of 4 KiB pages, so direct I/O goes through staging buffers.
+# Defaults for the tiers that take these options (docs/vllm.md#how-it-works says why).
 _TIER_DEFAULTS: dict[str, Any] = {"gil_pause_bytes": 0, "staging_bytes": STAGING_BYTES}
 
 METRIC_PREFIX = "kv_tiering:"
