@@ -182,12 +182,11 @@ class TieringEngine(AsyncService):
         self._state = Lifecycle.OPEN
 
     async def aclose(self) -> JobResult:
-        """Close gracefully within ``close_timeout``: admit no new job, let running jobs
-        and cascades finish, flush (write-back), then close tiers, copier and host pool;
-        what the deadline cuts short (everything, if cancelled) stops as :meth:`close`
-        does. Idempotent; returns the close's result: failed, naming them in the tiers'
-        keys, if under write-back CPU blocks did not reach every tier lacking them (a
-        warning is logged; those no tier holds count in ``counters["lost_blocks"]``)."""
+        """Close gracefully within ``close_timeout`` (docs/job-lifecycle.md#close): jobs,
+        cascades and (write-back) a final flush end, then tiers, copier and host pool
+        close; what the deadline cuts short (everything, if cancelled) stops as
+        :meth:`close` does. Idempotent; returns the close's result: failed, naming them,
+        if under write-back CPU blocks did not reach every tier lacking them."""
         if self._state is Lifecycle.NEW:
             return self.close()
         if self._state is not Lifecycle.OPEN:

@@ -73,15 +73,12 @@ def checked_job(
 
 
 class SecondaryTierManager(ABC):
-    """A tier below the CPU tier.
-
-    Contract: ``submit_store``/``submit_load`` return at once and never do I/O on the
-    caller's stack; each submitted job later yields exactly one :class:`JobResult`
-    from ``get_finished()``. ``lookup`` is synchronous and cheap.
+    """A tier below the CPU tier: ``submit_store``/``submit_load`` return at once and
+    never do I/O on the caller's stack; each submitted job later yields exactly one
+    :class:`JobResult` from ``get_finished()``; ``lookup`` is synchronous and cheap.
 
     ``holds_data`` is False for a tier that only records which keys it was given (a
-    test double): the engine still cascades to it but never loads from it, since its
-    loads would leave the CPU slots unwritten.
+    test double): the engine cascades to it but never loads from it.
     """
 
     holds_data: bool = True

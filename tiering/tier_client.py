@@ -72,11 +72,10 @@ class PolledTier(TierActor):
     """A tier written against the seed's polled interface, served as a TierActor.
 
     Each job submits to ``tier`` and polls its ``get_finished()`` until the job's result
-    comes; with none after ``timeout`` seconds the job fails (the reason names the
-    timeout), since such a tier may drop a job silently, and it might still touch the
-    job's slots afterwards. A submit that raises fails the job with the tier's reason.
-    It serves jobs only: its :class:`TierClient` sends queries (lookup, touch, hold,
-    release) to ``tier`` itself. Closing the adapter shuts ``tier`` down.
+    comes; with none after ``timeout`` seconds the job fails (such a tier may drop a job
+    silently, and might still touch its slots afterwards); a submit that raises fails it
+    with the tier's reason. It serves jobs only: its :class:`TierClient` sends queries
+    to ``tier`` itself. Closing the adapter shuts ``tier`` down.
     """
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float, inbox_size: int = 64) -> None:
