@@ -146,11 +146,8 @@ Effect = (
 class TierView(Protocol):
     """What the core asks of a secondary tier; all synchronous and cheap."""
 
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def servable(self) -> bool: ...
+    name: str
+    servable: bool
 
     def lookup(self, key: BlockHash) -> bool | None: ...
 
