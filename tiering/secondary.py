@@ -39,15 +39,14 @@ class JobMetadata:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """How a job ended; the one reading used everywhere in kv-tiering.
+    """How a job ended, with one reading everywhere (docs/job-lifecycle.md#what-a-jobresult-means):
 
     * ``success`` is True exactly when every key of the job was transferred; then
       ``failed_keys`` is empty and ``error`` is None.
     * ``success`` False with ``failed_keys`` non-empty: those keys were not transferred;
       every other key of the job was (a load's other keys landed in their slots).
     * ``success`` False with ``failed_keys`` empty: the job failed as a whole; no key
-      of it may be counted as transferred. (Tiers written against the seed interface
-      report failures this way; kv-tiering's own tiers and engine always name the keys.)
+      of it may be counted as transferred.
     * ``error`` is a short human-readable reason whenever ``success`` is False.
     """
 
