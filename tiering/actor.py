@@ -1,9 +1,6 @@
 """The asynchronous base of every secondary tier: an actor with a bounded inbox
-(docs/architecture.md#tiers-are-actors).
-
-Its tasks belong to one :class:`asyncio.TaskGroup` hosted by a runner task of its own,
-so :meth:`~TierActor.start` and :meth:`~TierActor.aclose` may be called from any task of
-the loop.
+(docs/architecture.md#tiers-are-actors). Its tasks belong to a task group of its own
+runner task, so ``start`` and ``aclose`` may be called from any task of the loop.
 """
 
 from __future__ import annotations
@@ -39,12 +36,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-ACTOR_OPTIONS = frozenset(ActorOptions.model_fields)
-"""The keyword options every TierActor takes (:class:`~tiering.options.ActorOptions`' fields)."""
-
 # How long aclose waits, after cancelling, for hooks to unwind before failing their
-# jobs anyway: a hook that swallows cancellation must not hang the caller. (Jobs inside
-# a blocking call are not "hanging": their result waits for the call, see run_blocking.)
+# jobs anyway: a hook that swallows cancellation must not hang the caller.
 _CANCEL_GRACE_S = 1.0
 
 # The job a job task runs, so run_blocking can mark that job busy while its call runs.
@@ -54,19 +47,17 @@ _CURRENT_JOB: contextvars.ContextVar[tuple[TierActor, int] | None] = contextvars
 
 
 class TierActor(AsyncService, SecondaryTierManager):
-    """A secondary tier served by an asyncio actor; subclasses implement the two hooks.
+    """A secondary tier served by an asyncio actor.
 
-    Guarantees: ``submit_*`` check, enqueue and return at once (raising, they change
-    nothing); queued loads go before queued stores, at most ``max_inflight`` jobs run
-    at once; each admitted job's one result reaches every :meth:`result` future and
-    :meth:`get_finished` once (or its ``on_done``, for a job the engine sent); a hook
-    that raises or returns no ``JobResult`` for its job fails that job only (counted by
-    cause); a result is never delivered while a :meth:`run_blocking` call of the job
-    runs, so whoever sees it may reuse the slots. A failed load's slots are undefined.
+    ``submit_*`` check, enqueue and return at once (raising, they change nothing); loads
+    go before stores, at most ``max_inflight`` jobs run at once; each job's one result
+    reaches every :meth:`result` future and :meth:`get_finished` once (or its ``on_done``);
+    a hook that raises fails its job only; no result is delivered while a
+    :meth:`run_blocking` call of the job runs. A failed load's slots are undefined.
 
-    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (on the loop thread, the
-    bulk byte work in ONE :meth:`run_blocking` call per job), ``lookup``,
-    ``get_num_blocks``, ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`.
+    Subclasses implement :meth:`_do_store` and :meth:`_do_load` (the bulk byte work in
+    ONE :meth:`run_blocking` call per job), ``lookup``, ``get_num_blocks``,
+    ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`.
     """
 
     def __init__(
@@ -200,11 +191,10 @@ class TierActor(AsyncService, SecondaryTierManager):
         if self._state is not Lifecycle.NEW:
             self._state = Lifecycle.CLOSING
         self._inbox.close()
-        if loop_running:
-            self._cancel_background()
         self._cancel_reason = "cancelled: tier shut down before the job finished"
         self._cancel_cause = "cancelled by shutdown"
         if loop_running:
+            self._cancel_background()
             if self._runner is not None and not self._runner.done():
                 self._runner.cancel()
             self._cancel_running_jobs()
@@ -244,13 +234,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         return f"<{self._name()} {self.statistics()!r}>"
 
     def submit_store(self, job: JobMetadata) -> None:
-        """Queue a store job (CPU slots -> this tier); returns at once.
-
-        Raises:
-            InvalidArgumentError: the job is malformed (see :meth:`_admit`).
-            ClosedError: the tier is not started, closing or closed.
-            TierBusyError: the store inbox is full; drain results and retry.
-        """
+        """Queue a store job (CPU slots -> this tier); returns at once. Raises
+        InvalidArgumentError for a malformed job (:meth:`_admit`), ClosedError unless
+        open, TierBusyError if the store inbox is full (drain results and retry)."""
         self._submit_now(job, "store")
 
     def submit_load(self, job: JobMetadata) -> None:
@@ -279,15 +265,10 @@ class TierActor(AsyncService, SecondaryTierManager):
         slots: tuple[int, ...],
         on_done: Callable[[JobResult], None],
     ) -> bool:
-        """Queue a job whose arguments the caller has checked (the engine's road, through
-        :meth:`TierClient.submit <tiering.tier_client.TierClient.submit>`); a full lane parks
-        it rather than refuse it; returns False if it was parked. ``on_done(result)`` is
-        called exactly once, later on the loop (or at once if a close finds no loop
-        running), never inside this call.
-
-        Raises:
-            ClosedError: the tier is not open; nothing was queued.
-        """
+        """Queue a job whose arguments the caller has checked (``TierClient.submit``);
+        a full lane parks it; returns False if parked. ``on_done(result)`` is called
+        exactly once, later on the loop (at once if a close finds no loop running).
+        Raises ClosedError unless open, queueing nothing."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the {self.get_tier_type()} tier is {self._state}")
         while self._next_id in self._ledger or self._next_id in self._reserved_ids:
@@ -313,13 +294,10 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._register(entry)
 
     def _admit(self, job: JobMetadata) -> JobMetadata:
-        """``job`` checked, as an immutable snapshot; changes nothing.
-
-        Raises:
-            InvalidArgumentError: not a JobMetadata, called off the tier's loop, a job id
-                not an int or in use, or keys and slots :func:`checked_job` refuses.
-            ClosedError: the tier is not open.
-        """
+        """``job`` checked, as an immutable snapshot; changes nothing. Raises
+        InvalidArgumentError for a non-JobMetadata, a call off the tier's loop, a job id
+        not an int or in use, keys and slots :func:`checked_job` refuses; ClosedError
+        unless open."""
         if not isinstance(job, JobMetadata):
             raise InvalidArgumentError(f"expected a JobMetadata, got {type(job).__name__}")
         if self._state is not Lifecycle.OPEN:
@@ -372,14 +350,11 @@ class TierActor(AsyncService, SecondaryTierManager):
             task.cancel()
 
     async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
-        """``fn(*args)`` run on this tier's own bounded thread pool.
-
-        Cancelled before the call starts on a thread, the call is dropped; after, the
-        cancellation waits until ``fn`` returns (its outcome discarded), so the code
-        around the call never releases what the thread still uses. From a job's hook,
-        the job's result is held back while the call runs. Raises ClosedError once the
-        pool is shut down, else whatever ``fn`` raises.
-        """
+        """``fn(*args)`` run on this tier's bounded thread pool. Cancelled before the
+        call starts, it is dropped; after, the cancellation waits until ``fn`` returns
+        (its outcome discarded), so nothing the thread uses is released under it. From a
+        job's hook, the job's result is held back while the call runs. Raises ClosedError
+        once the pool is shut down, else whatever ``fn`` raises."""
         try:
             call = self._executor.submit(fn, *args)
         except RuntimeError as exc:
@@ -569,4 +544,4 @@ class TierActor(AsyncService, SecondaryTierManager):
         return f"{type(self).__name__}"
 
 
-__all__ = ["ACTOR_OPTIONS", "TierActor"]
+__all__ = ["TierActor"]

@@ -41,25 +41,21 @@ class TieringEngine(AsyncService):
     """KV blocks across device, CPU and secondary tiers, driven by one asyncio loop.
 
     Use as ``async with TieringEngine(kv_caches, num_cpu_blocks) as engine:``, entered
-    and left in one task on the loop that calls it. Methods are for that loop's thread.
-
-    ``kv_caches``: the device KV cache (a tensor, or per-layer tensors, indexed by block
-    id first); ``num_cpu_blocks``: the CPU tier's slots; ``secondary_tiers``: fastest
-    first, each a registered type name, ``{"type": name, **options}`` or a factory
-    ``(primary_kv_view, block_bytes) -> SecondaryTierManager``; ``write_through``
-    cascades every stored block, ``write_back`` each block evicted from CPU (and all at
-    close). ``cache_identity`` and the KV layout form ``engine.namespace``, which tiers
-    taking a ``namespace`` receive. The other options: docs/config.md.
+    and left in one task on the loop whose thread calls it. ``kv_caches``: the device KV
+    cache (a tensor, or per-layer tensors, indexed by block id first); ``num_cpu_blocks``:
+    the CPU tier's slots; ``secondary_tiers``: fastest first, each a registered name,
+    ``{"type": name, **options}`` or a factory ``(primary_kv_view, block_bytes)``;
+    ``write_through`` cascades every stored block, ``write_back`` each block evicted from
+    CPU (and all at close). ``cache_identity`` and the KV layout form ``engine.namespace``,
+    which tiers taking a ``namespace`` receive. The other options: docs/config.md.
 
     ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
     blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`, except
     prefixes shared with :meth:`share_prefix`); results name the caller's hashes, events
     and tiers the scoped keys. Every call raises ClosedError unless the engine is open,
-    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing.
-
-    Raises:
-        InvalidArgumentError: a malformed argument; nothing is allocated.
-        UnknownPolicyError / UnknownTierError: a name nothing is registered under.
+    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing;
+    so does the constructor (allocating nothing), and UnknownPolicyError /
+    UnknownTierError for a name nothing is registered under.
     """
 
     def __init__(
@@ -82,7 +78,6 @@ class TieringEngine(AsyncService):
         self.block_bytes = kv_block_bytes(kv_caches)
         num_cpu_blocks = positive_int("num_cpu_blocks", num_cpu_blocks)
         check_host_memory(num_cpu_blocks, self.block_bytes)
-        job_core.check_write_policy(write_policy)
         if not isinstance(enable_events, bool):
             raise InvalidArgumentError(f"enable_events must be a bool, got {enable_events!r}")
         tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
@@ -104,8 +99,10 @@ class TieringEngine(AsyncService):
             namespace=self.namespace,
             tier_timeout=tier_timeout,
         )
-        # Until entered, a core without tiers answers the queries (zeros, no events).
-        self._core = job_core.JobCore(self.manager, (), num_device_blocks=0, block_bytes=0)
+        # Until entered, a core without tiers answers the queries and checks the policy.
+        self._core = job_core.JobCore(
+            self.manager, (), num_device_blocks=0, block_bytes=0, write_policy=write_policy
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: dict[int, Job] = {}  # jobs without their cascaded answer yet
         self._flushes: dict[int, asyncio.Future[bool]] = {}
@@ -185,12 +182,11 @@ class TieringEngine(AsyncService):
         self._state = Lifecycle.OPEN
 
     async def aclose(self) -> JobResult:
-        """Close gracefully within ``close_timeout``: admit no new job, let running jobs
-        and cascades finish, flush (write-back), then close tiers, copier and host pool;
-        what the deadline cuts short (everything, if cancelled) stops as :meth:`close`
-        does. Idempotent; returns the close's result: failed, naming them in the tiers'
-        keys, if under write-back CPU blocks did not reach every tier lacking them (a
-        warning is logged; those no tier holds count in ``counters["lost_blocks"]``)."""
+        """Close gracefully within ``close_timeout`` (docs/job-lifecycle.md#close): jobs,
+        cascades and (write-back) a final flush end, then tiers, copier and host pool
+        close; what the deadline cuts short (everything, if cancelled) stops as
+        :meth:`close` does. Idempotent; returns the close's result: failed, naming them,
+        if under write-back CPU blocks did not reach every tier lacking them."""
         if self._state is Lifecycle.NEW:
             return self.close()
         if self._state is not Lifecycle.OPEN:
@@ -219,11 +215,7 @@ class TieringEngine(AsyncService):
         """Hard stop, synchronous and idempotent: every unfinished job fails now, the
         tiers stop, copies in flight are waited for briefly (their memory must stay),
         the host pool is released. Returns the close's result, as :meth:`aclose` does."""
-        if self._state is Lifecycle.NEW:
-            self._state = Lifecycle.CLOSED
-            self._closed.set()
-        else:
-            self._release_now()
+        self._release_now()
         return self._core.close_result()
 
     def _release_now(self) -> None:

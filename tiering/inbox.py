@@ -1,11 +1,6 @@
 """A tier's inbox: two bounded FIFO lanes, loads (on a request's critical path) handed
-out before stores (docs/architecture.md#tiers-are-actors).
-
-When a lane is full, :meth:`Inbox.put_nowait` raises TierBusyError, :meth:`Inbox.put`
-waits and :meth:`Inbox.park` leaves the item in the lane's waiting line, queued in order
-as room appears. Closing stops admission (waiting putters raise ClosedError); queued and
-parked items stay gettable, and :meth:`Inbox.get` returns ``None`` once closed and
-empty. One event loop; not thread-safe.
+out before stores (docs/architecture.md#tiers-are-actors). One event loop; not
+thread-safe.
 """
 
 from __future__ import annotations
@@ -49,8 +44,11 @@ class _Parked(Generic[_T]):
 class Inbox(Generic[_T]):
     """Two bounded FIFO lanes (``"load"`` and ``"store"``) feeding one or more getters.
 
-    A lane's items come out in the order queued, queued loads before any store; a lane
-    never holds more than ``max_size``; a put that raises (or is cancelled) admits nothing.
+    A lane's items come out in the order queued, loads before any store; a lane never
+    holds more than ``max_size``; a put that raises (or is cancelled) admits nothing. When
+    a lane is full, :meth:`put_nowait` raises, :meth:`put` waits and :meth:`park` leaves
+    the item in line, queued as room appears. Closing stops admission; queued and parked
+    items stay gettable, and :meth:`get` returns ``None`` once closed and empty.
     """
 
     def __init__(self, max_size: int, *, owner: str = "inbox") -> None:
@@ -66,13 +64,9 @@ class Inbox(Generic[_T]):
         self._closed = False
 
     def put_nowait(self, lane: Lane, item: _T) -> None:
-        """Queue ``item`` in ``lane`` now.
-
-        Raises:
-            InvalidArgumentError: ``lane`` is not ``"load"`` or ``"store"``.
-            ClosedError: the inbox is closed.
-            TierBusyError: the lane is full (or others already wait for room in it).
-        """
+        """Queue ``item`` in ``lane`` now. Raises InvalidArgumentError for an unknown
+        lane, ClosedError once closed, TierBusyError if the lane is full (or others
+        already wait for room in it)."""
         if not self._has_room(lane):
             raise TierBusyError(
                 f"{self._owner}: {lane} inbox is full ({self.max_size} jobs queued); "
@@ -82,11 +76,7 @@ class Inbox(Generic[_T]):
 
     def park(self, lane: Lane, item: _T) -> bool:
         """Queue ``item`` now if ``lane`` has room, else park it in the lane's waiting
-        line (queued as room appears, in order). Returns True if it was queued now.
-
-        Raises:
-            InvalidArgumentError, ClosedError: as :meth:`put_nowait`.
-        """
+        line; True if it was queued now. Raises as :meth:`put_nowait`, never TierBusyError."""
         if self._has_room(lane):
             self._append(lane, item)
             return True
@@ -95,11 +85,8 @@ class Inbox(Generic[_T]):
 
     async def put(self, lane: Lane, item: _T) -> None:
         """Queue ``item`` in ``lane``, waiting in line for room if the lane is full.
-
-        Raises:
-            InvalidArgumentError, ClosedError: as :meth:`put_nowait` (ClosedError also if
-                the inbox closes while this waits); raising, nothing was admitted.
-        """
+        Raises as :meth:`put_nowait` (ClosedError also if the inbox closes meanwhile),
+        never TierBusyError."""
         if self._has_room(lane):
             self._append(lane, item)
             return
@@ -143,10 +130,7 @@ class Inbox(Generic[_T]):
 
     async def get(self) -> _T | None:
         """Wait for and take the next item (loads first); ``None`` once closed and empty.
-
-        Raises:
-            asyncio.CancelledError: the caller was cancelled; nothing was taken.
-        """
+        Cancelled, it takes nothing."""
         while True:
             item = self.get_nowait()
             if item is not None or self._closed:

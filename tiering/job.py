@@ -107,11 +107,9 @@ class Job:
 
 
 class FinishedResults:
-    """Results of finished jobs, kept for a caller that polls once per step.
-
-    Bounded: a caller that only awaits its jobs never drains it, so beyond ``capacity``
-    results the oldest are dropped, with one warning for the life of the buffer.
-    """
+    """Results of finished jobs, kept for a caller that polls once per step; beyond
+    ``capacity`` (a caller that only awaits never drains it) the oldest are dropped,
+    with one warning for the life of the buffer."""
 
     def __init__(self, capacity: int | None = None) -> None:
         maxlen = FINISHED_KEPT if capacity is None else capacity

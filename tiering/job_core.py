@@ -1,11 +1,7 @@
 """The engine's job state machine, without I/O: every rule about fills, pins and order.
 
-:class:`JobCore` owns the CPU tier's :class:`~tiering.manager.CPUOffloadingManager` and
-sees the secondary tiers only through synchronous questions and holds (:class:`TierView`).
-Calls and completions go in; the effects the shell must carry out, in order, come out. It
-never awaits, blocks or touches bytes, so a hypothesis state machine drives it with any
-interleaving of completions. The calls, the effects and the rules it keeps (each checked
-by tests/test_job_core_model.py): docs/job-lifecycle.md.
+Calls and completions go in; the effects the shell must carry out, in order, come out. The
+calls, the effects and the rules it keeps: docs/job-lifecycle.md.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ COUNTERS = (
     "declined_blocks",
     "lost_blocks",
 )
-"""The core's monotonic counters. ``declined_blocks``: blocks a store's eviction policy
-did not admit; ``lost_blocks``: under write-back, blocks that left the CPU tier while no
-secondary tier held them. Lookups are counted apart (:class:`LookupStatistics`)."""
+"""The core's monotonic counters (docs/job-lifecycle.md names each); lookups are counted
+apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
 
@@ -151,11 +146,8 @@ Effect = (
 class TierView(Protocol):
     """What the core asks of a secondary tier; all synchronous and cheap."""
 
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def servable(self) -> bool: ...
+    name: str
+    servable: bool
 
     def lookup(self, key: BlockHash) -> bool | None: ...
 
@@ -180,8 +172,7 @@ class Phase(enum.Enum):
     DONE = "done"  # its result (and a store's cascaded answer) is given
 
 
-# Phases as module constants: the hot path compares them by identity without an enum
-# attribute lookup each time.
+# Module constants: the hot path compares phases without an attribute lookup.
 _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
@@ -281,14 +272,11 @@ class _Job:
 class JobCore:
     """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
 
-    ``tiers`` are the secondary tiers, fastest first; device ids are checked against
-    ``num_device_blocks``; a job waits ``room_timeout`` seconds for CPU room at most.
-    With ``enable_events`` it records the tiers' store events, and ``take_removed`` (one
-    callable per tier, its :meth:`~tiering.secondary.SecondaryTierManager.take_removed`)
-    adds their removals, in order. Every public method raises before changing anything
-    or returns the effects of the change, in order. A load's ``cascaded`` answer is
-    implied by its :class:`Resolve`. Raises InvalidArgumentError for an unknown write
-    policy.
+    ``tiers`` are the secondary tiers, fastest first; a job waits ``room_timeout`` seconds
+    for CPU room at most. With ``enable_events`` it records the tiers' store events, and
+    ``take_removed`` (one callable per tier) their removals. Every public method raises
+    before changing anything or returns the effects of the change, in order. Raises
+    InvalidArgumentError for an unknown write policy.
     """
 
     def __init__(
@@ -303,7 +291,11 @@ class JobCore:
         enable_events: bool = False,
         take_removed: Sequence[Callable[[], Sequence[BlockHash]]] = (),
     ) -> None:
-        self.write_back = check_write_policy(write_policy) == "write_back"
+        if write_policy not in WRITE_POLICIES:
+            raise InvalidArgumentError(
+                f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
+            )
+        self.write_back = write_policy == "write_back"
         self.manager = manager
         self.tiers = list(tiers)
         if take_removed and len(take_removed) != len(self.tiers):
@@ -437,14 +429,10 @@ class JobCore:
     # Stores (docs/job-lifecycle.md#a-store-step-by-step).
 
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
-
-        A repeated hash is stored once, from its first device block; ready blocks are
-        not copied again, a block being filled is joined, a block the eviction policy
-        does not admit is left out (``declined_blocks``). The job resolves once every
-        other block is ready in CPU; then, under write-through, it cascades. Raises
-        ClosedError unless open, InvalidArgumentError for malformed arguments (hashes not
-        bytes, device ids not distinct ints in range, lengths that differ)."""
+        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``
+        (docs/job-lifecycle.md#a-store-step-by-step). Raises ClosedError unless open,
+        InvalidArgumentError for malformed arguments (hashes not bytes, device ids not
+        distinct ints in range, lengths that differ)."""
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         job = _Job(self._new_id(), False, hashes, ids)  # repeats go when it is planned
@@ -563,12 +551,9 @@ class JobCore:
     # Loads (docs/job-lifecycle.md#a-load-step-by-step).
 
     def load(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a load of blocks into device blocks; returns ``(job id, effects)``.
-
-        Ready blocks are pinned now, blocks being filled awaited, blocks only a
-        secondary tier holds promoted from the first servable one. A repeated hash lands
-        in each of its device blocks; keys that cannot be read end in ``failed_keys``.
-        Raises as :meth:`store`, and BlockNotFoundError for a hash no tier holds."""
+        """Admit a load of blocks into device blocks; returns ``(job id, effects)``
+        (docs/job-lifecycle.md#a-load-step-by-step). Raises as :meth:`store`, and
+        BlockNotFoundError for a hash no tier holds."""
         self._check_open()
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
@@ -614,8 +599,7 @@ class JobCore:
             promotions.setdefault(found[h], []).append(h)
         for t, promoted in promotions.items():
             self.tiers[t].hold(promoted)  # released as the promotion ends
-        # Every block has its slot now (ready, being filled, or promoted into), kept
-        # until the load has copied it out.
+        # Every block has its slot now, kept until the load has copied it out.
         job.slots = [manager.slot_of(h) for h in hashes]
         self._write_back(job, out, self._promote)
         return True
@@ -1081,15 +1065,6 @@ class JobCore:
         return out
 
 
-def check_write_policy(write_policy: object) -> str:
-    """``write_policy`` if it is one of :data:`WRITE_POLICIES`, else InvalidArgumentError."""
-    if write_policy not in WRITE_POLICIES:
-        raise InvalidArgumentError(
-            f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}"
-        )
-    return write_policy  # type: ignore[return-value]
-
-
 def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
     """``<n> block(s) failed: <reason> (<count>); …``, the three most common reasons."""
     reasons = Counter(failed[k] for k in keys)
@@ -1115,5 +1090,4 @@ __all__ = [
     "TierStore",
     "TierView",
     "WaitForRoom",
-    "check_write_policy",
 ]

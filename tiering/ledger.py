@@ -1,15 +1,5 @@
 """A tier's job records and its results ledger: exactly one :class:`JobResult` per job.
-
-:class:`TierJob` is the tier layer's one record of a job, from admission until its
-result is handed over. The :class:`ResultsLedger` delivers each job's one result: to the
-job's ``on_done`` callback (a job sent by the engine, forgotten at once), or to every
-:meth:`ResultsLedger.waiter` future and once to :meth:`ResultsLedger.drain` (the tier's
-``get_finished()``), which frees the id for reuse.
-
-A job can be *busy*: while anything it started still touches its CPU slots (a blocking
-call running on a thread), its result is held back, whoever produced it, and delivered
-the moment the job stops being busy, so whoever sees a result may reuse the slots.
-Everything runs on one event loop thread; nothing here is thread-safe.
+One event loop thread; nothing here is thread-safe.
 """
 
 from __future__ import annotations
@@ -39,10 +29,12 @@ class TierJob:
 
 
 class ResultsLedger:
-    """Jobs by id, their waiters and their one result each.
-
-    ``on_delivered(job, result)``, if given, is called once per job at the moment its
-    result is delivered (before anyone else sees it), for the owner's bookkeeping.
+    """Jobs by id, their waiters and their one result each, delivered to the job's
+    ``on_done`` (forgotten at once), or to every :meth:`waiter` future and once to
+    :meth:`drain`, which frees the id. A *busy* job's result (a thread call of it still
+    touches its slots) is held back until it stops being busy, so whoever sees a result
+    may reuse the slots. ``on_delivered(job, result)`` is called as a result is delivered,
+    before anyone else sees it.
     """
 
     def __init__(

@@ -1,8 +1,6 @@
-"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins, then
-entry points of the group ``kv_tiering.tiers``. Built-ins are named by import path and
-imported when first built, so importing ``tiering`` imports no ``backends``. A tier's
-options are checked by its typed options (:func:`tier_options`) before it is built; a
-factory without them checks its own.
+"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins
+(imported when first built: importing ``tiering`` imports no ``backends``), then entry
+points of the group ``kv_tiering.tiers``.
 """
 
 from __future__ import annotations
@@ -68,18 +66,10 @@ def make_tier(
     Raises UnknownTierError (listing the known tiers) as :func:`tier_factory`, and
     InvalidArgumentError naming the tier and the option for a bad spec or option, or a
     factory that returned no SecondaryTierManager."""
-    if isinstance(spec, str | Mapping):
-        name, options = (spec, {}) if isinstance(spec, str) else _split_mapping(spec)
-        factory = tier_factory(name)
-    elif callable(spec):
-        name, options, factory = getattr(spec, "__qualname__", repr(spec)), {}, spec
-    else:
-        raise InvalidArgumentError(
-            "tier spec must be a name, a mapping with a 'type' key, or a factory; "
-            f"got {type(spec).__name__}"
-        )
+    name, options, given = _parsed(spec, "tier spec")
+    factory = tier_factory(name) if given is None else given
     try:
-        if factory is not spec:
+        if given is None:
             options = check_options(name, options, defaults=defaults)
         tier = factory(primary_kv_view, block_bytes, **options)
     except InvalidArgumentError as exc:
@@ -103,8 +93,8 @@ def check_options(
     where: str = "",
 ) -> dict[str, object]:
     """``options`` of the tier registered as ``name``, checked and converted by its typed
-    options, with the ``defaults`` those declare where ``options`` leaves them out; a tier
-    without typed options gets them as given (text read as TOML) and no defaults. Raises
+    options, with the ``defaults`` they declare where ``options`` leaves them out (a
+    factory without typed options gets them as given, text read as TOML). Raises
     UnknownTierError as :func:`tier_factory`, InvalidArgumentError (ConfigError when
     ``where`` is given) naming ``where.option``, its value and the reason."""
     error = ConfigError if where else InvalidArgumentError
@@ -142,22 +132,26 @@ def tier_specs(specs: object) -> list[TierSpec]:
         )
     out = as_list("secondary_tiers", specs, "tier specs")
     for i, spec in enumerate(out):
-        if not (isinstance(spec, str | Mapping) or callable(spec)):
-            raise InvalidArgumentError(
-                f"secondary_tiers[{i}] must be a tier name, a mapping with a 'type' or a "
-                f"factory, got {spec!r:.60}"
-            )
+        _parsed(spec, f"secondary_tiers[{i}]")
     return out
 
 
-def _split_mapping(spec: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    options = dict(spec)
-    name = options.pop("type", None)
-    if not isinstance(name, str) or not name:
-        raise InvalidArgumentError(
-            f"tier spec mapping needs a 'type' naming the tier, got {name!r}"
-        )
-    return name, options
+def _parsed(spec: object, what: str) -> tuple[str, dict[str, Any], TierFactory | None]:
+    """The tier name and options ``spec`` gives, and the factory if it is one. Raises
+    InvalidArgumentError naming ``what`` for a spec of none of the three forms."""
+    if isinstance(spec, str):
+        return spec, {}, None
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("type", None)
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"{what} needs a 'type' naming the tier, got {name!r}")
+        return name, options, None
+    if callable(spec):
+        return getattr(spec, "__qualname__", repr(spec)), {}, spec
+    raise InvalidArgumentError(
+        f"{what} must be a tier name, a mapping with a 'type' or a factory, got {spec!r:.60}"
+    )
 
 
 def tier_factory(name: str) -> TierFactory:

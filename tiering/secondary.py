@@ -1,9 +1,8 @@
 """The secondary-tier interface: tiers below the CPU tier (vLLM's tiering semantics).
 
-A secondary tier moves whole blocks between CPU slots of the host pool and its own
-storage. It sees the host pool only as ``primary_kv_view``, a flat writable byte view
-in which slot ``i`` is ``view[i * block_bytes:(i + 1) * block_bytes]``. It never
-touches the GPU.
+A secondary tier moves whole blocks between CPU slots and its own storage; it sees the
+host pool only as ``primary_kv_view``, a flat byte view in which slot ``i`` is
+``view[i * block_bytes:(i + 1) * block_bytes]``, and never touches the GPU.
 """
 
 from __future__ import annotations
@@ -40,15 +39,14 @@ class JobMetadata:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """How a job ended; the one reading used everywhere in kv-tiering.
+    """How a job ended, with one reading everywhere (docs/job-lifecycle.md#what-a-jobresult-means):
 
     * ``success`` is True exactly when every key of the job was transferred; then
       ``failed_keys`` is empty and ``error`` is None.
     * ``success`` False with ``failed_keys`` non-empty: those keys were not transferred;
       every other key of the job was (a load's other keys landed in their slots).
     * ``success`` False with ``failed_keys`` empty: the job failed as a whole; no key
-      of it may be counted as transferred. (Tiers written against the seed interface
-      report failures this way; kv-tiering's own tiers and engine always name the keys.)
+      of it may be counted as transferred.
     * ``error`` is a short human-readable reason whenever ``success`` is False.
     """
 
@@ -62,11 +60,8 @@ def checked_job(
     job_id: int, keys: object, slots: object, num_slots: int | None = None
 ) -> JobMetadata:
     """A job of tuples from arguments a caller passed in: ``keys`` bytes, ``slots`` ints
-    (CPU slots of the host pool, given its ``num_slots``), as many of each.
-
-    Raises:
-        InvalidArgumentError: naming the argument that is not so.
-    """
+    (CPU slots of the host pool, given its ``num_slots``), as many of each; else
+    InvalidArgumentError naming the argument."""
     key_list = hash_list("keys", keys)
     slot_list = as_index_list("slots", slots)
     if len(key_list) != len(slot_list):
@@ -77,15 +72,12 @@ def checked_job(
 
 
 class SecondaryTierManager(ABC):
-    """A tier below the CPU tier.
-
-    Contract: ``submit_store``/``submit_load`` return at once and never do I/O on the
-    caller's stack; each submitted job later yields exactly one :class:`JobResult`
-    from ``get_finished()``. ``lookup`` is synchronous and cheap.
+    """A tier below the CPU tier: ``submit_store``/``submit_load`` return at once and
+    never do I/O on the caller's stack; each submitted job later yields exactly one
+    :class:`JobResult` from ``get_finished()``; ``lookup`` is synchronous and cheap.
 
     ``holds_data`` is False for a tier that only records which keys it was given (a
-    test double): the engine still cascades to it but never loads from it, since its
-    loads would leave the CPU slots unwritten.
+    test double): the engine cascades to it but never loads from it.
     """
 
     holds_data: bool = True
@@ -125,25 +117,18 @@ class SecondaryTierManager(ABC):
         """Mark blocks as recently used, ``keys[0]`` most recently."""
 
     def hold(self, keys: Collection[OffloadKey]) -> None:  # noqa: B027
-        """Keep ``keys`` from being evicted until a matching :meth:`release` (an extension).
-
-        The engine holds a key from the moment it plans to load it from this tier until
-        that load has ended, so that no store in between (a cascade, a write-back) can
-        evict it. Holds count: each ``hold`` of a key needs one ``release``. Keys not
-        stored here are counted too, and protect nothing until stored. Synchronous and
-        cheap; the default (for tiers written against the seed interface) does nothing.
-        """
+        """Keep ``keys`` from being evicted until a matching :meth:`release` (an
+        extension: the engine holds a key it plans to load from here until the load
+        ends). Holds count, keys not stored here too (protecting nothing until stored).
+        Synchronous and cheap; the default does nothing."""
 
     def release(self, keys: Collection[OffloadKey]) -> None:  # noqa: B027
         """Undo one :meth:`hold` of each key; releasing a key not held is an error of
         the caller and may raise :class:`~tiering.errors.InvalidArgumentError`."""
 
     def report_removals(self) -> None:
-        """From now on, keep the keys this tier stops holding for :meth:`take_removed`.
-
-        Off until called, so that keys nobody reads never pile up; idempotent. Tiers
-        that track no removals (the default) keep reporting nothing.
-        """
+        """From now on, keep the keys this tier stops holding for :meth:`take_removed`
+        (off until called, so that keys nobody reads never pile up); idempotent."""
         if self._removed is None:
             self._removed = deque()
 

@@ -1,10 +1,6 @@
-"""The one way the engine reaches a secondary tier: :class:`TierClient` and :class:`TierOutcome`
-(docs/architecture.md#tiers-are-actors).
-
-A job submitted with :meth:`TierClient.submit` gets one :class:`TierOutcome`: the keys
-that landed and the keys that failed, each with a reason; everything a tier can do wrong
-(refuse the job, be closed, raise, never answer) becomes a failed outcome. A tier written
-against the seed's polled interface sits behind :class:`PolledTier`.
+"""The one way the engine reaches a secondary tier: :class:`TierClient`, whose jobs each
+get one :class:`TierOutcome`, and :class:`PolledTier` for a tier written against the
+seed's polled interface (docs/architecture.md#tiers-are-actors).
 """
 
 from __future__ import annotations
@@ -41,10 +37,8 @@ _POLL_S = 0.001
 
 @dataclass(frozen=True, slots=True)
 class TierOutcome:
-    """Keys that landed and keys that failed, each with a reason.
-
-    ``landed`` and ``failed`` together are the job's keys; ``failed`` is read-only.
-    """
+    """Keys that landed and keys that failed (read-only), each with a reason; together
+    the job's keys."""
 
     landed: tuple[bytes, ...]
     failed: Mapping[bytes, str] = field(default_factory=dict)
@@ -78,10 +72,10 @@ class PolledTier(TierActor):
     """A tier written against the seed's polled interface, served as a TierActor.
 
     Each job submits to ``tier`` and polls its ``get_finished()`` until the job's result
-    comes; with none after ``timeout`` seconds the job fails (the reason names the
-    timeout), since such a tier may drop a job silently, and it might still touch the
-    job's slots afterwards. A submit that raises fails the job with the tier's reason.
-    Queries go straight to ``tier``; closing the adapter shuts ``tier`` down.
+    comes; with none after ``timeout`` seconds the job fails (such a tier may drop a job
+    silently, and might still touch its slots afterwards); a submit that raises fails it
+    with the tier's reason. It serves jobs only: its :class:`TierClient` sends queries
+    to ``tier`` itself. Closing the adapter shuts ``tier`` down.
     """
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float, inbox_size: int = 64) -> None:
@@ -95,7 +89,6 @@ class PolledTier(TierActor):
         )
         self.tier = tier
         self.timeout = seconds("timeout", timeout, allow_zero=False)
-        self.holds_data = bool(getattr(tier, "holds_data", True))
         self._polling: set[int] = set()  # jobs waiting for their result
         self._results: dict[int, JobResult] = {}  # polled, not yet taken by their job
 
@@ -107,24 +100,6 @@ class PolledTier(TierActor):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         return self.tier.lookup(key, req_context)
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        self.tier.touch(keys, req_context)
-
-    def hold(self, keys: Collection[OffloadKey]) -> None:
-        self.tier.hold(keys)
-
-    def release(self, keys: Collection[OffloadKey]) -> None:
-        self.tier.release(keys)
-
-    def clear(self) -> None:
-        self.tier.clear()
-
-    def report_removals(self) -> None:
-        self.tier.report_removals()
-
-    def take_removed(self) -> list[OffloadKey]:
-        return self.tier.take_removed()
 
     def _on_closed(self) -> None:
         self.tier.shutdown()
@@ -172,26 +147,20 @@ class PolledTier(TierActor):
 
 
 class TierClient(AsyncService):
-    """The engine's handle on one secondary tier, actor or polled.
+    """The engine's handle on one secondary tier, actor or polled; its life cycle is
+    the tier's (:meth:`start`, :meth:`aclose`, :meth:`shutdown` start and close it).
 
-    Guarantees of :meth:`submit`: it never blocks, never awaits and
-    never raises for anything the tier does; ``on_done`` is called exactly once per job,
-    always later on the event loop (never from inside the call) and, for a
-    :class:`~tiering.actor.TierActor`, only once the tier has stopped touching the job's
-    slots. A job that finds the tier's inbox full is parked in it and queued as room
-    appears (``backlog`` counts them); a close fails parked jobs with a reason saying so.
-
-    Life cycle: the tier's (``state``); :meth:`start`, :meth:`aclose` and
-    :meth:`shutdown` start and close the tier.
+    :meth:`submit` never blocks, awaits or raises for anything the tier does (refusing,
+    closed, raising, never answering: a failed outcome); ``on_done`` is called exactly
+    once per job, later on the loop, once the tier has stopped touching the job's slots.
+    A job that finds the inbox full is parked and queued as room appears (``backlog``);
+    a close fails parked jobs saying so.
     """
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float = 30.0) -> None:
         """Wrap ``tier`` (not started here); ``timeout`` bounds a polled tier's jobs.
-
-        Raises:
-            InvalidArgumentError: ``tier`` is not a SecondaryTierManager, or ``timeout``
-                is not a positive finite number.
-        """
+        Raises InvalidArgumentError for a non-SecondaryTierManager ``tier`` or a
+        ``timeout`` that is not a positive finite number."""
         if not isinstance(tier, SecondaryTierManager):
             raise InvalidArgumentError(
                 f"tier must be a SecondaryTierManager, got {type(tier).__name__}"
@@ -207,19 +176,14 @@ class TierClient(AsyncService):
         )
         self._jobs_in_flight = 0
         self._keys_in_flight = 0
-        # Queries go straight to the tier, synchronous and cheap (SecondaryTierManager's
-        # lookup, touch, hold and release).
+        # Queries go straight to the tier: synchronous and cheap.
         self.lookup: Callable[..., bool | None] = tier.lookup
         self.touch: Callable[..., None] = tier.touch
         self.hold: Callable[[Collection[OffloadKey]], None] = tier.hold
         self.release: Callable[[Collection[OffloadKey]], None] = tier.release
 
     async def start(self) -> None:
-        """Start the tier; a no-op if it is open.
-
-        Raises:
-            ClosedError, TieringError: as the tier's ``start``.
-        """
+        """Start the tier (a no-op if open); raises as the tier's ``start``."""
         await self.actor.start()
 
     async def aclose(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -253,15 +217,10 @@ class TierClient(AsyncService):
     ) -> None:
         """Queue a store (CPU slots -> tier) or load (tier -> CPU slots) job: ``keys[i]``
         moves from or into CPU slot ``slots[i]``; ``on_done(outcome)`` follows exactly
-        once, later (see the class doc). ``checked=True`` says the caller has checked
-        the arguments (the engine's core has), and they are taken as they are.
-
-        Raises:
-            InvalidArgumentError: unless ``checked``: ``kind`` is not "store"/"load",
-                ``keys`` are not bytes and ``slots`` ints as many, ``on_done`` is not
-                callable (see :func:`~tiering.secondary.checked_job`), or the call is not
-                on the tier's event loop. Nothing is queued.
-        """
+        once. ``checked=True`` takes the arguments as they are (the engine's core has
+        checked them); else InvalidArgumentError, queueing nothing, for a ``kind`` not
+        "store"/"load", arguments :func:`~tiering.secondary.checked_job` refuses, an
+        ``on_done`` not callable or a call off the tier's event loop."""
         if not checked:
             try:
                 loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()

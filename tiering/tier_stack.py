@@ -22,11 +22,9 @@ from tiering.tier_client import TierClient, TierOutcome
 
 
 class TierStack:
-    """Host pool, copier and tier clients of one engine, with one lifetime.
-
-    Nothing is allocated until :meth:`open`. ``tiers`` and ``clients`` are in the
-    order of ``specs`` (fastest first); persistent tiers that take a ``namespace``
-    receive ``namespace`` unless their spec sets one.
+    """Host pool, copier and tier clients of one engine, with one lifetime; nothing is
+    allocated until :meth:`open`. ``tiers`` and ``clients`` follow ``specs`` (fastest
+    first); tiers that take a ``namespace`` receive ``namespace`` unless their spec sets one.
     """
 
     def __init__(
@@ -52,14 +50,9 @@ class TierStack:
 
     async def open(self, *, report_removals: bool = False) -> None:
         """Allocate the pool, open the copier, build and start every tier (asking each
-        to report the keys it removes, with ``report_removals``).
-
-        On failure, whatever was opened stays for :meth:`close` to release.
-
-        Raises:
-            TieringError: the host pool cannot be allocated (the message names the
-                size), or a tier cannot be built or started (its own error).
-        """
+        to report the keys it removes, with ``report_removals``). Raises TieringError if
+        the pool cannot be allocated (naming the size) or a tier cannot be built or
+        started; whatever was opened stays for :meth:`close` to release."""
         n, size = self._num_blocks, self._block_bytes
         try:
             # Off the loop: page-locking a pool of many GiB takes seconds.

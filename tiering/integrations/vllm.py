@@ -1,16 +1,10 @@
 """kv-tiering's secondary tiers under vLLM 0.33's CPU tier, with no fork of vLLM.
 
-vLLM's ``TieringOffloadingManager`` builds one from an entry of
-``kv_connector_extra_config["secondary_tiers"]``::
-
-    {"type": "NVMeTierManager", "module_path": "tiering.integrations.vllm",
-     "root": "/mnt/nvme/kv", "capacity_bytes": 500_000_000_000}
-
 :class:`NVMeTierManager` and :class:`MemoryTierManager` build our NVMe and memory tiers,
-:class:`RegisteredTierManager` any tier registered by name. Each owns a private uvloop
-loop on a daemon thread where the tier and its :class:`~tiering.tier_client.TierClient`
-live; vLLM's calls hand their work over and return at once. The options, threading,
-events and metrics: docs/vllm.md. Importing this module without vLLM raises ImportError.
+:class:`RegisteredTierManager` any tier registered by name, each on a private uvloop loop
+on a daemon thread; vLLM's calls hand their work over and return at once. Set-up,
+options, threading, events and metrics: docs/vllm.md. Without vLLM, importing this
+module raises ImportError.
 """
 
 from __future__ import annotations
@@ -66,9 +60,7 @@ _T = TypeVar("_T")
 # How long drain_jobs waits between checks that the loop thread still runs.
 _DRAIN_CHECK_S = 1.0
 
-# Defaults for the tiers that take these options (docs/vllm.md#how-it-works says why):
-# the loop is private, so the NVMe tier's I/O threads need not pause for its lag; vLLM's
-# CPU tier is shared memory of 4 KiB pages, so direct I/O goes through staging buffers.
+# Defaults for the tiers that take these options (docs/vllm.md#how-it-works says why).
 _TIER_DEFAULTS: dict[str, Any] = {"gil_pause_bytes": 0, "staging_bytes": STAGING_BYTES}
 
 METRIC_PREFIX = "kv_tiering:"
@@ -152,12 +144,11 @@ class RegisteredTierManager(SecondaryTierManager):
     """A vLLM secondary tier backed by the kv-tiering tier registered as ``tier`` (the
     subclasses fix it); the other options: docs/vllm.md#set-up.
 
-    Guarantees: every submitted job's :class:`JobResult` is reported exactly once, by
-    ``get_finished_jobs``; a load reports only keys whose bytes landed and verified
-    (``successful_keys`` on a partial failure); no call but ``drain_jobs`` and
-    ``shutdown`` waits for I/O. The constructor raises InvalidArgumentError for a bad
-    option (named with its value; nothing is left running), UnknownTierError for an
-    unknown ``tier``, TimeoutError if the tier did not start within ``start_timeout``.
+    Every job's :class:`JobResult` is reported exactly once, by ``get_finished_jobs``; a
+    load reports only keys whose bytes landed and verified; no call but ``drain_jobs``
+    and ``shutdown`` waits for I/O. The constructor raises InvalidArgumentError for a bad
+    option (nothing is left running), UnknownTierError for an unknown ``tier``,
+    TimeoutError if the tier did not start within ``start_timeout``.
     """
 
     tier_name: ClassVar[str | None] = None
@@ -220,12 +211,11 @@ class RegisteredTierManager(SecondaryTierManager):
 
     def _tier_name(self, tier: str | None) -> str:
         fixed = type(self).tier_name
-        if fixed is not None:
-            if tier is not None and tier != fixed:
-                raise InvalidArgumentError(
-                    f"tier: {type(self).__name__} always builds the {fixed!r} tier, got {tier!r}"
-                )
-            return fixed
+        if fixed is not None and tier not in (None, fixed):
+            raise InvalidArgumentError(
+                f"tier: {type(self).__name__} always builds the {fixed!r} tier, got {tier!r}"
+            )
+        tier = fixed or tier
         if not isinstance(tier, str) or not tier:
             raise InvalidArgumentError(
                 f"tier must name a registered kv-tiering tier (e.g. 'nvme'), got {tier!r}"
@@ -247,9 +237,8 @@ class RegisteredTierManager(SecondaryTierManager):
 
     @property
     def kv_tier(self) -> Any:
-        """The kv-tiering tier behind this manager, for inspection (its ``metrics``,
-        options and ``get_num_blocks``); it runs on the private loop, so call nothing
-        that starts I/O."""
+        """The kv-tiering tier behind this manager, for inspection; it runs on the private
+        loop, so call nothing that starts I/O."""
         return self._tier
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -363,9 +352,8 @@ class RegisteredTierManager(SecondaryTierManager):
         return finished
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """The tier's events since the last call, in the order they happened (with
-        ``enable_kv_events``): blocks stored, and blocks removed (evicted, or dropped
-        because they did not verify)."""
+        """The tier's events since the last call, in order (with ``enable_kv_events``):
+        blocks stored, and blocks removed (evicted, or dropped unverified)."""
         if self._events is None:
             return ()
         with self._lock:
@@ -398,12 +386,8 @@ class RegisteredTierManager(SecondaryTierManager):
                 self._lock.wait(_DRAIN_CHECK_S)
 
     def _fail_pending_locked(self, reason: str) -> None:
-        for job_id, pending in list(self._pending.items()):
-            self._lock.release()
-            try:
-                self._job_ended(job_id, TierOutcome.failure(pending.keys, reason))
-            finally:
-                self._lock.acquire()
+        for job_id, pending in list(self._pending.items()):  # the lock is reentrant
+            self._job_ended(job_id, TierOutcome.failure(pending.keys, reason))
 
     def shutdown(self) -> None:
         """Close the tier gracefully (jobs in flight end first), stop the loop thread and
