@@ -240,6 +240,19 @@ def test_shutdown_with_jobs_in_flight_reports_every_job(scheduler, tmp_path) -> 
     assert late.job_id == 30_100 and not late.success
 
 
+def test_a_job_outside_the_cpu_tier_raises_at_submit_and_leaves_nothing_pending(
+    scheduler, tmp_path
+) -> None:
+    tier = scheduler(nvme_tier(tmp_path / "nvme")).tier
+    with pytest.raises(InvalidArgumentError, match="job 40000: slots"):
+        tier.submit_store(_job(40_000, [key("far")], [PRIMARY], False))
+    with pytest.raises(InvalidArgumentError, match="job 40001: 2 keys but 1 slots"):
+        tier.submit_load(_job(40_001, [key("a"), key("b")], [0], True))
+    assert not tier.has_pending_work()
+    tier.drain_jobs()  # returns: no job was left without a result
+    assert list(tier.get_finished_jobs()) == []
+
+
 def test_a_partial_load_names_only_the_keys_that_landed(scheduler) -> None:
     s = scheduler()
     stored = blocks("p", 2)

@@ -25,6 +25,7 @@ from backends.nvme_segments import STAGING_BYTES
 from tiering.errors import InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT
 from tiering.registry import make_tier
+from tiering.secondary import checked_job
 from tiering.tier_client import TierClient, TierOutcome
 from tiering.validation import seconds
 
@@ -185,6 +186,7 @@ class RegisteredTierManager(SecondaryTierManager):
         block_bytes = self.block_size_bytes
         # vLLM's view is 2-D (chunks x stride) with format 'b'; our tiers take flat bytes.
         self._flat_view = primary_kv_view.cast("B")
+        self._num_slots = len(self._flat_view) // block_bytes
         self._namespace = namespace or vllm_namespace(offloading_spec, block_bytes)
         self._events: list[OffloadingEvent] | None = (
             []
@@ -266,12 +268,13 @@ class RegisteredTierManager(SecondaryTierManager):
         self._submit("load", job_metadata)
 
     def _submit(self, kind: Literal["store", "load"], job: TransferJob) -> None:
-        keys = list(job.keys)  # the order that lines keys up with chunk_ids
-        slots = [int(c) for c in job.chunk_ids]
-        if len(keys) != len(slots):
-            raise InvalidArgumentError(
-                f"job {job.job_id}: {len(keys)} keys but {len(slots)} chunk_ids"
-            )
+        # Checked here, on vLLM's thread, so that bad input raises to vLLM and the loop
+        # side takes it as it is (a job refused there would never end).
+        try:
+            checked = checked_job(job.job_id, job.keys, job.chunk_ids, self._num_slots)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"job {job.job_id}: {exc}") from None
+        keys, slots = list(checked.keys), list(checked.block_ids)
         with self._lock:
             if job.job_id in self._pending:
                 raise InvalidArgumentError(f"job id {job.job_id} is already in flight")
@@ -310,7 +313,9 @@ class RegisteredTierManager(SecondaryTierManager):
                 client.touch(item[1])
                 continue
             _, kind, job_id, keys, slots = item
-            client.submit(kind, keys, slots, lambda o, j=job_id: self._job_ended(j, o))
+            client.submit(
+                kind, keys, slots, lambda o, j=job_id: self._job_ended(j, o), checked=True
+            )
 
     def _job_ended(self, job_id: int, outcome: TierOutcome) -> None:
         """Any thread: queue vLLM's result for a job (once) and wake ``drain_jobs``."""
