@@ -1,24 +1,12 @@
 """The NVMe tier's index: where each block sits, in a few dozen bytes per block.
 
-Sans-I/O: plain synchronous code on the loop thread, no awaits, no files. It decides
-where new records go (which segment, which record number), which segments to delete to
-make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I/O.
-
-Memory: a block is indexed by a 64-bit digest of its key (:func:`key_digest`) in an
-open-addressing table of three flat arrays (digest, location, last use: 20 bytes a
-slot, at most 70 % full) plus 8 bytes per record in its segment's digest list.
-Two keys with the same digest look like one block to the index; every read verifies
-the full key stored in the record's header, so such a collision can cost a hit, never
-serve another block's bytes.
-
-Eviction is by segment, oldest first (a log): space comes back only when a whole
-segment file is deleted. Records of the victim used recently (within the last
-``hot_fraction`` of the clock) are returned to be written again at the log's head, so a
-hot block outlives the segment it was first written to: FIFO with reinsertion, which
-approximates LRU at the cost of one rewrite per hot block per pass of the log. A segment
-whose live records fell below ``compact_below`` of its records (blocks removed, or stored
-again elsewhere) goes first, whatever its age, and all its live records come back to be
-written again: compaction.
+Sans-I/O, on the loop thread: it decides where new records go, which segments to delete
+to make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I/O.
+docs/nvme.md describes the key table and the eviction (FIFO with reinsertion of blocks
+used within the last ``hot_fraction``; a segment whose live records fell below
+``compact_below`` goes first, all of them written again). Two keys of one 64-bit digest
+look like one block here; every read verifies the full key, so a collision can cost a
+hit, never serve another block's bytes.
 """
 
 from __future__ import annotations
@@ -555,14 +543,11 @@ class SegmentIndex:
         """Rebuild an empty index from a checkpoint and segment scans; returns the
         blocks indexed.
 
-        ``on_disk`` lists the segments present now (name, records they hold) in the
-        order to index them (oldest first); the checkpoint's entries count only for
-        those, up to the records it covered, and ``scans[name]`` supplies the records
-        after that (or all of them, for a segment the checkpoint does not cover). Later
-        records of a digest win. Segments beyond capacity are not indexed: the caller
-        deletes those returned by :meth:`excess_segments`. New segments of this writer
-        continue its sequence after the highest one on disk. ``protected`` segments
-        (another live writer's) are never evicted.
+        ``on_disk`` lists the segments present now, oldest first, with their records;
+        the checkpoint counts for those up to the records it covered, ``scans[name]``
+        for the rest. Later records of a digest win; segments beyond capacity are left
+        to :meth:`excess_segments`; ``protected`` ones (another live writer's) are never
+        evicted.
 
         Raises:
             InvalidArgumentError: the index is not empty.

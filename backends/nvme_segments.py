@@ -1,29 +1,13 @@
-"""Segment files: KV blocks packed into large append-only files, and the index checkpoint.
+"""Segment files: KV blocks packed into large append-only files (docs/nvme.md: the layout).
 
 The blocking half of the NVMe tier: :class:`SegmentFiles` does every file operation
 synchronously, once per job on the tier's worker threads, and decides nothing (the
-caller's index chooses each record's segment and slot). A segment file is a segment
-header page (:mod:`backends.nvme_segment_format`), then records at a fixed stride
-(``record_bytes``): a padded :mod:`backends.block_record` header page and the payload,
-padded to a multiple of ALIGNMENT. Each record verifies on its own when read: a torn
-record, one of another key, namespace or length, and a flipped payload byte are each a
-failed key, never data.
-
-Guarantees:
-
-* Writes are positional and vectored: one ``pwritev`` per run of consecutive records (at
-  most :data:`MAX_IOV` buffers), straight from the caller's memoryviews, with O_DIRECT
-  when enabled and every payload of the run is aligned (or through a staging buffer).
-* A segment's name is unique (writer id and a sequence number), so writers never share
-  a file; the run that creates a segment writes its header, and runs of other jobs may
-  land before it.
-* ``fsync="batch"``: a key reported written is on stable storage (one ``fdatasync`` per
-  segment touched, the directory synced when a segment was created); ``"always"`` syncs
-  after every run; ``"none"`` survives a process crash, not a power loss.
-* The checkpoint is written to a temporary name, synced and renamed into place; one that
-  fails any check is reported as absent, never trusted.
-
-Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
+caller's index chooses each record's segment and slot). Each record verifies on its own
+when read: a torn record, one of another key, namespace or length, and a flipped payload
+byte are each a failed key, never data. Writes are one ``pwritev`` per run of
+consecutive records (at most :data:`MAX_IOV` buffers), straight from the caller's
+memoryviews; a segment's name is unique to its writer. Every system call goes through an
+:class:`~backends.nvme_os.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -158,13 +142,10 @@ class SegmentFiles:
     buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum`. Safe to call from several
     threads at once for distinct records (threads share no buffers).
 
-    ``staging_bytes`` (0: off): direct I/O moves a run's records, laid out as on disk,
-    through a staging buffer of this many bytes per thread on huge pages, and payloads
-    are copied between it and the slots without the GIL. For slots of scattered 4 KiB
-    pages (vLLM's shared-memory CPU tier), whose direct transfers the disk would take as
-    many small requests (docs/vllm.md). A load still verifies each payload in its slot; a
-    store's checksum is taken of the staged copy. Not staged: buffered I/O, and sealed
-    writes (already in the sealer's buffers).
+    ``staging_bytes`` (0: off): direct I/O moves a run's records through a huge-page
+    staging buffer of this many bytes per thread (docs/nvme.md); a load still verifies
+    each payload in its slot, a store's checksum is of the staged copy. Buffered I/O and
+    sealed writes are not staged.
     """
 
     def __init__(

@@ -7,18 +7,9 @@ refused because the file system answered ENOSPC. It never touches a file.
 :class:`InflightBytes` bounds the payload bytes of the jobs in their I/O at once, and
 :func:`records_per_segment` sizes segments from the cap.
 
-Rules:
-
-* **Cap.** At most ``capacity_bytes // file_bytes`` records are held.
-* **Floor.** A store may not bring free space below ``min_free_bytes``; blocks already
-  promised to running stores count as written. Whichever of cap and floor binds first
-  wins; a floor already crossed asks for eviction beyond the store's own need.
-* **Freshness.** A figure older than ``max_age_s``, or one too close to the floor to
-  plan by, is measured again before a store plans; every store hop measures as it
-  ends, so a busy tier rarely needs an extra hop.
-* **Disk full.** ENOSPC (or EDQUOT) makes the tier read-only for stores. Stores are
-  then refused without I/O, except one probing store every ``retry_s`` seconds or as
-  soon as the tier freed space itself; a store that lands ends the read-only state.
+The rules (cap, floor, disk full) are docs/nvme.md's "Capacity" and "Faults". Blocks
+promised to running stores count as written; a figure older than ``max_age_s``, or too
+close to the floor to plan by, is measured again before a store plans.
 """
 
 from __future__ import annotations
