@@ -78,11 +78,6 @@ class NamespaceReport:
     damaged: tuple[Finding, ...]
     orphaned: tuple[Finding, ...]
 
-    @property
-    def label(self) -> str:
-        """The namespace string, or the directory name when it is unknown."""
-        return self.namespace if self.namespace is not None else self.directory
-
 
 @dataclass(frozen=True, slots=True)
 class RootReport:
