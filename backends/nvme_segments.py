@@ -71,12 +71,8 @@ def align_up(value: int, to: int = ALIGNMENT) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RecordRun:
-    """Records to write at consecutive slots of one segment.
-
-    ``first`` is the record number of the first one (record ``i`` sits at byte
-    ``HEADER_BYTES + i * record_bytes``); ``create`` says the segment does not exist
-    yet and this run creates it (with its header).
-    """
+    """Records to write at consecutive slots of one segment from record ``first``;
+    ``create``: this run creates the segment (with its header)."""
 
     segment: str
     first: int
@@ -86,13 +82,10 @@ class RecordRun:
 
 @dataclass(slots=True)
 class WriteReport:
-    """What one :meth:`SegmentFiles.write` call did.
-
-    ``written`` keys are complete on disk (durable per the fsync policy); ``failed``
-    maps every other key to a reason. ``disk_full`` is true when the file system
-    answered ENOSPC or EDQUOT. ``created`` lists the segments this call created (even
-    if a later write into one failed); ``free_bytes`` is the space left afterwards.
-    """
+    """What one :meth:`SegmentFiles.write` call did: ``written`` keys are on disk
+    (durable per the fsync policy), ``failed`` maps every other key to a reason;
+    ``disk_full``: ENOSPC or EDQUOT; ``created``: segments created (even if a later
+    write into one failed); ``free_bytes``: the space left afterwards."""
 
     written: list[bytes] = field(default_factory=list)
     failed: dict[bytes, str] = field(default_factory=dict)
@@ -109,15 +102,10 @@ record was missing (its segment gone, or shorter)."""
 
 @dataclass(frozen=True, slots=True)
 class SegmentScan:
-    """The records found in a segment from some record number on.
-
-    ``records`` pairs each valid record's key with its record number, in file order;
-    ``end`` is the record number after the last slot the file holds (a partial slot at
-    the end counts as absent); ``invalid`` counts slots that held no valid record;
-    ``header_ok`` says whether the segment's own header verified (records are checked
-    on their own either way: a crash can leave a segment whose first run, the one that
-    writes the header, never landed while later runs did).
-    """
+    """The records found in a segment from some record number on: ``(key, record)`` of
+    each valid one in file order, ``end`` after the last whole slot, ``invalid`` slots
+    without a valid record, and whether the segment's header verified (records verify
+    on their own: the run writing the header may never have landed)."""
 
     records: list[tuple[bytes, int]]
     end: int
@@ -200,16 +188,10 @@ class SegmentFiles:
     # -- write ------------------------------------------------------------------------
 
     def write(self, runs: Sequence[RecordRun], *, writer: str) -> WriteReport:
-        """Write each run's records into its segment (creating those marked ``create``).
-
-        Never raises for an I/O error: each key lands in ``written`` or gets a reason in
-        ``failed``. A failed write fails the rest of its run; on ENOSPC/EDQUOT the later
-        runs are not attempted. With ``fsync`` other than ``"none"`` a key is reported
-        written only after its segment was synced.
-
-        Raises:
-            InvalidArgumentError: a payload is not ``block_bytes`` long (nothing written).
-        """
+        """Write each run's records into its segment. An I/O error fails the rest of its
+        run (after ENOSPC/EDQUOT, every later run) and never raises; unless ``fsync`` is
+        ``"none"`` a key is written once its segment is synced. InvalidArgumentError
+        (nothing written) for a payload that is not ``block_bytes`` long."""
         for run in runs:
             for _key, payload in run.records:
                 if payload.nbytes != self.block_bytes:
@@ -333,16 +315,10 @@ class SegmentFiles:
 
     def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
         """Read each ``(segment, record, slot, expected key or None for any)`` into its
-        slot and verify it: its header (magic, version, namespace, key, payload length,
-        header checksum) and payload checksum or GCM tag. Returns one
-        :data:`ReadOutcome` per read, in order; a failed read's slot may hold partial
-        bytes and must not be used. Each segment is opened once per call, and
-        consecutive records are one read.
-
-        Raises:
-            InvalidArgumentError: a slot is not ``block_bytes`` long (nothing read);
-                never for an I/O error or bad data.
-        """
+        slot and verify its header and payload (checksum or GCM tag); one
+        :data:`ReadOutcome` per read, in order (a failed read's slot must not be used).
+        Consecutive records are one read. Raises only InvalidArgumentError, nothing
+        read, for a slot that is not ``block_bytes`` long."""
         outcomes: list[ReadOutcome] = [(None, "not read", False)] * len(reads)
         by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
         for i, (segment, record, slot, key) in enumerate(reads):
@@ -477,14 +453,9 @@ class SegmentFiles:
         return max(0, (size - HEADER_BYTES) // self.record_bytes)
 
     def scan(self, segment: str, start: int = 0) -> SegmentScan:
-        """Read the record headers of ``segment`` from record ``start`` to its end.
-
-        Payloads are not read (every load verifies them). A slot whose header does not
-        verify, or belongs to another namespace or record size, is skipped and counted.
-
-        Raises:
-            OSError: the file cannot be opened or read.
-        """
+        """Read the record headers (not the payloads) of ``segment`` from record
+        ``start`` on; a slot whose header does not verify for this namespace and record
+        size is counted, not listed. OSError if the file cannot be read."""
         fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
         try:
             page = self._pages(1)
