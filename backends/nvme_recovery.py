@@ -100,23 +100,18 @@ class Recovery:
     """What :func:`recover` found, and the index it built from it."""
 
     index: SegmentIndex
-    recovered: int
-    """Blocks the index holds."""
-    excess: list[str]
-    """Segments over the cap (none of a live writer): the tier deletes them."""
+    recovered: int  # blocks the index holds
+    excess: list[str]  # segments over the cap (none of a live writer), to delete
+    # What was dropped, by cause: "corrupt segment", "invalid record", "temporary".
     removed: Counter[str] = field(default_factory=Counter)
-    """What was dropped, by cause: ``corrupt segment``, ``invalid record``, ``temporary``."""
     checkpoint: Checkpoint | None = None
-    checkpoint_note: str | None = None
-    """Why the checkpoint was not used, if it was not."""
+    checkpoint_note: str | None = None  # why the checkpoint was not used, if it was not
+    # The scan of each segment read (beyond the checkpoint; read-only: from record 0).
     scans: dict[str, SegmentScan] = field(default_factory=dict)
-    """The scan of each segment read (beyond the checkpoint; read-only: from record 0)."""
+    # Segments of dead writers in which neither the header nor a record verifies.
     corrupt: list[str] = field(default_factory=list)
-    """Segments of dead writers in which neither the header nor a record verifies."""
-    unreadable: dict[str, str] = field(default_factory=dict)
-    """Segments that could not be read, and why."""
-    listed: list[tuple[str, int]] = field(default_factory=list)
-    """``(segment, records)`` of every segment indexed, oldest first."""
+    unreadable: dict[str, str] = field(default_factory=dict)  # segment -> why
+    listed: list[tuple[str, int]] = field(default_factory=list)  # (segment, records) indexed
 
 
 def recover(
