@@ -45,12 +45,8 @@ MOVE_BYTES_PER_JOB = 64 << 20
 
 
 class SpaceGuard:
-    """Cap, floor, cached free space and the read-only (disk full) state of one tier
-    (its sizes already checked by :class:`~backends.nvme.NVMeOptions`).
-
-    Raises (constructor):
-        InvalidArgumentError: ``capacity_bytes`` holds not even one block file.
-    """
+    """Cap, floor, cached free space and the read-only (disk full) state of one tier;
+    InvalidArgumentError when ``capacity_bytes`` holds not even one block file."""
 
     def __init__(
         self,
@@ -84,11 +80,8 @@ class SpaceGuard:
     # -- start-up ---------------------------------------------------------------------
 
     def check_file_system(self, total_bytes: int, where: str) -> None:
-        """Refuse a floor the file system can never satisfy.
-
-        Raises:
-            InvalidArgumentError: ``min_free_bytes`` is at or above ``total_bytes``.
-        """
+        """InvalidArgumentError when ``min_free_bytes`` is at or above ``total_bytes``, a
+        floor the file system can never satisfy."""
         if total_bytes > 0 and self.min_free_bytes >= total_bytes:
             raise InvalidArgumentError(
                 f"min_free_bytes={self.min_free_bytes} is at or above the size of the file "
@@ -113,11 +106,8 @@ class SpaceGuard:
         return self.free_bytes - pending_blocks * self.file_bytes < self.min_free_bytes
 
     def limit(self, held_blocks: int, reserved_blocks: int) -> tuple[int, str]:
-        """The most records (held plus reserved) allowed now, and why it binds.
-
-        ``held_blocks`` are on disk already (their space is gone from ``free_bytes``);
-        ``reserved_blocks`` are promised to running stores and not yet written.
-        """
+        """The most records (``held_blocks`` on disk plus ``reserved_blocks`` promised to
+        running stores) allowed now, and why it binds."""
         bound = self.capacity_blocks
         reason = f"nvme tier full: capacity {self.capacity_bytes} bytes reached"
         if self.free_bytes is not None:
@@ -141,11 +131,8 @@ class SpaceGuard:
         self._freed = True
 
     def refusing(self) -> bool:
-        """True if a store must be refused without I/O now.
-
-        When read-only, one store is let through to probe every ``retry_s`` seconds, or
-        at once after :meth:`freed`; letting one through starts a new retry period.
-        """
+        """True if a store must be refused without I/O now: while read-only, all but one
+        probing store every ``retry_s`` seconds (or at once after :meth:`freed`)."""
         if self._full_since is None:
             return False
         now = self._clock()
@@ -227,11 +214,8 @@ class InflightBytes:
 
 
 def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_bytes: int) -> int:
-    """Records a segment takes: from ``segment_bytes``, or (None) from the cap.
-
-    Raises:
-        InvalidArgumentError: the cap holds fewer than two segments (both options named).
-    """
+    """Records a segment takes: from ``segment_bytes``, or (None) from the cap;
+    InvalidArgumentError (both options named) when the cap holds fewer than two."""
     capacity_records = capacity_bytes // record_bytes
     largest = min(MAX_RECORDS_PER_SEGMENT, (DEFAULT_SEGMENT_BYTES - HEADER_BYTES) // record_bytes)
     if segment_bytes is None:
