@@ -184,9 +184,8 @@ class NVMeTier(TierActor):
 
         Raises:
             ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the root fails :func:`check_root`, the namespace
-                directory holds another namespace, or ``o_direct=True`` and the file
-                system refuses O_DIRECT.
+            InvalidArgumentError: the root fails :func:`check_root`, the directory holds
+                another namespace, or ``o_direct=True`` and the file system refuses it.
             TieringError: the root cannot be written or scanned (with the OS error).
         """
         if self.closed:
