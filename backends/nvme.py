@@ -364,11 +364,8 @@ class NVMeTier(TierActor):
     # -- queries ----------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """True if stored, None while a store of it is queued or running, else False.
-
-        Raises:
-            InvalidArgumentError: ``key`` is not bytes.
-        """
+        """True if stored, None while a store of it is queued or running, else False
+        (InvalidArgumentError for a ``key`` that is not bytes)."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
         digest = key_digest(key)
@@ -381,20 +378,13 @@ class NVMeTier(TierActor):
         self._index.touch(key_digest(key) for key in hash_list("keys", keys))
 
     def hold(self, keys: Collection[OffloadKey]) -> None:
-        """Keep ``keys``' segments from eviction until released (holds count).
-
-        Raises:
-            InvalidArgumentError: ``keys`` is not a collection of bytes; nothing held.
-        """
+        """Keep ``keys``' segments from eviction until released (holds count);
+        InvalidArgumentError, nothing held, unless ``keys`` is a collection of bytes."""
         self._index.hold([key_digest(key) for key in hash_list("keys", keys)])
 
     def release(self, keys: Collection[OffloadKey]) -> None:
-        """Undo one :meth:`hold` of each key.
-
-        Raises:
-            InvalidArgumentError: a key is not bytes or released more often than held
-                (named in hex); nothing released.
-        """
+        """Undo one :meth:`hold` of each key; InvalidArgumentError, nothing released, for a
+        key that is not bytes or is released more often than held (named in hex)."""
         keys = hash_list("keys", keys)
         counts = Counter(map(key_digest, keys))
         for key in keys:
@@ -412,10 +402,8 @@ class NVMeTier(TierActor):
         return self._index.used_records * self.file_bytes
 
     def clear(self) -> None:
-        """Drop every block: lookups miss at once, stores running now do not land.
-
-        The segment files are deleted by the next store job or by :meth:`aclose`.
-        """
+        """Drop every block: lookups miss at once, stores running now do not land; the
+        files go with the next store job or :meth:`aclose`."""
         self._generation += 1
         self._trash.extend(self._index.clear())
         self._space.freed()
