@@ -1,12 +1,10 @@
 """The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
 and bounded (docs/nvme.md: the layout on disk, how it works, each option at length).
 
-Blocks are records appended to segment files (:mod:`backends.nvme_segments`), indexed on
-the event-loop thread (:class:`~backends.nvme_segment_index.SegmentIndex`), evicted a
-segment at a time (FIFO with reinsertion of recently used blocks) and recovered from a
-checkpoint plus a scan (:mod:`backends.nvme_recovery`). The blocking work of a job runs
-in ONE call on the tier's own thread pool; the cap, the free-space floor and disk full
-are the :class:`~backends.nvme_space.SpaceGuard`'s.
+The tier's actor shell: the index (:mod:`backends.nvme_segment_index`) on the loop
+thread, each job's blocking work (:mod:`backends.nvme_segments`) in ONE call on the
+tier's own threads, start-up through :mod:`backends.nvme_recovery`, space through
+:class:`~backends.nvme_space.SpaceGuard`.
 """
 
 from __future__ import annotations
@@ -58,20 +56,14 @@ class NVMeMetrics:
     bytes_written: int = 0
     bytes_read: int = 0
     evicted_blocks: int = 0
-    corrupt_blocks: int = 0
-    """Loads whose file failed verification (length, header, key or checksum)."""
-    missing_blocks: int = 0
-    """Loads whose file had vanished (removed by another engine sharing the root)."""
+    corrupt_blocks: int = 0  # loads whose record failed verification
+    missing_blocks: int = 0  # loads whose segment had vanished (another engine removed it)
     read_errors: int = 0
-    write_errors: int = 0
-    """Blocks whose write failed (ENOSPC included)."""
-    refused_blocks: int = 0
-    """Stores refused without I/O: no room (cap or floor) or the tier is read-only."""
-    disk_full_events: int = 0
-    """Times the tier turned read-only because the file system answered ENOSPC."""
+    write_errors: int = 0  # ENOSPC included
+    refused_blocks: int = 0  # stores refused without I/O: no room, or read-only
+    disk_full_events: int = 0  # times ENOSPC turned the tier read-only
     recovered_blocks: int = 0
-    relocated_blocks: int = 0
-    """Recently used blocks of an evicted segment written again."""
+    relocated_blocks: int = 0  # recently used blocks of an evicted segment written again
     removed_on_recovery: Counter[str] = field(default_factory=Counter)
 
 
@@ -107,10 +99,9 @@ class NVMeTier(TierActor):
         /,
         **values: Any,
     ) -> None:
-        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win).
-
-        Raises: InvalidArgumentError for a bad view, size or option (named), or a cap
-        that holds fewer than two segments or than the free-space floor allows."""
+        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win); raises
+        InvalidArgumentError for a bad view, size or option (named), or a cap that holds
+        fewer than two segments or than the free-space floor allows."""
         o = NVMeOptions.check({**dict(options or {}), **values}, owner="NVMeTier")
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         self.records_per_segment = records_per_segment(
@@ -129,18 +120,15 @@ class NVMeTier(TierActor):
         self.root = os.fspath(o.root)
         self.namespace = o.namespace
         self.directory = os.path.join(self.root, namespace_dirname(o.namespace))
-        self.file_bytes = record_bytes
-        """Bytes one block takes on disk (its header page included)."""
+        self.file_bytes = record_bytes  # one block on disk, its header page included
         self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
         self.fsync = o.fsync
         # Read by the vLLM adapter's tests and the replay model (tiering.replay.tier_layout).
         self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
         self.hot_fraction = o.hot_fraction
-        self.o_direct: bool | None = None
-        """Whether O_DIRECT is in use; known after :meth:`start`."""
-        self.metrics = NVMeMetrics()
-        """Counters since creation; ``statistics().counters`` shows the same figures."""
+        self.o_direct: bool | None = None  # whether O_DIRECT is in use, once started
+        self.metrics = NVMeMetrics()  # what statistics().counters shows
         self._failure_log = FailureLog(logger, "nvme tier")
         self._os = o.os_calls or REAL_OS
         self._ns_digest = namespace_digest(o.namespace)
@@ -196,9 +184,8 @@ class NVMeTier(TierActor):
 
         Raises:
             ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the root fails :func:`check_root`, the namespace
-                directory holds another namespace, or ``o_direct=True`` and the file
-                system refuses O_DIRECT.
+            InvalidArgumentError: the root fails :func:`check_root`, the directory holds
+                another namespace, or ``o_direct=True`` and the file system refuses it.
             TieringError: the root cannot be written or scanned (with the OS error).
         """
         if self.closed:
@@ -377,11 +364,8 @@ class NVMeTier(TierActor):
     # -- queries ----------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """True if stored, None while a store of it is queued or running, else False.
-
-        Raises:
-            InvalidArgumentError: ``key`` is not bytes.
-        """
+        """True if stored, None while a store of it is queued or running, else False
+        (InvalidArgumentError for a ``key`` that is not bytes)."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
         digest = key_digest(key)
@@ -394,20 +378,13 @@ class NVMeTier(TierActor):
         self._index.touch(key_digest(key) for key in hash_list("keys", keys))
 
     def hold(self, keys: Collection[OffloadKey]) -> None:
-        """Keep ``keys``' segments from eviction until released (holds count).
-
-        Raises:
-            InvalidArgumentError: ``keys`` is not a collection of bytes; nothing held.
-        """
+        """Keep ``keys``' segments from eviction until released (holds count);
+        InvalidArgumentError, nothing held, unless ``keys`` is a collection of bytes."""
         self._index.hold([key_digest(key) for key in hash_list("keys", keys)])
 
     def release(self, keys: Collection[OffloadKey]) -> None:
-        """Undo one :meth:`hold` of each key.
-
-        Raises:
-            InvalidArgumentError: a key is not bytes or released more often than held
-                (named in hex); nothing released.
-        """
+        """Undo one :meth:`hold` of each key; InvalidArgumentError, nothing released, for a
+        key that is not bytes or is released more often than held (named in hex)."""
         keys = hash_list("keys", keys)
         counts = Counter(map(key_digest, keys))
         for key in keys:
@@ -425,10 +402,8 @@ class NVMeTier(TierActor):
         return self._index.used_records * self.file_bytes
 
     def clear(self) -> None:
-        """Drop every block: lookups miss at once, stores running now do not land.
-
-        The segment files are deleted by the next store job or by :meth:`aclose`.
-        """
+        """Drop every block: lookups miss at once, stores running now do not land; the
+        files go with the next store job or :meth:`aclose`."""
         self._generation += 1
         self._trash.extend(self._index.clear())
         self._space.freed()
@@ -544,11 +519,10 @@ class NVMeTier(TierActor):
         gone: Sequence[tuple[str, int]],
         delete: Sequence[str],
     ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
-        """Read the recently used records of evicted segments and the keys of the
-        ``gone`` records, delete those segments, then write the job's blocks and the
-        moved records: ``placed`` holds the job's placements, then one per move. Returns
-        the write's report, each move's key (None where its record did not verify: it is
-        not written) and each gone record's key (None where its header did not)."""
+        """Read the ``moves`` and the keys of the ``gone`` records, delete ``delete``,
+        then write the job's blocks and the moves that verified (``placed``: the job's
+        placements, then the moves'). Returns the report, each move's key and each gone
+        record's key (None where it did not verify)."""
         buffers = self._move_buffers(len(moves))
         reads = [
             (segment, record, buffer, None)

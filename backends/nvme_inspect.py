@@ -1,31 +1,19 @@
-"""An NVMe tier's root seen from outside the tier, as reports: inspect, verify, clear.
+"""An NVMe tier's root seen from outside the tier, as the reports of ``tiering inspect``,
+``verify`` and ``clear`` (synchronous; the commands' docstrings give the behaviour).
 
-Synchronous; the ``tiering inspect``, ``verify`` and ``clear`` commands are thin shells
-around :func:`inspect_root`, :func:`verify_root` and :func:`clear_root`. What they see
-is the tier's own view, from the tier's own code (:func:`~backends.nvme_recovery.recover`
-read-only, :func:`~backends.nvme_recovery.verify_index`,
-:meth:`~backends.nvme_segments.SegmentFiles.mark_removed`,
-:func:`~backends.nvme_segment_format.tier_file`): **blocks** are what a tier started now
-would index; **damaged** is what its start-up drops or cannot use (record slots that do
-not verify, a segment with neither a valid header nor record, a rejected checkpoint, a
-``NAMESPACE`` file naming another namespace); **orphaned** is what nobody reads again
-(temporary and lock files of writers that are gone, segments with no block the index
-serves, slots ``verify --remove`` marked, O_DIRECT probes, files the tier never writes).
-A namespace's record size is the most common payload length of its segments' first
-records that verify; without one, its segments are damaged.
-
-Every tier holds ``flock`` on ``owners/<id>.lock`` while it runs. Reading (inspect,
-verify without ``remove``) may run next to a live tier, and then reports a snapshot of
-something changing (a record being written can look torn) and the live owners;
-``remove`` and :func:`clear_root` refuse a namespace with a live owner
-(:class:`~tiering.errors.TieringError`, nothing changed). A tier that starts after that
-check races with them: stop the engines first.
+Each report is the tier's own view, from the tier's own code (read-only recovery,
+:func:`~backends.nvme_recovery.verify_index`, ``mark_removed``, ``tier_file``): blocks
+are what a tier started now would index; damaged is what its start-up drops or cannot
+use; orphaned is what nobody reads again. A namespace's record size is the most common
+payload length of its segments' first records that verify; without one, its segments
+are damaged. ``remove`` and :func:`clear_root` refuse a namespace whose
+``owners/<id>.lock`` a running tier holds; a tier that starts after that check races
+with them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import uuid
@@ -35,7 +23,13 @@ from dataclasses import dataclass, field
 
 from backends.block_record import HEADER_BYTES, decode_header, namespace_digest
 from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
-from backends.nvme_recovery import Recovery, recover, verify_index, write_checkpoint
+from backends.nvme_recovery import (
+    Recovery,
+    read_identity,
+    recover,
+    verify_index,
+    write_checkpoint,
+)
 from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
@@ -66,14 +60,9 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class NamespaceReport:
-    """What one namespace directory holds.
-
-    ``namespace`` is the identity its ``NAMESPACE`` file names (None when that file is
-    missing or unreadable); ``digest`` the 32 hex digits in the directory's name (what
-    ``--namespace`` accepts a prefix of). ``layouts`` lists the layouts present;
-    ``block_bytes`` is the payload length of its blocks (None when no block verifies).
-    ``payload_bytes`` is ``blocks * block_bytes``; ``disk_bytes`` the size of every file
-    in the directory. ``live_owners`` are the tiers running on it now.
+    """What one namespace directory holds: ``namespace`` as its ``NAMESPACE`` file names
+    it (None when missing or unreadable), ``digest`` from the directory's name,
+    ``block_bytes`` None when no block verifies, ``live_owners`` the tiers running on it.
     """
 
     directory: str
@@ -89,17 +78,11 @@ class NamespaceReport:
     damaged: tuple[Finding, ...]
     orphaned: tuple[Finding, ...]
 
-    @property
-    def label(self) -> str:
-        """The namespace string, or the directory name when it is unknown."""
-        return self.namespace if self.namespace is not None else self.directory
-
 
 @dataclass(frozen=True, slots=True)
 class RootReport:
-    """What :func:`inspect_root` found: totals over the namespaces, the namespaces (by
-    directory name), and the root's other entries (never touched by the tier or these
-    tools). ``damaged`` and ``orphaned`` count findings."""
+    """What :func:`inspect_root` found: totals, the namespaces and the root's other
+    entries (never touched by the tier or these tools)."""
 
     root: str
     blocks: int
@@ -129,9 +112,8 @@ class RootReport:
 
 @dataclass(frozen=True, slots=True)
 class BadBlock:
-    """A block that failed verification: ``path`` relative to the root, the record
-    number for a segment, the key in hex when its header could be read, why it failed,
-    and whether it was removed (or marked bad)."""
+    """A block that failed verification: its segment (relative to the root) and record,
+    its key in hex when its header could be read, why, and whether it was removed."""
 
     path: str
     record: int | None
@@ -154,8 +136,7 @@ class NamespaceVerify:
 
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
-    """What :func:`verify_root` checked and found: blocks checked, bad, and of those
-    removed (``remove``: bad blocks were asked to be removed), per namespace."""
+    """What :func:`verify_root` checked and found, in total and per namespace."""
 
     root: str
     remove: bool
@@ -179,9 +160,8 @@ class VerifyReport:
 
 @dataclass(frozen=True, slots=True)
 class ClearReport:
-    """What :func:`clear_root` removed (or, with ``dry_run``, would remove): the
-    namespace directories, how many files and bytes, and the files it left because the
-    tier never writes such names (their directories stay too)."""
+    """What :func:`clear_root` removed (with ``dry_run``: would remove), and the files it
+    left because the tier never writes such names."""
 
     root: str
     dry_run: bool
@@ -218,14 +198,12 @@ class _Namespace:
 def _open_root(
     root: str | os.PathLike[str], wanted: str | None
 ) -> tuple[str, list[_Namespace], list[str]]:
-    """The root's path, the namespace directories ``wanted`` names (see :func:`_select`;
-    name order) and the root's other entries.
+    """The root's path, the namespace directories ``wanted`` names (:func:`_select`)
+    and the root's other entries.
 
     Raises:
-        InvalidArgumentError: ``root`` fails the tier's own :func:`check_root` (it does
-            not exist, is not a directory, belongs to another user or others may write
-            to it), cannot be listed, or is neither empty nor holds a namespace
-            directory; ``wanted`` names none or several.
+        InvalidArgumentError: ``root`` fails the tier's :func:`check_root`, cannot be
+            listed, or is neither empty nor holds a namespace directory.
     """
     path = os.fspath(root)
     try:
@@ -262,13 +240,13 @@ def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
     ns = _Namespace(root, name, digest)
     try:
         with open(os.path.join(root, name, IDENTITY_FILE), encoding="utf-8") as file:
-            found = json.load(file).get("namespace")
+            found = read_identity(file.read())
     except FileNotFoundError:
         ns.identity_problem = "no NAMESPACE file (a tier start was cut short, or it was removed)"
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError) as exc:
         ns.identity_problem = f"NAMESPACE file unreadable: {exc}"
     else:
-        if isinstance(found, str) and namespace_digest(found) == digest:
+        if found is not None and namespace_digest(found) == digest:
             ns.namespace = found
         else:
             ns.identity_problem = (
@@ -278,8 +256,8 @@ def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
 
 
 def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace]:
-    """The namespaces ``wanted`` names: the namespace string, the directory name, or a
-    prefix (at least 4 hex digits) of the digest; all of them for None.
+    """The namespaces ``wanted`` names (its string, directory name, or a digest prefix
+    of at least 4 hex digits); all for None.
 
     Raises:
         InvalidArgumentError: nothing or more than one namespace matches.
@@ -348,8 +326,8 @@ def _listdir(path: str) -> list[os.DirEntry[str]]:
 
 @dataclass(slots=True)
 class _Segments:
-    """The segment layout of a namespace: the tier's read-only recovery of it (None
-    when its record size is unknown), and what the report makes of it."""
+    """A namespace's segments: the tier's read-only recovery (None when the record size
+    is unknown), and the findings."""
 
     files: SegmentFiles | None = None
     found: Recovery | None = None
@@ -363,8 +341,7 @@ class _Segments:
 
 
 def _segments(ns: _Namespace) -> _Segments | None:
-    """The segment layout of ``ns`` (None when it has no ``segments/``), recovered by
-    the tier's own code, with its damaged and orphaned findings."""
+    """The segments of ``ns`` (None without ``segments/``), recovered by the tier's code."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
     if not os.path.isdir(seg_dir):
         return None
@@ -495,18 +472,11 @@ def _report(ns: _Namespace, segments: _Segments | None) -> NamespaceReport:
 
 
 def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) -> RootReport:
-    """What ``root`` holds, per namespace directory; changes nothing on disk.
-
-    ``namespace`` limits the report to one namespace (its string, its directory name or
-    a prefix of at least 4 hex digits of its digest). Block payloads are not read (see
-    :func:`verify_root`); every segment record header is.
+    """What ``root`` (or one ``namespace``, as :func:`_select` matches it) holds, from
+    every record header, no payload; changes nothing on disk.
 
     Raises:
-        InvalidArgumentError: ``root`` fails the tier's own check of a root
-            (:func:`~backends.nvme.check_root`: it does not exist, is not a directory,
-            belongs to another user or others may write to it) or is not an NVMe root
-            (neither empty nor holding a namespace directory); ``namespace`` matches
-            none or several.
+        InvalidArgumentError: as :func:`_open_root` and :func:`_select`.
         TieringError: an OS error while reading (the message carries it).
     """
     path, selected, others = _open_root(root, namespace)
@@ -523,28 +493,16 @@ def verify_root(
     encryption: Keyring | str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Read every block of ``root`` (or of one namespace) and check it as a load does:
-    length, header (magic, version, checksum, namespace, key, payload length) and
-    payload checksum, or for an encrypted block its authentication under
-    ``encryption`` (a keyring or its spec, as the tier's option). Without a keyring an
-    encrypted block is reported bad (it cannot be checked), and ``remove`` is refused
-    for a namespace that holds encrypted blocks.
-
-    The blocks are those the rebuilt index holds (a record no index entry names is never
-    served, so it is not a block). With ``remove``: a bad record's header page is
-    overwritten with a removal mark, so a start's scan skips it (and :func:`inspect_root`
-    counts it removed, not damaged), and its entry leaves the index checkpoint
-    (rewritten atomically). A later tier start then neither indexes nor serves them.
-
-    ``on_progress(checked, total)``, if given, is called as blocks are checked (from
-    ``(0, total)`` on, once the headers are read).
+    """Check every block the rebuilt index of ``root`` (or one ``namespace``) holds as a
+    load does, encrypted ones under ``encryption`` (the tier's option; without it they
+    are bad). With ``remove``, a bad record is marked removed and leaves the checkpoint
+    (rewritten atomically); one that could not be is reported not removed.
+    ``on_progress(checked, total)`` is called from ``(0, total)`` on.
 
     Raises:
         InvalidArgumentError: as :func:`inspect_root`.
         TieringError: ``remove`` and a selected namespace has a live owner, or holds
-            encrypted blocks and no keyring was given (nothing changed), or an OS error
-            while reading (the message carries it). A block that could not be removed
-            is reported as not removed.
+            encrypted blocks and no keyring was given (nothing changed), or an OS error.
     """
     keyring = keyring_from(encryption, option="encryption")
     path, selected, _ = _open_root(root, namespace)
@@ -579,8 +537,8 @@ def _verify(
     keyring: Keyring | None,
     advance: Callable[[int], None],
 ) -> NamespaceVerify:
-    """Verify ``ns``'s blocks with the tier's reader; with ``remove``, mark the bad
-    records removed and rewrite the checkpoint without them."""
+    """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
+    checkpoint."""
     files, found = (None, None) if state is None else (state.files, state.found)
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), ns.live_owners())
@@ -621,14 +579,10 @@ def _verify(
 def clear_root(
     root: str | os.PathLike[str], *, namespace: str | None, dry_run: bool = False
 ) -> ClearReport:
-    """Remove every block of ``root``, or of one namespace, with its namespace directory.
-
-    Removed: the files the tier writes (:func:`~backends.nvme_segment_format.tier_file`:
-    segments, the checkpoint, the ``NAMESPACE`` file, temporary, probe and lock files)
-    and then the directories left empty. Files with other names are left, with their
-    directories, and listed in ``left``. Nothing outside the namespace directories is
-    touched; symbolic links are removed, never followed. With ``dry_run`` nothing
-    changes and the report says what would go.
+    """Remove the files the tier writes (:func:`tier_file`) in ``root``'s namespace
+    directories (or one ``namespace``'s), then the directories left empty; other files
+    stay, listed in ``left``. Links are removed, never followed. With ``dry_run`` nothing
+    changes.
 
     Raises:
         InvalidArgumentError: as :func:`inspect_root`.

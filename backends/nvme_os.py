@@ -80,14 +80,9 @@ class OsCalls:
         os.fsync(fd)
 
     def allocate(self, fd: int, offset: int, length: int) -> None:
-        """Allocate ``length`` bytes of ``fd`` from ``offset`` (Linux ``fallocate``,
-        growing the file if it ends before); nothing where the call or the file system
-        lacks it (it is an optimization, never needed for correctness). ctypes lets go of
-        the GIL for the call.
-
-        Raises:
-            OSError: the allocation failed (ENOSPC, EIO...).
-        """
+        """Allocate ``length`` bytes of ``fd`` from ``offset`` (Linux ``fallocate``, off
+        the GIL); nothing where the call or the file system lacks it (an optimization);
+        OSError if it fails (ENOSPC, EIO...)."""
         if _FALLOCATE is None or _FALLOCATE(fd, 0, offset, length) == 0:
             return
         err = ctypes.get_errno()
@@ -132,11 +127,7 @@ def free_bytes(statvfs: os.statvfs_result) -> int:
 
 def write_all(os_calls: OsCalls, fd: int, buffers: list[memoryview], offset: int) -> None:
     """Write every byte of ``buffers`` at ``offset`` with ``pwritev``, resuming after
-    short writes.
-
-    Raises:
-        OSError: a write failed, or made no progress (EIO).
-    """
+    short writes; OSError if one fails or makes no progress (EIO)."""
     total = sum(buffer.nbytes for buffer in buffers)
     written = 0
     while written < total:
@@ -148,11 +139,7 @@ def write_all(os_calls: OsCalls, fd: int, buffers: list[memoryview], offset: int
 
 
 def fsync_dir(os_calls: OsCalls, directory: str) -> None:
-    """Make ``directory``'s entries durable (``fsync`` of the directory).
-
-    Raises:
-        OSError: it could not be opened or synced.
-    """
+    """Make ``directory``'s entries durable (``fsync`` of the directory; OSError if not)."""
     fd = os_calls.open(directory, os.O_RDONLY | _O_CLOEXEC)
     try:
         os_calls.fsync(fd)
@@ -161,26 +148,12 @@ def fsync_dir(os_calls: OsCalls, directory: str) -> None:
 
 
 def probe_o_direct(directory: str, os_calls: OsCalls = REAL_OS) -> str | None:
-    """Write and read back one aligned page with O_DIRECT in ``directory``.
-
-    Returns None when the file system accepts O_DIRECT, else the reason it does not.
-    Raises nothing for an O_DIRECT refusal; other OSErrors (e.g. the directory is not
-    writable) propagate.
-    """
+    """None if a page written and read back with O_DIRECT in ``directory`` round-trips,
+    else why not. OSErrors other than an O_DIRECT refusal propagate."""
     if not _O_DIRECT:
         return "O_DIRECT is not available on this platform"
     path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
-    page = mmap.mmap(-1, ALIGNMENT)
-    try:
-        with memoryview(page) as view:
-            return _probe_direct_file(path, page, view, os_calls)
-    finally:
-        page.close()
-
-
-def _probe_direct_file(
-    path: str, page: mmap.mmap, view: memoryview, os_calls: OsCalls
-) -> str | None:
+    page = memoryview(mmap.mmap(-1, ALIGNMENT))  # page-aligned, as O_DIRECT needs
     page[:8] = b"kvprobe!"
     try:
         fd = os_calls.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC)
@@ -189,10 +162,10 @@ def _probe_direct_file(
             return f"open with O_DIRECT failed: {os.strerror(exc.errno)}"
         raise
     try:
-        if os_calls.pwritev(fd, [view], 0) != ALIGNMENT:
+        if os_calls.pwritev(fd, [page], 0) != ALIGNMENT:
             return "a direct write was short"
         page[:8] = bytes(8)
-        if os_calls.preadv(fd, [view], 0) != ALIGNMENT or page[:8] != b"kvprobe!":
+        if os_calls.preadv(fd, [page], 0) != ALIGNMENT or page[:8] != b"kvprobe!":
             return "a direct read did not return what was written"
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
@@ -205,12 +178,8 @@ def _probe_direct_file(
 
 
 class OwnerLock:
-    """This writer's liveness lock: ``owners/<instance>.lock`` held with ``flock``.
-
-    The lock file appears under its final name already locked (it is created and locked
-    under a temporary name, then renamed), so a scanner never mistakes a starting writer
-    for a dead one.
-    """
+    """This writer's liveness lock: ``owners/<instance>.lock`` held with ``flock``,
+    renamed into place already locked, so a starting writer never looks dead."""
 
     def __init__(self, namespace_dir: str, instance_id: str) -> None:
         self.instance_id = instance_id
@@ -288,12 +257,6 @@ def describe_os_error(exc: OSError) -> str:
     return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or os.strerror(exc.errno)}"
 
 
-PRIVATE_DIR_MODE = 0o700
-"""Mode of the directories the tier makes: its user's alone (KV bytes are user data)."""
-PRIVATE_FILE_MODE = 0o600
-"""Mode of the files the tier writes."""
-
-
 def check_private(option: str, path: str) -> None:
     """Refuse a directory another user owns or anyone but its owner may write to.
 
@@ -315,15 +278,11 @@ def check_private(option: str, path: str) -> None:
         )
 
 
-def check_root(
-    path: str, *, option: str = "root", create: bool = False, mode: int = PRIVATE_DIR_MODE
-) -> None:
-    """Check ``path`` as an NVMe root: the one check the tier's start and the
-    ``tiering inspect`` / ``verify`` / ``clear`` commands share.
-
-    The root must be a directory of this process's user that nobody else may write to
-    (see docs/security.md). With ``create``, a missing root is made (with ``mode``, its
-    missing parents too); without it, a missing root is refused.
+def check_root(path: str, *, option: str = "root", create: bool = False, mode: int = 0o700) -> None:
+    """Check ``path`` as an NVMe root (the tier's start and the inspect, verify and clear
+    commands): a directory of this process's user that nobody else may write to
+    (docs/security.md). With ``create``, a missing root is made with ``mode`` (its
+    missing parents too).
 
     Raises:
         InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
@@ -346,9 +305,8 @@ def check_root(
         raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
 
 
-def write_private(path: str, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
-    """Write a new file of ``mode`` (by default readable by this user only), never
-    through a link."""
+def write_private(path: str, data: bytes, mode: int) -> None:
+    """Write a new file of ``mode``, never through a link."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, mode)
     try:
         os.write(fd, data)

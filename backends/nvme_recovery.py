@@ -1,10 +1,6 @@
-"""Opening an NVMe namespace directory: its directories, its identity, the index
-checkpoint's file, and the recovery of the segment index from the checkpoint plus a
+"""Opening an NVMe namespace directory and recovering its index: the checkpoint plus a
 scan of what was written after it (and, for ``tiering verify``, a read of every block).
-
-Blocking, for a worker thread: the tier calls :func:`open_directory` and
-:func:`recover` once, at start, so that the loop is not blocked while a large index is
-rebuilt.
+Blocking: the tier runs it once, at start, on a worker thread.
 """
 
 from __future__ import annotations
@@ -48,13 +44,12 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
-    """Check ``root``, make ``directory`` (the namespace's) and its subdirectories,
+    """Check ``root``, make the namespace's ``directory`` and its subdirectories,
     private, and write or check its identity file.
 
     Raises:
-        InvalidArgumentError: the root fails :func:`~backends.nvme_os.check_root`, the
-            namespace directory or a subdirectory is a link or a file, or the directory
-            holds another namespace.
+        InvalidArgumentError: the root fails :func:`check_root`, a directory is a link
+            or a file, or the directory holds another namespace.
         OSError: any other failure of the file system.
     """
     check_root(root, create=True, mode=dir_mode)
@@ -105,23 +100,18 @@ class Recovery:
     """What :func:`recover` found, and the index it built from it."""
 
     index: SegmentIndex
-    recovered: int
-    """Blocks the index holds."""
-    excess: list[str]
-    """Segments over the cap (none of a live writer): the tier deletes them."""
+    recovered: int  # blocks the index holds
+    excess: list[str]  # segments over the cap (none of a live writer), to delete
+    # What was dropped, by cause: "corrupt segment", "invalid record", "temporary".
     removed: Counter[str] = field(default_factory=Counter)
-    """What was dropped, by cause: ``corrupt segment``, ``invalid record``, ``temporary``."""
     checkpoint: Checkpoint | None = None
-    checkpoint_note: str | None = None
-    """Why the checkpoint was not used, if it was not."""
+    checkpoint_note: str | None = None  # why the checkpoint was not used, if it was not
+    # The scan of each segment read (beyond the checkpoint; read-only: from record 0).
     scans: dict[str, SegmentScan] = field(default_factory=dict)
-    """The scan of each segment read (beyond the checkpoint; read-only: from record 0)."""
+    # Segments of dead writers in which neither the header nor a record verifies.
     corrupt: list[str] = field(default_factory=list)
-    """Segments of dead writers in which neither the header nor a record verifies."""
-    unreadable: dict[str, str] = field(default_factory=dict)
-    """Segments that could not be read, and why."""
-    listed: list[tuple[str, int]] = field(default_factory=list)
-    """``(segment, records)`` of every segment indexed, oldest first."""
+    unreadable: dict[str, str] = field(default_factory=dict)  # segment -> why
+    listed: list[tuple[str, int]] = field(default_factory=list)  # (segment, records) indexed
 
 
 def recover(
@@ -132,13 +122,9 @@ def recover(
     read_only: bool = False,
 ) -> Recovery:
     """Read the checkpoint, scan what it does not cover, and build an index with
-    ``new_index(records on disk)``.
-
-    The tier's start deletes, as it goes, the segments of dead writers in which nothing
-    verifies and the checkpoint temporaries of dead writers. With ``read_only`` (what
-    ``tiering inspect`` and ``verify`` see) nothing is written, no lock is taken, those
-    are only reported, and every segment is scanned from its first record, so that
-    damage the checkpoint covers is reported too.
+    ``new_index(records on disk)``, deleting dead writers' checkpoint temporaries and
+    segments in which nothing verifies. With ``read_only`` (inspect, verify) nothing is
+    written, those are only reported, and every segment is scanned from record 0.
     """
     directory = files.directory
     removed: Counter[str] = Counter()
@@ -193,12 +179,10 @@ def verify_index(
     on_batch: Callable[[int], None],
     batch_bytes: int = 32 << 20,
 ) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
-    """Read every record ``index`` holds and verify it as a load does
-    (:meth:`SegmentFiles.read`), at most ``batch_bytes`` of payload in memory at
-    once, calling ``on_batch(records read)`` after each batch. Returns the records
-    checked and the failures: ``(segment, record)`` -> ``(the key its header names or
-    None, why, whether the record itself is bad)``; a missing record is not, nor one
-    that verifies but holds another key than its index entry (a stale entry)."""
+    """Read and verify every record ``index`` holds as a load does, ``batch_bytes`` of
+    payload at a time, calling ``on_batch(records read)`` after each. Returns the
+    records checked and the failures: ``(segment, record)`` -> ``(its header's key or
+    None, why, whether the record itself is bad)`` (not a missing or stale one)."""
     snapshot = index.snapshot()
     entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
     size = files.block_bytes
@@ -220,13 +204,9 @@ def verify_index(
 
 
 def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
-    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` (to a temporary name
-    of ``temp_suffix``, synced, renamed into place); returns its size in bytes.
-
-    Raises:
-        OSError: it could not be written (the previous checkpoint is unchanged and the
-            temporary file removed).
-    """
+    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` (a temporary of
+    ``temp_suffix``, synced, renamed); returns its size. OSError if it could not be
+    (the previous checkpoint stays, the temporary is removed)."""
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
     final = os.path.join(files.directory, CHECKPOINT_FILE)
     temp = f"{final}.{temp_suffix}.tmp"
@@ -247,9 +227,8 @@ def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix
 
 
 def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
-    """The checkpoint of ``files`` on disk: ``(checkpoint, None)``, or ``(None, why not)`` when
-    there is none or it fails a check (wrong magic, version, namespace, record size,
-    length or checksum). Never raises."""
+    """``(the checkpoint of files, None)``, or ``(None, why not)`` when there is none or
+    it fails a check. Never raises."""
     path = os.path.join(files.directory, CHECKPOINT_FILE)
     try:
         with open(path, "rb") as file:

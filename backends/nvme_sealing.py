@@ -1,17 +1,11 @@
 """Encrypted payloads on NVMe: the per-thread buffers a write seals into.
 
-The NVMe tier moves plain payloads straight between the host pool and the disk. With
-a keyring a write cannot: the host pool's slot must keep its plaintext, and AES-GCM
-writes a tag after the ciphertext. So a :class:`PayloadSealer` lends each worker thread a
-few page-aligned buffers (O_DIRECT still applies) on huge pages where the kernel gives
-them (:func:`tiering.host_pool.io_buffer` says why that matters): a write seals the slot
-into one and writes that. A read needs none: the ciphertext goes straight into the slot
-and :func:`backends.block_record.verify_payload` opens it there.
-
-Blocking, for the tier's worker threads only. The cipher runs without the GIL but not
-without a core: I/O threads sealing or opening a job's blocks back to back keep the
-event loop's thread off the CPU, so a thread gives up the CPU after each block
-(``os.sched_yield``; :meth:`PayloadSealer.seal` here, the reader after opening).
+A sealed write cannot go straight from the host pool (the slot keeps its plaintext,
+and AES-GCM adds a tag), so a :class:`PayloadSealer` lends each worker thread
+page-aligned buffers (O_DIRECT still applies) to seal into; a read opens the ciphertext
+in its slot. Blocking, for the tier's worker threads only. The cipher runs without the
+GIL but not without a core, so a thread gives up the CPU after each block
+(``os.sched_yield``) to let the loop's thread run (docs/security.md has the figures).
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from backends.nvme_os import ALIGNMENT, thread_buffer
 from tiering.encryption import TAG_BYTES, BlockCipher, Seal
 
 SEAL_BATCH_BYTES = 8 << 20
-"""Sealing-buffer memory per worker thread: a job's records are sealed and written this
-many bytes at a time (the fastest of the sizes tried, docs/nvme.md)."""
+"""Sealing-buffer memory per worker thread (the fastest size tried, docs/nvme.md)."""
 
 
 class PayloadSealer:
@@ -47,12 +40,8 @@ class PayloadSealer:
 
     def buffers(self, count: int) -> list[memoryview]:
         """``count`` (at most :attr:`batch`) page-aligned buffers of ``block_bytes +
-        TAG_BYTES``, this thread's, valid until its next call.
-
-        Seal into them in order: a buffer's last ``TAG_BYTES`` may be the next one's
-        first, so a seal's tag (which its :class:`Seal` keeps) spills into the next
-        buffer, whose own seal then overwrites it.
-        """
+        TAG_BYTES``, this thread's until its next call. Seal into them in order: a tag
+        (kept by its :class:`Seal`) spills into the next buffer, which overwrites it."""
         if not 0 < count <= self.batch:
             raise ValueError(f"count must be in 1..{self.batch}, got {count}")
         arena = thread_buffer(self._local, "arena", self.batch * self.stride + TAG_BYTES)

@@ -48,13 +48,9 @@ entries, body length, body checksum (xxh3_128)."""
 
 
 def namespace_dirname(namespace: str) -> str:
-    """A safe directory name for ``namespace``: a readable prefix (only
-    ``[A-Za-z0-9._-]``, at most 40 characters, so an operator can tell directories
-    apart) plus the 32 hex digits of its digest (so names are distinct).
-
-    Raises:
-        InvalidArgumentError: ``namespace`` is not a non-empty string.
-    """
+    """A safe directory name for ``namespace`` (a non-empty string, else
+    InvalidArgumentError): a readable prefix of at most 40 ``[A-Za-z0-9._-]``, then the
+    32 hex digits of its digest."""
     if not isinstance(namespace, str) or not namespace:
         raise InvalidArgumentError(f"namespace must be a non-empty string, got {namespace!r}")
     readable = _READABLE.sub("_", namespace).strip("._-")[:40] or "ns"
@@ -62,12 +58,8 @@ def namespace_dirname(namespace: str) -> str:
 
 
 def segment_name(writer: str, seq: int) -> str:
-    """The file name of writer ``writer``'s segment number ``seq``.
-
-    Raises:
-        InvalidArgumentError: ``writer`` is not 1..64 lowercase hex digits, or ``seq`` is
-            outside 0..2**32-1.
-    """
+    """The file name of writer ``writer``'s segment number ``seq`` (InvalidArgumentError
+    unless ``writer`` is 1..64 lowercase hex digits and ``seq`` in 0..2**32-1)."""
     if not re.fullmatch(r"[0-9a-f]{1,64}", writer) or not 0 <= seq < 1 << 32:
         raise InvalidArgumentError(f"bad segment writer {writer!r} or sequence number {seq!r}")
     return f"{writer}-{seq:08x}{SEGMENT_SUFFIX}"
@@ -112,13 +104,9 @@ def tier_file(parts: tuple[str, ...]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """An index snapshot: the segments it covers and the entries in them.
-
-    ``segments[i]`` is ``(name, records covered)``: the checkpoint describes records
-    ``0 .. covered-1`` of that segment (later ones must be scanned). ``digests`` (u64),
-    ``segment_of`` (u32, an index into ``segments``), ``record_of`` (u32) and ``ticks``
-    (u32, the last-use clock) are parallel arrays, one entry per indexed block.
-    """
+    """An index snapshot: ``segments`` ``(name, records covered)`` (later records must be
+    scanned), and one entry per indexed block in the parallel arrays ``digests`` (u64),
+    ``segment_of`` (u32, into ``segments``), ``record_of`` and ``ticks`` (u32)."""
 
     segments: list[tuple[str, int]]
     digests: np.ndarray
@@ -184,12 +172,8 @@ def check_segment_header(page: memoryview | bytes, *, payload_bytes: int, ns_dig
 
 
 def encode_checkpoint(checkpoint: Checkpoint, *, block_bytes: int, ns_digest: bytes) -> list[bytes]:
-    """The bytes of ``checkpoint``'s file, in parts: its head, then its body (the
-    segment list and the entry arrays, with an xxh3_128 checksum in the head).
-
-    Raises:
-        InvalidArgumentError: the entry arrays differ in length.
-    """
+    """The bytes of ``checkpoint``'s file, in parts: its head, then its body
+    (InvalidArgumentError when the entry arrays differ in length)."""
     names = "\n".join(f"{name} {covered}" for name, covered in checkpoint.segments).encode()
     arrays = [
         np.ascontiguousarray(checkpoint.digests, dtype="<u8"),

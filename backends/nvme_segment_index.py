@@ -1,24 +1,12 @@
 """The NVMe tier's index: where each block sits, in a few dozen bytes per block.
 
-Sans-I/O: plain synchronous code on the loop thread, no awaits, no files. It decides
-where new records go (which segment, which record number), which segments to delete to
-make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I/O.
-
-Memory: a block is indexed by a 64-bit digest of its key (:func:`key_digest`) in an
-open-addressing table of three flat arrays (digest, location, last use: 20 bytes a
-slot, at most 70 % full) plus 8 bytes per record in its segment's digest list.
-Two keys with the same digest look like one block to the index; every read verifies
-the full key stored in the record's header, so such a collision can cost a hit, never
-serve another block's bytes.
-
-Eviction is by segment, oldest first (a log): space comes back only when a whole
-segment file is deleted. Records of the victim used recently (within the last
-``hot_fraction`` of the clock) are returned to be written again at the log's head, so a
-hot block outlives the segment it was first written to: FIFO with reinsertion, which
-approximates LRU at the cost of one rewrite per hot block per pass of the log. A segment
-whose live records fell below ``compact_below`` of its records (blocks removed, or stored
-again elsewhere) goes first, whatever its age, and all its live records come back to be
-written again: compaction.
+Sans-I/O, on the loop thread: it decides where new records go, which segments to delete
+to make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I/O.
+docs/nvme.md describes the key table and the eviction (FIFO with reinsertion of blocks
+used within the last ``hot_fraction``; a segment whose live records fell below
+``compact_below`` goes first, all of them written again). Two keys of one 64-bit digest
+look like one block here; every read verifies the full key, so a collision can cost a
+hit, never serve another block's bytes.
 """
 
 from __future__ import annotations
@@ -47,12 +35,9 @@ def key_digest(key: bytes) -> int:
 
 
 class KeyTable:
-    """A fixed-size map from 64-bit digests to (location, tick), in flat arrays.
-
-    Linear probing with backward-shift deletion, so a table never holds tombstones and
-    a lookup stops at the first empty slot. Sized at construction for ``capacity``
-    entries at most 70 % full; :meth:`put` beyond ``capacity`` raises.
-    """
+    """A fixed-size map from 64-bit digests to (location, tick), in flat arrays: linear
+    probing, backward-shift deletion (no tombstones), at most 70 % full at ``capacity``
+    entries, beyond which :meth:`put` raises."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = positive_int("capacity", capacity)
@@ -102,11 +87,8 @@ class KeyTable:
         return True
 
     def put(self, digest: int, loc: int, tick: int) -> int | None:
-        """Map ``digest`` to ``loc``; returns the location it replaced, if any.
-
-        Raises:
-            InvalidArgumentError: the table already holds ``capacity`` entries.
-        """
+        """Map ``digest`` to ``loc``; returns the location it replaced, if any
+        (InvalidArgumentError when a new entry would exceed ``capacity``)."""
         slot = self._find(digest)
         old = self._locs[slot] if self._digests[slot] else None
         if old is None:
@@ -143,11 +125,9 @@ class KeyTable:
     def entries(self, chunk: int = 1 << 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the present ``(digests, locations, ticks)``, in slot order.
 
-        Safe to call from another thread while the owner keeps using the table: it
-        copies ``chunk`` slots at a time and lets go of the GIL in between, so the
-        owner's thread is not held up; an entry the owner moves meanwhile may be copied
-        torn or twice (a checkpoint built from it can then cost hits, never serve wrong
-        bytes: reads verify)."""
+        Safe from another thread while the owner goes on: it lets go of the GIL every
+        ``chunk`` slots; an entry moved meanwhile may be copied torn or twice (which can
+        cost hits, never serve wrong bytes: reads verify)."""
         digests = np.frombuffer(self._digests, dtype=np.uint64)
         locs = np.frombuffer(self._locs, dtype=np.uint64)
         ticks = np.frombuffer(self._ticks, dtype=np.uint32)
@@ -187,11 +167,9 @@ class _Segment:
 
 @dataclass(frozen=True, slots=True)
 class Eviction:
-    """A segment the index gave up: delete ``segment``'s file once its pins are gone
-    (they are, when it is returned). The blocks at records ``dropped`` left the index
-    with it; ``reinsert`` blocks (their digests and old record numbers) were used
-    recently, or their segment was compacted, and left the index too: write them again
-    if they are wanted."""
+    """A segment the index gave up (unpinned: its file is the caller's to delete). The
+    blocks at records ``dropped`` left the index with it, and so did the ``reinsert``
+    ones (digest, old record), used recently or compacted: to write again if wanted."""
 
     segment: str
     dropped: list[int]
@@ -200,14 +178,10 @@ class Eviction:
 
 @dataclass(frozen=True, slots=True)
 class RoomPlan:
-    """How one store job makes room (:meth:`SegmentIndex.plan_room`).
-
-    ``fit`` of the job's records fit; ``evictions`` are the segments given up (their
-    files are the caller's to delete); ``moves`` the recently used records of those
-    segments to write again, as ``(segment, record, digest)``; ``gone`` the records
-    whose blocks leave the tier, as ``(segment, record)``; ``placed`` one placement per
-    job record that fits, then one per move.
-    """
+    """How one store job makes room (:meth:`SegmentIndex.plan_room`): ``fit`` of its
+    records fit; ``moves`` ``(segment, record, digest)`` are evicted records to write
+    again, ``gone`` ``(segment, record)`` those that leave the tier; ``placed`` one
+    placement per record that fits, then one per move."""
 
     fit: int
     evictions: list[Eviction]
@@ -219,21 +193,12 @@ class RoomPlan:
 class SegmentIndex:
     """Which blocks the NVMe tier holds, where, and what to evict.
 
-    Capacity is counted in records on disk (live or dead): a segment's records come
-    back only when the segment is evicted. Segments take at most
-    ``records_per_segment`` records; this writer names its segments ``<writer>-<seq>``.
-
-    Guarantees:
-
-    * A pinned segment (a read or write in flight) is never evicted, and neither is a
-      segment holding a held key or the segment being written.
-    * ``used_records + reserved <= capacity_records`` after :meth:`make_room` granted.
-    * Every digest maps to one location; a newer record of a digest replaces the older
-      one, which becomes dead space.
-
-    Raises (constructor):
-        InvalidArgumentError: a size is not a positive int, ``writer`` is not hex, or
-            ``hot_fraction`` is outside [0, 1].
+    Capacity counts records on disk, live or dead (they come back with their segment).
+    A pinned segment (a read or write in flight), one holding a held key and the one
+    being written are never evicted; ``used_records + reserved <= capacity_records``
+    after :meth:`make_room` granted; a newer record of a digest makes the older one dead.
+    The constructor raises InvalidArgumentError for a size that is not a positive int,
+    a ``writer`` that is not hex, or a fraction outside [0, 1].
     """
 
     def __init__(
@@ -324,12 +289,8 @@ class SegmentIndex:
         self._holds.update(digests)
 
     def release(self, digests: Iterable[int]) -> None:
-        """Undo one :meth:`hold` of each digest.
-
-        Raises:
-            InvalidArgumentError: a digest is released more often than held; nothing
-                released.
-        """
+        """Undo one :meth:`hold` of each digest (InvalidArgumentError, nothing released,
+        for one released more often than held)."""
         wanted = Counter(digests)
         for digest, n in wanted.items():
             if self._holds[digest] < n:
@@ -356,13 +317,8 @@ class SegmentIndex:
         return self.capacity_records - self.used_records
 
     def place(self, count: int) -> list[Placement]:
-        """Reserve ``count`` record slots at the log's head (opening segments as needed)
-        and pin their segments; commit each with :meth:`commit`, or :meth:`abandon` it.
-
-        Raises:
-            InvalidArgumentError: fewer than ``count`` records of room (call
-                :meth:`make_room` first).
-        """
+        """Reserve ``count`` record slots at the log's head and pin their segments; each
+        is then committed or abandoned. InvalidArgumentError when they do not fit."""
         if count > self.room():
             raise InvalidArgumentError(f"{count} records do not fit ({self.room()} free)")
         placed: list[Placement] = []
@@ -428,14 +384,10 @@ class SegmentIndex:
     # -- eviction ---------------------------------------------------------------------
 
     def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
-        """Evict the oldest evictable segments until ``count`` records fit, with at most
-        ``limit`` records on disk afterwards (default: the capacity; a lower one is how
-        a free-space floor binds).
-
-        Returns ``(records that fit now, evictions)``: at most ``count``; fewer when
-        every remaining segment is pinned, held, protected or being written. Each
-        eviction's file is the caller's to delete.
-        """
+        """Evict the oldest evictable segments until ``count`` records fit under
+        ``limit`` records on disk (default: the capacity; a free-space floor binds
+        lower). Returns ``(records that fit now, evictions)``: fewer than ``count`` when
+        every remaining segment is pinned, held, protected or being written."""
         bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
         evictions: list[Eviction] = []
         while bound - self.used_records < count:
@@ -446,11 +398,9 @@ class SegmentIndex:
         return min(count, max(0, bound - self.used_records)), evictions
 
     def plan_room(self, count: int, *, limit: int | None = None, most_moves: int) -> RoomPlan:
-        """Make room for a store job of ``count`` records as the tier does, and place
-        them: evict segments (:meth:`make_room`, with room for the victims' recently
-        used blocks too), choose which of those blocks move (the newest, as many as the
-        room left and ``most_moves`` allow), and place the job's records, then the moves.
-        """
+        """Make room for a store job of ``count`` records (:meth:`make_room`, with room
+        for the victims' recently used blocks too), move the newest of those the room
+        and ``most_moves`` allow, and place the job's records, then the moves."""
         fit, evictions = self.make_room(count, limit=limit)
         if any(e.reinsert for e in evictions):
             hot = sum(len(e.reinsert) for e in evictions)
@@ -555,14 +505,11 @@ class SegmentIndex:
         """Rebuild an empty index from a checkpoint and segment scans; returns the
         blocks indexed.
 
-        ``on_disk`` lists the segments present now (name, records they hold) in the
-        order to index them (oldest first); the checkpoint's entries count only for
-        those, up to the records it covered, and ``scans[name]`` supplies the records
-        after that (or all of them, for a segment the checkpoint does not cover). Later
-        records of a digest win. Segments beyond capacity are not indexed: the caller
-        deletes those returned by :meth:`excess_segments`. New segments of this writer
-        continue its sequence after the highest one on disk. ``protected`` segments
-        (another live writer's) are never evicted.
+        ``on_disk`` lists the segments present now, oldest first, with their records;
+        the checkpoint counts for those up to the records it covered, ``scans[name]``
+        for the rest. Later records of a digest win; segments beyond capacity are left
+        to :meth:`excess_segments`; ``protected`` ones (another live writer's) are never
+        evicted.
 
         Raises:
             InvalidArgumentError: the index is not empty.

@@ -1,29 +1,13 @@
-"""Segment files: KV blocks packed into large append-only files, and the index checkpoint.
+"""Segment files: KV blocks packed into large append-only files (docs/nvme.md: the layout).
 
 The blocking half of the NVMe tier: :class:`SegmentFiles` does every file operation
 synchronously, once per job on the tier's worker threads, and decides nothing (the
-caller's index chooses each record's segment and slot). A segment file is a segment
-header page (:mod:`backends.nvme_segment_format`), then records at a fixed stride
-(``record_bytes``): a padded :mod:`backends.block_record` header page and the payload,
-padded to a multiple of ALIGNMENT. Each record verifies on its own when read: a torn
-record, one of another key, namespace or length, and a flipped payload byte are each a
-failed key, never data.
-
-Guarantees:
-
-* Writes are positional and vectored: one ``pwritev`` per run of consecutive records (at
-  most :data:`MAX_IOV` buffers), straight from the caller's memoryviews, with O_DIRECT
-  when enabled and every payload of the run is aligned (or through a staging buffer).
-* A segment's name is unique (writer id and a sequence number), so writers never share
-  a file; the run that creates a segment writes its header, and runs of other jobs may
-  land before it.
-* ``fsync="batch"``: a key reported written is on stable storage (one ``fdatasync`` per
-  segment touched, the directory synced when a segment was created); ``"always"`` syncs
-  after every run; ``"none"`` survives a process crash, not a power loss.
-* The checkpoint is written to a temporary name, synced and renamed into place; one that
-  fails any check is reported as absent, never trusted.
-
-Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
+caller's index chooses each record's segment and slot). Each record verifies on its own
+when read: a torn record, one of another key, namespace or length, and a flipped payload
+byte are each a failed key, never data. Writes are one ``pwritev`` per run of
+consecutive records (at most :data:`MAX_IOV` buffers), straight from the caller's
+memoryviews; a segment's name is unique to its writer. Every system call goes through an
+:class:`~backends.nvme_os.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -87,12 +71,8 @@ def align_up(value: int, to: int = ALIGNMENT) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RecordRun:
-    """Records to write at consecutive slots of one segment.
-
-    ``first`` is the record number of the first one (record ``i`` sits at byte
-    ``HEADER_BYTES + i * record_bytes``); ``create`` says the segment does not exist
-    yet and this run creates it (with its header).
-    """
+    """Records to write at consecutive slots of one segment from record ``first``;
+    ``create``: this run creates the segment (with its header)."""
 
     segment: str
     first: int
@@ -102,13 +82,10 @@ class RecordRun:
 
 @dataclass(slots=True)
 class WriteReport:
-    """What one :meth:`SegmentFiles.write` call did.
-
-    ``written`` keys are complete on disk (durable per the fsync policy); ``failed``
-    maps every other key to a reason. ``disk_full`` is true when the file system
-    answered ENOSPC or EDQUOT. ``created`` lists the segments this call created (even
-    if a later write into one failed); ``free_bytes`` is the space left afterwards.
-    """
+    """What one :meth:`SegmentFiles.write` call did: ``written`` keys are on disk
+    (durable per the fsync policy), ``failed`` maps every other key to a reason;
+    ``disk_full``: ENOSPC or EDQUOT; ``created``: segments created (even if a later
+    write into one failed); ``free_bytes``: the space left afterwards."""
 
     written: list[bytes] = field(default_factory=list)
     failed: dict[bytes, str] = field(default_factory=dict)
@@ -125,15 +102,10 @@ record was missing (its segment gone, or shorter)."""
 
 @dataclass(frozen=True, slots=True)
 class SegmentScan:
-    """The records found in a segment from some record number on.
-
-    ``records`` pairs each valid record's key with its record number, in file order;
-    ``end`` is the record number after the last slot the file holds (a partial slot at
-    the end counts as absent); ``invalid`` counts slots that held no valid record;
-    ``header_ok`` says whether the segment's own header verified (records are checked
-    on their own either way: a crash can leave a segment whose first run, the one that
-    writes the header, never landed while later runs did).
-    """
+    """The records found in a segment from some record number on: ``(key, record)`` of
+    each valid one in file order, ``end`` after the last whole slot, ``invalid`` slots
+    without a valid record, and whether the segment's header verified (records verify
+    on their own: the run writing the header may never have landed)."""
 
     records: list[tuple[bytes, int]]
     end: int
@@ -158,13 +130,10 @@ class SegmentFiles:
     buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum`. Safe to call from several
     threads at once for distinct records (threads share no buffers).
 
-    ``staging_bytes`` (0: off): direct I/O moves a run's records, laid out as on disk,
-    through a staging buffer of this many bytes per thread on huge pages, and payloads
-    are copied between it and the slots without the GIL. For slots of scattered 4 KiB
-    pages (vLLM's shared-memory CPU tier), whose direct transfers the disk would take as
-    many small requests (docs/vllm.md). A load still verifies each payload in its slot; a
-    store's checksum is taken of the staged copy. Not staged: buffered I/O, and sealed
-    writes (already in the sealer's buffers).
+    ``staging_bytes`` (0: off): direct I/O moves a run's records through a huge-page
+    staging buffer of this many bytes per thread (docs/nvme.md); a load still verifies
+    each payload in its slot, a store's checksum is of the staged copy. Buffered I/O and
+    sealed writes are not staged.
     """
 
     def __init__(
@@ -219,16 +188,10 @@ class SegmentFiles:
     # -- write ------------------------------------------------------------------------
 
     def write(self, runs: Sequence[RecordRun], *, writer: str) -> WriteReport:
-        """Write each run's records into its segment (creating those marked ``create``).
-
-        Never raises for an I/O error: each key lands in ``written`` or gets a reason in
-        ``failed``. A failed write fails the rest of its run; on ENOSPC/EDQUOT the later
-        runs are not attempted. With ``fsync`` other than ``"none"`` a key is reported
-        written only after its segment was synced.
-
-        Raises:
-            InvalidArgumentError: a payload is not ``block_bytes`` long (nothing written).
-        """
+        """Write each run's records into its segment. An I/O error fails the rest of its
+        run (after ENOSPC/EDQUOT, every later run) and never raises; unless ``fsync`` is
+        ``"none"`` a key is written once its segment is synced. InvalidArgumentError
+        (nothing written) for a payload that is not ``block_bytes`` long."""
         for run in runs:
             for _key, payload in run.records:
                 if payload.nbytes != self.block_bytes:
@@ -352,16 +315,10 @@ class SegmentFiles:
 
     def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
         """Read each ``(segment, record, slot, expected key or None for any)`` into its
-        slot and verify it: its header (magic, version, namespace, key, payload length,
-        header checksum) and payload checksum or GCM tag. Returns one
-        :data:`ReadOutcome` per read, in order; a failed read's slot may hold partial
-        bytes and must not be used. Each segment is opened once per call, and
-        consecutive records are one read.
-
-        Raises:
-            InvalidArgumentError: a slot is not ``block_bytes`` long (nothing read);
-                never for an I/O error or bad data.
-        """
+        slot and verify its header and payload (checksum or GCM tag); one
+        :data:`ReadOutcome` per read, in order (a failed read's slot must not be used).
+        Consecutive records are one read. Raises only InvalidArgumentError, nothing
+        read, for a slot that is not ``block_bytes`` long."""
         outcomes: list[ReadOutcome] = [(None, "not read", False)] * len(reads)
         by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
         for i, (segment, record, slot, key) in enumerate(reads):
@@ -496,14 +453,9 @@ class SegmentFiles:
         return max(0, (size - HEADER_BYTES) // self.record_bytes)
 
     def scan(self, segment: str, start: int = 0) -> SegmentScan:
-        """Read the record headers of ``segment`` from record ``start`` to its end.
-
-        Payloads are not read (every load verifies them). A slot whose header does not
-        verify, or belongs to another namespace or record size, is skipped and counted.
-
-        Raises:
-            OSError: the file cannot be opened or read.
-        """
+        """Read the record headers (not the payloads) of ``segment`` from record
+        ``start`` on; a slot whose header does not verify for this namespace and record
+        size is counted, not listed. OSError if the file cannot be read."""
         fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
         try:
             page = self._pages(1)

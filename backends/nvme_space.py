@@ -7,18 +7,9 @@ refused because the file system answered ENOSPC. It never touches a file.
 :class:`InflightBytes` bounds the payload bytes of the jobs in their I/O at once, and
 :func:`records_per_segment` sizes segments from the cap.
 
-Rules:
-
-* **Cap.** At most ``capacity_bytes // file_bytes`` records are held.
-* **Floor.** A store may not bring free space below ``min_free_bytes``; blocks already
-  promised to running stores count as written. Whichever of cap and floor binds first
-  wins; a floor already crossed asks for eviction beyond the store's own need.
-* **Freshness.** A figure older than ``max_age_s``, or one too close to the floor to
-  plan by, is measured again before a store plans; every store hop measures as it
-  ends, so a busy tier rarely needs an extra hop.
-* **Disk full.** ENOSPC (or EDQUOT) makes the tier read-only for stores. Stores are
-  then refused without I/O, except one probing store every ``retry_s`` seconds or as
-  soon as the tier freed space itself; a store that lands ends the read-only state.
+The rules (cap, floor, disk full) are docs/nvme.md's "Capacity" and "Faults". Blocks
+promised to running stores count as written; a figure older than ``max_age_s``, or too
+close to the floor to plan by, is measured again before a store plans.
 """
 
 from __future__ import annotations
@@ -54,12 +45,8 @@ MOVE_BYTES_PER_JOB = 64 << 20
 
 
 class SpaceGuard:
-    """Cap, floor, cached free space and the read-only (disk full) state of one tier
-    (its sizes already checked by :class:`~backends.nvme.NVMeOptions`).
-
-    Raises (constructor):
-        InvalidArgumentError: ``capacity_bytes`` holds not even one block file.
-    """
+    """Cap, floor, cached free space and the read-only (disk full) state of one tier;
+    InvalidArgumentError when ``capacity_bytes`` holds not even one block file."""
 
     def __init__(
         self,
@@ -93,11 +80,8 @@ class SpaceGuard:
     # -- start-up ---------------------------------------------------------------------
 
     def check_file_system(self, total_bytes: int, where: str) -> None:
-        """Refuse a floor the file system can never satisfy.
-
-        Raises:
-            InvalidArgumentError: ``min_free_bytes`` is at or above ``total_bytes``.
-        """
+        """InvalidArgumentError when ``min_free_bytes`` is at or above ``total_bytes``, a
+        floor the file system can never satisfy."""
         if total_bytes > 0 and self.min_free_bytes >= total_bytes:
             raise InvalidArgumentError(
                 f"min_free_bytes={self.min_free_bytes} is at or above the size of the file "
@@ -122,11 +106,8 @@ class SpaceGuard:
         return self.free_bytes - pending_blocks * self.file_bytes < self.min_free_bytes
 
     def limit(self, held_blocks: int, reserved_blocks: int) -> tuple[int, str]:
-        """The most records (held plus reserved) allowed now, and why it binds.
-
-        ``held_blocks`` are on disk already (their space is gone from ``free_bytes``);
-        ``reserved_blocks`` are promised to running stores and not yet written.
-        """
+        """The most records (``held_blocks`` on disk plus ``reserved_blocks`` promised to
+        running stores) allowed now, and why it binds."""
         bound = self.capacity_blocks
         reason = f"nvme tier full: capacity {self.capacity_bytes} bytes reached"
         if self.free_bytes is not None:
@@ -150,11 +131,8 @@ class SpaceGuard:
         self._freed = True
 
     def refusing(self) -> bool:
-        """True if a store must be refused without I/O now.
-
-        When read-only, one store is let through to probe every ``retry_s`` seconds, or
-        at once after :meth:`freed`; letting one through starts a new retry period.
-        """
+        """True if a store must be refused without I/O now: while read-only, all but one
+        probing store every ``retry_s`` seconds (or at once after :meth:`freed`)."""
         if self._full_since is None:
             return False
         now = self._clock()
@@ -236,11 +214,8 @@ class InflightBytes:
 
 
 def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_bytes: int) -> int:
-    """Records a segment takes: from ``segment_bytes``, or (None) from the cap.
-
-    Raises:
-        InvalidArgumentError: the cap holds fewer than two segments (both options named).
-    """
+    """Records a segment takes: from ``segment_bytes``, or (None) from the cap;
+    InvalidArgumentError (both options named) when the cap holds fewer than two."""
     capacity_records = capacity_bytes // record_bytes
     largest = min(MAX_RECORDS_PER_SEGMENT, (DEFAULT_SEGMENT_BYTES - HEADER_BYTES) // record_bytes)
     if segment_bytes is None:

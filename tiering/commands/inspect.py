@@ -53,7 +53,7 @@ def render(report: RootReport) -> list[str]:
         for ns in report.namespaces:
             rows.append(
                 [
-                    ns.label,
+                    ns.namespace or ns.directory,
                     ns.digest[:12],
                     "+".join(ns.layouts) or "-",
                     format_bytes(ns.block_bytes) if ns.block_bytes else "?",
