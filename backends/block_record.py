@@ -39,7 +39,6 @@ import hashlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import xxhash
 
@@ -120,6 +119,9 @@ def payload_checksum(payload: Buffer, binding: bytes) -> bytes:
     return hasher.digest()
 
 
+_NO_NONCE = bytes(NONCE_BYTES)
+
+
 def compact_bytes(tenant: bytes, key: bytes) -> int:
     """The length of a compact header for ``tenant`` and ``key``."""
     return _FIXED.size + len(tenant) + len(key) + _TRAILER.size
@@ -145,28 +147,60 @@ def encode_header(
             field has the wrong type or length, or ``into`` has a length that is
             neither; ``into`` is then unchanged.
     """
-    check_key(key)
-    if (checksum is None) == (seal is None):
-        raise InvalidArgumentError("a block header takes either a checksum or a seal")
-    if seal is not None and (len(seal.nonce) != NONCE_BYTES or len(seal.tag) != TAG_BYTES):
-        raise InvalidArgumentError("a seal's nonce must be 12 bytes and its tag 16")
-    field = seal.tag if seal is not None else checksum
-    if len(field) != 16 or len(ns_digest) != 16:
-        raise InvalidArgumentError("checksum and namespace digest must be 16 bytes each")
-    if len(tenant) > MAX_TENANT_BYTES:
-        raise InvalidArgumentError(f"tenant is {len(tenant)} bytes, at most {MAX_TENANT_BYTES}")
-    if payload_bytes < 0:
-        raise InvalidArgumentError(f"payload length must be >= 0, got {payload_bytes}")
     size, needed = len(into), compact_bytes(tenant, key)
     if size != needed and (size != HEADER_BYTES or needed > HEADER_BYTES):
         raise InvalidArgumentError(
             f"a header buffer must be {needed} bytes (compact) or {HEADER_BYTES} (padded), "
             f"and {needed} must fit; got {size}"
         )
+    head = _head(size, key, payload_bytes, ns_digest, tenant, checksum, seal)
     view = memoryview(into).cast("B")
-    _FIXED.pack_into(
-        view,
-        0,
+    trailer = size - _TRAILER.size
+    view[: len(head)] = head
+    view[len(head) : trailer] = bytes(trailer - len(head))
+    _TRAILER.pack_into(view, trailer, xxhash.xxh3_64_intdigest(view[:trailer]))
+
+
+def compact_header(
+    *,
+    key: bytes,
+    payload_bytes: int,
+    ns_digest: bytes,
+    tenant: bytes = b"",
+    checksum: bytes | None = None,
+    seal: Seal | None = None,
+) -> bytes:
+    """A compact header: :func:`encode_header` with the same arguments, as bytes (built
+    in one piece: a store computes one per block)."""
+    size = compact_bytes(tenant, key)
+    head = _head(size, key, payload_bytes, ns_digest, tenant, checksum, seal)
+    return head + _TRAILER.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def _head(
+    size: int,
+    key: bytes,
+    payload_bytes: int,
+    ns_digest: bytes,
+    tenant: bytes,
+    checksum: bytes | None,
+    seal: Seal | None,
+) -> bytes:
+    """A header of ``size`` bytes up to the end of its key, checked as
+    :func:`encode_header` says."""
+    check_key(key)
+    if (checksum is None) == (seal is None):
+        raise InvalidArgumentError("a block header takes either a checksum or a seal")
+    if seal is not None and (len(seal.nonce) != NONCE_BYTES or len(seal.tag) != TAG_BYTES):
+        raise InvalidArgumentError("a seal's nonce must be 12 bytes and its tag 16")
+    field = seal.tag if seal is not None else checksum
+    if len(field) != 16 or len(ns_digest) != 16:  # type: ignore[arg-type]
+        raise InvalidArgumentError("checksum and namespace digest must be 16 bytes each")
+    if len(tenant) > MAX_TENANT_BYTES:
+        raise InvalidArgumentError(f"tenant is {len(tenant)} bytes, at most {MAX_TENANT_BYTES}")
+    if payload_bytes < 0:
+        raise InvalidArgumentError(f"payload length must be >= 0, got {payload_bytes}")
+    fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
         PLAIN if seal is None else SEALED,
@@ -177,20 +211,9 @@ def encode_header(
         len(tenant),
         len(key),
         0 if seal is None else seal.key_id,
-        bytes(NONCE_BYTES) if seal is None else seal.nonce,
+        _NO_NONCE if seal is None else seal.nonce,
     )
-    end = _FIXED.size + len(tenant) + len(key)
-    view[_FIXED.size : end] = tenant + key
-    trailer = size - _TRAILER.size
-    view[end:trailer] = bytes(trailer - end)
-    _TRAILER.pack_into(view, trailer, xxhash.xxh3_64_intdigest(view[:trailer]))
-
-
-def compact_header(*, key: bytes, tenant: bytes = b"", **fields: Any) -> bytes:
-    """A compact header: :func:`encode_header` with the same arguments, as bytes."""
-    into = bytearray(compact_bytes(tenant, key))
-    encode_header(into, key=key, tenant=tenant, **fields)
-    return bytes(into)
+    return fixed + tenant + key
 
 
 def decode_header(header: Buffer) -> BlockHeader:
