@@ -224,8 +224,7 @@ class NVMeTier(TierActor):
         trash, self._trash = self._trash, []
         segments = self._index.checkpoint_segments()
         try:
-            await asyncio.to_thread(self._segments.delete, trash)
-            await asyncio.to_thread(self._checkpoint_hop, segments)
+            await asyncio.to_thread(self._checkpoint_hop, segments, trash)
         except OSError as exc:
             logger.warning("nvme tier: could not write the index checkpoint: %s", exc)
 
@@ -553,8 +552,12 @@ class NVMeTier(TierActor):
             [(segment, record, slot(block_id), key) for key, segment, record, block_id in reads]
         )
 
-    def _checkpoint_hop(self, segments: list[tuple[int, str, int]]) -> None:
-        # The entries are copied here, off the loop, while the loop goes on.
+    def _checkpoint_hop(
+        self, segments: list[tuple[int, str, int]], trash: Sequence[str] = ()
+    ) -> None:
+        # The entries are copied here, off the loop, while the loop goes on. ``trash``:
+        # segments given up, deleted first (at close, in the same hop).
+        self._segments.delete(trash)
         checkpoint = self._index.snapshot(segments)
         write_checkpoint(self._segments, checkpoint, temp_suffix=self._instance_id)
 
