@@ -17,6 +17,7 @@ import pytest
 from tests._scripts import last_json, run_script
 from tiering.cli import main
 from tiering.replay import simulate
+from tiering.workload_suite import generate
 from tiering.workloads import Request, synthetic_requests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +130,9 @@ def test_replay_reads_a_config_file_and_set_overrides_it(
         (["replay", "--cpu", "lots"], "engine.cpu_bytes"),
         (["sweep", "--capacities", "5%,0"], "capacities"),
         (["sweep", "--policies", "fifo"], "fifo"),
+        (["sweep", "--workload", "fifo"], "--workload"),
+        (["sweep", "--suite", "--capacities", "500"], "percentages"),
+        (["sweep", "--suite", "--limit", "5"], "--limit"),
     ],
 )
 def test_a_usage_error_exits_2_with_one_line(
@@ -302,6 +306,30 @@ def test_sweep_prints_a_table_and_draws_a_plot(
         ("lru", True),
         ("arc", True),
     ]
+
+
+def test_sweep_replays_a_named_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["sweep", "--workload", "agent", "--capacities", "2%", "--policies", "lru", "--json"])
+        == 0
+    )
+    (point,) = _json(capsys)["points"]
+    requests = generate("agent")
+    model = simulate(requests, cpu_blocks=point["capacity_blocks"], policy="lru")
+    assert point["hit_ratio"] == round(model.hit_ratio, 4)
+
+
+def test_sweep_suite_prints_each_policy_against_the_better_of_lru_and_arc(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["sweep", "--suite", "--full-blocks-only", "--capacities", "5%", "--policies", "lru"]
+    assert main([*argv, "--jobs", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    workloads = [p["workload"] for p in result["points"]]
+    assert workloads == ["synthetic", "chat", "agent", "rag", "scan", "shift"]
+    assert all(p["full_blocks_only"] for p in result["points"])
+    assert "worst" in out and set(result["worst_ratio"]) == {"lru", "arc"}
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")

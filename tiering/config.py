@@ -21,6 +21,7 @@ from tiering import registry
 from tiering.errors import ConfigError, UnknownTierError
 from tiering.options import Bytes, Count, Options, PositiveInt, Seconds, SecondsOrZero, Text, shown
 from tiering.policies import policy_names
+from tiering.workload_suite import WORKLOADS
 
 SECTIONS = ("engine", "tiers", "replay", "synthetic", "metrics")
 
@@ -71,6 +72,7 @@ class ReplayConfig(_Section):
 
     WHERE = "replay"
     trace: str | None = None
+    workload: Literal[WORKLOADS] = "synthetic"  # type: ignore[valid-type]
     limit: PositiveInt | None = None
     pace: Literal["max"] | Seconds = "max"
     device_blocks: PositiveInt | None = None

@@ -11,6 +11,7 @@ from typing import Any
 
 from tiering.config import TieringConfig, config_from_toml, load_config, parse_override
 from tiering.errors import ConfigError
+from tiering.workload_suite import WORKLOADS, generate
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
 DEFAULT_CPU_BLOCKS = 10_000  # the CPU tier's size when neither the config nor --cpu gives one
@@ -44,6 +45,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         help="a Mooncake-format JSONL trace (default: synthetic chat traffic)",
     )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        help="a named workload to generate when no trace is given (default: synthetic)",
+    )
     parser.add_argument("--limit", type=int, metavar="N", help="replay the first N requests")
     parser.add_argument(
         "--full-blocks-only",
@@ -64,6 +70,8 @@ def resolve_config(
     overrides: dict[str, object] = {}
     if args.trace is not None:
         overrides["replay.trace"] = args.trace
+    if args.workload is not None:
+        overrides["replay.workload"] = args.workload
     if args.limit is not None:
         overrides["replay.limit"] = args.limit
     if args.full_blocks_only:
@@ -82,12 +90,16 @@ def _cpu_default(overrides: dict[str, object]) -> dict[str, object]:
 
 
 def load_workload(config: TieringConfig) -> list[Request]:
-    """The requests ``config.replay`` names: its trace's (up to ``limit``), or the
-    synthetic workload of ``config.synthetic``. Raises TraceError for a bad trace."""
+    """The requests ``config.replay`` names: its trace's (up to ``limit``), or its
+    generated workload (``synthetic``: the traffic ``config.synthetic`` describes; the
+    others with its seed). Raises TraceError for a bad trace."""
     replay = config.replay
     if replay.trace is not None:
         return read_mooncake(replay.trace, limit=replay.limit)
-    requests = synthetic_requests(**config.synthetic.model_dump())
+    if replay.workload == "synthetic":
+        requests = synthetic_requests(**config.synthetic.model_dump())
+    else:
+        requests = generate(replay.workload, config.synthetic.seed)
     return requests[: replay.limit] if replay.limit is not None else requests
 
 

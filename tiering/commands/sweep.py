@@ -6,16 +6,23 @@ object on the last line), and with --plot draws a PNG of hit ratio against capac
 one line per policy (needs matplotlib: pip install 'kv-tiering[plot]'). Capacities are
 block counts or percentages of the workload's footprint (its distinct blocks).
 
+With --suite it runs every named workload (and TRACE, if given) with and without
+--full-blocks-only (only with, if given), and prints each policy's hit ratio as a ratio
+to the better of LRU and ARC at each capacity (percentages only), then each one's worst.
+
 Examples:
   tiering sweep
   tiering sweep trace.jsonl --capacities 1%,2%,5%,10%,25%,50% --plot sweep.png
+  tiering sweep --workload agent
+  tiering sweep --suite --jobs 2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
-from tiering.cli_args import Progress, choice_list
+from tiering.cli_args import Progress, choice_list, positive_int
 from tiering.commands._output import add_json_argument, print_json
 from tiering.commands._workload import (
     add_config_arguments,
@@ -23,8 +30,10 @@ from tiering.commands._workload import (
     load_workload,
     resolve_config,
 )
+from tiering.errors import InvalidArgumentError
 from tiering.policies import policy_names
 from tiering.sweep import capacities_from, footprint, plot_sweep, sweep
+from tiering.workload_suite import WORKLOADS, run_suite
 
 NAME = "sweep"
 HELP = "hit ratio by CPU capacity and policy (bookkeeping only), with a plot"
@@ -46,10 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="eviction policies, comma-separated",
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio curves here")
+    parser.add_argument(
+        "--suite",
+        action="store_true",
+        help="every named workload (and TRACE), each policy's ratio to the better of LRU and ARC",
+    )
+    parser.add_argument(
+        "--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes for --suite"
+    )
     add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite:
+        return _run_suite(args)
     config = resolve_config(args, {})
     requests = load_workload(config)
     full = config.replay.full_blocks_only
@@ -70,4 +89,27 @@ def run(args: argparse.Namespace) -> int:
         print(result.table())
         if args.plot is not None:
             print(f"plot: {args.plot}")
+    return 0
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    if args.plot is not None or args.workload is not None or args.limit is not None:
+        raise InvalidArgumentError("--suite runs whole workloads: no --plot, --workload, --limit")
+    fractions = []
+    for item in args.capacities.split(","):
+        if not item.strip().endswith("%"):
+            raise InvalidArgumentError(
+                f"--capacities: the suite takes percentages of the footprint, got {item!r}"
+            )
+        fractions.append(float(item.strip()[:-1]) / 100)
+    workloads = [*WORKLOADS, *([args.trace] if args.trace is not None else [])]
+    modes = (True,) if args.full_blocks_only else (False, True)
+    with Progress() as progress:
+        progress.update(f"suite: {len(workloads)} workloads x {len(modes)} modes", force=True)
+        result = run_suite(
+            workloads, args.policies, fractions=fractions, modes=modes, jobs=args.jobs
+        )
+    print(result.table())
+    if args.json:
+        print_json(result.to_json())
     return 0
