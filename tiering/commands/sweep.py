@@ -6,9 +6,10 @@ object on the last line), and with --plot draws a PNG of hit ratio against capac
 one line per policy (needs matplotlib: pip install 'kv-tiering[plot]'). Capacities are
 block counts or percentages of the workload's footprint (its distinct blocks).
 
-With --suite it runs every named workload (and TRACE, if given) with and without
---full-blocks-only (only with, if given), and prints each policy's hit ratio as a ratio
-to the better of LRU and ARC at each capacity (percentages only), then each one's worst.
+With --suite it runs every named workload (generated with synthetic.seed, and TRACE if
+given) with and without --full-blocks-only (only with, if given), and prints each
+policy's hit ratio as a ratio to the better of LRU and ARC at each capacity (percentages
+only), then each one's worst.
 
 Examples:
   tiering sweep
@@ -104,10 +105,11 @@ def _run_suite(args: argparse.Namespace) -> int:
         fractions.append(float(item.strip()[:-1]) / 100)
     workloads = [*WORKLOADS, *([args.trace] if args.trace is not None else [])]
     modes = (True,) if args.full_blocks_only else (False, True)
+    seed = resolve_config(args, {}).synthetic.seed  # --set synthetic.seed=N: other draws
     with Progress() as progress:
         progress.update(f"suite: {len(workloads)} workloads x {len(modes)} modes", force=True)
         result = run_suite(
-            workloads, args.policies, fractions=fractions, modes=modes, jobs=args.jobs
+            workloads, args.policies, fractions=fractions, modes=modes, seed=seed, jobs=args.jobs
         )
     print(result.table())
     if args.json:
