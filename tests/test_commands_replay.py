@@ -168,7 +168,7 @@ def test_replay_help_shows_every_default_and_the_policies(
 ) -> None:
     assert main(["replay", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "--policy {arc,lru,prefix-lfu,s3fifo}" in text
+    assert "--policy {adaptive,arc,lru,prefix-lfu,s3fifo}" in text
     for default in (
         "bytes per KV block (default: 64.0 KiB)",
         "cache's blocks (default: the longest request's)",

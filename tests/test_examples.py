@@ -73,7 +73,7 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
         ),
         ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: auto)"]),
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
-        ("bench_manager.py", ["(default: arc,lru,prefix-lfu,s3fifo)"]),
+        ("bench_manager.py", ["(default: adaptive,arc,lru,prefix-lfu,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
         ("bench_vllm_tiers.py", ["(default: 2M,128K)", "(default: none)", "(default: 5.0)"]),
         ("bench_redis.py", ["(default: 2M)", "(default: 256)", "(default: 4)"]),

@@ -30,8 +30,9 @@ class _ManagerMachine(RuleBasedStateMachine):
     @rule(keys=key_lists)
     def prepare_store(self, keys: list[bytes]) -> None:
         before_ready = dict(self.ready)
+        admit = self.m.policy.admit  # a policy may decline new keys (second sight)
+        new = [k for k in dict.fromkeys(keys) if k not in before_ready and admit(k)]
         out = self.m.prepare_store(keys)
-        new = [k for k in dict.fromkeys(keys) if k not in before_ready]
         if out is None:
             assert set(self.m._slot_of) == set(before_ready)
             evictable = [

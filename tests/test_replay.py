@@ -122,12 +122,13 @@ def test_a_segment_layout_refuses_a_bad_value_naming_it(field: str, value: objec
         SegmentLayout(**{**good, "moves_per_job": 16, field: value})  # type: ignore[arg-type]
 
 
-async def test_the_model_sends_each_tenants_requests_under_the_tenants_keys() -> None:
+@pytest.mark.parametrize("policy", ["prefix-lfu", "adaptive"])
+async def test_the_model_sends_each_tenants_requests_under_the_tenants_keys(policy: str) -> None:
     requests = synthetic_requests(sessions=60, seed=7)
-    make = lambda kv: TieringEngine(kv, 40, policy="prefix-lfu")  # noqa: E731
+    make = lambda kv: TieringEngine(kv, 40, policy=policy)  # noqa: E731
     summary = await replay(requests, make, device_blocks=64, block_bytes=BLOCK, tenants=2)
-    # prefix-lfu samples keys for its shadow caches: only the tenants' real keys agree.
-    model = simulate(requests, cpu_blocks=40, policy="prefix-lfu", tenants=2)
+    # Both sample keys for their shadow caches: only the tenants' real keys agree.
+    model = simulate(requests, cpu_blocks=40, policy=policy, tenants=2)
     assert summary.hit_blocks == sum(model.hits.values()) > 0
 
 

@@ -1,11 +1,12 @@
 """Eviction policies, selectable by name (``"lru"``, ``"arc"``, ``"s3fifo"``,
-``"prefix-lfu"``)."""
+``"prefix-lfu"``, ``"adaptive"``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from tiering.errors import UnknownPolicyError
+from tiering.policies.adaptive import AdaptivePolicy
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.lru import LRUPolicy
@@ -17,6 +18,7 @@ _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
     "prefix-lfu": PrefixLFUPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 
@@ -49,6 +51,7 @@ def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
 
 __all__ = [
     "ARCPolicy",
+    "AdaptivePolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "PrefixLFUPolicy",
