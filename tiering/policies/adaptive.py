@@ -65,7 +65,7 @@ class AdaptivePolicy(ARCPolicy):
         self,
         window: int = 8,
         shadow_blocks: int = 256,
-        horizon: int = 32,
+        horizon: int = 64,
         arc_bias: float = 0.02,
     ) -> None:
         super().__init__()
