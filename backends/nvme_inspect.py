@@ -1,14 +1,9 @@
-"""An NVMe tier's root seen from outside the tier, as the reports of ``tiering inspect``,
-``verify`` and ``clear`` (synchronous; the commands' docstrings give the behaviour).
-
-Each report is the tier's own view, from the tier's own code (read-only recovery,
-:func:`~backends.nvme_recovery.verify_index`, ``mark_removed``, ``tier_file``): blocks
-are what a tier started now would index; damaged is what its start-up drops or cannot
-use; orphaned is what nobody reads again. A namespace's record size is the most common
-payload length of its segments' first records that verify; without one, its segments
-are damaged. ``remove`` and :func:`clear_root` refuse a namespace whose
-``owners/<id>.lock`` a running tier holds; a tier that starts after that check races
-with them.
+"""The reports of ``tiering inspect``, ``verify`` and ``clear`` (synchronous; the
+commands' docstrings give the behaviour), from the tier's own code: read-only
+:func:`~backends.nvme_recovery.recover`, ``verify_index``, ``mark_removed`` and
+``tier_file``. A namespace's record size is the most common payload length of its
+segments' first records that verify; without one, its segments are damaged. A tier that
+starts after the live-owner check of ``remove`` or :func:`clear_root` races with them.
 """
 
 from __future__ import annotations
@@ -60,10 +55,8 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class NamespaceReport:
-    """What one namespace directory holds: ``namespace`` as its ``NAMESPACE`` file names
-    it (None when missing or unreadable), ``digest`` from the directory's name,
-    ``block_bytes`` None when no block verifies, ``live_owners`` the tiers running on it.
-    """
+    """What one namespace directory holds (``namespace`` None: its ``NAMESPACE`` file
+    is missing or unreadable; ``block_bytes`` None: no block verifies)."""
 
     directory: str
     namespace: str | None
@@ -81,8 +74,7 @@ class NamespaceReport:
 
 @dataclass(frozen=True, slots=True)
 class RootReport:
-    """What :func:`inspect_root` found: totals, the namespaces and the root's other
-    entries (never touched by the tier or these tools)."""
+    """What :func:`inspect_root` found: totals, namespaces, the root's other entries."""
 
     root: str
     blocks: int
@@ -97,7 +89,6 @@ class RootReport:
     def of(
         cls, root: str, namespaces: tuple[NamespaceReport, ...], others: tuple[str, ...]
     ) -> RootReport:
-        """The report of ``namespaces``, with their totals."""
         return cls(
             root,
             sum(ns.blocks for ns in namespaces),
@@ -112,8 +103,7 @@ class RootReport:
 
 @dataclass(frozen=True, slots=True)
 class BadBlock:
-    """A block that failed verification: its segment (relative to the root) and record,
-    its key in hex when its header could be read, why, and whether it was removed."""
+    """A block that failed verification (``key`` in hex, None when unreadable)."""
 
     path: str
     record: int | None
@@ -124,7 +114,7 @@ class BadBlock:
 
 @dataclass(frozen=True, slots=True)
 class NamespaceVerify:
-    """One namespace's verification: blocks checked, the bad ones, live owners seen."""
+    """One namespace's verification."""
 
     directory: str
     namespace: str | None
@@ -147,7 +137,6 @@ class VerifyReport:
 
     @classmethod
     def of(cls, root: str, remove: bool, namespaces: tuple[NamespaceVerify, ...]) -> VerifyReport:
-        """The report of ``namespaces``, with their totals."""
         bad = [b for ns in namespaces for b in ns.bad]
         checked = sum(ns.checked for ns in namespaces)
         return cls(root, remove, checked, len(bad), sum(b.removed for b in bad), namespaces)
@@ -160,8 +149,7 @@ class VerifyReport:
 
 @dataclass(frozen=True, slots=True)
 class ClearReport:
-    """What :func:`clear_root` removed (with ``dry_run``: would remove), and the files it
-    left because the tier never writes such names."""
+    """What :func:`clear_root` removed (``dry_run``: would remove), and the files ``left``."""
 
     root: str
     dry_run: bool
@@ -323,12 +311,20 @@ def _listdir(path: str) -> list[os.DirEntry[str]]:
 
 # -- one namespace, as the tier's start-up sees it -----------------------------------------
 
+_LEFTOVER = {
+    "checkpoint temporary": "temporary checkpoint of a writer that is gone",
+    "identity temporary": "temporary NAMESPACE file left by a tier start",
+    "probe": "O_DIRECT probe file left by a tier start",
+    "lock": "lock file of a writer that is gone",
+}
+
 
 @dataclass(slots=True)
 class _Segments:
-    """A namespace's segments: the tier's read-only recovery (None when the record size
-    is unknown), and the findings."""
+    """A namespace's segments (``present``: it has ``segments/``): the tier's read-only
+    recovery (None when the record size is unknown), and the findings."""
 
+    present: bool
     files: SegmentFiles | None = None
     found: Recovery | None = None
     sealed: bool = False  # some segment's first record is encrypted
@@ -340,12 +336,10 @@ class _Segments:
         return 0 if self.found is None else len(self.found.index)
 
 
-def _segments(ns: _Namespace) -> _Segments | None:
-    """The segments of ``ns`` (None without ``segments/``), recovered by the tier's code."""
+def _segments(ns: _Namespace) -> _Segments:
+    """The segments of ``ns``, recovered by the tier's code."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
-    if not os.path.isdir(seg_dir):
-        return None
-    state = _Segments()
+    state = _Segments(present=os.path.isdir(seg_dir))
     damaged, orphaned = state.damaged, state.orphaned
     sizes: Counter[int] = Counter()
     names: list[str] = []
@@ -379,42 +373,29 @@ def _segments(ns: _Namespace) -> _Segments | None:
         read_only=True,
     )
     if found.checkpoint is None and found.checkpoint_note != "no checkpoint":
-        damaged.append(
-            Finding(
-                ns.rel(CHECKPOINT_FILE),
-                f"{found.checkpoint_note} (the tier scans every segment instead)",
-            )
-        )
+        why = f"{found.checkpoint_note} (the tier scans every segment instead)"
+        damaged.append(Finding(ns.rel(CHECKPOINT_FILE), why))
     for name, size in files.list_segments():
         rel, records = ns.rel(SEGMENTS_DIR, name), files.records_in(size)
-        if name in found.unreadable:
-            damaged.append(Finding(rel, f"unreadable: {found.unreadable[name]}"))
-        elif name in found.corrupt:
-            damaged.append(
-                Finding(rel, "neither its header nor any record verifies (removed at tier start)")
-            )
         scan = found.scans.get(name)
-        if scan is not None and scan.invalid:
-            damaged.append(
-                Finding(rel, f"{scan.invalid} of {records} record slots do not verify (torn "
-                        "or damaged; their space returns with the segment)")
-            )  # fmt: skip
-        if scan is not None and scan.removed:
-            orphaned.append(
-                Finding(rel, f"{scan.removed} of {records} record slots removed by `tiering "
-                        "verify --remove` (their space returns with the segment)")
-            )  # fmt: skip
-        if scan is not None and size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
+        if scan is None:  # unreadable, corrupt, or new since the scan
+            if name in found.unreadable:
+                damaged.append(Finding(rel, f"unreadable: {found.unreadable[name]}"))
+            elif name in found.corrupt:
+                why = "neither its header nor any record verifies (removed at tier start)"
+                damaged.append(Finding(rel, why))
+            continue
+        if scan.invalid:
+            why = f"{scan.invalid} of {records} record slots do not verify (torn or damaged"
+            damaged.append(Finding(rel, f"{why}; their space returns with the segment)"))
+        if scan.removed:
+            why = f"{scan.removed} of {records} record slots removed by `tiering verify --remove`"
+            orphaned.append(Finding(rel, f"{why} (their space returns with the segment)"))
+        if size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
             damaged.append(Finding(rel, "ends in a partial record (a torn write)"))
     live = {name for name, _ in found.index.snapshot().locations()}
-    orphaned.extend(
-        Finding(
-            ns.rel(SEGMENTS_DIR, name),
-            "holds no block the index would serve (evicted first by the tier)",
-        )
-        for name, _ in found.listed
-        if name not in live
-    )
+    why = "holds no block the index would serve (evicted first by the tier)"
+    orphaned += [Finding(ns.rel(SEGMENTS_DIR, n), why) for n, _ in found.listed if n not in live]
     return state
 
 
@@ -424,50 +405,37 @@ def _namespace_orphans(ns: _Namespace) -> list[Finding]:
     for top in ("", OWNERS_DIR):
         for entry in _listdir(os.path.join(ns.path, top)):
             parts = (top, entry.name) if top else (entry.name,)
-            kind = tier_file(parts)
-            if top == "" and entry.name in (OWNERS_DIR, SEGMENTS_DIR):
+            if parts in ((OWNERS_DIR,), (SEGMENTS_DIR,)):
                 continue
-            rel = ns.rel(*parts)
+            kind = tier_file(parts)
+            if kind in ("lock", "checkpoint temporary"):
+                temporary = temporary_writer(entry.name, CHECKPOINT_FILE)
+                if owner_alive(ns.path, temporary or entry.name.removesuffix(".lock")):
+                    continue
             if kind is None:
-                found.append(Finding(rel, _FOREIGN))
-            elif kind == "checkpoint temporary":
-                writer = temporary_writer(entry.name, CHECKPOINT_FILE)
-                if not owner_alive(ns.path, writer):  # type: ignore[arg-type]
-                    found.append(Finding(rel, "temporary checkpoint of a writer that is gone"))
-            elif kind == "identity temporary":
-                found.append(Finding(rel, "temporary NAMESPACE file left by a tier start"))
-            elif kind == "probe":
-                found.append(Finding(rel, "O_DIRECT probe file left by a tier start"))
-            elif kind == "lock" and not owner_alive(ns.path, entry.name.removesuffix(".lock")):
-                found.append(Finding(rel, "lock file of a writer that is gone"))
+                found.append(Finding(ns.rel(*parts), _FOREIGN))
+            elif kind in _LEFTOVER:
+                found.append(Finding(ns.rel(*parts), _LEFTOVER[kind]))
     return found
 
 
-def _report(ns: _Namespace, segments: _Segments | None) -> NamespaceReport:
-    damaged: list[Finding] = []
-    if ns.identity_problem is not None:
-        damaged.append(Finding(ns.rel(IDENTITY_FILE), ns.identity_problem))
-    orphaned = _namespace_orphans(ns)
-    blocks, block_bytes = 0, None
-    if segments is not None:
-        damaged += segments.damaged
-        orphaned += segments.orphaned
-        block_bytes = segments.files.block_bytes if segments.files is not None else None
-        blocks = segments.blocks
+def _report(ns: _Namespace, segments: _Segments) -> NamespaceReport:
+    damaged = [Finding(ns.rel(IDENTITY_FILE), ns.identity_problem)] if ns.identity_problem else []
+    block_bytes = None if segments.files is None else segments.files.block_bytes
     sizes = [size for _, size in _walk_files(ns.path)]
     return NamespaceReport(
         directory=ns.name,
         namespace=ns.namespace,
         digest=ns.digest.hex(),
-        layouts=(LAYOUT_SEGMENTS,) if segments is not None else (),
+        layouts=(LAYOUT_SEGMENTS,) if segments.present else (),
         block_bytes=block_bytes,
-        blocks=blocks,
-        payload_bytes=blocks * (block_bytes or 0),
+        blocks=segments.blocks,
+        payload_bytes=segments.blocks * (block_bytes or 0),
         disk_bytes=sum(sizes),
         files=len(sizes),
         live_owners=ns.live_owners(),
-        damaged=tuple(damaged),
-        orphaned=tuple(orphaned),
+        damaged=tuple(damaged + segments.damaged),
+        orphaned=tuple(_namespace_orphans(ns) + segments.orphaned),
     )
 
 
@@ -511,12 +479,12 @@ def verify_root(
     with _os_errors(path):
         states = [(ns, _segments(ns)) for ns in selected]
         for ns, state in states:
-            if remove and keyring is None and state is not None and state.sealed:
+            if remove and keyring is None and state.sealed:
                 raise TieringError(
                     f"{ns.path}: holds encrypted blocks; without their keyring "
                     "(--encryption) none can be checked, so none is removed"
                 )
-        total = sum(state.blocks for _, state in states if state is not None)
+        total = sum(state.blocks for _, state in states)
         done = 0
 
         def advance(blocks: int) -> None:
@@ -532,14 +500,14 @@ def verify_root(
 
 def _verify(
     ns: _Namespace,
-    state: _Segments | None,
+    state: _Segments,
     remove: bool,
     keyring: Keyring | None,
     advance: Callable[[int], None],
 ) -> NamespaceVerify:
     """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
     checkpoint."""
-    files, found = (None, None) if state is None else (state.files, state.found)
+    files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), ns.live_owners())
     if keyring is not None:
