@@ -1,13 +1,7 @@
-"""Segment files: KV blocks packed into large append-only files (docs/nvme.md: the layout).
-
-The blocking half of the NVMe tier: :class:`SegmentFiles` does every file operation
-synchronously, once per job on the tier's worker threads, and decides nothing (the
-caller's index chooses each record's segment and slot). Each record verifies on its own
-when read: a torn record, one of another key, namespace or length, and a flipped payload
-byte are each a failed key, never data. Writes are one ``pwritev`` per run of
-consecutive records (at most :data:`MAX_IOV` buffers), straight from the caller's
-memoryviews; a segment's name is unique to its writer. Every system call goes through an
-:class:`~backends.nvme_os.OsCalls` (fault injection).
+"""Segment files, the blocking half of the NVMe tier (docs/nvme.md: the layout, writes
+and reads): :class:`SegmentFiles` does every file operation synchronously, once per job
+on the tier's I/O threads, and decides nothing (the caller's index places each record).
+Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -83,9 +77,7 @@ class RecordRun:
 @dataclass(slots=True)
 class WriteReport:
     """What one :meth:`SegmentFiles.write` call did: ``written`` keys are on disk
-    (durable per the fsync policy), ``failed`` maps every other key to a reason;
-    ``disk_full``: ENOSPC or EDQUOT; ``created``: segments created (even if a later
-    write into one failed); ``free_bytes``: the space left afterwards."""
+    (durable per the fsync policy), ``failed`` maps every other key to a reason."""
 
     written: list[bytes] = field(default_factory=list)
     failed: dict[bytes, str] = field(default_factory=dict)
@@ -102,10 +94,8 @@ record was missing (its segment gone, or shorter)."""
 
 @dataclass(frozen=True, slots=True)
 class SegmentScan:
-    """The records found in a segment from some record number on: ``(key, record)`` of
-    each valid one in file order, ``end`` after the last whole slot, ``invalid`` slots
-    without a valid record, and whether the segment's header verified (records verify
-    on their own: the run writing the header may never have landed)."""
+    """A segment's valid records ``(key, record)`` from some record on, in file order;
+    ``end`` after the last whole slot; ``invalid`` slots without a valid record."""
 
     records: list[tuple[bytes, int]]
     end: int
@@ -123,17 +113,13 @@ STAGING_BYTES = 32 << 20
 
 
 class SegmentFiles:
-    """Blocking reads and writes of segment files in one namespace directory.
+    """Blocking reads and writes of segment files in one namespace directory, whose
+    ``segments/`` must exist. Safe from several threads at once for distinct records.
 
-    ``directory/segments`` must exist. ``o_direct``: whether O_DIRECT may be used (the
-    caller probed the file system); a run whose payloads are not all aligned moves with
-    buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum`. Safe to call from several
-    threads at once for distinct records (threads share no buffers).
-
-    ``staging_bytes`` (0: off): direct I/O moves a run's records through a huge-page
-    staging buffer of this many bytes per thread (docs/nvme.md); a load still verifies
-    each payload in its slot, a store's checksum is of the staged copy. Buffered I/O and
-    sealed writes are not staged.
+    ``o_direct``: whether O_DIRECT may be used (the caller probed); a run whose payloads
+    are not all aligned moves buffered. ``staging_bytes`` (0: off): direct I/O moves
+    through a staging buffer of this size per thread (docs/nvme.md); sealed writes are
+    not staged.
     """
 
     def __init__(
@@ -174,11 +160,9 @@ class SegmentFiles:
         return self._staged_records if self.o_direct else 0
 
     def path_of(self, segment: str) -> str:
-        """The path of segment file ``segment``."""
         return os.path.join(self.segments_dir, segment)
 
     def offset_of(self, record: int) -> int:
-        """The byte offset of record number ``record`` in its segment."""
         return HEADER_BYTES + record * self.record_bytes
 
     def _pages(self, count: int) -> memoryview:
@@ -351,9 +335,11 @@ class SegmentFiles:
             for i, _, _, _ in items:
                 outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
+        items.sort(key=lambda item: item[1])
         try:
-            for run in _consecutive(items, staged if direct and staged else MAX_IOV // 3):
-                self._read_run(fd, run, outcomes, staged=direct and staged > 0)
+            most = staged if direct and staged else MAX_IOV // 3
+            for run in _runs([(segment, item[1]) for item in items], most):
+                self._read_run(fd, items[run], outcomes, staged=direct and staged > 0)
         finally:
             self.os.close(fd)
 
@@ -433,7 +419,7 @@ class SegmentFiles:
     # -- segments: list, scan, delete -----------------------------------------------
 
     def list_segments(self) -> list[tuple[str, int]]:
-        """``(name, size in bytes)`` of every segment file, in name order."""
+        """``(name, bytes)`` of every segment file, in name order."""
         found = []
         try:
             entries = list(os.scandir(self.segments_dir))
@@ -557,9 +543,8 @@ class SegmentFiles:
 
 
 def copy_bytes(target: memoryview, source: memoryview) -> None:
-    """``target[:] = source`` (equal lengths), with the GIL released for the copy when
-    both buffers are writable and contiguous (``ctypes.memmove`` releases it: I/O threads
-    copy in parallel, and the loop's thread is not kept waiting); else a plain copy."""
+    """``target[:] = source``, without the GIL (``ctypes.memmove``) where both buffers
+    are writable: I/O threads copy in parallel, and the loop's thread does not wait."""
     into, of = buffer_address(target), buffer_address(source)
     if into is None or of is None or target.nbytes != source.nbytes:
         target[:] = source
@@ -575,20 +560,18 @@ def _by_segment(records: Sequence[tuple[str, int]]) -> dict[str, list[tuple[int,
     return by_segment
 
 
-def _consecutive(
-    items: list[tuple[int, int, memoryview, bytes | None]], most: int
-) -> Iterator[list[tuple[int, int, memoryview, bytes | None]]]:
-    """``items`` (position, record, slot, key) in record order, cut into runs of
-    consecutive record numbers of at most ``most`` items."""
-    ordered = sorted(items, key=lambda item: item[1])
-    run: list[tuple[int, int, memoryview, bytes | None]] = []
-    for item in ordered:
-        if run and (item[1] != run[-1][1] + 1 or len(run) == most):
-            yield run
-            run = []
-        run.append(item)
-    if run:
-        yield run
+def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
+    """Slices of ``places`` ``(segment, record)`` in one segment at consecutive records,
+    at most ``most`` long."""
+    start = 0
+    for i in range(1, len(places) + 1):
+        if (
+            i == len(places)
+            or i - start == most
+            or places[i] != (places[i - 1][0], places[i - 1][1] + 1)
+        ):
+            yield slice(start, i)
+            start = i
 
 
 def iter_runs(
@@ -596,13 +579,6 @@ def iter_runs(
 ) -> Iterator[RecordRun]:
     """Group records placed at ``(segment, record number, creates segment)`` into runs of
     consecutive record numbers of one segment, in order."""
-    start = 0
-    for i in range(1, len(placed) + 1):
-        if (
-            i == len(placed)
-            or placed[i][0] != placed[start][0]
-            or placed[i][1] != placed[i - 1][1] + 1
-        ):
-            segment, first, create = placed[start]
-            yield RecordRun(segment, first, records[start:i], create)
-            start = i
+    for run in _runs([(segment, record) for segment, record, _ in placed]):
+        segment, first, create = placed[run.start]
+        yield RecordRun(segment, first, records[run], create)
