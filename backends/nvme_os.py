@@ -1,10 +1,6 @@
-"""The operating-system layer of the NVMe tier: system calls, direct I/O and writer liveness.
-
-Every system call of the tier's blocking code goes through an :class:`OsCalls`, so tests
-can inject faults (``tests/_faults.py``). Besides it: the O_DIRECT probe and alignment
-helpers, vectored writes that resume after short transfers, directory syncs, free space,
-the owner lock by which writers sharing a root tell live writers from dead ones, and the
-checks that keep a root, its directories and files to their user (docs/security.md).
+"""The operating-system layer of the NVMe tier: :class:`OsCalls` (every system call of
+the blocking code, so tests can inject faults), direct I/O, the owner locks by which
+writers sharing a root tell live from dead, and private roots (docs/security.md).
 """
 
 from __future__ import annotations
@@ -18,8 +14,8 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from tiering.errors import InvalidArgumentError
 from tiering.host_pool import io_buffer
@@ -36,21 +32,12 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def _libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
-    """``name`` of the C library with ``errno`` kept, or None where it is missing."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = getattr(libc, name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_FALLOCATE = _libc_function(
-    "fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-)
+_FALLOCATE: Any
+try:  # the C library's, with errno kept; None where it lacks one
+    _FALLOCATE = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).fallocate
+    _FALLOCATE.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+except (OSError, AttributeError):
+    _FALLOCATE = None
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in a root is never followed
 
 
@@ -228,9 +215,9 @@ def owner_alive(namespace_dir: str, instance_id: str) -> bool:
 def thread_buffer(
     local: threading.local, name: str, nbytes: int, *, at_least: int = 0
 ) -> memoryview:
-    """This thread's buffer ``name`` of ``local``: ``nbytes`` of 2 MiB-aligned memory
-    (:func:`~tiering.host_pool.io_buffer`, fit for O_DIRECT), made ``max(nbytes,
-    at_least)`` long when missing or too short, then reused."""
+    """``nbytes`` of this thread's buffer ``name`` of ``local`` (an
+    :func:`~tiering.host_pool.io_buffer`), made ``max(nbytes, at_least)`` long when
+    missing or too short, then reused."""
     view: memoryview | None = getattr(local, name, None)
     if view is None or view.nbytes < nbytes:
         view = io_buffer(max(nbytes, at_least))
@@ -279,16 +266,14 @@ def check_private(option: str, path: str) -> None:
 
 
 def check_root(path: str, *, option: str = "root", create: bool = False, mode: int = 0o700) -> None:
-    """Check ``path`` as an NVMe root (the tier's start and the inspect, verify and clear
-    commands): a directory of this process's user that nobody else may write to
-    (docs/security.md). With ``create``, a missing root is made with ``mode`` (its
-    missing parents too).
+    """Check ``path`` as an NVMe root: a directory of this process's user that nobody
+    else may write to; with ``create``, a missing root is made with ``mode``.
 
     Raises:
         InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
-            ``create``), is not a directory (a file, or under one), cannot be created
-            for lack of permission, belongs to another user, or others may write to it.
-        OSError: any other failure of the file system (I/O, no space).
+            ``create``), is not a directory, cannot be created for lack of permission,
+            belongs to another user, or others may write to it.
+        OSError: any other failure of the file system.
     """
     if create:
         try:

@@ -86,9 +86,9 @@ def tier_file(parts: tuple[str, ...]) -> str | None:
     temporary"``; None for a name the tier never writes."""
     if len(parts) == 1:
         (name,) = parts
-        if name in (IDENTITY_FILE, CHECKPOINT_FILE):
-            return "identity" if name == IDENTITY_FILE else "checkpoint"
         for final, kind in ((IDENTITY_FILE, "identity"), (CHECKPOINT_FILE, "checkpoint")):
+            if name == final:
+                return kind
             if temporary_writer(name, final) is not None:
                 return f"{kind} temporary"
         return "probe" if name.startswith(PROBE_PREFIX) else None
