@@ -1,10 +1,7 @@
 """The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
-and bounded (docs/nvme.md: the layout on disk, how it works, each option at length).
-
-The tier's actor shell: the index (:mod:`backends.nvme_segment_index`) on the loop
-thread, each job's blocking work (:mod:`backends.nvme_segments`) in ONE call on the
-tier's own threads, start-up through :mod:`backends.nvme_recovery`, space through
-:class:`~backends.nvme_space.SpaceGuard`.
+and bounded (docs/nvme.md). The actor shell: the index on the loop thread, each job's
+blocking work (:class:`~backends.nvme_segments.SegmentFiles`) in ONE call on the tier's
+own threads.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
 from backends.nvme_options import NVMeOptions
 from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct, thread_buffer
 from backends.nvme_recovery import Recovery, open_directory, recover, write_checkpoint
-from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
 from backends.nvme_segments import ReadOutcome, SegmentFiles, WriteReport, align_up, iter_runs
@@ -69,23 +65,17 @@ class NVMeMetrics:
 
 class NVMeTier(TierActor):
     """A secondary tier keeping blocks as records of segment files under ``root``; its
-    options are :class:`NVMeOptions`. Slots of the host pool whose address and size are
-    4096-aligned move with O_DIRECT.
+    options are :class:`NVMeOptions`.
 
-    Guarantees:
+    Guarantees (docs/nvme.md has each at length):
 
-    * A store's keys become visible (``lookup`` True) only once their records are
-      written (and synced per ``fsync``). Keys already held are skipped; a key twice in
-      a job is stored from its first slot.
-    * A record is served only if its header (magic, version, namespace, key, length) and
-      payload checksum (or GCM tag) verify; a stale or damaged checkpoint can cost hits,
-      never serve wrong bytes. A key that fails is in ``failed_keys`` and leaves the
-      index; the job's other keys land. An I/O error fails the keys it hit, in that job.
-    * Space comes back by deleting whole segments; a segment being read or written, one
-      holding a held key, and another live writer's segments are never deleted. Stores
-      that still do not fit fail.
-    * ENOSPC (or EDQUOT) makes the tier read-only for stores until a later store
-      succeeds (see ``enospc_retry_s``); loads keep working.
+    * A store's keys become visible only once their records are written (and synced per
+      ``fsync``). Keys already held are skipped; a key twice in a job is stored once.
+    * A record is served only if its header and payload checksum (or GCM tag) verify. A
+      key that fails is in ``failed_keys`` and leaves the index; the job's other keys
+      land. An I/O error fails the keys it hit, in that job.
+    * Space comes back by deleting whole segments, never one in use; stores that still
+      do not fit fail. ENOSPC makes the tier read-only for stores until one succeeds.
     * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
     """
 
@@ -101,7 +91,7 @@ class NVMeTier(TierActor):
     ) -> None:
         """Takes an :class:`NVMeOptions`, keywords, or both (keywords win); raises
         InvalidArgumentError for a bad view, size or option (named), or a cap that holds
-        fewer than two segments or than the free-space floor allows."""
+        fewer than two segments."""
         o = NVMeOptions.check({**dict(options or {}), **values}, owner="NVMeTier")
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         self.records_per_segment = records_per_segment(
@@ -131,14 +121,6 @@ class NVMeTier(TierActor):
         self.metrics = NVMeMetrics()  # what statistics().counters shows
         self._failure_log = FailureLog(logger, "nvme tier")
         self._os = o.os_calls or REAL_OS
-        self._ns_digest = namespace_digest(o.namespace)
-        sealer = (
-            None
-            if keyring is None
-            else PayloadSealer(
-                BlockCipher(keyring), block_bytes=self.block_bytes, ns_digest=self._ns_digest
-            )
-        )
         self._instance_id = uuid.uuid4().hex
         self._budget = InflightBytes(o.max_inflight_bytes)
         self._owner: OwnerLock | None = None
@@ -147,11 +129,11 @@ class NVMeTier(TierActor):
         self._segments = SegmentFiles(
             self.directory,
             block_bytes=self.block_bytes,
-            ns_digest=self._ns_digest,
+            ns_digest=namespace_digest(o.namespace),
             fsync=o.fsync,
             gil_pause_bytes=o.gil_pause_bytes,
             staging_bytes=o.staging_bytes,
-            sealer=sealer,
+            cipher=None if keyring is None else BlockCipher(keyring),
             file_mode=o.file_mode,
             os_calls=self._os,
         )
@@ -214,9 +196,8 @@ class NVMeTier(TierActor):
             await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
-        """Close as :meth:`TierActor.aclose`, then write the index checkpoint and delete
-        the segments given up. Idempotent. After a hard :meth:`~TierActor.shutdown`
-        the next start scans what was written after the last checkpoint."""
+        """Close as :meth:`TierActor.aclose`, then delete the segments given up and write
+        the index checkpoint. Idempotent."""
         first = not self.closed
         await super().aclose(timeout)
         if not first or not self._opened:
@@ -301,7 +282,7 @@ class NVMeTier(TierActor):
 
     @property
     def read_only(self) -> bool:
-        """True while stores are refused because the file system was full."""
+        """True while stores are refused because the file system was full (ENOSPC)."""
         return self._space.read_only
 
     def _store_space_ended(self, report: WriteReport) -> None:
@@ -325,10 +306,9 @@ class NVMeTier(TierActor):
     async def _store_admission(
         self, job: JobMetadata
     ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, int]]:
-        """A store job's keys split into ``(failed, wanted)``: keys a header cannot hold
-        fail, keys held already (or repeated in the job) are skipped, keys that a running
-        hop writes are waited for, and while the disk is full every wanted key fails.
-        ``wanted`` maps each key to store to its slot."""
+        """A store job's keys as ``(failed, wanted: key -> slot)``: keys a header cannot
+        hold fail, keys held (or repeated) are skipped, keys a running hop writes are
+        waited for, and while the disk is full every wanted key fails."""
         failed: dict[OffloadKey, str] = {}
         wanted: dict[OffloadKey, int] = {}
         for key, block_id in zip(job.keys, job.block_ids, strict=True):

@@ -25,7 +25,6 @@ from backends.nvme_recovery import (
     verify_index,
     write_checkpoint,
 )
-from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -336,8 +335,9 @@ class _Segments:
         return 0 if self.found is None else len(self.found.index)
 
 
-def _segments(ns: _Namespace) -> _Segments:
-    """The segments of ``ns``, recovered by the tier's code."""
+def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
+    """The segments of ``ns``, recovered by the tier's code (reads open under
+    ``cipher``)."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
     state = _Segments(present=os.path.isdir(seg_dir))
     damaged, orphaned = state.damaged, state.orphaned
@@ -360,7 +360,7 @@ def _segments(ns: _Namespace) -> _Segments:
         return state
     block_bytes = sizes.most_common(1)[0][0]
     files = state.files = SegmentFiles(
-        ns.path, block_bytes=block_bytes, ns_digest=ns.digest, gil_pause_bytes=0
+        ns.path, block_bytes=block_bytes, ns_digest=ns.digest, gil_pause_bytes=0, cipher=cipher
     )
     # An index as large as what is on disk keeps every block the tier would index,
     # whatever its cap.
@@ -477,7 +477,8 @@ def verify_root(
     if remove:
         _refuse_if_live(selected, "remove bad blocks")
     with _os_errors(path):
-        states = [(ns, _segments(ns)) for ns in selected]
+        cipher = None if keyring is None else BlockCipher(keyring)
+        states = [(ns, _segments(ns, cipher)) for ns in selected]
         for ns, state in states:
             if remove and keyring is None and state.sealed:
                 raise TieringError(
@@ -494,26 +495,18 @@ def verify_root(
                 on_progress(done, total)
 
         advance(0)
-        results = tuple(_verify(ns, state, remove, keyring, advance) for ns, state in states)
+        results = tuple(_verify(ns, state, remove, advance) for ns, state in states)
     return VerifyReport.of(path, remove, results)
 
 
 def _verify(
-    ns: _Namespace,
-    state: _Segments,
-    remove: bool,
-    keyring: Keyring | None,
-    advance: Callable[[int], None],
+    ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
     """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
     checkpoint."""
     files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), ns.live_owners())
-    if keyring is not None:
-        files.sealer = PayloadSealer(
-            BlockCipher(keyring), block_bytes=files.block_bytes, ns_digest=ns.digest
-        )
     checked, failures = verify_index(files, found.index, on_batch=advance)
     marked: set[tuple[str, int]] = set()
     dropped: set[tuple[str, int]] = set()

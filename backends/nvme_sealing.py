@@ -27,7 +27,7 @@ class PayloadSealer:
     Thread-safe: each thread gets its own buffers.
     """
 
-    def __init__(self, cipher: BlockCipher, *, block_bytes: int, ns_digest: bytes) -> None:
+    def __init__(self, cipher: BlockCipher, block_bytes: int, ns_digest: bytes) -> None:
         self.cipher = cipher
         self.block_bytes = block_bytes
         self.ns_digest = ns_digest

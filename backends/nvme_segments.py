@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from backends.block_record import (
     HEADER_BYTES,
@@ -39,6 +38,7 @@ from backends.nvme_os import (
     thread_buffer,
     write_all,
 )
+from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import (
     REMOVED_MARK,
     SEGMENTS_DIR,
@@ -46,10 +46,8 @@ from backends.nvme_segment_format import (
     encode_segment_header,
     parse_segment_name,
 )
+from tiering.encryption import BlockCipher
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-
-if TYPE_CHECKING:
-    from backends.nvme_sealing import PayloadSealer
 
 MAX_IOV = 1024
 """The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
@@ -132,7 +130,7 @@ class SegmentFiles:
         o_direct: bool = False,
         gil_pause_bytes: int = GIL_PAUSE_BYTES,
         staging_bytes: int = 0,
-        sealer: PayloadSealer | None = None,
+        cipher: BlockCipher | None = None,
         file_mode: int = 0o600,
         os_calls: OsCalls = REAL_OS,
     ) -> None:
@@ -147,7 +145,7 @@ class SegmentFiles:
         self.fsync = fsync
         self.o_direct = o_direct and bool(_O_DIRECT)
         self.os = os_calls
-        self.sealer = sealer
+        self.sealer = None if cipher is None else PayloadSealer(cipher, block_bytes, ns_digest)
         """Seals payloads on write and opens them on read; None: plain blocks."""
         self.file_mode = file_mode
         self._local = threading.local()
