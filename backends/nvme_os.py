@@ -28,7 +28,7 @@ ALIGNMENT = 4096
 OWNERS_DIR = "owners"
 PROBE_PREFIX = ".odirect-probe."
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
@@ -45,8 +45,9 @@ class OsCalls:
     """The system calls the blocking core makes, as methods a test can override."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        """``os.open``, never through a symbolic link, files created private (0600)."""
-        return os.open(path, flags | _O_NOFOLLOW, mode)
+        """``os.open``, never through a symbolic link, close-on-exec, files created
+        private (0600)."""
+        return os.open(path, flags | _O_NOFOLLOW | _O_CLOEXEC, mode)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -127,7 +128,7 @@ def write_all(os_calls: OsCalls, fd: int, buffers: list[memoryview], offset: int
 
 def fsync_dir(os_calls: OsCalls, directory: str) -> None:
     """Make ``directory``'s entries durable (``fsync`` of the directory; OSError if not)."""
-    fd = os_calls.open(directory, os.O_RDONLY | _O_CLOEXEC)
+    fd = os_calls.open(directory, os.O_RDONLY)
     try:
         os_calls.fsync(fd)
     finally:
@@ -137,13 +138,13 @@ def fsync_dir(os_calls: OsCalls, directory: str) -> None:
 def probe_o_direct(directory: str, os_calls: OsCalls = REAL_OS) -> str | None:
     """None if a page written and read back with O_DIRECT in ``directory`` round-trips,
     else why not. OSErrors other than an O_DIRECT refusal propagate."""
-    if not _O_DIRECT:
+    if not O_DIRECT:
         return "O_DIRECT is not available on this platform"
     path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
     page = memoryview(mmap.mmap(-1, ALIGNMENT))  # page-aligned, as O_DIRECT needs
     page[:8] = b"kvprobe!"
     try:
-        fd = os_calls.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC)
+        fd = os_calls.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT)
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return f"open with O_DIRECT failed: {os.strerror(exc.errno)}"

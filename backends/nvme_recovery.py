@@ -38,8 +38,6 @@ from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segments import SegmentFiles, SegmentScan
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
 
 def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
@@ -210,7 +208,7 @@ def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
     final = os.path.join(files.directory, CHECKPOINT_FILE)
     temp = f"{final}.{temp_suffix}.tmp"
-    fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, files.file_mode)
+    fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, files.file_mode)
     try:
         try:
             write_all(files.os, fd, [memoryview(p) for p in parts], 0)

@@ -27,6 +27,7 @@ from backends.block_record import (
 from backends.nvme_os import (
     ALIGNMENT,
     DISK_FULL_ERRNOS,
+    O_DIRECT,
     REAL_OS,
     FsyncPolicy,
     OsCalls,
@@ -51,9 +52,6 @@ from tiering.errors import CorruptBlockError, InvalidArgumentError
 
 MAX_IOV = 1024
 """The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def align_up(value: int, to: int = ALIGNMENT) -> int:
@@ -143,7 +141,7 @@ class SegmentFiles:
         """Bytes from one record's start to the next one's."""
         self.ns_digest = ns_digest
         self.fsync = fsync
-        self.o_direct = o_direct and bool(_O_DIRECT)
+        self.o_direct = o_direct and bool(O_DIRECT)
         self.os = os_calls
         self.sealer = None if cipher is None else PayloadSealer(cipher, block_bytes, ns_digest)
         """Seals payloads on write and opens them on read; None: plain blocks."""
@@ -215,7 +213,7 @@ class SegmentFiles:
         )
         # O_CREAT for every run: jobs writing one segment run on several threads, and the
         # run that writes its header may come last. Names are unique to this writer.
-        flags = os.O_WRONLY | os.O_CREAT | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0)
         fd = self.os.open(self.path_of(run.segment), flags, self.file_mode)
         try:
             if run.create:
@@ -239,8 +237,8 @@ class SegmentFiles:
             self.os.close(fd)
 
     def _records_per_call(self) -> int:
-        """The most records one ``pwritev`` writes: as many as fit in :data:`MAX_IOV`
-        buffers, and with sealing, in this thread's sealing buffers."""
+        """The most records one ``pwritev`` writes (within :data:`MAX_IOV` buffers, and
+        the sealing buffers)."""
         per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
         if self.sealer is not None:
             return min(per_call, self.sealer.batch)
@@ -258,9 +256,8 @@ class SegmentFiles:
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
-        its payload (sealed into this thread's sealing buffers when encrypting) and its
-        padding; staged, the one buffer they were laid out in as on disk (each payload
-        copied in, its checksum taken of the copy)."""
+        payload (sealed, when encrypting) and padding; staged, one buffer laid out as on
+        disk (the checksum taken of the copy)."""
         staged, size = self.sealer is None and self.staged > 0, self.block_bytes
         step = self.record_bytes if staged else HEADER_BYTES
         pages = self._staging() if staged else self._pages(len(records))
@@ -322,16 +319,12 @@ class SegmentFiles:
         staged = self.staged
         direct = self.o_direct and (staged > 0 or all(is_aligned(slot) for _, _, slot, _ in items))
         try:
-            fd = self.os.open(
-                self.path_of(segment), os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-            )
-        except FileNotFoundError:
-            for i, _, _, _ in items:
-                outcomes[i] = (None, "segment file is missing", True)
-            return
+            fd = self.os.open(self.path_of(segment), os.O_RDONLY | (O_DIRECT if direct else 0))
         except OSError as exc:
+            missing = isinstance(exc, FileNotFoundError)
+            why = "segment file is missing" if missing else f"read failed: {describe_os_error(exc)}"
             for i, _, _, _ in items:
-                outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
+                outcomes[i] = (None, why, missing)
             return
         items.sort(key=lambda item: item[1])
         try:
@@ -402,9 +395,8 @@ class SegmentFiles:
                 outcomes[i] = (header.key, "", False)
 
     def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
-        """:func:`payload_checksum`; after each ``gil_pause_bytes`` a thread has hashed
-        (0: never), a moment without the GIL, so that the loop's thread does not wait
-        for a whole job's hashing (docs/nvme.md has the trade-off)."""
+        """:func:`payload_checksum`, with a moment without the GIL after each
+        ``gil_pause_bytes`` hashed (0: never), so that the loop's thread does not wait."""
         checksum = payload_checksum(payload, binding)
         if self.gil_pause_bytes:
             done = getattr(self._local, "hashed", 0) + payload.nbytes
@@ -440,7 +432,7 @@ class SegmentFiles:
         """Read the record headers (not the payloads) of ``segment`` from record
         ``start`` on; a slot whose header does not verify for this namespace and record
         size is counted, not listed. OSError if the file cannot be read."""
-        fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
+        fd = self.os.open(self.path_of(segment), os.O_RDONLY)
         try:
             page = self._pages(1)
             header_ok = True
@@ -484,7 +476,7 @@ class SegmentFiles:
         page = self._pages(1)
         for segment, items in _by_segment(records).items():
             try:
-                fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
+                fd = self.os.open(self.path_of(segment), os.O_RDONLY)
             except OSError:
                 continue
             try:
@@ -504,7 +496,7 @@ class SegmentFiles:
         for segment, items in _by_segment(records).items():
             done: set[tuple[str, int]] = set()
             try:
-                fd = self.os.open(self.path_of(segment), os.O_WRONLY | _O_CLOEXEC)
+                fd = self.os.open(self.path_of(segment), os.O_WRONLY)
             except OSError:
                 continue
             try:
