@@ -188,9 +188,7 @@ class NVMeTier(TierActor):
                     f"directory or creatable as one): {exc}"
                 ) from exc
             self._opened = True
-            if excess:
-                # Before serving: a store of one of these keys must not have its new
-                # file removed by this clean-up.
+            if excess:  # before serving: no store may race this clean-up
                 await self.run_blocking(self._segments.delete, excess)
             await self._start_io_threads()
             await super().start()
@@ -222,9 +220,8 @@ class NVMeTier(TierActor):
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
     def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
-        """Worker thread: make and check the namespace directory, check the floor
-        against the file system's size, take the owner lock, probe O_DIRECT, recover
-        the index, measure free space."""
+        """Worker thread: open the namespace directory, check the floor, take the owner
+        lock, probe O_DIRECT, recover the index, measure free space."""
         open_directory(
             self.root,
             self.directory,
@@ -500,8 +497,8 @@ class NVMeTier(TierActor):
     ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
         """Read the ``moves`` and the keys of the ``gone`` records, delete ``delete``,
         then write the job's blocks and the moves that verified (``placed``: the job's
-        placements, then the moves'). Returns the report, each move's key and each gone
-        record's key (None where it did not verify)."""
+        placements, then the moves'). Returns the report and the moves' and gone
+        records' keys (None: did not verify)."""
         buffers = self._move_buffers(len(moves))
         reads = [
             (segment, record, buffer, None)
@@ -566,9 +563,9 @@ class NVMeTier(TierActor):
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
-        """Index the job's records that were written (``placed``: their placements, then
-        the moved records'), and the moved records written unless their key was stored
-        again meanwhile (the newer record wins); none if the tier was cleared meanwhile."""
+        """Index the records written (``placed``: the job's, then the moved ones'), a
+        moved one unless its key was stored again meanwhile; none if the tier was
+        cleared meanwhile."""
         self._writing_records -= len(placed)
         written = set(report.written)
         ours, theirs = placed[: len(admitted)], placed[len(admitted) :]
