@@ -1,6 +1,5 @@
-"""Opening an NVMe namespace directory and recovering its index: the checkpoint plus a
-scan of what was written after it (and, for ``tiering verify``, a read of every block).
-Blocking: the tier runs it once, at start, on a worker thread.
+"""Opening an NVMe namespace directory and recovering its index from the checkpoint and a
+scan of what was written after it (docs/nvme.md); blocking, run once at the tier's start.
 """
 
 from __future__ import annotations
@@ -43,12 +42,8 @@ def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
     """Check ``root``, make the namespace's ``directory`` and its subdirectories,
-    private, and write or check its identity file.
-
-    Raises:
-        InvalidArgumentError: the root fails :func:`check_root`, a directory is a link
-            or a file, or the directory holds another namespace.
-        OSError: any other failure of the file system.
+    private, and write or check its identity file. InvalidArgumentError: the root fails
+    :func:`check_root`, a directory is a link or a file, or it holds another namespace.
     """
     check_root(root, create=True, mode=dir_mode)
     with contextlib.suppress(FileExistsError):
@@ -121,9 +116,8 @@ def recover(
 ) -> Recovery:
     """Read the checkpoint, scan what it does not cover, and build an index with
     ``new_index(records on disk)``, deleting dead writers' checkpoint temporaries and
-    segments in which nothing verifies. With ``read_only`` (inspect, verify) nothing is
-    written, those are only reported, and every segment is scanned from record 0.
-    """
+    segments in which nothing verifies; ``read_only`` (inspect, verify): nothing is
+    deleted, and every segment is scanned from record 0."""
     directory = files.directory
     removed: Counter[str] = Counter()
     _remove_dead_temporaries(directory, writer, removed, read_only)
@@ -203,8 +197,7 @@ def verify_index(
 
 def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
     """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` (a temporary of
-    ``temp_suffix``, synced, renamed); returns its size. OSError if it could not be
-    (the previous checkpoint stays, the temporary is removed)."""
+    ``temp_suffix``, synced, renamed); returns its size. OSError: the old one stays."""
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
     final = os.path.join(files.directory, CHECKPOINT_FILE)
     temp = f"{final}.{temp_suffix}.tmp"
@@ -225,8 +218,7 @@ def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix
 
 
 def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
-    """``(the checkpoint of files, None)``, or ``(None, why not)`` when there is none or
-    it fails a check. Never raises."""
+    """``(the checkpoint, None)``, or ``(None, why not)``. Never raises."""
     path = os.path.join(files.directory, CHECKPOINT_FILE)
     try:
         with open(path, "rb") as file:

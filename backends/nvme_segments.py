@@ -474,17 +474,10 @@ class SegmentFiles:
         cannot be read or does not verify (payloads are not read). Never raises."""
         keys: list[bytes | None] = [None] * len(records)
         page = self._pages(1)
-        for segment, items in _by_segment(records).items():
-            try:
-                fd = self.os.open(self.path_of(segment), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                for i, record in items:
-                    with contextlib.suppress(OSError):
-                        keys[i] = self._key_at(fd, page, record)
-            finally:
-                self.os.close(fd)
+        for fd, _, items in self._open_each(records, os.O_RDONLY):
+            for i, record in items:
+                with contextlib.suppress(OSError):
+                    keys[i] = self._key_at(fd, page, record)
         return keys
 
     def mark_removed(self, records: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
@@ -493,25 +486,33 @@ class SegmentFiles:
         Returns those marked (a segment that fails is left out). Never raises."""
         marked: set[tuple[str, int]] = set()
         mark = memoryview(REMOVED_MARK.ljust(HEADER_BYTES, b"\0"))
-        for segment, items in _by_segment(records).items():
-            done: set[tuple[str, int]] = set()
+        for fd, segment, items in self._open_each(records, os.O_WRONLY):
+            with contextlib.suppress(OSError):
+                size = self.os.fstat(fd).st_size
+                done = {(segment, r) for _, r in items if self.offset_of(r) + HEADER_BYTES <= size}
+                for _, record in sorted(done):
+                    write_all(self.os, fd, [mark], self.offset_of(record))
+                self.os.fdatasync(fd)
+                marked |= done
+        return marked
+
+    def _open_each(
+        self, records: Sequence[tuple[str, int]], flags: int
+    ) -> Iterator[tuple[int, str, list[tuple[int, int]]]]:
+        """``(fd, segment, [(position in records, record)])`` of each segment of
+        ``records`` that opens with ``flags``; the fd closes when the next is asked for."""
+        by_segment: dict[str, list[tuple[int, int]]] = {}
+        for i, (segment, record) in enumerate(records):
+            by_segment.setdefault(segment, []).append((i, record))
+        for segment, items in by_segment.items():
             try:
-                fd = self.os.open(self.path_of(segment), os.O_WRONLY)
+                fd = self.os.open(self.path_of(segment), flags)
             except OSError:
                 continue
             try:
-                size = self.os.fstat(fd).st_size
-                for _, record in items:
-                    if self.offset_of(record) + HEADER_BYTES <= size:
-                        write_all(self.os, fd, [mark], self.offset_of(record))
-                        done.add((segment, record))
-                self.os.fdatasync(fd)
-                marked |= done
-            except OSError:
-                pass
+                yield fd, segment, items
             finally:
                 self.os.close(fd)
-        return marked
 
     def delete(self, segments: Sequence[str]) -> int:
         """Unlink segment files; returns how many existed. Never raises."""
@@ -540,14 +541,6 @@ def copy_bytes(target: memoryview, source: memoryview) -> None:
         target[:] = source
     else:
         ctypes.memmove(into, of, source.nbytes)
-
-
-def _by_segment(records: Sequence[tuple[str, int]]) -> dict[str, list[tuple[int, int]]]:
-    """``(position, record)`` of each of ``records``, by segment."""
-    by_segment: dict[str, list[tuple[int, int]]] = {}
-    for i, (segment, record) in enumerate(records):
-        by_segment.setdefault(segment, []).append((i, record))
-    return by_segment
 
 
 def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
