@@ -14,26 +14,16 @@ from typing import Literal
 from backends.block_record import HEADER_BYTES
 from tiering.errors import InvalidArgumentError
 
-DEFAULT_MAX_AGE_S = 1.0
-"""Free space measured longer ago than this is measured again before a store plans."""
-
+DEFAULT_MAX_AGE_S = 1.0  # free space measured longer ago is measured again
 DISK_FULL_REASON = (
     "nvme tier is read-only: the file system was full (ENOSPC); stores resume once space returns"
 )
-
-
-DEFAULT_SEGMENT_BYTES = 256 << 20
-"""The segment size when ``segment_bytes`` is not given, unless the cap is small (below)."""
-MAX_RECORDS_PER_SEGMENT = 4096
-"""Bounds the work of evicting one segment (one index deletion per record)."""
-DERIVED_SEGMENTS_PER_CAP = 8
-"""Without ``segment_bytes``, segments shrink so that the cap holds at least this many:
-an eviction then gives up an eighth of the cache, not half of it."""
-MIN_SEGMENTS_PER_CAP = 2
-"""The fewest segments a cap must hold: the segment being written is never evicted, so
-a cap of one segment fills once and then refuses every store."""
-MOVE_BYTES_PER_JOB = 64 << 20
-"""The most bytes of moved records one store job reads and writes again."""
+# Segment sizing (docs/nvme.md, "Segments per cap"):
+DEFAULT_SEGMENT_BYTES = 256 << 20  # without ``segment_bytes``, unless the cap is small
+MAX_RECORDS_PER_SEGMENT = 4096  # bounds the work of evicting one segment
+DERIVED_SEGMENTS_PER_CAP = 8  # without ``segment_bytes``, the cap holds at least this many
+MIN_SEGMENTS_PER_CAP = 2  # the segment being written is never evicted
+MOVE_BYTES_PER_JOB = 64 << 20  # the most bytes of moved records one store job rewrites
 
 
 class SpaceGuard:
