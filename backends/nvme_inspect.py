@@ -84,21 +84,6 @@ class RootReport:
     namespaces: tuple[NamespaceReport, ...]
     other_entries: tuple[str, ...]
 
-    @classmethod
-    def of(
-        cls, root: str, namespaces: tuple[NamespaceReport, ...], others: tuple[str, ...]
-    ) -> RootReport:
-        return cls(
-            root,
-            sum(ns.blocks for ns in namespaces),
-            sum(ns.payload_bytes for ns in namespaces),
-            sum(ns.disk_bytes for ns in namespaces),
-            sum(len(ns.damaged) for ns in namespaces),
-            sum(len(ns.orphaned) for ns in namespaces),
-            namespaces,
-            others,
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class BadBlock:
@@ -133,12 +118,6 @@ class VerifyReport:
     bad: int
     removed: int
     namespaces: tuple[NamespaceVerify, ...]
-
-    @classmethod
-    def of(cls, root: str, remove: bool, namespaces: tuple[NamespaceVerify, ...]) -> VerifyReport:
-        bad = [b for ns in namespaces for b in ns.bad]
-        checked = sum(ns.checked for ns in namespaces)
-        return cls(root, remove, checked, len(bad), sum(b.removed for b in bad), namespaces)
 
     @property
     def bad_blocks(self) -> tuple[BadBlock, ...]:
@@ -186,11 +165,8 @@ def _open_root(
     root: str | os.PathLike[str], wanted: str | None
 ) -> tuple[str, list[_Namespace], list[str]]:
     """The root's path, the namespace directories ``wanted`` names (:func:`_select`)
-    and the root's other entries.
-
-    Raises:
-        InvalidArgumentError: ``root`` fails the tier's :func:`check_root`, cannot be
-            listed, or is neither empty nor holds a namespace directory.
+    and the root's other entries. InvalidArgumentError: ``root`` fails the tier's
+    :func:`check_root`, cannot be listed, or is neither empty nor holds a namespace.
     """
     path = os.fspath(root)
     try:
@@ -244,11 +220,8 @@ def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
 
 def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace]:
     """The namespaces ``wanted`` names (its string, directory name, or a digest prefix
-    of at least 4 hex digits); all for None.
-
-    Raises:
-        InvalidArgumentError: nothing or more than one namespace matches.
-    """
+    of at least 4 hex digits; all for None); InvalidArgumentError when none matches, or
+    a digest prefix matches several."""
     if wanted is None:
         return namespaces
     exact = [ns for ns in namespaces if wanted in (ns.namespace, ns.name)]
@@ -441,16 +414,16 @@ def _report(ns: _Namespace, segments: _Segments) -> NamespaceReport:
 
 def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) -> RootReport:
     """What ``root`` (or one ``namespace``, as :func:`_select` matches it) holds, from
-    every record header, no payload; changes nothing on disk.
-
-    Raises:
-        InvalidArgumentError: as :func:`_open_root` and :func:`_select`.
-        TieringError: an OS error while reading (the message carries it).
-    """
+    every record header, no payload; changes nothing on disk. InvalidArgumentError as
+    :func:`_open_root`; TieringError for an OS error while reading."""
     path, selected, others = _open_root(root, namespace)
     with _os_errors(path):
         reports = tuple(_report(ns, _segments(ns)) for ns in selected)
-    return RootReport.of(path, reports, tuple(others))
+    totals = (
+        sum(getattr(ns, n) for ns in reports) for n in ("blocks", "payload_bytes", "disk_bytes")
+    )
+    findings = (sum(len(getattr(ns, n)) for ns in reports) for n in ("damaged", "orphaned"))
+    return RootReport(path, *totals, *findings, reports, tuple(others))
 
 
 def verify_root(
@@ -496,7 +469,9 @@ def verify_root(
 
         advance(0)
         results = tuple(_verify(ns, state, remove, advance) for ns, state in states)
-    return VerifyReport.of(path, remove, results)
+    bad = [b for ns in results for b in ns.bad]
+    checked = sum(ns.checked for ns in results)
+    return VerifyReport(path, remove, checked, len(bad), sum(b.removed for b in bad), results)
 
 
 def _verify(

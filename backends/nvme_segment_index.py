@@ -127,8 +127,6 @@ class KeyTable:
             present = digests[window] != _EMPTY
             parts.append((digests[window][present], locs[window][present], ticks[window][present]))
             time.sleep(0)
-        if not parts:
-            return (np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint32))
         return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))  # type: ignore[return-value]
 
 
