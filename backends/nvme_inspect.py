@@ -435,10 +435,9 @@ def verify_root(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Check every block the rebuilt index of ``root`` (or one ``namespace``) holds as a
-    load does, encrypted ones under ``encryption`` (the tier's option; without it they
-    are bad). With ``remove``, a bad record is marked removed and leaves the checkpoint
-    (rewritten atomically); one that could not be is reported not removed.
-    ``on_progress(checked, total)`` is called from ``(0, total)`` on.
+    load does, encrypted ones under ``encryption`` (without it they are bad). With
+    ``remove``, a bad record is marked removed and leaves the checkpoint; one that could
+    not be is reported not removed. ``on_progress(checked, total)`` from ``(0, total)``.
 
     Raises:
         InvalidArgumentError: as :func:`inspect_root`.
@@ -517,13 +516,9 @@ def clear_root(
 ) -> ClearReport:
     """Remove the files the tier writes (:func:`tier_file`) in ``root``'s namespace
     directories (or one ``namespace``'s), then the directories left empty; other files
-    stay, listed in ``left``. Links are removed, never followed. With ``dry_run`` nothing
-    changes.
-
-    Raises:
-        InvalidArgumentError: as :func:`inspect_root`.
-        TieringError: a selected namespace has a live owner (nothing changed), or a
-            file could not be removed (the message names it; what went before is gone).
+    stay, listed in ``left``. Links are removed, never followed. ``dry_run``: no change.
+    InvalidArgumentError as :func:`inspect_root`; TieringError for a live owner (nothing
+    changed) or a file that could not be removed (named; what went before is gone).
     """
     path, selected, _ = _open_root(root, namespace)
     if not dry_run:

@@ -308,7 +308,9 @@ class SegmentIndex:
         while len(placed) < count:
             active = self._segments.get(self._active) if self._active is not None else None
             if active is None or len(active.digests) >= self.records_per_segment:
-                active = self._open_segment()
+                self._active = self._add_segment(segment_name(self.writer, self._next_seq))
+                self._next_seq += 1
+                active = self._segments[self._active]
             record = len(active.digests)
             take = min(count - len(placed), self.records_per_segment - record)
             active.digests.extend([0] * take)
@@ -319,20 +321,12 @@ class SegmentIndex:
         self.used_records += count
         return placed
 
-    def _open_segment(self) -> _Segment:
-        name = segment_name(self.writer, self._next_seq)
-        self._next_seq += 1
-        segment = self._add_segment(name)
-        self._active = self._slot_of[name]
-        return segment
-
-    def _add_segment(self, name: str) -> _Segment:
+    def _add_segment(self, name: str) -> int:
         slot = self._next_slot
         self._next_slot += 1
-        segment = _Segment(name)
-        self._segments[slot] = segment
+        self._segments[slot] = _Segment(name)
         self._slot_of[name] = slot
-        return segment
+        return slot
 
     def commit(self, digest: int, placement: Placement) -> None:
         """The record at ``placement`` holds ``digest`` now (an older record of it becomes
@@ -520,11 +514,11 @@ class SegmentIndex:
         for name, records in on_disk:
             if name not in kept:
                 continue
-            segment = self._add_segment(name)
+            slot = self._add_segment(name)
+            segment = self._segments[slot]
             segment.protected = name in protected
             segment.digests.extend([0] * records)
             self.used_records += records
-            slot = self._slot_of[name]
             upto = min(covered.get(name, 0), records)
             entries = [(r, d, t) for r, d, t in by_name.get(name, ()) if r < upto]
             scan = scans.get(name)
