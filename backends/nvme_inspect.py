@@ -18,13 +18,7 @@ from dataclasses import dataclass, field
 
 from backends.block_record import HEADER_BYTES, decode_header, namespace_digest
 from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
-from backends.nvme_recovery import (
-    Recovery,
-    read_identity,
-    recover,
-    verify_index,
-    write_checkpoint,
-)
+from backends.nvme_recovery import Recovery, read_identity, recover, verify_index, write_checkpoint
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -40,7 +34,6 @@ from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
 
 _NAMESPACE_DIR = re.compile(r"^(.+)-([0-9a-f]{32})$")
-LAYOUT_SEGMENTS = "segments"
 _FOREIGN = "not a file the tier writes (the tier leaves it alone)"
 
 
@@ -400,7 +393,7 @@ def _report(ns: _Namespace, segments: _Segments) -> NamespaceReport:
         directory=ns.name,
         namespace=ns.namespace,
         digest=ns.digest.hex(),
-        layouts=(LAYOUT_SEGMENTS,) if segments.present else (),
+        layouts=("segments",) if segments.present else (),
         block_bytes=block_bytes,
         blocks=segments.blocks,
         payload_bytes=segments.blocks * (block_bytes or 0),

@@ -33,34 +33,28 @@ def _an_object(value: object) -> object:
 
 
 class NVMeOptions(ActorOptions):
-    """The NVMe tier's options (docs/nvme.md describes each at length).
+    """The NVMe tier's options; docs/nvme.md describes each at length.
 
-    * ``root``: the directory holding namespaces, created if missing; ``namespace``:
-      the cache identity (blocks of one are never served to another).
+    * ``root``: holds the namespaces, created if missing; ``namespace``: the cache
+      identity (blocks of one are never served to another).
     * ``capacity_bytes``: most bytes of records (header pages included);
-      ``min_free_bytes``: free space stores keep on the file system (whichever binds
-      first wins).
-    * ``fsync``: ``"none"`` (survives a process crash, not a power loss), ``"batch"`` (a
-      store's success means its records are on stable storage), ``"always"`` (a sync
-      after every run of records).
+      ``min_free_bytes``: free space stores leave on the file system.
+    * ``fsync``: ``"none"``, ``"batch"`` (a store's success means its records are on
+      stable storage) or ``"always"`` (a sync after every run of records).
     * ``o_direct``: True requires O_DIRECT, False never uses it, None probes at start.
     * ``max_inflight_bytes``: bound on payload bytes of jobs in their I/O at once.
-    * ``enospc_retry_s``: after ENOSPC, stores are refused without I/O this long, then
-      one job probes again.
+    * ``enospc_retry_s``: after ENOSPC, how long stores are refused before one probes.
     * ``encryption``: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
-      spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM.
+      spec, such as ``"env:KV_TIERING_KEYS"``) that seals payloads with AES-GCM.
     * ``file_mode``, ``dir_mode``: modes of what the tier makes (never writable by others).
-    * ``os_calls``: the system-call layer (tests pass a fault injector); ``clock``:
-      monotonic seconds (tests pass a fake).
-    * ``segment_bytes``: the size a segment grows to (at most 4096 records). None: 256
-      MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
+    * ``os_calls``, ``clock``: the system calls and monotonic seconds (tests pass fakes).
+    * ``segment_bytes``: the size a segment grows to (None: from the cap).
     * ``checkpoint_every``: records written between index checkpoints.
-    * ``hot_fraction``: blocks of an evicted segment used within the last this fraction
-      of the capacity's worth of uses are written again, not dropped (0: FIFO).
-    * ``gil_pause_bytes``: bytes an I/O thread hashes before it lets go of the GIL for a
-      moment (0: never).
-    * ``staging_bytes``: 0 moves direct I/O straight between disk and slots; otherwise
-      through a huge-page staging buffer of this many bytes per I/O thread.
+    * ``hot_fraction``: blocks of an evicted segment used within this fraction of the
+      capacity's worth of uses are written again (0: FIFO).
+    * ``gil_pause_bytes``: bytes an I/O thread hashes between GIL pauses (0: never).
+    * ``staging_bytes``: direct I/O through a huge-page buffer of this size per I/O
+      thread (0: straight between disk and slots).
     """
 
     root: str | os.PathLike[str]

@@ -120,7 +120,13 @@ def recover(
     deleted, and every segment is scanned from record 0."""
     directory = files.directory
     removed: Counter[str] = Counter()
-    _remove_dead_temporaries(directory, writer, removed, read_only)
+    for entry in os.scandir(directory):  # dead writers' checkpoint temporaries
+        owner = temporary_writer(entry.name, CHECKPOINT_FILE)
+        if owner is not None and owner != writer and not owner_alive(directory, owner):
+            with contextlib.suppress(OSError):
+                if not read_only:
+                    os.unlink(entry.path)
+                removed["temporary"] += 1
     checkpoint, note = read_checkpoint(files)
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     alive: dict[str, bool] = {}
@@ -233,15 +239,3 @@ def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]
         ), None
     except (CorruptBlockError, ValueError, struct.error) as exc:
         return None, f"checkpoint rejected: {exc}"
-
-
-def _remove_dead_temporaries(
-    directory: str, writer: str, removed: Counter[str], read_only: bool
-) -> None:
-    for entry in os.scandir(directory):
-        owner = temporary_writer(entry.name, CHECKPOINT_FILE)
-        if owner is not None and owner != writer and not owner_alive(directory, owner):
-            with contextlib.suppress(OSError):
-                if not read_only:
-                    os.unlink(entry.path)
-                removed["temporary"] += 1
