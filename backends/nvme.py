@@ -163,13 +163,9 @@ class NVMeTier(TierActor):
 
     async def start(self) -> None:
         """Open the namespace directory, recover the index from disk, then serve.
-
-        Raises:
-            ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the root fails :func:`check_root`, the directory holds
-                another namespace, or ``o_direct=True`` and the file system refuses it.
-            TieringError: the root cannot be written or scanned (with the OS error).
-        """
+        ClosedError once closed; InvalidArgumentError when the root fails
+        :func:`check_root`, holds another namespace, or refuses ``o_direct=True``;
+        TieringError when it cannot be written or scanned (with the OS error)."""
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         async with self._start_lock:
@@ -411,7 +407,6 @@ class NVMeTier(TierActor):
                     most_moves=max(1, MOVE_BYTES_PER_JOB // self.block_bytes),
                 )
                 fit, placed = plan.fit, plan.placed
-                moves = [(segment, record) for segment, record, _ in plan.moves]
                 gone = plan.gone
                 if plan.evictions:
                     self.metrics.evicted_blocks += len(gone)
@@ -430,7 +425,7 @@ class NVMeTier(TierActor):
                 self._trash = []
                 try:
                     report, moved, gone_keys = await self.run_blocking(
-                        self._store_hop, admitted, placed, moves, gone, delete
+                        self._store_hop, admitted, placed, plan.moves, gone, delete
                     )
                 except BaseException:  # the hop never ran: its deletions are still owed
                     self._trash.extend(delete)
@@ -449,7 +444,7 @@ class NVMeTier(TierActor):
             if placed and generation == self._generation:  # cancelled before the commit
                 for placement in placed:
                     self._index.abandon(placement)
-            self._writing_records -= len(placed) if placed else 0
+            self._writing_records -= len(placed)
             for digest in digests.values():
                 if self._writing.get(digest) is done:
                     del self._writing[digest]
@@ -491,7 +486,7 @@ class NVMeTier(TierActor):
         self,
         admitted: Sequence[tuple[OffloadKey, int]],
         placed: Sequence[Placement],
-        moves: Sequence[tuple[str, int]],
+        moves: Sequence[tuple[str, int, int]],
         gone: Sequence[tuple[str, int]],
         delete: Sequence[str],
     ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
@@ -502,7 +497,7 @@ class NVMeTier(TierActor):
         buffers = self._move_buffers(len(moves))
         reads = [
             (segment, record, buffer, None)
-            for (segment, record), buffer in zip(moves, buffers, strict=True)
+            for (segment, record, _), buffer in zip(moves, buffers, strict=True)
         ]
         moved = [key if not why else None for key, why, _ in self._segments.read(reads)]
         gone_keys = self._segments.read_keys(gone)

@@ -13,7 +13,7 @@ import os
 import re
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from backends.block_record import HEADER_BYTES, decode_header, namespace_digest
@@ -155,11 +155,12 @@ class _Namespace:
 
 
 def _open_root(
-    root: str | os.PathLike[str], wanted: str | None
+    root: str | os.PathLike[str], wanted: str | None, refuse_if_live: str | None = None
 ) -> tuple[str, list[_Namespace], list[str]]:
     """The root's path, the namespace directories ``wanted`` names (:func:`_select`)
     and the root's other entries. InvalidArgumentError: ``root`` fails the tier's
-    :func:`check_root`, cannot be listed, or is neither empty nor holds a namespace.
+    :func:`check_root`, cannot be listed, or is neither empty nor holds a namespace;
+    with ``refuse_if_live`` (an action), TieringError when a running tier holds one.
     """
     path = os.fspath(root)
     try:
@@ -189,7 +190,16 @@ def _open_root(
             f"ROOT: {path!r} is not an NVMe root: it holds no namespace directory "
             "(<name>-<32 hex digits> with a NAMESPACE file, owners/ or segments/)"
         )
-    return path, _select(namespaces, wanted), others
+    selected = _select(namespaces, wanted)
+    for ns in selected if refuse_if_live else ():
+        live = ns.live_owners()
+        if live:
+            raise TieringError(
+                f"refusing to {refuse_if_live}: namespace {ns.namespace or ns.name!r} is in "
+                f"use by {len(live)} running tier(s) (owners/{live[0]}.lock is held); "
+                "stop them first. Nothing was changed"
+            )
+    return path, selected, others
 
 
 def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
@@ -235,17 +245,6 @@ def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace
     raise InvalidArgumentError(
         f"argument --namespace: no namespace {wanted!r} in the root; it holds: {known or 'none'}"
     )
-
-
-def _refuse_if_live(namespaces: Sequence[_Namespace], action: str) -> None:
-    for ns in namespaces:
-        live = ns.live_owners()
-        if live:
-            raise TieringError(
-                f"refusing to {action}: namespace {ns.namespace or ns.name!r} is in use by "
-                f"{len(live)} running tier(s) (owners/{live[0]}.lock is held); "
-                "stop them first. Nothing was changed"
-            )
 
 
 @contextlib.contextmanager
@@ -438,9 +437,7 @@ def verify_root(
             encrypted blocks and no keyring was given (nothing changed), or an OS error.
     """
     keyring = keyring_from(encryption, option="encryption")
-    path, selected, _ = _open_root(root, namespace)
-    if remove:
-        _refuse_if_live(selected, "remove bad blocks")
+    path, selected, _ = _open_root(root, namespace, "remove bad blocks" if remove else None)
     with _os_errors(path):
         cipher = None if keyring is None else BlockCipher(keyring)
         states = [(ns, _segments(ns, cipher)) for ns in selected]
@@ -513,9 +510,7 @@ def clear_root(
     InvalidArgumentError as :func:`inspect_root`; TieringError for a live owner (nothing
     changed) or a file that could not be removed (named; what went before is gone).
     """
-    path, selected, _ = _open_root(root, namespace)
-    if not dry_run:
-        _refuse_if_live(selected, "clear")
+    path, selected, _ = _open_root(root, namespace, None if dry_run else "clear")
     files = nbytes = 0
     left: list[str] = []
     for ns in selected:

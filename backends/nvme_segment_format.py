@@ -197,13 +197,8 @@ def encode_checkpoint(checkpoint: Checkpoint, *, block_bytes: int, ns_digest: by
 
 
 def parse_checkpoint(data: bytes, *, block_bytes: int, ns_digest: bytes) -> Checkpoint:
-    """The checkpoint a file holds.
-
-    Raises:
-        CorruptBlockError: it fails a check (magic, version, namespace, record size,
-            length, checksum, or its tables).
-        ValueError, struct.error: its segment table does not parse.
-    """
+    """The checkpoint a file holds; CorruptBlockError when it fails a check, ValueError
+    or struct.error when its segment table does not parse."""
     if len(data) < _CHECKPOINT_HEAD.size:
         raise CorruptBlockError("checkpoint is short")
     magic, version, head_len, payload, ns, n_segments, count, body_len, checksum = (

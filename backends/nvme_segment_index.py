@@ -165,10 +165,9 @@ class Eviction:
 
 @dataclass(frozen=True, slots=True)
 class RoomPlan:
-    """How one store job makes room (:meth:`SegmentIndex.plan_room`): ``fit`` of its
-    records fit; ``moves`` ``(segment, record, digest)`` are evicted records to write
-    again, ``gone`` ``(segment, record)`` those that leave the tier; ``placed`` one
-    placement per record that fits, then one per move."""
+    """How one store job makes room: ``fit`` of its records fit; ``moves`` are evicted
+    records to write again, ``gone`` those that leave the tier; ``placed`` one placement
+    per record that fits, then one per move."""
 
     fit: int
     evictions: list[Eviction]

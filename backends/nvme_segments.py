@@ -410,18 +410,15 @@ class SegmentFiles:
 
     def list_segments(self) -> list[tuple[str, int]]:
         """``(name, bytes)`` of every segment file, in name order."""
-        found = []
         try:
             entries = list(os.scandir(self.segments_dir))
         except FileNotFoundError:
             return []
+        found = []
         for entry in entries:
-            if parse_segment_name(entry.name) is None:
-                continue
-            try:
-                found.append((entry.name, entry.stat().st_size))
-            except FileNotFoundError:
-                continue
+            if parse_segment_name(entry.name) is not None:
+                with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                    found.append((entry.name, entry.stat().st_size))
         return sorted(found)
 
     def records_in(self, size: int) -> int:
@@ -518,11 +515,9 @@ class SegmentFiles:
         """Unlink segment files; returns how many existed. Never raises."""
         removed = 0
         for segment in segments:
-            try:
+            with contextlib.suppress(OSError):
                 self.os.unlink(self.path_of(segment))
-            except OSError:
-                continue
-            removed += 1
+                removed += 1
         return removed
 
     def free_bytes(self) -> int | None:
