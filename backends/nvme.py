@@ -113,7 +113,6 @@ class NVMeTier(TierActor):
         self.file_bytes = record_bytes  # one block on disk, its header page included
         self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
-        self.fsync = o.fsync
         # Read by the vLLM adapter's tests and the replay model (tiering.replay.tier_layout).
         self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
         self.hot_fraction = o.hot_fraction

@@ -133,7 +133,6 @@ class SegmentFiles:
         os_calls: OsCalls = REAL_OS,
     ) -> None:
         self.gil_pause_bytes = gil_pause_bytes
-        self.staging_bytes = staging_bytes
         self.directory = directory
         self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
         self.block_bytes = block_bytes
@@ -347,26 +346,23 @@ class SegmentFiles:
         into its slot once its header checks), then verify each payload in its slot."""
         step = self.record_bytes
         if staged:
-            staging = pages = self._staging()
-            buffers = [staging[: len(run) * step]]
-            page_step = step
+            pages, page_step = self._staging(), step
+            buffers = [pages[: len(run) * step]]
         else:
-            pages = self._pages(len(run))
-            page_step = HEADER_BYTES
+            pages, page_step = self._pages(len(run)), HEADER_BYTES
             # Where a read's padding between records goes (never the zeros writes use).
             sink = thread_buffer(self._local, "sink", self._padding.nbytes)
+            padding = [sink] if sink.nbytes else []
             buffers = []
             for j, (_, _, slot, _) in enumerate(run):
-                buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-                buffers.append(slot)
-                if sink.nbytes:
-                    buffers.append(sink)
+                buffers += [pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES], slot, *padding]
         try:
             got = self.os.preadv(fd, buffers, self.offset_of(run[0][1]))
         except OSError as exc:
             for i, _, _, _ in run:
                 outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
+        cipher = None if self.sealer is None else self.sealer.cipher
         for j, (i, _, slot, key) in enumerate(run):
             available = got - j * step
             header = None
@@ -384,10 +380,8 @@ class SegmentFiles:
                 if staged:
                     payload = start + HEADER_BYTES
                     copy_bytes(slot, pages[payload : payload + slot.nbytes])
-                if self.sealer is None:
-                    verify_payload(header, slot, None, self._checksum)
-                else:
-                    verify_payload(header, slot, self.sealer.cipher)
+                verify_payload(header, slot, cipher, self._checksum)
+                if cipher is not None:
                     os.sched_yield()  # see backends/nvme_sealing.py
             except CorruptBlockError as exc:
                 outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
