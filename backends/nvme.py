@@ -319,9 +319,8 @@ class NVMeTier(TierActor):
         return failed, wanted
 
     def _usage(self) -> dict[str, Any]:
-        counters = asdict(self.metrics)
-        removed = counters.pop("removed_on_recovery")
-        counters["removed_on_recovery"] = sum(removed.values())
+        removed = self.metrics.removed_on_recovery.total()
+        counters = {**asdict(self.metrics), "removed_on_recovery": removed}
         return {
             "used_blocks": self.get_num_blocks(),
             "capacity_blocks": self.capacity_blocks,
@@ -339,8 +338,7 @@ class NVMeTier(TierActor):
         (InvalidArgumentError for a ``key`` that is not bytes)."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
-        digest = key_digest(key)
-        if digest in self._index:
+        if key_digest(key) in self._index:
             return True
         return None if self.storing(key) else False
 
@@ -458,13 +456,12 @@ class NVMeTier(TierActor):
             if where is None:
                 failed[key] = "not in the nvme tier"
             else:
-                reads.append((key, where[0], where[1], block_id))
+                reads.append((key, *where, block_id))
+                self._index.pin(where[0])  # not evicted while read
         if failed:
             self._failure_log.record("not in the tier", len(failed))
         if not reads:
             return _result(job.job_id, failed, len(job.keys))
-        for _, segment, _, _ in reads:
-            self._index.pin(segment)
         generation = self._generation
         budget = len(reads) * self.block_bytes
         try:

@@ -149,7 +149,7 @@ class _Namespace:
         return os.path.join(self.name, *parts)
 
     def live_owners(self) -> tuple[str, ...]:
-        names = sorted(entry.name for entry in _listdir(os.path.join(self.path, OWNERS_DIR)))
+        names = [entry.name for entry in _listdir(os.path.join(self.path, OWNERS_DIR))]
         owners = (name.removesuffix(".lock") for name in names if name.endswith(".lock"))
         return tuple(owner for owner in owners if owner_alive(self.path, owner))
 

@@ -246,11 +246,8 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def check_private(option: str, path: str) -> None:
-    """Refuse a directory another user owns or anyone but its owner may write to.
-
-    Raises:
-        InvalidArgumentError: naming ``option``, the path and what is wrong with it.
-    """
+    """InvalidArgumentError (naming ``option``, the path and the fault) unless ``path``
+    is a directory of this user that nobody else may write to."""
     status = os.stat(path)
     if not stat.S_ISDIR(status.st_mode):
         raise InvalidArgumentError(f"{option}: {path!r} is not a directory")

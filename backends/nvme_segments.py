@@ -101,11 +101,8 @@ class SegmentScan:
     """Slots :meth:`SegmentFiles.mark_removed` marked (not counted ``invalid``)."""
 
 
-GIL_PAUSE_BYTES = 128 << 10
-"""The default bytes an I/O thread hashes before it lets go of the GIL for a moment."""
-
-STAGING_BYTES = 32 << 20
-"""The staging buffer of each I/O thread when staging is on and no size is given."""
+GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
+STAGING_BYTES = 32 << 20  # the staging buffer per I/O thread where staging is on by default
 
 
 class SegmentFiles:
