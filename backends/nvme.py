@@ -490,7 +490,9 @@ class NVMeTier(TierActor):
         then write the job's blocks and the moves that verified (``placed``: the job's
         placements, then the moves'). Returns the report and the moves' and gone
         records' keys (None: did not verify)."""
-        buffers = self._move_buffers(len(moves))
+        size = self.block_bytes  # aligned buffers for moved records, one set per I/O thread
+        view = thread_buffer(self._local, "moves", len(moves) * size, at_least=MOVE_BYTES_PER_JOB)
+        buffers = [view[i * size : (i + 1) * size] for i in range(len(moves))]
         reads = [
             (segment, record, buffer, None)
             for (segment, record, _), buffer in zip(moves, buffers, strict=True)
@@ -507,12 +509,6 @@ class NVMeTier(TierActor):
                 where.append((placement.segment, placement.record, placement.create))
         runs = list(iter_runs(where, records))
         return self._segments.write(runs, writer=self._instance_id), moved, gone_keys
-
-    def _move_buffers(self, count: int) -> list[memoryview]:
-        # Aligned (O_DIRECT) buffers for moved records, one set per I/O thread.
-        size = self.block_bytes
-        view = thread_buffer(self._local, "moves", count * size, at_least=MOVE_BYTES_PER_JOB)
-        return [view[i * size : (i + 1) * size] for i in range(count)]
 
     def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> list[ReadOutcome]:
         slot = self.slot

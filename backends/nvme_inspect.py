@@ -360,7 +360,8 @@ def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
             damaged.append(Finding(rel, "ends in a partial record (a torn write)"))
     live = {name for name, _ in found.index.snapshot().locations()}
     why = "holds no block the index would serve (evicted first by the tier)"
-    orphaned += [Finding(ns.rel(SEGMENTS_DIR, n), why) for n, _ in found.listed if n not in live]
+    idle = [name for name in found.index.segments if name not in live]
+    orphaned += [Finding(ns.rel(SEGMENTS_DIR, name), why) for name in idle]
     return state
 
 

@@ -104,7 +104,6 @@ class Recovery:
     # Segments of dead writers in which neither the header nor a record verifies.
     corrupt: list[str] = field(default_factory=list)
     unreadable: dict[str, str] = field(default_factory=dict)  # segment -> why
-    listed: list[tuple[str, int]] = field(default_factory=list)  # (segment, records) indexed
 
 
 def recover(
@@ -165,9 +164,7 @@ def recover(
     index = new_index(sum(records for _, records in listed))
     recovered = index.restore(checkpoint, listed, scans, protected)
     excess = [name for name in index.excess_segments(listed) if name not in protected]
-    return Recovery(
-        index, recovered, excess, removed, checkpoint, note, scans, corrupt, unreadable, listed
-    )
+    return Recovery(index, recovered, excess, removed, checkpoint, note, scans, corrupt, unreadable)
 
 
 def verify_index(

@@ -364,9 +364,8 @@ class SegmentIndex:
 
     def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
         """Evict the oldest evictable segments until ``count`` records fit under
-        ``limit`` records on disk (default: the capacity; a free-space floor binds
-        lower). Returns ``(records that fit now, evictions)``: fewer than ``count`` when
-        every remaining segment is pinned, held, protected or being written."""
+        ``limit`` records on disk (default: the capacity); returns ``(records that fit
+        now, evictions)``."""
         evictions: list[Eviction] = []
         while self.room(limit) < count:
             victim = self._next_victim()
@@ -449,11 +448,9 @@ class SegmentIndex:
         return [(slot, seg.name, len(seg.digests)) for slot, seg in self._segments.items()]
 
     def snapshot(self, segments: list[tuple[int, str, int]] | None = None) -> Checkpoint:
-        """The index as a checkpoint (segments oldest first, with records covered).
-
-        With ``segments`` from :meth:`checkpoint_segments`, it may run on another thread
-        while the owner goes on (see :meth:`KeyTable.entries`): entries of segments
-        created since are left out."""
+        """The index as a checkpoint. With ``segments`` from :meth:`checkpoint_segments`,
+        it may run on another thread while the owner goes on (see
+        :meth:`KeyTable.entries`); entries of segments created since are left out."""
         if segments is None:
             segments = self.checkpoint_segments()
         digests, locs, ticks = self._table.entries()
