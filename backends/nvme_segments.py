@@ -220,10 +220,9 @@ class SegmentFiles:
                 )
                 write_all(self.os, fd, [page], 0)
             if len(run.records) > self._records_per_call():
-                # A run written in several calls is allocated first, in one call: on
-                # ext4 a direct write that must allocate takes the file for itself and
-                # waits for all I/O in flight on it, so each such call of one job would
-                # stall every other job writing the segment (docs/security.md).
+                # Allocated first, in one call: on ext4 a direct write that must allocate
+                # takes the file for itself and waits for all I/O in flight on it, which
+                # would stall every other job writing the segment (docs/security.md).
                 length = len(run.records) * self.record_bytes
                 self.os.allocate(fd, self.offset_of(run.first), length)
             self._write_records(fd, run)
@@ -255,6 +254,7 @@ class SegmentFiles:
         payload (sealed, when encrypting) and padding; staged, one buffer laid out as on
         disk (the checksum taken of the copy)."""
         staged, size = self.sealer is None and self.staged > 0, self.block_bytes
+        ns = self.ns_digest
         step = self.record_bytes if staged else HEADER_BYTES
         pages = self._staging() if staged else self._pages(len(records))
         sealed = [] if self.sealer is None else self.sealer.buffers(len(records))
@@ -269,15 +269,9 @@ class SegmentFiles:
                     pages[start + size : (i + 1) * step] = self._padding
             elif self.sealer is not None:
                 seal, data = self.sealer.seal(key, payload, sealed[i]), sealed[i][:size]
-            binding = record_binding(self.ns_digest, b"", key)
-            checksum = None if seal else self._checksum(data, binding)
+            checksum = None if seal else self._checksum(data, record_binding(ns, b"", key))
             encode_header(
-                page,
-                key=key,
-                payload_bytes=size,
-                ns_digest=self.ns_digest,
-                checksum=checksum,
-                seal=seal,
+                page, key=key, payload_bytes=size, ns_digest=ns, checksum=checksum, seal=seal
             )
             buffers += [page, data, self._padding] if self._padding.nbytes else [page, data]
         return [pages[: len(records) * step]] if staged else buffers
