@@ -137,8 +137,7 @@ class NVMeTier(TierActor):
             os_calls=self._os,
         )
         self._index = self._new_index()
-        # Digests a running hop writes, with the event set when it ends: a store of
-        # such a key waits for it rather than writing it twice.
+        # Digests a running hop writes -> its end: a store of one waits, not writes twice.
         self._writing: dict[int, asyncio.Event] = {}
         self._writing_records = 0
         self._trash: list[str] = []  # segments given up, files not yet deleted
@@ -208,9 +207,8 @@ class NVMeTier(TierActor):
         self._release_owner()
 
     async def _start_io_threads(self) -> None:
-        # A pool starts its threads lazily, one per call while none is idle (the loop
-        # would then wait for each handshake in the first jobs): calls that wait for
-        # each other make it start every thread now, before any job is served.
+        # A pool starts its threads lazily (the first jobs would wait for each start):
+        # calls that wait for each other make it start every thread now.
         meeting = threading.Barrier(self.io_threads)
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 

@@ -1,9 +1,7 @@
-"""The reports of ``tiering inspect``, ``verify`` and ``clear`` (synchronous; the
-commands' docstrings give the behaviour), from the tier's own code: read-only
-:func:`~backends.nvme_recovery.recover`, ``verify_index``, ``mark_removed`` and
-``tier_file``. A namespace's record size is the most common payload length of its
-segments' first records that verify; without one, its segments are damaged. A tier that
-starts after the live-owner check of ``remove`` or :func:`clear_root` races with them.
+"""The reports of ``tiering inspect``, ``verify`` and ``clear`` (the commands' docstrings
+give the behaviour), from the tier's own code: read-only recovery, ``verify_index``,
+``mark_removed`` and ``tier_file``. A namespace's record size is the most common payload
+length of its segments' first records that verify; without one, they are damaged.
 """
 
 from __future__ import annotations

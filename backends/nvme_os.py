@@ -216,9 +216,8 @@ def owner_alive(namespace_dir: str, instance_id: str) -> bool:
 def thread_buffer(
     local: threading.local, name: str, nbytes: int, *, at_least: int = 0
 ) -> memoryview:
-    """``nbytes`` of this thread's buffer ``name`` of ``local`` (an
-    :func:`~tiering.host_pool.io_buffer`), made ``max(nbytes, at_least)`` long when
-    missing or too short, then reused."""
+    """``nbytes`` of this thread's :func:`~tiering.host_pool.io_buffer` ``name`` in
+    ``local``, made ``max(nbytes, at_least)`` long when missing or too short."""
     view: memoryview | None = getattr(local, name, None)
     if view is None or view.nbytes < nbytes:
         view = io_buffer(max(nbytes, at_least))

@@ -31,8 +31,7 @@ IDENTITY_FILE = "NAMESPACE"
 TEMP_SUFFIX = ".tmp"
 REMOVED_MARK = b"KVTIER removed by verify\n"
 """How a record slot's header page begins once ``tiering verify --remove`` removed its
-record: no block header (a scan skips the slot, as it skips a torn one), and told apart
-from damage (:attr:`~backends.nvme_segments.SegmentScan.removed`)."""
+record: a scan skips the slot and counts it removed, not damaged."""
 SEGMENT_FORMAT_VERSION = 1
 _SEGMENT_MAGIC = b"KVTSEG\r\n"
 _SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")

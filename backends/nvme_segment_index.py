@@ -392,8 +392,7 @@ class SegmentIndex:
 
     def _next_victim(self) -> tuple[int, bool] | None:
         """``(slot, compact)``: the first evictable segment whose live fraction is below
-        ``compact_below`` (compacted: all its live blocks move), else the oldest
-        evictable one; None if nothing may be evicted."""
+        ``compact_below`` (all its live blocks move), else the oldest evictable one."""
         holds = self._holds
         oldest: int | None = None
         for slot, segment in self._segments.items():
@@ -429,9 +428,8 @@ class SegmentIndex:
         return Eviction(segment.name, dropped, reinsert)
 
     def clear(self) -> list[str]:
-        """Forget every block and segment (new segments continue the sequence); returns
-        the segment names, whose files are the caller's to delete. Placements made
-        before must not be committed or abandoned afterwards."""
+        """Forget every block and segment; returns the segment names (their files are the
+        caller's to delete). Placements made before must not be committed afterwards."""
         names = self.segments
         self._table = KeyTable(self.capacity_records)
         self._segments.clear()

@@ -411,9 +411,8 @@ class SegmentFiles:
         return max(0, (size - HEADER_BYTES) // self.record_bytes)
 
     def scan(self, segment: str, start: int = 0) -> SegmentScan:
-        """Read the record headers (not the payloads) of ``segment`` from record
-        ``start`` on; a slot whose header does not verify for this namespace and record
-        size is counted, not listed. OSError if the file cannot be read."""
+        """Read the record headers (not payloads) of ``segment`` from record ``start`` on;
+        a slot whose header does not verify is counted, not listed. OSError if unreadable."""
         fd = self.os.open(self.path_of(segment), os.O_RDONLY)
         try:
             page = self._pages(1)
@@ -440,8 +439,7 @@ class SegmentFiles:
             self.os.close(fd)
 
     def _key_at(self, fd: int, page: memoryview, record: int) -> bytes | None:
-        """The key of record ``record`` whose header page is read into ``page``; None
-        where it is short or does not verify for this namespace and record size."""
+        """The key of ``record``, its header page read into ``page``; None unless it verifies."""
         if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
             return None
         try:

@@ -80,8 +80,7 @@ class SpaceGuard:
 
     def stale(self, pending_blocks: int) -> bool:
         """True if free space must be measured before planning ``pending_blocks`` more
-        records (reserved ones included): unknown, old, near the floor, or the tier
-        is read-only (space may have returned)."""
+        records: unknown, old, near the floor, or read-only (space may have returned)."""
         if self._full_since is not None or self.free_bytes is None:
             return True
         if self._clock() - self._measured_at >= self.max_age_s:
