@@ -116,6 +116,7 @@ class NVMeTier(TierActor):
         # Read by the vLLM adapter's tests and the replay model (tiering.replay.tier_layout).
         self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
         self.hot_fraction = o.hot_fraction
+        self.moves_per_job = max(1, MOVE_BYTES_PER_JOB // self.block_bytes)
         self.o_direct: bool | None = None  # whether O_DIRECT is in use, once started
         self.metrics = NVMeMetrics()  # what statistics().counters shows
         self._failure_log = FailureLog(logger, "nvme tier")
@@ -399,7 +400,7 @@ class NVMeTier(TierActor):
                 plan = self._index.plan_room(
                     len(wanted),
                     limit=limit,
-                    most_moves=max(1, MOVE_BYTES_PER_JOB // self.block_bytes),
+                    most_moves=self.moves_per_job,
                 )
                 fit, placed = plan.fit, plan.placed
                 gone = plan.gone

@@ -283,8 +283,7 @@ _LEFTOVER = {
 
 @dataclass(slots=True)
 class _Segments:
-    """A namespace's segments (``present``: it has ``segments/``): the tier's read-only
-    recovery (None when the record size is unknown), and the findings."""
+    """A namespace's segments: read-only recovery (None: record size unknown), findings."""
 
     present: bool
     files: SegmentFiles | None = None
