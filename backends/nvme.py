@@ -70,12 +70,12 @@ class NVMeTier(TierActor):
     Guarantees (docs/nvme.md has each at length):
 
     * A store's keys become visible only once their records are written (and synced per
-      ``fsync``). Keys already held are skipped; a key twice in a job is stored once.
+      ``fsync``). Keys held are skipped; a key twice in a job is stored from its first slot.
     * A record is served only if its header and payload checksum (or GCM tag) verify. A
       key that fails is in ``failed_keys`` and leaves the index; the job's other keys
       land. An I/O error fails the keys it hit, in that job.
     * Space comes back by deleting whole segments, never one in use; stores that still
-      do not fit fail. ENOSPC makes the tier read-only for stores until one succeeds.
+      do not fit fail. ENOSPC makes stores fail (loads go on) until one succeeds.
     * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
     """
 
