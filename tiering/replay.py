@@ -144,13 +144,11 @@ def tier_layout(tier: object) -> TierLayout:
     stats = tier.statistics()  # type: ignore[attr-defined]
     block_bytes = int(getattr(tier, "block_bytes", 0))
     if isinstance(records, int) and stats.capacity_blocks:
-        from backends.nvme_space import MOVE_BYTES_PER_JOB
-
         return SegmentLayout(
             capacity_records=stats.capacity_blocks,
             records_per_segment=records,
             hot_fraction=float(getattr(tier, "hot_fraction", 0.0)),
-            moves_per_job=max(1, MOVE_BYTES_PER_JOB // max(1, block_bytes)),
+            moves_per_job=int(getattr(tier, "moves_per_job", 1)),
         )
     if stats.capacity_blocks:
         return int(stats.capacity_blocks)
