@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import sys
+from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from tiering.cli_args import Progress
 from tiering.commands._output import add_json_argument, print_json, table
@@ -204,8 +204,7 @@ def _failed_tier(summary: ReplaySummary) -> str | None:
 def _causes(counts: dict[str, int]) -> str:
     if not counts:
         return "no cause recorded"
-    ranked = sorted(counts.items(), key=lambda item: -item[1])
-    return "; ".join(f"{cause}: {count}" for cause, count in ranked[:3])
+    return "; ".join(f"{cause}: {count}" for cause, count in Counter(counts).most_common(3))
 
 
 def _warm_note(summary: ReplaySummary) -> str:
@@ -250,23 +249,18 @@ async def _replay_fleet(
     config: TieringConfig, requests: list[Request], progress: Progress, name: str
 ) -> FleetSummary:
     events_on = with_overrides(config, {"engine.enable_events": True})
-
-    def make_engine(node: int, kv: torch.Tensor) -> TieringEngine:
-        return TieringEngine.from_config(_node_config(events_on, node), kv)
-
-    def on_request(done: int, summary: FleetSummary) -> None:
-        progress.update(f"fleet ({name}): {done}/{len(requests)} requests")
-
     return await replay_fleet(
         requests,
-        make_engine,
+        lambda node, kv: TieringEngine.from_config(_node_config(events_on, node), kv),
         nodes=config.replay.nodes,
         router=config.replay.router,
         transport=config.replay.transport,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
         full_blocks_only=config.replay.full_blocks_only,
-        on_request=on_request,
+        on_request=lambda done, _: progress.update(
+            f"fleet ({name}): {done}/{len(requests)} requests"
+        ),
     )
 
 
@@ -389,9 +383,6 @@ async def _replay(
 ) -> ReplaySummary:
     pace = None if config.replay.pace == "max" else float(config.replay.pace)
 
-    def make_engine(kv: torch.Tensor) -> TieringEngine:
-        return TieringEngine.from_config(config, kv)
-
     def on_request(done: int, summary: ReplaySummary) -> None:
         ratio = summary.hit_ratio
         progress.update(f"replay: {done}/{len(requests)} requests, hit ratio {ratio:.4f}")
@@ -409,7 +400,7 @@ async def _replay(
 
     return await replay(
         requests,
-        make_engine,
+        functools.partial(TieringEngine.from_config, config),
         on_open=serve,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,

@@ -26,6 +26,7 @@ from tiering.errors import InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT
 from tiering.registry import make_tier
 from tiering.secondary import checked_job
+from tiering.statistics import uncount
 from tiering.tier_client import TierClient, TierOutcome
 from tiering.validation import seconds
 
@@ -336,10 +337,7 @@ class RegisteredTierManager(SecondaryTierManager):
             if self._events is not None:
                 self._take_removals(self._events)  # what left the tier before this job ended
             if kind == "store":
-                self._storing.subtract(pending.keys)
-                for key in pending.keys:
-                    if self._storing[key] <= 0:
-                        del self._storing[key]
+                uncount(self._storing, pending.keys)
                 if self._events is not None and landed:
                     self._events.append(self._event(list(landed), removed=False))
             self._counters[f"{kind}_jobs"] += 1
