@@ -25,16 +25,15 @@ import dataclasses
 import functools
 import sys
 from collections import Counter
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from tiering.cli_args import Progress
 from tiering.commands._output import add_json_argument, print_json, table
 from tiering.commands._workload import (
     DEFAULT_CPU_BLOCKS,
     add_config_arguments,
-    add_workload_arguments,
     cpu_shortcut,
     load_workload,
     resolve_config,
@@ -48,7 +47,7 @@ from tiering.config import (
 )
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
-from tiering.fleet import ROUTERS, SHARED_TIERS, TRANSPORTS, FleetSummary, replay_fleet
+from tiering.fleet import SHARED_TIERS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.policies import policy_names
 from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
@@ -61,13 +60,14 @@ ORDER = 10
 
 
 def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
-    """The options that set one config field: (group, option, field, argparse keywords).
-    Left out, an option leaves the field as the defaults and --config give it."""
+    """The options that set one config field: (group, option, field, argparse keywords;
+    a field of fixed values gets them as choices). Left out, an option leaves the field
+    as the defaults and --config give it."""
     return [
         ("tiers", "--policy", "engine.policy",
          {"choices": policy_names(), "help": "the CPU tier's eviction policy"}),
         ("tiers", "--write-policy", "engine.write_policy",
-         {"choices": ["write_through", "write_back"], "help": "when stores go down the tiers"}),
+         {"help": "when stores go down the tiers"}),
         ("run", "--block-bytes", "replay.block_bytes",
          {"metavar": "SIZE", "help": "bytes per KV block"}),
         ("run", "--device-blocks", "replay.device_blocks", {"type": int, "metavar": "N",
@@ -82,15 +82,12 @@ def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
          {"type": int, "metavar": "PORT", "help": "serve Prometheus metrics"}),
         ("fleet", "--nodes", "replay.nodes",
          {"type": int, "metavar": "N", "help": "engines behind a router"}),
-        ("fleet", "--router", "replay.router",
-         {"choices": ROUTERS, "help": "how requests pick a node"}),
-        ("fleet", "--transport", "replay.transport",
-         {"choices": TRANSPORTS, "help": "how KV events reach the router"}),
+        ("fleet", "--router", "replay.router", {"help": "how requests pick a node"}),
+        ("fleet", "--transport", "replay.transport", {"help": "how KV events reach the router"}),
     ]  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_workload_arguments(parser)
     add_config_arguments(parser)
     groups = {
         "tiers": parser.add_argument_group("tiers (shortcuts for config fields)"),
@@ -105,7 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sections = {"engine": EngineConfig, "replay": ReplayConfig, "metrics": MetricsConfig}
     for group, option, path, keywords in _field_options():
         section, name = path.split(".")
-        default = sections[section].model_fields[name].default  # what leaving it out means
+        field = sections[section].model_fields[name]
+        if get_origin(field.annotation) is Literal:
+            keywords = {**keywords, "choices": get_args(field.annotation)}
+        default = field.default  # what leaving it out means
         if default is not None and not isinstance(default, bool):
             shown = format_bytes(default) if name.endswith("_bytes") else default
             keywords = {**keywords, "help": f"{keywords['help']} (default: {shown})"}
@@ -390,8 +390,6 @@ async def _replay(
     metrics = config.metrics
 
     def serve(engine: TieringEngine, lag: LoopLagMonitor) -> AbstractContextManager[object]:
-        if metrics.port is None:
-            return nullcontext()
         from tiering.metrics import serve_engine_metrics
 
         server = serve_engine_metrics(engine, metrics.port, prefix=metrics.prefix, loop_lag=lag)
@@ -401,7 +399,7 @@ async def _replay(
     return await replay(
         requests,
         functools.partial(TieringEngine.from_config, config),
-        on_open=serve,
+        on_open=None if metrics.port is None else serve,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
         pace=pace,
