@@ -10,7 +10,6 @@ module raises ImportError.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ import uvloop
 
 from backends.nvme_segments import STAGING_BYTES
 from tiering.errors import InvalidArgumentError
-from tiering.hashing import NAMESPACE_FORMAT
+from tiering.hashing import NAMESPACE_FORMAT, canonical_json
 from tiering.registry import make_tier
 from tiering.secondary import checked_job
 from tiering.statistics import uncount
@@ -93,9 +92,7 @@ def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
     if not agnostic:
         sizes = (parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size)
         fields["parallel"] = [*sizes, parallel.rank]
-    return json.dumps(
-        {"vllm": fields, "format": NAMESPACE_FORMAT}, sort_keys=True, separators=(",", ":")
-    )
+    return canonical_json({"vllm": fields, "format": NAMESPACE_FORMAT})
 
 
 class _LoopThread:
