@@ -9,6 +9,7 @@ data file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -133,13 +134,10 @@ def synthetic_requests(
 
     SyntheticConfig(**arguments)
     rng = random.Random(seed)
-    next_id = 0
+    counter = itertools.count()
 
     def new_ids(count: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + count))
-        next_id += count
-        return ids
+        return list(itertools.islice(counter, count))
 
     prompts = [new_ids(system_prompt_blocks) for _ in range(system_prompts)]
     popularity = [1.0 / (rank + 1) for rank in range(system_prompts)]
