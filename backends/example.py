@@ -22,7 +22,6 @@ from tiering.secondary import (
     OffloadKey,
     ReqContext,
     SecondaryTierManager,
-    checked_job,
 )
 
 
@@ -164,10 +163,16 @@ class ExampleSecondaryTier(SecondaryTierManager):
     def _validated(self, job: JobMetadata) -> JobMetadata:
         if not isinstance(job, JobMetadata):
             raise InvalidArgumentError(f"expected a JobMetadata, got {type(job).__name__}")
-        try:
-            return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"job {job.job_id}: {exc}") from None
+        for key in job.keys:
+            if not isinstance(key, bytes):
+                raise InvalidArgumentError(
+                    f"job {job.job_id}: keys must be bytes, got {type(key).__name__}"
+                )
+        for block_id in job.block_ids:
+            if not isinstance(block_id, int) or isinstance(block_id, bool):
+                raise InvalidArgumentError(f"job {job.job_id}: slot id {block_id!r} is not an int")
+            self.slot(block_id)  # raises InvalidArgumentError outside the host pool
+        return job
 
 
 __all__ = ["ExampleOptions", "ExampleSecondaryTier"]
