@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -65,9 +65,10 @@ MAX_TENANT_BYTES = 0xFFFF
 """The longest tenant a compact header can hold."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlockHeader:
-    """A decoded header whose own checksum verified."""
+class BlockHeader(NamedTuple):
+    """A decoded header whose own checksum verified (a named tuple: a load decodes one
+    per block, on an I/O thread holding the GIL, and a frozen dataclass costs a few
+    times more to build)."""
 
     key: bytes
     payload_bytes: int
@@ -223,7 +224,8 @@ def decode_header(header: Buffer) -> BlockHeader:
         CorruptBlockError: it is short, or its magic, version, length, kind, tenant or
             key length or its own checksum is wrong. The message names which.
     """
-    view = memoryview(header).cast("B")
+    # bytes (a Redis reply) are read as they are: a memoryview would cost more than it saves
+    view = header if isinstance(header, bytes) else memoryview(header).cast("B")
     if len(view) < _FIXED.size + _TRAILER.size:
         raise CorruptBlockError(f"header is {len(view)} bytes")
     (magic, version, kind, size, payload_bytes, field, ns, tenant_len, key_len, key_id, nonce) = (
