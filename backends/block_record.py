@@ -63,9 +63,8 @@ MAX_TENANT_BYTES = 0xFFFF
 
 
 class BlockHeader(NamedTuple):
-    """A decoded header whose own checksum verified (a named tuple: a load decodes one
-    per block, on an I/O thread holding the GIL, and a frozen dataclass costs a few
-    times more to build)."""
+    """A decoded header whose own checksum verified (a named tuple, cheap to build: a
+    Redis load decodes one per block on an I/O thread holding the GIL)."""
 
     key: bytes
     payload_bytes: int
