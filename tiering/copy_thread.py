@@ -3,8 +3,7 @@ into *hops* (docs/architecture.md#gpu-copies).
 
 A hop (one call on a worker) runs every copy queued when it is dispatched, in request
 order, and posts their outcomes at once; a merged group that fails is rerun one by one,
-so a faulty copy fails alone. A hop waits while it conflicts (a host slot or device
-block written by one and read or written by the other) with one in flight.
+so a faulty copy fails alone. A hop waits while it conflicts with one in flight.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ from tiering.validation import positive_int
 from tiering.workers import init_io_worker
 
 _GROUP_BLOCK_BYTES = 64 << 10
-"""Copies of blocks up to this size that run in one hop are merged: one gather and one
-scatter per layer for the whole group, where a torch call per copy would cost more than
-its bytes. Bigger blocks are copied straight between layer and slot (one pass)."""
+"""Copies of blocks up to this size in one hop are merged (one gather and one scatter
+per layer for the group: a torch call per copy would cost more than its bytes)."""
 
 
 @dataclass(slots=True)
@@ -76,11 +74,9 @@ class _Hop:
 
 class ThreadCopyBackend:
     """A :class:`~tiering.device.CopyBackend` for a host-memory KV cache, on threads.
-
     ``max_workers`` bounds the hops in flight and sizes the pool made when no ``executor``
-    is given (one ``submit`` per hop; a given one is not shut down). Raises
-    InvalidArgumentError for a bad ``max_workers`` or ``executor``.
-    """
+    is given (a given one is not shut down). Raises InvalidArgumentError for a bad
+    ``max_workers`` or ``executor``."""
 
     def __init__(self, *, max_workers: int = 2, executor: Executor | None = None) -> None:
         self._max_workers = positive_int("max_workers", max_workers)
@@ -124,8 +120,7 @@ class ThreadCopyBackend:
     ) -> None:
         """Start serving copies between ``layout``'s tensors and ``host`` (``max_rows`` is
         unused). Raises ClosedError if opened before, InvalidArgumentError if the KV cache
-        is not in host memory.
-        """
+        is not in host memory."""
         if self._loop is not None:
             raise ClosedError("a ThreadCopyBackend can be opened only once")
         if layout.device.type != "cpu":
@@ -168,8 +163,7 @@ class ThreadCopyBackend:
             self._dispatch()  # nothing runs now: whatever is queued goes at once
 
     async def aclose(self) -> None:
-        """Release the thread pool the backend made; call once no copy is in flight (so
-        joining the idle workers is immediate)."""
+        """Release the thread pool the backend made; call once no copy is in flight."""
         self._release(wait=True)
 
     def close(self) -> None:
@@ -199,7 +193,6 @@ class ThreadCopyBackend:
             self._on_done([(copy, exc) for copy in hop.copies])
 
     def _run_hop(self, hop: _Hop) -> None:
-        """Worker thread: run the hop's copies in order, then post their outcomes once."""
         outcomes: list[CopyOutcome] = []
         try:
             for group in self._groups(hop.copies):
@@ -245,7 +238,6 @@ class ThreadCopyBackend:
             yield group
 
     def _copy_group(self, group: list[PlannedCopy]) -> None:
-        """Run a group from :meth:`_groups` with one gather and one scatter per layer."""
         assert self._host is not None
         host, columns = self._host, self._columns
         ids = torch.tensor([b for copy in group for b in copy.device_ids], dtype=torch.int64)

@@ -38,13 +38,11 @@ _log = logging.getLogger(__name__)
 
 
 class CopyBackend(Protocol):
-    """What :class:`DeviceCopier` needs of a copy backend; it calls all of it on its loop.
-
-    ``open`` once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns
-    at once, and ``on_done`` gets each copy's outcome on the loop exactly once, when
-    nothing of it can still run. ``drain_blocking`` blocks until all are reported;
-    ``aclose`` releases the backend once none is in flight, ``close`` without awaiting.
-    """
+    """What :class:`DeviceCopier` needs of a copy backend, called on its loop: ``open``
+    once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns at once,
+    and ``on_done`` gets each copy's outcome on the loop exactly once, when nothing of it
+    can still run; ``drain_blocking`` blocks until all are reported; ``aclose`` releases
+    the backend once none is in flight, ``close`` without awaiting."""
 
     async def open(
         self,
@@ -62,11 +60,8 @@ class CopyBackend(Protocol):
 
 class CopyHandle:
     """A started copy. ``await handle`` returns once the bytes are in place, or raises
-    :class:`~tiering.errors.TransferError`.
-
-    Cancelling an awaiting task does not cancel the copy: the handle turns done only when
-    the copy has really ended, so the memory it touches may be reused only then.
-    """
+    :class:`~tiering.errors.TransferError`. Cancelling an awaiting task does not cancel
+    the copy: the handle turns done only when the copy has really ended."""
 
     __slots__ = ("_future", "num_blocks")
 
@@ -105,7 +100,7 @@ def _retrieve_exception(future: asyncio.Future[None]) -> None:
 
 class _InFlight(PlannedCopy):
     """A copy handed to the backend, with whom to tell when it ends: a handle's future,
-    or ``on_done(token, error)`` (one object per copy: the hot path allocates little)."""
+    or ``on_done(token, error)``."""
 
     __slots__ = ("future", "nbytes", "on_done", "token")
 
@@ -135,11 +130,9 @@ class DeviceCopier(AsyncService):
     started copy has ended. ``staging_bytes`` bounds the blocks per planned chunk (at
     least one); ``backend`` defaults to a :class:`~tiering.copy_cuda.CudaCopyBackend` for
     a CUDA KV cache, else a :class:`~tiering.copy_thread.ThreadCopyBackend` of
-    ``max_workers`` threads, and serves this copier alone. :meth:`statistics` counts
-    ``copies_to_host``, ``copies_to_device``, ``bytes_to_host`` and ``bytes_to_device``.
-    Raises InvalidArgumentError for a malformed layout, a block size other than the
-    pool's, a closed pool, or a CUDA KV cache with an unpinned pool (its copies would
-    block the event loop).
+    ``max_workers`` threads, and serves this copier alone. Raises InvalidArgumentError
+    for a malformed layout, a block size other than the pool's, a closed pool, or a CUDA
+    KV cache with an unpinned pool (its copies would block the event loop).
     """
 
     def __init__(
@@ -226,7 +219,8 @@ class DeviceCopier(AsyncService):
         return len(self._in_flight)
 
     def statistics(self) -> Statistics:
-        """A snapshot: state, copies and bytes in flight, counters, failures by cause."""
+        """State, copies and bytes in flight, counters (``copies_to_host``,
+        ``copies_to_device``, ``bytes_to_host``, ``bytes_to_device``), failures by cause."""
         return Statistics(
             state=self._state,
             jobs_in_flight=len(self._in_flight),
@@ -248,9 +242,8 @@ class DeviceCopier(AsyncService):
         )
 
     async def start(self) -> None:
-        """Open the backend on the running loop (what entering does). Raises ClosedError
-        if started before or the pool is closed, else what the backend's ``open`` raises
-        (then the copier is closed)."""
+        """Open the backend on the running loop. Raises ClosedError if started before or
+        the pool is closed, else what the backend's ``open`` raises (then it is closed)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a DeviceCopier can be entered only once")
         if self._pool.closed:
@@ -269,7 +262,7 @@ class DeviceCopier(AsyncService):
 
     async def aclose(self) -> None:
         """Wait until every started copy has ended (blocking, if cancelled), then release
-        the backend (what leaving does); idempotent."""
+        the backend; idempotent."""
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
         if self._state is Lifecycle.CLOSED:  # hard-stopped by close(), or never opened
@@ -335,10 +328,8 @@ class DeviceCopier(AsyncService):
         token: int,
     ) -> None:
         """:meth:`to_host` / :meth:`to_device` for a hot path, with arguments the caller
-        has checked (the lists must not change afterwards): ``on_done(token, error)`` is
-        called on the loop once the copy has ended (a token: no closure to allocate).
-        Raises ClosedError if not open.
-        """
+        has checked (the lists must not change afterwards): ``on_done(token, error)``
+        follows on the loop once the copy has ended. Raises ClosedError if not open."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
         if not device_ids:
@@ -350,7 +341,6 @@ class DeviceCopier(AsyncService):
     def _start(
         self, direction: Direction, device_ids: Sequence[int], slots: Sequence[int]
     ) -> CopyHandle:
-        """Check a :meth:`to_host` / :meth:`to_device` request, then hand it over."""
         ids = as_index_list("device block ids", device_ids)
         slot_list = as_index_list("slots", slots)
         if self._state is not Lifecycle.OPEN:
@@ -384,8 +374,6 @@ class DeviceCopier(AsyncService):
         on_done: Callable[[int, TransferError | None], object] | None,
         token: int = 0,
     ) -> None:
-        """Hand a checked copy to the backend; its end completes ``future`` or calls
-        ``on_done(token, error)``."""
         nbytes = len(ids) * self._layout.block_bytes
         copy = _InFlight(direction, ids, slots, self._max_rows, nbytes, future, on_done, token)
         self._in_flight.add(copy)
@@ -393,7 +381,6 @@ class DeviceCopier(AsyncService):
         self._backend.submit(copy)
 
     def _on_done(self, outcomes: Sequence[CopyOutcome]) -> None:
-        """The backend's report, on the loop: complete each copy's handle once."""
         try:
             self._complete(outcomes)
         finally:

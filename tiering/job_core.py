@@ -50,9 +50,8 @@ FLUSH_BATCH = 64
 
 @dataclass(frozen=True, slots=True)
 class LookupStatistics:
-    """What :meth:`JobCore.lookup` has answered so far (monotonic totals): calls,
-    hashes given, leading hashes found, calls that stopped at a hash no tier holds, and
-    the hits by where each was found (``[0]`` the CPU tier, ``[t + 1]`` tier ``t``)."""
+    """What :meth:`JobCore.lookup` has answered so far (monotonic totals); hits by where
+    each was found: ``[0]`` the CPU tier, ``[t + 1]`` tier ``t``."""
 
     lookups: int = 0
     blocks: int = 0
@@ -177,9 +176,8 @@ _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
 class _Fanout:
-    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush): the
-    stores not yet reported back, the keys the tiers did not take, and ``then(self)``,
-    called once the last store has reported back."""
+    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush);
+    ``then(self)`` is called once the last has reported back."""
 
     __slots__ = ("failed", "failures", "owner", "pending", "then")
 
@@ -192,7 +190,6 @@ class _Fanout:
         self.failures: Counter[BlockHash] | None = None  # tiers that did not take each key
 
     def part_done(self, failed: Mapping[BlockHash, str]) -> None:
-        """One store reported back, ``failed`` the keys it did not take."""
         self.pending -= 1
         if failed:
             if self.failures is None:
@@ -222,8 +219,8 @@ class _Flush(_Fanout):
 
 
 class _Job:
-    """One store or load: its phase, result, I/O in flight, fills and pins. Containers
-    are made when first needed: most jobs never fail, promote or join."""
+    """One store or load. Containers are made when first needed: most jobs never fail,
+    promote or join."""
 
     __slots__ = (
         "awaiting",
@@ -259,7 +256,6 @@ class _Job:
         self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
 
     def fail(self, key: BlockHash, reason: str) -> None:
-        """Record that ``key`` did not make it (the first reason stays)."""
         if self.failed is _NONE_FAILED:
             self.failed = {}
         self.failed.setdefault(key, reason)  # type: ignore[attr-defined]
@@ -275,8 +271,7 @@ class JobCore:
     ``tiers`` are the secondary tiers, fastest first; a job waits ``room_timeout`` seconds
     for CPU room at most. With ``enable_events`` it records the tiers' store events, and
     ``take_removed`` (one callable per tier) their removals. Every public method raises
-    before changing anything or returns the effects of the change, in order. Raises
-    InvalidArgumentError for an unknown write policy.
+    before changing anything or returns the effects of the change, in order.
     """
 
     def __init__(
@@ -429,11 +424,9 @@ class JobCore:
     # Stores (docs/job-lifecycle.md#a-store-step-by-step).
 
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``
-        (docs/job-lifecycle.md#a-store-step-by-step). Raises ClosedError unless open,
-        InvalidArgumentError for malformed arguments (hashes not bytes, device ids not
-        distinct ints in range, lengths that differ)."""
-        self._check_open()
+        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
+        Raises ClosedError unless open, InvalidArgumentError for malformed arguments
+        (hashes not bytes, device ids not distinct ints in range, lengths that differ)."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         job = _Job(self._new_id(), False, hashes, ids)  # repeats go when it is planned
         if not self._plan_store(job, hashes, ids):
@@ -497,8 +490,7 @@ class JobCore:
         self._store_settled(job)
 
     def _store_settled(self, job: _Job) -> None:
-        """Once its own copy and every fill it joined have ended: resolve, then cascade."""
-        if not job.awaiting and job.phase is _MOVING:
+        if not job.awaiting and job.phase is _MOVING:  # its copy and joined fills ended
             self._resolve(job)
             self._cascade(job)
 
@@ -522,7 +514,6 @@ class JobCore:
             job.pinned = ()
 
     def _cascade(self, job: _Job) -> None:
-        """Write-through: pin the new blocks once per tier that lacks them, and store."""
         if not job.failed and (self.write_back or not self.tiers):
             self._answer_cascaded(job, True)  # nothing to cascade at store time
             return
@@ -551,10 +542,8 @@ class JobCore:
     # Loads (docs/job-lifecycle.md#a-load-step-by-step).
 
     def load(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a load of blocks into device blocks; returns ``(job id, effects)``
-        (docs/job-lifecycle.md#a-load-step-by-step). Raises as :meth:`store`, and
-        BlockNotFoundError for a hash no tier holds."""
-        self._check_open()
+        """Admit a load of blocks into device blocks; returns ``(job id, effects)``.
+        Raises as :meth:`store`, and BlockNotFoundError for a hash no tier holds."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
         job = _Job(self._new_id(), True, hashes, ids)
@@ -663,7 +652,6 @@ class JobCore:
         self._resolve(job)
 
     def _copy_failed(self, job: _Job, keys: list[BlockHash], what: str, error: object) -> str:
-        """Record that ``job``'s ``what`` copy of ``keys`` failed; returns the reason."""
         reason = f"{what} copy failed: {error}"
         self.failures.record(f"{what} copy failed", 1, str(error))
         for h in keys:
@@ -673,7 +661,6 @@ class JobCore:
     # Fills: only the job that reserved a slot (its _fill_owner) ends its fill.
 
     def _join(self, key: BlockHash, job: _Job) -> None:
-        """``job`` waits for the fill of ``key`` (its own, or another job's)."""
         if (waiters := self._fill_waiters.get(key)) is None:
             self._fill_waiters[key] = [job]
         else:
@@ -1044,6 +1031,7 @@ class JobCore:
     def _arguments(
         self, block_hashes: object, device_block_ids: object
     ) -> tuple[list[BlockHash], list[int]]:
+        self._check_open()
         hashes = hash_list("block_hashes", block_hashes)
         ids = device_id_list("device_block_ids", device_block_ids, self.num_device_blocks)
         if len(ids) != len(hashes):
