@@ -21,9 +21,7 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class InboxStatistics:
-    """A snapshot of an :class:`Inbox` (as trio's memory channels report): items
-    queued per lane, the bound of each, :meth:`~Inbox.put` and :meth:`~Inbox.get` calls
-    waiting, and items parked for room (both lanes)."""
+    """A snapshot of an :class:`Inbox`, as trio's memory channels report."""
 
     queued_loads: int
     queued_stores: int
@@ -75,8 +73,8 @@ class Inbox(Generic[_T]):
         self._append(lane, item)
 
     def park(self, lane: Lane, item: _T) -> bool:
-        """Queue ``item`` now if ``lane`` has room, else park it in the lane's waiting
-        line; True if it was queued now. Raises as :meth:`put_nowait`, never TierBusyError."""
+        """Queue ``item`` now if ``lane`` has room (then True), else park it in the lane's
+        waiting line. Raises as :meth:`put_nowait`, never TierBusyError."""
         if self._has_room(lane):
             self._append(lane, item)
             return True
@@ -148,8 +146,7 @@ class Inbox(Generic[_T]):
                 raise
 
     def drain(self) -> list[_T]:
-        """Take every queued item at once (loads first, each lane in order); parked items
-        move up into the room this makes."""
+        """Take every queued item (loads first); parked items move up into the room."""
         items: list[_T] = []
         for lane in _LANES:
             items.extend(self._lanes[lane])
@@ -158,7 +155,7 @@ class Inbox(Generic[_T]):
         return items
 
     def unpark(self) -> list[_T]:
-        """Take every parked item (loads first, each lane in order); none gets queued."""
+        """Take every parked item (loads first)."""
         items: list[_T] = []
         for lane in _LANES:
             waiting = self._waiting[lane]
@@ -167,8 +164,7 @@ class Inbox(Generic[_T]):
         return items
 
     def close(self) -> None:
-        """Admit nothing more; wake every waiter. Queued and parked items stay gettable.
-        Idempotent."""
+        """Admit nothing more; wake every waiter. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -181,7 +177,6 @@ class Inbox(Generic[_T]):
                 getter.set_result(None)
 
     def statistics(self) -> InboxStatistics:
-        """A snapshot of the lanes and the tasks waiting on them."""
         waiting = [w for lane in _LANES for w in self._waiting[lane]]
         return InboxStatistics(
             queued_loads=len(self._lanes["load"]),
@@ -202,7 +197,6 @@ class Inbox(Generic[_T]):
         )
 
     def _has_room(self, lane: object) -> bool:
-        """Whether an item put in ``lane`` now goes straight in (checks lane and state)."""
         if lane not in self._lanes:
             raise InvalidArgumentError(f"lane must be 'load' or 'store', got {lane!r}")
         if self._closed:

@@ -1,8 +1,5 @@
-"""Event-loop health: how late the loop wakes a periodic ticker.
-
-A coroutine that sleeps ``interval`` and wakes ``interval + lag`` later measures ``lag``,
-the time something held the loop thread.
-"""
+"""Event-loop health: how late the loop wakes a periodic ticker (a coroutine that sleeps
+``interval`` and wakes ``interval + lag`` later measures ``lag``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The CPU tier's block bookkeeping: which block hash sits in which slot.
-
-:class:`CPUOffloadingManager` is sans-I/O: it decides, the engine (or a serving
-framework's worker) moves the bytes. It sits on a scheduler's hot path: O(1) amortised
-per hash.
+"""The CPU tier's block bookkeeping, sans-I/O: which block hash sits in which slot. It
+sits on a scheduler's hot path: O(1) amortised per hash.
 """
 
 from __future__ import annotations
@@ -35,13 +32,11 @@ class BlockState:
 
 
 class CPUOffloadingManager(OffloadingManager):
-    """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots.
-
-    A block being stored (not ready) or read (ref count > 0) is never evicted; resident
-    blocks hold distinct slots; every method completes or raises before changing
-    anything, InvalidArgumentError for a hash that is not bytes. The constructor raises
-    InvalidArgumentError for bad sizes, UnknownPolicyError for an unknown ``policy``.
-    """
+    """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots
+    (docs/architecture.md#the-block-manager-and-eviction-policies). Every method
+    completes or raises before changing anything, InvalidArgumentError for a hash that is
+    not bytes; the constructor raises it for bad sizes, UnknownPolicyError for an unknown
+    ``policy``."""
 
     def __init__(
         self,
@@ -56,9 +51,8 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy = make_policy(policy, num_blocks)
         self._admits_everything = self.policy.admits_everything
         self.enable_events = enable_events
-        # A resident block is its slot; its readers and readiness live in arrays indexed
-        # by slot, so that a block costs no object of its own (none for the garbage
-        # collector to scan on a scheduler's hot path).
+        # Readers and readiness live in arrays indexed by slot: a block costs no object
+        # of its own for the garbage collector to scan.
         self._slot_of: dict[BlockHash, int] = {}
         self._ref: list[int] = [0] * num_blocks
         self._ready = bytearray(num_blocks)
@@ -68,7 +62,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
-        """Length of the leading run of hashes that are stored and ready; no side effects."""
+        """Length of the leading run of hashes that are stored and ready."""
         slot_of, ready = self._slot_of, self._ready
         n = 0
         for h in as_block_hashes(block_hashes):
@@ -192,14 +186,10 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, block_hashes: Iterable[BlockHash], *, admission: bool = True
     ) -> PrepareStoreOutput | None:
-        """Give a slot to every hash not yet resident that the policy admits, evicting
-        if needed; ``None`` (and nothing changed) if not enough blocks can be evicted.
-
-        Resident hashes and repeats are skipped, as are hashes the policy declines
-        (:meth:`EvictionPolicy.admit`, not asked when ``admission`` is False: blocks that
-        must land, such as promotions). Resident hashes named in the call are never
-        evicted for their siblings. New blocks are not ready until ``complete_store``.
-        """
+        """Give a slot to every hash not yet resident that the policy admits (asked only
+        with ``admission``), evicting if needed but never a hash named in the call;
+        ``None`` (and nothing changed) if not enough blocks can be evicted. New blocks are
+        not ready until ``complete_store``."""
         hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         unique = hashes if len(hashes) == 1 else dict.fromkeys(hashes)
