@@ -79,13 +79,13 @@ class ThreadCopyBackend:
     ``max_workers`` or ``executor``."""
 
     def __init__(self, *, max_workers: int = 2, executor: Executor | None = None) -> None:
-        self._max_workers = positive_int("max_workers", max_workers)
+        self.max_workers = positive_int("max_workers", max_workers)
         if executor is not None and not isinstance(executor, Executor):
             raise InvalidArgumentError(
                 f"executor must be a concurrent.futures.Executor, got {executor!r}"
             )
         self._given_executor = executor
-        self._executor: Executor | None = None
+        self.executor: Executor | None = None  # the hops run on it while open
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host: torch.Tensor | None = None
         self._columns: tuple[tuple[torch.Tensor, int, int], ...] = ()
@@ -94,16 +94,6 @@ class ThreadCopyBackend:
         self._queue: list[PlannedCopy] = []
         self._hops: set[_Hop] = set()  # dispatched; outcomes not delivered yet
         self._dispatch_soon = False  # a dispatch is scheduled for this loop iteration
-
-    @property
-    def max_workers(self) -> int:
-        """The most hops in flight at once."""
-        return self._max_workers
-
-    @property
-    def executor(self) -> Executor | None:
-        """The executor the hops run on while open, else None."""
-        return self._executor
 
     @property
     def hops_in_flight(self) -> int:
@@ -132,8 +122,8 @@ class ThreadCopyBackend:
         self._columns = layout.columns
         self._block_bytes = layout.block_bytes
         self._on_done = on_done
-        self._executor = self._given_executor or ThreadPoolExecutor(
-            max_workers=self._max_workers,
+        self.executor = self._given_executor or ThreadPoolExecutor(
+            max_workers=self.max_workers,
             thread_name_prefix="device-copy",
             initializer=init_io_worker,
         )
@@ -171,12 +161,12 @@ class ThreadCopyBackend:
         self._release(wait=False)
 
     def _release(self, *, wait: bool) -> None:
-        executor, self._executor = self._executor, None
+        executor, self.executor = self.executor, None
         if executor is not None and executor is not self._given_executor:
             executor.shutdown(wait=wait)
 
     def _dispatch(self) -> None:
-        if not self._queue or len(self._hops) >= self._max_workers:
+        if not self._queue or len(self._hops) >= self.max_workers:
             return
         hop = _Hop(self._queue)
         if any(running.access.conflicts(hop.access) for running in self._hops):
@@ -185,9 +175,9 @@ class ThreadCopyBackend:
         self._hops.add(hop)
         assert self._on_done is not None
         try:
-            if self._executor is None:
+            if self.executor is None:
                 raise ClosedError("the thread copy backend is closed")
-            hop.work = self._executor.submit(self._run_hop, hop)
+            hop.work = self.executor.submit(self._run_hop, hop)
         except RuntimeError as exc:  # the executor was shut down under us
             self._hops.discard(hop)
             self._on_done([(copy, exc) for copy in hop.copies])

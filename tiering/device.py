@@ -170,9 +170,12 @@ class DeviceCopier(AsyncService):
         ):
             raise InvalidArgumentError(f"backend must be a CopyBackend, got {backend!r}")
         self._layout = layout
-        self._pool = host_pool
-        self._backend = backend
-        self._max_rows = max(1, staging_bytes // layout.block_bytes)
+        self.num_device_blocks: int = layout.num_blocks
+        self.block_bytes: int = layout.block_bytes  # the host pool's slot size
+        self.device: torch.device = layout.device  # the KV cache's
+        self.host_pool = host_pool
+        self.backend: CopyBackend = backend
+        self.max_rows = max(1, staging_bytes // layout.block_bytes)  # per planned chunk
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state = Lifecycle.NEW
         self._in_flight: set[_InFlight] = set()
@@ -182,36 +185,6 @@ class DeviceCopier(AsyncService):
         self._to_host_done = [0, 0]
         self._to_device_done = [0, 0]
         self._failures = FailureLog(_log, "DeviceCopier")
-
-    @property
-    def num_device_blocks(self) -> int:
-        """Number of blocks of the device KV cache."""
-        return self._layout.num_blocks
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes per block (= the host pool's slot size)."""
-        return self._layout.block_bytes
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the KV cache."""
-        return self._layout.device
-
-    @property
-    def host_pool(self) -> HostPool:
-        """The host pool whose slots this copier reads and writes."""
-        return self._pool
-
-    @property
-    def backend(self) -> CopyBackend:
-        """The backend that runs the copies."""
-        return self._backend
-
-    @property
-    def max_rows(self) -> int:
-        """Blocks per planned chunk (staging buffer rows)."""
-        return self._max_rows
 
     @property
     def in_flight(self) -> int:
@@ -237,7 +210,7 @@ class DeviceCopier(AsyncService):
     def __repr__(self) -> str:
         return (
             f"<DeviceCopier {self._layout.num_blocks} blocks of {self._layout.block_bytes} B "
-            f"on {self._layout.device} via {type(self._backend).__name__}: "
+            f"on {self._layout.device} via {type(self.backend).__name__}: "
             f"{self.statistics()!r}>"
         )
 
@@ -246,13 +219,13 @@ class DeviceCopier(AsyncService):
         the pool is closed, else what the backend's ``open`` raises (then it is closed)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a DeviceCopier can be entered only once")
-        if self._pool.closed:
+        if self.host_pool.closed:
             raise ClosedError("the host pool is closed")
         self._loop = asyncio.get_running_loop()
-        host = self._pool.tensor.view(self._layout.word)  # [slots, block words]
+        host = self.host_pool.tensor.view(self._layout.word)  # [slots, block words]
         try:
-            await self._backend.open(
-                self._layout, host, max_rows=self._max_rows, on_done=self._on_done
+            await self.backend.open(
+                self._layout, host, max_rows=self.max_rows, on_done=self._on_done
             )
         except BaseException:
             self._state = Lifecycle.CLOSING
@@ -274,7 +247,7 @@ class DeviceCopier(AsyncService):
                 self._all_ended = self._loop.create_future()
                 await self._all_ended
         except BaseException:
-            self._backend.drain_blocking()
+            self.backend.drain_blocking()
             await self._stop()
             raise
         await self._stop()
@@ -287,14 +260,14 @@ class DeviceCopier(AsyncService):
         self._state = Lifecycle.CLOSING
         try:
             if self._in_flight:
-                self._backend.drain_blocking()
+                self.backend.drain_blocking()
         finally:
-            self._backend.close()
+            self.backend.close()
             self._state = Lifecycle.CLOSED
 
     async def _stop(self) -> None:
         try:
-            await self._backend.aclose()
+            await self.backend.aclose()
         finally:
             self._state = Lifecycle.CLOSED
 
@@ -345,7 +318,7 @@ class DeviceCopier(AsyncService):
         slot_list = as_index_list("slots", slots)
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
-        if self._pool.closed:
+        if self.host_pool.closed:
             raise ClosedError("the host pool is closed")
         try:
             running = asyncio.get_running_loop()
@@ -357,7 +330,7 @@ class DeviceCopier(AsyncService):
             raise InvalidArgumentError(f"{len(ids)} device block ids but {len(slot_list)} slots")
         to_host = direction is Direction.TO_HOST
         check_index_range("device block ids", ids, self._layout.num_blocks, unique=not to_host)
-        check_index_range("slots", slot_list, self._pool.num_blocks, unique=to_host)
+        check_index_range("slots", slot_list, self.host_pool.num_blocks, unique=to_host)
         future: asyncio.Future[None] = running.create_future()
         if ids:
             self._hand_over(direction, ids, slot_list, future, None)
@@ -375,10 +348,10 @@ class DeviceCopier(AsyncService):
         token: int = 0,
     ) -> None:
         nbytes = len(ids) * self._layout.block_bytes
-        copy = _InFlight(direction, ids, slots, self._max_rows, nbytes, future, on_done, token)
+        copy = _InFlight(direction, ids, slots, self.max_rows, nbytes, future, on_done, token)
         self._in_flight.add(copy)
         self._bytes_in_flight += nbytes
-        self._backend.submit(copy)
+        self.backend.submit(copy)
 
     def _on_done(self, outcomes: Sequence[CopyOutcome]) -> None:
         try:

@@ -93,8 +93,8 @@ class HostPool:
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:
-        self._num_blocks = positive_int("num_blocks", num_blocks)
-        self._block_bytes = positive_int("block_bytes", block_bytes)
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.block_bytes = positive_int("block_bytes", block_bytes)
         if pin is None:
             pin = torch.cuda.is_available()
         elif not isinstance(pin, bool):
@@ -103,20 +103,20 @@ class HostPool:
             raise InvalidArgumentError(
                 "pin=True needs CUDA, and torch.cuda.is_available() is False"
             )
-        self._nbytes = self._num_blocks * self._block_bytes
+        self.nbytes = self.num_blocks * self.block_bytes
 
-        self._mmap: mmap.mmap | None = _private_mapping(self._nbytes)
+        self._mmap: mmap.mmap | None = _private_mapping(self.nbytes)
         # Over a memoryview, not the mapping: torch.frombuffer releases its own buffer
         # export, so only this view's keeps mmap.close() from unmapping a live tensor.
         flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
-        self._tensor: torch.Tensor | None = flat.view(self._num_blocks, self._block_bytes)
+        self._tensor: torch.Tensor | None = flat.view(self.num_blocks, self.block_bytes)
         self._view: memoryview | None = memoryview(self._mmap)
         self._address = flat.data_ptr()
         self._pinned = False
         self._unpin: weakref.finalize[Any, Any] | None = None
         if pin:
             try:
-                _cuda_host_register(self._address, self._nbytes)
+                _cuda_host_register(self._address, self.nbytes)
             except BaseException:
                 self._release_memory()
                 raise
@@ -125,18 +125,6 @@ class HostPool:
             # when the CUDA runtime may already be torn down.
             self._unpin = weakref.finalize(self, _cuda_host_unregister, self._address)
             self._unpin.atexit = False
-
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
 
     @property
     def closed(self) -> bool:
@@ -166,8 +154,8 @@ class HostPool:
     def slot_view(self, slot: int) -> memoryview:
         """The writable bytes of ``slot``."""
         _, view = self._check_open()
-        start = self._check_slot(slot) * self._block_bytes
-        return view[start : start + self._block_bytes]
+        start = self._check_slot(slot) * self.block_bytes
+        return view[start : start + self.block_bytes]
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a ``uint8`` tensor of ``block_bytes`` elements sharing the memory."""
@@ -193,7 +181,7 @@ class HostPool:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("pinned" if self._pinned else "pageable")
-        return f"HostPool(num_blocks={self._num_blocks}, block_bytes={self._block_bytes}, {state})"
+        return f"HostPool(num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, {state})"
 
     def _check_open(self) -> tuple[torch.Tensor, memoryview]:
         if self._tensor is None or self._view is None:
@@ -207,9 +195,9 @@ class HostPool:
             index = operator.index(slot)  # type: ignore[arg-type]
         except TypeError:
             raise InvalidArgumentError(f"slot must be an int, got {slot!r}") from None
-        if not 0 <= index < self._num_blocks:
+        if not 0 <= index < self.num_blocks:
             raise InvalidArgumentError(
-                f"slot {index} is outside the host pool (0..{self._num_blocks - 1})"
+                f"slot {index} is outside the host pool (0..{self.num_blocks - 1})"
             )
         return index
 
