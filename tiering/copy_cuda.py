@@ -100,7 +100,7 @@ class CudaCopyBackend:
     def __init__(self, *, runtime: CudaRuntime | None = None) -> None:
         self._runtime = runtime or CudaRuntime()
         self._idle_events: list[CudaEvent] = []  # fired events kept for reuse
-        self._events_created = 0
+        self.events_created = 0  # CUDA events made so far, pooled and reused
         self._lanes: dict[Direction, _Lane] = {}
         self._pending: dict[PlannedCopy, _Pending] = {}
         self._layout: KVLayout | None = None
@@ -110,11 +110,6 @@ class CudaCopyBackend:
         self._poller: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._closing = False
-
-    @property
-    def events_created(self) -> int:
-        """CUDA events made so far (pooled and reused; ``events_idle`` wait in the pool)."""
-        return self._events_created
 
     @property
     def events_idle(self) -> int:
@@ -194,7 +189,7 @@ class CudaCopyBackend:
                     if self._idle_events:
                         pending.event = self._idle_events.pop()
                     else:
-                        self._events_created += 1
+                        self.events_created += 1
                         pending.event = runtime.new_event()
                     pending.event.record(lane.stream)
         except Exception as exc:

@@ -128,30 +128,19 @@ class TieringEngine(AsyncService):
         the constructor."""
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
-        engine = config.engine
-        num_cpu_blocks = engine.cpu_blocks
+        options = dict(config.engine)  # the constructor's arguments, by name
+        num_cpu_blocks, cpu_bytes = options.pop("cpu_blocks"), options.pop("cpu_bytes")
         if num_cpu_blocks is None:
             block_bytes = kv_block_bytes(kv_caches)
-            num_cpu_blocks = (engine.cpu_bytes or 0) // block_bytes
+            num_cpu_blocks = (cpu_bytes or 0) // block_bytes
             if num_cpu_blocks == 0:
                 raise ConfigError(
-                    f"engine.cpu_bytes = {engine.cpu_bytes!r}: holds no block of this KV cache "
+                    f"engine.cpu_bytes = {cpu_bytes!r}: holds no block of this KV cache "
                     f"({block_bytes} bytes per block)",
                     field="engine.cpu_bytes",
                 )
-        return cls(
-            kv_caches,
-            num_cpu_blocks,
-            policy=engine.policy,
-            secondary_tiers=[tier.spec() for tier in config.tiers],
-            write_policy=engine.write_policy,
-            block_size=engine.block_size,
-            enable_events=engine.enable_events,
-            cache_identity=engine.cache_identity,
-            tier_timeout=engine.tier_timeout,
-            room_timeout=engine.room_timeout,
-            close_timeout=engine.close_timeout,
-        )
+        tiers = [tier.spec() for tier in config.tiers]
+        return cls(kv_caches, num_cpu_blocks, secondary_tiers=tiers, **options)
 
     async def start(self) -> None:
         """Allocate the host pool, start the copier and the tiers, and open. Raises

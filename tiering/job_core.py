@@ -271,7 +271,8 @@ class JobCore:
     ``tiers`` are the secondary tiers, fastest first; a job waits ``room_timeout`` seconds
     for CPU room at most. With ``enable_events`` it records the tiers' store events, and
     ``take_removed`` (one callable per tier) their removals. Every public method raises
-    before changing anything or returns the effects of the change, in order.
+    before changing anything or returns the effects of the change, in order. Raises
+    InvalidArgumentError for an unknown write policy.
     """
 
     def __init__(
@@ -327,7 +328,7 @@ class JobCore:
         # The job owning the fill of each slot being filled, indexed by slot: a dict every
         # block enters and leaves would now and then be rebuilt inside a caller's store.
         self._fill_owner: list[_Job | None] = [None] * manager.num_blocks
-        self._num_filling = 0
+        self.filling_blocks = 0  # CPU blocks being written by a copy or a promotion
         self._fill_waiters: dict[BlockHash, list[_Job]] = {}  # made as the first one joins
         self._out: list[Effect] = []
         self._next_id = 0
@@ -399,11 +400,6 @@ class JobCore:
         """Copies and tier jobs started and not yet reported back."""
         return len(self._op_owner)
 
-    @property
-    def filling_blocks(self) -> int:
-        """CPU blocks being written by a store's copy or a load's promotion."""
-        return self._num_filling
-
     def take_tier_events(self) -> list[OffloadingEvent]:
         """Secondary-tier events since the last call (with ``enable_events``): blocks the
         engine's tier jobs stored and, given ``take_removed``, blocks the tiers stopped
@@ -455,7 +451,7 @@ class JobCore:
         fill_owner = self._fill_owner
         for slot in slots:
             fill_owner[slot] = job
-        self._num_filling += len(slots)
+        self.filling_blocks += len(slots)
         job.phase = _MOVING
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
@@ -581,7 +577,7 @@ class JobCore:
         promotions: dict[int, list[BlockHash]] = {}
         job.fills, job.promotions = out.block_hashes_to_store, promotions
         fill_owner = self._fill_owner
-        self._num_filling += len(out.block_hashes_to_store)
+        self.filling_blocks += len(out.block_hashes_to_store)
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
             fill_owner[slot] = job
             self._join(h, job)  # its own fill: it gets its pin when the block lands
@@ -682,7 +678,7 @@ class JobCore:
                 ended.append(k)
         if not ended:
             return
-        self._num_filling -= len(ended)
+        self.filling_blocks -= len(ended)
         manager.complete_store(ended, success=failure is None)
         woken: list[_Job] = []
         for k in ended:

@@ -58,7 +58,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._ready = bytearray(num_blocks)
         # Popping from the end hands out low slot ids first, in ascending order.
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._num_evictable = 0
+        self.num_evictable = 0  # ready blocks with no reader: what eviction may take
         self._events: list[OffloadingEvent] = []
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
@@ -112,11 +112,6 @@ class CPUOffloadingManager(OffloadingManager):
         return len(self._free_slots)
 
     @property
-    def num_evictable(self) -> int:
-        """Ready blocks with no reader: what eviction may take."""
-        return self._num_evictable
-
-    @property
     def num_pinned(self) -> int:
         """Blocks with at least one reader."""
         ref = self._ref
@@ -141,7 +136,7 @@ class CPUOffloadingManager(OffloadingManager):
                 state = "not stored" if slot is None else "still being stored"
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): {state}")
             if ref[slot] == 0:
-                self._num_evictable -= 1
+                self.num_evictable -= 1
             ref[slot] += 1
             slots.append(slot)
         return CPULoadStoreSpec(slots)
@@ -160,14 +155,14 @@ class CPUOffloadingManager(OffloadingManager):
                 )
             ref[slot] -= 1
             if ref[slot] == 0:
-                self._num_evictable += 1
+                self.num_evictable += 1
 
     def _acquire(self, hashes: Sequence[BlockHash]) -> None:
         ref = self._ref
         for h in hashes:
             slot = self._slot_of[h]
             if ref[slot] == 0:
-                self._num_evictable -= 1
+                self.num_evictable -= 1
             ref[slot] += 1
 
     def _release(self, hashes: Sequence[BlockHash]) -> None:
@@ -176,7 +171,7 @@ class CPUOffloadingManager(OffloadingManager):
             slot = self._slot_of[h]
             ref[slot] -= 1
             if ref[slot] == 0:
-                self._num_evictable += 1
+                self.num_evictable += 1
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """Mark resident blocks most recently used, the first most recent of all; hashes
@@ -205,7 +200,7 @@ class CPUOffloadingManager(OffloadingManager):
             protected_evictable = sum(
                 1 for h in protected if ready[slot_of[h]] and ref[slot_of[h]] == 0
             )
-            if self._num_evictable - protected_evictable < shortfall:
+            if self.num_evictable - protected_evictable < shortfall:
                 return None
 
             def can_evict(h: BlockHash) -> bool:
@@ -216,7 +211,7 @@ class CPUOffloadingManager(OffloadingManager):
             evicted_slots = [slot_of.pop(h) for h in evicted]
             # Reversed so the first victim's slot is handed out first.
             self._free_slots.extend(reversed(evicted_slots))
-            self._num_evictable -= len(evicted)
+            self.num_evictable -= len(evicted)
             if self.enable_events:
                 self._events.append(OffloadingEvent(evicted, self.block_size, _MEDIUM, True))
 
@@ -243,7 +238,7 @@ class CPUOffloadingManager(OffloadingManager):
                 if slot is not None and not ready[slot]:
                     ready[slot] = 1
                     if ref[slot] == 0:
-                        self._num_evictable += 1
+                        self.num_evictable += 1
                     stored.append(h)
             if stored and self.enable_events:
                 self._events.append(OffloadingEvent(stored, self.block_size, _MEDIUM, False))
