@@ -271,15 +271,6 @@ class DeviceCopier(AsyncService):
         finally:
             self._state = Lifecycle.CLOSED
 
-    def check_block_ids(self, device_ids: Sequence[int]) -> None:
-        """Raise InvalidArgumentError unless every id is an int in ``[0, num_device_blocks)``."""
-        check_index_range(
-            "device block ids",
-            as_index_list("device block ids", device_ids),
-            self._layout.num_blocks,
-            unique=False,
-        )
-
     def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
         """Start copying device block ``device_ids[i]`` into host slot ``slots[i]`` (ids
         may repeat, slots not); returns at once. Raises, starting nothing,
