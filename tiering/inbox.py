@@ -88,22 +88,15 @@ class Inbox(Generic[_T]):
         if self._has_room(lane):
             self._append(lane, item)
             return
-        waiting, queue = self._waiting[lane], self._lanes[lane]
+        waiting = self._waiting[lane]
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiting.append(waiter)
         try:
-            while True:
-                await waiter
-                if self._closed:
-                    raise ClosedError(
-                        f"{self._owner}: inbox closed while a {lane} job waited for room"
-                    )
-                if len(queue) < self.max_size:
-                    break
-                # Woken, but the room is gone (a drain raced it): wait again, first in line.
-                waiting.remove(waiter)
-                waiter = asyncio.get_running_loop().create_future()
-                waiting.appendleft(waiter)
+            # Woken in line order by _admit_waiting, which keeps the room for every woken
+            # putter until it runs (or by close).
+            await waiter
+            if self._closed:
+                raise ClosedError(f"{self._owner}: inbox closed while a {lane} job waited for room")
         except BaseException:
             # Pass a wake-up this waiter received but cannot use on to the next one.
             woken = waiter.done() and not waiter.cancelled()
@@ -158,9 +151,11 @@ class Inbox(Generic[_T]):
         """Take every parked item (loads first)."""
         items: list[_T] = []
         for lane in _LANES:
-            waiting = self._waiting[lane]
-            items.extend(w.item for w in waiting if isinstance(w, _Parked))
-            self._waiting[lane] = deque(w for w in waiting if not isinstance(w, _Parked))
+            waiting = self._waiting[lane]  # in place: a waiting put() holds this line
+            parked = [entry for entry in waiting if isinstance(entry, _Parked)]
+            for entry in parked:
+                waiting.remove(entry)
+            items.extend(entry.item for entry in parked)
         return items
 
     def close(self) -> None:
@@ -218,6 +213,9 @@ class Inbox(Generic[_T]):
             if isinstance(entry, _Parked):
                 del waiting[i]
                 self._append(lane, entry.item)
+            elif entry.cancelled():  # its putter leaves the line as it unwinds: no room
+                i += 1
+                continue
             elif not entry.done():
                 entry.set_result(None)
                 return
