@@ -127,8 +127,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         ClosedError), let queued, parked and running jobs finish within ``timeout``
         seconds, then cancel the rest, failing each with the reason; returns once
         ``CLOSED`` (a job inside a :meth:`run_blocking` call is reported once the call
-        returns). Idempotent. Cancelled, it stops the tier hard (:meth:`shutdown`) and
-        propagates. Raises InvalidArgumentError for a bad ``timeout``."""
+        returns). Idempotent; concurrent calls all return once closed. Cancelled, it
+        stops the tier hard (:meth:`shutdown`) and propagates. Raises
+        InvalidArgumentError for a bad ``timeout``."""
         seconds("timeout", timeout, allow_zero=True)
         if self._state is Lifecycle.NEW:
             self._stop(notify=True)
@@ -225,8 +226,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         return f"<{self._name()} {self.statistics()!r}>"
 
     def submit_store(self, job: JobMetadata) -> None:
-        """Queue a store job (CPU slots -> this tier); returns at once. Raises as
-        :meth:`_admit`, and TierBusyError if the store inbox is full."""
+        """Queue a store job (CPU slots -> this tier); returns at once. Raises
+        InvalidArgumentError for a malformed job (:meth:`_admit`), ClosedError unless
+        open, TierBusyError if the store inbox is full (drain results and retry)."""
         self._submit_now(job, "store")
 
     def submit_load(self, job: JobMetadata) -> None:
@@ -335,10 +337,11 @@ class TierActor(AsyncService, SecondaryTierManager):
             task.cancel()
 
     async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
-        """``fn(*args)`` run on this tier's thread pool. Cancelled after the call starts,
-        it waits until ``fn`` returns (its outcome discarded), so nothing the thread uses
-        is released under it; from a job's hook, the job's result is held back meanwhile.
-        Raises ClosedError once the pool is shut down, else whatever ``fn`` raises."""
+        """``fn(*args)`` run on this tier's thread pool. Cancelled before the call starts,
+        it is dropped; after, it waits until ``fn`` returns (its outcome discarded), so
+        nothing the thread uses is released under it. From a job's hook, the job's result
+        is held back meanwhile. Raises ClosedError once the pool is shut down, else
+        whatever ``fn`` raises."""
         try:
             call = self._executor.submit(fn, *args)
         except RuntimeError as exc:

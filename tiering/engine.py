@@ -287,8 +287,9 @@ class TieringEngine(AsyncService):
         return keys if isinstance(keys, list) else list(keys)
 
     def share_prefix(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Let every tenant hit on these blocks (a public prefix's hashes); sharing
-        cannot be taken back while the engine runs."""
+        """Let every tenant hit on these blocks (a public prefix's hashes): a call's
+        leading shared blocks keep their plain hash, the rest are the tenant's own keys.
+        Sharing cannot be taken back while the engine runs."""
         self._tenancy.share(block_hashes)
 
     def tenant_statistics(self) -> dict[str, TenantLookups]:
@@ -315,8 +316,8 @@ class TieringEngine(AsyncService):
         tenant: str | None = None,
     ) -> Job:
         """Copy device blocks into the CPU tier (then, by policy, to secondary tiers);
-        returns at once (:meth:`~tiering.job_core.JobCore.store`). Once the job resolves
-        the device blocks may be reused."""
+        returns at once (:meth:`~tiering.job_core.JobCore.store`: distinct device ids, one
+        per hash). Once the job resolves the device blocks may be reused."""
         return self._call("store", block_hashes, device_block_ids, tenant)
 
     def load(
