@@ -177,13 +177,3 @@ def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Pat
     finally:
         plt.close(figure)
     return path
-
-
-__all__ = [
-    "SweepPoint",
-    "SweepResult",
-    "capacities_from",
-    "footprint",
-    "plot_sweep",
-    "sweep",
-]
