@@ -611,6 +611,3 @@ class RedisTier(TierActor):
         self._counters["unreachable_calls"] += 1
         self.breaker.failed()
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
-
-
-__all__ = ["RedisOptions", "RedisTier"]
