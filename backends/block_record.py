@@ -294,23 +294,3 @@ def verify_payload(
     if into is None and not isinstance(payload, memoryview):
         raise InvalidArgumentError("a sealed payload opens in place: pass a writable into")
     cipher.open_into(header.seal, memoryview(payload), header.binding, into)
-
-
-__all__ = [
-    "FORMAT_VERSION",
-    "HEADER_BYTES",
-    "MAGIC",
-    "MAX_KEY_BYTES",
-    "MAX_TENANT_BYTES",
-    "BlockHeader",
-    "check_header",
-    "check_key",
-    "compact_bytes",
-    "compact_header",
-    "decode_header",
-    "encode_header",
-    "namespace_digest",
-    "payload_checksum",
-    "record_binding",
-    "verify_payload",
-]

@@ -110,6 +110,3 @@ class CircuitBreaker:
 
     def __repr__(self) -> str:
         return f"<CircuitBreaker {self._state}, {self._in_a_row} failures in a row>"
-
-
-__all__ = ["BreakerOptions", "BreakerState", "CircuitBreaker"]

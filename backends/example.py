@@ -173,6 +173,3 @@ class ExampleSecondaryTier(SecondaryTierManager):
                 raise InvalidArgumentError(f"job {job.job_id}: slot id {block_id!r} is not an int")
             self.slot(block_id)  # raises InvalidArgumentError outside the host pool
         return job
-
-
-__all__ = ["ExampleOptions", "ExampleSecondaryTier"]

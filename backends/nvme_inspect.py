@@ -540,17 +540,3 @@ def clear_root(
             with contextlib.suppress(OSError):
                 os.rmdir(directory)  # only succeeds once empty
     return ClearReport(path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left))
-
-
-__all__ = [
-    "BadBlock",
-    "ClearReport",
-    "Finding",
-    "NamespaceReport",
-    "NamespaceVerify",
-    "RootReport",
-    "VerifyReport",
-    "clear_root",
-    "inspect_root",
-    "verify_root",
-]

@@ -33,28 +33,13 @@ def _an_object(value: object) -> object:
 
 
 class NVMeOptions(ActorOptions):
-    """The NVMe tier's options; docs/nvme.md describes each at length.
+    """The NVMe tier's options; docs/nvme.md describes all but these:
 
-    * ``root``: holds the namespaces, created if missing; ``namespace``: the cache
-      identity (blocks of one are never served to another).
-    * ``capacity_bytes``: most bytes of records (header pages included);
-      ``min_free_bytes``: free space stores leave on the file system.
-    * ``fsync``: ``"none"``, ``"batch"`` (a store's success means its records are on
-      stable storage) or ``"always"`` (a sync after every run of records).
-    * ``o_direct``: True requires O_DIRECT, False never uses it, None probes at start.
     * ``max_inflight_bytes``: bound on payload bytes of jobs in their I/O at once.
-    * ``enospc_retry_s``: after ENOSPC, how long stores are refused before one probes.
     * ``encryption``: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
       spec, such as ``"env:KV_TIERING_KEYS"``) that seals payloads with AES-GCM.
     * ``file_mode``, ``dir_mode``: modes of what the tier makes (never writable by others).
     * ``os_calls``, ``clock``: the system calls and monotonic seconds (tests pass fakes).
-    * ``segment_bytes``: the size a segment grows to (None: from the cap).
-    * ``checkpoint_every``: records written between index checkpoints.
-    * ``hot_fraction``: blocks of an evicted segment used within this fraction of the
-      capacity's worth of uses are written again (0: FIFO).
-    * ``gil_pause_bytes``: bytes an I/O thread hashes between GIL pauses (0: never).
-    * ``staging_bytes``: direct I/O through a huge-page buffer of this size per I/O
-      thread (0: straight between disk and slots).
     """
 
     root: str | os.PathLike[str]
@@ -77,6 +62,3 @@ class NVMeOptions(ActorOptions):
     hot_fraction: float = Field(0.25, ge=0, le=1)
     gil_pause_bytes: Size = Field(128 << 10, ge=0)
     staging_bytes: Size = Field(0, ge=0)
-
-
-__all__ = ["NVMeOptions"]

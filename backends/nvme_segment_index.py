@@ -526,6 +526,3 @@ class SegmentIndex:
     def excess_segments(self, on_disk: Sequence[tuple[str, int]]) -> list[str]:
         """The segments of ``on_disk`` :meth:`restore` left out."""
         return [name for name, _ in on_disk if name not in self._slot_of]
-
-
-__all__ = ["Eviction", "KeyTable", "Placement", "SegmentIndex", "key_digest"]

@@ -219,6 +219,3 @@ def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_b
             "(it then follows from the cap)"
         )
     return records
-
-
-__all__ = ["DEFAULT_MAX_AGE_S", "DISK_FULL_REASON", "SpaceGuard"]

@@ -8,13 +8,8 @@ Each block is one Redis hash, so its header and payload share a slot of a cluste
             b"p" -> the payload, or with ``encryption`` its AES-GCM ciphertext
 
 A value that does not verify, is no hash, or is of an older format is a failed key,
-deleted and never served; an error reply fails its own key only, a connection failure
-the call. redis-py's synchronous client runs on the tier's I/O threads, one hop per
-job, with the checksums and the cipher. ``lookup`` never waits on the network: it
-answers from a bounded presence cache, else returns None and queues the key for a
-batched ``EXISTS``. No call is retried; a :class:`~backends.breaker.CircuitBreaker`
-opens after ``breaker_failures`` connection failures in a row. At most
-``max_inflight * pipeline_bytes`` payload bytes are in flight.
+deleted and never served. redis-py's synchronous client runs on the tier's I/O threads,
+one hop per job, with the checksums and the cipher; no call is retried.
 """
 
 from __future__ import annotations
@@ -611,6 +606,3 @@ class RedisTier(TierActor):
         self._counters["unreachable_calls"] += 1
         self.breaker.failed()
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
-
-
-__all__ = ["RedisOptions", "RedisTier"]

@@ -366,6 +366,3 @@ async def replay_fleet(
     for node in fleet:
         node.closed()
     return summary
-
-
-__all__ = ["ROUTERS", "TRANSPORTS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

@@ -469,14 +469,3 @@ def serve_engine_metrics(
     registry = CollectorRegistry()
     register_engine_metrics(engine, registry=registry, prefix=prefix, loop_lag=loop_lag)
     return serve_metrics(port, registry=registry, addr=addr)
-
-
-__all__ = [
-    "CPU_TIER",
-    "DEFAULT_PREFIX",
-    "EngineCollector",
-    "MetricsServer",
-    "register_engine_metrics",
-    "serve_engine_metrics",
-    "serve_metrics",
-]

@@ -180,18 +180,3 @@ def tier_factory(name: str) -> TierFactory:
 
 def _entry_points() -> tuple[EntryPoint, ...]:
     return tuple(entry_points(group=ENTRY_POINT_GROUP))
-
-
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "TierFactory",
-    "TierSpec",
-    "check_options",
-    "make_tier",
-    "register_tier",
-    "tier_factory",
-    "tier_names",
-    "tier_options",
-    "tier_specs",
-    "unregister_tier",
-]

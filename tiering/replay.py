@@ -623,22 +623,3 @@ def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
         paths[f"cpu->{label}"] = tier_counters.get("stored_blocks", 0) * size
         paths[f"{label}->cpu"] = tier_counters.get("loaded_blocks", 0) * size
     return paths
-
-
-__all__ = [
-    "CPU",
-    "CacheModel",
-    "ReplayNode",
-    "ReplaySummary",
-    "SegmentLayout",
-    "TierLayout",
-    "device_blocks_for",
-    "expected_bytes",
-    "percentiles_ms",
-    "replay",
-    "simulate",
-    "summed",
-    "tenant_names",
-    "tier_labels",
-    "tier_layout",
-]

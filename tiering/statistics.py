@@ -102,6 +102,3 @@ class FailureLog:
     def counts(self) -> Mapping[str, int]:
         """Failures so far by cause (a read-only view)."""
         return MappingProxyType(self._counts)
-
-
-__all__ = ["FailureLog", "Statistics", "format_bytes", "uncount"]

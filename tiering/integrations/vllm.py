@@ -473,12 +473,3 @@ class MemoryTierManager(RegisteredTierManager):
 
     tier_name = "memory"
     medium = Medium.CPU
-
-
-__all__ = [
-    "METRIC_PREFIX",
-    "MemoryTierManager",
-    "NVMeTierManager",
-    "RegisteredTierManager",
-    "vllm_namespace",
-]
