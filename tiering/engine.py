@@ -49,7 +49,8 @@ class TieringEngine(AsyncService):
     ``namespace`` receive. The other options: docs/config.md.
 
     ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
-    blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`); results
+    blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`, except
+    prefixes shared with :meth:`share_prefix`); results
     name the caller's hashes, events and tiers the scoped keys. Every call raises
     ClosedError unless the engine is open, and InvalidArgumentError (naming the argument)
     for a malformed one, changing nothing; so does the constructor (allocating nothing),
@@ -123,9 +124,9 @@ class TieringEngine(AsyncService):
 
     @classmethod
     def from_config(cls, config: TieringConfig, kv_caches: KVCaches) -> TieringEngine:
-        """The engine ``config`` describes over ``kv_caches``, not yet entered. Raises
-        ConfigError for a non-TieringConfig or a ``cpu_bytes`` holding no block, else as
-        the constructor."""
+        """The engine ``config`` describes over ``kv_caches``, not yet entered;
+        ``engine.cpu_bytes`` becomes as many CPU slots as fit. Raises ConfigError for a
+        non-TieringConfig or a ``cpu_bytes`` holding no block, else as the constructor."""
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
         options = dict(config.engine)  # the constructor's arguments, by name
@@ -270,7 +271,7 @@ class TieringEngine(AsyncService):
         return core.lookup(self.tenant_keys(block_hashes, tenant), tenant_label(tenant))
 
     def touch(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> None:
-        """Mark blocks recently used in every tier, the first most."""
+        """Mark blocks (of ``tenant``) recently used in every tier, the first most."""
         self._open_core()
         hashes = self.tenant_keys(block_hashes, tenant)
         self.manager.touch(hashes)

@@ -139,7 +139,8 @@ class Inbox(Generic[_T]):
                 raise
 
     def drain(self) -> list[_T]:
-        """Take every queued item (loads first); parked items move up into the room."""
+        """Take every queued item (loads first, each lane in order); parked items move up
+        into the room."""
         items: list[_T] = []
         for lane in _LANES:
             items.extend(self._lanes[lane])
@@ -148,7 +149,7 @@ class Inbox(Generic[_T]):
         return items
 
     def unpark(self) -> list[_T]:
-        """Take every parked item (loads first)."""
+        """Take every parked item (loads first, each lane in order); none gets queued."""
         items: list[_T] = []
         for lane in _LANES:
             waiting = self._waiting[lane]  # in place: a waiting put() holds this line
@@ -159,7 +160,8 @@ class Inbox(Generic[_T]):
         return items
 
     def close(self) -> None:
-        """Admit nothing more; wake every waiter. Idempotent."""
+        """Admit nothing more; wake every waiter. Queued and parked items stay gettable.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
