@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from tiering.errors import InvalidArgumentError
-from tiering.host_pool import io_buffer
+from tiering.host_pool import HUGE_PAGE_BYTES, io_buffer
 
 FsyncPolicy = Literal["none", "batch", "always"]
 
@@ -216,11 +216,18 @@ def owner_alive(namespace_dir: str, instance_id: str) -> bool:
 def thread_buffer(
     local: threading.local, name: str, nbytes: int, *, at_least: int = 0
 ) -> memoryview:
-    """``nbytes`` of this thread's :func:`~tiering.host_pool.io_buffer` ``name`` in
-    ``local``, made ``max(nbytes, at_least)`` long when missing or too short."""
+    """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
+    ``max(nbytes, at_least)`` long when missing or too short: an
+    :func:`~tiering.host_pool.io_buffer` from a huge page up, a plain mapping below (a
+    small buffer gains nothing from a huge page, and its first touch would fault in and
+    zero a whole one while the thread holds the GIL, stalling the event loop)."""
     view: memoryview | None = getattr(local, name, None)
     if view is None or view.nbytes < nbytes:
-        view = io_buffer(max(nbytes, at_least))
+        size = max(nbytes, at_least)
+        if size >= HUGE_PAGE_BYTES:
+            view = io_buffer(size)
+        else:  # never empty: an anonymous mapping of 0 bytes is EINVAL
+            view = memoryview(mmap.mmap(-1, max(size, ALIGNMENT)))
         setattr(local, name, view)
     return view[:nbytes]
 
