@@ -22,15 +22,12 @@ aligned file offset for O_DIRECT). Layout, little endian::
     76   ...  the tenant, then the key, then zeros up to the trailer
     -8   u64  header checksum: xxh3_64 of every byte before it
 
-What a record is bound to is :func:`record_binding` (namespace digest, tenant, key): a
-plain record's checksum is the xxh3_128 of the binding then the payload, and a sealed
-record's associated data is the binding. A payload moved under another key, tenant or
-namespace therefore fails to verify even under a header forged to match. A sealed
-record carries no checksum of its plaintext (equal payloads would show as equal
-checksums). A reader of one kind never serves a record of the other.
-
-Pure: this module computes bytes and never touches a file or a socket. Checksums and
-the cipher are for the tiers' worker threads, never the event loop.
+A plain record's checksum is the xxh3_128 of its :func:`record_binding` (namespace
+digest, tenant, key) then the payload; a sealed record's associated data is the binding
+(no checksum of the plaintext: equal payloads would show). A payload moved under another
+key, tenant or namespace fails to verify even under a forged header, and a reader of
+one kind never serves a record of the other. Pure (no file, no socket); checksums and
+the cipher run on the tiers' worker threads, never the event loop.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -65,9 +62,9 @@ MAX_TENANT_BYTES = 0xFFFF
 """The longest tenant a compact header can hold."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlockHeader:
-    """A decoded header whose own checksum verified."""
+class BlockHeader(NamedTuple):
+    """A decoded header whose own checksum verified (a named tuple, cheap to build: a
+    Redis load decodes one per block on an I/O thread holding the GIL)."""
 
     key: bytes
     payload_bytes: int
@@ -137,16 +134,11 @@ def encode_header(
     checksum: bytes | None = None,
     seal: Seal | None = None,
 ) -> None:
-    """Write a header into the whole of ``into``: a plain record's with ``checksum``
-    (:func:`payload_checksum`), or a sealed one's with ``seal``. ``into`` is
-    :func:`compact_bytes` long (compact) or :data:`HEADER_BYTES` (padded: zeros fill
-    the room after the key).
-
-    Raises:
-        InvalidArgumentError: not exactly one of ``checksum`` and ``seal`` is given, a
-            field has the wrong type or length, or ``into`` has a length that is
-            neither; ``into`` is then unchanged.
-    """
+    """Write a header into the whole of ``into``, :func:`compact_bytes` long (compact)
+    or :data:`HEADER_BYTES` (padded with zeros after the key): a plain record's with
+    ``checksum`` (:func:`payload_checksum`), or a sealed one's with ``seal``. Raises
+    InvalidArgumentError, leaving ``into`` unchanged, unless exactly one of them is
+    given, for a field of the wrong type or length, or ``into`` of another length."""
     size, needed = len(into), compact_bytes(tenant, key)
     if size != needed and (size != HEADER_BYTES or needed > HEADER_BYTES):
         raise InvalidArgumentError(
@@ -218,12 +210,10 @@ def _head(
 
 def decode_header(header: Buffer) -> BlockHeader:
     """Parse and self-check a header, compact or padded (``header`` is all of it).
-
-    Raises:
-        CorruptBlockError: it is short, or its magic, version, length, kind, tenant or
-            key length or its own checksum is wrong. The message names which.
-    """
-    view = memoryview(header).cast("B")
+    Raises CorruptBlockError naming what is wrong: it is short, or its magic, version,
+    length, kind, tenant or key length or its own checksum."""
+    # bytes (a Redis reply) are read as they are: a memoryview would cost more than it saves
+    view = header if isinstance(header, bytes) else memoryview(header).cast("B")
     if len(view) < _FIXED.size + _TRAILER.size:
         raise CorruptBlockError(f"header is {len(view)} bytes")
     (magic, version, kind, size, payload_bytes, field, ns, tenant_len, key_len, key_id, nonce) = (
@@ -257,12 +247,9 @@ def check_header(
     ns_digest: bytes,
     tenant: bytes = b"",
 ) -> None:
-    """Check a decoded header against what the reader expects; ``key`` may be None
-    (a scan, where the header names the key).
-
-    Raises:
-        CorruptBlockError: another namespace, tenant, key or payload length.
-    """
+    """Check a decoded header against what the reader expects (``key`` None: a scan,
+    where the header names the key); CorruptBlockError for another namespace, tenant,
+    key or payload length."""
     if header.namespace_digest != ns_digest:
         raise CorruptBlockError("block belongs to another namespace")
     if header.tenant != tenant:
@@ -282,18 +269,13 @@ def verify_payload(
     into: memoryview | None = None,
 ) -> None:
     """Verify the payload read under ``header`` (already checked by
-    :func:`check_header`) as every reader does, off the loop. Without ``cipher``: refuse
-    a sealed record, compare ``checksum(payload, binding)`` with the header's, then copy
-    the payload to ``into`` if given. With ``cipher``: refuse a plain record and open the
-    ciphertext into ``into`` (one pass, no copy first), or in place without it.
-
-    Raises:
-        CorruptBlockError: the payload's length is not the header's, the record is of
-            the other kind, or it does not verify (from the cipher: an UnknownKeyError
-            or AuthenticationError, logged once per key id); ``into`` then holds nothing
-            of the payload.
-        InvalidArgumentError: a sealed payload that is not a memoryview, without ``into``.
-    """
+    :func:`check_header`), off the loop. Without ``cipher``: refuse a sealed record,
+    compare ``checksum(payload, binding)`` with the header's, then copy the payload to
+    ``into`` if given. With ``cipher``: refuse a plain record and open the ciphertext
+    into ``into`` (one pass), or in place without it (InvalidArgumentError unless the
+    payload is then a memoryview). CorruptBlockError for a length not the header's, a
+    record of the other kind, or one that does not verify (the cipher's UnknownKeyError
+    or AuthenticationError, logged once per key id); ``into`` then holds none of it."""
     if len(payload) != header.payload_bytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {header.payload_bytes}")
     if cipher is None:
@@ -312,23 +294,3 @@ def verify_payload(
     if into is None and not isinstance(payload, memoryview):
         raise InvalidArgumentError("a sealed payload opens in place: pass a writable into")
     cipher.open_into(header.seal, memoryview(payload), header.binding, into)
-
-
-__all__ = [
-    "FORMAT_VERSION",
-    "HEADER_BYTES",
-    "MAGIC",
-    "MAX_KEY_BYTES",
-    "MAX_TENANT_BYTES",
-    "BlockHeader",
-    "check_header",
-    "check_key",
-    "compact_bytes",
-    "compact_header",
-    "decode_header",
-    "encode_header",
-    "namespace_digest",
-    "payload_checksum",
-    "record_binding",
-    "verify_payload",
-]

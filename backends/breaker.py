@@ -28,8 +28,7 @@ class BreakerState(Enum):
 
 
 class BreakerOptions(Options):
-    """A :class:`CircuitBreaker`'s options, as a tier takes them (:meth:`~tiering.options.
-    Options.check` names a bad one)."""
+    """A :class:`CircuitBreaker`'s options, as a tier takes them."""
 
     breaker_failures: PositiveInt = 3
     breaker_backoff_s: Seconds = 1.0
@@ -111,6 +110,3 @@ class CircuitBreaker:
 
     def __repr__(self) -> str:
         return f"<CircuitBreaker {self._state}, {self._in_a_row} failures in a row>"
-
-
-__all__ = ["BreakerOptions", "BreakerState", "CircuitBreaker"]

@@ -7,6 +7,7 @@ its quirks, with one deliberate fix (see :class:`ExampleSecondaryTier`).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -102,12 +103,8 @@ class ExampleSecondaryTier(SecondaryTierManager):
         shortfall = len(to_store) - (self.max_blocks - len(self._blocks))
         if shortfall > 0:
             protected = set(job.keys)
-            victims = []
-            for key in self._blocks:
-                if key not in protected:
-                    victims.append(key)
-                    if len(victims) == shortfall:
-                        break
+            outside = (key for key in self._blocks if key not in protected)  # oldest first
+            victims = list(itertools.islice(outside, shortfall))
             if len(victims) < shortfall:
                 return
             for key in victims:
@@ -176,6 +173,3 @@ class ExampleSecondaryTier(SecondaryTierManager):
                 raise InvalidArgumentError(f"job {job.job_id}: slot id {block_id!r} is not an int")
             self.slot(block_id)  # raises InvalidArgumentError outside the host pool
         return job
-
-
-__all__ = ["ExampleOptions", "ExampleSecondaryTier"]

@@ -233,6 +233,3 @@ class MemoryTier(TierActor):
         arena, pool = self._arena, self._pool
         for row, block_id in copies:
             pool[block_id] = arena[row]
-
-
-__all__ = ["MemoryTier"]

@@ -1,10 +1,7 @@
 """The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
-and bounded (docs/nvme.md: the layout on disk, how it works, each option at length).
-
-The tier's actor shell: the index (:mod:`backends.nvme_segment_index`) on the loop
-thread, each job's blocking work (:mod:`backends.nvme_segments`) in ONE call on the
-tier's own threads, start-up through :mod:`backends.nvme_recovery`, space through
-:class:`~backends.nvme_space.SpaceGuard`.
+and bounded (docs/nvme.md). The actor shell: the index on the loop thread, each job's
+blocking work (:class:`~backends.nvme_segments.SegmentFiles`) in ONE call on the tier's
+own threads.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
 from backends.nvme_options import NVMeOptions
 from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct, thread_buffer
 from backends.nvme_recovery import Recovery, open_directory, recover, write_checkpoint
-from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
 from backends.nvme_segments import ReadOutcome, SegmentFiles, WriteReport, align_up, iter_runs
@@ -69,23 +65,17 @@ class NVMeMetrics:
 
 class NVMeTier(TierActor):
     """A secondary tier keeping blocks as records of segment files under ``root``; its
-    options are :class:`NVMeOptions`. Slots of the host pool whose address and size are
-    4096-aligned move with O_DIRECT.
+    options are :class:`NVMeOptions`.
 
-    Guarantees:
+    Guarantees (docs/nvme.md has each at length):
 
-    * A store's keys become visible (``lookup`` True) only once their records are
-      written (and synced per ``fsync``). Keys already held are skipped; a key twice in
-      a job is stored from its first slot.
-    * A record is served only if its header (magic, version, namespace, key, length) and
-      payload checksum (or GCM tag) verify; a stale or damaged checkpoint can cost hits,
-      never serve wrong bytes. A key that fails is in ``failed_keys`` and leaves the
-      index; the job's other keys land. An I/O error fails the keys it hit, in that job.
-    * Space comes back by deleting whole segments; a segment being read or written, one
-      holding a held key, and another live writer's segments are never deleted. Stores
-      that still do not fit fail.
-    * ENOSPC (or EDQUOT) makes the tier read-only for stores until a later store
-      succeeds (see ``enospc_retry_s``); loads keep working.
+    * A store's keys become visible only once their records are written (and synced per
+      ``fsync``). Keys held are skipped; a key twice in a job is stored from its first slot.
+    * A record is served only if its header and payload checksum (or GCM tag) verify. A
+      key that fails is in ``failed_keys`` and leaves the index; the job's other keys
+      land. An I/O error fails the keys it hit, in that job.
+    * Space comes back by deleting whole segments, never one in use; stores that still
+      do not fit fail. ENOSPC makes stores fail (loads go on) until one succeeds.
     * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
     """
 
@@ -101,7 +91,7 @@ class NVMeTier(TierActor):
     ) -> None:
         """Takes an :class:`NVMeOptions`, keywords, or both (keywords win); raises
         InvalidArgumentError for a bad view, size or option (named), or a cap that holds
-        fewer than two segments or than the free-space floor allows."""
+        fewer than two segments."""
         o = NVMeOptions.check({**dict(options or {}), **values}, owner="NVMeTier")
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         self.records_per_segment = records_per_segment(
@@ -123,22 +113,14 @@ class NVMeTier(TierActor):
         self.file_bytes = record_bytes  # one block on disk, its header page included
         self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
-        self.fsync = o.fsync
         # Read by the vLLM adapter's tests and the replay model (tiering.replay.tier_layout).
         self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
         self.hot_fraction = o.hot_fraction
+        self.moves_per_job = max(1, MOVE_BYTES_PER_JOB // self.block_bytes)
         self.o_direct: bool | None = None  # whether O_DIRECT is in use, once started
         self.metrics = NVMeMetrics()  # what statistics().counters shows
         self._failure_log = FailureLog(logger, "nvme tier")
         self._os = o.os_calls or REAL_OS
-        self._ns_digest = namespace_digest(o.namespace)
-        sealer = (
-            None
-            if keyring is None
-            else PayloadSealer(
-                BlockCipher(keyring), block_bytes=self.block_bytes, ns_digest=self._ns_digest
-            )
-        )
         self._instance_id = uuid.uuid4().hex
         self._budget = InflightBytes(o.max_inflight_bytes)
         self._owner: OwnerLock | None = None
@@ -147,17 +129,16 @@ class NVMeTier(TierActor):
         self._segments = SegmentFiles(
             self.directory,
             block_bytes=self.block_bytes,
-            ns_digest=self._ns_digest,
+            ns_digest=namespace_digest(o.namespace),
             fsync=o.fsync,
             gil_pause_bytes=o.gil_pause_bytes,
             staging_bytes=o.staging_bytes,
-            sealer=sealer,
+            cipher=None if keyring is None else BlockCipher(keyring),
             file_mode=o.file_mode,
             os_calls=self._os,
         )
         self._index = self._new_index()
-        # Digests a running hop writes, with the event set when it ends: a store of
-        # such a key waits for it rather than writing it twice.
+        # Digests a running hop writes -> its end: a store of one waits, not writes twice.
         self._writing: dict[int, asyncio.Event] = {}
         self._writing_records = 0
         self._trash: list[str] = []  # segments given up, files not yet deleted
@@ -181,13 +162,9 @@ class NVMeTier(TierActor):
 
     async def start(self) -> None:
         """Open the namespace directory, recover the index from disk, then serve.
-
-        Raises:
-            ClosedError: the tier is closing or closed.
-            InvalidArgumentError: the root fails :func:`check_root`, the directory holds
-                another namespace, or ``o_direct=True`` and the file system refuses it.
-            TieringError: the root cannot be written or scanned (with the OS error).
-        """
+        ClosedError once closed; InvalidArgumentError when the root fails
+        :func:`check_root`, holds another namespace, or refuses ``o_direct=True``;
+        TieringError when it cannot be written or scanned (with the OS error)."""
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         async with self._start_lock:
@@ -206,17 +183,14 @@ class NVMeTier(TierActor):
                     f"directory or creatable as one): {exc}"
                 ) from exc
             self._opened = True
-            if excess:
-                # Before serving: a store of one of these keys must not have its new
-                # file removed by this clean-up.
+            if excess:  # before serving: no store may race this clean-up
                 await self.run_blocking(self._segments.delete, excess)
             await self._start_io_threads()
             await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
-        """Close as :meth:`TierActor.aclose`, then write the index checkpoint and delete
-        the segments given up. Idempotent. After a hard :meth:`~TierActor.shutdown`
-        the next start scans what was written after the last checkpoint."""
+        """Close as :meth:`TierActor.aclose`, then delete the segments given up and write
+        the index checkpoint. Idempotent."""
         first = not self.closed
         await super().aclose(timeout)
         if not first or not self._opened:
@@ -234,16 +208,14 @@ class NVMeTier(TierActor):
         self._release_owner()
 
     async def _start_io_threads(self) -> None:
-        # A pool starts its threads lazily, one per call while none is idle (the loop
-        # would then wait for each handshake in the first jobs): calls that wait for
-        # each other make it start every thread now, before any job is served.
+        # A pool starts its threads lazily (the first jobs would wait for each start):
+        # calls that wait for each other make it start every thread now.
         meeting = threading.Barrier(self.io_threads)
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
     def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
-        """Worker thread: make and check the namespace directory, check the floor
-        against the file system's size, take the owner lock, probe O_DIRECT, recover
-        the index, measure free space."""
+        """Worker thread: open the namespace directory, check the floor, take the owner
+        lock, probe O_DIRECT, recover the index, measure free space."""
         open_directory(
             self.root,
             self.directory,
@@ -301,7 +273,7 @@ class NVMeTier(TierActor):
 
     @property
     def read_only(self) -> bool:
-        """True while stores are refused because the file system was full."""
+        """True while stores are refused because the file system was full (ENOSPC)."""
         return self._space.read_only
 
     def _store_space_ended(self, report: WriteReport) -> None:
@@ -325,10 +297,9 @@ class NVMeTier(TierActor):
     async def _store_admission(
         self, job: JobMetadata
     ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, int]]:
-        """A store job's keys split into ``(failed, wanted)``: keys a header cannot hold
-        fail, keys held already (or repeated in the job) are skipped, keys that a running
-        hop writes are waited for, and while the disk is full every wanted key fails.
-        ``wanted`` maps each key to store to its slot."""
+        """A store job's keys as ``(failed, wanted: key -> slot)``: keys a header cannot
+        hold fail, keys held (or repeated) are skipped, keys a running hop writes are
+        waited for, and while the disk is full every wanted key fails."""
         failed: dict[OffloadKey, str] = {}
         wanted: dict[OffloadKey, int] = {}
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
@@ -347,9 +318,8 @@ class NVMeTier(TierActor):
         return failed, wanted
 
     def _usage(self) -> dict[str, Any]:
-        counters = asdict(self.metrics)
-        removed = counters.pop("removed_on_recovery")
-        counters["removed_on_recovery"] = sum(removed.values())
+        removed = self.metrics.removed_on_recovery.total()
+        counters = {**asdict(self.metrics), "removed_on_recovery": removed}
         return {
             "used_blocks": self.get_num_blocks(),
             "capacity_blocks": self.capacity_blocks,
@@ -367,8 +337,7 @@ class NVMeTier(TierActor):
         (InvalidArgumentError for a ``key`` that is not bytes)."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
-        digest = key_digest(key)
-        if digest in self._index:
+        if key_digest(key) in self._index:
             return True
         return None if self.storing(key) else False
 
@@ -431,10 +400,9 @@ class NVMeTier(TierActor):
                 plan = self._index.plan_room(
                     len(wanted),
                     limit=limit,
-                    most_moves=max(1, MOVE_BYTES_PER_JOB // self.block_bytes),
+                    most_moves=self.moves_per_job,
                 )
                 fit, placed = plan.fit, plan.placed
-                moves = [(segment, record) for segment, record, _ in plan.moves]
                 gone = plan.gone
                 if plan.evictions:
                     self.metrics.evicted_blocks += len(gone)
@@ -453,7 +421,7 @@ class NVMeTier(TierActor):
                 self._trash = []
                 try:
                     report, moved, gone_keys = await self.run_blocking(
-                        self._store_hop, admitted, placed, moves, gone, delete
+                        self._store_hop, admitted, placed, plan.moves, gone, delete
                     )
                 except BaseException:  # the hop never ran: its deletions are still owed
                     self._trash.extend(delete)
@@ -472,7 +440,7 @@ class NVMeTier(TierActor):
             if placed and generation == self._generation:  # cancelled before the commit
                 for placement in placed:
                     self._index.abandon(placement)
-            self._writing_records -= len(placed) if placed else 0
+            self._writing_records -= len(placed)
             for digest in digests.values():
                 if self._writing.get(digest) is done:
                     del self._writing[digest]
@@ -487,13 +455,12 @@ class NVMeTier(TierActor):
             if where is None:
                 failed[key] = "not in the nvme tier"
             else:
-                reads.append((key, where[0], where[1], block_id))
+                reads.append((key, *where, block_id))
+                self._index.pin(where[0])  # not evicted while read
         if failed:
             self._failure_log.record("not in the tier", len(failed))
         if not reads:
             return _result(job.job_id, failed, len(job.keys))
-        for _, segment, _, _ in reads:
-            self._index.pin(segment)
         generation = self._generation
         budget = len(reads) * self.block_bytes
         try:
@@ -514,18 +481,20 @@ class NVMeTier(TierActor):
         self,
         admitted: Sequence[tuple[OffloadKey, int]],
         placed: Sequence[Placement],
-        moves: Sequence[tuple[str, int]],
+        moves: Sequence[tuple[str, int, int]],
         gone: Sequence[tuple[str, int]],
         delete: Sequence[str],
     ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
         """Read the ``moves`` and the keys of the ``gone`` records, delete ``delete``,
         then write the job's blocks and the moves that verified (``placed``: the job's
-        placements, then the moves'). Returns the report, each move's key and each gone
-        record's key (None where it did not verify)."""
-        buffers = self._move_buffers(len(moves))
+        placements, then the moves'). Returns the report and the moves' and gone
+        records' keys (None: did not verify)."""
+        size = self.block_bytes  # aligned buffers for moved records, one set per I/O thread
+        view = thread_buffer(self._local, "moves", len(moves) * size, at_least=MOVE_BYTES_PER_JOB)
+        buffers = [view[i * size : (i + 1) * size] for i in range(len(moves))]
         reads = [
             (segment, record, buffer, None)
-            for (segment, record), buffer in zip(moves, buffers, strict=True)
+            for (segment, record, _), buffer in zip(moves, buffers, strict=True)
         ]
         moved = [key if not why else None for key, why, _ in self._segments.read(reads)]
         gone_keys = self._segments.read_keys(gone)
@@ -539,12 +508,6 @@ class NVMeTier(TierActor):
                 where.append((placement.segment, placement.record, placement.create))
         runs = list(iter_runs(where, records))
         return self._segments.write(runs, writer=self._instance_id), moved, gone_keys
-
-    def _move_buffers(self, count: int) -> list[memoryview]:
-        # Aligned (O_DIRECT) buffers for moved records, one set per I/O thread.
-        size = self.block_bytes
-        view = thread_buffer(self._local, "moves", count * size, at_least=MOVE_BYTES_PER_JOB)
-        return [view[i * size : (i + 1) * size] for i in range(count)]
 
     def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> list[ReadOutcome]:
         slot = self.slot
@@ -586,9 +549,9 @@ class NVMeTier(TierActor):
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
-        """Index the job's records that were written (``placed``: their placements, then
-        the moved records'), and the moved records written unless their key was stored
-        again meanwhile (the newer record wins); none if the tier was cleared meanwhile."""
+        """Index the records written (``placed``: the job's, then the moved ones'), a
+        moved one unless its key was stored again meanwhile; none if the tier was
+        cleared meanwhile."""
         self._writing_records -= len(placed)
         written = set(report.written)
         ours, theirs = placed[: len(admitted)], placed[len(admitted) :]

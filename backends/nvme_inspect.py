@@ -1,14 +1,7 @@
-"""An NVMe tier's root seen from outside the tier, as the reports of ``tiering inspect``,
-``verify`` and ``clear`` (synchronous; the commands' docstrings give the behaviour).
-
-Each report is the tier's own view, from the tier's own code (read-only recovery,
-:func:`~backends.nvme_recovery.verify_index`, ``mark_removed``, ``tier_file``): blocks
-are what a tier started now would index; damaged is what its start-up drops or cannot
-use; orphaned is what nobody reads again. A namespace's record size is the most common
-payload length of its segments' first records that verify; without one, its segments
-are damaged. ``remove`` and :func:`clear_root` refuse a namespace whose
-``owners/<id>.lock`` a running tier holds; a tier that starts after that check races
-with them.
+"""The reports of ``tiering inspect``, ``verify`` and ``clear`` (the commands' docstrings
+give the behaviour), from the tier's own code: read-only recovery, ``verify_index``,
+``mark_removed`` and ``tier_file``. A namespace's record size is the most common payload
+length of its segments' first records that verify; without one, they are damaged.
 """
 
 from __future__ import annotations
@@ -18,19 +11,12 @@ import os
 import re
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from backends.block_record import HEADER_BYTES, decode_header, namespace_digest
 from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
-from backends.nvme_recovery import (
-    Recovery,
-    read_identity,
-    recover,
-    verify_index,
-    write_checkpoint,
-)
-from backends.nvme_sealing import PayloadSealer
+from backends.nvme_recovery import Recovery, read_identity, recover, verify_index, write_checkpoint
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -46,7 +32,6 @@ from tiering.encryption import BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
 
 _NAMESPACE_DIR = re.compile(r"^(.+)-([0-9a-f]{32})$")
-LAYOUT_SEGMENTS = "segments"
 _FOREIGN = "not a file the tier writes (the tier leaves it alone)"
 
 
@@ -60,10 +45,8 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class NamespaceReport:
-    """What one namespace directory holds: ``namespace`` as its ``NAMESPACE`` file names
-    it (None when missing or unreadable), ``digest`` from the directory's name,
-    ``block_bytes`` None when no block verifies, ``live_owners`` the tiers running on it.
-    """
+    """What one namespace directory holds (``namespace`` None: its ``NAMESPACE`` file
+    is missing or unreadable; ``block_bytes`` None: no block verifies)."""
 
     directory: str
     namespace: str | None
@@ -81,8 +64,7 @@ class NamespaceReport:
 
 @dataclass(frozen=True, slots=True)
 class RootReport:
-    """What :func:`inspect_root` found: totals, the namespaces and the root's other
-    entries (never touched by the tier or these tools)."""
+    """What :func:`inspect_root` found: totals, namespaces, the root's other entries."""
 
     root: str
     blocks: int
@@ -93,27 +75,10 @@ class RootReport:
     namespaces: tuple[NamespaceReport, ...]
     other_entries: tuple[str, ...]
 
-    @classmethod
-    def of(
-        cls, root: str, namespaces: tuple[NamespaceReport, ...], others: tuple[str, ...]
-    ) -> RootReport:
-        """The report of ``namespaces``, with their totals."""
-        return cls(
-            root,
-            sum(ns.blocks for ns in namespaces),
-            sum(ns.payload_bytes for ns in namespaces),
-            sum(ns.disk_bytes for ns in namespaces),
-            sum(len(ns.damaged) for ns in namespaces),
-            sum(len(ns.orphaned) for ns in namespaces),
-            namespaces,
-            others,
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class BadBlock:
-    """A block that failed verification: its segment (relative to the root) and record,
-    its key in hex when its header could be read, why, and whether it was removed."""
+    """A block that failed verification (``key`` in hex, None when unreadable)."""
 
     path: str
     record: int | None
@@ -124,7 +89,7 @@ class BadBlock:
 
 @dataclass(frozen=True, slots=True)
 class NamespaceVerify:
-    """One namespace's verification: blocks checked, the bad ones, live owners seen."""
+    """One namespace's verification."""
 
     directory: str
     namespace: str | None
@@ -145,13 +110,6 @@ class VerifyReport:
     removed: int
     namespaces: tuple[NamespaceVerify, ...]
 
-    @classmethod
-    def of(cls, root: str, remove: bool, namespaces: tuple[NamespaceVerify, ...]) -> VerifyReport:
-        """The report of ``namespaces``, with their totals."""
-        bad = [b for ns in namespaces for b in ns.bad]
-        checked = sum(ns.checked for ns in namespaces)
-        return cls(root, remove, checked, len(bad), sum(b.removed for b in bad), namespaces)
-
     @property
     def bad_blocks(self) -> tuple[BadBlock, ...]:
         """Every bad block, namespace by namespace."""
@@ -160,8 +118,7 @@ class VerifyReport:
 
 @dataclass(frozen=True, slots=True)
 class ClearReport:
-    """What :func:`clear_root` removed (with ``dry_run``: would remove), and the files it
-    left because the tier never writes such names."""
+    """What :func:`clear_root` removed (``dry_run``: would remove), and the files ``left``."""
 
     root: str
     dry_run: bool
@@ -190,20 +147,18 @@ class _Namespace:
         return os.path.join(self.name, *parts)
 
     def live_owners(self) -> tuple[str, ...]:
-        names = sorted(entry.name for entry in _listdir(os.path.join(self.path, OWNERS_DIR)))
+        names = [entry.name for entry in _listdir(os.path.join(self.path, OWNERS_DIR))]
         owners = (name.removesuffix(".lock") for name in names if name.endswith(".lock"))
         return tuple(owner for owner in owners if owner_alive(self.path, owner))
 
 
 def _open_root(
-    root: str | os.PathLike[str], wanted: str | None
+    root: str | os.PathLike[str], wanted: str | None, refuse_if_live: str | None = None
 ) -> tuple[str, list[_Namespace], list[str]]:
     """The root's path, the namespace directories ``wanted`` names (:func:`_select`)
-    and the root's other entries.
-
-    Raises:
-        InvalidArgumentError: ``root`` fails the tier's :func:`check_root`, cannot be
-            listed, or is neither empty nor holds a namespace directory.
+    and the root's other entries. InvalidArgumentError: ``root`` fails the tier's
+    :func:`check_root`, cannot be listed, or is neither empty nor holds a namespace;
+    with ``refuse_if_live`` (an action), TieringError when a running tier holds one.
     """
     path = os.fspath(root)
     try:
@@ -233,7 +188,16 @@ def _open_root(
             f"ROOT: {path!r} is not an NVMe root: it holds no namespace directory "
             "(<name>-<32 hex digits> with a NAMESPACE file, owners/ or segments/)"
         )
-    return path, _select(namespaces, wanted), others
+    selected = _select(namespaces, wanted)
+    for ns in selected if refuse_if_live else ():
+        live = ns.live_owners()
+        if live:
+            raise TieringError(
+                f"refusing to {refuse_if_live}: namespace {ns.namespace or ns.name!r} is in "
+                f"use by {len(live)} running tier(s) (owners/{live[0]}.lock is held); "
+                "stop them first. Nothing was changed"
+            )
+    return path, selected, others
 
 
 def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
@@ -257,11 +221,8 @@ def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
 
 def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace]:
     """The namespaces ``wanted`` names (its string, directory name, or a digest prefix
-    of at least 4 hex digits); all for None.
-
-    Raises:
-        InvalidArgumentError: nothing or more than one namespace matches.
-    """
+    of at least 4 hex digits; all for None); InvalidArgumentError when none matches, or
+    a digest prefix matches several."""
     if wanted is None:
         return namespaces
     exact = [ns for ns in namespaces if wanted in (ns.namespace, ns.name)]
@@ -282,17 +243,6 @@ def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace
     raise InvalidArgumentError(
         f"argument --namespace: no namespace {wanted!r} in the root; it holds: {known or 'none'}"
     )
-
-
-def _refuse_if_live(namespaces: Sequence[_Namespace], action: str) -> None:
-    for ns in namespaces:
-        live = ns.live_owners()
-        if live:
-            raise TieringError(
-                f"refusing to {action}: namespace {ns.namespace or ns.name!r} is in use by "
-                f"{len(live)} running tier(s) (owners/{live[0]}.lock is held); "
-                "stop them first. Nothing was changed"
-            )
 
 
 @contextlib.contextmanager
@@ -323,12 +273,19 @@ def _listdir(path: str) -> list[os.DirEntry[str]]:
 
 # -- one namespace, as the tier's start-up sees it -----------------------------------------
 
+_LEFTOVER = {
+    "checkpoint temporary": "temporary checkpoint of a writer that is gone",
+    "identity temporary": "temporary NAMESPACE file left by a tier start",
+    "probe": "O_DIRECT probe file left by a tier start",
+    "lock": "lock file of a writer that is gone",
+}
+
 
 @dataclass(slots=True)
 class _Segments:
-    """A namespace's segments: the tier's read-only recovery (None when the record size
-    is unknown), and the findings."""
+    """A namespace's segments: read-only recovery (None: record size unknown), findings."""
 
+    present: bool
     files: SegmentFiles | None = None
     found: Recovery | None = None
     sealed: bool = False  # some segment's first record is encrypted
@@ -340,12 +297,11 @@ class _Segments:
         return 0 if self.found is None else len(self.found.index)
 
 
-def _segments(ns: _Namespace) -> _Segments | None:
-    """The segments of ``ns`` (None without ``segments/``), recovered by the tier's code."""
+def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
+    """The segments of ``ns``, recovered by the tier's code (reads open under
+    ``cipher``)."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
-    if not os.path.isdir(seg_dir):
-        return None
-    state = _Segments()
+    state = _Segments(present=os.path.isdir(seg_dir))
     damaged, orphaned = state.damaged, state.orphaned
     sizes: Counter[int] = Counter()
     names: list[str] = []
@@ -366,7 +322,7 @@ def _segments(ns: _Namespace) -> _Segments | None:
         return state
     block_bytes = sizes.most_common(1)[0][0]
     files = state.files = SegmentFiles(
-        ns.path, block_bytes=block_bytes, ns_digest=ns.digest, gil_pause_bytes=0
+        ns.path, block_bytes=block_bytes, ns_digest=ns.digest, gil_pause_bytes=0, cipher=cipher
     )
     # An index as large as what is on disk keeps every block the tier would index,
     # whatever its cap.
@@ -379,42 +335,30 @@ def _segments(ns: _Namespace) -> _Segments | None:
         read_only=True,
     )
     if found.checkpoint is None and found.checkpoint_note != "no checkpoint":
-        damaged.append(
-            Finding(
-                ns.rel(CHECKPOINT_FILE),
-                f"{found.checkpoint_note} (the tier scans every segment instead)",
-            )
-        )
+        why = f"{found.checkpoint_note} (the tier scans every segment instead)"
+        damaged.append(Finding(ns.rel(CHECKPOINT_FILE), why))
     for name, size in files.list_segments():
         rel, records = ns.rel(SEGMENTS_DIR, name), files.records_in(size)
-        if name in found.unreadable:
-            damaged.append(Finding(rel, f"unreadable: {found.unreadable[name]}"))
-        elif name in found.corrupt:
-            damaged.append(
-                Finding(rel, "neither its header nor any record verifies (removed at tier start)")
-            )
         scan = found.scans.get(name)
-        if scan is not None and scan.invalid:
-            damaged.append(
-                Finding(rel, f"{scan.invalid} of {records} record slots do not verify (torn "
-                        "or damaged; their space returns with the segment)")
-            )  # fmt: skip
-        if scan is not None and scan.removed:
-            orphaned.append(
-                Finding(rel, f"{scan.removed} of {records} record slots removed by `tiering "
-                        "verify --remove` (their space returns with the segment)")
-            )  # fmt: skip
-        if scan is not None and size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
+        if scan is None:  # unreadable, corrupt, or new since the scan
+            if name in found.unreadable:
+                damaged.append(Finding(rel, f"unreadable: {found.unreadable[name]}"))
+            elif name in found.corrupt:
+                why = "neither its header nor any record verifies (removed at tier start)"
+                damaged.append(Finding(rel, why))
+            continue
+        if scan.invalid:
+            why = f"{scan.invalid} of {records} record slots do not verify (torn or damaged"
+            damaged.append(Finding(rel, f"{why}; their space returns with the segment)"))
+        if scan.removed:
+            why = f"{scan.removed} of {records} record slots removed by `tiering verify --remove`"
+            orphaned.append(Finding(rel, f"{why} (their space returns with the segment)"))
+        if size > HEADER_BYTES and (size - HEADER_BYTES) % files.record_bytes:
             damaged.append(Finding(rel, "ends in a partial record (a torn write)"))
     live = {name for name, _ in found.index.snapshot().locations()}
-    orphaned.extend(
-        Finding(
-            ns.rel(SEGMENTS_DIR, name),
-            "holds no block the index would serve (evicted first by the tier)",
-        )
-        for name, _ in found.listed
-        if name not in live
-    )
+    why = "holds no block the index would serve (evicted first by the tier)"
+    idle = [name for name in found.index.segments if name not in live]
+    orphaned += [Finding(ns.rel(SEGMENTS_DIR, name), why) for name in idle]
     return state
 
 
@@ -424,65 +368,52 @@ def _namespace_orphans(ns: _Namespace) -> list[Finding]:
     for top in ("", OWNERS_DIR):
         for entry in _listdir(os.path.join(ns.path, top)):
             parts = (top, entry.name) if top else (entry.name,)
-            kind = tier_file(parts)
-            if top == "" and entry.name in (OWNERS_DIR, SEGMENTS_DIR):
+            if parts in ((OWNERS_DIR,), (SEGMENTS_DIR,)):
                 continue
-            rel = ns.rel(*parts)
+            kind = tier_file(parts)
+            if kind in ("lock", "checkpoint temporary"):
+                temporary = temporary_writer(entry.name, CHECKPOINT_FILE)
+                if owner_alive(ns.path, temporary or entry.name.removesuffix(".lock")):
+                    continue
             if kind is None:
-                found.append(Finding(rel, _FOREIGN))
-            elif kind == "checkpoint temporary":
-                writer = temporary_writer(entry.name, CHECKPOINT_FILE)
-                if not owner_alive(ns.path, writer):  # type: ignore[arg-type]
-                    found.append(Finding(rel, "temporary checkpoint of a writer that is gone"))
-            elif kind == "identity temporary":
-                found.append(Finding(rel, "temporary NAMESPACE file left by a tier start"))
-            elif kind == "probe":
-                found.append(Finding(rel, "O_DIRECT probe file left by a tier start"))
-            elif kind == "lock" and not owner_alive(ns.path, entry.name.removesuffix(".lock")):
-                found.append(Finding(rel, "lock file of a writer that is gone"))
+                found.append(Finding(ns.rel(*parts), _FOREIGN))
+            elif kind in _LEFTOVER:
+                found.append(Finding(ns.rel(*parts), _LEFTOVER[kind]))
     return found
 
 
-def _report(ns: _Namespace, segments: _Segments | None) -> NamespaceReport:
-    damaged: list[Finding] = []
-    if ns.identity_problem is not None:
-        damaged.append(Finding(ns.rel(IDENTITY_FILE), ns.identity_problem))
-    orphaned = _namespace_orphans(ns)
-    blocks, block_bytes = 0, None
-    if segments is not None:
-        damaged += segments.damaged
-        orphaned += segments.orphaned
-        block_bytes = segments.files.block_bytes if segments.files is not None else None
-        blocks = segments.blocks
+def _report(ns: _Namespace, segments: _Segments) -> NamespaceReport:
+    damaged = [Finding(ns.rel(IDENTITY_FILE), ns.identity_problem)] if ns.identity_problem else []
+    block_bytes = None if segments.files is None else segments.files.block_bytes
     sizes = [size for _, size in _walk_files(ns.path)]
     return NamespaceReport(
         directory=ns.name,
         namespace=ns.namespace,
         digest=ns.digest.hex(),
-        layouts=(LAYOUT_SEGMENTS,) if segments is not None else (),
+        layouts=("segments",) if segments.present else (),
         block_bytes=block_bytes,
-        blocks=blocks,
-        payload_bytes=blocks * (block_bytes or 0),
+        blocks=segments.blocks,
+        payload_bytes=segments.blocks * (block_bytes or 0),
         disk_bytes=sum(sizes),
         files=len(sizes),
         live_owners=ns.live_owners(),
-        damaged=tuple(damaged),
-        orphaned=tuple(orphaned),
+        damaged=tuple(damaged + segments.damaged),
+        orphaned=tuple(_namespace_orphans(ns) + segments.orphaned),
     )
 
 
 def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) -> RootReport:
     """What ``root`` (or one ``namespace``, as :func:`_select` matches it) holds, from
-    every record header, no payload; changes nothing on disk.
-
-    Raises:
-        InvalidArgumentError: as :func:`_open_root` and :func:`_select`.
-        TieringError: an OS error while reading (the message carries it).
-    """
+    every record header, no payload; changes nothing on disk. InvalidArgumentError as
+    :func:`_open_root`; TieringError for an OS error while reading."""
     path, selected, others = _open_root(root, namespace)
     with _os_errors(path):
         reports = tuple(_report(ns, _segments(ns)) for ns in selected)
-    return RootReport.of(path, reports, tuple(others))
+    totals = (
+        sum(getattr(ns, n) for ns in reports) for n in ("blocks", "payload_bytes", "disk_bytes")
+    )
+    findings = (sum(len(getattr(ns, n)) for ns in reports) for n in ("damaged", "orphaned"))
+    return RootReport(path, *totals, *findings, reports, tuple(others))
 
 
 def verify_root(
@@ -494,10 +425,9 @@ def verify_root(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Check every block the rebuilt index of ``root`` (or one ``namespace``) holds as a
-    load does, encrypted ones under ``encryption`` (the tier's option; without it they
-    are bad). With ``remove``, a bad record is marked removed and leaves the checkpoint
-    (rewritten atomically); one that could not be is reported not removed.
-    ``on_progress(checked, total)`` is called from ``(0, total)`` on.
+    load does, encrypted ones under ``encryption`` (without it they are bad). With
+    ``remove``, a bad record is marked removed and leaves the checkpoint; one that could
+    not be is reported not removed. ``on_progress(checked, total)`` from ``(0, total)``.
 
     Raises:
         InvalidArgumentError: as :func:`inspect_root`.
@@ -505,18 +435,17 @@ def verify_root(
             encrypted blocks and no keyring was given (nothing changed), or an OS error.
     """
     keyring = keyring_from(encryption, option="encryption")
-    path, selected, _ = _open_root(root, namespace)
-    if remove:
-        _refuse_if_live(selected, "remove bad blocks")
+    path, selected, _ = _open_root(root, namespace, "remove bad blocks" if remove else None)
     with _os_errors(path):
-        states = [(ns, _segments(ns)) for ns in selected]
+        cipher = None if keyring is None else BlockCipher(keyring)
+        states = [(ns, _segments(ns, cipher)) for ns in selected]
         for ns, state in states:
-            if remove and keyring is None and state is not None and state.sealed:
+            if remove and keyring is None and state.sealed:
                 raise TieringError(
                     f"{ns.path}: holds encrypted blocks; without their keyring "
                     "(--encryption) none can be checked, so none is removed"
                 )
-        total = sum(state.blocks for _, state in states if state is not None)
+        total = sum(state.blocks for _, state in states)
         done = 0
 
         def advance(blocks: int) -> None:
@@ -526,26 +455,20 @@ def verify_root(
                 on_progress(done, total)
 
         advance(0)
-        results = tuple(_verify(ns, state, remove, keyring, advance) for ns, state in states)
-    return VerifyReport.of(path, remove, results)
+        results = tuple(_verify(ns, state, remove, advance) for ns, state in states)
+    bad = [b for ns in results for b in ns.bad]
+    checked = sum(ns.checked for ns in results)
+    return VerifyReport(path, remove, checked, len(bad), sum(b.removed for b in bad), results)
 
 
 def _verify(
-    ns: _Namespace,
-    state: _Segments | None,
-    remove: bool,
-    keyring: Keyring | None,
-    advance: Callable[[int], None],
+    ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
     """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
     checkpoint."""
-    files, found = (None, None) if state is None else (state.files, state.found)
+    files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), ns.live_owners())
-    if keyring is not None:
-        files.sealer = PayloadSealer(
-            BlockCipher(keyring), block_bytes=files.block_bytes, ns_digest=ns.digest
-        )
     checked, failures = verify_index(files, found.index, on_batch=advance)
     marked: set[tuple[str, int]] = set()
     dropped: set[tuple[str, int]] = set()
@@ -581,17 +504,11 @@ def clear_root(
 ) -> ClearReport:
     """Remove the files the tier writes (:func:`tier_file`) in ``root``'s namespace
     directories (or one ``namespace``'s), then the directories left empty; other files
-    stay, listed in ``left``. Links are removed, never followed. With ``dry_run`` nothing
-    changes.
-
-    Raises:
-        InvalidArgumentError: as :func:`inspect_root`.
-        TieringError: a selected namespace has a live owner (nothing changed), or a
-            file could not be removed (the message names it; what went before is gone).
+    stay, listed in ``left``. Links are removed, never followed. ``dry_run``: no change.
+    InvalidArgumentError as :func:`inspect_root`; TieringError for a live owner (nothing
+    changed) or a file that could not be removed (named; what went before is gone).
     """
-    path, selected, _ = _open_root(root, namespace)
-    if not dry_run:
-        _refuse_if_live(selected, "clear")
+    path, selected, _ = _open_root(root, namespace, None if dry_run else "clear")
     files = nbytes = 0
     left: list[str] = []
     for ns in selected:
@@ -623,17 +540,3 @@ def clear_root(
             with contextlib.suppress(OSError):
                 os.rmdir(directory)  # only succeeds once empty
     return ClearReport(path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left))
-
-
-__all__ = [
-    "BadBlock",
-    "ClearReport",
-    "Finding",
-    "NamespaceReport",
-    "NamespaceVerify",
-    "RootReport",
-    "VerifyReport",
-    "clear_root",
-    "inspect_root",
-    "verify_root",
-]

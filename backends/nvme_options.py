@@ -1,7 +1,5 @@
 """The NVMe tier's options, :class:`NVMeOptions` (``NVMeTier.Options``): the single
-source for the tier's constructor, the registry, the TOML config, ``--set`` and the
-option table of docs/config.md.
-"""
+source for its constructor, the registry, the config, ``--set`` and docs/config.md."""
 
 from __future__ import annotations
 
@@ -35,39 +33,13 @@ def _an_object(value: object) -> object:
 
 
 class NVMeOptions(ActorOptions):
-    """The NVMe tier's options (docs/nvme.md describes each at length).
+    """The NVMe tier's options; docs/nvme.md describes all but these:
 
-    * ``root``: the directory holding namespaces; created if missing.
-    * ``namespace``: the cache identity; blocks of one are never served to another.
-    * ``capacity_bytes``: most bytes of records (header pages included) kept here.
-    * ``min_free_bytes``: free space on the file system that stores keep (by evicting,
-      or failing); whichever of this and ``capacity_bytes`` binds first wins.
-    * ``fsync``: ``"none"`` (survives a process crash, not a power loss), ``"batch"`` (a
-      store job's success means its records are on stable storage: one sync per segment
-      it wrote), ``"always"`` (a sync after every run of records).
-    * ``o_direct``: True requires O_DIRECT, False never uses it, None probes at start
-      and falls back to buffered I/O with one log line.
     * ``max_inflight_bytes``: bound on payload bytes of jobs in their I/O at once.
-    * ``enospc_retry_s``: after ENOSPC, stores are refused without I/O for this long
-      (unless the tier freed space meanwhile), then one job probes again.
     * ``encryption``: None, or a keyring (a :class:`~tiering.encryption.Keyring` or its
-      spec, such as ``"env:KV_TIERING_KEYS"``): payloads are sealed with AES-GCM; a
-      block that is not sealed, or does not open, is a miss.
-    * ``file_mode``, ``dir_mode``: modes of what the tier makes; they may add read
-      access for group and others, never write access.
-    * ``os_calls``: the system-call layer (tests pass a fault injector); ``clock``:
-      monotonic seconds (tests pass a fake).
-    * ``segment_bytes``: the size a segment grows to (at most 4096 records). None: 256
-      MiB, or less so that the cap holds 8 segments; given, the cap must hold two.
-    * ``checkpoint_every``: records written between index checkpoints (also written at
-      a graceful close); a restart scans only the records written after it.
-    * ``hot_fraction``: blocks of an evicted segment used within the last this fraction
-      of the capacity's worth of uses are written again, not dropped (0: FIFO).
-    * ``gil_pause_bytes``: bytes an I/O thread hashes before it lets go of the GIL for a
-      moment, so that the loop's thread is not kept waiting (0: never).
-    * ``staging_bytes``: 0 moves direct I/O straight between disk and slots; otherwise
-      through a huge-page staging buffer of this many bytes per I/O thread, for a host
-      pool of scattered 4 KiB pages (vLLM's shared-memory CPU tier).
+      spec, such as ``"env:KV_TIERING_KEYS"``) that seals payloads with AES-GCM.
+    * ``file_mode``, ``dir_mode``: modes of what the tier makes (never writable by others).
+    * ``os_calls``, ``clock``: the system calls and monotonic seconds (tests pass fakes).
     """
 
     root: str | os.PathLike[str]
@@ -90,6 +62,3 @@ class NVMeOptions(ActorOptions):
     hot_fraction: float = Field(0.25, ge=0, le=1)
     gil_pause_bytes: Size = Field(128 << 10, ge=0)
     staging_bytes: Size = Field(0, ge=0)
-
-
-__all__ = ["NVMeOptions"]

@@ -1,10 +1,6 @@
-"""The operating-system layer of the NVMe tier: system calls, direct I/O and writer liveness.
-
-Every system call of the tier's blocking code goes through an :class:`OsCalls`, so tests
-can inject faults (``tests/_faults.py``). Besides it: the O_DIRECT probe and alignment
-helpers, vectored writes that resume after short transfers, directory syncs, free space,
-the owner lock by which writers sharing a root tell live writers from dead ones, and the
-checks that keep a root, its directories and files to their user (docs/security.md).
+"""The operating-system layer of the NVMe tier: :class:`OsCalls` (every system call of
+the blocking code, so tests can inject faults), direct I/O, the owner locks by which
+writers sharing a root tell live from dead, and private roots (docs/security.md).
 """
 
 from __future__ import annotations
@@ -18,11 +14,11 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from tiering.errors import InvalidArgumentError
-from tiering.host_pool import io_buffer
+from tiering.host_pool import HUGE_PAGE_BYTES, io_buffer
 
 FsyncPolicy = Literal["none", "batch", "always"]
 
@@ -32,25 +28,16 @@ ALIGNMENT = 4096
 OWNERS_DIR = "owners"
 PROBE_PREFIX = ".odirect-probe."
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def _libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
-    """``name`` of the C library with ``errno`` kept, or None where it is missing."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = getattr(libc, name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_FALLOCATE = _libc_function(
-    "fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-)
+_FALLOCATE: Any
+try:  # the C library's, with errno kept; None where it lacks one
+    _FALLOCATE = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).fallocate
+    _FALLOCATE.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+except (OSError, AttributeError):
+    _FALLOCATE = None
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in a root is never followed
 
 
@@ -58,8 +45,9 @@ class OsCalls:
     """The system calls the blocking core makes, as methods a test can override."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        """``os.open``, never through a symbolic link, files created private (0600)."""
-        return os.open(path, flags | _O_NOFOLLOW, mode)
+        """``os.open``, never through a symbolic link, close-on-exec, files created
+        private (0600)."""
+        return os.open(path, flags | _O_NOFOLLOW | _O_CLOEXEC, mode)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -140,7 +128,7 @@ def write_all(os_calls: OsCalls, fd: int, buffers: list[memoryview], offset: int
 
 def fsync_dir(os_calls: OsCalls, directory: str) -> None:
     """Make ``directory``'s entries durable (``fsync`` of the directory; OSError if not)."""
-    fd = os_calls.open(directory, os.O_RDONLY | _O_CLOEXEC)
+    fd = os_calls.open(directory, os.O_RDONLY)
     try:
         os_calls.fsync(fd)
     finally:
@@ -150,13 +138,13 @@ def fsync_dir(os_calls: OsCalls, directory: str) -> None:
 def probe_o_direct(directory: str, os_calls: OsCalls = REAL_OS) -> str | None:
     """None if a page written and read back with O_DIRECT in ``directory`` round-trips,
     else why not. OSErrors other than an O_DIRECT refusal propagate."""
-    if not _O_DIRECT:
+    if not O_DIRECT:
         return "O_DIRECT is not available on this platform"
     path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
     page = memoryview(mmap.mmap(-1, ALIGNMENT))  # page-aligned, as O_DIRECT needs
     page[:8] = b"kvprobe!"
     try:
-        fd = os_calls.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC)
+        fd = os_calls.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT)
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return f"open with O_DIRECT failed: {os.strerror(exc.errno)}"
@@ -228,12 +216,18 @@ def owner_alive(namespace_dir: str, instance_id: str) -> bool:
 def thread_buffer(
     local: threading.local, name: str, nbytes: int, *, at_least: int = 0
 ) -> memoryview:
-    """This thread's buffer ``name`` of ``local``: ``nbytes`` of 2 MiB-aligned memory
-    (:func:`~tiering.host_pool.io_buffer`, fit for O_DIRECT), made ``max(nbytes,
-    at_least)`` long when missing or too short, then reused."""
+    """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
+    ``max(nbytes, at_least)`` long when missing or too short: an
+    :func:`~tiering.host_pool.io_buffer` from a huge page up, a plain mapping below (a
+    small buffer gains nothing from a huge page, and its first touch would fault in and
+    zero a whole one while the thread holds the GIL, stalling the event loop)."""
     view: memoryview | None = getattr(local, name, None)
     if view is None or view.nbytes < nbytes:
-        view = io_buffer(max(nbytes, at_least))
+        size = max(nbytes, at_least)
+        if size >= HUGE_PAGE_BYTES:
+            view = io_buffer(size)
+        else:  # never empty: an anonymous mapping of 0 bytes is EINVAL
+            view = memoryview(mmap.mmap(-1, max(size, ALIGNMENT)))
         setattr(local, name, view)
     return view[:nbytes]
 
@@ -258,11 +252,8 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def check_private(option: str, path: str) -> None:
-    """Refuse a directory another user owns or anyone but its owner may write to.
-
-    Raises:
-        InvalidArgumentError: naming ``option``, the path and what is wrong with it.
-    """
+    """InvalidArgumentError (naming ``option``, the path and the fault) unless ``path``
+    is a directory of this user that nobody else may write to."""
     status = os.stat(path)
     if not stat.S_ISDIR(status.st_mode):
         raise InvalidArgumentError(f"{option}: {path!r} is not a directory")
@@ -279,16 +270,14 @@ def check_private(option: str, path: str) -> None:
 
 
 def check_root(path: str, *, option: str = "root", create: bool = False, mode: int = 0o700) -> None:
-    """Check ``path`` as an NVMe root (the tier's start and the inspect, verify and clear
-    commands): a directory of this process's user that nobody else may write to
-    (docs/security.md). With ``create``, a missing root is made with ``mode`` (its
-    missing parents too).
+    """Check ``path`` as an NVMe root: a directory of this process's user that nobody
+    else may write to; with ``create``, a missing root is made with ``mode``.
 
     Raises:
         InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
-            ``create``), is not a directory (a file, or under one), cannot be created
-            for lack of permission, belongs to another user, or others may write to it.
-        OSError: any other failure of the file system (I/O, no space).
+            ``create``), is not a directory, cannot be created for lack of permission,
+            belongs to another user, or others may write to it.
+        OSError: any other failure of the file system.
     """
     if create:
         try:

@@ -1,6 +1,5 @@
-"""Opening an NVMe namespace directory and recovering its index: the checkpoint plus a
-scan of what was written after it (and, for ``tiering verify``, a read of every block).
-Blocking: the tier runs it once, at start, on a worker thread.
+"""Opening an NVMe namespace directory and recovering its index from the checkpoint and a
+scan of what was written after it (docs/nvme.md); blocking, run once at the tier's start.
 """
 
 from __future__ import annotations
@@ -38,19 +37,13 @@ from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segments import SegmentFiles, SegmentScan
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
 
 def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
     """Check ``root``, make the namespace's ``directory`` and its subdirectories,
-    private, and write or check its identity file.
-
-    Raises:
-        InvalidArgumentError: the root fails :func:`check_root`, a directory is a link
-            or a file, or the directory holds another namespace.
-        OSError: any other failure of the file system.
+    private, and write or check its identity file. InvalidArgumentError: the root fails
+    :func:`check_root`, a directory is a link or a file, or it holds another namespace.
     """
     check_root(root, create=True, mode=dir_mode)
     with contextlib.suppress(FileExistsError):
@@ -111,7 +104,6 @@ class Recovery:
     # Segments of dead writers in which neither the header nor a record verifies.
     corrupt: list[str] = field(default_factory=list)
     unreadable: dict[str, str] = field(default_factory=dict)  # segment -> why
-    listed: list[tuple[str, int]] = field(default_factory=list)  # (segment, records) indexed
 
 
 def recover(
@@ -123,12 +115,17 @@ def recover(
 ) -> Recovery:
     """Read the checkpoint, scan what it does not cover, and build an index with
     ``new_index(records on disk)``, deleting dead writers' checkpoint temporaries and
-    segments in which nothing verifies. With ``read_only`` (inspect, verify) nothing is
-    written, those are only reported, and every segment is scanned from record 0.
-    """
+    segments in which nothing verifies; ``read_only`` (inspect, verify): nothing is
+    deleted, and every segment is scanned from record 0."""
     directory = files.directory
     removed: Counter[str] = Counter()
-    _remove_dead_temporaries(directory, writer, removed, read_only)
+    for entry in os.scandir(directory):  # dead writers' checkpoint temporaries
+        owner = temporary_writer(entry.name, CHECKPOINT_FILE)
+        if owner is not None and owner != writer and not owner_alive(directory, owner):
+            with contextlib.suppress(OSError):
+                if not read_only:
+                    os.unlink(entry.path)
+                removed["temporary"] += 1
     checkpoint, note = read_checkpoint(files)
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     alive: dict[str, bool] = {}
@@ -167,9 +164,7 @@ def recover(
     index = new_index(sum(records for _, records in listed))
     recovered = index.restore(checkpoint, listed, scans, protected)
     excess = [name for name in index.excess_segments(listed) if name not in protected]
-    return Recovery(
-        index, recovered, excess, removed, checkpoint, note, scans, corrupt, unreadable, listed
-    )
+    return Recovery(index, recovered, excess, removed, checkpoint, note, scans, corrupt, unreadable)
 
 
 def verify_index(
@@ -205,12 +200,11 @@ def verify_index(
 
 def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
     """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` (a temporary of
-    ``temp_suffix``, synced, renamed); returns its size. OSError if it could not be
-    (the previous checkpoint stays, the temporary is removed)."""
+    ``temp_suffix``, synced, renamed); returns its size. OSError: the old one stays."""
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
     final = os.path.join(files.directory, CHECKPOINT_FILE)
     temp = f"{final}.{temp_suffix}.tmp"
-    fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, files.file_mode)
+    fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, files.file_mode)
     try:
         try:
             write_all(files.os, fd, [memoryview(p) for p in parts], 0)
@@ -227,8 +221,7 @@ def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix
 
 
 def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
-    """``(the checkpoint of files, None)``, or ``(None, why not)`` when there is none or
-    it fails a check. Never raises."""
+    """``(the checkpoint, None)``, or ``(None, why not)``. Never raises."""
     path = os.path.join(files.directory, CHECKPOINT_FILE)
     try:
         with open(path, "rb") as file:
@@ -243,15 +236,3 @@ def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]
         ), None
     except (CorruptBlockError, ValueError, struct.error) as exc:
         return None, f"checkpoint rejected: {exc}"
-
-
-def _remove_dead_temporaries(
-    directory: str, writer: str, removed: Counter[str], read_only: bool
-) -> None:
-    for entry in os.scandir(directory):
-        owner = temporary_writer(entry.name, CHECKPOINT_FILE)
-        if owner is not None and owner != writer and not owner_alive(directory, owner):
-            with contextlib.suppress(OSError):
-                if not read_only:
-                    os.unlink(entry.path)
-                removed["temporary"] += 1

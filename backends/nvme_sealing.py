@@ -1,11 +1,7 @@
-"""Encrypted payloads on NVMe: the per-thread buffers a write seals into.
-
-A sealed write cannot go straight from the host pool (the slot keeps its plaintext,
-and AES-GCM adds a tag), so a :class:`PayloadSealer` lends each worker thread
-page-aligned buffers (O_DIRECT still applies) to seal into; a read opens the ciphertext
-in its slot. Blocking, for the tier's worker threads only. The cipher runs without the
-GIL but not without a core, so a thread gives up the CPU after each block
-(``os.sched_yield``) to let the loop's thread run (docs/security.md has the figures).
+"""Encrypted payloads on NVMe: a sealed write cannot go straight from the host pool (the
+slot keeps its plaintext, and AES-GCM adds a tag), so :class:`PayloadSealer` lends each
+I/O thread page-aligned buffers to seal into. The cipher runs without the GIL but not
+without a core: a thread yields the CPU after each block, for the loop's thread.
 """
 
 from __future__ import annotations
@@ -22,12 +18,10 @@ SEAL_BATCH_BYTES = 8 << 20
 
 
 class PayloadSealer:
-    """Seals one namespace's payloads of ``block_bytes`` with ``cipher``.
+    """Seals one namespace's payloads of ``block_bytes`` with ``cipher``; each thread
+    gets its own buffers."""
 
-    Thread-safe: each thread gets its own buffers.
-    """
-
-    def __init__(self, cipher: BlockCipher, *, block_bytes: int, ns_digest: bytes) -> None:
+    def __init__(self, cipher: BlockCipher, block_bytes: int, ns_digest: bytes) -> None:
         self.cipher = cipher
         self.block_bytes = block_bytes
         self.ns_digest = ns_digest

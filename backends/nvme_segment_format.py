@@ -31,8 +31,7 @@ IDENTITY_FILE = "NAMESPACE"
 TEMP_SUFFIX = ".tmp"
 REMOVED_MARK = b"KVTIER removed by verify\n"
 """How a record slot's header page begins once ``tiering verify --remove`` removed its
-record: no block header (a scan skips the slot, as it skips a torn one), and told apart
-from damage (:attr:`~backends.nvme_segments.SegmentScan.removed`)."""
+record: a scan skips the slot and counts it removed, not damaged."""
 SEGMENT_FORMAT_VERSION = 1
 _SEGMENT_MAGIC = b"KVTSEG\r\n"
 _SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")
@@ -42,9 +41,8 @@ _SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
 _READABLE = re.compile(r"[^A-Za-z0-9._-]+")
 _CHECKPOINT_MAGIC = b"KVTCKPT\n"
 _CHECKPOINT_VERSION = 1
-_CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
-"""magic, version, head length, record payload bytes, namespace digest, segments,
-entries, body length, body checksum (xxh3_128)."""
+_CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")  # the head, as the docstring above
+_COLUMNS = (("digests", "<u8"), ("segment_of", "<u4"), ("record_of", "<u4"), ("ticks", "<u4"))
 
 
 def namespace_dirname(namespace: str) -> str:
@@ -86,9 +84,9 @@ def tier_file(parts: tuple[str, ...]) -> str | None:
     temporary"``; None for a name the tier never writes."""
     if len(parts) == 1:
         (name,) = parts
-        if name in (IDENTITY_FILE, CHECKPOINT_FILE):
-            return "identity" if name == IDENTITY_FILE else "checkpoint"
         for final, kind in ((IDENTITY_FILE, "identity"), (CHECKPOINT_FILE, "checkpoint")):
+            if name == final:
+                return kind
             if temporary_writer(name, final) is not None:
                 return f"{kind} temporary"
         return "probe" if name.startswith(PROBE_PREFIX) else None
@@ -175,12 +173,7 @@ def encode_checkpoint(checkpoint: Checkpoint, *, block_bytes: int, ns_digest: by
     """The bytes of ``checkpoint``'s file, in parts: its head, then its body
     (InvalidArgumentError when the entry arrays differ in length)."""
     names = "\n".join(f"{name} {covered}" for name, covered in checkpoint.segments).encode()
-    arrays = [
-        np.ascontiguousarray(checkpoint.digests, dtype="<u8"),
-        np.ascontiguousarray(checkpoint.segment_of, dtype="<u4"),
-        np.ascontiguousarray(checkpoint.record_of, dtype="<u4"),
-        np.ascontiguousarray(checkpoint.ticks, dtype="<u4"),
-    ]
+    arrays = [np.ascontiguousarray(getattr(checkpoint, n), dtype=t) for n, t in _COLUMNS]
     count = len(arrays[0])
     if any(len(array) != count for array in arrays):
         raise InvalidArgumentError("checkpoint arrays differ in length")
@@ -188,7 +181,6 @@ def encode_checkpoint(checkpoint: Checkpoint, *, block_bytes: int, ns_digest: by
     digest = xxhash.xxh3_128()
     for part in body:
         digest.update(part)
-    body_bytes = sum(len(part) for part in body)
     head = _CHECKPOINT_HEAD.pack(
         _CHECKPOINT_MAGIC,
         _CHECKPOINT_VERSION,
@@ -197,20 +189,15 @@ def encode_checkpoint(checkpoint: Checkpoint, *, block_bytes: int, ns_digest: by
         ns_digest,
         len(checkpoint.segments),
         count,
-        body_bytes,
+        sum(len(part) for part in body),
         digest.digest(),
     )
     return [head, *(bytes(part) for part in body)]
 
 
 def parse_checkpoint(data: bytes, *, block_bytes: int, ns_digest: bytes) -> Checkpoint:
-    """The checkpoint a file holds.
-
-    Raises:
-        CorruptBlockError: it fails a check (magic, version, namespace, record size,
-            length, checksum, or its tables).
-        ValueError, struct.error: its segment table does not parse.
-    """
+    """The checkpoint a file holds; CorruptBlockError when it fails a check, ValueError
+    or struct.error when its segment table does not parse."""
     if len(data) < _CHECKPOINT_HEAD.size:
         raise CorruptBlockError("checkpoint is short")
     magic, version, head_len, payload, ns, n_segments, count, body_len, checksum = (
@@ -241,9 +228,9 @@ def parse_checkpoint(data: bytes, *, block_bytes: int, ns_digest: bytes) -> Chec
         raise CorruptBlockError("segment table length mismatch")
     at = 8 + names_len
     arrays = []
-    for dtype, width in (("<u8", 8), ("<u4", 4), ("<u4", 4), ("<u4", 4)):
+    for _, dtype in _COLUMNS:
         arrays.append(np.frombuffer(body, dtype=dtype, count=count, offset=at).copy())
-        at += width * count
+        at += arrays[-1].nbytes
     if at != body_len:
         raise CorruptBlockError("checkpoint arrays do not fill the body")
     if count and int(arrays[1].max()) >= max(n_segments, 1):

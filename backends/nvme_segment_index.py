@@ -1,12 +1,7 @@
-"""The NVMe tier's index: where each block sits, in a few dozen bytes per block.
-
-Sans-I/O, on the loop thread: it decides where new records go, which segments to delete
-to make room, and what a checkpoint holds; :mod:`backends.nvme_segments` does the I/O.
-docs/nvme.md describes the key table and the eviction (FIFO with reinsertion of blocks
-used within the last ``hot_fraction``; a segment whose live records fell below
-``compact_below`` goes first, all of them written again). Two keys of one 64-bit digest
-look like one block here; every read verifies the full key, so a collision can cost a
-hit, never serve another block's bytes.
+"""The NVMe tier's index, sans-I/O on the loop thread: where each block sits, where new
+records go, which segments to delete to make room, and what a checkpoint holds
+(docs/nvme.md: the key table, eviction and reinsertion, compaction). Two keys of one
+64-bit digest look like one block here; every read verifies the full key.
 """
 
 from __future__ import annotations
@@ -35,9 +30,8 @@ def key_digest(key: bytes) -> int:
 
 
 class KeyTable:
-    """A fixed-size map from 64-bit digests to (location, tick), in flat arrays: linear
-    probing, backward-shift deletion (no tombstones), at most 70 % full at ``capacity``
-    entries, beyond which :meth:`put` raises."""
+    """A fixed-size map from 64-bit digests to (location, tick) in flat arrays (linear
+    probing, backward-shift deletion), at most 70 % full at ``capacity`` entries."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = positive_int("capacity", capacity)
@@ -69,12 +63,10 @@ class KeyTable:
             slot = (slot + 1) & mask
 
     def get(self, digest: int) -> int | None:
-        """The location of ``digest``, or None."""
         slot = self._find(digest)
         return self._locs[slot] if self._digests[slot] else None
 
     def tick_of(self, digest: int) -> int | None:
-        """The last-use tick of ``digest``, or None."""
         slot = self._find(digest)
         return self._ticks[slot] if self._digests[slot] else None
 
@@ -101,7 +93,7 @@ class KeyTable:
         return old
 
     def delete(self, digest: int) -> int | None:
-        """Remove ``digest``; returns its location, or None if absent."""
+        """Remove ``digest``; returns its location (None: absent)."""
         digests, locs, ticks, mask = self._digests, self._locs, self._ticks, self._mask
         hole = self._find(digest)
         if not digests[hole]:
@@ -123,11 +115,9 @@ class KeyTable:
         return old
 
     def entries(self, chunk: int = 1 << 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Copies of the present ``(digests, locations, ticks)``, in slot order.
-
-        Safe from another thread while the owner goes on: it lets go of the GIL every
-        ``chunk`` slots; an entry moved meanwhile may be copied torn or twice (which can
-        cost hits, never serve wrong bytes: reads verify)."""
+        """Copies of the present ``(digests, locations, ticks)``, in slot order; safe from
+        another thread while the owner goes on (an entry moved meanwhile may be copied
+        torn or twice: reads verify)."""
         digests = np.frombuffer(self._digests, dtype=np.uint64)
         locs = np.frombuffer(self._locs, dtype=np.uint64)
         ticks = np.frombuffer(self._ticks, dtype=np.uint32)
@@ -137,8 +127,6 @@ class KeyTable:
             present = digests[window] != _EMPTY
             parts.append((digests[window][present], locs[window][present], ticks[window][present]))
             time.sleep(0)
-        if not parts:
-            return (np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint32))
         return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))  # type: ignore[return-value]
 
 
@@ -148,8 +136,7 @@ def _loc(segment: int, record: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a new record goes: ``segment`` (a file name), record number ``record``;
-    ``create``: this record's write creates the segment file."""
+    """Where a new record goes; ``create``: its write creates the segment file."""
 
     segment: str
     record: int
@@ -178,10 +165,9 @@ class Eviction:
 
 @dataclass(frozen=True, slots=True)
 class RoomPlan:
-    """How one store job makes room (:meth:`SegmentIndex.plan_room`): ``fit`` of its
-    records fit; ``moves`` ``(segment, record, digest)`` are evicted records to write
-    again, ``gone`` ``(segment, record)`` those that leave the tier; ``placed`` one
-    placement per record that fits, then one per move."""
+    """How one store job makes room: ``fit`` of its records fit; ``moves`` are evicted
+    records to write again, ``gone`` those that leave the tier; ``placed`` one placement
+    per record that fits, then one per move."""
 
     fit: int
     evictions: list[Eviction]
@@ -193,12 +179,10 @@ class RoomPlan:
 class SegmentIndex:
     """Which blocks the NVMe tier holds, where, and what to evict.
 
-    Capacity counts records on disk, live or dead (they come back with their segment).
-    A pinned segment (a read or write in flight), one holding a held key and the one
-    being written are never evicted; ``used_records + reserved <= capacity_records``
-    after :meth:`make_room` granted; a newer record of a digest makes the older one dead.
-    The constructor raises InvalidArgumentError for a size that is not a positive int,
-    a ``writer`` that is not hex, or a fraction outside [0, 1].
+    Capacity counts records on disk, live or dead. A pinned segment (a read or write in
+    flight), one holding a held key and the one being written are never evicted; a newer
+    record of a digest makes the older one dead. InvalidArgumentError for a size that is
+    not a positive int, a ``writer`` that is not hex, or a fraction outside [0, 1].
     """
 
     def __init__(
@@ -213,12 +197,11 @@ class SegmentIndex:
         self.capacity_records = positive_int("capacity_records", capacity_records)
         self.records_per_segment = positive_int("records_per_segment", records_per_segment)
         segment_name(writer, 0)  # validates the writer id
-        if not isinstance(hot_fraction, int | float) or not 0 <= hot_fraction <= 1:
-            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {hot_fraction!r}")
+        for name, value in (("hot_fraction", hot_fraction), ("compact_below", compact_below)):
+            if not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise InvalidArgumentError(f"{name} must be in [0, 1], got {value!r}")
         self.writer = writer
         self.hot_fraction = float(hot_fraction)
-        if not isinstance(compact_below, int | float) or not 0 <= compact_below <= 1:
-            raise InvalidArgumentError(f"compact_below must be in [0, 1], got {compact_below!r}")
         self.compact_below = float(compact_below)
         self._table = KeyTable(capacity_records)
         self._segments: dict[int, _Segment] = {}  # slot number -> segment, oldest first
@@ -248,12 +231,12 @@ class SegmentIndex:
 
     @property
     def segments(self) -> list[str]:
-        """Segment names, oldest first."""
+        """Oldest first."""
         return [segment.name for segment in self._segments.values()]
 
     @property
     def pinned_records(self) -> int:
-        """Records that reads or writes in flight use now (pins of every segment)."""
+        """Pins of every segment (reads and uncommitted writes)."""
         return sum(segment.pins for segment in self._segments.values())
 
     @property
@@ -262,17 +245,15 @@ class SegmentIndex:
         return sum(1 for digest in self._holds if digest in self)
 
     def holds(self, digest: int) -> int:
-        """How many holds of ``digest`` are not released yet."""
         return self._holds[digest]
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of the index's arrays (table and per-segment digest lists)."""
+        """Bytes of the table and the segments' digest lists."""
         lists = sum(len(s.digests) * 8 for s in self._segments.values())
         return self._table.nbytes + lists
 
     def live_fraction(self, segment: str) -> float:
-        """Live records of ``segment`` over its records."""
         entry = self._segments[self._slot_of[segment]]
         return entry.live / len(entry.digests) if len(entry.digests) else 1.0
 
@@ -301,7 +282,7 @@ class SegmentIndex:
                 del self._holds[digest]
 
     def pin(self, segment: str) -> None:
-        """One more read (or write) in flight in ``segment``: not evicted until unpinned."""
+        """One more read or write in flight in ``segment``: not evicted until unpinned."""
         self._segments[self._slot_of[segment]].pins += 1
 
     def unpin(self, segment: str) -> None:
@@ -312,9 +293,10 @@ class SegmentIndex:
 
     # -- writes -----------------------------------------------------------------------
 
-    def room(self) -> int:
-        """Records that can be placed now without evicting."""
-        return self.capacity_records - self.used_records
+    def room(self, limit: int | None = None) -> int:
+        """Records that can be placed now without evicting (under ``limit`` records)."""
+        bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
+        return bound - self.used_records
 
     def place(self, count: int) -> list[Placement]:
         """Reserve ``count`` record slots at the log's head and pin their segments; each
@@ -325,7 +307,9 @@ class SegmentIndex:
         while len(placed) < count:
             active = self._segments.get(self._active) if self._active is not None else None
             if active is None or len(active.digests) >= self.records_per_segment:
-                active = self._open_segment()
+                self._active = self._add_segment(segment_name(self.writer, self._next_seq))
+                self._next_seq += 1
+                active = self._segments[self._active]
             record = len(active.digests)
             take = min(count - len(placed), self.records_per_segment - record)
             active.digests.extend([0] * take)
@@ -336,30 +320,25 @@ class SegmentIndex:
         self.used_records += count
         return placed
 
-    def _open_segment(self) -> _Segment:
-        name = segment_name(self.writer, self._next_seq)
-        self._next_seq += 1
-        segment = self._add_segment(name)
-        self._active = self._slot_of[name]
-        return segment
-
-    def _add_segment(self, name: str) -> _Segment:
+    def _add_segment(self, name: str) -> int:
         slot = self._next_slot
         self._next_slot += 1
-        segment = _Segment(name)
-        self._segments[slot] = segment
+        self._segments[slot] = _Segment(name)
         self._slot_of[name] = slot
-        return segment
+        return slot
 
     def commit(self, digest: int, placement: Placement) -> None:
-        """The record at ``placement`` holds ``digest`` now: index it there (an older
-        record of the same digest becomes dead) and unpin its segment."""
+        """The record at ``placement`` holds ``digest`` now (an older record of it becomes
+        dead); its segment is unpinned."""
         slot = self._slot_of[placement.segment]
-        segment = self._segments[slot]
-        segment.pins -= 1
+        self._segments[slot].pins -= 1
         self._clock += 1
-        old = self._table.put(digest, _loc(slot, placement.record), self._clock & 0xFFFFFFFF)
-        segment.digests[placement.record] = digest
+        self._put(slot, placement.record, digest, self._clock & 0xFFFFFFFF)
+
+    def _put(self, slot: int, record: int, digest: int, tick: int) -> None:
+        segment = self._segments[slot]
+        old = self._table.put(digest, _loc(slot, record), tick)
+        segment.digests[record] = digest
         segment.live += 1
         if old is not None:
             self._dead(old)
@@ -385,17 +364,15 @@ class SegmentIndex:
 
     def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
         """Evict the oldest evictable segments until ``count`` records fit under
-        ``limit`` records on disk (default: the capacity; a free-space floor binds
-        lower). Returns ``(records that fit now, evictions)``: fewer than ``count`` when
-        every remaining segment is pinned, held, protected or being written."""
-        bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
+        ``limit`` records on disk (default: the capacity); returns ``(records that fit
+        now, evictions)``."""
         evictions: list[Eviction] = []
-        while bound - self.used_records < count:
+        while self.room(limit) < count:
             victim = self._next_victim()
             if victim is None:
                 break
             evictions.append(self._evict(*victim))
-        return min(count, max(0, bound - self.used_records)), evictions
+        return min(count, max(0, self.room(limit))), evictions
 
     def plan_room(self, count: int, *, limit: int | None = None, most_moves: int) -> RoomPlan:
         """Make room for a store job of ``count`` records (:meth:`make_room`, with room
@@ -405,8 +382,7 @@ class SegmentIndex:
         if any(e.reinsert for e in evictions):
             hot = sum(len(e.reinsert) for e in evictions)
             evictions += self.make_room(fit + hot, limit=limit)[1]
-        bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
-        most = min(max(0, bound - self.used_records - fit), most_moves)
+        most = min(max(0, self.room(limit) - fit), most_moves)
         hot_records = [(e.segment, record, d) for e in evictions for d, record in e.reinsert]
         moves = hot_records[-most:] if most else []
         moving = {(segment, record) for segment, record, _ in moves}
@@ -416,8 +392,7 @@ class SegmentIndex:
 
     def _next_victim(self) -> tuple[int, bool] | None:
         """``(slot, compact)``: the first evictable segment whose live fraction is below
-        ``compact_below`` (compacted: all its live blocks move), else the oldest
-        evictable one; None if nothing may be evicted."""
+        ``compact_below`` (all its live blocks move), else the oldest evictable one."""
         holds = self._holds
         oldest: int | None = None
         for slot, segment in self._segments.items():
@@ -453,9 +428,8 @@ class SegmentIndex:
         return Eviction(segment.name, dropped, reinsert)
 
     def clear(self) -> list[str]:
-        """Forget every block and segment (new segments continue the sequence); returns
-        the segment names, whose files are the caller's to delete. Placements made
-        before must not be committed or abandoned afterwards."""
+        """Forget every block and segment; returns the segment names (their files are the
+        caller's to delete). Placements made before must not be committed afterwards."""
         names = self.segments
         self._table = KeyTable(self.capacity_records)
         self._segments.clear()
@@ -472,11 +446,9 @@ class SegmentIndex:
         return [(slot, seg.name, len(seg.digests)) for slot, seg in self._segments.items()]
 
     def snapshot(self, segments: list[tuple[int, str, int]] | None = None) -> Checkpoint:
-        """The index as a checkpoint (segments oldest first, with records covered).
-
-        With ``segments`` from :meth:`checkpoint_segments`, it may run on another thread
-        while the owner goes on (see :meth:`KeyTable.entries`): entries of segments
-        created since are left out."""
+        """The index as a checkpoint. With ``segments`` from :meth:`checkpoint_segments`,
+        it may run on another thread while the owner goes on (see
+        :meth:`KeyTable.entries`); entries of segments created since are left out."""
         if segments is None:
             segments = self.checkpoint_segments()
         digests, locs, ticks = self._table.entries()
@@ -502,35 +474,26 @@ class SegmentIndex:
         scans: dict[str, SegmentScan],
         protected: Collection[str] = (),
     ) -> int:
-        """Rebuild an empty index from a checkpoint and segment scans; returns the
-        blocks indexed.
+        """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and
+        segment scans; returns the blocks indexed.
 
         ``on_disk`` lists the segments present now, oldest first, with their records;
         the checkpoint counts for those up to the records it covered, ``scans[name]``
         for the rest. Later records of a digest win; segments beyond capacity are left
-        to :meth:`excess_segments`; ``protected`` ones (another live writer's) are never
-        evicted.
-
-        Raises:
-            InvalidArgumentError: the index is not empty.
+        out; ``protected`` ones (another live writer's) are never evicted.
         """
         if self._segments:
             raise InvalidArgumentError("restore needs an empty index")
-        covered: dict[str, int] = {}
-        by_name: dict[str, list[tuple[int, int, int]]] = {}
+        covered = dict(checkpoint.segments) if checkpoint is not None else {}
+        by_name: dict[str, list[tuple[int, int, int]]] = {name: [] for name in covered}
         if checkpoint is not None:
-            listed = [name for name, _ in checkpoint.segments]
-            for name, upto in checkpoint.segments:
-                covered[name] = upto
-                by_name[name] = []
-            for d, s, r, t in zip(
-                checkpoint.digests.tolist(),
-                checkpoint.segment_of.tolist(),
-                checkpoint.record_of.tolist(),
-                checkpoint.ticks.tolist(),
+            columns = (checkpoint.record_of, checkpoint.digests, checkpoint.ticks)
+            for (name, _), *entry in zip(
+                (checkpoint.segments[s] for s in checkpoint.segment_of.tolist()),
+                *(column.tolist() for column in columns),
                 strict=True,
             ):
-                by_name[listed[s]].append((r, d, t))
+                by_name[name].append(tuple(entry))  # type: ignore[arg-type]
         for name, _records in on_disk:
             parsed = parse_segment_name(name)
             if parsed is not None and parsed[0] == self.writer:
@@ -545,29 +508,21 @@ class SegmentIndex:
         for name, records in on_disk:
             if name not in kept:
                 continue
-            segment = self._add_segment(name)
+            slot = self._add_segment(name)
+            segment = self._segments[slot]
             segment.protected = name in protected
             segment.digests.extend([0] * records)
             self.used_records += records
-            slot = self._slot_of[name]
             upto = min(covered.get(name, 0), records)
             entries = [(r, d, t) for r, d, t in by_name.get(name, ()) if r < upto]
             scan = scans.get(name)
             if scan is not None:
                 entries.extend((r, key_digest(k), 0) for k, r in scan.records if r >= upto)
             for record, digest, tick in sorted(entries):
-                old = self._table.put(digest, _loc(slot, record), tick)
-                segment.digests[record] = digest
-                segment.live += 1
-                if old is not None:
-                    self._dead(old)
+                self._put(slot, record, digest, tick)
                 self._clock = max(self._clock, tick)  # ticks restart near the newest
-        self._active = None
         return len(self._table)
 
     def excess_segments(self, on_disk: Sequence[tuple[str, int]]) -> list[str]:
-        """The segments of ``on_disk`` that :meth:`restore` did not index."""
+        """The segments of ``on_disk`` :meth:`restore` left out."""
         return [name for name, _ in on_disk if name not in self._slot_of]
-
-
-__all__ = ["Eviction", "KeyTable", "Placement", "SegmentIndex", "key_digest"]

@@ -1,13 +1,7 @@
-"""Segment files: KV blocks packed into large append-only files (docs/nvme.md: the layout).
-
-The blocking half of the NVMe tier: :class:`SegmentFiles` does every file operation
-synchronously, once per job on the tier's worker threads, and decides nothing (the
-caller's index chooses each record's segment and slot). Each record verifies on its own
-when read: a torn record, one of another key, namespace or length, and a flipped payload
-byte are each a failed key, never data. Writes are one ``pwritev`` per run of
-consecutive records (at most :data:`MAX_IOV` buffers), straight from the caller's
-memoryviews; a segment's name is unique to its writer. Every system call goes through an
-:class:`~backends.nvme_os.OsCalls` (fault injection).
+"""Segment files, the blocking half of the NVMe tier (docs/nvme.md: the layout, writes
+and reads): :class:`SegmentFiles` does every file operation synchronously, once per job
+on the tier's I/O threads, and decides nothing (the caller's index places each record).
+Every system call goes through an :class:`~backends.nvme_os.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from backends.block_record import (
     HEADER_BYTES,
@@ -34,6 +27,7 @@ from backends.block_record import (
 from backends.nvme_os import (
     ALIGNMENT,
     DISK_FULL_ERRNOS,
+    O_DIRECT,
     REAL_OS,
     FsyncPolicy,
     OsCalls,
@@ -45,6 +39,7 @@ from backends.nvme_os import (
     thread_buffer,
     write_all,
 )
+from backends.nvme_sealing import PayloadSealer
 from backends.nvme_segment_format import (
     REMOVED_MARK,
     SEGMENTS_DIR,
@@ -52,16 +47,11 @@ from backends.nvme_segment_format import (
     encode_segment_header,
     parse_segment_name,
 )
+from tiering.encryption import BlockCipher
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-
-if TYPE_CHECKING:
-    from backends.nvme_sealing import PayloadSealer
 
 MAX_IOV = 1024
 """The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def align_up(value: int, to: int = ALIGNMENT) -> int:
@@ -83,9 +73,7 @@ class RecordRun:
 @dataclass(slots=True)
 class WriteReport:
     """What one :meth:`SegmentFiles.write` call did: ``written`` keys are on disk
-    (durable per the fsync policy), ``failed`` maps every other key to a reason;
-    ``disk_full``: ENOSPC or EDQUOT; ``created``: segments created (even if a later
-    write into one failed); ``free_bytes``: the space left afterwards."""
+    (durable per the fsync policy), ``failed`` maps every other key to a reason."""
 
     written: list[bytes] = field(default_factory=list)
     failed: dict[bytes, str] = field(default_factory=dict)
@@ -102,10 +90,8 @@ record was missing (its segment gone, or shorter)."""
 
 @dataclass(frozen=True, slots=True)
 class SegmentScan:
-    """The records found in a segment from some record number on: ``(key, record)`` of
-    each valid one in file order, ``end`` after the last whole slot, ``invalid`` slots
-    without a valid record, and whether the segment's header verified (records verify
-    on their own: the run writing the header may never have landed)."""
+    """A segment's valid records ``(key, record)`` from some record on, in file order;
+    ``end`` after the last whole slot; ``invalid`` slots without a valid record."""
 
     records: list[tuple[bytes, int]]
     end: int
@@ -115,25 +101,18 @@ class SegmentScan:
     """Slots :meth:`SegmentFiles.mark_removed` marked (not counted ``invalid``)."""
 
 
-GIL_PAUSE_BYTES = 128 << 10
-"""The default bytes an I/O thread hashes before it lets go of the GIL for a moment."""
-
-STAGING_BYTES = 32 << 20
-"""The staging buffer of each I/O thread when staging is on and no size is given."""
+GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
+STAGING_BYTES = 32 << 20  # the staging buffer per I/O thread where staging is on by default
 
 
 class SegmentFiles:
-    """Blocking reads and writes of segment files in one namespace directory.
+    """Blocking reads and writes of segment files in one namespace directory, whose
+    ``segments/`` must exist. Safe from several threads at once for distinct records.
 
-    ``directory/segments`` must exist. ``o_direct``: whether O_DIRECT may be used (the
-    caller probed the file system); a run whose payloads are not all aligned moves with
-    buffered I/O. ``gil_pause_bytes``: see :meth:`_checksum`. Safe to call from several
-    threads at once for distinct records (threads share no buffers).
-
-    ``staging_bytes`` (0: off): direct I/O moves a run's records through a huge-page
-    staging buffer of this many bytes per thread (docs/nvme.md); a load still verifies
-    each payload in its slot, a store's checksum is of the staged copy. Buffered I/O and
-    sealed writes are not staged.
+    ``o_direct``: whether O_DIRECT may be used (the caller probed); a run whose payloads
+    are not all aligned moves buffered. ``staging_bytes`` (0: off): direct I/O moves
+    through a staging buffer of this size per thread (docs/nvme.md); sealed writes are
+    not staged.
     """
 
     def __init__(
@@ -146,12 +125,11 @@ class SegmentFiles:
         o_direct: bool = False,
         gil_pause_bytes: int = GIL_PAUSE_BYTES,
         staging_bytes: int = 0,
-        sealer: PayloadSealer | None = None,
+        cipher: BlockCipher | None = None,
         file_mode: int = 0o600,
         os_calls: OsCalls = REAL_OS,
     ) -> None:
         self.gil_pause_bytes = gil_pause_bytes
-        self.staging_bytes = staging_bytes
         self.directory = directory
         self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
         self.block_bytes = block_bytes
@@ -159,9 +137,9 @@ class SegmentFiles:
         """Bytes from one record's start to the next one's."""
         self.ns_digest = ns_digest
         self.fsync = fsync
-        self.o_direct = o_direct and bool(_O_DIRECT)
+        self.o_direct = o_direct and bool(O_DIRECT)
         self.os = os_calls
-        self.sealer = sealer
+        self.sealer = None if cipher is None else PayloadSealer(cipher, block_bytes, ns_digest)
         """Seals payloads on write and opens them on read; None: plain blocks."""
         self.file_mode = file_mode
         self._local = threading.local()
@@ -174,11 +152,9 @@ class SegmentFiles:
         return self._staged_records if self.o_direct else 0
 
     def path_of(self, segment: str) -> str:
-        """The path of segment file ``segment``."""
         return os.path.join(self.segments_dir, segment)
 
     def offset_of(self, record: int) -> int:
-        """The byte offset of record number ``record`` in its segment."""
         return HEADER_BYTES + record * self.record_bytes
 
     def _pages(self, count: int) -> memoryview:
@@ -233,7 +209,7 @@ class SegmentFiles:
         )
         # O_CREAT for every run: jobs writing one segment run on several threads, and the
         # run that writes its header may come last. Names are unique to this writer.
-        flags = os.O_WRONLY | os.O_CREAT | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0)
         fd = self.os.open(self.path_of(run.segment), flags, self.file_mode)
         try:
             if run.create:
@@ -244,10 +220,9 @@ class SegmentFiles:
                 )
                 write_all(self.os, fd, [page], 0)
             if len(run.records) > self._records_per_call():
-                # A run written in several calls is allocated first, in one call: on
-                # ext4 a direct write that must allocate takes the file for itself and
-                # waits for all I/O in flight on it, so each such call of one job would
-                # stall every other job writing the segment (docs/security.md).
+                # Allocated first, in one call: on ext4 a direct write that must allocate
+                # takes the file for itself and waits for all I/O in flight on it, which
+                # would stall every other job writing the segment (docs/security.md).
                 length = len(run.records) * self.record_bytes
                 self.os.allocate(fd, self.offset_of(run.first), length)
             self._write_records(fd, run)
@@ -257,8 +232,8 @@ class SegmentFiles:
             self.os.close(fd)
 
     def _records_per_call(self) -> int:
-        """The most records one ``pwritev`` writes: as many as fit in :data:`MAX_IOV`
-        buffers, and with sealing, in this thread's sealing buffers."""
+        """The most records one ``pwritev`` writes (within :data:`MAX_IOV` buffers, and
+        the sealing buffers)."""
         per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
         if self.sealer is not None:
             return min(per_call, self.sealer.batch)
@@ -276,10 +251,10 @@ class SegmentFiles:
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
-        its payload (sealed into this thread's sealing buffers when encrypting) and its
-        padding; staged, the one buffer they were laid out in as on disk (each payload
-        copied in, its checksum taken of the copy)."""
+        payload (sealed, when encrypting) and padding; staged, one buffer laid out as on
+        disk (the checksum taken of the copy)."""
         staged, size = self.sealer is None and self.staged > 0, self.block_bytes
+        ns = self.ns_digest
         step = self.record_bytes if staged else HEADER_BYTES
         pages = self._staging() if staged else self._pages(len(records))
         sealed = [] if self.sealer is None else self.sealer.buffers(len(records))
@@ -294,15 +269,9 @@ class SegmentFiles:
                     pages[start + size : (i + 1) * step] = self._padding
             elif self.sealer is not None:
                 seal, data = self.sealer.seal(key, payload, sealed[i]), sealed[i][:size]
-            binding = record_binding(self.ns_digest, b"", key)
-            checksum = None if seal else self._checksum(data, binding)
+            checksum = None if seal else self._checksum(data, record_binding(ns, b"", key))
             encode_header(
-                page,
-                key=key,
-                payload_bytes=size,
-                ns_digest=self.ns_digest,
-                checksum=checksum,
-                seal=seal,
+                page, key=key, payload_bytes=size, ns_digest=ns, checksum=checksum, seal=seal
             )
             buffers += [page, data, self._padding] if self._padding.nbytes else [page, data]
         return [pages[: len(records) * step]] if staged else buffers
@@ -340,20 +309,18 @@ class SegmentFiles:
         staged = self.staged
         direct = self.o_direct and (staged > 0 or all(is_aligned(slot) for _, _, slot, _ in items))
         try:
-            fd = self.os.open(
-                self.path_of(segment), os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-            )
-        except FileNotFoundError:
-            for i, _, _, _ in items:
-                outcomes[i] = (None, "segment file is missing", True)
-            return
+            fd = self.os.open(self.path_of(segment), os.O_RDONLY | (O_DIRECT if direct else 0))
         except OSError as exc:
+            missing = isinstance(exc, FileNotFoundError)
+            why = "segment file is missing" if missing else f"read failed: {describe_os_error(exc)}"
             for i, _, _, _ in items:
-                outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
+                outcomes[i] = (None, why, missing)
             return
+        items.sort(key=lambda item: item[1])
         try:
-            for run in _consecutive(items, staged if direct and staged else MAX_IOV // 3):
-                self._read_run(fd, run, outcomes, staged=direct and staged > 0)
+            most = staged if direct and staged else MAX_IOV // 3
+            for run in _runs([(segment, item[1]) for item in items], most):
+                self._read_run(fd, items[run], outcomes, staged=direct and staged > 0)
         finally:
             self.os.close(fd)
 
@@ -370,26 +337,23 @@ class SegmentFiles:
         into its slot once its header checks), then verify each payload in its slot."""
         step = self.record_bytes
         if staged:
-            staging = pages = self._staging()
-            buffers = [staging[: len(run) * step]]
-            page_step = step
+            pages, page_step = self._staging(), step
+            buffers = [pages[: len(run) * step]]
         else:
-            pages = self._pages(len(run))
-            page_step = HEADER_BYTES
+            pages, page_step = self._pages(len(run)), HEADER_BYTES
             # Where a read's padding between records goes (never the zeros writes use).
             sink = thread_buffer(self._local, "sink", self._padding.nbytes)
+            padding = [sink] if sink.nbytes else []
             buffers = []
             for j, (_, _, slot, _) in enumerate(run):
-                buffers.append(pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-                buffers.append(slot)
-                if sink.nbytes:
-                    buffers.append(sink)
+                buffers += [pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES], slot, *padding]
         try:
             got = self.os.preadv(fd, buffers, self.offset_of(run[0][1]))
         except OSError as exc:
             for i, _, _, _ in run:
                 outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
             return
+        cipher = None if self.sealer is None else self.sealer.cipher
         for j, (i, _, slot, key) in enumerate(run):
             available = got - j * step
             header = None
@@ -407,10 +371,8 @@ class SegmentFiles:
                 if staged:
                     payload = start + HEADER_BYTES
                     copy_bytes(slot, pages[payload : payload + slot.nbytes])
-                if self.sealer is None:
-                    verify_payload(header, slot, None, self._checksum)
-                else:
-                    verify_payload(header, slot, self.sealer.cipher)
+                verify_payload(header, slot, cipher, self._checksum)
+                if cipher is not None:
                     os.sched_yield()  # see backends/nvme_sealing.py
             except CorruptBlockError as exc:
                 outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
@@ -418,9 +380,8 @@ class SegmentFiles:
                 outcomes[i] = (header.key, "", False)
 
     def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
-        """:func:`payload_checksum`; after each ``gil_pause_bytes`` a thread has hashed
-        (0: never), a moment without the GIL, so that the loop's thread does not wait
-        for a whole job's hashing (docs/nvme.md has the trade-off)."""
+        """:func:`payload_checksum`, with a moment without the GIL after each
+        ``gil_pause_bytes`` hashed (0: never), so that the loop's thread does not wait."""
         checksum = payload_checksum(payload, binding)
         if self.gil_pause_bytes:
             done = getattr(self._local, "hashed", 0) + payload.nbytes
@@ -433,19 +394,16 @@ class SegmentFiles:
     # -- segments: list, scan, delete -----------------------------------------------
 
     def list_segments(self) -> list[tuple[str, int]]:
-        """``(name, size in bytes)`` of every segment file, in name order."""
-        found = []
+        """``(name, bytes)`` of every segment file, in name order."""
         try:
             entries = list(os.scandir(self.segments_dir))
         except FileNotFoundError:
             return []
+        found = []
         for entry in entries:
-            if parse_segment_name(entry.name) is None:
-                continue
-            try:
-                found.append((entry.name, entry.stat().st_size))
-            except FileNotFoundError:
-                continue
+            if parse_segment_name(entry.name) is not None:
+                with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                    found.append((entry.name, entry.stat().st_size))
         return sorted(found)
 
     def records_in(self, size: int) -> int:
@@ -453,10 +411,9 @@ class SegmentFiles:
         return max(0, (size - HEADER_BYTES) // self.record_bytes)
 
     def scan(self, segment: str, start: int = 0) -> SegmentScan:
-        """Read the record headers (not the payloads) of ``segment`` from record
-        ``start`` on; a slot whose header does not verify for this namespace and record
-        size is counted, not listed. OSError if the file cannot be read."""
-        fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
+        """Read the record headers (not payloads) of ``segment`` from record ``start`` on;
+        a slot whose header does not verify is counted, not listed. OSError if unreadable."""
+        fd = self.os.open(self.path_of(segment), os.O_RDONLY)
         try:
             page = self._pages(1)
             header_ok = True
@@ -482,8 +439,7 @@ class SegmentFiles:
             self.os.close(fd)
 
     def _key_at(self, fd: int, page: memoryview, record: int) -> bytes | None:
-        """The key of record ``record`` whose header page is read into ``page``; None
-        where it is short or does not verify for this namespace and record size."""
+        """The key of ``record``, its header page read into ``page``; None unless it verifies."""
         if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
             return None
         try:
@@ -498,17 +454,10 @@ class SegmentFiles:
         cannot be read or does not verify (payloads are not read). Never raises."""
         keys: list[bytes | None] = [None] * len(records)
         page = self._pages(1)
-        for segment, items in _by_segment(records).items():
-            try:
-                fd = self.os.open(self.path_of(segment), os.O_RDONLY | _O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                for i, record in items:
-                    with contextlib.suppress(OSError):
-                        keys[i] = self._key_at(fd, page, record)
-            finally:
-                self.os.close(fd)
+        for fd, _, items in self._open_each(records, os.O_RDONLY):
+            for i, record in items:
+                with contextlib.suppress(OSError):
+                    keys[i] = self._key_at(fd, page, record)
         return keys
 
     def mark_removed(self, records: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
@@ -517,35 +466,41 @@ class SegmentFiles:
         Returns those marked (a segment that fails is left out). Never raises."""
         marked: set[tuple[str, int]] = set()
         mark = memoryview(REMOVED_MARK.ljust(HEADER_BYTES, b"\0"))
-        for segment, items in _by_segment(records).items():
-            done: set[tuple[str, int]] = set()
+        for fd, segment, items in self._open_each(records, os.O_WRONLY):
+            with contextlib.suppress(OSError):
+                size = self.os.fstat(fd).st_size
+                done = {(segment, r) for _, r in items if self.offset_of(r) + HEADER_BYTES <= size}
+                for _, record in sorted(done):
+                    write_all(self.os, fd, [mark], self.offset_of(record))
+                self.os.fdatasync(fd)
+                marked |= done
+        return marked
+
+    def _open_each(
+        self, records: Sequence[tuple[str, int]], flags: int
+    ) -> Iterator[tuple[int, str, list[tuple[int, int]]]]:
+        """``(fd, segment, [(position in records, record)])`` of each segment of
+        ``records`` that opens with ``flags``; the fd closes when the next is asked for."""
+        by_segment: dict[str, list[tuple[int, int]]] = {}
+        for i, (segment, record) in enumerate(records):
+            by_segment.setdefault(segment, []).append((i, record))
+        for segment, items in by_segment.items():
             try:
-                fd = self.os.open(self.path_of(segment), os.O_WRONLY | _O_CLOEXEC)
+                fd = self.os.open(self.path_of(segment), flags)
             except OSError:
                 continue
             try:
-                size = self.os.fstat(fd).st_size
-                for _, record in items:
-                    if self.offset_of(record) + HEADER_BYTES <= size:
-                        write_all(self.os, fd, [mark], self.offset_of(record))
-                        done.add((segment, record))
-                self.os.fdatasync(fd)
-                marked |= done
-            except OSError:
-                pass
+                yield fd, segment, items
             finally:
                 self.os.close(fd)
-        return marked
 
     def delete(self, segments: Sequence[str]) -> int:
         """Unlink segment files; returns how many existed. Never raises."""
         removed = 0
         for segment in segments:
-            try:
+            with contextlib.suppress(OSError):
                 self.os.unlink(self.path_of(segment))
-            except OSError:
-                continue
-            removed += 1
+                removed += 1
         return removed
 
     def free_bytes(self) -> int | None:
@@ -557,9 +512,8 @@ class SegmentFiles:
 
 
 def copy_bytes(target: memoryview, source: memoryview) -> None:
-    """``target[:] = source`` (equal lengths), with the GIL released for the copy when
-    both buffers are writable and contiguous (``ctypes.memmove`` releases it: I/O threads
-    copy in parallel, and the loop's thread is not kept waiting); else a plain copy."""
+    """``target[:] = source``, without the GIL (``ctypes.memmove``) where both buffers
+    are writable: I/O threads copy in parallel, and the loop's thread does not wait."""
     into, of = buffer_address(target), buffer_address(source)
     if into is None or of is None or target.nbytes != source.nbytes:
         target[:] = source
@@ -567,28 +521,18 @@ def copy_bytes(target: memoryview, source: memoryview) -> None:
         ctypes.memmove(into, of, source.nbytes)
 
 
-def _by_segment(records: Sequence[tuple[str, int]]) -> dict[str, list[tuple[int, int]]]:
-    """``(position, record)`` of each of ``records``, by segment."""
-    by_segment: dict[str, list[tuple[int, int]]] = {}
-    for i, (segment, record) in enumerate(records):
-        by_segment.setdefault(segment, []).append((i, record))
-    return by_segment
-
-
-def _consecutive(
-    items: list[tuple[int, int, memoryview, bytes | None]], most: int
-) -> Iterator[list[tuple[int, int, memoryview, bytes | None]]]:
-    """``items`` (position, record, slot, key) in record order, cut into runs of
-    consecutive record numbers of at most ``most`` items."""
-    ordered = sorted(items, key=lambda item: item[1])
-    run: list[tuple[int, int, memoryview, bytes | None]] = []
-    for item in ordered:
-        if run and (item[1] != run[-1][1] + 1 or len(run) == most):
-            yield run
-            run = []
-        run.append(item)
-    if run:
-        yield run
+def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
+    """Slices of ``places`` ``(segment, record)`` in one segment at consecutive records,
+    at most ``most`` long."""
+    start = 0
+    for i in range(1, len(places) + 1):
+        if (
+            i == len(places)
+            or i - start == most
+            or places[i] != (places[i - 1][0], places[i - 1][1] + 1)
+        ):
+            yield slice(start, i)
+            start = i
 
 
 def iter_runs(
@@ -596,13 +540,6 @@ def iter_runs(
 ) -> Iterator[RecordRun]:
     """Group records placed at ``(segment, record number, creates segment)`` into runs of
     consecutive record numbers of one segment, in order."""
-    start = 0
-    for i in range(1, len(placed) + 1):
-        if (
-            i == len(placed)
-            or placed[i][0] != placed[start][0]
-            or placed[i][1] != placed[i - 1][1] + 1
-        ):
-            segment, first, create = placed[start]
-            yield RecordRun(segment, first, records[start:i], create)
-            start = i
+    for run in _runs([(segment, record) for segment, record, _ in placed]):
+        segment, first, create = placed[run.start]
+        yield RecordRun(segment, first, records[run], create)

@@ -1,15 +1,7 @@
-"""The NVMe tier's space guard: byte cap, free-space floor, cached free space, disk full.
-
-:class:`SpaceGuard` is sans-I/O: the tier measures free space (``statvfs``, off the
-loop) and feeds the figure in; the guard says whether that figure is fresh enough to
-plan a store by, how many blocks the floor still allows, and whether stores are
-refused because the file system answered ENOSPC. It never touches a file.
-:class:`InflightBytes` bounds the payload bytes of the jobs in their I/O at once, and
-:func:`records_per_segment` sizes segments from the cap.
-
-The rules (cap, floor, disk full) are docs/nvme.md's "Capacity" and "Faults". Blocks
-promised to running stores count as written; a figure older than ``max_age_s``, or too
-close to the floor to plan by, is measured again before a store plans.
+"""The NVMe tier's space (docs/nvme.md: "Capacity" and "Faults"): the sans-I/O
+:class:`SpaceGuard` (cap, free-space floor, cached free space, disk full; the tier
+measures free space off the loop and feeds it in), :class:`InflightBytes` (the payload
+bytes of jobs in their I/O at once) and :func:`records_per_segment`.
 """
 
 from __future__ import annotations
@@ -22,31 +14,22 @@ from typing import Literal
 from backends.block_record import HEADER_BYTES
 from tiering.errors import InvalidArgumentError
 
-DEFAULT_MAX_AGE_S = 1.0
-"""Free space measured longer ago than this is measured again before a store plans."""
-
+DEFAULT_MAX_AGE_S = 1.0  # free space measured longer ago is measured again
 DISK_FULL_REASON = (
     "nvme tier is read-only: the file system was full (ENOSPC); stores resume once space returns"
 )
-
-
-DEFAULT_SEGMENT_BYTES = 256 << 20
-"""The segment size when ``segment_bytes`` is not given, unless the cap is small (below)."""
-MAX_RECORDS_PER_SEGMENT = 4096
-"""Bounds the work of evicting one segment (one index deletion per record)."""
-DERIVED_SEGMENTS_PER_CAP = 8
-"""Without ``segment_bytes``, segments shrink so that the cap holds at least this many:
-an eviction then gives up an eighth of the cache, not half of it."""
-MIN_SEGMENTS_PER_CAP = 2
-"""The fewest segments a cap must hold: the segment being written is never evicted, so
-a cap of one segment fills once and then refuses every store."""
-MOVE_BYTES_PER_JOB = 64 << 20
-"""The most bytes of moved records one store job reads and writes again."""
+# Segment sizing (docs/nvme.md, "Segments per cap"):
+DEFAULT_SEGMENT_BYTES = 256 << 20  # without ``segment_bytes``, unless the cap is small
+MAX_RECORDS_PER_SEGMENT = 4096  # bounds the work of evicting one segment
+DERIVED_SEGMENTS_PER_CAP = 8  # without ``segment_bytes``, the cap holds at least this many
+MIN_SEGMENTS_PER_CAP = 2  # the segment being written is never evicted
+MOVE_BYTES_PER_JOB = 64 << 20  # the most bytes of moved records one store job rewrites
 
 
 class SpaceGuard:
     """Cap, floor, cached free space and the read-only (disk full) state of one tier;
-    InvalidArgumentError when ``capacity_bytes`` holds not even one block file."""
+    blocks promised to running stores count as written. InvalidArgumentError when
+    ``capacity_bytes`` holds not even one block file."""
 
     def __init__(
         self,
@@ -97,8 +80,7 @@ class SpaceGuard:
 
     def stale(self, pending_blocks: int) -> bool:
         """True if free space must be measured before planning ``pending_blocks`` more
-        records (reserved ones included): unknown, old, near the floor, or the tier
-        is read-only (space may have returned)."""
+        records: unknown, old, near the floor, or read-only (space may have returned)."""
         if self._full_since is not None or self.free_bytes is None:
             return True
         if self._clock() - self._measured_at >= self.max_age_s:
@@ -217,18 +199,17 @@ def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_b
     """Records a segment takes: from ``segment_bytes``, or (None) from the cap;
     InvalidArgumentError (both options named) when the cap holds fewer than two."""
     capacity_records = capacity_bytes // record_bytes
-    largest = min(MAX_RECORDS_PER_SEGMENT, (DEFAULT_SEGMENT_BYTES - HEADER_BYTES) // record_bytes)
+    size = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+    records = max(1, min(MAX_RECORDS_PER_SEGMENT, (size - HEADER_BYTES) // record_bytes))
     if segment_bytes is None:
-        records = max(1, min(largest, capacity_records // DERIVED_SEGMENTS_PER_CAP))
+        records = min(records, max(1, capacity_records // DERIVED_SEGMENTS_PER_CAP))
         if 0 < capacity_records < MIN_SEGMENTS_PER_CAP:
             raise InvalidArgumentError(
                 f"capacity_bytes={capacity_bytes} holds {capacity_records} record of "
                 f"{record_bytes} bytes; a segment tier needs room for at least "
                 f"{MIN_SEGMENTS_PER_CAP} (the segment being written is never evicted)"
             )
-        return records
-    records = max(1, min(MAX_RECORDS_PER_SEGMENT, (segment_bytes - HEADER_BYTES) // record_bytes))
-    if 0 < capacity_records < MIN_SEGMENTS_PER_CAP * records:
+    elif 0 < capacity_records < MIN_SEGMENTS_PER_CAP * records:
         raise InvalidArgumentError(
             f"capacity_bytes={capacity_bytes} holds {capacity_records} records of "
             f"{record_bytes} bytes, fewer than {MIN_SEGMENTS_PER_CAP} segments of "
@@ -238,6 +219,3 @@ def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_b
             "(it then follows from the cap)"
         )
     return records
-
-
-__all__ = ["DEFAULT_MAX_AGE_S", "DISK_FULL_REASON", "SpaceGuard"]

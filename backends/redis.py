@@ -1,37 +1,15 @@
-"""A remote tier on Redis or Valkey: one cache shared by every serving machine.
+"""A remote tier on Redis or Valkey: one cache shared by every serving machine
+(docs/redis.md tells the whole story).
 
-Each block is one Redis hash, so its header and payload live in one slot of a Redis
-Cluster too::
+Each block is one Redis hash, so its header and payload share a slot of a cluster::
 
     key:    b"kvt:" + namespace digest (hex) + b":" + tenant + b":" + block hash
     fields: b"h" -> the block record's compact header (:mod:`backends.block_record`)
             b"p" -> the payload, or with ``encryption`` its AES-GCM ciphertext
 
-A load serves a block only if its header (namespace, tenant, key, length) and its
-checksum verify, or with ``encryption`` it authenticates under the keyring; a tier
-reads the kind of record it writes and no other. A value that fails, or that is no hash
-at all (another client wrote the key), is a failed key and is deleted, never served,
-and the job's other keys land; so is a value of an older format. An error reply to one
-key's command (WRONGTYPE, OOM) fails that key only; a connection failure fails the call.
-
-The client (redis-py's synchronous one) copies every value it sends and receives, so it
-runs on the tier's I/O threads, one hop per job, never on the loop; the checksums and
-the cipher run there too.
-
-``lookup`` never waits on the network: it answers from a bounded presence cache and, for
-a key it has no fresh answer for, returns None ("ask again") and queues the key for a
-batched check (one pipelined round trip of ``EXISTS``). A store or load that fails drops
-the cached answers of its keys, so the engine stores them again rather than trust a
-block the tier may not hold.
-
-Every call has a timeout and is not retried, on one server or a cluster (whose MOVED,
-ASK and TRYAGAIN the tier follows itself); after ``breaker_failures`` connection
-failures in a row a :class:`~backends.breaker.CircuitBreaker` opens, and the tier
-recovers by itself when the server is back. A job's blocks go in pipelines of at most
-``pipeline_bytes`` of payload, so at most ``max_inflight * pipeline_bytes`` payload
-bytes are in flight at once. Capacity is the server's (``maxmemory``, best with
-``allkeys-lru``; ``ttl_s`` optional): a block evicted between a lookup and a load is a
-failed key. docs/redis.md tells the whole story.
+A value that does not verify, is no hash, or is of an older format is a failed key,
+deleted and never served. redis-py's synchronous client runs on the tier's I/O threads,
+one hop per job, with the checksums and the cipher; no call is retried.
 """
 
 from __future__ import annotations
@@ -154,10 +132,17 @@ class RedisOptions(BreakerOptions, ActorOptions):
                 raise ValueError(f"{name} needs a rediss:// url (TLS)")
         return self
 
-    def tls_arguments(self) -> dict[str, str]:
-        """redis-py's TLS arguments from the ``tls_*`` options given."""
-        given = {arg: getattr(self, name) for name, arg in _TLS_ARGUMENTS.items()}
-        return {arg: path for arg, path in given.items() if path is not None}
+    def client(self, *, cluster: bool) -> Redis | RedisCluster:
+        """A new client of ``url`` with these timeouts, pool bound and TLS files
+        (a cluster client with ``cluster``, which connects as it is made)."""
+        tls = {arg: getattr(self, name) for name, arg in _TLS_ARGUMENTS.items()}
+        return new_client(
+            self.url,
+            cluster=cluster,
+            timeout_s=self.timeout_s,
+            max_connections=self.max_connections,
+            tls={arg: path for arg, path in tls.items() if path is not None},
+        )
 
 
 class RedisTier(TierActor):
@@ -180,11 +165,9 @@ class RedisTier(TierActor):
         /,
         **values: Any,
     ) -> None:
-        """Takes a :class:`RedisOptions`, keywords, or both (keywords win).
-
-        Raises: InvalidArgumentError for a bad view, size or option, naming it and its
-        value (the url without its value, which may hold a password; ``encryption``
-        without its keys)."""
+        """Takes a :class:`RedisOptions`, keywords, or both (keywords win). Raises
+        InvalidArgumentError naming a bad view, size or option (never showing the url
+        or the keys)."""
         o = self.options = RedisOptions.check({**dict(options or {}), **values}, owner="RedisTier")
         keyring = keyring_from(o.encryption, option="encryption")
         self._cipher = None if keyring is None else BlockCipher(keyring)
@@ -193,11 +176,7 @@ class RedisTier(TierActor):
         tenant, ns = o.tenant.encode(), namespace_digest(o.namespace)
         self._prefix = b"kvt:" + ns.hex().encode() + b":" + tenant + b":"
         # What every record of this tier is written with and checked against.
-        self._record: dict[str, Any] = {
-            "tenant": tenant,
-            "payload_bytes": block_bytes,
-            "ns_digest": ns,
-        }
+        self._record: dict[str, Any] = dict(tenant=tenant, payload_bytes=block_bytes, ns_digest=ns)
         self._blocks_per_pipeline = max(1, o.pipeline_bytes // block_bytes)
         # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption).
         self._seal_buffers = threading.local()
@@ -224,20 +203,15 @@ class RedisTier(TierActor):
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start serving. A server that does not answer (within
-        ``timeout_s``) only opens the breaker: the tier recovers when it comes.
-
-        Raises:
-            InvalidArgumentError: the server refused the url's credentials (the message
-                quotes the server, never the password), its certificate did not verify
-                (naming ``tls_ca_file``), or it is (not) a cluster node against
-                ``cluster``; nothing is left running.
-        """
+        """Connect and start serving; a server that does not answer within ``timeout_s``
+        only opens the breaker. Raises InvalidArgumentError, leaving nothing running, if
+        the server refuses the url's credentials (quoting the server, never the
+        password), its certificate does not verify (naming ``tls_ca_file``), or it is
+        (not) a cluster node against ``cluster``."""
         self._serving = True
         error = await self.run_blocking(self._hello)
         if isinstance(error, InvalidArgumentError):
-            self._drop_client()
-            self.shutdown()
+            self.shutdown()  # closed at once (nothing runs): the client is dropped
             raise error
         if error is not None:
             self._unreachable("ping", error)
@@ -246,16 +220,8 @@ class RedisTier(TierActor):
         await super().start()
         self.spawn(self._watch_usage(), name="usage")
 
-    async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
-        await super().aclose(timeout)
-        self._drop_client()
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        if self.state.name == "CLOSED":
-            self._drop_client()
-
-    def _drop_client(self) -> None:
+    def _on_closed(self) -> None:
+        """Stop making clients and drop the one made (no hop runs any more)."""
         with self._client_lock:
             self._serving = False
             client, self._client = self._client, None
@@ -269,12 +235,9 @@ class RedisTier(TierActor):
         return "redis"
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """True/False from a fresh cached answer; otherwise None (ask again), and the
-        key is checked in the next batched round trip. False while the breaker is open.
-
-        Raises:
-            InvalidArgumentError: ``key`` is not bytes.
-        """
+        """True/False from a fresh cached answer, else None (ask again) with the key
+        queued for the next batched check; False while the breaker is open.
+        InvalidArgumentError unless ``key`` is bytes."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
         if self.storing(key):
@@ -298,9 +261,8 @@ class RedisTier(TierActor):
         """Nothing to do: the server keeps its own recency (``allkeys-lru``)."""
 
     def _usage(self) -> dict[str, Any]:
-        """``used_bytes`` is the server's memory in use and ``capacity_bytes`` its
-        ``maxmemory`` (0: no limit), both as last read (every ``usage_every_s``); the
-        server's key count is ``counters["server_keys"]``."""
+        """The server's memory in use, ``maxmemory`` (0: no limit) and key count
+        (``counters["server_keys"]``), as last read (every ``usage_every_s``)."""
         usage = self._server_usage
         return {
             "used_blocks": self.get_num_blocks(),
@@ -385,7 +347,7 @@ class RedisTier(TierActor):
         """Ping the server with a plain client and check that it is (or is not) a
         cluster node, as ``cluster`` says; then make the tier's client. Returns the
         client's error, or an InvalidArgumentError if no call could ever succeed."""
-        probe = self._client_of(cluster=False)
+        probe = self.options.client(cluster=False)
         try:
             probe.ping()
             enabled = bool(probe.info("cluster").get("cluster_enabled", 0))
@@ -522,14 +484,11 @@ class RedisTier(TierActor):
     def _sealing_buffers(self) -> list[memoryview]:
         """This I/O thread's buffers for one pipeline's sealed payloads
         (``block_bytes + TAG_BYTES`` each), made on its first call."""
-        buffers: list[memoryview] | None = getattr(self._seal_buffers, "views", None)
-        if buffers is None:
+        if not hasattr(self._seal_buffers, "views"):
             stride = self.block_bytes + TAG_BYTES
             arena = memoryview(bytearray(self._blocks_per_pipeline * stride))
-            buffers = [
-                arena[i * stride : (i + 1) * stride] for i in range(self._blocks_per_pipeline)
-            ]
-            self._seal_buffers.views = buffers
+            self._seal_buffers.views = [arena[i : i + stride] for i in range(0, len(arena), stride)]
+        buffers: list[memoryview] = self._seal_buffers.views
         return buffers
 
     def _usage_hop(self) -> dict[str, int] | ClientError:
@@ -557,27 +516,14 @@ class RedisTier(TierActor):
         return round_trip(self._connected(), [("EXISTS", self._prefix + key) for key in keys])
 
     def _connected(self) -> Redis | RedisCluster:
-        """The tier's client, made now if this is the first call that needs it.
-
-        Raises:
-            RedisConnectionError: the tier is closed.
-            RedisClusterException: no node of the cluster answered.
-        """
+        """The tier's client, made now if this is the first call that needs it. Raises
+        RedisConnectionError once closed, the client's error if no cluster node answers."""
         with self._client_lock:
             if self._client is None:
                 if not self._serving:
                     raise RedisConnectionError("the redis tier is closed")
-                self._client = self._client_of(cluster=self.options.cluster)
+                self._client = self.options.client(cluster=self.options.cluster)
             return self._client
-
-    def _client_of(self, *, cluster: bool) -> Redis | RedisCluster:
-        return new_client(
-            self.options.url,
-            cluster=cluster,
-            timeout_s=self.options.timeout_s,
-            max_connections=self.options.max_connections,
-            tls=self.options.tls_arguments(),
-        )
 
     # -- presence cache and background tasks (loop thread) ----------------------------
 
@@ -660,6 +606,3 @@ class RedisTier(TierActor):
         self._counters["unreachable_calls"] += 1
         self.breaker.failed()
         self._failures.record(f"redis unreachable during {what}", 1, type(exc).__name__)
-
-
-__all__ = ["RedisOptions", "RedisTier"]

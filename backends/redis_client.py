@@ -1,11 +1,7 @@
-"""redis-py's client as the Redis tier uses it: urls checked without ever quoting
-them, clients that never retry, pipelines that fail one key at a time, and errors
-stripped of block bytes.
-
-Blocking: for the tier's I/O threads. Nothing is retried, on one server or a cluster
-(redis-py's retries made a call to a node that stopped answering wait for several
-timeouts and back-offs); a cluster's redirections (MOVED, ASK, TRYAGAIN) are no retries
-and are followed.
+"""redis-py's client as the Redis tier uses it, on the tier's I/O threads: urls checked
+without ever quoting them, clients that never retry (redis-py's retries made a call to a
+dead node wait for several timeouts; a cluster's MOVED, ASK and TRYAGAIN are followed),
+pipelines that fail one key at a time, and errors stripped of block bytes.
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without redis-py
 
 logger = logging.getLogger(__name__)
 
+# What a call to the server may raise (the cluster client's own errors are no RedisErrors).
 CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
-"""What a call to the server may raise (the cluster client's own errors are no
-RedisErrors)."""
 ClientError = RedisError | RedisClusterException | OSError
 UNREACHABLE = (
     RedisConnectionError,
@@ -54,20 +49,15 @@ UNREACHABLE = (
     RedisClusterException,  # no node of the cluster answered, or a slot has no node
     OSError,  # the builtin ConnectionError and TimeoutError too
 )
-_NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
-"""Replies of a cluster pipeline that mean the node, not the key, failed."""
+_NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)  # the node failed
 
 
 def new_client(
     url: str, *, cluster: bool, timeout_s: float, max_connections: int, tls: dict[str, str]
 ) -> Redis | RedisCluster:
     """A client of ``url`` (checked by :func:`check_url`) whose every call times out
-    after ``timeout_s``; a cluster client with ``cluster``, which connects as it is
-    made.
-
-    Raises:
-        the client's error when a cluster client finds no node that answers.
-    """
+    after ``timeout_s``; with ``cluster`` a cluster client, which connects as it is made
+    (raising the client's error if no node answers)."""
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -91,14 +81,10 @@ _TIER_SETS = {
 
 
 def check_url(url: object, *, cluster: bool) -> None:
-    """Check that redis-py will connect with ``url`` as the tier means it to.
-
-    Raises:
-        InvalidArgumentError: ``url`` is no redis://, rediss:// or unix:// url that
-            redis-py parses, or it says what the tier would get wrong (a path that is no
-            database number, a query option the tier sets itself, a database other than
-            0 or a unix:// url for a cluster). The message never quotes the url.
-    """
+    """Check that redis-py will connect with ``url`` as the tier means it to; else
+    raise InvalidArgumentError saying what is wrong (no redis://, rediss:// or unix://
+    url redis-py parses, a path that is no database number, a query option the tier
+    sets itself, a database other than 0 or unix:// for a cluster), never quoting it."""
     if isinstance(url, str) and url.startswith("unix://") and cluster:
         raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
     problem = _url_problem(url, cluster=cluster)
@@ -164,12 +150,8 @@ def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
     """Send ``commands`` pipelined (one round trip, or one per node of a cluster) and
     read every reply, once. An error reply to one command (WRONGTYPE, OOM) comes back in
     its place; a cluster's MOVED, ASK or TRYAGAIN is followed by sending that command
-    again on its own.
-
-    Raises:
-        the client's error when a connection fails or times out or the cluster is down;
-        nothing is retried (a cluster client first refreshes its map of the slots).
-    """
+    again on its own. Raises the client's error when a connection fails or times out or
+    the cluster is down, retrying nothing (a cluster client refreshes its slot map)."""
     if not isinstance(client, RedisCluster):
         pipe = client.pipeline(transaction=False)
         for command in commands:

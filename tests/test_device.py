@@ -160,14 +160,15 @@ async def test_bad_to_device_raises_before_anything_is_copied(
     executor.shutdown()
 
 
-async def test_check_block_ids_accepts_valid_ids_and_names_bad_ones() -> None:
+async def test_device_block_ids_are_checked_and_bad_ones_named() -> None:
     async with opened() as (copier, _, _):
-        copier.check_block_ids([0, NUM_BLOCKS - 1, 0])
-        copier.check_block_ids(torch.tensor([1, 2]))
+        await copier.to_host([0, NUM_BLOCKS - 1, 0], [0, 1, 2])  # ids may repeat to host
+        await copier.to_host(torch.tensor([1, 2]), [3, 4])
         with pytest.raises(InvalidArgumentError, match=f"{NUM_BLOCKS} is outside"):
-            copier.check_block_ids([0, NUM_BLOCKS])
+            copier.to_host([0, NUM_BLOCKS], [0, 1])
         with pytest.raises(InvalidArgumentError, match="must hold ints"):
-            copier.check_block_ids([0.5])
+            copier.to_device([0], [0.5])  # type: ignore[list-item]
+        assert copier.in_flight == 0
 
 
 def test_block_size_mismatch_is_rejected() -> None:

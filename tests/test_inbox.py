@@ -89,6 +89,34 @@ async def test_a_cancelled_put_admits_nothing_and_passes_room_on() -> None:
     assert inbox.statistics().tasks_waiting_put == 0
 
 
+async def test_room_that_appears_as_a_cancelled_putter_unwinds_goes_to_the_next_one() -> None:
+    inbox: Inbox[int] = Inbox(1)
+    inbox.put_nowait("store", 0)
+    first = asyncio.create_task(inbox.put("store", 1))
+    second = asyncio.create_task(inbox.put("store", 2))
+    await _spin()
+    first.cancel()  # its waiter is cancelled now; the task unwinds on its next step
+    assert inbox.get_nowait() == 0  # the room appears before `first` has left the line
+    async with asyncio.timeout(5):
+        await second
+    assert first.cancelled() and inbox.drain() == [2]
+
+
+async def test_unpark_leaves_a_waiting_putter_in_line() -> None:
+    inbox: Inbox[int] = Inbox(1)
+    inbox.put_nowait("store", 0)
+    putter = asyncio.create_task(inbox.put("store", 1))
+    await _spin()
+    assert not inbox.park("store", 2)
+    assert inbox.unpark() == [2]
+    assert inbox.get_nowait() == 0
+    async with asyncio.timeout(5):
+        await putter
+    assert inbox.get_nowait() == 1
+    inbox.put_nowait("store", 3)  # the lane is empty and nobody waits: room at once
+    assert inbox.drain() == [3] and inbox.statistics().tasks_waiting_put == 0
+
+
 async def test_close_fails_waiting_putters_but_keeps_queued_items_gettable() -> None:
     inbox: Inbox[int] = Inbox(1)
     inbox.put_nowait("store", 1)

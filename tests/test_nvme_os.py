@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from backends.nvme_os import (
     is_aligned,
     owner_alive,
     probe_o_direct,
+    thread_buffer,
     write_all,
 )
 from tests._faults import FaultInjector
@@ -125,3 +128,25 @@ def test_a_failed_directory_sync_raises_and_closes_the_directory(tmp_path: Path)
 def test_os_errors_are_described_by_name() -> None:
     assert describe_os_error(OSError(errno.ENOSPC, "x")) == "ENOSPC: x"
     assert describe_os_error(OSError("plain")) == "plain"
+
+
+@pytest.mark.parametrize("nbytes", [0, 100, 4096, 3 << 20])
+def test_a_thread_buffer_is_page_aligned_zeroed_and_kept_per_thread(nbytes: int) -> None:
+    local = threading.local()
+    view = thread_buffer(local, "pages", nbytes)
+    assert view.nbytes == nbytes and not any(view[:4096])
+    if nbytes:
+        assert ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGNMENT == 0
+    assert thread_buffer(local, "pages", nbytes).obj is view.obj  # reused, not remapped
+    seen: list[memoryview] = []
+    other = threading.Thread(target=lambda: seen.append(thread_buffer(local, "pages", nbytes)))
+    other.start()
+    other.join()
+    assert seen[0].obj is not view.obj
+
+
+def test_a_thread_buffer_grows_to_what_is_asked() -> None:
+    local = threading.local()
+    small = thread_buffer(local, "pages", 4096, at_least=8192)
+    assert thread_buffer(local, "pages", 8192).obj is small.obj  # at_least made room
+    assert thread_buffer(local, "pages", 16384).nbytes == 16384

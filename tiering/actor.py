@@ -47,13 +47,8 @@ _CURRENT_JOB: contextvars.ContextVar[tuple[TierActor, int] | None] = contextvars
 
 
 class TierActor(AsyncService, SecondaryTierManager):
-    """A secondary tier served by an asyncio actor.
-
-    ``submit_*`` check, enqueue and return at once (raising, they change nothing); loads
-    go before stores, at most ``max_inflight`` jobs run at once; each job's one result
-    reaches every :meth:`result` future and :meth:`get_finished` once (or its ``on_done``);
-    a hook that raises fails its job only; no result is delivered while a
-    :meth:`run_blocking` call of the job runs. A failed load's slots are undefined.
+    """A secondary tier served by an asyncio actor (its contract:
+    docs/architecture.md#tiers-are-actors). A failed load's slots are undefined.
 
     Subclasses implement :meth:`_do_store` and :meth:`_do_load` (the bulk byte work in
     ONE :meth:`run_blocking` call per job), ``lookup``, ``get_num_blocks``,
@@ -130,12 +125,11 @@ class TierActor(AsyncService, SecondaryTierManager):
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
         """Close gracefully: admit nothing more (waiting ``put_*`` calls raise
         ClosedError), let queued, parked and running jobs finish within ``timeout``
-        seconds, then cancel the rest, failing each with the reason. A job inside a
-        :meth:`run_blocking` call is reported once the call returns, so this returns
-        within about ``timeout`` plus those calls' remaining time, the state ``CLOSED``.
-        Idempotent; concurrent calls all return once closed. Cancelled, it stops the
-        tier hard (:meth:`shutdown`) and propagates. Raises InvalidArgumentError for a
-        negative or non-numeric ``timeout``."""
+        seconds, then cancel the rest, failing each with the reason; returns once
+        ``CLOSED`` (a job inside a :meth:`run_blocking` call is reported once the call
+        returns). Idempotent; concurrent calls all return once closed. Cancelled, it
+        stops the tier hard (:meth:`shutdown`) and propagates. Raises
+        InvalidArgumentError for a bad ``timeout``."""
         seconds("timeout", timeout, allow_zero=True)
         if self._state is Lifecycle.NEW:
             self._stop(notify=True)
@@ -175,11 +169,10 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def shutdown(self) -> None:
         """Stop at once: cancel every task, fail every unfinished job, shut the thread
-        pool down without waiting. A job inside a :meth:`run_blocking` call (a thread
-        cannot be interrupted) gets its failure, and the tier ``CLOSED``, on the loop
-        once the call returns. From another thread the stop is scheduled on the loop;
-        with the loop stopped, results are recorded at once without resolving futures.
-        Idempotent; safe before :meth:`start`."""
+        pool down without waiting (a job inside a :meth:`run_blocking` call gets its
+        failure, and the tier ``CLOSED``, once the call returns). From another thread the
+        stop is scheduled on the loop; with the loop stopped, results are recorded without
+        resolving futures. Idempotent; safe before :meth:`start`."""
         loop = self._loop
         loop_running = loop is not None and loop.is_running() and not loop.is_closed()
         if loop_running and not self._on_loop():
@@ -226,8 +219,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         return self._inbox.statistics()
 
     def _usage(self) -> dict[str, Any]:
-        """What the tier holds, as cheap :class:`Statistics` fields (the default:
-        ``used_blocks``); subclasses override it."""
+        """What the tier holds, as cheap :class:`Statistics` fields."""
         return {"used_blocks": self.get_num_blocks()}
 
     def __repr__(self) -> str:
@@ -244,9 +236,8 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._submit_now(job, "load")
 
     async def put_store(self, job: JobMetadata) -> None:
-        """Like :meth:`submit_store`, but wait for room in the inbox instead of raising
-        TierBusyError (ClosedError if the tier starts closing meanwhile). Cancelling the
-        caller while it waits admits nothing."""
+        """Like :meth:`submit_store`, but wait for room instead of raising TierBusyError
+        (ClosedError if the tier starts closing meanwhile); cancelled, it admits nothing."""
         await self._put(job, "store")
 
     async def put_load(self, job: JobMetadata) -> None:
@@ -265,10 +256,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         slots: tuple[int, ...],
         on_done: Callable[[JobResult], None],
     ) -> bool:
-        """Queue a job whose arguments the caller has checked (``TierClient.submit``);
-        a full lane parks it; returns False if parked. ``on_done(result)`` is called
-        exactly once, later on the loop (at once if a close finds no loop running).
-        Raises ClosedError unless open, queueing nothing."""
+        """Queue a job ``TierClient.submit`` has checked, parking it if its lane is full
+        (then False); ``on_done(result)`` follows exactly once. Raises ClosedError unless
+        open, queueing nothing."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the {self.get_tier_type()} tier is {self._state}")
         while self._next_id in self._ledger or self._next_id in self._reserved_ids:
@@ -289,15 +279,12 @@ class TierActor(AsyncService, SecondaryTierManager):
             raise ClosedError(f"{self._name()} closed while job {job_id} waited") from None
         finally:
             self._reserved_ids.discard(job_id)
-        # No await between the inbox taking the job and this: the server cannot see it
-        # before it is registered.
-        self._register(entry)
+        self._register(entry)  # no await since the inbox took it: unseen by the server
 
     def _admit(self, job: JobMetadata) -> JobMetadata:
-        """``job`` checked, as an immutable snapshot; changes nothing. Raises
-        InvalidArgumentError for a non-JobMetadata, a call off the tier's loop, a job id
-        not an int or in use, keys and slots :func:`checked_job` refuses; ClosedError
-        unless open."""
+        """``job`` checked, as an immutable snapshot. Raises InvalidArgumentError for a
+        non-JobMetadata, a call off the tier's loop, a job id not an int or in use, keys
+        and slots :func:`checked_job` refuses; ClosedError unless open."""
         if not isinstance(job, JobMetadata):
             raise InvalidArgumentError(f"expected a JobMetadata, got {type(job).__name__}")
         if self._state is not Lifecycle.OPEN:
@@ -350,11 +337,11 @@ class TierActor(AsyncService, SecondaryTierManager):
             task.cancel()
 
     async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
-        """``fn(*args)`` run on this tier's bounded thread pool. Cancelled before the
-        call starts, it is dropped; after, the cancellation waits until ``fn`` returns
-        (its outcome discarded), so nothing the thread uses is released under it. From a
-        job's hook, the job's result is held back while the call runs. Raises ClosedError
-        once the pool is shut down, else whatever ``fn`` raises."""
+        """``fn(*args)`` run on this tier's thread pool. Cancelled before the call starts,
+        it is dropped; after, it waits until ``fn`` returns (its outcome discarded), so
+        nothing the thread uses is released under it. From a job's hook, the job's result
+        is held back meanwhile. Raises ClosedError once the pool is shut down, else
+        whatever ``fn`` raises."""
         try:
             call = self._executor.submit(fn, *args)
         except RuntimeError as exc:
@@ -412,8 +399,6 @@ class TierActor(AsyncService, SecondaryTierManager):
             task_group.create_task(self._serve(), name=f"{self._name()}-serve")
 
     async def _serve(self) -> None:
-        """Hand queued jobs to job tasks, loads first, at most ``max_inflight`` at once,
-        until the inbox is closed and empty."""
         task_group = self._task_group
         assert task_group is not None
         while True:
@@ -504,9 +489,8 @@ class TierActor(AsyncService, SecondaryTierManager):
                 job.task.cancel()
 
     def _stop(self, *, notify: bool) -> None:
-        """Decide the close: nothing queued or new is served, every job without a
-        result fails with the cancel reason (delivered once its thread calls end), the
-        pool stops taking calls. The tier becomes CLOSED once no thread call runs."""
+        """Decide the close: every job without a result fails with the cancel reason
+        (delivered once its thread calls end); CLOSED once no thread call runs."""
         if self._stopped:
             return
         self._stopped = True
@@ -531,8 +515,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._on_closed()
 
     def _on_closed(self) -> None:
-        """Release what the subclass holds beyond the actor; called once as the tier
-        becomes CLOSED (no blocking call of it runs, unless the loop stopped first)."""
+        """Release what the subclass holds beyond the actor; called once, at CLOSED."""
 
     def _on_loop(self) -> bool:
         try:

@@ -160,12 +160,9 @@ def _run(argv: list[str], command: str | None) -> int:
         return int(exc.code or 0)
     try:
         return int(args._run(args))
-    except InvalidArgumentError as exc:
-        print(f"tiering {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except TieringError as exc:
         print(f"tiering {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_USAGE if isinstance(exc, InvalidArgumentError) else EXIT_FAILURE
     except BrokenPipeError:  # `tiering ... | head`: the reader went away
         return EXIT_OK
 

@@ -17,23 +17,19 @@ import torch
 from tiering.errors import ClosedError
 from tiering.kv_layout import CopyChunk, CopyOutcome, Direction, KVLayout, PlannedCopy
 
+# The first polls yield bare (call_soon), catching short copies at once; then a 1 ms
+# timer (below ~1 ms asyncio.sleep busy-spins under uvloop).
 _IMMEDIATE_POLLS = 2
-"""Event polls done with a bare yield (no timer) before backing off to ``_POLL_INTERVAL_S``."""
 _POLL_INTERVAL_S = 0.001
-"""Back-off between event polls: below ~1 ms ``asyncio.sleep`` busy-spins under uvloop."""
 _IDLE_EVENTS_KEPT = 64
 
 
 class CudaStream(Protocol):
-    """What the backend needs of a stream."""
-
     def wait_event(self, event: Any) -> None: ...
     def synchronize(self) -> None: ...
 
 
 class CudaEvent(Protocol):
-    """What the backend needs of an event."""
-
     def record(self, stream: Any = None) -> None: ...
     def query(self) -> bool: ...
 
@@ -48,7 +44,6 @@ class CudaRuntime:
         return torch.cuda.Event()
 
     def current_stream(self, device: torch.device) -> CudaStream:
-        """The stream the caller is enqueuing on for ``device``."""
         return torch.cuda.current_stream(device)
 
     def on_device(self, device: torch.device) -> AbstractContextManager[Any]:
@@ -58,7 +53,6 @@ class CudaRuntime:
         return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
     def record_stream(self, tensor: torch.Tensor, stream: CudaStream) -> None:
-        """Tell the caching allocator that ``stream`` uses ``tensor``."""
         tensor.record_stream(stream)  # type: ignore[arg-type]
 
 
@@ -106,7 +100,7 @@ class CudaCopyBackend:
     def __init__(self, *, runtime: CudaRuntime | None = None) -> None:
         self._runtime = runtime or CudaRuntime()
         self._idle_events: list[CudaEvent] = []  # fired events kept for reuse
-        self._events_created = 0
+        self.events_created = 0  # CUDA events made so far, pooled and reused
         self._lanes: dict[Direction, _Lane] = {}
         self._pending: dict[PlannedCopy, _Pending] = {}
         self._layout: KVLayout | None = None
@@ -118,13 +112,7 @@ class CudaCopyBackend:
         self._closing = False
 
     @property
-    def events_created(self) -> int:
-        """CUDA events made so far (they are pooled and reused)."""
-        return self._events_created
-
-    @property
     def events_idle(self) -> int:
-        """Events in the pool, waiting for reuse."""
         return len(self._idle_events)
 
     @property
@@ -201,7 +189,7 @@ class CudaCopyBackend:
                     if self._idle_events:
                         pending.event = self._idle_events.pop()
                     else:
-                        self._events_created += 1
+                        self.events_created += 1
                         pending.event = runtime.new_event()
                     pending.event.record(lane.stream)
         except Exception as exc:
@@ -290,8 +278,6 @@ class CudaCopyBackend:
                 unfinished_polls = 0
             else:
                 unfinished_polls += 1
-            # A bare yield (call_soon) for the first polls catches short copies at once;
-            # then a 1 ms timer: never a busy spin, never more than ~1 ms late.
             await asyncio.sleep(0 if unfinished_polls <= _IMMEDIATE_POLLS else _POLL_INTERVAL_S)
 
     def _report_fired(self) -> bool:

@@ -3,8 +3,7 @@ into *hops* (docs/architecture.md#gpu-copies).
 
 A hop (one call on a worker) runs every copy queued when it is dispatched, in request
 order, and posts their outcomes at once; a merged group that fails is rerun one by one,
-so a faulty copy fails alone. A hop waits while it conflicts (a host slot or device
-block written by one and read or written by the other) with one in flight.
+so a faulty copy fails alone. A hop waits while it conflicts with one in flight.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ from tiering.validation import positive_int
 from tiering.workers import init_io_worker
 
 _GROUP_BLOCK_BYTES = 64 << 10
-"""Copies of blocks up to this size that run in one hop are merged: one gather and one
-scatter per layer for the whole group, where a torch call per copy would cost more than
-its bytes. Bigger blocks are copied straight between layer and slot (one pass)."""
+"""Copies of blocks up to this size in one hop are merged (one gather and one scatter
+per layer for the group: a torch call per copy would cost more than its bytes)."""
 
 
 @dataclass(slots=True)
@@ -76,20 +74,18 @@ class _Hop:
 
 class ThreadCopyBackend:
     """A :class:`~tiering.device.CopyBackend` for a host-memory KV cache, on threads.
-
     ``max_workers`` bounds the hops in flight and sizes the pool made when no ``executor``
-    is given (one ``submit`` per hop; a given one is not shut down). Raises
-    InvalidArgumentError for a bad ``max_workers`` or ``executor``.
-    """
+    is given (a given one is not shut down). Raises InvalidArgumentError for a bad
+    ``max_workers`` or ``executor``."""
 
     def __init__(self, *, max_workers: int = 2, executor: Executor | None = None) -> None:
-        self._max_workers = positive_int("max_workers", max_workers)
+        self.max_workers = positive_int("max_workers", max_workers)
         if executor is not None and not isinstance(executor, Executor):
             raise InvalidArgumentError(
                 f"executor must be a concurrent.futures.Executor, got {executor!r}"
             )
         self._given_executor = executor
-        self._executor: Executor | None = None
+        self.executor: Executor | None = None  # the hops run on it while open
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host: torch.Tensor | None = None
         self._columns: tuple[tuple[torch.Tensor, int, int], ...] = ()
@@ -98,16 +94,6 @@ class ThreadCopyBackend:
         self._queue: list[PlannedCopy] = []
         self._hops: set[_Hop] = set()  # dispatched; outcomes not delivered yet
         self._dispatch_soon = False  # a dispatch is scheduled for this loop iteration
-
-    @property
-    def max_workers(self) -> int:
-        """The most hops in flight at once."""
-        return self._max_workers
-
-    @property
-    def executor(self) -> Executor | None:
-        """The executor the hops run on while open, else None."""
-        return self._executor
 
     @property
     def hops_in_flight(self) -> int:
@@ -124,8 +110,7 @@ class ThreadCopyBackend:
     ) -> None:
         """Start serving copies between ``layout``'s tensors and ``host`` (``max_rows`` is
         unused). Raises ClosedError if opened before, InvalidArgumentError if the KV cache
-        is not in host memory.
-        """
+        is not in host memory."""
         if self._loop is not None:
             raise ClosedError("a ThreadCopyBackend can be opened only once")
         if layout.device.type != "cpu":
@@ -137,8 +122,8 @@ class ThreadCopyBackend:
         self._columns = layout.columns
         self._block_bytes = layout.block_bytes
         self._on_done = on_done
-        self._executor = self._given_executor or ThreadPoolExecutor(
-            max_workers=self._max_workers,
+        self.executor = self._given_executor or ThreadPoolExecutor(
+            max_workers=self.max_workers,
             thread_name_prefix="device-copy",
             initializer=init_io_worker,
         )
@@ -168,8 +153,7 @@ class ThreadCopyBackend:
             self._dispatch()  # nothing runs now: whatever is queued goes at once
 
     async def aclose(self) -> None:
-        """Release the thread pool the backend made; call once no copy is in flight (so
-        joining the idle workers is immediate)."""
+        """Release the thread pool the backend made; call once no copy is in flight."""
         self._release(wait=True)
 
     def close(self) -> None:
@@ -177,12 +161,12 @@ class ThreadCopyBackend:
         self._release(wait=False)
 
     def _release(self, *, wait: bool) -> None:
-        executor, self._executor = self._executor, None
+        executor, self.executor = self.executor, None
         if executor is not None and executor is not self._given_executor:
             executor.shutdown(wait=wait)
 
     def _dispatch(self) -> None:
-        if not self._queue or len(self._hops) >= self._max_workers:
+        if not self._queue or len(self._hops) >= self.max_workers:
             return
         hop = _Hop(self._queue)
         if any(running.access.conflicts(hop.access) for running in self._hops):
@@ -191,15 +175,14 @@ class ThreadCopyBackend:
         self._hops.add(hop)
         assert self._on_done is not None
         try:
-            if self._executor is None:
+            if self.executor is None:
                 raise ClosedError("the thread copy backend is closed")
-            hop.work = self._executor.submit(self._run_hop, hop)
+            hop.work = self.executor.submit(self._run_hop, hop)
         except RuntimeError as exc:  # the executor was shut down under us
             self._hops.discard(hop)
             self._on_done([(copy, exc) for copy in hop.copies])
 
     def _run_hop(self, hop: _Hop) -> None:
-        """Worker thread: run the hop's copies in order, then post their outcomes once."""
         outcomes: list[CopyOutcome] = []
         try:
             for group in self._groups(hop.copies):
@@ -245,7 +228,6 @@ class ThreadCopyBackend:
             yield group
 
     def _copy_group(self, group: list[PlannedCopy]) -> None:
-        """Run a group from :meth:`_groups` with one gather and one scatter per layer."""
         assert self._host is not None
         host, columns = self._host, self._columns
         ids = torch.tensor([b for copy in group for b in copy.device_ids], dtype=torch.int64)

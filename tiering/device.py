@@ -38,13 +38,11 @@ _log = logging.getLogger(__name__)
 
 
 class CopyBackend(Protocol):
-    """What :class:`DeviceCopier` needs of a copy backend; it calls all of it on its loop.
-
-    ``open`` once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns
-    at once, and ``on_done`` gets each copy's outcome on the loop exactly once, when
-    nothing of it can still run. ``drain_blocking`` blocks until all are reported;
-    ``aclose`` releases the backend once none is in flight, ``close`` without awaiting.
-    """
+    """What :class:`DeviceCopier` needs of a copy backend, called on its loop: ``open``
+    once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns at once,
+    and ``on_done`` gets each copy's outcome on the loop exactly once, when nothing of it
+    can still run; ``drain_blocking`` blocks until all are reported; ``aclose`` releases
+    the backend once none is in flight, ``close`` without awaiting."""
 
     async def open(
         self,
@@ -62,11 +60,8 @@ class CopyBackend(Protocol):
 
 class CopyHandle:
     """A started copy. ``await handle`` returns once the bytes are in place, or raises
-    :class:`~tiering.errors.TransferError`.
-
-    Cancelling an awaiting task does not cancel the copy: the handle turns done only when
-    the copy has really ended, so the memory it touches may be reused only then.
-    """
+    :class:`~tiering.errors.TransferError`. Cancelling an awaiting task does not cancel
+    the copy: the handle turns done only when the copy has really ended."""
 
     __slots__ = ("_future", "num_blocks")
 
@@ -105,7 +100,7 @@ def _retrieve_exception(future: asyncio.Future[None]) -> None:
 
 class _InFlight(PlannedCopy):
     """A copy handed to the backend, with whom to tell when it ends: a handle's future,
-    or ``on_done(token, error)`` (one object per copy: the hot path allocates little)."""
+    or ``on_done(token, error)``."""
 
     __slots__ = ("future", "nbytes", "on_done", "token")
 
@@ -135,11 +130,9 @@ class DeviceCopier(AsyncService):
     started copy has ended. ``staging_bytes`` bounds the blocks per planned chunk (at
     least one); ``backend`` defaults to a :class:`~tiering.copy_cuda.CudaCopyBackend` for
     a CUDA KV cache, else a :class:`~tiering.copy_thread.ThreadCopyBackend` of
-    ``max_workers`` threads, and serves this copier alone. :meth:`statistics` counts
-    ``copies_to_host``, ``copies_to_device``, ``bytes_to_host`` and ``bytes_to_device``.
-    Raises InvalidArgumentError for a malformed layout, a block size other than the
-    pool's, a closed pool, or a CUDA KV cache with an unpinned pool (its copies would
-    block the event loop).
+    ``max_workers`` threads, and serves this copier alone. Raises InvalidArgumentError
+    for a malformed layout, a block size other than the pool's, a closed pool, or a CUDA
+    KV cache with an unpinned pool (its copies would block the event loop).
     """
 
     def __init__(
@@ -177,9 +170,12 @@ class DeviceCopier(AsyncService):
         ):
             raise InvalidArgumentError(f"backend must be a CopyBackend, got {backend!r}")
         self._layout = layout
-        self._pool = host_pool
-        self._backend = backend
-        self._max_rows = max(1, staging_bytes // layout.block_bytes)
+        self.num_device_blocks: int = layout.num_blocks
+        self.block_bytes: int = layout.block_bytes  # the host pool's slot size
+        self.device: torch.device = layout.device  # the KV cache's
+        self.host_pool = host_pool
+        self.backend: CopyBackend = backend
+        self.max_rows = max(1, staging_bytes // layout.block_bytes)  # per planned chunk
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state = Lifecycle.NEW
         self._in_flight: set[_InFlight] = set()
@@ -191,42 +187,13 @@ class DeviceCopier(AsyncService):
         self._failures = FailureLog(_log, "DeviceCopier")
 
     @property
-    def num_device_blocks(self) -> int:
-        """Number of blocks of the device KV cache."""
-        return self._layout.num_blocks
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes per block (= the host pool's slot size)."""
-        return self._layout.block_bytes
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the KV cache."""
-        return self._layout.device
-
-    @property
-    def host_pool(self) -> HostPool:
-        """The host pool whose slots this copier reads and writes."""
-        return self._pool
-
-    @property
-    def backend(self) -> CopyBackend:
-        """The backend that runs the copies."""
-        return self._backend
-
-    @property
-    def max_rows(self) -> int:
-        """Blocks per planned chunk (staging buffer rows)."""
-        return self._max_rows
-
-    @property
     def in_flight(self) -> int:
         """Number of started copies that have not ended."""
         return len(self._in_flight)
 
     def statistics(self) -> Statistics:
-        """A snapshot: state, copies and bytes in flight, counters, failures by cause."""
+        """State, copies and bytes in flight, counters (``copies_to_host``,
+        ``copies_to_device``, ``bytes_to_host``, ``bytes_to_device``), failures by cause."""
         return Statistics(
             state=self._state,
             jobs_in_flight=len(self._in_flight),
@@ -243,23 +210,22 @@ class DeviceCopier(AsyncService):
     def __repr__(self) -> str:
         return (
             f"<DeviceCopier {self._layout.num_blocks} blocks of {self._layout.block_bytes} B "
-            f"on {self._layout.device} via {type(self._backend).__name__}: "
+            f"on {self._layout.device} via {type(self.backend).__name__}: "
             f"{self.statistics()!r}>"
         )
 
     async def start(self) -> None:
-        """Open the backend on the running loop (what entering does). Raises ClosedError
-        if started before or the pool is closed, else what the backend's ``open`` raises
-        (then the copier is closed)."""
+        """Open the backend on the running loop. Raises ClosedError if started before or
+        the pool is closed, else what the backend's ``open`` raises (then it is closed)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a DeviceCopier can be entered only once")
-        if self._pool.closed:
+        if self.host_pool.closed:
             raise ClosedError("the host pool is closed")
         self._loop = asyncio.get_running_loop()
-        host = self._pool.tensor.view(self._layout.word)  # [slots, block words]
+        host = self.host_pool.tensor.view(self._layout.word)  # [slots, block words]
         try:
-            await self._backend.open(
-                self._layout, host, max_rows=self._max_rows, on_done=self._on_done
+            await self.backend.open(
+                self._layout, host, max_rows=self.max_rows, on_done=self._on_done
             )
         except BaseException:
             self._state = Lifecycle.CLOSING
@@ -269,7 +235,7 @@ class DeviceCopier(AsyncService):
 
     async def aclose(self) -> None:
         """Wait until every started copy has ended (blocking, if cancelled), then release
-        the backend (what leaving does); idempotent."""
+        the backend; idempotent."""
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
         if self._state is Lifecycle.CLOSED:  # hard-stopped by close(), or never opened
@@ -281,7 +247,7 @@ class DeviceCopier(AsyncService):
                 self._all_ended = self._loop.create_future()
                 await self._all_ended
         except BaseException:
-            self._backend.drain_blocking()
+            self.backend.drain_blocking()
             await self._stop()
             raise
         await self._stop()
@@ -294,25 +260,16 @@ class DeviceCopier(AsyncService):
         self._state = Lifecycle.CLOSING
         try:
             if self._in_flight:
-                self._backend.drain_blocking()
+                self.backend.drain_blocking()
         finally:
-            self._backend.close()
+            self.backend.close()
             self._state = Lifecycle.CLOSED
 
     async def _stop(self) -> None:
         try:
-            await self._backend.aclose()
+            await self.backend.aclose()
         finally:
             self._state = Lifecycle.CLOSED
-
-    def check_block_ids(self, device_ids: Sequence[int]) -> None:
-        """Raise InvalidArgumentError unless every id is an int in ``[0, num_device_blocks)``."""
-        check_index_range(
-            "device block ids",
-            as_index_list("device block ids", device_ids),
-            self._layout.num_blocks,
-            unique=False,
-        )
 
     def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
         """Start copying device block ``device_ids[i]`` into host slot ``slots[i]`` (ids
@@ -335,10 +292,8 @@ class DeviceCopier(AsyncService):
         token: int,
     ) -> None:
         """:meth:`to_host` / :meth:`to_device` for a hot path, with arguments the caller
-        has checked (the lists must not change afterwards): ``on_done(token, error)`` is
-        called on the loop once the copy has ended (a token: no closure to allocate).
-        Raises ClosedError if not open.
-        """
+        has checked (the lists must not change afterwards): ``on_done(token, error)``
+        follows on the loop once the copy has ended. Raises ClosedError if not open."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
         if not device_ids:
@@ -350,12 +305,11 @@ class DeviceCopier(AsyncService):
     def _start(
         self, direction: Direction, device_ids: Sequence[int], slots: Sequence[int]
     ) -> CopyHandle:
-        """Check a :meth:`to_host` / :meth:`to_device` request, then hand it over."""
         ids = as_index_list("device block ids", device_ids)
         slot_list = as_index_list("slots", slots)
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
-        if self._pool.closed:
+        if self.host_pool.closed:
             raise ClosedError("the host pool is closed")
         try:
             running = asyncio.get_running_loop()
@@ -367,7 +321,7 @@ class DeviceCopier(AsyncService):
             raise InvalidArgumentError(f"{len(ids)} device block ids but {len(slot_list)} slots")
         to_host = direction is Direction.TO_HOST
         check_index_range("device block ids", ids, self._layout.num_blocks, unique=not to_host)
-        check_index_range("slots", slot_list, self._pool.num_blocks, unique=to_host)
+        check_index_range("slots", slot_list, self.host_pool.num_blocks, unique=to_host)
         future: asyncio.Future[None] = running.create_future()
         if ids:
             self._hand_over(direction, ids, slot_list, future, None)
@@ -384,16 +338,13 @@ class DeviceCopier(AsyncService):
         on_done: Callable[[int, TransferError | None], object] | None,
         token: int = 0,
     ) -> None:
-        """Hand a checked copy to the backend; its end completes ``future`` or calls
-        ``on_done(token, error)``."""
         nbytes = len(ids) * self._layout.block_bytes
-        copy = _InFlight(direction, ids, slots, self._max_rows, nbytes, future, on_done, token)
+        copy = _InFlight(direction, ids, slots, self.max_rows, nbytes, future, on_done, token)
         self._in_flight.add(copy)
         self._bytes_in_flight += nbytes
-        self._backend.submit(copy)
+        self.backend.submit(copy)
 
     def _on_done(self, outcomes: Sequence[CopyOutcome]) -> None:
-        """The backend's report, on the loop: complete each copy's handle once."""
         try:
             self._complete(outcomes)
         finally:

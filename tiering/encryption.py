@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
@@ -30,6 +30,7 @@ _SLACK = 15  # room past its output that a cipher context's update_into asks for
 ENV_PREFIX = "env:"
 
 _log = logging.getLogger(__name__)
+_E = TypeVar("_E", bound=CorruptBlockError)
 
 
 class UnknownKeyError(CorruptBlockError):
@@ -179,7 +180,7 @@ class BlockCipher:
             key = keyring.key(key_id)
             assert key is not None
             self._aead[key_id], self._algorithms[key_id] = _ciphers(key)
-        self._reported: set[tuple[str, int]] = set()
+        self._reported: set[tuple[type[CorruptBlockError], int]] = set()
         self._lock = threading.Lock()
 
     def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
@@ -240,30 +241,23 @@ class BlockCipher:
         self.open_into(seal, data, aad)
 
     def _unknown_key(self, key_id: int) -> UnknownKeyError:
-        """The error for a key id the keyring lacks (logged the first time)."""
-        message = (
-            f"block sealed under key id {key_id}, which the keyring lacks "
-            f"(it holds {list(self.keyring.key_ids)})"
-        )
-        self._report("unknown key", key_id, message)
-        return UnknownKeyError(message)
+        held = list(self.keyring.key_ids)
+        why = f"block sealed under key id {key_id}, which the keyring lacks (it holds {held})"
+        return self._reported_error(UnknownKeyError, key_id, why)
 
     def _not_authentic(self, key_id: int) -> AuthenticationError:
-        """The error for a failed tag under ``key_id`` (logged the first time)."""
-        message = (
-            f"block failed authentication under key id {key_id}: "
-            "a wrong key under that id, or bytes altered or moved"
-        )
-        self._report("authentication", key_id, message)
-        return AuthenticationError(message)
+        why = "a wrong key under that id, or bytes altered or moved"
+        message = f"block failed authentication under key id {key_id}: {why}"
+        return self._reported_error(AuthenticationError, key_id, message)
 
-    def _report(self, kind: str, key_id: int, message: str) -> None:
-        """Log ``message`` the first time this kind of failure meets ``key_id``."""
+    def _reported_error(self, error: type[_E], key_id: int, message: str) -> _E:
+        """``error(message)``, logged the first time this kind of failure meets ``key_id``."""
         with self._lock:
-            if (kind, key_id) in self._reported:
-                return
-            self._reported.add((kind, key_id))
-        _log.error("%s (reported once per key id; such blocks are misses)", message)
+            first = (error, key_id) not in self._reported
+            self._reported.add((error, key_id))
+        if first:
+            _log.error("%s (reported once per key id; such blocks are misses)", message)
+        return error(message)
 
     def __repr__(self) -> str:
         return f"BlockCipher({self.keyring!r})"

@@ -45,17 +45,16 @@ class TieringEngine(AsyncService):
     cache (a tensor, or per-layer tensors, indexed by block id first); ``num_cpu_blocks``:
     the CPU tier's slots; ``secondary_tiers``: fastest first, each a registered name,
     ``{"type": name, **options}`` or a factory ``(primary_kv_view, block_bytes)``;
-    ``write_through`` cascades every stored block, ``write_back`` each block evicted from
-    CPU (and all at close). ``cache_identity`` and the KV layout form ``engine.namespace``,
-    which tiers taking a ``namespace`` receive. The other options: docs/config.md.
+    ``cache_identity`` and the KV layout form ``engine.namespace``, which tiers taking a
+    ``namespace`` receive. The other options: docs/config.md.
 
     ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
     blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`, except
-    prefixes shared with :meth:`share_prefix`); results name the caller's hashes, events
-    and tiers the scoped keys. Every call raises ClosedError unless the engine is open,
-    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing;
-    so does the constructor (allocating nothing), and UnknownPolicyError /
-    UnknownTierError for a name nothing is registered under.
+    prefixes shared with :meth:`share_prefix`); results
+    name the caller's hashes, events and tiers the scoped keys. Every call raises
+    ClosedError unless the engine is open, and InvalidArgumentError (naming the argument)
+    for a malformed one, changing nothing; so does the constructor (allocating nothing),
+    and UnknownPolicyError / UnknownTierError for a name nothing is registered under.
     """
 
     def __init__(
@@ -130,35 +129,24 @@ class TieringEngine(AsyncService):
         non-TieringConfig or a ``cpu_bytes`` holding no block, else as the constructor."""
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
-        engine = config.engine
-        num_cpu_blocks = engine.cpu_blocks
+        options = dict(config.engine)  # the constructor's arguments, by name
+        num_cpu_blocks, cpu_bytes = options.pop("cpu_blocks"), options.pop("cpu_bytes")
         if num_cpu_blocks is None:
             block_bytes = kv_block_bytes(kv_caches)
-            num_cpu_blocks = (engine.cpu_bytes or 0) // block_bytes
+            num_cpu_blocks = (cpu_bytes or 0) // block_bytes
             if num_cpu_blocks == 0:
                 raise ConfigError(
-                    f"engine.cpu_bytes = {engine.cpu_bytes!r}: holds no block of this KV cache "
+                    f"engine.cpu_bytes = {cpu_bytes!r}: holds no block of this KV cache "
                     f"({block_bytes} bytes per block)",
                     field="engine.cpu_bytes",
                 )
-        return cls(
-            kv_caches,
-            num_cpu_blocks,
-            policy=engine.policy,
-            secondary_tiers=[tier.spec() for tier in config.tiers],
-            write_policy=engine.write_policy,
-            block_size=engine.block_size,
-            enable_events=engine.enable_events,
-            cache_identity=engine.cache_identity,
-            tier_timeout=engine.tier_timeout,
-            room_timeout=engine.room_timeout,
-            close_timeout=engine.close_timeout,
-        )
+        tiers = [tier.spec() for tier in config.tiers]
+        return cls(kv_caches, num_cpu_blocks, secondary_tiers=tiers, **options)
 
     async def start(self) -> None:
-        """Allocate the host pool, start the copier and the tiers, and open (what
-        entering does). Raises ClosedError if entered before, TieringError if the pool
-        cannot be allocated or a tier cannot start (everything started is released)."""
+        """Allocate the host pool, start the copier and the tiers, and open. Raises
+        ClosedError if entered before, TieringError if the pool cannot be allocated or a
+        tier cannot start (everything started is released)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a TieringEngine can be entered once")
         self._loop = asyncio.get_running_loop()
@@ -182,11 +170,9 @@ class TieringEngine(AsyncService):
         self._state = Lifecycle.OPEN
 
     async def aclose(self) -> JobResult:
-        """Close gracefully within ``close_timeout`` (docs/job-lifecycle.md#close): jobs,
-        cascades and (write-back) a final flush end, then tiers, copier and host pool
-        close; what the deadline cuts short (everything, if cancelled) stops as
-        :meth:`close` does. Idempotent; returns the close's result: failed, naming them,
-        if under write-back CPU blocks did not reach every tier lacking them."""
+        """Close gracefully within ``close_timeout`` (docs/job-lifecycle.md#close); what
+        the deadline cuts short (everything, if cancelled) stops as :meth:`close` does.
+        Idempotent; returns the close's result (:meth:`JobCore.close_result`)."""
         if self._state is Lifecycle.NEW:
             return self.close()
         if self._state is not Lifecycle.OPEN:
@@ -219,8 +205,6 @@ class TieringEngine(AsyncService):
         return self._core.close_result()
 
     def _release_now(self) -> None:
-        """Stop everything without awaiting; idempotent. Pins and fills still end only
-        through the completions of the I/O that holds them."""
         self._execute(self._core.hard_close())  # every job and flush answered
         result = self._core.close_result()
         if self._state is not Lifecycle.CLOSED and not result.success:
@@ -249,8 +233,8 @@ class TieringEngine(AsyncService):
         return self._stack.pool
 
     def statistics(self) -> Statistics:
-        """The CPU tier and the jobs (waiting, running or cascading, and flushes), the
-        bytes they move now, :data:`~tiering.job_core.COUNTERS`, failures by cause."""
+        """The CPU tier, the jobs and flushes in flight and the bytes they move,
+        :data:`~tiering.job_core.COUNTERS`, failures by cause."""
         core, manager, size = self._core, self.manager, self.block_bytes
         return Statistics(
             state=self._state,
@@ -315,8 +299,7 @@ class TieringEngine(AsyncService):
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call (with ``enable_events``): the CPU tier's, then the
-        secondary tiers' (stored there, or evicted or dropped unverified), each medium's
-        in order. The wire format: :mod:`tiering.events`."""
+        secondary tiers', each medium's in order (wire format: :mod:`tiering.events`)."""
         events = self.manager.take_events()
         events.extend(self._core.take_tier_events())
         return events
@@ -333,9 +316,9 @@ class TieringEngine(AsyncService):
         *,
         tenant: str | None = None,
     ) -> Job:
-        """Copy device blocks (of ``tenant``) into the CPU tier (then, by policy, to
-        secondary tiers); returns at once. Once the job resolves the device blocks may be
-        reused (:meth:`~tiering.job_core.JobCore.store`: distinct device ids, one per hash)."""
+        """Copy device blocks into the CPU tier (then, by policy, to secondary tiers);
+        returns at once (:meth:`~tiering.job_core.JobCore.store`: distinct device ids, one
+        per hash). Once the job resolves the device blocks may be reused."""
         return self._call("store", block_hashes, device_block_ids, tenant)
 
     def load(
@@ -345,10 +328,9 @@ class TieringEngine(AsyncService):
         *,
         tenant: str | None = None,
     ) -> Job:
-        """Copy blocks (of ``tenant``) into device blocks, promoting them from a
-        secondary tier if needed; returns at once (:meth:`~tiering.job_core.JobCore.load`:
-        keys that could not be read are in ``failed_keys``). Raises BlockNotFoundError
-        for a hash no tier holds (for ``tenant``), changing nothing."""
+        """Copy blocks into device blocks, promoting them from a secondary tier if
+        needed; returns at once (:meth:`~tiering.job_core.JobCore.load`). Raises
+        BlockNotFoundError for a hash no tier holds, changing nothing."""
         return self._call("load", block_hashes, device_block_ids, tenant)
 
     async def flush(self) -> bool:

@@ -28,11 +28,9 @@ _FIELDS = ("v", "medium", "removed", "block_size", "block_hashes")
 def encode_events(
     events: Iterable[OffloadingEvent], *, node: str | None = None, tenant: str | None = None
 ) -> bytes:
-    """``events`` as JSON lines (the module's format); ``b""`` for no events.
-
-    Raises InvalidArgumentError if ``node`` or ``tenant`` is not a string or None, or an
-    event's fields have the wrong types.
-    """
+    """``events`` as JSON lines (the module's format); ``b""`` for no events. Raises
+    InvalidArgumentError for a label not a string or None, or an event's fields of the
+    wrong types."""
     labels = {k: v for k, v in (("node", node), ("tenant", tenant)) if v is not None}
     for label, value in labels.items():
         if not isinstance(value, str):
@@ -62,10 +60,8 @@ def encode_events(
 def decode_events(data: bytes) -> list[dict[str, Any]]:
     """Parse what :func:`encode_events` wrote: one dict per event, in order, with
     ``block_hashes`` as ``bytes`` and ``node``/``tenant`` None when absent; unknown keys
-    and blank lines are skipped.
-    Raises InvalidArgumentError, naming the line, for anything not in this format or of
-    another version.
-    """
+    and blank lines are skipped. Raises InvalidArgumentError, naming the line, for
+    anything not in this format or of another version."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise InvalidArgumentError(f"data must be bytes, got {type(data).__name__}")
     try:
@@ -119,22 +115,18 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
 
 
 class EventPublisher(Protocol):
-    """Something that sends batches of events to routers."""
+    """Something that sends batches of events to routers: ``publish`` returns the number
+    of events sent; ``close`` is idempotent."""
 
-    def publish(self, events: Sequence[OffloadingEvent]) -> int:
-        """Send one batch; returns the number of events sent (0 for an empty batch)."""
-        ...
+    def publish(self, events: Sequence[OffloadingEvent]) -> int: ...
 
-    def close(self) -> None:
-        """Release the publisher's resources; idempotent."""
-        ...
+    def close(self) -> None: ...
 
 
 class CallbackPublisher:
     """Hands each non-empty batch, encoded, to ``callback(payload)`` on the caller's
-    thread; what it raises propagates from :meth:`publish`.
-    Raises InvalidArgumentError if ``callback`` is not callable or a label not a string.
-    """
+    thread; what it raises propagates from :meth:`publish`. Raises InvalidArgumentError
+    if ``callback`` is not callable or a label not a string."""
 
     def __init__(
         self,
@@ -151,7 +143,6 @@ class CallbackPublisher:
         self.tenant = tenant
 
     def publish(self, events: Sequence[OffloadingEvent]) -> int:
-        """Encode ``events`` and call the callback once; nothing for no events."""
         if not events:
             return 0
         self._callback(encode_events(events, node=self.node, tenant=self.tenant))
@@ -238,8 +229,7 @@ async def run_publisher(
     """Every ``interval`` seconds, and once more when cancelled, publish what
     ``source.take_events()`` returns; run it on the engine's loop as its only caller. A
     publisher's error is logged once per kind and loses that batch. Raises
-    InvalidArgumentError for a bad ``interval``.
-    """
+    InvalidArgumentError for a bad ``interval``."""
     seconds("interval", interval, allow_zero=False)
     logged: set[type[BaseException]] = set()
 

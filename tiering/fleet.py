@@ -15,11 +15,12 @@ import zlib
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from tiering.abstract import OffloadingEvent
+from tiering.config import ReplayConfig
 from tiering.engine import TieringEngine
 from tiering.errors import InvalidArgumentError, TieringError
 from tiering.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
@@ -27,8 +28,8 @@ from tiering.replay import ReplayNode, ReplaySummary, device_blocks_for, percent
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
-ROUTERS = ("round-robin", "affinity", "least-loaded", "kv-aware")
-"""The routing rules :class:`Router` knows."""
+ROUTERS: tuple[str, ...] = get_args(ReplayConfig.model_fields["router"].annotation)
+"""The routing rules :class:`Router` knows (``replay.router``'s choices)."""
 
 
 class Router:
@@ -179,8 +180,8 @@ _PROBE = OffloadingEvent([], 0, "PROBE", False)  # an empty batch: tells the rou
 SHARED_TIERS = frozenset({"redis"})
 """Tier types (and so their labels in the figures) every node of a fleet shares."""
 
-TRANSPORTS = ("direct", "zmq")
-"""How a fleet replay carries KV events to the router."""
+TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].annotation)
+"""How a fleet replay carries KV events to the router (``replay.transport``'s choices)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +366,3 @@ async def replay_fleet(
     for node in fleet:
         node.closed()
     return summary
-
-
-__all__ = ["ROUTERS", "TRANSPORTS", "FleetSummary", "NodeOutage", "Router", "replay_fleet"]

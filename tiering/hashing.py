@@ -36,7 +36,7 @@ def namespace_root(namespace: Namespace = b"") -> BlockHash:
         data = namespace.encode()
     elif isinstance(namespace, Mapping):
         try:
-            data = json.dumps(namespace, sort_keys=True, separators=(",", ":")).encode()
+            data = canonical_json(namespace).encode()
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"namespace mapping is not JSON-encodable: {exc}") from exc
     else:
@@ -44,6 +44,11 @@ def namespace_root(namespace: Namespace = b"") -> BlockHash:
             f"namespace must be bytes, str or a mapping, got {type(namespace).__name__}"
         )
     return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_ROOT_PERSON).digest()
+
+
+def canonical_json(value: object) -> str:
+    """``value`` as JSON with sorted keys and no spaces: equal values, equal text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -102,16 +107,8 @@ def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, bloc
         raise InvalidArgumentError(
             f"cache_identity must be a string or a mapping, got {type(identity).__name__}"
         )
+    fields = dict(identity=identity, block_size=block_size, layout=layout, format=NAMESPACE_FORMAT)
     try:
-        return json.dumps(
-            {
-                "identity": identity,
-                "block_size": block_size,
-                "layout": layout,
-                "format": NAMESPACE_FORMAT,
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        return canonical_json(fields)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"cache_identity is not JSON-encodable: {exc}") from exc

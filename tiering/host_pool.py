@@ -21,8 +21,7 @@ from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.validation import positive_int
 
 PAGE_SIZE: int = mmap.PAGESIZE
-"""The alignment of the pool's buffer (the OS page size, at least 4096 on supported systems)."""
-
+"""The alignment of the pool's buffer (the OS page size)."""
 HUGE_PAGE_BYTES = 2 << 20
 """The size (and alignment) of a transparent huge page on x86-64 and most arm64 kernels."""
 _CUDA_HOST_REGISTER_PORTABLE = 1
@@ -44,12 +43,10 @@ def _private_mapping(nbytes: int) -> mmap.mmap:
 
 
 def io_buffer(nbytes: int) -> memoryview:
-    """``nbytes`` of zeroed memory for direct I/O that starts on a 2 MiB boundary, so
-    that where transparent huge pages back it, every aligned 2 MiB is one physically
-    contiguous page: a direct write is split into requests of a bounded number of
-    segments, one per scattered 4 KiB page (see docs/security.md). The memory stays
-    mapped while any view of it lives.
-    """
+    """``nbytes`` of zeroed memory for direct I/O that starts on a 2 MiB boundary, so that
+    where transparent huge pages back it, every aligned 2 MiB is one physically contiguous
+    page (a direct write is split into one segment per scattered page; docs/security.md).
+    The memory stays mapped while any view of it lives."""
     mapping = _private_mapping(nbytes + HUGE_PAGE_BYTES)
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # a momentary export
     start = -address % HUGE_PAGE_BYTES
@@ -91,13 +88,13 @@ class HostPool:
     ``view``, ``tensor``, ``slot_view`` and ``slot_tensor`` alias the same zero-filled
     bytes, page-locked for CUDA DMA when ``pinned`` (``pin=None``: if CUDA is available).
     Raises InvalidArgumentError for bad sizes or ``pin``, TieringError if page-locking
-    fails (e.g. the memlock limit). ``close()`` is idempotent; afterwards every accessor
-    raises ClosedError, and the mapping goes once no view or tensor handed out is alive.
+    fails. After ``close()`` every accessor raises ClosedError, and the mapping goes once
+    no view or tensor handed out is alive.
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:
-        self._num_blocks = positive_int("num_blocks", num_blocks)
-        self._block_bytes = positive_int("block_bytes", block_bytes)
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.block_bytes = positive_int("block_bytes", block_bytes)
         if pin is None:
             pin = torch.cuda.is_available()
         elif not isinstance(pin, bool):
@@ -106,20 +103,20 @@ class HostPool:
             raise InvalidArgumentError(
                 "pin=True needs CUDA, and torch.cuda.is_available() is False"
             )
-        self._nbytes = self._num_blocks * self._block_bytes
+        self.nbytes = self.num_blocks * self.block_bytes
 
-        self._mmap: mmap.mmap | None = _private_mapping(self._nbytes)
+        self._mmap: mmap.mmap | None = _private_mapping(self.nbytes)
         # Over a memoryview, not the mapping: torch.frombuffer releases its own buffer
         # export, so only this view's keeps mmap.close() from unmapping a live tensor.
         flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
-        self._tensor: torch.Tensor | None = flat.view(self._num_blocks, self._block_bytes)
+        self._tensor: torch.Tensor | None = flat.view(self.num_blocks, self.block_bytes)
         self._view: memoryview | None = memoryview(self._mmap)
         self._address = flat.data_ptr()
         self._pinned = False
         self._unpin: weakref.finalize[Any, Any] | None = None
         if pin:
             try:
-                _cuda_host_register(self._address, self._nbytes)
+                _cuda_host_register(self._address, self.nbytes)
             except BaseException:
                 self._release_memory()
                 raise
@@ -130,23 +127,7 @@ class HostPool:
             self._unpin.atexit = False
 
     @property
-    def num_blocks(self) -> int:
-        """Number of slots."""
-        return self._num_blocks
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes per slot."""
-        return self._block_bytes
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the buffer: ``num_blocks * block_bytes``."""
-        return self._nbytes
-
-    @property
     def closed(self) -> bool:
-        """True once ``close()`` was called."""
         return self._tensor is None
 
     @property
@@ -162,19 +143,19 @@ class HostPool:
 
     @property
     def view(self) -> memoryview:
-        """The whole buffer as a flat writable ``memoryview`` of format ``"B"``."""
+        """The whole buffer as a flat writable ``memoryview``."""
         return self._check_open()[1]
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The whole buffer as a ``torch.uint8`` tensor of shape ``[num_blocks, block_bytes]``."""
+        """The whole buffer as a ``uint8`` tensor ``[num_blocks, block_bytes]``."""
         return self._check_open()[0]
 
     def slot_view(self, slot: int) -> memoryview:
-        """The writable bytes of ``slot``. Raises InvalidArgumentError, ClosedError."""
+        """The writable bytes of ``slot``."""
         _, view = self._check_open()
-        start = self._check_slot(slot) * self._block_bytes
-        return view[start : start + self._block_bytes]
+        start = self._check_slot(slot) * self.block_bytes
+        return view[start : start + self.block_bytes]
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a ``uint8`` tensor of ``block_bytes`` elements sharing the memory."""
@@ -182,7 +163,7 @@ class HostPool:
         return tensor[self._check_slot(slot)]
 
     def close(self) -> None:
-        """Unpin and release the buffer; idempotent. See the class docstring for timing."""
+        """Unpin and release the buffer; idempotent."""
         if self.closed:
             return
         if self._unpin is not None:
@@ -200,7 +181,7 @@ class HostPool:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("pinned" if self._pinned else "pageable")
-        return f"HostPool(num_blocks={self._num_blocks}, block_bytes={self._block_bytes}, {state})"
+        return f"HostPool(num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, {state})"
 
     def _check_open(self) -> tuple[torch.Tensor, memoryview]:
         if self._tensor is None or self._view is None:
@@ -214,9 +195,9 @@ class HostPool:
             index = operator.index(slot)  # type: ignore[arg-type]
         except TypeError:
             raise InvalidArgumentError(f"slot must be an int, got {slot!r}") from None
-        if not 0 <= index < self._num_blocks:
+        if not 0 <= index < self.num_blocks:
             raise InvalidArgumentError(
-                f"slot {index} is outside the host pool (0..{self._num_blocks - 1})"
+                f"slot {index} is outside the host pool (0..{self.num_blocks - 1})"
             )
         return index
 

@@ -21,9 +21,7 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class InboxStatistics:
-    """A snapshot of an :class:`Inbox` (as trio's memory channels report): items
-    queued per lane, the bound of each, :meth:`~Inbox.put` and :meth:`~Inbox.get` calls
-    waiting, and items parked for room (both lanes)."""
+    """A snapshot of an :class:`Inbox`, as trio's memory channels report."""
 
     queued_loads: int
     queued_stores: int
@@ -75,8 +73,8 @@ class Inbox(Generic[_T]):
         self._append(lane, item)
 
     def park(self, lane: Lane, item: _T) -> bool:
-        """Queue ``item`` now if ``lane`` has room, else park it in the lane's waiting
-        line; True if it was queued now. Raises as :meth:`put_nowait`, never TierBusyError."""
+        """Queue ``item`` now if ``lane`` has room (then True), else park it in the lane's
+        waiting line. Raises as :meth:`put_nowait`, never TierBusyError."""
         if self._has_room(lane):
             self._append(lane, item)
             return True
@@ -90,22 +88,15 @@ class Inbox(Generic[_T]):
         if self._has_room(lane):
             self._append(lane, item)
             return
-        waiting, queue = self._waiting[lane], self._lanes[lane]
+        waiting = self._waiting[lane]
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiting.append(waiter)
         try:
-            while True:
-                await waiter
-                if self._closed:
-                    raise ClosedError(
-                        f"{self._owner}: inbox closed while a {lane} job waited for room"
-                    )
-                if len(queue) < self.max_size:
-                    break
-                # Woken, but the room is gone (a drain raced it): wait again, first in line.
-                waiting.remove(waiter)
-                waiter = asyncio.get_running_loop().create_future()
-                waiting.appendleft(waiter)
+            # Woken in line order by _admit_waiting, which keeps the room for every woken
+            # putter until it runs (or by close).
+            await waiter
+            if self._closed:
+                raise ClosedError(f"{self._owner}: inbox closed while a {lane} job waited for room")
         except BaseException:
             # Pass a wake-up this waiter received but cannot use on to the next one.
             woken = waiter.done() and not waiter.cancelled()
@@ -148,8 +139,8 @@ class Inbox(Generic[_T]):
                 raise
 
     def drain(self) -> list[_T]:
-        """Take every queued item at once (loads first, each lane in order); parked items
-        move up into the room this makes."""
+        """Take every queued item (loads first, each lane in order); parked items move up
+        into the room."""
         items: list[_T] = []
         for lane in _LANES:
             items.extend(self._lanes[lane])
@@ -161,9 +152,11 @@ class Inbox(Generic[_T]):
         """Take every parked item (loads first, each lane in order); none gets queued."""
         items: list[_T] = []
         for lane in _LANES:
-            waiting = self._waiting[lane]
-            items.extend(w.item for w in waiting if isinstance(w, _Parked))
-            self._waiting[lane] = deque(w for w in waiting if not isinstance(w, _Parked))
+            waiting = self._waiting[lane]  # in place: a waiting put() holds this line
+            parked = [entry for entry in waiting if isinstance(entry, _Parked)]
+            for entry in parked:
+                waiting.remove(entry)
+            items.extend(entry.item for entry in parked)
         return items
 
     def close(self) -> None:
@@ -181,7 +174,6 @@ class Inbox(Generic[_T]):
                 getter.set_result(None)
 
     def statistics(self) -> InboxStatistics:
-        """A snapshot of the lanes and the tasks waiting on them."""
         waiting = [w for lane in _LANES for w in self._waiting[lane]]
         return InboxStatistics(
             queued_loads=len(self._lanes["load"]),
@@ -202,7 +194,6 @@ class Inbox(Generic[_T]):
         )
 
     def _has_room(self, lane: object) -> bool:
-        """Whether an item put in ``lane`` now goes straight in (checks lane and state)."""
         if lane not in self._lanes:
             raise InvalidArgumentError(f"lane must be 'load' or 'store', got {lane!r}")
         if self._closed:
@@ -224,6 +215,9 @@ class Inbox(Generic[_T]):
             if isinstance(entry, _Parked):
                 del waiting[i]
                 self._append(lane, entry.item)
+            elif entry.cancelled():  # its putter leaves the line as it unwinds: no room
+                i += 1
+                continue
             elif not entry.done():
                 entry.set_result(None)
                 return

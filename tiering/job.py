@@ -48,8 +48,7 @@ class Job:
     ) -> None:
         self.job_id = job_id
         self.kind = kind
-        self.started = started
-        """When the job was submitted (``time.perf_counter()``), for its latency."""
+        self.started = started  # time.perf_counter() at submission, for its latency
         self._loop = loop
         self._names = names  # the caller's hash of each key the job ran on, if they differ
         # The future is made only for an await that comes before the result: most jobs
@@ -77,7 +76,7 @@ class Job:
         return self._value
 
     def _set_result(self, result: JobResult) -> JobResult:
-        """Settle the job (the first result stays); returns the result as the caller sees it."""
+        """Settle the job (the first result stays); returns it as the caller sees it."""
         names = self._names
         if names is not None and result.failed_keys:
             result = replace(result, failed_keys=tuple(names.get(k, k) for k in result.failed_keys))
@@ -118,7 +117,6 @@ class FinishedResults:
         """Results dropped unread so far."""
 
     def append(self, result: JobResult) -> None:
-        """Keep ``result`` (dropping the oldest one when full)."""
         if len(self._results) == self._results.maxlen:
             self.dropped += 1
             if self.dropped == 1:

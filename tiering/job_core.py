@@ -50,9 +50,8 @@ FLUSH_BATCH = 64
 
 @dataclass(frozen=True, slots=True)
 class LookupStatistics:
-    """What :meth:`JobCore.lookup` has answered so far (monotonic totals): calls,
-    hashes given, leading hashes found, calls that stopped at a hash no tier holds, and
-    the hits by where each was found (``[0]`` the CPU tier, ``[t + 1]`` tier ``t``)."""
+    """What :meth:`JobCore.lookup` has answered so far (monotonic totals); hits by where
+    each was found: ``[0]`` the CPU tier, ``[t + 1]`` tier ``t``."""
 
     lookups: int = 0
     blocks: int = 0
@@ -177,9 +176,8 @@ _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
 class _Fanout:
-    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush): the
-    stores not yet reported back, the keys the tiers did not take, and ``then(self)``,
-    called once the last store has reported back."""
+    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush);
+    ``then(self)`` is called once the last has reported back."""
 
     __slots__ = ("failed", "failures", "owner", "pending", "then")
 
@@ -192,7 +190,6 @@ class _Fanout:
         self.failures: Counter[BlockHash] | None = None  # tiers that did not take each key
 
     def part_done(self, failed: Mapping[BlockHash, str]) -> None:
-        """One store reported back, ``failed`` the keys it did not take."""
         self.pending -= 1
         if failed:
             if self.failures is None:
@@ -222,8 +219,8 @@ class _Flush(_Fanout):
 
 
 class _Job:
-    """One store or load: its phase, result, I/O in flight, fills and pins. Containers
-    are made when first needed: most jobs never fail, promote or join."""
+    """One store or load. Containers are made when first needed: most jobs never fail,
+    promote or join."""
 
     __slots__ = (
         "awaiting",
@@ -259,7 +256,6 @@ class _Job:
         self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
 
     def fail(self, key: BlockHash, reason: str) -> None:
-        """Record that ``key`` did not make it (the first reason stays)."""
         if self.failed is _NONE_FAILED:
             self.failed = {}
         self.failed.setdefault(key, reason)  # type: ignore[attr-defined]
@@ -332,7 +328,7 @@ class JobCore:
         # The job owning the fill of each slot being filled, indexed by slot: a dict every
         # block enters and leaves would now and then be rebuilt inside a caller's store.
         self._fill_owner: list[_Job | None] = [None] * manager.num_blocks
-        self._num_filling = 0
+        self.filling_blocks = 0  # CPU blocks being written by a copy or a promotion
         self._fill_waiters: dict[BlockHash, list[_Job]] = {}  # made as the first one joins
         self._out: list[Effect] = []
         self._next_id = 0
@@ -404,11 +400,6 @@ class JobCore:
         """Copies and tier jobs started and not yet reported back."""
         return len(self._op_owner)
 
-    @property
-    def filling_blocks(self) -> int:
-        """CPU blocks being written by a store's copy or a load's promotion."""
-        return self._num_filling
-
     def take_tier_events(self) -> list[OffloadingEvent]:
         """Secondary-tier events since the last call (with ``enable_events``): blocks the
         engine's tier jobs stored and, given ``take_removed``, blocks the tiers stopped
@@ -429,11 +420,9 @@ class JobCore:
     # Stores (docs/job-lifecycle.md#a-store-step-by-step).
 
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``
-        (docs/job-lifecycle.md#a-store-step-by-step). Raises ClosedError unless open,
-        InvalidArgumentError for malformed arguments (hashes not bytes, device ids not
-        distinct ints in range, lengths that differ)."""
-        self._check_open()
+        """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
+        Raises ClosedError unless open, InvalidArgumentError for malformed arguments
+        (hashes not bytes, device ids not distinct ints in range, lengths that differ)."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         job = _Job(self._new_id(), False, hashes, ids)  # repeats go when it is planned
         if not self._plan_store(job, hashes, ids):
@@ -462,7 +451,7 @@ class JobCore:
         fill_owner = self._fill_owner
         for slot in slots:
             fill_owner[slot] = job
-        self._num_filling += len(slots)
+        self.filling_blocks += len(slots)
         job.phase = _MOVING
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
@@ -497,8 +486,7 @@ class JobCore:
         self._store_settled(job)
 
     def _store_settled(self, job: _Job) -> None:
-        """Once its own copy and every fill it joined have ended: resolve, then cascade."""
-        if not job.awaiting and job.phase is _MOVING:
+        if not job.awaiting and job.phase is _MOVING:  # its copy and joined fills ended
             self._resolve(job)
             self._cascade(job)
 
@@ -522,7 +510,6 @@ class JobCore:
             job.pinned = ()
 
     def _cascade(self, job: _Job) -> None:
-        """Write-through: pin the new blocks once per tier that lacks them, and store."""
         if not job.failed and (self.write_back or not self.tiers):
             self._answer_cascaded(job, True)  # nothing to cascade at store time
             return
@@ -551,10 +538,8 @@ class JobCore:
     # Loads (docs/job-lifecycle.md#a-load-step-by-step).
 
     def load(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
-        """Admit a load of blocks into device blocks; returns ``(job id, effects)``
-        (docs/job-lifecycle.md#a-load-step-by-step). Raises as :meth:`store`, and
-        BlockNotFoundError for a hash no tier holds."""
-        self._check_open()
+        """Admit a load of blocks into device blocks; returns ``(job id, effects)``.
+        Raises as :meth:`store`, and BlockNotFoundError for a hash no tier holds."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
         job = _Job(self._new_id(), True, hashes, ids)
@@ -592,7 +577,7 @@ class JobCore:
         promotions: dict[int, list[BlockHash]] = {}
         job.fills, job.promotions = out.block_hashes_to_store, promotions
         fill_owner = self._fill_owner
-        self._num_filling += len(out.block_hashes_to_store)
+        self.filling_blocks += len(out.block_hashes_to_store)
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
             fill_owner[slot] = job
             self._join(h, job)  # its own fill: it gets its pin when the block lands
@@ -663,7 +648,6 @@ class JobCore:
         self._resolve(job)
 
     def _copy_failed(self, job: _Job, keys: list[BlockHash], what: str, error: object) -> str:
-        """Record that ``job``'s ``what`` copy of ``keys`` failed; returns the reason."""
         reason = f"{what} copy failed: {error}"
         self.failures.record(f"{what} copy failed", 1, str(error))
         for h in keys:
@@ -673,7 +657,6 @@ class JobCore:
     # Fills: only the job that reserved a slot (its _fill_owner) ends its fill.
 
     def _join(self, key: BlockHash, job: _Job) -> None:
-        """``job`` waits for the fill of ``key`` (its own, or another job's)."""
         if (waiters := self._fill_waiters.get(key)) is None:
             self._fill_waiters[key] = [job]
         else:
@@ -695,7 +678,7 @@ class JobCore:
                 ended.append(k)
         if not ended:
             return
-        self._num_filling -= len(ended)
+        self.filling_blocks -= len(ended)
         manager.complete_store(ended, success=failure is None)
         woken: list[_Job] = []
         for k in ended:
@@ -1044,6 +1027,7 @@ class JobCore:
     def _arguments(
         self, block_hashes: object, device_block_ids: object
     ) -> tuple[list[BlockHash], list[int]]:
+        self._check_open()
         hashes = hash_list("block_hashes", block_hashes)
         ids = device_id_list("device_block_ids", device_block_ids, self.num_device_blocks)
         if len(ids) != len(hashes):

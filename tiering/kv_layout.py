@@ -1,9 +1,6 @@
-"""The device KV cache's layout, and the planning of copies between it and host slots.
-
-A block's bytes in a host slot are its rows across the KV cache's tensors, in list order.
-:func:`describe_kv_caches` checks a cache and sees it as words (:class:`KVLayout`);
-:func:`plan_copy` turns a job's (device block, slot) pairs into :class:`CopyChunk` s.
-Everything here is pure: no streams, no threads, no I/O.
+"""The device KV cache's layout, and the planning of copies between it and host slots
+(pure: no streams, no threads, no I/O). A block's bytes in a host slot are its rows
+across the KV cache's tensors, in list order.
 """
 
 from __future__ import annotations
@@ -25,12 +22,9 @@ _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """A checked device KV cache seen as words.
-
-    Layer ``i`` (``layers[i]``, shape ``[num_blocks, widths[i]]``, dtype ``word``) fills
-    columns ``offsets[i] : offsets[i] + widths[i]`` of a block's ``block_bytes //
-    word_bytes`` words; ``columns`` zips the three for the copy loops.
-    """
+    """A checked device KV cache seen as words: layer ``i`` (``layers[i]``, shape
+    ``[num_blocks, widths[i]]``, dtype ``word``) fills columns ``offsets[i] : offsets[i]
+    + widths[i]`` of a block's ``block_words`` words."""
 
     layers: tuple[torch.Tensor, ...]
     offsets: tuple[int, ...]
@@ -53,11 +47,10 @@ class KVLayout:
 
 
 def describe_kv_caches(kv_caches: object) -> KVLayout:
-    """Check ``kv_caches`` and describe it as a :class:`KVLayout` aliasing its memory:
-    a tensor or sequence of tensors, each dense, contiguous, with a block dim and non-empty
-    rows, all on one cuda or cpu device with one number of blocks (dtypes may differ).
-    Raises InvalidArgumentError naming the offending tensor otherwise.
-    """
+    """``kv_caches`` as a :class:`KVLayout` aliasing its memory: a tensor or sequence of
+    tensors, each dense, contiguous, with a block dim and non-empty rows, all on one cuda
+    or cpu device with one number of blocks (dtypes may differ); else InvalidArgumentError
+    naming the offending tensor."""
     if isinstance(kv_caches, torch.Tensor):
         tensors: list[object] = [kv_caches]
     elif isinstance(kv_caches, Sequence) and not isinstance(kv_caches, str | bytes):
@@ -117,8 +110,7 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
 
 
 def kv_block_bytes(kv_caches: KVCaches) -> int:
-    """Bytes of one block of ``kv_caches`` (its rows across the tensors). Raises
-    InvalidArgumentError if the layout is malformed."""
+    """Bytes of one block of ``kv_caches``; raises as :func:`describe_kv_caches`."""
     return describe_kv_caches(kv_caches).block_bytes
 
 
@@ -140,11 +132,8 @@ class SlotRun:
 
 @dataclass(frozen=True, slots=True)
 class CopyChunk:
-    """A part of a job that fits the staging buffer.
-
-    Row ``r`` holds device block ``device_ids[r]``; ``runs`` map the rows, in order, onto
-    host slots and together cover every row exactly once.
-    """
+    """A part of a job that fits the staging buffer: row ``r`` holds device block
+    ``device_ids[r]``; ``runs`` map the rows, in order, onto host slots, each row once."""
 
     device_ids: tuple[int, ...]
     runs: tuple[SlotRun, ...]
@@ -155,8 +144,7 @@ def plan_copy(
 ) -> tuple[CopyChunk, ...]:
     """Plan copying device block ``device_ids[i]`` to/from host slot ``slots[i]`` in
     chunks of at most ``max_rows`` pairs, ordered by slot for the fewest runs. Raises
-    InvalidArgumentError if the lengths differ or ``max_rows < 1``.
-    """
+    InvalidArgumentError if the lengths differ or ``max_rows < 1``."""
     if len(device_ids) != len(slots):
         raise InvalidArgumentError(f"{len(device_ids)} device block ids but {len(slots)} slots")
     if max_rows < 1:
@@ -181,11 +169,8 @@ def plan_copy(
 
 class PlannedCopy:
     """One checked copy job, as a copy backend receives it: device block
-    ``device_ids[i]`` to or from host slot ``slots[i]``.
-
-    ``chunks`` is planned on first use, by the thread that runs the copy where the backend
-    allows it. Compared by identity: a backend reports a job's end by handing it back.
-    """
+    ``device_ids[i]`` to or from host slot ``slots[i]``; ``chunks`` is planned on first
+    use. Compared by identity: a backend reports a job's end by handing it back."""
 
     __slots__ = ("_chunks", "device_ids", "direction", "max_rows", "slots")
 
@@ -200,7 +185,6 @@ class PlannedCopy:
 
     @property
     def chunks(self) -> tuple[CopyChunk, ...]:
-        """The copy's plan (see :func:`plan_copy`)."""
         if self._chunks is None:
             self._chunks = plan_copy(self.device_ids, self.slots, self.max_rows)
         return self._chunks

@@ -116,6 +116,3 @@ class LatencyHistogram:
             return "<LatencyHistogram empty>"
         p50, p99 = snap.quantile(0.5) * 1e6, snap.quantile(0.99) * 1e6
         return f"<LatencyHistogram n={snap.count} p50~{p50:.0f}µs p99~{p99:.0f}µs>"
-
-
-__all__ = ["DEFAULT_BOUNDS", "LatencyHistogram", "LatencySnapshot"]

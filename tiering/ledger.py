@@ -29,12 +29,11 @@ class TierJob:
 
 
 class ResultsLedger:
-    """Jobs by id, their waiters and their one result each, delivered to the job's
-    ``on_done`` (forgotten at once), or to every :meth:`waiter` future and once to
-    :meth:`drain`, which frees the id. A *busy* job's result (a thread call of it still
-    touches its slots) is held back until it stops being busy, so whoever sees a result
-    may reuse the slots. ``on_delivered(job, result)`` is called as a result is delivered,
-    before anyone else sees it.
+    """Jobs by id and their one result each, delivered to the job's ``on_done``
+    (forgotten at once), or to every :meth:`waiter` future and once to :meth:`drain`,
+    which frees the id. A *busy* job's result (a thread call of it still touches its
+    slots) is held back until it stops being busy. ``on_delivered(job, result)`` is
+    called as a result is delivered, before anyone else sees it.
     """
 
     def __init__(
@@ -106,9 +105,9 @@ class ResultsLedger:
 
     def finish(self, job_id: int, result: JobResult, *, notify: bool = True) -> bool:
         """Decide the job's one result (the first decision wins; True if this one did),
-        delivered now or once the job stops being busy. ``notify=False`` (for a loop
-        that runs no more callbacks) leaves waiters unresolved. Raises
-        InvalidArgumentError for an unknown job or a result of another job id."""
+        delivered now or once the job stops being busy; ``notify=False`` leaves waiters
+        unresolved. Raises InvalidArgumentError for an unknown job or a result of another
+        job id."""
         job = self._jobs.get(job_id)
         if job is None:
             raise InvalidArgumentError(f"{self._owner}: unknown job {job_id!r}")
@@ -132,8 +131,7 @@ class ResultsLedger:
         return self.finish(job_id, failure, notify=notify)
 
     def fail_undecided(self, reason: str, *, notify: bool = True) -> list[int]:
-        """Fail every job without a result yet; returns their ids (busy ones included:
-        their failures are delivered when they stop being busy)."""
+        """Fail every job without a result yet (busy ones too); returns their ids."""
         undecided = [job_id for job_id, job in self._jobs.items() if job.result is None]
         for job_id in undecided:
             self.fail(job_id, reason, notify=notify)

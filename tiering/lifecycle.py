@@ -1,9 +1,4 @@
-"""The one lifecycle every long-lived object of kv-tiering goes through.
-
-``OPEN`` once started, ``CLOSING`` from the moment a graceful or hard close begins
-(nothing new is admitted), ``CLOSED`` once its work is answered and its threads and
-buffers are released (a task it cancelled may still unwind for an iteration).
-"""
+"""The one lifecycle every long-lived object of kv-tiering goes through."""
 
 from __future__ import annotations
 
@@ -12,7 +7,9 @@ from typing import Any, Self
 
 
 class Lifecycle(enum.Enum):
-    """Where an engine, tier or copier is in its life; only ever moves forward."""
+    """Where an engine, tier or copier is in its life; only ever moves forward.
+    ``CLOSING`` from the moment a close begins (nothing new is admitted), ``CLOSED`` once
+    its work is answered and its threads and buffers are released."""
 
     NEW = "new"
     OPEN = "open"

@@ -1,8 +1,5 @@
-"""The CPU tier's block bookkeeping: which block hash sits in which slot.
-
-:class:`CPUOffloadingManager` is sans-I/O: it decides, the engine (or a serving
-framework's worker) moves the bytes. It sits on a scheduler's hot path: O(1) amortised
-per hash.
+"""The CPU tier's block bookkeeping, sans-I/O: which block hash sits in which slot. It
+sits on a scheduler's hot path: O(1) amortised per hash.
 """
 
 from __future__ import annotations
@@ -35,13 +32,11 @@ class BlockState:
 
 
 class CPUOffloadingManager(OffloadingManager):
-    """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots.
-
-    A block being stored (not ready) or read (ref count > 0) is never evicted; resident
-    blocks hold distinct slots; every method completes or raises before changing
-    anything, InvalidArgumentError for a hash that is not bytes. The constructor raises
-    InvalidArgumentError for bad sizes, UnknownPolicyError for an unknown ``policy``.
-    """
+    """Slots, readers and eviction for a CPU tier of ``num_blocks`` block-sized slots
+    (docs/architecture.md#the-block-manager-and-eviction-policies). Every method
+    completes or raises before changing anything, InvalidArgumentError for a hash that is
+    not bytes; the constructor raises it for bad sizes, UnknownPolicyError for an unknown
+    ``policy``."""
 
     def __init__(
         self,
@@ -56,19 +51,18 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy = make_policy(policy, num_blocks)
         self._admits_everything = self.policy.admits_everything
         self.enable_events = enable_events
-        # A resident block is its slot; its readers and readiness live in arrays indexed
-        # by slot, so that a block costs no object of its own (none for the garbage
-        # collector to scan on a scheduler's hot path).
+        # Readers and readiness live in arrays indexed by slot: a block costs no object
+        # of its own for the garbage collector to scan.
         self._slot_of: dict[BlockHash, int] = {}
         self._ref: list[int] = [0] * num_blocks
         self._ready = bytearray(num_blocks)
         # Popping from the end hands out low slot ids first, in ascending order.
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._num_evictable = 0
+        self.num_evictable = 0  # ready blocks with no reader: what eviction may take
         self._events: list[OffloadingEvent] = []
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
-        """Length of the leading run of hashes that are stored and ready; no side effects."""
+        """Length of the leading run of hashes that are stored and ready."""
         slot_of, ready = self._slot_of, self._ready
         n = 0
         for h in as_block_hashes(block_hashes):
@@ -118,11 +112,6 @@ class CPUOffloadingManager(OffloadingManager):
         return len(self._free_slots)
 
     @property
-    def num_evictable(self) -> int:
-        """Ready blocks with no reader: what eviction may take."""
-        return self._num_evictable
-
-    @property
     def num_pinned(self) -> int:
         """Blocks with at least one reader."""
         ref = self._ref
@@ -147,7 +136,7 @@ class CPUOffloadingManager(OffloadingManager):
                 state = "not stored" if slot is None else "still being stored"
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): {state}")
             if ref[slot] == 0:
-                self._num_evictable -= 1
+                self.num_evictable -= 1
             ref[slot] += 1
             slots.append(slot)
         return CPULoadStoreSpec(slots)
@@ -166,14 +155,14 @@ class CPUOffloadingManager(OffloadingManager):
                 )
             ref[slot] -= 1
             if ref[slot] == 0:
-                self._num_evictable += 1
+                self.num_evictable += 1
 
     def _acquire(self, hashes: Sequence[BlockHash]) -> None:
         ref = self._ref
         for h in hashes:
             slot = self._slot_of[h]
             if ref[slot] == 0:
-                self._num_evictable -= 1
+                self.num_evictable -= 1
             ref[slot] += 1
 
     def _release(self, hashes: Sequence[BlockHash]) -> None:
@@ -182,7 +171,7 @@ class CPUOffloadingManager(OffloadingManager):
             slot = self._slot_of[h]
             ref[slot] -= 1
             if ref[slot] == 0:
-                self._num_evictable += 1
+                self.num_evictable += 1
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """Mark resident blocks most recently used, the first most recent of all; hashes
@@ -192,14 +181,10 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, block_hashes: Iterable[BlockHash], *, admission: bool = True
     ) -> PrepareStoreOutput | None:
-        """Give a slot to every hash not yet resident that the policy admits, evicting
-        if needed; ``None`` (and nothing changed) if not enough blocks can be evicted.
-
-        Resident hashes and repeats are skipped, as are hashes the policy declines
-        (:meth:`EvictionPolicy.admit`, not asked when ``admission`` is False: blocks that
-        must land, such as promotions). Resident hashes named in the call are never
-        evicted for their siblings. New blocks are not ready until ``complete_store``.
-        """
+        """Give a slot to every hash not yet resident that the policy admits (asked only
+        with ``admission``), evicting if needed but never a hash named in the call;
+        ``None`` (and nothing changed) if not enough blocks can be evicted. New blocks are
+        not ready until ``complete_store``."""
         hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         unique = hashes if len(hashes) == 1 else dict.fromkeys(hashes)
@@ -215,7 +200,7 @@ class CPUOffloadingManager(OffloadingManager):
             protected_evictable = sum(
                 1 for h in protected if ready[slot_of[h]] and ref[slot_of[h]] == 0
             )
-            if self._num_evictable - protected_evictable < shortfall:
+            if self.num_evictable - protected_evictable < shortfall:
                 return None
 
             def can_evict(h: BlockHash) -> bool:
@@ -226,7 +211,7 @@ class CPUOffloadingManager(OffloadingManager):
             evicted_slots = [slot_of.pop(h) for h in evicted]
             # Reversed so the first victim's slot is handed out first.
             self._free_slots.extend(reversed(evicted_slots))
-            self._num_evictable -= len(evicted)
+            self.num_evictable -= len(evicted)
             if self.enable_events:
                 self._events.append(OffloadingEvent(evicted, self.block_size, _MEDIUM, True))
 
@@ -253,7 +238,7 @@ class CPUOffloadingManager(OffloadingManager):
                 if slot is not None and not ready[slot]:
                     ready[slot] = 1
                     if ref[slot] == 0:
-                        self._num_evictable += 1
+                        self.num_evictable += 1
                     stored.append(h)
             if stored and self.enable_events:
                 self._events.append(OffloadingEvent(stored, self.block_size, _MEDIUM, False))

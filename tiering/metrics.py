@@ -9,7 +9,6 @@ its loop's thread (and when on its own instead): ``docs/metrics.md``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import re
@@ -129,26 +128,21 @@ class EngineCollector:
         loop = self.loop
         if loop is None or loop.is_closed() or not loop.is_running() or _running_loop() is loop:
             return self._read_here()
-        answer: concurrent.futures.Future[_Reading] = concurrent.futures.Future()
-
-        def read_on_loop() -> None:
-            if not answer.set_running_or_notify_cancel():
-                return  # the scrape gave up waiting
-            try:
-                answer.set_result(_read_engine(self.engine))
-            except BaseException as exc:  # the scrape thread reports it
-                answer.set_exception(exc)
-
+        reading = self._read_on_loop()
         try:
-            loop.call_soon_threadsafe(read_on_loop)
+            answer = asyncio.run_coroutine_threadsafe(reading, loop)
         except RuntimeError:  # closed meanwhile: nothing changes the engine any more
+            reading.close()
             return self._read_here()
         try:
             return answer.result(self.snapshot_timeout)
         except TimeoutError:
-            answer.cancel()
+            answer.cancel()  # the reading never runs, or has run
             logger.debug("metrics: the loop did not answer in %gs", self.snapshot_timeout)
             return self._read_here()
+
+    async def _read_on_loop(self) -> _Reading:
+        return _read_engine(self.engine)
 
     def _read_here(self) -> _Reading:
         for _ in range(_READ_ATTEMPTS - 1):
@@ -475,14 +469,3 @@ def serve_engine_metrics(
     registry = CollectorRegistry()
     register_engine_metrics(engine, registry=registry, prefix=prefix, loop_lag=loop_lag)
     return serve_metrics(port, registry=registry, addr=addr)
-
-
-__all__ = [
-    "CPU_TIER",
-    "DEFAULT_PREFIX",
-    "EngineCollector",
-    "MetricsServer",
-    "register_engine_metrics",
-    "serve_engine_metrics",
-    "serve_metrics",
-]

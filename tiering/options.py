@@ -204,18 +204,3 @@ class ActorOptions(Options):
     def actor_options(self) -> dict[str, int]:
         """The keyword arguments of :class:`~tiering.actor.TierActor` these hold."""
         return {name: getattr(self, name) for name in ActorOptions.model_fields}
-
-
-__all__ = [
-    "ActorOptions",
-    "Bytes",
-    "Count",
-    "Options",
-    "PositiveInt",
-    "Seconds",
-    "SecondsOrZero",
-    "Size",
-    "Text",
-    "secret",
-    "shown",
-]

@@ -161,7 +161,12 @@ def tier_factory(name: str) -> TierFactory:
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
-        return _imported(name, _BUILTINS[name])  # type: ignore[no-any-return]
+        module, _, attribute = _BUILTINS[name].partition(":")
+        try:
+            return getattr(importlib.import_module(module), attribute)  # type: ignore[no-any-return]
+        except ImportError as exc:
+            where = _BUILTINS[name]
+            raise UnknownTierError(f"tier {name!r} ({where}) cannot be imported: {exc}") from exc
     for ep in _entry_points():
         if ep.name == name:
             loaded = ep.load()
@@ -173,30 +178,5 @@ def tier_factory(name: str) -> TierFactory:
     raise UnknownTierError(f"unknown tier {name!r}; known tiers: {tier_names()}")
 
 
-def _imported(name: str, path: str) -> object:
-    """The object at ``module:attribute`` ``path``, for the built-in tier ``name``."""
-    module_name, _, attribute = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UnknownTierError(f"tier {name!r} ({path}) cannot be imported: {exc}") from exc
-    return getattr(module, attribute)
-
-
 def _entry_points() -> tuple[EntryPoint, ...]:
     return tuple(entry_points(group=ENTRY_POINT_GROUP))
-
-
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "TierFactory",
-    "TierSpec",
-    "check_options",
-    "make_tier",
-    "register_tier",
-    "tier_factory",
-    "tier_names",
-    "tier_options",
-    "tier_specs",
-    "unregister_tier",
-]

@@ -144,13 +144,11 @@ def tier_layout(tier: object) -> TierLayout:
     stats = tier.statistics()  # type: ignore[attr-defined]
     block_bytes = int(getattr(tier, "block_bytes", 0))
     if isinstance(records, int) and stats.capacity_blocks:
-        from backends.nvme_space import MOVE_BYTES_PER_JOB
-
         return SegmentLayout(
             capacity_records=stats.capacity_blocks,
             records_per_segment=records,
             hot_fraction=float(getattr(tier, "hot_fraction", 0.0)),
-            moves_per_job=max(1, MOVE_BYTES_PER_JOB // max(1, block_bytes)),
+            moves_per_job=int(getattr(tier, "moves_per_job", 1)),
         )
     if stats.capacity_blocks:
         return int(stats.capacity_blocks)
@@ -625,22 +623,3 @@ def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
         paths[f"cpu->{label}"] = tier_counters.get("stored_blocks", 0) * size
         paths[f"{label}->cpu"] = tier_counters.get("loaded_blocks", 0) * size
     return paths
-
-
-__all__ = [
-    "CPU",
-    "CacheModel",
-    "ReplayNode",
-    "ReplaySummary",
-    "SegmentLayout",
-    "TierLayout",
-    "device_blocks_for",
-    "expected_bytes",
-    "percentiles_ms",
-    "replay",
-    "simulate",
-    "summed",
-    "tenant_names",
-    "tier_labels",
-    "tier_layout",
-]

@@ -1,8 +1,7 @@
 """The memory tier's residency index (sans-I/O; the tier owns the bytes and tells it what
-happened). A key is *resident* once its bytes are complete in the tier (it is then in the
-policy); a *pin* is one counted reason a key may not be evicted now (a load in progress,
-a caller's :meth:`~ResidencyIndex.hold`), taken before or after the key is resident;
-*reserved* units are room promised to stores in progress (or held by no resident key).
+happened). A key is *resident* once its bytes are complete in the tier; a *pin* is one
+counted reason a key may not be evicted now (a load, a caller's
+:meth:`~ResidencyIndex.hold`), taken before or after the key is resident.
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ def _hex(key: BlockHash) -> str:
 
 class ResidencyIndex:
     """Resident keys, pins and eviction for a tier of ``capacity`` blocks. A pinned or
-    protected key is never evicted; ``len(index) + index.reserved <= index.capacity``
-    after every call; counts are exact; a call that raises changes nothing. Raises
-    InvalidArgumentError for a bad ``capacity``, UnknownPolicyError for a bad ``policy``."""
+    protected key is never evicted; ``len(index) + index.reserved <= index.capacity``;
+    a call that raises changes nothing. Raises InvalidArgumentError for a bad
+    ``capacity``, UnknownPolicyError for a bad ``policy``."""
 
     def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru") -> None:
         self.capacity = positive_int("capacity", capacity)
@@ -72,9 +71,8 @@ class ResidencyIndex:
 
     def insert(self, key: BlockHash, *, reserved: bool = False) -> bool:
         """Make ``key`` resident (most recently used); False if it already was. With
-        ``reserved`` one reserved unit is consumed either way.
-        Raises InvalidArgumentError if ``reserved`` but nothing is, or the index is full.
-        """
+        ``reserved`` one reserved unit is consumed either way. Raises
+        InvalidArgumentError if ``reserved`` but nothing is, or the index is full."""
         if reserved:
             if self.reserved <= 0:
                 raise InvalidArgumentError(f"insert of {_hex(key)} from a reservation, but none")
@@ -146,8 +144,8 @@ class ResidencyIndex:
             pins[key] = count + 1
 
     def unpin(self, keys: Iterable[BlockHash]) -> None:
-        """Remove one pin per occurrence of each key; InvalidArgumentError (nothing
-        changed) if a key would lose more pins than it has."""
+        """Remove one pin per occurrence of each key; InvalidArgumentError if a key would
+        lose more pins than it has."""
         wanted = Counter(keys)
         pins = self._pins
         for key, n in wanted.items():
@@ -174,7 +172,7 @@ class ResidencyIndex:
 
     def release(self, keys: Collection[BlockHash]) -> list[BlockHash]:
         """Undo one :meth:`hold` per occurrence of each key; returns the keys as a list.
-        InvalidArgumentError (nothing changed) for keys not bytes or not held that often."""
+        InvalidArgumentError for keys not bytes or not held that often."""
         listed = hash_list("keys", keys)
         wanted = Counter(listed)
         for key, n in wanted.items():

@@ -39,16 +39,10 @@ class JobMetadata:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """How a job ended, with one reading everywhere (docs/job-lifecycle.md#what-a-jobresult-means):
-
-    * ``success`` is True exactly when every key of the job was transferred; then
-      ``failed_keys`` is empty and ``error`` is None.
-    * ``success`` False with ``failed_keys`` non-empty: those keys were not transferred;
-      every other key of the job was (a load's other keys landed in their slots).
-    * ``success`` False with ``failed_keys`` empty: the job failed as a whole; no key
-      of it may be counted as transferred.
-    * ``error`` is a short human-readable reason whenever ``success`` is False.
-    """
+    """How a job ended (docs/job-lifecycle.md#what-a-jobresult-means): ``success`` exactly
+    when every key was transferred; else ``failed_keys`` names the keys that were not
+    (every other key was), or is empty when the job failed as a whole, and ``error`` is a
+    short reason."""
 
     job_id: int
     success: bool
@@ -75,9 +69,8 @@ class SecondaryTierManager(ABC):
     """A tier below the CPU tier: ``submit_store``/``submit_load`` return at once and
     never do I/O on the caller's stack; each submitted job later yields exactly one
     :class:`JobResult` from ``get_finished()``; ``lookup`` is synchronous and cheap.
-
-    ``holds_data`` is False for a tier that only records which keys it was given (a
-    test double): the engine cascades to it but never loads from it.
+    ``holds_data`` is False for a tier that only records which keys it was given: the
+    engine cascades to it but never loads from it.
     """
 
     holds_data: bool = True
@@ -118,9 +111,8 @@ class SecondaryTierManager(ABC):
 
     def hold(self, keys: Collection[OffloadKey]) -> None:  # noqa: B027
         """Keep ``keys`` from being evicted until a matching :meth:`release` (an
-        extension: the engine holds a key it plans to load from here until the load
-        ends). Holds count, keys not stored here too (protecting nothing until stored).
-        Synchronous and cheap; the default does nothing."""
+        extension: the engine holds a key it loads from here until the load ends). Holds
+        count, keys not stored here too. The default does nothing."""
 
     def release(self, keys: Collection[OffloadKey]) -> None:  # noqa: B027
         """Undo one :meth:`hold` of each key; releasing a key not held is an error of
@@ -134,9 +126,8 @@ class SecondaryTierManager(ABC):
 
     def take_removed(self) -> list[OffloadKey]:
         """The keys this tier stopped holding since the last call, oldest first: evicted,
-        or dropped because their bytes did not verify (not :meth:`clear`: after it, no
-        key is held). Empty unless :meth:`report_removals` was called. One caller at a
-        time, from any thread: each key is returned by exactly one call."""
+        or dropped unverified (not by :meth:`clear`). Empty unless :meth:`report_removals`
+        was called. One caller at a time, from any thread; each key comes once."""
         removed = self._removed
         if not removed:
             return []

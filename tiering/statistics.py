@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypeVar
 
 from tiering.lifecycle import Lifecycle
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,16 @@ def format_bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def uncount(counts: Counter[_T], items: Iterable[_T]) -> None:
+    """Take one count off ``counts`` for each of ``items``, dropping those left at zero."""
+    for item in items:
+        left = counts[item] - 1
+        if left > 0:
+            counts[item] = left
+        else:
+            counts.pop(item, None)
+
+
 class FailureLog:
     """Counts failures by cause and logs the first of each cause (a short, stable
     category such as "disk full", never one carrying keys) at WARNING with its detail."""
@@ -89,6 +102,3 @@ class FailureLog:
     def counts(self) -> Mapping[str, int]:
         """Failures so far by cause (a read-only view)."""
         return MappingProxyType(self._counts)
-
-
-__all__ = ["FailureLog", "Statistics", "format_bytes"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,8 @@ class SweepResult:
             "footprint_blocks": self.footprint_blocks,
             "points": [
                 {
-                    "capacity_blocks": p.capacity_blocks,
+                    **asdict(p),
                     "capacity_fraction": round(p.capacity_fraction, 4),
-                    "policy": p.policy,
                     "hit_ratio": round(p.hit_ratio, 4),
                     "requests_per_s": round(p.requests_per_s),
                 }
@@ -177,13 +176,3 @@ def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Pat
     finally:
         plt.close(figure)
     return path
-
-
-__all__ = [
-    "SweepPoint",
-    "SweepResult",
-    "capacities_from",
-    "footprint",
-    "plot_sweep",
-    "sweep",
-]

@@ -72,10 +72,8 @@ class PolledTier(TierActor):
     """A tier written against the seed's polled interface, served as a TierActor.
 
     Each job submits to ``tier`` and polls its ``get_finished()`` until the job's result
-    comes; with none after ``timeout`` seconds the job fails (such a tier may drop a job
-    silently, and might still touch its slots afterwards); a submit that raises fails it
-    with the tier's reason. It serves jobs only: its :class:`TierClient` sends queries
-    to ``tier`` itself. Closing the adapter shuts ``tier`` down.
+    comes, failing after ``timeout`` seconds (such a tier may drop a job silently) or
+    with the tier's reason if the submit raises. Closing the adapter shuts ``tier`` down.
     """
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float, inbox_size: int = 64) -> None:
@@ -147,20 +145,17 @@ class PolledTier(TierActor):
 
 
 class TierClient(AsyncService):
-    """The engine's handle on one secondary tier, actor or polled; its life cycle is
-    the tier's (:meth:`start`, :meth:`aclose`, :meth:`shutdown` start and close it).
+    """The engine's handle on one secondary tier, actor or polled
+    (docs/architecture.md#tiers-are-actors); its life cycle is the tier's.
 
     :meth:`submit` never blocks, awaits or raises for anything the tier does (refusing,
     closed, raising, never answering: a failed outcome); ``on_done`` is called exactly
     once per job, later on the loop, once the tier has stopped touching the job's slots.
-    A job that finds the inbox full is parked and queued as room appears (``backlog``);
-    a close fails parked jobs saying so.
+    ``timeout`` bounds a polled tier's jobs. Raises InvalidArgumentError for a
+    non-SecondaryTierManager ``tier`` or a bad ``timeout``.
     """
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float = 30.0) -> None:
-        """Wrap ``tier`` (not started here); ``timeout`` bounds a polled tier's jobs.
-        Raises InvalidArgumentError for a non-SecondaryTierManager ``tier`` or a
-        ``timeout`` that is not a positive finite number."""
         if not isinstance(tier, SecondaryTierManager):
             raise InvalidArgumentError(
                 f"tier must be a SecondaryTierManager, got {type(tier).__name__}"
@@ -187,9 +182,8 @@ class TierClient(AsyncService):
         await self.actor.start()
 
     async def aclose(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Close the tier gracefully (:meth:`TierActor.aclose`), within ``timeout``
-        seconds (the client's ``timeout`` if None); every job's ``on_done`` has been
-        called when this returns."""
+        """Close the tier gracefully (:meth:`TierActor.aclose`) within ``timeout``
+        seconds (the client's ``timeout`` if None)."""
         await self.actor.aclose(self.timeout if timeout is None else timeout)
 
     def shutdown(self) -> None:
@@ -216,9 +210,8 @@ class TierClient(AsyncService):
         checked: bool = False,
     ) -> None:
         """Queue a store (CPU slots -> tier) or load (tier -> CPU slots) job: ``keys[i]``
-        moves from or into CPU slot ``slots[i]``; ``on_done(outcome)`` follows exactly
-        once. ``checked=True`` takes the arguments as they are (the engine's core has
-        checked them); else InvalidArgumentError, queueing nothing, for a ``kind`` not
+        moves from or into CPU slot ``slots[i]``; ``on_done(outcome)`` follows. With
+        ``checked=False``, InvalidArgumentError, queueing nothing, for a ``kind`` not
         "store"/"load", arguments :func:`~tiering.secondary.checked_job` refuses, an
         ``on_done`` not callable or a call off the tier's event loop."""
         if not checked:
@@ -269,9 +262,9 @@ class TierClient(AsyncService):
             logger.exception("tier client %s: on_done of a %s job raised", self.name, kind)
 
     def statistics(self) -> Statistics:
-        """The client's own snapshot: the tier's state, jobs without an outcome and
-        their bytes, counters (``jobs_submitted``, ``jobs_backlogged``, ``keys_landed``,
-        ``keys_failed``) and failed jobs by cause (the tier's own statistics say why)."""
+        """The tier's state, jobs without an outcome and their bytes, counters
+        (``jobs_submitted``, ``jobs_backlogged``, ``keys_landed``, ``keys_failed``) and
+        failed jobs by cause."""
         return Statistics(
             state=self.state,
             jobs_in_flight=self._jobs_in_flight,

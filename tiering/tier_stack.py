@@ -1,10 +1,4 @@
-"""The resources under an engine: the CPU tier's memory, the device gateway, the tiers.
-
-:class:`TierStack` opens the host pool, the :class:`~tiering.device.DeviceCopier` and
-one :class:`~tiering.tier_client.TierClient` per secondary tier together, and closes
-them in the one order that is safe: the tiers first (they read and write host-pool
-slots), then the copier (its copies touch slots and device blocks), then the pool.
-"""
+"""The resources under an engine: the CPU tier's memory, the device gateway, the tiers."""
 
 from __future__ import annotations
 
@@ -22,7 +16,9 @@ from tiering.tier_client import TierClient, TierOutcome
 
 
 class TierStack:
-    """Host pool, copier and tier clients of one engine, with one lifetime; nothing is
+    """Host pool, copier and one tier client per secondary tier of one engine, opened
+    together and closed in the one safe order: the tiers (they read and write host-pool
+    slots), the copier (its copies touch slots and device blocks), the pool. Nothing is
     allocated until :meth:`open`. ``tiers`` and ``clients`` follow ``specs`` (fastest
     first); tiers that take a ``namespace`` receive ``namespace`` unless their spec sets one.
     """
@@ -97,9 +93,9 @@ class TierStack:
         self.clients[effect.tier].submit(kind, effect.keys, effect.slots, done, checked=True)
 
     async def aclose(self, deadline: float) -> None:
-        """Close in order, the tiers' outstanding jobs getting until ``deadline`` (loop
-        time) to end; every tier job and copy has reported back when this returns.
-        If cancelled, call :meth:`close` (it finishes the job)."""
+        """Close in order, the tiers' jobs getting until ``deadline`` (loop time) to end;
+        every tier job and copy has reported back when this returns. If cancelled, call
+        :meth:`close`."""
         loop = asyncio.get_running_loop()
         for client in self.clients:
             await client.aclose(max(0.0, deadline - loop.time()))
@@ -108,10 +104,9 @@ class TierStack:
         self.close()
 
     def close(self) -> None:
-        """Stop everything now, synchronously and idempotently: tiers shut down (their
-        jobs report failure as their I/O ends), copies in flight are waited for
-        (blocking, briefly: their memory must not go away under them), and the host pool
-        is released (its memory stays mapped while a tier thread still holds a view)."""
+        """Stop everything now, synchronously and idempotently: tiers shut down, copies in
+        flight are waited for (their memory must not go away under them), and the host
+        pool is released (mapped while a tier thread still holds a view)."""
         for client in self.clients:
             client.shutdown()
         if self.copier is not None:

@@ -13,14 +13,9 @@ IO_WORKER_NICENESS = 5
 
 
 def init_io_worker() -> None:
-    """Configure the calling thread as a bulk I/O worker; best effort, never raises.
-
-    * One torch intra-op thread: a copy is memory-bound, and torch's OpenMP threads
-      would take the cores the loop needs (the count is per thread: the framework's
-      own threads keep theirs).
-    * A lower scheduling priority, so that on a busy machine the loop thread wins the
-      core (Linux applies ``setpriority`` to the one thread its id names).
-    """
+    """Configure the calling thread as a bulk I/O worker: one torch intra-op thread and a
+    lower scheduling priority (docs/architecture.md#the-event-loop-rule), both for this
+    thread alone; best effort, never raises."""
     with contextlib.suppress(Exception):
         import torch
 

@@ -9,20 +9,21 @@ data file.
 
 from __future__ import annotations
 
+import itertools
 import json
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from tiering.errors import TraceError
 from tiering.validation import positive_int
 
 TOKENS_PER_BLOCK = 512
 """Tokens per block in the Mooncake traces (and in :func:`synthetic_requests`)."""
-
-_MAX_ID = (1 << 64) - 1
-_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,41 +77,36 @@ def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request
     return requests
 
 
+class _TraceLine(BaseModel):
+    """The fields of a trace line that a replay reads (others are ignored)."""
+
+    model_config = ConfigDict(strict=True)
+    timestamp: Annotated[float, Field(ge=0, allow_inf_nan=False)]  # milliseconds
+    input_length: Annotated[int, Field(ge=0)]
+    output_length: Annotated[int, Field(ge=0)]
+    hash_ids: list[Annotated[int, Field(ge=0, le=(1 << 64) - 1)]]
+
+
 def _parse_line(line: str) -> Request:
     """One trace line as a request; ValueError says why it is not one."""
     try:
         record = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as exc:  # its own "line 1" would mix with the file's line
         raise ValueError(f"not JSON: {exc.msg} at column {exc.pos + 1}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    missing = [k for k in _FIELDS if k not in record]
-    if missing:
-        raise ValueError(f"missing {', '.join(missing)}")
-    timestamp = record["timestamp"]
-    if not _is_number(timestamp) or timestamp < 0:
-        raise ValueError(f"timestamp must be a non-negative number, got {timestamp!r}")
-    lengths = []
-    for name in ("input_length", "output_length"):
-        value = record[name]
-        if not _is_int(value) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        lengths.append(value)
-    ids = record["hash_ids"]
-    if not isinstance(ids, list):
-        raise ValueError(f"hash_ids must be a list, got {type(ids).__name__}")
-    for value in ids:
-        if not _is_int(value) or not 0 <= value <= _MAX_ID:
-            raise ValueError(f"hash id {value!r} is not an integer in 0 .. 2**64 - 1")
-    return Request(timestamp / 1000.0, tuple(ids), lengths[0], lengths[1])
+    try:
+        fields = _TraceLine.model_validate(record)
+    except ValidationError as exc:
+        raise ValueError("; ".join(map(_problem, exc.errors()))) from None
+    ids = tuple(fields.hash_ids)
+    return Request(fields.timestamp / 1000.0, ids, fields.input_length, fields.output_length)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+def _problem(error: ErrorDetails) -> str:
+    """One of pydantic's errors as ``field[index]: reason, got value``."""
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+    if error["type"] == "missing":
+        return f"{path[1:]}: missing"
+    return f"{path[1:] or 'the line'}: {error['msg']}, got {error['input']!r:.60}"
 
 
 def synthetic_requests(
@@ -138,13 +134,10 @@ def synthetic_requests(
 
     SyntheticConfig(**arguments)
     rng = random.Random(seed)
-    next_id = 0
+    counter = itertools.count()
 
     def new_ids(count: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + count))
-        next_id += count
-        return ids
+        return list(itertools.islice(counter, count))
 
     prompts = [new_ids(system_prompt_blocks) for _ in range(system_prompts)]
     popularity = [1.0 / (rank + 1) for rank in range(system_prompts)]

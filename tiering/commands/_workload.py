@@ -25,21 +25,8 @@ def _override(text: str) -> tuple[str, str]:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and repeatable ``--set SECTION.FIELD=VALUE``."""
-    parser.add_argument("--config", metavar="FILE", help="a TOML config (docs/config.md)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        metavar="SECTION.FIELD=VALUE",
-        type=_override,
-        action="append",
-        help="override one config field (repeatable), e.g. engine.policy=arc",
-    )
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """The trace (optional: the synthetic workload without one), ``--limit`` and
-    ``--full-blocks-only``."""
+    """The trace (optional: the synthetic workload without one), ``--limit``,
+    ``--full-blocks-only``, ``--config FILE`` and repeatable ``--set SECTION.FIELD=VALUE``."""
     parser.add_argument(
         "trace",
         nargs="?",
@@ -56,6 +43,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="leave out each prompt's partial last block",
+    )
+    parser.add_argument("--config", metavar="FILE", help="a TOML config (docs/config.md)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="SECTION.FIELD=VALUE",
+        type=_override,
+        action="append",
+        help="override one config field (repeatable), e.g. engine.policy=arc",
     )
 
 

@@ -38,7 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def render(report: ClearReport) -> list[str]:
-    """The human-readable report."""
     verb = "would remove" if report.dry_run else "removed"
     lines = [
         f"root {report.root}: {verb} {report.files} files ({format_bytes(report.bytes)}) "

@@ -41,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def render(report: RootReport) -> list[str]:
-    """The human-readable report."""
     lines = [
         f"root {report.root}: {len(report.namespaces)} namespace(s), {report.blocks} blocks, "
         f"{format_bytes(report.payload_bytes)} payload, {format_bytes(report.disk_bytes)} on disk, "
@@ -66,8 +65,8 @@ def render(report: RootReport) -> list[str]:
                 ]
             )
         lines += table(rows)
-    for title, attribute in (("damaged", "damaged"), ("orphaned", "orphaned")):
-        findings = [f for ns in report.namespaces for f in getattr(ns, attribute)]
+    for title in ("damaged", "orphaned"):
+        findings = [f for ns in report.namespaces for f in getattr(ns, title)]
         if findings:
             lines.append(f"{title}:")
             lines += [f"  {f.path}: {f.reason}" for f in findings]
@@ -77,8 +76,7 @@ def render(report: RootReport) -> list[str]:
 
 
 def show(report: Any, render: Callable[[Any], list[str]], as_json: bool) -> None:
-    """Print ``report`` as one JSON line, or as ``render`` makes it (inspect, verify and
-    clear)."""
+    """Print ``report`` as one JSON line, or as ``render`` makes it."""
     if as_json:
         print_json(asdict(report))
     else:

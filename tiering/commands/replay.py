@@ -22,19 +22,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import sys
-from contextlib import AbstractContextManager, nullcontext
+from collections import Counter
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, Literal, get_args, get_origin
 
 from tiering.cli_args import Progress
 from tiering.commands._output import add_json_argument, print_json, table
 from tiering.commands._workload import (
     DEFAULT_CPU_BLOCKS,
     add_config_arguments,
-    add_workload_arguments,
     cpu_shortcut,
     load_workload,
     resolve_config,
@@ -48,7 +47,7 @@ from tiering.config import (
 )
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
-from tiering.fleet import ROUTERS, SHARED_TIERS, TRANSPORTS, FleetSummary, replay_fleet
+from tiering.fleet import SHARED_TIERS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
 from tiering.policies import policy_names
 from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
@@ -61,13 +60,14 @@ ORDER = 10
 
 
 def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
-    """The options that set one config field: (group, option, field, argparse keywords).
-    Left out, an option leaves the field as the defaults and --config give it."""
+    """The options that set one config field: (group, option, field, argparse keywords;
+    a field of fixed values gets them as choices). Left out, an option leaves the field
+    as the defaults and --config give it."""
     return [
         ("tiers", "--policy", "engine.policy",
          {"choices": policy_names(), "help": "the CPU tier's eviction policy"}),
         ("tiers", "--write-policy", "engine.write_policy",
-         {"choices": ["write_through", "write_back"], "help": "when stores go down the tiers"}),
+         {"help": "when stores go down the tiers"}),
         ("run", "--block-bytes", "replay.block_bytes",
          {"metavar": "SIZE", "help": "bytes per KV block"}),
         ("run", "--device-blocks", "replay.device_blocks", {"type": int, "metavar": "N",
@@ -82,15 +82,12 @@ def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
          {"type": int, "metavar": "PORT", "help": "serve Prometheus metrics"}),
         ("fleet", "--nodes", "replay.nodes",
          {"type": int, "metavar": "N", "help": "engines behind a router"}),
-        ("fleet", "--router", "replay.router",
-         {"choices": ROUTERS, "help": "how requests pick a node"}),
-        ("fleet", "--transport", "replay.transport",
-         {"choices": TRANSPORTS, "help": "how KV events reach the router"}),
+        ("fleet", "--router", "replay.router", {"help": "how requests pick a node"}),
+        ("fleet", "--transport", "replay.transport", {"help": "how KV events reach the router"}),
     ]  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_workload_arguments(parser)
     add_config_arguments(parser)
     groups = {
         "tiers": parser.add_argument_group("tiers (shortcuts for config fields)"),
@@ -105,7 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sections = {"engine": EngineConfig, "replay": ReplayConfig, "metrics": MetricsConfig}
     for group, option, path, keywords in _field_options():
         section, name = path.split(".")
-        default = sections[section].model_fields[name].default  # what leaving it out means
+        field = sections[section].model_fields[name]
+        if get_origin(field.annotation) is Literal:
+            keywords = {**keywords, "choices": get_args(field.annotation)}
+        default = field.default  # what leaving it out means
         if default is not None and not isinstance(default, bool):
             shown = format_bytes(default) if name.endswith("_bytes") else default
             keywords = {**keywords, "help": f"{keywords['help']} (default: {shown})"}
@@ -204,8 +204,7 @@ def _failed_tier(summary: ReplaySummary) -> str | None:
 def _causes(counts: dict[str, int]) -> str:
     if not counts:
         return "no cause recorded"
-    ranked = sorted(counts.items(), key=lambda item: -item[1])
-    return "; ".join(f"{cause}: {count}" for cause, count in ranked[:3])
+    return "; ".join(f"{cause}: {count}" for cause, count in Counter(counts).most_common(3))
 
 
 def _warm_note(summary: ReplaySummary) -> str:
@@ -250,23 +249,18 @@ async def _replay_fleet(
     config: TieringConfig, requests: list[Request], progress: Progress, name: str
 ) -> FleetSummary:
     events_on = with_overrides(config, {"engine.enable_events": True})
-
-    def make_engine(node: int, kv: torch.Tensor) -> TieringEngine:
-        return TieringEngine.from_config(_node_config(events_on, node), kv)
-
-    def on_request(done: int, summary: FleetSummary) -> None:
-        progress.update(f"fleet ({name}): {done}/{len(requests)} requests")
-
     return await replay_fleet(
         requests,
-        make_engine,
+        lambda node, kv: TieringEngine.from_config(_node_config(events_on, node), kv),
         nodes=config.replay.nodes,
         router=config.replay.router,
         transport=config.replay.transport,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
         full_blocks_only=config.replay.full_blocks_only,
-        on_request=on_request,
+        on_request=lambda done, _: progress.update(
+            f"fleet ({name}): {done}/{len(requests)} requests"
+        ),
     )
 
 
@@ -389,9 +383,6 @@ async def _replay(
 ) -> ReplaySummary:
     pace = None if config.replay.pace == "max" else float(config.replay.pace)
 
-    def make_engine(kv: torch.Tensor) -> TieringEngine:
-        return TieringEngine.from_config(config, kv)
-
     def on_request(done: int, summary: ReplaySummary) -> None:
         ratio = summary.hit_ratio
         progress.update(f"replay: {done}/{len(requests)} requests, hit ratio {ratio:.4f}")
@@ -399,8 +390,6 @@ async def _replay(
     metrics = config.metrics
 
     def serve(engine: TieringEngine, lag: LoopLagMonitor) -> AbstractContextManager[object]:
-        if metrics.port is None:
-            return nullcontext()
         from tiering.metrics import serve_engine_metrics
 
         server = serve_engine_metrics(engine, metrics.port, prefix=metrics.prefix, loop_lag=lag)
@@ -409,8 +398,8 @@ async def _replay(
 
     return await replay(
         requests,
-        make_engine,
-        on_open=serve,
+        functools.partial(TieringEngine.from_config, config),
+        on_open=None if metrics.port is None else serve,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
         pace=pace,

@@ -27,7 +27,6 @@ from tiering.cli_args import Progress, choice_list, positive_int
 from tiering.commands._output import add_json_argument, print_json
 from tiering.commands._workload import (
     add_config_arguments,
-    add_workload_arguments,
     load_workload,
     resolve_config,
 )
@@ -42,7 +41,6 @@ ORDER = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_workload_arguments(parser)
     add_config_arguments(parser)
     parser.add_argument(
         "--capacities",

@@ -47,8 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def render(report: VerifyReport) -> list[str]:
-    """The human-readable report."""
-    bad = report.bad_blocks
     lines = [
         f"root {report.root}: {report.checked} blocks checked, {report.bad} bad"
         + (f", {report.removed} removed" if report.remove else "")
@@ -59,9 +57,9 @@ def render(report: VerifyReport) -> list[str]:
         rows.append([ns.namespace or ns.directory, str(ns.checked), str(len(ns.bad)), in_use])
     if report.namespaces:
         lines += table(rows)
-    if bad:
+    if report.bad:
         lines.append("bad blocks:")
-        for block in bad:
+        for block in report.bad_blocks:
             where = block.path + (f" record {block.record}" if block.record is not None else "")
             key = block.key if block.key is not None else "unreadable"
             status = " [removed]" if block.removed else ""

@@ -10,7 +10,6 @@ module raises ImportError.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -23,9 +22,10 @@ import uvloop
 
 from backends.nvme_segments import STAGING_BYTES
 from tiering.errors import InvalidArgumentError
-from tiering.hashing import NAMESPACE_FORMAT
+from tiering.hashing import NAMESPACE_FORMAT, canonical_json
 from tiering.registry import make_tier
 from tiering.secondary import checked_job
+from tiering.statistics import uncount
 from tiering.tier_client import TierClient, TierOutcome
 from tiering.validation import seconds
 
@@ -92,9 +92,7 @@ def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
     if not agnostic:
         sizes = (parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size)
         fields["parallel"] = [*sizes, parallel.rank]
-    return json.dumps(
-        {"vllm": fields, "format": NAMESPACE_FORMAT}, sort_keys=True, separators=(",", ":")
-    )
+    return canonical_json({"vllm": fields, "format": NAMESPACE_FORMAT})
 
 
 class _LoopThread:
@@ -336,10 +334,7 @@ class RegisteredTierManager(SecondaryTierManager):
             if self._events is not None:
                 self._take_removals(self._events)  # what left the tier before this job ended
             if kind == "store":
-                self._storing.subtract(pending.keys)
-                for key in pending.keys:
-                    if self._storing[key] <= 0:
-                        del self._storing[key]
+                uncount(self._storing, pending.keys)
                 if self._events is not None and landed:
                     self._events.append(self._event(list(landed), removed=False))
             self._counters[f"{kind}_jobs"] += 1
@@ -478,12 +473,3 @@ class MemoryTierManager(RegisteredTierManager):
 
     tier_name = "memory"
     medium = Medium.CPU
-
-
-__all__ = [
-    "METRIC_PREFIX",
-    "MemoryTierManager",
-    "NVMeTierManager",
-    "RegisteredTierManager",
-    "vllm_namespace",
-]
