@@ -1,7 +1,6 @@
 """One typed configuration (:class:`TieringConfig`) of an engine, its tiers, a replay and
 its metrics: from TOML or code, with ``--set`` overrides, written back as TOML, checked
-whole before anything is returned. Every field and default: docs/config.md.
-"""
+whole before anything is returned. Every field and default: docs/config.md."""
 
 from __future__ import annotations
 
@@ -260,8 +259,7 @@ def _from_raw(raw: Mapping[str, object]) -> TieringConfig:
 
 
 def _resolve_paths(raw: dict[str, Any], directory: str) -> None:
-    """Join a parsed file's relative paths to ``directory``, in place (a value that is no
-    str is left for the checks): ``replay.trace``, a tier's ``root`` or ``*_file``."""
+    """Join relative ``replay.trace``, tier ``root`` and ``*_file`` strs to ``directory``."""
     replay, tiers = raw.get("replay"), raw.get("tiers")
     for table in [replay, *(tiers if isinstance(tiers, list) else ())]:
         for key, value in table.items() if isinstance(table, dict) else ():
