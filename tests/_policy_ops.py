@@ -7,6 +7,7 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 from tiering.policies.base import EvictionPolicy
+from tiering.workloads import Request
 
 
 def key(i: int) -> bytes:
@@ -100,3 +101,20 @@ def hot_hits_under_scan(policy: EvictionPolicy, capacity: int) -> int:
             access(b"scan-%d" % next(scan_ids))
         hits += sum(access(k) for k in hot)
     return hits
+
+
+def hot_chain_and_one_offs(requests: int) -> list[Request]:
+    """Every request: the same 32-block chain, then 48 blocks nobody asks for again."""
+    fresh = iter(range(1000, 10**6))
+    return [
+        Request(float(t), (*range(32), *(next(fresh) for _ in range(48))), 80 * 512, 0)
+        for t in range(requests)
+    ]
+
+
+def pairs(requests: int) -> list[Request]:
+    """Every block is asked for twice, by two requests in a row, and never again."""
+    return [
+        Request(float(t), tuple(range(40 * (t // 2), 40 * (t // 2) + 40)), 40 * 512, 0)
+        for t in range(requests)
+    ]

@@ -7,7 +7,13 @@ from collections.abc import Callable
 
 import pytest
 from _policy_ops import any_key as _any
-from _policy_ops import hot_hits_under_scan, operations, run_operations
+from _policy_ops import (
+    hot_chain_and_one_offs,
+    hot_hits_under_scan,
+    operations,
+    pairs,
+    run_operations,
+)
 from _policy_ops import key as _key
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -175,25 +181,8 @@ def test_a_declined_block_is_not_stored_and_evicts_nothing() -> None:
     assert forced is not None and forced.block_hashes_to_store == [_key(3)]
 
 
-def _hot_chain_and_one_offs(requests: int) -> list[Request]:
-    """Every request: the same 32-block chain, then 48 blocks nobody asks for again."""
-    fresh = iter(range(1000, 10**6))
-    return [
-        Request(float(t), (*range(32), *(next(fresh) for _ in range(48))), 80 * 512, 0)
-        for t in range(requests)
-    ]
-
-
-def _pairs(requests: int) -> list[Request]:
-    """Every block is asked for twice, by two requests in a row, and never again."""
-    return [
-        Request(float(t), tuple(range(40 * (t // 2), 40 * (t // 2) + 40)), 40 * 512, 0)
-        for t in range(requests)
-    ]
-
-
 @pytest.mark.parametrize(
-    ("workload", "second_sight_wins"), [(_hot_chain_and_one_offs, True), (_pairs, False)]
+    ("workload", "second_sight_wins"), [(hot_chain_and_one_offs, True), (pairs, False)]
 )
 def test_the_duel_follows_the_admission_that_wins(
     workload: Callable[[int], list[Request]], second_sight_wins: bool

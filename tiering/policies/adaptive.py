@@ -197,18 +197,9 @@ class AdaptivePolicy(ARCPolicy):
         Either order leaves the victims' ghosts in ``B1``/``B2`` as ARC does."""
         if n <= 0:
             return []
-        if not self._lru_order:
-            victims = super().evict(n, can_evict)
-        else:
-            victims = self._lru_victims(n, can_evict)
-            t1, b1, b2, t2 = self._t1, self._b1, self._b2, self._t2
-            for key in victims:
-                if t1.pop(key, _ABSENT) is _ABSENT:
-                    del t2[key]
-                    b2[key] = None
-                else:
-                    b1[key] = None
-            self._trim_ghosts()
+        order = self._lru_victims if self._lru_order else self._victims
+        victims = order(n, can_evict)
+        self._retire(victims)
         last = self._last
         for key in victims:
             del last[key]
@@ -232,17 +223,6 @@ class AdaptivePolicy(ARCPolicy):
             else:
                 break
         return victims
-
-    def _trim_ghosts(self) -> None:
-        b1, b2, capacity = self._b1, self._b2, self.capacity
-        excess = len(self._t1) + len(b1) - capacity
-        while excess > 0 and b1:
-            b1.popitem(last=False)
-            excess -= 1
-        excess = len(b1) + len(b2) - capacity
-        while excess > 0 and (b2 or b1):
-            (b2 or b1).popitem(last=False)
-            excess -= 1
 
 
 class _Shadow:

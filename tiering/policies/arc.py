@@ -104,9 +104,16 @@ class ARCPolicy(EvictionPolicy):
 
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
         """As :meth:`EvictionPolicy.evict`; ``can_evict`` is called at most once a key."""
-        victims: list[BlockHash] = []
         if n <= 0:
-            return victims
+            return []
+        victims = self._victims(n, can_evict)
+        self._retire(victims)
+        return victims
+
+    def _victims(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
+        """The ``n`` evictable keys ARC's order picks (fewer if there are not), nothing
+        changed yet."""
+        victims: list[BlockHash] = []
         t1, t2 = self._t1, self._t2
         # Choose every victim first, mutating nothing, so the iterators stay valid;
         # `size1` is what |T1| will be once the victims chosen so far are gone. An
@@ -133,7 +140,12 @@ class ARCPolicy(EvictionPolicy):
                     scan2 = None
             else:
                 break
-        b1, b2 = self._b1, self._b2
+        return victims
+
+    def _retire(self, victims: list[BlockHash]) -> None:
+        """Move evicted ``victims`` from ``T1`` / ``T2`` to their ghost lists, then trim the
+        ghosts to the capacity."""
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         for key in victims:
             if t1.pop(key, _ABSENT) is _ABSENT:
                 del t2[key]
@@ -151,7 +163,6 @@ class ARCPolicy(EvictionPolicy):
         while excess > 0 and (b2 or b1):
             (b2 or b1).popitem(last=False)
             excess -= 1
-        return victims
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
