@@ -332,6 +332,18 @@ def test_sweep_suite_prints_each_policy_against_the_better_of_lru_and_arc(
     assert "worst" in out and set(result["worst_ratio"]) == {"lru", "arc"}
 
 
+def test_sweep_suite_draws_each_policys_worst_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib", reason="pip install 'kv-tiering[plot]'")
+    plot = tmp_path / "suite.png"
+    argv = ["sweep", "--suite", "--full-blocks-only", "--capacities", "2%,5%", "--policies", "lru"]
+    assert main([*argv, "--plot", str(plot), "--json"]) == 0
+    assert _json(capsys)["plot"] == str(plot) and plot.read_bytes()[:4] == b"\x89PNG"
+    assert main([*argv, "--plot", str(tmp_path / "no" / "dir.png")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 def test_the_documented_sweep_command_draws_the_documented_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="pip install 'kv-tiering[plot]'")

@@ -12,12 +12,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiering.errors import InvalidArgumentError
 from tiering.policies import policy_names
 from tiering.replay import simulate
 from tiering.workloads import Request
+
+if TYPE_CHECKING:
+    from tiering.workload_suite import SuiteResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,47 @@ def sweep(
 def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Path:
     """Draw hit ratio against capacity (log scale), one line per policy, into a PNG at
     ``path``; InvalidArgumentError without matplotlib or if ``path`` cannot be written."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for p in result.points:
+        lines.setdefault(p.policy, []).append((p.capacity_fraction * 100, p.hit_ratio))
+    return _plot(
+        lines,
+        path,
+        xlabel=f"CPU tier capacity, of the footprint ({result.footprint_blocks} blocks)",
+        ylabel="prefix hit ratio",
+        title=title or f"hit ratio by capacity ({result.requests} requests)",
+    )
+
+
+def plot_suite(result: SuiteResult, path: str | Path) -> Path:
+    """Draw each policy's worst ratio to the better of LRU and ARC over the suite's
+    workloads and modes against capacity (log scale), into a PNG at ``path``; raises as
+    :func:`plot_sweep`."""
+    worst: dict[str, dict[float, float]] = {}
+    for p in result.points:
+        for policy in result.policies:
+            line = worst.setdefault(policy, {})
+            x = p.capacity_fraction * 100
+            line[x] = min(line.get(x, float("inf")), p.ratio(policy))
+    workloads = len({p.workload for p in result.points})
+    return _plot(
+        {policy: sorted(line.items()) for policy, line in worst.items()},
+        path,
+        xlabel="CPU tier capacity, of each workload's footprint",
+        ylabel="worst hit ratio / the better of LRU and ARC",
+        title=f"the workload suite: the worst of {workloads} workloads at each capacity",
+    )
+
+
+def _plot(
+    lines: dict[str, list[tuple[float, float]]],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> Path:
+    """One line of markers per label against a log x axis (percentages), as a PNG."""
     try:
         import matplotlib
 
@@ -151,21 +195,15 @@ def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Pat
     path = Path(path)
     figure, axes = plt.subplots(figsize=(7, 4.5), dpi=110)
     try:
-        for policy in dict.fromkeys(p.policy for p in result.points):
-            mine = [p for p in result.points if p.policy == policy]
-            axes.plot(
-                [p.capacity_fraction * 100 for p in mine],
-                [p.hit_ratio for p in mine],
-                marker="o",
-                label=policy,
-            )
+        for label, points in lines.items():
+            axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
         axes.set_xscale("log")
-        ticks = sorted({p.capacity_fraction * 100 for p in result.points})
+        ticks = sorted({x for points in lines.values() for x, _ in points})
         axes.set_xticks(ticks, [f"{t:.2g}%" for t in ticks])
         axes.minorticks_off()
-        axes.set_xlabel(f"CPU tier capacity, of the footprint ({result.footprint_blocks} blocks)")
-        axes.set_ylabel("prefix hit ratio")
-        axes.set_title(title or f"hit ratio by capacity ({result.requests} requests)")
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel(ylabel)
+        axes.set_title(title)
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
         figure.tight_layout()

@@ -9,7 +9,7 @@ block counts or percentages of the workload's footprint (its distinct blocks).
 With --suite it runs every named workload (generated with synthetic.seed, and TRACE if
 given) with and without --full-blocks-only (only with, if given), and prints each
 policy's hit ratio as a ratio to the better of LRU and ARC at each capacity (percentages
-only), then each one's worst.
+only), then each one's worst; --plot draws each policy's worst ratio by capacity.
 
 Examples:
   tiering sweep
@@ -32,7 +32,7 @@ from tiering.commands._workload import (
 )
 from tiering.errors import InvalidArgumentError
 from tiering.policies import policy_names
-from tiering.sweep import capacities_from, footprint, plot_sweep, sweep
+from tiering.sweep import capacities_from, footprint, plot_suite, plot_sweep, sweep
 from tiering.workload_suite import WORKLOADS, run_suite
 
 NAME = "sweep"
@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_suite(args: argparse.Namespace) -> int:
-    if args.plot is not None or args.workload is not None or args.limit is not None:
-        raise InvalidArgumentError("--suite runs whole workloads: no --plot, --workload, --limit")
+    if args.workload is not None or args.limit is not None:
+        raise InvalidArgumentError("--suite runs whole workloads: no --workload or --limit")
     fractions = []
     for item in args.capacities.split(","):
         if not item.strip().endswith("%"):
@@ -109,7 +109,11 @@ def _run_suite(args: argparse.Namespace) -> int:
         result = run_suite(
             workloads, args.policies, fractions=fractions, modes=modes, seed=seed, jobs=args.jobs
         )
+    if args.plot is not None:
+        plot_suite(result, args.plot)
     print(result.table())
     if args.json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), **({"plot": args.plot} if args.plot else {})})
+    elif args.plot is not None:
+        print(f"plot: {args.plot}")
     return 0
