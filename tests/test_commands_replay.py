@@ -132,6 +132,7 @@ def test_replay_reads_a_config_file_and_set_overrides_it(
         (["sweep", "--policies", "fifo"], "fifo"),
         (["sweep", "--workload", "fifo"], "--workload"),
         (["sweep", "--suite", "--capacities", "500"], "percentages"),
+        (["sweep", "--suite", "--capacities", "x%"], "'x%' is neither"),
         (["sweep", "--suite", "--limit", "5"], "--limit"),
     ],
 )

@@ -84,24 +84,52 @@ def capacities_from(text: str, footprint_blocks: int) -> list[int]:
     """Capacities, ascending and distinct, from comma-separated block counts (``1000``)
     and footprint percentages (``5%``); InvalidArgumentError names a bad item."""
     capacities = set()
-    for item in (part.strip() for part in text.split(",")):
+    for item in _items(text):
+        if item.endswith("%"):
+            capacities.add(max(1, round(footprint_blocks * _fraction(item, text))))
+            continue
         try:
-            if item.endswith("%"):
-                percent = float(item[:-1])
-                if not 0 < percent <= 100:
-                    raise ValueError
-                capacities.add(max(1, round(footprint_blocks * percent / 100)))
-            else:
-                blocks = int(item)
-                if blocks <= 0:
-                    raise ValueError
-                capacities.add(blocks)
+            blocks = int(item)
         except ValueError:
-            raise InvalidArgumentError(
-                f"capacities: {item!r} is neither a positive block count nor a percentage "
-                f"in (0, 100]% (in {text!r})"
-            ) from None
+            blocks = 0
+        if blocks <= 0:
+            raise _bad_capacity(item, text)
+        capacities.add(blocks)
     return sorted(capacities)
+
+
+def fractions_from(text: str) -> list[float]:
+    """Footprint fractions, in the order given, from comma-separated percentages
+    (``1%,5%``); InvalidArgumentError names an item that is not one in (0, 100]%."""
+    fractions = []
+    for item in _items(text):
+        if not item.endswith("%"):
+            raise InvalidArgumentError(
+                f"capacities: the suite takes percentages of the footprint, got {item!r}"
+            )
+        fractions.append(_fraction(item, text))
+    return fractions
+
+
+def _items(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",")]
+
+
+def _fraction(item: str, text: str) -> float:
+    try:
+        percent = float(item[:-1])
+    except ValueError:
+        percent = 0.0
+    if not 0 < percent <= 100:
+        raise _bad_capacity(item, text)
+    return percent / 100
+
+
+def _bad_capacity(item: str, text: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"capacities: {item!r} is neither a positive block count nor a percentage "
+        f"in (0, 100]% (in {text!r})"
+    )
 
 
 def sweep(

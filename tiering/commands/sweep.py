@@ -32,7 +32,7 @@ from tiering.commands._workload import (
 )
 from tiering.errors import InvalidArgumentError
 from tiering.policies import policy_names
-from tiering.sweep import capacities_from, footprint, plot_suite, plot_sweep, sweep
+from tiering.sweep import capacities_from, footprint, fractions_from, plot_suite, plot_sweep, sweep
 from tiering.workload_suite import WORKLOADS, run_suite
 
 NAME = "sweep"
@@ -94,13 +94,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_suite(args: argparse.Namespace) -> int:
     if args.workload is not None or args.limit is not None:
         raise InvalidArgumentError("--suite runs whole workloads: no --workload or --limit")
-    fractions = []
-    for item in args.capacities.split(","):
-        if not item.strip().endswith("%"):
-            raise InvalidArgumentError(
-                f"--capacities: the suite takes percentages of the footprint, got {item!r}"
-            )
-        fractions.append(float(item.strip()[:-1]) / 100)
+    fractions = fractions_from(args.capacities)
     workloads = [*WORKLOADS, *([args.trace] if args.trace is not None else [])]
     modes = (True,) if args.full_blocks_only else (False, True)
     seed = resolve_config(args, {}).synthetic.seed  # --set synthetic.seed=N: other draws
