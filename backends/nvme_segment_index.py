@@ -66,6 +66,23 @@ class KeyTable:
         slot = self._find(digest)
         return self._locs[slot] if self._digests[slot] else None
 
+    def present(self, digests: Sequence[int]) -> np.ndarray:
+        """Whether each of ``digests`` is in the table (booleans, in order): the probes
+        of the whole batch run as array operations."""
+        table = np.frombuffer(self._digests, dtype=np.uint64)
+        wanted = np.fromiter(digests, dtype=np.uint64, count=len(digests))
+        found = np.zeros(len(wanted), dtype=bool)
+        mask = np.uint64(self._mask)
+        slots = wanted & mask
+        probing = np.arange(len(wanted))
+        while probing.size:
+            seen = table[slots[probing]]
+            hit = seen == wanted[probing]
+            found[probing[hit]] = True
+            probing = probing[~hit & (seen != _EMPTY)]
+            slots[probing] = (slots[probing] + np.uint64(1)) & mask
+        return found
+
     def tick_of(self, digest: int) -> int | None:
         slot = self._find(digest)
         return self._ticks[slot] if self._digests[slot] else None
@@ -221,6 +238,10 @@ class SegmentIndex:
 
     def __contains__(self, digest: object) -> bool:
         return isinstance(digest, int) and self._table.get(digest) is not None
+
+    def present(self, digests: Sequence[int]) -> np.ndarray:
+        """Whether each of ``digests`` is present (booleans, in order)."""
+        return self._table.present(digests)
 
     def locate(self, digest: int) -> tuple[str, int] | None:
         """``(segment name, record number)`` of a present digest, else None."""

@@ -129,6 +129,18 @@ async def test_lookup_is_none_while_a_store_is_queued(tier: NVMeTier) -> None:
     assert tier.lookup(b"other") is False
 
 
+async def test_lookup_all_answers_as_lookup_does_for_each_key(tier: NVMeTier) -> None:
+    stored = _keys(3)
+    await _store(tier, stored, [0, 1, 2])
+    tier.submit_store(JobMetadata(next_job_id(), [b"pending"], [3]))
+    keys = [b"absent", *stored, b"pending"]
+    assert (
+        tier.lookup_all(keys)
+        == [tier.lookup(key) for key in keys]
+        == [False, True, True, True, None]
+    )
+
+
 async def test_lookup_rejects_a_non_bytes_key(tier: NVMeTier) -> None:
     with pytest.raises(InvalidArgumentError, match="bytes"):
         tier.lookup("text")  # type: ignore[arg-type]

@@ -70,6 +70,8 @@ class KeyTableMachine(RuleBasedStateMachine):
             expected = self.model.get(digest)
             assert self.table.get(digest) == (expected[0] if expected else None)
             assert self.table.tick_of(digest) == (expected[1] if expected else None)
+        every = list(range(1, 13 * 64))
+        assert self.table.present(every).tolist() == [d in self.model for d in every]
         digests, locs, ticks = self.table.entries()
         got = {int(d): (int(loc), int(t)) for d, loc, t in zip(digests, locs, ticks, strict=True)}
         assert got == self.model

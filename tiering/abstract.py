@@ -23,8 +23,10 @@ def as_block_hashes(
     """``block_hashes`` as a list or tuple, each element checked to be bytes
     (InvalidArgumentError naming ``name`` otherwise)."""
     hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
+    if set(map(type, hashes)) <= {bytes}:  # the common case, checked at C speed
+        return hashes
     for h in hashes:
-        if type(h) is not bytes and not isinstance(h, bytes):
+        if not isinstance(h, bytes):
             raise InvalidArgumentError(f"{name} must hold bytes, got {type(h).__name__} {h!r:.60}")
     return hashes
 

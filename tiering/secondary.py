@@ -94,6 +94,11 @@ class SecondaryTierManager(ABC):
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if the block is stored here, False if not, None if in transfer (ask again)."""
 
+    def lookup_all(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
+        """:meth:`lookup` of each of ``keys``, in order (tiers with an index answer a batch
+        at once)."""
+        return [self.lookup(key) for key in keys]
+
     @abstractmethod
     def submit_store(self, job_metadata: JobMetadata) -> None:
         """Queue a job that copies the job's CPU slots into this tier."""

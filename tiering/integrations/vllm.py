@@ -9,25 +9,21 @@ module raises ImportError.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Collection, Coroutine, Iterable
+from collections import Counter
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import uvloop
-
-from backends.nvme_segments import STAGING_BYTES
 from tiering.errors import InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT, canonical_json
-from tiering.registry import make_tier
+from tiering.integrations.tier_thread import FRAMEWORK_DEFAULTS, TierThread, fixed_tier
 from tiering.secondary import checked_job
 from tiering.statistics import uncount
-from tiering.tier_client import TierClient, TierOutcome
-from tiering.validation import seconds
+from tiering.tier_client import TierOutcome
 
 try:
     from vllm.v1.kv_offload.base import (
@@ -55,14 +51,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-
-# How long drain_jobs waits between checks that the loop thread still runs.
-_DRAIN_CHECK_S = 1.0
-
-# Defaults for the tiers that take these options (docs/vllm.md#how-it-works says why).
-_TIER_DEFAULTS: dict[str, Any] = {"gil_pause_bytes": 0, "staging_bytes": STAGING_BYTES}
 
 METRIC_PREFIX = "kv_tiering:"
 """Prefix of the Prometheus metrics these tiers report through vLLM."""
@@ -93,43 +81,6 @@ def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
         sizes = (parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size)
         fields["parallel"] = [*sizes, parallel.rank]
     return canonical_json({"vllm": fields, "format": NAMESPACE_FORMAT})
-
-
-class _LoopThread:
-    """A uvloop event loop running on a daemon thread this object owns."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
-                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
-        """Run ``coro`` on the loop and wait for its result on the calling thread."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return future.result(timeout)
-
-    def stop(self) -> None:
-        """Stop the loop (its leftover tasks are cancelled) and join the thread."""
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
 
 
 @dataclass(slots=True)
@@ -169,11 +120,9 @@ class RegisteredTierManager(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        name = self._tier_name(tier)
+        name = fixed_tier(type(self), type(self).tier_name, tier)
         if not isinstance(enable_kv_events, bool):
             raise InvalidArgumentError(f"enable_kv_events must be a bool, got {enable_kv_events!r}")
-        seconds("start_timeout", start_timeout, allow_zero=False)
-        seconds("job_timeout", job_timeout, allow_zero=False)
         if locality is not None:
             from vllm.v1.kv_offload.base import Locality
 
@@ -184,56 +133,33 @@ class RegisteredTierManager(SecondaryTierManager):
         block_bytes = self.block_size_bytes
         # vLLM's view is 2-D (chunks x stride) with format 'b'; our tiers take flat bytes.
         self._flat_view = primary_kv_view.cast("B")
-        self._num_slots = len(self._flat_view) // block_bytes
         self._namespace = namespace or vllm_namespace(offloading_spec, block_bytes)
         self._events: list[OffloadingEvent] | None = (
             []
             if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
             else None
         )
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}  # submitted, result not queued yet
         self._storing: Counter[bytes] = Counter()  # keys of those that are stores
         self._finished: list[JobResult] = []
-        self._handoff: deque[tuple[Any, ...]] = deque()
-        self._wake_scheduled = False
         self._counters: Counter[str] = Counter()
         self._closed = False
-        spec = {"type": name, **options}
-        self._loop = _LoopThread(f"kv-tiering-{tier_type}")
         try:
-            self._client = self._loop.run(self._open(spec, block_bytes, job_timeout), start_timeout)
+            self._thread = TierThread(
+                {"type": name, **options},
+                self._flat_view,
+                block_bytes,
+                name=f"kv-tiering-{tier_type}",
+                defaults={"namespace": self._namespace, **FRAMEWORK_DEFAULTS},
+                start_timeout=start_timeout,
+                job_timeout=job_timeout,
+                report_removals=self._events is not None,
+            )
         except BaseException:
-            self._loop.stop()
             self._flat_view.release()
             raise
-        self._tier = self._client.tier
-
-    def _tier_name(self, tier: str | None) -> str:
-        fixed = type(self).tier_name
-        if fixed is not None and tier not in (None, fixed):
-            raise InvalidArgumentError(
-                f"tier: {type(self).__name__} always builds the {fixed!r} tier, got {tier!r}"
-            )
-        tier = fixed or tier
-        if not isinstance(tier, str) or not tier:
-            raise InvalidArgumentError(
-                f"tier must name a registered kv-tiering tier (e.g. 'nvme'), got {tier!r}"
-            )
-        return tier
-
-    async def _open(self, spec: dict[str, Any], block_bytes: int, job_timeout: float) -> TierClient:
-        defaults = {"namespace": self._namespace, **_TIER_DEFAULTS}
-        tier = make_tier(spec, self._flat_view, block_bytes, defaults=defaults)
-        if self._events is not None:
-            tier.report_removals()
-        client = TierClient(tier, timeout=job_timeout)
-        try:
-            await client.start()
-        except BaseException:
-            tier.shutdown()
-            raise
-        return client
+        self._tier = self._thread.tier
 
     @property
     def kv_tier(self) -> Any:
@@ -269,7 +195,7 @@ class RegisteredTierManager(SecondaryTierManager):
         # Checked here, on vLLM's thread, so that bad input raises to vLLM and the loop
         # side takes it as it is (a job refused there would never end).
         try:
-            checked = checked_job(job.job_id, job.keys, job.chunk_ids, self._num_slots)
+            checked = checked_job(job.job_id, job.keys, job.chunk_ids, self._thread.num_slots)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"job {job.job_id}: {exc}") from None
         keys, slots = list(checked.keys), list(checked.block_ids)
@@ -279,44 +205,15 @@ class RegisteredTierManager(SecondaryTierManager):
             self._pending[job.job_id] = _Pending(kind, keys, time.monotonic())
             if kind == "store":
                 self._storing.update(keys)
-            closed = self._closed
-        if closed:
-            self._job_ended(job.job_id, TierOutcome.failure(keys, "the tier is shut down"))
-            return
-        self._hand_off(("submit", kind, job.job_id, keys, slots))
+        ended = partial(self._job_ended, job.job_id)
+        self._thread.submit(kind, keys, slots, ended, checked=True)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark stored keys recently used (on the loop, soon); returns at once."""
-        if not self._closed:
-            self._hand_off(("touch", list(keys)))
-
-    def _hand_off(self, item: tuple[Any, ...]) -> None:
-        self._handoff.append(item)
-        # Wake the loop once per batch. The loop clears the flag before it drains, and
-        # the item is appended before the flag is read, so no item is ever stranded.
-        if not self._wake_scheduled:
-            self._wake_scheduled = True
-            try:
-                self._loop.loop.call_soon_threadsafe(self._drain_handoff)
-            except RuntimeError:  # the loop is closed: shutdown fails what is left
-                self._wake_scheduled = False
-
-    def _drain_handoff(self) -> None:
-        """On the loop: pass every handed-off call to the tier client, in order."""
-        self._wake_scheduled = False
-        client = self._client
-        while self._handoff:
-            item = self._handoff.popleft()
-            if item[0] == "touch":
-                client.touch(item[1])
-                continue
-            _, kind, job_id, keys, slots = item
-            client.submit(
-                kind, keys, slots, lambda o, j=job_id: self._job_ended(j, o), checked=True
-            )
+        self._thread.touch(list(keys))
 
     def _job_ended(self, job_id: int, outcome: TierOutcome) -> None:
-        """Any thread: queue vLLM's result for a job (once) and wake ``drain_jobs``."""
+        """Any thread: queue vLLM's result for a job (once)."""
         with self._lock:
             pending = self._pending.pop(job_id, None)
             if pending is None:
@@ -341,7 +238,6 @@ class RegisteredTierManager(SecondaryTierManager):
             self._counters[f"{kind}_blocks"] += len(landed)
             self._counters[f"{kind}_bytes"] += result.transfer_bytes
             self._counters[f"{kind}_failed_blocks"] += len(outcome.failed)
-            self._lock.notify_all()
         if outcome.failed:
             logger.debug("%s job %d: %d keys failed", kind, job_id, len(outcome.failed))
 
@@ -378,16 +274,7 @@ class RegisteredTierManager(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """Block until every submitted job's result is queued; aborts no transfer."""
-        with self._lock:
-            while self._pending:
-                if not self._loop.alive:
-                    self._fail_pending_locked("the tier's event loop stopped")
-                    break
-                self._lock.wait(_DRAIN_CHECK_S)
-
-    def _fail_pending_locked(self, reason: str) -> None:
-        for job_id, pending in list(self._pending.items()):  # the lock is reentrant
-            self._job_ended(job_id, TierOutcome.failure(pending.keys, reason))
+        self._thread.wait(lambda: not self._pending)
 
     def shutdown(self) -> None:
         """Close the tier gracefully (jobs in flight end first), stop the loop thread and
@@ -396,20 +283,9 @@ class RegisteredTierManager(SecondaryTierManager):
             if self._closed:
                 return
             self._closed = True
-        if self._loop.alive:
-            try:
-                self._loop.run(self._close(), None)
-            except Exception:
-                logger.exception("%s: closing the tier failed", type(self).__name__)
-        self._loop.stop()
-        with self._lock:
-            self._fail_pending_locked("the tier shut down before the job ended")
+        self._thread.close()
         self._tier.primary_kv_view.release()
         self._flat_view.release()
-
-    async def _close(self) -> None:
-        self._drain_handoff()
-        await self._client.aclose(self._client.timeout)
 
     @classmethod
     def build_metric_definitions(
@@ -458,7 +334,7 @@ class RegisteredTierManager(SecondaryTierManager):
         return stats
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.tier_type} over {self._client.tier!r}>"
+        return f"<{type(self).__name__} {self.tier_type} over {self._tier!r}>"
 
 
 class NVMeTierManager(RegisteredTierManager):
