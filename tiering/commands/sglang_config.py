@@ -1,0 +1,103 @@
+"""Print the arguments that run SGLang 0.5.23 with kv-tiering's NVMe tier as its HiCache
+storage (the third level, below SGLang's host memory).
+
+Examples:
+  tiering sglang-config /mnt/nvme/kv-cache --nvme-capacity 500G
+  python -m sglang.launch_server --model-path MODEL \\
+      $(tiering sglang-config /mnt/nvme/kv-cache --nvme-capacity 500G)
+
+It prints one line of words for the shell's $(...): SGLang's hierarchical cache on, the
+page_first host layout, the `dynamic` storage backend, the prefetch policy, and the
+backend's extra config (one JSON word, unquoted and without spaces, naming
+NVMeHiCacheStorage in module tiering.integrations.sglang, with the tier's options).
+With --extra-config it prints only the JSON, to quote yourself. It needs no SGLang
+itself; SGLang must be able to import kv-tiering (install it into SGLang's environment).
+Sizes take K, M, G, T (powers of 1024, an optional iB or B).
+Exit status: 0 printed, 2 a usage error (a bad size, a relative ROOT, or one with
+whitespace, which $(...) would split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from tiering.cli import EXIT_OK
+from tiering.cli_args import size
+from tiering.errors import InvalidArgumentError
+
+NAME = "sglang-config"
+HELP = "print the SGLang arguments that make the NVMe tier its HiCache storage"
+ORDER = 41
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def storage_extra_config(root: str, nvme_capacity: int, fsync: str = "batch") -> dict[str, object]:
+    """SGLang 0.5.23's ``--hicache-storage-backend-extra-config`` for kv-tiering's NVMe
+    tier of ``nvme_capacity`` bytes under ``root``, through the zero-copy interface."""
+    return {
+        "backend_name": "kv-tiering",
+        "module_path": "tiering.integrations.sglang",
+        "class_name": "NVMeHiCacheStorage",
+        "interface_v1": 1,
+        "root": root,
+        "capacity_bytes": nvme_capacity,
+        "fsync": fsync,
+    }
+
+
+def launch_arguments(extra_config: dict[str, object], prefetch_policy: str) -> list[str]:
+    """SGLang's server arguments for HiCache with ``extra_config``'s storage backend."""
+    return [
+        "--enable-hierarchical-cache",
+        "--hicache-mem-layout", "page_first",
+        "--hicache-storage-backend", "dynamic",
+        "--hicache-storage-prefetch-policy", prefetch_policy,
+        "--hicache-storage-backend-extra-config",
+        json.dumps(extra_config, separators=(",", ":")),
+    ]  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "root", metavar="ROOT", help="absolute path of the NVMe cache (made by the tier if absent)"
+    )
+    parser.add_argument(
+        "--nvme-capacity",
+        type=size,
+        default="100G",
+        metavar="SIZE",
+        help="bytes the NVMe tier may hold",
+    )
+    parser.add_argument(
+        "--fsync",
+        choices=("none", "batch", "always"),
+        default="batch",
+        help="the NVMe tier's durability (docs/nvme.md)",
+    )
+    parser.add_argument(
+        "--prefetch-policy",
+        choices=PREFETCH_POLICIES,
+        default="timeout",
+        help="when SGLang stops waiting for a prefetch from the tier (its own default)",
+    )
+    parser.add_argument(
+        "--extra-config",
+        action="store_true",
+        help="print only the JSON of --hicache-storage-backend-extra-config",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # SGLang builds the tier in its own processes, whose working directory is not this
+    # shell's: a relative root would land somewhere else.
+    if not os.path.isabs(args.root):
+        raise InvalidArgumentError(f"root: must be an absolute path, got {args.root!r}")
+    if any(char.isspace() for char in args.root):
+        raise InvalidArgumentError(f"root: must hold no whitespace, got {args.root!r}")
+    extra = storage_extra_config(args.root, args.nvme_capacity, args.fsync)
+    arguments = launch_arguments(extra, args.prefetch_policy)
+    print(arguments[-1] if args.extra_config else " ".join(arguments))
+    return EXIT_OK
