@@ -32,8 +32,8 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - exercised only without SGLang
     raise ImportError(
-        "tiering.integrations.sglang needs SGLang 0.5.23 (.ci/install-sglang installs it "
-        f"on a CPU-only machine); importing SGLang failed: {type(exc).__name__}: {exc}"
+        "tiering.integrations.sglang needs SGLang 0.5.23 (the 'sglang' extra; .ci/install-sglang "
+        f"installs it on a CPU-only machine); importing SGLang failed: {type(exc).__name__}: {exc}"
     ) from exc
 
 if TYPE_CHECKING:
