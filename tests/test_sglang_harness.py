@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests._scripts import last_json, run_script
 from tests._sglang_harness import (  # skips the module without SGLang (fails in CI)
     LAYOUTS,
     POLICIES,
@@ -173,3 +174,28 @@ def test_ranks_and_storage_overrides_reach_the_backend(tmp_path: Path) -> None:
     with controller(pool, "file", extra, tp_rank=1, tp_size=2, storage_overrides=mla) as ctrl:
         assert not ctrl.storage_config.is_storage_writer
         assert _stored(ctrl, page_tokens(20, PAGE, seed=7)) == 0
+
+
+def test_bench_sglang_tiers_runs_both_subjects_and_ends_with_json(tmp_path: Path) -> None:
+    """A tiny run with SGLang's file backend as "ours" too (loaded by module path)."""
+    done = run_script(
+        "examples/bench_sglang_tiers.py", "--dir", str(tmp_path), "--shapes", "small",
+        "--pages", "4", "--rounds", "2", "--ours", ":".join(FILE),
+        "--set", "file_storage_path={dir}", "--set", "interface_v1=0",
+    )  # fmt: skip
+    (run,) = last_json(done)["runs"]
+    assert (run["shape"], run["pages"], run["rounds"]) == ("small", 4, 2)
+    for what in ("store", "load"):
+        assert run[f"file_{what}_gbps"] > 0 and run[f"ours_{what}_gbps"] > 0
+        assert run[f"{what}_ratio"] == pytest.approx(
+            run[f"ours_{what}_gbps"] / run[f"file_{what}_gbps"], rel=0.01
+        )
+    for name in ("file", "ours"):  # SGLang's legacy calls, timed on its threads
+        for method in ("batch_exists", "batch_set", "batch_get"):
+            assert 0 < run[f"{name}_{method}_p50_us"] <= run[f"{name}_{method}_p99_us"]
+        assert f"{name}_batch_set_v1_p99_us" not in run
+    rounds = [
+        line.split(": ")[0].split()[-1] for line in done.stderr.splitlines() if " round " in line
+    ]
+    assert rounds == ["file", "ours", "ours", "file"]  # ABBA
+    assert list(tmp_path.iterdir()) == []  # each shape's files are removed after it
