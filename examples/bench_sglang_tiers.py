@@ -77,6 +77,7 @@ HEADS, HEAD_DIM = 8, 128
 COLD = "fsync + posix_fadvise(DONTNEED) on every file before each load"
 _SAMPLE_EVERY = 16  # one loaded page in this many is byte-checked
 _SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most
+_PREFETCH_THRESHOLD = 256  # tokens: SGLang's default prefetch_threshold
 
 
 def drop_cached_files(directory: str) -> int:
@@ -267,6 +268,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.set and args.ours is None:
         parser.error("argument --set: needs --ours")
     args.set = dict(args.set)
+    if args.pages * PAGE_TOKENS < _PREFETCH_THRESHOLD:
+        parser.error(
+            f"argument --pages: SGLang does not prefetch under {_PREFETCH_THRESHOLD} tokens "
+            f"({_PREFETCH_THRESHOLD // PAGE_TOKENS} pages), got {args.pages}"
+        )
     if args.dir is not None:
         ensure_directory(parser, "--dir", args.dir)
     where = args.dir if args.dir is not None else "/var/tmp"
