@@ -163,8 +163,9 @@ def _subjects(
             module_path, class_name = args.ours.split(":")
             options = {k: v.replace("{dir}", root) if isinstance(v, str) else v
                        for k, v in args.set.items()}  # fmt: skip
-            extra = {"backend_name": "ours", "module_path": module_path,
-                     "class_name": class_name, "interface_v1": 1, **options}  # fmt: skip
+            extra = sglang_cpu.dynamic_config(
+                module_path, class_name, **{"interface_v1": 1, **options}
+            )
             backend = "dynamic"
         # Twice the pages: the stored slots stay filled, loads land in the others.
         pool = sglang_cpu.make_host_pool(

@@ -11,7 +11,6 @@ radix cache makes on the scheduler thread (:func:`backup`, :func:`prefetch`,
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 
@@ -20,50 +19,7 @@ if os.environ.get("KV_TIERING_REQUIRE_SGLANG") == "1":  # CI: a missing SGLang i
 else:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from tiering.integrations.sglang_cpu import (
-    LAYOUTS,
-    POLICIES,
-    STORAGE_CALLS,
-    CallLog,
-    Controller,
-    Prefetched,
-    backup,
-    check_pages,
-    controller,
-    evict,
-    fill_pages,
-    make_host_pool,
-    page_tokens,
-    prefetch,
-    record_calls,
-)
+from tiering.integrations import sglang_cpu
+from tiering.integrations.sglang_cpu import *  # noqa: F403  (the driver's API, for the tests)
 
-__all__ = [
-    "LAYOUTS",
-    "POLICIES",
-    "STORAGE_CALLS",
-    "CallLog",
-    "Controller",
-    "Prefetched",
-    "backup",
-    "check_pages",
-    "controller",
-    "dynamic_config",
-    "evict",
-    "fill_pages",
-    "make_host_pool",
-    "page_tokens",
-    "prefetch",
-    "record_calls",
-]
-
-
-def dynamic_config(module_path: str, class_name: str, **options: Any) -> dict[str, Any]:
-    """The extra config that loads ``module_path.class_name`` through SGLang's ``dynamic``
-    backend, with ``options`` (tier options, ``interface_v1``, ``prefetch_*``) beside."""
-    return {
-        "backend_name": class_name.lower(),
-        "module_path": module_path,
-        "class_name": class_name,
-        **options,
-    }
+__all__ = sglang_cpu.__all__

@@ -53,6 +53,7 @@ __all__ = [
     "backup",
     "check_pages",
     "controller",
+    "dynamic_config",
     "evict",
     "fill_pages",
     "hide_missing_torchvision",
@@ -286,6 +287,17 @@ def _with_storage_overrides(
             return replace(super()._generate_storage_config(*args, **kwargs), **overrides)
 
     return Overridden
+
+
+def dynamic_config(module_path: str, class_name: str, **options: Any) -> dict[str, Any]:
+    """The extra config that loads ``module_path.class_name`` through SGLang's ``dynamic``
+    backend factory, with ``options`` (tier options, ``interface_v1``, ``prefetch_*``)."""
+    return {
+        "backend_name": class_name.lower(),
+        "module_path": module_path,
+        "class_name": class_name,
+        **options,
+    }
 
 
 @contextmanager
