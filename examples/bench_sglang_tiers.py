@@ -80,11 +80,9 @@ _SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most
 _PREFETCH_THRESHOLD = 256  # tokens: SGLang's default prefetch_threshold
 
 
-def drop_cached_files(directory: str) -> int:
+def drop_cached_files(directory: str) -> None:
     """Make the next reads of every file under ``directory`` come from the disk: fsync
-    it (the page cache keeps dirty pages), then drop it from the page cache. Returns how
-    many files were dropped."""
-    count = 0
+    it (the page cache keeps dirty pages), then drop it from the page cache."""
     for parent, _, names in os.walk(directory):
         for name in names:
             fd = os.open(os.path.join(parent, name), os.O_RDONLY)
@@ -93,8 +91,6 @@ def drop_cached_files(directory: str) -> int:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-            count += 1
-    return count
 
 
 @dataclass
