@@ -6,7 +6,8 @@ and prefetches them back under each stop policy with the bytes they were stored 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def layout(request: pytest.FixtureRequest) -> str:
 
 def _open(
     tmp_path: Path, layout: str, *, dynamic: bool, hybrid: bool = True
-) -> Iterator[Controller]:
+) -> AbstractContextManager[Controller]:
     pool = make_host_pool(layout, pages=PAGES + 8, **SHAPE)
     if dynamic:  # SGLang's own file backend, loaded by module path as ours will be
         name, extra = "dynamic", dynamic_config(*FILE, file_storage_path=str(tmp_path))
