@@ -253,8 +253,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dir", help="where both subjects write (default: a temp dir under /var/tmp)"
     )
     parser.add_argument("--ours", metavar="MODULE:CLASS", help="the dynamic backend to compare")
-    parser.add_argument("--set", type=_setting, action="append", default=[],
-                        metavar="KEY=VALUE", help="an extra-config option of --ours")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        type=_setting,
+        action="append",
+        metavar="KEY=VALUE",
+        help="an extra-config option of --ours; repeatable",
+    )
     parser.add_argument("--shapes", type=_shapes, default="small,large", help="model shapes")
     parser.add_argument("--pages", type=positive_int, default=64, help="pages per round")
     parser.add_argument("--rounds", type=positive_int, default=4, help="rounds, ABBA")
@@ -264,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --ours: expected MODULE:CLASS, got {args.ours!r}")
     if args.set and args.ours is None:
         parser.error("argument --set: needs --ours")
-    args.set = dict(args.set)
+    args.set = dict(args.set or [])
     if args.pages * PAGE_TOKENS < _PREFETCH_THRESHOLD:
         parser.error(
             f"argument --pages: SGLang does not prefetch under {_PREFETCH_THRESHOLD} tokens "
