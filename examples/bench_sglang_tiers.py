@@ -1,0 +1,323 @@
+"""Benchmark a storage backend against SGLang's own ``file`` backend, both driven by
+SGLang 0.5.23's HiCache controller.
+
+Usage::
+
+    python examples/bench_sglang_tiers.py [--dir DIR] [--ours MODULE:CLASS]
+        [--set KEY=VALUE ...] [--shapes small,large] [--pages 64] [--rounds 4] [--json]
+
+Needs SGLang 0.5.23 (``.ci/install-sglang``). For each model shape (``small``: 8 layers,
+``large``: 32 layers as an 8B Llama; both 8 KV heads x 128, bf16, 64 tokens a page,
+``page_first``, what SGLang recommends with a storage backend), each subject gets SGLang's
+real controller (``tiering.integrations.sglang_cpu``) and a host pool of its own, then
+``--rounds`` rounds alternate the subjects ABBA (``file`` first in rounds 1, 4, 5, 8, ...)
+so that neither always meets the disk first:
+
+1. Store: SGLang's backup thread writes ``--pages`` pages (new keys every round) from the
+   host pool through the backend; timed until its ack, and then through an
+   ``os.sync()`` so that a store counts once its bytes are on the disk (SGLang's
+   ``file`` backend never syncs). ``*_store_gbps`` include the sync and make
+   ``store_ratio``; ``*_store_unsynced_gbps`` do not.
+2. Cold: every file under the subject's directory is fsynced and dropped from the page
+   cache (``posix_fadvise(POSIX_FADV_DONTNEED)``); ``cold`` in the JSON says so.
+3. Load: SGLang's prefetch (its hit query, then the transfer in batches of 128 pages,
+   ``wait_complete``) into other host slots; timed until its last ack. One page in 16
+   is checked against the bytes stored; the slots are then zeroed and freed.
+
+Subjects: ``file`` is SGLang's ``HiCacheFile``; ``ours`` (only with ``--ours``) is the
+class ``MODULE:CLASS`` loaded by SGLang's ``dynamic`` factory with the extra config
+``{"interface_v1": 1, KEY: VALUE, ...}`` from ``--set`` (values parsed as JSON when they
+are, e.g. numbers; ``{dir}`` in a value stands for the subject's directory). Both
+subjects' directories lie under ``--dir`` (default: a temporary one under /var/tmp,
+removed at the end), on the same disk.
+
+Every call SGLang's threads make into a backend (``batch_exists``, ``batch_get_v1``,
+``batch_set_v1``, ``batch_get``, ``batch_set``) is timed on the backend object SGLang
+built; ``<subject>_<method>_p50_us`` and ``_p99_us`` cover all rounds. GB/s figures are
+medians over the rounds; the ratios are ours over file, of those medians. The last line
+of output is one JSON object::
+
+    {"runs": [{"shape": "small", "layers": 8, "page_bytes": ..., "pages": ..., "rounds": ...,
+               "file_store_gbps": ..., "file_store_unsynced_gbps": ..., "file_load_gbps": ...,
+               "ours_store_gbps": ..., "ours_store_unsynced_gbps": ..., "ours_load_gbps": ...,
+               "store_ratio": ..., "load_ratio": ...,
+               "file_batch_exists_p50_us": ..., "file_batch_exists_p99_us": ..., ...,
+               "ours_batch_exists_p99_us": ..., ...}, ...],
+     "cold": "fsync + posix_fadvise(DONTNEED) on every file before each load"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiering.cli_args import ensure_directory, make_parser, positive_int, run_main
+
+try:
+    from tiering.integrations import sglang_cpu
+except ImportError as exc:  # SGLang is an optional extra
+    sglang_cpu = None  # type: ignore[assignment]
+    _MISSING = str(exc)
+
+PAGE_TOKENS = 64
+SHAPES = {"small": 8, "large": 32}  # layers; 8 KV heads x 128, bf16, as Llama 3 8B's
+HEADS, HEAD_DIM = 8, 128
+COLD = "fsync + posix_fadvise(DONTNEED) on every file before each load"
+_SAMPLE_EVERY = 16  # one loaded page in this many is byte-checked
+_SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most
+_PREFETCH_THRESHOLD = 256  # tokens: SGLang's default prefetch_threshold
+
+
+def drop_cached_files(directory: str) -> None:
+    """Make the next reads of every file under ``directory`` come from the disk: fsync
+    it (the page cache keeps dirty pages), then drop it from the page cache."""
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@dataclass
+class Subject:
+    """One backend under SGLang's controller for one shape, and its rounds' figures."""
+
+    name: str
+    ctrl: sglang_cpu.Controller
+    directory: str
+    stored: torch.Tensor  # the filled host slots every round stores from
+    fill_tokens: list[int]
+    log: sglang_cpu.CallLog
+    store_gbps: list[float] = field(default_factory=list)
+    store_unsynced_gbps: list[float] = field(default_factory=list)
+    load_gbps: list[float] = field(default_factory=list)
+
+
+def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None:
+    """One store and one cold load of ``pages`` new pages; see the module docstring."""
+    ctrl = subject.ctrl
+    tokens = sglang_cpu.page_tokens(pages, PAGE_TOKENS, seed=round_no + 1)
+    total = pages * page_bytes
+    start = time.perf_counter()
+    written = sglang_cpu.backup(ctrl, subject.stored, tokens)
+    unsynced = time.perf_counter() - start
+    os.sync()
+    synced = time.perf_counter() - start
+    if written != pages * PAGE_TOKENS:
+        raise SystemExit(f"{subject.name}: SGLang wrote {written} of {pages * PAGE_TOKENS} tokens")
+    drop_cached_files(subject.directory)
+    start = time.perf_counter()
+    got = sglang_cpu.prefetch(ctrl, tokens, policy="wait_complete")
+    loaded = time.perf_counter() - start
+    if got.tokens != pages * PAGE_TOKENS:
+        raise SystemExit(f"{subject.name}: SGLang loaded {got.tokens} of {pages * PAGE_TOKENS}")
+    sglang_cpu.check_pages(
+        ctrl.host_pool, got.host_indices, subject.fill_tokens, every=_SAMPLE_EVERY
+    )
+    sglang_cpu.evict(ctrl, got.host_indices)
+    subject.store_gbps.append(total / synced / 1e9)
+    subject.store_unsynced_gbps.append(total / unsynced / 1e9)
+    subject.load_gbps.append(total / loaded / 1e9)
+    print(
+        f"  round {round_no + 1} {subject.name}: store {total / synced / 1e9:.2f} GB/s "
+        f"({total / unsynced / 1e9:.2f} before the sync), load {total / loaded / 1e9:.2f} GB/s",
+        file=sys.stderr,
+    )
+
+
+def _quantile_us(samples_ns: list[int], q: float) -> float | None:
+    if not samples_ns:
+        return None
+    ordered = sorted(samples_ns)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000, 1)
+
+
+def _subjects(
+    stack: ExitStack, args: argparse.Namespace, directory: str, layers: int
+) -> Iterator[Subject]:
+    for name in ("file", "ours") if args.ours else ("file",):
+        root = os.path.join(directory, name)
+        os.makedirs(root)
+        if name == "file":
+            backend, extra = "file", {"file_storage_path": root}
+        else:
+            module_path, class_name = args.ours.split(":")
+            options = {k: v.replace("{dir}", root) if isinstance(v, str) else v
+                       for k, v in args.set.items()}  # fmt: skip
+            extra = sglang_cpu.dynamic_config(
+                module_path, class_name, **{"interface_v1": 1, **options}
+            )
+            backend = "dynamic"
+        # Twice the pages: the stored slots stay filled, loads land in the others.
+        pool = sglang_cpu.make_host_pool(
+            "page_first", pages=2 * args.pages, page_size=PAGE_TOKENS, layers=layers,
+            heads=HEADS, head_dim=HEAD_DIM,
+        )  # fmt: skip
+        ctrl = stack.enter_context(sglang_cpu.controller(pool, backend, extra))
+        stored = pool.alloc(args.pages * PAGE_TOKENS)
+        fill_tokens = sglang_cpu.page_tokens(args.pages, PAGE_TOKENS)
+        sglang_cpu.fill_pages(pool, stored, fill_tokens)
+        yield Subject(name, ctrl, root, stored, fill_tokens, sglang_cpu.record_calls(ctrl.backend))
+
+
+def run_shape(args: argparse.Namespace, shape: str, directory: str) -> dict[str, Any]:
+    """Every round of one shape, the subjects ABBA; its row of the JSON line."""
+    layers = SHAPES[shape]
+    page_bytes = 2 * layers * PAGE_TOKENS * HEADS * HEAD_DIM * 2
+    row: dict[str, Any] = {"shape": shape, "layers": layers, "kv_heads": HEADS,
+                           "head_dim": HEAD_DIM, "page_tokens": PAGE_TOKENS,
+                           "page_bytes": page_bytes, "pages": args.pages,
+                           "rounds": args.rounds}  # fmt: skip
+    print(f"{shape}: {layers} layers, {page_bytes >> 20} MiB pages x {args.pages}", file=sys.stderr)
+    with ExitStack() as stack:
+        subjects = list(_subjects(stack, args, directory, layers))
+        for round_no in range(args.rounds):
+            order = subjects if round_no % 4 in (0, 3) else subjects[::-1]
+            for subject in order:
+                _round(subject, round_no, args.pages, page_bytes)
+    for subject in subjects:
+        for what in ("store", "store_unsynced", "load"):
+            median = statistics.median(getattr(subject, f"{what}_gbps"))
+            row[f"{subject.name}_{what}_gbps"] = round(median, 3)
+        for method in sglang_cpu.STORAGE_CALLS:
+            durations = subject.log.durations_ns(method)
+            if durations:
+                row[f"{subject.name}_{method}_p50_us"] = _quantile_us(durations, 0.5)
+                row[f"{subject.name}_{method}_p99_us"] = _quantile_us(durations, 0.99)
+    if args.ours:
+        for what in ("store", "load"):
+            row[f"{what}_ratio"] = round(row[f"ours_{what}_gbps"] / row[f"file_{what}_gbps"], 3)
+    return row
+
+
+def _summary(row: dict[str, Any]) -> str:
+    lines = [f"{row['shape']} ({row['layers']} layers, {row['page_bytes'] >> 20} MiB pages x "
+             f"{row['pages']}, {row['rounds']} rounds ABBA, medians; cold loads):"]  # fmt: skip
+    for name in ("file", "ours"):
+        if f"{name}_store_gbps" not in row:
+            continue
+        calls = ", ".join(
+            f"{m} p50 {row[f'{name}_{m}_p50_us']} / p99 {row[f'{name}_{m}_p99_us']} us"
+            for m in sglang_cpu.STORAGE_CALLS
+            if f"{name}_{m}_p99_us" in row
+        )
+        lines.append(
+            f"  {name}: store {row[f'{name}_store_gbps']} GB/s "
+            f"({row[f'{name}_store_unsynced_gbps']} before the sync), "
+            f"load {row[f'{name}_load_gbps']} GB/s; {calls}"
+        )
+    if "store_ratio" in row:
+        lines.append(f"  ours / file: store {row['store_ratio']}x, load {row['load_ratio']}x")
+    return "\n".join(lines)
+
+
+def _setting(text: str) -> tuple[str, Any]:
+    """An argparse type: ``KEY=VALUE``, the value parsed as JSON when it is JSON."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _shapes(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in SHAPES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(SHAPES)}, got {text!r}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, fully checked: a bad value exits with status 2 and a message
+    naming the option, before anything is written."""
+    parser = make_parser(__doc__)
+    parser.add_argument(
+        "--dir", help="where both subjects write (default: a temp dir under /var/tmp)"
+    )
+    parser.add_argument("--ours", metavar="MODULE:CLASS", help="the dynamic backend to compare")
+    parser.add_argument(
+        "--set",
+        type=_setting,
+        action="append",
+        metavar="KEY=VALUE",
+        help="an extra-config option of --ours; repeatable",
+    )
+    parser.add_argument("--shapes", type=_shapes, default="small,large", help="model shapes")
+    parser.add_argument("--pages", type=positive_int, default=64, help="pages per round")
+    parser.add_argument("--rounds", type=positive_int, default=4, help="rounds, ABBA")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    args = parser.parse_args(argv)
+    if args.ours is not None and args.ours.count(":") != 1:
+        parser.error(f"argument --ours: expected MODULE:CLASS, got {args.ours!r}")
+    if args.set and args.ours is None:
+        parser.error("argument --set: needs --ours")
+    args.set = dict(args.set or [])
+    if args.pages * PAGE_TOKENS < _PREFETCH_THRESHOLD:
+        parser.error(
+            f"argument --pages: SGLang does not prefetch under {_PREFETCH_THRESHOLD} tokens "
+            f"({_PREFETCH_THRESHOLD // PAGE_TOKENS} pages), got {args.pages}"
+        )
+    if args.dir is not None:
+        ensure_directory(parser, "--dir", args.dir)
+    where = args.dir if args.dir is not None else "/var/tmp"
+    subjects = 2 if args.ours else 1
+    need = (
+        _SPACE_MARGIN
+        * subjects
+        * args.rounds
+        * args.pages
+        * max(2 * SHAPES[s] * PAGE_TOKENS * HEADS * HEAD_DIM * 2 for s in args.shapes)
+    )
+    free = shutil.disk_usage(where).free
+    if free < need:
+        parser.error(
+            f"argument --pages: {args.rounds} rounds x {args.pages} pages need about "
+            f"{need / (1 << 30):.1f} GiB under {where}, which has {free / (1 << 30):.1f} GiB "
+            "free; lower --rounds or --pages"
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if sglang_cpu is None:
+        raise SystemExit(f"bench_sglang_tiers needs SGLang 0.5.23: {_MISSING}")
+    runs = []
+    with ExitStack() as stack:
+        directory = args.dir
+        if directory is None:
+            directory = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="bench-sglang-tiers-", dir="/var/tmp")
+            )
+        for shape in args.shapes:
+            shape_dir = tempfile.mkdtemp(prefix=f"{shape}-", dir=directory)
+            try:
+                row = run_shape(args, shape, shape_dir)
+            finally:
+                shutil.rmtree(shape_dir, ignore_errors=True)
+            runs.append(row)
+            if not args.json:
+                print(_summary(row))
+    print(json.dumps({"runs": runs, "cold": COLD}))
+
+
+if __name__ == "__main__":
+    run_main(main)
