@@ -9,7 +9,7 @@ Usage::
 Needs SGLang 0.5.23 (``.ci/install-sglang``). For each model shape (``small``: 8 layers,
 ``large``: 32 layers as an 8B Llama; both 8 KV heads x 128, bf16, 64 tokens a page,
 ``page_first``, what SGLang recommends with a storage backend), each subject gets SGLang's
-real controller (``tiering.integrations.sglang_cpu``) and a host pool of its own, then
+real controller (driven by the tests' ``tests/_sglang_cpu.py``) and a host pool of its own, then
 ``--rounds`` rounds alternate the subjects ABBA (``file`` first in rounds 1, 4, 5, 8, ...)
 so that neither always meets the disk first:
 
@@ -59,14 +59,16 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tiering.cli_args import ensure_directory, make_parser, positive_int, run_main
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 try:
-    from tiering.integrations import sglang_cpu
+    import _sglang_cpu as sglang_cpu  # a test aid: tests/ is on sys.path now
 except ImportError as exc:  # SGLang is an optional extra
     sglang_cpu = None  # type: ignore[assignment]
     _MISSING = str(exc)

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's own HiCache controller on CPU, with the test playing its scheduler.
 
-The driver lives in :mod:`tiering.integrations.sglang_cpu` (the benchmark uses it too):
+The driver lives in ``tests/_sglang_cpu.py`` (the benchmark loads it too):
 SGLang's real ``MHATokenToKVPoolHost`` (:func:`make_host_pool`), its real controller
 with a storage backend built by its own factory (:func:`controller`), and the calls its
 radix cache makes on the scheduler thread (:func:`backup`, :func:`prefetch`,
@@ -19,7 +19,7 @@ if os.environ.get("KV_TIERING_REQUIRE_SGLANG") == "1":  # CI: a missing SGLang i
 else:
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from tiering.integrations import sglang_cpu
-from tiering.integrations.sglang_cpu import *  # noqa: F403  (the driver's API, for the tests)
+from tests import _sglang_cpu
+from tests._sglang_cpu import *  # noqa: F403  (the driver's API, for the tests)
 
-__all__ = sglang_cpu.__all__
+__all__ = _sglang_cpu.__all__
