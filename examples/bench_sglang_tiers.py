@@ -23,6 +23,9 @@ so that neither always meets the disk first:
 3. Load: SGLang's prefetch (its hit query, then the transfer in batches of 128 pages,
    ``wait_complete``) into other host slots; timed until its last ack. One page in 16
    is checked against the bytes stored; the slots are then zeroed and freed.
+4. Hit queries: 25 more prefetches of the round's pages that stop after SGLang's hit
+   query (one ``batch_exists`` of every page on its prefetch thread), so that the
+   ``batch_exists`` percentiles rest on 25 samples a round.
 
 Subjects: ``file`` is SGLang's ``HiCacheFile``; ``ours`` (only with ``--ours``) is the
 class ``MODULE:CLASS`` loaded by SGLang's ``dynamic`` factory with the extra config
@@ -80,6 +83,7 @@ COLD = "fsync + posix_fadvise(DONTNEED) on every file before each load"
 _SAMPLE_EVERY = 16  # one loaded page in this many is byte-checked
 _SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most
 _PREFETCH_THRESHOLD = 256  # tokens: SGLang's default prefetch_threshold
+_HIT_QUERIES = 25  # per round, for batch_exists' percentiles
 
 
 def drop_cached_files(directory: str) -> None:
@@ -132,6 +136,11 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
         ctrl.host_pool, got.host_indices, subject.fill_tokens, every=_SAMPLE_EVERY
     )
     sglang_cpu.evict(ctrl, got.host_indices)
+    for query in range(_HIT_QUERIES):
+        operation, hit = sglang_cpu.hit_query(ctrl, tokens, f"query-{round_no}-{query}")
+        ctrl.sglang.terminate_prefetch(operation)
+        if hit != pages * PAGE_TOKENS:
+            raise SystemExit(f"{subject.name}: SGLang's hit query found {hit} tokens")
     subject.store_gbps.append(total / synced / 1e9)
     subject.store_unsynced_gbps.append(total / unsynced / 1e9)
     subject.load_gbps.append(total / loaded / 1e9)

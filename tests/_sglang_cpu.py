@@ -57,6 +57,7 @@ __all__ = [
     "evict",
     "fill_pages",
     "hide_missing_torchvision",
+    "hit_query",
     "make_host_pool",
     "page_tokens",
     "prefetch",
@@ -524,6 +525,23 @@ def _wait_s(ctrl: Controller, policy: Policy, pages: int, step_s: float) -> floa
     raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
 
 
+def hit_query(
+    ctrl: Controller, token_ids: Sequence[int], request_id: str = "req"
+) -> tuple[Any, int]:
+    """Start SGLang's prefetch of ``token_ids`` and wait for its hit query (its prefetch
+    thread asks the backend's ``batch_exists``): the operation, and the tokens hit. The
+    caller goes on with the operation or revokes it (``terminate_prefetch``)."""
+    sglang = ctrl.sglang
+    tokens = list(token_ids)
+    if isinstance(sglang, HybridCacheController):
+        operation = sglang.prefetch(CacheRequestHandle(request_id, 0), tokens)
+    else:
+        operation = sglang.prefetch(request_id, tokens)
+    answered = sglang.prefetch_hit_queue.get(timeout=SETTLE_S)
+    assert answered is operation, "a hit query answer for another prefetch"
+    return operation, int(operation.storage_hit_count)
+
+
 def prefetch(
     ctrl: Controller,
     token_ids: Sequence[int],
@@ -545,14 +563,7 @@ def prefetch(
     ``ctrl.sglang.terminate_prefetch(ack.operation)``. Slots of pages not loaded are freed.
     """
     sglang = ctrl.sglang
-    tokens = list(token_ids)
-    if isinstance(sglang, HybridCacheController):
-        operation = sglang.prefetch(CacheRequestHandle(request_id, 0), tokens)
-    else:
-        operation = sglang.prefetch(request_id, tokens)
-    answered = sglang.prefetch_hit_queue.get(timeout=SETTLE_S)
-    assert answered is operation, "a hit query answer for another prefetch"
-    hit = int(operation.storage_hit_count)
+    operation, hit = hit_query(ctrl, token_ids, request_id)
     empty = torch.empty(0, dtype=torch.int64)
     if hit < ctrl.prefetch_threshold:  # the radix cache revokes it
         sglang.terminate_prefetch(operation)
