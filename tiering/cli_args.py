@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn, TextIO, TypeVar
 
+from tiering.errors import InvalidArgumentError
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 _N = TypeVar("_N", int, float)
@@ -127,6 +129,32 @@ def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
 
     parse.__name__ = "choice_list"  # argparse names the type in some messages
     return parse
+
+
+def add_nvme_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """ROOT, ``--nvme-capacity`` and ``--fsync``: the NVMe tier a framework's config names
+    (``tiering vllm-config``, ``tiering sglang-config``); check ROOT with
+    :func:`framework_root`."""
+    parser.add_argument(
+        "root", metavar="ROOT", help="absolute path of the NVMe cache (made by the tier if absent)"
+    )
+    parser.add_argument(
+        "--nvme-capacity", type=size, default="100G", metavar="SIZE",
+        help="bytes the NVMe tier may hold",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fsync", choices=("none", "batch", "always"), default="batch",
+        help="the NVMe tier's durability (docs/nvme.md)",
+    )  # fmt: skip
+
+
+def framework_root(root: str) -> str:
+    """``root`` if it is absolute (a framework builds the tier in processes whose working
+    directory is not the shell's, so a relative root would land elsewhere), else
+    InvalidArgumentError naming ``root``."""
+    if not os.path.isabs(root):
+        raise InvalidArgumentError(f"root: must be an absolute path, got {root!r}")
+    return root
 
 
 def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) -> None:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from tiering.cli import EXIT_OK
-from tiering.cli_args import size
+from tiering.cli_args import add_nvme_tier_arguments, framework_root
 from tiering.errors import InvalidArgumentError
 
 NAME = "sglang-config"
@@ -61,22 +60,7 @@ def launch_arguments(extra_config: dict[str, object], prefetch_policy: str) -> l
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "root", metavar="ROOT", help="absolute path of the NVMe cache (made by the tier if absent)"
-    )
-    parser.add_argument(
-        "--nvme-capacity",
-        type=size,
-        default="100G",
-        metavar="SIZE",
-        help="bytes the NVMe tier may hold",
-    )
-    parser.add_argument(
-        "--fsync",
-        choices=("none", "batch", "always"),
-        default="batch",
-        help="the NVMe tier's durability (docs/nvme.md)",
-    )
+    add_nvme_tier_arguments(parser)
     parser.add_argument(
         "--prefetch-policy",
         choices=PREFETCH_POLICIES,
@@ -91,11 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # SGLang builds the tier in its own processes, whose working directory is not this
-    # shell's: a relative root would land somewhere else.
-    if not os.path.isabs(args.root):
-        raise InvalidArgumentError(f"root: must be an absolute path, got {args.root!r}")
-    if any(char.isspace() for char in args.root):
+    if any(char.isspace() for char in framework_root(args.root)):
         raise InvalidArgumentError(f"root: must hold no whitespace, got {args.root!r}")
     extra = storage_extra_config(args.root, args.nvme_capacity, args.fsync)
     arguments = launch_arguments(extra, args.prefetch_policy)

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from tiering.cli import EXIT_OK
-from tiering.cli_args import size
-from tiering.errors import InvalidArgumentError
+from tiering.cli_args import add_nvme_tier_arguments, framework_root, size
 
 NAME = "vllm-config"
 HELP = "print the --kv-transfer-config that puts the NVMe tier under vLLM's CPU tier"
@@ -55,24 +53,9 @@ def kv_transfer_config(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "root", metavar="ROOT", help="absolute path of the NVMe cache (made by the tier if absent)"
-    )
-    parser.add_argument(
-        "--nvme-capacity",
-        type=size,
-        default="100G",
-        metavar="SIZE",
-        help="bytes the NVMe tier may hold",
-    )
+    add_nvme_tier_arguments(parser)
     parser.add_argument(
         "--cpu", type=size, default="16G", metavar="SIZE", help="bytes of vLLM's CPU tier"
-    )
-    parser.add_argument(
-        "--fsync",
-        choices=("none", "batch", "always"),
-        default="batch",
-        help="the NVMe tier's durability (docs/nvme.md)",
     )
     parser.add_argument(
         "--events", action="store_true", help="report stored blocks as vLLM KV events"
@@ -80,10 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # vLLM builds the tier in its own processes, whose working directory is not this
-    # shell's: a relative root would land somewhere else.
-    if not os.path.isabs(args.root):
-        raise InvalidArgumentError(f"root: must be an absolute path, got {args.root!r}")
-    config = kv_transfer_config(args.root, args.nvme_capacity, args.cpu, args.fsync, args.events)
+    config = kv_transfer_config(
+        framework_root(args.root), args.nvme_capacity, args.cpu, args.fsync, args.events
+    )
     print(json.dumps(config))
     return EXIT_OK
