@@ -174,6 +174,15 @@ def test_a_restarted_server_serves_what_the_last_one_stored(tmp_path: Path) -> N
         check_pages(ctrl.host_pool, got.host_indices, tokens)
 
 
+def test_a_backup_of_pages_the_tier_holds_writes_nothing_again(tmp_path: Path) -> None:
+    tokens = page_tokens(64, PAGE, seed=13)
+    with opened(nvme(tmp_path)) as ctrl:
+        assert stored(ctrl, tokens) == 64 * PAGE
+        used = ctrl.backend.kv_tier.used_bytes
+        assert stored(ctrl, tokens) == 64 * PAGE  # SGLang counts them as backed up
+        assert ctrl.backend.kv_tier.used_bytes == used
+
+
 @pytest.mark.parametrize(
     "other",
     [

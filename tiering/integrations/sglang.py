@@ -272,13 +272,10 @@ class TieringHiCacheStorage(HiCacheStorage):
         started = time.perf_counter()
         chunk_keys = self.pages.keys(keys)
         slots = self.pages.slots(host_indices, len(keys))
+        moved = list(zip(chunk_keys, slots, strict=True))
         if kind == "store":  # what the tier holds already is not written again
-            lookup = thread.tier.lookup
-            moved = [
-                (k, s) for k, s in zip(chunk_keys, slots, strict=True) if lookup(k) is not True
-            ]
-        else:
-            moved = list(zip(chunk_keys, slots, strict=True))
+            held = thread.tier.lookup_all(chunk_keys)
+            moved = [pair for pair, known in zip(moved, held, strict=True) if known is not True]
         failed = {}
         if moved:
             job_keys, job_slots = zip(*moved, strict=True)
