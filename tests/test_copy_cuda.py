@@ -32,6 +32,7 @@ from tiering.device import DeviceCopier
 from tiering.errors import ClosedError, TransferError
 from tiering.host_pool import HostPool
 from tiering.kv_layout import Direction
+from tiering.layer_progress import LayerProgress
 
 
 class _FakeStream:
@@ -140,6 +141,80 @@ async def test_stream_path_handle_completes_only_once_its_event_fired() -> None:
     assert backend.lanes == 0  # staging buffers released at exit
     with pytest.raises(ClosedError):
         backend.lane_stream(Direction.TO_HOST)
+
+
+@pytest.mark.parametrize("staging_rows", [1, 64])
+@pytest.mark.parametrize("layout", ["one_tensor", "mixed_dtypes"])
+async def test_stream_path_marks_each_layer_behind_an_event_on_the_upload_stream(
+    layout: str, staging_rows: int
+) -> None:
+    async with stream_path(layout, staging_rows) as (copier, kv, _pool, backend, runtime):
+        await copier.to_host([1, 2, 3], [0, 1, 2])
+        want = [t[[1, 2, 3]].view(torch.uint8).clone() for t in layers_of(kv)]
+        for t in layers_of(kv):
+            t.zero_()
+        runtime.fired = False
+        progress = LayerProgress(copier.num_layers)
+        handle = copier.to_device([0, 1, 2], [5, 6, 7], progress=progress)
+        # Marked at enqueue, once per layer even across chunks, and ready only once
+        # the marker's event fires; the bytes are already there (the fake copies at once).
+        markers = progress._events
+        assert all(m is not None for m in markers) and len(markers) == len(layers_of(kv))
+        assert len({id(m.event) for m in markers}) == len(markers)  # type: ignore[union-attr]
+        upload = backend.lane_stream(Direction.TO_DEVICE)
+        assert all(m.event.stream is upload for m in markers)  # type: ignore[union-attr]
+        assert not any(progress.ready(i) for i in range(progress.num_layers))
+        progress.wait(0, timeout=0)  # the host does not wait: the current stream does
+        assert runtime.current.waited == [(markers[0].event, upload)]  # type: ignore[union-attr]
+        runtime.fired = True
+        await handle
+        assert all(progress.ready(i) for i in range(progress.num_layers))
+        for t, w in zip(layers_of(kv), want, strict=True):
+            assert torch.equal(t[[5, 6, 7]].view(torch.uint8), w)
+
+
+async def test_stream_path_an_enqueue_failure_fails_the_layers_not_marked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with stream_path("mixed_dtypes", 64) as (copier, _, _, _, _):
+        real = torch.Tensor.index_copy_
+        calls = [0]
+
+        def third_layer_fails(self: torch.Tensor, *args: object) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("simulated scatter fault")
+            return real(self, *args)  # type: ignore[arg-type]
+
+        progress = LayerProgress(copier.num_layers)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "index_copy_", third_layer_fails)
+            with pytest.raises(TransferError, match="simulated scatter fault"):
+                await copier.to_device([0], [1], progress=progress)
+        progress.wait(1)
+        with pytest.raises(TransferError, match="simulated scatter fault"):
+            progress.wait(2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["one_tensor", "mixed_dtypes"])
+async def test_cuda_a_layer_read_after_its_wait_sees_the_loaded_bytes(layout: str) -> None:
+    async with opened(layout, "cuda") as (copier, kv, _pool):
+        want = [t.clone() for t in layers_of(kv)]
+        await copier.to_host([1, 2, 3], [0, 1, 2])
+        for t in layers_of(kv):
+            t.zero_()
+        progress = LayerProgress(copier.num_layers)
+        torch.cuda._sleep(100_000_000)  # the copy queues behind a busy compute stream
+        handle = copier.to_device([0, 1, 2], [5, 6, 7], progress=progress)
+        seen = []
+        for i, t in enumerate(layers_of(kv)):
+            progress.wait(i)  # the compute stream waits for layer i's copies only
+            seen.append(t[[5, 6, 7]].clone())  # a kernel on the compute stream
+        torch.cuda.synchronize()
+        for got, w in zip(seen, want, strict=True):
+            assert torch.equal(got.view(torch.uint8), w[[1, 2, 3]].view(torch.uint8))
+        await handle
 
 
 async def test_stream_path_exit_waits_for_events_and_a_cancelled_exit_synchronizes() -> None:

@@ -16,6 +16,7 @@ import torch
 
 from tiering.errors import ClosedError
 from tiering.kv_layout import CopyChunk, CopyOutcome, Direction, KVLayout, PlannedCopy
+from tiering.layer_progress import LayerProgress
 
 # The first polls yield bare (call_soon), catching short copies at once; then a 1 ms
 # timer (below ~1 ms asyncio.sleep busy-spins under uvloop).
@@ -85,6 +86,22 @@ class _Lane:
     stream: CudaStream
     staging: _StagingBuffer
     fence: CudaEvent
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerMarker:
+    """A layer's copies for a :class:`~tiering.layer_progress.LayerProgress`: an event
+    recorded on the copy stream after them."""
+
+    event: CudaEvent
+    runtime: CudaRuntime
+    device: torch.device
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.runtime.current_stream(self.device).wait_event(self.event)
 
 
 @dataclass(slots=True)
@@ -182,8 +199,11 @@ class CudaCopyBackend:
                 lane.stream.wait_event(lane.fence)
                 with runtime.use_stream(lane.stream):
                     try:
-                        for chunk in copy.chunks:
-                            self._copy_chunk(copy.direction, chunk, lane.staging)
+                        chunks = copy.chunks
+                        for n, chunk in enumerate(chunks, 1):
+                            # The last chunk completes each layer: mark it there.
+                            marks = copy.progress if n == len(chunks) else None
+                            self._copy_chunk(copy.direction, chunk, lane, marks)
                     except Exception as exc:
                         pending.error = exc  # reported once what was enqueued has drained
                     if self._idle_events:
@@ -233,11 +253,17 @@ class CudaCopyBackend:
             self._poller = None
         self._lanes.clear()
 
-    def _copy_chunk(self, direction: Direction, chunk: CopyChunk, staging: _StagingBuffer) -> None:
+    def _copy_chunk(
+        self,
+        direction: Direction,
+        chunk: CopyChunk,
+        lane: _Lane,
+        progress: LayerProgress | None,
+    ) -> None:
         assert self._layout is not None and self._host is not None
         host = self._host
         index = self._index_tensor(chunk.device_ids)
-        rows = staging.rows(len(chunk.device_ids))
+        rows = lane.staging.rows(len(chunk.device_ids))
         columns = self._layout.columns
         if direction is Direction.TO_HOST:
             for layer, offset, width in columns:
@@ -251,8 +277,12 @@ class CudaCopyBackend:
                 rows[run.first_row : run.first_row + run.length].copy_(
                     host[run.first_slot : run.first_slot + run.length], non_blocking=True
                 )
-            for layer, offset, width in columns:
+            for i, (layer, offset, width) in enumerate(columns):
                 layer.index_copy_(0, index, rows[:, offset : offset + width])
+                if progress is not None:
+                    event = self._runtime.new_event()  # the caller keeps it: not pooled
+                    event.record(lane.stream)
+                    progress.mark(i, _LayerMarker(event, self._runtime, self._layout.device))
 
     def _index_tensor(self, device_ids: tuple[int, ...]) -> torch.Tensor:
         assert self._layout is not None
