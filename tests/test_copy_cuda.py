@@ -22,6 +22,7 @@ from _device_kv import (
     NUM_SLOTS,
     assert_round_trip,
     block_bytes_of,
+    device_block,
     layers_of,
     make_kv,
     opened,
@@ -113,16 +114,46 @@ async def test_stream_path_copies_exactly_through_the_staging_buffer(
 
 async def test_stream_path_orders_each_job_after_the_current_stream() -> None:
     async with stream_path("mixed_dtypes", 4) as (copier, kv, _, backend, runtime):
-        streams = [backend.lane_stream(d) for d in Direction]
-        assert len({id(s) for s in streams}) == 2  # one stream per direction
-        for stream in streams:  # the KV cache is marked as used on both copy streams
-            used = sum(s is stream for _, s in runtime.recorded_streams)
+        streams = [get(d) for d in Direction for get in (backend.lane_stream, backend.lane_kernels)]
+        assert len({id(s) for s in streams}) == 4  # two streams per direction
+        for stream in streams:  # the KV cache is marked as used on every copy stream
+            used = sum(s is stream for t, s in runtime.recorded_streams if len(t) == NUM_BLOCKS)
             assert used == len(layers_of(kv))
         await copier.to_host([1], [1])
         await copier.to_device([1], [2])
-        for direction, stream in zip(Direction, streams, strict=True):
-            [(fence, fence_stream)] = stream.waited  # type: ignore[attr-defined]
-            assert fence is backend.lane_fence(direction) and fence_stream is runtime.current
+        for direction in Direction:
+            fence = backend.lane_fence(direction)
+            for stream in (backend.lane_stream(direction), backend.lane_kernels(direction)):
+                assert stream.waited[0] == (fence, runtime.current)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+async def test_stream_path_pipelines_chunks_through_two_staging_buffers(
+    direction: Direction,
+) -> None:
+    async with stream_path("mixed_dtypes", 1) as (copier, kv, pool, backend, runtime):
+        pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, dtype=torch.uint8))
+        link, kernels = backend.lane_stream(direction), backend.lane_kernels(direction)
+        if direction is Direction.TO_HOST:  # three chunks of one block each
+            await copier.to_host([0, 1, 2], [3, 4, 5])
+            producer, consumer = kernels, link
+        else:
+            await copier.to_device([3, 4, 5], [6, 7, 8])
+            producer, consumer = link, kernels
+        blocks = (0, 1, 2) if direction is Direction.TO_HOST else (6, 7, 8)
+        for block, slot in zip(blocks, (3, 4, 5), strict=True):
+            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+        # The producer reuses buffer b once the consumer has emptied it (buffers 0, 1,
+        # then 0 again, only that one recorded by then); the consumer takes each chunk
+        # once filled, then joins the producer's stream to end the job.
+        made = [(e, s) for e, s in producer.waited[1:]]  # type: ignore[attr-defined]
+        assert [s for _, s in made] == [None, None, consumer]
+        assert made[0][0] is made[2][0] and made[0][0] is not made[1][0]
+        taken = [s for _, s in consumer.waited[1:]]  # type: ignore[attr-defined]
+        assert taken == [producer] * 4
+        # Staging memory is marked as used on the consumer's stream too.
+        staged = [s for t, s in runtime.recorded_streams if len(t) == 1]
+        assert staged and all(s is consumer for s in staged)
 
 
 async def test_stream_path_handle_completes_only_once_its_event_fired() -> None:
@@ -161,11 +192,11 @@ async def test_stream_path_marks_each_layer_behind_an_event_on_the_upload_stream
         markers = progress._events
         assert all(m is not None for m in markers) and len(markers) == len(layers_of(kv))
         assert len({id(m.event) for m in markers}) == len(markers)  # type: ignore[union-attr]
-        upload = backend.lane_stream(Direction.TO_DEVICE)
-        assert all(m.event.stream is upload for m in markers)  # type: ignore[union-attr]
+        scatter = backend.lane_kernels(Direction.TO_DEVICE)
+        assert all(m.event.stream is scatter for m in markers)  # type: ignore[union-attr]
         assert not any(progress.ready(i) for i in range(progress.num_layers))
         progress.wait(0, timeout=0)  # the host does not wait: the current stream does
-        assert runtime.current.waited == [(markers[0].event, upload)]  # type: ignore[union-attr]
+        assert runtime.current.waited == [(markers[0].event, scatter)]  # type: ignore[union-attr]
         runtime.fired = True
         await handle
         assert all(progress.ready(i) for i in range(progress.num_layers))

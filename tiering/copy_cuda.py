@@ -1,6 +1,11 @@
 """The CUDA copy backend: KV copies on copy streams, their ends seen by polling events
 (docs/architecture.md#gpu-copies). CUDA calls go through a :class:`CudaRuntime`, which
 tests replace to drive the stream path with CPU tensors.
+
+Each direction is a pipeline of two streams over two staging buffers used in turn: one
+stream moves whole staged blocks over the link (one DMA per run of host slots), the
+other gathers or scatters their per-layer rows on the device, so that the link carries
+chunk k + 1 while chunk k's rows are gathered or scattered.
 """
 
 from __future__ import annotations
@@ -65,27 +70,41 @@ class _StagingBuffer:
         self._max_rows = max_rows
         self._buffer: torch.Tensor | None = None
 
-    def rows(self, n: int) -> torch.Tensor:
+    def rows(self, n: int, runtime: CudaRuntime, also: CudaStream) -> torch.Tensor:
+        """The first ``n`` rows; call it in the context of the stream that writes them
+        first, ``also`` being the other stream that uses them."""
         buffer = self._buffer
         if buffer is None or buffer.shape[0] < n:
-            # This runs inside the copy stream's context, so the caching allocator ties
-            # the memory to that stream: dropping the old buffer is stream-ordered.
+            # Made in the current stream's context and marked as used on ``also``, so
+            # that dropping the old buffer waits for both streams (stream-ordered).
             rows = min(self._max_rows, max(n, 2 * (0 if buffer is None else buffer.shape[0])))
             layout = self._layout
             buffer = torch.empty(
                 (rows, layout.block_words), dtype=layout.word, device=layout.device
             )
+            runtime.record_stream(buffer, also)
             self._buffer = buffer
         return buffer[:n]
 
 
 @dataclass(slots=True)
 class _Lane:
-    """One direction: its copy stream, its staging buffer, its ordering event."""
+    """One direction's pipeline: ``stream`` carries staged blocks over the link,
+    ``kernels`` gathers or scatters their rows on the device; staging buffer ``b`` is
+    ``filled[b]`` for its consumer and ``emptied[b]`` for its producer; ``fence``
+    orders a job after the caller's stream, ``joined`` ends it on one stream."""
 
     stream: CudaStream
-    staging: _StagingBuffer
+    kernels: CudaStream
+    staging: tuple[_StagingBuffer, _StagingBuffer]
+    filled: tuple[CudaEvent, CudaEvent]
+    emptied: tuple[CudaEvent, CudaEvent]
     fence: CudaEvent
+    joined: CudaEvent
+    turn: int = 0  # the staging buffer the next chunk uses
+
+    def streams(self) -> tuple[CudaStream, CudaStream]:
+        return self.stream, self.kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +153,17 @@ class CudaCopyBackend:
 
     @property
     def lanes(self) -> int:
-        """Copy lanes (stream + staging buffer) held: 2 while open, 0 once closed."""
+        """Copy lanes (streams + staging buffers) held: 2 while open, 0 once closed."""
         return len(self._lanes)
 
     def lane_stream(self, direction: Direction) -> CudaStream:
-        """The copy stream of ``direction``. Raises ClosedError unless open."""
+        """The stream of ``direction`` that moves bytes over the link. Raises ClosedError
+        unless open."""
         return self._lane(direction).stream
+
+    def lane_kernels(self, direction: Direction) -> CudaStream:
+        """The stream of ``direction`` that gathers or scatters rows on the device."""
+        return self._lane(direction).kernels
 
     def lane_fence(self, direction: Direction) -> CudaEvent:
         """The event that orders ``direction``'s jobs after the caller's stream."""
@@ -158,25 +182,32 @@ class CudaCopyBackend:
         max_rows: int,
         on_done: Callable[[Sequence[CopyOutcome]], None],
     ) -> None:
-        """Make both lanes (staging buffers of up to ``max_rows`` rows) and start the
-        poller; ClosedError if opened before."""
+        """Make both lanes (two staging buffers of up to ``max_rows`` rows each) and start
+        the poller; ClosedError if opened before."""
         if self._layout is not None:
             raise ClosedError("a CudaCopyBackend can be opened only once")
         self._layout, self._host, self._on_done = layout, host, on_done
         runtime, device = self._runtime, layout.device
         with runtime.on_device(device):
             for direction in Direction:
-                stream = runtime.new_stream(device)
-                self._lanes[direction] = _Lane(
-                    stream, _StagingBuffer(layout, max_rows), runtime.new_event()
+                lane = _Lane(
+                    runtime.new_stream(device),
+                    runtime.new_stream(device),
+                    (_StagingBuffer(layout, max_rows), _StagingBuffer(layout, max_rows)),
+                    (runtime.new_event(), runtime.new_event()),
+                    (runtime.new_event(), runtime.new_event()),
+                    runtime.new_event(),
+                    runtime.new_event(),
                 )
+                self._lanes[direction] = lane
                 # If the caller frees the KV cache, the allocator waits for copies already
-                # queued on this stream before it reuses the memory. Memory from another
+                # queued on these streams before it reuses the memory. Memory from another
                 # allocator may refuse; the copier's own references and its draining exit
                 # still cover the copier's lifetime.
                 for layer in layout.layers:
-                    with contextlib.suppress(RuntimeError):
-                        runtime.record_stream(layer, stream)
+                    for stream in lane.streams():
+                        with contextlib.suppress(RuntimeError):
+                            runtime.record_stream(layer, stream)
         self._wakeup = asyncio.Event()
         self._task_group = asyncio.TaskGroup()
         await self._task_group.__aenter__()
@@ -191,33 +222,42 @@ class CudaCopyBackend:
         pending = _Pending()
         self._pending[copy] = pending
         runtime, device = self._runtime, self._layout.device
+        # A job starts on one stream of the lane and ends on the other.
+        if copy.direction is Direction.TO_HOST:
+            first, last = lane.kernels, lane.stream
+        else:
+            first, last = lane.stream, lane.kernels
         try:
             with runtime.on_device(device):
                 # Order after everything already queued on the caller's stream, through a
                 # reused event (Stream.wait_stream would create one per job).
                 lane.fence.record(runtime.current_stream(device))
-                lane.stream.wait_event(lane.fence)
-                with runtime.use_stream(lane.stream):
-                    try:
-                        chunks = copy.chunks
-                        for n, chunk in enumerate(chunks, 1):
-                            # The last chunk completes each layer: mark it there.
-                            marks = copy.progress if n == len(chunks) else None
-                            self._copy_chunk(copy.direction, chunk, lane, marks)
-                    except Exception as exc:
-                        pending.error = exc  # reported once what was enqueued has drained
-                    if self._idle_events:
-                        pending.event = self._idle_events.pop()
-                    else:
-                        self.events_created += 1
-                        pending.event = runtime.new_event()
-                    pending.event.record(lane.stream)
+                for stream in lane.streams():
+                    stream.wait_event(lane.fence)
+                try:
+                    chunks = copy.chunks
+                    for n, chunk in enumerate(chunks, 1):
+                        # The last chunk completes each layer: mark it there.
+                        marks = copy.progress if n == len(chunks) else None
+                        self._copy_chunk(copy.direction, chunk, lane, marks)
+                except Exception as exc:
+                    pending.error = exc  # reported once what was enqueued has drained
+                # The end waits for both streams, even after a failure part-way.
+                lane.joined.record(first)
+                last.wait_event(lane.joined)
+                if self._idle_events:
+                    pending.event = self._idle_events.pop()
+                else:
+                    self.events_created += 1
+                    pending.event = runtime.new_event()
+                pending.event.record(last)
         except Exception as exc:
             # No event marks the job's end, and copies may already be queued: wait for the
             # lane (blocking, on this failure path only) so that the job never ends while
             # a queued copy can still touch its slots or blocks.
-            with contextlib.suppress(Exception):
-                lane.stream.synchronize()
+            for stream in lane.streams():
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
             self._report([(copy, pending.error or exc)])
             return
         self._wakeup.set()
@@ -225,9 +265,10 @@ class CudaCopyBackend:
     def drain_blocking(self) -> None:
         """Block until every lane is idle; report every job."""
         for lane in self._lanes.values():
-            # A failure surfaces again in the per-job event query below.
-            with contextlib.suppress(Exception):
-                lane.stream.synchronize()
+            for stream in lane.streams():
+                # A failure surfaces again in the per-job event query below.
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
         self._report_fired()
 
     async def aclose(self) -> None:
@@ -260,29 +301,48 @@ class CudaCopyBackend:
         lane: _Lane,
         progress: LayerProgress | None,
     ) -> None:
+        """Enqueue one chunk through the lane's next staging buffer: a gather of every
+        layer's rows then one DMA per slot run (to the host), or the DMAs then the
+        scatters (to the device), each on its stream, ordered by the buffer's events."""
         assert self._layout is not None and self._host is not None
-        host = self._host
-        index = self._index_tensor(chunk.device_ids)
-        rows = lane.staging.rows(len(chunk.device_ids))
-        columns = self._layout.columns
+        host, runtime, columns = self._host, self._runtime, self._layout.columns
+        b, lane.turn = lane.turn, 1 - lane.turn
+        staging, filled, emptied = lane.staging[b], lane.filled[b], lane.emptied[b]
+        n = len(chunk.device_ids)
         if direction is Direction.TO_HOST:
-            for layer, offset, width in columns:
-                torch.index_select(layer, 0, index, out=rows[:, offset : offset + width])
-            for run in chunk.runs:
-                host[run.first_slot : run.first_slot + run.length].copy_(
-                    rows[run.first_row : run.first_row + run.length], non_blocking=True
-                )
-        else:
+            with runtime.use_stream(lane.kernels):
+                lane.kernels.wait_event(emptied)  # its last DMA out has run
+                rows = staging.rows(n, runtime, lane.stream)
+                index = self._index_tensor(chunk.device_ids)
+                for layer, offset, width in columns:
+                    torch.index_select(layer, 0, index, out=rows[:, offset : offset + width])
+                filled.record(lane.kernels)
+            with runtime.use_stream(lane.stream):
+                lane.stream.wait_event(filled)
+                for run in chunk.runs:
+                    host[run.first_slot : run.first_slot + run.length].copy_(
+                        rows[run.first_row : run.first_row + run.length], non_blocking=True
+                    )
+                emptied.record(lane.stream)
+            return
+        with runtime.use_stream(lane.stream):
+            lane.stream.wait_event(emptied)  # its last scatter has run
+            rows = staging.rows(n, runtime, lane.kernels)
             for run in chunk.runs:
                 rows[run.first_row : run.first_row + run.length].copy_(
                     host[run.first_slot : run.first_slot + run.length], non_blocking=True
                 )
+            filled.record(lane.stream)
+        with runtime.use_stream(lane.kernels):
+            lane.kernels.wait_event(filled)
+            index = self._index_tensor(chunk.device_ids)
             for i, (layer, offset, width) in enumerate(columns):
                 layer.index_copy_(0, index, rows[:, offset : offset + width])
                 if progress is not None:
-                    event = self._runtime.new_event()  # the caller keeps it: not pooled
-                    event.record(lane.stream)
-                    progress.mark(i, _LayerMarker(event, self._runtime, self._layout.device))
+                    event = runtime.new_event()  # the caller keeps it: not pooled
+                    event.record(lane.kernels)
+                    progress.mark(i, _LayerMarker(event, runtime, self._layout.device))
+            emptied.record(lane.kernels)
 
     def _index_tensor(self, device_ids: tuple[int, ...]) -> torch.Tensor:
         assert self._layout is not None

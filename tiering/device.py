@@ -32,8 +32,9 @@ from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import as_index_list, check_index_range, positive_int
 
-DEFAULT_STAGING_BYTES = 64 << 20
-"""Default size of one staging buffer; a job bigger than this is copied in chunks."""
+DEFAULT_STAGING_BYTES = 32 << 20
+"""Default size of one staging buffer (the CUDA backend uses two per direction, in turn);
+a job bigger than this is copied in chunks, and the chunks of a CUDA copy pipeline."""
 
 _log = logging.getLogger(__name__)
 
