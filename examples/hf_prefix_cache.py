@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -319,7 +320,7 @@ def engine_for(paged: PagedKV, cpu_blocks: int, nvme: Path | None, identity: str
     tiers = []
     if nvme is not None:
         block_bytes = sum(t[0].numel() * t.element_size() for t in _tensors(paged.kv_caches))
-        capacity = max(64 << 20, 4 * cpu_blocks * block_bytes)
+        capacity = (64 << 20) + 2 * cpu_blocks * block_bytes
         tiers.append(
             {"type": "nvme", "root": str(nvme), "capacity_bytes": capacity, "min_free_bytes": 0}
         )
@@ -345,7 +346,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     prefix_blocks = -(-longest // bs)
     paged = PagedKV(model.config, 2 * prefix_blocks + 2, bs, args.layout, device, dtype)
     identity = f"hf-llama-{args.shape}-random-seed0"
-    cpu_blocks = 2 * sum(-(-n // bs) for n in args.prefix_tokens) + 2
+    cpu_blocks = sum(-(-n // bs) for n in args.prefix_tokens) + 2
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     figures: dict[str, Any] = {"shape": args.shape, "layout": args.layout, "device": str(device)}
@@ -384,6 +385,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     finally:
         await engine.aclose()
+    if args.nvme is not None:
+        figures["nvme_o_direct"] = engine.tiers[0].o_direct
     figures["same_greedy_tokens"] = same
     return figures
 
@@ -414,11 +417,26 @@ async def restart_engine(
     engine: TieringEngine, paged: PagedKV, cpu_blocks: int, nvme: Path, identity: str
 ) -> TieringEngine:
     """Close ``engine`` and open its successor over the same NVMe tier: an empty CPU
-    tier, every stored block still on disk."""
+    tier, every stored block still on disk (and not in the page cache, where the tier
+    runs without O_DIRECT)."""
     await engine.aclose()
+    await asyncio.to_thread(drop_page_cache, nvme)
     engine = engine_for(paged, cpu_blocks, nvme, identity)
     await engine.start()
     return engine
+
+
+def drop_page_cache(root: Path) -> None:
+    """Ask the kernel to drop the cached pages of every file under ``root``, so that a
+    later read comes from the disk."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def _token_counts(text: str) -> list[int]:
