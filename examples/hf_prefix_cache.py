@@ -344,7 +344,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args.shape, device, dtype)
     bs, longest = args.block_tokens, max(args.prefix_tokens)
     prefix_blocks = -(-longest // bs)
-    paged = PagedKV(model.config, 2 * prefix_blocks + 2, bs, args.layout, device, dtype)
+    paged = PagedKV(model.config, 2 * prefix_blocks + 2, bs, args.layout, device, model.dtype)
     identity = f"hf-llama-{args.shape}-random-seed0"
     cpu_blocks = sum(-(-n // bs) for n in args.prefix_tokens) + 2
     gen = torch.Generator().manual_seed(1)
