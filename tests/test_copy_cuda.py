@@ -32,7 +32,7 @@ from tiering.copy_cuda import CudaCopyBackend, CudaRuntime
 from tiering.device import DeviceCopier
 from tiering.errors import ClosedError, TransferError
 from tiering.host_pool import HostPool
-from tiering.kv_layout import Direction
+from tiering.kv_layout import Direction, describe_kv_caches
 from tiering.layer_progress import LayerProgress
 
 
@@ -63,7 +63,8 @@ class _FakeEvent:
 class _FakeRuntime(CudaRuntime):
     """Streams and events that record what they are asked; events fire on ``fired``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, maps_host: bool = False) -> None:
+        self.maps_host = maps_host  # kernels may read the host pool in place
         self.fired = True
         self.current = _FakeStream()
         self.streams: list[_FakeStream] = []
@@ -88,14 +89,19 @@ class _FakeRuntime(CudaRuntime):
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         self.recorded_streams.append((tensor, stream))
 
+    def mapped(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if not self.maps_host:
+            raise RuntimeError("the fake pool is not mapped")
+        return host  # a CPU "device": kernels see the pool as it is
+
 
 @asynccontextmanager
 async def stream_path(
-    layout: str, staging_rows: int
+    layout: str, staging_rows: int, *, maps_host: bool = False
 ) -> AsyncIterator[tuple[DeviceCopier, KV, HostPool, CudaCopyBackend, _FakeRuntime]]:
     kv = make_kv(layout, "cpu")
     block_bytes = block_bytes_of(kv)
-    runtime = _FakeRuntime()
+    runtime = _FakeRuntime(maps_host=maps_host)
     backend = CudaCopyBackend(runtime=runtime)
     with HostPool(NUM_SLOTS, block_bytes) as pool:
         staging = staging_rows * block_bytes
@@ -174,12 +180,14 @@ async def test_stream_path_handle_completes_only_once_its_event_fired() -> None:
         backend.lane_stream(Direction.TO_HOST)
 
 
+@pytest.mark.parametrize("maps_host", [False, True])
 @pytest.mark.parametrize("staging_rows", [1, 64])
 @pytest.mark.parametrize("layout", ["one_tensor", "mixed_dtypes"])
-async def test_stream_path_marks_each_layer_behind_an_event_on_the_upload_stream(
-    layout: str, staging_rows: int
+async def test_stream_path_marks_each_layer_behind_an_event_on_the_scatter_stream(
+    layout: str, staging_rows: int, maps_host: bool
 ) -> None:
-    async with stream_path(layout, staging_rows) as (copier, kv, _pool, backend, runtime):
+    path = stream_path(layout, staging_rows, maps_host=maps_host)
+    async with path as (copier, kv, _pool, backend, runtime):
         await copier.to_host([1, 2, 3], [0, 1, 2])
         want = [t[[1, 2, 3]].view(torch.uint8).clone() for t in layers_of(kv)]
         for t in layers_of(kv):
@@ -195,6 +203,7 @@ async def test_stream_path_marks_each_layer_behind_an_event_on_the_upload_stream
         scatter = backend.lane_kernels(Direction.TO_DEVICE)
         assert all(m.event.stream is scatter for m in markers)  # type: ignore[union-attr]
         assert not any(progress.ready(i) for i in range(progress.num_layers))
+        assert backend.maps_host is maps_host
         progress.wait(0, timeout=0)  # the host does not wait: the current stream does
         assert runtime.current.waited == [(markers[0].event, scatter)]  # type: ignore[union-attr]
         runtime.fired = True
@@ -204,10 +213,54 @@ async def test_stream_path_marks_each_layer_behind_an_event_on_the_upload_stream
             assert torch.equal(t[[5, 6, 7]].view(torch.uint8), w)
 
 
-async def test_stream_path_an_enqueue_failure_fails_the_layers_not_marked(
-    monkeypatch: pytest.MonkeyPatch,
+class _LayerOrder(LayerProgress):
+    """Records, as each layer is marked, which layers' rows of ``ids`` already hold what
+    host ``slots`` hold."""
+
+    def __init__(self, kv: KV, pool: HostPool, slots: list[int], ids: list[int]) -> None:
+        layout = describe_kv_caches(kv)
+        super().__init__(len(layout.layers))
+        host = pool.tensor.view(layout.word)
+        self.want = [host[slots, o : o + w].clone() for _, o, w in layout.columns]
+        self.layers, self.ids = layout.layers, ids
+        self.seen: list[list[bool]] = []
+
+    def mark(self, layer: int, event: Any = None) -> None:
+        self.seen.append(
+            [torch.equal(t[self.ids], w) for t, w in zip(self.layers, self.want, strict=True)]
+        )
+        super().mark(layer, event)
+
+
+@pytest.mark.parametrize("layout", ["one_tensor", "mixed_dtypes"])
+async def test_a_layer_by_layer_load_from_a_mapped_pool_lands_layer_after_layer(
+    layout: str,
 ) -> None:
-    async with stream_path("mixed_dtypes", 64) as (copier, _, _, _, _):
+    async with stream_path(layout, 1, maps_host=True) as (copier, kv, pool, backend, runtime):
+        pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, dtype=torch.uint8))
+        for t in layers_of(kv):
+            t.zero_()
+        slots, ids = [2, 0, 9], [5, 6, 7]  # three chunks of one row
+        progress = _LayerOrder(kv, pool, slots, ids)
+        await copier.to_device(slots, ids, progress=progress)
+        n = progress.num_layers
+        assert progress.seen == [[j <= i for j in range(n)] for i in range(n)]
+        for slot, block in zip(slots, ids, strict=True):
+            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+        fence = backend.lane_fence(Direction.TO_DEVICE)
+        link = backend.lane_stream(Direction.TO_DEVICE)
+        assert link.waited == [(fence, runtime.current)]  # type: ignore[attr-defined]
+        # A load that marks no layers still stages whole blocks through the link.
+        await copier.to_device([1], [0])
+        assert len(link.waited) > 1  # type: ignore[attr-defined]
+        assert bytes(pool.slot_view(1)) == device_block(kv, 0)
+
+
+@pytest.mark.parametrize("maps_host", [False, True])
+async def test_stream_path_an_enqueue_failure_fails_the_layers_not_marked(
+    monkeypatch: pytest.MonkeyPatch, maps_host: bool
+) -> None:
+    async with stream_path("mixed_dtypes", 64, maps_host=maps_host) as (copier, _, _, _, _):
         real = torch.Tensor.index_copy_
         calls = [0]
 
@@ -231,6 +284,7 @@ async def test_stream_path_an_enqueue_failure_fails_the_layers_not_marked(
 @pytest.mark.parametrize("layout", ["one_tensor", "mixed_dtypes"])
 async def test_cuda_a_layer_read_after_its_wait_sees_the_loaded_bytes(layout: str) -> None:
     async with opened(layout, "cuda") as (copier, kv, _pool):
+        assert isinstance(copier.backend, CudaCopyBackend) and copier.backend.maps_host
         want = [t.clone() for t in layers_of(kv)]
         await copier.to_host([1, 2, 3], [0, 1, 2])
         for t in layers_of(kv):

@@ -5,13 +5,17 @@ tests replace to drive the stream path with CPU tensors.
 Each direction is a pipeline of two streams over two staging buffers used in turn: one
 stream moves whole staged blocks over the link (one DMA per run of host slots), the
 other gathers or scatters their per-layer rows on the device, so that the link carries
-chunk k + 1 while chunk k's rows are gathered or scattered.
+chunk k + 1 while chunk k's rows are gathered or scattered. A load that marks its
+layers (a :class:`~tiering.layer_progress.LayerProgress`) goes layer-major instead:
+kernels read each layer's rows straight from the mapped host pool, so layer ``i`` is
+ready before layer ``i + 1`` has crossed the link.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -28,6 +32,8 @@ from tiering.layer_progress import LayerProgress
 _IMMEDIATE_POLLS = 2
 _POLL_INTERVAL_S = 0.001
 _IDLE_EVENTS_KEPT = 64
+
+_log = logging.getLogger(__name__)
 
 
 class CudaStream(Protocol):
@@ -61,6 +67,28 @@ class CudaRuntime:
     def record_stream(self, tensor: torch.Tensor, stream: CudaStream) -> None:
         tensor.record_stream(stream)  # type: ignore[arg-type]
 
+    def mapped(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``host`` (page-locked and mapped) as a tensor on ``device`` whose kernels read
+        and write it in place over the link; raises if the memory is not mapped."""
+        flat = host.view(-1).view(torch.uint8)
+        on_device = torch.as_tensor(_CudaArray(flat), device=device)
+        return on_device.view(host.dtype).view(host.shape)
+
+
+class _CudaArray:
+    """A ``__cuda_array_interface__`` over a host tensor's memory (with unified
+    addressing, mapped host memory has the same address on the device)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self._keep = flat  # the memory stays while the device tensor holds this object
+        self.__cuda_array_interface__ = {
+            "shape": (flat.numel(),),
+            "typestr": "|u1",
+            "data": (flat.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
+
 
 class _StagingBuffer:
     """A ``[rows, block words]`` buffer that grows on demand up to ``max_rows``."""
@@ -70,9 +98,9 @@ class _StagingBuffer:
         self._max_rows = max_rows
         self._buffer: torch.Tensor | None = None
 
-    def rows(self, n: int, runtime: CudaRuntime, also: CudaStream) -> torch.Tensor:
+    def rows(self, n: int, runtime: CudaRuntime, also: CudaStream | None) -> torch.Tensor:
         """The first ``n`` rows; call it in the context of the stream that writes them
-        first, ``also`` being the other stream that uses them."""
+        first, ``also`` being the other stream that uses them, if any."""
         buffer = self._buffer
         if buffer is None or buffer.shape[0] < n:
             # Made in the current stream's context and marked as used on ``also``, so
@@ -82,7 +110,8 @@ class _StagingBuffer:
             buffer = torch.empty(
                 (rows, layout.block_words), dtype=layout.word, device=layout.device
             )
-            runtime.record_stream(buffer, also)
+            if also is not None:
+                runtime.record_stream(buffer, also)
             self._buffer = buffer
         return buffer[:n]
 
@@ -91,12 +120,14 @@ class _StagingBuffer:
 class _Lane:
     """One direction's pipeline: ``stream`` carries staged blocks over the link,
     ``kernels`` gathers or scatters their rows on the device; staging buffer ``b`` is
-    ``filled[b]`` for its consumer and ``emptied[b]`` for its producer; ``fence``
-    orders a job after the caller's stream, ``joined`` ends it on one stream."""
+    ``filled[b]`` for its consumer and ``emptied[b]`` for its producer (``layers``: the
+    rows of one layer in a layer-major load); ``fence`` orders a job after the caller's
+    stream, ``joined`` ends it on one stream."""
 
     stream: CudaStream
     kernels: CudaStream
     staging: tuple[_StagingBuffer, _StagingBuffer]
+    layers: _StagingBuffer
     filled: tuple[CudaEvent, CudaEvent]
     emptied: tuple[CudaEvent, CudaEvent]
     fence: CudaEvent
@@ -141,6 +172,7 @@ class CudaCopyBackend:
         self._pending: dict[PlannedCopy, _Pending] = {}
         self._layout: KVLayout | None = None
         self._host: torch.Tensor | None = None
+        self._host_mapped: torch.Tensor | None = None  # the pool as kernels see it
         self._on_done: Callable[[Sequence[CopyOutcome]], None] | None = None
         self._task_group: asyncio.TaskGroup | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -155,6 +187,12 @@ class CudaCopyBackend:
     def lanes(self) -> int:
         """Copy lanes (streams + staging buffers) held: 2 while open, 0 once closed."""
         return len(self._lanes)
+
+    @property
+    def maps_host(self) -> bool:
+        """True while layer-by-layer loads read the mapped host pool in place (layer-major);
+        False before open, or where the pool is not mapped for kernels."""
+        return self._host_mapped is not None and bool(self._lanes)
 
     def lane_stream(self, direction: Direction) -> CudaStream:
         """The stream of ``direction`` that moves bytes over the link. Raises ClosedError
@@ -194,6 +232,7 @@ class CudaCopyBackend:
                     runtime.new_stream(device),
                     runtime.new_stream(device),
                     (_StagingBuffer(layout, max_rows), _StagingBuffer(layout, max_rows)),
+                    _StagingBuffer(layout, max_rows),
                     (runtime.new_event(), runtime.new_event()),
                     (runtime.new_event(), runtime.new_event()),
                     runtime.new_event(),
@@ -208,6 +247,10 @@ class CudaCopyBackend:
                     for stream in lane.streams():
                         with contextlib.suppress(RuntimeError):
                             runtime.record_stream(layer, stream)
+            try:
+                self._host_mapped = runtime.mapped(host, device)
+            except Exception as exc:  # layer-by-layer loads then mark after staged chunks
+                _log.info("CudaCopyBackend: the host pool is not mapped for kernels: %r", exc)
         self._wakeup = asyncio.Event()
         self._task_group = asyncio.TaskGroup()
         await self._task_group.__aenter__()
@@ -222,8 +265,11 @@ class CudaCopyBackend:
         pending = _Pending()
         self._pending[copy] = pending
         runtime, device = self._runtime, self._layout.device
+        layer_major = copy.progress is not None and self._host_mapped is not None
         # A job starts on one stream of the lane and ends on the other.
-        if copy.direction is Direction.TO_HOST:
+        if layer_major:
+            first = last = lane.kernels
+        elif copy.direction is Direction.TO_HOST:
             first, last = lane.kernels, lane.stream
         else:
             first, last = lane.stream, lane.kernels
@@ -236,6 +282,9 @@ class CudaCopyBackend:
                     stream.wait_event(lane.fence)
                 try:
                     chunks = copy.chunks
+                    if layer_major:
+                        self._load_layer_major(copy, lane)
+                        chunks = ()
                     for n, chunk in enumerate(chunks, 1):
                         # The last chunk completes each layer: mark it there.
                         marks = copy.progress if n == len(chunks) else None
@@ -343,6 +392,38 @@ class CudaCopyBackend:
                     event.record(lane.kernels)
                     progress.mark(i, _LayerMarker(event, runtime, self._layout.device))
             emptied.record(lane.kernels)
+
+    def _load_layer_major(self, copy: PlannedCopy, lane: _Lane) -> None:
+        """Enqueue a load that marks its layers: per layer and chunk, one kernel reads the
+        rows from the mapped host pool and one scatters them; then the layer's event."""
+        assert self._layout is not None and self._host_mapped is not None
+        assert copy.progress is not None
+        host, runtime, progress = self._host_mapped, self._runtime, copy.progress
+        with runtime.use_stream(lane.kernels):
+            plans = [
+                (
+                    self._index_tensor(chunk.device_ids),
+                    self._index_tensor(
+                        tuple(
+                            s
+                            for r in chunk.runs
+                            for s in range(r.first_slot, r.first_slot + r.length)
+                        )
+                    ),
+                )
+                for chunk in copy.chunks
+            ]
+            rows = max(len(chunk.device_ids) for chunk in copy.chunks)
+            flat = lane.layers.rows(rows, runtime, None).view(-1)
+            for i, (layer, offset, width) in enumerate(self._layout.columns):
+                part = host[:, offset : offset + width]
+                for ids, slots in plans:
+                    staged = flat[: len(ids) * width].view(len(ids), width)
+                    torch.index_select(part, 0, slots, out=staged)
+                    layer.index_copy_(0, ids, staged)
+                event = runtime.new_event()  # the caller keeps it: not pooled
+                event.record(lane.kernels)
+                progress.mark(i, _LayerMarker(event, runtime, self._layout.device))
 
     def _index_tensor(self, device_ids: tuple[int, ...]) -> torch.Tensor:
         assert self._layout is not None
