@@ -266,7 +266,8 @@ class CudaCopyBackend:
         self._pending[copy] = pending
         runtime, device = self._runtime, self._layout.device
         layer_major = copy.progress is not None and self._host_mapped is not None
-        # A job starts on one stream of the lane and ends on the other.
+        # A job starts on one stream of the lane and ends on the other (a layer-major
+        # load runs on the scatter stream alone).
         if layer_major:
             first = last = lane.kernels
         elif copy.direction is Direction.TO_HOST:
@@ -281,14 +282,14 @@ class CudaCopyBackend:
                 for stream in lane.streams():
                     stream.wait_event(lane.fence)
                 try:
-                    chunks = copy.chunks
                     if layer_major:
                         self._load_layer_major(copy, lane)
-                        chunks = ()
-                    for n, chunk in enumerate(chunks, 1):
-                        # The last chunk completes each layer: mark it there.
-                        marks = copy.progress if n == len(chunks) else None
-                        self._copy_chunk(copy.direction, chunk, lane, marks)
+                    else:
+                        chunks = copy.chunks
+                        for n, chunk in enumerate(chunks, 1):
+                            # The last chunk completes each layer: mark it there.
+                            marks = copy.progress if n == len(chunks) else None
+                            self._copy_chunk(copy.direction, chunk, lane, marks)
                 except Exception as exc:
                     pending.error = exc  # reported once what was enqueued has drained
                 # The end waits for both streams, even after a failure part-way.
@@ -425,13 +426,14 @@ class CudaCopyBackend:
                 event.record(lane.kernels)
                 progress.mark(i, _LayerMarker(event, runtime, self._layout.device))
 
-    def _index_tensor(self, device_ids: tuple[int, ...]) -> torch.Tensor:
+    def _index_tensor(self, indices: tuple[int, ...]) -> torch.Tensor:
+        """``indices`` (device block ids or slots) on the device, for the current stream."""
         assert self._layout is not None
         if self._layout.device.type != "cuda":
-            return torch.tensor(device_ids, dtype=torch.int64)
-        # Pinned so the upload is asynchronous on the copy stream; the pinned allocator
+            return torch.tensor(indices, dtype=torch.int64)
+        # Pinned so the upload is asynchronous on the current stream; the pinned allocator
         # keeps the host block until that upload has run.
-        staged = torch.tensor(device_ids, dtype=torch.int64, pin_memory=True)
+        staged = torch.tensor(indices, dtype=torch.int64, pin_memory=True)
         return staged.to(self._layout.device, non_blocking=True)
 
     async def _poll_events(self) -> None:

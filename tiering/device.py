@@ -390,15 +390,18 @@ class DeviceCopier(AsyncService):
             job = cast(_InFlight, copy)  # the backend hands back what it was given
             self._in_flight.discard(job)
             self._bytes_in_flight -= job.nbytes
+            progress = job.progress
+            if progress is not None:  # a forward may wait on it from another thread
+                if error is None:
+                    progress.mark_all()  # what a backend copying whole blocks left unmarked
+                else:
+                    progress.fail(error)
             future = job.future
             if future is not None and future.done():  # the loop is being torn down
                 continue
             direction = job.direction
             failure = None
-            progress = job.progress
             if error is None:
-                if progress is not None:
-                    progress.mark_all()  # what a backend copying whole blocks left unmarked
                 done = (
                     self._to_host_done if direction is Direction.TO_HOST else self._to_device_done
                 )
@@ -408,8 +411,6 @@ class DeviceCopier(AsyncService):
                 self._failures.record(f"{direction.value} copy failed", detail=repr(error))
                 failure = TransferError(f"{direction.value} copy failed: {error!r}")
                 failure.__cause__ = error
-                if progress is not None:
-                    progress.fail(failure)
             if job.on_done is not None:
                 try:
                     job.on_done(job.token, failure)
@@ -428,7 +429,6 @@ __all__ = [
     "CopyHandle",
     "DeviceCopier",
     "KVCaches",
-    "LayerProgress",
     "SlotRun",
     "kv_block_bytes",
     "plan_copy",
