@@ -23,6 +23,7 @@ from _device_kv import (
     assert_round_trip,
     block_bytes_of,
     device_block,
+    failing_index_copy,
     layers_of,
     make_kv,
     opened,
@@ -261,20 +262,12 @@ async def test_stream_path_an_enqueue_failure_fails_the_layers_not_marked(
     monkeypatch: pytest.MonkeyPatch, maps_host: bool
 ) -> None:
     async with stream_path("mixed_dtypes", 64, maps_host=maps_host) as (copier, _, _, _, _):
-        real = torch.Tensor.index_copy_
-        calls = [0]
-
-        def third_layer_fails(self: torch.Tensor, *args: object) -> torch.Tensor:
-            calls[0] += 1
-            if calls[0] == 3:
-                raise RuntimeError("simulated scatter fault")
-            return real(self, *args)  # type: ignore[arg-type]
-
         progress = LayerProgress(copier.num_layers)
-        with monkeypatch.context() as patch:
-            patch.setattr(torch.Tensor, "index_copy_", third_layer_fails)
-            with pytest.raises(TransferError, match="simulated scatter fault"):
-                await copier.to_device([0], [1], progress=progress)
+        with (
+            failing_index_copy(monkeypatch, 3, "simulated scatter fault"),  # the third layer
+            pytest.raises(TransferError, match="simulated scatter fault"),
+        ):
+            await copier.to_device([0], [1], progress=progress)
         progress.wait(1)
         with pytest.raises(TransferError, match="simulated scatter fault"):
             progress.wait(2)

@@ -77,10 +77,17 @@ async def assert_same_as_prefill(server, request: list[int], answer) -> None:
     torch.testing.assert_close(answer.first_logits, reference.first_logits, atol=1e-4, rtol=1e-4)
 
 
-async def restart(server, nvme: Path) -> None:
-    server.engine = await hf.restart_engine(
-        server.engine, server.paged, CPU_BLOCKS, nvme, "test-tiny"
-    )
+@asynccontextmanager
+async def stored_on_nvme(model, layout: str, nvme: Path, seed: int) -> AsyncIterator:
+    """A server whose first prompt's prefix was stored, then restarted: its CPU tier is
+    empty and the blocks are on NVMe; yields ``(server, first prompt, second prompt)``."""
+    first, second = prompts(seed, model.config.vocab_size)
+    async with serving(model, layout, nvme) as server:
+        await server.generate(first, NEW_TOKENS, "prefill")
+        server.engine = await hf.restart_engine(
+            server.engine, server.paged, CPU_BLOCKS, nvme, "test-tiny"
+        )
+        yield server, first, second
 
 
 MODES = ["whole", "layers"]
@@ -110,10 +117,7 @@ async def test_a_prefix_cached_in_the_cpu_tier_continues_as_a_prefill_does(
 async def test_a_prefix_that_went_down_to_nvme_and_came_back_continues_as_a_prefill_does(
     model, layout: str, mode: str, tmp_path: Path
 ) -> None:
-    first, second = prompts(2, model.config.vocab_size)
-    async with serving(model, layout, tmp_path) as server:
-        await server.generate(first, NEW_TOKENS, "prefill")
-        await restart(server, tmp_path)  # the CPU tier is empty: the blocks are on disk
+    async with stored_on_nvme(model, layout, tmp_path, seed=2) as (server, _, second):
         answer = await server.generate(second, NEW_TOKENS, mode, store=False)
         assert answer.source == "nvme" and answer.cached_tokens == PREFIX_TOKENS
         assert server.engine.statistics().counters["promoted_blocks"] == 3
@@ -125,10 +129,7 @@ async def test_a_prefix_that_went_down_to_nvme_and_came_back_continues_as_a_pref
 async def test_a_damaged_nvme_block_means_recomputing_never_a_wrong_token(
     model, layout: str, mode: str, tmp_path: Path
 ) -> None:
-    first, second = prompts(3, model.config.vocab_size)
-    async with serving(model, layout, tmp_path) as server:
-        await server.generate(first, NEW_TOKENS, "prefill")
-        await restart(server, tmp_path)
+    async with stored_on_nvme(model, layout, tmp_path, seed=3) as (server, first, second):
         corrupt_block(tmp_path, server.hashes(first)[1])
         answer = await server.generate(second, NEW_TOKENS, mode, store=False)
         assert answer.source == "recomputed" and answer.cached_tokens == 0

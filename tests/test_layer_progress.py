@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _device_kv import CountingExecutor, block_bytes_of, layers_of, make_kv, opened, snapshot
+from _device_kv import (
+    CountingExecutor,
+    block_bytes_of,
+    failing_index_copy,
+    layers_of,
+    make_kv,
+    opened,
+    snapshot,
+)
 
 from tests._engine_helpers import (
     assert_holds,
@@ -171,20 +179,12 @@ async def test_a_copy_failing_part_way_fails_the_layers_not_landed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with opened("mixed_dtypes") as (copier, _kv, _):
-        real = torch.Tensor.index_copy_
-        calls = [0]
-
-        def second_layer_fails(self: torch.Tensor, *args: object) -> torch.Tensor:
-            calls[0] += 1
-            if calls[0] == 2:
-                raise RuntimeError("simulated scatter fault")
-            return real(self, *args)  # type: ignore[arg-type]
-
         progress = LayerProgress(copier.num_layers)
-        with monkeypatch.context() as patch:
-            patch.setattr(torch.Tensor, "index_copy_", second_layer_fails)
-            with pytest.raises(TransferError, match="simulated scatter fault"):
-                await copier.to_device([3], [1], progress=progress)
+        with (
+            failing_index_copy(monkeypatch, 2, "simulated scatter fault"),  # the 2nd layer
+            pytest.raises(TransferError, match="simulated scatter fault"),
+        ):
+            await copier.to_device([3], [1], progress=progress)
         progress.wait(0)
         for layer in (1, 2):
             with pytest.raises(TransferError, match="simulated scatter fault"):

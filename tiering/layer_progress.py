@@ -12,11 +12,11 @@ case where every layer is marked at once.
 
 from __future__ import annotations
 
-import operator
 import threading
 from typing import Protocol
 
 from tiering.errors import InvalidArgumentError, TransferError
+from tiering.validation import as_index_list, check_index_range, positive_int
 
 
 class LayerMarker(Protocol):
@@ -41,9 +41,7 @@ class LayerProgress:
     __slots__ = ("_cond", "_error", "_events", "_marked", "num_layers")
 
     def __init__(self, num_layers: int) -> None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise InvalidArgumentError(f"num_layers must be an int >= 1, got {num_layers!r}")
-        self.num_layers = num_layers
+        self.num_layers = positive_int("num_layers", num_layers)
         self._cond = threading.Condition()
         self._marked = [False] * num_layers
         self._events: list[LayerMarker | None] = [None] * num_layers  # None: landed
@@ -132,14 +130,8 @@ class LayerProgress:
             self._cond.notify_all()
 
     def _index(self, layer: object) -> int:
-        if isinstance(layer, bool):
-            raise InvalidArgumentError(f"layer must be an int, got {layer!r}")
-        try:
-            index = operator.index(layer)  # type: ignore[arg-type]
-        except TypeError:
-            raise InvalidArgumentError(f"layer must be an int, got {layer!r}") from None
-        if not 0 <= index < self.num_layers:
-            raise InvalidArgumentError(f"layer {index} is outside 0..{self.num_layers - 1}")
+        (index,) = as_index_list("layer", (layer,))
+        check_index_range("layer", (index,), self.num_layers, unique=False)
         return index
 
     def __repr__(self) -> str:
