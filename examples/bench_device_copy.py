@@ -12,6 +12,7 @@ The last stdout line is one JSON object. Exits 2 without CUDA.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -93,14 +94,20 @@ async def run(total_bytes: int, progress: Progress) -> dict[str, object]:
     return figures
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The checked command line: a bad value, or no CUDA device, exits 2."""
     parser = make_parser(__doc__)
     parser.add_argument(
         "--gib", type=positive_float, default=1.0, help="GiB moved per layout, size and way"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (torch.cuda.is_available() is False)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     with Progress() as progress:
         figures = uvloop.run(run(int(args.gib * (1 << 30)), progress))
     figures["device"] = torch.cuda.get_device_name(0)

@@ -464,17 +464,33 @@ def _positive(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The checked command line (a bad value exits 2 naming the option)."""
     parser = make_parser(__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--layout", choices=("per-layer", "one-tensor"), default="per-layer")
     parser.add_argument(
-        "--prefix-tokens", type=_token_counts, default=[64], help="prefix lengths (a,b,...)"
+        "--shape", choices=sorted(SHAPES), default="tiny", help="the Llama's shape (8b: bf16)"
     )
-    parser.add_argument("--suffix-tokens", type=_positive, default=8)
+    parser.add_argument(
+        "--layout",
+        choices=("per-layer", "one-tensor"),
+        default="per-layer",
+        help="the paged KV cache: a tensor per layer, or one tensor",
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=_token_counts,
+        default="64",
+        help="the shared prefixes' lengths in tokens, comma-separated (one run each)",
+    )
+    parser.add_argument(
+        "--suffix-tokens", type=_positive, default=8, help="tokens after the prefix"
+    )
     parser.add_argument("--new-tokens", type=_positive, default=4, help="greedy tokens per answer")
-    parser.add_argument("--block-tokens", type=_positive, default=16)
-    parser.add_argument("--repeats", type=_positive, default=1)
+    parser.add_argument("--block-tokens", type=_positive, default=16, help="tokens per block")
+    parser.add_argument(
+        "--repeats", type=_positive, default=1, help="cached answers per tier and load kind"
+    )
     parser.add_argument("--nvme", type=Path, metavar="DIR", help="an NVMe tier under DIR")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where the model runs (default: cuda if any)"
+    )
     args = parser.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

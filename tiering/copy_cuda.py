@@ -72,6 +72,8 @@ class CudaRuntime:
         and write it in place over the link; raises if the memory is not mapped."""
         flat = host.view(-1).view(torch.uint8)
         on_device = torch.as_tensor(_CudaArray(flat), device=device)
+        if on_device.data_ptr() != flat.data_ptr():  # a copy would read a stale snapshot
+            raise RuntimeError("torch copied the host pool instead of mapping it")
         return on_device.view(host.dtype).view(host.shape)
 
 
