@@ -130,3 +130,21 @@ class CountingExecutor(ThreadPoolExecutor):
             yield gate
         finally:
             gate.set()
+
+
+@contextmanager
+def failing_index_copy(monkeypatch: pytest.MonkeyPatch, nth: int, message: str) -> Iterator[None]:
+    """Inside the block, the ``nth`` call of ``Tensor.index_copy_`` (a scatter into a
+    layer, one per layer and chunk) raises ``RuntimeError(message)``; the others copy."""
+    real = torch.Tensor.index_copy_
+    calls = [0]
+
+    def fails_once(self: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise RuntimeError(message)
+        return real(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "index_copy_", fails_once)
+        yield

@@ -212,7 +212,7 @@ def test_pinning_registers_the_whole_buffer_once_and_close_unregisters_it(
     pool = HostPool(3, 4096)  # pin=None pins when CUDA is available
     address = pool.address
     assert pool.pinned
-    assert fake_cudart.calls == [("register", address, 3 * 4096, 1)]  # 1: portable
+    assert fake_cudart.calls == [("register", address, 3 * 4096, 3)]  # portable | mapped
     pool.close()
     pool.close()
     assert fake_cudart.calls[1:] == [("unregister", address)]

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from tiering.host_pool import HostPool
     from tiering.job_core import JobCore, LookupStatistics
     from tiering.latency import LatencyHistogram, LatencySnapshot
+    from tiering.layer_progress import LayerProgress
     from tiering.lifecycle import Lifecycle
     from tiering.manager import BlockState, CPUOffloadingManager
     from tiering.policies import (
@@ -101,6 +102,7 @@ __all__ = [
     "LRUPolicy",
     "LatencyHistogram",
     "LatencySnapshot",
+    "LayerProgress",
     "Lifecycle",
     "LoadStoreSpec",
     "LookupStatistics",
@@ -180,6 +182,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tiering.host_pool": ("HostPool",),
     "tiering.job_core": ("JobCore", "LookupStatistics"),
     "tiering.latency": ("LatencyHistogram", "LatencySnapshot"),
+    "tiering.layer_progress": ("LayerProgress",),
     "tiering.lifecycle": ("Lifecycle",),
     "tiering.manager": ("BlockState", "CPUOffloadingManager"),
     "tiering.policies": (

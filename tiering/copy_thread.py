@@ -238,8 +238,11 @@ class ThreadCopyBackend:
                 host[:, offset : offset + width].index_copy_(0, slots, rows)
         else:
             rows = torch.index_select(host, 0, slots)
-            for layer, offset, width in columns:
+            waiting = [copy.progress for copy in group if copy.progress is not None]
+            for i, (layer, offset, width) in enumerate(columns):
                 layer.index_copy_(0, ids, rows[:, offset : offset + width])
+                for progress in waiting:
+                    progress.mark(i)
 
     def _hop_done(self, hop: _Hop) -> None:
         if hop not in self._hops:
@@ -260,18 +263,23 @@ class ThreadCopyBackend:
 
     def _copy(self, copy: PlannedCopy) -> None:
         assert self._host is not None
-        host, columns = self._host, self._columns
+        host, progress = self._host, copy.progress
         to_host = copy.direction is Direction.TO_HOST
+        pairs = []  # (device block ids, host rows) of each run of consecutive slots
         for chunk in copy.chunks:
             index = torch.tensor(chunk.device_ids, dtype=torch.int64)
             for run in chunk.runs:
                 ids = index[run.first_row : run.first_row + run.length]
-                rows = host[run.first_slot : run.first_slot + run.length]
-                for layer, offset, width in columns:
-                    if to_host:
-                        torch.index_select(layer, 0, ids, out=rows[:, offset : offset + width])
-                    else:
-                        layer.index_copy_(0, ids, rows[:, offset : offset + width])
+                pairs.append((ids, host[run.first_slot : run.first_slot + run.length]))
+        # Layer by layer, so that a layer-by-layer load can mark each one as it lands.
+        for i, (layer, offset, width) in enumerate(self._columns):
+            for ids, rows in pairs:
+                if to_host:
+                    torch.index_select(layer, 0, ids, out=rows[:, offset : offset + width])
+                else:
+                    layer.index_copy_(0, ids, rows[:, offset : offset + width])
+            if progress is not None:
+                progress.mark(i)
 
 
 __all__ = ["ThreadCopyBackend"]

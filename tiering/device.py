@@ -27,12 +27,14 @@ from tiering.kv_layout import (
     kv_block_bytes,
     plan_copy,
 )
+from tiering.layer_progress import LayerProgress, check_progress
 from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.statistics import FailureLog, Statistics
 from tiering.validation import as_index_list, check_index_range, positive_int
 
-DEFAULT_STAGING_BYTES = 64 << 20
-"""Default size of one staging buffer; a job bigger than this is copied in chunks."""
+DEFAULT_STAGING_BYTES = 32 << 20
+"""Default size of one staging buffer (the CUDA backend uses two per direction, in turn);
+a job bigger than this is copied in chunks, and the chunks of a CUDA copy pipeline."""
 
 _log = logging.getLogger(__name__)
 
@@ -114,8 +116,9 @@ class _InFlight(PlannedCopy):
         future: asyncio.Future[None] | None,
         on_done: Callable[[int, TransferError | None], object] | None,
         token: int,
+        progress: LayerProgress | None,
     ) -> None:
-        super().__init__(direction, device_ids, slots, max_rows)
+        super().__init__(direction, device_ids, slots, max_rows, progress)
         self.nbytes = nbytes
         self.future = future
         self.on_done = on_done
@@ -185,6 +188,11 @@ class DeviceCopier(AsyncService):
         self._to_host_done = [0, 0]
         self._to_device_done = [0, 0]
         self._failures = FailureLog(_log, "DeviceCopier")
+
+    @property
+    def num_layers(self) -> int:
+        """Tensors of the KV cache: the layers a :class:`LayerProgress` of a load counts."""
+        return len(self._layout.layers)
 
     @property
     def in_flight(self) -> int:
@@ -278,10 +286,20 @@ class DeviceCopier(AsyncService):
         """
         return self._start(Direction.TO_HOST, device_ids, slots)
 
-    def to_device(self, slots: Sequence[int], device_ids: Sequence[int]) -> CopyHandle:
+    def to_device(
+        self,
+        slots: Sequence[int],
+        device_ids: Sequence[int],
+        *,
+        progress: LayerProgress | None = None,
+    ) -> CopyHandle:
         """Start copying host slot ``slots[i]`` into device block ``device_ids[i]``; slots
-        may repeat, device ids may not. Raises like :meth:`to_host`."""
-        return self._start(Direction.TO_DEVICE, device_ids, slots)
+        may repeat, device ids may not. ``progress`` gets each layer marked as it lands
+        (every layer by the time the handle is done, or failed if the copy fails). Raises
+        like :meth:`to_host`, and InvalidArgumentError for a ``progress`` that is not a
+        fresh LayerProgress of :attr:`num_layers` layers."""
+        check_progress(progress, self.num_layers)
+        return self._start(Direction.TO_DEVICE, device_ids, slots, progress)
 
     def submit(
         self,
@@ -290,20 +308,28 @@ class DeviceCopier(AsyncService):
         slots: list[int],
         on_done: Callable[[int, TransferError | None], object],
         token: int,
+        progress: LayerProgress | None = None,
     ) -> None:
         """:meth:`to_host` / :meth:`to_device` for a hot path, with arguments the caller
-        has checked (the lists must not change afterwards): ``on_done(token, error)``
-        follows on the loop once the copy has ended. Raises ClosedError if not open."""
+        has checked (the lists must not change afterwards; ``progress`` only to the
+        device): ``on_done(token, error)`` follows on the loop once the copy has ended.
+        Raises ClosedError if not open."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
         if not device_ids:
+            if progress is not None:
+                progress.mark_all()
             self._loop.call_soon(on_done, token, None)  # type: ignore[union-attr]
             return
         direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
-        self._hand_over(direction, device_ids, slots, None, on_done, token)
+        self._hand_over(direction, device_ids, slots, None, on_done, token, progress)
 
     def _start(
-        self, direction: Direction, device_ids: Sequence[int], slots: Sequence[int]
+        self,
+        direction: Direction,
+        device_ids: Sequence[int],
+        slots: Sequence[int],
+        progress: LayerProgress | None = None,
     ) -> CopyHandle:
         ids = as_index_list("device block ids", device_ids)
         slot_list = as_index_list("slots", slots)
@@ -324,8 +350,10 @@ class DeviceCopier(AsyncService):
         check_index_range("slots", slot_list, self.host_pool.num_blocks, unique=to_host)
         future: asyncio.Future[None] = running.create_future()
         if ids:
-            self._hand_over(direction, ids, slot_list, future, None)
+            self._hand_over(direction, ids, slot_list, future, None, 0, progress)
         else:
+            if progress is not None:
+                progress.mark_all()
             future.set_result(None)
         return CopyHandle(future, len(ids))
 
@@ -337,9 +365,12 @@ class DeviceCopier(AsyncService):
         future: asyncio.Future[None] | None,
         on_done: Callable[[int, TransferError | None], object] | None,
         token: int = 0,
+        progress: LayerProgress | None = None,
     ) -> None:
         nbytes = len(ids) * self._layout.block_bytes
-        copy = _InFlight(direction, ids, slots, self.max_rows, nbytes, future, on_done, token)
+        copy = _InFlight(
+            direction, ids, slots, self.max_rows, nbytes, future, on_done, token, progress
+        )
         self._in_flight.add(copy)
         self._bytes_in_flight += nbytes
         self.backend.submit(copy)
@@ -359,6 +390,12 @@ class DeviceCopier(AsyncService):
             job = cast(_InFlight, copy)  # the backend hands back what it was given
             self._in_flight.discard(job)
             self._bytes_in_flight -= job.nbytes
+            progress = job.progress
+            if progress is not None:  # a forward may wait on it from another thread
+                if error is None:
+                    progress.mark_all()  # what a backend copying whole blocks left unmarked
+                else:
+                    progress.fail(error)
             future = job.future
             if future is not None and future.done():  # the loop is being torn down
                 continue

@@ -20,7 +20,9 @@ from tiering.errors import ClosedError, ConfigError, InvalidArgumentError
 from tiering.hashing import cache_namespace
 from tiering.host_pool import HostPool
 from tiering.job import FinishedResults, Job
+from tiering.kv_layout import describe_kv_caches
 from tiering.latency import LatencyHistogram, LatencySnapshot
+from tiering.layer_progress import LayerProgress, check_progress
 from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.manager import CPUOffloadingManager
 from tiering.policies import EvictionPolicy
@@ -74,7 +76,10 @@ class TieringEngine(AsyncService):
         shared_blocks: Iterable[BlockHash] = (),
     ) -> None:
         self._tenancy = Tenancy(shared_blocks)
-        self.block_bytes = kv_block_bytes(kv_caches)
+        layout = describe_kv_caches(kv_caches)
+        self.block_bytes = layout.block_bytes
+        self.num_layers = len(layout.layers)
+        """The KV cache's tensors: the layers a load's ``LayerProgress`` counts."""
         num_cpu_blocks = positive_int("num_cpu_blocks", num_cpu_blocks)
         check_host_memory(num_cpu_blocks, self.block_bytes)
         if not isinstance(enable_events, bool):
@@ -106,13 +111,14 @@ class TieringEngine(AsyncService):
         self._jobs: dict[int, Job] = {}  # jobs without their cascaded answer yet
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._progress: dict[int, LayerProgress] = {}  # layer-by-layer loads not copying yet
         self._finished = FinishedResults()
         self._drained = asyncio.Event()
         self._closed = asyncio.Event()
         self._latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
         self._run_effect: dict[type, Callable[[Any], None]] = {
             job_core.CopyToHost: partial(self._stack.copy, on_end=self._copy_ended),
-            job_core.CopyToDevice: partial(self._stack.copy, on_end=self._copy_ended),
+            job_core.CopyToDevice: self._copy_to_device,
             job_core.TierStore: partial(self._stack.send, on_done=self._tier_ended),
             job_core.TierLoad: partial(self._stack.send, on_done=self._tier_ended),
             job_core.Resolve: self._resolve,
@@ -327,11 +333,20 @@ class TieringEngine(AsyncService):
         device_block_ids: Sequence[int],
         *,
         tenant: str | None = None,
+        progress: LayerProgress | None = None,
     ) -> Job:
         """Copy blocks into device blocks, promoting them from a secondary tier if
         needed; returns at once (:meth:`~tiering.job_core.JobCore.load`). Raises
-        BlockNotFoundError for a hash no tier holds, changing nothing."""
-        return self._call("load", block_hashes, device_block_ids, tenant)
+        BlockNotFoundError for a hash no tier holds, changing nothing.
+
+        ``progress``, a fresh ``LayerProgress(engine.num_layers)``, is marked layer by
+        layer as the copy lands, so a forward may read layer ``i`` before the job ends;
+        if any block of the load fails, every layer not marked fails (recompute)."""
+        if check_progress(progress, self.num_layers) is not None and any(
+            p is progress for p in self._progress.values()
+        ):
+            raise InvalidArgumentError(f"progress is in use already: {progress!r}")
+        return self._call("load", block_hashes, device_block_ids, tenant, progress)
 
     async def flush(self) -> bool:
         """Copy every ready CPU block to each secondary tier that lacks it (completing
@@ -350,6 +365,7 @@ class TieringEngine(AsyncService):
         block_hashes: Sequence[BlockHash],
         device_block_ids: Sequence[int],
         tenant: str | None,
+        progress: LayerProgress | None = None,
     ) -> Job:
         started = perf_counter()
         core = self._open_core()
@@ -359,6 +375,8 @@ class TieringEngine(AsyncService):
         names = None if keys is block_hashes else dict(zip(keys, block_hashes, strict=True))
         assert self._loop is not None
         job = self._jobs[job_id] = Job(job_id, kind, self._loop, started, names)
+        if progress is not None:
+            self._progress[job_id] = progress  # handed to the job's copy to the device
         self._execute(effects)
         return job
 
@@ -366,6 +384,13 @@ class TieringEngine(AsyncService):
         run = self._run_effect
         for effect in effects:
             run[type(effect)](effect)
+
+    def _copy_to_device(self, effect: job_core.CopyToDevice) -> None:
+        progress = self._progress.pop(effect.job, None) if self._progress else None
+        if progress is not None and not effect.whole:
+            progress.fail("a block of the load failed before its copy")
+            progress = None
+        self._stack.copy(effect, self._copy_ended, progress)
 
     def _copy_ended(self, op: int, error: BaseException | None) -> None:
         self._execute(self._core.copy_done(op, None if error is None else repr(error)))
@@ -375,6 +400,12 @@ class TieringEngine(AsyncService):
 
     def _resolve(self, effect: job_core.Resolve) -> None:
         job = self._jobs[effect.job]
+        if self._progress and (progress := self._progress.pop(effect.job, None)) is not None:
+            # The load ended without a copy of its own: nothing to copy, or nothing left.
+            if effect.result.success:
+                progress.mark_all()
+            else:
+                progress.fail(effect.result.error or "the load failed")
         self._latency[job.kind].observe(perf_counter() - job.started)
         self._finished.append(job._set_result(effect.result))
         if job.kind == "load":

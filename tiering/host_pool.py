@@ -24,7 +24,9 @@ PAGE_SIZE: int = mmap.PAGESIZE
 """The alignment of the pool's buffer (the OS page size)."""
 HUGE_PAGE_BYTES = 2 << 20
 """The size (and alignment) of a transparent huge page on x86-64 and most arm64 kernels."""
-_CUDA_HOST_REGISTER_PORTABLE = 1
+# Portable: every device may copy from it; mapped: kernels may read and write it in place
+# (the CUDA backend's layer-by-layer loads).
+_CUDA_HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def _private_mapping(nbytes: int) -> mmap.mmap:
@@ -58,7 +60,7 @@ def _cuda_host_register(address: int, nbytes: int) -> None:
         cudart = torch.cuda.cudart()
         # The binding returns a cudaError_t enum whose only named value is `success`;
         # compare its integer value (0) rather than rebuild the enum from an unknown code.
-        code = int(cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+        code = int(cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_FLAGS))
     except Exception as exc:  # CUDA could not be initialised
         raise TieringError(f"cannot page-lock the {nbytes}-byte host pool: {exc}") from exc
     if code != 0:
@@ -86,7 +88,8 @@ class HostPool:
     """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer.
 
     ``view``, ``tensor``, ``slot_view`` and ``slot_tensor`` alias the same zero-filled
-    bytes, page-locked for CUDA DMA when ``pinned`` (``pin=None``: if CUDA is available).
+    bytes, page-locked for CUDA DMA and mapped for CUDA kernels when ``pinned``
+    (``pin=None``: if CUDA is available).
     Raises InvalidArgumentError for bad sizes or ``pin``, TieringError if page-locking
     fails. After ``close()`` every accessor raises ClosedError, and the mapping goes once
     no view or tensor handed out is alive.

@@ -72,11 +72,14 @@ class CopyToHost(NamedTuple):
 
 
 class CopyToDevice(NamedTuple):
-    """Copy CPU ``slots[i]`` into device blocks ``device_ids[i]``; then ``copy_done``."""
+    """Copy CPU ``slots[i]`` into device blocks ``device_ids[i]``; then ``copy_done``.
+    For load ``job``; ``whole`` unless a block of it failed and is left out."""
 
     op: int
     slots: list[int]
     device_ids: list[int]
+    job: int = 0
+    whole: bool = True
 
 
 class TierStore(NamedTuple):
@@ -634,7 +637,7 @@ class JobCore:
             self._copied_out(job, _CLOSED_BEFORE_COPY)
         else:
             op = self._start(job, len(slots), self._on_copied_out)
-            self._out.append(CopyToDevice(op, slots, ids))
+            self._out.append(CopyToDevice(op, slots, ids, job.id, not failed))
 
     def _copied_out(self, job: _Job, error: object) -> None:
         job.phase = _DONE

@@ -8,10 +8,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiering.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from tiering.layer_progress import LayerProgress
 
 KVCaches = torch.Tensor | Sequence[torch.Tensor]
 """A device KV cache: one tensor, or one tensor per layer; first dim = block id."""
@@ -170,17 +174,25 @@ def plan_copy(
 class PlannedCopy:
     """One checked copy job, as a copy backend receives it: device block
     ``device_ids[i]`` to or from host slot ``slots[i]``; ``chunks`` is planned on first
-    use. Compared by identity: a backend reports a job's end by handing it back."""
+    use. ``progress`` (a copy to the device only) wants each layer marked as its rows of
+    every block land, in layer order. Compared by identity: a backend reports a job's end
+    by handing it back."""
 
-    __slots__ = ("_chunks", "device_ids", "direction", "max_rows", "slots")
+    __slots__ = ("_chunks", "device_ids", "direction", "max_rows", "progress", "slots")
 
     def __init__(
-        self, direction: Direction, device_ids: Sequence[int], slots: Sequence[int], max_rows: int
+        self,
+        direction: Direction,
+        device_ids: Sequence[int],
+        slots: Sequence[int],
+        max_rows: int,
+        progress: LayerProgress | None = None,
     ) -> None:
         self.direction = direction
         self.device_ids = device_ids
         self.slots = slots
         self.max_rows = max_rows
+        self.progress = progress
         self._chunks: tuple[CopyChunk, ...] | None = None
 
     @property

@@ -10,6 +10,7 @@ from tiering.device import DeviceCopier, KVCaches
 from tiering.errors import TieringError
 from tiering.host_pool import HostPool
 from tiering.job_core import CopyToDevice, CopyToHost, TierLoad, TierStore
+from tiering.layer_progress import LayerProgress
 from tiering.registry import TierSpec, make_tier
 from tiering.secondary import SecondaryTierManager
 from tiering.tier_client import TierClient, TierOutcome
@@ -73,14 +74,20 @@ class TierStack:
         self,
         effect: CopyToHost | CopyToDevice,
         on_end: Callable[[int, BaseException | None], None],
+        progress: LayerProgress | None = None,
     ) -> None:
-        """Start the copy ``effect`` asks for; ``on_end(op, error or None)`` follows on
-        the loop (with the copier's error if it is closed)."""
+        """Start the copy ``effect`` asks for (marking ``progress``'s layers as they land);
+        ``on_end(op, error or None)`` follows on the loop (with the copier's error if it
+        is closed)."""
         assert self.copier is not None
         to_host = type(effect) is CopyToHost
         try:
-            self.copier.submit(to_host, effect.device_ids, effect.slots, on_end, effect.op)
+            self.copier.submit(
+                to_host, effect.device_ids, effect.slots, on_end, effect.op, progress
+            )
         except TieringError as exc:  # the copier is closed: the copy never started
+            if progress is not None:
+                progress.fail(exc)
             asyncio.get_running_loop().call_soon(on_end, effect.op, exc)
 
     def send(
