@@ -8,8 +8,12 @@ Each block is one Redis hash, so its header and payload share a slot of a cluste
             b"p" -> the payload, or with ``encryption`` its AES-GCM ciphertext
 
 A value that does not verify, is no hash, or is of an older format is a failed key,
-deleted and never served. redis-py's synchronous client runs on the tier's I/O threads,
-one hop per job, with the checksums and the cipher; no call is retried.
+deleted and never served. Each job is one hop on the tier's I/O threads, with the
+checksums and the cipher; no call is retried. Blocks move on the tier's own RESP
+connections (:mod:`backends.redis_wire`): a payload goes out from its slot and comes back
+straight into it, and is verified there. redis-py's client runs everything else (the
+start's checks, lookups, usage, deletes, a cluster's redirections), and the data path
+too where the url asks for an option that path lacks or ``data_path`` says so.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -52,6 +56,9 @@ from backends.redis_client import (
     new_client,
     round_trip,
 )
+from backends.redis_wire import WirePipelines
+from backends.resp import Landed, Sink
+from backends.resp_connection import endpoint_of
 from tiering.actor import TierActor
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
 from tiering.errors import CorruptBlockError, InvalidArgumentError
@@ -122,6 +129,7 @@ class RedisOptions(BreakerOptions, ActorOptions):
     cluster: bool = False
     pipeline_bytes: PositiveInt = 2 << 20
     encryption: str | Keyring | None = secret(None)
+    data_path: Literal["sockets", "redis-py"] = "sockets"
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -132,17 +140,34 @@ class RedisOptions(BreakerOptions, ActorOptions):
                 raise ValueError(f"{name} needs a rediss:// url (TLS)")
         return self
 
+    def tls_arguments(self) -> dict[str, str]:
+        """The TLS files given, under redis-py's names for them."""
+        tls = {arg: getattr(self, name) for name, arg in _TLS_ARGUMENTS.items()}
+        return {arg: path for arg, path in tls.items() if path is not None}
+
     def client(self, *, cluster: bool) -> Redis | RedisCluster:
         """A new client of ``url`` with these timeouts, pool bound and TLS files
         (a cluster client with ``cluster``, which connects as it is made)."""
-        tls = {arg: getattr(self, name) for name, arg in _TLS_ARGUMENTS.items()}
         return new_client(
             self.url,
             cluster=cluster,
             timeout_s=self.timeout_s,
             max_connections=self.max_connections,
-            tls={arg: path for arg, path in tls.items() if path is not None},
+            tls=self.tls_arguments(),
         )
+
+    def wire(self, client: Redis | RedisCluster) -> WirePipelines | None:
+        """The data path on the tier's own connections, beside ``client`` (whose map
+        of a cluster's slots it reads); None for redis-py's (``data_path``, or a url
+        asking for an option only redis-py implements)."""
+        if self.data_path != "sockets":
+            return None
+        endpoint = endpoint_of(self.url, timeout_s=self.timeout_s, tls=self.tls_arguments())
+        if endpoint is None:
+            return None
+        if isinstance(client, RedisCluster):
+            return WirePipelines(endpoint, client, fan_out=self.io_threads * 2)
+        return WirePipelines(endpoint)
 
 
 class RedisTier(TierActor):
@@ -184,6 +209,7 @@ class RedisTier(TierActor):
         # so one whose nodes are down at start is made later, by a probe) and dropped
         # at close; the lock keeps the I/O threads from making two.
         self._client: Redis | RedisCluster | None = None
+        self._wire: WirePipelines | None = None  # made with the client
         self._client_lock = threading.Lock()
         self._serving = False  # from start until close: whether a client may be made
         # key -> (present, trusted until): a bounded LRU of recent answers
@@ -225,6 +251,9 @@ class RedisTier(TierActor):
         with self._client_lock:
             self._serving = False
             client, self._client = self._client, None
+            wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close()
         if client is not None:
             client.close()  # disconnects the pool's idle connections; never blocks long
 
@@ -390,6 +419,7 @@ class RedisTier(TierActor):
                 stop = start + self._blocks_per_pipeline
                 batch = keys[start:stop]
                 commands: list[tuple[Any, ...]] = []
+                names: list[bytes] = []
                 for i, (key, block_id) in enumerate(zip(batch, block_ids[start:stop], strict=True)):
                     value = self.slot(block_id)
                     views.append(value)
@@ -404,9 +434,11 @@ class RedisTier(TierActor):
                     header = compact_header(key=key, checksum=checksum, seal=seal, **record)
                     name = self._prefix + key
                     commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
+                    names.append(name)
                     if self.options.ttl_s is not None:
                         commands.append(("EXPIRE", name, max(1, round(self.options.ttl_s))))
-                replies = round_trip(client, commands)
+                        names.append(name)
+                replies = self._round_trip(client, names, commands)
                 for i, key in enumerate(batch):
                     error = first_error(replies[i * per_block : (i + 1) * per_block])
                     if error is not None:
@@ -433,14 +465,20 @@ class RedisTier(TierActor):
         failed, or the client's error."""
         failed: dict[bytes, str] = {}
         corrupt: list[bytes] = []
+        views: list[memoryview] = []
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
-                batch = keys[start:stop]
-                commands = [("HMGET", self._prefix + k, HEADER_FIELD, PAYLOAD_FIELD) for k in batch]
-                values = round_trip(client, commands)
-                for key, block_id, value in zip(batch, block_ids[start:stop], values, strict=True):
+                batch, slots = keys[start:stop], block_ids[start:stop]
+                names = [self._prefix + key for key in batch]
+                commands = [("HMGET", name, HEADER_FIELD, PAYLOAD_FIELD) for name in names]
+                sinks = [
+                    self._payload_sink(key, block_id, views)
+                    for key, block_id in zip(batch, slots, strict=True)
+                ]
+                values = self._round_trip(client, names, commands, sinks)
+                for key, block_id, value in zip(batch, slots, values, strict=True):
                     why = self._land(key, block_id, value)
                     if why:
                         failed[key] = why
@@ -449,8 +487,34 @@ class RedisTier(TierActor):
                 del values  # a whole pipeline of block bytes: not kept past its turn
         except CLIENT_ERRORS as exc:
             return detached(exc)
+        finally:
+            for view in views:
+                view.release()
         self._delete(client, corrupt)
         return failed
+
+    def _payload_sink(self, key: bytes, block_id: int, views: list[memoryview]) -> Sink:
+        """Where a load's reply lands: its payload (the second field) straight in
+        slot ``block_id`` once the header before it checks out for ``key``, has the
+        payload's length and is of this tier's kind (plain or sealed), else in bytes,
+        to fail as :meth:`_land` says (so a block of another key, tenant, namespace
+        or kind never reaches the slot); each slot view is added to ``views``."""
+
+        def sink(before: list[Any], length: int) -> memoryview | None:
+            if len(before) != 1 or not isinstance(before[0], bytes):
+                return None
+            try:
+                record = decode_header(before[0])
+                check_header(record, key=key, **self._record)
+            except CorruptBlockError:
+                return None
+            if length != record.payload_bytes or (record.seal is None) != (self._cipher is None):
+                return None  # fails in _land, without writing the slot
+            view = self.slot(block_id)
+            views.append(view)
+            return view
+
+        return sink
 
     def _land(self, key: bytes, block_id: int, value: list[bytes | None] | ResponseError) -> str:
         """Verify one value read back and put its payload into its slot: "" if it
@@ -466,7 +530,10 @@ class RedisTier(TierActor):
             record = decode_header(header)
             check_header(record, key=key, **self._record)
             with self.slot(block_id) as into:
-                verify_payload(record, payload, self._cipher, into=into)
+                if isinstance(payload, Landed):  # already in its slot: verified there
+                    verify_payload(record, into, self._cipher)
+                else:
+                    verify_payload(record, payload, self._cipher, into=into)
         except CorruptBlockError as exc:
             return f"{_CORRUPT}: {exc}"
         return ""
@@ -522,8 +589,23 @@ class RedisTier(TierActor):
             if self._client is None:
                 if not self._serving:
                     raise RedisConnectionError("the redis tier is closed")
-                self._client = self.options.client(cluster=self.options.cluster)
+                client = self.options.client(cluster=self.options.cluster)
+                self._client, self._wire = client, self.options.wire(client)
             return self._client
+
+    def _round_trip(
+        self,
+        client: Redis | RedisCluster,
+        names: Sequence[bytes],
+        commands: Sequence[tuple[Any, ...]],
+        sinks: Sequence[Sink | None] | None = None,
+    ) -> list[Any]:
+        """``commands`` (on the keys ``names``) in one pipelined round trip (one per
+        node), on the tier's own connections if it has them, else redis-py's."""
+        wire = self._wire
+        if wire is None:
+            return round_trip(client, commands)
+        return wire.round_trip(names, commands, sinks)
 
     # -- presence cache and background tasks (loop thread) ----------------------------
 

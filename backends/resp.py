@@ -1,0 +1,258 @@
+"""RESP2, the Redis wire protocol, without I/O: commands encoded as lists of buffers,
+and a reader that turns bytes into replies and lands chosen bulk strings straight in
+the caller's memory.
+
+The reader is fed bytes (:meth:`RespReader.feed`) and hands out whole replies
+(:meth:`RespReader.gets`); it never touches a socket. A *sink* set for a reply picks,
+for each bulk string as its length arrives, a writable view to land its bytes in
+instead of a new ``bytes``: the Redis tier points a block's payload at its host-pool
+slot, and :meth:`RespReader.direct` tells the I/O layer which part of that view the
+next bytes belong to, so that it can ``recv_into`` it with no copy at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+Buffer = bytes | bytearray | memoryview
+
+Sink = Callable[[list[Any], int], memoryview | None]
+"""``sink(before, length)``: where a bulk string of ``length`` bytes lands, given the
+elements before it in the array that holds it (empty at the top level): a writable
+view exactly ``length`` bytes long, or None for a new ``bytes``."""
+
+_CRLF: Final = b"\r\n"
+_COMPACT_AT: Final = 1 << 16  # consumed bytes the buffer keeps before dropping them
+
+
+class ProtocolError(ValueError):
+    """The bytes are no RESP2 (a reply of an unknown type, a length that is no number,
+    a bulk string without its CR LF, a view of the wrong length from a sink)."""
+
+
+class ErrorReply:
+    """An error reply (``-ERR ...``): its message, as the server wrote it."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ErrorReply) and other.message == self.message
+
+    def __hash__(self) -> int:
+        return hash(self.message)
+
+    def __repr__(self) -> str:
+        return f"ErrorReply({self.message!r})"
+
+
+class Landed:
+    """A bulk string whose bytes went to the view its sink gave (not kept here)."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Landed) and other.length == self.length
+
+    def __hash__(self) -> int:
+        return hash(self.length)
+
+    def __repr__(self) -> str:
+        return f"Landed({self.length})"
+
+
+class _NotYet:
+    def __repr__(self) -> str:
+        return "NOT_YET"
+
+
+NOT_YET: Final = _NotYet()
+"""What :meth:`RespReader.gets` returns while a reply is incomplete."""
+
+Reply = bytes | int | ErrorReply | Landed | None | list[Any]
+
+
+def encode_command(args: Sequence[Buffer | str | int], out: list[Buffer]) -> None:
+    """Append the RESP2 request of ``args`` to ``out`` as buffers to write in order:
+    each argument that is a memoryview goes in as it is (no copy), the framing and
+    the other arguments in as few small ``bytes`` as they allow. A str is sent in
+    UTF-8, an int as its decimal digits (as Redis reads integers)."""
+    head = bytearray(b"*%d\r\n" % len(args))
+    for arg in args:
+        if isinstance(arg, int):
+            arg = b"%d" % arg
+        elif isinstance(arg, str):
+            arg = arg.encode()
+        if isinstance(arg, memoryview):
+            head += b"$%d\r\n" % arg.nbytes
+            out.append(bytes(head))
+            out.append(arg)
+            head = bytearray(_CRLF)
+        else:
+            head += b"$%d\r\n" % len(arg)
+            head += arg
+            head += _CRLF
+    out.append(bytes(head))
+
+
+class RespReader:
+    """Turns RESP2 bytes into replies (bulk strings ``bytes``, or :class:`Landed` where
+    the sink took them; simple strings ``bytes``; integers; :class:`ErrorReply`; nil
+    ``None``; arrays lists). Raises ProtocolError for bytes that are no RESP2, after
+    which it is of no further use."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._pos = 0
+        # Arrays being read: [their elements so far, how many they have in all].
+        self._stack: list[tuple[list[Any], int]] = []
+        # The bulk string landing in a sink's view now: the view and bytes still due.
+        self._target: memoryview | None = None
+        self._due = 0
+        self.sink: Sink | None = None
+        """Where the current reply's bulk strings land (None: all in ``bytes``)."""
+
+    def feed(self, data: Buffer) -> None:
+        """Add bytes read from the server."""
+        self._buffer += data
+
+    def direct(self) -> memoryview | None:
+        """The part of a sink's view the next bytes from the server belong to, once
+        everything fed is consumed (``recv_into`` it, then :meth:`filled`); None when
+        they go through :meth:`feed`."""
+        if self._target is None or self._due == 0 or self._pos < len(self._buffer):
+            return None
+        return self._target[self._target.nbytes - self._due :]
+
+    def filled(self, count: int) -> None:
+        """Record that ``count`` bytes were written into the start of :meth:`direct`."""
+        if self._target is None or not 0 <= count <= self._due:
+            raise ProtocolError(f"filled {count} bytes, but {self._due} are due")
+        self._due -= count
+
+    def gets(self) -> Reply | _NotYet:
+        """The next whole reply, or :data:`NOT_YET` if its bytes are not all in."""
+        while True:
+            if self._target is not None:
+                element: Any = self._land()
+                if element is NOT_YET:
+                    return NOT_YET
+            else:
+                element = self._element()
+                if element is NOT_YET or element is _OPENED:
+                    if element is NOT_YET:
+                        return NOT_YET
+                    continue
+            while self._stack:
+                items, total = self._stack[-1]
+                items.append(element)
+                if len(items) < total:
+                    break
+                self._stack.pop()
+                element = items
+            else:
+                self._compact()
+                return element
+
+    def _element(self) -> Any:
+        """One element whose bytes are all in (consumed), :data:`_OPENED` for an array
+        or a sink's bulk string begun, or NOT_YET (nothing consumed)."""
+        buffer, start = self._buffer, self._pos
+        end = buffer.find(_CRLF, start)
+        if end < 0:
+            return NOT_YET
+        kind, line = buffer[start], bytes(buffer[start + 1 : end])
+        after = end + 2
+        if kind == 0x24:  # $ bulk string
+            length = _number(line)
+            if length < 0:
+                self._pos = after
+                return None
+            sink, before = self.sink, self._stack[-1][0] if self._stack else []
+            view = sink(before, length) if sink is not None else None
+            if view is not None:
+                if not isinstance(view, memoryview) or view.nbytes != length or view.readonly:
+                    raise ProtocolError(f"a sink gave no writable view of {length} bytes")
+                self._pos, self._target, self._due = after, view, length
+                return _OPENED
+            if len(buffer) < after + length + 2:
+                return NOT_YET
+            if buffer[after + length : after + length + 2] != _CRLF:
+                raise ProtocolError("a bulk string does not end with CR LF")
+            self._pos = after + length + 2
+            return bytes(buffer[after : after + length])
+        self._pos = after
+        if kind == 0x2B:  # + simple string
+            return line
+        if kind == 0x3A:  # : integer
+            return _number(line)
+        if kind == 0x2D:  # - error
+            return ErrorReply(line.decode("utf-8", "replace"))
+        if kind == 0x2A:  # * array
+            count = _number(line)
+            if count < 0:
+                return None
+            if count == 0:
+                return []
+            self._stack.append(([], count))
+            return _OPENED
+        raise ProtocolError(f"unknown reply type {bytes([kind])!r}")
+
+    def _land(self) -> Landed | _NotYet:
+        """Move fed bytes into the sink's view; the bulk string once its CR LF is in."""
+        target = self._target
+        assert target is not None
+        buffer = self._buffer
+        if self._due:
+            take = min(self._due, len(buffer) - self._pos)
+            if take:
+                offset = target.nbytes - self._due
+                target[offset : offset + take] = memoryview(buffer)[self._pos : self._pos + take]
+                self._pos += take
+                self._due -= take
+            if self._due:
+                self._compact()
+                return NOT_YET
+        if len(buffer) - self._pos < 2:
+            return NOT_YET
+        if buffer[self._pos : self._pos + 2] != _CRLF:
+            raise ProtocolError("a bulk string does not end with CR LF")
+        self._pos += 2
+        self._target = None
+        return Landed(target.nbytes)
+
+    def _compact(self) -> None:
+        if self._pos == len(self._buffer):
+            self._buffer.clear()
+            self._pos = 0
+        elif self._pos >= _COMPACT_AT:
+            del self._buffer[: self._pos]
+            self._pos = 0
+
+
+_OPENED: Final = object()  # an array or a sink's bulk string begun: read on
+
+
+def _number(line: bytes) -> int:
+    try:
+        return int(line)
+    except ValueError:
+        raise ProtocolError(f"{line[:20]!r} is no number") from None
+
+
+__all__ = [
+    "NOT_YET",
+    "ErrorReply",
+    "Landed",
+    "ProtocolError",
+    "Reply",
+    "RespReader",
+    "Sink",
+    "encode_command",
+]
