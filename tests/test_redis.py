@@ -375,7 +375,7 @@ def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
 ) -> None:
     done = run_script(
         "examples/bench_redis.py", redis_server.url, "--size-mib", "2", "--block-sizes", "64K",
-        "--job-blocks", "2", "--repeat", "3",
+        "--job-blocks", "2", "--repeat", "3", "--lmcache", "off",
     )  # fmt: skip
     (run,) = last_json(done)["runs"]
     assert run["block_bytes"] == 64 << 10
@@ -388,6 +388,22 @@ def test_bench_redis_runs_against_a_given_server_and_ends_with_json(
         assert ratio > 0 and run[f"encryption_{what}_cost_pct"] == round(100 * (1 - ratio), 1)
     assert run["loop_lag_p99_ms"] >= 0
     assert redis_server.command("DBSIZE") == 0  # it cleans up after itself
+
+
+def test_bench_redis_runs_lmcache_s_resp_adapter_beside_the_tier(
+    redis_server: RedisServer,
+) -> None:
+    pytest.importorskip("lmcache", reason="the LMCache side is optional")
+    done = run_script(
+        "examples/bench_redis.py", redis_server.url, "--size-mib", "2", "--block-sizes", "64K",
+        "--job-blocks", "2", "--repeat", "3", "--no-encryption", "--lmcache", "on",
+    )  # fmt: skip
+    (run,) = last_json(done)["runs"]
+    for figure in ("lmcache_store_GBps", "lmcache_load_GBps", "lmcache_warm_load_GBps"):
+        assert run[figure] > 0
+    for what in ("store", "load", "warm_load"):
+        assert run[f"{what}_vs_lmcache"] > 0
+    assert redis_server.command("DBSIZE") == 0
 
 
 @pytest.mark.parametrize(
