@@ -31,13 +31,10 @@ from pydantic import AfterValidator, Field, model_validator
 
 from backends.block_record import (
     MAX_TENANT_BYTES,
-    check_header,
     compact_header,
-    decode_header,
     namespace_digest,
     payload_checksum,
     record_binding,
-    verify_payload,
 )
 from backends.breaker import BreakerOptions, BreakerState, CircuitBreaker
 from backends.redis_client import (
@@ -51,31 +48,24 @@ from backends.redis_client import (
     ResponseError,
     check_url,
     detached,
-    first_error,
-    holds_another_type,
     new_client,
     round_trip,
 )
+from backends.redis_landing import CORRUPT, MISSING, REFUSED, BlockLanding
 from backends.redis_wire import WirePipelines
-from backends.resp import Landed, Sink
+from backends.resp import Sink, joined
 from backends.resp_connection import endpoint_of
 from tiering.actor import TierActor
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
-from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.errors import InvalidArgumentError
 from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
 
-HEADER_FIELD = b"h"
-PAYLOAD_FIELD = b"p"
 
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
-# How a load or store of one key failed; the first words of its reason.
-_MISSING = "not in the redis tier"
-_CORRUPT = "corrupt block"
-_REFUSED = "redis refused"
 
 _Hop = Callable[[Sequence[bytes], Sequence[int]], "dict[bytes, str] | ClientError"]
 
@@ -349,13 +339,13 @@ class RedisTier(TierActor):
             why = failed.get(key)
             if why is None:
                 self._remember(key, True)
-            elif why.startswith(_REFUSED):
+            elif why.startswith(REFUSED):
                 self._forget(key)  # the server would not say: no answer kept
                 refusals.append(why)
             else:  # absent, or corrupt and deleted
                 self._remember(key, False)
-                self._counters["corrupt_blocks"] += why.startswith(_CORRUPT)
-                self._counters["missing_blocks"] += why.startswith(_MISSING)
+                self._counters["corrupt_blocks"] += why.startswith(CORRUPT)
+                self._counters["missing_blocks"] += why.startswith(MISSING)
         done = "stored_blocks" if what == "store" else "loaded_blocks"
         self._counters[done] += len(keys) - len(failed)
         self._counters["pipelines"] += -(-len(keys) // self._blocks_per_pipeline)
@@ -404,15 +394,13 @@ class RedisTier(TierActor):
     ) -> dict[bytes, str] | ClientError:
         """Write every block (header, then the payload straight from its slot, or with
         ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
-        most ``pipeline_bytes``. Returns the keys the server refused, with why (a key
-        that held a value of another type is deleted, so that its next store lands), or
-        the client's error if a call failed (the blocks before it are stored)."""
+        most ``pipeline_bytes``. Returns the keys the server refused, with why, or the
+        client's error if a call failed (the blocks before it are stored)."""
         cipher, record = self._cipher, self._record
-        per_block = 1 if self.options.ttl_s is None else 2  # HSET, then EXPIRE
+        expiry = () if self.options.ttl_s is None else ("EX", max(1, round(self.options.ttl_s)))
         views: list[memoryview] = []
         sealed = self._sealing_buffers() if cipher is not None else []
         failed: dict[bytes, str] = {}
-        wrong_type: list[bytes] = []
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
@@ -432,19 +420,12 @@ class RedisTier(TierActor):
                         seal, checksum = cipher.seal_into(value, sealed[i], binding), None
                         value = sealed[i][: self.block_bytes]
                     header = compact_header(key=key, checksum=checksum, seal=seal, **record)
-                    name = self._prefix + key
-                    commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
-                    names.append(name)
-                    if self.options.ttl_s is not None:
-                        commands.append(("EXPIRE", name, max(1, round(self.options.ttl_s))))
-                        names.append(name)
+                    names.append(self._prefix + key)
+                    commands.append(("SET", names[-1], (header, value), *expiry))
                 replies = self._round_trip(client, names, commands)
-                for i, key in enumerate(batch):
-                    error = first_error(replies[i * per_block : (i + 1) * per_block])
-                    if error is not None:
-                        failed[key] = f"{_REFUSED} the store: {error}"
-                        if holds_another_type(error):
-                            wrong_type.append(self._prefix + key)
+                for key, reply in zip(batch, replies, strict=True):
+                    if isinstance(reply, ResponseError):
+                        failed[key] = f"{REFUSED} the store: {reply}"
                 del commands, replies
         except CLIENT_ERRORS as exc:
             return detached(exc)
@@ -453,90 +434,44 @@ class RedisTier(TierActor):
             # still name these views: released, they no longer pin the host pool.
             for view in views:
                 view.release()
-        self._delete(client, wrong_type)
         return failed
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
     ) -> dict[bytes, str] | ClientError:
         """Read every block in pipelined round trips of at most ``pipeline_bytes``,
-        verify each and copy the good ones into their slots; delete the corrupt ones
-        (and values of another type) from the server. Returns why each failed key
-        failed, or the client's error."""
+        each payload straight into its slot (:class:`BlockLanding`) and verified there;
+        delete the corrupt ones (and values of another type) from the server. Returns
+        why each failed key failed, or the client's error."""
         failed: dict[bytes, str] = {}
         corrupt: list[bytes] = []
-        views: list[memoryview] = []
+        landings: list[BlockLanding] = []
         try:
             client = self._connected()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
-                batch, slots = keys[start:stop], block_ids[start:stop]
-                names = [self._prefix + key for key in batch]
-                commands = [("HMGET", name, HEADER_FIELD, PAYLOAD_FIELD) for name in names]
-                sinks = [
-                    self._payload_sink(key, block_id, views)
-                    for key, block_id in zip(batch, slots, strict=True)
+                batch = [
+                    BlockLanding(key, self.slot(block_id), self._record, self._cipher)
+                    for key, block_id in zip(keys[start:stop], block_ids[start:stop], strict=True)
                 ]
-                values = self._round_trip(client, names, commands, sinks)
-                for key, block_id, value in zip(batch, slots, values, strict=True):
-                    why = self._land(key, block_id, value)
+                landings += batch
+                names = [self._prefix + landing.key for landing in batch]
+                commands = [("GET", name) for name in names]
+                values = self._round_trip(client, names, commands, [x.sink for x in batch])
+                for landing, value in zip(batch, values, strict=True):
+                    why = landing.verify(value)
                     if why:
-                        failed[key] = why
-                        if why.startswith(_CORRUPT):
-                            corrupt.append(self._prefix + key)
+                        failed[landing.key] = why
+                        if why.startswith(CORRUPT):
+                            corrupt.append(self._prefix + landing.key)
                 del values  # a whole pipeline of block bytes: not kept past its turn
         except CLIENT_ERRORS as exc:
             return detached(exc)
         finally:
-            for view in views:
-                view.release()
+            for landing in landings:
+                landing.release()
         self._delete(client, corrupt)
         return failed
-
-    def _payload_sink(self, key: bytes, block_id: int, views: list[memoryview]) -> Sink:
-        """Where a load's reply lands: its payload (the second field) straight in
-        slot ``block_id`` once the header before it checks out for ``key``, has the
-        payload's length and is of this tier's kind (plain or sealed), else in bytes,
-        to fail as :meth:`_land` says (so a block of another key, tenant, namespace
-        or kind never reaches the slot); each slot view is added to ``views``."""
-
-        def sink(before: list[Any], length: int) -> memoryview | None:
-            if len(before) != 1 or not isinstance(before[0], bytes):
-                return None
-            try:
-                record = decode_header(before[0])
-                check_header(record, key=key, **self._record)
-            except CorruptBlockError:
-                return None
-            if length != record.payload_bytes or (record.seal is None) != (self._cipher is None):
-                return None  # fails in _land, without writing the slot
-            view = self.slot(block_id)
-            views.append(view)
-            return view
-
-        return sink
-
-    def _land(self, key: bytes, block_id: int, value: list[bytes | None] | ResponseError) -> str:
-        """Verify one value read back and put its payload into its slot: "" if it
-        landed, else why not."""
-        if isinstance(value, ResponseError):
-            if not holds_another_type(value):
-                return f"{_REFUSED} the load: {value}"
-            return f"{_CORRUPT}: the key holds no block ({value})"
-        header, payload = value if value else (None, None)
-        if header is None or payload is None:
-            return _MISSING
-        try:
-            record = decode_header(header)
-            check_header(record, key=key, **self._record)
-            with self.slot(block_id) as into:
-                if isinstance(payload, Landed):  # already in its slot: verified there
-                    verify_payload(record, into, self._cipher)
-                else:
-                    verify_payload(record, payload, self._cipher, into=into)
-        except CorruptBlockError as exc:
-            return f"{_CORRUPT}: {exc}"
-        return ""
 
     def _delete(self, client: Redis | RedisCluster, names: list[bytes]) -> None:
         """Delete ``names`` (values that are no blocks of this tier) from the server, as
@@ -604,7 +539,7 @@ class RedisTier(TierActor):
         node), on the tier's own connections if it has them, else redis-py's."""
         wire = self._wire
         if wire is None:
-            return round_trip(client, commands)
+            return round_trip(client, [joined(command) for command in commands])
         return wire.round_trip(names, commands, sinks)
 
     # -- presence cache and background tasks (loop thread) ----------------------------

@@ -26,7 +26,7 @@ from backends.redis_client import (
     ResponseError,
     TryAgainError,
 )
-from backends.resp import Reply, Sink
+from backends.resp import Reply, Sink, joined
 from backends.resp_connection import Command, ConnectionPool, Endpoint
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class WirePipelines:
                 raise reply
             if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
                 try:
-                    replies[i] = cluster.execute_command(*commands[i])
+                    replies[i] = cluster.execute_command(*joined(commands[i]))
                 except ResponseError as exc:
                     if isinstance(exc, ClusterDownError):
                         raise

@@ -17,10 +17,15 @@ from typing import Any, Final
 
 Buffer = bytes | bytearray | memoryview
 
-Sink = Callable[[list[Any], int], memoryview | None]
+Landing = memoryview | tuple[memoryview, Callable[[], memoryview]]
+"""Where a bulk string lands: one writable view exactly as long as it, or a view for
+its first bytes and a function called once they are in, giving the view for the rest
+(exactly as long as the rest)."""
+
+Sink = Callable[[list[Any], int], Landing | None]
 """``sink(before, length)``: where a bulk string of ``length`` bytes lands, given the
-elements before it in the array that holds it (empty at the top level): a writable
-view exactly ``length`` bytes long, or None for a new ``bytes``."""
+elements before it in the array that holds it (empty at the top level); None for a
+new ``bytes``."""
 
 _CRLF: Final = b"\r\n"
 _COMPACT_AT: Final = 1 << 16  # consumed bytes the buffer keeps before dropping them
@@ -78,11 +83,15 @@ NOT_YET: Final = _NotYet()
 Reply = bytes | int | ErrorReply | Landed | None | list[Any]
 
 
-def encode_command(args: Sequence[Buffer | str | int], out: list[Buffer]) -> None:
+Argument = Buffer | str | int | tuple[Buffer, ...]
+"""A command's argument: bytes, text (sent in UTF-8), an int (its decimal digits, as
+Redis reads integers), or a tuple of buffers sent as one argument, in order."""
+
+
+def encode_command(args: Sequence[Argument], out: list[Buffer]) -> None:
     """Append the RESP2 request of ``args`` to ``out`` as buffers to write in order:
-    each argument that is a memoryview goes in as it is (no copy), the framing and
-    the other arguments in as few small ``bytes`` as they allow. A str is sent in
-    UTF-8, an int as its decimal digits (as Redis reads integers)."""
+    each memoryview (an argument, or a part of one) goes in as it is (no copy), the
+    framing and the rest in as few small ``bytes`` as they allow."""
     head = bytearray(b"*%d\r\n" % len(args))
     for arg in args:
         if isinstance(arg, int):
@@ -90,15 +99,29 @@ def encode_command(args: Sequence[Buffer | str | int], out: list[Buffer]) -> Non
         elif isinstance(arg, str):
             arg = arg.encode()
         if isinstance(arg, memoryview):
-            head += b"$%d\r\n" % arg.nbytes
-            out.append(bytes(head))
-            out.append(arg)
-            head = bytearray(_CRLF)
+            arg = (arg,)
+        if isinstance(arg, tuple):
+            head += b"$%d\r\n" % sum(memoryview(part).nbytes for part in arg)
+            for part in arg:
+                if isinstance(part, memoryview):
+                    if head:
+                        out.append(bytes(head))
+                    out.append(part)
+                    head = bytearray()
+                else:
+                    head += part
+            head += _CRLF
         else:
             head += b"$%d\r\n" % len(arg)
             head += arg
             head += _CRLF
     out.append(bytes(head))
+
+
+def joined(command: Sequence[Argument]) -> tuple[Buffer | str | int, ...]:
+    """``command`` with each tuple argument joined into one ``bytes`` (a copy), for a
+    client that takes one buffer per argument."""
+    return tuple(b"".join(arg) if isinstance(arg, tuple) else arg for arg in command)
 
 
 class RespReader:
@@ -112,9 +135,12 @@ class RespReader:
         self._pos = 0
         # Arrays being read: [their elements so far, how many they have in all].
         self._stack: list[tuple[list[Any], int]] = []
-        # The bulk string landing in a sink's view now: the view and bytes still due.
+        # The bulk string landing in a sink's view now: the view, the bytes it still
+        # lacks, and the function giving the view for the rest (None: no rest).
         self._target: memoryview | None = None
         self._due = 0
+        self._rest: Callable[[], memoryview] | None = None
+        self._length = self._head = 0  # the whole bulk string's, its first view's
         self.sink: Sink | None = None
         """Where the current reply's bulk strings land (None: all in ``bytes``)."""
 
@@ -135,6 +161,7 @@ class RespReader:
         if self._target is None or not 0 <= count <= self._due:
             raise ProtocolError(f"filled {count} bytes, but {self._due} are due")
         self._due -= count
+        self._advance()
 
     def gets(self) -> Reply | _NotYet:
         """The next whole reply, or :data:`NOT_YET` if its bytes are not all in."""
@@ -175,11 +202,13 @@ class RespReader:
                 self._pos = after
                 return None
             sink, before = self.sink, self._stack[-1][0] if self._stack else []
-            view = sink(before, length) if sink is not None else None
-            if view is not None:
-                if not isinstance(view, memoryview) or view.nbytes != length or view.readonly:
-                    raise ProtocolError(f"a sink gave no writable view of {length} bytes")
-                self._pos, self._target, self._due = after, view, length
+            landing = sink(before, length) if sink is not None else None
+            if landing is not None:
+                view, rest = landing if isinstance(landing, tuple) else (landing, None)
+                view = _checked(view, length, whole=rest is None)
+                self._pos, self._target, self._due = after, view, view.nbytes
+                self._rest, self._length, self._head = rest, length, view.nbytes
+                self._advance()
                 return _OPENED
             if len(buffer) < after + length + 2:
                 return NOT_YET
@@ -206,26 +235,33 @@ class RespReader:
 
     def _land(self) -> Landed | _NotYet:
         """Move fed bytes into the sink's view; the bulk string once its CR LF is in."""
-        target = self._target
-        assert target is not None
         buffer = self._buffer
-        if self._due:
+        while self._due:
+            target = self._target
+            assert target is not None
             take = min(self._due, len(buffer) - self._pos)
-            if take:
-                offset = target.nbytes - self._due
-                target[offset : offset + take] = memoryview(buffer)[self._pos : self._pos + take]
-                self._pos += take
-                self._due -= take
-            if self._due:
+            if not take:
                 self._compact()
                 return NOT_YET
+            offset = target.nbytes - self._due
+            target[offset : offset + take] = memoryview(buffer)[self._pos : self._pos + take]
+            self._pos += take
+            self._due -= take
+            self._advance()
         if len(buffer) - self._pos < 2:
             return NOT_YET
         if buffer[self._pos : self._pos + 2] != _CRLF:
             raise ProtocolError("a bulk string does not end with CR LF")
         self._pos += 2
         self._target = None
-        return Landed(target.nbytes)
+        return Landed(self._length)
+
+    def _advance(self) -> None:
+        """Once a head view is full, go on to the view for the rest."""
+        if self._due == 0 and self._rest is not None:
+            rest, self._rest = self._rest, None
+            self._target = _checked(rest(), self._length - self._head, whole=True)
+            self._due = self._target.nbytes
 
     def _compact(self) -> None:
         if self._pos == len(self._buffer):
@@ -239,6 +275,16 @@ class RespReader:
 _OPENED: Final = object()  # an array or a sink's bulk string begun: read on
 
 
+def _checked(view: object, length: int, *, whole: bool) -> memoryview:
+    """A sink's view as bytes: writable and contiguous, exactly ``length`` bytes long
+    (``whole``) or at most."""
+    if not isinstance(view, memoryview) or view.readonly or not view.c_contiguous:
+        raise ProtocolError("a sink gave no writable, contiguous memoryview")
+    if view.nbytes > length or (whole and view.nbytes != length):
+        raise ProtocolError(f"a sink gave {view.nbytes} bytes for a bulk string of {length}")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def _number(line: bytes) -> int:
     try:
         return int(line)
@@ -248,11 +294,14 @@ def _number(line: bytes) -> int:
 
 __all__ = [
     "NOT_YET",
+    "Argument",
     "ErrorReply",
     "Landed",
+    "Landing",
     "ProtocolError",
     "Reply",
     "RespReader",
     "Sink",
     "encode_command",
+    "joined",
 ]

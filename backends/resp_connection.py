@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from backends.redis_client import AuthenticationError, RedisConnectionError, ResponseError
 from backends.resp import (
     NOT_YET,
+    Argument,
     ErrorReply,
     ProtocolError,
     Reply,
@@ -38,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - redis_client above raised alrea
     raise ImportError(f"the redis tier needs redis-py: {exc}") from exc
 
 Buffer = bytes | bytearray | memoryview
-Command = Sequence[Buffer | str | int]
+Command = Sequence[Argument]
 
 _CHUNK = 32 << 10  # bytes one plain recv asks for (replies' framing, small values)
 _IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
