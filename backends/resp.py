@@ -141,6 +141,7 @@ class RespReader:
         self._due = 0
         self._rest: Callable[[], memoryview] | None = None
         self._length = self._head = 0  # the whole bulk string's, its first view's
+        self._declined = -1  # where a bulk string starts whose sink said None
         self.sink: Sink | None = None
         """Where the current reply's bulk strings land (None: all in ``bytes``)."""
 
@@ -202,7 +203,10 @@ class RespReader:
                 self._pos = after
                 return None
             sink, before = self.sink, self._stack[-1][0] if self._stack else []
-            landing = sink(before, length) if sink is not None else None
+            landing = None
+            if sink is not None and self._declined != start:  # asked once per string
+                landing = sink(before, length)
+                self._declined = start
             if landing is not None:
                 view, rest = landing if isinstance(landing, tuple) else (landing, None)
                 view = _checked(view, length, whole=rest is None)
@@ -211,10 +215,10 @@ class RespReader:
                 self._advance()
                 return _OPENED
             if len(buffer) < after + length + 2:
-                return NOT_YET
+                return NOT_YET  # the sink is not asked again for it
             if buffer[after + length : after + length + 2] != _CRLF:
                 raise ProtocolError("a bulk string does not end with CR LF")
-            self._pos = after + length + 2
+            self._pos, self._declined = after + length + 2, -1
             return bytes(buffer[after : after + length])
         self._pos = after
         if kind == 0x2B:  # + simple string
@@ -253,7 +257,7 @@ class RespReader:
         if buffer[self._pos : self._pos + 2] != _CRLF:
             raise ProtocolError("a bulk string does not end with CR LF")
         self._pos += 2
-        self._target = None
+        self._target, self._declined = None, -1
         return Landed(self._length)
 
     def _advance(self) -> None:
@@ -264,6 +268,7 @@ class RespReader:
             self._due = self._target.nbytes
 
     def _compact(self) -> None:
+        self._declined = -1  # positions move: no bulk string is half read here
         if self._pos == len(self._buffer):
             self._buffer.clear()
             self._pos = 0
