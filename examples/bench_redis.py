@@ -51,21 +51,25 @@ top level, and every block size's in ``runs``::
     {"block_bytes": ..., "store_GBps": ..., "load_GBps": ..., "warm_load_GBps": ...,
      "baseline_store_GBps": ..., "baseline_load_GBps": ..., "baseline_warm_load_GBps": ...,
      "store_ratio": ..., "load_ratio": ..., "loop_lag_p99_ms": ...,
+     "cpu_s_per_GB": ..., "baseline_cpu_s_per_GB": ...,
      "encrypted_store_GBps": ..., "encrypted_load_GBps": ...,
      "encrypted_store_ratio": ..., "encrypted_load_ratio": ...,
      "encryption_store_cost_pct": ..., "encryption_load_cost_pct": ...,
      "encrypted_loop_lag_p99_ms": ...,
      "lmcache_store_GBps": ..., "lmcache_load_GBps": ..., "lmcache_warm_load_GBps": ...,
      "store_vs_lmcache": ..., "load_vs_lmcache": ..., "warm_load_vs_lmcache": ...,
-     "lmcache_loop_lag_p99_ms": ...,
+     "lmcache_loop_lag_p99_ms": ..., "lmcache_cpu_s_per_GB": ...,
      "redis_py_store_GBps": ..., "redis_py_load_GBps": ..., "redis_py_loop_lag_p99_ms": ...,
+     "redis_py_cpu_s_per_GB": ...,
      "runs": [{"block_bytes": ..., ...}, ...]}
 
 ``*_ratio`` (baseline) is the tier's median over the baseline's; ``encrypted_*_ratio``
 and ``*_vs_lmcache`` are the medians over the rounds of the two sides' throughputs
 within each round (they ran next to each other, so a round's noise mostly cancels),
 and ``encryption_*_cost_pct`` is ``100 * (1 - ratio)``: the share of the plain tier's
-throughput that encryption costs. ``load`` figures are the cold loads. The
+throughput that encryption costs. ``load`` figures are the cold loads.
+``cpu_s_per_GB`` is the CPU time of this process (all its threads: the loop, the
+tier's, LMCache's) over a round's store and two loads, per GB moved. The
 ``lmcache_*`` and ``redis_py_*`` keys appear only when those sides ran.
 """
 
@@ -101,6 +105,7 @@ class Round:
     load_GBps: float
     warm_load_GBps: float
     loop_lag_p99_ms: float = 0.0
+    cpu_s_per_GB: float = 0.0  # this process's CPU time (every thread) per GB moved
 
 
 async def _in_batches(count: int, batch: int, concurrency: int, run) -> None:
@@ -125,6 +130,11 @@ async def _timed(count: int, args: argparse.Namespace, run) -> float:
 
 def _rates(nbytes: int, *seconds: float) -> list[float]:
     return [nbytes / s / 1e9 for s in seconds]
+
+
+def _per_gb(cpu_s: float, nbytes: int) -> float:
+    """CPU seconds per GB over a round's three phases (a store and two loads)."""
+    return cpu_s / (3 * nbytes / 1e9)
 
 
 def _client(url: str, args: argparse.Namespace, **options: object):
@@ -172,7 +182,7 @@ async def baseline_round(url: str, view: memoryview, block: int, args: argparse.
         if any(value is None or len(value) != block for value in values):
             raise SystemExit("baseline: a value came back missing or short")
 
-    times = []
+    times, cpu = [], time.process_time()
     for phases in ((store,), (load, load)):
         client = _client(url, args, max_connections=args.concurrency + 1)
         try:
@@ -180,8 +190,9 @@ async def baseline_round(url: str, view: memoryview, block: int, args: argparse.
                 times.append(await _timed(count, args, partial(phase, client)))
         finally:
             await client.aclose()
+    cpu = time.process_time() - cpu
     await _flush(url, args)
-    return Round(*_rates(view.nbytes, *times))
+    return Round(*_rates(view.nbytes, *times), 0.0, _per_gb(cpu, view.nbytes))
 
 
 async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Namespace, side: str):
@@ -210,7 +221,7 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
         if not result.success:
             raise SystemExit(f"{side}: a {kind} job failed: {result.error}")
 
-    times = []
+    times, cpu = [], time.process_time()
     async with LoopLagMonitor() as lag:
         for kinds in (("store",), ("load", "load")):
             tier = RedisTier(pool, block, **options)
@@ -220,9 +231,10 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
                     times.append(await _timed(half, args, partial(job, tier, kind)))
             finally:
                 await tier.aclose()
+    cpu = time.process_time() - cpu
     _compare(pool, block, half, side)
     await _flush(url, args)
-    return Round(*_rates(half * block, *times), lag.p99_ms)
+    return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
 
 
 class LmcacheResp:
@@ -319,7 +331,7 @@ async def lmcache_round(
         finally:
             loop.remove_reader(fd)
 
-    times = []
+    times, cpu = [], time.process_time()
     async with LoopLagMonitor() as lag:
         for kinds in (("store",), ("load", "load")):
             adapter = lmcache.adapter(url, args.io_threads)
@@ -328,10 +340,11 @@ async def lmcache_round(
                     times.append(await run_phase(adapter, kind))
             finally:
                 adapter.close()
+    cpu = time.process_time() - cpu
     objects.clear()  # views of the pool: gone before it is released
     _compare(pool, block, half, "lmcache")
     await _flush(url, args)
-    return Round(*_rates(half * block, *times), lag.p99_ms)
+    return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
 
 
 def load_lmcache(args: argparse.Namespace, url: str) -> tuple[LmcacheResp | None, str]:
@@ -419,6 +432,8 @@ def _row(block: int, rounds: dict[str, list[Round]]) -> dict[str, float]:
         row[what] = _median(tier, what)
         row[f"baseline_{what}"] = _median(baseline, what)
     row["loop_lag_p99_ms"] = round(max(r.loop_lag_p99_ms for r in tier), 3)
+    row["cpu_s_per_GB"] = _median(tier, "cpu_s_per_GB")
+    row["baseline_cpu_s_per_GB"] = _median(baseline, "cpu_s_per_GB")
     row["store_ratio"] = round(row["store_GBps"] / row["baseline_store_GBps"], 3)
     row["load_ratio"] = round(row["load_GBps"] / row["baseline_load_GBps"], 3)
     if "encrypted" in rounds:
@@ -429,11 +444,13 @@ def _row(block: int, rounds: dict[str, list[Round]]) -> dict[str, float]:
         row["redis_py_loop_lag_p99_ms"] = round(
             max(r.loop_lag_p99_ms for r in rounds["redis-py"]), 3
         )
+        row["redis_py_cpu_s_per_GB"] = _median(rounds["redis-py"], "cpu_s_per_GB")
     if "lmcache" in rounds:
         for what, key in (("store", "store"), ("load", "load"), ("warm_load", "warm_load")):
             row[f"lmcache_{what}_GBps"] = _median(rounds["lmcache"], f"{what}_GBps")
             row[f"{key}_vs_lmcache"] = _paired(tier, rounds["lmcache"], f"{what}_GBps")
         row["lmcache_loop_lag_p99_ms"] = round(max(r.loop_lag_p99_ms for r in rounds["lmcache"]), 3)
+        row["lmcache_cpu_s_per_GB"] = _median(rounds["lmcache"], "cpu_s_per_GB")
     return row
 
 
@@ -450,7 +467,8 @@ def _print_row(row: dict[str, float], args: argparse.Namespace) -> None:
         f"{row['baseline_store_GBps']} GB/s ({row['store_ratio']}x), load "
         f"{row['load_GBps']} vs {row['baseline_load_GBps']} GB/s ({row['load_ratio']}x), "
         f"warm load {row['warm_load_GBps']} vs {row['baseline_warm_load_GBps']} GB/s; "
-        f"loop lag p99 (worst round) {row['loop_lag_p99_ms']} ms"
+        f"loop lag p99 (worst round) {row['loop_lag_p99_ms']} ms; CPU {row['cpu_s_per_GB']} "
+        f"s/GB vs {row['baseline_cpu_s_per_GB']}"
     )
     if "encrypted_store_GBps" in row:
         print(
@@ -463,7 +481,8 @@ def _print_row(row: dict[str, float], args: argparse.Namespace) -> None:
         print(
             f"{kib} KiB blocks, tier on redis-py: store {row['redis_py_store_GBps']}, load "
             f"{row['redis_py_load_GBps']}, warm load {row['redis_py_warm_load_GBps']} GB/s; "
-            f"loop lag p99 (worst round) {row['redis_py_loop_lag_p99_ms']} ms"
+            f"loop lag p99 (worst round) {row['redis_py_loop_lag_p99_ms']} ms; CPU "
+            f"{row['redis_py_cpu_s_per_GB']} s/GB"
         )
     if "lmcache_store_GBps" in row:
         print(
@@ -471,7 +490,7 @@ def _print_row(row: dict[str, float], args: argparse.Namespace) -> None:
             f"(ours {row['store_vs_lmcache']}x), load {row['lmcache_load_GBps']} GB/s "
             f"(ours {row['load_vs_lmcache']}x), warm load {row['lmcache_warm_load_GBps']} "
             f"GB/s (ours {row['warm_load_vs_lmcache']}x); loop lag p99 (worst round) "
-            f"{row['lmcache_loop_lag_p99_ms']} ms"
+            f"{row['lmcache_loop_lag_p99_ms']} ms; CPU {row['lmcache_cpu_s_per_GB']} s/GB"
         )
 
 
