@@ -16,6 +16,7 @@ import contextlib
 import select
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -42,6 +43,7 @@ Buffer = bytes | bytearray | memoryview
 Command = Sequence[Argument]
 
 _CHUNK = 32 << 10  # bytes one plain recv asks for (replies' framing, small values)
+_AHEAD = 512  # ... and while a reply may land in a sink
 _IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
 _PLAIN_KEYS = {"host", "port", "username", "password", "db", "path", "connection_class"}
 
@@ -128,6 +130,16 @@ class RespConnection:
                 raise
         self._sock: socket.socket = sock
         self._gather = endpoint.tls is None  # an SSL socket has no sendmsg
+        self._wait_all = 0
+        if endpoint.tls is None:
+            # A blocking socket whose kernel timeouts bound each call: a payload then
+            # arrives in one recv_into (MSG_WAITALL) and a pipeline goes out in one
+            # sendmsg, each a single release of the GIL instead of one per segment.
+            limit = struct.pack("ll", int(endpoint.timeout_s), int(endpoint.timeout_s % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            sock.settimeout(None)
+            self._wait_all = socket.MSG_WAITALL
         self._reader = RespReader()
         self._chunk = memoryview(bytearray(_CHUNK))
         try:
@@ -190,13 +202,16 @@ class RespConnection:
             while (reply := reader.gets()) is NOT_YET:
                 into = reader.direct()
                 if into is not None:
-                    count = sock.recv_into(into)
+                    count = sock.recv_into(into, 0, self._wait_all)
                     if count:
                         reader.filled(count)
                 else:
-                    count = sock.recv_into(self._chunk)
+                    # Ahead of a sink's bulk string, a little: its framing and header,
+                    # and no payload that would be copied twice on its way to the slot.
+                    chunk = self._chunk if reader.sink is None else self._chunk[:_AHEAD]
+                    count = sock.recv_into(chunk)
                     if count:
-                        reader.feed(self._chunk[:count])
+                        reader.feed(chunk[:count])
                 if not count:
                     raise RedisConnectionError("the redis server closed the connection")
         except ProtocolError as exc:
