@@ -120,6 +120,9 @@ class RedisOptions(BreakerOptions, ActorOptions):
     pipeline_bytes: PositiveInt = 2 << 20
     encryption: str | Keyring | None = secret(None)
     data_path: Literal["sockets", "redis-py"] = "sockets"
+    # Two: the hops' Python between their syscalls contends for the GIL, and more
+    # threads wait on each other (and the loop on them) more than they overlap.
+    io_threads: PositiveInt = 2
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

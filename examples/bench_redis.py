@@ -19,11 +19,11 @@ made as they go) and *warm* (the same again):
   ``SET``-ing (then ``GET``-ting) ``--job-blocks`` values of the block size, sent from
   memoryviews of one buffer (no copies on the client side either);
 * tier: :class:`backends.redis.RedisTier` (pipelines of at most ``--pipeline-mib``,
-  ``--io-threads`` threads) store jobs of ``--job-blocks`` keys from a host-pool-like
-  buffer (``--concurrency`` running at once), then load jobs of them back into other
-  slots, every load verified (header and checksum) by the tier, and one block in 16
-  compared byte for byte by the benchmark. The event loop's lag is sampled while the
-  tier runs.
+  ``--io-threads`` threads, by default the tier's) store jobs of ``--job-blocks``
+  keys from a host-pool-like buffer (``--concurrency`` running at once), then load
+  jobs of them back into other slots, every load verified (header and checksum) by
+  the tier, and one block in 16 compared byte for byte by the benchmark. The event
+  loop's lag is sampled while the tier runs.
 * encrypted (unless ``--no-encryption``): the same tier with ``encryption`` (one random
   AES-256 key for the run): every block sealed with AES-GCM on the way to Redis and
   opened straight into its slot on the way back.
@@ -31,7 +31,7 @@ made as they go) and *warm* (the same again):
   blocks moved by redis-py's client as before the tier had its own connections.
 * lmcache (``--lmcache auto``, the default, when ``import lmcache`` works; ``on``
   requires it): LMCache's ``resp`` L2 adapter (its C++ RESP client under
-  ``NativeConnectorL2Adapter``, ``--io-threads`` workers) storing and loading the same
+  ``NativeConnectorL2Adapter``, ``--lmcache-workers`` workers) storing and loading the same
   jobs from and into the same buffer, completions awaited on its event fds from the
   loop. It verifies nothing it loads; the benchmark compares one block in 16 as for
   the tier. The loop's lag is sampled while it runs too: what the machine alone
@@ -203,7 +203,7 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
         url=url,
         namespace=f"bench-redis-{os.getpid()}",
         max_inflight=args.concurrency,
-        io_threads=args.io_threads,
+        **({} if args.io_threads is None else {"io_threads": args.io_threads}),
         max_connections=args.concurrency + 1,
         cluster=args.cluster,
         pipeline_bytes=args.pipeline_mib << 20,
@@ -334,7 +334,7 @@ async def lmcache_round(
     times, cpu = [], time.process_time()
     async with LoopLagMonitor() as lag:
         for kinds in (("store",), ("load", "load")):
-            adapter = lmcache.adapter(url, args.io_threads)
+            adapter = lmcache.adapter(url, args.lmcache_workers)
             try:
                 for kind in kinds:
                     times.append(await run_phase(adapter, kind))
@@ -544,7 +544,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also the tier with data_path='redis-py' (blocks moved by redis-py)",
     )
     parser.add_argument(
-        "--io-threads", type=positive_int, default=4, help="the tier's and LMCache's I/O threads"
+        "--io-threads", type=positive_int, default=None, help="the tier's io_threads (its default)"
+    )
+    parser.add_argument(
+        "--lmcache-workers", type=positive_int, default=4, help="LMCache's resp num_workers"
     )
     args = parser.parse_args(argv)
     if args.url is not None and not args.url.startswith(("redis://", "rediss://", "unix://")):
