@@ -29,14 +29,15 @@ made as they go) and *warm* (the same again):
   opened straight into its slot on the way back.
 * redis-py (with ``--redis-py-side``): the tier with ``data_path="redis-py"``, its
   blocks moved by redis-py's client as before the tier had its own connections.
-* lmcache (``--lmcache auto``, the default, when ``import lmcache`` works; ``on``
-  requires it): LMCache's ``resp`` L2 adapter (its C++ RESP client under
-  ``NativeConnectorL2Adapter``, ``--lmcache-workers`` workers) storing and loading the same
-  jobs from and into the same buffer, completions awaited on its event fds from the
-  loop. It verifies nothing it loads; the benchmark compares one block in 16 as for
-  the tier. The loop's lag is sampled while it runs too: what the machine alone
-  costs the loop, with no Python thread of ours moving bytes. Plain ``redis://``
-  servers only (no TLS, no cluster): elsewhere it is skipped with a note.
+* lmcache (``--lmcache auto``, the default, when ``import lmcache`` works and
+  ``--repeat`` gives it a turn first; ``on`` requires it): LMCache's ``resp`` L2
+  adapter (its C++ RESP client under ``NativeConnectorL2Adapter``,
+  ``--lmcache-workers`` workers) storing and loading the same jobs from and into the
+  same buffer, completions awaited on its event fds from the loop. It verifies
+  nothing it loads; the benchmark compares one block in 16 as for the tier. The
+  loop's lag is sampled while it runs too: what the machine alone costs the loop,
+  with no Python thread of ours moving bytes. Plain ``redis://`` servers only (no
+  TLS, no cluster): elsewhere it is skipped with a note.
 
 Figures are medians over the rounds. Since the sides take turns going first, it takes
 at least as many rounds as sides for each to run in every place once, and each phase
@@ -78,7 +79,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import importlib.util
 import itertools
 import json
 import mmap
@@ -348,9 +348,13 @@ async def lmcache_round(
 
 
 def load_lmcache(args: argparse.Namespace, url: str) -> tuple[LmcacheResp | None, str]:
-    """LMCache's adapter if ``--lmcache`` and the server allow it, else why not."""
+    """LMCache's adapter if ``--lmcache``, the server and ``--repeat`` allow it (with
+    ``auto``, a side too many for the rounds is left out), else why not."""
     if args.lmcache == "off":
         return None, "--lmcache off"
+    others = 2 + (not args.no_encryption) + args.redis_py_side
+    if args.lmcache == "auto" and args.repeat <= others:
+        return None, f"{others + 1} sides need --repeat {others + 1} or more"
     if args.cluster or not url.startswith("redis://"):
         why = "LMCache's resp adapter takes a plain redis:// server (no TLS, unix or cluster)"
     else:
@@ -520,7 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--concurrency", type=positive_int, default=4, help="jobs (and pipelines) at once"
     )
-    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; medians reported")
+    parser.add_argument("--repeat", type=positive_int, default=5, help="rounds; medians reported")
     parser.add_argument(
         "--pipeline-mib", type=positive_int, default=2, help="the tier's pipeline_bytes, MiB"
     )
@@ -554,7 +558,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("argument url: must start with redis://, rediss:// or unix://")
     if args.cluster and args.url is not None and args.url.startswith("unix://"):
         parser.error("argument --cluster: needs a redis:// or rediss:// url")
-    sides = 2 + (not args.no_encryption) + args.redis_py_side + _lmcache_side(args)
+    sides = 2 + (not args.no_encryption) + args.redis_py_side + (args.lmcache == "on")
     if args.repeat < sides:
         parser.error(
             f"argument --repeat: {sides} sides take turns going first, so the figures need "
@@ -572,16 +576,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"use --size-mib {need_mib} or more, or a smaller --job-blocks"
             )
     return args
-
-
-def _lmcache_side(args: argparse.Namespace) -> bool:
-    """Whether the LMCache side will run (``--lmcache on`` fails later if it cannot)."""
-    if args.lmcache == "off" or args.cluster:
-        return False
-    if args.lmcache == "on":
-        return True
-    plain = args.url is None or args.url.startswith("redis://")
-    return plain and importlib.util.find_spec("lmcache") is not None
 
 
 def main() -> None:
