@@ -170,6 +170,14 @@ def put_record(server: LocalRedisServer, name: bytes, header: bytes, payload: by
     server.command("SET", name, header + payload)
 
 
+def damage_payload(client: Any, name: bytes) -> None:
+    """Flip the last byte of the block stored under ``name`` (a byte of its payload)
+    through ``client`` (redis-py's), the value's length unchanged: the block no longer
+    verifies."""
+    value = client.get(name)
+    client.setrange(name, len(value) - 1, bytes([value[-1] ^ 0xFF]))
+
+
 def client_of(server: LocalRedisServer | LocalRedisCluster) -> Any:
     """A plain redis-py client of ``server`` (a cluster client for a cluster), as
     another program on the server would use; close it after use."""
