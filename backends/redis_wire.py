@@ -23,11 +23,13 @@ from backends.redis_client import (
     ClientError,
     ClusterDownError,
     RedisCluster,
+    RedisConnectionError,
     ResponseError,
     TryAgainError,
 )
 from backends.resp import Reply, Sink, joined
 from backends.resp_connection import Command, ConnectionPool, Endpoint
+from tiering.workers import init_io_worker
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,11 @@ class WirePipelines:
         self._cluster = cluster
         self._pool = ConnectionPool()
         self._fan_out = (
-            ThreadPoolExecutor(max_workers=fan_out, thread_name_prefix="redis-tier-node")
+            ThreadPoolExecutor(
+                max_workers=fan_out,
+                thread_name_prefix="RedisTier-node",
+                initializer=init_io_worker,  # scheduled as the tier's own I/O threads
+            )
             if cluster is not None
             else None
         )
@@ -71,11 +77,16 @@ class WirePipelines:
         replies: Replies = [None] * len(commands)
         parts = list(groups.items())
         assert self._fan_out is not None
-        others: list[tuple[list[int], Future[Replies]]] = [
-            (group, self._fan_out.submit(self._group_trip, endpoint, group, commands, sinks))
-            for endpoint, group in parts[1:]
-        ]
+        others: list[tuple[list[int], Future[Replies]]] = []
         failure: BaseException | None = None
+        for endpoint, group in parts[1:]:
+            try:
+                call = self._fan_out.submit(self._group_trip, endpoint, group, commands, sinks)
+            except RuntimeError:  # shut down: the tier is closing
+                failure = RedisConnectionError("the redis tier is closed")
+                parts = []  # nothing more is sent; what was is waited for below
+                break
+            others.append((group, call))
         try:
             if parts:
                 endpoint, group = parts[0]
