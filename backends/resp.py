@@ -13,6 +13,7 @@ next bytes belong to, so that it can ``recv_into`` it with no copy at all.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 Buffer = bytes | bytearray | memoryview
@@ -36,40 +37,19 @@ class ProtocolError(ValueError):
     a bulk string without its CR LF, a view of the wrong length from a sink)."""
 
 
+@dataclass(frozen=True, slots=True)
 class ErrorReply:
     """An error reply (``-ERR ...``): its message, as the server wrote it."""
 
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ErrorReply) and other.message == self.message
-
-    def __hash__(self) -> int:
-        return hash(self.message)
-
-    def __repr__(self) -> str:
-        return f"ErrorReply({self.message!r})"
+    message: str
 
 
+@dataclass(frozen=True, slots=True)
 class Landed:
-    """A bulk string whose bytes went to the view its sink gave (not kept here)."""
+    """A bulk string of ``length`` bytes that went to the views its sink gave (not
+    kept here)."""
 
-    __slots__ = ("length",)
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Landed) and other.length == self.length
-
-    def __hash__(self) -> int:
-        return hash(self.length)
-
-    def __repr__(self) -> str:
-        return f"Landed({self.length})"
+    length: int
 
 
 class _NotYet:
