@@ -1,13 +1,13 @@
 """A remote tier on Redis or Valkey: one cache shared by every serving machine
 (docs/redis.md tells the whole story).
 
-Each block is one Redis hash, so its header and payload share a slot of a cluster::
+Each block is one Redis string (so one slot of a cluster)::
 
     key:    b"kvt:" + namespace digest (hex) + b":" + tenant + b":" + block hash
-    fields: b"h" -> the block record's compact header (:mod:`backends.block_record`)
-            b"p" -> the payload, or with ``encryption`` its AES-GCM ciphertext
+    value:  the block record's compact header (:mod:`backends.block_record`), then
+            the payload, or with ``encryption`` its AES-GCM ciphertext
 
-A value that does not verify, is no hash, or is of an older format is a failed key,
+A value that does not verify, is no string, or is of an older format is a failed key,
 deleted and never served. Each job is one hop on the tier's I/O threads, with the
 checksums and the cipher; no call is retried. Blocks move on the tier's own RESP
 connections (:mod:`backends.redis_wire`): a payload goes out from its slot and comes back
@@ -63,9 +63,7 @@ from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
 
-
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
-
 
 _Hop = Callable[[Sequence[bytes], Sequence[int]], "dict[bytes, str] | ClientError"]
 
@@ -405,7 +403,7 @@ class RedisTier(TierActor):
         sealed = self._sealing_buffers() if cipher is not None else []
         failed: dict[bytes, str] = {}
         try:
-            client = self._connected()
+            path = self._data_path()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
                 batch = keys[start:stop]
@@ -425,7 +423,7 @@ class RedisTier(TierActor):
                     header = compact_header(key=key, checksum=checksum, seal=seal, **record)
                     names.append(self._prefix + key)
                     commands.append(("SET", names[-1], (header, value), *expiry))
-                replies = self._round_trip(client, names, commands)
+                replies = self._round_trip(path, names, commands)
                 for key, reply in zip(batch, replies, strict=True):
                     if isinstance(reply, ResponseError):
                         failed[key] = f"{REFUSED} the store: {reply}"
@@ -450,7 +448,8 @@ class RedisTier(TierActor):
         corrupt: list[bytes] = []
         landings: list[BlockLanding] = []
         try:
-            client = self._connected()
+            path = self._data_path()
+            client = path[0]
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
                 batch = [
@@ -460,7 +459,7 @@ class RedisTier(TierActor):
                 landings += batch
                 names = [self._prefix + landing.key for landing in batch]
                 commands = [("GET", name) for name in names]
-                values = self._round_trip(client, names, commands, [x.sink for x in batch])
+                values = self._round_trip(path, names, commands, [x.sink for x in batch])
                 for landing, value in zip(batch, values, strict=True):
                     why = landing.verify(value)
                     if why:
@@ -531,16 +530,26 @@ class RedisTier(TierActor):
                 self._client, self._wire = client, self.options.wire(client)
             return self._client
 
+    def _data_path(self) -> tuple[Redis | RedisCluster, WirePipelines | None]:
+        """The client and the tier's own connections (None: redis-py moves the blocks),
+        taken together, so that a hop uses one or the other throughout. Raises as
+        :meth:`_connected` does, and RedisConnectionError if the tier closed between."""
+        client = self._connected()
+        with self._client_lock:
+            if self._client is not client:
+                raise RedisConnectionError("the redis tier is closed")
+            return client, self._wire
+
+    @staticmethod
     def _round_trip(
-        self,
-        client: Redis | RedisCluster,
+        path: tuple[Redis | RedisCluster, WirePipelines | None],
         names: Sequence[bytes],
         commands: Sequence[tuple[Any, ...]],
         sinks: Sequence[Sink | None] | None = None,
     ) -> list[Any]:
         """``commands`` (on the keys ``names``) in one pipelined round trip (one per
         node), on the tier's own connections if it has them, else redis-py's."""
-        wire = self._wire
+        client, wire = path
         if wire is None:
             return round_trip(client, [joined(command) for command in commands])
         return wire.round_trip(names, commands, sinks)
