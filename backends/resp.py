@@ -153,9 +153,9 @@ class RespReader:
                     return NOT_YET
             else:
                 element = self._element()
-                if element is NOT_YET or element is _OPENED:
-                    if element is NOT_YET:
-                        return NOT_YET
+                if element is NOT_YET:
+                    return NOT_YET
+                if element is _OPENED:  # an array, or a string landing in a sink's views
                     continue
             while self._stack:
                 items, total = self._stack[-1]
