@@ -1,15 +1,19 @@
 """A remote tier on Redis or Valkey: one cache shared by every serving machine
 (docs/redis.md tells the whole story).
 
-Each block is one Redis hash, so its header and payload share a slot of a cluster::
+Each block is one Redis string (so one slot of a cluster)::
 
     key:    b"kvt:" + namespace digest (hex) + b":" + tenant + b":" + block hash
-    fields: b"h" -> the block record's compact header (:mod:`backends.block_record`)
-            b"p" -> the payload, or with ``encryption`` its AES-GCM ciphertext
+    value:  the block record's compact header (:mod:`backends.block_record`), then
+            the payload, or with ``encryption`` its AES-GCM ciphertext
 
-A value that does not verify, is no hash, or is of an older format is a failed key,
-deleted and never served. redis-py's synchronous client runs on the tier's I/O threads,
-one hop per job, with the checksums and the cipher; no call is retried.
+A value that does not verify, is no string, or is of an older format is a failed key,
+deleted and never served. Each job is one hop on the tier's I/O threads, with the
+checksums and the cipher; no call is retried. Blocks move on the tier's own RESP
+connections (:mod:`backends.redis_wire`): a payload goes out from its slot and comes back
+straight into it, and is verified there. redis-py's client runs everything else (the
+start's checks, lookups, usage, deletes, a cluster's redirections), and the data path
+too where the url asks for an option that path lacks or ``data_path`` says so.
 """
 
 from __future__ import annotations
@@ -21,19 +25,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
 from backends.block_record import (
     MAX_TENANT_BYTES,
-    check_header,
     compact_header,
-    decode_header,
     namespace_digest,
     payload_checksum,
     record_binding,
-    verify_payload,
 )
 from backends.breaker import BreakerOptions, BreakerState, CircuitBreaker
 from backends.redis_client import (
@@ -47,28 +48,22 @@ from backends.redis_client import (
     ResponseError,
     check_url,
     detached,
-    first_error,
-    holds_another_type,
     new_client,
     round_trip,
 )
+from backends.redis_landing import CORRUPT, MISSING, REFUSED, BlockLanding
+from backends.redis_wire import WirePipelines
+from backends.resp import Sink, joined
+from backends.resp_connection import endpoint_of
 from tiering.actor import TierActor
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
-from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.errors import InvalidArgumentError
 from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
 
-HEADER_FIELD = b"h"
-PAYLOAD_FIELD = b"p"
-
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
-
-# How a load or store of one key failed; the first words of its reason.
-_MISSING = "not in the redis tier"
-_CORRUPT = "corrupt block"
-_REFUSED = "redis refused"
 
 _Hop = Callable[[Sequence[bytes], Sequence[int]], "dict[bytes, str] | ClientError"]
 
@@ -122,6 +117,10 @@ class RedisOptions(BreakerOptions, ActorOptions):
     cluster: bool = False
     pipeline_bytes: PositiveInt = 2 << 20
     encryption: str | Keyring | None = secret(None)
+    data_path: Literal["sockets", "redis-py"] = "sockets"
+    # Two: the hops' Python between their syscalls contends for the GIL, and more
+    # threads wait on each other (and the loop on them) more than they overlap.
+    io_threads: PositiveInt = 2
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -132,17 +131,34 @@ class RedisOptions(BreakerOptions, ActorOptions):
                 raise ValueError(f"{name} needs a rediss:// url (TLS)")
         return self
 
+    def tls_arguments(self) -> dict[str, str]:
+        """The TLS files given, under redis-py's names for them."""
+        tls = {arg: getattr(self, name) for name, arg in _TLS_ARGUMENTS.items()}
+        return {arg: path for arg, path in tls.items() if path is not None}
+
     def client(self, *, cluster: bool) -> Redis | RedisCluster:
         """A new client of ``url`` with these timeouts, pool bound and TLS files
         (a cluster client with ``cluster``, which connects as it is made)."""
-        tls = {arg: getattr(self, name) for name, arg in _TLS_ARGUMENTS.items()}
         return new_client(
             self.url,
             cluster=cluster,
             timeout_s=self.timeout_s,
             max_connections=self.max_connections,
-            tls={arg: path for arg, path in tls.items() if path is not None},
+            tls=self.tls_arguments(),
         )
+
+    def wire(self, client: Redis | RedisCluster) -> WirePipelines | None:
+        """The data path on the tier's own connections, beside ``client`` (whose map
+        of a cluster's slots it reads); None for redis-py's (``data_path``, or a url
+        asking for an option only redis-py implements)."""
+        if self.data_path != "sockets":
+            return None
+        endpoint = endpoint_of(self.url, timeout_s=self.timeout_s, tls=self.tls_arguments())
+        if endpoint is None:
+            return None
+        if isinstance(client, RedisCluster):
+            return WirePipelines(endpoint, client, fan_out=self.io_threads * 2)
+        return WirePipelines(endpoint)
 
 
 class RedisTier(TierActor):
@@ -184,6 +200,7 @@ class RedisTier(TierActor):
         # so one whose nodes are down at start is made later, by a probe) and dropped
         # at close; the lock keeps the I/O threads from making two.
         self._client: Redis | RedisCluster | None = None
+        self._wire: WirePipelines | None = None  # made with the client
         self._client_lock = threading.Lock()
         self._serving = False  # from start until close: whether a client may be made
         # key -> (present, trusted until): a bounded LRU of recent answers
@@ -225,6 +242,9 @@ class RedisTier(TierActor):
         with self._client_lock:
             self._serving = False
             client, self._client = self._client, None
+            wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close()
         if client is not None:
             client.close()  # disconnects the pool's idle connections; never blocks long
 
@@ -320,13 +340,13 @@ class RedisTier(TierActor):
             why = failed.get(key)
             if why is None:
                 self._remember(key, True)
-            elif why.startswith(_REFUSED):
+            elif why.startswith(REFUSED):
                 self._forget(key)  # the server would not say: no answer kept
                 refusals.append(why)
             else:  # absent, or corrupt and deleted
                 self._remember(key, False)
-                self._counters["corrupt_blocks"] += why.startswith(_CORRUPT)
-                self._counters["missing_blocks"] += why.startswith(_MISSING)
+                self._counters["corrupt_blocks"] += why.startswith(CORRUPT)
+                self._counters["missing_blocks"] += why.startswith(MISSING)
         done = "stored_blocks" if what == "store" else "loaded_blocks"
         self._counters[done] += len(keys) - len(failed)
         self._counters["pipelines"] += -(-len(keys) // self._blocks_per_pipeline)
@@ -375,21 +395,20 @@ class RedisTier(TierActor):
     ) -> dict[bytes, str] | ClientError:
         """Write every block (header, then the payload straight from its slot, or with
         ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
-        most ``pipeline_bytes``. Returns the keys the server refused, with why (a key
-        that held a value of another type is deleted, so that its next store lands), or
-        the client's error if a call failed (the blocks before it are stored)."""
+        most ``pipeline_bytes``. Returns the keys the server refused, with why, or the
+        client's error if a call failed (the blocks before it are stored)."""
         cipher, record = self._cipher, self._record
-        per_block = 1 if self.options.ttl_s is None else 2  # HSET, then EXPIRE
+        expiry = () if self.options.ttl_s is None else ("EX", max(1, round(self.options.ttl_s)))
         views: list[memoryview] = []
         sealed = self._sealing_buffers() if cipher is not None else []
         failed: dict[bytes, str] = {}
-        wrong_type: list[bytes] = []
         try:
-            client = self._connected()
+            path = self._data_path()
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
                 batch = keys[start:stop]
                 commands: list[tuple[Any, ...]] = []
+                names: list[bytes] = []
                 for i, (key, block_id) in enumerate(zip(batch, block_ids[start:stop], strict=True)):
                     value = self.slot(block_id)
                     views.append(value)
@@ -402,17 +421,12 @@ class RedisTier(TierActor):
                         seal, checksum = cipher.seal_into(value, sealed[i], binding), None
                         value = sealed[i][: self.block_bytes]
                     header = compact_header(key=key, checksum=checksum, seal=seal, **record)
-                    name = self._prefix + key
-                    commands.append(("HSET", name, HEADER_FIELD, header, PAYLOAD_FIELD, value))
-                    if self.options.ttl_s is not None:
-                        commands.append(("EXPIRE", name, max(1, round(self.options.ttl_s))))
-                replies = round_trip(client, commands)
-                for i, key in enumerate(batch):
-                    error = first_error(replies[i * per_block : (i + 1) * per_block])
-                    if error is not None:
-                        failed[key] = f"{_REFUSED} the store: {error}"
-                        if holds_another_type(error):
-                            wrong_type.append(self._prefix + key)
+                    names.append(self._prefix + key)
+                    commands.append(("SET", names[-1], (header, value), *expiry))
+                replies = self._round_trip(path, names, commands)
+                for key, reply in zip(batch, replies, strict=True):
+                    if isinstance(reply, ResponseError):
+                        failed[key] = f"{REFUSED} the store: {reply}"
                 del commands, replies
         except CLIENT_ERRORS as exc:
             return detached(exc)
@@ -421,55 +435,45 @@ class RedisTier(TierActor):
             # still name these views: released, they no longer pin the host pool.
             for view in views:
                 view.release()
-        self._delete(client, wrong_type)
         return failed
 
     def _load_hop(
         self, keys: Sequence[bytes], block_ids: Sequence[int]
     ) -> dict[bytes, str] | ClientError:
         """Read every block in pipelined round trips of at most ``pipeline_bytes``,
-        verify each and copy the good ones into their slots; delete the corrupt ones
-        (and values of another type) from the server. Returns why each failed key
-        failed, or the client's error."""
+        each payload straight into its slot (:class:`BlockLanding`) and verified there;
+        delete the corrupt ones (and values of another type) from the server. Returns
+        why each failed key failed, or the client's error."""
         failed: dict[bytes, str] = {}
         corrupt: list[bytes] = []
+        landings: list[BlockLanding] = []
         try:
-            client = self._connected()
+            path = self._data_path()
+            client = path[0]
             for start in range(0, len(keys), self._blocks_per_pipeline):
                 stop = start + self._blocks_per_pipeline
-                batch = keys[start:stop]
-                commands = [("HMGET", self._prefix + k, HEADER_FIELD, PAYLOAD_FIELD) for k in batch]
-                values = round_trip(client, commands)
-                for key, block_id, value in zip(batch, block_ids[start:stop], values, strict=True):
-                    why = self._land(key, block_id, value)
+                batch = [
+                    BlockLanding(key, self.slot(block_id), self._record, self._cipher)
+                    for key, block_id in zip(keys[start:stop], block_ids[start:stop], strict=True)
+                ]
+                landings += batch
+                names = [self._prefix + landing.key for landing in batch]
+                commands = [("GET", name) for name in names]
+                values = self._round_trip(path, names, commands, [x.sink for x in batch])
+                for landing, value in zip(batch, values, strict=True):
+                    why = landing.verify(value)
                     if why:
-                        failed[key] = why
-                        if why.startswith(_CORRUPT):
-                            corrupt.append(self._prefix + key)
+                        failed[landing.key] = why
+                        if why.startswith(CORRUPT):
+                            corrupt.append(self._prefix + landing.key)
                 del values  # a whole pipeline of block bytes: not kept past its turn
         except CLIENT_ERRORS as exc:
             return detached(exc)
+        finally:
+            for landing in landings:
+                landing.release()
         self._delete(client, corrupt)
         return failed
-
-    def _land(self, key: bytes, block_id: int, value: list[bytes | None] | ResponseError) -> str:
-        """Verify one value read back and put its payload into its slot: "" if it
-        landed, else why not."""
-        if isinstance(value, ResponseError):
-            if not holds_another_type(value):
-                return f"{_REFUSED} the load: {value}"
-            return f"{_CORRUPT}: the key holds no block ({value})"
-        header, payload = value if value else (None, None)
-        if header is None or payload is None:
-            return _MISSING
-        try:
-            record = decode_header(header)
-            check_header(record, key=key, **self._record)
-            with self.slot(block_id) as into:
-                verify_payload(record, payload, self._cipher, into=into)
-        except CorruptBlockError as exc:
-            return f"{_CORRUPT}: {exc}"
-        return ""
 
     def _delete(self, client: Redis | RedisCluster, names: list[bytes]) -> None:
         """Delete ``names`` (values that are no blocks of this tier) from the server, as
@@ -522,8 +526,33 @@ class RedisTier(TierActor):
             if self._client is None:
                 if not self._serving:
                     raise RedisConnectionError("the redis tier is closed")
-                self._client = self.options.client(cluster=self.options.cluster)
+                client = self.options.client(cluster=self.options.cluster)
+                self._client, self._wire = client, self.options.wire(client)
             return self._client
+
+    def _data_path(self) -> tuple[Redis | RedisCluster, WirePipelines | None]:
+        """The client and the tier's own connections (None: redis-py moves the blocks),
+        taken together, so that a hop uses one or the other throughout. Raises as
+        :meth:`_connected` does, and RedisConnectionError if the tier closed between."""
+        client = self._connected()
+        with self._client_lock:
+            if self._client is not client:
+                raise RedisConnectionError("the redis tier is closed")
+            return client, self._wire
+
+    @staticmethod
+    def _round_trip(
+        path: tuple[Redis | RedisCluster, WirePipelines | None],
+        names: Sequence[bytes],
+        commands: Sequence[tuple[Any, ...]],
+        sinks: Sequence[Sink | None] | None = None,
+    ) -> list[Any]:
+        """``commands`` (on the keys ``names``) in one pipelined round trip (one per
+        node), on the tier's own connections if it has them, else redis-py's."""
+        client, wire = path
+        if wire is None:
+            return round_trip(client, [joined(command) for command in commands])
+        return wire.round_trip(names, commands, sinks)
 
     # -- presence cache and background tasks (loop thread) ----------------------------
 

@@ -1,50 +1,77 @@
-"""Benchmark the Redis tier against a plain pipelined redis-py loop on the same server.
+"""Benchmark the Redis tier against a plain pipelined redis-py loop, and against
+LMCache's ``resp`` adapter when it is installed, on the same server.
 
 Usage::
 
     python examples/bench_redis.py [URL] [--block-sizes 2M] [--size-mib 256] [--cluster]
-        [--no-encryption]
+        [--no-encryption] [--lmcache auto|on|off] [--redis-py-side]
 
 Without URL it starts its own ``redis-server`` on a free loopback port (no persistence),
 or with ``--cluster`` a three-node Redis Cluster, and stops it at the end (run it from a
 checkout: that server is the tests' own, tests/_redis_servers.py). With
-``--cluster`` both sides use redis-py's cluster clients. For each block size,
-``--repeat`` rounds of the baseline, the tier and the tier with encryption, in turn
-(which goes first rotates from round to round), each on an emptied database:
+``--cluster`` the baseline uses redis-py's cluster client. For each block size,
+``--repeat`` rounds of every side, in turn (which goes first rotates from round to
+round), each on an emptied database. Every side stores the round's data with one
+client, then a new client loads it twice: *cold* (its first calls: connections are
+made as they go) and *warm* (the same again):
 
 * baseline: redis-py's asyncio client, ``--concurrency`` pipelines at a time, each
   ``SET``-ing (then ``GET``-ting) ``--job-blocks`` values of the block size, sent from
   memoryviews of one buffer (no copies on the client side either);
-* tier: :class:`backends.redis.RedisTier` (pipelines of at most ``--pipeline-mib``)
-  store jobs of ``--job-blocks`` keys from a host-pool-like buffer (``--concurrency``
-  running at once), then load jobs of them back into other slots, every load verified
-  (header and checksum) by the tier, and one block in 16 compared byte for byte by the
-  benchmark. The event loop's lag is sampled while the tier runs.
+* tier: :class:`backends.redis.RedisTier` (pipelines of at most ``--pipeline-mib``,
+  ``--io-threads`` threads, by default the tier's) store jobs of ``--job-blocks``
+  keys from a host-pool-like buffer (``--concurrency`` running at once), then load
+  jobs of them back into other slots, every load verified (header and checksum) by
+  the tier, and one block in 16 compared byte for byte by the benchmark. The event
+  loop's lag is sampled while the tier runs.
 * encrypted (unless ``--no-encryption``): the same tier with ``encryption`` (one random
   AES-256 key for the run): every block sealed with AES-GCM on the way to Redis and
   opened straight into its slot on the way back.
+* redis-py (with ``--redis-py-side``): the tier with ``data_path="redis-py"``, its
+  blocks moved by redis-py's client as before the tier had its own connections.
+* lmcache (``--lmcache auto``, the default, when ``import lmcache`` works and
+  ``--repeat`` gives it a turn first; ``on`` requires it): LMCache's ``resp`` L2
+  adapter (its C++ RESP client under ``NativeConnectorL2Adapter``,
+  ``--lmcache-workers`` workers) storing and loading the same jobs from and into the
+  same buffer, completions awaited on its event fds from the loop. It verifies
+  nothing it loads; the benchmark compares one block in 16 as for the tier. The
+  loop's lag is sampled while it runs too: what the machine alone costs the loop,
+  with no Python thread of ours moving bytes. Plain ``redis://`` servers only (no
+  TLS, no cluster): elsewhere it is skipped with a note.
 
 Figures are medians over the rounds. Since the sides take turns going first, it takes
-at least as many rounds as sides (3, or 2 with ``--no-encryption``) for each to run in
-every place once, and each phase runs at least two jobs per ``--concurrency`` slot so
-that it measures throughput, not one job's latency: settings short of either are
-refused (exit status 2) before anything runs. The host buffer the tier loads into is
-written once before the first round, so no side pays its first-touch page faults.
+at least as many rounds as sides for each to run in every place once, and each phase
+runs at least two jobs per ``--concurrency`` slot so that it measures throughput, not
+one job's latency: settings short of either are refused (exit status 2) before
+anything runs. The host buffer the sides load into is written once before the first
+round, so no side pays its first-touch page faults.
 
 The last line of output is one JSON object: the figures of the first block size at its
 top level, and every block size's in ``runs``::
 
-    {"block_bytes": ..., "store_GBps": ..., "load_GBps": ..., "baseline_store_GBps": ...,
-     "baseline_load_GBps": ..., "store_ratio": ..., "load_ratio": ...,
-     "loop_lag_p99_ms": ..., "encrypted_store_GBps": ..., "encrypted_load_GBps": ...,
+    {"block_bytes": ..., "store_GBps": ..., "load_GBps": ..., "warm_load_GBps": ...,
+     "baseline_store_GBps": ..., "baseline_load_GBps": ..., "baseline_warm_load_GBps": ...,
+     "store_ratio": ..., "load_ratio": ..., "loop_lag_p99_ms": ...,
+     "cpu_s_per_GB": ..., "baseline_cpu_s_per_GB": ...,
+     "encrypted_store_GBps": ..., "encrypted_load_GBps": ...,
      "encrypted_store_ratio": ..., "encrypted_load_ratio": ...,
      "encryption_store_cost_pct": ..., "encryption_load_cost_pct": ...,
-     "encrypted_loop_lag_p99_ms": ..., "runs": [{"block_bytes": ..., ...}, ...]}
+     "encrypted_loop_lag_p99_ms": ...,
+     "lmcache_store_GBps": ..., "lmcache_load_GBps": ..., "lmcache_warm_load_GBps": ...,
+     "store_vs_lmcache": ..., "load_vs_lmcache": ..., "warm_load_vs_lmcache": ...,
+     "lmcache_loop_lag_p99_ms": ..., "lmcache_cpu_s_per_GB": ...,
+     "redis_py_store_GBps": ..., "redis_py_load_GBps": ..., "redis_py_loop_lag_p99_ms": ...,
+     "redis_py_cpu_s_per_GB": ...,
+     "runs": [{"block_bytes": ..., ...}, ...]}
 
-``encrypted_*_ratio`` is the median over the rounds of encrypted / plain tier
-throughput within each round (the two ran next to each other, so a round's noise
-mostly cancels), and ``encryption_*_cost_pct`` is ``100 * (1 - ratio)``: the share of
-the plain tier's throughput that encryption costs.
+``*_ratio`` (baseline) is the tier's median over the baseline's; ``encrypted_*_ratio``
+and ``*_vs_lmcache`` are the medians over the rounds of the two sides' throughputs
+within each round (they ran next to each other, so a round's noise mostly cancels),
+and ``encryption_*_cost_pct`` is ``100 * (1 - ratio)``: the share of the plain tier's
+throughput that encryption costs. ``load`` figures are the cold loads.
+``cpu_s_per_GB`` is the CPU time of this process (all its threads: the loop, the
+tier's, LMCache's) over a round's store and two loads, per GB moved. The
+``lmcache_*`` and ``redis_py_*`` keys appear only when those sides ran.
 """
 
 from __future__ import annotations
@@ -60,6 +87,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -75,7 +103,9 @@ _job_ids = itertools.count(1)
 class Round:
     store_GBps: float
     load_GBps: float
+    warm_load_GBps: float
     loop_lag_p99_ms: float = 0.0
+    cpu_s_per_GB: float = 0.0  # this process's CPU time (every thread) per GB moved
 
 
 async def _in_batches(count: int, batch: int, concurrency: int, run) -> None:
@@ -91,6 +121,22 @@ async def _in_batches(count: int, batch: int, concurrency: int, run) -> None:
             group.create_task(one(first))
 
 
+async def _timed(count: int, args: argparse.Namespace, run) -> float:
+    """Seconds to run ``run`` over ``count`` blocks in jobs, as every side does."""
+    start = time.perf_counter()
+    await _in_batches(count, args.job_blocks, args.concurrency, run)
+    return time.perf_counter() - start
+
+
+def _rates(nbytes: int, *seconds: float) -> list[float]:
+    return [nbytes / s / 1e9 for s in seconds]
+
+
+def _per_gb(cpu_s: float, nbytes: int) -> float:
+    """CPU seconds per GB over a round's three phases (a store and two loads)."""
+    return cpu_s / (3 * nbytes / 1e9)
+
+
 def _client(url: str, args: argparse.Namespace, **options: object):
     """redis-py's asyncio client, or its cluster client with ``--cluster``."""
     if args.cluster:
@@ -102,104 +148,245 @@ def _client(url: str, args: argparse.Namespace, **options: object):
     return aioredis.Redis.from_url(url, **options)
 
 
-async def baseline_round(url: str, view: memoryview, block: int, args: argparse.Namespace):
-    count = view.nbytes // block
-    names = [b"bench:%d" % i for i in range(count)]
-    client = _client(url, args, max_connections=args.concurrency + 1)
+async def _flush(url: str, args: argparse.Namespace) -> None:
+    client = _client(url, args)
     try:
-        await client.flushdb()
-
-        async def store(first: int, last: int) -> None:
-            pipe = client.pipeline(transaction=False)
-            for i in range(first, last):
-                pipe.set(names[i], view[i * block : (i + 1) * block])
-            await pipe.execute()
-
-        async def load(first: int, last: int) -> None:
-            pipe = client.pipeline(transaction=False)
-            for i in range(first, last):
-                pipe.get(names[i])
-            values = await pipe.execute()
-            if any(value is None or len(value) != block for value in values):
-                raise SystemExit("baseline: a value came back missing or short")
-
-        start = time.perf_counter()
-        await _in_batches(count, args.job_blocks, args.concurrency, store)
-        stored = time.perf_counter() - start
-        start = time.perf_counter()
-        await _in_batches(count, args.job_blocks, args.concurrency, load)
-        loaded = time.perf_counter() - start
         await client.flushdb()
     finally:
         await client.aclose()
-    return Round(view.nbytes / stored / 1e9, view.nbytes / loaded / 1e9)
 
 
-async def tier_round(
-    url: str, pool: memoryview, block: int, args: argparse.Namespace, encryption: str | None
-):
+def _compare(pool: memoryview, block: int, half: int, side: str) -> None:
+    """One block in 16 of the second half against the first, byte for byte."""
+    for i in range(0, half, 16):
+        if pool[i * block : (i + 1) * block] != pool[(half + i) * block : (half + i + 1) * block]:
+            raise SystemExit(f"{side}: block {i} came back with other bytes")
+
+
+async def baseline_round(url: str, view: memoryview, block: int, args: argparse.Namespace):
+    count = view.nbytes // block
+    names = [b"bench:%d" % i for i in range(count)]
+    await _flush(url, args)
+
+    async def store(client, first: int, last: int) -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in range(first, last):
+            pipe.set(names[i], view[i * block : (i + 1) * block])
+        await pipe.execute()
+
+    async def load(client, first: int, last: int) -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in range(first, last):
+            pipe.get(names[i])
+        values = await pipe.execute()
+        if any(value is None or len(value) != block for value in values):
+            raise SystemExit("baseline: a value came back missing or short")
+
+    times, cpu = [], time.process_time()
+    for phases in ((store,), (load, load)):
+        client = _client(url, args, max_connections=args.concurrency + 1)
+        try:
+            for phase in phases:
+                times.append(await _timed(count, args, partial(phase, client)))
+        finally:
+            await client.aclose()
+    cpu = time.process_time() - cpu
+    await _flush(url, args)
+    return Round(*_rates(view.nbytes, *times), 0.0, _per_gb(cpu, view.nbytes))
+
+
+async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Namespace, side: str):
     from backends.redis import RedisTier
 
     half = pool.nbytes // block // 2  # store from the first half, load into the second
-    tier = RedisTier(
-        pool,
-        block,
+    options = dict(
         url=url,
         namespace=f"bench-redis-{os.getpid()}",
         max_inflight=args.concurrency,
+        **({} if args.io_threads is None else {"io_threads": args.io_threads}),
         max_connections=args.concurrency + 1,
         cluster=args.cluster,
         pipeline_bytes=args.pipeline_mib << 20,
-        encryption=encryption,
+        encryption=args.keyring if side == "encrypted" else None,
+        data_path="redis-py" if side == "redis-py" else "sockets",
     )
     keys = [b"block-%d" % i for i in range(half)]
-    flusher = _client(url, args)
-    try:
-        await flusher.flushdb()  # every side starts on an emptied database
-    finally:
-        await flusher.aclose()
+    await _flush(url, args)  # every side starts on an emptied database
 
-    async def job(kind: str, first: int, last: int) -> None:
+    async def job(tier: RedisTier, kind: str, first: int, last: int) -> None:
         slots = range(first, last) if kind == "store" else range(half + first, half + last)
         meta = JobMetadata(next(_job_ids), keys[first:last], list(slots))
         (tier.submit_store if kind == "store" else tier.submit_load)(meta)
         result = await tier.result(meta.job_id)
         if not result.success:
-            raise SystemExit(f"tier: a {kind} job failed: {result.error}")
+            raise SystemExit(f"{side}: a {kind} job failed: {result.error}")
 
-    await tier.start()
-    try:
-        async with LoopLagMonitor() as lag:
-            start = time.perf_counter()
-            await _in_batches(half, args.job_blocks, args.concurrency, partial(job, "store"))
-            stored = time.perf_counter() - start
-            start = time.perf_counter()
-            await _in_batches(half, args.job_blocks, args.concurrency, partial(job, "load"))
-            loaded = time.perf_counter() - start
-        for i in range(0, half, 16):
-            if (
-                pool[i * block : (i + 1) * block]
-                != pool[(half + i) * block : (half + i + 1) * block]
-            ):
-                raise SystemExit(f"tier: block {i} came back with other bytes")
-    finally:
-        await tier.aclose()
-    nbytes = half * block
-    return Round(nbytes / stored / 1e9, nbytes / loaded / 1e9, lag.p99_ms)
+    times, cpu = [], time.process_time()
+    async with LoopLagMonitor() as lag:
+        for kinds in (("store",), ("load", "load")):
+            tier = RedisTier(pool, block, **options)
+            await tier.start()
+            try:
+                for kind in kinds:
+                    times.append(await _timed(half, args, partial(job, tier, kind)))
+            finally:
+                await tier.aclose()
+    cpu = time.process_time() - cpu
+    _compare(pool, block, half, side)
+    await _flush(url, args)
+    return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
+
+
+class LmcacheResp:
+    """LMCache's ``resp`` L2 adapter (lmcache/v1/distributed/l2_adapters), driven
+    from the event loop: jobs submitted as tasks, completions read off its event fds."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        import torch
+        from lmcache.v1.distributed.api import ObjectKey
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+        from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
+        from lmcache.v1.memory_management import (
+            MemoryFormat,
+            MemoryObjMetadata,
+            TensorMemoryObj,
+        )
+        from lmcache.v1.platform.event_notifier import consume_fd
+
+        self.torch, self.ObjectKey, self.consume_fd = torch, ObjectKey, consume_fd
+        self.create = create_l2_adapter
+        self.config = get_l2_adapter_config_class("resp")
+        self.MemoryFormat, self.Metadata, self.TensorMemoryObj = (
+            MemoryFormat,
+            MemoryObjMetadata,
+            TensorMemoryObj,
+        )
+
+    def adapter(self, url: str, workers: int):
+        parts = urllib.parse.urlsplit(url)
+        spec = {"type": "resp", "host": parts.hostname, "port": parts.port or 6379,
+                "num_workers": workers}  # fmt: skip
+        if parts.password:
+            spec.update(username=parts.username or "", password=parts.password)
+        return self.create(self.config.from_dict(spec))
+
+    def objects(self, pool: memoryview, block: int) -> list:
+        torch = self.torch
+        data = torch.frombuffer(pool, dtype=torch.uint8)
+        metadata = partial(
+            self.Metadata,
+            shape=torch.Size([block]),
+            dtype=torch.uint8,
+            address=0,
+            phy_size=block,
+            ref_count=1,
+            fmt=self.MemoryFormat.KV_2LTD,
+        )
+        return [
+            self.TensorMemoryObj(data[i * block : (i + 1) * block], metadata(), None)
+            for i in range(pool.nbytes // block)
+        ]
+
+
+async def lmcache_round(
+    lmcache: LmcacheResp, url: str, pool: memoryview, block: int, args: argparse.Namespace
+):
+    half = pool.nbytes // block // 2
+    objects = lmcache.objects(pool, block)
+    keys = [lmcache.ObjectKey(b"block-%d" % i, "bench-redis", 0) for i in range(half)]
+    loop = asyncio.get_running_loop()
+    await _flush(url, args)
+
+    async def run_phase(adapter, kind: str) -> float:
+        waiting: dict[int, asyncio.Future] = {}
+
+        def store_done() -> None:
+            lmcache.consume_fd(adapter.get_store_event_fd())
+            for task_id, result in adapter.pop_completed_store_tasks().items():
+                waiting.pop(task_id).set_result(int(result) >= 0)
+
+        def load_done() -> None:
+            lmcache.consume_fd(adapter.get_load_event_fd())
+            for task_id in list(waiting):
+                bitmap = adapter.query_load_result(task_id)
+                if bitmap is not None:
+                    waiting.pop(task_id).set_result(bitmap)
+
+        async def job(first: int, last: int) -> None:
+            if kind == "store":
+                task_id = adapter.submit_store_task(keys[first:last], objects[first:last])
+            else:
+                into = objects[half + first : half + last]
+                task_id = adapter.submit_load_task(keys[first:last], into)
+            waiting[task_id] = future = loop.create_future()
+            outcome = await future
+            if outcome is False or (kind == "load" and outcome.popcount() != last - first):
+                raise SystemExit(f"lmcache: a {kind} job failed")
+
+        fd = adapter.get_store_event_fd() if kind == "store" else adapter.get_load_event_fd()
+        loop.add_reader(fd, store_done if kind == "store" else load_done)
+        try:
+            return await _timed(half, args, job)
+        finally:
+            loop.remove_reader(fd)
+
+    times, cpu = [], time.process_time()
+    async with LoopLagMonitor() as lag:
+        for kinds in (("store",), ("load", "load")):
+            adapter = lmcache.adapter(url, args.lmcache_workers)
+            try:
+                for kind in kinds:
+                    times.append(await run_phase(adapter, kind))
+            finally:
+                adapter.close()
+    cpu = time.process_time() - cpu
+    objects.clear()  # views of the pool: gone before it is released
+    _compare(pool, block, half, "lmcache")
+    await _flush(url, args)
+    return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
+
+
+def load_lmcache(args: argparse.Namespace, url: str) -> tuple[LmcacheResp | None, str]:
+    """LMCache's adapter if ``--lmcache``, the server and ``--repeat`` allow it (with
+    ``auto``, a side too many for the rounds is left out), else why not."""
+    if args.lmcache == "off":
+        return None, "--lmcache off"
+    others = 2 + (not args.no_encryption) + args.redis_py_side
+    if args.lmcache == "auto" and args.repeat <= others:
+        return None, f"{others + 1} sides need --repeat {others + 1} or more"
+    if args.cluster or not url.startswith("redis://"):
+        why = "LMCache's resp adapter takes a plain redis:// server (no TLS, unix or cluster)"
+    else:
+        try:
+            return LmcacheResp(), ""
+        except ImportError as exc:
+            why = f"import lmcache failed ({type(exc).__name__}: {exc})"
+    if args.lmcache == "on":
+        raise SystemExit(f"--lmcache on: {why}")
+    return None, why
 
 
 async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
     runs = []
-    sides = ("baseline", "tier") + (() if args.no_encryption else ("encrypted",))
-    keyring = f"1:{base64.b64encode(os.urandom(32)).decode()}"  # this run's only key
+    lmcache, skipped = load_lmcache(args, url)
+    if skipped:
+        print(f"lmcache side skipped: {skipped}", file=sys.stderr)
+    sides = (
+        ("baseline", "tier")
+        + (() if args.no_encryption else ("encrypted",))
+        + (("redis-py",) if args.redis_py_side else ())
+        + (("lmcache",) if lmcache is not None else ())
+    )
+    args.keyring = f"1:{base64.b64encode(os.urandom(32)).decode()}"  # this run's only key
     for block in args.block_sizes:
         count = max(1, (args.size_mib << 20) // block)
         buffer = mmap.mmap(-1, 2 * count * block)
         pool = memoryview(buffer)
         pool[: count * block] = os.urandom(count * block)
-        # Fault in the half the tier loads into now: otherwise the first side that loads
-        # pays the page faults of fresh memory, and in the first round that is always
-        # the same side.
+        # Fault in the half the sides load into now: otherwise the first side that
+        # loads pays the page faults of fresh memory, and in the first round that is
+        # always the same side.
         zeros = bytes(1 << 20)
         for offset in range(count * block, 2 * count * block, len(zeros)):
             end = min(offset + len(zeros), 2 * count * block)
@@ -212,14 +399,17 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
                     progress.update(f"{block >> 10} KiB round {round_no + 1}: {side}", force=True)
                     if side == "baseline":
                         result = await baseline_round(url, pool[: count * block], block, args)
+                    elif side == "lmcache":
+                        assert lmcache is not None
+                        result = await lmcache_round(lmcache, url, pool, block, args)
                     else:
-                        sealed = keyring if side == "encrypted" else None
-                        result = await tier_round(url, pool, block, args, sealed)
+                        result = await tier_round(url, pool, block, args, side)
                     rounds[side].append(result)
                     progress.clear()
                     print(
                         f"{block >> 10} KiB round {round_no + 1}: {side} store "
-                        f"{result.store_GBps:.2f} GB/s, load {result.load_GBps:.2f} GB/s",
+                        f"{result.store_GBps:.2f} GB/s, load {result.load_GBps:.2f} GB/s "
+                        f"(warm {result.warm_load_GBps:.2f})",
                         file=sys.stderr,
                     )
         except BaseException:
@@ -229,42 +419,83 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
             raise
         pool.release()
         buffer.close()
-        client = _client(url, args)
-        try:
-            await client.flushdb()
-        finally:
-            await client.aclose()
-
-        def median(side: str, what: str, rounds: dict[str, list[Round]] = rounds) -> float:
-            return round(statistics.median(getattr(r, what) for r in rounds[side]), 3)
-
-        row = {
-            "block_bytes": block,
-            "store_GBps": median("tier", "store_GBps"),
-            "load_GBps": median("tier", "load_GBps"),
-            "baseline_store_GBps": median("baseline", "store_GBps"),
-            "baseline_load_GBps": median("baseline", "load_GBps"),
-            "loop_lag_p99_ms": round(max(r.loop_lag_p99_ms for r in rounds["tier"]), 3),
-        }
-        row["store_ratio"] = round(row["store_GBps"] / row["baseline_store_GBps"], 3)
-        row["load_ratio"] = round(row["load_GBps"] / row["baseline_load_GBps"], 3)
-        if "encrypted" in rounds:
-            row.update(_encryption_figures(rounds["tier"], rounds["encrypted"]))
-        runs.append(row)
-        print(
-            f"{block >> 10} KiB blocks (medians of {args.repeat}): store {row['store_GBps']} vs "
-            f"{row['baseline_store_GBps']} GB/s ({row['store_ratio']}x), load "
-            f"{row['load_GBps']} vs {row['baseline_load_GBps']} GB/s ({row['load_ratio']}x); "
-            f"loop lag p99 (worst round) {row['loop_lag_p99_ms']} ms"
-        )
-        if "encrypted" in rounds:
-            print(
-                f"{block >> 10} KiB blocks, encrypted: store {row['encrypted_store_GBps']} GB/s "
-                f"(costs {row['encryption_store_cost_pct']}%), load "
-                f"{row['encrypted_load_GBps']} GB/s (costs {row['encryption_load_cost_pct']}%); "
-                f"loop lag p99 (worst round) {row['encrypted_loop_lag_p99_ms']} ms"
-            )
+        runs.append(_row(block, rounds))
+        _print_row(runs[-1], args)
     return runs
+
+
+def _median(rounds: list[Round], what: str) -> float:
+    return round(statistics.median(getattr(r, what) for r in rounds), 3)
+
+
+def _row(block: int, rounds: dict[str, list[Round]]) -> dict[str, float]:
+    """One block size's figures (the module docstring names them)."""
+    tier, baseline = rounds["tier"], rounds["baseline"]
+    row: dict[str, float] = {"block_bytes": block}
+    for what in ("store_GBps", "load_GBps", "warm_load_GBps"):
+        row[what] = _median(tier, what)
+        row[f"baseline_{what}"] = _median(baseline, what)
+    row["loop_lag_p99_ms"] = round(max(r.loop_lag_p99_ms for r in tier), 3)
+    row["cpu_s_per_GB"] = _median(tier, "cpu_s_per_GB")
+    row["baseline_cpu_s_per_GB"] = _median(baseline, "cpu_s_per_GB")
+    row["store_ratio"] = round(row["store_GBps"] / row["baseline_store_GBps"], 3)
+    row["load_ratio"] = round(row["load_GBps"] / row["baseline_load_GBps"], 3)
+    if "encrypted" in rounds:
+        row.update(_encryption_figures(tier, rounds["encrypted"]))
+    if "redis-py" in rounds:
+        for what in ("store_GBps", "load_GBps", "warm_load_GBps"):
+            row[f"redis_py_{what}"] = _median(rounds["redis-py"], what)
+        row["redis_py_loop_lag_p99_ms"] = round(
+            max(r.loop_lag_p99_ms for r in rounds["redis-py"]), 3
+        )
+        row["redis_py_cpu_s_per_GB"] = _median(rounds["redis-py"], "cpu_s_per_GB")
+    if "lmcache" in rounds:
+        for what, key in (("store", "store"), ("load", "load"), ("warm_load", "warm_load")):
+            row[f"lmcache_{what}_GBps"] = _median(rounds["lmcache"], f"{what}_GBps")
+            row[f"{key}_vs_lmcache"] = _paired(tier, rounds["lmcache"], f"{what}_GBps")
+        row["lmcache_loop_lag_p99_ms"] = round(max(r.loop_lag_p99_ms for r in rounds["lmcache"]), 3)
+        row["lmcache_cpu_s_per_GB"] = _median(rounds["lmcache"], "cpu_s_per_GB")
+    return row
+
+
+def _paired(ours: list[Round], theirs: list[Round], attr: str) -> float:
+    """The median over rounds of ours / theirs within each round."""
+    pairs = zip(ours, theirs, strict=True)
+    return round(statistics.median(getattr(o, attr) / getattr(t, attr) for o, t in pairs), 3)
+
+
+def _print_row(row: dict[str, float], args: argparse.Namespace) -> None:
+    kib = int(row["block_bytes"]) >> 10
+    print(
+        f"{kib} KiB blocks (medians of {args.repeat}): store {row['store_GBps']} vs "
+        f"{row['baseline_store_GBps']} GB/s ({row['store_ratio']}x), load "
+        f"{row['load_GBps']} vs {row['baseline_load_GBps']} GB/s ({row['load_ratio']}x), "
+        f"warm load {row['warm_load_GBps']} vs {row['baseline_warm_load_GBps']} GB/s; "
+        f"loop lag p99 (worst round) {row['loop_lag_p99_ms']} ms; CPU {row['cpu_s_per_GB']} "
+        f"s/GB vs {row['baseline_cpu_s_per_GB']}"
+    )
+    if "encrypted_store_GBps" in row:
+        print(
+            f"{kib} KiB blocks, encrypted: store {row['encrypted_store_GBps']} GB/s "
+            f"(costs {row['encryption_store_cost_pct']}%), load "
+            f"{row['encrypted_load_GBps']} GB/s (costs {row['encryption_load_cost_pct']}%); "
+            f"loop lag p99 (worst round) {row['encrypted_loop_lag_p99_ms']} ms"
+        )
+    if "redis_py_store_GBps" in row:
+        print(
+            f"{kib} KiB blocks, tier on redis-py: store {row['redis_py_store_GBps']}, load "
+            f"{row['redis_py_load_GBps']}, warm load {row['redis_py_warm_load_GBps']} GB/s; "
+            f"loop lag p99 (worst round) {row['redis_py_loop_lag_p99_ms']} ms; CPU "
+            f"{row['redis_py_cpu_s_per_GB']} s/GB"
+        )
+    if "lmcache_store_GBps" in row:
+        print(
+            f"{kib} KiB blocks, LMCache resp: store {row['lmcache_store_GBps']} GB/s "
+            f"(ours {row['store_vs_lmcache']}x), load {row['lmcache_load_GBps']} GB/s "
+            f"(ours {row['load_vs_lmcache']}x), warm load {row['lmcache_warm_load_GBps']} "
+            f"GB/s (ours {row['warm_load_vs_lmcache']}x); loop lag p99 (worst round) "
+            f"{row['lmcache_loop_lag_p99_ms']} ms; CPU {row['lmcache_cpu_s_per_GB']} s/GB"
+        )
 
 
 def _encryption_figures(plain: list[Round], sealed: list[Round]) -> dict[str, float]:
@@ -273,11 +504,9 @@ def _encryption_figures(plain: list[Round], sealed: list[Round]) -> dict[str, fl
     figures: dict[str, float] = {}
     for what in ("store", "load"):
         attr = f"{what}_GBps"
-        ratio = statistics.median(
-            getattr(s, attr) / getattr(p, attr) for p, s in zip(plain, sealed, strict=True)
-        )
-        figures[f"encrypted_{attr}"] = round(statistics.median(getattr(s, attr) for s in sealed), 3)
-        figures[f"encrypted_{what}_ratio"] = round(ratio, 3)
+        ratio = _paired(sealed, plain, attr)
+        figures[f"encrypted_{attr}"] = _median(sealed, attr)
+        figures[f"encrypted_{what}_ratio"] = ratio
         figures[f"encryption_{what}_cost_pct"] = round(100 * (1 - ratio), 1)
     figures["encrypted_loop_lag_p99_ms"] = round(max(r.loop_lag_p99_ms for r in sealed), 3)
     return figures
@@ -295,7 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--concurrency", type=positive_int, default=4, help="jobs (and pipelines) at once"
     )
-    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; medians reported")
+    parser.add_argument("--repeat", type=positive_int, default=5, help="rounds; medians reported")
     parser.add_argument(
         "--pipeline-mib", type=positive_int, default=2, help="the tier's pipeline_bytes, MiB"
     )
@@ -307,12 +536,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="skip the tier with encryption (needs the 'cryptography' package)",
     )
+    parser.add_argument(
+        "--lmcache",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="LMCache's resp adapter as a side (auto: when installed)",
+    )
+    parser.add_argument(
+        "--redis-py-side",
+        action="store_true",
+        help="also the tier with data_path='redis-py' (blocks moved by redis-py)",
+    )
+    parser.add_argument(
+        "--io-threads", type=positive_int, default=None, help="the tier's io_threads (its default)"
+    )
+    parser.add_argument(
+        "--lmcache-workers", type=positive_int, default=4, help="LMCache's resp num_workers"
+    )
     args = parser.parse_args(argv)
     if args.url is not None and not args.url.startswith(("redis://", "rediss://", "unix://")):
         parser.error("argument url: must start with redis://, rediss:// or unix://")
     if args.cluster and args.url is not None and args.url.startswith("unix://"):
         parser.error("argument --cluster: needs a redis:// or rediss:// url")
-    sides = 2 if args.no_encryption else 3
+    sides = 2 + (not args.no_encryption) + args.redis_py_side + (args.lmcache == "on")
     if args.repeat < sides:
         parser.error(
             f"argument --repeat: {sides} sides take turns going first, so the figures need "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import struct
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -153,6 +154,28 @@ def name_of(key: bytes, namespace: str = "model-a", tenant: str = "") -> bytes:
     """The Redis key a block of ``namespace`` and ``tenant`` is stored under."""
     digest = namespace_digest(namespace).hex().encode()
     return b"kvt:" + digest + b":" + tenant.encode() + b":" + key
+
+
+def record_of(server: LocalRedisServer, name: bytes) -> tuple[bytes, bytes]:
+    """The header and payload of the block stored under the Redis key ``name`` (one
+    string: the header, whose length is its u32 at offset 12, then the payload)."""
+    value = server.command("GET", name)
+    assert isinstance(value, bytes)
+    (length,) = struct.unpack_from("<I", value, 12)
+    return value[:length], value[length:]
+
+
+def put_record(server: LocalRedisServer, name: bytes, header: bytes, payload: bytes) -> None:
+    """Store ``header`` and ``payload`` under the Redis key ``name``, as the tier does."""
+    server.command("SET", name, header + payload)
+
+
+def damage_payload(client: Any, name: bytes) -> None:
+    """Flip the last byte of the block stored under ``name`` (a byte of its payload)
+    through ``client`` (redis-py's), the value's length unchanged: the block no longer
+    verifies."""
+    value = client.get(name)
+    client.setrange(name, len(value) - 1, bytes([value[-1] ^ 0xFF]))
 
 
 def client_of(server: LocalRedisServer | LocalRedisCluster) -> Any:

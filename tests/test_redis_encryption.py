@@ -22,7 +22,16 @@ from backends.block_record import (
     record_binding,
 )
 from tests._nvme_helpers import load_job, random_pool, store_job
-from tests._redis_helpers import BLOCK, keys, name_of, opened, settled, slot
+from tests._redis_helpers import (
+    BLOCK,
+    keys,
+    name_of,
+    opened,
+    put_record,
+    record_of,
+    settled,
+    slot,
+)
 from tests._redis_servers import LocalRedisServer as RedisServer
 from tiering import TieringEngine
 from tiering.encryption import Seal
@@ -57,10 +66,10 @@ def pool():
         yield view
 
 
-def raw(server: RedisServer, key: bytes, field: str) -> bytes:
-    value = server.command("HGET", name_of(key), field)
-    assert isinstance(value, bytes)
-    return value
+def raw(server: RedisServer, key: bytes, part: str) -> bytes:
+    """The stored header (``part`` "h") or payload ("p") of ``key``'s block."""
+    header, payload = record_of(server, name_of(key))
+    return header if part == "h" else payload
 
 
 def header_fields(header: bytes) -> tuple[bool, int, bytes]:
@@ -205,7 +214,7 @@ async def test_a_flipped_byte_of_ciphertext_or_tag_is_a_miss(
             tag = bytearray(decode_header(header).payload_checksum)
             tag[where - BLOCK] ^= 0x01
             header = forged(header, tag=bytes(tag))
-        redis_server.command("HSET", name_of(names[1]), "h", header, "p", bytes(stored))
+        put_record(redis_server, name_of(names[1]), header, bytes(stored))
         result = await load_job(tier, names, [10, 11])
         assert result.failed_keys == (names[1],) and "authentication" in str(result.error)
         assert slot(pool, 10) == slot(pool, 0)  # the other key landed
@@ -224,7 +233,7 @@ async def test_a_value_copied_to_another_block_s_key_is_a_miss(
         header, sealed = raw(redis_server, source, "h"), raw(redis_server, source, "p")
         if forge:
             header = forged(header, key=target)
-        redis_server.command("HSET", name_of(target), "h", header, "p", sealed)
+        put_record(redis_server, name_of(target), header, sealed)
         result = await load_job(tier, [source, target], [10, 11])
         assert result.failed_keys == (target,)
         assert ("authentication" if forge else "another key") in str(result.error)
@@ -240,7 +249,7 @@ async def test_a_value_copied_into_another_namespace_is_a_miss(
         assert (await store_job(mine, [key], [0])).success
     header, sealed = raw(redis_server, key, "h"), raw(redis_server, key, "p")
     other = forged(header, namespace="model-b")
-    redis_server.command("HSET", name_of(key, "model-b"), "h", other, "p", sealed)
+    put_record(redis_server, name_of(key, "model-b"), other, sealed)
     async with opened(pool, redis_server, namespace="model-b", **options) as theirs:
         result = await load_job(theirs, [key], [10])
         assert result.failed_keys == (key,) and "authentication" in str(result.error)
@@ -268,11 +277,10 @@ async def test_a_value_copied_to_another_tenant_s_key_is_a_miss(
         assert (await job).success and await job.cascaded
         namespace = mine.namespace
         source, target = name_of(block, namespace, "A"), name_of(block, namespace, "B")
-        header, sealed = (redis_server.command("HGET", source, f) for f in ("h", "p"))
-        assert isinstance(header, bytes) and isinstance(sealed, bytes)
+        header, sealed = record_of(redis_server, source)
         if forge:
             header = forged(header, tenant=b"B")
-        redis_server.command("HSET", target, "h", header, "p", sealed)
+        put_record(redis_server, target, header, sealed)
         assert await settled(lambda: theirs.lookup(hashes) or None) == 1  # present to B
         result = await theirs.load(hashes, [8])
         assert result.failed_keys == (block,)

@@ -1,0 +1,106 @@
+"""How one block loaded from the Redis tier lands in its host-pool slot, and whether it
+verifies.
+
+A block is one Redis string: its compact header (:mod:`backends.block_record`), then
+its payload. On the tier's own connections the reply to ``GET`` is read in two parts
+(:data:`backends.resp.Landing`): the header into a small buffer, then, once the
+header checks out (namespace, tenant, key, length, and the record's kind: plain or
+sealed, as this tier reads), the payload straight into the slot, where it is verified
+(checksum, or AES-GCM opened in place). A header that does not check out sends its
+payload to a scratch buffer instead: a block of another key, tenant or namespace never
+reaches the slot. A value that comes back whole (redis-py's path, a redirected read)
+is split and verified as it is copied into the slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.block_record import (
+    BlockHeader,
+    check_header,
+    compact_bytes,
+    decode_header,
+    verify_payload,
+)
+from backends.redis_client import ResponseError, holds_another_type
+from backends.resp import Landed
+from tiering.encryption import BlockCipher
+from tiering.errors import CorruptBlockError
+
+# How a load or store of one key failed; the first words of its reason.
+MISSING = "not in the redis tier"
+CORRUPT = "corrupt block"
+REFUSED = "redis refused"
+
+
+class BlockLanding:
+    """One key's load into ``slot`` (a view this object releases), checked against
+    ``expected`` (``check_header``'s keywords, the key aside) and opened with
+    ``cipher`` (None: a plain record)."""
+
+    __slots__ = ("_aside", "_cipher", "_expected", "_header", "_record", "_slot", "_why", "key")
+
+    def __init__(
+        self, key: bytes, slot: memoryview, expected: dict[str, Any], cipher: BlockCipher | None
+    ) -> None:
+        self.key = key
+        self._slot = slot
+        self._expected = expected
+        self._cipher = cipher
+        self._header = bytearray(compact_bytes(expected["tenant"], key))
+        self._record: BlockHeader | None = None
+        self._why = ""  # the header's fault, found before the payload came
+        self._aside: memoryview | None = None  # where a payload not for the slot went
+
+    def sink(self, before: list[Any], length: int) -> tuple[memoryview, Any] | None:
+        """The ``GET`` reply's landing: the header, then :meth:`_payload_view`; None
+        (read whole, to fail in :meth:`verify`) unless it is as long as a record of
+        this key."""
+        if before or length != len(self._header) + self._slot.nbytes:
+            return None
+        return memoryview(self._header), self._payload_view
+
+    def _payload_view(self) -> memoryview:
+        """The slot if the header checks out and is of this tier's kind, else scratch."""
+        try:
+            record = self._record = decode_header(self._header)
+            check_header(record, key=self.key, **self._expected)
+        except CorruptBlockError as exc:
+            self._why = f"{CORRUPT}: {exc}"
+        else:
+            if (record.seal is None) == (self._cipher is None):
+                return self._slot
+        self._aside = memoryview(bytearray(self._slot.nbytes))
+        return self._aside
+
+    def verify(self, value: Any) -> str:
+        """Verify what the server answered (a :class:`~backends.resp.Landed` reply,
+        a whole value, None, or an error reply): "" if the block is in its slot,
+        else why not."""
+        if isinstance(value, ResponseError):
+            if not holds_another_type(value):
+                return f"{REFUSED} the load: {value}"
+            return f"{CORRUPT}: the key holds no block ({value})"
+        if value is None:
+            return MISSING
+        try:
+            if isinstance(value, Landed):
+                if self._why:
+                    return self._why
+                assert self._record is not None
+                target = self._slot if self._aside is None else self._aside
+                verify_payload(self._record, target, self._cipher)  # in place
+                return ""
+            split = len(self._header)
+            record = decode_header(value[:split])
+            check_header(record, key=self.key, **self._expected)
+            payload = memoryview(value)[split:]
+            verify_payload(record, payload, self._cipher, into=self._slot)
+        except CorruptBlockError as exc:
+            return f"{CORRUPT}: {exc}"
+        return ""
+
+    def release(self) -> None:
+        """Let go of the slot (the host pool may be released after)."""
+        self._slot.release()
