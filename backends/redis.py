@@ -3,12 +3,14 @@
 
 Each block is one Redis string (so one slot of a cluster)::
 
-    key:    b"kvt:" + namespace digest (hex) + b":" + tenant + b":" + block hash
+    key:    b"kvt:2:" + namespace digest (hex) + b":" + tenant + b":" + block hash
     value:  the block record's compact header (:mod:`backends.block_record`), then
             the payload, or with ``encryption`` its AES-GCM ciphertext
 
-A value that does not verify, is no string, or is of an older format is a failed key,
-deleted and never served. Each job is one hop on the tier's I/O threads, with the
+A value that does not verify or is no string is a failed key, deleted and never served.
+The ``2`` names this format: blocks of the earlier one (a hash per block, under
+``kvt:<digest>:...``) are never read, so engines of both versions can share a server
+while they age out. Each job is one hop on the tier's I/O threads, with the
 checksums and the cipher; no call is retried. Blocks move on the tier's own RESP
 connections (:mod:`backends.redis_wire`): a payload goes out from its slot and comes back
 straight into it, and is verified there. redis-py's client runs everything else (the
@@ -190,7 +192,7 @@ class RedisTier(TierActor):
         self.breaker = CircuitBreaker(o)
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
         tenant, ns = o.tenant.encode(), namespace_digest(o.namespace)
-        self._prefix = b"kvt:" + ns.hex().encode() + b":" + tenant + b":"
+        self._prefix = b"kvt:2:" + ns.hex().encode() + b":" + tenant + b":"
         # What every record of this tier is written with and checked against.
         self._record: dict[str, Any] = dict(tenant=tenant, payload_bytes=block_bytes, ns_digest=ns)
         self._blocks_per_pipeline = max(1, o.pipeline_bytes // block_bytes)

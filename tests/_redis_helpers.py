@@ -153,7 +153,7 @@ async def holding_replies(upstream: LocalRedisServer, marker: bytes) -> AsyncIte
 def name_of(key: bytes, namespace: str = "model-a", tenant: str = "") -> bytes:
     """The Redis key a block of ``namespace`` and ``tenant`` is stored under."""
     digest = namespace_digest(namespace).hex().encode()
-    return b"kvt:" + digest + b":" + tenant.encode() + b":" + key
+    return b"kvt:2:" + digest + b":" + tenant.encode() + b":" + key
 
 
 def record_of(server: LocalRedisServer, name: bytes) -> tuple[bytes, bytes]:

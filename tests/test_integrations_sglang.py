@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests._engine_helpers import corrupt_block
-from tests._redis_helpers import client_of
+from tests._redis_helpers import client_of, damage_payload
 from tests._redis_servers import LocalRedisServer
 from tests._sglang_harness import (  # skips the module without SGLang (fails in CI)
     POLICIES,
@@ -155,8 +155,7 @@ def test_a_damaged_page_on_redis_is_never_served(redis_server: LocalRedisServer)
         client = client_of(redis_server)
         try:
             (name,) = [n for n in client.keys("*") if n.endswith(suffix)]
-            payload = client.hget(name, "p")
-            client.hset(name, "p", bytes(b ^ 0xFF for b in payload))  # same length
+            damage_payload(client, name)
         finally:
             client.close()
         got = prefetch(ctrl, tokens)
