@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -148,6 +149,20 @@ async def test_get_waits_for_an_item_and_returns_none_when_closed_empty() -> Non
     inbox.close()
     async with asyncio.timeout(5):
         assert await getter is None
+
+
+async def test_an_inbox_keeps_nothing_of_the_waiting_gets_it_has_served() -> None:
+    inbox: Inbox[int] = Inbox(2)
+    for i in range(50):
+        getter = asyncio.create_task(inbox.get())
+        await _spin(2)
+        inbox.put_nowait("store", i)
+        async with asyncio.timeout(5):
+            assert await getter == i
+    # Nothing the inbox holds (directly, or in its queues and lines) is a waiter's future:
+    # a served getter's future would make every later wake-up walk past it.
+    held = [o for v in gc.get_referents(vars(inbox)) for o in (v, *gc.get_referents(v))]
+    assert not [o for o in held if isinstance(o, asyncio.Future)]
 
 
 async def test_a_cancelled_get_takes_nothing() -> None:

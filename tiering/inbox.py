@@ -226,7 +226,11 @@ class Inbox(Generic[_T]):
             room -= 1
 
     def _wake_getter(self) -> None:
-        for waiter in self._getters:
+        # A woken getter leaves the line here: kept, finished waiters would pile up and
+        # every later wake-up would walk past all of them.
+        getters = self._getters
+        while getters:
+            waiter = getters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
