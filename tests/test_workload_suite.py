@@ -7,7 +7,7 @@ import pytest
 from tiering.errors import InvalidArgumentError, TraceError
 from tiering.replay import simulate
 from tiering.sweep import footprint
-from tiering.workload_suite import FAMILIES, generate, run_suite
+from tiering.workload_suite import FAMILIES, WORKLOADS, generate, run_suite
 from tiering.workloads import TOKENS_PER_BLOCK
 
 
@@ -38,6 +38,10 @@ def test_each_family_has_reuse_and_first_sightings() -> None:
             seen.update(r.block_ids)
         total = sum(len(r.block_ids) for r in requests)
         assert 0.1 < reused / total < 0.95, name
+
+
+def test_every_family_is_a_workload_the_config_accepts() -> None:
+    assert ("synthetic", *FAMILIES) == WORKLOADS
 
 
 def test_an_unknown_workload_is_refused_before_any_replay() -> None:

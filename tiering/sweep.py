@@ -12,15 +12,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiering.errors import InvalidArgumentError
 from tiering.policies import policy_names
 from tiering.replay import simulate
 from tiering.workloads import Request
-
-if TYPE_CHECKING:
-    from tiering.workload_suite import SuiteResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +170,7 @@ def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Pat
     lines: dict[str, list[tuple[float, float]]] = {}
     for p in result.points:
         lines.setdefault(p.policy, []).append((p.capacity_fraction * 100, p.hit_ratio))
-    return _plot(
+    return plot_lines(
         lines,
         path,
         xlabel=f"CPU tier capacity, of the footprint ({result.footprint_blocks} blocks)",
@@ -182,27 +179,7 @@ def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Pat
     )
 
 
-def plot_suite(result: SuiteResult, path: str | Path) -> Path:
-    """Draw each policy's worst ratio to the better of LRU and ARC over the suite's
-    workloads and modes against capacity (log scale), into a PNG at ``path``; raises as
-    :func:`plot_sweep`."""
-    worst: dict[str, dict[float, float]] = {}
-    for p in result.points:
-        for policy in result.policies:
-            line = worst.setdefault(policy, {})
-            x = p.capacity_fraction * 100
-            line[x] = min(line.get(x, float("inf")), p.ratio(policy))
-    workloads = len({p.workload for p in result.points})
-    return _plot(
-        {policy: sorted(line.items()) for policy, line in worst.items()},
-        path,
-        xlabel="CPU tier capacity, of each workload's footprint",
-        ylabel="worst hit ratio / the better of LRU and ARC",
-        title=f"the workload suite: the worst of {workloads} workloads at each capacity",
-    )
-
-
-def _plot(
+def plot_lines(
     lines: dict[str, list[tuple[float, float]]],
     path: str | Path,
     *,

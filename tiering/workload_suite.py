@@ -24,8 +24,10 @@ import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from tiering.config import WORKLOADS
 from tiering.errors import InvalidArgumentError
 from tiering.policies import policy_names
 from tiering.workloads import TOKENS_PER_BLOCK, Request, read_mooncake, synthetic_requests
@@ -186,9 +188,6 @@ FAMILIES: dict[str, Callable[[int], list[Request]]] = {
 """The generated families by name."""
 
 
-WORKLOADS = ("synthetic", *FAMILIES)
-"""Every named workload: the built-in chat traffic, then the generated families."""
-
 REFERENCES = ("lru", "arc")
 """The policies a suite measures every other against (the better of them, per point)."""
 
@@ -320,6 +319,28 @@ def run_suite(
     return SuiteResult(tuple(names), tuple(points.values()))
 
 
+def plot_suite(result: SuiteResult, path: str | Path) -> Path:
+    """Draw each policy's worst ratio to the better of LRU and ARC over the suite's
+    workloads and modes against capacity (log scale), into a PNG at ``path``; raises as
+    :func:`~tiering.sweep.plot_sweep`."""
+    from tiering.sweep import plot_lines  # the sweep imports the replay: only where it draws
+
+    worst: dict[str, dict[float, float]] = {}
+    for p in result.points:
+        for policy in result.policies:
+            line = worst.setdefault(policy, {})
+            x = p.capacity_fraction * 100
+            line[x] = min(line.get(x, float("inf")), p.ratio(policy))
+    workloads = len({p.workload for p in result.points})
+    return plot_lines(
+        {policy: sorted(line.items()) for policy, line in worst.items()},
+        path,
+        xlabel="CPU tier capacity, of each workload's footprint",
+        ylabel="worst hit ratio / the better of LRU and ARC",
+        title=f"the workload suite: the worst of {workloads} workloads at each capacity",
+    )
+
+
 __all__ = [
     "FAMILIES",
     "FRACTIONS",
@@ -328,5 +349,6 @@ __all__ = [
     "SuitePoint",
     "SuiteResult",
     "generate",
+    "plot_suite",
     "run_suite",
 ]

@@ -32,8 +32,8 @@ from tiering.commands._workload import (
 )
 from tiering.errors import InvalidArgumentError
 from tiering.policies import policy_names
-from tiering.sweep import capacities_from, footprint, fractions_from, plot_suite, plot_sweep, sweep
-from tiering.workload_suite import WORKLOADS, run_suite
+from tiering.sweep import capacities_from, footprint, fractions_from, plot_sweep, sweep
+from tiering.workload_suite import WORKLOADS, plot_suite, run_suite
 
 NAME = "sweep"
 HELP = "hit ratio by CPU capacity and policy (bookkeeping only), with a plot"
