@@ -169,7 +169,7 @@ STEP_REQUESTS = 200
 HOT_STEPS = 20
 
 
-def _quantile_us(samples_ns: list[int], q: float) -> float:
+def quantile_us(samples_ns: list[int], q: float) -> float:
     ordered = sorted(samples_ns)
     return round(ordered[int(q * (len(ordered) - 1))] / 1000, 2)
 
@@ -226,12 +226,12 @@ async def hot_path_run(blocks_per_job: int, freeze: bool) -> dict[str, float]:
     jobs -= 2 * STEP_REQUESTS  # the warm-up step
     calls = stores + loads
     return {
-        "call_us_p50": _quantile_us(calls, 0.5),
-        "call_us_p99": _quantile_us(calls, 0.99),
-        "store_call_us_p50": _quantile_us(stores, 0.5),
-        "store_call_us_p99": _quantile_us(stores, 0.99),
-        "load_call_us_p50": _quantile_us(loads, 0.5),
-        "load_call_us_p99": _quantile_us(loads, 0.99),
+        "call_us_p50": quantile_us(calls, 0.5),
+        "call_us_p99": quantile_us(calls, 0.99),
+        "store_call_us_p50": quantile_us(stores, 0.5),
+        "store_call_us_p99": quantile_us(stores, 0.99),
+        "load_call_us_p50": quantile_us(loads, 0.5),
+        "load_call_us_p99": quantile_us(loads, 0.99),
         "jobs_per_s": round(jobs / seconds),
     }
 

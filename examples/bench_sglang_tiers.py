@@ -18,8 +18,9 @@ so that neither always meets the disk first:
    ``os.sync()`` so that a store counts once its bytes are on the disk (SGLang's
    ``file`` backend never syncs). ``*_store_gbps`` include the sync and make
    ``store_ratio``; ``*_store_unsynced_gbps`` do not.
-2. Cold: every file under the subject's directory is fsynced and dropped from the page
-   cache (``posix_fadvise(POSIX_FADV_DONTNEED)``); ``cold`` in the JSON says so.
+2. Cold: a sync, then the page cache dropped (``bench_nvme.drop_page_cache``: the
+   whole cache where ``/proc/sys/vm/drop_caches`` can be written, else each of the
+   subject's files with ``posix_fadvise``); ``cold`` in the JSON says so.
 3. Load: SGLang's prefetch (its hit query, then the transfer in batches of 128 pages,
    ``wait_complete``) into other host slots; timed until its last ack. One page in 16
    is checked against the bytes stored; the slots are then zeroed and freed.
@@ -46,7 +47,7 @@ of output is one JSON object::
                "store_ratio": ..., "load_ratio": ...,
                "file_batch_exists_p50_us": ..., "file_batch_exists_p99_us": ..., ...,
                "ours_batch_exists_p99_us": ..., ...}, ...],
-     "cold": "fsync + posix_fadvise(DONTNEED) on every file before each load"}
+     "cold": "a sync, then the page cache dropped (drop_caches, else posix_fadvise per file)"}
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_engine import quantile_us  # sys.path[0]
+from bench_nvme import drop_page_cache, files_under
 
 from tiering.cli_args import ensure_directory, make_parser, positive_int, run_main
 
@@ -79,24 +82,11 @@ except ImportError as exc:  # SGLang is an optional extra
 PAGE_TOKENS = 64
 SHAPES = {"small": 8, "large": 32}  # layers; 8 KV heads x 128, bf16, as Llama 3 8B's
 HEADS, HEAD_DIM = 8, 128
-COLD = "fsync + posix_fadvise(DONTNEED) on every file before each load"
+COLD = "a sync, then the page cache dropped (drop_caches, else posix_fadvise per file)"
 _SAMPLE_EVERY = 16  # one loaded page in this many is byte-checked
 _SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most
 _PREFETCH_THRESHOLD = 256  # tokens: SGLang's default prefetch_threshold
 _HIT_QUERIES = 25  # per round, for batch_exists' percentiles
-
-
-def drop_cached_files(directory: str) -> None:
-    """Make the next reads of every file under ``directory`` come from the disk: fsync
-    it (the page cache keeps dirty pages), then drop it from the page cache."""
-    for parent, _, names in os.walk(directory):
-        for name in names:
-            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 @dataclass
@@ -126,7 +116,7 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
     synced = time.perf_counter() - start
     if written != pages * PAGE_TOKENS:
         raise SystemExit(f"{subject.name}: SGLang wrote {written} of {pages * PAGE_TOKENS} tokens")
-    drop_cached_files(subject.directory)
+    drop_page_cache(list(files_under(subject.directory)))
     start = time.perf_counter()
     got = sglang_cpu.prefetch(ctrl, tokens, policy="wait_complete")
     loaded = time.perf_counter() - start
@@ -149,13 +139,6 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
         f"({total / unsynced / 1e9:.2f} before the sync), load {total / loaded / 1e9:.2f} GB/s",
         file=sys.stderr,
     )
-
-
-def _quantile_us(samples_ns: list[int], q: float) -> float | None:
-    if not samples_ns:
-        return None
-    ordered = sorted(samples_ns)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000, 1)
 
 
 def _subjects(
@@ -208,8 +191,8 @@ def run_shape(args: argparse.Namespace, shape: str, directory: str) -> dict[str,
         for method in sglang_cpu.STORAGE_CALLS:
             durations = subject.log.durations_ns(method)
             if durations:
-                row[f"{subject.name}_{method}_p50_us"] = _quantile_us(durations, 0.5)
-                row[f"{subject.name}_{method}_p99_us"] = _quantile_us(durations, 0.99)
+                row[f"{subject.name}_{method}_p50_us"] = quantile_us(durations, 0.5)
+                row[f"{subject.name}_{method}_p99_us"] = quantile_us(durations, 0.99)
     if args.ours:
         for what in ("store", "load"):
             row[f"{what}_ratio"] = round(row[f"ours_{what}_gbps"] / row[f"file_{what}_gbps"], 3)

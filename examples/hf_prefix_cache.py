@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -37,6 +36,9 @@ import torch
 import uvloop
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # imported by the tests too
+from bench_nvme import drop_page_cache, files_under
 
 from tiering import LayerProgress, TieringEngine, TransferError
 from tiering.cli_args import ensure_directory, make_parser, run_main
@@ -423,23 +425,10 @@ async def restart_engine(
     tier, every stored block still on disk (and not in the page cache, where the tier
     runs without O_DIRECT)."""
     await engine.aclose()
-    await asyncio.to_thread(drop_page_cache, nvme)
+    await asyncio.to_thread(drop_page_cache, list(files_under(str(nvme))))
     engine = engine_for(paged, cpu_blocks, nvme, identity)
     await engine.start()
     return engine
-
-
-def drop_page_cache(root: Path) -> None:
-    """Ask the kernel to drop the cached pages of every file under ``root``, so that a
-    later read comes from the disk."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages cannot be dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _token_counts(text: str) -> list[int]:
