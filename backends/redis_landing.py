@@ -25,6 +25,7 @@ from backends.block_record import (
 )
 from backends.redis_client import ResponseError, holds_another_type
 from backends.resp import Landed
+from backends.resp_connection import Expected
 from tiering.encryption import BlockCipher
 from tiering.errors import CorruptBlockError
 
@@ -52,6 +53,11 @@ class BlockLanding:
         self._record: BlockHeader | None = None
         self._why = ""  # the header's fault, found before the payload came
         self._aside: memoryview | None = None  # where a payload not for the slot went
+
+    @property
+    def expected(self) -> Expected:
+        """The ``GET`` reply of a record of this key: its length, its header's."""
+        return Expected(len(self._header) + self._slot.nbytes, len(self._header))
 
     def sink(self, before: list[Any], length: int) -> tuple[memoryview, Any] | None:
         """The ``GET`` reply's landing: the header, then :meth:`_payload_view`; None

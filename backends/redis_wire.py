@@ -1,5 +1,6 @@
 """The Redis tier's pipelines on its own RESP connections (:mod:`backends.resp_connection`),
-to one server or to every node of a cluster at once.
+to one server (carried by streams, :mod:`backends.redis_stream`, or one round trip at
+a time) or to every node of a cluster at once.
 
 On a cluster, a pipeline's commands are grouped by the node that owns their key's
 slot (redis-py's map of the slots) and every node's group is sent at the same time,
@@ -27,8 +28,9 @@ from backends.redis_client import (
     ResponseError,
     TryAgainError,
 )
+from backends.redis_stream import RespStream
 from backends.resp import Reply, Sink, joined
-from backends.resp_connection import Command, ConnectionPool, Endpoint
+from backends.resp_connection import Command, ConnectionPool, Endpoint, Expected
 from tiering.workers import init_io_worker
 
 logger = logging.getLogger(__name__)
@@ -42,11 +44,22 @@ class WirePipelines:
     node of each key; ``fan_out`` threads send to a cluster's other nodes."""
 
     def __init__(
-        self, endpoint: Endpoint, cluster: RedisCluster | None = None, *, fan_out: int = 1
+        self,
+        endpoint: Endpoint,
+        cluster: RedisCluster | None = None,
+        *,
+        fan_out: int = 1,
+        streams: int = 0,
+        window: int = 1,
     ) -> None:
         self._endpoint = endpoint
         self._cluster = cluster
         self._pool = ConnectionPool()
+        self.streams = [
+            RespStream(endpoint, window=window, name=f"RedisTier-stream-{i}")
+            for i in range(streams if cluster is None else 0)
+        ]
+        """The streams to the server (none to a cluster): :meth:`stream` picks one."""
         self._fan_out = (
             ThreadPoolExecutor(
                 max_workers=fan_out,
@@ -57,19 +70,25 @@ class WirePipelines:
             else None
         )
 
+    def stream(self) -> RespStream:
+        """The stream with the fewest jobs waiting."""
+        return min(self.streams, key=RespStream.queued)
+
     def round_trip(
         self,
         names: Sequence[bytes],
         commands: Sequence[Command],
         sinks: Sequence[Sink | None] | None = None,
+        expected: Sequence[Expected] | None = None,
     ) -> Replies:
         """Send ``commands`` and read every reply, in the commands' order (an error
         reply in its place; a redirected command's reply as redis-py gives it, with no
-        sink). Raises the client's error (connection failed or timed out, cluster down),
+        sink). ``sinks`` and ``expected``: as :meth:`RespConnection.round_trip` takes
+        them. Raises the client's error (connection failed or timed out, cluster down),
         retrying nothing."""
         cluster = self._cluster
         if cluster is None:
-            return self._pool.run(self._endpoint, lambda c: c.round_trip(commands, sinks))
+            return self._pool.run(self._endpoint, lambda c: c.round_trip(commands, sinks, expected))
         groups: dict[Endpoint, list[int]] = {}
         for i, name in enumerate(names):
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
@@ -81,7 +100,9 @@ class WirePipelines:
         failure: BaseException | None = None
         for endpoint, group in parts[1:]:
             try:
-                call = self._fan_out.submit(self._group_trip, endpoint, group, commands, sinks)
+                call = self._fan_out.submit(
+                    self._group_trip, endpoint, group, commands, sinks, expected
+                )
             except RuntimeError:  # shut down: the tier is closing
                 failure = RedisConnectionError("the redis tier is closed")
                 parts = []  # nothing more is sent; what was is waited for below
@@ -90,7 +111,8 @@ class WirePipelines:
         try:
             if parts:
                 endpoint, group = parts[0]
-                self._place(replies, group, self._group_trip(endpoint, group, commands, sinks))
+                got = self._group_trip(endpoint, group, commands, sinks, expected)
+                self._place(replies, group, got)
         except CLIENT_ERRORS as exc:
             failure = exc
         for group, future in others:  # every group waited for: they use the caller's memory
@@ -119,10 +141,14 @@ class WirePipelines:
         group: list[int],
         commands: Sequence[Command],
         sinks: Sequence[Sink | None] | None,
+        expected: Sequence[Expected] | None,
     ) -> Replies:
         chosen = [commands[i] for i in group]
         chosen_sinks = None if sinks is None else [sinks[i] for i in group]
-        return self._pool.run(endpoint, lambda c: c.round_trip(chosen, chosen_sinks))
+        chosen_expected = None if expected is None else [expected[i] for i in group]
+        return self._pool.run(
+            endpoint, lambda c: c.round_trip(chosen, chosen_sinks, chosen_expected)
+        )
 
     @staticmethod
     def _place(replies: Replies, group: list[int], got: Replies) -> None:
@@ -138,8 +164,11 @@ class WirePipelines:
             logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
 
     def close(self) -> None:
-        """Close the idle connections (those in use close as their hop ends)."""
+        """Close the idle connections (those in use close as their hop ends) and the
+        streams (once their jobs begun are done)."""
         self._pool.close()
+        for stream in self.streams:
+            stream.close()
         if self._fan_out is not None:
             self._fan_out.shutdown(wait=False)
 
