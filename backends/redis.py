@@ -10,10 +10,12 @@ Each block is one Redis string (so one slot of a cluster)::
 A value that does not verify or is no string is a failed key, deleted and never served.
 The ``2`` names this format: blocks of the earlier one (a hash per block, under
 ``kvt:<digest>:...``) are never read, so engines of both versions can share a server
-while they age out. Each job is one hop on the tier's I/O threads, with the
-checksums and the cipher; no call is retried. Blocks move on the tier's own RESP
-connections (:mod:`backends.redis_wire`): a payload goes out from its slot and comes back
-straight into it, and is verified there. redis-py's client runs everything else (the
+while they age out. A job's pipelines (:mod:`backends.redis_jobs`) run off the loop,
+with the checksums and the cipher: on one server, on a stream that carries several jobs
+at once (:mod:`backends.redis_stream`); on a cluster, as one hop on the tier's pool. No
+call is retried. Blocks move on the tier's own RESP connections
+(:mod:`backends.redis_wire`): a payload goes out from its slot and comes back straight
+into it, and is verified there. redis-py's client runs everything else (the
 start's checks, lookups, usage, deletes, a cluster's redirections), and the data path
 too where the url asks for an option that path lacks or ``data_path`` says so.
 """
@@ -117,8 +119,9 @@ class RedisOptions(BreakerOptions, ActorOptions):
     pipeline_bytes: PositiveInt = 2 << 20
     encryption: str | Keyring | None = secret(None)
     data_path: Literal["sockets", "redis-py"] = "sockets"
-    # Two: the hops' Python between their syscalls contends for the GIL, and more
-    # threads wait on each other (and the loop on them) more than they overlap.
+    # Two (streams, or pool threads): their Python between syscalls contends for the
+    # GIL, and more threads wait on each other (and the loop on them) more than they
+    # overlap; one leaves the server idle while it lands a store's replies.
     io_threads: PositiveInt = 2
 
     @model_validator(mode="after")

@@ -5,7 +5,8 @@ A block is one Redis string: its compact header (:mod:`backends.block_record`), 
 its payload. On the tier's own connections the reply to ``GET`` is read in two parts
 (:data:`backends.resp.Landing`): the header into a small buffer, then, once the
 header checks out (namespace, tenant, key, length, and the record's kind: plain or
-sealed, as this tier reads), the payload straight into the slot, where it is verified
+sealed, as this tier reads), the payload straight into the slot (:attr:`expected`
+lets the connection read it with the next reply's header), where it is verified
 (checksum, or AES-GCM opened in place). A header that does not check out sends its
 payload to a scratch buffer instead: a block of another key, tenant or namespace never
 reaches the slot. A value that comes back whole (redis-py's path, a redirected read)

@@ -107,6 +107,7 @@ class RespStream:
         connection: RespConnection | None = None
         active: deque[_Entry] = deque()  # begun, with pipelines left to send
         on_wire: deque[tuple[_Entry, Pipeline, int]] = deque()  # sent, replies unread
+        reading: _Entry | None = None  # whose replies are being read
         while True:
             with self._wake:
                 while not (self._queue or active or on_wire or self._closed):
@@ -138,12 +139,13 @@ class RespStream:
                     entry.on_wire += 1
                 if on_wire:
                     assert connection is not None
-                    entry, pipeline, pad = on_wire.popleft()
-                    entry.on_wire -= 1
+                    reading, pipeline, pad = on_wire.popleft()
+                    reading.on_wire -= 1
                     count = len(pipeline.commands)
                     pipeline.answer(
                         connection.receive(count, pipeline.sinks, pipeline.expected, pad)
                     )
+                    entry, reading = reading, None
                     if entry.sent_all and not entry.on_wire:
                         self._end(entry)
             except BaseException as exc:  # every job on this connection fails with it
@@ -153,6 +155,9 @@ class RespStream:
                 error = detached(exc) if isinstance(exc, CLIENT_ERRORS) else exc
                 failed = {entry for entry, _, _ in on_wire}
                 failed.update(entry for entry in active if entry.started)
+                if reading is not None:
+                    failed.add(reading)
+                    reading = None
                 on_wire.clear()
                 for entry in failed:
                     if entry in active:

@@ -3,8 +3,9 @@ sent from and received into the host pool's memory with no copy on our side.
 
 redis-py copies every reply through its buffers and builds a ``bytes`` per payload
 while it holds the GIL; here a pipeline's requests go out in ``sendmsg`` calls that
-gather the slots' views, and each payload is read with ``recv_into`` straight into its
-slot (:mod:`backends.resp` parses the rest). Blocking sockets on the tier's I/O
+gather the slots' views, and each payload is received straight into its slot: a reply
+the caller expects in one ``recvmsg_into`` with the next reply's framing and head, any
+other through :mod:`backends.resp`'s reader. Blocking sockets on the tier's I/O
 threads release the GIL for every byte they move. The url's credentials (``AUTH``),
 database (``SELECT``) and TLS files are honoured; a url asking for anything else
 gets no :class:`Endpoint` here, and the tier uses redis-py for it.
