@@ -159,7 +159,7 @@ class RedisOptions(BreakerOptions, ActorOptions):
         if endpoint is None:
             return None
         if isinstance(client, RedisCluster):
-            return WirePipelines(endpoint, client, fan_out=self.io_threads * 2)
+            return WirePipelines(endpoint, client)
         # One stream per I/O thread, sharing the jobs' window: at most max_inflight
         # pipelines on the wire, as with a job per thread.
         window = max(1, self.max_inflight // self.io_threads)

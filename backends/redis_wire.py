@@ -3,19 +3,17 @@ to one server (carried by streams, :mod:`backends.redis_stream`, or one round tr
 a time) or to every node of a cluster at once.
 
 On a cluster, a pipeline's commands are grouped by the node that owns their key's
-slot (redis-py's map of the slots) and every node's group is sent at the same time,
-each on its own thread: the pipeline takes as long as its slowest node, not the sum.
-A command a node redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's
-cluster client, which follows it and updates its map; a node that fails makes the
-pipeline raise once every other node's group is over (none of them still reads into
-or sends from the caller's memory), after the map is refreshed.
+slot (redis-py's map of the slots) and every node's group is sent before any reply is
+read: the nodes work at once, and one thread reads their replies in turn. A command a
+node redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's cluster client,
+which follows it and updates its map; a node that fails makes the pipeline raise (the
+connections it used closed, replies left unread on them) after the map is refreshed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from backends.redis_client import (
@@ -24,14 +22,12 @@ from backends.redis_client import (
     ClientError,
     ClusterDownError,
     RedisCluster,
-    RedisConnectionError,
     ResponseError,
     TryAgainError,
 )
 from backends.redis_stream import RespStream
 from backends.resp import Reply, Sink, joined
-from backends.resp_connection import Command, ConnectionPool, Endpoint, Expected
-from tiering.workers import init_io_worker
+from backends.resp_connection import Command, ConnectionPool, Endpoint, Expected, RespConnection
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +37,14 @@ Replies = list[Reply | ResponseError | Any]
 class WirePipelines:
     """Pipelined round trips of the tier's data commands (their keys in ``names``,
     one per command) to ``endpoint``, or with ``cluster`` (redis-py's client) to the
-    node of each key; ``fan_out`` threads send to a cluster's other nodes."""
+    node of each key; with ``streams``, that many :class:`RespStream` s to ``endpoint``
+    (each keeping ``window`` pipelines on the wire at most)."""
 
     def __init__(
         self,
         endpoint: Endpoint,
         cluster: RedisCluster | None = None,
         *,
-        fan_out: int = 1,
         streams: int = 0,
         window: int = 1,
     ) -> None:
@@ -60,15 +56,6 @@ class WirePipelines:
             for i in range(streams if cluster is None else 0)
         ]
         """The streams to the server (none to a cluster): :meth:`stream` picks one."""
-        self._fan_out = (
-            ThreadPoolExecutor(
-                max_workers=fan_out,
-                thread_name_prefix="RedisTier-node",
-                initializer=init_io_worker,  # scheduled as the tier's own I/O threads
-            )
-            if cluster is not None
-            else None
-        )
 
     def stream(self) -> RespStream:
         """The stream with the fewest jobs waiting."""
@@ -94,32 +81,28 @@ class WirePipelines:
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
             groups.setdefault(self._endpoint.at(node.host, node.port), []).append(i)
         replies: Replies = [None] * len(commands)
-        parts = list(groups.items())
-        assert self._fan_out is not None
-        others: list[tuple[list[int], Future[Replies]]] = []
+        # Every node's group is sent before any reply is read, so the nodes work at
+        # once; one thread reads them in turn (threads per node only waited on each
+        # other for the GIL). Nothing reads into the caller's memory once this returns.
+        sent: list[tuple[list[int], RespConnection, int]] = []
         failure: BaseException | None = None
-        for endpoint, group in parts[1:]:
-            try:
-                call = self._fan_out.submit(
-                    self._group_trip, endpoint, group, commands, sinks, expected
-                )
-            except RuntimeError:  # shut down: the tier is closing
-                failure = RedisConnectionError("the redis tier is closed")
-                parts = []  # nothing more is sent; what was is waited for below
-                break
-            others.append((group, call))
         try:
-            if parts:
-                endpoint, group = parts[0]
-                got = self._group_trip(endpoint, group, commands, sinks, expected)
+            for endpoint, group in groups.items():
+                connection = self._pool.take(endpoint)
+                sent.append((group, connection, 0))
+                pad = connection.send(*_chosen(group, commands, sinks, expected))
+                sent[-1] = (group, connection, pad)
+            for group, connection, pad in sent:
+                _, chosen_sinks, chosen_expected = _chosen(group, commands, sinks, expected)
+                got = connection.receive(len(group), chosen_sinks, chosen_expected, pad)
                 self._place(replies, group, got)
         except CLIENT_ERRORS as exc:
             failure = exc
-        for group, future in others:  # every group waited for: they use the caller's memory
-            try:
-                self._place(replies, group, future.result())
-            except CLIENT_ERRORS as exc:
-                failure = failure or exc
+        for _, connection, _ in sent:
+            if failure is None:
+                self._pool.give(connection)
+            else:  # replies may be left unread on it
+                connection.close()
         if failure is not None:
             self._refresh()
             raise failure
@@ -134,21 +117,6 @@ class WirePipelines:
                         raise
                     replies[i] = exc
         return replies
-
-    def _group_trip(
-        self,
-        endpoint: Endpoint,
-        group: list[int],
-        commands: Sequence[Command],
-        sinks: Sequence[Sink | None] | None,
-        expected: Sequence[Expected] | None,
-    ) -> Replies:
-        chosen = [commands[i] for i in group]
-        chosen_sinks = None if sinks is None else [sinks[i] for i in group]
-        chosen_expected = None if expected is None else [expected[i] for i in group]
-        return self._pool.run(
-            endpoint, lambda c: c.round_trip(chosen, chosen_sinks, chosen_expected)
-        )
 
     @staticmethod
     def _place(replies: Replies, group: list[int], got: Replies) -> None:
@@ -169,8 +137,20 @@ class WirePipelines:
         self._pool.close()
         for stream in self.streams:
             stream.close()
-        if self._fan_out is not None:
-            self._fan_out.shutdown(wait=False)
+
+
+def _chosen(
+    group: list[int],
+    commands: Sequence[Command],
+    sinks: Sequence[Sink | None] | None,
+    expected: Sequence[Expected] | None,
+) -> tuple[list[Command], list[Sink | None] | None, list[Expected] | None]:
+    """The commands, sinks and expected replies of ``group`` (indexes into them)."""
+    return (
+        [commands[i] for i in group],
+        None if sinks is None else [sinks[i] for i in group],
+        None if expected is None else [expected[i] for i in group],
+    )
 
 
 __all__ = ["ClientError", "WirePipelines"]

@@ -359,18 +359,28 @@ class ConnectionPool:
         """``work(connection)`` on an idle connection to ``endpoint`` (or a new one);
         the connection goes back to the pool if ``work`` returns, and is closed if it
         raises (its stream may be half read)."""
-        connection = self._take(endpoint) or RespConnection(endpoint)
+        connection = self.take(endpoint)
         try:
             result = work(connection)
         except BaseException:
             connection.close()
             raise
+        self.give(connection)
+        return result
+
+    def take(self, endpoint: Endpoint) -> RespConnection:
+        """An idle connection to ``endpoint``, or a new one: the caller's until it
+        :meth:`give` s it back (or closes it, its stream half read). Raises as
+        :class:`RespConnection` does, and RedisConnectionError once closed."""
+        return self._take(endpoint) or RespConnection(endpoint)
+
+    def give(self, connection: RespConnection) -> None:
+        """Take ``connection`` back, every reply read (closed if the pool is)."""
         with self._lock:
             if not self._closed:
-                self._idle.setdefault(endpoint, []).append(connection)
-                return result
+                self._idle.setdefault(connection.endpoint, []).append(connection)
+                return
         connection.close()
-        return result
 
     def _take(self, endpoint: Endpoint) -> RespConnection | None:
         """An idle connection to ``endpoint`` that is still good, if one is left."""
