@@ -60,7 +60,7 @@ from backends.resp import Sink, joined
 from backends.resp_connection import Expected, endpoint_of
 from tiering.actor import TierActor, deliver
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
-from tiering.errors import InvalidArgumentError
+from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 
@@ -383,8 +383,8 @@ class RedisTier(TierActor):
 
         try:
             call = stream.submit(work, settle)
-        except RuntimeError:
-            return RedisConnectionError("the redis tier is closed")
+        except RuntimeError as exc:
+            raise ClosedError("the redis tier is closed") from exc
         return await self.wait_call(call, done)
 
     # -- I/O threads: one hop per job -----------------------------------------------
@@ -448,6 +448,9 @@ class RedisTier(TierActor):
         except CLIENT_ERRORS as exc:
             work.finish()
             return detached(exc)
+        except BaseException:
+            work.finish()  # the views go, whatever went wrong
+            raise
         return work.finish()
 
     def _delete(self, names: list[bytes]) -> None:

@@ -93,7 +93,8 @@ class RespStream:
         return entry.call
 
     def queued(self) -> int:
-        """Jobs given and not yet ended (roughly: for choosing the least busy stream)."""
+        """Jobs given and not yet begun (read without the lock: for choosing the least
+        busy stream, not for deciding anything that must be exact)."""
         return len(self._queue)
 
     def close(self) -> None:

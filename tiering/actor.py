@@ -410,14 +410,15 @@ class TierActor(AsyncService, SecondaryTierManager):
         try:
             return await done
         except asyncio.CancelledError:
-            if not done.cancelled() or call.cancel():
-                raise  # finished, or never started: nothing runs on a thread any more
-            ended = asyncio.wrap_future(call)
-            while not ended.done():
-                try:
-                    await asyncio.wait({ended})
-                except asyncio.CancelledError:
-                    continue  # already cancelled; the thread has to end first
+            if not done.cancelled():
+                done.exception()  # delivered, and discarded: the cancellation wins
+            elif not call.cancel():  # started: the thread has to end first
+                ended = asyncio.wrap_future(call)
+                while not ended.done():
+                    try:
+                        await asyncio.wait({ended})
+                    except asyncio.CancelledError:
+                        continue  # already cancelled
             raise
 
     def _call_ended(self, job_id: int | None) -> None:
