@@ -10,10 +10,12 @@ Each block is one Redis string (so one slot of a cluster)::
 A value that does not verify or is no string is a failed key, deleted and never served.
 The ``2`` names this format: blocks of the earlier one (a hash per block, under
 ``kvt:<digest>:...``) are never read, so engines of both versions can share a server
-while they age out. Each job is one hop on the tier's I/O threads, with the
-checksums and the cipher; no call is retried. Blocks move on the tier's own RESP
-connections (:mod:`backends.redis_wire`): a payload goes out from its slot and comes back
-straight into it, and is verified there. redis-py's client runs everything else (the
+while they age out. A job's pipelines (:mod:`backends.redis_jobs`) run off the loop,
+with the checksums and the cipher: on one server, on a stream that carries several jobs
+at once (:mod:`backends.redis_stream`); on a cluster, as one hop on the tier's pool. No
+call is retried. Blocks move on the tier's own RESP connections
+(:mod:`backends.redis_wire`): a payload goes out from its slot and comes back straight
+into it, and is verified there. redis-py's client runs everything else (the
 start's checks, lookups, usage, deletes, a cluster's redirections), and the data path
 too where the url asks for an option that path lacks or ``data_path`` says so.
 """
@@ -26,17 +28,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
 from backends.block_record import (
     MAX_TENANT_BYTES,
-    compact_header,
     namespace_digest,
-    payload_checksum,
-    record_binding,
 )
 from backends.breaker import BreakerOptions, BreakerState, CircuitBreaker
 from backends.redis_client import (
@@ -53,21 +52,21 @@ from backends.redis_client import (
     new_client,
     round_trip,
 )
-from backends.redis_landing import CORRUPT, MISSING, REFUSED, BlockLanding
+from backends.redis_jobs import JobShape, LoadWork, StoreWork
+from backends.redis_landing import CORRUPT, MISSING, REFUSED
+from backends.redis_stream import RespStream
 from backends.redis_wire import WirePipelines
 from backends.resp import Sink, joined
-from backends.resp_connection import endpoint_of
-from tiering.actor import TierActor
+from backends.resp_connection import Expected, endpoint_of
+from tiering.actor import TierActor, deliver
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
-from tiering.errors import InvalidArgumentError
+from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
 
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
-
-_Hop = Callable[[Sequence[bytes], Sequence[int]], "dict[bytes, str] | ClientError"]
 
 _TLS_ARGUMENTS = {
     "tls_ca_file": "ssl_ca_certs",
@@ -120,8 +119,9 @@ class RedisOptions(BreakerOptions, ActorOptions):
     pipeline_bytes: PositiveInt = 2 << 20
     encryption: str | Keyring | None = secret(None)
     data_path: Literal["sockets", "redis-py"] = "sockets"
-    # Two: the hops' Python between their syscalls contends for the GIL, and more
-    # threads wait on each other (and the loop on them) more than they overlap.
+    # Two (streams, or pool threads): their Python between syscalls contends for the
+    # GIL, and more threads wait on each other (and the loop on them) more than they
+    # overlap; one leaves the server idle while it lands a store's replies.
     io_threads: PositiveInt = 2
 
     @model_validator(mode="after")
@@ -159,8 +159,11 @@ class RedisOptions(BreakerOptions, ActorOptions):
         if endpoint is None:
             return None
         if isinstance(client, RedisCluster):
-            return WirePipelines(endpoint, client, fan_out=self.io_threads * 2)
-        return WirePipelines(endpoint)
+            return WirePipelines(endpoint, client)
+        # One stream per I/O thread, sharing the jobs' window: at most max_inflight
+        # pipelines on the wire, as with a job per thread.
+        window = max(1, self.max_inflight // self.io_threads)
+        return WirePipelines(endpoint, streams=self.io_threads, window=window)
 
 
 class RedisTier(TierActor):
@@ -196,6 +199,7 @@ class RedisTier(TierActor):
         # What every record of this tier is written with and checked against.
         self._record: dict[str, Any] = dict(tenant=tenant, payload_bytes=block_bytes, ns_digest=ns)
         self._blocks_per_pipeline = max(1, o.pipeline_bytes // block_bytes)
+        self._job_shape: JobShape | None = None
         # Each I/O thread's buffer of one pipeline's sealed payloads (with encryption).
         self._seal_buffers = threading.local()
         # Made by the first call that needs it (a cluster client connects as it is made,
@@ -309,19 +313,26 @@ class RedisTier(TierActor):
     # -- hooks ------------------------------------------------------------------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
-        return await self._run_hop(job, "store", self._store_hop)
+        return await self._run_hop(job, "store", StoreWork)
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
-        return await self._run_hop(job, "load", self._load_hop)
+        return await self._run_hop(job, "load", LoadWork)
 
-    async def _run_hop(self, job: JobMetadata, what: str, hop: _Hop) -> JobResult:
-        """Run ``hop`` for ``job``'s keys on an I/O thread (unless the breaker refuses)
+    async def _run_hop(
+        self, job: JobMetadata, what: str, work: type[StoreWork | LoadWork]
+    ) -> JobResult:
+        """Run ``job``'s work on a stream or a pool thread (unless the breaker refuses)
         and account for what each key came to."""
         keys = list(job.keys)
         if not self._serving or not self.breaker.allow():
             outcome: dict[bytes, str] | BaseException | None = None
         else:
-            outcome = await self.run_blocking(hop, keys, list(job.block_ids))
+            todo = work(self._shape(), keys, list(job.block_ids))
+            wire = self._wire
+            if wire is not None and wire.streams:
+                outcome = await self._on_stream(wire.stream(), todo)
+            else:
+                outcome = await self.run_blocking(self._run_work, todo)
         if not isinstance(outcome, dict):
             for key in keys:  # whatever the server holds now, the cache no longer knows
                 self._forget(key)
@@ -338,17 +349,17 @@ class RedisTier(TierActor):
         failed = outcome
         self.breaker.succeeded()
         refusals = []
-        for key in keys:
-            why = failed.get(key)
-            if why is None:
-                self._remember(key, True)
-            elif why.startswith(REFUSED):
-                self._forget(key)  # the server would not say: no answer kept
-                refusals.append(why)
-            else:  # absent, or corrupt and deleted
-                self._remember(key, False)
-                self._counters["corrupt_blocks"] += why.startswith(CORRUPT)
-                self._counters["missing_blocks"] += why.startswith(MISSING)
+        if failed:
+            for key, why in failed.items():
+                if why.startswith(REFUSED):
+                    self._forget(key)  # the server would not say: no answer kept
+                    refusals.append(why)
+                else:  # absent, or corrupt and deleted
+                    self._counters["corrupt_blocks"] += why.startswith(CORRUPT)
+                    self._counters["missing_blocks"] += why.startswith(MISSING)
+            absent = [key for key in keys if key in failed and not failed[key].startswith(REFUSED)]
+            self._remember(absent, False)
+        self._remember([key for key in keys if key not in failed] if failed else keys, True)
         done = "stored_blocks" if what == "store" else "loaded_blocks"
         self._counters[done] += len(keys) - len(failed)
         self._counters["pipelines"] += -(-len(keys) // self._blocks_per_pipeline)
@@ -358,6 +369,23 @@ class RedisTier(TierActor):
             return JobResult(job.job_id, True)
         first = next(iter(failed.values()))
         return JobResult(job.job_id, False, tuple(failed), f"{len(failed)} keys failed: {first}")
+
+    async def _on_stream(
+        self, stream: RespStream, work: StoreWork | LoadWork
+    ) -> dict[bytes, str] | ClientError:
+        """``work`` carried by ``stream``, awaited as :meth:`run_blocking` awaits."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[dict[bytes, str] | ClientError] = loop.create_future()
+
+        def settle(outcome: Any) -> None:
+            raised = isinstance(outcome, BaseException) and not isinstance(outcome, CLIENT_ERRORS)
+            deliver(loop, done, outcome, raised=raised)
+
+        try:
+            call = stream.submit(work, settle)
+        except RuntimeError as exc:
+            raise ClosedError("the redis tier is closed") from exc
+        return await self.wait_call(call, done)
 
     # -- I/O threads: one hop per job -----------------------------------------------
 
@@ -392,98 +420,44 @@ class RedisTier(TierActor):
             probe.close()
         return None
 
-    def _store_hop(
-        self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> dict[bytes, str] | ClientError:
-        """Write every block (header, then the payload straight from its slot, or with
-        ``encryption`` sealed into this thread's buffer) in pipelined round trips of at
-        most ``pipeline_bytes``. Returns the keys the server refused, with why, or the
-        client's error if a call failed (the blocks before it are stored)."""
-        cipher, record = self._cipher, self._record
-        expiry = () if self.options.ttl_s is None else ("EX", max(1, round(self.options.ttl_s)))
-        views: list[memoryview] = []
-        sealed = self._sealing_buffers() if cipher is not None else []
-        failed: dict[bytes, str] = {}
+    def _shape(self) -> JobShape:
+        """What this tier's jobs are made with (made once, at the first job)."""
+        if self._job_shape is None:
+            o = self.options
+            self._job_shape = JobShape(
+                slot=self.slot,
+                prefix=self._prefix,
+                record=self._record,
+                cipher=self._cipher,
+                per_pipeline=self._blocks_per_pipeline,
+                expiry=() if o.ttl_s is None else ("EX", max(1, round(o.ttl_s))),
+                seal_buffers=self._sealing_buffers,
+                delete=self._delete,
+            )
+        return self._job_shape
+
+    def _run_work(self, work: StoreWork | LoadWork) -> dict[bytes, str] | ClientError:
+        """On a pool thread: ``work``'s pipelines one after another, on the tier's own
+        connections (to one server, or to a cluster's nodes at once) or redis-py's.
+        Returns ``work``'s outcome, or the client's error if a call failed (the blocks
+        before it are stored)."""
         try:
             path = self._data_path()
-            for start in range(0, len(keys), self._blocks_per_pipeline):
-                stop = start + self._blocks_per_pipeline
-                batch = keys[start:stop]
-                commands: list[tuple[Any, ...]] = []
-                names: list[bytes] = []
-                for i, (key, block_id) in enumerate(zip(batch, block_ids[start:stop], strict=True)):
-                    value = self.slot(block_id)
-                    views.append(value)
-                    binding = record_binding(record["ns_digest"], record["tenant"], key)
-                    if cipher is None:
-                        seal, checksum = None, payload_checksum(value, binding)
-                    else:
-                        # The buffer is free again once the previous round trip
-                        # returned: the client has sent it by then.
-                        seal, checksum = cipher.seal_into(value, sealed[i], binding), None
-                        value = sealed[i][: self.block_bytes]
-                    header = compact_header(key=key, checksum=checksum, seal=seal, **record)
-                    names.append(self._prefix + key)
-                    commands.append(("SET", names[-1], (header, value), *expiry))
-                replies = self._round_trip(path, names, commands)
-                for key, reply in zip(batch, replies, strict=True):
-                    if isinstance(reply, ResponseError):
-                        failed[key] = f"{REFUSED} the store: {reply}"
-                del commands, replies
+            for pipeline in work.pipelines():
+                pipeline.answer(self._round_trip(path, *pipeline[:4]))
         except CLIENT_ERRORS as exc:
+            work.finish()
             return detached(exc)
-        finally:
-            # The client's own frames, kept in reference cycles after an error, may
-            # still name these views: released, they no longer pin the host pool.
-            for view in views:
-                view.release()
-        return failed
+        except BaseException:
+            work.finish()  # the views go, whatever went wrong
+            raise
+        return work.finish()
 
-    def _load_hop(
-        self, keys: Sequence[bytes], block_ids: Sequence[int]
-    ) -> dict[bytes, str] | ClientError:
-        """Read every block in pipelined round trips of at most ``pipeline_bytes``,
-        each payload straight into its slot (:class:`BlockLanding`) and verified there;
-        delete the corrupt ones (and values of another type) from the server. Returns
-        why each failed key failed, or the client's error."""
-        failed: dict[bytes, str] = {}
-        corrupt: list[bytes] = []
-        landings: list[BlockLanding] = []
-        try:
-            path = self._data_path()
-            client = path[0]
-            for start in range(0, len(keys), self._blocks_per_pipeline):
-                stop = start + self._blocks_per_pipeline
-                batch = [
-                    BlockLanding(key, self.slot(block_id), self._record, self._cipher)
-                    for key, block_id in zip(keys[start:stop], block_ids[start:stop], strict=True)
-                ]
-                landings += batch
-                names = [self._prefix + landing.key for landing in batch]
-                commands = [("GET", name) for name in names]
-                values = self._round_trip(path, names, commands, [x.sink for x in batch])
-                for landing, value in zip(batch, values, strict=True):
-                    why = landing.verify(value)
-                    if why:
-                        failed[landing.key] = why
-                        if why.startswith(CORRUPT):
-                            corrupt.append(self._prefix + landing.key)
-                del values  # a whole pipeline of block bytes: not kept past its turn
-        except CLIENT_ERRORS as exc:
-            return detached(exc)
-        finally:
-            for landing in landings:
-                landing.release()
-        self._delete(client, corrupt)
-        return failed
-
-    def _delete(self, client: Redis | RedisCluster, names: list[bytes]) -> None:
+    def _delete(self, names: list[bytes]) -> None:
         """Delete ``names`` (values that are no blocks of this tier) from the server, as
         far as it goes: a failure is logged, and the next load of each fails again."""
-        if not names:
-            return
         try:
-            client.delete(*names)
+            self._connected().delete(*names)
         except CLIENT_ERRORS as exc:  # the job's other keys still count
             logger.debug("redis tier: deleting corrupt blocks failed: %r", detached(exc))
 
@@ -548,29 +522,36 @@ class RedisTier(TierActor):
         names: Sequence[bytes],
         commands: Sequence[tuple[Any, ...]],
         sinks: Sequence[Sink | None] | None = None,
+        expected: Sequence[Expected] | None = None,
     ) -> list[Any]:
         """``commands`` (on the keys ``names``) in one pipelined round trip (one per
         node), on the tier's own connections if it has them, else redis-py's."""
         client, wire = path
         if wire is None:
             return round_trip(client, [joined(command) for command in commands])
-        return wire.round_trip(names, commands, sinks)
+        return wire.round_trip(names, commands, sinks, expected)
 
     # -- presence cache and background tasks (loop thread) ----------------------------
 
-    def _remember(self, key: OffloadKey, present: bool) -> None:
-        """Cache what was just found of ``key``; a presence check on the wire now may
-        have read the server before that, so its answer for ``key`` is dropped."""
-        self._in_check.discard(key)
+    def _remember(self, keys: Sequence[OffloadKey], present: bool) -> None:
+        """Cache what was just found of ``keys``; a presence check on the wire now may
+        have read the server before that, so its answer for them is dropped."""
+        if not keys:
+            return
+        if self._in_check:
+            self._in_check.difference_update(keys)
         ttl = self.options.presence_ttl_s if present else self.options.absence_ttl_s
-        presence = self._presence
-        old = presence.get(key)
-        self._known_present += present - (old is not None and old[0])
-        presence[key] = (present, time.monotonic() + ttl)
-        presence.move_to_end(key)
-        if len(presence) > self.options.presence_entries:
+        entry = (present, time.monotonic() + ttl)
+        presence, known = self._presence, self._known_present
+        for key in keys:
+            old = presence.pop(key, None)  # then put back last: the most recent
+            known += present - (old is not None and old[0])
+            presence[key] = entry
+        limit = self.options.presence_entries
+        while len(presence) > limit:
             _, (dropped, _) = presence.popitem(last=False)
-            self._known_present -= dropped
+            known -= dropped
+        self._known_present = known
 
     def _forget(self, key: OffloadKey) -> None:
         """Drop the cached answer for ``key`` (and a check's on the wire now): a lookup
@@ -613,10 +594,13 @@ class RedisTier(TierActor):
                     return
                 self.breaker.succeeded()
                 self._counters["lookup_round_trips"] += 1
+                answers: dict[bool, list[OffloadKey]] = {True: [], False: []}
                 for key, count in zip(batch, found, strict=True):
                     if key in self._in_check:  # else a store or load has answered since
                         # An error reply (the server would not say) reads as absent.
-                        self._remember(key, isinstance(count, int) and count > 0)
+                        answers[isinstance(count, int) and count > 0].append(key)
+                for present, keys in answers.items():
+                    self._remember(keys, present)
         finally:
             self._checking = False
             self._in_check.clear()

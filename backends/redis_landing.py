@@ -5,7 +5,8 @@ A block is one Redis string: its compact header (:mod:`backends.block_record`), 
 its payload. On the tier's own connections the reply to ``GET`` is read in two parts
 (:data:`backends.resp.Landing`): the header into a small buffer, then, once the
 header checks out (namespace, tenant, key, length, and the record's kind: plain or
-sealed, as this tier reads), the payload straight into the slot, where it is verified
+sealed, as this tier reads), the payload straight into the slot (:attr:`expected`
+lets the connection read it with the next reply's header), where it is verified
 (checksum, or AES-GCM opened in place). A header that does not check out sends its
 payload to a scratch buffer instead: a block of another key, tenant or namespace never
 reaches the slot. A value that comes back whole (redis-py's path, a redirected read)
@@ -25,6 +26,7 @@ from backends.block_record import (
 )
 from backends.redis_client import ResponseError, holds_another_type
 from backends.resp import Landed
+from backends.resp_connection import Expected
 from tiering.encryption import BlockCipher
 from tiering.errors import CorruptBlockError
 
@@ -52,6 +54,11 @@ class BlockLanding:
         self._record: BlockHeader | None = None
         self._why = ""  # the header's fault, found before the payload came
         self._aside: memoryview | None = None  # where a payload not for the slot went
+
+    @property
+    def expected(self) -> Expected:
+        """The ``GET`` reply of a record of this key: its length, its header's."""
+        return Expected(len(self._header) + self._slot.nbytes, len(self._header))
 
     def sink(self, before: list[Any], length: int) -> tuple[memoryview, Any] | None:
         """The ``GET`` reply's landing: the header, then :meth:`_payload_view`; None

@@ -1,20 +1,19 @@
 """The Redis tier's pipelines on its own RESP connections (:mod:`backends.resp_connection`),
-to one server or to every node of a cluster at once.
+to one server (carried by streams, :mod:`backends.redis_stream`, or one round trip at
+a time) or to every node of a cluster at once.
 
 On a cluster, a pipeline's commands are grouped by the node that owns their key's
-slot (redis-py's map of the slots) and every node's group is sent at the same time,
-each on its own thread: the pipeline takes as long as its slowest node, not the sum.
-A command a node redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's
-cluster client, which follows it and updates its map; a node that fails makes the
-pipeline raise once every other node's group is over (none of them still reads into
-or sends from the caller's memory), after the map is refreshed.
+slot (redis-py's map of the slots) and every node's group is sent before any reply is
+read: the nodes work at once, and one thread reads their replies in turn. A command a
+node redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's cluster client,
+which follows it and updates its map; a node that fails makes the pipeline raise (the
+connections it used closed, replies left unread on them) after the map is refreshed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from backends.redis_client import (
@@ -23,13 +22,12 @@ from backends.redis_client import (
     ClientError,
     ClusterDownError,
     RedisCluster,
-    RedisConnectionError,
     ResponseError,
     TryAgainError,
 )
+from backends.redis_stream import RespStream
 from backends.resp import Reply, Sink, joined
-from backends.resp_connection import Command, ConnectionPool, Endpoint
-from tiering.workers import init_io_worker
+from backends.resp_connection import Command, ConnectionPool, Endpoint, Expected, RespConnection
 
 logger = logging.getLogger(__name__)
 
@@ -39,65 +37,72 @@ Replies = list[Reply | ResponseError | Any]
 class WirePipelines:
     """Pipelined round trips of the tier's data commands (their keys in ``names``,
     one per command) to ``endpoint``, or with ``cluster`` (redis-py's client) to the
-    node of each key; ``fan_out`` threads send to a cluster's other nodes."""
+    node of each key; with ``streams``, that many :class:`RespStream` s to ``endpoint``
+    (each keeping ``window`` pipelines on the wire at most)."""
 
     def __init__(
-        self, endpoint: Endpoint, cluster: RedisCluster | None = None, *, fan_out: int = 1
+        self,
+        endpoint: Endpoint,
+        cluster: RedisCluster | None = None,
+        *,
+        streams: int = 0,
+        window: int = 1,
     ) -> None:
         self._endpoint = endpoint
         self._cluster = cluster
         self._pool = ConnectionPool()
-        self._fan_out = (
-            ThreadPoolExecutor(
-                max_workers=fan_out,
-                thread_name_prefix="RedisTier-node",
-                initializer=init_io_worker,  # scheduled as the tier's own I/O threads
-            )
-            if cluster is not None
-            else None
-        )
+        self.streams = [
+            RespStream(endpoint, window=window, name=f"RedisTier-stream-{i}")
+            for i in range(streams if cluster is None else 0)
+        ]
+        """The streams to the server (none to a cluster): :meth:`stream` picks one."""
+
+    def stream(self) -> RespStream:
+        """The stream with the fewest jobs waiting."""
+        return min(self.streams, key=RespStream.queued)
 
     def round_trip(
         self,
         names: Sequence[bytes],
         commands: Sequence[Command],
         sinks: Sequence[Sink | None] | None = None,
+        expected: Sequence[Expected] | None = None,
     ) -> Replies:
         """Send ``commands`` and read every reply, in the commands' order (an error
         reply in its place; a redirected command's reply as redis-py gives it, with no
-        sink). Raises the client's error (connection failed or timed out, cluster down),
+        sink). ``sinks`` and ``expected``: as :meth:`RespConnection.round_trip` takes
+        them. Raises the client's error (connection failed or timed out, cluster down),
         retrying nothing."""
         cluster = self._cluster
         if cluster is None:
-            return self._pool.run(self._endpoint, lambda c: c.round_trip(commands, sinks))
+            return self._pool.run(self._endpoint, lambda c: c.round_trip(commands, sinks, expected))
         groups: dict[Endpoint, list[int]] = {}
         for i, name in enumerate(names):
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
             groups.setdefault(self._endpoint.at(node.host, node.port), []).append(i)
         replies: Replies = [None] * len(commands)
-        parts = list(groups.items())
-        assert self._fan_out is not None
-        others: list[tuple[list[int], Future[Replies]]] = []
+        # Every node's group is sent before any reply is read, so the nodes work at
+        # once; one thread reads them in turn (threads per node only waited on each
+        # other for the GIL). Nothing reads into the caller's memory once this returns.
+        sent: list[tuple[list[int], RespConnection, int]] = []
         failure: BaseException | None = None
-        for endpoint, group in parts[1:]:
-            try:
-                call = self._fan_out.submit(self._group_trip, endpoint, group, commands, sinks)
-            except RuntimeError:  # shut down: the tier is closing
-                failure = RedisConnectionError("the redis tier is closed")
-                parts = []  # nothing more is sent; what was is waited for below
-                break
-            others.append((group, call))
         try:
-            if parts:
-                endpoint, group = parts[0]
-                self._place(replies, group, self._group_trip(endpoint, group, commands, sinks))
+            for endpoint, group in groups.items():
+                connection = self._pool.take(endpoint)
+                sent.append((group, connection, 0))
+                pad = connection.send(*_chosen(group, commands, sinks, expected))
+                sent[-1] = (group, connection, pad)
+            for group, connection, pad in sent:
+                _, chosen_sinks, chosen_expected = _chosen(group, commands, sinks, expected)
+                got = connection.receive(len(group), chosen_sinks, chosen_expected, pad)
+                self._place(replies, group, got)
         except CLIENT_ERRORS as exc:
             failure = exc
-        for group, future in others:  # every group waited for: they use the caller's memory
-            try:
-                self._place(replies, group, future.result())
-            except CLIENT_ERRORS as exc:
-                failure = failure or exc
+        for _, connection, _ in sent:
+            if failure is None:
+                self._pool.give(connection)
+            else:  # replies may be left unread on it
+                connection.close()
         if failure is not None:
             self._refresh()
             raise failure
@@ -113,17 +118,6 @@ class WirePipelines:
                     replies[i] = exc
         return replies
 
-    def _group_trip(
-        self,
-        endpoint: Endpoint,
-        group: list[int],
-        commands: Sequence[Command],
-        sinks: Sequence[Sink | None] | None,
-    ) -> Replies:
-        chosen = [commands[i] for i in group]
-        chosen_sinks = None if sinks is None else [sinks[i] for i in group]
-        return self._pool.run(endpoint, lambda c: c.round_trip(chosen, chosen_sinks))
-
     @staticmethod
     def _place(replies: Replies, group: list[int], got: Replies) -> None:
         for i, reply in zip(group, got, strict=True):
@@ -138,10 +132,25 @@ class WirePipelines:
             logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
 
     def close(self) -> None:
-        """Close the idle connections (those in use close as their hop ends)."""
+        """Close the idle connections (those in use close as their hop ends) and the
+        streams (once their jobs begun are done)."""
         self._pool.close()
-        if self._fan_out is not None:
-            self._fan_out.shutdown(wait=False)
+        for stream in self.streams:
+            stream.close()
+
+
+def _chosen(
+    group: list[int],
+    commands: Sequence[Command],
+    sinks: Sequence[Sink | None] | None,
+    expected: Sequence[Expected] | None,
+) -> tuple[list[Command], list[Sink | None] | None, list[Expected] | None]:
+    """The commands, sinks and expected replies of ``group`` (indexes into them)."""
+    return (
+        [commands[i] for i in group],
+        None if sinks is None else [sinks[i] for i in group],
+        None if expected is None else [expected[i] for i in group],
+    )
 
 
 __all__ = ["ClientError", "WirePipelines"]

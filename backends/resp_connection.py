@@ -3,8 +3,9 @@ sent from and received into the host pool's memory with no copy on our side.
 
 redis-py copies every reply through its buffers and builds a ``bytes`` per payload
 while it holds the GIL; here a pipeline's requests go out in ``sendmsg`` calls that
-gather the slots' views, and each payload is read with ``recv_into`` straight into its
-slot (:mod:`backends.resp` parses the rest). Blocking sockets on the tier's I/O
+gather the slots' views, and each payload is received straight into its slot: a reply
+the caller expects in one ``recvmsg_into`` with the next reply's framing and head, any
+other through :mod:`backends.resp`'s reader. Blocking sockets on the tier's I/O
 threads release the GIL for every byte they move. The url's credentials (``AUTH``),
 database (``SELECT``) and TLS files are honoured; a url asking for anything else
 gets no :class:`Endpoint` here, and the tier uses redis-py for it.
@@ -26,6 +27,7 @@ from backends.resp import (
     NOT_YET,
     Argument,
     ErrorReply,
+    Landed,
     ProtocolError,
     Reply,
     RespReader,
@@ -44,8 +46,18 @@ Command = Sequence[Argument]
 
 _CHUNK = 32 << 10  # bytes one plain recv asks for (replies' framing, small values)
 _AHEAD = 512  # ... and while a reply may land in a sink
+_PAD_FRAMING = 32  # bytes the padding reply holds beyond its padding, at most
 _IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
 _PLAIN_KEYS = {"host", "port", "username", "password", "db", "path", "connection_class"}
+
+
+class Expected(NamedTuple):
+    """The bulk string a command's reply is expected to be: its ``length``, and how
+    many of its first bytes (``head``) land in the sink's first view before the rest
+    (:data:`backends.resp.Landing`)."""
+
+    length: int
+    head: int
 
 
 class Endpoint(NamedTuple):
@@ -142,6 +154,8 @@ class RespConnection:
             self._wait_all = socket.MSG_WAITALL
         self._reader = RespReader()
         self._chunk = memoryview(bytearray(_CHUNK))
+        self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
+        self._crlf = memoryview(bytearray(2))
         try:
             self._hello()
         except BaseException:
@@ -162,23 +176,121 @@ class RespConnection:
                 raise AuthenticationError(str(reply))
 
     def round_trip(
-        self, commands: Sequence[Command], sinks: Sequence[Sink | None] | None = None
+        self,
+        commands: Sequence[Command],
+        sinks: Sequence[Sink | None] | None = None,
+        expected: Sequence[Expected] | None = None,
     ) -> list[Reply | ResponseError]:
         """Send ``commands`` pipelined and read their replies, in order; an error reply
         comes back as redis-py's error in its place. ``sinks[i]`` (if given) picks
-        where the bulk strings of reply ``i`` land (:data:`backends.resp.Sink`)."""
+        where the bulk strings of reply ``i`` land (:data:`backends.resp.Sink`).
+        ``expected[i]`` (with ``sinks``) is the bulk string reply ``i`` is expected to
+        be: on a plain socket such replies are read with one receive each (its rest,
+        then the next reply's framing and head), and a reply that is not as expected
+        is read as any other; its sink then gives where the rest lands."""
+        pad = self.send(commands, sinks, expected)
+        return self.receive(len(commands), sinks, expected, pad)
+
+    def send(
+        self,
+        commands: Sequence[Command],
+        sinks: Sequence[Sink | None] | None = None,
+        expected: Sequence[Expected] | None = None,
+    ) -> int:
+        """The first half of :meth:`round_trip`: send ``commands``; returns what
+        :meth:`receive` needs to read their replies (several pipelines may be sent
+        before their replies are read, in the order sent)."""
         buffers: list[Buffer] = []
         for command in commands:
             encode_command(command, buffers)
+        pad = 0
+        if expected and sinks is not None and self._gather:
+            # A padding reply after the last: whatever the replies turn out to be, at
+            # least a reply's framing and head follow the end of every one of them, so
+            # a receive that waits for all the bytes it asks for never waits in vain.
+            pad = max(len(b"$%d\r\n" % e.length) + e.head for e in expected)
+            if pad + _PAD_FRAMING <= self._ahead.nbytes:
+                encode_command((b"ECHO", b"." * pad), buffers)
+            else:
+                pad = 0
         self._send(buffers)
+        return pad
+
+    def receive(
+        self,
+        count: int,
+        sinks: Sequence[Sink | None] | None,
+        expected: Sequence[Expected] | None,
+        pad: int,
+    ) -> list[Reply | ResponseError]:
+        """The second half of :meth:`round_trip`: the replies of the ``count`` commands
+        :meth:`send` sent (with these ``sinks`` and ``expected``; it returned ``pad``)."""
+        if pad:
+            assert sinks is not None and expected is not None
+            return self._read_expected(sinks, expected, pad)
+        return self._read_replies(sinks, 0, count)
+
+    def _read_replies(
+        self, sinks: Sequence[Sink | None] | None, first: int, stop: int
+    ) -> list[Reply | ResponseError]:
         replies: list[Reply | ResponseError] = []
         reader = self._reader
-        for i in range(len(commands)):
+        for i in range(first, stop):
             reader.sink = sinks[i] if sinks is not None else None
             reply = self._read_reply()
             replies.append(response_error(reply) if isinstance(reply, ErrorReply) else reply)
         reader.sink = None
         return replies
+
+    def _read_expected(
+        self, sinks: Sequence[Sink | None], expected: Sequence[Expected], pad: int
+    ) -> list[Reply | ResponseError]:
+        """The replies of a pipeline sent with its padding ``ECHO``: while they are as
+        ``expected``, each in one ``recvmsg_into`` (its rest into the sink's view, its
+        CR LF, the next one's framing and head); from the first that is not, through
+        the reader (fed what was read ahead)."""
+        ahead, crlf = self._ahead, self._crlf
+        framings = [b"$%d\r\n" % e.length for e in expected]
+        trailer = b"$%d\r\n%s\r\n" % (pad, b"." * pad)
+        size = len(framings[0]) + expected[0].head
+        self._fill([ahead[:size]])
+        replies: list[Reply | ResponseError] = []
+        for i, (framing, (length, head)) in enumerate(zip(framings, expected, strict=True)):
+            sink = sinks[i]
+            landing = sink([], length) if ahead[: len(framing)] == framing and sink else None
+            if not isinstance(landing, tuple) or landing[0].nbytes != head:
+                # Not as expected (a nil, an error, another length): the reader takes
+                # over with what was read ahead; the sink is asked again, by it.
+                self._reader.feed(ahead[:size])
+                replies += self._read_replies(sinks, i, len(expected))
+                if self._read_reply() != b"." * pad:
+                    raise RedisConnectionError("the redis server sent no reply to ECHO")
+                return replies
+            view, rest = landing
+            view[:] = ahead[len(framing) : size]
+            target = rest()
+            if target.nbytes != length - head:
+                raise RedisConnectionError("a sink gave a view of the wrong length")
+            size = len(framings[i + 1]) + expected[i + 1].head if i + 1 < len(expected) else 0
+            self._fill([target, crlf, ahead[: size or len(trailer)]])
+            if crlf != b"\r\n":
+                raise RedisConnectionError("the redis server sent no RESP: no CR LF")
+            replies.append(Landed(length))
+        if ahead[: len(trailer)] != trailer:
+            raise RedisConnectionError("the redis server sent no reply to ECHO")
+        return replies
+
+    def _fill(self, views: list[memoryview]) -> None:
+        """Receive exactly as many bytes as ``views`` hold, into them in order."""
+        sock, wait_all = self._sock, self._wait_all
+        while views:
+            count = sock.recvmsg_into(views, 0, wait_all)[0]
+            if not count:
+                raise RedisConnectionError("the redis server closed the connection")
+            while views and count >= views[0].nbytes:
+                count -= views.pop(0).nbytes
+            if count:
+                views[0] = views[0][count:]
 
     def _send(self, buffers: list[Buffer]) -> None:
         sock = self._sock
@@ -247,18 +359,28 @@ class ConnectionPool:
         """``work(connection)`` on an idle connection to ``endpoint`` (or a new one);
         the connection goes back to the pool if ``work`` returns, and is closed if it
         raises (its stream may be half read)."""
-        connection = self._take(endpoint) or RespConnection(endpoint)
+        connection = self.take(endpoint)
         try:
             result = work(connection)
         except BaseException:
             connection.close()
             raise
+        self.give(connection)
+        return result
+
+    def take(self, endpoint: Endpoint) -> RespConnection:
+        """An idle connection to ``endpoint``, or a new one: the caller's until it
+        :meth:`give` s it back (or closes it, its stream half read). Raises as
+        :class:`RespConnection` does, and RedisConnectionError once closed."""
+        return self._take(endpoint) or RespConnection(endpoint)
+
+    def give(self, connection: RespConnection) -> None:
+        """Take ``connection`` back, every reply read (closed if the pool is)."""
         with self._lock:
             if not self._closed:
-                self._idle.setdefault(endpoint, []).append(connection)
-                return result
+                self._idle.setdefault(connection.endpoint, []).append(connection)
+                return
         connection.close()
-        return result
 
     def _take(self, endpoint: Endpoint) -> RespConnection | None:
         """An idle connection to ``endpoint`` that is still good, if one is left."""
@@ -285,6 +407,7 @@ __all__ = [
     "Command",
     "ConnectionPool",
     "Endpoint",
+    "Expected",
     "RespConnection",
     "endpoint_of",
     "response_error",

@@ -250,3 +250,78 @@ async def test_a_url_option_the_sockets_lack_moves_blocks_with_redis_py(
         ours = [line for line in clients.splitlines() if b"cmd=client|list" not in line]
         assert ours and all(b"name=kv-tier-named" in line for line in ours)
     assert [slot(pool, 2), slot(pool, 3)] == [slot(pool, 0), slot(pool, 1)]
+
+
+# -- replies read as expected, and what is not as expected ------------------------------
+
+_HEAD, _REST = 8, 4000  # an expected value: a head, then the rest
+
+
+def _expected_replies(server: Any, kinds: list[str], *, expected: bool) -> tuple[list, list]:
+    """GET one key per kind (``ok``: a value of the expected length; ``missing``;
+    ``hash``: no string; ``short``/``long``: a string of another length) on one
+    connection, each value's head and rest landing in views of their own; returns the
+    replies and what landed, as ``bytes``."""
+    from backends.resp_connection import Expected, RespConnection, endpoint_of
+
+    values = {"ok": _HEAD + _REST, "short": _HEAD + 1, "long": _HEAD + _REST + 1}
+    for i, kind in enumerate(kinds):
+        server.command("DEL", f"k{i}")
+        if kind in values:
+            server.command("SET", f"k{i}", bytes([i]) * values[kind])
+        elif kind == "hash":
+            server.command("HSET", f"k{i}", "f", "v")
+    heads = [bytearray(_HEAD) for _ in kinds]
+    rests = [bytearray(_REST) for _ in kinds]
+
+    def sink(i: int) -> Any:
+        def land(before: list[Any], length: int) -> Any:
+            if length != _HEAD + _REST:
+                return None
+            return memoryview(heads[i]), lambda: memoryview(rests[i])
+
+        return land
+
+    connection = RespConnection(endpoint_of(server.url, timeout_s=5.0, tls={}))  # type: ignore[arg-type]
+    try:
+        replies = connection.round_trip(
+            [("GET", f"k{i}") for i in range(len(kinds))],
+            [sink(i) for i in range(len(kinds))],
+            [Expected(_HEAD + _REST, _HEAD)] * len(kinds) if expected else None,
+        )
+        # The connection reads on exactly where its replies end.
+        assert connection.round_trip([("PING",)]) == [b"PONG"]
+    finally:
+        connection.close()
+    return [repr(r) for r in replies], [bytes(h + r) for h, r in zip(heads, rests, strict=True)]
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ["ok", "ok", "ok"],
+        ["ok", "ok", "missing"],
+        ["missing", "ok", "ok"],
+        ["ok", "hash", "ok"],
+        ["ok", "short", "ok", "ok"],
+        ["ok", "ok", "long"],
+        ["short", "missing", "hash"],
+        ["ok"],
+        ["missing"],
+    ],
+)
+def test_replies_read_as_expected_are_what_the_reader_reads(
+    redis_server: Any, kinds: list[str]
+) -> None:
+    """A pipeline read as expected (one receive per value) gives the replies and the
+    landed bytes the reader gives, whatever turns out not to be as expected, and never
+    waits for bytes that do not come."""
+    fast = _expected_replies(redis_server, kinds, expected=True)
+    assert fast == _expected_replies(redis_server, kinds, expected=False)
+    replies, landed = fast
+    for i, kind in enumerate(kinds):
+        if kind == "ok":
+            assert replies[i] == repr(Landed(_HEAD + _REST))
+            assert landed[i] == bytes([i]) * (_HEAD + _REST)
+        else:
+            assert landed[i] == bytes(_HEAD + _REST)  # nothing landed

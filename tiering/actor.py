@@ -6,6 +6,7 @@ runner task, so ``start`` and ``aclose`` may be called from any task of the loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
@@ -44,6 +45,43 @@ _CANCEL_GRACE_S = 1.0
 _CURRENT_JOB: contextvars.ContextVar[tuple[TierActor, int] | None] = contextvars.ContextVar(
     "tiering_actor_job", default=None
 )
+
+
+def deliver(
+    loop: asyncio.AbstractEventLoop, done: asyncio.Future[Any], value: Any, *, raised: bool = False
+) -> None:
+    """From any thread: hand ``value`` to ``done`` on ``loop`` with one wake-up (its
+    awaiter raises it if ``raised``); nothing if ``done`` is already done (its awaiter
+    was cancelled) or the loop is closed (nobody waits any more)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_set_exception if raised else _set_result, done, value)
+
+
+def _call_then_deliver(
+    loop: asyncio.AbstractEventLoop,
+    done: asyncio.Future[_T],
+    fn: Callable[..., _T],
+    args: tuple[object, ...],
+) -> None:
+    """On a pool thread: ``fn(*args)``, its value or error delivered to ``done``.
+    Nothing is raised here: the pool's own future would keep the error's frames, and
+    the memory they name, alive."""
+    try:
+        value: Any = fn(*args)
+    except BaseException as exc:  # handed over whole: the awaiter raises it
+        deliver(loop, done, exc, raised=True)
+    else:
+        deliver(loop, done, value)
+
+
+def _set_result(done: asyncio.Future[Any], value: Any) -> None:
+    if not done.done():
+        done.set_result(value)
+
+
+def _set_exception(done: asyncio.Future[Any], exc: BaseException) -> None:
+    if not done.done():
+        done.set_exception(exc)
 
 
 class TierActor(AsyncService, SecondaryTierManager):
@@ -342,10 +380,19 @@ class TierActor(AsyncService, SecondaryTierManager):
         nothing the thread uses is released under it. From a job's hook, the job's result
         is held back meanwhile. Raises ClosedError once the pool is shut down, else
         whatever ``fn`` raises."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[_T] = loop.create_future()
         try:
-            call = self._executor.submit(fn, *args)
+            call = self._executor.submit(_call_then_deliver, loop, done, fn, args)
         except RuntimeError as exc:
             raise ClosedError(f"{self._name()}: thread pool is shut down") from exc
+        return await self.wait_call(call, done)
+
+    async def wait_call(self, call: ThreadFuture[Any], done: asyncio.Future[_T]) -> _T:
+        """Await ``done``, the outcome of ``call``: work on a thread of this tier (its
+        pool's, or one of its own that runs ``call`` as a pool does, delivering with
+        :func:`deliver`), as :meth:`run_blocking` awaits it. Cancelled, ``call`` is
+        withdrawn if it has not started, else waited for."""
         current = _CURRENT_JOB.get()
         job_id = current[1] if current is not None and current[0] is self else None
         if job_id is not None and job_id in self._ledger:
@@ -353,26 +400,25 @@ class TierActor(AsyncService, SecondaryTierManager):
         else:
             job_id = None
         self._calls_running += 1
-        done = asyncio.wrap_future(call)
         try:
             return await self._wait_call(call, done)
         finally:
             self._call_ended(job_id)
 
     @staticmethod
-    async def _wait_call(call: ThreadFuture[_T], done: asyncio.Future[_T]) -> _T:
+    async def _wait_call(call: ThreadFuture[Any], done: asyncio.Future[_T]) -> _T:
         try:
-            return await asyncio.shield(done)
+            return await done
         except asyncio.CancelledError:
-            if done.done() or call.cancel():
-                raise  # finished, or never started: nothing runs on a thread any more
-            while not done.done():
-                try:
-                    await asyncio.wait({done})
-                except asyncio.CancelledError:
-                    continue  # already cancelled; the thread has to end first
             if not done.cancelled():
-                done.exception()  # discarded: the cancellation wins
+                done.exception()  # delivered, and discarded: the cancellation wins
+            elif not call.cancel():  # started: the thread has to end first
+                ended = asyncio.wrap_future(call)
+                while not ended.done():
+                    try:
+                        await asyncio.wait({ended})
+                    except asyncio.CancelledError:
+                        continue  # already cancelled
             raise
 
     def _call_ended(self, job_id: int | None) -> None:
@@ -527,4 +573,4 @@ class TierActor(AsyncService, SecondaryTierManager):
         return f"{type(self).__name__}"
 
 
-__all__ = ["TierActor"]
+__all__ = ["TierActor", "deliver"]

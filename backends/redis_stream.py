@@ -1,0 +1,187 @@
+"""Several jobs' pipelines on one connection at once: the Redis tier's data path to a
+single server (not a cluster) on its own connections.
+
+A job's bytes move in pipelines (:class:`Pipeline`), built one at a time as they are
+sent. A stream is one thread and one connection: it sends the next pipelines (of this
+job, then of the next ones queued) while the server still answers earlier ones, up to
+``window`` pipelines on the wire, and reads their replies in the order sent. So the
+server works on one job while the thread lands and verifies the last one's blocks, and
+no two threads of the tier wait on each other for the GIL between their syscalls. At
+most ``window`` pipelines (each at most the tier's ``pipeline_bytes`` of payload) are
+on the wire per stream.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, NamedTuple, Protocol
+
+from backends.redis_client import CLIENT_ERRORS, RedisConnectionError, detached
+from backends.resp import Sink
+from backends.resp_connection import Command, Endpoint, Expected, RespConnection
+from tiering.workers import init_io_worker
+
+
+class Pipeline(NamedTuple):
+    """One pipelined round trip of a job: its ``commands`` (on the keys ``names``, one
+    per command), where their replies land (``sinks``, ``expected``: as
+    :meth:`RespConnection.round_trip` takes them), and ``answer``, called with the
+    replies in order."""
+
+    names: Sequence[bytes]
+    commands: Sequence[Command]
+    sinks: Sequence[Sink | None] | None
+    expected: Sequence[Expected] | None
+    answer: Callable[[list[Any]], None]
+
+
+class StreamWork(Protocol):
+    """A job's work on a stream: its pipelines, built as they are sent, then its end."""
+
+    def pipelines(self) -> Iterator[Pipeline]:
+        """The job's pipelines; each is built when the stream is about to send it."""
+        ...
+
+    def finish(self) -> Any:
+        """Called once, on the stream's thread, after every pipeline sent was answered
+        or the job failed: releases what the job holds; returns the job's outcome."""
+        ...
+
+
+class _Entry:
+    __slots__ = ("call", "deliver", "on_wire", "pipelines", "sent_all", "started", "work")
+
+    def __init__(self, work: StreamWork, deliver: Callable[[Any], None]) -> None:
+        self.work, self.deliver = work, deliver
+        self.call: Future[None] = Future()
+        self.pipelines: Iterator[Pipeline] | None = None
+        self.on_wire = 0
+        self.started = self.sent_all = False
+
+
+class RespStream:
+    """One connection to ``endpoint`` and the thread (named ``name``) that carries the
+    jobs given to :meth:`submit`, in order, up to ``window`` pipelines on the wire.
+
+    A connection failure fails every job with a pipeline sent on it (the jobs not begun
+    go on, on a new connection); a job's end is delivered once its work finished."""
+
+    def __init__(self, endpoint: Endpoint, *, window: int, name: str) -> None:
+        self._endpoint, self._window, self._name = endpoint, max(1, window), name
+        self._queue: deque[_Entry] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: StreamWork, deliver: Callable[[Any], None]) -> Future[None]:
+        """Queue ``work``; ``deliver(outcome)`` follows on the stream's thread (the
+        value ``work.finish()`` returned, or the client's error, detached). The future
+        returned ends when the stream is done with the job; cancelling it before the
+        job began withdraws the job (nothing is delivered). RuntimeError once closed."""
+        entry = _Entry(work, deliver)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the stream is closed")
+            self._queue.append(entry)
+            self._wake.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+        return entry.call
+
+    def queued(self) -> int:
+        """Jobs given and not yet begun (read without the lock: for choosing the least
+        busy stream, not for deciding anything that must be exact)."""
+        return len(self._queue)
+
+    def close(self) -> None:
+        """Stop once the jobs begun are done; the jobs still queued fail as closed."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _serve(self) -> None:
+        init_io_worker()
+        connection: RespConnection | None = None
+        active: deque[_Entry] = deque()  # begun, with pipelines left to send
+        on_wire: deque[tuple[_Entry, Pipeline, int]] = deque()  # sent, replies unread
+        reading: _Entry | None = None  # whose replies are being read
+        while True:
+            with self._wake:
+                while not (self._queue or active or on_wire or self._closed):
+                    self._wake.wait()
+                if self._closed and not (active or on_wire):
+                    break
+                while self._queue and not self._closed:
+                    entry = self._queue.popleft()
+                    if entry.call.set_running_or_notify_cancel():  # else withdrawn
+                        active.append(entry)
+            try:
+                while active and len(on_wire) < self._window:
+                    entry = active[0]
+                    if entry.pipelines is None:
+                        entry.pipelines, entry.started = entry.work.pipelines(), True
+                    pipeline = next(entry.pipelines, None)
+                    if pipeline is None:
+                        active.popleft()
+                        entry.sent_all = True
+                        if not entry.on_wire:
+                            self._end(entry)
+                        continue
+                    if connection is None or (not on_wire and connection.stale()):
+                        if connection is not None:
+                            connection.close()
+                        connection = RespConnection(self._endpoint)
+                    pad = connection.send(pipeline.commands, pipeline.sinks, pipeline.expected)
+                    on_wire.append((entry, pipeline, pad))
+                    entry.on_wire += 1
+                if on_wire:
+                    assert connection is not None
+                    reading, pipeline, pad = on_wire.popleft()
+                    reading.on_wire -= 1
+                    count = len(pipeline.commands)
+                    pipeline.answer(
+                        connection.receive(count, pipeline.sinks, pipeline.expected, pad)
+                    )
+                    entry, reading = reading, None
+                    if entry.sent_all and not entry.on_wire:
+                        self._end(entry)
+            except BaseException as exc:  # every job on this connection fails with it
+                if connection is not None:
+                    connection.close()
+                    connection = None
+                error = detached(exc) if isinstance(exc, CLIENT_ERRORS) else exc
+                failed = {entry for entry, _, _ in on_wire}
+                failed.update(entry for entry in active if entry.started)
+                if reading is not None:
+                    failed.add(reading)
+                    reading = None
+                on_wire.clear()
+                for entry in failed:
+                    if entry in active:
+                        active.remove(entry)
+                    self._end(entry, error)
+        if connection is not None:
+            connection.close()
+        with self._wake:
+            left, self._queue = list(self._queue), deque()
+        for entry in left:
+            if entry.call.set_running_or_notify_cancel():
+                self._end(entry, RedisConnectionError("the redis tier is closed"))
+
+    @staticmethod
+    def _end(entry: _Entry, error: BaseException | None = None) -> None:
+        """Finish ``entry``'s work (releasing what it holds) and deliver its outcome."""
+        try:
+            outcome = entry.work.finish()
+        except BaseException as exc:
+            outcome = exc
+        entry.pipelines = None  # its generator, and the views it holds, go now
+        entry.deliver(outcome if error is None else error)
+        entry.call.set_result(None)
+
+
+__all__ = ["Pipeline", "RespStream", "StreamWork"]
