@@ -52,14 +52,14 @@ class StreamWork(Protocol):
 
 
 class _Entry:
-    __slots__ = ("call", "deliver", "on_wire", "pipelines", "sent_all", "started", "work")
+    __slots__ = ("call", "deliver", "on_wire", "pipelines", "sent_all", "work")
 
     def __init__(self, work: StreamWork, deliver: Callable[[Any], None]) -> None:
         self.work, self.deliver = work, deliver
         self.call: Future[None] = Future()
-        self.pipelines: Iterator[Pipeline] | None = None
+        self.pipelines: Iterator[Pipeline] | None = None  # None: not begun, or ended
         self.on_wire = 0
-        self.started = self.sent_all = False
+        self.sent_all = False
 
 
 class RespStream:
@@ -123,7 +123,7 @@ class RespStream:
                 while active and len(on_wire) < self._window:
                     entry = active[0]
                     if entry.pipelines is None:
-                        entry.pipelines, entry.started = entry.work.pipelines(), True
+                        entry.pipelines = entry.work.pipelines()
                     pipeline = next(entry.pipelines, None)
                     if pipeline is None:
                         active.popleft()
@@ -155,7 +155,7 @@ class RespStream:
                     connection = None
                 error = detached(exc) if isinstance(exc, CLIENT_ERRORS) else exc
                 failed = {entry for entry, _, _ in on_wire}
-                failed.update(entry for entry in active if entry.started)
+                failed.update(entry for entry in active if entry.pipelines is not None)
                 if reading is not None:
                     failed.add(reading)
                     reading = None

@@ -82,23 +82,24 @@ class WirePipelines:
             groups.setdefault(self._endpoint.at(node.host, node.port), []).append(i)
         replies: Replies = [None] * len(commands)
         # Every node's group is sent before any reply is read, so the nodes work at
-        # once; one thread reads them in turn (threads per node only waited on each
+        # once; one thread reads them in turn (threads per node would only wait on each
         # other for the GIL). Nothing reads into the caller's memory once this returns.
-        sent: list[tuple[list[int], RespConnection, int]] = []
+        parts = [(endpoint, group, *_chosen(group, commands, sinks, expected))
+                 for endpoint, group in groups.items()]  # fmt: skip
+        taken: list[RespConnection] = []
+        pads: list[int] = []
         failure: BaseException | None = None
         try:
-            for endpoint, group in groups.items():
-                connection = self._pool.take(endpoint)
-                sent.append((group, connection, 0))
-                pad = connection.send(*_chosen(group, commands, sinks, expected))
-                sent[-1] = (group, connection, pad)
-            for group, connection, pad in sent:
-                _, chosen_sinks, chosen_expected = _chosen(group, commands, sinks, expected)
+            for endpoint, _, chosen, chosen_sinks, chosen_expected in parts:
+                taken.append(self._pool.take(endpoint))
+                pads.append(taken[-1].send(chosen, chosen_sinks, chosen_expected))
+            for part, connection, pad in zip(parts, taken, pads, strict=True):
+                _, group, _, chosen_sinks, chosen_expected = part
                 got = connection.receive(len(group), chosen_sinks, chosen_expected, pad)
                 self._place(replies, group, got)
         except CLIENT_ERRORS as exc:
             failure = exc
-        for _, connection, _ in sent:
+        for connection in taken:
             if failure is None:
                 self._pool.give(connection)
             else:  # replies may be left unread on it
