@@ -11,13 +11,14 @@ A value that does not verify or is no string is a failed key, deleted and never 
 The ``2`` names this format: blocks of the earlier one (a hash per block, under
 ``kvt:<digest>:...``) are never read, so engines of both versions can share a server
 while they age out. A job's pipelines (:mod:`backends.redis_jobs`) run off the loop,
-with the checksums and the cipher: on one server, on a stream that carries several jobs
-at once (:mod:`backends.redis_stream`); on a cluster, as one hop on the tier's pool. No
-call is retried. Blocks move on the tier's own RESP connections
-(:mod:`backends.redis_wire`): a payload goes out from its slot and comes back straight
-into it, and is verified there. redis-py's client runs everything else (the
-start's checks, lookups, usage, deletes, a cluster's redirections), and the data path
-too where the url asks for an option that path lacks or ``data_path`` says so.
+with the checksums and the cipher: on a stream that carries several jobs at once
+(:mod:`backends.redis_stream`), to one server or to a cluster's nodes; on redis-py's
+data path, as one hop on the tier's pool. No call is retried. Blocks move on the
+tier's own RESP connections (:mod:`backends.redis_wire`): a payload goes out from its
+slot and comes back straight into it, and is verified there. redis-py's client runs
+everything else (the start's checks, lookups, usage, deletes, a cluster's
+redirections), and the data path too where the url asks for an option that path lacks
+or ``data_path`` says so.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ from backends.redis_jobs import JobShape, LoadWork, StoreWork
 from backends.redis_landing import CORRUPT, MISSING, REFUSED
 from backends.redis_stream import RespStream
 from backends.redis_wire import WirePipelines
-from backends.resp import Sink, joined
-from backends.resp_connection import Expected, endpoint_of
+from backends.resp import joined
+from backends.resp_connection import endpoint_of
 from tiering.actor import TierActor, deliver
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError
@@ -158,12 +159,11 @@ class RedisOptions(BreakerOptions, ActorOptions):
         endpoint = endpoint_of(self.url, timeout_s=self.timeout_s, tls=self.tls_arguments())
         if endpoint is None:
             return None
-        if isinstance(client, RedisCluster):
-            return WirePipelines(endpoint, client)
         # One stream per I/O thread, sharing the jobs' window: at most max_inflight
         # pipelines on the wire, as with a job per thread.
         window = max(1, self.max_inflight // self.io_threads)
-        return WirePipelines(endpoint, streams=self.io_threads, window=window)
+        cluster = client if isinstance(client, RedisCluster) else None
+        return WirePipelines(endpoint, cluster, streams=self.io_threads, window=window)
 
 
 class RedisTier(TierActor):
@@ -321,15 +321,15 @@ class RedisTier(TierActor):
     async def _run_hop(
         self, job: JobMetadata, what: str, work: type[StoreWork | LoadWork]
     ) -> JobResult:
-        """Run ``job``'s work on a stream or a pool thread (unless the breaker refuses)
-        and account for what each key came to."""
+        """Run ``job``'s work on a stream, or on a pool thread through redis-py (unless
+        the breaker refuses), and account for what each key came to."""
         keys = list(job.keys)
         if not self._serving or not self.breaker.allow():
             outcome: dict[bytes, str] | BaseException | None = None
         else:
             todo = work(self._shape(), keys, list(job.block_ids))
             wire = self._wire
-            if wire is not None and wire.streams:
+            if wire is not None:
                 outcome = await self._on_stream(wire.stream(), todo)
             else:
                 outcome = await self.run_blocking(self._run_work, todo)
@@ -437,14 +437,13 @@ class RedisTier(TierActor):
         return self._job_shape
 
     def _run_work(self, work: StoreWork | LoadWork) -> dict[bytes, str] | ClientError:
-        """On a pool thread: ``work``'s pipelines one after another, on the tier's own
-        connections (to one server, or to a cluster's nodes at once) or redis-py's.
-        Returns ``work``'s outcome, or the client's error if a call failed (the blocks
-        before it are stored)."""
+        """On a pool thread: ``work``'s pipelines one after another through redis-py's
+        client (its data path). Returns ``work``'s outcome, or the client's error if a
+        call failed (the blocks before it are stored)."""
         try:
-            path = self._data_path()
+            client = self._connected()
             for pipeline in work.pipelines():
-                pipeline.answer(self._round_trip(path, *pipeline[:4]))
+                pipeline.answer(round_trip(client, [joined(c) for c in pipeline.commands]))
         except CLIENT_ERRORS as exc:
             work.finish()
             return detached(exc)
@@ -505,31 +504,6 @@ class RedisTier(TierActor):
                 client = self.options.client(cluster=self.options.cluster)
                 self._client, self._wire = client, self.options.wire(client)
             return self._client
-
-    def _data_path(self) -> tuple[Redis | RedisCluster, WirePipelines | None]:
-        """The client and the tier's own connections (None: redis-py moves the blocks),
-        taken together, so that a hop uses one or the other throughout. Raises as
-        :meth:`_connected` does, and RedisConnectionError if the tier closed between."""
-        client = self._connected()
-        with self._client_lock:
-            if self._client is not client:
-                raise RedisConnectionError("the redis tier is closed")
-            return client, self._wire
-
-    @staticmethod
-    def _round_trip(
-        path: tuple[Redis | RedisCluster, WirePipelines | None],
-        names: Sequence[bytes],
-        commands: Sequence[tuple[Any, ...]],
-        sinks: Sequence[Sink | None] | None = None,
-        expected: Sequence[Expected] | None = None,
-    ) -> list[Any]:
-        """``commands`` (on the keys ``names``) in one pipelined round trip (one per
-        node), on the tier's own connections if it has them, else redis-py's."""
-        client, wire = path
-        if wire is None:
-            return round_trip(client, [joined(command) for command in commands])
-        return wire.round_trip(names, commands, sinks, expected)
 
     # -- presence cache and background tasks (loop thread) ----------------------------
 

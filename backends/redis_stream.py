@@ -1,14 +1,14 @@
-"""Several jobs' pipelines on one connection at once: the Redis tier's data path to a
-single server (not a cluster) on its own connections.
+"""Several jobs' pipelines on one link at once: the Redis tier's data path on its own
+connections.
 
 A job's bytes move in pipelines (:class:`Pipeline`), built one at a time as they are
-sent. A stream is one thread and one connection: it sends the next pipelines (of this
-job, then of the next ones queued) while the server still answers earlier ones, up to
-``window`` pipelines on the wire, and reads their replies in the order sent. So the
-server works on one job while the thread lands and verifies the last one's blocks, and
-no two threads of the tier wait on each other for the GIL between their syscalls. At
-most ``window`` pipelines (each at most the tier's ``pipeline_bytes`` of payload) are
-on the wire per stream.
+sent. A stream is one thread and one link (:class:`Link`: a connection to one server,
+or one per node of a cluster): it sends the next pipelines (of this job, then of the
+next ones queued) while the server still answers earlier ones, up to ``window``
+pipelines on the wire, and reads their replies in the order sent. So the server works
+on one job while the thread lands and verifies the last one's blocks, and a job costs
+no hand-off to a pool thread. At most ``window`` pipelines (each at most the tier's
+``pipeline_bytes`` of payload) are on the wire per stream.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 from backends.redis_client import CLIENT_ERRORS, RedisConnectionError, detached
 from backends.resp import Sink
-from backends.resp_connection import Command, Endpoint, Expected, RespConnection
+from backends.resp_connection import Command, Expected
 from tiering.workers import init_io_worker
 
 
@@ -36,6 +36,25 @@ class Pipeline(NamedTuple):
     sinks: Sequence[Sink | None] | None
     expected: Sequence[Expected] | None
     answer: Callable[[list[Any]], None]
+
+
+class Link(Protocol):
+    """A stream's connection(s): sends a pipeline, then reads its replies (in the order
+    sent); raises the client's error, after which it is of no further use."""
+
+    def send(self, pipeline: Pipeline) -> Any:
+        """Send ``pipeline``; returns what :meth:`receive` needs to read its replies."""
+        ...
+
+    def receive(self, pipeline: Pipeline, sent: Any) -> list[Any]:
+        """The replies of ``pipeline``, in its commands' order."""
+        ...
+
+    def stale(self) -> bool:
+        """Whether the idle link is of no further use (the server closed it)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class StreamWork(Protocol):
@@ -63,14 +82,15 @@ class _Entry:
 
 
 class RespStream:
-    """One connection to ``endpoint`` and the thread (named ``name``) that carries the
-    jobs given to :meth:`submit`, in order, up to ``window`` pipelines on the wire.
+    """One link (made by ``open_link()`` when first needed, and again after a failure)
+    and the thread (named ``name``) that carries the jobs given to :meth:`submit`, in
+    order, up to ``window`` pipelines on the wire.
 
-    A connection failure fails every job with a pipeline sent on it (the jobs not begun
-    go on, on a new connection); a job's end is delivered once its work finished."""
+    A link's failure fails every job with a pipeline sent on it (the jobs not begun go
+    on, on a new link); a job's end is delivered once its work finished."""
 
-    def __init__(self, endpoint: Endpoint, *, window: int, name: str) -> None:
-        self._endpoint, self._window, self._name = endpoint, max(1, window), name
+    def __init__(self, open_link: Callable[[], Link], *, window: int, name: str) -> None:
+        self._open_link, self._window, self._name = open_link, max(1, window), name
         self._queue: deque[_Entry] = deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -105,9 +125,9 @@ class RespStream:
 
     def _serve(self) -> None:
         init_io_worker()
-        connection: RespConnection | None = None
+        link: Link | None = None
         active: deque[_Entry] = deque()  # begun, with pipelines left to send
-        on_wire: deque[tuple[_Entry, Pipeline, int]] = deque()  # sent, replies unread
+        on_wire: deque[tuple[_Entry, Pipeline, Any]] = deque()  # sent, replies unread
         reading: _Entry | None = None  # whose replies are being read
         while True:
             with self._wake:
@@ -131,28 +151,24 @@ class RespStream:
                         if not entry.on_wire:
                             self._end(entry)
                         continue
-                    if connection is None or (not on_wire and connection.stale()):
-                        if connection is not None:
-                            connection.close()
-                        connection = RespConnection(self._endpoint)
-                    pad = connection.send(pipeline.commands, pipeline.sinks, pipeline.expected)
-                    on_wire.append((entry, pipeline, pad))
+                    if link is None or (not on_wire and link.stale()):
+                        if link is not None:
+                            link.close()
+                        link = self._open_link()
+                    on_wire.append((entry, pipeline, link.send(pipeline)))
                     entry.on_wire += 1
                 if on_wire:
-                    assert connection is not None
-                    reading, pipeline, pad = on_wire.popleft()
+                    assert link is not None
+                    reading, pipeline, sent = on_wire.popleft()
                     reading.on_wire -= 1
-                    count = len(pipeline.commands)
-                    pipeline.answer(
-                        connection.receive(count, pipeline.sinks, pipeline.expected, pad)
-                    )
+                    pipeline.answer(link.receive(pipeline, sent))
                     entry, reading = reading, None
                     if entry.sent_all and not entry.on_wire:
                         self._end(entry)
-            except BaseException as exc:  # every job on this connection fails with it
-                if connection is not None:
-                    connection.close()
-                    connection = None
+            except BaseException as exc:  # every job on this link fails with it
+                if link is not None:
+                    link.close()
+                    link = None
                 error = detached(exc) if isinstance(exc, CLIENT_ERRORS) else exc
                 failed = {entry for entry, _, _ in on_wire}
                 failed.update(entry for entry in active if entry.pipelines is not None)
@@ -164,8 +180,8 @@ class RespStream:
                     if entry in active:
                         active.remove(entry)
                     self._end(entry, error)
-        if connection is not None:
-            connection.close()
+        if link is not None:
+            link.close()
         with self._wake:
             left, self._queue = list(self._queue), deque()
         for entry in left:
@@ -184,4 +200,4 @@ class RespStream:
         entry.call.set_result(None)
 
 
-__all__ = ["Pipeline", "RespStream", "StreamWork"]
+__all__ = ["Link", "Pipeline", "RespStream", "StreamWork"]

@@ -1,20 +1,22 @@
-"""The Redis tier's pipelines on its own RESP connections (:mod:`backends.resp_connection`),
-to one server (carried by streams, :mod:`backends.redis_stream`, or one round trip at
-a time) or to every node of a cluster at once.
+"""The Redis tier's streams on its own RESP connections (:mod:`backends.resp_connection`):
+to one server, or to every node of a cluster at once.
 
-On a cluster, a pipeline's commands are grouped by the node that owns their key's
-slot (redis-py's map of the slots) and every node's group is sent before any reply is
-read: the nodes work at once, and one thread reads their replies in turn. A command a
-node redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's cluster client,
-which follows it and updates its map; a node that fails makes the pipeline raise (the
-connections it used closed, replies left unread on them) after the map is refreshed.
+Each stream (:class:`backends.redis_stream.RespStream`) holds one link: to one server a
+connection (:class:`ServerLink`); to a cluster a connection per node, made as it is
+first needed (:class:`ClusterLink`). On a cluster, a pipeline's commands are grouped by
+the node that owns their key's slot (redis-py's map of the slots) and every node's
+group is sent before any reply is read, so the nodes work at once; the stream then
+reads them in turn. A command a node redirects (MOVED, ASK, TRYAGAIN) is sent again
+through redis-py's cluster client, which follows it and updates its map; a node that
+fails makes the link raise (the stream then drops it, replies left unread on it) after
+the map is refreshed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from backends.redis_client import (
     CLIENT_ERRORS,
@@ -25,133 +27,156 @@ from backends.redis_client import (
     ResponseError,
     TryAgainError,
 )
-from backends.redis_stream import RespStream
-from backends.resp import Reply, Sink, joined
-from backends.resp_connection import Command, ConnectionPool, Endpoint, Expected, RespConnection
+from backends.redis_stream import Pipeline, RespStream
+from backends.resp import Sink, joined
+from backends.resp_connection import Command, Endpoint, Expected, RespConnection
 
 logger = logging.getLogger(__name__)
 
-Replies = list[Reply | ResponseError | Any]
+Replies = list[Any]
+_T = TypeVar("_T")
 
 
 class WirePipelines:
-    """Pipelined round trips of the tier's data commands (their keys in ``names``,
-    one per command) to ``endpoint``, or with ``cluster`` (redis-py's client) to the
-    node of each key; with ``streams``, that many :class:`RespStream` s to ``endpoint``
-    (each keeping ``window`` pipelines on the wire at most)."""
+    """``streams`` :class:`RespStream` s to ``endpoint``, or with ``cluster`` (redis-py's
+    client, whose map of the slots they read) to its nodes, each keeping ``window``
+    pipelines on the wire at most."""
 
     def __init__(
-        self,
-        endpoint: Endpoint,
-        cluster: RedisCluster | None = None,
-        *,
-        streams: int = 0,
-        window: int = 1,
+        self, endpoint: Endpoint, cluster: RedisCluster | None = None, *, streams: int, window: int
     ) -> None:
-        self._endpoint = endpoint
-        self._cluster = cluster
-        self._pool = ConnectionPool()
+        def link() -> ServerLink | ClusterLink:
+            return ServerLink(endpoint) if cluster is None else ClusterLink(endpoint, cluster)
+
         self.streams = [
-            RespStream(endpoint, window=window, name=f"RedisTier-stream-{i}")
-            for i in range(streams if cluster is None else 0)
+            RespStream(link, window=window, name=f"RedisTier-stream-{i}") for i in range(streams)
         ]
-        """The streams to the server (none to a cluster): :meth:`stream` picks one."""
 
     def stream(self) -> RespStream:
         """The stream with the fewest jobs waiting."""
         return min(self.streams, key=RespStream.queued)
 
-    def round_trip(
-        self,
-        names: Sequence[bytes],
-        commands: Sequence[Command],
-        sinks: Sequence[Sink | None] | None = None,
-        expected: Sequence[Expected] | None = None,
-    ) -> Replies:
-        """Send ``commands`` and read every reply, in the commands' order (an error
-        reply in its place; a redirected command's reply as redis-py gives it, with no
-        sink). ``sinks`` and ``expected``: as :meth:`RespConnection.round_trip` takes
-        them. Raises the client's error (connection failed or timed out, cluster down),
-        retrying nothing."""
-        cluster = self._cluster
-        if cluster is None:
-            return self._pool.run(self._endpoint, lambda c: c.round_trip(commands, sinks, expected))
-        groups: dict[Endpoint, list[int]] = {}
-        for i, name in enumerate(names):
-            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
-            groups.setdefault(self._endpoint.at(node.host, node.port), []).append(i)
-        replies: Replies = [None] * len(commands)
-        # Every node's group is sent before any reply is read, so the nodes work at
-        # once; one thread reads them in turn (threads per node would only wait on each
-        # other for the GIL). Nothing reads into the caller's memory once this returns.
-        parts = [(endpoint, group, *_chosen(group, commands, sinks, expected))
-                 for endpoint, group in groups.items()]  # fmt: skip
-        taken: list[RespConnection] = []
-        pads: list[int] = []
-        failure: BaseException | None = None
-        try:
-            for endpoint, _, chosen, chosen_sinks, chosen_expected in parts:
-                taken.append(self._pool.take(endpoint))
-                pads.append(taken[-1].send(chosen, chosen_sinks, chosen_expected))
-            for part, connection, pad in zip(parts, taken, pads, strict=True):
-                _, group, _, chosen_sinks, chosen_expected = part
-                got = connection.receive(len(group), chosen_sinks, chosen_expected, pad)
-                self._place(replies, group, got)
-        except CLIENT_ERRORS as exc:
-            failure = exc
-        for connection in taken:
-            if failure is None:
-                self._pool.give(connection)
-            else:  # replies may be left unread on it
-                connection.close()
-        if failure is not None:
-            self._refresh()
-            raise failure
-        for i, reply in enumerate(replies):
-            if isinstance(reply, ClusterDownError):
-                raise reply
-            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
-                try:
-                    replies[i] = cluster.execute_command(*joined(commands[i]))
-                except ResponseError as exc:
-                    if isinstance(exc, ClusterDownError):
-                        raise
-                    replies[i] = exc
-        return replies
-
-    @staticmethod
-    def _place(replies: Replies, group: list[int], got: Replies) -> None:
-        for i, reply in zip(group, got, strict=True):
-            replies[i] = reply
-
-    def _refresh(self) -> None:
-        """Reload the cluster's map of the slots after a node failed (best effort)."""
-        try:
-            assert self._cluster is not None
-            self._cluster.nodes_manager.initialize()
-        except CLIENT_ERRORS as exc:  # the next call tries again
-            logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
-
     def close(self) -> None:
-        """Close the idle connections (those in use close as their hop ends) and the
-        streams (once their jobs begun are done)."""
-        self._pool.close()
+        """Close the streams (once their jobs begun are done)."""
         for stream in self.streams:
             stream.close()
 
 
-def _chosen(
-    group: list[int],
-    commands: Sequence[Command],
-    sinks: Sequence[Sink | None] | None,
-    expected: Sequence[Expected] | None,
-) -> tuple[list[Command], list[Sink | None] | None, list[Expected] | None]:
-    """The commands, sinks and expected replies of ``group`` (indexes into them)."""
-    return (
-        [commands[i] for i in group],
-        None if sinks is None else [sinks[i] for i in group],
-        None if expected is None else [expected[i] for i in group],
-    )
+class ServerLink:
+    """A stream's connection to one server (raises as :class:`RespConnection` does)."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._connection = RespConnection(endpoint)
+
+    def send(self, pipeline: Pipeline) -> int:
+        """Send ``pipeline``; returns what :meth:`receive` needs to read its replies."""
+        return self._connection.send(pipeline.commands, pipeline.sinks, pipeline.expected)
+
+    def receive(self, pipeline: Pipeline, sent: int) -> Replies:
+        """The replies of ``pipeline``, :meth:`send` having returned ``sent``."""
+        count = len(pipeline.commands)
+        return self._connection.receive(count, pipeline.sinks, pipeline.expected, sent)
+
+    def stale(self) -> bool:
+        """Whether the idle connection is of no further use (:meth:`RespConnection.stale`)."""
+        return self._connection.stale()
+
+    def close(self) -> None:
+        self._connection.close()
 
 
-__all__ = ["ClientError", "WirePipelines"]
+class _Group(NamedTuple):
+    """One node's share of a pipeline, sent: its connection, the indexes of its commands
+    in the pipeline, their sinks and expected replies, and what ``receive`` needs."""
+
+    connection: RespConnection
+    indexes: list[int]
+    sinks: list[Sink | None] | None
+    expected: list[Expected] | None
+    sent: int
+
+
+class ClusterLink:
+    """A stream's connections to the nodes of ``cluster`` (reached as ``endpoint`` says:
+    credentials, TLS, timeouts). Raises the client's error (a connection failed or timed
+    out, the cluster is down), retrying nothing; the map of the slots is refreshed first."""
+
+    def __init__(self, endpoint: Endpoint, cluster: RedisCluster) -> None:
+        self._endpoint, self._cluster = endpoint, cluster
+        self._connections: dict[Endpoint, RespConnection] = {}
+
+    def send(self, pipeline: Pipeline) -> list[_Group]:
+        """Send every node's group of ``pipeline``; returns them for :meth:`receive`."""
+        cluster, commands = self._cluster, pipeline.commands
+        indexes: dict[Endpoint, list[int]] = {}
+        for i, name in enumerate(pipeline.names):
+            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
+            indexes.setdefault(self._endpoint.at(node.host, node.port), []).append(i)
+        groups: list[_Group] = []
+        try:
+            for endpoint, chosen in indexes.items():
+                connection = self._connections.get(endpoint)
+                if connection is None:
+                    connection = self._connections[endpoint] = RespConnection(endpoint)
+                sinks = _chosen(chosen, pipeline.sinks)
+                expected = _chosen(chosen, pipeline.expected)
+                sent = connection.send([commands[i] for i in chosen], sinks, expected)
+                groups.append(_Group(connection, chosen, sinks, expected, sent))
+        except CLIENT_ERRORS:
+            self._refresh()
+            raise
+        return groups
+
+    def receive(self, pipeline: Pipeline, groups: list[_Group]) -> Replies:
+        """The replies of ``pipeline``, in its commands' order (an error reply in its
+        place; a redirected command's reply as redis-py gives it, with no sink)."""
+        replies: Replies = [None] * len(pipeline.commands)
+        try:
+            for group in groups:
+                got = group.connection.receive(
+                    len(group.indexes), group.sinks, group.expected, group.sent
+                )
+                for i, reply in zip(group.indexes, got, strict=True):
+                    replies[i] = reply
+        except CLIENT_ERRORS:
+            self._refresh()
+            raise
+        for i, reply in enumerate(replies):
+            if isinstance(reply, ClusterDownError):
+                raise reply
+            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
+                replies[i] = self._redirected(pipeline.commands[i])
+        return replies
+
+    def _redirected(self, command: Command) -> Any:
+        """``command`` sent again through redis-py, which follows the redirection."""
+        try:
+            return self._cluster.execute_command(*joined(command))
+        except ResponseError as exc:
+            if isinstance(exc, ClusterDownError):
+                raise
+            return exc
+
+    def stale(self) -> bool:
+        """Whether any idle connection of the link is of no further use."""
+        return any(connection.stale() for connection in self._connections.values())
+
+    def close(self) -> None:
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
+
+    def _refresh(self) -> None:
+        """Reload the cluster's map of the slots after a node failed (best effort)."""
+        try:
+            self._cluster.nodes_manager.initialize()
+        except CLIENT_ERRORS as exc:  # the next call tries again
+            logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
+
+
+def _chosen(indexes: list[int], items: Sequence[_T] | None) -> list[_T] | None:
+    """The ``items`` at ``indexes`` (None for None)."""
+    return None if items is None else [items[i] for i in indexes]
+
+
+__all__ = ["ClientError", "ClusterLink", "ServerLink", "WirePipelines"]

@@ -18,9 +18,8 @@ import select
 import socket
 import ssl
 import struct
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from backends.redis_client import AuthenticationError, RedisConnectionError, ResponseError
 from backends.resp import (
@@ -345,67 +344,8 @@ class RespConnection:
             self._sock.close()
 
 
-class ConnectionPool:
-    """Idle connections per endpoint, reused by the I/O threads (each hop holds its
-    own while it runs: at most one per running hop and node). :meth:`close` closes the
-    idle ones, and a connection given back after it is closed as well."""
-
-    def __init__(self) -> None:
-        self._idle: dict[Endpoint, list[RespConnection]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def run(self, endpoint: Endpoint, work: Callable[[RespConnection], Any]) -> Any:
-        """``work(connection)`` on an idle connection to ``endpoint`` (or a new one);
-        the connection goes back to the pool if ``work`` returns, and is closed if it
-        raises (its stream may be half read)."""
-        connection = self.take(endpoint)
-        try:
-            result = work(connection)
-        except BaseException:
-            connection.close()
-            raise
-        self.give(connection)
-        return result
-
-    def take(self, endpoint: Endpoint) -> RespConnection:
-        """An idle connection to ``endpoint``, or a new one: the caller's until it
-        :meth:`give` s it back (or closes it, its stream half read). Raises as
-        :class:`RespConnection` does, and RedisConnectionError once closed."""
-        return self._take(endpoint) or RespConnection(endpoint)
-
-    def give(self, connection: RespConnection) -> None:
-        """Take ``connection`` back, every reply read (closed if the pool is)."""
-        with self._lock:
-            if not self._closed:
-                self._idle.setdefault(connection.endpoint, []).append(connection)
-                return
-        connection.close()
-
-    def _take(self, endpoint: Endpoint) -> RespConnection | None:
-        """An idle connection to ``endpoint`` that is still good, if one is left."""
-        while True:
-            with self._lock:
-                if self._closed:
-                    raise RedisConnectionError("the redis tier is closed")
-                idle = self._idle.get(endpoint)
-                connection = idle.pop() if idle else None
-            if connection is None or not connection.stale():
-                return connection
-            connection.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, {}
-        for connections in idle.values():
-            for connection in connections:
-                connection.close()
-
-
 __all__ = [
     "Command",
-    "ConnectionPool",
     "Endpoint",
     "Expected",
     "RespConnection",

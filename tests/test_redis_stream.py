@@ -1,5 +1,5 @@
-"""Several jobs' pipelines on one connection (``backends.redis_stream``), against a
-real server."""
+"""Several jobs' pipelines on one link (``backends.redis_stream``), against a real
+server and a real cluster (``backends.redis_wire``'s links)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +15,11 @@ import pytest
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
 
-from backends.redis_client import RedisConnectionError
+from backends.redis_client import RedisConnectionError, new_client
 from backends.redis_stream import Pipeline, RespStream
+from backends.redis_wire import ClusterLink, ServerLink
 from backends.resp_connection import endpoint_of
+from tests._redis_helpers import local_redis_cluster
 
 
 class Work:
@@ -30,7 +33,8 @@ class Work:
     def pipelines(self) -> Iterator[Pipeline]:
         self.begun = True
         for commands in self._pipelines:
-            yield Pipeline([b"k"] * len(commands), commands, None, None, self.replies.append)
+            names = [command[1].encode() if len(command) > 1 else b"" for command in commands]
+            yield Pipeline(names, commands, None, None, self.replies.append)
 
     def finish(self) -> str:
         self.finished = True
@@ -47,7 +51,7 @@ def run(stream: RespStream, work: Work) -> tuple[Future[None], Future[Any]]:
 def stream(redis_server: Any) -> Iterator[RespStream]:
     endpoint = endpoint_of(redis_server.url, timeout_s=5.0, tls={})
     assert endpoint is not None
-    stream = RespStream(endpoint, window=3, name="test-stream")
+    stream = RespStream(lambda: ServerLink(endpoint), window=3, name="test-stream")
     yield stream
     stream.close()
 
@@ -129,3 +133,29 @@ def test_closing_ends_the_begun_jobs_and_fails_the_queued(
     assert not queued.begun
     with pytest.raises(RuntimeError):
         run(stream, Work([("PING",)]))
+
+
+def test_on_a_cluster_each_node_gets_its_share_and_the_replies_keep_the_pipelines_order(
+    tmp_path: Path,
+) -> None:
+    cluster = local_redis_cluster(tmp_path)
+    client = new_client(cluster.url, cluster=True, timeout_s=5.0, max_connections=4, tls={})
+    endpoint = endpoint_of(cluster.url, timeout_s=5.0, tls={})
+    assert endpoint is not None
+    stream = RespStream(lambda: ClusterLink(endpoint, client), window=2, name="test-cluster")
+    try:
+        names = [f"key-{i}" for i in range(24)]
+        work = Work(
+            [("SET", name, f"value-{i}") for i, name in enumerate(names)],
+            [("GET", name) for name in names],
+        )
+        call, delivered = run(stream, work)
+        assert delivered.result(timeout=10) == "finished"
+        call.result(timeout=10)
+        assert work.replies == [[b"OK"] * 24, [f"value-{i}".encode() for i in range(24)]]
+        held = [node.command("DBSIZE") for node in cluster.nodes]
+        assert all(isinstance(count, int) and count > 0 for count in held) and sum(held) == 24
+    finally:
+        stream.close()
+        client.close()
+        cluster.stop()
