@@ -2,8 +2,8 @@
 built one at a time (on the thread that sends them), and its end.
 
 The same work runs on a stream (:mod:`backends.redis_stream`: several jobs' pipelines
-on one connection) or one pipeline after another on a thread of the tier's pool
-(redis-py's data path, a cluster). Either way a job's views of the host pool are
+on one link, to a server or a cluster's nodes) or one pipeline after another on a
+thread of the tier's pool (redis-py's data path). Either way a job's views of the host pool are
 released by :meth:`finish`, and nothing of the job outlives it.
 """
 
