@@ -348,18 +348,18 @@ class RedisTier(TierActor):
             return JobResult(job.job_id, False, tuple(keys), reason)
         failed = outcome
         self.breaker.succeeded()
-        refusals = []
-        if failed:
-            for key, why in failed.items():
-                if why.startswith(REFUSED):
-                    self._forget(key)  # the server would not say: no answer kept
-                    refusals.append(why)
-                else:  # absent, or corrupt and deleted
-                    self._counters["corrupt_blocks"] += why.startswith(CORRUPT)
-                    self._counters["missing_blocks"] += why.startswith(MISSING)
-            absent = [key for key in keys if key in failed and not failed[key].startswith(REFUSED)]
-            self._remember(absent, False)
-        self._remember([key for key in keys if key not in failed] if failed else keys, True)
+        refusals: list[str] = []
+        absent: list[OffloadKey] = []
+        for key, why in failed.items():
+            if why.startswith(REFUSED):
+                self._forget(key)  # the server would not say: no answer kept
+                refusals.append(why)
+            else:  # absent, or corrupt and deleted
+                absent.append(key)
+                self._counters["corrupt_blocks"] += why.startswith(CORRUPT)
+                self._counters["missing_blocks"] += why.startswith(MISSING)
+        self._remember(absent, False)
+        self._remember([key for key in keys if key not in failed], True)
         done = "stored_blocks" if what == "store" else "loaded_blocks"
         self._counters[done] += len(keys) - len(failed)
         self._counters["pipelines"] += -(-len(keys) // self._blocks_per_pipeline)
