@@ -180,6 +180,14 @@ async def test_queued_loads_are_served_before_queued_stores() -> None:
     assert tier.order == [("store", 1), ("load", 4), ("load", 5), ("store", 2), ("store", 3)]
 
 
+async def test_a_load_queued_in_the_turn_of_a_store_starts_first_on_an_idle_tier() -> None:
+    async with CopyTier(_pool(), max_inflight=1) as tier:
+        tier.submit_store(_store(1, (b"s1", 0)))
+        tier.submit_load(_store(2, (b"s1", 1)))
+        await _results(tier, 1, 2)
+    assert tier.order == [("load", 2), ("store", 1)]
+
+
 async def test_no_more_than_max_inflight_jobs_run_at_once() -> None:
     async with CopyTier(_pool(), max_inflight=2) as tier:
         tier.gated.update(range(1, 6))

@@ -123,7 +123,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._inbox: Inbox[TierJob] = Inbox(self.inbox_size, owner=type(self).__name__)
         self._ledger = ResultsLedger(owner=type(self).__name__, on_delivered=self._delivered)
         self._failures = FailureLog(logger, type(self).__name__)
-        self._inflight = asyncio.Semaphore(self.max_inflight)
+        self._running: set[TierJob] = set()  # jobs whose hook runs: at most max_inflight
+        self._drained: asyncio.Future[None] | None = None  # set: closed, nothing queued or running
+        self._dispatch_pending = False  # a _dispatch_later is scheduled
         self._closed_event = asyncio.Event()
         self._executor = ThreadPoolExecutor(
             max_workers=self.io_threads,
@@ -180,6 +182,7 @@ class TierActor(AsyncService, SecondaryTierManager):
 
         self._state = Lifecycle.CLOSING
         self._inbox.close()
+        self._dispatch()  # the runner ends at once if nothing is queued or running
         self._cancel_background()
         runner = self._runner
         assert runner is not None
@@ -286,6 +289,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         entry = TierJob(self._admit(job), lane)
         self._inbox.put_nowait(lane, entry)
         self._register(entry)
+        self._dispatch_soon(lane)
 
     def _send(
         self,
@@ -305,6 +309,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._next_id += 1
         queued = self._inbox.park(lane, job)
         self._register(job)
+        self._dispatch_soon(lane)
         return queued
 
     async def _put(self, job: JobMetadata, lane: Lane) -> None:
@@ -317,7 +322,8 @@ class TierActor(AsyncService, SecondaryTierManager):
             raise ClosedError(f"{self._name()} closed while job {job_id} waited") from None
         finally:
             self._reserved_ids.discard(job_id)
-        self._register(entry)  # no await since the inbox took it: unseen by the server
+        self._register(entry)  # no await since the inbox took it: not started yet
+        self._dispatch_soon(lane)
 
     def _admit(self, job: JobMetadata) -> JobMetadata:
         """``job`` checked, as an immutable snapshot. Raises InvalidArgumentError for a
@@ -442,25 +448,62 @@ class TierActor(AsyncService, SecondaryTierManager):
     async def _run(self) -> None:
         async with asyncio.TaskGroup() as task_group:
             self._task_group = task_group
-            task_group.create_task(self._serve(), name=f"{self._name()}-serve")
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                self._dispatch()
+                await self._drained
+            finally:
+                self._task_group = None  # ended or cancelled: no job starts any more
 
-    async def _serve(self) -> None:
+    def _dispatch_soon(self, lane: Lane) -> None:
+        """Start what was just queued in ``lane``: a load at once (no queued store may
+        pass it); stores once this turn of the loop ends, so that the loads queued in
+        the same turn go first."""
+        if lane == "load":
+            self._dispatch()
+        elif not self._dispatch_pending and self._loop is not None:
+            self._dispatch_pending = True
+            self._loop.call_soon(self._dispatch_later)
+
+    def _dispatch_later(self) -> None:
+        self._dispatch_pending = False
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start queued jobs (loads first) while fewer than ``max_inflight`` run, each
+        as a task of the runner's group, at once rather than on a later turn of the
+        loop; once the inbox is closed and nothing is queued or running, let the runner
+        end."""
         task_group = self._task_group
-        assert task_group is not None
-        while True:
-            await self._inflight.acquire()
-            job = await self._inbox.get()
+        if task_group is None:
+            return
+        running = self._running
+        while len(running) < self.max_inflight:
+            job = self._inbox.get_nowait()
             if job is None:
-                self._inflight.release()
-                return
+                break
+            running.add(job)
             task = task_group.create_task(
                 self._run_job(job), name=f"{self._name()}-{job.lane}-{job.meta.job_id}"
             )
             job.task = task
             task.add_done_callback(functools.partial(self._on_job_done, job))
+        drained = self._drained
+        if not running and self._inbox.closed and drained is not None and not drained.done():
+            drained.set_result(None)
 
     async def _run_job(self, job: TierJob) -> JobResult:
-        """Run one hook; turn every failure of it into a failed JobResult."""
+        """Run one hook; turn every failure of it into a failed JobResult, decided here
+        (its waiters woken on this turn of the loop), then let the next job start."""
+        job_result = await self._hook_result(job)
+        self._ledger.finish(job.meta.job_id, job_result)
+        self._running.discard(job)
+        self._dispatch()
+        return job_result
+
+    async def _hook_result(self, job: TierJob) -> JobResult:
+        """The job's hook awaited: its result, or a failed one for whatever it raised
+        (but the cancellation of this task)."""
         meta = job.meta
         _CURRENT_JOB.set((self, meta.job_id))
         hook = self._do_load if job.lane == "load" else self._do_store
@@ -493,16 +536,17 @@ class TierActor(AsyncService, SecondaryTierManager):
         return JobResult(job.meta.job_id, False, tuple(job.meta.keys), error)
 
     def _on_job_done(self, job: TierJob, task: asyncio.Task[JobResult]) -> None:
-        self._inflight.release()
+        if job not in self._running:
+            return  # decided by its task
         job_id = job.meta.job_id
-        if job.result is not None:
-            return  # decided already (a close failed it; a stubborn hook ended late)
-        if task.cancelled():
+        # Ended without deciding: cancelled, or raised past _run_job (unless a close, or
+        # a hook that ended late, decided it already).
+        if job.result is None and task.cancelled():
             self._fail(job_id, self._cancel_reason, self._cancel_cause)
-        elif (exc := task.exception()) is not None:
+        elif job.result is None and (exc := task.exception()) is not None:
             self._fail(job_id, repr(exc), f"{job.lane} job raised {type(exc).__name__}")
-        else:
-            self._ledger.finish(job_id, task.result())
+        self._running.discard(job)
+        self._dispatch()
 
     def _on_runner_done(self, runner: asyncio.Task[None]) -> None:
         if not runner.cancelled() and (exc := runner.exception()) is not None:

@@ -109,6 +109,11 @@ class Inbox(Generic[_T]):
         self._append(lane, item)
         self._admit_waiting(lane)  # room may remain for the next in line too
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def get_nowait(self) -> _T | None:
         """The oldest queued load, else the oldest queued store, else ``None``."""
         for lane in _LANES:
