@@ -44,7 +44,10 @@ at least as many rounds as sides for each to run in every place once, and each p
 runs at least two jobs per ``--concurrency`` slot so that it measures throughput, not
 one job's latency: settings short of either are refused (exit status 2) before
 anything runs. The host buffer the sides load into is written once before the first
-round, so no side pays its first-touch page faults.
+round, so no side pays its first-touch page faults, and then the garbage collector's
+heap is frozen (``gc.freeze()``, as vLLM's engine does once it has started): a full
+collection of the objects torch and LMCache bring (over 100 ms each with LMCache
+loaded) would otherwise land in whichever round its count came due.
 
 The last line of output is one JSON object: the figures of the first block size at its
 top level, and every block size's in ``runs``::
@@ -79,6 +82,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import gc
 import itertools
 import json
 import mmap
@@ -391,6 +395,8 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
         for offset in range(count * block, 2 * count * block, len(zeros)):
             end = min(offset + len(zeros), 2 * count * block)
             pool[offset:end] = zeros[: end - offset]
+        gc.collect()
+        gc.freeze()
         rounds: dict[str, list[Round]] = {side: [] for side in sides}
         try:
             for round_no in range(args.repeat):
@@ -419,6 +425,7 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
             raise
         pool.release()
         buffer.close()
+        gc.unfreeze()
         runs.append(_row(block, rounds))
         _print_row(runs[-1], args)
     return runs
