@@ -95,6 +95,10 @@ class RespStream:
         self._wake = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        # Jobs given and jobs ended: each counter written by one thread only (the
+        # giver's, the stream's), so their difference needs no lock.
+        self._given = 0
+        self._ended = 0
 
     def submit(self, work: StreamWork, deliver: Callable[[Any], None]) -> Future[None]:
         """Queue ``work``; ``deliver(outcome)`` follows on the stream's thread (the
@@ -106,16 +110,17 @@ class RespStream:
             if self._closed:
                 raise RuntimeError("the stream is closed")
             self._queue.append(entry)
+            self._given += 1
             self._wake.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
                 self._thread.start()
         return entry.call
 
-    def queued(self) -> int:
-        """Jobs given and not yet begun (read without the lock: for choosing the least
-        busy stream, not for deciding anything that must be exact)."""
-        return len(self._queue)
+    def load(self) -> int:
+        """Jobs given and not yet ended, begun or not (read without the lock: for
+        choosing the least busy stream, not for deciding anything that must be exact)."""
+        return self._given - self._ended
 
     def close(self) -> None:
         """Stop once the jobs begun are done; the jobs still queued fail as closed."""
@@ -137,8 +142,10 @@ class RespStream:
                     break
                 while self._queue and not self._closed:
                     entry = self._queue.popleft()
-                    if entry.call.set_running_or_notify_cancel():  # else withdrawn
+                    if entry.call.set_running_or_notify_cancel():
                         active.append(entry)
+                    else:  # withdrawn
+                        self._ended += 1
             try:
                 while active and len(on_wire) < self._window:
                     entry = active[0]
@@ -188,14 +195,14 @@ class RespStream:
             if entry.call.set_running_or_notify_cancel():
                 self._end(entry, RedisConnectionError("the redis tier is closed"))
 
-    @staticmethod
-    def _end(entry: _Entry, error: BaseException | None = None) -> None:
+    def _end(self, entry: _Entry, error: BaseException | None = None) -> None:
         """Finish ``entry``'s work (releasing what it holds) and deliver its outcome."""
         try:
             outcome = entry.work.finish()
         except BaseException as exc:
             outcome = exc
         entry.pipelines = None  # its generator, and the views it holds, go now
+        self._ended += 1
         entry.deliver(outcome if error is None else error)
         entry.call.set_result(None)
 

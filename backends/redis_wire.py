@@ -53,8 +53,8 @@ class WirePipelines:
         ]
 
     def stream(self) -> RespStream:
-        """The stream with the fewest jobs waiting."""
-        return min(self.streams, key=RespStream.queued)
+        """The stream with the fewest jobs given and not yet ended."""
+        return min(self.streams, key=RespStream.load)
 
     def close(self) -> None:
         """Close the streams (once their jobs begun are done)."""

@@ -17,7 +17,7 @@ if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py 
 
 from backends.redis_client import RedisConnectionError, new_client
 from backends.redis_stream import Pipeline, RespStream
-from backends.redis_wire import ClusterLink, ServerLink
+from backends.redis_wire import ClusterLink, ServerLink, WirePipelines
 from backends.resp_connection import endpoint_of
 from tests._redis_helpers import local_redis_cluster
 
@@ -113,6 +113,31 @@ def test_a_job_withdrawn_before_it_began_is_never_begun(
     assert done.result(timeout=10) == "finished"
     assert later.replies == [[None]]  # the withdrawn SET was never sent
     assert not withdrawn.begun and not delivered.done()
+
+
+def test_a_job_goes_to_the_stream_with_the_fewest_jobs_not_ended(redis_server: Any) -> None:
+    endpoint = endpoint_of(redis_server.url, timeout_s=5.0, tls={})
+    assert endpoint is not None
+    wire = WirePipelines(endpoint, streams=2, window=2)
+    try:
+        busy = wire.stream()
+        _, held = run(busy, Work([("BLPOP", "held", 5)]))  # on the wire until pushed
+        deadline = time.monotonic() + 10
+        while b"cmd=blpop" not in redis_server.command("CLIENT", "LIST"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert busy.load() == 1
+        idle = wire.stream()
+        assert idle is not busy  # though neither has a job waiting to begin
+        redis_server.command("RPUSH", "held", "x")
+        assert held.result(timeout=10) == "finished"
+        deadline = time.monotonic() + 10
+        while busy.load():  # ended: the stream counts it just before delivering
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert idle.load() == 0
+    finally:
+        wire.close()
 
 
 def test_closing_ends_the_begun_jobs_and_fails_the_queued(
