@@ -471,9 +471,8 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def _dispatch(self) -> None:
         """Start queued jobs (loads first) while fewer than ``max_inflight`` run, each
-        as a task of the runner's group, at once rather than on a later turn of the
-        loop; once the inbox is closed and nothing is queued or running, let the runner
-        end."""
+        as a task of the runner's group (no task polls the inbox); once the inbox is
+        closed and nothing is queued or running, let the runner end."""
         task_group = self._task_group
         if task_group is None:
             return
