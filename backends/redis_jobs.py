@@ -80,7 +80,9 @@ class StoreWork:
                 header = compact_header(key=key, checksum=checksum, seal=seal, **record)
                 names.append(shape.prefix + key)
                 commands.append(("SET", names[-1], (header, value), *shape.expiry))
-            yield Pipeline(names, commands, None, None, self._answered(batch))
+            # Each SET stands alone (a key given twice in a job keeps either of its
+            # values, each a whole, verifiable record): the link may spread them.
+            yield Pipeline(names, commands, None, None, self._answered(batch), independent=True)
 
     def _answered(self, batch: Sequence[bytes]) -> Callable[[list[Any]], None]:
         def answer(replies: list[Any]) -> None:

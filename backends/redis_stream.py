@@ -29,13 +29,15 @@ class Pipeline(NamedTuple):
     """One pipelined round trip of a job: its ``commands`` (on the keys ``names``, one
     per command), where their replies land (``sinks``, ``expected``: as
     :meth:`RespConnection.round_trip` takes them), and ``answer``, called with the
-    replies in order."""
+    replies in order. ``independent``: the commands may run in any order, each on a
+    connection of its own (a link may spread them); else in order, on one."""
 
     names: Sequence[bytes]
     commands: Sequence[Command]
     sinks: Sequence[Sink | None] | None
     expected: Sequence[Expected] | None
     answer: Callable[[list[Any]], None]
+    independent: bool = False
 
 
 class Link(Protocol):

@@ -62,27 +62,56 @@ class WirePipelines:
             stream.close()
 
 
+# Connections a stream spreads an independent pipeline (a store's SETs) over, a command
+# on each in turn: a server reading SETs of large values queued one after another on a
+# connection spent more CPU per byte than on one SET per connection (docs/redis.md).
+_SPREAD = 8
+
+
 class ServerLink:
-    """A stream's connection to one server (raises as :class:`RespConnection` does)."""
+    """A stream's connections to one server (raises as :class:`RespConnection` does): one
+    for pipelines whose commands run in order, and up to ``_SPREAD`` more, made as first
+    needed, over which an independent pipeline goes a command on each in turn."""
 
     def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
         self._connection = RespConnection(endpoint)
+        self._spread: list[RespConnection] = []
+        self._next = 0
 
-    def send(self, pipeline: Pipeline) -> int:
+    def send(self, pipeline: Pipeline) -> int | list[tuple[RespConnection, int]]:
         """Send ``pipeline``; returns what :meth:`receive` needs to read its replies."""
-        return self._connection.send(pipeline.commands, pipeline.sinks, pipeline.expected)
+        if not pipeline.independent:
+            return self._connection.send(pipeline.commands, pipeline.sinks, pipeline.expected)
+        sent: list[tuple[RespConnection, int]] = []
+        for i, command in enumerate(pipeline.commands):
+            if len(self._spread) < _SPREAD:
+                connection = RespConnection(self._endpoint)
+                self._spread.append(connection)
+            else:
+                connection = self._spread[self._next]
+                self._next = (self._next + 1) % _SPREAD
+            sinks, expected = _chosen([i], pipeline.sinks), _chosen([i], pipeline.expected)
+            sent.append((connection, connection.send([command], sinks, expected)))
+        return sent
 
-    def receive(self, pipeline: Pipeline, sent: int) -> Replies:
+    def receive(self, pipeline: Pipeline, sent: int | list[tuple[RespConnection, int]]) -> Replies:
         """The replies of ``pipeline``, :meth:`send` having returned ``sent``."""
-        count = len(pipeline.commands)
-        return self._connection.receive(count, pipeline.sinks, pipeline.expected, sent)
+        sinks, expected = pipeline.sinks, pipeline.expected
+        if isinstance(sent, int):
+            return self._connection.receive(len(pipeline.commands), sinks, expected, sent)
+        replies: Replies = []
+        for i, (connection, pad) in enumerate(sent):  # a connection's replies come in order
+            replies += connection.receive(1, _chosen([i], sinks), _chosen([i], expected), pad)
+        return replies
 
     def stale(self) -> bool:
-        """Whether the idle connection is of no further use (:meth:`RespConnection.stale`)."""
-        return self._connection.stale()
+        """Whether an idle connection is of no further use (:meth:`RespConnection.stale`)."""
+        return any(connection.stale() for connection in (self._connection, *self._spread))
 
     def close(self) -> None:
-        self._connection.close()
+        for connection in (self._connection, *self._spread):
+            connection.close()
 
 
 class _Group(NamedTuple):

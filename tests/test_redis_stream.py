@@ -25,8 +25,8 @@ from tests._redis_helpers import local_redis_cluster
 class Work:
     """A job of plain commands, a pipeline per list; it records the replies."""
 
-    def __init__(self, *pipelines: list[tuple[Any, ...]]) -> None:
-        self._pipelines = pipelines
+    def __init__(self, *pipelines: list[tuple[Any, ...]], independent: bool = False) -> None:
+        self._pipelines, self._independent = pipelines, independent
         self.replies: list[list[Any]] = []
         self.begun = self.finished = False
 
@@ -34,7 +34,7 @@ class Work:
         self.begun = True
         for commands in self._pipelines:
             names = [command[1].encode() if len(command) > 1 else b"" for command in commands]
-            yield Pipeline(names, commands, None, None, self.replies.append)
+            yield Pipeline(names, commands, None, None, self.replies.append, self._independent)
 
     def finish(self) -> str:
         self.finished = True
@@ -78,6 +78,19 @@ def test_jobs_on_one_stream_get_their_own_replies_over_one_connection(
     assert isinstance(clients, bytes)
     ours = [line for line in clients.splitlines() if b"cmd=client|list" not in line]
     assert len(ours) == 1  # every job went over the stream's one connection
+
+
+def test_an_independent_pipeline_is_spread_over_connections_and_answered_in_order(
+    stream: RespStream, redis_server: Any
+) -> None:
+    spread = Work([("INCRBY", f"n{i}", i) for i in range(12)], independent=True)
+    _, delivered = run(stream, spread)
+    assert delivered.result(timeout=10) == "finished"
+    assert spread.replies == [list(range(12))]
+    clients = redis_server.command("CLIENT", "LIST")
+    assert isinstance(clients, bytes)
+    ours = [line for line in clients.splitlines() if b"cmd=client|list" not in line]
+    assert len(ours) == 1 + 8  # the stream's own, and the 8 the commands went over
 
 
 def test_a_lost_connection_fails_its_jobs_and_the_next_job_reconnects(
