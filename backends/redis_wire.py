@@ -2,8 +2,9 @@
 to one server, or to every node of a cluster at once.
 
 Each stream (:class:`backends.redis_stream.RespStream`) holds one link: to one server a
-connection (:class:`ServerLink`); to a cluster a connection per node, made as it is
-first needed (:class:`ClusterLink`). On a cluster, a pipeline's commands are grouped by
+connection, and a few more over which a store's ``SET``s go one per connection
+(:class:`ServerLink`); to a cluster a connection per node, made as it is first needed
+(:class:`ClusterLink`). On a cluster, a pipeline's commands are grouped by
 the node that owns their key's slot (redis-py's map of the slots) and every node's
 group is sent before any reply is read, so the nodes work at once; the stream then
 reads them in turn. A command a node redirects (MOVED, ASK, TRYAGAIN) is sent again
