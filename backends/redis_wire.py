@@ -64,9 +64,49 @@ class WirePipelines:
 
 
 # Connections a stream spreads an independent pipeline (a store's SETs) over, a command
-# on each in turn: a server reading SETs of large values queued one after another on a
-# connection spent more CPU per byte than on one SET per connection (docs/redis.md).
+# on each in turn: a server spends less CPU per byte on SETs of large values that arrive
+# one per connection than on SETs queued one after another on one (docs/redis.md).
 _SPREAD = 8
+
+
+class _Group(NamedTuple):
+    """A share of a pipeline sent on one connection: the connection, the indexes of its
+    commands in the pipeline, their sinks and expected replies, and what ``receive``
+    needs."""
+
+    connection: RespConnection
+    indexes: Sequence[int]
+    sinks: Sequence[Sink | None] | None
+    expected: Sequence[Expected] | None
+    sent: int
+
+
+def _send_group(
+    connection: RespConnection, pipeline: Pipeline, chosen: list[int] | None = None
+) -> _Group:
+    """Send the commands of ``pipeline`` at the indexes ``chosen`` (None: all of them) on
+    ``connection``."""
+    if chosen is None:
+        indexes: Sequence[int] = range(len(pipeline.commands))
+        commands, sinks, expected = pipeline.commands, pipeline.sinks, pipeline.expected
+    else:
+        indexes, commands = chosen, [pipeline.commands[i] for i in chosen]
+        sinks, expected = _chosen(chosen, pipeline.sinks), _chosen(chosen, pipeline.expected)
+    return _Group(connection, indexes, sinks, expected, connection.send(commands, sinks, expected))
+
+
+def _receive_groups(pipeline: Pipeline, groups: list[_Group]) -> Replies:
+    """The replies of ``pipeline`` sent as ``groups``, in its commands' order (a
+    connection's replies come in the order its groups were sent)."""
+    if len(groups) == 1 and len(groups[0].indexes) == len(pipeline.commands):
+        group = groups[0]  # the whole pipeline, in order
+        return group.connection.receive(len(group.indexes), group.sinks, group.expected, group.sent)
+    replies: Replies = [None] * len(pipeline.commands)
+    for group in groups:
+        got = group.connection.receive(len(group.indexes), group.sinks, group.expected, group.sent)
+        for i, reply in zip(group.indexes, got, strict=True):
+            replies[i] = reply
+    return replies
 
 
 class ServerLink:
@@ -80,31 +120,17 @@ class ServerLink:
         self._spread: list[RespConnection] = []
         self._next = 0
 
-    def send(self, pipeline: Pipeline) -> int | list[tuple[RespConnection, int]]:
+    def send(self, pipeline: Pipeline) -> list[_Group]:
         """Send ``pipeline``; returns what :meth:`receive` needs to read its replies."""
         if not pipeline.independent:
-            return self._connection.send(pipeline.commands, pipeline.sinks, pipeline.expected)
-        sent: list[tuple[RespConnection, int]] = []
-        for i, command in enumerate(pipeline.commands):
-            if len(self._spread) < _SPREAD:
-                connection = RespConnection(self._endpoint)
-                self._spread.append(connection)
-            else:
-                connection = self._spread[self._next]
-                self._next = (self._next + 1) % _SPREAD
-            sinks, expected = _chosen([i], pipeline.sinks), _chosen([i], pipeline.expected)
-            sent.append((connection, connection.send([command], sinks, expected)))
-        return sent
+            return [_send_group(self._connection, pipeline)]
+        return [
+            _send_group(self._spread_one(), pipeline, [i]) for i in range(len(pipeline.commands))
+        ]
 
-    def receive(self, pipeline: Pipeline, sent: int | list[tuple[RespConnection, int]]) -> Replies:
-        """The replies of ``pipeline``, :meth:`send` having returned ``sent``."""
-        sinks, expected = pipeline.sinks, pipeline.expected
-        if isinstance(sent, int):
-            return self._connection.receive(len(pipeline.commands), sinks, expected, sent)
-        replies: Replies = []
-        for i, (connection, pad) in enumerate(sent):  # a connection's replies come in order
-            replies += connection.receive(1, _chosen([i], sinks), _chosen([i], expected), pad)
-        return replies
+    def receive(self, pipeline: Pipeline, groups: list[_Group]) -> Replies:
+        """The replies of ``pipeline``, :meth:`send` having returned ``groups``."""
+        return _receive_groups(pipeline, groups)
 
     def stale(self) -> bool:
         """Whether an idle connection is of no further use (:meth:`RespConnection.stale`)."""
@@ -114,16 +140,14 @@ class ServerLink:
         for connection in (self._connection, *self._spread):
             connection.close()
 
-
-class _Group(NamedTuple):
-    """One node's share of a pipeline, sent: its connection, the indexes of its commands
-    in the pipeline, their sinks and expected replies, and what ``receive`` needs."""
-
-    connection: RespConnection
-    indexes: list[int]
-    sinks: list[Sink | None] | None
-    expected: list[Expected] | None
-    sent: int
+    def _spread_one(self) -> RespConnection:
+        """The next spread connection: a new one while fewer than ``_SPREAD`` are made."""
+        if len(self._spread) < _SPREAD:
+            self._spread.append(RespConnection(self._endpoint))
+            return self._spread[-1]
+        connection = self._spread[self._next]
+        self._next = (self._next + 1) % _SPREAD
+        return connection
 
 
 class ClusterLink:
@@ -137,7 +161,7 @@ class ClusterLink:
 
     def send(self, pipeline: Pipeline) -> list[_Group]:
         """Send every node's group of ``pipeline``; returns them for :meth:`receive`."""
-        cluster, commands = self._cluster, pipeline.commands
+        cluster = self._cluster
         indexes: dict[Endpoint, list[int]] = {}
         for i, name in enumerate(pipeline.names):
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
@@ -148,10 +172,7 @@ class ClusterLink:
                 connection = self._connections.get(endpoint)
                 if connection is None:
                     connection = self._connections[endpoint] = RespConnection(endpoint)
-                sinks = _chosen(chosen, pipeline.sinks)
-                expected = _chosen(chosen, pipeline.expected)
-                sent = connection.send([commands[i] for i in chosen], sinks, expected)
-                groups.append(_Group(connection, chosen, sinks, expected, sent))
+                groups.append(_send_group(connection, pipeline, chosen))
         except CLIENT_ERRORS:
             self._refresh()
             raise
@@ -160,14 +181,8 @@ class ClusterLink:
     def receive(self, pipeline: Pipeline, groups: list[_Group]) -> Replies:
         """The replies of ``pipeline``, in its commands' order (an error reply in its
         place; a redirected command's reply as redis-py gives it, with no sink)."""
-        replies: Replies = [None] * len(pipeline.commands)
         try:
-            for group in groups:
-                got = group.connection.receive(
-                    len(group.indexes), group.sinks, group.expected, group.sent
-                )
-                for i, reply in zip(group.indexes, got, strict=True):
-                    replies[i] = reply
+            replies = _receive_groups(pipeline, groups)
         except CLIENT_ERRORS:
             self._refresh()
             raise
