@@ -30,7 +30,7 @@ from backends.redis_client import (
 )
 from backends.redis_stream import Pipeline, RespStream
 from backends.resp import Sink, joined
-from backends.resp_connection import Command, Endpoint, Expected, RespConnection
+from backends.resp_connection import Command, Endpoint, Expected, RespConnection, any_stale
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class ServerLink:
         return _receive_groups(pipeline, groups)
 
     def stale(self) -> bool:
-        """Whether an idle connection is of no further use (:meth:`RespConnection.stale`)."""
-        return any(connection.stale() for connection in (self._connection, *self._spread))
+        """Whether an idle connection is of no further use (:func:`any_stale`)."""
+        return any_stale((self._connection, *self._spread))
 
     def close(self) -> None:
         for connection in (self._connection, *self._spread):
@@ -204,7 +204,7 @@ class ClusterLink:
 
     def stale(self) -> bool:
         """Whether any idle connection of the link is of no further use."""
-        return any(connection.stale() for connection in self._connections.values())
+        return any_stale(self._connections.values())
 
     def close(self) -> None:
         for connection in self._connections.values():

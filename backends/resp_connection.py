@@ -18,7 +18,7 @@ import select
 import socket
 import ssl
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from backends.redis_client import AuthenticationError, RedisConnectionError, ResponseError
@@ -329,19 +329,20 @@ class RespConnection:
             raise RedisConnectionError(f"the redis server sent no RESP: {exc}") from None
         return reply  # type: ignore[return-value]
 
-    def stale(self) -> bool:
-        """Whether an idle connection has something to read: the server closed it
-        (restarted, timed it out) or sent what nobody asked for; either way it is
-        closed rather than used."""
-        try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
-        except (OSError, ValueError):  # closed under us
-            return True
-        return bool(readable)
-
     def close(self) -> None:
         with contextlib.suppress(OSError):  # best effort: the connection is dropped anyway
             self._sock.close()
+
+
+def any_stale(connections: Iterable[RespConnection]) -> bool:
+    """Whether any of the idle ``connections`` has something to read (one ``select``
+    for them all): the server closed it (restarted, timed it out) or sent what nobody
+    asked for; either way it is closed rather than used."""
+    try:
+        readable, _, _ = select.select([c._sock for c in connections], [], [], 0)
+    except (OSError, ValueError):  # one was closed under us
+        return True
+    return bool(readable)
 
 
 __all__ = [
@@ -349,6 +350,7 @@ __all__ = [
     "Endpoint",
     "Expected",
     "RespConnection",
+    "any_stale",
     "endpoint_of",
     "response_error",
 ]

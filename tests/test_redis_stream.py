@@ -93,6 +93,27 @@ def test_an_independent_pipeline_is_spread_over_connections_and_answered_in_orde
     assert len(ours) == 1 + 8  # the stream's own, and the 8 the commands went over
 
 
+def test_a_connection_the_server_closed_while_idle_is_never_used(
+    stream: RespStream, redis_server: Any
+) -> None:
+    """Any one of an idle link's connections closed by the server (here one of the
+    spread ones) makes the next job start on a new link: it does not fail."""
+    first = Work([("INCRBY", f"n{i}", 1) for i in range(12)], independent=True)
+    _, delivered = run(stream, first)
+    assert delivered.result(timeout=10) == "finished"
+    clients = redis_server.command("CLIENT", "LIST")
+    assert isinstance(clients, bytes)
+    spread = [line for line in clients.splitlines() if b"cmd=incrby" in line]
+    assert len(spread) == 8
+    victim = spread[-1].split()[0].removeprefix(b"id=")
+    assert redis_server.command("CLIENT", "KILL", "ID", victim) == 1
+    time.sleep(0.1)  # the close reaches our end of the connection
+    second = Work([("INCRBY", f"n{i}", 10) for i in range(12)], independent=True)
+    _, delivered = run(stream, second)
+    assert delivered.result(timeout=10) == "finished"
+    assert second.replies == [[11] * 12]
+
+
 def test_a_lost_connection_fails_its_jobs_and_the_next_job_reconnects(
     stream: RespStream,
 ) -> None:
