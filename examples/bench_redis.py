@@ -46,8 +46,8 @@ one job's latency: settings short of either are refused (exit status 2) before
 anything runs. The host buffer the sides load into is written once before the first
 round, so no side pays its first-touch page faults, and then the garbage collector's
 heap is frozen (``gc.freeze()``, as vLLM's engine does once it has started): a full
-collection of the objects torch and LMCache bring (over 100 ms each with LMCache
-loaded) would otherwise land in whichever round its count came due.
+collection of the many objects torch and LMCache bring would otherwise land in
+whichever round its count came due.
 
 The last line of output is one JSON object: the figures of the first block size at its
 top level, and every block size's in ``runs``::

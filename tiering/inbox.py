@@ -27,7 +27,6 @@ class InboxStatistics:
     queued_stores: int
     max_size: int
     tasks_waiting_put: int
-    tasks_waiting_get: int
     closed: bool
     parked: int = 0
 
@@ -40,13 +39,14 @@ class _Parked(Generic[_T]):
 
 
 class Inbox(Generic[_T]):
-    """Two bounded FIFO lanes (``"load"`` and ``"store"``) feeding one or more getters.
+    """Two bounded FIFO lanes (``"load"`` and ``"store"``), taken from with
+    :meth:`get_nowait` (loads first).
 
     A lane's items come out in the order queued, loads before any store; a lane never
     holds more than ``max_size``; a put that raises (or is cancelled) admits nothing. When
     a lane is full, :meth:`put_nowait` raises, :meth:`put` waits and :meth:`park` leaves
     the item in line, queued as room appears. Closing stops admission; queued and parked
-    items stay gettable, and :meth:`get` returns ``None`` once closed and empty.
+    items stay gettable.
     """
 
     def __init__(self, max_size: int, *, owner: str = "inbox") -> None:
@@ -58,7 +58,6 @@ class Inbox(Generic[_T]):
         self._waiting: dict[Lane, deque[asyncio.Future[None] | _Parked[_T]]] = {
             lane: deque() for lane in _LANES
         }
-        self._getters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
     def put_nowait(self, lane: Lane, item: _T) -> None:
@@ -124,25 +123,6 @@ class Inbox(Generic[_T]):
                 return item
         return None
 
-    async def get(self) -> _T | None:
-        """Wait for and take the next item (loads first); ``None`` once closed and empty.
-        Cancelled, it takes nothing."""
-        while True:
-            item = self.get_nowait()
-            if item is not None or self._closed:
-                return item
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._getters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                woken = waiter.done() and not waiter.cancelled()
-                if waiter in self._getters:
-                    self._getters.remove(waiter)
-                if woken:
-                    self._wake_getter()
-                raise
-
     def drain(self) -> list[_T]:
         """Take every queued item (loads first, each lane in order); parked items move up
         into the room."""
@@ -165,8 +145,8 @@ class Inbox(Generic[_T]):
         return items
 
     def close(self) -> None:
-        """Admit nothing more; wake every waiter. Queued and parked items stay gettable.
-        Idempotent."""
+        """Admit nothing more; wake every waiting putter. Queued and parked items stay
+        gettable. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -174,9 +154,6 @@ class Inbox(Generic[_T]):
             for waiter in self._waiting[lane]:
                 if isinstance(waiter, asyncio.Future) and not waiter.done():
                     waiter.set_result(None)
-        for getter in self._getters:
-            if not getter.done():
-                getter.set_result(None)
 
     def statistics(self) -> InboxStatistics:
         waiting = [w for lane in _LANES for w in self._waiting[lane]]
@@ -185,7 +162,6 @@ class Inbox(Generic[_T]):
             queued_stores=len(self._lanes["store"]),
             max_size=self.max_size,
             tasks_waiting_put=sum(isinstance(w, asyncio.Future) and not w.done() for w in waiting),
-            tasks_waiting_get=sum(1 for w in self._getters if not w.done()),
             closed=self._closed,
             parked=sum(isinstance(w, _Parked) for w in waiting),
         )
@@ -194,8 +170,8 @@ class Inbox(Generic[_T]):
         s = self.statistics()
         return (
             f"Inbox({self._owner}: {s.queued_loads} loads, {s.queued_stores} stores queued "
-            f"of {s.max_size} each, {s.parked} parked; {s.tasks_waiting_put} putting, "
-            f"{s.tasks_waiting_get} getting{'; closed' if s.closed else ''})"
+            f"of {s.max_size} each, {s.parked} parked; {s.tasks_waiting_put} putting"
+            f"{'; closed' if s.closed else ''})"
         )
 
     def _has_room(self, lane: object) -> bool:
@@ -207,7 +183,6 @@ class Inbox(Generic[_T]):
 
     def _append(self, lane: Lane, item: _T) -> None:
         self._lanes[lane].append(item)
-        self._wake_getter()
 
     def _admit_waiting(self, lane: Lane) -> None:
         """Give the room in ``lane`` to those waiting, in order: queue parked items, wake
@@ -229,16 +204,6 @@ class Inbox(Generic[_T]):
             else:
                 i += 1
             room -= 1
-
-    def _wake_getter(self) -> None:
-        # A woken getter leaves the line here: kept, finished waiters would pile up and
-        # every later wake-up would walk past all of them.
-        getters = self._getters
-        while getters:
-            waiter = getters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
 
 
 __all__ = ["Inbox", "InboxStatistics", "Lane"]
