@@ -272,10 +272,11 @@ def verify_payload(
     :func:`check_header`), off the loop. Without ``cipher``: refuse a sealed record,
     compare ``checksum(payload, binding)`` with the header's, then copy the payload to
     ``into`` if given. With ``cipher``: refuse a plain record and open the ciphertext
-    into ``into`` (one pass), or in place without it (InvalidArgumentError unless the
-    payload is then a memoryview). CorruptBlockError for a length not the header's, a
-    record of the other kind, or one that does not verify (the cipher's UnknownKeyError
-    or AuthenticationError, logged once per key id); ``into`` then holds none of it."""
+    into ``into`` (one pass; ``into`` is required, and apart from ``payload``).
+    CorruptBlockError for a length not the header's, a record of the other kind, or one
+    that does not verify (the cipher's UnknownKeyError or AuthenticationError, logged
+    once per key id); ``into`` then holds none of it. InvalidArgumentError for a sealed
+    record without ``into``, or with one that overlaps ``payload``."""
     if len(payload) != header.payload_bytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, expected {header.payload_bytes}")
     if cipher is None:
@@ -291,6 +292,6 @@ def verify_payload(
         return
     if header.seal is None:
         raise CorruptBlockError("block is not encrypted, and this tier reads only encrypted ones")
-    if into is None and not isinstance(payload, memoryview):
-        raise InvalidArgumentError("a sealed payload opens in place: pass a writable into")
-    cipher.open_into(header.seal, memoryview(payload), header.binding, into)
+    if into is None:
+        raise InvalidArgumentError("a sealed payload opens into a buffer of its own: pass into")
+    cipher.open_into(header.seal, payload, header.binding, into)

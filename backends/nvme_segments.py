@@ -306,8 +306,14 @@ class SegmentFiles:
         items: list[tuple[int, int, memoryview, bytes | None]],
         outcomes: list[ReadOutcome],
     ) -> None:
-        staged = self.staged
-        direct = self.o_direct and (staged > 0 or all(is_aligned(slot) for _, _, slot, _ in items))
+        # Sealed records land in the sealer's aligned buffers, never staged (as on write),
+        # and open from there into their slots.
+        staged = self.staged if self.sealer is None else 0
+        direct = self.o_direct and (
+            self.sealer is not None
+            or staged > 0
+            or all(is_aligned(slot) for _, _, slot, _ in items)
+        )
         try:
             fd = self.os.open(self.path_of(segment), os.O_RDONLY | (O_DIRECT if direct else 0))
         except OSError as exc:
@@ -319,6 +325,8 @@ class SegmentFiles:
         items.sort(key=lambda item: item[1])
         try:
             most = staged if direct and staged else MAX_IOV // 3
+            if self.sealer is not None:
+                most = min(most, self.sealer.batch)
             for run in _runs([(segment, item[1]) for item in items], most):
                 self._read_run(fd, items[run], outcomes, staged=direct and staged > 0)
         finally:
@@ -333,9 +341,11 @@ class SegmentFiles:
         staged: bool = False,
     ) -> None:
         """Read records ``run[0][1]``, ``run[0][1] + 1``, ... in one ``preadv`` (into the
-        slots, or ``staged`` into this thread's staging buffer, each payload then copied
-        into its slot once its header checks), then verify each payload in its slot."""
-        step = self.record_bytes
+        slots; ``staged`` into this thread's staging buffer, each payload then copied
+        into its slot once its header checks; sealed into the sealer's buffers, each
+        then opened into its slot), then verify each payload."""
+        step, size = self.record_bytes, self.block_bytes
+        sealed = [] if self.sealer is None else self.sealer.buffers(len(run))
         if staged:
             pages, page_step = self._staging(), step
             buffers = [pages[: len(run) * step]]
@@ -346,7 +356,8 @@ class SegmentFiles:
             padding = [sink] if sink.nbytes else []
             buffers = []
             for j, (_, _, slot, _) in enumerate(run):
-                buffers += [pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES], slot, *padding]
+                landing = sealed[j][:size] if sealed else slot
+                buffers += [pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES], landing, *padding]
         try:
             got = self.os.preadv(fd, buffers, self.offset_of(run[0][1]))
         except OSError as exc:
@@ -371,8 +382,10 @@ class SegmentFiles:
                 if staged:
                     payload = start + HEADER_BYTES
                     copy_bytes(slot, pages[payload : payload + slot.nbytes])
-                verify_payload(header, slot, cipher, self._checksum)
-                if cipher is not None:
+                if cipher is None:
+                    verify_payload(header, slot, None, self._checksum)
+                else:
+                    verify_payload(header, sealed[j][:size], cipher, into=slot)
                     os.sched_yield()  # see backends/nvme_sealing.py
             except CorruptBlockError as exc:
                 outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)

@@ -54,7 +54,7 @@ from backends.redis_client import (
     round_trip,
 )
 from backends.redis_jobs import JobShape, LoadWork, StoreWork
-from backends.redis_landing import CORRUPT, MISSING, REFUSED
+from backends.redis_landing import CORRUPT, MISSING, REFUSED, LandingBuffers
 from backends.redis_stream import RespStream
 from backends.redis_wire import WirePipelines
 from backends.resp import joined
@@ -432,6 +432,7 @@ class RedisTier(TierActor):
                 per_pipeline=self._blocks_per_pipeline,
                 expiry=() if o.ttl_s is None else ("EX", max(1, round(o.ttl_s))),
                 seal_buffers=self._sealing_buffers,
+                landing_buffers=LandingBuffers(self.block_bytes),
                 delete=self._delete,
             )
         return self._job_shape

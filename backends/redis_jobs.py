@@ -14,7 +14,7 @@ from typing import Any
 
 from backends.block_record import compact_header, payload_checksum, record_binding
 from backends.redis_client import ResponseError
-from backends.redis_landing import CORRUPT, REFUSED, BlockLanding
+from backends.redis_landing import CORRUPT, REFUSED, BlockLanding, LandingBuffers
 from backends.redis_stream import Pipeline
 from tiering.encryption import BlockCipher
 
@@ -23,11 +23,13 @@ class JobShape:
     """What every job of one tier is made with: ``slot(block_id)`` (a view of the
     host pool), the key ``prefix``, the ``record`` keywords its headers carry, the
     ``cipher`` (None: plain), blocks ``per_pipeline``, the ``SET`` options
-    (``expiry``), this thread's sealing buffers (``seal_buffers()``) and
-    ``delete(names)`` for values that are no blocks."""
+    (``expiry``), this thread's sealing buffers (``seal_buffers()``), the buffers sealed
+    loads land in (``landing_buffers``) and ``delete(names)`` for values that are no
+    blocks."""
 
     __slots__ = (
-        "cipher", "delete", "expiry", "per_pipeline", "prefix", "record", "seal_buffers", "slot",
+        "cipher", "delete", "expiry", "landing_buffers", "per_pipeline", "prefix", "record",
+        "seal_buffers", "slot",
     )  # fmt: skip
 
     def __init__(
@@ -40,11 +42,13 @@ class JobShape:
         per_pipeline: int,
         expiry: tuple[Any, ...],
         seal_buffers: Callable[[], list[memoryview]],
+        landing_buffers: LandingBuffers,
         delete: Callable[[list[bytes]], None],
     ) -> None:
         self.slot, self.prefix, self.record, self.cipher = slot, prefix, record, cipher
         self.per_pipeline, self.expiry = per_pipeline, expiry
-        self.seal_buffers, self.delete = seal_buffers, delete
+        self.seal_buffers, self.landing_buffers = seal_buffers, landing_buffers
+        self.delete = delete
 
 
 class StoreWork:
@@ -102,9 +106,10 @@ class StoreWork:
 
 
 class LoadWork:
-    """A load: every block read straight into its slot (:class:`BlockLanding`) and
-    verified there. :meth:`finish` deletes the corrupt values (and values of another
-    type) from the server and returns why each failed key failed."""
+    """A load: every block read straight into its slot (:class:`BlockLanding`; a sealed
+    one into a landing buffer, opened into the slot) and verified. :meth:`finish`
+    deletes the corrupt values (and values of another type) from the server and returns
+    why each failed key failed."""
 
     def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         self._shape, self._keys, self._block_ids = shape, keys, block_ids
@@ -117,7 +122,9 @@ class LoadWork:
         for start in range(0, len(keys), shape.per_pipeline):
             stop = start + shape.per_pipeline
             batch = [
-                BlockLanding(key, shape.slot(block_id), shape.record, shape.cipher)
+                BlockLanding(
+                    key, shape.slot(block_id), shape.record, shape.cipher, shape.landing_buffers
+                )
                 for key, block_id in zip(keys[start:stop], block_ids[start:stop], strict=True)
             ]
             self._landings += batch

@@ -94,9 +94,19 @@ def test_a_sealed_record_round_trips_and_holds_no_plaintext_checksum(padded: boo
     record = decode_header(header)
     assert record.seal is not None and record.seal.key_id == 1
     assert read(header, sealed, cipher) == PAYLOAD
-    slot = memoryview(bytearray(sealed))  # NVMe's way: opened where it was read
-    verify_payload(record, slot, cipher)
-    assert bytes(slot) == PAYLOAD
+
+
+def test_a_sealed_payload_opens_only_into_a_buffer_of_its_own() -> None:
+    cipher = _cipher()
+    if cipher is None:
+        pytest.skip("pip install 'kv-tiering[encryption]'")
+    header, sealed = sealed_record(cipher, padded=False)
+    record, landed = decode_header(header), memoryview(bytearray(sealed))
+    with pytest.raises(InvalidArgumentError, match="pass into"):
+        verify_payload(record, landed, cipher)
+    with pytest.raises(InvalidArgumentError, match="overlaps"):
+        verify_payload(record, landed, cipher, into=landed)
+    assert bytes(landed) == sealed  # refused before a byte changed
 
 
 def test_a_sealed_payload_that_fails_leaves_nothing_of_it_in_into() -> None:

@@ -260,8 +260,9 @@ def test_payloads_sealed_in_order_into_a_batch_each_open() -> None:
         for key, payload, buffer in zip(keys, payloads, buffers, strict=True)
     ]
     for key, payload, buffer, seal in zip(keys, payloads, buffers, seals, strict=True):
-        on_disk = bytearray(buffer[:BLOCK])
-        assert bytes(on_disk) != payload
-        sealer.cipher.open_in_place(seal, memoryview(on_disk), record_binding(b"n" * 16, b"", key))
-        assert bytes(on_disk) == payload
+        on_disk, opened = bytes(buffer[:BLOCK]), bytearray(BLOCK)
+        assert on_disk != payload
+        binding = record_binding(b"n" * 16, b"", key)
+        sealer.cipher.open_into(seal, on_disk, binding, memoryview(opened))
+        assert opened == payload
     assert len(seals[0].tag) == TAG_BYTES

@@ -20,17 +20,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
 KEY_SIZES = (16, 24, 32)
 MAX_KEY_ID = 2**32 - 1
-_SLACK = 15  # room past its output that a cipher context's update_into asks for
 ENV_PREFIX = "env:"
 
 _log = logging.getLogger(__name__)
 _E = TypeVar("_E", bound=CorruptBlockError)
+Buffer = memoryview | bytes | bytearray
 
 
 class UnknownKeyError(CorruptBlockError):
@@ -159,6 +161,11 @@ class Seal:
     tag: bytes
 
 
+def _overlap(a: Buffer, b: Buffer) -> bool:
+    """Whether the memory of buffers ``a`` and ``b`` overlaps (their bounds, no copy)."""
+    return bool(np.may_share_memory(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
+
+
 def associated_data(namespace_digest: bytes, key: bytes) -> bytes:
     """The associated data a block is sealed with: its namespace digest, then its key."""
     return bytes(namespace_digest) + bytes(key)
@@ -196,14 +203,13 @@ class BlockCipher:
         self._aead[key_id].encrypt_into(nonce, payload, aad, out[: n + TAG_BYTES])
         return Seal(key_id, nonce, bytes(out[n : n + TAG_BYTES]))
 
-    def open_into(
-        self, seal: Seal, ciphertext: memoryview, aad: bytes, out: memoryview | None = None
-    ) -> None:
-        """Decrypt and verify ``ciphertext`` (its tag is ``seal.tag``) into ``out``, as
-        long as it and not overlapping it, or in place without ``out``. After a failure
-        the output holds nothing decrypted (a failed tag zeroes it).
+    def open_into(self, seal: Seal, ciphertext: Buffer, aad: bytes, out: memoryview) -> None:
+        """Decrypt and verify ``ciphertext`` (its tag is ``seal.tag``) into ``out``, a
+        writable buffer as long as it and apart from it (every ``cryptography`` release
+        from 51 on refuses to decrypt in place, so no caller relies on it). After a
+        failure ``out`` holds nothing decrypted (a failed tag zeroes it).
         Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError, and
-        InvalidArgumentError if ``out`` is not as long as ``ciphertext``.
+        InvalidArgumentError if ``out`` is not as long as ``ciphertext`` or overlaps it.
         """
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
@@ -211,21 +217,14 @@ class BlockCipher:
         algorithm = self._algorithms.get(seal.key_id)
         if algorithm is None:
             raise self._unknown_key(seal.key_id)
-        out = ciphertext if out is None else out
         n = len(ciphertext)
         if len(out) != n:
             raise InvalidArgumentError(f"open buffer is {len(out)} bytes, the ciphertext {n}")
+        if _overlap(ciphertext, out):
+            raise InvalidArgumentError("the open buffer overlaps the ciphertext")
         decryptor = Cipher(algorithm, modes.GCM(seal.nonce, seal.tag)).decryptor()
         decryptor.authenticate_additional_data(aad)
-        # A cipher context writes as many bytes as it reads, but asks for _SLACK bytes of
-        # room beyond them: all but the last _SLACK + 1 bytes go straight to ``out``, the
-        # rest through a small buffer.
-        head = max(0, n - _SLACK - 1)
-        if head:
-            decryptor.update_into(ciphertext[:head], out[: head + _SLACK])
-        tail = bytearray(2 * _SLACK + 1)
-        decryptor.update_into(ciphertext[head:], tail)
-        out[head:] = tail[: n - head]
+        decryptor.update_into(ciphertext, out)
         # No exception is kept in a local: it would hold this frame (and ``out``, a view
         # of the caller's buffer) in a reference cycle until the next collection.
         try:
@@ -235,10 +234,6 @@ class BlockCipher:
             pass
         out[:] = bytes(n)  # it decrypted unauthenticated bytes: none of them stays
         raise self._not_authentic(seal.key_id)
-
-    def open_in_place(self, seal: Seal, data: memoryview, aad: bytes) -> None:
-        """:meth:`open_into` without ``out``: ``data`` is decrypted where it lies."""
-        self.open_into(seal, data, aad)
 
     def _unknown_key(self, key_id: int) -> UnknownKeyError:
         held = list(self.keyring.key_ids)
