@@ -146,6 +146,7 @@ class NVMeTier(TierActor):
         self._trash: list[str] = []  # segments given up, files not yet deleted
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
+        self._checkpointing = False  # one checkpoint hop at a time: they share a temp file
         self._local = threading.local()  # per I/O thread: buffers for moved records
 
     def _new_index(self) -> SegmentIndex:
@@ -628,12 +629,17 @@ class NVMeTier(TierActor):
                 self._note_removed((key,))
 
     async def _checkpoint(self) -> None:
+        if self._checkpointing:  # the next job due after this one writes a newer one
+            return
+        self._checkpointing = True
         self._since_checkpoint = 0
         self._local = threading.local()  # per I/O thread: buffers for moved records
         try:
             await self.run_blocking(self._checkpoint_hop, self._index.checkpoint_segments())
         except OSError as exc:
             self._failure_log.record("checkpoint failed", 1, str(exc))
+        finally:
+            self._checkpointing = False
 
 
 def _meet(meeting: threading.Barrier) -> None:

@@ -166,6 +166,9 @@ class _Segment:
     digests: array = field(default_factory=lambda: array("Q"))  # record -> digest, 0 = none
     live: int = 0
     pins: int = 0  # reads in flight and writes not yet committed
+    # Records placed and not yet committed or abandoned: a checkpoint covers the
+    # segment only up to the first of them, so a restart scans from there.
+    pending: set[int] = field(default_factory=set)
     protected: bool = False  # another live writer's segment: never evicted by this one
 
 
@@ -335,6 +338,7 @@ class SegmentIndex:
             take = min(count - len(placed), self.records_per_segment - record)
             active.digests.extend([0] * take)
             active.pins += take
+            active.pending.update(range(record, record + take))
             placed.extend(
                 Placement(active.name, record + i, create=record + i == 0) for i in range(take)
             )
@@ -353,6 +357,7 @@ class SegmentIndex:
         dead); its segment is unpinned."""
         slot = self._slot_of[placement.segment]
         self._segments[slot].pins -= 1
+        self._segments[slot].pending.discard(placement.record)
         self._clock += 1
         self._put(slot, placement.record, digest, self._clock & 0xFFFFFFFF)
 
@@ -366,7 +371,9 @@ class SegmentIndex:
 
     def abandon(self, placement: Placement) -> None:
         """The write to ``placement`` failed: the slot stays taken (dead space)."""
-        self._segments[self._slot_of[placement.segment]].pins -= 1
+        segment = self._segments[self._slot_of[placement.segment]]
+        segment.pins -= 1
+        segment.pending.discard(placement.record)
 
     def remove(self, digest: int) -> bool:
         """Forget ``digest`` (its record failed verification); True if it was present."""
@@ -462,9 +469,14 @@ class SegmentIndex:
     # -- checkpoint and recovery --------------------------------------------------------
 
     def checkpoint_segments(self) -> list[tuple[int, str, int]]:
-        """``(slot, name, records)`` of every segment, oldest first: the half of a
-        checkpoint taken on the owner's thread (cheap), for :meth:`snapshot`."""
-        return [(slot, seg.name, len(seg.digests)) for slot, seg in self._segments.items()]
+        """``(slot, name, records covered)`` of every segment, oldest first: the half of
+        a checkpoint taken on the owner's thread (cheap), for :meth:`snapshot`. A
+        segment is covered up to its first record placed and not yet committed or
+        abandoned (its write may land after the checkpoint: a restart scans it)."""
+        return [
+            (slot, seg.name, min(seg.pending, default=len(seg.digests)))
+            for slot, seg in self._segments.items()
+        ]
 
     def snapshot(self, segments: list[tuple[int, str, int]] | None = None) -> Checkpoint:
         """The index as a checkpoint. With ``segments`` from :meth:`checkpoint_segments`,

@@ -71,9 +71,10 @@ def flip_byte(path: str, offset: int) -> None:
         file.write(bytes([byte[0] ^ 1]))
 
 
-def start_crashing_writer(root: Path, where: str) -> subprocess.Popen[bytes]:
+def start_writer(script: str, root: Path, where: str) -> subprocess.Popen[bytes]:
+    """A child process running ``script`` with the root, the block size and ``where``."""
     return subprocess.Popen(
-        [sys.executable, "-c", _CRASHING_WRITER, str(root), str(BLOCK), where],
+        [sys.executable, "-c", script, str(root), str(BLOCK), where],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -500,7 +501,7 @@ _CRASHING_WRITER = textwrap.dedent(
 async def test_kill_9_mid_write_keeps_every_block_stored_before(
     pool: memoryview, tmp_path: Path, where: str
 ) -> None:
-    child = start_crashing_writer(tmp_path, where)
+    child = start_writer(_CRASHING_WRITER, tmp_path, where)
     try:
         line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)  # type: ignore[union-attr]
         assert line.strip() == b"MID-WRITE", child.stderr.read() if child.stderr else line  # type: ignore[union-attr]
@@ -667,3 +668,121 @@ async def test_a_checkpoint_is_written_while_serving_and_a_hard_stop_loses_nothi
     async with tier(pool, tmp_path) as again:
         assert again.metrics.recovered_blocks == 12
         assert (await load(again, names, range(12))).success
+
+
+_OVERLAPPING_WRITER = textwrap.dedent(
+    """
+    import asyncio, mmap, sys
+    from backends.nvme import NVMeTier
+    from tests._faults import FaultInjector
+    from tiering.secondary import JobMetadata
+
+    ROOT, BLOCK, POINT = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+    def say(line):
+        print(line, flush=True)
+
+    async def wait_reached(rule):
+        assert await asyncio.to_thread(rule.wait_reached, 30)
+
+    async def main():
+        buffer = mmap.mmap(-1, BLOCK * 8)
+        for i in range(8):
+            buffer[i * BLOCK:(i + 1) * BLOCK] = bytes([i + 1]) * BLOCK
+        faults = FaultInjector()
+        tier = NVMeTier(memoryview(buffer), BLOCK, root=ROOT, namespace="overlap",
+                        capacity_bytes=1 << 24, min_free_bytes=0, checkpoint_every=2,
+                        os_calls=faults)
+        await tier.start()
+        tier.submit_store(JobMetadata(1, [b"early-0", b"early-1"], [0, 1]))
+        assert (await tier.result(1)).success  # a checkpoint of both follows
+        say("STORED early-0 early-1")
+        # Job 2 is held in its hop; job 3 overlaps it, lands and checkpoints first.
+        op = "fdatasync" if POINT == "a-sync-held" else "pwritev"
+        held = faults.hold(op, key=b"a-0" if op == "pwritev" else None)
+        tier.submit_store(JobMetadata(2, [b"a-0"], [2]))  # short of a checkpoint
+        await wait_reached(held)
+        if POINT == "checkpoint-held":
+            checkpoint = faults.hold("pwritev", path=".tmp")
+            tier.submit_store(JobMetadata(3, [b"b-0", b"b-1"], [3, 4]))
+            await wait_reached(checkpoint)
+            say("READY")
+            await asyncio.sleep(60)
+        tier.submit_store(JobMetadata(3, [b"b-0", b"b-1"], [3, 4]))
+        assert (await tier.result(3)).success  # its checkpoint is written by now
+        say("STORED b-0 b-1")
+        if POINT == "a-stored":
+            held.open()
+            assert (await tier.result(2)).success  # one block: no checkpoint follows
+            say("STORED a-0")
+        say("READY")
+        await asyncio.sleep(60)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["a-write-held", "a-sync-held", "a-stored", "checkpoint-held"])
+async def test_kill_9_while_store_jobs_overlap_keeps_every_block_stored_before(
+    pool: memoryview, tmp_path: Path, point: str
+) -> None:
+    """Two store jobs overlap: the second lands and writes a checkpoint while the first
+    is still in its hop (at ``point``). After a kill -9, every block whose store was
+    reported before the kill is found and loads byte-exact; a block still in flight is
+    a miss or loads byte-exact, never wrong."""
+    child = start_writer(_OVERLAPPING_WRITER, tmp_path, point)
+    stored: list[bytes] = []
+    try:
+        assert child.stdout is not None
+        while True:
+            line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+            if not line or line.strip() == b"READY":
+                break
+            stored += line.split()[1:]
+        assert line, child.stderr.read() if child.stderr else "the child ended early"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()
+        child.stderr.close()
+    content = {b"early-0": 1, b"early-1": 2, b"a-0": 3, b"b-0": 4, b"b-1": 5}
+    expected = {
+        "a-stored": [b"early-0", b"early-1", b"b-0", b"b-1", b"a-0"],
+        "checkpoint-held": [b"early-0", b"early-1"],
+    }.get(point, [b"early-0", b"early-1", b"b-0", b"b-1"])
+    assert [k.decode() for k in stored] == [k.decode() for k in expected]
+    async with NVMeSegmentTier(
+        pool, BLOCK, root=tmp_path, namespace="overlap", capacity_bytes=1 << 24, min_free_bytes=0
+    ) as t:
+        assert [k for k in stored if not t.lookup(k)] == []  # nothing stored is lost
+        found = [k for k in content if t.lookup(k)]
+        assert (await load(t, found, range(len(found)))).success
+        for i, key in enumerate(found):  # a block in flight at the kill: whole, or a miss
+            assert slot(pool, i) == bytes([content[key]]) * BLOCK, key
+
+
+async def test_checkpoints_due_at_once_are_written_one_at_a_time(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    """A store job whose checkpoint is due while another job's is being written skips
+    its own (they would share the temporary file); the next one due writes it."""
+    faults = FaultInjector()
+    t = tier(pool, tmp_path, checkpoint_every=1, os_calls=faults)
+    await t.start()
+    try:
+        held = faults.hold("pwritev", path=".tmp")
+        first = JobMetadata(next_job_id(), keys(1, "first"), [0])
+        t.submit_store(first)
+        assert await asyncio.to_thread(held.wait_reached, 30)
+        assert (await store(t, keys(1, "second"), [1])).success
+        held.open()
+        assert (await t.result(first.job_id)).success
+        assert (await store(t, keys(1, "third"), [2])).success  # due again: written
+        assert "checkpoint failed" not in t.statistics().failures
+    finally:
+        faults.clear()
+        await t.aclose()
+    async with tier(pool, tmp_path) as again:
+        assert again.metrics.recovered_blocks == 3
