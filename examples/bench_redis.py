@@ -14,9 +14,9 @@ checkout: that server is the tests' own, tests/_redis_servers.py). With
 round), each starting from the same server state: none of the run's keys on it. The
 benchmark deletes only what it wrote, so a server others use keeps their data: every
 key of a run carries a random token of that run (the baseline's names, the tier's
-namespace, LMCache's model name), and before and after each side's round, and at the
-end of the run (interrupted or failed too), the keys matching the run's patterns are
-found with ``SCAN ... MATCH`` and ``UNLINK``-ed. Every side stores the round's data
+namespace, LMCache's model name), and before each side's round, and at the end of the
+run (interrupted or failed too), the keys matching the run's patterns are found with
+``SCAN ... MATCH`` and ``UNLINK``-ed. Every side stores the round's data
 with one client, then a new client loads it twice: *cold* (its first calls:
 connections are made as they go) and *warm* (the same again):
 
@@ -176,14 +176,17 @@ def own_patterns(token: str) -> list[bytes]:
 
 
 def baseline_prefix(token: str) -> bytes:
+    """How the baseline's key names start in a run of token ``token``."""
     return b"bench-redis:%s:" % token.encode()
 
 
 def tier_namespace(token: str) -> str:
+    """The tier sides' namespace in a run of token ``token``."""
     return f"bench-redis-{token}"
 
 
 def lmcache_model(token: str) -> str:
+    """The LMCache side's model name (part of each of its keys) in a run of ``token``."""
     return f"bench-redis-lmcache-{token}"
 
 
@@ -194,7 +197,8 @@ def delete_own(url: str, args: argparse.Namespace) -> None:
 
 
 async def _fresh_start(url: str, args: argparse.Namespace) -> None:
-    """None of the run's keys on the server: every side's round starts from there."""
+    """None of the run's keys on the server (what the side before wrote is deleted):
+    every side's round starts from there."""
     await asyncio.to_thread(delete_own, url, args)
 
 
@@ -233,7 +237,6 @@ async def baseline_round(url: str, view: memoryview, block: int, args: argparse.
         finally:
             await client.aclose()
     cpu = time.process_time() - cpu
-    await _fresh_start(url, args)
     return Round(*_rates(view.nbytes, *times), 0.0, _per_gb(cpu, view.nbytes))
 
 
@@ -275,7 +278,6 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
                 await tier.aclose()
     cpu = time.process_time() - cpu
     _compare(pool, block, half, side)
-    await _fresh_start(url, args)
     return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
 
 
@@ -386,7 +388,6 @@ async def lmcache_round(
     cpu = time.process_time() - cpu
     objects.clear()  # views of the pool: gone before it is released
     _compare(pool, block, half, "lmcache")
-    await _fresh_start(url, args)
     return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
 
 
