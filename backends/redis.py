@@ -67,6 +67,13 @@ from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
 
+
+def namespace_prefix(namespace: str) -> bytes:
+    """How every Redis key of a block of ``namespace`` starts, whatever its tenant:
+    ``kvt:2:`` + the namespace digest (hex) + ``:`` (the format above)."""
+    return b"kvt:2:" + namespace_digest(namespace).hex().encode() + b":"
+
+
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
 _TLS_ARGUMENTS = {
@@ -195,7 +202,7 @@ class RedisTier(TierActor):
         self.breaker = CircuitBreaker(o)
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
         tenant, ns = o.tenant.encode(), namespace_digest(o.namespace)
-        self._prefix = b"kvt:2:" + ns.hex().encode() + b":" + tenant + b":"
+        self._prefix = namespace_prefix(o.namespace) + tenant + b":"
         # What every record of this tier is written with and checked against.
         self._record: dict[str, Any] = dict(tenant=tenant, payload_bytes=block_bytes, ns_digest=ns)
         self._blocks_per_pipeline = max(1, o.pipeline_bytes // block_bytes)

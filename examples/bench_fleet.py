@@ -10,8 +10,11 @@ redis-server on a free loopback port (no persistence) and stops it at the end. E
 gets a CPU tier of ``--cpu-fraction`` of the workload's footprint (its distinct blocks),
 and at least the longest request's blocks (a store stages a request's blocks in the CPU
 tier at once). For each router (round-robin, affinity, least-loaded, kv-aware) the fleet
-runs with the shared Redis tier (the server emptied first) and without it, every loaded
-block checked. Prints a table; with --plot draws hit ratio by router, with and without
+runs with the shared Redis tier and without it, every loaded block checked. The shared
+tier starts each router's run empty of the run's blocks: they live under a namespace of
+the run's own (a random token in it), whose keys, and only they, are deleted before
+each router and at the end (``SCAN ... MATCH`` and ``UNLINK``), so a server others use
+keeps their data. Prints a table; with --plot draws hit ratio by router, with and without
 the shared tier (matplotlib). Runs from a checkout: its local server is the tests'
 (tests/_redis_servers.py).
 The last line is one JSON object::
@@ -26,12 +29,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from backends.redis import namespace_prefix
 from tiering import TieringEngine
 from tiering.cli_args import Progress, make_parser, parse_size, positive_int, run_main
 from tiering.errors import TraceError
@@ -40,13 +45,30 @@ from tiering.sweep import footprint
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _redis_servers import LocalRedisServer  # a test aid: tests/ is on sys.path now
+# Test aids, from the checkout: the local server, and the deletion of a run's keys.
+from _redis_servers import LocalRedisServer, unlink_matching
+
+
+def run_namespace() -> str:
+    """The Redis tier's namespace for one run of the benchmark: its own, so that the
+    run's keys are found, and deleted, by :func:`delete_own` alone."""
+    return f"bench-fleet-{secrets.token_hex(8)}"
+
+
+def delete_own(url: str, namespace: str) -> None:
+    """Delete the keys of ``namespace``'s blocks on the server at ``url``, and no other."""
+    unlink_matching(url, namespace_prefix(namespace) + b"*")
 
 
 async def one_run(
-    requests: list[Request], url: str | None, router: str, cpu_blocks: int, args: argparse.Namespace
+    requests: list[Request],
+    url: str | None,
+    namespace: str,
+    router: str,
+    cpu_blocks: int,
+    args: argparse.Namespace,
 ) -> FleetSummary:
-    tiers = [{"type": "redis", "url": url}] if url is not None else []
+    tiers = [{"type": "redis", "url": url, "namespace": namespace}] if url is not None else []
 
     def make(node: int, kv: torch.Tensor) -> TieringEngine:
         return TieringEngine(
@@ -62,8 +84,16 @@ async def one_run(
 
 
 def run(url: str, args: argparse.Namespace, requests: list[Request]) -> dict:
-    import redis
+    """Every router with and without the shared tier on the server at ``url``; the
+    figures. The keys it wrote are deleted at the end, also when it failed."""
+    namespace = run_namespace()
+    try:
+        return _routers(url, namespace, args, requests)
+    finally:
+        delete_own(url, namespace)
 
+
+def _routers(url: str, namespace: str, args: argparse.Namespace, requests: list[Request]) -> dict:
     # A store goes through the CPU tier whole: it must fit a request's blocks.
     longest = max(len(r.keys()) for r in requests)
     cpu_blocks = max(longest, round(footprint(requests) * args.cpu_fraction))
@@ -71,11 +101,14 @@ def run(url: str, args: argparse.Namespace, requests: list[Request]) -> dict:
     with Progress() as progress:
         for router in ROUTERS:
             progress.update(f"{router}: with the shared tier", force=True)
-            with redis.Redis.from_url(url) as client:
-                client.flushdb()
-            shared = asyncio.run(one_run(requests, url, router, cpu_blocks, args)).to_json()
+            delete_own(url, namespace)  # the shared tier starts empty of the run's blocks
+            shared = asyncio.run(
+                one_run(requests, url, namespace, router, cpu_blocks, args)
+            ).to_json()
             progress.update(f"{router}: without it", force=True)
-            alone = asyncio.run(one_run(requests, None, router, cpu_blocks, args)).to_json()
+            alone = asyncio.run(
+                one_run(requests, None, namespace, router, cpu_blocks, args)
+            ).to_json()
             progress.clear()
             row = {
                 "router": router,
@@ -94,8 +127,6 @@ def run(url: str, args: argparse.Namespace, requests: list[Request]) -> dict:
                 f"(redis {row['redis_hit_ratio']:.4f}), {row['baseline_hit_ratio']:.4f} "
                 f"without: {row['gain']}x; mismatches {row['mismatches']}"
             )
-    with redis.Redis.from_url(url) as client:
-        client.flushdb()
     return {"nodes": args.nodes, "cpu_blocks": cpu_blocks, "runs": rows}
 
 
@@ -113,12 +144,15 @@ def faults(server: LocalRedisServer, args: argparse.Namespace, requests: list[Re
 
     longest = max(len(r.keys()) for r in requests)
     cpu_blocks = max(longest, round(footprint(requests) * args.cpu_fraction))
-    tiers = [{"type": "redis", "url": server.url, "timeout_s": 0.5, "breaker_backoff_s": 0.2}]
+    namespace = run_namespace()
+    tiers = [
+        {"type": "redis", "url": server.url, "namespace": namespace, "timeout_s": 0.5,
+         "breaker_backoff_s": 0.2}
+    ]  # fmt: skip
 
     def make(node: int, kv: torch.Tensor) -> TieringEngine:
         return TieringEngine(kv, cpu_blocks, secondary_tiers=tiers, cache_identity="bench-fleet")
 
-    server.command("FLUSHALL")
     outage = NodeOutage(node=1 % args.nodes, at=count // 3, requests=count // 6)
     summary = asyncio.run(
         replay_fleet(

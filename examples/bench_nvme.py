@@ -33,11 +33,14 @@ For each block size, ``--repeat`` rounds, each of them in this order:
    with ``--fsync none`` for like against like.
 
 Every side uses O_DIRECT when the tier's probe found it usable (so loads are cold);
-otherwise the page cache is dropped before each read phase (``/proc/sys/vm/drop_caches``
-if permitted, else ``posix_fadvise(DONTNEED)`` per file) and ``cold_load`` says whether
-that worked for every load. The baseline's writes end with one fsync per stream when the
-tier's fsync policy is not ``none``. Throughput counts payload bytes only; fio's is the
-bytes of all streams over the slowest stream's runtime.
+otherwise, before each read phase, the files that side wrote are synced and dropped from
+the page cache (``fsync``, then ``posix_fadvise(DONTNEED)``, file by file: other
+processes' cached pages stay), and ``cold_load`` says whether that was done for every
+load. ``--drop-cache system`` drops the whole machine's page cache instead
+(``/proc/sys/vm/drop_caches``, every process's; root only). The baseline's writes end
+with one fsync per stream when the tier's fsync policy is not ``none``. Throughput
+counts payload bytes only; fio's is the bytes of all streams over the slowest stream's
+runtime.
 
 The baseline figure is the grid point with the best median over the rounds, taken
 separately for writing and for reading. The last line of output is one JSON object::
@@ -123,25 +126,52 @@ class TierFigures:
 
 # -- page cache ---------------------------------------------------------------------------
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+"""Where the kernel takes a request to drop the whole machine's clean caches (root)."""
 
-def drop_page_cache(paths: list[str]) -> bool:
-    """Evict ``paths`` from the page cache; True if it is known to have worked."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
+
+def drop_page_cache(paths: Iterable[str], *, system: bool = False) -> bool:
+    """Make the next reads of the files ``paths`` come from the device: each file's
+    dirty pages are written (``fsync``) and its pages dropped from the page cache
+    (``posix_fadvise(DONTNEED)``); other files' cached pages stay. A file removed
+    meanwhile is skipped. With ``system`` the whole machine's page cache is dropped
+    instead, every process's (:func:`drop_system_caches`). True if done; False where
+    ``posix_fadvise`` is missing (nothing dropped). Raises OSError if a file cannot be
+    read or synced."""
+    if system:
+        drop_system_caches(1)
         return True
-    except OSError:
-        pass
     if not hasattr(os, "posix_fadvise"):
         return False
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
         try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)  # dirty pages are not dropped: written first, they are
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
     return True
+
+
+def drop_system_caches(what: int) -> None:
+    """Drop the whole machine's clean caches, every process's: ``what`` 1 the page
+    cache, 2 directory entries and inodes, 3 both (after a ``sync``, so that the dirty
+    pages are clean first). Only for a benchmark asked to (an option): other programs
+    pay for it. Exits (SystemExit, naming the file) where not permitted."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write(f"{what}\n")
+    except OSError as exc:
+        raise SystemExit(f"--drop-cache system: cannot write {DROP_CACHES}: {exc}") from None
+
+
+def may_drop_system_caches() -> bool:
+    """Whether this process may write :data:`DROP_CACHES` (checked before any work)."""
+    return os.access(DROP_CACHES, os.W_OK)
 
 
 def files_under(directory: str) -> Iterator[str]:
@@ -248,10 +278,18 @@ def fio_points(grid: Grid, engine: str, block: int, total: int) -> list[FioPoint
 
 
 def fio_point(
-    directory: str, point: FioPoint, block: int, total: int, direct: bool, fsync: bool
+    directory: str,
+    point: FioPoint,
+    block: int,
+    total: int,
+    direct: bool,
+    fsync: bool,
+    system_drop: bool = False,
 ) -> tuple[float, float]:
     """(write GB/s, read GB/s): ``point.numjobs`` fio streams, each writing then reading
-    its own file of ``total / numjobs`` bytes (whole blocks) in a fresh subdirectory."""
+    its own file of ``total / numjobs`` bytes (whole blocks) in a fresh subdirectory.
+    Without ``direct`` the reads are made cold by :func:`drop_page_cache` (``system``:
+    ``system_drop``)."""
     per_job = total // point.numjobs // block * block
     with tempfile.TemporaryDirectory(dir=directory, prefix="baseline-") as where:
 
@@ -281,7 +319,7 @@ def fio_point(
 
         written = run("write")
         if not direct:
-            drop_page_cache(list(files_under(where)))
+            drop_page_cache(files_under(where), system=system_drop)
         return written, run("read")
 
 
@@ -293,16 +331,19 @@ def fio_baseline(
     direct: bool,
     fsync: bool,
     report: Callable[[str], None],
+    system_drop: bool = False,
 ) -> Baseline:
     """One round: every point of the grid, in order."""
     figures: Baseline = {}
     for point in points:
         report(f"baseline fio {point.label}")
-        figures[point.label] = fio_point(directory, point, block, total, direct, fsync)
+        figures[point.label] = fio_point(directory, point, block, total, direct, fsync, system_drop)
     return figures
 
 
-def python_baseline(directory: str, block: int, total: int, direct: bool, fsync: bool) -> Baseline:
+def python_baseline(
+    directory: str, block: int, total: int, direct: bool, fsync: bool, system_drop: bool = False
+) -> Baseline:
     """One round: a sequential os.pwritev / os.preadv loop on one file (one stream)."""
     path = os.path.join(directory, f"baseline-{block}.dat")
     buffer = mmap.mmap(-1, block)
@@ -319,7 +360,7 @@ def python_baseline(directory: str, block: int, total: int, direct: bool, fsync:
         written = total / (time.perf_counter() - start) / 1e9
         os.close(fd)
         if not direct:
-            drop_page_cache([path])
+            drop_page_cache([path], system=system_drop)
         fd = os.open(path, os.O_RDONLY | flags)
         start = time.perf_counter()
         for offset in range(0, total, block):
@@ -435,7 +476,9 @@ async def bench_tier(
         async with tier:
             store = await _drive(tier, batches, windows, job_blocks, load=False, report=report)
             report("dropping the page cache")
-            cold = bool(tier.o_direct) or drop_page_cache(list(files_under(tier.directory)))
+            cold = bool(tier.o_direct) or drop_page_cache(
+                files_under(tier.directory), system=args.drop_cache == "system"
+            )
             load = await _drive(tier, batches, windows, job_blocks, load=True, report=report)
             o_direct = bool(tier.o_direct)
             corrupt = tier.metrics.corrupt_blocks
@@ -650,7 +693,7 @@ def bench_vllm_fs(
                 )  # fmt: skip
                 if not cold:
                     report("vLLM fs: dropping the page cache")
-                    cold = drop_page_cache(list(files_under(root)))
+                    cold = drop_page_cache(files_under(root), system=args.drop_cache == "system")
                 load = _drive_vllm(
                     vllm, tier, batches, windows, job_blocks,
                     first_job_id=len(batches) + 1, load=True, report=report, placed=loaded_to,
@@ -715,12 +758,13 @@ def run(directory: str, args: argparse.Namespace, progress: Progress) -> list[di
 
                 progress.update(f"{where}: baseline", force=True)
                 fsync = args.fsync != "none"
+                system = args.drop_cache == "system"
                 if use_fio:
                     baselines.append(
-                        fio_baseline(directory, points, block, size, direct, fsync, report)
+                        fio_baseline(directory, points, block, size, direct, fsync, report, system)
                     )
                 else:
-                    baselines.append(python_baseline(directory, block, size, direct, fsync))
+                    baselines.append(python_baseline(directory, block, size, direct, fsync, system))
                 # With --encryption the tier runs plain and sealed back to back,
                 # which one first alternating by round, so neither always meets the
                 # disk in the state the other left it in.
@@ -939,6 +983,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeat", type=positive_int, default=3, help="rounds per block size; medians reported"
     )
     parser.add_argument(
+        "--drop-cache",
+        choices=("fadvise", "system"),
+        default="fadvise",
+        help="how loads are made cold where O_DIRECT is not usable: fadvise = the files "
+        "each side wrote, synced and dropped from the page cache one by one (nothing "
+        f"else); system = the whole machine's page cache, every process's ({DROP_CACHES}, "
+        "root only)",
+    )
+    parser.add_argument(
         "--encryption",
         action="store_true",
         help="also run the tier with encryption at rest, back to back with it off, "
@@ -966,6 +1019,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("argument --block-sizes: sizes repeat")
     if args.baseline == "fio" and not shutil.which("fio"):
         parser.error("argument --baseline: fio is not installed (use auto or python)")
+    if args.drop_cache == "system" and not may_drop_system_caches():
+        parser.error(f"argument --drop-cache: system needs write access to {DROP_CACHES} (root)")
     if args.directory is not None:
         ensure_directory(parser, "directory", args.directory)
     return args

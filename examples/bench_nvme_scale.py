@@ -20,12 +20,14 @@ Only the tier's public API is used. The phases:
    bytes over the seconds from the first submit to the last result. A marker file
    (``bench_nvme_scale.json``) in the root records the fill; ``--reuse`` skips the fill
    when the marker says the root holds a complete fill of the same size.
-2. The fill's tier closes gracefully; then ``os.sync()`` and the page cache is dropped:
-   ``/proc/sys/vm/drop_caches`` (3: data, directory entries and inodes) where permitted,
-   else ``posix_fadvise(DONTNEED)`` on every file under the root. ``cold_restart`` is
-   true only after the first: fadvise drops the files' data pages but not the cached
-   directory entries and inodes that a restart's scan walks (``page_cache_drop`` says
-   which was done).
+2. The fill's tier closes gracefully; then, as ``--drop-cache`` says, ``fadvise`` (the
+   default): every file under the root is synced and dropped from the page cache
+   (``fsync``, then ``posix_fadvise(DONTNEED)``; other processes' cached pages stay);
+   ``system``: the whole machine's caches are dropped, every process's
+   (``/proc/sys/vm/drop_caches`` 3: data, directory entries and inodes; root only);
+   ``none``: a ``sync``, nothing dropped. ``cold_restart`` is true only after
+   ``system``: fadvise drops the files' data pages but not the cached directory entries
+   and inodes that a restart's scan walks (``page_cache_drop`` says which was done).
 3. Cold restart: a NEW tier on the same root and namespace, built and
    started (``await tier.start()``: it serves when that returns), timed without
    tracemalloc -> ``restart_s``. The growth of this process's VmRSS over construction
@@ -51,7 +53,7 @@ The last line of output is one JSON object::
     {"blocks": ..., "block_bytes": ..., "restart_s": ..., "warm_restart_s": ...,
      "index_bytes_per_block": ..., "start_peak_bytes_per_block": ...,
      "rss_bytes_per_block": ..., "fill_s": ..., "fill_GBps": ..., "cold_restart": ...,
-     "page_cache_drop": "drop_caches"|"fadvise"|"none", "recovered_blocks": ...,
+     "page_cache_drop": "fadvise"|"system"|"none", "recovered_blocks": ...,
      "verified_loads": ..., "reused": ..., "fsync": ..., "o_direct": ...,
      "root": ...}
 
@@ -77,8 +79,8 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from backends.nvme import NVMeTier
@@ -92,6 +94,15 @@ from tiering.cli_args import (
 )
 from tiering.host_pool import HostPool
 from tiering.secondary import JobMetadata
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # imported by the tests too
+from bench_nvme import (
+    DROP_CACHES,
+    drop_page_cache,
+    drop_system_caches,
+    files_under,
+    may_drop_system_caches,
+)
 
 _ALIGN = 4096
 """Block sizes must be multiples of this (O_DIRECT needs aligned transfers)."""
@@ -279,38 +290,23 @@ def run_fill(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
 # -- page cache ---------------------------------------------------------------------------
 
 
-def drop_page_cache(root: str, how: str, progress: Progress) -> str:
-    """Flush, then evict what the root's files left in memory; returns what was done:
-    ``"drop_caches"`` (everything, directory entries and inodes included),
-    ``"fadvise"`` (the files' data pages only) or ``"none"``."""
+def cool_down(root: str, how: str, progress: Progress) -> str:
+    """Make the restart's reads of the root cold as ``how`` (``--drop-cache``) says;
+    returns what was done: ``"fadvise"`` (the root's files synced and their data pages
+    dropped, no other file's), ``"system"`` (the whole machine's caches, directory
+    entries and inodes included) or ``"none"`` (a sync; also where ``posix_fadvise`` is
+    missing). Exits (SystemExit) if ``system`` is refused."""
+    if how == "system":
+        progress.update(f"dropping the whole machine's caches ({DROP_CACHES})", force=True)
+        drop_system_caches(3)
+        return "system"
+    if how == "fadvise":
+        progress.update("syncing the root's files, dropping them from the page cache", force=True)
+        if drop_page_cache(files_under(root)):
+            return "fadvise"
     progress.update("flushing dirty pages (sync)", force=True)
     os.sync()
-    if how == "none":
-        return "none"
-    if how == "auto":
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
-    if not hasattr(os, "posix_fadvise"):
-        return "none"
-    progress.update("dropping the root's files from the page cache (fadvise)", force=True)
-    for path in files_under(root):
-        with contextlib.suppress(OSError):  # a file removed meanwhile
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "fadvise"
-
-
-def files_under(directory: str) -> Iterator[str]:
-    for parent, _, names in os.walk(directory):
-        for name in names:
-            yield os.path.join(parent, name)
+    return "none"
 
 
 # -- restarts (in this process) ----------------------------------------------------------
@@ -363,7 +359,7 @@ async def restarts(
         )
 
     try:
-        page_cache_drop = drop_page_cache(args.root, args.drop_cache, progress)
+        page_cache_drop = cool_down(args.root, args.drop_cache, progress)
         progress.update(f"restart (cold): scanning {args.blocks} blocks", force=True)
         gc.collect()
         rss_before = rss_bytes()
@@ -490,7 +486,7 @@ def run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
         ),
         "fill_s": None if fill_s is None else round(fill_s, 3),
         "fill_GBps": None if fill_s is None else round(blocks * block / fill_s / 1e9, 4),
-        "cold_restart": found.page_cache_drop == "drop_caches",
+        "cold_restart": found.page_cache_drop == "system",
         "page_cache_drop": found.page_cache_drop,
         "recovered_blocks": found.recovered,
         "verified_loads": found.verified_loads,
@@ -608,11 +604,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--drop-cache",
-        choices=("auto", "fadvise", "none"),
-        default="auto",
-        help="before the cold restart: auto = /proc/sys/vm/drop_caches where permitted, "
-        "else posix_fadvise(DONTNEED) on the root's files; fadvise = only that; "
-        "none = keep the cache",
+        choices=("fadvise", "system", "none"),
+        default="fadvise",
+        help="before the cold restart: fadvise = the root's files synced and dropped from "
+        "the page cache (nothing else); system = the whole machine's caches, every "
+        f"process's ({DROP_CACHES}, root only); none = keep the cache",
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep the filled root (printed as 'root')"
@@ -624,6 +620,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--blocks and --block-size (recorded in its bench_nvme_scale.json); implies --keep",
     )
     args = parser.parse_args(argv)
+    if args.drop_cache == "system" and not may_drop_system_caches():
+        parser.error(f"argument --drop-cache: system needs write access to {DROP_CACHES} (root)")
     if args.reuse:
         if args.root is None:
             parser.error("argument --reuse: needs --root (a temporary root starts empty)")

@@ -11,9 +11,14 @@ or with ``--cluster`` a three-node Redis Cluster, and stops it at the end (run i
 checkout: that server is the tests' own, tests/_redis_servers.py). With
 ``--cluster`` the baseline uses redis-py's cluster client. For each block size,
 ``--repeat`` rounds of every side, in turn (which goes first rotates from round to
-round), each on an emptied database. Every side stores the round's data with one
-client, then a new client loads it twice: *cold* (its first calls: connections are
-made as they go) and *warm* (the same again):
+round), each starting from the same server state: none of the run's keys on it. The
+benchmark deletes only what it wrote, so a server others use keeps their data: every
+key of a run carries a random token of that run (the baseline's names, the tier's
+namespace, LMCache's model name), and before each side's round, and at the end of the
+run (interrupted or failed too), the keys matching the run's patterns are found with
+``SCAN ... MATCH`` and ``UNLINK``-ed. Every side stores the round's data
+with one client, then a new client loads it twice: *cold* (its first calls:
+connections are made as they go) and *warm* (the same again):
 
 * baseline: redis-py's asyncio client, ``--concurrency`` pipelines at a time, each
   ``SET``-ing (then ``GET``-ting) ``--job-blocks`` values of the block size, sent from
@@ -87,6 +92,7 @@ import itertools
 import json
 import mmap
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -99,6 +105,10 @@ from pathlib import Path
 from tiering.cli_args import Progress, make_parser, positive_int, run_main, size_list
 from tiering.loop_lag import LoopLagMonitor
 from tiering.secondary import JobMetadata
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# Test aids, from the checkout: the local servers, and the deletion of a run's keys.
+from _redis_servers import LocalRedisCluster, LocalRedisServer, unlink_matching
 
 _job_ids = itertools.count(1)
 
@@ -152,12 +162,44 @@ def _client(url: str, args: argparse.Namespace, **options: object):
     return aioredis.Redis.from_url(url, **options)
 
 
-async def _flush(url: str, args: argparse.Namespace) -> None:
-    client = _client(url, args)
-    try:
-        await client.flushdb()
-    finally:
-        await client.aclose()
+def own_patterns(token: str) -> list[bytes]:
+    """Glob patterns that match every key a run of token ``token`` writes, and no key
+    of anyone else (the token is random): the baseline's names, the tier's namespace
+    (:func:`tier_namespace`) and LMCache's model name (:func:`lmcache_model`)."""
+    from backends.redis import namespace_prefix
+
+    return [
+        baseline_prefix(token) + b"*",
+        namespace_prefix(tier_namespace(token)) + b"*",
+        b"*" + lmcache_model(token).encode() + b"*",  # in LMCache's key, whatever its form
+    ]
+
+
+def baseline_prefix(token: str) -> bytes:
+    """How the baseline's key names start in a run of token ``token``."""
+    return b"bench-redis:%s:" % token.encode()
+
+
+def tier_namespace(token: str) -> str:
+    """The tier sides' namespace in a run of token ``token``."""
+    return f"bench-redis-{token}"
+
+
+def lmcache_model(token: str) -> str:
+    """The LMCache side's model name (part of each of its keys) in a run of ``token``."""
+    return f"bench-redis-lmcache-{token}"
+
+
+def delete_own(url: str, args: argparse.Namespace) -> None:
+    """Delete every key this run wrote on the server at ``url``, and no other."""
+    for pattern in own_patterns(args.token):
+        unlink_matching(url, pattern, cluster=args.cluster)
+
+
+async def _fresh_start(url: str, args: argparse.Namespace) -> None:
+    """None of the run's keys on the server (what the side before wrote is deleted):
+    every side's round starts from there."""
+    await asyncio.to_thread(delete_own, url, args)
 
 
 def _compare(pool: memoryview, block: int, half: int, side: str) -> None:
@@ -169,8 +211,8 @@ def _compare(pool: memoryview, block: int, half: int, side: str) -> None:
 
 async def baseline_round(url: str, view: memoryview, block: int, args: argparse.Namespace):
     count = view.nbytes // block
-    names = [b"bench:%d" % i for i in range(count)]
-    await _flush(url, args)
+    names = [baseline_prefix(args.token) + b"%d" % i for i in range(count)]
+    await _fresh_start(url, args)
 
     async def store(client, first: int, last: int) -> None:
         pipe = client.pipeline(transaction=False)
@@ -195,7 +237,6 @@ async def baseline_round(url: str, view: memoryview, block: int, args: argparse.
         finally:
             await client.aclose()
     cpu = time.process_time() - cpu
-    await _flush(url, args)
     return Round(*_rates(view.nbytes, *times), 0.0, _per_gb(cpu, view.nbytes))
 
 
@@ -205,7 +246,7 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
     half = pool.nbytes // block // 2  # store from the first half, load into the second
     options = dict(
         url=url,
-        namespace=f"bench-redis-{os.getpid()}",
+        namespace=tier_namespace(args.token),
         max_inflight=args.concurrency,
         **({} if args.io_threads is None else {"io_threads": args.io_threads}),
         max_connections=args.concurrency + 1,
@@ -215,7 +256,7 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
         data_path="redis-py" if side == "redis-py" else "sockets",
     )
     keys = [b"block-%d" % i for i in range(half)]
-    await _flush(url, args)  # every side starts on an emptied database
+    await _fresh_start(url, args)
 
     async def job(tier: RedisTier, kind: str, first: int, last: int) -> None:
         slots = range(first, last) if kind == "store" else range(half + first, half + last)
@@ -237,7 +278,6 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
                 await tier.aclose()
     cpu = time.process_time() - cpu
     _compare(pool, block, half, side)
-    await _flush(url, args)
     return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
 
 
@@ -298,9 +338,10 @@ async def lmcache_round(
 ):
     half = pool.nbytes // block // 2
     objects = lmcache.objects(pool, block)
-    keys = [lmcache.ObjectKey(b"block-%d" % i, "bench-redis", 0) for i in range(half)]
+    model = lmcache_model(args.token)
+    keys = [lmcache.ObjectKey(b"block-%d" % i, model, 0) for i in range(half)]
     loop = asyncio.get_running_loop()
-    await _flush(url, args)
+    await _fresh_start(url, args)
 
     async def run_phase(adapter, kind: str) -> float:
         waiting: dict[int, asyncio.Future] = {}
@@ -347,7 +388,6 @@ async def lmcache_round(
     cpu = time.process_time() - cpu
     objects.clear()  # views of the pool: gone before it is released
     _compare(pool, block, half, "lmcache")
-    await _flush(url, args)
     return Round(*_rates(half * block, *times), lag.p99_ms, _per_gb(cpu, half * block))
 
 
@@ -591,21 +631,30 @@ def main() -> None:
         import redis  # noqa: F401
     except ImportError:
         raise SystemExit("bench_redis needs redis-py: pip install 'kv-tiering[redis]'") from None
+    args.token = secrets.token_hex(8)  # this run's keys carry it (see own_patterns)
     with Progress() as progress:
         if args.url is not None:
-            runs = asyncio.run(run(args.url, args, progress))
+            runs = measure(args.url, args, progress)
         else:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-            from _redis_servers import LocalRedisCluster, LocalRedisServer
-
             with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
                 server = (LocalRedisCluster if args.cluster else LocalRedisServer)(Path(directory))
                 server.start()
                 try:
-                    runs = asyncio.run(run(server.url, args, progress))
+                    runs = measure(server.url, args, progress)
                 finally:
                     server.stop()
     print(json.dumps({**runs[0], "runs": runs}))
+
+
+def measure(url: str, args: argparse.Namespace, progress: Progress) -> list[dict]:
+    """:func:`run` on the server at ``url``; at the end, whether it succeeded, failed or
+    was interrupted, the keys it wrote are deleted (and only they)."""
+    try:
+        return asyncio.run(run(url, args, progress))
+    finally:
+        progress.update("deleting the run's keys", force=True)
+        delete_own(url, args)
+        progress.clear()
 
 
 if __name__ == "__main__":

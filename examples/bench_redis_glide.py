@@ -9,13 +9,15 @@ goes in a virtual environment of its own)::
 
 It starts the tests' own ``redis-server`` (tests/_redis_servers.py) on a free port and
 runs, for each block size, ``--repeat`` rounds in which the two sides take turns going
-first, each on an emptied database: store ``--size-mib`` MiB in jobs of 8 values, 4 jobs
-at once (one non-atomic batch or pipeline per job), then load them back into a
-preallocated buffer (``slot[:] = value``: both clients return each value as new
-``bytes``). Every loaded byte is compared after the timed part. glide copies a
-memoryview argument into ``bytes`` inside ``exec``; its values are made ``bytes``
-before the timed part, so that copy is not counted against it. Prints a line per block
-size and, last, one JSON object.
+first, each starting with none of the run's keys on the server (every key of a run
+carries a random token of it; before each side and at the end, the keys of that token,
+and no others, are deleted with ``SCAN ... MATCH`` and ``UNLINK``): store
+``--size-mib`` MiB in jobs of 8 values, 4 jobs at once (one non-atomic batch or
+pipeline per job), then load them back into a preallocated buffer (``slot[:] =
+value``: both clients return each value as new ``bytes``). Every loaded byte is
+compared after the timed part. glide copies a memoryview argument into ``bytes`` inside
+``exec``; its values are made ``bytes`` before the timed part, so that copy is not
+counted against it. Prints a line per block size and, last, one JSON object.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -31,6 +34,10 @@ import time
 from pathlib import Path
 
 import redis.asyncio as redis_asyncio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# Test aids, from the checkout: the local server, and the deletion of a run's keys.
+from _redis_servers import LocalRedisServer, unlink_matching
 
 JOB_BLOCKS, CONCURRENCY = 8, 4
 TIMEOUT_MS = 120_000  # glide's default of 250 ms is short for a batch of 8 x 2 MiB
@@ -49,11 +56,11 @@ async def _jobs(count: int, run) -> float:
     return time.perf_counter() - start
 
 
-async def glide_round(client, values: list[bytes], slots: list[memoryview]):
+async def glide_round(client, prefix: str, values: list[bytes], slots: list[memoryview]):
     from glide import Batch, BatchOptions
 
     options = BatchOptions(timeout=TIMEOUT_MS)
-    keys = [f"glide-{i}" for i in range(len(values))]
+    keys = [f"{prefix}glide-{i}" for i in range(len(values))]
 
     async def store(indexes: range) -> None:
         batch = Batch(is_atomic=False)
@@ -72,8 +79,8 @@ async def glide_round(client, values: list[bytes], slots: list[memoryview]):
     return await _jobs(len(values), store), await _jobs(len(values), load)
 
 
-async def redis_py_round(client, values: list[memoryview], slots: list[memoryview]):
-    keys = [f"redis-py-{i}" for i in range(len(values))]
+async def redis_py_round(client, prefix: str, values: list[memoryview], slots: list[memoryview]):
+    keys = [f"{prefix}redis-py-{i}" for i in range(len(values))]
 
     async def store(indexes: range) -> None:
         async with client.pipeline(transaction=False) as pipe:
@@ -92,7 +99,15 @@ async def redis_py_round(client, values: list[memoryview], slots: list[memoryvie
 
 
 async def run(port: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """The rounds the module docstring describes, on the server at ``127.0.0.1:port``
+    (database 0); the figures by block size. Deletes the keys it wrote, and no other."""
     from glide import GlideClient, GlideClientConfiguration, NodeAddress
+
+    url = f"redis://127.0.0.1:{port}/0"
+    prefix = f"bench-glide:{secrets.token_hex(8)}:"  # every key of this run, and only they
+
+    async def fresh_start() -> None:
+        await asyncio.to_thread(unlink_matching, url, prefix.encode() + b"*")
 
     nbytes = args.size_mib << 20
     source, target = bytearray(os.urandom(nbytes)), bytearray(nbytes)
@@ -110,12 +125,12 @@ async def run(port: int, args: argparse.Namespace) -> dict[str, dict[str, float]
             rates: dict[str, list[tuple[float, float]]] = {"glide": [], "redis-py": []}
             for round_ in range(args.repeat):
                 for side in ("glide", "redis-py")[:: 1 if round_ % 2 == 0 else -1]:
-                    await plain.flushall()
+                    await fresh_start()
                     target[:] = bytes(nbytes)
                     if side == "glide":
-                        seconds = await glide_round(glide, values, slots)
+                        seconds = await glide_round(glide, prefix, values, slots)
                     else:
-                        seconds = await redis_py_round(plain, views, slots)
+                        seconds = await redis_py_round(plain, prefix, views, slots)
                     if target != source:
                         raise SystemExit(f"{side}: the loaded bytes differ from the stored")
                     rates[side].append((nbytes / seconds[0] / 1e9, nbytes / seconds[1] / 1e9))
@@ -135,6 +150,7 @@ async def run(port: int, args: argparse.Namespace) -> dict[str, dict[str, float]
     finally:
         await glide.close()
         await plain.aclose()
+        await fresh_start()
     return figures
 
 
@@ -174,9 +190,6 @@ def main() -> None:
         raise SystemExit(
             "bench_redis_glide needs valkey-glide (in a venv of its own: see --help)"
         ) from None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from _redis_servers import LocalRedisServer
-
     with tempfile.TemporaryDirectory(prefix="bench-glide-") as directory:
         server = LocalRedisServer(Path(directory))
         server.start()

@@ -18,9 +18,9 @@ so that neither always meets the disk first:
    ``os.sync()`` so that a store counts once its bytes are on the disk (SGLang's
    ``file`` backend never syncs). ``*_store_gbps`` include the sync and make
    ``store_ratio``; ``*_store_unsynced_gbps`` do not.
-2. Cold: a sync, then the page cache dropped (``bench_nvme.drop_page_cache``: the
-   whole cache where ``/proc/sys/vm/drop_caches`` can be written, else each of the
-   subject's files with ``posix_fadvise``); ``cold`` in the JSON says so.
+2. Cold: each of the subject's files synced and dropped from the page cache
+   (``bench_nvme.drop_page_cache``: ``fsync``, then ``posix_fadvise(DONTNEED)``; no
+   other file's pages); ``cold`` in the JSON says so.
 3. Load: SGLang's prefetch (its hit query, then the transfer in batches of 128 pages,
    ``wait_complete``) into other host slots; timed until its last ack. One page in 16
    is checked against the bytes stored; the slots are then zeroed and freed.
@@ -47,7 +47,7 @@ of output is one JSON object::
                "store_ratio": ..., "load_ratio": ...,
                "file_batch_exists_p50_us": ..., "file_batch_exists_p99_us": ..., ...,
                "ours_batch_exists_p99_us": ..., ...}, ...],
-     "cold": "a sync, then the page cache dropped (drop_caches, else posix_fadvise per file)"}
+     "cold": "each file synced and dropped from the page cache (fsync, posix_fadvise)"}
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ except ImportError as exc:  # SGLang is an optional extra
 PAGE_TOKENS = 64
 SHAPES = {"small": 8, "large": 32}  # layers; 8 KV heads x 128, bf16, as Llama 3 8B's
 HEADS, HEAD_DIM = 8, 128
-COLD = "a sync, then the page cache dropped (drop_caches, else posix_fadvise per file)"
+COLD = "each file synced and dropped from the page cache (fsync, posix_fadvise)"
 _SAMPLE_EVERY = 16  # one loaded page in this many is byte-checked
 _SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most
 _PREFETCH_THRESHOLD = 256  # tokens: SGLang's default prefetch_threshold

@@ -21,8 +21,9 @@ tier always runs first, or always after the other, in a window of the disk's spe
    once its bytes are on the disk: vLLM's tier never syncs, and its writes may end in
    the page cache (ours use O_DIRECT). ``*_store_GBps`` include the sync (and make
    ``store_ratio``), ``*_store_unsynced_GBps`` do not.
-2. ``reset_cache`` empties the CPU tier, and the page cache is dropped when the tier
-   does not use O_DIRECT (``cold_load`` says whether every load was cold).
+2. ``reset_cache`` empties the CPU tier, and the tier's files are dropped from the page
+   cache when it does not use O_DIRECT (``bench_nvme.drop_page_cache``: each synced,
+   then ``posix_fadvise(DONTNEED)``; ``cold_load`` says whether every load was cold).
 3. Load: requests look their chunks up, step by step, as the scheduler does, until
    every chunk is a HIT in the CPU tier again (promoted from the secondary tier). At
    most as many requests are in flight as the CPU tier holds. Like vLLM's scheduler,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import statistics
 import sys
@@ -45,6 +46,16 @@ from tiering.cli_args import ensure_directory, make_parser, run_main
 from tiering.hashing import block_hashes
 
 Mode = Literal["prefill", "whole", "layers"]
+
+# The model call's keyword for the cache it reads and fills: ``cache`` from transformers
+# 5.24 on (there ``past_key_values`` warns, and goes in 5.40); before, only
+# ``past_key_values``. The filled cache is the one passed in, so no output field (whose
+# name changed too) is read.
+_CACHE_KEYWORD = (
+    "cache"
+    if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
+    else "past_key_values"
+)
 
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(
@@ -280,17 +291,17 @@ class PrefixCacheServer:
     ) -> tuple[int, torch.Tensor, DynamicCache]:
         ids = torch.tensor([list(tokens)], device=self.device)
         cache = DynamicCache() if cache is None else cache
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_CACHE_KEYWORD: cache})
         logits = out.logits[0, -1].float()
         first = int(logits.argmax())  # waits for the device: the first token exists now
-        return first, logits.cpu(), out.past_key_values
+        return first, logits.cpu(), cache
 
     @torch.inference_mode()
     def _decode(self, token: int, cache: DynamicCache, steps: int) -> list[int]:
         out: list[int] = []
         for _ in range(steps):
             ids = torch.tensor([[token]], device=self.device)
-            result = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            result = self.model(input_ids=ids, use_cache=True, **{_CACHE_KEYWORD: cache})
             token = int(result.logits[0, -1].argmax())
             out.append(token)
         return out

@@ -1,10 +1,12 @@
 """A local ``redis-server`` for the tests and the Redis benchmarks: started on a free
 loopback port in a directory of the caller's, stopped (or killed, and started again on
-the same port); and a local Redis Cluster of such servers.
+the same port); a local Redis Cluster of such servers; and the benchmarks' way to
+remove the keys they wrote, and only those, from any server (:func:`unlink_matching`).
 
 A test aid, not product: it runs without persistence and binds to 127.0.0.1 only. It
-imports nothing of the project or of pytest, so examples/bench_redis.py and
-bench_fleet.py load it from a checkout (with tests/ on ``sys.path``).
+imports nothing of the project or of pytest, so examples/bench_redis.py,
+bench_redis_glide.py and bench_fleet.py load it from a checkout (with tests/ on
+``sys.path``).
 """
 
 from __future__ import annotations
@@ -117,6 +119,31 @@ class LocalRedisServer:
 
         with redis.Redis.from_url(self.url) as client:
             return client.execute_command(*args)
+
+
+_UNLINK_BATCH = 512  # names per UNLINK
+
+
+def unlink_matching(url: str, pattern: bytes, *, cluster: bool = False) -> int:
+    """Delete (``UNLINK``) the keys of the server (with ``cluster``: the Redis Cluster)
+    at ``url`` whose names match the glob ``pattern``, found with ``SCAN ... MATCH`` on
+    the url's database (on every primary of a cluster), and no other key; returns how
+    many went. A benchmark names every key it writes under a pattern of its own run, so
+    it removes what it wrote and leaves the server's other data as it was. Raises
+    redis-py's errors (the server unreachable, a refused command)."""
+    import redis
+
+    client = redis.RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    removed, batch = 0, []
+    with client:
+        for name in client.scan_iter(match=pattern, count=1000):
+            batch.append(name)
+            if len(batch) == _UNLINK_BATCH:
+                removed += client.unlink(*batch)
+                batch.clear()
+        if batch:
+            removed += client.unlink(*batch)
+    return removed
 
 
 _SLOTS = 16384  # a Redis Cluster's hash slots

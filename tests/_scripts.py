@@ -101,3 +101,45 @@ def stall_torch_imports(directory: Path, monkeypatch: pytest.MonkeyPatch) -> str
     (directory / "sitecustomize.py").write_text(_STALL_TORCH)
     monkeypatch.setenv("PYTHONPATH", str(directory))
     return "importing torch\n"
+
+
+_GUARD_PAGE_CACHE = """
+import errno, os, sys
+
+_LOG = {log!r}
+_REFUSE_DIRECT = {refuse_o_direct!r}
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _guard(event, args):
+    if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    path = os.fsdecode(args[0])
+    if path.endswith("drop_caches") and os.path.realpath(path) == "/proc/sys/vm/drop_caches":
+        with open(_LOG, "a") as log:
+            log.write(f"{{os.getpid()}} {{args!r}}\\n")
+        raise PermissionError(errno.EACCES, "refused by the test", path)
+    if _REFUSE_DIRECT and isinstance(args[2], int) and args[2] & _O_DIRECT:
+        raise OSError(errno.EINVAL, "O_DIRECT refused by the test", path)
+
+
+sys.addaudithook(_guard)
+"""
+
+
+def guard_page_cache(
+    directory: Path, monkeypatch: pytest.MonkeyPatch, *, refuse_o_direct: bool = False
+) -> Path:
+    """Keep every script a test starts from now on (and the processes it spawns) from
+    dropping the machine's page cache: an open of ``/proc/sys/vm/drop_caches`` is refused
+    (PermissionError) and recorded in the file returned, which exists only if one was
+    tried. With ``refuse_o_direct`` an open with O_DIRECT fails with EINVAL, as on a file
+    system without it. (An audit hook, installed by a ``sitecustomize`` in ``directory``
+    put first on the scripts' ``PYTHONPATH``, which every Python process runs first.)"""
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / "drop_caches-attempts.log"
+    hook = _GUARD_PAGE_CACHE.format(log=str(log), refuse_o_direct=refuse_o_direct)
+    (directory / "sitecustomize.py").write_text(hook)
+    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    return log

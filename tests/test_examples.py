@@ -4,17 +4,21 @@ progress line never reaches a pipe; the benchmark's last stdout line stays JSON.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import importlib.util
 import json
+import mmap
 import os
 import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
-from tests._scripts import interrupt_script, run_script
+from tests._scripts import guard_page_cache, interrupt_script, last_json, run_script
 from tiering.cli_args import EXIT_INTERRUPTED, Progress
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,9 +73,10 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
                 "(default: 1.0)",
                 "(default: 3)",
                 "(default: quick)",
+                "(default: fadvise)",
             ],
         ),
-        ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: auto)"]),
+        ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: fadvise)"]),
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
         ("bench_manager.py", ["(default: adaptive,arc,lru,prefix-lfu,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
@@ -228,6 +233,77 @@ def test_bench_nvme_best_point_is_the_best_median() -> None:
     assert best_point(rounds, 1) == ("a", 5.0, [5.0, 5.0, 5.0])
 
 
+class _Neighbour:
+    """A file of another program's, beside what a benchmark writes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.data = path, os.urandom(1 << 16)
+        path.write_bytes(self.data)
+        self.stat = path.stat()
+
+    def assert_untouched(self) -> None:
+        assert self.path.read_bytes() == self.data
+        after = self.path.stat()
+        assert (after.st_ino, after.st_mtime_ns) == (self.stat.st_ino, self.stat.st_mtime_ns)
+
+
+def _neighbour(directory: Path) -> _Neighbour:
+    return _Neighbour(directory / "neighbour.bin")
+
+
+def _resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of ``path``), as ``mincore`` says."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        start = ctypes.c_char.from_buffer(mapped)  # maps the file; touches no page of it
+        try:
+            if libc.mincore(ctypes.addressof(start), size, vector) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            del start
+    return sum(byte & 1 for byte in vector), pages
+
+
+def test_bench_nvme_drops_the_files_it_names_from_the_page_cache_and_no_other(
+    tmp_path: Path,
+) -> None:
+    ours, theirs = tmp_path / "ours.bin", tmp_path / "theirs.bin"
+    for path in (ours, theirs):
+        path.write_bytes(os.urandom(1 << 20))  # in the page cache, dirty
+        path.read_bytes()
+    assert _resident_pages(ours)[0] > 0
+    assert _script("bench_nvme").drop_page_cache([str(ours)]) is True
+    assert _resident_pages(ours)[0] == 0  # the next read of ours comes from the disk
+    resident, pages = _resident_pages(theirs)
+    assert resident == pages  # another file's cached pages stay
+
+
+def test_bench_nvme_makes_loads_cold_without_dropping_the_machines_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where O_DIRECT is refused, every side's reads are made cold file by file: the
+    machine's page cache is never dropped, and a file beside the benchmark's directory
+    is untouched."""
+    attempts = guard_page_cache(tmp_path / "site", monkeypatch, refuse_o_direct=True)
+    neighbour = _neighbour(tmp_path)
+    directory = tmp_path / "bench"
+    directory.mkdir()
+    done = run_script(
+        "examples/bench_nvme.py", str(directory), "--size-gib", "0.0005",
+        "--block-sizes", "128K", "--repeat", "1", "--baseline-grid", "1,2x2", "--vllm-fs", "off",
+    )  # fmt: skip
+    (run,) = last_json(done)["runs"]
+    assert "128 KiB, tier: buffered" in done.stdout  # so its loads needed the cache dropped
+    assert run["cold_load"] is True
+    assert not attempts.exists(), attempts.read_text()
+    neighbour.assert_untouched()
+    assert os.listdir(directory) == []
+
+
 def test_bench_nvme_runs_and_ends_with_json(tmp_path: Path) -> None:
     """A tiny run, without vLLM's tier whether or not vLLM is installed."""
     done = run_script(
@@ -305,6 +381,76 @@ def test_bench_redis_accepts_a_small_run_with_enough_jobs_and_rounds() -> None:
     assert parse_args([]).size_mib == 256  # the defaults pass their own checks
 
 
+# -- the Redis benchmarks on a server others use --------------------------------------
+
+
+def _others_keys(server: Any) -> dict[int, dict[bytes, bytes]]:
+    """Keys of other programs on ``server``, by database: in the one the benchmarks use
+    (0), named as their keys once were and as another engine's blocks are, and in
+    another database (1). Stored now."""
+    import redis
+
+    others = {
+        0: {
+            b"bench:0": b"the name bench_redis's baseline once used",
+            b"glide-0": b"the name bench_redis_glide once used",
+            b"kvt:2:" + b"ab" * 16 + b"::" + b"k" * 32: os.urandom(4096),
+            b"user:42": os.urandom(1 << 16),
+        },
+        1: {b"session:7": os.urandom(64)},
+    }
+    for db, keys in others.items():
+        with redis.Redis(host="127.0.0.1", port=server.port, db=db) as client:
+            client.mset(keys)
+    return others
+
+
+def _assert_only_theirs_left(server: Any, others: dict[int, dict[bytes, bytes]]) -> None:
+    """Every key of ``others`` is on ``server`` with its value, and no other key (what
+    the benchmark wrote is gone); it deleted key by key, never flushing a database."""
+    import redis
+
+    for db, keys in others.items():
+        with redis.Redis(host="127.0.0.1", port=server.port, db=db) as client:
+            assert client.mget(list(keys)) == list(keys.values())
+            assert client.dbsize() == len(keys)
+            commands = client.info("commandstats")
+    assert "cmdstat_unlink" in commands  # it did write, and delete, keys of its own
+    assert "cmdstat_flushdb" not in commands and "cmdstat_flushall" not in commands
+
+
+def test_bench_redis_deletes_the_keys_it_wrote_and_no_other(redis_server: Any) -> None:
+    others = _others_keys(redis_server)
+    done = run_script(
+        "examples/bench_redis.py", redis_server.url, "--block-sizes", "4K", "--size-mib", "1",
+        "--concurrency", "2", "--repeat", "2", "--no-encryption", "--lmcache", "off",
+    )  # fmt: skip
+    figures = last_json(done)
+    assert figures["store_GBps"] > 0 and figures["baseline_load_GBps"] > 0
+    _assert_only_theirs_left(redis_server, others)
+
+
+def test_bench_redis_glide_deletes_the_keys_it_wrote_and_no_other(redis_server: Any) -> None:
+    pytest.importorskip("glide", reason="valkey-glide goes in a venv of its own (see its --help)")
+    others = _others_keys(redis_server)
+    bench = _script("bench_redis_glide")
+    args = bench.parse_args(["--block-sizes", "4K", "--size-mib", "1", "--repeat", "2"])
+    figures = asyncio.run(bench.run(redis_server.port, args))
+    assert figures["4K"]["glide_store_GBps"] > 0
+    _assert_only_theirs_left(redis_server, others)
+
+
+def test_bench_fleet_deletes_the_keys_it_wrote_and_no_other(redis_server: Any) -> None:
+    others = _others_keys(redis_server)
+    done = run_script(
+        "examples/bench_fleet.py", "--url", redis_server.url, "--nodes", "2", "--limit", "30"
+    )
+    result = last_json(done)
+    assert all(row["redis_hit_ratio"] > 0 for row in result["runs"])  # the tier was used
+    assert all(row["mismatches"] == 0 for row in result["runs"])
+    _assert_only_theirs_left(redis_server, others)
+
+
 async def test_bench_engine_says_it_streams_what_gib_asks_for() -> None:
     """``--gib 0.25`` streams 0.25 GiB; the line says so, and what all hops moved."""
     bench = _script("bench_engine")
@@ -368,21 +514,21 @@ def test_driver_rejects_an_unusable_nvme_directory(
 # -- bench_nvme_scale -----------------------------------------------------------------
 
 
-def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> None:
+def test_bench_nvme_scale_fills_restarts_and_ends_with_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default the cold restart drops the root's files from the page cache, and
+    nothing else: the machine's cache is never dropped, a file beside is untouched."""
+    attempts = guard_page_cache(tmp_path / "site", monkeypatch)
+    neighbour = _neighbour(tmp_path)
     root = tmp_path / "root"
     done = run_script(
-        "examples/bench_nvme_scale.py",
-        "--blocks",
-        "300",
-        "--block-size",
-        "4K",
-        "--root",
-        str(root),
-        "--drop-cache",
-        "fadvise",  # not the whole machine's page cache, from a test
+        "examples/bench_nvme_scale.py", "--blocks", "300", "--block-size", "4K", "--root", str(root)
     )
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = last_json(done)
+    assert not attempts.exists(), attempts.read_text()
+    assert summary["page_cache_drop"] == "fadvise"
+    neighbour.assert_untouched()
     assert summary["blocks"] == 300
     assert summary["block_bytes"] == 4096
     assert summary["recovered_blocks"] == 300
@@ -399,6 +545,20 @@ def test_bench_nvme_scale_fills_restarts_and_ends_with_json(tmp_path: Path) -> N
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
+def test_bench_nvme_scale_drops_the_machines_caches_only_when_asked_and_says_if_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts = guard_page_cache(tmp_path / "site", monkeypatch)  # refuses, as for a user
+    root = tmp_path / "root"
+    argv = ["--blocks", "300", "--block-size", "4K", "--root", str(root)]
+    done = run_script("examples/bench_nvme_scale.py", *argv, "--drop-cache", "system")
+    assert done.returncode == 1, done.stderr
+    assert attempts.read_text().count("\n") == 1  # tried once, where it was asked to
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("--drop-cache system: cannot write /proc/sys/vm/drop_caches"), last
+    assert "Traceback" not in done.stderr
+
+
 def test_bench_ab_compares_two_checkouts_figure_by_figure() -> None:
     argv = [str(ROOT), str(ROOT), "bench_manager.py", "--rounds", "2", "--"]
     argv += [str(TRACE), "256", "--policies", "lru", "--full-blocks-only"]

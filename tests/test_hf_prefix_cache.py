@@ -2,14 +2,17 @@
 Llama (2 layers, float32) whose prefix KV goes through the engine's tiers and comes back
 gives the continuation a prefill gives, loaded whole or layer by layer, in both KV
 layouts, from the CPU tier and after a restart from NVMe; a damaged NVMe block means
-recomputing, never a wrong token."""
+recomputing, never a wrong token. It uses no API that transformers deprecates: a
+deprecation warning is an error here, and a deprecation transformers logs fails the
+test too."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +24,11 @@ from tests._engine_helpers import corrupt_block
 from tests._scripts import run_script
 
 pytest.importorskip("transformers")
+
+# transformers warns (FutureWarning) before it removes an API, attributed to the caller
+# of the deprecated call: torch's module call, for a model's forward.
+DEPRECATIONS_ARE_ERRORS = ("-W", "error::FutureWarning", "-W", "error::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning", "error::DeprecationWarning")
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_TOKENS = 16
@@ -41,6 +49,31 @@ def _example() -> ModuleType:
 
 
 hf = _example()
+
+
+class _Deprecations(logging.Handler):
+    """The deprecations a logger reports (transformers logs some instead of warning:
+    an output's old cache field, read)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "deprecat" in record.getMessage().lower():
+            self.messages.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def no_deprecation_logged_by_transformers() -> Iterator[None]:
+    deprecations = _Deprecations()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(deprecations)
+    try:
+        yield
+    finally:
+        logger.removeHandler(deprecations)
+    assert deprecations.messages == []
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +173,13 @@ async def test_a_damaged_nvme_block_means_recomputing_never_a_wrong_token(
 
 def test_the_example_checks_every_answer_and_ends_with_one_json_line(tmp_path: Path) -> None:
     done = run_script(
+        *DEPRECATIONS_ARE_ERRORS,
         "examples/hf_prefix_cache.py",
         *("--prefix-tokens", "32,20", "--nvme", str(tmp_path), "--device", "cpu"),
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
+    assert "deprecat" not in done.stderr.lower()  # nor logged as transformers logs some
     assert "expected from" not in done.stderr  # every cached answer came from its tier
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["same_greedy_tokens"] is True
