@@ -7,6 +7,7 @@ only the GPU worker's copies are played by the test.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
     ReqContext,
     Scheduler,
     TransferJob,
+    chunk_past_the_end,
     key,
     nvme_tier,
     payload,
@@ -236,21 +238,129 @@ def test_shutdown_with_jobs_in_flight_reports_every_job(scheduler, tmp_path) -> 
     ]
     assert not tier.has_pending_work()
     tier.submit_store(_job(30_100, [key("late")], [0], False))
-    (late,) = tier.get_finished_jobs()
-    assert late.job_id == 30_100 and not late.success
+    tier.submit_load(_job(30_101, [key("s0")], [0], True))
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [
+        (30_100, False),
+        (30_101, False),
+    ]
+    assert refused(tier) == {"store": 1, "load": 1}
 
 
-def test_a_job_outside_the_cpu_tier_raises_at_submit_and_leaves_nothing_pending(
-    scheduler, tmp_path
+def refused(tier: RegisteredTierManager) -> dict[str, int]:
+    """Store and load jobs the tier refused since its last ``get_stats``."""
+    _types, values = tier.get_stats().metric_sections()
+    return {
+        kind: int(sum(values.get(f"kv_tiering:{kind}_refused_jobs", {}).values()))
+        for kind in ("store", "load")
+    }
+
+
+def test_a_store_into_a_chunk_outside_the_cpu_tier_fails_and_vllm_goes_on(
+    scheduler, monkeypatch
 ) -> None:
-    tier = scheduler(nvme_tier(tmp_path / "nvme")).tier
-    with pytest.raises(InvalidArgumentError, match="job 40000: slots"):
-        tier.submit_store(_job(40_000, [key("far")], [PRIMARY], False))
-    with pytest.raises(InvalidArgumentError, match="job 40001: 2 keys but 1 slots"):
-        tier.submit_load(_job(40_001, [key("a"), key("b")], [0], True))
+    """vLLM's complete_store calls submit_store without a try: a job we refuse fails,
+    vLLM unpins its chunks, and later jobs run."""
+    s = scheduler()
+    bad = blocks("oob-store", 2)
+    chunk_past_the_end(monkeypatch, s, "prepare_read")
+
+    s.store(bad)  # vLLM's own cascade submits the job with chunk ids past the CPU tier
+    s.settle()  # vLLM takes the failed result
+
+    context = ReqContext(req_id="check")
+    assert all(s.tier.lookup(k, context) is LookupResult.MISS for k in bad)
+    assert refused(s.tier) == {"store": 1, "load": 0}
+    good = blocks("oob-after", 2)
+    s.store(good)
+    evict_all(s, {**bad, **good})  # the refused job's chunks were unpinned: evictable
+    answers = s.resolve(good)
+    assert all(answers[k] is LookupResult.HIT for k in good)
+    assert s.read(list(good)) == good
+
+
+def test_a_promotion_into_a_chunk_outside_the_cpu_tier_fails_and_vllm_goes_on(
+    scheduler, monkeypatch
+) -> None:
+    """vLLM's on_schedule_end calls submit_load without a try: a promotion we refuse
+    fails, vLLM drops the chunk it had taken and promotes the block again."""
+    s = scheduler()
+    stored = blocks("oob-load", 2)
+    s.store(stored)
+    evict_all(s, stored)
+    chunk_past_the_end(monkeypatch, s, "prepare_write")
+
+    answers = s.resolve(stored)  # the first promotion names a chunk past the CPU tier
+
+    assert refused(s.tier) == {"store": 0, "load": 1}
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+
+
+@pytest.mark.parametrize(
+    ("keys", "chunks"),
+    [
+        ([key("far")], [PRIMARY]),  # past the CPU tier
+        ([key("neg")], [-1]),
+        ([key("a"), key("b")], [0]),  # as many ids as keys
+        (["not bytes"], [0]),
+        ([key("x")], [0.5]),
+    ],
+    ids=["past-the-end", "negative", "lengths", "key-not-bytes", "id-not-int"],
+)
+@pytest.mark.parametrize("promotion", [False, True], ids=["store", "load"])
+def test_a_job_the_tier_cannot_do_fails_at_once_and_leaves_nothing_pending(
+    scheduler, keys: list, chunks: list, promotion: bool
+) -> None:
+    tier = scheduler().tier
+    job = TransferJob(40_000, keys, np.array(chunks), promotion, ReqContext(req_id="t"))
+
+    (tier.submit_load if promotion else tier.submit_store)(job)
+
     assert not tier.has_pending_work()
-    tier.drain_jobs()  # returns: no job was left without a result
-    assert list(tier.get_finished_jobs()) == []
+    tier.drain_jobs()  # returns: no job is left without a result
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success, result.successful_keys) == (40_000, False, None)
+    assert refused(tier) == {"store": int(not promotion), "load": int(promotion)}
+    tier.submit_store(_job(40_001, [key("fine")], [0], False))  # the tier goes on
+    tier.drain_jobs()
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (40_001, True)
+
+
+def test_refusals_are_logged_once_per_cause_and_all_counted(scheduler, caplog) -> None:
+    tier = scheduler().tier
+    caplog.set_level(logging.WARNING, logger="tiering.integrations.vllm")
+    for job_id in (1, 2, 3):
+        tier.submit_store(_job(job_id, [key(f"l{job_id}")], [PRIMARY], False))
+    tier.submit_load(_job(4, [key("l4")], [PRIMARY], True))
+
+    assert len(list(tier.get_finished_jobs())) == 4
+    logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(logged) == 2
+    assert "store job refused" in logged[0] and "job 1: slots" in logged[0]
+    assert "load job refused" in logged[1]
+    assert "get_stats(): kv_tiering:<kind>_refused_jobs" in logged[0]
+    assert refused(tier) == {"store": 3, "load": 1}
+
+
+def test_a_job_whose_id_is_in_flight_gets_no_second_result(scheduler, tmp_path) -> None:
+    faults = FaultInjector()
+    gate = faults.hold("pwritev", path=".seg")
+    tier = scheduler(nvme_tier(tmp_path / "nvme", os_calls=faults)).tier
+    tier.submit_store(_job(41_000, [key("first")], [0], False))
+    try:
+        assert gate.wait_reached(10)
+
+        tier.submit_store(_job(41_000, [key("again")], [1], False))  # vLLM never does this
+
+        assert list(tier.get_finished_jobs()) == []
+        assert refused(tier) == {"store": 1, "load": 0}
+    finally:
+        gate.open()
+    tier.drain_jobs()
+    (result,) = tier.get_finished_jobs()  # one result for the id: the first job's
+    assert (result.job_id, result.success) == (41_000, True)
+    assert tier.lookup(key("again"), ReqContext(req_id="t")) is LookupResult.MISS
 
 
 def test_a_partial_load_names_only_the_keys_that_landed(scheduler) -> None:
