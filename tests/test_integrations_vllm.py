@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from tiering.integrations.vllm import (
     RegisteredTierManager,
     vllm_namespace,
 )
+from tiering.lifecycle import Lifecycle
 
 PRIMARY = 4  # CPU chunks: small, so stores evict quickly
 
@@ -515,15 +517,33 @@ def test_events_report_blocks_stored_in_the_tier(scheduler, tmp_path) -> None:
     assert all(not e.removed and e.ownership == s.tier.tier_type for e in events)
 
 
-def test_events_replayed_in_order_give_what_the_tier_holds(scheduler, tmp_path) -> None:
+def small_nvme(root: Path, **options) -> dict:
+    """An NVMe tier reporting events that holds 8 blocks, in segments of 4."""
     record = 4096 + CHUNK_BYTES  # a header page and the chunk
-    tier = nvme_tier(
-        tmp_path / "nvme",
+    return nvme_tier(
+        root,
         enable_kv_events=True,
-        segment_bytes=4096 + 4 * record,  # 4 records a segment
+        segment_bytes=4096 + 4 * record,
         capacity_bytes=8 * record,
+        **options,
     )
-    s = scheduler(tier, events=True)
+
+
+def replay(events) -> tuple[set[bytes], set[bytes]]:
+    """The keys held and the keys removed, applying ``events`` in order."""
+    held: set[bytes] = set()
+    removed: set[bytes] = set()
+    for event in events:
+        if event.removed:
+            held.difference_update(event.keys)
+            removed.update(event.keys)
+        else:
+            held.update(event.keys)
+    return held, removed
+
+
+def test_events_replayed_in_order_give_what_the_tier_holds(scheduler, tmp_path) -> None:
+    s = scheduler(small_nvme(tmp_path / "nvme"), events=True)
     every: list[bytes] = []
     for batch in range(4):  # 16 blocks through a tier of 8: segments are evicted
         stored = blocks(f"batch{batch}-", PRIMARY)
@@ -531,18 +551,50 @@ def test_events_replayed_in_order_give_what_the_tier_holds(scheduler, tmp_path) 
         s.store(stored)
         s.settle()
 
-    held: set[bytes] = set()
-    removed: set[bytes] = set()
-    for event in s.tier.take_events():
-        if event.removed:
-            held.difference_update(event.keys)
-            removed.update(event.keys)
-        else:
-            held.update(event.keys)
+    held, removed = replay(s.tier.take_events())
 
     context = ReqContext(req_id="check")
     assert held == {k for k in every if s.tier.lookup(k, context) is LookupResult.HIT}
     assert removed == set(every) - held and len(removed) >= 8  # every eviction was told
+
+
+def test_events_of_jobs_that_end_during_shutdown_are_read_after_it(scheduler, tmp_path) -> None:
+    """vLLM drains events after its manager's shutdown: a store that ends while the
+    shutdown drains it, and the eviction it makes, are told then."""
+    faults = FaultInjector()
+    s = scheduler(small_nvme(tmp_path / "nvme", os_calls=faults), events=True)
+    every: list[bytes] = []
+    for batch in range(2):  # the tier is full
+        stored = blocks(f"before{batch}-", PRIMARY)
+        every += stored
+        s.store(stored)
+        s.settle()
+    before = [e for e in s.manager.take_events() if e.ownership == s.tier.tier_type]
+    gate = faults.hold("pwritev", path=".seg")
+    last = blocks("at-close-", PRIMARY)
+    every += last
+    s.store(last)  # evicts the oldest segment, then waits to be written
+    closing = threading.Thread(target=s.shutdown)
+    try:
+        assert gate.wait_reached(10)
+        closing.start()
+        deadline = time.monotonic() + 30  # a bound on the wait, not a timing
+        while s.tier.kv_tier.state is not Lifecycle.CLOSING:
+            assert time.monotonic() < deadline, "the shutdown never began"
+            time.sleep(0.001)
+    finally:
+        gate.open()
+    closing.join(60)
+    assert not closing.is_alive()
+
+    after = [e for e in s.manager.take_events() if e.ownership == s.tier.tier_type]
+
+    assert set(last) <= {k for e in after if not e.removed for k in e.keys}
+    assert {k for e in after if e.removed for k in e.keys} == set(blocks("before0-", PRIMARY))
+    held, _ = replay(before + after)
+    reopened = scheduler(small_nvme(tmp_path / "nvme"))
+    context = ReqContext(req_id="check")
+    assert held == {k for k in every if reopened.tier.lookup(k, context) is LookupResult.HIT}
 
 
 def test_metric_definitions_cover_every_reported_name(scheduler) -> None:
