@@ -10,6 +10,7 @@ lock.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -33,6 +34,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     make_offload_key,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
@@ -106,6 +108,7 @@ class Scheduler:
     """vLLM's connector scheduler and worker around one manager, as the tests need them."""
 
     def __init__(self, chunks: int, tiers: list[dict[str, Any]], **config: Any) -> None:
+        self.chunks = chunks
         self.spec = OffloadingSpecFactory.create_spec(offloading_config(chunks, tiers, **config))
         self.manager = self.spec.get_manager()
         view = self.manager.primary_tier.get_kv_memoryview()
@@ -207,3 +210,27 @@ class Scheduler:
     def shutdown(self) -> None:
         self.manager.shutdown()
         self._flat.release()
+
+
+def chunk_past_the_end(monkeypatch: pytest.MonkeyPatch, scheduler: Scheduler, method: str) -> None:
+    """Fault: the next call of the CPU tier's ``method`` (``prepare_read``, which pins the
+    chunks a cascade reads, or ``prepare_write``, which takes the chunks a promotion
+    writes) allocates as usual but hands vLLM's manager one chunk id past the CPU tier's
+    last chunk for each key, as a bug in vLLM could."""
+    primary = scheduler.manager.primary_tier
+    real = getattr(primary, method)
+    armed = [True]
+
+    def wrong_ids(spec: Any) -> CPULoadStoreSpec:
+        return CPULoadStoreSpec([scheduler.chunks] * len(spec.chunk_ids))
+
+    def faulty(keys: Any, context: ReqContext) -> Any:
+        out = real(keys, context)
+        if not armed[0] or out is None:
+            return out
+        armed[0] = False
+        if method == "prepare_read":
+            return wrong_ids(out)
+        return dataclasses.replace(out, store_spec=wrong_ids(out.store_spec))
+
+    monkeypatch.setattr(primary, method, faulty)

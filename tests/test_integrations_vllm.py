@@ -7,9 +7,11 @@ only the GPU worker's copies are played by the test.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,7 @@ from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
     ReqContext,
     Scheduler,
     TransferJob,
+    chunk_past_the_end,
     key,
     nvme_tier,
     payload,
@@ -37,6 +40,7 @@ from tiering.integrations.vllm import (
     RegisteredTierManager,
     vllm_namespace,
 )
+from tiering.lifecycle import Lifecycle
 
 PRIMARY = 4  # CPU chunks: small, so stores evict quickly
 
@@ -236,21 +240,129 @@ def test_shutdown_with_jobs_in_flight_reports_every_job(scheduler, tmp_path) -> 
     ]
     assert not tier.has_pending_work()
     tier.submit_store(_job(30_100, [key("late")], [0], False))
-    (late,) = tier.get_finished_jobs()
-    assert late.job_id == 30_100 and not late.success
+    tier.submit_load(_job(30_101, [key("s0")], [0], True))
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [
+        (30_100, False),
+        (30_101, False),
+    ]
+    assert refused(tier) == {"store": 1, "load": 1}
 
 
-def test_a_job_outside_the_cpu_tier_raises_at_submit_and_leaves_nothing_pending(
-    scheduler, tmp_path
+def refused(tier: RegisteredTierManager) -> dict[str, int]:
+    """Store and load jobs the tier refused since its last ``get_stats``."""
+    _types, values = tier.get_stats().metric_sections()
+    return {
+        kind: int(sum(values.get(f"kv_tiering:{kind}_refused_jobs", {}).values()))
+        for kind in ("store", "load")
+    }
+
+
+def test_a_store_into_a_chunk_outside_the_cpu_tier_fails_and_vllm_goes_on(
+    scheduler, monkeypatch
 ) -> None:
-    tier = scheduler(nvme_tier(tmp_path / "nvme")).tier
-    with pytest.raises(InvalidArgumentError, match="job 40000: slots"):
-        tier.submit_store(_job(40_000, [key("far")], [PRIMARY], False))
-    with pytest.raises(InvalidArgumentError, match="job 40001: 2 keys but 1 slots"):
-        tier.submit_load(_job(40_001, [key("a"), key("b")], [0], True))
+    """vLLM's complete_store calls submit_store without a try: a job we refuse fails,
+    vLLM unpins its chunks, and later jobs run."""
+    s = scheduler()
+    bad = blocks("oob-store", 2)
+    chunk_past_the_end(monkeypatch, s, "prepare_read")
+
+    s.store(bad)  # vLLM's own cascade submits the job with chunk ids past the CPU tier
+    s.settle()  # vLLM takes the failed result
+
+    context = ReqContext(req_id="check")
+    assert all(s.tier.lookup(k, context) is LookupResult.MISS for k in bad)
+    assert refused(s.tier) == {"store": 1, "load": 0}
+    good = blocks("oob-after", 2)
+    s.store(good)
+    evict_all(s, {**bad, **good})  # the refused job's chunks were unpinned: evictable
+    answers = s.resolve(good)
+    assert all(answers[k] is LookupResult.HIT for k in good)
+    assert s.read(list(good)) == good
+
+
+def test_a_promotion_into_a_chunk_outside_the_cpu_tier_fails_and_vllm_goes_on(
+    scheduler, monkeypatch
+) -> None:
+    """vLLM's on_schedule_end calls submit_load without a try: a promotion we refuse
+    fails, vLLM drops the chunk it had taken and promotes the block again."""
+    s = scheduler()
+    stored = blocks("oob-load", 2)
+    s.store(stored)
+    evict_all(s, stored)
+    chunk_past_the_end(monkeypatch, s, "prepare_write")
+
+    answers = s.resolve(stored)  # the first promotion names a chunk past the CPU tier
+
+    assert refused(s.tier) == {"store": 0, "load": 1}
+    assert all(answers[k] is LookupResult.HIT for k in stored)
+    assert s.read(list(stored)) == stored
+
+
+@pytest.mark.parametrize(
+    ("keys", "chunks"),
+    [
+        ([key("far")], [PRIMARY]),  # past the CPU tier
+        ([key("neg")], [-1]),
+        ([key("a"), key("b")], [0]),  # as many ids as keys
+        (["not bytes"], [0]),
+        ([key("x")], [0.5]),
+    ],
+    ids=["past-the-end", "negative", "lengths", "key-not-bytes", "id-not-int"],
+)
+@pytest.mark.parametrize("promotion", [False, True], ids=["store", "load"])
+def test_a_job_the_tier_cannot_do_fails_at_once_and_leaves_nothing_pending(
+    scheduler, keys: list, chunks: list, promotion: bool
+) -> None:
+    tier = scheduler().tier
+    job = TransferJob(40_000, keys, np.array(chunks), promotion, ReqContext(req_id="t"))
+
+    (tier.submit_load if promotion else tier.submit_store)(job)
+
     assert not tier.has_pending_work()
-    tier.drain_jobs()  # returns: no job was left without a result
-    assert list(tier.get_finished_jobs()) == []
+    tier.drain_jobs()  # returns: no job is left without a result
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success, result.successful_keys) == (40_000, False, None)
+    assert refused(tier) == {"store": int(not promotion), "load": int(promotion)}
+    tier.submit_store(_job(40_001, [key("fine")], [0], False))  # the tier goes on
+    tier.drain_jobs()
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (40_001, True)
+
+
+def test_refusals_are_logged_once_per_cause_and_all_counted(scheduler, caplog) -> None:
+    tier = scheduler().tier
+    caplog.set_level(logging.WARNING, logger="tiering.integrations.vllm")
+    for job_id in (1, 2, 3):
+        tier.submit_store(_job(job_id, [key(f"l{job_id}")], [PRIMARY], False))
+    tier.submit_load(_job(4, [key("l4")], [PRIMARY], True))
+
+    assert len(list(tier.get_finished_jobs())) == 4
+    logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(logged) == 2
+    assert "store job refused" in logged[0] and "job 1: slots" in logged[0]
+    assert "load job refused" in logged[1]
+    assert "get_stats(): kv_tiering:<kind>_refused_jobs" in logged[0]
+    assert refused(tier) == {"store": 3, "load": 1}
+
+
+def test_a_job_whose_id_is_in_flight_gets_no_second_result(scheduler, tmp_path) -> None:
+    faults = FaultInjector()
+    gate = faults.hold("pwritev", path=".seg")
+    tier = scheduler(nvme_tier(tmp_path / "nvme", os_calls=faults)).tier
+    tier.submit_store(_job(41_000, [key("first")], [0], False))
+    try:
+        assert gate.wait_reached(10)
+
+        tier.submit_store(_job(41_000, [key("again")], [1], False))  # vLLM never does this
+
+        assert list(tier.get_finished_jobs()) == []
+        assert refused(tier) == {"store": 1, "load": 0}
+    finally:
+        gate.open()
+    tier.drain_jobs()
+    (result,) = tier.get_finished_jobs()  # one result for the id: the first job's
+    assert (result.job_id, result.success) == (41_000, True)
+    assert tier.lookup(key("again"), ReqContext(req_id="t")) is LookupResult.MISS
 
 
 def test_a_partial_load_names_only_the_keys_that_landed(scheduler) -> None:
@@ -405,15 +517,33 @@ def test_events_report_blocks_stored_in_the_tier(scheduler, tmp_path) -> None:
     assert all(not e.removed and e.ownership == s.tier.tier_type for e in events)
 
 
-def test_events_replayed_in_order_give_what_the_tier_holds(scheduler, tmp_path) -> None:
+def small_nvme(root: Path, **options) -> dict:
+    """An NVMe tier reporting events that holds 8 blocks, in segments of 4."""
     record = 4096 + CHUNK_BYTES  # a header page and the chunk
-    tier = nvme_tier(
-        tmp_path / "nvme",
+    return nvme_tier(
+        root,
         enable_kv_events=True,
-        segment_bytes=4096 + 4 * record,  # 4 records a segment
+        segment_bytes=4096 + 4 * record,
         capacity_bytes=8 * record,
+        **options,
     )
-    s = scheduler(tier, events=True)
+
+
+def replay(events) -> tuple[set[bytes], set[bytes]]:
+    """The keys held and the keys removed, applying ``events`` in order."""
+    held: set[bytes] = set()
+    removed: set[bytes] = set()
+    for event in events:
+        if event.removed:
+            held.difference_update(event.keys)
+            removed.update(event.keys)
+        else:
+            held.update(event.keys)
+    return held, removed
+
+
+def test_events_replayed_in_order_give_what_the_tier_holds(scheduler, tmp_path) -> None:
+    s = scheduler(small_nvme(tmp_path / "nvme"), events=True)
     every: list[bytes] = []
     for batch in range(4):  # 16 blocks through a tier of 8: segments are evicted
         stored = blocks(f"batch{batch}-", PRIMARY)
@@ -421,18 +551,50 @@ def test_events_replayed_in_order_give_what_the_tier_holds(scheduler, tmp_path) 
         s.store(stored)
         s.settle()
 
-    held: set[bytes] = set()
-    removed: set[bytes] = set()
-    for event in s.tier.take_events():
-        if event.removed:
-            held.difference_update(event.keys)
-            removed.update(event.keys)
-        else:
-            held.update(event.keys)
+    held, removed = replay(s.tier.take_events())
 
     context = ReqContext(req_id="check")
     assert held == {k for k in every if s.tier.lookup(k, context) is LookupResult.HIT}
     assert removed == set(every) - held and len(removed) >= 8  # every eviction was told
+
+
+def test_events_of_jobs_that_end_during_shutdown_are_read_after_it(scheduler, tmp_path) -> None:
+    """vLLM drains events after its manager's shutdown: a store that ends while the
+    shutdown drains it, and the eviction it makes, are told then."""
+    faults = FaultInjector()
+    s = scheduler(small_nvme(tmp_path / "nvme", os_calls=faults), events=True)
+    every: list[bytes] = []
+    for batch in range(2):  # the tier is full
+        stored = blocks(f"before{batch}-", PRIMARY)
+        every += stored
+        s.store(stored)
+        s.settle()
+    before = [e for e in s.manager.take_events() if e.ownership == s.tier.tier_type]
+    gate = faults.hold("pwritev", path=".seg")
+    last = blocks("at-close-", PRIMARY)
+    every += last
+    s.store(last)  # evicts the oldest segment, then waits to be written
+    closing = threading.Thread(target=s.shutdown)
+    try:
+        assert gate.wait_reached(10)
+        closing.start()
+        deadline = time.monotonic() + 30  # a bound on the wait, not a timing
+        while s.tier.kv_tier.state is not Lifecycle.CLOSING:
+            assert time.monotonic() < deadline, "the shutdown never began"
+            time.sleep(0.001)
+    finally:
+        gate.open()
+    closing.join(60)
+    assert not closing.is_alive()
+
+    after = [e for e in s.manager.take_events() if e.ownership == s.tier.tier_type]
+
+    assert set(last) <= {k for e in after if not e.removed for k in e.keys}
+    assert {k for e in after if e.removed for k in e.keys} == set(blocks("before0-", PRIMARY))
+    held, _ = replay(before + after)
+    reopened = scheduler(small_nvme(tmp_path / "nvme"))
+    context = ReqContext(req_id="check")
+    assert held == {k for k in every if reopened.tier.lookup(k, context) is LookupResult.HIT}
 
 
 def test_metric_definitions_cover_every_reported_name(scheduler) -> None:

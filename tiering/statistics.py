@@ -77,11 +77,15 @@ def uncount(counts: Counter[_T], items: Iterable[_T]) -> None:
 
 class FailureLog:
     """Counts failures by cause and logs the first of each cause (a short, stable
-    category such as "disk full", never one carrying keys) at WARNING with its detail."""
+    category such as "disk full", never one carrying keys) at WARNING with its detail,
+    pointing at where the owner reports the counts (``counts_at``)."""
 
-    def __init__(self, logger: logging.Logger, owner: str) -> None:
+    def __init__(
+        self, logger: logging.Logger, owner: str, *, counts_at: str = "statistics().failures"
+    ) -> None:
         self._logger = logger
         self._owner = owner
+        self._counts_at = counts_at
         self._counts: Counter[str] = Counter()
 
     def record(self, cause: str, count: int = 1, detail: str = "") -> None:
@@ -92,10 +96,11 @@ class FailureLog:
         self._counts[cause] += count
         if first:
             self._logger.warning(
-                "%s: %s%s (logged once; see statistics().failures for counts)",
+                "%s: %s%s (logged once; see %s for counts)",
                 self._owner,
                 cause,
                 f": {detail}" if detail else "",
+                self._counts_at,
             )
 
     @property

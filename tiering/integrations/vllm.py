@@ -22,7 +22,7 @@ from tiering.errors import InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT, canonical_json
 from tiering.integrations.tier_thread import FRAMEWORK_DEFAULTS, TierThread, fixed_tier
 from tiering.secondary import checked_job
-from tiering.statistics import uncount
+from tiering.statistics import FailureLog, uncount
 from tiering.tier_client import TierOutcome
 
 try:
@@ -96,9 +96,10 @@ class RegisteredTierManager(SecondaryTierManager):
 
     Every job's :class:`JobResult` is reported exactly once, by ``get_finished_jobs``; a
     load reports only keys whose bytes landed and verified; no call but ``drain_jobs``
-    and ``shutdown`` waits for I/O. The constructor raises InvalidArgumentError for a bad
-    option (nothing is left running), UnknownTierError for an unknown ``tier``,
-    TimeoutError if the tier did not start within ``start_timeout``.
+    and ``shutdown`` waits for I/O. ``submit_store`` and ``submit_load`` raise nothing: a
+    job the tier refuses fails (docs/vllm.md#how-it-works). The constructor raises
+    InvalidArgumentError for a bad option (nothing is left running), UnknownTierError for
+    an unknown ``tier``, TimeoutError if the tier did not start within ``start_timeout``.
     """
 
     tier_name: ClassVar[str | None] = None
@@ -144,6 +145,11 @@ class RegisteredTierManager(SecondaryTierManager):
         self._storing: Counter[bytes] = Counter()  # keys of those that are stores
         self._finished: list[JobResult] = []
         self._counters: Counter[str] = Counter()
+        self._refusals = FailureLog(
+            logger,
+            f"kv-tiering's vLLM tier {tier_type}",
+            counts_at=f"get_stats(): {METRIC_PREFIX}<kind>_refused_jobs",
+        )
         self._closed = False
         try:
             self._thread = TierThread(
@@ -184,29 +190,57 @@ class RegisteredTierManager(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Queue a cascade of primary chunks into the tier; returns at once."""
+        """Queue a cascade of primary chunks into the tier; returns at once and raises
+        nothing (a job the tier refuses fails: docs/vllm.md#how-it-works)."""
         self._submit("store", job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Queue a promotion of stored chunks into primary chunks; returns at once."""
+        """Queue a promotion of stored chunks into primary chunks; returns at once and
+        raises nothing (a job the tier refuses fails: docs/vllm.md#how-it-works)."""
         self._submit("load", job_metadata)
 
     def _submit(self, kind: Literal["store", "load"], job: TransferJob) -> None:
-        # Checked here, on vLLM's thread, so that bad input raises to vLLM and the loop
-        # side takes it as it is (a job refused there would never end).
+        """Hand ``job`` to the tier, or refuse it: bad keys or chunk ids (ids outside the
+        CPU tier, as many ids as keys), or the tier shut down. A refused job's failed
+        result is queued at once (nothing landed), and the refusal is counted
+        (``<kind>_refused_jobs``) and logged once per cause. A job whose id is already in
+        flight is refused without a result of its own: its id gets the first job's."""
+        # vLLM's manager calls submit_* without a try: an exception here would stop its
+        # scheduler where its own tiers fail the one job. Checked here, on vLLM's thread,
+        # because the loop side takes a job as it is (one refused there would never end).
+        job_id = job.job_id
         try:
-            checked = checked_job(job.job_id, job.keys, job.chunk_ids, self._thread.num_slots)
+            checked = checked_job(job_id, job.keys, job.chunk_ids, self._thread.num_slots)
         except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"job {job.job_id}: {exc}") from None
+            with self._lock:
+                self._refuse(kind, job_id, "bad keys or chunk ids", f"job {job_id}: {exc}")
+            return
         keys, slots = list(checked.keys), list(checked.block_ids)
         with self._lock:
-            if job.job_id in self._pending:
-                raise InvalidArgumentError(f"job id {job.job_id} is already in flight")
-            self._pending[job.job_id] = _Pending(kind, keys, time.monotonic())
+            if self._closed:
+                self._refuse(kind, job_id, "the tier is shut down")
+                return
+            if job_id in self._pending:
+                # A second result for the id would trip vLLM's bookkeeping (`not in _jobs`).
+                self._refuse(kind, None, "job id already in flight", f"job {job_id}")
+                return
+            self._pending[job_id] = _Pending(kind, keys, time.monotonic())
             if kind == "store":
                 self._storing.update(keys)
-        ended = partial(self._job_ended, job.job_id)
+        ended = partial(self._job_ended, job_id)
         self._thread.submit(kind, keys, slots, ended, checked=True)
+
+    def _refuse(
+        self, kind: Literal["store", "load"], job_id: int | None, cause: str, detail: str = ""
+    ) -> None:
+        """Under the lock: count and log a refused job; queue its failed result (none for
+        a ``job_id`` of None)."""
+        self._refusals.record(f"{kind} job refused: {cause}", detail=detail)
+        self._counters[f"{kind}_refused_jobs"] += 1
+        if job_id is not None:
+            result = JobResult(job_id, False, transfer_time=0.0, transfer_bytes=0)
+            self._finished.append(result)
+            self._counters[f"{kind}_jobs"] += 1
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark stored keys recently used (on the loop, soon); returns at once."""
@@ -303,6 +337,10 @@ class RegisteredTierManager(SecondaryTierManager):
                 ("blocks", "Blocks moved"),
                 ("bytes", "Bytes moved"),
                 ("failed_blocks", "Blocks that failed (not stored, or not loaded)"),
+                (
+                    "refused_jobs",
+                    "Jobs refused (bad keys or chunk ids, an id in flight, shut down)",
+                ),
             )
         }
         gauges = {
