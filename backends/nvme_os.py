@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from tiering.errors import InvalidArgumentError
-from tiering.host_pool import HUGE_PAGE_BYTES, io_buffer
+from tiering.page_memory import HUGE_PAGE_BYTES, io_buffer
 
 FsyncPolicy = Literal["none", "batch", "always"]
 
@@ -218,7 +218,7 @@ def thread_buffer(
 ) -> memoryview:
     """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
     ``max(nbytes, at_least)`` long when missing or too short: an
-    :func:`~tiering.host_pool.io_buffer` from a huge page up, a plain mapping below (a
+    :func:`~tiering.page_memory.io_buffer` from a huge page up, a plain mapping below (a
     small buffer gains nothing from a huge page, and its first touch would fault in and
     zero a whole one while the thread holds the GIL, stalling the event loop)."""
     view: memoryview | None = getattr(local, name, None)

@@ -174,6 +174,19 @@ async def test_python_m_tiering_inspect_json_in_a_subprocess(
     assert ns["namespace"] == NAMESPACE and ns["blocks"] == len(names)
 
 
+async def test_inspect_verify_and_clear_run_without_importing_torch(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    await make_root(pool, tmp_path, n=3)
+    for argv in (["inspect"], ["verify"], ["clear", "--dry-run"]):
+        done = run_script("-X", "importtime", "-m", "tiering", *argv, str(tmp_path), "--json")
+        assert done.returncode == EXIT_OK, done.stderr
+        imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines()]
+        assert "backends.nvme_inspect" in imported  # the command's imports are logged
+        assert [name for name in imported if name.split(".")[0] == "torch"] == [], argv
+        assert last_json(done.stdout)["root"] == str(tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["world-writable", "a-file", "missing"])
 @pytest.mark.parametrize(
     "argv", [["inspect"], ["verify"], ["clear", "--dry-run"], ["replay", "--limit", "1", "--nvme"]]
