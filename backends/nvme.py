@@ -165,8 +165,8 @@ class NVMeTier(TierActor):
     async def start(self) -> None:
         """Open the namespace directory, recover the index from disk, then serve.
         ClosedError once closed; InvalidArgumentError when the root fails
-        :func:`check_root`, holds another namespace, or refuses ``o_direct=True``;
-        TieringError when it cannot be written or scanned (with the OS error)."""
+        :func:`check_root`, is not writable, holds another namespace, or refuses
+        ``o_direct=True``; TieringError for any other OS error (with it)."""
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         async with self._start_lock:

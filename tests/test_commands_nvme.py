@@ -217,6 +217,23 @@ def test_every_command_refuses_a_root_the_tier_refuses_with_exit_2(
         assert root.read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize("kind", ["a-file", "unwritable"])
+def test_replay_refuses_a_root_that_is_a_file_or_unwritable_alike_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    if kind == "a-file":
+        root, why = tmp_path / "root", "is not a directory"
+        root.write_bytes(b"precious")
+    else:  # a directory of this user that takes no new entry, even from root
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("needs Linux's /proc")
+        root, why = Path("/proc/self"), "is not writable: "
+    code, out, err = run(capsys, "replay", "--limit", "1", "--nvme", str(root))
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith(f"tiering replay: error: root: {str(root)!r} {why}")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 async def test_verify_names_each_bad_block_by_segment_record_and_key(
     pool: memoryview, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
