@@ -228,6 +228,22 @@ def test_a_fleet_whose_shared_tier_never_worked_fails_the_run(
     )
 
 
+@pytest.mark.filterwarnings("error")
+def test_setting_a_secret_tier_option_warns_of_nothing(
+    closed_port: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KV_TIERING_TEST_UNSET", raising=False)
+    argv = ["replay", "--limit", "1", "--set", "tiers.0.type=redis"]
+    argv += ["--set", f"tiers.0.url=redis://127.0.0.1:{closed_port}"]
+    argv += ["--set", "tiers.0.encryption=env:KV_TIERING_TEST_UNSET"]
+    assert main(argv) == 2  # both options read; the keyring's variable is not set
+    err = capsys.readouterr().err
+    assert err == (
+        "tiering replay: error: tier 'redis': encryption: environment variable "
+        "'KV_TIERING_TEST_UNSET' is not set\n"
+    )
+
+
 def test_the_summary_counts_each_tiers_failed_blocks(
     closed_port: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
