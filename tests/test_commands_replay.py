@@ -171,14 +171,29 @@ def test_replay_help_shows_every_default_and_the_policies(
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "--policy {adaptive,arc,lru,prefix-lfu,s3fifo}" in text
     for default in (
-        "bytes per KV block (default: 64.0 KiB)",
+        "bytes per KV block (default: 64.0 KiB, unless --config sets replay.block_bytes)",
         "cache's blocks (default: the longest request's)",
-        "(default: max)",
-        "(default: 10000 blocks)",
-        "eviction policy (default: lru)",
+        "(default: max, unless --config sets replay.pace)",
+        "eviction policy (default: lru, unless --config sets engine.policy)",
     ):
         assert default in text
     assert "(default: [])" not in text
+
+
+def test_replay_help_says_the_config_files_cpu_size_applies_over_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert (
+        "(default: 10000 blocks; with --config, the file's engine.cpu_blocks or "
+        "engine.cpu_bytes)" in text
+    )
+    config = tmp_path / "cache.toml"
+    config.write_text('[engine]\ncpu_bytes = "512KiB"\n')
+    assert main(["replay", *SMALL, "--config", str(config), "--json"]) == 0
+    model = simulate(synthetic_requests()[:120], cpu_blocks=128)  # 512 KiB of 4 KiB blocks
+    assert _json(capsys)["hit_ratio"] == round(model.hit_ratio, 4) < 0.99
 
 
 def test_a_cpu_tier_smaller_than_the_longest_request_is_a_usage_error(

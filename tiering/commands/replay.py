@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     groups["tiers"].add_argument(
         "--cpu",
         metavar="SIZE",
-        help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks)",
+        help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks; "
+        "with --config, the file's engine.cpu_blocks or engine.cpu_bytes)",
     )
     sections = {"engine": EngineConfig, "replay": ReplayConfig, "metrics": MetricsConfig}
     for group, option, path, keywords in _field_options():
@@ -105,10 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         field = sections[section].model_fields[name]
         if get_origin(field.annotation) is Literal:
             keywords = {**keywords, "choices": get_args(field.annotation)}
-        default = field.default  # what leaving it out means
+        default = field.default  # what leaving it out means, unless the file sets it
         if default is not None and not isinstance(default, bool):
             shown = format_bytes(default) if name.endswith("_bytes") else default
-            keywords = {**keywords, "help": f"{keywords['help']} (default: {shown})"}
+            said = f"(default: {shown}, unless --config sets {path})"
+            keywords = {**keywords, "help": f"{keywords['help']} {said}"}
         groups[group].add_argument(option, dest=path, **keywords)
     tiers = groups["tiers"]
     tiers.add_argument("--memory", metavar="BLOCKS", type=int, help="add a memory tier")
