@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._redis_servers import LocalRedisServer
 from tests._scripts import last_json, run_script
 from tiering.cli import main
 from tiering.replay import simulate
@@ -257,6 +258,27 @@ def test_setting_a_secret_tier_option_warns_of_nothing(
         "tiering replay: error: tier 'redis': encryption: environment variable "
         "'KV_TIERING_TEST_UNSET' is not set\n"
     )
+
+
+def test_set_overrides_the_tier_shortcuts_as_documented(
+    redis_server: LocalRedisServer, closed_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/config.md: the shortcut options, --memory and --redis included, then each --set.
+    pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
+    argv = ["replay", *SMALL, "--cpu", "100", "--settle", "--json", "--policy", "arc"]
+    argv += ["--memory", "400", "--redis", f"redis://127.0.0.1:{closed_port}"]
+    argv += ["--set", "tiers.0.max_blocks=150", "--set", f"tiers.1.url={redis_server.url}"]
+    assert main([*argv, "--set", "engine.policy=lru"]) == 0  # the server --set names
+    figures = _json(capsys)
+    assert figures["failed_blocks_by_tier"]["redis"] == {"load": 0, "store": 0}
+    assert figures["bytes_by_path"]["cpu->redis"] > 0
+
+    # The memory tier's share of the hits is the bookkeeping's for 150 blocks, not 400.
+    def memory_share(blocks: int) -> float:
+        model = simulate(synthetic_requests()[:120], cpu_blocks=100, tier_blocks=[blocks, None])
+        return round(model.hits["tier0"] / model.blocks, 4)
+
+    assert figures["hit_ratio_by_tier"]["memory"] == memory_share(150) != memory_share(400)
 
 
 def test_the_summary_counts_each_tiers_failed_blocks(
