@@ -37,7 +37,7 @@ from tiering.actor import TierActor
 from tiering.encryption import BlockCipher, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.statistics import FailureLog
+from tiering.statistics import DISK_FULL, NO_ROOM, FailureLog
 from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ class NVMeTier(TierActor):
         wanted = await self._wait_for_writes(wanted)
         if wanted and self._space.refusing():
             self.metrics.refused_blocks += len(wanted)
-            self._failure_log.record("disk full", len(wanted), DISK_FULL_REASON)
+            self._failure_log.record(DISK_FULL, len(wanted), DISK_FULL_REASON)
             failed.update(dict.fromkeys(wanted, DISK_FULL_REASON))
             wanted = {}
         return failed, wanted
@@ -430,7 +430,7 @@ class NVMeTier(TierActor):
                     reason += "; every other segment is in use (read, written or held)"
                     failed.update(dict.fromkeys(refused, reason))
                     self.metrics.refused_blocks += len(refused)
-                    self._failure_log.record("no room", len(refused), reason)
+                    self._failure_log.record(NO_ROOM, len(refused), reason)
                 self._writing_records += len(placed)
                 delete = [e.segment for e in plan.evictions] + self._trash
                 self._trash = []
@@ -591,7 +591,7 @@ class NVMeTier(TierActor):
         self._since_checkpoint += len(written)
         if report.failed:
             failed.update(report.failed)
-            cause = "disk full" if report.disk_full else "write error"
+            cause = DISK_FULL if report.disk_full else "write error"
             self._failure_log.record(cause, len(report.failed), next(iter(report.failed.values())))
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes
