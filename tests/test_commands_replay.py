@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._engine_helpers import block_copies, flip_byte
 from tests._redis_servers import LocalRedisServer
 from tests._scripts import last_json, run_script
 from tiering.cli import main
@@ -290,6 +291,89 @@ def test_the_summary_counts_each_tiers_failed_blocks(
     row = next(line for line in capsys.readouterr().out.splitlines() if "failed loads" in line)
     assert re.fullmatch(
         r"failed loads/stores\s+0 / 0 jobs; memory 0 / 0 blocks; redis 0 / [1-9]\d* blocks", row
+    )
+
+
+def _corrupted_root(tmp_path: Path, argv: list[str]) -> None:
+    """Run ``argv`` once into an empty NVMe root under ``tmp_path``, then flip the last
+    payload byte of every other block it stored: loading one of those fails."""
+    assert main(argv) == 0
+    copies = block_copies(tmp_path)
+    assert copies
+    for key in sorted(copies)[::2]:
+        for path, offset, length in copies[key]:
+            flip_byte(path, offset + length - 1)
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"], ids=["replay", "fleet"])
+def test_a_run_whose_jobs_failed_exits_1_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nodes: str
+) -> None:
+    argv = ["replay", *SMALL, "--cpu", "100", "--nvme", str(tmp_path), "--nodes", nodes]
+    _corrupted_root(tmp_path, argv)
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 1  # the same run again: it loads corrupt blocks
+    out, err = capsys.readouterr()
+    figures = json.loads(out.strip().splitlines()[-1])
+    run = figures if nodes == "1" else figures["baseline"]
+    assert run["failed_loads"] > 0 and run["mismatches"] == 0
+    assert run["requests"] == 120 and run["failure_causes"]["corrupt block"] > 0
+    errors = [line for line in err.splitlines() if line.startswith("tiering replay: error: ")]
+    assert re.search(r"error: (baseline run, node \d: )?\d+ of \d+ load jobs and 0 of \d+ "
+                     r"store jobs failed; the nvme tier failed \d+ block loads and 0 block "
+                     r"stores \(corrupt block: \d+\)$", errors[0])  # fmt: skip
+    assert errors[-1].endswith("the run failed (--tolerate-failures exits 0 despite failed jobs)")
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"], ids=["replay", "fleet"])
+def test_tolerate_failures_exits_0_for_failed_jobs_and_still_says_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nodes: str
+) -> None:
+    argv = ["replay", *SMALL, "--cpu", "100", "--nvme", str(tmp_path), "--nodes", nodes]
+    _corrupted_root(tmp_path, argv)
+    capsys.readouterr()
+    assert main([*argv, "--tolerate-failures"]) == 0
+    err = capsys.readouterr().err
+    assert "tiering replay: error" not in err
+    warning = next(line for line in err.splitlines() if "load jobs" in line)
+    assert warning.startswith("tiering replay: warning: ") and "(corrupt block: " in warning
+    assert warning.endswith("(tolerated: --tolerate-failures)")
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"], ids=["replay", "fleet"])
+def test_blocks_a_full_tier_had_no_room_for_are_capacity_not_failures(
+    capsys: pytest.CaptureFixture[str], nodes: str
+) -> None:
+    # Write-back: the close hands the CPU tier's blocks to the memory tier in jobs of 64
+    # new blocks, more than its 50 hold: it stores what fits and refuses the rest.
+    argv = ["replay", *SMALL, "--cpu", "300", "--write-policy", "write_back", "--json"]
+    assert main([*argv, "--memory", "50", "--nodes", nodes]) == 0
+    out, err = capsys.readouterr()
+    figures = json.loads(out.strip().splitlines()[-1])
+    run = figures if nodes == "1" else figures["baseline"]
+    refused = run["refused_blocks_by_tier"]["memory"]
+    assert refused >= 64 - 50
+    assert run["failed_blocks_by_tier"]["memory"] == {"load": 0, "store": 0}
+    assert run["failed_loads"] == run["failed_stores"] == 0 and run["failure_causes"] == {}
+    assert "tiering replay: error" not in err and "tiering replay: warning" not in err
+    assert (
+        f"tiering replay: note: no room for memory {refused} blocks in full tiers: capacity, "
+        "not failures" in err
+    )
+
+
+def test_the_summary_table_shows_the_blocks_full_tiers_had_no_room_for(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["replay", *SMALL, "--cpu", "300", "--write-policy", "write_back", "--memory", "50"]
+    assert main(argv) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert next(row for row in rows if row.startswith("failed loads/stores")).endswith(
+        "0 / 0 jobs; memory 0 / 0 blocks"
+    )
+    room = next(row for row in rows if row.startswith("no room"))
+    assert re.fullmatch(
+        r"no room\s+memory \d+ blocks \(full tiers refused them: capacity, not failures\)", room
     )
 
 
