@@ -23,7 +23,7 @@ from tiering.options import ActorOptions, PositiveInt
 from tiering.policies import EvictionPolicy
 from tiering.residency import ResidencyIndex
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.statistics import FailureLog
+from tiering.statistics import NO_ROOM, FailureLog
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ class MemoryTier(TierActor):
                 self._free_rows.append(row)
         self._counters["stored_blocks"] += len(placed)
         if refused:
-            self._failure_log.record(_FULL, len(refused), "no unpinned block left to evict")
+            why = f"{_FULL}: no unpinned block left to evict"
+            self._failure_log.record(NO_ROOM, len(refused), why)
             return JobResult(
                 job.job_id,
                 False,

@@ -37,7 +37,7 @@ from tiering.actor import TierActor
 from tiering.encryption import BlockCipher, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.statistics import FailureLog
+from tiering.statistics import DISK_FULL, NO_ROOM, FailureLog
 from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ class NVMeTier(TierActor):
     async def start(self) -> None:
         """Open the namespace directory, recover the index from disk, then serve.
         ClosedError once closed; InvalidArgumentError when the root fails
-        :func:`check_root`, holds another namespace, or refuses ``o_direct=True``;
-        TieringError when it cannot be written or scanned (with the OS error)."""
+        :func:`check_root`, is not writable, holds another namespace, or refuses
+        ``o_direct=True``; TieringError for any other OS error (with it)."""
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         async with self._start_lock:
@@ -315,7 +315,7 @@ class NVMeTier(TierActor):
         wanted = await self._wait_for_writes(wanted)
         if wanted and self._space.refusing():
             self.metrics.refused_blocks += len(wanted)
-            self._failure_log.record("disk full", len(wanted), DISK_FULL_REASON)
+            self._failure_log.record(DISK_FULL, len(wanted), DISK_FULL_REASON)
             failed.update(dict.fromkeys(wanted, DISK_FULL_REASON))
             wanted = {}
         return failed, wanted
@@ -431,7 +431,7 @@ class NVMeTier(TierActor):
                     reason += "; every other segment is in use (read, written or held)"
                     failed.update(dict.fromkeys(refused, reason))
                     self.metrics.refused_blocks += len(refused)
-                    self._failure_log.record("no room", len(refused), reason)
+                    self._failure_log.record(NO_ROOM, len(refused), reason)
                 self._writing_records += len(placed)
                 delete = [e.segment for e in plan.evictions] + self._trash
                 self._trash = []
@@ -592,7 +592,7 @@ class NVMeTier(TierActor):
         self._since_checkpoint += len(written)
         if report.failed:
             failed.update(report.failed)
-            cause = "disk full" if report.disk_full else "write error"
+            cause = DISK_FULL if report.disk_full else "write error"
             self._failure_log.record(cause, len(report.failed), next(iter(report.failed.values())))
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from tiering.errors import InvalidArgumentError
-from tiering.host_pool import HUGE_PAGE_BYTES, io_buffer
+from tiering.page_memory import HUGE_PAGE_BYTES, io_buffer
 
 FsyncPolicy = Literal["none", "batch", "always"]
 
@@ -218,7 +218,7 @@ def thread_buffer(
 ) -> memoryview:
     """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
     ``max(nbytes, at_least)`` long when missing or too short: an
-    :func:`~tiering.host_pool.io_buffer` from a huge page up, a plain mapping below (a
+    :func:`~tiering.page_memory.io_buffer` from a huge page up, a plain mapping below (a
     small buffer gains nothing from a huge page, and its first touch would fault in and
     zero a whole one while the thread holds the GIL, stalling the event loop)."""
     view: memoryview | None = getattr(local, name, None)
@@ -269,14 +269,23 @@ def check_private(option: str, path: str) -> None:
         )
 
 
+UNUSABLE_ROOT_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT}
+)
+"""What the OS answers when the path a user gave cannot hold a root's entries: no
+permission, a read-only file system, a file in the way, a directory that takes no new
+entries (/proc): the user's input, not a fault of the machine."""
+
+
 def check_root(path: str, *, option: str = "root", create: bool = False, mode: int = 0o700) -> None:
     """Check ``path`` as an NVMe root: a directory of this process's user that nobody
     else may write to; with ``create``, a missing root is made with ``mode``.
 
     Raises:
         InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
-            ``create``), is not a directory, cannot be created for lack of permission,
-            belongs to another user, or others may write to it.
+            ``create``), is not a directory, cannot be created (an error of
+            :data:`UNUSABLE_ROOT_ERRNOS`), belongs to another user, or others may write
+            to it.
         OSError: any other failure of the file system.
     """
     if create:
@@ -284,7 +293,9 @@ def check_root(path: str, *, option: str = "root", create: bool = False, mode: i
             os.makedirs(path, mode=mode, exist_ok=True)
         except FileExistsError:  # something that is not a directory is in the way
             raise InvalidArgumentError(f"{option}: {path!r} is not a directory") from None
-        except (NotADirectoryError, PermissionError) as exc:
+        except OSError as exc:
+            if exc.errno not in UNUSABLE_ROOT_ERRNOS:
+                raise
             raise InvalidArgumentError(
                 f"{option}: {path!r} cannot be created: {exc.strerror}"
             ) from None

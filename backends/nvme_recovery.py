@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from backends.block_record import FORMAT_VERSION
 from backends.nvme_os import (
     OWNERS_DIR,
+    UNUSABLE_ROOT_ERRNOS,
     check_private,
     check_root,
     describe_os_error,
@@ -43,9 +44,25 @@ def open_directory(
 ) -> None:
     """Check ``root``, make the namespace's ``directory`` and its subdirectories,
     private, and write or check its identity file. InvalidArgumentError: the root fails
-    :func:`check_root`, a directory is a link or a file, or it holds another namespace.
+    :func:`check_root` or is not writable (making those entries fails with an error of
+    :data:`UNUSABLE_ROOT_ERRNOS`), a directory is a link or a file, or it holds another
+    namespace.
     """
     check_root(root, create=True, mode=dir_mode)
+    try:
+        _make_namespace(directory, namespace, dir_mode=dir_mode, file_mode=file_mode, writer=writer)
+    except OSError as exc:
+        if exc.errno not in UNUSABLE_ROOT_ERRNOS:
+            raise
+        raise InvalidArgumentError(
+            f"root: {root!r} is not writable: {exc.strerror} (making the tier's namespace "
+            "directory in it)"
+        ) from None
+
+
+def _make_namespace(
+    directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
+) -> None:
     with contextlib.suppress(FileExistsError):
         os.mkdir(directory, dir_mode)
     if os.path.islink(directory):

@@ -62,7 +62,7 @@ from backends.resp_connection import endpoint_of
 from tiering.actor import TierActor, deliver
 from tiering.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
 from tiering.errors import ClosedError, InvalidArgumentError
-from tiering.options import ActorOptions, PositiveInt, Seconds, SecondsOrZero, secret
+from tiering.options import ActorOptions, Bytes, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class RedisOptions(BreakerOptions, ActorOptions):
     tls_key_file: _File = None
     usage_every_s: Seconds = 5.0
     cluster: bool = False
-    pipeline_bytes: PositiveInt = 2 << 20
+    pipeline_bytes: Bytes = 2 << 20
     encryption: str | Keyring | None = secret(None)
     data_path: Literal["sockets", "redis-py"] = "sockets"
     # Two (streams, or pool threads): their Python between syscalls contends for the

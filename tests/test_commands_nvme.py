@@ -174,6 +174,19 @@ async def test_python_m_tiering_inspect_json_in_a_subprocess(
     assert ns["namespace"] == NAMESPACE and ns["blocks"] == len(names)
 
 
+async def test_inspect_verify_and_clear_run_without_importing_torch(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    await make_root(pool, tmp_path, n=3)
+    for argv in (["inspect"], ["verify"], ["clear", "--dry-run"]):
+        done = run_script("-X", "importtime", "-m", "tiering", *argv, str(tmp_path), "--json")
+        assert done.returncode == EXIT_OK, done.stderr
+        imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines()]
+        assert "backends.nvme_inspect" in imported  # the command's imports are logged
+        assert [name for name in imported if name.split(".")[0] == "torch"] == [], argv
+        assert last_json(done.stdout)["root"] == str(tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["world-writable", "a-file", "missing"])
 @pytest.mark.parametrize(
     "argv", [["inspect"], ["verify"], ["clear", "--dry-run"], ["replay", "--limit", "1", "--nvme"]]
@@ -202,6 +215,23 @@ def test_every_command_refuses_a_root_the_tier_refuses_with_exit_2(
         assert os.listdir(root) == []  # nothing made in it
     elif kind == "a-file":
         assert root.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("kind", ["a-file", "unwritable"])
+def test_replay_refuses_a_root_that_is_a_file_or_unwritable_alike_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    if kind == "a-file":
+        root, why = tmp_path / "root", "is not a directory"
+        root.write_bytes(b"precious")
+    else:  # a directory of this user that takes no new entry, even from root
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("needs Linux's /proc")
+        root, why = Path("/proc/self"), "is not writable: "
+    code, out, err = run(capsys, "replay", "--limit", "1", "--nvme", str(root))
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith(f"tiering replay: error: root: {str(root)!r} {why}")
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 async def test_verify_names_each_bad_block_by_segment_record_and_key(

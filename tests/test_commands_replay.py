@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._engine_helpers import block_copies, flip_byte
+from tests._redis_servers import LocalRedisServer
 from tests._scripts import last_json, run_script
 from tiering.cli import main
 from tiering.replay import simulate
@@ -171,14 +173,29 @@ def test_replay_help_shows_every_default_and_the_policies(
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "--policy {adaptive,arc,lru,prefix-lfu,s3fifo}" in text
     for default in (
-        "bytes per KV block (default: 64.0 KiB)",
+        "bytes per KV block (default: 64.0 KiB, unless --config sets replay.block_bytes)",
         "cache's blocks (default: the longest request's)",
-        "(default: max)",
-        "(default: 10000 blocks)",
-        "eviction policy (default: lru)",
+        "(default: max, unless --config sets replay.pace)",
+        "eviction policy (default: lru, unless --config sets engine.policy)",
     ):
         assert default in text
     assert "(default: [])" not in text
+
+
+def test_replay_help_says_the_config_files_cpu_size_applies_over_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert (
+        "(default: 10000 blocks; with --config, the file's engine.cpu_blocks or "
+        "engine.cpu_bytes)" in text
+    )
+    config = tmp_path / "cache.toml"
+    config.write_text('[engine]\ncpu_bytes = "512KiB"\n')
+    assert main(["replay", *SMALL, "--config", str(config), "--json"]) == 0
+    model = simulate(synthetic_requests()[:120], cpu_blocks=128)  # 512 KiB of 4 KiB blocks
+    assert _json(capsys)["hit_ratio"] == round(model.hit_ratio, 4) < 0.99
 
 
 def test_a_cpu_tier_smaller_than_the_longest_request_is_a_usage_error(
@@ -228,6 +245,43 @@ def test_a_fleet_whose_shared_tier_never_worked_fails_the_run(
     )
 
 
+@pytest.mark.filterwarnings("error")
+def test_setting_a_secret_tier_option_warns_of_nothing(
+    closed_port: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KV_TIERING_TEST_UNSET", raising=False)
+    argv = ["replay", "--limit", "1", "--set", "tiers.0.type=redis"]
+    argv += ["--set", f"tiers.0.url=redis://127.0.0.1:{closed_port}"]
+    argv += ["--set", "tiers.0.encryption=env:KV_TIERING_TEST_UNSET"]
+    assert main(argv) == 2  # both options read; the keyring's variable is not set
+    err = capsys.readouterr().err
+    assert err == (
+        "tiering replay: error: tier 'redis': encryption: environment variable "
+        "'KV_TIERING_TEST_UNSET' is not set\n"
+    )
+
+
+def test_set_overrides_the_tier_shortcuts_as_documented(
+    redis_server: LocalRedisServer, closed_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/config.md: the shortcut options, --memory and --redis included, then each --set.
+    pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
+    argv = ["replay", *SMALL, "--cpu", "100", "--settle", "--json", "--policy", "arc"]
+    argv += ["--memory", "400", "--redis", f"redis://127.0.0.1:{closed_port}"]
+    argv += ["--set", "tiers.0.max_blocks=150", "--set", f"tiers.1.url={redis_server.url}"]
+    assert main([*argv, "--set", "engine.policy=lru"]) == 0  # the server --set names
+    figures = _json(capsys)
+    assert figures["failed_blocks_by_tier"]["redis"] == {"load": 0, "store": 0}
+    assert figures["bytes_by_path"]["cpu->redis"] > 0
+
+    # The memory tier's share of the hits is the bookkeeping's for 150 blocks, not 400.
+    def memory_share(blocks: int) -> float:
+        model = simulate(synthetic_requests()[:120], cpu_blocks=100, tier_blocks=[blocks, None])
+        return round(model.hits["tier0"] / model.blocks, 4)
+
+    assert figures["hit_ratio_by_tier"]["memory"] == memory_share(150) != memory_share(400)
+
+
 def test_the_summary_counts_each_tiers_failed_blocks(
     closed_port: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -237,6 +291,89 @@ def test_the_summary_counts_each_tiers_failed_blocks(
     row = next(line for line in capsys.readouterr().out.splitlines() if "failed loads" in line)
     assert re.fullmatch(
         r"failed loads/stores\s+0 / 0 jobs; memory 0 / 0 blocks; redis 0 / [1-9]\d* blocks", row
+    )
+
+
+def _corrupted_root(tmp_path: Path, argv: list[str]) -> None:
+    """Run ``argv`` once into an empty NVMe root under ``tmp_path``, then flip the last
+    payload byte of every other block it stored: loading one of those fails."""
+    assert main(argv) == 0
+    copies = block_copies(tmp_path)
+    assert copies
+    for key in sorted(copies)[::2]:
+        for path, offset, length in copies[key]:
+            flip_byte(path, offset + length - 1)
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"], ids=["replay", "fleet"])
+def test_a_run_whose_jobs_failed_exits_1_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nodes: str
+) -> None:
+    argv = ["replay", *SMALL, "--cpu", "100", "--nvme", str(tmp_path), "--nodes", nodes]
+    _corrupted_root(tmp_path, argv)
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 1  # the same run again: it loads corrupt blocks
+    out, err = capsys.readouterr()
+    figures = json.loads(out.strip().splitlines()[-1])
+    run = figures if nodes == "1" else figures["baseline"]
+    assert run["failed_loads"] > 0 and run["mismatches"] == 0
+    assert run["requests"] == 120 and run["failure_causes"]["corrupt block"] > 0
+    errors = [line for line in err.splitlines() if line.startswith("tiering replay: error: ")]
+    assert re.search(r"error: (baseline run, node \d: )?\d+ of \d+ load jobs and 0 of \d+ "
+                     r"store jobs failed; the nvme tier failed \d+ block loads and 0 block "
+                     r"stores \(corrupt block: \d+\)$", errors[0])  # fmt: skip
+    assert errors[-1].endswith("the run failed (--tolerate-failures exits 0 despite failed jobs)")
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"], ids=["replay", "fleet"])
+def test_tolerate_failures_exits_0_for_failed_jobs_and_still_says_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nodes: str
+) -> None:
+    argv = ["replay", *SMALL, "--cpu", "100", "--nvme", str(tmp_path), "--nodes", nodes]
+    _corrupted_root(tmp_path, argv)
+    capsys.readouterr()
+    assert main([*argv, "--tolerate-failures"]) == 0
+    err = capsys.readouterr().err
+    assert "tiering replay: error" not in err
+    warning = next(line for line in err.splitlines() if "load jobs" in line)
+    assert warning.startswith("tiering replay: warning: ") and "(corrupt block: " in warning
+    assert warning.endswith("(tolerated: --tolerate-failures)")
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"], ids=["replay", "fleet"])
+def test_blocks_a_full_tier_had_no_room_for_are_capacity_not_failures(
+    capsys: pytest.CaptureFixture[str], nodes: str
+) -> None:
+    # Write-back: the close hands the CPU tier's blocks to the memory tier in jobs of 64
+    # new blocks, more than its 50 hold: it stores what fits and refuses the rest.
+    argv = ["replay", *SMALL, "--cpu", "300", "--write-policy", "write_back", "--json"]
+    assert main([*argv, "--memory", "50", "--nodes", nodes]) == 0
+    out, err = capsys.readouterr()
+    figures = json.loads(out.strip().splitlines()[-1])
+    run = figures if nodes == "1" else figures["baseline"]
+    refused = run["refused_blocks_by_tier"]["memory"]
+    assert refused >= 64 - 50
+    assert run["failed_blocks_by_tier"]["memory"] == {"load": 0, "store": 0}
+    assert run["failed_loads"] == run["failed_stores"] == 0 and run["failure_causes"] == {}
+    assert "tiering replay: error" not in err and "tiering replay: warning" not in err
+    assert (
+        f"tiering replay: note: no room for memory {refused} blocks in full tiers: capacity, "
+        "not failures" in err
+    )
+
+
+def test_the_summary_table_shows_the_blocks_full_tiers_had_no_room_for(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["replay", *SMALL, "--cpu", "300", "--write-policy", "write_back", "--memory", "50"]
+    assert main(argv) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert next(row for row in rows if row.startswith("failed loads/stores")).endswith(
+        "0 / 0 jobs; memory 0 / 0 blocks"
+    )
+    room = next(row for row in rows if row.startswith("no room"))
+    assert re.fullmatch(
+        r"no room\s+memory \d+ blocks \(full tiers refused them: capacity, not failures\)", room
     )
 
 

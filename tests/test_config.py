@@ -35,6 +35,7 @@ from tiering.config import (
     with_overrides,
 )
 from tiering.errors import ConfigError
+from tiering.options import Options, Size
 from tiering.policies import policy_names
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -335,6 +336,47 @@ def test_size_strings_are_read_in_code_as_in_files() -> None:
     tier = TierConfig("nvme", {"root": "/x", "capacity_bytes": "1.5G", "min_free_bytes": 0})
     assert tier.options["capacity_bytes"] == 3 << 29
     assert tier.options["min_free_bytes"] == 0
+
+
+def _options_models() -> dict[str, type[Options]]:
+    """Every typed options model of the config: each built-in tier's and each section's."""
+    models: dict[str, type[Options]] = {}
+    for name in registry.tier_names():
+        if (model := registry.tier_options(name)) is not None:
+            models[f"tier {name}"] = model
+    sections = (EngineConfig, ReplayConfig, SyntheticConfig, MetricsConfig)
+    return models | {f"[{section.WHERE}]": section for section in sections}
+
+
+def _before_validators(annotation: Any, metadata: Sequence[object] = ()) -> list[object]:
+    """The functions of every BeforeValidator on a field's type (in a union's members too)."""
+    found = [item.func for item in metadata if isinstance(item, BeforeValidator)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        base, *inner = typing.get_args(annotation)
+        return found + _before_validators(base, inner)
+    if origin in (typing.Union, types.UnionType):
+        return found + [f for arg in typing.get_args(annotation) for f in _before_validators(arg)]
+    return found
+
+
+def test_every_bytes_option_takes_a_size_string_through_the_one_size_validator() -> None:
+    checked = []
+    for owner, model in _options_models().items():
+        for name, field in model.model_fields.items():
+            if name.endswith("_bytes"):
+                found = _before_validators(field.annotation, field.metadata)
+                assert found == [Size.__metadata__[0].func], f"{owner} {name}"
+                checked.append(name)
+    assert {"cpu_bytes", "block_bytes", "capacity_bytes", "pipeline_bytes"} <= set(checked)
+
+
+def test_the_redis_tiers_pipeline_bytes_takes_a_size_string(tmp_path: Path) -> None:
+    tier = TierConfig("redis", {"url": "redis://127.0.0.1:6379/0", "pipeline_bytes": "2MiB"})
+    assert tier.options["pipeline_bytes"] == 2 << 20
+    path = write(tmp_path, "[engine]\ncpu_blocks = 8\n[[tiers]]\ntype = 'redis'\n"
+                 "url = 'redis://127.0.0.1:6379/0'\npipeline_bytes = '512KiB'\n")  # fmt: skip
+    assert load_config(path).tiers[0].options["pipeline_bytes"] == 512 << 10
 
 
 # ---------------------------------------------------------------------------- overrides

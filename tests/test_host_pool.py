@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
-from tiering.host_pool import HUGE_PAGE_BYTES, PAGE_SIZE, HostPool, io_buffer
+from tiering.host_pool import HostPool
+from tiering.page_memory import PAGE_SIZE
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
@@ -257,14 +258,3 @@ def test_pinned_pool_is_unpinned_on_close_while_a_view_lives() -> None:
     assert not slot.is_pinned()
     slot.fill_(3)
     assert slot.sum().item() == 3 << 20
-
-
-@pytest.mark.parametrize("nbytes", [1, PAGE_SIZE, HUGE_PAGE_BYTES + 16, 3 * HUGE_PAGE_BYTES])
-def test_io_buffer_starts_on_a_huge_page_boundary_zeroed_and_writable(nbytes: int) -> None:
-    buffer = io_buffer(nbytes)
-    array = np.frombuffer(buffer, dtype=np.uint8)
-    assert buffer.nbytes == nbytes
-    assert array.ctypes.data % HUGE_PAGE_BYTES == 0
-    assert not array.any()
-    buffer[-1] = 7
-    assert array[-1] == 7

@@ -286,6 +286,7 @@ async def test_a_held_key_is_never_evicted_until_released() -> None:
         tier.hold([c])  # everything is held now: a store must fail rather than evict
         refused = await _run(tier, _job(3, [d], [3]), load=False)
         assert refused.failed_keys == (d,) and "memory tier full" in (refused.error or "")
+        assert tier.statistics().failures == {"no room": 1}  # capacity's cause, as NVMe's
         assert tier.lookup(a) and tier.lookup(c)
         tier.release([a])
         assert (await _run(tier, _job(4, [d], [3]), load=False)).success

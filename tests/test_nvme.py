@@ -338,6 +338,17 @@ async def test_a_root_that_is_or_lies_under_a_file_is_refused_naming_root(
     assert blocker.read_text() == "x"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+async def test_a_root_nobody_may_write_in_is_refused_naming_root(pool: memoryview) -> None:
+    # /proc/self: a directory of this process's user, mode 555, that takes no new entry
+    # from any user, root included (which no permission bit can stop).
+    root = Path("/proc/self")
+    tier = _tier(pool, root, o_direct=False)
+    with pytest.raises(InvalidArgumentError, match=r"^root: '/proc/self' is not writable: "):
+        await tier.start()
+    await tier.aclose()
+
+
 async def test_a_floor_at_or_above_the_file_system_size_fails_start(
     pool: memoryview, tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._engine_helpers import block_copies, flip_byte
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
 from tiering.replay import CacheModel, SegmentLayout, expected_bytes, replay, simulate
@@ -142,6 +143,41 @@ async def test_the_shared_trace_through_cpu_and_nvme_matches_the_model(tmp_path:
     assert summary.mismatches == 0
     assert summary.hits_by_tier == {"cpu": model.hits["cpu"], "nvme": model.hits["tier0"]}
     assert summary.to_json()["hit_ratio"] == round(model.hit_ratio, 4)
+
+
+async def test_blocks_a_full_tier_refused_are_counted_apart_from_failed_ones() -> None:
+    # Write-back: the close writes the CPU tier's blocks to the memory tier in jobs of 64
+    # new blocks, more than its 20 hold; it stores what fits and refuses the rest.
+    requests = synthetic_requests(sessions=20, seed=3)
+    tiers = [{"type": "memory", "max_blocks": 20}]
+
+    def make(kv: torch.Tensor) -> TieringEngine:
+        return TieringEngine(kv, 200, secondary_tiers=tiers, write_policy="write_back")
+
+    summary = await replay(requests, make, device_blocks=64, block_bytes=BLOCK)
+    refused = summary.refused_blocks_by_tier["memory"]
+    assert refused >= 64 - 20
+    assert refused == summary.tier_failures["memory"]["no room"]  # the tier's own count
+    assert summary.tier_failures["cpu"]["memory tier store failed"] >= refused  # the engine's
+    assert summary.failed_blocks_by_tier == {"memory": {"load": 0, "store": 0}}
+    assert summary.failure_causes == {} and summary.failed_stores == 0
+    assert summary.to_json()["refused_blocks_by_tier"] == {"memory": refused}
+
+
+async def test_what_failed_is_counted_by_the_cause_its_tier_gives(tmp_path: Path) -> None:
+    requests = synthetic_requests(sessions=20, seed=3)
+    tiers = [{"type": "nvme", "root": str(tmp_path), "capacity_bytes": 1 << 30,
+              "min_free_bytes": 0}]  # fmt: skip
+    make = _engine_factory(200, tiers)
+    first = await replay(requests, make, device_blocks=64, block_bytes=BLOCK)
+    assert first.failure_causes == {} and first.failed_loads == 0
+    for path, offset, length in [c for copies in block_copies(tmp_path).values() for c in copies]:
+        flip_byte(path, offset + length - 1)  # every block the first replay left
+    summary = await replay(requests, make, device_blocks=64, block_bytes=BLOCK)
+    failed = summary.failed_blocks_by_tier["nvme"]["load"]
+    assert failed > 0 and summary.failed_loads > 0 and summary.mismatches == 0
+    assert summary.failure_causes == {"corrupt block": failed}
+    assert summary.refused_blocks_by_tier == {"nvme": 0}
 
 
 async def test_wrong_bytes_in_a_tier_are_counted_as_mismatches() -> None:

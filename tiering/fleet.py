@@ -244,6 +244,12 @@ class FleetSummary:
             "mismatches": sum(n.mismatches for n in self.nodes),
             "failed_loads": sum(n.failed_loads for n in self.nodes),
             "failed_stores": sum(n.failed_stores for n in self.nodes),
+            "failed_blocks_by_tier": {
+                name: summed(n.failed_blocks_by_tier.get(name, {}) for n in self.nodes)
+                for name in dict.fromkeys(t for n in self.nodes for t in n.failed_blocks_by_tier)
+            },
+            "refused_blocks_by_tier": summed(n.refused_blocks_by_tier for n in self.nodes),
+            "failure_causes": summed(n.failure_causes for n in self.nodes),
             "seconds": round(self.seconds, 3),
             "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
             "restarts": self.restarts,

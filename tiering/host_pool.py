@@ -9,7 +9,6 @@ docs/architecture.md#the-host-pool.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import operator
 import weakref
@@ -18,41 +17,12 @@ from typing import Any, Self
 import torch
 
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
+from tiering.page_memory import private_mapping
 from tiering.validation import positive_int
 
-PAGE_SIZE: int = mmap.PAGESIZE
-"""The alignment of the pool's buffer (the OS page size)."""
-HUGE_PAGE_BYTES = 2 << 20
-"""The size (and alignment) of a transparent huge page on x86-64 and most arm64 kernels."""
 # Portable: every device may copy from it; mapped: kernels may read and write it in place
 # (the CUDA backend's layer-by-layer loads).
 _CUDA_HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
-
-
-def _private_mapping(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of zeroed, page-aligned anonymous memory that transparent huge pages may
-    back: ``MAP_PRIVATE`` (THP skip shmem) and, from 2 MiB up, ``MADV_HUGEPAGE``."""
-    mapping = mmap.mmap(
-        -1,
-        nbytes,
-        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-        prot=mmap.PROT_READ | mmap.PROT_WRITE,
-    )
-    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # only a hint; THP may be disabled
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-    return mapping
-
-
-def io_buffer(nbytes: int) -> memoryview:
-    """``nbytes`` of zeroed memory for direct I/O that starts on a 2 MiB boundary, so that
-    where transparent huge pages back it, every aligned 2 MiB is one physically contiguous
-    page (a direct write is split into one segment per scattered page; docs/security.md).
-    The memory stays mapped while any view of it lives."""
-    mapping = _private_mapping(nbytes + HUGE_PAGE_BYTES)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # a momentary export
-    start = -address % HUGE_PAGE_BYTES
-    return memoryview(mapping)[start : start + nbytes]
 
 
 def _cuda_host_register(address: int, nbytes: int) -> None:
@@ -108,7 +78,7 @@ class HostPool:
             )
         self.nbytes = self.num_blocks * self.block_bytes
 
-        self._mmap: mmap.mmap | None = _private_mapping(self.nbytes)
+        self._mmap: mmap.mmap | None = private_mapping(self.nbytes)
         # Over a memoryview, not the mapping: torch.frombuffer releases its own buffer
         # export, so only this view's keeps mmap.close() from unmapping a live tensor.
         flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
@@ -140,7 +110,7 @@ class HostPool:
 
     @property
     def address(self) -> int:
-        """Virtual address of slot 0 (a multiple of ``PAGE_SIZE``). Raises ClosedError."""
+        """Virtual address of slot 0 (a multiple of the page size). Raises ClosedError."""
         self._check_open()
         return self._address
 

@@ -128,10 +128,13 @@ class Options(BaseModel):
             return str(text)
         if field.default is None and text.strip().lower() in _NONE_WORDS:
             return None
-        adapter = TypeAdapter(
-            Annotated[field.annotation, field],  # type: ignore[name-defined]
-            config=ConfigDict(arbitrary_types_allowed=True),
-        )
+        # The type and its constraints and validators only: the field's own attributes
+        # (repr, default, json_schema_extra) mean nothing outside a model, and pydantic
+        # warns of each (UnsupportedFieldAttributeWarning) if given here.
+        annotation = field.annotation
+        if field.metadata:
+            annotation = Annotated[(annotation, *field.metadata)]  # type: ignore[assignment]
+        adapter = TypeAdapter(annotation, config=ConfigDict(arbitrary_types_allowed=True))
         return adapter.validate_strings(str(text))
 
     @classmethod

@@ -25,11 +25,15 @@ from tiering.errors import BlockNotFoundError, InvalidArgumentError
 from tiering.loop_lag import LoopLagMonitor
 from tiering.manager import CPUOffloadingManager
 from tiering.secondary import JobResult
+from tiering.statistics import CAPACITY_CAUSES
 from tiering.tenancy import Tenancy
 from tiering.validation import positive_int
 from tiering.workloads import Request
 
 CPU = "cpu"  # the CPU tier's name in hit and byte figures
+# How the engine's causes for blocks lost under write-back end (evicted, or at a close):
+# each is a tier's store that failed or found no room, which the tier counts itself.
+_LOST_WITH_A_TRANSFER = "no tier took its write-back"
 ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers "ask again"
 
 
@@ -283,7 +287,15 @@ class ReplaySummary:
     capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
     tier_layouts: dict[str, TierLayout] = field(default_factory=dict, repr=False)
     failed_blocks_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed."""
+    """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed,
+    those it refused for want of room left out."""
+    refused_blocks_by_tier: dict[str, int] = field(default_factory=dict)
+    """Per secondary tier type: blocks it refused to store for want of room (a failure
+    cause of :data:`~tiering.statistics.CAPACITY_CAUSES`): capacity, not failures."""
+    failure_causes: dict[str, int] = field(default_factory=dict)
+    """What failed, by cause: each tier's causes but those of want of room, and the
+    engine's own but those it records for a tier's transfers (the tiers say why) and for
+    the blocks that left with them under write-back."""
     tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     """Per secondary tier, its failures by cause; under ``cpu``, the engine's."""
     tier_types: dict[str, str] = field(default_factory=dict, repr=False)
@@ -313,6 +325,8 @@ class ReplaySummary:
             "failed_loads": self.failed_loads,
             "failed_stores": self.failed_stores,
             "failed_blocks_by_tier": {t: dict(n) for t, n in self.failed_blocks_by_tier.items()},
+            "refused_blocks_by_tier": dict(self.refused_blocks_by_tier),
+            "failure_causes": dict(self.failure_causes),
             "warm_blocks": dict(self.warm_blocks),
             "warm_hits": self.warm_hits,
             "seconds": round(self.seconds, 3),
@@ -525,19 +539,17 @@ class ReplayNode:
 
     def closed(self) -> None:
         """Take the bytes moved per path, each tier's counters, failures, layout and
-        capacity, and the blocks that failed per tier, from the closed engine (every
-        cascade counted; a restarted node's figures add up)."""
+        capacity, the blocks that failed per tier and those refused for want of room,
+        and what failed by cause, from the closed engine (every cascade counted; a
+        restarted node's figures add up)."""
         engine, summary = self.engine, self.summary
         labels = tier_labels(engine)
         summary.bytes_by_path = _bytes_by_path(engine, labels)
         summary.capacity_blocks[CPU] = engine.manager.num_blocks
         failures = engine.statistics().failures
         _add(summary.tier_failures, CPU, failures)
-        for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
-            failed = {
-                kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
-            }
-            _add(summary.failed_blocks_by_tier, name, failed)
+        refused: Counter[str] = Counter()
+        causes: Counter[str] = Counter()
         for label, tier in zip(labels, engine.tiers, strict=True):
             stats = tier.statistics()
             _add(summary.tier_counters, label, stats.counters)
@@ -546,6 +558,32 @@ class ReplayNode:
             summary.tier_types[label] = tier.get_tier_type()
             if capacity := stats.capacity_blocks or stats.capacity_bytes // engine.block_bytes:
                 summary.capacity_blocks[label] = capacity
+            for cause, count in stats.failures.items():
+                if cause in CAPACITY_CAUSES:
+                    refused[tier.get_tier_type()] += count
+                else:
+                    causes[cause] += count
+        transfers = set()
+        for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
+            transfers |= {f"{name} tier {kind} failed" for kind in ("load", "store")}
+            failed = {
+                kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
+            }
+            # The engine counts a refused block as a failed store to the tier; the tier
+            # counts it once under its cause too.
+            failed["store"] = max(0, failed["store"] - refused[name])
+            _add(summary.failed_blocks_by_tier, name, failed)
+            summary.refused_blocks_by_tier[name] = (
+                summary.refused_blocks_by_tier.get(name, 0) + refused[name]
+            )
+        causes.update(
+            {
+                cause: count
+                for cause, count in failures.items()
+                if cause not in transfers and not cause.endswith(_LOST_WITH_A_TRANSFER)
+            }
+        )
+        summary.failure_causes = summed([summary.failure_causes, causes])
 
 
 def summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:

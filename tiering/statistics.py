@@ -17,6 +17,15 @@ from tiering.lifecycle import Lifecycle
 
 _T = TypeVar("_T")
 
+NO_ROOM = "no room"
+"""The failure cause a tier records for blocks a store was refused because the tier is
+full (every block it could evict is in use): its capacity, not a fault."""
+DISK_FULL = "disk full"
+"""The failure cause a tier records for blocks it could not store because its file system
+is full: the machine's capacity, not a fault of the tier."""
+CAPACITY_CAUSES = frozenset({NO_ROOM, DISK_FULL})
+"""The failure causes that say a block found no room; every other cause is a failure."""
+
 
 @dataclass(frozen=True, slots=True)
 class Statistics:

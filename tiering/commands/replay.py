@@ -6,10 +6,13 @@ bytes derived from its hash), stores it, and checks every loaded block against i
 hash. At the end: a summary table, or with --json one JSON object on the last line
 (docs/replay.md lists its fields).
 
-Exit codes: 0 done; 1 the run failed (a loaded block held wrong bytes, every store
-failed, or a tier stored and served nothing while its transfers failed); 2 a usage
-error, before anything ran (a bad option, trace or config, or a CPU tier smaller than
-the longest request).
+Exit codes: 0 done; 1 the run failed: a loaded block held wrong bytes, every store
+failed, a tier stored and served nothing while its transfers failed, or (unless
+--tolerate-failures) any job failed or a tier failed to store or load a block (each
+summed up on stderr, with its causes); 2 a usage error, before anything ran (a bad
+option, trace or config, a CPU tier smaller than the longest request, an unusable
+root). A block a full tier had no room for is capacity, not a failure: counted apart
+(no room), it fails nothing.
 
 Examples:
   tiering replay                                     # synthetic traffic, CPU tier only
@@ -97,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     groups["tiers"].add_argument(
         "--cpu",
         metavar="SIZE",
-        help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks)",
+        help=f"CPU tier: blocks (4096) or bytes (8GiB) (default: {DEFAULT_CPU_BLOCKS} blocks; "
+        "with --config, the file's engine.cpu_blocks or engine.cpu_bytes)",
     )
     sections = {"engine": EngineConfig, "replay": ReplayConfig, "metrics": MetricsConfig}
     for group, option, path, keywords in _field_options():
@@ -105,10 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         field = sections[section].model_fields[name]
         if get_origin(field.annotation) is Literal:
             keywords = {**keywords, "choices": get_args(field.annotation)}
-        default = field.default  # what leaving it out means
+        default = field.default  # what leaving it out means, unless the file sets it
         if default is not None and not isinstance(default, bool):
             shown = format_bytes(default) if name.endswith("_bytes") else default
-            keywords = {**keywords, "help": f"{keywords['help']} (default: {shown})"}
+            said = f"(default: {shown}, unless --config sets {path})"
+            keywords = {**keywords, "help": f"{keywords['help']} {said}"}
         groups[group].add_argument(option, dest=path, **keywords)
     tiers = groups["tiers"]
     tiers.add_argument("--memory", metavar="BLOCKS", type=int, help="add a memory tier")
@@ -117,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nvme-size", metavar="SIZE", default="4GiB", help="the NVMe tier's capacity"
     )
     tiers.add_argument("--redis", metavar="URL", help="add a Redis tier on this server")
+    groups["run"].add_argument(
+        "--tolerate-failures",
+        action="store_true",
+        help="exit 0 although jobs or tier transfers failed (still 1 for wrong bytes, or a "
+        "run that failed as a whole)",
+    )
     add_json_argument(parser)
 
 
@@ -132,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{config.replay.tenants}",
                 field="replay.tenants",
             )
-        return _run_fleet(config, requests, args.json)
+        return _run_fleet(config, requests, args.json, args.tolerate_failures)
     with Progress() as progress:
         summary = asyncio.run(_replay(config, requests, progress))
     figures = summary.to_json()
@@ -143,17 +154,59 @@ def run(args: argparse.Namespace) -> int:
         print_json(figures)
     else:
         print(format_summary(figures))
-    return _status(summary.mismatches, _failed_tier(summary))
+    return _status(summary.mismatches, {"": summary}, args.tolerate_failures)
 
 
-def _status(mismatches: int, failure: str | None) -> int:
-    """The exit status of a replay that loaded ``mismatches`` wrong blocks and failed as a
-    whole for ``failure`` (None: it did not), each said on stderr."""
+def _status(mismatches: int, runs: dict[str, ReplaySummary], tolerate: bool) -> int:
+    """The exit status of a replay that loaded ``mismatches`` wrong blocks and whose
+    engines' summaries are ``runs`` (keyed by the prefix of their lines on stderr, "" for
+    a lone engine): 1 for a wrong byte or a run that failed as a whole, and for a failed
+    job or tier transfer unless ``tolerate``. Each is said on stderr, and the blocks full
+    tiers had no room for are noted (capacity: they fail nothing)."""
+    lines = []
     if mismatches:
-        print(f"tiering replay: {mismatches} loaded blocks held wrong bytes", file=sys.stderr)
-    elif failure is not None:
-        print(f"tiering replay: error: {failure}", file=sys.stderr)
-    return 1 if mismatches or failure is not None else 0
+        lines.append(f"error: {mismatches} loaded blocks held wrong bytes")
+    whole = [f"error: {name}{why}" for name, run in runs.items() if (why := _failed_tier(run))]
+    lines += whole
+    failed = [f"{name}{why}" for name, run in runs.items() if (why := _failures(run))]
+    if failed and tolerate:
+        lines += [f"warning: {line} (tolerated: --tolerate-failures)" for line in failed]
+    elif failed:
+        lines += [f"error: {line}" for line in failed]
+        lines.append("error: the run failed (--tolerate-failures exits 0 despite failed jobs)")
+    refused = summed(run.refused_blocks_by_tier for run in runs.values())
+    if any(refused.values()):
+        lines.append(f"note: no room for {_refused(refused)} in full tiers: capacity, not failures")
+    for line in lines:
+        print(f"tiering replay: {line}", file=sys.stderr)
+    return 1 if mismatches or whole or (failed and not tolerate) else 0
+
+
+def _failures(summary: ReplaySummary) -> str | None:
+    """What failed in a run, in one line with its causes (None: nothing did): its failed
+    jobs, and the blocks each tier failed to load or store (not those it had no room
+    for)."""
+    parts = []
+    if summary.failed_loads or summary.failed_stores:
+        loads, stores = len(summary.load_latency_s), len(summary.store_latency_s)
+        parts.append(
+            f"{summary.failed_loads} of {loads} load jobs and {summary.failed_stores} of "
+            f"{stores} store jobs failed"
+        )
+    for name, failed in summary.failed_blocks_by_tier.items():
+        if failed["load"] or failed["store"]:
+            parts.append(
+                f"the {name} tier failed {failed['load']} block loads and {failed['store']} "
+                "block stores"
+            )
+    if not parts:
+        return None
+    return f"{'; '.join(parts)} ({_causes(summary.failure_causes)})"
+
+
+def _refused(refused: dict[str, int]) -> str:
+    """The blocks full tiers refused, by tier type: ``memory 56 blocks, nvme 3 blocks``."""
+    return ", ".join(f"{name} {n} blocks" for name, n in refused.items() if n)
 
 
 def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
@@ -217,23 +270,22 @@ def _warm_note(summary: ReplaySummary) -> str:
     )
 
 
-def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) -> int:
-    """The fleet replay, with its shared tiers (Redis) and, as the baseline, without."""
+def _run_fleet(
+    config: TieringConfig, requests: list[Request], as_json: bool, tolerate: bool
+) -> int:
+    """The fleet replay, with its shared tiers (Redis) and, as the baseline, without;
+    its exit status as :func:`_status` gives it over every node of both runs."""
     own = tuple(tier for tier in config.tiers if tier.type not in SHARED_TIERS)
     shared = len(own) < len(config.tiers)
     runs = {"shared": config} if shared else {}
     runs["baseline"] = dataclasses.replace(config, tiers=own)
     figures: dict[str, Any] = {}
-    failures: list[str] = []
+    nodes: dict[str, ReplaySummary] = {}
     with Progress() as progress:
         for name, run_config in runs.items():
             summary = asyncio.run(_replay_fleet(run_config, requests, progress, name))
             figures[name] = summary.to_json()
-            failures += [
-                f"{name} run, node {i}: {failure}"
-                for i, node in enumerate(summary.nodes)
-                if (failure := _failed_tier(node)) is not None
-            ]
+            nodes |= {f"{name} run, node {i}: ": node for i, node in enumerate(summary.nodes)}
     if shared:
         baseline = figures["baseline"]["hit_ratio"]
         figures["gain"] = round(figures["shared"]["hit_ratio"] / baseline, 3) if baseline else None
@@ -242,7 +294,7 @@ def _run_fleet(config: TieringConfig, requests: list[Request], as_json: bool) ->
         print_json(figures)
     else:
         print(format_fleet(figures))
-    return _status(mismatches, failures[0] if failures else None)
+    return _status(mismatches, nodes, tolerate)
 
 
 async def _replay_fleet(
@@ -296,6 +348,16 @@ def format_fleet(figures: dict[str, Any]) -> str:
         ]
         timeline = " ".join(f"{point['hit_ratio']:.2f}" for point in run["timeline"])
         lines.append(f"  hit ratio over time: {timeline}")
+        failed = "".join(
+            f"; {tier} {n['load']} / {n['store']} blocks"
+            for tier, n in run["failed_blocks_by_tier"].items()
+        )
+        lines.append(
+            f"  failed loads/stores {run['failed_loads']} / {run['failed_stores']} jobs{failed}"
+        )
+        if any(run["refused_blocks_by_tier"].values()):
+            refused = _refused(run["refused_blocks_by_tier"])
+            lines.append(f"  no room: {refused} (full tiers refused them: capacity, not failures)")
         for label, counters in run["shared_tier_counters"].items():
             shown = ", ".join(f"{k} {v}" for k, v in counters.items() if v)
             lines.append(f"  {label}: {shown}")
@@ -353,6 +415,8 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
             f"{summary.failed_loads} loads, {summary.failed_stores} stores and {failed} tier "
             "block transfers failed"
         )
+    if refused := sum(summary.refused_blocks_by_tier.values()):
+        notes.append(f"full tiers had no room for {refused} blocks (the model evicts instead)")
     evicting = [
         label
         for label, counters in summary.tier_counters.items()
@@ -429,6 +493,9 @@ def format_summary(figures: dict[str, Any]) -> str:
         ("failed loads/stores", f"{figures['failed_loads']} / {figures['failed_stores']} jobs"
                                 + "".join(f"; {tier} {n['load']} / {n['store']} blocks"
                                           for tier, n in figures["failed_blocks_by_tier"].items())),
+        *([("no room", f"{_refused(figures['refused_blocks_by_tier'])} (full tiers refused "
+                       "them: capacity, not failures)")]
+          if any(figures["refused_blocks_by_tier"].values()) else []),
         *([("warm start", f"{figures['warm_hits']} hit blocks were in the tiers before "
                           "the replay" + "".join(f"; {tier} held {n} blocks"
                                                  for tier, n in figures["warm_blocks"].items()))]
