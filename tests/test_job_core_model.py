@@ -201,7 +201,7 @@ class JobCoreMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ calls
 
     @precondition(lambda self: self.core.state is Lifecycle.OPEN)
-    @rule(picks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
+    @rule(picks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def store(self, picks) -> None:
         ids = self.free_devices(len(picks))
         if ids is None:

@@ -23,7 +23,7 @@ from tiering.secondary import JobResult
 from tiering.statistics import FailureLog
 from tiering.tenancy import MAX_TENANT_LABELS, OTHER_TENANTS, TenantLookups
 from tiering.tier_client import TierOutcome
-from tiering.validation import device_id_list, hash_list
+from tiering.validation import check_distinct, device_id_list, hash_list
 
 logger = logging.getLogger(__name__)
 
@@ -425,9 +425,11 @@ class JobCore:
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
         """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
         Raises ClosedError unless open, InvalidArgumentError for malformed arguments
-        (hashes not bytes, device ids not distinct ints in range, lengths that differ)."""
+        (hashes not distinct bytes, device ids not distinct ints in range, lengths that
+        differ): a store names each block once, by its hash and by its device block."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
-        job = _Job(self._new_id(), False, hashes, ids)  # repeats go when it is planned
+        check_distinct("block_hashes", hashes)
+        job = _Job(self._new_id(), False, hashes, ids)
         if not self._plan_store(job, hashes, ids):
             needed = len({h for h in hashes if h not in self.manager})
             self._wait_for_room(job, needed, partial(self._plan_store, job, hashes, ids))
@@ -440,13 +442,12 @@ class JobCore:
         if out is None:
             return False
         new = out.block_hashes_to_store
-        if len(new) != len(hashes):  # some were resident, repeated or declined
+        if len(new) != len(hashes):  # some were resident or declined
             fresh = set(new)
-            first_id = dict(zip(reversed(hashes), reversed(ids), strict=True))
-            job.device_ids = [first_id[h] for h in new]
-            unique = list(dict.fromkeys(hashes))
-            job.hashes = [h for h in unique if h in fresh or h in manager]
-            self.counters["declined_blocks"] += len(unique) - len(job.hashes)
+            device_id = dict(zip(hashes, ids, strict=True))
+            job.device_ids = [device_id[h] for h in new]
+            job.hashes = [h for h in hashes if h in fresh or h in manager]
+            self.counters["declined_blocks"] += len(hashes) - len(job.hashes)
             for h in job.hashes:
                 if h not in fresh and not manager.is_ready(h):
                     self._join(h, job)  # another job's fill
@@ -542,7 +543,8 @@ class JobCore:
 
     def load(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
         """Admit a load of blocks into device blocks; returns ``(job id, effects)``.
-        Raises as :meth:`store`, and BlockNotFoundError for a hash no tier holds."""
+        Raises as :meth:`store`, except that a hash may repeat (its block lands in each
+        device block named for it), and BlockNotFoundError for a hash no tier holds."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
         job = _Job(self._new_id(), True, hashes, ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from tiering.abstract import as_block_hashes
@@ -83,9 +83,21 @@ def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: b
     for value in values:
         if not 0 <= value < limit:
             raise InvalidArgumentError(f"{name}: {value} is outside 0..{limit - 1}")
-    if unique and len(set(values)) != len(values):
-        twice = next(value for i, value in enumerate(values) if value in values[:i])
-        raise InvalidArgumentError(f"{name}: {twice} appears twice; each block is named once")
+    if unique:
+        check_distinct(name, values)
+
+
+def check_distinct(name: str, values: Sequence[Hashable]) -> None:
+    """Raise InvalidArgumentError unless no value repeats; the message names ``name``
+    and the first value seen twice (bytes in hex)."""
+    if len(set(values)) == len(values):
+        return
+    seen: set[Hashable] = set()
+    for value in values:
+        if value in seen:
+            shown = value.hex() if isinstance(value, bytes) else value
+            raise InvalidArgumentError(f"{name}: {shown} appears twice; each block is named once")
+        seen.add(value)
 
 
 def seconds(name: str, value: object, *, allow_zero: bool) -> float:
