@@ -358,8 +358,8 @@ class NVMeTier(TierActor):
         ]
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        """Mark stored keys recently used; others are ignored."""
-        self._index.touch(key_digest(key) for key in hash_list("keys", keys))
+        """Mark stored keys recently used, ``keys[0]`` the most recent; others are ignored."""
+        self._index.touch([key_digest(key) for key in hash_list("keys", keys)])
 
     def hold(self, keys: Collection[OffloadKey]) -> None:
         """Keep ``keys``' segments from eviction until released (holds count);
@@ -610,7 +610,7 @@ class NVMeTier(TierActor):
         self.metrics.loaded_blocks += len(loaded)
         self.metrics.bytes_read += len(loaded) * self.file_bytes
         if loaded:
-            self._index.touch(key_digest(key) for key in loaded)
+            self._index.touch([key_digest(key) for key in loaded])
         bad = {read[0]: (read, out) for read, out in zip(reads, outcomes, strict=True) if out[1]}
         for key, ((_, segment, record, _), (_, reason, missing)) in bad.items():
             failed[key] = reason

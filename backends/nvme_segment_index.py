@@ -283,9 +283,10 @@ class SegmentIndex:
 
     # -- use --------------------------------------------------------------------------
 
-    def touch(self, digests: Iterable[int]) -> None:
-        """Mark present digests used now (absent ones are ignored)."""
-        for digest in digests:
+    def touch(self, digests: Sequence[int]) -> None:
+        """Mark present digests used now, the first the most recent (absent ones are
+        ignored)."""
+        for digest in reversed(digests):
             self._clock += 1
             self._table.touch(digest, self._clock & 0xFFFFFFFF)
 

@@ -214,7 +214,7 @@ class SegmentIndexMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(keys, max_size=5))
     def touch(self, keys: list[int]) -> None:
-        self.idx.touch(DIGEST[key] for key in keys)
+        self.idx.touch([DIGEST[key] for key in keys])
 
     @rule()
     def checkpoint_written(self) -> None:

@@ -786,3 +786,15 @@ async def test_checkpoints_due_at_once_are_written_one_at_a_time(
         await t.aclose()
     async with tier(pool, tmp_path) as again:
         assert again.metrics.recovered_blocks == 3
+
+
+async def test_touch_makes_its_first_key_the_most_recent(pool: memoryview, tmp_path: Path) -> None:
+    """As the tier contract says (``keys[0]`` most recently): with room to keep the two
+    most recently used blocks of an evicted segment, those are the first two touched."""
+    t = tier(pool, tmp_path, capacity_bytes=16 * RECORD, hot_fraction=1 / 16)  # window: 1
+    async with t:
+        names = keys(16)
+        assert (await store(t, names, range(16))).success  # two segments of 8, full
+        t.touch([names[1], names[2], names[3]])
+        assert (await store(t, keys(1, "new"), [0])).success  # evicts the first segment
+        assert [t.lookup(k) for k in names[:8]] == [False, True, True] + [False] * 5
