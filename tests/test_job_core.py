@@ -8,6 +8,7 @@ import pytest
 
 from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
 from tiering.job_core import (
+    LEFT_EVERY_TIER,
     Cascaded,
     CopyToDevice,
     CopyToHost,
@@ -282,6 +283,20 @@ def test_a_job_that_waits_too_long_fails_and_one_that_never_fits_fails_at_once()
     assert "no CPU slot freed up" in result.result.error
     _, effects = c.store([h(3), h(4)], [2, 3])
     assert "needs 2 CPU slots" in of(Resolve, effects)[0].result.error
+
+
+def test_a_waiting_load_whose_block_left_every_tier_fails_saying_so() -> None:
+    tier = Tier()
+    tier.keys.append(h(9))
+    c = core(blocks=1, tiers=(tier,))
+    _, (copy,) = c.store([h(1)], [0])
+    waiting, effects = c.load([h(9)], [1])
+    assert effects == [WaitForRoom(waiting, 5.0)]
+    tier.keys.remove(h(9))  # evicted from the tier while the load waits for a CPU slot
+    (_, result) = of(Resolve, c.copy_done(copy.op))  # the store's, then the load's
+    assert result.job == waiting and result.result.failed_keys == (h(9),)
+    assert result.result.error.split(": ", 1)[1].startswith(LEFT_EVERY_TIER)
+    assert c.failures.counts[LEFT_EVERY_TIER] == 1
 
 
 def test_a_flush_answers_once_with_every_tier_job() -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests._scripts import script_env
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -31,10 +33,12 @@ def test_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert len(blocks) == 1, "the Quick start should hold exactly one python block"
     script = tmp_path / "quick_start.py"
     script.write_text(blocks[0])
-    # A fresh interpreter in an unrelated directory: only the installed package is used.
+    # A fresh interpreter in an unrelated directory, running this checkout's package
+    # (installed or not: no editable install is needed).
     done = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -81,6 +85,7 @@ def test_vllm_docs_show_what_vllm_config_prints() -> None:
     printed = subprocess.run(
         [sys.executable, "-m", "tiering", *command.split()],
         cwd=ROOT,
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=120,

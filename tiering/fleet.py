@@ -244,6 +244,7 @@ class FleetSummary:
             "mismatches": sum(n.mismatches for n in self.nodes),
             "failed_loads": sum(n.failed_loads for n in self.nodes),
             "failed_stores": sum(n.failed_stores for n in self.nodes),
+            "evicted_loads": sum(n.evicted_loads for n in self.nodes),
             "failed_blocks_by_tier": {
                 name: summed(n.failed_blocks_by_tier.get(name, {}) for n in self.nodes)
                 for name in dict.fromkeys(t for n in self.nodes for t in n.failed_blocks_by_tier)

@@ -48,6 +48,11 @@ FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
 
 
+LEFT_EVERY_TIER = "block left every tier"
+"""Why a load that waited for room fails when a block it names was evicted from every
+tier meanwhile (the cause, and the start of each key's reason): a miss under pressure."""
+
+
 @dataclass(frozen=True, slots=True)
 class LookupStatistics:
     """What :meth:`JobCore.lookup` has answered so far (monotonic totals); hits by where
@@ -988,7 +993,7 @@ class JobCore:
         """Resolve ``job`` now with every key failed (close, no room, no source); the
         pins and fills its I/O in flight owns go only as that I/O ends."""
         if not job.resolved:
-            self.failures.record(cause, 1, reason)
+            self.failures.record(cause, 1, reason.removeprefix(f"{cause}: "))
             for h in job.hashes:
                 job.fail(h, reason)
             self._resolve(job)
@@ -1017,7 +1022,7 @@ class JobCore:
                 started = plan()
             except BlockNotFoundError as exc:  # its block left every tier meanwhile
                 del self._waiting[job.id]
-                self._fail(job, "block left every tier", str(exc))
+                self._fail(job, LEFT_EVERY_TIER, f"{LEFT_EVERY_TIER}: {exc}")
                 continue
             if not started:
                 return

@@ -22,6 +22,7 @@ import torch
 
 from tiering.engine import TieringEngine
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
+from tiering.job_core import LEFT_EVERY_TIER
 from tiering.loop_lag import LoopLagMonitor
 from tiering.manager import CPUOffloadingManager
 from tiering.secondary import JobResult
@@ -123,7 +124,7 @@ class _SegmentLog:
         return self._digest(key) in self._index
 
     def touch(self, hashes: Sequence[bytes]) -> None:
-        self._index.touch(map(self._digest, hashes))
+        self._index.touch(list(map(self._digest, hashes)))
 
     loaded = touch  # a load marks its keys used
 
@@ -278,6 +279,9 @@ class ReplaySummary:
     mismatches: int = 0
     failed_loads: int = 0
     failed_stores: int = 0
+    evicted_loads: int = 0
+    """Loads that failed because a block left every tier between the lookup and the load
+    (evicted for room meanwhile): misses under pressure, not failures."""
     seconds: float = 0.0
     bytes_by_path: dict[str, int] = field(default_factory=dict)
     store_latency_s: list[float] = field(default_factory=list, repr=False)
@@ -324,6 +328,7 @@ class ReplaySummary:
             "mismatches": self.mismatches,
             "failed_loads": self.failed_loads,
             "failed_stores": self.failed_stores,
+            "evicted_loads": self.evicted_loads,
             "failed_blocks_by_tier": {t: dict(n) for t, n in self.failed_blocks_by_tier.items()},
             "refused_blocks_by_tier": dict(self.refused_blocks_by_tier),
             "failure_causes": dict(self.failure_causes),
@@ -477,10 +482,13 @@ class ReplayNode:
             try:
                 result = await engine.load(keys[:n], range(n), tenant=tenant)
             except BlockNotFoundError:  # a tier let one go between the lookup and now
-                result = JobResult(0, False, tuple(keys[:n]), "left every tier")
+                result = JobResult(0, False, tuple(keys[:n]), LEFT_EVERY_TIER)
             summary.load_latency_s.append(time.perf_counter() - began)
             if not result.success:
-                summary.failed_loads += 1
+                if _evicted_meanwhile(result):
+                    summary.evicted_loads += 1
+                else:
+                    summary.failed_loads += 1
                 failed = set(result.failed_keys)
                 # The hit ends at the first key that did not land (all if none is named).
                 n = next((i for i, key in enumerate(keys[:n]) if key in failed), 0)
@@ -580,10 +588,19 @@ class ReplayNode:
             {
                 cause: count
                 for cause, count in failures.items()
-                if cause not in transfers and not cause.endswith(_LOST_WITH_A_TRANSFER)
+                if cause not in transfers
+                and cause != LEFT_EVERY_TIER  # counted as evicted_loads
+                and not cause.endswith(_LOST_WITH_A_TRANSFER)
             }
         )
         summary.failure_causes = summed([summary.failure_causes, causes])
+
+
+def _evicted_meanwhile(result: JobResult) -> bool:
+    """Whether a failed load failed only because its blocks left every tier after the
+    lookup that found them (each key's reason then starts with LEFT_EVERY_TIER)."""
+    error = result.error or ""
+    return LEFT_EVERY_TIER in error and "; " not in error
 
 
 def summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:

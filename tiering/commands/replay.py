@@ -177,6 +177,11 @@ def _status(mismatches: int, runs: dict[str, ReplaySummary], tolerate: bool) -> 
     refused = summed(run.refused_blocks_by_tier for run in runs.values())
     if any(refused.values()):
         lines.append(f"note: no room for {_refused(refused)} in full tiers: capacity, not failures")
+    if evicted := sum(run.evicted_loads for run in runs.values()):
+        lines.append(
+            f"note: {evicted} loads found a block evicted from every tier after the lookup "
+            "that found it: misses under pressure, not failures"
+        )
     for line in lines:
         print(f"tiering replay: {line}", file=sys.stderr)
     return 1 if mismatches or whole or (failed and not tolerate) else 0
