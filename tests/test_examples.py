@@ -73,7 +73,7 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
         ),
         ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: auto)"]),
         ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
-        ("bench_manager.py", ["(default: adaptive,arc,lru,prefix-lfu,s3fifo)"]),
+        ("bench_manager.py", ["(default: adaptive,arc,lru,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
         ("bench_vllm_tiers.py", ["(default: 2M,128K)", "(default: none)", "(default: 5.0)"]),
         ("bench_redis.py", ["(default: 2M)", "(default: 256)", "(default: 4)"]),
@@ -113,7 +113,7 @@ def test_bench_nvme_scale_defaults_to_a_laptop_sized_fill(
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
 def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
-    argv = [str(TRACE), "256,1%", "--policies", "lru,prefix-lfu", "--full-blocks-only"]
+    argv = [str(TRACE), "256,1%", "--policies", "lru,adaptive", "--full-blocks-only"]
     done = run_script("examples/bench_manager.py", *argv)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # no progress line on a pipe
@@ -121,7 +121,7 @@ def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
     assert summary["requests"] > 0 and summary["footprint_blocks"] == 40_148
     runs = summary["runs"]
     assert [(r["capacity"], r["policy"]) for r in runs] == [
-        (256, "lru"), (256, "prefix-lfu"), (401, "lru"), (401, "prefix-lfu"),
+        (256, "lru"), (256, "adaptive"), (401, "lru"), (401, "adaptive"),
     ]  # fmt: skip
     for run in runs:
         assert 0.0 < run["hit_ratio"] <= 1.0 and run["block_ops_per_s"] > 0

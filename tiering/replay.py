@@ -24,6 +24,7 @@ from tiering.engine import TieringEngine
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
 from tiering.loop_lag import LoopLagMonitor
 from tiering.manager import CPUOffloadingManager
+from tiering.policies import DEFAULT_POLICY
 from tiering.secondary import JobResult
 from tiering.tenancy import Tenancy
 from tiering.validation import positive_int
@@ -167,7 +168,7 @@ class CacheModel:
     def __init__(
         self,
         cpu_blocks: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         tier_blocks: Sequence[TierLayout] = (),
         tier_names: Sequence[str] | None = None,
     ) -> None:
@@ -238,7 +239,7 @@ def simulate(
     requests: Sequence[Request],
     *,
     cpu_blocks: int,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     tier_blocks: Sequence[TierLayout] = (),
     full_blocks_only: bool = False,
     tenants: int = 1,
