@@ -3,7 +3,8 @@ device copy speed.
 
 Usage::
 
-    python examples/bench_engine.py [--gib 1] [--loop uvloop|asyncio]
+    python examples/bench_engine.py [--gib 1] [--loop uvloop|asyncio] [--policy NAME]
+                                    [--hot-tier-steps N]
 
 Four measurements, in one run (the hot path last, so that the others run as they did
 before it existed):
@@ -17,7 +18,10 @@ before it existed):
    collector as it is and after ``gc.freeze()`` (what serving frameworks do once their
    start-up allocations are done), three times each, alternating; figures are medians,
    the headline ones are the frozen runs (``*_gc_default`` the others). Two more runs
-   with 16 blocks per call, GC frozen, give ``call_us_*_16`` (medians).
+   with 16 blocks per call, GC frozen, give ``call_us_*_16`` (medians). The CPU tier
+   holds every step's blocks, so it never evicts; with ``--hot-tier-steps N`` it holds
+   N steps' blocks, so from step N on every step's stores evict (a serving tier's steady
+   state).
 
 1. Loop lag: the engine streams ``--gib`` GiB of 2 MiB blocks device -> CPU -> memory
    tier (write-through; ``streamed_bytes``) and promotes a quarter of them back memory
@@ -31,6 +35,8 @@ before it existed):
 3. On CUDA only: device <-> host copies of 256 KiB .. 2 MiB blocks through the
    DeviceCopier, one-tensor and per-layer layouts, against one large pinned copy
    (``device_copy_ratio``: the worst of those ratios; null without CUDA).
+
+Every engine evicts its CPU tier by ``--policy`` (the default policy unless named).
 
 A progress line shows on stderr while it runs, when stderr is a terminal. The last line
 of output is one JSON object with every figure.
@@ -53,6 +59,7 @@ from tiering.cli_args import Progress, make_parser, positive_float, positive_int
 from tiering.device import DeviceCopier
 from tiering.host_pool import HostPool
 from tiering.loop_lag import LoopLagMonitor
+from tiering.policies import DEFAULT_POLICY, policy_name, policy_names
 
 MIB = 1 << 20
 BLOCK = 2 * MIB
@@ -69,7 +76,7 @@ def device_kv(num_blocks: int, block_bytes: int, device: str) -> torch.Tensor:
     return kv
 
 
-async def loop_lag_run(total_bytes: int, progress: Progress) -> dict[str, float]:
+async def loop_lag_run(total_bytes: int, policy: str, progress: Progress) -> dict[str, float]:
     """Stream ``total_bytes`` (whole 2 MiB blocks of it) device -> CPU -> memory tier and
     a quarter of it back, under a lag monitor."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +84,7 @@ async def loop_lag_run(total_bytes: int, progress: Progress) -> dict[str, float]
     kv = device_kv(device_blocks, BLOCK, device)
     count = total_bytes // BLOCK
     tiers = [{"type": "memory", "max_blocks": count}]
-    async with TieringEngine(kv, 4 * BATCH, secondary_tiers=tiers) as engine:
+    async with TieringEngine(kv, 4 * BATCH, policy=policy, secondary_tiers=tiers) as engine:
         async with LoopLagMonitor() as lag:
             start = time.perf_counter()
             cascades = []
@@ -128,7 +135,9 @@ def loop_lag_summary(lag: dict[str, float]) -> str:
     )
 
 
-async def roundtrip_run(repeats: int, blocks: int, progress: Progress) -> dict[str, float]:
+async def roundtrip_run(
+    repeats: int, blocks: int, policy: str, progress: Progress
+) -> dict[str, float]:
     """Median store+load of one 2 MiB block through the engine vs. two plain copies.
 
     Both sides cycle through ``blocks`` device blocks and host slots (``blocks`` = 1:
@@ -146,7 +155,7 @@ async def roundtrip_run(repeats: int, blocks: int, progress: Progress) -> dict[s
         plain.append(time.perf_counter() - t0)
     host.close()
     engine_times = []
-    async with TieringEngine(kv, blocks) as engine:
+    async with TieringEngine(kv, blocks, policy=policy) as engine:
         for i in range(repeats):
             t0 = time.perf_counter()
             stored = await engine.store([key(i)], [i % blocks])
@@ -174,15 +183,18 @@ def quantile_us(samples_ns: list[int], q: float) -> float:
     return round(ordered[int(q * (len(ordered) - 1))] / 1000, 2)
 
 
-async def hot_path_run(blocks_per_job: int, freeze: bool) -> dict[str, float]:
-    """Steps of ``STEP_REQUESTS`` stores then lookup+loads of small blocks; see item 0."""
+async def hot_path_run(
+    blocks_per_job: int, freeze: bool, policy: str, tier_steps: int = HOT_STEPS + 1
+) -> dict[str, float]:
+    """Steps of ``STEP_REQUESTS`` stores then lookup+loads of small blocks, on a CPU tier
+    of ``tier_steps`` steps' blocks; see item 0."""
     per_step = STEP_REQUESTS * blocks_per_job
     kv = torch.zeros((2 * per_step, SMALL_BLOCK // 2), dtype=torch.float16)
     kv[:per_step].view(torch.int16).random_()
     stores: list[int] = []
     loads: list[int] = []
     jobs = 0
-    async with TieringEngine(kv, (HOT_STEPS + 1) * per_step) as engine:
+    async with TieringEngine(kv, tier_steps * per_step, policy=policy) as engine:
         if freeze:
             gc.freeze()
         n = 0
@@ -236,16 +248,16 @@ async def hot_path_run(blocks_per_job: int, freeze: bool) -> dict[str, float]:
     }
 
 
-async def hot_path_figures(progress: Progress) -> dict[str, float]:
+async def hot_path_figures(policy: str, tier_steps: int, progress: Progress) -> dict[str, float]:
     """Item 0: alternating default-GC and frozen runs, medians; then 16 blocks a call."""
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for i in range(6):
         progress.update(f"hot path run {i + 1}/8", force=True)
-        runs[i % 2 == 1].append(await hot_path_run(1, freeze=i % 2 == 1))
+        runs[i % 2 == 1].append(await hot_path_run(1, i % 2 == 1, policy, tier_steps))
     wide = []
     for i in range(2):
         progress.update(f"hot path run {7 + i}/8 (16 blocks a call)", force=True)
-        wide.append(await hot_path_run(16, freeze=True))
+        wide.append(await hot_path_run(16, True, policy, tier_steps))
 
     def median(rows: list[dict[str, float]], name: str) -> float:
         return round(statistics.median(row[name] for row in rows), 2)
@@ -348,13 +360,18 @@ async def device_copy_run(total_bytes: int, progress: Progress) -> dict[str, obj
 
 
 async def main_async(args: argparse.Namespace, progress: Progress) -> dict[str, object]:
-    figures: dict[str, object] = {"loop": args.loop, "block_bytes": BLOCK}
-    lag = await loop_lag_run(int(args.gib * (1 << 30)), progress)
+    figures: dict[str, object] = {
+        "loop": args.loop,
+        "policy": args.policy,
+        "hot_tier_steps": args.hot_tier_steps,
+        "block_bytes": BLOCK,
+    }
+    lag = await loop_lag_run(int(args.gib * (1 << 30)), args.policy, progress)
     progress.clear()
     print(loop_lag_summary(lag))
     figures.update(lag)
-    cold = await roundtrip_run(args.repeats, 64, progress)
-    hot = await roundtrip_run(args.repeats, 1, progress)
+    cold = await roundtrip_run(args.repeats, 64, args.policy, progress)
+    hot = await roundtrip_run(args.repeats, 1, args.policy, progress)
     progress.clear()
     figures.update(
         roundtrip_engine_ms=round(cold["engine_ms"], 3),
@@ -369,10 +386,11 @@ async def main_async(args: argparse.Namespace, progress: Progress) -> dict[str, 
             f"2 MiB round trip, {name}: engine {rt['engine_ms']:.3f} ms, plain copies "
             f"{rt['plain_ms']:.3f} ms, ratio {rt['engine_ms'] / rt['plain_ms']:.2f}"
         )
-    hot_path = await hot_path_figures(progress)
+    hot_path = await hot_path_figures(args.policy, args.hot_tier_steps, progress)
     progress.clear()
+    evicting = " (CPU tier full)" if args.hot_tier_steps <= HOT_STEPS else ""
     print(
-        f"hot path, 1 x 4 KiB block a call: p50 {hot_path['call_us_p50']} us, p99 "
+        f"hot path{evicting}, 1 x 4 KiB block a call: p50 {hot_path['call_us_p50']} us, p99 "
         f"{hot_path['call_us_p99']} us, {hot_path['jobs_per_s']} jobs/s (gc frozen); "
         f"p50 {hot_path['call_us_p50_gc_default']} us, p99 "
         f"{hot_path['call_us_p99_gc_default']} us, {hot_path['jobs_per_s_gc_default']} "
@@ -405,6 +423,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop to run on"
+    )
+    parser.add_argument(
+        "--policy",
+        type=policy_name,
+        choices=policy_names(),
+        default=DEFAULT_POLICY,
+        help="the CPU tier's eviction policy, in every engine it runs",
+    )
+    parser.add_argument(
+        "--hot-tier-steps",
+        type=positive_int,
+        default=HOT_STEPS + 1,
+        metavar="N",
+        help=f"the hot path's CPU tier, in steps of blocks; at most {HOT_STEPS} make its "
+        "stores evict",
     )
     args = parser.parse_args(argv)
     if args.gib * (1 << 30) < BLOCK:

@@ -30,7 +30,7 @@ from pathlib import Path
 from tiering.cli_args import Progress, choice_list, make_parser, run_main
 from tiering.errors import InvalidArgumentError
 from tiering.manager import CPUOffloadingManager
-from tiering.policies import policy_names
+from tiering.policies import policy_name, policy_names
 from tiering.sweep import capacities_from
 from tiering.workloads import TraceError, read_mooncake
 
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     parser.add_argument(
         "--policies",
-        type=choice_list(policy_names()),
+        type=choice_list(policy_names(), policy_name),
         default=",".join(policy_names()),
         help="comma-separated eviction policies to replay, in order",
     )

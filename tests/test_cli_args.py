@@ -63,6 +63,15 @@ def test_choice_list() -> None:
         parse("lru,lru")
 
 
+def test_choice_list_resolves_aliases_and_counts_an_alias_and_its_name_once() -> None:
+    aliases = {"old": "arc"}
+    parse = _cli.choice_list(["lru", "arc"], lambda name: aliases.get(name, name))
+    assert parse("old,lru") == ["arc", "lru"]
+    assert parse("arc,old") == ["arc"]
+    with pytest.raises(argparse.ArgumentTypeError, match="repeat"):
+        parse("old,old")
+
+
 def test_progress_is_silent_on_a_pipe() -> None:
     read_fd, write_fd = os.pipe()
     with os.fdopen(write_fd, "w") as pipe, _cli.Progress(pipe) as progress:

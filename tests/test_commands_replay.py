@@ -171,7 +171,7 @@ def test_replay_help_shows_every_default_and_the_policies(
 ) -> None:
     assert main(["replay", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "--policy {adaptive,arc,lru,prefix-lfu,s3fifo}" in text
+    assert "--policy {adaptive,arc,lru,s3fifo}" in text
     for default in (
         "bytes per KV block (default: 64.0 KiB, unless --config sets replay.block_bytes)",
         "cache's blocks (default: the longest request's)",
@@ -443,6 +443,15 @@ def test_sweep_prints_a_table_and_draws_a_plot(
         ("arc", False),
         ("lru", True),
         ("arc", True),
+    ]
+
+
+def test_sweep_runs_the_adaptive_policy_for_the_retired_prefix_lfu_and_says_so() -> None:
+    argv = ["sweep", "--limit", "40", "--capacities", "10%", "--policies", "lru,prefix-lfu"]
+    done = run_script("-m", "tiering", *argv, "--json")
+    assert [p["policy"] for p in last_json(done)["points"]] == ["lru", "adaptive"]
+    assert done.stderr.splitlines() == [
+        "eviction policy 'prefix-lfu' is retired and now means 'adaptive'; ask for 'adaptive'"
     ]
 
 

@@ -537,6 +537,16 @@ def test_load_config_applies_overrides_before_checking(tmp_path: Path) -> None:
         load_config(path, {"engine.cpu_blocks": "32", "engine.block_size": "0"})
 
 
+@pytest.mark.filterwarnings("ignore:eviction policy 'prefix-lfu' is retired:DeprecationWarning")
+def test_the_retired_policy_name_in_a_file_or_an_override_means_adaptive(tmp_path: Path) -> None:
+    path = write(tmp_path, "[engine]\ncpu_blocks = 32\npolicy = 'prefix-lfu'\n")
+    assert load_config(path).engine.policy == "adaptive"
+    overridden = load_config(
+        write(tmp_path, "[engine]\ncpu_blocks = 32\n", "b.toml"), {"engine.policy": "prefix-lfu"}
+    )
+    assert overridden.engine.policy == "adaptive"
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -12,7 +12,8 @@ import errno
 import logging
 import random
 import threading
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -46,6 +47,7 @@ from tiering import (
     TieringEngine,
 )
 from tiering.lifecycle import Lifecycle
+from tiering.policies import LRUPolicy
 
 
 def rows(kv: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
@@ -493,12 +495,25 @@ async def test_flush_copies_what_a_tier_lacks() -> None:
         assert_no_leaks(engine)  # at once: the flush's pins ended with its tier jobs
 
 
-async def test_a_block_the_policy_declines_is_not_stored_and_the_store_succeeds() -> None:
-    from tiering.policies import PrefixLFUPolicy
+class _SecondSight(LRUPolicy):
+    """LRU admitting only blocks that an earlier request named too (the second sight that
+    ``adaptive`` follows when its shadow leads, here always)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: Counter[bytes] = Counter()
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.requests.update(keys)
+        super().touch(keys)
+
+    def admit(self, key: bytes) -> bool:
+        return self.requests[key] >= 2
+
+
+async def test_a_block_the_policy_declines_is_not_stored_and_the_store_succeeds() -> None:
     kv = make_kv()
-    policy = PrefixLFUPolicy(admission="second-sight")
-    async with TieringEngine(kv, 8, policy=policy) as engine:
+    async with TieringEngine(kv, 8, policy=_SecondSight()) as engine:
         seen, first_time = [h(1), h(2)], [h(3)]
         put(kv, seen + first_time, [0, 1, 2])
         engine.touch(seen)

@@ -77,8 +77,11 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
             ],
         ),
         ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: fadvise)"]),
-        ("bench_engine.py", ["(default: 200)", "(default: uvloop)", "(default: 1.0)"]),
-        ("bench_manager.py", ["(default: adaptive,arc,lru,prefix-lfu,s3fifo)"]),
+        (
+            "bench_engine.py",
+            ["(default: 200)", "(default: uvloop)", "(default: 1.0)", "(default: lru)"],
+        ),
+        ("bench_manager.py", ["(default: adaptive,arc,lru,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
         ("bench_vllm_tiers.py", ["(default: 2M,128K)", "(default: none)", "(default: 5.0)"]),
         ("bench_redis.py", ["(default: 2M)", "(default: 256)", "(default: 4)"]),
@@ -118,7 +121,7 @@ def test_bench_nvme_scale_defaults_to_a_laptop_sized_fill(
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
 def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
-    argv = [str(TRACE), "256,1%", "--policies", "lru,prefix-lfu", "--full-blocks-only"]
+    argv = [str(TRACE), "256,1%", "--policies", "lru,adaptive", "--full-blocks-only"]
     done = run_script("examples/bench_manager.py", *argv)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # no progress line on a pipe
@@ -126,7 +129,7 @@ def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
     assert summary["requests"] > 0 and summary["footprint_blocks"] == 40_148
     runs = summary["runs"]
     assert [(r["capacity"], r["policy"]) for r in runs] == [
-        (256, "lru"), (256, "prefix-lfu"), (401, "lru"), (401, "prefix-lfu"),
+        (256, "lru"), (256, "adaptive"), (401, "lru"), (401, "adaptive"),
     ]  # fmt: skip
     for run in runs:
         assert 0.0 < run["hit_ratio"] <= 1.0 and run["block_ops_per_s"] > 0
@@ -343,6 +346,8 @@ def test_bench_nvme_runs_and_ends_with_json(tmp_path: Path) -> None:
         (["--gib", "0.0001"], "--gib"),  # less than one 2 MiB block
         (["--repeats", "-5"], "--repeats"),
         (["--loop", "tokio"], "--loop"),
+        (["--policy", "fifo"], "--policy"),
+        (["--hot-tier-steps", "0"], "--hot-tier-steps"),
     ],
 )
 def test_bench_engine_rejects(
@@ -455,12 +460,20 @@ async def test_bench_engine_says_it_streams_what_gib_asks_for() -> None:
     """``--gib 0.25`` streams 0.25 GiB; the line says so, and what all hops moved."""
     bench = _script("bench_engine")
     args = bench.parse_args(["--gib", "0.25"])
-    lag = await bench.loop_lag_run(int(args.gib * (1 << 30)), Progress())
+    lag = await bench.loop_lag_run(int(args.gib * (1 << 30)), args.policy, Progress())
     assert lag["streamed_bytes"] == 1 << 28
     assert lag["bytes_moved"] == 5 * (1 << 28) // 2  # to CPU, to the tier, a quarter back
     line = bench.loop_lag_summary(lag)
     assert line.startswith("loop lag while streaming 0.25 GiB of 2 MiB blocks"), line
     assert "(0.62 GiB over all hops" in line
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+async def test_bench_engine_hot_path_loads_every_block_from_a_full_tier(policy: str) -> None:
+    """Two steps' room: each step's stores evict the step before last, and every store and
+    load still succeeds, the last step's loads bringing back its bytes (else it exits)."""
+    figures = await _script("bench_engine").hot_path_run(1, False, policy, 2)
+    assert figures["jobs_per_s"] > 0 and figures["store_call_us_p50"] > 0
 
 
 def test_bench_manager_rejects_a_bad_trace_naming_the_line(

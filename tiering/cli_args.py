@@ -112,19 +112,25 @@ def size_list(text: str) -> list[int]:
     return [size(part) for part in parts]
 
 
-def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
-    """An argparse type: comma-separated names, each one of ``choices``, no repeats."""
+def choice_list(
+    choices: Iterable[str], resolve: Callable[[str], str] | None = None
+) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, no repeats, each one of ``choices`` once
+    passed through ``resolve`` (which may map an alias to the name it stands for; an
+    alias and its name given together count once)."""
     allowed = sorted(choices)
 
     def parse(text: str) -> list[str]:
         names = [name.strip() for name in text.split(",")]
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"names repeat in {text!r}")
+        if resolve is not None:
+            names = list(dict.fromkeys(resolve(name) for name in names))
         unknown = [name for name in names if name not in allowed]
         if unknown:
             raise argparse.ArgumentTypeError(
                 f"unknown name {unknown[0]!r} in {text!r}; choose from {', '.join(allowed)}"
             )
-        if len(set(names)) != len(names):
-            raise argparse.ArgumentTypeError(f"names repeat in {text!r}")
         return names
 
     parse.__name__ = "choice_list"  # argparse names the type in some messages

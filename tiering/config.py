@@ -19,13 +19,14 @@ from pydantic import AfterValidator, Field, model_validator
 from tiering import registry
 from tiering.errors import ConfigError, UnknownTierError
 from tiering.options import Bytes, Count, Options, PositiveInt, Seconds, SecondsOrZero, Text, shown
-from tiering.policies import policy_names
+from tiering.policies import DEFAULT_POLICY, policy_name, policy_names
 
 SECTIONS = ("engine", "tiers", "replay", "synthetic", "metrics")
 WORKLOADS = ("synthetic", "chat", "agent", "rag", "scan", "shift")  # workload_suite's families
 
 
 def _known_policy(name: str) -> str:
+    name = policy_name(name)  # a retired name: its replacement
     if name not in policy_names():
         raise ValueError(f"unknown eviction policy; choose one of {policy_names()}")
     return name
@@ -48,7 +49,7 @@ class EngineConfig(_Section):
     WHERE = "engine"
     cpu_blocks: PositiveInt | None = None
     cpu_bytes: Bytes | None = None
-    policy: Annotated[str, AfterValidator(_known_policy)] = "lru"
+    policy: Annotated[str, AfterValidator(_known_policy)] = DEFAULT_POLICY
     write_policy: Literal["write_through", "write_back"] = "write_through"
     block_size: PositiveInt = 16
     cache_identity: str = ""

@@ -25,7 +25,7 @@ from tiering.latency import LatencyHistogram, LatencySnapshot
 from tiering.layer_progress import LayerProgress, check_progress
 from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.manager import CPUOffloadingManager
-from tiering.policies import EvictionPolicy
+from tiering.policies import DEFAULT_POLICY, EvictionPolicy
 from tiering.registry import TierSpec, tier_specs
 from tiering.secondary import JobResult, SecondaryTierManager
 from tiering.statistics import Statistics
@@ -64,7 +64,7 @@ class TieringEngine(AsyncService):
         kv_caches: KVCaches,
         num_cpu_blocks: int,
         *,
-        policy: str | EvictionPolicy = "lru",
+        policy: str | EvictionPolicy = DEFAULT_POLICY,
         secondary_tiers: Sequence[TierSpec] = (),
         write_policy: WritePolicy = "write_through",
         block_size: int = 16,

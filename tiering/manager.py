@@ -16,7 +16,7 @@ from tiering.abstract import (
     as_block_hashes,
 )
 from tiering.errors import BlockNotFoundError, NotLoadingError
-from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from tiering.validation import positive_int
 
 _MEDIUM = "CPU"
@@ -43,7 +43,7 @@ class CPUOffloadingManager(OffloadingManager):
         num_blocks: int,
         *,
         block_size: int = 16,
-        policy: str | EvictionPolicy = "lru",
+        policy: str | EvictionPolicy = DEFAULT_POLICY,
         enable_events: bool = False,
     ) -> None:
         self.num_blocks = positive_int("num_blocks", num_blocks)

@@ -25,6 +25,7 @@ from tiering.errors import BlockNotFoundError, InvalidArgumentError
 from tiering.job_core import LEFT_EVERY_TIER
 from tiering.loop_lag import LoopLagMonitor
 from tiering.manager import CPUOffloadingManager
+from tiering.policies import DEFAULT_POLICY
 from tiering.secondary import JobResult
 from tiering.statistics import CAPACITY_CAUSES
 from tiering.tenancy import Tenancy
@@ -172,7 +173,7 @@ class CacheModel:
     def __init__(
         self,
         cpu_blocks: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         tier_blocks: Sequence[TierLayout] = (),
         tier_names: Sequence[str] | None = None,
     ) -> None:
@@ -243,7 +244,7 @@ def simulate(
     requests: Sequence[Request],
     *,
     cpu_blocks: int,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     tier_blocks: Sequence[TierLayout] = (),
     full_blocks_only: bool = False,
     tenants: int = 1,

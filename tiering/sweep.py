@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tiering.errors import InvalidArgumentError
-from tiering.policies import policy_names
+from tiering.policies import policy_name, policy_names
 from tiering.replay import simulate
 from tiering.workloads import Request
 
@@ -137,12 +137,15 @@ def sweep(
     full_blocks_only: bool = False,
 ) -> SweepResult:
     """The bookkeeping replay of ``requests`` at every capacity (CPU blocks) with every
-    policy (default: all). Raises InvalidArgumentError or UnknownPolicyError."""
+    policy (default: all; a retired name counts as its replacement, once). Raises
+    InvalidArgumentError or UnknownPolicyError."""
     if not requests:
         raise InvalidArgumentError("requests: the workload is empty")
     if not capacities:
         raise InvalidArgumentError("capacities: give at least one")
-    names = list(policies) if policies is not None else policy_names()
+    names = (
+        list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
+    )
     total = footprint(requests, full_blocks_only=full_blocks_only)
     points = []
     for capacity in sorted(capacities):

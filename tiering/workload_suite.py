@@ -29,7 +29,7 @@ from typing import Any
 
 from tiering.config import WORKLOADS
 from tiering.errors import InvalidArgumentError
-from tiering.policies import policy_names
+from tiering.policies import policy_name, policy_names
 from tiering.workloads import TOKENS_PER_BLOCK, Request, read_mooncake, synthetic_requests
 
 
@@ -293,10 +293,13 @@ def run_suite(
 ) -> SuiteResult:
     """The bookkeeping replay of every workload (a name of :data:`WORKLOADS` or a trace
     path), in every mode (``full_blocks_only``), at every fraction of its footprint, with
-    every policy (default: all) and LRU and ARC, on ``jobs`` processes. Raises
-    InvalidArgumentError for an unknown workload or a bad fraction, UnknownPolicyError
-    for an unknown policy, TraceError for a bad trace."""
-    names = list(policies) if policies is not None else policy_names()
+    every policy (default: all; a retired name counts as its replacement, once) and LRU
+    and ARC, on ``jobs`` processes. Raises InvalidArgumentError for an unknown workload
+    or a bad fraction, UnknownPolicyError for an unknown policy, TraceError for a bad
+    trace."""
+    names = (
+        list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
+    )
     names += [r for r in REFERENCES if r not in names]
     for fraction in fractions:
         if not 0 < fraction <= 1:

@@ -52,7 +52,7 @@ from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
 from tiering.fleet import SHARED_TIERS, FleetSummary, replay_fleet
 from tiering.loop_lag import LoopLagMonitor
-from tiering.policies import policy_names
+from tiering.policies import policy_name, policy_names
 from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
 from tiering.statistics import format_bytes
 from tiering.workloads import Request
@@ -68,7 +68,8 @@ def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
     as the defaults and --config give it."""
     return [
         ("tiers", "--policy", "engine.policy",
-         {"choices": policy_names(), "help": "the CPU tier's eviction policy"}),
+         {"type": policy_name, "choices": policy_names(),
+          "help": "the CPU tier's eviction policy"}),
         ("tiers", "--write-policy", "engine.write_policy",
          {"help": "when stores go down the tiers"}),
         ("run", "--block-bytes", "replay.block_bytes",

@@ -31,7 +31,7 @@ from tiering.commands._workload import (
     resolve_config,
 )
 from tiering.errors import InvalidArgumentError
-from tiering.policies import policy_names
+from tiering.policies import policy_name, policy_names
 from tiering.sweep import capacities_from, footprint, fractions_from, plot_sweep, sweep
 from tiering.workload_suite import WORKLOADS, plot_suite, run_suite
 
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policies",
-        type=choice_list(policy_names()),
+        type=choice_list(policy_names(), policy_name),
         default=",".join(policy_names()),
         help="eviction policies, comma-separated",
     )

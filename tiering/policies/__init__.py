@@ -1,8 +1,11 @@
-"""Eviction policies, selectable by name (``"lru"``, ``"arc"``, ``"s3fifo"``,
-``"prefix-lfu"``, ``"adaptive"``)."""
+"""Eviction policies, selectable by name (``"lru"``, the default; ``"arc"``,
+``"s3fifo"``, ``"adaptive"``). A retired name stays accepted as an alias of the policy
+that replaced it (``"prefix-lfu"``: ``"adaptive"``)."""
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
 
 from tiering.errors import UnknownPolicyError
@@ -10,53 +13,86 @@ from tiering.policies.adaptive import AdaptivePolicy
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.lru import LRUPolicy
-from tiering.policies.prefix_lfu import PrefixLFUPolicy
 from tiering.policies.s3fifo import S3FIFOPolicy
+
+logger = logging.getLogger(__name__)
+
+# Not "adaptive", which hits more: its bookkeeping slows the store calls of a full CPU
+# tier beyond what the hot path allows (docs/benchmarks.md, issue 39).
+DEFAULT_POLICY = "lru"
+"""The CPU tier's eviction policy wherever none is named (engine, manager, config,
+replay and its model)."""
 
 _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
-    "prefix-lfu": PrefixLFUPolicy,
     "adaptive": AdaptivePolicy,
 }
 
+_RETIRED: dict[str, str] = {"prefix-lfu": "adaptive"}
+"""Retired policy names, each to the registered name that replaced it."""
+
+_warned: set[str] = set()  # retired names already warned about in this process
+
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
-    """Make ``factory`` selectable as ``policy=name``; a later registration replaces it."""
+    """Make ``factory`` selectable as ``policy=name``; a later registration replaces it
+    (a retired name so registered is an alias no more)."""
     _POLICIES[name] = factory
+    _RETIRED.pop(name, None)
 
 
 def policy_names() -> list[str]:
-    """The names that ``make_policy`` accepts, sorted."""
+    """The names that ``make_policy`` accepts, sorted (retired aliases left out)."""
     return sorted(_POLICIES)
 
 
+def policy_name(name: str) -> str:
+    """The name ``name`` stands for: a retired name's replacement, once per process with
+    a DeprecationWarning and a logged warning naming it; any other string unchanged
+    (whether it is registered is :func:`make_policy`'s check)."""
+    replacement = _RETIRED.get(name) if isinstance(name, str) else None
+    if replacement is None:
+        return name
+    if name not in _warned:
+        _warned.add(name)
+        message = (
+            f"eviction policy {name!r} is retired and now means {replacement!r}; "
+            f"ask for {replacement!r}"
+        )
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        logger.warning(message)
+    return replacement
+
+
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
-    """A policy bound to ``capacity`` blocks, from a registered name or an instance.
-    Raises UnknownPolicyError for any other ``policy``, InvalidArgumentError for a bad
-    ``capacity``."""
+    """A policy bound to ``capacity`` blocks, from a registered name (or a retired one,
+    see :func:`policy_name`) or an instance. Raises UnknownPolicyError for any other
+    ``policy``, InvalidArgumentError for a bad ``capacity``."""
     if isinstance(policy, EvictionPolicy):
         instance = policy
-    elif isinstance(policy, str) and policy in _POLICIES:
-        instance = _POLICIES[policy]()
     else:
-        raise UnknownPolicyError(
-            f"unknown eviction policy {policy!r}; choose one of {policy_names()} "
-            "or pass an EvictionPolicy instance"
-        )
+        factory = _POLICIES.get(policy_name(policy)) if isinstance(policy, str) else None
+        if factory is None:
+            raise UnknownPolicyError(
+                f"unknown eviction policy {policy!r}; choose one of {policy_names()} "
+                "or pass an EvictionPolicy instance"
+            )
+        instance = factory()
     instance.bind(capacity)
     return instance
 
 
 __all__ = [
+    "DEFAULT_POLICY",
     "ARCPolicy",
     "AdaptivePolicy",
     "EvictionPolicy",
     "LRUPolicy",
-    "PrefixLFUPolicy",
     "S3FIFOPolicy",
     "make_policy",
+    "policy_name",
     "policy_names",
     "register_policy",
 ]
