@@ -212,6 +212,21 @@ async def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
         assert str(tier.breaker.state) == "closed"
 
 
+async def test_while_the_breaker_is_open_a_lookup_answers_false_even_for_a_cached_key(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(2)
+    options = {"timeout_s": 0.5, "breaker_failures": 1}
+    async with opened(pool, redis_server, **options) as tier:
+        assert (await store_job(tier, names[:1], [0])).success
+        assert tier.lookup(names[0]) is True  # from the cache, fresh for presence_ttl_s
+        redis_server.kill()
+        assert not (await store_job(tier, names[1:], [1])).success
+        assert str(tier.breaker.state) == "open"
+        assert tier.lookup(names[0]) is False
+        assert tier.lookup_all(names) == [False, False]
+
+
 async def test_a_full_server_s_refusal_fails_the_job_without_quoting_its_bytes(
     pool: memoryview, redis_server: RedisServer
 ) -> None:
