@@ -16,6 +16,7 @@ from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import (
     BLOCK,
     client_of,
+    dripping_replies,
     give_slot_of,
     holding_replies,
     keys,
@@ -225,6 +226,41 @@ async def test_while_the_breaker_is_open_a_lookup_answers_false_even_for_a_cache
         assert str(tier.breaker.state) == "open"
         assert tier.lookup(names[0]) is False
         assert tier.lookup_all(names) == [False, False]
+
+
+@pytest.mark.parametrize("call", ["load", "store"])
+async def test_a_server_that_drips_its_replies_fails_a_call_within_about_timeout_s(
+    pool: memoryview, redis_server: RedisServer, call: str
+) -> None:
+    """A reply that comes a byte every 20 ms (every receive gets bytes well within
+    ``timeout_s``) fails the job once the call's one deadline has passed: the breaker
+    counts it, and the tier serves again once the replies flow. (Before, each receive
+    had a timeout of its own: the load went on for minutes, the store for seconds.)"""
+    names = keys(480)  # a store: 60 replies of 5 bytes on each of its 8 connections
+    slots = [i % SLOTS for i in range(len(names))]
+    bound_s = 3.0  # timeout_s 0.5, and generous for a busy machine
+    options = {"timeout_s": 0.5, "breaker_failures": 1, "breaker_backoff_s": 0.05}
+    async with (
+        dripping_replies(redis_server, every_s=0.02) as proxy,
+        opened(pool, redis_server, url=proxy.url, **options) as tier,
+    ):
+        proxy.dripping = False
+        assert (await store_job(tier, names[:4], slots[:4])).success
+        proxy.dripping = True
+        async with asyncio.timeout(bound_s):
+            if call == "load":
+                failed = await load_job(tier, names[:4], [28, 29, 30, 31])
+            else:
+                failed = await store_job(tier, names, slots)
+        assert not failed.success and "redis unreachable" in str(failed.error)
+        assert "timeout_s" in str(failed.error)
+        assert str(tier.breaker.state) == "open"
+        assert tier.statistics().counters["unreachable_calls"] == 1
+        proxy.dripping = False
+        await asyncio.sleep(0.1)  # past the back-off: the next call is the probe
+        assert (await load_job(tier, names[:4], [28, 29, 30, 31])).success
+        assert [slot(pool, 28 + i) for i in range(4)] == [slot(pool, i) for i in range(4)]
+        assert str(tier.breaker.state) == "closed"
 
 
 async def test_a_full_server_s_refusal_fails_the_job_without_quoting_its_bytes(
