@@ -57,8 +57,8 @@ _AHEAD = 512  # ... and while a reply may land in a sink
 _PAD_FRAMING = 32  # bytes the padding reply holds beyond its padding, at most
 _IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
 _PLAIN_KEYS = {"host", "port", "username", "password", "db", "path", "connection_class"}
-# How far the kernel's timeout of a socket call may stray from the call's deadline
-# before it is set again: below the kernel's own tick, and setting it costs a syscall.
+# How far the kernel's timeout of a socket call may end off the call's deadline before
+# it is set again (a syscall): a few ms, about the kernel's own granularity.
 _SLACK_S = 0.005
 # What a socket call raises when its timeout ends it with nothing moved: the kernel's
 # (a plain blocking socket: EAGAIN), Python's (TLS).

@@ -7,8 +7,8 @@ import os
 import shutil
 import struct
 import subprocess
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +102,14 @@ async def opened(
 
 
 class ReplyProxy:
-    """A TCP proxy in front of a server (``url`` names it once :func:`serving`): each
-    request goes on as it comes, and the server's replies too, except on a connection
-    that sent one of ``markers`` in a request, whose replies go through :meth:`relay`."""
+    """A TCP proxy in front of a server (``port`` and ``url`` name it once
+    :func:`serving`): each request goes on as it comes, and the server's replies too,
+    except on a connection that sent one of ``markers`` in a request, whose replies go
+    through :meth:`relay`."""
 
     def __init__(self, upstream: LocalRedisServer, *markers: bytes) -> None:
         self.upstream, self.markers = upstream, markers
-        self.url = ""
+        self.port, self.url = 0, ""
         self._writers: list[asyncio.StreamWriter] = []
         self._handlers: set[asyncio.Task[Any]] = set()
 
@@ -175,14 +176,24 @@ class HeldReplies(ReplyProxy):
 
 class DrippedReplies(ReplyProxy):
     """A :class:`ReplyProxy` that passes the server's replies on each connection that sent
-    one of ``markers`` in a request a byte at a time, one every ``every_s``, while
-    ``dripping`` is True (then the rest at once): a slow peer whose every byte comes
-    well within a socket's timeout."""
+    one of ``markers`` in a request a byte at a time, one every ``every_s``, inside
+    :meth:`drip` (then the rest at once): a slow peer whose every byte comes well
+    within a socket's timeout."""
 
     def __init__(self, upstream: LocalRedisServer, *markers: bytes, every_s: float) -> None:
         super().__init__(upstream, *markers)
         self.every_s = every_s
+        self.dripping = False
+
+    @contextmanager
+    def drip(self) -> Iterator[None]:
+        """Drip while inside; on leaving (an error too) the rest goes at once, so a call
+        still waiting on a reply ends and the tier can close."""
         self.dripping = True
+        try:
+            yield
+        finally:
+            self.dripping = False
 
     async def relay(self, data: bytes, writer: asyncio.StreamWriter) -> None:
         view = memoryview(data)
@@ -203,8 +214,8 @@ async def serving(proxy: ReplyProxy) -> AsyncIterator[None]:
     """Serve ``proxy`` on a free loopback port (its ``url``) while inside; on leaving,
     let go what it holds and close its connections."""
     server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    proxy.url = f"redis://127.0.0.1:{port}/0"
+    proxy.port = server.sockets[0].getsockname()[1]
+    proxy.url = f"redis://127.0.0.1:{proxy.port}/0"
     try:
         yield
     finally:
