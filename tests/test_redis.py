@@ -234,8 +234,7 @@ async def test_a_server_that_drips_its_replies_fails_a_call_within_about_timeout
 ) -> None:
     """A reply that comes a byte every 20 ms (every receive gets bytes well within
     ``timeout_s``) fails the job once the call's one deadline has passed: the breaker
-    counts it, and the tier serves again once the replies flow. (Before, each receive
-    had a timeout of its own: the load went on for minutes, the store for seconds.)"""
+    counts it, and the tier serves again once the replies flow."""
     names = keys(480)  # a store: 60 replies of 5 bytes on each of its 8 connections
     slots = [i % SLOTS for i in range(len(names))]
     bound_s = 3.0  # timeout_s 0.5, and generous for a busy machine
