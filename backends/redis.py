@@ -268,18 +268,21 @@ class RedisTier(TierActor):
         return "redis"
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """True/False from a fresh cached answer, else None (ask again) with the key
-        queued for the next batched check; False while the breaker is open.
-        InvalidArgumentError unless ``key`` is bytes."""
+        """False while the breaker is not closed (open, or half-open with its probe
+        out) or the tier is closed, whatever the cache holds; else True/False from a
+        fresh cached answer, or None (ask again) with the key queued for the next
+        batched check. InvalidArgumentError unless ``key`` is bytes."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
+        # A load now fails at once (or is the probe): a cached True would only send the
+        # engine to a miss.
+        if self.breaker.state is not BreakerState.CLOSED or self.closed:
+            return False
         if self.storing(key):
             return None
         entry = self._presence.get(key)
         if entry is not None and entry[1] > time.monotonic():
             return entry[0]
-        if self.breaker.state is not BreakerState.CLOSED or self.closed:
-            return False
         if key not in self._in_check:
             self._to_check[key] = None
             self._schedule_check()

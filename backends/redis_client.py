@@ -228,6 +228,7 @@ __all__ = [
     "Redis",
     "RedisCluster",
     "RedisConnectionError",
+    "RedisTimeoutError",
     "ResponseError",
     "TryAgainError",
     "check_url",

@@ -11,11 +11,16 @@ reads them in turn. A command a node redirects (MOVED, ASK, TRYAGAIN) is sent ag
 through redis-py's cluster client, which follows it and updates its map; a node that
 fails makes the link raise (the stream then drops it, replies left unread on it) after
 the map is refreshed.
+
+Each pipeline has one deadline, ``timeout_s`` from when it is sent: the connections made
+for it, its requests and all of its replies (on every node) are in by then, or the link
+raises RedisTimeoutError.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -72,60 +77,79 @@ _SPREAD = 8
 class _Group(NamedTuple):
     """A share of a pipeline sent on one connection: the connection, the indexes of its
     commands in the pipeline, their sinks and expected replies, and what ``receive``
-    needs."""
+    needs (what ``send`` returned, and the pipeline's deadline)."""
 
     connection: RespConnection
     indexes: Sequence[int]
     sinks: Sequence[Sink | None] | None
     expected: Sequence[Expected] | None
     sent: int
+    deadline: float
 
 
 def _send_group(
-    connection: RespConnection, pipeline: Pipeline, chosen: list[int] | None = None
+    connection: RespConnection,
+    pipeline: Pipeline,
+    deadline: float,
+    chosen: list[int] | None = None,
 ) -> _Group:
     """Send the commands of ``pipeline`` at the indexes ``chosen`` (None: all of them) on
-    ``connection``."""
+    ``connection``, by ``deadline``, which their replies are to be in by too."""
     if chosen is None:
         indexes: Sequence[int] = range(len(pipeline.commands))
         commands, sinks, expected = pipeline.commands, pipeline.sinks, pipeline.expected
     else:
         indexes, commands = chosen, [pipeline.commands[i] for i in chosen]
         sinks, expected = _chosen(chosen, pipeline.sinks), _chosen(chosen, pipeline.expected)
-    return _Group(connection, indexes, sinks, expected, connection.send(commands, sinks, expected))
+    sent = connection.send(commands, sinks, expected, deadline=deadline)
+    return _Group(connection, indexes, sinks, expected, sent, deadline)
 
 
 def _receive_groups(pipeline: Pipeline, groups: list[_Group]) -> Replies:
     """The replies of ``pipeline`` sent as ``groups``, in its commands' order (a
     connection's replies come in the order its groups were sent)."""
     if len(groups) == 1 and len(groups[0].indexes) == len(pipeline.commands):
-        group = groups[0]  # the whole pipeline, in order
-        return group.connection.receive(len(group.indexes), group.sinks, group.expected, group.sent)
+        return _receive_group(groups[0])  # the whole pipeline, in order
     replies: Replies = [None] * len(pipeline.commands)
     for group in groups:
-        got = group.connection.receive(len(group.indexes), group.sinks, group.expected, group.sent)
-        for i, reply in zip(group.indexes, got, strict=True):
+        for i, reply in zip(group.indexes, _receive_group(group), strict=True):
             replies[i] = reply
     return replies
 
 
+def _receive_group(group: _Group) -> Replies:
+    """The replies of the commands sent as ``group``, in their order."""
+    connection, count = group.connection, len(group.indexes)
+    sent, deadline = group.sent, group.deadline
+    return connection.receive(count, group.sinks, group.expected, sent, deadline=deadline)
+
+
+def _deadline(endpoint: Endpoint) -> float:
+    """The deadline of a pipeline sent now: ``timeout_s`` from now."""
+    return time.monotonic() + endpoint.timeout_s
+
+
 class ServerLink:
     """A stream's connections to one server (raises as :class:`RespConnection` does): one
-    for pipelines whose commands run in order, and up to ``_SPREAD`` more, made as first
-    needed, over which an independent pipeline goes a command on each in turn."""
+    for pipelines whose commands run in order, and up to ``_SPREAD`` more, each made as
+    first needed, over which an independent pipeline goes a command on each in turn."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self._endpoint = endpoint
-        self._connection = RespConnection(endpoint)
+        self._connection: RespConnection | None = None
         self._spread: list[RespConnection] = []
         self._next = 0
 
     def send(self, pipeline: Pipeline) -> list[_Group]:
         """Send ``pipeline``; returns what :meth:`receive` needs to read its replies."""
+        deadline = _deadline(self._endpoint)
         if not pipeline.independent:
-            return [_send_group(self._connection, pipeline)]
+            if self._connection is None:
+                self._connection = RespConnection(self._endpoint, deadline)
+            return [_send_group(self._connection, pipeline, deadline)]
         return [
-            _send_group(self._spread_one(), pipeline, [i]) for i in range(len(pipeline.commands))
+            _send_group(self._spread_one(deadline), pipeline, deadline, [i])
+            for i in range(len(pipeline.commands))
         ]
 
     def receive(self, pipeline: Pipeline, groups: list[_Group]) -> Replies:
@@ -134,16 +158,21 @@ class ServerLink:
 
     def stale(self) -> bool:
         """Whether an idle connection is of no further use (:func:`any_stale`)."""
-        return any_stale((self._connection, *self._spread))
+        return any_stale(self._connections())
 
     def close(self) -> None:
-        for connection in (self._connection, *self._spread):
+        for connection in self._connections():
             connection.close()
 
-    def _spread_one(self) -> RespConnection:
-        """The next spread connection: a new one while fewer than ``_SPREAD`` are made."""
+    def _connections(self) -> list[RespConnection]:
+        made = [] if self._connection is None else [self._connection]
+        return made + self._spread
+
+    def _spread_one(self, deadline: float) -> RespConnection:
+        """The next spread connection: a new one (made by ``deadline``) while fewer than
+        ``_SPREAD`` are made."""
         if len(self._spread) < _SPREAD:
-            self._spread.append(RespConnection(self._endpoint))
+            self._spread.append(RespConnection(self._endpoint, deadline))
             return self._spread[-1]
         connection = self._spread[self._next]
         self._next = (self._next + 1) % _SPREAD
@@ -153,7 +182,9 @@ class ServerLink:
 class ClusterLink:
     """A stream's connections to the nodes of ``cluster`` (reached as ``endpoint`` says:
     credentials, TLS, timeouts). Raises the client's error (a connection failed or timed
-    out, the cluster is down), retrying nothing; the map of the slots is refreshed first."""
+    out, the cluster is down), retrying nothing; the map of the slots is refreshed first
+    (through redis-py's client, as a redirected command is sent again: those calls
+    are redis-py's, each socket operation bounded by ``timeout_s``)."""
 
     def __init__(self, endpoint: Endpoint, cluster: RedisCluster) -> None:
         self._endpoint, self._cluster = endpoint, cluster
@@ -167,12 +198,14 @@ class ClusterLink:
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
             indexes.setdefault(self._endpoint.at(node.host, node.port), []).append(i)
         groups: list[_Group] = []
+        deadline = _deadline(self._endpoint)
         try:
             for endpoint, chosen in indexes.items():
                 connection = self._connections.get(endpoint)
                 if connection is None:
-                    connection = self._connections[endpoint] = RespConnection(endpoint)
-                groups.append(_send_group(connection, pipeline, chosen))
+                    connection = RespConnection(endpoint, deadline)
+                    self._connections[endpoint] = connection
+                groups.append(_send_group(connection, pipeline, deadline, chosen))
         except CLIENT_ERRORS:
             self._refresh()
             raise

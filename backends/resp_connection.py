@@ -6,7 +6,9 @@ while it holds the GIL; here a pipeline's requests go out in ``sendmsg`` calls t
 gather the slots' views, and each payload is received straight into its slot: a reply
 the caller expects in one ``recvmsg_into`` with the next reply's framing and head, any
 other through :mod:`backends.resp`'s reader. Blocking sockets on the tier's I/O
-threads release the GIL for every byte they move. The url's credentials (``AUTH``),
+threads release the GIL for every byte they move. Every call has one deadline: its
+connect, its requests and all of its replies, however slowly the bytes come, end by
+then. The url's credentials (``AUTH``),
 database (``SELECT``) and TLS files are honoured; a url asking for anything else
 gets no :class:`Endpoint` here, and the tier uses redis-py for it.
 """
@@ -14,14 +16,21 @@ gets no :class:`Endpoint` here, and the tier uses redis-py for it.
 from __future__ import annotations
 
 import contextlib
+import math
 import select
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from backends.redis_client import AuthenticationError, RedisConnectionError, ResponseError
+from backends.redis_client import (
+    AuthenticationError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    ResponseError,
+)
 from backends.resp import (
     NOT_YET,
     Argument,
@@ -48,6 +57,12 @@ _AHEAD = 512  # ... and while a reply may land in a sink
 _PAD_FRAMING = 32  # bytes the padding reply holds beyond its padding, at most
 _IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
 _PLAIN_KEYS = {"host", "port", "username", "password", "db", "path", "connection_class"}
+# How far the kernel's timeout of a socket call may end off the call's deadline before
+# it is set again (a syscall): a few ms, about the kernel's own granularity.
+_SLACK_S = 0.005
+# What a socket call raises when its timeout ends it with nothing moved: the kernel's
+# (a plain blocking socket: EAGAIN), Python's (TLS).
+_TIMED_OUT = (BlockingIOError, TimeoutError)
 
 
 class Expected(NamedTuple):
@@ -61,8 +76,8 @@ class Expected(NamedTuple):
 
 class Endpoint(NamedTuple):
     """Where and how to connect: a TCP ``host``/``port`` or a unix ``path``, the
-    url's credentials and database, a TLS context (None: plain), and the timeout of
-    every connect, send and receive."""
+    url's credentials and database, a TLS context (None: plain), and the time every
+    call has (``timeout_s``: its connect, or its requests and all of their replies)."""
 
     host: str
     port: int
@@ -115,40 +130,48 @@ def response_error(reply: ErrorReply) -> ResponseError:
 
 
 class RespConnection:
-    """One connection to one server, authenticated and on the url's database. Raises
-    OSError (a timeout too), RedisConnectionError for a closed connection or bytes
-    that are no RESP, and AuthenticationError if ``AUTH`` is refused; after any of
-    them the connection is of no further use."""
+    """One connection to one server, authenticated and on the url's database, made by
+    ``deadline`` (a :func:`time.monotonic` time; None: ``timeout_s`` from now). Each
+    call (:meth:`round_trip`, or :meth:`send` and :meth:`receive`) ends by its own
+    deadline, however slowly the server takes its requests or sends its replies.
+    Raises RedisTimeoutError once a deadline has passed, OSError for a connection that
+    fails, RedisConnectionError for a closed connection or bytes that are no RESP, and
+    AuthenticationError if ``AUTH`` is refused; after any of them the connection is of
+    no further use."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, deadline: float | None = None) -> None:
         self.endpoint = endpoint
+        self._deadline = time.monotonic() + endpoint.timeout_s if deadline is None else deadline
+        self._tls = endpoint.tls is not None
         if endpoint.path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(endpoint.timeout_s)
             try:
+                sock.settimeout(self._left())
                 sock.connect(endpoint.path)
-            except OSError:
+            except BaseException:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection((endpoint.host, endpoint.port), endpoint.timeout_s)
+            address = (endpoint.host, endpoint.port)
+            sock = socket.create_connection(address, self._left())
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if endpoint.tls is not None:
             try:
+                sock.settimeout(self._left())  # the handshake's, as a whole
                 sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
-            except OSError:
+            except BaseException:
                 sock.close()
                 raise
         self._sock: socket.socket = sock
-        self._gather = endpoint.tls is None  # an SSL socket has no sendmsg
         self._wait_all = 0
+        # The kernel's timeouts of receives and sends (SO_RCVTIMEO, SO_SNDTIMEO) as
+        # last set, in seconds (inf: not set, the kernel waits for ever).
+        self._armed = [math.inf, math.inf]
         if endpoint.tls is None:
-            # A blocking socket whose kernel timeouts bound each call: a payload then
-            # arrives in one recv_into (MSG_WAITALL) and a pipeline goes out in one
-            # sendmsg, each a single release of the GIL instead of one per segment.
-            limit = struct.pack("ll", int(endpoint.timeout_s), int(endpoint.timeout_s % 1 * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            # A blocking socket whose kernel timeouts bound each socket call, set from
+            # the call's deadline (_arm): a payload then arrives in one recv_into
+            # (MSG_WAITALL) and a pipeline goes out in one sendmsg, each a single
+            # release of the GIL instead of one per segment.
             sock.settimeout(None)
             self._wait_all = socket.MSG_WAITALL
         self._reader = RespReader()
@@ -161,6 +184,36 @@ class RespConnection:
             self.close()
             raise
 
+    def _left(self) -> float:
+        """The seconds left until the current call's deadline (more than 0); raises
+        RedisTimeoutError once it has passed."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise RedisTimeoutError(
+                f"the redis server did not answer within timeout_s ({self.endpoint.timeout_s} s)"
+            )
+        return left
+
+    def _arm(self, receiving: bool) -> None:
+        """Bound the next blocking receive (or send) on the socket by the current call's
+        deadline; raises RedisTimeoutError once it has passed. A socket call that the
+        timeout ends early raises BlockingIOError or TimeoutError (nothing moved) or
+        moves fewer bytes: the caller arms again and goes on, or the deadline raises."""
+        left = self._left()
+        if self._tls:
+            self._sock.settimeout(left)  # Python's timeout: bounds one call as a whole
+            return
+        # The kernel restarts its timeout at each socket call: set it again whenever
+        # this call's wait would end more than _SLACK_S off the deadline (a call that
+        # moves megabytes in many receives sets it about once).
+        which = 0 if receiving else 1
+        if abs(left - self._armed[which]) > _SLACK_S:
+            seconds, micros = int(left), int(left % 1 * 1e6)
+            limit = struct.pack("ll", seconds, max(micros, 1) if seconds == 0 else micros)
+            option = socket.SO_RCVTIMEO if receiving else socket.SO_SNDTIMEO
+            self._sock.setsockopt(socket.SOL_SOCKET, option, limit)
+            self._armed[which] = left
+
     def _hello(self) -> None:
         endpoint, commands = self.endpoint, []
         if endpoint.password is not None:
@@ -170,7 +223,7 @@ class RespConnection:
             commands.append((b"SELECT", endpoint.db))
         if not commands:
             return
-        for reply in self.round_trip(commands):
+        for reply in self.round_trip(commands, deadline=self._deadline):  # the connect's
             if isinstance(reply, ResponseError):
                 raise AuthenticationError(str(reply))
 
@@ -179,31 +232,39 @@ class RespConnection:
         commands: Sequence[Command],
         sinks: Sequence[Sink | None] | None = None,
         expected: Sequence[Expected] | None = None,
+        *,
+        deadline: float | None = None,
     ) -> list[Reply | ResponseError]:
-        """Send ``commands`` pipelined and read their replies, in order; an error reply
+        """Send ``commands`` pipelined and read their replies, in order, by ``deadline``
+        (a :func:`time.monotonic` time; None: ``timeout_s`` from now); an error reply
         comes back as redis-py's error in its place. ``sinks[i]`` (if given) picks
         where the bulk strings of reply ``i`` land (:data:`backends.resp.Sink`).
         ``expected[i]`` (with ``sinks``) is the bulk string reply ``i`` is expected to
         be: on a plain socket such replies are read with one receive each (its rest,
         then the next reply's framing and head), and a reply that is not as expected
         is read as any other; its sink then gives where the rest lands."""
-        pad = self.send(commands, sinks, expected)
-        return self.receive(len(commands), sinks, expected, pad)
+        if deadline is None:
+            deadline = time.monotonic() + self.endpoint.timeout_s
+        pad = self.send(commands, sinks, expected, deadline=deadline)
+        return self.receive(len(commands), sinks, expected, pad, deadline=deadline)
 
     def send(
         self,
         commands: Sequence[Command],
         sinks: Sequence[Sink | None] | None = None,
         expected: Sequence[Expected] | None = None,
+        *,
+        deadline: float,
     ) -> int:
-        """The first half of :meth:`round_trip`: send ``commands``; returns what
-        :meth:`receive` needs to read their replies (several pipelines may be sent
-        before their replies are read, in the order sent)."""
+        """The first half of :meth:`round_trip`: send ``commands`` by ``deadline``;
+        returns what :meth:`receive` needs to read their replies (several pipelines may
+        be sent before their replies are read, in the order sent)."""
+        self._deadline = deadline
         buffers: list[Buffer] = []
         for command in commands:
             encode_command(command, buffers)
         pad = 0
-        if expected and sinks is not None and self._gather:
+        if expected and sinks is not None and not self._tls:
             # A padding reply after the last: whatever the replies turn out to be, at
             # least a reply's framing and head follow the end of every one of them, so
             # a receive that waits for all the bytes it asks for never waits in vain.
@@ -221,9 +282,13 @@ class RespConnection:
         sinks: Sequence[Sink | None] | None,
         expected: Sequence[Expected] | None,
         pad: int,
+        *,
+        deadline: float,
     ) -> list[Reply | ResponseError]:
         """The second half of :meth:`round_trip`: the replies of the ``count`` commands
-        :meth:`send` sent (with these ``sinks`` and ``expected``; it returned ``pad``)."""
+        :meth:`send` sent (with these ``sinks`` and ``expected``; it returned ``pad``),
+        all of them in by ``deadline`` (the one they were sent with)."""
+        self._deadline = deadline
         if pad:
             assert sinks is not None and expected is not None
             return self._read_expected(sinks, expected, pad)
@@ -283,7 +348,11 @@ class RespConnection:
         """Receive exactly as many bytes as ``views`` hold, into them in order."""
         sock, wait_all = self._sock, self._wait_all
         while views:
-            count = sock.recvmsg_into(views, 0, wait_all)[0]
+            self._arm(receiving=True)
+            try:
+                count = sock.recvmsg_into(views, 0, wait_all)[0]
+            except _TIMED_OUT:
+                continue  # the socket's timeout: arm it again, or the deadline has passed
             if not count:
                 raise RedisConnectionError("the redis server closed the connection")
             while views and count >= views[0].nbytes:
@@ -293,14 +362,17 @@ class RespConnection:
 
     def _send(self, buffers: list[Buffer]) -> None:
         sock = self._sock
-        if not self._gather:
-            for buffer in buffers:
-                sock.sendall(buffer)
-            return
         pending = [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in buffers]
         first = 0
         while first < len(pending):
-            sent = sock.sendmsg(pending[first : first + _IOV_MAX])
+            self._arm(receiving=False)
+            try:
+                if self._tls:  # an SSL socket has no sendmsg
+                    sent = sock.send(pending[first])
+                else:
+                    sent = sock.sendmsg(pending[first : first + _IOV_MAX])
+            except _TIMED_OUT:
+                continue  # the socket's timeout: arm it again, or the deadline has passed
             while first < len(pending) and sent >= len(pending[first]):
                 sent -= len(pending[first])
                 first += 1
@@ -312,17 +384,21 @@ class RespConnection:
         try:
             while (reply := reader.gets()) is NOT_YET:
                 into = reader.direct()
-                if into is not None:
-                    count = sock.recv_into(into, 0, self._wait_all)
-                    if count:
-                        reader.filled(count)
-                else:
-                    # Ahead of a sink's bulk string, a little: its framing and header,
-                    # and no payload that would be copied twice on its way to the slot.
-                    chunk = self._chunk if reader.sink is None else self._chunk[:_AHEAD]
-                    count = sock.recv_into(chunk)
-                    if count:
-                        reader.feed(chunk[:count])
+                self._arm(receiving=True)
+                try:
+                    if into is not None:
+                        count = sock.recv_into(into, 0, self._wait_all)
+                        if count:
+                            reader.filled(count)
+                    else:
+                        # Ahead of a sink's bulk string, a little: its framing and header,
+                        # and no payload that would be copied twice on its way to the slot.
+                        chunk = self._chunk if reader.sink is None else self._chunk[:_AHEAD]
+                        count = sock.recv_into(chunk)
+                        if count:
+                            reader.feed(chunk[:count])
+                except _TIMED_OUT:
+                    continue  # the socket's timeout: arm it again, or the deadline has passed
                 if not count:
                     raise RedisConnectionError("the redis server closed the connection")
         except ProtocolError as exc:

@@ -7,8 +7,8 @@ import os
 import shutil
 import struct
 import subprocess
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,53 +101,152 @@ async def opened(
         await tier.aclose()
 
 
-class HeldReplies:
-    """A TCP proxy in front of a server (``url`` names it) that holds back the server's
-    replies on each connection that sent ``marker`` in a request, until ``released`` is
-    set; ``seen`` is set once such a reply is held (the server has run the command)."""
+class ReplyProxy:
+    """A TCP proxy in front of a server (``port`` and ``url`` name it once
+    :func:`serving`): each request goes on as it comes, and the server's replies too,
+    except on a connection that sent one of ``markers`` in a request, whose replies go
+    through :meth:`relay`."""
 
-    def __init__(self, upstream: LocalRedisServer, marker: bytes) -> None:
-        self.upstream, self.marker = upstream, marker
-        self.seen, self.released = asyncio.Event(), asyncio.Event()
-        self.url = ""
+    def __init__(self, upstream: LocalRedisServer, *markers: bytes) -> None:
+        self.upstream, self.markers = upstream, markers
+        self.port, self.url = 0, ""
+        self._writers: list[asyncio.StreamWriter] = []
+        self._handlers: set[asyncio.Task[Any]] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream.port)
+        self._writers += (writer, up_writer)
         marked = False
 
         async def requests() -> None:
             nonlocal marked
             while data := await reader.read(1 << 16):
-                marked = marked or self.marker in data
+                marked = marked or any(marker in data for marker in self.markers)
                 up_writer.write(data)
                 await up_writer.drain()
             up_writer.close()
 
         async def replies() -> None:
             while data := await up_reader.read(1 << 16):
-                if marked and not self.released.is_set():
-                    self.seen.set()
-                    await self.released.wait()
-                writer.write(data)
-                await writer.drain()
+                if marked:
+                    await self.relay(data, writer)
+                else:
+                    writer.write(data)
+                    await writer.drain()
             writer.close()
 
         await asyncio.gather(requests(), replies(), return_exceptions=True)
+
+    async def relay(self, data: bytes, writer: asyncio.StreamWriter) -> None:
+        """Pass on ``data``, a reply (or part of one) on a marked connection."""
+        writer.write(data)
+        await writer.drain()
+
+    def stop(self) -> None:
+        """Let everything held go (on leaving :func:`serving`)."""
+
+    async def close(self) -> None:
+        """Close every connection made, both ways, and wait for their handlers."""
+        for writer in self._writers:
+            writer.close()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+
+class HeldReplies(ReplyProxy):
+    """A :class:`ReplyProxy` that holds back the server's replies on each connection that
+    sent ``marker`` in a request, until ``released`` is set; ``seen`` is set once such a
+    reply is held (the server has run the command)."""
+
+    def __init__(self, upstream: LocalRedisServer, marker: bytes) -> None:
+        super().__init__(upstream, marker)
+        self.seen, self.released = asyncio.Event(), asyncio.Event()
+
+    async def relay(self, data: bytes, writer: asyncio.StreamWriter) -> None:
+        if not self.released.is_set():
+            self.seen.set()
+            await self.released.wait()
+        await super().relay(data, writer)
+
+    def stop(self) -> None:
+        self.released.set()
+
+
+class DrippedReplies(ReplyProxy):
+    """A :class:`ReplyProxy` that passes the server's replies on each connection that sent
+    one of ``markers`` in a request a byte at a time, one every ``every_s``, inside
+    :meth:`drip` (then the rest at once): a slow peer whose every byte comes well
+    within a socket's timeout."""
+
+    def __init__(self, upstream: LocalRedisServer, *markers: bytes, every_s: float) -> None:
+        super().__init__(upstream, *markers)
+        self.every_s = every_s
+        self.dripping = False
+
+    @contextmanager
+    def drip(self) -> Iterator[None]:
+        """Drip while inside; on leaving (an error too) the rest goes at once, so a call
+        still waiting on a reply ends and the tier can close."""
+        self.dripping = True
+        try:
+            yield
+        finally:
+            self.dripping = False
+
+    async def relay(self, data: bytes, writer: asyncio.StreamWriter) -> None:
+        view = memoryview(data)
+        while view and self.dripping and not writer.is_closing():
+            writer.write(view[:1])
+            await writer.drain()
+            view = view[1:]
+            await asyncio.sleep(self.every_s)
+        if view and not writer.is_closing():
+            await super().relay(bytes(view), writer)
+
+    def stop(self) -> None:
+        self.dripping = False
+
+
+@asynccontextmanager
+async def serving(proxy: ReplyProxy) -> AsyncIterator[None]:
+    """Serve ``proxy`` on a free loopback port (its ``url``) while inside; on leaving,
+    let go what it holds and close its connections."""
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    proxy.port = server.sockets[0].getsockname()[1]
+    proxy.url = f"redis://127.0.0.1:{proxy.port}/0"
+    try:
+        yield
+    finally:
+        proxy.stop()
+        server.close()
+        await proxy.close()
+        await server.wait_closed()
 
 
 @asynccontextmanager
 async def holding_replies(upstream: LocalRedisServer, marker: bytes) -> AsyncIterator[HeldReplies]:
     """A :class:`HeldReplies` proxy in front of ``upstream``, serving while inside."""
     proxy = HeldReplies(upstream, marker)
-    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    proxy.url = f"redis://127.0.0.1:{port}/0"
-    try:
+    async with serving(proxy):
         yield proxy
-    finally:
-        proxy.released.set()
-        server.close()
-        await server.wait_closed()
+
+
+DATA_COMMANDS = (b"$3\r\nGET\r\n", b"$3\r\nSET\r\n")
+"""Markers of the requests the Redis tier moves blocks with (``GET``, ``SET``): its
+checks and usage (``PING``, ``INFO``, ``EXISTS``, ...) hold none."""
+
+
+@asynccontextmanager
+async def dripping_replies(
+    upstream: LocalRedisServer, every_s: float
+) -> AsyncIterator[DrippedReplies]:
+    """A :class:`DrippedReplies` proxy in front of ``upstream`` that drips the replies to
+    the tier's data path (:data:`DATA_COMMANDS`), serving while inside."""
+    proxy = DrippedReplies(upstream, *DATA_COMMANDS, every_s=every_s)
+    async with serving(proxy):
+        yield proxy
 
 
 def name_of(key: bytes, namespace: str = "model-a", tenant: str = "") -> bytes:

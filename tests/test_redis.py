@@ -16,6 +16,7 @@ from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import (
     BLOCK,
     client_of,
+    dripping_replies,
     give_slot_of,
     holding_replies,
     keys,
@@ -209,6 +210,53 @@ async def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
         redis_server.start()  # same port: the server is back (empty, no persistence)
         await asyncio.sleep(0.1)  # past the back-off: the next call is the probe
         assert (await store_job(tier, names[1:], [1])).success
+        assert str(tier.breaker.state) == "closed"
+
+
+async def test_while_the_breaker_is_open_a_lookup_answers_false_even_for_a_cached_key(
+    pool: memoryview, redis_server: RedisServer
+) -> None:
+    names = keys(2)
+    options = {"timeout_s": 0.5, "breaker_failures": 1}
+    async with opened(pool, redis_server, **options) as tier:
+        assert (await store_job(tier, names[:1], [0])).success
+        assert tier.lookup(names[0]) is True  # from the cache, fresh for presence_ttl_s
+        redis_server.kill()
+        assert not (await store_job(tier, names[1:], [1])).success
+        assert str(tier.breaker.state) == "open"
+        assert tier.lookup(names[0]) is False
+        assert tier.lookup_all(names) == [False, False]
+
+
+@pytest.mark.parametrize("call", ["load", "store"])
+async def test_a_server_that_drips_its_replies_fails_a_call_within_about_timeout_s(
+    pool: memoryview, redis_server: RedisServer, call: str
+) -> None:
+    """A reply that comes a byte every 20 ms (every receive gets bytes well within
+    ``timeout_s``) fails the job once the call's one deadline has passed: the breaker
+    counts it, and the tier serves again once the replies flow."""
+    names = keys(480)  # a store: 60 replies of 5 bytes on each of its 8 connections
+    slots = [i % SLOTS for i in range(len(names))]
+    bound_s = 3.0  # timeout_s 0.5, and generous for a busy machine
+    options = {"timeout_s": 0.5, "breaker_failures": 1, "breaker_backoff_s": 0.05}
+    async with (
+        dripping_replies(redis_server, every_s=0.02) as proxy,
+        opened(pool, redis_server, url=proxy.url, **options) as tier,
+    ):
+        assert (await store_job(tier, names[:4], slots[:4])).success
+        with proxy.drip():
+            async with asyncio.timeout(bound_s):
+                if call == "load":
+                    failed = await load_job(tier, names[:4], [28, 29, 30, 31])
+                else:
+                    failed = await store_job(tier, names, slots)
+        assert not failed.success and "redis unreachable" in str(failed.error)
+        assert "timeout_s" in str(failed.error)
+        assert str(tier.breaker.state) == "open"
+        assert tier.statistics().counters["unreachable_calls"] == 1
+        await asyncio.sleep(0.1)  # past the back-off: the next call is the probe
+        assert (await load_job(tier, names[:4], [28, 29, 30, 31])).success
+        assert [slot(pool, 28 + i) for i in range(4)] == [slot(pool, i) for i in range(4)]
         assert str(tier.breaker.state) == "closed"
 
 
@@ -703,6 +751,63 @@ async def test_a_paused_cluster_node_fails_each_call_within_timeout_s_then_the_b
             assert [slot(pool, 28 + i) for i in range(len(held))] == [expected[i] for i in held]
     finally:
         cluster.stop()
+
+
+async def test_a_cluster_node_that_drips_its_replies_fails_a_load_within_about_timeout_s(
+    pool: memoryview, tmp_path
+) -> None:
+    """A node whose replies come a byte every 20 ms (it announces a proxy's port as its
+    own, so every client reaches it through the proxy) fails a load of keys on it and
+    elsewhere once the call's one deadline has passed; the tier serves again once the
+    replies flow."""
+    cluster = local_redis_cluster(tmp_path)  # its own: one node is announced elsewhere
+    names = keys(24)
+    bound_s = 3.0  # timeout_s 0.5, and generous for a busy machine
+    options = {"cluster": True, "timeout_s": 0.5, "breaker_failures": 1,
+               "breaker_backoff_s": 0.05}  # fmt: skip
+    try:
+        slow = cluster.nodes[1]
+        async with dripping_replies(slow, every_s=0.02) as proxy:
+            slow.command("CONFIG", "SET", "cluster-announce-port", str(proxy.port))
+            for _ in range(200):  # gossip tells the first node (the url's) within seconds
+                ranges = cluster.nodes[0].command("CLUSTER", "SLOTS")
+                assert isinstance(ranges, list)
+                slow_slots = [(first, last) for first, last, (_, port, *_), *_ in ranges
+                              if port == proxy.port]  # fmt: skip
+                if slow_slots:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the node's new port never showed")
+            async with opened(pool, cluster, **options) as tier:
+                assert (await store_job(tier, names, range(24))).success
+                on_slow = [
+                    k for k in names
+                    if any(first <= _slot_of(cluster, k) <= last for first, last in slow_slots)
+                ]  # fmt: skip
+                elsewhere = [k for k in names if k not in on_slow]
+                job = [on_slow[0], elsewhere[0], on_slow[-1]]
+                with proxy.drip():
+                    async with asyncio.timeout(bound_s):
+                        failed = await load_job(tier, job, [24, 25, 26])
+                assert set(failed.failed_keys) == set(job)
+                assert "redis unreachable" in str(failed.error)
+                assert "timeout_s" in str(failed.error)
+                assert str(tier.breaker.state) == "open"
+                await asyncio.sleep(0.1)  # past the back-off: the next call is the probe
+                assert (await load_job(tier, job, [24, 25, 26])).success
+                held = [names.index(k) for k in job]
+                assert [slot(pool, 24 + i) for i in range(3)] == [slot(pool, i) for i in held]
+                assert str(tier.breaker.state) == "closed"
+    finally:
+        cluster.stop()
+
+
+def _slot_of(cluster: LocalRedisCluster, key: bytes) -> int:
+    """The hash slot of the Redis key a block ``key`` is stored under."""
+    slot = cluster.nodes[0].command("CLUSTER", "KEYSLOT", name_of(key))
+    assert isinstance(slot, int)
+    return slot
 
 
 @pytest.mark.parametrize("stage", ["moved", "ask"])
