@@ -193,7 +193,8 @@ class NVMeTier(TierActor):
                 await super().start()
                 return
             try:
-                probe, found, free = await self._open_on_disk()
+                # Cancelled, it still ends (as one hop did): no file is left half made.
+                probe, found, free = await to_the_end(self._open_on_disk())
                 excess = self._adopt(probe, found, free)
             except BaseException as exc:
                 self._release_owner()
@@ -252,7 +253,7 @@ class NVMeTier(TierActor):
         )
         statvfs = await fs_call(self._os.statvfs, self.directory)
         self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
-        await to_the_end(self._take_owner_lock())  # cancelled, start() still releases it
+        self._owner = await fs_call(OwnerLock, self.directory, self._instance_id)
         if self.options.o_direct is not False:
             probe = await self.run_blocking(probe_o_direct, self.directory, self._os)
         else:
@@ -264,9 +265,6 @@ class NVMeTier(TierActor):
             run_blocking=self.run_blocking,
         )
         return probe, found, await fs_call(self._segments.free_bytes)
-
-    async def _take_owner_lock(self) -> None:
-        self._owner = await fs_call(OwnerLock, self.directory, self._instance_id)
 
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
         """Take the start-up findings; returns the segments over the cap (to delete)."""
