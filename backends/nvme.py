@@ -1,13 +1,15 @@
 """The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
 and bounded (docs/nvme.md). The actor shell: the index on the loop thread, each job's
 blocking work (:class:`~backends.nvme_segments.SegmentFiles`) in ONE call on the tier's
-own threads.
+own threads, the file-system operations around it (the namespace directory, the owner
+lock, the checkpoint's file) awaited through aiofiles (docs/architecture.md#where-work-runs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -21,8 +23,22 @@ import xxhash
 
 from backends.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
 from backends.nvme_options import NVMeOptions
-from backends.nvme_os import REAL_OS, OwnerLock, check_root, probe_o_direct, thread_buffer
-from backends.nvme_recovery import Recovery, open_directory, recover, write_checkpoint
+from backends.nvme_os import (
+    REAL_OS,
+    OwnerLock,
+    check_root,
+    fs_call,
+    probe_o_direct,
+    thread_buffer,
+    to_the_end,
+)
+from backends.nvme_recovery import (
+    BlockingRunner,
+    Recovery,
+    open_directory,
+    recover,
+    write_checkpoint,
+)
 from backends.nvme_segment_format import namespace_dirname
 from backends.nvme_segment_index import Placement, SegmentIndex, key_digest
 from backends.nvme_segments import ReadOutcome, SegmentFiles, WriteReport, align_up, iter_runs
@@ -146,7 +162,9 @@ class NVMeTier(TierActor):
         self._trash: list[str] = []  # segments given up, files not yet deleted
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
-        self._checkpointing = False  # one checkpoint hop at a time: they share a temp file
+        # Set while no checkpoint is being written: one at a time, they share a temp file.
+        self._checkpoint_idle = asyncio.Event()
+        self._checkpoint_idle.set()
         self._local = threading.local()  # per I/O thread: buffers for moved records
 
     def _new_index(self) -> SegmentIndex:
@@ -175,7 +193,8 @@ class NVMeTier(TierActor):
                 await super().start()
                 return
             try:
-                probe, found, free = await self.run_blocking(self._open_on_disk)
+                # Cancelled, it still ends (as one hop did): no file is left half made.
+                probe, found, free = await to_the_end(self._open_on_disk())
                 excess = self._adopt(probe, found, free)
             except BaseException as exc:
                 self._release_owner()
@@ -199,9 +218,13 @@ class NVMeTier(TierActor):
         if not first or not self._opened:
             return
         trash, self._trash = self._trash, []
-        segments = self._index.checkpoint_segments()
+        # The pool is shut down by now: the loop's executor runs the blocking calls.
+        if trash:
+            await asyncio.to_thread(self._segments.delete, trash)
+        # A job's checkpoint can outlive the close deadline (it runs to its end).
+        await self._checkpoint_idle.wait()
         try:
-            await asyncio.to_thread(self._checkpoint_hop, segments, trash)
+            await self._write_checkpoint(asyncio.to_thread)
         except OSError as exc:
             logger.warning("nvme tier: could not write the index checkpoint: %s", exc)
 
@@ -216,10 +239,11 @@ class NVMeTier(TierActor):
         meeting = threading.Barrier(self.io_threads)
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
-    def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
-        """Worker thread: open the namespace directory, check the floor, take the owner
-        lock, probe O_DIRECT, recover the index, measure free space."""
-        open_directory(
+    async def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
+        """Open the namespace directory, check the floor, take the owner lock (through
+        aiofiles), probe O_DIRECT (one hop on the I/O threads), recover the index (its
+        scan one hop), measure free space."""
+        await open_directory(
             self.root,
             self.directory,
             self.namespace,
@@ -227,15 +251,20 @@ class NVMeTier(TierActor):
             file_mode=self.options.file_mode,
             writer=self._instance_id,
         )
-        statvfs = self._os.statvfs(self.directory)
+        statvfs = await fs_call(self._os.statvfs, self.directory)
         self._space.check_file_system(statvfs.f_blocks * statvfs.f_frsize, self.root)
-        self._owner = OwnerLock(self.directory, self._instance_id)
+        self._owner = await fs_call(OwnerLock, self.directory, self._instance_id)
         if self.options.o_direct is not False:
-            probe = probe_o_direct(self.directory, self._os)
+            probe = await self.run_blocking(probe_o_direct, self.directory, self._os)
         else:
             probe = "disabled by configuration (o_direct=False)"
-        found = recover(self._segments, lambda _: self._new_index(), writer=self._instance_id)
-        return probe, found, self._segments.free_bytes()
+        found = await recover(
+            self._segments,
+            lambda _: self._new_index(),
+            writer=self._instance_id,
+            run_blocking=self.run_blocking,
+        )
+        return probe, found, await fs_call(self._segments.free_bytes)
 
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
         """Take the start-up findings; returns the segments over the cap (to delete)."""
@@ -531,14 +560,19 @@ class NVMeTier(TierActor):
             [(segment, record, slot(block_id), key) for key, segment, record, block_id in reads]
         )
 
-    def _checkpoint_hop(
-        self, segments: list[tuple[int, str, int]], trash: Sequence[str] = ()
-    ) -> None:
-        # The entries are copied here, off the loop, while the loop goes on. ``trash``:
-        # segments given up, deleted first (at close, in the same hop).
-        self._segments.delete(trash)
-        checkpoint = self._index.snapshot(segments)
-        write_checkpoint(self._segments, checkpoint, temp_suffix=self._instance_id)
+    async def _write_checkpoint(self, run_blocking: BlockingRunner) -> None:
+        """Write the index checkpoint: the snapshot and the temporary in one call of
+        ``run_blocking``, the rename and the directory sync through aiofiles
+        (:func:`~backends.nvme_recovery.write_checkpoint`). OSError if it failed."""
+        self._checkpoint_idle.clear()
+        try:
+            # The entries are copied on the thread, off the loop, while the loop goes on.
+            snapshot = functools.partial(self._index.snapshot, self._index.checkpoint_segments())
+            await write_checkpoint(
+                self._segments, snapshot, temp_suffix=self._instance_id, run_blocking=run_blocking
+            )
+        finally:
+            self._checkpoint_idle.set()
 
     # -- bookkeeping (loop thread) -------------------------------------------------------
 
@@ -629,17 +663,14 @@ class NVMeTier(TierActor):
                 self._note_removed((key,))
 
     async def _checkpoint(self) -> None:
-        if self._checkpointing:  # the next job due after this one writes a newer one
+        if not self._checkpoint_idle.is_set():  # the next job due after this one writes
             return
-        self._checkpointing = True
         self._since_checkpoint = 0
         self._local = threading.local()  # per I/O thread: buffers for moved records
         try:
-            await self.run_blocking(self._checkpoint_hop, self._index.checkpoint_segments())
+            await self._write_checkpoint(self.run_blocking)
         except OSError as exc:
             self._failure_log.record("checkpoint failed", 1, str(exc))
-        finally:
-            self._checkpointing = False
 
 
 def _meet(meeting: threading.Barrier) -> None:

@@ -2,20 +2,34 @@
 give the behaviour), from the tier's own code: read-only recovery, ``verify_index``,
 ``mark_removed`` and ``tier_file``. A namespace's record size is the most common payload
 length of its segments' first records that verify; without one, they are damaged.
+
+The public functions are blocking; each runs its report on an event loop of its own, as
+the tier runs (docs/architecture.md#where-work-runs): the file-system operations (the
+root's and the namespaces' listings, identity files read whole, removals) awaited through
+aiofiles, and each batch of per-record I/O (the first records' headers, the scan, the
+verification reads, a walk with its sizes) one call on a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import os
 import re
+import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiofiles
+import aiofiles.os
 
 from backends.block_record import HEADER_BYTES, decode_header, namespace_digest
-from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, owner_alive
+from backends.nvme_os import OWNERS_DIR, check_root, describe_os_error, fs_call, owner_alive
 from backends.nvme_recovery import Recovery, read_identity, recover, verify_index, write_checkpoint
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
@@ -33,6 +47,7 @@ from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
 
 _NAMESPACE_DIR = re.compile(r"^(.+)-([0-9a-f]{32})$")
 _FOREIGN = "not a file the tier writes (the tier leaves it alone)"
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +161,25 @@ class _Namespace:
     def rel(self, *parts: str) -> str:
         return os.path.join(self.name, *parts)
 
-    def live_owners(self) -> tuple[str, ...]:
-        names = [entry.name for entry in _listdir(os.path.join(self.path, OWNERS_DIR))]
-        owners = (name.removesuffix(".lock") for name in names if name.endswith(".lock"))
-        return tuple(owner for owner in owners if owner_alive(self.path, owner))
+    async def live_owners(self) -> tuple[str, ...]:
+        names = await _listdir(os.path.join(self.path, OWNERS_DIR))
+        owners = [name.removesuffix(".lock") for name in names if name.endswith(".lock")]
+        return tuple([owner for owner in owners if await fs_call(owner_alive, self.path, owner)])
 
 
-def _open_root(
+def _run(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run a report's ``main`` on an event loop of its own and return what it returns: on
+    this thread, or, where a loop runs on this thread already (an async caller called a
+    blocking function), on a thread of its own while this one waits."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nvme-inspect") as pool:
+        return pool.submit(asyncio.run, main).result()
+
+
+async def _open_root(
     root: str | os.PathLike[str], wanted: str | None, refuse_if_live: str | None = None
 ) -> tuple[str, list[_Namespace], list[str]]:
     """The root's path, the namespace directories ``wanted`` names (:func:`_select`)
@@ -162,27 +189,20 @@ def _open_root(
     """
     path = os.fspath(root)
     try:
-        check_root(path, option="ROOT")
-        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        await fs_call(check_root, path, option="ROOT")
+        names = sorted(await aiofiles.os.listdir(path))
     except OSError as exc:
         raise InvalidArgumentError(
             f"ROOT: {path!r} cannot be read: {describe_os_error(exc)}"
         ) from None
     namespaces: list[_Namespace] = []
     others: list[str] = []
-    for entry in entries:
-        match = _NAMESPACE_DIR.match(entry.name)
-        if (
-            match
-            and entry.is_dir(follow_symlinks=False)
-            and any(
-                os.path.lexists(os.path.join(entry.path, part))
-                for part in (IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR)
-            )
-        ):
-            namespaces.append(_read_identity(path, entry.name, bytes.fromhex(match.group(2))))
+    for name in names:
+        match = _NAMESPACE_DIR.match(name)
+        if match and await fs_call(_is_namespace_dir, os.path.join(path, name)):
+            namespaces.append(await _read_identity(path, name, bytes.fromhex(match.group(2))))
         else:
-            others.append(entry.name)
+            others.append(name)
     if others and not namespaces:
         raise InvalidArgumentError(
             f"ROOT: {path!r} is not an NVMe root: it holds no namespace directory "
@@ -190,7 +210,7 @@ def _open_root(
         )
     selected = _select(namespaces, wanted)
     for ns in selected if refuse_if_live else ():
-        live = ns.live_owners()
+        live = await ns.live_owners()
         if live:
             raise TieringError(
                 f"refusing to {refuse_if_live}: namespace {ns.namespace or ns.name!r} is in "
@@ -200,11 +220,24 @@ def _open_root(
     return path, selected, others
 
 
-def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
+def _is_namespace_dir(path: str) -> bool:
+    """Whether ``path`` is a directory, not a link, holding a file or directory of the
+    tier's (blocking)."""
+    return (
+        os.path.isdir(path)
+        and not os.path.islink(path)
+        and any(
+            os.path.lexists(os.path.join(path, part))
+            for part in (IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR)
+        )
+    )
+
+
+async def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
     ns = _Namespace(root, name, digest)
     try:
-        with open(os.path.join(root, name, IDENTITY_FILE), encoding="utf-8") as file:
-            found = read_identity(file.read())
+        async with aiofiles.open(os.path.join(root, name, IDENTITY_FILE), encoding="utf-8") as file:
+            found = read_identity(await file.read())
     except FileNotFoundError:
         ns.identity_problem = "no NAMESPACE file (a tier start was cut short, or it was removed)"
     except (OSError, ValueError) as exc:
@@ -255,8 +288,13 @@ def _os_errors(root: str) -> Iterator[None]:
         raise TieringError(f"cannot read {root!r}{where}: {describe_os_error(exc)}") from None
 
 
+def _files_under(path: str) -> list[tuple[str, int]]:
+    """``(path, size)`` of every non-directory below ``path`` (links not followed);
+    blocking, one walk."""
+    return list(_walk_files(path))
+
+
 def _walk_files(path: str) -> Iterator[tuple[str, int]]:
-    """``(path, size)`` of every non-directory below ``path`` (links not followed)."""
     for directory, dirs, files in os.walk(path):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
             full = os.path.join(directory, name)
@@ -264,9 +302,10 @@ def _walk_files(path: str) -> Iterator[tuple[str, int]]:
                 yield full, os.lstat(full).st_size
 
 
-def _listdir(path: str) -> list[os.DirEntry[str]]:
+async def _listdir(path: str) -> list[str]:
+    """The names in ``path``, sorted; none if it is missing or not a directory."""
     try:
-        return sorted(os.scandir(path), key=lambda e: e.name)
+        return sorted(await aiofiles.os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return []
 
@@ -297,25 +336,48 @@ class _Segments:
         return 0 if self.found is None else len(self.found.index)
 
 
-def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
-    """The segments of ``ns``, recovered by the tier's code (reads open under
-    ``cipher``)."""
-    seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
-    state = _Segments(present=os.path.isdir(seg_dir))
-    damaged, orphaned = state.damaged, state.orphaned
-    sizes: Counter[int] = Counter()
-    names: list[str] = []
-    for entry in _listdir(seg_dir):
+@dataclass(slots=True)
+class _FirstRecords:
+    """What the first record of each segment says: its payload length (counted where
+    it verifies), whether one is sealed; the names of segments and foreign entries."""
+
+    names: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+    sizes: Counter[int] = field(default_factory=Counter)
+    sealed: bool = False
+
+
+def _first_records(seg_dir: str, digest: bytes) -> _FirstRecords:
+    """Read the first record header of every segment in ``seg_dir`` (blocking, one
+    call: a header read per segment)."""
+    found = _FirstRecords()
+    try:
+        entries = sorted(os.scandir(seg_dir), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
         if parse_segment_name(entry.name) is None or not entry.is_file(follow_symlinks=False):
-            orphaned.append(Finding(ns.rel(SEGMENTS_DIR, entry.name), _FOREIGN))
+            found.foreign.append(entry.name)
             continue
-        names.append(entry.name)
+        found.names.append(entry.name)
         with contextlib.suppress(OSError, CorruptBlockError), open(entry.path, "rb") as file:
             # Record 0 sits right after the segment header whatever the record size.
             header = decode_header(os.pread(file.fileno(), HEADER_BYTES, HEADER_BYTES))
-            if header.namespace_digest == ns.digest:
-                sizes[header.payload_bytes] += 1
-                state.sealed = state.sealed or header.seal is not None
+            if header.namespace_digest == digest:
+                found.sizes[header.payload_bytes] += 1
+                found.sealed = found.sealed or header.seal is not None
+    return found
+
+
+async def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
+    """The segments of ``ns``, recovered by the tier's code (reads open under
+    ``cipher``)."""
+    seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
+    state = _Segments(present=await aiofiles.os.path.isdir(seg_dir))
+    damaged, orphaned = state.damaged, state.orphaned
+    first = await asyncio.to_thread(_first_records, seg_dir, ns.digest)
+    orphaned += [Finding(ns.rel(SEGMENTS_DIR, name), _FOREIGN) for name in first.foreign]
+    names, sizes, state.sealed = first.names, first.sizes, first.sealed
     if not sizes:
         why = "no segment's first record verifies: record size unknown"
         damaged.extend(Finding(ns.rel(SEGMENTS_DIR, name), why) for name in names)
@@ -326,7 +388,7 @@ def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
     )
     # An index as large as what is on disk keeps every block the tier would index,
     # whatever its cap.
-    found = state.found = recover(
+    found = state.found = await recover(
         files,
         lambda records: SegmentIndex(
             max(1, records), records_per_segment=MAX_RECORDS_PER_SEGMENT, writer="0"
@@ -337,7 +399,7 @@ def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
     if found.checkpoint is None and found.checkpoint_note != "no checkpoint":
         why = f"{found.checkpoint_note} (the tier scans every segment instead)"
         damaged.append(Finding(ns.rel(CHECKPOINT_FILE), why))
-    for name, size in files.list_segments():
+    for name, size in await asyncio.to_thread(files.list_segments):
         rel, records = ns.rel(SEGMENTS_DIR, name), files.records_in(size)
         scan = found.scans.get(name)
         if scan is None:  # unreadable, corrupt, or new since the scan
@@ -362,18 +424,19 @@ def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
     return state
 
 
-def _namespace_orphans(ns: _Namespace) -> list[Finding]:
+async def _namespace_orphans(ns: _Namespace) -> list[Finding]:
     """Leftovers at the top of the namespace directory and in ``owners/``."""
     found: list[Finding] = []
     for top in ("", OWNERS_DIR):
-        for entry in _listdir(os.path.join(ns.path, top)):
-            parts = (top, entry.name) if top else (entry.name,)
+        for name in await _listdir(os.path.join(ns.path, top)):
+            parts = (top, name) if top else (name,)
             if parts in ((OWNERS_DIR,), (SEGMENTS_DIR,)):
                 continue
             kind = tier_file(parts)
             if kind in ("lock", "checkpoint temporary"):
-                temporary = temporary_writer(entry.name, CHECKPOINT_FILE)
-                if owner_alive(ns.path, temporary or entry.name.removesuffix(".lock")):
+                temporary = temporary_writer(name, CHECKPOINT_FILE)
+                owner = temporary or name.removesuffix(".lock")
+                if await fs_call(owner_alive, ns.path, owner):
                     continue
             if kind is None:
                 found.append(Finding(ns.rel(*parts), _FOREIGN))
@@ -382,10 +445,10 @@ def _namespace_orphans(ns: _Namespace) -> list[Finding]:
     return found
 
 
-def _report(ns: _Namespace, segments: _Segments) -> NamespaceReport:
+async def _report(ns: _Namespace, segments: _Segments) -> NamespaceReport:
     damaged = [Finding(ns.rel(IDENTITY_FILE), ns.identity_problem)] if ns.identity_problem else []
     block_bytes = None if segments.files is None else segments.files.block_bytes
-    sizes = [size for _, size in _walk_files(ns.path)]
+    sizes = [size for _, size in await asyncio.to_thread(_files_under, ns.path)]
     return NamespaceReport(
         directory=ns.name,
         namespace=ns.namespace,
@@ -396,9 +459,9 @@ def _report(ns: _Namespace, segments: _Segments) -> NamespaceReport:
         payload_bytes=segments.blocks * (block_bytes or 0),
         disk_bytes=sum(sizes),
         files=len(sizes),
-        live_owners=ns.live_owners(),
+        live_owners=await ns.live_owners(),
         damaged=tuple(damaged + segments.damaged),
-        orphaned=tuple(_namespace_orphans(ns) + segments.orphaned),
+        orphaned=tuple(await _namespace_orphans(ns) + segments.orphaned),
     )
 
 
@@ -406,9 +469,13 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
     """What ``root`` (or one ``namespace``, as :func:`_select` matches it) holds, from
     every record header, no payload; changes nothing on disk. InvalidArgumentError as
     :func:`_open_root`; TieringError for an OS error while reading."""
-    path, selected, others = _open_root(root, namespace)
+    return _run(_inspect_root(root, namespace))
+
+
+async def _inspect_root(root: str | os.PathLike[str], namespace: str | None) -> RootReport:
+    path, selected, others = await _open_root(root, namespace)
     with _os_errors(path):
-        reports = tuple(_report(ns, _segments(ns)) for ns in selected)
+        reports = tuple([await _report(ns, await _segments(ns)) for ns in selected])
     totals = (
         sum(getattr(ns, n) for ns in reports) for n in ("blocks", "payload_bytes", "disk_bytes")
     )
@@ -435,10 +502,20 @@ def verify_root(
             encrypted blocks and no keyring was given (nothing changed), or an OS error.
     """
     keyring = keyring_from(encryption, option="encryption")
-    path, selected, _ = _open_root(root, namespace, "remove bad blocks" if remove else None)
+    return _run(_verify_root(root, remove, namespace, keyring, on_progress))
+
+
+async def _verify_root(
+    root: str | os.PathLike[str],
+    remove: bool,
+    namespace: str | None,
+    keyring: Keyring | None,
+    on_progress: Callable[[int, int], None] | None,
+) -> VerifyReport:
+    path, selected, _ = await _open_root(root, namespace, "remove bad blocks" if remove else None)
     with _os_errors(path):
         cipher = None if keyring is None else BlockCipher(keyring)
-        states = [(ns, _segments(ns, cipher)) for ns in selected]
+        states = [(ns, await _segments(ns, cipher)) for ns in selected]
         for ns, state in states:
             if remove and keyring is None and state.sealed:
                 raise TieringError(
@@ -455,34 +532,58 @@ def verify_root(
                 on_progress(done, total)
 
         advance(0)
-        results = tuple(_verify(ns, state, remove, advance) for ns, state in states)
+        results = tuple([await _verify(ns, state, remove, advance) for ns, state in states])
     bad = [b for ns in results for b in ns.bad]
     checked = sum(ns.checked for ns in results)
     return VerifyReport(path, remove, checked, len(bad), sum(b.removed for b in bad), results)
 
 
-def _verify(
+class _Stopped(Exception):
+    """The verification was abandoned (its caller was cancelled: Ctrl-C)."""
+
+
+async def _verify_index(
+    files: SegmentFiles, index: SegmentIndex, advance: Callable[[int], None]
+) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
+    """:func:`verify_index` in one call on a thread; cancelled, the call stops after the
+    batch it reads (an interrupted command does not wait for every block)."""
+    stop = threading.Event()
+
+    def on_batch(records: int) -> None:
+        if stop.is_set():
+            raise _Stopped
+        advance(records)
+
+    try:
+        return await asyncio.to_thread(verify_index, files, index, on_batch=on_batch)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
+
+
+async def _verify(
     ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
     """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
     checkpoint."""
     files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
-        return NamespaceVerify(ns.name, ns.namespace, 0, (), ns.live_owners())
-    checked, failures = verify_index(files, found.index, on_batch=advance)
+        return NamespaceVerify(ns.name, ns.namespace, 0, (), await ns.live_owners())
+    checked, failures = await _verify_index(files, found.index, advance)
     marked: set[tuple[str, int]] = set()
     dropped: set[tuple[str, int]] = set()
     listed = set() if found.checkpoint is None else set(found.checkpoint.locations())
     if remove and failures:
-        marked = files.mark_removed([where for where, (_, _, bad) in failures.items() if bad])
+        bad_records = [where for where, (_, _, bad) in failures.items() if bad]
+        marked = await asyncio.to_thread(files.mark_removed, bad_records)
         if listed & failures.keys():
             with contextlib.suppress(OSError):  # the old checkpoint then stays
                 # The temporary name carries an id no tier holds a lock for: if this
                 # process dies before the rename, a tier start removes it as a dead
                 # writer's.
-                write_checkpoint(
+                await write_checkpoint(
                     files,
-                    found.checkpoint.without(set(failures)),  # type: ignore[union-attr]
+                    functools.partial(found.checkpoint.without, set(failures)),  # type: ignore[union-attr]
                     temp_suffix=uuid.uuid4().hex,
                 )
                 dropped = listed & failures.keys()
@@ -496,7 +597,9 @@ def _verify(
         )
         for where, (key, reason, mark) in sorted(failures.items())
     )
-    return NamespaceVerify(ns.name, ns.namespace, checked, bad, ns.live_owners(), bool(dropped))
+    return NamespaceVerify(
+        ns.name, ns.namespace, checked, bad, await ns.live_owners(), bool(dropped)
+    )
 
 
 def clear_root(
@@ -508,18 +611,24 @@ def clear_root(
     InvalidArgumentError as :func:`inspect_root`; TieringError for a live owner (nothing
     changed) or a file that could not be removed (named; what went before is gone).
     """
-    path, selected, _ = _open_root(root, namespace, None if dry_run else "clear")
+    return _run(_clear_root(root, namespace, dry_run))
+
+
+async def _clear_root(
+    root: str | os.PathLike[str], namespace: str | None, dry_run: bool
+) -> ClearReport:
+    path, selected, _ = await _open_root(root, namespace, None if dry_run else "clear")
     files = nbytes = 0
     left: list[str] = []
     for ns in selected:
         with _os_errors(path):
-            listing = sorted(_walk_files(ns.path))
+            listing = sorted(await asyncio.to_thread(_files_under, ns.path))
         doomed: list[tuple[str, int]] = []
         for full, size in listing:
-            if tier_file(tuple(os.path.relpath(full, ns.path).split(os.sep))):
+            if tier_file(tuple(_relative(full, ns.path).split(os.sep))):
                 doomed.append((full, size))
             else:
-                left.append(os.path.relpath(full, path))
+                left.append(_relative(full, path))
         # The identity file goes last: until then the directory is still recognisably
         # a namespace, so an interrupted clear can be run again.
         doomed.sort(key=lambda item: os.path.basename(item[0]) == IDENTITY_FILE)
@@ -529,14 +638,24 @@ def clear_root(
             continue
         for full, _ in doomed:
             try:
-                os.unlink(full)
+                await aiofiles.os.unlink(full)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 raise TieringError(
-                    f"could not remove {os.path.relpath(full, path)!r}: {describe_os_error(exc)}"
+                    f"could not remove {_relative(full, path)!r}: {describe_os_error(exc)}"
                 ) from None
-        for directory, _, _ in sorted(os.walk(ns.path, topdown=False), reverse=True):
+        for directory in await asyncio.to_thread(_directories_deepest_first, ns.path):
             with contextlib.suppress(OSError):
-                os.rmdir(directory)  # only succeeds once empty
+                await aiofiles.os.rmdir(directory)  # only succeeds once empty
     return ClearReport(path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left))
+
+
+def _directories_deepest_first(path: str) -> list[str]:
+    """``path`` and every directory below it, each before its parent (blocking)."""
+    return sorted((directory for directory, _, _ in os.walk(path, topdown=False)), reverse=True)
+
+
+def _relative(path: str, base: str) -> str:
+    """``path``, found by walking ``base``, relative to ``base`` (no system call)."""
+    return path.removeprefix(os.path.join(base, ""))

@@ -1,10 +1,13 @@
 """The operating-system layer of the NVMe tier: :class:`OsCalls` (every system call of
 the blocking code, so tests can inject faults), direct I/O, the owner locks by which
-writers sharing a root tell live from dead, and private roots (docs/security.md).
+writers sharing a root tell live from dead, private roots (docs/security.md), and
+:func:`fs_call` / :func:`to_the_end`, by which the loop awaits the file-system operations
+around the data path (docs/architecture.md#where-work-runs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
@@ -14,13 +17,16 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Literal, TypeVar
+
+import aiofiles.os
 
 from tiering.errors import InvalidArgumentError
 from tiering.page_memory import HUGE_PAGE_BYTES, io_buffer
 
 FsyncPolicy = Literal["none", "batch", "always"]
+_T = TypeVar("_T")
 
 ALIGNMENT = 4096
 """Buffer address, file offset and length alignment used for O_DIRECT."""
@@ -305,10 +311,36 @@ def check_root(path: str, *, option: str = "root", create: bool = False, mode: i
         raise InvalidArgumentError(f"{option}: {path!r} does not exist") from None
 
 
-def write_private(path: str, data: bytes, mode: int) -> None:
-    """Write a new file of ``mode``, never through a link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, mode)
+def private_opener(mode: int) -> Callable[[str, int], int]:
+    """An ``opener`` for :func:`open` and ``aiofiles.open``: files it creates get
+    ``mode``, and it never opens through a link."""
+
+    def opener(path: str, flags: int) -> int:
+        return os.open(path, flags | _O_NOFOLLOW, mode)
+
+    return opener
+
+
+async def fs_call(call: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
+    """``call(*args, **kwargs)``, one file-system operation that aiofiles does not name
+    (a check of ours, an owner lock, an :class:`OsCalls` method kept injectable), awaited
+    through ``aiofiles.os.wrap``: one hop to the loop's executor, as ``aiofiles.os.replace``
+    and its kin make. Raises what ``call`` raises."""
+    return await aiofiles.os.wrap(call)(*args, **kwargs)
+
+
+async def to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile; the
+    cancellation is raised once it ended (its outcome then dropped). For work whose
+    threads a cancellation cannot stop and whose caller must not go on before they end:
+    a checkpoint's rename, an owner lock being taken."""
+    task = asyncio.ensure_future(work)
     try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation wins
+        raise

@@ -1,16 +1,30 @@
-"""Opening an NVMe namespace directory and recovering its index from the checkpoint and a
-scan of what was written after it (docs/nvme.md); blocking, run once at the tier's start.
+"""Opening an NVMe namespace directory, recovering its index from the checkpoint and a
+scan of what was written after it, and writing the checkpoint (docs/nvme.md).
+
+Where the work runs (docs/architecture.md#where-work-runs): the file-system operations
+around the data path (the namespace directory and its identity file, the listing of
+leftovers, the checkpoint read whole, its rename and the directory sync) are awaited
+through aiofiles, one executor hop each; what is a batch of system calls (the scan of
+every segment's record headers and the index built from it, the checkpoint's body
+written and synced) is ONE blocking call, run by the caller's ``run_blocking``: the
+tier's I/O threads, or a thread of the loop's executor (:func:`asyncio.to_thread`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import stat
 import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import aiofiles
+import aiofiles.os
 
 from backends.block_record import FORMAT_VERSION
 from backends.nvme_os import (
@@ -19,10 +33,12 @@ from backends.nvme_os import (
     check_private,
     check_root,
     describe_os_error,
+    fs_call,
     fsync_dir,
     owner_alive,
+    private_opener,
+    to_the_end,
     write_all,
-    write_private,
 )
 from backends.nvme_segment_format import (
     CHECKPOINT_FILE,
@@ -38,19 +54,30 @@ from backends.nvme_segment_index import SegmentIndex, key_digest
 from backends.nvme_segments import SegmentFiles, SegmentScan
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 
+_T = TypeVar("_T")
 
-def open_directory(
+
+class BlockingRunner(Protocol):
+    """Runs a blocking ``fn(*args)`` off the loop, awaited: ``TierActor.run_blocking``
+    (the tier's I/O threads) or :func:`asyncio.to_thread`."""
+
+    def __call__(self, fn: Callable[..., _T], /, *args: Any) -> Awaitable[_T]: ...
+
+
+async def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
     """Check ``root``, make the namespace's ``directory`` and its subdirectories,
-    private, and write or check its identity file. InvalidArgumentError: the root fails
-    :func:`check_root` or is not writable (making those entries fails with an error of
-    :data:`UNUSABLE_ROOT_ERRNOS`), a directory is a link or a file, or it holds another
-    namespace.
+    private, and write or check its identity file, through aiofiles. InvalidArgumentError:
+    the root fails :func:`check_root` or is not writable (making those entries fails with
+    an error of :data:`UNUSABLE_ROOT_ERRNOS`), a directory is a link or a file, or it
+    holds another namespace; OSError: the file system refused another operation.
     """
-    check_root(root, create=True, mode=dir_mode)
+    await fs_call(check_root, root, create=True, mode=dir_mode)
     try:
-        _make_namespace(directory, namespace, dir_mode=dir_mode, file_mode=file_mode, writer=writer)
+        await _make_namespace(
+            directory, namespace, dir_mode=dir_mode, file_mode=file_mode, writer=writer
+        )
     except OSError as exc:
         if exc.errno not in UNUSABLE_ROOT_ERRNOS:
             raise
@@ -60,39 +87,42 @@ def open_directory(
         ) from None
 
 
-def _make_namespace(
+async def _make_namespace(
     directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
     with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, dir_mode)
-    if os.path.islink(directory):
+        await aiofiles.os.mkdir(directory, dir_mode)
+    if await aiofiles.os.path.islink(directory):
         raise InvalidArgumentError(
             f"root: {directory!r} is a symbolic link; the tier never follows one out of its root"
         )
-    check_private("root", directory)
+    await fs_call(check_private, "root", directory)
     for sub in (OWNERS_DIR, SEGMENTS_DIR):
         path = os.path.join(directory, sub)
         try:
-            os.mkdir(path, dir_mode)
+            await aiofiles.os.mkdir(path, dir_mode)
         except FileExistsError:
-            if os.path.islink(path) or not os.path.isdir(path):
+            found = await aiofiles.os.stat(path, follow_symlinks=False)
+            if not stat.S_ISDIR(found.st_mode):
                 raise InvalidArgumentError(
                     f"root: {path!r} is not a directory of the tier (a link or a file)"
                 ) from None
     path = os.path.join(directory, IDENTITY_FILE)
     try:
-        with open(path, encoding="utf-8") as existing:
-            text = existing.read()
+        async with aiofiles.open(path, encoding="utf-8") as existing:
+            text = await existing.read()
     except FileNotFoundError:
         identity = {"namespace": namespace, "format_version": FORMAT_VERSION}
         temp = f"{path}.{writer}.tmp"
-        write_private(temp, json.dumps(identity, sort_keys=True).encode(), file_mode)
-        os.replace(temp, path)
+        async with aiofiles.open(temp, "xb", opener=private_opener(file_mode)) as new:
+            await new.write(json.dumps(identity, sort_keys=True).encode())
+        await aiofiles.os.replace(temp, path)
         return
-    found = read_identity(text)
-    if found != namespace:
+    found_namespace = read_identity(text)
+    if found_namespace != namespace:
         raise InvalidArgumentError(
-            f"{directory!r} holds namespace {found!r}, not {namespace!r}; refusing to use it"
+            f"{directory!r} holds namespace {found_namespace!r}, not {namespace!r}; "
+            "refusing to use it"
         )
 
 
@@ -123,27 +153,47 @@ class Recovery:
     unreadable: dict[str, str] = field(default_factory=dict)  # segment -> why
 
 
-def recover(
+async def recover(
     files: SegmentFiles,
     new_index: Callable[[int], SegmentIndex],
     *,
     writer: str,
     read_only: bool = False,
+    run_blocking: BlockingRunner = asyncio.to_thread,
 ) -> Recovery:
     """Read the checkpoint, scan what it does not cover, and build an index with
     ``new_index(records on disk)``, deleting dead writers' checkpoint temporaries and
     segments in which nothing verifies; ``read_only`` (inspect, verify): nothing is
-    deleted, and every segment is scanned from record 0."""
+    deleted, and every segment is scanned from record 0. The temporaries and the
+    checkpoint file go through aiofiles; the scan and the index are one call of
+    ``run_blocking``. Raises OSError when the namespace directory cannot be listed."""
     directory = files.directory
     removed: Counter[str] = Counter()
-    for entry in os.scandir(directory):  # dead writers' checkpoint temporaries
-        owner = temporary_writer(entry.name, CHECKPOINT_FILE)
-        if owner is not None and owner != writer and not owner_alive(directory, owner):
-            with contextlib.suppress(OSError):
-                if not read_only:
-                    os.unlink(entry.path)
-                removed["temporary"] += 1
-    checkpoint, note = read_checkpoint(files)
+    for name in await aiofiles.os.listdir(directory):  # dead writers' checkpoint temporaries
+        owner = temporary_writer(name, CHECKPOINT_FILE)
+        if owner is None or owner == writer or await fs_call(owner_alive, directory, owner):
+            continue
+        with contextlib.suppress(OSError):
+            if not read_only:
+                await aiofiles.os.unlink(os.path.join(directory, name))
+            removed["temporary"] += 1
+    data, note = await _read_checkpoint_file(files)
+    return await run_blocking(_rebuild, files, new_index, data, note, removed, read_only)
+
+
+def _rebuild(
+    files: SegmentFiles,
+    new_index: Callable[[int], SegmentIndex],
+    data: bytes | None,
+    note: str | None,
+    removed: Counter[str],
+    read_only: bool,
+) -> Recovery:
+    """Blocking, one call: parse the checkpoint's bytes (``data``; None: ``note`` says
+    why none), list and scan the segments, delete dead writers' corrupt ones (unless
+    ``read_only``), build the index."""
+    directory = files.directory
+    checkpoint, note = _decode_checkpoint(files, data, note)
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     alive: dict[str, bool] = {}
     on_disk: list[tuple[str, int, float]] = []
@@ -215,12 +265,50 @@ def verify_index(
     return len(entries), failures
 
 
-def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix: str) -> int:
-    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` (a temporary of
-    ``temp_suffix``, synced, renamed); returns its size. OSError: the old one stays."""
+async def write_checkpoint(
+    files: SegmentFiles,
+    checkpoint: Checkpoint | Callable[[], Checkpoint],
+    *,
+    temp_suffix: str,
+    run_blocking: BlockingRunner = asyncio.to_thread,
+) -> int:
+    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` and return its size:
+    in ONE call of ``run_blocking``, its body encoded and written to a temporary of
+    ``temp_suffix`` and synced (``checkpoint`` may be a function making it there: a
+    snapshot taken off the loop); then, through aiofiles, the temporary renamed over
+    ``index.ckpt`` and the directory synced. Every system call goes through ``files.os``.
+    OSError: the old checkpoint stays and the temporary is removed. Once begun it runs
+    to its end: cancelled meanwhile, it raises CancelledError after (a rename left
+    running could publish a temporary that the next checkpoint is rewriting)."""
+    return await to_the_end(_write_checkpoint(files, checkpoint, temp_suffix, run_blocking))
+
+
+async def _write_checkpoint(
+    files: SegmentFiles,
+    checkpoint: Checkpoint | Callable[[], Checkpoint],
+    temp_suffix: str,
+    run_blocking: BlockingRunner,
+) -> int:
+    temp, size = await run_blocking(_write_temporary, files, checkpoint, temp_suffix)
+    try:
+        await fs_call(files.os.replace, temp, os.path.join(files.directory, CHECKPOINT_FILE))
+        await fs_call(fsync_dir, files.os, files.directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            await fs_call(files.os.unlink, temp)
+        raise
+    return size
+
+
+def _write_temporary(
+    files: SegmentFiles, checkpoint: Checkpoint | Callable[[], Checkpoint], temp_suffix: str
+) -> tuple[str, int]:
+    """Blocking: the checkpoint's temporary written and synced; its path and size.
+    OSError: the temporary is removed."""
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = checkpoint()
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
-    final = os.path.join(files.directory, CHECKPOINT_FILE)
-    temp = f"{final}.{temp_suffix}.tmp"
+    temp = os.path.join(files.directory, f"{CHECKPOINT_FILE}.{temp_suffix}.tmp")
     fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, files.file_mode)
     try:
         try:
@@ -228,25 +316,37 @@ def write_checkpoint(files: SegmentFiles, checkpoint: Checkpoint, *, temp_suffix
             files.os.fdatasync(fd)
         finally:
             files.os.close(fd)
-        files.os.replace(temp, final)
-        fsync_dir(files.os, files.directory)
     except BaseException:
         with contextlib.suppress(OSError):
             files.os.unlink(temp)
         raise
-    return sum(len(p) for p in parts)
+    return temp, sum(len(p) for p in parts)
 
 
-def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
-    """``(the checkpoint, None)``, or ``(None, why not)``. Never raises."""
+async def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
+    """``(the checkpoint, None)``, or ``(None, why not)``: the file read whole through
+    aiofiles, parsed (its checksum checked) on a thread. Never raises."""
+    data, note = await _read_checkpoint_file(files)
+    return await asyncio.to_thread(_decode_checkpoint, files, data, note)
+
+
+async def _read_checkpoint_file(files: SegmentFiles) -> tuple[bytes | None, str | None]:
+    """``(the checkpoint file's bytes, None)``, or ``(None, why not)``."""
     path = os.path.join(files.directory, CHECKPOINT_FILE)
     try:
-        with open(path, "rb") as file:
-            data = file.read()
+        async with aiofiles.open(path, "rb") as file:
+            return await file.read(), None
     except FileNotFoundError:
         return None, "no checkpoint"
     except OSError as exc:
         return None, f"checkpoint unreadable: {describe_os_error(exc)}"
+
+
+def _decode_checkpoint(
+    files: SegmentFiles, data: bytes | None, note: str | None
+) -> tuple[Checkpoint | None, str | None]:
+    if data is None:
+        return None, note
     try:
         return parse_checkpoint(
             data, block_bytes=files.block_bytes, ns_digest=files.ns_digest

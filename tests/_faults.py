@@ -1,5 +1,5 @@
 """Fault injection for file-backed tiers: make chosen system calls fail, fall short or
-stall.
+stall; and which threads made them.
 
 :class:`FaultInjector` is an :class:`~backends.nvme_os.OsCalls` that passes every
 call to a real one unless a rule says otherwise. Rules match a call by operation name
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -108,6 +108,8 @@ class FaultInjector(OsCalls):
         self._fd_paths: dict[int, str] = {}
         self.calls: Counter[str] = Counter()
         """How many times each operation was called (faulty or not)."""
+        self.threads: defaultdict[str, set[str]] = defaultdict(set)
+        """The names of the threads that called each operation."""
 
     # -- rules -----------------------------------------------------------------------
 
@@ -221,6 +223,7 @@ class FaultInjector(OsCalls):
         """Count the call; return the rule that applies to it, raising its error if any."""
         with self._lock:
             self.calls[op] += 1
+            self.threads[op].add(threading.current_thread().name)
             for rule in self._rules:
                 if not rule._matches(op, path, buffers):
                     continue

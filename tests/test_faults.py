@@ -29,6 +29,16 @@ def test_calls_pass_through_without_rules(tmp_path: Path) -> None:
     assert faults.calls["open"] == 1 and faults.calls["pwritev"] == 1
 
 
+def test_each_operation_names_the_threads_that_called_it(tmp_path: Path) -> None:
+    faults = FaultInjector()
+    writer = threading.Thread(target=_write, args=(faults, tmp_path / "f", b"x"), name="writer")
+    writer.start()
+    writer.join(10)
+    faults.unlink(str(tmp_path / "f"))
+    assert faults.threads["pwritev"] == {"writer"}
+    assert faults.threads["unlink"] == {threading.current_thread().name}
+
+
 def test_fail_raises_the_chosen_errno(tmp_path: Path) -> None:
     faults = FaultInjector()
     faults.fail("pwritev", errno.ENOSPC)

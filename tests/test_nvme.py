@@ -840,6 +840,25 @@ async def test_concurrent_starts_open_the_directory_once(pool: memoryview, tmp_p
         await tier.aclose()
 
 
+async def test_a_cancelled_start_holds_no_lock_and_leaves_no_file_half_made(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    faults = FaultInjector()
+    probing = faults.hold("open", path="odirect-probe")  # the owner lock is taken by then
+    tier = _tier(pool, tmp_path, os_calls=faults)
+    starting = asyncio.create_task(tier.start())
+    assert await asyncio.to_thread(probing.wait_reached, 30)
+    starting.cancel()
+    probing.open()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    await tier.aclose()
+    assert os.listdir(os.path.join(tier.directory, "owners")) == []
+    assert sorted(os.listdir(tier.directory)) == ["NAMESPACE", "owners", "segments"]
+    async with _tier(pool, tmp_path) as again:
+        assert again.get_num_blocks() == 0
+
+
 class CountingHops(NVMeTier):
     hops = 0
 

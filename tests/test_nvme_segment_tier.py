@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from backends.block_record import HEADER_BYTES
-from backends.nvme_segment_format import CHECKPOINT_FILE, SEGMENTS_DIR, namespace_dirname
+from backends.block_record import HEADER_BYTES, namespace_digest
+from backends.nvme_recovery import read_checkpoint
+from backends.nvme_segment_format import (
+    CHECKPOINT_FILE,
+    IDENTITY_FILE,
+    SEGMENTS_DIR,
+    namespace_dirname,
+)
 from backends.nvme_segment_tier import NVMeSegmentTier
+from backends.nvme_segments import SegmentFiles
 from tests._engine_helpers import make_kv
 from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as load
@@ -26,7 +34,7 @@ from tests._nvme_helpers import next_job_id, random_pool
 from tests._nvme_helpers import store_job as store
 from tiering import TieringEngine
 from tiering.encryption import Keyring
-from tiering.errors import InvalidArgumentError
+from tiering.errors import InvalidArgumentError, TieringError
 from tiering.registry import make_tier
 from tiering.secondary import JobMetadata
 
@@ -798,3 +806,123 @@ async def test_touch_makes_its_first_key_the_most_recent(pool: memoryview, tmp_p
         t.touch([names[1], names[2], names[3]])
         assert (await store(t, keys(1, "new"), [0])).success  # evicts the first segment
         assert [t.lookup(k) for k in names[:8]] == [False, True, True] + [False] * 5
+
+
+async def test_a_checkpoint_is_renamed_and_synced_neither_on_the_loop_nor_on_an_io_thread(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    """The checkpoint's body (the snapshot, written and synced) is one call on the tier's
+    I/O threads; its rename and the directory's sync are awaited through aiofiles, on
+    the loop's executor."""
+    faults = FaultInjector()
+    async with tier(pool, tmp_path, fsync="none", checkpoint_every=2, os_calls=faults) as t:
+        io_threads = {thread.name for thread in t._executor._threads}  # type: ignore[attr-defined]
+        assert (await store(t, keys(2), [0, 1])).success  # and its checkpoint is written
+        # fsync="none": only a checkpoint syncs a file (its body) or a directory.
+        body, rename, sync = (set(faults.threads[op]) for op in ("fdatasync", "replace", "fsync"))
+    assert body and body <= io_threads
+    loop_thread = threading.current_thread().name
+    assert rename and sync and not (rename | sync) & (io_threads | {loop_thread})
+
+
+async def test_a_load_is_served_while_a_checkpoint_waits_on_its_directory_sync(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    """A checkpoint's rename and directory sync hold no I/O thread: with one, a load runs
+    while that sync is held."""
+    faults = FaultInjector()
+    t = tier(pool, tmp_path, io_threads=1, fsync="none", checkpoint_every=2, os_calls=faults)
+    await t.start()
+    try:
+        first = keys(1, "first")
+        assert (await store(t, first, [0])).success
+        held = faults.hold("fsync")  # fsync="none": only a checkpoint syncs a directory
+        job = JobMetadata(next_job_id(), keys(1, "second"), [1])
+        t.submit_store(job)  # reaches checkpoint_every
+        assert await asyncio.to_thread(held.wait_reached, 30)
+        assert (await asyncio.wait_for(load(t, first, [2]), 30)).success
+        held.open()
+        assert (await t.result(job.job_id)).success
+    finally:
+        faults.clear()
+        await t.aclose()
+    assert slot(pool, 2) == slot(pool, 0)
+
+
+@pytest.mark.parametrize("op", ["pwritev", "fdatasync", "replace", "fsync"])
+async def test_a_failed_checkpoint_is_counted_keeps_the_old_one_and_leaves_no_temporary(
+    pool: memoryview, tmp_path: Path, op: str
+) -> None:
+    faults = FaultInjector()
+    directory = tmp_path / namespace_dirname(NAMESPACE)
+    names = keys(4)
+    async with tier(pool, tmp_path, checkpoint_every=2, os_calls=faults) as t:
+        assert (await store(t, names[:2], [0, 1])).success  # checkpoint 1: two blocks
+        before = (directory / CHECKPOINT_FILE).read_bytes()
+        path = str(directory) if op == "fsync" else CHECKPOINT_FILE
+        faults.fail(op, errno.EIO, path=path, times=1)
+        assert (await store(t, names[2:], [2, 3])).success  # its checkpoint fails
+        assert t.statistics().failures["checkpoint failed"] == 1
+        if op != "fsync":  # renamed already when the directory sync failed
+            assert (directory / CHECKPOINT_FILE).read_bytes() == before
+        assert not list(directory.glob("*.tmp"))
+    async with tier(pool, tmp_path) as again:
+        assert again.metrics.recovered_blocks == 4
+
+
+async def test_a_checkpoint_that_fails_at_close_is_logged_and_leaves_no_temporary(
+    pool: memoryview, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    faults = FaultInjector()
+    directory = tmp_path / namespace_dirname(NAMESPACE)
+    t = tier(pool, tmp_path, os_calls=faults)
+    await t.start()
+    assert (await store(t, keys(2), [0, 1])).success
+    faults.fail("replace", errno.EIO, path=CHECKPOINT_FILE)
+    with caplog.at_level("WARNING", logger="backends.nvme"):
+        await t.aclose()
+    assert any("could not write the index checkpoint" in r.getMessage() for r in caplog.records)
+    assert not (directory / CHECKPOINT_FILE).exists() and not list(directory.glob("*.tmp"))
+
+
+async def test_a_store_job_cancelled_in_its_checkpoint_still_renames_it(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    """A checkpoint once begun runs to its end: shut down while its rename is held, the
+    job's checkpoint is still renamed and synced, whole, and no temporary is left."""
+    faults = FaultInjector()
+    directory = tmp_path / namespace_dirname(NAMESPACE)
+    t = tier(pool, tmp_path, fsync="none", checkpoint_every=2, os_calls=faults)
+    await t.start()
+    try:
+        renamed = faults.hold("replace", path=CHECKPOINT_FILE)
+        synced = faults.hold("fsync")  # fsync="none": only a checkpoint syncs a directory
+        t.submit_store(JobMetadata(next_job_id(), keys(2), [0, 1]))
+        assert await asyncio.to_thread(renamed.wait_reached, 30)
+        t.shutdown()
+        for _ in range(20):  # the cancellation reaches the job, whose checkpoint goes on
+            await asyncio.sleep(0)
+        renamed.open()
+        assert await asyncio.to_thread(synced.wait_reached, 30)  # renamed, then synced
+        assert not list(directory.glob("*.tmp"))
+        files = SegmentFiles(
+            str(directory), block_bytes=BLOCK, ns_digest=namespace_digest(NAMESPACE)
+        )
+        checkpoint, why = await read_checkpoint(files)
+        assert why is None and checkpoint is not None and len(checkpoint.digests) == 2
+    finally:
+        faults.clear()
+        await t.aclose()
+
+
+async def test_an_unreadable_identity_file_fails_start_naming_the_root(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    directory = tmp_path / namespace_dirname(NAMESPACE)
+    directory.mkdir(mode=0o700)
+    (directory / IDENTITY_FILE).mkdir()  # read as a file, it fails (EISDIR), even as root
+    t = tier(pool, tmp_path)
+    with pytest.raises(TieringError, match=r"root=.* cannot be used.*Is a directory"):
+        await t.start()
+    await t.aclose()
+    assert os.listdir(directory / "owners") == []
