@@ -176,7 +176,7 @@ def test_replay_help_shows_every_default_and_the_policies(
         "bytes per KV block (default: 64.0 KiB, unless --config sets replay.block_bytes)",
         "cache's blocks (default: the longest request's)",
         "(default: max, unless --config sets replay.pace)",
-        "eviction policy (default: adaptive, unless --config sets engine.policy)",
+        "eviction policy (default: lru, unless --config sets engine.policy)",
     ):
         assert default in text
     assert "(default: [])" not in text
@@ -276,9 +276,7 @@ def test_set_overrides_the_tier_shortcuts_as_documented(
 
     # The memory tier's share of the hits is the bookkeeping's for 150 blocks, not 400.
     def memory_share(blocks: int) -> float:
-        model = simulate(
-            synthetic_requests()[:120], cpu_blocks=100, tier_blocks=[blocks, None], policy="lru"
-        )
+        model = simulate(synthetic_requests()[:120], cpu_blocks=100, tier_blocks=[blocks, None])
         return round(model.hits["tier0"] / model.blocks, 4)
 
     assert figures["hit_ratio_by_tier"]["memory"] == memory_share(150) != memory_share(400)

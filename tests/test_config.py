@@ -97,7 +97,7 @@ def test_a_file_with_only_the_cpu_size_takes_every_default(tmp_path: Path) -> No
     config = load_config(write(tmp_path, "[engine]\ncpu_blocks = 64\n"))
 
     assert config == TieringConfig(engine=EngineConfig(cpu_blocks=64))
-    assert config.engine.policy == "adaptive"
+    assert config.engine.policy == "lru"
     assert config.engine.write_policy == "write_through"
     assert config.tiers == ()
     assert config.replay.pace == "max"

@@ -79,7 +79,7 @@ def test_bad_argument_exits_2_naming_it(script: str, args: list[str], named: str
         ("bench_nvme_scale.py", ["(default: 16K)", "(default: none)", "(default: fadvise)"]),
         (
             "bench_engine.py",
-            ["(default: 200)", "(default: uvloop)", "(default: 1.0)", "(default: adaptive)"],
+            ["(default: 200)", "(default: uvloop)", "(default: 1.0)", "(default: lru)"],
         ),
         ("bench_manager.py", ["(default: adaptive,arc,lru,s3fifo)"]),
         ("driver.py", ["default: cuda if available"]),
