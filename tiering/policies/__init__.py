@@ -17,9 +17,9 @@ from tiering.policies.s3fifo import S3FIFOPolicy
 
 logger = logging.getLogger(__name__)
 
-# "adaptive" hits more than LRU or ARC on every workload of the suite; what its
-# bookkeeping adds to a call stays far below a scheduler step (docs/benchmarks.md).
-DEFAULT_POLICY = "adaptive"
+# Not "adaptive", which hits more: its bookkeeping slows the store calls of a full CPU
+# tier beyond what the hot path allows (docs/benchmarks.md, issue 39).
+DEFAULT_POLICY = "lru"
 """The CPU tier's eviction policy wherever none is named (engine, manager, config,
 replay and its model)."""
 
