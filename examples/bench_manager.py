@@ -6,8 +6,8 @@ Usage: python examples/bench_manager.py TRACE CAPACITIES [--policies lru,arc,s3f
 CAPACITIES: CPU tier sizes, comma-separated, in blocks (10000) or as percentages of the
 trace's footprint, its distinct blocks (1%,2%,5%,10%,25%,50%).
 
-The project's synthetic trace lives beside the repository, at
-``../shared/traces/synthetic_trace.jsonl``; it is not part of the project.
+The public Mooncake trace is in the repository: ``traces/mooncake_synthetic_trace.jsonl``
+(its source and license: traces/README.md).
 
 Per request, in this order: ``touch`` all of its blocks, ``lookup`` the prefix,
 ``prepare_load``/``complete_load`` the hit prefix, ``prepare_store``/``complete_store``

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT / "traces" / "mooncake_synthetic_trace.jsonl"
+"""The public Mooncake trace the repository carries (traces/README.md)."""
 
 
 def script_env(**extra: str) -> dict[str, str]:

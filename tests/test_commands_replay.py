@@ -16,14 +16,13 @@ import pytest
 
 from tests._engine_helpers import block_copies, flip_byte
 from tests._redis_servers import LocalRedisServer
-from tests._scripts import last_json, run_script
+from tests._scripts import TRACE, last_json, run_script
 from tiering.cli import main
 from tiering.replay import simulate
 from tiering.workload_suite import generate
 from tiering.workloads import Request, synthetic_requests
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 SMALL = ["--limit", "120", "--block-bytes", "4K"]
 
 
@@ -491,24 +490,23 @@ def test_sweep_suite_draws_each_policys_worst_ratio(
     assert "cannot write" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 def test_the_documented_sweep_command_draws_the_documented_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="pip install 'kv-tiering[plot]'")
     from matplotlib.image import imread
 
     argv = _documented_command("sweep")
-    assert argv[1] == "trace.jsonl" and argv[-2] == "--plot"
+    assert ROOT / argv[1] == TRACE and argv[-2] == "--plot"  # the trace the repository holds
     drawn = tmp_path / "sweep.png"
     assert main([argv[0], str(TRACE), *argv[2:-1], str(drawn)]) == 0
     assert (imread(drawn) == imread(ROOT / "docs" / "sweep-mooncake.png")).all()
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 def test_the_documented_replay_command_prints_the_documented_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = _documented_command("replay trace.jsonl")
+    argv = _documented_command("replay traces/")
     root = argv.index("--nvme") + 1
+    assert ROOT / argv[1] == TRACE
     argv[1], argv[root] = str(TRACE), str(tmp_path / "kv")
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -518,7 +516,6 @@ def test_the_documented_replay_command_prints_the_documented_figures(
         assert printed in page, printed
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 def test_sweep_of_the_shared_trace_gives_lru_0_4239_at_10000_blocks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -18,12 +18,11 @@ from typing import Any
 
 import pytest
 
-from tests._scripts import guard_page_cache, interrupt_script, last_json, run_script
+from tests._scripts import TRACE, guard_page_cache, interrupt_script, last_json, run_script
 from tiering.cli_args import EXIT_INTERRUPTED, Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 
 
 def _script(name: str) -> ModuleType:
@@ -119,7 +118,6 @@ def test_bench_nvme_scale_defaults_to_a_laptop_sized_fill(
     assert "--blocks 1000000" in flat  # how to get the docs' size is said
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
 def test_bench_manager_replays_the_trace_and_ends_with_json() -> None:
     argv = [str(TRACE), "256,1%", "--policies", "lru,adaptive", "--full-blocks-only"]
     done = run_script("examples/bench_manager.py", *argv)
@@ -557,7 +555,6 @@ def test_bench_nvme_scale_fills_restarts_and_ends_with_json(
     assert bad.stdout == ""
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is missing: {TRACE}")
 def test_bench_nvme_scale_drops_the_machines_caches_only_when_asked_and_says_if_it_cannot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,14 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests._engine_helpers import block_copies, flip_byte
+from tests._scripts import TRACE
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
 from tiering.replay import CacheModel, SegmentLayout, expected_bytes, replay, simulate
 from tiering.workloads import Request, read_mooncake, synthetic_requests
 
-TRACE = (
-    Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"
-)
 BLOCK = 1024
 
 
@@ -132,7 +130,6 @@ async def test_the_model_sends_each_tenants_requests_under_the_tenants_keys() ->
     assert summary.hit_blocks == sum(model.hits.values()) > 0
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 async def test_the_shared_trace_through_cpu_and_nvme_matches_the_model(tmp_path: Path) -> None:
     requests = read_mooncake(TRACE, limit=600)
     model = simulate(requests, cpu_blocks=300, tier_blocks=[None])
@@ -218,13 +215,11 @@ def test_expected_bytes_differ_by_key_and_repeat_a_digest() -> None:
     assert (one[:64] == one[64:128]).all()
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 def test_lru_at_10000_blocks_on_the_shared_trace_hits_0_4239() -> None:
     model = simulate(read_mooncake(TRACE), cpu_blocks=10_000, policy="lru")
     assert round(model.hit_ratio, 4) == 0.4239
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 async def test_the_engine_replays_the_shared_trace_at_lru_10000_to_0_4239() -> None:
     requests = read_mooncake(TRACE)
     make = lambda kv: TieringEngine(kv, 10_000, policy="lru")  # noqa: E731

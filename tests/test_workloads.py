@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._scripts import TRACE
 from tiering.errors import InvalidArgumentError
 from tiering.workloads import (
     TOKENS_PER_BLOCK,
@@ -15,10 +16,6 @@ from tiering.workloads import (
     TraceError,
     read_mooncake,
     synthetic_requests,
-)
-
-TRACE = (
-    Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 )
 
 
@@ -133,7 +130,6 @@ def test_a_bad_synthetic_argument_is_named(argument: str, value: object) -> None
         synthetic_requests(**{argument: value})  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not beside the project")
 def test_the_shared_trace_reads_whole() -> None:
     requests = read_mooncake(TRACE)
     assert len(requests) == 3993

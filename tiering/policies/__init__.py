@@ -17,8 +17,9 @@ from tiering.policies.s3fifo import S3FIFOPolicy
 
 logger = logging.getLogger(__name__)
 
-# Not "adaptive", which hits more: its bookkeeping slows the store calls of a full CPU
-# tier beyond what the hot path allows (docs/benchmarks.md, issue 39).
+# Not "adaptive", which hits more in a CPU tier alone: a block it declines is not
+# written to the tiers below either, and its bookkeeping slows a full tier's store calls
+# (docs/benchmarks.md, the default eviction policy).
 DEFAULT_POLICY = "lru"
 """The CPU tier's eviction policy wherever none is named (engine, manager, config,
 replay and its model)."""
