@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from tests._scripts import script_env
@@ -77,6 +78,25 @@ def test_the_torch_pin_is_the_cpu_build_and_the_readme_says_where_it_is() -> Non
     assert f"{first} --index-url https://download.pytorch.org/whl/cpu" in section
     flat = " ".join(section.split())
     assert f"The user requested (constraint) {pins[0]}" in flat  # pip's words without it
+
+
+def test_ci_tests_the_newest_versions_and_then_every_lower_bound() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "--upgrade --upgrade-strategy eager" in ci  # a machine's older packages go
+    assert ci.rstrip().endswith(".ci/lower-bounds")
+    printed = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "lower-bounds"), "--print"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    direct = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    bounds = {re.split(r"[\[>]", text)[0]: text.split(">=")[1] for text in direct}
+    torch = bounds.pop("torch")  # the CPU build .ci/torch-cpu.txt pins
+    assert f"torch=={torch}.0+cpu" in (ROOT / ".ci" / "torch-cpu.txt").read_text()
+    assert printed == [f"{name}=={low}" for name, low in bounds.items()]
 
 
 def test_vllm_docs_show_what_vllm_config_prints() -> None:
