@@ -8,9 +8,9 @@ the caller expects in one ``recvmsg_into`` with the next reply's framing and hea
 other through :mod:`backends.resp`'s reader. Blocking sockets on the tier's I/O
 threads release the GIL for every byte they move. Every call has one deadline: its
 connect, its requests and all of its replies, however slowly the bytes come, end by
-then. The url's credentials (``AUTH``),
-database (``SELECT``) and TLS files are honoured; a url asking for anything else
-gets no :class:`Endpoint` here, and the tier uses redis-py for it.
+then. The url's credentials (``AUTH``), database (``SELECT``) and TLS files are
+honoured; a url asking for anything else gets no :class:`Endpoint` here, and the tier
+uses redis-py for it.
 """
 
 from __future__ import annotations

@@ -90,6 +90,15 @@ def start_writer(script: str, root: Path, where: str) -> subprocess.Popen[bytes]
     )
 
 
+def kill_9(child: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``child``, wait for it, and close its pipes."""
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()
+    child.stderr.close()
+
+
 def segment_files(t: NVMeSegmentTier) -> list[str]:
     return sorted(os.listdir(os.path.join(t.directory, SEGMENTS_DIR)))
 
@@ -514,11 +523,7 @@ async def test_kill_9_mid_write_keeps_every_block_stored_before(
         line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)  # type: ignore[union-attr]
         assert line.strip() == b"MID-WRITE", child.stderr.read() if child.stderr else line  # type: ignore[union-attr]
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-        assert child.stdout is not None and child.stderr is not None
-        child.stdout.close()
-        child.stderr.close()
+        kill_9(child)
     directory = tmp_path / namespace_dirname("crash")
     if where == "checkpoint":
         assert list(directory.glob("*.tmp")), "the child should have died mid-checkpoint"
@@ -750,11 +755,7 @@ async def test_kill_9_while_store_jobs_overlap_keeps_every_block_stored_before(
             stored += line.split()[1:]
         assert line, child.stderr.read() if child.stderr else "the child ended early"
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-        assert child.stdout is not None and child.stderr is not None
-        child.stdout.close()
-        child.stderr.close()
+        kill_9(child)
     content = {b"early-0": 1, b"early-1": 2, b"a-0": 3, b"b-0": 4, b"b-1": 5}
     expected = {
         "a-stored": [b"early-0", b"early-1", b"b-0", b"b-1", b"a-0"],

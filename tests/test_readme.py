@@ -4,6 +4,7 @@ map in docs/architecture.md names every module."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -15,6 +16,7 @@ from tests._scripts import script_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+EXAMPLES = ROOT / "examples"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
@@ -97,6 +99,21 @@ def test_ci_tests_the_newest_versions_and_then_every_lower_bound() -> None:
     torch = bounds.pop("torch")  # the CPU build .ci/torch-cpu.txt pins
     assert f"torch=={torch}.0+cpu" in (ROOT / ".ci" / "torch-cpu.txt").read_text()
     assert printed == [f"{name}=={low}" for name, low in bounds.items()]
+
+
+def test_every_figure_row_shows_a_command_the_regeneration_script_runs() -> None:
+    """examples/readme_figures.py runs each row's command as the README shows it."""
+    spec = importlib.util.spec_from_file_location("readme_figures", EXAMPLES / "readme_figures.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    table = _section(README.read_text(), "Figures")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    commands = [row.command.format(**script.README_NAMES) for row in script.ROWS]
+    for command in commands:
+        assert sum(f"`{command}`" in line for line in rows) == 1, command
+    assert len(rows) == len(commands), "a figure row without a command the script runs"
+    assert "python3 examples/readme_figures.py" in table
 
 
 def test_vllm_docs_show_what_vllm_config_prints() -> None:
