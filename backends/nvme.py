@@ -160,6 +160,9 @@ class NVMeTier(TierActor):
         self._writing: dict[int, asyncio.Event] = {}
         self._writing_records = 0
         self._trash: list[str] = []  # segments given up, files not yet deleted
+        # Records of segments in the trash whose keys removals still owe (their store
+        # hop never ran): read by the hop that deletes those segments.
+        self._owed: list[tuple[str, int]] = []
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
         # Set while no checkpoint is being written: one at a time, they share a temp file.
@@ -218,9 +221,10 @@ class NVMeTier(TierActor):
         if not first or not self._opened:
             return
         trash, self._trash = self._trash, []
+        owed, self._owed = self._owed, []
         # The pool is shut down by now: the loop's executor runs the blocking calls.
-        if trash:
-            await asyncio.to_thread(self._segments.delete, trash)
+        if trash or owed:
+            self._note_given_up(await asyncio.to_thread(self._give_up, owed, trash))
         # A job's checkpoint can outlive the close deadline (it runs to its end).
         await self._checkpoint_idle.wait()
         try:
@@ -452,8 +456,10 @@ class NVMeTier(TierActor):
                 if plan.evictions:
                     self.metrics.evicted_blocks += len(gone)
                     self._space.freed()
-                    if self._removed is None:
-                        gone = []  # nobody asks which keys they held
+                if self._removed is None:
+                    gone = []  # nobody asks which keys they held
+                else:
+                    gone, self._owed = gone + self._owed, []  # their segments go too
                 admitted = list(wanted.items())[:fit]
                 if fit < len(wanted):
                     refused = list(wanted)[fit:]
@@ -464,19 +470,18 @@ class NVMeTier(TierActor):
                 self._writing_records += len(placed)
                 delete = [e.segment for e in plan.evictions] + self._trash
                 self._trash = []
+                reads = _HopReads()
                 try:
                     report, moved, gone_keys = await self.run_blocking(
-                        self._store_hop, admitted, placed, plan.moves, gone, delete
+                        self._store_hop, admitted, placed, plan.moves, gone, delete, reads
                     )
-                except BaseException:  # the hop never ran: its deletions are still owed
-                    self._trash.extend(delete)
+                except BaseException:  # cancelled (by a close's deadline), or a bug
+                    self._hop_lost(reads, delete, gone, plan.moves)
                     raise
             finally:
                 self._budget.release(budget)
             self._commit_store(report, admitted, moved, placed, digests, generation, failed)
-            self._note_removed(
-                key for key in gone_keys if key is not None and key_digest(key) not in self._index
-            )
+            self._note_given_up(gone_keys)
             placed = []
             due = self._since_checkpoint >= self.options.checkpoint_every
             if due and generation == self._generation:
@@ -529,20 +534,22 @@ class NVMeTier(TierActor):
         moves: Sequence[tuple[str, int, int]],
         gone: Sequence[tuple[str, int]],
         delete: Sequence[str],
+        reads: _HopReads,
     ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
-        """Read the ``moves`` and the keys of the ``gone`` records, delete ``delete``,
-        then write the job's blocks and the moves that verified (``placed``: the job's
-        placements, then the moves'). Returns the report and the moves' and gone
-        records' keys (None: did not verify)."""
+        """Read the ``moves`` and the keys of the ``gone`` records (kept in ``reads``
+        too), delete ``delete``, then write the job's blocks and the moves that
+        verified (``placed``: the job's placements, then the moves'). Returns the report
+        and the moves' and gone records' keys (None: did not verify)."""
         size = self.block_bytes  # aligned buffers for moved records, one set per I/O thread
         view = thread_buffer(self._local, "moves", len(moves) * size, at_least=MOVE_BYTES_PER_JOB)
         buffers = [view[i * size : (i + 1) * size] for i in range(len(moves))]
-        reads = [
+        moving = [
             (segment, record, buffer, None)
             for (segment, record, _), buffer in zip(moves, buffers, strict=True)
         ]
-        moved = [key if not why else None for key, why, _ in self._segments.read(reads)]
+        moved = [key if not why else None for key, why, _ in self._segments.read(moving)]
         gone_keys = self._segments.read_keys(gone)
+        reads.moved, reads.gone = moved, gone_keys  # before anything is deleted
         self._segments.delete(delete)
         slot = self.slot
         records = [(key, slot(block_id)) for key, block_id in admitted]
@@ -553,6 +560,13 @@ class NVMeTier(TierActor):
                 where.append((placement.segment, placement.record, placement.create))
         runs = list(iter_runs(where, records))
         return self._segments.write(runs, writer=self._instance_id), moved, gone_keys
+
+    def _give_up(self, owed: Sequence[tuple[str, int]], trash: Sequence[str]) -> list[bytes | None]:
+        """Read the keys of the ``owed`` records, then delete the ``trash`` segments;
+        the keys (None: did not verify)."""
+        keys = self._segments.read_keys(owed)
+        self._segments.delete(trash)
+        return keys
 
     def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> list[ReadOutcome]:
         slot = self.slot
@@ -588,6 +602,31 @@ class NVMeTier(TierActor):
                 await event.wait()
             wanted = {k: b for k, b in wanted.items() if key_digest(k) not in self._index}
         return wanted
+
+    def _hop_lost(
+        self,
+        reads: _HopReads,
+        delete: list[str],
+        gone: list[tuple[str, int]],
+        moves: Sequence[tuple[str, int, int]],
+    ) -> None:
+        """A store job ended without its commit (cancelled by a close's deadline): what
+        left the index with its plan is still told. If its hop never ran, its deletions
+        and the reads of the keys they remove are owed to a later hop (or the close);
+        if it ran, the keys it read that the index no longer holds are removals."""
+        if reads.gone is None:
+            self._trash.extend(delete)
+            if self._removed is not None:
+                self._owed += gone + [(segment, record) for segment, record, _ in moves]
+            return
+        moved = reads.moved or []
+        self.metrics.evicted_blocks += sum(key is not None for key in moved)
+        self._note_given_up([*moved, *reads.gone])
+
+    def _note_given_up(self, keys: Sequence[bytes | None]) -> None:
+        """Removals: the ``keys`` read from records given up that the index no longer
+        holds (None: a header that did not verify)."""
+        self._note_removed(k for k in keys if k is not None and key_digest(k) not in self._index)
 
     def _commit_store(
         self,
@@ -671,6 +710,16 @@ class NVMeTier(TierActor):
             await self._write_checkpoint(self.run_blocking)
         except OSError as exc:
             self._failure_log.record("checkpoint failed", 1, str(exc))
+
+
+@dataclass(slots=True)
+class _HopReads:
+    """What a store hop read before it deleted or wrote anything: the moved records'
+    keys and the given-up records' keys (None where a header did not verify); both None
+    until it ran."""
+
+    moved: list[bytes | None] | None = None
+    gone: list[bytes | None] | None = None
 
 
 def _meet(meeting: threading.Barrier) -> None:

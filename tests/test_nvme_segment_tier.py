@@ -927,3 +927,52 @@ async def test_an_unreadable_identity_file_fails_start_naming_the_root(
         await t.start()
     await t.aclose()
     assert os.listdir(directory / "owners") == []
+
+
+async def test_a_store_cut_short_in_its_hop_by_a_hard_stop_still_names_what_it_evicted(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    """The hop ran (it read the evicted keys, deleted the segment, wrote), but the job
+    never committed: the evicted blocks, and the recently used ones it was moving, are
+    still removals."""
+    faults = FaultInjector()
+    t = tier(pool, tmp_path, capacity_bytes=16 * RECORD, os_calls=faults)
+    await t.start()
+    t.report_removals()
+    old, mid, last = keys(8, "old"), keys(8, "mid"), keys(1, "last")
+    assert (await store(t, old, range(8))).success
+    assert (await store(t, mid, range(8))).success  # the cap: two segments of 8
+    t.touch(old[:2])  # recently used: moved, not dropped, when their segment goes
+    held = faults.hold("pwritev", key=last[0])
+    t.submit_store(JobMetadata(next_job_id(), last, [0]))  # evicts the segment of old
+    assert await asyncio.to_thread(held.wait_reached, 30)
+    t.shutdown()  # the job is cancelled inside its hop, which runs to its end
+    held.open()
+    await t.aclose()
+    assert sorted(t.take_removed()) == sorted(old)
+
+
+async def test_a_store_whose_hop_a_close_deadline_withdrew_still_names_what_it_evicted(
+    pool: memoryview, tmp_path: Path
+) -> None:
+    """The hop never ran: the segments it was to delete go at the close, which first
+    reads which keys they held and names them."""
+    faults = FaultInjector()
+    t = tier(pool, tmp_path, capacity_bytes=16 * RECORD, io_threads=1, os_calls=faults)
+    await t.start()
+    t.report_removals()
+    old, mid, first, more = keys(8, "old"), keys(8, "mid"), keys(1, "first"), keys(8, "more")
+    assert (await store(t, old, range(8))).success
+    assert (await store(t, mid, range(8))).success  # the cap: two segments of 8
+    held = faults.hold("pwritev", key=first[0])
+    t.submit_store(JobMetadata(next_job_id(), first, [0]))  # evicts old; held in its hop
+    assert await asyncio.to_thread(held.wait_reached, 30)
+    behind = JobMetadata(next_job_id(), more, range(8))
+    t.submit_store(behind)  # evicts mid; its hop waits for the one I/O thread
+    closing = asyncio.create_task(t.aclose(0))
+    assert not (await t.result(behind.job_id)).success  # withdrawn before it ran
+    held.open()
+    await closing
+    assert sorted(t.take_removed()) == sorted(old + mid)
+    async with tier(pool, tmp_path) as again:  # and no block of either is there
+        assert not any(again.lookup(k) for k in old + mid)
