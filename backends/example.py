@@ -16,7 +16,7 @@ from pydantic import Field
 
 from tiering.errors import InvalidArgumentError
 from tiering.options import Options
-from tiering.secondary import (
+from tiering.tiers.tier_api import (
     JobMetadata,
     JobResult,
     OffloadKey,

@@ -5,7 +5,7 @@ uint8), not a ``bytes`` object per block: memory is bounded up front and reused,
 steady state allocates nothing; and a row-to-row copy is one memcpy with the GIL
 released, so jobs' copies overlap on the io threads (a memoryview slice assignment holds
 the GIL). The bookkeeping lives on the loop thread: rows here, resident keys, pins,
-holds and eviction in a :class:`~tiering.residency.ResidencyIndex`; the io thread only
+holds and eviction in a :class:`~tiering.tiers.residency_index.ResidencyIndex`; the io thread only
 copies the rows the loop handed to the job.
 """
 
@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from tiering.actor import TierActor
+from tiering.core.policies import EvictionPolicy
 from tiering.errors import InvalidArgumentError
+from tiering.observe.statistics import NO_ROOM, FailureLog
 from tiering.options import ActorOptions, PositiveInt
-from tiering.policies import EvictionPolicy
-from tiering.residency import ResidencyIndex
-from tiering.secondary import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.statistics import NO_ROOM, FailureLog
+from tiering.tiers.actor import TierActor
+from tiering.tiers.residency_index import ResidencyIndex
+from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
 

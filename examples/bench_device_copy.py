@@ -23,8 +23,8 @@ from bench_engine import device_copy_run, device_kv, pinned_copy_speed  # sys.pa
 
 from tiering import LayerProgress
 from tiering.cli_args import Progress, make_parser, positive_float, run_main
-from tiering.device import DeviceCopier
-from tiering.host_pool import HostPool
+from tiering.device.copier import DeviceCopier
+from tiering.device.host_pool import HostPool
 
 
 def _first_layer(marks: LayerProgress) -> None:

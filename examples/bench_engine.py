@@ -56,10 +56,10 @@ import uvloop
 
 from tiering import TieringEngine
 from tiering.cli_args import Progress, make_parser, positive_float, positive_int, run_main
-from tiering.device import DeviceCopier
-from tiering.host_pool import HostPool
-from tiering.loop_lag import LoopLagMonitor
-from tiering.policies import DEFAULT_POLICY, policy_name, policy_names
+from tiering.core.policies import DEFAULT_POLICY, policy_name, policy_names
+from tiering.device.copier import DeviceCopier
+from tiering.device.host_pool import HostPool
+from tiering.observe.loop_lag import LoopLagMonitor
 
 MIB = 1 << 20
 BLOCK = 2 * MIB

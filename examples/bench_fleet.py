@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from backends.redis import namespace_prefix
+from backends.redis.tier import namespace_prefix
 from tiering import TieringEngine
 from tiering.cli_args import Progress, make_parser, parse_size, positive_int, run_main
 from tiering.errors import TraceError
-from tiering.fleet import ROUTERS, FleetSummary, NodeOutage, replay_fleet
-from tiering.sweep import footprint
-from tiering.workloads import Request, read_mooncake, synthetic_requests
+from tiering.lab.fleet import ROUTERS, FleetSummary, NodeOutage, replay_fleet
+from tiering.lab.sweep import footprint
+from tiering.lab.workloads import Request, read_mooncake, synthetic_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 # Test aids, from the checkout: the local server, and the deletion of a run's keys.

@@ -28,19 +28,19 @@ import time
 from pathlib import Path
 
 from tiering.cli_args import Progress, choice_list, make_parser, run_main
+from tiering.core.cpu_tier import CPUOffloadingManager
+from tiering.core.policies import policy_name, policy_names
 from tiering.errors import InvalidArgumentError
-from tiering.manager import CPUOffloadingManager
-from tiering.policies import policy_name, policy_names
-from tiering.sweep import capacities_from
-from tiering.workloads import TraceError, read_mooncake
+from tiering.lab.sweep import capacities_from
+from tiering.lab.workloads import TraceError, read_mooncake
 
 
 def load_trace(path: Path, *, full_blocks_only: bool = False) -> list[list[bytes]]:
-    """Each request's block keys (:meth:`tiering.workloads.Request.keys`), without the
+    """Each request's block keys (:meth:`tiering.lab.workloads.Request.keys`), without the
     partial last block with ``full_blocks_only``.
 
     Raises:
-        TraceError: as :func:`tiering.workloads.read_mooncake`.
+        TraceError: as :func:`tiering.lab.workloads.read_mooncake`.
     """
     return [r.keys(full_blocks_only=full_blocks_only) for r in read_mooncake(path)]
 

@@ -86,8 +86,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from backends.nvme import NVMeTier
-from backends.nvme_os import probe_o_direct
+from backends.nvme.os_calls import probe_o_direct
+from backends.nvme.tier import NVMeTier
 from tiering.cli_args import (
     Progress,
     ensure_directory,
@@ -97,10 +97,10 @@ from tiering.cli_args import (
     run_main,
     size_list,
 )
-from tiering.encryption import Keyring
-from tiering.host_pool import HostPool
-from tiering.loop_lag import LoopLagMonitor
-from tiering.secondary import JobMetadata
+from tiering.device.host_pool import HostPool
+from tiering.observe.loop_lag import LoopLagMonitor
+from tiering.security.encryption import Keyring
+from tiering.tiers.tier_api import JobMetadata
 
 # O_DIRECT (used by the baseline and the tier when the probe allows it) needs
 # block-aligned transfers; 4 KiB covers every common logical block size.

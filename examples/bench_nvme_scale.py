@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.nvme import NVMeTier
+from backends.nvme.tier import NVMeTier
 from tiering.cli_args import (
     Progress,
     ensure_directory,
@@ -92,8 +92,8 @@ from tiering.cli_args import (
     positive_int,
     run_main,
 )
-from tiering.host_pool import HostPool
-from tiering.secondary import JobMetadata
+from tiering.device.host_pool import HostPool
+from tiering.tiers.tier_api import JobMetadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # imported by the tests too
 from bench_nvme import (

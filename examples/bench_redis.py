@@ -23,7 +23,7 @@ connections are made as they go) and *warm* (the same again):
 * baseline: redis-py's asyncio client, ``--concurrency`` pipelines at a time, each
   ``SET``-ing (then ``GET``-ting) ``--job-blocks`` values of the block size, sent from
   memoryviews of one buffer (no copies on the client side either);
-* tier: :class:`backends.redis.RedisTier` (pipelines of at most ``--pipeline-mib``,
+* tier: :class:`backends.redis.tier.RedisTier` (pipelines of at most ``--pipeline-mib``,
   ``--io-threads`` threads, by default the tier's) store jobs of ``--job-blocks``
   keys from a host-pool-like buffer (``--concurrency`` running at once), then load
   jobs of them back into other slots, every load verified (header and checksum) by
@@ -103,8 +103,8 @@ from functools import partial
 from pathlib import Path
 
 from tiering.cli_args import Progress, make_parser, positive_int, run_main, size_list
-from tiering.loop_lag import LoopLagMonitor
-from tiering.secondary import JobMetadata
+from tiering.observe.loop_lag import LoopLagMonitor
+from tiering.tiers.tier_api import JobMetadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 # Test aids, from the checkout: the local servers, and the deletion of a run's keys.
@@ -166,7 +166,7 @@ def own_patterns(token: str) -> list[bytes]:
     """Glob patterns that match every key a run of token ``token`` writes, and no key
     of anyone else (the token is random): the baseline's names, the tier's namespace
     (:func:`tier_namespace`) and LMCache's model name (:func:`lmcache_model`)."""
-    from backends.redis import namespace_prefix
+    from backends.redis.tier import namespace_prefix
 
     return [
         baseline_prefix(token) + b"*",
@@ -241,7 +241,7 @@ async def baseline_round(url: str, view: memoryview, block: int, args: argparse.
 
 
 async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Namespace, side: str):
-    from backends.redis import RedisTier
+    from backends.redis.tier import RedisTier
 
     half = pool.nbytes // block // 2  # store from the first half, load into the second
     options = dict(

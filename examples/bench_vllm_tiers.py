@@ -81,7 +81,7 @@ from typing import Any
 
 from bench_nvme import VllmFs, drop_page_cache, files_under, load_vllm_fs
 
-from backends.nvme_os import probe_o_direct
+from backends.nvme.os_calls import probe_o_direct
 from tiering.cli_args import (
     Progress,
     ensure_directory,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from tiering.device import CopyBackend, DeviceCopier
-from tiering.host_pool import HostPool
+from tiering.device.copier import CopyBackend, DeviceCopier
+from tiering.device.host_pool import HostPool
 
 NUM_BLOCKS = 12
 NUM_SLOTS = 10

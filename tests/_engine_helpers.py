@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from backends.block_record import HEADER_BYTES, decode_header
 from backends.memory import MemoryTier
 from tests._faults import Fault, FaultInjector
 from tiering import JobMetadata, JobResult, TieringEngine
 from tiering.errors import CorruptBlockError
+from tiering.tiers.block_record import HEADER_BYTES, decode_header
 
 DEVICE_BLOCKS = 32
 SETTLE_S = 30.0

@@ -1,7 +1,7 @@
 """Fault injection for file-backed tiers: make chosen system calls fail, fall short or
 stall; and which threads made them.
 
-:class:`FaultInjector` is an :class:`~backends.nvme_os.OsCalls` that passes every
+:class:`FaultInjector` is an :class:`~backends.nvme.os_calls.OsCalls` that passes every
 call to a real one unless a rule says otherwise. Rules match a call by operation name
 and, optionally, by a substring of the path involved (for calls on a file descriptor,
 the path it was opened with) and, for writes, by the key of a block record header they
@@ -33,9 +33,9 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backends.block_record import MAGIC
-from backends.nvme_os import REAL_OS, OsCalls
+from backends.nvme.os_calls import REAL_OS, OsCalls
 from tiering.errors import InvalidArgumentError
+from tiering.tiers.block_record import MAGIC
 
 OPERATIONS = frozenset(
     {
@@ -55,7 +55,7 @@ OPERATIONS = frozenset(
 _TRANSFERS = frozenset({"pwritev", "preadv"})
 _TENANT_LENGTH_OFFSET = 56
 """Where a block record header holds its tenant's length; the tenant, then the key,
-follow from ``_KEY_OFFSET`` (see backends/block_record.py)."""
+follow from ``_KEY_OFFSET`` (see tiering/tiers/block_record.py)."""
 _KEY_OFFSET = 76
 
 

@@ -8,8 +8,8 @@ import mmap
 import os
 from collections.abc import Iterator, Sequence
 
-from tiering.actor import TierActor
-from tiering.secondary import JobMetadata, JobResult
+from tiering.tiers.actor import TierActor
+from tiering.tiers.tier_api import JobMetadata, JobResult
 
 _job_ids = itertools.count(1)
 

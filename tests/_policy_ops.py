@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
-from tiering.policies.base import EvictionPolicy
-from tiering.workloads import Request
+from tiering.core.policies.base import EvictionPolicy
+from tiering.lab.workloads import Request
 
 
 def key(i: int) -> bytes:

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from backends.block_record import namespace_digest
 from tests._redis_servers import SERVER, LocalRedisCluster, LocalRedisServer
-from tiering.registry import make_tier
+from tiering.tiers.block_record import namespace_digest
+from tiering.tiers.registry import make_tier
 
 
 def _require_redis() -> None:

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import pytest
 
-from tiering.actor import TierActor
 from tiering.errors import ClosedError, InvalidArgumentError, TierBusyError
 from tiering.lifecycle import Lifecycle
-from tiering.secondary import JobMetadata, JobResult
+from tiering.tiers.actor import TierActor
+from tiering.tiers.tier_api import JobMetadata, JobResult
 
 BLOCK = 64
 SLOTS = 8
@@ -317,7 +317,7 @@ async def test_duplicate_job_id_in_flight_raises_and_changes_nothing() -> None:
 async def test_hook_that_raises_fails_only_that_job_and_each_cause_is_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="tiering.actor")
+    caplog.set_level(logging.WARNING, logger="tiering.tiers.actor")
     async with CopyTier(_pool(), max_inflight=1) as tier:
         tier.fail_ids.update({1, 3})
         tier.submit_store(_store(1, (b"a", 0), (b"b", 1)))
@@ -359,7 +359,7 @@ async def test_hook_raising_cancelled_error_on_its_own_fails_only_that_job() -> 
 async def test_aclose_does_not_hang_on_a_hook_that_ignores_cancellation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("tiering.actor._CANCEL_GRACE_S", 0.01)
+    monkeypatch.setattr("tiering.tiers.actor._CANCEL_GRACE_S", 0.01)
     tier = CopyTier(_pool())
     await tier.start()
     tier.gated.add(1)

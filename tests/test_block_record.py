@@ -1,4 +1,4 @@
-"""The block record shared by the NVMe and Redis tiers (``backends.block_record``), on
+"""The block record shared by the NVMe and Redis tiers (``tiering.tiers.block_record``), on
 its own: round trips in both layouts, plain and sealed, and every tampering refused."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import struct
 
 import pytest
 
-from backends.block_record import (
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.security.encryption import BlockCipher, Keyring, Seal
+from tiering.tiers.block_record import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
     BlockHeader,
@@ -23,8 +25,6 @@ from backends.block_record import (
     record_binding,
     verify_payload,
 )
-from tiering.encryption import BlockCipher, Keyring, Seal
-from tiering.errors import CorruptBlockError, InvalidArgumentError
 
 NS = namespace_digest("model-a")
 KEY = b"block-hash-0001".ljust(32, b".")

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.block_record import HEADER_BYTES
-from backends.nvme_segment_format import namespace_dirname
-from backends.nvme_segment_tier import NVMeSegmentTier
+from backends.nvme.segment_format import namespace_dirname
+from backends.nvme.tier import NVMeTier
 from tests._nvme_helpers import random_pool, store_job
 from tests._scripts import ROOT, run_script, script_env
 from tiering.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+from tiering.tiers.block_record import HEADER_BYTES
 
 BLOCK = 16 << 10
 RECORD = HEADER_BYTES + BLOCK
@@ -35,7 +35,7 @@ async def make_root(
     pool: memoryview, root: Path, n: int = 6, encryption: str | None = None
 ) -> list[bytes]:
     names = [f"c-{i}-".encode() + os.urandom(8) for i in range(n)]
-    async with NVMeSegmentTier(
+    async with NVMeTier(
         pool,
         BLOCK,
         root=root,
@@ -182,7 +182,7 @@ async def test_inspect_verify_and_clear_run_without_importing_torch(
         done = run_script("-X", "importtime", "-m", "tiering", *argv, str(tmp_path), "--json")
         assert done.returncode == EXIT_OK, done.stderr
         imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines()]
-        assert "backends.nvme_inspect" in imported  # the command's imports are logged
+        assert "backends.nvme.maintenance" in imported  # the command's imports are logged
         assert [name for name in imported if name.split(".")[0] == "torch"] == [], argv
         assert last_json(done.stdout)["root"] == str(tmp_path)
 

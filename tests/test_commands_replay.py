@@ -18,9 +18,9 @@ from tests._engine_helpers import block_copies, flip_byte
 from tests._redis_servers import LocalRedisServer
 from tests._scripts import TRACE, last_json, run_script
 from tiering.cli import main
-from tiering.replay import simulate
-from tiering.workload_suite import generate
-from tiering.workloads import Request, synthetic_requests
+from tiering.lab.replay import simulate
+from tiering.lab.workload_suite import generate
+from tiering.lab.workloads import Request, synthetic_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--limit", "120", "--block-bytes", "4K"]

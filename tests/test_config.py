@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from pydantic import BeforeValidator
 from pydantic_core import PydanticUndefined
 
-from tiering import InvalidArgumentError, TieringEngine, registry
+from tiering import InvalidArgumentError, TieringEngine
 from tiering.config import (
     EngineConfig,
     MetricsConfig,
@@ -34,9 +34,10 @@ from tiering.config import (
     to_toml,
     with_overrides,
 )
+from tiering.core.policies import policy_names
 from tiering.errors import ConfigError
 from tiering.options import Options, Size
-from tiering.policies import policy_names
+from tiering.tiers import registry
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -567,7 +568,7 @@ def test_parse_override_refuses_what_is_no_override(text: str) -> None:
 
 
 def test_to_toml_refuses_an_option_toml_cannot_hold() -> None:
-    from tiering.policies import LRUPolicy
+    from tiering.core.policies import LRUPolicy
 
     config = TieringConfig(
         EngineConfig(cpu_blocks=4), (TierConfig("memory", {"policy": LRUPolicy()}),)
@@ -689,8 +690,8 @@ def _default_text(name: str, default: object) -> str:
     [
         ("memory", "backends.memory:MemoryOptions"),
         ("example", "backends.example:ExampleOptions"),
-        ("nvme", "backends.nvme_options:NVMeOptions"),
-        ("redis", "backends.redis:RedisOptions"),
+        ("nvme", "backends.nvme.options:NVMeOptions"),
+        ("redis", "backends.redis.tier:RedisOptions"),
     ],
 )
 def test_the_documented_option_tables_are_the_tiers_options(tier: str, model: str) -> None:

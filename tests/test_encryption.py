@@ -1,4 +1,4 @@
-"""Tests of tiering.encryption: keyrings, sealing and opening payloads (issue 14)."""
+"""Tests of tiering.security.encryption: keyrings, sealing and opening payloads (issue 14)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import os
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tiering.encryption import (
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.security.encryption import (
     TAG_BYTES,
     AuthenticationError,
     BlockCipher,
@@ -19,7 +20,6 @@ from tiering.encryption import (
     associated_data,
     keyring_from,
 )
-from tiering.errors import CorruptBlockError, InvalidArgumentError
 
 KEY_1 = os.urandom(32)
 KEY_2 = os.urandom(16)
@@ -149,7 +149,7 @@ def test_an_unknown_key_id_is_a_corrupt_block_logged_once(
     writer = BlockCipher(Keyring({7: KEY_1}, 7))
     reader = BlockCipher(Keyring.parse(SPEC))
     payload = os.urandom(4096)
-    caplog.set_level(logging.ERROR, logger="tiering.encryption")
+    caplog.set_level(logging.ERROR, logger="tiering.security.encryption")
     for _ in range(3):
         seal, out = sealed(writer, payload)
         with pytest.raises(UnknownKeyError) as failed:

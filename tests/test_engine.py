@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from backends.block_record import HEADER_BYTES
 from backends.example import ExampleSecondaryTier
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
@@ -46,8 +45,9 @@ from tiering import (
     OffloadingEvent,
     TieringEngine,
 )
+from tiering.core.policies import LRUPolicy
 from tiering.lifecycle import Lifecycle
-from tiering.policies import LRUPolicy
+from tiering.tiers.block_record import HEADER_BYTES
 
 
 def rows(kv: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:

@@ -221,9 +221,9 @@ async def test_a_failed_start_leaves_no_task_behind(tmp_path: Path) -> None:
 
 
 async def test_results_nobody_drains_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiering.job
+    import tiering.core.job
 
-    monkeypatch.setattr(tiering.job, "FINISHED_KEPT", 8)
+    monkeypatch.setattr(tiering.core.job, "FINISHED_KEPT", 8)
     async with TieringEngine(make_kv(), 32) as engine:
         jobs = [engine.store([h(i)], [i]) for i in range(20)]
         for job in jobs:

@@ -72,8 +72,7 @@ from typing import Any
 
 import pytest
 
-from backends.block_record import HEADER_BYTES
-from backends.nvme_segments import align_up
+from backends.nvme.segments import align_up
 from tests._engine_helpers import (
     DEVICE_BLOCKS,
     block_copies,
@@ -90,7 +89,8 @@ from tests._engine_helpers import (
 )
 from tests._faults import FaultInjector
 from tiering import Job, JobResult, TieringEngine, tenant_keys
-from tiering.kv_layout import kv_block_bytes
+from tiering.device.kv_layout import kv_block_bytes
+from tiering.tiers.block_record import HEADER_BYTES
 
 SEEDS = int(os.environ.get("KVT_SOAK_SEEDS", "8"))
 FIRST_SEED = int(os.environ.get("KVT_SOAK_FIRST_SEED", "0"))

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiering import OffloadingEvent, TieringEngine
 from tiering.errors import InvalidArgumentError
-from tiering.events import (
+from tiering.observe.events import (
     EVENT_FORMAT_VERSION,
     CallbackPublisher,
     ZmqPublisher,
@@ -21,7 +21,7 @@ from tiering.events import (
     encode_events,
     run_publisher,
 )
-from tiering.metrics import register_engine_metrics
+from tiering.observe.metrics import register_engine_metrics
 
 
 def key(i: int) -> bytes:

@@ -8,7 +8,7 @@ import pytest
 
 from backends.example import ExampleSecondaryTier
 from tiering.errors import InvalidArgumentError
-from tiering.secondary import JobMetadata, JobResult
+from tiering.tiers.tier_api import JobMetadata, JobResult
 
 BLOCK = 16
 SLOTS = 8

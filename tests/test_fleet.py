@@ -1,4 +1,4 @@
-"""A fleet of engines behind a router, sharing a Redis tier (``tiering.fleet``)."""
+"""A fleet of engines behind a router, sharing a Redis tier (``tiering.lab.fleet``)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 
 from tests._redis_servers import LocalRedisServer
 from tiering import TieringEngine
-from tiering.abstract import OffloadingEvent
 from tiering.cli import main
+from tiering.core.scheduler_api import OffloadingEvent
 from tiering.errors import InvalidArgumentError
-from tiering.events import encode_events
-from tiering.fleet import ROUTERS, NodeOutage, Router, replay_fleet
-from tiering.workloads import synthetic_requests
+from tiering.lab.fleet import ROUTERS, NodeOutage, Router, replay_fleet
+from tiering.lab.workloads import synthetic_requests
+from tiering.observe.events import encode_events
 
 
 def _keys(*ids: int) -> list[bytes]:

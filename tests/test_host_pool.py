@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from tiering.device.host_pool import HostPool
+from tiering.device.page_memory import PAGE_SIZE
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
-from tiering.host_pool import HostPool
-from tiering.page_memory import PAGE_SIZE
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 

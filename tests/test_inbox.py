@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tiering.errors import ClosedError, InvalidArgumentError, TierBusyError
-from tiering.inbox import Inbox, InboxStatistics
+from tiering.tiers.inbox import Inbox, InboxStatistics
 
 
 async def _spin(iterations: int = 10) -> None:

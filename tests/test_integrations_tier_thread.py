@@ -9,7 +9,7 @@ import pytest
 
 from tiering.errors import InvalidArgumentError, UnknownTierError
 from tiering.integrations.tier_thread import TierThread
-from tiering.tier_client import TierOutcome
+from tiering.tiers.client import TierOutcome
 
 BLOCK = 4096
 SLOTS = 8

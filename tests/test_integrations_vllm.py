@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.nvme_segments import STAGING_BYTES
 from tests._engine_helpers import corrupt_block
 from tests._faults import FaultInjector
 from tests._scripts import last_json, run_script
@@ -41,6 +40,7 @@ from tiering.integrations.vllm import (
     vllm_namespace,
 )
 from tiering.lifecycle import Lifecycle
+from tiering.tiers.io_threads import STAGING_BYTES
 
 PRIMARY = 4  # CPU chunks: small, so stores evict quickly
 

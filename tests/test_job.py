@@ -1,4 +1,4 @@
-"""The job handle and the result buffer for polling callers (``tiering.job``)."""
+"""The job handle and the result buffer for polling callers (``tiering.core.job``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from tiering.job import FinishedResults, Job
-from tiering.secondary import JobResult
+from tiering.core.job import FinishedResults, Job
+from tiering.tiers.tier_api import JobResult
 
 
 def result(job_id: int) -> JobResult:
@@ -25,7 +25,7 @@ def test_drain_returns_the_results_oldest_first_and_empties_the_buffer() -> None
 
 def test_a_full_buffer_drops_the_oldest_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     finished = FinishedResults(capacity=2)
-    with caplog.at_level(logging.WARNING, logger="tiering.job"):
+    with caplog.at_level(logging.WARNING, logger="tiering.core.job"):
         for job_id in range(5):
             finished.append(result(job_id))
     assert [r.job_id for r in finished.drain()] == [3, 4]

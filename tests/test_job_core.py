@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
-from tiering.job_core import (
+from tiering.core.cpu_tier import CPUOffloadingManager
+from tiering.core.job_core import (
     LEFT_EVERY_TIER,
     Cascaded,
     CopyToDevice,
@@ -20,8 +20,8 @@ from tiering.job_core import (
     TierStore,
     WaitForRoom,
 )
-from tiering.manager import CPUOffloadingManager
-from tiering.tier_client import TierOutcome
+from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
+from tiering.tiers.client import TierOutcome
 
 
 def h(i: int) -> bytes:

@@ -35,7 +35,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tiering.job_core import (
+from tiering.core.cpu_tier import CPUOffloadingManager
+from tiering.core.job_core import (
     Cascaded,
     CopyToDevice,
     CopyToHost,
@@ -48,8 +49,7 @@ from tiering.job_core import (
     WaitForRoom,
 )
 from tiering.lifecycle import Lifecycle
-from tiering.manager import CPUOffloadingManager
-from tiering.tier_client import TierOutcome
+from tiering.tiers.client import TierOutcome
 
 KEYS = [bytes([i]) * 4 for i in range(5)]
 DEVICE_BLOCKS = 12

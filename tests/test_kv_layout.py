@@ -8,8 +8,14 @@ from _device_kv import LAYOUTS, block_bytes_of, device_block, layers_of, make_kv
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tiering.device.kv_layout import (
+    CopyChunk,
+    SlotRun,
+    describe_kv_caches,
+    kv_block_bytes,
+    plan_copy,
+)
 from tiering.errors import InvalidArgumentError
-from tiering.kv_layout import CopyChunk, SlotRun, describe_kv_caches, kv_block_bytes, plan_copy
 from tiering.validation import as_index_list, check_index_range
 
 # --------------------------------------------------------------------------- plan_copy

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiering.errors import InvalidArgumentError
-from tiering.latency import DEFAULT_BOUNDS, LatencyHistogram
+from tiering.observe.latency import DEFAULT_BOUNDS, LatencyHistogram
 
 
 def test_default_bounds_are_1_2_5_steps_from_10us_to_100s() -> None:

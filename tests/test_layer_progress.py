@@ -31,9 +31,9 @@ from tests._engine_helpers import (
 )
 from tests._engine_helpers import make_kv as engine_kv
 from tiering import InvalidArgumentError, LayerProgress, TieringEngine, TransferError
-from tiering.copy_thread import ThreadCopyBackend
-from tiering.device import DeviceCopier
-from tiering.host_pool import HostPool
+from tiering.device.copier import DeviceCopier
+from tiering.device.host_pool import HostPool
+from tiering.device.thread_copies import ThreadCopyBackend
 
 LAYOUTS = ["one_tensor", "mixed_dtypes"]  # one tensor; per-layer tensors
 

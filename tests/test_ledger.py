@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from tiering.errors import InvalidArgumentError
-from tiering.ledger import ResultsLedger, TierJob
-from tiering.secondary import JobMetadata, JobResult
+from tiering.tiers.ledger import ResultsLedger, TierJob
+from tiering.tiers.tier_api import JobMetadata, JobResult
 
 
 def _job(job_id: object, keys: list[bytes]) -> TierJob:

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from tiering import InvalidArgumentError
-from tiering.loop_lag import LoopLagMonitor
+from tiering.observe.loop_lag import LoopLagMonitor
 
 
 async def test_a_blocking_call_on_the_loop_shows_up_as_lag() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from backends.memory import MemoryTier
 from tiering.errors import InvalidArgumentError
-from tiering.secondary import JobMetadata, JobResult
+from tiering.tiers.tier_api import JobMetadata, JobResult
 
 BLOCK = 4096
 SLOTS = 64

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
-from tiering.loop_lag import LoopLagMonitor
-from tiering.metrics import (
+from tiering.observe.loop_lag import LoopLagMonitor
+from tiering.observe.metrics import (
     EngineCollector,
     register_engine_metrics,
     serve_engine_metrics,

@@ -1,7 +1,7 @@
-"""Tests of backends.nvme: the NVMe tier through its actor API, on real files.
+"""Tests of backends.nvme.tier: the NVMe tier through its actor API, on real files.
 
 The tier here keeps one record a segment and moves no record again on eviction, so that
-it evicts block by block, oldest first; tests/test_nvme_segment_tier.py checks segments
+it evicts block by block, oldest first; tests/test_nvme_tier_segments.py checks segments
 of many records, reinsertion and recovery.
 """
 
@@ -24,24 +24,24 @@ from typing import Any
 
 import pytest
 
-from backends.block_record import HEADER_BYTES
-from backends.nvme import NVMeTier
-from backends.nvme_os import OsCalls, owner_alive
-from backends.nvme_segment_format import SEGMENTS_DIR, namespace_dirname
-from backends.nvme_segment_index import key_digest
-from backends.nvme_space import InflightBytes
+from backends.nvme.os_calls import OsCalls, owner_alive
+from backends.nvme.segment_format import SEGMENTS_DIR, namespace_dirname
+from backends.nvme.segment_index import key_digest
+from backends.nvme.space import InflightBytes
+from backends.nvme.tier import NVMeTier
 from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as _load
 from tests._nvme_helpers import next_job_id, random_pool
 from tests._nvme_helpers import store_job as _store
-from tiering.actor import TierActor
+from tiering.device.host_pool import HostPool
 from tiering.errors import (
     ClosedError,
     InvalidArgumentError,
 )
-from tiering.host_pool import HostPool
-from tiering.registry import make_tier
-from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+from tiering.tiers.actor import TierActor
+from tiering.tiers.block_record import HEADER_BYTES
+from tiering.tiers.registry import make_tier
+from tiering.tiers.tier_api import JobMetadata, JobResult, SecondaryTierManager
 
 BLOCK = 16 << 10
 FILE = HEADER_BYTES + BLOCK
@@ -600,7 +600,7 @@ async def test_usage_reports_counters_and_failures_by_cause_logged_once(
         await _store(tier, keys, [0, 1])
         for path, at in [_record(tier, k) for k in keys]:
             _flip(path, at + HEADER_BYTES + 7)
-        with caplog.at_level(logging.WARNING, logger="backends.nvme"):
+        with caplog.at_level(logging.WARNING, logger="backends.nvme.tier"):
             result = await _load(tier, keys, [4, 5])
             await _load(tier, [b"absent"], [6])
         assert set(result.failed_keys) == set(keys)
@@ -949,7 +949,7 @@ async def test_o_direct_refusal_falls_back_with_one_log_line(
 ) -> None:
     faults = FaultInjector()
     faults.fail("open", errno.EINVAL, path="odirect-probe")
-    with caplog.at_level(logging.WARNING, logger="backends.nvme"):
+    with caplog.at_level(logging.WARNING, logger="backends.nvme.tier"):
         async with _tier(pool, tmp_path, os_calls=faults) as tier:
             assert tier.o_direct is False
             await _store(tier, [b"a"], [0])

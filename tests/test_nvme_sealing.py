@@ -1,4 +1,4 @@
-"""Encryption at rest in the NVMe tier (backends.nvme_sealing, issue 14): sealed
+"""Encryption at rest in the NVMe tier (backends.nvme.sealing, issue 14): sealed
 blocks round-trip byte-exact, no plaintext reaches the disk, and a wrong or missing key,
 a tampered byte, a moved block or a block of the other kind is a miss, never bytes."""
 
@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 import xxhash
 
-from backends.block_record import HEADER_BYTES, SEALED, decode_header, record_binding
-from backends.nvme import NVMeTier
-from backends.nvme_sealing import PayloadSealer
+from backends.nvme.sealing import PayloadSealer
+from backends.nvme.tier import NVMeTier
 from tests._engine_helpers import flip_byte
 from tests._nvme_helpers import load_job as load
 from tests._nvme_helpers import random_pool
 from tests._nvme_helpers import store_job as store
-from tiering.encryption import TAG_BYTES, BlockCipher, Keyring
 from tiering.errors import InvalidArgumentError
+from tiering.security.encryption import TAG_BYTES, BlockCipher, Keyring
+from tiering.tiers.block_record import HEADER_BYTES, SEALED, decode_header, record_binding
 
 BLOCK = 16 << 10
 SLOTS = 8
@@ -160,7 +160,7 @@ async def test_a_wrong_or_missing_key_is_a_miss_with_one_error(
             result = await load(tier, [key], [target])
             assert not result.success and result.failed_keys == (key,)
             assert not tier.lookup(key)  # a miss from now on
-    errors = [r.getMessage() for r in caplog.records if "tiering.encryption" in r.name]
+    errors = [r.getMessage() for r in caplog.records if "tiering.security.encryption" in r.name]
     assert len(errors) == 1 and logged in errors[0]
     for key in (KEY_A, KEY_B):
         assert base64.b64encode(key).decode() not in caplog.text
@@ -188,7 +188,7 @@ async def test_a_block_moved_under_another_key_fails_authentication(
         assert (await store(tier, [b"victim", b"other1"], [0, 1])).success
         (source, at), (target, there) = headers(tier)[b"other1"], headers(tier)[b"victim"]
         data = bytearray(source.read_bytes()[at : at + HEADER_BYTES + BLOCK])
-        data[76:82] = b"victim"  # the key, after an empty tenant (backends/block_record.py)
+        data[76:82] = b"victim"  # the key, after an empty tenant (tiering/tiers/block_record.py)
         struct.pack_into("<H", data, 58, 6)
         struct.pack_into("<Q", data, HEADER_BYTES - 8, xxhash.xxh3_64_intdigest(data[:4088]))
         assert decode_header(bytes(data[:HEADER_BYTES])).key == b"victim"

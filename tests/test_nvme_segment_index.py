@@ -1,4 +1,4 @@
-"""Tests of backends.nvme_segment_index: the segment layout's sans-I/O index."""
+"""Tests of backends.nvme.segment_index: the segment layout's sans-I/O index."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from backends.nvme_segment_format import Checkpoint, segment_name
-from backends.nvme_segment_index import KeyTable, Placement, SegmentIndex, key_digest
-from backends.nvme_segments import SegmentScan
+from backends.nvme.segment_format import Checkpoint, segment_name
+from backends.nvme.segment_index import KeyTable, Placement, SegmentIndex, key_digest
+from backends.nvme.segments import SegmentScan
 from tiering.errors import InvalidArgumentError
 
 WRITER = "ab"

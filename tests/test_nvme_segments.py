@@ -1,4 +1,4 @@
-"""Tests of backends.nvme_segments: segment files and the index checkpoint (no loop)."""
+"""Tests of backends.nvme.segments: segment files and the index checkpoint (no loop)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from backends.block_record import (
-    HEADER_BYTES,
-    MAX_KEY_BYTES,
-    decode_header,
-    encode_header,
-    namespace_digest,
-    payload_checksum,
-)
-from backends.nvme_os import REAL_OS, OsCalls, probe_o_direct
-from backends.nvme_recovery import read_checkpoint, write_checkpoint
-from backends.nvme_segment_format import (
+from backends.nvme.os_calls import REAL_OS, OsCalls, probe_o_direct
+from backends.nvme.recovery import read_checkpoint, write_checkpoint
+from backends.nvme.segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
     Checkpoint,
@@ -31,10 +23,18 @@ from backends.nvme_segment_format import (
     parse_segment_name,
     segment_name,
 )
-from backends.nvme_segments import MAX_IOV, RecordRun, SegmentFiles, iter_runs
+from backends.nvme.segments import MAX_IOV, RecordRun, SegmentFiles, iter_runs
 from tests._faults import FaultInjector
 from tests._nvme_helpers import random_pool
 from tiering.errors import InvalidArgumentError
+from tiering.tiers.block_record import (
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    decode_header,
+    encode_header,
+    namespace_digest,
+    payload_checksum,
+)
 
 BLOCK = 16 << 10
 SLOTS = 8

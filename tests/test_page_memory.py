@@ -1,11 +1,11 @@
-"""Page-aligned anonymous memory (tiering.page_memory)."""
+"""Page-aligned anonymous memory (tiering.device.page_memory)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tiering.page_memory import HUGE_PAGE_BYTES, PAGE_SIZE, io_buffer
+from tiering.device.page_memory import HUGE_PAGE_BYTES, PAGE_SIZE, io_buffer
 
 
 @pytest.mark.parametrize("nbytes", [1, PAGE_SIZE, HUGE_PAGE_BYTES + 16, 3 * HUGE_PAGE_BYTES])

@@ -1,19 +1,19 @@
 """Policies by name: the registry, the default, and a retired name as an alias of its
-replacement (``tiering.policies``)."""
+replacement (``tiering.core.policies``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests._scripts import run_script
-from tiering.errors import UnknownPolicyError
-from tiering.policies import (
+from tiering.core.policies import (
     DEFAULT_POLICY,
     AdaptivePolicy,
     EvictionPolicy,
     make_policy,
     policy_names,
 )
+from tiering.errors import UnknownPolicyError
 
 
 def test_the_default_policy_is_a_registered_one() -> None:
@@ -42,7 +42,7 @@ def test_an_unknown_name_lists_the_registered_ones_only() -> None:
 # A fresh interpreter: whether the warning was given is per process.
 _TWICE = """
 import warnings
-from tiering.policies import make_policy
+from tiering.core.policies import make_policy
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     kinds = [type(make_policy("prefix-lfu", 4)).__name__ for _ in range(2)]
@@ -59,7 +59,7 @@ def test_a_retired_name_warns_once_per_process_naming_its_replacement() -> None:
 
 
 _REGISTERED = """
-from tiering.policies import LRUPolicy, make_policy, register_policy
+from tiering.core.policies import LRUPolicy, make_policy, register_policy
 register_policy("prefix-lfu", LRUPolicy)
 print(type(make_policy("prefix-lfu", 4)).__name__)
 """

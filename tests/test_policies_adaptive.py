@@ -1,6 +1,6 @@
 """AdaptivePolicy: ARC's and LRU's orders over one resident set, second sight from two
 generations of request counts, four sampled shadows and the one it follows, the evict
-contract (``tiering.policies.adaptive``)."""
+contract (``tiering.core.policies.adaptive``)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from _policy_ops import key as _key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiering.core.cpu_tier import CPUOffloadingManager
+from tiering.core.policies import AdaptivePolicy, ARCPolicy, make_policy
+from tiering.core.policies.adaptive import EXPERTS
+from tiering.core.policies.lru import LRUPolicy
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
-from tiering.manager import CPUOffloadingManager
-from tiering.policies import AdaptivePolicy, ARCPolicy, make_policy
-from tiering.policies.adaptive import EXPERTS
-from tiering.policies.lru import LRUPolicy
-from tiering.replay import CacheModel, simulate
-from tiering.workloads import Request
+from tiering.lab.replay import CacheModel, simulate
+from tiering.lab.workloads import Request
 
 
 def _policy(capacity: int = 10, leader: str | None = None, **options: float) -> AdaptivePolicy:

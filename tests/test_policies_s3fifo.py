@@ -9,9 +9,9 @@ from _policy_ops import key as _key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiering.core.policies import S3FIFOPolicy, make_policy
+from tiering.core.policies.lru import LRUPolicy
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
-from tiering.policies import S3FIFOPolicy, make_policy
-from tiering.policies.lru import LRUPolicy
 
 
 def _s3fifo(capacity: int, inserted: range = range(0)) -> S3FIFOPolicy:

@@ -1,4 +1,4 @@
-"""The Redis tier against a real redis-server (``backends.redis``)."""
+"""The Redis tier against a real redis-server (``backends.redis.tier``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 import xxhash
 
-from backends.block_record import namespace_digest
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import (
     BLOCK,
@@ -39,7 +38,8 @@ from tiering import TieringEngine
 from tiering.cli import main
 from tiering.config import load_config
 from tiering.errors import ConfigError, InvalidArgumentError
-from tiering.registry import make_tier, tier_factory
+from tiering.tiers.block_record import namespace_digest
+from tiering.tiers.registry import make_tier, tier_factory
 
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")

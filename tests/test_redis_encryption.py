@@ -1,4 +1,4 @@
-"""Encryption at rest in the Redis tier (``backends.redis`` with ``encryption``), against a
+"""Encryption at rest in the Redis tier (``backends.redis.tier`` with ``encryption``), against a
 real redis-server: sealed values, key rotation, and every way a value may fail to open
 being a miss, never bytes (issue 14)."""
 
@@ -14,13 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from backends.block_record import (
-    compact_header,
-    decode_header,
-    namespace_digest,
-    payload_checksum,
-    record_binding,
-)
 from tests._nvme_helpers import load_job, random_pool, store_job
 from tests._redis_helpers import (
     BLOCK,
@@ -34,11 +27,18 @@ from tests._redis_helpers import (
 )
 from tests._redis_servers import LocalRedisServer as RedisServer
 from tiering import TieringEngine
-from tiering.encryption import Seal
 from tiering.errors import InvalidArgumentError
-from tiering.events import encode_events
-from tiering.metrics import serve_engine_metrics
-from tiering.registry import make_tier
+from tiering.observe.events import encode_events
+from tiering.observe.metrics import serve_engine_metrics
+from tiering.security.encryption import Seal
+from tiering.tiers.block_record import (
+    compact_header,
+    decode_header,
+    namespace_digest,
+    payload_checksum,
+    record_binding,
+)
+from tiering.tiers.registry import make_tier
 
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
@@ -98,7 +98,7 @@ def encryption_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "tiering.encryption" and r.levelno == logging.ERROR
+        if r.name == "tiering.security.encryption" and r.levelno == logging.ERROR
     ]
 
 
@@ -143,7 +143,7 @@ async def test_the_keyring_can_come_from_an_environment_variable(
 async def test_a_wrong_key_under_the_same_id_is_a_miss_logged_once(
     pool: memoryview, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="tiering.encryption")
+    caplog.set_level(logging.ERROR, logger="tiering.security.encryption")
     names = keys(3)
     async with opened(pool, redis_server, encryption=spec((1, OLD_KEY))) as writer:
         assert (await store_job(writer, names, range(3))).success
@@ -163,7 +163,7 @@ async def test_a_wrong_key_under_the_same_id_is_a_miss_logged_once(
 async def test_a_key_id_the_keyring_lacks_is_a_miss(
     pool: memoryview, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="tiering.encryption")
+    caplog.set_level(logging.ERROR, logger="tiering.security.encryption")
     names = keys(2)
     async with opened(pool, redis_server, encryption=spec((3, NEW_KEY))) as writer:
         assert (await store_job(writer, names, [0, 1])).success

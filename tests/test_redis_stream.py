@@ -1,5 +1,5 @@
-"""Several jobs' pipelines on one link (``backends.redis_stream``), against a real
-server and a real cluster (``backends.redis_wire``'s links)."""
+"""Several jobs' pipelines on one link (``backends.redis.stream``), against a real
+server and a real cluster (``backends.redis.wire``'s links)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
 
-from backends.redis_client import RedisConnectionError, new_client
-from backends.redis_stream import Pipeline, RespStream
-from backends.redis_wire import ClusterLink, ServerLink, WirePipelines
-from backends.resp_connection import endpoint_of
+from backends.redis.connection import endpoint_of
+from backends.redis.control import RedisConnectionError, new_client
+from backends.redis.stream import Pipeline, RespStream
+from backends.redis.wire import ClusterLink, ServerLink, WirePipelines
 from tests._redis_helpers import local_redis_cluster
 
 

@@ -1,5 +1,5 @@
-"""The Redis tier's own wire: the RESP reader and encoder (``backends.resp``) against
-hiredis, and its connections (``backends.resp_connection``) against a real server."""
+"""The Redis tier's own wire: the RESP reader and encoder (``backends.redis.resp``) against
+hiredis, and its connections (``backends.redis.connection``) against a real server."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py 
 
 import hiredis
 
-from backends.resp import (
+from backends.redis.resp import (
     NOT_YET,
     ErrorReply,
     Landed,
@@ -262,7 +262,7 @@ def _expected_replies(server: Any, kinds: list[str], *, expected: bool) -> tuple
     ``hash``: no string; ``short``/``long``: a string of another length) on one
     connection, each value's head and rest landing in views of their own; returns the
     replies and what landed, as ``bytes``."""
-    from backends.resp_connection import Expected, RespConnection, endpoint_of
+    from backends.redis.connection import Expected, RespConnection, endpoint_of
 
     values = {"ok": _HEAD + _REST, "short": _HEAD + 1, "long": _HEAD + _REST + 1}
     for i, kind in enumerate(kinds):

@@ -12,10 +12,10 @@ import pytest
 
 from backends.example import ExampleSecondaryTier
 from backends.memory import MemoryTier
-from tiering import registry
 from tiering.errors import InvalidArgumentError, UnknownTierError
-from tiering.registry import make_tier, register_tier, tier_names, unregister_tier
-from tiering.secondary import SecondaryTierManager
+from tiering.tiers import registry
+from tiering.tiers.registry import make_tier, register_tier, tier_names, unregister_tier
+from tiering.tiers.tier_api import SecondaryTierManager
 
 BLOCK = 32
 
@@ -147,7 +147,7 @@ def test_a_built_in_whose_module_is_missing_raises_unknown_tier(
 
 def test_importing_tiering_imports_no_backend() -> None:
     code = (
-        "import sys, tiering, tiering.registry, tiering.actor; "
+        "import sys, tiering, tiering.tiers.registry, tiering.tiers.actor; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'backends'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

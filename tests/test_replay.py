@@ -1,4 +1,4 @@
-"""Replays: the bookkeeping model and the real engine agree (``tiering.replay``)."""
+"""Replays: the bookkeeping model and the real engine agree (``tiering.lab.replay``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from tests._engine_helpers import block_copies, flip_byte
 from tests._scripts import TRACE
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
-from tiering.replay import CacheModel, SegmentLayout, expected_bytes, replay, simulate
-from tiering.workloads import Request, read_mooncake, synthetic_requests
+from tiering.lab.replay import CacheModel, SegmentLayout, expected_bytes, replay, simulate
+from tiering.lab.workloads import Request, read_mooncake, synthetic_requests
 
 BLOCK = 1024
 

@@ -15,8 +15,8 @@ import torch
 from tests._redis_helpers import local_redis_server
 from tests._redis_servers import LocalRedisServer
 from tiering import TieringEngine, TieringError
-from tiering.events import encode_events
-from tiering.metrics import serve_engine_metrics
+from tiering.observe.events import encode_events
+from tiering.observe.metrics import serve_engine_metrics
 
 SECRET = "s3cr3t-pw-5f1d"
 

@@ -1,13 +1,13 @@
-"""Capacity sweeps and their plot (``tiering.sweep``)."""
+"""Capacity sweeps and their plot (``tiering.lab.sweep``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tiering.errors import InvalidArgumentError
-from tiering.replay import simulate
-from tiering.sweep import capacities_from, footprint, plot_sweep, sweep
-from tiering.workloads import Request, synthetic_requests
+from tiering.lab.replay import simulate
+from tiering.lab.sweep import capacities_from, footprint, plot_sweep, sweep
+from tiering.lab.workloads import Request, synthetic_requests
 
 
 def test_a_sweep_replays_every_capacity_with_every_policy() -> None:

@@ -1,4 +1,4 @@
-"""Tenant isolation (tiering.tenancy and the engine's ``tenant`` argument, issue 14): a
+"""Tenant isolation (tiering.security.tenancy and the engine's ``tenant`` argument, issue 14): a
 tenant never hits, loads or times another tenant's blocks, except the leading blocks of
 prefixes shared on purpose."""
 
@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from tests._engine_helpers import corrupt_block, make_kv
 from tiering import TieringEngine, tenant_keys, tenant_label
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
-from tiering.events import encode_events
 from tiering.hashing import block_hashes
-from tiering.metrics import serve_engine_metrics
-from tiering.replay import replay
-from tiering.tenancy import Tenancy
+from tiering.lab.replay import replay
+from tiering.lab.workloads import synthetic_requests
+from tiering.observe.events import encode_events
+from tiering.observe.metrics import serve_engine_metrics
+from tiering.security.tenancy import Tenancy
 from tiering.validation import hash_list
-from tiering.workloads import synthetic_requests
 
 PROMPT = block_hashes(list(range(64)), 16)  # four blocks
 SYSTEM = PROMPT[:2]

@@ -11,12 +11,12 @@ import pytest
 
 from backends.example import ExampleSecondaryTier
 from backends.memory import MemoryTier
-from tiering.actor import TierActor
+from tiering.device.host_pool import HostPool
 from tiering.errors import InvalidArgumentError
-from tiering.host_pool import HostPool
 from tiering.lifecycle import Lifecycle
-from tiering.secondary import JobMetadata, JobResult
-from tiering.tier_client import TierClient, TierOutcome
+from tiering.tiers.actor import TierActor
+from tiering.tiers.client import TierClient, TierOutcome
+from tiering.tiers.tier_api import JobMetadata, JobResult
 
 BLOCK = 4096
 SLOTS = 16

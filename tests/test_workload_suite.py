@@ -1,14 +1,14 @@
-"""The generated workload families and the policy suite (``tiering.workload_suite``)."""
+"""The generated workload families and the policy suite (``tiering.lab.workload_suite``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tiering.errors import InvalidArgumentError, TraceError
-from tiering.replay import simulate
-from tiering.sweep import footprint
-from tiering.workload_suite import FAMILIES, WORKLOADS, generate, run_suite
-from tiering.workloads import TOKENS_PER_BLOCK
+from tiering.lab.replay import simulate
+from tiering.lab.sweep import footprint
+from tiering.lab.workload_suite import FAMILIES, WORKLOADS, generate, run_suite
+from tiering.lab.workloads import TOKENS_PER_BLOCK
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -1,4 +1,4 @@
-"""Workloads: the Mooncake trace reader and the synthetic chat traffic (``tiering.workloads``)."""
+"""Workloads (``tiering.lab.workloads``): the Mooncake trace reader, synthetic chat traffic."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests._scripts import TRACE
 from tiering.errors import InvalidArgumentError
-from tiering.workloads import (
+from tiering.lab.workloads import (
     TOKENS_PER_BLOCK,
     Request,
     TraceError,

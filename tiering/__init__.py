@@ -9,8 +9,8 @@ every long-lived object shares; tenants' keys (:func:`tenant_keys`) and the
 :class:`Keyring` of encryption at rest; the typed :class:`TieringConfig`, workloads
 (:func:`read_mooncake`, :func:`synthetic_requests`), job latency histograms and the KV
 event wire format. Secondary tiers live in ``backends`` and are built by name through
-:func:`make_tier`. Replays, sweeps and metrics are in ``tiering.replay``,
-``tiering.sweep`` and ``tiering.metrics`` (the last needs prometheus-client).
+:func:`make_tier`. Replays, sweeps and metrics are in ``tiering.lab.replay``,
+``tiering.lab.sweep`` and ``tiering.observe.metrics`` (the last needs prometheus-client).
 
 Importing the package imports none of them: each name is imported from its module when
 first used (``from tiering import TieringEngine`` as before), so a program that needs only
@@ -24,7 +24,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tiering.abstract import (
+    from tiering.config import TieringConfig, load_config
+    from tiering.core.cpu_tier import BlockState, CPUOffloadingManager
+    from tiering.core.job_core import JobCore, LookupStatistics
+    from tiering.core.policies import (
+        ARCPolicy,
+        EvictionPolicy,
+        LRUPolicy,
+        S3FIFOPolicy,
+        make_policy,
+        policy_names,
+        register_policy,
+    )
+    from tiering.core.scheduler_api import (
         BlockHash,
         CPULoadStoreSpec,
         LoadStoreSpec,
@@ -33,10 +45,9 @@ if TYPE_CHECKING:
         PrepareStoreOutput,
         as_block_hashes,
     )
-    from tiering.actor import TierActor
-    from tiering.config import TieringConfig, load_config
-    from tiering.device import CopyHandle, DeviceCopier, kv_block_bytes
-    from tiering.encryption import AuthenticationError, Keyring, UnknownKeyError
+    from tiering.device.copier import CopyHandle, DeviceCopier, kv_block_bytes
+    from tiering.device.host_pool import HostPool
+    from tiering.device.layer_progress import LayerProgress
     from tiering.engine import Job, TieringEngine
     from tiering.errors import (
         BlockNotFoundError,
@@ -52,30 +63,19 @@ if TYPE_CHECKING:
         UnknownPolicyError,
         UnknownTierError,
     )
-    from tiering.events import decode_events, encode_events
     from tiering.hashing import block_hashes, namespace_root
-    from tiering.host_pool import HostPool
-    from tiering.job_core import JobCore, LookupStatistics
-    from tiering.latency import LatencyHistogram, LatencySnapshot
-    from tiering.layer_progress import LayerProgress
+    from tiering.lab.workloads import Request, read_mooncake, synthetic_requests
     from tiering.lifecycle import Lifecycle
-    from tiering.manager import BlockState, CPUOffloadingManager
-    from tiering.policies import (
-        ARCPolicy,
-        EvictionPolicy,
-        LRUPolicy,
-        S3FIFOPolicy,
-        make_policy,
-        policy_names,
-        register_policy,
-    )
-    from tiering.registry import make_tier, register_tier, tier_names
-    from tiering.residency import ResidencyIndex
-    from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
-    from tiering.statistics import FailureLog, Statistics
-    from tiering.tenancy import TenantLookups, tenant_keys, tenant_label
-    from tiering.tier_client import TierClient, TierOutcome
-    from tiering.workloads import Request, read_mooncake, synthetic_requests
+    from tiering.observe.events import decode_events, encode_events
+    from tiering.observe.latency import LatencyHistogram, LatencySnapshot
+    from tiering.observe.statistics import FailureLog, Statistics
+    from tiering.security.encryption import AuthenticationError, Keyring, UnknownKeyError
+    from tiering.security.tenancy import TenantLookups, tenant_keys, tenant_label
+    from tiering.tiers.actor import TierActor
+    from tiering.tiers.client import TierClient, TierOutcome
+    from tiering.tiers.registry import make_tier, register_tier, tier_names
+    from tiering.tiers.residency_index import ResidencyIndex
+    from tiering.tiers.tier_api import JobMetadata, JobResult, SecondaryTierManager
 
 __all__ = [
     "ARCPolicy",
@@ -149,7 +149,7 @@ __all__ = [
 
 # Where each public name lives; ``__getattr__`` imports it from there on first use.
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "tiering.abstract": (
+    "tiering.core.scheduler_api": (
         "BlockHash",
         "CPULoadStoreSpec",
         "LoadStoreSpec",
@@ -158,10 +158,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "PrepareStoreOutput",
         "as_block_hashes",
     ),
-    "tiering.actor": ("TierActor",),
+    "tiering.tiers.actor": ("TierActor",),
     "tiering.config": ("TieringConfig", "load_config"),
-    "tiering.device": ("CopyHandle", "DeviceCopier", "kv_block_bytes"),
-    "tiering.encryption": ("AuthenticationError", "Keyring", "UnknownKeyError"),
+    "tiering.device.copier": ("CopyHandle", "DeviceCopier", "kv_block_bytes"),
+    "tiering.security.encryption": ("AuthenticationError", "Keyring", "UnknownKeyError"),
     "tiering.engine": ("Job", "TieringEngine"),
     "tiering.errors": (
         "BlockNotFoundError",
@@ -177,15 +177,15 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "UnknownPolicyError",
         "UnknownTierError",
     ),
-    "tiering.events": ("decode_events", "encode_events"),
+    "tiering.observe.events": ("decode_events", "encode_events"),
     "tiering.hashing": ("block_hashes", "namespace_root"),
-    "tiering.host_pool": ("HostPool",),
-    "tiering.job_core": ("JobCore", "LookupStatistics"),
-    "tiering.latency": ("LatencyHistogram", "LatencySnapshot"),
-    "tiering.layer_progress": ("LayerProgress",),
+    "tiering.device.host_pool": ("HostPool",),
+    "tiering.core.job_core": ("JobCore", "LookupStatistics"),
+    "tiering.observe.latency": ("LatencyHistogram", "LatencySnapshot"),
+    "tiering.device.layer_progress": ("LayerProgress",),
     "tiering.lifecycle": ("Lifecycle",),
-    "tiering.manager": ("BlockState", "CPUOffloadingManager"),
-    "tiering.policies": (
+    "tiering.core.cpu_tier": ("BlockState", "CPUOffloadingManager"),
+    "tiering.core.policies": (
         "ARCPolicy",
         "EvictionPolicy",
         "LRUPolicy",
@@ -194,13 +194,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "policy_names",
         "register_policy",
     ),
-    "tiering.registry": ("make_tier", "register_tier", "tier_names"),
-    "tiering.residency": ("ResidencyIndex",),
-    "tiering.secondary": ("JobMetadata", "JobResult", "SecondaryTierManager"),
-    "tiering.statistics": ("FailureLog", "Statistics"),
-    "tiering.tenancy": ("TenantLookups", "tenant_keys", "tenant_label"),
-    "tiering.tier_client": ("TierClient", "TierOutcome"),
-    "tiering.workloads": ("Request", "read_mooncake", "synthetic_requests"),
+    "tiering.tiers.registry": ("make_tier", "register_tier", "tier_names"),
+    "tiering.tiers.residency_index": ("ResidencyIndex",),
+    "tiering.tiers.tier_api": ("JobMetadata", "JobResult", "SecondaryTierManager"),
+    "tiering.observe.statistics": ("FailureLog", "Statistics"),
+    "tiering.security.tenancy": ("TenantLookups", "tenant_keys", "tenant_label"),
+    "tiering.tiers.client": ("TierClient", "TierOutcome"),
+    "tiering.lab.workloads": ("Request", "read_mooncake", "synthetic_requests"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal, Self
 import tomli_w
 from pydantic import AfterValidator, Field, model_validator
 
-from tiering import registry
+from tiering.core.policies import DEFAULT_POLICY, policy_name, policy_names
 from tiering.errors import ConfigError, UnknownTierError
 from tiering.options import Bytes, Count, Options, PositiveInt, Seconds, SecondsOrZero, Text, shown
-from tiering.policies import DEFAULT_POLICY, policy_name, policy_names
+from tiering.tiers import registry
 
 SECTIONS = ("engine", "tiers", "replay", "synthetic", "metrics")
 WORKLOADS = ("synthetic", "chat", "agent", "rag", "scan", "shift")  # workload_suite's families
@@ -87,7 +87,7 @@ class ReplayConfig(_Section):
 
 
 class SyntheticConfig(_Section):
-    """The arguments of :func:`tiering.workloads.synthetic_requests`."""
+    """The arguments of :func:`tiering.lab.workloads.synthetic_requests`."""
 
     WHERE = "synthetic"
     sessions: PositiveInt = 200
@@ -111,7 +111,7 @@ class MetricsConfig(_Section):
 
 @dataclass(frozen=True)
 class TierConfig:
-    """A secondary tier's ``type`` and options, checked by :func:`tiering.registry.
+    """A secondary tier's ``type`` and options, checked by :func:`tiering.tiers.registry.
     check_options`. Raises ConfigError naming ``tier.OPTION`` (or ``tiers[i].OPTION``)."""
 
     type: str

@@ -1,5 +1,5 @@
-"""The asyncio engine: the thin shell that carries out :class:`~tiering.job_core.JobCore`'s
-effects (copies and tier jobs through the :class:`~tiering.tier_stack.TierStack`, results
+"""The asyncio engine: the thin shell that carries out :class:`~tiering.core.job_core.JobCore`'s
+effects (copies and tier jobs through the :class:`~tiering.core.tier_stack.TierStack`, results
 to :class:`Job` handles, room timers) and feeds every completion back; no job owns a task.
 """
 
@@ -12,26 +12,26 @@ from functools import partial
 from time import perf_counter
 from typing import Any, Literal
 
-from tiering import job_core
-from tiering.abstract import BlockHash, OffloadingEvent
 from tiering.config import TieringConfig
-from tiering.device import KVCaches, kv_block_bytes
+from tiering.core import job_core
+from tiering.core.cpu_tier import CPUOffloadingManager
+from tiering.core.job import FinishedResults, Job
+from tiering.core.policies import DEFAULT_POLICY, EvictionPolicy
+from tiering.core.scheduler_api import BlockHash, OffloadingEvent
+from tiering.core.tier_stack import TierStack
+from tiering.device.copier import KVCaches, kv_block_bytes
+from tiering.device.host_pool import HostPool
+from tiering.device.kv_layout import describe_kv_caches
+from tiering.device.layer_progress import LayerProgress, check_progress
 from tiering.errors import ClosedError, ConfigError, InvalidArgumentError
 from tiering.hashing import cache_namespace
-from tiering.host_pool import HostPool
-from tiering.job import FinishedResults, Job
-from tiering.kv_layout import describe_kv_caches
-from tiering.latency import LatencyHistogram, LatencySnapshot
-from tiering.layer_progress import LayerProgress, check_progress
 from tiering.lifecycle import AsyncService, Lifecycle
-from tiering.manager import CPUOffloadingManager
-from tiering.policies import DEFAULT_POLICY, EvictionPolicy
-from tiering.registry import TierSpec, tier_specs
-from tiering.secondary import JobResult, SecondaryTierManager
-from tiering.statistics import Statistics
-from tiering.tenancy import Tenancy, TenantLookups, check_tenant, tenant_label
-from tiering.tier_client import TierOutcome
-from tiering.tier_stack import TierStack
+from tiering.observe.latency import LatencyHistogram, LatencySnapshot
+from tiering.observe.statistics import Statistics
+from tiering.security.tenancy import Tenancy, TenantLookups, check_tenant, tenant_label
+from tiering.tiers.client import TierOutcome
+from tiering.tiers.registry import TierSpec, tier_specs
+from tiering.tiers.tier_api import JobResult, SecondaryTierManager
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class TieringEngine(AsyncService):
     ``namespace`` receive. The other options: docs/config.md.
 
     ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
-    blocks live under keys scoped to it in every tier (:mod:`tiering.tenancy`, except
+    blocks live under keys scoped to it in every tier (:mod:`tiering.security.tenancy`, except
     prefixes shared with :meth:`share_prefix`); results
     name the caller's hashes, events and tiers the scoped keys. Every call raises
     ClosedError unless the engine is open, and InvalidArgumentError (naming the argument)
@@ -240,7 +240,7 @@ class TieringEngine(AsyncService):
 
     def statistics(self) -> Statistics:
         """The CPU tier, the jobs and flushes in flight and the bytes they move,
-        :data:`~tiering.job_core.COUNTERS`, failures by cause."""
+        :data:`~tiering.core.job_core.COUNTERS`, failures by cause."""
         core, manager, size = self._core, self.manager, self.block_bytes
         return Statistics(
             state=self._state,
@@ -300,19 +300,19 @@ class TieringEngine(AsyncService):
         self._tenancy.share(block_hashes)
 
     def tenant_statistics(self) -> dict[str, TenantLookups]:
-        """Lookups per tenant label (:meth:`~tiering.job_core.JobCore.tenant_statistics`)."""
+        """Lookups per tenant label (:meth:`~tiering.core.job_core.JobCore.tenant_statistics`)."""
         return self._core.tenant_statistics()
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call (with ``enable_events``): the CPU tier's, then the
-        secondary tiers', each medium's in order (wire format: :mod:`tiering.events`)."""
+        secondary tiers', each medium's in order (wire format: :mod:`tiering.observe.events`)."""
         events = self.manager.take_events()
         events.extend(self._core.take_tier_events())
         return events
 
     def get_finished(self) -> list[JobResult]:
         """Results of the jobs finished since the last call; never blocks. Beyond
-        :data:`~tiering.job.FINISHED_KEPT` undrained, the oldest go, with one warning."""
+        :data:`~tiering.core.job.FINISHED_KEPT` undrained, the oldest go, with one warning."""
         return self._finished.drain()
 
     def store(
@@ -323,7 +323,7 @@ class TieringEngine(AsyncService):
         tenant: str | None = None,
     ) -> Job:
         """Copy device blocks into the CPU tier (then, by policy, to secondary tiers);
-        returns at once (:meth:`~tiering.job_core.JobCore.store`: distinct device ids, one
+        returns at once (:meth:`~tiering.core.job_core.JobCore.store`: distinct device ids, one
         per hash). Once the job resolves the device blocks may be reused."""
         return self._call("store", block_hashes, device_block_ids, tenant)
 
@@ -336,7 +336,7 @@ class TieringEngine(AsyncService):
         progress: LayerProgress | None = None,
     ) -> Job:
         """Copy blocks into device blocks, promoting them from a secondary tier if
-        needed; returns at once (:meth:`~tiering.job_core.JobCore.load`). Raises
+        needed; returns at once (:meth:`~tiering.core.job_core.JobCore.load`). Raises
         BlockNotFoundError for a hash no tier holds, changing nothing.
 
         ``progress``, a fresh ``LayerProgress(engine.num_layers)``, is marked layer by

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiering.abstract import BlockHash
+from tiering.core.scheduler_api import BlockHash
+from tiering.device.kv_layout import KVCaches
 from tiering.errors import InvalidArgumentError
-from tiering.kv_layout import KVCaches
 from tiering.validation import positive_int
 
 HASH_BYTES = 32

@@ -197,7 +197,7 @@ SecondsOrZero = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class ActorOptions(Options):
-    """What every :class:`~tiering.actor.TierActor` takes: the inbox's size, the jobs
+    """What every :class:`~tiering.tiers.actor.TierActor` takes: the inbox's size, the jobs
     run at once and the threads of its blocking byte work (each a positive int)."""
 
     inbox_size: PositiveInt = 64
@@ -205,5 +205,5 @@ class ActorOptions(Options):
     io_threads: PositiveInt = 4
 
     def actor_options(self) -> dict[str, int]:
-        """The keyword arguments of :class:`~tiering.actor.TierActor` these hold."""
+        """The keyword arguments of :class:`~tiering.tiers.actor.TierActor` these hold."""
         return {name: getattr(self, name) for name in ActorOptions.model_fields}

@@ -8,7 +8,7 @@ import os
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from tiering.abstract import as_block_hashes
+from tiering.core.scheduler_api import as_block_hashes
 from tiering.errors import InvalidArgumentError
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from tiering.config import TieringConfig, config_from_toml, load_config, parse_override
 from tiering.errors import ConfigError
-from tiering.workload_suite import WORKLOADS, generate
-from tiering.workloads import Request, read_mooncake, synthetic_requests
+from tiering.lab.workload_suite import WORKLOADS, generate
+from tiering.lab.workloads import Request, read_mooncake, synthetic_requests
 
 DEFAULT_CPU_BLOCKS = 10_000  # the CPU tier's size when neither the config nor --cpu gives one
 

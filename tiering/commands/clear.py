@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 
-from backends.nvme_inspect import ClearReport, clear_root
+from backends.nvme.maintenance import ClearReport, clear_root
 from tiering.cli import EXIT_OK
 from tiering.commands.inspect import add_arguments as add_root_arguments
 from tiering.commands.inspect import show
 from tiering.errors import InvalidArgumentError
-from tiering.statistics import format_bytes
+from tiering.observe.statistics import format_bytes
 
 NAME = "clear"
 HELP = "remove the blocks of an NVMe root, or of one namespace (needs --yes)"

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from backends.nvme_inspect import RootReport, inspect_root
+from backends.nvme.maintenance import RootReport, inspect_root
 from tiering.cli import EXIT_OK
 from tiering.commands._output import add_json_argument, print_json, table
-from tiering.statistics import format_bytes
+from tiering.observe.statistics import format_bytes
 
 NAME = "inspect"
 HELP = "what an NVMe root holds: namespaces, blocks, bytes, damaged or orphaned files"

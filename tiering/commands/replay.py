@@ -48,14 +48,14 @@ from tiering.config import (
     TieringConfig,
     with_overrides,
 )
+from tiering.core.policies import policy_name, policy_names
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
-from tiering.fleet import SHARED_TIERS, FleetSummary, replay_fleet
-from tiering.loop_lag import LoopLagMonitor
-from tiering.policies import policy_name, policy_names
-from tiering.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
-from tiering.statistics import format_bytes
-from tiering.workloads import Request
+from tiering.lab.fleet import SHARED_TIERS, FleetSummary, replay_fleet
+from tiering.lab.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
+from tiering.lab.workloads import Request
+from tiering.observe.loop_lag import LoopLagMonitor
+from tiering.observe.statistics import format_bytes
 
 NAME = "replay"
 HELP = "replay a trace through a real engine, checking every loaded byte"
@@ -388,7 +388,7 @@ def _bookkeeping(
     config: TieringConfig, requests: list[Request], summary: ReplaySummary
 ) -> dict[str, Any]:
     """The hit ratio the bookkeeping-only replay of this configuration promises, with
-    the tiers' real capacities and layouts (:func:`~tiering.replay.tier_layout`), and
+    the tiers' real capacities and layouts (:func:`~tiering.lab.replay.tier_layout`), and
     why the engine's may differ from it (``bookkeeping_notes``; none: the two must be
     equal). Write-back is not modelled (the ratio is then None)."""
     notes = _bookkeeping_notes(config, summary)
@@ -460,7 +460,7 @@ async def _replay(
     metrics = config.metrics
 
     def serve(engine: TieringEngine, lag: LoopLagMonitor) -> AbstractContextManager[object]:
-        from tiering.metrics import serve_engine_metrics
+        from tiering.observe.metrics import serve_engine_metrics
 
         server = serve_engine_metrics(engine, metrics.port, prefix=metrics.prefix, loop_lag=lag)
         print(f"metrics: http://127.0.0.1:{server.port}/metrics", file=sys.stderr, flush=True)
@@ -482,7 +482,7 @@ async def _replay(
 
 
 def format_summary(figures: dict[str, Any]) -> str:
-    """The summary table of a replay's :meth:`~tiering.replay.ReplaySummary.to_json`."""
+    """The summary table of a replay's :meth:`~tiering.lab.replay.ReplaySummary.to_json`."""
     by_tier = "  ".join(f"{t} {r:.4f}" for t, r in figures["hit_ratio_by_tier"].items())
     paths = "  ".join(f"{p} {format_bytes(n)}" for p, n in figures["bytes_by_path"].items() if n)
     latency = figures["job_latency_ms"]

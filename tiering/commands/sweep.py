@@ -30,10 +30,10 @@ from tiering.commands._workload import (
     load_workload,
     resolve_config,
 )
+from tiering.core.policies import policy_name, policy_names
 from tiering.errors import InvalidArgumentError
-from tiering.policies import policy_name, policy_names
-from tiering.sweep import capacities_from, footprint, fractions_from, plot_sweep, sweep
-from tiering.workload_suite import WORKLOADS, plot_suite, run_suite
+from tiering.lab.sweep import capacities_from, footprint, fractions_from, plot_sweep, sweep
+from tiering.lab.workload_suite import WORKLOADS, plot_suite, run_suite
 
 NAME = "sweep"
 HELP = "hit ratio by CPU capacity and policy (bookkeeping only), with a plot"

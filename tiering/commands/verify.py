@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from backends.nvme_inspect import VerifyReport, verify_root
+from backends.nvme.maintenance import VerifyReport, verify_root
 from tiering.cli import EXIT_FAILURE, EXIT_OK
 from tiering.cli_args import Progress
 from tiering.commands._output import table

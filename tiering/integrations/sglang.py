@@ -21,8 +21,8 @@ import torch
 
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT, canonical_json
-from tiering.inbox import Lane
 from tiering.integrations.tier_thread import FRAMEWORK_DEFAULTS, TierThread, fixed_tier
+from tiering.tiers.inbox import Lane
 
 try:
     from sglang.srt.mem_cache.hicache_storage import (

@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from backends.nvme_segments import STAGING_BYTES
 from tiering.errors import InvalidArgumentError
-from tiering.inbox import Lane
-from tiering.registry import make_tier
-from tiering.secondary import checked_job
-from tiering.tier_client import TierClient, TierOutcome
+from tiering.tiers.client import TierClient, TierOutcome
+from tiering.tiers.inbox import Lane
+from tiering.tiers.io_threads import STAGING_BYTES
+from tiering.tiers.registry import make_tier
+from tiering.tiers.tier_api import checked_job
 from tiering.validation import seconds
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class TierThread:
     Any thread may call every method. Each submitted job's ``on_done`` runs exactly once,
     after the tier stopped touching the job's slots (a job submitted after :meth:`close`
     began, or still unended when the loop thread died, fails with a reason instead).
-    The constructor raises as :func:`~tiering.registry.make_tier` for a bad spec (nothing
+    The constructor raises as :func:`~tiering.tiers.registry.make_tier` for a bad spec (nothing
     is left running), InvalidArgumentError for a bad timeout, TimeoutError if the tier did
     not start within ``start_timeout`` seconds.
     """
@@ -147,7 +147,7 @@ class TierThread:
         """Queue a store (host slots -> tier) or load (tier -> host slots) job: ``keys[i]``
         moves from or into slot ``slots[i]``; returns at once. With ``checked=False``,
         InvalidArgumentError, queueing nothing, for keys or slots that
-        :func:`~tiering.secondary.checked_job` refuses (slots past the host memory)."""
+        :func:`~tiering.tiers.tier_api.checked_job` refuses (slots past the host memory)."""
         if not checked:
             job = checked_job(0, keys, slots, self.num_slots)
             keys, slots = job.keys, job.block_ids

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from tiering.errors import InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT, canonical_json
 from tiering.integrations.tier_thread import FRAMEWORK_DEFAULTS, TierThread, fixed_tier
-from tiering.secondary import checked_job
-from tiering.statistics import FailureLog, uncount
-from tiering.tier_client import TierOutcome
+from tiering.observe.statistics import FailureLog, uncount
+from tiering.tiers.client import TierOutcome
+from tiering.tiers.tier_api import checked_job
 
 try:
     from vllm.v1.kv_offload.base import (

@@ -1,0 +1,562 @@
+"""The NVMe tier's index, sans-I/O on the loop thread: where each block sits, where new
+records go, which segments to delete to make room, and what a checkpoint holds
+(docs/nvme.md: the key table, eviction and reinsertion, compaction). Two keys of one
+64-bit digest look like one block here; every read verifies the full key.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from backends.nvme.segment_format import Checkpoint, parse_segment_name, segment_name
+from backends.nvme.segments import SegmentScan
+from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int
+
+_EMPTY = 0
+_MAX_LOAD = 0.7
+
+
+def key_digest(key: bytes) -> int:
+    """The index's 64-bit name for ``key`` (never 0, which marks an empty slot)."""
+    return xxhash.xxh3_64_intdigest(key) or 1
+
+
+class KeyTable:
+    """A fixed-size map from 64-bit digests to (location, tick) in flat arrays (linear
+    probing, backward-shift deletion), at most 70 % full at ``capacity`` entries."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = positive_int("capacity", capacity)
+        size = 8
+        while size * _MAX_LOAD < capacity:
+            size *= 2
+        self._mask = size - 1
+        self._digests = array("Q", bytes(8 * size))
+        self._locs = array("Q", bytes(8 * size))
+        self._ticks = array("I", bytes(4 * size))
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table's arrays."""
+        return len(self._digests) * 20
+
+    def _find(self, digest: int) -> int:
+        """The slot holding ``digest``, or the empty slot where it would go."""
+        digests, mask = self._digests, self._mask
+        slot = digest & mask
+        while True:
+            found = digests[slot]
+            if found in (digest, _EMPTY):
+                return slot
+            slot = (slot + 1) & mask
+
+    def get(self, digest: int) -> int | None:
+        slot = self._find(digest)
+        return self._locs[slot] if self._digests[slot] else None
+
+    def present(self, digests: Sequence[int]) -> np.ndarray:
+        """Whether each of ``digests`` is in the table (booleans, in order): the probes
+        of the whole batch run as array operations."""
+        table = np.frombuffer(self._digests, dtype=np.uint64)
+        wanted = np.fromiter(digests, dtype=np.uint64, count=len(digests))
+        found = np.zeros(len(wanted), dtype=bool)
+        mask = np.uint64(self._mask)
+        slots = wanted & mask
+        probing = np.arange(len(wanted))
+        while probing.size:
+            seen = table[slots[probing]]
+            hit = seen == wanted[probing]
+            found[probing[hit]] = True
+            probing = probing[~hit & (seen != _EMPTY)]
+            slots[probing] = (slots[probing] + np.uint64(1)) & mask
+        return found
+
+    def tick_of(self, digest: int) -> int | None:
+        slot = self._find(digest)
+        return self._ticks[slot] if self._digests[slot] else None
+
+    def touch(self, digest: int, tick: int) -> bool:
+        """Set the last-use tick of a present digest; False if absent."""
+        slot = self._find(digest)
+        if not self._digests[slot]:
+            return False
+        self._ticks[slot] = tick
+        return True
+
+    def put(self, digest: int, loc: int, tick: int) -> int | None:
+        """Map ``digest`` to ``loc``; returns the location it replaced, if any
+        (InvalidArgumentError when a new entry would exceed ``capacity``)."""
+        slot = self._find(digest)
+        old = self._locs[slot] if self._digests[slot] else None
+        if old is None:
+            if self._len >= self.capacity:
+                raise InvalidArgumentError(f"the key table is full ({self.capacity} entries)")
+            self._digests[slot] = digest
+            self._len += 1
+        self._locs[slot] = loc
+        self._ticks[slot] = tick
+        return old
+
+    def delete(self, digest: int) -> int | None:
+        """Remove ``digest``; returns its location (None: absent)."""
+        digests, locs, ticks, mask = self._digests, self._locs, self._ticks, self._mask
+        hole = self._find(digest)
+        if not digests[hole]:
+            return None
+        old = locs[hole]
+        # Backward shift: move later entries of the probe run into the hole when their
+        # home slot is not between the hole and them (cyclically).
+        slot = (hole + 1) & mask
+        while digests[slot]:
+            home = digests[slot] & mask
+            if (slot - home) & mask >= (slot - hole) & mask:
+                digests[hole], locs[hole], ticks[hole] = digests[slot], locs[slot], ticks[slot]
+                hole = slot
+            slot = (slot + 1) & mask
+        digests[hole] = _EMPTY
+        locs[hole] = 0
+        ticks[hole] = 0
+        self._len -= 1
+        return old
+
+    def entries(self, chunk: int = 1 << 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of the present ``(digests, locations, ticks)``, in slot order; safe from
+        another thread while the owner goes on (an entry moved meanwhile may be copied
+        torn or twice: reads verify)."""
+        digests = np.frombuffer(self._digests, dtype=np.uint64)
+        locs = np.frombuffer(self._locs, dtype=np.uint64)
+        ticks = np.frombuffer(self._ticks, dtype=np.uint32)
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for start in range(0, len(digests), chunk):
+            window = slice(start, start + chunk)
+            present = digests[window] != _EMPTY
+            parts.append((digests[window][present], locs[window][present], ticks[window][present]))
+            time.sleep(0)
+        return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))  # type: ignore[return-value]
+
+
+def _loc(segment: int, record: int) -> int:
+    return segment << 32 | record
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a new record goes; ``create``: its write creates the segment file."""
+
+    segment: str
+    record: int
+    create: bool
+
+
+@dataclass(slots=True)
+class _Segment:
+    name: str
+    digests: array = field(default_factory=lambda: array("Q"))  # record -> digest, 0 = none
+    live: int = 0
+    pins: int = 0  # reads in flight and writes not yet committed
+    # Records placed and not yet committed or abandoned: a checkpoint covers the
+    # segment only up to the first of them, so a restart scans from there.
+    pending: set[int] = field(default_factory=set)
+    protected: bool = False  # another live writer's segment: never evicted by this one
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """A segment the index gave up (unpinned: its file is the caller's to delete). The
+    blocks at records ``dropped`` left the index with it, and so did the ``reinsert``
+    ones (digest, old record), used recently or compacted: to write again if wanted."""
+
+    segment: str
+    dropped: list[int]
+    reinsert: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPlan:
+    """How one store job makes room: ``fit`` of its records fit; ``moves`` are evicted
+    records to write again, ``gone`` those that leave the tier; ``placed`` one placement
+    per record that fits, then one per move."""
+
+    fit: int
+    evictions: list[Eviction]
+    moves: list[tuple[str, int, int]]
+    gone: list[tuple[str, int]]
+    placed: list[Placement]
+
+
+class SegmentIndex:
+    """Which blocks the NVMe tier holds, where, and what to evict.
+
+    Capacity counts records on disk, live or dead. A pinned segment (a read or write in
+    flight), one holding a held key and the one being written are never evicted; a newer
+    record of a digest makes the older one dead. InvalidArgumentError for a size that is
+    not a positive int, a ``writer`` that is not hex, or a fraction outside [0, 1].
+    """
+
+    def __init__(
+        self,
+        capacity_records: int,
+        *,
+        records_per_segment: int,
+        writer: str,
+        hot_fraction: float = 0.25,
+        compact_below: float = 0.25,
+    ) -> None:
+        self.capacity_records = positive_int("capacity_records", capacity_records)
+        self.records_per_segment = positive_int("records_per_segment", records_per_segment)
+        segment_name(writer, 0)  # validates the writer id
+        for name, value in (("hot_fraction", hot_fraction), ("compact_below", compact_below)):
+            if not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise InvalidArgumentError(f"{name} must be in [0, 1], got {value!r}")
+        self.writer = writer
+        self.hot_fraction = float(hot_fraction)
+        self.compact_below = float(compact_below)
+        self._table = KeyTable(capacity_records)
+        self._segments: dict[int, _Segment] = {}  # slot number -> segment, oldest first
+        self._slot_of: dict[str, int] = {}
+        self._next_slot = 0
+        self._next_seq = 0
+        self._active: int | None = None
+        self._holds: Counter[int] = Counter()
+        self._clock = 0
+        self.used_records = 0
+        """Record slots of every segment, live or dead (what the disk holds)."""
+
+    # -- queries ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, digest: object) -> bool:
+        return isinstance(digest, int) and self._table.get(digest) is not None
+
+    def present(self, digests: Sequence[int]) -> np.ndarray:
+        """Whether each of ``digests`` is present (booleans, in order)."""
+        return self._table.present(digests)
+
+    def locate(self, digest: int) -> tuple[str, int] | None:
+        """``(segment name, record number)`` of a present digest, else None."""
+        loc = self._table.get(digest)
+        if loc is None:
+            return None
+        return self._segments[loc >> 32].name, loc & 0xFFFFFFFF
+
+    @property
+    def segments(self) -> list[str]:
+        """Oldest first."""
+        return [segment.name for segment in self._segments.values()]
+
+    @property
+    def pinned_records(self) -> int:
+        """Pins of every segment (reads and uncommitted writes)."""
+        return sum(segment.pins for segment in self._segments.values())
+
+    @property
+    def held_records(self) -> int:
+        """Records whose key is held (see :meth:`hold`)."""
+        return sum(1 for digest in self._holds if digest in self)
+
+    def holds(self, digest: int) -> int:
+        return self._holds[digest]
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the table and the segments' digest lists."""
+        lists = sum(len(s.digests) * 8 for s in self._segments.values())
+        return self._table.nbytes + lists
+
+    def live_fraction(self, segment: str) -> float:
+        entry = self._segments[self._slot_of[segment]]
+        return entry.live / len(entry.digests) if len(entry.digests) else 1.0
+
+    # -- use --------------------------------------------------------------------------
+
+    def touch(self, digests: Sequence[int]) -> None:
+        """Mark present digests used now, the first the most recent (absent ones are
+        ignored)."""
+        for digest in reversed(digests):
+            self._clock += 1
+            self._table.touch(digest, self._clock & 0xFFFFFFFF)
+
+    def hold(self, digests: Iterable[int]) -> None:
+        """Keep these digests' segments from eviction until released (holds count)."""
+        self._holds.update(digests)
+
+    def release(self, digests: Iterable[int]) -> None:
+        """Undo one :meth:`hold` of each digest (InvalidArgumentError, nothing released,
+        for one released more often than held)."""
+        wanted = Counter(digests)
+        for digest, n in wanted.items():
+            if self._holds[digest] < n:
+                raise InvalidArgumentError(f"digest {digest:#x} released more often than held")
+        self._holds.subtract(wanted)
+        for digest in wanted:
+            if self._holds[digest] <= 0:
+                del self._holds[digest]
+
+    def pin(self, segment: str) -> None:
+        """One more read or write in flight in ``segment``: not evicted until unpinned."""
+        self._segments[self._slot_of[segment]].pins += 1
+
+    def unpin(self, segment: str) -> None:
+        """Undo one :meth:`pin`; a segment that is gone already is ignored."""
+        slot = self._slot_of.get(segment)
+        if slot is not None:
+            self._segments[slot].pins -= 1
+
+    # -- writes -----------------------------------------------------------------------
+
+    def room(self, limit: int | None = None) -> int:
+        """Records that can be placed now without evicting (under ``limit`` records)."""
+        bound = self.capacity_records if limit is None else min(limit, self.capacity_records)
+        return bound - self.used_records
+
+    def place(self, count: int) -> list[Placement]:
+        """Reserve ``count`` record slots at the log's head and pin their segments; each
+        is then committed or abandoned. InvalidArgumentError when they do not fit."""
+        if count > self.room():
+            raise InvalidArgumentError(f"{count} records do not fit ({self.room()} free)")
+        placed: list[Placement] = []
+        while len(placed) < count:
+            active = self._segments.get(self._active) if self._active is not None else None
+            if active is None or len(active.digests) >= self.records_per_segment:
+                self._active = self._add_segment(segment_name(self.writer, self._next_seq))
+                self._next_seq += 1
+                active = self._segments[self._active]
+            record = len(active.digests)
+            take = min(count - len(placed), self.records_per_segment - record)
+            active.digests.extend([0] * take)
+            active.pins += take
+            active.pending.update(range(record, record + take))
+            placed.extend(
+                Placement(active.name, record + i, create=record + i == 0) for i in range(take)
+            )
+        self.used_records += count
+        return placed
+
+    def _add_segment(self, name: str) -> int:
+        slot = self._next_slot
+        self._next_slot += 1
+        self._segments[slot] = _Segment(name)
+        self._slot_of[name] = slot
+        return slot
+
+    def commit(self, digest: int, placement: Placement) -> None:
+        """The record at ``placement`` holds ``digest`` now (an older record of it becomes
+        dead); its segment is unpinned."""
+        slot = self._slot_of[placement.segment]
+        self._segments[slot].pins -= 1
+        self._segments[slot].pending.discard(placement.record)
+        self._clock += 1
+        self._put(slot, placement.record, digest, self._clock & 0xFFFFFFFF)
+
+    def _put(self, slot: int, record: int, digest: int, tick: int) -> None:
+        segment = self._segments[slot]
+        old = self._table.put(digest, _loc(slot, record), tick)
+        segment.digests[record] = digest
+        segment.live += 1
+        if old is not None:
+            self._dead(old)
+
+    def abandon(self, placement: Placement) -> None:
+        """The write to ``placement`` failed: the slot stays taken (dead space)."""
+        segment = self._segments[self._slot_of[placement.segment]]
+        segment.pins -= 1
+        segment.pending.discard(placement.record)
+
+    def remove(self, digest: int) -> bool:
+        """Forget ``digest`` (its record failed verification); True if it was present."""
+        old = self._table.delete(digest)
+        if old is None:
+            return False
+        self._dead(old)
+        return True
+
+    def _dead(self, loc: int) -> None:
+        segment = self._segments[loc >> 32]
+        segment.live -= 1
+        segment.digests[loc & 0xFFFFFFFF] = 0
+
+    # -- eviction ---------------------------------------------------------------------
+
+    def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
+        """Evict the oldest evictable segments until ``count`` records fit under
+        ``limit`` records on disk (default: the capacity); returns ``(records that fit
+        now, evictions)``."""
+        evictions: list[Eviction] = []
+        while self.room(limit) < count:
+            victim = self._next_victim()
+            if victim is None:
+                break
+            evictions.append(self._evict(*victim))
+        return min(count, max(0, self.room(limit))), evictions
+
+    def plan_room(self, count: int, *, limit: int | None = None, most_moves: int) -> RoomPlan:
+        """Make room for a store job of ``count`` records (:meth:`make_room`, with room
+        for the victims' recently used blocks too), move the newest of those the room
+        and ``most_moves`` allow, and place the job's records, then the moves."""
+        fit, evictions = self.make_room(count, limit=limit)
+        if any(e.reinsert for e in evictions):
+            hot = sum(len(e.reinsert) for e in evictions)
+            evictions += self.make_room(fit + hot, limit=limit)[1]
+        most = min(max(0, self.room(limit) - fit), most_moves)
+        hot_records = [(e.segment, record, d) for e in evictions for d, record in e.reinsert]
+        moves = hot_records[-most:] if most else []
+        moving = {(segment, record) for segment, record, _ in moves}
+        gone = [(e.segment, record) for e in evictions for record in e.dropped]
+        gone += [(seg, rec) for seg, rec, _ in hot_records if (seg, rec) not in moving]
+        return RoomPlan(fit, evictions, moves, gone, self.place(fit + len(moves)))
+
+    def _next_victim(self) -> tuple[int, bool] | None:
+        """``(slot, compact)``: the first evictable segment whose live fraction is below
+        ``compact_below`` (all its live blocks move), else the oldest evictable one."""
+        holds = self._holds
+        oldest: int | None = None
+        for slot, segment in self._segments.items():
+            if slot == self._active or segment.pins or segment.protected:
+                continue
+            if holds and any(d in holds for d in segment.digests if d):
+                continue
+            records = len(segment.digests)
+            if records and segment.live < self.compact_below * records:
+                return slot, True
+            if oldest is None:
+                oldest = slot
+        return None if oldest is None else (oldest, False)
+
+    def _evict(self, slot: int, compact: bool = False) -> Eviction:
+        segment = self._segments.pop(slot)
+        del self._slot_of[segment.name]
+        window = int(self.hot_fraction * self.capacity_records)
+        table = self._table
+        dropped: list[int] = []
+        reinsert: list[tuple[int, int]] = []
+        for record, digest in enumerate(segment.digests):
+            if not digest or table.get(digest) != _loc(slot, record):
+                continue
+            tick = table.tick_of(digest)
+            table.delete(digest)
+            recent = window and tick is not None and (self._clock - tick) & 0xFFFFFFFF <= window
+            if compact or recent:
+                reinsert.append((digest, record))
+            else:
+                dropped.append(record)
+        self.used_records -= len(segment.digests)
+        return Eviction(segment.name, dropped, reinsert)
+
+    def clear(self) -> list[str]:
+        """Forget every block and segment; returns the segment names (their files are the
+        caller's to delete). Placements made before must not be committed afterwards."""
+        names = self.segments
+        self._table = KeyTable(self.capacity_records)
+        self._segments.clear()
+        self._slot_of.clear()
+        self._active = None
+        self.used_records = 0
+        return names
+
+    # -- checkpoint and recovery --------------------------------------------------------
+
+    def checkpoint_segments(self) -> list[tuple[int, str, int]]:
+        """``(slot, name, records covered)`` of every segment, oldest first: the half of
+        a checkpoint taken on the owner's thread (cheap), for :meth:`snapshot`. A
+        segment is covered up to its first record placed and not yet committed or
+        abandoned (its write may land after the checkpoint: a restart scans it)."""
+        return [
+            (slot, seg.name, min(seg.pending, default=len(seg.digests)))
+            for slot, seg in self._segments.items()
+        ]
+
+    def snapshot(self, segments: list[tuple[int, str, int]] | None = None) -> Checkpoint:
+        """The index as a checkpoint. With ``segments`` from :meth:`checkpoint_segments`,
+        it may run on another thread while the owner goes on (see
+        :meth:`KeyTable.entries`); entries of segments created since are left out."""
+        if segments is None:
+            segments = self.checkpoint_segments()
+        digests, locs, ticks = self._table.entries()
+        slots = (locs >> np.uint64(32)).astype(np.int64)
+        position = np.full(max(self._next_slot, 1) + 1, len(segments), dtype=np.int64)
+        for i, (slot, _, _) in enumerate(segments):
+            if slot < len(position):
+                position[slot] = i
+        where = position[np.minimum(slots, len(position) - 1)]
+        known = where < len(segments)
+        return Checkpoint(
+            [(name, records) for _, name, records in segments],
+            digests[known],
+            where[known].astype(np.uint32),
+            (locs[known] & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+            ticks[known],
+        )
+
+    def restore(
+        self,
+        checkpoint: Checkpoint | None,
+        on_disk: Sequence[tuple[str, int]],
+        scans: dict[str, SegmentScan],
+        protected: Collection[str] = (),
+    ) -> int:
+        """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and
+        segment scans; returns the blocks indexed.
+
+        ``on_disk`` lists the segments present now, oldest first, with their records;
+        the checkpoint counts for those up to the records it covered, ``scans[name]``
+        for the rest. Later records of a digest win; segments beyond capacity are left
+        out; ``protected`` ones (another live writer's) are never evicted.
+        """
+        if self._segments:
+            raise InvalidArgumentError("restore needs an empty index")
+        covered = dict(checkpoint.segments) if checkpoint is not None else {}
+        by_name: dict[str, list[tuple[int, int, int]]] = {name: [] for name in covered}
+        if checkpoint is not None:
+            columns = (checkpoint.record_of, checkpoint.digests, checkpoint.ticks)
+            for (name, _), *entry in zip(
+                (checkpoint.segments[s] for s in checkpoint.segment_of.tolist()),
+                *(column.tolist() for column in columns),
+                strict=True,
+            ):
+                by_name[name].append(tuple(entry))  # type: ignore[arg-type]
+        for name, _records in on_disk:
+            parsed = parse_segment_name(name)
+            if parsed is not None and parsed[0] == self.writer:
+                self._next_seq = max(self._next_seq, parsed[1] + 1)
+        kept: set[str] = set()
+        total = 0
+        for name, records in reversed(on_disk):  # the newest segments are kept
+            if total + records > self.capacity_records:
+                break
+            total += records
+            kept.add(name)
+        for name, records in on_disk:
+            if name not in kept:
+                continue
+            slot = self._add_segment(name)
+            segment = self._segments[slot]
+            segment.protected = name in protected
+            segment.digests.extend([0] * records)
+            self.used_records += records
+            upto = min(covered.get(name, 0), records)
+            entries = [(r, d, t) for r, d, t in by_name.get(name, ()) if r < upto]
+            scan = scans.get(name)
+            if scan is not None:
+                entries.extend((r, key_digest(k), 0) for k, r in scan.records if r >= upto)
+            for record, digest, tick in sorted(entries):
+                self._put(slot, record, digest, tick)
+                self._clock = max(self._clock, tick)  # ticks restart near the newest
+        return len(self._table)
+
+    def excess_segments(self, on_disk: Sequence[tuple[str, int]]) -> list[str]:
+        """The segments of ``on_disk`` :meth:`restore` left out."""
+        return [name for name, _ in on_disk if name not in self._slot_of]

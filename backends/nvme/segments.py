@@ -1,0 +1,557 @@
+"""Segment files, the blocking half of the NVMe tier (docs/nvme.md: the layout, writes
+and reads): :class:`SegmentFiles` does every file operation synchronously, once per job
+on the tier's I/O threads, and decides nothing (the caller's index places each record).
+Every system call goes through an :class:`~backends.nvme.os_calls.OsCalls` (fault injection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from backends.nvme.os_calls import (
+    ALIGNMENT,
+    DISK_FULL_ERRNOS,
+    O_DIRECT,
+    REAL_OS,
+    FsyncPolicy,
+    OsCalls,
+    buffer_address,
+    describe_os_error,
+    free_bytes,
+    fsync_dir,
+    is_aligned,
+    thread_buffer,
+    write_all,
+)
+from backends.nvme.sealing import PayloadSealer
+from backends.nvme.segment_format import (
+    REMOVED_MARK,
+    SEGMENTS_DIR,
+    check_segment_header,
+    encode_segment_header,
+    parse_segment_name,
+)
+from tiering.errors import CorruptBlockError, InvalidArgumentError
+from tiering.security.encryption import BlockCipher
+from tiering.tiers.block_record import (
+    HEADER_BYTES,
+    check_header,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    record_binding,
+    verify_payload,
+)
+
+MAX_IOV = 1024
+"""The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
+
+
+def align_up(value: int, to: int = ALIGNMENT) -> int:
+    """``value`` rounded up to a multiple of ``to``."""
+    return -(-value // to) * to
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRun:
+    """Records to write at consecutive slots of one segment from record ``first``;
+    ``create``: this run creates the segment (with its header)."""
+
+    segment: str
+    first: int
+    records: Sequence[tuple[bytes, memoryview]]
+    create: bool = False
+
+
+@dataclass(slots=True)
+class WriteReport:
+    """What one :meth:`SegmentFiles.write` call did: ``written`` keys are on disk
+    (durable per the fsync policy), ``failed`` maps every other key to a reason."""
+
+    written: list[bytes] = field(default_factory=list)
+    failed: dict[bytes, str] = field(default_factory=dict)
+    disk_full: bool = False
+    created: list[str] = field(default_factory=list)
+    free_bytes: int | None = None
+
+
+ReadOutcome = tuple[bytes | None, str, bool]
+"""What :meth:`SegmentFiles.read` says of one record: the key its header names (None
+when the header does not decode), why it failed ("" when it verified), and whether the
+record was missing (its segment gone, or shorter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentScan:
+    """A segment's valid records ``(key, record)`` from some record on, in file order;
+    ``end`` after the last whole slot; ``invalid`` slots without a valid record."""
+
+    records: list[tuple[bytes, int]]
+    end: int
+    invalid: int
+    header_ok: bool = True
+    removed: int = 0
+    """Slots :meth:`SegmentFiles.mark_removed` marked (not counted ``invalid``)."""
+
+
+GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
+
+
+class SegmentFiles:
+    """Blocking reads and writes of segment files in one namespace directory, whose
+    ``segments/`` must exist. Safe from several threads at once for distinct records.
+
+    ``o_direct``: whether O_DIRECT may be used (the caller probed); a run whose payloads
+    are not all aligned moves buffered. ``staging_bytes`` (0: off): direct I/O moves
+    through a staging buffer of this size per thread (docs/nvme.md); sealed writes are
+    not staged.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        block_bytes: int,
+        ns_digest: bytes,
+        fsync: FsyncPolicy = "batch",
+        o_direct: bool = False,
+        gil_pause_bytes: int = GIL_PAUSE_BYTES,
+        staging_bytes: int = 0,
+        cipher: BlockCipher | None = None,
+        file_mode: int = 0o600,
+        os_calls: OsCalls = REAL_OS,
+    ) -> None:
+        self.gil_pause_bytes = gil_pause_bytes
+        self.directory = directory
+        self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
+        self.block_bytes = block_bytes
+        self.record_bytes = HEADER_BYTES + align_up(block_bytes)
+        """Bytes from one record's start to the next one's."""
+        self.ns_digest = ns_digest
+        self.fsync = fsync
+        self.o_direct = o_direct and bool(O_DIRECT)
+        self.os = os_calls
+        self.sealer = None if cipher is None else PayloadSealer(cipher, block_bytes, ns_digest)
+        """Seals payloads on write and opens them on read; None: plain blocks."""
+        self.file_mode = file_mode
+        self._local = threading.local()
+        self._padding = memoryview(mmap.mmap(-1, ALIGNMENT))[: align_up(block_bytes) - block_bytes]
+        self._staged_records = max(1, staging_bytes // self.record_bytes) if staging_bytes else 0
+
+    @property
+    def staged(self) -> int:
+        """Records one staged call moves; 0 when I/O is not staged (off, or no O_DIRECT)."""
+        return self._staged_records if self.o_direct else 0
+
+    def path_of(self, segment: str) -> str:
+        return os.path.join(self.segments_dir, segment)
+
+    def offset_of(self, record: int) -> int:
+        return HEADER_BYTES + record * self.record_bytes
+
+    def _pages(self, count: int) -> memoryview:
+        # Aligned header pages, reused per thread: O_DIRECT needs aligned buffers.
+        return thread_buffer(self._local, "pages", count * HEADER_BYTES, at_least=16 * HEADER_BYTES)
+
+    # -- write ------------------------------------------------------------------------
+
+    def write(self, runs: Sequence[RecordRun], *, writer: str) -> WriteReport:
+        """Write each run's records into its segment. An I/O error fails the rest of its
+        run (after ENOSPC/EDQUOT, every later run) and never raises; unless ``fsync`` is
+        ``"none"`` a key is written once its segment is synced. InvalidArgumentError
+        (nothing written) for a payload that is not ``block_bytes`` long."""
+        for run in runs:
+            for _key, payload in run.records:
+                if payload.nbytes != self.block_bytes:
+                    raise InvalidArgumentError(
+                        f"payload is {payload.nbytes} bytes, the tier stores {self.block_bytes}"
+                    )
+        report = WriteReport()
+        for position, run in enumerate(runs):
+            if report.disk_full:
+                for later in runs[position:]:
+                    for key, _ in later.records:
+                        report.failed.setdefault(key, "disk full (ENOSPC)")
+                break
+            try:
+                self._write_run(run, writer, report)
+            except OSError as exc:
+                reason = f"write failed: {describe_os_error(exc)}"
+                for key, _ in run.records:
+                    report.failed[key] = reason
+                if exc.errno in DISK_FULL_ERRNOS:
+                    report.disk_full = True
+                continue
+            report.written.extend(key for key, _ in run.records)
+        if report.created and self.fsync != "none" and report.written:
+            try:
+                fsync_dir(self.os, self.segments_dir)
+            except OSError as exc:
+                reason = f"fsync failed: {describe_os_error(exc)}"
+                report.failed.update(dict.fromkeys(report.written, reason))
+                report.written = []
+        report.free_bytes = self.free_bytes()
+        return report
+
+    def _write_run(self, run: RecordRun, writer: str, report: WriteReport) -> None:
+        direct = self.o_direct and (
+            self.sealer is not None
+            or self.staged > 0
+            or all(is_aligned(payload) for _, payload in run.records)
+        )
+        # O_CREAT for every run: jobs writing one segment run on several threads, and the
+        # run that writes its header may come last. Names are unique to this writer.
+        flags = os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0)
+        fd = self.os.open(self.path_of(run.segment), flags, self.file_mode)
+        try:
+            if run.create:
+                report.created.append(run.segment)
+                page = self._pages(1)
+                encode_segment_header(
+                    page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
+                )
+                write_all(self.os, fd, [page], 0)
+            if len(run.records) > self._records_per_call():
+                # Allocated first, in one call: on ext4 a direct write that must allocate
+                # takes the file for itself and waits for all I/O in flight on it, which
+                # would stall every other job writing the segment (docs/security.md).
+                length = len(run.records) * self.record_bytes
+                self.os.allocate(fd, self.offset_of(run.first), length)
+            self._write_records(fd, run)
+            if self.fsync != "none":
+                self.os.fdatasync(fd)
+        finally:
+            self.os.close(fd)
+
+    def _records_per_call(self) -> int:
+        """The most records one ``pwritev`` writes (within :data:`MAX_IOV` buffers, and
+        the sealing buffers)."""
+        per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
+        if self.sealer is not None:
+            return min(per_call, self.sealer.batch)
+        return self.staged or per_call
+
+    def _write_records(self, fd: int, run: RecordRun) -> None:
+        per_call = self._records_per_call()
+        offset = self.offset_of(run.first)
+        for start in range(0, len(run.records), per_call):
+            chunk = run.records[start : start + per_call]
+            write_all(self.os, fd, self._record_buffers(chunk), offset)
+            offset += len(chunk) * self.record_bytes
+            if self.fsync == "always":
+                self.os.fdatasync(fd)
+
+    def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
+        """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
+        payload (sealed, when encrypting) and padding; staged, one buffer laid out as on
+        disk (the checksum taken of the copy)."""
+        staged, size = self.sealer is None and self.staged > 0, self.block_bytes
+        ns = self.ns_digest
+        step = self.record_bytes if staged else HEADER_BYTES
+        pages = self._staging() if staged else self._pages(len(records))
+        sealed = [] if self.sealer is None else self.sealer.buffers(len(records))
+        buffers: list[memoryview] = []
+        for i, (key, payload) in enumerate(records):
+            page, start = pages[i * step : i * step + HEADER_BYTES], i * step + HEADER_BYTES
+            seal, data = None, payload
+            if staged:
+                data = pages[start : start + size]
+                copy_bytes(data, payload)
+                if self._padding.nbytes:  # reads through this buffer leave other bytes there
+                    pages[start + size : (i + 1) * step] = self._padding
+            elif self.sealer is not None:
+                seal, data = self.sealer.seal(key, payload, sealed[i]), sealed[i][:size]
+            checksum = None if seal else self._checksum(data, record_binding(ns, b"", key))
+            encode_header(
+                page, key=key, payload_bytes=size, ns_digest=ns, checksum=checksum, seal=seal
+            )
+            buffers += [page, data, self._padding] if self._padding.nbytes else [page, data]
+        return [pages[: len(records) * step]] if staged else buffers
+
+    def _staging(self) -> memoryview:
+        # This thread's staging buffer: records laid out as on disk, on huge pages.
+        return thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
+
+    # -- read -------------------------------------------------------------------------
+
+    def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
+        """Read each ``(segment, record, slot, expected key or None for any)`` into its
+        slot and verify its header and payload (checksum or GCM tag); one
+        :data:`ReadOutcome` per read, in order (a failed read's slot must not be used).
+        Consecutive records are one read. Raises only InvalidArgumentError, nothing
+        read, for a slot that is not ``block_bytes`` long."""
+        outcomes: list[ReadOutcome] = [(None, "not read", False)] * len(reads)
+        by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
+        for i, (segment, record, slot, key) in enumerate(reads):
+            if slot.nbytes != self.block_bytes:
+                raise InvalidArgumentError(
+                    f"slot is {slot.nbytes} bytes, the tier stores {self.block_bytes}"
+                )
+            by_segment.setdefault(segment, []).append((i, record, slot, key))
+        for segment, items in by_segment.items():
+            self._read_segment(segment, items, outcomes)
+        return outcomes
+
+    def _read_segment(
+        self,
+        segment: str,
+        items: list[tuple[int, int, memoryview, bytes | None]],
+        outcomes: list[ReadOutcome],
+    ) -> None:
+        # Sealed records land in the sealer's aligned buffers, never staged (as on write),
+        # and open from there into their slots.
+        staged = self.staged if self.sealer is None else 0
+        direct = self.o_direct and (
+            self.sealer is not None
+            or staged > 0
+            or all(is_aligned(slot) for _, _, slot, _ in items)
+        )
+        try:
+            fd = self.os.open(self.path_of(segment), os.O_RDONLY | (O_DIRECT if direct else 0))
+        except OSError as exc:
+            missing = isinstance(exc, FileNotFoundError)
+            why = "segment file is missing" if missing else f"read failed: {describe_os_error(exc)}"
+            for i, _, _, _ in items:
+                outcomes[i] = (None, why, missing)
+            return
+        items.sort(key=lambda item: item[1])
+        try:
+            most = staged if direct and staged else MAX_IOV // 3
+            if self.sealer is not None:
+                most = min(most, self.sealer.batch)
+            for run in _runs([(segment, item[1]) for item in items], most):
+                self._read_run(fd, items[run], outcomes, staged=direct and staged > 0)
+        finally:
+            self.os.close(fd)
+
+    def _read_run(
+        self,
+        fd: int,
+        run: list[tuple[int, int, memoryview, bytes | None]],
+        outcomes: list[ReadOutcome],
+        *,
+        staged: bool = False,
+    ) -> None:
+        """Read records ``run[0][1]``, ``run[0][1] + 1``, ... in one ``preadv`` (into the
+        slots; ``staged`` into this thread's staging buffer, each payload then copied
+        into its slot once its header checks; sealed into the sealer's buffers, each
+        then opened into its slot), then verify each payload."""
+        step, size = self.record_bytes, self.block_bytes
+        sealed = [] if self.sealer is None else self.sealer.buffers(len(run))
+        if staged:
+            pages, page_step = self._staging(), step
+            buffers = [pages[: len(run) * step]]
+        else:
+            pages, page_step = self._pages(len(run)), HEADER_BYTES
+            # Where a read's padding between records goes (never the zeros writes use).
+            sink = thread_buffer(self._local, "sink", self._padding.nbytes)
+            padding = [sink] if sink.nbytes else []
+            buffers = []
+            for j, (_, _, slot, _) in enumerate(run):
+                landing = sealed[j][:size] if sealed else slot
+                buffers += [pages[j * HEADER_BYTES : (j + 1) * HEADER_BYTES], landing, *padding]
+        try:
+            got = self.os.preadv(fd, buffers, self.offset_of(run[0][1]))
+        except OSError as exc:
+            for i, _, _, _ in run:
+                outcomes[i] = (None, f"read failed: {describe_os_error(exc)}", False)
+            return
+        cipher = None if self.sealer is None else self.sealer.cipher
+        for j, (i, _, slot, key) in enumerate(run):
+            available = got - j * step
+            header = None
+            try:
+                if available <= 0:
+                    outcomes[i] = (None, "record is missing (segment is shorter)", True)
+                    continue
+                if available < HEADER_BYTES + self.block_bytes:
+                    raise CorruptBlockError(f"short read: {available} bytes")
+                start = j * page_step
+                header = decode_header(pages[start : start + HEADER_BYTES])
+                check_header(
+                    header, key=key, payload_bytes=self.block_bytes, ns_digest=self.ns_digest
+                )
+                if staged:
+                    payload = start + HEADER_BYTES
+                    copy_bytes(slot, pages[payload : payload + slot.nbytes])
+                if cipher is None:
+                    verify_payload(header, slot, None, self._checksum)
+                else:
+                    verify_payload(header, sealed[j][:size], cipher, into=slot)
+                    os.sched_yield()  # see backends/nvme/sealing.py
+            except CorruptBlockError as exc:
+                outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
+            else:
+                outcomes[i] = (header.key, "", False)
+
+    def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
+        """:func:`payload_checksum`, with a moment without the GIL after each
+        ``gil_pause_bytes`` hashed (0: never), so that the loop's thread does not wait."""
+        checksum = payload_checksum(payload, binding)
+        if self.gil_pause_bytes:
+            done = getattr(self._local, "hashed", 0) + payload.nbytes
+            if done >= self.gil_pause_bytes:
+                time.sleep(0)
+                done = 0
+            self._local.hashed = done
+        return checksum
+
+    # -- segments: list, scan, delete -----------------------------------------------
+
+    def list_segments(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of every segment file, in name order."""
+        try:
+            entries = list(os.scandir(self.segments_dir))
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            if parse_segment_name(entry.name) is not None:
+                with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                    found.append((entry.name, entry.stat().st_size))
+        return sorted(found)
+
+    def records_in(self, size: int) -> int:
+        """Whole record slots in a segment file of ``size`` bytes."""
+        return max(0, (size - HEADER_BYTES) // self.record_bytes)
+
+    def scan(self, segment: str, start: int = 0) -> SegmentScan:
+        """Read the record headers (not payloads) of ``segment`` from record ``start`` on;
+        a slot whose header does not verify is counted, not listed. OSError if unreadable."""
+        fd = self.os.open(self.path_of(segment), os.O_RDONLY)
+        try:
+            page = self._pages(1)
+            header_ok = True
+            try:
+                if self.os.preadv(fd, [page], 0) != HEADER_BYTES:
+                    raise CorruptBlockError("segment header is short")
+                check_segment_header(page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
+            except CorruptBlockError:
+                header_ok = False
+            end = self.records_in(self.os.fstat(fd).st_size)
+            records: list[tuple[bytes, int]] = []
+            invalid = removed = 0
+            for record in range(start, end):
+                key = self._key_at(fd, page, record)
+                if key is not None:
+                    records.append((key, record))
+                elif page[: len(REMOVED_MARK)] == REMOVED_MARK:
+                    removed += 1
+                else:
+                    invalid += 1
+            return SegmentScan(records, end, invalid, header_ok, removed)
+        finally:
+            self.os.close(fd)
+
+    def _key_at(self, fd: int, page: memoryview, record: int) -> bytes | None:
+        """The key of ``record``, its header page read into ``page``; None unless it verifies."""
+        if self.os.preadv(fd, [page], self.offset_of(record)) != HEADER_BYTES:
+            return None
+        try:
+            header = decode_header(page)
+            check_header(header, key=None, payload_bytes=self.block_bytes, ns_digest=self.ns_digest)
+        except CorruptBlockError:
+            return None
+        return header.key
+
+    def read_keys(self, records: Sequence[tuple[str, int]]) -> list[bytes | None]:
+        """The key in the header of each ``(segment, record)``, or None where the header
+        cannot be read or does not verify (payloads are not read). Never raises."""
+        keys: list[bytes | None] = [None] * len(records)
+        page = self._pages(1)
+        for fd, _, items in self._open_each(records, os.O_RDONLY):
+            for i, record in items:
+                with contextlib.suppress(OSError):
+                    keys[i] = self._key_at(fd, page, record)
+        return keys
+
+    def mark_removed(self, records: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Overwrite the header page of each ``(segment, record)`` with
+        :data:`REMOVED_MARK`, synced: a scan skips the slot and counts it removed.
+        Returns those marked (a segment that fails is left out). Never raises."""
+        marked: set[tuple[str, int]] = set()
+        mark = memoryview(REMOVED_MARK.ljust(HEADER_BYTES, b"\0"))
+        for fd, segment, items in self._open_each(records, os.O_WRONLY):
+            with contextlib.suppress(OSError):
+                size = self.os.fstat(fd).st_size
+                done = {(segment, r) for _, r in items if self.offset_of(r) + HEADER_BYTES <= size}
+                for _, record in sorted(done):
+                    write_all(self.os, fd, [mark], self.offset_of(record))
+                self.os.fdatasync(fd)
+                marked |= done
+        return marked
+
+    def _open_each(
+        self, records: Sequence[tuple[str, int]], flags: int
+    ) -> Iterator[tuple[int, str, list[tuple[int, int]]]]:
+        """``(fd, segment, [(position in records, record)])`` of each segment of
+        ``records`` that opens with ``flags``; the fd closes when the next is asked for."""
+        by_segment: dict[str, list[tuple[int, int]]] = {}
+        for i, (segment, record) in enumerate(records):
+            by_segment.setdefault(segment, []).append((i, record))
+        for segment, items in by_segment.items():
+            try:
+                fd = self.os.open(self.path_of(segment), flags)
+            except OSError:
+                continue
+            try:
+                yield fd, segment, items
+            finally:
+                self.os.close(fd)
+
+    def delete(self, segments: Sequence[str]) -> int:
+        """Unlink segment files; returns how many existed. Never raises."""
+        removed = 0
+        for segment in segments:
+            with contextlib.suppress(OSError):
+                self.os.unlink(self.path_of(segment))
+                removed += 1
+        return removed
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the file system, or None if ``statvfs`` failed."""
+        try:
+            return free_bytes(self.os.statvfs(self.directory))
+        except OSError:
+            return None
+
+
+def copy_bytes(target: memoryview, source: memoryview) -> None:
+    """``target[:] = source``, without the GIL (``ctypes.memmove``) where both buffers
+    are writable: I/O threads copy in parallel, and the loop's thread does not wait."""
+    into, of = buffer_address(target), buffer_address(source)
+    if into is None or of is None or target.nbytes != source.nbytes:
+        target[:] = source
+    else:
+        ctypes.memmove(into, of, source.nbytes)
+
+
+def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
+    """Slices of ``places`` ``(segment, record)`` in one segment at consecutive records,
+    at most ``most`` long."""
+    start = 0
+    for i in range(1, len(places) + 1):
+        if (
+            i == len(places)
+            or i - start == most
+            or places[i] != (places[i - 1][0], places[i - 1][1] + 1)
+        ):
+            yield slice(start, i)
+            start = i
+
+
+def iter_runs(
+    placed: Sequence[tuple[str, int, bool]], records: Sequence[tuple[bytes, memoryview]]
+) -> Iterator[RecordRun]:
+    """Group records placed at ``(segment, record number, creates segment)`` into runs of
+    consecutive record numbers of one segment, in order."""
+    for run in _runs([(segment, record) for segment, record, _ in placed]):
+        segment, first, create = placed[run.start]
+        yield RecordRun(segment, first, records[run], create)

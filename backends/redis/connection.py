@@ -1,0 +1,432 @@
+"""The Redis tier's data path: RESP over plain sockets (TCP, unix or TLS), payloads
+sent from and received into the host pool's memory with no copy on our side.
+
+redis-py copies every reply through its buffers and builds a ``bytes`` per payload
+while it holds the GIL; here a pipeline's requests go out in ``sendmsg`` calls that
+gather the slots' views, and each payload is received straight into its slot: a reply
+the caller expects in one ``recvmsg_into`` with the next reply's framing and head, any
+other through :mod:`backends.redis.resp`'s reader. Blocking sockets on the tier's I/O
+threads release the GIL for every byte they move. Every call has one deadline: its
+connect, its requests and all of its replies, however slowly the bytes come, end by
+then. The url's credentials (``AUTH``), database (``SELECT``) and TLS files are
+honoured; a url asking for anything else gets no :class:`Endpoint` here, and the tier
+uses redis-py for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import select
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from backends.redis.control import (
+    AuthenticationError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    ResponseError,
+)
+from backends.redis.resp import (
+    NOT_YET,
+    Argument,
+    ErrorReply,
+    Landed,
+    ProtocolError,
+    Reply,
+    RespReader,
+    Sink,
+    encode_command,
+)
+
+try:
+    from redis._parsers.base import BaseParser
+    from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+except ImportError as exc:  # pragma: no cover - redis_client above raised already
+    raise ImportError(f"the redis tier needs redis-py: {exc}") from exc
+
+Buffer = bytes | bytearray | memoryview
+Command = Sequence[Argument]
+
+_CHUNK = 32 << 10  # bytes one plain recv asks for (replies' framing, small values)
+_AHEAD = 512  # ... and while a reply may land in a sink
+_PAD_FRAMING = 32  # bytes the padding reply holds beyond its padding, at most
+_IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
+_PLAIN_KEYS = {"host", "port", "username", "password", "db", "path", "connection_class"}
+# How far the kernel's timeout of a socket call may end off the call's deadline before
+# it is set again (a syscall): a few ms, about the kernel's own granularity.
+_SLACK_S = 0.005
+# What a socket call raises when its timeout ends it with nothing moved: the kernel's
+# (a plain blocking socket: EAGAIN), Python's (TLS).
+_TIMED_OUT = (BlockingIOError, TimeoutError)
+
+
+class Expected(NamedTuple):
+    """The bulk string a command's reply is expected to be: its ``length``, and how
+    many of its first bytes (``head``) land in the sink's first view before the rest
+    (:data:`backends.redis.resp.Landing`)."""
+
+    length: int
+    head: int
+
+
+class Endpoint(NamedTuple):
+    """Where and how to connect: a TCP ``host``/``port`` or a unix ``path``, the
+    url's credentials and database, a TLS context (None: plain), and the time every
+    call has (``timeout_s``: its connect, or its requests and all of their replies)."""
+
+    host: str
+    port: int
+    path: str | None
+    username: str | None
+    password: str | None
+    db: int
+    tls: ssl.SSLContext | None
+    timeout_s: float
+
+    def at(self, host: str, port: int) -> Endpoint:
+        """The same credentials and TLS at another node (of a cluster)."""
+        return self._replace(host=host, port=port, path=None)
+
+    def __repr__(self) -> str:  # the password stays out of every repr
+        where = self.path if self.path is not None else f"{self.host}:{self.port}"
+        return f"<Endpoint {where} tls={self.tls is not None}>"
+
+
+def endpoint_of(url: str, *, timeout_s: float, tls: dict[str, str]) -> Endpoint | None:
+    """The endpoint of ``url`` (checked already by ``check_url``) with redis-py's TLS
+    argument names in ``tls`` (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``);
+    None if the url's query asks for an option this path does not implement."""
+    options = parse_url(url)
+    if set(options) - _PLAIN_KEYS:
+        return None
+    kind = options.get("connection_class")
+    context = None
+    if kind is SSLConnection:
+        # As redis-py's defaults: the certificate verified, its host name checked.
+        context = ssl.create_default_context(cafile=tls.get("ssl_ca_certs"))
+        if "ssl_certfile" in tls:
+            context.load_cert_chain(tls["ssl_certfile"], tls.get("ssl_keyfile"))
+    return Endpoint(
+        host=options.get("host", "localhost"),
+        port=int(options.get("port", 6379)),
+        path=options.get("path") if kind is UnixDomainSocketConnection else None,
+        username=options.get("username"),
+        password=options.get("password"),
+        db=int(options.get("db", 0)),
+        tls=context,
+        timeout_s=timeout_s,
+    )
+
+
+def response_error(reply: ErrorReply) -> ResponseError:
+    """The redis-py error an error reply stands for (MOVED, ASK, WRONGTYPE, ...)."""
+    error = BaseParser.parse_error(reply.message)
+    return error if isinstance(error, ResponseError) else ResponseError(reply.message)
+
+
+class RespConnection:
+    """One connection to one server, authenticated and on the url's database, made by
+    ``deadline`` (a :func:`time.monotonic` time; None: ``timeout_s`` from now). Each
+    call (:meth:`round_trip`, or :meth:`send` and :meth:`receive`) ends by its own
+    deadline, however slowly the server takes its requests or sends its replies.
+    Raises RedisTimeoutError once a deadline has passed, OSError for a connection that
+    fails, RedisConnectionError for a closed connection or bytes that are no RESP, and
+    AuthenticationError if ``AUTH`` is refused; after any of them the connection is of
+    no further use."""
+
+    def __init__(self, endpoint: Endpoint, deadline: float | None = None) -> None:
+        self.endpoint = endpoint
+        self._deadline = time.monotonic() + endpoint.timeout_s if deadline is None else deadline
+        self._tls = endpoint.tls is not None
+        if endpoint.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self._left())
+                sock.connect(endpoint.path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            address = (endpoint.host, endpoint.port)
+            sock = socket.create_connection(address, self._left())
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if endpoint.tls is not None:
+            try:
+                sock.settimeout(self._left())  # the handshake's, as a whole
+                sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
+            except BaseException:
+                sock.close()
+                raise
+        self._sock: socket.socket = sock
+        self._wait_all = 0
+        # The kernel's timeouts of receives and sends (SO_RCVTIMEO, SO_SNDTIMEO) as
+        # last set, in seconds (inf: not set, the kernel waits for ever).
+        self._armed = [math.inf, math.inf]
+        if endpoint.tls is None:
+            # A blocking socket whose kernel timeouts bound each socket call, set from
+            # the call's deadline (_arm): a payload then arrives in one recv_into
+            # (MSG_WAITALL) and a pipeline goes out in one sendmsg, each a single
+            # release of the GIL instead of one per segment.
+            sock.settimeout(None)
+            self._wait_all = socket.MSG_WAITALL
+        self._reader = RespReader()
+        self._chunk = memoryview(bytearray(_CHUNK))
+        self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
+        self._crlf = memoryview(bytearray(2))
+        try:
+            self._hello()
+        except BaseException:
+            self.close()
+            raise
+
+    def _left(self) -> float:
+        """The seconds left until the current call's deadline (more than 0); raises
+        RedisTimeoutError once it has passed."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise RedisTimeoutError(
+                f"the redis server did not answer within timeout_s ({self.endpoint.timeout_s} s)"
+            )
+        return left
+
+    def _arm(self, receiving: bool) -> None:
+        """Bound the next blocking receive (or send) on the socket by the current call's
+        deadline; raises RedisTimeoutError once it has passed. A socket call that the
+        timeout ends early raises BlockingIOError or TimeoutError (nothing moved) or
+        moves fewer bytes: the caller arms again and goes on, or the deadline raises."""
+        left = self._left()
+        if self._tls:
+            self._sock.settimeout(left)  # Python's timeout: bounds one call as a whole
+            return
+        # The kernel restarts its timeout at each socket call: set it again whenever
+        # this call's wait would end more than _SLACK_S off the deadline (a call that
+        # moves megabytes in many receives sets it about once).
+        which = 0 if receiving else 1
+        if abs(left - self._armed[which]) > _SLACK_S:
+            seconds, micros = int(left), int(left % 1 * 1e6)
+            limit = struct.pack("ll", seconds, max(micros, 1) if seconds == 0 else micros)
+            option = socket.SO_RCVTIMEO if receiving else socket.SO_SNDTIMEO
+            self._sock.setsockopt(socket.SOL_SOCKET, option, limit)
+            self._armed[which] = left
+
+    def _hello(self) -> None:
+        endpoint, commands = self.endpoint, []
+        if endpoint.password is not None:
+            user = () if endpoint.username is None else (endpoint.username.encode(),)
+            commands.append((b"AUTH", *user, endpoint.password.encode()))
+        if endpoint.db:
+            commands.append((b"SELECT", endpoint.db))
+        if not commands:
+            return
+        for reply in self.round_trip(commands, deadline=self._deadline):  # the connect's
+            if isinstance(reply, ResponseError):
+                raise AuthenticationError(str(reply))
+
+    def round_trip(
+        self,
+        commands: Sequence[Command],
+        sinks: Sequence[Sink | None] | None = None,
+        expected: Sequence[Expected] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> list[Reply | ResponseError]:
+        """Send ``commands`` pipelined and read their replies, in order, by ``deadline``
+        (a :func:`time.monotonic` time; None: ``timeout_s`` from now); an error reply
+        comes back as redis-py's error in its place. ``sinks[i]`` (if given) picks
+        where the bulk strings of reply ``i`` land (:data:`backends.redis.resp.Sink`).
+        ``expected[i]`` (with ``sinks``) is the bulk string reply ``i`` is expected to
+        be: on a plain socket such replies are read with one receive each (its rest,
+        then the next reply's framing and head), and a reply that is not as expected
+        is read as any other; its sink then gives where the rest lands."""
+        if deadline is None:
+            deadline = time.monotonic() + self.endpoint.timeout_s
+        pad = self.send(commands, sinks, expected, deadline=deadline)
+        return self.receive(len(commands), sinks, expected, pad, deadline=deadline)
+
+    def send(
+        self,
+        commands: Sequence[Command],
+        sinks: Sequence[Sink | None] | None = None,
+        expected: Sequence[Expected] | None = None,
+        *,
+        deadline: float,
+    ) -> int:
+        """The first half of :meth:`round_trip`: send ``commands`` by ``deadline``;
+        returns what :meth:`receive` needs to read their replies (several pipelines may
+        be sent before their replies are read, in the order sent)."""
+        self._deadline = deadline
+        buffers: list[Buffer] = []
+        for command in commands:
+            encode_command(command, buffers)
+        pad = 0
+        if expected and sinks is not None and not self._tls:
+            # A padding reply after the last: whatever the replies turn out to be, at
+            # least a reply's framing and head follow the end of every one of them, so
+            # a receive that waits for all the bytes it asks for never waits in vain.
+            pad = max(len(b"$%d\r\n" % e.length) + e.head for e in expected)
+            if pad + _PAD_FRAMING <= self._ahead.nbytes:
+                encode_command((b"ECHO", b"." * pad), buffers)
+            else:
+                pad = 0
+        self._send(buffers)
+        return pad
+
+    def receive(
+        self,
+        count: int,
+        sinks: Sequence[Sink | None] | None,
+        expected: Sequence[Expected] | None,
+        pad: int,
+        *,
+        deadline: float,
+    ) -> list[Reply | ResponseError]:
+        """The second half of :meth:`round_trip`: the replies of the ``count`` commands
+        :meth:`send` sent (with these ``sinks`` and ``expected``; it returned ``pad``),
+        all of them in by ``deadline`` (the one they were sent with)."""
+        self._deadline = deadline
+        if pad:
+            assert sinks is not None and expected is not None
+            return self._read_expected(sinks, expected, pad)
+        return self._read_replies(sinks, 0, count)
+
+    def _read_replies(
+        self, sinks: Sequence[Sink | None] | None, first: int, stop: int
+    ) -> list[Reply | ResponseError]:
+        replies: list[Reply | ResponseError] = []
+        reader = self._reader
+        for i in range(first, stop):
+            reader.sink = sinks[i] if sinks is not None else None
+            reply = self._read_reply()
+            replies.append(response_error(reply) if isinstance(reply, ErrorReply) else reply)
+        reader.sink = None
+        return replies
+
+    def _read_expected(
+        self, sinks: Sequence[Sink | None], expected: Sequence[Expected], pad: int
+    ) -> list[Reply | ResponseError]:
+        """The replies of a pipeline sent with its padding ``ECHO``: while they are as
+        ``expected``, each in one ``recvmsg_into`` (its rest into the sink's view, its
+        CR LF, the next one's framing and head); from the first that is not, through
+        the reader (fed what was read ahead)."""
+        ahead, crlf = self._ahead, self._crlf
+        framings = [b"$%d\r\n" % e.length for e in expected]
+        trailer = b"$%d\r\n%s\r\n" % (pad, b"." * pad)
+        size = len(framings[0]) + expected[0].head
+        self._fill([ahead[:size]])
+        replies: list[Reply | ResponseError] = []
+        for i, (framing, (length, head)) in enumerate(zip(framings, expected, strict=True)):
+            sink = sinks[i]
+            landing = sink([], length) if ahead[: len(framing)] == framing and sink else None
+            if not isinstance(landing, tuple) or landing[0].nbytes != head:
+                # Not as expected (a nil, an error, another length): the reader takes
+                # over with what was read ahead; the sink is asked again, by it.
+                self._reader.feed(ahead[:size])
+                replies += self._read_replies(sinks, i, len(expected))
+                if self._read_reply() != b"." * pad:
+                    raise RedisConnectionError("the redis server sent no reply to ECHO")
+                return replies
+            view, rest = landing
+            view[:] = ahead[len(framing) : size]
+            target = rest()
+            if target.nbytes != length - head:
+                raise RedisConnectionError("a sink gave a view of the wrong length")
+            size = len(framings[i + 1]) + expected[i + 1].head if i + 1 < len(expected) else 0
+            self._fill([target, crlf, ahead[: size or len(trailer)]])
+            if crlf != b"\r\n":
+                raise RedisConnectionError("the redis server sent no RESP: no CR LF")
+            replies.append(Landed(length))
+        if ahead[: len(trailer)] != trailer:
+            raise RedisConnectionError("the redis server sent no reply to ECHO")
+        return replies
+
+    def _fill(self, views: list[memoryview]) -> None:
+        """Receive exactly as many bytes as ``views`` hold, into them in order."""
+        sock, wait_all = self._sock, self._wait_all
+        while views:
+            self._arm(receiving=True)
+            try:
+                count = sock.recvmsg_into(views, 0, wait_all)[0]
+            except _TIMED_OUT:
+                continue  # the socket's timeout: arm it again, or the deadline has passed
+            if not count:
+                raise RedisConnectionError("the redis server closed the connection")
+            while views and count >= views[0].nbytes:
+                count -= views.pop(0).nbytes
+            if count:
+                views[0] = views[0][count:]
+
+    def _send(self, buffers: list[Buffer]) -> None:
+        sock = self._sock
+        pending = [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in buffers]
+        first = 0
+        while first < len(pending):
+            self._arm(receiving=False)
+            try:
+                if self._tls:  # an SSL socket has no sendmsg
+                    sent = sock.send(pending[first])
+                else:
+                    sent = sock.sendmsg(pending[first : first + _IOV_MAX])
+            except _TIMED_OUT:
+                continue  # the socket's timeout: arm it again, or the deadline has passed
+            while first < len(pending) and sent >= len(pending[first]):
+                sent -= len(pending[first])
+                first += 1
+            if sent:
+                pending[first] = memoryview(pending[first])[sent:]
+
+    def _read_reply(self) -> Reply:
+        reader, sock = self._reader, self._sock
+        try:
+            while (reply := reader.gets()) is NOT_YET:
+                into = reader.direct()
+                self._arm(receiving=True)
+                try:
+                    if into is not None:
+                        count = sock.recv_into(into, 0, self._wait_all)
+                        if count:
+                            reader.filled(count)
+                    else:
+                        # Ahead of a sink's bulk string, a little: its framing and header,
+                        # and no payload that would be copied twice on its way to the slot.
+                        chunk = self._chunk if reader.sink is None else self._chunk[:_AHEAD]
+                        count = sock.recv_into(chunk)
+                        if count:
+                            reader.feed(chunk[:count])
+                except _TIMED_OUT:
+                    continue  # the socket's timeout: arm it again, or the deadline has passed
+                if not count:
+                    raise RedisConnectionError("the redis server closed the connection")
+        except ProtocolError as exc:
+            raise RedisConnectionError(f"the redis server sent no RESP: {exc}") from None
+        return reply  # type: ignore[return-value]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # best effort: the connection is dropped anyway
+            self._sock.close()
+
+
+def any_stale(connections: Iterable[RespConnection]) -> bool:
+    """Whether any of the idle ``connections`` has something to read (one ``select``
+    for them all): the server closed it (restarted, timed it out) or sent what nobody
+    asked for; either way it is closed rather than used."""
+    try:
+        readable, _, _ = select.select([c._sock for c in connections], [], [], 0)
+    except (OSError, ValueError):  # one was closed under us
+        return True
+    return bool(readable)
+
+
+__all__ = [
+    "Command",
+    "Endpoint",
+    "Expected",
+    "RespConnection",
+    "any_stale",
+    "endpoint_of",
+    "response_error",
+]

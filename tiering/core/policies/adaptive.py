@@ -1,0 +1,279 @@
+"""ARC or LRU, admitting everything or second sight: whichever leads (``"adaptive"``).
+
+No one policy wins on every workload and capacity: ARC is close to the best almost
+everywhere, LRU beats it where contexts grow step by step (agent loops), and at a few
+percent of the footprint declining blocks seen for the first time wins big (a cache of a
+few requests' blocks is otherwise flushed by blocks never asked for again), while at
+large capacities the same rule loses. So this policy keeps the bookkeeping of all four
+and follows the one ahead:
+
+* **Two eviction orders over one resident set.** ARC's lists (``T1``, ``T2``, the
+  ghosts ``B1``, ``B2``, the target ``p``), updated exactly as :class:`ARCPolicy` does,
+  plus each key's last use; LRU's victim is the older of ``T1``'s and ``T2``'s heads
+  (each list is ordered by last use), so LRU costs one number a key, not a third list.
+* **Two admissions.** Everything, or *second sight*: a block only if an earlier request
+  asked for it too, counted in two generations of request counts (a new one every
+  ``window`` x capacity touched keys; a count carried over is halved).
+* **Four sampled shadows** (SHARDS-style): 1 key in ``S`` (by CRC-32, ``S`` =
+  capacity // ``shadow_blocks``, at least 1) replayed through ARC and LRU caches of
+  capacity / ``S`` blocks, each admitting everything or by second sight (the real
+  counts decide). A shadow scores the leading run of a request's sampled keys it
+  holds (a prefix hit), decayed over ``horizon`` shadow capacities of sampled keys;
+  the real cache evicts and admits as the shadow with the highest score, ARC's counted
+  ``1 + arc_bias`` times: ARC is the safe choice (never far from the best on the suite)
+  and a shadow's score is an estimate, so another leads only when clearly ahead.
+
+Every choice is made online from the traffic itself; no setting is per workload. Hit
+ratios against LRU and ARC on the workload suite: ``docs/replay.md``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+
+from tiering.core.policies.arc import ARCPolicy
+from tiering.core.policies.base import EvictionPolicy
+from tiering.core.policies.lru import LRUPolicy
+from tiering.core.scheduler_api import BlockHash
+from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int
+
+_ABSENT = object()
+
+EXPERTS = ("arc", "arc+second-sight", "lru", "lru+second-sight")
+"""The four policies the shadows run, by name: eviction order, then admission."""
+
+
+class AdaptivePolicy(ARCPolicy):
+    """Evicts by ARC's or LRU's order and admits everything or by second sight, as the
+    best of four sampled shadow caches (see the module docstring).
+
+    ``window``: second sight's memory, in capacities of touched keys per generation.
+    ``shadow_blocks``: the smallest shadow (keys are sampled so a shadow holds about
+    this many). ``horizon``: how many shadow capacities of sampled keys a shadow's score
+    remembers. ``arc_bias``: how far ahead of ARC's shadow another must be to lead.
+    Raises InvalidArgumentError for a window, shadow size or horizon that is not a
+    positive int, or a bias that is not a finite number >= 0.
+    ``insert``/``touch``/``remove`` are O(1) a key plus the sampled shadows' work
+    (O(1) a sampled key); ``evict`` is O(n + pinned keys passed).
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        window: int = 8,
+        shadow_blocks: int = 256,
+        horizon: int = 64,
+        arc_bias: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.window = positive_int("window", window)
+        self.shadow_blocks = positive_int("shadow_blocks", shadow_blocks)
+        self.horizon = positive_int("horizon", horizon)
+        if (
+            isinstance(arc_bias, bool)
+            or not isinstance(arc_bias, int | float)
+            or not 0 <= arc_bias < float("inf")
+        ):
+            raise InvalidArgumentError(f"arc_bias must be a number >= 0, got {arc_bias!r}")
+        self.arc_bias = float(arc_bias)
+        self._seq = 0  # one per key use: LRU's order
+        self._last: dict[BlockHash, int] = {}  # resident key -> its last use
+        self._counts: dict[BlockHash, int] = {}  # requests naming a key, this generation
+        self._counts_before: dict[BlockHash, int] = {}  # the generation before
+        self._touched = 0  # keys touched this generation
+        self._sample = 1
+        self._shadows: list[_Shadow] = []
+        self._leader = 0  # index into EXPERTS
+        self._lru_order = False
+        self._second_sight = False
+
+    def bind(self, capacity: int) -> None:
+        super().bind(capacity)
+        if self._shadows:
+            return
+        self._sample = max(1, capacity // self.shadow_blocks)
+        size = max(1, capacity // self._sample)
+        self._shadows = [
+            _Shadow(
+                ARCPolicy() if name.startswith("arc") else LRUPolicy(),
+                size,
+                name.endswith("second-sight"),
+                self.horizon,
+            )
+            for name in EXPERTS
+        ]
+
+    @property
+    def leader(self) -> str:
+        """The shadow the cache follows now (one of :data:`EXPERTS`)."""
+        return EXPERTS[self._leader]
+
+    def shadow_scores(self) -> dict[str, float]:
+        """Each shadow's decayed prefix hits (for tests and debugging)."""
+        return {name: s.score for name, s in zip(EXPERTS, self._shadows, strict=True)}
+
+    def request_count(self, key: BlockHash) -> int:
+        """How many requests named ``key`` lately (the current generation's count, which
+        includes half the previous one's)."""
+        count = self._counts.get(key)
+        return count if count is not None else self._counts_before.get(key, 0) >> 1
+
+    def admit(self, key: BlockHash) -> bool:
+        return not self._second_sight or self._counts.get(key, 0) >= 2
+
+    def insert(self, key: BlockHash) -> None:
+        """Admit ``key`` as ARC does (``T2`` if it is a ghost, adapting ``p``; else
+        ``T1``). The manager never inserts a resident key."""
+        self._seq += 1
+        self._last[key] = self._seq
+        b1, b2 = self._b1, self._b2
+        if b1 and b1.pop(key, _ABSENT) is not _ABSENT:
+            # Sizes before the hit left B1: the paper's delta_1.
+            self._p = min(self._p + max(len(b2) / (len(b1) + 1), 1.0), float(self.capacity))
+            self._t2[key] = None
+            return
+        if b2 and b2.pop(key, _ABSENT) is not _ABSENT:
+            self._p = max(self._p - max(len(b1) / (len(b2) + 1), 1.0), 0.0)
+            self._t2[key] = None
+            return
+        t1 = self._t1
+        t1[key] = None
+        if b1 and len(t1) + len(b1) > self.capacity:
+            b1.popitem(last=False)
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        t1, t2, last, counts = self._t1, self._t2, self._last, self._counts
+        to_mru, get, get_before = t2.move_to_end, counts.get, self._counts_before.get
+        seq = self._seq
+        # Walk backwards so keys[0] ends up the most recent of all.
+        for key in reversed(keys):
+            count = get(key)
+            counts[key] = count + 1 if count is not None else (get_before(key, 0) >> 1) + 1
+            if key in t2:
+                to_mru(key)
+            elif key in t1:
+                del t1[key]
+                t2[key] = None
+            else:
+                continue
+            seq += 1
+            last[key] = seq
+        self._seq = seq
+        self._touched += len(keys)
+        if self._touched >= self.window * self.capacity:
+            self._touched = 0
+            self._counts_before = counts
+            self._counts = {}
+        sample = self._sample
+        sampled = keys if sample == 1 else [k for k in keys if zlib.crc32(k) % sample == 0]
+        if sampled:
+            self._follow(sampled)
+
+    def _follow(self, sampled: Sequence[BlockHash]) -> None:
+        """Replay the sampled keys in every shadow, then follow the highest score."""
+        unique = list(dict.fromkeys(sampled)) if len(sampled) > 1 else list(sampled)
+        counts = self._counts
+        shadows = self._shadows
+        for shadow in shadows:
+            shadow.request(sampled, unique, counts)
+        best, best_score = 0, shadows[0].score * (1.0 + self.arc_bias)  # ARC's
+        for i in range(1, len(shadows)):
+            if shadows[i].score > best_score:
+                best, best_score = i, shadows[i].score
+        self._leader = best
+        self._lru_order = best >= 2
+        self._second_sight = best % 2 == 1
+
+    def remove(self, key: BlockHash) -> None:
+        """Forget resident ``key`` without a ghost entry (BlockNotFoundError if absent)."""
+        super().remove(key)
+        del self._last[key]
+
+    def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
+        """As :meth:`EvictionPolicy.evict`; ``can_evict`` is called at most once a key.
+        Either order leaves the victims' ghosts in ``B1``/``B2`` as ARC does."""
+        if n <= 0:
+            return []
+        order = self._lru_victims if self._lru_order else self._victims
+        victims = order(n, can_evict)
+        self._retire(victims)
+        last = self._last
+        for key in victims:
+            del last[key]
+        return victims
+
+    def _lru_victims(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
+        """The ``n`` least recently used evictable keys (fewer if there are not): a merge
+        of ``T1`` and ``T2``, each already ordered by last use."""
+        victims: list[BlockHash] = []
+        last = self._last
+        scan1, scan2 = iter(self._t1), iter(self._t2)
+        head1 = next((k for k in scan1 if can_evict(k)), None)
+        head2 = next((k for k in scan2 if can_evict(k)), None)
+        while len(victims) < n:
+            if head1 is not None and (head2 is None or last[head1] < last[head2]):
+                victims.append(head1)
+                head1 = next((k for k in scan1 if can_evict(k)), None)
+            elif head2 is not None:
+                victims.append(head2)
+                head2 = next((k for k in scan2 if can_evict(k)), None)
+            else:
+                break
+        return victims
+
+
+class _Shadow:
+    """A cache of sampled keys under one eviction order and admission, scoring its
+    decayed prefix hits: one of the four the real cache chooses among. ``held`` mirrors
+    the policy's resident keys, so that membership is one set lookup."""
+
+    __slots__ = ("capacity", "decay", "held", "policy", "score", "second_sight")
+
+    def __init__(
+        self, policy: EvictionPolicy, capacity: int, second_sight: bool, horizon: int
+    ) -> None:
+        self.policy = policy
+        self.policy.bind(capacity)
+        self.capacity = capacity
+        self.second_sight = second_sight
+        self.held: set[BlockHash] = set()
+        self.score = 0.0
+        self.decay = 1.0 - 1.0 / (horizon * capacity)
+
+    def request(
+        self, keys: Sequence[BlockHash], unique: list[BlockHash], counts: dict[BlockHash, int]
+    ) -> None:
+        """One request's sampled keys (``unique``: without repeats), as the manager takes a
+        request: touch, count the leading keys held, store the rest that are admitted
+        (second sight: ``counts`` at least 2), room made for all of them at once with the
+        request's own keys protected; none stored if there is no room."""
+        policy, held = self.policy, self.held
+        policy.touch(keys)
+        hits = 0
+        for key in keys:
+            if key not in held:
+                break
+            hits += 1
+        self.score = self.score * self.decay ** len(keys) + hits
+        if self.second_sight:
+            new = [k for k in unique if k not in held and counts.get(k, 0) >= 2]
+        else:
+            new = [k for k in unique if k not in held]
+        if not new:
+            return
+        shortfall = len(held) + len(new) - self.capacity
+        if shortfall > 0:
+            protected = held.intersection(keys)
+            if len(held) - len(protected) < shortfall:
+                return
+            held.difference_update(policy.evict(shortfall, lambda k: k not in protected))
+        insert = policy.insert
+        for key in new:
+            insert(key)
+        held.update(new)
+
+
+__all__ = ["EXPERTS", "AdaptivePolicy"]

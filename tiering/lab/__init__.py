@@ -1,0 +1,2 @@
+"""Offline tools over the engine: trace replay, policy sweeps, fleets, workloads and the
+workload suite."""

@@ -1,0 +1,681 @@
+"""Replay a workload through a real engine (:func:`replay`: real bytes, every loaded block
+checked against :func:`expected_bytes`), or as bookkeeping only (:class:`CacheModel` and
+:func:`simulate`: the CPU tier's own manager and, per secondary tier, a least-recently-used
+set or the NVMe tier's own segment index, fast enough for a capacity sweep). docs/replay.md
+gives a request's steps and when the two agree block for block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import statistics
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiering.core.cpu_tier import CPUOffloadingManager
+from tiering.core.job_core import LEFT_EVERY_TIER
+from tiering.core.policies import DEFAULT_POLICY
+from tiering.engine import TieringEngine
+from tiering.errors import BlockNotFoundError, InvalidArgumentError
+from tiering.lab.workloads import Request
+from tiering.observe.loop_lag import LoopLagMonitor
+from tiering.observe.statistics import CAPACITY_CAUSES
+from tiering.security.tenancy import Tenancy
+from tiering.tiers.tier_api import JobResult
+from tiering.validation import positive_int
+
+CPU = "cpu"  # the CPU tier's name in hit and byte figures
+# How the engine's causes for blocks lost under write-back end (evicted, or at a close):
+# each is a tier's store that failed or found no room, which the tier counts itself.
+_LOST_WITH_A_TRANSFER = "no tier took its write-back"
+ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers "ask again"
+
+
+def expected_bytes(key: bytes, nbytes: int) -> np.ndarray:
+    """The bytes block ``key`` stands for in a replay: its 64-byte BLAKE2b digest repeated
+    to ``nbytes`` (a uint8 array)."""
+    return np.resize(_digests([key])[0], nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentLayout:
+    """The NVMe tier as the bookkeeping models it (:func:`tier_layout` reads it off one):
+    its capacity in records, a segment's records, the fraction of recent uses an evicted
+    segment writes again, and the most records one store job moves."""
+
+    capacity_records: int
+    records_per_segment: int
+    hot_fraction: float
+    moves_per_job: int
+
+    def __post_init__(self) -> None:
+        """Raises InvalidArgumentError for a count that is not a positive int, or a
+        ``hot_fraction`` outside [0, 1]."""
+        for name in ("capacity_records", "records_per_segment", "moves_per_job"):
+            positive_int(name, getattr(self, name))
+        if type(self.hot_fraction) not in (int, float) or not 0 <= self.hot_fraction <= 1:
+            raise InvalidArgumentError(f"hot_fraction must be in [0, 1], got {self.hot_fraction!r}")
+
+
+TierLayout = int | SegmentLayout | None
+"""A secondary tier in the model: a capacity in blocks (least recently used evicted), a
+:class:`SegmentLayout`, or None (unbounded)."""
+
+
+class _LRUSet:
+    """A tier that evicts the least recently used key: its keys, least recent first."""
+
+    __slots__ = ("capacity", "keys")
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.keys
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        keys = self.keys
+        for h in reversed(hashes):  # the first hash ends most recent
+            if h in keys:
+                keys.move_to_end(h)
+
+    def loaded(self, hashes: Sequence[bytes]) -> None:
+        """A load from the tier changes no recency."""
+
+    def add(self, hashes: Sequence[bytes]) -> None:
+        """One store job of keys the tier lacks."""
+        keys = self.keys
+        for h in hashes:
+            keys[h] = None
+        if self.capacity is not None:
+            while len(keys) > self.capacity:
+                keys.popitem(last=False)
+
+
+class _SegmentLog:
+    """The NVMe tier's own index (:class:`backends.nvme.segment_index.SegmentIndex`),
+    driven as the tier drives it: touches and loads mark keys used, a store job makes
+    room with the index's own ``plan_room``."""
+
+    __slots__ = ("_digest", "_index", "_moves_per_job")
+
+    def __init__(self, layout: SegmentLayout) -> None:
+        # Imported here: tiering never imports backends at import time.
+        from backends.nvme.segment_index import SegmentIndex, key_digest
+
+        self._digest = key_digest
+        self._index = SegmentIndex(
+            layout.capacity_records,
+            records_per_segment=layout.records_per_segment,
+            writer="0",
+            hot_fraction=layout.hot_fraction,
+        )
+        self._moves_per_job = layout.moves_per_job
+
+    def __contains__(self, key: bytes) -> bool:
+        return self._digest(key) in self._index
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        self._index.touch(list(map(self._digest, hashes)))
+
+    loaded = touch  # a load marks its keys used
+
+    def add(self, hashes: Sequence[bytes]) -> None:
+        """One store job of keys the tier lacks."""
+        index = self._index
+        wanted = list(dict.fromkeys(map(self._digest, hashes)))
+        plan = index.plan_room(len(wanted), most_moves=self._moves_per_job)
+        for digest, placement in zip(wanted[: plan.fit], plan.placed[: plan.fit], strict=True):
+            index.commit(digest, placement)
+        for (_, _, digest), placement in zip(plan.moves, plan.placed[plan.fit :], strict=True):
+            if digest in index:  # stored again meanwhile: the newer record wins
+                index.abandon(placement)
+            else:
+                index.commit(digest, placement)
+
+
+def tier_layout(tier: object) -> TierLayout:
+    """How the model represents ``tier`` (open or closed): a :class:`SegmentLayout` for the
+    NVMe tier, else its capacity in blocks from its statistics, or None (unbounded)."""
+    records = getattr(tier, "records_per_segment", None)
+    stats = tier.statistics()  # type: ignore[attr-defined]
+    block_bytes = int(getattr(tier, "block_bytes", 0))
+    if isinstance(records, int) and stats.capacity_blocks:
+        return SegmentLayout(
+            capacity_records=stats.capacity_blocks,
+            records_per_segment=records,
+            hot_fraction=float(getattr(tier, "hot_fraction", 0.0)),
+            moves_per_job=int(getattr(tier, "moves_per_job", 1)),
+        )
+    if stats.capacity_blocks:
+        return int(stats.capacity_blocks)
+    if stats.capacity_bytes and block_bytes:
+        return max(1, stats.capacity_bytes // block_bytes)
+    return None
+
+
+class CacheModel:
+    """The bookkeeping of a replay, without bytes: what each request would hit, where. A
+    CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
+    secondary tier, fastest first, written through, named ``tier_names`` in :attr:`hits`
+    (default ``tier0``, ``tier1``...). Raises InvalidArgumentError or UnknownPolicyError.
+    """
+
+    def __init__(
+        self,
+        cpu_blocks: int,
+        policy: str = DEFAULT_POLICY,
+        tier_blocks: Sequence[TierLayout] = (),
+        tier_names: Sequence[str] | None = None,
+    ) -> None:
+        self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
+        tiers: list[_LRUSet | _SegmentLog] = []
+        for i, layout in enumerate(tier_blocks):
+            if isinstance(layout, SegmentLayout):
+                tiers.append(_SegmentLog(layout))
+                continue
+            if layout is not None:
+                positive_int(f"tier_blocks[{i}]", layout)
+            tiers.append(_LRUSet(layout))
+        names = list(tier_names) if tier_names is not None else []
+        if tier_names is not None and len(names) != len(tier_blocks):
+            raise InvalidArgumentError(
+                f"tier_names must name each of the {len(tier_blocks)} tiers, got {names!r}"
+            )
+        self.tier_names = names or [f"tier{i}" for i in range(len(tier_blocks))]
+        self._tiers = tiers
+        self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
+        self.blocks = 0
+
+    def request(self, hashes: Sequence[bytes]) -> int:
+        """One request's blocks: returns how many leading ones hit (and counts where)."""
+        manager, tiers = self.manager, self._tiers
+        manager.touch(hashes)
+        for tier in tiers:
+            tier.touch(hashes)
+        n = 0
+        promoted: dict[int, list[bytes]] = {}
+        for h in hashes:
+            if manager.is_ready(h):
+                self.hits[CPU] += 1
+            else:
+                holder = next((i for i, t in enumerate(tiers) if h in t), None)
+                if holder is None:
+                    break
+                self.hits[self.tier_names[holder]] += 1
+                promoted.setdefault(holder, []).append(h)
+            n += 1
+        if promoted:  # the engine gives the promoted blocks CPU slots, as a store does
+            out = manager.prepare_store(hashes[:n], admission=False)
+            if out is not None:
+                manager.complete_store(out.block_hashes_to_store)
+            for i, keys in promoted.items():
+                tiers[i].loaded(keys)
+        rest = hashes[n:]
+        if rest:
+            out = manager.prepare_store(rest)
+            if out is not None:
+                manager.complete_store(out.block_hashes_to_store)
+                # Write-through: the request's blocks now ready go to each tier lacking them.
+                ready = [h for h in dict.fromkeys(rest) if manager.is_ready(h)]
+                for tier in tiers:
+                    missing = [h for h in ready if h not in tier]
+                    if missing:
+                        tier.add(missing)
+        self.blocks += len(hashes)
+        return n
+
+    @property
+    def hit_ratio(self) -> float:
+        """Hit blocks / requested blocks so far (0 before any)."""
+        return sum(self.hits.values()) / self.blocks if self.blocks else 0.0
+
+
+def simulate(
+    requests: Sequence[Request],
+    *,
+    cpu_blocks: int,
+    policy: str = DEFAULT_POLICY,
+    tier_blocks: Sequence[TierLayout] = (),
+    full_blocks_only: bool = False,
+    tenants: int = 1,
+) -> CacheModel:
+    """A fresh :class:`CacheModel` that ran ``requests``, once per tenant under the
+    tenant's keys as :func:`replay` sends them. Raises as :class:`CacheModel`."""
+    model = CacheModel(cpu_blocks, policy, tier_blocks)
+    names = tenant_names(tenants)
+    tenancy = Tenancy()
+    for request in requests:
+        keys = request.keys(full_blocks_only=full_blocks_only)
+        for name in names:
+            model.request(keys if name is None else tenancy.keys(keys, name))
+    return model
+
+
+def tenant_names(tenants: int) -> list[str | None]:
+    """The tenants a replay sends each request for: ``tenant-0``, ``tenant-1``... (one
+    tenant: None, the untenanted calls). Raises InvalidArgumentError for a bad count."""
+    tenants = positive_int("tenants", tenants)
+    return [f"tenant-{i}" for i in range(tenants)] if tenants > 1 else [None]
+
+
+@dataclass
+class ReplaySummary:
+    """What a replay through the engine did; :meth:`to_json` is its stable form (its
+    fields: docs/replay.md). Secondary tiers are named by :func:`tier_labels`."""
+
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    mismatches: int = 0
+    failed_loads: int = 0
+    failed_stores: int = 0
+    evicted_loads: int = 0
+    """Loads that failed because a block left every tier between the lookup and the load
+    (evicted for room meanwhile): misses under pressure, not failures."""
+    seconds: float = 0.0
+    bytes_by_path: dict[str, int] = field(default_factory=dict)
+    store_latency_s: list[float] = field(default_factory=list, repr=False)
+    load_latency_s: list[float] = field(default_factory=list, repr=False)
+    loop_lag_p99_ms: float = 0.0
+    tier_counters: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
+    capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
+    tier_layouts: dict[str, TierLayout] = field(default_factory=dict, repr=False)
+    failed_blocks_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed,
+    those it refused for want of room left out."""
+    refused_blocks_by_tier: dict[str, int] = field(default_factory=dict)
+    """Per secondary tier type: blocks it refused to store for want of room (a failure
+    cause of :data:`~tiering.observe.statistics.CAPACITY_CAUSES`): capacity, not failures."""
+    failure_causes: dict[str, int] = field(default_factory=dict)
+    """What failed, by cause: each tier's causes but those of want of room, and the
+    engine's own but those it records for a tier's transfers (the tiers say why) and for
+    the blocks that left with them under write-back."""
+    tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
+    """Per secondary tier, its failures by cause; under ``cpu``, the engine's."""
+    tier_types: dict[str, str] = field(default_factory=dict, repr=False)
+    warm_blocks: dict[str, int] = field(default_factory=dict)
+    """Blocks each secondary tier held when the first request came (only those held)."""
+    warm_hits: int = 0
+    """Hit blocks no request of this replay stored (in a fleet, nor this node)."""
+    tenants: int = 1
+    cross_tenant_hits: int = 0
+    """Hit blocks a tenant never stored but another tenant did: 0 unless isolation broke."""
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary as plain JSON values (the ``--json`` line of ``tiering replay``)."""
+        return {
+            "requests": self.requests,
+            "blocks": self.blocks,
+            "hit_ratio": round(self.hit_ratio, 4),
+            "hit_ratio_by_tier": {
+                tier: round(hits / self.blocks, 4) if self.blocks else 0.0
+                for tier, hits in self.hits_by_tier.items()
+            },
+            "mismatches": self.mismatches,
+            "failed_loads": self.failed_loads,
+            "failed_stores": self.failed_stores,
+            "evicted_loads": self.evicted_loads,
+            "failed_blocks_by_tier": {t: dict(n) for t, n in self.failed_blocks_by_tier.items()},
+            "refused_blocks_by_tier": dict(self.refused_blocks_by_tier),
+            "failure_causes": dict(self.failure_causes),
+            "warm_blocks": dict(self.warm_blocks),
+            "warm_hits": self.warm_hits,
+            "seconds": round(self.seconds, 3),
+            "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
+            "bytes_by_path": dict(self.bytes_by_path),
+            "job_latency_ms": {
+                "store": percentiles_ms(self.store_latency_s),
+                "load": percentiles_ms(self.load_latency_s),
+            },
+            "loop_lag_p99_ms": round(self.loop_lag_p99_ms, 3),
+            "tenants": self.tenants,
+            "cross_tenant_hits": self.cross_tenant_hits,
+        }
+
+
+def percentiles_ms(samples: list[float]) -> dict[str, float]:
+    """p50 and p99 of latencies in seconds, as milliseconds, and their count."""
+    if not samples:
+        return {"p50": 0.0, "p99": 0.0, "count": 0}
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {
+        "p50": round(statistics.median(ordered) * 1e3, 3),
+        "p99": round(p99 * 1e3, 3),
+        "count": len(ordered),
+    }
+
+
+def tier_labels(engine: TieringEngine) -> list[str]:
+    """Each secondary tier's name in the figures: its type, numbered when two share one."""
+    types = [tier.get_tier_type() for tier in engine.tiers]
+    return [f"{t}{types[:i].count(t)}" if types.count(t) > 1 else t for i, t in enumerate(types)]
+
+
+async def replay(
+    requests: Sequence[Request],
+    make_engine: Callable[[torch.Tensor], TieringEngine],
+    *,
+    device_blocks: int | None = None,
+    block_bytes: int,
+    pace: float | None = None,
+    full_blocks_only: bool = False,
+    verify: bool = True,
+    settle: bool = False,
+    tenants: int = 1,
+    on_request: Callable[[int, ReplaySummary], None] | None = None,
+    on_open: Callable[[TieringEngine, LoopLagMonitor], AbstractContextManager[object]]
+    | None = None,
+) -> ReplaySummary:
+    """Replay ``requests`` through the engine ``make_engine(device_kv)`` builds around a
+    device KV cache (a CPU tensor) of ``device_blocks`` blocks (default: the longest
+    request's) of ``block_bytes`` bytes, and close it; docs/replay.md gives the steps.
+
+    ``pace``: None (as fast as possible) or a speed-up of the arrival times. ``verify``:
+    compare every loaded block with its expected bytes (``mismatches``). ``settle``: let
+    each store's cascade end before the next request (the engine then evicts as the
+    bookkeeping model does). ``tenants``: send each request once per tenant, with bytes
+    of the tenant's keys (a block served across tenants is a mismatch). ``on_request(
+    number, summary)`` runs after each request; ``on_open(engine, loop_lag)`` once the
+    engine is open, its context manager left when the replay ends (a metrics server).
+    Raises InvalidArgumentError (nothing ran) for a bad argument or a request longer than
+    ``device_blocks``, TieringError if the engine could not start.
+    """
+    keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
+    device_blocks = device_blocks_for(keyed, device_blocks)
+    nbytes = positive_int("block_bytes", block_bytes)
+    if pace is not None and (type(pace) not in (int, float) or not pace > 0):
+        raise InvalidArgumentError(f"pace must be None or a positive number, got {pace!r}")
+    names = tenant_names(tenants)
+    node = ReplayNode(make_engine, device_blocks, nbytes, verify=verify, settle=settle)
+    async with node.engine, LoopLagMonitor() as lag:
+        with on_open(node.engine, lag) if on_open is not None else nullcontext():
+            start = time.perf_counter()
+            for number, (request, keys) in enumerate(zip(requests, keyed, strict=True)):
+                if pace is not None:
+                    delay = start + request.arrival_s / pace - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                for tenant in names:
+                    await node.request(keys, tenant)
+                if on_request is not None:
+                    on_request(number + 1, node.summary)
+            node.summary.seconds = time.perf_counter() - start
+    node.closed()
+    node.summary.loop_lag_p99_ms = lag.p99_ms
+    node.summary.tenants = tenants
+    return node.summary
+
+
+def device_blocks_for(keyed: Sequence[Sequence[bytes]], device_blocks: int | None) -> int:
+    """``device_blocks`` (None: the longest request's blocks) for requests of these keys.
+    Raises InvalidArgumentError, naming the first request it cannot hold."""
+    longest = max(map(len, keyed), default=0)
+    if device_blocks is None:
+        return max(1, longest)
+    positive_int("device_blocks", device_blocks)
+    for number, keys in enumerate(keyed):
+        if len(keys) > device_blocks:
+            raise InvalidArgumentError(
+                f"device_blocks ({device_blocks}) is smaller than request {number}, which "
+                f"has {len(keys)} blocks; give at least {longest}"
+            )
+    return device_blocks
+
+
+class ReplayNode:
+    """One engine under replay: its device cache (staging), its tiers' names and its
+    summary. ``make_engine(device_kv)`` builds the engine (raising what it raises); enter
+    ``node.engine`` (``async with``) around the requests, then call :meth:`closed`."""
+
+    def __init__(
+        self,
+        make_engine: Callable[[torch.Tensor], TieringEngine],
+        device_blocks: int,
+        block_bytes: int,
+        *,
+        verify: bool = True,
+        settle: bool = False,
+    ) -> None:
+        device = torch.zeros((device_blocks, block_bytes), dtype=torch.uint8)
+        self.staging = device.numpy()  # the same memory: the engine copies from and into it
+        self._make_engine = make_engine
+        self.engine = make_engine(device)
+        self.verify = verify
+        self.settle = settle
+        self.summary = ReplaySummary()
+        self._labels: list[str] | None = None
+        self._stored_by: dict[str | None, set[bytes]] = {}  # which tenant stored what
+
+    async def request(self, keys: list[bytes], tenant: str | None = None) -> int:
+        """Serve one request's blocks (the engine open) for ``tenant``: look up, load and
+        check the hit prefix, compute and store the rest. Returns the blocks that hit."""
+        engine, staging, summary = self.engine, self.staging, self.summary
+        if self._labels is None:
+            self._labels = tier_labels(engine)
+            summary.hits_by_tier = dict.fromkeys([CPU, *self._labels], 0)
+            for label, tier in zip(self._labels, engine.tiers, strict=True):
+                held_before = tier.statistics().used_blocks
+                if held_before and not summary.requests:  # not a restarted node's
+                    summary.warm_blocks[label] = held_before
+        # What the tiers hold, and so the bytes each block stands for: the tenant's keys.
+        held = keys if tenant is None else engine.tenant_keys(keys, tenant)
+        engine.touch(keys, tenant=tenant)
+        n = await self._lookup(keys, held, tenant)
+        sources = [_source(engine, self._labels, key) for key in held[:n]]
+        if n:
+            began = time.perf_counter()
+            try:
+                result = await engine.load(keys[:n], range(n), tenant=tenant)
+            except BlockNotFoundError:  # a tier let one go between the lookup and now
+                result = JobResult(0, False, tuple(keys[:n]), LEFT_EVERY_TIER)
+            summary.load_latency_s.append(time.perf_counter() - began)
+            if not result.success:
+                if _evicted_meanwhile(result):
+                    summary.evicted_loads += 1
+                else:
+                    summary.failed_loads += 1
+                failed = set(result.failed_keys)
+                # The hit ends at the first key that did not land (all if none is named).
+                n = next((i for i, key in enumerate(keys[:n]) if key in failed), 0)
+            if self.verify:  # the whole request's blocks in one hop off the loop
+                summary.mismatches += await asyncio.to_thread(_count_mismatches, staging, held[:n])
+        own = self._stored_by.setdefault(tenant, set())
+        for key in keys[:n]:
+            if key in own:
+                continue
+            if any(key in keys_of for other, keys_of in self._stored_by.items() if other != tenant):
+                summary.cross_tenant_hits += 1
+            else:  # no request of this replay stored it: a tier held it before
+                summary.warm_hits += 1
+        for source in sources[:n]:
+            summary.hits_by_tier[source] = summary.hits_by_tier.get(source, 0) + 1
+        summary.hit_blocks += n
+        summary.blocks += len(keys)
+        summary.requests += 1
+        if n < len(keys):
+            await asyncio.to_thread(_compute, staging, held, n)  # the "model", off the loop
+            began = time.perf_counter()
+            job = engine.store(keys[n:], range(n, len(keys)), tenant=tenant)
+            result = await job
+            summary.store_latency_s.append(time.perf_counter() - began)
+            failed = set() if result.success else set(result.failed_keys or keys[n:])
+            own.update(key for key in keys[n:] if key not in failed)  # the others landed
+            if not result.success:
+                summary.failed_stores += 1
+            elif self.settle:
+                await job.cascaded
+        return n
+
+    async def _lookup(self, keys: list[bytes], held: list[bytes], tenant: str | None) -> int:
+        """``engine.lookup``, asked again (as a scheduler does each step) for up to
+        :data:`ASK_AGAIN_S` while a tier answers "ask again" (None) for the first block
+        that missed (under the key it holds): a remote tier checks in the background."""
+        engine = self.engine
+        n = engine.lookup(keys, tenant=tenant)
+        deadline = time.monotonic() + ASK_AGAIN_S
+        while (
+            n < len(keys)
+            and any(tier.lookup(held[n]) is None for tier in engine.tiers)
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.001)
+            n = engine.lookup(keys, tenant=tenant)
+        return n
+
+    def restarted(self) -> ReplayNode:
+        """A node with a fresh engine from the same factory (its tiers' persistent data,
+        an NVMe root, comes back), carrying on this node's summary."""
+        blocks, nbytes = self.staging.shape
+        node = ReplayNode(self._make_engine, blocks, nbytes, verify=self.verify, settle=self.settle)
+        node.summary = self.summary
+        return node
+
+    def closed(self) -> None:
+        """Take the bytes moved per path, each tier's counters, failures, layout and
+        capacity, the blocks that failed per tier and those refused for want of room,
+        and what failed by cause, from the closed engine (every cascade counted; a
+        restarted node's figures add up)."""
+        engine, summary = self.engine, self.summary
+        labels = tier_labels(engine)
+        summary.bytes_by_path = _bytes_by_path(engine, labels)
+        summary.capacity_blocks[CPU] = engine.manager.num_blocks
+        failures = engine.statistics().failures
+        _add(summary.tier_failures, CPU, failures)
+        refused: Counter[str] = Counter()
+        causes: Counter[str] = Counter()
+        for label, tier in zip(labels, engine.tiers, strict=True):
+            stats = tier.statistics()
+            _add(summary.tier_counters, label, stats.counters)
+            _add(summary.tier_failures, label, stats.failures)
+            summary.tier_layouts[label] = tier_layout(tier)
+            summary.tier_types[label] = tier.get_tier_type()
+            if capacity := stats.capacity_blocks or stats.capacity_bytes // engine.block_bytes:
+                summary.capacity_blocks[label] = capacity
+            for cause, count in stats.failures.items():
+                if cause in CAPACITY_CAUSES:
+                    refused[tier.get_tier_type()] += count
+                else:
+                    causes[cause] += count
+        transfers = set()
+        for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
+            transfers |= {f"{name} tier {kind} failed" for kind in ("load", "store")}
+            failed = {
+                kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
+            }
+            # The engine counts a refused block as a failed store to the tier; the tier
+            # counts it once under its cause too.
+            failed["store"] = max(0, failed["store"] - refused[name])
+            _add(summary.failed_blocks_by_tier, name, failed)
+            summary.refused_blocks_by_tier[name] = (
+                summary.refused_blocks_by_tier.get(name, 0) + refused[name]
+            )
+        causes.update(
+            {
+                cause: count
+                for cause, count in failures.items()
+                if cause not in transfers
+                and cause != LEFT_EVERY_TIER  # counted as evicted_loads
+                and not cause.endswith(_LOST_WITH_A_TRANSFER)
+            }
+        )
+        summary.failure_causes = summed([summary.failure_causes, causes])
+
+
+def _evicted_meanwhile(result: JobResult) -> bool:
+    """Whether a failed load failed only because its blocks left every tier after the
+    lookup that found them (each key's reason then starts with LEFT_EVERY_TIER)."""
+    error = result.error or ""
+    return LEFT_EVERY_TIER in error and "; " not in error
+
+
+def summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """The counts of ``mappings`` added up by name (a name counted 0 kept)."""
+    total: Counter[str] = Counter()
+    for mapping in mappings:
+        total.update(mapping)
+    return dict(total)
+
+
+def _add(table: dict[str, dict[str, int]], name: str, counts: Mapping[str, int]) -> None:
+    table[name] = summed([table.get(name, {}), counts])
+
+
+# Whole-request array operations, not a loop per block: NumPy lets go of the GIL while it
+# copies or compares, and a Python loop holding it would delay the event loop by up to a
+# switch interval (5 ms) at a time.
+
+
+def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
+    """How many of the first ``len(keys)`` device blocks differ from their keys' bytes."""
+    if not keys:
+        return 0
+    whole, tail = _views(staging, 0, len(keys))
+    digests = _digests(keys)
+    good = (whole == digests[:, None, :]).all(axis=(1, 2))
+    good &= (tail == digests[:, : tail.shape[1]]).all(axis=1)
+    return len(keys) - int(good.sum())
+
+
+def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
+    """Fill device blocks ``first..`` with their keys' bytes, as a model would compute them."""
+    whole, tail = _views(staging, first, len(keys))
+    digests = _digests(keys[first:])
+    whole[...] = digests[:, None, :]
+    tail[...] = digests[:, : tail.shape[1]]
+
+
+def _digests(keys: list[bytes]) -> np.ndarray:
+    """Each key's 64-byte BLAKE2b digest, one row per key."""
+    joined = b"".join(hashlib.blake2b(key, digest_size=64).digest() for key in keys)
+    return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 64)
+
+
+def _views(staging: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks ``first..last`` as their whole 64-byte repeats, (blocks, repeats, 64), and
+    the bytes after the last whole repeat: views, never copies (a reshape of a row slice
+    would copy when bytes are left after the repeats)."""
+    repeats = staging.shape[1] // 64
+    whole = np.lib.stride_tricks.as_strided(
+        staging[first:last],
+        shape=(last - first, repeats, 64),
+        strides=(staging.strides[0], 64, 1),
+        writeable=True,
+    )
+    return whole, staging[first:last, repeats * 64 :]
+
+
+def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
+    """Where a hit block is served from: the CPU tier, or the first tier holding it."""
+    if engine.manager.is_ready(key):
+        return CPU
+    for label, tier in zip(labels, engine.tiers, strict=True):
+        if tier.lookup(key):
+            return label
+    return "gone"  # it left every tier between the lookup and now
+
+
+def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
+    size = engine.block_bytes
+    counters = engine.statistics().counters
+    paths = {"device->cpu": counters["bytes_to_host"], "cpu->device": counters["bytes_to_device"]}
+    for label, tier in zip(labels, engine.tiers, strict=True):
+        tier_counters = tier.statistics().counters
+        paths[f"cpu->{label}"] = tier_counters.get("stored_blocks", 0) * size
+        paths[f"{label}->cpu"] = tier_counters.get("loaded_blocks", 0) * size
+    return paths

@@ -1,0 +1,357 @@
+"""Generated workload families for judging eviction policies, each seeded and named.
+
+Every family stresses a different reuse shape, so that a policy tuned on one trace shows
+where it fails on the others:
+
+* ``chat``: multi-turn conversations; most gaps between turns are short, some long.
+* ``agent``: agent loops whose context grows every step behind shared tool prompts.
+* ``rag``: retrieval: a shared corpus of documents, a few per query in random order,
+  behind one system prompt.
+* ``scan``: popular prefixes under a stream of long prompts that are each seen once.
+* ``shift``: popular prefixes whose popularity is reshuffled every phase.
+
+Block ids are prefix-chained as in the Mooncake traces (equal ids mean equal prefixes),
+and each prompt ends with a partial block, so ``--full-blocks-only`` changes what is
+reused. The same name and seed give the same requests.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import multiprocessing
+import random
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiering.config import WORKLOADS
+from tiering.core.policies import policy_name, policy_names
+from tiering.errors import InvalidArgumentError
+from tiering.lab.workloads import TOKENS_PER_BLOCK, Request, read_mooncake, synthetic_requests
+
+
+class _Prefixes:
+    """Assigns prefix-chained block ids: a block's id names its content and its prefix."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int | None, Hashable], int] = {}
+
+    def chain(self, labels: Iterable[Hashable], parent: int | None = None) -> list[int]:
+        """The ids of blocks ``labels`` following the block ``parent`` (None: the start)."""
+        ids = []
+        for label in labels:
+            parent = self._ids.setdefault((parent, label), len(self._ids))
+            ids.append(parent)
+        return ids
+
+
+class _Builder:
+    """A family's random source, block ids and requests, sorted by arrival at the end."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.prefixes = _Prefixes()
+        self.requests: list[Request] = []
+        self._unique = itertools.count()
+
+    def unique(self, count: int) -> list[tuple[str, int]]:
+        """Labels of ``count`` blocks no other prompt holds."""
+        return [("u", next(self._unique)) for _ in range(count)]
+
+    def extend(self, ids: list[int], count: int) -> list[int]:
+        """``ids`` followed by ``count`` blocks of their own (a fresh chain if empty)."""
+        return ids + self.prefixes.chain(self.unique(count), ids[-1] if ids else None)
+
+    def ask(self, arrival_s: float, ids: list[int], session: int, reply_blocks: int = 1) -> None:
+        """A request for the full blocks ``ids`` and one partial block of its own."""
+        rng = self.rng
+        tokens = len(ids) * TOKENS_PER_BLOCK + rng.randrange(1, TOKENS_PER_BLOCK)
+        output = reply_blocks * TOKENS_PER_BLOCK + rng.randrange(0, TOKENS_PER_BLOCK)
+        blocks = tuple(self.extend(ids, 1))
+        self.requests.append(Request(arrival_s, blocks, tokens, output, session))
+
+    def zipf(self, n: int, s: float = 1.0) -> list[float]:
+        """Zipf-like weights of ``n`` ranks."""
+        return [1.0 / (rank + 1) ** s for rank in range(n)]
+
+    def done(self) -> list[Request]:
+        self.requests.sort(key=lambda r: r.arrival_s)
+        return self.requests
+
+
+def chat(seed: int = 0) -> list[Request]:
+    """Conversations of 1-20 turns on 30 system prompts; 60 % of the gaps between turns
+    average 15 s, the rest 10 minutes."""
+    b = _Builder(seed)
+    rng = b.rng
+    prompts = [b.extend([], rng.randint(2, 8)) for _ in range(30)]
+    popularity = b.zipf(len(prompts))
+    start = 0.0
+    for session in range(1500):
+        start += rng.expovariate(2.0)
+        history = list(rng.choices(prompts, popularity)[0])
+        arrival = start
+        for _turn in range(min(20, 1 + int(rng.expovariate(1 / 4)))):
+            ids = b.extend(history, rng.randint(1, 3))
+            b.ask(arrival, ids, session)
+            history = b.extend(ids, rng.randint(1, 2))
+            arrival += rng.expovariate(1 / 15 if rng.random() < 0.6 else 1 / 600)
+    return b.done()
+
+
+def agent(seed: int = 0) -> list[Request]:
+    """120 agents on 6 shared tool prompts; each runs 5-40 steps a few seconds apart,
+    every step adding an observation and an action to its context."""
+    b = _Builder(seed)
+    rng = b.rng
+    tools = [b.extend([], rng.randint(8, 16)) for _ in range(6)]
+    popularity = b.zipf(len(tools))
+    start = 0.0
+    for session in range(120):
+        start += rng.expovariate(0.2)
+        base = rng.choices(tools, popularity)[0]
+        context = b.extend(base, rng.randint(1, 3))
+        arrival = start
+        for _step in range(rng.randint(5, 40)):
+            b.ask(arrival, context, session)
+            context = b.extend(context, rng.randint(1, 4) + 1)  # an observation, an action
+            arrival += rng.expovariate(1 / 3)
+    return b.done()
+
+
+def rag(seed: int = 0) -> list[Request]:
+    """6,000 queries, each one system prompt, 3-5 of 3,000 documents (Zipf-popular, in
+    random order) and the question."""
+    b = _Builder(seed)
+    rng = b.rng
+    system = b.extend([], 3)
+    documents = [b.unique(rng.randint(2, 6)) for _ in range(3000)]
+    popularity = list(itertools.accumulate(b.zipf(len(documents), 0.9)))
+    arrival = 0.0
+    for query in range(6000):
+        arrival += rng.expovariate(8.0)
+        chosen: dict[int, None] = {}
+        wanted = rng.randint(3, 5)
+        while len(chosen) < wanted:
+            chosen[rng.choices(range(len(documents)), cum_weights=popularity)[0]] = None
+        labels = [label for d in chosen for label in documents[d]]
+        b.ask(arrival, system + b.prefixes.chain(labels, system[-1]), query)
+    return b.done()
+
+
+def scan(seed: int = 0) -> list[Request]:
+    """6,000 requests: 85 % on 40 popular prefixes (Zipf) with a short question, 15 %
+    long prompts (30-80 blocks) that no other request shares."""
+    b = _Builder(seed)
+    rng = b.rng
+    system = b.extend([], 2)
+    hot = [b.extend(system, rng.randint(4, 14)) for _ in range(40)]
+    popularity = b.zipf(len(hot))
+    arrival = 0.0
+    for number in range(6000):
+        arrival += rng.expovariate(8.0)
+        if rng.random() < 0.85:
+            b.ask(arrival, b.extend(rng.choices(hot, popularity)[0], rng.randint(1, 3)), number)
+        else:
+            b.ask(arrival, b.extend(system, rng.randint(30, 80)), number)
+    return b.done()
+
+
+def shift(seed: int = 0) -> list[Request]:
+    """7,200 requests on 600 prefixes of 4-12 blocks whose Zipf popularity is reshuffled
+    every 1,200 requests, each with a question of its own."""
+    b = _Builder(seed)
+    rng = b.rng
+    prefixes = [b.extend([], rng.randint(4, 12)) for _ in range(600)]
+    weights = b.zipf(len(prefixes), 1.1)
+    arrival = 0.0
+    for phase in range(6):
+        order = list(range(len(prefixes)))
+        rng.shuffle(order)
+        for number in range(1200):
+            arrival += rng.expovariate(8.0)
+            prefix = prefixes[rng.choices(order, weights)[0]]
+            b.ask(arrival, b.extend(prefix, rng.randint(1, 2)), phase * 1200 + number)
+    return b.done()
+
+
+FAMILIES: dict[str, Callable[[int], list[Request]]] = {
+    "chat": chat,
+    "agent": agent,
+    "rag": rag,
+    "scan": scan,
+    "shift": shift,
+}
+"""The generated families by name."""
+
+
+REFERENCES = ("lru", "arc")
+"""The policies a suite measures every other against (the better of them, per point)."""
+
+FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.25, 0.5)
+"""The suite's capacities, as fractions of each workload's footprint."""
+
+
+def generate(name: str, seed: int = 0) -> list[Request]:
+    """The requests of the named workload (:data:`WORKLOADS`) with ``seed``, ordered by
+    arrival; ``synthetic`` is :func:`~tiering.lab.workloads.synthetic_requests`' default
+    traffic. Raises InvalidArgumentError for an unknown name."""
+    if name == "synthetic":
+        return synthetic_requests(seed=seed)
+    if name not in FAMILIES:
+        raise InvalidArgumentError(f"workload must be one of {', '.join(WORKLOADS)}, got {name!r}")
+    return FAMILIES[name](seed)
+
+
+@dataclass(frozen=True, slots=True)
+class SuitePoint:
+    """One workload, mode and capacity of a suite, with every policy's hit ratio."""
+
+    workload: str
+    full_blocks_only: bool
+    capacity_fraction: float
+    capacity_blocks: int
+    hit_ratios: dict[str, float]
+
+    def ratio(self, policy: str) -> float:
+        """``policy``'s hit ratio over the better of LRU's and ARC's (1.0 if both are 0)."""
+        best = max(self.hit_ratios[p] for p in REFERENCES)
+        return self.hit_ratios[policy] / best if best else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SuiteResult:
+    """Every point of a suite run, workloads in the order given, each mode and capacity."""
+
+    policies: tuple[str, ...]
+    points: tuple[SuitePoint, ...]
+
+    def worst(self, policy: str) -> float:
+        """``policy``'s lowest ratio to the better of LRU and ARC over all points."""
+        return min(p.ratio(policy) for p in self.points)
+
+    def table(self) -> str:
+        """One row per workload, mode and capacity: each policy's ratio to the better of
+        LRU and ARC (that hit ratio in the last column); then each policy's worst."""
+        header = f"{'workload':<22} {'capacity':>8} " + " ".join(f"{p:>10}" for p in self.policies)
+        lines = [header + f" {'best ref':>8}", "-" * (len(header) + 9)]
+        for p in self.points:
+            name = p.workload + (" full" if p.full_blocks_only else "")
+            cells = " ".join(f"{p.ratio(policy):>10.3f}" for policy in self.policies)
+            best = max(p.hit_ratios[r] for r in REFERENCES)
+            lines.append(f"{name:<22} {p.capacity_fraction:>8.0%} {cells} {best:>8.4f}")
+        worst = " ".join(f"{self.worst(policy):>10.3f}" for policy in self.policies)
+        lines.append(f"{'worst':<22} {'':>8} {worst}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as plain JSON values (the ``--json`` line of ``tiering sweep --suite``)."""
+        return {
+            "policies": list(self.policies),
+            "worst_ratio": {p: round(self.worst(p), 4) for p in self.policies},
+            "points": [
+                {
+                    "workload": p.workload,
+                    "full_blocks_only": p.full_blocks_only,
+                    "capacity_fraction": p.capacity_fraction,
+                    "capacity_blocks": p.capacity_blocks,
+                    "hit_ratio": {k: round(v, 4) for k, v in p.hit_ratios.items()},
+                }
+                for p in self.points
+            ],
+        }
+
+
+@functools.lru_cache(maxsize=2)
+def _requests(workload: str, seed: int) -> list[Request]:
+    """A named workload, or the Mooncake trace at the path ``workload`` (cached: every
+    point of one workload replays the same requests)."""
+    return generate(workload, seed) if workload in WORKLOADS else read_mooncake(workload)
+
+
+def _point(workload: str, seed: int, full: bool, fraction: float, policy: str) -> tuple[int, float]:
+    from tiering.lab.replay import simulate  # the replay imports the tiers: only where it runs
+    from tiering.lab.sweep import footprint
+
+    requests = _requests(workload, seed)
+    blocks = max(1, round(footprint(requests, full_blocks_only=full) * fraction))
+    model = simulate(requests, cpu_blocks=blocks, policy=policy, full_blocks_only=full)
+    return blocks, model.hit_ratio
+
+
+def run_suite(
+    workloads: Sequence[str] = WORKLOADS,
+    policies: Sequence[str] | None = None,
+    *,
+    fractions: Sequence[float] = FRACTIONS,
+    modes: Sequence[bool] = (False, True),
+    seed: int = 0,
+    jobs: int = 1,
+) -> SuiteResult:
+    """The bookkeeping replay of every workload (a name of :data:`WORKLOADS` or a trace
+    path), in every mode (``full_blocks_only``), at every fraction of its footprint, with
+    every policy (default: all; a retired name counts as its replacement, once) and LRU
+    and ARC, on ``jobs`` processes. Raises InvalidArgumentError for an unknown workload
+    or a bad fraction, UnknownPolicyError for an unknown policy, TraceError for a bad
+    trace."""
+    names = (
+        list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
+    )
+    names += [r for r in REFERENCES if r not in names]
+    for fraction in fractions:
+        if not 0 < fraction <= 1:
+            raise InvalidArgumentError(f"fractions: {fraction!r} is not in (0, 1]")
+    for workload in workloads:  # fail before the first replay, not in a worker
+        _requests(workload, seed)
+    tasks = [
+        (w, seed, full, f, p) for w in workloads for full in modes for f in fractions for p in names
+    ]
+    if jobs > 1:  # forked, so that policies registered at run time exist in the workers
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            results = list(pool.map(_point, *zip(*tasks, strict=True)))
+    else:
+        results = [_point(*task) for task in tasks]
+    points: dict[tuple[str, bool, float], SuitePoint] = {}
+    for (w, _seed, full, f, policy), (blocks, hit_ratio) in zip(tasks, results, strict=True):
+        point = points.setdefault((w, full, f), SuitePoint(w, full, f, blocks, {}))
+        point.hit_ratios[policy] = hit_ratio
+    return SuiteResult(tuple(names), tuple(points.values()))
+
+
+def plot_suite(result: SuiteResult, path: str | Path) -> Path:
+    """Draw each policy's worst ratio to the better of LRU and ARC over the suite's
+    workloads and modes against capacity (log scale), into a PNG at ``path``; raises as
+    :func:`~tiering.lab.sweep.plot_sweep`."""
+    from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
+
+    worst: dict[str, dict[float, float]] = {}
+    for p in result.points:
+        for policy in result.policies:
+            line = worst.setdefault(policy, {})
+            x = p.capacity_fraction * 100
+            line[x] = min(line.get(x, float("inf")), p.ratio(policy))
+    workloads = len({p.workload for p in result.points})
+    return plot_lines(
+        {policy: sorted(line.items()) for policy, line in worst.items()},
+        path,
+        xlabel="CPU tier capacity, of each workload's footprint",
+        ylabel="worst hit ratio / the better of LRU and ARC",
+        title=f"the workload suite: the worst of {workloads} workloads at each capacity",
+    )
+
+
+__all__ = [
+    "FAMILIES",
+    "FRACTIONS",
+    "REFERENCES",
+    "WORKLOADS",
+    "SuitePoint",
+    "SuiteResult",
+    "generate",
+    "plot_suite",
+    "run_suite",
+]

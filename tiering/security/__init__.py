@@ -1,0 +1,1 @@
+"""Tenants' key spaces and encryption at rest."""
