@@ -1,6 +1,6 @@
 """LayerProgress: per-layer readiness of a load, on its own, through the DeviceCopier's
 thread backend (both KV layouts) and through the engine's loads (CPU tier and NVMe, a
-damaged block). The CUDA backend's per-layer events: tests/test_copy_cuda.py."""
+damaged block). The CUDA backend's per-layer events: tests/test_cuda_copies.py."""
 
 from __future__ import annotations
 
