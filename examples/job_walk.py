@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from tiering.cli_args import make_parser, run_main
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' own redis-server starter
 PACKAGES = (str(ROOT / "tiering"), str(ROOT / "backends"))
@@ -160,10 +162,15 @@ async def _fill(engine: Any, walk: Walk) -> None:
     walk.walking = False
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The checked command line."""
+    parser = make_parser(__doc__)
     parser.add_argument("--redis", metavar="URL", help="a redis-server (default: start one)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         nvme = asyncio.run(walk_nvme(Path(scratch) / "nvme"))
         server = None
@@ -186,4 +193,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
