@@ -70,11 +70,13 @@ def closed_port() -> Iterator[int]:
 
 
 REPLAY_DOC = ROOT / "docs" / "replay.md"
+SWEEP_DOC = ROOT / "docs" / "sweep.md"
 
 
 def _documented_command(name: str) -> list[str]:
-    """docs/replay.md's ``$ tiering NAME ...`` command line, its words after ``tiering``."""
-    page = REPLAY_DOC.read_text()
+    """The ``$ tiering NAME ...`` command line of docs/replay.md or docs/sweep.md, its
+    words after ``tiering``."""
+    page = REPLAY_DOC.read_text() + SWEEP_DOC.read_text()
     line = next(m for m in re.findall(r"^\$ tiering (.+)$", page, re.M) if m.startswith(name))
     return shlex.split(line)
 

@@ -1,9 +1,11 @@
 """The README cannot drift from the code: its Quick start runs as written, its set-up
-commands are the ones CI runs, every file it or docs/ points at exists, and the module
-map in docs/architecture.md names every module."""
+commands are the ones CI runs, every file it or docs/ points at exists, the module map
+in docs/architecture.md names every module, and every import in the tree is one that
+page's rooms table allows."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -171,19 +173,99 @@ def test_module_table_names_real_files() -> None:
     assert not missing, f"the README's module table names missing files: {missing}"
 
 
+# Folders whose modules docs/architecture.md names by one row for the folder.
+FOLDER_ROWS = ("tiering/core/policies/", "tiering/commands/")
+
+
+def _modules() -> list[Path]:
+    """Every module of tiering/ and backends/, packages' __init__.py left out."""
+    return [
+        p
+        for package in ("tiering", "backends")
+        for p in sorted((ROOT / package).rglob("*.py"))
+        if p.name != "__init__.py"
+    ]
+
+
 def test_architecture_module_table_is_complete() -> None:
     table = _section((ROOT / "docs" / "architecture.md").read_text(), "Modules")
     named = set(_table_paths(table))
     missing = sorted(str(p.relative_to(ROOT)) for p in named if not p.exists())
     assert not missing, f"docs/architecture.md names missing files: {missing}"
-    modules = [
-        p
-        for package in ("tiering", "backends")
-        for p in sorted((ROOT / package).glob("*.py"))
-        if p.name != "__init__.py"
+    folders = [ROOT / folder for folder in FOLDER_ROWS]
+    assert all(folder in named for folder in folders), f"a row for each of {FOLDER_ROWS}"
+    unnamed = [
+        str(p.relative_to(ROOT))
+        for p in _modules()
+        if p not in named and not any(p.is_relative_to(f) for f in folders)
     ]
-    unnamed = [str(p.relative_to(ROOT)) for p in modules if p not in named]
     assert not unnamed, f"docs/architecture.md's module table lacks {unnamed}"
-    assert ROOT / "tiering" / "policies" in named, (
-        "docs/architecture.md lacks tiering/core/policies/"
-    )
+
+
+def _rooms() -> list[tuple[list[str], list[str], list[str]]]:
+    """The rooms table of docs/architecture.md: per row, the paths it holds, the paths its
+    modules may import at import time, and those they may import only lazily."""
+    table = _section((ROOT / "docs" / "architecture.md").read_text(), "Rooms")
+    rooms = []
+    for row in re.findall(r"^\| (`.+?) \| .+? \| (.+) \|$", table, re.M):
+        held = re.findall(r"`([\w/.]+/|[\w/.]+\.py)`", row[0])
+        eager, _, lazy = row[1].partition("lazily")
+        paths = r"`((?:tiering|backends)/[\w/.]*)`"
+        rooms.append((held, re.findall(paths, eager), re.findall(paths, lazy)))
+    return rooms
+
+
+def _import_names(node: ast.AST, at_import: bool) -> list[tuple[str, bool]]:
+    """The modules imported under ``node``, each with whether its import runs when the
+    module is imported: not inside a function, nor under ``if TYPE_CHECKING:``."""
+    if isinstance(node, ast.Import):
+        return [(alias.name, at_import) for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        return [(name, at_import) for name in names]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        at_import = False
+    elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        return [
+            *(n for child in node.body for n in _import_names(child, False)),
+            *(n for child in node.orelse for n in _import_names(child, at_import)),
+        ]
+    return [n for child in ast.iter_child_nodes(node) for n in _import_names(child, at_import)]
+
+
+def _imports(module: Path) -> list[tuple[str, bool]]:
+    """The files of tiering/ and backends/ a module imports, each with whether the import
+    runs when the module is imported."""
+    found = []
+    for name, at_import in _import_names(ast.parse(module.read_text()), True):
+        if name.split(".")[0] not in ("tiering", "backends"):
+            continue
+        path = ROOT.joinpath(*name.split("."))
+        for target in (path.with_suffix(".py"), path / "__init__.py"):
+            if target.is_file():
+                found.append((str(target.relative_to(ROOT)), at_import))
+    return found
+
+
+def _within(path: str, allowed: list[str]) -> bool:
+    return any(path == a or (a.endswith("/") and path.startswith(a)) for a in allowed)
+
+
+def test_every_import_is_one_the_rooms_table_allows() -> None:
+    """tiering never imports backends (but where the rooms table says), backends only
+    tiering's kit: every import statement, lazy ones too, against docs/architecture.md."""
+    rooms = _rooms()
+    assert len(rooms) >= 12, "docs/architecture.md's rooms table was not found"
+    breaches = []
+    for module in sorted([*(ROOT / "tiering").rglob("*.py"), *(ROOT / "backends").rglob("*.py")]):
+        source = str(module.relative_to(ROOT))
+        # The room that holds the module: the row naming the longest path around it.
+        owners = [(len(p), room) for room in rooms for p in room[0] if _within(source, [p])]
+        held, eager, lazy = max(owners, key=lambda owner: owner[0], default=(0, ([], [], [])))[1]
+        for target, at_import in _imports(module):
+            if _within(target, held) or _within(target, eager):
+                continue
+            if not at_import and _within(target, lazy):
+                continue
+            breaches.append(f"{source} imports {target}" + ("" if at_import else " (lazily)"))
+    assert not breaches, f"imports docs/architecture.md's rooms table does not allow: {breaches}"
