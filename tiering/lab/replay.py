@@ -14,8 +14,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from tiering.lab.workloads import Request
 from tiering.observe.loop_lag import LoopLagMonitor
 from tiering.observe.statistics import CAPACITY_CAUSES
 from tiering.security.tenancy import Tenancy
+from tiering.tiers.registry import replay_model
 from tiering.tiers.tier_api import JobResult
 from tiering.validation import positive_int
 
@@ -51,6 +52,7 @@ class SegmentLayout:
     its capacity in records, a segment's records, the fraction of recent uses an evicted
     segment writes again, and the most records one store job moves."""
 
+    tier: ClassVar[str] = "nvme"  # whose replay model (tiering.tiers.registry) runs it
     capacity_records: int
     records_per_segment: int
     hot_fraction: float
@@ -68,6 +70,16 @@ class SegmentLayout:
 TierLayout = int | SegmentLayout | None
 """A secondary tier in the model: a capacity in blocks (least recently used evicted), a
 :class:`SegmentLayout`, or None (unbounded)."""
+
+
+class _TierModel(Protocol):
+    """A secondary tier in :class:`CacheModel`: the keys it holds, marked used by touches
+    and loads (``loaded``), and a store job of keys it lacks (``add``)."""
+
+    def __contains__(self, key: bytes) -> bool: ...
+    def touch(self, hashes: Sequence[bytes]) -> None: ...
+    def loaded(self, hashes: Sequence[bytes]) -> None: ...
+    def add(self, hashes: Sequence[bytes]) -> None: ...
 
 
 class _LRUSet:
@@ -99,48 +111,6 @@ class _LRUSet:
         if self.capacity is not None:
             while len(keys) > self.capacity:
                 keys.popitem(last=False)
-
-
-class _SegmentLog:
-    """The NVMe tier's own index (:class:`backends.nvme.segment_index.SegmentIndex`),
-    driven as the tier drives it: touches and loads mark keys used, a store job makes
-    room with the index's own ``plan_room``."""
-
-    __slots__ = ("_digest", "_index", "_moves_per_job")
-
-    def __init__(self, layout: SegmentLayout) -> None:
-        # Imported here: tiering never imports backends at import time.
-        from backends.nvme.segment_index import SegmentIndex, key_digest
-
-        self._digest = key_digest
-        self._index = SegmentIndex(
-            layout.capacity_records,
-            records_per_segment=layout.records_per_segment,
-            writer="0",
-            hot_fraction=layout.hot_fraction,
-        )
-        self._moves_per_job = layout.moves_per_job
-
-    def __contains__(self, key: bytes) -> bool:
-        return self._digest(key) in self._index
-
-    def touch(self, hashes: Sequence[bytes]) -> None:
-        self._index.touch(list(map(self._digest, hashes)))
-
-    loaded = touch  # a load marks its keys used
-
-    def add(self, hashes: Sequence[bytes]) -> None:
-        """One store job of keys the tier lacks."""
-        index = self._index
-        wanted = list(dict.fromkeys(map(self._digest, hashes)))
-        plan = index.plan_room(len(wanted), most_moves=self._moves_per_job)
-        for digest, placement in zip(wanted[: plan.fit], plan.placed[: plan.fit], strict=True):
-            index.commit(digest, placement)
-        for (_, _, digest), placement in zip(plan.moves, plan.placed[plan.fit :], strict=True):
-            if digest in index:  # stored again meanwhile: the newer record wins
-                index.abandon(placement)
-            else:
-                index.commit(digest, placement)
 
 
 def tier_layout(tier: object) -> TierLayout:
@@ -178,10 +148,10 @@ class CacheModel:
         tier_names: Sequence[str] | None = None,
     ) -> None:
         self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
-        tiers: list[_LRUSet | _SegmentLog] = []
+        tiers: list[_TierModel] = []
         for i, layout in enumerate(tier_blocks):
-            if isinstance(layout, SegmentLayout):
-                tiers.append(_SegmentLog(layout))
+            if isinstance(layout, SegmentLayout):  # the tier's own index, from its package
+                tiers.append(replay_model(layout.tier)(**asdict(layout)))
                 continue
             if layout is not None:
                 positive_int(f"tier_blocks[{i}]", layout)
