@@ -175,11 +175,6 @@ class TierThread:
         if not self._closing:
             self._hand_off(("touch", list(keys)))
 
-    @property
-    def jobs_in_flight(self) -> int:
-        """Submitted jobs whose ``on_done`` has not run yet."""
-        return len(self._in_flight)
-
     def wait(self, done: Callable[[], bool]) -> None:
         """Block until ``done()`` (checked whenever a job ends) holds, or the loop thread
         died (its jobs then fail)."""

@@ -167,12 +167,6 @@ class RegisteredTierManager(SecondaryTierManager):
             raise
         self._tier = self._thread.tier
 
-    @property
-    def kv_tier(self) -> Any:
-        """The kv-tiering tier behind this manager, for inspection; it runs on the private
-        loop, so call nothing that starts I/O."""
-        return self._tier
-
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if the tier holds ``key``; RETRY while a store of it is in flight; else MISS."""
         held = self._tier.lookup(key)

@@ -1,8 +1,7 @@
 """Replay a workload through a real engine (:func:`replay`: real bytes, every loaded block
-checked against :func:`expected_bytes`), or as bookkeeping only (:class:`CacheModel` and
-:func:`simulate`: the CPU tier's own manager and, per secondary tier, a least-recently-used
-set or the NVMe tier's own segment index, fast enough for a capacity sweep). docs/replay.md
-gives a request's steps and when the two agree block for block.
+checked), or as bookkeeping only (:class:`CacheModel`, :func:`simulate`: the CPU tier's own
+manager and a model of each secondary tier, fast enough for a capacity sweep).
+docs/replay.md gives a request's steps and when the two agree block for block.
 """
 
 from __future__ import annotations
@@ -40,12 +39,6 @@ _LOST_WITH_A_TRANSFER = "no tier took its write-back"
 ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers "ask again"
 
 
-def expected_bytes(key: bytes, nbytes: int) -> np.ndarray:
-    """The bytes block ``key`` stands for in a replay: its 64-byte BLAKE2b digest repeated
-    to ``nbytes`` (a uint8 array)."""
-    return np.resize(_digests([key])[0], nbytes)
-
-
 @dataclass(frozen=True, slots=True)
 class SegmentLayout:
     """The NVMe tier as the bookkeeping models it (:func:`tier_layout` reads it off one):
@@ -53,6 +46,7 @@ class SegmentLayout:
     segment writes again, and the most records one store job moves."""
 
     tier: ClassVar[str] = "nvme"  # whose replay model (tiering.tiers.registry) runs it
+
     capacity_records: int
     records_per_segment: int
     hot_fraction: float
@@ -73,8 +67,7 @@ TierLayout = int | SegmentLayout | None
 
 
 class _TierModel(Protocol):
-    """A secondary tier in :class:`CacheModel`: the keys it holds, marked used by touches
-    and loads (``loaded``), and a store job of keys it lacks (``add``)."""
+    """A secondary tier in :class:`CacheModel`: ``add`` is one store job of keys it lacks."""
 
     def __contains__(self, key: bytes) -> bool: ...
     def touch(self, hashes: Sequence[bytes]) -> None: ...
@@ -104,7 +97,6 @@ class _LRUSet:
         """A load from the tier changes no recency."""
 
     def add(self, hashes: Sequence[bytes]) -> None:
-        """One store job of keys the tier lacks."""
         keys = self.keys
         for h in hashes:
             keys[h] = None
@@ -251,8 +243,7 @@ class ReplaySummary:
     failed_loads: int = 0
     failed_stores: int = 0
     evicted_loads: int = 0
-    """Loads that failed because a block left every tier between the lookup and the load
-    (evicted for room meanwhile): misses under pressure, not failures."""
+    """Loads that failed because a block left every tier after the lookup: not failures."""
     seconds: float = 0.0
     bytes_by_path: dict[str, int] = field(default_factory=dict)
     store_latency_s: list[float] = field(default_factory=list, repr=False)
@@ -262,15 +253,12 @@ class ReplaySummary:
     capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
     tier_layouts: dict[str, TierLayout] = field(default_factory=dict, repr=False)
     failed_blocks_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed,
-    those it refused for want of room left out."""
+    """Per tier type: blocks whose ``store`` or ``load`` failed, but those refused for room."""
     refused_blocks_by_tier: dict[str, int] = field(default_factory=dict)
-    """Per secondary tier type: blocks it refused to store for want of room (a failure
-    cause of :data:`~tiering.observe.statistics.CAPACITY_CAUSES`): capacity, not failures."""
+    """Per tier type: blocks it had no room for (:data:`CAPACITY_CAUSES`): not failures."""
     failure_causes: dict[str, int] = field(default_factory=dict)
-    """What failed, by cause: each tier's causes but those of want of room, and the
-    engine's own but those it records for a tier's transfers (the tiers say why) and for
-    the blocks that left with them under write-back."""
+    """What failed, by cause: the tiers' (but want of room) and the engine's own (but
+    those of a tier's transfers, which the tiers say, and of write-back's lost blocks)."""
     tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     """Per secondary tier, its failures by cause; under ``cpu``, the engine's."""
     tier_types: dict[str, str] = field(default_factory=dict, repr=False)
@@ -288,34 +276,29 @@ class ReplaySummary:
 
     def to_json(self) -> dict[str, Any]:
         """The summary as plain JSON values (the ``--json`` line of ``tiering replay``)."""
-        return {
-            "requests": self.requests,
-            "blocks": self.blocks,
+        copied = asdict(self)
+        return {name: copied[name] for name in _JSON_FIELDS} | {
             "hit_ratio": round(self.hit_ratio, 4),
             "hit_ratio_by_tier": {
                 tier: round(hits / self.blocks, 4) if self.blocks else 0.0
                 for tier, hits in self.hits_by_tier.items()
             },
-            "mismatches": self.mismatches,
-            "failed_loads": self.failed_loads,
-            "failed_stores": self.failed_stores,
-            "evicted_loads": self.evicted_loads,
-            "failed_blocks_by_tier": {t: dict(n) for t, n in self.failed_blocks_by_tier.items()},
-            "refused_blocks_by_tier": dict(self.refused_blocks_by_tier),
-            "failure_causes": dict(self.failure_causes),
-            "warm_blocks": dict(self.warm_blocks),
-            "warm_hits": self.warm_hits,
             "seconds": round(self.seconds, 3),
             "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
-            "bytes_by_path": dict(self.bytes_by_path),
             "job_latency_ms": {
                 "store": percentiles_ms(self.store_latency_s),
                 "load": percentiles_ms(self.load_latency_s),
             },
             "loop_lag_p99_ms": round(self.loop_lag_p99_ms, 3),
-            "tenants": self.tenants,
-            "cross_tenant_hits": self.cross_tenant_hits,
         }
+
+
+# The fields :meth:`ReplaySummary.to_json` gives as they are (copies).
+_JSON_FIELDS = (
+    "requests", "blocks", "mismatches", "failed_loads", "failed_stores", "evicted_loads",
+    "failed_blocks_by_tier", "refused_blocks_by_tier", "failure_causes", "warm_blocks",
+    "warm_hits", "bytes_by_path", "tenants", "cross_tenant_hits",
+)  # fmt: skip
 
 
 def percentiles_ms(samples: list[float]) -> dict[str, float]:
@@ -324,11 +307,8 @@ def percentiles_ms(samples: list[float]) -> dict[str, float]:
         return {"p50": 0.0, "p99": 0.0, "count": 0}
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return {
-        "p50": round(statistics.median(ordered) * 1e3, 3),
-        "p99": round(p99 * 1e3, 3),
-        "count": len(ordered),
-    }
+    median = statistics.median(ordered)
+    return {"p50": round(median * 1e3, 3), "p99": round(p99 * 1e3, 3), "count": len(ordered)}
 
 
 def tier_labels(engine: TieringEngine) -> list[str]:
@@ -517,9 +497,7 @@ class ReplayNode:
         return node
 
     def closed(self) -> None:
-        """Take the bytes moved per path, each tier's counters, failures, layout and
-        capacity, the blocks that failed per tier and those refused for want of room,
-        and what failed by cause, from the closed engine (every cascade counted; a
+        """Take the closed engine's figures into the summary (every cascade counted; a
         restarted node's figures add up)."""
         engine, summary = self.engine, self.summary
         labels = tier_labels(engine)
@@ -542,9 +520,9 @@ class ReplayNode:
                     refused[tier.get_tier_type()] += count
                 else:
                     causes[cause] += count
-        transfers = set()
-        for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
-            transfers |= {f"{name} tier {kind} failed" for kind in ("load", "store")}
+        names = list(dict.fromkeys(t.get_tier_type() for t in engine.tiers))  # as the engine
+        transfers = {f"{name} tier {kind} failed" for name in names for kind in ("load", "store")}
+        for name in names:
             failed = {
                 kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
             }
@@ -552,9 +530,9 @@ class ReplayNode:
             # counts it once under its cause too.
             failed["store"] = max(0, failed["store"] - refused[name])
             _add(summary.failed_blocks_by_tier, name, failed)
-            summary.refused_blocks_by_tier[name] = (
-                summary.refused_blocks_by_tier.get(name, 0) + refused[name]
-            )
+        summary.refused_blocks_by_tier = summed(
+            [summary.refused_blocks_by_tier, {name: refused[name] for name in names}]
+        )
         causes.update(
             {
                 cause: count
