@@ -1,9 +1,6 @@
-"""A fleet replay: several engines behind a router, optionally sharing one remote tier.
-
-:func:`replay_fleet` builds ``nodes`` engines with ``make_engine(node, device_kv)`` and
-replays a workload one request at a time: a :class:`Router` (sans-I/O; the rules are
-compared in docs/fleet.md) picks the node, which serves the request as a
-:class:`~tiering.lab.replay.ReplayNode` (every loaded byte checked).
+"""A fleet replay (:func:`replay_fleet`): several engines behind a :class:`Router`
+(sans-I/O; docs/fleet.md compares the rules), optionally sharing one remote tier, each
+serving its requests as a :class:`~tiering.lab.replay.ReplayNode` (every byte checked).
 """
 
 from __future__ import annotations
@@ -102,13 +99,13 @@ class _DirectLink:
         self.router = router
 
     async def open(self, nodes: int) -> None:
-        return None
+        """Nothing to connect."""
 
     async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
         self.router.observe(node, encode_events(events, node=str(node)))
 
     def close(self) -> None:
-        return None
+        """Nothing to close."""
 
 
 class _ZmqLink:
@@ -241,10 +238,10 @@ class FleetSummary:
             },
             "hit_ratio_by_node": [round(n.hit_ratio, 4) for n in self.nodes],
             "requests_by_node": list(self.routed),
-            "mismatches": sum(n.mismatches for n in self.nodes),
-            "failed_loads": sum(n.failed_loads for n in self.nodes),
-            "failed_stores": sum(n.failed_stores for n in self.nodes),
-            "evicted_loads": sum(n.evicted_loads for n in self.nodes),
+            **{
+                name: sum(getattr(n, name) for n in self.nodes)
+                for name in ("mismatches", "failed_loads", "failed_stores", "evicted_loads")
+            },
             "failed_blocks_by_tier": {
                 name: summed(n.failed_blocks_by_tier.get(name, {}) for n in self.nodes)
                 for name in dict.fromkeys(t for n in self.nodes for t in n.failed_blocks_by_tier)
@@ -300,12 +297,12 @@ async def replay_fleet(
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
     device cache of ``device_blocks`` (default: the longest request's).
 
-    ``kv-aware`` needs engines with ``enable_events``. ``settle`` lets each store reach
-    every tier before the next request; ``outages`` stop and restart nodes; ``window``
-    (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
-    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
-    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a
-    request longer than ``device_blocks``, or ``kv-aware`` without events.
+    ``settle`` lets each store reach every tier before the next request; ``outages`` stop
+    and restart nodes; ``window`` (default: a twentieth of the requests) is the timeline's
+    step; ``on_request(done, summary)`` runs after each request; ``transport`` carries KV
+    events ``"direct"`` or over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a
+    bad argument, a request longer than ``device_blocks``, or ``kv-aware`` without engines
+    with ``enable_events``.
     """
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)
