@@ -1,11 +1,7 @@
-"""kv-tiering's tiers as SGLang 0.5.23's HiCache storage (its third level), with no fork.
-
-SGLang loads :class:`NVMeHiCacheStorage`, :class:`RedisHiCacheStorage` or
-:class:`MemoryHiCacheStorage` through its ``dynamic`` storage backend (``tiering
-sglang-config`` prints the arguments); the tier runs on a private loop thread
-(:class:`~tiering.integrations.tier_thread.TierThread`) over SGLang's host pool, whose pages
-move to and from the tier in place. Set-up, options and semantics: docs/sglang.md. Without
-SGLang, importing this module raises ImportError.
+"""kv-tiering's tiers as SGLang 0.5.23's HiCache storage (its third level), with no fork:
+:class:`NVMeHiCacheStorage`, :class:`RedisHiCacheStorage`, :class:`MemoryHiCacheStorage`,
+loaded through SGLang's ``dynamic`` storage backend. Set-up, options and semantics:
+docs/sglang.md. Without SGLang, importing this module raises ImportError.
 """
 
 from __future__ import annotations
@@ -197,8 +193,8 @@ class TieringHiCacheStorage(HiCacheStorage):
         self._metrics = _new_metrics()
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
-        """Build the tier over ``mem_pool_host``'s pages and start it (raises as the
-        class says; nothing is left running)."""
+        """Build the tier over the host pool's pages, moved in place, and start it on a
+        private loop thread (raises as the class says; nothing is left running)."""
         if self._thread is not None:
             raise InvalidArgumentError("the host pool is already registered")
         pages = PageChunks(mem_pool_host)
@@ -286,9 +282,8 @@ class TieringHiCacheStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many of ``keys``, from the first, the tier holds whole (a key whose
-        presence the tier is still checking is asked about again, for at most
-        ``job_timeout``)."""
+        """How many of ``keys``, from the first, the tier holds whole (a key the tier is
+        still checking is asked about again, for at most ``job_timeout``)."""
         thread = self._running()
         n = self.pages.chunks
         chunk_keys = self.pages.keys(keys)
