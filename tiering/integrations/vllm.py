@@ -53,6 +53,13 @@ METRIC_PREFIX = "kv_tiering:"
 """Prefix of the Prometheus metrics these tiers report through vLLM."""
 
 _TIER_LABEL = "tier_type"
+_COUNTERS = (  # each kind of job's counters: name, meaning
+    ("jobs", "Jobs ended"),
+    ("blocks", "Blocks moved"),
+    ("bytes", "Bytes moved"),
+    ("failed_blocks", "Blocks that failed (not stored, or not loaded)"),
+    ("refused_jobs", "Jobs refused (bad keys or chunk ids, an id in flight, shut down)"),
+)
 
 
 def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
@@ -280,13 +287,8 @@ class RegisteredTierManager(SecondaryTierManager):
         return events
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
-        return OffloadingEvent(
-            keys=keys,
-            medium=self.medium,
-            removed=removed,
-            locality=self.locality,
-            ownership=self.tier_type,
-        )
+        medium, locality, owner = self.medium, self.locality, self.tier_type
+        return OffloadingEvent(keys, medium, removed, locality=locality, ownership=owner)
 
     def _take_removals(self, events: list[OffloadingEvent]) -> None:
         """Under the lock: the tier's removals so far become the next event."""
@@ -320,16 +322,7 @@ class RegisteredTierManager(SecondaryTierManager):
                 f"{doc} by kv-tiering's tier ({kind} jobs)", labels
             )
             for kind in ("store", "load")
-            for what, doc in (
-                ("jobs", "Jobs ended"),
-                ("blocks", "Blocks moved"),
-                ("bytes", "Bytes moved"),
-                ("failed_blocks", "Blocks that failed (not stored, or not loaded)"),
-                (
-                    "refused_jobs",
-                    "Jobs refused (bad keys or chunk ids, an id in flight, shut down)",
-                ),
-            )
+            for what, doc in _COUNTERS
         }
         gauges = {
             f"{METRIC_PREFIX}stored_blocks": OffloadingGaugeMetadata(

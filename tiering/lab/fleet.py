@@ -109,9 +109,8 @@ class _DirectLink:
 
 
 class _ZmqLink:
-    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node.
-    After each request the replay waits up to ``wait_s`` for that node's batch (else it
-    counts in ``lost``), so the router decides on what it was told."""
+    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node; the
+    replay waits up to ``wait_s`` for each node's batch (else it counts in ``lost``)."""
 
     def __init__(self, router: Router, wait_s: float = 2.0) -> None:
         import zmq
@@ -127,8 +126,8 @@ class _ZmqLink:
         self._publishers: list[ZmqPublisher] = []
 
     async def open(self, nodes: int) -> None:
-        """Bind a publisher per node, connect to each, and wait until each is heard (a
-        SUB socket misses what is sent before its subscription reaches the publisher)."""
+        """Bind a publisher per node, connect to each, and wait until each is heard (a SUB
+        socket misses what comes before its subscription reaches the publisher)."""
         for node in range(nodes):
             publisher = ZmqPublisher("tcp://127.0.0.1:*", node=str(node))
             self._publishers.append(publisher)
@@ -183,8 +182,8 @@ TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].an
 
 @dataclass(frozen=True, slots=True)
 class NodeOutage:
-    """Node ``node`` crashes before request ``at`` (from 0; its jobs fail, its CPU tier
-    is lost) and restarts ``requests`` requests later, a fresh engine on the same tiers."""
+    """Node ``node`` crashes before request ``at`` (from 0; its jobs fail, its CPU tier is
+    lost) and restarts ``requests`` requests later, a fresh engine on the same tiers."""
 
     node: int
     at: int
@@ -193,8 +192,8 @@ class NodeOutage:
 
 @dataclass
 class FleetSummary:
-    """What a fleet replay did: per node summaries, the router's load, and the hit
-    ratio over time (one point per ``window`` requests)."""
+    """What a fleet replay did: per node summaries, the router's load, and the hit ratio
+    over time (one point per ``window`` requests)."""
 
     router: str
     nodes: list[ReplaySummary] = field(default_factory=list)

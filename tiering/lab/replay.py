@@ -46,15 +46,13 @@ class SegmentLayout:
     segment writes again, and the most records one store job moves."""
 
     tier: ClassVar[str] = "nvme"  # whose replay model (tiering.tiers.registry) runs it
-
     capacity_records: int
     records_per_segment: int
     hot_fraction: float
     moves_per_job: int
 
     def __post_init__(self) -> None:
-        """Raises InvalidArgumentError for a count that is not a positive int, or a
-        ``hot_fraction`` outside [0, 1]."""
+        """Raises InvalidArgumentError for a bad count or a ``hot_fraction`` outside [0, 1]."""
         for name in ("capacity_records", "records_per_segment", "moves_per_job"):
             positive_int(name, getattr(self, name))
         if type(self.hot_fraction) not in (int, float) or not 0 <= self.hot_fraction <= 1:
@@ -62,8 +60,8 @@ class SegmentLayout:
 
 
 TierLayout = int | SegmentLayout | None
-"""A secondary tier in the model: a capacity in blocks (least recently used evicted), a
-:class:`SegmentLayout`, or None (unbounded)."""
+"""A secondary tier in the model: blocks (least recently used evicted), a layout, or None
+(unbounded)."""
 
 
 class _TierModel(Protocol):
@@ -107,7 +105,7 @@ class _LRUSet:
 
 def tier_layout(tier: object) -> TierLayout:
     """How the model represents ``tier`` (open or closed): a :class:`SegmentLayout` for the
-    NVMe tier, else its capacity in blocks from its statistics, or None (unbounded)."""
+    NVMe tier, else its capacity in blocks, or None (unbounded)."""
     records = getattr(tier, "records_per_segment", None)
     stats = tier.statistics()  # type: ignore[attr-defined]
     block_bytes = int(getattr(tier, "block_bytes", 0))
@@ -232,8 +230,8 @@ def tenant_names(tenants: int) -> list[str | None]:
 
 @dataclass
 class ReplaySummary:
-    """What a replay through the engine did; :meth:`to_json` is its stable form (its
-    fields: docs/replay.md). Secondary tiers are named by :func:`tier_labels`."""
+    """What a replay through the engine did, secondary tiers named by :func:`tier_labels`;
+    :meth:`to_json` is its stable form (docs/replay.md)."""
 
     requests: int = 0
     blocks: int = 0
@@ -334,15 +332,14 @@ async def replay(
 ) -> ReplaySummary:
     """Replay ``requests`` through the engine ``make_engine(device_kv)`` builds around a
     device KV cache (a CPU tensor) of ``device_blocks`` blocks (default: the longest
-    request's) of ``block_bytes`` bytes, and close it; docs/replay.md gives the steps.
+    request's) of ``block_bytes`` bytes, and close it (docs/replay.md: the steps).
 
     ``pace``: None (as fast as possible) or a speed-up of the arrival times. ``verify``:
-    compare every loaded block with its expected bytes (``mismatches``). ``settle``: let
-    each store's cascade end before the next request (the engine then evicts as the
-    bookkeeping model does). ``tenants``: send each request once per tenant, with bytes
-    of the tenant's keys (a block served across tenants is a mismatch). ``on_request(
-    number, summary)`` runs after each request; ``on_open(engine, loop_lag)`` once the
-    engine is open, its context manager left when the replay ends (a metrics server).
+    count loaded blocks whose bytes are wrong (``mismatches``). ``settle``: let each
+    store's cascade end before the next request (as the bookkeeping model does).
+    ``tenants``: send each request once per tenant, bytes of the tenant's keys.
+    ``on_request(number, summary)`` runs after each request; ``on_open(engine, loop_lag)``
+    once the engine is open, its context left when the replay ends (a metrics server).
     Raises InvalidArgumentError (nothing ran) for a bad argument or a request longer than
     ``device_blocks``, TieringError if the engine could not start.
     """
@@ -474,8 +471,7 @@ class ReplayNode:
 
     async def _lookup(self, keys: list[bytes], held: list[bytes], tenant: str | None) -> int:
         """``engine.lookup``, asked again (as a scheduler does each step) for up to
-        :data:`ASK_AGAIN_S` while a tier answers "ask again" (None) for the first block
-        that missed (under the key it holds): a remote tier checks in the background."""
+        :data:`ASK_AGAIN_S` while a tier answers "ask again" (None) for the first miss."""
         engine = self.engine
         n = engine.lookup(keys, tenant=tenant)
         deadline = time.monotonic() + ASK_AGAIN_S
@@ -489,8 +485,8 @@ class ReplayNode:
         return n
 
     def restarted(self) -> ReplayNode:
-        """A node with a fresh engine from the same factory (its tiers' persistent data,
-        an NVMe root, comes back), carrying on this node's summary."""
+        """A node with a fresh engine from the same factory (an NVMe root's blocks come
+        back), carrying on this node's summary."""
         blocks, nbytes = self.staging.shape
         node = ReplayNode(self._make_engine, blocks, nbytes, verify=self.verify, settle=self.settle)
         node.summary = self.summary
@@ -547,7 +543,7 @@ class ReplayNode:
 
 def _evicted_meanwhile(result: JobResult) -> bool:
     """Whether a failed load failed only because its blocks left every tier after the
-    lookup that found them (each key's reason then starts with LEFT_EVERY_TIER)."""
+    lookup (each key's reason then starts with LEFT_EVERY_TIER)."""
     error = result.error or ""
     return LEFT_EVERY_TIER in error and "; " not in error
 
@@ -565,8 +561,7 @@ def _add(table: dict[str, dict[str, int]], name: str, counts: Mapping[str, int])
 
 
 # Whole-request array operations, not a loop per block: NumPy lets go of the GIL while it
-# copies or compares, and a Python loop holding it would delay the event loop by up to a
-# switch interval (5 ms) at a time.
+# copies or compares; a Python loop would hold it and delay the event loop.
 
 
 def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
@@ -596,8 +591,7 @@ def _digests(keys: list[bytes]) -> np.ndarray:
 
 def _views(staging: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
     """Blocks ``first..last`` as their whole 64-byte repeats, (blocks, repeats, 64), and
-    the bytes after the last whole repeat: views, never copies (a reshape of a row slice
-    would copy when bytes are left after the repeats)."""
+    the bytes after the last whole repeat: views (a reshape of a row slice may copy)."""
     repeats = staging.shape[1] // 64
     whole = np.lib.stride_tricks.as_strided(
         staging[first:last],

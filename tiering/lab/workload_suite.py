@@ -164,14 +164,9 @@ def shift(seed: int = 0) -> list[Request]:
 
 
 FAMILIES: dict[str, Callable[[int], list[Request]]] = {
-    "chat": chat,
-    "agent": agent,
-    "rag": rag,
-    "scan": scan,
-    "shift": shift,
+    family.__name__: family for family in (chat, agent, rag, scan, shift)
 }
 """The generated families by name."""
-
 
 REFERENCES = ("lru", "arc")
 """The policies a suite measures every other against (the better of them, per point)."""
@@ -219,8 +214,8 @@ class SuiteResult:
         return min(p.ratio(policy) for p in self.points)
 
     def table(self) -> str:
-        """One row per workload, mode and capacity: each policy's ratio to the better of
-        LRU and ARC (that hit ratio in the last column); then each policy's worst."""
+        """One row per workload, mode and capacity: each policy's :meth:`SuitePoint.ratio`
+        (the better reference's hit ratio in the last column); then each one's worst."""
         header = f"{'workload':<22} {'capacity':>8} " + " ".join(f"{p:>10}" for p in self.policies)
         lines = [header + f" {'best ref':>8}", "-" * (len(header) + 9)]
         for p in self.points:
@@ -250,10 +245,9 @@ class SuiteResult:
         }
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=2)  # every point of one workload replays the same requests
 def _requests(workload: str, seed: int) -> list[Request]:
-    """A named workload, or the Mooncake trace at the path ``workload`` (cached: every
-    point of one workload replays the same requests)."""
+    """A named workload, or the Mooncake trace at the path ``workload``."""
     return generate(workload, seed) if workload in WORKLOADS else read_mooncake(workload)
 
 
@@ -278,10 +272,9 @@ def run_suite(
 ) -> SuiteResult:
     """The bookkeeping replay of every workload (a name of :data:`WORKLOADS` or a trace
     path), in every mode (``full_blocks_only``), at every fraction of its footprint, with
-    every policy (default: all; a retired name counts as its replacement, once) and LRU
-    and ARC, on ``jobs`` processes. Raises InvalidArgumentError for an unknown workload
-    or a bad fraction, UnknownPolicyError for an unknown policy, TraceError for a bad
-    trace."""
+    every policy (default: all; a retired name counts as its replacement, once) and the
+    :data:`REFERENCES`, on ``jobs`` processes. Raises InvalidArgumentError for an unknown
+    workload or a bad fraction, UnknownPolicyError, or TraceError for a bad trace."""
     names = (
         list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
     )
@@ -308,9 +301,8 @@ def run_suite(
 
 
 def plot_suite(result: SuiteResult, path: str | Path) -> Path:
-    """Draw each policy's worst ratio to the better of LRU and ARC over the suite's
-    workloads and modes against capacity (log scale), into a PNG at ``path``; raises as
-    :func:`~tiering.lab.sweep.plot_sweep`."""
+    """Draw each policy's worst :meth:`SuitePoint.ratio` against capacity (log scale), into
+    a PNG at ``path``; raises as :func:`~tiering.lab.sweep.plot_sweep`."""
     from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
 
     worst: dict[str, dict[float, float]] = {}
