@@ -41,13 +41,7 @@ from tiering.commands._workload import (
     load_workload,
     resolve_config,
 )
-from tiering.config import (
-    EngineConfig,
-    MetricsConfig,
-    ReplayConfig,
-    TieringConfig,
-    with_overrides,
-)
+from tiering.config import EngineConfig, MetricsConfig, ReplayConfig, TieringConfig, with_overrides
 from tiering.core.policies import policy_name, policy_names
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError

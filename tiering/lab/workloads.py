@@ -156,4 +156,3 @@ def synthetic_requests(
             arrival += rng.expovariate(1.0 / think_time_s)
     requests.sort(key=lambda r: r.arrival_s)
     return requests
-
