@@ -72,15 +72,12 @@ def _describe(module: str) -> Command:
     source = get_source(module) if get_source is not None else None
     if source is not None:
         tree = ast.parse(source)
-        values: dict[str, object] = {}
-        for node in tree.body:
-            if (
-                isinstance(node, ast.Assign)
-                and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Constant)
-            ):
-                values[node.targets[0].id] = node.value.value
+        values = {  # NAME = "literal"
+            target.id: node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            if len(node.targets) == 1 and isinstance(target := node.targets[0], ast.Name)
+        }
         name, help_, order = values.get("NAME"), values.get("HELP"), values.get("ORDER")
         if isinstance(name, str) and isinstance(help_, str):
             order = order if isinstance(order, int) else _DEFAULT_ORDER
