@@ -7,8 +7,11 @@ import itertools
 import mmap
 import os
 from collections.abc import Iterator, Sequence
+from typing import Any
 
+from backends.nvme.tier import NVMeTier
 from tiering.tiers.actor import TierActor
+from tiering.tiers.registry import register_tier, unregister_tier
 from tiering.tiers.tier_api import JobMetadata, JobResult
 
 _job_ids = itertools.count(1)
@@ -44,3 +47,21 @@ async def load_job(tier: TierActor, keys: Sequence[bytes], slots: Sequence[int])
     job = JobMetadata(next_job_id(), list(keys), list(slots))
     tier.submit_load(job)
     return await tier.result(job.job_id)
+
+
+@contextlib.contextmanager
+def nvme_tiers_built() -> Iterator[list[NVMeTier]]:
+    """Every NVMe tier built by name (``"nvme"``) inside the block, in order: the registry
+    builds a subclass that keeps each one, so a test sees the tier an adapter built."""
+    built: list[NVMeTier] = []
+
+    class KeptNVMeTier(NVMeTier):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    register_tier("nvme", KeptNVMeTier)
+    try:
+        yield built
+    finally:
+        unregister_tier("nvme")

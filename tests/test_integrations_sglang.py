@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests._engine_helpers import corrupt_block
+from tests._nvme_helpers import nvme_tiers_built
 from tests._redis_helpers import client_of, damage_payload
 from tests._redis_servers import LocalRedisServer
 from tests._sglang_harness import (  # skips the module without SGLang (fails in CI)
@@ -93,7 +94,8 @@ def test_backups_and_prefetches_move_every_page_byte_exact(
     backend: dict[str, Any], layout: str
 ) -> None:
     tokens = page_tokens(PAGES, PAGE)
-    with opened(backend, layout) as ctrl:
+    metrics = {"enable_storage_metrics": True}
+    with opened(backend, layout, storage_overrides=metrics) as ctrl:
         log = record_calls(ctrl.backend)
         assert type(ctrl.backend).__module__ == MODULE
         assert stored(ctrl, tokens) == PAGES * PAGE
@@ -102,10 +104,8 @@ def test_backups_and_prefetches_move_every_page_byte_exact(
         check_pages(ctrl.host_pool, got.host_indices, tokens)
         progress = [a.completed_tokens for a in got.acks if a.completed_tokens is not None]
         assert progress == [2048, 4096, 4800]  # one ack per batch
-        assert ctrl.backend.statistics() == {
-            "store_pages": PAGES, "store_failed_pages": 0, "load_pages": PAGES,
-            "load_failed_pages": 0,
-        }  # fmt: skip
+        stats = ctrl.backend.get_stats()  # the pages each call moved whole
+        assert stats.backup_pgs == stats.prefetch_pgs == [128, 128, 44]
     assert log.sizes("batch_set_v1") == log.sizes("batch_get_v1") == [128, 128, 44]
     assert log.sizes("batch_set") == log.sizes("batch_get") == []  # the zero-copy calls
 
@@ -141,7 +141,6 @@ def test_a_damaged_page_on_disk_is_never_served_and_ends_the_hit(tmp_path: Path)
         got = prefetch(ctrl, tokens)
         assert got.tokens == 5 * PAGE  # SGLang takes the pages before the damaged one
         check_pages(ctrl.host_pool, got.host_indices, tokens[: 5 * PAGE])
-        assert ctrl.backend.statistics()["load_failed_pages"] >= 1
         evict(ctrl, got.host_indices)
         again = prefetch(ctrl, tokens, request_id="again")
         assert again.hit_tokens == 5 * PAGE  # the damaged page became a miss
@@ -175,11 +174,11 @@ def test_a_restarted_server_serves_what_the_last_one_stored(tmp_path: Path) -> N
 
 def test_a_backup_of_pages_the_tier_holds_writes_nothing_again(tmp_path: Path) -> None:
     tokens = page_tokens(64, PAGE, seed=13)
-    with opened(nvme(tmp_path)) as ctrl:
+    with nvme_tiers_built() as built, opened(nvme(tmp_path)) as ctrl:
         assert stored(ctrl, tokens) == 64 * PAGE
-        used = ctrl.backend.kv_tier.used_bytes
+        used = built[0].used_bytes
         assert stored(ctrl, tokens) == 64 * PAGE  # SGLang counts them as backed up
-        assert ctrl.backend.kv_tier.used_bytes == used
+        assert built[0].used_bytes == used
 
 
 @pytest.mark.parametrize(
@@ -214,7 +213,7 @@ def test_an_mla_replica_stores_nothing_and_loads_what_the_writer_stored(
         assert not ctrl.storage_config.is_storage_writer
         keys = get_storage_hash_str(tokens, None, page_size=PAGE)
         assert ctrl.backend.batch_set_v1(keys, ctrl.host_pool.alloc(len(tokens))) == [True] * 64
-        assert ctrl.backend.kv_tier.get_num_blocks() == 0
+        assert ctrl.backend.batch_exists(keys) == 0  # nothing stored
     with opened(nvme(tmp_path), tp_rank=0, tp_size=2, storage_overrides=mla) as ctrl:
         assert stored(ctrl, tokens) == 64 * PAGE  # the writer
     with opened(nvme(tmp_path), tp_rank=1, tp_size=2, storage_overrides=mla) as ctrl:

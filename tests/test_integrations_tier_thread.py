@@ -62,7 +62,7 @@ def test_close_ends_the_jobs_submitted_before_it_and_fails_those_after() -> None
     after: list[TierOutcome] = []
     tiers.submit("store", [b"c"], [2], after.append)
     assert after[0].failed == {b"c": "the tier is shut down"}
-    assert not tiers.alive and tiers.jobs_in_flight == 0
+    assert not tiers.alive and len(before) == len(after) == 1  # each job ended once
     tiers.close()  # idempotent
 
 
@@ -80,12 +80,13 @@ def test_a_job_whose_loop_died_fails_instead_of_waiting_forever() -> None:
 def test_slots_past_the_host_memory_are_refused_and_nothing_is_queued() -> None:
     _, view = _pool()
     tiers = _thread(view)
+    ended: list[TierOutcome] = []
     try:
         with pytest.raises(InvalidArgumentError, match="slots"):
-            tiers.submit("store", [b"x"], [SLOTS], lambda _: None)
-        assert tiers.jobs_in_flight == 0
+            tiers.submit("store", [b"x"], [SLOTS], ended.append)
     finally:
         tiers.close()
+    assert ended == []  # no job was queued: a close would have ended it
 
 
 @pytest.mark.parametrize(

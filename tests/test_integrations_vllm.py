@@ -19,6 +19,7 @@ import pytest
 
 from tests._engine_helpers import corrupt_block
 from tests._faults import FaultInjector
+from tests._nvme_helpers import nvme_tiers_built
 from tests._scripts import last_json, run_script
 from tests._vllm_harness import (  # skips the module without vLLM (fails in CI)
     CHUNK_BYTES,
@@ -456,10 +457,10 @@ def test_bench_vllm_tiers_runs_both_tiers_and_ends_with_json(tmp_path: Path) -> 
 
 
 def test_the_nvme_tier_does_not_pause_for_its_private_loop_unless_told(scheduler, tmp_path) -> None:
-    s = scheduler(nvme_tier(tmp_path / "default"))
-    assert s.tier.kv_tier.gil_pause_bytes == 0
-    s = scheduler(nvme_tier(tmp_path / "told", gil_pause_bytes=65536))
-    assert s.tier.kv_tier.gil_pause_bytes == 65536
+    with nvme_tiers_built() as built:
+        scheduler(nvme_tier(tmp_path / "default"))
+        scheduler(nvme_tier(tmp_path / "told", gil_pause_bytes=65536))
+    assert [tier.gil_pause_bytes for tier in built] == [0, 65536]
 
 
 def test_the_nvme_tier_stages_direct_io_for_vllm_s_shared_memory_unless_told(
@@ -468,16 +469,16 @@ def test_the_nvme_tier_stages_direct_io_for_vllm_s_shared_memory_unless_told(
     """vLLM's CPU tier is a shared memory file of 4 KiB pages: the tier moves its direct
     I/O through staging buffers by default (docs/vllm.md), and blocks still come back
     byte-exact; ``staging_bytes: 0`` moves it straight to and from vLLM's memory."""
-    s = scheduler(nvme_tier(tmp_path / "default"))
-    assert s.tier.kv_tier.staging_bytes == STAGING_BYTES
+    with nvme_tiers_built() as built:
+        s = scheduler(nvme_tier(tmp_path / "default"))
+        scheduler(nvme_tier(tmp_path / "told", staging_bytes=0))
+    assert [tier.staging_bytes for tier in built] == [STAGING_BYTES, 0]
     stored = blocks("staged", PRIMARY)
     s.store(stored)
     evict_all(s, stored)
     answers = s.resolve(stored)
     assert all(answers[k] is LookupResult.HIT for k in stored)
     assert s.read(list(stored)) == stored
-    s = scheduler(nvme_tier(tmp_path / "told", staging_bytes=0))
-    assert s.tier.kv_tier.staging_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -562,7 +563,8 @@ def test_events_of_jobs_that_end_during_shutdown_are_read_after_it(scheduler, tm
     """vLLM drains events after its manager's shutdown: a store that ends while the
     shutdown drains it, and the eviction it makes, are told then."""
     faults = FaultInjector()
-    s = scheduler(small_nvme(tmp_path / "nvme", os_calls=faults), events=True)
+    with nvme_tiers_built() as built:
+        s = scheduler(small_nvme(tmp_path / "nvme", os_calls=faults), events=True)
     every: list[bytes] = []
     for batch in range(2):  # the tier is full
         stored = blocks(f"before{batch}-", PRIMARY)
@@ -579,7 +581,7 @@ def test_events_of_jobs_that_end_during_shutdown_are_read_after_it(scheduler, tm
         assert gate.wait_reached(10)
         closing.start()
         deadline = time.monotonic() + 30  # a bound on the wait, not a timing
-        while s.tier.kv_tier.state is not Lifecycle.CLOSING:
+        while built[0].state is not Lifecycle.CLOSING:
             assert time.monotonic() < deadline, "the shutdown never began"
             time.sleep(0.001)
     finally:

@@ -185,3 +185,11 @@ def test_a_named_tiers_options_are_checked_and_converted_before_it_is_built(
         "nvme", {"root": "/x", "capacity_bytes": "2MiB"}, defaults={"namespace": "n", "x": 1}
     )
     assert checked == {"namespace": "n", "root": "/x", "capacity_bytes": 2 << 20}
+
+
+def test_the_replay_finds_a_tiers_model_by_name_and_names_the_tiers_that_have_one() -> None:
+    from backends.nvme.replay_model import SegmentLog
+
+    assert registry.replay_model("nvme") is SegmentLog
+    with pytest.raises(UnknownTierError, match=r"'memory' has no replay model.*\['nvme'\]"):
+        registry.replay_model("memory")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -9,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tiering.lab
 from tests._engine_helpers import block_copies, flip_byte
 from tests._scripts import TRACE
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
-from tiering.lab.replay import CacheModel, SegmentLayout, expected_bytes, replay, simulate
+from tiering.lab.replay import CacheModel, SegmentLayout, replay, simulate
 from tiering.lab.workloads import Request, read_mooncake, synthetic_requests
 
 BLOCK = 1024
@@ -209,12 +211,6 @@ async def test_blocks_of_any_size_are_computed_and_checked(size: int) -> None:
     assert summary.hit_blocks > 0 and summary.mismatches == 0
 
 
-def test_expected_bytes_differ_by_key_and_repeat_a_digest() -> None:
-    one, two = expected_bytes(b"a" * 8, 256), expected_bytes(b"b" * 8, 256)
-    assert one.nbytes == 256 and not (one == two).all()
-    assert (one[:64] == one[64:128]).all()
-
-
 def test_lru_at_10000_blocks_on_the_shared_trace_hits_0_4239() -> None:
     model = simulate(read_mooncake(TRACE), cpu_blocks=10_000, policy="lru")
     assert round(model.hit_ratio, 4) == 0.4239
@@ -226,3 +222,13 @@ async def test_the_engine_replays_the_shared_trace_at_lru_10000_to_0_4239() -> N
     summary = await replay(requests, make, device_blocks=400, block_bytes=512)
     assert summary.mismatches == 0 and summary.failed_loads == summary.failed_stores == 0
     assert round(summary.hit_ratio, 4) == 0.4239  # the bookkeeping's figure: no hit lost
+
+
+def test_no_module_of_the_lab_imports_backends() -> None:
+    """The replay builds the NVMe tier's model by the tier's name (the registry's lazy
+    table): tiering.lab imports no backends module, at import time or inside a function."""
+    for path in Path(tiering.lab.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert [m for m in modules if m.split(".")[0] == "backends"] == [], path.name

@@ -2,11 +2,9 @@
 
 Each subcommand is a module of :mod:`tiering.commands` defining a docstring, literal
 ``NAME``, ``HELP`` and ``ORDER``, ``add_arguments(parser)`` and ``run(args) -> int``;
-adding one touches no other file. ``tiering --help`` reads their source without
-importing them (nor torch); a subcommand's module is imported only when it is named.
-
-Exit codes are in ``_DESCRIPTION``. A user error prints one line, ``tiering
-<subcommand>: error: <message>``, and Ctrl-C (even while importing) ``tiering
+adding one touches no other file. ``tiering --help`` reads their source without importing
+them (nor torch). Exit codes are in ``_DESCRIPTION``; a user error prints one line,
+``tiering <subcommand>: error: <message>``, and Ctrl-C (even while importing) ``tiering
 <subcommand>: interrupted``, never a traceback.
 """
 
@@ -42,8 +40,7 @@ _DEFAULT_ORDER = 100
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand as ``tiering --help`` lists it, and its module (imported by
-    :meth:`load`)."""
+    """A subcommand as ``tiering --help`` lists it, and its module (:meth:`load`)."""
 
     name: str
     help: str
@@ -75,15 +72,12 @@ def _describe(module: str) -> Command:
     source = get_source(module) if get_source is not None else None
     if source is not None:
         tree = ast.parse(source)
-        values: dict[str, object] = {}
-        for node in tree.body:
-            if (
-                isinstance(node, ast.Assign)
-                and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Constant)
-            ):
-                values[node.targets[0].id] = node.value.value
+        values = {  # NAME = "literal"
+            target.id: node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            if len(node.targets) == 1 and isinstance(target := node.targets[0], ast.Name)
+        }
         name, help_, order = values.get("NAME"), values.get("HELP"), values.get("ORDER")
         if isinstance(name, str) and isinstance(help_, str):
             order = order if isinstance(order, int) else _DEFAULT_ORDER
@@ -139,8 +133,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code
-    (130 after Ctrl-C anywhere, imports included)."""
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     # The first word that is not an option names the subcommand (the command's own
     # options, --help and --version, take no value).

@@ -18,7 +18,6 @@ from typing import NoReturn, TextIO, TypeVar
 from tiering.errors import InvalidArgumentError
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
 _N = TypeVar("_N", int, float)
 EXIT_INTERRUPTED = 130  # a command or script stopped by Ctrl-C: 128 + SIGINT, as shells say
 
@@ -71,13 +70,9 @@ def _positive(text: str, convert: Callable[[str], _N], what: str) -> _N:
 
 
 def parse_size(text: str) -> int:
-    """Bytes named by ``text``: ``"2M"``, ``"128K"``, ``"1.5G"``, ``"2MiB"``, ``"4096"``.
-
-    Units are powers of 1024 (K, M, G, T; an optional ``iB`` or ``B`` after them).
-
-    Raises:
-        ValueError: ``text`` is not a size, or it is not a positive whole number of bytes.
-    """
+    """Bytes named by ``text``: ``"2M"``, ``"128K"``, ``"1.5G"``, ``"2MiB"``, ``"4096"``
+    (units are powers of 1024: K, M, G, T, an optional ``iB`` or ``B`` after them). Raises
+    ValueError if ``text`` is not a size, or not a positive whole number of bytes."""
     body = text.strip().upper()
     for suffix in ("IB", "B"):
         if body.endswith(suffix) and len(body) > len(suffix):
@@ -164,11 +159,9 @@ def framework_root(root: str) -> str:
 
 
 def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) -> None:
-    """Create ``path`` (and its parents) if missing and check a file can be made in it;
-    otherwise exit through ``parser.error`` (status 2) naming ``option`` and the path.
-
-    A real probe rather than ``os.access``, which says yes to root everywhere (/proc).
-    """
+    """Create ``path`` (and its parents) if missing and check a file can be made in it (a
+    real probe: ``os.access`` says yes to root everywhere); otherwise exit through
+    ``parser.error`` (status 2) naming ``option`` and the path."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -179,8 +172,8 @@ def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) ->
 
 class Progress:
     """One status line on ``stream`` (stderr by default), redrawn in place at most every
-    ``interval`` seconds, and only on a terminal (captured output is never touched);
-    :meth:`clear` (or leaving the ``with`` block) erases it. Cheap enough for the loop."""
+    ``interval`` seconds, only on a terminal; :meth:`clear` (or leaving the ``with``
+    block) erases it. Cheap enough for the loop."""
 
     def __init__(self, stream: TextIO | None = None, *, interval: float = 0.2) -> None:
         self._stream = sys.stderr if stream is None else stream
@@ -221,9 +214,8 @@ class Progress:
 
 
 def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
-    """Run a script's ``main`` and exit with the status it returns (0 for None). Ctrl-C
-    (after ``main``'s ``finally`` blocks ran) prints ``<prog>: interrupted`` (default: the
-    script's file name) and exits 130, never a traceback; ``sys.exit`` passes through."""
+    """Run a script's ``main`` and exit with the status it returns (0 for None); Ctrl-C
+    prints ``<prog>: interrupted`` (default: the script's file name) and exits 130."""
     try:
         status = main()
     except KeyboardInterrupt:
@@ -234,9 +226,8 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoRetur
 
 
 def run_path(path: str, argv: Sequence[str]) -> NoReturn:
-    """Run the script at ``path`` as ``python3 path argv...`` would and exit with its
-    status; Ctrl-C at any point, while it still imports too, prints ``<script's file
-    name>: interrupted`` and exits 130, never a traceback."""
+    """Run the script at ``path`` as ``python3 path argv...`` would, as :func:`run_main`
+    runs a ``main`` (Ctrl-C while it still imports too)."""
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
 

@@ -28,9 +28,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The trace (optional: the synthetic workload without one), ``--limit``,
     ``--full-blocks-only``, ``--config FILE`` and repeatable ``--set SECTION.FIELD=VALUE``."""
     parser.add_argument(
-        "trace",
-        nargs="?",
-        help="a Mooncake-format JSONL trace (default: synthetic chat traffic)",
+        "trace", nargs="?", help="a Mooncake-format JSONL trace (default: synthetic chat traffic)"
     )
     parser.add_argument(
         "--workload",
@@ -56,9 +54,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(
-    args: argparse.Namespace,
-    shortcuts: dict[str, Any],
-    tiers: Sequence[Mapping[str, object]] = (),
+    args: argparse.Namespace, shortcuts: dict[str, Any], tiers: Sequence[Mapping[str, object]] = ()
 ) -> TieringConfig:
     """The config the command line describes: ``shortcuts`` maps config paths to the
     command's own options (None: not given), ``tiers`` are the tier specs its options

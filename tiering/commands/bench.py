@@ -33,14 +33,12 @@ ORDER = 30
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 """Where the benchmarks are: the source tree's examples/, beside the package."""
-
-# The benchmark runs through run_path, so that a Ctrl-C while it still imports (torch)
-# ends it with one line too; -P keeps the current directory off its import path, as
-# running the script by its path would.
-_RUN_PATH = "import sys; from tiering.cli_args import run_path; run_path(sys.argv[1], sys.argv[2:])"
-
 INTERRUPT_GRACE_S = 2.0
 """After Ctrl-C, how long the benchmark has to stop by itself before it is sent SIGINT."""
+
+# Through run_path, so that a Ctrl-C while it still imports (torch) ends it with one line
+# too; -P keeps the current directory off its import path, as running the script would.
+_RUN_PATH = "import sys; from tiering.cli_args import run_path; run_path(sys.argv[1], sys.argv[2:])"
 
 
 def benchmarks() -> dict[str, Path]:
@@ -95,9 +93,8 @@ def listing(found: dict[str, Path], width: int | None = None) -> list[str]:
 
 def run_benchmark(command: list[str]) -> int:
     """Run ``command`` and return its exit status (128 + the signal's number if a signal
-    ended it). After Ctrl-C (which the benchmark, in this process group, receives too)
-    it has ``INTERRUPT_GRACE_S`` to stop by itself before it is sent SIGINT; this
-    process prints nothing."""
+    ended it). After Ctrl-C (which the benchmark receives too) it has
+    ``INTERRUPT_GRACE_S`` to stop by itself before it is sent SIGINT."""
     child = subprocess.Popen(command)
     try:
         status = child.wait()

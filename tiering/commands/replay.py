@@ -41,13 +41,7 @@ from tiering.commands._workload import (
     load_workload,
     resolve_config,
 )
-from tiering.config import (
-    EngineConfig,
-    MetricsConfig,
-    ReplayConfig,
-    TieringConfig,
-    with_overrides,
-)
+from tiering.config import EngineConfig, MetricsConfig, ReplayConfig, TieringConfig, with_overrides
 from tiering.core.policies import policy_name, policy_names
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
@@ -63,9 +57,8 @@ ORDER = 10
 
 
 def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
-    """The options that set one config field: (group, option, field, argparse keywords;
-    a field of fixed values gets them as choices). Left out, an option leaves the field
-    as the defaults and --config give it."""
+    """The options that set one config field (left out, the field is as the defaults and
+    --config give it): (group, option, field, argparse keywords)."""
     return [
         ("tiers", "--policy", "engine.policy",
          {"type": policy_name, "choices": policy_names(),
@@ -159,11 +152,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _status(mismatches: int, runs: dict[str, ReplaySummary], tolerate: bool) -> int:
-    """The exit status of a replay that loaded ``mismatches`` wrong blocks and whose
-    engines' summaries are ``runs`` (keyed by the prefix of their lines on stderr, "" for
-    a lone engine): 1 for a wrong byte or a run that failed as a whole, and for a failed
-    job or tier transfer unless ``tolerate``. Each is said on stderr, and the blocks full
-    tiers had no room for are noted (capacity: they fail nothing)."""
+    """The exit status of a replay that loaded ``mismatches`` wrong blocks, of engines'
+    summaries ``runs`` (keyed by the prefix of their lines on stderr): 1 for a wrong byte
+    or a run that failed as a whole, and for a failed job or tier transfer unless
+    ``tolerate``. Each is said on stderr, and the blocks full tiers had no room for noted."""
     lines = []
     if mismatches:
         lines.append(f"error: {mismatches} loaded blocks held wrong bytes")
@@ -189,9 +181,8 @@ def _status(mismatches: int, runs: dict[str, ReplaySummary], tolerate: bool) -> 
 
 
 def _failures(summary: ReplaySummary) -> str | None:
-    """What failed in a run, in one line with its causes (None: nothing did): its failed
-    jobs, and the blocks each tier failed to load or store (not those it had no room
-    for)."""
+    """What failed in a run (None: nothing), in one line with its causes: its failed jobs,
+    and the blocks each tier failed to load or store (not those it had no room for)."""
     parts = []
     if summary.failed_loads or summary.failed_stores:
         loads, stores = len(summary.load_latency_s), len(summary.store_latency_s)
@@ -216,8 +207,7 @@ def _refused(refused: dict[str, int]) -> str:
 
 
 def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
-    """Refuse a CPU tier that cannot hold the longest request (every block a request stores
-    or loads passes through it at once): InvalidArgumentError naming ``--cpu``."""
+    """InvalidArgumentError naming ``--cpu`` for a CPU tier smaller than the longest request."""
     full = config.replay.full_blocks_only
     longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
     size = config.replay.block_bytes
@@ -279,8 +269,8 @@ def _warm_note(summary: ReplaySummary) -> str:
 def _run_fleet(
     config: TieringConfig, requests: list[Request], as_json: bool, tolerate: bool
 ) -> int:
-    """The fleet replay, with its shared tiers (Redis) and, as the baseline, without;
-    its exit status as :func:`_status` gives it over every node of both runs."""
+    """The fleet replay, with its shared tiers (Redis) and, as the baseline, without; its
+    exit status as :func:`_status` gives it over every node of both runs."""
     own = tuple(tier for tier in config.tiers if tier.type not in SHARED_TIERS)
     shared = len(own) < len(config.tiers)
     runs = {"shared": config} if shared else {}
@@ -387,10 +377,9 @@ def _tier_shortcuts(args: argparse.Namespace) -> list[dict[str, object]]:
 def _bookkeeping(
     config: TieringConfig, requests: list[Request], summary: ReplaySummary
 ) -> dict[str, Any]:
-    """The hit ratio the bookkeeping-only replay of this configuration promises, with
-    the tiers' real capacities and layouts (:func:`~tiering.lab.replay.tier_layout`), and
-    why the engine's may differ from it (``bookkeeping_notes``; none: the two must be
-    equal). Write-back is not modelled (the ratio is then None)."""
+    """The hit ratio the bookkeeping replay of this configuration promises (None under
+    write-back, not modelled), with the tiers' real capacities and layouts, and why the
+    engine's may differ from it (``bookkeeping_notes``; none: the two must be equal)."""
     notes = _bookkeeping_notes(config, summary)
     if config.engine.write_policy != "write_through":
         return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}

@@ -25,11 +25,7 @@ import os
 
 from tiering.cli_args import Progress, choice_list, positive_int
 from tiering.commands._output import add_json_argument, print_json
-from tiering.commands._workload import (
-    add_config_arguments,
-    load_workload,
-    resolve_config,
-)
+from tiering.commands._workload import add_config_arguments, load_workload, resolve_config
 from tiering.core.policies import policy_name, policy_names
 from tiering.errors import InvalidArgumentError
 from tiering.lab.sweep import capacities_from, footprint, fractions_from, plot_sweep, sweep

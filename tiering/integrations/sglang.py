@@ -1,18 +1,13 @@
-"""kv-tiering's tiers as SGLang 0.5.23's HiCache storage (its third level), with no fork.
-
-SGLang loads :class:`NVMeHiCacheStorage`, :class:`RedisHiCacheStorage` or
-:class:`MemoryHiCacheStorage` through its ``dynamic`` storage backend (``tiering
-sglang-config`` prints the arguments); the tier runs on a private loop thread
-(:class:`~tiering.integrations.tier_thread.TierThread`) over SGLang's host pool, whose pages
-move to and from the tier in place. Set-up, options and semantics: docs/sglang.md. Without
-SGLang, importing this module raises ImportError.
+"""kv-tiering's tiers as SGLang 0.5.23's HiCache storage (its third level), with no fork:
+:class:`NVMeHiCacheStorage`, :class:`RedisHiCacheStorage`, :class:`MemoryHiCacheStorage`,
+loaded through SGLang's ``dynamic`` storage backend. Set-up, options and semantics:
+docs/sglang.md. Without SGLang, importing this module raises ImportError.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,15 +36,12 @@ if TYPE_CHECKING:
 
 # Keys of --hicache-storage-backend-extra-config that are SGLang's, not the tier's.
 _SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+_ASK_AGAIN_S = 0.0005  # how often batch_exists asks again while the tier checks a key
 
 
 def _new_metrics() -> dict[str, list[Any]]:
     """Empty lists of the StorageMetrics fields this storage reports."""
     return {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
-
-
-# How often batch_exists asks again about a key whose presence the tier is checking.
-_ASK_AGAIN_S = 0.0005
 
 
 def sglang_namespace(config: HiCacheStorageConfig, pool: HostKVCache, chunk_bytes: int) -> str:
@@ -198,12 +190,11 @@ class TieringHiCacheStorage(HiCacheStorage):
         self._thread: TierThread | None = None
         self._view: memoryview | None = None
         self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
         self._metrics = _new_metrics()
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
-        """Build the tier over ``mem_pool_host``'s pages and start it (raises as the
-        class says; nothing is left running)."""
+        """Build the tier over the host pool's pages, moved in place, and start it on a
+        private loop thread (raises as the class says; nothing is left running)."""
         if self._thread is not None:
             raise InvalidArgumentError("the host pool is already registered")
         pages = PageChunks(mem_pool_host)
@@ -227,12 +218,6 @@ class TieringHiCacheStorage(HiCacheStorage):
             raise
         super().register_mem_pool_host(mem_pool_host)
         self.pages, self._view = pages, view
-
-    @property
-    def kv_tier(self) -> Any:
-        """The kv-tiering tier behind this storage, for inspection; it runs on the
-        private loop, so call nothing that starts I/O."""
-        return self._running().tier
 
     def _running(self) -> TierThread:
         thread = self._thread
@@ -285,26 +270,20 @@ class TieringHiCacheStorage(HiCacheStorage):
             not failed or not any(k in failed for k in chunk_keys[i * n : (i + 1) * n])
             for i in range(len(keys))
         ]
-        self._count(kind, result, time.perf_counter() - started)
-        return result
-
-    def _count(self, kind: Lane, result: list[bool], elapsed: float) -> None:
-        done = sum(result)
-        with self._lock:
-            self._counters[f"{kind}_pages"] += done
-            self._counters[f"{kind}_failed_pages"] += len(result) - done
-            if self.storage_config.enable_storage_metrics and done and elapsed > 0:
-                call = "backup" if kind == "store" else "prefetch"
-                gb = done * self.pages.chunks * self.pages.chunk_bytes / 1e9
+        elapsed, done = time.perf_counter() - started, sum(result)
+        if self.storage_config.enable_storage_metrics and done and elapsed > 0:
+            call = "backup" if kind == "store" else "prefetch"
+            gb = done * self.pages.chunks * self.pages.chunk_bytes / 1e9
+            with self._lock:
                 self._metrics[f"{call}_pgs"].append(done)
                 self._metrics[f"{call}_bandwidth"].append(gb / elapsed)
+        return result
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many of ``keys``, from the first, the tier holds whole (a key whose
-        presence the tier is still checking is asked about again, for at most
-        ``job_timeout``)."""
+        """How many of ``keys``, from the first, the tier holds whole (a key the tier is
+        still checking is asked about again, for at most ``job_timeout``)."""
         thread = self._running()
         n = self.pages.chunks
         chunk_keys = self.pages.keys(keys)
@@ -432,12 +411,6 @@ class TieringHiCacheStorage(HiCacheStorage):
         for name, values in metrics.items():
             getattr(stats, name).extend(values)
         return stats
-
-    def statistics(self) -> dict[str, int]:
-        """Pages stored, loaded and failed since start (``store_pages``,
-        ``store_failed_pages``, ``load_pages``, ``load_failed_pages``)."""
-        with self._lock:
-            return dict(self._counters)
 
     def close(self) -> None:
         """Close the tier gracefully (calls in flight end first), stop its thread and

@@ -1,11 +1,6 @@
-"""One kv-tiering tier on a private event loop thread: the adapter core that the vLLM and
-SGLang integrations share (docs/vllm.md#how-it-works, docs/sglang.md#how-it-works).
-
-Serving frameworks call their storage from threads of their own, synchronously. A
-:class:`TierThread` builds one registered tier over the framework's host memory and runs it
-on a uvloop loop on a daemon thread it owns; the framework's threads hand jobs over (one
-wake-up of the loop per batch of hand-offs) and either return at once (``submit``) or wait
-for the job's end (``run_job``), and ``close`` drains before it stops the thread.
+"""One kv-tiering tier on a private event loop thread, for serving frameworks that call
+their storage synchronously from threads of their own: the core the vLLM and SGLang
+adapters share (docs/vllm.md#how-it-works, docs/sglang.md#how-it-works).
 """
 
 from __future__ import annotations
@@ -36,9 +31,7 @@ no GIL pauses; the framework's host memory is scattered 4 KiB pages, so direct I
 staged (docs/vllm.md#how-it-works says why)."""
 
 _T = TypeVar("_T")
-
-# How often a waiting thread checks that the loop thread still runs.
-_ALIVE_CHECK_S = 1.0
+_ALIVE_CHECK_S = 1.0  # how often a waiting thread checks that the loop thread still runs
 
 
 class TierThread:
@@ -174,11 +167,6 @@ class TierThread:
         """Mark stored keys recently used (on the loop, soon); returns at once."""
         if not self._closing:
             self._hand_off(("touch", list(keys)))
-
-    @property
-    def jobs_in_flight(self) -> int:
-        """Submitted jobs whose ``on_done`` has not run yet."""
-        return len(self._in_flight)
 
     def wait(self, done: Callable[[], bool]) -> None:
         """Block until ``done()`` (checked whenever a job ends) holds, or the loop thread

@@ -1,10 +1,7 @@
-"""kv-tiering's secondary tiers under vLLM 0.33's CPU tier, with no fork of vLLM.
-
-:class:`NVMeTierManager` and :class:`MemoryTierManager` build our NVMe and memory tiers,
-:class:`RegisteredTierManager` any tier registered by name, each on a private uvloop loop
-on a daemon thread; vLLM's calls hand their work over and return at once. Set-up,
-options, threading, events and metrics: docs/vllm.md. Without vLLM, importing this
-module raises ImportError.
+"""kv-tiering's secondary tiers under vLLM 0.33's CPU tier, with no fork of vLLM:
+:class:`NVMeTierManager`, :class:`MemoryTierManager`, and :class:`RegisteredTierManager`
+for any tier registered by name. Set-up, options, threading, events and metrics:
+docs/vllm.md. Without vLLM, importing this module raises ImportError.
 """
 
 from __future__ import annotations
@@ -56,6 +53,13 @@ METRIC_PREFIX = "kv_tiering:"
 """Prefix of the Prometheus metrics these tiers report through vLLM."""
 
 _TIER_LABEL = "tier_type"
+_COUNTERS = (  # each kind of job's counters: name, meaning
+    ("jobs", "Jobs ended"),
+    ("blocks", "Blocks moved"),
+    ("bytes", "Bytes moved"),
+    ("failed_blocks", "Blocks that failed (not stored, or not loaded)"),
+    ("refused_jobs", "Jobs refused (bad keys or chunk ids, an id in flight, shut down)"),
+)
 
 
 def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
@@ -167,12 +171,6 @@ class RegisteredTierManager(SecondaryTierManager):
             raise
         self._tier = self._thread.tier
 
-    @property
-    def kv_tier(self) -> Any:
-        """The kv-tiering tier behind this manager, for inspection; it runs on the private
-        loop, so call nothing that starts I/O."""
-        return self._tier
-
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if the tier holds ``key``; RETRY while a store of it is in flight; else MISS."""
         held = self._tier.lookup(key)
@@ -190,21 +188,18 @@ class RegisteredTierManager(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Queue a cascade of primary chunks into the tier; returns at once and raises
-        nothing (a job the tier refuses fails: docs/vllm.md#how-it-works)."""
+        """Queue a cascade of primary chunks into the tier, as :meth:`_submit` says."""
         self._submit("store", job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Queue a promotion of stored chunks into primary chunks; returns at once and
-        raises nothing (a job the tier refuses fails: docs/vllm.md#how-it-works)."""
+        """Queue a promotion of stored chunks into primary chunks, as :meth:`_submit` says."""
         self._submit("load", job_metadata)
 
     def _submit(self, kind: Literal["store", "load"], job: TransferJob) -> None:
-        """Hand ``job`` to the tier, or refuse it: bad keys or chunk ids (ids outside the
-        CPU tier, as many ids as keys), or the tier shut down. A refused job's failed
-        result is queued at once (nothing landed), and the refusal is counted
-        (``<kind>_refused_jobs``) and logged once per cause. A job whose id is already in
-        flight is refused without a result of its own: its id gets the first job's."""
+        """Hand ``job`` to the tier and return at once, raising nothing, or refuse it: bad
+        keys or chunk ids, or the tier shut down. A refused job's failed result is queued
+        at once, the refusal counted (``<kind>_refused_jobs``) and logged once per cause;
+        a job whose id is already in flight gets no result of its own (the first job's)."""
         # vLLM's manager calls submit_* without a try: an exception here would stop its
         # scheduler where its own tiers fail the one job. Checked here, on vLLM's thread,
         # because the loop side takes a job as it is (one refused there would never end).
@@ -292,13 +287,8 @@ class RegisteredTierManager(SecondaryTierManager):
         return events
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
-        return OffloadingEvent(
-            keys=keys,
-            medium=self.medium,
-            removed=removed,
-            locality=self.locality,
-            ownership=self.tier_type,
-        )
+        medium, locality, owner = self.medium, self.locality, self.tier_type
+        return OffloadingEvent(keys, medium, removed, locality=locality, ownership=owner)
 
     def _take_removals(self, events: list[OffloadingEvent]) -> None:
         """Under the lock: the tier's removals so far become the next event."""
@@ -332,16 +322,7 @@ class RegisteredTierManager(SecondaryTierManager):
                 f"{doc} by kv-tiering's tier ({kind} jobs)", labels
             )
             for kind in ("store", "load")
-            for what, doc in (
-                ("jobs", "Jobs ended"),
-                ("blocks", "Blocks moved"),
-                ("bytes", "Bytes moved"),
-                ("failed_blocks", "Blocks that failed (not stored, or not loaded)"),
-                (
-                    "refused_jobs",
-                    "Jobs refused (bad keys or chunk ids, an id in flight, shut down)",
-                ),
-            )
+            for what, doc in _COUNTERS
         }
         gauges = {
             f"{METRIC_PREFIX}stored_blocks": OffloadingGaugeMetadata(

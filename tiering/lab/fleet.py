@@ -1,9 +1,6 @@
-"""A fleet replay: several engines behind a router, optionally sharing one remote tier.
-
-:func:`replay_fleet` builds ``nodes`` engines with ``make_engine(node, device_kv)`` and
-replays a workload one request at a time: a :class:`Router` (sans-I/O; the rules are
-compared in docs/fleet.md) picks the node, which serves the request as a
-:class:`~tiering.lab.replay.ReplayNode` (every loaded byte checked).
+"""A fleet replay (:func:`replay_fleet`): several engines behind a :class:`Router`
+(sans-I/O; docs/fleet.md compares the rules), optionally sharing one remote tier, each
+serving its requests as a :class:`~tiering.lab.replay.ReplayNode` (every byte checked).
 """
 
 from __future__ import annotations
@@ -102,19 +99,18 @@ class _DirectLink:
         self.router = router
 
     async def open(self, nodes: int) -> None:
-        return None
+        """Nothing to connect."""
 
     async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
         self.router.observe(node, encode_events(events, node=str(node)))
 
     def close(self) -> None:
-        return None
+        """Nothing to close."""
 
 
 class _ZmqLink:
-    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node.
-    After each request the replay waits up to ``wait_s`` for that node's batch (else it
-    counts in ``lost``), so the router decides on what it was told."""
+    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node; the
+    replay waits up to ``wait_s`` for each node's batch (else it counts in ``lost``)."""
 
     def __init__(self, router: Router, wait_s: float = 2.0) -> None:
         import zmq
@@ -130,8 +126,8 @@ class _ZmqLink:
         self._publishers: list[ZmqPublisher] = []
 
     async def open(self, nodes: int) -> None:
-        """Bind a publisher per node, connect to each, and wait until each is heard (a
-        SUB socket misses what is sent before its subscription reaches the publisher)."""
+        """Bind a publisher per node, connect to each, and wait until each is heard (a SUB
+        socket misses what comes before its subscription reaches the publisher)."""
         for node in range(nodes):
             publisher = ZmqPublisher("tcp://127.0.0.1:*", node=str(node))
             self._publishers.append(publisher)
@@ -186,8 +182,8 @@ TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].an
 
 @dataclass(frozen=True, slots=True)
 class NodeOutage:
-    """Node ``node`` crashes before request ``at`` (from 0; its jobs fail, its CPU tier
-    is lost) and restarts ``requests`` requests later, a fresh engine on the same tiers."""
+    """Node ``node`` crashes before request ``at`` (from 0; its jobs fail, its CPU tier is
+    lost) and restarts ``requests`` requests later, a fresh engine on the same tiers."""
 
     node: int
     at: int
@@ -196,8 +192,8 @@ class NodeOutage:
 
 @dataclass
 class FleetSummary:
-    """What a fleet replay did: per node summaries, the router's load, and the hit
-    ratio over time (one point per ``window`` requests)."""
+    """What a fleet replay did: per node summaries, the router's load, and the hit ratio
+    over time (one point per ``window`` requests)."""
 
     router: str
     nodes: list[ReplaySummary] = field(default_factory=list)
@@ -241,10 +237,10 @@ class FleetSummary:
             },
             "hit_ratio_by_node": [round(n.hit_ratio, 4) for n in self.nodes],
             "requests_by_node": list(self.routed),
-            "mismatches": sum(n.mismatches for n in self.nodes),
-            "failed_loads": sum(n.failed_loads for n in self.nodes),
-            "failed_stores": sum(n.failed_stores for n in self.nodes),
-            "evicted_loads": sum(n.evicted_loads for n in self.nodes),
+            **{
+                name: sum(getattr(n, name) for n in self.nodes)
+                for name in ("mismatches", "failed_loads", "failed_stores", "evicted_loads")
+            },
             "failed_blocks_by_tier": {
                 name: summed(n.failed_blocks_by_tier.get(name, {}) for n in self.nodes)
                 for name in dict.fromkeys(t for n in self.nodes for t in n.failed_blocks_by_tier)
@@ -300,12 +296,12 @@ async def replay_fleet(
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
     device cache of ``device_blocks`` (default: the longest request's).
 
-    ``kv-aware`` needs engines with ``enable_events``. ``settle`` lets each store reach
-    every tier before the next request; ``outages`` stop and restart nodes; ``window``
-    (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
-    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
-    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a
-    request longer than ``device_blocks``, or ``kv-aware`` without events.
+    ``settle`` lets each store reach every tier before the next request; ``outages`` stop
+    and restart nodes; ``window`` (default: a twentieth of the requests) is the timeline's
+    step; ``on_request(done, summary)`` runs after each request; ``transport`` carries KV
+    events ``"direct"`` or over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a
+    bad argument, a request longer than ``device_blocks``, or ``kv-aware`` without engines
+    with ``enable_events``.
     """
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)

@@ -1,8 +1,7 @@
 """Replay a workload through a real engine (:func:`replay`: real bytes, every loaded block
-checked against :func:`expected_bytes`), or as bookkeeping only (:class:`CacheModel` and
-:func:`simulate`: the CPU tier's own manager and, per secondary tier, a least-recently-used
-set or the NVMe tier's own segment index, fast enough for a capacity sweep). docs/replay.md
-gives a request's steps and when the two agree block for block.
+checked), or as bookkeeping only (:class:`CacheModel`, :func:`simulate`: the CPU tier's own
+manager and a model of each secondary tier, fast enough for a capacity sweep).
+docs/replay.md gives a request's steps and when the two agree block for block.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +28,7 @@ from tiering.lab.workloads import Request
 from tiering.observe.loop_lag import LoopLagMonitor
 from tiering.observe.statistics import CAPACITY_CAUSES
 from tiering.security.tenancy import Tenancy
+from tiering.tiers.registry import replay_model
 from tiering.tiers.tier_api import JobResult
 from tiering.validation import positive_int
 
@@ -39,26 +39,20 @@ _LOST_WITH_A_TRANSFER = "no tier took its write-back"
 ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers "ask again"
 
 
-def expected_bytes(key: bytes, nbytes: int) -> np.ndarray:
-    """The bytes block ``key`` stands for in a replay: its 64-byte BLAKE2b digest repeated
-    to ``nbytes`` (a uint8 array)."""
-    return np.resize(_digests([key])[0], nbytes)
-
-
 @dataclass(frozen=True, slots=True)
 class SegmentLayout:
     """The NVMe tier as the bookkeeping models it (:func:`tier_layout` reads it off one):
     its capacity in records, a segment's records, the fraction of recent uses an evicted
     segment writes again, and the most records one store job moves."""
 
+    tier: ClassVar[str] = "nvme"  # whose replay model (tiering.tiers.registry) runs it
     capacity_records: int
     records_per_segment: int
     hot_fraction: float
     moves_per_job: int
 
     def __post_init__(self) -> None:
-        """Raises InvalidArgumentError for a count that is not a positive int, or a
-        ``hot_fraction`` outside [0, 1]."""
+        """Raises InvalidArgumentError for a bad count or a ``hot_fraction`` outside [0, 1]."""
         for name in ("capacity_records", "records_per_segment", "moves_per_job"):
             positive_int(name, getattr(self, name))
         if type(self.hot_fraction) not in (int, float) or not 0 <= self.hot_fraction <= 1:
@@ -66,8 +60,17 @@ class SegmentLayout:
 
 
 TierLayout = int | SegmentLayout | None
-"""A secondary tier in the model: a capacity in blocks (least recently used evicted), a
-:class:`SegmentLayout`, or None (unbounded)."""
+"""A secondary tier in the model: blocks (least recently used evicted), a layout, or None
+(unbounded)."""
+
+
+class _TierModel(Protocol):
+    """A secondary tier in :class:`CacheModel`: ``add`` is one store job of keys it lacks."""
+
+    def __contains__(self, key: bytes) -> bool: ...
+    def touch(self, hashes: Sequence[bytes]) -> None: ...
+    def loaded(self, hashes: Sequence[bytes]) -> None: ...
+    def add(self, hashes: Sequence[bytes]) -> None: ...
 
 
 class _LRUSet:
@@ -92,7 +95,6 @@ class _LRUSet:
         """A load from the tier changes no recency."""
 
     def add(self, hashes: Sequence[bytes]) -> None:
-        """One store job of keys the tier lacks."""
         keys = self.keys
         for h in hashes:
             keys[h] = None
@@ -101,51 +103,9 @@ class _LRUSet:
                 keys.popitem(last=False)
 
 
-class _SegmentLog:
-    """The NVMe tier's own index (:class:`backends.nvme.segment_index.SegmentIndex`),
-    driven as the tier drives it: touches and loads mark keys used, a store job makes
-    room with the index's own ``plan_room``."""
-
-    __slots__ = ("_digest", "_index", "_moves_per_job")
-
-    def __init__(self, layout: SegmentLayout) -> None:
-        # Imported here: tiering never imports backends at import time.
-        from backends.nvme.segment_index import SegmentIndex, key_digest
-
-        self._digest = key_digest
-        self._index = SegmentIndex(
-            layout.capacity_records,
-            records_per_segment=layout.records_per_segment,
-            writer="0",
-            hot_fraction=layout.hot_fraction,
-        )
-        self._moves_per_job = layout.moves_per_job
-
-    def __contains__(self, key: bytes) -> bool:
-        return self._digest(key) in self._index
-
-    def touch(self, hashes: Sequence[bytes]) -> None:
-        self._index.touch(list(map(self._digest, hashes)))
-
-    loaded = touch  # a load marks its keys used
-
-    def add(self, hashes: Sequence[bytes]) -> None:
-        """One store job of keys the tier lacks."""
-        index = self._index
-        wanted = list(dict.fromkeys(map(self._digest, hashes)))
-        plan = index.plan_room(len(wanted), most_moves=self._moves_per_job)
-        for digest, placement in zip(wanted[: plan.fit], plan.placed[: plan.fit], strict=True):
-            index.commit(digest, placement)
-        for (_, _, digest), placement in zip(plan.moves, plan.placed[plan.fit :], strict=True):
-            if digest in index:  # stored again meanwhile: the newer record wins
-                index.abandon(placement)
-            else:
-                index.commit(digest, placement)
-
-
 def tier_layout(tier: object) -> TierLayout:
     """How the model represents ``tier`` (open or closed): a :class:`SegmentLayout` for the
-    NVMe tier, else its capacity in blocks from its statistics, or None (unbounded)."""
+    NVMe tier, else its capacity in blocks, or None (unbounded)."""
     records = getattr(tier, "records_per_segment", None)
     stats = tier.statistics()  # type: ignore[attr-defined]
     block_bytes = int(getattr(tier, "block_bytes", 0))
@@ -178,10 +138,10 @@ class CacheModel:
         tier_names: Sequence[str] | None = None,
     ) -> None:
         self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
-        tiers: list[_LRUSet | _SegmentLog] = []
+        tiers: list[_TierModel] = []
         for i, layout in enumerate(tier_blocks):
-            if isinstance(layout, SegmentLayout):
-                tiers.append(_SegmentLog(layout))
+            if isinstance(layout, SegmentLayout):  # the tier's own index, from its package
+                tiers.append(replay_model(layout.tier)(**asdict(layout)))
                 continue
             if layout is not None:
                 positive_int(f"tier_blocks[{i}]", layout)
@@ -270,8 +230,8 @@ def tenant_names(tenants: int) -> list[str | None]:
 
 @dataclass
 class ReplaySummary:
-    """What a replay through the engine did; :meth:`to_json` is its stable form (its
-    fields: docs/replay.md). Secondary tiers are named by :func:`tier_labels`."""
+    """What a replay through the engine did, secondary tiers named by :func:`tier_labels`;
+    :meth:`to_json` is its stable form (docs/replay.md)."""
 
     requests: int = 0
     blocks: int = 0
@@ -281,8 +241,7 @@ class ReplaySummary:
     failed_loads: int = 0
     failed_stores: int = 0
     evicted_loads: int = 0
-    """Loads that failed because a block left every tier between the lookup and the load
-    (evicted for room meanwhile): misses under pressure, not failures."""
+    """Loads that failed because a block left every tier after the lookup: not failures."""
     seconds: float = 0.0
     bytes_by_path: dict[str, int] = field(default_factory=dict)
     store_latency_s: list[float] = field(default_factory=list, repr=False)
@@ -292,15 +251,12 @@ class ReplaySummary:
     capacity_blocks: dict[str, int] = field(default_factory=dict, repr=False)
     tier_layouts: dict[str, TierLayout] = field(default_factory=dict, repr=False)
     failed_blocks_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per secondary tier type: blocks whose ``store`` to it or ``load`` from it failed,
-    those it refused for want of room left out."""
+    """Per tier type: blocks whose ``store`` or ``load`` failed, but those refused for room."""
     refused_blocks_by_tier: dict[str, int] = field(default_factory=dict)
-    """Per secondary tier type: blocks it refused to store for want of room (a failure
-    cause of :data:`~tiering.observe.statistics.CAPACITY_CAUSES`): capacity, not failures."""
+    """Per tier type: blocks it had no room for (:data:`CAPACITY_CAUSES`): not failures."""
     failure_causes: dict[str, int] = field(default_factory=dict)
-    """What failed, by cause: each tier's causes but those of want of room, and the
-    engine's own but those it records for a tier's transfers (the tiers say why) and for
-    the blocks that left with them under write-back."""
+    """What failed, by cause: the tiers' (but want of room) and the engine's own (but
+    those of a tier's transfers, which the tiers say, and of write-back's lost blocks)."""
     tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     """Per secondary tier, its failures by cause; under ``cpu``, the engine's."""
     tier_types: dict[str, str] = field(default_factory=dict, repr=False)
@@ -318,34 +274,29 @@ class ReplaySummary:
 
     def to_json(self) -> dict[str, Any]:
         """The summary as plain JSON values (the ``--json`` line of ``tiering replay``)."""
-        return {
-            "requests": self.requests,
-            "blocks": self.blocks,
+        copied = asdict(self)
+        return {name: copied[name] for name in _JSON_FIELDS} | {
             "hit_ratio": round(self.hit_ratio, 4),
             "hit_ratio_by_tier": {
                 tier: round(hits / self.blocks, 4) if self.blocks else 0.0
                 for tier, hits in self.hits_by_tier.items()
             },
-            "mismatches": self.mismatches,
-            "failed_loads": self.failed_loads,
-            "failed_stores": self.failed_stores,
-            "evicted_loads": self.evicted_loads,
-            "failed_blocks_by_tier": {t: dict(n) for t, n in self.failed_blocks_by_tier.items()},
-            "refused_blocks_by_tier": dict(self.refused_blocks_by_tier),
-            "failure_causes": dict(self.failure_causes),
-            "warm_blocks": dict(self.warm_blocks),
-            "warm_hits": self.warm_hits,
             "seconds": round(self.seconds, 3),
             "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
-            "bytes_by_path": dict(self.bytes_by_path),
             "job_latency_ms": {
                 "store": percentiles_ms(self.store_latency_s),
                 "load": percentiles_ms(self.load_latency_s),
             },
             "loop_lag_p99_ms": round(self.loop_lag_p99_ms, 3),
-            "tenants": self.tenants,
-            "cross_tenant_hits": self.cross_tenant_hits,
         }
+
+
+# The fields :meth:`ReplaySummary.to_json` gives as they are (copies).
+_JSON_FIELDS = (
+    "requests", "blocks", "mismatches", "failed_loads", "failed_stores", "evicted_loads",
+    "failed_blocks_by_tier", "refused_blocks_by_tier", "failure_causes", "warm_blocks",
+    "warm_hits", "bytes_by_path", "tenants", "cross_tenant_hits",
+)  # fmt: skip
 
 
 def percentiles_ms(samples: list[float]) -> dict[str, float]:
@@ -354,11 +305,8 @@ def percentiles_ms(samples: list[float]) -> dict[str, float]:
         return {"p50": 0.0, "p99": 0.0, "count": 0}
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return {
-        "p50": round(statistics.median(ordered) * 1e3, 3),
-        "p99": round(p99 * 1e3, 3),
-        "count": len(ordered),
-    }
+    median = statistics.median(ordered)
+    return {"p50": round(median * 1e3, 3), "p99": round(p99 * 1e3, 3), "count": len(ordered)}
 
 
 def tier_labels(engine: TieringEngine) -> list[str]:
@@ -384,15 +332,14 @@ async def replay(
 ) -> ReplaySummary:
     """Replay ``requests`` through the engine ``make_engine(device_kv)`` builds around a
     device KV cache (a CPU tensor) of ``device_blocks`` blocks (default: the longest
-    request's) of ``block_bytes`` bytes, and close it; docs/replay.md gives the steps.
+    request's) of ``block_bytes`` bytes, and close it (docs/replay.md: the steps).
 
     ``pace``: None (as fast as possible) or a speed-up of the arrival times. ``verify``:
-    compare every loaded block with its expected bytes (``mismatches``). ``settle``: let
-    each store's cascade end before the next request (the engine then evicts as the
-    bookkeeping model does). ``tenants``: send each request once per tenant, with bytes
-    of the tenant's keys (a block served across tenants is a mismatch). ``on_request(
-    number, summary)`` runs after each request; ``on_open(engine, loop_lag)`` once the
-    engine is open, its context manager left when the replay ends (a metrics server).
+    count loaded blocks whose bytes are wrong (``mismatches``). ``settle``: let each
+    store's cascade end before the next request (as the bookkeeping model does).
+    ``tenants``: send each request once per tenant, bytes of the tenant's keys.
+    ``on_request(number, summary)`` runs after each request; ``on_open(engine, loop_lag)``
+    once the engine is open, its context left when the replay ends (a metrics server).
     Raises InvalidArgumentError (nothing ran) for a bad argument or a request longer than
     ``device_blocks``, TieringError if the engine could not start.
     """
@@ -524,8 +471,7 @@ class ReplayNode:
 
     async def _lookup(self, keys: list[bytes], held: list[bytes], tenant: str | None) -> int:
         """``engine.lookup``, asked again (as a scheduler does each step) for up to
-        :data:`ASK_AGAIN_S` while a tier answers "ask again" (None) for the first block
-        that missed (under the key it holds): a remote tier checks in the background."""
+        :data:`ASK_AGAIN_S` while a tier answers "ask again" (None) for the first miss."""
         engine = self.engine
         n = engine.lookup(keys, tenant=tenant)
         deadline = time.monotonic() + ASK_AGAIN_S
@@ -539,17 +485,15 @@ class ReplayNode:
         return n
 
     def restarted(self) -> ReplayNode:
-        """A node with a fresh engine from the same factory (its tiers' persistent data,
-        an NVMe root, comes back), carrying on this node's summary."""
+        """A node with a fresh engine from the same factory (an NVMe root's blocks come
+        back), carrying on this node's summary."""
         blocks, nbytes = self.staging.shape
         node = ReplayNode(self._make_engine, blocks, nbytes, verify=self.verify, settle=self.settle)
         node.summary = self.summary
         return node
 
     def closed(self) -> None:
-        """Take the bytes moved per path, each tier's counters, failures, layout and
-        capacity, the blocks that failed per tier and those refused for want of room,
-        and what failed by cause, from the closed engine (every cascade counted; a
+        """Take the closed engine's figures into the summary (every cascade counted; a
         restarted node's figures add up)."""
         engine, summary = self.engine, self.summary
         labels = tier_labels(engine)
@@ -572,9 +516,9 @@ class ReplayNode:
                     refused[tier.get_tier_type()] += count
                 else:
                     causes[cause] += count
-        transfers = set()
-        for name in dict.fromkeys(t.get_tier_type() for t in engine.tiers):  # as the engine
-            transfers |= {f"{name} tier {kind} failed" for kind in ("load", "store")}
+        names = list(dict.fromkeys(t.get_tier_type() for t in engine.tiers))  # as the engine
+        transfers = {f"{name} tier {kind} failed" for name in names for kind in ("load", "store")}
+        for name in names:
             failed = {
                 kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
             }
@@ -582,9 +526,9 @@ class ReplayNode:
             # counts it once under its cause too.
             failed["store"] = max(0, failed["store"] - refused[name])
             _add(summary.failed_blocks_by_tier, name, failed)
-            summary.refused_blocks_by_tier[name] = (
-                summary.refused_blocks_by_tier.get(name, 0) + refused[name]
-            )
+        summary.refused_blocks_by_tier = summed(
+            [summary.refused_blocks_by_tier, {name: refused[name] for name in names}]
+        )
         causes.update(
             {
                 cause: count
@@ -599,7 +543,7 @@ class ReplayNode:
 
 def _evicted_meanwhile(result: JobResult) -> bool:
     """Whether a failed load failed only because its blocks left every tier after the
-    lookup that found them (each key's reason then starts with LEFT_EVERY_TIER)."""
+    lookup (each key's reason then starts with LEFT_EVERY_TIER)."""
     error = result.error or ""
     return LEFT_EVERY_TIER in error and "; " not in error
 
@@ -617,8 +561,7 @@ def _add(table: dict[str, dict[str, int]], name: str, counts: Mapping[str, int])
 
 
 # Whole-request array operations, not a loop per block: NumPy lets go of the GIL while it
-# copies or compares, and a Python loop holding it would delay the event loop by up to a
-# switch interval (5 ms) at a time.
+# copies or compares; a Python loop would hold it and delay the event loop.
 
 
 def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
@@ -648,8 +591,7 @@ def _digests(keys: list[bytes]) -> np.ndarray:
 
 def _views(staging: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
     """Blocks ``first..last`` as their whole 64-byte repeats, (blocks, repeats, 64), and
-    the bytes after the last whole repeat: views, never copies (a reshape of a row slice
-    would copy when bytes are left after the repeats)."""
+    the bytes after the last whole repeat: views (a reshape of a row slice may copy)."""
     repeats = staging.shape[1] // 64
     whole = np.lib.stride_tricks.as_strided(
         staging[first:last],

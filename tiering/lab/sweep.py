@@ -1,9 +1,6 @@
-"""Capacity sweeps: the bookkeeping replay at several CPU capacities and policies.
-
-:func:`sweep` runs :func:`~tiering.lab.replay.simulate` (no bytes) for every pair of a
-capacity and a policy, and :func:`plot_sweep` draws the hit ratio against the capacity,
-one line per policy, so a user sees where the curve flattens. Capacities are blocks,
-or fractions of the workload's *footprint* (its distinct blocks).
+"""Capacity sweeps: the bookkeeping replay (:func:`~tiering.lab.replay.simulate`, no
+bytes) at several CPU capacities (blocks, or fractions of the workload's *footprint*, its
+distinct blocks) and policies, and a plot of hit ratio against capacity.
 """
 
 from __future__ import annotations
@@ -209,9 +206,7 @@ def plot_lines(
         ticks = sorted({x for points in lines.values() for x, _ in points})
         axes.set_xticks(ticks, [f"{t:.2g}%" for t in ticks])
         axes.minorticks_off()
-        axes.set_xlabel(xlabel)
-        axes.set_ylabel(ylabel)
-        axes.set_title(title)
+        axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
         figure.tight_layout()

@@ -1,18 +1,9 @@
-"""Generated workload families for judging eviction policies, each seeded and named.
-
-Every family stresses a different reuse shape, so that a policy tuned on one trace shows
-where it fails on the others:
-
-* ``chat``: multi-turn conversations; most gaps between turns are short, some long.
-* ``agent``: agent loops whose context grows every step behind shared tool prompts.
-* ``rag``: retrieval: a shared corpus of documents, a few per query in random order,
-  behind one system prompt.
-* ``scan``: popular prefixes under a stream of long prompts that are each seen once.
-* ``shift``: popular prefixes whose popularity is reshuffled every phase.
-
-Block ids are prefix-chained as in the Mooncake traces (equal ids mean equal prefixes),
-and each prompt ends with a partial block, so ``--full-blocks-only`` changes what is
-reused. The same name and seed give the same requests.
+"""Generated workload families for judging eviction policies (:data:`FAMILIES`), each
+seeded, named and stressing a different reuse shape, so that a policy tuned on one trace
+shows where it fails. Block ids are prefix-chained as in the Mooncake traces (equal ids
+mean equal prefixes), and each prompt ends with a partial block, so
+``--full-blocks-only`` changes what is reused. The same name and seed give the same
+requests.
 """
 
 from __future__ import annotations
@@ -33,11 +24,15 @@ from tiering.errors import InvalidArgumentError
 from tiering.lab.workloads import TOKENS_PER_BLOCK, Request, read_mooncake, synthetic_requests
 
 
-class _Prefixes:
-    """Assigns prefix-chained block ids: a block's id names its content and its prefix."""
+class _Builder:
+    """A family's random source, prefix-chained block ids (a block's id names its content
+    and its prefix) and requests, sorted by arrival at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.requests: list[Request] = []
         self._ids: dict[tuple[int | None, Hashable], int] = {}
+        self._unique = itertools.count()
 
     def chain(self, labels: Iterable[Hashable], parent: int | None = None) -> list[int]:
         """The ids of blocks ``labels`` following the block ``parent`` (None: the start)."""
@@ -47,23 +42,13 @@ class _Prefixes:
             ids.append(parent)
         return ids
 
-
-class _Builder:
-    """A family's random source, block ids and requests, sorted by arrival at the end."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.prefixes = _Prefixes()
-        self.requests: list[Request] = []
-        self._unique = itertools.count()
-
     def unique(self, count: int) -> list[tuple[str, int]]:
         """Labels of ``count`` blocks no other prompt holds."""
         return [("u", next(self._unique)) for _ in range(count)]
 
     def extend(self, ids: list[int], count: int) -> list[int]:
         """``ids`` followed by ``count`` blocks of their own (a fresh chain if empty)."""
-        return ids + self.prefixes.chain(self.unique(count), ids[-1] if ids else None)
+        return ids + self.chain(self.unique(count), ids[-1] if ids else None)
 
     def ask(self, arrival_s: float, ids: list[int], session: int, reply_blocks: int = 1) -> None:
         """A request for the full blocks ``ids`` and one partial block of its own."""
@@ -138,7 +123,7 @@ def rag(seed: int = 0) -> list[Request]:
         while len(chosen) < wanted:
             chosen[rng.choices(range(len(documents)), cum_weights=popularity)[0]] = None
         labels = [label for d in chosen for label in documents[d]]
-        b.ask(arrival, system + b.prefixes.chain(labels, system[-1]), query)
+        b.ask(arrival, system + b.chain(labels, system[-1]), query)
     return b.done()
 
 
@@ -179,14 +164,9 @@ def shift(seed: int = 0) -> list[Request]:
 
 
 FAMILIES: dict[str, Callable[[int], list[Request]]] = {
-    "chat": chat,
-    "agent": agent,
-    "rag": rag,
-    "scan": scan,
-    "shift": shift,
+    family.__name__: family for family in (chat, agent, rag, scan, shift)
 }
 """The generated families by name."""
-
 
 REFERENCES = ("lru", "arc")
 """The policies a suite measures every other against (the better of them, per point)."""
@@ -234,8 +214,8 @@ class SuiteResult:
         return min(p.ratio(policy) for p in self.points)
 
     def table(self) -> str:
-        """One row per workload, mode and capacity: each policy's ratio to the better of
-        LRU and ARC (that hit ratio in the last column); then each policy's worst."""
+        """One row per workload, mode and capacity: each policy's :meth:`SuitePoint.ratio`
+        (the better reference's hit ratio in the last column); then each one's worst."""
         header = f"{'workload':<22} {'capacity':>8} " + " ".join(f"{p:>10}" for p in self.policies)
         lines = [header + f" {'best ref':>8}", "-" * (len(header) + 9)]
         for p in self.points:
@@ -265,10 +245,9 @@ class SuiteResult:
         }
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=2)  # every point of one workload replays the same requests
 def _requests(workload: str, seed: int) -> list[Request]:
-    """A named workload, or the Mooncake trace at the path ``workload`` (cached: every
-    point of one workload replays the same requests)."""
+    """A named workload, or the Mooncake trace at the path ``workload``."""
     return generate(workload, seed) if workload in WORKLOADS else read_mooncake(workload)
 
 
@@ -293,10 +272,9 @@ def run_suite(
 ) -> SuiteResult:
     """The bookkeeping replay of every workload (a name of :data:`WORKLOADS` or a trace
     path), in every mode (``full_blocks_only``), at every fraction of its footprint, with
-    every policy (default: all; a retired name counts as its replacement, once) and LRU
-    and ARC, on ``jobs`` processes. Raises InvalidArgumentError for an unknown workload
-    or a bad fraction, UnknownPolicyError for an unknown policy, TraceError for a bad
-    trace."""
+    every policy (default: all; a retired name counts as its replacement, once) and the
+    :data:`REFERENCES`, on ``jobs`` processes. Raises InvalidArgumentError for an unknown
+    workload or a bad fraction, UnknownPolicyError, or TraceError for a bad trace."""
     names = (
         list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
     )
@@ -323,9 +301,8 @@ def run_suite(
 
 
 def plot_suite(result: SuiteResult, path: str | Path) -> Path:
-    """Draw each policy's worst ratio to the better of LRU and ARC over the suite's
-    workloads and modes against capacity (log scale), into a PNG at ``path``; raises as
-    :func:`~tiering.lab.sweep.plot_sweep`."""
+    """Draw each policy's worst :meth:`SuitePoint.ratio` against capacity (log scale), into
+    a PNG at ``path``; raises as :func:`~tiering.lab.sweep.plot_sweep`."""
     from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
 
     worst: dict[str, dict[float, float]] = {}
@@ -342,16 +319,3 @@ def plot_suite(result: SuiteResult, path: str | Path) -> Path:
         ylabel="worst hit ratio / the better of LRU and ARC",
         title=f"the workload suite: the worst of {workloads} workloads at each capacity",
     )
-
-
-__all__ = [
-    "FAMILIES",
-    "FRACTIONS",
-    "REFERENCES",
-    "WORKLOADS",
-    "SuitePoint",
-    "SuiteResult",
-    "generate",
-    "plot_suite",
-    "run_suite",
-]

@@ -1,9 +1,7 @@
-"""Serving workloads to replay: Mooncake-format traces, and synthetic chat traffic.
-
-A workload is a list of :class:`Request`, ordered by arrival, naming its prompt's blocks
-by prefix-chained integer ids as the Mooncake traces do (equal ids mean equal prefixes,
-so an id is a cache key). :func:`read_mooncake` reads such a JSON-lines trace;
-:func:`synthetic_requests` makes seeded multi-turn chat traffic, so the commands need no
+"""Serving workloads to replay: a list of :class:`Request`, ordered by arrival, naming
+its prompt's blocks by prefix-chained integer ids as the Mooncake traces do (equal ids mean
+equal prefixes, so an id is a cache key): read from such a trace (:func:`read_mooncake`),
+or seeded multi-turn chat traffic (:func:`synthetic_requests`), so the commands need no
 data file.
 """
 
@@ -158,6 +156,3 @@ def synthetic_requests(
             arrival += rng.expovariate(1.0 / think_time_s)
     requests.sort(key=lambda r: r.arrival_s)
     return requests
-
-
-__all__ = ["TOKENS_PER_BLOCK", "Request", "TraceError", "read_mooncake", "synthetic_requests"]

@@ -1,6 +1,7 @@
 """Secondary tiers by name: :func:`register_tier` registrations, then the built-ins
 (imported when first built: importing ``tiering`` imports no ``backends``), then entry
-points of the group ``kv_tiering.tiers``.
+points of the group ``kv_tiering.tiers``; and the bookkeeping replay's model of a built-in
+tier (:func:`replay_model`, imported on first use too).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _BUILTINS: dict[str, str] = {
     "nvme": "backends.nvme.tier:NVMeTier",
     "redis": "backends.redis.tier:RedisTier",
 }
+_REPLAY_MODELS: dict[str, str] = {"nvme": "backends.nvme.replay_model:SegmentLog"}
 _REGISTERED: dict[str, TierFactory] = {}
 
 
@@ -161,12 +163,7 @@ def tier_factory(name: str) -> TierFactory:
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
-        module, _, attribute = _BUILTINS[name].partition(":")
-        try:
-            return getattr(importlib.import_module(module), attribute)  # type: ignore[no-any-return]
-        except ImportError as exc:
-            where = _BUILTINS[name]
-            raise UnknownTierError(f"tier {name!r} ({where}) cannot be imported: {exc}") from exc
+        return _imported(name, _BUILTINS[name])  # type: ignore[no-any-return]
     for ep in _entry_points():
         if ep.name == name:
             loaded = ep.load()
@@ -176,6 +173,26 @@ def tier_factory(name: str) -> TierFactory:
                 )
             return loaded  # type: ignore[no-any-return]
     raise UnknownTierError(f"unknown tier {name!r}; known tiers: {tier_names()}")
+
+
+def replay_model(name: str) -> Callable[..., Any]:
+    """The class that models the built-in tier ``name`` in the bookkeeping replay
+    (:class:`tiering.lab.replay.CacheModel`), built from the tier's layout. Raises
+    UnknownTierError if ``name`` has none or its module cannot be imported."""
+    if name not in _REPLAY_MODELS:
+        raise UnknownTierError(
+            f"tier {name!r} has no replay model; these do: {sorted(_REPLAY_MODELS)}"
+        )
+    return _imported(name, _REPLAY_MODELS[name])  # type: ignore[no-any-return]
+
+
+def _imported(name: str, where: str) -> Any:
+    """The attribute ``where`` (``module:attribute``) names, for the tier ``name``."""
+    module, _, attribute = where.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except ImportError as exc:
+        raise UnknownTierError(f"tier {name!r} ({where}) cannot be imported: {exc}") from exc
 
 
 def _entry_points() -> tuple[EntryPoint, ...]:
