@@ -38,9 +38,8 @@ from backends.nvme.segment_format import (
     temporary_writer,
     tier_file,
 )
-from backends.nvme.segment_index import SegmentIndex
+from backends.nvme.segment_index import MAX_RECORDS_PER_SEGMENT, SegmentIndex
 from backends.nvme.segments import SegmentFiles
-from backends.nvme.space import MAX_RECORDS_PER_SEGMENT
 from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
 from tiering.security.encryption import BlockCipher, Keyring, keyring_from
 from tiering.tiers.block_record import HEADER_BYTES, decode_header, namespace_digest

@@ -323,13 +323,6 @@ def _write_temporary(
     return temp, sum(len(p) for p in parts)
 
 
-async def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
-    """``(the checkpoint, None)``, or ``(None, why not)``: the file read whole through
-    aiofiles, parsed (its checksum checked) on a thread. Never raises."""
-    data, note = await _read_checkpoint_file(files)
-    return await asyncio.to_thread(_decode_checkpoint, files, data, note)
-
-
 async def _read_checkpoint_file(files: SegmentFiles) -> tuple[bytes | None, str | None]:
     """``(the checkpoint file's bytes, None)``, or ``(None, why not)``."""
     path = os.path.join(files.directory, CHECKPOINT_FILE)

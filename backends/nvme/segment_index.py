@@ -1,7 +1,8 @@
-"""The NVMe tier's index, sans-I/O on the loop thread: where each block sits, where new
-records go, which segments to delete to make room, and what a checkpoint holds
-(docs/nvme.md: the key table, eviction and reinsertion, compaction). Two keys of one
-64-bit digest look like one block here; every read verifies the full key.
+"""The NVMe tier's index and its space accounting, sans-I/O on the loop thread: where
+each block sits, where new records go, which segments to delete to make room, what a
+checkpoint holds (:class:`SegmentIndex`), and how many records the cap and the
+free-space floor allow (:class:`SpaceGuard`; docs/nvme.md). Two keys of one 64-bit
+digest look like one block here; every read verifies the full key.
 """
 
 from __future__ import annotations
@@ -9,16 +10,20 @@ from __future__ import annotations
 import time
 from array import array
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import xxhash
 
 from backends.nvme.segment_format import Checkpoint, parse_segment_name, segment_name
-from backends.nvme.segments import SegmentScan
 from tiering.errors import InvalidArgumentError
+from tiering.tiers.block_record import HEADER_BYTES
 from tiering.validation import positive_int
+
+if TYPE_CHECKING:
+    from backends.nvme.segments import SegmentScan
 
 _EMPTY = 0
 _MAX_LOAD = 0.7
@@ -46,11 +51,6 @@ class KeyTable:
 
     def __len__(self) -> int:
         return self._len
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the table's arrays."""
-        return len(self._digests) * 20
 
     def _find(self, digest: int) -> int:
         """The slot holding ``digest``, or the empty slot where it would go."""
@@ -260,32 +260,18 @@ class SegmentIndex:
 
     @property
     def pinned_records(self) -> int:
-        """Pins of every segment (reads and uncommitted writes)."""
-        return sum(segment.pins for segment in self._segments.values())
-
-    @property
-    def held_records(self) -> int:
-        """Records whose key is held (see :meth:`hold`)."""
-        return sum(1 for digest in self._holds if digest in self)
+        """Pins of every segment (reads and uncommitted writes), plus the records whose
+        key is held (see :meth:`hold`)."""
+        pins = sum(segment.pins for segment in self._segments.values())
+        return pins + sum(1 for digest in self._holds if digest in self)
 
     def holds(self, digest: int) -> int:
         return self._holds[digest]
 
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes of the table and the segments' digest lists."""
-        lists = sum(len(s.digests) * 8 for s in self._segments.values())
-        return self._table.nbytes + lists
-
-    def live_fraction(self, segment: str) -> float:
-        entry = self._segments[self._slot_of[segment]]
-        return entry.live / len(entry.digests) if len(entry.digests) else 1.0
-
     # -- use --------------------------------------------------------------------------
 
     def touch(self, digests: Sequence[int]) -> None:
-        """Mark present digests used now, the first the most recent (absent ones are
-        ignored)."""
+        """Mark present digests used now, the first the most recent (others: ignored)."""
         for digest in reversed(digests):
             self._clock += 1
             self._table.touch(digest, self._clock & 0xFFFFFFFF)
@@ -560,3 +546,153 @@ class SegmentIndex:
     def excess_segments(self, on_disk: Sequence[tuple[str, int]]) -> list[str]:
         """The segments of ``on_disk`` :meth:`restore` left out."""
         return [name for name, _ in on_disk if name not in self._slot_of]
+
+
+# -- space: the cap, the free-space floor, disk full ----------------------------------------
+
+DISK_FULL_REASON = (
+    "nvme tier is read-only: the file system was full (ENOSPC); stores resume once space returns"
+)
+# Segment sizing (docs/nvme.md, "Segments per cap"):
+DEFAULT_SEGMENT_BYTES = 256 << 20  # without ``segment_bytes``, unless the cap is small
+MAX_RECORDS_PER_SEGMENT = 4096  # bounds the work of evicting one segment
+DERIVED_SEGMENTS_PER_CAP = 8  # without ``segment_bytes``, the cap holds at least this many
+MIN_SEGMENTS_PER_CAP = 2  # the segment being written is never evicted
+
+
+class SpaceGuard:
+    """Cap, floor, cached free space and the read-only (disk full) state of one tier;
+    blocks promised to running stores count as written. The tier measures free space
+    off the loop and feeds it in. InvalidArgumentError when ``capacity_bytes`` holds not
+    even one block file."""
+
+    MAX_AGE_S = 1.0  # free space measured longer ago is measured again
+
+    def __init__(
+        self,
+        *,
+        file_bytes: int,
+        capacity_bytes: int,
+        min_free_bytes: int,
+        retry_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        if capacity_bytes < file_bytes:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes!r} is below one block file ({file_bytes} "
+                "bytes: header page + block); the tier could never store"
+            )
+        self.file_bytes = file_bytes
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_bytes // file_bytes
+        self.min_free_bytes = min_free_bytes
+        self.retry_s = float(retry_s)
+        self._clock = clock
+        self.free_bytes: int | None = None
+        """The last measured free space (None: unknown, the floor is not applied)."""
+        self._measured_at = float("-inf")
+        self._full_since: float | None = None
+        self._last_probe = 0.0
+        self._freed = False
+
+    def check_file_system(self, total_bytes: int, where: str) -> None:
+        """InvalidArgumentError when ``min_free_bytes`` is at or above ``total_bytes``, a
+        floor the file system can never satisfy."""
+        if total_bytes > 0 and self.min_free_bytes >= total_bytes:
+            raise InvalidArgumentError(
+                f"min_free_bytes={self.min_free_bytes} is at or above the size of the file "
+                f"system at {where!r} ({total_bytes} bytes); the tier could never store"
+            )
+
+    def measured(self, free_bytes: int | None) -> None:
+        """Take a new free-space figure (None when ``statvfs`` failed)."""
+        self.free_bytes = free_bytes
+        self._measured_at = self._clock()
+
+    def stale(self, pending_blocks: int) -> bool:
+        """True if free space must be measured before planning ``pending_blocks`` more
+        records: unknown, old, near the floor, or read-only (space may have returned)."""
+        if self._full_since is not None or self.free_bytes is None:
+            return True
+        if self._clock() - self._measured_at >= self.MAX_AGE_S:
+            return True
+        return self.free_bytes - pending_blocks * self.file_bytes < self.min_free_bytes
+
+    def limit(self, held_blocks: int, reserved_blocks: int) -> tuple[int, str]:
+        """The most records (``held_blocks`` on disk plus ``reserved_blocks`` promised to
+        running stores) allowed now, and why it binds."""
+        bound = self.capacity_blocks
+        reason = f"nvme tier full: capacity {self.capacity_bytes} bytes reached"
+        if self.free_bytes is not None:
+            above_floor = self.free_bytes - reserved_blocks * self.file_bytes
+            floor_room = (above_floor - self.min_free_bytes) // self.file_bytes
+            floor_bound = held_blocks + reserved_blocks + floor_room
+            if floor_bound < bound:
+                bound = floor_bound
+                reason = f"nvme tier full: free space would fall below {self.min_free_bytes} bytes"
+        return bound, reason
+
+    @property
+    def read_only(self) -> bool:
+        """True while stores are refused because the file system was full."""
+        return self._full_since is not None
+
+    def freed(self) -> None:
+        """The tier freed space: a refused store may probe again at once."""
+        self._freed = True
+
+    def refusing(self) -> bool:
+        """True if a store must be refused without I/O now: while read-only, all but one
+        probing store every ``retry_s`` seconds (or at once after :meth:`freed`)."""
+        if self._full_since is None:
+            return False
+        now = self._clock()
+        if self._freed or now - self._last_probe >= self.retry_s:
+            self._last_probe = now
+            self._freed = False
+            return False
+        return True
+
+    def store_ended(
+        self, *, disk_full: bool, stored_any: bool
+    ) -> Literal["full", "resumed"] | None:
+        """Take a store hop's outcome; returns ``"full"`` when the tier just turned
+        read-only, ``"resumed"`` when it just turned writable, else None."""
+        now = self._clock()
+        if disk_full:
+            self._last_probe = now
+            self._freed = False
+            if self._full_since is None:
+                self._full_since = now
+                return "full"
+            return None
+        if stored_any and self._full_since is not None:
+            self._full_since = None
+            return "resumed"
+        return None
+
+
+def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_bytes: int) -> int:
+    """Records a segment takes: from ``segment_bytes``, or (None) from the cap;
+    InvalidArgumentError (both options named) when the cap holds fewer than two."""
+    capacity_records = capacity_bytes // record_bytes
+    size = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+    records = max(1, min(MAX_RECORDS_PER_SEGMENT, (size - HEADER_BYTES) // record_bytes))
+    if segment_bytes is None:
+        records = min(records, max(1, capacity_records // DERIVED_SEGMENTS_PER_CAP))
+        if 0 < capacity_records < MIN_SEGMENTS_PER_CAP:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes} holds {capacity_records} record of "
+                f"{record_bytes} bytes; a segment tier needs room for at least "
+                f"{MIN_SEGMENTS_PER_CAP} (the segment being written is never evicted)"
+            )
+    elif 0 < capacity_records < MIN_SEGMENTS_PER_CAP * records:
+        raise InvalidArgumentError(
+            f"capacity_bytes={capacity_bytes} holds {capacity_records} records of "
+            f"{record_bytes} bytes, fewer than {MIN_SEGMENTS_PER_CAP} segments of "
+            f"segment_bytes={segment_bytes} ({records} records each): the segment being "
+            "written is never evicted, so the tier would fill once and then refuse every "
+            "store; raise capacity_bytes, lower segment_bytes, or leave segment_bytes out "
+            "(it then follows from the cap)"
+        )
+    return records

@@ -1,7 +1,9 @@
 """Segment files, the blocking half of the NVMe tier (docs/nvme.md: the layout, writes
-and reads): :class:`SegmentFiles` does every file operation synchronously, once per job
-on the tier's I/O threads, and decides nothing (the caller's index places each record).
-Every system call goes through an :class:`~backends.nvme.os_calls.OsCalls` (fault injection).
+and reads): :class:`SegmentFiles` does a job's file work in one call on the tier's I/O
+threads (a store's whole hop is :meth:`SegmentFiles.store`) and decides nothing (the
+index places each record). It builds records (header page, payload checksummed or
+sealed, padding) in page-aligned buffers of its thread, then makes the system calls,
+every one through an :class:`~backends.nvme.os_calls.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backends.nvme.os_calls import (
     ALIGNMENT,
@@ -22,15 +25,11 @@ from backends.nvme.os_calls import (
     REAL_OS,
     FsyncPolicy,
     OsCalls,
-    buffer_address,
     describe_os_error,
     free_bytes,
     fsync_dir,
-    is_aligned,
-    thread_buffer,
     write_all,
 )
-from backends.nvme.sealing import PayloadSealer
 from backends.nvme.segment_format import (
     REMOVED_MARK,
     SEGMENTS_DIR,
@@ -38,8 +37,9 @@ from backends.nvme.segment_format import (
     encode_segment_header,
     parse_segment_name,
 )
+from tiering.device.page_memory import HUGE_PAGE_BYTES, io_buffer
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-from tiering.security.encryption import BlockCipher
+from tiering.security.encryption import TAG_BYTES, BlockCipher, Seal
 from tiering.tiers.block_record import (
     HEADER_BYTES,
     check_header,
@@ -50,13 +50,108 @@ from tiering.tiers.block_record import (
     verify_payload,
 )
 
+if TYPE_CHECKING:
+    from backends.nvme.segment_index import Placement
+
 MAX_IOV = 1024
 """The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
+GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
+MOVE_BYTES_PER_JOB = 64 << 20  # the most bytes of moved records one store job rewrites
+SEAL_BATCH_BYTES = 8 << 20
+"""Sealing-buffer memory per I/O thread (the fastest size tried, docs/benchmarks.md)."""
+
+
+# -- buffers ------------------------------------------------------------------------------
 
 
 def align_up(value: int, to: int = ALIGNMENT) -> int:
     """``value`` rounded up to a multiple of ``to``."""
     return -(-value // to) * to
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The address of a buffer's first byte, or None if it cannot be taken (read-only)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
+
+
+def is_aligned(view: memoryview) -> bool:
+    """True if ``view`` can take part in O_DIRECT I/O: aligned address and length."""
+    if view.nbytes % ALIGNMENT:
+        return False
+    address = buffer_address(view)
+    return address is not None and address % ALIGNMENT == 0
+
+
+def thread_buffer(
+    local: threading.local, name: str, nbytes: int, *, at_least: int = 0
+) -> memoryview:
+    """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
+    ``max(nbytes, at_least)`` long when missing or too short: an
+    :func:`~tiering.device.page_memory.io_buffer` from a huge page up, a plain mapping below (a
+    small buffer gains nothing from a huge page, and its first touch would fault in and
+    zero a whole one while the thread holds the GIL, stalling the event loop)."""
+    view: memoryview | None = getattr(local, name, None)
+    if view is None or view.nbytes < nbytes:
+        size = max(nbytes, at_least)
+        if size >= HUGE_PAGE_BYTES:
+            view = io_buffer(size)
+        else:  # never empty: an anonymous mapping of 0 bytes is EINVAL
+            view = memoryview(mmap.mmap(-1, max(size, ALIGNMENT)))
+        setattr(local, name, view)
+    return view[:nbytes]
+
+
+def copy_bytes(target: memoryview, source: memoryview) -> None:
+    """``target[:] = source``, without the GIL (``ctypes.memmove``) where both buffers
+    are writable: I/O threads copy in parallel, and the loop's thread does not wait."""
+    into, of = buffer_address(target), buffer_address(source)
+    if into is None or of is None or target.nbytes != source.nbytes:
+        target[:] = source
+    else:
+        ctypes.memmove(into, of, source.nbytes)
+
+
+class PayloadSealer:
+    """Seals one namespace's payloads of ``block_bytes`` with ``cipher`` (encryption at
+    rest). A sealed write cannot go straight from the host pool (the slot keeps its
+    plaintext, and AES-GCM adds a tag), so each I/O thread seals into page-aligned
+    buffers of its own. The cipher runs without the GIL but not without a core: a
+    thread yields the CPU after each block, for the loop's thread."""
+
+    def __init__(self, cipher: BlockCipher, block_bytes: int, ns_digest: bytes) -> None:
+        self.cipher = cipher
+        self.block_bytes = block_bytes
+        self.ns_digest = ns_digest
+        # Payloads packed at page-aligned offsets, not one page further apart for their
+        # tags: a 2 MiB payload then fills exactly one huge page of the buffer.
+        self.stride = align_up(block_bytes)
+        self.batch = max(1, SEAL_BATCH_BYTES // self.stride)
+        """The most buffers :meth:`buffers` lends a thread at once."""
+        self._local = threading.local()
+
+    def buffers(self, count: int) -> list[memoryview]:
+        """``count`` (at most :attr:`batch`) page-aligned buffers of ``block_bytes +
+        TAG_BYTES``, this thread's until its next call. Seal into them in order: a tag
+        (kept by its :class:`Seal`) spills into the next buffer, which overwrites it."""
+        if not 0 < count <= self.batch:
+            raise ValueError(f"count must be in 1..{self.batch}, got {count}")
+        arena = thread_buffer(self._local, "arena", self.batch * self.stride + TAG_BYTES)
+        size = self.block_bytes + TAG_BYTES
+        return [arena[i * self.stride : i * self.stride + size] for i in range(count)]
+
+    def seal(self, key: bytes, payload: memoryview, buffer: memoryview) -> Seal:
+        """Seal ``payload`` (``key``'s block, bound by :func:`record_binding` with no
+        tenant) into ``buffer``; its first ``block_bytes`` go to disk, the seal into
+        the header."""
+        seal = self.cipher.seal_into(payload, buffer, record_binding(self.ns_digest, b"", key))
+        os.sched_yield()
+        return seal
+
+
+# -- what a call takes and reports ----------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +167,8 @@ class RecordRun:
 
 @dataclass(slots=True)
 class WriteReport:
-    """What one :meth:`SegmentFiles.write` call did: ``written`` keys are on disk
-    (durable per the fsync policy), ``failed`` maps every other key to a reason."""
+    """What one write did: ``written`` keys are on disk (durable per the fsync policy),
+    ``failed`` maps every other key to a reason."""
 
     written: list[bytes] = field(default_factory=list)
     failed: dict[bytes, str] = field(default_factory=dict)
@@ -101,7 +196,22 @@ class SegmentScan:
     """Slots :meth:`SegmentFiles.mark_removed` marked (not counted ``invalid``)."""
 
 
-GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
+@dataclass(slots=True)
+class StoreHop:
+    """One store job for :meth:`SegmentFiles.store`: the job's ``records`` ``(key, CPU
+    slot)`` go to the first of ``placed``, the evicted records to ``move`` ``(segment,
+    record, digest)`` to the rest; the keys of the records ``gone`` from the tier are
+    read, and the segments ``delete`` deleted. ``moved`` and ``gone_keys`` are what the
+    hop read before it deleted anything (a key, or None where a header did not verify);
+    both None until then."""
+
+    records: list[tuple[bytes, int]]
+    placed: Sequence[Placement]
+    moves: Sequence[tuple[str, int, int]]
+    gone: Sequence[tuple[str, int]]
+    delete: Sequence[str]
+    moved: list[bytes | None] | None = None
+    gone_keys: list[bytes | None] | None = None
 
 
 class SegmentFiles:
@@ -142,6 +252,7 @@ class SegmentFiles:
         """Seals payloads on write and opens them on read; None: plain blocks."""
         self.file_mode = file_mode
         self._local = threading.local()
+        self._moves = threading.local()  # per thread: buffers for moved records
         self._padding = memoryview(mmap.mmap(-1, ALIGNMENT))[: align_up(block_bytes) - block_bytes]
         self._staged_records = max(1, staging_bytes // self.record_bytes) if staging_bytes else 0
 
@@ -161,6 +272,34 @@ class SegmentFiles:
         return thread_buffer(self._local, "pages", count * HEADER_BYTES, at_least=16 * HEADER_BYTES)
 
     # -- write ------------------------------------------------------------------------
+
+    def store(self, hop: StoreHop, slot: Callable[[int], memoryview], writer: str) -> WriteReport:
+        """One store job's blocking half, in order: read the records to move (into this
+        thread's buffers) and the keys of the records gone, kept in ``hop`` before
+        anything is deleted; delete ``hop.delete``; then :meth:`write` the job's blocks
+        (``slot(block id)``) and the moves that verified. Raises as :meth:`write`."""
+        size = self.block_bytes
+        buffers: list[memoryview] = []
+        if hop.moves:
+            view = thread_buffer(
+                self._moves, "moves", len(hop.moves) * size, at_least=MOVE_BYTES_PER_JOB
+            )
+            buffers = [view[i * size : (i + 1) * size] for i in range(len(hop.moves))]
+        moving = [(s, r, b, None) for (s, r, _), b in zip(hop.moves, buffers, strict=True)]
+        moved = [key if not why else None for key, why, _ in self.read(moving)]
+        hop.moved, hop.gone_keys = moved, self.read_keys(hop.gone)
+        self.delete(hop.delete)
+        records = [(key, slot(block_id)) for key, block_id in hop.records]
+        where = [(p.segment, p.record, p.create) for p in hop.placed[: len(records)]]
+        for key, buffer, p in zip(moved, buffers, hop.placed[len(records) :], strict=True):
+            if key is not None:
+                records.append((key, buffer))
+                where.append((p.segment, p.record, p.create))
+        return self.write(list(iter_runs(where, records)), writer=writer)
+
+    def drop_move_buffers(self) -> None:
+        """Let every thread's buffers for moved records go (the next move makes its own)."""
+        self._moves = threading.local()
 
     def write(self, runs: Sequence[RecordRun], *, writer: str) -> WriteReport:
         """Write each run's records into its segment. An I/O error fails the rest of its
@@ -206,25 +345,37 @@ class SegmentFiles:
             or self.staged > 0
             or all(is_aligned(payload) for _, payload in run.records)
         )
+        per_call = self._records_per_call()
+        records = run.records
+        calls = [records[i : i + per_call] for i in range(0, len(records), per_call)] or [records]
+        # The segment header and the first call's records are built before the file is
+        # opened: the job goes down from the records to the system calls.
+        header = None
+        if run.create:
+            header = thread_buffer(self._local, "segment header", HEADER_BYTES)
+            encode_segment_header(
+                header, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
+            )
+        buffers = self._record_buffers(calls[0])
         # O_CREAT for every run: jobs writing one segment run on several threads, and the
         # run that writes its header may come last. Names are unique to this writer.
         flags = os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0)
         fd = self.os.open(self.path_of(run.segment), flags, self.file_mode)
         try:
-            if run.create:
+            if header is not None:
                 report.created.append(run.segment)
-                page = self._pages(1)
-                encode_segment_header(
-                    page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
-                )
-                write_all(self.os, fd, [page], 0)
-            if len(run.records) > self._records_per_call():
+                write_all(self.os, fd, [header], 0)
+            offset = self.offset_of(run.first)
+            if len(calls) > 1:
                 # Allocated first, in one call: on ext4 a direct write that must allocate
                 # takes the file for itself and waits for all I/O in flight on it, which
                 # would stall every other job writing the segment (docs/security.md).
-                length = len(run.records) * self.record_bytes
-                self.os.allocate(fd, self.offset_of(run.first), length)
-            self._write_records(fd, run)
+                self.os.allocate(fd, offset, len(records) * self.record_bytes)
+            for i, chunk in enumerate(calls):
+                write_all(self.os, fd, buffers if i == 0 else self._record_buffers(chunk), offset)
+                offset += len(chunk) * self.record_bytes
+                if self.fsync == "always":
+                    self.os.fdatasync(fd)
             if self.fsync != "none":
                 self.os.fdatasync(fd)
         finally:
@@ -237,16 +388,6 @@ class SegmentFiles:
         if self.sealer is not None:
             return min(per_call, self.sealer.batch)
         return self.staged or per_call
-
-    def _write_records(self, fd: int, run: RecordRun) -> None:
-        per_call = self._records_per_call()
-        offset = self.offset_of(run.first)
-        for start in range(0, len(run.records), per_call):
-            chunk = run.records[start : start + per_call]
-            write_all(self.os, fd, self._record_buffers(chunk), offset)
-            offset += len(chunk) * self.record_bytes
-            if self.fsync == "always":
-                self.os.fdatasync(fd)
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
@@ -280,6 +421,13 @@ class SegmentFiles:
         return thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
 
     # -- read -------------------------------------------------------------------------
+
+    def load(
+        self, reads: Sequence[tuple[bytes, str, int, int]], slot: Callable[[int], memoryview]
+    ) -> list[ReadOutcome]:
+        """One load job's blocking half: :meth:`read` of each ``(key, segment, record,
+        block id)`` into ``slot(block id)``."""
+        return self.read([(segment, record, slot(b), key) for key, segment, record, b in reads])
 
     def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
         """Read each ``(segment, record, slot, expected key or None for any)`` into its
@@ -385,7 +533,7 @@ class SegmentFiles:
                     verify_payload(header, slot, None, self._checksum)
                 else:
                     verify_payload(header, sealed[j][:size], cipher, into=slot)
-                    os.sched_yield()  # see backends/nvme/sealing.py
+                    os.sched_yield()  # as PayloadSealer.seal does
             except CorruptBlockError as exc:
                 outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
             else:
@@ -521,16 +669,6 @@ class SegmentFiles:
             return free_bytes(self.os.statvfs(self.directory))
         except OSError:
             return None
-
-
-def copy_bytes(target: memoryview, source: memoryview) -> None:
-    """``target[:] = source``, without the GIL (``ctypes.memmove``) where both buffers
-    are writable: I/O threads copy in parallel, and the loop's thread does not wait."""
-    into, of = buffer_address(target), buffer_address(source)
-    if into is None or of is None or target.nbytes != source.nbytes:
-        target[:] = source
-    else:
-        ctypes.memmove(into, of, source.nbytes)
 
 
 def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
