@@ -1,18 +1,18 @@
-"""The NVMe tier's index and its space accounting, sans-I/O on the loop thread: where
-each block sits, where new records go, which segments to delete to make room, what a
-checkpoint holds (:class:`SegmentIndex`), and how many records the cap and the
-free-space floor allow (:class:`SpaceGuard`; docs/nvme.md). Two keys of one 64-bit
-digest look like one block here; every read verifies the full key.
+"""The NVMe tier's index and its space accounting, sans-I/O on the loop thread
+(docs/nvme.md): where each block sits, where new records go, which segments to delete,
+what a checkpoint holds (:class:`SegmentIndex`); how many records the cap and the
+free-space floor allow, and the disk-full state (:class:`SpaceGuard`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -24,6 +24,8 @@ from tiering.validation import positive_int
 
 if TYPE_CHECKING:
     from backends.nvme.segments import SegmentScan
+
+logger = logging.getLogger(__name__)
 
 _EMPTY = 0
 _MAX_LOAD = 0.7
@@ -125,9 +127,7 @@ class KeyTable:
                 digests[hole], locs[hole], ticks[hole] = digests[slot], locs[slot], ticks[slot]
                 hole = slot
             slot = (slot + 1) & mask
-        digests[hole] = _EMPTY
-        locs[hole] = 0
-        ticks[hole] = 0
+        digests[hole] = locs[hole] = ticks[hole] = _EMPTY
         self._len -= 1
         return old
 
@@ -197,12 +197,12 @@ class RoomPlan:
 
 
 class SegmentIndex:
-    """Which blocks the NVMe tier holds, where, and what to evict.
-
-    Capacity counts records on disk, live or dead. A pinned segment (a read or write in
-    flight), one holding a held key and the one being written are never evicted; a newer
-    record of a digest makes the older one dead. InvalidArgumentError for a size that is
-    not a positive int, a ``writer`` that is not hex, or a fraction outside [0, 1].
+    """Which blocks the NVMe tier holds (by 64-bit key digest: two keys of one digest
+    look like one block here, and every read verifies the full key), where, and what to
+    evict. Capacity counts records on disk, live or dead. A pinned segment (a read or
+    write in flight), one holding a held key and the one being written are never
+    evicted; a newer record of a digest makes the older one dead. InvalidArgumentError
+    for a size that is not a positive int, a ``writer`` not hex, a fraction outside [0, 1].
     """
 
     def __init__(
@@ -495,25 +495,19 @@ class SegmentIndex:
         protected: Collection[str] = (),
     ) -> int:
         """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and
-        segment scans; returns the blocks indexed.
-
-        ``on_disk`` lists the segments present now, oldest first, with their records;
-        the checkpoint counts for those up to the records it covered, ``scans[name]``
-        for the rest. Later records of a digest win; segments beyond capacity are left
-        out; ``protected`` ones (another live writer's) are never evicted.
-        """
+        segment scans; returns the blocks indexed. ``on_disk`` lists the segments present
+        now, oldest first, with their records; the checkpoint counts for those up to the
+        records it covered, ``scans[name]`` for the rest. Later records of a digest win;
+        segments beyond capacity are left out; ``protected`` ones (another live writer's)
+        are never evicted."""
         if self._segments:
             raise InvalidArgumentError("restore needs an empty index")
         covered = dict(checkpoint.segments) if checkpoint is not None else {}
-        by_name: dict[str, list[tuple[int, int, int]]] = {name: [] for name in covered}
+        by_name: dict[str, list[tuple[int, int, int]]] = {}
         if checkpoint is not None:
-            columns = (checkpoint.record_of, checkpoint.digests, checkpoint.ticks)
-            for (name, _), *entry in zip(
-                (checkpoint.segments[s] for s in checkpoint.segment_of.tolist()),
-                *(column.tolist() for column in columns),
-                strict=True,
-            ):
-                by_name[name].append(tuple(entry))  # type: ignore[arg-type]
+            columns = (checkpoint.digests.tolist(), checkpoint.ticks.tolist())
+            for (name, record), digest, tick in zip(checkpoint.locations(), *columns, strict=True):
+                by_name.setdefault(name, []).append((record, digest, tick))
         for name, _records in on_disk:
             parsed = parse_segment_name(name)
             if parsed is not None and parsed[0] == self.writer:
@@ -561,10 +555,10 @@ MIN_SEGMENTS_PER_CAP = 2  # the segment being written is never evicted
 
 
 class SpaceGuard:
-    """Cap, floor, cached free space and the read-only (disk full) state of one tier;
-    blocks promised to running stores count as written. The tier measures free space
-    off the loop and feeds it in. InvalidArgumentError when ``capacity_bytes`` holds not
-    even one block file."""
+    """Cap, floor, cached free space and the read-only (disk full) state of one tier
+    (its directory ``where``); blocks promised to running stores count as written. The
+    tier measures free space off the loop and feeds it in. InvalidArgumentError when
+    ``capacity_bytes`` holds not even one block file."""
 
     MAX_AGE_S = 1.0  # free space measured longer ago is measured again
 
@@ -576,6 +570,7 @@ class SpaceGuard:
         min_free_bytes: int,
         retry_s: float,
         clock: Callable[[], float],
+        where: str,
     ) -> None:
         if capacity_bytes < file_bytes:
             raise InvalidArgumentError(
@@ -588,6 +583,7 @@ class SpaceGuard:
         self.min_free_bytes = min_free_bytes
         self.retry_s = float(retry_s)
         self._clock = clock
+        self.where = where  # the directory, for the log
         self.free_bytes: int | None = None
         """The last measured free space (None: unknown, the floor is not applied)."""
         self._measured_at = float("-inf")
@@ -653,23 +649,28 @@ class SpaceGuard:
             return False
         return True
 
-    def store_ended(
-        self, *, disk_full: bool, stored_any: bool
-    ) -> Literal["full", "resumed"] | None:
-        """Take a store hop's outcome; returns ``"full"`` when the tier just turned
-        read-only, ``"resumed"`` when it just turned writable, else None."""
+    def store_ended(self, free_bytes: int | None, disk_full: bool, stored_any: bool) -> bool:
+        """Take a store hop's outcome (the free space it measured, unless None); True
+        when the tier just turned read-only. Each change is logged."""
+        if free_bytes is not None:
+            self.measured(free_bytes)
         now = self._clock()
         if disk_full:
             self._last_probe = now
             self._freed = False
             if self._full_since is None:
                 self._full_since = now
-                return "full"
-            return None
-        if stored_any and self._full_since is not None:
+                logger.warning(
+                    "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
+                    "on; retrying every %gs or after space is freed",
+                    self.where,
+                    self.retry_s,
+                )
+                return True
+        elif stored_any and self._full_since is not None:
             self._full_since = None
-            return "resumed"
-        return None
+            logger.warning("nvme tier: space returned at %s; stores resumed", self.where)
+        return False
 
 
 def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_bytes: int) -> int:

@@ -1,8 +1,6 @@
-"""The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
-and bounded (docs/nvme.md). The actor shell: the index on the loop thread, each job's
-blocking work (:class:`~backends.nvme.segments.SegmentFiles`) in ONE call on the tier's
-own threads, the file-system operations around it (the namespace directory, the owner
-lock, the checkpoint's file) awaited through aiofiles (docs/architecture.md#where-work-runs).
+"""The NVMe tier, registered as ``"nvme"`` (docs/nvme.md): the actor shell. Its index
+decides on the loop thread; each job's blocking half is ONE :class:`SegmentFiles` call on
+the tier's I/O threads; the file-system operations around them go through aiofiles.
 """
 
 from __future__ import annotations
@@ -88,10 +86,8 @@ class NVMeMetrics:
 
 
 class InflightBytes:
-    """A loop-thread byte budget for jobs' I/O; waiting loads are admitted before stores.
-
-    A job larger than the whole budget runs alone rather than never.
-    """
+    """A loop-thread byte budget for jobs' I/O: waiting loads are admitted before stores,
+    and a job larger than the whole budget runs alone rather than never."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -141,19 +137,14 @@ class InflightBytes:
 
 class NVMeTier(TierActor):
     """A secondary tier keeping blocks as records of segment files under ``root``; its
-    options are :class:`NVMeOptions`.
-
-    Guarantees (docs/nvme.md has each at length):
-
-    * A store's keys become visible only once their records are written (and synced per
-      ``fsync``). Keys held are skipped; a key twice in a job is stored from its first slot.
-    * A record is served only if its header and payload checksum (or GCM tag) verify. A
-      key that fails is in ``failed_keys`` and leaves the index; the job's other keys
-      land. An I/O error fails the keys it hit, in that job.
-    * Space comes back by deleting whole segments, never one in use; stores that still
-      do not fit fail. ENOSPC makes stores fail (loads go on) until one succeeds.
-    * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
-    """
+    options are :class:`NVMeOptions`. What it promises (docs/nvme.md at length): a
+    store's keys become visible once their records are written (and synced per
+    ``fsync``); keys held are skipped, a key twice in a job is stored from its first
+    slot. A record is served only if its header and payload checksum (or GCM tag)
+    verify; a key that fails, or that an I/O error hit, is in ``failed_keys`` (and
+    leaves the index) while the job's other keys land. Space comes back by deleting
+    whole segments never in use; stores that still do not fit fail, and after ENOSPC
+    stores fail (loads go on) until one succeeds. :meth:`start` recovers the index."""
 
     Options = NVMeOptions
 
@@ -180,6 +171,7 @@ class NVMeTier(TierActor):
             min_free_bytes=o.min_free_bytes,
             retry_s=o.enospc_retry_s,
             clock=o.clock,
+            where=os.path.join(os.fspath(o.root), namespace_dirname(o.namespace)),
         )
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
         self.options = o
@@ -218,8 +210,7 @@ class NVMeTier(TierActor):
         self._writing: dict[int, asyncio.Event] = {}
         self._writing_records = 0
         self._trash: list[str] = []  # segments given up, files not yet deleted
-        # Records of segments in the trash whose keys removals still owe (their store
-        # hop never ran): read by the hop that deletes those segments.
+        # Records in the trash whose keys removals still owe (their hop never ran).
         self._owed: list[tuple[str, int]] = []
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
@@ -280,8 +271,10 @@ class NVMeTier(TierActor):
         trash, self._trash = self._trash, []
         owed, self._owed = self._owed, []
         # The pool is shut down by now: the loop's executor runs the blocking calls.
-        if trash or owed:
-            self._note_given_up(await asyncio.to_thread(self._give_up, owed, trash))
+        if trash or owed:  # a hop that only reads the keys owed and deletes the trash
+            hop = StoreHop([], [], [], owed, trash)
+            await asyncio.to_thread(self._segments.store, hop, self.slot, self._instance_id)
+            self._note_given_up(hop.gone_keys or [])
         # A job's checkpoint can outlive the close deadline (it runs to its end).
         await self._checkpoint_idle.wait()
         try:
@@ -301,9 +294,8 @@ class NVMeTier(TierActor):
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
     async def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
-        """Open the namespace directory, check the floor, take the owner lock (through
-        aiofiles), probe O_DIRECT (one hop on the I/O threads), recover the index (its
-        scan one hop), measure free space."""
+        """Open the namespace directory, check the floor, take the owner lock, probe
+        O_DIRECT (a hop), recover the index (a hop), measure free space."""
         await open_directory(
             self.root,
             self.directory,
@@ -336,11 +328,8 @@ class NVMeTier(TierActor):
         self.o_direct = probe is None
         self._segments.o_direct = self.o_direct
         if probe is not None and self.options.o_direct is None:
-            logger.warning(
-                "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O",
-                self.directory,
-                probe,
-            )
+            why = "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O"
+            logger.warning(why, self.directory, probe)
         self._space.measured(free)
         self._index = found.index
         self.metrics.recovered_blocks = found.recovered
@@ -569,13 +558,6 @@ class NVMeTier(TierActor):
         self._commit_load(report, reads, generation, failed)
         return _result(job.job_id, failed, len(job.keys))
 
-    def _give_up(self, owed: Sequence[tuple[str, int]], trash: Sequence[str]) -> list[bytes | None]:
-        """Blocking: read the keys of the ``owed`` records, then delete the ``trash``
-        segments; the keys (None: did not verify)."""
-        keys = self._segments.read_keys(owed)
-        self._segments.delete(trash)
-        return keys
-
     async def _write_checkpoint(self, run_blocking: BlockingRunner) -> None:
         """Write the index checkpoint: the snapshot and the temporary in one call of
         ``run_blocking``, the rename and the directory sync through aiofiles
@@ -661,21 +643,9 @@ class NVMeTier(TierActor):
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
-        if report.free_bytes is not None:
-            self._space.measured(report.free_bytes)
-        change = self._space.store_ended(
-            disk_full=report.disk_full, stored_any=bool(report.written)
-        )
-        if change == "full":
+        written_any = bool(report.written)
+        if self._space.store_ended(report.free_bytes, report.disk_full, written_any):
             self.metrics.disk_full_events += 1
-            logger.warning(
-                "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
-                "on; retrying every %gs or after space is freed",
-                self.directory,
-                self.options.enospc_retry_s,
-            )
-        elif change == "resumed":
-            logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
 
     def _commit_load(
         self,
