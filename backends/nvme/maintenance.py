@@ -456,18 +456,18 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
     """What ``root`` (or one ``namespace``, as :func:`_select` matches it) holds, from
     every record header, no payload; changes nothing on disk. InvalidArgumentError as
     :func:`_open_root`; TieringError for an OS error while reading."""
-    return _run(_inspect_root(root, namespace))
 
+    async def inspect() -> RootReport:
+        path, selected, others = await _open_root(root, namespace)
+        with _os_errors(path):
+            reports = tuple([await _report(ns, await _segments(ns)) for ns in selected])
+        sizes = (
+            sum(getattr(r, n) for r in reports) for n in ("blocks", "payload_bytes", "disk_bytes")
+        )
+        findings = (sum(len(getattr(r, n)) for r in reports) for n in ("damaged", "orphaned"))
+        return RootReport(path, *sizes, *findings, reports, tuple(others))
 
-async def _inspect_root(root: str | os.PathLike[str], namespace: str | None) -> RootReport:
-    path, selected, others = await _open_root(root, namespace)
-    with _os_errors(path):
-        reports = tuple([await _report(ns, await _segments(ns)) for ns in selected])
-    totals = (
-        sum(getattr(ns, n) for ns in reports) for n in ("blocks", "payload_bytes", "disk_bytes")
-    )
-    findings = (sum(len(getattr(ns, n)) for ns in reports) for n in ("damaged", "orphaned"))
-    return RootReport(path, *totals, *findings, reports, tuple(others))
+    return _run(inspect())
 
 
 def verify_root(
@@ -489,40 +489,35 @@ def verify_root(
             encrypted blocks and no keyring was given (nothing changed), or an OS error.
     """
     keyring = keyring_from(encryption, option="encryption")
-    return _run(_verify_root(root, remove, namespace, keyring, on_progress))
+    cipher = None if keyring is None else BlockCipher(keyring)
 
+    async def verify() -> VerifyReport:
+        action = "remove bad blocks" if remove else None
+        path, selected, _ = await _open_root(root, namespace, action)
+        with _os_errors(path):
+            states = [(ns, await _segments(ns, cipher)) for ns in selected]
+            for ns, state in states:
+                if remove and keyring is None and state.sealed:
+                    raise TieringError(
+                        f"{ns.path}: holds encrypted blocks; without their keyring "
+                        "(--encryption) none can be checked, so none is removed"
+                    )
+            total = sum(state.blocks for _, state in states)
+            done = 0
 
-async def _verify_root(
-    root: str | os.PathLike[str],
-    remove: bool,
-    namespace: str | None,
-    keyring: Keyring | None,
-    on_progress: Callable[[int, int], None] | None,
-) -> VerifyReport:
-    path, selected, _ = await _open_root(root, namespace, "remove bad blocks" if remove else None)
-    with _os_errors(path):
-        cipher = None if keyring is None else BlockCipher(keyring)
-        states = [(ns, await _segments(ns, cipher)) for ns in selected]
-        for ns, state in states:
-            if remove and keyring is None and state.sealed:
-                raise TieringError(
-                    f"{ns.path}: holds encrypted blocks; without their keyring "
-                    "(--encryption) none can be checked, so none is removed"
-                )
-        total = sum(state.blocks for _, state in states)
-        done = 0
+            def advance(blocks: int) -> None:
+                nonlocal done
+                done += blocks
+                if on_progress is not None:
+                    on_progress(done, total)
 
-        def advance(blocks: int) -> None:
-            nonlocal done
-            done += blocks
-            if on_progress is not None:
-                on_progress(done, total)
+            advance(0)
+            results = tuple([await _verify(ns, state, remove, advance) for ns, state in states])
+        bad = [b for ns in results for b in ns.bad]
+        checked = sum(ns.checked for ns in results)
+        return VerifyReport(path, remove, checked, len(bad), sum(b.removed for b in bad), results)
 
-        advance(0)
-        results = tuple([await _verify(ns, state, remove, advance) for ns, state in states])
-    bad = [b for ns in results for b in ns.bad]
-    checked = sum(ns.checked for ns in results)
-    return VerifyReport(path, remove, checked, len(bad), sum(b.removed for b in bad), results)
+    return _run(verify())
 
 
 class _Stopped(Exception):
