@@ -219,13 +219,10 @@ async def _open_root(
 
 def _is_namespace_dir(path: str) -> bool:
     """Whether ``path`` is a directory, not a link, holding an entry of the tier's."""
-    return (
-        os.path.isdir(path)
-        and not os.path.islink(path)
-        and any(
-            os.path.lexists(os.path.join(path, part))
-            for part in (IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR)
-        )
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    return any(
+        os.path.lexists(os.path.join(path, p)) for p in (IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR)
     )
 
 
@@ -367,23 +364,19 @@ async def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segme
         why = "no segment's first record verifies: record size unknown"
         damaged.extend(Finding(ns.rel(SEGMENTS_DIR, name), why) for name in names)
         return state
-    files = state.files = SegmentFiles(
-        ns.path,
-        block_bytes=sizes.most_common(1)[0][0],
-        ns_digest=ns.digest,
-        gil_pause_bytes=0,
-        cipher=cipher,
+    size = sizes.most_common(1)[0][0]
+    files = SegmentFiles(
+        ns.path, block_bytes=size, ns_digest=ns.digest, gil_pause_bytes=0, cipher=cipher
     )
-    # An index as large as what is on disk keeps every block the tier would index,
-    # whatever its cap.
-    found = state.found = await recover(
-        files,
-        lambda records: SegmentIndex(
+    state.files = files
+
+    def new_index(records: int) -> SegmentIndex:
+        # As large as what is on disk: every block the tier would index, whatever its cap.
+        return SegmentIndex(
             max(1, records), records_per_segment=MAX_RECORDS_PER_SEGMENT, writer="0"
-        ),
-        writer=uuid.uuid4().hex,
-        read_only=True,
-    )
+        )
+
+    found = state.found = await recover(files, new_index, writer=uuid.uuid4().hex, read_only=True)
     if found.checkpoint is None and found.checkpoint_note != "no checkpoint":
         why = f"{found.checkpoint_note} (the tier scans every segment instead)"
         damaged.append(Finding(ns.rel(CHECKPOINT_FILE), why))

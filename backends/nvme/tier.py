@@ -165,19 +165,20 @@ class NVMeTier(TierActor):
             o.capacity_bytes, o.segment_bytes, record_bytes
         )
         keyring = keyring_from(o.encryption, option="encryption")
+        directory = os.path.join(os.fspath(o.root), namespace_dirname(o.namespace))
         self._space = SpaceGuard(
             file_bytes=record_bytes,
             capacity_bytes=o.capacity_bytes,
             min_free_bytes=o.min_free_bytes,
             retry_s=o.enospc_retry_s,
             clock=o.clock,
-            where=os.path.join(os.fspath(o.root), namespace_dirname(o.namespace)),
+            where=directory,
         )
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
         self.options = o
         self.root = os.fspath(o.root)
         self.namespace = o.namespace
-        self.directory = os.path.join(self.root, namespace_dirname(o.namespace))
+        self.directory = directory
         self.file_bytes = record_bytes  # one block on disk, its header page included
         self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
