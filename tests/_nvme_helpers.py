@@ -1,4 +1,5 @@
-"""Helpers shared by the NVMe tests: a host-pool-like buffer and jobs through the actor API."""
+"""Helpers shared by the NVMe tests: a host-pool-like buffer, jobs through the actor API,
+the checkpoint a start reads."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from backends.nvme.recovery import recover
+from backends.nvme.segment_format import Checkpoint
+from backends.nvme.segment_index import SegmentIndex
+from backends.nvme.segments import SegmentFiles
 from backends.nvme.tier import NVMeTier
 from tiering.tiers.actor import TierActor
 from tiering.tiers.registry import register_tier, unregister_tier
@@ -65,3 +70,15 @@ def nvme_tiers_built() -> Iterator[list[NVMeTier]]:
         yield built
     finally:
         unregister_tier("nvme")
+
+
+async def checkpoint_read(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
+    """The checkpoint a start of the tier takes from ``files``' directory, or None and
+    why none: what a read-only recovery (as ``tiering inspect`` makes) finds."""
+    found = await recover(
+        files,
+        lambda records: SegmentIndex(max(1, records), records_per_segment=64, writer="0"),
+        writer="0",
+        read_only=True,
+    )
+    return found.checkpoint, found.checkpoint_note

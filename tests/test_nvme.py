@@ -27,8 +27,7 @@ import pytest
 from backends.nvme.os_calls import OsCalls, owner_alive
 from backends.nvme.segment_format import SEGMENTS_DIR, namespace_dirname
 from backends.nvme.segment_index import key_digest
-from backends.nvme.space import InflightBytes
-from backends.nvme.tier import NVMeTier
+from backends.nvme.tier import InflightBytes, NVMeTier
 from tests._faults import FaultInjector
 from tests._nvme_helpers import load_job as _load
 from tests._nvme_helpers import next_job_id, random_pool

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import os
-import threading
 from pathlib import Path
 
 import pytest
 
 from backends.nvme.os_calls import (
-    ALIGNMENT,
     OWNERS_DIR,
     REAL_OS,
     OwnerLock,
@@ -20,10 +16,8 @@ from backends.nvme.os_calls import (
     describe_os_error,
     free_bytes,
     fsync_dir,
-    is_aligned,
     owner_alive,
     probe_o_direct,
-    thread_buffer,
     write_all,
 )
 from tests._faults import FaultInjector
@@ -104,19 +98,6 @@ def test_advance_buffers_drops_what_moved() -> None:
     assert advance_buffers([a, b], 8) == []
 
 
-def test_alignment_needs_an_aligned_address_and_length() -> None:
-    page = mmap.mmap(-1, 2 * ALIGNMENT)
-    view = memoryview(page)
-    try:
-        assert is_aligned(view[:ALIGNMENT])
-        assert not is_aligned(view[:100])
-        assert not is_aligned(view[1 : ALIGNMENT + 1])
-        assert not is_aligned(memoryview(bytes(ALIGNMENT)))  # read-only: no address
-    finally:
-        view.release()
-        page.close()
-
-
 def test_a_failed_directory_sync_raises_and_closes_the_directory(tmp_path: Path) -> None:
     faults = FaultInjector()
     faults.fail("fsync", errno.EIO)
@@ -128,25 +109,3 @@ def test_a_failed_directory_sync_raises_and_closes_the_directory(tmp_path: Path)
 def test_os_errors_are_described_by_name() -> None:
     assert describe_os_error(OSError(errno.ENOSPC, "x")) == "ENOSPC: x"
     assert describe_os_error(OSError("plain")) == "plain"
-
-
-@pytest.mark.parametrize("nbytes", [0, 100, 4096, 3 << 20])
-def test_a_thread_buffer_is_page_aligned_zeroed_and_kept_per_thread(nbytes: int) -> None:
-    local = threading.local()
-    view = thread_buffer(local, "pages", nbytes)
-    assert view.nbytes == nbytes and not any(view[:4096])
-    if nbytes:
-        assert ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGNMENT == 0
-    assert thread_buffer(local, "pages", nbytes).obj is view.obj  # reused, not remapped
-    seen: list[memoryview] = []
-    other = threading.Thread(target=lambda: seen.append(thread_buffer(local, "pages", nbytes)))
-    other.start()
-    other.join()
-    assert seen[0].obj is not view.obj
-
-
-def test_a_thread_buffer_grows_to_what_is_asked() -> None:
-    local = threading.local()
-    small = thread_buffer(local, "pages", 4096, at_least=8192)
-    assert thread_buffer(local, "pages", 8192).obj is small.obj  # at_least made room
-    assert thread_buffer(local, "pages", 16384).nbytes == 16384

@@ -1,4 +1,4 @@
-"""Encryption at rest in the NVMe tier (backends.nvme.sealing, issue 14): sealed
+"""Encryption at rest in the NVMe tier (backends.nvme.segments.PayloadSealer): sealed
 blocks round-trip byte-exact, no plaintext reaches the disk, and a wrong or missing key,
 a tampered byte, a moved block or a block of the other kind is a miss, never bytes."""
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from backends.nvme.sealing import PayloadSealer
+from backends.nvme.segments import PayloadSealer
 from backends.nvme.tier import NVMeTier
 from tests._engine_helpers import flip_byte
 from tests._nvme_helpers import load_job as load

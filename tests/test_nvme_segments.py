@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,8 +15,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from backends.nvme.os_calls import REAL_OS, OsCalls, probe_o_direct
-from backends.nvme.recovery import read_checkpoint, write_checkpoint
+from backends.nvme.os_calls import ALIGNMENT, REAL_OS, OsCalls, probe_o_direct
+from backends.nvme.recovery import write_checkpoint
 from backends.nvme.segment_format import (
     CHECKPOINT_FILE,
     SEGMENTS_DIR,
@@ -23,9 +25,16 @@ from backends.nvme.segment_format import (
     parse_segment_name,
     segment_name,
 )
-from backends.nvme.segments import MAX_IOV, RecordRun, SegmentFiles, iter_runs
+from backends.nvme.segments import (
+    MAX_IOV,
+    RecordRun,
+    SegmentFiles,
+    is_aligned,
+    iter_runs,
+    thread_buffer,
+)
 from tests._faults import FaultInjector
-from tests._nvme_helpers import random_pool
+from tests._nvme_helpers import checkpoint_read, random_pool
 from tiering.errors import InvalidArgumentError
 from tiering.tiers.block_record import (
     HEADER_BYTES,
@@ -428,13 +437,13 @@ async def test_a_checkpoint_reads_back_exactly(tmp_path: Path, n: int) -> None:
     written = checkpoint(n)
     size = await write_checkpoint(seg, written, temp_suffix="t1")
     assert size == len((tmp_path / CHECKPOINT_FILE).read_bytes())
-    read, why = await read_checkpoint(seg)
+    read, why = await checkpoint_read(seg)
     assert why is None and read is not None
     assert_same(read, written)
 
 
 async def test_no_checkpoint_is_reported_as_absent(tmp_path: Path) -> None:
-    assert await read_checkpoint(files(tmp_path)) == (None, "no checkpoint")
+    assert await checkpoint_read(files(tmp_path)) == (None, "no checkpoint")
 
 
 @pytest.mark.parametrize(
@@ -455,7 +464,7 @@ async def test_a_damaged_checkpoint_is_never_trusted(tmp_path: Path, damage: str
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
-    read, why = await read_checkpoint(seg)
+    read, why = await checkpoint_read(seg)
     assert read is None and why is not None and "rejected" in why
 
 
@@ -464,7 +473,7 @@ async def test_a_checkpoint_of_another_namespace_or_block_size_is_refused(tmp_pa
     other_ns = SegmentFiles(str(tmp_path), block_bytes=BLOCK, ns_digest=namespace_digest("b"))
     other_size = SegmentFiles(str(tmp_path), block_bytes=BLOCK * 2, ns_digest=NS)
     for reader in (other_ns, other_size):
-        read, why = await read_checkpoint(reader)
+        read, why = await checkpoint_read(reader)
         assert read is None and "another namespace or block size" in str(why)
 
 
@@ -476,7 +485,7 @@ async def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) 
     faults.fail("fdatasync", errno.EIO, times=1)
     with pytest.raises(OSError):
         await write_checkpoint(seg, checkpoint(20), temp_suffix="t2")
-    read, _ = await read_checkpoint(seg)
+    read, _ = await checkpoint_read(seg)
     assert read is not None
     assert_same(read, first)
     assert sorted(os.listdir(tmp_path)) == [CHECKPOINT_FILE, SEGMENTS_DIR]
@@ -510,3 +519,41 @@ def test_namespace_dirname_is_safe_readable_and_deterministic() -> None:
 def test_namespace_dirname_rejects_a_non_string_or_empty(namespace: object) -> None:
     with pytest.raises(InvalidArgumentError, match="non-empty string"):
         namespace_dirname(namespace)  # type: ignore[arg-type]
+
+
+# -- buffers ------------------------------------------------------------------------------
+
+
+def test_alignment_needs_an_aligned_address_and_length() -> None:
+    page = mmap.mmap(-1, 2 * ALIGNMENT)
+    view = memoryview(page)
+    try:
+        assert is_aligned(view[:ALIGNMENT])
+        assert not is_aligned(view[:100])
+        assert not is_aligned(view[1 : ALIGNMENT + 1])
+        assert not is_aligned(memoryview(bytes(ALIGNMENT)))  # read-only: no address
+    finally:
+        view.release()
+        page.close()
+
+
+@pytest.mark.parametrize("nbytes", [0, 100, 4096, 3 << 20])
+def test_a_thread_buffer_is_page_aligned_zeroed_and_kept_per_thread(nbytes: int) -> None:
+    local = threading.local()
+    view = thread_buffer(local, "pages", nbytes)
+    assert view.nbytes == nbytes and not any(view[:4096])
+    if nbytes:
+        assert ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGNMENT == 0
+    assert thread_buffer(local, "pages", nbytes).obj is view.obj  # reused, not remapped
+    seen: list[memoryview] = []
+    other = threading.Thread(target=lambda: seen.append(thread_buffer(local, "pages", nbytes)))
+    other.start()
+    other.join()
+    assert seen[0].obj is not view.obj
+
+
+def test_a_thread_buffer_grows_to_what_is_asked() -> None:
+    local = threading.local()
+    small = thread_buffer(local, "pages", 4096, at_least=8192)
+    assert thread_buffer(local, "pages", 8192).obj is small.obj  # at_least made room
+    assert thread_buffer(local, "pages", 16384).nbytes == 16384

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from backends.nvme.recovery import read_checkpoint
 from backends.nvme.segment_format import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -28,8 +27,8 @@ from backends.nvme.segments import SegmentFiles
 from backends.nvme.tier import NVMeTier
 from tests._engine_helpers import make_kv
 from tests._faults import FaultInjector
+from tests._nvme_helpers import checkpoint_read, next_job_id, random_pool
 from tests._nvme_helpers import load_job as load
-from tests._nvme_helpers import next_job_id, random_pool
 from tests._nvme_helpers import store_job as store
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError, TieringError
@@ -909,7 +908,7 @@ async def test_a_store_job_cancelled_in_its_checkpoint_still_renames_it(
         files = SegmentFiles(
             str(directory), block_bytes=BLOCK, ns_digest=namespace_digest(NAMESPACE)
         )
-        checkpoint, why = await read_checkpoint(files)
+        checkpoint, why = await checkpoint_read(files)
         assert why is None and checkpoint is not None and len(checkpoint.digests) == 2
     finally:
         faults.clear()

@@ -1,13 +1,11 @@
-"""The reports of ``tiering inspect``, ``verify`` and ``clear`` (the commands' docstrings
-give the behaviour), from the tier's own code: read-only recovery, ``verify_index``,
+"""The reports of ``tiering inspect``, ``verify`` and ``clear`` (docs/nvme.md), made with
+the tier's own code: read-only recovery, reads that verify as a load does,
 ``mark_removed`` and ``tier_file``. A namespace's record size is the most common payload
 length of its segments' first records that verify; without one, they are damaged.
 
-The public functions are blocking; each runs its report on an event loop of its own, as
-the tier runs (docs/architecture.md#where-work-runs): the file-system operations (the
-root's and the namespaces' listings, identity files read whole, removals) awaited through
-aiofiles, and each batch of per-record I/O (the first records' headers, the scan, the
-verification reads, a walk with its sizes) one call on a thread.
+Each public function blocks, running its report on an event loop of its own as the tier
+runs (docs/architecture.md#where-work-runs): file-system operations through aiofiles,
+each batch of per-record I/O one call on a thread.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import aiofiles
 import aiofiles.os
 
 from backends.nvme.os_calls import OWNERS_DIR, check_root, describe_os_error, fs_call, owner_alive
-from backends.nvme.recovery import Recovery, read_identity, recover, verify_index, write_checkpoint
+from backends.nvme.recovery import Recovery, read_identity, recover, write_checkpoint
 from backends.nvme.segment_format import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -38,15 +36,15 @@ from backends.nvme.segment_format import (
     temporary_writer,
     tier_file,
 )
-from backends.nvme.segment_index import SegmentIndex
+from backends.nvme.segment_index import MAX_RECORDS_PER_SEGMENT, SegmentIndex, key_digest
 from backends.nvme.segments import SegmentFiles
-from backends.nvme.space import MAX_RECORDS_PER_SEGMENT
 from tiering.errors import CorruptBlockError, InvalidArgumentError, TieringError
 from tiering.security.encryption import BlockCipher, Keyring, keyring_from
 from tiering.tiers.block_record import HEADER_BYTES, decode_header, namespace_digest
 
 _NAMESPACE_DIR = re.compile(r"^(.+)-([0-9a-f]{32})$")
 _FOREIGN = "not a file the tier writes (the tier leaves it alone)"
+_VERIFY_BATCH_BYTES = 32 << 20  # payload bytes verify reads at a time
 _T = TypeVar("_T")
 
 
@@ -168,9 +166,8 @@ class _Namespace:
 
 
 def _run(main: Coroutine[Any, Any, _T]) -> _T:
-    """Run a report's ``main`` on an event loop of its own and return what it returns: on
-    this thread, or, where a loop runs on this thread already (an async caller called a
-    blocking function), on a thread of its own while this one waits."""
+    """``main`` run on an event loop of its own: on this thread, or on a thread of its own
+    while this one waits when a loop runs here already (an async caller)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -221,23 +218,18 @@ async def _open_root(
 
 
 def _is_namespace_dir(path: str) -> bool:
-    """Whether ``path`` is a directory, not a link, holding a file or directory of the
-    tier's (blocking)."""
-    return (
-        os.path.isdir(path)
-        and not os.path.islink(path)
-        and any(
-            os.path.lexists(os.path.join(path, part))
-            for part in (IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR)
-        )
+    """Whether ``path`` is a directory, not a link, holding an entry of the tier's."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    return any(
+        os.path.lexists(os.path.join(path, p)) for p in (IDENTITY_FILE, OWNERS_DIR, SEGMENTS_DIR)
     )
 
 
 async def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
     ns = _Namespace(root, name, digest)
     try:
-        async with aiofiles.open(os.path.join(root, name, IDENTITY_FILE), encoding="utf-8") as file:
-            found = read_identity(await file.read())
+        found = await read_identity(ns.path)
     except FileNotFoundError:
         ns.identity_problem = "no NAMESPACE file (a tier start was cut short, or it was removed)"
     except (OSError, ValueError) as exc:
@@ -289,17 +281,14 @@ def _os_errors(root: str) -> Iterator[None]:
 
 
 def _files_under(path: str) -> list[tuple[str, int]]:
-    """``(path, size)`` of every non-directory below ``path`` (links not followed);
-    blocking, one walk."""
-    return list(_walk_files(path))
-
-
-def _walk_files(path: str) -> Iterator[tuple[str, int]]:
+    """``(path, size)`` of every non-directory below ``path`` (links not followed)."""
+    found = []
     for directory, dirs, files in os.walk(path):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
             full = os.path.join(directory, name)
             with contextlib.suppress(OSError):
-                yield full, os.lstat(full).st_size
+                found.append((full, os.lstat(full).st_size))
+    return found
 
 
 async def _listdir(path: str) -> list[str]:
@@ -322,12 +311,13 @@ _LEFTOVER = {
 
 @dataclass(slots=True)
 class _Segments:
-    """A namespace's segments: read-only recovery (None: record size unknown), findings."""
+    """A namespace's segments: read-only recovery (None: record size unknown), findings;
+    ``sealed``: some segment's first record is encrypted."""
 
     present: bool
     files: SegmentFiles | None = None
     found: Recovery | None = None
-    sealed: bool = False  # some segment's first record is encrypted
+    sealed: bool = False
     damaged: list[Finding] = field(default_factory=list)
     orphaned: list[Finding] = field(default_factory=list)
 
@@ -336,73 +326,64 @@ class _Segments:
         return 0 if self.found is None else len(self.found.index)
 
 
-@dataclass(slots=True)
-class _FirstRecords:
-    """What the first record of each segment says: its payload length (counted where
-    it verifies), whether one is sealed; the names of segments and foreign entries."""
-
-    names: list[str] = field(default_factory=list)
-    foreign: list[str] = field(default_factory=list)
-    sizes: Counter[int] = field(default_factory=Counter)
-    sealed: bool = False
-
-
-def _first_records(seg_dir: str, digest: bytes) -> _FirstRecords:
-    """Read the first record header of every segment in ``seg_dir`` (blocking, one
-    call: a header read per segment)."""
-    found = _FirstRecords()
+def _first_records(seg_dir: str, digest: bytes) -> tuple[list[str], list[str], Counter[int], bool]:
+    """Blocking, a header read per segment: the segments' names, the foreign entries,
+    the payload lengths of the first records that verify, whether one is sealed."""
+    names: list[str] = []
+    foreign: list[str] = []
+    sizes: Counter[int] = Counter()
+    sealed = False
     try:
         entries = sorted(os.scandir(seg_dir), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
-        return found
+        entries = []
     for entry in entries:
         if parse_segment_name(entry.name) is None or not entry.is_file(follow_symlinks=False):
-            found.foreign.append(entry.name)
+            foreign.append(entry.name)
             continue
-        found.names.append(entry.name)
+        names.append(entry.name)
         with contextlib.suppress(OSError, CorruptBlockError), open(entry.path, "rb") as file:
             # Record 0 sits right after the segment header whatever the record size.
             header = decode_header(os.pread(file.fileno(), HEADER_BYTES, HEADER_BYTES))
             if header.namespace_digest == digest:
-                found.sizes[header.payload_bytes] += 1
-                found.sealed = found.sealed or header.seal is not None
-    return found
+                sizes[header.payload_bytes] += 1
+                sealed = sealed or header.seal is not None
+    return names, foreign, sizes, sealed
 
 
 async def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
-    """The segments of ``ns``, recovered by the tier's code (reads open under
-    ``cipher``)."""
+    """The segments of ``ns``, recovered by the tier's code (reads open under ``cipher``)."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
     state = _Segments(present=await aiofiles.os.path.isdir(seg_dir))
+    names, foreign, sizes, state.sealed = await asyncio.to_thread(
+        _first_records, seg_dir, ns.digest
+    )
     damaged, orphaned = state.damaged, state.orphaned
-    first = await asyncio.to_thread(_first_records, seg_dir, ns.digest)
-    orphaned += [Finding(ns.rel(SEGMENTS_DIR, name), _FOREIGN) for name in first.foreign]
-    names, sizes, state.sealed = first.names, first.sizes, first.sealed
+    orphaned += [Finding(ns.rel(SEGMENTS_DIR, name), _FOREIGN) for name in foreign]
     if not sizes:
         why = "no segment's first record verifies: record size unknown"
         damaged.extend(Finding(ns.rel(SEGMENTS_DIR, name), why) for name in names)
         return state
-    block_bytes = sizes.most_common(1)[0][0]
-    files = state.files = SegmentFiles(
-        ns.path, block_bytes=block_bytes, ns_digest=ns.digest, gil_pause_bytes=0, cipher=cipher
+    size = sizes.most_common(1)[0][0]
+    files = SegmentFiles(
+        ns.path, block_bytes=size, ns_digest=ns.digest, gil_pause_bytes=0, cipher=cipher
     )
-    # An index as large as what is on disk keeps every block the tier would index,
-    # whatever its cap.
-    found = state.found = await recover(
-        files,
-        lambda records: SegmentIndex(
+    state.files = files
+
+    def new_index(records: int) -> SegmentIndex:
+        # As large as what is on disk: every block the tier would index, whatever its cap.
+        return SegmentIndex(
             max(1, records), records_per_segment=MAX_RECORDS_PER_SEGMENT, writer="0"
-        ),
-        writer=uuid.uuid4().hex,
-        read_only=True,
-    )
+        )
+
+    found = state.found = await recover(files, new_index, writer=uuid.uuid4().hex, read_only=True)
     if found.checkpoint is None and found.checkpoint_note != "no checkpoint":
         why = f"{found.checkpoint_note} (the tier scans every segment instead)"
         damaged.append(Finding(ns.rel(CHECKPOINT_FILE), why))
-    for name, size in await asyncio.to_thread(files.list_segments):
+    for name, size in found.listed:
         rel, records = ns.rel(SEGMENTS_DIR, name), files.records_in(size)
         scan = found.scans.get(name)
-        if scan is None:  # unreadable, corrupt, or new since the scan
+        if scan is None:  # unreadable, or corrupt
             if name in found.unreadable:
                 damaged.append(Finding(rel, f"unreadable: {found.unreadable[name]}"))
             elif name in found.corrupt:
@@ -434,8 +415,7 @@ async def _namespace_orphans(ns: _Namespace) -> list[Finding]:
                 continue
             kind = tier_file(parts)
             if kind in ("lock", "checkpoint temporary"):
-                temporary = temporary_writer(name, CHECKPOINT_FILE)
-                owner = temporary or name.removesuffix(".lock")
+                owner = temporary_writer(name, CHECKPOINT_FILE) or name.removesuffix(".lock")
                 if await fs_call(owner_alive, ns.path, owner):
                     continue
             if kind is None:
@@ -469,18 +449,18 @@ def inspect_root(root: str | os.PathLike[str], *, namespace: str | None = None) 
     """What ``root`` (or one ``namespace``, as :func:`_select` matches it) holds, from
     every record header, no payload; changes nothing on disk. InvalidArgumentError as
     :func:`_open_root`; TieringError for an OS error while reading."""
-    return _run(_inspect_root(root, namespace))
 
+    async def inspect() -> RootReport:
+        path, selected, others = await _open_root(root, namespace)
+        with _os_errors(path):
+            reports = tuple([await _report(ns, await _segments(ns)) for ns in selected])
+        sizes = (
+            sum(getattr(r, n) for r in reports) for n in ("blocks", "payload_bytes", "disk_bytes")
+        )
+        findings = (sum(len(getattr(r, n)) for r in reports) for n in ("damaged", "orphaned"))
+        return RootReport(path, *sizes, *findings, reports, tuple(others))
 
-async def _inspect_root(root: str | os.PathLike[str], namespace: str | None) -> RootReport:
-    path, selected, others = await _open_root(root, namespace)
-    with _os_errors(path):
-        reports = tuple([await _report(ns, await _segments(ns)) for ns in selected])
-    totals = (
-        sum(getattr(ns, n) for ns in reports) for n in ("blocks", "payload_bytes", "disk_bytes")
-    )
-    findings = (sum(len(getattr(ns, n)) for ns in reports) for n in ("damaged", "orphaned"))
-    return RootReport(path, *totals, *findings, reports, tuple(others))
+    return _run(inspect())
 
 
 def verify_root(
@@ -502,74 +482,88 @@ def verify_root(
             encrypted blocks and no keyring was given (nothing changed), or an OS error.
     """
     keyring = keyring_from(encryption, option="encryption")
-    return _run(_verify_root(root, remove, namespace, keyring, on_progress))
+    cipher = None if keyring is None else BlockCipher(keyring)
 
+    async def verify() -> VerifyReport:
+        action = "remove bad blocks" if remove else None
+        path, selected, _ = await _open_root(root, namespace, action)
+        with _os_errors(path):
+            states = [(ns, await _segments(ns, cipher)) for ns in selected]
+            for ns, state in states:
+                if remove and keyring is None and state.sealed:
+                    raise TieringError(
+                        f"{ns.path}: holds encrypted blocks; without their keyring "
+                        "(--encryption) none can be checked, so none is removed"
+                    )
+            total = sum(state.blocks for _, state in states)
+            done = 0
 
-async def _verify_root(
-    root: str | os.PathLike[str],
-    remove: bool,
-    namespace: str | None,
-    keyring: Keyring | None,
-    on_progress: Callable[[int, int], None] | None,
-) -> VerifyReport:
-    path, selected, _ = await _open_root(root, namespace, "remove bad blocks" if remove else None)
-    with _os_errors(path):
-        cipher = None if keyring is None else BlockCipher(keyring)
-        states = [(ns, await _segments(ns, cipher)) for ns in selected]
-        for ns, state in states:
-            if remove and keyring is None and state.sealed:
-                raise TieringError(
-                    f"{ns.path}: holds encrypted blocks; without their keyring "
-                    "(--encryption) none can be checked, so none is removed"
-                )
-        total = sum(state.blocks for _, state in states)
-        done = 0
+            def advance(blocks: int) -> None:
+                nonlocal done
+                done += blocks
+                if on_progress is not None:
+                    on_progress(done, total)
 
-        def advance(blocks: int) -> None:
-            nonlocal done
-            done += blocks
-            if on_progress is not None:
-                on_progress(done, total)
+            advance(0)
+            results = tuple([await _verify(ns, state, remove, advance) for ns, state in states])
+        bad = [b for ns in results for b in ns.bad]
+        checked = sum(ns.checked for ns in results)
+        return VerifyReport(path, remove, checked, len(bad), sum(b.removed for b in bad), results)
 
-        advance(0)
-        results = tuple([await _verify(ns, state, remove, advance) for ns, state in states])
-    bad = [b for ns in results for b in ns.bad]
-    checked = sum(ns.checked for ns in results)
-    return VerifyReport(path, remove, checked, len(bad), sum(b.removed for b in bad), results)
+    return _run(verify())
 
 
 class _Stopped(Exception):
     """The verification was abandoned (its caller was cancelled: Ctrl-C)."""
 
 
-async def _verify_index(
-    files: SegmentFiles, index: SegmentIndex, advance: Callable[[int], None]
+def _verify_index(
+    files: SegmentFiles, index: SegmentIndex, advance: Callable[[int], None], stop: threading.Event
 ) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
-    """:func:`verify_index` in one call on a thread; cancelled, the call stops after the
-    batch it reads (an interrupted command does not wait for every block)."""
-    stop = threading.Event()
-
-    def on_batch(records: int) -> None:
+    """Blocking: read and verify every record ``index`` holds as a load does, a batch of
+    payloads at a time, calling ``advance(records read)`` after each (:class:`_Stopped`
+    once ``stop`` is set). Returns the records checked and the failures: ``(segment,
+    record)`` -> ``(its header's key or None, why, whether the record itself is bad)``
+    (not a missing or stale one)."""
+    snapshot = index.snapshot()
+    entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
+    size = files.block_bytes
+    per_batch = max(1, _VERIFY_BATCH_BYTES // size)
+    buffer = memoryview(bytearray(per_batch * size))
+    failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
+    for start in range(0, len(entries), per_batch):
+        batch = entries[start : start + per_batch]
+        reads = [
+            (*where, buffer[i * size : (i + 1) * size], None) for i, (where, _) in enumerate(batch)
+        ]
+        for (where, digest), (key, why, missing) in zip(batch, files.read(reads), strict=True):
+            if why:
+                failures[where] = (key, why, not missing)
+            elif key_digest(key) != digest:  # type: ignore[arg-type]
+                failures[where] = (key, "stale index entry: the record holds another block", False)
         if stop.is_set():
             raise _Stopped
-        advance(records)
-
-    try:
-        return await asyncio.to_thread(verify_index, files, index, on_batch=on_batch)
-    except asyncio.CancelledError:
-        stop.set()
-        raise
+        advance(len(batch))
+    return len(entries), failures
 
 
 async def _verify(
     ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
     """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
-    checkpoint."""
+    checkpoint. Cancelled, the reads stop after the batch in flight (an interrupted
+    command does not wait for every block)."""
     files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), await ns.live_owners())
-    checked, failures = await _verify_index(files, found.index, advance)
+    stop = threading.Event()
+    try:
+        checked, failures = await asyncio.to_thread(
+            _verify_index, files, found.index, advance, stop
+        )
+    except asyncio.CancelledError:
+        stop.set()
+        raise
     marked: set[tuple[str, int]] = set()
     dropped: set[tuple[str, int]] = set()
     listed = set() if found.checkpoint is None else set(found.checkpoint.locations())

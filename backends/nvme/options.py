@@ -33,14 +33,7 @@ def _an_object(value: object) -> object:
 
 
 class NVMeOptions(ActorOptions):
-    """The NVMe tier's options; docs/nvme.md describes all but these:
-
-    * ``max_inflight_bytes``: bound on payload bytes of jobs in their I/O at once.
-    * ``encryption``: None, or a keyring (a :class:`~tiering.security.encryption.Keyring` or its
-      spec, such as ``"env:KV_TIERING_KEYS"``) that seals payloads with AES-GCM.
-    * ``file_mode``, ``dir_mode``: modes of what the tier makes (never writable by others).
-    * ``os_calls``, ``clock``: the system calls and monotonic seconds (tests pass fakes).
-    """
+    """The NVMe tier's options (docs/nvme.md says what each does)."""
 
     root: str | os.PathLike[str]
     namespace: str = Field(min_length=1)

@@ -16,13 +16,11 @@ import fcntl
 import mmap
 import os
 import stat
-import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
 import aiofiles.os
 
-from tiering.device.page_memory import HUGE_PAGE_BYTES, io_buffer
 from tiering.errors import InvalidArgumentError
 
 FsyncPolicy = Literal["none", "batch", "always"]
@@ -94,22 +92,6 @@ class OsCalls:
 
 
 REAL_OS = OsCalls()
-
-
-def buffer_address(view: memoryview) -> int | None:
-    """The address of a buffer's first byte, or None if it cannot be taken (read-only)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except (TypeError, ValueError):
-        return None
-
-
-def is_aligned(view: memoryview) -> bool:
-    """True if ``view`` can take part in O_DIRECT I/O: aligned address and length."""
-    if view.nbytes % ALIGNMENT:
-        return False
-    address = buffer_address(view)
-    return address is not None and address % ALIGNMENT == 0
 
 
 def free_bytes(statvfs: os.statvfs_result) -> int:
@@ -217,25 +199,6 @@ def owner_alive(namespace_dir: str, instance_id: str) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def thread_buffer(
-    local: threading.local, name: str, nbytes: int, *, at_least: int = 0
-) -> memoryview:
-    """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
-    ``max(nbytes, at_least)`` long when missing or too short: an
-    :func:`~tiering.device.page_memory.io_buffer` from a huge page up, a plain mapping below (a
-    small buffer gains nothing from a huge page, and its first touch would fault in and
-    zero a whole one while the thread holds the GIL, stalling the event loop)."""
-    view: memoryview | None = getattr(local, name, None)
-    if view is None or view.nbytes < nbytes:
-        size = max(nbytes, at_least)
-        if size >= HUGE_PAGE_BYTES:
-            view = io_buffer(size)
-        else:  # never empty: an anonymous mapping of 0 bytes is EINVAL
-            view = memoryview(mmap.mmap(-1, max(size, ALIGNMENT)))
-        setattr(local, name, view)
-    return view[:nbytes]
 
 
 def advance_buffers(buffers: list[memoryview], done: int) -> list[memoryview]:

@@ -1,13 +1,9 @@
 """Opening an NVMe namespace directory, recovering its index from the checkpoint and a
-scan of what was written after it, and writing the checkpoint (docs/nvme.md).
-
-Where the work runs (docs/architecture.md#where-work-runs): the file-system operations
-around the data path (the namespace directory and its identity file, the listing of
-leftovers, the checkpoint read whole, its rename and the directory sync) are awaited
-through aiofiles, one executor hop each; what is a batch of system calls (the scan of
-every segment's record headers and the index built from it, the checkpoint's body
-written and synced) is ONE blocking call, run by the caller's ``run_blocking``: the
-tier's I/O threads, or a thread of the loop's executor (:func:`asyncio.to_thread`).
+scan of what was written after it, and writing the checkpoint (docs/nvme.md). The
+file-system operations around the data path go through aiofiles, one executor hop each;
+a batch of system calls (the scan and the index built from it; the checkpoint's body
+written and synced) is ONE call of the caller's ``run_blocking``: the tier's I/O
+threads, or :func:`asyncio.to_thread` (docs/architecture.md#where-work-runs).
 """
 
 from __future__ import annotations
@@ -47,9 +43,10 @@ from backends.nvme.segment_format import (
     encode_checkpoint,
     parse_checkpoint,
     parse_segment_name,
+    temporary_name,
     temporary_writer,
 )
-from backends.nvme.segment_index import SegmentIndex, key_digest
+from backends.nvme.segment_index import SegmentIndex
 from backends.nvme.segments import SegmentFiles, SegmentScan
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.tiers.block_record import FORMAT_VERSION
@@ -68,16 +65,13 @@ async def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
     """Check ``root``, make the namespace's ``directory`` and its subdirectories,
-    private, and write or check its identity file, through aiofiles. InvalidArgumentError:
-    the root fails :func:`check_root` or is not writable (making those entries fails with
-    an error of :data:`UNUSABLE_ROOT_ERRNOS`), a directory is a link or a file, or it
-    holds another namespace; OSError: the file system refused another operation.
-    """
+    private, and write or check its identity file. InvalidArgumentError: the root fails
+    :func:`check_root` or is not writable (an error of :data:`UNUSABLE_ROOT_ERRNOS`), a
+    directory is a link or a file, or it holds another namespace; OSError: the file
+    system refused another operation."""
     await fs_call(check_root, root, create=True, mode=dir_mode)
     try:
-        await _make_namespace(
-            directory, namespace, dir_mode=dir_mode, file_mode=file_mode, writer=writer
-        )
+        await _make_namespace(directory, namespace, dir_mode, file_mode, writer)
     except OSError as exc:
         if exc.errno not in UNUSABLE_ROOT_ERRNOS:
             raise
@@ -88,7 +82,7 @@ async def open_directory(
 
 
 async def _make_namespace(
-    directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
+    directory: str, namespace: str, dir_mode: int, file_mode: int, writer: str
 ) -> None:
     with contextlib.suppress(FileExistsError):
         await aiofiles.os.mkdir(directory, dir_mode)
@@ -107,18 +101,16 @@ async def _make_namespace(
                 raise InvalidArgumentError(
                     f"root: {path!r} is not a directory of the tier (a link or a file)"
                 ) from None
-    path = os.path.join(directory, IDENTITY_FILE)
     try:
-        async with aiofiles.open(path, encoding="utf-8") as existing:
-            text = await existing.read()
+        found_namespace = await read_identity(directory)
     except FileNotFoundError:
         identity = {"namespace": namespace, "format_version": FORMAT_VERSION}
-        temp = f"{path}.{writer}.tmp"
+        path = os.path.join(directory, IDENTITY_FILE)
+        temp = temporary_name(path, writer)
         async with aiofiles.open(temp, "xb", opener=private_opener(file_mode)) as new:
             await new.write(json.dumps(identity, sort_keys=True).encode())
         await aiofiles.os.replace(temp, path)
         return
-    found_namespace = read_identity(text)
     if found_namespace != namespace:
         raise InvalidArgumentError(
             f"{directory!r} holds namespace {found_namespace!r}, not {namespace!r}; "
@@ -126,8 +118,11 @@ async def _make_namespace(
         )
 
 
-def read_identity(text: str) -> str | None:
-    """The namespace an identity file's ``text`` names, or None if it names none."""
+async def read_identity(directory: str) -> str | None:
+    """The namespace the identity file of ``directory`` names, or None if it names none;
+    raises what reading it raises (FileNotFoundError: there is none)."""
+    async with aiofiles.open(os.path.join(directory, IDENTITY_FILE), encoding="utf-8") as file:
+        text = await file.read()
     try:
         found = json.loads(text).get("namespace")
     except (ValueError, AttributeError):
@@ -146,6 +141,7 @@ class Recovery:
     removed: Counter[str] = field(default_factory=Counter)
     checkpoint: Checkpoint | None = None
     checkpoint_note: str | None = None  # why the checkpoint was not used, if it was not
+    listed: list[tuple[str, int]] = field(default_factory=list)  # segments (name, bytes)
     # The scan of each segment read (beyond the checkpoint; read-only: from record 0).
     scans: dict[str, SegmentScan] = field(default_factory=dict)
     # Segments of dead writers in which neither the header nor a record verifies.
@@ -164,9 +160,8 @@ async def recover(
     """Read the checkpoint, scan what it does not cover, and build an index with
     ``new_index(records on disk)``, deleting dead writers' checkpoint temporaries and
     segments in which nothing verifies; ``read_only`` (inspect, verify): nothing is
-    deleted, and every segment is scanned from record 0. The temporaries and the
-    checkpoint file go through aiofiles; the scan and the index are one call of
-    ``run_blocking``. Raises OSError when the namespace directory cannot be listed."""
+    deleted, and every segment is scanned from record 0. The scan and the index are one
+    call of ``run_blocking``. OSError when the namespace directory cannot be listed."""
     directory = files.directory
     removed: Counter[str] = Counter()
     for name in await aiofiles.os.listdir(directory):  # dead writers' checkpoint temporaries
@@ -177,7 +172,14 @@ async def recover(
             if not read_only:
                 await aiofiles.os.unlink(os.path.join(directory, name))
             removed["temporary"] += 1
-    data, note = await _read_checkpoint_file(files)
+    data, note = None, "no checkpoint"
+    try:
+        async with aiofiles.open(os.path.join(directory, CHECKPOINT_FILE), "rb") as file:
+            data, note = await file.read(), None
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        note = f"checkpoint unreadable: {describe_os_error(exc)}"
     return await run_blocking(_rebuild, files, new_index, data, note, removed, read_only)
 
 
@@ -189,22 +191,28 @@ def _rebuild(
     removed: Counter[str],
     read_only: bool,
 ) -> Recovery:
-    """Blocking, one call: parse the checkpoint's bytes (``data``; None: ``note`` says
-    why none), list and scan the segments, delete dead writers' corrupt ones (unless
-    ``read_only``), build the index."""
-    directory = files.directory
-    checkpoint, note = _decode_checkpoint(files, data, note)
+    # Blocking, one call: the checkpoint's bytes parsed, the segments listed and
+    # scanned, dead writers' corrupt ones deleted (unless read_only), the index built.
+    checkpoint = None
+    if data is not None:
+        try:
+            checkpoint = parse_checkpoint(
+                data, block_bytes=files.block_bytes, ns_digest=files.ns_digest
+            )
+        except (CorruptBlockError, ValueError, struct.error) as exc:
+            note = f"checkpoint rejected: {exc}"
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
-    alive: dict[str, bool] = {}
-    on_disk: list[tuple[str, int, float]] = []
+    listed = files.list_segments()
     scans: dict[str, SegmentScan] = {}
     corrupt: list[str] = []
     unreadable: dict[str, str] = {}
+    alive: dict[str, bool] = {}
+    on_disk: list[tuple[str, int, float]] = []
     protected: set[str] = set()
-    for name, size in files.list_segments():
+    for name, size in listed:
         owner = parse_segment_name(name)[0]  # type: ignore[index]
         if owner not in alive:
-            alive[owner] = owner_alive(directory, owner)
+            alive[owner] = owner_alive(files.directory, owner)
         records = files.records_in(size)
         start = min(covered.get(name, 0), records)
         try:
@@ -227,42 +235,13 @@ def _rebuild(
         on_disk.append((name, records, mtime))
     order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}
     on_disk.sort(key=lambda item: (order.get(item[0], len(order)), item[2], item[0]))
-    listed = [(name, records) for name, records, _ in on_disk]
-    index = new_index(sum(records for _, records in listed))
-    recovered = index.restore(checkpoint, listed, scans, protected)
-    excess = [name for name in index.excess_segments(listed) if name not in protected]
-    return Recovery(index, recovered, excess, removed, checkpoint, note, scans, corrupt, unreadable)
-
-
-def verify_index(
-    files: SegmentFiles,
-    index: SegmentIndex,
-    *,
-    on_batch: Callable[[int], None],
-    batch_bytes: int = 32 << 20,
-) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
-    """Read and verify every record ``index`` holds as a load does, ``batch_bytes`` of
-    payload at a time, calling ``on_batch(records read)`` after each. Returns the
-    records checked and the failures: ``(segment, record)`` -> ``(its header's key or
-    None, why, whether the record itself is bad)`` (not a missing or stale one)."""
-    snapshot = index.snapshot()
-    entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
-    size = files.block_bytes
-    per_batch = max(1, batch_bytes // size)
-    buffer = memoryview(bytearray(per_batch * size))
-    failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
-    for start in range(0, len(entries), per_batch):
-        batch = entries[start : start + per_batch]
-        reads = [
-            (*where, buffer[i * size : (i + 1) * size], None) for i, (where, _) in enumerate(batch)
-        ]
-        for (where, digest), (key, why, missing) in zip(batch, files.read(reads), strict=True):
-            if why:
-                failures[where] = (key, why, not missing)
-            elif key_digest(key) != digest:  # type: ignore[arg-type]
-                failures[where] = (key, "stale index entry: the record holds another block", False)
-        on_batch(len(batch))
-    return len(entries), failures
+    ordered = [(name, records) for name, records, _ in on_disk]
+    index = new_index(sum(records for _, records in ordered))
+    recovered = index.restore(checkpoint, ordered, scans, protected)
+    excess = [name for name in index.excess_segments(ordered) if name not in protected]
+    return Recovery(
+        index, recovered, excess, removed, checkpoint, note, listed, scans, corrupt, unreadable
+    )
 
 
 async def write_checkpoint(
@@ -280,35 +259,29 @@ async def write_checkpoint(
     OSError: the old checkpoint stays and the temporary is removed. Once begun it runs
     to its end: cancelled meanwhile, it raises CancelledError after (a rename left
     running could publish a temporary that the next checkpoint is rewriting)."""
-    return await to_the_end(_write_checkpoint(files, checkpoint, temp_suffix, run_blocking))
 
+    async def write() -> int:
+        temp, size = await run_blocking(_write_temporary, files, checkpoint, temp_suffix)
+        try:
+            await fs_call(files.os.replace, temp, os.path.join(files.directory, CHECKPOINT_FILE))
+            await fs_call(fsync_dir, files.os, files.directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                await fs_call(files.os.unlink, temp)
+            raise
+        return size
 
-async def _write_checkpoint(
-    files: SegmentFiles,
-    checkpoint: Checkpoint | Callable[[], Checkpoint],
-    temp_suffix: str,
-    run_blocking: BlockingRunner,
-) -> int:
-    temp, size = await run_blocking(_write_temporary, files, checkpoint, temp_suffix)
-    try:
-        await fs_call(files.os.replace, temp, os.path.join(files.directory, CHECKPOINT_FILE))
-        await fs_call(fsync_dir, files.os, files.directory)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            await fs_call(files.os.unlink, temp)
-        raise
-    return size
+    return await to_the_end(write())
 
 
 def _write_temporary(
     files: SegmentFiles, checkpoint: Checkpoint | Callable[[], Checkpoint], temp_suffix: str
 ) -> tuple[str, int]:
-    """Blocking: the checkpoint's temporary written and synced; its path and size.
-    OSError: the temporary is removed."""
+    # Blocking: the checkpoint's temporary written and synced (removed on an error).
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = checkpoint()
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
-    temp = os.path.join(files.directory, f"{CHECKPOINT_FILE}.{temp_suffix}.tmp")
+    temp = os.path.join(files.directory, temporary_name(CHECKPOINT_FILE, temp_suffix))
     fd = files.os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, files.file_mode)
     try:
         try:
@@ -321,35 +294,3 @@ def _write_temporary(
             files.os.unlink(temp)
         raise
     return temp, sum(len(p) for p in parts)
-
-
-async def read_checkpoint(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
-    """``(the checkpoint, None)``, or ``(None, why not)``: the file read whole through
-    aiofiles, parsed (its checksum checked) on a thread. Never raises."""
-    data, note = await _read_checkpoint_file(files)
-    return await asyncio.to_thread(_decode_checkpoint, files, data, note)
-
-
-async def _read_checkpoint_file(files: SegmentFiles) -> tuple[bytes | None, str | None]:
-    """``(the checkpoint file's bytes, None)``, or ``(None, why not)``."""
-    path = os.path.join(files.directory, CHECKPOINT_FILE)
-    try:
-        async with aiofiles.open(path, "rb") as file:
-            return await file.read(), None
-    except FileNotFoundError:
-        return None, "no checkpoint"
-    except OSError as exc:
-        return None, f"checkpoint unreadable: {describe_os_error(exc)}"
-
-
-def _decode_checkpoint(
-    files: SegmentFiles, data: bytes | None, note: str | None
-) -> tuple[Checkpoint | None, str | None]:
-    if data is None:
-        return None, note
-    try:
-        return parse_checkpoint(
-            data, block_bytes=files.block_bytes, ns_digest=files.ns_digest
-        ), None
-    except (CorruptBlockError, ValueError, struct.error) as exc:
-        return None, f"checkpoint rejected: {exc}"

@@ -1,13 +1,13 @@
-"""The NVMe tier's own formats, without I/O: directory and file names, the segment
-header, the index checkpoint (each record is a padded :mod:`tiering.tiers.block_record`).
+"""The NVMe tier's own formats, without I/O (docs/nvme.md, "On disk"): the names of what it
+writes, the segment header, the index checkpoint. Each record is a padded
+:mod:`tiering.tiers.block_record`.
 
-A segment file starts with one segment header page (little endian): magic
-``KVTSEG\\r\\n``, u16 format version, u16 header length, u32 zero, u64 payload bytes per
-record, 16 bytes namespace digest, then the writer id (ASCII, NUL-padded to 64 bytes),
-zeros, and an xxh3_64 of bytes 0..4087 at offset 4088. The checkpoint (``index.ckpt``)
-is a head (magic, version, head length, record payload bytes, namespace digest,
-segments, entries, body length, body checksum) and a body: the segment list as text,
-then the entries as flat little-endian arrays.
+A segment header page (little endian): magic ``KVTSEG\\r\\n``, u16 format version, u16
+header length, u32 zero, u64 payload bytes per record, 16 bytes namespace digest, the
+writer id (ASCII, NUL-padded to 64 bytes), zeros, and an xxh3_64 of bytes 0..4087 at
+offset 4088. The checkpoint (``index.ckpt``): a head (magic, version, head length,
+record payload bytes, namespace digest, segments, entries, body length, body checksum),
+then a body: the segment list as text, then the entries as flat little-endian arrays.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from tiering.tiers.block_record import HEADER_BYTES, namespace_digest
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".seg"
 CHECKPOINT_FILE = "index.ckpt"
-IDENTITY_FILE = "NAMESPACE"
-"""The namespace directory's identity: the full namespace string (JSON)."""
+IDENTITY_FILE = "NAMESPACE"  # the namespace directory's identity: the namespace (JSON)
 TEMP_SUFFIX = ".tmp"
 REMOVED_MARK = b"KVTIER removed by verify\n"
 """How a record slot's header page begins once ``tiering verify --remove`` removed its
@@ -41,7 +40,7 @@ _SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
 _READABLE = re.compile(r"[^A-Za-z0-9._-]+")
 _CHECKPOINT_MAGIC = b"KVTCKPT\n"
 _CHECKPOINT_VERSION = 1
-_CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")  # the head, as the docstring above
+_CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
 _COLUMNS = (("digests", "<u8"), ("segment_of", "<u4"), ("record_of", "<u4"), ("ticks", "<u4"))
 
 
@@ -69,9 +68,13 @@ def parse_segment_name(name: str) -> tuple[str, int] | None:
     return None if match is None else (match.group(1), int(match.group(2), 16))
 
 
+def temporary_name(final: str, writer: str) -> str:
+    """The name of writer ``writer``'s temporary file of ``final``."""
+    return f"{final}.{writer}{TEMP_SUFFIX}"
+
+
 def temporary_writer(name: str, final: str) -> str | None:
-    """The writer whose temporary file of ``final`` (``<final>.<writer>.tmp``) ``name``
-    is, or None if it is none."""
+    """The writer whose temporary file of ``final`` ``name`` is, or None if it is none."""
     if name.startswith(f"{final}.") and name.endswith(TEMP_SUFFIX):
         return name[len(final) + 1 : -len(TEMP_SUFFIX)]
     return None
@@ -115,21 +118,14 @@ class Checkpoint:
     def locations(self) -> list[tuple[str, int]]:
         """``(segment, record)`` of each entry, in entry order."""
         names = [name for name, _ in self.segments]
-        return [
-            (names[s], r)
-            for s, r in zip(self.segment_of.tolist(), self.record_of.tolist(), strict=True)
-        ]
+        of = zip(self.segment_of.tolist(), self.record_of.tolist(), strict=True)
+        return [(names[segment], record) for segment, record in of]
 
     def without(self, locations: set[tuple[str, int]]) -> Checkpoint:
         """This checkpoint less the entries at ``locations``."""
         keep = np.array([where not in locations for where in self.locations()], dtype=bool)
-        return Checkpoint(
-            self.segments,
-            self.digests[keep],
-            self.segment_of[keep],
-            self.record_of[keep],
-            self.ticks[keep],
-        )
+        columns = (self.digests, self.segment_of, self.record_of, self.ticks)
+        return Checkpoint(self.segments, *(column[keep] for column in columns))
 
 
 def encode_segment_header(
@@ -138,16 +134,9 @@ def encode_segment_header(
     """Write a segment header page into ``into`` (HEADER_BYTES long)."""
     view = into if into.format == "B" else into.cast("B")
     view[:] = bytes(HEADER_BYTES)
-    _SEGMENT_FIXED.pack_into(
-        view,
-        0,
-        _SEGMENT_MAGIC,
-        SEGMENT_FORMAT_VERSION,
-        HEADER_BYTES,
-        payload_bytes,
-        ns_digest,
-        writer.encode("ascii"),
-    )
+    magic, version = _SEGMENT_MAGIC, SEGMENT_FORMAT_VERSION
+    fields = (magic, version, HEADER_BYTES, payload_bytes, ns_digest, writer.encode("ascii"))
+    _SEGMENT_FIXED.pack_into(view, 0, *fields)
     _TRAILER.pack_into(view, _TRAILER_OFFSET, xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]))
 
 
@@ -203,10 +192,10 @@ def parse_checkpoint(data: bytes, *, block_bytes: int, ns_digest: bytes) -> Chec
     magic, version, head_len, payload, ns, n_segments, count, body_len, checksum = (
         _CHECKPOINT_HEAD.unpack_from(data, 0)
     )
-    if (
-        magic != _CHECKPOINT_MAGIC
-        or version != _CHECKPOINT_VERSION
-        or head_len != _CHECKPOINT_HEAD.size
+    if (magic, version, head_len) != (
+        _CHECKPOINT_MAGIC,
+        _CHECKPOINT_VERSION,
+        _CHECKPOINT_HEAD.size,
     ):
         raise CorruptBlockError("not a checkpoint of this format")
     if ns != ns_digest or payload != block_bytes:

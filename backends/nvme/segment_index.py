@@ -1,24 +1,31 @@
-"""The NVMe tier's index, sans-I/O on the loop thread: where each block sits, where new
-records go, which segments to delete to make room, and what a checkpoint holds
-(docs/nvme.md: the key table, eviction and reinsertion, compaction). Two keys of one
-64-bit digest look like one block here; every read verifies the full key.
+"""The NVMe tier's index and its space accounting, sans-I/O on the loop thread
+(docs/nvme.md): where each block sits, where new records go, which segments to delete,
+what a checkpoint holds (:class:`SegmentIndex`); how many records the cap and the
+free-space floor allow, and the disk-full state (:class:`SpaceGuard`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from backends.nvme.segment_format import Checkpoint, parse_segment_name, segment_name
-from backends.nvme.segments import SegmentScan
 from tiering.errors import InvalidArgumentError
+from tiering.tiers.block_record import HEADER_BYTES
 from tiering.validation import positive_int
+
+if TYPE_CHECKING:
+    from backends.nvme.segments import SegmentScan
+
+logger = logging.getLogger(__name__)
 
 _EMPTY = 0
 _MAX_LOAD = 0.7
@@ -46,11 +53,6 @@ class KeyTable:
 
     def __len__(self) -> int:
         return self._len
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the table's arrays."""
-        return len(self._digests) * 20
 
     def _find(self, digest: int) -> int:
         """The slot holding ``digest``, or the empty slot where it would go."""
@@ -125,9 +127,7 @@ class KeyTable:
                 digests[hole], locs[hole], ticks[hole] = digests[slot], locs[slot], ticks[slot]
                 hole = slot
             slot = (slot + 1) & mask
-        digests[hole] = _EMPTY
-        locs[hole] = 0
-        ticks[hole] = 0
+        digests[hole] = locs[hole] = ticks[hole] = _EMPTY
         self._len -= 1
         return old
 
@@ -197,12 +197,12 @@ class RoomPlan:
 
 
 class SegmentIndex:
-    """Which blocks the NVMe tier holds, where, and what to evict.
-
-    Capacity counts records on disk, live or dead. A pinned segment (a read or write in
-    flight), one holding a held key and the one being written are never evicted; a newer
-    record of a digest makes the older one dead. InvalidArgumentError for a size that is
-    not a positive int, a ``writer`` that is not hex, or a fraction outside [0, 1].
+    """Which blocks the NVMe tier holds (by 64-bit key digest: two keys of one digest
+    look like one block here, and every read verifies the full key), where, and what to
+    evict. Capacity counts records on disk, live or dead. A pinned segment (a read or
+    write in flight), one holding a held key and the one being written are never
+    evicted; a newer record of a digest makes the older one dead. InvalidArgumentError
+    for a size that is not a positive int, a ``writer`` not hex, a fraction outside [0, 1].
     """
 
     def __init__(
@@ -260,32 +260,18 @@ class SegmentIndex:
 
     @property
     def pinned_records(self) -> int:
-        """Pins of every segment (reads and uncommitted writes)."""
-        return sum(segment.pins for segment in self._segments.values())
-
-    @property
-    def held_records(self) -> int:
-        """Records whose key is held (see :meth:`hold`)."""
-        return sum(1 for digest in self._holds if digest in self)
+        """Pins of every segment (reads and uncommitted writes), plus the records whose
+        key is held (see :meth:`hold`)."""
+        pins = sum(segment.pins for segment in self._segments.values())
+        return pins + sum(1 for digest in self._holds if digest in self)
 
     def holds(self, digest: int) -> int:
         return self._holds[digest]
 
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes of the table and the segments' digest lists."""
-        lists = sum(len(s.digests) * 8 for s in self._segments.values())
-        return self._table.nbytes + lists
-
-    def live_fraction(self, segment: str) -> float:
-        entry = self._segments[self._slot_of[segment]]
-        return entry.live / len(entry.digests) if len(entry.digests) else 1.0
-
     # -- use --------------------------------------------------------------------------
 
     def touch(self, digests: Sequence[int]) -> None:
-        """Mark present digests used now, the first the most recent (absent ones are
-        ignored)."""
+        """Mark present digests used now, the first the most recent (others: ignored)."""
         for digest in reversed(digests):
             self._clock += 1
             self._table.touch(digest, self._clock & 0xFFFFFFFF)
@@ -509,25 +495,19 @@ class SegmentIndex:
         protected: Collection[str] = (),
     ) -> int:
         """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and
-        segment scans; returns the blocks indexed.
-
-        ``on_disk`` lists the segments present now, oldest first, with their records;
-        the checkpoint counts for those up to the records it covered, ``scans[name]``
-        for the rest. Later records of a digest win; segments beyond capacity are left
-        out; ``protected`` ones (another live writer's) are never evicted.
-        """
+        segment scans; returns the blocks indexed. ``on_disk`` lists the segments present
+        now, oldest first, with their records; the checkpoint counts for those up to the
+        records it covered, ``scans[name]`` for the rest. Later records of a digest win;
+        segments beyond capacity are left out; ``protected`` ones (another live writer's)
+        are never evicted."""
         if self._segments:
             raise InvalidArgumentError("restore needs an empty index")
         covered = dict(checkpoint.segments) if checkpoint is not None else {}
-        by_name: dict[str, list[tuple[int, int, int]]] = {name: [] for name in covered}
+        by_name: dict[str, list[tuple[int, int, int]]] = {}
         if checkpoint is not None:
-            columns = (checkpoint.record_of, checkpoint.digests, checkpoint.ticks)
-            for (name, _), *entry in zip(
-                (checkpoint.segments[s] for s in checkpoint.segment_of.tolist()),
-                *(column.tolist() for column in columns),
-                strict=True,
-            ):
-                by_name[name].append(tuple(entry))  # type: ignore[arg-type]
+            columns = (checkpoint.digests.tolist(), checkpoint.ticks.tolist())
+            for (name, record), digest, tick in zip(checkpoint.locations(), *columns, strict=True):
+                by_name.setdefault(name, []).append((record, digest, tick))
         for name, _records in on_disk:
             parsed = parse_segment_name(name)
             if parsed is not None and parsed[0] == self.writer:
@@ -560,3 +540,160 @@ class SegmentIndex:
     def excess_segments(self, on_disk: Sequence[tuple[str, int]]) -> list[str]:
         """The segments of ``on_disk`` :meth:`restore` left out."""
         return [name for name, _ in on_disk if name not in self._slot_of]
+
+
+# -- space: the cap, the free-space floor, disk full ----------------------------------------
+
+DISK_FULL_REASON = (
+    "nvme tier is read-only: the file system was full (ENOSPC); stores resume once space returns"
+)
+# Segment sizing (docs/nvme.md, "Segments per cap"):
+DEFAULT_SEGMENT_BYTES = 256 << 20  # without ``segment_bytes``, unless the cap is small
+MAX_RECORDS_PER_SEGMENT = 4096  # bounds the work of evicting one segment
+DERIVED_SEGMENTS_PER_CAP = 8  # without ``segment_bytes``, the cap holds at least this many
+MIN_SEGMENTS_PER_CAP = 2  # the segment being written is never evicted
+
+
+class SpaceGuard:
+    """Cap, floor, cached free space and the read-only (disk full) state of one tier
+    (its directory ``where``); blocks promised to running stores count as written. The
+    tier measures free space off the loop and feeds it in. InvalidArgumentError when
+    ``capacity_bytes`` holds not even one block file."""
+
+    MAX_AGE_S = 1.0  # free space measured longer ago is measured again
+
+    def __init__(
+        self,
+        *,
+        file_bytes: int,
+        capacity_bytes: int,
+        min_free_bytes: int,
+        retry_s: float,
+        clock: Callable[[], float],
+        where: str,
+    ) -> None:
+        if capacity_bytes < file_bytes:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes!r} is below one block file ({file_bytes} "
+                "bytes: header page + block); the tier could never store"
+            )
+        self.file_bytes = file_bytes
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_bytes // file_bytes
+        self.min_free_bytes = min_free_bytes
+        self.retry_s = float(retry_s)
+        self._clock = clock
+        self.where = where  # the directory, for the log
+        self.free_bytes: int | None = None
+        """The last measured free space (None: unknown, the floor is not applied)."""
+        self._measured_at = float("-inf")
+        self._full_since: float | None = None
+        self._last_probe = 0.0
+        self._freed = False
+
+    def check_file_system(self, total_bytes: int, where: str) -> None:
+        """InvalidArgumentError when ``min_free_bytes`` is at or above ``total_bytes``, a
+        floor the file system can never satisfy."""
+        if total_bytes > 0 and self.min_free_bytes >= total_bytes:
+            raise InvalidArgumentError(
+                f"min_free_bytes={self.min_free_bytes} is at or above the size of the file "
+                f"system at {where!r} ({total_bytes} bytes); the tier could never store"
+            )
+
+    def measured(self, free_bytes: int | None) -> None:
+        """Take a new free-space figure (None when ``statvfs`` failed)."""
+        self.free_bytes = free_bytes
+        self._measured_at = self._clock()
+
+    def stale(self, pending_blocks: int) -> bool:
+        """True if free space must be measured before planning ``pending_blocks`` more
+        records: unknown, old, near the floor, or read-only (space may have returned)."""
+        if self._full_since is not None or self.free_bytes is None:
+            return True
+        if self._clock() - self._measured_at >= self.MAX_AGE_S:
+            return True
+        return self.free_bytes - pending_blocks * self.file_bytes < self.min_free_bytes
+
+    def limit(self, held_blocks: int, reserved_blocks: int) -> tuple[int, str]:
+        """The most records (``held_blocks`` on disk plus ``reserved_blocks`` promised to
+        running stores) allowed now, and why it binds."""
+        bound = self.capacity_blocks
+        reason = f"nvme tier full: capacity {self.capacity_bytes} bytes reached"
+        if self.free_bytes is not None:
+            above_floor = self.free_bytes - reserved_blocks * self.file_bytes
+            floor_room = (above_floor - self.min_free_bytes) // self.file_bytes
+            floor_bound = held_blocks + reserved_blocks + floor_room
+            if floor_bound < bound:
+                bound = floor_bound
+                reason = f"nvme tier full: free space would fall below {self.min_free_bytes} bytes"
+        return bound, reason
+
+    @property
+    def read_only(self) -> bool:
+        """True while stores are refused because the file system was full."""
+        return self._full_since is not None
+
+    def freed(self) -> None:
+        """The tier freed space: a refused store may probe again at once."""
+        self._freed = True
+
+    def refusing(self) -> bool:
+        """True if a store must be refused without I/O now: while read-only, all but one
+        probing store every ``retry_s`` seconds (or at once after :meth:`freed`)."""
+        if self._full_since is None:
+            return False
+        now = self._clock()
+        if self._freed or now - self._last_probe >= self.retry_s:
+            self._last_probe = now
+            self._freed = False
+            return False
+        return True
+
+    def store_ended(self, free_bytes: int | None, disk_full: bool, stored_any: bool) -> bool:
+        """Take a store hop's outcome (the free space it measured, unless None); True
+        when the tier just turned read-only. Each change is logged."""
+        if free_bytes is not None:
+            self.measured(free_bytes)
+        now = self._clock()
+        if disk_full:
+            self._last_probe = now
+            self._freed = False
+            if self._full_since is None:
+                self._full_since = now
+                logger.warning(
+                    "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
+                    "on; retrying every %gs or after space is freed",
+                    self.where,
+                    self.retry_s,
+                )
+                return True
+        elif stored_any and self._full_since is not None:
+            self._full_since = None
+            logger.warning("nvme tier: space returned at %s; stores resumed", self.where)
+        return False
+
+
+def records_per_segment(capacity_bytes: int, segment_bytes: int | None, record_bytes: int) -> int:
+    """Records a segment takes: from ``segment_bytes``, or (None) from the cap;
+    InvalidArgumentError (both options named) when the cap holds fewer than two."""
+    capacity_records = capacity_bytes // record_bytes
+    size = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+    records = max(1, min(MAX_RECORDS_PER_SEGMENT, (size - HEADER_BYTES) // record_bytes))
+    if segment_bytes is None:
+        records = min(records, max(1, capacity_records // DERIVED_SEGMENTS_PER_CAP))
+        if 0 < capacity_records < MIN_SEGMENTS_PER_CAP:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes} holds {capacity_records} record of "
+                f"{record_bytes} bytes; a segment tier needs room for at least "
+                f"{MIN_SEGMENTS_PER_CAP} (the segment being written is never evicted)"
+            )
+    elif 0 < capacity_records < MIN_SEGMENTS_PER_CAP * records:
+        raise InvalidArgumentError(
+            f"capacity_bytes={capacity_bytes} holds {capacity_records} records of "
+            f"{record_bytes} bytes, fewer than {MIN_SEGMENTS_PER_CAP} segments of "
+            f"segment_bytes={segment_bytes} ({records} records each): the segment being "
+            "written is never evicted, so the tier would fill once and then refuse every "
+            "store; raise capacity_bytes, lower segment_bytes, or leave segment_bytes out "
+            "(it then follows from the cap)"
+        )
+    return records

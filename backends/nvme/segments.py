@@ -1,7 +1,9 @@
-"""Segment files, the blocking half of the NVMe tier (docs/nvme.md: the layout, writes
-and reads): :class:`SegmentFiles` does every file operation synchronously, once per job
-on the tier's I/O threads, and decides nothing (the caller's index places each record).
-Every system call goes through an :class:`~backends.nvme.os_calls.OsCalls` (fault injection).
+"""Segment files, the blocking half of the NVMe tier (docs/nvme.md): :class:`SegmentFiles`
+does a job's file work in one call on an I/O thread (a store's whole hop is
+:meth:`SegmentFiles.store`) and decides nothing (the index places each record). It
+builds the records (header page, payload checksummed or sealed, padding) in aligned
+buffers of its thread, then makes the system calls, each through an
+:class:`~backends.nvme.os_calls.OsCalls` (fault injection).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backends.nvme.os_calls import (
     ALIGNMENT,
@@ -22,15 +25,11 @@ from backends.nvme.os_calls import (
     REAL_OS,
     FsyncPolicy,
     OsCalls,
-    buffer_address,
     describe_os_error,
     free_bytes,
     fsync_dir,
-    is_aligned,
-    thread_buffer,
     write_all,
 )
-from backends.nvme.sealing import PayloadSealer
 from backends.nvme.segment_format import (
     REMOVED_MARK,
     SEGMENTS_DIR,
@@ -38,8 +37,9 @@ from backends.nvme.segment_format import (
     encode_segment_header,
     parse_segment_name,
 )
+from tiering.device.page_memory import HUGE_PAGE_BYTES, io_buffer
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-from tiering.security.encryption import BlockCipher
+from tiering.security.encryption import TAG_BYTES, BlockCipher, Seal
 from tiering.tiers.block_record import (
     HEADER_BYTES,
     check_header,
@@ -50,13 +50,105 @@ from tiering.tiers.block_record import (
     verify_payload,
 )
 
-MAX_IOV = 1024
-"""The most buffers one ``pwritev``/``preadv`` call takes (Linux IOV_MAX)."""
+if TYPE_CHECKING:
+    from backends.nvme.segment_index import Placement
+
+MAX_IOV = 1024  # the most buffers one pwritev/preadv takes (Linux IOV_MAX)
+GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
+MOVE_BYTES_PER_JOB = 64 << 20  # the most bytes of moved records one store job rewrites
+SEAL_BATCH_BYTES = 8 << 20  # sealing buffers per I/O thread (the fastest size tried)
+
+Read = tuple[str, int, memoryview, bytes | None]  # segment, record, slot, key or None: any
+ReadOutcome = tuple[bytes | None, str, bool]
+"""What :meth:`SegmentFiles.read` says of one record: the key its header names (None
+when it does not decode), why it failed ("" when it verified), and whether the record
+was missing (its segment gone, or shorter)."""
 
 
 def align_up(value: int, to: int = ALIGNMENT) -> int:
     """``value`` rounded up to a multiple of ``to``."""
     return -(-value // to) * to
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The address of a buffer's first byte, or None if it cannot be taken (read-only)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
+
+
+def is_aligned(view: memoryview) -> bool:
+    """True if ``view`` can take part in O_DIRECT I/O: aligned address and length."""
+    if view.nbytes % ALIGNMENT:
+        return False
+    address = buffer_address(view)
+    return address is not None and address % ALIGNMENT == 0
+
+
+def thread_buffer(
+    local: threading.local, name: str, nbytes: int, *, at_least: int = 0
+) -> memoryview:
+    """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
+    ``max(nbytes, at_least)`` long when missing or too short: an
+    :func:`~tiering.device.page_memory.io_buffer` from a huge page up, a plain mapping
+    below (a small buffer gains nothing from a huge page, and its first touch would
+    zero a whole one while the thread holds the GIL, stalling the event loop)."""
+    view: memoryview | None = getattr(local, name, None)
+    if view is None or view.nbytes < nbytes:
+        size = max(nbytes, at_least)
+        if size >= HUGE_PAGE_BYTES:
+            view = io_buffer(size)
+        else:  # never empty: an anonymous mapping of 0 bytes is EINVAL
+            view = memoryview(mmap.mmap(-1, max(size, ALIGNMENT)))
+        setattr(local, name, view)
+    return view[:nbytes]
+
+
+def copy_bytes(target: memoryview, source: memoryview) -> None:
+    """``target[:] = source``, without the GIL (``ctypes.memmove``) where both buffers
+    are writable: I/O threads copy in parallel, and the loop's thread does not wait."""
+    into, of = buffer_address(target), buffer_address(source)
+    if into is None or of is None or target.nbytes != source.nbytes:
+        target[:] = source
+    else:
+        ctypes.memmove(into, of, source.nbytes)
+
+
+class PayloadSealer:
+    """Seals one namespace's payloads of ``block_bytes`` with ``cipher`` (encryption at
+    rest) into page-aligned buffers of each I/O thread: the slot keeps its plaintext,
+    and AES-GCM adds a tag. The cipher runs without the GIL but not without a core: a
+    thread yields the CPU after each block, for the loop's thread."""
+
+    def __init__(self, cipher: BlockCipher, block_bytes: int, ns_digest: bytes) -> None:
+        self.cipher = cipher
+        self.block_bytes = block_bytes
+        self.ns_digest = ns_digest
+        # Payloads at page-aligned offsets, not a page further apart for their tags: a
+        # 2 MiB payload then fills exactly one huge page of the buffer.
+        self.stride = align_up(block_bytes)
+        self.batch = max(1, SEAL_BATCH_BYTES // self.stride)
+        """The most buffers :meth:`buffers` lends a thread at once."""
+        self._local = threading.local()
+
+    def buffers(self, count: int) -> list[memoryview]:
+        """``count`` (at most :attr:`batch`) page-aligned buffers of ``block_bytes +
+        TAG_BYTES``, this thread's until its next call. Seal into them in order: a tag
+        (kept by its :class:`Seal`) spills into the next buffer, which overwrites it."""
+        if not 0 < count <= self.batch:
+            raise ValueError(f"count must be in 1..{self.batch}, got {count}")
+        arena = thread_buffer(self._local, "arena", self.batch * self.stride + TAG_BYTES)
+        size = self.block_bytes + TAG_BYTES
+        return [arena[i * self.stride : i * self.stride + size] for i in range(count)]
+
+    def seal(self, key: bytes, payload: memoryview, buffer: memoryview) -> Seal:
+        """Seal ``payload`` (``key``'s block, bound by :func:`record_binding` with no
+        tenant) into ``buffer``: its first ``block_bytes`` go to disk, the seal into the
+        header."""
+        seal = self.cipher.seal_into(payload, buffer, record_binding(self.ns_digest, b"", key))
+        os.sched_yield()
+        return seal
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +164,8 @@ class RecordRun:
 
 @dataclass(slots=True)
 class WriteReport:
-    """What one :meth:`SegmentFiles.write` call did: ``written`` keys are on disk
-    (durable per the fsync policy), ``failed`` maps every other key to a reason."""
+    """What a write did: ``written`` keys are on disk (durable per the fsync policy),
+    ``failed`` maps every other key to a reason."""
 
     written: list[bytes] = field(default_factory=list)
     failed: dict[bytes, str] = field(default_factory=dict)
@@ -82,37 +174,42 @@ class WriteReport:
     free_bytes: int | None = None
 
 
-ReadOutcome = tuple[bytes | None, str, bool]
-"""What :meth:`SegmentFiles.read` says of one record: the key its header names (None
-when the header does not decode), why it failed ("" when it verified), and whether the
-record was missing (its segment gone, or shorter)."""
-
-
 @dataclass(frozen=True, slots=True)
 class SegmentScan:
     """A segment's valid records ``(key, record)`` from some record on, in file order;
-    ``end`` after the last whole slot; ``invalid`` slots without a valid record."""
+    ``end`` after the last whole slot; ``invalid`` slots hold no valid record, and
+    ``removed`` ones the mark of :meth:`SegmentFiles.mark_removed`."""
 
     records: list[tuple[bytes, int]]
     end: int
     invalid: int
     header_ok: bool = True
     removed: int = 0
-    """Slots :meth:`SegmentFiles.mark_removed` marked (not counted ``invalid``)."""
 
 
-GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
+@dataclass(slots=True)
+class StoreHop:
+    """One store job for :meth:`SegmentFiles.store`: its ``records`` ``(key, CPU slot)``
+    go to the first of ``placed``, the evicted records to ``move`` ``(segment, record,
+    digest)`` to the rest; the keys of the records ``gone`` are read and the segments
+    ``delete`` deleted. ``moved`` and ``gone_keys``: what the hop read before it deleted
+    anything (a key, or None where a header did not verify); None until then."""
+
+    records: list[tuple[bytes, int]]
+    placed: Sequence[Placement]
+    moves: Sequence[tuple[str, int, int]]
+    gone: Sequence[tuple[str, int]]
+    delete: Sequence[str]
+    moved: list[bytes | None] | None = None
+    gone_keys: list[bytes | None] | None = None
 
 
 class SegmentFiles:
     """Blocking reads and writes of segment files in one namespace directory, whose
-    ``segments/`` must exist. Safe from several threads at once for distinct records.
-
-    ``o_direct``: whether O_DIRECT may be used (the caller probed); a run whose payloads
-    are not all aligned moves buffered. ``staging_bytes`` (0: off): direct I/O moves
-    through a staging buffer of this size per thread (docs/nvme.md); sealed writes are
-    not staged.
-    """
+    ``segments/`` must exist; safe from several threads at once for distinct records.
+    ``o_direct``: O_DIRECT may be used (the caller probed), for runs whose buffers are
+    aligned; ``staging_bytes`` (0: off): direct I/O moves through a staging buffer of
+    that size per thread (docs/nvme.md), sealed records excepted."""
 
     def __init__(
         self,
@@ -132,16 +229,15 @@ class SegmentFiles:
         self.directory = directory
         self.segments_dir = os.path.join(directory, SEGMENTS_DIR)
         self.block_bytes = block_bytes
-        self.record_bytes = HEADER_BYTES + align_up(block_bytes)
-        """Bytes from one record's start to the next one's."""
+        self.record_bytes = HEADER_BYTES + align_up(block_bytes)  # from a record to the next
         self.ns_digest = ns_digest
         self.fsync = fsync
         self.o_direct = o_direct and bool(O_DIRECT)
         self.os = os_calls
         self.sealer = None if cipher is None else PayloadSealer(cipher, block_bytes, ns_digest)
-        """Seals payloads on write and opens them on read; None: plain blocks."""
         self.file_mode = file_mode
         self._local = threading.local()
+        self._moves = threading.local()  # per thread: buffers for moved records
         self._padding = memoryview(mmap.mmap(-1, ALIGNMENT))[: align_up(block_bytes) - block_bytes]
         self._staged_records = max(1, staging_bytes // self.record_bytes) if staging_bytes else 0
 
@@ -156,9 +252,52 @@ class SegmentFiles:
     def offset_of(self, record: int) -> int:
         return HEADER_BYTES + record * self.record_bytes
 
+    def records_in(self, size: int) -> int:
+        """Whole record slots in a segment file of ``size`` bytes."""
+        return max(0, (size - HEADER_BYTES) // self.record_bytes)
+
     def _pages(self, count: int) -> memoryview:
         # Aligned header pages, reused per thread: O_DIRECT needs aligned buffers.
         return thread_buffer(self._local, "pages", count * HEADER_BYTES, at_least=16 * HEADER_BYTES)
+
+    def _staging(self) -> memoryview:
+        # This thread's staging buffer: records laid out as on disk, on huge pages.
+        return thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
+
+    # -- the jobs' hops ---------------------------------------------------------------
+
+    def store(self, hop: StoreHop, slot: Callable[[int], memoryview], writer: str) -> WriteReport:
+        """One store job's blocking half: read the records to move (into this thread's
+        buffers) and the keys of the records gone, into ``hop`` before anything is
+        deleted; delete ``hop.delete``; then :meth:`write` the job's blocks
+        (``slot(block id)``) and the moves that verified. Raises as :meth:`write`."""
+        size, count = self.block_bytes, len(hop.moves)
+        buffers: list[memoryview] = []
+        if count:
+            view = thread_buffer(self._moves, "moves", count * size, at_least=MOVE_BYTES_PER_JOB)
+            buffers = [view[i * size : (i + 1) * size] for i in range(count)]
+        moving = [(s, r, b, None) for (s, r, _), b in zip(hop.moves, buffers, strict=True)]
+        moved = [key if not why else None for key, why, _ in self.read(moving)]
+        hop.moved, hop.gone_keys = moved, self.read_keys(hop.gone)
+        self.delete(hop.delete)
+        records = [(key, slot(block_id)) for key, block_id in hop.records]
+        where = [(p.segment, p.record, p.create) for p in hop.placed[: len(records)]]
+        for key, buffer, p in zip(moved, buffers, hop.placed[len(records) :], strict=True):
+            if key is not None:
+                records.append((key, buffer))
+                where.append((p.segment, p.record, p.create))
+        return self.write(list(iter_runs(where, records)), writer=writer)
+
+    def load(
+        self, reads: Sequence[tuple[bytes, str, int, int]], slot: Callable[[int], memoryview]
+    ) -> list[ReadOutcome]:
+        """One load job's blocking half: :meth:`read` of each ``(key, segment, record,
+        block id)`` into ``slot(block id)``."""
+        return self.read([(segment, record, slot(b), key) for key, segment, record, b in reads])
+
+    def drop_move_buffers(self) -> None:
+        """Let every thread's buffers for moved records go (the next move makes its own)."""
+        self._moves = threading.local()
 
     # -- write ------------------------------------------------------------------------
 
@@ -184,10 +323,8 @@ class SegmentFiles:
                 self._write_run(run, writer, report)
             except OSError as exc:
                 reason = f"write failed: {describe_os_error(exc)}"
-                for key, _ in run.records:
-                    report.failed[key] = reason
-                if exc.errno in DISK_FULL_ERRNOS:
-                    report.disk_full = True
+                report.failed.update((key, reason) for key, _ in run.records)
+                report.disk_full = exc.errno in DISK_FULL_ERRNOS
                 continue
             report.written.extend(key for key, _ in run.records)
         if report.created and self.fsync != "none" and report.written:
@@ -201,52 +338,52 @@ class SegmentFiles:
         return report
 
     def _write_run(self, run: RecordRun, writer: str, report: WriteReport) -> None:
+        records = run.records
         direct = self.o_direct and (
-            self.sealer is not None
-            or self.staged > 0
-            or all(is_aligned(payload) for _, payload in run.records)
+            self.sealer is not None or self.staged > 0 or all(is_aligned(p) for _, p in records)
         )
+        per_call = self._records_per_call()
+        calls = [records[i : i + per_call] for i in range(0, len(records), per_call)] or [records]
+        # The segment header and the first call's records are built before the file is
+        # opened: a job goes down from the records to the system calls.
+        header = None
+        if run.create:
+            header = thread_buffer(self._local, "segment header", HEADER_BYTES)
+            encode_segment_header(
+                header, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
+            )
+        buffers = self._record_buffers(calls[0])
         # O_CREAT for every run: jobs writing one segment run on several threads, and the
         # run that writes its header may come last. Names are unique to this writer.
         flags = os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0)
         fd = self.os.open(self.path_of(run.segment), flags, self.file_mode)
         try:
-            if run.create:
+            if header is not None:
                 report.created.append(run.segment)
-                page = self._pages(1)
-                encode_segment_header(
-                    page, payload_bytes=self.block_bytes, ns_digest=self.ns_digest, writer=writer
-                )
-                write_all(self.os, fd, [page], 0)
-            if len(run.records) > self._records_per_call():
+                write_all(self.os, fd, [header], 0)
+            offset = self.offset_of(run.first)
+            if len(calls) > 1:
                 # Allocated first, in one call: on ext4 a direct write that must allocate
                 # takes the file for itself and waits for all I/O in flight on it, which
                 # would stall every other job writing the segment (docs/security.md).
-                length = len(run.records) * self.record_bytes
-                self.os.allocate(fd, self.offset_of(run.first), length)
-            self._write_records(fd, run)
+                self.os.allocate(fd, offset, len(records) * self.record_bytes)
+            for i, chunk in enumerate(calls):
+                write_all(self.os, fd, buffers if i == 0 else self._record_buffers(chunk), offset)
+                offset += len(chunk) * self.record_bytes
+                if self.fsync == "always":
+                    self.os.fdatasync(fd)
             if self.fsync != "none":
                 self.os.fdatasync(fd)
         finally:
             self.os.close(fd)
 
     def _records_per_call(self) -> int:
-        """The most records one ``pwritev`` writes (within :data:`MAX_IOV` buffers, and
-        the sealing buffers)."""
+        # Within MAX_IOV buffers (a header, a payload, maybe padding each), and the
+        # sealing buffers or the staging buffer.
         per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
         if self.sealer is not None:
             return min(per_call, self.sealer.batch)
         return self.staged or per_call
-
-    def _write_records(self, fd: int, run: RecordRun) -> None:
-        per_call = self._records_per_call()
-        offset = self.offset_of(run.first)
-        for start in range(0, len(run.records), per_call):
-            chunk = run.records[start : start + per_call]
-            write_all(self.os, fd, self._record_buffers(chunk), offset)
-            offset += len(chunk) * self.record_bytes
-            if self.fsync == "always":
-                self.os.fdatasync(fd)
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
@@ -275,15 +412,23 @@ class SegmentFiles:
             buffers += [page, data, self._padding] if self._padding.nbytes else [page, data]
         return [pages[: len(records) * step]] if staged else buffers
 
-    def _staging(self) -> memoryview:
-        # This thread's staging buffer: records laid out as on disk, on huge pages.
-        return thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
+    def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
+        """:func:`payload_checksum`, with a moment without the GIL after each
+        ``gil_pause_bytes`` hashed (0: never), so that the loop's thread does not wait."""
+        checksum = payload_checksum(payload, binding)
+        if self.gil_pause_bytes:
+            done = getattr(self._local, "hashed", 0) + payload.nbytes
+            if done >= self.gil_pause_bytes:
+                time.sleep(0)
+                done = 0
+            self._local.hashed = done
+        return checksum
 
     # -- read -------------------------------------------------------------------------
 
-    def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
+    def read(self, reads: Sequence[Read]) -> list[ReadOutcome]:
         """Read each ``(segment, record, slot, expected key or None for any)`` into its
-        slot and verify its header and payload (checksum or GCM tag); one
+        slot and verify its header and payload (checksum or GCM tag): one
         :data:`ReadOutcome` per read, in order (a failed read's slot must not be used).
         Consecutive records are one read. Raises only InvalidArgumentError, nothing
         read, for a slot that is not ``block_bytes`` long."""
@@ -309,9 +454,7 @@ class SegmentFiles:
         # and open from there into their slots.
         staged = self.staged if self.sealer is None else 0
         direct = self.o_direct and (
-            self.sealer is not None
-            or staged > 0
-            or all(is_aligned(slot) for _, _, slot, _ in items)
+            self.sealer is not None or staged > 0 or all(is_aligned(i[2]) for i in items)
         )
         try:
             fd = self.os.open(self.path_of(segment), os.O_RDONLY | (O_DIRECT if direct else 0))
@@ -337,12 +480,11 @@ class SegmentFiles:
         run: list[tuple[int, int, memoryview, bytes | None]],
         outcomes: list[ReadOutcome],
         *,
-        staged: bool = False,
+        staged: bool,
     ) -> None:
-        """Read records ``run[0][1]``, ``run[0][1] + 1``, ... in one ``preadv`` (into the
-        slots; ``staged`` into this thread's staging buffer, each payload then copied
-        into its slot once its header checks; sealed into the sealer's buffers, each
-        then opened into its slot), then verify each payload."""
+        """Read consecutive records in one ``preadv`` (into their slots; ``staged`` into
+        the staging buffer, each payload copied into its slot once its header checks;
+        sealed into the sealer's buffers, each opened into its slot), and verify each."""
         step, size = self.record_bytes, self.block_bytes
         sealed = [] if self.sealer is None else self.sealer.buffers(len(run))
         if staged:
@@ -385,42 +527,13 @@ class SegmentFiles:
                     verify_payload(header, slot, None, self._checksum)
                 else:
                     verify_payload(header, sealed[j][:size], cipher, into=slot)
-                    os.sched_yield()  # see backends/nvme/sealing.py
+                    os.sched_yield()  # as PayloadSealer.seal does
             except CorruptBlockError as exc:
                 outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
             else:
                 outcomes[i] = (header.key, "", False)
 
-    def _checksum(self, payload: memoryview | bytes | bytearray, binding: bytes) -> bytes:
-        """:func:`payload_checksum`, with a moment without the GIL after each
-        ``gil_pause_bytes`` hashed (0: never), so that the loop's thread does not wait."""
-        checksum = payload_checksum(payload, binding)
-        if self.gil_pause_bytes:
-            done = getattr(self._local, "hashed", 0) + payload.nbytes
-            if done >= self.gil_pause_bytes:
-                time.sleep(0)
-                done = 0
-            self._local.hashed = done
-        return checksum
-
-    # -- segments: list, scan, delete -----------------------------------------------
-
-    def list_segments(self) -> list[tuple[str, int]]:
-        """``(name, bytes)`` of every segment file, in name order."""
-        try:
-            entries = list(os.scandir(self.segments_dir))
-        except FileNotFoundError:
-            return []
-        found = []
-        for entry in entries:
-            if parse_segment_name(entry.name) is not None:
-                with contextlib.suppress(FileNotFoundError):  # deleted since the listing
-                    found.append((entry.name, entry.stat().st_size))
-        return sorted(found)
-
-    def records_in(self, size: int) -> int:
-        """Whole record slots in a segment file of ``size`` bytes."""
-        return max(0, (size - HEADER_BYTES) // self.record_bytes)
+    # -- headers only: scan, keys, removal marks; listing, deletion --------------------
 
     def scan(self, segment: str, start: int = 0) -> SegmentScan:
         """Read the record headers (not payloads) of ``segment`` from record ``start`` on;
@@ -474,8 +587,8 @@ class SegmentFiles:
 
     def mark_removed(self, records: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
         """Overwrite the header page of each ``(segment, record)`` with
-        :data:`REMOVED_MARK`, synced: a scan skips the slot and counts it removed.
-        Returns those marked (a segment that fails is left out). Never raises."""
+        :data:`REMOVED_MARK`, synced (a scan skips the slot and counts it removed); those
+        marked (a segment that fails is left out). Never raises."""
         marked: set[tuple[str, int]] = set()
         mark = memoryview(REMOVED_MARK.ljust(HEADER_BYTES, b"\0"))
         for fd, segment, items in self._open_each(records, os.O_WRONLY):
@@ -506,6 +619,19 @@ class SegmentFiles:
             finally:
                 self.os.close(fd)
 
+    def list_segments(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of every segment file, in name order."""
+        try:
+            entries = list(os.scandir(self.segments_dir))
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            if parse_segment_name(entry.name) is not None:
+                with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                    found.append((entry.name, entry.stat().st_size))
+        return sorted(found)
+
     def delete(self, segments: Sequence[str]) -> int:
         """Unlink segment files; returns how many existed. Never raises."""
         removed = 0
@@ -523,26 +649,13 @@ class SegmentFiles:
             return None
 
 
-def copy_bytes(target: memoryview, source: memoryview) -> None:
-    """``target[:] = source``, without the GIL (``ctypes.memmove``) where both buffers
-    are writable: I/O threads copy in parallel, and the loop's thread does not wait."""
-    into, of = buffer_address(target), buffer_address(source)
-    if into is None or of is None or target.nbytes != source.nbytes:
-        target[:] = source
-    else:
-        ctypes.memmove(into, of, source.nbytes)
-
-
 def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
     """Slices of ``places`` ``(segment, record)`` in one segment at consecutive records,
     at most ``most`` long."""
     start = 0
     for i in range(1, len(places) + 1):
-        if (
-            i == len(places)
-            or i - start == most
-            or places[i] != (places[i - 1][0], places[i - 1][1] + 1)
-        ):
+        segment, record = places[i - 1]
+        if i == len(places) or i - start == most or places[i] != (segment, record + 1):
             yield slice(start, i)
             start = i
 

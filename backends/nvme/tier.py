@@ -1,8 +1,6 @@
-"""The NVMe tier, registered as ``"nvme"``: KV blocks on a local drive, durable, verified
-and bounded (docs/nvme.md). The actor shell: the index on the loop thread, each job's
-blocking work (:class:`~backends.nvme.segments.SegmentFiles`) in ONE call on the tier's
-own threads, the file-system operations around it (the namespace directory, the owner
-lock, the checkpoint's file) awaited through aiofiles (docs/architecture.md#where-work-runs).
+"""The NVMe tier, registered as ``"nvme"`` (docs/nvme.md): the actor shell. Its index
+decides on the loop thread; each job's blocking half is ONE :class:`SegmentFiles` call on
+the tier's I/O threads; the file-system operations around them go through aiofiles.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import logging
 import os
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,7 +26,6 @@ from backends.nvme.os_calls import (
     check_root,
     fs_call,
     probe_o_direct,
-    thread_buffer,
     to_the_end,
 )
 from backends.nvme.recovery import (
@@ -39,14 +36,21 @@ from backends.nvme.recovery import (
     write_checkpoint,
 )
 from backends.nvme.segment_format import namespace_dirname
-from backends.nvme.segment_index import Placement, SegmentIndex, key_digest
-from backends.nvme.segments import ReadOutcome, SegmentFiles, WriteReport, align_up, iter_runs
-from backends.nvme.space import (
+from backends.nvme.segment_index import (
     DISK_FULL_REASON,
-    MOVE_BYTES_PER_JOB,
-    InflightBytes,
+    Placement,
+    SegmentIndex,
     SpaceGuard,
+    key_digest,
     records_per_segment,
+)
+from backends.nvme.segments import (
+    MOVE_BYTES_PER_JOB,
+    ReadOutcome,
+    SegmentFiles,
+    StoreHop,
+    WriteReport,
+    align_up,
 )
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 from tiering.observe.statistics import DISK_FULL, NO_ROOM, FailureLog
@@ -81,21 +85,66 @@ class NVMeMetrics:
     removed_on_recovery: Counter[str] = field(default_factory=Counter)
 
 
+class InflightBytes:
+    """A loop-thread byte budget for jobs' I/O: waiting loads are admitted before stores,
+    and a job larger than the whole budget runs alone rather than never."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiting: dict[bool, deque[tuple[int, asyncio.Future[None]]]] = {
+            True: deque(),
+            False: deque(),
+        }
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.used == 0 or self.used + nbytes <= self.limit
+
+    async def acquire(self, nbytes: int, *, is_load: bool) -> None:
+        ahead = self._waiting[True] if is_load else (*self._waiting[True], *self._waiting[False])
+        if not ahead and self._fits(nbytes):
+            self.used += nbytes
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, future)
+        self._waiting[is_load].append(entry)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(nbytes)  # granted, but the caller is gone
+            else:
+                self._waiting[is_load].remove(entry)
+                self._grant()
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self._grant()
+
+    def _grant(self) -> None:
+        for is_load in (True, False):
+            queue = self._waiting[is_load]
+            while queue and self._fits(queue[0][0]):
+                nbytes, future = queue.popleft()
+                if future.done():
+                    continue
+                self.used += nbytes
+                future.set_result(None)
+            if queue:
+                return  # a blocked load holds back stores
+
+
 class NVMeTier(TierActor):
     """A secondary tier keeping blocks as records of segment files under ``root``; its
-    options are :class:`NVMeOptions`.
-
-    Guarantees (docs/nvme.md has each at length):
-
-    * A store's keys become visible only once their records are written (and synced per
-      ``fsync``). Keys held are skipped; a key twice in a job is stored from its first slot.
-    * A record is served only if its header and payload checksum (or GCM tag) verify. A
-      key that fails is in ``failed_keys`` and leaves the index; the job's other keys
-      land. An I/O error fails the keys it hit, in that job.
-    * Space comes back by deleting whole segments, never one in use; stores that still
-      do not fit fail. ENOSPC makes stores fail (loads go on) until one succeeds.
-    * :meth:`start` recovers the index from disk (a restart keeps the cache warm).
-    """
+    options are :class:`NVMeOptions`. What it promises (docs/nvme.md at length): a
+    store's keys become visible once their records are written (and synced per
+    ``fsync``); keys held are skipped, a key twice in a job is stored from its first
+    slot. A record is served only if its header and payload checksum (or GCM tag)
+    verify; a key that fails, or that an I/O error hit, is in ``failed_keys`` (and
+    leaves the index) while the job's other keys land. Space comes back by deleting
+    whole segments never in use; stores that still do not fit fail, and after ENOSPC
+    stores fail (loads go on) until one succeeds. :meth:`start` recovers the index."""
 
     Options = NVMeOptions
 
@@ -116,18 +165,20 @@ class NVMeTier(TierActor):
             o.capacity_bytes, o.segment_bytes, record_bytes
         )
         keyring = keyring_from(o.encryption, option="encryption")
+        directory = os.path.join(os.fspath(o.root), namespace_dirname(o.namespace))
         self._space = SpaceGuard(
             file_bytes=record_bytes,
             capacity_bytes=o.capacity_bytes,
             min_free_bytes=o.min_free_bytes,
             retry_s=o.enospc_retry_s,
             clock=o.clock,
+            where=directory,
         )
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
         self.options = o
         self.root = os.fspath(o.root)
         self.namespace = o.namespace
-        self.directory = os.path.join(self.root, namespace_dirname(o.namespace))
+        self.directory = directory
         self.file_bytes = record_bytes  # one block on disk, its header page included
         self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
@@ -160,15 +211,13 @@ class NVMeTier(TierActor):
         self._writing: dict[int, asyncio.Event] = {}
         self._writing_records = 0
         self._trash: list[str] = []  # segments given up, files not yet deleted
-        # Records of segments in the trash whose keys removals still owe (their store
-        # hop never ran): read by the hop that deletes those segments.
+        # Records in the trash whose keys removals still owe (their hop never ran).
         self._owed: list[tuple[str, int]] = []
         self._generation = 0  # bumped by clear(): older hops' records are not committed
         self._since_checkpoint = 0
         # Set while no checkpoint is being written: one at a time, they share a temp file.
         self._checkpoint_idle = asyncio.Event()
         self._checkpoint_idle.set()
-        self._local = threading.local()  # per I/O thread: buffers for moved records
 
     def _new_index(self) -> SegmentIndex:
         return SegmentIndex(
@@ -223,8 +272,10 @@ class NVMeTier(TierActor):
         trash, self._trash = self._trash, []
         owed, self._owed = self._owed, []
         # The pool is shut down by now: the loop's executor runs the blocking calls.
-        if trash or owed:
-            self._note_given_up(await asyncio.to_thread(self._give_up, owed, trash))
+        if trash or owed:  # a hop that only reads the keys owed and deletes the trash
+            hop = StoreHop([], [], [], owed, trash)
+            await asyncio.to_thread(self._segments.store, hop, self.slot, self._instance_id)
+            self._note_given_up(hop.gone_keys or [])
         # A job's checkpoint can outlive the close deadline (it runs to its end).
         await self._checkpoint_idle.wait()
         try:
@@ -244,9 +295,8 @@ class NVMeTier(TierActor):
         await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
 
     async def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
-        """Open the namespace directory, check the floor, take the owner lock (through
-        aiofiles), probe O_DIRECT (one hop on the I/O threads), recover the index (its
-        scan one hop), measure free space."""
+        """Open the namespace directory, check the floor, take the owner lock, probe
+        O_DIRECT (a hop), recover the index (a hop), measure free space."""
         await open_directory(
             self.root,
             self.directory,
@@ -279,11 +329,8 @@ class NVMeTier(TierActor):
         self.o_direct = probe is None
         self._segments.o_direct = self.o_direct
         if probe is not None and self.options.o_direct is None:
-            logger.warning(
-                "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O",
-                self.directory,
-                probe,
-            )
+            why = "nvme tier: O_DIRECT not usable at %s (%s); using buffered I/O"
+            logger.warning(why, self.directory, probe)
         self._space.measured(free)
         self._index = found.index
         self.metrics.recovered_blocks = found.recovered
@@ -305,68 +352,12 @@ class NVMeTier(TierActor):
         if owner is not None:
             owner.release()
 
-    # -- space ------------------------------------------------------------------------
+    # -- queries ----------------------------------------------------------------------
 
     @property
     def read_only(self) -> bool:
         """True while stores are refused because the file system was full (ENOSPC)."""
         return self._space.read_only
-
-    def _store_space_ended(self, report: WriteReport) -> None:
-        """Record a store hop's effect on space: free bytes, disk full or space back."""
-        if report.free_bytes is not None:
-            self._space.measured(report.free_bytes)
-        change = self._space.store_ended(
-            disk_full=report.disk_full, stored_any=bool(report.written)
-        )
-        if change == "full":
-            self.metrics.disk_full_events += 1
-            logger.warning(
-                "nvme tier: file system full (ENOSPC) at %s; stores refused, loads go "
-                "on; retrying every %gs or after space is freed",
-                self.directory,
-                self.options.enospc_retry_s,
-            )
-        elif change == "resumed":
-            logger.warning("nvme tier: space returned at %s; stores resumed", self.directory)
-
-    async def _store_admission(
-        self, job: JobMetadata
-    ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, int]]:
-        """A store job's keys as ``(failed, wanted: key -> slot)``: keys a header cannot
-        hold fail, keys held (or repeated) are skipped, keys a running hop writes are
-        waited for, and while the disk is full every wanted key fails."""
-        failed: dict[OffloadKey, str] = {}
-        wanted: dict[OffloadKey, int] = {}
-        for key, block_id in zip(job.keys, job.block_ids, strict=True):
-            if len(key) > MAX_KEY_BYTES or not key:
-                failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
-            elif key not in wanted and key_digest(key) not in self._index:
-                wanted[key] = block_id
-        if failed:
-            self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
-        wanted = await self._wait_for_writes(wanted)
-        if wanted and self._space.refusing():
-            self.metrics.refused_blocks += len(wanted)
-            self._failure_log.record(DISK_FULL, len(wanted), DISK_FULL_REASON)
-            failed.update(dict.fromkeys(wanted, DISK_FULL_REASON))
-            wanted = {}
-        return failed, wanted
-
-    def _usage(self) -> dict[str, Any]:
-        removed = self.metrics.removed_on_recovery.total()
-        counters = {**asdict(self.metrics), "removed_on_recovery": removed}
-        return {
-            "used_blocks": self.get_num_blocks(),
-            "capacity_blocks": self.capacity_blocks,
-            "used_bytes": self.used_bytes,
-            "capacity_bytes": self.capacity_bytes,
-            "pinned_blocks": self._index.pinned_records + self._index.held_records,
-            "counters": counters,
-            "failures": dict(self._failure_log.counts),
-        }
-
-    # -- queries ----------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if stored, None while a store of it is queued or running, else False
@@ -425,7 +416,20 @@ class NVMeTier(TierActor):
         self._trash.extend(self._index.clear())
         self._space.freed()
 
-    # -- hooks ------------------------------------------------------------------------
+    def _usage(self) -> dict[str, Any]:
+        removed = self.metrics.removed_on_recovery.total()
+        counters = {**asdict(self.metrics), "removed_on_recovery": removed}
+        return {
+            "used_blocks": self.get_num_blocks(),
+            "capacity_blocks": self.capacity_blocks,
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "pinned_blocks": self._index.pinned_records,
+            "counters": counters,
+            "failures": dict(self._failure_log.counts),
+        }
+
+    # -- hooks (loop thread); the blocking half is one SegmentFiles call ---------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
         failed, wanted = await self._store_admission(job)
@@ -441,47 +445,19 @@ class NVMeTier(TierActor):
         try:
             await self._budget.acquire(budget, is_load=False)
             try:
-                pending = self._index.used_records - self._writing_records
-                if self._space.stale(self._writing_records + len(wanted)):
-                    free = await self.run_blocking(self._segments.free_bytes)
-                    self._space.measured(free)
-                limit, reason = self._space.limit(pending, self._writing_records)
-                plan = self._index.plan_room(
-                    len(wanted),
-                    limit=limit,
-                    most_moves=self.moves_per_job,
-                )
-                fit, placed = plan.fit, plan.placed
-                gone = plan.gone
-                if plan.evictions:
-                    self.metrics.evicted_blocks += len(gone)
-                    self._space.freed()
-                if self._removed is None:
-                    gone = []  # nobody asks which keys they held
-                else:
-                    gone, self._owed = gone + self._owed, []  # their segments go too
-                admitted = list(wanted.items())[:fit]
-                if fit < len(wanted):
-                    refused = list(wanted)[fit:]
-                    reason += "; every other segment is in use (read, written or held)"
-                    failed.update(dict.fromkeys(refused, reason))
-                    self.metrics.refused_blocks += len(refused)
-                    self._failure_log.record(NO_ROOM, len(refused), reason)
-                self._writing_records += len(placed)
-                delete = [e.segment for e in plan.evictions] + self._trash
-                self._trash = []
-                reads = _HopReads()
+                hop = await self._plan_store(wanted, failed)
+                placed = list(hop.placed)
                 try:
-                    report, moved, gone_keys = await self.run_blocking(
-                        self._store_hop, admitted, placed, plan.moves, gone, delete, reads
+                    report = await self.run_blocking(
+                        self._segments.store, hop, self.slot, self._instance_id
                     )
                 except BaseException:  # cancelled (by a close's deadline), or a bug
-                    self._hop_lost(reads, delete, gone, plan.moves)
+                    self._hop_lost(hop)
                     raise
             finally:
                 self._budget.release(budget)
-            self._commit_store(report, admitted, moved, placed, digests, generation, failed)
-            self._note_given_up(gone_keys)
+            self._commit_store(report, hop, digests, generation, failed)
+            self._note_given_up(hop.gone_keys or [])
             placed = []
             due = self._since_checkpoint >= self.options.checkpoint_every
             if due and generation == self._generation:
@@ -496,6 +472,64 @@ class NVMeTier(TierActor):
                     del self._writing[digest]
             done.set()
         return _result(job.job_id, failed, len(job.keys))
+
+    async def _store_admission(
+        self, job: JobMetadata
+    ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, int]]:
+        """A store job's keys as ``(failed, wanted: key -> slot)``: keys a header cannot
+        hold fail, keys held (or repeated) are skipped, keys a running hop writes are
+        waited for, and while the disk is full every wanted key fails."""
+        failed: dict[OffloadKey, str] = {}
+        wanted: dict[OffloadKey, int] = {}
+        for key, block_id in zip(job.keys, job.block_ids, strict=True):
+            if len(key) > MAX_KEY_BYTES or not key:
+                failed[key] = f"key length {len(key)} is outside 1..{MAX_KEY_BYTES}"
+            elif key not in wanted and key_digest(key) not in self._index:
+                wanted[key] = block_id
+        if failed:
+            self._failure_log.record("bad key length", len(failed), next(iter(failed.values())))
+        while self._writing and wanted:  # a store of a key a running hop writes waits
+            events = {e for key in wanted if (e := self._writing.get(key_digest(key))) is not None}
+            if not events:
+                break
+            for event in events:
+                await event.wait()
+            wanted = {k: b for k, b in wanted.items() if key_digest(k) not in self._index}
+        if wanted and self._space.refusing():
+            self.metrics.refused_blocks += len(wanted)
+            self._failure_log.record(DISK_FULL, len(wanted), DISK_FULL_REASON)
+            failed.update(dict.fromkeys(wanted, DISK_FULL_REASON))
+            wanted = {}
+        return failed, wanted
+
+    async def _plan_store(
+        self, wanted: dict[OffloadKey, int], failed: dict[OffloadKey, str]
+    ) -> StoreHop:
+        """Make room for ``wanted`` (space measured first when stale) and place what
+        fits; what does not fails (in ``failed``). The hop for :meth:`SegmentFiles.store`."""
+        pending = self._index.used_records - self._writing_records
+        if self._space.stale(self._writing_records + len(wanted)):
+            self._space.measured(await self.run_blocking(self._segments.free_bytes))
+        limit, reason = self._space.limit(pending, self._writing_records)
+        plan = self._index.plan_room(len(wanted), limit=limit, most_moves=self.moves_per_job)
+        gone = plan.gone
+        if plan.evictions:
+            self.metrics.evicted_blocks += len(gone)
+            self._space.freed()
+        if self._removed is None:
+            gone = []  # nobody asks which keys they held
+        else:
+            gone, self._owed = gone + self._owed, []  # their segments go too
+        if plan.fit < len(wanted):
+            refused = list(wanted)[plan.fit :]
+            reason += "; every other segment is in use (read, written or held)"
+            failed.update(dict.fromkeys(refused, reason))
+            self.metrics.refused_blocks += len(refused)
+            self._failure_log.record(NO_ROOM, len(refused), reason)
+        self._writing_records += len(plan.placed)
+        delete, self._trash = [e.segment for e in plan.evictions] + self._trash, []
+        admitted = list(wanted.items())[: plan.fit]
+        return StoreHop(admitted, plan.placed, plan.moves, gone, delete)
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
         failed: dict[OffloadKey, str] = {}
@@ -516,7 +550,7 @@ class NVMeTier(TierActor):
         try:
             await self._budget.acquire(budget, is_load=True)
             try:
-                report = await self.run_blocking(self._load_hop, reads)
+                report = await self.run_blocking(self._segments.load, reads, self.slot)
             finally:
                 self._budget.release(budget)
         finally:
@@ -524,55 +558,6 @@ class NVMeTier(TierActor):
                 self._index.unpin(segment)
         self._commit_load(report, reads, generation, failed)
         return _result(job.job_id, failed, len(job.keys))
-
-    # -- worker thread: one hop per job ------------------------------------------------
-
-    def _store_hop(
-        self,
-        admitted: Sequence[tuple[OffloadKey, int]],
-        placed: Sequence[Placement],
-        moves: Sequence[tuple[str, int, int]],
-        gone: Sequence[tuple[str, int]],
-        delete: Sequence[str],
-        reads: _HopReads,
-    ) -> tuple[WriteReport, list[bytes | None], list[bytes | None]]:
-        """Read the ``moves`` and the keys of the ``gone`` records (kept in ``reads``
-        too), delete ``delete``, then write the job's blocks and the moves that
-        verified (``placed``: the job's placements, then the moves'). Returns the report
-        and the moves' and gone records' keys (None: did not verify)."""
-        size = self.block_bytes  # aligned buffers for moved records, one set per I/O thread
-        view = thread_buffer(self._local, "moves", len(moves) * size, at_least=MOVE_BYTES_PER_JOB)
-        buffers = [view[i * size : (i + 1) * size] for i in range(len(moves))]
-        moving = [
-            (segment, record, buffer, None)
-            for (segment, record, _), buffer in zip(moves, buffers, strict=True)
-        ]
-        moved = [key if not why else None for key, why, _ in self._segments.read(moving)]
-        gone_keys = self._segments.read_keys(gone)
-        reads.moved, reads.gone = moved, gone_keys  # before anything is deleted
-        self._segments.delete(delete)
-        slot = self.slot
-        records = [(key, slot(block_id)) for key, block_id in admitted]
-        where = [(p.segment, p.record, p.create) for p in placed[: len(admitted)]]
-        for key, buffer, placement in zip(moved, buffers, placed[len(admitted) :], strict=True):
-            if key is not None:
-                records.append((key, buffer))
-                where.append((placement.segment, placement.record, placement.create))
-        runs = list(iter_runs(where, records))
-        return self._segments.write(runs, writer=self._instance_id), moved, gone_keys
-
-    def _give_up(self, owed: Sequence[tuple[str, int]], trash: Sequence[str]) -> list[bytes | None]:
-        """Read the keys of the ``owed`` records, then delete the ``trash`` segments;
-        the keys (None: did not verify)."""
-        keys = self._segments.read_keys(owed)
-        self._segments.delete(trash)
-        return keys
-
-    def _load_hop(self, reads: Sequence[tuple[OffloadKey, str, int, int]]) -> list[ReadOutcome]:
-        slot = self.slot
-        return self._segments.read(
-            [(segment, record, slot(block_id), key) for key, segment, record, block_id in reads]
-        )
 
     async def _write_checkpoint(self, run_blocking: BlockingRunner) -> None:
         """Write the index checkpoint: the snapshot and the temporary in one call of
@@ -588,40 +573,31 @@ class NVMeTier(TierActor):
         finally:
             self._checkpoint_idle.set()
 
+    async def _checkpoint(self) -> None:
+        if not self._checkpoint_idle.is_set():  # the next job due after this one writes
+            return
+        self._since_checkpoint = 0
+        self._segments.drop_move_buffers()
+        try:
+            await self._write_checkpoint(self.run_blocking)
+        except OSError as exc:
+            self._failure_log.record("checkpoint failed", 1, str(exc))
+
     # -- bookkeeping (loop thread) -------------------------------------------------------
 
-    async def _wait_for_writes(self, wanted: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
-        """Wait until no running hop writes a wanted key; drop those stored meanwhile."""
-        while self._writing:
-            events = {
-                event for key in wanted if (event := self._writing.get(key_digest(key))) is not None
-            }
-            if not events:
-                break
-            for event in events:
-                await event.wait()
-            wanted = {k: b for k, b in wanted.items() if key_digest(k) not in self._index}
-        return wanted
-
-    def _hop_lost(
-        self,
-        reads: _HopReads,
-        delete: list[str],
-        gone: list[tuple[str, int]],
-        moves: Sequence[tuple[str, int, int]],
-    ) -> None:
+    def _hop_lost(self, hop: StoreHop) -> None:
         """A store job ended without its commit (cancelled by a close's deadline): what
         left the index with its plan is still told. If its hop never ran, its deletions
         and the reads of the keys they remove are owed to a later hop (or the close);
         if it ran, the keys it read that the index no longer holds are removals."""
-        if reads.gone is None:
-            self._trash.extend(delete)
+        if hop.gone_keys is None:
+            self._trash.extend(hop.delete)
             if self._removed is not None:
-                self._owed += gone + [(segment, record) for segment, record, _ in moves]
+                self._owed += [*hop.gone, *((segment, record) for segment, record, _ in hop.moves)]
             return
-        moved = reads.moved or []
+        moved = hop.moved or []
         self.metrics.evicted_blocks += sum(key is not None for key in moved)
-        self._note_given_up([*moved, *reads.gone])
+        self._note_given_up([*moved, *hop.gone_keys])
 
     def _note_given_up(self, keys: Sequence[bytes | None]) -> None:
         """Removals: the ``keys`` read from records given up that the index no longer
@@ -631,28 +607,26 @@ class NVMeTier(TierActor):
     def _commit_store(
         self,
         report: WriteReport,
-        admitted: Sequence[tuple[OffloadKey, int]],
-        moved: Sequence[bytes | None],
-        placed: Sequence[Placement],
+        hop: StoreHop,
         digests: dict[OffloadKey, int],
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
-        """Index the records written (``placed``: the job's, then the moved ones'), a
-        moved one unless its key was stored again meanwhile; none if the tier was
-        cleared meanwhile."""
-        self._writing_records -= len(placed)
+        """Index the records written (the job's, then the moved ones'), a moved one
+        unless its key was stored again meanwhile; none if the tier was cleared
+        meanwhile."""
+        self._writing_records -= len(hop.placed)
         written = set(report.written)
-        ours, theirs = placed[: len(admitted)], placed[len(admitted) :]
+        ours, theirs = hop.placed[: len(hop.records)], hop.placed[len(hop.records) :]
         if generation != self._generation:  # cleared while being written
             self._trash.extend({p.segment for p in ours})
         else:
-            for (key, _), placement in zip(admitted, ours, strict=True):
+            for (key, _), placement in zip(hop.records, ours, strict=True):
                 if key in written:
                     self._index.commit(digests[key], placement)
                 else:
                     self._index.abandon(placement)
-            for key, placement in zip(moved, theirs, strict=True):
+            for key, placement in zip(hop.moved or (), theirs, strict=True):
                 digest = None if key is None else key_digest(key)
                 if key in written and digest not in self._index:
                     self._index.commit(digest, placement)  # type: ignore[arg-type]
@@ -670,7 +644,9 @@ class NVMeTier(TierActor):
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
-        self._store_space_ended(report)
+        written_any = bool(report.written)
+        if self._space.store_ended(report.free_bytes, report.disk_full, written_any):
+            self.metrics.disk_full_events += 1
 
     def _commit_load(
         self,
@@ -701,26 +677,6 @@ class NVMeTier(TierActor):
                 self._index.remove(digest)
                 self._note_removed((key,))
 
-    async def _checkpoint(self) -> None:
-        if not self._checkpoint_idle.is_set():  # the next job due after this one writes
-            return
-        self._since_checkpoint = 0
-        self._local = threading.local()  # per I/O thread: buffers for moved records
-        try:
-            await self._write_checkpoint(self.run_blocking)
-        except OSError as exc:
-            self._failure_log.record("checkpoint failed", 1, str(exc))
-
-
-@dataclass(slots=True)
-class _HopReads:
-    """What a store hop read before it deleted or wrote anything: the moved records'
-    keys and the given-up records' keys (None where a header did not verify); both None
-    until it ran."""
-
-    moved: list[bytes | None] | None = None
-    gone: list[bytes | None] | None = None
-
 
 def _meet(meeting: threading.Barrier) -> None:
     # A broken or timed-out meeting only means some thread starts later, in a job.
@@ -738,4 +694,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["NVMeMetrics", "NVMeOptions", "NVMeTier", "check_root"]
+__all__ = ["InflightBytes", "NVMeMetrics", "NVMeOptions", "NVMeTier", "check_root"]
