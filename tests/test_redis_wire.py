@@ -225,33 +225,6 @@ async def test_a_unix_socket_url_with_a_database_round_trips(pool: memoryview, t
         server.stop()
 
 
-@pytest.mark.parametrize(("writer", "reader"), [("sockets", "redis-py"), ("redis-py", "sockets")])
-async def test_both_data_paths_write_and_read_the_same_records(
-    pool: memoryview, redis_server: Any, writer: str, reader: str
-) -> None:
-    names = keys(3)
-    async with opened(pool, redis_server, data_path=writer) as tier:
-        assert (await store_job(tier, names, [0, 1, 2])).success
-    async with opened(pool, redis_server, data_path=reader) as tier:
-        assert (await load_job(tier, names, [5, 6, 7])).success
-    assert [slot(pool, i) for i in (5, 6, 7)] == [slot(pool, i) for i in (0, 1, 2)]
-
-
-async def test_a_url_option_the_sockets_lack_moves_blocks_with_redis_py(
-    pool: memoryview, redis_server: Any
-) -> None:
-    """``client_name`` is redis-py's to set: every connection of the tier carries it."""
-    url = redis_server.url + "?client_name=kv-tier-named"
-    async with opened(pool, redis_server, url=url) as tier:
-        assert (await store_job(tier, keys(2), [0, 1])).success
-        assert (await load_job(tier, keys(2), [2, 3])).success
-        clients = redis_server.command("CLIENT", "LIST")
-        assert isinstance(clients, bytes)
-        ours = [line for line in clients.splitlines() if b"cmd=client|list" not in line]
-        assert ours and all(b"name=kv-tier-named" in line for line in ours)
-    assert [slot(pool, 2), slot(pool, 3)] == [slot(pool, 0), slot(pool, 1)]
-
-
 # -- replies read as expected, and what is not as expected ------------------------------
 
 _HEAD, _REST = 8, 4000  # an expected value: a head, then the rest
@@ -262,7 +235,8 @@ def _expected_replies(server: Any, kinds: list[str], *, expected: bool) -> tuple
     ``hash``: no string; ``short``/``long``: a string of another length) on one
     connection, each value's head and rest landing in views of their own; returns the
     replies and what landed, as ``bytes``."""
-    from backends.redis.connection import Expected, RespConnection, endpoint_of
+    from backends.redis.connection import Expected, RespConnection
+    from backends.redis.options import RedisOptions
 
     values = {"ok": _HEAD + _REST, "short": _HEAD + 1, "long": _HEAD + _REST + 1}
     for i, kind in enumerate(kinds):
@@ -282,7 +256,7 @@ def _expected_replies(server: Any, kinds: list[str], *, expected: bool) -> tuple
 
         return land
 
-    connection = RespConnection(endpoint_of(server.url, timeout_s=5.0, tls={}))  # type: ignore[arg-type]
+    connection = RespConnection(RedisOptions(url=server.url, namespace="x").endpoint())
     try:
         replies = connection.round_trip(
             [("GET", f"k{i}") for i in range(len(kinds))],

@@ -1,16 +1,12 @@
-"""The Redis tier's data path: RESP over plain sockets (TCP, unix or TLS), payloads
-sent from and received into the host pool's memory with no copy on our side.
+"""One RESP connection of the Redis tier (TCP, unix or TLS): requests sent from the
+host pool's memory and replies received into it, with no copy on our side.
 
-redis-py copies every reply through its buffers and builds a ``bytes`` per payload
-while it holds the GIL; here a pipeline's requests go out in ``sendmsg`` calls that
-gather the slots' views, and each payload is received straight into its slot: a reply
-the caller expects in one ``recvmsg_into`` with the next reply's framing and head, any
-other through :mod:`backends.redis.resp`'s reader. Blocking sockets on the tier's I/O
-threads release the GIL for every byte they move. Every call has one deadline: its
-connect, its requests and all of its replies, however slowly the bytes come, end by
-then. The url's credentials (``AUTH``), database (``SELECT``) and TLS files are
-honoured; a url asking for anything else gets no :class:`Endpoint` here, and the tier
-uses redis-py for it.
+A pipeline's requests go out in ``sendmsg`` calls that gather the slots' views, and each
+payload is received straight into its slot: a reply the caller expects in one
+``recvmsg_into`` with the next reply's framing and head, any other through
+:mod:`backends.redis.resp`'s reader. Blocking sockets on the tier's I/O threads release
+the GIL for every byte they move. Every call has one deadline: its connect, its
+requests and all of its replies, however slowly the bytes come, end by then.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ from typing import NamedTuple
 
 from backends.redis.control import (
     AuthenticationError,
+    BaseParser,
     RedisConnectionError,
     RedisTimeoutError,
     ResponseError,
@@ -34,6 +31,7 @@ from backends.redis.control import (
 from backends.redis.resp import (
     NOT_YET,
     Argument,
+    Buffer,
     ErrorReply,
     Landed,
     ProtocolError,
@@ -43,20 +41,12 @@ from backends.redis.resp import (
     encode_command,
 )
 
-try:
-    from redis._parsers.base import BaseParser
-    from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
-except ImportError as exc:  # pragma: no cover - redis_client above raised already
-    raise ImportError(f"the redis tier needs redis-py: {exc}") from exc
-
-Buffer = bytes | bytearray | memoryview
 Command = Sequence[Argument]
 
 _CHUNK = 32 << 10  # bytes one plain recv asks for (replies' framing, small values)
 _AHEAD = 512  # ... and while a reply may land in a sink
 _PAD_FRAMING = 32  # bytes the padding reply holds beyond its padding, at most
 _IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
-_PLAIN_KEYS = {"host", "port", "username", "password", "db", "path", "connection_class"}
 # How far the kernel's timeout of a socket call may end off the call's deadline before
 # it is set again (a syscall): a few ms, about the kernel's own granularity.
 _SLACK_S = 0.005
@@ -75,9 +65,11 @@ class Expected(NamedTuple):
 
 
 class Endpoint(NamedTuple):
-    """Where and how to connect: a TCP ``host``/``port`` or a unix ``path``, the
-    url's credentials and database, a TLS context (None: plain), and the time every
-    call has (``timeout_s``: its connect, or its requests and all of their replies)."""
+    """Where and how to connect: a TCP ``host``/``port`` or a unix ``path``, the url's
+    credentials, database and client name, a TLS context (None: plain), TCP keepalive,
+    and the time every call has (``timeout_s``: its connect, or its requests and all of
+    their replies). Made from the url by :meth:`RedisOptions.endpoint
+    <backends.redis.options.RedisOptions.endpoint>`."""
 
     host: str
     port: int
@@ -85,7 +77,9 @@ class Endpoint(NamedTuple):
     username: str | None
     password: str | None
     db: int
+    client_name: str | None
     tls: ssl.SSLContext | None
+    keepalive: bool
     timeout_s: float
 
     def at(self, host: str, port: int) -> Endpoint:
@@ -95,32 +89,6 @@ class Endpoint(NamedTuple):
     def __repr__(self) -> str:  # the password stays out of every repr
         where = self.path if self.path is not None else f"{self.host}:{self.port}"
         return f"<Endpoint {where} tls={self.tls is not None}>"
-
-
-def endpoint_of(url: str, *, timeout_s: float, tls: dict[str, str]) -> Endpoint | None:
-    """The endpoint of ``url`` (checked already by ``check_url``) with redis-py's TLS
-    argument names in ``tls`` (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``);
-    None if the url's query asks for an option this path does not implement."""
-    options = parse_url(url)
-    if set(options) - _PLAIN_KEYS:
-        return None
-    kind = options.get("connection_class")
-    context = None
-    if kind is SSLConnection:
-        # As redis-py's defaults: the certificate verified, its host name checked.
-        context = ssl.create_default_context(cafile=tls.get("ssl_ca_certs"))
-        if "ssl_certfile" in tls:
-            context.load_cert_chain(tls["ssl_certfile"], tls.get("ssl_keyfile"))
-    return Endpoint(
-        host=options.get("host", "localhost"),
-        port=int(options.get("port", 6379)),
-        path=options.get("path") if kind is UnixDomainSocketConnection else None,
-        username=options.get("username"),
-        password=options.get("password"),
-        db=int(options.get("db", 0)),
-        tls=context,
-        timeout_s=timeout_s,
-    )
 
 
 def response_error(reply: ErrorReply) -> ResponseError:
@@ -155,6 +123,8 @@ class RespConnection:
             address = (endpoint.host, endpoint.port)
             sock = socket.create_connection(address, self._left())
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if endpoint.keepalive:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if endpoint.tls is not None:
             try:
                 sock.settimeout(self._left())  # the handshake's, as a whole
@@ -215,10 +185,14 @@ class RespConnection:
             self._armed[which] = left
 
     def _hello(self) -> None:
+        """Authenticate, name the connection and select the database, as redis-py does;
+        an error reply raises AuthenticationError."""
         endpoint, commands = self.endpoint, []
         if endpoint.password is not None:
-            user = () if endpoint.username is None else (endpoint.username.encode(),)
-            commands.append((b"AUTH", *user, endpoint.password.encode()))
+            user = () if endpoint.username is None else (endpoint.username,)
+            commands.append((b"AUTH", *user, endpoint.password))
+        if endpoint.client_name is not None:
+            commands.append((b"CLIENT", b"SETNAME", endpoint.client_name))
         if endpoint.db:
             commands.append((b"SELECT", endpoint.db))
         if not commands:
@@ -236,41 +210,35 @@ class RespConnection:
         deadline: float | None = None,
     ) -> list[Reply | ResponseError]:
         """Send ``commands`` pipelined and read their replies, in order, by ``deadline``
-        (a :func:`time.monotonic` time; None: ``timeout_s`` from now); an error reply
-        comes back as redis-py's error in its place. ``sinks[i]`` (if given) picks
-        where the bulk strings of reply ``i`` land (:data:`backends.redis.resp.Sink`).
-        ``expected[i]`` (with ``sinks``) is the bulk string reply ``i`` is expected to
-        be: on a plain socket such replies are read with one receive each (its rest,
-        then the next reply's framing and head), and a reply that is not as expected
-        is read as any other; its sink then gives where the rest lands."""
+        (a :func:`time.monotonic` time; None: ``timeout_s`` from now), as :meth:`send`
+        and :meth:`receive` do."""
         if deadline is None:
             deadline = time.monotonic() + self.endpoint.timeout_s
-        pad = self.send(commands, sinks, expected, deadline=deadline)
+        requests: list[Buffer] = []
+        for command in commands:
+            encode_command(command, requests)
+        pad = self.send(requests, expected if sinks is not None else None, deadline=deadline)
         return self.receive(len(commands), sinks, expected, pad, deadline=deadline)
 
     def send(
-        self,
-        commands: Sequence[Command],
-        sinks: Sequence[Sink | None] | None = None,
-        expected: Sequence[Expected] | None = None,
-        *,
-        deadline: float,
+        self, requests: Sequence[Buffer], expected: Sequence[Expected] | None, *, deadline: float
     ) -> int:
-        """The first half of :meth:`round_trip`: send ``commands`` by ``deadline``;
-        returns what :meth:`receive` needs to read their replies (several pipelines may
-        be sent before their replies are read, in the order sent)."""
+        """Send the encoded ``requests`` (:func:`backends.redis.resp.encode_command`) by
+        ``deadline``; returns what :meth:`receive` needs to read their replies (several
+        pipelines may be sent before their replies are read, in the order sent).
+        ``expected[i]`` is the bulk string reply ``i`` is expected to be (None: no
+        expectation): on a plain socket such replies are read with one receive each (its
+        rest, then the next reply's framing and head)."""
         self._deadline = deadline
-        buffers: list[Buffer] = []
-        for command in commands:
-            encode_command(command, buffers)
+        buffers = list(requests)
         pad = 0
-        if expected and sinks is not None and not self._tls:
+        if expected and not self._tls:
             # A padding reply after the last: whatever the replies turn out to be, at
             # least a reply's framing and head follow the end of every one of them, so
             # a receive that waits for all the bytes it asks for never waits in vain.
             pad = max(len(b"$%d\r\n" % e.length) + e.head for e in expected)
             if pad + _PAD_FRAMING <= self._ahead.nbytes:
-                encode_command((b"ECHO", b"." * pad), buffers)
+                buffers.append(b"*2\r\n$4\r\nECHO\r\n$%d\r\n%s\r\n" % (pad, b"." * pad))
             else:
                 pad = 0
         self._send(buffers)
@@ -285,9 +253,11 @@ class RespConnection:
         *,
         deadline: float,
     ) -> list[Reply | ResponseError]:
-        """The second half of :meth:`round_trip`: the replies of the ``count`` commands
-        :meth:`send` sent (with these ``sinks`` and ``expected``; it returned ``pad``),
-        all of them in by ``deadline`` (the one they were sent with)."""
+        """The replies of the ``count`` commands :meth:`send` sent (it returned ``pad``),
+        all in by ``deadline`` (the one they were sent with), an error reply as
+        redis-py's error in its place. ``sinks[i]`` (if given) picks where the bulk
+        strings of reply ``i`` land (:data:`backends.redis.resp.Sink`); a reply not as
+        ``expected`` is read as any other, and its sink asked where the rest lands."""
         self._deadline = deadline
         if pad:
             assert sinks is not None and expected is not None
@@ -421,12 +391,4 @@ def any_stale(connections: Iterable[RespConnection]) -> bool:
     return bool(readable)
 
 
-__all__ = [
-    "Command",
-    "Endpoint",
-    "Expected",
-    "RespConnection",
-    "any_stale",
-    "endpoint_of",
-    "response_error",
-]
+__all__ = ["Command", "Endpoint", "Expected", "RespConnection", "any_stale"]
