@@ -1,9 +1,8 @@
-"""redis-py, as the Redis tier uses it for its control calls (the start's checks,
-lookups' ``EXISTS``, usage, deletes, a cluster's map of the slots and its
-redirections): clients that never retry (redis-py's retries made a call to a dead node
-wait for several timeouts; a cluster's MOVED, ASK and TRYAGAIN are followed), made when
-first needed, pipelines that fail one key at a time, and errors stripped of block bytes.
-Blocks never move through redis-py.
+"""redis-py, for the Redis tier's control calls only (the start's checks, lookups'
+``EXISTS``, usage, deletes, a cluster's map of the slots and its redirections; blocks
+never move through it): clients that never retry (redis-py's retries made a call to a
+dead node wait for several timeouts; a cluster's MOVED, ASK and TRYAGAIN are followed),
+pipelines that fail one key at a time, and errors stripped of block bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ try:
     from redis.cluster import PipelineCommand, RedisCluster
     from redis.connection import (
         URL_QUERY_ARGUMENT_PARSERS,
-        Connection,
         SSLConnection,
         UnixDomainSocketConnection,
         parse_url,
@@ -62,10 +60,9 @@ _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)  # the 
 def new_client(
     url: str, *, cluster: bool, timeout_s: float, max_connections: int, tls: dict[str, str]
 ) -> Redis | RedisCluster:
-    """A client of ``url`` (checked by :func:`backends.redis.options.check_url`) whose
-    every socket operation times out after ``timeout_s``, with redis-py's TLS arguments
-    ``tls``; with ``cluster`` a cluster client, which connects as it is made (raising
-    the client's error if no node answers)."""
+    """A client of ``url`` whose every socket operation times out after ``timeout_s``,
+    with redis-py's TLS arguments ``tls``; with ``cluster`` a cluster client, which
+    connects as it is made (raising the client's error if no node answers)."""
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -80,8 +77,7 @@ def new_client(
 
 class LazyClient:
     """The tier's client, made by ``make()`` at the first :meth:`get` (a cluster client
-    connects as it is made, so one whose nodes are down at start is made later) and
-    dropped by :meth:`close`. Thread-safe: the tier's I/O threads never make two."""
+    connects as it is made: one whose nodes are down at start is made later), once."""
 
     def __init__(self, make: Callable[[], Redis | RedisCluster]) -> None:
         self._make = make
@@ -108,7 +104,7 @@ class LazyClient:
             logger.debug("redis tier: deleting corrupt blocks failed: %r", detached(exc))
 
     def close(self) -> None:
-        """Drop the client (its idle connections closed); no client is made after."""
+        """Drop the client; none is made after."""
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
@@ -169,8 +165,8 @@ def refresh_slots(cluster: RedisCluster) -> None:
 
 
 def _forget_frames(replies: list[Any]) -> None:
-    """Clear the tracebacks of error replies: their frames, down in the client, name the
-    commands and with them views of the host pool, which must not outlive the call."""
+    """Clear the tracebacks of error replies: their frames name the commands, and with
+    them views of the host pool, which must not outlive the call."""
     for reply in replies:
         if isinstance(reply, BaseException):
             reply.__traceback__ = None
@@ -193,28 +189,9 @@ _QUOTED_COMMAND = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: "
 
 
 __all__ = [
-    "CLIENT_ERRORS",
-    "UNREACHABLE",
-    "URL_QUERY_ARGUMENT_PARSERS",
-    "AskError",
-    "AuthenticationError",
-    "BaseParser",
-    "ClientError",
-    "ClusterDownError",
-    "Connection",
-    "LazyClient",
-    "Redis",
-    "RedisCluster",
-    "RedisConnectionError",
-    "RedisTimeoutError",
-    "ResponseError",
-    "SSLConnection",
-    "TryAgainError",
-    "UnixDomainSocketConnection",
-    "detached",
-    "new_client",
-    "parse_url",
-    "redirected",
-    "refresh_slots",
-    "round_trip",
-]
+    "CLIENT_ERRORS", "UNREACHABLE", "URL_QUERY_ARGUMENT_PARSERS", "AskError",
+    "AuthenticationError", "BaseParser", "ClientError", "ClusterDownError",
+    "LazyClient", "Redis", "RedisCluster", "RedisConnectionError", "RedisTimeoutError",
+    "ResponseError", "SSLConnection", "TryAgainError", "UnixDomainSocketConnection", "detached",
+    "new_client", "parse_url", "redirected", "refresh_slots", "round_trip",
+]  # fmt: skip

@@ -1,33 +1,30 @@
 """What one job of the Redis tier sends, where its replies land and what it came to: its
-plan, without I/O. A stream (:mod:`backends.redis.streams`) plans the job on its own
-thread, sends its pipelines, hands each one's replies back to the job, then ends it.
+plan, without I/O, which a stream (:mod:`backends.redis.streams`) carries.
 
-A block is one Redis string: its compact header (:mod:`tiering.tiers.block_record`),
-then its payload. A store writes each with one ``SET``, the payload straight from its
-slot (or with a cipher sealed into the thread's buffer). A load reads each ``GET``
-reply in two parts (:data:`backends.redis.resp.Landing`): the header into a small
-buffer, then, once the header checks out (namespace, tenant, key, length, and the
-record's kind: plain or sealed, as this tier reads), the payload: a plain one straight
-into the slot, where its checksum is verified; a sealed one into a buffer of
-:class:`LandingBuffers`, from which it is opened (AES-GCM) into the slot in one pass. A
-header that does not check out sends its payload to scratch: a block of another key,
-tenant or namespace never reaches the slot. A value that comes back whole (a redirected
-read) is split and verified as it is copied (or opened) into the slot. A job's end
-releases its views of the host pool, so nothing of the job outlives it.
+A store writes each block with one ``SET``, the payload straight from its slot (or
+sealed into the thread's buffer). A load reads each ``GET`` reply in two parts: the
+header into a small buffer, then, once the header checks out (namespace, tenant, key,
+length, and the kind this tier reads: plain or sealed), the payload: a plain one
+straight into the slot, where its checksum is verified; a sealed one into a landing
+buffer, opened from there into the slot in one pass. A payload under a header that does
+not check out lands in scratch: a block of another key, tenant or namespace never
+reaches the slot. A value that comes back whole (a redirected read) is verified as it is
+copied (or opened) into the slot. A job's end releases its views of the host pool.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from backends.redis.connection import Command, Expected
 from backends.redis.control import ResponseError
 from backends.redis.resp import Landed, Sink
 from tiering.errors import CorruptBlockError
-from tiering.security.encryption import BlockCipher
+from tiering.security.encryption import TAG_BYTES, BlockCipher
 from tiering.tiers.block_record import (
     BlockHeader,
     check_header,
@@ -46,11 +43,10 @@ REFUSED = "redis refused"
 
 
 class Pipeline(NamedTuple):
-    """One pipelined round trip of a job: its ``commands`` (on the keys ``names``, one
-    per command) and where their replies land (``sinks``, ``expected``: as
-    :meth:`RespConnection.receive <backends.redis.connection.RespConnection.receive>`
-    takes them). ``independent``: the commands may run in any order, each on a
-    connection of its own (a link may spread them); else in order, on one."""
+    """One pipelined round trip: its ``commands`` (on the keys ``names``), where their
+    replies land (as :meth:`RespConnection.receive
+    <backends.redis.connection.RespConnection.receive>` takes them), and whether they
+    may run in any order, each on a connection of its own (``independent``)."""
 
     names: Sequence[bytes]
     commands: Sequence[Command]
@@ -60,55 +56,26 @@ class Pipeline(NamedTuple):
 
 
 class Job(Protocol):
-    """A job as a stream carries it: ``pipelines`` of them, each built by
-    :meth:`pipeline` just before it is sent and answered by :meth:`answered` in the
-    order sent, then :meth:`finish`, once."""
+    """A job as a stream carries it: its ``pipelines``, each built by :meth:`pipeline`
+    just before it is sent and given its replies by :meth:`answered` in the order sent,
+    then :meth:`finish` (once, also when the job failed: it releases what the job holds
+    and returns its outcome)."""
 
     pipelines: int
 
     def pipeline(self, index: int) -> Pipeline: ...
 
-    def answered(self, index: int, replies: list[Any]) -> None:
-        """The replies of pipeline ``index``, in its commands' order."""
+    def answered(self, index: int, replies: list[Any]) -> None: ...
 
-    def finish(self) -> Any:
-        """Called once all pipelines sent are answered, or the job failed: releases what
-        the job holds; returns its outcome."""
+    def finish(self) -> Any: ...
 
 
-class LandingBuffers:
-    """Buffers of ``nbytes`` where sealed payloads land before they are opened into their
-    slots (a cipher cannot decrypt a buffer into itself), reused from one load to the
-    next. Thread-safe; it keeps as many as were ever in use at once."""
-
-    __slots__ = ("_free", "_lock", "nbytes")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._free: list[memoryview] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> memoryview:
-        """A buffer of :attr:`nbytes`, this caller's until :meth:`give`."""
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return memoryview(bytearray(self.nbytes))
-
-    def give(self, buffer: memoryview) -> None:
-        """Take back a buffer :meth:`take` lent."""
-        with self._lock:
-            self._free.append(buffer)
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class JobShape:
-    """What every job of one tier is made with: the host ``pool`` of ``block_bytes``
-    slots (jobs' slots are checked at admission), the key ``prefix``, the ``record``
-    keywords its headers carry, the ``cipher`` (None: plain), blocks ``per_pipeline``,
-    the ``SET`` options (``expiry``), the calling thread's sealing buffers
-    (``seal_buffers()``), the buffers sealed loads land in, and ``delete(names)`` for
-    values that are no blocks."""
+    """What every job of one tier is made with: the host ``pool`` (a job's slots were
+    checked at its admission), the keys' ``prefix``, the ``record`` keywords headers
+    carry, the ``cipher`` (None: plain), the ``SET`` options (``expiry``), and
+    ``delete(names)`` for values that are no blocks."""
 
     pool: memoryview
     block_bytes: int
@@ -117,9 +84,11 @@ class JobShape:
     cipher: BlockCipher | None
     per_pipeline: int
     expiry: tuple[Any, ...]
-    seal_buffers: Callable[[], list[memoryview]]
-    landing_buffers: LandingBuffers
     delete: Callable[[list[bytes]], None]
+    # Where sealed payloads land before they are opened into their slots (a cipher
+    # cannot decrypt a buffer into itself), reused from one load to the next.
+    _landing: queue.SimpleQueue[memoryview] = field(init=False, default_factory=queue.SimpleQueue)
+    _sealing: threading.local = field(init=False, default_factory=threading.local)
 
     def slot(self, block_id: int) -> memoryview:
         start = block_id * self.block_bytes
@@ -128,26 +97,54 @@ class JobShape:
     def pipelines(self, keys: Sequence[bytes]) -> int:
         return -(-len(keys) // self.per_pipeline)
 
+    def seal_buffers(self) -> list[memoryview]:
+        """The calling thread's buffers for one pipeline's sealed payloads
+        (``block_bytes + TAG_BYTES`` each), made on its first call."""
+        views: list[memoryview] | None = getattr(self._sealing, "views", None)
+        if views is None:
+            stride = self.block_bytes + TAG_BYTES
+            arena = memoryview(bytearray(self.per_pipeline * stride))
+            views = [arena[i : i + stride] for i in range(0, len(arena), stride)]
+            self._sealing.views = views
+        return views
 
-class StoreJob:
-    """A store: every block written as one string. :meth:`finish` returns the keys the
-    server refused, with why."""
+    def lend(self) -> memoryview:
+        """A landing buffer of ``block_bytes``, the caller's until :meth:`take_back`."""
+        try:
+            return self._landing.get_nowait()
+        except queue.Empty:
+            return memoryview(bytearray(self.block_bytes))
 
+    def take_back(self, buffer: memoryview) -> None:
+        self._landing.put(buffer)
+
+
+class _Job:
     def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         self._shape, self._keys, self._block_ids = shape, keys, block_ids
         self.pipelines = shape.pipelines(keys)
+        self.failed: dict[bytes, str] = {}
+
+    def _batch(self, index: int) -> zip[tuple[bytes, int]]:
+        """The keys and slots of pipeline ``index``."""
+        first = index * self._shape.per_pipeline
+        last = first + self._shape.per_pipeline
+        return zip(self._keys[first:last], self._block_ids[first:last], strict=True)
+
+
+class StoreJob(_Job):
+    """A store; :meth:`finish` returns the keys the server refused, with why."""
+
+    def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        super().__init__(shape, keys, block_ids)
         self._views: list[memoryview] = []
         self._sealed = shape.seal_buffers() if shape.cipher is not None else []
-        self.failed: dict[bytes, str] = {}
 
     def pipeline(self, index: int) -> Pipeline:
         shape, record, cipher = self._shape, self._shape.record, self._shape.cipher
-        start = index * shape.per_pipeline
-        batch = slice(start, start + shape.per_pipeline)
         names: list[bytes] = []
         commands: list[Command] = []
-        pairs = zip(self._keys[batch], self._block_ids[batch], strict=True)
-        for i, (key, block_id) in enumerate(pairs):
+        for i, (key, block_id) in enumerate(self._batch(index)):
             value = shape.slot(block_id)
             self._views.append(value)
             binding = record_binding(record["ns_digest"], record["tenant"], key)
@@ -166,9 +163,7 @@ class StoreJob:
         return Pipeline(names, commands, independent=True)
 
     def answered(self, index: int, replies: list[Any]) -> None:
-        start = index * self._shape.per_pipeline
-        batch = self._keys[start : start + self._shape.per_pipeline]
-        for key, reply in zip(batch, replies, strict=True):
+        for (key, _), reply in zip(self._batch(index), replies, strict=True):
             if isinstance(reply, ResponseError):
                 self.failed[key] = f"{REFUSED} the store: {reply}"
 
@@ -181,25 +176,17 @@ class StoreJob:
         return self.failed
 
 
-class LoadJob:
-    """A load: every block read straight into its slot and verified (:class:`_Landing`).
-    :meth:`finish` deletes the corrupt values (and values of another type) from the
-    server and returns why each failed key failed."""
+class LoadJob(_Job):
+    """A load; :meth:`finish` deletes the values that are no blocks of this tier from
+    the server and returns why each failed key failed."""
 
     def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        self._shape, self._keys, self._block_ids = shape, keys, block_ids
-        self.pipelines = shape.pipelines(keys)
+        super().__init__(shape, keys, block_ids)
         self._landings: list[list[_Landing]] = []
-        self.failed: dict[bytes, str] = {}
 
     def pipeline(self, index: int) -> Pipeline:
         shape = self._shape
-        start = index * shape.per_pipeline
-        batch = slice(start, start + shape.per_pipeline)
-        landings = [
-            _Landing(key, shape.slot(block_id), shape)
-            for key, block_id in zip(self._keys[batch], self._block_ids[batch], strict=True)
-        ]
+        landings = [_Landing(key, shape.slot(slot), shape) for key, slot in self._batch(index)]
         self._landings.append(landings)
         names = [shape.prefix + landing.key for landing in landings]
         commands = [("GET", name) for name in names]
@@ -224,36 +211,32 @@ class LoadJob:
 
 
 class _Landing:
-    """One key's load into ``slot`` (a view this object releases), checked against the
-    shape's record keywords and opened with its cipher from a landing buffer, lent until
-    :meth:`release`."""
+    """One key's load into ``slot`` (a view released by :meth:`release`)."""
 
-    __slots__ = ("_aside", "_header", "_landed", "_record", "_shape", "_slot", "_why", "key")
+    __slots__ = (
+        "_aside", "_header", "_landed", "_record", "_shape", "_slot", "_why", "expected", "key",
+    )  # fmt: skip
 
     def __init__(self, key: bytes, slot: memoryview, shape: JobShape) -> None:
         self.key, self._slot, self._shape = key, slot, shape
         self._header = bytearray(compact_bytes(shape.record["tenant"], key))
+        # The GET reply of a record of this key: its length, its header's.
+        self.expected = Expected(len(self._header) + slot.nbytes, len(self._header))
         self._record: BlockHeader | None = None
         self._why = ""  # the header's fault, found before the payload came
         self._aside: memoryview | None = None  # where a payload not for the slot went
         self._landed: memoryview | None = None  # a sealed payload, to open into the slot
 
-    @property
-    def expected(self) -> Expected:
-        """The ``GET`` reply of a record of this key: its length, its header's."""
-        return Expected(len(self._header) + self._slot.nbytes, len(self._header))
-
     def sink(self, before: list[Any], length: int) -> tuple[memoryview, Any] | None:
-        """The ``GET`` reply's landing: the header, then :meth:`_payload_view`; None
-        (read whole, to fail in :meth:`verify`) unless it is as long as a record of
-        this key."""
-        if before or length != len(self._header) + self._slot.nbytes:
+        """The header, then :meth:`_payload_view`; None (read whole, to fail in
+        :meth:`verify`) unless the reply is as long as a record of this key."""
+        if before or length != self.expected.length:
             return None
         return memoryview(self._header), self._payload_view
 
     def _payload_view(self) -> memoryview:
-        """Where the payload lands: if the header checks out and is of this tier's kind,
-        the slot (plain) or a landing buffer (sealed), else scratch."""
+        """If the header checks out and is of this tier's kind, the slot (plain) or a
+        landing buffer (sealed), else scratch."""
         cipher = self._shape.cipher
         try:
             record = self._record = decode_header(self._header)
@@ -264,15 +247,14 @@ class _Landing:
             if cipher is None and record.seal is None:
                 return self._slot
             if cipher is not None and record.seal is not None:
-                self._landed = self._shape.landing_buffers.take()
+                self._landed = self._shape.lend()
                 return self._landed
         self._aside = memoryview(bytearray(self._slot.nbytes))
         return self._aside
 
     def verify(self, value: Any) -> str:
-        """Verify what the server answered (a :class:`~backends.redis.resp.Landed` reply,
-        a whole value, None, or an error reply): "" if the block is in its slot, else
-        why not."""
+        """ "" if what the server answered put the block in its slot, verified; else why
+        not."""
         cipher = self._shape.cipher
         if isinstance(value, ResponseError):
             if not str(value).startswith("WRONGTYPE"):
@@ -300,12 +282,10 @@ class _Landing:
         return ""
 
     def release(self) -> None:
-        """Let go of the slot (the host pool may be released after) and of the landing
-        buffer."""
         self._slot.release()
         landed, self._landed = self._landed, None
         if landed is not None:
-            self._shape.landing_buffers.give(landed)
+            self._shape.take_back(landed)
 
 
 __all__ = ["CORRUPT", "MISSING", "REFUSED", "Job", "JobShape", "LoadJob", "Pipeline", "StoreJob"]

@@ -1,13 +1,8 @@
-"""The Redis tier's options (what each means: the table in docs/redis.md), and its url:
-checked at construction against what the tier implements, and turned into the
-:class:`~backends.redis.connection.Endpoint` its own connections use.
-
-The url is parsed by redis-py's own parser (so the control calls and the tier's
-connections read it alike). Of its query options the tier implements ``db``,
-``username``, ``password``, ``client_name``, ``socket_keepalive`` and
-``ssl_check_hostname``; it refuses the rest that redis-py takes, each by name: those it
-sets itself from its own options, the TLS files it takes as ``tls_*`` options, and
-those its connections do not implement.
+"""The Redis tier's options (the table in docs/redis.md), and its url: checked at
+construction by redis-py's own parser, and made into the endpoint the tier's connections
+use. Of the url's query options the tier implements ``db``, ``username``, ``password``,
+``client_name``, ``socket_keepalive`` and ``ssl_check_hostname``; it refuses by name
+every other one redis-py takes.
 """
 
 from __future__ import annotations
@@ -36,29 +31,24 @@ from tiering.options import ActorOptions, Bytes, PositiveInt, Seconds, SecondsOr
 from tiering.security.encryption import Keyring
 from tiering.tiers.block_record import MAX_TENANT_BYTES
 
+# The tier's TLS options, and redis-py's names of them.
 _TLS_FILES = {
-    "tls_ca_file": "ssl_ca_certs",
-    "tls_cert_file": "ssl_certfile",
-    "tls_key_file": "ssl_keyfile",
-}  # the tier's TLS options, and redis-py's names of them
-
+    "tls_ca_file": "ssl_ca_certs", "tls_cert_file": "ssl_certfile", "tls_key_file": "ssl_keyfile",
+}  # fmt: skip
+# Query options the tier sets from one of its own options.
 _TIER_SETS = {
-    "socket_timeout": "timeout_s",
-    "socket_connect_timeout": "timeout_s",
-    "max_connections": "max_connections",
-    "retry_on_timeout": "timeout_s",
-    "retry_on_error": "timeout_s",
-    **{name: option for option, name in _TLS_FILES.items()},
-}  # query options of a url that the tier sets from one of its own options
-
+    "socket_timeout": "timeout_s", "socket_connect_timeout": "timeout_s",
+    "max_connections": "max_connections", "retry_on_timeout": "timeout_s",
+    "retry_on_error": "timeout_s", **{name: option for option, name in _TLS_FILES.items()},
+}  # fmt: skip
 _IMPLEMENTED = (
     "db", "username", "password", "client_name", "socket_keepalive", "ssl_check_hostname",
 )  # fmt: skip
 
 
 def _names_redis_py_takes() -> frozenset[str]:
-    """The query options redis-py's url parser or its connections take: names safe to
-    show (any other name may be a piece of a password that spilled into the query)."""
+    """The query options redis-py's parser or its connections take: names safe to show
+    (any other may be a piece of a password that spilled into the query)."""
     names = set(URL_QUERY_ARGUMENT_PARSERS)
     for kind in (SSLConnection, UnixDomainSocketConnection):
         for cls in kind.__mro__:
@@ -74,7 +64,7 @@ def check_url(url: object, *, cluster: bool) -> None:
     """Raise InvalidArgumentError saying what is wrong with ``url`` (no redis://,
     rediss:// or unix:// url redis-py parses, a path that is no database number, a query
     option the tier sets itself or does not implement, a database other than 0 or
-    unix:// for a cluster), never quoting it; else nothing."""
+    unix:// for a cluster), never quoting it."""
     if isinstance(url, str) and url.startswith("unix://") and cluster:
         raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
     problem = _url_problem(url, cluster=cluster)
@@ -83,7 +73,6 @@ def check_url(url: object, *, cluster: bool) -> None:
 
 
 def _url_problem(url: object, *, cluster: bool) -> str | None:
-    """What is wrong with ``url``, in words that quote no part of it; None if nothing."""
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
         return "must be a redis://, rediss:// or unix:// URL"
     try:
@@ -106,16 +95,13 @@ def _url_problem(url: object, *, cluster: bool) -> str | None:
         )
     if port == 0:
         return "its port is not a number from 1 to 65535"
-    if parts.scheme == "unix":
-        if not parts.path:
-            return "a unix:// url needs the path of the server's socket"
-    else:
-        database = urllib.parse.unquote(parts.path).strip("/")
-        if database and not database.isdigit():
-            return "its path must be the database number (/0, /1, ...) or nothing"
+    if parts.scheme == "unix" and not parts.path:
+        return "a unix:// url needs the path of the server's socket"
+    database = urllib.parse.unquote(parts.path).strip("/")
+    if parts.scheme != "unix" and database and not database.isdigit():
+        return "its path must be the database number (/0, /1, ...) or nothing"
     for name, values in urllib.parse.parse_qs(parts.query).items():
-        problem = _query_problem(name, values[0], parts.scheme)
-        if problem is not None:
+        if (problem := _query_problem(name, values[0], parts.scheme)) is not None:
             return problem
     try:
         options = parse_url(url)  # the parser redis-py connects with
@@ -127,28 +113,26 @@ def _url_problem(url: object, *, cluster: bool) -> str | None:
 
 
 def _query_problem(name: str, value: str, scheme: str) -> str | None:
-    """Why the tier refuses the query option ``name`` = ``value`` of a ``scheme`` url
-    (naming it only if redis-py takes it); None if it takes it."""
+    """Why the tier refuses the query option ``name`` = ``value`` (naming it only if
+    redis-py takes it), or None."""
     if name not in _REDIS_PY_NAMES:
         return "its query has an option redis-py does not take"
     if name in _TIER_SETS:
         return f"its query sets {name}, which the tier sets from {_TIER_SETS[name]}"
     if name not in _IMPLEMENTED:
+        implemented = ", ".join(_IMPLEMENTED)
         return (
-            f"its query option {name} is not implemented by the redis tier (it takes "
-            f"{', '.join(_IMPLEMENTED)})"
+            f"its query option {name} is not implemented by the redis tier (it takes {implemented})"
         )
     try:
-        parse = URL_QUERY_ARGUMENT_PARSERS.get(name, str)
-        parse(value)
+        URL_QUERY_ARGUMENT_PARSERS.get(name, str)(value)
     except (TypeError, ValueError):
         return f"its query option {name} has an invalid value"
     if name == "socket_keepalive" and scheme == "unix":
         return "its query option socket_keepalive needs a redis:// or rediss:// url"
     if name == "ssl_check_hostname" and scheme != "rediss":
         return "its query option ssl_check_hostname needs a rediss:// url"
-    # Redis refuses a name with spaces, newlines or other special characters.
-    if name == "client_name" and not all("!" <= c <= "~" for c in value):
+    if name == "client_name" and not all("!" <= c <= "~" for c in value):  # as Redis says
         return "its query option client_name must be printable ASCII without spaces"
     return None
 
@@ -200,37 +184,32 @@ class RedisOptions(BreakerOptions, ActorOptions):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        """The url (for ``cluster`` too), and TLS files only with TLS."""
         check_url(self.url, cluster=self.cluster)
         for name in _TLS_FILES:
             if getattr(self, name) is not None and not self.url.startswith("rediss://"):
                 raise ValueError(f"{name} needs a rediss:// url (TLS)")
         return self
 
-    def tls_arguments(self) -> dict[str, str]:
-        """The TLS files given, under redis-py's names for them."""
-        tls = {arg: getattr(self, name) for name, arg in _TLS_FILES.items()}
-        return {arg: path for arg, path in tls.items() if path is not None}
-
     def client(self, *, cluster: bool) -> Redis | RedisCluster:
         """A new redis-py client of ``url`` with these timeouts, pool bound and TLS
         files (a cluster client with ``cluster``, which connects as it is made)."""
+        tls = {arg: getattr(self, name) for name, arg in _TLS_FILES.items()}
         return new_client(
             self.url,
             cluster=cluster,
             timeout_s=self.timeout_s,
             max_connections=self.max_connections,
-            tls=self.tls_arguments(),
+            tls={arg: path for arg, path in tls.items() if path is not None},
         )
 
     def endpoint(self) -> Endpoint:
-        """Where and how the tier's own connections reach ``url``: its credentials,
-        database, client name and TCP keepalive (on unless ``socket_keepalive`` is
-        false, as redis-py's), and with ``rediss://`` a TLS context as
-        redis-py's (the certificate verified against ``tls_ca_file`` or the system's
-        CAs, its host name checked unless ``ssl_check_hostname`` is false). It reads the
-        TLS files (blocking: call it off the loop). Raises InvalidArgumentError naming
-        the ``tls_*`` option whose file does not load."""
+        """Where and how the tier's own connections reach ``url``, as redis-py's do: its
+        credentials, database, client name and TCP keepalive (on unless
+        ``socket_keepalive`` is false), and with ``rediss://`` a TLS context (the
+        certificate verified against ``tls_ca_file`` or the system's CAs, its host name
+        checked unless ``ssl_check_hostname`` is false). It reads the TLS files (call it
+        off the loop). Raises InvalidArgumentError naming a ``tls_*`` file that does not
+        load."""
         options: dict[str, Any] = parse_url(self.url)
         kind = options.get("connection_class")
         context = None
@@ -239,13 +218,13 @@ class RedisOptions(BreakerOptions, ActorOptions):
                 context = ssl.create_default_context(cafile=self.tls_ca_file)
             except OSError as exc:
                 raise InvalidArgumentError(f"tls_ca_file: its CAs do not load ({exc})") from None
-            if self.tls_cert_file is not None:
-                try:
+            try:
+                if self.tls_cert_file is not None:
                     context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
-                except OSError as exc:
-                    raise InvalidArgumentError(
-                        f"tls_cert_file, tls_key_file: the certificate and key do not load ({exc})"
-                    ) from None
+            except OSError as exc:
+                raise InvalidArgumentError(
+                    f"tls_cert_file, tls_key_file: the certificate and key do not load ({exc})"
+                ) from None
             context.check_hostname = options.get("ssl_check_hostname", True) is not False
         return Endpoint(
             host=options.get("host", "localhost"),
@@ -256,7 +235,7 @@ class RedisOptions(BreakerOptions, ActorOptions):
             db=int(options.get("db", 0)),
             client_name=options.get("client_name"),
             tls=context,
-            keepalive=options.get("socket_keepalive", True) is not False,  # redis-py's default
+            keepalive=options.get("socket_keepalive", True) is not False,
             timeout_s=self.timeout_s,
         )
 

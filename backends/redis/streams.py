@@ -1,33 +1,23 @@
-"""The Redis tier's I/O shell: streams that carry several jobs' pipelines at once, each a
-thread and a link, to one server or to every node of a cluster.
-
-A stream plans each job given to it (:mod:`backends.redis.jobs`) on its own thread and
-sends the job's pipelines, then those of the jobs queued behind it, while the server
-still answers earlier ones, up to ``window`` pipelines on the wire, reading the replies
-in the order sent: the server works on one job while the stream lands and verifies the
-last one's blocks, and a job costs no hand-off to a pool thread.
-
-A link holds a stream's connections (:mod:`backends.redis.connection`): to a server one
-for pipelines whose commands run in order, and up to ``_SPREAD`` more over which a
-store's ``SET``s go one per connection (:class:`ServerLink`); to a cluster one per node
-(:class:`ClusterLink`), a pipeline's commands grouped by the node that owns their key's
-slot (redis-py's map of the slots) and every node's group sent before any reply is read,
-so the nodes work at once. A command a node redirects (MOVED, ASK, TRYAGAIN) is sent
-again through redis-py's cluster client, which follows it and updates its map; a node
-that fails makes the link raise after the map is refreshed. Connections are made as
-first needed. Each pipeline has one deadline, ``timeout_s`` from when it is sent: the
-connections made for it, its requests and all of its replies (on every node) are in by
-then, or the link raises RedisTimeoutError.
+"""The Redis tier's I/O shell: streams, each a thread and a link (its connections, made
+as first needed, to one server or to every node of a cluster), that carry several jobs'
+pipelines at once. A stream plans each job (:mod:`backends.redis.jobs`) on its thread
+and sends its pipelines, then those of the jobs behind it, while the server still
+answers earlier ones (up to ``window`` on the wire), reading the replies in the order
+sent: the server works on one job while the stream lands and verifies the last one.
+Each pipeline has one deadline, ``timeout_s`` from its send: the connections made for
+it, its requests and all of its replies (on every node) are in by then, or the link
+raises RedisTimeoutError.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from backends.redis.connection import Endpoint, RespConnection, any_stale
 from backends.redis.control import (
@@ -56,22 +46,14 @@ _SPREAD = 8
 _Where = tuple[Endpoint, int]  # a link's connection: the node, and which of its lanes
 
 
-class _Group(NamedTuple):
-    """A share of a pipeline sent on one connection: the indexes of its commands in the
-    pipeline, and what the connection's ``send`` returned."""
-
-    connection: RespConnection
-    indexes: Sequence[int]
-    pad: int
-
-
-_Sent = tuple[list[_Group], float]  # a pipeline's groups, and its deadline
+# A pipeline as sent: each connection with the indexes of its commands in the pipeline
+# and what its send returned; and the pipeline's deadline.
+_Sent = tuple[list[tuple[RespConnection, Sequence[int], int]], float]
 
 
 class _Link:
-    """A stream's connections to ``endpoint`` (raising as :class:`RespConnection` does;
-    the stream then closes them): a pipeline's commands sent in groups, a group a
-    connection (:meth:`_groups`), then the replies read in the order sent."""
+    """A stream's connections to ``endpoint``: a pipeline's commands sent in groups, a
+    group a connection (:meth:`_groups`). Raises as :class:`RespConnection` does."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self._endpoint = endpoint
@@ -81,9 +63,8 @@ class _Link:
         raise NotImplementedError
 
     def send(self, pipeline: Pipeline, *, idle: bool) -> _Sent:
-        """Send ``pipeline``; returns what :meth:`receive` needs to read its replies.
-        ``idle`` (nothing on the wire): if the server closed an idle connection
-        meanwhile (restarted, timed it out), every connection is made anew."""
+        """Send ``pipeline``. ``idle`` (nothing on the wire): if the server closed a
+        connection meanwhile (restarted, timed it out), every one is made anew."""
         requests: list[list[Buffer]] = []
         for command in pipeline.commands:
             request: list[Buffer] = []
@@ -92,19 +73,18 @@ class _Link:
         if idle and self._connections and any_stale(self._connections.values()):
             self.close()
         deadline = time.monotonic() + self._endpoint.timeout_s
-        groups: list[_Group] = []
+        groups = []
         for where, indexes in self._groups(pipeline):
             connection = self._connections.get(where)
             if connection is None:
                 connection = self._connections[where] = RespConnection(where[0], deadline)
             buffers = [buffer for i in indexes for buffer in requests[i]]
             pad = connection.send(buffers, _chosen(indexes, pipeline.expected), deadline=deadline)
-            groups.append(_Group(connection, indexes, pad))
+            groups.append((connection, indexes, pad))
         return groups, deadline
 
     def receive(self, pipeline: Pipeline, sent: _Sent) -> list[Any]:
-        """The replies of ``pipeline``, :meth:`send` having returned ``sent``, in its
-        commands' order (a connection's replies come in the order its groups were sent)."""
+        """The replies of ``pipeline`` (``send`` returned ``sent``), in its order."""
         groups, deadline = sent
         replies: list[Any] = [None] * len(pipeline.commands)
         for connection, indexes, pad in groups:
@@ -115,7 +95,6 @@ class _Link:
         return replies
 
     def close(self) -> None:
-        """Close every connection (new ones are made as needed)."""
         for connection in self._connections.values():
             connection.close()
         self._connections.clear()
@@ -142,11 +121,12 @@ class ServerLink(_Link):
 
 class ClusterLink(_Link):
     """A stream's connections to the nodes of a cluster (redis-py's client, from
-    ``clients``), reached as ``endpoint`` says (credentials, TLS, timeouts). Raises the
-    client's error (a connection failed or timed out, the cluster is down), retrying
-    nothing; the map of the slots is refreshed first (through redis-py's client, as a
-    redirected command is sent again: those calls are redis-py's, each socket operation
-    bounded by ``timeout_s``)."""
+    ``clients``), each reached as ``endpoint`` says: a pipeline's commands grouped by the
+    node that owns their key's slot (redis-py's map of the slots), every node's group
+    sent before any reply is read, so the nodes work at once. A command a node
+    redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's client, which
+    follows it and updates its map; a failure (a connection failed or timed out, the
+    cluster is down) refreshes the map, then raises the client's error."""
 
     def __init__(self, endpoint: Endpoint, clients: LazyClient) -> None:
         super().__init__(endpoint)
@@ -173,8 +153,6 @@ class ClusterLink(_Link):
             raise
 
     def receive(self, pipeline: Pipeline, sent: _Sent) -> list[Any]:
-        """The replies of ``pipeline`` in its commands' order (an error reply in its
-        place; a redirected command's reply as redis-py gives it, with no sink)."""
         try:
             replies = super().receive(pipeline, sent)
         except CLIENT_ERRORS:
@@ -188,15 +166,12 @@ class ClusterLink(_Link):
         return replies
 
     def _refresh(self) -> None:
-        try:
-            cluster = self._cluster()
-        except CLIENT_ERRORS:  # no client to refresh: the next call makes one
-            return
-        refresh_slots(cluster)
+        with contextlib.suppress(*CLIENT_ERRORS):  # no client: the next call makes one
+            refresh_slots(self._cluster())
 
 
 def _chosen(indexes: Sequence[int], items: Sequence[_T] | None) -> Sequence[_T] | None:
-    """The ``items`` at ``indexes`` (None for None; all of them, as they are, for all)."""
+    """The ``items`` at ``indexes`` (None for None; all, as they are, for all)."""
     if items is None or len(indexes) == len(items):
         return items
     return [items[i] for i in indexes]
@@ -215,10 +190,8 @@ class _Entry:
 
 class RespStream:
     """One ``link`` and the thread (named ``name``) that carries the jobs given to
-    :meth:`submit`, in order, up to ``window`` pipelines on the wire.
-
-    A link's failure fails every job with a pipeline sent on it (the jobs not begun go
-    on, on new connections); a job's end is delivered once its work finished."""
+    :meth:`submit`, in order, up to ``window`` pipelines on the wire. A link's failure
+    fails every job with a pipeline sent on it (the jobs not begun go on)."""
 
     def __init__(self, link: ServerLink | ClusterLink, *, window: int, name: str) -> None:
         self._link, self._window, self._name = link, max(1, window), name
@@ -233,10 +206,10 @@ class RespStream:
 
     def submit(self, plan: Callable[[], Job], deliver: Callable[[Any], None]) -> Future[None]:
         """Queue the job ``plan()`` makes on the stream's thread once it begins;
-        ``deliver(outcome)`` follows on that thread (what ``job.finish()`` returned, or
-        the client's error, detached). The future returned ends when the stream is done
-        with the job; cancelling it before the job began withdraws the job (nothing is
-        delivered). RuntimeError once closed."""
+        ``deliver(outcome)`` follows on that thread (what the job's ``finish()``
+        returned, or the client's error, detached). The future returned ends when the
+        stream is done with the job; cancelled before the job began, it withdraws it
+        (nothing is delivered). RuntimeError once closed."""
         entry = _Entry(plan, deliver)
         with self._wake:
             if self._closed:
@@ -250,8 +223,7 @@ class RespStream:
         return entry.call
 
     def load(self) -> int:
-        """Jobs given and not yet ended, begun or not (read without the lock: for
-        choosing the least busy stream, not for deciding anything that must be exact)."""
+        """Jobs given and not yet ended (read without the lock: to choose a stream)."""
         return self._given - self._ended
 
     def close(self) -> None:
@@ -327,7 +299,6 @@ class RespStream:
                 self._end(entry, RedisConnectionError("the redis tier is closed"))
 
     def _end(self, entry: _Entry, error: BaseException | None = None) -> None:
-        """Finish ``entry``'s job (releasing what it holds) and deliver its outcome."""
         try:
             outcome = None if entry.job is None else entry.job.finish()
         except BaseException as exc:
@@ -339,8 +310,7 @@ class RespStream:
 
 
 class Streams:
-    """``count`` :class:`RespStream` s, each with a link of its own made by ``link()``
-    and keeping ``window`` pipelines on the wire at most."""
+    """``count`` :class:`RespStream` s, each with its own ``link()`` and ``window``."""
 
     def __init__(
         self, link: Callable[[], ServerLink | ClusterLink], *, count: int, window: int
@@ -354,7 +324,6 @@ class Streams:
         return min(self._streams, key=RespStream.load).submit(plan, deliver)
 
     def close(self) -> None:
-        """Close the streams (once their jobs begun are done)."""
         for stream in self._streams:
             stream.close()
 

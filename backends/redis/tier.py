@@ -1,21 +1,14 @@
 """A remote tier on Redis or Valkey: one cache shared by every serving machine
-(docs/redis.md tells the whole story).
-
-Each block is one Redis string (so one slot of a cluster)::
+(docs/redis.md). Each block is one Redis string (so one slot of a cluster)::
 
     key:    b"kvt:2:" + namespace digest (hex) + b":" + tenant + b":" + block hash
     value:  the block record's compact header (:mod:`tiering.tiers.block_record`), then
             the payload, or with ``encryption`` its AES-GCM ciphertext
 
-A value that does not verify or is no string is a failed key, deleted and never served.
-The ``2`` names this format: blocks of the earlier one (a hash per block, under
-``kvt:<digest>:...``) are never read, so engines of both versions can share a server
-while they age out. Blocks move only on the tier's own RESP connections: a job's hook
-decides on the loop (the breaker, the stream) and hands the job to a stream
-(:mod:`backends.redis.streams`), which plans it (:mod:`backends.redis.jobs`) and moves
-its bytes off the loop, from the slots and straight back into them, verified there.
-No call is retried. redis-py's client (:mod:`backends.redis.control`) runs the control
-calls: the start's checks, lookups, usage, deletes, a cluster's map and redirections.
+(``2``: blocks of the earlier format, under ``kvt:<digest>:...``, are never read). A
+job's hook decides on the loop and hands the job to a stream (:mod:`.streams`), which
+plans it (:mod:`.jobs`) and moves its bytes on the tier's own connections; redis-py
+(:mod:`.control`) makes the control calls. No call is retried.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Coroutine, Sequence
@@ -42,37 +34,26 @@ from backends.redis.control import (
     detached,
     round_trip,
 )
-from backends.redis.jobs import (
-    CORRUPT,
-    MISSING,
-    REFUSED,
-    JobShape,
-    LandingBuffers,
-    LoadJob,
-    StoreJob,
-)
+from backends.redis.jobs import CORRUPT, MISSING, REFUSED, JobShape, LoadJob, StoreJob
 from backends.redis.options import RedisOptions
 from backends.redis.streams import ClusterLink, ServerLink, Streams
 from tiering.errors import ClosedError, InvalidArgumentError
-from tiering.security.encryption import TAG_BYTES, BlockCipher, Keyring, keyring_from
+from tiering.security.encryption import BlockCipher, Keyring, keyring_from
 from tiering.tiers.actor import TierActor
 from tiering.tiers.block_record import namespace_digest
 from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
 
-
-def namespace_prefix(namespace: str) -> bytes:
-    """How every Redis key of a block of ``namespace`` starts, whatever its tenant:
-    ``kvt:2:`` + the namespace digest (hex) + ``:`` (the format above)."""
-    return b"kvt:2:" + namespace_digest(namespace).hex().encode() + b":"
-
-
 _CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
 
+def namespace_prefix(namespace: str) -> bytes:
+    """How every Redis key of a block of ``namespace`` starts, whatever its tenant."""
+    return b"kvt:2:" + namespace_digest(namespace).hex().encode() + b":"
+
+
 async def _now(result: JobResult) -> JobResult:
-    """``result``, for a hook that decided without I/O."""
     return result
 
 
@@ -80,10 +61,11 @@ class RedisTier(TierActor):
     """A secondary tier on a Redis (or Valkey) server, shared by many engines; its
     options are :class:`RedisOptions`.
 
-    Guarantees: a load serves a block only if it verifies (see the module docstring); a
-    key the server refuses, or that holds no block, fails alone; a connection failure
-    fails the job's keys (never the engine), within about ``timeout_s``; ``lookup``
-    never blocks. Key material never shows in ``repr``, statistics, errors or logs.
+    Guarantees: a load serves a block only if it verifies (a value that does not, or is
+    no string, is a failed key, deleted and never served); a key the server refuses
+    fails alone; a connection failure fails the job's keys (never the engine), within
+    about ``timeout_s``; ``lookup`` never blocks. Key material never shows in ``repr``,
+    statistics, errors or logs.
     """
 
     Options = RedisOptions
@@ -104,25 +86,22 @@ class RedisTier(TierActor):
         self._cipher = None if keyring is None else BlockCipher(keyring)
         self.breaker = CircuitBreaker(o)
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
-        tenant, ns = o.tenant.encode(), namespace_digest(o.namespace)
+        tenant = o.tenant.encode()
         self._prefix = namespace_prefix(o.namespace) + tenant + b":"
-        self._blocks_per_pipeline = max(1, o.pipeline_bytes // block_bytes)
         self._client = LazyClient(functools.partial(o.client, cluster=o.cluster))
         self._shape = JobShape(
             pool=self.primary_kv_view,
             block_bytes=block_bytes,
             prefix=self._prefix,
             # What every record of this tier is written with and checked against.
-            record=dict(tenant=tenant, payload_bytes=block_bytes, ns_digest=ns),
+            record=dict(
+                tenant=tenant, payload_bytes=block_bytes, ns_digest=namespace_digest(o.namespace)
+            ),
             cipher=self._cipher,
-            per_pipeline=self._blocks_per_pipeline,
+            per_pipeline=max(1, o.pipeline_bytes // block_bytes),
             expiry=() if o.ttl_s is None else ("EX", max(1, round(o.ttl_s))),
-            seal_buffers=self._sealing_buffers,
-            landing_buffers=LandingBuffers(block_bytes),
             delete=self._client.delete,
         )
-        # Each stream's buffer of one pipeline's sealed payloads (with encryption).
-        self._seal_buffers = threading.local()
         self._streams: Streams | None = None  # made at start
         self._serving = False  # from start until close
         # key -> (present, trusted until): a bounded LRU of recent answers
@@ -139,14 +118,12 @@ class RedisTier(TierActor):
             0,
         )  # fmt: skip
 
-    # -- life cycle -------------------------------------------------------------------
-
     async def start(self) -> None:
         """Connect and start serving; a server that does not answer within ``timeout_s``
         only opens the breaker. Raises InvalidArgumentError, leaving nothing running, if
-        the server refuses the url's credentials (quoting the server, never the
-        password), its certificate does not verify (naming ``tls_ca_file``), or it is
-        (not) a cluster node against ``cluster``."""
+        a ``tls_*`` file does not load, the server refuses the url's credentials (never
+        quoting the password) or its certificate (naming ``tls_ca_file``), or it is (not)
+        a cluster node against ``cluster``."""
         self._serving = True
         error = await self.run_blocking(self._hello)
         if isinstance(error, InvalidArgumentError):
@@ -160,13 +137,10 @@ class RedisTier(TierActor):
         self.spawn(self._watch_usage(), name="usage")
 
     def _on_closed(self) -> None:
-        """Close the streams and drop the client (no job runs any more)."""
         self._serving = False
         if self._streams is not None:
             self._streams.close()
         self._client.close()
-
-    # -- queries ----------------------------------------------------------------------
 
     @staticmethod
     def get_tier_type() -> str:
@@ -225,7 +199,7 @@ class RedisTier(TierActor):
             f"{sealed} {self.statistics()!r}>"
         )
 
-    # -- hooks ------------------------------------------------------------------------
+    # -- jobs: decided on the loop, carried by a stream -------------------------------
 
     def _do_store(self, job: JobMetadata) -> Coroutine[Any, Any, JobResult]:
         return self._hand_over(job, "store")
@@ -235,9 +209,8 @@ class RedisTier(TierActor):
 
     def _hand_over(self, job: JobMetadata, what: str) -> Coroutine[Any, Any, JobResult]:
         """Hand ``job`` to a stream (unless the breaker refuses it) and return the wait
-        for its result, accounted on the loop as the stream delivers its outcome
-        (:meth:`_account`). Decided here, synchronously: the hook calls back into
-        nothing while the job runs. Raises ClosedError once the streams are closed."""
+        for its result, decided on the loop once the stream delivers the job's outcome:
+        the hook calls back into nothing while the job runs. ClosedError once closed."""
         streams = self._streams
         if streams is None or not self._serving or not self.breaker.allow():
             return _now(self._account(job, what, None))
@@ -245,9 +218,8 @@ class RedisTier(TierActor):
         done: asyncio.Future[JobResult] = loop.create_future()
         kind = StoreJob if what == "store" else LoadJob
         plan = functools.partial(kind, self._shape, list(job.keys), list(job.block_ids))
-        settle = functools.partial(self._settle, loop, done, job, what)
         try:
-            call = streams.submit(plan, settle)
+            call = streams.submit(plan, functools.partial(self._settle, loop, done, job, what))
         except RuntimeError as exc:
             raise ClosedError("the redis tier is closed") from exc
         return self.wait_call(call, done)
@@ -260,29 +232,27 @@ class RedisTier(TierActor):
         what: str,
         outcome: Any,
     ) -> None:
-        """On the stream's thread: have ``outcome`` accounted on the loop, then ``done``
-        resolved (raising it if it is no client error: a fault of the tier's own)."""
+        """On the stream's thread: resolve ``done`` on the loop with ``job``'s result
+        (or ``outcome`` raised, if it is no client error)."""
 
-        def account() -> None:
+        def settled() -> None:
             if isinstance(outcome, BaseException) and not isinstance(outcome, CLIENT_ERRORS):
-                result: Any = outcome
-            else:
-                result = self._account(job, what, outcome)
+                if not done.done():
+                    done.set_exception(outcome)
+                return
+            result = self._account(job, what, outcome)
             if not done.done():
-                if isinstance(result, BaseException):
-                    done.set_exception(result)
-                else:
-                    done.set_result(result)
+                done.set_result(result)
 
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            loop.call_soon_threadsafe(account)
+            loop.call_soon_threadsafe(settled)
 
     def _account(
         self, job: JobMetadata, what: str, outcome: dict[bytes, str] | ClientError | None
     ) -> JobResult:
         """``job``'s result from its outcome (the keys that failed, with why; the
-        client's error; None: the breaker refused it), with the presence cache, the
-        breaker and the counters told what each key came to."""
+        client's error; None: the breaker refused it), the presence cache, the breaker
+        and the counters told what each key came to."""
         keys = list(job.keys)
         if not isinstance(outcome, dict):
             for key in keys:  # whatever the server holds now, the cache no longer knows
@@ -313,7 +283,7 @@ class RedisTier(TierActor):
         self._remember([key for key in keys if key not in failed], True)
         done = "stored_blocks" if what == "store" else "loaded_blocks"
         self._counters[done] += len(keys) - len(failed)
-        self._counters["pipelines"] += -(-len(keys) // self._blocks_per_pipeline)
+        self._counters["pipelines"] += self._shape.pipelines(keys)
         if refusals:
             self._failures.record(f"redis refused a block's {what}", len(refusals), refusals[0])
         if not failed:
@@ -321,28 +291,26 @@ class RedisTier(TierActor):
         first = next(iter(failed.values()))
         return JobResult(job.job_id, False, tuple(failed), f"{len(failed)} keys failed: {first}")
 
-    # -- I/O threads ------------------------------------------------------------------
-
-    # A call returns the client's error rather than raising it: a raised error would keep
-    # the call's frames, and with them views of the host pool, alive in its traceback.
+    # -- on the pool's threads: a call returns the client's error rather than raising it
+    # (a raised error's traceback would keep its frames, and the views they name, alive)
 
     def _hello(self) -> ClientError | InvalidArgumentError | None:
-        """Make the streams (their TLS context read from its files), ping the server
-        with a plain client and check that it is (or is not) a cluster node, as
-        ``cluster`` says; then make the tier's client. Returns the client's error, or an
-        InvalidArgumentError if no call could ever succeed."""
+        """Make the streams (reading the TLS files), ping the server and check that it
+        is (or is not) a cluster node, then make the tier's client. Returns the client's
+        error, or an InvalidArgumentError if no call could ever succeed."""
         o = self.options
         try:
             endpoint = o.endpoint()
         except InvalidArgumentError as exc:
             return exc
+        if o.cluster:
+            link: Any = functools.partial(ClusterLink, endpoint, self._client)
+        else:
+            link = functools.partial(ServerLink, endpoint)
         # One stream per I/O thread, sharing the jobs' window: at most max_inflight
         # pipelines on the wire, as with a job per thread.
         window = max(1, self.max_inflight // o.io_threads)
-        link = functools.partial(ClusterLink, endpoint, self._client) if o.cluster else None
-        self._streams = Streams(
-            link or functools.partial(ServerLink, endpoint), count=o.io_threads, window=window
-        )
+        self._streams = Streams(link, count=o.io_threads, window=window)
         probe = o.client(cluster=False)
         try:
             probe.ping()
@@ -366,19 +334,8 @@ class RedisTier(TierActor):
             probe.close()
         return None
 
-    def _sealing_buffers(self) -> list[memoryview]:
-        """This I/O thread's buffers for one pipeline's sealed payloads
-        (``block_bytes + TAG_BYTES`` each), made on its first call."""
-        if not hasattr(self._seal_buffers, "views"):
-            stride = self.block_bytes + TAG_BYTES
-            arena = memoryview(bytearray(self._blocks_per_pipeline * stride))
-            self._seal_buffers.views = [arena[i : i + stride] for i in range(0, len(arena), stride)]
-        buffers: list[memoryview] = self._seal_buffers.views
-        return buffers
-
     def _usage_hop(self) -> dict[str, int] | ClientError:
-        """The server's memory use, limit and key count (summed over a cluster's
-        primaries); the client's error if that failed."""
+        """The server's memory use, limit and key count (a cluster's primaries' sum)."""
         try:
             client = self._client.get()
             if isinstance(client, RedisCluster):
@@ -396,15 +353,13 @@ class RedisTier(TierActor):
         }
 
     def _exists_hop(self, keys: Sequence[bytes]) -> list[int | ResponseError]:
-        """``EXISTS`` of every key in one pipelined round trip (an error reply in the
-        place of a key the server would not answer for)."""
         return round_trip(self._client.get(), [("EXISTS", self._prefix + key) for key in keys])
 
     # -- presence cache and background tasks (loop thread) ----------------------------
 
     def _remember(self, keys: Sequence[OffloadKey], present: bool) -> None:
-        """Cache what was just found of ``keys``; a presence check on the wire now may
-        have read the server before that, so its answer for them is dropped."""
+        """Cache what was just found of ``keys``; a check on the wire now may have read
+        the server before that, so its answer for them is dropped."""
         if not keys:
             return
         if self._in_check:
@@ -416,23 +371,21 @@ class RedisTier(TierActor):
             old = presence.pop(key, None)  # then put back last: the most recent
             known += present - (old is not None and old[0])
             presence[key] = entry
-        limit = self.options.presence_entries
-        while len(presence) > limit:
+        while len(presence) > self.options.presence_entries:
             _, (dropped, _) = presence.popitem(last=False)
             known -= dropped
         self._known_present = known
 
     def _forget(self, key: OffloadKey) -> None:
-        """Drop the cached answer for ``key`` (and a check's on the wire now): a lookup
-        asks the server again."""
+        """Drop the cached answer for ``key`` (and a check's on the wire now)."""
         self._in_check.discard(key)
         old = self._presence.pop(key, None)
         if old is not None:
             self._known_present -= old[0]
 
     def _schedule_check(self) -> None:
-        """Start the batched check, on the loop; a lookup may come from another thread
-        (vLLM calls tiers from its scheduler thread), which hands the start over."""
+        """Start the batched check on the loop (a lookup from another thread, as vLLM's
+        scheduler's, hands the start over)."""
         if self._checking:
             return
         loop = self._loop
@@ -477,8 +430,7 @@ class RedisTier(TierActor):
                 self._to_check.clear()  # lookups answer False until the server is back
 
     async def _watch_usage(self) -> None:
-        """Read the server's usage now and every ``usage_every_s`` while the tier runs
-        (skipped while the breaker is open)."""
+        """Read the server's usage every ``usage_every_s`` while the breaker is closed."""
         while self._serving:
             if self.breaker.state is BreakerState.CLOSED:
                 usage = await self.run_blocking(self._usage_hop)
