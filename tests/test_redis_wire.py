@@ -186,16 +186,14 @@ _arguments = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_arguments, min_size=1, max_size=8))
 def test_a_command_encodes_as_hiredis_packs_it_joined(args: list[Any]) -> None:
-    out: list[Any] = []
-    encode_command(args, out)
+    out = encode_command(args)
     flat = [bytes(a) if isinstance(a, memoryview) else a for a in joined(args)]
     assert b"".join(bytes(part) for part in out) == hiredis.pack_command(tuple(flat))
 
 
 def test_memoryviews_go_out_as_they_are() -> None:
     payload = memoryview(bytearray(b"p" * 64))
-    out: list[Any] = []
-    encode_command(("SET", b"k", (b"header", payload), "EX", 5), out)
+    out = encode_command(("SET", b"k", (b"header", payload), "EX", 5))
     assert any(part is payload for part in out)
 
 

@@ -14,6 +14,7 @@ import socket
 import ssl
 import struct
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -28,6 +29,8 @@ from backends.redis.control import (
 from backends.redis.resp import Buffer, Reply, Sink
 
 Command = Sequence[resp.Argument]
+Sinks = Sequence[Sink | None] | None
+Replies = list[Reply | ResponseError]
 
 _CHUNK = 32 << 10  # bytes one plain recv asks for (replies' framing, small values)
 _AHEAD = 512  # ... and while a reply may land in a sink
@@ -44,6 +47,9 @@ class Expected(NamedTuple):
 
     length: int
     head: int
+
+
+Expecteds = Sequence[Expected] | None
 
 
 class Endpoint(NamedTuple):
@@ -113,6 +119,9 @@ class RespConnection:
         self._chunk = memoryview(bytearray(_CHUNK))
         self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
         self._crlf = memoryview(bytearray(2))
+        # The pipelines sent whose replies are not read yet: their sizes, sinks, expected
+        # replies, padding and deadlines.
+        self._sent: deque[tuple[int, Sinks, Expecteds, int, float]] = deque()
         try:
             self._hello()
         except BaseException:
@@ -157,38 +166,37 @@ class RespConnection:
             commands.append((b"SELECT", endpoint.db))
         if not commands:
             return
-        for reply in self.round_trip(commands, deadline=self._deadline):  # the connect's
+        requests = [resp.encode_command(command) for command in commands]
+        self.send(requests, None, None, deadline=self._deadline)
+        for reply in self.receive():  # in by the connect's deadline
             if isinstance(reply, ResponseError):
                 raise AuthenticationError(str(reply))
 
     def round_trip(
-        self,
-        commands: Sequence[Command],
-        sinks: Sequence[Sink | None] | None = None,
-        expected: Sequence[Expected] | None = None,
-        *,
-        deadline: float | None = None,
-    ) -> list[Reply | ResponseError]:
-        """:meth:`send` ``commands`` (encoded here), then :meth:`receive` their replies,
-        by ``deadline`` (None: ``timeout_s`` from now)."""
-        if deadline is None:
-            deadline = time.monotonic() + self.endpoint.timeout_s
-        requests: list[Buffer] = []
-        for command in commands:
-            resp.encode_command(command, requests)
-        pad = self.send(requests, expected if sinks is not None else None, deadline=deadline)
-        return self.receive(len(commands), sinks, expected, pad, deadline=deadline)
+        self, commands: Sequence[Command], sinks: Sinks = None, expected: Expecteds = None
+    ) -> Replies:
+        """:meth:`send` ``commands`` (encoded here) and :meth:`receive` their replies,
+        within ``timeout_s``."""
+        requests = [resp.encode_command(command) for command in commands]
+        self.send(requests, sinks, expected, deadline=time.monotonic() + self.endpoint.timeout_s)
+        return self.receive()
 
     def send(
-        self, requests: Sequence[Buffer], expected: Sequence[Expected] | None, *, deadline: float
-    ) -> int:
-        """Send the encoded ``requests`` by ``deadline``; returns what :meth:`receive`
-        needs (several pipelines may be sent before their replies are read, in order).
-        ``expected[i]``: the bulk string reply ``i`` is expected to be."""
+        self,
+        requests: Sequence[list[Buffer]],
+        sinks: Sinks,
+        expected: Expecteds,
+        *,
+        deadline: float,
+    ) -> None:
+        """Send the encoded ``requests`` (a command's buffers each) by ``deadline``. Their
+        replies are read by :meth:`receive`, after those of the pipelines sent before,
+        and land as ``sinks[i]`` picks; ``expected[i]`` is the bulk string reply ``i`` is
+        expected to be (read on a plain socket with one receive)."""
         self._deadline = deadline
-        buffers = list(requests)
+        buffers = [buffer for request in requests for buffer in request]
         pad = 0
-        if expected and not self._tls:
+        if expected and sinks is not None and not self._tls:
             # A padding reply after the last: whatever the replies turn out to be, at
             # least a reply's framing and head follow each, so a receive that waits for
             # all the bytes it asks for never waits in vain.
@@ -198,22 +206,13 @@ class RespConnection:
             else:
                 pad = 0
         self._send(buffers)
-        return pad
+        self._sent.append((len(requests), sinks, expected, pad, deadline))
 
-    def receive(
-        self,
-        count: int,
-        sinks: Sequence[Sink | None] | None,
-        expected: Sequence[Expected] | None,
-        pad: int,
-        *,
-        deadline: float,
-    ) -> list[Reply | ResponseError]:
-        """The replies of the ``count`` commands :meth:`send` sent (it returned ``pad``),
-        all in by ``deadline``, an error reply as redis-py's error in its place.
-        ``sinks[i]`` picks where the bulk strings of reply ``i`` land; a reply not as
-        ``expected`` is read as any other."""
-        self._deadline = deadline
+    def receive(self) -> Replies:
+        """The replies of the oldest pipeline sent and not received yet, all in by its
+        deadline, an error reply as redis-py's error in its place; a reply that is not
+        as expected is read as any other."""
+        count, sinks, expected, pad, self._deadline = self._sent.popleft()
         if pad:
             assert sinks is not None and expected is not None
             return self._read_expected(sinks, expected, pad)

@@ -18,12 +18,6 @@ try:
     from redis._parsers.base import BaseParser
     from redis.backoff import NoBackoff
     from redis.cluster import PipelineCommand, RedisCluster
-    from redis.connection import (
-        URL_QUERY_ARGUMENT_PARSERS,
-        SSLConnection,
-        UnixDomainSocketConnection,
-        parse_url,
-    )
     from redis.exceptions import (
         AskError,
         AuthenticationError,
@@ -189,9 +183,8 @@ _QUOTED_COMMAND = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: "
 
 
 __all__ = [
-    "CLIENT_ERRORS", "UNREACHABLE", "URL_QUERY_ARGUMENT_PARSERS", "AskError",
-    "AuthenticationError", "BaseParser", "ClientError", "ClusterDownError",
-    "LazyClient", "Redis", "RedisCluster", "RedisConnectionError", "RedisTimeoutError",
-    "ResponseError", "SSLConnection", "TryAgainError", "UnixDomainSocketConnection", "detached",
-    "new_client", "parse_url", "redirected", "refresh_slots", "round_trip",
+    "CLIENT_ERRORS", "UNREACHABLE", "AskError", "AuthenticationError", "BaseParser",
+    "ClientError", "ClusterDownError", "LazyClient", "Redis", "RedisCluster",
+    "RedisConnectionError", "RedisTimeoutError", "ResponseError", "TryAgainError", "detached",
+    "new_client", "redirected", "refresh_slots", "round_trip",
 ]  # fmt: skip

@@ -14,18 +14,16 @@ import urllib.parse
 from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, Field, model_validator
+from redis.connection import (
+    URL_QUERY_ARGUMENT_PARSERS,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 
 from backends.breaker import BreakerOptions
 from backends.redis.connection import Endpoint
-from backends.redis.control import (
-    URL_QUERY_ARGUMENT_PARSERS,
-    Redis,
-    RedisCluster,
-    SSLConnection,
-    UnixDomainSocketConnection,
-    new_client,
-    parse_url,
-)
+from backends.redis.control import Redis, RedisCluster, new_client
 from tiering.errors import InvalidArgumentError
 from tiering.options import ActorOptions, Bytes, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.security.encryption import Keyring

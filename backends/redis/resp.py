@@ -50,9 +50,11 @@ Reply = bytes | int | ErrorReply | Landed | None | list[Any]
 Argument = Buffer | str | int | tuple[Buffer, ...]
 
 
-def encode_command(args: Sequence[Argument], out: list[Buffer]) -> None:
-    """Append the request of ``args`` to ``out``: each memoryview (an argument, or a
-    part of one) as it is (no copy), the rest in as few small ``bytes`` as they allow."""
+def encode_command(args: Sequence[Argument]) -> list[Buffer]:
+    """The request of ``args``, as buffers to send in order: each memoryview (an
+    argument, or a part of one) as it is (no copy), the rest in as few ``bytes`` as
+    they allow."""
+    out: list[Buffer] = []
     head = bytearray(b"*%d\r\n" % len(args))
     for arg in args:
         if isinstance(arg, int):
@@ -77,6 +79,7 @@ def encode_command(args: Sequence[Argument], out: list[Buffer]) -> None:
             head += arg
             head += _CRLF
     out.append(bytes(head))
+    return out
 
 
 def joined(command: Sequence[Argument]) -> tuple[Buffer | str | int, ...]:

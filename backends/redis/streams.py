@@ -33,7 +33,7 @@ from backends.redis.control import (
     refresh_slots,
 )
 from backends.redis.jobs import Job, Pipeline
-from backends.redis.resp import Buffer, encode_command, joined
+from backends.redis.resp import encode_command, joined
 from tiering.tiers.io_threads import init_io_worker
 
 _T = TypeVar("_T")
@@ -46,9 +46,7 @@ _SPREAD = 8
 _Where = tuple[Endpoint, int]  # a link's connection: the node, and which of its lanes
 
 
-# A pipeline as sent: each connection with the indexes of its commands in the pipeline
-# and what its send returned; and the pipeline's deadline.
-_Sent = tuple[list[tuple[RespConnection, Sequence[int], int]], float]
+_Sent = list[tuple[RespConnection, Sequence[int]]]  # each connection, and its commands' indexes
 
 
 class _Link:
@@ -65,11 +63,7 @@ class _Link:
     def send(self, pipeline: Pipeline, *, idle: bool) -> _Sent:
         """Send ``pipeline``. ``idle`` (nothing on the wire): if the server closed a
         connection meanwhile (restarted, timed it out), every one is made anew."""
-        requests: list[list[Buffer]] = []
-        for command in pipeline.commands:
-            request: list[Buffer] = []
-            encode_command(command, request)
-            requests.append(request)
+        requests = [encode_command(command) for command in pipeline.commands]
         if idle and self._connections and any_stale(self._connections.values()):
             self.close()
         deadline = time.monotonic() + self._endpoint.timeout_s
@@ -78,19 +72,16 @@ class _Link:
             connection = self._connections.get(where)
             if connection is None:
                 connection = self._connections[where] = RespConnection(where[0], deadline)
-            buffers = [buffer for i in indexes for buffer in requests[i]]
-            pad = connection.send(buffers, _chosen(indexes, pipeline.expected), deadline=deadline)
-            groups.append((connection, indexes, pad))
-        return groups, deadline
+            sinks, expected = _chosen(indexes, pipeline.sinks), _chosen(indexes, pipeline.expected)
+            connection.send([requests[i] for i in indexes], sinks, expected, deadline=deadline)
+            groups.append((connection, indexes))
+        return groups
 
     def receive(self, pipeline: Pipeline, sent: _Sent) -> list[Any]:
         """The replies of ``pipeline`` (``send`` returned ``sent``), in its order."""
-        groups, deadline = sent
         replies: list[Any] = [None] * len(pipeline.commands)
-        for connection, indexes, pad in groups:
-            sinks, expected = _chosen(indexes, pipeline.sinks), _chosen(indexes, pipeline.expected)
-            got = connection.receive(len(indexes), sinks, expected, pad, deadline=deadline)
-            for i, reply in zip(indexes, got, strict=True):
+        for connection, indexes in sent:
+            for i, reply in zip(indexes, connection.receive(), strict=True):
                 replies[i] = reply
         return replies
 

@@ -214,23 +214,17 @@ class RedisTier(TierActor):
         streams = self._streams
         if streams is None or not self._serving or not self.breaker.allow():
             return _now(self._account(job, what, None))
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[JobResult] = loop.create_future()
+        done: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
         kind = StoreJob if what == "store" else LoadJob
         plan = functools.partial(kind, self._shape, list(job.keys), list(job.block_ids))
         try:
-            call = streams.submit(plan, functools.partial(self._settle, loop, done, job, what))
+            call = streams.submit(plan, functools.partial(self._settle, done, job, what))
         except RuntimeError as exc:
             raise ClosedError("the redis tier is closed") from exc
         return self.wait_call(call, done)
 
     def _settle(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        done: asyncio.Future[JobResult],
-        job: JobMetadata,
-        what: str,
-        outcome: Any,
+        self, done: asyncio.Future[JobResult], job: JobMetadata, what: str, outcome: Any
     ) -> None:
         """On the stream's thread: resolve ``done`` on the loop with ``job``'s result
         (or ``outcome`` raised, if it is no client error)."""
@@ -245,7 +239,7 @@ class RedisTier(TierActor):
                 done.set_result(result)
 
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            loop.call_soon_threadsafe(settled)
+            done.get_loop().call_soon_threadsafe(settled)
 
     def _account(
         self, job: JobMetadata, what: str, outcome: dict[bytes, str] | ClientError | None
