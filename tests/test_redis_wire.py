@@ -4,6 +4,7 @@ hiredis, and its connections (``backends.redis.connection``) against a real serv
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -255,14 +256,16 @@ def _expected_replies(server: Any, kinds: list[str], *, expected: bool) -> tuple
         return land
 
     connection = RespConnection(RedisOptions(url=server.url, namespace="x").endpoint())
+    deadline = time.monotonic() + 5
     try:
-        replies = connection.round_trip(
-            [("GET", f"k{i}") for i in range(len(kinds))],
-            [sink(i) for i in range(len(kinds))],
-            [Expected(_HEAD + _REST, _HEAD)] * len(kinds) if expected else None,
-        )
+        gets = [encode_command(("GET", f"k{i}")) for i in range(len(kinds))]
+        sinks = [sink(i) for i in range(len(kinds))]
+        expectations = [Expected(_HEAD + _REST, _HEAD)] * len(kinds) if expected else None
+        connection.send(gets, sinks, expectations, deadline=deadline)
+        connection.send([encode_command(("PING",))], None, None, deadline=deadline)
+        replies = connection.receive()
         # The connection reads on exactly where its replies end.
-        assert connection.round_trip([("PING",)]) == [b"PONG"]
+        assert connection.receive() == [b"PONG"]
     finally:
         connection.close()
     return [repr(r) for r in replies], [bytes(h + r) for h, r in zip(heads, rests, strict=True)]

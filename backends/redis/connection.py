@@ -172,15 +172,6 @@ class RespConnection:
             if isinstance(reply, ResponseError):
                 raise AuthenticationError(str(reply))
 
-    def round_trip(
-        self, commands: Sequence[Command], sinks: Sinks = None, expected: Expecteds = None
-    ) -> Replies:
-        """:meth:`send` ``commands`` (encoded here) and :meth:`receive` their replies,
-        within ``timeout_s``."""
-        requests = [resp.encode_command(command) for command in commands]
-        self.send(requests, sinks, expected, deadline=time.monotonic() + self.endpoint.timeout_s)
-        return self.receive()
-
     def send(
         self,
         requests: Sequence[list[Buffer]],

@@ -58,20 +58,9 @@ def _names_redis_py_takes() -> frozenset[str]:
 _REDIS_PY_NAMES = _names_redis_py_takes()
 
 
-def check_url(url: object, *, cluster: bool) -> None:
-    """Raise InvalidArgumentError saying what is wrong with ``url`` (no redis://,
-    rediss:// or unix:// url redis-py parses, a path that is no database number, a query
-    option the tier sets itself or does not implement, a database other than 0 or
-    unix:// for a cluster), never quoting it."""
-    if isinstance(url, str) and url.startswith("unix://") and cluster:
-        raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
-    problem = _url_problem(url, cluster=cluster)
-    if problem is not None:  # raised here, outside any handler: no parser error chained
-        raise InvalidArgumentError(f"url: {problem} (the url is not shown: it may hold a password)")
-
-
-def _url_problem(url: object, *, cluster: bool) -> str | None:
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+def _url_problem(url: str, *, cluster: bool) -> str | None:
+    """What is wrong with ``url``, in words that quote no part of it; None if nothing."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
         return "must be a redis://, rediss:// or unix:// URL"
     try:
         parts = urllib.parse.urlsplit(url)
@@ -154,9 +143,12 @@ _File = Annotated[str | None, AfterValidator(_readable_file)]
 
 class RedisOptions(BreakerOptions, ActorOptions):
     """The Redis tier's options. ``url`` (it may hold a password) and ``encryption`` (a
-    keyring or its spec) are never shown. The url is checked by :func:`check_url`; the
-    ``tls_*`` files go with ``rediss://`` only. ``namespace`` and ``tenant`` (no ``:``)
-    are bound into every record: blocks under another never show.
+    keyring or its spec) are never shown. An InvalidArgumentError says what is wrong
+    with the url (no redis://, rediss:// or unix:// url redis-py parses, a path that is
+    no database number, a query option the tier sets itself or does not implement, a
+    database other than 0 or unix:// for a cluster), never quoting it; the ``tls_*``
+    files go with ``rediss://`` only. ``namespace`` and ``tenant`` (no ``:``) are bound
+    into every record: blocks under another never show.
     """
 
     url: str = secret()
@@ -182,7 +174,12 @@ class RedisOptions(BreakerOptions, ActorOptions):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        check_url(self.url, cluster=self.cluster)
+        if self.url.startswith("unix://") and self.cluster:
+            raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
+        problem = _url_problem(self.url, cluster=self.cluster)
+        if problem is not None:  # raised here, outside any handler: no parser error chained
+            shown = "the url is not shown: it may hold a password"
+            raise InvalidArgumentError(f"url: {problem} ({shown})")
         for name in _TLS_FILES:
             if getattr(self, name) is not None and not self.url.startswith("rediss://"):
                 raise ValueError(f"{name} needs a rediss:// url (TLS)")
@@ -238,4 +235,4 @@ class RedisOptions(BreakerOptions, ActorOptions):
         )
 
 
-__all__ = ["RedisOptions", "check_url"]
+__all__ = ["RedisOptions"]
