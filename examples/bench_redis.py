@@ -4,7 +4,7 @@ LMCache's ``resp`` adapter when it is installed, on the same server.
 Usage::
 
     python examples/bench_redis.py [URL] [--block-sizes 2M] [--size-mib 256] [--cluster]
-        [--no-encryption] [--lmcache auto|on|off] [--redis-py-side]
+        [--no-encryption] [--lmcache auto|on|off]
 
 Without URL it starts its own ``redis-server`` on a free loopback port (no persistence),
 or with ``--cluster`` a three-node Redis Cluster, and stops it at the end (run it from a
@@ -32,8 +32,6 @@ connections are made as they go) and *warm* (the same again):
 * encrypted (unless ``--no-encryption``): the same tier with ``encryption`` (one random
   AES-256 key for the run): every block sealed with AES-GCM on the way to Redis and
   opened straight into its slot on the way back.
-* redis-py (with ``--redis-py-side``): the tier with ``data_path="redis-py"``, its
-  blocks moved by redis-py's client as before the tier had its own connections.
 * lmcache (``--lmcache auto``, the default, when ``import lmcache`` works and
   ``--repeat`` gives it a turn first; ``on`` requires it): LMCache's ``resp`` L2
   adapter (its C++ RESP client under ``NativeConnectorL2Adapter``,
@@ -68,8 +66,6 @@ top level, and every block size's in ``runs``::
      "lmcache_store_GBps": ..., "lmcache_load_GBps": ..., "lmcache_warm_load_GBps": ...,
      "store_vs_lmcache": ..., "load_vs_lmcache": ..., "warm_load_vs_lmcache": ...,
      "lmcache_loop_lag_p99_ms": ..., "lmcache_cpu_s_per_GB": ...,
-     "redis_py_store_GBps": ..., "redis_py_load_GBps": ..., "redis_py_loop_lag_p99_ms": ...,
-     "redis_py_cpu_s_per_GB": ...,
      "runs": [{"block_bytes": ..., ...}, ...]}
 
 ``*_ratio`` (baseline) is the tier's median over the baseline's; ``encrypted_*_ratio``
@@ -79,7 +75,7 @@ and ``encryption_*_cost_pct`` is ``100 * (1 - ratio)``: the share of the plain t
 throughput that encryption costs. ``load`` figures are the cold loads.
 ``cpu_s_per_GB`` is the CPU time of this process (all its threads: the loop, the
 tier's, LMCache's) over a round's store and two loads, per GB moved. The
-``lmcache_*`` and ``redis_py_*`` keys appear only when those sides ran.
+``lmcache_*`` keys appear only when that side ran.
 """
 
 from __future__ import annotations
@@ -253,7 +249,6 @@ async def tier_round(url: str, pool: memoryview, block: int, args: argparse.Name
         cluster=args.cluster,
         pipeline_bytes=args.pipeline_mib << 20,
         encryption=args.keyring if side == "encrypted" else None,
-        data_path="redis-py" if side == "redis-py" else "sockets",
     )
     keys = [b"block-%d" % i for i in range(half)]
     await _fresh_start(url, args)
@@ -396,7 +391,7 @@ def load_lmcache(args: argparse.Namespace, url: str) -> tuple[LmcacheResp | None
     ``auto``, a side too many for the rounds is left out), else why not."""
     if args.lmcache == "off":
         return None, "--lmcache off"
-    others = 2 + (not args.no_encryption) + args.redis_py_side
+    others = 2 + (not args.no_encryption)
     if args.lmcache == "auto" and args.repeat <= others:
         return None, f"{others + 1} sides need --repeat {others + 1} or more"
     if args.cluster or not url.startswith("redis://"):
@@ -419,7 +414,6 @@ async def run(url: str, args: argparse.Namespace, progress: Progress) -> list[di
     sides = (
         ("baseline", "tier")
         + (() if args.no_encryption else ("encrypted",))
-        + (("redis-py",) if args.redis_py_side else ())
         + (("lmcache",) if lmcache is not None else ())
     )
     args.keyring = f"1:{base64.b64encode(os.urandom(32)).decode()}"  # this run's only key
@@ -489,13 +483,6 @@ def _row(block: int, rounds: dict[str, list[Round]]) -> dict[str, float]:
     row["load_ratio"] = round(row["load_GBps"] / row["baseline_load_GBps"], 3)
     if "encrypted" in rounds:
         row.update(_encryption_figures(tier, rounds["encrypted"]))
-    if "redis-py" in rounds:
-        for what in ("store_GBps", "load_GBps", "warm_load_GBps"):
-            row[f"redis_py_{what}"] = _median(rounds["redis-py"], what)
-        row["redis_py_loop_lag_p99_ms"] = round(
-            max(r.loop_lag_p99_ms for r in rounds["redis-py"]), 3
-        )
-        row["redis_py_cpu_s_per_GB"] = _median(rounds["redis-py"], "cpu_s_per_GB")
     if "lmcache" in rounds:
         for what, key in (("store", "store"), ("load", "load"), ("warm_load", "warm_load")):
             row[f"lmcache_{what}_GBps"] = _median(rounds["lmcache"], f"{what}_GBps")
@@ -527,13 +514,6 @@ def _print_row(row: dict[str, float], args: argparse.Namespace) -> None:
             f"(costs {row['encryption_store_cost_pct']}%), load "
             f"{row['encrypted_load_GBps']} GB/s (costs {row['encryption_load_cost_pct']}%); "
             f"loop lag p99 (worst round) {row['encrypted_loop_lag_p99_ms']} ms"
-        )
-    if "redis_py_store_GBps" in row:
-        print(
-            f"{kib} KiB blocks, tier on redis-py: store {row['redis_py_store_GBps']}, load "
-            f"{row['redis_py_load_GBps']}, warm load {row['redis_py_warm_load_GBps']} GB/s; "
-            f"loop lag p99 (worst round) {row['redis_py_loop_lag_p99_ms']} ms; CPU "
-            f"{row['redis_py_cpu_s_per_GB']} s/GB"
         )
     if "lmcache_store_GBps" in row:
         print(
@@ -590,11 +570,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="LMCache's resp adapter as a side (auto: when installed)",
     )
     parser.add_argument(
-        "--redis-py-side",
-        action="store_true",
-        help="also the tier with data_path='redis-py' (blocks moved by redis-py)",
-    )
-    parser.add_argument(
         "--io-threads", type=positive_int, default=None, help="the tier's io_threads (its default)"
     )
     parser.add_argument(
@@ -605,7 +580,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("argument url: must start with redis://, rediss:// or unix://")
     if args.cluster and args.url is not None and args.url.startswith("unix://"):
         parser.error("argument --cluster: needs a redis:// or rediss:// url")
-    sides = 2 + (not args.no_encryption) + args.redis_py_side + (args.lmcache == "on")
+    sides = 2 + (not args.no_encryption) + (args.lmcache == "on")
     if args.repeat < sides:
         parser.error(
             f"argument --repeat: {sides} sides take turns going first, so the figures need "

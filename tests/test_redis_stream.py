@@ -1,5 +1,5 @@
-"""Several jobs' pipelines on one link (``backends.redis.stream``), against a real
-server and a real cluster (``backends.redis.wire``'s links)."""
+"""Several jobs' pipelines on one link (``backends.redis.streams``), against a real
+server and a real cluster."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,11 @@ import pytest
 if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py fails
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
 
-from backends.redis.connection import endpoint_of
-from backends.redis.control import RedisConnectionError, new_client
-from backends.redis.stream import Pipeline, RespStream
-from backends.redis.wire import ClusterLink, ServerLink, WirePipelines
+from backends.redis.connection import Endpoint
+from backends.redis.control import LazyClient, RedisConnectionError, new_client
+from backends.redis.jobs import Pipeline
+from backends.redis.options import RedisOptions
+from backends.redis.streams import ClusterLink, RespStream, ServerLink, Streams
 from tests._redis_helpers import local_redis_cluster
 
 
@@ -27,31 +29,41 @@ class Work:
 
     def __init__(self, *pipelines: list[tuple[Any, ...]], independent: bool = False) -> None:
         self._pipelines, self._independent = pipelines, independent
+        self.pipelines = len(pipelines)
         self.replies: list[list[Any]] = []
         self.begun = self.finished = False
 
-    def pipelines(self) -> Iterator[Pipeline]:
+    def plan(self) -> Work:
         self.begun = True
-        for commands in self._pipelines:
-            names = [command[1].encode() if len(command) > 1 else b"" for command in commands]
-            yield Pipeline(names, commands, None, None, self.replies.append, self._independent)
+        return self
+
+    def pipeline(self, index: int) -> Pipeline:
+        commands = self._pipelines[index]
+        names = [command[1].encode() if len(command) > 1 else b"" for command in commands]
+        return Pipeline(names, commands, independent=self._independent)
+
+    def answered(self, index: int, replies: list[Any]) -> None:
+        assert index == len(self.replies)  # in the order sent
+        self.replies.append(replies)
 
     def finish(self) -> str:
         self.finished = True
         return "finished"
 
 
-def run(stream: RespStream, work: Work) -> tuple[Future[None], Future[Any]]:
+def run(stream: RespStream | Streams, work: Work) -> tuple[Future[None], Future[Any]]:
     """Give ``work`` to ``stream``; the second future gets what is delivered."""
     delivered: Future[Any] = Future()
-    return stream.submit(work, delivered.set_result), delivered
+    return stream.submit(work.plan, delivered.set_result), delivered
+
+
+def endpoint_of(url: str) -> Endpoint:
+    return RedisOptions(url=url, namespace="x", timeout_s=5.0).endpoint()
 
 
 @pytest.fixture
 def stream(redis_server: Any) -> Iterator[RespStream]:
-    endpoint = endpoint_of(redis_server.url, timeout_s=5.0, tls={})
-    assert endpoint is not None
-    stream = RespStream(lambda: ServerLink(endpoint), window=3, name="test-stream")
+    stream = RespStream(ServerLink(endpoint_of(redis_server.url)), window=3, name="test-stream")
     yield stream
     stream.close()
 
@@ -152,28 +164,23 @@ def test_a_job_withdrawn_before_it_began_is_never_begun(
 
 
 def test_a_job_goes_to_the_stream_with_the_fewest_jobs_not_ended(redis_server: Any) -> None:
-    endpoint = endpoint_of(redis_server.url, timeout_s=5.0, tls={})
-    assert endpoint is not None
-    wire = WirePipelines(endpoint, streams=2, window=2)
+    """Two jobs given while the first is on the wire go over two connections: the
+    second went to the other stream, though neither had a job waiting to begin."""
+    streams = Streams(partial(ServerLink, endpoint_of(redis_server.url)), count=2, window=2)
     try:
-        busy = wire.stream()
-        _, held = run(busy, Work([("BLPOP", "held", 5)]))  # on the wire until pushed
+        _, held = run(streams, Work([("BLPOP", "held", 30)]))  # on the wire until pushed
         deadline = time.monotonic() + 10
         while b"cmd=blpop" not in redis_server.command("CLIENT", "LIST"):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert busy.load() == 1
-        idle = wire.stream()
-        assert idle is not busy  # though neither has a job waiting to begin
+        other = Work([("SET", "other", "1")])
+        _, delivered = run(streams, other)
+        assert delivered.result(timeout=10) == "finished"  # not behind the BLPOP
+        assert not held.done() and other.replies == [[b"OK"]]
         redis_server.command("RPUSH", "held", "x")
         assert held.result(timeout=10) == "finished"
-        deadline = time.monotonic() + 10
-        while busy.load():  # ended: the stream counts it just before delivering
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert idle.load() == 0
     finally:
-        wire.close()
+        streams.close()
 
 
 def test_closing_ends_the_begun_jobs_and_fails_the_queued(
@@ -200,10 +207,11 @@ def test_on_a_cluster_each_node_gets_its_share_and_the_replies_keep_the_pipeline
     tmp_path: Path,
 ) -> None:
     cluster = local_redis_cluster(tmp_path)
-    client = new_client(cluster.url, cluster=True, timeout_s=5.0, max_connections=4, tls={})
-    endpoint = endpoint_of(cluster.url, timeout_s=5.0, tls={})
-    assert endpoint is not None
-    stream = RespStream(lambda: ClusterLink(endpoint, client), window=2, name="test-cluster")
+    client = LazyClient(
+        partial(new_client, cluster.url, cluster=True, timeout_s=5.0, max_connections=4, tls={})
+    )
+    link = ClusterLink(endpoint_of(cluster.url), client)
+    stream = RespStream(link, window=2, name="test-cluster")
     try:
         names = [f"key-{i}" for i in range(24)]
         work = Work(

@@ -4,6 +4,7 @@ hiredis, and its connections (``backends.redis.connection``) against a real serv
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -186,16 +187,14 @@ _arguments = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_arguments, min_size=1, max_size=8))
 def test_a_command_encodes_as_hiredis_packs_it_joined(args: list[Any]) -> None:
-    out: list[Any] = []
-    encode_command(args, out)
+    out = encode_command(args)
     flat = [bytes(a) if isinstance(a, memoryview) else a for a in joined(args)]
     assert b"".join(bytes(part) for part in out) == hiredis.pack_command(tuple(flat))
 
 
 def test_memoryviews_go_out_as_they_are() -> None:
     payload = memoryview(bytearray(b"p" * 64))
-    out: list[Any] = []
-    encode_command(("SET", b"k", (b"header", payload), "EX", 5), out)
+    out = encode_command(("SET", b"k", (b"header", payload), "EX", 5))
     assert any(part is payload for part in out)
 
 
@@ -225,33 +224,6 @@ async def test_a_unix_socket_url_with_a_database_round_trips(pool: memoryview, t
         server.stop()
 
 
-@pytest.mark.parametrize(("writer", "reader"), [("sockets", "redis-py"), ("redis-py", "sockets")])
-async def test_both_data_paths_write_and_read_the_same_records(
-    pool: memoryview, redis_server: Any, writer: str, reader: str
-) -> None:
-    names = keys(3)
-    async with opened(pool, redis_server, data_path=writer) as tier:
-        assert (await store_job(tier, names, [0, 1, 2])).success
-    async with opened(pool, redis_server, data_path=reader) as tier:
-        assert (await load_job(tier, names, [5, 6, 7])).success
-    assert [slot(pool, i) for i in (5, 6, 7)] == [slot(pool, i) for i in (0, 1, 2)]
-
-
-async def test_a_url_option_the_sockets_lack_moves_blocks_with_redis_py(
-    pool: memoryview, redis_server: Any
-) -> None:
-    """``client_name`` is redis-py's to set: every connection of the tier carries it."""
-    url = redis_server.url + "?client_name=kv-tier-named"
-    async with opened(pool, redis_server, url=url) as tier:
-        assert (await store_job(tier, keys(2), [0, 1])).success
-        assert (await load_job(tier, keys(2), [2, 3])).success
-        clients = redis_server.command("CLIENT", "LIST")
-        assert isinstance(clients, bytes)
-        ours = [line for line in clients.splitlines() if b"cmd=client|list" not in line]
-        assert ours and all(b"name=kv-tier-named" in line for line in ours)
-    assert [slot(pool, 2), slot(pool, 3)] == [slot(pool, 0), slot(pool, 1)]
-
-
 # -- replies read as expected, and what is not as expected ------------------------------
 
 _HEAD, _REST = 8, 4000  # an expected value: a head, then the rest
@@ -262,7 +234,8 @@ def _expected_replies(server: Any, kinds: list[str], *, expected: bool) -> tuple
     ``hash``: no string; ``short``/``long``: a string of another length) on one
     connection, each value's head and rest landing in views of their own; returns the
     replies and what landed, as ``bytes``."""
-    from backends.redis.connection import Expected, RespConnection, endpoint_of
+    from backends.redis.connection import Expected, RespConnection
+    from backends.redis.options import RedisOptions
 
     values = {"ok": _HEAD + _REST, "short": _HEAD + 1, "long": _HEAD + _REST + 1}
     for i, kind in enumerate(kinds):
@@ -282,15 +255,17 @@ def _expected_replies(server: Any, kinds: list[str], *, expected: bool) -> tuple
 
         return land
 
-    connection = RespConnection(endpoint_of(server.url, timeout_s=5.0, tls={}))  # type: ignore[arg-type]
+    connection = RespConnection(RedisOptions(url=server.url, namespace="x").endpoint())
+    deadline = time.monotonic() + 5
     try:
-        replies = connection.round_trip(
-            [("GET", f"k{i}") for i in range(len(kinds))],
-            [sink(i) for i in range(len(kinds))],
-            [Expected(_HEAD + _REST, _HEAD)] * len(kinds) if expected else None,
-        )
+        gets = [encode_command(("GET", f"k{i}")) for i in range(len(kinds))]
+        sinks = [sink(i) for i in range(len(kinds))]
+        expectations = [Expected(_HEAD + _REST, _HEAD)] * len(kinds) if expected else None
+        connection.send(gets, sinks, expectations, deadline=deadline)
+        connection.send([encode_command(("PING",))], None, None, deadline=deadline)
+        replies = connection.receive()
         # The connection reads on exactly where its replies end.
-        assert connection.round_trip([("PING",)]) == [b"PONG"]
+        assert connection.receive() == [b"PONG"]
     finally:
         connection.close()
     return [repr(r) for r in replies], [bytes(h + r) for h, r in zip(heads, rests, strict=True)]

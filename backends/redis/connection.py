@@ -1,16 +1,8 @@
-"""The Redis tier's data path: RESP over plain sockets (TCP, unix or TLS), payloads
-sent from and received into the host pool's memory with no copy on our side.
-
-redis-py copies every reply through its buffers and builds a ``bytes`` per payload
-while it holds the GIL; here a pipeline's requests go out in ``sendmsg`` calls that
-gather the slots' views, and each payload is received straight into its slot: a reply
-the caller expects in one ``recvmsg_into`` with the next reply's framing and head, any
-other through :mod:`backends.redis.resp`'s reader. Blocking sockets on the tier's I/O
-threads release the GIL for every byte they move. Every call has one deadline: its
-connect, its requests and all of its replies, however slowly the bytes come, end by
-then. The url's credentials (``AUTH``), database (``SELECT``) and TLS files are
-honoured; a url asking for anything else gets no :class:`Endpoint` here, and the tier
-uses redis-py for it.
+"""One RESP connection of the Redis tier (TCP, unix or TLS), with no copy on our side:
+requests go out in ``sendmsg`` calls that gather the slots' views, and each payload is
+received straight into its slot (an expected reply in one ``recvmsg_into`` with the next
+reply's framing and head, any other through :mod:`backends.redis.resp`'s reader).
+Blocking sockets on the I/O threads release the GIL for every byte they move.
 """
 
 from __future__ import annotations
@@ -22,62 +14,47 @@ import socket
 import ssl
 import struct
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from backends.redis import resp
 from backends.redis.control import (
     AuthenticationError,
+    BaseParser,
     RedisConnectionError,
     RedisTimeoutError,
     ResponseError,
 )
-from backends.redis.resp import (
-    NOT_YET,
-    Argument,
-    ErrorReply,
-    Landed,
-    ProtocolError,
-    Reply,
-    RespReader,
-    Sink,
-    encode_command,
-)
+from backends.redis.resp import Buffer, Reply, Sink
 
-try:
-    from redis._parsers.base import BaseParser
-    from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
-except ImportError as exc:  # pragma: no cover - redis_client above raised already
-    raise ImportError(f"the redis tier needs redis-py: {exc}") from exc
-
-Buffer = bytes | bytearray | memoryview
-Command = Sequence[Argument]
+Command = Sequence[resp.Argument]
+Sinks = Sequence[Sink | None] | None
+Replies = list[Reply | ResponseError]
 
 _CHUNK = 32 << 10  # bytes one plain recv asks for (replies' framing, small values)
 _AHEAD = 512  # ... and while a reply may land in a sink
 _PAD_FRAMING = 32  # bytes the padding reply holds beyond its padding, at most
 _IOV_MAX = 512  # buffers per sendmsg, below the kernel's IOV_MAX
-_PLAIN_KEYS = {"host", "port", "username", "password", "db", "path", "connection_class"}
-# How far the kernel's timeout of a socket call may end off the call's deadline before
-# it is set again (a syscall): a few ms, about the kernel's own granularity.
-_SLACK_S = 0.005
-# What a socket call raises when its timeout ends it with nothing moved: the kernel's
-# (a plain blocking socket: EAGAIN), Python's (TLS).
+_SLACK_S = 0.005  # how far off the deadline a socket's timeout may end before it is set again
+# What a socket call raises when its timeout ends it with nothing moved (EAGAIN; TLS).
 _TIMED_OUT = (BlockingIOError, TimeoutError)
 
 
 class Expected(NamedTuple):
-    """The bulk string a command's reply is expected to be: its ``length``, and how
-    many of its first bytes (``head``) land in the sink's first view before the rest
-    (:data:`backends.redis.resp.Landing`)."""
+    """The bulk string a reply is expected to be: its ``length``, and how many of its
+    first bytes (``head``) land in the sink's first view before the rest."""
 
     length: int
     head: int
 
 
+Expecteds = Sequence[Expected] | None
+
+
 class Endpoint(NamedTuple):
-    """Where and how to connect: a TCP ``host``/``port`` or a unix ``path``, the
-    url's credentials and database, a TLS context (None: plain), and the time every
-    call has (``timeout_s``: its connect, or its requests and all of their replies)."""
+    """Where and how to connect (from the url: :meth:`RedisOptions.endpoint
+    <backends.redis.options.RedisOptions.endpoint>`), and the time every call has."""
 
     host: str
     port: int
@@ -85,7 +62,9 @@ class Endpoint(NamedTuple):
     username: str | None
     password: str | None
     db: int
+    client_name: str | None
     tls: ssl.SSLContext | None
+    keepalive: bool
     timeout_s: float
 
     def at(self, host: str, port: int) -> Endpoint:
@@ -97,87 +76,52 @@ class Endpoint(NamedTuple):
         return f"<Endpoint {where} tls={self.tls is not None}>"
 
 
-def endpoint_of(url: str, *, timeout_s: float, tls: dict[str, str]) -> Endpoint | None:
-    """The endpoint of ``url`` (checked already by ``check_url``) with redis-py's TLS
-    argument names in ``tls`` (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``);
-    None if the url's query asks for an option this path does not implement."""
-    options = parse_url(url)
-    if set(options) - _PLAIN_KEYS:
-        return None
-    kind = options.get("connection_class")
-    context = None
-    if kind is SSLConnection:
-        # As redis-py's defaults: the certificate verified, its host name checked.
-        context = ssl.create_default_context(cafile=tls.get("ssl_ca_certs"))
-        if "ssl_certfile" in tls:
-            context.load_cert_chain(tls["ssl_certfile"], tls.get("ssl_keyfile"))
-    return Endpoint(
-        host=options.get("host", "localhost"),
-        port=int(options.get("port", 6379)),
-        path=options.get("path") if kind is UnixDomainSocketConnection else None,
-        username=options.get("username"),
-        password=options.get("password"),
-        db=int(options.get("db", 0)),
-        tls=context,
-        timeout_s=timeout_s,
-    )
-
-
-def response_error(reply: ErrorReply) -> ResponseError:
-    """The redis-py error an error reply stands for (MOVED, ASK, WRONGTYPE, ...)."""
-    error = BaseParser.parse_error(reply.message)
-    return error if isinstance(error, ResponseError) else ResponseError(reply.message)
-
-
 class RespConnection:
-    """One connection to one server, authenticated and on the url's database, made by
-    ``deadline`` (a :func:`time.monotonic` time; None: ``timeout_s`` from now). Each
-    call (:meth:`round_trip`, or :meth:`send` and :meth:`receive`) ends by its own
-    deadline, however slowly the server takes its requests or sends its replies.
-    Raises RedisTimeoutError once a deadline has passed, OSError for a connection that
-    fails, RedisConnectionError for a closed connection or bytes that are no RESP, and
-    AuthenticationError if ``AUTH`` is refused; after any of them the connection is of
-    no further use."""
+    """One connection to one server, authenticated, named and on the url's database
+    (as redis-py's), made by ``deadline`` (a :func:`time.monotonic` time; None:
+    ``timeout_s`` from now). Each call ends by its own deadline, however slowly the
+    server takes its requests or sends its replies. Raises RedisTimeoutError once a
+    deadline has passed, OSError for a connection that fails, RedisConnectionError for a
+    closed connection or bytes that are no RESP, AuthenticationError if its set-up is
+    refused; after any of them the connection is of no further use."""
 
     def __init__(self, endpoint: Endpoint, deadline: float | None = None) -> None:
         self.endpoint = endpoint
         self._deadline = time.monotonic() + endpoint.timeout_s if deadline is None else deadline
         self._tls = endpoint.tls is not None
-        if endpoint.path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
+        sock = None
+        try:
+            if endpoint.path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(self._left())
                 sock.connect(endpoint.path)
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            address = (endpoint.host, endpoint.port)
-            sock = socket.create_connection(address, self._left())
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if endpoint.tls is not None:
-            try:
+            else:
+                sock = socket.create_connection((endpoint.host, endpoint.port), self._left())
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, endpoint.keepalive)
+            if endpoint.tls is not None:
                 sock.settimeout(self._left())  # the handshake's, as a whole
                 sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
-            except BaseException:
+        except BaseException:
+            if sock is not None:
                 sock.close()
-                raise
+            raise
         self._sock: socket.socket = sock
         self._wait_all = 0
-        # The kernel's timeouts of receives and sends (SO_RCVTIMEO, SO_SNDTIMEO) as
-        # last set, in seconds (inf: not set, the kernel waits for ever).
-        self._armed = [math.inf, math.inf]
+        self._armed = [math.inf, math.inf]  # SO_RCVTIMEO, SO_SNDTIMEO as last set (s)
         if endpoint.tls is None:
-            # A blocking socket whose kernel timeouts bound each socket call, set from
-            # the call's deadline (_arm): a payload then arrives in one recv_into
-            # (MSG_WAITALL) and a pipeline goes out in one sendmsg, each a single
-            # release of the GIL instead of one per segment.
+            # A blocking socket whose kernel timeouts bound each socket call (_arm): a
+            # payload then arrives in one recv_into (MSG_WAITALL) and a pipeline goes
+            # out in one sendmsg, each one release of the GIL, not one per segment.
             sock.settimeout(None)
             self._wait_all = socket.MSG_WAITALL
-        self._reader = RespReader()
+        self._reader = resp.RespReader()
         self._chunk = memoryview(bytearray(_CHUNK))
         self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
         self._crlf = memoryview(bytearray(2))
+        # The pipelines sent whose replies are not read yet: their sizes, sinks, expected
+        # replies, padding and deadlines.
+        self._sent: deque[tuple[int, Sinks, Expecteds, int, float]] = deque()
         try:
             self._hello()
         except BaseException:
@@ -185,8 +129,7 @@ class RespConnection:
             raise
 
     def _left(self) -> float:
-        """The seconds left until the current call's deadline (more than 0); raises
-        RedisTimeoutError once it has passed."""
+        """The seconds left until the current call's deadline, or RedisTimeoutError."""
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise RedisTimeoutError(
@@ -195,17 +138,15 @@ class RespConnection:
         return left
 
     def _arm(self, receiving: bool) -> None:
-        """Bound the next blocking receive (or send) on the socket by the current call's
-        deadline; raises RedisTimeoutError once it has passed. A socket call that the
-        timeout ends early raises BlockingIOError or TimeoutError (nothing moved) or
-        moves fewer bytes: the caller arms again and goes on, or the deadline raises."""
+        """Bound the next blocking receive (or send) by the current call's deadline. A
+        socket call the timeout ends early raises _TIMED_OUT or moves fewer bytes: the
+        caller arms again and goes on, until the deadline raises."""
         left = self._left()
         if self._tls:
             self._sock.settimeout(left)  # Python's timeout: bounds one call as a whole
             return
-        # The kernel restarts its timeout at each socket call: set it again whenever
-        # this call's wait would end more than _SLACK_S off the deadline (a call that
-        # moves megabytes in many receives sets it about once).
+        # The kernel restarts its timeout at each socket call: set it again only when
+        # the wait would end more than _SLACK_S off the deadline (about once a call).
         which = 0 if receiving else 1
         if abs(left - self._armed[which]) > _SLACK_S:
             seconds, micros = int(left), int(left % 1 * 1e6)
@@ -217,78 +158,52 @@ class RespConnection:
     def _hello(self) -> None:
         endpoint, commands = self.endpoint, []
         if endpoint.password is not None:
-            user = () if endpoint.username is None else (endpoint.username.encode(),)
-            commands.append((b"AUTH", *user, endpoint.password.encode()))
+            user = () if endpoint.username is None else (endpoint.username,)
+            commands.append((b"AUTH", *user, endpoint.password))
+        if endpoint.client_name is not None:
+            commands.append((b"CLIENT", b"SETNAME", endpoint.client_name))
         if endpoint.db:
             commands.append((b"SELECT", endpoint.db))
         if not commands:
             return
-        for reply in self.round_trip(commands, deadline=self._deadline):  # the connect's
+        requests = [resp.encode_command(command) for command in commands]
+        self.send(requests, None, None, deadline=self._deadline)
+        for reply in self.receive():  # in by the connect's deadline
             if isinstance(reply, ResponseError):
                 raise AuthenticationError(str(reply))
 
-    def round_trip(
-        self,
-        commands: Sequence[Command],
-        sinks: Sequence[Sink | None] | None = None,
-        expected: Sequence[Expected] | None = None,
-        *,
-        deadline: float | None = None,
-    ) -> list[Reply | ResponseError]:
-        """Send ``commands`` pipelined and read their replies, in order, by ``deadline``
-        (a :func:`time.monotonic` time; None: ``timeout_s`` from now); an error reply
-        comes back as redis-py's error in its place. ``sinks[i]`` (if given) picks
-        where the bulk strings of reply ``i`` land (:data:`backends.redis.resp.Sink`).
-        ``expected[i]`` (with ``sinks``) is the bulk string reply ``i`` is expected to
-        be: on a plain socket such replies are read with one receive each (its rest,
-        then the next reply's framing and head), and a reply that is not as expected
-        is read as any other; its sink then gives where the rest lands."""
-        if deadline is None:
-            deadline = time.monotonic() + self.endpoint.timeout_s
-        pad = self.send(commands, sinks, expected, deadline=deadline)
-        return self.receive(len(commands), sinks, expected, pad, deadline=deadline)
-
     def send(
         self,
-        commands: Sequence[Command],
-        sinks: Sequence[Sink | None] | None = None,
-        expected: Sequence[Expected] | None = None,
+        requests: Sequence[list[Buffer]],
+        sinks: Sinks,
+        expected: Expecteds,
         *,
         deadline: float,
-    ) -> int:
-        """The first half of :meth:`round_trip`: send ``commands`` by ``deadline``;
-        returns what :meth:`receive` needs to read their replies (several pipelines may
-        be sent before their replies are read, in the order sent)."""
+    ) -> None:
+        """Send the encoded ``requests`` (a command's buffers each) by ``deadline``. Their
+        replies are read by :meth:`receive`, after those of the pipelines sent before,
+        and land as ``sinks[i]`` picks; ``expected[i]`` is the bulk string reply ``i`` is
+        expected to be (read on a plain socket with one receive)."""
         self._deadline = deadline
-        buffers: list[Buffer] = []
-        for command in commands:
-            encode_command(command, buffers)
+        buffers = [buffer for request in requests for buffer in request]
         pad = 0
         if expected and sinks is not None and not self._tls:
             # A padding reply after the last: whatever the replies turn out to be, at
-            # least a reply's framing and head follow the end of every one of them, so
-            # a receive that waits for all the bytes it asks for never waits in vain.
+            # least a reply's framing and head follow each, so a receive that waits for
+            # all the bytes it asks for never waits in vain.
             pad = max(len(b"$%d\r\n" % e.length) + e.head for e in expected)
             if pad + _PAD_FRAMING <= self._ahead.nbytes:
-                encode_command((b"ECHO", b"." * pad), buffers)
+                buffers.append(b"*2\r\n$4\r\nECHO\r\n$%d\r\n%s\r\n" % (pad, b"." * pad))
             else:
                 pad = 0
         self._send(buffers)
-        return pad
+        self._sent.append((len(requests), sinks, expected, pad, deadline))
 
-    def receive(
-        self,
-        count: int,
-        sinks: Sequence[Sink | None] | None,
-        expected: Sequence[Expected] | None,
-        pad: int,
-        *,
-        deadline: float,
-    ) -> list[Reply | ResponseError]:
-        """The second half of :meth:`round_trip`: the replies of the ``count`` commands
-        :meth:`send` sent (with these ``sinks`` and ``expected``; it returned ``pad``),
-        all of them in by ``deadline`` (the one they were sent with)."""
-        self._deadline = deadline
+    def receive(self) -> Replies:
+        """The replies of the oldest pipeline sent and not received yet, all in by its
+        deadline, an error reply as redis-py's error in its place; a reply that is not
+        as expected is read as any other."""
+        count, sinks, expected, pad, self._deadline = self._sent.popleft()
         if pad:
             assert sinks is not None and expected is not None
             return self._read_expected(sinks, expected, pad)
@@ -302,7 +217,10 @@ class RespConnection:
         for i in range(first, stop):
             reader.sink = sinks[i] if sinks is not None else None
             reply = self._read_reply()
-            replies.append(response_error(reply) if isinstance(reply, ErrorReply) else reply)
+            if isinstance(reply, resp.ErrorReply):  # MOVED, ASK, WRONGTYPE, ... as redis-py's
+                error = BaseParser.parse_error(reply.message)
+                reply = error if isinstance(error, ResponseError) else ResponseError(reply.message)
+            replies.append(reply)
         reader.sink = None
         return replies
 
@@ -312,7 +230,7 @@ class RespConnection:
         """The replies of a pipeline sent with its padding ``ECHO``: while they are as
         ``expected``, each in one ``recvmsg_into`` (its rest into the sink's view, its
         CR LF, the next one's framing and head); from the first that is not, through
-        the reader (fed what was read ahead)."""
+        the reader."""
         ahead, crlf = self._ahead, self._crlf
         framings = [b"$%d\r\n" % e.length for e in expected]
         trailer = b"$%d\r\n%s\r\n" % (pad, b"." * pad)
@@ -339,7 +257,7 @@ class RespConnection:
             self._fill([target, crlf, ahead[: size or len(trailer)]])
             if crlf != b"\r\n":
                 raise RedisConnectionError("the redis server sent no RESP: no CR LF")
-            replies.append(Landed(length))
+            replies.append(resp.Landed(length))
         if ahead[: len(trailer)] != trailer:
             raise RedisConnectionError("the redis server sent no reply to ECHO")
         return replies
@@ -382,7 +300,7 @@ class RespConnection:
     def _read_reply(self) -> Reply:
         reader, sock = self._reader, self._sock
         try:
-            while (reply := reader.gets()) is NOT_YET:
+            while (reply := reader.gets()) is resp.NOT_YET:
                 into = reader.direct()
                 self._arm(receiving=True)
                 try:
@@ -401,7 +319,7 @@ class RespConnection:
                     continue  # the socket's timeout: arm it again, or the deadline has passed
                 if not count:
                     raise RedisConnectionError("the redis server closed the connection")
-        except ProtocolError as exc:
+        except resp.ProtocolError as exc:
             raise RedisConnectionError(f"the redis server sent no RESP: {exc}") from None
         return reply  # type: ignore[return-value]
 
@@ -412,8 +330,7 @@ class RespConnection:
 
 def any_stale(connections: Iterable[RespConnection]) -> bool:
     """Whether any of the idle ``connections`` has something to read (one ``select``
-    for them all): the server closed it (restarted, timed it out) or sent what nobody
-    asked for; either way it is closed rather than used."""
+    for them all): the server closed it or sent what nobody asked for."""
     try:
         readable, _, _ = select.select([c._sock for c in connections], [], [], 0)
     except (OSError, ValueError):  # one was closed under us
@@ -421,12 +338,4 @@ def any_stale(connections: Iterable[RespConnection]) -> bool:
     return bool(readable)
 
 
-__all__ = [
-    "Command",
-    "Endpoint",
-    "Expected",
-    "RespConnection",
-    "any_stale",
-    "endpoint_of",
-    "response_error",
-]
+__all__ = ["Command", "Endpoint", "Expected", "RespConnection", "any_stale"]

@@ -1,5 +1,6 @@
-"""redis-py's client as the Redis tier uses it, on the tier's I/O threads: urls checked
-without ever quoting them, clients that never retry (redis-py's retries made a call to a
+"""redis-py, for the Redis tier's control calls only (the start's checks, lookups'
+``EXISTS``, usage, deletes, a cluster's map of the slots and its redirections; blocks
+never move through it): clients that never retry (redis-py's retries made a call to a
 dead node wait for several timeouts; a cluster's MOVED, ASK and TRYAGAIN are followed),
 pipelines that fail one key at a time, and errors stripped of block bytes.
 """
@@ -8,17 +9,15 @@ from __future__ import annotations
 
 import logging
 import re
-import urllib.parse
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
-
-from tiering.errors import InvalidArgumentError
 
 try:
     from redis import Redis
+    from redis._parsers.base import BaseParser
     from redis.backoff import NoBackoff
     from redis.cluster import PipelineCommand, RedisCluster
-    from redis.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, parse_url
     from redis.exceptions import (
         AskError,
         AuthenticationError,
@@ -55,9 +54,9 @@ _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)  # the 
 def new_client(
     url: str, *, cluster: bool, timeout_s: float, max_connections: int, tls: dict[str, str]
 ) -> Redis | RedisCluster:
-    """A client of ``url`` (checked by :func:`check_url`) whose every call times out
-    after ``timeout_s``; with ``cluster`` a cluster client, which connects as it is made
-    (raising the client's error if no node answers)."""
+    """A client of ``url`` whose every socket operation times out after ``timeout_s``,
+    with redis-py's TLS arguments ``tls``; with ``cluster`` a cluster client, which
+    connects as it is made (raising the client's error if no node answers)."""
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -70,80 +69,41 @@ def new_client(
     return Redis.from_url(url, **options)
 
 
-_TIER_SETS = {
-    "socket_timeout": "timeout_s",
-    "socket_connect_timeout": "timeout_s",
-    "max_connections": "max_connections",
-    "retry_on_timeout": "timeout_s",
-    "retry_on_error": "timeout_s",
-}
-"""Query options of a url that the tier sets itself, and the tier option that does."""
+class LazyClient:
+    """The tier's client, made by ``make()`` at the first :meth:`get` (a cluster client
+    connects as it is made: one whose nodes are down at start is made later), once."""
 
+    def __init__(self, make: Callable[[], Redis | RedisCluster]) -> None:
+        self._make = make
+        self._client: Redis | RedisCluster | None = None
+        self._closed = False
+        self._lock = threading.Lock()
 
-def check_url(url: object, *, cluster: bool) -> None:
-    """Check that redis-py will connect with ``url`` as the tier means it to; else
-    raise InvalidArgumentError saying what is wrong (no redis://, rediss:// or unix://
-    url redis-py parses, a path that is no database number, a query option the tier
-    sets itself, a database other than 0 or unix:// for a cluster), never quoting it."""
-    if isinstance(url, str) and url.startswith("unix://") and cluster:
-        raise InvalidArgumentError("cluster needs a redis:// or rediss:// url, not unix://")
-    problem = _url_problem(url, cluster=cluster)
-    if problem is not None:  # raised here, outside any handler: no parser error chained
-        raise InvalidArgumentError(f"url: {problem} (the url is not shown: it may hold a password)")
+    def get(self) -> Redis | RedisCluster:
+        """The client, made now if needed. Raises RedisConnectionError once closed, the
+        client's error if it cannot be made (no cluster node answers)."""
+        with self._lock:
+            if self._closed:
+                raise RedisConnectionError("the redis tier is closed")
+            if self._client is None:
+                self._client = self._make()
+            return self._client
 
-
-def _url_problem(url: object, *, cluster: bool) -> str | None:
-    """What is wrong with ``url``, in words that quote no part of it; None if nothing."""
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        return "must be a redis://, rediss:// or unix:// URL"
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:  # its message may quote a piece of the url
-        return "its host cannot be parsed"
-    try:
-        port = None if parts.scheme == "unix" else parts.port
-    except ValueError:  # its message quotes the port, which may be a piece of a password
-        return (
-            "its port is not a number from 1 to 65535 (a '/', '?' or '#' in the user "
-            "name or password must be percent-encoded: %2F, %3F, %23)"
-        )
-    # A password always comes before an '@': with one after the host (or a fragment),
-    # part of the credentials spilled into the path, query or fragment.
-    if "#" in url or "@" in parts.path + parts.query:
-        return (
-            "it holds an unescaped '/', '?', '#' or '@' after the user name or password "
-            "(percent-encode them: %2F, %3F, %23, %40)"
-        )
-    if port == 0:
-        return "its port is not a number from 1 to 65535"
-    if parts.scheme == "unix":
-        if not parts.path:
-            return "a unix:// url needs the path of the server's socket"
-    else:
-        database = urllib.parse.unquote(parts.path).strip("/")
-        if database and not database.isdigit():
-            return "its path must be the database number (/0, /1, ...) or nothing"
-    for name, values in urllib.parse.parse_qs(parts.query).items():
-        if name in _TIER_SETS:
-            return f"its query sets {name}, which the tier sets from {_TIER_SETS[name]}"
-        parse = URL_QUERY_ARGUMENT_PARSERS.get(name)  # a name redis-py knows: safe to show
+    def delete(self, names: list[bytes]) -> None:
+        """Delete ``names`` from the server, as far as it goes: a failure is logged (the
+        next load of each fails again)."""
         try:
-            if parse is not None:
-                parse(values[0])
-        except (TypeError, ValueError):
-            return f"its query option {name} has an invalid value"
-    try:
-        options = parse_url(url)  # the parser redis-py connects with
-    except (TypeError, ValueError):
-        return "redis-py cannot parse it"
-    if cluster and options.get("db", 0) != 0:
-        return "a Redis Cluster has database 0 only"
-    connection_class = options.pop("connection_class", Connection)
-    try:
-        connection_class(**options)  # builds the connection redis-py would, unconnected
-    except (TypeError, ValueError, RedisError):
-        return "its query has an option redis-py does not take, or an invalid value"
-    return None
+            self.get().delete(*names)
+        except CLIENT_ERRORS as exc:
+            logger.debug("redis tier: deleting corrupt blocks failed: %r", detached(exc))
+
+    def close(self) -> None:
+        """Drop the client; none is made after."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()  # disconnects the pool's idle connections; never blocks long
 
 
 def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -168,38 +128,42 @@ def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
         down = next((reply for reply in replies if isinstance(reply, _NODE_DOWN)), None)
         if down is not None:
             _forget_frames(replies)
-            try:
-                client.nodes_manager.initialize()
-            except CLIENT_ERRORS as exc:  # the next call tries again
-                logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
+            refresh_slots(client)
             raise detached(down)  # a copy: the original sits in the replies
         for i, reply in enumerate(replies):
-            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
-                try:
-                    replies[i] = client.execute_command(*commands[i])
-                except ResponseError as exc:
-                    if isinstance(exc, ClusterDownError):
-                        raise
-                    replies[i] = exc
+            if isinstance(reply, (AskError, TryAgainError)):
+                replies[i] = redirected(client, commands[i])
     _forget_frames(replies)
     return replies
 
 
+def redirected(cluster: RedisCluster, command: Sequence[Any]) -> Any:
+    """``command``, which a node redirected (MOVED, ASK, TRYAGAIN), sent again through
+    ``cluster``, which follows the redirection and updates its map: its reply, or the
+    error reply in its place. Raises ClusterDownError and the client's other errors."""
+    try:
+        return cluster.execute_command(*command)
+    except ResponseError as exc:
+        if isinstance(exc, ClusterDownError):
+            raise
+        return exc
+
+
+def refresh_slots(cluster: RedisCluster) -> None:
+    """Reload ``cluster``'s map of the slots after a node failed (best effort: the next
+    call tries again)."""
+    try:
+        cluster.nodes_manager.initialize()
+    except CLIENT_ERRORS as exc:
+        logger.debug("redis tier: refreshing the cluster's slots failed: %r", exc)
+
+
 def _forget_frames(replies: list[Any]) -> None:
-    """Clear the tracebacks of error replies: their frames, down in the client, name the
-    commands and with them views of the host pool, which must not outlive the call."""
+    """Clear the tracebacks of error replies: their frames name the commands, and with
+    them views of the host pool, which must not outlive the call."""
     for reply in replies:
         if isinstance(reply, BaseException):
             reply.__traceback__ = None
-
-
-def first_error(replies: Sequence[Any]) -> ResponseError | None:
-    return next((reply for reply in replies if isinstance(reply, ResponseError)), None)
-
-
-def holds_another_type(error: ResponseError) -> bool:
-    """The key holds no hash (another client wrote it): for this tier, a corrupt block."""
-    return str(error).startswith("WRONGTYPE")
 
 
 def detached(exc: ClientError) -> ClientError:
@@ -219,22 +183,8 @@ _QUOTED_COMMAND = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: "
 
 
 __all__ = [
-    "CLIENT_ERRORS",
-    "UNREACHABLE",
-    "AskError",
-    "AuthenticationError",
-    "ClientError",
-    "ClusterDownError",
-    "Redis",
-    "RedisCluster",
-    "RedisConnectionError",
-    "RedisTimeoutError",
-    "ResponseError",
-    "TryAgainError",
-    "check_url",
-    "detached",
-    "first_error",
-    "holds_another_type",
-    "new_client",
-    "round_trip",
-]
+    "CLIENT_ERRORS", "UNREACHABLE", "AskError", "AuthenticationError", "BaseParser",
+    "ClientError", "ClusterDownError", "LazyClient", "Redis", "RedisCluster",
+    "RedisConnectionError", "RedisTimeoutError", "ResponseError", "TryAgainError", "detached",
+    "new_client", "redirected", "refresh_slots", "round_trip",
+]  # fmt: skip

@@ -1,100 +1,171 @@
-"""What one job of the Redis tier sends and how it reads the answers: its pipelines,
-built one at a time (on the thread that sends them), and its end.
+"""What one job of the Redis tier sends, where its replies land and what it came to: its
+plan, without I/O, which a stream (:mod:`backends.redis.streams`) carries.
 
-The same work runs on a stream (:mod:`backends.redis.stream`: several jobs' pipelines
-on one link, to a server or a cluster's nodes) or one pipeline after another on a
-thread of the tier's pool (redis-py's data path). Either way a job's views of the host pool are
-released by :meth:`finish`, and nothing of the job outlives it.
+A store writes each block with one ``SET``, the payload straight from its slot (or
+sealed into the thread's buffer). A load reads each ``GET`` reply in two parts: the
+header into a small buffer, then, once the header checks out (namespace, tenant, key,
+length, and the kind this tier reads: plain or sealed), the payload: a plain one
+straight into the slot, where its checksum is verified; a sealed one into a landing
+buffer, opened from there into the slot in one pass. A payload under a header that does
+not check out lands in scratch: a block of another key, tenant or namespace never
+reaches the slot. A value that comes back whole (a redirected read) is verified as it is
+copied (or opened) into the slot. A job's end releases its views of the host pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
+from backends.redis.connection import Command, Expected
 from backends.redis.control import ResponseError
-from backends.redis.landing import CORRUPT, REFUSED, BlockLanding, LandingBuffers
-from backends.redis.stream import Pipeline
-from tiering.security.encryption import BlockCipher
-from tiering.tiers.block_record import compact_header, payload_checksum, record_binding
+from backends.redis.resp import Landed, Sink
+from tiering.errors import CorruptBlockError
+from tiering.security.encryption import TAG_BYTES, BlockCipher
+from tiering.tiers.block_record import (
+    BlockHeader,
+    check_header,
+    compact_bytes,
+    compact_header,
+    decode_header,
+    payload_checksum,
+    record_binding,
+    verify_payload,
+)
+
+# How a load or store of one key failed; the first words of its reason.
+MISSING = "not in the redis tier"
+CORRUPT = "corrupt block"
+REFUSED = "redis refused"
 
 
+class Pipeline(NamedTuple):
+    """One pipelined round trip: its ``commands`` (on the keys ``names``), where their
+    replies land (as :meth:`RespConnection.receive
+    <backends.redis.connection.RespConnection.receive>` takes them), and whether they
+    may run in any order, each on a connection of its own (``independent``)."""
+
+    names: Sequence[bytes]
+    commands: Sequence[Command]
+    sinks: Sequence[Sink | None] | None = None
+    expected: Sequence[Expected] | None = None
+    independent: bool = False
+
+
+class Job(Protocol):
+    """A job as a stream carries it: its ``pipelines``, each built by :meth:`pipeline`
+    just before it is sent and given its replies by :meth:`answered` in the order sent,
+    then :meth:`finish` (once, also when the job failed: it releases what the job holds
+    and returns its outcome)."""
+
+    pipelines: int
+
+    def pipeline(self, index: int) -> Pipeline: ...
+
+    def answered(self, index: int, replies: list[Any]) -> None: ...
+
+    def finish(self) -> Any: ...
+
+
+@dataclass(slots=True)
 class JobShape:
-    """What every job of one tier is made with: ``slot(block_id)`` (a view of the
-    host pool), the key ``prefix``, the ``record`` keywords its headers carry, the
-    ``cipher`` (None: plain), blocks ``per_pipeline``, the ``SET`` options
-    (``expiry``), this thread's sealing buffers (``seal_buffers()``), the buffers sealed
-    loads land in (``landing_buffers``) and ``delete(names)`` for values that are no
-    blocks."""
+    """What every job of one tier is made with: the host ``pool`` (a job's slots were
+    checked at its admission), the keys' ``prefix``, the ``record`` keywords headers
+    carry, the ``cipher`` (None: plain), the ``SET`` options (``expiry``), and
+    ``delete(names)`` for values that are no blocks."""
 
-    __slots__ = (
-        "cipher", "delete", "expiry", "landing_buffers", "per_pipeline", "prefix", "record",
-        "seal_buffers", "slot",
-    )  # fmt: skip
+    pool: memoryview
+    block_bytes: int
+    prefix: bytes
+    record: dict[str, Any]
+    cipher: BlockCipher | None
+    per_pipeline: int
+    expiry: tuple[Any, ...]
+    delete: Callable[[list[bytes]], None]
+    # Where sealed payloads land before they are opened into their slots (a cipher
+    # cannot decrypt a buffer into itself), reused from one load to the next.
+    _landing: queue.SimpleQueue[memoryview] = field(init=False, default_factory=queue.SimpleQueue)
+    _sealing: threading.local = field(init=False, default_factory=threading.local)
 
-    def __init__(
-        self,
-        *,
-        slot: Callable[[int], memoryview],
-        prefix: bytes,
-        record: dict[str, Any],
-        cipher: BlockCipher | None,
-        per_pipeline: int,
-        expiry: tuple[Any, ...],
-        seal_buffers: Callable[[], list[memoryview]],
-        landing_buffers: LandingBuffers,
-        delete: Callable[[list[bytes]], None],
-    ) -> None:
-        self.slot, self.prefix, self.record, self.cipher = slot, prefix, record, cipher
-        self.per_pipeline, self.expiry = per_pipeline, expiry
-        self.seal_buffers, self.landing_buffers = seal_buffers, landing_buffers
-        self.delete = delete
+    def slot(self, block_id: int) -> memoryview:
+        start = block_id * self.block_bytes
+        return self.pool[start : start + self.block_bytes]
+
+    def pipelines(self, keys: Sequence[bytes]) -> int:
+        return -(-len(keys) // self.per_pipeline)
+
+    def seal_buffers(self) -> list[memoryview]:
+        """The calling thread's buffers for one pipeline's sealed payloads
+        (``block_bytes + TAG_BYTES`` each), made on its first call."""
+        views: list[memoryview] | None = getattr(self._sealing, "views", None)
+        if views is None:
+            stride = self.block_bytes + TAG_BYTES
+            arena = memoryview(bytearray(self.per_pipeline * stride))
+            views = [arena[i : i + stride] for i in range(0, len(arena), stride)]
+            self._sealing.views = views
+        return views
+
+    def lend(self) -> memoryview:
+        """A landing buffer of ``block_bytes``, the caller's until :meth:`take_back`."""
+        try:
+            return self._landing.get_nowait()
+        except queue.Empty:
+            return memoryview(bytearray(self.block_bytes))
+
+    def take_back(self, buffer: memoryview) -> None:
+        self._landing.put(buffer)
 
 
-class StoreWork:
-    """A store: every block written as one string (header, then the payload straight
-    from its slot, or with a cipher sealed into the thread's buffer). :meth:`finish`
-    returns the keys the server refused, with why."""
-
+class _Job:
     def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         self._shape, self._keys, self._block_ids = shape, keys, block_ids
-        self._views: list[memoryview] = []
+        self.pipelines = shape.pipelines(keys)
         self.failed: dict[bytes, str] = {}
 
-    def pipelines(self) -> Iterator[Pipeline]:
-        shape, keys, block_ids = self._shape, self._keys, self._block_ids
-        cipher, record = shape.cipher, shape.record
-        sealed = shape.seal_buffers() if cipher is not None else []
-        for start in range(0, len(keys), shape.per_pipeline):
-            stop = start + shape.per_pipeline
-            batch = keys[start:stop]
-            names: list[bytes] = []
-            commands: list[tuple[Any, ...]] = []
-            for i, (key, block_id) in enumerate(zip(batch, block_ids[start:stop], strict=True)):
-                value = shape.slot(block_id)
-                self._views.append(value)
-                binding = record_binding(record["ns_digest"], record["tenant"], key)
-                if cipher is None:
-                    seal, checksum = None, payload_checksum(value, binding)
-                else:
-                    # The buffer is free again once this pipeline is sent: the next
-                    # one is built after that.
-                    seal, checksum = cipher.seal_into(value, sealed[i], binding), None
-                    value = sealed[i][: value.nbytes]
-                header = compact_header(key=key, checksum=checksum, seal=seal, **record)
-                names.append(shape.prefix + key)
-                commands.append(("SET", names[-1], (header, value), *shape.expiry))
-            # Each SET stands alone (a key given twice in a job keeps either of its
-            # values, each a whole, verifiable record): the link may spread them.
-            yield Pipeline(names, commands, None, None, self._answered(batch), independent=True)
+    def _batch(self, index: int) -> zip[tuple[bytes, int]]:
+        """The keys and slots of pipeline ``index``."""
+        first = index * self._shape.per_pipeline
+        last = first + self._shape.per_pipeline
+        return zip(self._keys[first:last], self._block_ids[first:last], strict=True)
 
-    def _answered(self, batch: Sequence[bytes]) -> Callable[[list[Any]], None]:
-        def answer(replies: list[Any]) -> None:
-            for key, reply in zip(batch, replies, strict=True):
-                if isinstance(reply, ResponseError):
-                    self.failed[key] = f"{REFUSED} the store: {reply}"
 
-        return answer
+class StoreJob(_Job):
+    """A store; :meth:`finish` returns the keys the server refused, with why."""
+
+    def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        super().__init__(shape, keys, block_ids)
+        self._views: list[memoryview] = []
+        self._sealed = shape.seal_buffers() if shape.cipher is not None else []
+
+    def pipeline(self, index: int) -> Pipeline:
+        shape, record, cipher = self._shape, self._shape.record, self._shape.cipher
+        names: list[bytes] = []
+        commands: list[Command] = []
+        for i, (key, block_id) in enumerate(self._batch(index)):
+            value = shape.slot(block_id)
+            self._views.append(value)
+            binding = record_binding(record["ns_digest"], record["tenant"], key)
+            if cipher is None:
+                seal, checksum = None, payload_checksum(value, binding)
+            else:
+                # The buffer is free again once the pipeline before is sent: a stream
+                # builds a job's next pipeline after that.
+                seal, checksum = cipher.seal_into(value, self._sealed[i], binding), None
+                value = self._sealed[i][: value.nbytes]
+            header = compact_header(key=key, checksum=checksum, seal=seal, **record)
+            names.append(shape.prefix + key)
+            commands.append(("SET", names[-1], (header, value), *shape.expiry))
+        # Each SET stands alone (a key given twice in a job keeps either of its values,
+        # each a whole, verifiable record): the link may spread them.
+        return Pipeline(names, commands, independent=True)
+
+    def answered(self, index: int, replies: list[Any]) -> None:
+        for (key, _), reply in zip(self._batch(index), replies, strict=True):
+            if isinstance(reply, ResponseError):
+                self.failed[key] = f"{REFUSED} the store: {reply}"
 
     def finish(self) -> dict[bytes, str]:
         # The client's own frames, kept in reference cycles after an error, may still
@@ -105,53 +176,116 @@ class StoreWork:
         return self.failed
 
 
-class LoadWork:
-    """A load: every block read straight into its slot (:class:`BlockLanding`; a sealed
-    one into a landing buffer, opened into the slot) and verified. :meth:`finish`
-    deletes the corrupt values (and values of another type) from the server and returns
-    why each failed key failed."""
+class LoadJob(_Job):
+    """A load; :meth:`finish` deletes the values that are no blocks of this tier from
+    the server and returns why each failed key failed."""
 
     def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        self._shape, self._keys, self._block_ids = shape, keys, block_ids
-        self._landings: list[BlockLanding] = []
-        self._corrupt: list[bytes] = []
-        self.failed: dict[bytes, str] = {}
+        super().__init__(shape, keys, block_ids)
+        self._landings: list[list[_Landing]] = []
 
-    def pipelines(self) -> Iterator[Pipeline]:
-        shape, keys, block_ids = self._shape, self._keys, self._block_ids
-        for start in range(0, len(keys), shape.per_pipeline):
-            stop = start + shape.per_pipeline
-            batch = [
-                BlockLanding(
-                    key, shape.slot(block_id), shape.record, shape.cipher, shape.landing_buffers
-                )
-                for key, block_id in zip(keys[start:stop], block_ids[start:stop], strict=True)
-            ]
-            self._landings += batch
-            names = [shape.prefix + landing.key for landing in batch]
-            commands = [("GET", name) for name in names]
-            sinks, expected = [x.sink for x in batch], [x.expected for x in batch]
-            yield Pipeline(names, commands, sinks, expected, self._answered(batch))
+    def pipeline(self, index: int) -> Pipeline:
+        shape = self._shape
+        landings = [_Landing(key, shape.slot(slot), shape) for key, slot in self._batch(index)]
+        self._landings.append(landings)
+        names = [shape.prefix + landing.key for landing in landings]
+        commands = [("GET", name) for name in names]
+        sinks, expected = [x.sink for x in landings], [x.expected for x in landings]
+        return Pipeline(names, commands, sinks, expected)
 
-    def _answered(self, batch: list[BlockLanding]) -> Callable[[list[Any]], None]:
-        def answer(values: list[Any]) -> None:
-            for landing, value in zip(batch, values, strict=True):
-                why = landing.verify(value)
-                if why:
-                    self.failed[landing.key] = why
-                    if why.startswith(CORRUPT):
-                        self._corrupt.append(self._shape.prefix + landing.key)
-
-        return answer
+    def answered(self, index: int, replies: list[Any]) -> None:
+        for landing, value in zip(self._landings[index], replies, strict=True):
+            why = landing.verify(value)
+            if why:
+                self.failed[landing.key] = why
 
     def finish(self) -> dict[bytes, str]:
-        for landing in self._landings:
+        for landing in (landing for landings in self._landings for landing in landings):
             landing.release()
         self._landings.clear()
-        corrupt, self._corrupt = self._corrupt, []
+        prefix = self._shape.prefix
+        corrupt = [prefix + key for key, why in self.failed.items() if why.startswith(CORRUPT)]
         if corrupt:
             self._shape.delete(corrupt)
         return self.failed
 
 
-__all__ = ["JobShape", "LoadWork", "StoreWork"]
+class _Landing:
+    """One key's load into ``slot`` (a view released by :meth:`release`)."""
+
+    __slots__ = (
+        "_aside", "_header", "_landed", "_record", "_shape", "_slot", "_why", "expected", "key",
+    )  # fmt: skip
+
+    def __init__(self, key: bytes, slot: memoryview, shape: JobShape) -> None:
+        self.key, self._slot, self._shape = key, slot, shape
+        self._header = bytearray(compact_bytes(shape.record["tenant"], key))
+        # The GET reply of a record of this key: its length, its header's.
+        self.expected = Expected(len(self._header) + slot.nbytes, len(self._header))
+        self._record: BlockHeader | None = None
+        self._why = ""  # the header's fault, found before the payload came
+        self._aside: memoryview | None = None  # where a payload not for the slot went
+        self._landed: memoryview | None = None  # a sealed payload, to open into the slot
+
+    def sink(self, before: list[Any], length: int) -> tuple[memoryview, Any] | None:
+        """The header, then :meth:`_payload_view`; None (read whole, to fail in
+        :meth:`verify`) unless the reply is as long as a record of this key."""
+        if before or length != self.expected.length:
+            return None
+        return memoryview(self._header), self._payload_view
+
+    def _payload_view(self) -> memoryview:
+        """If the header checks out and is of this tier's kind, the slot (plain) or a
+        landing buffer (sealed), else scratch."""
+        cipher = self._shape.cipher
+        try:
+            record = self._record = decode_header(self._header)
+            check_header(record, key=self.key, **self._shape.record)
+        except CorruptBlockError as exc:
+            self._why = f"{CORRUPT}: {exc}"
+        else:
+            if cipher is None and record.seal is None:
+                return self._slot
+            if cipher is not None and record.seal is not None:
+                self._landed = self._shape.lend()
+                return self._landed
+        self._aside = memoryview(bytearray(self._slot.nbytes))
+        return self._aside
+
+    def verify(self, value: Any) -> str:
+        """ "" if what the server answered put the block in its slot, verified; else why
+        not."""
+        cipher = self._shape.cipher
+        if isinstance(value, ResponseError):
+            if not str(value).startswith("WRONGTYPE"):
+                return f"{REFUSED} the load: {value}"
+            return f"{CORRUPT}: the key holds no block ({value})"
+        if value is None:
+            return MISSING
+        try:
+            if isinstance(value, Landed):
+                if self._why:
+                    return self._why
+                assert self._record is not None
+                if self._landed is not None:
+                    verify_payload(self._record, self._landed, cipher, into=self._slot)
+                else:  # plain in its slot, or a record of the other kind (refused)
+                    target = self._slot if self._aside is None else self._aside
+                    verify_payload(self._record, target, cipher)
+                return ""
+            split = len(self._header)
+            record = decode_header(value[:split])
+            check_header(record, key=self.key, **self._shape.record)
+            verify_payload(record, memoryview(value)[split:], cipher, into=self._slot)
+        except CorruptBlockError as exc:
+            return f"{CORRUPT}: {exc}"
+        return ""
+
+    def release(self) -> None:
+        self._slot.release()
+        landed, self._landed = self._landed, None
+        if landed is not None:
+            self._shape.take_back(landed)
+
+
+__all__ = ["CORRUPT", "MISSING", "REFUSED", "Job", "JobShape", "LoadJob", "Pipeline", "StoreJob"]

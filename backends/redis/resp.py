@@ -1,13 +1,9 @@
 """RESP2, the Redis wire protocol, without I/O: commands encoded as lists of buffers,
-and a reader that turns bytes into replies and lands chosen bulk strings straight in
-the caller's memory.
-
-The reader is fed bytes (:meth:`RespReader.feed`) and hands out whole replies
-(:meth:`RespReader.gets`); it never touches a socket. A *sink* set for a reply picks,
-for each bulk string as its length arrives, a writable view to land its bytes in
-instead of a new ``bytes``: the Redis tier points a block's payload at its host-pool
-slot, and :meth:`RespReader.direct` tells the I/O layer which part of that view the
-next bytes belong to, so that it can ``recv_into`` it with no copy at all.
+and a reader that is fed bytes and hands out whole replies. A *sink* set for a reply
+picks, for each bulk string as its length arrives, a writable view to land its bytes in
+instead of a new ``bytes`` (a block's payload, its host-pool slot), and
+:meth:`RespReader.direct` tells the I/O layer which part of that view the next bytes
+belong to, so that it can ``recv_into`` it with no copy at all.
 """
 
 from __future__ import annotations
@@ -18,23 +14,19 @@ from typing import Any, Final
 
 Buffer = bytes | bytearray | memoryview
 
+# Where a bulk string lands: one writable view exactly as long as it, or a view for its
+# first bytes and a function called once they are in, giving the view for the rest.
 Landing = memoryview | tuple[memoryview, Callable[[], memoryview]]
-"""Where a bulk string lands: one writable view exactly as long as it, or a view for
-its first bytes and a function called once they are in, giving the view for the rest
-(exactly as long as the rest)."""
-
+# sink(before, length): where a bulk string of length bytes lands, given the elements
+# before it in the array that holds it (empty at the top level); None: a new bytes.
 Sink = Callable[[list[Any], int], Landing | None]
-"""``sink(before, length)``: where a bulk string of ``length`` bytes lands, given the
-elements before it in the array that holds it (empty at the top level); None for a
-new ``bytes``."""
 
 _CRLF: Final = b"\r\n"
 _COMPACT_AT: Final = 1 << 16  # consumed bytes the buffer keeps before dropping them
 
 
 class ProtocolError(ValueError):
-    """The bytes are no RESP2 (a reply of an unknown type, a length that is no number,
-    a bulk string without its CR LF, a view of the wrong length from a sink)."""
+    """The bytes are no RESP2, or a sink gave a view of the wrong length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,32 +38,23 @@ class ErrorReply:
 
 @dataclass(frozen=True, slots=True)
 class Landed:
-    """A bulk string of ``length`` bytes that went to the views its sink gave (not
-    kept here)."""
+    """A bulk string of ``length`` bytes that went to the views its sink gave."""
 
     length: int
 
 
-class _NotYet:
-    def __repr__(self) -> str:
-        return "NOT_YET"
-
-
-NOT_YET: Final = _NotYet()
-"""What :meth:`RespReader.gets` returns while a reply is incomplete."""
-
+NOT_YET: Final = object()  # what RespReader.gets returns while a reply is incomplete
 Reply = bytes | int | ErrorReply | Landed | None | list[Any]
-
-
+# A command's argument: bytes, text (sent in UTF-8), an int (its decimal digits), or a
+# tuple of buffers sent as one argument, in order.
 Argument = Buffer | str | int | tuple[Buffer, ...]
-"""A command's argument: bytes, text (sent in UTF-8), an int (its decimal digits, as
-Redis reads integers), or a tuple of buffers sent as one argument, in order."""
 
 
-def encode_command(args: Sequence[Argument], out: list[Buffer]) -> None:
-    """Append the RESP2 request of ``args`` to ``out`` as buffers to write in order:
-    each memoryview (an argument, or a part of one) goes in as it is (no copy), the
-    framing and the rest in as few small ``bytes`` as they allow."""
+def encode_command(args: Sequence[Argument]) -> list[Buffer]:
+    """The request of ``args``, as buffers to send in order: each memoryview (an
+    argument, or a part of one) as it is (no copy), the rest in as few ``bytes`` as
+    they allow."""
+    out: list[Buffer] = []
     head = bytearray(b"*%d\r\n" % len(args))
     for arg in args:
         if isinstance(arg, int):
@@ -96,19 +79,18 @@ def encode_command(args: Sequence[Argument], out: list[Buffer]) -> None:
             head += arg
             head += _CRLF
     out.append(bytes(head))
+    return out
 
 
 def joined(command: Sequence[Argument]) -> tuple[Buffer | str | int, ...]:
-    """``command`` with each tuple argument joined into one ``bytes`` (a copy), for a
-    client that takes one buffer per argument."""
+    """``command`` with each tuple argument joined into one ``bytes`` (for redis-py)."""
     return tuple(b"".join(arg) if isinstance(arg, tuple) else arg for arg in command)
 
 
 class RespReader:
-    """Turns RESP2 bytes into replies (bulk strings ``bytes``, or :class:`Landed` where
-    the sink took them; simple strings ``bytes``; integers; :class:`ErrorReply`; nil
-    ``None``; arrays lists). Raises ProtocolError for bytes that are no RESP2, after
-    which it is of no further use."""
+    """Turns RESP2 bytes into replies (bulk and simple strings ``bytes``, or
+    :class:`Landed` where the sink took them; integers; :class:`ErrorReply`; nil
+    ``None``; arrays lists). Raises ProtocolError for bytes that are no RESP2."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
@@ -122,17 +104,14 @@ class RespReader:
         self._rest: Callable[[], memoryview] | None = None
         self._length = self._head = 0  # the whole bulk string's, its first view's
         self._declined = -1  # where a bulk string starts whose sink said None
-        self.sink: Sink | None = None
-        """Where the current reply's bulk strings land (None: all in ``bytes``)."""
+        self.sink: Sink | None = None  # where the current reply's bulk strings land
 
     def feed(self, data: Buffer) -> None:
-        """Add bytes read from the server."""
         self._buffer += data
 
     def direct(self) -> memoryview | None:
-        """The part of a sink's view the next bytes from the server belong to, once
-        everything fed is consumed (``recv_into`` it, then :meth:`filled`); None when
-        they go through :meth:`feed`."""
+        """The part of a sink's view the next bytes belong to once everything fed is
+        consumed (``recv_into`` it, then :meth:`filled`); None: :meth:`feed` them."""
         if self._target is None or self._due == 0 or self._pos < len(self._buffer):
             return None
         return self._target[self._target.nbytes - self._due :]
@@ -144,7 +123,7 @@ class RespReader:
         self._due -= count
         self._advance()
 
-    def gets(self) -> Reply | _NotYet:
+    def gets(self) -> Reply | object:
         """The next whole reply, or :data:`NOT_YET` if its bytes are not all in."""
         while True:
             if self._target is not None:
@@ -169,8 +148,8 @@ class RespReader:
                 return element
 
     def _element(self) -> Any:
-        """One element whose bytes are all in (consumed), :data:`_OPENED` for an array
-        or a sink's bulk string begun, or NOT_YET (nothing consumed)."""
+        """One whole element (consumed), _OPENED for an array or a sink's bulk string
+        begun, or NOT_YET (nothing consumed)."""
         buffer, start = self._buffer, self._pos
         end = buffer.find(_CRLF, start)
         if end < 0:
@@ -217,8 +196,8 @@ class RespReader:
             return _OPENED
         raise ProtocolError(f"unknown reply type {bytes([kind])!r}")
 
-    def _land(self) -> Landed | _NotYet:
-        """Move fed bytes into the sink's view; the bulk string once its CR LF is in."""
+    def _land(self) -> Landed | object:
+        """Move fed bytes into the sink's view; Landed once its CR LF is in."""
         buffer = self._buffer
         while self._due:
             target = self._target
@@ -261,8 +240,7 @@ _OPENED: Final = object()  # an array or a sink's bulk string begun: read on
 
 
 def _checked(view: object, length: int, *, whole: bool) -> memoryview:
-    """A sink's view as bytes: writable and contiguous, exactly ``length`` bytes long
-    (``whole``) or at most."""
+    """A sink's view as bytes: writable, contiguous, ``length`` bytes (``whole``) or less."""
     if not isinstance(view, memoryview) or view.readonly or not view.c_contiguous:
         raise ProtocolError("a sink gave no writable, contiguous memoryview")
     if view.nbytes > length or (whole and view.nbytes != length):
@@ -278,15 +256,6 @@ def _number(line: bytes) -> int:
 
 
 __all__ = [
-    "NOT_YET",
-    "Argument",
-    "ErrorReply",
-    "Landed",
-    "Landing",
-    "ProtocolError",
-    "Reply",
-    "RespReader",
-    "Sink",
-    "encode_command",
-    "joined",
-]
+    "NOT_YET", "Argument", "ErrorReply", "Landed", "Landing", "ProtocolError", "Reply",
+    "RespReader", "Sink", "encode_command", "joined",
+]  # fmt: skip

@@ -1,0 +1,322 @@
+"""The Redis tier's I/O shell: streams, each a thread and a link (its connections, made
+as first needed, to one server or to every node of a cluster), that carry several jobs'
+pipelines at once. A stream plans each job (:mod:`backends.redis.jobs`) on its thread
+and sends its pipelines, then those of the jobs behind it, while the server still
+answers earlier ones (up to ``window`` on the wire), reading the replies in the order
+sent: the server works on one job while the stream lands and verifies the last one.
+Each pipeline has one deadline, ``timeout_s`` from its send: the connections made for
+it, its requests and all of its replies (on every node) are in by then, or the link
+raises RedisTimeoutError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from backends.redis.connection import Endpoint, RespConnection, any_stale
+from backends.redis.control import (
+    CLIENT_ERRORS,
+    AskError,
+    ClusterDownError,
+    LazyClient,
+    RedisCluster,
+    RedisConnectionError,
+    TryAgainError,
+    detached,
+    redirected,
+    refresh_slots,
+)
+from backends.redis.jobs import Job, Pipeline
+from backends.redis.resp import encode_command, joined
+from tiering.tiers.io_threads import init_io_worker
+
+_T = TypeVar("_T")
+
+# Connections a server link spreads an independent pipeline (a store's SETs) over, a
+# command on each in turn: a server spends less CPU per byte on SETs of large values that
+# arrive one per connection than on SETs queued one after another on one (docs/redis.md).
+_SPREAD = 8
+
+_Where = tuple[Endpoint, int]  # a link's connection: the node, and which of its lanes
+
+
+_Sent = list[tuple[RespConnection, Sequence[int]]]  # each connection, and its commands' indexes
+
+
+class _Link:
+    """A stream's connections to ``endpoint``: a pipeline's commands sent in groups, a
+    group a connection (:meth:`_groups`). Raises as :class:`RespConnection` does."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+        self._connections: dict[_Where, RespConnection] = {}
+
+    def _groups(self, pipeline: Pipeline) -> Iterable[tuple[_Where, Sequence[int]]]:
+        raise NotImplementedError
+
+    def send(self, pipeline: Pipeline, *, idle: bool) -> _Sent:
+        """Send ``pipeline``. ``idle`` (nothing on the wire): if the server closed a
+        connection meanwhile (restarted, timed it out), every one is made anew."""
+        requests = [encode_command(command) for command in pipeline.commands]
+        if idle and self._connections and any_stale(self._connections.values()):
+            self.close()
+        deadline = time.monotonic() + self._endpoint.timeout_s
+        groups = []
+        for where, indexes in self._groups(pipeline):
+            connection = self._connections.get(where)
+            if connection is None:
+                connection = self._connections[where] = RespConnection(where[0], deadline)
+            sinks, expected = _chosen(indexes, pipeline.sinks), _chosen(indexes, pipeline.expected)
+            connection.send([requests[i] for i in indexes], sinks, expected, deadline=deadline)
+            groups.append((connection, indexes))
+        return groups
+
+    def receive(self, pipeline: Pipeline, sent: _Sent) -> list[Any]:
+        """The replies of ``pipeline`` (``send`` returned ``sent``), in its order."""
+        replies: list[Any] = [None] * len(pipeline.commands)
+        for connection, indexes in sent:
+            for i, reply in zip(indexes, connection.receive(), strict=True):
+                replies[i] = reply
+        return replies
+
+    def close(self) -> None:
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
+
+
+class ServerLink(_Link):
+    """A stream's connections to one server: one for pipelines whose commands run in
+    order, and up to ``_SPREAD`` more over which an independent pipeline goes a command
+    on each in turn."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        super().__init__(endpoint)
+        self._next = 0
+
+    def _groups(self, pipeline: Pipeline) -> Iterable[tuple[_Where, Sequence[int]]]:
+        if not pipeline.independent:
+            return [((self._endpoint, 0), range(len(pipeline.commands)))]
+        groups = []
+        for i in range(len(pipeline.commands)):
+            self._next = self._next % _SPREAD + 1
+            groups.append(((self._endpoint, self._next), [i]))
+        return groups
+
+
+class ClusterLink(_Link):
+    """A stream's connections to the nodes of a cluster (redis-py's client, from
+    ``clients``), each reached as ``endpoint`` says: a pipeline's commands grouped by the
+    node that owns their key's slot (redis-py's map of the slots), every node's group
+    sent before any reply is read, so the nodes work at once. A command a node
+    redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's client, which
+    follows it and updates its map; a failure (a connection failed or timed out, the
+    cluster is down) refreshes the map, then raises the client's error."""
+
+    def __init__(self, endpoint: Endpoint, clients: LazyClient) -> None:
+        super().__init__(endpoint)
+        self._clients = clients
+
+    def _cluster(self) -> RedisCluster:
+        cluster = self._clients.get()
+        assert isinstance(cluster, RedisCluster)
+        return cluster
+
+    def _groups(self, pipeline: Pipeline) -> Iterable[tuple[_Where, Sequence[int]]]:
+        cluster = self._cluster()
+        indexes: dict[_Where, list[int]] = {}
+        for i, name in enumerate(pipeline.names):
+            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
+            indexes.setdefault((self._endpoint.at(node.host, node.port), 0), []).append(i)
+        return indexes.items()
+
+    def send(self, pipeline: Pipeline, *, idle: bool) -> _Sent:
+        try:
+            return super().send(pipeline, idle=idle)
+        except CLIENT_ERRORS:
+            self._refresh()
+            raise
+
+    def receive(self, pipeline: Pipeline, sent: _Sent) -> list[Any]:
+        try:
+            replies = super().receive(pipeline, sent)
+        except CLIENT_ERRORS:
+            self._refresh()
+            raise
+        for i, reply in enumerate(replies):
+            if isinstance(reply, ClusterDownError):
+                raise reply
+            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
+                replies[i] = redirected(self._cluster(), joined(pipeline.commands[i]))
+        return replies
+
+    def _refresh(self) -> None:
+        with contextlib.suppress(*CLIENT_ERRORS):  # no client: the next call makes one
+            refresh_slots(self._cluster())
+
+
+def _chosen(indexes: Sequence[int], items: Sequence[_T] | None) -> Sequence[_T] | None:
+    """The ``items`` at ``indexes`` (None for None; all, as they are, for all)."""
+    if items is None or len(indexes) == len(items):
+        return items
+    return [items[i] for i in indexes]
+
+
+class _Entry:
+    __slots__ = ("call", "deliver", "job", "plan", "sent", "unread")
+
+    def __init__(self, plan: Callable[[], Job], deliver: Callable[[Any], None]) -> None:
+        self.plan, self.deliver = plan, deliver
+        self.call: Future[None] = Future()
+        self.job: Job | None = None  # planned once begun
+        self.sent = 0  # pipelines sent
+        self.unread = 0  # pipelines sent whose replies are not read yet
+
+
+class RespStream:
+    """One ``link`` and the thread (named ``name``) that carries the jobs given to
+    :meth:`submit`, in order, up to ``window`` pipelines on the wire. A link's failure
+    fails every job with a pipeline sent on it (the jobs not begun go on)."""
+
+    def __init__(self, link: ServerLink | ClusterLink, *, window: int, name: str) -> None:
+        self._link, self._window, self._name = link, max(1, window), name
+        self._queue: deque[_Entry] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        # Jobs given and jobs ended: each counter written by one thread only (the
+        # giver's, the stream's), so their difference needs no lock.
+        self._given = 0
+        self._ended = 0
+
+    def submit(self, plan: Callable[[], Job], deliver: Callable[[Any], None]) -> Future[None]:
+        """Queue the job ``plan()`` makes on the stream's thread once it begins;
+        ``deliver(outcome)`` follows on that thread (what the job's ``finish()``
+        returned, or the client's error, detached). The future returned ends when the
+        stream is done with the job; cancelled before the job began, it withdraws it
+        (nothing is delivered). RuntimeError once closed."""
+        entry = _Entry(plan, deliver)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the stream is closed")
+            self._queue.append(entry)
+            self._given += 1
+            self._wake.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+        return entry.call
+
+    def load(self) -> int:
+        """Jobs given and not yet ended (read without the lock: to choose a stream)."""
+        return self._given - self._ended
+
+    def close(self) -> None:
+        """Stop once the jobs begun are done; the jobs still queued fail as closed."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _serve(self) -> None:
+        init_io_worker()
+        link = self._link
+        active: deque[_Entry] = deque()  # begun, with pipelines left to send
+        on_wire: deque[tuple[_Entry, int, Pipeline, _Sent]] = deque()  # replies unread
+        current: _Entry | None = None  # whose pipeline is being built, sent or read
+        while True:
+            with self._wake:
+                while not (self._queue or active or on_wire or self._closed):
+                    self._wake.wait()
+                if self._closed and not (active or on_wire):
+                    break
+                while self._queue and not self._closed:
+                    entry = self._queue.popleft()
+                    if entry.call.set_running_or_notify_cancel():
+                        active.append(entry)
+                    else:  # withdrawn
+                        self._ended += 1
+            try:
+                while active and len(on_wire) < self._window:
+                    current = entry = active[0]
+                    if entry.job is None:
+                        entry.job = entry.plan()
+                    job = entry.job
+                    if not job.pipelines:
+                        active.popleft()
+                        current = None
+                        self._end(entry)
+                        continue
+                    index = entry.sent
+                    pipeline = job.pipeline(index)
+                    entry.sent += 1
+                    if entry.sent == job.pipelines:
+                        active.popleft()
+                    on_wire.append((entry, index, pipeline, link.send(pipeline, idle=not on_wire)))
+                    entry.unread += 1
+                current = None
+                if on_wire:
+                    current, index, pipeline, sent = on_wire.popleft()
+                    current.unread -= 1
+                    replies = link.receive(pipeline, sent)
+                    assert current.job is not None
+                    current.job.answered(index, replies)
+                    entry, current = current, None
+                    if entry.sent == entry.job.pipelines and not entry.unread:
+                        self._end(entry)
+            except BaseException as exc:  # every job on this link fails with it
+                link.close()
+                error = detached(exc) if isinstance(exc, CLIENT_ERRORS) else exc
+                failed = {entry for entry, _, _, _ in on_wire}
+                failed.update(entry for entry in active if entry.sent)
+                if current is not None:
+                    failed.add(current)
+                    current = None
+                on_wire.clear()
+                for entry in failed:
+                    if entry in active:
+                        active.remove(entry)
+                    self._end(entry, error)
+        link.close()
+        with self._wake:
+            left, self._queue = list(self._queue), deque()
+        for entry in left:
+            if entry.call.set_running_or_notify_cancel():
+                self._end(entry, RedisConnectionError("the redis tier is closed"))
+
+    def _end(self, entry: _Entry, error: BaseException | None = None) -> None:
+        try:
+            outcome = None if entry.job is None else entry.job.finish()
+        except BaseException as exc:
+            outcome = exc
+        entry.job = None  # the job, and the views it holds, go now
+        self._ended += 1
+        entry.deliver(outcome if error is None else error)
+        entry.call.set_result(None)
+
+
+class Streams:
+    """``count`` :class:`RespStream` s, each with its own ``link()`` and ``window``."""
+
+    def __init__(
+        self, link: Callable[[], ServerLink | ClusterLink], *, count: int, window: int
+    ) -> None:
+        self._streams = [
+            RespStream(link(), window=window, name=f"RedisTier-stream-{i}") for i in range(count)
+        ]
+
+    def submit(self, plan: Callable[[], Job], deliver: Callable[[Any], None]) -> Future[None]:
+        """:meth:`RespStream.submit` on the stream with the fewest jobs not yet ended."""
+        return min(self._streams, key=RespStream.load).submit(plan, deliver)
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.close()
+
+
+__all__ = ["ClusterLink", "RespStream", "ServerLink", "Streams"]
