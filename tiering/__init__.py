@@ -43,7 +43,6 @@ if TYPE_CHECKING:
         OffloadingEvent,
         OffloadingManager,
         PrepareStoreOutput,
-        as_block_hashes,
     )
     from tiering.device.copier import CopyHandle, DeviceCopier, kv_block_bytes
     from tiering.device.host_pool import HostPool
@@ -76,6 +75,7 @@ if TYPE_CHECKING:
     from tiering.tiers.registry import make_tier, register_tier, tier_names
     from tiering.tiers.residency_index import ResidencyIndex
     from tiering.tiers.tier_api import JobMetadata, JobResult, SecondaryTierManager
+    from tiering.validation import as_block_hashes
 
 __all__ = [
     "ARCPolicy",
@@ -156,7 +156,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "OffloadingEvent",
         "OffloadingManager",
         "PrepareStoreOutput",
-        "as_block_hashes",
     ),
     "tiering.tiers.actor": ("TierActor",),
     "tiering.config": ("TieringConfig", "load_config"),
@@ -198,6 +197,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tiering.tiers.residency_index": ("ResidencyIndex",),
     "tiering.tiers.tier_api": ("JobMetadata", "JobResult", "SecondaryTierManager"),
     "tiering.observe.statistics": ("FailureLog", "Statistics"),
+    "tiering.validation": ("as_block_hashes",),
     "tiering.security.tenancy": ("TenantLookups", "tenant_keys", "tenant_label"),
     "tiering.tiers.client": ("TierClient", "TierOutcome"),
     "tiering.lab.workloads": ("Request", "read_mooncake", "synthetic_requests"),

@@ -136,7 +136,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._background: set[asyncio.Task[None]] = set()  # spawn()ed, cancelled at close
         self._stopped = False  # close decided: every job failed or finished, pool shut
 
-        self._next_id = 0  # for jobs the engine sends
         self._reserved_ids: set[int] = set()  # put_* waiting for room
         self._storing: Counter[OffloadKey] = Counter()
         # Why jobs cut short by a close fail: the message, and its cause for statistics.
@@ -303,12 +302,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         open, queueing nothing."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the {self.get_tier_type()} tier is {self._state}")
-        while self._next_id in self._ledger or self._next_id in self._reserved_ids:
-            self._next_id += 1
-        job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
-        self._next_id += 1
-        queued = self._inbox.park(lane, job)
-        self._register(job)
+        job = self._ledger.admit_new(lane, keys, slots, on_done, self._reserved_ids)
+        self._count_storing(job)
+        queued = self._inbox.park(lane, job)  # the inbox is open while the tier is
         self._dispatch_soon(lane)
         return queued
 
@@ -343,6 +339,9 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def _register(self, job: TierJob) -> None:
         self._ledger.admit(job)
+        self._count_storing(job)
+
+    def _count_storing(self, job: TierJob) -> None:
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 

@@ -45,6 +45,7 @@ class ResultsLedger:
         self._owner = owner
         self._on_delivered = on_delivered
         self._jobs: dict[int, TierJob] = {}  # admitted and not yet drained
+        self._next_id = 0  # where admit_new looks for a free id
         self._finished: deque[JobResult] = deque()  # delivered, not yet drained
         self.pending = 0
         """Jobs admitted whose result is not delivered yet."""
@@ -58,6 +59,23 @@ class ResultsLedger:
         self._jobs[job_id] = job
         self.pending += 1
         self.keys_pending += len(job.meta.keys)
+
+    def admit_new(
+        self,
+        lane: Lane,
+        keys: tuple[bytes, ...],
+        slots: tuple[int, ...],
+        on_done: Callable[[JobResult], None],
+        taken: Collection[int] = (),
+    ) -> TierJob:
+        """Admit and return a job of ``keys`` and ``slots`` delivered to ``on_done``,
+        under an id neither in use here nor in ``taken``."""
+        while self._next_id in self._jobs or self._next_id in taken:
+            self._next_id += 1
+        job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
+        self._next_id += 1
+        self.admit(job)
+        return job
 
     def check_free(self, job_id: object, taken: Collection[int] = ()) -> None:
         """Raise InvalidArgumentError unless ``job_id`` is an int that is neither in use
