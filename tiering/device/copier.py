@@ -194,11 +194,6 @@ class DeviceCopier(AsyncService):
         """Tensors of the KV cache: the layers a :class:`LayerProgress` of a load counts."""
         return len(self._layout.layers)
 
-    @property
-    def in_flight(self) -> int:
-        """Number of started copies that have not ended."""
-        return len(self._in_flight)
-
     def statistics(self) -> Statistics:
         """State, copies and bytes in flight, counters (``copies_to_host``,
         ``copies_to_device``, ``bytes_to_host``, ``bytes_to_device``), failures by cause."""

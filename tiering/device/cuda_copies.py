@@ -181,39 +181,6 @@ class CudaCopyBackend:
         self._wakeup: asyncio.Event | None = None
         self._closing = False
 
-    @property
-    def events_idle(self) -> int:
-        return len(self._idle_events)
-
-    @property
-    def lanes(self) -> int:
-        """Copy lanes (streams + staging buffers) held: 2 while open, 0 once closed."""
-        return len(self._lanes)
-
-    @property
-    def maps_host(self) -> bool:
-        """True while layer-by-layer loads read the mapped host pool in place (layer-major);
-        False before open, or where the pool is not mapped for kernels."""
-        return self._host_mapped is not None and bool(self._lanes)
-
-    def lane_stream(self, direction: Direction) -> CudaStream:
-        """The stream of ``direction`` that moves bytes over the link. Raises ClosedError
-        unless open."""
-        return self._lane(direction).stream
-
-    def lane_kernels(self, direction: Direction) -> CudaStream:
-        """The stream of ``direction`` that gathers or scatters rows on the device."""
-        return self._lane(direction).kernels
-
-    def lane_fence(self, direction: Direction) -> CudaEvent:
-        """The event that orders ``direction``'s jobs after the caller's stream."""
-        return self._lane(direction).fence
-
-    def _lane(self, direction: Direction) -> _Lane:
-        if direction not in self._lanes:
-            raise ClosedError("the CUDA copy backend is not open")
-        return self._lanes[direction]
-
     async def open(
         self,
         layout: KVLayout,

@@ -91,11 +91,6 @@ class LayerProgress:
         if event is not None:
             event.wait()
 
-    def wait_all(self, timeout: float | None = None) -> None:
-        """:meth:`wait` for every layer, in order (a whole load's single wait)."""
-        for layer in range(self.num_layers):
-            self.wait(layer, timeout)
-
     def mark(self, layer: int, event: LayerMarker | None = None) -> None:
         """The backend's call: ``layer``'s copies have landed (``event`` None) or are
         enqueued before the marker ``event`` on a copy stream."""

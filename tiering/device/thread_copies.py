@@ -95,11 +95,6 @@ class ThreadCopyBackend:
         self._hops: set[_Hop] = set()  # dispatched; outcomes not delivered yet
         self._dispatch_soon = False  # a dispatch is scheduled for this loop iteration
 
-    @property
-    def hops_in_flight(self) -> int:
-        """Hops dispatched whose outcomes the loop has not received yet."""
-        return len(self._hops)
-
     async def open(
         self,
         layout: KVLayout,

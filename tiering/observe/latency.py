@@ -35,11 +35,6 @@ class LatencySnapshot:
     count: int
     max: float
 
-    @property
-    def mean(self) -> float:
-        """The mean observation in seconds; NaN when there are none."""
-        return self.sum / self.count if self.count else math.nan
-
     def quantile(self, q: float) -> float:
         """The ``q``-quantile in seconds, interpolated linearly inside the bucket that
         holds the true one and never above ``max``; NaN for no observations. Raises

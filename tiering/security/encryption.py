@@ -166,11 +166,6 @@ def _overlap(a: Buffer, b: Buffer) -> bool:
     return bool(np.may_share_memory(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
 
 
-def associated_data(namespace_digest: bytes, key: bytes) -> bytes:
-    """The associated data a block is sealed with: its namespace digest, then its key."""
-    return bytes(namespace_digest) + bytes(key)
-
-
 class BlockCipher:
     """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
 

@@ -68,11 +68,6 @@ class Tenancy:
         sharing nothing, if ``block_hashes`` is not an iterable of bytes."""
         self._shared.update(hash_list("block_hashes", block_hashes))
 
-    @property
-    def shared_blocks(self) -> int:
-        """How many block hashes are shared."""
-        return len(self._shared)
-
     def keys(self, block_hashes: Sequence[BlockHash], tenant: str | None) -> Sequence[BlockHash]:
         """The keys ``tenant``'s blocks live under (see the module docstring); the
         caller has checked ``block_hashes``."""

@@ -42,13 +42,6 @@ def register_tier(name: str, factory: TierFactory) -> None:
     _REGISTERED[name] = factory
 
 
-def unregister_tier(name: str) -> None:
-    """Forget a :func:`register_tier` registration (a built-in comes back into view).
-    Raises UnknownTierError if nothing is registered under ``name``."""
-    if _REGISTERED.pop(name, None) is None:
-        raise UnknownTierError(f"no tier is registered under {name!r}")
-
-
 def tier_names() -> list[str]:
     """Every name :func:`make_tier` accepts, sorted."""
     return sorted({*_REGISTERED, *_BUILTINS, *(ep.name for ep in _entry_points())})

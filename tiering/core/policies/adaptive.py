@@ -106,21 +106,6 @@ class AdaptivePolicy(ARCPolicy):
             for name in EXPERTS
         ]
 
-    @property
-    def leader(self) -> str:
-        """The shadow the cache follows now (one of :data:`EXPERTS`)."""
-        return EXPERTS[self._leader]
-
-    def shadow_scores(self) -> dict[str, float]:
-        """Each shadow's decayed prefix hits (for tests and debugging)."""
-        return {name: s.score for name, s in zip(EXPERTS, self._shadows, strict=True)}
-
-    def request_count(self, key: BlockHash) -> int:
-        """How many requests named ``key`` lately (the current generation's count, which
-        includes half the previous one's)."""
-        count = self._counts.get(key)
-        return count if count is not None else self._counts_before.get(key, 0) >> 1
-
     def admit(self, key: BlockHash) -> bool:
         return not self._second_sight or self._counts.get(key, 0) >= 2
 
