@@ -44,8 +44,9 @@ if TYPE_CHECKING:
         OffloadingManager,
         PrepareStoreOutput,
     )
-    from tiering.device.copier import CopyHandle, DeviceCopier, kv_block_bytes
+    from tiering.device.copier import CopyHandle, DeviceCopier
     from tiering.device.host_pool import HostPool
+    from tiering.device.kv_layout import kv_block_bytes
     from tiering.device.layer_progress import LayerProgress
     from tiering.engine import Job, TieringEngine
     from tiering.errors import (
@@ -148,61 +149,43 @@ __all__ = [
 ]
 
 # Where each public name lives; ``__getattr__`` imports it from there on first use.
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "tiering.core.scheduler_api": (
-        "BlockHash",
-        "CPULoadStoreSpec",
-        "LoadStoreSpec",
-        "OffloadingEvent",
-        "OffloadingManager",
-        "PrepareStoreOutput",
-    ),
-    "tiering.tiers.actor": ("TierActor",),
-    "tiering.config": ("TieringConfig", "load_config"),
-    "tiering.device.copier": ("CopyHandle", "DeviceCopier", "kv_block_bytes"),
-    "tiering.security.encryption": ("AuthenticationError", "Keyring", "UnknownKeyError"),
-    "tiering.engine": ("Job", "TieringEngine"),
-    "tiering.errors": (
-        "BlockNotFoundError",
-        "ClosedError",
-        "ConfigError",
-        "CorruptBlockError",
-        "InvalidArgumentError",
-        "NotLoadingError",
-        "TierBusyError",
-        "TieringError",
-        "TraceError",
-        "TransferError",
-        "UnknownPolicyError",
-        "UnknownTierError",
-    ),
-    "tiering.observe.events": ("decode_events", "encode_events"),
-    "tiering.hashing": ("block_hashes", "namespace_root"),
-    "tiering.device.host_pool": ("HostPool",),
-    "tiering.core.job_core": ("JobCore", "LookupStatistics"),
-    "tiering.observe.latency": ("LatencyHistogram", "LatencySnapshot"),
-    "tiering.device.layer_progress": ("LayerProgress",),
-    "tiering.lifecycle": ("Lifecycle",),
-    "tiering.core.cpu_tier": ("BlockState", "CPUOffloadingManager"),
+_EXPORTS: dict[str, str] = {
+    "tiering.config": "TieringConfig load_config",
+    "tiering.core.cpu_tier": "BlockState CPUOffloadingManager",
+    "tiering.core.job_core": "JobCore LookupStatistics",
     "tiering.core.policies": (
-        "ARCPolicy",
-        "EvictionPolicy",
-        "LRUPolicy",
-        "S3FIFOPolicy",
-        "make_policy",
-        "policy_names",
-        "register_policy",
+        "ARCPolicy EvictionPolicy LRUPolicy S3FIFOPolicy make_policy policy_names register_policy"
     ),
-    "tiering.tiers.registry": ("make_tier", "register_tier", "tier_names"),
-    "tiering.tiers.residency_index": ("ResidencyIndex",),
-    "tiering.tiers.tier_api": ("JobMetadata", "JobResult", "SecondaryTierManager"),
-    "tiering.observe.statistics": ("FailureLog", "Statistics"),
-    "tiering.validation": ("as_block_hashes",),
-    "tiering.security.tenancy": ("TenantLookups", "tenant_keys", "tenant_label"),
-    "tiering.tiers.client": ("TierClient", "TierOutcome"),
-    "tiering.lab.workloads": ("Request", "read_mooncake", "synthetic_requests"),
+    "tiering.core.scheduler_api": (
+        "BlockHash CPULoadStoreSpec LoadStoreSpec OffloadingEvent OffloadingManager "
+        "PrepareStoreOutput"
+    ),
+    "tiering.device.copier": "CopyHandle DeviceCopier",
+    "tiering.device.host_pool": "HostPool",
+    "tiering.device.kv_layout": "kv_block_bytes",
+    "tiering.device.layer_progress": "LayerProgress",
+    "tiering.engine": "Job TieringEngine",
+    "tiering.errors": (
+        "BlockNotFoundError ClosedError ConfigError CorruptBlockError InvalidArgumentError "
+        "NotLoadingError TierBusyError TieringError TraceError TransferError UnknownPolicyError "
+        "UnknownTierError"
+    ),
+    "tiering.hashing": "block_hashes namespace_root",
+    "tiering.lab.workloads": "Request read_mooncake synthetic_requests",
+    "tiering.lifecycle": "Lifecycle",
+    "tiering.observe.events": "decode_events encode_events",
+    "tiering.observe.latency": "LatencyHistogram LatencySnapshot",
+    "tiering.observe.statistics": "FailureLog Statistics",
+    "tiering.security.encryption": "AuthenticationError Keyring UnknownKeyError",
+    "tiering.security.tenancy": "TenantLookups tenant_keys tenant_label",
+    "tiering.tiers.actor": "TierActor",
+    "tiering.tiers.client": "TierClient TierOutcome",
+    "tiering.tiers.registry": "make_tier register_tier tier_names",
+    "tiering.tiers.residency_index": "ResidencyIndex",
+    "tiering.tiers.tier_api": "JobMetadata JobResult SecondaryTierManager",
+    "tiering.validation": "as_block_hashes",
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names.split()}
 
 
 def __getattr__(name: str) -> object:

@@ -19,9 +19,8 @@ from tiering.core.job import FinishedResults, Job
 from tiering.core.policies import DEFAULT_POLICY, EvictionPolicy
 from tiering.core.scheduler_api import BlockHash, OffloadingEvent
 from tiering.core.tier_stack import TierStack
-from tiering.device.copier import KVCaches, kv_block_bytes
 from tiering.device.host_pool import HostPool
-from tiering.device.kv_layout import describe_kv_caches
+from tiering.device.kv_layout import KVCaches, describe_kv_caches, kv_block_bytes
 from tiering.device.layer_progress import LayerProgress, check_progress
 from tiering.errors import ClosedError, ConfigError, InvalidArgumentError
 from tiering.hashing import cache_namespace

@@ -1063,24 +1063,3 @@ def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
     reasons = Counter(failed[k] for k in keys)
     summary = "; ".join(f"{r} ({n})" for r, n in reasons.most_common(3))
     return f"{len(keys)} block(s) failed: {summary}"
-
-
-__all__ = [
-    "COUNTERS",
-    "FLUSH_BATCH",
-    "WRITE_POLICIES",
-    "Cascaded",
-    "CopyToDevice",
-    "CopyToHost",
-    "Drained",
-    "Effect",
-    "FlushDone",
-    "JobCore",
-    "LookupStatistics",
-    "Phase",
-    "Resolve",
-    "TierLoad",
-    "TierStore",
-    "TierView",
-    "WaitForRoom",
-]

@@ -7,8 +7,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from tiering.core.job_core import CopyToDevice, CopyToHost, TierLoad, TierStore
-from tiering.device.copier import DeviceCopier, KVCaches
+from tiering.device.copier import DeviceCopier
 from tiering.device.host_pool import HostPool
+from tiering.device.kv_layout import KVCaches
 from tiering.device.layer_progress import LayerProgress
 from tiering.errors import TieringError
 from tiering.tiers.client import TierClient, TierOutcome

@@ -14,16 +14,12 @@ import torch
 from tiering.device.cuda_copies import CudaCopyBackend
 from tiering.device.host_pool import HostPool
 from tiering.device.kv_layout import (
-    CopyChunk,
     CopyOutcome,
     Direction,
     KVCaches,
     KVLayout,
     PlannedCopy,
-    SlotRun,
     describe_kv_caches,
-    kv_block_bytes,
-    plan_copy,
 )
 from tiering.device.layer_progress import LayerProgress, check_progress
 from tiering.device.thread_copies import ThreadCopyBackend
@@ -415,16 +411,3 @@ class DeviceCopier(AsyncService):
                 future.set_result(None)  # type: ignore[union-attr]
             else:
                 future.set_exception(failure)  # type: ignore[union-attr]
-
-
-__all__ = [
-    "DEFAULT_STAGING_BYTES",
-    "CopyBackend",
-    "CopyChunk",
-    "CopyHandle",
-    "DeviceCopier",
-    "KVCaches",
-    "SlotRun",
-    "kv_block_bytes",
-    "plan_copy",
-]

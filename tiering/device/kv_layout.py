@@ -212,17 +212,3 @@ class PlannedCopy:
 
 CopyOutcome = tuple[PlannedCopy, BaseException | None]
 """How a backend reports a copy's end: the job, and the error that failed it (or None)."""
-
-
-__all__ = [
-    "CopyChunk",
-    "CopyOutcome",
-    "Direction",
-    "KVCaches",
-    "KVLayout",
-    "PlannedCopy",
-    "SlotRun",
-    "describe_kv_caches",
-    "kv_block_bytes",
-    "plan_copy",
-]

@@ -248,15 +248,3 @@ async def run_publisher(
             drain()
     finally:
         drain()
-
-
-__all__ = [
-    "DEFAULT_TOPIC",
-    "EVENT_FORMAT_VERSION",
-    "CallbackPublisher",
-    "EventPublisher",
-    "ZmqPublisher",
-    "decode_events",
-    "encode_events",
-    "run_publisher",
-]
