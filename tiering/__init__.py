@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tiering.config import TieringConfig, load_config
     from tiering.core.cpu_tier import BlockState, CPUOffloadingManager
+    from tiering.core.job import Job
     from tiering.core.job_core import JobCore, LookupStatistics
     from tiering.core.policies import (
         ARCPolicy,
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from tiering.device.host_pool import HostPool
     from tiering.device.kv_layout import kv_block_bytes
     from tiering.device.layer_progress import LayerProgress
-    from tiering.engine import Job, TieringEngine
+    from tiering.engine import TieringEngine
     from tiering.errors import (
         BlockNotFoundError,
         ClosedError,
@@ -152,6 +153,7 @@ __all__ = [
 _EXPORTS: dict[str, str] = {
     "tiering.config": "TieringConfig load_config",
     "tiering.core.cpu_tier": "BlockState CPUOffloadingManager",
+    "tiering.core.job": "Job",
     "tiering.core.job_core": "JobCore LookupStatistics",
     "tiering.core.policies": (
         "ARCPolicy EvictionPolicy LRUPolicy S3FIFOPolicy make_policy policy_names register_policy"
@@ -164,7 +166,7 @@ _EXPORTS: dict[str, str] = {
     "tiering.device.host_pool": "HostPool",
     "tiering.device.kv_layout": "kv_block_bytes",
     "tiering.device.layer_progress": "LayerProgress",
-    "tiering.engine": "Job TieringEngine",
+    "tiering.engine": "TieringEngine",
     "tiering.errors": (
         "BlockNotFoundError ClosedError ConfigError CorruptBlockError InvalidArgumentError "
         "NotLoadingError TierBusyError TieringError TraceError TransferError UnknownPolicyError "

@@ -435,6 +435,3 @@ class TieringEngine(AsyncService):
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the engine is {self._state}; no new jobs are accepted")
         return self._core
-
-
-__all__ = ["Job", "TieringEngine", "WritePolicy"]

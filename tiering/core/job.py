@@ -132,6 +132,3 @@ class FinishedResults:
         results = list(self._results)
         self._results.clear()
         return results
-
-
-__all__ = ["FINISHED_KEPT", "FinishedResults", "Job"]

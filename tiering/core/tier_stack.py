@@ -121,6 +121,3 @@ class TierStack:
             self.copier.close()
         if self.pool is not None:
             self.pool.close()
-
-
-__all__ = ["TierStack"]

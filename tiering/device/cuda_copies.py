@@ -1,14 +1,7 @@
-"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events
-(docs/architecture.md#gpu-copies). CUDA calls go through a :class:`CudaRuntime`, which
-tests replace to drive the stream path with CPU tensors.
-
-Each direction is a pipeline of two streams over two staging buffers used in turn: one
-stream moves whole staged blocks over the link (one DMA per run of host slots), the
-other gathers or scatters their per-layer rows on the device, so that the link carries
-chunk k + 1 while chunk k's rows are gathered or scattered. A load that marks its
-layers (a :class:`~tiering.device.layer_progress.LayerProgress`) goes layer-major instead:
-kernels read each layer's rows straight from the mapped host pool, so layer ``i`` is
-ready before layer ``i + 1`` has crossed the link.
+"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
+Each direction pipelines two streams over two staging buffers; a load that marks its
+layers reads the mapped host pool layer by layer (docs/architecture.md#gpu-copies). CUDA
+calls go through a :class:`CudaRuntime`, which tests replace to run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -446,6 +439,3 @@ class CudaCopyBackend:
                 idle.append(pending.event)
         assert self._on_done is not None
         self._on_done(outcomes)
-
-
-__all__ = ["CudaCopyBackend", "CudaEvent", "CudaRuntime", "CudaStream"]

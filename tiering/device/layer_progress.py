@@ -151,6 +151,3 @@ def check_progress(progress: object, num_layers: int) -> LayerProgress | None:
     if progress.started:
         raise InvalidArgumentError(f"progress is in use already: {progress!r}")
     return progress
-
-
-__all__ = ["LayerMarker", "LayerProgress", "check_progress"]

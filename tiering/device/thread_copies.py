@@ -275,6 +275,3 @@ class ThreadCopyBackend:
                     layer.index_copy_(0, ids, rows[:, offset : offset + width])
             if progress is not None:
                 progress.mark(i)
-
-
-__all__ = ["ThreadCopyBackend"]

@@ -613,6 +613,3 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def _name(self) -> str:
         return f"{type(self).__name__}"
-
-
-__all__ = ["TierActor", "deliver"]

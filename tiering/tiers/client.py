@@ -275,6 +275,3 @@ class TierClient(AsyncService):
 
     def __repr__(self) -> str:
         return f"<TierClient {self.name} backlog={self.backlog} {self.statistics()!r}>"
-
-
-__all__ = ["PolledTier", "TierClient", "TierOutcome"]

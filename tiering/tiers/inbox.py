@@ -204,6 +204,3 @@ class Inbox(Generic[_T]):
             else:
                 i += 1
             room -= 1
-
-
-__all__ = ["Inbox", "InboxStatistics", "Lane"]

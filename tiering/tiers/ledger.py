@@ -199,6 +199,3 @@ class ResultsLedger:
                 if not waiter.done():
                     waiter.set_result(result)
         job.waiters.clear()
-
-
-__all__ = ["ResultsLedger", "TierJob"]

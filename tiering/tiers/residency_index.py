@@ -184,6 +184,3 @@ class ResidencyIndex:
         self._holds -= wanted  # keeps positive counts only
         self.unpin(listed)
         return listed
-
-
-__all__ = ["ResidencyIndex", "Room"]

@@ -259,6 +259,3 @@ class _Shadow:
         for key in new:
             insert(key)
         held.update(new)
-
-
-__all__ = ["EXPERTS", "AdaptivePolicy"]
