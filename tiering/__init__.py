@@ -1,21 +1,11 @@
 """kv-tiering: an asyncio engine that keeps an LLM server's KV cache in tiers.
 
-The public API, re-exported here: the seed types and :class:`CPUOffloadingManager`
-(scheduler-side bookkeeping), eviction policies, prefix-chained hashing, the
-secondary-tier interface, the :class:`TierActor` base and the :class:`TierClient`, the
-host pool and device transfers, the sans-I/O :class:`JobCore` and the
-:class:`TieringEngine` shell over it, the :class:`Lifecycle` and :class:`Statistics`
-every long-lived object shares; tenants' keys (:func:`tenant_keys`) and the
-:class:`Keyring` of encryption at rest; the typed :class:`TieringConfig`, workloads
-(:func:`read_mooncake`, :func:`synthetic_requests`), job latency histograms and the KV
-event wire format. Secondary tiers live in ``backends`` and are built by name through
-:func:`make_tier`. Replays, sweeps and metrics are in ``tiering.lab.replay``,
-``tiering.lab.sweep`` and ``tiering.observe.metrics`` (the last needs prometheus-client).
-
-Importing the package imports none of them: each name is imported from its module when
-first used (``from tiering import TieringEngine`` as before), so a program that needs only
-a light part (the ``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay
-for torch.
+The public API, re-exported here (``__all__``); secondary tiers live in ``backends`` and
+are built by name through :func:`make_tier`; replays, sweeps and metrics are in
+``tiering.lab.replay``, ``tiering.lab.sweep`` and ``tiering.observe.metrics`` (the last
+needs prometheus-client). Importing the package imports none of them: each name is
+imported from its module when first used, so a program that needs only a light part (the
+``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay for torch.
 """
 
 from __future__ import annotations

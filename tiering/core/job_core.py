@@ -96,13 +96,10 @@ class TierStore(NamedTuple):
     slots: list[int]
 
 
-class TierLoad(NamedTuple):
+class TierLoad(TierStore):
     """Load ``keys[i]`` from tier ``tier`` into CPU ``slots[i]``; then ``tier_done``."""
 
-    op: int
-    tier: int
-    keys: list[BlockHash]
-    slots: list[int]
+    __slots__ = ()
 
 
 class Resolve(NamedTuple):
@@ -157,9 +154,7 @@ class TierView(Protocol):
     servable: bool
 
     def lookup(self, key: BlockHash) -> bool | None: ...
-
     def hold(self, keys: Sequence[BlockHash]) -> None: ...
-
     def release(self, keys: Sequence[BlockHash]) -> None: ...
 
 

@@ -1,13 +1,6 @@
 """Per-layer readiness of a load into the device KV cache: a model's forward waits for
-its own layer only (docs/architecture.md#layer-by-layer-loads).
-
-A :class:`LayerProgress` is handed to a load; the copy backend marks each layer as its
-copies land (the thread backend) or are enqueued behind a CUDA event (the CUDA backend),
-in layer order. :meth:`LayerProgress.wait` is the one call a forward makes before it
-reads layer ``i``: on CPU it blocks the calling thread until the layer's bytes are in
-place; on CUDA it blocks only until the layer's copies are enqueued, then makes the
-current stream wait for them, so the host never waits for the link. A whole load is the
-case where every layer is marked at once.
+its own layer only (docs/architecture.md#layer-by-layer-loads). The copy backend marks
+each layer, in order, as its copies land (threads) or are enqueued behind a CUDA event.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Latency histograms with fixed buckets, sans-I/O: what the engine records per job.
-
-A :class:`LatencyHistogram` counts observations (seconds) in fixed, log-spaced buckets,
-so recording one costs a binary search and two additions. Its :class:`LatencySnapshot`
-holds the cumulative counts a Prometheus histogram exposes and estimates quantiles as
-Prometheus's ``histogram_quantile`` does (linear within a bucket).
+"""Latency histograms with fixed, log-spaced buckets, sans-I/O: what the engine records
+per job (an observation costs a binary search and two additions).
 """
 
 from __future__ import annotations

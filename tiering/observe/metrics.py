@@ -1,9 +1,6 @@
-"""Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers.
-
-:func:`register_engine_metrics` adds an :class:`EngineCollector` to a ``prometheus_client``
-registry, :func:`serve_metrics` serves a registry over HTTP on a thread of its own, and
-:func:`serve_engine_metrics` does both. Every metric, and why a scrape reads the engine on
-its loop's thread (and when on its own instead): ``docs/metrics.md``.
+"""Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers: every
+metric, and why a scrape reads the engine on its loop's thread (and when on its own
+instead): ``docs/metrics.md``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Authenticated encryption of block payloads at rest: AES-GCM under a keyring.
-
-A block is sealed under the keyring's current key and a fresh random 96-bit nonce into a
-ciphertext exactly as long as the payload; the associated data (namespace digest, block
-key) makes a moved block fail to open. Every key id held opens, so keys rotate by
-putting the new one first. An unknown key id or a failed tag raises a
-:class:`~tiering.errors.CorruptBlockError` subclass (a miss, logged once per kind and
-key id). Key material never appears in an error, a log line or a ``repr``. Specs
-(``"2:<base64 key>,1:<base64 key>"`` or ``"env:VARIABLE"``), key sizes and rotation:
-docs/security.md.
+"""Authenticated encryption of block payloads at rest: AES-GCM under a keyring, each
+block under the current key and a fresh random 96-bit nonce, bound to its record by the
+associated data; every key id held opens. Key material never appears in an error, a log
+line or a ``repr``. Specs (``"2:<base64 key>,1:<base64 key>"`` or ``"env:VARIABLE"``),
+key sizes and rotation: docs/security.md.
 """
 
 from __future__ import annotations
