@@ -101,24 +101,10 @@ class _InFlight(PlannedCopy):
     or ``on_done(token, error)``."""
 
     __slots__ = ("future", "nbytes", "on_done", "token")
-
-    def __init__(
-        self,
-        direction: Direction,
-        device_ids: Sequence[int],
-        slots: Sequence[int],
-        max_rows: int,
-        nbytes: int,
-        future: asyncio.Future[None] | None,
-        on_done: Callable[[int, TransferError | None], object] | None,
-        token: int,
-        progress: LayerProgress | None,
-    ) -> None:
-        super().__init__(direction, device_ids, slots, max_rows, progress)
-        self.nbytes = nbytes
-        self.future = future
-        self.on_done = on_done
-        self.token = token
+    future: asyncio.Future[None] | None
+    nbytes: int
+    on_done: Callable[[int, TransferError | None], object] | None
+    token: int
 
 
 class DeviceCopier(AsyncService):
@@ -359,9 +345,8 @@ class DeviceCopier(AsyncService):
         progress: LayerProgress | None = None,
     ) -> None:
         nbytes = len(ids) * self._layout.block_bytes
-        copy = _InFlight(
-            direction, ids, slots, self.max_rows, nbytes, future, on_done, token, progress
-        )
+        copy = _InFlight(direction, ids, slots, self.max_rows, progress)
+        copy.nbytes, copy.future, copy.on_done, copy.token = nbytes, future, on_done, token
         self._in_flight.add(copy)
         self._bytes_in_flight += nbytes
         self.backend.submit(copy)
