@@ -1,7 +1,6 @@
 """The asyncio engine: the thin shell that carries out :class:`~tiering.core.job_core.JobCore`'s
 effects (copies and tier jobs through the :class:`~tiering.core.tier_stack.TierStack`, results
-to :class:`Job` handles, room timers) and feeds every completion back; no job owns a task.
-"""
+to :class:`Job` handles, room timers) and feeds every completion back; no job owns a task."""
 
 from __future__ import annotations
 

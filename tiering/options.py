@@ -5,8 +5,7 @@ checked strictly (an int is taken for a float, a size string for a :data:`Size`)
 command-line :class:`Text` is converted to its field's type first (lax; ``"none"`` or ``""``
 unsets a field whose default is None). A bad value raises :class:`InvalidArgumentError`
 (:class:`ConfigError` on the config path) naming the option's path, the value (never a
-:func:`secret`'s) and the reason.
-"""
+:func:`secret`'s) and the reason."""
 
 from __future__ import annotations
 

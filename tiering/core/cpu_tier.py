@@ -1,6 +1,5 @@
 """The CPU tier's block bookkeeping, sans-I/O: which block hash sits in which slot. It
-sits on a scheduler's hot path: O(1) amortised per hash.
-"""
+sits on a scheduler's hot path: O(1) amortised per hash."""
 
 from __future__ import annotations
 

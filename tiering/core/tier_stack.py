@@ -22,8 +22,7 @@ class TierStack:
     together and closed in the one safe order: the tiers (they read and write host-pool
     slots), the copier (its copies touch slots and device blocks), the pool. Nothing is
     allocated until :meth:`open`. ``tiers`` and ``clients`` follow ``specs`` (fastest
-    first); tiers that take a ``namespace`` receive ``namespace`` unless their spec sets one.
-    """
+    first); tiers that take a ``namespace`` receive ``namespace`` unless their spec sets one."""
 
     def __init__(
         self,

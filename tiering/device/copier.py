@@ -1,6 +1,5 @@
 """Device transfers: :class:`DeviceCopier` checks each copy of KV blocks between the device
-KV cache and host-pool slots and hands it to a :class:`CopyBackend`, which runs it.
-"""
+KV cache and host-pool slots and hands it to a :class:`CopyBackend`, which runs it."""
 
 from __future__ import annotations
 
@@ -259,8 +258,7 @@ class DeviceCopier(AsyncService):
     def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
         """Start copying device block ``device_ids[i]`` into host slot ``slots[i]`` (ids
         may repeat, slots not); returns at once. Raises, starting nothing,
-        InvalidArgumentError for bad arguments, ClosedError unless copier and pool are open.
-        """
+        InvalidArgumentError for bad arguments, ClosedError unless copier and pool are open."""
         return self._start(Direction.TO_HOST, device_ids, slots)
 
     def to_device(

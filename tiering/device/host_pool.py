@@ -1,10 +1,6 @@
-"""The CPU tier's memory: one page-aligned, optionally pinned buffer of fixed-size slots.
-
-Slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)``, reachable as a flat
-``memoryview`` (secondary tiers) and a ``torch.uint8`` tensor ``[num_blocks, block_bytes]``
-(device copies). Why an anonymous ``mmap`` pinned in place:
-docs/architecture.md#the-host-pool.
-"""
+"""The CPU tier's memory: one page-aligned, optionally pinned buffer of fixed-size slots;
+slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Why an anonymous
+``mmap`` pinned in place: docs/architecture.md#the-host-pool."""
 
 from __future__ import annotations
 
@@ -54,14 +50,12 @@ def _cuda_host_unregister(address: int) -> None:
 
 
 class HostPool:
-    """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer.
-
-    ``view`` and ``tensor`` alias the same zero-filled bytes, page-locked for CUDA DMA
-    and mapped for CUDA kernels when ``pinned`` (``pin=None``: if CUDA is available).
-    Raises InvalidArgumentError for bad sizes or ``pin``, TieringError if page-locking
-    fails. After ``close()`` both accessors raise ClosedError, and the mapping goes once
-    no view or tensor handed out is alive.
-    """
+    """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer:
+    ``view`` (secondary tiers) and ``tensor`` (device copies) alias the same zero-filled
+    bytes, page-locked for CUDA DMA and mapped for CUDA kernels when ``pinned``
+    (``pin=None``: if CUDA is available). Raises InvalidArgumentError for bad sizes or
+    ``pin``, TieringError if page-locking fails. After ``close()`` both accessors raise
+    ClosedError, and the mapping goes once no view or tensor handed out is alive."""
 
     def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:
         self.num_blocks = positive_int("num_blocks", num_blocks)

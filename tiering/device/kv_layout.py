@@ -1,7 +1,6 @@
 """The device KV cache's layout, and the planning of copies between it and host slots
 (pure: no streams, no threads, no I/O). A block's bytes in a host slot are its rows
-across the KV cache's tensors, in list order.
-"""
+across the KV cache's tensors, in list order."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 into *hops* (docs/architecture.md#gpu-copies). A hop (one call on a worker) runs every
 copy queued when it is dispatched, in order, and posts their outcomes at once; a merged
 group that fails is rerun one by one, so a faulty copy fails alone. A hop waits while it
-conflicts with one in flight.
-"""
+conflicts with one in flight."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Latency histograms with fixed, log-spaced buckets, sans-I/O: what the engine records
-per job (an observation costs a binary search and two additions).
-"""
+per job (an observation costs a binary search and two additions)."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class LatencySnapshot:
     def quantile(self, q: float) -> float:
         """The ``q``-quantile in seconds, interpolated linearly inside the bucket that
         holds the true one and never above ``max``; NaN for no observations. Raises
-        InvalidArgumentError unless 0 < ``q`` <= 1.
-        """
+        InvalidArgumentError unless 0 < ``q`` <= 1."""
         if not isinstance(q, int | float) or not 0 < q <= 1:
             raise InvalidArgumentError(f"quantile must lie in (0, 1], got {q!r}")
         if not self.count:
@@ -56,8 +54,7 @@ class LatencyHistogram:
     """Counts observations in fixed buckets; cheap enough for every job of the engine.
     Not thread-safe: observe and snapshot on one thread (the engine's loop).
     Raises InvalidArgumentError unless ``bounds`` are positive finite numbers, strictly
-    ascending.
-    """
+    ascending."""
 
     __slots__ = ("_bounds", "_counts", "_max", "_sum")
 

@@ -2,8 +2,7 @@
 block under the current key and a fresh random 96-bit nonce, bound to its record by the
 associated data; every key id held opens. Key material never appears in an error, a log
 line or a ``repr``. Specs (``"2:<base64 key>,1:<base64 key>"`` or ``"env:VARIABLE"``),
-key sizes and rotation: docs/security.md.
-"""
+key sizes and rotation: docs/security.md."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class Keyring:
     """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
     seals, every one opens.
     Raises InvalidArgumentError (naming ``source`` and ids, never key bytes) for no keys,
-    a bad id or key length, or ``current`` not among the ids.
-    """
+    a bad id or key length, or ``current`` not among the ids."""
 
     __slots__ = ("_keys", "current")
 
@@ -84,8 +82,7 @@ class Keyring:
     def parse(cls, spec: str, *, option: str = "encryption") -> Keyring:
         """A keyring from a spec, its first entry current. Raises InvalidArgumentError
         naming ``option`` (and an ``env:`` variable), never quoting the spec, for a bad
-        spec, an unset variable, a bad or repeated id, or a bad key.
-        """
+        spec, an unset variable, a bad or repeated id, or a bad key."""
         if not isinstance(spec, str):
             raise InvalidArgumentError(
                 f"{option} must be a keyring spec string, got {type(spec).__name__}"
@@ -183,8 +180,7 @@ class BlockCipher:
     def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
         """Encrypt ``payload`` under the current key into ``out[:len(payload)]``, the tag
         after it (and in the returned :class:`Seal`).
-        Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``.
-        """
+        Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``."""
         n = len(payload)
         if len(out) < n + TAG_BYTES:
             raise InvalidArgumentError(f"seal buffer is {len(out)} bytes, needs {n + TAG_BYTES}")
@@ -199,8 +195,7 @@ class BlockCipher:
         from 51 on refuses to decrypt in place, so no caller relies on it). After a
         failure ``out`` holds nothing decrypted (a failed tag zeroes it).
         Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError, and
-        InvalidArgumentError if ``out`` is not as long as ``ciphertext`` or overlaps it.
-        """
+        InvalidArgumentError if ``out`` is not as long as ``ciphertext`` or overlaps it."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 

@@ -99,7 +99,6 @@ def tenant_keys(
     shared_blocks: Iterable[BlockHash] = (),
 ) -> list[BlockHash]:
     """The keys an engine stores ``tenant``'s blocks under (for a router matching KV
-    events against a tenant's prompts). InvalidArgumentError for a bad tenant or hashes.
-    """
+    events against a tenant's prompts). InvalidArgumentError for a bad tenant or hashes."""
     hashes = hash_list("block_hashes", block_hashes)
     return list(Tenancy(shared_blocks).keys(hashes, check_tenant(tenant)))

@@ -1,7 +1,6 @@
 """The asynchronous base of every secondary tier: an actor with a bounded inbox
 (docs/architecture.md#tiers-are-actors). Its tasks belong to a task group of its own
-runner task, so ``start`` and ``aclose`` may be called from any task of the loop.
-"""
+runner task, so ``start`` and ``aclose`` may be called from any task of the loop."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The one way the engine reaches a secondary tier: :class:`TierClient`, whose jobs each
 get one :class:`TierOutcome`, and :class:`PolledTier` for a tier written against the
-seed's polled interface (docs/architecture.md#tiers-are-actors).
-"""
+seed's polled interface (docs/architecture.md#tiers-are-actors)."""
 
 from __future__ import annotations
 

@@ -41,8 +41,7 @@ class Inbox(Generic[_T]):
     any store; a lane never holds more than ``max_size``; a put that raises (or is
     cancelled) admits nothing. When a lane is full, :meth:`put_nowait` raises, :meth:`put`
     waits and :meth:`park` leaves the item in line, queued as room appears. Closing stops
-    admission; queued and parked items stay gettable.
-    """
+    admission; queued and parked items stay gettable."""
 
     def __init__(self, max_size: int, *, owner: str = "inbox") -> None:
         """Raises: InvalidArgumentError if ``max_size`` is not a positive int."""

@@ -1,6 +1,5 @@
 """A tier's job records and its results ledger: exactly one :class:`JobResult` per job.
-One event loop thread; nothing here is thread-safe.
-"""
+One event loop thread; nothing here is thread-safe."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class ResultsLedger:
     (forgotten at once), or to every :meth:`waiter` future and once to :meth:`drain`,
     which frees the id. A *busy* job's result (a thread call of it still touches its
     slots) is held back until it stops being busy. ``on_delivered(job, result)`` is
-    called as a result is delivered, before anyone else sees it.
-    """
+    called as a result is delivered, before anyone else sees it."""
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
 """Secondary tiers by name: :func:`register_tier` registrations, then the built-ins
 (imported when first built: importing ``tiering`` imports no ``backends``), then entry
-points of the group ``kv_tiering.tiers``.
-"""
+points of the group ``kv_tiering.tiers``."""
 
 from __future__ import annotations
 

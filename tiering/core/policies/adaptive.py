@@ -35,8 +35,7 @@ class AdaptivePolicy(ARCPolicy):
     are named there. Raises InvalidArgumentError for a window, shadow size or horizon
     that is not a positive int, or a bias that is not a finite number >= 0.
     ``insert``/``touch``/``remove`` are O(1) a key plus the sampled shadows' work
-    (O(1) a sampled key); ``evict`` is O(n + pinned keys passed).
-    """
+    (O(1) a sampled key); ``evict`` is O(n + pinned keys passed)."""
 
     name = "adaptive"
 
