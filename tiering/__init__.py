@@ -5,8 +5,7 @@ are built by name through :func:`make_tier`; replays, sweeps and metrics are in
 ``tiering.lab.replay``, ``tiering.lab.sweep`` and ``tiering.observe.metrics`` (the last
 needs prometheus-client). Importing the package imports none of them: each name is
 imported from its module when first used, so a program that needs only a light part (the
-``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay for torch.
-"""
+``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay for torch."""
 
 from __future__ import annotations
 

@@ -54,8 +54,7 @@ class TieringEngine(AsyncService):
     name the caller's hashes, events and tiers the scoped keys. Every call raises
     ClosedError unless the engine is open, and InvalidArgumentError (naming the argument)
     for a malformed one, changing nothing; so does the constructor (allocating nothing),
-    and UnknownPolicyError / UnknownTierError for a name nothing is registered under.
-    """
+    and UnknownPolicyError / UnknownTierError for a name nothing is registered under."""
 
     def __init__(
         self,

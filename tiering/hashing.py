@@ -2,8 +2,7 @@
 
 A block's hash covers its tokens, the hash of the block before it, and a namespace
 (model, dtype, KV layout, ...), so equal hashes mean equal prefixes. They are BLAKE2b
-digests of a fixed encoding: the same in every process and on every machine.
-"""
+digests of a fixed encoding: the same in every process and on every machine."""
 
 from __future__ import annotations
 

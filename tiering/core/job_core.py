@@ -1,8 +1,7 @@
 """The engine's job state machine, without I/O: every rule about fills, pins and order.
 
 Calls and completions go in; the effects the shell must carry out, in order, come out. The
-calls, the effects and the rules it keeps: docs/job-lifecycle.md.
-"""
+calls, the effects and the rules it keeps: docs/job-lifecycle.md."""
 
 from __future__ import annotations
 
@@ -276,8 +275,7 @@ class JobCore:
     for CPU room at most. With ``enable_events`` it records the tiers' store events, and
     ``take_removed`` (one callable per tier) their removals. Every public method raises
     before changing anything or returns the effects of the change, in order. Raises
-    InvalidArgumentError for an unknown write policy.
-    """
+    InvalidArgumentError for an unknown write policy."""
 
     def __init__(
         self,

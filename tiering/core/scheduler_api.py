@@ -2,8 +2,7 @@
 
 These are the types a serving framework's scheduler programs against: it asks an
 :class:`OffloadingManager` which prefix blocks are offloaded, prepares loads and
-stores, and collects :class:`OffloadingEvent` records for a KV-aware router.
-"""
+stores, and collects :class:`OffloadingEvent` records for a KV-aware router."""
 
 from __future__ import annotations
 

@@ -116,8 +116,7 @@ class DeviceCopier(AsyncService):
     a CUDA KV cache, else a :class:`~tiering.device.thread_copies.ThreadCopyBackend` of
     ``max_workers`` threads, and serves this copier alone. Raises InvalidArgumentError
     for a malformed layout, a block size other than the pool's, a closed pool, or a CUDA
-    KV cache with an unpinned pool (its copies would block the event loop).
-    """
+    KV cache with an unpinned pool (its copies would block the event loop)."""
 
     def __init__(
         self,

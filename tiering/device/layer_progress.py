@@ -27,8 +27,7 @@ class LayerProgress:
     forward waits from any thread. A layer is *ready* once marked; a failure fails every
     layer not marked yet, which :meth:`wait` then raises as TransferError (recompute
     rather than read half-copied bytes). Marks and failures after the first settle a
-    layer change nothing. Raises InvalidArgumentError for a ``num_layers`` below 1.
-    """
+    layer change nothing. Raises InvalidArgumentError for a ``num_layers`` below 1."""
 
     __slots__ = ("_cond", "_error", "_events", "_marked", "num_layers")
 

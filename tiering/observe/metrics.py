@@ -93,8 +93,7 @@ class EngineCollector:
 
     ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; readings are taken on
     ``loop`` (None: the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
-    InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``.
-    """
+    InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``."""
 
     def __init__(
         self,
@@ -398,8 +397,7 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
     """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``.
 
     Close it with :meth:`close` / ``with`` (blocking) or :meth:`aclose` / ``async with``
-    (on the loop); closing is idempotent and joins the server's thread.
-    """
+    (on the loop); closing is idempotent and joins the server's thread."""
 
     def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
         self._server = server

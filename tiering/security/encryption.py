@@ -161,8 +161,7 @@ def _overlap(a: Buffer, b: Buffer) -> bool:
 class BlockCipher:
     """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
 
-    Thread-safe: tiers call it on their worker threads, never on the loop.
-    """
+    Thread-safe: tiers call it on their worker threads, never on the loop."""
 
     __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
 

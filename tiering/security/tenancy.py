@@ -2,8 +2,7 @@
 
 A tenant's key is ``BLAKE2b(hash, key=BLAKE2b(tenant))``, except for a call's leading
 blocks that the operator shared (:meth:`Tenancy.share`); calls without a tenant use the
-plain hashes. Tenant ids never reach a key, an event or a metric. Sans-I/O.
-"""
+plain hashes. Tenant ids never reach a key, an event or a metric. Sans-I/O."""
 
 from __future__ import annotations
 

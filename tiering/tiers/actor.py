@@ -89,8 +89,7 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     Subclasses implement :meth:`_do_store` and :meth:`_do_load` (the bulk byte work in
     ONE :meth:`run_blocking` call per job), ``lookup``, ``get_num_blocks``,
-    ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`.
-    """
+    ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`."""
 
     def __init__(
         self,

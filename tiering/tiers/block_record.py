@@ -27,8 +27,7 @@ digest, tenant, key) then the payload; a sealed record's associated data is the 
 (no checksum of the plaintext: equal payloads would show). A payload moved under another
 key, tenant or namespace fails to verify even under a forged header, and a reader of
 one kind never serves a record of the other. Pure (no file, no socket); checksums and
-the cipher run on the tiers' worker threads, never the event loop.
-"""
+the cipher run on the tiers' worker threads, never the event loop."""
 
 from __future__ import annotations
 

@@ -72,8 +72,7 @@ class PolledTier(TierActor):
 
     Each job submits to ``tier`` and polls its ``get_finished()`` until the job's result
     comes, failing after ``timeout`` seconds (such a tier may drop a job silently) or
-    with the tier's reason if the submit raises. Closing the adapter shuts ``tier`` down.
-    """
+    with the tier's reason if the submit raises. Closing the adapter shuts ``tier`` down."""
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float, inbox_size: int = 64) -> None:
         """Raises: InvalidArgumentError: ``timeout`` is not a positive finite number."""
@@ -151,8 +150,7 @@ class TierClient(AsyncService):
     closed, raising, never answering: a failed outcome); ``on_done`` is called exactly
     once per job, later on the loop, once the tier has stopped touching the job's slots.
     ``timeout`` bounds a polled tier's jobs. Raises InvalidArgumentError for a
-    non-SecondaryTierManager ``tier`` or a bad ``timeout``.
-    """
+    non-SecondaryTierManager ``tier`` or a bad ``timeout``."""
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float = 30.0) -> None:
         if not isinstance(tier, SecondaryTierManager):

@@ -11,8 +11,7 @@ shadow caches (``"adaptive"``; why, and its hit ratios against LRU and ARC: docs
   least 1) replayed through ARC and LRU caches of capacity / ``S`` blocks, each with either
   admission. A shadow scores the leading run of a request's sampled keys it holds (a
   prefix hit), decayed over ``horizon`` shadow capacities of sampled keys; the cache
-  evicts and admits as the highest score, ARC's counted ``1 + arc_bias`` times.
-"""
+  evicts and admits as the highest score, ARC's counted ``1 + arc_bias`` times."""
 
 from __future__ import annotations
 

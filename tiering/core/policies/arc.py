@@ -20,8 +20,7 @@ class ARCPolicy(EvictionPolicy):
     to ``T2``. When the preferred list has no evictable key, the other one gives. After
     every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (oldest ghosts dropped), and
     no key is both resident and a ghost. ``remove`` leaves no ghost and keeps ``p``.
-    ``insert``/``touch``/``remove`` are O(1) a key, ``evict`` O(n + pinned keys passed).
-    """
+    ``insert``/``touch``/``remove`` are O(1) a key, ``evict`` O(n + pinned keys passed)."""
 
     name = "arc"
 

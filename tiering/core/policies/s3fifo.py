@@ -25,8 +25,7 @@ class S3FIFOPolicy(EvictionPolicy):
     during a call) go to their queue's tail unchanged; ``S`` is given up once all its
     keys were stepped over, ``M`` after ``|M|`` in a row, so ``evict`` takes at most
     O(n + |S| + 4|M|) steps. ``G`` holds at most ``c - floor(small_ratio * c)`` keys (at
-    least 1), oldest dropped first; no key is both resident and in ``G``.
-    """
+    least 1), oldest dropped first; no key is both resident and in ``G``."""
 
     name = "s3fifo"
 
