@@ -53,7 +53,7 @@ def deliver(
     awaiter raises it if ``raised``); nothing if ``done`` is already done (its awaiter
     was cancelled) or the loop is closed (nobody waits any more)."""
     with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_set_exception if raised else _set_result, done, value)
+        loop.call_soon_threadsafe(_settle, done, value, raised)
 
 
 def _call_then_deliver(
@@ -73,14 +73,13 @@ def _call_then_deliver(
         deliver(loop, done, value)
 
 
-def _set_result(done: asyncio.Future[Any], value: Any) -> None:
-    if not done.done():
+def _settle(done: asyncio.Future[Any], value: Any, raised: bool) -> None:
+    if done.done():
+        return
+    if raised:
+        done.set_exception(value)
+    else:
         done.set_result(value)
-
-
-def _set_exception(done: asyncio.Future[Any], exc: BaseException) -> None:
-    if not done.done():
-        done.set_exception(exc)
 
 
 class TierActor(AsyncService, SecondaryTierManager):
