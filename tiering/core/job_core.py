@@ -95,10 +95,13 @@ class TierStore(NamedTuple):
     slots: list[int]
 
 
-class TierLoad(TierStore):
+class TierLoad(NamedTuple):
     """Load ``keys[i]`` from tier ``tier`` into CPU ``slots[i]``; then ``tier_done``."""
 
-    __slots__ = ()
+    op: int
+    tier: int
+    keys: list[BlockHash]
+    slots: list[int]
 
 
 class Resolve(NamedTuple):
