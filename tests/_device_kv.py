@@ -60,6 +60,11 @@ def device_block(kv: KV, block: int) -> bytes:
     )
 
 
+def slot_bytes(pool: HostPool, slot: int) -> bytes:
+    """The bytes host slot ``slot`` holds now."""
+    return pool.tensor[slot].numpy().tobytes()
+
+
 def snapshot(kv: KV) -> list[torch.Tensor]:
     return [t.view(torch.uint8).cpu().clone() for t in layers_of(kv)]
 
@@ -73,7 +78,7 @@ async def assert_round_trip(copier: DeviceCopier, kv: KV, pool: HostPool) -> Non
     ids, slots = [11, 2, 3, 9, 0, 5, 7], [0, 9, 1, 2, 8, 4, 5]
     await copier.to_host(ids, slots)
     for block, slot in zip(ids, slots, strict=True):
-        assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+        assert slot_bytes(pool, slot) == device_block(kv, block)
     before = snapshot(kv)
     for t in layers_of(kv):
         t.zero_()

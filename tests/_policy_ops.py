@@ -3,11 +3,50 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from hypothesis import strategies as st
 
+from tiering.core.policies import ARCPolicy, S3FIFOPolicy
 from tiering.core.policies.base import EvictionPolicy
 from tiering.lab.workloads import Request
+
+
+class ARCLists(NamedTuple):
+    """An ARC policy's lists, each least recent first: resident keys seen once (``t1``)
+    or again or readmitted from a ghost (``t2``), the ghosts evicted from each (``b1``,
+    ``b2``), and the target ``p`` for ``|t1|``."""
+
+    t1: tuple[bytes, ...]
+    t2: tuple[bytes, ...]
+    b1: tuple[bytes, ...]
+    b2: tuple[bytes, ...]
+    target_t1: float
+
+
+def arc_lists(policy: ARCPolicy) -> ARCLists:
+    """A copy of ``policy``'s lists, read from its state: the rules of the paper these
+    tests check are the policy's inside, not a caller's view."""
+    return ARCLists(
+        tuple(policy._t1), tuple(policy._t2), tuple(policy._b1), tuple(policy._b2), policy._p
+    )
+
+
+class S3FIFOQueues(NamedTuple):
+    """An S3-FIFO policy's queues ``S``, ``M`` and ``G``, each oldest (next out) first,
+    and every resident key's counter (0..3)."""
+
+    small: tuple[bytes, ...]
+    main: tuple[bytes, ...]
+    ghost: tuple[bytes, ...]
+    freq: dict[bytes, int]
+
+
+def s3fifo_queues(policy: S3FIFOPolicy) -> S3FIFOQueues:
+    """A copy of ``policy``'s queues, read from its state (as :func:`arc_lists`)."""
+    return S3FIFOQueues(
+        tuple(policy._small), tuple(policy._main), tuple(policy._ghost), dict(policy._freq)
+    )
 
 
 def key(i: int) -> bytes:

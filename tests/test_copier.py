@@ -22,6 +22,7 @@ from _device_kv import (
     opened,
     random_tensor,
     same_bytes,
+    slot_bytes,
     snapshot,
 )
 
@@ -42,7 +43,7 @@ async def test_to_host_puts_each_block_byte_exact_in_its_slot(layout: str, devic
         ids, slots = [3, 0, 11, 7], [9, 2, 3, 0]
         await copier.to_host(ids, slots)
         for block, slot in zip(ids, slots, strict=True):
-            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+            assert slot_bytes(pool, slot) == device_block(kv, block)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -86,9 +87,9 @@ async def test_job_bigger_than_a_chunk_is_copied_in_chunks_exactly(device: str) 
 async def test_a_source_may_feed_several_destinations(device: str) -> None:
     async with opened("one_tensor", device) as (copier, kv, pool):
         await copier.to_host([5, 5, 5], [0, 1, 2])
-        assert bytes(pool.slot_view(0)) == bytes(pool.slot_view(2)) == device_block(kv, 5)
+        assert slot_bytes(pool, 0) == slot_bytes(pool, 2) == device_block(kv, 5)
         await copier.to_device([3, 3], [0, 11])
-        assert device_block(kv, 0) == device_block(kv, 11) == bytes(pool.slot_view(3))
+        assert device_block(kv, 0) == device_block(kv, 11) == slot_bytes(pool, 3)
 
 
 async def test_empty_job_completes_at_once() -> None:
@@ -103,7 +104,7 @@ async def test_concurrent_jobs_all_land() -> None:
         handles = [copier.to_host([b], [b]) for b in range(NUM_SLOTS)]
         await asyncio.gather(*handles)
         for b in range(NUM_SLOTS):
-            assert bytes(pool.slot_view(b)) == device_block(kv, b)
+            assert slot_bytes(pool, b) == device_block(kv, b)
 
 
 # --------------------------------------------------------------------------- validation
@@ -132,7 +133,7 @@ async def test_bad_to_host_raises_before_anything_is_copied(
         host_before, kv_before = pool.tensor.clone(), snapshot(kv)
         with pytest.raises(InvalidArgumentError, match=message):
             copier.to_host(ids, slots)  # type: ignore[arg-type]
-        assert copier.in_flight == 0 and executor.submits == 0
+        assert copier.statistics().jobs_in_flight == 0 and executor.submits == 0
         assert torch.equal(pool.tensor, host_before) and same_bytes(kv, kv_before)
     executor.shutdown()
 
@@ -155,7 +156,7 @@ async def test_bad_to_device_raises_before_anything_is_copied(
         kv_before = snapshot(kv)
         with pytest.raises(InvalidArgumentError, match=message):
             copier.to_device(slots, ids)
-        assert copier.in_flight == 0 and executor.submits == 0
+        assert copier.statistics().jobs_in_flight == 0 and executor.submits == 0
         assert same_bytes(kv, kv_before)
     executor.shutdown()
 
@@ -168,7 +169,7 @@ async def test_device_block_ids_are_checked_and_bad_ones_named() -> None:
             copier.to_host([0, NUM_BLOCKS], [0, 1])
         with pytest.raises(InvalidArgumentError, match="must hold ints"):
             copier.to_device([0], [0.5])  # type: ignore[list-item]
-        assert copier.in_flight == 0
+        assert copier.statistics().jobs_in_flight == 0
 
 
 def test_block_size_mismatch_is_rejected() -> None:
@@ -292,12 +293,12 @@ async def test_cancelling_a_waiter_does_not_cancel_the_copy() -> None:
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiter
-            assert not handle.done() and copier.in_flight == 1
+            assert not handle.done() and copier.statistics().jobs_in_flight == 1
             gate.set()
             await handle
         assert handle.done() and handle.error is None
-        assert bytes(pool.slot_view(5)) == device_block(kv, 2)
-        assert bytes(pool.slot_view(6)) == device_block(kv, 3)
+        assert slot_bytes(pool, 5) == device_block(kv, 2)
+        assert slot_bytes(pool, 6) == device_block(kv, 3)
     executor.shutdown()
 
 
@@ -309,7 +310,7 @@ async def test_an_unawaited_copy_still_runs_and_reports_through_its_callback() -
         handle.add_done_callback(lambda h: (seen.append(h.done()), ended.set()))
         await ended.wait()
         assert seen == [True]
-        assert bytes(pool.slot_view(1)) == device_block(kv, 9)
+        assert slot_bytes(pool, 1) == device_block(kv, 9)
 
 
 async def test_start_reports_each_copy_once_through_on_done() -> None:
@@ -327,7 +328,7 @@ async def test_start_reports_each_copy_once_through_on_done() -> None:
         await ended.wait()
         await asyncio.sleep(0)
         assert sorted(seen) == [(100, None), (109, None)]
-        assert bytes(pool.slot_view(1)) == device_block(kv, 9)
+        assert slot_bytes(pool, 1) == device_block(kv, 9)
 
 
 async def test_leaving_the_block_waits_for_copies_in_flight() -> None:
@@ -340,8 +341,8 @@ async def test_leaving_the_block_waits_for_copies_in_flight() -> None:
                 handle = copier.to_host([4], [0])
                 asyncio.get_running_loop().call_soon(gate.set)
         assert handle.done() and handle.error is None
-        assert copier.in_flight == 0
-        assert bytes(pool.slot_view(0)) == device_block(kv, 4)
+        assert copier.statistics().jobs_in_flight == 0
+        assert slot_bytes(pool, 0) == device_block(kv, 4)
     executor.shutdown()
 
 
@@ -371,15 +372,15 @@ async def test_a_cancelled_exit_blocks_until_the_copies_ended_and_closes() -> No
                 if copier.state is Lifecycle.CLOSING:
                     break
                 await asyncio.sleep(0)
-            assert copier.state is Lifecycle.CLOSING and copier.in_flight == 2
+            assert copier.state is Lifecycle.CLOSING and copier.statistics().jobs_in_flight == 2
             gate.set()
             task.cancel()  # cancels that wait: the exit drains, blocking
             with pytest.raises(asyncio.CancelledError):
                 await task
-        assert copier.state is Lifecycle.CLOSED and copier.in_flight == 0
+        assert copier.state is Lifecycle.CLOSED and copier.statistics().jobs_in_flight == 0
         assert all(h.done() and h.error is None for h in handles)
-        assert bytes(pool.slot_view(0)) == device_block(kv, 4)
-        assert bytes(pool.slot_view(1)) == device_block(kv, 5)
+        assert slot_bytes(pool, 0) == device_block(kv, 4)
+        assert slot_bytes(pool, 1) == device_block(kv, 5)
         assert executor.submits == 2
     executor.shutdown()
 
@@ -403,7 +404,7 @@ async def test_a_failed_copy_raises_transfer_error_and_the_copier_keeps_working(
         assert copier.statistics().failures == {"to_host copy failed": 2}
         assert sum("to_host copy failed" in r.getMessage() for r in caplog.records) == 1
         await copier.to_host([1], [1])
-        assert bytes(pool.slot_view(1)) == device_block(kv, 1)
+        assert slot_bytes(pool, 1) == device_block(kv, 1)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -465,7 +466,7 @@ async def test_cuda_copy_is_ordered_after_the_compute_stream() -> None:
         assert isinstance(kv, torch.Tensor)
         ones = torch.full_like(kv[0], 1.5)
         twos = torch.full_like(kv[0], 2.5)
-        pool.slot_tensor(1).copy_(ones.view(torch.uint8).flatten().cpu())
+        pool.tensor[1].copy_(ones.view(torch.uint8).flatten().cpu())
         compute = torch.cuda.Stream()
         with torch.cuda.stream(compute):
             torch.cuda._sleep(200_000_000)  # keeps the compute stream busy for ~0.1 s
@@ -474,7 +475,7 @@ async def test_cuda_copy_is_ordered_after_the_compute_stream() -> None:
             kv[7].copy_(twos)
             load = copier.to_device([1], [7])  # must land after that write, not under it
         await store
-        assert bytes(pool.slot_view(0)) == twos.view(torch.uint8).cpu().numpy().tobytes()
+        assert slot_bytes(pool, 0) == twos.view(torch.uint8).cpu().numpy().tobytes()
         await load
         assert torch.equal(kv[7].cpu(), ones.cpu())
 
@@ -486,7 +487,7 @@ async def test_cuda_handle_completes_only_after_the_bytes_landed() -> None:
         handle = copier.to_host([1, 2, 3], [4, 5, 6])
         await handle
         for block, slot in ((1, 4), (2, 5), (3, 6)):
-            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+            assert slot_bytes(pool, slot) == device_block(kv, block)
 
 
 @pytest.mark.cuda
@@ -497,6 +498,6 @@ async def test_cuda_leaving_the_block_waits_for_copies_in_flight() -> None:
             torch.cuda._sleep(200_000_000)  # the copy is still queued when the block ends
             handle = copier.to_host([4, 5], [0, 1])
             assert not handle.done()
-        assert handle.done() and handle.error is None and copier.in_flight == 0
-        assert bytes(pool.slot_view(0)) == device_block(kv, 4)
-        assert bytes(pool.slot_view(1)) == device_block(kv, 5)
+        assert handle.done() and handle.error is None and copier.statistics().jobs_in_flight == 0
+        assert slot_bytes(pool, 0) == device_block(kv, 4)
+        assert slot_bytes(pool, 1) == device_block(kv, 5)

@@ -178,7 +178,8 @@ def test_prepare_store_without_room_returns_none_and_changes_nothing() -> None:
 def test_prepare_store_larger_than_the_tier_returns_none() -> None:
     m = CPUOffloadingManager(2)
     assert m.prepare_store([h(1), h(2), h(3)]) is None
-    assert len(m) == 0 and m.num_free == 2
+    assert len(m) == 0
+    assert m.prepare_store([h(1), h(2)]).store_spec.block_ids == [0, 1]
 
 
 def test_pinned_blocks_are_never_evicted() -> None:
@@ -226,7 +227,7 @@ def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
     m.prepare_store([h(2), h(3)])
     m.complete_store([h(1), h(2), h(3)], success=False)
     assert h(1) in m and h(2) not in m and h(3) not in m
-    assert m.num_free == 3
+    assert len(m.prepare_store([h(4), h(5), h(6)]).store_spec.block_ids) == 3
 
 
 def test_complete_store_ignores_unknown_hashes() -> None:

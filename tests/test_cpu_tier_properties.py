@@ -108,7 +108,7 @@ class _ManagerMachine(RuleBasedStateMachine):
         assert len(set(slots)) == len(slots)
         assert all(0 <= s < CAPACITY for s in slots)
         assert set(slots).isdisjoint(self.m._free_slots)
-        assert len(slots) + self.m.num_free == CAPACITY
+        assert len(slots) + len(self.m._free_slots) == CAPACITY
 
     @invariant()
     def evictable_count_is_exact(self) -> None:

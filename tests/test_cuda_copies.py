@@ -27,6 +27,7 @@ from _device_kv import (
     layers_of,
     make_kv,
     opened,
+    slot_bytes,
 )
 
 from tiering.device.copier import DeviceCopier
@@ -34,7 +35,7 @@ from tiering.device.cuda_copies import CudaCopyBackend, CudaRuntime
 from tiering.device.host_pool import HostPool
 from tiering.device.kv_layout import Direction, describe_kv_caches
 from tiering.device.layer_progress import LayerProgress
-from tiering.errors import ClosedError, TransferError
+from tiering.errors import TransferError
 
 
 class _FakeStream:
@@ -96,6 +97,13 @@ class _FakeRuntime(CudaRuntime):
         return host  # a CPU "device": kernels see the pool as it is
 
 
+def lane(runtime: _FakeRuntime, direction: Direction) -> tuple[_FakeStream, _FakeStream]:
+    """The stream that carries ``direction``'s blocks over the link and the one that
+    gathers or scatters their rows: the backend opens them in that order, per direction."""
+    i = list(Direction).index(direction)
+    return runtime.streams[2 * i], runtime.streams[2 * i + 1]
+
+
 @asynccontextmanager
 async def stream_path(
     layout: str, staging_rows: int, *, maps_host: bool = False
@@ -120,27 +128,27 @@ async def test_stream_path_copies_exactly_through_the_staging_buffer(
 
 
 async def test_stream_path_orders_each_job_after_the_current_stream() -> None:
-    async with stream_path("mixed_dtypes", 4) as (copier, kv, _, backend, runtime):
-        streams = [get(d) for d in Direction for get in (backend.lane_stream, backend.lane_kernels)]
-        assert len({id(s) for s in streams}) == 4  # two streams per direction
+    async with stream_path("mixed_dtypes", 4) as (copier, kv, _, _, runtime):
+        streams = [s for d in Direction for s in lane(runtime, d)]
+        assert len({id(s) for s in streams}) == len(runtime.streams) == 4  # two per direction
         for stream in streams:  # the KV cache is marked as used on every copy stream
             used = sum(s is stream for t, s in runtime.recorded_streams if len(t) == NUM_BLOCKS)
             assert used == len(layers_of(kv))
         await copier.to_host([1], [1])
         await copier.to_device([1], [2])
-        for direction in Direction:
-            fence = backend.lane_fence(direction)
-            for stream in (backend.lane_stream(direction), backend.lane_kernels(direction)):
-                assert stream.waited[0] == (fence, runtime.current)  # type: ignore[attr-defined]
+        for direction in Direction:  # both streams wait for one fence on the current stream
+            link, kernels = lane(runtime, direction)
+            assert link.waited[0][1] is runtime.current
+            assert kernels.waited[0] == link.waited[0]
 
 
 @pytest.mark.parametrize("direction", list(Direction))
 async def test_stream_path_pipelines_chunks_through_two_staging_buffers(
     direction: Direction,
 ) -> None:
-    async with stream_path("mixed_dtypes", 1) as (copier, kv, pool, backend, runtime):
+    async with stream_path("mixed_dtypes", 1) as (copier, kv, pool, _, runtime):
         pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, dtype=torch.uint8))
-        link, kernels = backend.lane_stream(direction), backend.lane_kernels(direction)
+        link, kernels = lane(runtime, direction)
         if direction is Direction.TO_HOST:  # three chunks of one block each
             await copier.to_host([0, 1, 2], [3, 4, 5])
             producer, consumer = kernels, link
@@ -149,7 +157,7 @@ async def test_stream_path_pipelines_chunks_through_two_staging_buffers(
             producer, consumer = link, kernels
         blocks = (0, 1, 2) if direction is Direction.TO_HOST else (6, 7, 8)
         for block, slot in zip(blocks, (3, 4, 5), strict=True):
-            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
+            assert slot_bytes(pool, slot) == device_block(kv, block)
         # The producer reuses buffer b once the consumer has emptied it (buffers 0, 1,
         # then 0 again, only that one recorded by then); the consumer takes each chunk
         # once filled, then joins the producer's stream to end the job.
@@ -169,16 +177,14 @@ async def test_stream_path_handle_completes_only_once_its_event_fired() -> None:
         handles = [copier.to_host([b], [b]) for b in range(3)]
         for _ in range(20):  # many polls, past the back-off to the timer
             await asyncio.sleep(0.001)
-        assert not any(h.done() for h in handles) and copier.in_flight == 3
+        assert not any(h.done() for h in handles) and copier.statistics().jobs_in_flight == 3
         runtime.fired = True
         await asyncio.gather(*handles)
-        assert copier.in_flight == 0
-        assert backend.events_created == 3 and backend.events_idle == 3
+        assert copier.statistics().jobs_in_flight == 0
+        assert backend.events_created == 3
         await copier.to_host([4], [4])
         assert backend.events_created == 3  # an idle event is reused
-    assert backend.lanes == 0  # staging buffers released at exit
-    with pytest.raises(ClosedError):
-        backend.lane_stream(Direction.TO_HOST)
+    assert backend._lanes == {}  # staging buffers released at exit
 
 
 @pytest.mark.parametrize("maps_host", [False, True])
@@ -188,7 +194,7 @@ async def test_stream_path_marks_each_layer_behind_an_event_on_the_scatter_strea
     layout: str, staging_rows: int, maps_host: bool
 ) -> None:
     path = stream_path(layout, staging_rows, maps_host=maps_host)
-    async with path as (copier, kv, _pool, backend, runtime):
+    async with path as (copier, kv, _pool, _, runtime):
         await copier.to_host([1, 2, 3], [0, 1, 2])
         want = [t[[1, 2, 3]].view(torch.uint8).clone() for t in layers_of(kv)]
         for t in layers_of(kv):
@@ -201,10 +207,10 @@ async def test_stream_path_marks_each_layer_behind_an_event_on_the_scatter_strea
         markers = progress._events
         assert all(m is not None for m in markers) and len(markers) == len(layers_of(kv))
         assert len({id(m.event) for m in markers}) == len(markers)  # type: ignore[union-attr]
-        scatter = backend.lane_kernels(Direction.TO_DEVICE)
+        link, scatter = lane(runtime, Direction.TO_DEVICE)
         assert all(m.event.stream is scatter for m in markers)  # type: ignore[union-attr]
         assert not any(progress.ready(i) for i in range(progress.num_layers))
-        assert backend.maps_host is maps_host
+        assert (len(link.waited) == 1) is maps_host  # layer-major: the link only fences
         progress.wait(0, timeout=0)  # the host does not wait: the current stream does
         assert runtime.current.waited == [(markers[0].event, scatter)]  # type: ignore[union-attr]
         runtime.fired = True
@@ -237,7 +243,7 @@ class _LayerOrder(LayerProgress):
 async def test_a_layer_by_layer_load_from_a_mapped_pool_lands_layer_after_layer(
     layout: str,
 ) -> None:
-    async with stream_path(layout, 1, maps_host=True) as (copier, kv, pool, backend, runtime):
+    async with stream_path(layout, 1, maps_host=True) as (copier, kv, pool, _, runtime):
         pool.tensor.copy_(torch.randint(0, 256, pool.tensor.shape, dtype=torch.uint8))
         for t in layers_of(kv):
             t.zero_()
@@ -247,14 +253,14 @@ async def test_a_layer_by_layer_load_from_a_mapped_pool_lands_layer_after_layer(
         n = progress.num_layers
         assert progress.seen == [[j <= i for j in range(n)] for i in range(n)]
         for slot, block in zip(slots, ids, strict=True):
-            assert bytes(pool.slot_view(slot)) == device_block(kv, block)
-        fence = backend.lane_fence(Direction.TO_DEVICE)
-        link = backend.lane_stream(Direction.TO_DEVICE)
-        assert link.waited == [(fence, runtime.current)]  # type: ignore[attr-defined]
+            assert slot_bytes(pool, slot) == device_block(kv, block)
+        link, kernels = lane(runtime, Direction.TO_DEVICE)
+        assert link.waited == kernels.waited[:1]  # the fence only
+        assert link.waited[0][1] is runtime.current
         # A load that marks no layers still stages whole blocks through the link.
         await copier.to_device([1], [0])
         assert len(link.waited) > 1  # type: ignore[attr-defined]
-        assert bytes(pool.slot_view(1)) == device_block(kv, 0)
+        assert slot_bytes(pool, 1) == device_block(kv, 0)
 
 
 @pytest.mark.parametrize("maps_host", [False, True])
@@ -277,7 +283,8 @@ async def test_stream_path_an_enqueue_failure_fails_the_layers_not_marked(
 @pytest.mark.parametrize("layout", ["one_tensor", "mixed_dtypes"])
 async def test_cuda_a_layer_read_after_its_wait_sees_the_loaded_bytes(layout: str) -> None:
     async with opened(layout, "cuda") as (copier, kv, _pool):
-        assert isinstance(copier.backend, CudaCopyBackend) and copier.backend.maps_host
+        assert isinstance(copier.backend, CudaCopyBackend)
+        assert copier.backend._host_mapped is not None  # layer-major from the mapped pool
         want = [t.clone() for t in layers_of(kv)]
         await copier.to_host([1, 2, 3], [0, 1, 2])
         for t in layers_of(kv):
@@ -325,7 +332,7 @@ async def test_stream_path_exit_waits_for_events_and_a_cancelled_exit_synchroniz
             await task
         assert handles[0].done() and handles[0].error is None
         assert all(s.synchronized == 1 for s in runtime.streams)
-        assert copier.in_flight == 0 and backend.lanes == 0
+        assert copier.statistics().jobs_in_flight == 0 and backend._lanes == {}
 
 
 async def test_stream_path_an_enqueue_failure_fails_only_that_job(
@@ -358,7 +365,7 @@ async def test_cuda_events_are_pooled_and_reused() -> None:
         await asyncio.gather(*(copier.to_host([b], [b]) for b in range(NUM_SLOTS)))
         assert backend.events_created <= NUM_SLOTS
         assert backend.events_idle == backend.events_created
-        assert copier.in_flight == 0
+        assert copier.statistics().jobs_in_flight == 0
 
 
 @pytest.mark.cuda

@@ -32,9 +32,8 @@ def _is_mapped(address: int, nbytes: int) -> bool:
 
 def test_buffer_is_page_aligned() -> None:
     with HostPool(3, 1000) as pool:
-        assert pool.address % 4096 == 0
-        assert pool.address % PAGE_SIZE == 0
-        assert pool.tensor.data_ptr() == pool.address
+        address = pool.tensor.data_ptr()
+        assert address % 4096 == 0 and address % PAGE_SIZE == 0
 
 
 def test_sizes_and_shapes_match_the_arguments() -> None:
@@ -42,8 +41,6 @@ def test_sizes_and_shapes_match_the_arguments() -> None:
         assert (pool.num_blocks, pool.block_bytes, pool.nbytes) == (5, 48, 240)
         assert pool.tensor.shape == (5, 48) and pool.tensor.dtype == torch.uint8
         assert pool.view.format == "B" and pool.view.nbytes == 240 and not pool.view.readonly
-        assert pool.slot_view(4).nbytes == 48
-        assert pool.slot_tensor(4).shape == (48,)
 
 
 def test_buffer_starts_zeroed() -> None:
@@ -55,20 +52,19 @@ def test_write_through_tensor_is_seen_through_view() -> None:
     with HostPool(4, 16) as pool:
         pool.tensor[2] = torch.arange(16, dtype=torch.uint8)
         assert bytes(pool.view[32:48]) == bytes(range(16))
-        assert bytes(pool.slot_view(2)) == bytes(range(16))
 
 
-def test_write_through_slot_view_is_seen_through_slot_tensor() -> None:
+def test_write_through_view_is_seen_through_tensor() -> None:
     with HostPool(4, 16) as pool:
-        pool.slot_view(1)[:] = b"\xab" * 16
-        assert torch.equal(pool.slot_tensor(1), torch.full((16,), 0xAB, dtype=torch.uint8))
+        pool.view[16:32] = b"\xab" * 16
+        assert torch.equal(pool.tensor[1], torch.full((16,), 0xAB, dtype=torch.uint8))
         assert pool.tensor[0].sum().item() == 0 and pool.tensor[2].sum().item() == 0
 
 
 def test_numpy_view_of_the_memoryview_shares_memory() -> None:
     with HostPool(2, 8) as pool:
         array = np.frombuffer(pool.view, dtype=np.uint8)
-        pool.slot_tensor(1).fill_(9)
+        pool.tensor[1].fill_(9)
         assert array[8:].tolist() == [9] * 8
         del array
 
@@ -88,21 +84,6 @@ def test_bad_block_bytes_is_rejected(bad: object) -> None:
 def test_integer_like_sizes_are_accepted() -> None:
     with HostPool(np.int64(3), np.int32(16)) as pool:  # type: ignore[arg-type]
         assert (pool.num_blocks, pool.block_bytes) == (3, 16)
-
-
-@pytest.mark.parametrize("bad", [-1, 4, 100])
-def test_slot_out_of_range_is_rejected(bad: int) -> None:
-    with HostPool(4, 8) as pool:
-        with pytest.raises(InvalidArgumentError, match=f"slot {bad}"):
-            pool.slot_view(bad)
-        with pytest.raises(InvalidArgumentError, match=f"slot {bad}"):
-            pool.slot_tensor(bad)
-
-
-@pytest.mark.parametrize("bad", [1.0, "1", True])
-def test_non_int_slot_is_rejected(bad: object) -> None:
-    with HostPool(4, 8) as pool, pytest.raises(InvalidArgumentError, match="slot"):
-        pool.slot_view(bad)  # type: ignore[arg-type]
 
 
 def test_pin_must_be_bool_or_none() -> None:
@@ -135,9 +116,6 @@ def test_every_accessor_raises_closed_error_after_close() -> None:
     for use in (
         lambda: pool.view,
         lambda: pool.tensor,
-        lambda: pool.address,
-        lambda: pool.slot_view(0),
-        lambda: pool.slot_tensor(0),
     ):
         with pytest.raises(ClosedError):
             use()
@@ -160,7 +138,7 @@ def test_context_manager_closes_the_pool() -> None:
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 def test_close_unmaps_the_buffer() -> None:
     pool = HostPool(4, 2 << 20)
-    address, nbytes = pool.address, pool.nbytes
+    address, nbytes = pool.tensor.data_ptr(), pool.nbytes
     assert _is_mapped(address, nbytes)
     pool.close()
     assert not _is_mapped(address, nbytes)
@@ -168,7 +146,7 @@ def test_close_unmaps_the_buffer() -> None:
 
 def test_close_keeps_memory_alive_for_a_view_still_held() -> None:
     pool = HostPool(3, 4096)
-    slot = pool.slot_tensor(1)
+    slot = pool.tensor[1]
     slot.fill_(7)
     flat = pool.view[4096:8192]
     pool.close()
@@ -211,7 +189,7 @@ def test_pinning_registers_the_whole_buffer_once_and_close_unregisters_it(
     fake_cudart: _FakeCudart,
 ) -> None:
     pool = HostPool(3, 4096)  # pin=None pins when CUDA is available
-    address = pool.address
+    address = pool.tensor.data_ptr()
     assert pool.pinned
     assert fake_cudart.calls == [("register", address, 3 * 4096, 3)]  # portable | mapped
     pool.close()
@@ -222,7 +200,7 @@ def test_pinning_registers_the_whole_buffer_once_and_close_unregisters_it(
 
 def test_pool_dropped_without_close_is_unregistered(fake_cudart: _FakeCudart) -> None:
     pool = HostPool(2, 4096, pin=True)
-    address = pool.address
+    address = pool.tensor.data_ptr()
     del pool
     gc.collect()
     assert fake_cudart.calls[-1] == ("unregister", address)
@@ -245,14 +223,14 @@ def test_pool_is_pinned_by_default_with_cuda() -> None:
     with HostPool(4, 1 << 20) as pool:
         assert pool.pinned
         assert pool.tensor.is_pinned()
-        assert pool.slot_tensor(3).is_pinned()
-        assert pool.address % 4096 == 0
+        assert pool.tensor[3].is_pinned()
+        assert pool.tensor.data_ptr() % 4096 == 0
 
 
 @pytest.mark.cuda
 def test_pinned_pool_is_unpinned_on_close_while_a_view_lives() -> None:
     pool = HostPool(2, 1 << 20, pin=True)
-    slot = pool.slot_tensor(0)
+    slot = pool.tensor[0]
     assert slot.is_pinned()
     pool.close()
     assert not slot.is_pinned()

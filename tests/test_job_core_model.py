@@ -414,9 +414,10 @@ class JobCoreMachine(RuleBasedStateMachine):
         stores = [j for j, (kind, _, _) in self.jobs.items() if kind == "store"]
         assert all(self.cascaded[j] == 1 for j in stores), "a store lacks its cascaded answer"
         assert all(self.flush_answers[f] == 1 for f in self.flushes)
-        assert self.core.jobs_in_flight == 0 and self.core.ops_in_flight == 0
+        assert self.core.jobs_in_flight == 0 and self.core.blocks_in_flight == 0
         assert self.core.filling_blocks == 0
-        assert self.manager.num_pinned == 0 and self.manager.num_in_flight == 0
+        assert self.manager.num_pinned == 0
+        assert len(self.manager.ready_hashes()) == len(self.manager)
         assert all(not tier.holds for tier in self.tiers), "a tier hold was never released"
         if self.core.state is not Lifecycle.OPEN:
             assert self.drained, "a close never drained"

@@ -38,6 +38,12 @@ from tiering.device.thread_copies import ThreadCopyBackend
 LAYOUTS = ["one_tensor", "mixed_dtypes"]  # one tensor; per-layer tensors
 
 
+def wait_every_layer(progress: LayerProgress, timeout: float | None = None) -> None:
+    """What a forward does over a whole load: wait for each layer in turn."""
+    for layer in range(progress.num_layers):
+        progress.wait(layer, timeout)
+
+
 # ------------------------------------------------------------------------ on its own
 
 
@@ -78,7 +84,7 @@ def test_a_failure_after_every_layer_landed_changes_nothing() -> None:
     progress.mark_all()
     progress.fail("late")
     assert progress.error is None and progress.done()
-    progress.wait_all(timeout=0)
+    wait_every_layer(progress, timeout=0)
 
 
 def test_a_waiting_thread_wakes_on_its_layer() -> None:
@@ -150,7 +156,7 @@ async def test_thread_backend_marks_each_layer_in_order_once_its_rows_landed(
             t.zero_()
         progress = _CheckingProgress(kv, want, ids)
         handle = copier.to_device(slots, ids, progress=progress)
-        await asyncio.to_thread(progress.wait_all)  # a forward's thread, off the loop
+        await asyncio.to_thread(wait_every_layer, progress)  # a forward's thread, off the loop
         await handle
         layers = len(layers_of(kv))
         assert progress.order == list(range(layers))
@@ -195,7 +201,7 @@ async def test_empty_load_marks_every_layer() -> None:
     async with opened("mixed_dtypes") as (copier, _, _):
         progress = LayerProgress(copier.num_layers)
         await copier.to_device([], [], progress=progress)
-        progress.wait_all(timeout=0)
+        wait_every_layer(progress, timeout=0)
 
 
 @pytest.mark.parametrize(
@@ -211,7 +217,7 @@ async def test_a_bad_progress_is_rejected_before_anything_is_copied(make, messag
         before = snapshot(kv)
         with pytest.raises(InvalidArgumentError, match=message):
             copier.to_device([0], [1], progress=make(copier.num_layers))
-        assert copier.in_flight == 0
+        assert copier.statistics().jobs_in_flight == 0
         assert all(torch.equal(a, b) for a, b in zip(snapshot(kv), before, strict=True))
 
 
@@ -240,7 +246,7 @@ async def test_an_engine_load_marks_every_layer_and_the_bytes_are_there() -> Non
         wipe(kv, [4, 5, 6, 7])
         progress = LayerProgress(engine.num_layers)
         job = engine.load(keys, [4, 5, 6, 7], progress=progress)
-        await asyncio.to_thread(progress.wait_all)
+        await asyncio.to_thread(wait_every_layer, progress)
         assert_holds(kv, keys, [4, 5, 6, 7])  # every layer readable before the job's await
         assert (await job).success
         with pytest.raises(InvalidArgumentError, match="in use already"):
@@ -267,7 +273,7 @@ async def test_an_engine_load_from_nvme_marks_layers_and_a_damaged_block_fails_t
         wipe(kv, [6, 7, 8])
         progress = LayerProgress(engine.num_layers)
         job = engine.load(keys, [6, 7, 8], progress=progress)
-        await asyncio.to_thread(progress.wait_all)
+        await asyncio.to_thread(wait_every_layer, progress)
         assert_holds(kv, keys, [6, 7, 8])
         assert (await job).success
 

@@ -87,3 +87,16 @@ def test_misuse_raises_and_changes_nothing() -> None:
         ledger.busy(9)
     assert ledger.pending == 1 and ledger.drain() == []
     assert 1 in ledger and 5 not in ledger
+
+
+def test_admit_new_takes_an_id_in_use_nowhere_and_delivers_to_on_done() -> None:
+    ledger = ResultsLedger()
+    ledger.admit(_job(0, [b"user"]))  # a caller's own id
+    results: list[JobResult] = []
+    job = ledger.admit_new("load", (b"a",), (3,), results.append, taken={1})
+    assert job.meta == JobMetadata(2, (b"a",), (3,)) and job.lane == "load"
+    assert 2 in ledger and ledger.pending == 2
+    assert ledger.admit_new("store", (b"b",), (4,), results.append).meta.job_id == 3
+    ledger.finish(2, JobResult(2, True))
+    assert results == [JobResult(2, True)] and 2 not in ledger  # delivered, id freed
+    assert ledger.drain() == []  # on_done jobs are never drained

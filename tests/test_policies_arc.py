@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _policy_ops import any_key as _any
-from _policy_ops import hot_hits_under_scan, operations, run_operations
+from _policy_ops import arc_lists, hot_hits_under_scan, operations, run_operations
 from _policy_ops import key as _key
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +30,7 @@ def test_make_policy_builds_arc_by_name() -> None:
 
 def test_inserted_key_is_resident_in_t1() -> None:
     policy = _arc(4, range(2))
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.t1 == (_key(0), _key(1))
     assert state.t2 == ()
     assert len(policy) == 2
@@ -40,7 +40,7 @@ def test_inserted_key_is_resident_in_t1() -> None:
 def test_touched_t1_key_moves_to_t2() -> None:
     policy = _arc(4, range(3))
     policy.touch([_key(1)])
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.t1 == (_key(0), _key(2))
     assert state.t2 == (_key(1),)
 
@@ -50,20 +50,20 @@ def test_touched_t2_key_becomes_most_recent_of_t2() -> None:
     policy.touch([_key(0)])
     policy.touch([_key(1)])
     policy.touch([_key(0)])
-    assert policy.snapshot().t2 == (_key(1), _key(0))
+    assert arc_lists(policy).t2 == (_key(1), _key(0))
 
 
 def test_touch_makes_first_key_the_most_recent() -> None:
     policy = _arc(4, range(3))
     policy.touch([_key(2), _key(0), _key(1)])
-    assert policy.snapshot().t2 == (_key(1), _key(0), _key(2))
+    assert arc_lists(policy).t2 == (_key(1), _key(0), _key(2))
 
 
 def test_touch_ignores_keys_not_resident() -> None:
     policy = _arc(3, range(3))
     policy.evict(1, _any)  # key 0 becomes a B1 ghost
     policy.touch([_key(0), _key(99)])
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.t2 == ()
     assert state.b1 == (_key(0),)
 
@@ -72,7 +72,7 @@ def test_evict_takes_lru_of_t1_while_t1_exceeds_target() -> None:
     policy = _arc(4, range(4))
     policy.touch([_key(0)])  # T1 = 1,2,3; T2 = 0; p = 0
     assert policy.evict(2, _any) == [_key(1), _key(2)]
-    assert policy.snapshot().t2 == (_key(0),)
+    assert arc_lists(policy).t2 == (_key(0),)
 
 
 def test_evict_takes_lru_of_t2_when_t1_is_within_target() -> None:
@@ -81,15 +81,15 @@ def test_evict_takes_lru_of_t2_when_t1_is_within_target() -> None:
     policy.remove(_key(1))
     policy.insert(_key(0))  # B1 hit: p = 1, key 0 in T2
     policy.insert(_key(5))  # T1 = 5 (|T1| == p)
-    assert policy.target_t1 == 1.0
+    assert arc_lists(policy).target_t1 == 1.0
     assert policy.evict(1, _any) == [_key(0)]
-    assert policy.snapshot().b2 == (_key(0),)
+    assert arc_lists(policy).b2 == (_key(0),)
 
 
 def test_evicted_t1_key_becomes_most_recent_b1_ghost() -> None:
     policy = _arc(4, range(4))
     policy.evict(2, _any)
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.b1 == (_key(0), _key(1))
     assert _key(0) not in policy
     assert len(policy) == 2
@@ -99,7 +99,7 @@ def test_reinserted_b1_ghost_lands_in_t2_and_raises_target() -> None:
     policy = _arc(4, range(4))
     policy.evict(1, _any)
     policy.insert(_key(0))
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.t2 == (_key(0),)
     assert state.b1 == ()
     assert state.target_t1 == 1.0
@@ -112,7 +112,7 @@ def test_b1_hit_raises_target_by_ghost_ratio() -> None:
     policy.insert(_key(10))
     policy.evict(1, _any)  # |T1| = 1 > p = 0: key 10 -> B1
     policy.insert(_key(10))  # |B2| / |B1| = 2
-    assert policy.target_t1 == 2.0
+    assert arc_lists(policy).target_t1 == 2.0
 
 
 def test_reinserted_b2_ghost_lands_in_t2_and_lowers_target() -> None:
@@ -124,7 +124,7 @@ def test_reinserted_b2_ghost_lands_in_t2_and_lowers_target() -> None:
     policy.remove(_key(3))
     assert policy.evict(1, _any) == [_key(0)]  # T1 empty: LRU of T2
     policy.insert(_key(0))
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.t2 == (_key(1), _key(0))
     assert state.b2 == ()
     assert state.target_t1 == 0.0
@@ -135,7 +135,7 @@ def test_b2_hit_never_lowers_target_below_zero() -> None:
     policy.touch([_key(0)])  # T1 = 1; T2 = 0
     assert policy.evict(1, lambda k: k != _key(1)) == [_key(0)]  # T1 pinned: from T2
     policy.insert(_key(0))
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.t2 == (_key(0),)
     assert state.target_t1 == 0.0
 
@@ -149,12 +149,12 @@ def test_target_stays_within_zero_and_capacity() -> None:
         policy.evict(2, _any)
         policy.insert(a)  # B1 hit
         policy.evict(1, _any)
-        assert 0.0 <= policy.target_t1 <= 2.0
-        for key in list(policy.snapshot().t2):
+        assert 0.0 <= arc_lists(policy).target_t1 <= 2.0
+        for key in list(arc_lists(policy).t2):
             policy.remove(key)
-        for key in list(policy.snapshot().t1):
+        for key in list(arc_lists(policy).t1):
             policy.remove(key)
-    assert policy.target_t1 == 2.0
+    assert arc_lists(policy).target_t1 == 2.0
 
 
 def test_evict_falls_back_to_t2_when_t1_has_nothing_evictable() -> None:
@@ -162,7 +162,7 @@ def test_evict_falls_back_to_t2_when_t1_has_nothing_evictable() -> None:
     policy.touch([_key(3)])  # T1 = 0, 1, 2; T2 = 3
     pinned = {_key(0), _key(1), _key(2)}
     assert policy.evict(1, lambda k: k not in pinned) == [_key(3)]
-    assert policy.snapshot().t1 == (_key(0), _key(1), _key(2))
+    assert arc_lists(policy).t1 == (_key(0), _key(1), _key(2))
 
 
 def test_pinned_t2_keys_are_never_returned() -> None:
@@ -170,7 +170,7 @@ def test_pinned_t2_keys_are_never_returned() -> None:
     policy.touch([_key(3), _key(2), _key(1), _key(0)])  # T2 = 0, 1, 2, 3
     pinned = {_key(0), _key(2)}
     assert policy.evict(2, lambda k: k not in pinned) == [_key(1), _key(3)]
-    assert policy.snapshot().t2 == (_key(0), _key(2))
+    assert arc_lists(policy).t2 == (_key(0), _key(2))
 
 
 def test_pinned_keys_are_never_returned_and_keep_their_place() -> None:
@@ -178,7 +178,7 @@ def test_pinned_keys_are_never_returned_and_keep_their_place() -> None:
     pinned = {_key(0), _key(2), _key(4)}
     victims = policy.evict(3, lambda k: k not in pinned)
     assert victims == [_key(1), _key(3), _key(5)]
-    assert policy.snapshot().t1 == (_key(0), _key(2), _key(4))
+    assert arc_lists(policy).t1 == (_key(0), _key(2), _key(4))
 
 
 def test_evict_returns_exactly_n_distinct_keys() -> None:
@@ -223,30 +223,30 @@ def test_removed_key_leaves_no_ghost() -> None:
     policy.touch([_key(2)])
     policy.remove(_key(0))
     policy.remove(_key(2))
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.b1 == state.b2 == ()
     assert len(policy) == 2
     policy.insert(_key(0))
-    assert policy.snapshot().t1[-1] == _key(0)
-    assert policy.target_t1 == 0.0
+    assert arc_lists(policy).t1[-1] == _key(0)
+    assert arc_lists(policy).target_t1 == 0.0
 
 
 def test_remove_of_key_not_resident_raises_and_changes_nothing() -> None:
     policy = _arc(4, range(2))
-    before = policy.snapshot()
+    before = arc_lists(policy)
     with pytest.raises(BlockNotFoundError, match="not resident"):
         policy.remove(_key(7))
-    assert policy.snapshot() == before
+    assert arc_lists(policy) == before
 
 
 def test_insert_of_resident_key_raises_and_changes_nothing() -> None:
     policy = _arc(4, range(2))
     policy.touch([_key(1)])
-    before = policy.snapshot()
+    before = arc_lists(policy)
     for key in (_key(0), _key(1)):
         with pytest.raises(InvalidArgumentError, match="already resident"):
             policy.insert(key)
-    assert policy.snapshot() == before
+    assert arc_lists(policy) == before
 
 
 def test_ghost_lists_stay_within_capacity_dropping_oldest() -> None:
@@ -255,12 +255,12 @@ def test_ghost_lists_stay_within_capacity_dropping_oldest() -> None:
         if len(policy) == 3:
             policy.evict(1, _any)
         policy.insert(_key(i))
-    state = policy.snapshot()
+    state = arc_lists(policy)
     # |T1| + |B1| <= 3 with T1 = 7, 8, 9: every ghost of B1 is dropped, oldest first.
     assert state.t1 == (_key(7), _key(8), _key(9))
     assert state.b1 == ()
     policy.evict(2, _any)
-    assert policy.snapshot().b1 == (_key(7), _key(8))
+    assert arc_lists(policy).b1 == (_key(7), _key(8))
 
 
 def test_b2_is_trimmed_when_ghosts_exceed_capacity() -> None:
@@ -270,7 +270,7 @@ def test_b2_is_trimmed_when_ghosts_exceed_capacity() -> None:
             policy.evict(1, _any)
         policy.insert(_key(i))
         policy.touch([_key(i)])  # straight to T2
-    state = policy.snapshot()
+    state = arc_lists(policy)
     assert state.t2 == (_key(4), _key(5))
     assert state.b2 == (_key(2), _key(3))  # oldest ghosts 0, 1 dropped
 
@@ -284,7 +284,7 @@ _OPS = operations(_UNIVERSE, max_evict=7)
 
 
 def _check_arc_invariants(policy: ARCPolicy, resident: set[bytes]) -> None:
-    state = policy.snapshot()
+    state = arc_lists(policy)
     t1, t2, b1, b2 = set(state.t1), set(state.t2), set(state.b1), set(state.b2)
     capacity = policy.capacity
     assert len(policy) == len(resident)

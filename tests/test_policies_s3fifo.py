@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _policy_ops import any_key as _any
-from _policy_ops import hot_hits_under_scan, operations, run_operations
+from _policy_ops import hot_hits_under_scan, operations, run_operations, s3fifo_queues
 from _policy_ops import key as _key
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,7 +28,7 @@ def _with_main(capacity: int, ids: range) -> S3FIFOPolicy:
     policy.evict(len(ids), _any)
     for i in ids:
         policy.insert(_key(i))
-    assert policy.snapshot().main == tuple(_key(i) for i in ids)
+    assert s3fifo_queues(policy).main == tuple(_key(i) for i in ids)
     return policy
 
 
@@ -36,7 +36,7 @@ def test_make_policy_builds_s3fifo_by_name() -> None:
     policy = make_policy("s3fifo", 10)
     assert isinstance(policy, S3FIFOPolicy)
     assert policy.capacity == 10
-    assert policy.ghost_capacity == 9
+    assert policy._ghost_capacity == 9
 
 
 @pytest.mark.parametrize("ratio", [0, 1, -0.1, 1.5, True, "0.1", float("nan")])
@@ -47,7 +47,7 @@ def test_small_ratio_outside_open_unit_interval_is_rejected(ratio: object) -> No
 
 def test_new_key_enters_small_queue_with_zero_count() -> None:
     policy = _s3fifo(10, range(2))
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.small == (_key(0), _key(1))
     assert state.main == ()
     assert state.freq == {_key(0): 0, _key(1): 0}
@@ -60,14 +60,14 @@ def test_touch_counts_accesses_up_to_three() -> None:
     for _ in range(5):
         policy.touch([_key(0)])
     policy.touch([_key(1), _key(1)])
-    assert policy.snapshot().freq == {_key(0): 3, _key(1): 2}
+    assert s3fifo_queues(policy).freq == {_key(0): 3, _key(1): 2}
 
 
 def test_touch_ignores_keys_not_resident() -> None:
     policy = _s3fifo(10, range(2))
     policy.evict(1, _any)  # key 0 -> ghost
     policy.touch([_key(0), _key(99)])
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.freq == {_key(1): 0}
     assert state.ghost == (_key(0),)
 
@@ -77,7 +77,7 @@ def test_key_accessed_twice_in_small_is_promoted_to_main_instead_of_evicted() ->
     policy.touch([_key(0)])
     policy.touch([_key(0)])
     assert policy.evict(1, _any) == [_key(1)]
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.main == (_key(0),)
     assert state.small == (_key(2),)
     assert state.freq[_key(0)] == 0  # bits cleared on the move
@@ -88,7 +88,7 @@ def test_key_accessed_once_in_small_is_evicted_to_ghost() -> None:
     policy = _s3fifo(10, range(3))
     policy.touch([_key(0)])
     assert policy.evict(1, _any) == [_key(0)]
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.ghost == (_key(0),)
     assert state.main == ()
     assert _key(0) not in policy
@@ -98,7 +98,7 @@ def test_inserted_key_found_in_ghost_queue_goes_to_main() -> None:
     policy = _s3fifo(10, range(3))
     policy.evict(1, _any)
     policy.insert(_key(0))
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.main == (_key(0),)
     assert state.small == (_key(1), _key(2))
     assert state.ghost == ()
@@ -110,7 +110,7 @@ def test_main_head_with_count_is_decremented_and_reinserted_at_tail() -> None:
     policy.touch([_key(0)])
     policy.touch([_key(1), _key(1)])
     assert policy.evict(1, _any) == [_key(2)]
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.main == (_key(0), _key(1))
     assert state.freq == {_key(0): 0, _key(1): 1}
 
@@ -118,7 +118,7 @@ def test_main_head_with_count_is_decremented_and_reinserted_at_tail() -> None:
 def test_key_evicted_from_main_leaves_no_ghost() -> None:
     policy = _with_main(10, range(3))
     assert policy.evict(2, _any) == [_key(0), _key(1)]
-    assert policy.snapshot().ghost == ()
+    assert s3fifo_queues(policy).ghost == ()
 
 
 def test_evict_takes_from_small_while_it_holds_its_share_then_from_main() -> None:
@@ -127,7 +127,7 @@ def test_evict_takes_from_small_while_it_holds_its_share_then_from_main() -> Non
     policy.insert(_key(11))
     assert policy.evict(1, _any) == [_key(10)]  # |S| = 2
     assert policy.evict(1, _any) == [_key(0)]  # |S| = 1 < 2
-    assert policy.snapshot().small == (_key(11),)
+    assert s3fifo_queues(policy).small == (_key(11),)
 
 
 def test_one_evict_call_turns_to_main_once_small_falls_below_its_share() -> None:
@@ -135,7 +135,7 @@ def test_one_evict_call_turns_to_main_once_small_falls_below_its_share() -> None
     for i in (10, 11, 12):
         policy.insert(_key(i))
     assert policy.evict(3, _any) == [_key(10), _key(11), _key(0)]
-    assert policy.snapshot().small == (_key(12),)
+    assert s3fifo_queues(policy).small == (_key(12),)
 
 
 def test_evict_takes_from_main_when_small_has_nothing_evictable() -> None:
@@ -144,7 +144,7 @@ def test_evict_takes_from_main_when_small_has_nothing_evictable() -> None:
     policy.insert(_key(11))
     pinned = {_key(10), _key(11)}
     assert policy.evict(1, lambda k: k not in pinned) == [_key(0)]
-    assert policy.snapshot().small == (_key(10), _key(11))
+    assert s3fifo_queues(policy).small == (_key(10), _key(11))
 
 
 def test_evict_takes_from_small_below_its_share_when_main_has_nothing_evictable() -> None:
@@ -152,7 +152,7 @@ def test_evict_takes_from_small_below_its_share_when_main_has_nothing_evictable(
     policy.insert(_key(10))  # |S| = 1 < 2
     pinned = {_key(0), _key(1)}
     assert policy.evict(1, lambda k: k not in pinned) == [_key(10)]
-    assert policy.snapshot().main == (_key(0), _key(1))
+    assert s3fifo_queues(policy).main == (_key(0), _key(1))
 
 
 def test_key_promoted_during_evict_can_still_be_evicted_from_main() -> None:
@@ -161,7 +161,7 @@ def test_key_promoted_during_evict_can_still_be_evicted_from_main() -> None:
     policy.touch([_key(10), _key(10)])
     # M (only key 0, pinned) is found empty first; then S promotes key 10 into M.
     assert policy.evict(1, lambda k: k != _key(0)) == [_key(10)]
-    assert policy.snapshot().main == (_key(0),)
+    assert s3fifo_queues(policy).main == (_key(0),)
 
 
 def test_ghost_queue_is_bounded_dropping_oldest() -> None:
@@ -169,7 +169,7 @@ def test_ghost_queue_is_bounded_dropping_oldest() -> None:
     for i in range(12):
         policy.insert(_key(i))
         policy.evict(1, _any)
-    assert policy.snapshot().ghost == tuple(_key(i) for i in range(3, 12))
+    assert s3fifo_queues(policy).ghost == tuple(_key(i) for i in range(3, 12))
 
 
 def test_pinned_keys_are_never_returned_and_keep_their_counters() -> None:
@@ -179,7 +179,7 @@ def test_pinned_keys_are_never_returned_and_keep_their_counters() -> None:
     pinned = {_key(0), _key(2)}
     victims = policy.evict(2, lambda k: k not in pinned)
     assert victims == [_key(1), _key(3)]
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.freq == {_key(0): 1, _key(2): 2}
     assert set(state.small) == pinned
     assert state.main == ()
@@ -204,7 +204,7 @@ def test_evict_terminates_when_all_but_one_key_is_pinned() -> None:
     assert len(policy) == 99
     # A pass over S, then at most four rounds of M (three decrements of `free`).
     assert calls <= 50 + 4 * 50 + 1
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert all(state.freq[k] == 3 for k in state.freq)
 
 
@@ -212,9 +212,9 @@ def test_evict_with_nothing_evictable_returns_empty_and_terminates() -> None:
     policy = _with_main(10, range(3))
     policy.insert(_key(10))
     policy.touch([_key(0), _key(10)])
-    before = policy.snapshot()
+    before = s3fifo_queues(policy)
     assert policy.evict(2, lambda k: False) == []
-    after = policy.snapshot()
+    after = s3fifo_queues(policy)
     assert after.freq == before.freq
     assert set(after.main) == set(before.main)
     assert set(after.small) == set(before.small)
@@ -232,9 +232,9 @@ def test_evict_returns_exactly_n_distinct_keys() -> None:
 
 def test_evict_zero_changes_nothing() -> None:
     policy = _s3fifo(10, range(3))
-    before = policy.snapshot()
+    before = s3fifo_queues(policy)
     assert policy.evict(0, _any) == []
-    assert policy.snapshot() == before
+    assert s3fifo_queues(policy) == before
 
 
 def test_removed_keys_leave_no_ghost() -> None:
@@ -242,31 +242,31 @@ def test_removed_keys_leave_no_ghost() -> None:
     policy.insert(_key(10))
     policy.remove(_key(0))
     policy.remove(_key(10))
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     assert state.ghost == ()
     assert state.main == (_key(1),)
     assert state.small == ()
     assert state.freq == {_key(1): 0}
     policy.insert(_key(0))
-    assert policy.snapshot().small == (_key(0),)
+    assert s3fifo_queues(policy).small == (_key(0),)
 
 
 def test_remove_of_key_not_resident_raises_and_changes_nothing() -> None:
     policy = _s3fifo(10, range(2))
-    before = policy.snapshot()
+    before = s3fifo_queues(policy)
     with pytest.raises(BlockNotFoundError, match="not resident"):
         policy.remove(_key(7))
-    assert policy.snapshot() == before
+    assert s3fifo_queues(policy) == before
 
 
 def test_insert_of_resident_key_raises_and_changes_nothing() -> None:
     policy = _with_main(10, range(1))
     policy.insert(_key(1))
-    before = policy.snapshot()
+    before = s3fifo_queues(policy)
     for key in (_key(0), _key(1)):
         with pytest.raises(InvalidArgumentError, match="already resident"):
             policy.insert(key)
-    assert policy.snapshot() == before
+    assert s3fifo_queues(policy) == before
 
 
 # -- properties over random operation sequences ------------------------------------
@@ -278,7 +278,7 @@ _OPS = operations(_UNIVERSE, max_evict=15)
 
 
 def _check_s3fifo_invariants(policy: S3FIFOPolicy, resident: set[bytes]) -> None:
-    state = policy.snapshot()
+    state = s3fifo_queues(policy)
     small, main, ghost = set(state.small), set(state.main), set(state.ghost)
     assert len(policy) == len(resident)
     assert small | main == resident
@@ -286,7 +286,7 @@ def _check_s3fifo_invariants(policy: S3FIFOPolicy, resident: set[bytes]) -> None
     assert set(state.freq) == resident
     assert all(0 <= count <= 3 for count in state.freq.values())
     assert not resident & ghost, "a key is both resident and a ghost"
-    assert len(state.ghost) <= policy.ghost_capacity
+    assert len(state.ghost) <= policy._ghost_capacity
 
 
 @settings(max_examples=150, deadline=None)

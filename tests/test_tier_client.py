@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+from _device_kv import slot_bytes
 
 from backends.example import ExampleSecondaryTier
 from backends.memory import MemoryTier
@@ -119,7 +120,7 @@ class Recorder:
 def _fill(pool: HostPool, slots: range) -> dict[int, bytes]:
     data = {slot: os.urandom(BLOCK) for slot in slots}
     for slot, payload in data.items():
-        pool.slot_view(slot)[:] = payload
+        pool.view[slot * BLOCK : (slot + 1) * BLOCK] = payload
     return data
 
 
@@ -153,7 +154,7 @@ async def test_bytes_round_trip_through_a_memory_tier(pool: HostPool) -> None:
         assert list(loaded.failed) == [b"zz"] and "not in the memory tier" in loaded.failed[b"zz"]
         assert not loaded.ok
     for i, slot in enumerate(range(8, 12)):
-        assert bytes(pool.slot_view(slot)) == data[i]
+        assert slot_bytes(pool, slot) == data[i]
     assert recorder.exactly_once()
     stats = client.statistics()
     assert stats.state is Lifecycle.CLOSED
@@ -175,7 +176,7 @@ async def test_a_full_inbox_becomes_backlog_and_every_job_lands_in_order(pool: H
         outcomes = await recorder.all()
     assert all(o.ok for o in outcomes)
     assert [i for i, _ in recorder.calls] == list(range(12))
-    assert tier.blocks == {f"k{i}".encode(): bytes(pool.slot_view(i)) for i in range(12)}
+    assert tier.blocks == {f"k{i}".encode(): slot_bytes(pool, i) for i in range(12)}
     assert client.backlog == 0 and client.statistics().counters["jobs_backlogged"] == 11
 
 

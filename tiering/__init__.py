@@ -1,22 +1,11 @@
 """kv-tiering: an asyncio engine that keeps an LLM server's KV cache in tiers.
 
-The public API, re-exported here: the seed types and :class:`CPUOffloadingManager`
-(scheduler-side bookkeeping), eviction policies, prefix-chained hashing, the
-secondary-tier interface, the :class:`TierActor` base and the :class:`TierClient`, the
-host pool and device transfers, the sans-I/O :class:`JobCore` and the
-:class:`TieringEngine` shell over it, the :class:`Lifecycle` and :class:`Statistics`
-every long-lived object shares; tenants' keys (:func:`tenant_keys`) and the
-:class:`Keyring` of encryption at rest; the typed :class:`TieringConfig`, workloads
-(:func:`read_mooncake`, :func:`synthetic_requests`), job latency histograms and the KV
-event wire format. Secondary tiers live in ``backends`` and are built by name through
-:func:`make_tier`. Replays, sweeps and metrics are in ``tiering.lab.replay``,
-``tiering.lab.sweep`` and ``tiering.observe.metrics`` (the last needs prometheus-client).
-
-Importing the package imports none of them: each name is imported from its module when
-first used (``from tiering import TieringEngine`` as before), so a program that needs only
-a light part (the ``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay
-for torch.
-"""
+The public API, re-exported here (``__all__``); secondary tiers live in ``backends`` and
+are built by name through :func:`make_tier`; replays, sweeps and metrics are in
+``tiering.lab.replay``, ``tiering.lab.sweep`` and ``tiering.observe.metrics`` (the last
+needs prometheus-client). Importing the package imports none of them: each name is
+imported from its module when first used, so a program that needs only a light part (the
+``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay for torch."""
 
 from __future__ import annotations
 
@@ -26,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tiering.config import TieringConfig, load_config
     from tiering.core.cpu_tier import BlockState, CPUOffloadingManager
+    from tiering.core.job import Job
     from tiering.core.job_core import JobCore, LookupStatistics
     from tiering.core.policies import (
         ARCPolicy,
@@ -43,12 +33,12 @@ if TYPE_CHECKING:
         OffloadingEvent,
         OffloadingManager,
         PrepareStoreOutput,
-        as_block_hashes,
     )
-    from tiering.device.copier import CopyHandle, DeviceCopier, kv_block_bytes
+    from tiering.device.copier import CopyHandle, DeviceCopier
     from tiering.device.host_pool import HostPool
+    from tiering.device.kv_layout import kv_block_bytes
     from tiering.device.layer_progress import LayerProgress
-    from tiering.engine import Job, TieringEngine
+    from tiering.engine import TieringEngine
     from tiering.errors import (
         BlockNotFoundError,
         ClosedError,
@@ -76,6 +66,7 @@ if TYPE_CHECKING:
     from tiering.tiers.registry import make_tier, register_tier, tier_names
     from tiering.tiers.residency_index import ResidencyIndex
     from tiering.tiers.tier_api import JobMetadata, JobResult, SecondaryTierManager
+    from tiering.validation import as_block_hashes
 
 __all__ = [
     "ARCPolicy",
@@ -148,61 +139,44 @@ __all__ = [
 ]
 
 # Where each public name lives; ``__getattr__`` imports it from there on first use.
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "tiering.core.scheduler_api": (
-        "BlockHash",
-        "CPULoadStoreSpec",
-        "LoadStoreSpec",
-        "OffloadingEvent",
-        "OffloadingManager",
-        "PrepareStoreOutput",
-        "as_block_hashes",
-    ),
-    "tiering.tiers.actor": ("TierActor",),
-    "tiering.config": ("TieringConfig", "load_config"),
-    "tiering.device.copier": ("CopyHandle", "DeviceCopier", "kv_block_bytes"),
-    "tiering.security.encryption": ("AuthenticationError", "Keyring", "UnknownKeyError"),
-    "tiering.engine": ("Job", "TieringEngine"),
-    "tiering.errors": (
-        "BlockNotFoundError",
-        "ClosedError",
-        "ConfigError",
-        "CorruptBlockError",
-        "InvalidArgumentError",
-        "NotLoadingError",
-        "TierBusyError",
-        "TieringError",
-        "TraceError",
-        "TransferError",
-        "UnknownPolicyError",
-        "UnknownTierError",
-    ),
-    "tiering.observe.events": ("decode_events", "encode_events"),
-    "tiering.hashing": ("block_hashes", "namespace_root"),
-    "tiering.device.host_pool": ("HostPool",),
-    "tiering.core.job_core": ("JobCore", "LookupStatistics"),
-    "tiering.observe.latency": ("LatencyHistogram", "LatencySnapshot"),
-    "tiering.device.layer_progress": ("LayerProgress",),
-    "tiering.lifecycle": ("Lifecycle",),
-    "tiering.core.cpu_tier": ("BlockState", "CPUOffloadingManager"),
+_EXPORTS: dict[str, str] = {
+    "tiering.config": "TieringConfig load_config",
+    "tiering.core.cpu_tier": "BlockState CPUOffloadingManager",
+    "tiering.core.job": "Job",
+    "tiering.core.job_core": "JobCore LookupStatistics",
     "tiering.core.policies": (
-        "ARCPolicy",
-        "EvictionPolicy",
-        "LRUPolicy",
-        "S3FIFOPolicy",
-        "make_policy",
-        "policy_names",
-        "register_policy",
+        "ARCPolicy EvictionPolicy LRUPolicy S3FIFOPolicy make_policy policy_names register_policy"
     ),
-    "tiering.tiers.registry": ("make_tier", "register_tier", "tier_names"),
-    "tiering.tiers.residency_index": ("ResidencyIndex",),
-    "tiering.tiers.tier_api": ("JobMetadata", "JobResult", "SecondaryTierManager"),
-    "tiering.observe.statistics": ("FailureLog", "Statistics"),
-    "tiering.security.tenancy": ("TenantLookups", "tenant_keys", "tenant_label"),
-    "tiering.tiers.client": ("TierClient", "TierOutcome"),
-    "tiering.lab.workloads": ("Request", "read_mooncake", "synthetic_requests"),
+    "tiering.core.scheduler_api": (
+        "BlockHash CPULoadStoreSpec LoadStoreSpec OffloadingEvent OffloadingManager "
+        "PrepareStoreOutput"
+    ),
+    "tiering.device.copier": "CopyHandle DeviceCopier",
+    "tiering.device.host_pool": "HostPool",
+    "tiering.device.kv_layout": "kv_block_bytes",
+    "tiering.device.layer_progress": "LayerProgress",
+    "tiering.engine": "TieringEngine",
+    "tiering.errors": (
+        "BlockNotFoundError ClosedError ConfigError CorruptBlockError InvalidArgumentError "
+        "NotLoadingError TierBusyError TieringError TraceError TransferError UnknownPolicyError "
+        "UnknownTierError"
+    ),
+    "tiering.hashing": "block_hashes namespace_root",
+    "tiering.lab.workloads": "Request read_mooncake synthetic_requests",
+    "tiering.lifecycle": "Lifecycle",
+    "tiering.observe.events": "decode_events encode_events",
+    "tiering.observe.latency": "LatencyHistogram LatencySnapshot",
+    "tiering.observe.statistics": "FailureLog Statistics",
+    "tiering.security.encryption": "AuthenticationError Keyring UnknownKeyError",
+    "tiering.security.tenancy": "TenantLookups tenant_keys tenant_label",
+    "tiering.tiers.actor": "TierActor",
+    "tiering.tiers.client": "TierClient TierOutcome",
+    "tiering.tiers.registry": "make_tier register_tier tier_names",
+    "tiering.tiers.residency_index": "ResidencyIndex",
+    "tiering.tiers.tier_api": "JobMetadata JobResult SecondaryTierManager",
+    "tiering.validation": "as_block_hashes",
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names.split()}
 
 
 def __getattr__(name: str) -> object:

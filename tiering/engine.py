@@ -1,7 +1,6 @@
 """The asyncio engine: the thin shell that carries out :class:`~tiering.core.job_core.JobCore`'s
 effects (copies and tier jobs through the :class:`~tiering.core.tier_stack.TierStack`, results
-to :class:`Job` handles, room timers) and feeds every completion back; no job owns a task.
-"""
+to :class:`Job` handles, room timers) and feeds every completion back; no job owns a task."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ from tiering.core.job import FinishedResults, Job
 from tiering.core.policies import DEFAULT_POLICY, EvictionPolicy
 from tiering.core.scheduler_api import BlockHash, OffloadingEvent
 from tiering.core.tier_stack import TierStack
-from tiering.device.copier import KVCaches, kv_block_bytes
 from tiering.device.host_pool import HostPool
-from tiering.device.kv_layout import describe_kv_caches
+from tiering.device.kv_layout import KVCaches, describe_kv_caches, kv_block_bytes
 from tiering.device.layer_progress import LayerProgress, check_progress
 from tiering.errors import ClosedError, ConfigError, InvalidArgumentError
 from tiering.hashing import cache_namespace
@@ -56,8 +54,7 @@ class TieringEngine(AsyncService):
     name the caller's hashes, events and tiers the scoped keys. Every call raises
     ClosedError unless the engine is open, and InvalidArgumentError (naming the argument)
     for a malformed one, changing nothing; so does the constructor (allocating nothing),
-    and UnknownPolicyError / UnknownTierError for a name nothing is registered under.
-    """
+    and UnknownPolicyError / UnknownTierError for a name nothing is registered under."""
 
     def __init__(
         self,
@@ -436,6 +433,3 @@ class TieringEngine(AsyncService):
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the engine is {self._state}; no new jobs are accepted")
         return self._core
-
-
-__all__ = ["Job", "TieringEngine", "WritePolicy"]

@@ -2,8 +2,7 @@
 
 Every error the project raises deliberately derives from :class:`TieringError`, so a
 serving framework can catch one class. Subclasses also derive from the builtin that
-fits (``KeyError``, ``ValueError``, ``RuntimeError``) so generic handlers keep working.
-"""
+fits (``KeyError``, ``ValueError``, ``RuntimeError``) so generic handlers keep working."""
 
 from __future__ import annotations
 

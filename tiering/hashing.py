@@ -2,8 +2,7 @@
 
 A block's hash covers its tokens, the hash of the block before it, and a namespace
 (model, dtype, KV layout, ...), so equal hashes mean equal prefixes. They are BLAKE2b
-digests of a fixed encoding: the same in every process and on every machine.
-"""
+digests of a fixed encoding: the same in every process and on every machine."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def block_hashes(
 ) -> list[BlockHash]:
     """One hash per full block of ``token_ids`` (ints in ``[0, 2**63)``), chained from
     ``parent`` if given, else from ``namespace_root(namespace)``. Raises
-    InvalidArgumentError for a bad block size, tokens, parent or namespace.
-    """
+    InvalidArgumentError for a bad block size, tokens, parent or namespace."""
     positive_int("block_size", block_size)
     if parent is not None and not isinstance(parent, bytes):
         raise InvalidArgumentError(f"parent must be bytes, got {type(parent).__name__}")
@@ -99,8 +97,7 @@ NAMESPACE_FORMAT = 1
 def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
     """A canonical string naming what a stored block's bytes mean: ``identity`` (the
     model, ...), the block size and each layer's dtype and per-block shape. Raises
-    InvalidArgumentError unless ``identity`` is a string or a JSON-encodable mapping.
-    """
+    InvalidArgumentError unless ``identity`` is a string or a JSON-encodable mapping."""
     tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
     layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]
     if not isinstance(identity, str | Mapping):

@@ -49,6 +49,3 @@ class AsyncService:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-__all__ = ["AsyncService", "Lifecycle"]

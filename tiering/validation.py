@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import operator
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from tiering.core.scheduler_api import as_block_hashes
 from tiering.errors import InvalidArgumentError
 
 
@@ -25,6 +24,20 @@ def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
                 return number
     bound = "non-negative" if allow_zero else "positive"
     raise InvalidArgumentError(f"{name} must be a {bound} int, got {value!r}")
+
+
+def as_block_hashes(
+    block_hashes: Iterable[bytes], name: str = "block hashes"
+) -> list[bytes] | tuple[bytes, ...]:
+    """``block_hashes`` as a list or tuple, each element checked to be bytes
+    (InvalidArgumentError naming ``name`` otherwise)."""
+    hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
+    if set(map(type, hashes)) <= {bytes}:  # the common case, checked at C speed
+        return hashes
+    for h in hashes:
+        if not isinstance(h, bytes):
+            raise InvalidArgumentError(f"{name} must hold bytes, got {type(h).__name__} {h!r:.60}")
+    return hashes
 
 
 def hash_list(name: str, value: object) -> list[bytes]:

@@ -1,6 +1,5 @@
 """The CPU tier's block bookkeeping, sans-I/O: which block hash sits in which slot. It
-sits on a scheduler's hot path: O(1) amortised per hash.
-"""
+sits on a scheduler's hot path: O(1) amortised per hash."""
 
 from __future__ import annotations
 
@@ -14,12 +13,20 @@ from tiering.core.scheduler_api import (
     OffloadingEvent,
     OffloadingManager,
     PrepareStoreOutput,
-    as_block_hashes,
 )
 from tiering.errors import BlockNotFoundError, NotLoadingError
-from tiering.validation import positive_int
+from tiering.validation import as_block_hashes, positive_int
 
 _MEDIUM = "CPU"
+_BYTES = {bytes}
+
+
+def _hashes(block_hashes: Iterable[BlockHash]) -> Sequence[BlockHash]:
+    """``block_hashes`` checked as :func:`~tiering.validation.as_block_hashes` does; a list
+    or tuple of bytes, the common case, is checked without leaving this module."""
+    if type(block_hashes) in (list, tuple) and set(map(type, block_hashes)) <= _BYTES:
+        return block_hashes  # type: ignore[return-value]
+    return as_block_hashes(block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +65,16 @@ class CPUOffloadingManager(OffloadingManager):
         self._ready = bytearray(num_blocks)
         # Popping from the end hands out low slot ids first, in ascending order.
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.num_evictable = 0  # ready blocks with no reader: what eviction may take
+        # Ready blocks with no reader: what eviction may take. Its membership test is
+        # the policy's predicate, so eviction never calls back into this module.
+        self._evictable: set[BlockHash] = set()
         self._events: list[OffloadingEvent] = []
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
         """Length of the leading run of hashes that are stored and ready."""
         slot_of, ready = self._slot_of, self._ready
         n = 0
-        for h in as_block_hashes(block_hashes):
+        for h in _hashes(block_hashes):
             slot = slot_of.get(h)
             if slot is None or not ready[slot]:
                 break
@@ -107,9 +116,9 @@ class CPUOffloadingManager(OffloadingManager):
         return block_hash in self._slot_of
 
     @property
-    def num_free(self) -> int:
-        """Slots held by no block."""
-        return len(self._free_slots)
+    def num_evictable(self) -> int:
+        """Ready blocks with no reader: what eviction may take."""
+        return len(self._evictable)
 
     @property
     def num_pinned(self) -> int:
@@ -117,17 +126,11 @@ class CPUOffloadingManager(OffloadingManager):
         ref = self._ref
         return sum(1 for slot in self._slot_of.values() if ref[slot])
 
-    @property
-    def num_in_flight(self) -> int:
-        """Blocks whose store has not completed."""
-        ready = self._ready
-        return sum(1 for slot in self._slot_of.values() if not ready[slot])
-
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         """Add a reader to each block (two for a hash named twice) and return their slots,
         in order. Raises BlockNotFoundError if a hash is not resident or not ready."""
-        hashes = as_block_hashes(block_hashes)
-        slot_of, ref, ready = self._slot_of, self._ref, self._ready
+        hashes = _hashes(block_hashes)
+        slot_of, ref, ready, evictable = self._slot_of, self._ref, self._ready, self._evictable
         slots: list[int] = []
         for i, h in enumerate(hashes):
             slot = slot_of.get(h)
@@ -136,7 +139,7 @@ class CPUOffloadingManager(OffloadingManager):
                 state = "not stored" if slot is None else "still being stored"
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): {state}")
             if ref[slot] == 0:
-                self.num_evictable -= 1
+                evictable.discard(h)
             ref[slot] += 1
             slots.append(slot)
         return CPULoadStoreSpec(slots)
@@ -144,7 +147,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Remove one reader from each block. Raises NotLoadingError if a hash has no
         reader left (or is not resident)."""
-        hashes = as_block_hashes(block_hashes)
+        hashes = _hashes(block_hashes)
         slot_of, ref = self._slot_of, self._ref
         for i, h in enumerate(hashes):
             slot = slot_of.get(h)
@@ -155,14 +158,14 @@ class CPUOffloadingManager(OffloadingManager):
                 )
             ref[slot] -= 1
             if ref[slot] == 0:
-                self.num_evictable += 1
+                self._evictable.add(h)
 
     def _acquire(self, hashes: Sequence[BlockHash]) -> None:
         ref = self._ref
         for h in hashes:
             slot = self._slot_of[h]
             if ref[slot] == 0:
-                self.num_evictable -= 1
+                self._evictable.discard(h)
             ref[slot] += 1
 
     def _release(self, hashes: Sequence[BlockHash]) -> None:
@@ -171,12 +174,12 @@ class CPUOffloadingManager(OffloadingManager):
             slot = self._slot_of[h]
             ref[slot] -= 1
             if ref[slot] == 0:
-                self.num_evictable += 1
+                self._evictable.add(h)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """Mark resident blocks most recently used, the first most recent of all; hashes
         not resident are ignored."""
-        self.policy.touch(as_block_hashes(block_hashes))
+        self.policy.touch(_hashes(block_hashes))
 
     def prepare_store(
         self, block_hashes: Iterable[BlockHash], *, admission: bool = True
@@ -185,8 +188,8 @@ class CPUOffloadingManager(OffloadingManager):
         with ``admission``), evicting if needed but never a hash named in the call;
         ``None`` (and nothing changed) if not enough blocks can be evicted. New blocks are
         not ready until ``complete_store``."""
-        hashes = as_block_hashes(block_hashes)
-        slot_of, ref, ready = self._slot_of, self._ref, self._ready
+        hashes = _hashes(block_hashes)
+        slot_of, ready = self._slot_of, self._ready
         unique = hashes if len(hashes) == 1 else dict.fromkeys(hashes)
         to_store = [h for h in unique if h not in slot_of]
         if admission and not self._admits_everything:
@@ -196,22 +199,19 @@ class CPUOffloadingManager(OffloadingManager):
         evicted: list[BlockHash] = []
         evicted_slots: list[int] = []
         if shortfall > 0:
-            protected = {h for h in hashes if h in slot_of}
-            protected_evictable = sum(
-                1 for h in protected if ready[slot_of[h]] and ref[slot_of[h]] == 0
-            )
-            if self.num_evictable - protected_evictable < shortfall:
+            evictable = self._evictable
+            protected = evictable.intersection(hashes)
+            if len(evictable) - len(protected) < shortfall:
                 return None
-
-            def can_evict(h: BlockHash) -> bool:
-                slot = slot_of[h]
-                return ready[slot] == 1 and ref[slot] == 0 and h not in protected
-
-            evicted = self.policy.evict(shortfall, can_evict)
+            evictable -= protected
+            try:
+                evicted = self.policy.evict(shortfall, evictable.__contains__)
+            finally:
+                evictable |= protected
+            evictable.difference_update(evicted)
             evicted_slots = [slot_of.pop(h) for h in evicted]
             # Reversed so the first victim's slot is handed out first.
             self._free_slots.extend(reversed(evicted_slots))
-            self.num_evictable -= len(evicted)
             if self.enable_events:
                 self._events.append(OffloadingEvent(evicted, self.block_size, _MEDIUM, True))
 
@@ -229,7 +229,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Finish stores prepared earlier: the named in-flight blocks become ready, or
         without ``success`` leave and free their slots; other hashes are left alone."""
-        hashes = as_block_hashes(block_hashes)
+        hashes = _hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         if success:
             stored: list[BlockHash] = []
@@ -238,7 +238,7 @@ class CPUOffloadingManager(OffloadingManager):
                 if slot is not None and not ready[slot]:
                     ready[slot] = 1
                     if ref[slot] == 0:
-                        self.num_evictable += 1
+                        self._evictable.add(h)
                     stored.append(h)
             if stored and self.enable_events:
                 self._events.append(OffloadingEvent(stored, self.block_size, _MEDIUM, False))

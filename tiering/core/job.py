@@ -23,8 +23,7 @@ class Job:
 
     ``await job`` returns its :class:`JobResult`, naming the caller's hashes, and never
     raises for a failed job; ``await job.cascaded`` is a store's second answer. Cancelling
-    an awaiting task cancels neither.
-    """
+    an awaiting task cancels neither."""
 
     __slots__ = (
         "_cascaded",
@@ -132,6 +131,3 @@ class FinishedResults:
         results = list(self._results)
         self._results.clear()
         return results
-
-
-__all__ = ["FINISHED_KEPT", "FinishedResults", "Job"]

@@ -1,8 +1,7 @@
 """The engine's job state machine, without I/O: every rule about fills, pins and order.
 
 Calls and completions go in; the effects the shell must carry out, in order, come out. The
-calls, the effects and the rules it keeps: docs/job-lifecycle.md.
-"""
+calls, the effects and the rules it keeps: docs/job-lifecycle.md."""
 
 from __future__ import annotations
 
@@ -157,15 +156,13 @@ class TierView(Protocol):
     servable: bool
 
     def lookup(self, key: BlockHash) -> bool | None: ...
-
     def hold(self, keys: Sequence[BlockHash]) -> None: ...
-
     def release(self, keys: Sequence[BlockHash]) -> None: ...
 
 
 _CLOSED_BEFORE_COPY = "the engine closed before the copy started"
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
-_NO_PROMOTIONS: Mapping[int, list[BlockHash]] = MappingProxyType({})
+_NO_PROMOTIONS: Mapping[int, tuple[list[BlockHash], list[int]]] = MappingProxyType({})
 
 
 class Phase(enum.Enum):
@@ -261,7 +258,8 @@ class _Job:
         # One CPU pin each, owned by this job: a load's until its copy to the device ends;
         # a cascading store's until its cascade has pinned the blocks per tier.
         self.pinned: list[BlockHash] | tuple[()] = ()
-        self.promotions: Mapping[int, list[BlockHash]] = _NO_PROMOTIONS  # a load: tier -> blocks
+        # A load: tier -> the blocks it promotes from there, and their slots.
+        self.promotions: Mapping[int, tuple[list[BlockHash], list[int]]] = _NO_PROMOTIONS
 
     def fail(self, key: BlockHash, reason: str) -> None:
         if self.failed is _NONE_FAILED:
@@ -280,8 +278,7 @@ class JobCore:
     for CPU room at most. With ``enable_events`` it records the tiers' store events, and
     ``take_removed`` (one callable per tier) their removals. Every public method raises
     before changing anything or returns the effects of the change, in order. Raises
-    InvalidArgumentError for an unknown write policy.
-    """
+    InvalidArgumentError for an unknown write policy."""
 
     def __init__(
         self,
@@ -403,11 +400,6 @@ class JobCore:
     def jobs_in_flight(self) -> int:
         """Jobs (waiting, running or cascading) and flushes that have not ended."""
         return len(self._jobs) + len(self._waiting) + len(self._flushes)
-
-    @property
-    def ops_in_flight(self) -> int:
-        """Copies and tier jobs started and not yet reported back."""
-        return len(self._op_owner)
 
     def take_tier_events(self) -> list[OffloadingEvent]:
         """Secondary-tier events since the last call (with ``enable_events``): blocks the
@@ -585,28 +577,29 @@ class JobCore:
             job.slots = [manager.slot_of(h) for h in hashes]
             self._promote(job)
             return True
-        promotions: dict[int, list[BlockHash]] = {}
+        # Every block has its slot now, kept until the load has copied it out.
+        job.slots = [manager.slot_of(h) for h in hashes]
+        promotions: dict[int, tuple[list[BlockHash], list[int]]] = {}
         job.fills, job.promotions = out.block_hashes_to_store, promotions
         fill_owner = self._fill_owner
         self.filling_blocks += len(out.block_hashes_to_store)
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
             fill_owner[slot] = job
             self._join(h, job)  # its own fill: it gets its pin when the block lands
-            promotions.setdefault(found[h], []).append(h)
-        for t, promoted in promotions.items():
+            keys, slots = promotions.setdefault(found[h], ([], []))
+            keys.append(h)
+            slots.append(slot)
+        for t, (promoted, _) in promotions.items():
             self.tiers[t].hold(promoted)  # released as the promotion ends
-        # Every block has its slot now, kept until the load has copied it out.
-        job.slots = [manager.slot_of(h) for h in hashes]
         self._write_back(job, out, self._promote)
         return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
         """The tier to promote each non-resident hash from; BlockNotFoundError if a
         hash is neither resident nor in a servable tier."""
+        manager = self.manager
         sources: dict[BlockHash, int] = {}
-        for h in hashes:
-            if h in self.manager or h in sources:
-                continue
+        for h in [h for h in dict.fromkeys(hashes) if h not in manager]:
             if (tier := self._holder(h)) is None:
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): no tier holds it")
             sources[h] = tier
@@ -614,12 +607,12 @@ class JobCore:
 
     def _promote(self, job: _Job) -> None:
         """Victims written back (or none): read each promoted block from its tier."""
-        for t, keys in job.promotions.items():
+        for t, (keys, slots) in job.promotions.items():
             if self.state is Lifecycle.CLOSED:
                 self._promoted(job, None, t=t, keys=keys)
                 continue
             op = self._start(job, len(keys), partial(self._promoted, t=t, keys=keys))
-            self._out.append(TierLoad(op, t, keys, [self.manager.slot_of(k) for k in keys]))
+            self._out.append(TierLoad(op, t, keys, slots))
         self._copy_out(job)
 
     def _promoted(self, job: _Job, outcome: object, *, t: int, keys: list[BlockHash]) -> None:
@@ -747,9 +740,10 @@ class JobCore:
 
     def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> list[tuple[BlockHash, int]]:
         """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks; ``(key, slot)``s."""
-        look = self.tiers[t].lookup
         is_ready = self.manager.is_ready
-        chosen = [h for h in dict.fromkeys(keys) if is_ready(h) and look(h) is not True]
+        ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
+        look = self.tiers[t].lookup
+        chosen = [h for h in ready if look(h) is not True]
         return list(zip(chosen, self.manager.prepare_load(chosen).block_ids, strict=True))
 
     def _tier_store(
@@ -1065,24 +1059,3 @@ def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:
     reasons = Counter(failed[k] for k in keys)
     summary = "; ".join(f"{r} ({n})" for r, n in reasons.most_common(3))
     return f"{len(keys)} block(s) failed: {summary}"
-
-
-__all__ = [
-    "COUNTERS",
-    "FLUSH_BATCH",
-    "WRITE_POLICIES",
-    "Cascaded",
-    "CopyToDevice",
-    "CopyToHost",
-    "Drained",
-    "Effect",
-    "FlushDone",
-    "JobCore",
-    "LookupStatistics",
-    "Phase",
-    "Resolve",
-    "TierLoad",
-    "TierStore",
-    "TierView",
-    "WaitForRoom",
-]

@@ -2,8 +2,7 @@
 
 These are the types a serving framework's scheduler programs against: it asks an
 :class:`OffloadingManager` which prefix blocks are offloaded, prepares loads and
-stores, and collects :class:`OffloadingEvent` records for a KV-aware router.
-"""
+stores, and collects :class:`OffloadingEvent` records for a KV-aware router."""
 
 from __future__ import annotations
 
@@ -11,24 +10,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tiering.errors import InvalidArgumentError
+from tiering.validation import as_block_hashes as as_block_hashes  # kept importable here
 
 BlockHash = bytes
 """A block's identity: bytes naming its tokens and everything before them."""
-
-
-def as_block_hashes(
-    block_hashes: Iterable[BlockHash], name: str = "block hashes"
-) -> list[BlockHash] | tuple[BlockHash, ...]:
-    """``block_hashes`` as a list or tuple, each element checked to be bytes
-    (InvalidArgumentError naming ``name`` otherwise)."""
-    hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
-    if set(map(type, hashes)) <= {bytes}:  # the common case, checked at C speed
-        return hashes
-    for h in hashes:
-        if not isinstance(h, bytes):
-            raise InvalidArgumentError(f"{name} must hold bytes, got {type(h).__name__} {h!r:.60}")
-    return hashes
 
 
 class LoadStoreSpec(ABC):

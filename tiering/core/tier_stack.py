@@ -7,8 +7,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from tiering.core.job_core import CopyToDevice, CopyToHost, TierLoad, TierStore
-from tiering.device.copier import DeviceCopier, KVCaches
+from tiering.device.copier import DeviceCopier
 from tiering.device.host_pool import HostPool
+from tiering.device.kv_layout import KVCaches
 from tiering.device.layer_progress import LayerProgress
 from tiering.errors import TieringError
 from tiering.tiers.client import TierClient, TierOutcome
@@ -21,8 +22,7 @@ class TierStack:
     together and closed in the one safe order: the tiers (they read and write host-pool
     slots), the copier (its copies touch slots and device blocks), the pool. Nothing is
     allocated until :meth:`open`. ``tiers`` and ``clients`` follow ``specs`` (fastest
-    first); tiers that take a ``namespace`` receive ``namespace`` unless their spec sets one.
-    """
+    first); tiers that take a ``namespace`` receive ``namespace`` unless their spec sets one."""
 
     def __init__(
         self,
@@ -120,6 +120,3 @@ class TierStack:
             self.copier.close()
         if self.pool is not None:
             self.pool.close()
-
-
-__all__ = ["TierStack"]

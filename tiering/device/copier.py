@@ -1,6 +1,5 @@
 """Device transfers: :class:`DeviceCopier` checks each copy of KV blocks between the device
-KV cache and host-pool slots and hands it to a :class:`CopyBackend`, which runs it.
-"""
+KV cache and host-pool slots and hands it to a :class:`CopyBackend`, which runs it."""
 
 from __future__ import annotations
 
@@ -14,16 +13,12 @@ import torch
 from tiering.device.cuda_copies import CudaCopyBackend
 from tiering.device.host_pool import HostPool
 from tiering.device.kv_layout import (
-    CopyChunk,
     CopyOutcome,
     Direction,
     KVCaches,
     KVLayout,
     PlannedCopy,
-    SlotRun,
     describe_kv_caches,
-    kv_block_bytes,
-    plan_copy,
 )
 from tiering.device.layer_progress import LayerProgress, check_progress
 from tiering.device.thread_copies import ThreadCopyBackend
@@ -105,24 +100,10 @@ class _InFlight(PlannedCopy):
     or ``on_done(token, error)``."""
 
     __slots__ = ("future", "nbytes", "on_done", "token")
-
-    def __init__(
-        self,
-        direction: Direction,
-        device_ids: Sequence[int],
-        slots: Sequence[int],
-        max_rows: int,
-        nbytes: int,
-        future: asyncio.Future[None] | None,
-        on_done: Callable[[int, TransferError | None], object] | None,
-        token: int,
-        progress: LayerProgress | None,
-    ) -> None:
-        super().__init__(direction, device_ids, slots, max_rows, progress)
-        self.nbytes = nbytes
-        self.future = future
-        self.on_done = on_done
-        self.token = token
+    future: asyncio.Future[None] | None
+    nbytes: int
+    on_done: Callable[[int, TransferError | None], object] | None
+    token: int
 
 
 class DeviceCopier(AsyncService):
@@ -135,8 +116,7 @@ class DeviceCopier(AsyncService):
     a CUDA KV cache, else a :class:`~tiering.device.thread_copies.ThreadCopyBackend` of
     ``max_workers`` threads, and serves this copier alone. Raises InvalidArgumentError
     for a malformed layout, a block size other than the pool's, a closed pool, or a CUDA
-    KV cache with an unpinned pool (its copies would block the event loop).
-    """
+    KV cache with an unpinned pool (its copies would block the event loop)."""
 
     def __init__(
         self,
@@ -193,11 +173,6 @@ class DeviceCopier(AsyncService):
     def num_layers(self) -> int:
         """Tensors of the KV cache: the layers a :class:`LayerProgress` of a load counts."""
         return len(self._layout.layers)
-
-    @property
-    def in_flight(self) -> int:
-        """Number of started copies that have not ended."""
-        return len(self._in_flight)
 
     def statistics(self) -> Statistics:
         """State, copies and bytes in flight, counters (``copies_to_host``,
@@ -282,8 +257,7 @@ class DeviceCopier(AsyncService):
     def to_host(self, device_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
         """Start copying device block ``device_ids[i]`` into host slot ``slots[i]`` (ids
         may repeat, slots not); returns at once. Raises, starting nothing,
-        InvalidArgumentError for bad arguments, ClosedError unless copier and pool are open.
-        """
+        InvalidArgumentError for bad arguments, ClosedError unless copier and pool are open."""
         return self._start(Direction.TO_HOST, device_ids, slots)
 
     def to_device(
@@ -368,9 +342,8 @@ class DeviceCopier(AsyncService):
         progress: LayerProgress | None = None,
     ) -> None:
         nbytes = len(ids) * self._layout.block_bytes
-        copy = _InFlight(
-            direction, ids, slots, self.max_rows, nbytes, future, on_done, token, progress
-        )
+        copy = _InFlight(direction, ids, slots, self.max_rows, progress)
+        copy.nbytes, copy.future, copy.on_done, copy.token = nbytes, future, on_done, token
         self._in_flight.add(copy)
         self._bytes_in_flight += nbytes
         self.backend.submit(copy)
@@ -420,16 +393,3 @@ class DeviceCopier(AsyncService):
                 future.set_result(None)  # type: ignore[union-attr]
             else:
                 future.set_exception(failure)  # type: ignore[union-attr]
-
-
-__all__ = [
-    "DEFAULT_STAGING_BYTES",
-    "CopyBackend",
-    "CopyChunk",
-    "CopyHandle",
-    "DeviceCopier",
-    "KVCaches",
-    "SlotRun",
-    "kv_block_bytes",
-    "plan_copy",
-]

@@ -1,15 +1,7 @@
-"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events
-(docs/architecture.md#gpu-copies). CUDA calls go through a :class:`CudaRuntime`, which
-tests replace to drive the stream path with CPU tensors.
-
-Each direction is a pipeline of two streams over two staging buffers used in turn: one
-stream moves whole staged blocks over the link (one DMA per run of host slots), the
-other gathers or scatters their per-layer rows on the device, so that the link carries
-chunk k + 1 while chunk k's rows are gathered or scattered. A load that marks its
-layers (a :class:`~tiering.device.layer_progress.LayerProgress`) goes layer-major instead:
-kernels read each layer's rows straight from the mapped host pool, so layer ``i`` is
-ready before layer ``i + 1`` has crossed the link.
-"""
+"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
+Each direction pipelines two streams over two staging buffers; a load that marks its
+layers reads the mapped host pool layer by layer (docs/architecture.md#gpu-copies). CUDA
+calls go through a :class:`CudaRuntime`, which tests replace to run on CPU tensors."""
 
 from __future__ import annotations
 
@@ -180,39 +172,6 @@ class CudaCopyBackend:
         self._poller: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._closing = False
-
-    @property
-    def events_idle(self) -> int:
-        return len(self._idle_events)
-
-    @property
-    def lanes(self) -> int:
-        """Copy lanes (streams + staging buffers) held: 2 while open, 0 once closed."""
-        return len(self._lanes)
-
-    @property
-    def maps_host(self) -> bool:
-        """True while layer-by-layer loads read the mapped host pool in place (layer-major);
-        False before open, or where the pool is not mapped for kernels."""
-        return self._host_mapped is not None and bool(self._lanes)
-
-    def lane_stream(self, direction: Direction) -> CudaStream:
-        """The stream of ``direction`` that moves bytes over the link. Raises ClosedError
-        unless open."""
-        return self._lane(direction).stream
-
-    def lane_kernels(self, direction: Direction) -> CudaStream:
-        """The stream of ``direction`` that gathers or scatters rows on the device."""
-        return self._lane(direction).kernels
-
-    def lane_fence(self, direction: Direction) -> CudaEvent:
-        """The event that orders ``direction``'s jobs after the caller's stream."""
-        return self._lane(direction).fence
-
-    def _lane(self, direction: Direction) -> _Lane:
-        if direction not in self._lanes:
-            raise ClosedError("the CUDA copy backend is not open")
-        return self._lanes[direction]
 
     async def open(
         self,
@@ -479,6 +438,3 @@ class CudaCopyBackend:
                 idle.append(pending.event)
         assert self._on_done is not None
         self._on_done(outcomes)
-
-
-__all__ = ["CudaCopyBackend", "CudaEvent", "CudaRuntime", "CudaStream"]

@@ -1,16 +1,11 @@
-"""The CPU tier's memory: one page-aligned, optionally pinned buffer of fixed-size slots.
-
-Slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)``, reachable as a flat
-``memoryview`` (secondary tiers), a ``torch.uint8`` tensor ``[num_blocks, block_bytes]``
-(device copies) and by address (O_DIRECT I/O). Why an anonymous ``mmap`` pinned in place:
-docs/architecture.md#the-host-pool.
-"""
+"""The CPU tier's memory: one page-aligned, optionally pinned buffer of fixed-size slots;
+slot ``i`` is bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Why an anonymous
+``mmap`` pinned in place: docs/architecture.md#the-host-pool."""
 
 from __future__ import annotations
 
 import contextlib
 import mmap
-import operator
 import weakref
 from typing import Any, Self
 
@@ -55,15 +50,12 @@ def _cuda_host_unregister(address: int) -> None:
 
 
 class HostPool:
-    """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer.
-
-    ``view``, ``tensor``, ``slot_view`` and ``slot_tensor`` alias the same zero-filled
+    """``num_blocks`` slots of ``block_bytes`` bytes each in one page-aligned buffer:
+    ``view`` (secondary tiers) and ``tensor`` (device copies) alias the same zero-filled
     bytes, page-locked for CUDA DMA and mapped for CUDA kernels when ``pinned``
-    (``pin=None``: if CUDA is available).
-    Raises InvalidArgumentError for bad sizes or ``pin``, TieringError if page-locking
-    fails. After ``close()`` every accessor raises ClosedError, and the mapping goes once
-    no view or tensor handed out is alive.
-    """
+    (``pin=None``: if CUDA is available). Raises InvalidArgumentError for bad sizes or
+    ``pin``, TieringError if page-locking fails. After ``close()`` both accessors raise
+    ClosedError, and the mapping goes once no view or tensor handed out is alive."""
 
     def __init__(self, num_blocks: int, block_bytes: int, *, pin: bool | None = None) -> None:
         self.num_blocks = positive_int("num_blocks", num_blocks)
@@ -84,19 +76,19 @@ class HostPool:
         flat = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
         self._tensor: torch.Tensor | None = flat.view(self.num_blocks, self.block_bytes)
         self._view: memoryview | None = memoryview(self._mmap)
-        self._address = flat.data_ptr()
+        address = flat.data_ptr()
         self._pinned = False
         self._unpin: weakref.finalize[Any, Any] | None = None
         if pin:
             try:
-                _cuda_host_register(self._address, self.nbytes)
+                _cuda_host_register(address, self.nbytes)
             except BaseException:
                 self._release_memory()
                 raise
             self._pinned = True
             # Unpin if the pool is dropped without close(); not at interpreter exit,
             # when the CUDA runtime may already be torn down.
-            self._unpin = weakref.finalize(self, _cuda_host_unregister, self._address)
+            self._unpin = weakref.finalize(self, _cuda_host_unregister, address)
             self._unpin.atexit = False
 
     @property
@@ -109,12 +101,6 @@ class HostPool:
         return self._pinned
 
     @property
-    def address(self) -> int:
-        """Virtual address of slot 0 (a multiple of the page size). Raises ClosedError."""
-        self._check_open()
-        return self._address
-
-    @property
     def view(self) -> memoryview:
         """The whole buffer as a flat writable ``memoryview``."""
         return self._check_open()[1]
@@ -123,17 +109,6 @@ class HostPool:
     def tensor(self) -> torch.Tensor:
         """The whole buffer as a ``uint8`` tensor ``[num_blocks, block_bytes]``."""
         return self._check_open()[0]
-
-    def slot_view(self, slot: int) -> memoryview:
-        """The writable bytes of ``slot``."""
-        _, view = self._check_open()
-        start = self._check_slot(slot) * self.block_bytes
-        return view[start : start + self.block_bytes]
-
-    def slot_tensor(self, slot: int) -> torch.Tensor:
-        """Slot ``slot`` as a ``uint8`` tensor of ``block_bytes`` elements sharing the memory."""
-        tensor, _ = self._check_open()
-        return tensor[self._check_slot(slot)]
 
     def close(self) -> None:
         """Unpin and release the buffer; idempotent."""
@@ -160,19 +135,6 @@ class HostPool:
         if self._tensor is None or self._view is None:
             raise ClosedError("the host pool is closed")
         return self._tensor, self._view
-
-    def _check_slot(self, slot: object) -> int:
-        if isinstance(slot, bool):
-            raise InvalidArgumentError(f"slot must be an int, got {slot!r}")
-        try:
-            index = operator.index(slot)  # type: ignore[arg-type]
-        except TypeError:
-            raise InvalidArgumentError(f"slot must be an int, got {slot!r}") from None
-        if not 0 <= index < self.num_blocks:
-            raise InvalidArgumentError(
-                f"slot {index} is outside the host pool (0..{self.num_blocks - 1})"
-            )
-        return index
 
     def _release_memory(self) -> None:
         view, self._view = self._view, None

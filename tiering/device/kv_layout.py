@@ -1,7 +1,6 @@
 """The device KV cache's layout, and the planning of copies between it and host slots
 (pure: no streams, no threads, no I/O). A block's bytes in a host slot are its rows
-across the KV cache's tensors, in list order.
-"""
+across the KV cache's tensors, in list order."""
 
 from __future__ import annotations
 
@@ -212,17 +211,3 @@ class PlannedCopy:
 
 CopyOutcome = tuple[PlannedCopy, BaseException | None]
 """How a backend reports a copy's end: the job, and the error that failed it (or None)."""
-
-
-__all__ = [
-    "CopyChunk",
-    "CopyOutcome",
-    "Direction",
-    "KVCaches",
-    "KVLayout",
-    "PlannedCopy",
-    "SlotRun",
-    "describe_kv_caches",
-    "kv_block_bytes",
-    "plan_copy",
-]

@@ -1,14 +1,6 @@
 """Per-layer readiness of a load into the device KV cache: a model's forward waits for
-its own layer only (docs/architecture.md#layer-by-layer-loads).
-
-A :class:`LayerProgress` is handed to a load; the copy backend marks each layer as its
-copies land (the thread backend) or are enqueued behind a CUDA event (the CUDA backend),
-in layer order. :meth:`LayerProgress.wait` is the one call a forward makes before it
-reads layer ``i``: on CPU it blocks the calling thread until the layer's bytes are in
-place; on CUDA it blocks only until the layer's copies are enqueued, then makes the
-current stream wait for them, so the host never waits for the link. A whole load is the
-case where every layer is marked at once.
-"""
+its own layer only (docs/architecture.md#layer-by-layer-loads). The copy backend marks
+each layer, in order, as its copies land (threads) or are enqueued behind a CUDA event."""
 
 from __future__ import annotations
 
@@ -35,8 +27,7 @@ class LayerProgress:
     forward waits from any thread. A layer is *ready* once marked; a failure fails every
     layer not marked yet, which :meth:`wait` then raises as TransferError (recompute
     rather than read half-copied bytes). Marks and failures after the first settle a
-    layer change nothing. Raises InvalidArgumentError for a ``num_layers`` below 1.
-    """
+    layer change nothing. Raises InvalidArgumentError for a ``num_layers`` below 1."""
 
     __slots__ = ("_cond", "_error", "_events", "_marked", "num_layers")
 
@@ -90,11 +81,6 @@ class LayerProgress:
             event = self._events[index]
         if event is not None:
             event.wait()
-
-    def wait_all(self, timeout: float | None = None) -> None:
-        """:meth:`wait` for every layer, in order (a whole load's single wait)."""
-        for layer in range(self.num_layers):
-            self.wait(layer, timeout)
 
     def mark(self, layer: int, event: LayerMarker | None = None) -> None:
         """The backend's call: ``layer``'s copies have landed (``event`` None) or are
@@ -156,6 +142,3 @@ def check_progress(progress: object, num_layers: int) -> LayerProgress | None:
     if progress.started:
         raise InvalidArgumentError(f"progress is in use already: {progress!r}")
     return progress
-
-
-__all__ = ["LayerMarker", "LayerProgress", "check_progress"]

@@ -1,7 +1,6 @@
 """Page-aligned anonymous memory, without torch: the mapping behind the host pool
 (:mod:`tiering.device.host_pool`) and the direct-I/O buffers the NVMe tier's threads and its
-command-line tools (``tiering inspect``, ``verify``, ``clear``) read and write through.
-"""
+command-line tools (``tiering inspect``, ``verify``, ``clear``) read and write through."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The thread copy backend: KV copies in host memory on a small thread pool, coalesced
-into *hops* (docs/architecture.md#gpu-copies).
-
-A hop (one call on a worker) runs every copy queued when it is dispatched, in request
-order, and posts their outcomes at once; a merged group that fails is rerun one by one,
-so a faulty copy fails alone. A hop waits while it conflicts with one in flight.
-"""
+into *hops* (docs/architecture.md#gpu-copies). A hop (one call on a worker) runs every
+copy queued when it is dispatched, in order, and posts their outcomes at once; a merged
+group that fails is rerun one by one, so a faulty copy fails alone. A hop waits while it
+conflicts with one in flight."""
 
 from __future__ import annotations
 
@@ -94,11 +92,6 @@ class ThreadCopyBackend:
         self._queue: list[PlannedCopy] = []
         self._hops: set[_Hop] = set()  # dispatched; outcomes not delivered yet
         self._dispatch_soon = False  # a dispatch is scheduled for this loop iteration
-
-    @property
-    def hops_in_flight(self) -> int:
-        """Hops dispatched whose outcomes the loop has not received yet."""
-        return len(self._hops)
 
     async def open(
         self,
@@ -280,6 +273,3 @@ class ThreadCopyBackend:
                     layer.index_copy_(0, ids, rows[:, offset : offset + width])
             if progress is not None:
                 progress.mark(i)
-
-
-__all__ = ["ThreadCopyBackend"]

@@ -1,8 +1,7 @@
 """KV events for routers: the wire format of ``take_events()`` (one JSON line per
 :class:`~tiering.core.scheduler_api.OffloadingEvent`; its fields, versioning and ordering:
 docs/metrics.md), and publishers: :class:`CallbackPublisher`, :class:`ZmqPublisher`,
-and :func:`run_publisher` to drain an engine into one periodically.
-"""
+and :func:`run_publisher` to drain an engine into one periodically."""
 
 from __future__ import annotations
 
@@ -158,8 +157,7 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
     big-endian, from 0), the payload. Sends never block: past ``send_hwm`` queued messages
     per subscriber ZeroMQ drops them (``dropped`` counts refusals). Use from one thread.
     Raises InvalidArgumentError for a bad label, ``topic`` or ``send_hwm``; ImportError
-    without ``pyzmq``; ``zmq.ZMQError`` if ``endpoint`` cannot be bound.
-    """
+    without ``pyzmq``; ``zmq.ZMQError`` if ``endpoint`` cannot be bound."""
 
     def __init__(
         self,
@@ -248,15 +246,3 @@ async def run_publisher(
             drain()
     finally:
         drain()
-
-
-__all__ = [
-    "DEFAULT_TOPIC",
-    "EVENT_FORMAT_VERSION",
-    "CallbackPublisher",
-    "EventPublisher",
-    "ZmqPublisher",
-    "decode_events",
-    "encode_events",
-    "run_publisher",
-]

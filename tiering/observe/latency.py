@@ -1,10 +1,5 @@
-"""Latency histograms with fixed buckets, sans-I/O: what the engine records per job.
-
-A :class:`LatencyHistogram` counts observations (seconds) in fixed, log-spaced buckets,
-so recording one costs a binary search and two additions. Its :class:`LatencySnapshot`
-holds the cumulative counts a Prometheus histogram exposes and estimates quantiles as
-Prometheus's ``histogram_quantile`` does (linear within a bucket).
-"""
+"""Latency histograms with fixed, log-spaced buckets, sans-I/O: what the engine records
+per job (an observation costs a binary search and two additions)."""
 
 from __future__ import annotations
 
@@ -35,16 +30,10 @@ class LatencySnapshot:
     count: int
     max: float
 
-    @property
-    def mean(self) -> float:
-        """The mean observation in seconds; NaN when there are none."""
-        return self.sum / self.count if self.count else math.nan
-
     def quantile(self, q: float) -> float:
         """The ``q``-quantile in seconds, interpolated linearly inside the bucket that
         holds the true one and never above ``max``; NaN for no observations. Raises
-        InvalidArgumentError unless 0 < ``q`` <= 1.
-        """
+        InvalidArgumentError unless 0 < ``q`` <= 1."""
         if not isinstance(q, int | float) or not 0 < q <= 1:
             raise InvalidArgumentError(f"quantile must lie in (0, 1], got {q!r}")
         if not self.count:
@@ -65,8 +54,7 @@ class LatencyHistogram:
     """Counts observations in fixed buckets; cheap enough for every job of the engine.
     Not thread-safe: observe and snapshot on one thread (the engine's loop).
     Raises InvalidArgumentError unless ``bounds`` are positive finite numbers, strictly
-    ascending.
-    """
+    ascending."""
 
     __slots__ = ("_bounds", "_counts", "_max", "_sum")
 

@@ -1,10 +1,6 @@
-"""Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers.
-
-:func:`register_engine_metrics` adds an :class:`EngineCollector` to a ``prometheus_client``
-registry, :func:`serve_metrics` serves a registry over HTTP on a thread of its own, and
-:func:`serve_engine_metrics` does both. Every metric, and why a scrape reads the engine on
-its loop's thread (and when on its own instead): ``docs/metrics.md``.
-"""
+"""Prometheus metrics of a :class:`~tiering.engine.TieringEngine` and its tiers: every
+metric, and why a scrape reads the engine on its loop's thread (and when on its own
+instead): ``docs/metrics.md``."""
 
 from __future__ import annotations
 
@@ -97,8 +93,7 @@ class EngineCollector:
 
     ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; readings are taken on
     ``loop`` (None: the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
-    InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``.
-    """
+    InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``."""
 
     def __init__(
         self,
@@ -386,8 +381,7 @@ def register_engine_metrics(
     """Register and return an :class:`EngineCollector` of ``engine`` in ``registry``
     (default: the global one); call it on the engine's loop, where scrapes then read.
     Raises InvalidArgumentError as :class:`EngineCollector`, ValueError if the registry
-    has metrics of these names already (another engine with this prefix).
-    """
+    has metrics of these names already (another engine with this prefix)."""
     collector = EngineCollector(
         engine,
         prefix=prefix,
@@ -403,8 +397,7 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
     """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``.
 
     Close it with :meth:`close` / ``with`` (blocking) or :meth:`aclose` / ``async with``
-    (on the loop); closing is idempotent and joins the server's thread.
-    """
+    (on the loop); closing is idempotent and joins the server's thread."""
 
     def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
         self._server = server
@@ -444,8 +437,7 @@ def serve_metrics(
     """Serve ``registry`` (the global one by default) over HTTP on ``addr:port`` from a
     daemon thread; ``port`` 0 picks a free port. Loopback by default: metrics name the
     host's tiers and sizes.
-    Raises InvalidArgumentError for a ``port`` not in 0..65535, OSError if it cannot bind.
-    """
+    Raises InvalidArgumentError for a ``port`` not in 0..65535, OSError if it cannot bind."""
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
     server, thread = start_http_server(
@@ -464,8 +456,7 @@ def serve_engine_metrics(
 ) -> MetricsServer:
     """``engine``'s metrics in a registry of their own, served on ``addr:port`` (what
     ``--metrics-port`` does). Call it on the engine's loop; close the server when done.
-    Raises as :func:`register_engine_metrics` and :func:`serve_metrics`.
-    """
+    Raises as :func:`register_engine_metrics` and :func:`serve_metrics`."""
     registry = CollectorRegistry()
     register_engine_metrics(engine, registry=registry, prefix=prefix, loop_lag=loop_lag)
     return serve_metrics(port, registry=registry, addr=addr)

@@ -1,8 +1,7 @@
 """The one statistics shape of kv-tiering, and failure counting that logs once per cause.
 
 Engine, tiers and copier each answer ``statistics()`` with an immutable
-:class:`Statistics` snapshot, which their ``repr`` shows.
-"""
+:class:`Statistics` snapshot, which their ``repr`` shows."""
 
 from __future__ import annotations
 

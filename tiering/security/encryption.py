@@ -1,14 +1,8 @@
-"""Authenticated encryption of block payloads at rest: AES-GCM under a keyring.
-
-A block is sealed under the keyring's current key and a fresh random 96-bit nonce into a
-ciphertext exactly as long as the payload; the associated data (namespace digest, block
-key) makes a moved block fail to open. Every key id held opens, so keys rotate by
-putting the new one first. An unknown key id or a failed tag raises a
-:class:`~tiering.errors.CorruptBlockError` subclass (a miss, logged once per kind and
-key id). Key material never appears in an error, a log line or a ``repr``. Specs
-(``"2:<base64 key>,1:<base64 key>"`` or ``"env:VARIABLE"``), key sizes and rotation:
-docs/security.md.
-"""
+"""Authenticated encryption of block payloads at rest: AES-GCM under a keyring, each
+block under the current key and a fresh random 96-bit nonce, bound to its record by the
+associated data; every key id held opens. Key material never appears in an error, a log
+line or a ``repr``. Specs (``"2:<base64 key>,1:<base64 key>"`` or ``"env:VARIABLE"``),
+key sizes and rotation: docs/security.md."""
 
 from __future__ import annotations
 
@@ -60,8 +54,7 @@ class Keyring:
     """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
     seals, every one opens.
     Raises InvalidArgumentError (naming ``source`` and ids, never key bytes) for no keys,
-    a bad id or key length, or ``current`` not among the ids.
-    """
+    a bad id or key length, or ``current`` not among the ids."""
 
     __slots__ = ("_keys", "current")
 
@@ -89,8 +82,7 @@ class Keyring:
     def parse(cls, spec: str, *, option: str = "encryption") -> Keyring:
         """A keyring from a spec, its first entry current. Raises InvalidArgumentError
         naming ``option`` (and an ``env:`` variable), never quoting the spec, for a bad
-        spec, an unset variable, a bad or repeated id, or a bad key.
-        """
+        spec, an unset variable, a bad or repeated id, or a bad key."""
         if not isinstance(spec, str):
             raise InvalidArgumentError(
                 f"{option} must be a keyring spec string, got {type(spec).__name__}"
@@ -166,16 +158,10 @@ def _overlap(a: Buffer, b: Buffer) -> bool:
     return bool(np.may_share_memory(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
 
 
-def associated_data(namespace_digest: bytes, key: bytes) -> bytes:
-    """The associated data a block is sealed with: its namespace digest, then its key."""
-    return bytes(namespace_digest) + bytes(key)
-
-
 class BlockCipher:
     """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
 
-    Thread-safe: tiers call it on their worker threads, never on the loop.
-    """
+    Thread-safe: tiers call it on their worker threads, never on the loop."""
 
     __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
 
@@ -193,8 +179,7 @@ class BlockCipher:
     def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
         """Encrypt ``payload`` under the current key into ``out[:len(payload)]``, the tag
         after it (and in the returned :class:`Seal`).
-        Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``.
-        """
+        Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``."""
         n = len(payload)
         if len(out) < n + TAG_BYTES:
             raise InvalidArgumentError(f"seal buffer is {len(out)} bytes, needs {n + TAG_BYTES}")
@@ -209,8 +194,7 @@ class BlockCipher:
         from 51 on refuses to decrypt in place, so no caller relies on it). After a
         failure ``out`` holds nothing decrypted (a failed tag zeroes it).
         Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError, and
-        InvalidArgumentError if ``out`` is not as long as ``ciphertext`` or overlaps it.
-        """
+        InvalidArgumentError if ``out`` is not as long as ``ciphertext`` or overlaps it."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 

@@ -2,8 +2,7 @@
 
 A tenant's key is ``BLAKE2b(hash, key=BLAKE2b(tenant))``, except for a call's leading
 blocks that the operator shared (:meth:`Tenancy.share`); calls without a tenant use the
-plain hashes. Tenant ids never reach a key, an event or a metric. Sans-I/O.
-"""
+plain hashes. Tenant ids never reach a key, an event or a metric. Sans-I/O."""
 
 from __future__ import annotations
 
@@ -68,11 +67,6 @@ class Tenancy:
         sharing nothing, if ``block_hashes`` is not an iterable of bytes."""
         self._shared.update(hash_list("block_hashes", block_hashes))
 
-    @property
-    def shared_blocks(self) -> int:
-        """How many block hashes are shared."""
-        return len(self._shared)
-
     def keys(self, block_hashes: Sequence[BlockHash], tenant: str | None) -> Sequence[BlockHash]:
         """The keys ``tenant``'s blocks live under (see the module docstring); the
         caller has checked ``block_hashes``."""
@@ -104,7 +98,6 @@ def tenant_keys(
     shared_blocks: Iterable[BlockHash] = (),
 ) -> list[BlockHash]:
     """The keys an engine stores ``tenant``'s blocks under (for a router matching KV
-    events against a tenant's prompts). InvalidArgumentError for a bad tenant or hashes.
-    """
+    events against a tenant's prompts). InvalidArgumentError for a bad tenant or hashes."""
     hashes = hash_list("block_hashes", block_hashes)
     return list(Tenancy(shared_blocks).keys(hashes, check_tenant(tenant)))

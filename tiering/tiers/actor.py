@@ -1,7 +1,6 @@
 """The asynchronous base of every secondary tier: an actor with a bounded inbox
 (docs/architecture.md#tiers-are-actors). Its tasks belong to a task group of its own
-runner task, so ``start`` and ``aclose`` may be called from any task of the loop.
-"""
+runner task, so ``start`` and ``aclose`` may be called from any task of the loop."""
 
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def deliver(
     awaiter raises it if ``raised``); nothing if ``done`` is already done (its awaiter
     was cancelled) or the loop is closed (nobody waits any more)."""
     with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_set_exception if raised else _set_result, done, value)
+        loop.call_soon_threadsafe(_settle, done, value, raised)
 
 
 def _call_then_deliver(
@@ -74,14 +73,13 @@ def _call_then_deliver(
         deliver(loop, done, value)
 
 
-def _set_result(done: asyncio.Future[Any], value: Any) -> None:
-    if not done.done():
+def _settle(done: asyncio.Future[Any], value: Any, raised: bool) -> None:
+    if done.done():
+        return
+    if raised:
+        done.set_exception(value)
+    else:
         done.set_result(value)
-
-
-def _set_exception(done: asyncio.Future[Any], exc: BaseException) -> None:
-    if not done.done():
-        done.set_exception(exc)
 
 
 class TierActor(AsyncService, SecondaryTierManager):
@@ -90,8 +88,7 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     Subclasses implement :meth:`_do_store` and :meth:`_do_load` (the bulk byte work in
     ONE :meth:`run_blocking` call per job), ``lookup``, ``get_num_blocks``,
-    ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`.
-    """
+    ``get_tier_type``, optionally ``touch``/``clear``/:meth:`_usage`."""
 
     def __init__(
         self,
@@ -136,7 +133,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._background: set[asyncio.Task[None]] = set()  # spawn()ed, cancelled at close
         self._stopped = False  # close decided: every job failed or finished, pool shut
 
-        self._next_id = 0  # for jobs the engine sends
         self._reserved_ids: set[int] = set()  # put_* waiting for room
         self._storing: Counter[OffloadKey] = Counter()
         # Why jobs cut short by a close fail: the message, and its cause for statistics.
@@ -303,12 +299,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         open, queueing nothing."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the {self.get_tier_type()} tier is {self._state}")
-        while self._next_id in self._ledger or self._next_id in self._reserved_ids:
-            self._next_id += 1
-        job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
-        self._next_id += 1
-        queued = self._inbox.park(lane, job)
-        self._register(job)
+        job = self._ledger.admit_new(lane, keys, slots, on_done, self._reserved_ids)
+        self._count_storing(job)
+        queued = self._inbox.park(lane, job)  # the inbox is open while the tier is
         self._dispatch_soon(lane)
         return queued
 
@@ -343,6 +336,9 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def _register(self, job: TierJob) -> None:
         self._ledger.admit(job)
+        self._count_storing(job)
+
+    def _count_storing(self, job: TierJob) -> None:
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
@@ -614,6 +610,3 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def _name(self) -> str:
         return f"{type(self).__name__}"
-
-
-__all__ = ["TierActor", "deliver"]

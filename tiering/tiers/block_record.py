@@ -27,8 +27,7 @@ digest, tenant, key) then the payload; a sealed record's associated data is the 
 (no checksum of the plaintext: equal payloads would show). A payload moved under another
 key, tenant or namespace fails to verify even under a forged header, and a reader of
 one kind never serves a record of the other. Pure (no file, no socket); checksums and
-the cipher run on the tiers' worker threads, never the event loop.
-"""
+the cipher run on the tiers' worker threads, never the event loop."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ Buffer = memoryview | bytes | bytearray
 
 MAGIC = b"KVTBLK\r\n"
 FORMAT_VERSION = 5
-"""The first version both tiers share (NVMe wrote 1; Redis 1 to 4): others read as
-corrupt."""
+"""A record of any other version reads as corrupt."""
 HEADER_BYTES = 4096
 """The padded layout's length: one page."""
 PLAIN = 1
@@ -63,8 +61,7 @@ MAX_TENANT_BYTES = 0xFFFF
 
 
 class BlockHeader(NamedTuple):
-    """A decoded header whose own checksum verified (a named tuple, cheap to build: a
-    Redis load decodes one per block on an I/O thread holding the GIL)."""
+    """A decoded header whose own checksum verified."""
 
     key: bytes
     payload_bytes: int
@@ -94,11 +91,8 @@ def record_binding(ns_digest: bytes, tenant: bytes, key: bytes) -> bytes:
 
 
 def check_key(key: object) -> bytes:
-    """Return ``key`` if it is bytes a header can hold.
-
-    Raises:
-        InvalidArgumentError: ``key`` is not bytes, is empty, or exceeds MAX_KEY_BYTES.
-    """
+    """``key`` if it is bytes a header can hold; InvalidArgumentError if it is not bytes,
+    is empty, or exceeds MAX_KEY_BYTES."""
     if not isinstance(key, bytes):
         raise InvalidArgumentError(f"block key must be bytes, got {type(key).__name__}")
     if not key or len(key) > MAX_KEY_BYTES:

@@ -1,7 +1,6 @@
 """The one way the engine reaches a secondary tier: :class:`TierClient`, whose jobs each
 get one :class:`TierOutcome`, and :class:`PolledTier` for a tier written against the
-seed's polled interface (docs/architecture.md#tiers-are-actors).
-"""
+seed's polled interface (docs/architecture.md#tiers-are-actors)."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ class PolledTier(TierActor):
 
     Each job submits to ``tier`` and polls its ``get_finished()`` until the job's result
     comes, failing after ``timeout`` seconds (such a tier may drop a job silently) or
-    with the tier's reason if the submit raises. Closing the adapter shuts ``tier`` down.
-    """
+    with the tier's reason if the submit raises. Closing the adapter shuts ``tier`` down."""
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float, inbox_size: int = 64) -> None:
         """Raises: InvalidArgumentError: ``timeout`` is not a positive finite number."""
@@ -152,8 +150,7 @@ class TierClient(AsyncService):
     closed, raising, never answering: a failed outcome); ``on_done`` is called exactly
     once per job, later on the loop, once the tier has stopped touching the job's slots.
     ``timeout`` bounds a polled tier's jobs. Raises InvalidArgumentError for a
-    non-SecondaryTierManager ``tier`` or a bad ``timeout``.
-    """
+    non-SecondaryTierManager ``tier`` or a bad ``timeout``."""
 
     def __init__(self, tier: SecondaryTierManager, *, timeout: float = 30.0) -> None:
         if not isinstance(tier, SecondaryTierManager):
@@ -275,6 +272,3 @@ class TierClient(AsyncService):
 
     def __repr__(self) -> str:
         return f"<TierClient {self.name} backlog={self.backlog} {self.statistics()!r}>"
-
-
-__all__ = ["PolledTier", "TierClient", "TierOutcome"]

@@ -1,7 +1,4 @@
-"""A tier's inbox: two bounded FIFO lanes, loads (on a request's critical path) handed
-out before stores (docs/architecture.md#tiers-are-actors). One event loop; not
-thread-safe.
-"""
+"""A tier's inbox (docs/architecture.md#tiers-are-actors). One event loop; not thread-safe."""
 
 from __future__ import annotations
 
@@ -39,15 +36,12 @@ class _Parked(Generic[_T]):
 
 
 class Inbox(Generic[_T]):
-    """Two bounded FIFO lanes (``"load"`` and ``"store"``), taken from with
-    :meth:`get_nowait` (loads first).
-
-    A lane's items come out in the order queued, loads before any store; a lane never
-    holds more than ``max_size``; a put that raises (or is cancelled) admits nothing. When
-    a lane is full, :meth:`put_nowait` raises, :meth:`put` waits and :meth:`park` leaves
-    the item in line, queued as room appears. Closing stops admission; queued and parked
-    items stay gettable.
-    """
+    """Two bounded FIFO lanes (``"load"`` and ``"store"``): a lane's items come out of
+    :meth:`get_nowait` in the order queued, loads (on a request's critical path) before
+    any store; a lane never holds more than ``max_size``; a put that raises (or is
+    cancelled) admits nothing. When a lane is full, :meth:`put_nowait` raises, :meth:`put`
+    waits and :meth:`park` leaves the item in line, queued as room appears. Closing stops
+    admission; queued and parked items stay gettable."""
 
     def __init__(self, max_size: int, *, owner: str = "inbox") -> None:
         """Raises: InvalidArgumentError if ``max_size`` is not a positive int."""
@@ -69,13 +63,13 @@ class Inbox(Generic[_T]):
                 f"{self._owner}: {lane} inbox is full ({self.max_size} jobs queued); "
                 "drain get_finished() and retry"
             )
-        self._append(lane, item)
+        self._lanes[lane].append(item)
 
     def park(self, lane: Lane, item: _T) -> bool:
         """Queue ``item`` now if ``lane`` has room (then True), else park it in the lane's
         waiting line. Raises as :meth:`put_nowait`, never TierBusyError."""
         if self._has_room(lane):
-            self._append(lane, item)
+            self._lanes[lane].append(item)
             return True
         self._waiting[lane].append(_Parked(item))
         return False
@@ -85,7 +79,7 @@ class Inbox(Generic[_T]):
         Raises as :meth:`put_nowait` (ClosedError also if the inbox closes meanwhile),
         never TierBusyError."""
         if self._has_room(lane):
-            self._append(lane, item)
+            self._lanes[lane].append(item)
             return
         waiting = self._waiting[lane]
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -105,7 +99,7 @@ class Inbox(Generic[_T]):
                 self._admit_waiting(lane)
             raise
         waiting.remove(waiter)
-        self._append(lane, item)
+        self._lanes[lane].append(item)
         self._admit_waiting(lane)  # room may remain for the next in line too
 
     @property
@@ -181,9 +175,6 @@ class Inbox(Generic[_T]):
             raise ClosedError(f"{self._owner}: inbox is closed; nothing more is admitted")
         return len(self._lanes[lane]) < self.max_size and not self._waiting[lane]  # type: ignore[index]
 
-    def _append(self, lane: Lane, item: _T) -> None:
-        self._lanes[lane].append(item)
-
     def _admit_waiting(self, lane: Lane) -> None:
         """Give the room in ``lane`` to those waiting, in order: queue parked items, wake
         the first putter not woken yet (a woken putter takes its room when it runs)."""
@@ -194,7 +185,7 @@ class Inbox(Generic[_T]):
             entry = waiting[i]
             if isinstance(entry, _Parked):
                 del waiting[i]
-                self._append(lane, entry.item)
+                queue.append(entry.item)
             elif entry.cancelled():  # its putter leaves the line as it unwinds: no room
                 i += 1
                 continue
@@ -204,6 +195,3 @@ class Inbox(Generic[_T]):
             else:
                 i += 1
             room -= 1
-
-
-__all__ = ["Inbox", "InboxStatistics", "Lane"]

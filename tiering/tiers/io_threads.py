@@ -1,6 +1,5 @@
 """Settings for the threads that move bytes off the event loop: every thread pool of the
-engine (device copies, tier I/O) starts its threads with :func:`init_io_worker`.
-"""
+engine (device copies, tier I/O) starts its threads with :func:`init_io_worker`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A tier's job records and its results ledger: exactly one :class:`JobResult` per job.
-One event loop thread; nothing here is thread-safe.
-"""
+One event loop thread; nothing here is thread-safe."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class ResultsLedger:
     (forgotten at once), or to every :meth:`waiter` future and once to :meth:`drain`,
     which frees the id. A *busy* job's result (a thread call of it still touches its
     slots) is held back until it stops being busy. ``on_delivered(job, result)`` is
-    called as a result is delivered, before anyone else sees it.
-    """
+    called as a result is delivered, before anyone else sees it."""
 
     def __init__(
         self,
@@ -45,6 +43,7 @@ class ResultsLedger:
         self._owner = owner
         self._on_delivered = on_delivered
         self._jobs: dict[int, TierJob] = {}  # admitted and not yet drained
+        self._next_id = 0  # where admit_new looks for a free id
         self._finished: deque[JobResult] = deque()  # delivered, not yet drained
         self.pending = 0
         """Jobs admitted whose result is not delivered yet."""
@@ -58,6 +57,23 @@ class ResultsLedger:
         self._jobs[job_id] = job
         self.pending += 1
         self.keys_pending += len(job.meta.keys)
+
+    def admit_new(
+        self,
+        lane: Lane,
+        keys: tuple[bytes, ...],
+        slots: tuple[int, ...],
+        on_done: Callable[[JobResult], None],
+        taken: Collection[int] = (),
+    ) -> TierJob:
+        """Admit and return a job of ``keys`` and ``slots`` delivered to ``on_done``,
+        under an id neither in use here nor in ``taken``."""
+        while self._next_id in self._jobs or self._next_id in taken:
+            self._next_id += 1
+        job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
+        self._next_id += 1
+        self.admit(job)
+        return job
 
     def check_free(self, job_id: object, taken: Collection[int] = ()) -> None:
         """Raise InvalidArgumentError unless ``job_id`` is an int that is neither in use
@@ -181,6 +197,3 @@ class ResultsLedger:
                 if not waiter.done():
                     waiter.set_result(result)
         job.waiters.clear()
-
-
-__all__ = ["ResultsLedger", "TierJob"]

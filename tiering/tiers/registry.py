@@ -1,8 +1,7 @@
 """Secondary tiers by name: :func:`register_tier` registrations, then the built-ins
 (imported when first built: importing ``tiering`` imports no ``backends``), then entry
 points of the group ``kv_tiering.tiers``; and the bookkeeping replay's model of a built-in
-tier (:func:`replay_model`, imported on first use too).
-"""
+tier (:func:`replay_model`, imported on first use too)."""
 
 from __future__ import annotations
 
@@ -42,13 +41,6 @@ def register_tier(name: str, factory: TierFactory) -> None:
     if not callable(factory):
         raise InvalidArgumentError(f"factory for tier {name!r} is not callable: {factory!r}")
     _REGISTERED[name] = factory
-
-
-def unregister_tier(name: str) -> None:
-    """Forget a :func:`register_tier` registration (a built-in comes back into view).
-    Raises UnknownTierError if nothing is registered under ``name``."""
-    if _REGISTERED.pop(name, None) is None:
-        raise UnknownTierError(f"no tier is registered under {name!r}")
 
 
 def tier_names() -> list[str]:

@@ -1,8 +1,7 @@
 """The memory tier's residency index (sans-I/O; the tier owns the bytes and tells it what
 happened). A key is *resident* once its bytes are complete in the tier; a *pin* is one
-counted reason a key may not be evicted now (a load, a caller's
-:meth:`~ResidencyIndex.hold`), taken before or after the key is resident.
-"""
+counted reason a key may not be evicted now (a load, a caller's :meth:`~ResidencyIndex.hold`),
+taken before or after the key is resident."""
 
 from __future__ import annotations
 
@@ -184,6 +183,3 @@ class ResidencyIndex:
         self._holds -= wanted  # keeps positive counts only
         self.unpin(listed)
         return listed
-
-
-__all__ = ["ResidencyIndex", "Room"]

@@ -1,9 +1,7 @@
-"""The secondary-tier interface: tiers below the CPU tier (vLLM's tiering semantics).
-
-A secondary tier moves whole blocks between CPU slots and its own storage; it sees the
-host pool only as ``primary_kv_view``, a flat byte view in which slot ``i`` is
-``view[i * block_bytes:(i + 1) * block_bytes]``, and never touches the GPU.
-"""
+"""The secondary-tier interface: tiers below the CPU tier (vLLM's tiering semantics). A
+secondary tier moves whole blocks between CPU slots and its own storage; it sees the host
+pool only as ``primary_kv_view``, a flat byte view in which slot ``i`` is
+``view[i * block_bytes:(i + 1) * block_bytes]``, and never touches the GPU."""
 
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ class SecondaryTierManager(ABC):
     never do I/O on the caller's stack; each submitted job later yields exactly one
     :class:`JobResult` from ``get_finished()``; ``lookup`` is synchronous and cheap.
     ``holds_data`` is False for a tier that only records which keys it was given: the
-    engine cascades to it but never loads from it.
-    """
+    engine cascades to it but never loads from it."""
 
     holds_data: bool = True
 

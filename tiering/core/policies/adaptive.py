@@ -1,31 +1,17 @@
-"""ARC or LRU, admitting everything or second sight: whichever leads (``"adaptive"``).
+"""ARC or LRU, admitting everything or by second sight: as the best of four sampled
+shadow caches (``"adaptive"``; why, and its hit ratios against LRU and ARC: docs/replay.md).
 
-No one policy wins on every workload and capacity: ARC is close to the best almost
-everywhere, LRU beats it where contexts grow step by step (agent loops), and at a few
-percent of the footprint declining blocks seen for the first time wins big (a cache of a
-few requests' blocks is otherwise flushed by blocks never asked for again), while at
-large capacities the same rule loses. So this policy keeps the bookkeeping of all four
-and follows the one ahead:
-
-* **Two eviction orders over one resident set.** ARC's lists (``T1``, ``T2``, the
-  ghosts ``B1``, ``B2``, the target ``p``), updated exactly as :class:`ARCPolicy` does,
-  plus each key's last use; LRU's victim is the older of ``T1``'s and ``T2``'s heads
-  (each list is ordered by last use), so LRU costs one number a key, not a third list.
-* **Two admissions.** Everything, or *second sight*: a block only if an earlier request
-  asked for it too, counted in two generations of request counts (a new one every
-  ``window`` x capacity touched keys; a count carried over is halved).
-* **Four sampled shadows** (SHARDS-style): 1 key in ``S`` (by CRC-32, ``S`` =
-  capacity // ``shadow_blocks``, at least 1) replayed through ARC and LRU caches of
-  capacity / ``S`` blocks, each admitting everything or by second sight (the real
-  counts decide). A shadow scores the leading run of a request's sampled keys it
-  holds (a prefix hit), decayed over ``horizon`` shadow capacities of sampled keys;
-  the real cache evicts and admits as the shadow with the highest score, ARC's counted
-  ``1 + arc_bias`` times: ARC is the safe choice (never far from the best on the suite)
-  and a shadow's score is an estimate, so another leads only when clearly ahead.
-
-Every choice is made online from the traffic itself; no setting is per workload. Hit
-ratios against LRU and ARC on the workload suite: ``docs/replay.md``.
-"""
+* Two eviction orders over one resident set: ARC's lists, kept as :class:`ARCPolicy`
+  keeps them, and each key's last use; LRU's victim is the older of ``T1``'s and
+  ``T2``'s heads (each list is ordered by last use).
+* Two admissions: everything, or *second sight*: a block only if an earlier request asked
+  for it too, counted in two generations of request counts (a new one every ``window`` x
+  capacity touched keys; a count carried over is halved).
+* Four SHARDS-style shadows: 1 key in ``S`` = capacity // ``shadow_blocks`` (by CRC-32, at
+  least 1) replayed through ARC and LRU caches of capacity / ``S`` blocks, each with either
+  admission. A shadow scores the leading run of a request's sampled keys it holds (a
+  prefix hit), decayed over ``horizon`` shadow capacities of sampled keys; the cache
+  evicts and admits as the highest score, ARC's counted ``1 + arc_bias`` times."""
 
 from __future__ import annotations
 
@@ -39,25 +25,16 @@ from tiering.core.scheduler_api import BlockHash
 from tiering.errors import InvalidArgumentError
 from tiering.validation import positive_int
 
-_ABSENT = object()
-
 EXPERTS = ("arc", "arc+second-sight", "lru", "lru+second-sight")
 """The four policies the shadows run, by name: eviction order, then admission."""
 
 
 class AdaptivePolicy(ARCPolicy):
-    """Evicts by ARC's or LRU's order and admits everything or by second sight, as the
-    best of four sampled shadow caches (see the module docstring).
-
-    ``window``: second sight's memory, in capacities of touched keys per generation.
-    ``shadow_blocks``: the smallest shadow (keys are sampled so a shadow holds about
-    this many). ``horizon``: how many shadow capacities of sampled keys a shadow's score
-    remembers. ``arc_bias``: how far ahead of ARC's shadow another must be to lead.
-    Raises InvalidArgumentError for a window, shadow size or horizon that is not a
-    positive int, or a bias that is not a finite number >= 0.
+    """Evicts and admits as the leading shadow (see the module docstring); the options
+    are named there. Raises InvalidArgumentError for a window, shadow size or horizon
+    that is not a positive int, or a bias that is not a finite number >= 0.
     ``insert``/``touch``/``remove`` are O(1) a key plus the sampled shadows' work
-    (O(1) a sampled key); ``evict`` is O(n + pinned keys passed).
-    """
+    (O(1) a sampled key); ``evict`` is O(n + pinned keys passed)."""
 
     name = "adaptive"
 
@@ -106,43 +83,14 @@ class AdaptivePolicy(ARCPolicy):
             for name in EXPERTS
         ]
 
-    @property
-    def leader(self) -> str:
-        """The shadow the cache follows now (one of :data:`EXPERTS`)."""
-        return EXPERTS[self._leader]
-
-    def shadow_scores(self) -> dict[str, float]:
-        """Each shadow's decayed prefix hits (for tests and debugging)."""
-        return {name: s.score for name, s in zip(EXPERTS, self._shadows, strict=True)}
-
-    def request_count(self, key: BlockHash) -> int:
-        """How many requests named ``key`` lately (the current generation's count, which
-        includes half the previous one's)."""
-        count = self._counts.get(key)
-        return count if count is not None else self._counts_before.get(key, 0) >> 1
-
     def admit(self, key: BlockHash) -> bool:
         return not self._second_sight or self._counts.get(key, 0) >= 2
 
     def insert(self, key: BlockHash) -> None:
-        """Admit ``key`` as ARC does (``T2`` if it is a ghost, adapting ``p``; else
-        ``T1``). The manager never inserts a resident key."""
+        """As :meth:`ARCPolicy.insert`, the key's use noted for LRU's order."""
+        super().insert(key)
         self._seq += 1
         self._last[key] = self._seq
-        b1, b2 = self._b1, self._b2
-        if b1 and b1.pop(key, _ABSENT) is not _ABSENT:
-            # Sizes before the hit left B1: the paper's delta_1.
-            self._p = min(self._p + max(len(b2) / (len(b1) + 1), 1.0), float(self.capacity))
-            self._t2[key] = None
-            return
-        if b2 and b2.pop(key, _ABSENT) is not _ABSENT:
-            self._p = max(self._p - max(len(b1) / (len(b2) + 1), 1.0), 0.0)
-            self._t2[key] = None
-            return
-        t1 = self._t1
-        t1[key] = None
-        if b1 and len(t1) + len(b1) > self.capacity:
-            b1.popitem(last=False)
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
         t1, t2, last, counts = self._t1, self._t2, self._last, self._counts
@@ -274,6 +222,3 @@ class _Shadow:
         for key in new:
             insert(key)
         held.update(new)
-
-
-__all__ = ["EXPERTS", "AdaptivePolicy"]

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from tiering.core.policies.base import EvictionPolicy
 from tiering.core.scheduler_api import BlockHash
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
 
 _ABSENT = object()
-
-
-@dataclass(frozen=True, slots=True)
-class ARCSnapshot:
-    """A copy of an :class:`ARCPolicy`'s lists, each ordered least to most recent:
-    resident keys seen once (``t1``) or again or readmitted from a ghost (``t2``), the
-    ghosts evicted from each (``b1``, ``b2``), and the target ``p`` for ``|t1|``."""
-
-    t1: tuple[BlockHash, ...]
-    t2: tuple[BlockHash, ...]
-    b1: tuple[BlockHash, ...]
-    b2: tuple[BlockHash, ...]
-    target_t1: float
 
 
 class ARCPolicy(EvictionPolicy):
@@ -34,8 +20,7 @@ class ARCPolicy(EvictionPolicy):
     to ``T2``. When the preferred list has no evictable key, the other one gives. After
     every call ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (oldest ghosts dropped), and
     no key is both resident and a ghost. ``remove`` leaves no ghost and keeps ``p``.
-    ``insert``/``touch``/``remove`` are O(1) a key, ``evict`` O(n + pinned keys passed).
-    """
+    ``insert``/``touch``/``remove`` are O(1) a key, ``evict`` O(n + pinned keys passed)."""
 
     name = "arc"
 
@@ -47,21 +32,6 @@ class ARCPolicy(EvictionPolicy):
         self._b1: OrderedDict[BlockHash, None] = OrderedDict()
         self._b2: OrderedDict[BlockHash, None] = OrderedDict()
         self._p = 0.0
-
-    @property
-    def target_t1(self) -> float:
-        """ARC's adaptive target size ``p`` of ``T1``."""
-        return self._p
-
-    def snapshot(self) -> ARCSnapshot:
-        """Copy the lists (O(resident + ghosts): for tests and debugging, not the hot path)."""
-        return ARCSnapshot(
-            t1=tuple(self._t1),
-            t2=tuple(self._t2),
-            b1=tuple(self._b1),
-            b2=tuple(self._b2),
-            target_t1=self._p,
-        )
 
     def insert(self, key: BlockHash) -> None:
         """Admit ``key`` (to ``T2`` if it is a ghost, adapting ``p``; else to ``T1``).

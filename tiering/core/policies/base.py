@@ -2,8 +2,7 @@
 
 A policy only orders keys; it knows nothing of slots, readers or readiness. The
 manager owning it guarantees the call protocol below, and in return the policy
-never evicts a key the manager's predicate rejects.
-"""
+never evicts a key the manager's predicate rejects."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ class EvictionPolicy(ABC):
     ``remove(key)`` forgets a resident key without history (a failed store);
     ``evict(n, can_evict)`` is called only when at least ``n`` resident keys satisfy
     ``can_evict`` and returns exactly ``n`` distinct such keys, no longer resident;
-    ``admit(key)`` is asked before a store gives a key a slot.
-    """
+    ``admit(key)`` is asked before a store gives a key a slot."""
 
     name: str = ""
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from tiering.core.policies.base import EvictionPolicy
 from tiering.core.scheduler_api import BlockHash
@@ -13,17 +12,6 @@ from tiering.errors import BlockNotFoundError, InvalidArgumentError
 _MAX_FREQ = 3  # the paper's 2-bit saturating counter
 _PROMOTE_ABOVE = 1  # Algorithm 1, EVICTS: "if t.freq > 1 then insert t to M"
 _ABSENT = object()
-
-
-@dataclass(frozen=True, slots=True)
-class S3FIFOSnapshot:
-    """A copy of an :class:`S3FIFOPolicy`'s queues ``S``, ``M`` and ``G``, each oldest
-    (next out) first, and every resident key's counter (0..3)."""
-
-    small: tuple[BlockHash, ...]
-    main: tuple[BlockHash, ...]
-    ghost: tuple[BlockHash, ...]
-    freq: dict[BlockHash, int]
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -37,8 +25,7 @@ class S3FIFOPolicy(EvictionPolicy):
     during a call) go to their queue's tail unchanged; ``S`` is given up once all its
     keys were stepped over, ``M`` after ``|M|`` in a row, so ``evict`` takes at most
     O(n + |S| + 4|M|) steps. ``G`` holds at most ``c - floor(small_ratio * c)`` keys (at
-    least 1), oldest dropped first; no key is both resident and in ``G``.
-    """
+    least 1), oldest dropped first; no key is both resident and in ``G``."""
 
     name = "s3fifo"
 
@@ -68,20 +55,6 @@ class S3FIFOPolicy(EvictionPolicy):
         super().bind(capacity)
         self._small_target = self.small_ratio * capacity
         self._ghost_capacity = max(1, capacity - int(self._small_target))
-
-    @property
-    def ghost_capacity(self) -> int:
-        """The most keys the ghost queue ``G`` holds."""
-        return self._ghost_capacity
-
-    def snapshot(self) -> S3FIFOSnapshot:
-        """Copy the queues (O(resident + ghosts): for tests and debugging, not the hot path)."""
-        return S3FIFOSnapshot(
-            small=tuple(self._small),
-            main=tuple(self._main),
-            ghost=tuple(self._ghost),
-            freq=dict(self._freq),
-        )
 
     def insert(self, key: BlockHash) -> None:
         """Admit ``key`` (to ``M`` if it is in ``G``, else to ``S``) with counter 0.
