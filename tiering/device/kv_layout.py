@@ -64,19 +64,19 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
         )
     if not tensors:
         raise InvalidArgumentError("kv_caches is empty")
-    first = tensors[0]
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        raise InvalidArgumentError("kv_caches[0] must be a tensor with a block dim")
-    num_blocks, device = first.shape[0], first.device
-    if num_blocks <= 0:
-        raise InvalidArgumentError("the device KV cache has no blocks")
-    if device.type not in ("cuda", "cpu"):
-        raise InvalidArgumentError(f"device KV cache on {device}: only cuda and cpu are supported")
     checked: list[torch.Tensor] = []
     row_bytes: list[int] = []
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             raise InvalidArgumentError(f"kv_caches[{i}] must be a tensor with a block dim")
+        if i == 0:
+            num_blocks, device = tensor.shape[0], tensor.device
+            if num_blocks <= 0:
+                raise InvalidArgumentError("the device KV cache has no blocks")
+            if device.type not in ("cuda", "cpu"):
+                raise InvalidArgumentError(
+                    f"device KV cache on {device}: only cuda and cpu are supported"
+                )
         if tensor.shape[0] != num_blocks:
             raise InvalidArgumentError(
                 f"kv_caches[{i}] has {tensor.shape[0]} blocks, kv_caches[0] has {num_blocks}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import entry_points
 from typing import Any
 
 from tiering.errors import ConfigError, InvalidArgumentError, UnknownTierError
@@ -45,7 +45,9 @@ def register_tier(name: str, factory: TierFactory) -> None:
 
 def tier_names() -> list[str]:
     """Every name :func:`make_tier` accepts, sorted."""
-    return sorted({*_REGISTERED, *_BUILTINS, *(ep.name for ep in _entry_points())})
+    return sorted(
+        {*_REGISTERED, *_BUILTINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
+    )
 
 
 def make_tier(
@@ -156,7 +158,7 @@ def tier_factory(name: str) -> TierFactory:
         return _REGISTERED[name]
     if name in _BUILTINS:
         return _imported(name, _BUILTINS[name])  # type: ignore[no-any-return]
-    for ep in _entry_points():
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             loaded = ep.load()
             if not callable(loaded):
@@ -185,7 +187,3 @@ def _imported(name: str, where: str) -> Any:
         return getattr(importlib.import_module(module), attribute)
     except ImportError as exc:
         raise UnknownTierError(f"tier {name!r} ({where}) cannot be imported: {exc}") from exc
-
-
-def _entry_points() -> tuple[EntryPoint, ...]:
-    return tuple(entry_points(group=ENTRY_POINT_GROUP))
