@@ -36,7 +36,8 @@ class CopyBackend(Protocol):
     once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns at once,
     and ``on_done`` gets each copy's outcome on the loop exactly once, when nothing of it
     can still run; ``drain_blocking`` blocks until all are reported; ``aclose`` releases
-    the backend once none is in flight, ``close`` without awaiting."""
+    the backend once none is in flight, ``close`` (idempotent) after ``drain_blocking``
+    without awaiting."""
 
     async def open(
         self,

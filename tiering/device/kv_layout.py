@@ -100,16 +100,7 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
     layers = tuple(t.detach().view(num_blocks, -1).view(torch.uint8).view(word) for t in checked)
     widths = tuple(n // word_bytes for n in row_bytes)
     offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
-    return KVLayout(
-        layers=layers,
-        offsets=offsets,
-        widths=widths,
-        word=word,
-        word_bytes=word_bytes,
-        num_blocks=num_blocks,
-        block_bytes=sum(row_bytes),
-        device=device,
-    )
+    return KVLayout(layers, offsets, widths, word, word_bytes, num_blocks, sum(row_bytes), device)
 
 
 def kv_block_bytes(kv_caches: KVCaches) -> int:
@@ -199,11 +190,6 @@ class PlannedCopy:
         if self._chunks is None:
             self._chunks = plan_copy(self.device_ids, self.slots, self.max_rows)
         return self._chunks
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks the job moves."""
-        return len(self.device_ids)
 
     def __repr__(self) -> str:
         return f"<PlannedCopy {self.direction.value} {len(self.device_ids)} blocks>"

@@ -127,7 +127,6 @@ class ThreadCopyBackend:
         self._dispatch()
 
     def drain_blocking(self) -> None:
-        """Block the calling thread until every submitted copy has ended; deliver them all."""
         assert self._on_done is not None
         while self._hops or self._queue:
             running = [hop.work for hop in self._hops if hop.work is not None]
@@ -138,11 +137,9 @@ class ThreadCopyBackend:
             self._dispatch()  # nothing runs now: whatever is queued goes at once
 
     async def aclose(self) -> None:
-        """Release the thread pool the backend made; call once no copy is in flight."""
         self._release(wait=True)
 
     def close(self) -> None:
-        """Hard stop after :meth:`drain_blocking`, without awaiting. Idempotent."""
         self._release(wait=False)
 
     def _release(self, *, wait: bool) -> None:
