@@ -348,46 +348,42 @@ class DeviceCopier(AsyncService):
 
     def _on_done(self, outcomes: Sequence[CopyOutcome]) -> None:
         try:
-            self._complete(outcomes)
+            for copy, error in outcomes:
+                if copy not in self._in_flight:
+                    continue
+                job = cast(_InFlight, copy)  # the backend hands back what it was given
+                self._in_flight.discard(job)
+                self._bytes_in_flight -= job.nbytes
+                progress = job.progress
+                if progress is not None:  # a forward may wait on it from another thread
+                    if error is None:
+                        progress.mark_all()  # what a backend copying whole blocks left unmarked
+                    else:
+                        progress.fail(error)
+                future = job.future
+                if future is not None and future.done():  # the loop is being torn down
+                    continue
+                direction = job.direction
+                failure = None
+                if error is None:
+                    to_host = direction is Direction.TO_HOST
+                    done = self._to_host_done if to_host else self._to_device_done
+                    done[0] += 1
+                    done[1] += job.nbytes
+                else:
+                    self._failures.record(f"{direction.value} copy failed", detail=repr(error))
+                    failure = TransferError(f"{direction.value} copy failed: {error!r}")
+                    failure.__cause__ = error
+                if job.on_done is not None:
+                    try:
+                        job.on_done(job.token, failure)
+                    except Exception:  # one caller's bug must not lose the other outcomes
+                        _log.exception("DeviceCopier: a copy's on_done callback raised")
+                elif failure is None:
+                    future.set_result(None)  # type: ignore[union-attr]
+                else:
+                    future.set_exception(failure)  # type: ignore[union-attr]
         finally:
             ended = self._all_ended
             if ended is not None and not self._in_flight and not ended.done():
                 ended.set_result(None)
-
-    def _complete(self, outcomes: Sequence[CopyOutcome]) -> None:
-        for copy, error in outcomes:
-            if copy not in self._in_flight:
-                continue
-            job = cast(_InFlight, copy)  # the backend hands back what it was given
-            self._in_flight.discard(job)
-            self._bytes_in_flight -= job.nbytes
-            progress = job.progress
-            if progress is not None:  # a forward may wait on it from another thread
-                if error is None:
-                    progress.mark_all()  # what a backend copying whole blocks left unmarked
-                else:
-                    progress.fail(error)
-            future = job.future
-            if future is not None and future.done():  # the loop is being torn down
-                continue
-            direction = job.direction
-            failure = None
-            if error is None:
-                done = (
-                    self._to_host_done if direction is Direction.TO_HOST else self._to_device_done
-                )
-                done[0] += 1
-                done[1] += job.nbytes
-            else:
-                self._failures.record(f"{direction.value} copy failed", detail=repr(error))
-                failure = TransferError(f"{direction.value} copy failed: {error!r}")
-                failure.__cause__ = error
-            if job.on_done is not None:
-                try:
-                    job.on_done(job.token, failure)
-                except Exception:  # one caller's bug must not lose the other outcomes
-                    _log.exception("DeviceCopier: a copy's on_done callback raised")
-            elif failure is None:
-                future.set_result(None)  # type: ignore[union-attr]
-            else:
-                future.set_exception(failure)  # type: ignore[union-attr]

@@ -266,4 +266,5 @@ class TierClient(AsyncService):
         )
 
     def __repr__(self) -> str:
-        return f"<TierClient {self.name} backlog={self.actor.inbox_statistics().parked} {self.statistics()!r}>"
+        parked = self.actor.inbox_statistics().parked
+        return f"<TierClient {self.name} backlog={parked} {self.statistics()!r}>"
