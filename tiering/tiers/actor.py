@@ -121,7 +121,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._failures = FailureLog(logger, type(self).__name__)
         self._running: set[TierJob] = set()  # jobs whose hook runs: at most max_inflight
         self._drained: asyncio.Future[None] | None = None  # set: closed, nothing queued or running
-        self._dispatch_pending = False  # a _dispatch_later is scheduled
+        self._dispatch_pending = False  # a dispatch of stores is scheduled
         self._closed_event = asyncio.Event()
         self._executor = ThreadPoolExecutor(
             max_workers=self.io_threads,

@@ -1,7 +1,5 @@
-"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins
-(imported when first built: importing ``tiering`` imports no ``backends``), then entry
-points of the group ``kv_tiering.tiers``; and the bookkeeping replay's model of a built-in
-tier (:func:`replay_model`, imported on first use too)."""
+"""Secondary tiers by name (:func:`tier_factory`), and the bookkeeping replay's model of a
+built-in tier (:func:`replay_model`); both import ``backends`` only on first use."""
 
 from __future__ import annotations
 
@@ -152,8 +150,9 @@ def _parsed(spec: object, what: str) -> tuple[str, dict[str, Any], TierFactory |
 
 def tier_factory(name: str) -> TierFactory:
     """The factory (usually the tier class) under ``name``: registered ones first, then
-    the built-ins, then entry points. Raises UnknownTierError if there is none or its
-    module cannot be imported, InvalidArgumentError if its entry point is not callable."""
+    the built-ins, then entry points of the group ``kv_tiering.tiers``. Raises
+    UnknownTierError if there is none or its module cannot be imported,
+    InvalidArgumentError if its entry point is not callable."""
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
