@@ -120,11 +120,7 @@ class ThreadCopyBackend:
         if not self._dispatch_soon:
             self._dispatch_soon = True
             assert self._loop is not None
-            self._loop.call_soon(self._dispatch_now)
-
-    def _dispatch_now(self) -> None:
-        self._dispatch_soon = False
-        self._dispatch()
+            self._loop.call_soon(self._dispatch, True)
 
     def drain_blocking(self) -> None:
         assert self._on_done is not None
@@ -147,7 +143,9 @@ class ThreadCopyBackend:
         if executor is not None and executor is not self._given_executor:
             executor.shutdown(wait=wait)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, scheduled: bool = False) -> None:
+        if scheduled:
+            self._dispatch_soon = False
         if not self._queue or len(self._hops) >= self.max_workers:
             return
         hop = _Hop(self._queue)
