@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -161,6 +161,7 @@ def plan_copy(
     return tuple(chunks)
 
 
+@dataclass(eq=False, slots=True, repr=False)
 class PlannedCopy:
     """One checked copy job, as a copy backend receives it: device block
     ``device_ids[i]`` to or from host slot ``slots[i]``; ``chunks`` is planned on first
@@ -168,22 +169,12 @@ class PlannedCopy:
     every block land, in layer order. Compared by identity: a backend reports a job's end
     by handing it back."""
 
-    __slots__ = ("_chunks", "device_ids", "direction", "max_rows", "progress", "slots")
-
-    def __init__(
-        self,
-        direction: Direction,
-        device_ids: Sequence[int],
-        slots: Sequence[int],
-        max_rows: int,
-        progress: LayerProgress | None = None,
-    ) -> None:
-        self.direction = direction
-        self.device_ids = device_ids
-        self.slots = slots
-        self.max_rows = max_rows
-        self.progress = progress
-        self._chunks: tuple[CopyChunk, ...] | None = None
+    direction: Direction
+    device_ids: Sequence[int]
+    slots: Sequence[int]
+    max_rows: int
+    progress: LayerProgress | None = None
+    _chunks: tuple[CopyChunk, ...] | None = field(default=None, init=False)
 
     @property
     def chunks(self) -> tuple[CopyChunk, ...]:
