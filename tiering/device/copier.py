@@ -114,9 +114,9 @@ class DeviceCopier(AsyncService):
     one), and the chunks of a CUDA copy pipeline. ``backend`` defaults to a
     :class:`~tiering.device.cuda_copies.CudaCopyBackend` for a CUDA KV cache, else a
     :class:`~tiering.device.thread_copies.ThreadCopyBackend` of ``max_workers`` threads,
-    and serves this copier alone. Raises InvalidArgumentError
-    for a malformed layout, a block size other than the pool's, a closed pool, or a CUDA
-    KV cache with an unpinned pool (its copies would block the event loop)."""
+    and serves this copier alone. Raises InvalidArgumentError for a malformed layout, a
+    block size other than the pool's, a closed pool, or a CUDA KV cache with an unpinned
+    pool (its copies would block the event loop)."""
 
     def __init__(
         self,
