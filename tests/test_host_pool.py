@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 
 import numpy as np
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from tiering.device.host_pool import HostPool
-from tiering.device.page_memory import PAGE_SIZE
 from tiering.errors import ClosedError, InvalidArgumentError, TieringError
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
@@ -33,7 +33,7 @@ def _is_mapped(address: int, nbytes: int) -> bool:
 def test_buffer_is_page_aligned() -> None:
     with HostPool(3, 1000) as pool:
         address = pool.tensor.data_ptr()
-        assert address % 4096 == 0 and address % PAGE_SIZE == 0
+        assert address % 4096 == 0 and address % mmap.PAGESIZE == 0
 
 
 def test_sizes_and_shapes_match_the_arguments() -> None:

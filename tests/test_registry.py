@@ -124,7 +124,9 @@ def test_entry_points_of_the_group_are_buildable(
         value="backends.example:ExampleSecondaryTier",
         group=registry.ENTRY_POINT_GROUP,
     )
-    monkeypatch.setattr(registry, "_entry_points", lambda: (plugin,))
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: (plugin,) if group == plugin.group else ()
+    )
     assert "plugin" in tier_names()
     tier = make_tier({"type": "plugin", "max_blocks": 2}, view, BLOCK)
     assert isinstance(tier, ExampleSecondaryTier) and tier.max_blocks == 2

@@ -169,7 +169,9 @@ async def test_a_full_inbox_becomes_backlog_and_every_job_lands_in_order(pool: H
         tier.gate.clear()
         for i in range(12):
             recorder.submit(client, "store", [f"k{i}".encode()], [i])
-        assert client.backlog == 12 - 1  # the inbox holds one; nothing served yet
+        assert (
+            client.actor.inbox_statistics().parked == 12 - 1
+        )  # the inbox holds one; nothing served yet
         assert client.statistics().jobs_in_flight == 12
         assert client.statistics().bytes_in_flight == 12 * BLOCK
         tier.gate.set()
@@ -177,7 +179,10 @@ async def test_a_full_inbox_becomes_backlog_and_every_job_lands_in_order(pool: H
     assert all(o.ok for o in outcomes)
     assert [i for i, _ in recorder.calls] == list(range(12))
     assert tier.blocks == {f"k{i}".encode(): slot_bytes(pool, i) for i in range(12)}
-    assert client.backlog == 0 and client.statistics().counters["jobs_backlogged"] == 11
+    assert (
+        client.actor.inbox_statistics().parked == 0
+        and client.statistics().counters["jobs_backlogged"] == 11
+    )
 
 
 async def test_a_tier_raising_in_its_hook_gives_a_failed_outcome_with_the_reason(
@@ -265,10 +270,10 @@ async def test_after_close_every_outstanding_job_has_an_outcome(pool: HostPool) 
         recorder.submit(client, "store", [f"c{i}".encode()], [i])
     # The tier takes the first job (it waits at the gate) and the pump refills the inbox.
     for _ in range(5000):
-        if client.backlog == 4:
+        if client.actor.inbox_statistics().parked == 4:
             break
         await asyncio.sleep(0.001)
-    assert client.backlog == 4
+    assert client.actor.inbox_statistics().parked == 4
     await client.aclose(timeout=0.01)
     assert len(recorder.calls) == 6  # all delivered before aclose returned
     outcomes = [f.result() for f in recorder.futures]

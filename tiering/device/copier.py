@@ -25,11 +25,8 @@ from tiering.device.thread_copies import ThreadCopyBackend
 from tiering.errors import ClosedError, InvalidArgumentError, TransferError
 from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.observe.statistics import FailureLog, Statistics
+from tiering.tiers.io_threads import STAGING_BYTES
 from tiering.validation import as_index_list, check_index_range, positive_int
-
-DEFAULT_STAGING_BYTES = 32 << 20
-"""Default size of one staging buffer (the CUDA backend uses two per direction, in turn);
-a job bigger than this is copied in chunks, and the chunks of a CUDA copy pipeline."""
 
 _log = logging.getLogger(__name__)
 
@@ -39,7 +36,8 @@ class CopyBackend(Protocol):
     once (``host`` is the pool as ``[slots, block words]``); ``submit`` returns at once,
     and ``on_done`` gets each copy's outcome on the loop exactly once, when nothing of it
     can still run; ``drain_blocking`` blocks until all are reported; ``aclose`` releases
-    the backend once none is in flight, ``close`` without awaiting."""
+    the backend once none is in flight, ``close`` (idempotent) after ``drain_blocking``
+    without awaiting."""
 
     async def open(
         self,
@@ -111,19 +109,21 @@ class DeviceCopier(AsyncService):
 
     Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:`` on one loop and
     task, before closing the host pool; leaving waits (blocking if cancelled) until every
-    started copy has ended. ``staging_bytes`` bounds the blocks per planned chunk (at
-    least one); ``backend`` defaults to a :class:`~tiering.device.cuda_copies.CudaCopyBackend` for
-    a CUDA KV cache, else a :class:`~tiering.device.thread_copies.ThreadCopyBackend` of
-    ``max_workers`` threads, and serves this copier alone. Raises InvalidArgumentError
-    for a malformed layout, a block size other than the pool's, a closed pool, or a CUDA
-    KV cache with an unpinned pool (its copies would block the event loop)."""
+    started copy has ended. ``staging_bytes`` sizes one staging buffer (the CUDA backend
+    uses two per direction, in turn): it bounds the blocks per planned chunk (at least
+    one), and the chunks of a CUDA copy pipeline. ``backend`` defaults to a
+    :class:`~tiering.device.cuda_copies.CudaCopyBackend` for a CUDA KV cache, else a
+    :class:`~tiering.device.thread_copies.ThreadCopyBackend` of ``max_workers`` threads,
+    and serves this copier alone. Raises InvalidArgumentError for a malformed layout, a
+    block size other than the pool's, a closed pool, or a CUDA KV cache with an unpinned
+    pool (its copies would block the event loop)."""
 
     def __init__(
         self,
         kv_caches: KVCaches,
         host_pool: HostPool,
         *,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_bytes: int = STAGING_BYTES,
         max_workers: int = 2,
         backend: CopyBackend | None = None,
     ) -> None:
@@ -290,11 +290,6 @@ class DeviceCopier(AsyncService):
         Raises ClosedError if not open."""
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
-        if not device_ids:
-            if progress is not None:
-                progress.mark_all()
-            self._loop.call_soon(on_done, token, None)  # type: ignore[union-attr]
-            return
         direction = Direction.TO_HOST if to_host else Direction.TO_DEVICE
         self._hand_over(direction, device_ids, slots, None, on_done, token, progress)
 
@@ -323,12 +318,7 @@ class DeviceCopier(AsyncService):
         check_index_range("device block ids", ids, self._layout.num_blocks, unique=not to_host)
         check_index_range("slots", slot_list, self.host_pool.num_blocks, unique=to_host)
         future: asyncio.Future[None] = running.create_future()
-        if ids:
-            self._hand_over(direction, ids, slot_list, future, None, 0, progress)
-        else:
-            if progress is not None:
-                progress.mark_all()
-            future.set_result(None)
+        self._hand_over(direction, ids, slot_list, future, None, 0, progress)
         return CopyHandle(future, len(ids))
 
     def _hand_over(
@@ -341,6 +331,14 @@ class DeviceCopier(AsyncService):
         token: int = 0,
         progress: LayerProgress | None = None,
     ) -> None:
+        if not ids:  # nothing to copy: done now (an on_done still follows later)
+            if progress is not None:
+                progress.mark_all()
+            if future is not None:
+                future.set_result(None)
+            else:
+                self._loop.call_soon(on_done, token, None)  # type: ignore[arg-type, union-attr]
+            return
         nbytes = len(ids) * self._layout.block_bytes
         copy = _InFlight(direction, ids, slots, self.max_rows, progress)
         copy.nbytes, copy.future, copy.on_done, copy.token = nbytes, future, on_done, token
@@ -350,46 +348,42 @@ class DeviceCopier(AsyncService):
 
     def _on_done(self, outcomes: Sequence[CopyOutcome]) -> None:
         try:
-            self._complete(outcomes)
+            for copy, error in outcomes:
+                if copy not in self._in_flight:
+                    continue
+                job = cast(_InFlight, copy)  # the backend hands back what it was given
+                self._in_flight.discard(job)
+                self._bytes_in_flight -= job.nbytes
+                progress = job.progress
+                if progress is not None:  # a forward may wait on it from another thread
+                    if error is None:
+                        progress.mark_all()  # what a backend copying whole blocks left unmarked
+                    else:
+                        progress.fail(error)
+                future = job.future
+                if future is not None and future.done():  # the loop is being torn down
+                    continue
+                direction = job.direction
+                failure = None
+                if error is None:
+                    to_host = direction is Direction.TO_HOST
+                    done = self._to_host_done if to_host else self._to_device_done
+                    done[0] += 1
+                    done[1] += job.nbytes
+                else:
+                    self._failures.record(f"{direction.value} copy failed", detail=repr(error))
+                    failure = TransferError(f"{direction.value} copy failed: {error!r}")
+                    failure.__cause__ = error
+                if job.on_done is not None:
+                    try:
+                        job.on_done(job.token, failure)
+                    except Exception:  # one caller's bug must not lose the other outcomes
+                        _log.exception("DeviceCopier: a copy's on_done callback raised")
+                elif failure is None:
+                    future.set_result(None)  # type: ignore[union-attr]
+                else:
+                    future.set_exception(failure)  # type: ignore[union-attr]
         finally:
             ended = self._all_ended
             if ended is not None and not self._in_flight and not ended.done():
                 ended.set_result(None)
-
-    def _complete(self, outcomes: Sequence[CopyOutcome]) -> None:
-        for copy, error in outcomes:
-            if copy not in self._in_flight:
-                continue
-            job = cast(_InFlight, copy)  # the backend hands back what it was given
-            self._in_flight.discard(job)
-            self._bytes_in_flight -= job.nbytes
-            progress = job.progress
-            if progress is not None:  # a forward may wait on it from another thread
-                if error is None:
-                    progress.mark_all()  # what a backend copying whole blocks left unmarked
-                else:
-                    progress.fail(error)
-            future = job.future
-            if future is not None and future.done():  # the loop is being torn down
-                continue
-            direction = job.direction
-            failure = None
-            if error is None:
-                done = (
-                    self._to_host_done if direction is Direction.TO_HOST else self._to_device_done
-                )
-                done[0] += 1
-                done[1] += job.nbytes
-            else:
-                self._failures.record(f"{direction.value} copy failed", detail=repr(error))
-                failure = TransferError(f"{direction.value} copy failed: {error!r}")
-                failure.__cause__ = error
-            if job.on_done is not None:
-                try:
-                    job.on_done(job.token, failure)
-                except Exception:  # one caller's bug must not lose the other outcomes
-                    _log.exception("DeviceCopier: a copy's on_done callback raised")
-            elif failure is None:
-                future.set_result(None)  # type: ignore[union-attr]
-            else:
-                future.set_exception(failure)  # type: ignore[union-attr]

@@ -274,7 +274,6 @@ class CudaCopyBackend:
         self._wakeup.set()
 
     def drain_blocking(self) -> None:
-        """Block until every lane is idle; report every job."""
         for lane in self._lanes.values():
             for stream in lane.streams():
                 # A failure surfaces again in the per-job event query below.
@@ -283,7 +282,6 @@ class CudaCopyBackend:
         self._report_fired()
 
     async def aclose(self) -> None:
-        """Stop the poller and release the lanes; call once no copy is in flight."""
         self._closing = True
         if self._task_group is not None:
             task_group, self._task_group = self._task_group, None
@@ -296,8 +294,6 @@ class CudaCopyBackend:
         self._lanes.clear()
 
     def close(self) -> None:
-        """Hard stop after :meth:`drain_blocking`: cancel the poller, drop the lanes.
-        Idempotent."""
         self._closing = True
         self._task_group = None
         if self._poller is not None:
@@ -362,19 +358,13 @@ class CudaCopyBackend:
         assert copy.progress is not None
         host, runtime, progress = self._host_mapped, self._runtime, copy.progress
         with runtime.use_stream(lane.kernels):
-            plans = [
-                (
-                    self._index_tensor(chunk.device_ids),
-                    self._index_tensor(
-                        tuple(
-                            s
-                            for r in chunk.runs
-                            for s in range(r.first_slot, r.first_slot + r.length)
-                        )
-                    ),
-                )
-                for chunk in copy.chunks
-            ]
+            plans = []
+            for chunk in copy.chunks:
+                slots = [
+                    s for r in chunk.runs for s in range(r.first_slot, r.first_slot + r.length)
+                ]
+                ids = self._index_tensor(chunk.device_ids)
+                plans.append((ids, self._index_tensor(tuple(slots))))
             rows = max(len(chunk.device_ids) for chunk in copy.chunks)
             flat = lane.layers.rows(rows, runtime, None).view(-1)
             for i, (layer, offset, width) in enumerate(self._layout.columns):

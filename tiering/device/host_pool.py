@@ -29,17 +29,14 @@ def _cuda_host_register(address: int, nbytes: int) -> None:
     except Exception as exc:  # CUDA could not be initialised
         raise TieringError(f"cannot page-lock the {nbytes}-byte host pool: {exc}") from exc
     if code != 0:
+        try:
+            text = str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+        except Exception:  # an older binding or a code the enum cannot hold
+            text = "no description"
         raise TieringError(
             f"cannot page-lock the {nbytes}-byte host pool: cudaHostRegister returned "
-            f"cudaError {code} ({_cuda_error_text(cudart, code)})"
+            f"cudaError {code} ({text})"
         )
-
-
-def _cuda_error_text(cudart: Any, code: int) -> str:
-    try:
-        return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
-    except Exception:  # an older binding or a code the enum cannot hold
-        return "no description"
 
 
 def _cuda_host_unregister(address: int) -> None:

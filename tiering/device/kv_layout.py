@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,19 +64,19 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
         )
     if not tensors:
         raise InvalidArgumentError("kv_caches is empty")
-    first = tensors[0]
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        raise InvalidArgumentError("kv_caches[0] must be a tensor with a block dim")
-    num_blocks, device = first.shape[0], first.device
-    if num_blocks <= 0:
-        raise InvalidArgumentError("the device KV cache has no blocks")
-    if device.type not in ("cuda", "cpu"):
-        raise InvalidArgumentError(f"device KV cache on {device}: only cuda and cpu are supported")
     checked: list[torch.Tensor] = []
     row_bytes: list[int] = []
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             raise InvalidArgumentError(f"kv_caches[{i}] must be a tensor with a block dim")
+        if i == 0:
+            num_blocks, device = tensor.shape[0], tensor.device
+            if num_blocks <= 0:
+                raise InvalidArgumentError("the device KV cache has no blocks")
+            if device.type not in ("cuda", "cpu"):
+                raise InvalidArgumentError(
+                    f"device KV cache on {device}: only cuda and cpu are supported"
+                )
         if tensor.shape[0] != num_blocks:
             raise InvalidArgumentError(
                 f"kv_caches[{i}] has {tensor.shape[0]} blocks, kv_caches[0] has {num_blocks}"
@@ -100,16 +100,7 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
     layers = tuple(t.detach().view(num_blocks, -1).view(torch.uint8).view(word) for t in checked)
     widths = tuple(n // word_bytes for n in row_bytes)
     offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
-    return KVLayout(
-        layers=layers,
-        offsets=offsets,
-        widths=widths,
-        word=word,
-        word_bytes=word_bytes,
-        num_blocks=num_blocks,
-        block_bytes=sum(row_bytes),
-        device=device,
-    )
+    return KVLayout(layers, offsets, widths, word, word_bytes, num_blocks, sum(row_bytes), device)
 
 
 def kv_block_bytes(kv_caches: KVCaches) -> int:
@@ -170,6 +161,7 @@ def plan_copy(
     return tuple(chunks)
 
 
+@dataclass(eq=False, slots=True, repr=False)
 class PlannedCopy:
     """One checked copy job, as a copy backend receives it: device block
     ``device_ids[i]`` to or from host slot ``slots[i]``; ``chunks`` is planned on first
@@ -177,33 +169,18 @@ class PlannedCopy:
     every block land, in layer order. Compared by identity: a backend reports a job's end
     by handing it back."""
 
-    __slots__ = ("_chunks", "device_ids", "direction", "max_rows", "progress", "slots")
-
-    def __init__(
-        self,
-        direction: Direction,
-        device_ids: Sequence[int],
-        slots: Sequence[int],
-        max_rows: int,
-        progress: LayerProgress | None = None,
-    ) -> None:
-        self.direction = direction
-        self.device_ids = device_ids
-        self.slots = slots
-        self.max_rows = max_rows
-        self.progress = progress
-        self._chunks: tuple[CopyChunk, ...] | None = None
+    direction: Direction
+    device_ids: Sequence[int]
+    slots: Sequence[int]
+    max_rows: int
+    progress: LayerProgress | None = None
+    _chunks: tuple[CopyChunk, ...] | None = field(default=None, init=False)
 
     @property
     def chunks(self) -> tuple[CopyChunk, ...]:
         if self._chunks is None:
             self._chunks = plan_copy(self.device_ids, self.slots, self.max_rows)
         return self._chunks
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks the job moves."""
-        return len(self.device_ids)
 
     def __repr__(self) -> str:
         return f"<PlannedCopy {self.direction.value} {len(self.device_ids)} blocks>"

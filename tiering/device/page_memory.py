@@ -8,8 +8,6 @@ import contextlib
 import ctypes
 import mmap
 
-PAGE_SIZE: int = mmap.PAGESIZE
-"""The alignment of every mapping made here (the OS page size)."""
 HUGE_PAGE_BYTES = 2 << 20
 """The size (and alignment) of a transparent huge page on x86-64 and most arm64 kernels."""
 

@@ -12,7 +12,7 @@ import contextlib
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,47 +26,39 @@ _GROUP_BLOCK_BYTES = 64 << 10
 per layer for the group: a torch call per copy would cost more than its bytes)."""
 
 
-@dataclass(slots=True)
-class _Access:
-    """What a set of copies reads and writes: host slots as themselves, device block ``b``
-    as ``~b`` (negative), so that one set holds both kinds."""
-
-    reads: set[int] = field(default_factory=set)
-    writes: set[int] = field(default_factory=set)
-
-    @classmethod
-    def of(cls, copies: list[PlannedCopy]) -> _Access:
-        access = cls()
-        for copy in copies:
-            blocks = map(operator.invert, copy.device_ids)
-            if copy.direction is Direction.TO_HOST:
-                access.writes.update(copy.slots)
-                access.reads.update(blocks)
-            else:
-                access.writes.update(blocks)
-                access.reads.update(copy.slots)
-        return access
-
-    def conflicts(self, other: _Access) -> bool:
-        return not (
-            self.writes.isdisjoint(other.writes)
-            and self.writes.isdisjoint(other.reads)
-            and self.reads.isdisjoint(other.writes)
-        )
-
-
 @dataclass(slots=True, eq=False)
 class _Hop:
     copies: list[PlannedCopy]
     outcomes: list[CopyOutcome] | None = None  # set by the worker before it posts
     work: concurrent.futures.Future[None] | None = None
-    _access: _Access | None = None
+    _access: tuple[set[int], set[int]] | None = None
 
-    @property
-    def access(self) -> _Access:
-        """What the hop reads and writes, worked out only when a later hop must check."""
+    def conflicts(self, other: _Hop) -> bool:
+        """True if one hop writes what the other reads or writes."""
+        reads, writes = self._reads_writes()
+        other_reads, other_writes = other._reads_writes()
+        return not (
+            writes.isdisjoint(other_writes)
+            and writes.isdisjoint(other_reads)
+            and reads.isdisjoint(other_writes)
+        )
+
+    def _reads_writes(self) -> tuple[set[int], set[int]]:
+        """What the hop reads and writes, worked out only when a later hop must check:
+        host slots as themselves, device block ``b`` as ``~b`` (negative), so that one
+        set holds both kinds."""
         if self._access is None:
-            self._access = _Access.of(self.copies)
+            reads: set[int] = set()
+            writes: set[int] = set()
+            for copy in self.copies:
+                blocks = map(operator.invert, copy.device_ids)
+                if copy.direction is Direction.TO_HOST:
+                    writes.update(copy.slots)
+                    reads.update(blocks)
+                else:
+                    writes.update(blocks)
+                    reads.update(copy.slots)
+            self._access = reads, writes
         return self._access
 
 
@@ -128,14 +120,9 @@ class ThreadCopyBackend:
         if not self._dispatch_soon:
             self._dispatch_soon = True
             assert self._loop is not None
-            self._loop.call_soon(self._dispatch_now)
-
-    def _dispatch_now(self) -> None:
-        self._dispatch_soon = False
-        self._dispatch()
+            self._loop.call_soon(self._dispatch, True)
 
     def drain_blocking(self) -> None:
-        """Block the calling thread until every submitted copy has ended; deliver them all."""
         assert self._on_done is not None
         while self._hops or self._queue:
             running = [hop.work for hop in self._hops if hop.work is not None]
@@ -146,11 +133,9 @@ class ThreadCopyBackend:
             self._dispatch()  # nothing runs now: whatever is queued goes at once
 
     async def aclose(self) -> None:
-        """Release the thread pool the backend made; call once no copy is in flight."""
         self._release(wait=True)
 
     def close(self) -> None:
-        """Hard stop after :meth:`drain_blocking`, without awaiting. Idempotent."""
         self._release(wait=False)
 
     def _release(self, *, wait: bool) -> None:
@@ -158,11 +143,13 @@ class ThreadCopyBackend:
         if executor is not None and executor is not self._given_executor:
             executor.shutdown(wait=wait)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, scheduled: bool = False) -> None:
+        if scheduled:
+            self._dispatch_soon = False
         if not self._queue or len(self._hops) >= self.max_workers:
             return
         hop = _Hop(self._queue)
-        if any(running.access.conflicts(hop.access) for running in self._hops):
+        if any(running.conflicts(hop) for running in self._hops):
             return  # the hop it conflicts with dispatches again when it ends
         self._queue = []
         self._hops.add(hop)

@@ -56,6 +56,15 @@ def deliver(
         loop.call_soon_threadsafe(_settle, done, value, raised)
 
 
+def _settle(done: asyncio.Future[Any], value: Any, raised: bool) -> None:
+    if done.done():
+        return
+    if raised:
+        done.set_exception(value)
+    else:
+        done.set_result(value)
+
+
 def _call_then_deliver(
     loop: asyncio.AbstractEventLoop,
     done: asyncio.Future[_T],
@@ -71,15 +80,6 @@ def _call_then_deliver(
         deliver(loop, done, exc, raised=True)
     else:
         deliver(loop, done, value)
-
-
-def _settle(done: asyncio.Future[Any], value: Any, raised: bool) -> None:
-    if done.done():
-        return
-    if raised:
-        done.set_exception(value)
-    else:
-        done.set_result(value)
 
 
 class TierActor(AsyncService, SecondaryTierManager):
@@ -99,9 +99,8 @@ class TierActor(AsyncService, SecondaryTierManager):
         max_inflight: int = 4,
         io_threads: int = 4,
     ) -> None:
-        """A tier not yet started; the sizes are checked as :class:`ActorOptions`. Raises
-        InvalidArgumentError if ``primary_kv_view`` is not a writable memoryview of whole
-        blocks or a size is not a positive int."""
+        """Raises InvalidArgumentError if ``primary_kv_view`` is not a writable memoryview
+        of whole blocks or a size is not a positive int (:class:`ActorOptions`)."""
         options = ActorOptions.check(
             {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads},
             owner=type(self).__name__,
@@ -122,7 +121,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._failures = FailureLog(logger, type(self).__name__)
         self._running: set[TierJob] = set()  # jobs whose hook runs: at most max_inflight
         self._drained: asyncio.Future[None] | None = None  # set: closed, nothing queued or running
-        self._dispatch_pending = False  # a _dispatch_later is scheduled
+        self._dispatch_pending = False  # a dispatch of stores is scheduled
         self._closed_event = asyncio.Event()
         self._executor = ThreadPoolExecutor(
             max_workers=self.io_threads,
@@ -300,7 +299,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         if self._state is not Lifecycle.OPEN:
             raise ClosedError(f"the {self.get_tier_type()} tier is {self._state}")
         job = self._ledger.admit_new(lane, keys, slots, on_done, self._reserved_ids)
-        self._count_storing(job)
+        self._register(job, admitted=True)
         queued = self._inbox.park(lane, job)  # the inbox is open while the tier is
         self._dispatch_soon(lane)
         return queued
@@ -334,11 +333,9 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._ledger.check_free(job.job_id, self._reserved_ids)
         return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)
 
-    def _register(self, job: TierJob) -> None:
-        self._ledger.admit(job)
-        self._count_storing(job)
-
-    def _count_storing(self, job: TierJob) -> None:
+    def _register(self, job: TierJob, *, admitted: bool = False) -> None:
+        if not admitted:
+            self._ledger.admit(job)
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
@@ -403,13 +400,6 @@ class TierActor(AsyncService, SecondaryTierManager):
             job_id = None
         self._calls_running += 1
         try:
-            return await self._wait_call(call, done)
-        finally:
-            self._call_ended(job_id)
-
-    @staticmethod
-    async def _wait_call(call: ThreadFuture[Any], done: asyncio.Future[_T]) -> _T:
-        try:
             return await done
         except asyncio.CancelledError:
             if not done.cancelled():
@@ -422,6 +412,8 @@ class TierActor(AsyncService, SecondaryTierManager):
                     except asyncio.CancelledError:
                         continue  # already cancelled
             raise
+        finally:
+            self._call_ended(job_id)
 
     def _call_ended(self, job_id: int | None) -> None:
         if self._calls_running > 0:
@@ -459,16 +451,14 @@ class TierActor(AsyncService, SecondaryTierManager):
             self._dispatch()
         elif not self._dispatch_pending and self._loop is not None:
             self._dispatch_pending = True
-            self._loop.call_soon(self._dispatch_later)
+            self._loop.call_soon(self._dispatch, True)
 
-    def _dispatch_later(self) -> None:
-        self._dispatch_pending = False
-        self._dispatch()
-
-    def _dispatch(self) -> None:
+    def _dispatch(self, scheduled: bool = False) -> None:
         """Start queued jobs (loads first) while fewer than ``max_inflight`` run, each
         as a task of the runner's group (no task polls the inbox); once the inbox is
         closed and nothing is queued or running, let the runner end."""
+        if scheduled:
+            self._dispatch_pending = False
         task_group = self._task_group
         if task_group is None:
             return
@@ -609,4 +599,4 @@ class TierActor(AsyncService, SecondaryTierManager):
             return False
 
     def _name(self) -> str:
-        return f"{type(self).__name__}"
+        return type(self).__name__

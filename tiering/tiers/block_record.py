@@ -172,8 +172,7 @@ def _head(
     checksum: bytes | None,
     seal: Seal | None,
 ) -> bytes:
-    """A header of ``size`` bytes up to the end of its key, checked as
-    :func:`encode_header` says."""
+    """A header of ``size`` bytes up to the end of its key, checked (:func:`encode_header`)."""
     check_key(key)
     if (checksum is None) == (seal is None):
         raise InvalidArgumentError("a block header takes either a checksum or a seal")

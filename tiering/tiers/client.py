@@ -192,11 +192,6 @@ class TierClient(AsyncService):
         """Where the tier is in its life cycle."""
         return self.actor.state
 
-    @property
-    def backlog(self) -> int:
-        """Jobs parked for room in the tier's inbox now."""
-        return self.actor.inbox_statistics().parked
-
     def submit(
         self,
         kind: Lane,
@@ -271,4 +266,5 @@ class TierClient(AsyncService):
         )
 
     def __repr__(self) -> str:
-        return f"<TierClient {self.name} backlog={self.backlog} {self.statistics()!r}>"
+        parked = self.actor.inbox_statistics().parked
+        return f"<TierClient {self.name} backlog={parked} {self.statistics()!r}>"

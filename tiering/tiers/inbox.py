@@ -28,11 +28,9 @@ class InboxStatistics:
     parked: int = 0
 
 
+@dataclass(slots=True)
 class _Parked(Generic[_T]):
-    __slots__ = ("item",)
-
-    def __init__(self, item: _T) -> None:
-        self.item = item
+    item: _T
 
 
 class Inbox(Generic[_T]):

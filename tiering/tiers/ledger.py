@@ -141,10 +141,8 @@ class ResultsLedger:
     def fail(self, job_id: int, reason: str, *, notify: bool = True) -> bool:
         """:meth:`finish` with a failure naming every key of the job and ``reason``."""
         job = self._jobs.get(job_id)
-        if job is None:
-            raise InvalidArgumentError(f"{self._owner}: unknown job {job_id!r}")
-        failure = JobResult(job_id, False, tuple(job.meta.keys), reason)
-        return self.finish(job_id, failure, notify=notify)
+        keys = () if job is None else tuple(job.meta.keys)  # unknown: finish raises
+        return self.finish(job_id, JobResult(job_id, False, keys, reason), notify=notify)
 
     def fail_undecided(self, reason: str, *, notify: bool = True) -> list[int]:
         """Fail every job without a result yet (busy ones too); returns their ids."""

@@ -1,13 +1,11 @@
-"""Secondary tiers by name: :func:`register_tier` registrations, then the built-ins
-(imported when first built: importing ``tiering`` imports no ``backends``), then entry
-points of the group ``kv_tiering.tiers``; and the bookkeeping replay's model of a built-in
-tier (:func:`replay_model`, imported on first use too)."""
+"""Secondary tiers by name (:func:`tier_factory`), and the bookkeeping replay's model of a
+built-in tier (:func:`replay_model`); both import ``backends`` only on first use."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import entry_points
 from typing import Any
 
 from tiering.errors import ConfigError, InvalidArgumentError, UnknownTierError
@@ -45,7 +43,9 @@ def register_tier(name: str, factory: TierFactory) -> None:
 
 def tier_names() -> list[str]:
     """Every name :func:`make_tier` accepts, sorted."""
-    return sorted({*_REGISTERED, *_BUILTINS, *(ep.name for ep in _entry_points())})
+    return sorted(
+        {*_REGISTERED, *_BUILTINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
+    )
 
 
 def make_tier(
@@ -150,13 +150,14 @@ def _parsed(spec: object, what: str) -> tuple[str, dict[str, Any], TierFactory |
 
 def tier_factory(name: str) -> TierFactory:
     """The factory (usually the tier class) under ``name``: registered ones first, then
-    the built-ins, then entry points. Raises UnknownTierError if there is none or its
-    module cannot be imported, InvalidArgumentError if its entry point is not callable."""
+    the built-ins, then entry points of the group ``kv_tiering.tiers``. Raises
+    UnknownTierError if there is none or its module cannot be imported,
+    InvalidArgumentError if its entry point is not callable."""
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
         return _imported(name, _BUILTINS[name])  # type: ignore[no-any-return]
-    for ep in _entry_points():
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             loaded = ep.load()
             if not callable(loaded):
@@ -185,7 +186,3 @@ def _imported(name: str, where: str) -> Any:
         return getattr(importlib.import_module(module), attribute)
     except ImportError as exc:
         raise UnknownTierError(f"tier {name!r} ({where}) cannot be imported: {exc}") from exc
-
-
-def _entry_points() -> tuple[EntryPoint, ...]:
-    return tuple(entry_points(group=ENTRY_POINT_GROUP))

@@ -75,12 +75,11 @@ class ResidencyIndex:
         if reserved:
             if self.reserved <= 0:
                 raise InvalidArgumentError(f"insert of {_hex(key)} from a reservation, but none")
+            self.reserved -= 1
         elif key not in self._resident and len(self._resident) + self.reserved >= self.capacity:
             raise InvalidArgumentError(
                 f"insert of {_hex(key)}: the index is full ({self.capacity} blocks)"
             )
-        if reserved:
-            self.reserved -= 1
         if key in self._resident:
             return False
         self._resident.add(key)
