@@ -15,8 +15,9 @@ from backends.nvme.segment_format import Checkpoint
 from backends.nvme.segment_index import SegmentIndex
 from backends.nvme.segments import SegmentFiles
 from backends.nvme.tier import NVMeTier
+from tiering.tiers import registry
 from tiering.tiers.actor import TierActor
-from tiering.tiers.registry import register_tier, unregister_tier
+from tiering.tiers.registry import register_tier
 from tiering.tiers.tier_api import JobMetadata, JobResult
 
 _job_ids = itertools.count(1)
@@ -65,11 +66,13 @@ def nvme_tiers_built() -> Iterator[list[NVMeTier]]:
             super().__init__(*args, **kwargs)
             built.append(self)
 
+    before = dict(registry._REGISTERED)
     register_tier("nvme", KeptNVMeTier)
     try:
         yield built
     finally:
-        unregister_tier("nvme")
+        registry._REGISTERED.clear()
+        registry._REGISTERED.update(before)
 
 
 async def checkpoint_read(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
