@@ -20,14 +20,7 @@ from typing import Any
 import xxhash
 
 from backends.nvme.options import NVMeOptions
-from backends.nvme.os_calls import (
-    REAL_OS,
-    OwnerLock,
-    check_root,
-    fs_call,
-    probe_o_direct,
-    to_the_end,
-)
+from backends.nvme.os_calls import REAL_OS, OwnerLock, fs_call, probe_o_direct, to_the_end
 from backends.nvme.recovery import (
     BlockingRunner,
     Recovery,
@@ -61,8 +54,6 @@ from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContex
 from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
-
-_THREAD_START_TIMEOUT_S = 5.0  # how long start() waits for its I/O threads to meet
 
 
 @dataclass(slots=True)
@@ -259,7 +250,12 @@ class NVMeTier(TierActor):
             self._opened = True
             if excess:  # before serving: no store may race this clean-up
                 await self.run_blocking(self._segments.delete, excess)
-            await self._start_io_threads()
+            # A pool starts its threads lazily (the first jobs would wait for each start):
+            # calls that wait for each other make it start every thread now.
+            meeting = threading.Barrier(self.io_threads)
+            await asyncio.gather(
+                *(self.run_blocking(_meet, meeting) for _ in range(self.io_threads))
+            )
             await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
@@ -288,15 +284,9 @@ class NVMeTier(TierActor):
         # lock must outlive the writes still running.
         self._release_owner()
 
-    async def _start_io_threads(self) -> None:
-        # A pool starts its threads lazily (the first jobs would wait for each start):
-        # calls that wait for each other make it start every thread now.
-        meeting = threading.Barrier(self.io_threads)
-        await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
-
     async def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
-        """Open the namespace directory, check the floor, take the owner lock, probe
-        O_DIRECT (a hop), recover the index (a hop), measure free space."""
+        # The directory opened, the floor checked, the owner lock taken, O_DIRECT probed
+        # (a hop), the index recovered (a hop), free space measured.
         await open_directory(
             self.root,
             self.directory,
@@ -681,7 +671,7 @@ class NVMeTier(TierActor):
 def _meet(meeting: threading.Barrier) -> None:
     # A broken or timed-out meeting only means some thread starts later, in a job.
     with contextlib.suppress(threading.BrokenBarrierError):
-        meeting.wait(_THREAD_START_TIMEOUT_S)
+        meeting.wait(5.0)  # then the threads start later, in jobs
 
 
 def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult:
@@ -694,4 +684,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["InflightBytes", "NVMeMetrics", "NVMeOptions", "NVMeTier", "check_root"]
+__all__ = ["InflightBytes", "NVMeMetrics", "NVMeOptions", "NVMeTier"]
