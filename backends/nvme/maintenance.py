@@ -1,12 +1,7 @@
 """The reports of ``tiering inspect``, ``verify`` and ``clear`` (docs/nvme.md), made with
 the tier's own code: read-only recovery, reads that verify as a load does,
-``mark_removed`` and ``tier_file``. A namespace's record size is the most common payload
-length of its segments' first records that verify; without one, they are damaged.
-
-Each public function blocks, running its report on an event loop of its own as the tier
-runs (docs/architecture.md#where-work-runs): file-system operations through aiofiles,
-each batch of per-record I/O one call on a thread.
-"""
+``mark_removed`` and ``tier_file``. Each public function blocks, running its report on an
+event loop of its own as the tier runs (docs/architecture.md#where-work-runs)."""
 
 from __future__ import annotations
 
@@ -180,10 +175,9 @@ async def _open_root(
     root: str | os.PathLike[str], wanted: str | None, refuse_if_live: str | None = None
 ) -> tuple[str, list[_Namespace], list[str]]:
     """The root's path, the namespace directories ``wanted`` names (:func:`_select`)
-    and the root's other entries. InvalidArgumentError: ``root`` fails the tier's
-    :func:`check_root`, cannot be listed, or is neither empty nor holds a namespace;
-    with ``refuse_if_live`` (an action), TieringError when a running tier holds one.
-    """
+    and the root's other entries. InvalidArgumentError: ``root`` fails :func:`check_root`,
+    cannot be listed, or is neither empty nor holds a namespace; with ``refuse_if_live``
+    (an action), TieringError when a running tier holds one."""
     path = os.fspath(root)
     try:
         await fs_call(check_root, path, option="ROOT")
@@ -352,7 +346,9 @@ def _first_records(seg_dir: str, digest: bytes) -> tuple[list[str], list[str], C
 
 
 async def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
-    """The segments of ``ns``, recovered by the tier's code (reads open under ``cipher``)."""
+    """The segments of ``ns``, recovered by the tier's code (reads open under ``cipher``).
+    The record size is the most common payload length of the segments' first records
+    that verify; without one, every segment is damaged."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
     state = _Segments(present=await aiofiles.os.path.isdir(seg_dir))
     names, foreign, sizes, state.sealed = await asyncio.to_thread(
@@ -475,12 +471,8 @@ def verify_root(
     load does, encrypted ones under ``encryption`` (without it they are bad). With
     ``remove``, a bad record is marked removed and leaves the checkpoint; one that could
     not be is reported not removed. ``on_progress(checked, total)`` from ``(0, total)``.
-
-    Raises:
-        InvalidArgumentError: as :func:`inspect_root`.
-        TieringError: ``remove`` and a selected namespace has a live owner, or holds
-            encrypted blocks and no keyring was given (nothing changed), or an OS error.
-    """
+    InvalidArgumentError as :func:`inspect_root`; TieringError for an OS error, or with
+    ``remove`` (nothing changed) a live owner or encrypted blocks and no keyring."""
     keyring = keyring_from(encryption, option="encryption")
     cipher = None if keyring is None else BlockCipher(keyring)
 
@@ -520,11 +512,10 @@ class _Stopped(Exception):
 def _verify_index(
     files: SegmentFiles, index: SegmentIndex, advance: Callable[[int], None], stop: threading.Event
 ) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
-    """Blocking: read and verify every record ``index`` holds as a load does, a batch of
-    payloads at a time, calling ``advance(records read)`` after each (:class:`_Stopped`
-    once ``stop`` is set). Returns the records checked and the failures: ``(segment,
-    record)`` -> ``(its header's key or None, why, whether the record itself is bad)``
-    (not a missing or stale one)."""
+    """Blocking: verify every record ``index`` holds, a batch at a time, calling
+    ``advance(records read)`` after each (:class:`_Stopped` once ``stop`` is set). Returns
+    the records checked and the failures: ``(segment, record)`` -> ``(its header's key or
+    None, why, whether the record itself is bad, not missing or stale)``."""
     snapshot = index.snapshot()
     entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
     size = files.block_bytes
@@ -603,8 +594,7 @@ def clear_root(
     directories (or one ``namespace``'s), then the directories left empty; other files
     stay, listed in ``left``. Links are removed, never followed. ``dry_run``: no change.
     InvalidArgumentError as :func:`inspect_root`; TieringError for a live owner (nothing
-    changed) or a file that could not be removed (named; what went before is gone).
-    """
+    changed) or a file that could not be removed (named; what went before is gone)."""
     return _run(_clear_root(root, namespace, dry_run))
 
 
