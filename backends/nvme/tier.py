@@ -127,15 +127,12 @@ class InflightBytes:
 
 
 class NVMeTier(TierActor):
-    """A secondary tier keeping blocks as records of segment files under ``root``; its
-    options are :class:`NVMeOptions`. What it promises (docs/nvme.md at length): a
-    store's keys become visible once their records are written (and synced per
-    ``fsync``); keys held are skipped, a key twice in a job is stored from its first
-    slot. A record is served only if its header and payload checksum (or GCM tag)
-    verify; a key that fails, or that an I/O error hit, is in ``failed_keys`` (and
-    leaves the index) while the job's other keys land. Space comes back by deleting
-    whole segments never in use; stores that still do not fit fail, and after ENOSPC
-    stores fail (loads go on) until one succeeds. :meth:`start` recovers the index."""
+    """A secondary tier keeping blocks as records of segment files under ``root``
+    (options: :class:`NVMeOptions`; promises: docs/nvme.md). A store's keys become
+    visible once written (and synced per ``fsync``); keys held are skipped, a key twice
+    in a job is stored from its first slot. A record is served only if it verifies; a key
+    that fails is in ``failed_keys`` while the job's other keys land. Space returns by
+    whole segments; after ENOSPC stores fail (loads go on) until one succeeds."""
 
     Options = NVMeOptions
 
@@ -311,7 +308,7 @@ class NVMeTier(TierActor):
         return probe, found, await fs_call(self._segments.free_bytes)
 
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
-        """Take the start-up findings; returns the segments over the cap (to delete)."""
+        # The start-up findings taken; returns the segments over the cap (to delete).
         if probe is not None and self.options.o_direct is True:
             raise InvalidArgumentError(
                 f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
@@ -550,9 +547,7 @@ class NVMeTier(TierActor):
         return _result(job.job_id, failed, len(job.keys))
 
     async def _write_checkpoint(self, run_blocking: BlockingRunner) -> None:
-        """Write the index checkpoint: the snapshot and the temporary in one call of
-        ``run_blocking``, the rename and the directory sync through aiofiles
-        (:func:`~backends.nvme.recovery.write_checkpoint`). OSError if it failed."""
+        # OSError if it failed (the old checkpoint stays).
         self._checkpoint_idle.clear()
         try:
             # The entries are copied on the thread, off the loop, while the loop goes on.
@@ -576,10 +571,9 @@ class NVMeTier(TierActor):
     # -- bookkeeping (loop thread) -------------------------------------------------------
 
     def _hop_lost(self, hop: StoreHop) -> None:
-        """A store job ended without its commit (cancelled by a close's deadline): what
-        left the index with its plan is still told. If its hop never ran, its deletions
-        and the reads of the keys they remove are owed to a later hop (or the close);
-        if it ran, the keys it read that the index no longer holds are removals."""
+        # A store job ended without its commit (a close's deadline): if its hop never
+        # ran, its deletions and the reads of the keys they remove are owed to a later hop
+        # (or the close); if it ran, the keys it read that the index lacks are removals.
         if hop.gone_keys is None:
             self._trash.extend(hop.delete)
             if self._removed is not None:
@@ -590,8 +584,7 @@ class NVMeTier(TierActor):
         self._note_given_up([*moved, *hop.gone_keys])
 
     def _note_given_up(self, keys: Sequence[bytes | None]) -> None:
-        """Removals: the ``keys`` read from records given up that the index no longer
-        holds (None: a header that did not verify)."""
+        # Removals: keys read from records given up that the index no longer holds.
         self._note_removed(k for k in keys if k is not None and key_digest(k) not in self._index)
 
     def _commit_store(
@@ -602,9 +595,8 @@ class NVMeTier(TierActor):
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
-        """Index the records written (the job's, then the moved ones'), a moved one
-        unless its key was stored again meanwhile; none if the tier was cleared
-        meanwhile."""
+        # The records written indexed (the job's, then the moved ones', unless stored
+        # again meanwhile); none if the tier was cleared meanwhile.
         self._writing_records -= len(hop.placed)
         written = set(report.written)
         ours, theirs = hop.placed[: len(hop.records)], hop.placed[len(hop.records) :]
