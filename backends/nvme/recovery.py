@@ -1,10 +1,7 @@
 """Opening an NVMe namespace directory, recovering its index from the checkpoint and a
-scan of what was written after it, and writing the checkpoint (docs/nvme.md). The
-file-system operations around the data path go through aiofiles, one executor hop each;
-a batch of system calls (the scan and the index built from it; the checkpoint's body
-written and synced) is ONE call of the caller's ``run_blocking``: the tier's I/O
-threads, or :func:`asyncio.to_thread` (docs/architecture.md#where-work-runs).
-"""
+scan of what came after it, and writing the checkpoint (docs/nvme.md). A batch of system
+calls is ONE call of the caller's ``run_blocking``; the operations around it go through
+aiofiles (docs/architecture.md#where-work-runs)."""
 
 from __future__ import annotations
 
@@ -64,11 +61,10 @@ class BlockingRunner(Protocol):
 async def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
-    """Check ``root``, make the namespace's ``directory`` and its subdirectories,
-    private, and write or check its identity file. InvalidArgumentError: the root fails
-    :func:`check_root` or is not writable (an error of :data:`UNUSABLE_ROOT_ERRNOS`), a
-    directory is a link or a file, or it holds another namespace; OSError: the file
-    system refused another operation."""
+    """Check ``root``, make the namespace's private ``directory`` and its subdirectories,
+    and write or check its identity file. InvalidArgumentError: the root fails
+    :func:`check_root` or is not writable, a directory is a link or a file, or it holds
+    another namespace; OSError: the file system refused another operation."""
     await fs_call(check_root, root, create=True, mode=dir_mode)
     try:
         await _make_namespace(directory, namespace, dir_mode, file_mode, writer)
@@ -159,9 +155,8 @@ async def recover(
 ) -> Recovery:
     """Read the checkpoint, scan what it does not cover, and build an index with
     ``new_index(records on disk)``, deleting dead writers' checkpoint temporaries and
-    segments in which nothing verifies; ``read_only`` (inspect, verify): nothing is
-    deleted, and every segment is scanned from record 0. The scan and the index are one
-    call of ``run_blocking``. OSError when the namespace directory cannot be listed."""
+    segments in which nothing verifies; ``read_only``: nothing is deleted, every segment
+    is scanned from record 0. OSError when the namespace directory cannot be listed."""
     directory = files.directory
     removed: Counter[str] = Counter()
     for name in await aiofiles.os.listdir(directory):  # dead writers' checkpoint temporaries
@@ -191,8 +186,6 @@ def _rebuild(
     removed: Counter[str],
     read_only: bool,
 ) -> Recovery:
-    # Blocking, one call: the checkpoint's bytes parsed, the segments listed and
-    # scanned, dead writers' corrupt ones deleted (unless read_only), the index built.
     checkpoint = None
     if data is not None:
         try:
@@ -251,14 +244,11 @@ async def write_checkpoint(
     temp_suffix: str,
     run_blocking: BlockingRunner = asyncio.to_thread,
 ) -> int:
-    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` and return its size:
-    in ONE call of ``run_blocking``, its body encoded and written to a temporary of
-    ``temp_suffix`` and synced (``checkpoint`` may be a function making it there: a
-    snapshot taken off the loop); then, through aiofiles, the temporary renamed over
-    ``index.ckpt`` and the directory synced. Every system call goes through ``files.os``.
-    OSError: the old checkpoint stays and the temporary is removed. Once begun it runs
-    to its end: cancelled meanwhile, it raises CancelledError after (a rename left
-    running could publish a temporary that the next checkpoint is rewriting)."""
+    """Write ``checkpoint`` (or what a function makes, off the loop) atomically as
+    ``files``' ``index.ckpt`` through ``files.os``, its temporary named by ``temp_suffix``;
+    returns its size. OSError: the old checkpoint stays, the temporary is removed. Once
+    begun it runs to its end (a rename left running could publish a temporary that the
+    next checkpoint is rewriting): cancelled meanwhile, it raises CancelledError after."""
 
     async def write() -> int:
         temp, size = await run_blocking(_write_temporary, files, checkpoint, temp_suffix)
@@ -277,7 +267,6 @@ async def write_checkpoint(
 def _write_temporary(
     files: SegmentFiles, checkpoint: Checkpoint | Callable[[], Checkpoint], temp_suffix: str
 ) -> tuple[str, int]:
-    # Blocking: the checkpoint's temporary written and synced (removed on an error).
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = checkpoint()
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)
