@@ -132,7 +132,8 @@ class NVMeTier(TierActor):
     visible once written (and synced per ``fsync``); keys held are skipped, a key twice
     in a job is stored from its first slot. A record is served only if it verifies; a key
     that fails is in ``failed_keys`` while the job's other keys land. Space returns by
-    whole segments; after ENOSPC stores fail (loads go on) until one succeeds."""
+    whole segments; after ENOSPC stores fail (loads go on) until one succeeds. A key that
+    is not bytes raises InvalidArgumentError and changes nothing."""
 
     Options = NVMeOptions
 
@@ -257,7 +258,7 @@ class NVMeTier(TierActor):
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
         """Close as :meth:`TierActor.aclose`, then delete the segments given up and write
-        the index checkpoint. Idempotent."""
+        the index checkpoint."""
         first = not self.closed
         await super().aclose(timeout)
         if not first or not self._opened:
@@ -347,8 +348,7 @@ class NVMeTier(TierActor):
         return self._space.read_only
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """True if stored, None while a store of it is queued or running, else False
-        (InvalidArgumentError for a ``key`` that is not bytes)."""
+        """True if stored, None while a store of it is queued or running, else False."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
         if key_digest(key) in self._index:
@@ -356,8 +356,7 @@ class NVMeTier(TierActor):
         return None if self.storing(key) else False
 
     def lookup_all(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
-        """:meth:`lookup` of each of ``keys`` in one probe of the index
-        (InvalidArgumentError unless ``keys`` is a collection of bytes)."""
+        """:meth:`lookup` of each of ``keys`` in one probe of the index."""
         keys = hash_list("keys", keys)
         digest = xxhash.xxh3_64_intdigest  # key_digest, inlined: the batch is the point
         present = self._index.present([digest(key) or 1 for key in keys])
@@ -373,13 +372,12 @@ class NVMeTier(TierActor):
         self._index.touch([key_digest(key) for key in hash_list("keys", keys)])
 
     def hold(self, keys: Collection[OffloadKey]) -> None:
-        """Keep ``keys``' segments from eviction until released (holds count);
-        InvalidArgumentError, nothing held, unless ``keys`` is a collection of bytes."""
+        """Keep ``keys``' segments from eviction until released (holds count)."""
         self._index.hold([key_digest(key) for key in hash_list("keys", keys)])
 
     def release(self, keys: Collection[OffloadKey]) -> None:
-        """Undo one :meth:`hold` of each key; InvalidArgumentError, nothing released, for a
-        key that is not bytes or is released more often than held (named in hex)."""
+        """Undo one :meth:`hold` of each key; InvalidArgumentError for a key released more
+        often than held (named in hex)."""
         keys = hash_list("keys", keys)
         counts = Counter(map(key_digest, keys))
         for key in keys:
@@ -388,7 +386,6 @@ class NVMeTier(TierActor):
         self._index.release(counts.elements())
 
     def get_num_blocks(self) -> int:
-        """Blocks stored and loadable now."""
         return len(self._index)
 
     @property
@@ -463,9 +460,9 @@ class NVMeTier(TierActor):
     async def _store_admission(
         self, job: JobMetadata
     ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, int]]:
-        """A store job's keys as ``(failed, wanted: key -> slot)``: keys a header cannot
-        hold fail, keys held (or repeated) are skipped, keys a running hop writes are
-        waited for, and while the disk is full every wanted key fails."""
+        # ``(failed, wanted: key -> slot)``: keys a header cannot hold fail, keys held (or
+        # repeated) are skipped, keys a running hop writes are waited for, and while the
+        # disk is full every wanted key fails.
         failed: dict[OffloadKey, str] = {}
         wanted: dict[OffloadKey, int] = {}
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
@@ -492,8 +489,8 @@ class NVMeTier(TierActor):
     async def _plan_store(
         self, wanted: dict[OffloadKey, int], failed: dict[OffloadKey, str]
     ) -> StoreHop:
-        """Make room for ``wanted`` (space measured first when stale) and place what
-        fits; what does not fails (in ``failed``). The hop for :meth:`SegmentFiles.store`."""
+        # Room made for ``wanted`` (space measured first when stale); what does not fit
+        # fails (in ``failed``).
         pending = self._index.used_records - self._writing_records
         if self._space.stale(self._writing_records + len(wanted)):
             self._space.measured(await self.run_blocking(self._segments.free_bytes))
