@@ -161,8 +161,7 @@ class _Namespace:
 
 
 def _run(main: Coroutine[Any, Any, _T]) -> _T:
-    """``main`` run on an event loop of its own: on this thread, or on a thread of its own
-    while this one waits when a loop runs here already (an async caller)."""
+    """``main`` run on an event loop of its own (on a thread of its own if one runs here)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -595,44 +594,44 @@ def clear_root(
     stay, listed in ``left``. Links are removed, never followed. ``dry_run``: no change.
     InvalidArgumentError as :func:`inspect_root`; TieringError for a live owner (nothing
     changed) or a file that could not be removed (named; what went before is gone)."""
-    return _run(_clear_root(root, namespace, dry_run))
 
-
-async def _clear_root(
-    root: str | os.PathLike[str], namespace: str | None, dry_run: bool
-) -> ClearReport:
-    path, selected, _ = await _open_root(root, namespace, None if dry_run else "clear")
-    files = nbytes = 0
-    left: list[str] = []
-    for ns in selected:
-        with _os_errors(path):
-            listing = sorted(await asyncio.to_thread(_files_under, ns.path))
-        doomed: list[tuple[str, int]] = []
-        for full, size in listing:
-            if tier_file(tuple(_relative(full, ns.path).split(os.sep))):
-                doomed.append((full, size))
-            else:
-                left.append(_relative(full, path))
-        # The identity file goes last: until then the directory is still recognisably
-        # a namespace, so an interrupted clear can be run again.
-        doomed.sort(key=lambda item: os.path.basename(item[0]) == IDENTITY_FILE)
-        files += len(doomed)
-        nbytes += sum(size for _, size in doomed)
-        if dry_run:
-            continue
-        for full, _ in doomed:
-            try:
-                await aiofiles.os.unlink(full)
-            except FileNotFoundError:
+    async def clear() -> ClearReport:
+        path, selected, _ = await _open_root(root, namespace, None if dry_run else "clear")
+        files = nbytes = 0
+        left: list[str] = []
+        for ns in selected:
+            with _os_errors(path):
+                listing = sorted(await asyncio.to_thread(_files_under, ns.path))
+            doomed: list[tuple[str, int]] = []
+            for full, size in listing:
+                if tier_file(tuple(_relative(full, ns.path).split(os.sep))):
+                    doomed.append((full, size))
+                else:
+                    left.append(_relative(full, path))
+            # The identity file goes last: until then the directory is still recognisably
+            # a namespace, so an interrupted clear can be run again.
+            doomed.sort(key=lambda item: os.path.basename(item[0]) == IDENTITY_FILE)
+            files += len(doomed)
+            nbytes += sum(size for _, size in doomed)
+            if dry_run:
                 continue
-            except OSError as exc:
-                raise TieringError(
-                    f"could not remove {_relative(full, path)!r}: {describe_os_error(exc)}"
-                ) from None
-        for directory in await asyncio.to_thread(_directories_deepest_first, ns.path):
-            with contextlib.suppress(OSError):
-                await aiofiles.os.rmdir(directory)  # only succeeds once empty
-    return ClearReport(path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left))
+            for full, _ in doomed:
+                try:
+                    await aiofiles.os.unlink(full)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise TieringError(
+                        f"could not remove {_relative(full, path)!r}: {describe_os_error(exc)}"
+                    ) from None
+            for directory in await asyncio.to_thread(_directories_deepest_first, ns.path):
+                with contextlib.suppress(OSError):
+                    await aiofiles.os.rmdir(directory)  # only succeeds once empty
+        return ClearReport(
+            path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left)
+        )
+
+    return _run(clear())
 
 
 def _directories_deepest_first(path: str) -> list[str]:

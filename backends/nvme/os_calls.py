@@ -45,8 +45,7 @@ class OsCalls:
     """The system calls the blocking core makes, as methods a test can override."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        """``os.open``, never through a symbolic link, close-on-exec, files created
-        private (0600)."""
+        """``os.open``, never through a link, close-on-exec, created files private (0600)."""
         return os.open(path, flags | _O_NOFOLLOW | _O_CLOEXEC, mode)
 
     def close(self, fd: int) -> None:

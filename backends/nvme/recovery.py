@@ -52,8 +52,7 @@ _T = TypeVar("_T")
 
 
 class BlockingRunner(Protocol):
-    """Runs a blocking ``fn(*args)`` off the loop, awaited: ``TierActor.run_blocking``
-    (the tier's I/O threads) or :func:`asyncio.to_thread`."""
+    """Runs ``fn(*args)`` off the loop: ``TierActor.run_blocking`` or :func:`asyncio.to_thread`."""
 
     def __call__(self, fn: Callable[..., _T], /, *args: Any) -> Awaitable[_T]: ...
 
@@ -67,7 +66,39 @@ async def open_directory(
     another namespace; OSError: the file system refused another operation."""
     await fs_call(check_root, root, create=True, mode=dir_mode)
     try:
-        await _make_namespace(directory, namespace, dir_mode, file_mode, writer)
+        with contextlib.suppress(FileExistsError):
+            await aiofiles.os.mkdir(directory, dir_mode)
+        if await aiofiles.os.path.islink(directory):
+            raise InvalidArgumentError(
+                f"root: {directory!r} is a symbolic link; the tier never follows one out of "
+                "its root"
+            )
+        await fs_call(check_private, "root", directory)
+        for sub in (OWNERS_DIR, SEGMENTS_DIR):
+            path = os.path.join(directory, sub)
+            try:
+                await aiofiles.os.mkdir(path, dir_mode)
+            except FileExistsError:
+                found = await aiofiles.os.stat(path, follow_symlinks=False)
+                if not stat.S_ISDIR(found.st_mode):
+                    raise InvalidArgumentError(
+                        f"root: {path!r} is not a directory of the tier (a link or a file)"
+                    ) from None
+        try:
+            found_namespace = await read_identity(directory)
+        except FileNotFoundError:
+            identity = {"namespace": namespace, "format_version": FORMAT_VERSION}
+            path = os.path.join(directory, IDENTITY_FILE)
+            temp = temporary_name(path, writer)
+            async with aiofiles.open(temp, "xb", opener=private_opener(file_mode)) as new:
+                await new.write(json.dumps(identity, sort_keys=True).encode())
+            await aiofiles.os.replace(temp, path)
+            return
+        if found_namespace != namespace:
+            raise InvalidArgumentError(
+                f"{directory!r} holds namespace {found_namespace!r}, not {namespace!r}; "
+                "refusing to use it"
+            )
     except OSError as exc:
         if exc.errno not in UNUSABLE_ROOT_ERRNOS:
             raise
@@ -75,43 +106,6 @@ async def open_directory(
             f"root: {root!r} is not writable: {exc.strerror} (making the tier's namespace "
             "directory in it)"
         ) from None
-
-
-async def _make_namespace(
-    directory: str, namespace: str, dir_mode: int, file_mode: int, writer: str
-) -> None:
-    with contextlib.suppress(FileExistsError):
-        await aiofiles.os.mkdir(directory, dir_mode)
-    if await aiofiles.os.path.islink(directory):
-        raise InvalidArgumentError(
-            f"root: {directory!r} is a symbolic link; the tier never follows one out of its root"
-        )
-    await fs_call(check_private, "root", directory)
-    for sub in (OWNERS_DIR, SEGMENTS_DIR):
-        path = os.path.join(directory, sub)
-        try:
-            await aiofiles.os.mkdir(path, dir_mode)
-        except FileExistsError:
-            found = await aiofiles.os.stat(path, follow_symlinks=False)
-            if not stat.S_ISDIR(found.st_mode):
-                raise InvalidArgumentError(
-                    f"root: {path!r} is not a directory of the tier (a link or a file)"
-                ) from None
-    try:
-        found_namespace = await read_identity(directory)
-    except FileNotFoundError:
-        identity = {"namespace": namespace, "format_version": FORMAT_VERSION}
-        path = os.path.join(directory, IDENTITY_FILE)
-        temp = temporary_name(path, writer)
-        async with aiofiles.open(temp, "xb", opener=private_opener(file_mode)) as new:
-            await new.write(json.dumps(identity, sort_keys=True).encode())
-        await aiofiles.os.replace(temp, path)
-        return
-    if found_namespace != namespace:
-        raise InvalidArgumentError(
-            f"{directory!r} holds namespace {found_namespace!r}, not {namespace!r}; "
-            "refusing to use it"
-        )
 
 
 async def read_identity(directory: str) -> str | None:

@@ -66,8 +66,7 @@ class KeyTable:
         return self._locs[slot] if self._digests[slot] else None
 
     def present(self, digests: Sequence[int]) -> np.ndarray:
-        """Whether each of ``digests`` is in the table (booleans, in order), probed as
-        array operations."""
+        """Whether each of ``digests`` is present (booleans, in order), probed as arrays."""
         table = np.frombuffer(self._digests, dtype=np.uint64)
         wanted = np.fromiter(digests, dtype=np.uint64, count=len(digests))
         found = np.zeros(len(wanted), dtype=bool)
@@ -398,8 +397,8 @@ class SegmentIndex:
         return RoomPlan(fit, evictions, moves, gone, self.place(fit + len(moves)))
 
     def _next_victim(self) -> tuple[int, bool] | None:
-        """``(slot, compact)``: the first evictable segment whose live fraction is below
-        ``compact_below`` (all its live blocks move), else the oldest evictable one."""
+        # ``(slot, compact)``: the first evictable segment under ``compact_below`` live
+        # (all its live blocks move), else the oldest evictable one.
         holds = self._holds
         oldest: int | None = None
         for slot, segment in self._segments.items():

@@ -279,8 +279,8 @@ class SegmentFiles:
     def load(
         self, reads: Sequence[tuple[bytes, str, int, int]], slot: Callable[[int], memoryview]
     ) -> list[ReadOutcome]:
-        """One load job's blocking half: :meth:`read` of each ``(key, segment, record,
-        block id)`` into ``slot(block id)``."""
+        """One load job's blocking half: :meth:`read` of each ``(key, segment, record, block
+        id)`` into ``slot(block id)``."""
         return self.read([(segment, record, slot(b), key) for key, segment, record, b in reads])
 
     def drop_move_buffers(self) -> None:
@@ -586,8 +586,8 @@ class SegmentFiles:
     def _open_each(
         self, records: Sequence[tuple[str, int]], flags: int
     ) -> Iterator[tuple[int, str, list[tuple[int, int]]]]:
-        """``(fd, segment, [(position in records, record)])`` of each segment of
-        ``records`` that opens with ``flags``; the fd closes when the next is asked for."""
+        # ``(fd, segment, [(position in records, record)])`` of each segment that opens;
+        # the fd closes when the next is asked for.
         by_segment: dict[str, list[tuple[int, int]]] = {}
         for i, (segment, record) in enumerate(records):
             by_segment.setdefault(segment, []).append((i, record))
@@ -632,8 +632,7 @@ class SegmentFiles:
 
 
 def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
-    """Slices of ``places`` ``(segment, record)`` in one segment at consecutive records,
-    at most ``most`` long."""
+    # Slices of ``places`` at consecutive records of one segment, at most ``most`` long.
     start = 0
     for i in range(1, len(places) + 1):
         segment, record = places[i - 1]
