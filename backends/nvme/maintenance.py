@@ -238,9 +238,8 @@ async def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
 
 
 def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace]:
-    """The namespaces ``wanted`` names (its string, directory name, or a digest prefix
-    of at least 4 hex digits; all for None); InvalidArgumentError when none matches, or
-    a digest prefix matches several."""
+    """The namespaces ``wanted`` names (its string, directory name, or a digest prefix of
+    4+ hex digits; None: all); InvalidArgumentError when none or several match."""
     if wanted is None:
         return namespaces
     exact = [ns for ns in namespaces if wanted in (ns.namespace, ns.name)]
@@ -541,8 +540,7 @@ async def _verify(
     ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
     """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
-    checkpoint. Cancelled, the reads stop after the batch in flight (an interrupted
-    command does not wait for every block)."""
+    checkpoint. Cancelled, the reads stop after the batch in flight."""
     files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), await ns.live_owners())

@@ -484,12 +484,11 @@ class SegmentIndex:
         scans: dict[str, SegmentScan],
         protected: Collection[str] = (),
     ) -> int:
-        """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and
-        segment scans; returns the blocks indexed. ``on_disk`` lists the segments present
-        now, oldest first, with their records; the checkpoint counts for those up to the
-        records it covered, ``scans[name]`` for the rest. Later records of a digest win;
-        segments beyond capacity are left out; ``protected`` ones (another live writer's)
-        are never evicted."""
+        """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and segment
+        scans; returns the blocks indexed. ``on_disk``: the segments present, oldest first,
+        with their records; the checkpoint counts up to the records it covered, ``scans``
+        for the rest. Later records of a digest win; segments beyond capacity are left
+        out; ``protected`` ones (another live writer's) are never evicted."""
         if self._segments:
             raise InvalidArgumentError("restore needs an empty index")
         covered = dict(checkpoint.segments) if checkpoint is not None else {}

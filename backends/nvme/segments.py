@@ -179,11 +179,10 @@ class SegmentScan:
 
 @dataclass(slots=True)
 class StoreHop:
-    """One store job for :meth:`SegmentFiles.store`: its ``records`` ``(key, CPU slot)``
-    go to the first of ``placed``, the evicted records to ``move`` ``(segment, record,
-    digest)`` to the rest; the keys of the records ``gone`` are read and the segments
-    ``delete`` deleted. ``moved`` and ``gone_keys``: what the hop read before it deleted
-    anything (a key, or None where a header did not verify); None until then."""
+    """One store job for :meth:`SegmentFiles.store`: its ``records`` ``(key, CPU slot)`` go
+    to the first of ``placed``, the ``moves`` ``(segment, record, digest)`` to the rest;
+    the keys of the records ``gone`` are read and the segments ``delete`` deleted.
+    ``moved``, ``gone_keys``: the keys read (None: unverified), None until the hop read."""
 
     records: list[tuple[bytes, int]]
     placed: Sequence[Placement]

@@ -1,7 +1,6 @@
 """The NVMe tier, registered as ``"nvme"`` (docs/nvme.md): the actor shell. Its index
 decides on the loop thread; each job's blocking half is ONE :class:`SegmentFiles` call on
-the tier's I/O threads; the file-system operations around them go through aiofiles.
-"""
+the tier's I/O threads; the file-system operations around them go through aiofiles."""
 
 from __future__ import annotations
 
@@ -145,9 +144,8 @@ class NVMeTier(TierActor):
         /,
         **values: Any,
     ) -> None:
-        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win); raises
-        InvalidArgumentError for a bad view, size or option (named), or a cap that holds
-        fewer than two segments."""
+        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win); InvalidArgumentError
+        for a bad view, size or option (named), or a cap under two segments."""
         o = NVMeOptions.check({**dict(options or {}), **values}, owner="NVMeTier")
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         self.records_per_segment = records_per_segment(
@@ -223,10 +221,10 @@ class NVMeTier(TierActor):
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the namespace directory, recover the index from disk, then serve.
-        ClosedError once closed; InvalidArgumentError when the root fails
-        :func:`check_root`, is not writable, holds another namespace, or refuses
-        ``o_direct=True``; TieringError for any other OS error (with it)."""
+        """Open the namespace directory, recover the index, then serve. ClosedError once
+        closed; InvalidArgumentError when the root fails :func:`check_root`, is not
+        writable, holds another namespace, or refuses ``o_direct=True``; TieringError for
+        any other OS error (with it)."""
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         async with self._start_lock:
