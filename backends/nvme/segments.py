@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 MAX_IOV = 1024  # the most buffers one pwritev/preadv takes (Linux IOV_MAX)
 GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
 MOVE_BYTES_PER_JOB = 64 << 20  # the most bytes of moved records one store job rewrites
-SEAL_BATCH_BYTES = 8 << 20  # sealing buffers per I/O thread (the fastest size tried)
+SEAL_BATCH_BYTES = 8 << 20  # sealing buffers per I/O thread
 
 ReadOutcome = tuple[bytes | None, str, bool]
 """What :meth:`SegmentFiles.read` says of one record: the key its header names (None

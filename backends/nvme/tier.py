@@ -658,7 +658,7 @@ class NVMeTier(TierActor):
 def _meet(meeting: threading.Barrier) -> None:
     # A broken or timed-out meeting only means some thread starts later, in a job.
     with contextlib.suppress(threading.BrokenBarrierError):
-        meeting.wait(5.0)  # then the threads start later, in jobs
+        meeting.wait(5.0)  # seconds start() waits for its I/O threads to meet
 
 
 def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult:
