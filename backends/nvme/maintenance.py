@@ -622,7 +622,8 @@ def clear_root(
                     raise TieringError(
                         f"could not remove {_relative(full, path)!r}: {describe_os_error(exc)}"
                     ) from None
-            for directory in await asyncio.to_thread(_directories_deepest_first, ns.path):
+            # Each directory before its parent (the walk runs on the thread).
+            for directory, _, _ in await asyncio.to_thread(list, os.walk(ns.path, topdown=False)):
                 with contextlib.suppress(OSError):
                     await aiofiles.os.rmdir(directory)  # only succeeds once empty
         return ClearReport(
@@ -630,11 +631,6 @@ def clear_root(
         )
 
     return _run(clear())
-
-
-def _directories_deepest_first(path: str) -> list[str]:
-    """``path`` and every directory below it, each before its parent (blocking)."""
-    return sorted((directory for directory, _, _ in os.walk(path, topdown=False)), reverse=True)
 
 
 def _relative(path: str, base: str) -> str:
