@@ -1,12 +1,7 @@
 """The reports of ``tiering inspect``, ``verify`` and ``clear`` (docs/nvme.md), made with
 the tier's own code: read-only recovery, reads that verify as a load does,
-``mark_removed`` and ``tier_file``. A namespace's record size is the most common payload
-length of its segments' first records that verify; without one, they are damaged.
-
-Each public function blocks, running its report on an event loop of its own as the tier
-runs (docs/architecture.md#where-work-runs): file-system operations through aiofiles,
-each batch of per-record I/O one call on a thread.
-"""
+``mark_removed`` and ``tier_file``. Each public function blocks, running its report on an
+event loop of its own as the tier runs (docs/architecture.md#where-work-runs)."""
 
 from __future__ import annotations
 
@@ -166,8 +161,7 @@ class _Namespace:
 
 
 def _run(main: Coroutine[Any, Any, _T]) -> _T:
-    """``main`` run on an event loop of its own: on this thread, or on a thread of its own
-    while this one waits when a loop runs here already (an async caller)."""
+    """``main`` run on an event loop of its own (on a thread of its own if one runs here)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -180,10 +174,9 @@ async def _open_root(
     root: str | os.PathLike[str], wanted: str | None, refuse_if_live: str | None = None
 ) -> tuple[str, list[_Namespace], list[str]]:
     """The root's path, the namespace directories ``wanted`` names (:func:`_select`)
-    and the root's other entries. InvalidArgumentError: ``root`` fails the tier's
-    :func:`check_root`, cannot be listed, or is neither empty nor holds a namespace;
-    with ``refuse_if_live`` (an action), TieringError when a running tier holds one.
-    """
+    and the root's other entries. InvalidArgumentError: ``root`` fails :func:`check_root`,
+    cannot be listed, or is neither empty nor holds a namespace; with ``refuse_if_live``
+    (an action), TieringError when a running tier holds one."""
     path = os.fspath(root)
     try:
         await fs_call(check_root, path, option="ROOT")
@@ -245,9 +238,8 @@ async def _read_identity(root: str, name: str, digest: bytes) -> _Namespace:
 
 
 def _select(namespaces: list[_Namespace], wanted: str | None) -> list[_Namespace]:
-    """The namespaces ``wanted`` names (its string, directory name, or a digest prefix
-    of at least 4 hex digits; all for None); InvalidArgumentError when none matches, or
-    a digest prefix matches several."""
+    """The namespaces ``wanted`` names (its string, directory name, or a digest prefix of
+    4+ hex digits; None: all); InvalidArgumentError when none or several match."""
     if wanted is None:
         return namespaces
     exact = [ns for ns in namespaces if wanted in (ns.namespace, ns.name)]
@@ -352,7 +344,9 @@ def _first_records(seg_dir: str, digest: bytes) -> tuple[list[str], list[str], C
 
 
 async def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
-    """The segments of ``ns``, recovered by the tier's code (reads open under ``cipher``)."""
+    """The segments of ``ns``, recovered by the tier's code (reads open under ``cipher``).
+    The record size is the most common payload length of the segments' first records
+    that verify; without one, every segment is damaged."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
     state = _Segments(present=await aiofiles.os.path.isdir(seg_dir))
     names, foreign, sizes, state.sealed = await asyncio.to_thread(
@@ -475,12 +469,8 @@ def verify_root(
     load does, encrypted ones under ``encryption`` (without it they are bad). With
     ``remove``, a bad record is marked removed and leaves the checkpoint; one that could
     not be is reported not removed. ``on_progress(checked, total)`` from ``(0, total)``.
-
-    Raises:
-        InvalidArgumentError: as :func:`inspect_root`.
-        TieringError: ``remove`` and a selected namespace has a live owner, or holds
-            encrypted blocks and no keyring was given (nothing changed), or an OS error.
-    """
+    InvalidArgumentError as :func:`inspect_root`; TieringError for an OS error, or with
+    ``remove`` (nothing changed) a live owner or encrypted blocks and no keyring."""
     keyring = keyring_from(encryption, option="encryption")
     cipher = None if keyring is None else BlockCipher(keyring)
 
@@ -520,11 +510,10 @@ class _Stopped(Exception):
 def _verify_index(
     files: SegmentFiles, index: SegmentIndex, advance: Callable[[int], None], stop: threading.Event
 ) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
-    """Blocking: read and verify every record ``index`` holds as a load does, a batch of
-    payloads at a time, calling ``advance(records read)`` after each (:class:`_Stopped`
-    once ``stop`` is set). Returns the records checked and the failures: ``(segment,
-    record)`` -> ``(its header's key or None, why, whether the record itself is bad)``
-    (not a missing or stale one)."""
+    """Blocking: verify every record ``index`` holds, a batch at a time, calling
+    ``advance(records read)`` after each (:class:`_Stopped` once ``stop`` is set). Returns
+    the records checked and the failures: ``(segment, record)`` -> ``(its header's key or
+    None, why, whether the record itself is bad, not missing or stale)``."""
     snapshot = index.snapshot()
     entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
     size = files.block_bytes
@@ -551,8 +540,7 @@ async def _verify(
     ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
     """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
-    checkpoint. Cancelled, the reads stop after the batch in flight (an interrupted
-    command does not wait for every block)."""
+    checkpoint. Cancelled, the reads stop after the batch in flight."""
     files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), await ns.live_owners())
@@ -603,51 +591,46 @@ def clear_root(
     directories (or one ``namespace``'s), then the directories left empty; other files
     stay, listed in ``left``. Links are removed, never followed. ``dry_run``: no change.
     InvalidArgumentError as :func:`inspect_root`; TieringError for a live owner (nothing
-    changed) or a file that could not be removed (named; what went before is gone).
-    """
-    return _run(_clear_root(root, namespace, dry_run))
+    changed) or a file that could not be removed (named; what went before is gone)."""
 
-
-async def _clear_root(
-    root: str | os.PathLike[str], namespace: str | None, dry_run: bool
-) -> ClearReport:
-    path, selected, _ = await _open_root(root, namespace, None if dry_run else "clear")
-    files = nbytes = 0
-    left: list[str] = []
-    for ns in selected:
-        with _os_errors(path):
-            listing = sorted(await asyncio.to_thread(_files_under, ns.path))
-        doomed: list[tuple[str, int]] = []
-        for full, size in listing:
-            if tier_file(tuple(_relative(full, ns.path).split(os.sep))):
-                doomed.append((full, size))
-            else:
-                left.append(_relative(full, path))
-        # The identity file goes last: until then the directory is still recognisably
-        # a namespace, so an interrupted clear can be run again.
-        doomed.sort(key=lambda item: os.path.basename(item[0]) == IDENTITY_FILE)
-        files += len(doomed)
-        nbytes += sum(size for _, size in doomed)
-        if dry_run:
-            continue
-        for full, _ in doomed:
-            try:
-                await aiofiles.os.unlink(full)
-            except FileNotFoundError:
+    async def clear() -> ClearReport:
+        path, selected, _ = await _open_root(root, namespace, None if dry_run else "clear")
+        files = nbytes = 0
+        left: list[str] = []
+        for ns in selected:
+            with _os_errors(path):
+                listing = sorted(await asyncio.to_thread(_files_under, ns.path))
+            doomed: list[tuple[str, int]] = []
+            for full, size in listing:
+                if tier_file(tuple(_relative(full, ns.path).split(os.sep))):
+                    doomed.append((full, size))
+                else:
+                    left.append(_relative(full, path))
+            # The identity file goes last: until then the directory is still recognisably
+            # a namespace, so an interrupted clear can be run again.
+            doomed.sort(key=lambda item: os.path.basename(item[0]) == IDENTITY_FILE)
+            files += len(doomed)
+            nbytes += sum(size for _, size in doomed)
+            if dry_run:
                 continue
-            except OSError as exc:
-                raise TieringError(
-                    f"could not remove {_relative(full, path)!r}: {describe_os_error(exc)}"
-                ) from None
-        for directory in await asyncio.to_thread(_directories_deepest_first, ns.path):
-            with contextlib.suppress(OSError):
-                await aiofiles.os.rmdir(directory)  # only succeeds once empty
-    return ClearReport(path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left))
+            for full, _ in doomed:
+                try:
+                    await aiofiles.os.unlink(full)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise TieringError(
+                        f"could not remove {_relative(full, path)!r}: {describe_os_error(exc)}"
+                    ) from None
+            # Each directory before its parent (the walk runs on the thread).
+            for directory, _, _ in await asyncio.to_thread(list, os.walk(ns.path, topdown=False)):
+                with contextlib.suppress(OSError):
+                    await aiofiles.os.rmdir(directory)  # only succeeds once empty
+        return ClearReport(
+            path, dry_run, tuple(ns.name for ns in selected), files, nbytes, tuple(left)
+        )
 
-
-def _directories_deepest_first(path: str) -> list[str]:
-    """``path`` and every directory below it, each before its parent (blocking)."""
-    return sorted((directory for directory, _, _ in os.walk(path, topdown=False)), reverse=True)
+    return _run(clear())
 
 
 def _relative(path: str, base: str) -> str:

@@ -1,9 +1,6 @@
 """The operating-system layer of the NVMe tier: :class:`OsCalls` (every system call of
-the blocking code, so tests can inject faults), direct I/O, the owner locks by which
-writers sharing a root tell live from dead, private roots (docs/security.md), and
-:func:`fs_call` / :func:`to_the_end`, by which the loop awaits the file-system operations
-around the data path (docs/architecture.md#where-work-runs).
-"""
+the blocking code, so tests can inject faults), direct I/O, owner locks, private roots
+(docs/security.md), and how the loop awaits file-system operations (:func:`fs_call`)."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ from tiering.errors import InvalidArgumentError
 FsyncPolicy = Literal["none", "batch", "always"]
 _T = TypeVar("_T")
 
-ALIGNMENT = 4096
-"""Buffer address, file offset and length alignment used for O_DIRECT."""
+ALIGNMENT = 4096  # of buffer addresses, file offsets and lengths for O_DIRECT
 
 OWNERS_DIR = "owners"
 PROBE_PREFIX = ".odirect-probe."
@@ -49,8 +45,7 @@ class OsCalls:
     """The system calls the blocking core makes, as methods a test can override."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        """``os.open``, never through a symbolic link, close-on-exec, files created
-        private (0600)."""
+        """``os.open``, never through a link, close-on-exec, created files private (0600)."""
         return os.open(path, flags | _O_NOFOLLOW | _O_CLOEXEC, mode)
 
     def close(self, fd: int) -> None:
@@ -72,9 +67,8 @@ class OsCalls:
         os.fsync(fd)
 
     def allocate(self, fd: int, offset: int, length: int) -> None:
-        """Allocate ``length`` bytes of ``fd`` from ``offset`` (Linux ``fallocate``, off
-        the GIL); nothing where the call or the file system lacks it (an optimization);
-        OSError if it fails (ENOSPC, EIO...)."""
+        """Allocate ``length`` bytes of ``fd`` from ``offset`` (``fallocate``, off the GIL);
+        nothing where it is lacking; OSError if it fails (ENOSPC, EIO...)."""
         if _FALLOCATE is None or _FALLOCATE(fd, 0, offset, length) == 0:
             return
         err = ctypes.get_errno()
@@ -238,25 +232,19 @@ def check_private(option: str, path: str) -> None:
         )
 
 
+# What the OS answers when a path a user gave cannot hold a root's entries (no permission,
+# read-only, a file in the way, /proc): the user's input, not a fault of the machine.
 UNUSABLE_ROOT_ERRNOS = frozenset(
     {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT}
 )
-"""What the OS answers when the path a user gave cannot hold a root's entries: no
-permission, a read-only file system, a file in the way, a directory that takes no new
-entries (/proc): the user's input, not a fault of the machine."""
 
 
 def check_root(path: str, *, option: str = "root", create: bool = False, mode: int = 0o700) -> None:
     """Check ``path`` as an NVMe root: a directory of this process's user that nobody
     else may write to; with ``create``, a missing root is made with ``mode``.
-
-    Raises:
-        InvalidArgumentError: naming ``option`` and the path: it does not exist (and not
-            ``create``), is not a directory, cannot be created (an error of
-            :data:`UNUSABLE_ROOT_ERRNOS`), belongs to another user, or others may write
-            to it.
-        OSError: any other failure of the file system.
-    """
+    InvalidArgumentError (naming ``option`` and the path) when it is missing (and not
+    ``create``), not a directory, cannot be created (:data:`UNUSABLE_ROOT_ERRNOS`),
+    another user's, or writable by others; OSError for any other failure."""
     if create:
         try:
             os.makedirs(path, mode=mode, exist_ok=True)
@@ -285,18 +273,14 @@ def private_opener(mode: int) -> Callable[[str, int], int]:
 
 
 async def fs_call(call: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
-    """``call(*args, **kwargs)``, one file-system operation that aiofiles does not name
-    (a check of ours, an owner lock, an :class:`OsCalls` method kept injectable), awaited
-    through ``aiofiles.os.wrap``: one hop to the loop's executor, as ``aiofiles.os.replace``
-    and its kin make. Raises what ``call`` raises."""
+    """``call(*args, **kwargs)``, a file-system operation aiofiles does not name, awaited
+    as aiofiles awaits its own: one hop to the loop's executor. Raises what ``call`` raises."""
     return await aiofiles.os.wrap(call)(*args, **kwargs)
 
 
 async def to_the_end(work: Coroutine[Any, Any, _T]) -> _T:
-    """Await ``work`` to its end even if the caller is cancelled meanwhile; the
-    cancellation is raised once it ended (its outcome then dropped). For work whose
-    threads a cancellation cannot stop and whose caller must not go on before they end:
-    a checkpoint's rename, an owner lock being taken."""
+    """Await ``work`` to its end even if the caller is cancelled meanwhile (for threads a
+    cancellation cannot stop); the cancellation is raised once it ended."""
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)

@@ -1,10 +1,7 @@
 """Opening an NVMe namespace directory, recovering its index from the checkpoint and a
-scan of what was written after it, and writing the checkpoint (docs/nvme.md). The
-file-system operations around the data path go through aiofiles, one executor hop each;
-a batch of system calls (the scan and the index built from it; the checkpoint's body
-written and synced) is ONE call of the caller's ``run_blocking``: the tier's I/O
-threads, or :func:`asyncio.to_thread` (docs/architecture.md#where-work-runs).
-"""
+scan of what came after it, and writing the checkpoint (docs/nvme.md). A batch of system
+calls is ONE call of the caller's ``run_blocking``; the operations around it go through
+aiofiles (docs/architecture.md#where-work-runs)."""
 
 from __future__ import annotations
 
@@ -55,8 +52,7 @@ _T = TypeVar("_T")
 
 
 class BlockingRunner(Protocol):
-    """Runs a blocking ``fn(*args)`` off the loop, awaited: ``TierActor.run_blocking``
-    (the tier's I/O threads) or :func:`asyncio.to_thread`."""
+    """Runs ``fn(*args)`` off the loop: ``TierActor.run_blocking`` or :func:`asyncio.to_thread`."""
 
     def __call__(self, fn: Callable[..., _T], /, *args: Any) -> Awaitable[_T]: ...
 
@@ -64,14 +60,45 @@ class BlockingRunner(Protocol):
 async def open_directory(
     root: str, directory: str, namespace: str, *, dir_mode: int, file_mode: int, writer: str
 ) -> None:
-    """Check ``root``, make the namespace's ``directory`` and its subdirectories,
-    private, and write or check its identity file. InvalidArgumentError: the root fails
-    :func:`check_root` or is not writable (an error of :data:`UNUSABLE_ROOT_ERRNOS`), a
-    directory is a link or a file, or it holds another namespace; OSError: the file
-    system refused another operation."""
+    """Check ``root``, make the namespace's private ``directory`` and its subdirectories,
+    and write or check its identity file. InvalidArgumentError: the root fails
+    :func:`check_root` or is not writable, a directory is a link or a file, or it holds
+    another namespace; OSError: the file system refused another operation."""
     await fs_call(check_root, root, create=True, mode=dir_mode)
     try:
-        await _make_namespace(directory, namespace, dir_mode, file_mode, writer)
+        with contextlib.suppress(FileExistsError):
+            await aiofiles.os.mkdir(directory, dir_mode)
+        if await aiofiles.os.path.islink(directory):
+            raise InvalidArgumentError(
+                f"root: {directory!r} is a symbolic link; the tier never follows one out of "
+                "its root"
+            )
+        await fs_call(check_private, "root", directory)
+        for sub in (OWNERS_DIR, SEGMENTS_DIR):
+            path = os.path.join(directory, sub)
+            try:
+                await aiofiles.os.mkdir(path, dir_mode)
+            except FileExistsError:
+                found = await aiofiles.os.stat(path, follow_symlinks=False)
+                if not stat.S_ISDIR(found.st_mode):
+                    raise InvalidArgumentError(
+                        f"root: {path!r} is not a directory of the tier (a link or a file)"
+                    ) from None
+        try:
+            found_namespace = await read_identity(directory)
+        except FileNotFoundError:
+            identity = {"namespace": namespace, "format_version": FORMAT_VERSION}
+            path = os.path.join(directory, IDENTITY_FILE)
+            temp = temporary_name(path, writer)
+            async with aiofiles.open(temp, "xb", opener=private_opener(file_mode)) as new:
+                await new.write(json.dumps(identity, sort_keys=True).encode())
+            await aiofiles.os.replace(temp, path)
+            return
+        if found_namespace != namespace:
+            raise InvalidArgumentError(
+                f"{directory!r} holds namespace {found_namespace!r}, not {namespace!r}; "
+                "refusing to use it"
+            )
     except OSError as exc:
         if exc.errno not in UNUSABLE_ROOT_ERRNOS:
             raise
@@ -79,43 +106,6 @@ async def open_directory(
             f"root: {root!r} is not writable: {exc.strerror} (making the tier's namespace "
             "directory in it)"
         ) from None
-
-
-async def _make_namespace(
-    directory: str, namespace: str, dir_mode: int, file_mode: int, writer: str
-) -> None:
-    with contextlib.suppress(FileExistsError):
-        await aiofiles.os.mkdir(directory, dir_mode)
-    if await aiofiles.os.path.islink(directory):
-        raise InvalidArgumentError(
-            f"root: {directory!r} is a symbolic link; the tier never follows one out of its root"
-        )
-    await fs_call(check_private, "root", directory)
-    for sub in (OWNERS_DIR, SEGMENTS_DIR):
-        path = os.path.join(directory, sub)
-        try:
-            await aiofiles.os.mkdir(path, dir_mode)
-        except FileExistsError:
-            found = await aiofiles.os.stat(path, follow_symlinks=False)
-            if not stat.S_ISDIR(found.st_mode):
-                raise InvalidArgumentError(
-                    f"root: {path!r} is not a directory of the tier (a link or a file)"
-                ) from None
-    try:
-        found_namespace = await read_identity(directory)
-    except FileNotFoundError:
-        identity = {"namespace": namespace, "format_version": FORMAT_VERSION}
-        path = os.path.join(directory, IDENTITY_FILE)
-        temp = temporary_name(path, writer)
-        async with aiofiles.open(temp, "xb", opener=private_opener(file_mode)) as new:
-            await new.write(json.dumps(identity, sort_keys=True).encode())
-        await aiofiles.os.replace(temp, path)
-        return
-    if found_namespace != namespace:
-        raise InvalidArgumentError(
-            f"{directory!r} holds namespace {found_namespace!r}, not {namespace!r}; "
-            "refusing to use it"
-        )
 
 
 async def read_identity(directory: str) -> str | None:
@@ -159,9 +149,8 @@ async def recover(
 ) -> Recovery:
     """Read the checkpoint, scan what it does not cover, and build an index with
     ``new_index(records on disk)``, deleting dead writers' checkpoint temporaries and
-    segments in which nothing verifies; ``read_only`` (inspect, verify): nothing is
-    deleted, and every segment is scanned from record 0. The scan and the index are one
-    call of ``run_blocking``. OSError when the namespace directory cannot be listed."""
+    segments in which nothing verifies; ``read_only``: nothing is deleted, every segment
+    is scanned from record 0. OSError when the namespace directory cannot be listed."""
     directory = files.directory
     removed: Counter[str] = Counter()
     for name in await aiofiles.os.listdir(directory):  # dead writers' checkpoint temporaries
@@ -191,8 +180,6 @@ def _rebuild(
     removed: Counter[str],
     read_only: bool,
 ) -> Recovery:
-    # Blocking, one call: the checkpoint's bytes parsed, the segments listed and
-    # scanned, dead writers' corrupt ones deleted (unless read_only), the index built.
     checkpoint = None
     if data is not None:
         try:
@@ -251,14 +238,11 @@ async def write_checkpoint(
     temp_suffix: str,
     run_blocking: BlockingRunner = asyncio.to_thread,
 ) -> int:
-    """Write ``checkpoint`` atomically as ``files``' ``index.ckpt`` and return its size:
-    in ONE call of ``run_blocking``, its body encoded and written to a temporary of
-    ``temp_suffix`` and synced (``checkpoint`` may be a function making it there: a
-    snapshot taken off the loop); then, through aiofiles, the temporary renamed over
-    ``index.ckpt`` and the directory synced. Every system call goes through ``files.os``.
-    OSError: the old checkpoint stays and the temporary is removed. Once begun it runs
-    to its end: cancelled meanwhile, it raises CancelledError after (a rename left
-    running could publish a temporary that the next checkpoint is rewriting)."""
+    """Write ``checkpoint`` (or what a function makes, off the loop) atomically as
+    ``files``' ``index.ckpt`` through ``files.os``, its temporary named by ``temp_suffix``;
+    returns its size. OSError: the old checkpoint stays, the temporary is removed. Once
+    begun it runs to its end (a rename left running could publish a temporary that the
+    next checkpoint is rewriting): cancelled meanwhile, it raises CancelledError after."""
 
     async def write() -> int:
         temp, size = await run_blocking(_write_temporary, files, checkpoint, temp_suffix)
@@ -277,7 +261,6 @@ async def write_checkpoint(
 def _write_temporary(
     files: SegmentFiles, checkpoint: Checkpoint | Callable[[], Checkpoint], temp_suffix: str
 ) -> tuple[str, int]:
-    # Blocking: the checkpoint's temporary written and synced (removed on an error).
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = checkpoint()
     parts = encode_checkpoint(checkpoint, block_bytes=files.block_bytes, ns_digest=files.ns_digest)

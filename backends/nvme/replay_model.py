@@ -1,8 +1,7 @@
 """The NVMe tier in the bookkeeping replay (:class:`tiering.lab.replay.CacheModel`): the
 tier's own :class:`~backends.nvme.segment_index.SegmentIndex`, driven as the tier drives
 it, without bytes. The replay finds it by the tier's name
-(:func:`tiering.tiers.registry.replay_model`).
-"""
+(:func:`tiering.tiers.registry.replay_model`)."""
 
 from __future__ import annotations
 

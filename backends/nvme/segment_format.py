@@ -45,9 +45,8 @@ _COLUMNS = (("digests", "<u8"), ("segment_of", "<u4"), ("record_of", "<u4"), ("t
 
 
 def namespace_dirname(namespace: str) -> str:
-    """A safe directory name for ``namespace`` (a non-empty string, else
-    InvalidArgumentError): a readable prefix of at most 40 ``[A-Za-z0-9._-]``, then the
-    32 hex digits of its digest."""
+    """A safe directory name for ``namespace`` (else InvalidArgumentError): a readable
+    prefix of at most 40 ``[A-Za-z0-9._-]``, then the 32 hex digits of its digest."""
     if not isinstance(namespace, str) or not namespace:
         raise InvalidArgumentError(f"namespace must be a non-empty string, got {namespace!r}")
     readable = _READABLE.sub("_", namespace).strip("._-")[:40] or "ns"

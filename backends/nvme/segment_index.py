@@ -1,8 +1,5 @@
-"""The NVMe tier's index and its space accounting, sans-I/O on the loop thread
-(docs/nvme.md): where each block sits, where new records go, which segments to delete,
-what a checkpoint holds (:class:`SegmentIndex`); how many records the cap and the
-free-space floor allow, and the disk-full state (:class:`SpaceGuard`).
-"""
+"""The NVMe tier's index (:class:`SegmentIndex`) and space accounting (:class:`SpaceGuard`),
+sans-I/O on the loop thread (docs/nvme.md)."""
 
 from __future__ import annotations
 
@@ -28,7 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _EMPTY = 0
-_MAX_LOAD = 0.7
 
 
 def key_digest(key: bytes) -> int:
@@ -43,7 +39,7 @@ class KeyTable:
     def __init__(self, capacity: int) -> None:
         self.capacity = positive_int("capacity", capacity)
         size = 8
-        while size * _MAX_LOAD < capacity:
+        while size * 0.7 < capacity:
             size *= 2
         self._mask = size - 1
         self._digests = array("Q", bytes(8 * size))
@@ -65,12 +61,12 @@ class KeyTable:
             slot = (slot + 1) & mask
 
     def get(self, digest: int) -> int | None:
+        """The location of ``digest``; None: absent."""
         slot = self._find(digest)
         return self._locs[slot] if self._digests[slot] else None
 
     def present(self, digests: Sequence[int]) -> np.ndarray:
-        """Whether each of ``digests`` is in the table (booleans, in order): the probes
-        of the whole batch run as array operations."""
+        """Whether each of ``digests`` is present (booleans, in order), probed as arrays."""
         table = np.frombuffer(self._digests, dtype=np.uint64)
         wanted = np.fromiter(digests, dtype=np.uint64, count=len(digests))
         found = np.zeros(len(wanted), dtype=bool)
@@ -174,9 +170,9 @@ class _Segment:
 
 @dataclass(frozen=True, slots=True)
 class Eviction:
-    """A segment the index gave up (unpinned: its file is the caller's to delete). The
-    blocks at records ``dropped`` left the index with it, and so did the ``reinsert``
-    ones (digest, old record), used recently or compacted: to write again if wanted."""
+    """A segment the index gave up, its file the caller's to delete: the blocks at records
+    ``dropped`` left the index, and so did the ``reinsert`` ones (digest, old record),
+    used recently or compacted: to write again if wanted."""
 
     segment: str
     dropped: list[int]
@@ -197,13 +193,11 @@ class RoomPlan:
 
 
 class SegmentIndex:
-    """Which blocks the NVMe tier holds (by 64-bit key digest: two keys of one digest
-    look like one block here, and every read verifies the full key), where, and what to
-    evict. Capacity counts records on disk, live or dead. A pinned segment (a read or
-    write in flight), one holding a held key and the one being written are never
-    evicted; a newer record of a digest makes the older one dead. InvalidArgumentError
-    for a size that is not a positive int, a ``writer`` not hex, a fraction outside [0, 1].
-    """
+    """Which blocks the NVMe tier holds (by 64-bit key digest; every read verifies the full
+    key), where, and what to evict. Capacity counts records on disk, live or dead. A
+    pinned segment, one holding a held key and the one being written are never evicted;
+    a newer record of a digest makes the older one dead. InvalidArgumentError for a size
+    that is not a positive int, a ``writer`` not hex, a fraction outside [0, 1]."""
 
     def __init__(
         self,
@@ -231,8 +225,7 @@ class SegmentIndex:
         self._active: int | None = None
         self._holds: Counter[int] = Counter()
         self._clock = 0
-        self.used_records = 0
-        """Record slots of every segment, live or dead (what the disk holds)."""
+        self.used_records = 0  # record slots of every segment, live or dead
 
     # -- queries ----------------------------------------------------------------------
 
@@ -255,13 +248,12 @@ class SegmentIndex:
 
     @property
     def segments(self) -> list[str]:
-        """Oldest first."""
+        """The segments' names, oldest first."""
         return [segment.name for segment in self._segments.values()]
 
     @property
     def pinned_records(self) -> int:
-        """Pins of every segment (reads and uncommitted writes), plus the records whose
-        key is held (see :meth:`hold`)."""
+        """Pins of every segment (reads, uncommitted writes) plus records of held keys."""
         pins = sum(segment.pins for segment in self._segments.values())
         return pins + sum(1 for digest in self._holds if digest in self)
 
@@ -378,9 +370,8 @@ class SegmentIndex:
     # -- eviction ---------------------------------------------------------------------
 
     def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
-        """Evict the oldest evictable segments until ``count`` records fit under
-        ``limit`` records on disk (default: the capacity); returns ``(records that fit
-        now, evictions)``."""
+        """Evict the oldest evictable segments until ``count`` records fit under ``limit``
+        (default: the capacity); returns ``(records that fit now, evictions)``."""
         evictions: list[Eviction] = []
         while self.room(limit) < count:
             victim = self._next_victim()
@@ -406,8 +397,8 @@ class SegmentIndex:
         return RoomPlan(fit, evictions, moves, gone, self.place(fit + len(moves)))
 
     def _next_victim(self) -> tuple[int, bool] | None:
-        """``(slot, compact)``: the first evictable segment whose live fraction is below
-        ``compact_below`` (all its live blocks move), else the oldest evictable one."""
+        # ``(slot, compact)``: the first evictable segment under ``compact_below`` live
+        # (all its live blocks move), else the oldest evictable one.
         holds = self._holds
         oldest: int | None = None
         for slot, segment in self._segments.items():
@@ -456,10 +447,9 @@ class SegmentIndex:
     # -- checkpoint and recovery --------------------------------------------------------
 
     def checkpoint_segments(self) -> list[tuple[int, str, int]]:
-        """``(slot, name, records covered)`` of every segment, oldest first: the half of
-        a checkpoint taken on the owner's thread (cheap), for :meth:`snapshot`. A
-        segment is covered up to its first record placed and not yet committed or
-        abandoned (its write may land after the checkpoint: a restart scans it)."""
+        """``(slot, name, records covered)`` of every segment, oldest first, for
+        :meth:`snapshot` (the cheap half, on the owner's thread). A segment is covered up
+        to its first record not yet committed or abandoned (a restart scans from there)."""
         return [
             (slot, seg.name, min(seg.pending, default=len(seg.digests)))
             for slot, seg in self._segments.items()
@@ -467,8 +457,8 @@ class SegmentIndex:
 
     def snapshot(self, segments: list[tuple[int, str, int]] | None = None) -> Checkpoint:
         """The index as a checkpoint. With ``segments`` from :meth:`checkpoint_segments`,
-        it may run on another thread while the owner goes on (see
-        :meth:`KeyTable.entries`); entries of segments created since are left out."""
+        it may run on another thread while the owner goes on (entries of segments created
+        since are left out)."""
         if segments is None:
             segments = self.checkpoint_segments()
         digests, locs, ticks = self._table.entries()
@@ -494,12 +484,11 @@ class SegmentIndex:
         scans: dict[str, SegmentScan],
         protected: Collection[str] = (),
     ) -> int:
-        """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and
-        segment scans; returns the blocks indexed. ``on_disk`` lists the segments present
-        now, oldest first, with their records; the checkpoint counts for those up to the
-        records it covered, ``scans[name]`` for the rest. Later records of a digest win;
-        segments beyond capacity are left out; ``protected`` ones (another live writer's)
-        are never evicted."""
+        """Rebuild an empty index (else InvalidArgumentError) from a checkpoint and segment
+        scans; returns the blocks indexed. ``on_disk``: the segments present, oldest first,
+        with their records; the checkpoint counts up to the records it covered, ``scans``
+        for the rest. Later records of a digest win; segments beyond capacity are left
+        out; ``protected`` ones (another live writer's) are never evicted."""
         if self._segments:
             raise InvalidArgumentError("restore needs an empty index")
         covered = dict(checkpoint.segments) if checkpoint is not None else {}
@@ -555,10 +544,9 @@ MIN_SEGMENTS_PER_CAP = 2  # the segment being written is never evicted
 
 
 class SpaceGuard:
-    """Cap, floor, cached free space and the read-only (disk full) state of one tier
-    (its directory ``where``); blocks promised to running stores count as written. The
-    tier measures free space off the loop and feeds it in. InvalidArgumentError when
-    ``capacity_bytes`` holds not even one block file."""
+    """Cap, floor, cached free space and the read-only (disk full) state of one tier (its
+    directory ``where``); blocks promised to running stores count as written; the tier
+    feeds in free space. InvalidArgumentError when ``capacity_bytes`` holds no block file."""
 
     MAX_AGE_S = 1.0  # free space measured longer ago is measured again
 
@@ -584,8 +572,7 @@ class SpaceGuard:
         self.retry_s = float(retry_s)
         self._clock = clock
         self.where = where  # the directory, for the log
-        self.free_bytes: int | None = None
-        """The last measured free space (None: unknown, the floor is not applied)."""
+        self.free_bytes: int | None = None  # last measured (None: unknown, no floor applied)
         self._measured_at = float("-inf")
         self._full_since: float | None = None
         self._last_probe = 0.0

@@ -1,10 +1,7 @@
 """Segment files, the blocking half of the NVMe tier (docs/nvme.md): :class:`SegmentFiles`
-does a job's file work in one call on an I/O thread (a store's whole hop is
-:meth:`SegmentFiles.store`) and decides nothing (the index places each record). It
-builds the records (header page, payload checksummed or sealed, padding) in aligned
-buffers of its thread, then makes the system calls, each through an
-:class:`~backends.nvme.os_calls.OsCalls` (fault injection).
-"""
+does a job's file work in one call on an I/O thread and decides nothing (the index places
+each record). It builds the records in aligned buffers of its thread, then makes the
+system calls, each through an :class:`~backends.nvme.os_calls.OsCalls` (fault injection)."""
 
 from __future__ import annotations
 
@@ -56,9 +53,8 @@ if TYPE_CHECKING:
 MAX_IOV = 1024  # the most buffers one pwritev/preadv takes (Linux IOV_MAX)
 GIL_PAUSE_BYTES = 128 << 10  # the default bytes hashed between GIL pauses
 MOVE_BYTES_PER_JOB = 64 << 20  # the most bytes of moved records one store job rewrites
-SEAL_BATCH_BYTES = 8 << 20  # sealing buffers per I/O thread (the fastest size tried)
+SEAL_BATCH_BYTES = 8 << 20  # sealing buffers per I/O thread
 
-Read = tuple[str, int, memoryview, bytes | None]  # segment, record, slot, key or None: any
 ReadOutcome = tuple[bytes | None, str, bool]
 """What :meth:`SegmentFiles.read` says of one record: the key its header names (None
 when it does not decode), why it failed ("" when it verified), and whether the record
@@ -90,16 +86,14 @@ def thread_buffer(
     local: threading.local, name: str, nbytes: int, *, at_least: int = 0
 ) -> memoryview:
     """``nbytes`` of this thread's page-aligned, zeroed buffer ``name`` in ``local``, made
-    ``max(nbytes, at_least)`` long when missing or too short: an
-    :func:`~tiering.device.page_memory.io_buffer` from a huge page up, a plain mapping
-    below (a small buffer gains nothing from a huge page, and its first touch would
-    zero a whole one while the thread holds the GIL, stalling the event loop)."""
+    ``max(nbytes, at_least)`` long when missing or too short."""
     view: memoryview | None = getattr(local, name, None)
     if view is None or view.nbytes < nbytes:
         size = max(nbytes, at_least)
         if size >= HUGE_PAGE_BYTES:
             view = io_buffer(size)
-        else:  # never empty: an anonymous mapping of 0 bytes is EINVAL
+        else:  # a small buffer gains nothing from a huge page, and its first touch would
+            # zero a whole one while the thread holds the GIL; never 0 bytes (EINVAL)
             view = memoryview(mmap.mmap(-1, max(size, ALIGNMENT)))
         setattr(local, name, view)
     return view[:nbytes]
@@ -117,9 +111,7 @@ def copy_bytes(target: memoryview, source: memoryview) -> None:
 
 class PayloadSealer:
     """Seals one namespace's payloads of ``block_bytes`` with ``cipher`` (encryption at
-    rest) into page-aligned buffers of each I/O thread: the slot keeps its plaintext,
-    and AES-GCM adds a tag. The cipher runs without the GIL but not without a core: a
-    thread yields the CPU after each block, for the loop's thread."""
+    rest) into page-aligned buffers of each I/O thread; the slot keeps its plaintext."""
 
     def __init__(self, cipher: BlockCipher, block_bytes: int, ns_digest: bytes) -> None:
         self.cipher = cipher
@@ -128,8 +120,7 @@ class PayloadSealer:
         # Payloads at page-aligned offsets, not a page further apart for their tags: a
         # 2 MiB payload then fills exactly one huge page of the buffer.
         self.stride = align_up(block_bytes)
-        self.batch = max(1, SEAL_BATCH_BYTES // self.stride)
-        """The most buffers :meth:`buffers` lends a thread at once."""
+        self.batch = max(1, SEAL_BATCH_BYTES // self.stride)  # the most buffers lent at once
         self._local = threading.local()
 
     def buffers(self, count: int) -> list[memoryview]:
@@ -143,11 +134,10 @@ class PayloadSealer:
         return [arena[i * self.stride : i * self.stride + size] for i in range(count)]
 
     def seal(self, key: bytes, payload: memoryview, buffer: memoryview) -> Seal:
-        """Seal ``payload`` (``key``'s block, bound by :func:`record_binding` with no
-        tenant) into ``buffer``: its first ``block_bytes`` go to disk, the seal into the
-        header."""
+        """Seal ``payload``, ``key``'s block, into ``buffer``: its first ``block_bytes`` go
+        to disk, the seal into the header."""
         seal = self.cipher.seal_into(payload, buffer, record_binding(self.ns_digest, b"", key))
-        os.sched_yield()
+        os.sched_yield()  # the cipher ran without the GIL, not without a core
         return seal
 
 
@@ -189,11 +179,10 @@ class SegmentScan:
 
 @dataclass(slots=True)
 class StoreHop:
-    """One store job for :meth:`SegmentFiles.store`: its ``records`` ``(key, CPU slot)``
-    go to the first of ``placed``, the evicted records to ``move`` ``(segment, record,
-    digest)`` to the rest; the keys of the records ``gone`` are read and the segments
-    ``delete`` deleted. ``moved`` and ``gone_keys``: what the hop read before it deleted
-    anything (a key, or None where a header did not verify); None until then."""
+    """One store job for :meth:`SegmentFiles.store`: its ``records`` ``(key, CPU slot)`` go
+    to the first of ``placed``, the ``moves`` ``(segment, record, digest)`` to the rest;
+    the keys of the records ``gone`` are read and the segments ``delete`` deleted.
+    ``moved``, ``gone_keys``: the keys read (None: unverified), None until the hop read."""
 
     records: list[tuple[bytes, int]]
     placed: Sequence[Placement]
@@ -207,9 +196,8 @@ class StoreHop:
 class SegmentFiles:
     """Blocking reads and writes of segment files in one namespace directory, whose
     ``segments/`` must exist; safe from several threads at once for distinct records.
-    ``o_direct``: O_DIRECT may be used (the caller probed), for runs whose buffers are
-    aligned; ``staging_bytes`` (0: off): direct I/O moves through a staging buffer of
-    that size per thread (docs/nvme.md), sealed records excepted."""
+    ``o_direct``: O_DIRECT may be used (probed) for aligned runs; ``staging_bytes``
+    (0: off): direct I/O moves through a staging buffer per thread, sealed records excepted."""
 
     def __init__(
         self,
@@ -267,10 +255,9 @@ class SegmentFiles:
     # -- the jobs' hops ---------------------------------------------------------------
 
     def store(self, hop: StoreHop, slot: Callable[[int], memoryview], writer: str) -> WriteReport:
-        """One store job's blocking half: read the records to move (into this thread's
-        buffers) and the keys of the records gone, into ``hop`` before anything is
-        deleted; delete ``hop.delete``; then :meth:`write` the job's blocks
-        (``slot(block id)``) and the moves that verified. Raises as :meth:`write`."""
+        """One store job's blocking half: read the moves and the keys gone into ``hop``,
+        delete ``hop.delete``, then :meth:`write` the job's blocks (``slot(block id)``)
+        and the moves that verified. Raises as :meth:`write`."""
         size, count = self.block_bytes, len(hop.moves)
         buffers: list[memoryview] = []
         if count:
@@ -291,8 +278,8 @@ class SegmentFiles:
     def load(
         self, reads: Sequence[tuple[bytes, str, int, int]], slot: Callable[[int], memoryview]
     ) -> list[ReadOutcome]:
-        """One load job's blocking half: :meth:`read` of each ``(key, segment, record,
-        block id)`` into ``slot(block id)``."""
+        """One load job's blocking half: :meth:`read` of each ``(key, segment, record, block
+        id)`` into ``slot(block id)``."""
         return self.read([(segment, record, slot(b), key) for key, segment, record, b in reads])
 
     def drop_move_buffers(self) -> None:
@@ -342,7 +329,10 @@ class SegmentFiles:
         direct = self.o_direct and (
             self.sealer is not None or self.staged > 0 or all(is_aligned(p) for _, p in records)
         )
-        per_call = self._records_per_call()
+        # Within MAX_IOV buffers (a header, a payload, maybe padding each), and the
+        # sealing buffers or the staging buffer.
+        per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
+        per_call = min(per_call, self.sealer.batch) if self.sealer else self.staged or per_call
         calls = [records[i : i + per_call] for i in range(0, len(records), per_call)] or [records]
         # The segment header and the first call's records are built before the file is
         # opened: a job goes down from the records to the system calls.
@@ -376,14 +366,6 @@ class SegmentFiles:
                 self.os.fdatasync(fd)
         finally:
             self.os.close(fd)
-
-    def _records_per_call(self) -> int:
-        # Within MAX_IOV buffers (a header, a payload, maybe padding each), and the
-        # sealing buffers or the staging buffer.
-        per_call = MAX_IOV // (3 if self._padding.nbytes else 2)
-        if self.sealer is not None:
-            return min(per_call, self.sealer.batch)
-        return self.staged or per_call
 
     def _record_buffers(self, records: Sequence[tuple[bytes, memoryview]]) -> list[memoryview]:
         """What one ``pwritev`` writes for consecutive ``records``: each one's header page,
@@ -426,11 +408,10 @@ class SegmentFiles:
 
     # -- read -------------------------------------------------------------------------
 
-    def read(self, reads: Sequence[Read]) -> list[ReadOutcome]:
+    def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
         """Read each ``(segment, record, slot, expected key or None for any)`` into its
-        slot and verify its header and payload (checksum or GCM tag): one
-        :data:`ReadOutcome` per read, in order (a failed read's slot must not be used).
-        Consecutive records are one read. Raises only InvalidArgumentError, nothing
+        slot and verify it as a load does: one :data:`ReadOutcome` per read, in order (a
+        failed read's slot must not be used). Raises only InvalidArgumentError, nothing
         read, for a slot that is not ``block_bytes`` long."""
         outcomes: list[ReadOutcome] = [(None, "not read", False)] * len(reads)
         by_segment: dict[str, list[tuple[int, int, memoryview, bytes | None]]] = {}
@@ -604,8 +585,8 @@ class SegmentFiles:
     def _open_each(
         self, records: Sequence[tuple[str, int]], flags: int
     ) -> Iterator[tuple[int, str, list[tuple[int, int]]]]:
-        """``(fd, segment, [(position in records, record)])`` of each segment of
-        ``records`` that opens with ``flags``; the fd closes when the next is asked for."""
+        # ``(fd, segment, [(position in records, record)])`` of each segment that opens;
+        # the fd closes when the next is asked for.
         by_segment: dict[str, list[tuple[int, int]]] = {}
         for i, (segment, record) in enumerate(records):
             by_segment.setdefault(segment, []).append((i, record))
@@ -650,8 +631,7 @@ class SegmentFiles:
 
 
 def _runs(places: Sequence[tuple[str, int]], most: int = 1 << 62) -> Iterator[slice]:
-    """Slices of ``places`` ``(segment, record)`` in one segment at consecutive records,
-    at most ``most`` long."""
+    # Slices of ``places`` at consecutive records of one segment, at most ``most`` long.
     start = 0
     for i in range(1, len(places) + 1):
         segment, record = places[i - 1]

@@ -1,7 +1,6 @@
 """The NVMe tier, registered as ``"nvme"`` (docs/nvme.md): the actor shell. Its index
 decides on the loop thread; each job's blocking half is ONE :class:`SegmentFiles` call on
-the tier's I/O threads; the file-system operations around them go through aiofiles.
-"""
+the tier's I/O threads; the file-system operations around them go through aiofiles."""
 
 from __future__ import annotations
 
@@ -20,14 +19,7 @@ from typing import Any
 import xxhash
 
 from backends.nvme.options import NVMeOptions
-from backends.nvme.os_calls import (
-    REAL_OS,
-    OwnerLock,
-    check_root,
-    fs_call,
-    probe_o_direct,
-    to_the_end,
-)
+from backends.nvme.os_calls import REAL_OS, OwnerLock, fs_call, probe_o_direct, to_the_end
 from backends.nvme.recovery import (
     BlockingRunner,
     Recovery,
@@ -61,8 +53,6 @@ from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContex
 from tiering.validation import hash_list, positive_int
 
 logger = logging.getLogger(__name__)
-
-_THREAD_START_TIMEOUT_S = 5.0  # how long start() waits for its I/O threads to meet
 
 
 @dataclass(slots=True)
@@ -136,15 +126,13 @@ class InflightBytes:
 
 
 class NVMeTier(TierActor):
-    """A secondary tier keeping blocks as records of segment files under ``root``; its
-    options are :class:`NVMeOptions`. What it promises (docs/nvme.md at length): a
-    store's keys become visible once their records are written (and synced per
-    ``fsync``); keys held are skipped, a key twice in a job is stored from its first
-    slot. A record is served only if its header and payload checksum (or GCM tag)
-    verify; a key that fails, or that an I/O error hit, is in ``failed_keys`` (and
-    leaves the index) while the job's other keys land. Space comes back by deleting
-    whole segments never in use; stores that still do not fit fail, and after ENOSPC
-    stores fail (loads go on) until one succeeds. :meth:`start` recovers the index."""
+    """A secondary tier keeping blocks as records of segment files under ``root``
+    (options: :class:`NVMeOptions`; promises: docs/nvme.md). A store's keys become
+    visible once written (and synced per ``fsync``); keys held are skipped, a key twice
+    in a job is stored from its first slot. A record is served only if it verifies; a key
+    that fails is in ``failed_keys`` while the job's other keys land. Space returns by
+    whole segments; after ENOSPC stores fail (loads go on) until one succeeds. A key that
+    is not bytes raises InvalidArgumentError and changes nothing."""
 
     Options = NVMeOptions
 
@@ -156,9 +144,8 @@ class NVMeTier(TierActor):
         /,
         **values: Any,
     ) -> None:
-        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win); raises
-        InvalidArgumentError for a bad view, size or option (named), or a cap that holds
-        fewer than two segments."""
+        """Takes an :class:`NVMeOptions`, keywords, or both (keywords win); InvalidArgumentError
+        for a bad view, size or option (named), or a cap under two segments."""
         o = NVMeOptions.check({**dict(options or {}), **values}, owner="NVMeTier")
         record_bytes = HEADER_BYTES + align_up(positive_int("block_bytes", block_bytes))
         self.records_per_segment = records_per_segment(
@@ -234,10 +221,10 @@ class NVMeTier(TierActor):
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the namespace directory, recover the index from disk, then serve.
-        ClosedError once closed; InvalidArgumentError when the root fails
-        :func:`check_root`, is not writable, holds another namespace, or refuses
-        ``o_direct=True``; TieringError for any other OS error (with it)."""
+        """Open the namespace directory, recover the index, then serve. ClosedError once
+        closed; InvalidArgumentError when the root fails :func:`check_root`, is not
+        writable, holds another namespace, or refuses ``o_direct=True``; TieringError for
+        any other OS error (with it)."""
         if self.closed:
             raise ClosedError(f"{self._name()} is closed and cannot be restarted")
         async with self._start_lock:
@@ -259,12 +246,17 @@ class NVMeTier(TierActor):
             self._opened = True
             if excess:  # before serving: no store may race this clean-up
                 await self.run_blocking(self._segments.delete, excess)
-            await self._start_io_threads()
+            # A pool starts its threads lazily (the first jobs would wait for each start):
+            # calls that wait for each other make it start every thread now.
+            meeting = threading.Barrier(self.io_threads)
+            await asyncio.gather(
+                *(self.run_blocking(_meet, meeting) for _ in range(self.io_threads))
+            )
             await super().start()
 
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - base API
         """Close as :meth:`TierActor.aclose`, then delete the segments given up and write
-        the index checkpoint. Idempotent."""
+        the index checkpoint."""
         first = not self.closed
         await super().aclose(timeout)
         if not first or not self._opened:
@@ -288,15 +280,9 @@ class NVMeTier(TierActor):
         # lock must outlive the writes still running.
         self._release_owner()
 
-    async def _start_io_threads(self) -> None:
-        # A pool starts its threads lazily (the first jobs would wait for each start):
-        # calls that wait for each other make it start every thread now.
-        meeting = threading.Barrier(self.io_threads)
-        await asyncio.gather(*(self.run_blocking(_meet, meeting) for _ in range(self.io_threads)))
-
     async def _open_on_disk(self) -> tuple[str | None, Recovery, int | None]:
-        """Open the namespace directory, check the floor, take the owner lock, probe
-        O_DIRECT (a hop), recover the index (a hop), measure free space."""
+        # The directory opened, the floor checked, the owner lock taken, O_DIRECT probed
+        # (a hop), the index recovered (a hop), free space measured.
         await open_directory(
             self.root,
             self.directory,
@@ -321,7 +307,7 @@ class NVMeTier(TierActor):
         return probe, found, await fs_call(self._segments.free_bytes)
 
     def _adopt(self, probe: str | None, found: Recovery, free: int | None) -> list[str]:
-        """Take the start-up findings; returns the segments over the cap (to delete)."""
+        # The start-up findings taken; returns the segments over the cap (to delete).
         if probe is not None and self.options.o_direct is True:
             raise InvalidArgumentError(
                 f"o_direct=True but the file system at {self.directory!r} refuses it: {probe}"
@@ -360,8 +346,7 @@ class NVMeTier(TierActor):
         return self._space.read_only
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
-        """True if stored, None while a store of it is queued or running, else False
-        (InvalidArgumentError for a ``key`` that is not bytes)."""
+        """True if stored, None while a store of it is queued or running, else False."""
         if not isinstance(key, bytes):
             raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
         if key_digest(key) in self._index:
@@ -369,8 +354,7 @@ class NVMeTier(TierActor):
         return None if self.storing(key) else False
 
     def lookup_all(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
-        """:meth:`lookup` of each of ``keys`` in one probe of the index
-        (InvalidArgumentError unless ``keys`` is a collection of bytes)."""
+        """:meth:`lookup` of each of ``keys`` in one probe of the index."""
         keys = hash_list("keys", keys)
         digest = xxhash.xxh3_64_intdigest  # key_digest, inlined: the batch is the point
         present = self._index.present([digest(key) or 1 for key in keys])
@@ -386,13 +370,12 @@ class NVMeTier(TierActor):
         self._index.touch([key_digest(key) for key in hash_list("keys", keys)])
 
     def hold(self, keys: Collection[OffloadKey]) -> None:
-        """Keep ``keys``' segments from eviction until released (holds count);
-        InvalidArgumentError, nothing held, unless ``keys`` is a collection of bytes."""
+        """Keep ``keys``' segments from eviction until released (holds count)."""
         self._index.hold([key_digest(key) for key in hash_list("keys", keys)])
 
     def release(self, keys: Collection[OffloadKey]) -> None:
-        """Undo one :meth:`hold` of each key; InvalidArgumentError, nothing released, for a
-        key that is not bytes or is released more often than held (named in hex)."""
+        """Undo one :meth:`hold` of each key; InvalidArgumentError for a key released more
+        often than held (named in hex)."""
         keys = hash_list("keys", keys)
         counts = Counter(map(key_digest, keys))
         for key in keys:
@@ -401,7 +384,6 @@ class NVMeTier(TierActor):
         self._index.release(counts.elements())
 
     def get_num_blocks(self) -> int:
-        """Blocks stored and loadable now."""
         return len(self._index)
 
     @property
@@ -476,9 +458,9 @@ class NVMeTier(TierActor):
     async def _store_admission(
         self, job: JobMetadata
     ) -> tuple[dict[OffloadKey, str], dict[OffloadKey, int]]:
-        """A store job's keys as ``(failed, wanted: key -> slot)``: keys a header cannot
-        hold fail, keys held (or repeated) are skipped, keys a running hop writes are
-        waited for, and while the disk is full every wanted key fails."""
+        # ``(failed, wanted: key -> slot)``: keys a header cannot hold fail, keys held (or
+        # repeated) are skipped, keys a running hop writes are waited for, and while the
+        # disk is full every wanted key fails.
         failed: dict[OffloadKey, str] = {}
         wanted: dict[OffloadKey, int] = {}
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
@@ -505,8 +487,8 @@ class NVMeTier(TierActor):
     async def _plan_store(
         self, wanted: dict[OffloadKey, int], failed: dict[OffloadKey, str]
     ) -> StoreHop:
-        """Make room for ``wanted`` (space measured first when stale) and place what
-        fits; what does not fails (in ``failed``). The hop for :meth:`SegmentFiles.store`."""
+        # Room made for ``wanted`` (space measured first when stale); what does not fit
+        # fails (in ``failed``).
         pending = self._index.used_records - self._writing_records
         if self._space.stale(self._writing_records + len(wanted)):
             self._space.measured(await self.run_blocking(self._segments.free_bytes))
@@ -560,9 +542,7 @@ class NVMeTier(TierActor):
         return _result(job.job_id, failed, len(job.keys))
 
     async def _write_checkpoint(self, run_blocking: BlockingRunner) -> None:
-        """Write the index checkpoint: the snapshot and the temporary in one call of
-        ``run_blocking``, the rename and the directory sync through aiofiles
-        (:func:`~backends.nvme.recovery.write_checkpoint`). OSError if it failed."""
+        # OSError if it failed (the old checkpoint stays).
         self._checkpoint_idle.clear()
         try:
             # The entries are copied on the thread, off the loop, while the loop goes on.
@@ -586,10 +566,9 @@ class NVMeTier(TierActor):
     # -- bookkeeping (loop thread) -------------------------------------------------------
 
     def _hop_lost(self, hop: StoreHop) -> None:
-        """A store job ended without its commit (cancelled by a close's deadline): what
-        left the index with its plan is still told. If its hop never ran, its deletions
-        and the reads of the keys they remove are owed to a later hop (or the close);
-        if it ran, the keys it read that the index no longer holds are removals."""
+        # A store job ended without its commit (a close's deadline): if its hop never
+        # ran, its deletions and the reads of the keys they remove are owed to a later hop
+        # (or the close); if it ran, the keys it read that the index lacks are removals.
         if hop.gone_keys is None:
             self._trash.extend(hop.delete)
             if self._removed is not None:
@@ -600,8 +579,7 @@ class NVMeTier(TierActor):
         self._note_given_up([*moved, *hop.gone_keys])
 
     def _note_given_up(self, keys: Sequence[bytes | None]) -> None:
-        """Removals: the ``keys`` read from records given up that the index no longer
-        holds (None: a header that did not verify)."""
+        # Removals: keys read from records given up that the index no longer holds.
         self._note_removed(k for k in keys if k is not None and key_digest(k) not in self._index)
 
     def _commit_store(
@@ -612,9 +590,8 @@ class NVMeTier(TierActor):
         generation: int,
         failed: dict[OffloadKey, str],
     ) -> None:
-        """Index the records written (the job's, then the moved ones'), a moved one
-        unless its key was stored again meanwhile; none if the tier was cleared
-        meanwhile."""
+        # The records written indexed (the job's, then the moved ones', unless stored
+        # again meanwhile); none if the tier was cleared meanwhile.
         self._writing_records -= len(hop.placed)
         written = set(report.written)
         ours, theirs = hop.placed[: len(hop.records)], hop.placed[len(hop.records) :]
@@ -681,7 +658,7 @@ class NVMeTier(TierActor):
 def _meet(meeting: threading.Barrier) -> None:
     # A broken or timed-out meeting only means some thread starts later, in a job.
     with contextlib.suppress(threading.BrokenBarrierError):
-        meeting.wait(_THREAD_START_TIMEOUT_S)
+        meeting.wait(5.0)  # seconds start() waits for its I/O threads to meet
 
 
 def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult:
@@ -694,4 +671,4 @@ def _result(job_id: int, failed: dict[OffloadKey, str], total: int) -> JobResult
     )
 
 
-__all__ = ["InflightBytes", "NVMeMetrics", "NVMeOptions", "NVMeTier", "check_root"]
+__all__ = ["InflightBytes", "NVMeMetrics", "NVMeOptions", "NVMeTier"]
