@@ -10,9 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from backends.nvme.segment_format import Checkpoint, segment_name
+from backends.nvme.segment_format import Checkpoint, SegmentScan, segment_name
 from backends.nvme.segment_index import KeyTable, Placement, SegmentIndex, key_digest
-from backends.nvme.segments import SegmentScan
 from tiering.errors import InvalidArgumentError
 
 WRITER = "ab"

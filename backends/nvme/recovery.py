@@ -37,6 +37,7 @@ from backends.nvme.segment_format import (
     IDENTITY_FILE,
     SEGMENTS_DIR,
     Checkpoint,
+    SegmentScan,
     encode_checkpoint,
     parse_checkpoint,
     parse_segment_name,
@@ -44,7 +45,7 @@ from backends.nvme.segment_format import (
     temporary_writer,
 )
 from backends.nvme.segment_index import SegmentIndex
-from backends.nvme.segments import SegmentFiles, SegmentScan
+from backends.nvme.segments import SegmentFiles
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.tiers.block_record import FORMAT_VERSION
 

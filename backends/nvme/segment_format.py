@@ -1,6 +1,6 @@
 """The NVMe tier's own formats, without I/O (docs/nvme.md, "On disk"): the names of what it
-writes, the segment header, the index checkpoint. Each record is a padded
-:mod:`tiering.tiers.block_record`.
+writes, the segment header, the index checkpoint, what a scan of a segment found. Each
+record is a padded :mod:`tiering.tiers.block_record`.
 
 A segment header page (little endian): magic ``KVTSEG\\r\\n``, u16 format version, u16
 header length, u32 zero, u64 payload bytes per record, 16 bytes namespace digest, the
@@ -224,3 +224,16 @@ def parse_checkpoint(data: bytes, *, block_bytes: int, ns_digest: bytes) -> Chec
     if count and int(arrays[1].max()) >= max(n_segments, 1):
         raise CorruptBlockError("checkpoint entry names a segment it does not list")
     return Checkpoint(segments, *arrays)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentScan:
+    """A segment's valid records ``(key, record)`` from some record on, in file order;
+    ``end`` after the last whole slot; ``invalid`` slots hold no valid record, and
+    ``removed`` ones the mark of ``SegmentFiles.mark_removed``."""
+
+    records: list[tuple[bytes, int]]
+    end: int
+    invalid: int
+    header_ok: bool = True
+    removed: int = 0

@@ -9,18 +9,19 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
-from backends.nvme.segment_format import Checkpoint, parse_segment_name, segment_name
+from backends.nvme.segment_format import (
+    Checkpoint,
+    SegmentScan,
+    parse_segment_name,
+    segment_name,
+)
 from tiering.errors import InvalidArgumentError
 from tiering.tiers.block_record import HEADER_BYTES
 from tiering.validation import positive_int
-
-if TYPE_CHECKING:
-    from backends.nvme.segments import SegmentScan
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from backends.nvme.os_calls import (
 from backends.nvme.segment_format import (
     REMOVED_MARK,
     SEGMENTS_DIR,
+    SegmentScan,
     check_segment_header,
     encode_segment_header,
     parse_segment_name,
@@ -162,19 +163,6 @@ class WriteReport:
     disk_full: bool = False
     created: list[str] = field(default_factory=list)
     free_bytes: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentScan:
-    """A segment's valid records ``(key, record)`` from some record on, in file order;
-    ``end`` after the last whole slot; ``invalid`` slots hold no valid record, and
-    ``removed`` ones the mark of :meth:`SegmentFiles.mark_removed`."""
-
-    records: list[tuple[bytes, int]]
-    end: int
-    invalid: int
-    header_ok: bool = True
-    removed: int = 0
 
 
 @dataclass(slots=True)
