@@ -48,13 +48,13 @@ class TieringEngine(AsyncService):
     ``cache_identity`` and the KV layout form ``engine.namespace``, which tiers taking a
     ``namespace`` receive. The other options: docs/config.md.
 
-    ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
-    blocks live under keys scoped to it in every tier (:mod:`tiering.security.tenancy`, except
-    prefixes shared with :meth:`share_prefix`); results
-    name the caller's hashes, events and tiers the scoped keys. Every call raises
-    ClosedError unless the engine is open, and InvalidArgumentError (naming the argument)
-    for a malformed one, changing nothing; so does the constructor (allocating nothing),
-    and UnknownPolicyError / UnknownTierError for a name nothing is registered under."""
+    ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose blocks
+    live under keys scoped to it in every tier (:mod:`tiering.security.tenancy`, except
+    prefixes shared with :meth:`share_prefix`); results name the caller's hashes, events
+    and tiers the scoped keys. Every call raises ClosedError unless the engine is open,
+    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing;
+    so does the constructor (allocating nothing), and UnknownPolicyError /
+    UnknownTierError for a name nothing is registered under."""
 
     def __init__(
         self,
@@ -127,8 +127,8 @@ class TieringEngine(AsyncService):
 
     @classmethod
     def from_config(cls, config: TieringConfig, kv_caches: KVCaches) -> TieringEngine:
-        """The engine ``config`` describes over ``kv_caches``, not yet entered;
-        ``engine.cpu_bytes`` becomes as many CPU slots as fit. Raises ConfigError for a
+        """The engine ``config`` describes over ``kv_caches``, not yet entered
+        (``engine.cpu_bytes``: as many CPU slots as fit). Raises ConfigError for a
         non-TieringConfig or a ``cpu_bytes`` holding no block, else as the constructor."""
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
@@ -254,7 +254,7 @@ class TieringEngine(AsyncService):
 
     def job_latency(self) -> Mapping[str, LatencySnapshot]:
         """``"store"`` and ``"load"`` latencies so far, from the call to the job's result
-        (failed jobs too), on ``time.perf_counter`` (uvloop's clock ticks in ms)."""
+        (failed jobs too), on ``time.perf_counter``."""
         return {kind: histogram.snapshot() for kind, histogram in self._latency.items()}
 
     def lookup_statistics(self) -> job_core.LookupStatistics:
@@ -275,7 +275,7 @@ class TieringEngine(AsyncService):
 
     def touch(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> None:
         """Mark blocks (of ``tenant``) recently used in every tier, the first most."""
-        self._open_core()
+        self._open_core()  # raises unless open
         hashes = self.tenant_keys(block_hashes, tenant)
         self.manager.touch(hashes)
         for client in self._stack.clients:

@@ -17,9 +17,8 @@ from tiering.errors import UnknownPolicyError
 
 logger = logging.getLogger(__name__)
 
-# Not "adaptive", which hits more in a CPU tier alone: a block it declines is not
-# written to the tiers below either, and its bookkeeping slows a full tier's store calls
-# (docs/benchmarks.md, the default eviction policy).
+# Not "adaptive": a block it declines skips the tiers below too, and its bookkeeping slows
+# a full tier's stores (docs/benchmarks.md, the default eviction policy).
 DEFAULT_POLICY = "lru"
 """The CPU tier's eviction policy wherever none is named (engine, manager, config,
 replay and its model)."""
@@ -31,8 +30,7 @@ _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "adaptive": AdaptivePolicy,
 }
 
-_RETIRED: dict[str, str] = {"prefix-lfu": "adaptive"}
-"""Retired policy names, each to the registered name that replaced it."""
+_RETIRED: dict[str, str] = {"prefix-lfu": "adaptive"}  # retired name: its replacement
 
 _warned: set[str] = set()  # retired names already warned about in this process
 

@@ -62,7 +62,7 @@ class EvictionPolicy(ABC):
 
     @property
     def admits_everything(self) -> bool:
-        """True unless the policy overrides :meth:`admit` (the manager then skips it)."""
+        """True unless the policy overrides :meth:`admit`."""
         return type(self).admit is EvictionPolicy.admit
 
     @abstractmethod
