@@ -1,16 +1,13 @@
-"""The scheduler-side offloading interface (vLLM's ``kv_offload.abstract`` semantics).
-
-These are the types a serving framework's scheduler programs against: it asks an
-:class:`OffloadingManager` which prefix blocks are offloaded, prepares loads and
-stores, and collects :class:`OffloadingEvent` records for a KV-aware router."""
+"""The scheduler-side offloading interface (vLLM's ``kv_offload.abstract`` semantics) a
+serving framework's scheduler programs against: it asks an :class:`OffloadingManager`
+which prefix blocks are offloaded, prepares loads and stores, and collects
+:class:`OffloadingEvent` records for a KV-aware router."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-from tiering.validation import as_block_hashes as as_block_hashes  # kept importable here
 
 BlockHash = bytes
 """A block's identity: bytes naming its tokens and everything before them."""

@@ -18,8 +18,7 @@ from tiering.validation import positive_int, seconds
 
 logger = logging.getLogger(__name__)
 
-EVENT_FORMAT_VERSION = 1
-"""The ``v`` field of every event line this module writes."""
+EVENT_FORMAT_VERSION = 1  # the ``v`` field of every event line this module writes
 DEFAULT_TOPIC = b"kv-events"
 _FIELDS = ("v", "medium", "removed", "block_size", "block_hashes")
 
@@ -103,19 +102,11 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
         if value is not None and not isinstance(value, str):
             raise bad(f"{label} must be a string")
         labels[label] = value
-    return {
-        "v": version,
-        "medium": medium,
-        "removed": removed,
-        "block_size": size,
-        "block_hashes": block_hashes,
-        **labels,
-    }
+    return {**{name: record[name] for name in _FIELDS}, "block_hashes": block_hashes, **labels}
 
 
 class EventPublisher(Protocol):
-    """Something that sends batches of events to routers: ``publish`` returns the number
-    of events sent; ``close`` is idempotent."""
+    """Sends batches of events to routers: ``publish`` returns how many; ``close`` is idempotent."""
 
     def publish(self, events: Sequence[OffloadingEvent]) -> int: ...
 
@@ -148,7 +139,7 @@ class CallbackPublisher:
         return len(events)
 
     def close(self) -> None:
-        """Nothing to release."""
+        pass  # nothing to release
 
 
 class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
@@ -178,10 +169,8 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
         self.topic = topic
         self.node = node
         self.tenant = tenant
-        self.sequence = 0
-        """The sequence number of the next batch."""
-        self.dropped = 0
-        """Batches ZeroMQ refused to queue (counted, never raised)."""
+        self.sequence = 0  # of the next batch
+        self.dropped = 0  # batches ZeroMQ refused to queue
         self._socket = zmq.Context.instance().socket(zmq.PUB)
         try:
             self._socket.setsockopt(zmq.SNDHWM, send_hwm)
@@ -193,8 +182,8 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
             raise
 
     def publish(self, events: Sequence[OffloadingEvent]) -> int:
-        """Send ``events`` as the next batch; returns the number handed to ZeroMQ (0 for
-        none or a refused message). Raises InvalidArgumentError once closed."""
+        """Send ``events`` as the next batch (0 for none or a refused message). Raises
+        InvalidArgumentError once closed."""
         if self._socket.closed:
             raise InvalidArgumentError("the ZeroMQ publisher is closed")
         if not events:
@@ -210,8 +199,7 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
         return len(events)
 
     def close(self) -> None:
-        """Close the socket without waiting for unsent messages; idempotent."""
-        self._socket.close(linger=0)
+        self._socket.close(linger=0)  # unsent messages are dropped
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
