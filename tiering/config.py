@@ -33,7 +33,7 @@ def _known_policy(name: str) -> str:
 
 
 class _Section(Options):
-    """A config section: a bad field raises ConfigError naming ``SECTION.field``."""
+    """A bad field raises ConfigError naming ``SECTION.field``."""
 
     ERROR = ConfigError
     UNKNOWN = "unknown key; [{where}] takes {fields}"
@@ -227,8 +227,8 @@ def parse_override(text: str) -> tuple[str, str]:
 
 
 def to_toml(config: TieringConfig) -> str:
-    """``config`` as TOML that :func:`load_config` reads back to an equal config (fields
-    that are None left out). Raises ConfigError naming a tier option TOML cannot hold."""
+    """``config`` as TOML that :func:`load_config` reads back to an equal config (None
+    fields left out). Raises ConfigError naming a tier option TOML cannot hold."""
     tiers = [tier.spec() for tier in config.tiers]
     for i, key, value in ((i, k, v) for i, tier in enumerate(tiers) for k, v in tier.items()):
         try:

@@ -15,9 +15,7 @@ from tiering.errors import InvalidArgumentError
 from tiering.validation import hash_list
 
 MAX_TENANT_CHARS = 256
-MAX_TENANT_LABELS = 1024
-"""Tenants counted apart in an engine's statistics; later ones count under
-:data:`OTHER_TENANTS` (a metric's label set stays bounded)."""
+MAX_TENANT_LABELS = 1024  # tenants counted apart; later ones count as OTHER_TENANTS
 OTHER_TENANTS = "other"
 _TENANT_PERSON = b"kvtier.tenant"
 _SCOPE_PERSON = b"kvtier.scope"
@@ -63,8 +61,8 @@ class Tenancy:
         self._secrets: dict[str, bytes] = {}
 
     def share(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Let every tenant hit on these blocks of a public prefix; InvalidArgumentError,
-        sharing nothing, if ``block_hashes`` is not an iterable of bytes."""
+        """Let every tenant hit on these blocks of a public prefix (InvalidArgumentError,
+        sharing nothing, for bad hashes)."""
         self._shared.update(hash_list("block_hashes", block_hashes))
 
     def keys(self, block_hashes: Sequence[BlockHash], tenant: str | None) -> Sequence[BlockHash]:

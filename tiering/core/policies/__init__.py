@@ -8,11 +8,11 @@ import logging
 import warnings
 from collections.abc import Callable
 
-from tiering.core.policies.adaptive import AdaptivePolicy
-from tiering.core.policies.arc import ARCPolicy
-from tiering.core.policies.base import EvictionPolicy
-from tiering.core.policies.lru import LRUPolicy
-from tiering.core.policies.s3fifo import S3FIFOPolicy
+from tiering.core.policies.adaptive import AdaptivePolicy as AdaptivePolicy
+from tiering.core.policies.arc import ARCPolicy as ARCPolicy
+from tiering.core.policies.base import EvictionPolicy as EvictionPolicy
+from tiering.core.policies.lru import LRUPolicy as LRUPolicy
+from tiering.core.policies.s3fifo import S3FIFOPolicy as S3FIFOPolicy
 from tiering.errors import UnknownPolicyError
 
 logger = logging.getLogger(__name__)
@@ -81,17 +81,3 @@ def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
         instance = factory()
     instance.bind(capacity)
     return instance
-
-
-__all__ = [
-    "DEFAULT_POLICY",
-    "ARCPolicy",
-    "AdaptivePolicy",
-    "EvictionPolicy",
-    "LRUPolicy",
-    "S3FIFOPolicy",
-    "make_policy",
-    "policy_name",
-    "policy_names",
-    "register_policy",
-]
