@@ -107,8 +107,9 @@ class FinishedResults:
     ``capacity`` (a caller that only awaits never drains it) the oldest are dropped,
     with one warning for the life of the buffer."""
 
-    def __init__(self, capacity: int = FINISHED_KEPT) -> None:
-        self._results: deque[JobResult] = deque(maxlen=capacity)
+    def __init__(self, capacity: int | None = None) -> None:
+        maxlen = FINISHED_KEPT if capacity is None else capacity
+        self._results: deque[JobResult] = deque(maxlen=maxlen)
         self.dropped = 0  # results dropped unread so far
 
     def append(self, result: JobResult) -> None:

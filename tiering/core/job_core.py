@@ -148,7 +148,7 @@ Effect = (
 
 
 class TierView(Protocol):
-    """What the core asks of a secondary tier; all synchronous and cheap."""
+    """What the core asks of a secondary tier (all synchronous and cheap)."""
 
     name: str
     servable: bool
@@ -389,9 +389,7 @@ class JobCore:
         )
 
     def tenant_statistics(self) -> dict[str, TenantLookups]:
-        """Copies of the lookups per tenant label; past
-        :data:`~tiering.security.tenancy.MAX_TENANT_LABELS` labels, new tenants count as
-        ``"other"``."""
+        """Copies of the lookups per tenant label (past ``MAX_TENANT_LABELS``: ``"other"``)."""
         return {label: replace(counts) for label, counts in self._tenant_lookups.items()}
 
     @property
@@ -400,9 +398,8 @@ class JobCore:
         return len(self._jobs) + len(self._waiting) + len(self._flushes)
 
     def take_tier_events(self) -> list[OffloadingEvent]:
-        """Secondary-tier events since the last call (with ``enable_events``): blocks the
-        engine's tier jobs stored and, given ``take_removed``, blocks the tiers stopped
-        holding, in order per tier."""
+        """Secondary-tier events since the last call (with ``enable_events``): what tier
+        jobs stored and, given ``take_removed``, what tiers dropped, in order per tier."""
         for t in range(len(self._take_removed)):
             self._removal_event(t)
         events, self._tier_events = self._tier_events, []
@@ -432,7 +429,7 @@ class JobCore:
         return job.id, self._take()
 
     def _plan_store(self, job: _Job, hashes: list[BlockHash], ids: list[int]) -> bool:
-        """Reserve slots for the store's new blocks and start it; False without room."""
+        """Start the store; False without room."""
         manager = self.manager
         out = manager.prepare_store(hashes)
         if out is None:
@@ -494,8 +491,7 @@ class JobCore:
         return not self.write_back and bool(self.tiers) and self.state is not Lifecycle.CLOSED
 
     def _hold(self, job: _Job, keys: list[BlockHash]) -> None:
-        """Pin ``keys`` for ``job`` in the step they become ready: a load's until its copy
-        out, a store's until its cascade has pinned them per tier."""
+        """Pin ``keys`` for ``job`` (see :attr:`_Job.pinned`)."""
         self.manager.prepare_load(keys)
         if not job.pinned:
             job.pinned = keys
@@ -550,8 +546,8 @@ class JobCore:
         return job.id, self._take()
 
     def _plan_load(self, job: _Job, sources: dict[BlockHash, int] | None) -> bool:
-        """Pin, join or promote every block of the load and start it; False without
-        room for its promotions. Raises BlockNotFoundError if a block left every tier."""
+        """Start the load; False without room. Raises BlockNotFoundError if a block left
+        every tier."""
         manager = self.manager
         hashes = job.hashes
         found = self._sources(hashes) if sources is None else sources
@@ -592,8 +588,7 @@ class JobCore:
         return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
-        """The tier to promote each non-resident hash from; BlockNotFoundError if a
-        hash is neither resident nor in a servable tier."""
+        """The tier to promote each non-resident hash from (BlockNotFoundError if none)."""
         manager = self.manager
         sources: dict[BlockHash, int] = {}
         for h in [h for h in dict.fromkeys(hashes) if h not in manager]:
@@ -867,8 +862,7 @@ class JobCore:
         return JobResult(job_id, False, tuple(failed), _summary(tuple(failed), failed))
 
     def _lose_at_close(self, failed: Mapping[BlockHash, str], lost: Iterable[BlockHash]) -> None:
-        """The close did not write ``failed`` back to every tier that lacked them; the
-        ``lost`` of them are in no tier, so gone with the CPU tier (each counted once)."""
+        """The close did not write ``failed`` back everywhere; ``lost`` are in no tier."""
         for k, reason in failed.items():
             self._close_failed.setdefault(k, reason)
         if new := {k: failed[k] for k in lost if k not in self._close_lost}:
@@ -976,8 +970,7 @@ class JobCore:
         self._forget_if_done(job)
 
     def _fail(self, job: _Job, cause: str, reason: str) -> None:
-        """Resolve ``job`` now with every key failed (close, no room, no source); the
-        pins and fills its I/O in flight owns go only as that I/O ends."""
+        """Resolve ``job`` now with every key failed; its I/O in flight keeps its pins and fills."""
         if not job.resolved:
             self.failures.record(cause, 1, reason.removeprefix(f"{cause}: "))
             for h in job.hashes:
