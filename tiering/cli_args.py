@@ -31,8 +31,7 @@ def make_parser(doc: str | None, **kwargs: object) -> argparse.ArgumentParser:
 
 
 def described(doc: str | None) -> dict[str, str | None]:
-    """A parser's ``description`` (``doc``'s first paragraph, e.g. a script's docstring)
-    and ``epilog`` (the rest of it, None if nothing)."""
+    """A parser's ``description`` (``doc``'s first paragraph) and ``epilog`` (the rest, or None)."""
     first, _, rest = (doc or "").strip().partition("\n\n")
     return {"description": first, "epilog": rest or None}
 
@@ -108,8 +107,7 @@ def choice_list(
     choices: Iterable[str], resolve: Callable[[str], str] | None = None
 ) -> Callable[[str], list[str]]:
     """An argparse type: comma-separated names, no repeats, each one of ``choices`` once
-    passed through ``resolve`` (which may map an alias to the name it stands for; an
-    alias and its name given together count once)."""
+    passed through ``resolve`` (an alias to its name; the two given together count once)."""
     allowed = sorted(choices)
 
     def parse(text: str) -> list[str]:
@@ -154,9 +152,8 @@ def framework_root(root: str) -> str:
 
 
 def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) -> None:
-    """Create ``path`` (and its parents) if missing and check a file can be made in it (a
-    real probe: ``os.access`` says yes to root everywhere); otherwise exit through
-    ``parser.error`` (status 2) naming ``option`` and the path."""
+    """Create ``path`` (and parents) if missing and probe that a file can be made in it
+    (``os.access`` says yes to root); else ``parser.error`` naming ``option`` and the path."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

@@ -165,8 +165,8 @@ def load_config(
     *,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in the TOML file at ``path`` (:func:`config_from_toml`, relative paths
-    from the file's directory). Raises ConfigError starting with the file's path."""
+    """The config in the TOML file at ``path`` (:func:`config_from_toml`, relative to the
+    file's directory). Raises ConfigError starting with the file's path."""
     source = os.fspath(path)
     try:
         text = Path(path).read_text(encoding="utf-8")

@@ -76,15 +76,14 @@ def as_index_list(name: str, values: object) -> list[int]:
         raise InvalidArgumentError(f"{name} must be a sequence of ints, got {values!r}")
     out: list[int] = []
     for value in values:  # type: ignore[attr-defined]
-        if type(value) is int:
-            out.append(value)
-            continue
-        if isinstance(value, bool):
-            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}")
-        try:
-            out.append(operator.index(value))
-        except TypeError:
-            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}") from None
+        if type(value) is not int:
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                value = operator.index(value)
+            except TypeError:
+                raise InvalidArgumentError(f"{name} must hold ints, got {value!r}") from None
+        out.append(value)
     return out
 
 

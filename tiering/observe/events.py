@@ -1,7 +1,6 @@
 """KV events for routers: the wire format of ``take_events()`` (one JSON line per
-:class:`~tiering.core.scheduler_api.OffloadingEvent`; its fields, versioning and ordering:
-docs/metrics.md), and publishers: :class:`CallbackPublisher`, :class:`ZmqPublisher`,
-and :func:`run_publisher` to drain an engine into one periodically."""
+:class:`~tiering.core.scheduler_api.OffloadingEvent`; fields, versioning and ordering:
+docs/metrics.md), publishers, and :func:`run_publisher` to drain an engine into one."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ _FIELDS = ("v", "medium", "removed", "block_size", "block_hashes")
 def encode_events(
     events: Iterable[OffloadingEvent], *, node: str | None = None, tenant: str | None = None
 ) -> bytes:
-    """``events`` as JSON lines (the module's format); ``b""`` for no events. Raises
-    InvalidArgumentError for a label not a string or None, or an event's fields of the
-    wrong types."""
+    """``events`` as JSON lines (``b""`` for none). Raises InvalidArgumentError for a label
+    not a string or None, or an event's fields of the wrong types."""
     labels = {k: v for k, v in (("node", node), ("tenant", tenant)) if v is not None}
     for label, value in labels.items():
         if not isinstance(value, str):
@@ -114,9 +112,8 @@ class EventPublisher(Protocol):
 
 
 class CallbackPublisher:
-    """Hands each non-empty batch, encoded, to ``callback(payload)`` on the caller's
-    thread; what it raises propagates from :meth:`publish`. Raises InvalidArgumentError
-    if ``callback`` is not callable or a label not a string."""
+    """Hands each non-empty batch, encoded, to ``callback(payload)`` (what it raises
+    propagates). Raises InvalidArgumentError for a ``callback`` not callable or a bad label."""
 
     def __init__(
         self,

@@ -43,8 +43,7 @@ class LatencySnapshot:
         b = bisect_left(cumulative, rank)  # the first bucket reaching the rank
         below = cumulative[b - 1] if b else 0
         lower = self.bounds[b - 1] if b else 0.0
-        upper = self.bounds[b] if b < len(self.bounds) else self.max
-        upper = min(upper, self.max)
+        upper = min(self.bounds[b], self.max) if b < len(self.bounds) else self.max
         lower = min(lower, upper)
         inside = cumulative[b] - below
         return min(upper, lower + (upper - lower) * (rank - below) / inside)  # rounding
