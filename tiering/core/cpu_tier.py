@@ -18,14 +18,6 @@ from tiering.errors import BlockNotFoundError, NotLoadingError
 from tiering.validation import as_block_hashes, positive_int
 
 _MEDIUM = "CPU"
-_BYTES = {bytes}
-
-
-def _hashes(block_hashes: Iterable[BlockHash]) -> Sequence[BlockHash]:
-    """:func:`~tiering.validation.as_block_hashes`, the common case checked in line."""
-    if type(block_hashes) in (list, tuple) and set(map(type, block_hashes)) <= _BYTES:
-        return block_hashes  # type: ignore[return-value]
-    return as_block_hashes(block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +64,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Length of the leading run of hashes that are stored and ready."""
         slot_of, ready = self._slot_of, self._ready
         n = 0
-        for h in _hashes(block_hashes):
+        for h in as_block_hashes(block_hashes):
             slot = slot_of.get(h)
             if slot is None or not ready[slot]:
                 break
@@ -127,7 +119,7 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         """Add a reader to each block (two for a hash named twice) and return their slots,
         in order. Raises BlockNotFoundError if a hash is not resident or not ready."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready, evictable = self._slot_of, self._ref, self._ready, self._evictable
         slots: list[int] = []
         for i, h in enumerate(hashes):
@@ -145,7 +137,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Remove one reader from each block. Raises NotLoadingError if a hash has no
         reader left (or is not resident)."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ref = self._slot_of, self._ref
         for i, h in enumerate(hashes):
             slot = slot_of.get(h)
@@ -172,7 +164,7 @@ class CPUOffloadingManager(OffloadingManager):
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """Mark resident blocks most recently used, the first most recent of all; hashes
         not resident are ignored."""
-        self.policy.touch(_hashes(block_hashes))
+        self.policy.touch(as_block_hashes(block_hashes))
 
     def prepare_store(
         self, block_hashes: Iterable[BlockHash], *, admission: bool = True
@@ -181,7 +173,7 @@ class CPUOffloadingManager(OffloadingManager):
         with ``admission``), evicting if needed but never a hash named in the call;
         ``None`` (and nothing changed) if not enough blocks can be evicted. New blocks are
         not ready until ``complete_store``."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ready = self._slot_of, self._ready
         unique = hashes if len(hashes) == 1 else dict.fromkeys(hashes)
         to_store = [h for h in unique if h not in slot_of]
@@ -222,7 +214,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Finish stores prepared earlier: the named in-flight blocks become ready, or
         without ``success`` leave and free their slots; other hashes are left alone."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         if success:
             stored: list[BlockHash] = []
