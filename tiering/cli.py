@@ -16,7 +16,6 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import tiering.commands
 from tiering.cli_args import EXIT_INTERRUPTED, described, make_parser
@@ -38,17 +37,13 @@ _DEFAULT_ORDER = 100
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand as ``tiering --help`` lists it, and its module (:meth:`load`)."""
+    """A subcommand as ``tiering --help`` lists it, and its module's name."""
 
     name: str
     help: str
     doc: str
     order: int
     module: str
-
-    def load(self) -> ModuleType:
-        """The subcommand's module, imported now."""
-        return importlib.import_module(self.module)
 
 
 def commands() -> dict[str, Command]:
@@ -122,7 +117,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
             name, help=info.help, formatter_class=parser.formatter_class, **described(info.doc)
         )
         if name == command:
-            module = info.load()
+            module = importlib.import_module(info.module)
             module.add_arguments(child)
             child.set_defaults(_run=module.run, _parser=child)
     return parser
