@@ -92,8 +92,8 @@ NAMESPACE_FORMAT = 1  # bumped when the meaning of the bytes of a stored block c
 
 
 def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
-    """A canonical string naming what a stored block's bytes mean: ``identity`` (the
-    model, ...), the block size and each layer's dtype and per-block shape. Raises
+    """A canonical string naming what a stored block's bytes mean: ``identity`` (the model,
+    ...), the block size and each layer's dtype and per-block shape. Raises
     InvalidArgumentError unless ``identity`` is a string or a JSON-encodable mapping."""
     tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
     layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]

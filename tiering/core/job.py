@@ -18,8 +18,7 @@ FINISHED_KEPT = 1 << 16  # the most results a FinishedResults keeps unless told 
 
 
 class Job:
-    """An awaitable handle of one engine store or load (docs/job-lifecycle.md#calls).
-
+    """An awaitable handle of one engine store or load (docs/job-lifecycle.md#calls):
     ``await job`` returns its :class:`JobResult`, naming the caller's hashes, and never
     raises for a failed job; ``await job.cascaded`` is a store's second answer. Cancelling
     an awaiting task cancels neither."""
@@ -104,8 +103,7 @@ class Job:
 
 class FinishedResults:
     """Results of finished jobs, kept for a caller that polls once per step; beyond
-    ``capacity`` (a caller that only awaits never drains it) the oldest are dropped,
-    with one warning for the life of the buffer."""
+    ``capacity`` the oldest are dropped, with one warning for the life of the buffer."""
 
     def __init__(self, capacity: int | None = None) -> None:
         maxlen = FINISHED_KEPT if capacity is None else capacity

@@ -37,7 +37,7 @@ class CPULoadStoreSpec(LoadStoreSpec):
 class PrepareStoreOutput:
     """What a ``prepare_store`` decided: ``block_hashes_to_store[i]`` goes to slot
     ``store_spec.block_ids[i]``; ``block_hashes_evicted[i]`` left ``evicted_block_ids[i]``
-    (beyond the seed type: write-back copies a victim out before its slot is refilled)."""
+    (beyond the seed type: write-back reads a victim before its slot is refilled)."""
 
     block_hashes_to_store: list[BlockHash]
     store_spec: LoadStoreSpec

@@ -86,10 +86,9 @@ def _read_engine(engine: TieringEngine) -> _Reading:
 
 
 class EngineCollector:
-    """A ``prometheus_client`` collector of one engine, open or closed.
-
-    ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; readings are taken on
-    ``loop`` (None: the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
+    """A ``prometheus_client`` collector of one engine, open or closed: ``loop_lag``'s
+    samples become ``<prefix>_loop_lag_seconds``; readings are taken on ``loop`` (None:
+    the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
     InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``."""
 
     def __init__(
@@ -401,8 +400,7 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
         self._state = Lifecycle.OPEN
 
     def close(self) -> None:
-        """Stop serving, close the socket and join the thread; idempotent. Blocks up to
-        the server's poll interval (0.5 s): not for the event loop."""
+        """Stop serving, close the socket and join the thread (blocking up to 0.5 s)."""
         if self._state is Lifecycle.CLOSED:
             return
         self._state = Lifecycle.CLOSED

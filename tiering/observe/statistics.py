@@ -79,9 +79,8 @@ def uncount(counts: Counter[_T], items: Iterable[_T]) -> None:
 
 
 class FailureLog:
-    """Counts failures by cause and logs the first of each cause (a short, stable
-    category such as "disk full", never one carrying keys) at WARNING with its detail,
-    pointing at where the owner reports the counts (``counts_at``)."""
+    """Counts failures by cause (a short, stable category such as "disk full", never one
+    carrying keys) and logs the first of each at WARNING, pointing at ``counts_at``."""
 
     def __init__(
         self, logger: logging.Logger, owner: str, *, counts_at: str = "statistics().failures"
@@ -108,5 +107,5 @@ class FailureLog:
 
     @property
     def counts(self) -> Mapping[str, int]:
-        """Failures so far by cause (a read-only view)."""
+        """Failures so far by cause (read-only)."""
         return MappingProxyType(self._counts)
