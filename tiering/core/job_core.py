@@ -822,12 +822,9 @@ class JobCore:
             self._close_id = self._new_id()
         if self.write_back and self.tiers and not self._drained:
             self._lose_unwritten()
-        reason = "the engine closed before the job finished"
         waiting, self._waiting = self._waiting, {}
-        for job, _ in waiting.values():
-            self._fail(job, "engine closed", reason)
-        for job in list(self._jobs.values()):
-            self._fail(job, "engine closed", reason)
+        for job in [*(job for job, _ in waiting.values()), *self._jobs.values()]:
+            self._fail(job, "engine closed", "the engine closed before the job finished")
             self._forget_if_done(job)
         for flush in self._flushes.values():
             if not flush.internal:
