@@ -187,9 +187,9 @@ def config_from_toml(
     relative_to: str | os.PathLike[str] | None = None,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in TOML ``text``, ``add_tiers`` after its tiers, then ``overrides`` (as
-    :func:`with_overrides` takes them) applied before anything is checked, its relative
-    paths joined to ``relative_to``. Raises ConfigError naming ``source`` and the field."""
+    """The config in TOML ``text``, ``add_tiers`` after its tiers and ``overrides`` (as
+    :func:`with_overrides` takes them) applied, relative paths joined to ``relative_to``,
+    then checked. Raises ConfigError naming ``source`` and the field."""
     prefix = f"{source}: " if source else ""
     try:
         raw = tomllib.loads(text)

@@ -36,8 +36,7 @@ _warned: set[str] = set()  # retired names already warned about in this process
 
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
-    """Make ``factory`` selectable as ``policy=name``; a later registration replaces it
-    (a retired name so registered is an alias no more)."""
+    """Make ``factory`` selectable as ``policy=name`` (replacing any, a retired alias too)."""
     _POLICIES[name] = factory
     _RETIRED.pop(name, None)
 
