@@ -453,10 +453,7 @@ class JobCore:
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         self._jobs[job.id] = job
-        if out.block_hashes_evicted:
-            self._write_back(job, out, self._copy_in)
-        else:
-            self._copy_in(job)
+        self._write_back(job, out, self._copy_in)
         return True
 
     def _copy_in(self, job: _Job) -> None:
