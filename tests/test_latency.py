@@ -66,7 +66,7 @@ def test_a_snapshot_does_not_change_afterwards() -> None:
     hist.observe(0.001)
     snap = hist.snapshot()
     hist.observe(0.002)
-    assert snap.count == 1 and snap.cumulative[-1] == 1 and hist.count == 2
+    assert snap.count == 1 and snap.cumulative[-1] == 1 and hist.snapshot().count == 2
 
 
 def test_empty_histogram() -> None:

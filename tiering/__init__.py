@@ -1,11 +1,9 @@
 """kv-tiering: an asyncio engine that keeps an LLM server's KV cache in tiers.
 
-The public API, re-exported here (``__all__``); secondary tiers live in ``backends`` and
-are built by name through :func:`make_tier`; replays, sweeps and metrics are in
-``tiering.lab.replay``, ``tiering.lab.sweep`` and ``tiering.observe.metrics`` (the last
-needs prometheus-client). Importing the package imports none of them: each name is
-imported from its module when first used, so a program that needs only a light part (the
-``tiering`` command's ``--help``, :mod:`tiering.cli_args`) does not pay for torch."""
+The public API, re-exported here (``__all__``), each name imported from its module when
+first used (so ``tiering --help`` or :mod:`tiering.cli_args` does not pay for torch);
+secondary tiers live in ``backends``, built by name through :func:`make_tier`; replays,
+sweeps and metrics are in ``tiering.lab`` and ``tiering.observe.metrics``."""
 
 from __future__ import annotations
 

@@ -2,11 +2,9 @@
 
 Each subcommand is a module of :mod:`tiering.commands` defining a docstring, literal
 ``NAME``, ``HELP`` and ``ORDER``, ``add_arguments(parser)`` and ``run(args) -> int``;
-adding one touches no other file. ``tiering --help`` reads their source without importing
-them (nor torch). Exit codes are in ``_DESCRIPTION``; a user error prints one line,
-``tiering <subcommand>: error: <message>``, and Ctrl-C (even while importing) ``tiering
-<subcommand>: interrupted``, never a traceback.
-"""
+``tiering --help`` reads their source without importing them (nor torch). Exit codes are
+in ``_DESCRIPTION``; a user error prints ``tiering <subcommand>: error: <message>``, and
+Ctrl-C (even while importing) ``tiering <subcommand>: interrupted``, never a traceback."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import tiering.commands
 from tiering.cli_args import EXIT_INTERRUPTED, described, make_parser
@@ -40,7 +37,7 @@ _DEFAULT_ORDER = 100
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand as ``tiering --help`` lists it, and its module (:meth:`load`)."""
+    """A subcommand as ``tiering --help`` lists it, and its module's name."""
 
     name: str
     help: str
@@ -48,14 +45,9 @@ class Command:
     order: int
     module: str
 
-    def load(self) -> ModuleType:
-        """The subcommand's module, imported (with everything it needs) now."""
-        return importlib.import_module(self.module)
-
 
 def commands() -> dict[str, Command]:
-    """The subcommands, by name, in the order ``--help`` lists them (each module's
-    ``ORDER``, then its name); their modules are read, not imported."""
+    """The subcommands by name, in ``--help``'s order (``ORDER``, then name); read, not imported."""
     found = [
         _describe(f"{tiering.commands.__name__}.{info.name}")
         for info in pkgutil.iter_modules(tiering.commands.__path__)
@@ -65,8 +57,8 @@ def commands() -> dict[str, Command]:
 
 
 def _describe(module: str) -> Command:
-    """The subcommand ``module`` defines, read from its source; imported instead where
-    the source cannot be had or ``NAME`` or ``HELP`` is not a string literal."""
+    """The subcommand ``module`` defines, read from its source (imported where the source
+    cannot be had or ``NAME`` or ``HELP`` is not a string literal)."""
     spec = importlib.util.find_spec(module)
     get_source = getattr(spec.loader, "get_source", None) if spec is not None else None
     source = get_source(module) if get_source is not None else None
@@ -116,8 +108,7 @@ class _VersionAction(argparse.Action):
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
-    """The command line: every subcommand, with the options of ``command`` alone (None:
-    of none), whose module alone is imported."""
+    """Every subcommand, with the options of ``command`` alone (whose module alone is imported)."""
     parser = make_parser(_DESCRIPTION, prog="tiering")
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -126,7 +117,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
             name, help=info.help, formatter_class=parser.formatter_class, **described(info.doc)
         )
         if name == command:
-            module = info.load()
+            module = importlib.import_module(info.module)
             module.add_arguments(child)
             child.set_defaults(_run=module.run, _parser=child)
     return parser
@@ -135,8 +126,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    # The first word that is not an option names the subcommand (the command's own
-    # options, --help and --version, take no value).
+    # The first word not an option names the subcommand (--help and --version take no value).
     command = next((arg for arg in args if not arg.startswith("-")), None)
     try:
         return _run(args, command)

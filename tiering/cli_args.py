@@ -1,7 +1,6 @@
 """Command-line pieces the `tiering` command and the example scripts share: argument types
 (a bad value is argparse's usage error, status 2, before any work starts), a parser, a
-progress line, and how a script exits on Ctrl-C. It imports nothing heavy (no torch).
-"""
+progress line, and how a script exits on Ctrl-C. It imports nothing heavy (no torch)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ EXIT_INTERRUPTED = 130  # a command or script stopped by Ctrl-C: 128 + SIGINT, a
 
 
 def make_parser(doc: str | None, **kwargs: object) -> argparse.ArgumentParser:
-    """A parser whose ``--help`` shows every option's default, described by ``doc`` as
-    :func:`described` splits it."""
+    """A parser whose ``--help`` shows every option's default, described by ``doc``."""
     return argparse.ArgumentParser(
         formatter_class=_HelpFormatter,
         **described(doc),
@@ -33,15 +31,13 @@ def make_parser(doc: str | None, **kwargs: object) -> argparse.ArgumentParser:
 
 
 def described(doc: str | None) -> dict[str, str | None]:
-    """A parser's ``description`` (``doc``'s first paragraph, e.g. a script's docstring)
-    and ``epilog`` (the rest of it, None if nothing)."""
+    """A parser's ``description`` (``doc``'s first paragraph) and ``epilog`` (the rest, or None)."""
     first, _, rest = (doc or "").strip().partition("\n\n")
     return {"description": first, "epilog": rest or None}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in the help (an absent default, None, is not shown), and the docstring's
-    own line breaks kept."""
+    """Defaults in the help (None is not shown), the docstring's line breaks kept."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None:
@@ -111,8 +107,7 @@ def choice_list(
     choices: Iterable[str], resolve: Callable[[str], str] | None = None
 ) -> Callable[[str], list[str]]:
     """An argparse type: comma-separated names, no repeats, each one of ``choices`` once
-    passed through ``resolve`` (which may map an alias to the name it stands for; an
-    alias and its name given together count once)."""
+    passed through ``resolve`` (an alias to its name; the two given together count once)."""
     allowed = sorted(choices)
 
     def parse(text: str) -> list[str]:
@@ -133,9 +128,8 @@ def choice_list(
 
 
 def add_nvme_tier_arguments(parser: argparse.ArgumentParser) -> None:
-    """ROOT, ``--nvme-capacity`` and ``--fsync``: the NVMe tier a framework's config names
-    (``tiering vllm-config``, ``tiering sglang-config``); check ROOT with
-    :func:`framework_root`."""
+    """ROOT (check it with :func:`framework_root`), ``--nvme-capacity`` and ``--fsync``: the
+    NVMe tier a framework's config names (``tiering vllm-config``, ``sglang-config``)."""
     parser.add_argument(
         "root", metavar="ROOT", help="absolute path of the NVMe cache (made by the tier if absent)"
     )
@@ -150,18 +144,16 @@ def add_nvme_tier_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def framework_root(root: str) -> str:
-    """``root`` if it is absolute (a framework builds the tier in processes whose working
-    directory is not the shell's, so a relative root would land elsewhere), else
-    InvalidArgumentError naming ``root``."""
+    """``root`` if it is absolute (a framework's processes have another working directory),
+    else InvalidArgumentError naming ``root``."""
     if not os.path.isabs(root):
         raise InvalidArgumentError(f"root: must be an absolute path, got {root!r}")
     return root
 
 
 def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) -> None:
-    """Create ``path`` (and its parents) if missing and check a file can be made in it (a
-    real probe: ``os.access`` says yes to root everywhere); otherwise exit through
-    ``parser.error`` (status 2) naming ``option`` and the path."""
+    """Create ``path`` (and parents) if missing and probe that a file can be made in it
+    (``os.access`` says yes to root); else ``parser.error`` naming ``option`` and the path."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -172,8 +164,7 @@ def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) ->
 
 class Progress:
     """One status line on ``stream`` (stderr by default), redrawn in place at most every
-    ``interval`` seconds, only on a terminal; :meth:`clear` (or leaving the ``with``
-    block) erases it. Cheap enough for the loop."""
+    ``interval`` seconds, only on a terminal; :meth:`clear` (or leaving ``with``) erases it."""
 
     def __init__(self, stream: TextIO | None = None, *, interval: float = 0.2) -> None:
         self._stream = sys.stderr if stream is None else stream
@@ -186,7 +177,7 @@ class Progress:
         self._width = 0
 
     def update(self, text: str, *, force: bool = False) -> None:
-        """Show ``text`` as the status (skipped if the last redraw was too recent)."""
+        """Show ``text`` (unless ``force``, skipped if the last redraw was too recent)."""
         if not self.enabled:
             return
         now = time.monotonic()
@@ -199,7 +190,6 @@ class Progress:
         self._width = len(text)
 
     def clear(self) -> None:
-        """Erase the status line, if one is shown."""
         if self.enabled and self._width:
             self._stream.write("\r" + " " * self._width + "\r")
             self._stream.flush()
@@ -226,8 +216,7 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoRetur
 
 
 def run_path(path: str, argv: Sequence[str]) -> NoReturn:
-    """Run the script at ``path`` as ``python3 path argv...`` would, as :func:`run_main`
-    runs a ``main`` (Ctrl-C while it still imports too)."""
+    """Run the script at ``path`` as ``python3 path argv...`` would, under :func:`run_main`."""
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
 

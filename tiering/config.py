@@ -33,7 +33,7 @@ def _known_policy(name: str) -> str:
 
 
 class _Section(Options):
-    """A config section: a bad field raises ConfigError naming ``SECTION.field``."""
+    """A bad field raises ConfigError naming ``SECTION.field``."""
 
     ERROR = ConfigError
     UNKNOWN = "unknown key; [{where}] takes {fields}"
@@ -165,8 +165,8 @@ def load_config(
     *,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in the TOML file at ``path`` (:func:`config_from_toml`, relative paths
-    from the file's directory). Raises ConfigError starting with the file's path."""
+    """The config in the TOML file at ``path`` (:func:`config_from_toml`, relative to the
+    file's directory). Raises ConfigError starting with the file's path."""
     source = os.fspath(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -187,9 +187,9 @@ def config_from_toml(
     relative_to: str | os.PathLike[str] | None = None,
     add_tiers: Sequence[Mapping[str, object]] = (),
 ) -> TieringConfig:
-    """The config in TOML ``text``, ``add_tiers`` after its tiers, then ``overrides`` (as
-    :func:`with_overrides` takes them) applied before anything is checked, its relative
-    paths joined to ``relative_to``. Raises ConfigError naming ``source`` and the field."""
+    """The config in TOML ``text``, ``add_tiers`` after its tiers and ``overrides`` (as
+    :func:`with_overrides` takes them) applied, relative paths joined to ``relative_to``,
+    then checked. Raises ConfigError naming ``source`` and the field."""
     prefix = f"{source}: " if source else ""
     try:
         raw = tomllib.loads(text)
@@ -227,8 +227,8 @@ def parse_override(text: str) -> tuple[str, str]:
 
 
 def to_toml(config: TieringConfig) -> str:
-    """``config`` as TOML that :func:`load_config` reads back to an equal config (fields
-    that are None left out). Raises ConfigError naming a tier option TOML cannot hold."""
+    """``config`` as TOML that :func:`load_config` reads back to an equal config (None
+    fields left out). Raises ConfigError naming a tier option TOML cannot hold."""
     tiers = [tier.spec() for tier in config.tiers]
     for i, key, value in ((i, k, v) for i, tier in enumerate(tiers) for k, v in tier.items()):
         try:

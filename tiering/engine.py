@@ -48,13 +48,13 @@ class TieringEngine(AsyncService):
     ``cache_identity`` and the KV layout form ``engine.namespace``, which tiers taking a
     ``namespace`` receive. The other options: docs/config.md.
 
-    ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose
-    blocks live under keys scoped to it in every tier (:mod:`tiering.security.tenancy`, except
-    prefixes shared with :meth:`share_prefix`); results
-    name the caller's hashes, events and tiers the scoped keys. Every call raises
-    ClosedError unless the engine is open, and InvalidArgumentError (naming the argument)
-    for a malformed one, changing nothing; so does the constructor (allocating nothing),
-    and UnknownPolicyError / UnknownTierError for a name nothing is registered under."""
+    ``lookup``, ``touch``, ``store`` and ``load`` take an optional ``tenant``, whose blocks
+    live under keys scoped to it in every tier (:mod:`tiering.security.tenancy`, except
+    prefixes shared with :meth:`share_prefix`); results name the caller's hashes, events
+    and tiers the scoped keys. Every call raises ClosedError unless the engine is open,
+    and InvalidArgumentError (naming the argument) for a malformed one, changing nothing;
+    so does the constructor (allocating nothing), and UnknownPolicyError /
+    UnknownTierError for a name nothing is registered under."""
 
     def __init__(
         self,
@@ -127,8 +127,8 @@ class TieringEngine(AsyncService):
 
     @classmethod
     def from_config(cls, config: TieringConfig, kv_caches: KVCaches) -> TieringEngine:
-        """The engine ``config`` describes over ``kv_caches``, not yet entered;
-        ``engine.cpu_bytes`` becomes as many CPU slots as fit. Raises ConfigError for a
+        """The engine ``config`` describes over ``kv_caches``, not yet entered
+        (``engine.cpu_bytes``: as many CPU slots as fit). Raises ConfigError for a
         non-TieringConfig or a ``cpu_bytes`` holding no block, else as the constructor."""
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
@@ -148,8 +148,8 @@ class TieringEngine(AsyncService):
 
     async def start(self) -> None:
         """Allocate the host pool, start the copier and the tiers, and open. Raises
-        ClosedError if entered before, TieringError if the pool cannot be allocated or a
-        tier cannot start (everything started is released)."""
+        ClosedError if entered before, TieringError if the pool or a tier cannot start
+        (everything started is released)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a TieringEngine can be entered once")
         self._loop = asyncio.get_running_loop()
@@ -201,9 +201,8 @@ class TieringEngine(AsyncService):
         return self._core.close_result()
 
     def close(self) -> JobResult:
-        """Hard stop, synchronous and idempotent: every unfinished job fails now, the
-        tiers stop, copies in flight are waited for briefly (their memory must stay),
-        the host pool is released. Returns the close's result, as :meth:`aclose` does."""
+        """Hard stop, synchronous and idempotent: every unfinished job fails now, the tiers
+        and copier stop, the host pool is released; returns the close's result."""
         self._release_now()
         return self._core.close_result()
 
@@ -236,8 +235,7 @@ class TieringEngine(AsyncService):
         return self._stack.pool
 
     def statistics(self) -> Statistics:
-        """The CPU tier, the jobs and flushes in flight and the bytes they move,
-        :data:`~tiering.core.job_core.COUNTERS`, failures by cause."""
+        """The CPU tier, the work in flight, :data:`~tiering.core.job_core.COUNTERS`, failures."""
         core, manager, size = self._core, self.manager, self.block_bytes
         return Statistics(
             state=self._state,
@@ -254,12 +252,11 @@ class TieringEngine(AsyncService):
 
     def job_latency(self) -> Mapping[str, LatencySnapshot]:
         """``"store"`` and ``"load"`` latencies so far, from the call to the job's result
-        (failed jobs too), on ``time.perf_counter`` (uvloop's clock ticks in ms)."""
+        (failed jobs too), on ``time.perf_counter``."""
         return {kind: histogram.snapshot() for kind, histogram in self._latency.items()}
 
     def lookup_statistics(self) -> job_core.LookupStatistics:
-        """What :meth:`lookup` has answered so far (``hits_by_tier[0]`` the CPU tier,
-        ``[i]`` ``tiers[i - 1]``); zeros before the engine is entered."""
+        """What :meth:`lookup` has answered so far; zeros before the engine is entered."""
         return self._core.lookup_statistics()
 
     def __repr__(self) -> str:
@@ -275,7 +272,7 @@ class TieringEngine(AsyncService):
 
     def touch(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> None:
         """Mark blocks (of ``tenant``) recently used in every tier, the first most."""
-        self._open_core()
+        self._open_core()  # raises unless open
         hashes = self.tenant_keys(block_hashes, tenant)
         self.manager.touch(hashes)
         for client in self._stack.clients:
@@ -284,16 +281,15 @@ class TieringEngine(AsyncService):
     def tenant_keys(
         self, block_hashes: Sequence[BlockHash], tenant: str | None = None
     ) -> list[BlockHash]:
-        """The keys ``tenant``'s blocks are stored under in every tier (and named by in
-        events): the hashes themselves without a tenant."""
+        """The keys ``tenant``'s blocks are stored under (and events name): without a
+        tenant, the hashes themselves."""
         hashes = hash_list("block_hashes", block_hashes)
         keys = self._tenancy.keys(hashes, check_tenant(tenant))
         return keys if isinstance(keys, list) else list(keys)
 
     def share_prefix(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Let every tenant hit on these blocks (a public prefix's hashes): a call's
-        leading shared blocks keep their plain hash, the rest are the tenant's own keys.
-        Sharing cannot be taken back while the engine runs."""
+        """Let every tenant hit on these blocks (a public prefix's hashes), for good: a
+        call's leading shared blocks keep their plain hash, the rest are the tenant's own."""
         self._tenancy.share(block_hashes)
 
     def tenant_statistics(self) -> dict[str, TenantLookups]:
@@ -302,7 +298,7 @@ class TieringEngine(AsyncService):
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call (with ``enable_events``): the CPU tier's, then the
-        secondary tiers', each medium's in order (wire format: :mod:`tiering.observe.events`)."""
+        secondary tiers', each medium's in order."""
         events = self.manager.take_events()
         events.extend(self._core.take_tier_events())
         return events
@@ -319,9 +315,9 @@ class TieringEngine(AsyncService):
         *,
         tenant: str | None = None,
     ) -> Job:
-        """Copy device blocks into the CPU tier (then, by policy, to secondary tiers);
-        returns at once (:meth:`~tiering.core.job_core.JobCore.store`: distinct device ids, one
-        per hash). Once the job resolves the device blocks may be reused."""
+        """Copy device blocks into the CPU tier (then, by policy, to secondary tiers); returns
+        at once (:meth:`~tiering.core.job_core.JobCore.store`). Once the job resolves the
+        device blocks may be reused."""
         return self._call("store", block_hashes, device_block_ids, tenant)
 
     def load(
@@ -346,9 +342,8 @@ class TieringEngine(AsyncService):
         return self._call("load", block_hashes, device_block_ids, tenant, progress)
 
     async def flush(self) -> bool:
-        """Copy every ready CPU block to each secondary tier that lacks it (completing
-        them under write-back, retrying failed cascades under write-through); True if
-        every tier took every block. Cancelling the caller does not stop the flush."""
+        """Copy every ready CPU block to each secondary tier that lacks it; True if every
+        tier took every block. Cancelling the caller does not stop the flush."""
         flush_id, effects = self._open_core().flush()
         assert self._loop is not None
         future: asyncio.Future[bool] = self._loop.create_future()

@@ -1,8 +1,6 @@
-"""The errors kv-tiering raises on purpose.
-
-Every error the project raises deliberately derives from :class:`TieringError`, so a
-serving framework can catch one class. Subclasses also derive from the builtin that
-fits (``KeyError``, ``ValueError``, ``RuntimeError``) so generic handlers keep working."""
+"""The errors kv-tiering raises on purpose: each derives from :class:`TieringError` (a
+serving framework catches one class) and from the builtin that fits (``KeyError``,
+``ValueError``, ``RuntimeError``), so generic handlers keep working."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ class InvalidArgumentError(TieringError, ValueError):
 class BlockNotFoundError(TieringError, KeyError):
     """A block hash is not stored (or not ready) where the call needs it; nothing was changed."""
 
-    def __str__(self) -> str:
-        # KeyError's default repr-quotes the message; keep it readable.
+    def __str__(self) -> str:  # KeyError's own quotes the message
         return str(self.args[0]) if self.args else "block not found"
 
 

@@ -1,8 +1,6 @@
-"""Prefix-chained block hashes: the keys blocks are stored under in every tier.
-
-A block's hash covers its tokens, the hash of the block before it, and a namespace
-(model, dtype, KV layout, ...), so equal hashes mean equal prefixes. They are BLAKE2b
-digests of a fixed encoding: the same in every process and on every machine."""
+"""Prefix-chained block hashes, the keys blocks are stored under in every tier: BLAKE2b
+digests (the same in every process and on every machine) of a block's tokens, the hash
+of the block before it and a namespace (model, dtype, KV layout, ...)."""
 
 from __future__ import annotations
 
@@ -90,13 +88,12 @@ def block_hashes(
     return hashes
 
 
-NAMESPACE_FORMAT = 1
-"""Bumped when the meaning of the bytes of a stored block changes."""
+NAMESPACE_FORMAT = 1  # bumped when the meaning of the bytes of a stored block changes
 
 
 def cache_namespace(identity: str | Mapping[str, Any], kv_caches: KVCaches, block_size: int) -> str:
-    """A canonical string naming what a stored block's bytes mean: ``identity`` (the
-    model, ...), the block size and each layer's dtype and per-block shape. Raises
+    """A canonical string naming what a stored block's bytes mean: ``identity`` (the model,
+    ...), the block size and each layer's dtype and per-block shape. Raises
     InvalidArgumentError unless ``identity`` is a string or a JSON-encodable mapping."""
     tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
     layout = [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]

@@ -21,15 +21,13 @@ class Lifecycle(enum.Enum):
 
 
 class AsyncService:
-    """``async with`` for an object that has ``start()`` and ``aclose()``: entering
-    starts it, leaving closes it gracefully (whatever the block raised). ``state`` is
-    what the object keeps in ``_state``."""
+    """``async with`` for an object with ``start()`` and ``aclose()``: entering starts it,
+    leaving closes it gracefully (whatever the block raised); ``state`` is its ``_state``."""
 
     _state: Lifecycle = Lifecycle.NEW
 
     @property
     def state(self) -> Lifecycle:
-        """Where it is in its life cycle."""
         return self._state
 
     @property

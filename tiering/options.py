@@ -24,8 +24,7 @@ class Text(str):
     """A value written as text (a ``--set`` override): converted to its field's type."""
 
     def as_toml(self) -> object:
-        """The value for an option of unknown type: what the text reads as in TOML
-        (``3``, ``true``, ``[1, 2]``), else the text itself."""
+        """What the text reads as in TOML (``3``, ``true``, ``[1, 2]``), else the text."""
         try:
             return tomllib.loads(f"value = {self}")["value"]
         except tomllib.TOMLDecodeError:
@@ -59,8 +58,7 @@ _NONE_WORDS = ("none", "")
 
 
 class Options(BaseModel):
-    """Frozen, typed options; unknown names are refused. :meth:`check` validates a
-    mapping of them (construction from keywords raises pydantic's ValidationError)."""
+    """Frozen, typed options; unknown names are refused. :meth:`check` validates a mapping."""
 
     model_config = ConfigDict(
         extra="forbid", frozen=True, strict=True, arbitrary_types_allowed=True
@@ -100,9 +98,8 @@ class Options(BaseModel):
         owner: str | None,
         error: type[InvalidArgumentError] | None,
     ) -> Any:
-        """``build(values)``, each :class:`Text` value converted to its field's type
-        first; pydantic's errors raised as ``error`` (see :meth:`check`), with no
-        exception chained (pydantic's quote the values, which may be secret)."""
+        """``build(values)``, each :class:`Text` value converted first; pydantic's errors
+        raised as :meth:`check` says, unchained (they quote values, which may be secret)."""
         converted, name = dict(values), ""
         try:
             for name, value in values.items():
@@ -119,16 +116,15 @@ class Options(BaseModel):
 
     @classmethod
     def _from_text(cls, name: str, text: Text) -> object:
-        """``text`` as field ``name``'s type (lax), None for "none" or "" where the
-        default is None; an unknown name's text as it is, for the model to refuse."""
+        """``text`` as field ``name``'s type (lax; None for "none" or "" where the default is
+        None); an unknown name's text as it is, for the model to refuse."""
         field = cls.model_fields.get(name)
         if field is None:
             return str(text)
         if field.default is None and text.strip().lower() in _NONE_WORDS:
             return None
-        # The type and its constraints and validators only: the field's own attributes
-        # (repr, default, json_schema_extra) mean nothing outside a model, and pydantic
-        # warns of each (UnsupportedFieldAttributeWarning) if given here.
+        # The type, constraints and validators only: pydantic warns of the field's own
+        # attributes (repr, default, ...) outside a model.
         annotation = field.annotation
         if field.metadata:
             annotation = Annotated[(annotation, *field.metadata)]  # type: ignore[assignment]
@@ -144,9 +140,8 @@ class Options(BaseModel):
         owner: str | None,
         error: type[InvalidArgumentError],
     ) -> InvalidArgumentError:
-        """The error for pydantic's ``errors`` of ``values``: the first field's."""
-        # An unknown name first (a misspelt option also leaves the one meant missing),
-        # a missing one last (a bad value given says more).
+        # The first field's error: an unknown name first (a misspelt option also leaves
+        # the one meant missing), a missing one last (a bad value given says more).
         order = {"extra_forbidden": 0, "missing": 2}
         first = min(errors, key=lambda e: order.get(e["type"], 1))
         name = str(first["loc"][0]) if first["loc"] else ""
@@ -189,8 +184,7 @@ def shown(value: object) -> str:
 PositiveInt = Annotated[int, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
 Bytes = Annotated[Size, Field(gt=0)]
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-"""A positive, finite number of seconds."""
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # positive, finite
 SecondsOrZero = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
@@ -203,5 +197,5 @@ class ActorOptions(Options):
     io_threads: PositiveInt = 4
 
     def actor_options(self) -> dict[str, int]:
-        """The keyword arguments of :class:`~tiering.tiers.actor.TierActor` these hold."""
+        """These as :class:`~tiering.tiers.actor.TierActor`'s keyword arguments."""
         return {name: getattr(self, name) for name in ActorOptions.model_fields}

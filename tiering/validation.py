@@ -1,4 +1,5 @@
-"""Argument checks shared by the engine's modules; each raises InvalidArgumentError."""
+"""Argument checks shared by the engine's modules: each raises InvalidArgumentError naming
+the argument and the value."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tiering.errors import InvalidArgumentError
 
 def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
     """``value`` as an int if it is an integer (not a bool) above zero (or zero, with
-    ``allow_zero``); otherwise InvalidArgumentError naming ``name`` and the value."""
+    ``allow_zero``)."""
     if not isinstance(value, bool):
         try:
             number = operator.index(value)  # type: ignore[arg-type]
@@ -29,8 +30,7 @@ def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
 def as_block_hashes(
     block_hashes: Iterable[bytes], name: str = "block hashes"
 ) -> list[bytes] | tuple[bytes, ...]:
-    """``block_hashes`` as a list or tuple, each element checked to be bytes
-    (InvalidArgumentError naming ``name`` otherwise)."""
+    """``block_hashes`` as a list or tuple of bytes; else InvalidArgumentError naming ``name``."""
     hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
     if set(map(type, hashes)) <= {bytes}:  # the common case, checked at C speed
         return hashes
@@ -41,8 +41,7 @@ def as_block_hashes(
 
 
 def hash_list(name: str, value: object) -> list[bytes]:
-    """``value`` as a new list of bytes (block hashes). Raises InvalidArgumentError naming
-    ``name`` and the value if it is one bytes object, not iterable, or holds a non-bytes."""
+    """``value`` as a new list of bytes (block hashes); one bytes object is refused."""
     if isinstance(value, bytes | bytearray | memoryview | str):
         raise InvalidArgumentError(
             f"{name} must be a sequence of bytes hashes, got one {type(value).__name__} "
@@ -54,7 +53,7 @@ def hash_list(name: str, value: object) -> list[bytes]:
 
 
 def as_list(name: str, value: object, what: str) -> list[Any]:
-    """``value`` as a new list; InvalidArgumentError naming ``name`` if not iterable."""
+    """``value`` as a new list, if it is iterable."""
     try:
         return list(value)  # type: ignore[call-overload]
     except TypeError:
@@ -64,8 +63,7 @@ def as_list(name: str, value: object, what: str) -> list[Any]:
 
 
 def device_id_list(name: str, value: object, limit: int) -> list[int]:
-    """``value`` as a new list of distinct ints in ``[0, limit)`` (device block ids); else
-    InvalidArgumentError naming ``name`` and the value."""
+    """``value`` as a new list of distinct ints in ``[0, limit)`` (device block ids)."""
     ids = as_index_list(name, value)
     check_index_range(name, ids, limit, unique=True)
     return ids
@@ -73,26 +71,24 @@ def device_id_list(name: str, value: object, limit: int) -> list[int]:
 
 def as_index_list(name: str, values: object) -> list[int]:
     """``values`` (a sized iterable, not str or bytes) as a list of ints (``operator.index``;
-    bools refused); else InvalidArgumentError naming ``name`` and the value."""
+    bools refused)."""
     if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
         raise InvalidArgumentError(f"{name} must be a sequence of ints, got {values!r}")
     out: list[int] = []
     for value in values:  # type: ignore[attr-defined]
-        if type(value) is int:
-            out.append(value)
-            continue
-        if isinstance(value, bool):
-            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}")
-        try:
-            out.append(operator.index(value))
-        except TypeError:
-            raise InvalidArgumentError(f"{name} must hold ints, got {value!r}") from None
+        if type(value) is not int:
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                value = operator.index(value)
+            except TypeError:
+                raise InvalidArgumentError(f"{name} must hold ints, got {value!r}") from None
+        out.append(value)
     return out
 
 
 def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: bool) -> None:
-    """Raise InvalidArgumentError unless every value is in ``[0, limit)`` (and, if
-    ``unique``, none repeats); the message names ``name`` and the first bad value."""
+    """Raise unless every value is in ``[0, limit)`` (and, if ``unique``, none repeats)."""
     for value in values:
         if not 0 <= value < limit:
             raise InvalidArgumentError(f"{name}: {value} is outside 0..{limit - 1}")
@@ -101,8 +97,7 @@ def check_index_range(name: str, values: Sequence[int], limit: int, *, unique: b
 
 
 def check_distinct(name: str, values: Sequence[Hashable]) -> None:
-    """Raise InvalidArgumentError unless no value repeats; the message names ``name``
-    and the first value seen twice (bytes in hex)."""
+    """Raise unless no value repeats (naming the first seen twice, bytes in hex)."""
     if len(set(values)) == len(values):
         return
     seen: set[Hashable] = set()

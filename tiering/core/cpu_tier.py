@@ -18,20 +18,11 @@ from tiering.errors import BlockNotFoundError, NotLoadingError
 from tiering.validation import as_block_hashes, positive_int
 
 _MEDIUM = "CPU"
-_BYTES = {bytes}
-
-
-def _hashes(block_hashes: Iterable[BlockHash]) -> Sequence[BlockHash]:
-    """``block_hashes`` checked as :func:`~tiering.validation.as_block_hashes` does; a list
-    or tuple of bytes, the common case, is checked without leaving this module."""
-    if type(block_hashes) in (list, tuple) and set(map(type, block_hashes)) <= _BYTES:
-        return block_hashes  # type: ignore[return-value]
-    return as_block_hashes(block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockState:
-    """A snapshot of one resident block, for inspection and tests."""
+    """A snapshot of one resident block."""
 
     slot: int
     ref_count: int
@@ -58,15 +49,14 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy = make_policy(policy, num_blocks)
         self._admits_everything = self.policy.admits_everything
         self.enable_events = enable_events
-        # Readers and readiness live in arrays indexed by slot: a block costs no object
-        # of its own for the garbage collector to scan.
+        # Readers and readiness in arrays indexed by slot: no object per block to collect.
         self._slot_of: dict[BlockHash, int] = {}
         self._ref: list[int] = [0] * num_blocks
         self._ready = bytearray(num_blocks)
         # Popping from the end hands out low slot ids first, in ascending order.
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
-        # Ready blocks with no reader: what eviction may take. Its membership test is
-        # the policy's predicate, so eviction never calls back into this module.
+        # Ready blocks with no reader (what eviction may take): its membership test is the
+        # policy's predicate, so eviction never calls back into this module.
         self._evictable: set[BlockHash] = set()
         self._events: list[OffloadingEvent] = []
 
@@ -74,7 +64,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Length of the leading run of hashes that are stored and ready."""
         slot_of, ready = self._slot_of, self._ready
         n = 0
-        for h in _hashes(block_hashes):
+        for h in as_block_hashes(block_hashes):
             slot = slot_of.get(h)
             if slot is None or not ready[slot]:
                 break
@@ -129,13 +119,13 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         """Add a reader to each block (two for a hash named twice) and return their slots,
         in order. Raises BlockNotFoundError if a hash is not resident or not ready."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready, evictable = self._slot_of, self._ref, self._ready, self._evictable
         slots: list[int] = []
         for i, h in enumerate(hashes):
             slot = slot_of.get(h)
             if slot is None or not ready[slot]:
-                self._release(hashes[:i])
+                self._add_readers(hashes[:i], -1)
                 state = "not stored" if slot is None else "still being stored"
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): {state}")
             if ref[slot] == 0:
@@ -147,12 +137,12 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:
         """Remove one reader from each block. Raises NotLoadingError if a hash has no
         reader left (or is not resident)."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ref = self._slot_of, self._ref
         for i, h in enumerate(hashes):
             slot = slot_of.get(h)
             if slot is None or ref[slot] == 0:
-                self._acquire(hashes[:i])
+                self._add_readers(hashes[:i], 1)
                 raise NotLoadingError(
                     f"complete_load of block {h!r} ({h.hex()}), which has no reader"
                 )
@@ -160,26 +150,21 @@ class CPUOffloadingManager(OffloadingManager):
             if ref[slot] == 0:
                 self._evictable.add(h)
 
-    def _acquire(self, hashes: Sequence[BlockHash]) -> None:
-        ref = self._ref
+    def _add_readers(self, hashes: Sequence[BlockHash], delta: int) -> None:
+        """Undo a failed call's first steps: ``delta`` readers more on each resident hash."""
+        ref, evictable = self._ref, self._evictable
         for h in hashes:
             slot = self._slot_of[h]
             if ref[slot] == 0:
-                self._evictable.discard(h)
-            ref[slot] += 1
-
-    def _release(self, hashes: Sequence[BlockHash]) -> None:
-        ref = self._ref
-        for h in hashes:
-            slot = self._slot_of[h]
-            ref[slot] -= 1
+                evictable.discard(h)
+            ref[slot] += delta
             if ref[slot] == 0:
-                self._evictable.add(h)
+                evictable.add(h)
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
         """Mark resident blocks most recently used, the first most recent of all; hashes
         not resident are ignored."""
-        self.policy.touch(_hashes(block_hashes))
+        self.policy.touch(as_block_hashes(block_hashes))
 
     def prepare_store(
         self, block_hashes: Iterable[BlockHash], *, admission: bool = True
@@ -188,7 +173,7 @@ class CPUOffloadingManager(OffloadingManager):
         with ``admission``), evicting if needed but never a hash named in the call;
         ``None`` (and nothing changed) if not enough blocks can be evicted. New blocks are
         not ready until ``complete_store``."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ready = self._slot_of, self._ready
         unique = hashes if len(hashes) == 1 else dict.fromkeys(hashes)
         to_store = [h for h in unique if h not in slot_of]
@@ -229,7 +214,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Finish stores prepared earlier: the named in-flight blocks become ready, or
         without ``success`` leave and free their slots; other hashes are left alone."""
-        hashes = _hashes(block_hashes)
+        hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
         if success:
             stored: list[BlockHash] = []

@@ -14,13 +14,11 @@ from tiering.tiers.tier_api import JobResult
 
 logger = logging.getLogger(__name__)
 
-FINISHED_KEPT = 1 << 16
-"""The most results a :class:`FinishedResults` keeps unless told otherwise."""
+FINISHED_KEPT = 1 << 16  # the most results a FinishedResults keeps unless told otherwise
 
 
 class Job:
-    """An awaitable handle of one engine store or load (docs/job-lifecycle.md#calls).
-
+    """An awaitable handle of one engine store or load (docs/job-lifecycle.md#calls):
     ``await job`` returns its :class:`JobResult`, naming the caller's hashes, and never
     raises for a failed job; ``await job.cascaded`` is a store's second answer. Cancelling
     an awaiting task cancels neither."""
@@ -50,8 +48,7 @@ class Job:
         self.started = started  # time.perf_counter() at submission, for its latency
         self._loop = loop
         self._names = names  # the caller's hash of each key the job ran on, if they differ
-        # The future is made only for an await that comes before the result: most jobs
-        # end before anyone awaits them, and a scheduler issues hundreds per step.
+        # Futures are made only for an await before the result: most jobs end first.
         self._result: asyncio.Future[JobResult] | None = None
         self._value: JobResult | None = None
         self._cascaded: asyncio.Future[bool] | None = None
@@ -106,14 +103,12 @@ class Job:
 
 class FinishedResults:
     """Results of finished jobs, kept for a caller that polls once per step; beyond
-    ``capacity`` (a caller that only awaits never drains it) the oldest are dropped,
-    with one warning for the life of the buffer."""
+    ``capacity`` the oldest are dropped, with one warning for the life of the buffer."""
 
     def __init__(self, capacity: int | None = None) -> None:
         maxlen = FINISHED_KEPT if capacity is None else capacity
         self._results: deque[JobResult] = deque(maxlen=maxlen)
-        self.dropped = 0
-        """Results dropped unread so far."""
+        self.dropped = 0  # results dropped unread so far
 
     def append(self, result: JobResult) -> None:
         if len(self._results) == self._results.maxlen:
@@ -127,7 +122,7 @@ class FinishedResults:
         self._results.append(result)
 
     def drain(self) -> list[JobResult]:
-        """The results kept, oldest first; the buffer is empty afterwards."""
+        """The results kept, oldest first, and empty the buffer."""
         results = list(self._results)
         self._results.clear()
         return results

@@ -45,8 +45,6 @@ COUNTERS = (
 apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
-
-
 LEFT_EVERY_TIER = "block left every tier"
 """Why a load that waited for room fails when a block it names was evicted from every
 tier meanwhile (the cause, and the start of each key's reason): a miss under pressure."""
@@ -150,7 +148,7 @@ Effect = (
 
 
 class TierView(Protocol):
-    """What the core asks of a secondary tier; all synchronous and cheap."""
+    """What the core asks of a secondary tier (all synchronous and cheap)."""
 
     name: str
     servable: bool
@@ -206,7 +204,7 @@ class _Fanout:
             self.then(self)
 
     def failed_in(self, tiers: int) -> dict[BlockHash, str]:
-        """The keys that ``tiers`` stores failed (every tier asked, when it is their number)."""
+        """The keys that ``tiers`` stores failed."""
         failures = self.failures or {}
         return {k: self.failed[k] for k, n in failures.items() if n == tiers}
 
@@ -375,8 +373,8 @@ class JobCore:
         return n
 
     def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
-        """A tier that answers "ask again" (None) for the first missing hash is asked
-        about the rest too, so a remote tier checks them in one batched round trip."""
+        # A tier answering "ask again" (None) for the first miss is asked about the rest
+        # too, so a remote tier checks them in one batched round trip.
         for t in self._servable:
             tier = self.tiers[t]
             if tier.lookup(hashes[n]) is None:
@@ -391,9 +389,7 @@ class JobCore:
         )
 
     def tenant_statistics(self) -> dict[str, TenantLookups]:
-        """Copies of the lookups per tenant label; past
-        :data:`~tiering.security.tenancy.MAX_TENANT_LABELS` labels, new tenants count as
-        ``"other"``."""
+        """Copies of the lookups per tenant label (past ``MAX_TENANT_LABELS``: ``"other"``)."""
         return {label: replace(counts) for label, counts in self._tenant_lookups.items()}
 
     @property
@@ -402,9 +398,8 @@ class JobCore:
         return len(self._jobs) + len(self._waiting) + len(self._flushes)
 
     def take_tier_events(self) -> list[OffloadingEvent]:
-        """Secondary-tier events since the last call (with ``enable_events``): blocks the
-        engine's tier jobs stored and, given ``take_removed``, blocks the tiers stopped
-        holding, in order per tier."""
+        """Secondary-tier events since the last call (with ``enable_events``): what tier
+        jobs stored and, given ``take_removed``, what tiers dropped, in order per tier."""
         for t in range(len(self._take_removed)):
             self._removal_event(t)
         events, self._tier_events = self._tier_events, []
@@ -434,7 +429,7 @@ class JobCore:
         return job.id, self._take()
 
     def _plan_store(self, job: _Job, hashes: list[BlockHash], ids: list[int]) -> bool:
-        """Reserve slots for the store's new blocks and start it; False without room."""
+        """Start the store; False without room."""
         manager = self.manager
         out = manager.prepare_store(hashes)
         if out is None:
@@ -458,14 +453,11 @@ class JobCore:
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         self._jobs[job.id] = job
-        if out.block_hashes_evicted:
-            self._write_back(job, out, self._copy_in)
-        else:
-            self._copy_in(job)
+        self._write_back(job, out, self._copy_in)
         return True
 
     def _copy_in(self, job: _Job) -> None:
-        """Victims written back (or none): copy the device blocks into the new slots."""
+        """Victims written back: copy the device blocks into the new slots."""
         if not job.fills:
             self._store_copied(job, None)
         elif self.state is Lifecycle.CLOSED:
@@ -496,8 +488,7 @@ class JobCore:
         return not self.write_back and bool(self.tiers) and self.state is not Lifecycle.CLOSED
 
     def _hold(self, job: _Job, keys: list[BlockHash]) -> None:
-        """Pin ``keys`` for ``job`` in the step they become ready: a load's until its copy
-        out, a store's until its cascade has pinned them per tier."""
+        """Pin ``keys`` for ``job`` (see :attr:`_Job.pinned`)."""
         self.manager.prepare_load(keys)
         if not job.pinned:
             job.pinned = keys
@@ -552,8 +543,8 @@ class JobCore:
         return job.id, self._take()
 
     def _plan_load(self, job: _Job, sources: dict[BlockHash, int] | None) -> bool:
-        """Pin, join or promote every block of the load and start it; False without
-        room for its promotions. Raises BlockNotFoundError if a block left every tier."""
+        """Start the load; False without room. Raises BlockNotFoundError if a block left
+        every tier."""
         manager = self.manager
         hashes = job.hashes
         found = self._sources(hashes) if sources is None else sources
@@ -573,12 +564,11 @@ class JobCore:
         if ready:
             manager.prepare_load(ready)
             job.pinned = hashes if len(ready) == len(hashes) else ready  # all: the same keys
-        if out is None:
-            job.slots = [manager.slot_of(h) for h in hashes]
-            self._promote(job)
-            return True
         # Every block has its slot now, kept until the load has copied it out.
         job.slots = [manager.slot_of(h) for h in hashes]
+        if out is None:
+            self._promote(job)
+            return True
         promotions: dict[int, tuple[list[BlockHash], list[int]]] = {}
         job.fills, job.promotions = out.block_hashes_to_store, promotions
         fill_owner = self._fill_owner
@@ -595,8 +585,7 @@ class JobCore:
         return True
 
     def _sources(self, hashes: list[BlockHash]) -> dict[BlockHash, int]:
-        """The tier to promote each non-resident hash from; BlockNotFoundError if a
-        hash is neither resident nor in a servable tier."""
+        """The tier to promote each non-resident hash from (BlockNotFoundError if none)."""
         manager = self.manager
         sources: dict[BlockHash, int] = {}
         for h in [h for h in dict.fromkeys(hashes) if h not in manager]:
@@ -606,7 +595,7 @@ class JobCore:
         return sources
 
     def _promote(self, job: _Job) -> None:
-        """Victims written back (or none): read each promoted block from its tier."""
+        """Victims written back: read each promoted block from its tier."""
         for t, (keys, slots) in job.promotions.items():
             if self.state is Lifecycle.CLOSED:
                 self._promoted(job, None, t=t, keys=keys)
@@ -739,7 +728,7 @@ class JobCore:
             then(job)
 
     def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> list[tuple[BlockHash, int]]:
-        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks; ``(key, slot)``s."""
+        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks: ``(key, slot)``s."""
         is_ready = self.manager.is_ready
         ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
         look = self.tiers[t].lookup
@@ -768,21 +757,18 @@ class JobCore:
             landed = [k for k in keys if k not in failed]
             self.counters[counter] += len(landed)
             if landed and self.enable_events:
-                self._store_event(t, landed)
+                # Removals first, then the stored keys the tier still holds, so a router
+                # that applies events in order ends up with what the tier holds.
+                if self._take_removed:
+                    self._removal_event(t)
+                look = self.tiers[t].lookup
+                if held := [k for k in landed if look(k) is not False]:
+                    self._tier_event(t, held, False)
             fanout.part_done(failed)
 
         fanout.pending += 1
         op = self._start(fanout.owner, len(items), ended)
         self._out.append(TierStore(op, t, keys, [s for _, s in items]))
-
-    def _store_event(self, t: int, landed: list[BlockHash]) -> None:
-        """Removals first, then the stored keys the tier still holds, so a router that
-        applies events in order ends up with what the tier holds."""
-        if self._take_removed:
-            self._removal_event(t)
-        look = self.tiers[t].lookup
-        if held := [k for k in landed if look(k) is not False]:
-            self._tier_event(t, held, False)
 
     def flush(self) -> tuple[int, list[Effect]]:
         """Copy every ready CPU block to each secondary tier that lacks it; returns
@@ -833,12 +819,9 @@ class JobCore:
             self._close_id = self._new_id()
         if self.write_back and self.tiers and not self._drained:
             self._lose_unwritten()
-        reason = "the engine closed before the job finished"
         waiting, self._waiting = self._waiting, {}
-        for job, _ in waiting.values():
-            self._fail(job, "engine closed", reason)
-        for job in list(self._jobs.values()):
-            self._fail(job, "engine closed", reason)
+        for job in [*(job for job, _ in waiting.values()), *self._jobs.values()]:
+            self._fail(job, "engine closed", "the engine closed before the job finished")
             self._forget_if_done(job)
         for flush in self._flushes.values():
             if not flush.internal:
@@ -873,8 +856,7 @@ class JobCore:
         return JobResult(job_id, False, tuple(failed), _summary(tuple(failed), failed))
 
     def _lose_at_close(self, failed: Mapping[BlockHash, str], lost: Iterable[BlockHash]) -> None:
-        """The close did not write ``failed`` back to every tier that lacked them; the
-        ``lost`` of them are in no tier, so gone with the CPU tier (each counted once)."""
+        """The close did not write ``failed`` back everywhere; ``lost`` are in no tier."""
         for k, reason in failed.items():
             self._close_failed.setdefault(k, reason)
         if new := {k: failed[k] for k in lost if k not in self._close_lost}:
@@ -882,9 +864,8 @@ class JobCore:
             self._lose(new, "block lost at close: no tier took its write-back")
 
     def _lose_unwritten(self) -> None:
-        """A hard close under write-back: every ready CPU block, and every evicted block
-        being written back, that some tier lacks now was not written back; held by
-        none, it is lost with the CPU tier (nothing waits for the write)."""
+        """A hard close under write-back: every ready or being-written-back block that
+        some tier lacks was not written back; held by none, it is lost."""
         held_by = {
             h: sum(tier.lookup(h) is True for tier in self.tiers)
             for h in dict.fromkeys((*self.manager.ready_hashes(), *self._writing_back))
@@ -938,8 +919,7 @@ class JobCore:
             self._check_drained()
 
     def _start(self, owner: Any, blocks: int, on_end: Callable[[Any, object], None]) -> int:
-        """Register an I/O effect of ``owner`` (a job or a flush) moving ``blocks``
-        blocks; ``on_end(owner, result)`` runs when it reports back."""
+        """Register an I/O effect of ``owner`` (a job or a flush); returns its op."""
         op = self._new_id()
         self.blocks_in_flight += blocks
         if type(owner) is _Job:
@@ -952,8 +932,8 @@ class JobCore:
     def _tier_failed(
         self, t: int, kind: str, outcome: object, keys: list[BlockHash]
     ) -> dict[BlockHash, str]:
-        """The keys of tier ``t``'s ``kind`` job that did not land, with reasons (all of
-        them for an outcome of ``None``), recorded as failures."""
+        """The keys of tier ``t``'s ``kind`` job that did not land (all for ``None``),
+        recorded as failures."""
         if outcome is None:
             what = "promotion" if kind == "load" else "tier store"
             failed = dict.fromkeys(keys, f"the engine closed before the {what}")
@@ -972,7 +952,6 @@ class JobCore:
             self._jobs.pop(job.id, None)
 
     def _resolve(self, job: _Job) -> None:
-        """Deliver the job's one result from ``job.failed``."""
         if job.resolved:
             return
         job.resolved = True
@@ -985,8 +964,7 @@ class JobCore:
         self._forget_if_done(job)
 
     def _fail(self, job: _Job, cause: str, reason: str) -> None:
-        """Resolve ``job`` now with every key failed (close, no room, no source); the
-        pins and fills its I/O in flight owns go only as that I/O ends."""
+        """Resolve ``job`` now with every key failed; its I/O in flight keeps its pins and fills."""
         if not job.resolved:
             self.failures.record(cause, 1, reason.removeprefix(f"{cause}: "))
             for h in job.hashes:
@@ -1010,7 +988,7 @@ class JobCore:
         self._out.append(WaitForRoom(job.id, self.room_timeout))
 
     def _retry_waiting(self) -> None:
-        """Start waiting jobs, oldest first, while they fit (later ones wait their turn)."""
+        # Oldest first, while they fit: later ones wait their turn.
         while self._waiting and self.state is not Lifecycle.CLOSED:
             job, plan = next(iter(self._waiting.values()))
             try:

@@ -1,16 +1,13 @@
-"""The scheduler-side offloading interface (vLLM's ``kv_offload.abstract`` semantics).
-
-These are the types a serving framework's scheduler programs against: it asks an
-:class:`OffloadingManager` which prefix blocks are offloaded, prepares loads and
-stores, and collects :class:`OffloadingEvent` records for a KV-aware router."""
+"""The scheduler-side offloading interface (vLLM's ``kv_offload.abstract`` semantics) a
+serving framework's scheduler programs against: it asks an :class:`OffloadingManager`
+which prefix blocks are offloaded, prepares loads and stores, and collects
+:class:`OffloadingEvent` records for a KV-aware router."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-from tiering.validation import as_block_hashes as as_block_hashes  # kept importable here
 
 BlockHash = bytes
 """A block's identity: bytes naming its tokens and everything before them."""
@@ -40,7 +37,7 @@ class CPULoadStoreSpec(LoadStoreSpec):
 class PrepareStoreOutput:
     """What a ``prepare_store`` decided: ``block_hashes_to_store[i]`` goes to slot
     ``store_spec.block_ids[i]``; ``block_hashes_evicted[i]`` left ``evicted_block_ids[i]``
-    (beyond the seed type: write-back copies a victim out before its slot is refilled)."""
+    (beyond the seed type: write-back reads a victim before its slot is refilled)."""
 
     block_hashes_to_store: list[BlockHash]
     store_spec: LoadStoreSpec

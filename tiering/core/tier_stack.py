@@ -18,11 +18,10 @@ from tiering.tiers.tier_api import SecondaryTierManager
 
 
 class TierStack:
-    """Host pool, copier and one tier client per secondary tier of one engine, opened
-    together and closed in the one safe order: the tiers (they read and write host-pool
-    slots), the copier (its copies touch slots and device blocks), the pool. Nothing is
-    allocated until :meth:`open`. ``tiers`` and ``clients`` follow ``specs`` (fastest
-    first); tiers that take a ``namespace`` receive ``namespace`` unless their spec sets one."""
+    """Host pool, copier and one tier client per secondary tier of one engine (``tiers`` and
+    ``clients`` follow ``specs``), allocated at :meth:`open`, closed in the one safe order:
+    the tiers (they use host-pool slots), the copier (slots and device blocks), the pool.
+    Tiers taking a ``namespace`` receive ``namespace`` unless their spec sets one."""
 
     def __init__(
         self,
@@ -46,10 +45,9 @@ class TierStack:
         self.clients: list[TierClient] = []
 
     async def open(self, *, report_removals: bool = False) -> None:
-        """Allocate the pool, open the copier, build and start every tier (asking each
-        to report the keys it removes, with ``report_removals``). Raises TieringError if
-        the pool cannot be allocated (naming the size) or a tier cannot be built or
-        started; whatever was opened stays for :meth:`close` to release."""
+        """Allocate the pool, open the copier, build and start every tier (each reporting
+        the keys it removes, with ``report_removals``). Raises TieringError if the pool or
+        a tier cannot be made; whatever was opened stays for :meth:`close` to release."""
         n, size = self._num_blocks, self._block_bytes
         try:
             # Off the loop: page-locking a pool of many GiB takes seconds.
@@ -77,8 +75,7 @@ class TierStack:
         progress: LayerProgress | None = None,
     ) -> None:
         """Start the copy ``effect`` asks for (marking ``progress``'s layers as they land);
-        ``on_end(op, error or None)`` follows on the loop (with the copier's error if it
-        is closed)."""
+        ``on_end(op, error or None)`` follows on the loop."""
         assert self.copier is not None
         to_host = type(effect) is CopyToHost
         try:
@@ -93,16 +90,14 @@ class TierStack:
     def send(
         self, effect: TierStore | TierLoad, on_done: Callable[[int, TierOutcome], None]
     ) -> None:
-        """Send the tier job ``effect`` asks for to its tier; ``on_done(op, outcome)``
-        follows."""
+        """Send the tier job ``effect`` asks for; ``on_done(op, outcome)`` follows."""
         kind = "store" if type(effect) is TierStore else "load"
         done = partial(on_done, effect.op)
         self.clients[effect.tier].submit(kind, effect.keys, effect.slots, done, checked=True)
 
     async def aclose(self, deadline: float) -> None:
         """Close in order, the tiers' jobs getting until ``deadline`` (loop time) to end;
-        every tier job and copy has reported back when this returns. If cancelled, call
-        :meth:`close`."""
+        every tier job and copy has reported back on return (if cancelled: :meth:`close`)."""
         loop = asyncio.get_running_loop()
         for client in self.clients:
             await client.aclose(max(0.0, deadline - loop.time()))
@@ -111,9 +106,8 @@ class TierStack:
         self.close()
 
     def close(self) -> None:
-        """Stop everything now, synchronously and idempotently: tiers shut down, copies in
-        flight are waited for (their memory must not go away under them), and the host
-        pool is released (mapped while a tier thread still holds a view)."""
+        """Stop everything now, synchronously and idempotently: the tiers, the copier (its
+        copies in flight waited for) and the pool (mapped while a tier holds a view)."""
         for client in self.clients:
             client.shutdown()
         if self.copier is not None:

@@ -1,7 +1,6 @@
 """KV events for routers: the wire format of ``take_events()`` (one JSON line per
-:class:`~tiering.core.scheduler_api.OffloadingEvent`; its fields, versioning and ordering:
-docs/metrics.md), and publishers: :class:`CallbackPublisher`, :class:`ZmqPublisher`,
-and :func:`run_publisher` to drain an engine into one periodically."""
+:class:`~tiering.core.scheduler_api.OffloadingEvent`; fields, versioning and ordering:
+docs/metrics.md), publishers, and :func:`run_publisher` to drain an engine into one."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from tiering.validation import positive_int, seconds
 
 logger = logging.getLogger(__name__)
 
-EVENT_FORMAT_VERSION = 1
-"""The ``v`` field of every event line this module writes."""
+EVENT_FORMAT_VERSION = 1  # the ``v`` field of every event line this module writes
 DEFAULT_TOPIC = b"kv-events"
 _FIELDS = ("v", "medium", "removed", "block_size", "block_hashes")
 
@@ -27,9 +25,8 @@ _FIELDS = ("v", "medium", "removed", "block_size", "block_hashes")
 def encode_events(
     events: Iterable[OffloadingEvent], *, node: str | None = None, tenant: str | None = None
 ) -> bytes:
-    """``events`` as JSON lines (the module's format); ``b""`` for no events. Raises
-    InvalidArgumentError for a label not a string or None, or an event's fields of the
-    wrong types."""
+    """``events`` as JSON lines (``b""`` for none). Raises InvalidArgumentError for a label
+    not a string or None, or an event's fields of the wrong types."""
     labels = {k: v for k, v in (("node", node), ("tenant", tenant)) if v is not None}
     for label, value in labels.items():
         if not isinstance(value, str):
@@ -103,19 +100,11 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
         if value is not None and not isinstance(value, str):
             raise bad(f"{label} must be a string")
         labels[label] = value
-    return {
-        "v": version,
-        "medium": medium,
-        "removed": removed,
-        "block_size": size,
-        "block_hashes": block_hashes,
-        **labels,
-    }
+    return {**{name: record[name] for name in _FIELDS}, "block_hashes": block_hashes, **labels}
 
 
 class EventPublisher(Protocol):
-    """Something that sends batches of events to routers: ``publish`` returns the number
-    of events sent; ``close`` is idempotent."""
+    """Sends batches of events to routers: ``publish`` returns how many; ``close`` is idempotent."""
 
     def publish(self, events: Sequence[OffloadingEvent]) -> int: ...
 
@@ -123,9 +112,8 @@ class EventPublisher(Protocol):
 
 
 class CallbackPublisher:
-    """Hands each non-empty batch, encoded, to ``callback(payload)`` on the caller's
-    thread; what it raises propagates from :meth:`publish`. Raises InvalidArgumentError
-    if ``callback`` is not callable or a label not a string."""
+    """Hands each non-empty batch, encoded, to ``callback(payload)`` (what it raises
+    propagates). Raises InvalidArgumentError for a ``callback`` not callable or a bad label."""
 
     def __init__(
         self,
@@ -148,7 +136,7 @@ class CallbackPublisher:
         return len(events)
 
     def close(self) -> None:
-        """Nothing to release."""
+        pass  # nothing to release
 
 
 class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
@@ -178,10 +166,8 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
         self.topic = topic
         self.node = node
         self.tenant = tenant
-        self.sequence = 0
-        """The sequence number of the next batch."""
-        self.dropped = 0
-        """Batches ZeroMQ refused to queue (counted, never raised)."""
+        self.sequence = 0  # of the next batch
+        self.dropped = 0  # batches ZeroMQ refused to queue
         self._socket = zmq.Context.instance().socket(zmq.PUB)
         try:
             self._socket.setsockopt(zmq.SNDHWM, send_hwm)
@@ -193,8 +179,8 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
             raise
 
     def publish(self, events: Sequence[OffloadingEvent]) -> int:
-        """Send ``events`` as the next batch; returns the number handed to ZeroMQ (0 for
-        none or a refused message). Raises InvalidArgumentError once closed."""
+        """Send ``events`` as the next batch (0 for none or a refused message). Raises
+        InvalidArgumentError once closed."""
         if self._socket.closed:
             raise InvalidArgumentError("the ZeroMQ publisher is closed")
         if not events:
@@ -210,8 +196,7 @@ class ZmqPublisher(AbstractContextManager["ZmqPublisher"]):
         return len(events)
 
     def close(self) -> None:
-        """Close the socket without waiting for unsent messages; idempotent."""
-        self._socket.close(linger=0)
+        self._socket.close(linger=0)  # unsent messages are dropped
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

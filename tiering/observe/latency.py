@@ -1,5 +1,5 @@
 """Latency histograms with fixed, log-spaced buckets, sans-I/O: what the engine records
-per job (an observation costs a binary search and two additions)."""
+per job."""
 
 from __future__ import annotations
 
@@ -43,18 +43,16 @@ class LatencySnapshot:
         b = bisect_left(cumulative, rank)  # the first bucket reaching the rank
         below = cumulative[b - 1] if b else 0
         lower = self.bounds[b - 1] if b else 0.0
-        upper = self.bounds[b] if b < len(self.bounds) else self.max
-        upper = min(upper, self.max)
+        upper = min(self.bounds[b], self.max) if b < len(self.bounds) else self.max
         lower = min(lower, upper)
         inside = cumulative[b] - below
         return min(upper, lower + (upper - lower) * (rank - below) / inside)  # rounding
 
 
 class LatencyHistogram:
-    """Counts observations in fixed buckets; cheap enough for every job of the engine.
-    Not thread-safe: observe and snapshot on one thread (the engine's loop).
-    Raises InvalidArgumentError unless ``bounds`` are positive finite numbers, strictly
-    ascending."""
+    """Counts observations in fixed buckets (a binary search and two additions each); not
+    thread-safe. Raises InvalidArgumentError unless ``bounds`` are positive finite
+    numbers, strictly ascending."""
 
     __slots__ = ("_bounds", "_counts", "_max", "_sum")
 
@@ -73,11 +71,6 @@ class LatencyHistogram:
         self._sum = 0.0
         self._max = 0.0
 
-    @property
-    def bounds(self) -> tuple[float, ...]:
-        """The finite buckets' upper bounds in seconds (inclusive), ascending."""
-        return self._bounds
-
     def observe(self, seconds: float) -> None:
         """Record one observation; a negative one (a clock that stepped back) counts as 0."""
         if seconds < 0:
@@ -87,13 +80,7 @@ class LatencyHistogram:
         if seconds > self._max:
             self._max = seconds
 
-    @property
-    def count(self) -> int:
-        """Observations so far."""
-        return sum(self._counts)
-
     def snapshot(self) -> LatencySnapshot:
-        """An immutable reading: cumulative bucket counts, sum, count and max."""
         # One C-level copy first: the buckets are read together.
         cumulative = tuple(accumulate(list(self._counts)))
         return LatencySnapshot(self._bounds, cumulative, self._sum, cumulative[-1], self._max)

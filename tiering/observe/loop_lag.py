@@ -12,8 +12,7 @@ from tiering.validation import seconds
 
 class LoopLagMonitor(AsyncService):
     """Samples event-loop lag every ``interval`` seconds (InvalidArgumentError unless
-    positive) from :meth:`start` (entering) to :meth:`aclose` (leaving); read ``p99_ms``
-    during or after."""
+    positive) from :meth:`start` to :meth:`aclose`; read ``p99_ms`` during or after."""
 
     def __init__(self, interval: float = 0.001) -> None:
         self.interval = seconds("interval", interval, allow_zero=False)

@@ -40,8 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "kv_tiering"
-CPU_TIER = "cpu"
-"""The ``tier`` label of the primary (CPU) tier; its ``level`` is ``"0"``."""
+CPU_TIER = "cpu"  # the ``tier`` label of the CPU tier, whose ``level`` is "0"
 _READ_ATTEMPTS = 5
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
@@ -55,9 +54,7 @@ class _TierReading:
 
 
 @dataclass(frozen=True, slots=True)
-class _Reading:
-    """Everything one scrape shows, read in one go (on the loop where possible)."""
-
+class _Reading:  # everything one scrape shows, read in one go
     engine: Statistics
     block_bytes: int
     cpu_idle_blocks: int
@@ -89,10 +86,9 @@ def _read_engine(engine: TieringEngine) -> _Reading:
 
 
 class EngineCollector:
-    """A ``prometheus_client`` collector of one engine, open or closed.
-
-    ``loop_lag``'s samples become ``<prefix>_loop_lag_seconds``; readings are taken on
-    ``loop`` (None: the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
+    """A ``prometheus_client`` collector of one engine, open or closed: ``loop_lag``'s
+    samples become ``<prefix>_loop_lag_seconds``; readings are taken on ``loop`` (None:
+    the scrape thread), waiting up to ``snapshot_timeout`` seconds. Raises
     InvalidArgumentError for a bad ``prefix`` or ``snapshot_timeout``."""
 
     def __init__(
@@ -113,8 +109,8 @@ class EngineCollector:
         self.loop_lag = loop_lag
         self.loop = loop
         self.snapshot_timeout = seconds("snapshot_timeout", snapshot_timeout, allow_zero=False)
-        # Lag samples seen so far are folded into one histogram, so that a scrape costs
-        # the new samples only; scrapes may run on several server threads at once.
+        # Lag samples seen are folded into one histogram (a scrape costs the new ones);
+        # scrapes may run on several server threads at once.
         self._lag_lock = threading.Lock()
         self._lag = LatencyHistogram()
         self._lag_seen = 0
@@ -161,7 +157,7 @@ class EngineCollector:
             return self._lag.snapshot()
 
     def collect(self) -> Iterable[Metric]:
-        """The metric families of a fresh reading (see ``docs/metrics.md``)."""
+        """The metric families of a fresh reading."""
         reading = self._read()
         yield from self._engine_families(reading)
         yield from self._lookup_families(reading)
@@ -380,8 +376,7 @@ def register_engine_metrics(
 ) -> EngineCollector:
     """Register and return an :class:`EngineCollector` of ``engine`` in ``registry``
     (default: the global one); call it on the engine's loop, where scrapes then read.
-    Raises InvalidArgumentError as :class:`EngineCollector`, ValueError if the registry
-    has metrics of these names already (another engine with this prefix)."""
+    Raises as :class:`EngineCollector`, ValueError if the registry has these names."""
     collector = EngineCollector(
         engine,
         prefix=prefix,
@@ -394,10 +389,8 @@ def register_engine_metrics(
 
 
 class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
-    """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``.
-
-    Close it with :meth:`close` / ``with`` (blocking) or :meth:`aclose` / ``async with``
-    (on the loop); closing is idempotent and joins the server's thread."""
+    """A running HTTP endpoint serving a registry at ``/metrics`` on ``addr:port``; close
+    it (idempotent) with :meth:`close` / ``with`` or on the loop with :meth:`aclose`."""
 
     def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
         self._server = server
@@ -407,8 +400,7 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
         self._state = Lifecycle.OPEN
 
     def close(self) -> None:
-        """Stop serving, close the socket and join the thread; idempotent. Blocks up to
-        the server's poll interval (0.5 s): not for the event loop."""
+        """Stop serving, close the socket and join the thread (blocking up to 0.5 s)."""
         if self._state is Lifecycle.CLOSED:
             return
         self._state = Lifecycle.CLOSED
@@ -420,7 +412,6 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
         """Nothing to start: it serves from the moment it is made."""
 
     async def aclose(self) -> None:
-        """:meth:`close` on a worker thread, for a coroutine on the event loop."""
         await asyncio.to_thread(self.close)
 
     def __exit__(self, *exc_info: object) -> None:
@@ -434,9 +425,8 @@ class MetricsServer(AsyncService, AbstractContextManager["MetricsServer"]):
 def serve_metrics(
     port: int, *, registry: CollectorRegistry | None = None, addr: str = "127.0.0.1"
 ) -> MetricsServer:
-    """Serve ``registry`` (the global one by default) over HTTP on ``addr:port`` from a
-    daemon thread; ``port`` 0 picks a free port. Loopback by default: metrics name the
-    host's tiers and sizes.
+    """Serve ``registry`` (default: the global one) on ``addr:port`` (loopback by default:
+    metrics name the host's tiers and sizes; port 0: a free one) from a daemon thread.
     Raises InvalidArgumentError for a ``port`` not in 0..65535, OSError if it cannot bind."""
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
@@ -455,8 +445,7 @@ def serve_engine_metrics(
     loop_lag: LoopLagMonitor | None = None,
 ) -> MetricsServer:
     """``engine``'s metrics in a registry of their own, served on ``addr:port`` (what
-    ``--metrics-port`` does). Call it on the engine's loop; close the server when done.
-    Raises as :func:`register_engine_metrics` and :func:`serve_metrics`."""
+    ``--metrics-port`` does), called on the engine's loop. Raises as both functions above."""
     registry = CollectorRegistry()
     register_engine_metrics(engine, registry=registry, prefix=prefix, loop_lag=loop_lag)
     return serve_metrics(port, registry=registry, addr=addr)

@@ -1,7 +1,5 @@
-"""The one statistics shape of kv-tiering, and failure counting that logs once per cause.
-
-Engine, tiers and copier each answer ``statistics()`` with an immutable
-:class:`Statistics` snapshot, which their ``repr`` shows."""
+"""The one statistics shape of kv-tiering (the immutable snapshot engine, tiers and copier
+each answer ``statistics()`` with), and failure counting that logs once per cause."""
 
 from __future__ import annotations
 
@@ -16,14 +14,11 @@ from tiering.lifecycle import Lifecycle
 
 _T = TypeVar("_T")
 
+# The failure causes that say a block found no room (a capacity, not a fault): a tier
+# full with every block it could evict in use, and a full file system.
 NO_ROOM = "no room"
-"""The failure cause a tier records for blocks a store was refused because the tier is
-full (every block it could evict is in use): its capacity, not a fault."""
 DISK_FULL = "disk full"
-"""The failure cause a tier records for blocks it could not store because its file system
-is full: the machine's capacity, not a fault of the tier."""
 CAPACITY_CAUSES = frozenset({NO_ROOM, DISK_FULL})
-"""The failure causes that say a block found no room; every other cause is a failure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +79,8 @@ def uncount(counts: Counter[_T], items: Iterable[_T]) -> None:
 
 
 class FailureLog:
-    """Counts failures by cause and logs the first of each cause (a short, stable
-    category such as "disk full", never one carrying keys) at WARNING with its detail,
-    pointing at where the owner reports the counts (``counts_at``)."""
+    """Counts failures by cause (a short, stable category such as "disk full", never one
+    carrying keys) and logs the first of each at WARNING, pointing at ``counts_at``."""
 
     def __init__(
         self, logger: logging.Logger, owner: str, *, counts_at: str = "statistics().failures"
@@ -97,7 +91,7 @@ class FailureLog:
         self._counts: Counter[str] = Counter()
 
     def record(self, cause: str, count: int = 1, detail: str = "") -> None:
-        """Count ``count`` failures of ``cause``; log it if it is the first of its kind."""
+        """Count ``count`` failures of ``cause`` (logged if the first of its kind)."""
         if count <= 0:
             return
         first = cause not in self._counts
@@ -113,5 +107,5 @@ class FailureLog:
 
     @property
     def counts(self) -> Mapping[str, int]:
-        """Failures so far by cause (a read-only view)."""
+        """Failures so far by cause (read-only)."""
         return MappingProxyType(self._counts)

@@ -52,9 +52,8 @@ def _ciphers(key: bytes) -> tuple[Any, Any]:
 
 class Keyring:
     """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
-    seals, every one opens.
-    Raises InvalidArgumentError (naming ``source`` and ids, never key bytes) for no keys,
-    a bad id or key length, or ``current`` not among the ids."""
+    seals, every one opens. Raises InvalidArgumentError (naming ``source`` and ids, never
+    key bytes) for no keys, a bad id or key length, or ``current`` not among the ids."""
 
     __slots__ = ("_keys", "current")
 
@@ -120,7 +119,6 @@ class Keyring:
         return (self.current, *(k for k in self._keys if k != self.current))
 
     def key(self, key_id: int) -> bytes | None:
-        """The key under ``key_id``, or None."""
         return self._keys.get(key_id)
 
     def __repr__(self) -> str:
@@ -159,9 +157,8 @@ def _overlap(a: Buffer, b: Buffer) -> bool:
 
 
 class BlockCipher:
-    """Seals and opens block payloads with AES-GCM under a :class:`Keyring`.
-
-    Thread-safe: tiers call it on their worker threads, never on the loop."""
+    """Seals and opens block payloads with AES-GCM under a :class:`Keyring`; thread-safe
+    (tiers call it on their worker threads, never on the loop)."""
 
     __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
 
@@ -178,8 +175,8 @@ class BlockCipher:
 
     def seal_into(self, payload: memoryview, out: memoryview, aad: bytes) -> Seal:
         """Encrypt ``payload`` under the current key into ``out[:len(payload)]``, the tag
-        after it (and in the returned :class:`Seal`).
-        Raises InvalidArgumentError if ``out`` is shorter than ``len(payload) + TAG_BYTES``."""
+        after it (and in the returned :class:`Seal`). Raises InvalidArgumentError if
+        ``out`` is shorter than ``len(payload) + TAG_BYTES``."""
         n = len(payload)
         if len(out) < n + TAG_BYTES:
             raise InvalidArgumentError(f"seal buffer is {len(out)} bytes, needs {n + TAG_BYTES}")
@@ -190,17 +187,19 @@ class BlockCipher:
 
     def open_into(self, seal: Seal, ciphertext: Buffer, aad: bytes, out: memoryview) -> None:
         """Decrypt and verify ``ciphertext`` (its tag is ``seal.tag``) into ``out``, a
-        writable buffer as long as it and apart from it (every ``cryptography`` release
-        from 51 on refuses to decrypt in place, so no caller relies on it). After a
-        failure ``out`` holds nothing decrypted (a failed tag zeroes it).
-        Raises UnknownKeyError (no key ``seal.key_id``) or AuthenticationError, and
+        writable buffer as long as it and apart from it (``cryptography`` refuses to
+        decrypt in place); after a failure ``out`` holds nothing decrypted. Raises
+        UnknownKeyError (no key ``seal.key_id``) or AuthenticationError, and
         InvalidArgumentError if ``out`` is not as long as ``ciphertext`` or overlaps it."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
         algorithm = self._algorithms.get(seal.key_id)
         if algorithm is None:
-            raise self._unknown_key(seal.key_id)
+            held = list(self.keyring.key_ids)
+            why = f"which the keyring lacks (it holds {held})"
+            message = f"block sealed under key id {seal.key_id}, {why}"
+            raise self._reported_error(UnknownKeyError, seal.key_id, message)
         n = len(ciphertext)
         if len(out) != n:
             raise InvalidArgumentError(f"open buffer is {len(out)} bytes, the ciphertext {n}")
@@ -217,17 +216,9 @@ class BlockCipher:
         except InvalidTag:
             pass
         out[:] = bytes(n)  # it decrypted unauthenticated bytes: none of them stays
-        raise self._not_authentic(seal.key_id)
-
-    def _unknown_key(self, key_id: int) -> UnknownKeyError:
-        held = list(self.keyring.key_ids)
-        why = f"block sealed under key id {key_id}, which the keyring lacks (it holds {held})"
-        return self._reported_error(UnknownKeyError, key_id, why)
-
-    def _not_authentic(self, key_id: int) -> AuthenticationError:
         why = "a wrong key under that id, or bytes altered or moved"
-        message = f"block failed authentication under key id {key_id}: {why}"
-        return self._reported_error(AuthenticationError, key_id, message)
+        message = f"block failed authentication under key id {seal.key_id}: {why}"
+        raise self._reported_error(AuthenticationError, seal.key_id, message)
 
     def _reported_error(self, error: type[_E], key_id: int, message: str) -> _E:
         """``error(message)``, logged the first time this kind of failure meets ``key_id``."""

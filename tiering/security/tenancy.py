@@ -1,8 +1,7 @@
-"""Tenants: each tenant's blocks live under keys of its own (docs/security.md#tenants).
-
-A tenant's key is ``BLAKE2b(hash, key=BLAKE2b(tenant))``, except for a call's leading
-blocks that the operator shared (:meth:`Tenancy.share`); calls without a tenant use the
-plain hashes. Tenant ids never reach a key, an event or a metric. Sans-I/O."""
+"""Tenants, sans-I/O: each tenant's blocks live under keys of its own,
+``BLAKE2b(hash, key=BLAKE2b(tenant))``, except for a call's leading blocks the operator
+shared (:meth:`Tenancy.share`); tenant ids never reach a key, an event or a metric
+(docs/security.md#tenants)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ from tiering.errors import InvalidArgumentError
 from tiering.validation import hash_list
 
 MAX_TENANT_CHARS = 256
-MAX_TENANT_LABELS = 1024
-"""Tenants counted apart in an engine's statistics; later ones count under
-:data:`OTHER_TENANTS` (a metric's label set stays bounded)."""
+MAX_TENANT_LABELS = 1024  # tenants counted apart; later ones count as OTHER_TENANTS
 OTHER_TENANTS = "other"
 _TENANT_PERSON = b"kvtier.tenant"
 _SCOPE_PERSON = b"kvtier.scope"
@@ -36,8 +33,7 @@ class TenantLookups:
 
 
 def check_tenant(tenant: object) -> str | None:
-    """``tenant`` if it is None or a tenant id (1 to 256 characters), else
-    InvalidArgumentError."""
+    """``tenant`` if it is None or a tenant id (1 to 256 characters); else InvalidArgumentError."""
     if tenant is None or (isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT_CHARS):
         return tenant
     raise InvalidArgumentError(
@@ -63,8 +59,8 @@ class Tenancy:
         self._secrets: dict[str, bytes] = {}
 
     def share(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Let every tenant hit on these blocks of a public prefix; InvalidArgumentError,
-        sharing nothing, if ``block_hashes`` is not an iterable of bytes."""
+        """Let every tenant hit on these blocks of a public prefix (InvalidArgumentError,
+        sharing nothing, for bad hashes)."""
         self._shared.update(hash_list("block_hashes", block_hashes))
 
     def keys(self, block_hashes: Sequence[BlockHash], tenant: str | None) -> Sequence[BlockHash]:
@@ -97,7 +93,7 @@ def tenant_keys(
     tenant: str | None,
     shared_blocks: Iterable[BlockHash] = (),
 ) -> list[BlockHash]:
-    """The keys an engine stores ``tenant``'s blocks under (for a router matching KV
-    events against a tenant's prompts). InvalidArgumentError for a bad tenant or hashes."""
+    """The keys an engine stores ``tenant``'s blocks under (for a router matching KV events
+    against a tenant's prompts); InvalidArgumentError for a bad tenant or hashes."""
     hashes = hash_list("block_hashes", block_hashes)
     return list(Tenancy(shared_blocks).keys(hashes, check_tenant(tenant)))

@@ -8,18 +8,17 @@ import logging
 import warnings
 from collections.abc import Callable
 
-from tiering.core.policies.adaptive import AdaptivePolicy
-from tiering.core.policies.arc import ARCPolicy
-from tiering.core.policies.base import EvictionPolicy
-from tiering.core.policies.lru import LRUPolicy
-from tiering.core.policies.s3fifo import S3FIFOPolicy
+from tiering.core.policies.adaptive import AdaptivePolicy as AdaptivePolicy
+from tiering.core.policies.arc import ARCPolicy as ARCPolicy
+from tiering.core.policies.base import EvictionPolicy as EvictionPolicy
+from tiering.core.policies.lru import LRUPolicy as LRUPolicy
+from tiering.core.policies.s3fifo import S3FIFOPolicy as S3FIFOPolicy
 from tiering.errors import UnknownPolicyError
 
 logger = logging.getLogger(__name__)
 
-# Not "adaptive", which hits more in a CPU tier alone: a block it declines is not
-# written to the tiers below either, and its bookkeeping slows a full tier's store calls
-# (docs/benchmarks.md, the default eviction policy).
+# Not "adaptive": a block it declines skips the tiers below too, and its bookkeeping slows
+# a full tier's stores (docs/benchmarks.md, the default eviction policy).
 DEFAULT_POLICY = "lru"
 """The CPU tier's eviction policy wherever none is named (engine, manager, config,
 replay and its model)."""
@@ -31,15 +30,13 @@ _POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "adaptive": AdaptivePolicy,
 }
 
-_RETIRED: dict[str, str] = {"prefix-lfu": "adaptive"}
-"""Retired policy names, each to the registered name that replaced it."""
+_RETIRED: dict[str, str] = {"prefix-lfu": "adaptive"}  # retired name: its replacement
 
 _warned: set[str] = set()  # retired names already warned about in this process
 
 
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
-    """Make ``factory`` selectable as ``policy=name``; a later registration replaces it
-    (a retired name so registered is an alias no more)."""
+    """Make ``factory`` selectable as ``policy=name`` (replacing any, a retired alias too)."""
     _POLICIES[name] = factory
     _RETIRED.pop(name, None)
 
@@ -83,17 +80,3 @@ def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
         instance = factory()
     instance.bind(capacity)
     return instance
-
-
-__all__ = [
-    "DEFAULT_POLICY",
-    "ARCPolicy",
-    "AdaptivePolicy",
-    "EvictionPolicy",
-    "LRUPolicy",
-    "S3FIFOPolicy",
-    "make_policy",
-    "policy_name",
-    "policy_names",
-    "register_policy",
-]

@@ -1,5 +1,5 @@
 """ARC or LRU, admitting everything or by second sight: as the best of four sampled
-shadow caches (``"adaptive"``; why, and its hit ratios against LRU and ARC: docs/replay.md).
+shadow caches (``"adaptive"``; why, and its hit ratios against LRU and ARC: docs/sweep.md).
 
 * Two eviction orders over one resident set: ARC's lists, kept as :class:`ARCPolicy`
   keeps them, and each key's last use; LRU's victim is the older of ``T1``'s and
@@ -87,7 +87,6 @@ class AdaptivePolicy(ARCPolicy):
         return not self._second_sight or self._counts.get(key, 0) >= 2
 
     def insert(self, key: BlockHash) -> None:
-        """As :meth:`ARCPolicy.insert`, the key's use noted for LRU's order."""
         super().insert(key)
         self._seq += 1
         self._last[key] = self._seq
@@ -136,13 +135,12 @@ class AdaptivePolicy(ARCPolicy):
         self._second_sight = best % 2 == 1
 
     def remove(self, key: BlockHash) -> None:
-        """Forget resident ``key`` without a ghost entry (BlockNotFoundError if absent)."""
         super().remove(key)
         del self._last[key]
 
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """As :meth:`EvictionPolicy.evict`; ``can_evict`` is called at most once a key.
-        Either order leaves the victims' ghosts in ``B1``/``B2`` as ARC does."""
+        """As :meth:`ARCPolicy.evict`, in the leader's order; the victims' ghosts go to
+        ``B1``/``B2`` either way."""
         if n <= 0:
             return []
         order = self._lru_victims if self._lru_order else self._victims
@@ -154,8 +152,7 @@ class AdaptivePolicy(ARCPolicy):
         return victims
 
     def _lru_victims(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """The ``n`` least recently used evictable keys (fewer if there are not): a merge
-        of ``T1`` and ``T2``, each already ordered by last use."""
+        """The ``n`` least recently used evictable keys: a merge of ``T1`` and ``T2``."""
         victims: list[BlockHash] = []
         last = self._last
         scan1, scan2 = iter(self._t1), iter(self._t2)
@@ -175,8 +172,7 @@ class AdaptivePolicy(ARCPolicy):
 
 class _Shadow:
     """A cache of sampled keys under one eviction order and admission, scoring its
-    decayed prefix hits: one of the four the real cache chooses among. ``held`` mirrors
-    the policy's resident keys, so that membership is one set lookup."""
+    decayed prefix hits; ``held`` mirrors the policy's resident keys (one set lookup)."""
 
     __slots__ = ("capacity", "decay", "held", "policy", "score", "second_sight")
 
@@ -194,10 +190,9 @@ class _Shadow:
     def request(
         self, keys: Sequence[BlockHash], unique: list[BlockHash], counts: dict[BlockHash, int]
     ) -> None:
-        """One request's sampled keys (``unique``: without repeats), as the manager takes a
-        request: touch, count the leading keys held, store the rest that are admitted
-        (second sight: ``counts`` at least 2), room made for all of them at once with the
-        request's own keys protected; none stored if there is no room."""
+        """One request's sampled keys (``unique``: without repeats), taken as the manager
+        takes a request: touch, score the leading keys held, store the admitted rest
+        (second sight: ``counts`` >= 2) if room can be made without evicting its own."""
         policy, held = self.policy, self.held
         policy.touch(keys)
         hits = 0

@@ -81,13 +81,11 @@ class ARCPolicy(EvictionPolicy):
         return victims
 
     def _victims(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """The ``n`` evictable keys ARC's order picks (fewer if there are not), nothing
-        changed yet."""
+        """The ``n`` evictable keys ARC's order picks, nothing changed yet (so the
+        iterators stay valid); an iterator is dropped once its list has none left."""
         victims: list[BlockHash] = []
         t1, t2 = self._t1, self._t2
-        # Choose every victim first, mutating nothing, so the iterators stay valid;
-        # `size1` is what |T1| will be once the victims chosen so far are gone. An
-        # iterator is dropped (None) once its list has no evictable key left.
+        # What |T1| will be once the victims chosen so far are gone.
         size1 = len(t1)
         scan1 = iter(t1) if t1 else None
         scan2 = iter(t2) if t2 else None
@@ -113,8 +111,7 @@ class ARCPolicy(EvictionPolicy):
         return victims
 
     def _retire(self, victims: list[BlockHash]) -> None:
-        """Move evicted ``victims`` from ``T1`` / ``T2`` to their ghost lists, then trim the
-        ghosts to the capacity."""
+        """Move ``victims`` to their ghost lists, then trim the ghosts to the capacity."""
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         for key in victims:
             if t1.pop(key, _ABSENT) is _ABSENT:

@@ -1,8 +1,6 @@
-"""The eviction-policy interface the block managers use.
-
-A policy only orders keys; it knows nothing of slots, readers or readiness. The
-manager owning it guarantees the call protocol below, and in return the policy
-never evicts a key the manager's predicate rejects."""
+"""The eviction-policy interface the block managers use: a policy only orders keys (it
+knows nothing of slots, readers or readiness) and never evicts a key the manager's
+predicate rejects."""
 
 from __future__ import annotations
 
@@ -30,8 +28,8 @@ class EvictionPolicy(ABC):
         self.capacity = 0
 
     def bind(self, capacity: int) -> None:
-        """Size the policy for a tier of ``capacity`` blocks. Raises InvalidArgumentError
-        for a bad capacity or one other than already bound (an instance serves one tier)."""
+        """Size the policy for ``capacity`` blocks. Raises InvalidArgumentError for a bad
+        capacity or one other than already bound (an instance serves one tier)."""
         positive_int("capacity", capacity)
         if self.capacity and self.capacity != capacity:
             raise InvalidArgumentError(
@@ -62,7 +60,7 @@ class EvictionPolicy(ABC):
 
     @property
     def admits_everything(self) -> bool:
-        """True unless the policy overrides :meth:`admit` (the manager then skips it)."""
+        """True unless the policy overrides :meth:`admit`."""
         return type(self).admit is EvictionPolicy.admit
 
     @abstractmethod

@@ -30,8 +30,7 @@ class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
 
     def __init__(self, small_ratio: float = 0.1) -> None:
-        """An unbound policy whose small queue targets ``small_ratio`` (in ``(0, 1)``, else
-        InvalidArgumentError) of the tier."""
+        """``S`` targets ``small_ratio`` (in ``(0, 1)``, else InvalidArgumentError) of the tier."""
         super().__init__()
         if (
             not isinstance(small_ratio, int | float)
@@ -51,7 +50,6 @@ class S3FIFOPolicy(EvictionPolicy):
         self._freq: dict[BlockHash, int] = {}
 
     def bind(self, capacity: int) -> None:
-        """Size ``S``'s share and ``G``; raises as :meth:`EvictionPolicy.bind`."""
         super().bind(capacity)
         self._small_target = self.small_ratio * capacity
         self._ghost_capacity = max(1, capacity - int(self._small_target))
@@ -84,7 +82,6 @@ class S3FIFOPolicy(EvictionPolicy):
             del self._main[key]
 
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        """As :meth:`EvictionPolicy.evict`."""
         victims: list[BlockHash] = []
         if n <= 0:
             return victims
