@@ -1,12 +1,10 @@
 """An in-memory secondary tier that really holds the bytes: the data-integrity reference.
 
-Its storage is one preallocated arena of ``max_blocks`` rows of ``block_bytes`` (numpy
-uint8), not a ``bytes`` object per block: memory is bounded up front and reused, so the
-steady state allocates nothing; and a row-to-row copy is one memcpy with the GIL
-released, so jobs' copies overlap on the io threads (a memoryview slice assignment holds
-the GIL). The bookkeeping lives on the loop thread: rows here, resident keys, pins,
-holds and eviction in a :class:`~tiering.tiers.residency_index.ResidencyIndex`; the io thread only
-copies the rows the loop handed to the job.
+Its storage is one preallocated arena of ``max_blocks`` rows (numpy uint8): bounded up
+front, no allocation in the steady state, and a row copy is one memcpy with the GIL
+released (a memoryview slice assignment holds it), so jobs' copies overlap on the io
+threads. The bookkeeping (rows; resident keys, pins, holds and eviction in a
+:class:`~tiering.tiers.residency_index.ResidencyIndex`) lives on the loop thread.
 """
 
 from __future__ import annotations
