@@ -336,6 +336,3 @@ def any_stale(connections: Iterable[RespConnection]) -> bool:
     except (OSError, ValueError):  # one was closed under us
         return True
     return bool(readable)
-
-
-__all__ = ["Command", "Endpoint", "Expected", "RespConnection", "any_stale"]

@@ -286,6 +286,3 @@ class _Landing:
         landed, self._landed = self._landed, None
         if landed is not None:
             self._shape.take_back(landed)
-
-
-__all__ = ["CORRUPT", "MISSING", "REFUSED", "Job", "JobShape", "LoadJob", "Pipeline", "StoreJob"]

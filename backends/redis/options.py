@@ -233,6 +233,3 @@ class RedisOptions(BreakerOptions, ActorOptions):
             keepalive=options.get("socket_keepalive", True) is not False,
             timeout_s=self.timeout_s,
         )
-
-
-__all__ = ["RedisOptions"]

@@ -253,9 +253,3 @@ def _number(line: bytes) -> int:
         return int(line)
     except ValueError:
         raise ProtocolError(f"{line[:20]!r} is no number") from None
-
-
-__all__ = [
-    "NOT_YET", "Argument", "ErrorReply", "Landed", "Landing", "ProtocolError", "Reply",
-    "RespReader", "Sink", "encode_command", "joined",
-]  # fmt: skip

@@ -317,6 +317,3 @@ class Streams:
     def close(self) -> None:
         for stream in self._streams:
             stream.close()
-
-
-__all__ = ["ClusterLink", "RespStream", "ServerLink", "Streams"]
