@@ -17,7 +17,7 @@ if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py 
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
 
 from backends.redis.connection import Endpoint
-from backends.redis.control import LazyClient, RedisConnectionError, new_client
+from backends.redis.control import LazyClient, RedisConnectionError
 from backends.redis.jobs import Pipeline
 from backends.redis.options import RedisOptions
 from backends.redis.streams import ClusterLink, RespStream, ServerLink, Streams
@@ -207,9 +207,8 @@ def test_on_a_cluster_each_node_gets_its_share_and_the_replies_keep_the_pipeline
     tmp_path: Path,
 ) -> None:
     cluster = local_redis_cluster(tmp_path)
-    client = LazyClient(
-        partial(new_client, cluster.url, cluster=True, timeout_s=5.0, max_connections=4, tls={})
-    )
+    options = RedisOptions(url=cluster.url, namespace="x", cluster=True, max_connections=4)
+    client = LazyClient(partial(options.client, cluster=True))
     link = ClusterLink(endpoint_of(cluster.url), client)
     stream = RespStream(link, window=2, name="test-cluster")
     try:

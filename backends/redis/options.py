@@ -14,16 +14,18 @@ import urllib.parse
 from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, Field, model_validator
+from redis.backoff import NoBackoff
 from redis.connection import (
     URL_QUERY_ARGUMENT_PARSERS,
     SSLConnection,
     UnixDomainSocketConnection,
     parse_url,
 )
+from redis.retry import Retry
 
 from backends.breaker import BreakerOptions
 from backends.redis.connection import Endpoint
-from backends.redis.control import Redis, RedisCluster, new_client
+from backends.redis.control import Redis, RedisCluster
 from tiering.errors import InvalidArgumentError
 from tiering.options import ActorOptions, Bytes, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.security.encryption import Keyring
@@ -186,16 +188,23 @@ class RedisOptions(BreakerOptions, ActorOptions):
         return self
 
     def client(self, *, cluster: bool) -> Redis | RedisCluster:
-        """A new redis-py client of ``url`` with these timeouts, pool bound and TLS
-        files (a cluster client with ``cluster``, which connects as it is made)."""
-        tls = {arg: getattr(self, name) for name, arg in _TLS_FILES.items()}
-        return new_client(
-            self.url,
-            cluster=cluster,
-            timeout_s=self.timeout_s,
-            max_connections=self.max_connections,
-            tls={arg: path for arg, path in tls.items() if path is not None},
-        )
+        """A new redis-py client of ``url`` with these TLS files and pool bound, every
+        socket operation timing out after ``timeout_s``; with ``cluster`` a cluster client
+        that never retries (redis-py's retries made a call to a dead node wait for several
+        timeouts; MOVED, ASK and TRYAGAIN are still followed) and connects as it is made
+        (raising the client's error if no node answers)."""
+        options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "max_connections": self.max_connections,
+            "decode_responses": False,
+        }
+        for name, arg in _TLS_FILES.items():
+            if getattr(self, name) is not None:
+                options[arg] = getattr(self, name)
+        if cluster:
+            return RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 0), **options)
+        return Redis.from_url(self.url, **options)
 
     def endpoint(self) -> Endpoint:
         """Where and how the tier's own connections reach ``url``, as redis-py's do: its
