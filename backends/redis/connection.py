@@ -67,10 +67,6 @@ class Endpoint(NamedTuple):
     keepalive: bool
     timeout_s: float
 
-    def at(self, host: str, port: int) -> Endpoint:
-        """The same credentials and TLS at another node (of a cluster)."""
-        return self._replace(host=host, port=port, path=None)
-
     def __repr__(self) -> str:  # the password stays out of every repr
         where = self.path if self.path is not None else f"{self.host}:{self.port}"
         return f"<Endpoint {where} tls={self.tls is not None}>"

@@ -1,12 +1,8 @@
 """The Redis tier's I/O shell: streams, each a thread and a link (its connections, made
 as first needed, to one server or to every node of a cluster), that carry several jobs'
-pipelines at once. A stream plans each job (:mod:`backends.redis.jobs`) on its thread
-and sends its pipelines, then those of the jobs behind it, while the server still
-answers earlier ones (up to ``window`` on the wire), reading the replies in the order
-sent: the server works on one job while the stream lands and verifies the last one.
-Each pipeline has one deadline, ``timeout_s`` from its send: the connections made for
-it, its requests and all of its replies (on every node) are in by then, or the link
-raises RedisTimeoutError.
+pipelines at once. Each pipeline has one deadline, ``timeout_s`` from its send: the
+connections made for it, its requests and all of its replies (on every node) are in by
+then, or the link raises RedisTimeoutError.
 """
 
 from __future__ import annotations
@@ -44,8 +40,6 @@ _T = TypeVar("_T")
 _SPREAD = 8
 
 _Where = tuple[Endpoint, int]  # a link's connection: the node, and which of its lanes
-
-
 _Sent = list[tuple[RespConnection, Sequence[int]]]  # each connection, and its commands' indexes
 
 
@@ -133,7 +127,8 @@ class ClusterLink(_Link):
         indexes: dict[_Where, list[int]] = {}
         for i, name in enumerate(pipeline.names):
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
-            indexes.setdefault((self._endpoint.at(node.host, node.port), 0), []).append(i)
+            where = self._endpoint._replace(host=node.host, port=node.port, path=None)
+            indexes.setdefault((where, 0), []).append(i)
         return indexes.items()
 
     def send(self, pipeline: Pipeline, *, idle: bool) -> _Sent:
@@ -181,8 +176,11 @@ class _Entry:
 
 class RespStream:
     """One ``link`` and the thread (named ``name``) that carries the jobs given to
-    :meth:`submit`, in order, up to ``window`` pipelines on the wire. A link's failure
-    fails every job with a pipeline sent on it (the jobs not begun go on)."""
+    :meth:`submit`, in order: it plans each (:mod:`backends.redis.jobs`) and sends its
+    pipelines, then those of the jobs behind it, while the server still answers earlier
+    ones (up to ``window`` on the wire: the server works on one job while the stream
+    lands and verifies the last), reading the replies in the order sent. A link's
+    failure fails every job with a pipeline sent on it (the jobs not begun go on)."""
 
     def __init__(self, link: ServerLink | ClusterLink, *, window: int, name: str) -> None:
         self._link, self._window, self._name = link, max(1, window), name
@@ -190,8 +188,8 @@ class RespStream:
         self._wake = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        # Jobs given and jobs ended: each counter written by one thread only (the
-        # giver's, the stream's), so their difference needs no lock.
+        # Each counter is written by one thread only (the giver's, the stream's): their
+        # difference needs no lock.
         self._given = 0
         self._ended = 0
 
