@@ -19,6 +19,7 @@ from tiering.tiers.tier_api import (
     OffloadKey,
     ReqContext,
     SecondaryTierManager,
+    checked_job,
 )
 
 
@@ -145,13 +146,4 @@ class ExampleSecondaryTier(SecondaryTierManager):
     def _validated(self, job: JobMetadata) -> JobMetadata:
         if not isinstance(job, JobMetadata):
             raise InvalidArgumentError(f"expected a JobMetadata, got {type(job).__name__}")
-        for key in job.keys:
-            if not isinstance(key, bytes):
-                raise InvalidArgumentError(
-                    f"job {job.job_id}: keys must be bytes, got {type(key).__name__}"
-                )
-        for block_id in job.block_ids:
-            if not isinstance(block_id, int) or isinstance(block_id, bool):
-                raise InvalidArgumentError(f"job {job.job_id}: slot id {block_id!r} is not an int")
-            self.slot(block_id)  # raises InvalidArgumentError outside the host pool
-        return job
+        return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)
