@@ -205,10 +205,8 @@ class RespConnection:
             return self._read_expected(sinks, expected, pad)
         return self._read_replies(sinks, 0, count)
 
-    def _read_replies(
-        self, sinks: Sequence[Sink | None] | None, first: int, stop: int
-    ) -> list[Reply | ResponseError]:
-        replies: list[Reply | ResponseError] = []
+    def _read_replies(self, sinks: Sinks, first: int, stop: int) -> Replies:
+        replies: Replies = []
         reader = self._reader
         for i in range(first, stop):
             reader.sink = sinks[i] if sinks is not None else None
@@ -222,7 +220,7 @@ class RespConnection:
 
     def _read_expected(
         self, sinks: Sequence[Sink | None], expected: Sequence[Expected], pad: int
-    ) -> list[Reply | ResponseError]:
+    ) -> Replies:
         """The replies of a pipeline sent with its padding ``ECHO``: while they are as
         ``expected``, each in one ``recvmsg_into`` (its rest into the sink's view, its
         CR LF, the next one's framing and head); from the first that is not, through
@@ -232,7 +230,7 @@ class RespConnection:
         trailer = b"$%d\r\n%s\r\n" % (pad, b"." * pad)
         size = len(framings[0]) + expected[0].head
         self._fill([ahead[:size]])
-        replies: list[Reply | ResponseError] = []
+        replies: Replies = []
         for i, (framing, (length, head)) in enumerate(zip(framings, expected, strict=True)):
             sink = sinks[i]
             landing = sink([], length) if ahead[: len(framing)] == framing and sink else None
