@@ -35,7 +35,7 @@ from backends.redis.control import (
 )
 from backends.redis.jobs import CORRUPT, MISSING, REFUSED, JobShape, LoadJob, StoreJob
 from backends.redis.options import RedisOptions
-from backends.redis.streams import ClusterLink, ServerLink, Streams
+from backends.redis.streams import Link, Streams
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.security.encryption import BlockCipher, Keyring, keyring_from
 from tiering.tiers.actor import TierActor
@@ -289,10 +289,7 @@ class RedisTier(TierActor):
             endpoint = o.endpoint()
         except InvalidArgumentError as exc:
             return exc
-        if o.cluster:
-            link: Any = functools.partial(ClusterLink, endpoint, self._client)
-        else:
-            link = functools.partial(ServerLink, endpoint)
+        link = functools.partial(Link, endpoint, self._client if o.cluster else None)
         # One stream per I/O thread, sharing the jobs' window: at most max_inflight
         # pipelines on the wire, as with a job per thread.
         window = max(1, self.max_inflight // o.io_threads)
