@@ -170,15 +170,14 @@ class MemoryTier(TierActor):
                 self._free_rows.append(row)
         self._counters["stored_blocks"] += len(placed)
         if refused:
-            why = f"{_FULL}: no unpinned block left to evict"
-            self._failure_log.record(NO_ROOM, len(refused), why)
-            return JobResult(
-                job.job_id,
-                False,
-                refused,
-                f"{_FULL}: no room for {len(refused)} of {len(wanted)} new blocks "
-                "(the rest are pinned or belong to this job)",
+            self._failure_log.record(
+                NO_ROOM, len(refused), f"{_FULL}: no unpinned block left to evict"
             )
+            why = (
+                f"{_FULL}: no room for {len(refused)} of {len(wanted)} new blocks "
+                "(the rest are pinned or belong to this job)"
+            )
+            return JobResult(job.job_id, False, refused, why)
         return JobResult(job.job_id, True)
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
@@ -203,12 +202,8 @@ class MemoryTier(TierActor):
         self._counters["loaded_blocks"] += len(copies)
         if missing:
             self._failure_log.record(_NOT_HELD, len(missing))
-            return JobResult(
-                job.job_id,
-                False,
-                tuple(missing),
-                f"{len(missing)} of {len(job.keys)} blocks are {_NOT_HELD}",
-            )
+            why = f"{len(missing)} of {len(job.keys)} blocks are {_NOT_HELD}"
+            return JobResult(job.job_id, False, tuple(missing), why)
         return JobResult(job.job_id, True)
 
     # -- internals --------------------------------------------------------------------

@@ -1,8 +1,6 @@
-"""The Redis tier's options (the table in docs/redis.md), and its url: checked at
-construction by redis-py's own parser, and made into the endpoint the tier's connections
-use. Of the url's query options the tier implements ``db``, ``username``, ``password``,
-``client_name``, ``socket_keepalive`` and ``ssl_check_hostname``; it refuses by name
-every other one redis-py takes.
+"""The Redis tier's options (the table in docs/redis.md) and its url: checked at
+construction (by redis-py's own parser too), made into the endpoint of the tier's own
+connections and into its redis-py clients.
 """
 
 from __future__ import annotations
@@ -41,23 +39,22 @@ _TIER_SETS = {
     "max_connections": "max_connections", "retry_on_timeout": "timeout_s",
     "retry_on_error": "timeout_s", **{name: option for option, name in _TLS_FILES.items()},
 }  # fmt: skip
+# The query options the tier's own connections implement (it refuses every other one).
 _IMPLEMENTED = (
     "db", "username", "password", "client_name", "socket_keepalive", "ssl_check_hostname",
 )  # fmt: skip
 
 
-def _names_redis_py_takes() -> frozenset[str]:
-    """The query options redis-py's parser or its connections take: names safe to show
-    (any other may be a piece of a password that spilled into the query)."""
-    names = set(URL_QUERY_ARGUMENT_PARSERS)
-    for kind in (SSLConnection, UnixDomainSocketConnection):
-        for cls in kind.__mro__:
-            if "__init__" in vars(cls):
-                names.update(inspect.signature(cls.__init__).parameters)
-    return frozenset(names - {"self", "args", "kwargs"})
-
-
-_REDIS_PY_NAMES = _names_redis_py_takes()
+# The query options redis-py's parser or its connections take: names safe to show (any
+# other may be a piece of a password that spilled into the query).
+_REDIS_PY_NAMES = {*URL_QUERY_ARGUMENT_PARSERS} | {
+    name
+    for kind in (SSLConnection, UnixDomainSocketConnection)
+    for cls in kind.__mro__
+    if "__init__" in vars(cls)
+    for name in inspect.signature(cls.__init__).parameters
+    if name not in ("self", "args", "kwargs")
+}
 
 
 def _url_problem(url: str, *, cluster: bool) -> str | None:
@@ -144,14 +141,11 @@ _File = Annotated[str | None, AfterValidator(_readable_file)]
 
 
 class RedisOptions(BreakerOptions, ActorOptions):
-    """The Redis tier's options. ``url`` (it may hold a password) and ``encryption`` (a
-    keyring or its spec) are never shown. An InvalidArgumentError says what is wrong
-    with the url (no redis://, rediss:// or unix:// url redis-py parses, a path that is
-    no database number, a query option the tier sets itself or does not implement, a
-    database other than 0 or unix:// for a cluster), never quoting it; the ``tls_*``
-    files go with ``rediss://`` only. ``namespace`` and ``tenant`` (no ``:``) are bound
-    into every record: blocks under another never show.
-    """
+    """The Redis tier's options; ``url`` (it may hold a password) and ``encryption`` (a
+    keyring or its spec) are never shown. A url the tier refuses (docs/redis.md) raises
+    InvalidArgumentError saying why, never quoting it; the ``tls_*`` files go with
+    ``rediss://`` only. ``namespace`` and ``tenant`` (no ``:``) are bound into every
+    record: blocks under another never show."""
 
     url: str = secret()
     namespace: str = Field(min_length=1)
