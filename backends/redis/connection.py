@@ -264,7 +264,7 @@ class RespConnection:
             try:
                 count = sock.recvmsg_into(views, 0, wait_all)[0]
             except _TIMED_OUT:
-                continue  # the socket's timeout: arm it again, or the deadline has passed
+                continue  # arm again (see _arm)
             if not count:
                 raise RedisConnectionError("the redis server closed the connection")
             while views and count >= views[0].nbytes:
