@@ -1,7 +1,6 @@
 """A circuit breaker for a remote tier, sans-I/O: it decides, the tier does the calls.
-
 It keeps a tier from stalling the engine on a dead server: the tier answers misses and
-fails stores at once while it is open. The clock is injected, so tests step it.
+fails stores at once while it is open.
 """
 
 from __future__ import annotations
@@ -67,8 +66,6 @@ class CircuitBreaker:
         self._in_a_row = 0
         self._current_backoff = self.options.breaker_backoff_s
         self._retry_at = 0.0
-        self.opened = 0
-        """Times it has opened."""
 
     @property
     def state(self) -> BreakerState:
@@ -106,7 +103,6 @@ class CircuitBreaker:
     def _open(self) -> None:
         self._state = BreakerState.OPEN
         self._retry_at = self._clock() + self._current_backoff
-        self.opened += 1
 
     def __repr__(self) -> str:
         return f"<CircuitBreaker {self._state}, {self._in_a_row} failures in a row>"

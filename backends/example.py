@@ -1,8 +1,6 @@
-"""The reference secondary tier of the seed: presence-only, synchronous, LRU-bounded.
-
-It records which keys it "holds" and moves no bytes; it exists to exercise the
-secondary-tier protocol. It reproduces the seed's behaviour on purpose, including
-its quirks, with one deliberate fix (see :class:`ExampleSecondaryTier`).
+"""The reference secondary tier of the seed: presence-only, synchronous, LRU-bounded. It
+exercises the secondary-tier protocol, reproducing the seed's behaviour on purpose,
+quirks included, with one deliberate fix (see :class:`ExampleSecondaryTier`).
 """
 
 from __future__ import annotations
@@ -10,7 +8,6 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -22,17 +19,8 @@ from tiering.tiers.tier_api import (
     OffloadKey,
     ReqContext,
     SecondaryTierManager,
+    checked_job,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingJob:
-    """A job accepted by submit_* whose result is not produced yet."""
-
-    job_id: int
-    keys: tuple[OffloadKey, ...]  # stores: only the keys that were absent at submit time
-    is_store: bool
-    missing: tuple[OffloadKey, ...] = ()  # loads: keys not held at submit time
 
 
 class ExampleOptions(Options):
@@ -87,7 +75,8 @@ class ExampleSecondaryTier(SecondaryTierManager):
         self.max_blocks = checked.max_blocks
         self.simulate_async = checked.simulate_async
         self._blocks: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
-        self._pending: list[_PendingJob] = []
+        # Accepted jobs not completed yet: the keys a store inserts, and the result.
+        self._pending: list[tuple[tuple[OffloadKey, ...], JobResult]] = []
         self._completed: list[JobResult] = []
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool:
@@ -95,7 +84,6 @@ class ExampleSecondaryTier(SecondaryTierManager):
         return key in self._blocks
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
-        """Record the job's absent keys, evicting LRU keys outside the job if needed."""
         job = self._validated(job_metadata)
         to_store = tuple(key for key in job.keys if key not in self._blocks)
         if not to_store:
@@ -109,25 +97,26 @@ class ExampleSecondaryTier(SecondaryTierManager):
                 return
             for key in victims:
                 del self._blocks[key]
-        self._accept(_PendingJob(job.job_id, to_store, is_store=True))
+        self._accept(to_store, JobResult(job.job_id, True))
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
-        """Accept a load; keys not held now make it fail (the fix) rather than vanish."""
         job = self._validated(job_metadata)
         missing = tuple(key for key in job.keys if key not in self._blocks)
-        self._accept(_PendingJob(job.job_id, tuple(job.keys), is_store=False, missing=missing))
+        result = JobResult(job.job_id, True)
+        if missing:
+            why = f"{len(missing)} of {len(job.keys)} blocks are not in the example tier"
+            result = JobResult(job.job_id, False, missing, why)
+        self._accept((), result)
 
     def get_finished(self) -> list[JobResult]:
         """Complete pending jobs (async mode), then return and forget all results."""
-        if self._pending:
-            pending, self._pending = self._pending, []
-            for job in pending:
-                self._complete(job)
+        pending, self._pending = self._pending, []
+        for keys, result in pending:
+            self._complete(keys, result)
         finished, self._completed = self._completed, []
         return finished
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        """Make held keys most recent, ``keys[0]`` the most recent of all."""
         for key in reversed(list(keys)):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
@@ -140,36 +129,21 @@ class ExampleSecondaryTier(SecondaryTierManager):
         return len(self._blocks)
 
     def clear(self) -> None:
-        """Drop every key, every pending job and every unreported result."""
         self._blocks.clear()
         self._pending.clear()
         self._completed.clear()
 
-    def _accept(self, job: _PendingJob) -> None:
+    def _accept(self, keys: tuple[OffloadKey, ...], result: JobResult) -> None:
         if self.simulate_async:
-            self._pending.append(job)
+            self._pending.append((keys, result))
         else:
-            self._complete(job)
+            self._complete(keys, result)
 
-    def _complete(self, job: _PendingJob) -> None:
-        if job.is_store:
-            self._blocks.update(dict.fromkeys(job.keys))
-        if job.missing:
-            why = f"{len(job.missing)} of {len(job.keys)} blocks are not in the example tier"
-            self._completed.append(JobResult(job.job_id, False, job.missing, why))
-        else:
-            self._completed.append(JobResult(job.job_id, True))
+    def _complete(self, keys: tuple[OffloadKey, ...], result: JobResult) -> None:
+        self._blocks.update(dict.fromkeys(keys))
+        self._completed.append(result)
 
     def _validated(self, job: JobMetadata) -> JobMetadata:
         if not isinstance(job, JobMetadata):
             raise InvalidArgumentError(f"expected a JobMetadata, got {type(job).__name__}")
-        for key in job.keys:
-            if not isinstance(key, bytes):
-                raise InvalidArgumentError(
-                    f"job {job.job_id}: keys must be bytes, got {type(key).__name__}"
-                )
-        for block_id in job.block_ids:
-            if not isinstance(block_id, int) or isinstance(block_id, bool):
-                raise InvalidArgumentError(f"job {job.job_id}: slot id {block_id!r} is not an int")
-            self.slot(block_id)  # raises InvalidArgumentError outside the host pool
-        return job
+        return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)

@@ -1,12 +1,10 @@
 """An in-memory secondary tier that really holds the bytes: the data-integrity reference.
 
-Its storage is one preallocated arena of ``max_blocks`` rows of ``block_bytes`` (numpy
-uint8), not a ``bytes`` object per block: memory is bounded up front and reused, so the
-steady state allocates nothing; and a row-to-row copy is one memcpy with the GIL
-released, so jobs' copies overlap on the io threads (a memoryview slice assignment holds
-the GIL). The bookkeeping lives on the loop thread: rows here, resident keys, pins,
-holds and eviction in a :class:`~tiering.tiers.residency_index.ResidencyIndex`; the io thread only
-copies the rows the loop handed to the job.
+Its storage is one preallocated arena of ``max_blocks`` rows (numpy uint8): bounded up
+front, no allocation in the steady state, and a row copy is one memcpy with the GIL
+released (a memoryview slice assignment holds it), so jobs' copies overlap on the io
+threads. The bookkeeping (rows; resident keys, pins, holds and eviction in a
+:class:`~tiering.tiers.residency_index.ResidencyIndex`) lives on the loop thread.
 """
 
 from __future__ import annotations
@@ -172,15 +170,14 @@ class MemoryTier(TierActor):
                 self._free_rows.append(row)
         self._counters["stored_blocks"] += len(placed)
         if refused:
-            why = f"{_FULL}: no unpinned block left to evict"
-            self._failure_log.record(NO_ROOM, len(refused), why)
-            return JobResult(
-                job.job_id,
-                False,
-                refused,
-                f"{_FULL}: no room for {len(refused)} of {len(wanted)} new blocks "
-                "(the rest are pinned or belong to this job)",
+            self._failure_log.record(
+                NO_ROOM, len(refused), f"{_FULL}: no unpinned block left to evict"
             )
+            why = (
+                f"{_FULL}: no room for {len(refused)} of {len(wanted)} new blocks "
+                "(the rest are pinned or belong to this job)"
+            )
+            return JobResult(job.job_id, False, refused, why)
         return JobResult(job.job_id, True)
 
     async def _do_load(self, job: JobMetadata) -> JobResult:
@@ -205,12 +202,8 @@ class MemoryTier(TierActor):
         self._counters["loaded_blocks"] += len(copies)
         if missing:
             self._failure_log.record(_NOT_HELD, len(missing))
-            return JobResult(
-                job.job_id,
-                False,
-                tuple(missing),
-                f"{len(missing)} of {len(job.keys)} blocks are {_NOT_HELD}",
-            )
+            why = f"{len(missing)} of {len(job.keys)} blocks are {_NOT_HELD}"
+            return JobResult(job.job_id, False, tuple(missing), why)
         return JobResult(job.job_id, True)
 
     # -- internals --------------------------------------------------------------------

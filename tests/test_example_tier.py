@@ -155,9 +155,9 @@ def test_tier_type_is_example() -> None:
 @pytest.mark.parametrize(
     ("job", "message"),
     [
-        (JobMetadata(1, [b"a"], [SLOTS]), "outside the host pool"),
-        (JobMetadata(1, ["a"], [0]), "keys must be bytes"),
-        (JobMetadata(1, [b"a"], ["0"]), "is not an int"),
+        (JobMetadata(1, [b"a"], [SLOTS]), r"host pool\): \d+ is outside"),
+        (JobMetadata(1, ["a"], [0]), "keys must hold bytes"),
+        (JobMetadata(1, [b"a"], ["0"]), "slots must hold ints"),
         ("job", "expected a JobMetadata"),
     ],
 )

@@ -17,10 +17,10 @@ if os.environ.get("KV_TIERING_REQUIRE_REDIS") != "1":  # CI: a missing redis-py 
     pytest.importorskip("redis", reason="pip install 'kv-tiering[redis]'")
 
 from backends.redis.connection import Endpoint
-from backends.redis.control import LazyClient, RedisConnectionError, new_client
+from backends.redis.control import LazyClient, RedisConnectionError
 from backends.redis.jobs import Pipeline
 from backends.redis.options import RedisOptions
-from backends.redis.streams import ClusterLink, RespStream, ServerLink, Streams
+from backends.redis.streams import Link, RespStream, Streams
 from tests._redis_helpers import local_redis_cluster
 
 
@@ -63,7 +63,7 @@ def endpoint_of(url: str) -> Endpoint:
 
 @pytest.fixture
 def stream(redis_server: Any) -> Iterator[RespStream]:
-    stream = RespStream(ServerLink(endpoint_of(redis_server.url)), window=3, name="test-stream")
+    stream = RespStream(Link(endpoint_of(redis_server.url)), window=3, name="test-stream")
     yield stream
     stream.close()
 
@@ -166,7 +166,7 @@ def test_a_job_withdrawn_before_it_began_is_never_begun(
 def test_a_job_goes_to_the_stream_with_the_fewest_jobs_not_ended(redis_server: Any) -> None:
     """Two jobs given while the first is on the wire go over two connections: the
     second went to the other stream, though neither had a job waiting to begin."""
-    streams = Streams(partial(ServerLink, endpoint_of(redis_server.url)), count=2, window=2)
+    streams = Streams(partial(Link, endpoint_of(redis_server.url)), count=2, window=2)
     try:
         _, held = run(streams, Work([("BLPOP", "held", 30)]))  # on the wire until pushed
         deadline = time.monotonic() + 10
@@ -207,10 +207,9 @@ def test_on_a_cluster_each_node_gets_its_share_and_the_replies_keep_the_pipeline
     tmp_path: Path,
 ) -> None:
     cluster = local_redis_cluster(tmp_path)
-    client = LazyClient(
-        partial(new_client, cluster.url, cluster=True, timeout_s=5.0, max_connections=4, tls={})
-    )
-    link = ClusterLink(endpoint_of(cluster.url), client)
+    options = RedisOptions(url=cluster.url, namespace="x", cluster=True, max_connections=4)
+    client = LazyClient(partial(options.client, cluster=True))
+    link = Link(endpoint_of(cluster.url), client)
     stream = RespStream(link, window=2, name="test-cluster")
     try:
         names = [f"key-{i}" for i in range(24)]

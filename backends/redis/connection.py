@@ -67,10 +67,6 @@ class Endpoint(NamedTuple):
     keepalive: bool
     timeout_s: float
 
-    def at(self, host: str, port: int) -> Endpoint:
-        """The same credentials and TLS at another node (of a cluster)."""
-        return self._replace(host=host, port=port, path=None)
-
     def __repr__(self) -> str:  # the password stays out of every repr
         where = self.path if self.path is not None else f"{self.host}:{self.port}"
         return f"<Endpoint {where} tls={self.tls is not None}>"
@@ -209,10 +205,8 @@ class RespConnection:
             return self._read_expected(sinks, expected, pad)
         return self._read_replies(sinks, 0, count)
 
-    def _read_replies(
-        self, sinks: Sequence[Sink | None] | None, first: int, stop: int
-    ) -> list[Reply | ResponseError]:
-        replies: list[Reply | ResponseError] = []
+    def _read_replies(self, sinks: Sinks, first: int, stop: int) -> Replies:
+        replies: Replies = []
         reader = self._reader
         for i in range(first, stop):
             reader.sink = sinks[i] if sinks is not None else None
@@ -226,7 +220,7 @@ class RespConnection:
 
     def _read_expected(
         self, sinks: Sequence[Sink | None], expected: Sequence[Expected], pad: int
-    ) -> list[Reply | ResponseError]:
+    ) -> Replies:
         """The replies of a pipeline sent with its padding ``ECHO``: while they are as
         ``expected``, each in one ``recvmsg_into`` (its rest into the sink's view, its
         CR LF, the next one's framing and head); from the first that is not, through
@@ -236,7 +230,7 @@ class RespConnection:
         trailer = b"$%d\r\n%s\r\n" % (pad, b"." * pad)
         size = len(framings[0]) + expected[0].head
         self._fill([ahead[:size]])
-        replies: list[Reply | ResponseError] = []
+        replies: Replies = []
         for i, (framing, (length, head)) in enumerate(zip(framings, expected, strict=True)):
             sink = sinks[i]
             landing = sink([], length) if ahead[: len(framing)] == framing and sink else None
@@ -270,7 +264,7 @@ class RespConnection:
             try:
                 count = sock.recvmsg_into(views, 0, wait_all)[0]
             except _TIMED_OUT:
-                continue  # the socket's timeout: arm it again, or the deadline has passed
+                continue  # arm again (see _arm)
             if not count:
                 raise RedisConnectionError("the redis server closed the connection")
             while views and count >= views[0].nbytes:
@@ -336,6 +330,3 @@ def any_stale(connections: Iterable[RespConnection]) -> bool:
     except (OSError, ValueError):  # one was closed under us
         return True
     return bool(readable)
-
-
-__all__ = ["Command", "Endpoint", "Expected", "RespConnection", "any_stale"]

@@ -1,8 +1,8 @@
 """redis-py, for the Redis tier's control calls only (the start's checks, lookups'
 ``EXISTS``, usage, deletes, a cluster's map of the slots and its redirections; blocks
-never move through it): clients that never retry (redis-py's retries made a call to a
-dead node wait for several timeouts; a cluster's MOVED, ASK and TRYAGAIN are followed),
-pipelines that fail one key at a time, and errors stripped of block bytes.
+never move through it): the client made when first needed, pipelines that fail one key
+at a time, and errors stripped of block bytes. (Its clients, :meth:`RedisOptions.client
+<backends.redis.options.RedisOptions.client>`, never retry.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 try:
     from redis import Redis
     from redis._parsers.base import BaseParser
-    from redis.backoff import NoBackoff
     from redis.cluster import PipelineCommand, RedisCluster
     from redis.exceptions import (
         AskError,
@@ -29,7 +28,6 @@ try:
     )
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
-    from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without redis-py
     raise ImportError(
         "the redis tier needs redis-py (pip install 'kv-tiering[redis]'); "
@@ -49,24 +47,6 @@ UNREACHABLE = (
     OSError,  # the builtin ConnectionError and TimeoutError too
 )
 _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)  # the node failed
-
-
-def new_client(
-    url: str, *, cluster: bool, timeout_s: float, max_connections: int, tls: dict[str, str]
-) -> Redis | RedisCluster:
-    """A client of ``url`` whose every socket operation times out after ``timeout_s``,
-    with redis-py's TLS arguments ``tls``; with ``cluster`` a cluster client, which
-    connects as it is made (raising the client's error if no node answers)."""
-    options: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "max_connections": max_connections,
-        "decode_responses": False,
-        **tls,
-    }
-    if cluster:
-        return RedisCluster.from_url(url, retry=Retry(NoBackoff(), 0), **options)
-    return Redis.from_url(url, **options)
 
 
 class LazyClient:
@@ -186,5 +166,5 @@ __all__ = [
     "CLIENT_ERRORS", "UNREACHABLE", "AskError", "AuthenticationError", "BaseParser",
     "ClientError", "ClusterDownError", "LazyClient", "Redis", "RedisCluster",
     "RedisConnectionError", "RedisTimeoutError", "ResponseError", "TryAgainError", "detached",
-    "new_client", "redirected", "refresh_slots", "round_trip",
+    "redirected", "refresh_slots", "round_trip",
 ]  # fmt: skip

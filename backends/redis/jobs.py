@@ -44,9 +44,8 @@ REFUSED = "redis refused"
 
 class Pipeline(NamedTuple):
     """One pipelined round trip: its ``commands`` (on the keys ``names``), where their
-    replies land (as :meth:`RespConnection.receive
-    <backends.redis.connection.RespConnection.receive>` takes them), and whether they
-    may run in any order, each on a connection of its own (``independent``)."""
+    replies land (as :class:`~backends.redis.connection.RespConnection` takes them), and
+    whether they may run in any order, each on a connection of its own (``independent``)."""
 
     names: Sequence[bytes]
     commands: Sequence[Command]
@@ -98,8 +97,7 @@ class JobShape:
         return -(-len(keys) // self.per_pipeline)
 
     def seal_buffers(self) -> list[memoryview]:
-        """The calling thread's buffers for one pipeline's sealed payloads
-        (``block_bytes + TAG_BYTES`` each), made on its first call."""
+        """The calling thread's buffers for one pipeline's sealed payloads."""
         views: list[memoryview] | None = getattr(self._sealing, "views", None)
         if views is None:
             stride = self.block_bytes + TAG_BYTES
@@ -126,7 +124,6 @@ class _Job:
         self.failed: dict[bytes, str] = {}
 
     def _batch(self, index: int) -> zip[tuple[bytes, int]]:
-        """The keys and slots of pipeline ``index``."""
         first = index * self._shape.per_pipeline
         last = first + self._shape.per_pipeline
         return zip(self._keys[first:last], self._block_ids[first:last], strict=True)
@@ -235,8 +232,6 @@ class _Landing:
         return memoryview(self._header), self._payload_view
 
     def _payload_view(self) -> memoryview:
-        """If the header checks out and is of this tier's kind, the slot (plain) or a
-        landing buffer (sealed), else scratch."""
         cipher = self._shape.cipher
         try:
             record = self._record = decode_header(self._header)
@@ -253,8 +248,7 @@ class _Landing:
         return self._aside
 
     def verify(self, value: Any) -> str:
-        """ "" if what the server answered put the block in its slot, verified; else why
-        not."""
+        """Why the server's answer did not put the block, verified, in its slot ("" if it did)."""
         cipher = self._shape.cipher
         if isinstance(value, ResponseError):
             if not str(value).startswith("WRONGTYPE"):
@@ -286,6 +280,3 @@ class _Landing:
         landed, self._landed = self._landed, None
         if landed is not None:
             self._shape.take_back(landed)
-
-
-__all__ = ["CORRUPT", "MISSING", "REFUSED", "Job", "JobShape", "LoadJob", "Pipeline", "StoreJob"]

@@ -1,8 +1,6 @@
-"""The Redis tier's options (the table in docs/redis.md), and its url: checked at
-construction by redis-py's own parser, and made into the endpoint the tier's connections
-use. Of the url's query options the tier implements ``db``, ``username``, ``password``,
-``client_name``, ``socket_keepalive`` and ``ssl_check_hostname``; it refuses by name
-every other one redis-py takes.
+"""The Redis tier's options (the table in docs/redis.md) and its url: checked at
+construction (by redis-py's own parser too), made into the endpoint of the tier's own
+connections and into its redis-py clients.
 """
 
 from __future__ import annotations
@@ -14,16 +12,18 @@ import urllib.parse
 from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, Field, model_validator
+from redis.backoff import NoBackoff
 from redis.connection import (
     URL_QUERY_ARGUMENT_PARSERS,
     SSLConnection,
     UnixDomainSocketConnection,
     parse_url,
 )
+from redis.retry import Retry
 
 from backends.breaker import BreakerOptions
 from backends.redis.connection import Endpoint
-from backends.redis.control import Redis, RedisCluster, new_client
+from backends.redis.control import Redis, RedisCluster
 from tiering.errors import InvalidArgumentError
 from tiering.options import ActorOptions, Bytes, PositiveInt, Seconds, SecondsOrZero, secret
 from tiering.security.encryption import Keyring
@@ -39,23 +39,22 @@ _TIER_SETS = {
     "max_connections": "max_connections", "retry_on_timeout": "timeout_s",
     "retry_on_error": "timeout_s", **{name: option for option, name in _TLS_FILES.items()},
 }  # fmt: skip
+# The query options the tier's own connections implement (it refuses every other one).
 _IMPLEMENTED = (
     "db", "username", "password", "client_name", "socket_keepalive", "ssl_check_hostname",
 )  # fmt: skip
 
 
-def _names_redis_py_takes() -> frozenset[str]:
-    """The query options redis-py's parser or its connections take: names safe to show
-    (any other may be a piece of a password that spilled into the query)."""
-    names = set(URL_QUERY_ARGUMENT_PARSERS)
-    for kind in (SSLConnection, UnixDomainSocketConnection):
-        for cls in kind.__mro__:
-            if "__init__" in vars(cls):
-                names.update(inspect.signature(cls.__init__).parameters)
-    return frozenset(names - {"self", "args", "kwargs"})
-
-
-_REDIS_PY_NAMES = _names_redis_py_takes()
+# The query options redis-py's parser or its connections take: names safe to show (any
+# other may be a piece of a password that spilled into the query).
+_REDIS_PY_NAMES = {*URL_QUERY_ARGUMENT_PARSERS} | {
+    name
+    for kind in (SSLConnection, UnixDomainSocketConnection)
+    for cls in kind.__mro__
+    if "__init__" in vars(cls)
+    for name in inspect.signature(cls.__init__).parameters
+    if name not in ("self", "args", "kwargs")
+}
 
 
 def _url_problem(url: str, *, cluster: bool) -> str | None:
@@ -142,14 +141,11 @@ _File = Annotated[str | None, AfterValidator(_readable_file)]
 
 
 class RedisOptions(BreakerOptions, ActorOptions):
-    """The Redis tier's options. ``url`` (it may hold a password) and ``encryption`` (a
-    keyring or its spec) are never shown. An InvalidArgumentError says what is wrong
-    with the url (no redis://, rediss:// or unix:// url redis-py parses, a path that is
-    no database number, a query option the tier sets itself or does not implement, a
-    database other than 0 or unix:// for a cluster), never quoting it; the ``tls_*``
-    files go with ``rediss://`` only. ``namespace`` and ``tenant`` (no ``:``) are bound
-    into every record: blocks under another never show.
-    """
+    """The Redis tier's options; ``url`` (it may hold a password) and ``encryption`` (a
+    keyring or its spec) are never shown. A url the tier refuses (docs/redis.md) raises
+    InvalidArgumentError saying why, never quoting it; the ``tls_*`` files go with
+    ``rediss://`` only. ``namespace`` and ``tenant`` (no ``:``) are bound into every
+    record: blocks under another never show."""
 
     url: str = secret()
     namespace: str = Field(min_length=1)
@@ -186,16 +182,23 @@ class RedisOptions(BreakerOptions, ActorOptions):
         return self
 
     def client(self, *, cluster: bool) -> Redis | RedisCluster:
-        """A new redis-py client of ``url`` with these timeouts, pool bound and TLS
-        files (a cluster client with ``cluster``, which connects as it is made)."""
-        tls = {arg: getattr(self, name) for name, arg in _TLS_FILES.items()}
-        return new_client(
-            self.url,
-            cluster=cluster,
-            timeout_s=self.timeout_s,
-            max_connections=self.max_connections,
-            tls={arg: path for arg, path in tls.items() if path is not None},
-        )
+        """A new redis-py client of ``url`` with these TLS files and pool bound, every
+        socket operation timing out after ``timeout_s``; with ``cluster`` a cluster client
+        that never retries (redis-py's retries made a call to a dead node wait for several
+        timeouts; MOVED, ASK and TRYAGAIN are still followed) and connects as it is made
+        (raising the client's error if no node answers)."""
+        options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "max_connections": self.max_connections,
+            "decode_responses": False,
+        }
+        for name, arg in _TLS_FILES.items():
+            if getattr(self, name) is not None:
+                options[arg] = getattr(self, name)
+        if cluster:
+            return RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 0), **options)
+        return Redis.from_url(self.url, **options)
 
     def endpoint(self) -> Endpoint:
         """Where and how the tier's own connections reach ``url``, as redis-py's do: its
@@ -233,6 +236,3 @@ class RedisOptions(BreakerOptions, ActorOptions):
             keepalive=options.get("socket_keepalive", True) is not False,
             timeout_s=self.timeout_s,
         )
-
-
-__all__ = ["RedisOptions"]

@@ -1,9 +1,7 @@
 """RESP2, the Redis wire protocol, without I/O: commands encoded as lists of buffers,
-and a reader that is fed bytes and hands out whole replies. A *sink* set for a reply
-picks, for each bulk string as its length arrives, a writable view to land its bytes in
-instead of a new ``bytes`` (a block's payload, its host-pool slot), and
-:meth:`RespReader.direct` tells the I/O layer which part of that view the next bytes
-belong to, so that it can ``recv_into`` it with no copy at all.
+and a reader that is fed bytes and hands out whole replies, each bulk string landing
+where a *sink* says (a block's payload in its host-pool slot, which the I/O layer can
+``recv_into`` with no copy at all: :meth:`RespReader.direct`).
 """
 
 from __future__ import annotations
@@ -253,9 +251,3 @@ def _number(line: bytes) -> int:
         return int(line)
     except ValueError:
         raise ProtocolError(f"{line[:20]!r} is no number") from None
-
-
-__all__ = [
-    "NOT_YET", "Argument", "ErrorReply", "Landed", "Landing", "ProtocolError", "Reply",
-    "RespReader", "Sink", "encode_command", "joined",
-]  # fmt: skip

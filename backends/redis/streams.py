@@ -1,12 +1,8 @@
 """The Redis tier's I/O shell: streams, each a thread and a link (its connections, made
 as first needed, to one server or to every node of a cluster), that carry several jobs'
-pipelines at once. A stream plans each job (:mod:`backends.redis.jobs`) on its thread
-and sends its pipelines, then those of the jobs behind it, while the server still
-answers earlier ones (up to ``window`` on the wire), reading the replies in the order
-sent: the server works on one job while the stream lands and verifies the last one.
-Each pipeline has one deadline, ``timeout_s`` from its send: the connections made for
-it, its requests and all of its replies (on every node) are in by then, or the link
-raises RedisTimeoutError.
+pipelines at once. Each pipeline has one deadline, ``timeout_s`` from its send: the
+connections made for it, its requests and all of its replies (on every node) are in by
+then, or the link raises RedisTimeoutError.
 """
 
 from __future__ import annotations
@@ -38,27 +34,33 @@ from tiering.tiers.io_threads import init_io_worker
 
 _T = TypeVar("_T")
 
-# Connections a server link spreads an independent pipeline (a store's SETs) over, a
+# Connections a link to one server spreads an independent pipeline (a store's SETs) over, a
 # command on each in turn: a server spends less CPU per byte on SETs of large values that
 # arrive one per connection than on SETs queued one after another on one (docs/redis.md).
 _SPREAD = 8
 
 _Where = tuple[Endpoint, int]  # a link's connection: the node, and which of its lanes
-
-
 _Sent = list[tuple[RespConnection, Sequence[int]]]  # each connection, and its commands' indexes
 
 
-class _Link:
-    """A stream's connections to ``endpoint``: a pipeline's commands sent in groups, a
-    group a connection (:meth:`_groups`). Raises as :class:`RespConnection` does."""
+class Link:
+    """A stream's connections (made as first needed) to one server, or with ``clients``
+    (redis-py's cluster client) to the nodes of a cluster, each reached as ``endpoint``
+    says. Raises as :class:`RespConnection` does.
 
-    def __init__(self, endpoint: Endpoint) -> None:
-        self._endpoint = endpoint
+    On one server, a pipeline whose commands run in order goes on one connection, and an
+    independent one a command on each of up to ``_SPREAD`` more in turn. On a cluster, a
+    pipeline's commands are grouped by the node that owns their key's slot (redis-py's
+    map of the slots), every node's group sent before any reply is read, so the nodes
+    work at once; a command a node redirects (MOVED, ASK, TRYAGAIN) is sent again through
+    redis-py's client, which follows it and updates its map; a failure (a connection
+    failed or timed out, the cluster is down) refreshes the map, then raises the client's
+    error."""
+
+    def __init__(self, endpoint: Endpoint, clients: LazyClient | None = None) -> None:
+        self._endpoint, self._clients = endpoint, clients
         self._connections: dict[_Where, RespConnection] = {}
-
-    def _groups(self, pipeline: Pipeline) -> Iterable[tuple[_Where, Sequence[int]]]:
-        raise NotImplementedError
+        self._next = 0  # the spread connection an independent pipeline's next command takes
 
     def send(self, pipeline: Pipeline, *, idle: bool) -> _Sent:
         """Send ``pipeline``. ``idle`` (nothing on the wire): if the server closed a
@@ -68,21 +70,36 @@ class _Link:
             self.close()
         deadline = time.monotonic() + self._endpoint.timeout_s
         groups = []
-        for where, indexes in self._groups(pipeline):
-            connection = self._connections.get(where)
-            if connection is None:
-                connection = self._connections[where] = RespConnection(where[0], deadline)
-            sinks, expected = _chosen(indexes, pipeline.sinks), _chosen(indexes, pipeline.expected)
-            connection.send([requests[i] for i in indexes], sinks, expected, deadline=deadline)
-            groups.append((connection, indexes))
+        try:
+            for where, indexes in self._groups(pipeline):
+                connection = self._connections.get(where)
+                if connection is None:
+                    connection = self._connections[where] = RespConnection(where[0], deadline)
+                sinks = _chosen(indexes, pipeline.sinks)
+                expected = _chosen(indexes, pipeline.expected)
+                connection.send([requests[i] for i in indexes], sinks, expected, deadline=deadline)
+                groups.append((connection, indexes))
+        except CLIENT_ERRORS:
+            self._refresh()
+            raise
         return groups
 
     def receive(self, pipeline: Pipeline, sent: _Sent) -> list[Any]:
         """The replies of ``pipeline`` (``send`` returned ``sent``), in its order."""
         replies: list[Any] = [None] * len(pipeline.commands)
-        for connection, indexes in sent:
-            for i, reply in zip(indexes, connection.receive(), strict=True):
-                replies[i] = reply
+        try:
+            for connection, indexes in sent:
+                for i, reply in zip(indexes, connection.receive(), strict=True):
+                    replies[i] = reply
+        except CLIENT_ERRORS:
+            self._refresh()
+            raise
+        if self._clients is not None:
+            for i, reply in enumerate(replies):
+                if isinstance(reply, ClusterDownError):
+                    raise reply
+                if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
+                    replies[i] = redirected(self._cluster(), joined(pipeline.commands[i]))
         return replies
 
     def close(self) -> None:
@@ -90,17 +107,15 @@ class _Link:
             connection.close()
         self._connections.clear()
 
-
-class ServerLink(_Link):
-    """A stream's connections to one server: one for pipelines whose commands run in
-    order, and up to ``_SPREAD`` more over which an independent pipeline goes a command
-    on each in turn."""
-
-    def __init__(self, endpoint: Endpoint) -> None:
-        super().__init__(endpoint)
-        self._next = 0
-
     def _groups(self, pipeline: Pipeline) -> Iterable[tuple[_Where, Sequence[int]]]:
+        if self._clients is not None:
+            cluster = self._cluster()
+            indexes: dict[_Where, list[int]] = {}
+            for i, name in enumerate(pipeline.names):
+                node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
+                where = self._endpoint._replace(host=node.host, port=node.port, path=None)
+                indexes.setdefault((where, 0), []).append(i)
+            return indexes.items()
         if not pipeline.independent:
             return [((self._endpoint, 0), range(len(pipeline.commands)))]
         groups = []
@@ -109,56 +124,15 @@ class ServerLink(_Link):
             groups.append(((self._endpoint, self._next), [i]))
         return groups
 
-
-class ClusterLink(_Link):
-    """A stream's connections to the nodes of a cluster (redis-py's client, from
-    ``clients``), each reached as ``endpoint`` says: a pipeline's commands grouped by the
-    node that owns their key's slot (redis-py's map of the slots), every node's group
-    sent before any reply is read, so the nodes work at once. A command a node
-    redirects (MOVED, ASK, TRYAGAIN) is sent again through redis-py's client, which
-    follows it and updates its map; a failure (a connection failed or timed out, the
-    cluster is down) refreshes the map, then raises the client's error."""
-
-    def __init__(self, endpoint: Endpoint, clients: LazyClient) -> None:
-        super().__init__(endpoint)
-        self._clients = clients
-
     def _cluster(self) -> RedisCluster:
-        cluster = self._clients.get()
+        cluster = self._clients.get() if self._clients is not None else None
         assert isinstance(cluster, RedisCluster)
         return cluster
 
-    def _groups(self, pipeline: Pipeline) -> Iterable[tuple[_Where, Sequence[int]]]:
-        cluster = self._cluster()
-        indexes: dict[_Where, list[int]] = {}
-        for i, name in enumerate(pipeline.names):
-            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name))
-            indexes.setdefault((self._endpoint.at(node.host, node.port), 0), []).append(i)
-        return indexes.items()
-
-    def send(self, pipeline: Pipeline, *, idle: bool) -> _Sent:
-        try:
-            return super().send(pipeline, idle=idle)
-        except CLIENT_ERRORS:
-            self._refresh()
-            raise
-
-    def receive(self, pipeline: Pipeline, sent: _Sent) -> list[Any]:
-        try:
-            replies = super().receive(pipeline, sent)
-        except CLIENT_ERRORS:
-            self._refresh()
-            raise
-        for i, reply in enumerate(replies):
-            if isinstance(reply, ClusterDownError):
-                raise reply
-            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
-                replies[i] = redirected(self._cluster(), joined(pipeline.commands[i]))
-        return replies
-
     def _refresh(self) -> None:
-        with contextlib.suppress(*CLIENT_ERRORS):  # no client: the next call makes one
-            refresh_slots(self._cluster())
+        if self._clients is not None:
+            with contextlib.suppress(*CLIENT_ERRORS):  # no client: the next call makes one
+                refresh_slots(self._cluster())
 
 
 def _chosen(indexes: Sequence[int], items: Sequence[_T] | None) -> Sequence[_T] | None:
@@ -181,17 +155,20 @@ class _Entry:
 
 class RespStream:
     """One ``link`` and the thread (named ``name``) that carries the jobs given to
-    :meth:`submit`, in order, up to ``window`` pipelines on the wire. A link's failure
-    fails every job with a pipeline sent on it (the jobs not begun go on)."""
+    :meth:`submit`, in order: it plans each (:mod:`backends.redis.jobs`) and sends its
+    pipelines, then those of the jobs behind it, while the server still answers earlier
+    ones (up to ``window`` on the wire: the server works on one job while the stream
+    lands and verifies the last), reading the replies in the order sent. A link's
+    failure fails every job with a pipeline sent on it (the jobs not begun go on)."""
 
-    def __init__(self, link: ServerLink | ClusterLink, *, window: int, name: str) -> None:
+    def __init__(self, link: Link, *, window: int, name: str) -> None:
         self._link, self._window, self._name = link, max(1, window), name
         self._queue: deque[_Entry] = deque()
         self._wake = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        # Jobs given and jobs ended: each counter written by one thread only (the
-        # giver's, the stream's), so their difference needs no lock.
+        # Each counter is written by one thread only (the giver's, the stream's): their
+        # difference needs no lock.
         self._given = 0
         self._ended = 0
 
@@ -303,9 +280,7 @@ class RespStream:
 class Streams:
     """``count`` :class:`RespStream` s, each with its own ``link()`` and ``window``."""
 
-    def __init__(
-        self, link: Callable[[], ServerLink | ClusterLink], *, count: int, window: int
-    ) -> None:
+    def __init__(self, link: Callable[[], Link], *, count: int, window: int) -> None:
         self._streams = [
             RespStream(link(), window=window, name=f"RedisTier-stream-{i}") for i in range(count)
         ]
@@ -317,6 +292,3 @@ class Streams:
     def close(self) -> None:
         for stream in self._streams:
             stream.close()
-
-
-__all__ = ["ClusterLink", "RespStream", "ServerLink", "Streams"]

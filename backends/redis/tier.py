@@ -6,9 +6,8 @@
             the payload, or with ``encryption`` its AES-GCM ciphertext
 
 (``2``: blocks of the earlier format, under ``kvt:<digest>:...``, are never read). A
-job's hook decides on the loop and hands the job to a stream (:mod:`.streams`), which
-plans it (:mod:`.jobs`) and moves its bytes on the tier's own connections; redis-py
-(:mod:`.control`) makes the control calls. No call is retried.
+job's bytes move on the tier's own connections (:mod:`.streams`), the control calls
+through redis-py (:mod:`.control`). No call is retried.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from backends.breaker import BreakerState, CircuitBreaker
@@ -36,7 +35,7 @@ from backends.redis.control import (
 )
 from backends.redis.jobs import CORRUPT, MISSING, REFUSED, JobShape, LoadJob, StoreJob
 from backends.redis.options import RedisOptions
-from backends.redis.streams import ClusterLink, ServerLink, Streams
+from backends.redis.streams import Link, Streams
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.security.encryption import BlockCipher, Keyring, keyring_from
 from tiering.tiers.actor import TierActor
@@ -44,8 +43,6 @@ from tiering.tiers.block_record import namespace_digest
 from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
 
 logger = logging.getLogger(__name__)
-
-_CHECK_BATCH = 1000  # keys per EXISTS pipeline
 
 
 def namespace_prefix(namespace: str) -> bytes:
@@ -172,9 +169,6 @@ class RedisTier(TierActor):
         may hold more, stored by other engines."""
         return self._known_present
 
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext = None) -> None:
-        """Nothing to do: the server keeps its own recency (``allkeys-lru``)."""
-
     def _usage(self) -> dict[str, Any]:
         """The server's memory in use, ``maxmemory`` (0: no limit) and key count
         (``counters["server_keys"]``), as last read (every ``usage_every_s``)."""
@@ -209,8 +203,8 @@ class RedisTier(TierActor):
 
     def _hand_over(self, job: JobMetadata, what: str) -> Coroutine[Any, Any, JobResult]:
         """Hand ``job`` to a stream (unless the breaker refuses it) and return the wait
-        for its result, decided on the loop once the stream delivers the job's outcome:
-        the hook calls back into nothing while the job runs. ClosedError once closed."""
+        for its result, decided on the loop once the stream delivers the job's outcome.
+        ClosedError once closed."""
         streams = self._streams
         if streams is None or not self._serving or not self.breaker.allow():
             return _now(self._account(job, what, None))
@@ -226,8 +220,7 @@ class RedisTier(TierActor):
     def _settle(
         self, done: asyncio.Future[JobResult], job: JobMetadata, what: str, outcome: Any
     ) -> None:
-        """On the stream's thread: resolve ``done`` on the loop with ``job``'s result
-        (or ``outcome`` raised, if it is no client error)."""
+        # On the stream's thread: ``done`` is resolved on the loop.
 
         def settled() -> None:
             if isinstance(outcome, BaseException) and not isinstance(outcome, CLIENT_ERRORS):
@@ -245,8 +238,8 @@ class RedisTier(TierActor):
         self, job: JobMetadata, what: str, outcome: dict[bytes, str] | ClientError | None
     ) -> JobResult:
         """``job``'s result from its outcome (the keys that failed, with why; the
-        client's error; None: the breaker refused it), the presence cache, the breaker
-        and the counters told what each key came to."""
+        client's error; None: the breaker refused it), told to the presence cache, the
+        breaker and the counters."""
         keys = list(job.keys)
         if not isinstance(outcome, dict):
             for key in keys:  # whatever the server holds now, the cache no longer knows
@@ -289,18 +282,14 @@ class RedisTier(TierActor):
     # (a raised error's traceback would keep its frames, and the views they name, alive)
 
     def _hello(self) -> ClientError | InvalidArgumentError | None:
-        """Make the streams (reading the TLS files), ping the server and check that it
-        is (or is not) a cluster node, then make the tier's client. Returns the client's
-        error, or an InvalidArgumentError if no call could ever succeed."""
+        """Make the streams, ping the server, check ``cluster`` and make the client.
+        Returns the client's error, or an InvalidArgumentError if no call can succeed."""
         o = self.options
         try:
             endpoint = o.endpoint()
         except InvalidArgumentError as exc:
             return exc
-        if o.cluster:
-            link: Any = functools.partial(ClusterLink, endpoint, self._client)
-        else:
-            link = functools.partial(ServerLink, endpoint)
+        link = functools.partial(Link, endpoint, self._client if o.cluster else None)
         # One stream per I/O thread, sharing the jobs' window: at most max_inflight
         # pipelines on the wire, as with a job per thread.
         window = max(1, self.max_inflight // o.io_threads)
@@ -352,8 +341,8 @@ class RedisTier(TierActor):
     # -- presence cache and background tasks (loop thread) ----------------------------
 
     def _remember(self, keys: Sequence[OffloadKey], present: bool) -> None:
-        """Cache what was just found of ``keys``; a check on the wire now may have read
-        the server before that, so its answer for them is dropped."""
+        """Cache what was just found of ``keys`` (a check on the wire now may have read
+        the server before: its answer for them is dropped)."""
         if not keys:
             return
         if self._in_check:
@@ -371,7 +360,6 @@ class RedisTier(TierActor):
         self._known_present = known
 
     def _forget(self, key: OffloadKey) -> None:
-        """Drop the cached answer for ``key`` (and a check's on the wire now)."""
         self._in_check.discard(key)
         old = self._presence.pop(key, None)
         if old is not None:
@@ -396,7 +384,7 @@ class RedisTier(TierActor):
         """Check every queued key, in pipelined batches (one round trip each)."""
         try:
             while self._to_check and self._serving and self.breaker.allow():
-                batch = list(self._to_check)[:_CHECK_BATCH]
+                batch = list(self._to_check)[:1000]  # keys per EXISTS pipeline
                 for key in batch:
                     del self._to_check[key]
                 self._in_check.update(batch)
