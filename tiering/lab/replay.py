@@ -126,16 +126,12 @@ def tier_layout(tier: object) -> TierLayout:
 class CacheModel:
     """The bookkeeping of a replay, without bytes: what each request would hit, where. A
     CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
-    secondary tier, fastest first, written through, named ``tier_names`` in :attr:`hits`
-    (default ``tier0``, ``tier1``...). Raises InvalidArgumentError or UnknownPolicyError.
+    secondary tier, fastest first, written through, named ``tier0``, ``tier1``... in
+    :attr:`hits`. Raises InvalidArgumentError or UnknownPolicyError.
     """
 
     def __init__(
-        self,
-        cpu_blocks: int,
-        policy: str = DEFAULT_POLICY,
-        tier_blocks: Sequence[TierLayout] = (),
-        tier_names: Sequence[str] | None = None,
+        self, cpu_blocks: int, policy: str = DEFAULT_POLICY, tier_blocks: Sequence[TierLayout] = ()
     ) -> None:
         self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
         tiers: list[_TierModel] = []
@@ -146,12 +142,7 @@ class CacheModel:
             if layout is not None:
                 positive_int(f"tier_blocks[{i}]", layout)
             tiers.append(_LRUSet(layout))
-        names = list(tier_names) if tier_names is not None else []
-        if tier_names is not None and len(names) != len(tier_blocks):
-            raise InvalidArgumentError(
-                f"tier_names must name each of the {len(tier_blocks)} tiers, got {names!r}"
-            )
-        self.tier_names = names or [f"tier{i}" for i in range(len(tier_blocks))]
+        self.tier_names = [f"tier{i}" for i in range(len(tier_blocks))]
         self._tiers = tiers
         self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
         self.blocks = 0
@@ -433,7 +424,9 @@ class ReplayNode:
                 result = JobResult(0, False, tuple(keys[:n]), LEFT_EVERY_TIER)
             summary.load_latency_s.append(time.perf_counter() - began)
             if not result.success:
-                if _evicted_meanwhile(result):
+                # Evicted meanwhile: each key's reason starts with LEFT_EVERY_TIER.
+                error = result.error or ""
+                if LEFT_EVERY_TIER in error and "; " not in error:
                     summary.evicted_loads += 1
                 else:
                     summary.failed_loads += 1
@@ -541,13 +534,6 @@ class ReplayNode:
         summary.failure_causes = summed([summary.failure_causes, causes])
 
 
-def _evicted_meanwhile(result: JobResult) -> bool:
-    """Whether a failed load failed only because its blocks left every tier after the
-    lookup (each key's reason then starts with LEFT_EVERY_TIER)."""
-    error = result.error or ""
-    return LEFT_EVERY_TIER in error and "; " not in error
-
-
 def summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
     """The counts of ``mappings`` added up by name (a name counted 0 kept)."""
     total: Counter[str] = Counter()
@@ -568,8 +554,7 @@ def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
     """How many of the first ``len(keys)`` device blocks differ from their keys' bytes."""
     if not keys:
         return 0
-    whole, tail = _views(staging, 0, len(keys))
-    digests = _digests(keys)
+    whole, tail, digests = _blocks(staging, keys, 0)
     good = (whole == digests[:, None, :]).all(axis=(1, 2))
     good &= (tail == digests[:, : tail.shape[1]]).all(axis=1)
     return len(keys) - int(good.sum())
@@ -577,29 +562,27 @@ def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
 
 def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
     """Fill device blocks ``first..`` with their keys' bytes, as a model would compute them."""
-    whole, tail = _views(staging, first, len(keys))
-    digests = _digests(keys[first:])
+    whole, tail, digests = _blocks(staging, keys, first)
     whole[...] = digests[:, None, :]
     tail[...] = digests[:, : tail.shape[1]]
 
 
-def _digests(keys: list[bytes]) -> np.ndarray:
-    """Each key's 64-byte BLAKE2b digest, one row per key."""
-    joined = b"".join(hashlib.blake2b(key, digest_size=64).digest() for key in keys)
-    return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 64)
-
-
-def _views(staging: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks ``first..last`` as their whole 64-byte repeats, (blocks, repeats, 64), and
-    the bytes after the last whole repeat: views (a reshape of a row slice may copy)."""
-    repeats = staging.shape[1] // 64
+def _blocks(
+    staging: np.ndarray, keys: list[bytes], first: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Device blocks ``first..len(keys)`` as their whole 64-byte repeats, (blocks, repeats,
+    64), and the bytes after the last whole repeat (views: a reshape of a row slice may
+    copy); and the 64-byte BLAKE2b digest of each of their keys, one row per key."""
+    last, repeats = len(keys), staging.shape[1] // 64
     whole = np.lib.stride_tricks.as_strided(
         staging[first:last],
         shape=(last - first, repeats, 64),
         strides=(staging.strides[0], 64, 1),
         writeable=True,
     )
-    return whole, staging[first:last, repeats * 64 :]
+    joined = b"".join(hashlib.blake2b(key, digest_size=64).digest() for key in keys[first:])
+    digests = np.frombuffer(joined, dtype=np.uint8).reshape(last - first, 64)
+    return whole, staging[first:last, repeats * 64 :], digests
 
 
 def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
