@@ -27,18 +27,22 @@ from tiering.validation import positive_int
 
 ROUTERS: tuple[str, ...] = get_args(ReplayConfig.model_fields["router"].annotation)
 """The routing rules :class:`Router` knows (``replay.router``'s choices)."""
+TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].annotation)
+"""How a fleet replay carries KV events to the router (``replay.transport``'s choices)."""
+SHARED_TIERS = frozenset({"redis"})
+"""Tier types (and so their labels in the figures, and media in KV events) every node of
+a fleet shares."""
 
 
 class Router:
     """Picks each request's node by ``rule``, fed back what each node computed and the
     events it published. Raises InvalidArgumentError for a bad rule or node count."""
 
-    def __init__(self, rule: str, nodes: int, shared_media: Sequence[str] = ("REDIS",)) -> None:
+    def __init__(self, rule: str, nodes: int) -> None:
         if rule not in ROUTERS:
             raise InvalidArgumentError(f"router must be one of {', '.join(ROUTERS)}, got {rule!r}")
         self.rule = rule
         self.nodes = positive_int("nodes", nodes)
-        self.shared_media = frozenset(m.upper() for m in shared_media)
         self.computed = [0] * self.nodes  # blocks each node computed (its load)
         # kv-aware: per node, how many of its own media hold each key
         self._held: list[dict[bytes, int]] = [{} for _ in range(self.nodes)]
@@ -76,7 +80,7 @@ class Router:
         (InvalidArgumentError otherwise)."""
         held = self._held[node]
         for event in decode_events(payload):
-            if event["medium"].upper() in self.shared_media:
+            if event["medium"].lower() in SHARED_TIERS:
                 continue
             step = -1 if event["removed"] else 1
             for key in event["block_hashes"]:
@@ -99,13 +103,13 @@ class _DirectLink:
         self.router = router
 
     async def open(self, nodes: int) -> None:
-        """Nothing to connect."""
+        pass
 
     async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
         self.router.observe(node, encode_events(events, node=str(node)))
 
     def close(self) -> None:
-        """Nothing to close."""
+        pass
 
 
 class _ZmqLink:
@@ -172,12 +176,6 @@ class _ZmqLink:
 
 
 _PROBE = OffloadingEvent([], 0, "PROBE", False)  # an empty batch: tells the router nothing
-
-SHARED_TIERS = frozenset({"redis"})
-"""Tier types (and so their labels in the figures) every node of a fleet shares."""
-
-TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].annotation)
-"""How a fleet replay carries KV events to the router (``replay.transport``'s choices)."""
 
 
 @dataclass(frozen=True, slots=True)
