@@ -318,15 +318,9 @@ async def replay_fleet(
     for outage in outages:
         if not 0 <= outage.node < nodes:
             raise InvalidArgumentError(f"outages: no node {outage.node} in {nodes}")
-    step = window if window is not None else max(1, len(keyed) // 20)
-    footprint_blocks = len({k for keys in keyed for k in keys})
-    summary = FleetSummary(
-        router,
-        [node.summary for node in fleet],
-        [0] * nodes,
-        window=positive_int("window", step),
-        footprint_blocks=footprint_blocks,
-    )
+    step = positive_int("window", window if window is not None else max(1, len(keyed) // 20))
+    summary = FleetSummary(router, [node.summary for node in fleet], [0] * nodes, window=step)
+    summary.footprint_blocks = len({k for keys in keyed for k in keys})
     stops = {o.at: o for o in outages}
     starts = {o.at + o.requests: o for o in outages}
     down: set[int] = set()
