@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 METRIC_PREFIX = "kv_tiering:"
 """Prefix of the Prometheus metrics these tiers report through vLLM."""
 
-_TIER_LABEL = "tier_type"
 _COUNTERS = (  # each kind of job's counters: name, meaning
     ("jobs", "Jobs ended"),
     ("blocks", "Blocks moved"),
@@ -139,11 +138,8 @@ class RegisteredTierManager(SecondaryTierManager):
         # vLLM's view is 2-D (chunks x stride) with format 'b'; our tiers take flat bytes.
         self._flat_view = primary_kv_view.cast("B")
         self._namespace = namespace or vllm_namespace(offloading_spec, block_bytes)
-        self._events: list[OffloadingEvent] | None = (
-            []
-            if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
-            else None
-        )
+        events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if events else None
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}  # submitted, result not queued yet
         self._storing: Counter[bytes] = Counter()  # keys of those that are stores
@@ -200,9 +196,8 @@ class RegisteredTierManager(SecondaryTierManager):
         keys or chunk ids, or the tier shut down. A refused job's failed result is queued
         at once, the refusal counted (``<kind>_refused_jobs``) and logged once per cause;
         a job whose id is already in flight gets no result of its own (the first job's)."""
-        # vLLM's manager calls submit_* without a try: an exception here would stop its
-        # scheduler where its own tiers fail the one job. Checked here, on vLLM's thread,
-        # because the loop side takes a job as it is (one refused there would never end).
+        # vLLM's manager calls submit_* without a try (an exception would stop its
+        # scheduler); checked on vLLM's thread, as the loop side takes a job as it is.
         job_id = job.job_id
         try:
             checked = checked_job(job_id, job.keys, job.chunk_ids, self._thread.num_slots)
@@ -316,7 +311,7 @@ class RegisteredTierManager(SecondaryTierManager):
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
         """Prometheus metrics these tiers report, labelled by vLLM's tier type."""
-        labels = (_TIER_LABEL,)
+        labels = ("tier_type",)
         counters = {
             f"{METRIC_PREFIX}{kind}_{what}": OffloadingCounterMetadata(
                 f"{doc} by kv-tiering's tier ({kind} jobs)", labels
