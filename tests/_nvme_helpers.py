@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import unittest.mock
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -15,8 +16,8 @@ from backends.nvme.segment_format import Checkpoint
 from backends.nvme.segment_index import SegmentIndex
 from backends.nvme.segments import SegmentFiles
 from backends.nvme.tier import NVMeTier
+from tiering.tiers import registry
 from tiering.tiers.actor import TierActor
-from tiering.tiers.registry import register_tier, unregister_tier
 from tiering.tiers.tier_api import JobMetadata, JobResult
 
 _job_ids = itertools.count(1)
@@ -65,11 +66,10 @@ def nvme_tiers_built() -> Iterator[list[NVMeTier]]:
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    register_tier("nvme", KeptNVMeTier)
-    try:
+    # The registrations are restored afterwards: the next test builds the plain tier.
+    with unittest.mock.patch.dict(registry._REGISTERED):
+        registry.register_tier("nvme", KeptNVMeTier)
         yield built
-    finally:
-        unregister_tier("nvme")
 
 
 async def checkpoint_read(files: SegmentFiles) -> tuple[Checkpoint | None, str | None]:
