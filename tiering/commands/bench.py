@@ -97,7 +97,8 @@ def run_benchmark(command: list[str]) -> int:
     ``INTERRUPT_GRACE_S`` to stop by itself before it is sent SIGINT, once; a Ctrl-C
     pressed again only waits on."""
     child = subprocess.Popen(command)
-    interrupted, deadline = False, None  # the deadline: for the grace time, until SIGINT
+    interrupted = False
+    deadline: float | None = None  # the grace time's end, until SIGINT is sent
     while True:
         try:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

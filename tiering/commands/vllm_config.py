@@ -45,12 +45,14 @@ def run(args: argparse.Namespace) -> int:
         "fsync": args.fsync,
         "enable_kv_events": args.events,
     }
-    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": args.cpu}
-    # vLLM 0.33's KVTransferConfig fields
-    config = {
+    config = {  # vLLM 0.33's KVTransferConfig fields
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {**extra, "secondary_tiers": [tier]},
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": args.cpu,
+            "secondary_tiers": [tier],
+        },
     }
     print(json.dumps(config))
     return EXIT_OK
