@@ -319,10 +319,7 @@ def _node_config(config: TieringConfig, node: int) -> TieringConfig:
 def format_fleet(figures: dict[str, Any]) -> str:
     """The table of a fleet replay: each run's hit ratio by source and by node."""
     lines = []
-    for name in ("shared", "baseline"):
-        run = figures.get(name)
-        if run is None:
-            continue
+    for name, run in [(name, figures[name]) for name in ("shared", "baseline") if name in figures]:
         sources = "  ".join(f"{s} {r:.4f}" for s, r in run["hit_ratio_by_source"].items())
         nodes = " ".join(f"{r:.4f}" for r in run["hit_ratio_by_node"])
         own = run["own_capacity_blocks"]

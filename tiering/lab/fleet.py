@@ -285,21 +285,18 @@ async def replay_fleet(
     device_blocks: int | None = None,
     block_bytes: int,
     full_blocks_only: bool = False,
-    settle: bool = True,
     outages: Sequence[NodeOutage] = (),
     window: int | None = None,
     transport: str = "direct",
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
-    device cache of ``device_blocks`` (default: the longest request's).
-
-    ``settle`` lets each store reach every tier before the next request; ``outages`` stop
-    and restart nodes; ``window`` (default: a twentieth of the requests) is the timeline's
-    step; ``on_request(done, summary)`` runs after each request; ``transport`` carries KV
-    events ``"direct"`` or over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a
-    bad argument, a request longer than ``device_blocks``, or ``kv-aware`` without engines
-    with ``enable_events``.
+    device cache of ``device_blocks`` (default: the longest request's); each store reaches
+    every tier before the next request. ``outages`` stop and restart nodes; ``window``
+    (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
+    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
+    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a request
+    longer than ``device_blocks``, or ``kv-aware`` without engines with ``enable_events``.
     """
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)
@@ -310,7 +307,7 @@ async def replay_fleet(
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     device_blocks = device_blocks_for(keyed, device_blocks)
     fleet = [
-        ReplayNode(lambda kv, n=n: make_engine(n, kv), device_blocks, block_bytes, settle=settle)
+        ReplayNode(lambda kv, n=n: make_engine(n, kv), device_blocks, block_bytes, settle=True)
         for n in range(nodes)
     ]
     if router == "kv-aware" and not all(node.engine.enable_events for node in fleet):

@@ -36,6 +36,7 @@ CPU = "cpu"  # the CPU tier's name in hit and byte figures
 # How the engine's causes for blocks lost under write-back end (evicted, or at a close):
 # each is a tier's store that failed or found no room, which the tier counts itself.
 _LOST_WITH_A_TRANSFER = "no tier took its write-back"
+_KINDS = ("load", "store")  # a tier transfer's kinds, as the engine names its failures
 ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers "ask again"
 
 
@@ -510,27 +511,19 @@ class ReplayNode:
                 else:
                     causes[cause] += count
         names = list(dict.fromkeys(t.get_tier_type() for t in engine.tiers))  # as the engine
-        transfers = {f"{name} tier {kind} failed" for name in names for kind in ("load", "store")}
+        transfers = {f"{name} tier {kind} failed" for name in names for kind in _KINDS}
         for name in names:
-            failed = {
-                kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
-            }
+            load, store = (failures.get(f"{name} tier {kind} failed", 0) for kind in _KINDS)
             # The engine counts a refused block as a failed store to the tier; the tier
             # counts it once under its cause too.
-            failed["store"] = max(0, failed["store"] - refused[name])
+            failed = {"load": load, "store": max(0, store - refused[name])}
             _add(summary.failed_blocks_by_tier, name, failed)
-        summary.refused_blocks_by_tier = summed(
-            [summary.refused_blocks_by_tier, {name: refused[name] for name in names}]
-        )
-        causes.update(
-            {
-                cause: count
-                for cause, count in failures.items()
-                if cause not in transfers
-                and cause != LEFT_EVERY_TIER  # counted as evicted_loads
-                and not cause.endswith(_LOST_WITH_A_TRANSFER)
-            }
-        )
+            refused_before = summary.refused_blocks_by_tier.get(name, 0)
+            summary.refused_blocks_by_tier[name] = refused_before + refused[name]
+        for cause, count in failures.items():  # LEFT_EVERY_TIER: counted as evicted_loads
+            lost = cause.endswith(_LOST_WITH_A_TRANSFER)
+            if cause not in transfers and cause != LEFT_EVERY_TIER and not lost:
+                causes[cause] += count
         summary.failure_causes = summed([summary.failure_causes, causes])
 
 

@@ -152,15 +152,9 @@ def sweep(
                 requests, cpu_blocks=capacity, policy=policy, full_blocks_only=full_blocks_only
             )
             elapsed = time.perf_counter() - began
-            points.append(
-                SweepPoint(
-                    capacity,
-                    capacity / total if total else 0.0,
-                    policy,
-                    model.hit_ratio,
-                    len(requests) / elapsed if elapsed > 0 else 0.0,
-                )
-            )
+            fraction = capacity / total if total else 0.0
+            speed = len(requests) / elapsed if elapsed > 0 else 0.0
+            points.append(SweepPoint(capacity, fraction, policy, model.hit_ratio, speed))
     return SweepResult(len(requests), total, tuple(points))
 
 
