@@ -404,11 +404,7 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
         )
     if refused := sum(summary.refused_blocks_by_tier.values()):
         notes.append(f"full tiers had no room for {refused} blocks (the model evicts instead)")
-    evicting = [
-        label
-        for label, counters in summary.tier_counters.items()
-        if counters.get("evicted_blocks", 0)
-    ]
+    evicting = [label for label, c in summary.tier_counters.items() if c.get("evicted_blocks")]
     if evicting and not config.replay.settle:
         notes.append(
             f"the {', '.join(evicting)} tier evicted while cascades ran behind the requests "

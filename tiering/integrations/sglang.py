@@ -386,8 +386,6 @@ class TieringHiCacheStorage(HiCacheStorage):
             if indices is not None:
                 pool.free(indices)
 
-    # -- upkeep ------------------------------------------------------------------------
-
     def clear(self) -> None:
         """Drop every page the tier holds for this process (the NVMe and memory tiers;
         a Redis server's keys are shared by the fleet and stay)."""

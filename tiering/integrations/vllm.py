@@ -320,14 +320,13 @@ class RegisteredTierManager(SecondaryTierManager):
             for what, doc in _COUNTERS
         }
         gauges = {
-            f"{METRIC_PREFIX}stored_blocks": OffloadingGaugeMetadata(
-                "Blocks kv-tiering's tier holds now", labels
-            ),
-            f"{METRIC_PREFIX}jobs_in_flight": OffloadingGaugeMetadata(
-                "Jobs submitted to kv-tiering's tier without a result yet", labels
-            ),
+            "stored_blocks": "Blocks kv-tiering's tier holds now",
+            "jobs_in_flight": "Jobs submitted to kv-tiering's tier without a result yet",
         }
-        return {**counters, **gauges}
+        return counters | {
+            f"{METRIC_PREFIX}{name}": OffloadingGaugeMetadata(doc, labels)
+            for name, doc in gauges.items()
+        }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counters since the last call, and gauges now."""

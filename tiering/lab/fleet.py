@@ -348,8 +348,7 @@ async def replay_fleet(
                 summary.timeline.append((0, 0))
             hit, blocks = summary.timeline[-1]
             summary.timeline[-1] = (hit + hits, blocks + len(keys))
-            events = fleet[n].engine.take_events()
-            if events:
+            if events := fleet[n].engine.take_events():
                 await link.send(n, events)
             if on_request is not None:
                 on_request(number + 1, summary)
