@@ -101,7 +101,7 @@ class PageChunks:
         self.chunks = len(first)
         second, _ = chunks_of(1) if self.pages > 1 else (first, sizes)
         last, _ = chunks_of(self.pages - 1)
-        stride = (second[0] - first[0]) // self.chunk_bytes
+        self.stride = stride = (second[0] - first[0]) // self.chunk_bytes
         whole = all(size == self.chunk_bytes for size in sizes) and not any(
             offset % self.chunk_bytes for offset in first + second + last
         )
@@ -117,7 +117,6 @@ class PageChunks:
                 "chunks of its buffer at a fixed stride, which kv-tiering's HiCache "
                 "storage needs (use the page_first or layer_first layout)"
             )
-        self.stride = stride
         self._offsets = torch.tensor(self.offsets, dtype=torch.int64)
         self._suffixes = [b"/%d" % j for j in range(self.chunks)]
 
@@ -295,11 +294,9 @@ class TieringHiCacheStorage(HiCacheStorage):
             unknown = next(i for i, held in enumerate(answers) if held is not True)
             page = (first + unknown) // n
             start = page * n - first
-            if False in answers[start : start + n]:
-                return page
             now = time.monotonic()
             deadline = deadline or now + thread.job_timeout
-            if now >= deadline:
+            if False in answers[start : start + n] or now >= deadline:
                 return page
             first = page * n
             time.sleep(_ASK_AGAIN_S)

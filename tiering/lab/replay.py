@@ -490,20 +490,24 @@ class ReplayNode:
         """Take the closed engine's figures into the summary (every cascade counted; a
         restarted node's figures add up)."""
         engine, summary = self.engine, self.summary
-        labels = tier_labels(engine)
-        summary.bytes_by_path = _bytes_by_path(engine, labels)
+        labels, size = tier_labels(engine), engine.block_bytes
+        engine_stats = engine.statistics()
+        moved = engine_stats.counters
+        paths = {"device->cpu": moved["bytes_to_host"], "cpu->device": moved["bytes_to_device"]}
         summary.capacity_blocks[CPU] = engine.manager.num_blocks
-        failures = engine.statistics().failures
+        failures = engine_stats.failures
         _add(summary.tier_failures, CPU, failures)
         refused: Counter[str] = Counter()
         causes: Counter[str] = Counter()
         for label, tier in zip(labels, engine.tiers, strict=True):
             stats = tier.statistics()
+            paths[f"cpu->{label}"] = stats.counters.get("stored_blocks", 0) * size
+            paths[f"{label}->cpu"] = stats.counters.get("loaded_blocks", 0) * size
             _add(summary.tier_counters, label, stats.counters)
             _add(summary.tier_failures, label, stats.failures)
             summary.tier_layouts[label] = tier_layout(tier)
             summary.tier_types[label] = tier.get_tier_type()
-            if capacity := stats.capacity_blocks or stats.capacity_bytes // engine.block_bytes:
+            if capacity := stats.capacity_blocks or stats.capacity_bytes // size:
                 summary.capacity_blocks[label] = capacity
             for cause, count in stats.failures.items():
                 if cause in CAPACITY_CAUSES:
@@ -525,6 +529,7 @@ class ReplayNode:
             if cause not in transfers and cause != LEFT_EVERY_TIER and not lost:
                 causes[cause] += count
         summary.failure_causes = summed([summary.failure_causes, causes])
+        summary.bytes_by_path = paths
 
 
 def summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
@@ -586,14 +591,3 @@ def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
         if tier.lookup(key):
             return label
     return "gone"  # it left every tier between the lookup and now
-
-
-def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
-    size = engine.block_bytes
-    counters = engine.statistics().counters
-    paths = {"device->cpu": counters["bytes_to_host"], "cpu->device": counters["bytes_to_device"]}
-    for label, tier in zip(labels, engine.tiers, strict=True):
-        tier_counters = tier.statistics().counters
-        paths[f"cpu->{label}"] = tier_counters.get("stored_blocks", 0) * size
-        paths[f"{label}->cpu"] = tier_counters.get("loaded_blocks", 0) * size
-    return paths

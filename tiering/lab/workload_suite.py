@@ -14,7 +14,7 @@ import multiprocessing
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -233,13 +233,8 @@ class SuiteResult:
             "policies": list(self.policies),
             "worst_ratio": {p: round(self.worst(p), 4) for p in self.policies},
             "points": [
-                {
-                    "workload": p.workload,
-                    "full_blocks_only": p.full_blocks_only,
-                    "capacity_fraction": p.capacity_fraction,
-                    "capacity_blocks": p.capacity_blocks,
-                    "hit_ratio": {k: round(v, 4) for k, v in p.hit_ratios.items()},
-                }
+                {k: v for k, v in asdict(p).items() if k != "hit_ratios"}
+                | {"hit_ratio": {k: round(v, 4) for k, v in p.hit_ratios.items()}}
                 for p in self.points
             ],
         }
