@@ -24,6 +24,7 @@ from tiering.tiers.tier_api import checked_job
 
 try:
     from vllm.v1.kv_offload.base import (
+        Locality,
         LookupResult,
         Medium,
         OffloadingCounterMetadata,
@@ -128,8 +129,6 @@ class RegisteredTierManager(SecondaryTierManager):
         if not isinstance(enable_kv_events, bool):
             raise InvalidArgumentError(f"enable_kv_events must be a bool, got {enable_kv_events!r}")
         if locality is not None:
-            from vllm.v1.kv_offload.base import Locality
-
             try:
                 self.locality = Locality(locality)
             except ValueError as exc:
