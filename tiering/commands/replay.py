@@ -428,12 +428,6 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
 async def _replay(
     config: TieringConfig, requests: list[Request], progress: Progress
 ) -> ReplaySummary:
-    pace = None if config.replay.pace == "max" else float(config.replay.pace)
-
-    def on_request(done: int, summary: ReplaySummary) -> None:
-        ratio = summary.hit_ratio
-        progress.update(f"replay: {done}/{len(requests)} requests, hit ratio {ratio:.4f}")
-
     metrics = config.metrics
 
     def serve(engine: TieringEngine, lag: LoopLagMonitor) -> AbstractContextManager[object]:
@@ -449,12 +443,14 @@ async def _replay(
         on_open=None if metrics.port is None else serve,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
-        pace=pace,
+        pace=None if config.replay.pace == "max" else float(config.replay.pace),
         full_blocks_only=config.replay.full_blocks_only,
         verify=config.replay.verify,
         settle=config.replay.settle,
         tenants=config.replay.tenants,
-        on_request=on_request,
+        on_request=lambda done, summary: progress.update(
+            f"replay: {done}/{len(requests)} requests, hit ratio {summary.hit_ratio:.4f}"
+        ),
     )
 
 

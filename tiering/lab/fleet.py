@@ -136,21 +136,20 @@ class _ZmqLink:
             publisher = ZmqPublisher("tcp://127.0.0.1:*", node=str(node))
             self._publishers.append(publisher)
             self._sub.connect(publisher.endpoint)
-        for node, publisher in enumerate(self._publishers):
+        for node in range(nodes):
             deadline = time.monotonic() + 10 * self.wait_s
-            while not await self._heard(node, publisher, [_PROBE], self.wait_s / 20):
+            while not await self._heard(node, [_PROBE], self.wait_s / 20):
                 if time.monotonic() > deadline:
                     raise TieringError(f"the ZeroMQ link to node {node} did not come up")
 
     async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
-        if not await self._heard(node, self._publishers[node], events, self.wait_s):
+        if not await self._heard(node, events, self.wait_s):
             self.lost += 1
 
-    async def _heard(
-        self, node: int, publisher: ZmqPublisher, events: Sequence[OffloadingEvent], wait_s: float
-    ) -> bool:
+    async def _heard(self, node: int, events: Sequence[OffloadingEvent], wait_s: float) -> bool:
         """Publish ``events`` from ``node`` and feed the router what arrives, until this
         batch has (True) or ``wait_s`` passed (False)."""
+        publisher = self._publishers[node]
         expected = publisher.sequence
         publisher.publish(events)
         deadline = time.monotonic() + wait_s
