@@ -159,12 +159,9 @@ class TieringHiCacheStorage(HiCacheStorage):
     options, and ``namespace``, ``start_timeout`` and ``job_timeout``, come in
     ``storage_config.extra_config`` (docs/sglang.md#set-up).
 
-    * A page is stored and served whole: a load reports a page True only if every byte
-      of it landed and verified, else False (never wrong bytes).
-    * ``batch_exists`` counts the leading pages the tier holds, from its index where it
-      keeps one (NVMe, memory), else after the tier's batched presence check (Redis).
-    * Ranks that are not storage writers (``is_storage_writer``) store nothing.
-    * Every call waits for its batch's I/O and no longer.
+    A page is stored and served whole, never with wrong bytes; ranks that are not
+    storage writers store nothing; every call waits for its batch's I/O and no longer
+    (docs/sglang.md#what-sglang-can-rely-on).
 
     The tier is built when SGLang registers its host pool; InvalidArgumentError there for
     a bad option or a host pool the tier cannot move pages of in place, UnknownTierError
