@@ -59,26 +59,20 @@ def resolve_config(
     """The config the command line describes: ``shortcuts`` maps config paths to the
     command's own options (None: not given), ``tiers`` are the tier specs its options
     add. Raises ConfigError naming the field of a bad file, override or shortcut."""
-    overrides: dict[str, object] = {}
-    if args.trace is not None:
-        overrides["replay.trace"] = args.trace
-    if args.workload is not None:
-        overrides["replay.workload"] = args.workload
-    if args.limit is not None:
-        overrides["replay.limit"] = args.limit
-    if args.full_blocks_only:
-        overrides["replay.full_blocks_only"] = True
-    overrides.update({path: value for path, value in shortcuts.items() if value is not None})
+    given = {
+        "replay.trace": args.trace,
+        "replay.workload": args.workload,
+        "replay.limit": args.limit,
+        "replay.full_blocks_only": args.full_blocks_only or None,
+        **shortcuts,
+    }
+    overrides = {path: value for path, value in given.items() if value is not None}
     overrides.update(dict(args.overrides or ()))
     if args.config is not None:
         return load_config(args.config, overrides, add_tiers=tiers)
-    return config_from_toml("", overrides=overrides | _cpu_default(overrides), add_tiers=tiers)
-
-
-def _cpu_default(overrides: dict[str, object]) -> dict[str, object]:
-    if "engine.cpu_blocks" in overrides or "engine.cpu_bytes" in overrides:
-        return {}
-    return {"engine.cpu_blocks": DEFAULT_CPU_BLOCKS}
+    if "engine.cpu_blocks" not in overrides and "engine.cpu_bytes" not in overrides:
+        overrides["engine.cpu_blocks"] = DEFAULT_CPU_BLOCKS
+    return config_from_toml("", overrides=overrides, add_tiers=tiers)
 
 
 def load_workload(config: TieringConfig) -> list[Request]:

@@ -94,25 +94,19 @@ def listing(found: dict[str, Path], width: int | None = None) -> list[str]:
 def run_benchmark(command: list[str]) -> int:
     """Run ``command`` and return its exit status (128 + the signal's number if a signal
     ended it). After Ctrl-C (which the benchmark receives too) it has
-    ``INTERRUPT_GRACE_S`` to stop by itself before it is sent SIGINT."""
+    ``INTERRUPT_GRACE_S`` to stop by itself before it is sent SIGINT, once; a Ctrl-C
+    pressed again only waits on."""
     child = subprocess.Popen(command)
-    try:
-        status = child.wait()
-    except KeyboardInterrupt:
-        status = _wait_after_interrupt(child)
-    return status if status >= 0 else 128 - status
-
-
-def _wait_after_interrupt(child: subprocess.Popen[bytes]) -> int:
-    """The benchmark's status once it ends, after a Ctrl-C: SIGINT is passed on once, if
-    it still runs after the grace time; a Ctrl-C pressed again only waits on."""
-    deadline: float | None = time.monotonic() + INTERRUPT_GRACE_S
+    interrupted = False
+    deadline: float | None = None  # the grace time's end, until SIGINT is sent
     while True:
         try:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return child.wait(timeout=left)
+            status = child.wait(timeout=left)
+            return status if status >= 0 else 128 - status
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGINT)
             deadline = None
-        except KeyboardInterrupt:  # pressed again: it reaches the benchmark as well
-            continue
+        except KeyboardInterrupt:
+            if not interrupted:
+                interrupted, deadline = True, time.monotonic() + INTERRUPT_GRACE_S

@@ -45,7 +45,7 @@ from tiering.config import EngineConfig, MetricsConfig, ReplayConfig, TieringCon
 from tiering.core.policies import policy_name, policy_names
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
-from tiering.lab.fleet import SHARED_TIERS, FleetSummary, replay_fleet
+from tiering.lab.fleet import SHARED_TIERS, replay_fleet
 from tiering.lab.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
 from tiering.lab.workloads import Request
 from tiering.observe.loop_lag import LoopLagMonitor
@@ -57,8 +57,8 @@ ORDER = 10
 
 
 def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
-    """The options that set one config field (left out, the field is as the defaults and
-    --config give it): (group, option, field, argparse keywords)."""
+    """The options that set one config field (left out: as the defaults and --config give
+    it): (group, option, config path, argparse keywords)."""
     return [
         ("tiers", "--policy", "engine.policy",
          {"type": policy_name, "choices": policy_names(),
@@ -140,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_fleet(config, requests, args.json, args.tolerate_failures)
     with Progress() as progress:
         summary = asyncio.run(_replay(config, requests, progress))
-    figures = summary.to_json()
-    figures.update(_bookkeeping(config, requests, summary))
+    figures = summary.to_json() | _bookkeeping(config, requests, summary)
     if summary.warm_blocks or summary.warm_hits:
         print(f"tiering replay: warning: {_warm_note(summary)}", file=sys.stderr)
     if args.json:
@@ -196,9 +195,7 @@ def _failures(summary: ReplaySummary) -> str | None:
                 f"the {name} tier failed {failed['load']} block loads and {failed['store']} "
                 "block stores"
             )
-    if not parts:
-        return None
-    return f"{'; '.join(parts)} ({_causes(summary.failure_causes)})"
+    return f"{'; '.join(parts)} ({_causes(summary.failure_causes)})" if parts else None
 
 
 def _refused(refused: dict[str, int]) -> str:
@@ -279,7 +276,24 @@ def _run_fleet(
     nodes: dict[str, ReplaySummary] = {}
     with Progress() as progress:
         for name, run_config in runs.items():
-            summary = asyncio.run(_replay_fleet(run_config, requests, progress, name))
+            events_on = with_overrides(run_config, {"engine.enable_events": True})
+            summary = asyncio.run(
+                replay_fleet(
+                    requests,
+                    lambda node, kv, c=events_on: TieringEngine.from_config(
+                        _node_config(c, node), kv
+                    ),
+                    nodes=config.replay.nodes,
+                    router=config.replay.router,
+                    transport=config.replay.transport,
+                    device_blocks=config.replay.device_blocks,
+                    block_bytes=config.replay.block_bytes,
+                    full_blocks_only=config.replay.full_blocks_only,
+                    on_request=lambda done, _, name=name: progress.update(
+                        f"fleet ({name}): {done}/{len(requests)} requests"
+                    ),
+                )
+            )
             figures[name] = summary.to_json()
             nodes |= {f"{name} run, node {i}: ": node for i, node in enumerate(summary.nodes)}
     if shared:
@@ -291,25 +305,6 @@ def _run_fleet(
     else:
         print(format_fleet(figures))
     return _status(mismatches, nodes, tolerate)
-
-
-async def _replay_fleet(
-    config: TieringConfig, requests: list[Request], progress: Progress, name: str
-) -> FleetSummary:
-    events_on = with_overrides(config, {"engine.enable_events": True})
-    return await replay_fleet(
-        requests,
-        lambda node, kv: TieringEngine.from_config(_node_config(events_on, node), kv),
-        nodes=config.replay.nodes,
-        router=config.replay.router,
-        transport=config.replay.transport,
-        device_blocks=config.replay.device_blocks,
-        block_bytes=config.replay.block_bytes,
-        full_blocks_only=config.replay.full_blocks_only,
-        on_request=lambda done, _: progress.update(
-            f"fleet ({name}): {done}/{len(requests)} requests"
-        ),
-    )
 
 
 def _node_config(config: TieringConfig, node: int) -> TieringConfig:
@@ -324,10 +319,7 @@ def _node_config(config: TieringConfig, node: int) -> TieringConfig:
 def format_fleet(figures: dict[str, Any]) -> str:
     """The table of a fleet replay: each run's hit ratio by source and by node."""
     lines = []
-    for name in ("shared", "baseline"):
-        run = figures.get(name)
-        if run is None:
-            continue
+    for name, run in [(name, figures[name]) for name in ("shared", "baseline") if name in figures]:
         sources = "  ".join(f"{s} {r:.4f}" for s, r in run["hit_ratio_by_source"].items())
         nodes = " ".join(f"{r:.4f}" for r in run["hit_ratio_by_node"])
         own = run["own_capacity_blocks"]
@@ -412,11 +404,7 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
         )
     if refused := sum(summary.refused_blocks_by_tier.values()):
         notes.append(f"full tiers had no room for {refused} blocks (the model evicts instead)")
-    evicting = [
-        label
-        for label, counters in summary.tier_counters.items()
-        if counters.get("evicted_blocks", 0)
-    ]
+    evicting = [label for label, c in summary.tier_counters.items() if c.get("evicted_blocks")]
     if evicting and not config.replay.settle:
         notes.append(
             f"the {', '.join(evicting)} tier evicted while cascades ran behind the requests "
@@ -440,12 +428,6 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
 async def _replay(
     config: TieringConfig, requests: list[Request], progress: Progress
 ) -> ReplaySummary:
-    pace = None if config.replay.pace == "max" else float(config.replay.pace)
-
-    def on_request(done: int, summary: ReplaySummary) -> None:
-        ratio = summary.hit_ratio
-        progress.update(f"replay: {done}/{len(requests)} requests, hit ratio {ratio:.4f}")
-
     metrics = config.metrics
 
     def serve(engine: TieringEngine, lag: LoopLagMonitor) -> AbstractContextManager[object]:
@@ -461,12 +443,14 @@ async def _replay(
         on_open=None if metrics.port is None else serve,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
-        pace=pace,
+        pace=None if config.replay.pace == "max" else float(config.replay.pace),
         full_blocks_only=config.replay.full_blocks_only,
         verify=config.replay.verify,
         settle=config.replay.settle,
         tenants=config.replay.tenants,
-        on_request=on_request,
+        on_request=lambda done, summary: progress.update(
+            f"replay: {done}/{len(requests)} requests, hit ratio {summary.hit_ratio:.4f}"
+        ),
     )
 
 

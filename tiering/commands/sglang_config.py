@@ -30,40 +30,12 @@ NAME = "sglang-config"
 HELP = "print the SGLang arguments that make the NVMe tier its HiCache storage"
 ORDER = 41
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-
-
-def storage_extra_config(root: str, nvme_capacity: int, fsync: str = "batch") -> dict[str, object]:
-    """SGLang 0.5.23's ``--hicache-storage-backend-extra-config`` for kv-tiering's NVMe
-    tier of ``nvme_capacity`` bytes under ``root``, through the zero-copy interface."""
-    return {
-        "backend_name": "kv-tiering",
-        "module_path": "tiering.integrations.sglang",
-        "class_name": "NVMeHiCacheStorage",
-        "interface_v1": 1,
-        "root": root,
-        "capacity_bytes": nvme_capacity,
-        "fsync": fsync,
-    }
-
-
-def launch_arguments(extra_config: dict[str, object], prefetch_policy: str) -> list[str]:
-    """SGLang's server arguments for HiCache with ``extra_config``'s storage backend."""
-    return [
-        "--enable-hierarchical-cache",
-        "--hicache-mem-layout", "page_first",
-        "--hicache-storage-backend", "dynamic",
-        "--hicache-storage-prefetch-policy", prefetch_policy,
-        "--hicache-storage-backend-extra-config",
-        json.dumps(extra_config, separators=(",", ":")),
-    ]  # fmt: skip
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nvme_tier_arguments(parser)
     parser.add_argument(
         "--prefetch-policy",
-        choices=PREFETCH_POLICIES,
+        choices=("best_effort", "wait_complete", "timeout"),
         default="timeout",
         help="when SGLang stops waiting for a prefetch from the tier (its own default)",
     )
@@ -77,7 +49,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if any(char.isspace() for char in framework_root(args.root)):
         raise InvalidArgumentError(f"root: must hold no whitespace, got {args.root!r}")
-    extra = storage_extra_config(args.root, args.nvme_capacity, args.fsync)
-    arguments = launch_arguments(extra, args.prefetch_policy)
-    print(arguments[-1] if args.extra_config else " ".join(arguments))
+    extra = {  # through the zero-copy interface (interface_v1)
+        "backend_name": "kv-tiering",
+        "module_path": "tiering.integrations.sglang",
+        "class_name": "NVMeHiCacheStorage",
+        "interface_v1": 1,
+        "root": args.root,
+        "capacity_bytes": args.nvme_capacity,
+        "fsync": args.fsync,
+    }
+    extra_json = json.dumps(extra, separators=(",", ":"))
+    arguments = [
+        "--enable-hierarchical-cache",
+        "--hicache-mem-layout", "page_first",
+        "--hicache-storage-backend", "dynamic",
+        "--hicache-storage-prefetch-policy", args.prefetch_policy,
+        "--hicache-storage-backend-extra-config", extra_json,
+    ]  # fmt: skip
+    print(extra_json if args.extra_config else " ".join(arguments))
     return EXIT_OK

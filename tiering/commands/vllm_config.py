@@ -26,32 +26,6 @@ HELP = "print the --kv-transfer-config that puts the NVMe tier under vLLM's CPU 
 ORDER = 40
 
 
-def kv_transfer_config(
-    root: str, nvme_capacity: int, cpu_bytes: int, fsync: str = "batch", events: bool = False
-) -> dict[str, object]:
-    """vLLM 0.33's KV transfer config (``KVTransferConfig``'s fields) with kv-tiering's
-    NVMe tier of ``nvme_capacity`` bytes under ``root`` below vLLM's CPU tier of
-    ``cpu_bytes``."""
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": cpu_bytes,
-            "secondary_tiers": [
-                {
-                    "type": "NVMeTierManager",
-                    "module_path": "tiering.integrations.vllm",
-                    "root": root,
-                    "capacity_bytes": nvme_capacity,
-                    "fsync": fsync,
-                    "enable_kv_events": events,
-                }
-            ],
-        },
-    }
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nvme_tier_arguments(parser)
     parser.add_argument(
@@ -63,8 +37,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = kv_transfer_config(
-        framework_root(args.root), args.nvme_capacity, args.cpu, args.fsync, args.events
-    )
+    tier = {
+        "type": "NVMeTierManager",
+        "module_path": "tiering.integrations.vllm",
+        "root": framework_root(args.root),
+        "capacity_bytes": args.nvme_capacity,
+        "fsync": args.fsync,
+        "enable_kv_events": args.events,
+    }
+    config = {  # vLLM 0.33's KVTransferConfig fields
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": args.cpu,
+            "secondary_tiers": [tier],
+        },
+    }
     print(json.dumps(config))
     return EXIT_OK

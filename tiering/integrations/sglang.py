@@ -101,7 +101,7 @@ class PageChunks:
         self.chunks = len(first)
         second, _ = chunks_of(1) if self.pages > 1 else (first, sizes)
         last, _ = chunks_of(self.pages - 1)
-        stride = (second[0] - first[0]) // self.chunk_bytes
+        self.stride = stride = (second[0] - first[0]) // self.chunk_bytes
         whole = all(size == self.chunk_bytes for size in sizes) and not any(
             offset % self.chunk_bytes for offset in first + second + last
         )
@@ -117,7 +117,6 @@ class PageChunks:
                 "chunks of its buffer at a fixed stride, which kv-tiering's HiCache "
                 "storage needs (use the page_first or layer_first layout)"
             )
-        self.stride = stride
         self._offsets = torch.tensor(self.offsets, dtype=torch.int64)
         self._suffixes = [b"/%d" % j for j in range(self.chunks)]
 
@@ -160,12 +159,9 @@ class TieringHiCacheStorage(HiCacheStorage):
     options, and ``namespace``, ``start_timeout`` and ``job_timeout``, come in
     ``storage_config.extra_config`` (docs/sglang.md#set-up).
 
-    * A page is stored and served whole: a load reports a page True only if every byte
-      of it landed and verified, else False (never wrong bytes).
-    * ``batch_exists`` counts the leading pages the tier holds, from its index where it
-      keeps one (NVMe, memory), else after the tier's batched presence check (Redis).
-    * Ranks that are not storage writers (``is_storage_writer``) store nothing.
-    * Every call waits for its batch's I/O and no longer.
+    A page is stored and served whole, never with wrong bytes; ranks that are not
+    storage writers store nothing; every call waits for its batch's I/O and no longer
+    (docs/sglang.md#what-sglang-can-rely-on).
 
     The tier is built when SGLang registers its host pool; InvalidArgumentError there for
     a bad option or a host pool the tier cannot move pages of in place, UnknownTierError
@@ -295,11 +291,9 @@ class TieringHiCacheStorage(HiCacheStorage):
             unknown = next(i for i, held in enumerate(answers) if held is not True)
             page = (first + unknown) // n
             start = page * n - first
-            if False in answers[start : start + n]:
-                return page
             now = time.monotonic()
             deadline = deadline or now + thread.job_timeout
-            if now >= deadline:
+            if False in answers[start : start + n] or now >= deadline:
                 return page
             first = page * n
             time.sleep(_ASK_AGAIN_S)
@@ -385,8 +379,6 @@ class TieringHiCacheStorage(HiCacheStorage):
         finally:
             if indices is not None:
                 pool.free(indices)
-
-    # -- upkeep ------------------------------------------------------------------------
 
     def clear(self) -> None:
         """Drop every page the tier holds for this process (the NVMe and memory tiers;

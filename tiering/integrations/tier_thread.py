@@ -68,37 +68,28 @@ class TierThread:
         self._handoff: deque[tuple[Any, ...]] = deque()
         self._wake_scheduled = False
         self._closing = False
+
+        async def open_tier() -> TierClient:  # on the loop: the tier's actor lives there
+            tier = make_tier(spec, primary_view, block_bytes, defaults=defaults)
+            if report_removals:
+                tier.report_removals()
+            client = TierClient(tier, timeout=self.job_timeout)
+            try:
+                await client.start()
+            except BaseException:
+                tier.shutdown()
+                raise
+            return client
+
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
         try:
-            self.client = self.run(
-                self._open(spec, primary_view, block_bytes, defaults, report_removals),
-                start_timeout,
-            )
+            self.client = self.run(open_tier(), start_timeout)
         except BaseException:
             self._stop_loop()
             raise
         self.tier = self.client.tier
-
-    async def _open(
-        self,
-        spec: dict[str, Any],
-        view: memoryview,
-        block_bytes: int,
-        defaults: dict[str, Any],
-        report_removals: bool,
-    ) -> TierClient:
-        tier = make_tier(spec, view, block_bytes, defaults=defaults)
-        if report_removals:
-            tier.report_removals()
-        client = TierClient(tier, timeout=self.job_timeout)
-        try:
-            await client.start()
-        except BaseException:
-            tier.shutdown()
-            raise
-        return client
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -24,6 +24,7 @@ from tiering.tiers.tier_api import checked_job
 
 try:
     from vllm.v1.kv_offload.base import (
+        Locality,
         LookupResult,
         Medium,
         OffloadingCounterMetadata,
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 METRIC_PREFIX = "kv_tiering:"
 """Prefix of the Prometheus metrics these tiers report through vLLM."""
 
-_TIER_LABEL = "tier_type"
 _COUNTERS = (  # each kind of job's counters: name, meaning
     ("jobs", "Jobs ended"),
     ("blocks", "Blocks moved"),
@@ -129,8 +129,6 @@ class RegisteredTierManager(SecondaryTierManager):
         if not isinstance(enable_kv_events, bool):
             raise InvalidArgumentError(f"enable_kv_events must be a bool, got {enable_kv_events!r}")
         if locality is not None:
-            from vllm.v1.kv_offload.base import Locality
-
             try:
                 self.locality = Locality(locality)
             except ValueError as exc:
@@ -139,11 +137,8 @@ class RegisteredTierManager(SecondaryTierManager):
         # vLLM's view is 2-D (chunks x stride) with format 'b'; our tiers take flat bytes.
         self._flat_view = primary_kv_view.cast("B")
         self._namespace = namespace or vllm_namespace(offloading_spec, block_bytes)
-        self._events: list[OffloadingEvent] | None = (
-            []
-            if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
-            else None
-        )
+        events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if events else None
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}  # submitted, result not queued yet
         self._storing: Counter[bytes] = Counter()  # keys of those that are stores
@@ -200,9 +195,8 @@ class RegisteredTierManager(SecondaryTierManager):
         keys or chunk ids, or the tier shut down. A refused job's failed result is queued
         at once, the refusal counted (``<kind>_refused_jobs``) and logged once per cause;
         a job whose id is already in flight gets no result of its own (the first job's)."""
-        # vLLM's manager calls submit_* without a try: an exception here would stop its
-        # scheduler where its own tiers fail the one job. Checked here, on vLLM's thread,
-        # because the loop side takes a job as it is (one refused there would never end).
+        # vLLM's manager calls submit_* without a try (an exception would stop its
+        # scheduler); checked on vLLM's thread, as the loop side takes a job as it is.
         job_id = job.job_id
         try:
             checked = checked_job(job_id, job.keys, job.chunk_ids, self._thread.num_slots)
@@ -316,7 +310,7 @@ class RegisteredTierManager(SecondaryTierManager):
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
         """Prometheus metrics these tiers report, labelled by vLLM's tier type."""
-        labels = (_TIER_LABEL,)
+        labels = ("tier_type",)
         counters = {
             f"{METRIC_PREFIX}{kind}_{what}": OffloadingCounterMetadata(
                 f"{doc} by kv-tiering's tier ({kind} jobs)", labels
@@ -325,14 +319,13 @@ class RegisteredTierManager(SecondaryTierManager):
             for what, doc in _COUNTERS
         }
         gauges = {
-            f"{METRIC_PREFIX}stored_blocks": OffloadingGaugeMetadata(
-                "Blocks kv-tiering's tier holds now", labels
-            ),
-            f"{METRIC_PREFIX}jobs_in_flight": OffloadingGaugeMetadata(
-                "Jobs submitted to kv-tiering's tier without a result yet", labels
-            ),
+            "stored_blocks": "Blocks kv-tiering's tier holds now",
+            "jobs_in_flight": "Jobs submitted to kv-tiering's tier without a result yet",
         }
-        return {**counters, **gauges}
+        return counters | {
+            f"{METRIC_PREFIX}{name}": OffloadingGaugeMetadata(doc, labels)
+            for name, doc in gauges.items()
+        }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counters since the last call, and gauges now."""

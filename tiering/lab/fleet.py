@@ -27,18 +27,22 @@ from tiering.validation import positive_int
 
 ROUTERS: tuple[str, ...] = get_args(ReplayConfig.model_fields["router"].annotation)
 """The routing rules :class:`Router` knows (``replay.router``'s choices)."""
+TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].annotation)
+"""How a fleet replay carries KV events to the router (``replay.transport``'s choices)."""
+SHARED_TIERS = frozenset({"redis"})
+"""Tier types (and so their labels in the figures, and media in KV events) every node of
+a fleet shares."""
 
 
 class Router:
     """Picks each request's node by ``rule``, fed back what each node computed and the
     events it published. Raises InvalidArgumentError for a bad rule or node count."""
 
-    def __init__(self, rule: str, nodes: int, shared_media: Sequence[str] = ("REDIS",)) -> None:
+    def __init__(self, rule: str, nodes: int) -> None:
         if rule not in ROUTERS:
             raise InvalidArgumentError(f"router must be one of {', '.join(ROUTERS)}, got {rule!r}")
         self.rule = rule
         self.nodes = positive_int("nodes", nodes)
-        self.shared_media = frozenset(m.upper() for m in shared_media)
         self.computed = [0] * self.nodes  # blocks each node computed (its load)
         # kv-aware: per node, how many of its own media hold each key
         self._held: list[dict[bytes, int]] = [{} for _ in range(self.nodes)]
@@ -76,7 +80,7 @@ class Router:
         (InvalidArgumentError otherwise)."""
         held = self._held[node]
         for event in decode_events(payload):
-            if event["medium"].upper() in self.shared_media:
+            if event["medium"].lower() in SHARED_TIERS:
                 continue
             step = -1 if event["removed"] else 1
             for key in event["block_hashes"]:
@@ -99,13 +103,13 @@ class _DirectLink:
         self.router = router
 
     async def open(self, nodes: int) -> None:
-        """Nothing to connect."""
+        pass
 
     async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
         self.router.observe(node, encode_events(events, node=str(node)))
 
     def close(self) -> None:
-        """Nothing to close."""
+        pass
 
 
 class _ZmqLink:
@@ -132,21 +136,20 @@ class _ZmqLink:
             publisher = ZmqPublisher("tcp://127.0.0.1:*", node=str(node))
             self._publishers.append(publisher)
             self._sub.connect(publisher.endpoint)
-        for node, publisher in enumerate(self._publishers):
+        for node in range(nodes):
             deadline = time.monotonic() + 10 * self.wait_s
-            while not await self._heard(node, publisher, [_PROBE], self.wait_s / 20):
+            while not await self._heard(node, [_PROBE], self.wait_s / 20):
                 if time.monotonic() > deadline:
                     raise TieringError(f"the ZeroMQ link to node {node} did not come up")
 
     async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
-        if not await self._heard(node, self._publishers[node], events, self.wait_s):
+        if not await self._heard(node, events, self.wait_s):
             self.lost += 1
 
-    async def _heard(
-        self, node: int, publisher: ZmqPublisher, events: Sequence[OffloadingEvent], wait_s: float
-    ) -> bool:
+    async def _heard(self, node: int, events: Sequence[OffloadingEvent], wait_s: float) -> bool:
         """Publish ``events`` from ``node`` and feed the router what arrives, until this
         batch has (True) or ``wait_s`` passed (False)."""
+        publisher = self._publishers[node]
         expected = publisher.sequence
         publisher.publish(events)
         deadline = time.monotonic() + wait_s
@@ -172,12 +175,6 @@ class _ZmqLink:
 
 
 _PROBE = OffloadingEvent([], 0, "PROBE", False)  # an empty batch: tells the router nothing
-
-SHARED_TIERS = frozenset({"redis"})
-"""Tier types (and so their labels in the figures) every node of a fleet shares."""
-
-TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].annotation)
-"""How a fleet replay carries KV events to the router (``replay.transport``'s choices)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,21 +284,18 @@ async def replay_fleet(
     device_blocks: int | None = None,
     block_bytes: int,
     full_blocks_only: bool = False,
-    settle: bool = True,
     outages: Sequence[NodeOutage] = (),
     window: int | None = None,
     transport: str = "direct",
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
     """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
-    device cache of ``device_blocks`` (default: the longest request's).
-
-    ``settle`` lets each store reach every tier before the next request; ``outages`` stop
-    and restart nodes; ``window`` (default: a twentieth of the requests) is the timeline's
-    step; ``on_request(done, summary)`` runs after each request; ``transport`` carries KV
-    events ``"direct"`` or over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a
-    bad argument, a request longer than ``device_blocks``, or ``kv-aware`` without engines
-    with ``enable_events``.
+    device cache of ``device_blocks`` (default: the longest request's); each store reaches
+    every tier before the next request. ``outages`` stop and restart nodes; ``window``
+    (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
+    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
+    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a request
+    longer than ``device_blocks``, or ``kv-aware`` without engines with ``enable_events``.
     """
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)
@@ -312,7 +306,7 @@ async def replay_fleet(
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     device_blocks = device_blocks_for(keyed, device_blocks)
     fleet = [
-        ReplayNode(lambda kv, n=n: make_engine(n, kv), device_blocks, block_bytes, settle=settle)
+        ReplayNode(lambda kv, n=n: make_engine(n, kv), device_blocks, block_bytes, settle=True)
         for n in range(nodes)
     ]
     if router == "kv-aware" and not all(node.engine.enable_events for node in fleet):
@@ -320,15 +314,9 @@ async def replay_fleet(
     for outage in outages:
         if not 0 <= outage.node < nodes:
             raise InvalidArgumentError(f"outages: no node {outage.node} in {nodes}")
-    step = window if window is not None else max(1, len(keyed) // 20)
-    footprint_blocks = len({k for keys in keyed for k in keys})
-    summary = FleetSummary(
-        router,
-        [node.summary for node in fleet],
-        [0] * nodes,
-        window=positive_int("window", step),
-        footprint_blocks=footprint_blocks,
-    )
+    step = positive_int("window", window if window is not None else max(1, len(keyed) // 20))
+    summary = FleetSummary(router, [node.summary for node in fleet], [0] * nodes, window=step)
+    summary.footprint_blocks = len({k for keys in keyed for k in keys})
     stops = {o.at: o for o in outages}
     starts = {o.at + o.requests: o for o in outages}
     down: set[int] = set()
@@ -359,8 +347,7 @@ async def replay_fleet(
                 summary.timeline.append((0, 0))
             hit, blocks = summary.timeline[-1]
             summary.timeline[-1] = (hit + hits, blocks + len(keys))
-            events = fleet[n].engine.take_events()
-            if events:
+            if events := fleet[n].engine.take_events():
                 await link.send(n, events)
             if on_request is not None:
                 on_request(number + 1, summary)

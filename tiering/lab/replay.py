@@ -36,6 +36,7 @@ CPU = "cpu"  # the CPU tier's name in hit and byte figures
 # How the engine's causes for blocks lost under write-back end (evicted, or at a close):
 # each is a tier's store that failed or found no room, which the tier counts itself.
 _LOST_WITH_A_TRANSFER = "no tier took its write-back"
+_KINDS = ("load", "store")  # a tier transfer's kinds, as the engine names its failures
 ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers "ask again"
 
 
@@ -126,16 +127,12 @@ def tier_layout(tier: object) -> TierLayout:
 class CacheModel:
     """The bookkeeping of a replay, without bytes: what each request would hit, where. A
     CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
-    secondary tier, fastest first, written through, named ``tier_names`` in :attr:`hits`
-    (default ``tier0``, ``tier1``...). Raises InvalidArgumentError or UnknownPolicyError.
+    secondary tier, fastest first, written through, named ``tier0``, ``tier1``... in
+    :attr:`hits`. Raises InvalidArgumentError or UnknownPolicyError.
     """
 
     def __init__(
-        self,
-        cpu_blocks: int,
-        policy: str = DEFAULT_POLICY,
-        tier_blocks: Sequence[TierLayout] = (),
-        tier_names: Sequence[str] | None = None,
+        self, cpu_blocks: int, policy: str = DEFAULT_POLICY, tier_blocks: Sequence[TierLayout] = ()
     ) -> None:
         self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
         tiers: list[_TierModel] = []
@@ -146,12 +143,7 @@ class CacheModel:
             if layout is not None:
                 positive_int(f"tier_blocks[{i}]", layout)
             tiers.append(_LRUSet(layout))
-        names = list(tier_names) if tier_names is not None else []
-        if tier_names is not None and len(names) != len(tier_blocks):
-            raise InvalidArgumentError(
-                f"tier_names must name each of the {len(tier_blocks)} tiers, got {names!r}"
-            )
-        self.tier_names = names or [f"tier{i}" for i in range(len(tier_blocks))]
+        self.tier_names = [f"tier{i}" for i in range(len(tier_blocks))]
         self._tiers = tiers
         self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
         self.blocks = 0
@@ -433,7 +425,9 @@ class ReplayNode:
                 result = JobResult(0, False, tuple(keys[:n]), LEFT_EVERY_TIER)
             summary.load_latency_s.append(time.perf_counter() - began)
             if not result.success:
-                if _evicted_meanwhile(result):
+                # Evicted meanwhile: each key's reason starts with LEFT_EVERY_TIER.
+                error = result.error or ""
+                if LEFT_EVERY_TIER in error and "; " not in error:
                     summary.evicted_loads += 1
                 else:
                     summary.failed_loads += 1
@@ -496,20 +490,24 @@ class ReplayNode:
         """Take the closed engine's figures into the summary (every cascade counted; a
         restarted node's figures add up)."""
         engine, summary = self.engine, self.summary
-        labels = tier_labels(engine)
-        summary.bytes_by_path = _bytes_by_path(engine, labels)
+        labels, size = tier_labels(engine), engine.block_bytes
+        engine_stats = engine.statistics()
+        moved = engine_stats.counters
+        paths = {"device->cpu": moved["bytes_to_host"], "cpu->device": moved["bytes_to_device"]}
         summary.capacity_blocks[CPU] = engine.manager.num_blocks
-        failures = engine.statistics().failures
+        failures = engine_stats.failures
         _add(summary.tier_failures, CPU, failures)
         refused: Counter[str] = Counter()
         causes: Counter[str] = Counter()
         for label, tier in zip(labels, engine.tiers, strict=True):
             stats = tier.statistics()
+            paths[f"cpu->{label}"] = stats.counters.get("stored_blocks", 0) * size
+            paths[f"{label}->cpu"] = stats.counters.get("loaded_blocks", 0) * size
             _add(summary.tier_counters, label, stats.counters)
             _add(summary.tier_failures, label, stats.failures)
             summary.tier_layouts[label] = tier_layout(tier)
             summary.tier_types[label] = tier.get_tier_type()
-            if capacity := stats.capacity_blocks or stats.capacity_bytes // engine.block_bytes:
+            if capacity := stats.capacity_blocks or stats.capacity_bytes // size:
                 summary.capacity_blocks[label] = capacity
             for cause, count in stats.failures.items():
                 if cause in CAPACITY_CAUSES:
@@ -517,35 +515,21 @@ class ReplayNode:
                 else:
                     causes[cause] += count
         names = list(dict.fromkeys(t.get_tier_type() for t in engine.tiers))  # as the engine
-        transfers = {f"{name} tier {kind} failed" for name in names for kind in ("load", "store")}
+        transfers = {f"{name} tier {kind} failed" for name in names for kind in _KINDS}
         for name in names:
-            failed = {
-                kind: failures.get(f"{name} tier {kind} failed", 0) for kind in ("load", "store")
-            }
+            load, store = (failures.get(f"{name} tier {kind} failed", 0) for kind in _KINDS)
             # The engine counts a refused block as a failed store to the tier; the tier
             # counts it once under its cause too.
-            failed["store"] = max(0, failed["store"] - refused[name])
+            failed = {"load": load, "store": max(0, store - refused[name])}
             _add(summary.failed_blocks_by_tier, name, failed)
-        summary.refused_blocks_by_tier = summed(
-            [summary.refused_blocks_by_tier, {name: refused[name] for name in names}]
-        )
-        causes.update(
-            {
-                cause: count
-                for cause, count in failures.items()
-                if cause not in transfers
-                and cause != LEFT_EVERY_TIER  # counted as evicted_loads
-                and not cause.endswith(_LOST_WITH_A_TRANSFER)
-            }
-        )
+            refused_before = summary.refused_blocks_by_tier.get(name, 0)
+            summary.refused_blocks_by_tier[name] = refused_before + refused[name]
+        for cause, count in failures.items():  # LEFT_EVERY_TIER: counted as evicted_loads
+            lost = cause.endswith(_LOST_WITH_A_TRANSFER)
+            if cause not in transfers and cause != LEFT_EVERY_TIER and not lost:
+                causes[cause] += count
         summary.failure_causes = summed([summary.failure_causes, causes])
-
-
-def _evicted_meanwhile(result: JobResult) -> bool:
-    """Whether a failed load failed only because its blocks left every tier after the
-    lookup (each key's reason then starts with LEFT_EVERY_TIER)."""
-    error = result.error or ""
-    return LEFT_EVERY_TIER in error and "; " not in error
+        summary.bytes_by_path = paths
 
 
 def summed(mappings: Iterable[Mapping[str, int]]) -> dict[str, int]:
@@ -568,8 +552,7 @@ def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
     """How many of the first ``len(keys)`` device blocks differ from their keys' bytes."""
     if not keys:
         return 0
-    whole, tail = _views(staging, 0, len(keys))
-    digests = _digests(keys)
+    whole, tail, digests = _blocks(staging, keys, 0)
     good = (whole == digests[:, None, :]).all(axis=(1, 2))
     good &= (tail == digests[:, : tail.shape[1]]).all(axis=1)
     return len(keys) - int(good.sum())
@@ -577,29 +560,27 @@ def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
 
 def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
     """Fill device blocks ``first..`` with their keys' bytes, as a model would compute them."""
-    whole, tail = _views(staging, first, len(keys))
-    digests = _digests(keys[first:])
+    whole, tail, digests = _blocks(staging, keys, first)
     whole[...] = digests[:, None, :]
     tail[...] = digests[:, : tail.shape[1]]
 
 
-def _digests(keys: list[bytes]) -> np.ndarray:
-    """Each key's 64-byte BLAKE2b digest, one row per key."""
-    joined = b"".join(hashlib.blake2b(key, digest_size=64).digest() for key in keys)
-    return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 64)
-
-
-def _views(staging: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks ``first..last`` as their whole 64-byte repeats, (blocks, repeats, 64), and
-    the bytes after the last whole repeat: views (a reshape of a row slice may copy)."""
-    repeats = staging.shape[1] // 64
+def _blocks(
+    staging: np.ndarray, keys: list[bytes], first: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Device blocks ``first..len(keys)`` as their whole 64-byte repeats, (blocks, repeats,
+    64), and the bytes after the last whole repeat (views: a reshape of a row slice may
+    copy); and the 64-byte BLAKE2b digest of each of their keys, one row per key."""
+    last, repeats = len(keys), staging.shape[1] // 64
     whole = np.lib.stride_tricks.as_strided(
         staging[first:last],
         shape=(last - first, repeats, 64),
         strides=(staging.strides[0], 64, 1),
         writeable=True,
     )
-    return whole, staging[first:last, repeats * 64 :]
+    joined = b"".join(hashlib.blake2b(key, digest_size=64).digest() for key in keys[first:])
+    digests = np.frombuffer(joined, dtype=np.uint8).reshape(last - first, 64)
+    return whole, staging[first:last, repeats * 64 :], digests
 
 
 def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
@@ -610,14 +591,3 @@ def _source(engine: TieringEngine, labels: list[str], key: bytes) -> str:
         if tier.lookup(key):
             return label
     return "gone"  # it left every tier between the lookup and now
-
-
-def _bytes_by_path(engine: TieringEngine, labels: list[str]) -> dict[str, int]:
-    size = engine.block_bytes
-    counters = engine.statistics().counters
-    paths = {"device->cpu": counters["bytes_to_host"], "cpu->device": counters["bytes_to_device"]}
-    for label, tier in zip(labels, engine.tiers, strict=True):
-        tier_counters = tier.statistics().counters
-        paths[f"cpu->{label}"] = tier_counters.get("stored_blocks", 0) * size
-        paths[f"{label}->cpu"] = tier_counters.get("loaded_blocks", 0) * size
-    return paths

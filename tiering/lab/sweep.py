@@ -78,7 +78,7 @@ def capacities_from(text: str, footprint_blocks: int) -> list[int]:
     """Capacities, ascending and distinct, from comma-separated block counts (``1000``)
     and footprint percentages (``5%``); InvalidArgumentError names a bad item."""
     capacities = set()
-    for item in _items(text):
+    for item in map(str.strip, text.split(",")):
         if item.endswith("%"):
             capacities.add(max(1, round(footprint_blocks * _fraction(item, text))))
             continue
@@ -96,17 +96,13 @@ def fractions_from(text: str) -> list[float]:
     """Footprint fractions, in the order given, from comma-separated percentages
     (``1%,5%``); InvalidArgumentError names an item that is not one in (0, 100]%."""
     fractions = []
-    for item in _items(text):
+    for item in map(str.strip, text.split(",")):
         if not item.endswith("%"):
             raise InvalidArgumentError(
                 f"capacities: the suite takes percentages of the footprint, got {item!r}"
             )
         fractions.append(_fraction(item, text))
     return fractions
-
-
-def _items(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",")]
 
 
 def _fraction(item: str, text: str) -> float:
@@ -152,15 +148,9 @@ def sweep(
                 requests, cpu_blocks=capacity, policy=policy, full_blocks_only=full_blocks_only
             )
             elapsed = time.perf_counter() - began
-            points.append(
-                SweepPoint(
-                    capacity,
-                    capacity / total if total else 0.0,
-                    policy,
-                    model.hit_ratio,
-                    len(requests) / elapsed if elapsed > 0 else 0.0,
-                )
-            )
+            fraction = capacity / total if total else 0.0
+            speed = len(requests) / elapsed if elapsed > 0 else 0.0
+            points.append(SweepPoint(capacity, fraction, policy, model.hit_ratio, speed))
     return SweepResult(len(requests), total, tuple(points))
 
 

@@ -14,7 +14,7 @@ import multiprocessing
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,11 @@ class _Builder:
         """``ids`` followed by ``count`` blocks of their own (a fresh chain if empty)."""
         return ids + self.chain(self.unique(count), ids[-1] if ids else None)
 
-    def ask(self, arrival_s: float, ids: list[int], session: int, reply_blocks: int = 1) -> None:
-        """A request for the full blocks ``ids`` and one partial block of its own."""
-        rng = self.rng
-        tokens = len(ids) * TOKENS_PER_BLOCK + rng.randrange(1, TOKENS_PER_BLOCK)
-        output = reply_blocks * TOKENS_PER_BLOCK + rng.randrange(0, TOKENS_PER_BLOCK)
+    def ask(self, arrival_s: float, ids: list[int], session: int) -> None:
+        """A request for the full blocks ``ids`` and one partial block of its own, whose
+        answer is one block and a part."""
+        tokens = len(ids) * TOKENS_PER_BLOCK + self.rng.randrange(1, TOKENS_PER_BLOCK)
+        output = TOKENS_PER_BLOCK + self.rng.randrange(0, TOKENS_PER_BLOCK)
         blocks = tuple(self.extend(ids, 1))
         self.requests.append(Request(arrival_s, blocks, tokens, output, session))
 
@@ -233,13 +233,8 @@ class SuiteResult:
             "policies": list(self.policies),
             "worst_ratio": {p: round(self.worst(p), 4) for p in self.policies},
             "points": [
-                {
-                    "workload": p.workload,
-                    "full_blocks_only": p.full_blocks_only,
-                    "capacity_fraction": p.capacity_fraction,
-                    "capacity_blocks": p.capacity_blocks,
-                    "hit_ratio": {k: round(v, 4) for k, v in p.hit_ratios.items()},
-                }
+                {k: v for k, v in asdict(p).items() if k != "hit_ratios"}
+                | {"hit_ratio": {k: round(v, 4) for k, v in p.hit_ratios.items()}}
                 for p in self.points
             ],
         }
