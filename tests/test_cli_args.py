@@ -7,9 +7,14 @@ import argparse
 import io
 import os
 import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from tests._scripts import script_env
 from tiering import cli_args as _cli
 
 
@@ -114,3 +119,42 @@ def _read_pty(fd: int, size: int, timeout_s: float = 10.0) -> str:
             break
         data += os.read(fd, 4096)
     return data.decode()
+
+
+_SLOW_EXIT = """
+import atexit, time
+from tiering.cli_args import run_main
+
+def slow_exit() -> None:  # as a script's thread pools and finalizers take their time
+    print("exiting", flush=True)
+    time.sleep(3)
+
+def main() -> None:
+    atexit.register(slow_exit)
+    print("ready", flush=True)
+    time.sleep(60)
+
+run_main(main, "slow")
+"""
+
+
+def test_a_second_ctrl_c_while_the_script_exits_prints_nothing_more(tmp_path: Path) -> None:
+    # `tiering bench` sends SIGINT once more when a benchmark has not ended 2 s after a
+    # Ctrl-C; one still exiting must not print a traceback for it.
+    script = tmp_path / "slow.py"
+    script.write_text(_SLOW_EXIT)
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=script_env(PYTHONUNBUFFERED="1"), text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGINT)
+        assert process.stdout.readline() == "exiting\n"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == _cli.EXIT_INTERRUPTED
+    assert err == "slow: interrupted\n"

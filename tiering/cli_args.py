@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import runpy
+import signal
 import sys
 import tempfile
 import time
@@ -205,10 +206,14 @@ class Progress:
 
 def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
     """Run a script's ``main`` and exit with the status it returns (0 for None); Ctrl-C
-    prints ``<prog>: interrupted`` (default: the script's file name) and exits 130."""
+    prints ``<prog>: interrupted`` (default: the script's file name) and exits 130; a
+    Ctrl-C while it exits is ignored (no traceback from its exit handlers)."""
     try:
         status = main()
     except KeyboardInterrupt:
+        # `tiering bench` passes Ctrl-C on once more when a benchmark is slow to end;
+        # by now it is ending, and an exit handler must not be cut short by it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         name = prog or os.path.basename(sys.argv[0]) or "python"
         print(f"{name}: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
