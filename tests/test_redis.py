@@ -388,20 +388,6 @@ async def test_refused_credentials_fail_the_start_without_showing_them(
         server.stop()
 
 
-async def test_an_acl_user_with_a_password_round_trips(pool: memoryview, tmp_path) -> None:
-    server = local_redis_server(tmp_path)
-    try:
-        server.command("ACL", "SETUSER", "kv-engine", "on", ">user-pw-41d2", "~kvt:*", "+@all")
-        server.command("ACL", "SETUSER", "default", "off")  # only the named user gets in
-        url = server.url.replace("redis://", "redis://kv-engine:user-pw-41d2@")
-        async with opened(pool, server, url=url) as tier:
-            assert (await store_job(tier, keys(2), [0, 1])).success
-            assert (await load_job(tier, keys(2), [2, 3])).success
-        assert [slot(pool, 2), slot(pool, 3)] == [slot(pool, 0), slot(pool, 1)]
-    finally:
-        server.stop()
-
-
 async def test_tls_with_the_server_s_ca_round_trips_and_without_it_is_a_clear_error(
     pool: memoryview, tmp_path
 ) -> None:

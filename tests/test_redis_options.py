@@ -161,14 +161,19 @@ async def test_ssl_check_hostname_false_accepts_a_certificate_for_another_name(
         server.stop()
 
 
-async def test_credentials_in_the_query_authenticate_every_connection(
-    pool: memoryview, tmp_path: Path
+@pytest.mark.parametrize(
+    ("userinfo", "query"),
+    [("kv-engine:user-pw-41d2@", ""), ("", "?username=kv-engine&password=user-pw-41d2")],
+    ids=["userinfo", "query"],
+)
+async def test_an_acl_user_s_credentials_authenticate_every_connection(
+    pool: memoryview, tmp_path: Path, userinfo: str, query: str
 ) -> None:
     server = local_redis_server(tmp_path)
     try:
         server.command("ACL", "SETUSER", "kv-engine", "on", ">user-pw-41d2", "~kvt:*", "+@all")
         server.command("ACL", "SETUSER", "default", "off")  # only the named user gets in
-        url = server.url + "?username=kv-engine&password=user-pw-41d2"
+        url = server.url.replace("redis://", "redis://" + userinfo) + query
         async with opened(pool, server, url=url) as tier:
             assert (await store_job(tier, keys(2), [0, 1])).success
             assert (await load_job(tier, keys(2), [2, 3])).success
