@@ -1,23 +1,18 @@
 """The ``tiering`` command (``python -m tiering`` or the ``tiering`` console script).
 
-Each subcommand is a module of :mod:`tiering.commands` defining a docstring, literal
-``NAME``, ``HELP`` and ``ORDER``, ``add_arguments(parser)`` and ``run(args) -> int``;
-``tiering --help`` reads their source without importing them (nor torch). Exit codes are
-in ``_DESCRIPTION``; a user error prints ``tiering <subcommand>: error: <message>``, and
-Ctrl-C (even while importing) ``tiering <subcommand>: interrupted``, never a traceback."""
+Each subcommand is a module of :mod:`tiering.commands` whose docstring describes it, with
+``add_arguments(parser)`` and ``run(args) -> int``; only the one run is imported (so
+``tiering --help`` imports no torch). Exit codes are in ``_DESCRIPTION``; a user error
+prints ``tiering <subcommand>: error: <message>``, and Ctrl-C (even while importing)
+``tiering <subcommand>: interrupted``, never a traceback."""
 
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
-import importlib.util
-import pkgutil
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import tiering.commands
 from tiering.cli_args import EXIT_INTERRUPTED, described, make_parser
 from tiering.errors import InvalidArgumentError, TieringError
 
@@ -32,56 +27,17 @@ Exit codes: 0 done and nothing wrong found; 1 a failure found (wrong bytes serve
 damaged block, a failed run); 2 a usage error (a bad option, an unreadable trace or
 config file); 130 interrupted."""
 
-_DEFAULT_ORDER = 100
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """A subcommand as ``tiering --help`` lists it, and its module's name."""
-
-    name: str
-    help: str
-    doc: str
-    order: int
-    module: str
-
-
-def commands() -> dict[str, Command]:
-    """The subcommands by name, in ``--help``'s order (``ORDER``, then name); read, not imported."""
-    found = [
-        _describe(f"{tiering.commands.__name__}.{info.name}")
-        for info in pkgutil.iter_modules(tiering.commands.__path__)
-        if not info.name.startswith("_")
-    ]
-    return {c.name: c for c in sorted(found, key=lambda c: (c.order, c.name))}
-
-
-def _describe(module: str) -> Command:
-    """The subcommand ``module`` defines, read from its source (imported where the source
-    cannot be had or ``NAME`` or ``HELP`` is not a string literal)."""
-    spec = importlib.util.find_spec(module)
-    get_source = getattr(spec.loader, "get_source", None) if spec is not None else None
-    source = get_source(module) if get_source is not None else None
-    if source is not None:
-        tree = ast.parse(source)
-        values = {  # NAME = "literal"
-            target.id: node.value.value
-            for node in tree.body
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-            if len(node.targets) == 1 and isinstance(target := node.targets[0], ast.Name)
-        }
-        name, help_, order = values.get("NAME"), values.get("HELP"), values.get("ORDER")
-        if isinstance(name, str) and isinstance(help_, str):
-            order = order if isinstance(order, int) else _DEFAULT_ORDER
-            return Command(name, help_, ast.get_docstring(tree) or help_, order, module)
-    loaded = importlib.import_module(module)
-    return Command(
-        loaded.NAME,
-        loaded.HELP,
-        loaded.__doc__ or loaded.HELP,
-        getattr(loaded, "ORDER", _DEFAULT_ORDER),
-        module,
-    )
+# The subcommands in --help's order; each is the module tiering.commands.NAME ("-" as "_").
+COMMANDS = {
+    "replay": "replay a trace through a real engine, checking every loaded byte",
+    "sweep": "hit ratio by CPU capacity and policy (bookkeeping only), with a plot",
+    "bench": "run one of the project's benchmarks (examples/bench_*.py), or list them",
+    "vllm-config": "print the --kv-transfer-config that puts the NVMe tier under vLLM's CPU tier",
+    "sglang-config": "print the SGLang arguments that make the NVMe tier its HiCache storage",
+    "inspect": "what an NVMe root holds: namespaces, blocks, bytes, damaged or orphaned files",
+    "verify": "re-check every block of an NVMe root; report, and with --remove remove, bad ones",
+    "clear": "remove the blocks of an NVMe root, or of one namespace (needs --yes)",
+}
 
 
 class _VersionAction(argparse.Action):
@@ -112,12 +68,12 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = make_parser(_DESCRIPTION, prog="tiering")
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, info in commands().items():
-        child = sub.add_parser(
-            name, help=info.help, formatter_class=parser.formatter_class, **described(info.doc)
-        )
+    for name, help_ in COMMANDS.items():
+        child = sub.add_parser(name, help=help_, formatter_class=parser.formatter_class)
         if name == command:
-            module = importlib.import_module(info.module)
+            module = importlib.import_module(f"tiering.commands.{name.replace('-', '_')}")
+            doc = described(module.__doc__)
+            child.description, child.epilog = doc["description"], doc["epilog"]
             module.add_arguments(child)
             child.set_defaults(_run=module.run, _parser=child)
     return parser

@@ -27,10 +27,6 @@ from pathlib import Path
 
 from tiering.errors import InvalidArgumentError
 
-NAME = "bench"
-HELP = "run one of the project's benchmarks (examples/bench_*.py), or list them"
-ORDER = 30
-
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 """Where the benchmarks are: the source tree's examples/, beside the package."""
 INTERRUPT_GRACE_S = 2.0

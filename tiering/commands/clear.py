@@ -23,10 +23,6 @@ from tiering.commands.inspect import show
 from tiering.errors import InvalidArgumentError
 from tiering.observe.statistics import format_bytes
 
-NAME = "clear"
-HELP = "remove the blocks of an NVMe root, or of one namespace (needs --yes)"
-ORDER = 52
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_root_arguments(parser)

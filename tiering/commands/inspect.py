@@ -23,10 +23,6 @@ from tiering.cli import EXIT_OK
 from tiering.commands._output import add_json_argument, print_json, table
 from tiering.observe.statistics import format_bytes
 
-NAME = "inspect"
-HELP = "what an NVMe root holds: namespaces, blocks, bytes, damaged or orphaned files"
-ORDER = 50
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """ROOT, ``--namespace`` and ``--json``: inspect's, and those verify and clear share."""

@@ -51,10 +51,6 @@ from tiering.lab.workloads import Request
 from tiering.observe.loop_lag import LoopLagMonitor
 from tiering.observe.statistics import format_bytes
 
-NAME = "replay"
-HELP = "replay a trace through a real engine, checking every loaded byte"
-ORDER = 10
-
 
 def _field_options() -> list[tuple[str, str, str, dict[str, Any]]]:
     """The options that set one config field (left out: as the defaults and --config give

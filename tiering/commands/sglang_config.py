@@ -26,10 +26,6 @@ from tiering.cli import EXIT_OK
 from tiering.cli_args import add_nvme_tier_arguments, framework_root
 from tiering.errors import InvalidArgumentError
 
-NAME = "sglang-config"
-HELP = "print the SGLang arguments that make the NVMe tier its HiCache storage"
-ORDER = 41
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nvme_tier_arguments(parser)

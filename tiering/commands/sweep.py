@@ -31,10 +31,6 @@ from tiering.errors import InvalidArgumentError
 from tiering.lab.sweep import capacities_from, footprint, fractions_from, plot_sweep, sweep
 from tiering.lab.workload_suite import WORKLOADS, plot_suite, run_suite
 
-NAME = "sweep"
-HELP = "hit ratio by CPU capacity and policy (bookkeeping only), with a plot"
-ORDER = 20
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)

@@ -26,10 +26,6 @@ from tiering.commands._output import table
 from tiering.commands.inspect import add_arguments as add_root_arguments
 from tiering.commands.inspect import show
 
-NAME = "verify"
-HELP = "re-check every block of an NVMe root; report, and with --remove remove, bad ones"
-ORDER = 51
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_root_arguments(parser)

@@ -21,10 +21,6 @@ import json
 from tiering.cli import EXIT_OK
 from tiering.cli_args import add_nvme_tier_arguments, framework_root, size
 
-NAME = "vllm-config"
-HELP = "print the --kv-transfer-config that puts the NVMe tier under vLLM's CPU tier"
-ORDER = 40
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_nvme_tier_arguments(parser)
