@@ -136,45 +136,20 @@ __all__ = [
     "tier_names",
 ]
 
-# Where each public name lives; ``__getattr__`` imports it from there on first use.
-_EXPORTS: dict[str, str] = {
-    "tiering.config": "TieringConfig load_config",
-    "tiering.core.cpu_tier": "BlockState CPUOffloadingManager",
-    "tiering.core.job": "Job",
-    "tiering.core.job_core": "JobCore LookupStatistics",
-    "tiering.core.policies": (
-        "ARCPolicy EvictionPolicy LRUPolicy S3FIFOPolicy make_policy policy_names register_policy"
-    ),
-    "tiering.core.scheduler_api": (
-        "BlockHash CPULoadStoreSpec LoadStoreSpec OffloadingEvent OffloadingManager "
-        "PrepareStoreOutput"
-    ),
-    "tiering.device.copier": "CopyHandle DeviceCopier",
-    "tiering.device.host_pool": "HostPool",
-    "tiering.device.kv_layout": "kv_block_bytes",
-    "tiering.device.layer_progress": "LayerProgress",
-    "tiering.engine": "TieringEngine",
-    "tiering.errors": (
-        "BlockNotFoundError ClosedError ConfigError CorruptBlockError InvalidArgumentError "
-        "NotLoadingError TierBusyError TieringError TraceError TransferError UnknownPolicyError "
-        "UnknownTierError"
-    ),
-    "tiering.hashing": "block_hashes namespace_root",
-    "tiering.lab.workloads": "Request read_mooncake synthetic_requests",
-    "tiering.lifecycle": "Lifecycle",
-    "tiering.observe.events": "decode_events encode_events",
-    "tiering.observe.latency": "LatencyHistogram LatencySnapshot",
-    "tiering.observe.statistics": "FailureLog Statistics",
-    "tiering.security.encryption": "AuthenticationError Keyring UnknownKeyError",
-    "tiering.security.tenancy": "TenantLookups tenant_keys tenant_label",
-    "tiering.tiers.actor": "TierActor",
-    "tiering.tiers.client": "TierClient TierOutcome",
-    "tiering.tiers.registry": "make_tier register_tier tier_names",
-    "tiering.tiers.residency_index": "ResidencyIndex",
-    "tiering.tiers.tier_api": "JobMetadata JobResult SecondaryTierManager",
-    "tiering.validation": "as_block_hashes",
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names.split()}
+
+def _modules() -> dict[str, str]:
+    """Each public name's module, as the ``TYPE_CHECKING`` imports above name it (read from
+    this file, so the names are listed only there and in ``__all__``, which ruff's F401 and
+    F822 keep alike)."""
+    import ast
+
+    with open(__file__, encoding="utf-8") as source:
+        block = next(node for node in ast.parse(source.read()).body if isinstance(node, ast.If))
+    imports = [node for node in block.body if isinstance(node, ast.ImportFrom)]
+    return {alias.name: str(node.module) for node in imports for alias in node.names}
+
+
+_MODULE_OF = _modules()
 
 
 def __getattr__(name: str) -> object:
