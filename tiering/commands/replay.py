@@ -199,6 +199,13 @@ def _refused(refused: dict[str, int]) -> str:
     return ", ".join(f"{name} {n} blocks" for name, n in refused.items() if n)
 
 
+def _failed_jobs(figures: dict[str, Any]) -> str:
+    """A run's failed load / store jobs, then each tier's failed block loads / stores."""
+    by_tier = figures["failed_blocks_by_tier"].items()
+    blocks = "".join(f"; {tier} {n['load']} / {n['store']} blocks" for tier, n in by_tier)
+    return f"{figures['failed_loads']} / {figures['failed_stores']} jobs{blocks}"
+
+
 def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
     """InvalidArgumentError naming ``--cpu`` for a CPU tier smaller than the longest request."""
     full = config.replay.full_blocks_only
@@ -332,13 +339,7 @@ def format_fleet(figures: dict[str, Any]) -> str:
         ]
         timeline = " ".join(f"{point['hit_ratio']:.2f}" for point in run["timeline"])
         lines.append(f"  hit ratio over time: {timeline}")
-        failed = "".join(
-            f"; {tier} {n['load']} / {n['store']} blocks"
-            for tier, n in run["failed_blocks_by_tier"].items()
-        )
-        lines.append(
-            f"  failed loads/stores {run['failed_loads']} / {run['failed_stores']} jobs{failed}"
-        )
+        lines.append(f"  failed loads/stores {_failed_jobs(run)}")
         if any(run["refused_blocks_by_tier"].values()):
             refused = _refused(run["refused_blocks_by_tier"])
             lines.append(f"  no room: {refused} (full tiers refused them: capacity, not failures)")
@@ -352,14 +353,12 @@ def format_fleet(figures: dict[str, Any]) -> str:
 
 def _tier_shortcuts(args: argparse.Namespace) -> list[dict[str, object]]:
     """Tiers the shortcut options add after the config's own, fastest first."""
-    added: list[dict[str, object]] = []
-    if args.memory is not None:
-        added.append({"type": "memory", "max_blocks": args.memory})
-    if args.nvme is not None:
-        added.append({"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size})
-    if args.redis is not None:
-        added.append({"type": "redis", "url": args.redis})
-    return added
+    specs = [
+        (args.memory, {"type": "memory", "max_blocks": args.memory}),
+        (args.nvme, {"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size}),
+        (args.redis, {"type": "redis", "url": args.redis}),
+    ]
+    return [spec for given, spec in specs if given is not None]
 
 
 def _bookkeeping(
@@ -465,9 +464,7 @@ def format_summary(figures: dict[str, Any]) -> str:
         *([("cross-tenant hits", f"{figures['cross_tenant_hits']} "
                                  f"({figures['tenants']} tenants)")]
           if figures.get("tenants", 1) > 1 else []),
-        ("failed loads/stores", f"{figures['failed_loads']} / {figures['failed_stores']} jobs"
-                                + "".join(f"; {tier} {n['load']} / {n['store']} blocks"
-                                          for tier, n in figures["failed_blocks_by_tier"].items())),
+        ("failed loads/stores", _failed_jobs(figures)),
         *([("no room", f"{_refused(figures['refused_blocks_by_tier'])} (full tiers refused "
                        "them: capacity, not failures)")]
           if any(figures["refused_blocks_by_tier"].values()) else []),
