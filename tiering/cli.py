@@ -1,8 +1,6 @@
-"""The ``tiering`` command (``python -m tiering`` or the ``tiering`` console script).
-
-Each subcommand is a module of :mod:`tiering.commands` whose docstring describes it, with
-``add_arguments(parser)`` and ``run(args) -> int``; only the one run is imported (so
-``tiering --help`` imports no torch). Exit codes are in ``_DESCRIPTION``; a user error
+"""The ``tiering`` command (``python -m tiering``, or the console script). Each subcommand
+is a module of :mod:`tiering.commands` with a docstring, ``add_arguments(parser)`` and
+``run(args) -> int``, imported only when run, so ``--help`` imports no torch. A user error
 prints ``tiering <subcommand>: error: <message>``, and Ctrl-C (even while importing)
 ``tiering <subcommand>: interrupted``, never a traceback."""
 

@@ -1,11 +1,10 @@
-"""Typed options: one pydantic model per tier (its ``Options``, checked by its constructor
-with :meth:`~Options.check`) and per config section, the one source of the options for the
-tier, the registry, the TOML config, ``--set`` and the docs (docs/config.md). Values are
-checked strictly (an int is taken for a float, a size string for a :data:`Size`);
-command-line :class:`Text` is converted to its field's type first (lax; ``"none"`` or ``""``
-unsets a field whose default is None). A bad value raises :class:`InvalidArgumentError`
-(:class:`ConfigError` on the config path) naming the option's path, the value (never a
-:func:`secret`'s) and the reason."""
+"""Typed options: a pydantic model per tier (checked by its constructor with
+:meth:`~Options.check`) and per config section, the one source of their options for the
+registry, the TOML config, ``--set`` and docs/config.md. Values are checked strictly (an
+int serves for a float, a size string for a :data:`Size`); :class:`Text` is converted to its
+field's type first (``"none"`` or ``""`` unsets a field whose default is None). A bad value
+raises :class:`InvalidArgumentError` (:class:`ConfigError` for a config) naming the option's
+path, the value (never a :func:`secret`'s) and the reason."""
 
 from __future__ import annotations
 

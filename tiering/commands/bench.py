@@ -88,10 +88,9 @@ def listing(found: dict[str, Path], width: int | None = None) -> list[str]:
 
 
 def run_benchmark(command: list[str]) -> int:
-    """Run ``command`` and return its exit status (128 + the signal's number if a signal
-    ended it). After Ctrl-C (which the benchmark receives too) it has
-    ``INTERRUPT_GRACE_S`` to stop by itself before it is sent SIGINT, once; a Ctrl-C
-    pressed again only waits on."""
+    """Run ``command``; its exit status (128 + the signal's number if a signal ended it).
+    After Ctrl-C (which the benchmark receives too) it has ``INTERRUPT_GRACE_S`` to stop
+    by itself before it is sent SIGINT, once; a Ctrl-C pressed again only waits on."""
     child = subprocess.Popen(command)
     interrupted = False
     deadline: float | None = None  # the grace time's end, until SIGINT is sent

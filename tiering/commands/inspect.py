@@ -45,21 +45,21 @@ def render(report: RootReport) -> list[str]:
     if report.namespaces:
         rows = [["NAMESPACE", "ID", "LAYOUT", "BLOCK", "BLOCKS", "PAYLOAD", "ON DISK",
                  "DAMAGED", "ORPHANED", "IN USE"]]  # fmt: skip
-        for ns in report.namespaces:
-            rows.append(
-                [
-                    ns.namespace or ns.directory,
-                    ns.digest[:12],
-                    "+".join(ns.layouts) or "-",
-                    format_bytes(ns.block_bytes) if ns.block_bytes else "?",
-                    str(ns.blocks),
-                    format_bytes(ns.payload_bytes),
-                    format_bytes(ns.disk_bytes),
-                    str(len(ns.damaged)),
-                    str(len(ns.orphaned)),
-                    f"yes ({len(ns.live_owners)})" if ns.live_owners else "no",
-                ]
-            )
+        rows += [
+            [
+                ns.namespace or ns.directory,
+                ns.digest[:12],
+                "+".join(ns.layouts) or "-",
+                format_bytes(ns.block_bytes) if ns.block_bytes else "?",
+                str(ns.blocks),
+                format_bytes(ns.payload_bytes),
+                format_bytes(ns.disk_bytes),
+                str(len(ns.damaged)),
+                str(len(ns.orphaned)),
+                f"yes ({len(ns.live_owners)})" if ns.live_owners else "no",
+            ]
+            for ns in report.namespaces
+        ]
         lines += table(rows)
     for title in ("damaged", "orphaned"):
         findings = [f for ns in report.namespaces for f in getattr(ns, title)]
