@@ -72,10 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot_sweep(result, args.plot)
     if args.json:
-        figures = result.to_json()
-        if args.plot is not None:
-            figures["plot"] = args.plot
-        print_json(figures)
+        print_json({**result.to_json(), **({"plot": args.plot} if args.plot is not None else {})})
     else:
         print(result.table())
         if args.plot is not None:
