@@ -82,6 +82,16 @@ class RespConnection:
         self.endpoint = endpoint
         self._deadline = time.monotonic() + endpoint.timeout_s if deadline is None else deadline
         self._tls = endpoint.tls is not None
+        # Plain: kernel timeouts bound each call (_arm), so a payload arrives in one
+        # recv_into (MSG_WAITALL) and a pipeline leaves in one sendmsg, one GIL release.
+        self._wait_all = 0 if self._tls else socket.MSG_WAITALL
+        self._armed = [math.inf, math.inf]  # SO_RCVTIMEO, SO_SNDTIMEO as last set (s)
+        self._reader = resp.RespReader()
+        self._chunk = memoryview(bytearray(_CHUNK))
+        self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
+        self._crlf = memoryview(bytearray(2))
+        # Pipelines sent, replies unread: sizes, sinks, expected replies, padding, deadlines.
+        self._sent: deque[tuple[int, Sinks, Expecteds, int, float]] = deque()
         sock = None
         try:
             if endpoint.path is not None:
@@ -95,28 +105,14 @@ class RespConnection:
             if endpoint.tls is not None:
                 sock.settimeout(self._left())  # the handshake's, as a whole
                 sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-        self._sock: socket.socket = sock
-        self._wait_all = 0
-        self._armed = [math.inf, math.inf]  # SO_RCVTIMEO, SO_SNDTIMEO as last set (s)
-        if endpoint.tls is None:
-            # Kernel timeouts bound each call (_arm): a payload arrives in one recv_into
-            # (MSG_WAITALL), a pipeline leaves in one sendmsg, each one GIL release.
-            sock.settimeout(None)
-            self._wait_all = socket.MSG_WAITALL
-        self._reader = resp.RespReader()
-        self._chunk = memoryview(bytearray(_CHUNK))
-        self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
-        self._crlf = memoryview(bytearray(2))
-        # Pipelines sent, replies unread: sizes, sinks, expected replies, padding, deadlines.
-        self._sent: deque[tuple[int, Sinks, Expecteds, int, float]] = deque()
-        try:
+            else:
+                sock.settimeout(None)
+            self._sock: socket.socket = sock
             self._hello()
         except BaseException:
-            self.close()
+            if sock is not None:
+                with contextlib.suppress(OSError):  # best effort: the error raised matters
+                    sock.close()
             raise
 
     def _left(self) -> float:
