@@ -50,7 +50,7 @@ class CircuitBreaker:
     opens, and :meth:`allow` is False until ``breaker_backoff_s`` has passed, then True
     for exactly one probe at a time (half-open). :meth:`succeeded` closes it and resets
     the back-off; :meth:`failed` during a probe reopens it for twice as long, up to
-    ``breaker_max_backoff_s``. ``options`` default to :class:`BreakerOptions`'s defaults.
+    ``breaker_max_backoff_s``.
     """
 
     def __init__(

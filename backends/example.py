@@ -32,9 +32,8 @@ class ExampleOptions(Options):
 
 
 class ExampleSecondaryTier(SecondaryTierManager):
-    """A presence-only tier of at most ``max_blocks`` keys, evicting least recently used.
-
-    Behaviour (the seed's):
+    """A presence-only tier of at most ``max_blocks`` keys, evicting least recently used,
+    as the seed's:
 
     * A store records the job's keys that are not yet present. If all are present it
       does nothing and yields **no result**. If room is short, it evicts least recently
@@ -47,9 +46,8 @@ class ExampleSecondaryTier(SecondaryTierManager):
     * ``touch`` makes ``keys[0]`` the most recent; ``clear`` also drops pending and
       unreported results.
 
-    The fix: a load naming a key the tier does not hold yields
-    ``JobResult(job_id, success=False, failed_keys=<the missing keys>)`` instead of
-    being dropped without a result.
+    The fix: a load naming a key the tier does not hold yields ``JobResult(job_id,
+    success=False, failed_keys=<the missing keys>)``, not nothing.
 
     Malformed jobs (not a JobMetadata, non-bytes keys, slot ids outside the host pool)
     raise :class:`InvalidArgumentError` and change nothing.

@@ -1,10 +1,9 @@
 """An in-memory secondary tier that really holds the bytes: the data-integrity reference.
 
-Its storage is one preallocated arena of ``max_blocks`` rows (numpy uint8): bounded up
-front, no allocation in the steady state, and a row copy is one memcpy with the GIL
-released (a memoryview slice assignment holds it), so jobs' copies overlap on the io
-threads. The bookkeeping (rows; resident keys, pins, holds and eviction in a
-:class:`~tiering.tiers.residency_index.ResidencyIndex`) lives on the loop thread.
+Its storage is one preallocated numpy arena of ``max_blocks`` rows: a row copy is one
+memcpy with the GIL released (a memoryview slice assignment holds it), so jobs' copies
+overlap on the io threads. The bookkeeping (rows; residency, pins, holds and eviction in
+a :class:`~tiering.tiers.residency_index.ResidencyIndex`) lives on the loop thread.
 """
 
 from __future__ import annotations
@@ -80,8 +79,6 @@ class MemoryTier(TierActor):
         self._failure_log = FailureLog(logger, "memory tier")
         self._counters = {"stored_blocks": 0, "loaded_blocks": 0, "evicted_blocks": 0}
 
-    # -- queries ----------------------------------------------------------------------
-
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if held, None while a store of it is queued or running, else False.
         Raises InvalidArgumentError if ``key`` is not bytes."""
@@ -135,8 +132,6 @@ class MemoryTier(TierActor):
             "counters": dict(self._counters),
             "failures": dict(self._failure_log.counts),
         }
-
-    # -- hooks ------------------------------------------------------------------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
         wanted: dict[OffloadKey, int] = {}
@@ -205,8 +200,6 @@ class MemoryTier(TierActor):
             why = f"{len(missing)} of {len(job.keys)} blocks are {_NOT_HELD}"
             return JobResult(job.job_id, False, tuple(missing), why)
         return JobResult(job.job_id, True)
-
-    # -- internals --------------------------------------------------------------------
 
     def _free_orphans(self, keys: Collection[OffloadKey]) -> None:
         if not self._orphaned:

@@ -2,7 +2,6 @@
 requests go out in ``sendmsg`` calls that gather the slots' views, and each payload is
 received straight into its slot (an expected reply in one ``recvmsg_into`` with the next
 reply's framing and head, any other through :mod:`backends.redis.resp`'s reader).
-Blocking sockets on the I/O threads release the GIL for every byte they move.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ Expecteds = Sequence[Expected] | None
 
 
 class Endpoint(NamedTuple):
-    """Where and how to connect (from the url: :meth:`RedisOptions.endpoint
-    <backends.redis.options.RedisOptions.endpoint>`), and the time every call has."""
+    """Where and how to connect (from the url), and the time every call has."""
 
     host: str
     port: int
@@ -75,16 +73,25 @@ class Endpoint(NamedTuple):
 class RespConnection:
     """One connection to one server, authenticated, named and on the url's database
     (as redis-py's), made by ``deadline`` (a :func:`time.monotonic` time; None:
-    ``timeout_s`` from now). Each call ends by its own deadline, however slowly the
-    server takes its requests or sends its replies. Raises RedisTimeoutError once a
-    deadline has passed, OSError for a connection that fails, RedisConnectionError for a
-    closed connection or bytes that are no RESP, AuthenticationError if its set-up is
-    refused; after any of them the connection is of no further use."""
+    ``timeout_s`` from now). Each call ends by its own deadline. Raises
+    RedisTimeoutError once a deadline has passed, OSError for a connection that fails,
+    RedisConnectionError for a closed connection or bytes that are no RESP,
+    AuthenticationError if its set-up is refused; after any, the connection is useless."""
 
     def __init__(self, endpoint: Endpoint, deadline: float | None = None) -> None:
         self.endpoint = endpoint
         self._deadline = time.monotonic() + endpoint.timeout_s if deadline is None else deadline
         self._tls = endpoint.tls is not None
+        # Plain: kernel timeouts bound each call (_arm), so a payload arrives in one
+        # recv_into (MSG_WAITALL) and a pipeline leaves in one sendmsg, one GIL release.
+        self._wait_all = 0 if self._tls else socket.MSG_WAITALL
+        self._armed = [math.inf, math.inf]  # SO_RCVTIMEO, SO_SNDTIMEO as last set (s)
+        self._reader = resp.RespReader()
+        self._chunk = memoryview(bytearray(_CHUNK))
+        self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
+        self._crlf = memoryview(bytearray(2))
+        # Pipelines sent, replies unread: sizes, sinks, expected replies, padding, deadlines.
+        self._sent: deque[tuple[int, Sinks, Expecteds, int, float]] = deque()
         sock = None
         try:
             if endpoint.path is not None:
@@ -98,34 +105,18 @@ class RespConnection:
             if endpoint.tls is not None:
                 sock.settimeout(self._left())  # the handshake's, as a whole
                 sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-        self._sock: socket.socket = sock
-        self._wait_all = 0
-        self._armed = [math.inf, math.inf]  # SO_RCVTIMEO, SO_SNDTIMEO as last set (s)
-        if endpoint.tls is None:
-            # A blocking socket whose kernel timeouts bound each socket call (_arm): a
-            # payload then arrives in one recv_into (MSG_WAITALL) and a pipeline goes
-            # out in one sendmsg, each one release of the GIL, not one per segment.
-            sock.settimeout(None)
-            self._wait_all = socket.MSG_WAITALL
-        self._reader = resp.RespReader()
-        self._chunk = memoryview(bytearray(_CHUNK))
-        self._ahead = memoryview(bytearray(_CHUNK))  # a reply's framing and head, read ahead
-        self._crlf = memoryview(bytearray(2))
-        # The pipelines sent whose replies are not read yet: their sizes, sinks, expected
-        # replies, padding and deadlines.
-        self._sent: deque[tuple[int, Sinks, Expecteds, int, float]] = deque()
-        try:
+            else:
+                sock.settimeout(None)
+            self._sock: socket.socket = sock
             self._hello()
         except BaseException:
-            self.close()
+            if sock is not None:
+                with contextlib.suppress(OSError):  # best effort: the error raised matters
+                    sock.close()
             raise
 
     def _left(self) -> float:
-        """The seconds left until the current call's deadline, or RedisTimeoutError."""
+        """Seconds left until the current call's deadline, or RedisTimeoutError."""
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise RedisTimeoutError(
@@ -135,14 +126,14 @@ class RespConnection:
 
     def _arm(self, receiving: bool) -> None:
         """Bound the next blocking receive (or send) by the current call's deadline. A
-        socket call the timeout ends early raises _TIMED_OUT or moves fewer bytes: the
-        caller arms again and goes on, until the deadline raises."""
+        call the timeout ends early raises _TIMED_OUT or moves fewer bytes: the caller
+        arms again, until the deadline raises."""
         left = self._left()
         if self._tls:
             self._sock.settimeout(left)  # Python's timeout: bounds one call as a whole
             return
         # The kernel restarts its timeout at each socket call: set it again only when
-        # the wait would end more than _SLACK_S off the deadline (about once a call).
+        # the wait would end more than _SLACK_S off the deadline.
         which = 0 if receiving else 1
         if abs(left - self._armed[which]) > _SLACK_S:
             seconds, micros = int(left), int(left % 1 * 1e6)
@@ -176,17 +167,15 @@ class RespConnection:
         *,
         deadline: float,
     ) -> None:
-        """Send the encoded ``requests`` (a command's buffers each) by ``deadline``. Their
-        replies are read by :meth:`receive`, after those of the pipelines sent before,
-        and land as ``sinks[i]`` picks; ``expected[i]`` is the bulk string reply ``i`` is
-        expected to be (read on a plain socket with one receive)."""
+        """Send the encoded ``requests`` (a command's buffers each) by ``deadline``; their
+        replies, read by :meth:`receive` in order, land as ``sinks[i]`` picks;
+        ``expected[i]`` is the bulk string reply ``i`` should be (one receive if plain)."""
         self._deadline = deadline
         buffers = [buffer for request in requests for buffer in request]
         pad = 0
         if expected and sinks is not None and not self._tls:
-            # A padding reply after the last: whatever the replies turn out to be, at
-            # least a reply's framing and head follow each, so a receive that waits for
-            # all the bytes it asks for never waits in vain.
+            # A padding reply after the last: whatever the replies are, at least a
+            # reply's framing and head follow each, so a MSG_WAITALL receive never hangs.
             pad = max(len(b"$%d\r\n" % e.length) + e.head for e in expected)
             if pad + _PAD_FRAMING <= self._ahead.nbytes:
                 buffers.append(b"*2\r\n$4\r\nECHO\r\n$%d\r\n%s\r\n" % (pad, b"." * pad))
@@ -196,9 +185,8 @@ class RespConnection:
         self._sent.append((len(requests), sinks, expected, pad, deadline))
 
     def receive(self) -> Replies:
-        """The replies of the oldest pipeline sent and not received yet, all in by its
-        deadline, an error reply as redis-py's error in its place; a reply that is not
-        as expected is read as any other."""
+        """The replies of the oldest pipeline not received yet, all in by its deadline,
+        an error reply as redis-py's error in its place."""
         count, sinks, expected, pad, self._deadline = self._sent.popleft()
         if pad:
             assert sinks is not None and expected is not None
@@ -221,10 +209,9 @@ class RespConnection:
     def _read_expected(
         self, sinks: Sequence[Sink | None], expected: Sequence[Expected], pad: int
     ) -> Replies:
-        """The replies of a pipeline sent with its padding ``ECHO``: while they are as
-        ``expected``, each in one ``recvmsg_into`` (its rest into the sink's view, its
-        CR LF, the next one's framing and head); from the first that is not, through
-        the reader."""
+        """The replies of a pipeline sent with its padding ``ECHO``: while as ``expected``,
+        each in one ``recvmsg_into`` (its rest into the sink's view, its CR LF, the next
+        one's framing and head); from the first that is not, through the reader."""
         ahead, crlf = self._ahead, self._crlf
         framings = [b"$%d\r\n" % e.length for e in expected]
         trailer = b"$%d\r\n%s\r\n" % (pad, b"." * pad)
@@ -303,8 +290,8 @@ class RespConnection:
                         if count:
                             reader.filled(count)
                     else:
-                        # Ahead of a sink's bulk string, a little: its framing and header,
-                        # and no payload that would be copied twice on its way to the slot.
+                        # Ahead of a sink's bulk string, only its framing and header: no
+                        # payload copied twice on its way to the slot.
                         chunk = self._chunk if reader.sink is None else self._chunk[:_AHEAD]
                         count = sock.recv_into(chunk)
                         if count:

@@ -1,8 +1,7 @@
 """redis-py, for the Redis tier's control calls only (the start's checks, lookups'
-``EXISTS``, usage, deletes, a cluster's map of the slots and its redirections; blocks
-never move through it): the client made when first needed, pipelines that fail one key
-at a time, and errors stripped of block bytes. (Its clients, :meth:`RedisOptions.client
-<backends.redis.options.RedisOptions.client>`, never retry.)
+``EXISTS``, usage, deletes, a cluster's slot map and redirections; never blocks): the
+client made when first needed, pipelines that fail one key at a time, and errors
+stripped of block bytes.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)  # the 
 
 
 class LazyClient:
-    """The tier's client, made by ``make()`` at the first :meth:`get` (a cluster client
-    connects as it is made: one whose nodes are down at start is made later), once."""
+    """The tier's client, made once by ``make()`` at the first :meth:`get` (a cluster
+    client connects as it is made: one whose nodes are down at start is made later)."""
 
     def __init__(self, make: Callable[[], Redis | RedisCluster]) -> None:
         self._make = make
@@ -78,12 +77,12 @@ class LazyClient:
             logger.debug("redis tier: deleting corrupt blocks failed: %r", detached(exc))
 
     def close(self) -> None:
-        """Drop the client; none is made after."""
+        """Drop the client (its pool's idle connections closed); none is made after."""
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
         if client is not None:
-            client.close()  # disconnects the pool's idle connections; never blocks long
+            client.close()
 
 
 def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -98,10 +97,8 @@ def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
             pipe.execute_command(*command)
         replies = pipe.execute(raise_on_error=False)
     else:
-        # Not the pipeline's own execute: after a node timed out it sends each of that
-        # node's commands again on its own, each waiting for its timeout. Without
-        # redirections each node is written and read once, its errors left in place;
-        # the redirected commands are sent again below.
+        # Not the pipeline's execute, which after a node timed out sends each of that
+        # node's commands again on its own, each waiting for its timeout.
         stack = [PipelineCommand(command, {}, i) for i, command in enumerate(commands)]
         pipe = client.pipeline(transaction=False)
         replies = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
@@ -118,9 +115,9 @@ def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
 
 
 def redirected(cluster: RedisCluster, command: Sequence[Any]) -> Any:
-    """``command``, which a node redirected (MOVED, ASK, TRYAGAIN), sent again through
-    ``cluster``, which follows the redirection and updates its map: its reply, or the
-    error reply in its place. Raises ClusterDownError and the client's other errors."""
+    """The reply (or error reply) to ``command``, which a node redirected (MOVED, ASK,
+    TRYAGAIN), sent again through ``cluster``, which follows the redirection and updates
+    its map. Raises ClusterDownError and the client's other errors."""
     try:
         return cluster.execute_command(*command)
     except ResponseError as exc:
@@ -130,8 +127,7 @@ def redirected(cluster: RedisCluster, command: Sequence[Any]) -> Any:
 
 
 def refresh_slots(cluster: RedisCluster) -> None:
-    """Reload ``cluster``'s map of the slots after a node failed (best effort: the next
-    call tries again)."""
+    """Reload ``cluster``'s slot map after a node failed (best effort)."""
     try:
         cluster.nodes_manager.initialize()
     except CLIENT_ERRORS as exc:
@@ -147,9 +143,9 @@ def _forget_frames(replies: list[Any]) -> None:
 
 
 def detached(exc: ClientError) -> ClientError:
-    """A copy of ``exc`` with no traceback, no chained errors and no quoted command:
-    a traceback's frames hold the hop's views and replies (block bytes that must not
-    outlive the job), and a pipeline's error quotes the failed command (block bytes)."""
+    """A copy of ``exc`` with no traceback, no chained errors and no quoted command
+    (frames and a pipeline's quoted command hold block bytes that must not outlive
+    the job)."""
     args = list(exc.args)
     if args and isinstance(args[0], str):
         args[0] = _QUOTED_COMMAND.sub("", args[0])

@@ -1,15 +1,14 @@
-"""What one job of the Redis tier sends, where its replies land and what it came to: its
-plan, without I/O, which a stream (:mod:`backends.redis.streams`) carries.
+"""One Redis tier job's plan, without I/O (a stream, :mod:`backends.redis.streams`,
+carries it): what it sends, where the replies land and what it came to.
 
 A store writes each block with one ``SET``, the payload straight from its slot (or
 sealed into the thread's buffer). A load reads each ``GET`` reply in two parts: the
 header into a small buffer, then, once the header checks out (namespace, tenant, key,
-length, and the kind this tier reads: plain or sealed), the payload: a plain one
-straight into the slot, where its checksum is verified; a sealed one into a landing
-buffer, opened from there into the slot in one pass. A payload under a header that does
-not check out lands in scratch: a block of another key, tenant or namespace never
-reaches the slot. A value that comes back whole (a redirected read) is verified as it is
-copied (or opened) into the slot. A job's end releases its views of the host pool.
+length, plain or sealed as this tier reads), the payload: plain straight into the slot,
+checksum verified there; sealed into a landing buffer, opened into the slot in one pass.
+A payload under a header that does not check out lands in scratch, never in the slot. A
+value that comes back whole (a redirected read) is verified as it is copied (or opened)
+into the slot. A job's end releases its views of the host pool.
 """
 
 from __future__ import annotations
@@ -55,10 +54,10 @@ class Pipeline(NamedTuple):
 
 
 class Job(Protocol):
-    """A job as a stream carries it: its ``pipelines``, each built by :meth:`pipeline`
-    just before it is sent and given its replies by :meth:`answered` in the order sent,
-    then :meth:`finish` (once, also when the job failed: it releases what the job holds
-    and returns its outcome)."""
+    """A job as a stream carries it: ``pipelines`` of them, each built by :meth:`pipeline`
+    just before it is sent, its replies given to :meth:`answered` in order; then
+    :meth:`finish`, once, also after a failure: it releases what the job holds and
+    returns its outcome."""
 
     pipelines: int
 
@@ -71,10 +70,10 @@ class Job(Protocol):
 
 @dataclass(slots=True)
 class JobShape:
-    """What every job of one tier is made with: the host ``pool`` (a job's slots were
-    checked at its admission), the keys' ``prefix``, the ``record`` keywords headers
-    carry, the ``cipher`` (None: plain), the ``SET`` options (``expiry``), and
-    ``delete(names)`` for values that are no blocks."""
+    """What every job of one tier is made with: the host ``pool`` (slots checked at
+    admission), the keys' ``prefix``, the headers' ``record`` keywords, the ``cipher``
+    (None: plain), the ``SET`` options (``expiry``), and ``delete(names)`` for values
+    that are no blocks."""
 
     pool: memoryview
     block_bytes: int
@@ -85,8 +84,8 @@ class JobShape:
     expiry: tuple[Any, ...]
     delete: Callable[[list[bytes]], None]
     # Where sealed payloads land before they are opened into their slots (a cipher
-    # cannot decrypt a buffer into itself), reused from one load to the next.
-    _landing: queue.SimpleQueue[memoryview] = field(init=False, default_factory=queue.SimpleQueue)
+    # cannot decrypt a buffer into itself): a load borrows one, given back at its end.
+    landings: queue.SimpleQueue[memoryview] = field(init=False, default_factory=queue.SimpleQueue)
     _sealing: threading.local = field(init=False, default_factory=threading.local)
 
     def slot(self, block_id: int) -> memoryview:
@@ -105,16 +104,6 @@ class JobShape:
             views = [arena[i : i + stride] for i in range(0, len(arena), stride)]
             self._sealing.views = views
         return views
-
-    def lend(self) -> memoryview:
-        """A landing buffer of ``block_bytes``, the caller's until :meth:`take_back`."""
-        try:
-            return self._landing.get_nowait()
-        except queue.Empty:
-            return memoryview(bytearray(self.block_bytes))
-
-    def take_back(self, buffer: memoryview) -> None:
-        self._landing.put(buffer)
 
 
 class _Job:
@@ -242,7 +231,10 @@ class _Landing:
             if cipher is None and record.seal is None:
                 return self._slot
             if cipher is not None and record.seal is not None:
-                self._landed = self._shape.lend()
+                try:
+                    self._landed = self._shape.landings.get_nowait()
+                except queue.Empty:
+                    self._landed = memoryview(bytearray(self._slot.nbytes))
                 return self._landed
         self._aside = memoryview(bytearray(self._slot.nbytes))
         return self._aside
@@ -279,4 +271,4 @@ class _Landing:
         self._slot.release()
         landed, self._landed = self._landed, None
         if landed is not None:
-            self._shape.take_back(landed)
+            self._shape.landings.put(landed)

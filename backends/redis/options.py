@@ -1,6 +1,5 @@
-"""The Redis tier's options (the table in docs/redis.md) and its url: checked at
-construction (by redis-py's own parser too), made into the endpoint of the tier's own
-connections and into its redis-py clients.
+"""The Redis tier's options (docs/redis.md) and its url: checked at construction (by
+redis-py's parser too), made into its own connections' endpoint and redis-py clients.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ _IMPLEMENTED = (
 )  # fmt: skip
 
 
-# The query options redis-py's parser or its connections take: names safe to show (any
-# other may be a piece of a password that spilled into the query).
+# The query options redis-py takes: names safe to show (any other may be a piece of a
+# password that spilled into the query).
 _REDIS_PY_NAMES = {*URL_QUERY_ARGUMENT_PARSERS} | {
     name
     for kind in (SSLConnection, UnixDomainSocketConnection)
@@ -106,10 +105,8 @@ def _query_problem(name: str, value: str, scheme: str) -> str | None:
     if name in _TIER_SETS:
         return f"its query sets {name}, which the tier sets from {_TIER_SETS[name]}"
     if name not in _IMPLEMENTED:
-        implemented = ", ".join(_IMPLEMENTED)
-        return (
-            f"its query option {name} is not implemented by the redis tier (it takes {implemented})"
-        )
+        takes = ", ".join(_IMPLEMENTED)
+        return f"its query option {name} is not implemented by the redis tier (it takes {takes})"
     try:
         URL_QUERY_ARGUMENT_PARSERS.get(name, str)(value)
     except (TypeError, ValueError):
@@ -184,9 +181,8 @@ class RedisOptions(BreakerOptions, ActorOptions):
     def client(self, *, cluster: bool) -> Redis | RedisCluster:
         """A new redis-py client of ``url`` with these TLS files and pool bound, every
         socket operation timing out after ``timeout_s``; with ``cluster`` a cluster client
-        that never retries (redis-py's retries made a call to a dead node wait for several
-        timeouts; MOVED, ASK and TRYAGAIN are still followed) and connects as it is made
-        (raising the client's error if no node answers)."""
+        that never retries (but follows MOVED, ASK and TRYAGAIN) and connects as it is
+        made (raising the client's error if no node answers)."""
         options: dict[str, Any] = {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
@@ -201,13 +197,12 @@ class RedisOptions(BreakerOptions, ActorOptions):
         return Redis.from_url(self.url, **options)
 
     def endpoint(self) -> Endpoint:
-        """Where and how the tier's own connections reach ``url``, as redis-py's do: its
-        credentials, database, client name and TCP keepalive (on unless
-        ``socket_keepalive`` is false), and with ``rediss://`` a TLS context (the
-        certificate verified against ``tls_ca_file`` or the system's CAs, its host name
-        checked unless ``ssl_check_hostname`` is false). It reads the TLS files (call it
-        off the loop). Raises InvalidArgumentError naming a ``tls_*`` file that does not
-        load."""
+        """Where and how the tier's own connections reach ``url``, as redis-py's do:
+        credentials, database, client name, TCP keepalive (unless ``socket_keepalive`` is
+        false), and with ``rediss://`` a TLS context (verified against ``tls_ca_file`` or
+        the system's CAs, host name checked unless ``ssl_check_hostname`` is false). It
+        reads the TLS files (call it off the loop). Raises InvalidArgumentError naming a
+        ``tls_*`` file that does not load."""
         options: dict[str, Any] = parse_url(self.url)
         kind = options.get("connection_class")
         context = None

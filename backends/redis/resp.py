@@ -124,16 +124,11 @@ class RespReader:
     def gets(self) -> Reply | object:
         """The next whole reply, or :data:`NOT_YET` if its bytes are not all in."""
         while True:
-            if self._target is not None:
-                element: Any = self._land()
-                if element is NOT_YET:
-                    return NOT_YET
-            else:
-                element = self._element()
-                if element is NOT_YET:
-                    return NOT_YET
-                if element is _OPENED:  # an array, or a string landing in a sink's views
-                    continue
+            element: Any = self._land() if self._target is not None else self._element()
+            if element is NOT_YET:
+                return NOT_YET
+            if element is _OPENED:  # an array, or a string landing in a sink's views
+                continue
             while self._stack:
                 items, total = self._stack[-1]
                 items.append(element)

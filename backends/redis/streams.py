@@ -1,8 +1,7 @@
-"""The Redis tier's I/O shell: streams, each a thread and a link (its connections, made
-as first needed, to one server or to every node of a cluster), that carry several jobs'
-pipelines at once. Each pipeline has one deadline, ``timeout_s`` from its send: the
-connections made for it, its requests and all of its replies (on every node) are in by
-then, or the link raises RedisTimeoutError.
+"""The Redis tier's I/O shell: streams, each a thread and a link (its connections to
+one server or to every node of a cluster), that carry several jobs' pipelines at once.
+A pipeline's connections, requests and replies (on every node) are all in by one
+deadline, ``timeout_s`` from its send, or the link raises RedisTimeoutError.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from backends.redis.connection import Endpoint, RespConnection, any_stale
@@ -34,9 +34,9 @@ from tiering.tiers.io_threads import init_io_worker
 
 _T = TypeVar("_T")
 
-# Connections a link to one server spreads an independent pipeline (a store's SETs) over, a
-# command on each in turn: a server spends less CPU per byte on SETs of large values that
-# arrive one per connection than on SETs queued one after another on one (docs/redis.md).
+# Connections a link to one server spreads an independent pipeline (a store's SETs) over,
+# a command on each in turn: a server spends less CPU per byte on large SETs that arrive
+# one per connection than queued on one (docs/redis.md).
 _SPREAD = 8
 
 _Where = tuple[Endpoint, int]  # a link's connection: the node, and which of its lanes
@@ -48,14 +48,12 @@ class Link:
     (redis-py's cluster client) to the nodes of a cluster, each reached as ``endpoint``
     says. Raises as :class:`RespConnection` does.
 
-    On one server, a pipeline whose commands run in order goes on one connection, and an
-    independent one a command on each of up to ``_SPREAD`` more in turn. On a cluster, a
-    pipeline's commands are grouped by the node that owns their key's slot (redis-py's
-    map of the slots), every node's group sent before any reply is read, so the nodes
-    work at once; a command a node redirects (MOVED, ASK, TRYAGAIN) is sent again through
-    redis-py's client, which follows it and updates its map; a failure (a connection
-    failed or timed out, the cluster is down) refreshes the map, then raises the client's
-    error."""
+    On one server, an ordered pipeline goes on one connection, an independent one a
+    command on each of up to ``_SPREAD`` more in turn. On a cluster, commands are grouped
+    by the node owning their key's slot (redis-py's map), every group sent before any
+    reply is read; a redirected command (MOVED, ASK, TRYAGAIN) is sent again through
+    redis-py's client, which follows it; a failure (a connection failed or timed out,
+    the cluster is down) refreshes the map, then raises the client's error."""
 
     def __init__(self, endpoint: Endpoint, clients: LazyClient | None = None) -> None:
         self._endpoint, self._clients = endpoint, clients
@@ -142,24 +140,22 @@ def _chosen(indexes: Sequence[int], items: Sequence[_T] | None) -> Sequence[_T] 
     return [items[i] for i in indexes]
 
 
+@dataclass(slots=True, eq=False)
 class _Entry:
-    __slots__ = ("call", "deliver", "job", "plan", "sent", "unread")
-
-    def __init__(self, plan: Callable[[], Job], deliver: Callable[[Any], None]) -> None:
-        self.plan, self.deliver = plan, deliver
-        self.call: Future[None] = Future()
-        self.job: Job | None = None  # planned once begun
-        self.sent = 0  # pipelines sent
-        self.unread = 0  # pipelines sent whose replies are not read yet
+    plan: Callable[[], Job]
+    deliver: Callable[[Any], None]
+    call: Future[None] = field(default_factory=Future)
+    job: Job | None = None  # planned once begun
+    sent: int = 0  # pipelines sent
+    unread: int = 0  # pipelines sent whose replies are not read yet
 
 
 class RespStream:
     """One ``link`` and the thread (named ``name``) that carries the jobs given to
     :meth:`submit`, in order: it plans each (:mod:`backends.redis.jobs`) and sends its
-    pipelines, then those of the jobs behind it, while the server still answers earlier
-    ones (up to ``window`` on the wire: the server works on one job while the stream
-    lands and verifies the last), reading the replies in the order sent. A link's
-    failure fails every job with a pipeline sent on it (the jobs not begun go on)."""
+    pipelines, then those of the jobs behind it, up to ``window`` on the wire while it
+    lands and verifies earlier replies, read in the order sent. A link's failure fails
+    every job with a pipeline sent on it (the jobs not begun go on)."""
 
     def __init__(self, link: Link, *, window: int, name: str) -> None:
         self._link, self._window, self._name = link, max(1, window), name
@@ -167,8 +163,7 @@ class RespStream:
         self._wake = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        # Each counter is written by one thread only (the giver's, the stream's): their
-        # difference needs no lock.
+        # Each written by one thread only (the giver's, the stream's): no lock needed.
         self._given = 0
         self._ended = 0
 

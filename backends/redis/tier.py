@@ -5,9 +5,9 @@
     value:  the block record's compact header (:mod:`tiering.tiers.block_record`), then
             the payload, or with ``encryption`` its AES-GCM ciphertext
 
-(``2``: blocks of the earlier format, under ``kvt:<digest>:...``, are never read). A
-job's bytes move on the tier's own connections (:mod:`.streams`), the control calls
-through redis-py (:mod:`.control`). No call is retried.
+(blocks of the earlier format, under ``kvt:<digest>:...``, are never read). A job's
+bytes move on the tier's own connections (:mod:`.streams`), the control calls through
+redis-py (:mod:`.control`). No call is retried.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from backends.breaker import BreakerState, CircuitBreaker
@@ -48,10 +48,6 @@ logger = logging.getLogger(__name__)
 def namespace_prefix(namespace: str) -> bytes:
     """How every Redis key of a block of ``namespace`` starts, whatever its tenant."""
     return b"kvt:2:" + namespace_digest(namespace).hex().encode() + b":"
-
-
-async def _now(result: JobResult) -> JobResult:
-    return result
 
 
 class RedisTier(TierActor):
@@ -171,7 +167,7 @@ class RedisTier(TierActor):
 
     def _usage(self) -> dict[str, Any]:
         """The server's memory in use, ``maxmemory`` (0: no limit) and key count
-        (``counters["server_keys"]``), as last read (every ``usage_every_s``)."""
+        (``counters["server_keys"]``), as last read."""
         usage = self._server_usage
         return {
             "used_blocks": self.get_num_blocks(),
@@ -195,19 +191,18 @@ class RedisTier(TierActor):
 
     # -- jobs: decided on the loop, carried by a stream -------------------------------
 
-    def _do_store(self, job: JobMetadata) -> Coroutine[Any, Any, JobResult]:
-        return self._hand_over(job, "store")
+    async def _do_store(self, job: JobMetadata) -> JobResult:
+        return await self._hand_over(job, "store")
 
-    def _do_load(self, job: JobMetadata) -> Coroutine[Any, Any, JobResult]:
-        return self._hand_over(job, "load")
+    async def _do_load(self, job: JobMetadata) -> JobResult:
+        return await self._hand_over(job, "load")
 
-    def _hand_over(self, job: JobMetadata, what: str) -> Coroutine[Any, Any, JobResult]:
-        """Hand ``job`` to a stream (unless the breaker refuses it) and return the wait
-        for its result, decided on the loop once the stream delivers the job's outcome.
-        ClosedError once closed."""
+    async def _hand_over(self, job: JobMetadata, what: str) -> JobResult:
+        """Hand ``job`` to a stream (unless the breaker refuses it) and await its result,
+        decided on the loop once the stream delivers its outcome. ClosedError once closed."""
         streams = self._streams
         if streams is None or not self._serving or not self.breaker.allow():
-            return _now(self._account(job, what, None))
+            return self._account(job, what, None)
         done: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
         kind = StoreJob if what == "store" else LoadJob
         plan = functools.partial(kind, self._shape, list(job.keys), list(job.block_ids))
@@ -215,7 +210,7 @@ class RedisTier(TierActor):
             call = streams.submit(plan, functools.partial(self._settle, done, job, what))
         except RuntimeError as exc:
             raise ClosedError("the redis tier is closed") from exc
-        return self.wait_call(call, done)
+        return await self.wait_call(call, done)
 
     def _settle(
         self, done: asyncio.Future[JobResult], job: JobMetadata, what: str, outcome: Any
@@ -237,9 +232,8 @@ class RedisTier(TierActor):
     def _account(
         self, job: JobMetadata, what: str, outcome: dict[bytes, str] | ClientError | None
     ) -> JobResult:
-        """``job``'s result from its outcome (the keys that failed, with why; the
-        client's error; None: the breaker refused it), told to the presence cache, the
-        breaker and the counters."""
+        """``job``'s result from its outcome (the failed keys with why; the client's
+        error; None: the breaker refused it), told to the cache, breaker and counters."""
         keys = list(job.keys)
         if not isinstance(outcome, dict):
             for key in keys:  # whatever the server holds now, the cache no longer knows
@@ -341,12 +335,11 @@ class RedisTier(TierActor):
     # -- presence cache and background tasks (loop thread) ----------------------------
 
     def _remember(self, keys: Sequence[OffloadKey], present: bool) -> None:
-        """Cache what was just found of ``keys`` (a check on the wire now may have read
-        the server before: its answer for them is dropped)."""
+        """Cache what was just found of ``keys`` (dropping the answer for them of a
+        check on the wire now, which may have read the server before)."""
         if not keys:
             return
-        if self._in_check:
-            self._in_check.difference_update(keys)
+        self._in_check.difference_update(keys)
         ttl = self.options.presence_ttl_s if present else self.options.absence_ttl_s
         entry = (present, time.monotonic() + ttl)
         presence, known = self._presence, self._known_present
@@ -371,11 +364,7 @@ class RedisTier(TierActor):
         if self._checking:
             return
         loop = self._loop
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+        if self._on_loop():
             self._checking = self.spawn(self._check_presence(), name="presence-check")
         elif loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._schedule_check)
