@@ -14,7 +14,7 @@ from typing import Any
 
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.lifecycle import AsyncService, Lifecycle
-from tiering.observe.statistics import FailureLog, Statistics
+from tiering.observe.statistics import FailureLog, Statistics, uncount
 from tiering.options import ActorOptions
 from tiering.tiers.inbox import Inbox, InboxStatistics, Lane
 from tiering.tiers.io_threads import RUNNING_JOB, IoThreads
@@ -167,13 +167,12 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
             return
         if self._state is not Lifecycle.NEW:
             self._state = Lifecycle.CLOSING
-        self._inbox.close()
         self._cancel_reason = "cancelled: tier shut down before the job finished"
         self._cancel_cause = "cancelled by shutdown"
         if loop_running:
             self._cancel_background()
-            if self._runner is not None and not self._runner.done():
-                self._runner.cancel()
+            if self._runner is not None:
+                self._runner.cancel()  # a no-op once it ended
             self._cancel_running_jobs()
         else:
             # No loop will run the tasks again, so no thread call can report back.
@@ -366,11 +365,10 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
             if job is None:
                 break
             running.add(job)
-            task = task_group.create_task(
+            job.task = task_group.create_task(
                 self._run_job(job), name=f"{self._name()}-{job.lane}-{job.meta.job_id}"
             )
-            job.task = task
-            task.add_done_callback(functools.partial(self._on_job_done, job))
+            job.task.add_done_callback(functools.partial(self._on_job_done, job))
         drained = self._drained
         if not running and self._inbox.closed and drained is not None and not drained.done():
             drained.set_result(None)
@@ -438,7 +436,6 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
             # Not asked to stop: fail what is left rather than leave anyone waiting.
             logger.error("%s: serving stopped unexpectedly; tier closed", self._name())
             self._state = Lifecycle.CLOSING
-            self._inbox.close()
             self._cancel_reason = "tier actor stopped unexpectedly"
             self._cancel_cause = "tier actor stopped unexpectedly"
             self._cancel_running_jobs()
@@ -446,11 +443,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
 
     def _delivered(self, job: TierJob, job_result: JobResult) -> None:
         if job.lane == "store":
-            keys = set(job.meta.keys)
-            self._storing.subtract(keys)
-            for key in keys:
-                if self._storing[key] <= 0:
-                    del self._storing[key]
+            uncount(self._storing, set(job.meta.keys))
 
     def _fail(self, job_id: int, reason: str, cause: str) -> None:
         if self._ledger.fail(job_id, reason):
@@ -472,8 +465,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         parked = self._inbox.unpark()
         for job in parked:
             self._ledger.fail(job.meta.job_id, unqueued, notify=notify)
-        if parked:
-            self._failures.record(self._cancel_cause, count=len(parked), detail=unqueued)
+        self._failures.record(self._cancel_cause, count=len(parked), detail=unqueued)
         self._inbox.drain()  # queued jobs are failed below with the rest
         undecided = self._ledger.fail_undecided(self._cancel_reason, notify=notify)
         self._failures.record(self._cancel_cause, count=len(undecided), detail=self._cancel_reason)

@@ -28,8 +28,8 @@ STAGING_BYTES = 32 << 20
 """The default staging buffer of an I/O thread that stages copies (device copies, NVMe
 records under a framework's tier)."""
 
-RUNNING_JOB: contextvars.ContextVar[tuple[IoThreads, int] | None] = contextvars.ContextVar(
-    "tiering_tier_job", default=None
+RUNNING_JOB: contextvars.ContextVar[tuple[IoThreads | None, int]] = contextvars.ContextVar(
+    "tiering_tier_job", default=(None, 0)
 )
 """The tier and the job whose hook the current task runs: its thread calls mark it busy."""
 
@@ -120,12 +120,10 @@ class IoThreads:
         pool's, or one of its own that runs ``call`` as a pool does, delivering with
         :func:`deliver`), as :meth:`run_blocking` awaits it. Cancelled, ``call`` is
         withdrawn if it has not started, else waited for."""
-        current = RUNNING_JOB.get()
-        job_id = current[1] if current is not None and current[0] is self else None
-        if job_id is not None and job_id in self._ledger:
+        tier, job_id = RUNNING_JOB.get()
+        marked = tier is self and job_id in self._ledger
+        if marked:
             self._ledger.busy(job_id)
-        else:
-            job_id = None
         self._calls_running += 1
         try:
             return await done
@@ -143,7 +141,7 @@ class IoThreads:
         finally:
             if self._calls_running > 0:
                 self._calls_running -= 1
-            if job_id is not None and self._ledger.is_busy(job_id):
+            if marked and self._ledger.is_busy(job_id):
                 self._ledger.idle(job_id)
             if self._calls_running == 0:
                 self._maybe_closed()
