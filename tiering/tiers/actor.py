@@ -103,8 +103,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         # Let the runner enter its TaskGroup before the caller goes on.
         await asyncio.sleep(0)
 
-    # The deadline is part of the close protocol (graceful phase, then cancel), so it
-    # is a parameter rather than a caller-side asyncio.timeout.
+    # The deadline is part of the close protocol, not a caller-side asyncio.timeout.
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
         """Close gracefully: admit nothing more (waiting ``put_*`` calls raise
         ClosedError), let queued, parked and running jobs finish within ``timeout``
@@ -117,10 +116,8 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         if self._state is Lifecycle.NEW:
             self._stop(notify=True)
             return
-        if self._state is Lifecycle.CLOSED:
-            return
-        if self._state is Lifecycle.CLOSING:
-            await self._closed_event.wait()
+        if self._state is not Lifecycle.OPEN:
+            await self._closed_event.wait()  # set once CLOSED
             return
 
         self._state = Lifecycle.CLOSING
