@@ -168,8 +168,8 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         self._cancel_cause = "cancelled by shutdown"
         if loop_running:
             self._cancel_background()
-            if self._runner is not None:
-                self._runner.cancel()  # a no-op once it ended
+            if self._runner is not None and not self._runner.done():
+                self._runner.cancel()
             self._cancel_running_jobs()
         else:
             # No loop will run the tasks again, so no thread call can report back.
