@@ -5,23 +5,19 @@ runner task, so ``start`` and ``aclose`` may be called from any task of the loop
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import functools
 import logging
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future as ThreadFuture
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.lifecycle import AsyncService, Lifecycle
-from tiering.observe.statistics import FailureLog, Statistics
+from tiering.observe.statistics import FailureLog, Statistics, uncount
 from tiering.options import ActorOptions
 from tiering.tiers.inbox import Inbox, InboxStatistics, Lane
-from tiering.tiers.io_threads import init_io_worker
+from tiering.tiers.io_threads import RUNNING_JOB, IoThreads
 from tiering.tiers.ledger import ResultsLedger, TierJob
 from tiering.tiers.tier_api import (
     JobMetadata,
@@ -34,55 +30,12 @@ from tiering.validation import seconds
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
 # How long aclose waits, after cancelling, for hooks to unwind before failing their
 # jobs anyway: a hook that swallows cancellation must not hang the caller.
 _CANCEL_GRACE_S = 1.0
 
-# The job a job task runs, so run_blocking can mark that job busy while its call runs.
-_CURRENT_JOB: contextvars.ContextVar[tuple[TierActor, int] | None] = contextvars.ContextVar(
-    "tiering_actor_job", default=None
-)
 
-
-def deliver(
-    loop: asyncio.AbstractEventLoop, done: asyncio.Future[Any], value: Any, *, raised: bool = False
-) -> None:
-    """From any thread: hand ``value`` to ``done`` on ``loop`` with one wake-up (its
-    awaiter raises it if ``raised``); nothing if ``done`` is already done (its awaiter
-    was cancelled) or the loop is closed (nobody waits any more)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_settle, done, value, raised)
-
-
-def _settle(done: asyncio.Future[Any], value: Any, raised: bool) -> None:
-    if done.done():
-        return
-    if raised:
-        done.set_exception(value)
-    else:
-        done.set_result(value)
-
-
-def _call_then_deliver(
-    loop: asyncio.AbstractEventLoop,
-    done: asyncio.Future[_T],
-    fn: Callable[..., _T],
-    args: tuple[object, ...],
-) -> None:
-    """On a pool thread: ``fn(*args)``, its value or error delivered to ``done``.
-    Nothing is raised here: the pool's own future would keep the error's frames, and
-    the memory they name, alive."""
-    try:
-        value: Any = fn(*args)
-    except BaseException as exc:  # handed over whole: the awaiter raises it
-        deliver(loop, done, exc, raised=True)
-    else:
-        deliver(loop, done, value)
-
-
-class TierActor(AsyncService, SecondaryTierManager):
+class TierActor(AsyncService, SecondaryTierManager, IoThreads):
     """A secondary tier served by an asyncio actor (its contract:
     docs/architecture.md#tiers-are-actors). A failed load's slots are undefined.
 
@@ -123,12 +76,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         self._drained: asyncio.Future[None] | None = None  # set: closed, nothing queued or running
         self._dispatch_pending = False  # a dispatch of stores is scheduled
         self._closed_event = asyncio.Event()
-        self._executor = ThreadPoolExecutor(
-            max_workers=self.io_threads,
-            thread_name_prefix=f"{type(self).__name__}-io",
-            initializer=init_io_worker,
-        )
-        self._calls_running = 0  # run_blocking calls started and not yet returned
+        IoThreads.__init__(self, self.io_threads)
         self._background: set[asyncio.Task[None]] = set()  # spawn()ed, cancelled at close
         self._stopped = False  # close decided: every job failed or finished, pool shut
 
@@ -155,8 +103,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         # Let the runner enter its TaskGroup before the caller goes on.
         await asyncio.sleep(0)
 
-    # The deadline is part of the close protocol (graceful phase, then cancel), so it
-    # is a parameter rather than a caller-side asyncio.timeout.
+    # The deadline is part of the close protocol, not a caller-side asyncio.timeout.
     async def aclose(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
         """Close gracefully: admit nothing more (waiting ``put_*`` calls raise
         ClosedError), let queued, parked and running jobs finish within ``timeout``
@@ -169,10 +116,8 @@ class TierActor(AsyncService, SecondaryTierManager):
         if self._state is Lifecycle.NEW:
             self._stop(notify=True)
             return
-        if self._state is Lifecycle.CLOSED:
-            return
-        if self._state is Lifecycle.CLOSING:
-            await self._closed_event.wait()
+        if self._state is not Lifecycle.OPEN:
+            await self._closed_event.wait()  # set once CLOSED
             return
 
         self._state = Lifecycle.CLOSING
@@ -219,7 +164,6 @@ class TierActor(AsyncService, SecondaryTierManager):
             return
         if self._state is not Lifecycle.NEW:
             self._state = Lifecycle.CLOSING
-        self._inbox.close()
         self._cancel_reason = "cancelled: tier shut down before the job finished"
         self._cancel_cause = "cancelled by shutdown"
         if loop_running:
@@ -373,56 +317,6 @@ class TierActor(AsyncService, SecondaryTierManager):
         for task in list(self._background):
             task.cancel()
 
-    async def run_blocking(self, fn: Callable[..., _T], /, *args: object) -> _T:
-        """``fn(*args)`` run on this tier's thread pool. Cancelled before the call starts,
-        it is dropped; after, it waits until ``fn`` returns (its outcome discarded), so
-        nothing the thread uses is released under it. From a job's hook, the job's result
-        is held back meanwhile. Raises ClosedError once the pool is shut down, else
-        whatever ``fn`` raises."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[_T] = loop.create_future()
-        try:
-            call = self._executor.submit(_call_then_deliver, loop, done, fn, args)
-        except RuntimeError as exc:
-            raise ClosedError(f"{self._name()}: thread pool is shut down") from exc
-        return await self.wait_call(call, done)
-
-    async def wait_call(self, call: ThreadFuture[Any], done: asyncio.Future[_T]) -> _T:
-        """Await ``done``, the outcome of ``call``: work on a thread of this tier (its
-        pool's, or one of its own that runs ``call`` as a pool does, delivering with
-        :func:`deliver`), as :meth:`run_blocking` awaits it. Cancelled, ``call`` is
-        withdrawn if it has not started, else waited for."""
-        current = _CURRENT_JOB.get()
-        job_id = current[1] if current is not None and current[0] is self else None
-        if job_id is not None and job_id in self._ledger:
-            self._ledger.busy(job_id)
-        else:
-            job_id = None
-        self._calls_running += 1
-        try:
-            return await done
-        except asyncio.CancelledError:
-            if not done.cancelled():
-                done.exception()  # delivered, and discarded: the cancellation wins
-            elif not call.cancel():  # started: the thread has to end first
-                ended = asyncio.wrap_future(call)
-                while not ended.done():
-                    try:
-                        await asyncio.wait({ended})
-                    except asyncio.CancelledError:
-                        continue  # already cancelled
-            raise
-        finally:
-            self._call_ended(job_id)
-
-    def _call_ended(self, job_id: int | None) -> None:
-        if self._calls_running > 0:
-            self._calls_running -= 1
-        if job_id is not None and self._ledger.is_busy(job_id):
-            self._ledger.idle(job_id)
-        if self._calls_running == 0:
-            self._maybe_closed()
-
     @abstractmethod
     async def _do_store(self, job: JobMetadata) -> JobResult:
         """Copy the job's CPU slots into this tier; return the job's result. Called on
@@ -468,11 +362,10 @@ class TierActor(AsyncService, SecondaryTierManager):
             if job is None:
                 break
             running.add(job)
-            task = task_group.create_task(
+            job.task = task_group.create_task(
                 self._run_job(job), name=f"{self._name()}-{job.lane}-{job.meta.job_id}"
             )
-            job.task = task
-            task.add_done_callback(functools.partial(self._on_job_done, job))
+            job.task.add_done_callback(functools.partial(self._on_job_done, job))
         drained = self._drained
         if not running and self._inbox.closed and drained is not None and not drained.done():
             drained.set_result(None)
@@ -490,7 +383,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         """The job's hook awaited: its result, or a failed one for whatever it raised
         (but the cancellation of this task)."""
         meta = job.meta
-        _CURRENT_JOB.set((self, meta.job_id))
+        RUNNING_JOB.set((self, meta.job_id))
         hook = self._do_load if job.lane == "load" else self._do_store
         try:
             job_result = await hook(meta)
@@ -540,7 +433,6 @@ class TierActor(AsyncService, SecondaryTierManager):
             # Not asked to stop: fail what is left rather than leave anyone waiting.
             logger.error("%s: serving stopped unexpectedly; tier closed", self._name())
             self._state = Lifecycle.CLOSING
-            self._inbox.close()
             self._cancel_reason = "tier actor stopped unexpectedly"
             self._cancel_cause = "tier actor stopped unexpectedly"
             self._cancel_running_jobs()
@@ -548,11 +440,7 @@ class TierActor(AsyncService, SecondaryTierManager):
 
     def _delivered(self, job: TierJob, job_result: JobResult) -> None:
         if job.lane == "store":
-            keys = set(job.meta.keys)
-            self._storing.subtract(keys)
-            for key in keys:
-                if self._storing[key] <= 0:
-                    del self._storing[key]
+            uncount(self._storing, set(job.meta.keys))
 
     def _fail(self, job_id: int, reason: str, cause: str) -> None:
         if self._ledger.fail(job_id, reason):
@@ -574,8 +462,7 @@ class TierActor(AsyncService, SecondaryTierManager):
         parked = self._inbox.unpark()
         for job in parked:
             self._ledger.fail(job.meta.job_id, unqueued, notify=notify)
-        if parked:
-            self._failures.record(self._cancel_cause, count=len(parked), detail=unqueued)
+        self._failures.record(self._cancel_cause, count=len(parked), detail=unqueued)
         self._inbox.drain()  # queued jobs are failed below with the rest
         undecided = self._ledger.fail_undecided(self._cancel_reason, notify=notify)
         self._failures.record(self._cancel_cause, count=len(undecided), detail=self._cancel_reason)
