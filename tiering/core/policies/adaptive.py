@@ -155,16 +155,15 @@ class AdaptivePolicy(ARCPolicy):
         """The ``n`` least recently used evictable keys: a merge of ``T1`` and ``T2``."""
         victims: list[BlockHash] = []
         last = self._last
-        scan1, scan2 = iter(self._t1), iter(self._t2)
-        head1 = next((k for k in scan1 if can_evict(k)), None)
-        head2 = next((k for k in scan2 if can_evict(k)), None)
+        scan1, scan2 = filter(can_evict, self._t1), filter(can_evict, self._t2)
+        head1, head2 = next(scan1, None), next(scan2, None)
         while len(victims) < n:
             if head1 is not None and (head2 is None or last[head1] < last[head2]):
                 victims.append(head1)
-                head1 = next((k for k in scan1 if can_evict(k)), None)
+                head1 = next(scan1, None)
             elif head2 is not None:
                 victims.append(head2)
-                head2 = next((k for k in scan2 if can_evict(k)), None)
+                head2 = next(scan2, None)
             else:
                 break
         return victims
