@@ -73,15 +73,7 @@ class AdaptivePolicy(ARCPolicy):
             return
         self._sample = max(1, capacity // self.shadow_blocks)
         size = max(1, capacity // self._sample)
-        self._shadows = [
-            _Shadow(
-                ARCPolicy() if name.startswith("arc") else LRUPolicy(),
-                size,
-                name.endswith("second-sight"),
-                self.horizon,
-            )
-            for name in EXPERTS
-        ]
+        self._shadows = [_Shadow(expert, size, self.horizon) for expert in EXPERTS]
 
     def admit(self, key: BlockHash) -> bool:
         return not self._second_sight or self._counts.get(key, 0) >= 2
@@ -170,18 +162,17 @@ class AdaptivePolicy(ARCPolicy):
 
 
 class _Shadow:
-    """A cache of sampled keys under one eviction order and admission, scoring its
-    decayed prefix hits; ``held`` mirrors the policy's resident keys (one set lookup)."""
+    """A cache of sampled keys under one of :data:`EXPERTS` (eviction order and admission),
+    scoring its decayed prefix hits; ``held`` mirrors the policy's resident keys (one set
+    lookup)."""
 
     __slots__ = ("capacity", "decay", "held", "policy", "score", "second_sight")
 
-    def __init__(
-        self, policy: EvictionPolicy, capacity: int, second_sight: bool, horizon: int
-    ) -> None:
-        self.policy = policy
+    def __init__(self, expert: str, capacity: int, horizon: int) -> None:
+        self.policy: EvictionPolicy = ARCPolicy() if expert.startswith("arc") else LRUPolicy()
         self.policy.bind(capacity)
         self.capacity = capacity
-        self.second_sight = second_sight
+        self.second_sight = expert.endswith("second-sight")
         self.held: set[BlockHash] = set()
         self.score = 0.0
         self.decay = 1.0 - 1.0 / (horizon * capacity)
