@@ -105,8 +105,9 @@ class FinishedResults:
     """Results of finished jobs, kept for a caller that polls once per step; beyond
     ``capacity`` the oldest are dropped, with one warning for the life of the buffer."""
 
-    def __init__(self, capacity: int = FINISHED_KEPT) -> None:
-        self._results: deque[JobResult] = deque(maxlen=capacity)
+    def __init__(self, capacity: int | None = None) -> None:
+        maxlen = FINISHED_KEPT if capacity is None else capacity
+        self._results: deque[JobResult] = deque(maxlen=maxlen)
         self.dropped = 0  # results dropped unread so far
 
     def append(self, result: JobResult) -> None:
