@@ -221,7 +221,7 @@ async def test_cancelling_a_store_awaiter_still_completes_the_store() -> None:
         expected = rows(kv, [1])
         # Hold the copy workers so the store is certainly in flight when we cancel.
         gate = threading.Event()
-        backend = engine._stack.copier.backend
+        backend = engine._copier.backend
         for _ in range(backend.max_workers):
             backend.executor.submit(gate.wait)
         job = engine.store([h(2)], [1])

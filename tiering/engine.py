@@ -1,6 +1,7 @@
 """The asyncio engine: the thin shell that carries out :class:`~tiering.core.job_core.JobCore`'s
-effects (copies and tier jobs through the :class:`~tiering.core.tier_stack.TierStack`, results
-to :class:`Job` handles, room timers) and feeds every completion back; no job owns a task."""
+effects (copies through the :class:`DeviceCopier`, tier jobs through one :class:`TierClient` per
+tier, results to :class:`Job` handles, room timers) and feeds every completion back; no job owns
+a task."""
 
 from __future__ import annotations
 
@@ -17,18 +18,18 @@ from tiering.core.cpu_tier import CPUOffloadingManager
 from tiering.core.job import FinishedResults, Job
 from tiering.core.policies import DEFAULT_POLICY, EvictionPolicy
 from tiering.core.scheduler_api import BlockHash, OffloadingEvent
-from tiering.core.tier_stack import TierStack
+from tiering.device.copier import DeviceCopier
 from tiering.device.host_pool import HostPool
 from tiering.device.kv_layout import KVCaches, describe_kv_caches, kv_block_bytes
 from tiering.device.layer_progress import LayerProgress, check_progress
-from tiering.errors import ClosedError, ConfigError, InvalidArgumentError
+from tiering.errors import ClosedError, ConfigError, InvalidArgumentError, TieringError
 from tiering.hashing import cache_namespace
 from tiering.lifecycle import AsyncService, Lifecycle
 from tiering.observe.latency import LatencyHistogram, LatencySnapshot
 from tiering.observe.statistics import Statistics
 from tiering.security.tenancy import Tenancy, TenantLookups, check_tenant, tenant_label
-from tiering.tiers.client import TierOutcome
-from tiering.tiers.registry import TierSpec, tier_specs
+from tiering.tiers.client import TierClient, TierOutcome
+from tiering.tiers.registry import TierSpec, make_tier, tier_specs
 from tiering.tiers.tier_api import JobResult, SecondaryTierManager
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds
 
@@ -81,7 +82,7 @@ class TieringEngine(AsyncService):
         check_host_memory(num_cpu_blocks, self.block_bytes)
         if not isinstance(enable_events, bool):
             raise InvalidArgumentError(f"enable_events must be a bool, got {enable_events!r}")
-        tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
+        self._tier_timeout = seconds("tier_timeout", tier_timeout, allow_zero=False)
         self._room_timeout = seconds("room_timeout", room_timeout, allow_zero=True)
         self._close_timeout = seconds("close_timeout", close_timeout, allow_zero=True)
         self.block_size = positive_int("block_size", block_size)
@@ -92,14 +93,15 @@ class TieringEngine(AsyncService):
         self.write_policy: WritePolicy = write_policy
         self.enable_events = enable_events
         self._state = Lifecycle.NEW
-        self._stack = TierStack(
-            kv_caches,
-            num_cpu_blocks,
-            self.block_bytes,
-            tier_specs(secondary_tiers),
-            namespace=self.namespace,
-            tier_timeout=tier_timeout,
-        )
+        self._kv_caches = kv_caches
+        self._specs = tier_specs(secondary_tiers)
+        # What the engine runs on, made at start and closed in the one safe order: the
+        # tiers (they use host-pool slots), the copier (slots and device blocks), the pool.
+        self._pool: HostPool | None = None
+        self._copier: DeviceCopier | None = None
+        self.tiers: list[SecondaryTierManager] = []
+        """The secondary tiers, fastest first (built when the engine is entered)."""
+        self._clients: list[TierClient] = []  # one per tier, in its order
         # Until entered, a core without tiers answers the queries and checks the policy.
         self._core = job_core.JobCore(
             self.manager, (), num_device_blocks=0, block_bytes=0, write_policy=write_policy
@@ -113,11 +115,14 @@ class TieringEngine(AsyncService):
         self._drained = asyncio.Event()
         self._closed = asyncio.Event()
         self._latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}
+        # Bound once: a bound method made per copy or tier job is one more allocation.
+        self._on_copy_end = self._copy_ended
+        self._on_tier_end = self._tier_ended
         self._run_effect: dict[type, Callable[[Any], None]] = {
-            job_core.CopyToHost: partial(self._stack.copy, on_end=self._copy_ended),
+            job_core.CopyToHost: self._copy,
             job_core.CopyToDevice: self._copy_to_device,
-            job_core.TierStore: partial(self._stack.send, on_done=self._tier_ended),
-            job_core.TierLoad: partial(self._stack.send, on_done=self._tier_ended),
+            job_core.TierStore: self._send,
+            job_core.TierLoad: self._send,
             job_core.Resolve: self._resolve,
             job_core.Cascaded: self._cascaded,
             job_core.FlushDone: self._flush_done,
@@ -147,28 +152,46 @@ class TieringEngine(AsyncService):
         return cls(kv_caches, num_cpu_blocks, secondary_tiers=tiers, **options)
 
     async def start(self) -> None:
-        """Allocate the host pool, start the copier and the tiers, and open. Raises
-        ClosedError if entered before, TieringError if the pool or a tier cannot start
-        (everything started is released)."""
+        """Allocate the host pool, start the copier and the tiers (each reporting the keys
+        it removes, with ``enable_events``), and open. Raises ClosedError if entered before,
+        TieringError if the pool or a tier cannot start (everything started is released)."""
         if self._state is not Lifecycle.NEW:
             raise ClosedError("a TieringEngine can be entered once")
         self._loop = asyncio.get_running_loop()
         self._state = Lifecycle.CLOSING  # until open: a failure below leaves it closed
+        n, size = self.manager.num_blocks, self.block_bytes
         try:
-            await self._stack.open(report_removals=self.enable_events)
+            try:
+                # Off the loop: page-locking a pool of many GiB takes seconds.
+                self._pool = pool = await asyncio.to_thread(HostPool, n, size)
+            except (MemoryError, OSError) as exc:
+                raise TieringError(
+                    f"cannot allocate the host pool for num_cpu_blocks={n} ({n * size} bytes): "
+                    f"{exc!r}"
+                ) from exc
+            self._copier = copier = DeviceCopier(self._kv_caches, pool)
+            await copier.start()
+            defaults = {"namespace": self.namespace}
+            for spec in self._specs:
+                tier = make_tier(spec, pool.view, size, defaults=defaults)
+                client = TierClient(tier, timeout=self._tier_timeout)
+                if self.enable_events:
+                    tier.report_removals()
+                self.tiers.append(tier)
+                self._clients.append(client)
+                await client.start()
         except BaseException:
             self._release_now()
             raise
-        assert self._stack.copier is not None
         self._core = job_core.JobCore(
             self.manager,
-            self._stack.clients,
-            num_device_blocks=self._stack.copier.num_device_blocks,
+            self._clients,
+            num_device_blocks=copier.num_device_blocks,
             block_bytes=self.block_bytes,
             write_policy=self.write_policy,
             room_timeout=self._room_timeout,
             enable_events=self.enable_events,
-            take_removed=[tier.take_removed for tier in self._stack.tiers],
+            take_removed=[tier.take_removed for tier in self.tiers],
         )
         self._state = Lifecycle.OPEN
 
@@ -195,7 +218,11 @@ class TieringEngine(AsyncService):
                     self._close_timeout,
                 )
                 self._execute(self._core.hard_close())
-            await self._stack.aclose(deadline)
+            # The tiers' jobs get until the deadline to end; then every copy has ended too.
+            for client in self._clients:
+                await client.aclose(max(0.0, deadline - self._loop.time()))
+            if self._copier is not None:
+                await self._copier.aclose()
         finally:
             self._release_now()
         return self._core.close_result()
@@ -218,21 +245,21 @@ class TieringEngine(AsyncService):
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
-        self._stack.close()
+        for client in self._clients:
+            client.shutdown()
+        if self._copier is not None:
+            self._copier.close()  # its copies in flight waited for
+        if self._pool is not None:
+            self._pool.close()  # mapped on while a tier holds a view
         self._state = Lifecycle.CLOSED
         self._closed.set()
 
     @property
-    def tiers(self) -> list[SecondaryTierManager]:
-        """The secondary tiers, fastest first (built when the engine is entered)."""
-        return self._stack.tiers
-
-    @property
     def host_pool(self) -> HostPool:
         """The CPU tier's memory, while the engine is open."""
-        if self._state is not Lifecycle.OPEN or self._stack.pool is None:
+        if self._state is not Lifecycle.OPEN or self._pool is None:
             raise ClosedError(f"the engine is {self._state}; its host pool is not available")
-        return self._stack.pool
+        return self._pool
 
     def statistics(self) -> Statistics:
         """The CPU tier, the work in flight, :data:`~tiering.core.job_core.COUNTERS`, failures."""
@@ -275,7 +302,7 @@ class TieringEngine(AsyncService):
         self._open_core()  # raises unless open
         hashes = self.tenant_keys(block_hashes, tenant)
         self.manager.touch(hashes)
-        for client in self._stack.clients:
+        for client in self._clients:
             client.touch(hashes)
 
     def tenant_keys(
@@ -382,7 +409,29 @@ class TieringEngine(AsyncService):
         if progress is not None and not effect.whole:
             progress.fail("a block of the load failed before its copy")
             progress = None
-        self._stack.copy(effect, self._copy_ended, progress)
+        self._copy(effect, progress)
+
+    def _copy(
+        self,
+        effect: job_core.CopyToHost | job_core.CopyToDevice,
+        progress: LayerProgress | None = None,
+    ) -> None:
+        """Start the copy ``effect`` asks for, marking ``progress``'s layers as they land."""
+        assert self._copier is not None
+        to_host = type(effect) is job_core.CopyToHost
+        try:
+            self._copier.submit(
+                to_host, effect.device_ids, effect.slots, self._on_copy_end, effect.op, progress
+            )
+        except TieringError as exc:  # the copier is closed: the copy never started
+            if progress is not None:
+                progress.fail(exc)
+            asyncio.get_running_loop().call_soon(self._on_copy_end, effect.op, exc)
+
+    def _send(self, effect: job_core.TierStore | job_core.TierLoad) -> None:
+        kind = "store" if type(effect) is job_core.TierStore else "load"
+        done = partial(self._on_tier_end, effect.op)
+        self._clients[effect.tier].submit(kind, effect.keys, effect.slots, done, checked=True)
 
     def _copy_ended(self, op: int, error: BaseException | None) -> None:
         self._execute(self._core.copy_done(op, None if error is None else repr(error)))

@@ -264,10 +264,6 @@ class _Job:
             self.failed = {}
         self.failed.setdefault(key, reason)  # type: ignore[attr-defined]
 
-    @property
-    def done(self) -> bool:
-        return self.resolved and self.io == 0 and (self.is_load or self.phase is _DONE)
-
 
 class JobCore:
     """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
@@ -902,9 +898,8 @@ class JobCore:
         return self._take()
 
     def _end_op(self, op: int, result: object) -> None:
-        if op not in self._op_owner:
+        if (owner := self._op_owner.pop(op, None)) is None:
             raise InvalidArgumentError(f"no effect {op!r} is in flight")
-        owner = self._op_owner.pop(op)
         on_end = self._op_end.pop(op)
         self.blocks_in_flight -= self._op_blocks.pop(op)
         if type(owner) is _Job:
@@ -948,7 +943,7 @@ class JobCore:
         return failed
 
     def _forget_if_done(self, job: _Job) -> None:
-        if job.done:
+        if job.resolved and job.io == 0 and (job.is_load or job.phase is _DONE):
             self._jobs.pop(job.id, None)
 
     def _resolve(self, job: _Job) -> None:

@@ -73,15 +73,7 @@ class AdaptivePolicy(ARCPolicy):
             return
         self._sample = max(1, capacity // self.shadow_blocks)
         size = max(1, capacity // self._sample)
-        self._shadows = [
-            _Shadow(
-                ARCPolicy() if name.startswith("arc") else LRUPolicy(),
-                size,
-                name.endswith("second-sight"),
-                self.horizon,
-            )
-            for name in EXPERTS
-        ]
+        self._shadows = [_Shadow(expert, size, self.horizon) for expert in EXPERTS]
 
     def admit(self, key: BlockHash) -> bool:
         return not self._second_sight or self._counts.get(key, 0) >= 2
@@ -155,34 +147,32 @@ class AdaptivePolicy(ARCPolicy):
         """The ``n`` least recently used evictable keys: a merge of ``T1`` and ``T2``."""
         victims: list[BlockHash] = []
         last = self._last
-        scan1, scan2 = iter(self._t1), iter(self._t2)
-        head1 = next((k for k in scan1 if can_evict(k)), None)
-        head2 = next((k for k in scan2 if can_evict(k)), None)
+        scan1, scan2 = filter(can_evict, self._t1), filter(can_evict, self._t2)
+        head1, head2 = next(scan1, None), next(scan2, None)
         while len(victims) < n:
             if head1 is not None and (head2 is None or last[head1] < last[head2]):
                 victims.append(head1)
-                head1 = next((k for k in scan1 if can_evict(k)), None)
+                head1 = next(scan1, None)
             elif head2 is not None:
                 victims.append(head2)
-                head2 = next((k for k in scan2 if can_evict(k)), None)
+                head2 = next(scan2, None)
             else:
                 break
         return victims
 
 
 class _Shadow:
-    """A cache of sampled keys under one eviction order and admission, scoring its
-    decayed prefix hits; ``held`` mirrors the policy's resident keys (one set lookup)."""
+    """A cache of sampled keys under one of :data:`EXPERTS` (eviction order and admission),
+    scoring its decayed prefix hits; ``held`` mirrors the policy's resident keys (one set
+    lookup)."""
 
     __slots__ = ("capacity", "decay", "held", "policy", "score", "second_sight")
 
-    def __init__(
-        self, policy: EvictionPolicy, capacity: int, second_sight: bool, horizon: int
-    ) -> None:
-        self.policy = policy
+    def __init__(self, expert: str, capacity: int, horizon: int) -> None:
+        self.policy: EvictionPolicy = ARCPolicy() if expert.startswith("arc") else LRUPolicy()
         self.policy.bind(capacity)
         self.capacity = capacity
-        self.second_sight = second_sight
+        self.second_sight = expert.endswith("second-sight")
         self.held: set[BlockHash] = set()
         self.score = 0.0
         self.decay = 1.0 - 1.0 / (horizon * capacity)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tiering.core.policies.base import EvictionPolicy
 from tiering.core.scheduler_api import BlockHash
@@ -84,28 +84,23 @@ class ARCPolicy(EvictionPolicy):
         """The ``n`` evictable keys ARC's order picks, nothing changed yet (so the
         iterators stay valid); an iterator is dropped once its list has none left."""
         victims: list[BlockHash] = []
-        t1, t2 = self._t1, self._t2
         # What |T1| will be once the victims chosen so far are gone.
-        size1 = len(t1)
-        scan1 = iter(t1) if t1 else None
-        scan2 = iter(t2) if t2 else None
+        size1 = len(self._t1)
+        scan1: Iterator[BlockHash] | None = filter(can_evict, self._t1)
+        scan2: Iterator[BlockHash] | None = filter(can_evict, self._t2)
         p = self._p
         while len(victims) < n:
             if scan1 is not None and (size1 > p or scan2 is None):
-                for key in scan1:
-                    if can_evict(key):
-                        victims.append(key)
-                        size1 -= 1
-                        break
-                else:
+                if (key := next(scan1, None)) is None:
                     scan1 = None
-            elif scan2 is not None:
-                for key in scan2:
-                    if can_evict(key):
-                        victims.append(key)
-                        break
                 else:
+                    victims.append(key)
+                    size1 -= 1
+            elif scan2 is not None:
+                if (key := next(scan2, None)) is None:
                     scan2 = None
+                else:
+                    victims.append(key)
             else:
                 break
         return victims

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 from tiering.core.policies.base import EvictionPolicy
 from tiering.core.scheduler_api import BlockHash
@@ -34,15 +35,8 @@ class LRUPolicy(EvictionPolicy):
         del self._order[key]
 
     def evict(self, n: int, can_evict: Callable[[BlockHash], bool]) -> list[BlockHash]:
-        victims: list[BlockHash] = []
-        if n <= 0:
-            return victims
-        for key in self._order:
-            if can_evict(key):
-                victims.append(key)
-                if len(victims) == n:
-                    break
         order = self._order
+        victims = list(islice(filter(can_evict, order), max(n, 0)))
         for key in victims:
             del order[key]
         return victims
