@@ -94,8 +94,7 @@ def _retrieve_exception(future: asyncio.Future[None]) -> None:
 
 
 class _InFlight(PlannedCopy):
-    """A copy handed to the backend, with whom to tell when it ends: a handle's future,
-    or ``on_done(token, error)``."""
+    """A copy handed to the backend, and whom its end is told: a future or ``on_done``."""
 
     __slots__ = ("future", "nbytes", "on_done", "token")
     future: asyncio.Future[None] | None
