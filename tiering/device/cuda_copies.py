@@ -1,7 +1,6 @@
-"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
-Each direction pipelines two streams over two staging buffers; a load that marks its
-layers reads the mapped host pool layer by layer (docs/architecture.md#gpu-copies). CUDA
-calls go through a :class:`CudaRuntime`, which tests replace to run on CPU tensors."""
+"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events
+(docs/architecture.md#gpu-copies). CUDA calls go through a :class:`CudaRuntime`, which
+tests replace to run on CPU tensors."""
 
 from __future__ import annotations
 
