@@ -94,8 +94,7 @@ def _retrieve_exception(future: asyncio.Future[None]) -> None:
 
 
 class _InFlight(PlannedCopy):
-    """A copy handed to the backend, with whom to tell when it ends: a handle's future,
-    or ``on_done(token, error)``."""
+    """A copy handed to the backend, and whom its end is told: a future or ``on_done``."""
 
     __slots__ = ("future", "nbytes", "on_done", "token")
     future: asyncio.Future[None] | None
@@ -109,14 +108,13 @@ class DeviceCopier(AsyncService):
 
     Use as ``async with DeviceCopier(kv_caches, host_pool) as copier:`` on one loop and
     task, before closing the host pool; leaving waits (blocking if cancelled) until every
-    started copy has ended. ``staging_bytes`` sizes one staging buffer (the CUDA backend
-    uses two per direction, in turn): it bounds the blocks per planned chunk (at least
-    one), and the chunks of a CUDA copy pipeline. ``backend`` defaults to a
-    :class:`~tiering.device.cuda_copies.CudaCopyBackend` for a CUDA KV cache, else a
-    :class:`~tiering.device.thread_copies.ThreadCopyBackend` of ``max_workers`` threads,
-    and serves this copier alone. Raises InvalidArgumentError for a malformed layout, a
-    block size other than the pool's, a closed pool, or a CUDA KV cache with an unpinned
-    pool (its copies would block the event loop)."""
+    started copy has ended. ``staging_bytes`` sizes a staging buffer (the CUDA backend
+    pipelines two per direction) and so bounds the blocks per chunk (at least one).
+    ``backend`` defaults to a :class:`~tiering.device.cuda_copies.CudaCopyBackend` for a
+    CUDA KV cache, else a :class:`~tiering.device.thread_copies.ThreadCopyBackend` of
+    ``max_workers`` threads, and serves this copier alone. Raises InvalidArgumentError for
+    a malformed layout, a block size other than the pool's, a closed pool, or a CUDA KV
+    cache with an unpinned pool (its copies would block the event loop)."""
 
     def __init__(
         self,

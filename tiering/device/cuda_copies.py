@@ -1,7 +1,6 @@
-"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events.
-Each direction pipelines two streams over two staging buffers; a load that marks its
-layers reads the mapped host pool layer by layer (docs/architecture.md#gpu-copies). CUDA
-calls go through a :class:`CudaRuntime`, which tests replace to run on CPU tensors."""
+"""The CUDA copy backend: KV copies on copy streams, their ends seen by polling events
+(docs/architecture.md#gpu-copies). CUDA calls go through a :class:`CudaRuntime`, which
+tests replace to run on CPU tensors."""
 
 from __future__ import annotations
 
@@ -97,8 +96,8 @@ class _StagingBuffer:
         first, ``also`` being the other stream that uses them, if any."""
         buffer = self._buffer
         if buffer is None or buffer.shape[0] < n:
-            # Made in the current stream's context and marked as used on ``also``, so
-            # that dropping the old buffer waits for both streams (stream-ordered).
+            # Made on the current stream and marked as used on ``also``: dropping the
+            # old buffer waits for both streams.
             rows = min(self._max_rows, max(n, 2 * (0 if buffer is None else buffer.shape[0])))
             layout = self._layout
             buffer = torch.empty(
@@ -200,10 +199,9 @@ class CudaCopyBackend:
                     runtime.new_event(),
                 )
                 self._lanes[direction] = lane
-                # If the caller frees the KV cache, the allocator waits for copies already
-                # queued on these streams before it reuses the memory. Memory from another
-                # allocator may refuse; the copier's own references and its draining exit
-                # still cover the copier's lifetime.
+                # So that freeing the KV cache waits for copies queued on these streams.
+                # Other allocators may refuse: the copier's references and draining exit
+                # still cover its lifetime.
                 for layer in layout.layers:
                     for stream in lane.streams():
                         with contextlib.suppress(RuntimeError):
@@ -263,9 +261,8 @@ class CudaCopyBackend:
                     pending.event = runtime.new_event()
                 pending.event.record(last)
         except Exception as exc:
-            # No event marks the job's end, and copies may already be queued: wait for the
-            # lane (blocking, on this failure path only) so that the job never ends while
-            # a queued copy can still touch its slots or blocks.
+            # No event marks the job's end and copies may be queued: wait for the lane
+            # (blocking, on this failure path only) so the job never ends before them.
             for stream in lane.streams():
                 with contextlib.suppress(Exception):
                     stream.synchronize()
@@ -289,8 +286,7 @@ class CudaCopyBackend:
             self._wakeup.set()
             # Not the caller's exception: a TaskGroup would wrap it in an ExceptionGroup.
             await task_group.__aexit__(None, None, None)
-        # Every job's event has fired, so nothing queued on the lanes uses their staging
-        # buffers any more: hand the device memory back now, not when the backend is dropped.
+        # Every job's event has fired: hand the staging buffers' device memory back now.
         self._lanes.clear()
 
     def close(self) -> None:

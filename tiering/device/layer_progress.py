@@ -1,6 +1,5 @@
-"""Per-layer readiness of a load into the device KV cache: a model's forward waits for
-its own layer only (docs/architecture.md#layer-by-layer-loads). The copy backend marks
-each layer, in order, as its copies land (threads) or are enqueued behind a CUDA event."""
+"""Per-layer readiness of a load into the device KV cache, so that a model's forward
+waits for its own layer only (docs/architecture.md#layer-by-layer-loads)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Page-aligned anonymous memory, without torch: the mapping behind the host pool
-(:mod:`tiering.device.host_pool`) and the direct-I/O buffers the NVMe tier's threads and its
-command-line tools (``tiering inspect``, ``verify``, ``clear``) read and write through."""
+"""Page-aligned anonymous memory, without torch: the mapping behind the host pool, and the
+direct-I/O buffers of the NVMe tier and its command-line tools."""
 
 from __future__ import annotations
 

@@ -44,9 +44,8 @@ class _Hop:
         )
 
     def _reads_writes(self) -> tuple[set[int], set[int]]:
-        """What the hop reads and writes, worked out only when a later hop must check:
-        host slots as themselves, device block ``b`` as ``~b`` (negative), so that one
-        set holds both kinds."""
+        """What the hop reads and writes (worked out when a later hop must check): host
+        slots as themselves, device block ``b`` as ``~b``, so one set holds both kinds."""
         if self._access is None:
             reads: set[int] = set()
             writes: set[int] = set()
@@ -167,11 +166,9 @@ class ThreadCopyBackend:
         try:
             for group in self._groups(hop.copies):
                 if len(group) > 1:
-                    try:
+                    # If it fails, they run one by one below: only the faulty copy fails.
+                    with contextlib.suppress(Exception):
                         self._copy_group(group)
-                    except Exception:
-                        pass  # run them one by one below: only the faulty copy fails
-                    else:
                         outcomes.extend((copy, None) for copy in group)
                         continue
                 for copy in group:

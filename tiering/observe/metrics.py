@@ -141,10 +141,17 @@ class EngineCollector:
                 return _read_engine(self.engine)
         return _read_engine(self.engine)
 
-    def _lag_snapshot(self) -> LatencySnapshot | None:
+    def collect(self) -> Iterable[Metric]:
+        """The metric families of a fresh reading."""
+        reading = self._read()
+        yield from self._engine_families(reading)
+        yield from self._lookup_families(reading)
+        yield from self._tenant_families(reading)
+        yield from self._tier_families(reading)
+        yield from self._latency_families(reading)
         monitor = self.loop_lag
         if monitor is None:
-            return None
+            return
         with self._lag_lock:
             samples = monitor.samples
             if len(samples) < self._lag_seen:  # the list was replaced or cleared
@@ -154,26 +161,15 @@ class EngineCollector:
             observe = self._lag.observe
             for sample in new:
                 observe(sample)
-            return self._lag.snapshot()
-
-    def collect(self) -> Iterable[Metric]:
-        """The metric families of a fresh reading."""
-        reading = self._read()
-        yield from self._engine_families(reading)
-        yield from self._lookup_families(reading)
-        yield from self._tenant_families(reading)
-        yield from self._tier_families(reading)
-        yield from self._latency_families(reading)
-        lag = self._lag_snapshot()
-        if lag is not None:
-            name = f"{self.prefix}_loop_lag_seconds"
-            doc = "How late the event loop woke a periodic ticker (LoopLagMonitor samples)."
-            family = HistogramMetricFamily(name, doc)
-            family.add_metric([], _buckets(lag), lag.sum)
-            yield family
-            yield GaugeMetricFamily(
-                f"{self.prefix}_loop_lag_max_seconds", "The largest loop lag seen.", lag.max
-            )
+            lag = self._lag.snapshot()
+        name = f"{self.prefix}_loop_lag_seconds"
+        doc = "How late the event loop woke a periodic ticker (LoopLagMonitor samples)."
+        family = HistogramMetricFamily(name, doc)
+        family.add_metric([], _buckets(lag), lag.sum)
+        yield family
+        yield GaugeMetricFamily(
+            f"{self.prefix}_loop_lag_max_seconds", "The largest loop lag seen.", lag.max
+        )
 
     def _engine_families(self, r: _Reading) -> Iterator[Metric]:
         p, stats, counters = self.prefix, r.engine, r.engine.counters

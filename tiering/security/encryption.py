@@ -37,19 +37,6 @@ class AuthenticationError(CorruptBlockError):
     """A sealed block failed authentication (wrong key, altered or moved bytes); never served."""
 
 
-def _ciphers(key: bytes) -> tuple[Any, Any]:
-    """``key`` as a one-shot ``AESGCM`` and an ``AES`` algorithm for cipher contexts;
-    InvalidArgumentError without the ``cryptography`` package."""
-    try:
-        from cryptography.hazmat.primitives.ciphers import algorithms
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise InvalidArgumentError(
-            "encryption needs the 'cryptography' package: pip install 'kv-tiering[encryption]'"
-        ) from exc
-    return AESGCM(key), algorithms.AES(key)
-
-
 class Keyring:
     """Encryption keys by id (ints in ``[1, 2**32)`` to 16, 24 or 32 bytes); ``current``
     seals, every one opens. Raises InvalidArgumentError (naming ``source`` and ids, never
@@ -151,25 +138,29 @@ class Seal:
     tag: bytes
 
 
-def _overlap(a: Buffer, b: Buffer) -> bool:
-    """Whether the memory of buffers ``a`` and ``b`` overlaps (their bounds, no copy)."""
-    return bool(np.may_share_memory(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
-
-
 class BlockCipher:
     """Seals and opens block payloads with AES-GCM under a :class:`Keyring`; thread-safe
-    (tiers call it on their worker threads, never on the loop)."""
+    (tiers call it on their worker threads, never on the loop). Raises
+    InvalidArgumentError without the ``cryptography`` package."""
 
     __slots__ = ("_aead", "_algorithms", "_lock", "_reported", "keyring")
 
     def __init__(self, keyring: Keyring) -> None:
+        try:
+            from cryptography.hazmat.primitives.ciphers import algorithms
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError as exc:  # pragma: no cover - exercised only without the extra
+            raise InvalidArgumentError(
+                "encryption needs the 'cryptography' package: pip install 'kv-tiering[encryption]'"
+            ) from exc
         self.keyring = keyring
+        # A one-shot AESGCM seals; an AES algorithm makes the cipher contexts that open.
         self._aead: dict[int, Any] = {}
         self._algorithms: dict[int, Any] = {}
         for key_id in keyring.key_ids:
             key = keyring.key(key_id)
             assert key is not None
-            self._aead[key_id], self._algorithms[key_id] = _ciphers(key)
+            self._aead[key_id], self._algorithms[key_id] = AESGCM(key), algorithms.AES(key)
         self._reported: set[tuple[type[CorruptBlockError], int]] = set()
         self._lock = threading.Lock()
 
@@ -203,7 +194,7 @@ class BlockCipher:
         n = len(ciphertext)
         if len(out) != n:
             raise InvalidArgumentError(f"open buffer is {len(out)} bytes, the ciphertext {n}")
-        if _overlap(ciphertext, out):
+        if np.may_share_memory(np.frombuffer(ciphertext, np.uint8), np.frombuffer(out, np.uint8)):
             raise InvalidArgumentError("the open buffer overlaps the ciphertext")
         decryptor = Cipher(algorithm, modes.GCM(seal.nonce, seal.tag)).decryptor()
         decryptor.authenticate_additional_data(aad)
