@@ -1,7 +1,5 @@
-"""A fleet replay (:func:`replay_fleet`): several engines behind a :class:`Router`
-(sans-I/O; docs/fleet.md compares the rules), optionally sharing one remote tier, each
-serving its requests as a :class:`~tiering.lab.replay.ReplayNode` (every byte checked).
-"""
+"""A fleet replay (:func:`replay_fleet`): engines behind a :class:`Router` (sans-I/O;
+docs/fleet.md compares the rules), maybe sharing a remote tier, each a ``ReplayNode``."""
 
 from __future__ import annotations
 
@@ -30,13 +28,12 @@ ROUTERS: tuple[str, ...] = get_args(ReplayConfig.model_fields["router"].annotati
 TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].annotation)
 """How a fleet replay carries KV events to the router (``replay.transport``'s choices)."""
 SHARED_TIERS = frozenset({"redis"})
-"""Tier types (and so their labels in the figures, and media in KV events) every node of
-a fleet shares."""
+"""Tier types (so labels in the figures, media in KV events) every node of a fleet shares."""
 
 
 class Router:
-    """Picks each request's node by ``rule``, fed back what each node computed and the
-    events it published. Raises InvalidArgumentError for a bad rule or node count."""
+    """Picks each request's node by ``rule``, fed back what each node computed and
+    published. Raises InvalidArgumentError for a bad rule or node count."""
 
     def __init__(self, rule: str, nodes: int) -> None:
         if rule not in ROUTERS:
@@ -76,7 +73,7 @@ class Router:
         self.computed[node] += blocks - hits
 
     def observe(self, node: int, payload: bytes) -> None:
-        """Events ``node`` published, in the wire format of :mod:`tiering.observe.events`
+        """Events ``node`` published, in :mod:`tiering.observe.events`' wire format
         (InvalidArgumentError otherwise)."""
         held = self._held[node]
         for event in decode_events(payload):
@@ -113,8 +110,8 @@ class _DirectLink:
 
 
 class _ZmqLink:
-    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node; the
-    replay waits up to ``wait_s`` for each node's batch (else it counts in ``lost``)."""
+    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node, each
+    batch waited for up to ``wait_s`` (else counted in ``lost``)."""
 
     def __init__(self, router: Router, wait_s: float = 2.0) -> None:
         import zmq
@@ -130,8 +127,8 @@ class _ZmqLink:
         self._publishers: list[ZmqPublisher] = []
 
     async def open(self, nodes: int) -> None:
-        """Bind a publisher per node, connect to each, and wait until each is heard (a SUB
-        socket misses what comes before its subscription reaches the publisher)."""
+        """Bind and connect a publisher per node; wait until each is heard (a SUB socket
+        misses what comes before its subscription reaches the publisher)."""
         for node in range(nodes):
             publisher = ZmqPublisher("tcp://127.0.0.1:*", node=str(node))
             self._publishers.append(publisher)
@@ -147,8 +144,8 @@ class _ZmqLink:
             self.lost += 1
 
     async def _heard(self, node: int, events: Sequence[OffloadingEvent], wait_s: float) -> bool:
-        """Publish ``events`` from ``node`` and feed the router what arrives, until this
-        batch has (True) or ``wait_s`` passed (False)."""
+        """Publish ``events`` from ``node``, feeding the router what arrives: True once this
+        batch has, False after ``wait_s``."""
         publisher = self._publishers[node]
         expected = publisher.sequence
         publisher.publish(events)
@@ -289,14 +286,11 @@ async def replay_fleet(
     transport: str = "direct",
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
-    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
-    device cache of ``device_blocks`` (default: the longest request's); each store reaches
-    every tier before the next request. ``outages`` stop and restart nodes; ``window``
-    (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
-    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
-    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a request
-    longer than ``device_blocks``, or ``kv-aware`` without engines with ``enable_events``.
-    """
+    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, as
+    :func:`~tiering.lab.replay.replay` with ``settle``. ``outages`` stop and restart nodes;
+    ``window`` (default: a twentieth of the requests) is the timeline's step; ``transport``
+    carries KV events ``"direct"`` or over ``"zmq"``. Raises InvalidArgumentError (nothing
+    ran) for a bad argument, or ``kv-aware`` without engines with ``enable_events``."""
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)
     if transport not in TRANSPORTS:
