@@ -122,8 +122,7 @@ class PageChunks:
             raws = []
         if len(raws) != len(keys) or not all(raws):
             raise InvalidArgumentError("keys must be non-empty strings (SGLang's page hashes)")
-        suffixes = self._suffixes
-        return [raw + suffix for raw in raws for suffix in suffixes]
+        return [raw + suffix for raw in raws for suffix in self._suffixes]
 
     def slots(self, host_indices: torch.Tensor, pages: int) -> list[int]:
         """The chunk slots of ``pages`` pages whose token slots are ``host_indices``;

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from tiering.errors import InvalidArgumentError, TieringError
 from tiering.lab.replay import ReplayNode, ReplaySummary, device_blocks_for, percentiles_ms, summed
 from tiering.lab.workloads import Request
 from tiering.observe.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
+from tiering.observe.statistics import uncount
 from tiering.validation import positive_int
 
 ROUTERS: tuple[str, ...] = get_args(ReplayConfig.model_fields["router"].annotation)
@@ -42,7 +44,7 @@ class Router:
         self.nodes = positive_int("nodes", nodes)
         self.computed = [0] * self.nodes  # blocks each node computed (its load)
         # kv-aware: per node, how many of its own media hold each key
-        self._held: list[dict[bytes, int]] = [{} for _ in range(self.nodes)]
+        self._held: list[Counter[bytes]] = [Counter() for _ in range(self.nodes)]
         self._next = 0
 
     def choose(self, keys: Sequence[bytes], down: Collection[int] = ()) -> int:
@@ -79,34 +81,13 @@ class Router:
         for event in decode_events(payload):
             if event["medium"].lower() in SHARED_TIERS:
                 continue
-            step = -1 if event["removed"] else 1
-            for key in event["block_hashes"]:
-                count = held.get(key, 0) + step
-                if count > 0:
-                    held[key] = count
-                else:
-                    held.pop(key, None)
+            if event["removed"]:
+                uncount(held, event["block_hashes"])
+            else:
+                held.update(event["block_hashes"])
 
     def _prefix(self, node: int, keys: Sequence[bytes]) -> int:
         return sum(1 for _ in itertools.takewhile(self._held[node].__contains__, keys))
-
-
-class _DirectLink:
-    """Events from the nodes to the router, in-process, in their wire format."""
-
-    lost = 0
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-
-    async def open(self, nodes: int) -> None:
-        pass
-
-    async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
-        self.router.observe(node, encode_events(events, node=str(node)))
-
-    def close(self) -> None:
-        pass
 
 
 class _ZmqLink:
@@ -314,10 +295,11 @@ async def replay_fleet(
     stops = {o.at: o for o in outages}
     starts = {o.at + o.requests: o for o in outages}
     down: set[int] = set()
-    link = _ZmqLink(routing) if transport == "zmq" else _DirectLink(routing)
+    link = _ZmqLink(routing) if transport == "zmq" else None  # None: in-process
     async with AsyncExitStack() as engines:
-        engines.callback(link.close)
-        await link.open(nodes)
+        if link is not None:
+            engines.callback(link.close)
+            await link.open(nodes)
         for node in fleet:
             await engines.enter_async_context(node.engine)
         start = time.perf_counter()
@@ -342,11 +324,14 @@ async def replay_fleet(
             hit, blocks = summary.timeline[-1]
             summary.timeline[-1] = (hit + hits, blocks + len(keys))
             if events := fleet[n].engine.take_events():
-                await link.send(n, events)
+                if link is not None:
+                    await link.send(n, events)
+                else:  # in-process, in the wire format all the same
+                    routing.observe(n, encode_events(events, node=str(n)))
             if on_request is not None:
                 on_request(number + 1, summary)
         summary.seconds = time.perf_counter() - start
-        summary.lost_event_batches = link.lost
+        summary.lost_event_batches = link.lost if link is not None else 0
     for node in fleet:
         node.closed()
     return summary

@@ -133,9 +133,7 @@ def sweep(
         raise InvalidArgumentError("requests: the workload is empty")
     if not capacities:
         raise InvalidArgumentError("capacities: give at least one")
-    names = (
-        list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
-    )
+    names = policy_names() if policies is None else list(dict.fromkeys(map(policy_name, policies)))
     total = footprint(requests, full_blocks_only=full_blocks_only)
     points = []
     for capacity in sorted(capacities):

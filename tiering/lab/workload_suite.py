@@ -266,9 +266,7 @@ def run_suite(
     every policy (as :func:`~tiering.lab.sweep.sweep`) and the :data:`REFERENCES`, on
     ``jobs`` processes. Raises InvalidArgumentError for an unknown workload or a bad
     fraction, UnknownPolicyError, or TraceError for a bad trace."""
-    names = (
-        list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
-    )
+    names = policy_names() if policies is None else list(dict.fromkeys(map(policy_name, policies)))
     names += [r for r in REFERENCES if r not in names]
     for fraction in fractions:
         if not 0 < fraction <= 1:
