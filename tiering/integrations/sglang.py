@@ -231,8 +231,7 @@ class TieringHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Load the pages ``keys`` into ``host_indices``; True for each page that landed
-        whole and verified."""
+        """Load ``keys`` into ``host_indices``; True for each page landed whole and verified."""
         return self._move("load", keys, host_indices)
 
     def _move(self, kind: Lane, keys: list[str], host_indices: torch.Tensor) -> list[bool]:

@@ -154,8 +154,7 @@ class TierThread:
             self._hand_off(("touch", list(keys)))
 
     def wait(self, done: Callable[[], bool]) -> None:
-        """Block until ``done()`` (checked whenever a job ends) holds, or the loop thread
-        died (its jobs then fail)."""
+        """Wait until ``done()`` holds (checked as jobs end) or the loop thread died (jobs fail)."""
         with self._done:
             while not done():
                 if not self.alive:

@@ -216,8 +216,7 @@ class RegisteredTierManager(SecondaryTierManager):
     def _refuse(
         self, kind: Literal["store", "load"], job_id: int | None, cause: str, detail: str = ""
     ) -> None:
-        """Under the lock: count and log a refused job; queue its failed result (none for
-        a ``job_id`` of None)."""
+        """Under the lock: count and log a refused job; queue its failed result (if ``job_id``)."""
         self._refusals.record(f"{kind} job refused: {cause}", detail=detail)
         self._counters[f"{kind}_refused_jobs"] += 1
         if job_id is not None:
@@ -289,8 +288,7 @@ class RegisteredTierManager(SecondaryTierManager):
         self._thread.wait(lambda: not self._pending)
 
     def shutdown(self) -> None:
-        """Close the tier (jobs in flight end first) and release the primary view.
-        Idempotent."""
+        """Close the tier (jobs in flight end first) and release the primary view. Idempotent."""
         with self._lock:
             if self._closed:
                 return

@@ -123,8 +123,7 @@ class CacheModel:
     """The bookkeeping of a replay, without bytes: what each request would hit, where. A
     CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
     secondary tier, fastest first, written through, named ``tier0``, ``tier1``... in
-    :attr:`hits`. Raises InvalidArgumentError or UnknownPolicyError.
-    """
+    :attr:`hits`. Raises InvalidArgumentError or UnknownPolicyError."""
 
     def __init__(
         self, cpu_blocks: int, policy: str = DEFAULT_POLICY, tier_blocks: Sequence[TierLayout] = ()
@@ -217,8 +216,7 @@ def tenant_names(tenants: int) -> list[str | None]:
 
 @dataclass
 class ReplaySummary:
-    """What a replay did, tiers named by :func:`tier_labels`; :meth:`to_json` is its stable
-    form (docs/replay.md)."""
+    """What a replay did, tiers named by :func:`tier_labels`; stable form: :meth:`to_json`."""
 
     requests: int = 0
     blocks: int = 0
@@ -355,8 +353,7 @@ async def replay(
 
 
 def device_blocks_for(keyed: Sequence[Sequence[bytes]], device_blocks: int | None) -> int:
-    """``device_blocks`` (None: the longest request's). InvalidArgumentError names the
-    first request it cannot hold."""
+    """``device_blocks`` (None: the longest request's); InvalidArgumentError if too few."""
     longest = max(map(len, keyed), default=0)
     if device_blocks is None:
         return max(1, longest)

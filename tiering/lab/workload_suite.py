@@ -64,8 +64,7 @@ class _Builder:
 
 
 def chat(seed: int = 0) -> list[Request]:
-    """Conversations of 1-20 turns on 30 system prompts; 60 % of the gaps between turns
-    average 15 s, the rest 10 minutes."""
+    """Chats of 1-20 turns on 30 system prompts; 60 % of turn gaps average 15 s, the rest 10 min."""
     b = _Builder(seed)
     rng = b.rng
     prompts = [b.extend([], rng.randint(2, 8)) for _ in range(30)]
@@ -290,8 +289,7 @@ def run_suite(
 
 
 def plot_suite(result: SuiteResult, path: str | Path) -> Path:
-    """Draw each policy's worst :meth:`SuitePoint.ratio` against capacity, as
-    :func:`~tiering.lab.sweep.plot_lines` does."""
+    """Draw each policy's worst :meth:`SuitePoint.ratio` by capacity, as ``plot_lines`` does."""
     from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
 
     worst: dict[str, dict[float, float]] = {}

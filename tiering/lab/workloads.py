@@ -116,13 +116,11 @@ def synthetic_requests(
     seed: int = 0,
 ) -> list[Request]:
     """Multi-turn chat traffic, ordered by arrival; the same arguments give the same list.
-
-    Sessions start as a Poisson process of ``rate_per_s``, each with one of
+    Sessions start as a Poisson process of ``rate_per_s``, each on one of
     ``system_prompts`` system prompts (Zipf-like popularity). A turn sends the system
     prompt, the conversation so far, ``user_blocks_per_turn`` new blocks and a partial
     block; the next follows an exponential think time of mean ``think_time_s``. Raises
-    InvalidArgumentError (the ConfigError of ``[synthetic]``) naming a bad argument.
-    """
+    InvalidArgumentError (the ConfigError of ``[synthetic]``) naming a bad argument."""
     arguments = dict(locals())  # exactly the parameters: this is the first statement
     from tiering.config import SyntheticConfig  # the one check of these arguments
 
