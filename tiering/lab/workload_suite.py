@@ -276,8 +276,7 @@ def run_suite(
         (w, seed, full, f, p) for w in workloads for full in modes for f in fractions for p in names
     ]
     if jobs > 1:  # forked, so that policies registered at run time exist in the workers
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
             results = list(pool.map(_point, *zip(*tasks, strict=True)))
     else:
         results = [_point(*task) for task in tasks]
