@@ -1,8 +1,5 @@
-"""kv-tiering's tiers as SGLang 0.5.23's HiCache storage (its third level), with no fork:
-:class:`NVMeHiCacheStorage`, :class:`RedisHiCacheStorage`, :class:`MemoryHiCacheStorage`,
-loaded through SGLang's ``dynamic`` storage backend. Set-up, options and semantics:
-docs/sglang.md. Without SGLang, importing this module raises ImportError.
-"""
+"""kv-tiering's tiers as SGLang 0.5.23's HiCache storage, through its ``dynamic`` storage
+backend (docs/sglang.md). Without SGLang, importing this module raises ImportError."""
 
 from __future__ import annotations
 
@@ -37,17 +34,14 @@ if TYPE_CHECKING:
 # Keys of --hicache-storage-backend-extra-config that are SGLang's, not the tier's.
 _SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 _ASK_AGAIN_S = 0.0005  # how often batch_exists asks again while the tier checks a key
-
-
-def _new_metrics() -> dict[str, list[Any]]:
-    """Empty lists of the StorageMetrics fields this storage reports."""
-    return {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+# The StorageMetrics fields this storage reports.
+_METRICS = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
 
 
 def sglang_namespace(config: HiCacheStorageConfig, pool: HostKVCache, chunk_bytes: int) -> str:
-    """The cache namespace of an SGLang rank: what its stored pages' bytes mean. The model,
-    the rank's shard (not the TP rank where SGLang replicates the KV over TP ranks, as for
-    MLA models), and the host pool's geometry and layout."""
+    """The cache namespace of an SGLang rank: what its stored pages' bytes mean (the model,
+    the rank's shard, without the TP rank where the KV is replicated over TP ranks as for
+    MLA models, and the host pool's geometry and layout)."""
     shard: dict[str, Any] = {
         "pp": [config.pp_rank, config.pp_size],
         "attn_cp": [config.attn_cp_rank, config.attn_cp_size],
@@ -73,10 +67,9 @@ def sglang_namespace(config: HiCacheStorageConfig, pool: HostKVCache, chunk_byte
 
 
 class PageChunks:
-    """Where a host pool's pages lie in its buffer: each page is ``chunks`` runs of
-    ``chunk_bytes`` (K and V, or K and V per layer), run ``j`` of page ``p`` at chunk
-    ``offsets[j] + p * stride`` of the buffer. Raises InvalidArgumentError for a pool
-    whose pages are not whole chunks of one contiguous buffer (it names the layout)."""
+    """Where a host pool's pages lie in its buffer: ``chunks`` runs of ``chunk_bytes`` (K
+    and V, maybe per layer), run ``j`` of page ``p`` at chunk ``offsets[j] + p * stride``.
+    InvalidArgumentError (naming the layout) unless they are whole chunks of one buffer."""
 
     def __init__(self, pool: HostKVCache) -> None:
         buffer = pool.kv_buffer
@@ -121,21 +114,19 @@ class PageChunks:
         self._suffixes = [b"/%d" % j for j in range(self.chunks)]
 
     def keys(self, keys: Sequence[str]) -> list[bytes]:
-        """The tier's keys of the pages ``keys``: ``chunks`` per page, in page order.
-        InvalidArgumentError unless each key is a non-empty str."""
+        """The tier's keys of the pages ``keys``, ``chunks`` per page; InvalidArgumentError
+        unless each key is a non-empty str."""
         try:
             raws = [key.encode() for key in keys]
         except AttributeError:
             raws = []
         if len(raws) != len(keys) or not all(raws):
             raise InvalidArgumentError("keys must be non-empty strings (SGLang's page hashes)")
-        suffixes = self._suffixes
-        return [raw + suffix for raw in raws for suffix in suffixes]
+        return [raw + suffix for raw in raws for suffix in self._suffixes]
 
     def slots(self, host_indices: torch.Tensor, pages: int) -> list[int]:
-        """The chunk slots of ``pages`` pages whose token slots are ``host_indices``
-        (``page_size`` per page, each page's first one page-aligned). InvalidArgumentError
-        for indices of another length, not page-aligned or past the pool."""
+        """The chunk slots of ``pages`` pages whose token slots are ``host_indices``;
+        InvalidArgumentError for indices of another length, not page-aligned or past the pool."""
         if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
             raise InvalidArgumentError("host_indices must be a 1-D tensor of token slots")
         if host_indices.numel() != pages * self.page_size:
@@ -155,19 +146,17 @@ class PageChunks:
 
 class TieringHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage backed by the kv-tiering tier registered as ``tier`` (the
-    subclasses fix it). SGLang builds it as ``cls(storage_config, kwargs)``; the tier's
-    options, and ``namespace``, ``start_timeout`` and ``job_timeout``, come in
+    subclasses fix it), built as ``cls(storage_config, kwargs)``; the tier's options,
+    ``namespace``, ``start_timeout`` and ``job_timeout`` come in
     ``storage_config.extra_config`` (docs/sglang.md#set-up).
 
-    A page is stored and served whole, never with wrong bytes; ranks that are not
-    storage writers store nothing; every call waits for its batch's I/O and no longer
-    (docs/sglang.md#what-sglang-can-rely-on).
+    A page is stored and served whole, never with wrong bytes; ranks that are not storage
+    writers store nothing; every call waits for its batch's I/O and no longer.
 
     The tier is built when SGLang registers its host pool; InvalidArgumentError there for
     a bad option or a host pool the tier cannot move pages of in place, UnknownTierError
-    for an unknown ``tier``, TimeoutError if the tier did not start within
-    ``start_timeout``. Calls before that, or after :meth:`close`, raise ClosedError.
-    """
+    for an unknown ``tier``, TimeoutError if it did not start within ``start_timeout``.
+    Calls before that, or after :meth:`close`, raise ClosedError."""
 
     tier_name: ClassVar[str | None] = None
 
@@ -186,16 +175,15 @@ class TieringHiCacheStorage(HiCacheStorage):
         self._thread: TierThread | None = None
         self._view: memoryview | None = None
         self._lock = threading.Lock()
-        self._metrics = _new_metrics()
+        self._metrics: dict[str, list[Any]] = {name: [] for name in _METRICS}
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
-        """Build the tier over the host pool's pages, moved in place, and start it on a
-        private loop thread (raises as the class says; nothing is left running)."""
+        """Build the tier over the host pool's pages and start it on a private loop thread
+        (raises as the class says; nothing is left running)."""
         if self._thread is not None:
             raise InvalidArgumentError("the host pool is already registered")
         pages = PageChunks(mem_pool_host)
-        buffer = mem_pool_host.kv_buffer
-        view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+        view = memoryview(mem_pool_host.kv_buffer.reshape(-1).view(torch.uint8).numpy())
         namespace = self._namespace or sglang_namespace(
             self.storage_config, mem_pool_host, pages.chunk_bytes
         )
@@ -232,8 +220,7 @@ class TieringHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store the pages at ``host_indices`` under ``keys``; True for each page stored
-        whole (or already held). A rank that is not a storage writer stores nothing and
-        answers True (the writer rank stores the same pages)."""
+        whole or already held (every page, on a rank that is not a storage writer)."""
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)
         return self._move("store", keys, host_indices)
@@ -244,8 +231,7 @@ class TieringHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Load the pages ``keys`` into ``host_indices``; True for each page that landed
-        whole and verified."""
+        """Load ``keys`` into ``host_indices``; True for each page landed whole and verified."""
         return self._move("load", keys, host_indices)
 
     def _move(self, kind: Lane, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
@@ -278,8 +264,8 @@ class TieringHiCacheStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many of ``keys``, from the first, the tier holds whole (a key the tier is
-        still checking is asked about again, for at most ``job_timeout``)."""
+        """How many of ``keys``, from the first, the tier holds whole (a key it is still
+        checking is asked about again, for at most ``job_timeout``)."""
         thread = self._running()
         n = self.pages.chunks
         chunk_keys = self.pages.keys(keys)
@@ -311,9 +297,8 @@ class TieringHiCacheStorage(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        """Store flat pages ``values`` (as the host pool's ``get_data_page`` gives them)
-        under ``keys``; True if all were stored. The pages pass through host pages
-        borrowed from the pool for the call: False if it has none free."""
+        """Store flat pages ``values`` under ``keys`` through host pages borrowed for the
+        call; True if all were stored (False if the pool has none free)."""
         if values is None or len(values) != len(keys):
             raise InvalidArgumentError("values must hold one flat page per key")
         if not self.storage_config.is_storage_writer:
@@ -342,9 +327,8 @@ class TieringHiCacheStorage(HiCacheStorage):
         target_locations: Sequence[torch.Tensor] | None = None,
         target_sizes: Any = None,
     ) -> list[torch.Tensor | None]:
-        """Each page of ``keys`` as a flat tensor (written into ``target_locations[i]``
-        where given), or None where it did not land whole and verified (or the pool had
-        no free host page to borrow for the call)."""
+        """Each page of ``keys`` as a flat tensor (into ``target_locations[i]`` where given),
+        or None where it did not land whole and verified (or no host page was free)."""
         pool = self.mem_pool_host
         with self._borrowed(len(keys)) as indices:
             if indices is None:
@@ -370,8 +354,8 @@ class TieringHiCacheStorage(HiCacheStorage):
 
     @contextmanager
     def _borrowed(self, pages: int) -> Iterator[torch.Tensor | None]:
-        """Token slots of ``pages`` host pages allocated from the pool for one call (None
-        if it has none free), freed when the ``with`` block ends."""
+        """Token slots of ``pages`` host pages from the pool (None if it has none free),
+        freed when the ``with`` block ends."""
         pool = self.mem_pool_host
         indices = pool.alloc(pages * self.pages.page_size)
         try:
@@ -381,8 +365,7 @@ class TieringHiCacheStorage(HiCacheStorage):
                 pool.free(indices)
 
     def clear(self) -> None:
-        """Drop every page the tier holds for this process (the NVMe and memory tiers;
-        a Redis server's keys are shared by the fleet and stay)."""
+        """Drop every page the tier holds for this process (a Redis server's keys stay)."""
         thread = self._running()
 
         async def clear() -> None:
@@ -391,22 +374,21 @@ class TieringHiCacheStorage(HiCacheStorage):
         thread.run(clear(), thread.job_timeout)
 
     def get_stats(self) -> Any:
-        """With ``enable_storage_metrics``: SGLang's StorageMetrics since the last call
-        (pages and GB/s of each prefetch and backup call); else None."""
+        """With ``enable_storage_metrics``: SGLang's StorageMetrics (pages and GB/s of each
+        call) since the last call; else None."""
         if not self.storage_config.enable_storage_metrics:
             return None
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
         with self._lock:
-            metrics, self._metrics = self._metrics, _new_metrics()
+            metrics, self._metrics = self._metrics, {name: [] for name in _METRICS}
         stats = StorageMetrics()
         for name, values in metrics.items():
             getattr(stats, name).extend(values)
         return stats
 
     def close(self) -> None:
-        """Close the tier gracefully (calls in flight end first), stop its thread and
-        release the host pool. Idempotent."""
+        """Close the tier (calls in flight end first) and release the host pool. Idempotent."""
         thread, view = self._thread, self._view
         self._view = None
         if thread is not None and view is not None:
@@ -419,20 +401,19 @@ class TieringHiCacheStorage(HiCacheStorage):
 
 
 class NVMeHiCacheStorage(TieringHiCacheStorage):
-    """kv-tiering's NVMe tier as SGLang's HiCache storage (``root`` and ``capacity_bytes``
-    required)."""
+    """kv-tiering's NVMe tier as HiCache storage (``root`` and ``capacity_bytes`` required)."""
 
     tier_name = "nvme"
 
 
 class RedisHiCacheStorage(TieringHiCacheStorage):
-    """kv-tiering's Redis tier as SGLang's HiCache storage (``url`` required); ranks and
-    engines that share a server share what it holds, each under its namespace."""
+    """kv-tiering's Redis tier as HiCache storage (``url`` required); ranks and engines
+    sharing a server share what it holds, each under its namespace."""
 
     tier_name = "redis"
 
 
 class MemoryHiCacheStorage(TieringHiCacheStorage):
-    """kv-tiering's memory tier (a bounded in-process store) as SGLang's HiCache storage."""
+    """kv-tiering's memory tier (a bounded in-process store) as HiCache storage."""
 
     tier_name = "memory"

@@ -1,7 +1,5 @@
-"""One kv-tiering tier on a private event loop thread, for serving frameworks that call
-their storage synchronously from threads of their own: the core the vLLM and SGLang
-adapters share (docs/vllm.md#how-it-works, docs/sglang.md#how-it-works).
-"""
+"""One kv-tiering tier on a private event loop thread, for frameworks that call their
+storage synchronously from threads of their own: the vLLM and SGLang adapters' core."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ from tiering.validation import seconds
 logger = logging.getLogger(__name__)
 
 FRAMEWORK_DEFAULTS: dict[str, Any] = {"gil_pause_bytes": 0, "staging_bytes": STAGING_BYTES}
-"""Options of the tiers under a framework, where they take them: the loop is private, so
-no GIL pauses; the framework's host memory is scattered 4 KiB pages, so direct I/O is
-staged (docs/vllm.md#how-it-works says why)."""
+"""Tier options under a framework: the loop is private, so no GIL pauses; the host memory
+is scattered 4 KiB pages, so direct I/O is staged (docs/vllm.md#how-it-works)."""
 
 _T = TypeVar("_T")
 _ALIVE_CHECK_S = 1.0  # how often a waiting thread checks that the loop thread still runs
@@ -41,11 +38,10 @@ class TierThread:
 
     Any thread may call every method. Each submitted job's ``on_done`` runs exactly once,
     after the tier stopped touching the job's slots (a job submitted after :meth:`close`
-    began, or still unended when the loop thread died, fails with a reason instead).
-    The constructor raises as :func:`~tiering.tiers.registry.make_tier` for a bad spec (nothing
+    began, or unended when the loop thread died, fails with a reason instead). The
+    constructor raises as :func:`~tiering.tiers.registry.make_tier` for a bad spec (nothing
     is left running), InvalidArgumentError for a bad timeout, TimeoutError if the tier did
-    not start within ``start_timeout`` seconds.
-    """
+    not start within ``start_timeout`` seconds."""
 
     def __init__(
         self,
@@ -128,10 +124,9 @@ class TierThread:
         *,
         checked: bool = False,
     ) -> None:
-        """Queue a store (host slots -> tier) or load (tier -> host slots) job: ``keys[i]``
-        moves from or into slot ``slots[i]``; returns at once. With ``checked=False``,
-        InvalidArgumentError, queueing nothing, for keys or slots that
-        :func:`~tiering.tiers.tier_api.checked_job` refuses (slots past the host memory)."""
+        """Queue a store or load job (``keys[i]`` from or into slot ``slots[i]``); returns
+        at once. With ``checked=False``, InvalidArgumentError, queueing nothing, for keys
+        or slots :func:`~tiering.tiers.tier_api.checked_job` refuses."""
         if not checked:
             job = checked_job(0, keys, slots, self.num_slots)
             keys, slots = job.keys, job.block_ids
@@ -147,8 +142,7 @@ class TierThread:
     def run_job(
         self, kind: Lane, keys: Sequence[bytes], slots: Sequence[int], *, checked: bool = False
     ) -> TierOutcome:
-        """:meth:`submit` the job and wait for its outcome (the tier's own deadlines bound
-        the wait: no outcome comes before the tier stopped touching the slots)."""
+        """:meth:`submit` the job and wait for its outcome (the tier's deadlines bound it)."""
         outcomes: list[TierOutcome] = []
         self.submit(kind, keys, slots, outcomes.append, checked=checked)
         self.wait(lambda: bool(outcomes))
@@ -160,8 +154,7 @@ class TierThread:
             self._hand_off(("touch", list(keys)))
 
     def wait(self, done: Callable[[], bool]) -> None:
-        """Block until ``done()`` (checked whenever a job ends) holds, or the loop thread
-        died (its jobs then fail)."""
+        """Wait until ``done()`` holds (checked as jobs end) or the loop thread died (jobs fail)."""
         with self._done:
             while not done():
                 if not self.alive:
@@ -205,9 +198,9 @@ class TierThread:
                 self._ended(token, TierOutcome.failure(keys, reason))
 
     def close(self) -> None:
-        """Close the tier gracefully (jobs in flight end first, within ``job_timeout``),
-        stop the loop thread, and fail whatever never ended. Idempotent; raises nothing
-        (a failed close is logged; its jobs fail with the reason)."""
+        """Close the tier (jobs in flight end first, within ``job_timeout``), stop the loop
+        thread and fail whatever never ended. Idempotent; raises nothing (a failed close is
+        logged)."""
         with self._done:
             if self._closing:
                 return

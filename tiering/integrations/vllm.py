@@ -1,8 +1,5 @@
-"""kv-tiering's secondary tiers under vLLM 0.33's CPU tier, with no fork of vLLM:
-:class:`NVMeTierManager`, :class:`MemoryTierManager`, and :class:`RegisteredTierManager`
-for any tier registered by name. Set-up, options, threading, events and metrics:
-docs/vllm.md. Without vLLM, importing this module raises ImportError.
-"""
+"""kv-tiering's tiers as vLLM 0.33's secondary tiers, under its CPU tier (docs/vllm.md).
+Without vLLM, importing this module raises ImportError."""
 
 from __future__ import annotations
 
@@ -63,8 +60,7 @@ _COUNTERS = (  # each kind of job's counters: name, meaning
 
 
 def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
-    """The cache namespace of a vLLM engine: what its stored chunks' bytes mean (the
-    fields: docs/vllm.md#how-it-works)."""
+    """The cache namespace of a vLLM engine: what its stored chunks' bytes mean."""
     config = offloading_spec.config
     parallel = config.parallel
     agnostic = parallel.is_parallelism_agnostic or config.replicated_layout
@@ -99,12 +95,11 @@ class RegisteredTierManager(SecondaryTierManager):
     subclasses fix it); the other options: docs/vllm.md#set-up.
 
     Every job's :class:`JobResult` is reported exactly once, by ``get_finished_jobs``; a
-    load reports only keys whose bytes landed and verified; no call but ``drain_jobs``
-    and ``shutdown`` waits for I/O. ``submit_store`` and ``submit_load`` raise nothing: a
-    job the tier refuses fails (docs/vllm.md#how-it-works). The constructor raises
-    InvalidArgumentError for a bad option (nothing is left running), UnknownTierError for
-    an unknown ``tier``, TimeoutError if the tier did not start within ``start_timeout``.
-    """
+    load reports only keys whose bytes landed and verified; no call but ``drain_jobs`` and
+    ``shutdown`` waits for I/O; ``submit_store`` and ``submit_load`` raise nothing. The
+    constructor raises InvalidArgumentError for a bad option (nothing is left running),
+    UnknownTierError for an unknown ``tier``, TimeoutError if the tier did not start
+    within ``start_timeout``."""
 
     tier_name: ClassVar[str | None] = None
     medium: ClassVar[Medium | None] = None
@@ -191,12 +186,12 @@ class RegisteredTierManager(SecondaryTierManager):
         self._submit("load", job_metadata)
 
     def _submit(self, kind: Literal["store", "load"], job: TransferJob) -> None:
-        """Hand ``job`` to the tier and return at once, raising nothing, or refuse it: bad
-        keys or chunk ids, or the tier shut down. A refused job's failed result is queued
-        at once, the refusal counted (``<kind>_refused_jobs``) and logged once per cause;
-        a job whose id is already in flight gets no result of its own (the first job's)."""
-        # vLLM's manager calls submit_* without a try (an exception would stop its
-        # scheduler); checked on vLLM's thread, as the loop side takes a job as it is.
+        """Hand ``job`` to the tier and return at once, raising nothing (vLLM calls it
+        without a try), or refuse it: bad keys or chunk ids, or the tier shut down. A
+        refused job's failed result is queued at once, the refusal counted
+        (``<kind>_refused_jobs``) and logged once per cause; a job whose id is already in
+        flight gets no result of its own (the first job's)."""
+        # Checked here, on vLLM's thread: the loop side takes a job as it is.
         job_id = job.job_id
         try:
             checked = checked_job(job_id, job.keys, job.chunk_ids, self._thread.num_slots)
@@ -216,14 +211,12 @@ class RegisteredTierManager(SecondaryTierManager):
             self._pending[job_id] = _Pending(kind, keys, time.monotonic())
             if kind == "store":
                 self._storing.update(keys)
-        ended = partial(self._job_ended, job_id)
-        self._thread.submit(kind, keys, slots, ended, checked=True)
+        self._thread.submit(kind, keys, slots, partial(self._job_ended, job_id), checked=True)
 
     def _refuse(
         self, kind: Literal["store", "load"], job_id: int | None, cause: str, detail: str = ""
     ) -> None:
-        """Under the lock: count and log a refused job; queue its failed result (none for
-        a ``job_id`` of None)."""
+        """Under the lock: count and log a refused job; queue its failed result (if ``job_id``)."""
         self._refusals.record(f"{kind} job refused: {cause}", detail=detail)
         self._counters[f"{kind}_refused_jobs"] += 1
         if job_id is not None:
@@ -295,8 +288,7 @@ class RegisteredTierManager(SecondaryTierManager):
         self._thread.wait(lambda: not self._pending)
 
     def shutdown(self) -> None:
-        """Close the tier gracefully (jobs in flight end first), stop the loop thread and
-        release the primary view. Idempotent."""
+        """Close the tier (jobs in flight end first) and release the primary view. Idempotent."""
         with self._lock:
             if self._closed:
                 return

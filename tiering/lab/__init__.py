@@ -1,2 +1,1 @@
-"""Offline tools over the engine: trace replay, policy sweeps, fleets, workloads and the
-workload suite."""
+"""Offline tools over the engine: trace replay, policy sweeps, fleets and workloads."""

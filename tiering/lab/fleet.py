@@ -1,7 +1,5 @@
-"""A fleet replay (:func:`replay_fleet`): several engines behind a :class:`Router`
-(sans-I/O; docs/fleet.md compares the rules), optionally sharing one remote tier, each
-serving its requests as a :class:`~tiering.lab.replay.ReplayNode` (every byte checked).
-"""
+"""A fleet replay (:func:`replay_fleet`): engines behind a :class:`Router` (sans-I/O;
+docs/fleet.md compares the rules), maybe sharing a remote tier, each a ``ReplayNode``."""
 
 from __future__ import annotations
 
@@ -9,6 +7,7 @@ import asyncio
 import itertools
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from tiering.errors import InvalidArgumentError, TieringError
 from tiering.lab.replay import ReplayNode, ReplaySummary, device_blocks_for, percentiles_ms, summed
 from tiering.lab.workloads import Request
 from tiering.observe.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
+from tiering.observe.statistics import uncount
 from tiering.validation import positive_int
 
 ROUTERS: tuple[str, ...] = get_args(ReplayConfig.model_fields["router"].annotation)
@@ -30,13 +30,12 @@ ROUTERS: tuple[str, ...] = get_args(ReplayConfig.model_fields["router"].annotati
 TRANSPORTS: tuple[str, ...] = get_args(ReplayConfig.model_fields["transport"].annotation)
 """How a fleet replay carries KV events to the router (``replay.transport``'s choices)."""
 SHARED_TIERS = frozenset({"redis"})
-"""Tier types (and so their labels in the figures, and media in KV events) every node of
-a fleet shares."""
+"""Tier types (so labels in the figures, media in KV events) every node of a fleet shares."""
 
 
 class Router:
-    """Picks each request's node by ``rule``, fed back what each node computed and the
-    events it published. Raises InvalidArgumentError for a bad rule or node count."""
+    """Picks each request's node by ``rule``, fed back what each node computed and
+    published. Raises InvalidArgumentError for a bad rule or node count."""
 
     def __init__(self, rule: str, nodes: int) -> None:
         if rule not in ROUTERS:
@@ -45,7 +44,7 @@ class Router:
         self.nodes = positive_int("nodes", nodes)
         self.computed = [0] * self.nodes  # blocks each node computed (its load)
         # kv-aware: per node, how many of its own media hold each key
-        self._held: list[dict[bytes, int]] = [{} for _ in range(self.nodes)]
+        self._held: list[Counter[bytes]] = [Counter() for _ in range(self.nodes)]
         self._next = 0
 
     def choose(self, keys: Sequence[bytes], down: Collection[int] = ()) -> int:
@@ -76,45 +75,24 @@ class Router:
         self.computed[node] += blocks - hits
 
     def observe(self, node: int, payload: bytes) -> None:
-        """Events ``node`` published, in the wire format of :mod:`tiering.observe.events`
+        """Events ``node`` published, in :mod:`tiering.observe.events`' wire format
         (InvalidArgumentError otherwise)."""
         held = self._held[node]
         for event in decode_events(payload):
             if event["medium"].lower() in SHARED_TIERS:
                 continue
-            step = -1 if event["removed"] else 1
-            for key in event["block_hashes"]:
-                count = held.get(key, 0) + step
-                if count > 0:
-                    held[key] = count
-                else:
-                    held.pop(key, None)
+            if event["removed"]:
+                uncount(held, event["block_hashes"])
+            else:
+                held.update(event["block_hashes"])
 
     def _prefix(self, node: int, keys: Sequence[bytes]) -> int:
         return sum(1 for _ in itertools.takewhile(self._held[node].__contains__, keys))
 
 
-class _DirectLink:
-    """Events from the nodes to the router, in-process, in their wire format."""
-
-    lost = 0
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-
-    async def open(self, nodes: int) -> None:
-        pass
-
-    async def send(self, node: int, events: Sequence[OffloadingEvent]) -> None:
-        self.router.observe(node, encode_events(events, node=str(node)))
-
-    def close(self) -> None:
-        pass
-
-
 class _ZmqLink:
-    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node; the
-    replay waits up to ``wait_s`` for each node's batch (else it counts in ``lost``)."""
+    """Events from the nodes to the router over ZeroMQ, a loopback publisher per node, each
+    batch waited for up to ``wait_s`` (else counted in ``lost``)."""
 
     def __init__(self, router: Router, wait_s: float = 2.0) -> None:
         import zmq
@@ -130,8 +108,8 @@ class _ZmqLink:
         self._publishers: list[ZmqPublisher] = []
 
     async def open(self, nodes: int) -> None:
-        """Bind a publisher per node, connect to each, and wait until each is heard (a SUB
-        socket misses what comes before its subscription reaches the publisher)."""
+        """Bind and connect a publisher per node; wait until each is heard (a SUB socket
+        misses what comes before its subscription reaches the publisher)."""
         for node in range(nodes):
             publisher = ZmqPublisher("tcp://127.0.0.1:*", node=str(node))
             self._publishers.append(publisher)
@@ -147,8 +125,8 @@ class _ZmqLink:
             self.lost += 1
 
     async def _heard(self, node: int, events: Sequence[OffloadingEvent], wait_s: float) -> bool:
-        """Publish ``events`` from ``node`` and feed the router what arrives, until this
-        batch has (True) or ``wait_s`` passed (False)."""
+        """Publish ``events`` from ``node``, feeding the router what arrives: True once this
+        batch has, False after ``wait_s``."""
         publisher = self._publishers[node]
         expected = publisher.sequence
         publisher.publish(events)
@@ -289,14 +267,11 @@ async def replay_fleet(
     transport: str = "direct",
     on_request: Callable[[int, FleetSummary], None] | None = None,
 ) -> FleetSummary:
-    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, each with a
-    device cache of ``device_blocks`` (default: the longest request's); each store reaches
-    every tier before the next request. ``outages`` stop and restart nodes; ``window``
-    (default: a twentieth of the requests) is the timeline's step; ``on_request(done,
-    summary)`` runs after each request; ``transport`` carries KV events ``"direct"`` or
-    over ``"zmq"``. Raises InvalidArgumentError (nothing ran) for a bad argument, a request
-    longer than ``device_blocks``, or ``kv-aware`` without engines with ``enable_events``.
-    """
+    """Replay ``requests`` through ``nodes`` engines behind a :class:`Router`, as
+    :func:`~tiering.lab.replay.replay` with ``settle``. ``outages`` stop and restart nodes;
+    ``window`` (default: a twentieth of the requests) is the timeline's step; ``transport``
+    carries KV events ``"direct"`` or over ``"zmq"``. Raises InvalidArgumentError (nothing
+    ran) for a bad argument, or ``kv-aware`` without engines with ``enable_events``."""
     nodes = positive_int("nodes", nodes)
     routing = Router(router, nodes)
     if transport not in TRANSPORTS:
@@ -320,10 +295,11 @@ async def replay_fleet(
     stops = {o.at: o for o in outages}
     starts = {o.at + o.requests: o for o in outages}
     down: set[int] = set()
-    link = _ZmqLink(routing) if transport == "zmq" else _DirectLink(routing)
+    link = _ZmqLink(routing) if transport == "zmq" else None  # None: in-process
     async with AsyncExitStack() as engines:
-        engines.callback(link.close)
-        await link.open(nodes)
+        if link is not None:
+            engines.callback(link.close)
+            await link.open(nodes)
         for node in fleet:
             await engines.enter_async_context(node.engine)
         start = time.perf_counter()
@@ -348,11 +324,14 @@ async def replay_fleet(
             hit, blocks = summary.timeline[-1]
             summary.timeline[-1] = (hit + hits, blocks + len(keys))
             if events := fleet[n].engine.take_events():
-                await link.send(n, events)
+                if link is not None:
+                    await link.send(n, events)
+                else:  # in-process, in the wire format all the same
+                    routing.observe(n, encode_events(events, node=str(n)))
             if on_request is not None:
                 on_request(number + 1, summary)
         summary.seconds = time.perf_counter() - start
-        summary.lost_event_batches = link.lost
+        summary.lost_event_batches = link.lost if link is not None else 0
     for node in fleet:
         node.closed()
     return summary

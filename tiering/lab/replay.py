@@ -1,8 +1,6 @@
-"""Replay a workload through a real engine (:func:`replay`: real bytes, every loaded block
-checked), or as bookkeeping only (:class:`CacheModel`, :func:`simulate`: the CPU tier's own
-manager and a model of each secondary tier, fast enough for a capacity sweep).
-docs/replay.md gives a request's steps and when the two agree block for block.
-"""
+"""Replay a workload through a real engine (:func:`replay`: every loaded byte checked), or
+as bookkeeping only (:class:`CacheModel`, :func:`simulate`: fast enough for a capacity sweep).
+docs/replay.md gives a request's steps and when the two agree block for block."""
 
 from __future__ import annotations
 
@@ -42,18 +40,16 @@ ASK_AGAIN_S = 1.0  # how long a replay asks a lookup again while a tier answers 
 
 @dataclass(frozen=True, slots=True)
 class SegmentLayout:
-    """The NVMe tier as the bookkeeping models it (:func:`tier_layout` reads it off one):
-    its capacity in records, a segment's records, the fraction of recent uses an evicted
-    segment writes again, and the most records one store job moves."""
+    """The NVMe tier as the bookkeeping models it (:func:`tier_layout` reads it off one).
+    Raises InvalidArgumentError for a bad field."""
 
     tier: ClassVar[str] = "nvme"  # whose replay model (tiering.tiers.registry) runs it
     capacity_records: int
     records_per_segment: int
-    hot_fraction: float
-    moves_per_job: int
+    hot_fraction: float  # the fraction of recent uses an evicted segment writes again
+    moves_per_job: int  # the most records one store job moves
 
     def __post_init__(self) -> None:
-        """Raises InvalidArgumentError for a bad count or a ``hot_fraction`` outside [0, 1]."""
         for name in ("capacity_records", "records_per_segment", "moves_per_job"):
             positive_int(name, getattr(self, name))
         if type(self.hot_fraction) not in (int, float) or not 0 <= self.hot_fraction <= 1:
@@ -61,8 +57,7 @@ class SegmentLayout:
 
 
 TierLayout = int | SegmentLayout | None
-"""A secondary tier in the model: blocks (least recently used evicted), a layout, or None
-(unbounded)."""
+"""A secondary tier in the model: blocks (LRU), a layout, or None (unbounded)."""
 
 
 class _TierModel(Protocol):
@@ -105,8 +100,8 @@ class _LRUSet:
 
 
 def tier_layout(tier: object) -> TierLayout:
-    """How the model represents ``tier`` (open or closed): a :class:`SegmentLayout` for the
-    NVMe tier, else its capacity in blocks, or None (unbounded)."""
+    """``tier`` (open or closed) in the model: a :class:`SegmentLayout` for the NVMe tier,
+    else its capacity in blocks, or None (unbounded)."""
     records = getattr(tier, "records_per_segment", None)
     stats = tier.statistics()  # type: ignore[attr-defined]
     block_bytes = int(getattr(tier, "block_bytes", 0))
@@ -128,8 +123,7 @@ class CacheModel:
     """The bookkeeping of a replay, without bytes: what each request would hit, where. A
     CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
     secondary tier, fastest first, written through, named ``tier0``, ``tier1``... in
-    :attr:`hits`. Raises InvalidArgumentError or UnknownPolicyError.
-    """
+    :attr:`hits`. Raises InvalidArgumentError or UnknownPolicyError."""
 
     def __init__(
         self, cpu_blocks: int, policy: str = DEFAULT_POLICY, tier_blocks: Sequence[TierLayout] = ()
@@ -201,8 +195,8 @@ def simulate(
     full_blocks_only: bool = False,
     tenants: int = 1,
 ) -> CacheModel:
-    """A fresh :class:`CacheModel` that ran ``requests``, once per tenant under the
-    tenant's keys as :func:`replay` sends them. Raises as :class:`CacheModel`."""
+    """A fresh :class:`CacheModel` that ran ``requests`` once per tenant, as :func:`replay`
+    sends them. Raises as :class:`CacheModel`."""
     model = CacheModel(cpu_blocks, policy, tier_blocks)
     names = tenant_names(tenants)
     tenancy = Tenancy()
@@ -222,8 +216,7 @@ def tenant_names(tenants: int) -> list[str | None]:
 
 @dataclass
 class ReplaySummary:
-    """What a replay through the engine did, secondary tiers named by :func:`tier_labels`;
-    :meth:`to_json` is its stable form (docs/replay.md)."""
+    """What a replay did, tiers named by :func:`tier_labels`; stable form: :meth:`to_json`."""
 
     requests: int = 0
     blocks: int = 0
@@ -248,7 +241,7 @@ class ReplaySummary:
     """Per tier type: blocks it had no room for (:data:`CAPACITY_CAUSES`): not failures."""
     failure_causes: dict[str, int] = field(default_factory=dict)
     """What failed, by cause: the tiers' (but want of room) and the engine's own (but
-    those of a tier's transfers, which the tiers say, and of write-back's lost blocks)."""
+    tier transfers', which the tiers say, and write-back's lost blocks)."""
     tier_failures: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     """Per secondary tier, its failures by cause; under ``cpu``, the engine's."""
     tier_types: dict[str, str] = field(default_factory=dict, repr=False)
@@ -327,14 +320,12 @@ async def replay(
     request's) of ``block_bytes`` bytes, and close it (docs/replay.md: the steps).
 
     ``pace``: None (as fast as possible) or a speed-up of the arrival times. ``verify``:
-    count loaded blocks whose bytes are wrong (``mismatches``). ``settle``: let each
-    store's cascade end before the next request (as the bookkeeping model does).
-    ``tenants``: send each request once per tenant, bytes of the tenant's keys.
-    ``on_request(number, summary)`` runs after each request; ``on_open(engine, loop_lag)``
-    once the engine is open, its context left when the replay ends (a metrics server).
-    Raises InvalidArgumentError (nothing ran) for a bad argument or a request longer than
-    ``device_blocks``, TieringError if the engine could not start.
-    """
+    count wrong loaded blocks. ``settle``: let each store's cascade end before the next
+    request. ``tenants``: send each request once per tenant. ``on_request(number,
+    summary)`` runs after each request; ``on_open(engine, loop_lag)`` once the engine is
+    open, its context left at the end. Raises InvalidArgumentError (nothing ran) for a bad
+    argument or a request longer than ``device_blocks``, TieringError if the engine could
+    not start."""
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
     device_blocks = device_blocks_for(keyed, device_blocks)
     nbytes = positive_int("block_bytes", block_bytes)
@@ -362,8 +353,7 @@ async def replay(
 
 
 def device_blocks_for(keyed: Sequence[Sequence[bytes]], device_blocks: int | None) -> int:
-    """``device_blocks`` (None: the longest request's blocks) for requests of these keys.
-    Raises InvalidArgumentError, naming the first request it cannot hold."""
+    """``device_blocks`` (None: the longest request's); InvalidArgumentError if too few."""
     longest = max(map(len, keyed), default=0)
     if device_blocks is None:
         return max(1, longest)
@@ -378,9 +368,8 @@ def device_blocks_for(keyed: Sequence[Sequence[bytes]], device_blocks: int | Non
 
 
 class ReplayNode:
-    """One engine under replay: its device cache (staging), its tiers' names and its
-    summary. ``make_engine(device_kv)`` builds the engine (raising what it raises); enter
-    ``node.engine`` (``async with``) around the requests, then call :meth:`closed`."""
+    """One engine under replay, from ``make_engine(device_kv)``, with its device cache
+    (staging) and summary: enter ``node.engine`` around the requests, then :meth:`closed`."""
 
     def __init__(
         self,
@@ -402,8 +391,8 @@ class ReplayNode:
         self._stored_by: dict[str | None, set[bytes]] = {}  # which tenant stored what
 
     async def request(self, keys: list[bytes], tenant: str | None = None) -> int:
-        """Serve one request's blocks (the engine open) for ``tenant``: look up, load and
-        check the hit prefix, compute and store the rest. Returns the blocks that hit."""
+        """Serve one request for ``tenant``: look up, load and check the hit prefix, compute
+        and store the rest. Returns the blocks that hit."""
         engine, staging, summary = self.engine, self.staging, self.summary
         if self._labels is None:
             self._labels = tier_labels(engine)
@@ -464,8 +453,8 @@ class ReplayNode:
         return n
 
     async def _lookup(self, keys: list[bytes], held: list[bytes], tenant: str | None) -> int:
-        """``engine.lookup``, asked again (as a scheduler does each step) for up to
-        :data:`ASK_AGAIN_S` while a tier answers "ask again" (None) for the first miss."""
+        """``engine.lookup``, asked again for up to :data:`ASK_AGAIN_S` while a tier answers
+        "ask again" (None) for the first miss, as a scheduler does each step."""
         engine = self.engine
         n = engine.lookup(keys, tenant=tenant)
         deadline = time.monotonic() + ASK_AGAIN_S
@@ -479,16 +468,14 @@ class ReplayNode:
         return n
 
     def restarted(self) -> ReplayNode:
-        """A node with a fresh engine from the same factory (an NVMe root's blocks come
-        back), carrying on this node's summary."""
+        """A node with a fresh engine from the same factory, carrying on this summary."""
         blocks, nbytes = self.staging.shape
         node = ReplayNode(self._make_engine, blocks, nbytes, verify=self.verify, settle=self.settle)
         node.summary = self.summary
         return node
 
     def closed(self) -> None:
-        """Take the closed engine's figures into the summary (every cascade counted; a
-        restarted node's figures add up)."""
+        """Add the closed engine's figures to the summary."""
         engine, summary = self.engine, self.summary
         labels, size = tier_labels(engine), engine.block_bytes
         engine_stats = engine.statistics()
@@ -544,14 +531,11 @@ def _add(table: dict[str, dict[str, int]], name: str, counts: Mapping[str, int])
     table[name] = summed([table.get(name, {}), counts])
 
 
-# Whole-request array operations, not a loop per block: NumPy lets go of the GIL while it
-# copies or compares; a Python loop would hold it and delay the event loop.
+# Whole-request array operations: NumPy lets go of the GIL, a loop per block would not.
 
 
 def _count_mismatches(staging: np.ndarray, keys: list[bytes]) -> int:
     """How many of the first ``len(keys)`` device blocks differ from their keys' bytes."""
-    if not keys:
-        return 0
     whole, tail, digests = _blocks(staging, keys, 0)
     good = (whole == digests[:, None, :]).all(axis=(1, 2))
     good &= (tail == digests[:, : tail.shape[1]]).all(axis=1)
@@ -568,9 +552,8 @@ def _compute(staging: np.ndarray, keys: list[bytes], first: int) -> None:
 def _blocks(
     staging: np.ndarray, keys: list[bytes], first: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Device blocks ``first..len(keys)`` as their whole 64-byte repeats, (blocks, repeats,
-    64), and the bytes after the last whole repeat (views: a reshape of a row slice may
-    copy); and the 64-byte BLAKE2b digest of each of their keys, one row per key."""
+    """Views of device blocks ``first..len(keys)``: their whole 64-byte repeats (blocks,
+    repeats, 64) and the bytes after them; and each key's 64-byte BLAKE2b digest, a row."""
     last, repeats = len(keys), staging.shape[1] // 64
     whole = np.lib.stride_tricks.as_strided(
         staging[first:last],

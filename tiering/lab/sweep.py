@@ -1,7 +1,5 @@
-"""Capacity sweeps: the bookkeeping replay (:func:`~tiering.lab.replay.simulate`, no
-bytes) at several CPU capacities (blocks, or fractions of the workload's *footprint*, its
-distinct blocks) and policies, and a plot of hit ratio against capacity.
-"""
+"""Capacity sweeps: the bookkeeping replay (:func:`~tiering.lab.replay.simulate`) at
+several CPU capacities and policies, and a plot of hit ratio against capacity."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from tiering.lab.workloads import Request
 
 @dataclass(frozen=True, slots=True)
 class SweepPoint:
-    """One replay of a sweep: its capacity (blocks, and as a fraction of the footprint),
-    policy, prefix hit ratio, and the replay's speed in requests per second."""
+    """One replay of a sweep (capacity_fraction: of the footprint)."""
 
     capacity_blocks: int
     capacity_fraction: float
@@ -75,8 +72,8 @@ def footprint(requests: Sequence[Request], *, full_blocks_only: bool = False) ->
 
 
 def capacities_from(text: str, footprint_blocks: int) -> list[int]:
-    """Capacities, ascending and distinct, from comma-separated block counts (``1000``)
-    and footprint percentages (``5%``); InvalidArgumentError names a bad item."""
+    """Capacities, ascending and distinct, from comma-separated block counts and footprint
+    percentages (``1000,5%``); InvalidArgumentError names a bad item."""
     capacities = set()
     for item in map(str.strip, text.split(",")):
         if item.endswith("%"):
@@ -93,8 +90,8 @@ def capacities_from(text: str, footprint_blocks: int) -> list[int]:
 
 
 def fractions_from(text: str) -> list[float]:
-    """Footprint fractions, in the order given, from comma-separated percentages
-    (``1%,5%``); InvalidArgumentError names an item that is not one in (0, 100]%."""
+    """Footprint fractions, in order, from comma-separated percentages (``1%,5%``);
+    InvalidArgumentError names an item that is not one in (0, 100]%."""
     fractions = []
     for item in map(str.strip, text.split(",")):
         if not item.endswith("%"):
@@ -129,16 +126,14 @@ def sweep(
     *,
     full_blocks_only: bool = False,
 ) -> SweepResult:
-    """The bookkeeping replay of ``requests`` at every capacity (CPU blocks) with every
-    policy (default: all; a retired name counts as its replacement, once). Raises
-    InvalidArgumentError or UnknownPolicyError."""
+    """The bookkeeping replay at every capacity (CPU blocks) with every policy (default:
+    all; a retired name counts as its replacement, once). Raises InvalidArgumentError or
+    UnknownPolicyError."""
     if not requests:
         raise InvalidArgumentError("requests: the workload is empty")
     if not capacities:
         raise InvalidArgumentError("capacities: give at least one")
-    names = (
-        list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
-    )
+    names = policy_names() if policies is None else list(dict.fromkeys(map(policy_name, policies)))
     total = footprint(requests, full_blocks_only=full_blocks_only)
     points = []
     for capacity in sorted(capacities):
@@ -155,8 +150,7 @@ def sweep(
 
 
 def plot_sweep(result: SweepResult, path: str | Path, *, title: str = "") -> Path:
-    """Draw hit ratio against capacity (log scale), one line per policy, into a PNG at
-    ``path``; InvalidArgumentError without matplotlib or if ``path`` cannot be written."""
+    """Draw hit ratio against capacity, one line per policy, as :func:`plot_lines` does."""
     lines: dict[str, list[tuple[float, float]]] = {}
     for p in result.points:
         lines.setdefault(p.policy, []).append((p.capacity_fraction * 100, p.hit_ratio))
@@ -177,11 +171,12 @@ def plot_lines(
     ylabel: str,
     title: str,
 ) -> Path:
-    """One line of markers per label against a log x axis (percentages), as a PNG."""
+    """One line of markers per label against a log x axis (percentages), into a PNG at
+    ``path``; InvalidArgumentError without matplotlib or if ``path`` cannot be written."""
     try:
         import matplotlib
 
-        matplotlib.use("Agg")  # no display needed
+        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise InvalidArgumentError(

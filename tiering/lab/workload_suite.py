@@ -1,10 +1,7 @@
-"""Generated workload families for judging eviction policies (:data:`FAMILIES`), each
-seeded, named and stressing a different reuse shape, so that a policy tuned on one trace
-shows where it fails. Block ids are prefix-chained as in the Mooncake traces (equal ids
-mean equal prefixes), and each prompt ends with a partial block, so
-``--full-blocks-only`` changes what is reused. The same name and seed give the same
-requests.
-"""
+"""Seeded workload families for judging eviction policies (:data:`FAMILIES`), each
+stressing a different reuse shape. Block ids are prefix-chained as in the Mooncake traces,
+and each prompt ends with a partial block, so ``--full-blocks-only`` changes what is
+reused. The same name and seed give the same requests."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from tiering.lab.workloads import TOKENS_PER_BLOCK, Request, read_mooncake, synt
 
 
 class _Builder:
-    """A family's random source, prefix-chained block ids (a block's id names its content
-    and its prefix) and requests, sorted by arrival at the end."""
+    """A family's random source, prefix-chained block ids and requests (by arrival, done)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -51,8 +47,8 @@ class _Builder:
         return ids + self.chain(self.unique(count), ids[-1] if ids else None)
 
     def ask(self, arrival_s: float, ids: list[int], session: int) -> None:
-        """A request for the full blocks ``ids`` and one partial block of its own, whose
-        answer is one block and a part."""
+        """A request for the full blocks ``ids`` and a partial block of its own; its answer
+        is one block and a part."""
         tokens = len(ids) * TOKENS_PER_BLOCK + self.rng.randrange(1, TOKENS_PER_BLOCK)
         output = TOKENS_PER_BLOCK + self.rng.randrange(0, TOKENS_PER_BLOCK)
         blocks = tuple(self.extend(ids, 1))
@@ -68,8 +64,7 @@ class _Builder:
 
 
 def chat(seed: int = 0) -> list[Request]:
-    """Conversations of 1-20 turns on 30 system prompts; 60 % of the gaps between turns
-    average 15 s, the rest 10 minutes."""
+    """Chats of 1-20 turns on 30 system prompts; 60 % of turn gaps average 15 s, the rest 10 min."""
     b = _Builder(seed)
     rng = b.rng
     prompts = [b.extend([], rng.randint(2, 8)) for _ in range(30)]
@@ -176,9 +171,9 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.25, 0.5)
 
 
 def generate(name: str, seed: int = 0) -> list[Request]:
-    """The requests of the named workload (:data:`WORKLOADS`) with ``seed``, ordered by
-    arrival; ``synthetic`` is :func:`~tiering.lab.workloads.synthetic_requests`' default
-    traffic. Raises InvalidArgumentError for an unknown name."""
+    """The requests of the named workload (:data:`WORKLOADS`; ``synthetic``:
+    :func:`~tiering.lab.workloads.synthetic_requests`' default) with ``seed``, by arrival.
+    Raises InvalidArgumentError for an unknown name."""
     if name == "synthetic":
         return synthetic_requests(seed=seed)
     if name not in FAMILIES:
@@ -214,8 +209,8 @@ class SuiteResult:
         return min(p.ratio(policy) for p in self.points)
 
     def table(self) -> str:
-        """One row per workload, mode and capacity: each policy's :meth:`SuitePoint.ratio`
-        (the better reference's hit ratio in the last column); then each one's worst."""
+        """A row per point: each policy's :meth:`SuitePoint.ratio` and the better
+        reference's hit ratio; then each policy's worst."""
         header = f"{'workload':<22} {'capacity':>8} " + " ".join(f"{p:>10}" for p in self.policies)
         lines = [header + f" {'best ref':>8}", "-" * (len(header) + 9)]
         for p in self.points:
@@ -267,12 +262,10 @@ def run_suite(
 ) -> SuiteResult:
     """The bookkeeping replay of every workload (a name of :data:`WORKLOADS` or a trace
     path), in every mode (``full_blocks_only``), at every fraction of its footprint, with
-    every policy (default: all; a retired name counts as its replacement, once) and the
-    :data:`REFERENCES`, on ``jobs`` processes. Raises InvalidArgumentError for an unknown
-    workload or a bad fraction, UnknownPolicyError, or TraceError for a bad trace."""
-    names = (
-        list(dict.fromkeys(map(policy_name, policies))) if policies is not None else policy_names()
-    )
+    every policy (as :func:`~tiering.lab.sweep.sweep`) and the :data:`REFERENCES`, on
+    ``jobs`` processes. Raises InvalidArgumentError for an unknown workload or a bad
+    fraction, UnknownPolicyError, or TraceError for a bad trace."""
+    names = policy_names() if policies is None else list(dict.fromkeys(map(policy_name, policies)))
     names += [r for r in REFERENCES if r not in names]
     for fraction in fractions:
         if not 0 < fraction <= 1:
@@ -283,8 +276,7 @@ def run_suite(
         (w, seed, full, f, p) for w in workloads for full in modes for f in fractions for p in names
     ]
     if jobs > 1:  # forked, so that policies registered at run time exist in the workers
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
             results = list(pool.map(_point, *zip(*tasks, strict=True)))
     else:
         results = [_point(*task) for task in tasks]
@@ -296,8 +288,7 @@ def run_suite(
 
 
 def plot_suite(result: SuiteResult, path: str | Path) -> Path:
-    """Draw each policy's worst :meth:`SuitePoint.ratio` against capacity (log scale), into
-    a PNG at ``path``; raises as :func:`~tiering.lab.sweep.plot_sweep`."""
+    """Draw each policy's worst :meth:`SuitePoint.ratio` by capacity, as ``plot_lines`` does."""
     from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
 
     worst: dict[str, dict[float, float]] = {}

@@ -1,9 +1,6 @@
-"""Serving workloads to replay: a list of :class:`Request`, ordered by arrival, naming
-its prompt's blocks by prefix-chained integer ids as the Mooncake traces do (equal ids mean
-equal prefixes, so an id is a cache key): read from such a trace (:func:`read_mooncake`),
-or seeded multi-turn chat traffic (:func:`synthetic_requests`), so the commands need no
-data file.
-"""
+"""Serving workloads to replay: :class:`Request` lists, by arrival, naming blocks by
+prefix-chained ids as the Mooncake traces do (equal ids mean equal prefixes): read from such
+a trace (:func:`read_mooncake`), or seeded chat traffic (:func:`synthetic_requests`)."""
 
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ class Request:
 def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Request]:
     """The first ``limit`` requests of a Mooncake-format JSON-lines trace (docs/replay.md),
     in file order. Raises TraceError, naming file and line, if the file cannot be read,
-    holds no request or has a line not of the format; InvalidArgumentError for a bad limit.
-    """
+    holds no request or has a bad line; InvalidArgumentError for a bad limit."""
     if limit is not None:
         limit = positive_int("limit", limit)
     path = Path(path)
@@ -120,13 +116,11 @@ def synthetic_requests(
     seed: int = 0,
 ) -> list[Request]:
     """Multi-turn chat traffic, ordered by arrival; the same arguments give the same list.
-
-    Sessions start as a Poisson process of ``rate_per_s``, each with one of
+    Sessions start as a Poisson process of ``rate_per_s``, each on one of
     ``system_prompts`` system prompts (Zipf-like popularity). A turn sends the system
     prompt, the conversation so far, ``user_blocks_per_turn`` new blocks and a partial
     block; the next follows an exponential think time of mean ``think_time_s``. Raises
-    InvalidArgumentError (the ConfigError of ``[synthetic]``) naming a bad argument.
-    """
+    InvalidArgumentError (the ConfigError of ``[synthetic]``) naming a bad argument."""
     arguments = dict(locals())  # exactly the parameters: this is the first statement
     from tiering.config import SyntheticConfig  # the one check of these arguments
 
