@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from typing import Any, Self
 
@@ -47,3 +48,11 @@ class AsyncService:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or None outside one."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

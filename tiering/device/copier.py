@@ -23,7 +23,7 @@ from tiering.device.kv_layout import (
 from tiering.device.layer_progress import LayerProgress, check_progress
 from tiering.device.thread_copies import ThreadCopyBackend
 from tiering.errors import ClosedError, InvalidArgumentError, TransferError
-from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.lifecycle import AsyncService, Lifecycle, running_loop
 from tiering.observe.statistics import FailureLog, Statistics
 from tiering.tiers.io_threads import STAGING_BYTES
 from tiering.validation import as_index_list, check_index_range, positive_int
@@ -304,10 +304,7 @@ class DeviceCopier(AsyncService):
             raise ClosedError(f"the DeviceCopier is {self._state} (use `async with`)")
         if self.host_pool.closed:
             raise ClosedError("the host pool is closed")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = running_loop()
         if running is not self._loop:
             raise InvalidArgumentError("call the DeviceCopier on the event loop that entered it")
         if len(ids) != len(slot_list):

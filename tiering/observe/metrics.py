@@ -25,7 +25,7 @@ from prometheus_client.utils import floatToGoString
 
 from tiering.core.job_core import LookupStatistics
 from tiering.errors import InvalidArgumentError
-from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.lifecycle import AsyncService, Lifecycle, running_loop
 from tiering.observe.latency import LatencyHistogram, LatencySnapshot
 from tiering.observe.statistics import Statistics
 from tiering.security.tenancy import TenantLookups
@@ -117,7 +117,7 @@ class EngineCollector:
 
     def _read(self) -> _Reading:
         loop = self.loop
-        if loop is None or loop.is_closed() or not loop.is_running() or _running_loop() is loop:
+        if loop is None or loop.is_closed() or not loop.is_running() or running_loop() is loop:
             return self._read_here()
         reading = self._read_on_loop()
         try:
@@ -355,13 +355,6 @@ def _buckets(snapshot: LatencySnapshot) -> list[tuple[str, float]]:
     return list(zip(bounds, snapshot.cumulative, strict=True))
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 def register_engine_metrics(
     engine: TieringEngine,
     *,
@@ -377,7 +370,7 @@ def register_engine_metrics(
         engine,
         prefix=prefix,
         loop_lag=loop_lag,
-        loop=_running_loop(),
+        loop=running_loop(),
         snapshot_timeout=snapshot_timeout,
     )
     (REGISTRY if registry is None else registry).register(collector)

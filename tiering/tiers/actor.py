@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from tiering.errors import ClosedError, InvalidArgumentError
-from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.lifecycle import AsyncService, Lifecycle, running_loop
 from tiering.observe.statistics import FailureLog, Statistics, uncount
 from tiering.options import ActorOptions
 from tiering.tiers.inbox import Inbox, InboxStatistics, Lane
@@ -156,7 +156,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         resolving futures. Idempotent; safe before :meth:`start`."""
         loop = self._loop
         loop_running = loop is not None and loop.is_running() and not loop.is_closed()
-        if loop_running and not self._on_loop():
+        if loop_running and running_loop() is not loop:
             assert loop is not None
             loop.call_soon_threadsafe(self.shutdown)
             return
@@ -270,7 +270,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         if self._state is not Lifecycle.OPEN:
             state = "not started" if self._state is Lifecycle.NEW else self._state.value
             raise ClosedError(f"{self._name()} is {state}; job {job.job_id!r} not accepted")
-        if not self._on_loop():
+        if running_loop() is not self._loop:
             raise InvalidArgumentError(
                 f"{self._name()}: jobs must be submitted from the tier's event-loop thread"
             )
@@ -478,12 +478,6 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
 
     def _on_closed(self) -> None:
         """Release what the subclass holds beyond the actor; called once, at CLOSED."""
-
-    def _on_loop(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            return False
 
     def _name(self) -> str:
         return type(self).__name__

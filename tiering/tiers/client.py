@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tiering.errors import ClosedError, InvalidArgumentError
-from tiering.lifecycle import AsyncService, Lifecycle
+from tiering.lifecycle import AsyncService, Lifecycle, running_loop
 from tiering.observe.statistics import FailureLog, Statistics
 from tiering.tiers.actor import TierActor
 from tiering.tiers.inbox import Lane
@@ -207,10 +207,7 @@ class TierClient(AsyncService):
         "store"/"load", arguments :func:`~tiering.tiers.tier_api.checked_job` refuses, an
         ``on_done`` not callable or a call off the tier's event loop."""
         if not checked:
-            try:
-                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
+            loop = running_loop()
             if loop is None or self.actor._loop not in (None, loop):
                 raise InvalidArgumentError(
                     f"tier client {self.name}: submit must be called on the tier's event loop"
