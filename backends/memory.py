@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from tiering.core.policies import EvictionPolicy
-from tiering.errors import InvalidArgumentError
 from tiering.observe.statistics import NO_ROOM, FailureLog
 from tiering.options import ActorOptions, PositiveInt
 from tiering.tiers.actor import TierActor
 from tiering.tiers.residency_index import ResidencyIndex
 from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
+from tiering.validation import check_key
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,7 @@ class MemoryTier(TierActor):
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if held, None while a store of it is queued or running, else False.
         Raises InvalidArgumentError if ``key`` is not bytes."""
-        if not isinstance(key, bytes):
-            raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
+        check_key(key)
         if key in self._row_of:
             return True
         return None if self.storing(key) else False

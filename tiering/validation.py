@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import os
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from tiering.errors import InvalidArgumentError
@@ -108,20 +108,24 @@ def check_distinct(name: str, values: Sequence[Hashable]) -> None:
         seen.add(value)
 
 
+def check_key(key: object) -> None:
+    """Raise unless ``key`` (a tier's offload key) is bytes."""
+    if not isinstance(key, bytes):
+        raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
+
+
+def real(name: str, value: object, bound: str, within: Callable[[float], bool]) -> float:
+    """``value`` as a float if it is a real number (not a bool) that ``within`` accepts;
+    else InvalidArgumentError saying that ``name`` must be ``bound``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not within(value):
+        raise InvalidArgumentError(f"{name} must be {bound}, got {value!r}")
+    return float(value)
+
+
 def seconds(name: str, value: object, *, allow_zero: bool) -> float:
     """``value`` as seconds: a finite, non-negative (or positive) real number."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not allow_zero)
-    ):
-        bound = "non-negative" if allow_zero else "positive"
-        raise InvalidArgumentError(
-            f"{name} must be a {bound} finite number of seconds, got {value!r}"
-        )
-    return float(value)
+    bound = f"a {'non-negative' if allow_zero else 'positive'} finite number of seconds"
+    return real(name, value, bound, lambda s: 0 <= s < math.inf and (allow_zero or s > 0))
 
 
 def check_host_memory(num_blocks: int, block_bytes: int) -> None:

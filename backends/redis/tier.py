@@ -37,10 +37,12 @@ from backends.redis.jobs import CORRUPT, MISSING, REFUSED, JobShape, LoadJob, St
 from backends.redis.options import RedisOptions
 from backends.redis.streams import Link, Streams
 from tiering.errors import ClosedError, InvalidArgumentError
+from tiering.lifecycle import running_loop
 from tiering.security.encryption import BlockCipher, Keyring, keyring_from
 from tiering.tiers.actor import TierActor
 from tiering.tiers.block_record import namespace_digest
 from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
+from tiering.validation import check_key
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +146,7 @@ class RedisTier(TierActor):
         out) or the tier is closed, whatever the cache holds; else True/False from a
         fresh cached answer, or None (ask again) with the key queued for the next
         batched check. InvalidArgumentError unless ``key`` is bytes."""
-        if not isinstance(key, bytes):
-            raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")
+        check_key(key)
         # A load now fails at once (or is the probe): a cached True would only send the
         # engine to a miss.
         if self.breaker.state is not BreakerState.CLOSED or self.closed:
@@ -364,7 +365,7 @@ class RedisTier(TierActor):
         if self._checking:
             return
         loop = self._loop
-        if self._on_loop():
+        if loop is not None and running_loop() is loop:
             self._checking = self.spawn(self._check_presence(), name="presence-check")
         elif loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._schedule_check)

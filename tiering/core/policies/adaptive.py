@@ -15,6 +15,7 @@ shadow caches (``"adaptive"``; why, and its hit ratios against LRU and ARC: docs
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -22,8 +23,7 @@ from tiering.core.policies.arc import ARCPolicy
 from tiering.core.policies.base import EvictionPolicy
 from tiering.core.policies.lru import LRUPolicy
 from tiering.core.scheduler_api import BlockHash
-from tiering.errors import InvalidArgumentError
-from tiering.validation import positive_int
+from tiering.validation import positive_int, real
 
 EXPERTS = ("arc", "arc+second-sight", "lru", "lru+second-sight")
 """The four policies the shadows run, by name: eviction order, then admission."""
@@ -49,13 +49,7 @@ class AdaptivePolicy(ARCPolicy):
         self.window = positive_int("window", window)
         self.shadow_blocks = positive_int("shadow_blocks", shadow_blocks)
         self.horizon = positive_int("horizon", horizon)
-        if (
-            isinstance(arc_bias, bool)
-            or not isinstance(arc_bias, int | float)
-            or not 0 <= arc_bias < float("inf")
-        ):
-            raise InvalidArgumentError(f"arc_bias must be a number >= 0, got {arc_bias!r}")
-        self.arc_bias = float(arc_bias)
+        self.arc_bias = real("arc_bias", arc_bias, "a number >= 0", lambda b: 0 <= b < math.inf)
         self._seq = 0  # one per key use: LRU's order
         self._last: dict[BlockHash, int] = {}  # resident key -> its last use
         self._counts: dict[BlockHash, int] = {}  # requests naming a key, this generation

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from tiering.core.policies.base import EvictionPolicy
 from tiering.core.scheduler_api import BlockHash
 from tiering.errors import BlockNotFoundError, InvalidArgumentError
+from tiering.validation import real
 
 _MAX_FREQ = 3  # the paper's 2-bit saturating counter
 _PROMOTE_ABOVE = 1  # Algorithm 1, EVICTS: "if t.freq > 1 then insert t to M"
@@ -32,15 +33,9 @@ class S3FIFOPolicy(EvictionPolicy):
     def __init__(self, small_ratio: float = 0.1) -> None:
         """``S`` targets ``small_ratio`` (in ``(0, 1)``, else InvalidArgumentError) of the tier."""
         super().__init__()
-        if (
-            not isinstance(small_ratio, int | float)
-            or isinstance(small_ratio, bool)
-            or not 0.0 < small_ratio < 1.0
-        ):
-            raise InvalidArgumentError(
-                f"small_ratio must be a number in (0, 1), got {small_ratio!r}"
-            )
-        self.small_ratio = float(small_ratio)
+        self.small_ratio = real(
+            "small_ratio", small_ratio, "a number in (0, 1)", lambda r: 0.0 < r < 1.0
+        )
         self._small_target = 0.0
         self._ghost_capacity = 1
         # Queues are ordered oldest first: the head is examined next.
