@@ -187,19 +187,15 @@ class TieringHiCacheStorage(HiCacheStorage):
         namespace = self._namespace or sglang_namespace(
             self.storage_config, mem_pool_host, pages.chunk_bytes
         )
-        try:
-            self._thread = TierThread(
-                {"type": self.tier_type, **self._options},
-                view,
-                pages.chunk_bytes,
-                name=f"kv-tiering-sglang-{self.tier_type}",
-                defaults={"namespace": namespace, **FRAMEWORK_DEFAULTS},
-                start_timeout=self._start_timeout,
-                job_timeout=self._job_timeout,
-            )
-        except BaseException:
-            view.release()
-            raise
+        self._thread = TierThread(
+            {"type": self.tier_type, **self._options},
+            view,
+            pages.chunk_bytes,
+            name=f"kv-tiering-sglang-{self.tier_type}",
+            defaults={"namespace": namespace, **FRAMEWORK_DEFAULTS},
+            start_timeout=self._start_timeout,
+            job_timeout=self._job_timeout,
+        )
         super().register_mem_pool_host(mem_pool_host)
         self.pages, self._view = pages, view
 

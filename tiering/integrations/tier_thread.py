@@ -39,9 +39,9 @@ class TierThread:
     Any thread may call every method. Each submitted job's ``on_done`` runs exactly once,
     after the tier stopped touching the job's slots (a job submitted after :meth:`close`
     began, or unended when the loop thread died, fails with a reason instead). The
-    constructor raises as :func:`~tiering.tiers.registry.make_tier` for a bad spec (nothing
-    is left running), InvalidArgumentError for a bad timeout, TimeoutError if the tier did
-    not start within ``start_timeout`` seconds."""
+    constructor raises as :func:`~tiering.tiers.registry.make_tier` for a bad spec,
+    InvalidArgumentError for a bad timeout, TimeoutError if the tier did not start within
+    ``start_timeout`` seconds; then nothing is left running and ``primary_view`` is released."""
 
     def __init__(
         self,
@@ -55,9 +55,6 @@ class TierThread:
         job_timeout: float,
         report_removals: bool = False,
     ) -> None:
-        seconds("start_timeout", start_timeout, allow_zero=False)
-        self.job_timeout = seconds("job_timeout", job_timeout, allow_zero=False)
-        self.num_slots = primary_view.nbytes // block_bytes
         self._done = threading.Condition()
         self._in_flight: dict[int, tuple[Sequence[bytes], Callable[[TierOutcome], None]]] = {}
         self._tokens = itertools.count()
@@ -77,13 +74,17 @@ class TierThread:
                 raise
             return client
 
-        self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
-        self._thread.start()
         try:
+            seconds("start_timeout", start_timeout, allow_zero=False)
+            self.job_timeout = seconds("job_timeout", job_timeout, allow_zero=False)
+            self.num_slots = primary_view.nbytes // block_bytes
+            self.loop = uvloop.new_event_loop()
+            self._thread.start()
             self.client = self.run(open_tier(), start_timeout)
         except BaseException:
             self._stop_loop()
+            primary_view.release()
             raise
         self.tier = self.client.tier
 

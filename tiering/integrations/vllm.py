@@ -145,20 +145,16 @@ class RegisteredTierManager(SecondaryTierManager):
             counts_at=f"get_stats(): {METRIC_PREFIX}<kind>_refused_jobs",
         )
         self._closed = False
-        try:
-            self._thread = TierThread(
-                {"type": name, **options},
-                self._flat_view,
-                block_bytes,
-                name=f"kv-tiering-{tier_type}",
-                defaults={"namespace": self._namespace, **FRAMEWORK_DEFAULTS},
-                start_timeout=start_timeout,
-                job_timeout=job_timeout,
-                report_removals=self._events is not None,
-            )
-        except BaseException:
-            self._flat_view.release()
-            raise
+        self._thread = TierThread(
+            {"type": name, **options},
+            self._flat_view,
+            block_bytes,
+            name=f"kv-tiering-{tier_type}",
+            defaults={"namespace": self._namespace, **FRAMEWORK_DEFAULTS},
+            start_timeout=start_timeout,
+            job_timeout=job_timeout,
+            report_removals=self._events is not None,
+        )
         self._tier = self._thread.tier
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
