@@ -80,11 +80,10 @@ class Tenancy:
         keys: list[BlockHash] = []
         public = bool(shared)
         for h in block_hashes:
-            if public and h in shared:
-                keys.append(h)
-                continue
-            public = False
-            keys.append(blake2b(h, digest_size=32, key=secret, person=_SCOPE_PERSON).digest())
+            public = public and h in shared
+            if not public:
+                h = blake2b(h, digest_size=32, key=secret, person=_SCOPE_PERSON).digest()
+            keys.append(h)
         return keys
 
 

@@ -57,18 +57,16 @@ class Inbox(Generic[_T]):
         """Queue ``item`` in ``lane`` now. Raises InvalidArgumentError for an unknown
         lane, ClosedError once closed, TierBusyError if the lane is full (or others
         already wait for room in it)."""
-        if not self._has_room(lane):
+        if not self._queued(lane, item):
             raise TierBusyError(
                 f"{self._owner}: {lane} inbox is full ({self.max_size} jobs queued); "
                 "drain get_finished() and retry"
             )
-        self._lanes[lane].append(item)
 
     def park(self, lane: Lane, item: _T) -> bool:
         """Queue ``item`` now if ``lane`` has room (then True), else park it in the lane's
         waiting line. Raises as :meth:`put_nowait`, never TierBusyError."""
-        if self._has_room(lane):
-            self._lanes[lane].append(item)
+        if self._queued(lane, item):
             return True
         self._waiting[lane].append(_Parked(item))
         return False
@@ -77,8 +75,7 @@ class Inbox(Generic[_T]):
         """Queue ``item`` in ``lane``, waiting in line for room if the lane is full.
         Raises as :meth:`put_nowait` (ClosedError also if the inbox closes meanwhile),
         never TierBusyError."""
-        if self._has_room(lane):
-            self._lanes[lane].append(item)
+        if self._queued(lane, item):
             return
         waiting = self._waiting[lane]
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -162,12 +159,16 @@ class Inbox(Generic[_T]):
             f"{'; closed' if s.closed else ''})"
         )
 
-    def _has_room(self, lane: object) -> bool:
+    def _queued(self, lane: Lane, item: _T) -> bool:
+        """Queue ``item`` if ``lane`` has room and nobody waits for it; whether it did."""
         if lane not in self._lanes:
             raise InvalidArgumentError(f"lane must be 'load' or 'store', got {lane!r}")
         if self.closed:
             raise ClosedError(f"{self._owner}: inbox is closed; nothing more is admitted")
-        return len(self._lanes[lane]) < self.max_size and not self._waiting[lane]  # type: ignore[index]
+        if len(self._lanes[lane]) >= self.max_size or self._waiting[lane]:
+            return False
+        self._lanes[lane].append(item)
+        return True
 
     def _admit_waiting(self, lane: Lane) -> None:
         """Give the room in ``lane`` to those waiting, in order: queue parked items, wake
