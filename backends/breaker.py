@@ -1,7 +1,6 @@
 """A circuit breaker for a remote tier, sans-I/O: it decides, the tier does the calls.
 It keeps a tier from stalling the engine on a dead server: the tier answers misses and
-fails stores at once while it is open.
-"""
+fails stores at once while it is open."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class CircuitBreaker:
     opens, and :meth:`allow` is False until ``breaker_backoff_s`` has passed, then True
     for exactly one probe at a time (half-open). :meth:`succeeded` closes it and resets
     the back-off; :meth:`failed` during a probe reopens it for twice as long, up to
-    ``breaker_max_backoff_s``.
-    """
+    ``breaker_max_backoff_s``."""
 
     def __init__(
         self,

@@ -149,10 +149,8 @@ class ResidencyIndex:
                 )
         resident = self._resident
         for key, n in wanted.items():
-            left = pins[key] - n
-            if left:
-                pins[key] = left
-            else:
+            pins[key] -= n
+            if not pins[key]:
                 del pins[key]
                 if key in resident:
                     self.pinned_resident -= 1

@@ -130,9 +130,7 @@ class SecondaryTierManager(ABC):
         """The keys this tier stopped holding since the last call, oldest first: evicted,
         or dropped unverified (not by :meth:`clear`). Empty unless :meth:`report_removals`
         was called. One caller at a time, from any thread; each key comes once."""
-        removed = self._removed
-        if not removed:
-            return []
+        removed = self._removed or deque()
         return [removed.popleft() for _ in range(len(removed))]
 
     def _note_removed(self, keys: Iterable[OffloadKey]) -> None:
