@@ -88,9 +88,7 @@ class Tenancy:
 
 
 def tenant_keys(
-    block_hashes: Sequence[BlockHash],
-    tenant: str | None,
-    shared_blocks: Iterable[BlockHash] = (),
+    block_hashes: Sequence[BlockHash], tenant: str | None, shared_blocks: Iterable[BlockHash] = ()
 ) -> list[BlockHash]:
     """The keys an engine stores ``tenant``'s blocks under (for a router matching KV events
     against a tenant's prompts); InvalidArgumentError for a bad tenant or hashes."""

@@ -39,9 +39,7 @@ from typing import NamedTuple
 import xxhash
 
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-from tiering.security.encryption import NONCE_BYTES, TAG_BYTES, BlockCipher, Seal
-
-Buffer = memoryview | bytes | bytearray
+from tiering.security.encryption import NONCE_BYTES, TAG_BYTES, BlockCipher, Buffer, Seal
 
 MAGIC = b"KVTBLK\r\n"
 FORMAT_VERSION = 5
