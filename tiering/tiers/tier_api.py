@@ -92,8 +92,7 @@ class SecondaryTierManager(ABC):
         """True if the block is stored here, False if not, None if in transfer (ask again)."""
 
     def lookup_all(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
-        """:meth:`lookup` of each of ``keys``, in order (tiers with an index answer a batch
-        at once)."""
+        """:meth:`lookup` of each key, in order (a tier with an index answers at once)."""
         return [self.lookup(key) for key in keys]
 
     @abstractmethod
