@@ -1,7 +1,6 @@
 """A circuit breaker for a remote tier, sans-I/O: it decides, the tier does the calls.
 It keeps a tier from stalling the engine on a dead server: the tier answers misses and
-fails stores at once while it is open.
-"""
+fails stores at once while it is open."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class CircuitBreaker:
     opens, and :meth:`allow` is False until ``breaker_backoff_s`` has passed, then True
     for exactly one probe at a time (half-open). :meth:`succeeded` closes it and resets
     the back-off; :meth:`failed` during a probe reopens it for twice as long, up to
-    ``breaker_max_backoff_s``.
-    """
+    ``breaker_max_backoff_s``."""
 
     def __init__(
         self,
@@ -62,47 +60,43 @@ class CircuitBreaker:
     ) -> None:
         self.options = BreakerOptions() if options is None else options
         self._clock = clock
-        self._state = BreakerState.CLOSED
+        self.state = BreakerState.CLOSED
+        """Closed, open, or half-open (a probe is out); an open breaker whose back-off
+        has passed still reads open until :meth:`allow` lets the probe go."""
         self._in_a_row = 0
         self._current_backoff = self.options.breaker_backoff_s
         self._retry_at = 0.0
 
-    @property
-    def state(self) -> BreakerState:
-        """Closed, open, or half-open (a probe is out); an open breaker whose back-off
-        has passed still reads open until :meth:`allow` lets the probe go."""
-        return self._state
-
     def allow(self) -> bool:
         """True if a call may go now (closed, or the one probe of a half-open breaker)."""
-        if self._state is BreakerState.CLOSED:
+        if self.state is BreakerState.CLOSED:
             return True
-        if self._state is BreakerState.OPEN and self._clock() >= self._retry_at:
-            self._state = BreakerState.HALF_OPEN
+        if self.state is BreakerState.OPEN and self._clock() >= self._retry_at:
+            self.state = BreakerState.HALF_OPEN
             return True
         return False
 
     def succeeded(self) -> None:
         """A call reached the server: close, and forget earlier failures."""
-        self._state = BreakerState.CLOSED
+        self.state = BreakerState.CLOSED
         self._in_a_row = 0
         self._current_backoff = self.options.breaker_backoff_s
 
     def failed(self) -> None:
         """A call could not reach the server (refused, reset, timed out)."""
-        if self._state is BreakerState.HALF_OPEN:
+        if self.state is BreakerState.HALF_OPEN:
             self._current_backoff = min(
                 self.options.breaker_max_backoff_s, self._current_backoff * 2
             )
             self._open()
             return
         self._in_a_row += 1
-        if self._state is BreakerState.CLOSED and self._in_a_row >= self.options.breaker_failures:
+        if self.state is BreakerState.CLOSED and self._in_a_row >= self.options.breaker_failures:
             self._open()
 
     def _open(self) -> None:
-        self._state = BreakerState.OPEN
+        self.state = BreakerState.OPEN
         self._retry_at = self._clock() + self._current_backoff
 
     def __repr__(self) -> str:
-        return f"<CircuitBreaker {self._state}, {self._in_a_row} failures in a row>"
+        return f"<CircuitBreaker {self.state}, {self._in_a_row} failures in a row>"

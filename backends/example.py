@@ -1,7 +1,6 @@
 """The reference secondary tier of the seed: presence-only, synchronous, LRU-bounded. It
 exercises the secondary-tier protocol, reproducing the seed's behaviour on purpose,
-quirks included, with one deliberate fix (see :class:`ExampleSecondaryTier`).
-"""
+quirks included, with one deliberate fix (see :class:`ExampleSecondaryTier`)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class ExampleSecondaryTier(SecondaryTierManager):
     Malformed jobs (not a JobMetadata, non-bytes keys, slot ids outside the host pool)
     raise :class:`InvalidArgumentError` and change nothing.
 
-    It stores no bytes (``holds_data = False``): an engine never loads from it.
-    """
+    It stores no bytes (``holds_data = False``): an engine never loads from it."""
 
     holds_data = False
     Options = ExampleOptions

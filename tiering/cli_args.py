@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import NoReturn, TextIO, TypeVar
 
 from tiering.errors import InvalidArgumentError
@@ -163,7 +164,7 @@ def ensure_directory(parser: argparse.ArgumentParser, option: str, path: str) ->
         parser.error(f"argument {option}: cannot write in {path!r}: {exc.strerror or exc}")
 
 
-class Progress:
+class Progress(AbstractContextManager["Progress"]):
     """One status line on ``stream`` (stderr by default), redrawn in place at most every
     ``interval`` seconds, only on a terminal; :meth:`clear` (or leaving ``with``) erases it."""
 
@@ -196,9 +197,6 @@ class Progress:
             self._stream.flush()
             self._width = 0
             self._last = -math.inf
-
-    def __enter__(self) -> Progress:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.clear()

@@ -48,20 +48,6 @@ def canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    if not isinstance(token_ids, np.ndarray) and hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()  # a torch tensor or similar
-    try:
-        tokens = np.asarray(token_ids)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidArgumentError(f"token_ids must be integers: {exc}") from exc
-    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-        raise InvalidArgumentError("token_ids must be a flat sequence of integers")
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= 2**63):
-        raise InvalidArgumentError("token ids must lie in [0, 2**63)")
-    return tokens.astype("<i8", copy=False)
-
-
 def block_hashes(
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,
@@ -75,7 +61,17 @@ def block_hashes(
     positive_int("block_size", block_size)
     if parent is not None and not isinstance(parent, bytes):
         raise InvalidArgumentError(f"parent must be bytes, got {type(parent).__name__}")
-    data = _token_bytes(token_ids).tobytes()
+    if not isinstance(token_ids, np.ndarray) and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()  # a torch tensor or similar
+    try:
+        tokens = np.asarray(token_ids)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(f"token_ids must be integers: {exc}") from exc
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise InvalidArgumentError("token_ids must be a flat sequence of integers")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= 2**63):
+        raise InvalidArgumentError("token ids must lie in [0, 2**63)")
+    data = tokens.astype("<i8", copy=False).tobytes()
     prev = parent if parent is not None else namespace_root(namespace)
     stride = block_size * 8
     hashes: list[BlockHash] = []

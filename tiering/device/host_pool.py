@@ -74,7 +74,8 @@ class HostPool:
         self._tensor: torch.Tensor | None = flat.view(self.num_blocks, self.block_bytes)
         self._view: memoryview | None = memoryview(self._mmap)
         address = flat.data_ptr()
-        self._pinned = False
+        self.pinned = False
+        """True while the buffer is page-locked for CUDA (False once closed)."""
         self._unpin: weakref.finalize[Any, Any] | None = None
         if pin:
             try:
@@ -82,7 +83,7 @@ class HostPool:
             except BaseException:
                 self._release_memory()
                 raise
-            self._pinned = True
+            self.pinned = True
             # Unpin if the pool is dropped without close(); not at interpreter exit,
             # when the CUDA runtime may already be torn down.
             self._unpin = weakref.finalize(self, _cuda_host_unregister, address)
@@ -91,11 +92,6 @@ class HostPool:
     @property
     def closed(self) -> bool:
         return self._tensor is None
-
-    @property
-    def pinned(self) -> bool:
-        """True while the buffer is page-locked for CUDA (False once closed)."""
-        return self._pinned
 
     @property
     def view(self) -> memoryview:
@@ -114,7 +110,7 @@ class HostPool:
         if self._unpin is not None:
             self._unpin()  # cudaHostUnregister, at most once
             self._unpin = None
-        self._pinned = False
+        self.pinned = False
         self._release_memory()
 
     def __enter__(self) -> Self:
@@ -125,7 +121,7 @@ class HostPool:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else ("pinned" if self._pinned else "pageable")
+        state = "closed" if self.closed else ("pinned" if self.pinned else "pageable")
         return f"HostPool(num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, {state})"
 
     def _check_open(self) -> tuple[torch.Tensor, memoryview]:

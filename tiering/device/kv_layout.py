@@ -55,7 +55,7 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
     or cpu device with one number of blocks (dtypes may differ); else InvalidArgumentError
     naming the offending tensor."""
     if isinstance(kv_caches, torch.Tensor):
-        tensors: list[object] = [kv_caches]
+        tensors: list[torch.Tensor] = [kv_caches]
     elif isinstance(kv_caches, Sequence) and not isinstance(kv_caches, str | bytes):
         tensors = list(kv_caches)
     else:
@@ -64,7 +64,6 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
         )
     if not tensors:
         raise InvalidArgumentError("kv_caches is empty")
-    checked: list[torch.Tensor] = []
     row_bytes: list[int] = []
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
@@ -90,14 +89,13 @@ def describe_kv_caches(kv_caches: object) -> KVLayout:
         nbytes = tensor.numel() // num_blocks * tensor.element_size()
         if nbytes == 0:
             raise InvalidArgumentError(f"kv_caches[{i}] has empty rows")
-        checked.append(tensor)
         row_bytes.append(nbytes)
     word_bytes, word = next(
         (size, dtype)
         for size, dtype in _WORD_DTYPES
-        if all(n % size == 0 for n in row_bytes) and all(t.data_ptr() % size == 0 for t in checked)
+        if all(n % size == 0 for n in row_bytes) and all(t.data_ptr() % size == 0 for t in tensors)
     )
-    layers = tuple(t.detach().view(num_blocks, -1).view(torch.uint8).view(word) for t in checked)
+    layers = tuple(t.detach().view(num_blocks, -1).view(torch.uint8).view(word) for t in tensors)
     widths = tuple(n // word_bytes for n in row_bytes)
     offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
     return KVLayout(layers, offsets, widths, word, word_bytes, num_blocks, sum(row_bytes), device)

@@ -28,25 +28,21 @@ class LayerProgress:
     rather than read half-copied bytes). Marks and failures after the first settle a
     layer change nothing. Raises InvalidArgumentError for a ``num_layers`` below 1."""
 
-    __slots__ = ("_cond", "_error", "_events", "_marked", "num_layers")
+    __slots__ = ("_cond", "_events", "_marked", "error", "num_layers")
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = positive_int("num_layers", num_layers)
         self._cond = threading.Condition()
         self._marked = [False] * num_layers
         self._events: list[LayerMarker | None] = [None] * num_layers  # None: landed
-        self._error: TransferError | None = None
-
-    @property
-    def error(self) -> TransferError | None:
+        self.error: TransferError | None = None
         """Why the layers not marked failed; None unless the load failed."""
-        return self._error
 
     @property
     def started(self) -> bool:
         """True once a layer is marked or the load failed: a load takes a fresh one."""
         with self._cond:
-            return self._error is not None or any(self._marked)
+            return self.error is not None or any(self._marked)
 
     def ready(self, layer: int) -> bool:
         """True once ``layer``'s copies have landed (its marker has fired); never blocks."""
@@ -60,7 +56,7 @@ class LayerProgress:
     def done(self) -> bool:
         """True once every layer is marked or the load failed (nothing more will change)."""
         with self._cond:
-            return self._error is not None or all(self._marked)
+            return self.error is not None or all(self._marked)
 
     def wait(self, layer: int, timeout: float | None = None) -> None:
         """Return once ``layer`` may be read: on CPU its bytes are in place; on CUDA the
@@ -71,12 +67,12 @@ class LayerProgress:
         index = self._index(layer)
         with self._cond:
             if not self._cond.wait_for(
-                lambda: self._marked[index] or self._error is not None, timeout
+                lambda: self._marked[index] or self.error is not None, timeout
             ):
                 raise TimeoutError(f"layer {index} was not ready within {timeout} s")
             if not self._marked[index]:
-                assert self._error is not None
-                raise self._error
+                assert self.error is not None
+                raise self.error
             event = self._events[index]
         if event is not None:
             event.wait()
@@ -86,7 +82,7 @@ class LayerProgress:
         enqueued before the marker ``event`` on a copy stream."""
         index = self._index(layer)
         with self._cond:
-            if self._marked[index] or self._error is not None:
+            if self._marked[index] or self.error is not None:
                 return
             self._marked[index] = True
             self._events[index] = event
@@ -95,7 +91,7 @@ class LayerProgress:
     def mark_all(self) -> None:
         """Every layer has landed (a backend that copies whole blocks at once)."""
         with self._cond:
-            if self._error is not None:
+            if self.error is not None:
                 return
             self._marked = [True] * self.num_layers
             self._cond.notify_all()
@@ -103,7 +99,7 @@ class LayerProgress:
     def fail(self, error: BaseException | str) -> None:
         """Fail every layer not marked yet; ``error`` is the cause (a string: the reason)."""
         with self._cond:
-            if self._error is not None or all(self._marked):
+            if self.error is not None or all(self._marked):
                 return
             if isinstance(error, TransferError):
                 failure = error
@@ -111,7 +107,7 @@ class LayerProgress:
                 failure = TransferError(f"the layer-by-layer load failed: {error}")
                 if isinstance(error, BaseException):
                     failure.__cause__ = error
-            self._error = failure
+            self.error = failure
             self._cond.notify_all()
 
     def _index(self, layer: object) -> int:
@@ -122,7 +118,7 @@ class LayerProgress:
     def __repr__(self) -> str:
         with self._cond:
             marked = sum(self._marked)
-            state = "failed" if self._error is not None and marked < self.num_layers else "ok"
+            state = "failed" if self.error is not None and marked < self.num_layers else "ok"
         return f"<LayerProgress {marked}/{self.num_layers} layers marked, {state}>"
 
 

@@ -94,12 +94,10 @@ def _decode_line(line: str, number: int) -> dict[str, Any]:
         block_hashes = [bytes.fromhex(h) for h in hashes]
     except (TypeError, ValueError):
         raise bad("block_hashes must be a list of hex strings") from None
-    labels = {}
-    for label in ("node", "tenant"):
-        value = record.get(label)
+    labels = {label: record.get(label) for label in ("node", "tenant")}
+    for label, value in labels.items():
         if value is not None and not isinstance(value, str):
             raise bad(f"{label} must be a string")
-        labels[label] = value
     return {**{name: record[name] for name in _FIELDS}, "block_hashes": block_hashes, **labels}
 
 

@@ -73,12 +73,10 @@ class LatencyHistogram:
 
     def observe(self, seconds: float) -> None:
         """Record one observation; a negative one (a clock that stepped back) counts as 0."""
-        if seconds < 0:
-            seconds = 0.0
+        seconds = max(seconds, 0.0)
         self._counts[bisect_left(self._bounds, seconds)] += 1
         self._sum += seconds
-        if seconds > self._max:
-            self._max = seconds
+        self._max = max(self._max, seconds)
 
     def snapshot(self) -> LatencySnapshot:
         # One C-level copy first: the buckets are read together.

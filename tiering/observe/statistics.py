@@ -71,11 +71,9 @@ def format_bytes(nbytes: int) -> str:
 def uncount(counts: Counter[_T], items: Iterable[_T]) -> None:
     """Take one count off ``counts`` for each of ``items``, dropping those left at zero."""
     for item in items:
-        left = counts[item] - 1
-        if left > 0:
-            counts[item] = left
-        else:
-            counts.pop(item, None)
+        counts[item] -= 1
+        if counts[item] <= 0:
+            del counts[item]
 
 
 class FailureLog:

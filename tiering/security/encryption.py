@@ -155,12 +155,9 @@ class BlockCipher:
             ) from exc
         self.keyring = keyring
         # A one-shot AESGCM seals; an AES algorithm makes the cipher contexts that open.
-        self._aead: dict[int, Any] = {}
-        self._algorithms: dict[int, Any] = {}
-        for key_id in keyring.key_ids:
-            key = keyring.key(key_id)
-            assert key is not None
-            self._aead[key_id], self._algorithms[key_id] = AESGCM(key), algorithms.AES(key)
+        keys = keyring._keys.items()
+        self._aead: dict[int, Any] = {key_id: AESGCM(key) for key_id, key in keys}
+        self._algorithms: dict[int, Any] = {key_id: algorithms.AES(key) for key_id, key in keys}
         self._reported: set[tuple[type[CorruptBlockError], int]] = set()
         self._lock = threading.Lock()
 

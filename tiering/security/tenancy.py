@@ -80,18 +80,15 @@ class Tenancy:
         keys: list[BlockHash] = []
         public = bool(shared)
         for h in block_hashes:
-            if public and h in shared:
-                keys.append(h)
-                continue
-            public = False
-            keys.append(blake2b(h, digest_size=32, key=secret, person=_SCOPE_PERSON).digest())
+            public = public and h in shared
+            if not public:
+                h = blake2b(h, digest_size=32, key=secret, person=_SCOPE_PERSON).digest()
+            keys.append(h)
         return keys
 
 
 def tenant_keys(
-    block_hashes: Sequence[BlockHash],
-    tenant: str | None,
-    shared_blocks: Iterable[BlockHash] = (),
+    block_hashes: Sequence[BlockHash], tenant: str | None, shared_blocks: Iterable[BlockHash] = ()
 ) -> list[BlockHash]:
     """The keys an engine stores ``tenant``'s blocks under (for a router matching KV events
     against a tenant's prompts); InvalidArgumentError for a bad tenant or hashes."""

@@ -39,9 +39,7 @@ from typing import NamedTuple
 import xxhash
 
 from tiering.errors import CorruptBlockError, InvalidArgumentError
-from tiering.security.encryption import NONCE_BYTES, TAG_BYTES, BlockCipher, Seal
-
-Buffer = memoryview | bytes | bytearray
+from tiering.security.encryption import NONCE_BYTES, TAG_BYTES, BlockCipher, Buffer, Seal
 
 MAGIC = b"KVTBLK\r\n"
 FORMAT_VERSION = 5
@@ -139,12 +137,8 @@ def encode_header(
             f"a header buffer must be {needed} bytes (compact) or {HEADER_BYTES} (padded), "
             f"and {needed} must fit; got {size}"
         )
-    head = _head(size, key, payload_bytes, ns_digest, tenant, checksum, seal)
-    view = memoryview(into).cast("B")
-    trailer = size - _TRAILER.size
-    view[: len(head)] = head
-    view[len(head) : trailer] = bytes(trailer - len(head))
-    _TRAILER.pack_into(view, trailer, xxhash.xxh3_64_intdigest(view[:trailer]))
+    header = _header(size, key, payload_bytes, ns_digest, tenant, checksum, seal)
+    memoryview(into).cast("B")[:] = header
 
 
 def compact_header(
@@ -156,14 +150,12 @@ def compact_header(
     checksum: bytes | None = None,
     seal: Seal | None = None,
 ) -> bytes:
-    """A compact header: :func:`encode_header` with the same arguments, as bytes (built
-    in one piece: a store computes one per block)."""
+    """A compact header: :func:`encode_header` with the same arguments, as bytes."""
     size = compact_bytes(tenant, key)
-    head = _head(size, key, payload_bytes, ns_digest, tenant, checksum, seal)
-    return head + _TRAILER.pack(xxhash.xxh3_64_intdigest(head))
+    return _header(size, key, payload_bytes, ns_digest, tenant, checksum, seal)
 
 
-def _head(
+def _header(
     size: int,
     key: bytes,
     payload_bytes: int,
@@ -172,7 +164,7 @@ def _head(
     checksum: bytes | None,
     seal: Seal | None,
 ) -> bytes:
-    """A header of ``size`` bytes up to the end of its key, checked (:func:`encode_header`)."""
+    """A whole header of ``size`` bytes, checked (:func:`encode_header`)."""
     check_key(key)
     if (checksum is None) == (seal is None):
         raise InvalidArgumentError("a block header takes either a checksum or a seal")
@@ -198,7 +190,8 @@ def _head(
         0 if seal is None else seal.key_id,
         _NO_NONCE if seal is None else seal.nonce,
     )
-    return fixed + tenant + key
+    head = fixed + tenant + key + bytes(size - compact_bytes(tenant, key))  # padded: zeros
+    return head + _TRAILER.pack(xxhash.xxh3_64_intdigest(head))
 
 
 def decode_header(header: Buffer) -> BlockHeader:

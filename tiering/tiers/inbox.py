@@ -50,24 +50,23 @@ class Inbox(Generic[_T]):
         self._waiting: dict[Lane, deque[asyncio.Future[None] | _Parked[_T]]] = {
             lane: deque() for lane in _LANES
         }
-        self._closed = False
+        self.closed = False
+        """Whether :meth:`close` was called."""
 
     def put_nowait(self, lane: Lane, item: _T) -> None:
         """Queue ``item`` in ``lane`` now. Raises InvalidArgumentError for an unknown
         lane, ClosedError once closed, TierBusyError if the lane is full (or others
         already wait for room in it)."""
-        if not self._has_room(lane):
+        if not self._queued(lane, item):
             raise TierBusyError(
                 f"{self._owner}: {lane} inbox is full ({self.max_size} jobs queued); "
                 "drain get_finished() and retry"
             )
-        self._lanes[lane].append(item)
 
     def park(self, lane: Lane, item: _T) -> bool:
         """Queue ``item`` now if ``lane`` has room (then True), else park it in the lane's
         waiting line. Raises as :meth:`put_nowait`, never TierBusyError."""
-        if self._has_room(lane):
-            self._lanes[lane].append(item)
+        if self._queued(lane, item):
             return True
         self._waiting[lane].append(_Parked(item))
         return False
@@ -76,8 +75,7 @@ class Inbox(Generic[_T]):
         """Queue ``item`` in ``lane``, waiting in line for room if the lane is full.
         Raises as :meth:`put_nowait` (ClosedError also if the inbox closes meanwhile),
         never TierBusyError."""
-        if self._has_room(lane):
-            self._lanes[lane].append(item)
+        if self._queued(lane, item):
             return
         waiting = self._waiting[lane]
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -86,7 +84,7 @@ class Inbox(Generic[_T]):
             # Woken in line order by _admit_waiting, which keeps the room for every woken
             # putter until it runs (or by close).
             await waiter
-            if self._closed:
+            if self.closed:
                 raise ClosedError(f"{self._owner}: inbox closed while a {lane} job waited for room")
         except BaseException:
             # Pass a wake-up this waiter received but cannot use on to the next one.
@@ -99,11 +97,6 @@ class Inbox(Generic[_T]):
         waiting.remove(waiter)
         self._lanes[lane].append(item)
         self._admit_waiting(lane)  # room may remain for the next in line too
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
 
     def get_nowait(self) -> _T | None:
         """The oldest queued load, else the oldest queued store, else ``None``."""
@@ -139,9 +132,9 @@ class Inbox(Generic[_T]):
     def close(self) -> None:
         """Admit nothing more; wake every waiting putter. Queued and parked items stay
         gettable. Idempotent."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         for lane in _LANES:
             for waiter in self._waiting[lane]:
                 if isinstance(waiter, asyncio.Future) and not waiter.done():
@@ -154,7 +147,7 @@ class Inbox(Generic[_T]):
             queued_stores=len(self._lanes["store"]),
             max_size=self.max_size,
             tasks_waiting_put=sum(isinstance(w, asyncio.Future) and not w.done() for w in waiting),
-            closed=self._closed,
+            closed=self.closed,
             parked=sum(isinstance(w, _Parked) for w in waiting),
         )
 
@@ -166,12 +159,16 @@ class Inbox(Generic[_T]):
             f"{'; closed' if s.closed else ''})"
         )
 
-    def _has_room(self, lane: object) -> bool:
+    def _queued(self, lane: Lane, item: _T) -> bool:
+        """Queue ``item`` if ``lane`` has room and nobody waits for it; whether it did."""
         if lane not in self._lanes:
             raise InvalidArgumentError(f"lane must be 'load' or 'store', got {lane!r}")
-        if self._closed:
+        if self.closed:
             raise ClosedError(f"{self._owner}: inbox is closed; nothing more is admitted")
-        return len(self._lanes[lane]) < self.max_size and not self._waiting[lane]  # type: ignore[index]
+        if len(self._lanes[lane]) >= self.max_size or self._waiting[lane]:
+            return False
+        self._lanes[lane].append(item)
+        return True
 
     def _admit_waiting(self, lane: Lane) -> None:
         """Give the room in ``lane`` to those waiting, in order: queue parked items, wake

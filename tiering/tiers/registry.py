@@ -80,11 +80,7 @@ def make_tier(
 
 
 def check_options(
-    name: str,
-    options: object,
-    *,
-    defaults: Mapping[str, Any] | None = None,
-    where: str = "",
+    name: str, options: object, *, defaults: Mapping[str, Any] | None = None, where: str = ""
 ) -> dict[str, object]:
     """``options`` of the tier registered as ``name``, checked and converted by its typed
     options, with the ``defaults`` they declare where ``options`` leaves them out (a

@@ -40,7 +40,8 @@ class ResidencyIndex:
         self._resident: set[BlockHash] = set()
         self._pins: dict[BlockHash, int] = {}
         self._holds: Counter[BlockHash] = Counter()
-        self._pinned_resident = 0
+        self.pinned_resident = 0
+        """Resident keys with at least one pin or hold."""
         self.reserved = 0
         """Units of room promised to stores in progress (or taken by no resident key)."""
 
@@ -49,11 +50,6 @@ class ResidencyIndex:
 
     def __contains__(self, key: object) -> bool:
         return key in self._resident
-
-    @property
-    def pinned_resident(self) -> int:
-        """Resident keys with at least one pin or hold."""
-        return self._pinned_resident
 
     def is_pinned(self, key: BlockHash) -> bool:
         """True if ``key`` has a pin or a hold (resident or not)."""
@@ -66,7 +62,7 @@ class ResidencyIndex:
     def evictable(self, protected: Collection[BlockHash] = ()) -> int:
         """How many resident keys eviction could take now, sparing ``protected``."""
         spared = sum(1 for key in set(protected) if key in self._resident and key not in self._pins)
-        return len(self._resident) - self._pinned_resident - spared
+        return len(self._resident) - self.pinned_resident - spared
 
     def insert(self, key: BlockHash, *, reserved: bool = False) -> bool:
         """Make ``key`` resident (most recently used); False if it already was. With
@@ -85,7 +81,7 @@ class ResidencyIndex:
         self._resident.add(key)
         self._policy.insert(key)
         if key in self._pins:
-            self._pinned_resident += 1
+            self.pinned_resident += 1
         return True
 
     def touch(self, keys: Collection[BlockHash]) -> None:
@@ -100,8 +96,8 @@ class ResidencyIndex:
             self._policy.remove(key)
         self._resident.clear()
         if keep_room_for_pinned:
-            self.reserved += self._pinned_resident
-        self._pinned_resident = 0
+            self.reserved += self.pinned_resident
+        self.pinned_resident = 0
         return dropped
 
     def reserve(self, count: int, *, protected: Collection[BlockHash] = ()) -> Room:
@@ -138,7 +134,7 @@ class ResidencyIndex:
         for key in keys:
             count = pins.get(key, 0)
             if not count and key in resident:
-                self._pinned_resident += 1
+                self.pinned_resident += 1
             pins[key] = count + 1
 
     def unpin(self, keys: Iterable[BlockHash]) -> None:
@@ -153,13 +149,11 @@ class ResidencyIndex:
                 )
         resident = self._resident
         for key, n in wanted.items():
-            left = pins[key] - n
-            if left:
-                pins[key] = left
-            else:
+            pins[key] -= n
+            if not pins[key]:
                 del pins[key]
                 if key in resident:
-                    self._pinned_resident -= 1
+                    self.pinned_resident -= 1
 
     def hold(self, keys: Collection[BlockHash]) -> None:
         """Hold each key once more (a pin the caller owns; see :meth:`release`).

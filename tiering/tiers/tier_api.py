@@ -92,8 +92,7 @@ class SecondaryTierManager(ABC):
         """True if the block is stored here, False if not, None if in transfer (ask again)."""
 
     def lookup_all(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
-        """:meth:`lookup` of each of ``keys``, in order (tiers with an index answer a batch
-        at once)."""
+        """:meth:`lookup` of each key, in order (a tier with an index answers at once)."""
         return [self.lookup(key) for key in keys]
 
     @abstractmethod
@@ -130,9 +129,7 @@ class SecondaryTierManager(ABC):
         """The keys this tier stopped holding since the last call, oldest first: evicted,
         or dropped unverified (not by :meth:`clear`). Empty unless :meth:`report_removals`
         was called. One caller at a time, from any thread; each key comes once."""
-        removed = self._removed
-        if not removed:
-            return []
+        removed = self._removed or deque()
         return [removed.popleft() for _ in range(len(removed))]
 
     def _note_removed(self, keys: Iterable[OffloadKey]) -> None:
