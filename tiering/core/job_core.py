@@ -464,21 +464,16 @@ class JobCore:
 
     def _store_copied(self, job: _Job, error: object) -> None:
         job.awaiting -= 1
-        if error is None:
-            self._end_fills(job, job.fills, None)
+        reason = None
+        if error is not None:
+            reason = self._copy_failed(job, job.fills, "device to CPU", error)
+        self._end_fills(job, job.fills, reason)
+        if reason is None:
             if self._cascading():  # keep them until the cascade has pinned them itself
                 self._hold(job, list(job.fills))
             self.counters["bytes_to_host"] += len(job.fills) * self.block_bytes
             self.counters["stored_blocks"] += len(job.fills)
-        else:
-            reason = self._copy_failed(job, job.fills, "device to CPU", error)
-            self._end_fills(job, job.fills, reason)
-        self._store_settled(job)
-
-    def _store_settled(self, job: _Job) -> None:
-        if not job.awaiting and job.phase is _MOVING:  # its copy and joined fills ended
-            self._resolve(job)
-            self._cascade(job)
+        self._settled(job)
 
     def _cascading(self) -> bool:
         return not self.write_back and bool(self.tiers) and self.state is not Lifecycle.CLOSED
@@ -598,7 +593,7 @@ class JobCore:
                 continue
             op = self._start(job, len(keys), partial(self._promoted, t=t, keys=keys))
             self._out.append(TierLoad(op, t, keys, slots))
-        self._copy_out(job)
+        self._settled(job)
 
     def _promoted(self, job: _Job, outcome: object, *, t: int, keys: list[BlockHash]) -> None:
         self.tiers[t].release(keys)
@@ -608,9 +603,14 @@ class JobCore:
         for k, reason in failed.items():
             self._end_fills(job, [k], reason)
 
-    def _copy_out(self, job: _Job) -> None:
-        """Once no fill is awaited: copy every block that is there to the device."""
+    def _settled(self, job: _Job) -> None:
+        """Once no fill (a store's own copy included) is awaited: resolve and cascade a
+        store; copy every block of a load that is there to the device."""
         if job.awaiting or job.phase is not _MOVING:
+            return
+        if not job.is_load:
+            self._resolve(job)
+            self._cascade(job)
             return
         job.phase = _COPYING_OUT
         slots, ids, failed = job.slots, job.device_ids, job.failed
@@ -680,10 +680,7 @@ class JobCore:
                 if not waiter.awaiting:
                     woken.append(waiter)
         for waiter in woken:
-            if waiter.is_load:
-                self._copy_out(waiter)
-            else:
-                self._store_settled(waiter)
+            self._settled(waiter)
 
     # Tier stores: cascades, write-backs and flushes.
 
@@ -818,7 +815,6 @@ class JobCore:
         waiting, self._waiting = self._waiting, {}
         for job in [*(job for job, _ in waiting.values()), *self._jobs.values()]:
             self._fail(job, "engine closed", "the engine closed before the job finished")
-            self._forget_if_done(job)
         for flush in self._flushes.values():
             if not flush.internal:
                 self._out.append(FlushDone(flush.id, False))
@@ -846,7 +842,7 @@ class JobCore:
         them, if under write-back CPU blocks did not reach every secondary tier that
         lacked them (those no tier holds are lost: ``lost_blocks``). Final once
         :class:`Drained` was said or :meth:`hard_close` called; a success before."""
-        job_id = self._close_id if self._close_id is not None else 0
+        job_id = self._close_id or 0  # ids start at 1
         if not (failed := self._close_failed):
             return JobResult(job_id, True)
         return JobResult(job_id, False, tuple(failed), _summary(tuple(failed), failed))
@@ -972,12 +968,9 @@ class JobCore:
     def _wait_for_room(self, job: _Job, needed: int, plan: Callable[[], bool]) -> None:
         if needed > self.manager.num_blocks:
             kind = "load" if job.is_load else "store"
-            self._fail(
-                job,
-                "job larger than the CPU tier",
-                f"the {kind} needs {needed} CPU slots at once; the CPU tier has "
-                f"{self.manager.num_blocks}",
-            )
+            room = self.manager.num_blocks
+            reason = f"the {kind} needs {needed} CPU slots at once; the CPU tier has {room}"
+            self._fail(job, "job larger than the CPU tier", reason)
             return
         self._waiting[job.id] = (job, plan)
         self._out.append(WaitForRoom(job.id, self.room_timeout))
