@@ -161,6 +161,7 @@ class TierView(Protocol):
 _CLOSED_BEFORE_COPY = "the engine closed before the copy started"
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_PROMOTIONS: Mapping[int, tuple[list[BlockHash], list[int]]] = MappingProxyType({})
+_KeySlots = list[tuple[BlockHash, int]]  # blocks for a tier store, each with its CPU slot
 
 
 class Phase(enum.Enum):
@@ -251,7 +252,7 @@ class _Job:
         self.resolved = False
         self.awaiting = 0  # fills it waits for (a store's own copy counts as one)
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
-        self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
+        self.fills: list[BlockHash] | tuple[()] = ()  # a store: the blocks whose fill it owns
         self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
         # One CPU pin each, owned by this job: a load's until its copy to the device ends;
         # a cascading store's until its cascade has pinned the blocks per tier.
@@ -414,8 +415,7 @@ class JobCore:
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
         """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
         Raises ClosedError unless open, InvalidArgumentError for malformed arguments
-        (hashes not distinct bytes, device ids not distinct ints in range, lengths that
-        differ): a store names each block once, by its hash and by its device block."""
+        (docs/job-lifecycle.md#calls: a store names each block once)."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         check_distinct("block_hashes", hashes)
         job = _Job(self._new_id(), False, hashes, ids)
@@ -561,7 +561,7 @@ class JobCore:
             self._promote(job)
             return True
         promotions: dict[int, tuple[list[BlockHash], list[int]]] = {}
-        job.fills, job.promotions = out.block_hashes_to_store, promotions
+        job.promotions = promotions
         fill_owner = self._fill_owner
         self.filling_blocks += len(out.block_hashes_to_store)
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
@@ -653,10 +653,8 @@ class JobCore:
         job.awaiting += 1
 
     def _end_fills(self, owner: _Job, keys: list[BlockHash], failure: str | None) -> None:
-        """``owner``'s I/O into these blocks' slots ended: publish (``failure`` None) or
-        drop them, and in the same step pin each landed block for every load (and
-        cascading store) waiting on it. A later fill of the same block, after this one
-        failed, belongs to another job and is left alone."""
+        """``owner``'s I/O into these blocks' slots ended: publish (``failure`` None) or drop
+        those it still owns, pinning each for its waiters in the same step (see the rules)."""
         manager = self.manager
         slot_of, fill_owner = manager.resident_slot, self._fill_owner
         ended = []
@@ -685,10 +683,8 @@ class JobCore:
     # Tier stores: cascades, write-backs and flushes.
 
     def _write_back(self, job: _Job, out: PrepareStoreOutput, then: Callable[[_Job], None]) -> None:
-        """Count the blocks ``job``'s slots evicted; under write-back store them (intact in
-        their old slots, which the job now owns) to every tier lacking them, then call
-        ``then(job)``; at once if none. A victim that every tier lacked and none took is
-        lost once its slot is refilled (counted, its cause recorded)."""
+        """Count ``out``'s victims; under write-back store them to every tier lacking them
+        (docs/job-lifecycle.md#write-policies), then call ``then(job)``; at once if none."""
         victims, slots = out.block_hashes_evicted, out.evicted_block_ids
         self.counters["evicted_blocks"] += len(victims)
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
@@ -720,7 +716,7 @@ class JobCore:
         else:
             then(job)
 
-    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> list[tuple[BlockHash, int]]:
+    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> _KeySlots:
         """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks: ``(key, slot)``s."""
         is_ready = self.manager.is_ready
         ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
@@ -729,13 +725,7 @@ class JobCore:
         return list(zip(chosen, self.manager.prepare_load(chosen).block_ids, strict=True))
 
     def _tier_store(
-        self,
-        fanout: _Fanout,
-        t: int,
-        items: list[tuple[BlockHash, int]],
-        counter: str,
-        *,
-        pinned: bool = True,
+        self, fanout: _Fanout, t: int, items: _KeySlots, counter: str, *, pinned: bool = True
     ) -> None:
         """Submit one store of ``items`` (if any) to tier ``t`` for ``fanout``. When it
         ends: unpin (``pinned``), count, record events, report the keys that failed."""
@@ -802,9 +792,8 @@ class JobCore:
         return self._take()
 
     def hard_close(self) -> list[Effect]:
-        """Resolve every job and flush now as failed and start no new I/O; pins and fills
-        still go only as the I/O in flight reports back, then :class:`Drained`.
-        Idempotent."""
+        """Resolve every job and flush now as failed and start no new I/O; pins and fills go
+        only as the I/O in flight reports back, then :class:`Drained`. Idempotent."""
         if self.state is Lifecycle.CLOSED:
             return self._take()
         self.state = Lifecycle.CLOSED
@@ -838,10 +827,9 @@ class JobCore:
         self._out.append(Drained())
 
     def close_result(self) -> JobResult:
-        """The close's write-back as a :class:`JobResult` of its own id: failed, naming
-        them, if under write-back CPU blocks did not reach every secondary tier that
-        lacked them (those no tier holds are lost: ``lost_blocks``). Final once
-        :class:`Drained` was said or :meth:`hard_close` called; a success before."""
+        """The close's write-back as a :class:`JobResult` of its own id (docs/job-lifecycle.md,
+        what the close lost); final once :class:`Drained` was said or :meth:`hard_close`
+        called, a success before."""
         job_id = self._close_id or 0  # ids start at 1
         if not (failed := self._close_failed):
             return JobResult(job_id, True)
