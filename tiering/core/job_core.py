@@ -213,13 +213,11 @@ class _Fanout:
 class _Flush(_Fanout):
     __slots__ = ("closing", "id", "internal")
 
-    def __init__(
-        self, flush_id: int, then: Callable[[Any], None], internal: bool, closing: bool
-    ) -> None:
+    def __init__(self, flush_id: int, then: Callable[[Any], None], closing: bool) -> None:
         super().__init__(self, then)
         self.id = flush_id
-        self.internal = internal  # no FlushDone (the close's own, or already answered)
         self.closing = closing  # the close's write-back: what it fails, close_result names
+        self.internal = closing  # no FlushDone (the close's own, or already answered)
 
 
 class _Job:
@@ -758,10 +756,10 @@ class JobCore:
         ``(flush id, effects)``, and a :class:`FlushDone` follows. Raises ClosedError
         unless open."""
         self._check_open()
-        return self._start_flush(internal=False).id, self._take()
+        return self._start_flush().id, self._take()
 
-    def _start_flush(self, *, internal: bool, closing: bool = False) -> _Flush:
-        flush = _Flush(self._new_id(), self._flush_done, internal, closing)
+    def _start_flush(self, closing: bool = False) -> _Flush:
+        flush = _Flush(self._new_id(), self._flush_done, closing)
         self._flushes[flush.id] = flush
         ready = self.manager.ready_hashes()
         for t in range(len(self.tiers)):
@@ -819,7 +817,7 @@ class JobCore:
                 return
             if self.write_back and self.tiers and not self._close_flushed:
                 self._close_flushed = True
-                if self._start_flush(internal=True, closing=True).pending:
+                if self._start_flush(closing=True).pending:
                     return
         elif self._op_owner:
             return
