@@ -651,8 +651,8 @@ class JobCore:
         job.awaiting += 1
 
     def _end_fills(self, owner: _Job, keys: list[BlockHash], failure: str | None) -> None:
-        """``owner``'s I/O into these blocks' slots ended: publish (``failure`` None) or drop
-        those it still owns, pinning each for its waiters in the same step (see the rules)."""
+        """``owner``'s I/O into these slots ended: publish (``failure`` None) or drop the blocks
+        it still owns, pinning each for its waiters then (docs/job-lifecycle.md#rules-it-keeps)."""
         manager = self.manager
         slot_of, fill_owner = manager.resident_slot, self._fill_owner
         ended = []
