@@ -41,7 +41,7 @@ COUNTERS = (
     "declined_blocks",
     "lost_blocks",
 )
-"""The core's monotonic counters (docs/job-lifecycle.md names each); lookups are counted
+"""The core's monotonic counters (docs/metrics.md describes each); lookups are counted
 apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
@@ -780,9 +780,8 @@ class JobCore:
     # Close (docs/job-lifecycle.md#close).
 
     def begin_close(self) -> list[Effect]:
-        """Graceful close: admit nothing more. :class:`Drained` follows once every job,
-        cascade and flush has ended and (write-back) a final flush has handed the CPU
-        tier's blocks to the secondary tiers. Idempotent."""
+        """Graceful close: admit nothing more; :class:`Drained` follows once all work has ended
+        (docs/job-lifecycle.md#close: under write-back, a final flush too). Idempotent."""
         if self.state is Lifecycle.OPEN:
             self.state = Lifecycle.CLOSING
             self._close_id = self._new_id()
