@@ -161,7 +161,6 @@ class TierView(Protocol):
 _CLOSED_BEFORE_COPY = "the engine closed before the copy started"
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
 _NO_PROMOTIONS: Mapping[int, tuple[list[BlockHash], list[int]]] = MappingProxyType({})
-_KeySlots = list[tuple[BlockHash, int]]  # blocks for a tier store, each with its CPU slot
 
 
 class Phase(enum.Enum):
@@ -180,14 +179,17 @@ _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
 class _Fanout:
-    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush);
+    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush), each
+    counted in ``counter`` and holding a CPU pin (``pinned``) on its blocks until it ends;
     ``then(self)`` is called once the last has reported back."""
 
-    __slots__ = ("failed", "failures", "owner", "pending", "then")
+    __slots__ = ("counter", "failed", "failures", "owner", "pending", "pinned", "then")
 
-    def __init__(self, owner: Any, then: Callable[[Any], None]) -> None:
+    def __init__(self, owner: Any, then: Callable[[Any], None], counter: str, pinned: bool) -> None:
         self.owner = owner
         self.then = then
+        self.counter = counter
+        self.pinned = pinned
         self.pending = 0
         self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
         # Made at the first failure: most fan-outs (a cascade per store) have none.
@@ -214,7 +216,7 @@ class _Flush(_Fanout):
     __slots__ = ("closing", "id", "internal")
 
     def __init__(self, flush_id: int, then: Callable[[Any], None], closing: bool) -> None:
-        super().__init__(self, then)
+        super().__init__(self, then, "flushed_blocks", True)
         self.id = flush_id
         self.closing = closing  # the close's write-back: what it fails, close_result names
         self.internal = closing  # no FlushDone (the close's own, or already answered)
@@ -499,9 +501,9 @@ class JobCore:
             self._release_held(job)
             self._answer_cascaded(job, False)
             return
-        cascade = _Fanout(job, self._on_cascaded)
+        cascade = _Fanout(job, self._on_cascaded, "cascaded_blocks", True)
         for t in range(len(self.tiers)):
-            self._tier_store(cascade, t, self._pin_for_tier(job.hashes, t), "cascaded_blocks")
+            self._tier_store(cascade, t, *self._pin_for_tier(job.hashes, t))
         self._release_held(job)  # each tier job holds its own pins now
         if cascade.pending:
             job.phase = _CASCADING
@@ -704,39 +706,36 @@ class JobCore:
                 self._lose(lost, "evicted block lost: no tier took its write-back")
             then(job)
 
-        fanout = _Fanout(job, written)
+        fanout = _Fanout(job, written, "written_back_blocks", False)  # the job owns the slots
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
-            items = [(k, s) for k, s in zip(victims, slots, strict=True) if look(k) is not True]
-            self._tier_store(fanout, t, items, "written_back_blocks", pinned=False)
+            lacking = [i for i, k in enumerate(victims) if look(k) is not True]
+            self._tier_store(fanout, t, [victims[i] for i in lacking], [slots[i] for i in lacking])
         if fanout.pending:
             writing.update(victims)
         else:
             then(job)
 
-    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> _KeySlots:
-        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks: ``(key, slot)``s."""
+    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> tuple[list[BlockHash], list[int]]:
+        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks; their keys and slots."""
         is_ready = self.manager.is_ready
         ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
         look = self.tiers[t].lookup
         chosen = [h for h in ready if look(h) is not True]
-        return list(zip(chosen, self.manager.prepare_load(chosen).block_ids, strict=True))
+        return chosen, self.manager.prepare_load(chosen).block_ids
 
-    def _tier_store(
-        self, fanout: _Fanout, t: int, items: _KeySlots, counter: str, *, pinned: bool = True
-    ) -> None:
-        """Submit one store of ``items`` (if any) to tier ``t`` for ``fanout``. When it
-        ends: unpin (``pinned``), count, record events, report the keys that failed."""
-        if not items:
+    def _tier_store(self, fanout: _Fanout, t: int, keys: list[BlockHash], slots: list[int]) -> None:
+        """Submit one store of ``keys`` (if any) from CPU ``slots`` to tier ``t`` for ``fanout``.
+        When it ends: unpin, count, record events, report the keys that failed."""
+        if not keys:
             return
-        keys = [k for k, _ in items]
 
         def ended(_owner: object, outcome: object) -> None:
-            if pinned:
+            if fanout.pinned:
                 self.manager.complete_load(keys)
             failed = self._tier_failed(t, "store", outcome, keys)
             landed = [k for k in keys if k not in failed]
-            self.counters[counter] += len(landed)
+            self.counters[fanout.counter] += len(landed)
             if landed and self.enable_events:
                 # Removals first, then the stored keys the tier still holds, so a router
                 # that applies events in order ends up with what the tier holds.
@@ -748,8 +747,8 @@ class JobCore:
             fanout.part_done(failed)
 
         fanout.pending += 1
-        op = self._start(fanout.owner, len(items), ended)
-        self._out.append(TierStore(op, t, keys, [s for _, s in items]))
+        op = self._start(fanout.owner, len(keys), ended)
+        self._out.append(TierStore(op, t, keys, slots))
 
     def flush(self) -> tuple[int, list[Effect]]:
         """Copy every ready CPU block to each secondary tier that lacks it; returns
@@ -763,9 +762,9 @@ class JobCore:
         self._flushes[flush.id] = flush
         ready = self.manager.ready_hashes()
         for t in range(len(self.tiers)):
-            items = self._pin_for_tier(ready, t)
-            for start in range(0, len(items), FLUSH_BATCH):
-                self._tier_store(flush, t, items[start : start + FLUSH_BATCH], "flushed_blocks")
+            keys, slots = self._pin_for_tier(ready, t)
+            for i in range(0, len(keys), FLUSH_BATCH):
+                self._tier_store(flush, t, keys[i : i + FLUSH_BATCH], slots[i : i + FLUSH_BATCH])
         if flush.pending == 0:
             self._flush_done(flush)
         return flush
