@@ -930,9 +930,8 @@ class JobCore:
         if job.resolved:
             return
         job.resolved = True
-        keys = tuple(dict.fromkeys(h for h in job.hashes if h in job.failed))
         result = JobResult(job.id, True)
-        if keys:
+        if job.failed and (keys := tuple(dict.fromkeys(h for h in job.hashes if h in job.failed))):
             self.counters["failed_jobs"] += 1
             result = JobResult(job.id, False, keys, _summary(keys, job.failed))
         self._out.append(Resolve(job.id, result))
