@@ -113,8 +113,7 @@ class CPUOffloadingManager(OffloadingManager):
     @property
     def num_pinned(self) -> int:
         """Blocks with at least one reader."""
-        ref = self._ref
-        return sum(1 for slot in self._slot_of.values() if ref[slot])
+        return len(self._ref) - self._ref.count(0)  # a free slot has none
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         """Add a reader to each block (two for a hash named twice) and return their slots,
