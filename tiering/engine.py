@@ -120,7 +120,7 @@ class TieringEngine(AsyncService):
         self._on_tier_end = self._tier_ended
         self._run_effect: dict[type, Callable[[Any], None]] = {
             job_core.CopyToHost: self._copy,
-            job_core.CopyToDevice: self._copy_to_device,
+            job_core.CopyToDevice: self._copy,
             job_core.TierStore: self._send,
             job_core.TierLoad: self._send,
             job_core.Resolve: self._resolve,
@@ -404,21 +404,16 @@ class TieringEngine(AsyncService):
         for effect in effects:
             run[type(effect)](effect)
 
-    def _copy_to_device(self, effect: job_core.CopyToDevice) -> None:
-        progress = self._progress.pop(effect.job, None) if self._progress else None
-        if progress is not None and not effect.whole:
-            progress.fail("a block of the load failed before its copy")
-            progress = None
-        self._copy(effect, progress)
-
-    def _copy(
-        self,
-        effect: job_core.CopyToHost | job_core.CopyToDevice,
-        progress: LayerProgress | None = None,
-    ) -> None:
-        """Start the copy ``effect`` asks for, marking ``progress``'s layers as they land."""
+    def _copy(self, effect: job_core.CopyToHost | job_core.CopyToDevice) -> None:
+        """Start the copy ``effect`` asks for, marking its load's progress as layers land."""
         assert self._copier is not None
         to_host = type(effect) is job_core.CopyToHost
+        progress = None
+        if self._progress and isinstance(effect, job_core.CopyToDevice):
+            progress = self._progress.pop(effect.job, None)
+            if progress is not None and not effect.whole:
+                progress.fail("a block of the load failed before its copy")
+                progress = None
         try:
             self._copier.submit(
                 to_host, effect.device_ids, effect.slots, self._on_copy_end, effect.op, progress

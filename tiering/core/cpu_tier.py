@@ -113,8 +113,7 @@ class CPUOffloadingManager(OffloadingManager):
     @property
     def num_pinned(self) -> int:
         """Blocks with at least one reader."""
-        ref = self._ref
-        return sum(1 for slot in self._slot_of.values() if ref[slot])
+        return len(self._ref) - self._ref.count(0)  # a free slot has none
 
     def prepare_load(self, block_hashes: Iterable[BlockHash]) -> CPULoadStoreSpec:
         """Add a reader to each block (two for a hash named twice) and return their slots,
@@ -216,25 +215,22 @@ class CPUOffloadingManager(OffloadingManager):
         without ``success`` leave and free their slots; other hashes are left alone."""
         hashes = as_block_hashes(block_hashes)
         slot_of, ref, ready = self._slot_of, self._ref, self._ready
-        if success:
-            stored: list[BlockHash] = []
-            for h in hashes:
-                slot = slot_of.get(h)
-                if slot is not None and not ready[slot]:
-                    ready[slot] = 1
-                    if ref[slot] == 0:
-                        self._evictable.add(h)
-                    stored.append(h)
-            if stored and self.enable_events:
-                self._events.append(OffloadingEvent(stored, self.block_size, _MEDIUM, False))
-            return
-        remove = self.policy.remove
+        stored: list[BlockHash] = []
         for h in hashes:
             slot = slot_of.get(h)
-            if slot is not None and not ready[slot]:
+            if slot is None or ready[slot]:
+                continue
+            if success:
+                ready[slot] = 1
+                if ref[slot] == 0:
+                    self._evictable.add(h)
+                stored.append(h)
+            else:
                 del slot_of[h]
-                remove(h)
+                self.policy.remove(h)
                 self._free_slots.append(slot)
+        if stored and self.enable_events:
+            self._events.append(OffloadingEvent(stored, self.block_size, _MEDIUM, False))
 
     def take_events(self) -> list[OffloadingEvent]:
         """The events since the last call, oldest first; clears them."""

@@ -41,7 +41,7 @@ COUNTERS = (
     "declined_blocks",
     "lost_blocks",
 )
-"""The core's monotonic counters (docs/job-lifecycle.md names each); lookups are counted
+"""The core's monotonic counters (docs/metrics.md describes each); lookups are counted
 apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
@@ -179,14 +179,17 @@ _WAITING, _MOVING, _COPYING_OUT, _CASCADING, _DONE = Phase
 
 
 class _Fanout:
-    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush);
+    """Tier stores of ``owner`` started together (a cascade, a write-back, a flush), each
+    counted in ``counter`` and holding a CPU pin (``pinned``) on its blocks until it ends;
     ``then(self)`` is called once the last has reported back."""
 
-    __slots__ = ("failed", "failures", "owner", "pending", "then")
+    __slots__ = ("counter", "failed", "failures", "owner", "pending", "pinned", "then")
 
-    def __init__(self, owner: Any, then: Callable[[Any], None]) -> None:
+    def __init__(self, owner: Any, then: Callable[[Any], None], counter: str, pinned: bool) -> None:
         self.owner = owner
         self.then = then
+        self.counter = counter
+        self.pinned = pinned
         self.pending = 0
         self.failed: dict[BlockHash, str] = {}  # keys a tier did not take, first reason
         # Made at the first failure: most fan-outs (a cascade per store) have none.
@@ -212,13 +215,11 @@ class _Fanout:
 class _Flush(_Fanout):
     __slots__ = ("closing", "id", "internal")
 
-    def __init__(
-        self, flush_id: int, then: Callable[[Any], None], internal: bool, closing: bool
-    ) -> None:
-        super().__init__(self, then)
+    def __init__(self, flush_id: int, then: Callable[[Any], None], closing: bool) -> None:
+        super().__init__(self, then, "flushed_blocks", True)
         self.id = flush_id
-        self.internal = internal  # no FlushDone (the close's own, or already answered)
         self.closing = closing  # the close's write-back: what it fails, close_result names
+        self.internal = closing  # no FlushDone (the close's own, or already answered)
 
 
 class _Job:
@@ -251,7 +252,7 @@ class _Job:
         self.resolved = False
         self.awaiting = 0  # fills it waits for (a store's own copy counts as one)
         self.failed: Mapping[BlockHash, str] = _NONE_FAILED
-        self.fills: list[BlockHash] | tuple[()] = ()  # the blocks whose fill it owns
+        self.fills: list[BlockHash] | tuple[()] = ()  # a store: the blocks whose fill it owns
         self.slots: list[int] | tuple[()] = ()  # a store: its fills' slots; a load: each block's
         # One CPU pin each, owned by this job: a load's until its copy to the device ends;
         # a cascading store's until its cascade has pinned the blocks per tier.
@@ -414,8 +415,7 @@ class JobCore:
     def store(self, block_hashes: object, device_block_ids: object) -> tuple[int, list[Effect]]:
         """Admit a store of device blocks into the CPU tier; returns ``(job id, effects)``.
         Raises ClosedError unless open, InvalidArgumentError for malformed arguments
-        (hashes not distinct bytes, device ids not distinct ints in range, lengths that
-        differ): a store names each block once, by its hash and by its device block."""
+        (docs/job-lifecycle.md#calls: a store names each block once)."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         check_distinct("block_hashes", hashes)
         job = _Job(self._new_id(), False, hashes, ids)
@@ -464,21 +464,16 @@ class JobCore:
 
     def _store_copied(self, job: _Job, error: object) -> None:
         job.awaiting -= 1
-        if error is None:
-            self._end_fills(job, job.fills, None)
+        reason = None
+        if error is not None:
+            reason = self._copy_failed(job, job.fills, "device to CPU", error)
+        self._end_fills(job, job.fills, reason)
+        if reason is None:
             if self._cascading():  # keep them until the cascade has pinned them itself
                 self._hold(job, list(job.fills))
             self.counters["bytes_to_host"] += len(job.fills) * self.block_bytes
             self.counters["stored_blocks"] += len(job.fills)
-        else:
-            reason = self._copy_failed(job, job.fills, "device to CPU", error)
-            self._end_fills(job, job.fills, reason)
-        self._store_settled(job)
-
-    def _store_settled(self, job: _Job) -> None:
-        if not job.awaiting and job.phase is _MOVING:  # its copy and joined fills ended
-            self._resolve(job)
-            self._cascade(job)
+        self._settled(job)
 
     def _cascading(self) -> bool:
         return not self.write_back and bool(self.tiers) and self.state is not Lifecycle.CLOSED
@@ -506,9 +501,9 @@ class JobCore:
             self._release_held(job)
             self._answer_cascaded(job, False)
             return
-        cascade = _Fanout(job, self._on_cascaded)
+        cascade = _Fanout(job, self._on_cascaded, "cascaded_blocks", True)
         for t in range(len(self.tiers)):
-            self._tier_store(cascade, t, self._pin_for_tier(job.hashes, t), "cascaded_blocks")
+            self._tier_store(cascade, t, *self._pin_for_tier(job.hashes, t))
         self._release_held(job)  # each tier job holds its own pins now
         if cascade.pending:
             job.phase = _CASCADING
@@ -566,7 +561,7 @@ class JobCore:
             self._promote(job)
             return True
         promotions: dict[int, tuple[list[BlockHash], list[int]]] = {}
-        job.fills, job.promotions = out.block_hashes_to_store, promotions
+        job.promotions = promotions
         fill_owner = self._fill_owner
         self.filling_blocks += len(out.block_hashes_to_store)
         for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids, strict=True):
@@ -598,7 +593,7 @@ class JobCore:
                 continue
             op = self._start(job, len(keys), partial(self._promoted, t=t, keys=keys))
             self._out.append(TierLoad(op, t, keys, slots))
-        self._copy_out(job)
+        self._settled(job)
 
     def _promoted(self, job: _Job, outcome: object, *, t: int, keys: list[BlockHash]) -> None:
         self.tiers[t].release(keys)
@@ -608,9 +603,14 @@ class JobCore:
         for k, reason in failed.items():
             self._end_fills(job, [k], reason)
 
-    def _copy_out(self, job: _Job) -> None:
-        """Once no fill is awaited: copy every block that is there to the device."""
+    def _settled(self, job: _Job) -> None:
+        """Once no fill (a store's own copy included) is awaited: resolve and cascade a
+        store; copy every block of a load that is there to the device."""
         if job.awaiting or job.phase is not _MOVING:
+            return
+        if not job.is_load:
+            self._resolve(job)
+            self._cascade(job)
             return
         job.phase = _COPYING_OUT
         slots, ids, failed = job.slots, job.device_ids, job.failed
@@ -653,10 +653,8 @@ class JobCore:
         job.awaiting += 1
 
     def _end_fills(self, owner: _Job, keys: list[BlockHash], failure: str | None) -> None:
-        """``owner``'s I/O into these blocks' slots ended: publish (``failure`` None) or
-        drop them, and in the same step pin each landed block for every load (and
-        cascading store) waiting on it. A later fill of the same block, after this one
-        failed, belongs to another job and is left alone."""
+        """``owner``'s I/O into these slots ended: publish (``failure`` None) or drop the blocks
+        it still owns, pinning each for its waiters then (docs/job-lifecycle.md#rules-it-keeps)."""
         manager = self.manager
         slot_of, fill_owner = manager.resident_slot, self._fill_owner
         ended = []
@@ -680,18 +678,13 @@ class JobCore:
                 if not waiter.awaiting:
                     woken.append(waiter)
         for waiter in woken:
-            if waiter.is_load:
-                self._copy_out(waiter)
-            else:
-                self._store_settled(waiter)
+            self._settled(waiter)
 
     # Tier stores: cascades, write-backs and flushes.
 
     def _write_back(self, job: _Job, out: PrepareStoreOutput, then: Callable[[_Job], None]) -> None:
-        """Count the blocks ``job``'s slots evicted; under write-back store them (intact in
-        their old slots, which the job now owns) to every tier lacking them, then call
-        ``then(job)``; at once if none. A victim that every tier lacked and none took is
-        lost once its slot is refilled (counted, its cause recorded)."""
+        """Count ``out``'s victims; under write-back store them to every tier lacking them
+        (docs/job-lifecycle.md#write-policies), then call ``then(job)``; at once if none."""
         victims, slots = out.block_hashes_evicted, out.evicted_block_ids
         self.counters["evicted_blocks"] += len(victims)
         if not (victims and self.write_back and self.tiers) or self.state is Lifecycle.CLOSED:
@@ -713,45 +706,36 @@ class JobCore:
                 self._lose(lost, "evicted block lost: no tier took its write-back")
             then(job)
 
-        fanout = _Fanout(job, written)
+        fanout = _Fanout(job, written, "written_back_blocks", False)  # the job owns the slots
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
-            items = [(k, s) for k, s in zip(victims, slots, strict=True) if look(k) is not True]
-            self._tier_store(fanout, t, items, "written_back_blocks", pinned=False)
+            lacking = [i for i, k in enumerate(victims) if look(k) is not True]
+            self._tier_store(fanout, t, [victims[i] for i in lacking], [slots[i] for i in lacking])
         if fanout.pending:
             writing.update(victims)
         else:
             then(job)
 
-    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> list[tuple[BlockHash, int]]:
-        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks: ``(key, slot)``s."""
+    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> tuple[list[BlockHash], list[int]]:
+        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks; their keys and slots."""
         is_ready = self.manager.is_ready
         ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
         look = self.tiers[t].lookup
         chosen = [h for h in ready if look(h) is not True]
-        return list(zip(chosen, self.manager.prepare_load(chosen).block_ids, strict=True))
+        return chosen, self.manager.prepare_load(chosen).block_ids
 
-    def _tier_store(
-        self,
-        fanout: _Fanout,
-        t: int,
-        items: list[tuple[BlockHash, int]],
-        counter: str,
-        *,
-        pinned: bool = True,
-    ) -> None:
-        """Submit one store of ``items`` (if any) to tier ``t`` for ``fanout``. When it
-        ends: unpin (``pinned``), count, record events, report the keys that failed."""
-        if not items:
+    def _tier_store(self, fanout: _Fanout, t: int, keys: list[BlockHash], slots: list[int]) -> None:
+        """Submit one store of ``keys`` (if any) from CPU ``slots`` to tier ``t`` for ``fanout``.
+        When it ends: unpin, count, record events, report the keys that failed."""
+        if not keys:
             return
-        keys = [k for k, _ in items]
 
         def ended(_owner: object, outcome: object) -> None:
-            if pinned:
+            if fanout.pinned:
                 self.manager.complete_load(keys)
             failed = self._tier_failed(t, "store", outcome, keys)
             landed = [k for k in keys if k not in failed]
-            self.counters[counter] += len(landed)
+            self.counters[fanout.counter] += len(landed)
             if landed and self.enable_events:
                 # Removals first, then the stored keys the tier still holds, so a router
                 # that applies events in order ends up with what the tier holds.
@@ -763,24 +747,24 @@ class JobCore:
             fanout.part_done(failed)
 
         fanout.pending += 1
-        op = self._start(fanout.owner, len(items), ended)
-        self._out.append(TierStore(op, t, keys, [s for _, s in items]))
+        op = self._start(fanout.owner, len(keys), ended)
+        self._out.append(TierStore(op, t, keys, slots))
 
     def flush(self) -> tuple[int, list[Effect]]:
         """Copy every ready CPU block to each secondary tier that lacks it; returns
         ``(flush id, effects)``, and a :class:`FlushDone` follows. Raises ClosedError
         unless open."""
         self._check_open()
-        return self._start_flush(internal=False).id, self._take()
+        return self._start_flush().id, self._take()
 
-    def _start_flush(self, *, internal: bool, closing: bool = False) -> _Flush:
-        flush = _Flush(self._new_id(), self._flush_done, internal, closing)
+    def _start_flush(self, closing: bool = False) -> _Flush:
+        flush = _Flush(self._new_id(), self._flush_done, closing)
         self._flushes[flush.id] = flush
         ready = self.manager.ready_hashes()
         for t in range(len(self.tiers)):
-            items = self._pin_for_tier(ready, t)
-            for start in range(0, len(items), FLUSH_BATCH):
-                self._tier_store(flush, t, items[start : start + FLUSH_BATCH], "flushed_blocks")
+            keys, slots = self._pin_for_tier(ready, t)
+            for i in range(0, len(keys), FLUSH_BATCH):
+                self._tier_store(flush, t, keys[i : i + FLUSH_BATCH], slots[i : i + FLUSH_BATCH])
         if flush.pending == 0:
             self._flush_done(flush)
         return flush
@@ -795,9 +779,8 @@ class JobCore:
     # Close (docs/job-lifecycle.md#close).
 
     def begin_close(self) -> list[Effect]:
-        """Graceful close: admit nothing more. :class:`Drained` follows once every job,
-        cascade and flush has ended and (write-back) a final flush has handed the CPU
-        tier's blocks to the secondary tiers. Idempotent."""
+        """Graceful close: admit nothing more; :class:`Drained` follows once all work has ended
+        (docs/job-lifecycle.md#close: under write-back, a final flush too). Idempotent."""
         if self.state is Lifecycle.OPEN:
             self.state = Lifecycle.CLOSING
             self._close_id = self._new_id()
@@ -805,9 +788,8 @@ class JobCore:
         return self._take()
 
     def hard_close(self) -> list[Effect]:
-        """Resolve every job and flush now as failed and start no new I/O; pins and fills
-        still go only as the I/O in flight reports back, then :class:`Drained`.
-        Idempotent."""
+        """Resolve every job and flush now as failed and start no new I/O; pins and fills go
+        only as the I/O in flight reports back, then :class:`Drained`. Idempotent."""
         if self.state is Lifecycle.CLOSED:
             return self._take()
         self.state = Lifecycle.CLOSED
@@ -818,7 +800,6 @@ class JobCore:
         waiting, self._waiting = self._waiting, {}
         for job in [*(job for job, _ in waiting.values()), *self._jobs.values()]:
             self._fail(job, "engine closed", "the engine closed before the job finished")
-            self._forget_if_done(job)
         for flush in self._flushes.values():
             if not flush.internal:
                 self._out.append(FlushDone(flush.id, False))
@@ -834,7 +815,7 @@ class JobCore:
                 return
             if self.write_back and self.tiers and not self._close_flushed:
                 self._close_flushed = True
-                if self._start_flush(internal=True, closing=True).pending:
+                if self._start_flush(closing=True).pending:
                     return
         elif self._op_owner:
             return
@@ -842,11 +823,10 @@ class JobCore:
         self._out.append(Drained())
 
     def close_result(self) -> JobResult:
-        """The close's write-back as a :class:`JobResult` of its own id: failed, naming
-        them, if under write-back CPU blocks did not reach every secondary tier that
-        lacked them (those no tier holds are lost: ``lost_blocks``). Final once
-        :class:`Drained` was said or :meth:`hard_close` called; a success before."""
-        job_id = self._close_id if self._close_id is not None else 0
+        """The close's write-back as a :class:`JobResult` of its own id (docs/job-lifecycle.md,
+        what the close lost); final once :class:`Drained` was said or :meth:`hard_close`
+        called, a success before."""
+        job_id = self._close_id or 0  # ids start at 1
         if not (failed := self._close_failed):
             return JobResult(job_id, True)
         return JobResult(job_id, False, tuple(failed), _summary(tuple(failed), failed))
@@ -950,9 +930,8 @@ class JobCore:
         if job.resolved:
             return
         job.resolved = True
-        keys = tuple(dict.fromkeys(h for h in job.hashes if h in job.failed))
         result = JobResult(job.id, True)
-        if keys:
+        if job.failed and (keys := tuple(dict.fromkeys(h for h in job.hashes if h in job.failed))):
             self.counters["failed_jobs"] += 1
             result = JobResult(job.id, False, keys, _summary(keys, job.failed))
         self._out.append(Resolve(job.id, result))
@@ -972,12 +951,9 @@ class JobCore:
     def _wait_for_room(self, job: _Job, needed: int, plan: Callable[[], bool]) -> None:
         if needed > self.manager.num_blocks:
             kind = "load" if job.is_load else "store"
-            self._fail(
-                job,
-                "job larger than the CPU tier",
-                f"the {kind} needs {needed} CPU slots at once; the CPU tier has "
-                f"{self.manager.num_blocks}",
-            )
+            room = self.manager.num_blocks
+            reason = f"the {kind} needs {needed} CPU slots at once; the CPU tier has {room}"
+            self._fail(job, "job larger than the CPU tier", reason)
             return
         self._waiting[job.id] = (job, plan)
         self._out.append(WaitForRoom(job.id, self.room_timeout))

@@ -44,17 +44,16 @@ class ARCPolicy(EvictionPolicy):
             # Sizes before the hit leaves B1: the paper's delta_1.
             self._p = min(self._p + max(len(b2) / len(b1), 1.0), float(self.capacity))
             del b1[key]
-            t2[key] = None
-            return
-        if key in b2:
+        elif key in b2:
             self._p = max(self._p - max(len(b1) / len(b2), 1.0), 0.0)
             del b2[key]
-            t2[key] = None
+        else:
+            t1[key] = None
+            # |T1| + |B1| <= c held before (or B1 is empty), so one ghost is enough.
+            if b1 and len(t1) + len(b1) > self.capacity:
+                b1.popitem(last=False)
             return
-        t1[key] = None
-        # |T1| + |B1| <= c held before (or B1 is empty), so one ghost is enough.
-        if b1 and len(t1) + len(b1) > self.capacity:
-            b1.popitem(last=False)
+        t2[key] = None  # a ghost hit
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
         t1, t2 = self._t1, self._t2
