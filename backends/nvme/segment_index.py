@@ -21,7 +21,6 @@ from backends.nvme.segment_format import (
 )
 from tiering.errors import InvalidArgumentError
 from tiering.tiers.block_record import HEADER_BYTES
-from tiering.validation import positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ class KeyTable:
     probing, backward-shift deletion), at most 70 % full at ``capacity`` entries."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = positive_int("capacity", capacity)
+        self.capacity = capacity
         size = 8
         while size * 0.7 < capacity:
             size *= 2
@@ -197,8 +196,8 @@ class SegmentIndex:
     """Which blocks the NVMe tier holds (by 64-bit key digest; every read verifies the full
     key), where, and what to evict. Capacity counts records on disk, live or dead. A
     pinned segment, one holding a held key and the one being written are never evicted;
-    a newer record of a digest makes the older one dead. InvalidArgumentError for a size
-    that is not a positive int, a ``writer`` not hex, a fraction outside [0, 1]."""
+    a newer record of a digest makes the older one dead. Its callers validate its
+    arguments (options, the replay's layout)."""
 
     def __init__(
         self,
@@ -209,12 +208,8 @@ class SegmentIndex:
         hot_fraction: float = 0.25,
         compact_below: float = 0.25,
     ) -> None:
-        self.capacity_records = positive_int("capacity_records", capacity_records)
-        self.records_per_segment = positive_int("records_per_segment", records_per_segment)
-        segment_name(writer, 0)  # validates the writer id
-        for name, value in (("hot_fraction", hot_fraction), ("compact_below", compact_below)):
-            if not isinstance(value, int | float) or not 0 <= value <= 1:
-                raise InvalidArgumentError(f"{name} must be in [0, 1], got {value!r}")
+        self.capacity_records = capacity_records
+        self.records_per_segment = records_per_segment
         self.writer = writer
         self.hot_fraction = float(hot_fraction)
         self.compact_below = float(compact_below)
