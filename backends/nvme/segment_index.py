@@ -13,12 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from backends.nvme.segment_format import (
-    Checkpoint,
-    SegmentScan,
-    parse_segment_name,
-    segment_name,
-)
+from backends.nvme.segment_format import Checkpoint, SegmentScan, parse_segment_name, segment_name
 from tiering.errors import InvalidArgumentError
 from tiering.tiers.block_record import HEADER_BYTES
 
@@ -253,9 +248,6 @@ class SegmentIndex:
         pins = sum(segment.pins for segment in self._segments.values())
         return pins + sum(1 for digest in self._holds if digest in self)
 
-    def holds(self, digest: int) -> int:
-        return self._holds[digest]
-
     # -- use --------------------------------------------------------------------------
 
     def touch(self, digests: Sequence[int]) -> None:
@@ -268,13 +260,15 @@ class SegmentIndex:
         """Keep these digests' segments from eviction until released (holds count)."""
         self._holds.update(digests)
 
-    def release(self, digests: Iterable[int]) -> None:
+    def release(
+        self, digests: Iterable[int], *, named: Callable[[int], str] = "digest {:#x}".format
+    ) -> None:
         """Undo one :meth:`hold` of each digest (InvalidArgumentError, nothing released,
-        for one released more often than held)."""
+        naming ``named(digest)``, for one released more often than held)."""
         wanted = Counter(digests)
         for digest, n in wanted.items():
             if self._holds[digest] < n:
-                raise InvalidArgumentError(f"digest {digest:#x} released more often than held")
+                raise InvalidArgumentError(f"{named(digest)} is released more often than held")
         self._holds.subtract(wanted)
         for digest in wanted:
             if self._holds[digest] <= 0:

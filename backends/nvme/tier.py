@@ -377,11 +377,9 @@ class NVMeTier(TierActor):
         """Undo one :meth:`hold` of each key; InvalidArgumentError for a key released more
         often than held (named in hex)."""
         keys = hash_list("keys", keys)
-        counts = Counter(map(key_digest, keys))
-        for key in keys:
-            if self._index.holds(key_digest(key)) < counts[key_digest(key)]:
-                raise InvalidArgumentError(f"key {key.hex()} is released more often than held")
-        self._index.release(counts.elements())
+        digests = [key_digest(key) for key in keys]
+        key_of = dict(zip(digests, keys, strict=True))
+        self._index.release(digests, named=lambda digest: f"key {key_of[digest].hex()}")
 
     def get_num_blocks(self) -> int:
         return len(self._index)
