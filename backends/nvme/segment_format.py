@@ -38,9 +38,8 @@ _TRAILER = struct.Struct("<Q")
 _TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
 _SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
 _READABLE = re.compile(r"[^A-Za-z0-9._-]+")
-_CHECKPOINT_MAGIC = b"KVTCKPT\n"
-_CHECKPOINT_VERSION = 1
 _CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
+_CHECKPOINT_ID = (b"KVTCKPT\n", 1, _CHECKPOINT_HEAD.size)  # magic, version, head length
 _COLUMNS = (("digests", "<u8"), ("segment_of", "<u4"), ("record_of", "<u4"), ("ticks", "<u4"))
 
 
@@ -169,17 +168,8 @@ def encode_checkpoint(checkpoint: Checkpoint, *, block_bytes: int, ns_digest: by
     digest = xxhash.xxh3_128()
     for part in body:
         digest.update(part)
-    head = _CHECKPOINT_HEAD.pack(
-        _CHECKPOINT_MAGIC,
-        _CHECKPOINT_VERSION,
-        _CHECKPOINT_HEAD.size,
-        block_bytes,
-        ns_digest,
-        len(checkpoint.segments),
-        count,
-        sum(len(part) for part in body),
-        digest.digest(),
-    )
+    sizes = (len(checkpoint.segments), count, sum(len(part) for part in body))
+    head = _CHECKPOINT_HEAD.pack(*_CHECKPOINT_ID, block_bytes, ns_digest, *sizes, digest.digest())
     return [head, *(bytes(part) for part in body)]
 
 
@@ -191,11 +181,7 @@ def parse_checkpoint(data: bytes, *, block_bytes: int, ns_digest: bytes) -> Chec
     magic, version, head_len, payload, ns, n_segments, count, body_len, checksum = (
         _CHECKPOINT_HEAD.unpack_from(data, 0)
     )
-    if (magic, version, head_len) != (
-        _CHECKPOINT_MAGIC,
-        _CHECKPOINT_VERSION,
-        _CHECKPOINT_HEAD.size,
-    ):
+    if (magic, version, head_len) != _CHECKPOINT_ID:
         raise CorruptBlockError("not a checkpoint of this format")
     if ns != ns_digest or payload != block_bytes:
         raise CorruptBlockError("checkpoint of another namespace or block size")

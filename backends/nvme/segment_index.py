@@ -218,8 +218,6 @@ class SegmentIndex:
         self._clock = 0
         self.used_records = 0  # record slots of every segment, live or dead
 
-    # -- queries ----------------------------------------------------------------------
-
     def __len__(self) -> int:
         return len(self._table)
 
@@ -247,8 +245,6 @@ class SegmentIndex:
         """Pins of every segment (reads, uncommitted writes) plus records of held keys."""
         pins = sum(segment.pins for segment in self._segments.values())
         return pins + sum(1 for digest in self._holds if digest in self)
-
-    # -- use --------------------------------------------------------------------------
 
     def touch(self, digests: Sequence[int]) -> None:
         """Mark present digests used now, the first the most recent (others: ignored)."""
@@ -283,8 +279,6 @@ class SegmentIndex:
         slot = self._slot_of.get(segment)
         if slot is not None:
             self._segments[slot].pins -= 1
-
-    # -- writes -----------------------------------------------------------------------
 
     def room(self, limit: int | None = None) -> int:
         """Records that can be placed now without evicting (under ``limit`` records)."""
@@ -356,8 +350,6 @@ class SegmentIndex:
         segment = self._segments[loc >> 32]
         segment.live -= 1
         segment.digests[loc & 0xFFFFFFFF] = 0
-
-    # -- eviction ---------------------------------------------------------------------
 
     def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
         """Evict the oldest evictable segments until ``count`` records fit under ``limit``
@@ -433,8 +425,6 @@ class SegmentIndex:
         self._active = None
         self.used_records = 0
         return names
-
-    # -- checkpoint and recovery --------------------------------------------------------
 
     def checkpoint_segments(self) -> list[tuple[int, str, int]]:
         """``(slot, name, records covered)`` of every segment, oldest first, for
@@ -520,8 +510,6 @@ class SegmentIndex:
         """The segments of ``on_disk`` :meth:`restore` left out."""
         return [name for name, _ in on_disk if name not in self._slot_of]
 
-
-# -- space: the cap, the free-space floor, disk full ----------------------------------------
 
 DISK_FULL_REASON = (
     "nvme tier is read-only: the file system was full (ENOSPC); stores resume once space returns"

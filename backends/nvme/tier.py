@@ -218,8 +218,6 @@ class NVMeTier(TierActor):
     def get_tier_type() -> str:
         return "nvme"
 
-    # -- life cycle -------------------------------------------------------------------
-
     async def start(self) -> None:
         """Open the namespace directory, recover the index, then serve. ClosedError once
         closed; InvalidArgumentError when the root fails :func:`check_root`, is not
@@ -338,8 +336,6 @@ class NVMeTier(TierActor):
         if owner is not None:
             owner.release()
 
-    # -- queries ----------------------------------------------------------------------
-
     @property
     def read_only(self) -> bool:
         """True while stores are refused because the file system was full (ENOSPC)."""
@@ -408,8 +404,6 @@ class NVMeTier(TierActor):
             "counters": counters,
             "failures": dict(self._failure_log.counts),
         }
-
-    # -- hooks (loop thread); the blocking half is one SegmentFiles call ---------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
         failed, wanted = await self._store_admission(job)
@@ -560,8 +554,6 @@ class NVMeTier(TierActor):
             await self._write_checkpoint(self.run_blocking)
         except OSError as exc:
             self._failure_log.record("checkpoint failed", 1, str(exc))
-
-    # -- bookkeeping (loop thread) -------------------------------------------------------
 
     def _hop_lost(self, hop: StoreHop) -> None:
         # A store job ended without its commit (a close's deadline): if its hop never
