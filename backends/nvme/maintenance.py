@@ -486,10 +486,6 @@ def verify_root(
     return _run(verify())
 
 
-class _Stopped(Exception):
-    """The verification was abandoned (its caller was cancelled: Ctrl-C)."""
-
-
 async def _verify(
     ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
@@ -522,8 +518,8 @@ async def _verify(
                 elif key_digest(key) != digest:  # type: ignore[arg-type]
                     why = "stale index entry: the record holds another block"
                     failures[where] = (key, why, False)
-            if stop.is_set():
-                raise _Stopped
+            if stop.is_set():  # the caller was cancelled (Ctrl-C): its result is not awaited
+                break
             advance(len(batch))
         return len(entries)
 
@@ -540,9 +536,8 @@ async def _verify(
         marked = await asyncio.to_thread(files.mark_removed, bad_records)
         if listed & failures.keys():
             with contextlib.suppress(OSError):  # the old checkpoint then stays
-                # The temporary name carries an id no tier holds a lock for: if this
-                # process dies before the rename, a tier start removes it as a dead
-                # writer's.
+                # The temporary carries an id no tier holds a lock for: if this process
+                # dies before the rename, a tier start removes it as a dead writer's.
                 await write_checkpoint(
                     files,
                     functools.partial(found.checkpoint.without, set(failures)),  # type: ignore[union-attr]
@@ -559,9 +554,8 @@ async def _verify(
         )
         for where, (key, reason, mark) in sorted(failures.items())
     )
-    return NamespaceVerify(
-        ns.name, ns.namespace, checked, bad, await ns.live_owners(), bool(dropped)
-    )
+    owners = await ns.live_owners()
+    return NamespaceVerify(ns.name, ns.namespace, checked, bad, owners, bool(dropped))
 
 
 def clear_root(

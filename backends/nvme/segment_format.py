@@ -32,7 +32,7 @@ REMOVED_MARK = b"KVTIER removed by verify\n"
 """How a record slot's header page begins once ``tiering verify --remove`` removed its
 record: a scan skips the slot and counts it removed, not damaged."""
 SEGMENT_FORMAT_VERSION = 1
-_SEGMENT_MAGIC = b"KVTSEG\r\n"
+_SEGMENT_ID = (b"KVTSEG\r\n", SEGMENT_FORMAT_VERSION, HEADER_BYTES)  # magic, version, length
 _SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")
 _TRAILER = struct.Struct("<Q")
 _TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
@@ -132,8 +132,7 @@ def encode_segment_header(
     """Write a segment header page into ``into`` (HEADER_BYTES long)."""
     view = into if into.format == "B" else into.cast("B")
     view[:] = bytes(HEADER_BYTES)
-    magic, version = _SEGMENT_MAGIC, SEGMENT_FORMAT_VERSION
-    fields = (magic, version, HEADER_BYTES, payload_bytes, ns_digest, writer.encode("ascii"))
+    fields = (*_SEGMENT_ID, payload_bytes, ns_digest, writer.encode("ascii"))
     _SEGMENT_FIXED.pack_into(view, 0, *fields)
     _TRAILER.pack_into(view, _TRAILER_OFFSET, xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]))
 
@@ -148,7 +147,7 @@ def check_segment_header(page: memoryview | bytes, *, payload_bytes: int, ns_dig
     if xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]) != stored:
         raise CorruptBlockError("segment header checksum mismatch")
     magic, version, length, payload, digest, _writer = _SEGMENT_FIXED.unpack_from(view, 0)
-    if magic != _SEGMENT_MAGIC or version != SEGMENT_FORMAT_VERSION or length != HEADER_BYTES:
+    if (magic, version, length) != _SEGMENT_ID:
         raise CorruptBlockError("not a segment of this format")
     if digest != ns_digest:
         raise CorruptBlockError("segment belongs to another namespace")

@@ -12,7 +12,7 @@ import os
 import threading
 import uuid
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,13 +20,7 @@ import xxhash
 
 from backends.nvme.options import NVMeOptions
 from backends.nvme.os_calls import REAL_OS, OwnerLock, fs_call, probe_o_direct, to_the_end
-from backends.nvme.recovery import (
-    BlockingRunner,
-    Recovery,
-    open_directory,
-    recover,
-    write_checkpoint,
-)
+from backends.nvme.recovery import Recovery, open_directory, recover, write_checkpoint
 from backends.nvme.segment_format import namespace_dirname
 from backends.nvme.segment_index import (
     DISK_FULL_REASON,
@@ -82,10 +76,8 @@ class InflightBytes:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self._waiting: dict[bool, deque[tuple[int, asyncio.Future[None]]]] = {
-            True: deque(),
-            False: deque(),
-        }
+        self._waiting: dict[bool, deque[tuple[int, asyncio.Future[None]]]]
+        self._waiting = {True: deque(), False: deque()}  # by is_load
 
     def _fits(self, nbytes: int) -> bool:
         return self.used == 0 or self.used + nbytes <= self.limit
@@ -533,7 +525,7 @@ class NVMeTier(TierActor):
         self._commit_load(report, reads, generation, failed)
         return _result(job.job_id, failed, len(job.keys))
 
-    async def _write_checkpoint(self, run_blocking: BlockingRunner) -> None:
+    async def _write_checkpoint(self, run_blocking: Callable[..., Awaitable[Any]]) -> None:
         # OSError if it failed (the old checkpoint stays).
         self._checkpoint_idle.clear()
         try:
@@ -611,8 +603,7 @@ class NVMeTier(TierActor):
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
-        written_any = bool(report.written)
-        if self._space.store_ended(report.free_bytes, report.disk_full, written_any):
+        if self._space.store_ended(report.free_bytes, report.disk_full, bool(report.written)):
             self.metrics.disk_full_events += 1
 
     def _commit_load(
