@@ -516,8 +516,8 @@ async def _verify(
                 if why:
                     failures[where] = (key, why, not missing)
                 elif key_digest(key) != digest:  # type: ignore[arg-type]
-                    why = "stale index entry: the record holds another block"
-                    failures[where] = (key, why, False)
+                    stale = "stale index entry: the record holds another block"
+                    failures[where] = (key, stale, False)
             if stop.is_set():  # the caller was cancelled (Ctrl-C): its result is not awaited
                 break
             advance(len(batch))

@@ -621,13 +621,12 @@ class NVMeTier(TierActor):
         bad = {read[0]: (read, out) for read, out in zip(reads, outcomes, strict=True) if out[1]}
         for key, ((_, segment, record, _), (_, reason, missing)) in bad.items():
             failed[key] = reason
-            counter, cause = (
-                ("missing_blocks", "block missing")
-                if missing
-                else ("corrupt_blocks", "corrupt block")
-                if reason.startswith("corrupt")
-                else ("read_errors", "read error")
-            )
+            if missing:
+                counter, cause = "missing_blocks", "block missing"
+            elif reason.startswith("corrupt"):
+                counter, cause = "corrupt_blocks", "corrupt block"
+            else:
+                counter, cause = "read_errors", "read error"
             setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
             self._failure_log.record(cause, 1, reason)
             digest = key_digest(key)
