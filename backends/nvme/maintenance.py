@@ -136,9 +136,6 @@ class ClearReport:
     left: tuple[str, ...]
 
 
-# -- the root and its namespace directories -----------------------------------------------
-
-
 @dataclass(slots=True)
 class _Namespace:
     root: str
@@ -291,8 +288,6 @@ async def _listdir(path: str) -> list[str]:
         return []
 
 
-# -- one namespace, as the tier's start-up sees it -----------------------------------------
-
 _LEFTOVER = {
     "checkpoint temporary": "temporary checkpoint of a writer that is gone",
     "identity temporary": "temporary NAMESPACE file left by a tier start",
@@ -318,42 +313,30 @@ class _Segments:
         return 0 if self.found is None else len(self.found.index)
 
 
-def _first_records(seg_dir: str, digest: bytes) -> tuple[list[str], list[str], Counter[int], bool]:
-    """Blocking, a header read per segment: the segments' names, the foreign entries,
-    the payload lengths of the first records that verify, whether one is sealed."""
-    names: list[str] = []
-    foreign: list[str] = []
-    sizes: Counter[int] = Counter()
-    sealed = False
-    try:
-        entries = sorted(os.scandir(seg_dir), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        entries = []
-    for entry in entries:
-        if parse_segment_name(entry.name) is None or not entry.is_file(follow_symlinks=False):
-            foreign.append(entry.name)
-            continue
-        names.append(entry.name)
-        with contextlib.suppress(OSError, CorruptBlockError), open(entry.path, "rb") as file:
-            # Record 0 sits right after the segment header whatever the record size.
-            header = decode_header(os.pread(file.fileno(), HEADER_BYTES, HEADER_BYTES))
-            if header.namespace_digest == digest:
-                sizes[header.payload_bytes] += 1
-                sealed = sealed or header.seal is not None
-    return names, foreign, sizes, sealed
-
-
 async def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segments:
     """The segments of ``ns``, recovered by the tier's code (reads open under ``cipher``).
     The record size is the most common payload length of the segments' first records
     that verify; without one, every segment is damaged."""
     seg_dir = os.path.join(ns.path, SEGMENTS_DIR)
     state = _Segments(present=await aiofiles.os.path.isdir(seg_dir))
-    names, foreign, sizes, state.sealed = await asyncio.to_thread(
-        _first_records, seg_dir, ns.digest
-    )
     damaged, orphaned = state.damaged, state.orphaned
-    orphaned += [Finding(ns.rel(SEGMENTS_DIR, name), _FOREIGN) for name in foreign]
+    names: list[str] = []
+    sizes: Counter[int] = Counter()
+
+    def first_records() -> None:  # blocking, a header read per segment
+        for entry in sorted(os.scandir(seg_dir), key=lambda e: e.name) if state.present else ():
+            if parse_segment_name(entry.name) is None or not entry.is_file(follow_symlinks=False):
+                orphaned.append(Finding(ns.rel(SEGMENTS_DIR, entry.name), _FOREIGN))
+                continue
+            names.append(entry.name)
+            with contextlib.suppress(OSError, CorruptBlockError), open(entry.path, "rb") as file:
+                # Record 0 sits right after the segment header whatever the record size.
+                header = decode_header(os.pread(file.fileno(), HEADER_BYTES, HEADER_BYTES))
+                if header.namespace_digest == ns.digest:
+                    sizes[header.payload_bytes] += 1
+                    state.sealed = state.sealed or header.seal is not None
+
+    await asyncio.to_thread(first_records)
     if not sizes:
         why = "no segment's first record verifies: record size unknown"
         damaged.extend(Finding(ns.rel(SEGMENTS_DIR, name), why) for name in names)
@@ -503,52 +486,45 @@ def verify_root(
     return _run(verify())
 
 
-class _Stopped(Exception):
-    """The verification was abandoned (its caller was cancelled: Ctrl-C)."""
-
-
-def _verify_index(
-    files: SegmentFiles, index: SegmentIndex, advance: Callable[[int], None], stop: threading.Event
-) -> tuple[int, dict[tuple[str, int], tuple[bytes | None, str, bool]]]:
-    """Blocking: verify every record ``index`` holds, a batch at a time, calling
-    ``advance(records read)`` after each (:class:`_Stopped` once ``stop`` is set). Returns
-    the records checked and the failures: ``(segment, record)`` -> ``(its header's key or
-    None, why, whether the record itself is bad, not missing or stale)``."""
-    snapshot = index.snapshot()
-    entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
-    size = files.block_bytes
-    per_batch = max(1, _VERIFY_BATCH_BYTES // size)
-    buffer = memoryview(bytearray(per_batch * size))
-    failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
-    for start in range(0, len(entries), per_batch):
-        batch = entries[start : start + per_batch]
-        reads = [
-            (*where, buffer[i * size : (i + 1) * size], None) for i, (where, _) in enumerate(batch)
-        ]
-        for (where, digest), (key, why, missing) in zip(batch, files.read(reads), strict=True):
-            if why:
-                failures[where] = (key, why, not missing)
-            elif key_digest(key) != digest:  # type: ignore[arg-type]
-                failures[where] = (key, "stale index entry: the record holds another block", False)
-        if stop.is_set():
-            raise _Stopped
-        advance(len(batch))
-    return len(entries), failures
-
-
 async def _verify(
     ns: _Namespace, state: _Segments, remove: bool, advance: Callable[[int], None]
 ) -> NamespaceVerify:
-    """Verify ``ns``'s blocks; with ``remove``, mark the bad ones and drop them from the
-    checkpoint. Cancelled, the reads stop after the batch in flight."""
+    """Verify ``ns``'s blocks, a batch at a time, calling ``advance(records read)`` after
+    each; with ``remove``, mark the bad ones and drop them from the checkpoint. Cancelled,
+    the reads stop after the batch in flight."""
     files, found = state.files, state.found
     if files is None or found is None or not len(found.index):
         return NamespaceVerify(ns.name, ns.namespace, 0, (), await ns.live_owners())
+    # (segment, record) -> (its header's key or None, why, whether the record itself is
+    # bad, not missing or stale)
+    failures: dict[tuple[str, int], tuple[bytes | None, str, bool]] = {}
     stop = threading.Event()
+
+    def read_all() -> int:  # blocking: every record the index holds; how many
+        snapshot = found.index.snapshot()
+        entries = list(zip(snapshot.locations(), snapshot.digests.tolist(), strict=True))
+        size = files.block_bytes
+        per_batch = max(1, _VERIFY_BATCH_BYTES // size)
+        buffer = memoryview(bytearray(per_batch * size))
+        for start in range(0, len(entries), per_batch):
+            batch = entries[start : start + per_batch]
+            reads = [
+                (*where, buffer[i * size : (i + 1) * size], None)
+                for i, (where, _) in enumerate(batch)
+            ]
+            for (where, digest), (key, why, missing) in zip(batch, files.read(reads), strict=True):
+                if why:
+                    failures[where] = (key, why, not missing)
+                elif key_digest(key) != digest:  # type: ignore[arg-type]
+                    stale = "stale index entry: the record holds another block"
+                    failures[where] = (key, stale, False)
+            if stop.is_set():  # the caller was cancelled (Ctrl-C): its result is not awaited
+                break
+            advance(len(batch))
+        return len(entries)
+
     try:
-        checked, failures = await asyncio.to_thread(
-            _verify_index, files, found.index, advance, stop
-        )
+        checked = await asyncio.to_thread(read_all)
     except asyncio.CancelledError:
         stop.set()
         raise
@@ -560,9 +536,8 @@ async def _verify(
         marked = await asyncio.to_thread(files.mark_removed, bad_records)
         if listed & failures.keys():
             with contextlib.suppress(OSError):  # the old checkpoint then stays
-                # The temporary name carries an id no tier holds a lock for: if this
-                # process dies before the rename, a tier start removes it as a dead
-                # writer's.
+                # The temporary carries an id no tier holds a lock for: if this process
+                # dies before the rename, a tier start removes it as a dead writer's.
                 await write_checkpoint(
                     files,
                     functools.partial(found.checkpoint.without, set(failures)),  # type: ignore[union-attr]
@@ -579,9 +554,8 @@ async def _verify(
         )
         for where, (key, reason, mark) in sorted(failures.items())
     )
-    return NamespaceVerify(
-        ns.name, ns.namespace, checked, bad, await ns.live_owners(), bool(dropped)
-    )
+    owners = await ns.live_owners()
+    return NamespaceVerify(ns.name, ns.namespace, checked, bad, owners, bool(dropped))
 
 
 def clear_root(

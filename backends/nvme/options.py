@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
+from backends.nvme.segments import GIL_PAUSE_BYTES
 from tiering.options import ActorOptions, Bytes, PositiveInt, SecondsOrZero, Size, secret
 from tiering.security.encryption import Keyring
 
@@ -53,5 +54,5 @@ class NVMeOptions(ActorOptions):
     segment_bytes: Bytes | None = None
     checkpoint_every: PositiveInt = 16384
     hot_fraction: float = Field(0.25, ge=0, le=1)
-    gil_pause_bytes: Size = Field(128 << 10, ge=0)
+    gil_pause_bytes: Size = Field(GIL_PAUSE_BYTES, ge=0)
     staging_bytes: Size = Field(0, ge=0)

@@ -30,7 +30,7 @@ PROBE_PREFIX = ".odirect-probe."
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in a root is never followed
 
 _FALLOCATE: Any
 try:  # the C library's, with errno kept; None where it lacks one
@@ -38,7 +38,6 @@ try:  # the C library's, with errno kept; None where it lacks one
     _FALLOCATE.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 except (OSError, AttributeError):
     _FALLOCATE = None
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link in a root is never followed
 
 
 class OsCalls:

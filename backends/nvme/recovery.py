@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import stat
@@ -14,7 +15,7 @@ import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import aiofiles
 import aiofiles.os
@@ -49,13 +50,8 @@ from backends.nvme.segments import SegmentFiles
 from tiering.errors import CorruptBlockError, InvalidArgumentError
 from tiering.tiers.block_record import FORMAT_VERSION
 
-_T = TypeVar("_T")
-
-
-class BlockingRunner(Protocol):
-    """Runs ``fn(*args)`` off the loop: ``TierActor.run_blocking`` or :func:`asyncio.to_thread`."""
-
-    def __call__(self, fn: Callable[..., _T], /, *args: Any) -> Awaitable[_T]: ...
+# Runs ``fn(*args)`` off the loop: ``TierActor.run_blocking`` or :func:`asyncio.to_thread`.
+BlockingRunner = Callable[..., Awaitable[Any]]
 
 
 async def open_directory(
@@ -192,15 +188,13 @@ def _rebuild(
     covered = dict(checkpoint.segments) if checkpoint is not None and not read_only else {}
     listed = files.list_segments()
     scans: dict[str, SegmentScan] = {}
+    alive = functools.cache(functools.partial(owner_alive, files.directory))
     corrupt: list[str] = []
     unreadable: dict[str, str] = {}
-    alive: dict[str, bool] = {}
     on_disk: list[tuple[str, int, float]] = []
     protected: set[str] = set()
     for name, size in listed:
         owner = parse_segment_name(name)[0]  # type: ignore[index]
-        if owner not in alive:
-            alive[owner] = owner_alive(files.directory, owner)
         records = files.records_in(size)
         start = min(covered.get(name, 0), records)
         try:
@@ -210,7 +204,7 @@ def _rebuild(
             unreadable[name] = describe_os_error(exc)
             continue
         if scan is not None and not scan.header_ok and not scan.records and not start:
-            if not alive[owner] and (read_only or files.delete([name])):
+            if not alive(owner) and (read_only or files.delete([name])):
                 corrupt.append(name)
                 removed["corrupt segment"] += 1
             continue
@@ -218,7 +212,7 @@ def _rebuild(
             scans[name] = scan
             removed["invalid record"] += scan.invalid + scan.removed
             records = max(records, scan.end)  # a live writer's segment grew meanwhile
-        if alive[owner]:
+        if alive(owner):
             protected.add(name)
         on_disk.append((name, records, mtime))
     order = {name: i for i, (name, _) in enumerate(checkpoint.segments if checkpoint else [])}

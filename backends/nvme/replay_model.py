@@ -14,7 +14,7 @@ class SegmentLog:
     """The keys an NVMe tier of ``capacity_records`` records, ``records_per_segment`` to a
     segment, holds: touches and loads mark keys used; a store job makes room with the
     index's own ``plan_room``, moving at most ``moves_per_job`` records, and an evicted
-    segment writes ``hot_fraction`` of its recent uses again. Raises as SegmentIndex."""
+    segment writes ``hot_fraction`` of its recent uses again."""
 
     __slots__ = ("_index", "_moves_per_job")
 

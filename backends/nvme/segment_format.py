@@ -32,15 +32,14 @@ REMOVED_MARK = b"KVTIER removed by verify\n"
 """How a record slot's header page begins once ``tiering verify --remove`` removed its
 record: a scan skips the slot and counts it removed, not damaged."""
 SEGMENT_FORMAT_VERSION = 1
-_SEGMENT_MAGIC = b"KVTSEG\r\n"
+_SEGMENT_ID = (b"KVTSEG\r\n", SEGMENT_FORMAT_VERSION, HEADER_BYTES)  # magic, version, length
 _SEGMENT_FIXED = struct.Struct("<8sHH4xQ16s64s")
 _TRAILER = struct.Struct("<Q")
 _TRAILER_OFFSET = HEADER_BYTES - _TRAILER.size
 _SEGMENT_NAME = re.compile(r"^([0-9a-f]{1,64})-([0-9a-f]{8})\.seg$")
 _READABLE = re.compile(r"[^A-Za-z0-9._-]+")
-_CHECKPOINT_MAGIC = b"KVTCKPT\n"
-_CHECKPOINT_VERSION = 1
 _CHECKPOINT_HEAD = struct.Struct("<8sHH4xQ16sQQQ16s")
+_CHECKPOINT_ID = (b"KVTCKPT\n", 1, _CHECKPOINT_HEAD.size)  # magic, version, head length
 _COLUMNS = (("digests", "<u8"), ("segment_of", "<u4"), ("record_of", "<u4"), ("ticks", "<u4"))
 
 
@@ -133,8 +132,7 @@ def encode_segment_header(
     """Write a segment header page into ``into`` (HEADER_BYTES long)."""
     view = into if into.format == "B" else into.cast("B")
     view[:] = bytes(HEADER_BYTES)
-    magic, version = _SEGMENT_MAGIC, SEGMENT_FORMAT_VERSION
-    fields = (magic, version, HEADER_BYTES, payload_bytes, ns_digest, writer.encode("ascii"))
+    fields = (*_SEGMENT_ID, payload_bytes, ns_digest, writer.encode("ascii"))
     _SEGMENT_FIXED.pack_into(view, 0, *fields)
     _TRAILER.pack_into(view, _TRAILER_OFFSET, xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]))
 
@@ -149,7 +147,7 @@ def check_segment_header(page: memoryview | bytes, *, payload_bytes: int, ns_dig
     if xxhash.xxh3_64_intdigest(view[:_TRAILER_OFFSET]) != stored:
         raise CorruptBlockError("segment header checksum mismatch")
     magic, version, length, payload, digest, _writer = _SEGMENT_FIXED.unpack_from(view, 0)
-    if magic != _SEGMENT_MAGIC or version != SEGMENT_FORMAT_VERSION or length != HEADER_BYTES:
+    if (magic, version, length) != _SEGMENT_ID:
         raise CorruptBlockError("not a segment of this format")
     if digest != ns_digest:
         raise CorruptBlockError("segment belongs to another namespace")
@@ -169,17 +167,8 @@ def encode_checkpoint(checkpoint: Checkpoint, *, block_bytes: int, ns_digest: by
     digest = xxhash.xxh3_128()
     for part in body:
         digest.update(part)
-    head = _CHECKPOINT_HEAD.pack(
-        _CHECKPOINT_MAGIC,
-        _CHECKPOINT_VERSION,
-        _CHECKPOINT_HEAD.size,
-        block_bytes,
-        ns_digest,
-        len(checkpoint.segments),
-        count,
-        sum(len(part) for part in body),
-        digest.digest(),
-    )
+    sizes = (len(checkpoint.segments), count, sum(len(part) for part in body))
+    head = _CHECKPOINT_HEAD.pack(*_CHECKPOINT_ID, block_bytes, ns_digest, *sizes, digest.digest())
     return [head, *(bytes(part) for part in body)]
 
 
@@ -191,11 +180,7 @@ def parse_checkpoint(data: bytes, *, block_bytes: int, ns_digest: bytes) -> Chec
     magic, version, head_len, payload, ns, n_segments, count, body_len, checksum = (
         _CHECKPOINT_HEAD.unpack_from(data, 0)
     )
-    if (magic, version, head_len) != (
-        _CHECKPOINT_MAGIC,
-        _CHECKPOINT_VERSION,
-        _CHECKPOINT_HEAD.size,
-    ):
+    if (magic, version, head_len) != _CHECKPOINT_ID:
         raise CorruptBlockError("not a checkpoint of this format")
     if ns != ns_digest or payload != block_bytes:
         raise CorruptBlockError("checkpoint of another namespace or block size")

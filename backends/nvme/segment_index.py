@@ -13,15 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from backends.nvme.segment_format import (
-    Checkpoint,
-    SegmentScan,
-    parse_segment_name,
-    segment_name,
-)
+from backends.nvme.segment_format import Checkpoint, SegmentScan, parse_segment_name, segment_name
 from tiering.errors import InvalidArgumentError
 from tiering.tiers.block_record import HEADER_BYTES
-from tiering.validation import positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +32,7 @@ class KeyTable:
     probing, backward-shift deletion), at most 70 % full at ``capacity`` entries."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = positive_int("capacity", capacity)
+        self.capacity = capacity
         size = 8
         while size * 0.7 < capacity:
             size *= 2
@@ -197,8 +191,8 @@ class SegmentIndex:
     """Which blocks the NVMe tier holds (by 64-bit key digest; every read verifies the full
     key), where, and what to evict. Capacity counts records on disk, live or dead. A
     pinned segment, one holding a held key and the one being written are never evicted;
-    a newer record of a digest makes the older one dead. InvalidArgumentError for a size
-    that is not a positive int, a ``writer`` not hex, a fraction outside [0, 1]."""
+    a newer record of a digest makes the older one dead. Its callers validate its
+    arguments (options, the replay's layout)."""
 
     def __init__(
         self,
@@ -209,12 +203,8 @@ class SegmentIndex:
         hot_fraction: float = 0.25,
         compact_below: float = 0.25,
     ) -> None:
-        self.capacity_records = positive_int("capacity_records", capacity_records)
-        self.records_per_segment = positive_int("records_per_segment", records_per_segment)
-        segment_name(writer, 0)  # validates the writer id
-        for name, value in (("hot_fraction", hot_fraction), ("compact_below", compact_below)):
-            if not isinstance(value, int | float) or not 0 <= value <= 1:
-                raise InvalidArgumentError(f"{name} must be in [0, 1], got {value!r}")
+        self.capacity_records = capacity_records
+        self.records_per_segment = records_per_segment
         self.writer = writer
         self.hot_fraction = float(hot_fraction)
         self.compact_below = float(compact_below)
@@ -227,8 +217,6 @@ class SegmentIndex:
         self._holds: Counter[int] = Counter()
         self._clock = 0
         self.used_records = 0  # record slots of every segment, live or dead
-
-    # -- queries ----------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._table)
@@ -258,11 +246,6 @@ class SegmentIndex:
         pins = sum(segment.pins for segment in self._segments.values())
         return pins + sum(1 for digest in self._holds if digest in self)
 
-    def holds(self, digest: int) -> int:
-        return self._holds[digest]
-
-    # -- use --------------------------------------------------------------------------
-
     def touch(self, digests: Sequence[int]) -> None:
         """Mark present digests used now, the first the most recent (others: ignored)."""
         for digest in reversed(digests):
@@ -273,13 +256,15 @@ class SegmentIndex:
         """Keep these digests' segments from eviction until released (holds count)."""
         self._holds.update(digests)
 
-    def release(self, digests: Iterable[int]) -> None:
+    def release(
+        self, digests: Iterable[int], *, named: Callable[[int], str] = "digest {:#x}".format
+    ) -> None:
         """Undo one :meth:`hold` of each digest (InvalidArgumentError, nothing released,
-        for one released more often than held)."""
+        naming ``named(digest)``, for one released more often than held)."""
         wanted = Counter(digests)
         for digest, n in wanted.items():
             if self._holds[digest] < n:
-                raise InvalidArgumentError(f"digest {digest:#x} released more often than held")
+                raise InvalidArgumentError(f"{named(digest)} is released more often than held")
         self._holds.subtract(wanted)
         for digest in wanted:
             if self._holds[digest] <= 0:
@@ -294,8 +279,6 @@ class SegmentIndex:
         slot = self._slot_of.get(segment)
         if slot is not None:
             self._segments[slot].pins -= 1
-
-    # -- writes -----------------------------------------------------------------------
 
     def room(self, limit: int | None = None) -> int:
         """Records that can be placed now without evicting (under ``limit`` records)."""
@@ -367,8 +350,6 @@ class SegmentIndex:
         segment = self._segments[loc >> 32]
         segment.live -= 1
         segment.digests[loc & 0xFFFFFFFF] = 0
-
-    # -- eviction ---------------------------------------------------------------------
 
     def make_room(self, count: int, *, limit: int | None = None) -> tuple[int, list[Eviction]]:
         """Evict the oldest evictable segments until ``count`` records fit under ``limit``
@@ -444,8 +425,6 @@ class SegmentIndex:
         self._active = None
         self.used_records = 0
         return names
-
-    # -- checkpoint and recovery --------------------------------------------------------
 
     def checkpoint_segments(self) -> list[tuple[int, str, int]]:
         """``(slot, name, records covered)`` of every segment, oldest first, for
@@ -531,8 +510,6 @@ class SegmentIndex:
         """The segments of ``on_disk`` :meth:`restore` left out."""
         return [name for name, _ in on_disk if name not in self._slot_of]
 
-
-# -- space: the cap, the free-space floor, disk full ----------------------------------------
 
 DISK_FULL_REASON = (
     "nvme tier is read-only: the file system was full (ENOSPC); stores resume once space returns"

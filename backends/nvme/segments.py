@@ -240,8 +240,6 @@ class SegmentFiles:
         # This thread's staging buffer: records laid out as on disk, on huge pages.
         return thread_buffer(self._local, "staging", self._staged_records * self.record_bytes)
 
-    # -- the jobs' hops ---------------------------------------------------------------
-
     def store(self, hop: StoreHop, slot: Callable[[int], memoryview], writer: str) -> WriteReport:
         """One store job's blocking half: read the moves and the keys gone into ``hop``,
         delete ``hop.delete``, then :meth:`write` the job's blocks (``slot(block id)``)
@@ -273,8 +271,6 @@ class SegmentFiles:
     def drop_move_buffers(self) -> None:
         """Let every thread's buffers for moved records go (the next move makes its own)."""
         self._moves = threading.local()
-
-    # -- write ------------------------------------------------------------------------
 
     def write(self, runs: Sequence[RecordRun], *, writer: str) -> WriteReport:
         """Write each run's records into its segment. An I/O error fails the rest of its
@@ -394,8 +390,6 @@ class SegmentFiles:
             self._local.hashed = done
         return checksum
 
-    # -- read -------------------------------------------------------------------------
-
     def read(self, reads: Sequence[tuple[str, int, memoryview, bytes | None]]) -> list[ReadOutcome]:
         """Read each ``(segment, record, slot, expected key or None for any)`` into its
         slot and verify it as a load does: one :data:`ReadOutcome` per read, in order (a
@@ -501,8 +495,6 @@ class SegmentFiles:
                 outcomes[i] = (header and header.key, f"corrupt block: {exc}", False)
             else:
                 outcomes[i] = (header.key, "", False)
-
-    # -- headers only: scan, keys, removal marks; listing, deletion --------------------
 
     def scan(self, segment: str, start: int = 0) -> SegmentScan:
         """Read the record headers (not payloads) of ``segment`` from record ``start`` on;

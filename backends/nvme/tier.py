@@ -12,7 +12,7 @@ import os
 import threading
 import uuid
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,13 +20,7 @@ import xxhash
 
 from backends.nvme.options import NVMeOptions
 from backends.nvme.os_calls import REAL_OS, OwnerLock, fs_call, probe_o_direct, to_the_end
-from backends.nvme.recovery import (
-    BlockingRunner,
-    Recovery,
-    open_directory,
-    recover,
-    write_checkpoint,
-)
+from backends.nvme.recovery import Recovery, open_directory, recover, write_checkpoint
 from backends.nvme.segment_format import namespace_dirname
 from backends.nvme.segment_index import (
     DISK_FULL_REASON,
@@ -82,10 +76,8 @@ class InflightBytes:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self._waiting: dict[bool, deque[tuple[int, asyncio.Future[None]]]] = {
-            True: deque(),
-            False: deque(),
-        }
+        self._waiting: dict[bool, deque[tuple[int, asyncio.Future[None]]]]
+        self._waiting = {True: deque(), False: deque()}  # by is_load
 
     def _fits(self, nbytes: int) -> bool:
         return self.used == 0 or self.used + nbytes <= self.limit
@@ -218,8 +210,6 @@ class NVMeTier(TierActor):
     def get_tier_type() -> str:
         return "nvme"
 
-    # -- life cycle -------------------------------------------------------------------
-
     async def start(self) -> None:
         """Open the namespace directory, recover the index, then serve. ClosedError once
         closed; InvalidArgumentError when the root fails :func:`check_root`, is not
@@ -338,8 +328,6 @@ class NVMeTier(TierActor):
         if owner is not None:
             owner.release()
 
-    # -- queries ----------------------------------------------------------------------
-
     @property
     def read_only(self) -> bool:
         """True while stores are refused because the file system was full (ENOSPC)."""
@@ -377,11 +365,9 @@ class NVMeTier(TierActor):
         """Undo one :meth:`hold` of each key; InvalidArgumentError for a key released more
         often than held (named in hex)."""
         keys = hash_list("keys", keys)
-        counts = Counter(map(key_digest, keys))
-        for key in keys:
-            if self._index.holds(key_digest(key)) < counts[key_digest(key)]:
-                raise InvalidArgumentError(f"key {key.hex()} is released more often than held")
-        self._index.release(counts.elements())
+        digests = [key_digest(key) for key in keys]
+        key_of = dict(zip(digests, keys, strict=True))
+        self._index.release(digests, named=lambda digest: f"key {key_of[digest].hex()}")
 
     def get_num_blocks(self) -> int:
         return len(self._index)
@@ -410,8 +396,6 @@ class NVMeTier(TierActor):
             "counters": counters,
             "failures": dict(self._failure_log.counts),
         }
-
-    # -- hooks (loop thread); the blocking half is one SegmentFiles call ---------------
 
     async def _do_store(self, job: JobMetadata) -> JobResult:
         failed, wanted = await self._store_admission(job)
@@ -541,7 +525,7 @@ class NVMeTier(TierActor):
         self._commit_load(report, reads, generation, failed)
         return _result(job.job_id, failed, len(job.keys))
 
-    async def _write_checkpoint(self, run_blocking: BlockingRunner) -> None:
+    async def _write_checkpoint(self, run_blocking: Callable[..., Awaitable[Any]]) -> None:
         # OSError if it failed (the old checkpoint stays).
         self._checkpoint_idle.clear()
         try:
@@ -562,8 +546,6 @@ class NVMeTier(TierActor):
             await self._write_checkpoint(self.run_blocking)
         except OSError as exc:
             self._failure_log.record("checkpoint failed", 1, str(exc))
-
-    # -- bookkeeping (loop thread) -------------------------------------------------------
 
     def _hop_lost(self, hop: StoreHop) -> None:
         # A store job ended without its commit (a close's deadline): if its hop never
@@ -621,8 +603,7 @@ class NVMeTier(TierActor):
         self.metrics.stored_blocks += len(written)
         self.metrics.bytes_written += len(written) * self.file_bytes
         self.metrics.write_errors += len(report.failed)
-        written_any = bool(report.written)
-        if self._space.store_ended(report.free_bytes, report.disk_full, written_any):
+        if self._space.store_ended(report.free_bytes, report.disk_full, bool(report.written)):
             self.metrics.disk_full_events += 1
 
     def _commit_load(
@@ -640,13 +621,12 @@ class NVMeTier(TierActor):
         bad = {read[0]: (read, out) for read, out in zip(reads, outcomes, strict=True) if out[1]}
         for key, ((_, segment, record, _), (_, reason, missing)) in bad.items():
             failed[key] = reason
-            counter, cause = (
-                ("missing_blocks", "block missing")
-                if missing
-                else ("corrupt_blocks", "corrupt block")
-                if reason.startswith("corrupt")
-                else ("read_errors", "read error")
-            )
+            if missing:
+                counter, cause = "missing_blocks", "block missing"
+            elif reason.startswith("corrupt"):
+                counter, cause = "corrupt_blocks", "corrupt block"
+            else:
+                counter, cause = "read_errors", "read error"
             setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
             self._failure_log.record(cause, 1, reason)
             digest = key_digest(key)
