@@ -175,7 +175,6 @@ class RedisTier(TierActor):
             "used_bytes": usage["used_bytes"],
             "capacity_bytes": usage["capacity_bytes"],
             "counters": {**self._counters, "server_keys": usage["server_keys"]},
-            "failures": {},
         }
 
     @property
@@ -192,12 +191,6 @@ class RedisTier(TierActor):
 
     # -- jobs: decided on the loop, carried by a stream -------------------------------
 
-    async def _do_store(self, job: JobMetadata) -> JobResult:
-        return await self._hand_over(job, "store")
-
-    async def _do_load(self, job: JobMetadata) -> JobResult:
-        return await self._hand_over(job, "load")
-
     async def _hand_over(self, job: JobMetadata, what: str) -> JobResult:
         """Hand ``job`` to a stream (unless the breaker refuses it) and await its result,
         decided on the loop once the stream delivers its outcome. ClosedError once closed."""
@@ -212,6 +205,9 @@ class RedisTier(TierActor):
         except RuntimeError as exc:
             raise ClosedError("the redis tier is closed") from exc
         return await self.wait_call(call, done)
+
+    _do_store = functools.partialmethod(_hand_over, what="store")
+    _do_load = functools.partialmethod(_hand_over, what="load")
 
     def _settle(
         self, done: asyncio.Future[JobResult], job: JobMetadata, what: str, outcome: Any
