@@ -68,9 +68,7 @@ class MemoryTier(TierActor):
         max_blocks = self.max_blocks = checked.max_blocks
         self._index = ResidencyIndex(max_blocks, checked.policy)
         self._arena = np.empty((max_blocks, block_bytes), dtype=np.uint8)
-        self._pool = np.frombuffer(self.primary_kv_view, dtype=np.uint8).reshape(
-            self.num_primary_slots, block_bytes
-        )
+        self._pool = np.frombuffer(self.primary_kv_view, dtype=np.uint8).reshape(-1, block_bytes)
         self._row_of: dict[OffloadKey, int] = {}  # resident keys only
         # Popped from the end, so rows fill from 0 upwards.
         self._free_rows: list[int] = list(range(max_blocks - 1, -1, -1))
@@ -185,13 +183,12 @@ class MemoryTier(TierActor):
             else:
                 copies.append((block_id, row))
                 pinned.append(key)
-        index = self._index
-        index.pin(pinned)
+        self._index.pin(pinned)
         try:
             if copies:
                 await self.run_blocking(self._copy, self._pool, self._arena, copies)
         finally:
-            index.unpin(pinned)
+            self._index.unpin(pinned)
             self._free_orphans(pinned)
         self._counters["loaded_blocks"] += len(copies)
         if missing:

@@ -38,14 +38,10 @@ logger = logging.getLogger(__name__)
 # What a call to the server may raise (the cluster client's own errors are no RedisErrors).
 CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
 ClientError = RedisError | RedisClusterException | OSError
-UNREACHABLE = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    ClusterDownError,
-    RedisClusterException,  # no node of the cluster answered, or a slot has no node
-    OSError,  # the builtin ConnectionError and TimeoutError too
-)
 _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)  # the node failed
+# A node failed, no node of the cluster answered (or a slot has no node), or the socket
+# failed (OSError: the builtin ConnectionError and TimeoutError too).
+UNREACHABLE = (*_NODE_DOWN, RedisClusterException, OSError)
 
 
 class LazyClient:

@@ -163,8 +163,7 @@ class RespStream:
         self._closed = False
         self._thread: threading.Thread | None = None
         # Each written by one thread only (the giver's, the stream's): no lock needed.
-        self._given = 0
-        self._ended = 0
+        self._given = self._ended = 0
 
     def submit(self, plan: Callable[[], Job], deliver: Callable[[Any], None]) -> Future[None]:
         """Queue the job ``plan()`` makes on the stream's thread once it begins;
