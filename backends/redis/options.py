@@ -183,15 +183,14 @@ class RedisOptions(BreakerOptions, ActorOptions):
         socket operation timing out after ``timeout_s``; with ``cluster`` a cluster client
         that never retries (but follows MOVED, ASK and TRYAGAIN) and connects as it is
         made (raising the client's error if no node answers)."""
+        tls = {arg: getattr(self, name) for name, arg in _TLS_FILES.items()}
         options: dict[str, Any] = {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
             "max_connections": self.max_connections,
             "decode_responses": False,
+            **{arg: path for arg, path in tls.items() if path is not None},
         }
-        for name, arg in _TLS_FILES.items():
-            if getattr(self, name) is not None:
-                options[arg] = getattr(self, name)
         if cluster:
             return RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 0), **options)
         return Redis.from_url(self.url, **options)

@@ -207,7 +207,6 @@ class RedisTier(TierActor):
         self, done: asyncio.Future[JobResult], job: JobMetadata, what: str, outcome: Any
     ) -> None:
         # On the stream's thread: ``done`` is resolved on the loop.
-
         def settled() -> None:
             if isinstance(outcome, BaseException) and not isinstance(outcome, CLIENT_ERRORS):
                 if not done.done():
