@@ -68,9 +68,7 @@ class MemoryTier(TierActor):
         max_blocks = self.max_blocks = checked.max_blocks
         self._index = ResidencyIndex(max_blocks, checked.policy)
         self._arena = np.empty((max_blocks, block_bytes), dtype=np.uint8)
-        self._pool = np.frombuffer(self.primary_kv_view, dtype=np.uint8).reshape(
-            self.num_primary_slots, block_bytes
-        )
+        self._pool = np.frombuffer(self.primary_kv_view, dtype=np.uint8).reshape(-1, block_bytes)
         self._row_of: dict[OffloadKey, int] = {}  # resident keys only
         # Popped from the end, so rows fill from 0 upwards.
         self._free_rows: list[int] = list(range(max_blocks - 1, -1, -1))
@@ -147,10 +145,10 @@ class MemoryTier(TierActor):
         self._note_removed(room.victims)
         placed = list(wanted.items())[: room.granted]
         refused = tuple(list(wanted)[room.granted :])
-        copies = [(block_id, row) for (_, block_id), row in zip(placed, rows, strict=True)]
+        copies = [(row, block_id) for (_, block_id), row in zip(placed, rows, strict=True)]
         try:
             if copies:
-                await self.run_blocking(self._copy_into_arena, copies)
+                await self.run_blocking(self._copy, self._arena, self._pool, copies)
         except BaseException:
             # The rows never became visible. (A job is only cancelled when the tier
             # closes, so no later store can reuse a row a straggling copy still writes.)
@@ -183,15 +181,14 @@ class MemoryTier(TierActor):
             if row is None:
                 missing.append(key)
             else:
-                copies.append((row, block_id))
+                copies.append((block_id, row))
                 pinned.append(key)
-        index = self._index
-        index.pin(pinned)
+        self._index.pin(pinned)
         try:
             if copies:
-                await self.run_blocking(self._copy_into_pool, copies)
+                await self.run_blocking(self._copy, self._pool, self._arena, copies)
         finally:
-            index.unpin(pinned)
+            self._index.unpin(pinned)
             self._free_orphans(pinned)
         self._counters["loaded_blocks"] += len(copies)
         if missing:
@@ -210,12 +207,6 @@ class MemoryTier(TierActor):
                 self._free_rows.extend(rows)
                 self._index.unreserve(len(rows))
 
-    def _copy_into_arena(self, copies: Sequence[tuple[int, int]]) -> None:
-        arena, pool = self._arena, self._pool
-        for block_id, row in copies:
-            arena[row] = pool[block_id]
-
-    def _copy_into_pool(self, copies: Sequence[tuple[int, int]]) -> None:
-        arena, pool = self._arena, self._pool
-        for row, block_id in copies:
-            pool[block_id] = arena[row]
+    def _copy(self, into: np.ndarray, source: np.ndarray, rows: Sequence[tuple[int, int]]) -> None:
+        for into_row, source_row in rows:
+            into[into_row] = source[source_row]

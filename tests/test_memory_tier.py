@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from backends.memory import MemoryTier
@@ -50,11 +51,12 @@ class GatedMemoryTier(MemoryTier):
         self.load_entered = threading.Event()
         self.load_gate = threading.Event()
 
-    def _copy_into_pool(self, copies: Sequence[tuple[int, int]]) -> None:
-        self.load_entered.set()
-        if not self.load_gate.wait(timeout=10):
-            raise TimeoutError("test gate never opened")
-        super()._copy_into_pool(copies)
+    def _copy(self, into: np.ndarray, source: np.ndarray, rows: Sequence[tuple[int, int]]) -> None:
+        if into is self._pool:  # a load's copy
+            self.load_entered.set()
+            if not self.load_gate.wait(timeout=10):
+                raise TimeoutError("test gate never opened")
+        super()._copy(into, source, rows)
 
 
 async def _wait_load_entered(tier: GatedMemoryTier) -> None:

@@ -38,14 +38,10 @@ logger = logging.getLogger(__name__)
 # What a call to the server may raise (the cluster client's own errors are no RedisErrors).
 CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
 ClientError = RedisError | RedisClusterException | OSError
-UNREACHABLE = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    ClusterDownError,
-    RedisClusterException,  # no node of the cluster answered, or a slot has no node
-    OSError,  # the builtin ConnectionError and TimeoutError too
-)
 _NODE_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)  # the node failed
+# A node failed, no node of the cluster answered (or a slot has no node), or the socket
+# failed (OSError: the builtin ConnectionError and TimeoutError too).
+UNREACHABLE = (*_NODE_DOWN, RedisClusterException, OSError)
 
 
 class LazyClient:
@@ -91,8 +87,8 @@ def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
     its place; a cluster's MOVED, ASK or TRYAGAIN is followed by sending that command
     again on its own. Raises the client's error when a connection fails or times out or
     the cluster is down, retrying nothing (a cluster client refreshes its slot map)."""
+    pipe = client.pipeline(transaction=False)
     if not isinstance(client, RedisCluster):
-        pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
         replies = pipe.execute(raise_on_error=False)
@@ -100,7 +96,6 @@ def round_trip(client: Redis | RedisCluster, commands: Sequence[tuple[Any, ...]]
         # Not the pipeline's execute, which after a node timed out sends each of that
         # node's commands again on its own, each waiting for its timeout.
         stack = [PipelineCommand(command, {}, i) for i, command in enumerate(commands)]
-        pipe = client.pipeline(transaction=False)
         replies = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
         down = next((reply for reply in replies if isinstance(reply, _NODE_DOWN)), None)
         if down is not None:

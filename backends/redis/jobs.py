@@ -111,36 +111,44 @@ class _Job:
         self._shape, self._keys, self._block_ids = shape, keys, block_ids
         self.pipelines = shape.pipelines(keys)
         self.failed: dict[bytes, str] = {}
+        self._held: list[list[Any]] = []  # each pipeline's views of the host pool (or landings)
 
     def _batch(self, index: int) -> zip[tuple[bytes, int]]:
         first = index * self._shape.per_pipeline
         last = first + self._shape.per_pipeline
         return zip(self._keys[first:last], self._block_ids[first:last], strict=True)
 
+    def finish(self) -> dict[bytes, str]:
+        # The client's own frames, kept in reference cycles after an error, may still
+        # name these views: released, they no longer pin the host pool.
+        for held in self._held:
+            for view in held:
+                view.release()
+        self._held.clear()
+        return self.failed
+
 
 class StoreJob(_Job):
     """A store; :meth:`finish` returns the keys the server refused, with why."""
 
-    def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        super().__init__(shape, keys, block_ids)
-        self._views: list[memoryview] = []
-        self._sealed = shape.seal_buffers() if shape.cipher is not None else []
-
     def pipeline(self, index: int) -> Pipeline:
         shape, record, cipher = self._shape, self._shape.record, self._shape.cipher
+        sealed = shape.seal_buffers() if cipher is not None else []
         names: list[bytes] = []
         commands: list[Command] = []
+        views: list[memoryview] = []
+        self._held.append(views)
         for i, (key, block_id) in enumerate(self._batch(index)):
             value = shape.slot(block_id)
-            self._views.append(value)
+            views.append(value)
             binding = record_binding(record["ns_digest"], record["tenant"], key)
             if cipher is None:
                 seal, checksum = None, payload_checksum(value, binding)
             else:
                 # The buffer is free again once the pipeline before is sent: a stream
                 # builds a job's next pipeline after that.
-                seal, checksum = cipher.seal_into(value, self._sealed[i], binding), None
-                value = self._sealed[i][: value.nbytes]
+                seal, checksum = cipher.seal_into(value, sealed[i], binding), None
+                value = sealed[i][: value.nbytes]
             header = compact_header(key=key, checksum=checksum, seal=seal, **record)
             names.append(shape.prefix + key)
             commands.append(("SET", names[-1], (header, value), *shape.expiry))
@@ -153,47 +161,31 @@ class StoreJob(_Job):
             if isinstance(reply, ResponseError):
                 self.failed[key] = f"{REFUSED} the store: {reply}"
 
-    def finish(self) -> dict[bytes, str]:
-        # The client's own frames, kept in reference cycles after an error, may still
-        # name these views: released, they no longer pin the host pool.
-        for view in self._views:
-            view.release()
-        self._views.clear()
-        return self.failed
-
 
 class LoadJob(_Job):
     """A load; :meth:`finish` deletes the values that are no blocks of this tier from
     the server and returns why each failed key failed."""
 
-    def __init__(self, shape: JobShape, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        super().__init__(shape, keys, block_ids)
-        self._landings: list[list[_Landing]] = []
-
     def pipeline(self, index: int) -> Pipeline:
         shape = self._shape
         landings = [_Landing(key, shape.slot(slot), shape) for key, slot in self._batch(index)]
-        self._landings.append(landings)
+        self._held.append(landings)
         names = [shape.prefix + landing.key for landing in landings]
         commands = [("GET", name) for name in names]
         sinks, expected = [x.sink for x in landings], [x.expected for x in landings]
         return Pipeline(names, commands, sinks, expected)
 
     def answered(self, index: int, replies: list[Any]) -> None:
-        for landing, value in zip(self._landings[index], replies, strict=True):
-            why = landing.verify(value)
-            if why:
+        for landing, value in zip(self._held[index], replies, strict=True):
+            if why := landing.verify(value):
                 self.failed[landing.key] = why
 
     def finish(self) -> dict[bytes, str]:
-        for landing in (landing for landings in self._landings for landing in landings):
-            landing.release()
-        self._landings.clear()
-        prefix = self._shape.prefix
-        corrupt = [prefix + key for key, why in self.failed.items() if why.startswith(CORRUPT)]
+        failed, prefix = super().finish(), self._shape.prefix
+        corrupt = [prefix + key for key, why in failed.items() if why.startswith(CORRUPT)]
         if corrupt:
             self._shape.delete(corrupt)
-        return self.failed
+        return failed
 
 
 class _Landing:

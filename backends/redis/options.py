@@ -85,38 +85,33 @@ def _url_problem(url: str, *, cluster: bool) -> str | None:
     database = urllib.parse.unquote(parts.path).strip("/")
     if parts.scheme != "unix" and database and not database.isdigit():
         return "its path must be the database number (/0, /1, ...) or nothing"
-    for name, values in urllib.parse.parse_qs(parts.query).items():
-        if (problem := _query_problem(name, values[0], parts.scheme)) is not None:
-            return problem
+    # A query option the tier refuses (named only if redis-py takes it).
+    for name, (value, *_) in urllib.parse.parse_qs(parts.query).items():
+        if name not in _REDIS_PY_NAMES:
+            return "its query has an option redis-py does not take"
+        if name in _TIER_SETS:
+            return f"its query sets {name}, which the tier sets from {_TIER_SETS[name]}"
+        if name not in _IMPLEMENTED:
+            takes = ", ".join(_IMPLEMENTED)
+            return (
+                f"its query option {name} is not implemented by the redis tier (it takes {takes})"
+            )
+        try:
+            URL_QUERY_ARGUMENT_PARSERS.get(name, str)(value)
+        except (TypeError, ValueError):
+            return f"its query option {name} has an invalid value"
+        if name == "socket_keepalive" and parts.scheme == "unix":
+            return "its query option socket_keepalive needs a redis:// or rediss:// url"
+        if name == "ssl_check_hostname" and parts.scheme != "rediss":
+            return "its query option ssl_check_hostname needs a rediss:// url"
+        if name == "client_name" and not all("!" <= c <= "~" for c in value):  # as Redis says
+            return "its query option client_name must be printable ASCII without spaces"
     try:
         options = parse_url(url)  # the parser redis-py connects with
     except (TypeError, ValueError):
         return "redis-py cannot parse it"
     if cluster and options.get("db", 0) != 0:
         return "a Redis Cluster has database 0 only"
-    return None
-
-
-def _query_problem(name: str, value: str, scheme: str) -> str | None:
-    """Why the tier refuses the query option ``name`` = ``value`` (naming it only if
-    redis-py takes it), or None."""
-    if name not in _REDIS_PY_NAMES:
-        return "its query has an option redis-py does not take"
-    if name in _TIER_SETS:
-        return f"its query sets {name}, which the tier sets from {_TIER_SETS[name]}"
-    if name not in _IMPLEMENTED:
-        takes = ", ".join(_IMPLEMENTED)
-        return f"its query option {name} is not implemented by the redis tier (it takes {takes})"
-    try:
-        URL_QUERY_ARGUMENT_PARSERS.get(name, str)(value)
-    except (TypeError, ValueError):
-        return f"its query option {name} has an invalid value"
-    if name == "socket_keepalive" and scheme == "unix":
-        return "its query option socket_keepalive needs a redis:// or rediss:// url"
-    if name == "ssl_check_hostname" and scheme != "rediss":
-        return "its query option ssl_check_hostname needs a rediss:// url"
-    if name == "client_name" and not all("!" <= c <= "~" for c in value):  # as Redis says
-        return "its query option client_name must be printable ASCII without spaces"
     return None
 
 
@@ -183,15 +178,14 @@ class RedisOptions(BreakerOptions, ActorOptions):
         socket operation timing out after ``timeout_s``; with ``cluster`` a cluster client
         that never retries (but follows MOVED, ASK and TRYAGAIN) and connects as it is
         made (raising the client's error if no node answers)."""
+        tls = {arg: getattr(self, name) for name, arg in _TLS_FILES.items()}
         options: dict[str, Any] = {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
             "max_connections": self.max_connections,
             "decode_responses": False,
+            **{arg: path for arg, path in tls.items() if path is not None},
         }
-        for name, arg in _TLS_FILES.items():
-            if getattr(self, name) is not None:
-                options[arg] = getattr(self, name)
         if cluster:
             return RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 0), **options)
         return Redis.from_url(self.url, **options)

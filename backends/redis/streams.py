@@ -147,7 +147,6 @@ class _Entry:
     call: Future[None] = field(default_factory=Future)
     job: Job | None = None  # planned once begun
     sent: int = 0  # pipelines sent
-    unread: int = 0  # pipelines sent whose replies are not read yet
 
 
 class RespStream:
@@ -164,8 +163,7 @@ class RespStream:
         self._closed = False
         self._thread: threading.Thread | None = None
         # Each written by one thread only (the giver's, the stream's): no lock needed.
-        self._given = 0
-        self._ended = 0
+        self._given = self._ended = 0
 
     def submit(self, plan: Callable[[], Job], deliver: Callable[[Any], None]) -> Future[None]:
         """Queue the job ``plan()`` makes on the stream's thread once it begins;
@@ -230,16 +228,14 @@ class RespStream:
                     if entry.sent == job.pipelines:
                         active.popleft()
                     on_wire.append((entry, index, pipeline, link.send(pipeline, idle=not on_wire)))
-                    entry.unread += 1
                 current = None
                 if on_wire:
                     current, index, pipeline, sent = on_wire.popleft()
-                    current.unread -= 1
-                    replies = link.receive(pipeline, sent)
                     assert current.job is not None
-                    current.job.answered(index, replies)
+                    current.job.answered(index, link.receive(pipeline, sent))
                     entry, current = current, None
-                    if entry.sent == entry.job.pipelines and not entry.unread:
+                    # Replies are read in the order sent: its last pipeline's are its last.
+                    if index + 1 == entry.job.pipelines:
                         self._end(entry)
             except BaseException as exc:  # every job on this link fails with it
                 link.close()

@@ -81,7 +81,7 @@ class RedisTier(TierActor):
         self._cipher = None if keyring is None else BlockCipher(keyring)
         self.breaker = CircuitBreaker(o)
         super().__init__(primary_kv_view, block_bytes, **o.actor_options())
-        tenant = o.tenant.encode()
+        tenant, digest = o.tenant.encode(), namespace_digest(o.namespace)
         self._prefix = namespace_prefix(o.namespace) + tenant + b":"
         self._client = LazyClient(functools.partial(o.client, cluster=o.cluster))
         self._shape = JobShape(
@@ -89,9 +89,7 @@ class RedisTier(TierActor):
             block_bytes=block_bytes,
             prefix=self._prefix,
             # What every record of this tier is written with and checked against.
-            record=dict(
-                tenant=tenant, payload_bytes=block_bytes, ns_digest=namespace_digest(o.namespace)
-            ),
+            record=dict(tenant=tenant, payload_bytes=block_bytes, ns_digest=digest),
             cipher=self._cipher,
             per_pipeline=max(1, o.pipeline_bytes // block_bytes),
             expiry=() if o.ttl_s is None else ("EX", max(1, round(o.ttl_s))),
@@ -105,11 +103,12 @@ class RedisTier(TierActor):
         self._to_check: dict[OffloadKey, None] = {}  # queued for the next batched check
         self._in_check: set[OffloadKey] = set()  # in the check on the wire now
         self._checking = False
-        # The server's INFO memory and DBSIZE, read every usage_every_s (0 until then).
-        self._server_usage = {"used_bytes": 0, "capacity_bytes": 0, "server_keys": 0}
+        # The server's INFO memory, read every usage_every_s (0 until then); its DBSIZE
+        # is counters["server_keys"].
+        self._server_usage = {"used_bytes": 0, "capacity_bytes": 0}
         self._counters = dict.fromkeys(
             ("stored_blocks", "loaded_blocks", "corrupt_blocks", "missing_blocks",
-             "unreachable_calls", "lookup_round_trips", "pipelines"),
+             "unreachable_calls", "lookup_round_trips", "pipelines", "server_keys"),
             0,
         )  # fmt: skip
 
@@ -169,14 +168,8 @@ class RedisTier(TierActor):
     def _usage(self) -> dict[str, Any]:
         """The server's memory in use, ``maxmemory`` (0: no limit) and key count
         (``counters["server_keys"]``), as last read."""
-        usage = self._server_usage
-        return {
-            "used_blocks": self.get_num_blocks(),
-            "used_bytes": usage["used_bytes"],
-            "capacity_bytes": usage["capacity_bytes"],
-            "counters": {**self._counters, "server_keys": usage["server_keys"]},
-            "failures": {},
-        }
+        counters = dict(self._counters)
+        return {"used_blocks": self.get_num_blocks(), **self._server_usage, "counters": counters}
 
     @property
     def keyring(self) -> Keyring | None:
@@ -191,12 +184,6 @@ class RedisTier(TierActor):
         )
 
     # -- jobs: decided on the loop, carried by a stream -------------------------------
-
-    async def _do_store(self, job: JobMetadata) -> JobResult:
-        return await self._hand_over(job, "store")
-
-    async def _do_load(self, job: JobMetadata) -> JobResult:
-        return await self._hand_over(job, "load")
 
     async def _hand_over(self, job: JobMetadata, what: str) -> JobResult:
         """Hand ``job`` to a stream (unless the breaker refuses it) and await its result,
@@ -213,11 +200,13 @@ class RedisTier(TierActor):
             raise ClosedError("the redis tier is closed") from exc
         return await self.wait_call(call, done)
 
+    _do_store = functools.partialmethod(_hand_over, what="store")
+    _do_load = functools.partialmethod(_hand_over, what="load")
+
     def _settle(
         self, done: asyncio.Future[JobResult], job: JobMetadata, what: str, outcome: Any
     ) -> None:
         # On the stream's thread: ``done`` is resolved on the loop.
-
         def settled() -> None:
             if isinstance(outcome, BaseException) and not isinstance(outcome, CLIENT_ERRORS):
                 if not done.done():
@@ -285,10 +274,9 @@ class RedisTier(TierActor):
         except InvalidArgumentError as exc:
             return exc
         link = functools.partial(Link, endpoint, self._client if o.cluster else None)
-        # One stream per I/O thread, sharing the jobs' window: at most max_inflight
-        # pipelines on the wire, as with a job per thread.
-        window = max(1, self.max_inflight // o.io_threads)
-        self._streams = Streams(link, count=o.io_threads, window=window)
+        # One stream per I/O thread, sharing the jobs' window (at least 1 each): at most
+        # max_inflight pipelines on the wire, as with a job per thread.
+        self._streams = Streams(link, count=o.io_threads, window=self.max_inflight // o.io_threads)
         probe = o.client(cluster=False)
         try:
             probe.ping()
@@ -407,6 +395,7 @@ class RedisTier(TierActor):
             if self.breaker.state is BreakerState.CLOSED:
                 usage = await self.run_blocking(self._usage_hop)
                 if isinstance(usage, dict):
+                    self._counters["server_keys"] = usage.pop("server_keys")
                     self._server_usage = usage
             await asyncio.sleep(self.options.usage_every_s)
 
