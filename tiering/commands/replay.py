@@ -123,7 +123,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     shortcuts = {path: getattr(args, path) for _, _, path, _ in _field_options()}
-    config = resolve_config(args, cpu_shortcut(args.cpu) | shortcuts, _tier_shortcuts(args))
+    tiers = [  # after the config's own, fastest first
+        spec
+        for given, spec in [
+            (args.memory, {"type": "memory", "max_blocks": args.memory}),
+            (args.nvme, {"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size}),
+            (args.redis, {"type": "redis", "url": args.redis}),
+        ]
+        if given is not None
+    ]
+    config = resolve_config(args, cpu_shortcut(args.cpu) | shortcuts, tiers)
     requests = load_workload(config)
     _check_cpu_room(config, requests)
     if config.replay.nodes > 1:
@@ -138,7 +147,14 @@ def run(args: argparse.Namespace) -> int:
         summary = asyncio.run(_replay(config, requests, progress))
     figures = summary.to_json() | _bookkeeping(config, requests, summary)
     if summary.warm_blocks or summary.warm_hits:
-        print(f"tiering replay: warning: {_warm_note(summary)}", file=sys.stderr)
+        held = ", ".join(f"the {label} tier {n} blocks" for label, n in summary.warm_blocks.items())
+        before = f"the tiers held blocks before this replay ({held}); " if held else ""
+        print(
+            f"tiering replay: warning: {before}{summary.warm_hits} hit blocks were stored before "
+            "it, so the hit ratio is not a cold start's (replay into an empty NVMe root, or "
+            "`tiering clear` it first)",
+            file=sys.stderr,
+        )
     if args.json:
         print_json(figures)
     else:
@@ -256,16 +272,6 @@ def _causes(counts: dict[str, int]) -> str:
     return "; ".join(f"{cause}: {count}" for cause, count in Counter(counts).most_common(3))
 
 
-def _warm_note(summary: ReplaySummary) -> str:
-    """What the tiers held before the replay, and the hits that came of it."""
-    held = ", ".join(f"the {label} tier {n} blocks" for label, n in summary.warm_blocks.items())
-    before = f"the tiers held blocks before this replay ({held}); " if held else ""
-    return (
-        f"{before}{summary.warm_hits} hit blocks were stored before it, so the hit ratio is "
-        "not a cold start's (replay into an empty NVMe root, or `tiering clear` it first)"
-    )
-
-
 def _run_fleet(
     config: TieringConfig, requests: list[Request], as_json: bool, tolerate: bool
 ) -> int:
@@ -351,43 +357,15 @@ def format_fleet(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tier_shortcuts(args: argparse.Namespace) -> list[dict[str, object]]:
-    """Tiers the shortcut options add after the config's own, fastest first."""
-    specs = [
-        (args.memory, {"type": "memory", "max_blocks": args.memory}),
-        (args.nvme, {"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size}),
-        (args.redis, {"type": "redis", "url": args.redis}),
-    ]
-    return [spec for given, spec in specs if given is not None]
-
-
 def _bookkeeping(
     config: TieringConfig, requests: list[Request], summary: ReplaySummary
 ) -> dict[str, Any]:
     """The hit ratio the bookkeeping replay of this configuration promises (None under
     write-back, not modelled), with the tiers' real capacities and layouts, and why the
     engine's may differ from it (``bookkeeping_notes``; none: the two must be equal)."""
-    notes = _bookkeeping_notes(config, summary)
-    if config.engine.write_policy != "write_through":
-        return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}
-    model = simulate(
-        requests,
-        cpu_blocks=summary.capacity_blocks[CPU],
-        policy=config.engine.policy,
-        tier_blocks=list(summary.tier_layouts.values()),
-        full_blocks_only=config.replay.full_blocks_only,
-        tenants=config.replay.tenants,
-    )
-    ratio = round(model.hit_ratio, 4)
-    if not notes and ratio != round(summary.hit_ratio, 4):
-        notes.append("no known cause: the model or the engine is wrong (please report it)")
-    return {"bookkeeping_hit_ratio": ratio, "bookkeeping_notes": notes}
-
-
-def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[str]:
-    """Why the engine's hit ratio may differ from the bookkeeping's in this run."""
     notes = []
-    if config.engine.write_policy != "write_through":
+    write_through = config.engine.write_policy == "write_through"
+    if not write_through:
         notes.append("write-back is not modelled")
     if summary.warm_blocks or summary.warm_hits:
         notes.append(f"{summary.warm_hits} hit blocks were in the tiers before the replay")
@@ -417,7 +395,20 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
                 f"the {label} tier is modelled as least recently used over {layout} blocks, "
                 "which it need not be"
             )
-    return notes
+    if not write_through:
+        return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}
+    model = simulate(
+        requests,
+        cpu_blocks=summary.capacity_blocks[CPU],
+        policy=config.engine.policy,
+        tier_blocks=list(summary.tier_layouts.values()),
+        full_blocks_only=config.replay.full_blocks_only,
+        tenants=config.replay.tenants,
+    )
+    ratio = round(model.hit_ratio, 4)
+    if not notes and ratio != round(summary.hit_ratio, 4):
+        notes.append("no known cause: the model or the engine is wrong (please report it)")
+    return {"bookkeeping_hit_ratio": ratio, "bookkeeping_notes": notes}
 
 
 async def _replay(
