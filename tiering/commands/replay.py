@@ -226,8 +226,7 @@ def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
     """InvalidArgumentError naming ``--cpu`` for a CPU tier smaller than the longest request."""
     full = config.replay.full_blocks_only
     longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
-    size = config.replay.block_bytes
-    engine = config.engine
+    size, engine = config.replay.block_bytes, config.engine
     if engine.cpu_blocks is not None:
         blocks, given = engine.cpu_blocks, f"--cpu (engine.cpu_blocks) = {engine.cpu_blocks}"
     else:

@@ -499,10 +499,9 @@ class ReplayNode:
         engine, summary = self.engine, self.summary
         labels, size = tier_labels(engine), engine.block_bytes
         engine_stats = engine.statistics()
-        moved = engine_stats.counters
+        moved, failures = engine_stats.counters, engine_stats.failures
         paths = {"device->cpu": moved["bytes_to_host"], "cpu->device": moved["bytes_to_device"]}
         summary.capacity_blocks[CPU] = engine.manager.num_blocks
-        failures = engine_stats.failures
         _add(summary.tier_failures, CPU, failures)
         refused: Counter[str] = Counter()
         causes: Counter[str] = Counter()
