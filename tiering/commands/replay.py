@@ -123,16 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     shortcuts = {path: getattr(args, path) for _, _, path, _ in _field_options()}
-    tiers = [  # after the config's own, fastest first
-        spec
-        for given, spec in [
-            (args.memory, {"type": "memory", "max_blocks": args.memory}),
-            (args.nvme, {"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size}),
-            (args.redis, {"type": "redis", "url": args.redis}),
-        ]
-        if given is not None
-    ]
-    config = resolve_config(args, cpu_shortcut(args.cpu) | shortcuts, tiers)
+    config = resolve_config(args, cpu_shortcut(args.cpu) | shortcuts, _tier_shortcuts(args))
     requests = load_workload(config)
     _check_cpu_room(config, requests)
     if config.replay.nodes > 1:
@@ -354,6 +345,16 @@ def format_fleet(figures: dict[str, Any]) -> str:
     if figures.get("gain") is not None:
         lines.append(f"gain of the shared tier: {figures['gain']}x")
     return "\n".join(lines)
+
+
+def _tier_shortcuts(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Tiers the shortcut options add after the config's own, fastest first."""
+    specs = [
+        (args.memory, {"type": "memory", "max_blocks": args.memory}),
+        (args.nvme, {"type": "nvme", "root": args.nvme, "capacity_bytes": args.nvme_size}),
+        (args.redis, {"type": "redis", "url": args.redis}),
+    ]
+    return [spec for given, spec in specs if given is not None]
 
 
 def _bookkeeping(
