@@ -138,7 +138,14 @@ def run(args: argparse.Namespace) -> int:
         summary = asyncio.run(_replay(config, requests, progress))
     figures = summary.to_json() | _bookkeeping(config, requests, summary)
     if summary.warm_blocks or summary.warm_hits:
-        print(f"tiering replay: warning: {_warm_note(summary)}", file=sys.stderr)
+        held = ", ".join(f"the {label} tier {n} blocks" for label, n in summary.warm_blocks.items())
+        before = f"the tiers held blocks before this replay ({held}); " if held else ""
+        print(
+            f"tiering replay: warning: {before}{summary.warm_hits} hit blocks were stored before "
+            "it, so the hit ratio is not a cold start's (replay into an empty NVMe root, or "
+            "`tiering clear` it first)",
+            file=sys.stderr,
+        )
     if args.json:
         print_json(figures)
     else:
@@ -210,8 +217,7 @@ def _check_cpu_room(config: TieringConfig, requests: list[Request]) -> None:
     """InvalidArgumentError naming ``--cpu`` for a CPU tier smaller than the longest request."""
     full = config.replay.full_blocks_only
     longest = max(len(r.keys(full_blocks_only=full)) for r in requests)
-    size = config.replay.block_bytes
-    engine = config.engine
+    size, engine = config.replay.block_bytes, config.engine
     if engine.cpu_blocks is not None:
         blocks, given = engine.cpu_blocks, f"--cpu (engine.cpu_blocks) = {engine.cpu_blocks}"
     else:
@@ -254,16 +260,6 @@ def _causes(counts: dict[str, int]) -> str:
     if not counts:
         return "no cause recorded"
     return "; ".join(f"{cause}: {count}" for cause, count in Counter(counts).most_common(3))
-
-
-def _warm_note(summary: ReplaySummary) -> str:
-    """What the tiers held before the replay, and the hits that came of it."""
-    held = ", ".join(f"the {label} tier {n} blocks" for label, n in summary.warm_blocks.items())
-    before = f"the tiers held blocks before this replay ({held}); " if held else ""
-    return (
-        f"{before}{summary.warm_hits} hit blocks were stored before it, so the hit ratio is "
-        "not a cold start's (replay into an empty NVMe root, or `tiering clear` it first)"
-    )
 
 
 def _run_fleet(
@@ -367,27 +363,9 @@ def _bookkeeping(
     """The hit ratio the bookkeeping replay of this configuration promises (None under
     write-back, not modelled), with the tiers' real capacities and layouts, and why the
     engine's may differ from it (``bookkeeping_notes``; none: the two must be equal)."""
-    notes = _bookkeeping_notes(config, summary)
-    if config.engine.write_policy != "write_through":
-        return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}
-    model = simulate(
-        requests,
-        cpu_blocks=summary.capacity_blocks[CPU],
-        policy=config.engine.policy,
-        tier_blocks=list(summary.tier_layouts.values()),
-        full_blocks_only=config.replay.full_blocks_only,
-        tenants=config.replay.tenants,
-    )
-    ratio = round(model.hit_ratio, 4)
-    if not notes and ratio != round(summary.hit_ratio, 4):
-        notes.append("no known cause: the model or the engine is wrong (please report it)")
-    return {"bookkeeping_hit_ratio": ratio, "bookkeeping_notes": notes}
-
-
-def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[str]:
-    """Why the engine's hit ratio may differ from the bookkeeping's in this run."""
     notes = []
-    if config.engine.write_policy != "write_through":
+    write_through = config.engine.write_policy == "write_through"
+    if not write_through:
         notes.append("write-back is not modelled")
     if summary.warm_blocks or summary.warm_hits:
         notes.append(f"{summary.warm_hits} hit blocks were in the tiers before the replay")
@@ -417,7 +395,20 @@ def _bookkeeping_notes(config: TieringConfig, summary: ReplaySummary) -> list[st
                 f"the {label} tier is modelled as least recently used over {layout} blocks, "
                 "which it need not be"
             )
-    return notes
+    if not write_through:
+        return {"bookkeeping_hit_ratio": None, "bookkeeping_notes": notes}
+    model = simulate(
+        requests,
+        cpu_blocks=summary.capacity_blocks[CPU],
+        policy=config.engine.policy,
+        tier_blocks=list(summary.tier_layouts.values()),
+        full_blocks_only=config.replay.full_blocks_only,
+        tenants=config.replay.tenants,
+    )
+    ratio = round(model.hit_ratio, 4)
+    if not notes and ratio != round(summary.hit_ratio, 4):
+        notes.append("no known cause: the model or the engine is wrong (please report it)")
+    return {"bookkeeping_hit_ratio": ratio, "bookkeeping_notes": notes}
 
 
 async def _replay(

@@ -19,7 +19,7 @@ from tiering.config import ReplayConfig
 from tiering.core.scheduler_api import OffloadingEvent
 from tiering.engine import TieringEngine
 from tiering.errors import InvalidArgumentError, TieringError
-from tiering.lab.replay import ReplayNode, ReplaySummary, device_blocks_for, percentiles_ms, summed
+from tiering.lab.replay import ReplayNode, ReplaySummary, combined, device_blocks_for, summed
 from tiering.lab.workloads import Request
 from tiering.observe.events import DEFAULT_TOPIC, ZmqPublisher, decode_events, encode_events
 from tiering.observe.statistics import uncount
@@ -198,39 +198,16 @@ class FleetSummary:
         return counters
 
     def to_json(self) -> dict[str, Any]:
-        """The summary as plain JSON values."""
-        by_source = summed(n.hits_by_tier for n in self.nodes)
-        requests = sum(n.requests for n in self.nodes)
-        return {
+        """The summary as plain JSON values: the nodes' figures added up, then the fleet's."""
+        whole = combined(self.nodes, self.seconds).to_json()
+        return {name: whole[name] for name in _COMBINED_FIELDS} | {
             "router": self.router,
             "nodes": len(self.nodes),
-            "requests": requests,
-            "blocks": self.blocks,
-            "hit_ratio": round(self.hit_ratio, 4),
-            "hit_ratio_by_source": {
-                s: round(h / self.blocks, 4) if self.blocks else 0.0 for s, h in by_source.items()
-            },
+            "hit_ratio_by_source": whole["hit_ratio_by_tier"],
             "hit_ratio_by_node": [round(n.hit_ratio, 4) for n in self.nodes],
             "requests_by_node": list(self.routed),
-            **{
-                name: sum(getattr(n, name) for n in self.nodes)
-                for name in ("mismatches", "failed_loads", "failed_stores", "evicted_loads")
-            },
-            "failed_blocks_by_tier": {
-                name: summed(n.failed_blocks_by_tier.get(name, {}) for n in self.nodes)
-                for name in dict.fromkeys(t for n in self.nodes for t in n.failed_blocks_by_tier)
-            },
-            "refused_blocks_by_tier": summed(n.refused_blocks_by_tier for n in self.nodes),
-            "failure_causes": summed(n.failure_causes for n in self.nodes),
-            "seconds": round(self.seconds, 3),
-            "requests_per_s": round(requests / self.seconds, 1) if self.seconds else 0.0,
             "restarts": self.restarts,
             "lost_event_batches": self.lost_event_batches,
-            "bytes_by_path": summed(n.bytes_by_path for n in self.nodes),
-            "job_latency_ms": {
-                "store": percentiles_ms([t for n in self.nodes for t in n.store_latency_s]),
-                "load": percentiles_ms([t for n in self.nodes for t in n.load_latency_s]),
-            },
             "shared_tier_counters": {
                 label: self._shared_counters(label)
                 for label in sorted({k for n in self.nodes for k in n.tier_counters})
@@ -245,12 +222,20 @@ class FleetSummary:
             ),
             "timeline": [
                 {
-                    "requests": min((i + 1) * self.window, requests),
+                    "requests": min((i + 1) * self.window, whole["requests"]),
                     "hit_ratio": round(hit / blocks, 4) if blocks else 0.0,
                 }
                 for i, (hit, blocks) in enumerate(self.timeline)
             ],
         }
+
+
+# The figures of :meth:`FleetSummary.to_json` that are its nodes' added up.
+_COMBINED_FIELDS = (
+    "requests", "blocks", "hit_ratio", "mismatches", "failed_loads", "failed_stores",
+    "evicted_loads", "failed_blocks_by_tier", "refused_blocks_by_tier", "failure_causes",
+    "seconds", "requests_per_s", "bytes_by_path", "job_latency_ms",
+)  # fmt: skip
 
 
 async def replay_fleet(

@@ -284,6 +284,26 @@ _JSON_FIELDS = (
 )  # fmt: skip
 
 
+# The counts :func:`combined` adds up (the latency lists: joined).
+_ADDED_UP = (
+    "requests", "blocks", "hit_blocks", "mismatches", "failed_loads", "failed_stores",
+    "evicted_loads", "store_latency_s", "load_latency_s",
+)  # fmt: skip
+
+
+def combined(summaries: Iterable[ReplaySummary], seconds: float) -> ReplaySummary:
+    """Several engines' summaries (a fleet's nodes) as one of ``seconds``: counts added up."""
+    total = ReplaySummary(seconds=seconds)
+    for summary in summaries:
+        for name in _ADDED_UP:
+            setattr(total, name, getattr(total, name) + getattr(summary, name))
+        for name in ("hits_by_tier", "refused_blocks_by_tier", "failure_causes", "bytes_by_path"):
+            setattr(total, name, summed([getattr(total, name), getattr(summary, name)]))
+        for tier, counts in summary.failed_blocks_by_tier.items():
+            _add(total.failed_blocks_by_tier, tier, counts)
+    return total
+
+
 def percentiles_ms(samples: list[float]) -> dict[str, float]:
     """p50 and p99 of latencies in seconds, as milliseconds, and their count."""
     if not samples:
@@ -479,10 +499,9 @@ class ReplayNode:
         engine, summary = self.engine, self.summary
         labels, size = tier_labels(engine), engine.block_bytes
         engine_stats = engine.statistics()
-        moved = engine_stats.counters
+        moved, failures = engine_stats.counters, engine_stats.failures
         paths = {"device->cpu": moved["bytes_to_host"], "cpu->device": moved["bytes_to_device"]}
         summary.capacity_blocks[CPU] = engine.manager.num_blocks
-        failures = engine_stats.failures
         _add(summary.tier_failures, CPU, failures)
         refused: Counter[str] = Counter()
         causes: Counter[str] = Counter()
