@@ -173,16 +173,9 @@ class EngineCollector:
 
     def _engine_families(self, r: _Reading) -> Iterator[Metric]:
         p, stats, counters = self.prefix, r.engine, r.engine.counters
-        yield GaugeMetricFamily(
-            f"{p}_jobs_in_flight",
-            "Engine jobs (waiting, running or cascading) and flushes not ended.",
-            stats.jobs_in_flight,
-        )
-        yield GaugeMetricFamily(
-            f"{p}_in_flight_bytes",
-            "Bytes the engine's copies and tier jobs in flight move now.",
-            stats.bytes_in_flight,
-        )
+        values = (stats.jobs_in_flight, stats.bytes_in_flight)
+        for (name, doc), value in zip(_ENGINE_GAUGES, values, strict=True):
+            yield GaugeMetricFamily(f"{p}_{name}", doc, value)
         for counter, name, doc in _ENGINE_COUNTERS:
             yield CounterMetricFamily(f"{p}_{name}", doc, counters.get(counter, 0))
         failures = CounterMetricFamily(
@@ -193,22 +186,12 @@ class EngineCollector:
         yield failures
 
     def _tenant_families(self, r: _Reading) -> Iterator[Metric]:
-        p = self.prefix
-        blocks = CounterMetricFamily(
-            f"{p}_tenant_lookup_blocks",
-            "Hashes a tenant passed to engine.lookup (tenant: an opaque label).",
-            labels=["tenant"],
-        )
-        hits = CounterMetricFamily(
-            f"{p}_tenant_lookup_hit_blocks",
-            "Leading hashes of a tenant's lookups found in some tier (tenant: an opaque label).",
-            labels=["tenant"],
-        )
-        for label, counts in sorted(r.tenants.items()):
-            blocks.add_metric([label], counts.blocks)
-            hits.add_metric([label], counts.hit_blocks)
-        yield blocks
-        yield hits
+        for field, what in _TENANT_COUNTERS:
+            name, doc = f"{self.prefix}_tenant_lookup_{field}", f"{what} (tenant: an opaque label)."
+            family = CounterMetricFamily(name, doc, labels=["tenant"])
+            for label, counts in sorted(r.tenants.items()):
+                family.add_metric([label], getattr(counts, field))
+            yield family
 
     def _lookup_families(self, r: _Reading) -> Iterator[Metric]:
         p, lookups = self.prefix, r.lookups
@@ -318,6 +301,14 @@ _ENGINE_COUNTERS: Sequence[tuple[str, str, str]] = (
     ("failed_jobs", "failed_jobs", "Store and load jobs whose result was not success."),
     ("declined_blocks", "declined_blocks", "Blocks stores asked for that the policy declined."),
     ("lost_blocks", "lost_blocks", "Write-back blocks that left CPU while in no other tier."),
+)
+_ENGINE_GAUGES: Sequence[tuple[str, str]] = (
+    ("jobs_in_flight", "Engine jobs (waiting, running or cascading) and flushes not ended."),
+    ("in_flight_bytes", "Bytes the engine's copies and tier jobs in flight move now."),
+)
+_TENANT_COUNTERS: Sequence[tuple[str, str]] = (  # TenantLookups field, what it counts
+    ("blocks", "Hashes a tenant passed to engine.lookup"),
+    ("hit_blocks", "Leading hashes of a tenant's lookups found in some tier"),
 )
 _LOOKUP_COUNTERS: Sequence[tuple[str, str]] = (
     ("lookups", "Calls of engine.lookup."),

@@ -278,8 +278,8 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)
 
     def _register(self, job: TierJob, *, admitted: bool = False) -> None:
-        if not admitted:
-            self._ledger.admit(job)
+        if not admitted:  # _admit checked its id
+            self._ledger.admit(job, checked=True)
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
@@ -433,8 +433,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
             # Not asked to stop: fail what is left rather than leave anyone waiting.
             logger.error("%s: serving stopped unexpectedly; tier closed", self._name())
             self._state = Lifecycle.CLOSING
-            self._cancel_reason = "tier actor stopped unexpectedly"
-            self._cancel_cause = "tier actor stopped unexpectedly"
+            self._cancel_reason = self._cancel_cause = "tier actor stopped unexpectedly"
             self._cancel_running_jobs()
             self._stop(notify=True)
 
