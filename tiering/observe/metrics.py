@@ -162,11 +162,10 @@ class EngineCollector:
             for sample in new:
                 observe(sample)
             lag = self._lag.snapshot()
-        name = f"{self.prefix}_loop_lag_seconds"
         doc = "How late the event loop woke a periodic ticker (LoopLagMonitor samples)."
-        family = HistogramMetricFamily(name, doc)
-        family.add_metric([], _buckets(lag), lag.sum)
-        yield family
+        yield HistogramMetricFamily(
+            f"{self.prefix}_loop_lag_seconds", doc, buckets=_buckets(lag), sum_value=lag.sum
+        )
         yield GaugeMetricFamily(
             f"{self.prefix}_loop_lag_max_seconds", "The largest loop lag seen.", lag.max
         )
@@ -196,11 +195,8 @@ class EngineCollector:
     def _lookup_families(self, r: _Reading) -> Iterator[Metric]:
         p, lookups = self.prefix, r.lookups
         misses = lookups.blocks - lookups.hit_blocks
-        for (name, doc), value in zip(
-            _LOOKUP_COUNTERS,
-            (lookups.lookups, lookups.blocks, lookups.hit_blocks, misses),
-            strict=True,
-        ):
+        values = (lookups.lookups, lookups.blocks, lookups.hit_blocks, misses)
+        for (name, doc), value in zip(_LOOKUP_COUNTERS, values, strict=True):
             yield CounterMetricFamily(f"{p}_{name}", doc, value)
         asked, hits, missed = (
             CounterMetricFamily(f"{p}_{name}", doc, labels=["tier", "level"])
