@@ -54,16 +54,14 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
     ) -> None:
         """Raises InvalidArgumentError if ``primary_kv_view`` is not a writable memoryview
         of whole blocks or a size is not a positive int (:class:`ActorOptions`)."""
-        options = ActorOptions.check(
-            {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads},
-            owner=type(self).__name__,
-        )
+        sizes = {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads}
+        ActorOptions.check(sizes, owner=type(self).__name__)  # strict: the values as given
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
-        self.inbox_size = options.inbox_size
-        self.max_inflight = options.max_inflight
-        self.io_threads = options.io_threads
+        self.inbox_size = inbox_size
+        self.max_inflight = max_inflight
+        self.io_threads = io_threads
 
         self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
