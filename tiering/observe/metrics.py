@@ -232,13 +232,9 @@ class EngineCollector:
             "Failed blocks or jobs of this tier, by cause.",
             labels=[*labels, "reason"],
         )
-        engine = r.engine
-        cpu_counters = {
-            name: engine.counters[name]
-            for name in ("stored_blocks", "loaded_blocks", "evicted_blocks")
-        }
+        engine = r.engine  # the CPU tier's row: its stored, loaded and evicted blocks
         rows: list[tuple[str, int, Statistics, int, Mapping[str, int]]] = [
-            (CPU_TIER, 0, engine, r.cpu_idle_blocks, cpu_counters)
+            (CPU_TIER, 0, engine, r.cpu_idle_blocks, engine.counters)
         ]
         for tier in r.tiers:
             stats = tier.stats
