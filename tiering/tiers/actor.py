@@ -136,8 +136,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
                 done, _ = await asyncio.wait({runner}, timeout=_CANCEL_GRACE_S)
                 if not done and self._ledger.pending > self._ledger.busy_jobs:
                     logger.warning(
-                        "%s: a job ignored cancellation; failing it without waiting",
-                        self._name(),
+                        "%s: a job ignored cancellation; failing it without waiting", self._name()
                     )
             self._stop(notify=True)
             # Jobs cut short inside a thread call get their result when it returns.
