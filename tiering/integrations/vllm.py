@@ -274,8 +274,7 @@ class RegisteredTierManager(SecondaryTierManager):
 
     def _take_removals(self, events: list[OffloadingEvent]) -> None:
         """Under the lock: the tier's removals so far become the next event."""
-        removed = self._tier.take_removed()
-        if removed:
+        if removed := self._tier.take_removed():
             events.append(self._event(removed, removed=True))
 
     def drain_jobs(self) -> None:

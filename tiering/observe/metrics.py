@@ -255,17 +255,16 @@ class EngineCollector:
                 gauges["in_flight_bytes"].add_metric(values, stats.bytes_in_flight)
                 for reason, count in sorted(stats.failures.items()):
                     failures.add_metric([*values, reason], count)
-            for kind in ("stored", "loaded"):
-                blocks = tier_counters.get(f"{kind}_blocks")
-                if blocks is not None:
-                    counters[f"{kind}_blocks"].add_metric(values, blocks)
-                    counters[f"{kind}_bytes"].add_metric(values, blocks * size)
-            for counter, family in (
-                ("evicted_blocks", "evicted_blocks"),
-                ("corrupt_blocks", "verification_failures"),
+            for counter, family, scale in (  # the tier's counter each family shows
+                ("stored_blocks", "stored_blocks", 1),
+                ("stored_blocks", "stored_bytes", size),
+                ("loaded_blocks", "loaded_blocks", 1),
+                ("loaded_blocks", "loaded_bytes", size),
+                ("evicted_blocks", "evicted_blocks", 1),
+                ("corrupt_blocks", "verification_failures", 1),
             ):
                 if (value := tier_counters.get(counter)) is not None:
-                    counters[family].add_metric(values, value)
+                    counters[family].add_metric(values, value * scale)
         yield from gauges.values()
         yield from counters.values()
         yield failures
