@@ -174,8 +174,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
             for job in self._ledger.undelivered():
                 while job.busy:
                     self._ledger.idle(job.meta.job_id)
-        usable = loop is None or not loop.is_closed()
-        self._stop(notify=usable)
+        self._stop(notify=loop is None or not loop.is_closed())
 
     def statistics(self) -> Statistics:
         """State, jobs without a result and their bytes, what :meth:`_usage` reports,
