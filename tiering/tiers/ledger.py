@@ -51,8 +51,7 @@ class ResultsLedger:
         """Keys of the jobs counted by :attr:`pending`."""
 
     def admit(self, job: TierJob, *, checked: bool = False) -> None:
-        """Start tracking ``job``; raises as :meth:`check_free` does, unless ``checked``
-        (the caller's own :meth:`check_free` passed it)."""
+        """Start tracking ``job``; raises as :meth:`check_free` does unless already ``checked``."""
         if not checked:
             self.check_free(job.meta.job_id)
         self._jobs[job.meta.job_id] = job
