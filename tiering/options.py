@@ -53,9 +53,6 @@ def secret(default: Any = ...) -> Any:
     return Field(default, repr=False, json_schema_extra=_SECRET)
 
 
-_NONE_WORDS = ("none", "")
-
-
 class Options(BaseModel):
     """Frozen, typed options; unknown names are refused. :meth:`check` validates a mapping."""
 
@@ -120,7 +117,7 @@ class Options(BaseModel):
         field = cls.model_fields.get(name)
         if field is None:
             return str(text)
-        if field.default is None and text.strip().lower() in _NONE_WORDS:
+        if field.default is None and text.strip().lower() in ("none", ""):
             return None
         # The type, constraints and validators only: pydantic warns of the field's own
         # attributes (repr, default, ...) outside a model.

@@ -15,14 +15,12 @@ from tiering.errors import InvalidArgumentError
 def positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
     """``value`` as an int if it is an integer (not a bool) above zero (or zero, with
     ``allow_zero``)."""
-    if not isinstance(value, bool):
-        try:
-            number = operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            pass
-        else:
-            if number > 0 or (allow_zero and number == 0):
-                return number
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = -1  # refused below
+    if (number > 0 or (allow_zero and number == 0)) and not isinstance(value, bool):
+        return number
     bound = "non-negative" if allow_zero else "positive"
     raise InvalidArgumentError(f"{name} must be a {bound} int, got {value!r}")
 

@@ -217,9 +217,8 @@ class DeviceCopier(AsyncService):
     async def aclose(self) -> None:
         """Wait until every started copy has ended (blocking, if cancelled), then release
         the backend; idempotent."""
-        if self._state is Lifecycle.NEW:
+        if self._state in (Lifecycle.NEW, Lifecycle.CLOSED):  # never opened, or close()d
             self._state = Lifecycle.CLOSED
-        if self._state is Lifecycle.CLOSED:  # hard-stopped by close(), or never opened
             return
         self._state = Lifecycle.CLOSING
         try:

@@ -298,11 +298,7 @@ class CudaCopyBackend:
         self._lanes.clear()
 
     def _copy_chunk(
-        self,
-        direction: Direction,
-        chunk: CopyChunk,
-        lane: _Lane,
-        progress: LayerProgress | None,
+        self, direction: Direction, chunk: CopyChunk, lane: _Lane, progress: LayerProgress | None
     ) -> None:
         """Enqueue one chunk through the lane's next staging buffer: a gather of every
         layer's rows then one DMA per slot run (to the host), or the DMAs then the

@@ -132,12 +132,9 @@ class ThreadCopyBackend:
             self._dispatch()  # nothing runs now: whatever is queued goes at once
 
     async def aclose(self) -> None:
-        self._release(wait=True)
+        self.close(wait=True)
 
-    def close(self) -> None:
-        self._release(wait=False)
-
-    def _release(self, *, wait: bool) -> None:
+    def close(self, *, wait: bool = False) -> None:
         executor, self.executor = self.executor, None
         if executor is not None and executor is not self._given_executor:
             executor.shutdown(wait=wait)

@@ -10,13 +10,14 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tiering.errors import InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT, canonical_json
 from tiering.integrations.tier_thread import FRAMEWORK_DEFAULTS, TierThread, fixed_tier
 from tiering.observe.statistics import FailureLog, uncount
 from tiering.tiers.client import TierOutcome
+from tiering.tiers.inbox import Lane
 from tiering.tiers.tier_api import checked_job
 
 try:
@@ -85,7 +86,7 @@ def vllm_namespace(offloading_spec: OffloadingSpec, block_bytes: int) -> str:
 
 @dataclass(slots=True)
 class _Pending:
-    kind: Literal["store", "load"]
+    kind: Lane
     keys: list[bytes]
     started: float
 
@@ -181,7 +182,7 @@ class RegisteredTierManager(SecondaryTierManager):
         """Queue a promotion of stored chunks into primary chunks, as :meth:`_submit` says."""
         self._submit("load", job_metadata)
 
-    def _submit(self, kind: Literal["store", "load"], job: TransferJob) -> None:
+    def _submit(self, kind: Lane, job: TransferJob) -> None:
         """Hand ``job`` to the tier and return at once, raising nothing (vLLM calls it
         without a try), or refuse it: bad keys or chunk ids, or the tier shut down. A
         refused job's failed result is queued at once, the refusal counted
@@ -209,9 +210,7 @@ class RegisteredTierManager(SecondaryTierManager):
                 self._storing.update(keys)
         self._thread.submit(kind, keys, slots, partial(self._job_ended, job_id), checked=True)
 
-    def _refuse(
-        self, kind: Literal["store", "load"], job_id: int | None, cause: str, detail: str = ""
-    ) -> None:
+    def _refuse(self, kind: Lane, job_id: int | None, cause: str, detail: str = "") -> None:
         """Under the lock: count and log a refused job; queue its failed result (if ``job_id``)."""
         self._refusals.record(f"{kind} job refused: {cause}", detail=detail)
         self._counters[f"{kind}_refused_jobs"] += 1
@@ -275,8 +274,7 @@ class RegisteredTierManager(SecondaryTierManager):
 
     def _take_removals(self, events: list[OffloadingEvent]) -> None:
         """Under the lock: the tier's removals so far become the next event."""
-        removed = self._tier.take_removed()
-        if removed:
+        if removed := self._tier.take_removed():
             events.append(self._event(removed, removed=True))
 
     def drain_jobs(self) -> None:

@@ -162,27 +162,19 @@ class EngineCollector:
             for sample in new:
                 observe(sample)
             lag = self._lag.snapshot()
-        name = f"{self.prefix}_loop_lag_seconds"
         doc = "How late the event loop woke a periodic ticker (LoopLagMonitor samples)."
-        family = HistogramMetricFamily(name, doc)
-        family.add_metric([], _buckets(lag), lag.sum)
-        yield family
+        yield HistogramMetricFamily(
+            f"{self.prefix}_loop_lag_seconds", doc, buckets=_buckets(lag), sum_value=lag.sum
+        )
         yield GaugeMetricFamily(
             f"{self.prefix}_loop_lag_max_seconds", "The largest loop lag seen.", lag.max
         )
 
     def _engine_families(self, r: _Reading) -> Iterator[Metric]:
         p, stats, counters = self.prefix, r.engine, r.engine.counters
-        yield GaugeMetricFamily(
-            f"{p}_jobs_in_flight",
-            "Engine jobs (waiting, running or cascading) and flushes not ended.",
-            stats.jobs_in_flight,
-        )
-        yield GaugeMetricFamily(
-            f"{p}_in_flight_bytes",
-            "Bytes the engine's copies and tier jobs in flight move now.",
-            stats.bytes_in_flight,
-        )
+        values = (stats.jobs_in_flight, stats.bytes_in_flight)
+        for (name, doc), value in zip(_ENGINE_GAUGES, values, strict=True):
+            yield GaugeMetricFamily(f"{p}_{name}", doc, value)
         for counter, name, doc in _ENGINE_COUNTERS:
             yield CounterMetricFamily(f"{p}_{name}", doc, counters.get(counter, 0))
         failures = CounterMetricFamily(
@@ -193,31 +185,18 @@ class EngineCollector:
         yield failures
 
     def _tenant_families(self, r: _Reading) -> Iterator[Metric]:
-        p = self.prefix
-        blocks = CounterMetricFamily(
-            f"{p}_tenant_lookup_blocks",
-            "Hashes a tenant passed to engine.lookup (tenant: an opaque label).",
-            labels=["tenant"],
-        )
-        hits = CounterMetricFamily(
-            f"{p}_tenant_lookup_hit_blocks",
-            "Leading hashes of a tenant's lookups found in some tier (tenant: an opaque label).",
-            labels=["tenant"],
-        )
-        for label, counts in sorted(r.tenants.items()):
-            blocks.add_metric([label], counts.blocks)
-            hits.add_metric([label], counts.hit_blocks)
-        yield blocks
-        yield hits
+        for field, what in _TENANT_COUNTERS:
+            name, doc = f"{self.prefix}_tenant_lookup_{field}", f"{what} (tenant: an opaque label)."
+            family = CounterMetricFamily(name, doc, labels=["tenant"])
+            for label, counts in sorted(r.tenants.items()):
+                family.add_metric([label], getattr(counts, field))
+            yield family
 
     def _lookup_families(self, r: _Reading) -> Iterator[Metric]:
         p, lookups = self.prefix, r.lookups
         misses = lookups.blocks - lookups.hit_blocks
-        for (name, doc), value in zip(
-            _LOOKUP_COUNTERS,
-            (lookups.lookups, lookups.blocks, lookups.hit_blocks, misses),
-            strict=True,
-        ):
+        values = (lookups.lookups, lookups.blocks, lookups.hit_blocks, misses)
+        for (name, doc), value in zip(_LOOKUP_COUNTERS, values, strict=True):
             yield CounterMetricFamily(f"{p}_{name}", doc, value)
         asked, hits, missed = (
             CounterMetricFamily(f"{p}_{name}", doc, labels=["tier", "level"])
@@ -253,13 +232,9 @@ class EngineCollector:
             "Failed blocks or jobs of this tier, by cause.",
             labels=[*labels, "reason"],
         )
-        engine = r.engine
-        cpu_counters = {
-            name: engine.counters[name]
-            for name in ("stored_blocks", "loaded_blocks", "evicted_blocks")
-        }
+        engine = r.engine  # the CPU tier's row: its stored, loaded and evicted blocks
         rows: list[tuple[str, int, Statistics, int, Mapping[str, int]]] = [
-            (CPU_TIER, 0, engine, r.cpu_idle_blocks, cpu_counters)
+            (CPU_TIER, 0, engine, r.cpu_idle_blocks, engine.counters)
         ]
         for tier in r.tiers:
             stats = tier.stats
@@ -280,17 +255,16 @@ class EngineCollector:
                 gauges["in_flight_bytes"].add_metric(values, stats.bytes_in_flight)
                 for reason, count in sorted(stats.failures.items()):
                     failures.add_metric([*values, reason], count)
-            for kind in ("stored", "loaded"):
-                blocks = tier_counters.get(f"{kind}_blocks")
-                if blocks is not None:
-                    counters[f"{kind}_blocks"].add_metric(values, blocks)
-                    counters[f"{kind}_bytes"].add_metric(values, blocks * size)
-            for counter, family in (
-                ("evicted_blocks", "evicted_blocks"),
-                ("corrupt_blocks", "verification_failures"),
+            for counter, family, scale in (  # the tier's counter each family shows
+                ("stored_blocks", "stored_blocks", 1),
+                ("stored_blocks", "stored_bytes", size),
+                ("loaded_blocks", "loaded_blocks", 1),
+                ("loaded_blocks", "loaded_bytes", size),
+                ("evicted_blocks", "evicted_blocks", 1),
+                ("corrupt_blocks", "verification_failures", 1),
             ):
                 if (value := tier_counters.get(counter)) is not None:
-                    counters[family].add_metric(values, value)
+                    counters[family].add_metric(values, value * scale)
         yield from gauges.values()
         yield from counters.values()
         yield failures
@@ -318,6 +292,14 @@ _ENGINE_COUNTERS: Sequence[tuple[str, str, str]] = (
     ("failed_jobs", "failed_jobs", "Store and load jobs whose result was not success."),
     ("declined_blocks", "declined_blocks", "Blocks stores asked for that the policy declined."),
     ("lost_blocks", "lost_blocks", "Write-back blocks that left CPU while in no other tier."),
+)
+_ENGINE_GAUGES: Sequence[tuple[str, str]] = (
+    ("jobs_in_flight", "Engine jobs (waiting, running or cascading) and flushes not ended."),
+    ("in_flight_bytes", "Bytes the engine's copies and tier jobs in flight move now."),
+)
+_TENANT_COUNTERS: Sequence[tuple[str, str]] = (  # TenantLookups field, what it counts
+    ("blocks", "Hashes a tenant passed to engine.lookup"),
+    ("hit_blocks", "Leading hashes of a tenant's lookups found in some tier"),
 )
 _LOOKUP_COUNTERS: Sequence[tuple[str, str]] = (
     ("lookups", "Calls of engine.lookup."),

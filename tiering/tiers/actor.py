@@ -54,16 +54,14 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
     ) -> None:
         """Raises InvalidArgumentError if ``primary_kv_view`` is not a writable memoryview
         of whole blocks or a size is not a positive int (:class:`ActorOptions`)."""
-        options = ActorOptions.check(
-            {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads},
-            owner=type(self).__name__,
-        )
+        sizes = {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads}
+        ActorOptions.check(sizes, owner=type(self).__name__)  # strict: the values as given
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
-        self.inbox_size = options.inbox_size
-        self.max_inflight = options.max_inflight
-        self.io_threads = options.io_threads
+        self.inbox_size = inbox_size
+        self.max_inflight = max_inflight
+        self.io_threads = io_threads
 
         self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -138,8 +136,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
                 done, _ = await asyncio.wait({runner}, timeout=_CANCEL_GRACE_S)
                 if not done and self._ledger.pending > self._ledger.busy_jobs:
                     logger.warning(
-                        "%s: a job ignored cancellation; failing it without waiting",
-                        self._name(),
+                        "%s: a job ignored cancellation; failing it without waiting", self._name()
                     )
             self._stop(notify=True)
             # Jobs cut short inside a thread call get their result when it returns.
@@ -177,8 +174,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
             for job in self._ledger.undelivered():
                 while job.busy:
                     self._ledger.idle(job.meta.job_id)
-        usable = loop is None or not loop.is_closed()
-        self._stop(notify=usable)
+        self._stop(notify=loop is None or not loop.is_closed())
 
     def statistics(self) -> Statistics:
         """State, jobs without a result and their bytes, what :meth:`_usage` reports,
@@ -278,8 +274,8 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         return checked_job(job.job_id, job.keys, job.block_ids, self.num_primary_slots)
 
     def _register(self, job: TierJob, *, admitted: bool = False) -> None:
-        if not admitted:
-            self._ledger.admit(job)
+        if not admitted:  # _admit checked its id
+            self._ledger.admit(job, checked=True)
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 
@@ -433,8 +429,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
             # Not asked to stop: fail what is left rather than leave anyone waiting.
             logger.error("%s: serving stopped unexpectedly; tier closed", self._name())
             self._state = Lifecycle.CLOSING
-            self._cancel_reason = "tier actor stopped unexpectedly"
-            self._cancel_cause = "tier actor stopped unexpectedly"
+            self._cancel_reason = self._cancel_cause = "tier actor stopped unexpectedly"
             self._cancel_running_jobs()
             self._stop(notify=True)
 

@@ -50,11 +50,11 @@ class ResultsLedger:
         self.keys_pending = 0
         """Keys of the jobs counted by :attr:`pending`."""
 
-    def admit(self, job: TierJob) -> None:
-        """Start tracking ``job``; raises as :meth:`check_free` does."""
-        job_id = job.meta.job_id
-        self.check_free(job_id)
-        self._jobs[job_id] = job
+    def admit(self, job: TierJob, *, checked: bool = False) -> None:
+        """Start tracking ``job``; raises as :meth:`check_free` does unless already ``checked``."""
+        if not checked:
+            self.check_free(job.meta.job_id)
+        self._jobs[job.meta.job_id] = job
         self.pending += 1
         self.keys_pending += len(job.meta.keys)
 
@@ -72,7 +72,7 @@ class ResultsLedger:
             self._next_id += 1
         job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
         self._next_id += 1
-        self.admit(job)
+        self.admit(job, checked=True)
         return job
 
     def check_free(self, job_id: object, taken: Collection[int] = ()) -> None:
