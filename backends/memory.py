@@ -20,7 +20,7 @@ from tiering.options import ActorOptions, PositiveInt
 from tiering.tiers.actor import TierActor
 from tiering.tiers.residency_index import ResidencyIndex
 from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.validation import check_key
+from tiering.validation import check_offload_key
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class MemoryTier(TierActor):
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if held, None while a store of it is queued or running, else False.
         Raises InvalidArgumentError if ``key`` is not bytes."""
-        check_key(key)
+        check_offload_key(key)
         if key in self._row_of:
             return True
         return None if self.storing(key) else False

@@ -23,10 +23,20 @@ SERVER = shutil.which("redis-server")
 _START_S = 10.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and never handed out before by this process: ports are
+    chosen before their servers start, and the kernel may offer a free port twice (two
+    nodes of one cluster on one port: the second server exits, the first answers both)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class LocalRedisServer:
@@ -64,7 +74,8 @@ class LocalRedisServer:
         """Start it and wait until it answers.
 
         Raises:
-            RuntimeError: it did not answer within 10 s.
+            RuntimeError: it did not answer within 10 s, or exited while another server
+                answered on its port.
         """
         self._process = subprocess.Popen(
             [SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -77,8 +88,11 @@ class LocalRedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(64):  # +PONG, or -NOAUTH with requirepass: it is up
-                        return
+                    answered = sock.recv(64)  # +PONG, or -NOAUTH with requirepass
+                if answered and self._process.poll() is None:  # it is up, and it is ours
+                    return
+                if answered:
+                    raise RuntimeError(f"redis-server exited; port {self.port} answers another")
             except OSError:
                 time.sleep(0.02)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")

@@ -106,7 +106,7 @@ def check_distinct(name: str, values: Sequence[Hashable]) -> None:
         seen.add(value)
 
 
-def check_key(key: object) -> None:
+def check_offload_key(key: object) -> None:
     """Raise unless ``key`` (a tier's offload key) is bytes."""
     if not isinstance(key, bytes):
         raise InvalidArgumentError(f"keys must be bytes, got {type(key).__name__}")

@@ -44,7 +44,7 @@ from tiering.security.encryption import BlockCipher, keyring_from
 from tiering.tiers.actor import TierActor
 from tiering.tiers.block_record import HEADER_BYTES, MAX_KEY_BYTES, namespace_digest
 from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.validation import check_key, hash_list, positive_int
+from tiering.validation import check_offload_key, hash_list, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ class NVMeTier(TierActor):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext = None) -> bool | None:
         """True if stored, None while a store of it is queued or running, else False."""
-        check_key(key)
+        check_offload_key(key)
         if key_digest(key) in self._index:
             return True
         return None if self.storing(key) else False

@@ -42,7 +42,7 @@ from tiering.security.encryption import BlockCipher, Keyring, keyring_from
 from tiering.tiers.actor import TierActor
 from tiering.tiers.block_record import namespace_digest
 from tiering.tiers.tier_api import JobMetadata, JobResult, OffloadKey, ReqContext
-from tiering.validation import check_key
+from tiering.validation import check_offload_key
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class RedisTier(TierActor):
         out) or the tier is closed, whatever the cache holds; else True/False from a
         fresh cached answer, or None (ask again) with the key queued for the next
         batched check. InvalidArgumentError unless ``key`` is bytes."""
-        check_key(key)
+        check_offload_key(key)
         # A load now fails at once (or is the probe): a cached True would only send the
         # engine to a miss.
         if self.breaker.state is not BreakerState.CLOSED or self.closed:
