@@ -449,7 +449,10 @@ class JobCore:
         job.awaiting += 1  # its own copy
         job.fills = job.hashes if len(new) == len(hashes) else new  # all new: the same keys
         self._jobs[job.id] = job
-        self._write_back(job, out, self._copy_in)
+        if out.block_hashes_evicted:  # a store that evicts nothing skips the write-back
+            self._write_back(job, out, self._copy_in)
+        else:
+            self._copy_in(job)
         return True
 
     def _copy_in(self, job: _Job) -> None:
@@ -579,7 +582,9 @@ class JobCore:
         """The tier to promote each non-resident hash from (BlockNotFoundError if none)."""
         manager = self.manager
         sources: dict[BlockHash, int] = {}
-        for h in [h for h in dict.fromkeys(hashes) if h not in manager]:
+        for h in hashes:
+            if h in manager or h in sources:
+                continue
             if (tier := self._holder(h)) is None:
                 raise BlockNotFoundError(f"cannot load block {h!r} ({h.hex()}): no tier holds it")
             sources[h] = tier

@@ -73,10 +73,12 @@ class LatencyHistogram:
 
     def observe(self, seconds: float) -> None:
         """Record one observation; a negative one (a clock that stepped back) counts as 0."""
-        seconds = max(seconds, 0.0)
+        if seconds < 0:  # branches, not max(): this runs once per job
+            seconds = 0.0
         self._counts[bisect_left(self._bounds, seconds)] += 1
         self._sum += seconds
-        self._max = max(self._max, seconds)
+        if seconds > self._max:
+            self._max = seconds
 
     def snapshot(self) -> LatencySnapshot:
         # One C-level copy first: the buckets are read together.
