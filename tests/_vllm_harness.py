@@ -64,10 +64,14 @@ def offloading_config(
     model: str = "org/model",
     chunk_bytes: int = CHUNK_BYTES,
     events: bool = False,
+    groups: tuple[vconfig.OffloadingGroupConfig, ...] | None = None,
 ) -> vconfig.OffloadingConfig:
-    """A one-group model whose chunk is ``chunk_bytes``, ``chunks`` in the CPU tier."""
+    """A model whose chunk is ``chunk_bytes``, ``chunks`` in the CPU tier: one
+    full-attention group, or ``groups`` (vLLM's own group configs, e.g. a hybrid's)."""
+    if groups is None:
+        groups = (vconfig.OffloadingGroupConfig(16, ("layers.0",), 0),)
     return vconfig.OffloadingConfig(
-        groups=(vconfig.OffloadingGroupConfig(16, ("layers.0",), 0),),
+        groups=groups,
         worker_kv_bytes_per_block=chunk_bytes,
         enable_kv_cache_events=events,
         extra_config={
