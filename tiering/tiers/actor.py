@@ -275,7 +275,7 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
 
     def _register(self, job: TierJob, *, admitted: bool = False) -> None:
         if not admitted:  # _admit checked its id
-            self._ledger.admit(job, checked=True)
+            self._ledger.admit(job)
         if job.lane == "store":
             self._storing.update(set(job.meta.keys))
 

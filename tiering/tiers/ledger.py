@@ -50,10 +50,8 @@ class ResultsLedger:
         self.keys_pending = 0
         """Keys of the jobs counted by :attr:`pending`."""
 
-    def admit(self, job: TierJob, *, checked: bool = False) -> None:
-        """Start tracking ``job``; raises as :meth:`check_free` does unless already ``checked``."""
-        if not checked:
-            self.check_free(job.meta.job_id)
+    def admit(self, job: TierJob) -> None:
+        """Start tracking ``job``, whose id the caller checked with :meth:`check_free`."""
         self._jobs[job.meta.job_id] = job
         self.pending += 1
         self.keys_pending += len(job.meta.keys)
@@ -72,7 +70,7 @@ class ResultsLedger:
             self._next_id += 1
         job = TierJob(JobMetadata(self._next_id, keys, slots), lane, on_done)
         self._next_id += 1
-        self.admit(job, checked=True)
+        self.admit(job)
         return job
 
     def check_free(self, job_id: object, taken: Collection[int] = ()) -> None:
