@@ -324,7 +324,11 @@ async def _segments(ns: _Namespace, cipher: BlockCipher | None = None) -> _Segme
     sizes: Counter[int] = Counter()
 
     def first_records() -> None:  # blocking, a header read per segment
-        for entry in sorted(os.scandir(seg_dir), key=lambda e: e.name) if state.present else ():
+        try:
+            entries = sorted(os.scandir(seg_dir), key=lambda e: e.name) if state.present else []
+        except (FileNotFoundError, NotADirectoryError):  # removed since (a live root)
+            entries = []
+        for entry in entries:
             if parse_segment_name(entry.name) is None or not entry.is_file(follow_symlinks=False):
                 orphaned.append(Finding(ns.rel(SEGMENTS_DIR, entry.name), _FOREIGN))
                 continue
