@@ -3,6 +3,7 @@ backend (docs/sglang.md). Without SGLang, importing this module raises ImportErr
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -10,10 +11,21 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT, canonical_json
+from tiering.integrations.sglang_pools import (
+    ALL_PAGES,
+    BLOCK_GROUPS,
+    PageChunks,
+    PoolStore,
+    block_group_pages,
+    pool_buffers,
+    restorable_prefixes,
+)
 from tiering.integrations.tier_thread import FRAMEWORK_DEFAULTS, TierThread, fixed_tier
+from tiering.options import Bytes
 from tiering.tiers.inbox import Lane
 
 try:
@@ -21,6 +33,8 @@ try:
         HiCacheStorage,
         HiCacheStorageConfig,
         HiCacheStorageExtraInfo,
+        PoolTransfer,
+        PoolTransferResult,
     )
 except ImportError as exc:  # pragma: no cover - exercised only without SGLang
     raise ImportError(
@@ -31,23 +45,31 @@ except ImportError as exc:  # pragma: no cover - exercised only without SGLang
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
 
+logger = logging.getLogger(__name__)
+
 # Keys of --hicache-storage-backend-extra-config that are SGLang's, not the tier's.
 _SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-_ASK_AGAIN_S = 0.0005  # how often batch_exists asks again while the tier checks a key
 # The StorageMetrics fields this storage reports.
 _METRICS = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
 
 
-def sglang_namespace(config: HiCacheStorageConfig, pool: HostKVCache, chunk_bytes: int) -> str:
+def sglang_namespace(
+    config: HiCacheStorageConfig,
+    pool: HostKVCache,
+    chunk_bytes: int,
+    *,
+    part: tuple[str, int] | None = None,
+) -> str:
     """The cache namespace of an SGLang rank: what its stored pages' bytes mean (the model,
     the rank's shard, without the TP rank where the KV is replicated over TP ranks as for
-    MLA models, and the host pool's geometry and layout)."""
+    MLA models, and the host pool's geometry and layout). ``part`` names a state pool
+    and one of its buffers (a Mamba state is sharded over TP ranks even under MLA)."""
     shard: dict[str, Any] = {
         "pp": [config.pp_rank, config.pp_size],
         "attn_cp": [config.attn_cp_rank, config.attn_cp_size],
         "dcp": [config.dcp_rank, config.dcp_size],
     }
-    if not config.is_mla_model:
+    if not config.is_mla_model or _rank_sharded(part[0] if part else "kv"):
         shard["tp"] = [config.tp_rank, config.tp_size]
     geometry = {
         name: getattr(pool, name, None)
@@ -63,100 +85,68 @@ def sglang_namespace(config: HiCacheStorageConfig, pool: HostKVCache, chunk_byte
         "geometry": geometry,
         "chunk_bytes": chunk_bytes,
     }
+    if part is not None:  # the KV pool's namespace stays what it was before pools had parts
+        buffer = pool_buffers(pool)[part[1]]
+        fields["part"] = {"pool": part[0], "buffer": part[1], "dtype": str(buffer.dtype)}
+        fields["part"]["shape"] = list(buffer.shape[1:])
     return canonical_json({"sglang": fields, "format": NAMESPACE_FORMAT})
 
 
-class PageChunks:
-    """Where a host pool's pages lie in its buffer: ``chunks`` runs of ``chunk_bytes`` (K
-    and V, maybe per layer), run ``j`` of page ``p`` at chunk ``offsets[j] + p * stride``.
-    InvalidArgumentError (naming the layout) unless they are whole chunks of one buffer."""
+def _capacity(given: object) -> int | None:
+    """The tier's ``capacity_bytes`` as bytes (None if it takes none); the tier's own
+    options check says what is wrong with a bad value."""
+    if given is None:
+        return None
+    try:
+        return TypeAdapter(Bytes).validate_python(given)
+    except ValidationError:
+        return None
 
-    def __init__(self, pool: HostKVCache) -> None:
-        buffer = pool.kv_buffer
-        layout = getattr(pool, "layout", "?")
-        if not isinstance(buffer, torch.Tensor) or not buffer.is_contiguous():
-            raise InvalidArgumentError(
-                f"host pool {type(pool).__name__} ({layout}): its KV is not one contiguous "
-                "buffer, which kv-tiering's HiCache storage needs"
-            )
-        self.page_size: int = pool.page_size
-        self.pages: int = pool.page_num
-        self.buffer_bytes = buffer.numel() * buffer.element_size()
-        base = buffer.data_ptr()
 
-        def chunks_of(page: int) -> tuple[list[int], list[int]]:
-            first = page * self.page_size
-            ptrs, sizes = pool.get_page_buffer_meta(torch.arange(first, first + self.page_size))
-            return [ptr - base for ptr in ptrs], list(sizes)
+def _rank_sharded(pool_name: str) -> bool:
+    """Whether every TP rank holds its own shard of the pool even where the KV is
+    replicated over TP ranks (MLA): SGLang backs Mamba state up on every rank."""
+    return pool_name == "mamba"
 
-        first, sizes = chunks_of(0)
-        self.chunk_bytes: int = sizes[0]
-        self.chunks = len(first)
-        second, _ = chunks_of(1) if self.pages > 1 else (first, sizes)
-        last, _ = chunks_of(self.pages - 1)
-        self.stride = stride = (second[0] - first[0]) // self.chunk_bytes
-        whole = all(size == self.chunk_bytes for size in sizes) and not any(
-            offset % self.chunk_bytes for offset in first + second + last
+
+def _pool_name(name: object) -> str:
+    """SGLang's ``PoolName`` (a str enum) or a plain name, as the plain name."""
+    return str(getattr(name, "value", name))
+
+
+def _shares(given: object) -> dict[str, float]:
+    """The ``pool_shares`` option: a mapping of pool name to a positive weight."""
+    if given is None:
+        return {}
+    bad = not isinstance(given, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+        for k, v in given.items()
+    )
+    if bad:
+        raise InvalidArgumentError(
+            "pool_shares must map pool names (kv, mamba, swa, ...) to positive weights, "
+            f"got {given!r}"
         )
-        self.offsets = [offset // self.chunk_bytes for offset in first]
-        affine = all(
-            b // self.chunk_bytes == a + stride
-            and c // self.chunk_bytes == a + (self.pages - 1) * stride
-            for a, b, c in zip(self.offsets, second, last, strict=True)
-        )
-        if not (whole and affine) or (last[-1] + self.chunk_bytes) > self.buffer_bytes:
-            raise InvalidArgumentError(
-                f"host pool {type(pool).__name__} ({layout}): its pages are not whole "
-                "chunks of its buffer at a fixed stride, which kv-tiering's HiCache "
-                "storage needs (use the page_first or layer_first layout)"
-            )
-        self._offsets = torch.tensor(self.offsets, dtype=torch.int64)
-        self._suffixes = [b"/%d" % j for j in range(self.chunks)]
-
-    def keys(self, keys: Sequence[str]) -> list[bytes]:
-        """The tier's keys of the pages ``keys``, ``chunks`` per page; InvalidArgumentError
-        unless each key is a non-empty str."""
-        try:
-            raws = [key.encode() for key in keys]
-        except AttributeError:
-            raws = []
-        if len(raws) != len(keys) or not all(raws):
-            raise InvalidArgumentError("keys must be non-empty strings (SGLang's page hashes)")
-        return [raw + suffix for raw in raws for suffix in self._suffixes]
-
-    def slots(self, host_indices: torch.Tensor, pages: int) -> list[int]:
-        """The chunk slots of ``pages`` pages whose token slots are ``host_indices``;
-        InvalidArgumentError for indices of another length, not page-aligned or past the pool."""
-        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
-            raise InvalidArgumentError("host_indices must be a 1-D tensor of token slots")
-        if host_indices.numel() != pages * self.page_size:
-            raise InvalidArgumentError(
-                f"host_indices holds {host_indices.numel()} token slots for {pages} pages "
-                f"of {self.page_size} tokens"
-            )
-        starts = host_indices[:: self.page_size].to(torch.int64)
-        page = starts // self.page_size
-        if bool((starts % self.page_size).any()) or bool(((page < 0) | (page >= self.pages)).any()):
-            raise InvalidArgumentError(
-                f"host_indices: pages must start page-aligned inside the host pool "
-                f"({self.pages} pages of {self.page_size} tokens)"
-            )
-        return (page[:, None] * self.stride + self._offsets[None, :]).flatten().tolist()
+    return {k: float(v) for k, v in given.items()}
 
 
 class TieringHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage backed by the kv-tiering tier registered as ``tier`` (the
     subclasses fix it), built as ``cls(storage_config, kwargs)``; the tier's options,
-    ``namespace``, ``start_timeout`` and ``job_timeout`` come in
+    ``namespace``, ``pool_shares``, ``start_timeout`` and ``job_timeout`` come in
     ``storage_config.extra_config`` (docs/sglang.md#set-up).
 
-    A page is stored and served whole, never with wrong bytes; ranks that are not storage
-    writers store nothing; every call waits for its batch's I/O and no longer.
+    A page (of KV, or a pool's state) is stored and served whole, never with wrong bytes;
+    ranks that are not storage writers store no KV (nor state of a pool SGLang backs up
+    on the writer rank only); every call waits for its batch's I/O and no longer.
 
-    The tier is built when SGLang registers its host pool; InvalidArgumentError there for
-    a bad option or a host pool the tier cannot move pages of in place, UnknownTierError
-    for an unknown ``tier``, TimeoutError if it did not start within ``start_timeout``.
-    Calls before that, or after :meth:`close`, raise ClosedError."""
+    The tiers are built when SGLang has registered its host pools (one tier per buffer
+    of each pool; a tier's ``capacity_bytes`` is split over the pools by ``pool_shares``,
+    equal by default, and within a pool by the bytes of a page in each buffer);
+    InvalidArgumentError there for a bad option or a host pool the tier cannot move pages
+    of in place, UnknownTierError for an unknown ``tier``, TimeoutError if a tier did not
+    start within ``start_timeout`` (then nothing is left running). Calls before that, or
+    after :meth:`close`, raise ClosedError. A pool registered after that is not served."""
 
     tier_name: ClassVar[str | None] = None
 
@@ -168,44 +158,115 @@ class TieringHiCacheStorage(HiCacheStorage):
         }
         self.tier_type = fixed_tier(type(self), type(self).tier_name, options.pop("tier", None))
         self._namespace: str | None = options.pop("namespace", None)
+        self._shares = _shares(options.pop("pool_shares", None))
         self._start_timeout = options.pop("start_timeout", 600.0)
         self._job_timeout = options.pop("job_timeout", 30.0)
         self._options = options
         self.storage_config = storage_config
-        self._thread: TierThread | None = None
-        self._view: memoryview | None = None
+        self._host_pools: dict[str, HostKVCache] = {}
+        self._stores: dict[str, PoolStore] | None = None
         self._lock = threading.Lock()
         self._metrics: dict[str, list[Any]] = {name: [] for name in _METRICS}
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
-        """Build the tier over the host pool's pages and start it on a private loop thread
-        (raises as the class says; nothing is left running)."""
-        if self._thread is not None:
+        """Take the KV host pool (its tiers start with :meth:`on_host_pools_registered`);
+        InvalidArgumentError if one is registered already."""
+        if "kv" in self._host_pools:
             raise InvalidArgumentError("the host pool is already registered")
-        pages = PageChunks(mem_pool_host)
-        view = memoryview(mem_pool_host.kv_buffer.reshape(-1).view(torch.uint8).numpy())
-        namespace = self._namespace or sglang_namespace(
-            self.storage_config, mem_pool_host, pages.chunk_bytes
-        )
-        self._thread = TierThread(
-            {"type": self.tier_type, **self._options},
-            view,
-            pages.chunk_bytes,
-            name=f"kv-tiering-sglang-{self.tier_type}",
-            defaults={"namespace": namespace, **FRAMEWORK_DEFAULTS},
-            start_timeout=self._start_timeout,
-            job_timeout=self._job_timeout,
-        )
         super().register_mem_pool_host(mem_pool_host)
-        self.pages, self._view = pages, view
+        self._host_pools["kv"] = mem_pool_host
 
-    def _running(self) -> TierThread:
-        thread = self._thread
-        if thread is None or self._view is None:
-            raise ClosedError(
-                "kv-tiering's HiCache storage is not running (no host pool registered, or closed)"
+    def register_mem_host_pool_v2(self, host_pool: HostKVCache, host_pool_name: object) -> None:
+        """Take a host pool of a hybrid model (``mamba``, ``swa``, ...); one that arrives
+        after :meth:`on_host_pools_registered` is not served (its pages count as absent)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        if self._stores is not None:
+            if name not in self._stores:
+                logger.warning("host pool %r registered after start: not stored", name)
+        elif name != "kv":
+            self._host_pools[name] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        """Build one tier per buffer of every registered host pool and start each on a
+        private loop thread (raises as the class says; nothing is left running)."""
+        if self._stores is not None:
+            return
+        if "kv" not in self._host_pools:
+            raise InvalidArgumentError("no KV host pool is registered")
+        parts = {
+            name: [PageChunks(pool, buffer) for buffer in pool_buffers(pool)]
+            for name, pool in self._host_pools.items()
+        }
+        capacity = _capacity(self._options.get("capacity_bytes"))
+        weights = {name: self._shares.get(name, 1.0) for name in parts}
+        stores: dict[str, PoolStore] = {}
+        try:
+            for name, chunks in parts.items():
+                options = dict(self._options)
+                pool_bytes = sum(c.page_bytes for c in chunks)
+                built = []
+                for index, buffer_chunks in enumerate(chunks):
+                    if capacity is not None:
+                        share = weights[name] / sum(weights.values())
+                        options["capacity_bytes"] = max(
+                            1, int(capacity * share * buffer_chunks.page_bytes / pool_bytes)
+                        )
+                    built.append(self._open(name, index, buffer_chunks, options))
+                    stores[name] = PoolStore(name, built)
+        except BaseException:
+            for store in stores.values():
+                store.close()
+            raise
+        self._stores = stores
+
+    def _open(
+        self, name: str, index: int, chunks: PageChunks, options: dict[str, Any]
+    ) -> tuple[PageChunks, TierThread, memoryview]:
+        """A tier thread over one buffer of the pool ``name``."""
+        pool = self._host_pools[name]
+        part = None if name == "kv" else (name, index)
+        if self._namespace is not None:
+            namespace = self._namespace if part is None else f"{self._namespace}/{name}.{index}"
+        else:
+            namespace = sglang_namespace(self.storage_config, pool, chunks.chunk_bytes, part=part)
+        view = memoryview(chunks.buffer.reshape(-1).view(torch.uint8).numpy())
+        try:
+            thread = TierThread(
+                {"type": self.tier_type, **options},
+                view,
+                chunks.chunk_bytes,
+                name=f"kv-tiering-sglang-{self.tier_type}-{name}.{index}",
+                defaults={"namespace": namespace, **FRAMEWORK_DEFAULTS},
+                start_timeout=self._start_timeout,
+                job_timeout=self._job_timeout,
             )
-        return thread
+        except InvalidArgumentError as exc:
+            if part is None:
+                raise
+            raise InvalidArgumentError(f"host pool {name!r} (buffer {index}): {exc}") from exc
+        return chunks, thread, view
+
+    def _store(self, name: str = "kv") -> PoolStore | None:
+        """The running store of the pool ``name`` (None if that pool is not served);
+        ClosedError before the tiers start or after :meth:`close`."""
+        stores = self._stores
+        if stores is None:
+            raise ClosedError(
+                "kv-tiering's HiCache storage is not running (its host pools are not "
+                "registered yet, or it is closed)"
+            )
+        return stores.get(name)
+
+    @property
+    def pages(self) -> PageChunks:
+        """Where the KV host pool's pages lie (ClosedError as :meth:`_store`)."""
+        return self._kv().parts[0][0]
+
+    def _kv(self) -> PoolStore:
+        store = self._store()
+        assert store is not None, "the KV pool always has a store"
+        return store
 
     # -- SGLang's zero-copy interface ---------------------------------------------
 
@@ -231,27 +292,13 @@ class TieringHiCacheStorage(HiCacheStorage):
         return self._move("load", keys, host_indices)
 
     def _move(self, kind: Lane, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        thread = self._running()
+        store = self._kv()
         started = time.perf_counter()
-        chunk_keys = self.pages.keys(keys)
-        slots = self.pages.slots(host_indices, len(keys))
-        moved = list(zip(chunk_keys, slots, strict=True))
-        if kind == "store":  # what the tier holds already is not written again
-            held = thread.tier.lookup_all(chunk_keys)
-            moved = [pair for pair, known in zip(moved, held, strict=True) if known is not True]
-        failed = {}
-        if moved:
-            job_keys, job_slots = zip(*moved, strict=True)
-            failed = thread.run_job(kind, job_keys, job_slots, checked=True).failed
-        n = self.pages.chunks
-        result = [
-            not failed or not any(k in failed for k in chunk_keys[i * n : (i + 1) * n])
-            for i in range(len(keys))
-        ]
+        result = store.move(kind, keys, host_indices)
         elapsed, done = time.perf_counter() - started, sum(result)
         if self.storage_config.enable_storage_metrics and done and elapsed > 0:
             call = "backup" if kind == "store" else "prefetch"
-            gb = done * self.pages.chunks * self.pages.chunk_bytes / 1e9
+            gb = done * self.pages.page_bytes / 1e9
             with self._lock:
                 self._metrics[f"{call}_pgs"].append(done)
                 self._metrics[f"{call}_bandwidth"].append(gb / elapsed)
@@ -262,23 +309,68 @@ class TieringHiCacheStorage(HiCacheStorage):
     ) -> int:
         """How many of ``keys``, from the first, the tier holds whole (a key it is still
         checking is asked about again, for at most ``job_timeout``)."""
-        thread = self._running()
-        n = self.pages.chunks
-        chunk_keys = self.pages.keys(keys)
-        first, deadline = 0, None  # the first chunk not known to be held
-        while True:
-            answers = thread.tier.lookup_all(chunk_keys[first:])
-            if all(answers):
-                return len(keys)
-            unknown = next(i for i, held in enumerate(answers) if held is not True)
-            page = (first + unknown) // n
-            start = page * n - first
-            now = time.monotonic()
-            deadline = deadline or now + thread.job_timeout
-            if False in answers[start : start + n] or now >= deadline:
-                return page
-            first = page * n
-            time.sleep(_ASK_AGAIN_S)
+        held = self._kv().held(keys, prefix=True)
+        return held.index(False) if False in held else len(keys)
+
+    # -- SGLang's multi-pool interface (hybrid models) -----------------------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The usable prefix of ``keys`` (KV pages): its KV pages held whole, and each
+        pool of ``pool_transfers`` held as its hit policy needs (``trailing_pages``: the
+        last ``len(keys)`` pages before the prefix's end; ``all_pages``: every page;
+        ``block_groups`` gates nothing and reports its leading whole blocks). The result
+        holds that prefix, each pool's longest restorable prefix, and every prefix length
+        this rank can restore. A pool that is not served makes no prefix usable."""
+        kv_pages = self.batch_exists(keys)
+        restorable = set(range(1, kv_pages + 1))
+        hits: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+        for transfer in pool_transfers or ():
+            name, store = _pool_name(transfer.name), self._store(_pool_name(transfer.name))
+            policy = _pool_name(transfer.hit_policy)
+            if store is None or not restorable:
+                restorable = set()
+                continue
+            present = store.held(keys[:kv_pages], prefix=policy == ALL_PAGES)
+            if policy == BLOCK_GROUPS:
+                hits[name] = block_group_pages(present, transfer.block_pages)
+                continue
+            lengths = restorable_prefixes(present, policy, len(transfer.keys or ()))
+            if lengths:
+                hits[name] = max(lengths)
+            restorable &= lengths
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Load each transfer's pages (``keys`` into ``host_indices`` of its pool); per
+        pool, True for each page landed whole and verified in every buffer of the pool
+        (False throughout for a pool that is not served)."""
+        return {_pool_name(t.name): self._move_pool("load", t) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's pages; per pool, True for each page stored whole or
+        already held (every page of a pool this rank does not write: a rank that is not
+        a storage writer writes only rank-sharded pools such as Mamba state)."""
+        return {_pool_name(t.name): self._move_pool("store", t) for t in transfers}
+
+    def _move_pool(self, kind: Lane, transfer: PoolTransfer) -> list[bool]:
+        name, keys = _pool_name(transfer.name), list(transfer.keys or ())
+        store = self._store(name)
+        if store is None:
+            return [False] * len(keys)
+        writer = self.storage_config.is_storage_writer or _rank_sharded(name)
+        if kind == "store" and not writer:
+            return [True] * len(keys)
+        return store.move(kind, keys, transfer.host_indices)
 
     # -- SGLang's classic interface: pages as flat tensors, through borrowed host pages --
 
@@ -361,13 +453,10 @@ class TieringHiCacheStorage(HiCacheStorage):
                 pool.free(indices)
 
     def clear(self) -> None:
-        """Drop every page the tier holds for this process (a Redis server's keys stay)."""
-        thread = self._running()
-
-        async def clear() -> None:
-            thread.tier.clear()
-
-        thread.run(clear(), thread.job_timeout)
+        """Drop every page the tiers hold for this process (a Redis server's keys stay)."""
+        self._kv()
+        for store in (self._stores or {}).values():
+            store.clear()
 
     def get_stats(self) -> Any:
         """With ``enable_storage_metrics``: SGLang's StorageMetrics (pages and GB/s of each
@@ -384,15 +473,15 @@ class TieringHiCacheStorage(HiCacheStorage):
         return stats
 
     def close(self) -> None:
-        """Close the tier (calls in flight end first) and release the host pool. Idempotent."""
-        thread, view = self._thread, self._view
-        self._view = None
-        if thread is not None and view is not None:
-            thread.close()
-            view.release()
+        """Close the tiers (calls in flight end first) and release the host pools.
+        Idempotent."""
+        stores, self._stores = self._stores, None
+        for store in (stores or {}).values():
+            store.close()
 
     def __repr__(self) -> str:
-        tier = self._thread.tier if self._thread is not None else None
+        store = (self._stores or {}).get("kv")
+        tier = store.parts[0][1].tier if store is not None else None
         return f"<{type(self).__name__} {self.tier_type} over {tier!r}>"
 
 
