@@ -36,7 +36,7 @@ import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from queue import Empty
 from typing import Any, Literal
 
@@ -52,16 +52,20 @@ __all__ = [
     "Prefetched",
     "backup",
     "check_pages",
+    "check_states",
     "controller",
     "dynamic_config",
     "evict",
     "fill_pages",
+    "fill_states",
     "hide_missing_torchvision",
     "hit_query",
     "make_host_pool",
+    "make_mamba_pool",
     "page_tokens",
     "prefetch",
     "record_calls",
+    "state_transfer",
 ]
 
 _STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
@@ -142,17 +146,21 @@ from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E
 from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
     KVBufferLayout,
     KVBuffers,
+    MambaStateBufferInfo,
     MHABufferInfo,
 )
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorage,
     HiCacheStorageConfig,
+    PoolHitPolicy,
     PoolName,
+    PoolTransfer,
 )
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402
     HybridCacheController,
 )
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
@@ -244,6 +252,27 @@ def make_host_pool(
     )
 
 
+def make_mamba_pool(
+    *,
+    slots: int,
+    layers: int,
+    temporal: tuple[int, ...] = (2, 4, 8),
+    conv: Sequence[tuple[int, ...]] = ((6, 3), (4, 3)),
+) -> MambaPoolHost:
+    """SGLang's own Mamba state host pool on CPU (not pinned, ``page_first``): ``slots``
+    state slots of ``layers`` layers, each a float32 SSM state of shape ``temporal`` and
+    bf16 conv states of the shapes ``conv``, one buffer each (as a model runner's
+    ``MambaStateBufferInfo`` describes its device pool; those stand-in device tensors are
+    never copied to or from)."""
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, *temporal, dtype=torch.float32),
+        conv=tuple(torch.zeros(layers, slots, *shape, dtype=torch.bfloat16) for shape in conv),
+    )
+    return MambaPoolHost(
+        info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first"
+    )
+
+
 # -- the controller -------------------------------------------------------------------------
 
 
@@ -312,6 +341,7 @@ def controller(
     tp_size: int = 1,
     hybrid: bool = True,
     storage_overrides: Mapping[str, Any] | None = None,
+    sidecars: Mapping[str, Any] | None = None,
 ) -> Iterator[Controller]:
     """SGLang's controller over ``host_pool`` with the storage backend ``backend_name``
     (``"file"``, ``"dynamic"``, ...), as ``--hicache-storage-backend`` and
@@ -324,8 +354,11 @@ def controller(
     through its factory, registers the host pool on it and starts its four storage
     threads. ``hybrid`` picks ``HybridCacheController`` (the server's, see the module
     docstring) or the base ``HiCacheController``; ``storage_overrides`` replaces fields of
-    the ``HiCacheStorageConfig`` SGLang derives (e.g. ``is_mla_model=True``). On exit the
-    backend is detached as SGLang detaches it: its threads joined, then ``close()``.
+    the ``HiCacheStorageConfig`` SGLang derives (e.g. ``is_mla_model=True``). With
+    ``sidecars`` (pool name, e.g. ``"mamba"`` or ``"swa"``, to host pool) the group holds
+    those pools beside the KV one, as SGLang assembles it for a hybrid model, and the
+    backend gets each through ``register_mem_host_pool_v2``. On exit the backend is
+    detached as SGLang detaches it: its threads joined, then ``close()``.
     """
     parse = HybridCacheController.parse_storage_backend_extra_config
     extra, threshold, base_s, per_ki_token_s, _ = parse(json.dumps(dict(extra_config or {})))
@@ -343,7 +376,16 @@ def controller(
                     device_pool=_DevicePool(host_pool.layer_num),
                     layer_mapper=lambda layer: layer,
                     is_primary_index_anchor=True,
-                )
+                ),
+                *(
+                    PoolEntry(
+                        name=PoolName(name),
+                        host_pool=pool,
+                        device_pool=_DevicePool(host_pool.layer_num),
+                        layer_mapper=lambda layer: layer,
+                    )
+                    for name, pool in (sidecars or {}).items()
+                ),
             ]
         )
     # The storage config reads the ranks from SGLang's runtime context, which only a
@@ -404,19 +446,27 @@ class CallLog:
         return [c.ns for c in self.calls if c.name == name]
 
 
+def _key_count(first: Sequence[Any]) -> int:
+    """The keys of a call: its key list's, or a v2 call's transfers' together."""
+    if first and isinstance(first[0], PoolTransfer):
+        return sum(len(transfer.keys or ()) for transfer in first)
+    return len(first)
+
+
 def record_calls(backend: HiCacheStorage, names: Sequence[str] = STORAGE_CALLS) -> CallLog:
     """Start logging each call of ``names`` on ``backend`` (the object SGLang built, e.g.
-    ``Controller.backend``): its key count and how long it ran on SGLang's thread."""
+    ``Controller.backend``): its key count (a v2 call's: all its transfers' keys) and
+    how long it ran on SGLang's thread."""
     log = CallLog()
 
     def timed(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(call)
-        def wrapper(keys: Sequence[str], *args: Any, **kwargs: Any) -> Any:
+        def wrapper(keys: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter_ns()
             try:
                 return call(keys, *args, **kwargs)
             finally:
-                log.calls.append(Call(name, len(keys), time.perf_counter_ns() - start))
+                log.calls.append(Call(name, _key_count(keys), time.perf_counter_ns() - start))
 
         return wrapper
 
@@ -478,16 +528,72 @@ def check_pages(
             )
 
 
-def backup(ctrl: Controller, host_indices: torch.Tensor, token_ids: Sequence[int]) -> int:
+def backup(
+    ctrl: Controller,
+    host_indices: torch.Tensor,
+    token_ids: Sequence[int],
+    *,
+    prior_hash: str | None = None,
+    extra_pools: Sequence[PoolTransfer] | None = None,
+) -> int:
     """Back the pages at ``host_indices`` (holding ``token_ids``) up to storage, as the
-    radix cache's ``write_backup_storage`` does (keys: SGLang's page hash chain), and wait
-    for the backup thread's ack. Returns the tokens SGLang counted as written (it stops
-    at the first failed batch)."""
-    keys = get_storage_hash_str(list(token_ids), None, page_size=ctrl.page_size)
-    operation_id = ctrl.sglang.write_storage(host_indices, list(token_ids), keys)
+    radix cache's ``write_backup_storage`` does (keys: SGLang's page hash chain, going on
+    from ``prior_hash``, the parent node's last page), and wait for the backup thread's
+    ack. ``extra_pools`` are a hybrid model's state transfers for the node (see
+    :func:`state_transfer`). Returns the tokens SGLang counted as written (it stops at
+    the first failed batch)."""
+    keys = get_storage_hash_str(list(token_ids), prior_hash, page_size=ctrl.page_size)
+    operation_id = ctrl.sglang.write_storage(
+        host_indices, list(token_ids), keys, extra_pools=list(extra_pools or []) or None
+    )
     operation = ctrl.sglang.ack_backup_queue.get(timeout=SETTLE_S)
     assert operation.id == operation_id, "an ack for another backup"
     return int(operation.completed_tokens)
+
+
+def state_transfer(
+    pool: str,
+    keys: Sequence[str],
+    host_indices: torch.Tensor | None = None,
+    policy: str = "trailing_pages",
+) -> PoolTransfer:
+    """A hybrid model's transfer of pool ``pool`` as SGLang's radix cache builds it: for
+    a backup, the node's state pages ``keys`` at ``host_indices`` of that pool; for a
+    prefetch, placeholders (one per page of the pool's window) and no indices."""
+    return PoolTransfer(
+        name=PoolName(pool),
+        host_indices=host_indices,
+        keys=list(keys),
+        hit_policy=PoolHitPolicy(policy),
+    )
+
+
+def _state_payload(tag: str, key: str, like: torch.Tensor) -> torch.Tensor:
+    """A state page's bytes that belong to ``tag`` and ``key`` alone, in ``like``'s dtype."""
+    digest = hashlib.sha256(f"{tag}:{key}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    size = like.numel() * like.element_size()
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).view(like.dtype)
+
+
+def fill_states(pool: Any, host_indices: torch.Tensor, keys: Sequence[str], tag: str) -> None:
+    """Write into each page of ``host_indices`` of a state pool (Mamba slots, SWA pages)
+    bytes that belong to ``tag`` (the rank, say) and its page key alone."""
+    like = pool.get_dummy_flat_data_page()
+    for i, key in enumerate(keys):
+        index = int(host_indices[i * pool.page_size])
+        pool.set_from_flat_data_page(index, _state_payload(tag, key, like))
+
+
+def check_states(pool: Any, host_indices: torch.Tensor, keys: Sequence[str], tag: str) -> None:
+    """Raise AssertionError unless each page of ``host_indices`` holds exactly the bytes
+    :func:`fill_states` wrote for ``tag`` and its key."""
+    like = pool.get_dummy_flat_data_page()
+    for i, key in enumerate(keys):
+        index = int(host_indices[i * pool.page_size])
+        got = pool.get_data_page(index, flat=True).contiguous().view(torch.uint8)
+        if not torch.equal(got, _state_payload(tag, key, like).view(torch.uint8)):
+            raise AssertionError(f"state page {i} (host index {index}) holds other bytes")
 
 
 def evict(ctrl: Controller, host_indices: torch.Tensor) -> None:
@@ -512,6 +618,19 @@ class Prefetched:
     """Every ack the scheduler drained, in order; the last has ``completed_req``."""
     terminated: bool
     """Whether the scheduler cut the transfer (policy, deadline or ``on_ack``)."""
+    states: dict[str, PoolTransfer] = field(default_factory=dict)
+    """A hybrid model's state transfers as SGLang left them (their real ``keys``, and
+    the ``host_indices`` of the pool's pages they loaded into); the caller frees them."""
+    pool_hits: dict[str, int] = field(default_factory=dict)
+    """The pages of each state pool that landed (SGLang's ack, after rank agreement)."""
+
+    @property
+    def usable(self) -> bool:
+        """Whether SGLang's radix cache takes the prefetch (``_handle_prefetch_result``):
+        a hybrid one only whole, every state pool's pages landed with the KV."""
+        return all(
+            self.pool_hits.get(name, 0) == len(t.keys or ()) for name, t in self.states.items()
+        ) and (not self.states or self.tokens == self.hit_tokens)
 
 
 def _wait_s(ctrl: Controller, policy: Policy, pages: int, step_s: float) -> float:
@@ -526,20 +645,44 @@ def _wait_s(ctrl: Controller, policy: Policy, pages: int, step_s: float) -> floa
 
 
 def hit_query(
-    ctrl: Controller, token_ids: Sequence[int], request_id: str = "req"
+    ctrl: Controller,
+    token_ids: Sequence[int],
+    request_id: str = "req",
+    *,
+    prior_hash: str | None = None,
+    extra_pools: Sequence[PoolTransfer] | None = None,
 ) -> tuple[Any, int]:
-    """Start SGLang's prefetch of ``token_ids`` and wait for its hit query (its prefetch
-    thread asks the backend's ``batch_exists``): the operation, and the tokens hit. The
-    caller goes on with the operation or revokes it (``terminate_prefetch``)."""
+    """Start SGLang's prefetch of ``token_ids`` (pages going on from ``prior_hash``) and
+    wait for its hit query (its prefetch thread asks the backend's ``batch_exists``, or
+    ``batch_exists_v2`` with a hybrid model's ``extra_pools``): the operation, and the
+    tokens hit. The caller goes on with the operation or revokes it
+    (``terminate_prefetch``)."""
     sglang = ctrl.sglang
     tokens = list(token_ids)
     if isinstance(sglang, HybridCacheController):
-        operation = sglang.prefetch(CacheRequestHandle(request_id, 0), tokens)
+        pools = list(extra_pools or []) or None
+        handle = CacheRequestHandle(request_id, 0)
+        operation = sglang.prefetch(handle, tokens, prior_hash, extra_pools=pools)
     else:
-        operation = sglang.prefetch(request_id, tokens)
+        assert not extra_pools, "only the hybrid controller carries state pools"
+        operation = sglang.prefetch(request_id, tokens, prior_hash)
     answered = sglang.prefetch_hit_queue.get(timeout=SETTLE_S)
     assert answered is operation, "a hit query answer for another prefetch"
     return operation, int(operation.storage_hit_count)
+
+
+def _stage_states(ctrl: Controller, operation: Any, hit_pages: int) -> dict[str, PoolTransfer]:
+    """Host pages for each state pool's window of the hit, as the radix cache binds them
+    (``_alloc_prefetch_aux_staging``): ``min(window, hit pages)`` pages per pool."""
+    staged = {}
+    for transfer in operation.pool_transfers or []:
+        pool = ctrl.sglang.mem_pool_host.entry_map[transfer.name].host_pool
+        tokens = min(len(transfer.keys or ()), hit_pages) * pool.page_size
+        transfer.host_indices = pool.alloc(tokens)
+        if transfer.host_indices is None:
+            raise RuntimeError(f"the {transfer.name.value} host pool has no room")
+        staged[transfer.name.value] = transfer
+    return staged
 
 
 def prefetch(
@@ -550,6 +693,8 @@ def prefetch(
     step_s: float = 1.0,
     on_ack: Callable[[PrefetchAck], None] | None = None,
     request_id: str = "req",
+    prior_hash: str | None = None,
+    extra_pools: Sequence[PoolTransfer] | None = None,
 ) -> Prefetched:
     """Prefetch ``token_ids`` from storage into host memory through SGLang's own path:
     ``prefetch`` (its thread runs the hit query), the scheduler's hit handling (below
@@ -561,9 +706,13 @@ def prefetch(
     scheduling step). A terminated transfer stops between batches. ``on_ack`` sees each
     progress ack as the scheduler drains it; it may cancel with
     ``ctrl.sglang.terminate_prefetch(ack.operation)``. Slots of pages not loaded are freed.
+    A hybrid model's ``extra_pools`` (:func:`state_transfer` placeholders) are staged in
+    their pools once the hit is known and loaded after the KV (``Prefetched.states``).
     """
     sglang = ctrl.sglang
-    operation, hit = hit_query(ctrl, token_ids, request_id)
+    operation, hit = hit_query(
+        ctrl, token_ids, request_id, prior_hash=prior_hash, extra_pools=extra_pools
+    )
     empty = torch.empty(0, dtype=torch.int64)
     if hit < ctrl.prefetch_threshold:  # the radix cache revokes it
         sglang.terminate_prefetch(operation)
@@ -573,9 +722,11 @@ def prefetch(
         raise RuntimeError(f"the host pool has no room for {hit} prefetched tokens")
     operation.host_indices = host_indices
     operation.hash_value = operation.hash_value[: hit // ctrl.page_size]
+    states = _stage_states(ctrl, operation, hit // ctrl.page_size)
     deadline = time.monotonic() + _wait_s(ctrl, policy, hit // ctrl.page_size, step_s)
     sglang.prefetch_buffer.put(operation)
     acks: list[PrefetchAck] = []
+    pool_hits: dict[str, int] = {}
     used: int | None = None  # the tokens the scheduler took, once it terminated
     guard = time.monotonic() + SETTLE_S
     while not acks or not acks[-1].completed_req:
@@ -590,6 +741,8 @@ def prefetch(
                 used = int(operation.completed_tokens)
             continue
         acks.append(ack)
+        if ack.pool_hits is not None:
+            pool_hits = {name: int(pages) for name, pages in ack.pool_hits.items() if pages}
         if ack.completed_tokens is not None and used is None:
             # After a termination SGLang no longer counts progress (the tail it
             # loaded anyway is released): hence only until then.
@@ -602,4 +755,4 @@ def prefetch(
     # Only now, with the transfer thread done with them, may the tail's slots go back.
     if loaded < len(host_indices):
         sglang.mem_pool_host.free(host_indices[loaded:])
-    return Prefetched(host_indices[:loaded], loaded, hit, acks, used is not None)
+    return Prefetched(host_indices[:loaded], loaded, hit, acks, used is not None, states, pool_hits)
