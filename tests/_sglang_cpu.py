@@ -543,9 +543,8 @@ def backup(
     :func:`state_transfer`). Returns the tokens SGLang counted as written (it stops at
     the first failed batch)."""
     keys = get_storage_hash_str(list(token_ids), prior_hash, page_size=ctrl.page_size)
-    operation_id = ctrl.sglang.write_storage(
-        host_indices, list(token_ids), keys, extra_pools=list(extra_pools or []) or None
-    )
+    pools = {"extra_pools": list(extra_pools)} if extra_pools else {}  # hybrid only
+    operation_id = ctrl.sglang.write_storage(host_indices, list(token_ids), keys, **pools)
     operation = ctrl.sglang.ack_backup_queue.get(timeout=SETTLE_S)
     assert operation.id == operation_id, "an ack for another backup"
     return int(operation.completed_tokens)
@@ -628,9 +627,9 @@ class Prefetched:
     def usable(self) -> bool:
         """Whether SGLang's radix cache takes the prefetch (``_handle_prefetch_result``):
         a hybrid one only whole, every state pool's pages landed with the KV."""
-        return all(
+        return self.tokens == self.hit_tokens and all(
             self.pool_hits.get(name, 0) == len(t.keys or ()) for name, t in self.states.items()
-        ) and (not self.states or self.tokens == self.hit_tokens)
+        )
 
 
 def _wait_s(ctrl: Controller, policy: Policy, pages: int, step_s: float) -> float:
@@ -675,7 +674,9 @@ def _stage_states(ctrl: Controller, operation: Any, hit_pages: int) -> dict[str,
     """Host pages for each state pool's window of the hit, as the radix cache binds them
     (``_alloc_prefetch_aux_staging``): ``min(window, hit pages)`` pages per pool."""
     staged = {}
-    for transfer in operation.pool_transfers or []:
+    for transfer in getattr(operation, "pool_transfers", None) or []:  # the base has none
+        if transfer.indices_from_pool is not None:  # loaded into the KV's slots
+            continue
         pool = ctrl.sglang.mem_pool_host.entry_map[transfer.name].host_pool
         tokens = min(len(transfer.keys or ()), hit_pages) * pool.page_size
         transfer.host_indices = pool.alloc(tokens)
