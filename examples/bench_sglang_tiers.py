@@ -4,17 +4,21 @@ SGLang 0.5.23's HiCache controller.
 Usage::
 
     python examples/bench_sglang_tiers.py [--dir DIR] [--ours MODULE:CLASS]
-        [--set KEY=VALUE ...] [--shapes small,large] [--pages 64] [--rounds 4] [--json]
+        [--set KEY=VALUE ...] [--shapes small,large,hybrid] [--pages 64] [--rounds 4] [--json]
 
 Needs SGLang 0.5.23 (``.ci/install-sglang``). For each model shape (``small``: 8 layers,
 ``large``: 32 layers as an 8B Llama; both 8 KV heads x 128, bf16, 64 tokens a page,
-``page_first``, what SGLang recommends with a storage backend), each subject gets SGLang's
+``page_first``, what SGLang recommends with a storage backend; ``hybrid``: ``small``'s
+attention layers beside 24 Mamba layers whose state, a float32 SSM state of 16 heads x
+128 x 128 and a bf16 conv state of 6144 x 3 per layer, about 24.8 MiB, as a scaled-down
+Qwen3-Next's, SGLang keeps once per radix node of 16 pages), each subject gets SGLang's
 real controller (driven by the tests' ``tests/_sglang_cpu.py``) and a host pool of its own, then
 ``--rounds`` rounds alternate the subjects ABBA (``file`` first in rounds 1, 4, 5, 8, ...)
 so that neither always meets the disk first:
 
 1. Store: SGLang's backup thread writes ``--pages`` pages (new keys every round) from the
-   host pool through the backend; timed until its ack, and then through an
+   host pool through the backend (``hybrid``: node by node, each node's state through
+   the v2 call before its KV pages); timed until its ack, and then through an
    ``os.sync()`` so that a store counts once its bytes are on the disk (SGLang's
    ``file`` backend never syncs). ``*_store_gbps`` include the sync and make
    ``store_ratio``; ``*_store_unsynced_gbps`` do not.
@@ -22,8 +26,9 @@ so that neither always meets the disk first:
    (``bench_nvme.drop_page_cache``: ``fsync``, then ``posix_fadvise(DONTNEED)``; no
    other file's pages); ``cold`` in the JSON says so.
 3. Load: SGLang's prefetch (its hit query, then the transfer in batches of 128 pages,
-   ``wait_complete``) into other host slots; timed until its last ack. One page in 16
-   is checked against the bytes stored; the slots are then zeroed and freed.
+   ``wait_complete``; ``hybrid``: then the last node's state) into other host slots;
+   timed until its last ack. One page in 16, and the state, are checked against the
+   bytes stored; the slots are then zeroed and freed.
 4. Hit queries: 25 more prefetches of the round's pages that stop after SGLang's hit
    query (one ``batch_exists`` of every page on its prefetch thread), so that the
    ``batch_exists`` percentiles rest on 25 samples a round.
@@ -36,10 +41,14 @@ subjects' directories lie under ``--dir`` (default: a temporary one under /var/t
 removed at the end), on the same disk.
 
 Every call SGLang's threads make into a backend (``batch_exists``, ``batch_get_v1``,
-``batch_set_v1``, ``batch_get``, ``batch_set``) is timed on the backend object SGLang
-built; ``<subject>_<method>_p50_us`` and ``_p99_us`` cover all rounds. GB/s figures are
-medians over the rounds; the ratios are ours over file, of those medians. The last line
-of output is one JSON object::
+``batch_set_v1``, ``batch_get``, ``batch_set`` and the v2 calls) is timed on the backend
+object SGLang built; ``<subject>_<method>_p50_us`` and ``_p99_us`` cover all rounds. GB/s
+figures are medians over the rounds; the ratios are ours over file, of those medians.
+For ``hybrid``, ``<subject>_kv_{store,load}_gbps`` are the KV bytes over the time in the
+KV calls and ``<subject>_state_{store,load}_gbps`` the state bytes over the time in the
+v2 calls, per round; ``state_over_kv_{store,load}_ratio`` is ours' state figure over its
+KV figure (per byte, the state path against the v1 path). The last line of output is
+one JSON object::
 
     {"runs": [{"shape": "small", "layers": 8, "page_bytes": ..., "pages": ..., "rounds": ...,
                "file_store_gbps": ..., "file_store_unsynced_gbps": ..., "file_load_gbps": ...,
@@ -80,13 +89,17 @@ except ImportError as exc:  # SGLang is an optional extra
     _MISSING = str(exc)
 
 PAGE_TOKENS = 64
-SHAPES = {"small": 8, "large": 32}  # layers; 8 KV heads x 128, bf16, as Llama 3 8B's
+SHAPES = {"small": 8, "large": 32, "hybrid": 8}  # attention layers; 8 KV heads x 128, bf16
+MAMBA = {"layers": 24, "temporal": (16, 128, 128), "conv": ((6144, 3),)}  # the hybrid state
+NODE_PAGES = 16  # the hybrid shape's radix nodes: one state each
 HEADS, HEAD_DIM = 8, 128
 COLD = "each file synced and dropped from the page cache (fsync, posix_fadvise)"
 _SAMPLE_EVERY = 16  # one loaded page in this many is byte-checked
 _SPACE_MARGIN = 1.1  # disk bytes per payload byte, at most
 _PREFETCH_THRESHOLD = 256  # tokens: SGLang's default prefetch_threshold
 _HIT_QUERIES = 25  # per round, for batch_exists' percentiles
+_KV_CALLS = ("batch_set_v1", "batch_get_v1", "batch_set", "batch_get")
+_V2_CALLS = ("batch_exists_v2", "batch_set_v2", "batch_get_v2")
 
 
 @dataclass
@@ -99,9 +112,58 @@ class Subject:
     stored: torch.Tensor  # the filled host slots every round stores from
     fill_tokens: list[int]
     log: sglang_cpu.CallLog
+    states: torch.Tensor | None = None  # hybrid: the filled state slot of each node
     store_gbps: list[float] = field(default_factory=list)
     store_unsynced_gbps: list[float] = field(default_factory=list)
     load_gbps: list[float] = field(default_factory=list)
+    per_call_gbps: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def state_pool(self) -> Any:
+        return self.ctrl.sglang.mem_pool_host.entry_map[sglang_cpu.PoolName.MAMBA].host_pool
+
+    def note(self, name: str, value: float) -> None:
+        self.per_call_gbps.setdefault(name, []).append(value)
+
+
+def _store(subject: Subject, tokens: list[int]) -> int:
+    """SGLang's backup of the round's pages (node by node, with each node's state, for
+    a hybrid subject); the tokens it counted as written."""
+    ctrl = subject.ctrl
+    if subject.states is None:
+        return sglang_cpu.backup(ctrl, subject.stored, tokens)
+    keys = sglang_cpu.get_storage_hash_str(tokens, None, page_size=PAGE_TOKENS)
+    written, node = 0, NODE_PAGES * PAGE_TOKENS
+    for i in range(len(keys) // NODE_PAGES):
+        last = (i + 1) * NODE_PAGES
+        state = sglang_cpu.state_transfer("mamba", [keys[last - 1]], subject.states[i : i + 1])
+        written += sglang_cpu.backup(
+            ctrl, subject.stored[i * node : (i + 1) * node], tokens[i * node : (i + 1) * node],
+            prior_hash=keys[i * NODE_PAGES - 1] if i else None, extra_pools=[state],
+        )  # fmt: skip
+    return written
+
+
+def _placeholders(subject: Subject) -> list[Any] | None:
+    if subject.states is None:
+        return None
+    return [sglang_cpu.state_transfer("mamba", ["__placeholder__"])]
+
+
+def _per_call(subject: Subject, first_call: int, page_bytes: int) -> None:
+    """A hybrid round's KV and state GB/s: bytes over the time in their calls."""
+    calls = subject.log.calls[first_call:]
+    state_bytes = subject.state_pool.size_per_token
+    for what, kv_calls, state_call in (
+        ("store", ("batch_set_v1", "batch_set"), "batch_set_v2"),
+        ("load", ("batch_get_v1", "batch_get"), "batch_get_v2"),
+    ):
+        kv = [c for c in calls if c.name in kv_calls]
+        state = [c for c in calls if c.name == state_call and c.keys]
+        subject.note(f"kv_{what}", sum(c.keys for c in kv) * page_bytes / sum(c.ns for c in kv))
+        subject.note(
+            f"state_{what}", sum(c.keys for c in state) * state_bytes / sum(c.ns for c in state)
+        )
 
 
 def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None:
@@ -109,8 +171,11 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
     ctrl = subject.ctrl
     tokens = sglang_cpu.page_tokens(pages, PAGE_TOKENS, seed=round_no + 1)
     total = pages * page_bytes
+    if subject.states is not None:  # the state of every node, and the last one loaded
+        total += pages // NODE_PAGES * subject.state_pool.size_per_token
+    first_call = len(subject.log.calls)
     start = time.perf_counter()
-    written = sglang_cpu.backup(ctrl, subject.stored, tokens)
+    written = _store(subject, tokens)
     unsynced = time.perf_counter() - start
     os.sync()
     synced = time.perf_counter() - start
@@ -118,16 +183,23 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
         raise SystemExit(f"{subject.name}: SGLang wrote {written} of {pages * PAGE_TOKENS} tokens")
     drop_page_cache(list(files_under(subject.directory)))
     start = time.perf_counter()
-    got = sglang_cpu.prefetch(ctrl, tokens, policy="wait_complete")
+    got = sglang_cpu.prefetch(
+        ctrl, tokens, policy="wait_complete", extra_pools=_placeholders(subject)
+    )
     loaded = time.perf_counter() - start
-    if got.tokens != pages * PAGE_TOKENS:
+    if got.tokens != pages * PAGE_TOKENS or not got.usable:
         raise SystemExit(f"{subject.name}: SGLang loaded {got.tokens} of {pages * PAGE_TOKENS}")
     sglang_cpu.check_pages(
         ctrl.host_pool, got.host_indices, subject.fill_tokens, every=_SAMPLE_EVERY
     )
     sglang_cpu.evict(ctrl, got.host_indices)
+    if subject.states is not None:
+        _check_state(subject, got, pages // NODE_PAGES - 1)
+        _per_call(subject, first_call, page_bytes)
     for query in range(_HIT_QUERIES):
-        operation, hit = sglang_cpu.hit_query(ctrl, tokens, f"query-{round_no}-{query}")
+        operation, hit = sglang_cpu.hit_query(
+            ctrl, tokens, f"query-{round_no}-{query}", extra_pools=_placeholders(subject)
+        )
         ctrl.sglang.terminate_prefetch(operation)
         if hit != pages * PAGE_TOKENS:
             raise SystemExit(f"{subject.name}: SGLang's hit query found {hit} tokens")
@@ -141,9 +213,20 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
     )
 
 
+def _check_state(subject: Subject, got: Any, node: int) -> None:
+    """The loaded state holds the bytes of node ``node``'s state slot; its slot is freed."""
+    pool, slot = subject.state_pool, got.states["mamba"].host_indices
+    expected = pool.get_data_page(int(subject.states[node]), flat=True)
+    if not torch.equal(pool.get_data_page(int(slot[0]), flat=True), expected):
+        raise SystemExit(f"{subject.name}: the loaded state holds other bytes than were stored")
+    pool.free(slot)
+
+
 def _subjects(
-    stack: ExitStack, args: argparse.Namespace, directory: str, layers: int
+    stack: ExitStack, args: argparse.Namespace, directory: str, shape: str
 ) -> Iterator[Subject]:
+    layers, hybrid = SHAPES[shape], shape == "hybrid"
+    nodes = args.pages // NODE_PAGES
     for name in ("file", "ours") if args.ours else ("file",):
         root = os.path.join(directory, name)
         os.makedirs(root)
@@ -162,11 +245,25 @@ def _subjects(
             "page_first", pages=2 * args.pages, page_size=PAGE_TOKENS, layers=layers,
             heads=HEADS, head_dim=HEAD_DIM,
         )  # fmt: skip
-        ctrl = stack.enter_context(sglang_cpu.controller(pool, backend, extra))
+        sidecars = {}
+        if hybrid:  # a slot per node for the stores, one more for the load
+            mamba = MAMBA["layers"], MAMBA["temporal"], MAMBA["conv"]
+            sidecars["mamba"] = sglang_cpu.make_mamba_pool(
+                slots=nodes + 1, layers=mamba[0], temporal=mamba[1], conv=mamba[2]
+            )
+        ctrl = stack.enter_context(sglang_cpu.controller(pool, backend, extra, sidecars=sidecars))
         stored = pool.alloc(args.pages * PAGE_TOKENS)
         fill_tokens = sglang_cpu.page_tokens(args.pages, PAGE_TOKENS)
         sglang_cpu.fill_pages(pool, stored, fill_tokens)
-        yield Subject(name, ctrl, root, stored, fill_tokens, sglang_cpu.record_calls(ctrl.backend))
+        states = None
+        if hybrid:
+            states = sidecars["mamba"].alloc(nodes)
+            sglang_cpu.fill_states(
+                sidecars["mamba"], states, [f"node {i}" for i in range(nodes)], name
+            )
+        calls = sglang_cpu.STORAGE_CALLS + (_V2_CALLS if hybrid else ())
+        log = sglang_cpu.record_calls(ctrl.backend, calls)
+        yield Subject(name, ctrl, root, stored, fill_tokens, log, states)
 
 
 def run_shape(args: argparse.Namespace, shape: str, directory: str) -> dict[str, Any]:
@@ -179,7 +276,7 @@ def run_shape(args: argparse.Namespace, shape: str, directory: str) -> dict[str,
                            "rounds": args.rounds}  # fmt: skip
     print(f"{shape}: {layers} layers, {page_bytes >> 20} MiB pages x {args.pages}", file=sys.stderr)
     with ExitStack() as stack:
-        subjects = list(_subjects(stack, args, directory, layers))
+        subjects = list(_subjects(stack, args, directory, shape))
         for round_no in range(args.rounds):
             order = subjects if round_no % 4 in (0, 3) else subjects[::-1]
             for subject in order:
@@ -188,7 +285,9 @@ def run_shape(args: argparse.Namespace, shape: str, directory: str) -> dict[str,
         for what in ("store", "store_unsynced", "load"):
             median = statistics.median(getattr(subject, f"{what}_gbps"))
             row[f"{subject.name}_{what}_gbps"] = round(median, 3)
-        for method in sglang_cpu.STORAGE_CALLS:
+        for what, values in subject.per_call_gbps.items():
+            row[f"{subject.name}_{what}_gbps"] = round(statistics.median(values), 3)
+        for method in sglang_cpu.STORAGE_CALLS + _V2_CALLS:
             durations = subject.log.durations_ns(method)
             if durations:
                 row[f"{subject.name}_{method}_p50_us"] = quantile_us(durations, 0.5)
@@ -196,6 +295,9 @@ def run_shape(args: argparse.Namespace, shape: str, directory: str) -> dict[str,
     if args.ours:
         for what in ("store", "load"):
             row[f"{what}_ratio"] = round(row[f"ours_{what}_gbps"] / row[f"file_{what}_gbps"], 3)
+            if shape == "hybrid":
+                ratio = row[f"ours_state_{what}_gbps"] / row[f"ours_kv_{what}_gbps"]
+                row[f"state_over_kv_{what}_ratio"] = round(ratio, 3)
     return row
 
 
@@ -215,8 +317,19 @@ def _summary(row: dict[str, Any]) -> str:
             f"({row[f'{name}_store_unsynced_gbps']} before the sync), "
             f"load {row[f'{name}_load_gbps']} GB/s; {calls}"
         )
+        if f"{name}_state_store_gbps" in row:
+            lines.append(
+                f"  {name} in its calls: KV store {row[f'{name}_kv_store_gbps']}, load "
+                f"{row[f'{name}_kv_load_gbps']} GB/s; state store "
+                f"{row[f'{name}_state_store_gbps']}, load {row[f'{name}_state_load_gbps']} GB/s"
+            )
     if "store_ratio" in row:
         lines.append(f"  ours / file: store {row['store_ratio']}x, load {row['load_ratio']}x")
+    if "state_over_kv_store_ratio" in row:
+        lines.append(
+            f"  ours, state per byte / KV per byte: store {row['state_over_kv_store_ratio']}x, "
+            f"load {row['state_over_kv_load_ratio']}x"
+        )
     return "\n".join(lines)
 
 
@@ -268,6 +381,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"argument --pages: SGLang does not prefetch under {_PREFETCH_THRESHOLD} tokens "
             f"({_PREFETCH_THRESHOLD // PAGE_TOKENS} pages), got {args.pages}"
+        )
+    if "hybrid" in args.shapes and args.pages % NODE_PAGES:
+        parser.error(
+            f"argument --pages: the hybrid shape stores nodes of {NODE_PAGES} pages, "
+            f"got {args.pages}"
         )
     if args.dir is not None:
         ensure_directory(parser, "--dir", args.dir)

@@ -309,6 +309,9 @@ class TieringHiCacheStorage(HiCacheStorage):
     ) -> int:
         """How many of ``keys``, from the first, the tier holds whole (a key it is still
         checking is asked about again, for at most ``job_timeout``)."""
+        return self._kv_prefix(keys)
+
+    def _kv_prefix(self, keys: list[str]) -> int:
         held = self._kv().held(keys, prefix=True)
         return held.index(False) if False in held else len(keys)
 
@@ -326,7 +329,7 @@ class TieringHiCacheStorage(HiCacheStorage):
         ``block_groups`` gates nothing and reports its leading whole blocks). The result
         holds that prefix, each pool's longest restorable prefix, and every prefix length
         this rank can restore. A pool that is not served makes no prefix usable."""
-        kv_pages = self.batch_exists(keys)
+        kv_pages = self._kv_prefix(keys)
         restorable = set(range(1, kv_pages + 1))
         hits: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
         for transfer in pool_transfers or ():
