@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests._engine_helpers import corrupt_block
 from tests._redis_helpers import client_of, damage_payload
@@ -39,6 +40,7 @@ from tests._sglang_harness import (  # skips the module without SGLang (fails in
     state_transfer,
 )
 from tiering.errors import InvalidArgumentError
+from tiering.integrations.sglang_pools import PageChunks
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName  # isort: skip
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer  # isort: skip
@@ -64,10 +66,11 @@ class Model:
     policy: str
     tail: int
     window: int
+    temporal: tuple[int, ...] = (2, 4, 8)  # a Mamba layer's SSM state
 
     def make_pool(self) -> Any:
         if self.pool == "mamba":
-            return make_mamba_pool(slots=40, layers=2)
+            return make_mamba_pool(slots=40, layers=2, temporal=self.temporal)
         pages = 2 * PAGES + 8 if self.tail == 0 else 64  # "indexer": the KV's slots
         return make_host_pool("page_first", pages=pages, page_size=PAGE, layers=1, heads=1,
                               head_dim=8)  # fmt: skip
@@ -83,6 +86,8 @@ class Model:
 
 
 MAMBA = Model("mamba", "trailing_pages", tail=1, window=1)
+# A state row of 8 KiB, eight times a KV run (1 KiB): stored in pieces of a run each.
+WIDE_MAMBA = Model("mamba", "trailing_pages", tail=1, window=1, temporal=(4, 16, 16))
 SWA = Model("swa", "trailing_pages", tail=SWA_TAIL, window=WINDOW)
 INDEXER = Model("indexer", "all_pages", tail=0, window=0)
 
@@ -191,7 +196,9 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     return redis(request.getfixturevalue("redis_server"))
 
 
-@pytest.mark.parametrize("model", [MAMBA, SWA, INDEXER], ids=lambda m: m.pool)
+@pytest.mark.parametrize(
+    "model", [MAMBA, WIDE_MAMBA, SWA, INDEXER], ids=["mamba", "wide-mamba", "swa", "indexer"]
+)
 def test_a_hybrid_prefix_comes_back_with_its_state_byte_exact(
     backend: dict[str, Any], model: Model
 ) -> None:
@@ -279,6 +286,17 @@ def test_a_restarted_server_serves_the_state_the_last_one_stored(tmp_path: Path)
         got = fetch(ctrl, MAMBA, tokens)
         assert got.tokens == PAGES * PAGE and got.usable
         check_fetched(ctrl, MAMBA, got, tokens, "r0")
+
+
+def test_a_state_row_longer_than_a_kv_run_is_cut_into_pieces_of_a_run() -> None:
+    pool = WIDE_MAMBA.make_pool()
+    temporal = pool.kv_buffer[0]
+    row = temporal[0].numel() * temporal.element_size()
+    pieces = PageChunks(pool, temporal, piece_bytes=1024)
+    assert row == 8192 and (pieces.chunks, pieces.chunk_bytes) == (8, 1024)
+    slots = pieces.slots(torch.tensor([3]), 1)  # slot 3's row, piece by piece, in order
+    assert [s * 1024 for s in slots] == list(range(3 * row, 4 * row, 1024))
+    assert PageChunks(pool, temporal).chunks == 1  # uncut without a piece size
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])

@@ -194,8 +194,13 @@ class TieringHiCacheStorage(HiCacheStorage):
             return
         if "kv" not in self._host_pools:
             raise InvalidArgumentError("no KV host pool is registered")
+        kv = PageChunks(self._host_pools["kv"], self._host_pools["kv"].kv_buffer)
+        # A state row longer than a KV run is cut into pieces no longer than one, which
+        # the tiers move at once, as they move a page's runs.
         parts = {
-            name: [PageChunks(pool, buffer) for buffer in pool_buffers(pool)]
+            name: [kv]
+            if name == "kv"
+            else [PageChunks(pool, b, piece_bytes=kv.chunk_bytes) for b in pool_buffers(pool)]
             for name, pool in self._host_pools.items()
         }
         capacity = _capacity(self._options.get("capacity_bytes"))

@@ -31,10 +31,13 @@ def pool_buffers(pool: Any) -> list[torch.Tensor]:
 class PageChunks:
     """Where a host pool's pages lie in one of its buffers: ``chunks`` runs of
     ``chunk_bytes`` (K and V, maybe per layer, or one state row), run ``j`` of page ``p``
-    at chunk ``offsets[j] + p * stride``. InvalidArgumentError (naming the pool and its
-    layout) unless they are whole chunks of the buffer at a fixed stride."""
+    at chunk ``offsets[j] + p * stride``. With ``piece_bytes``, a run longer than that
+    is cut into equal pieces of at most ``piece_bytes`` where its length allows (so a
+    tier moves a large state row as several blocks at once). InvalidArgumentError
+    (naming the pool and its layout) unless they are whole chunks of the buffer at a
+    fixed stride."""
 
-    def __init__(self, pool: Any, buffer: torch.Tensor) -> None:
+    def __init__(self, pool: Any, buffer: torch.Tensor, *, piece_bytes: int | None = None) -> None:
         layout = getattr(pool, "layout", "?")
         where = f"host pool {type(pool).__name__} ({layout})"
         if not isinstance(buffer, torch.Tensor) or not buffer.is_contiguous():
@@ -87,6 +90,11 @@ class PageChunks:
                 "stride, which kv-tiering's HiCache storage needs (use the page_first or "
                 "layer_first layout)"
             )
+        pieces = _pieces(self.chunk_bytes, piece_bytes)
+        if pieces > 1:
+            self.chunk_bytes //= pieces
+            self.offsets = [offset * pieces + k for offset in self.offsets for k in range(pieces)]
+            self.chunks, self.stride = len(self.offsets), stride * pieces
         self._offsets = torch.tensor(self.offsets, dtype=torch.int64)
         self._suffixes = [b"/%d" % j for j in range(self.chunks)]
 
@@ -124,6 +132,16 @@ class PageChunks:
                 f"({self.pages} pages of {self.page_size} tokens)"
             )
         return (page[:, None] * self.stride + self._offsets[None, :]).flatten().tolist()
+
+
+def _pieces(run_bytes: int, piece_bytes: int | None) -> int:
+    """The fewest equal pieces of at most ``piece_bytes`` a run divides into (1: none)."""
+    if piece_bytes is None or run_bytes <= piece_bytes:
+        return 1
+    return next(
+        (n for n in range(-(-run_bytes // piece_bytes), run_bytes + 1) if run_bytes % n == 0),
+        1,
+    )
 
 
 class PoolStore:
