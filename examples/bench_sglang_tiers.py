@@ -47,7 +47,12 @@ figures are medians over the rounds; the ratios are ours over file, of those med
 For ``hybrid``, ``<subject>_kv_{store,load}_gbps`` are the KV bytes over the time in the
 KV calls and ``<subject>_state_{store,load}_gbps`` the state bytes over the time in the
 v2 calls, per round; ``state_over_kv_{store,load}_ratio`` is ours' state figure over its
-KV figure (per byte, the state path against the v1 path). The last line of output is
+KV figure (per byte, the state path against the v1 path). As SGLang's KV calls carry up
+to 128 pages and a state call one state, ours' v1 and v2 calls are also timed directly
+on equal bytes each round (``ours_equal_{kv,state}_{store,load}_gbps``: as many new KV
+pages as a state holds bytes, and a new state, each through an ``os.sync()``; then,
+cold, the round's first such pages and its first node's state; alternated), whose
+ratio is ``state_over_kv_equal_bytes_{store,load}_ratio``. The last line of output is
 one JSON object::
 
     {"runs": [{"shape": "small", "layers": 8, "page_bytes": ..., "pages": ..., "rounds": ...,
@@ -196,6 +201,8 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
     if subject.states is not None:
         _check_state(subject, got, pages // NODE_PAGES - 1)
         _per_call(subject, first_call, page_bytes)
+        if subject.name == "ours":
+            _equal_bytes(subject, round_no, tokens, page_bytes)
     for query in range(_HIT_QUERIES):
         operation, hit = sglang_cpu.hit_query(
             ctrl, tokens, f"query-{round_no}-{query}", extra_pools=_placeholders(subject)
@@ -211,6 +218,67 @@ def _round(subject: Subject, round_no: int, pages: int, page_bytes: int) -> None
         f"({total / unsynced / 1e9:.2f} before the sync), load {total / loaded / 1e9:.2f} GB/s",
         file=sys.stderr,
     )
+
+
+def _equal_bytes(subject: Subject, round_no: int, tokens: list[int], page_bytes: int) -> None:
+    """Ours' v1 and v2 calls on the same bytes, called directly and alternated (v1 first
+    in even rounds): a store of as many new KV pages as a state holds bytes and of one new
+    state, each through an ``os.sync()``; then, cold, a load of the round's first such
+    pages and of its first node's state."""
+    backend, pool = subject.ctrl.backend, subject.state_pool
+    state_bytes = pool.size_per_token
+    n = max(1, round(state_bytes / page_bytes))
+    keys = sglang_cpu.get_storage_hash_str(tokens, None, page_size=PAGE_TOKENS)
+    kv_slots = subject.stored[: n * PAGE_TOKENS]
+    state_slot = subject.states[:1]
+
+    def v1_store() -> float:
+        fresh = [f"equal-{round_no}-{i}" for i in range(n)]
+        return _timed_synced(lambda: backend.batch_set_v1(fresh, kv_slots), n * page_bytes)
+
+    def v2_store() -> float:
+        fresh = sglang_cpu.state_transfer("mamba", [f"equal-{round_no}"], state_slot)
+        return _timed_synced(lambda: backend.batch_set_v2([fresh])["mamba"], state_bytes)
+
+    def v1_load() -> float:
+        into = subject.ctrl.host_pool.alloc(n * PAGE_TOKENS)
+        try:
+            return _timed_cold(
+                subject, lambda: backend.batch_get_v1(keys[:n], into), n * page_bytes
+            )
+        finally:
+            subject.ctrl.host_pool.free(into)
+
+    def v2_load() -> float:
+        into = pool.alloc(1)
+        state = sglang_cpu.state_transfer("mamba", [keys[NODE_PAGES - 1]], into)
+        try:
+            return _timed_cold(subject, lambda: backend.batch_get_v2([state])["mamba"], state_bytes)
+        finally:
+            pool.free(into)
+
+    pairs = [("store", v1_store, v2_store), ("load", v1_load, v2_load)]
+    for what, v1, v2 in pairs:
+        for name, call in (
+            (("kv", v1), ("state", v2)) if round_no % 2 == 0 else (("state", v2), ("kv", v1))
+        ):
+            subject.note(f"equal_{name}_{what}", call())
+
+
+def _timed_synced(call: Any, nbytes: int) -> float:
+    start = time.perf_counter()
+    if not all(call()):
+        raise SystemExit("ours: a store of the equal-bytes comparison failed")
+    os.sync()
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def _timed_cold(subject: Subject, call: Any, nbytes: int) -> float:
+    drop_page_cache(list(files_under(subject.directory)))
+    start = time.perf_counter()
+    if not all(call()):
+        raise SystemExit("ours: a load of the equal-bytes comparison failed")
+    return nbytes / (time.perf_counter() - start) / 1e9
 
 
 def _check_state(subject: Subject, got: Any, node: int) -> None:
@@ -298,6 +366,8 @@ def run_shape(args: argparse.Namespace, shape: str, directory: str) -> dict[str,
             if shape == "hybrid":
                 ratio = row[f"ours_state_{what}_gbps"] / row[f"ours_kv_{what}_gbps"]
                 row[f"state_over_kv_{what}_ratio"] = round(ratio, 3)
+                equal = row[f"ours_equal_state_{what}_gbps"] / row[f"ours_equal_kv_{what}_gbps"]
+                row[f"state_over_kv_equal_bytes_{what}_ratio"] = round(equal, 3)
     return row
 
 
@@ -328,7 +398,9 @@ def _summary(row: dict[str, Any]) -> str:
     if "state_over_kv_store_ratio" in row:
         lines.append(
             f"  ours, state per byte / KV per byte: store {row['state_over_kv_store_ratio']}x, "
-            f"load {row['state_over_kv_load_ratio']}x"
+            f"load {row['state_over_kv_load_ratio']}x in SGLang's calls; store "
+            f"{row['state_over_kv_equal_bytes_store_ratio']}x, load "
+            f"{row['state_over_kv_equal_bytes_load_ratio']}x in calls of equal bytes"
         )
     return "\n".join(lines)
 
