@@ -258,15 +258,18 @@ def make_mamba_pool(
     layers: int,
     temporal: tuple[int, ...] = (2, 4, 8),
     conv: Sequence[tuple[int, ...]] = ((6, 3), (4, 3)),
+    side_states: Sequence[tuple[int, ...]] = (),
 ) -> MambaPoolHost:
     """SGLang's own Mamba state host pool on CPU (not pinned, ``page_first``): ``slots``
     state slots of ``layers`` layers, each a float32 SSM state of shape ``temporal`` and
-    bf16 conv states of the shapes ``conv``, one buffer each (as a model runner's
-    ``MambaStateBufferInfo`` describes its device pool; those stand-in device tensors are
-    never copied to or from)."""
+    bf16 conv states of the shapes ``conv``, one buffer each, and float32 per-slot side
+    states of the shapes ``side_states`` (as a model runner's ``MambaStateBufferInfo``
+    describes its device pool; those stand-in device tensors are never copied to or
+    from)."""
     info = MambaStateBufferInfo(
         temporal=torch.zeros(layers, slots, *temporal, dtype=torch.float32),
         conv=tuple(torch.zeros(layers, slots, *shape, dtype=torch.bfloat16) for shape in conv),
+        extra_checkpoint_buffers=tuple(torch.zeros(slots, *shape) for shape in side_states),
     )
     return MambaPoolHost(
         info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first"

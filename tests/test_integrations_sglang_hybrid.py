@@ -364,8 +364,18 @@ def test_the_capacity_is_split_over_the_pools_by_their_shares(tmp_path: Path) ->
     assert sum(capacities["mamba"]) <= 1 << 28 and len(capacities["mamba"]) == 3
 
 
-def test_bad_pool_shares_fail_sglang_s_attach_naming_them(tmp_path: Path) -> None:
-    shares = {"mamba": 0}
+def test_a_mamba_pool_sglang_gives_no_addresses_for_fails_sglang_s_attach(tmp_path: Path) -> None:
+    kv = make_host_pool("page_first", pages=64, **SHAPE)
+    sidecars = {"mamba": make_mamba_pool(slots=8, layers=2, side_states=[(5,)])}
+    refused = pytest.raises(InvalidArgumentError, match=r"MambaPoolHost.*side states")
+    with refused, controller(kv, "dynamic", nvme(tmp_path), sidecars=sidecars):
+        pass
+
+
+@pytest.mark.parametrize(
+    "shares", [{"mamba": 0}, {"mambaa": 1}, ["kv"]], ids=["zero", "typo", "list"]
+)
+def test_bad_pool_shares_fail_sglang_s_attach_naming_them(tmp_path: Path, shares: Any) -> None:
     with (
         pytest.raises(InvalidArgumentError, match="pool_shares"),
         opened(MAMBA, nvme(tmp_path, pool_shares=shares)),

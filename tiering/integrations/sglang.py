@@ -194,6 +194,12 @@ class TieringHiCacheStorage(HiCacheStorage):
             return
         if "kv" not in self._host_pools:
             raise InvalidArgumentError("no KV host pool is registered")
+        unknown = sorted(set(self._shares) - set(self._host_pools))
+        if unknown:
+            raise InvalidArgumentError(
+                f"pool_shares names {unknown}, which SGLang did not register (its pools: "
+                f"{sorted(self._host_pools)})"
+            )
         kv = PageChunks(self._host_pools["kv"], self._host_pools["kv"].kv_buffer)
         # A state row longer than a KV run is cut into pieces no longer than one, which
         # the tiers move at once, as they move a page's runs.
