@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import TypeAdapter, ValidationError
 
 from tiering.errors import ClosedError, InvalidArgumentError
 from tiering.hashing import NAMESPACE_FORMAT, canonical_json
@@ -25,8 +24,8 @@ from tiering.integrations.sglang_pools import (
     restorable_prefixes,
 )
 from tiering.integrations.tier_thread import FRAMEWORK_DEFAULTS, TierThread, fixed_tier
-from tiering.options import Bytes
 from tiering.tiers.inbox import Lane
+from tiering.tiers.registry import check_options
 
 try:
     from sglang.srt.mem_cache.hicache_storage import (
@@ -90,17 +89,6 @@ def sglang_namespace(
         fields["part"] = {"pool": part[0], "buffer": part[1], "dtype": str(buffer.dtype)}
         fields["part"]["shape"] = list(buffer.shape[1:])
     return canonical_json({"sglang": fields, "format": NAMESPACE_FORMAT})
-
-
-def _capacity(given: object) -> int | None:
-    """The tier's ``capacity_bytes`` as bytes (None if it takes none); the tier's own
-    options check says what is wrong with a bad value."""
-    if given is None:
-        return None
-    try:
-        return TypeAdapter(Bytes).validate_python(given)
-    except ValidationError:
-        return None
 
 
 def _rank_sharded(pool_name: str) -> bool:
@@ -209,7 +197,13 @@ class TieringHiCacheStorage(HiCacheStorage):
             else [PageChunks(pool, b, piece_bytes=kv.chunk_bytes) for b in pool_buffers(pool)]
             for name, pool in self._host_pools.items()
         }
-        capacity = _capacity(self._options.get("capacity_bytes"))
+        # The tier's options as it reads them (a bad one fails here, naming it), for the
+        # capacity to split.
+        checked = check_options(
+            self.tier_type, self._options, defaults={"namespace": "-", **FRAMEWORK_DEFAULTS}
+        )
+        capacity = checked.get("capacity_bytes")
+        capacity = capacity if isinstance(capacity, int) else None
         weights = {name: self._shares.get(name, 1.0) for name in parts}
         stores: dict[str, PoolStore] = {}
         try:
