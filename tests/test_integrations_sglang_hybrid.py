@@ -3,7 +3,7 @@ calls), driven by SGLang's own ``HybridCacheController`` and host pools on CPU
 (tests/_sglang_harness.py): attention + Mamba (a state per radix node, ``trailing_pages``
 of 1), attention + sliding window (the window's pages, ``trailing_pages`` of 4), and a
 pool indexed like the KV (``all_pages``); 300 pages in six nodes, byte-exact, through
-the NVMe and Redis tiers; damaged and missing state, a restart, two TP ranks.
+the NVMe, Redis and memory tiers; damaged and missing state, a restart, two TP ranks.
 """
 
 from __future__ import annotations
@@ -189,10 +189,12 @@ def state_pages(model: Model, nodes: Sequence[int] = range(NODES)) -> set[int]:
     return {p for node in nodes for p in range((node + 1) * NODE - model.tail, (node + 1) * NODE)}
 
 
-@pytest.fixture(params=["nvme", "redis"])
+@pytest.fixture(params=["nvme", "redis", "memory"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     if request.param == "nvme":
         return nvme(tmp_path / "kv")
+    if request.param == "memory":  # room for every part's blocks: 300 pages of 2 runs
+        return dynamic_config(MODULE, "MemoryHiCacheStorage", interface_v1=1, max_blocks=1024)
     return redis(request.getfixturevalue("redis_server"))
 
 
