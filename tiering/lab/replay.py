@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from tiering.core.admission import make_admission
 from tiering.core.cpu_tier import CPUOffloadingManager
 from tiering.core.job_core import LEFT_EVERY_TIER
 from tiering.core.policies import DEFAULT_POLICY
@@ -122,29 +123,50 @@ def tier_layout(tier: object) -> TierLayout:
 class CacheModel:
     """The bookkeeping of a replay, without bytes: what each request would hit, where. A
     CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
-    secondary tier, fastest first, written through, named ``tier0``, ``tier1``... in
-    :attr:`hits`. Raises InvalidArgumentError or UnknownPolicyError."""
+    secondary tier, fastest first, written through what its ``tier_admission`` rule
+    admits (:mod:`tiering.core.admission`; default ``all``), named ``tier0``,
+    ``tier1``... in :attr:`hits`, :attr:`written` and :attr:`refused`. Raises
+    InvalidArgumentError or UnknownPolicyError."""
 
     def __init__(
-        self, cpu_blocks: int, policy: str = DEFAULT_POLICY, tier_blocks: Sequence[TierLayout] = ()
+        self,
+        cpu_blocks: int,
+        policy: str = DEFAULT_POLICY,
+        tier_blocks: Sequence[TierLayout] = (),
+        tier_admission: Sequence[str] | None = None,
     ) -> None:
         self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
         tiers: list[_TierModel] = []
+        capacities: list[int | None] = []
         for i, layout in enumerate(tier_blocks):
             if isinstance(layout, SegmentLayout):  # the tier's own index, from its package
                 tiers.append(replay_model(layout.tier)(**asdict(layout)))
+                capacities.append(layout.capacity_records)
                 continue
             if layout is not None:
                 positive_int(f"tier_blocks[{i}]", layout)
             tiers.append(_LRUSet(layout))
+            capacities.append(layout)
+        rules = ["all"] * len(tiers) if tier_admission is None else list(tier_admission)
+        if len(rules) != len(tiers):
+            raise InvalidArgumentError(
+                f"tier_admission names {len(rules)} rules for {len(tiers)} tiers"
+            )
+        self.admissions = [make_admission(r, c) for r, c in zip(rules, capacities, strict=True)]
         self.tier_names = [f"tier{i}" for i in range(len(tier_blocks))]
         self._tiers = tiers
         self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
+        self.written: dict[str, int] = dict.fromkeys(self.tier_names, 0)
+        """Blocks each secondary tier wrote (admitted)."""
+        self.refused: dict[str, int] = dict.fromkeys(self.tier_names, 0)
+        """Blocks offered to each secondary tier that its admission refused."""
         self.blocks = 0
 
     def request(self, hashes: Sequence[bytes]) -> int:
         """One request's blocks: returns how many leading ones hit (and counts where)."""
         manager, tiers = self.manager, self._tiers
+        for admission in self.admissions:  # before the request changes what the CPU holds
+            admission.observe(hashes, manager.is_ready)
         manager.touch(hashes)
         for tier in tiers:
             tier.touch(hashes)
@@ -173,10 +195,15 @@ class CacheModel:
                 manager.complete_store(out.block_hashes_to_store)
                 # Write-through: the request's blocks now ready go to each tier lacking them.
                 ready = [h for h in dict.fromkeys(rest) if manager.is_ready(h)]
-                for tier in tiers:
+                for tier, admission, name in zip(
+                    tiers, self.admissions, self.tier_names, strict=True
+                ):
                     missing = [h for h in ready if h not in tier]
-                    if missing:
-                        tier.add(missing)
+                    admitted = admission.admit(missing) if missing else missing
+                    self.written[name] += len(admitted)
+                    self.refused[name] += len(missing) - len(admitted)
+                    if admitted:
+                        tier.add(admitted)
         self.blocks += len(hashes)
         return n
 
@@ -194,10 +221,11 @@ def simulate(
     tier_blocks: Sequence[TierLayout] = (),
     full_blocks_only: bool = False,
     tenants: int = 1,
+    tier_admission: Sequence[str] | None = None,
 ) -> CacheModel:
     """A fresh :class:`CacheModel` that ran ``requests`` once per tenant, as :func:`replay`
     sends them. Raises as :class:`CacheModel`."""
-    model = CacheModel(cpu_blocks, policy, tier_blocks)
+    model = CacheModel(cpu_blocks, policy, tier_blocks, tier_admission)
     names = tenant_names(tenants)
     tenancy = Tenancy()
     for request in requests:

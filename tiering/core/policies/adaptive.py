@@ -56,7 +56,7 @@ class AdaptivePolicy(ARCPolicy):
         self._counts_before: dict[BlockHash, int] = {}  # the generation before
         self._touched = 0  # keys touched this generation
         self._sample = 1
-        self._shadows: list[_Shadow] = []
+        self._shadows: list[Shadow] = []
         self._leader = 0  # index into EXPERTS
         self._lru_order = False
         self._second_sight = False
@@ -67,7 +67,7 @@ class AdaptivePolicy(ARCPolicy):
             return
         self._sample = max(1, capacity // self.shadow_blocks)
         size = max(1, capacity // self._sample)
-        self._shadows = [_Shadow(expert, size, self.horizon) for expert in EXPERTS]
+        self._shadows = [Shadow(expert, size, self.horizon) for expert in EXPERTS]
 
     def admit(self, key: BlockHash) -> bool:
         return not self._second_sight or self._counts.get(key, 0) >= 2
@@ -155,10 +155,10 @@ class AdaptivePolicy(ARCPolicy):
         return victims
 
 
-class _Shadow:
+class Shadow:
     """A cache of sampled keys under one of :data:`EXPERTS` (eviction order and admission),
     scoring its decayed prefix hits; ``held`` mirrors the policy's resident keys (one set
-    lookup)."""
+    lookup). The lower tiers' adaptive admission runs two of them too."""
 
     __slots__ = ("capacity", "decay", "held", "policy", "score", "second_sight")
 

@@ -1,0 +1,116 @@
+"""Which blocks a lower tier takes (tiering.core.admission): each rule through its public
+calls, and the bookkeeping replay's counts of what each tier wrote and refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tiering.core.admission import ADMISSIONS, make_admission
+from tiering.errors import InvalidArgumentError
+from tiering.lab.replay import simulate
+from tiering.lab.workloads import TOKENS_PER_BLOCK, Request
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "little")
+
+
+def nowhere(_key: bytes) -> bool:  # the tier above holds nothing
+    return False
+
+
+def test_all_admits_every_offered_block_in_order() -> None:
+    rule = make_admission("all", 8)
+    rule.observe([key(1)], nowhere)
+    assert rule.admit([key(3), key(1), key(2)]) == [key(3), key(1), key(2)]
+
+
+@given(st.lists(st.lists(st.integers(0, 20), max_size=8), max_size=30))
+def test_seen_twice_admits_the_blocks_two_requests_named(requests: list[list[int]]) -> None:
+    rule = make_admission("seen-twice", 1 << 16)  # one generation: counts never halve
+    named: Counter[int] = Counter()
+    for request in requests:
+        rule.observe([key(i) for i in request], nowhere)
+        named.update(set(request))
+    offered = [key(i) for i in range(21)]
+    assert rule.admit(offered) == [key(i) for i in range(21) if named[i] >= 2]
+
+
+def test_seen_twice_halves_a_count_carried_into_a_new_generation() -> None:
+    rule = make_admission("seen-twice", 2)  # a generation: 8 x 2 observed keys
+    rule.observe([key(0)], nowhere)
+    rule.observe([key(0)], nowhere)
+    rule.observe([key(i) for i in range(100, 114)], nowhere)  # 16 keys: a new generation
+    assert rule.admit([key(0)]) == []  # 2 carried over as 1
+    rule.observe([key(0)], nowhere)
+    assert rule.admit([key(0)]) == [key(0)]
+
+
+def test_adaptive_admits_everything_while_its_tier_has_room() -> None:
+    rule = make_admission("adaptive", 64)
+    for i in range(40):  # unique blocks: refusing would save writes, but gains no hit
+        rule.observe([key(i)], nowhere)
+    assert rule.admit([key(1000)]) == [key(1000)]
+
+
+def test_adaptive_refuses_first_sight_blocks_where_refusing_costs_no_hit() -> None:
+    rule = make_admission("adaptive", 64)
+    for i in range(1000):  # a scan: no block comes back, the tier's room fills up
+        rule.observe([key(i)], nowhere)
+    assert rule.admit([key(5000), key(999)]) == []  # first sights, refused
+
+
+def test_adaptive_admits_everything_where_refusing_costs_hits() -> None:
+    rule = make_admission("adaptive", 64)
+    for i in range(1000):  # every block comes back once, 16 requests later
+        rule.observe([key(i)], nowhere)
+        if i >= 16:
+            rule.observe([key(i - 16)], nowhere)
+    assert rule.admit([key(5000)]) == [key(5000)]
+
+
+def test_a_block_the_tier_above_holds_is_no_evidence_for_this_tier() -> None:
+    rule = make_admission("adaptive", 64)
+    for i in range(1000):  # the tier above answers every request: this tier sees none
+        rule.observe([key(i)], lambda _k: True)
+    assert rule.admit([key(5000)]) == [key(5000)]  # its shadows never filled
+
+
+@pytest.mark.parametrize("rule", [None, "seen", "ALL", 2])
+def test_an_unknown_rule_is_refused_naming_admission(rule: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="admission must be one of"):
+        make_admission(rule, 8)
+
+
+def test_a_bad_tier_capacity_is_refused_naming_it() -> None:
+    with pytest.raises(InvalidArgumentError, match="capacity_blocks"):
+        make_admission("adaptive", 0)
+
+
+def requests_of(chains: list[list[int]]) -> list[Request]:
+    return [
+        Request(float(t), tuple(chain), TOKENS_PER_BLOCK * len(chain), 16, t)
+        for t, chain in enumerate(chains)
+    ]
+
+
+@pytest.mark.parametrize("rule", ADMISSIONS)
+def test_the_replay_counts_what_each_tier_wrote_and_refused(rule: str) -> None:
+    chains = [[i, i + 1, i + 2] for i in range(0, 300, 3)] * 2  # every prompt twice
+    full = simulate(requests_of(chains), cpu_blocks=8, tier_blocks=[32, None],
+                    full_blocks_only=True, tier_admission=[rule, "all"])  # fmt: skip
+    offered = full.written["tier0"] + full.refused["tier0"]
+    assert offered > 0 and full.written["tier1"] > 0 and full.refused["tier1"] == 0
+    if rule == "all":
+        assert full.refused["tier0"] == 0
+    if rule == "seen-twice":  # the first pass: every block refused
+        assert full.refused["tier0"] >= 300 - 8
+
+
+def test_a_replay_names_one_rule_per_tier() -> None:
+    with pytest.raises(InvalidArgumentError, match="tier_admission"):
+        simulate(requests_of([[1, 2]]), cpu_blocks=4, tier_blocks=[8], tier_admission=[])

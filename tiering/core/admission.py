@@ -1,0 +1,149 @@
+"""Which blocks a lower tier takes: its admission rule (sans-I/O). A rule sees every
+request (:meth:`Admission.observe`) and picks, of the blocks offered to its tier, those
+the tier writes (:meth:`Admission.admit`); a block it refuses is simply not written.
+
+* ``all``: every block (what every tier did before admission existed).
+* ``seen-twice``: a block only if two requests named it, counted in two generations of
+  request counts (a new one every ``window`` x capacity observed keys; a count carried
+  over is halved), as NVIDIA Dynamo's frequency filter admits to disk.
+* ``adaptive``: ``all`` until the tier would be full, then ``seen-twice`` while refusing
+  costs at most ``tolerance`` of the hits. Two SHARDS-style shadows of the tier (1 key
+  in ``capacity // shadow_blocks``, by CRC-32), one under each of the two rules, replay
+  the sampled keys a request finds below the tier above and score their decayed prefix
+  hits; the tier above's sampled prefix hits, decayed alike, are the rest of the hits.
+  A refusal costs hits only later (a block's next request misses), so a tier with room
+  never refuses: until then refusing saves writes but can gain no hit.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+
+from tiering.core.policies.adaptive import Shadow
+from tiering.core.scheduler_api import BlockHash
+from tiering.errors import InvalidArgumentError
+from tiering.validation import positive_int, real
+
+ADMISSIONS = ("all", "seen-twice", "adaptive")
+"""The admission rules by name."""
+
+
+class Admission:
+    """The ``all`` rule, and the base of the others: every offered block is admitted.
+    ``capacity_blocks`` is the tier's (None: unbounded)."""
+
+    name = "all"
+
+    def __init__(self, capacity_blocks: int | None = None) -> None:
+        if capacity_blocks is not None:
+            positive_int("capacity_blocks", capacity_blocks)
+        self.capacity_blocks = capacity_blocks
+
+    def observe(self, hashes: Sequence[BlockHash], above: Callable[[BlockHash], bool]) -> None:
+        """One request's blocks, in order; ``above(h)`` is True where the tier above
+        holds ``h`` (the request does not look for it in this tier)."""
+
+    def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """Of the blocks offered to the tier, those it writes, in order."""
+        return list(keys)
+
+
+class SeenTwice(Admission):
+    """The ``seen-twice`` rule (see the module docstring); ``window`` is a positive int."""
+
+    name = "seen-twice"
+
+    def __init__(self, capacity_blocks: int | None = None, window: int = 8) -> None:
+        super().__init__(capacity_blocks)
+        self.window = positive_int("window", window)
+        self.counts: dict[BlockHash, int] = {}  # requests naming a key, this generation
+        self._before: dict[BlockHash, int] = {}
+        self._observed = 0
+
+    def observe(self, hashes: Sequence[BlockHash], above: Callable[[BlockHash], bool]) -> None:
+        counts, get, before = self.counts, self.counts.get, self._before.get
+        unique = dict.fromkeys(hashes)
+        for key in unique:
+            count = get(key)
+            counts[key] = count + 1 if count is not None else (before(key, 0) >> 1) + 1
+        self._observed += len(unique)
+        if self._observed >= self.window * (self.capacity_blocks or 1 << 20):
+            self._observed, self._before, self.counts = 0, counts, {}
+
+    def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        get = self.counts.get
+        return [key for key in keys if get(key, 0) >= 2]
+
+
+class AdaptiveAdmission(SeenTwice):
+    """The ``adaptive`` rule (see the module docstring). Raises InvalidArgumentError for
+    a window, shadow size or horizon that is not a positive int, or a tolerance that is
+    not a number in [0, 1). On an unbounded tier it admits everything."""
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        capacity_blocks: int | None = None,
+        window: int = 8,
+        shadow_blocks: int = 4096,
+        horizon: int = 64,
+        tolerance: float = 0.01,
+    ) -> None:
+        super().__init__(capacity_blocks, window)
+        positive_int("shadow_blocks", shadow_blocks)
+        positive_int("horizon", horizon)
+        self.tolerance = real("tolerance", tolerance, "a number in [0, 1)", lambda t: 0 <= t < 1)
+        capacity = capacity_blocks or 1
+        self._sample = max(1, capacity // shadow_blocks)
+        size = max(1, capacity // self._sample)
+        self._all, self._seen = (
+            Shadow("lru", size, horizon),
+            Shadow("lru+second-sight", size, horizon),
+        )
+        self._above_score = 0.0
+        self._decay = self._all.decay
+        self.refusing = False  # which rule leads: seen-twice (True) or all
+
+    def observe(self, hashes: Sequence[BlockHash], above: Callable[[BlockHash], bool]) -> None:
+        super().observe(hashes, above)
+        if self.capacity_blocks is None:
+            return
+        sample = self._sample
+        sampled = hashes if sample == 1 else [h for h in hashes if zlib.crc32(h) % sample == 0]
+        if not sampled:
+            return
+        lead = 0
+        for key in sampled:  # the tier above's prefix hits
+            if not above(key):
+                break
+            lead += 1
+        self._above_score = self._above_score * self._decay ** len(sampled) + lead
+        below = [h for h in sampled if not above(h)]
+        if below:
+            unique = list(dict.fromkeys(below))
+            self._all.request(below, unique, self.counts)
+            self._seen.request(below, unique, self.counts)
+        everything, seen = self._all, self._seen
+        cost = everything.score - seen.score  # the hits refusing loses
+        full = len(everything.held) >= everything.capacity
+        self.refusing = full and cost <= self.tolerance * (self._above_score + everything.score)
+
+    def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        return super().admit(keys) if self.refusing else list(keys)
+
+
+def make_admission(rule: object, capacity_blocks: int | None) -> Admission:
+    """The admission rule named ``rule`` (one of :data:`ADMISSIONS`) for a tier of
+    ``capacity_blocks``; InvalidArgumentError naming ``admission`` otherwise."""
+    kinds: dict[str, Callable[[int | None], Admission]] = {
+        "all": Admission,
+        "seen-twice": SeenTwice,
+        "adaptive": AdaptiveAdmission,
+    }
+    if not isinstance(rule, str) or rule not in kinds:
+        raise InvalidArgumentError(
+            f"admission must be one of {', '.join(ADMISSIONS)}, got {rule!r}"
+        )
+    return kinds[rule](capacity_blocks)
