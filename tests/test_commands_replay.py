@@ -137,6 +137,9 @@ def test_replay_reads_a_config_file_and_set_overrides_it(
         (["sweep", "--suite", "--capacities", "500"], "percentages"),
         (["sweep", "--suite", "--capacities", "x%"], "'x%' is neither"),
         (["sweep", "--suite", "--limit", "5"], "--limit"),
+        (["sweep", "--admission", "seen-twice"], "--suite"),
+        (["sweep", "--suite", "--admission", "seen-thrice"], "seen-thrice"),
+        (["sweep", "--suite", "--admission", "all", "--tier-factor", "0"], "--tier-factor"),
     ],
 )
 def test_a_usage_error_exits_2_with_one_line(

@@ -10,12 +10,17 @@ With --suite it runs every named workload (generated with synthetic.seed, and TR
 given) with and without --full-blocks-only (only with, if given), and prints each
 policy's hit ratio as a ratio to the better of LRU and ARC at each capacity (percentages
 only), then each one's worst; --plot draws each policy's worst ratio by capacity.
+With --suite --admission RULES it runs the admission rules instead: below the CPU tier
+(the first of --policies) an LRU tier of --tier-factor times its blocks, written
+through what each rule admits; it prints each rule's hit ratio and blocks written as
+ratios to admitting everything, then each one's worst hit ratio and total writes.
 
 Examples:
   tiering sweep
   tiering sweep trace.jsonl --capacities 1%,2%,5%,10%,25%,50% --plot sweep.png
   tiering sweep --workload agent
   tiering sweep --suite --jobs 2
+  tiering sweep --suite --admission all,seen-twice,adaptive --policies lru
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import os
 from tiering.cli_args import Progress, choice_list, positive_int
 from tiering.commands._output import add_json_argument, print_json
 from tiering.commands._workload import add_config_arguments, load_workload, resolve_config
+from tiering.core.admission import ADMISSIONS
 from tiering.core.policies import policy_name, policy_names
 from tiering.errors import InvalidArgumentError
+from tiering.lab.admission_suite import plot_admission_suite, run_admission_suite
 from tiering.lab.sweep import capacities_from, footprint, fractions_from, plot_sweep, sweep
 from tiering.lab.workload_suite import WORKLOADS, plot_suite, run_suite
 
@@ -52,12 +59,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every named workload (and TRACE), each policy's ratio to the better of LRU and ARC",
     )
     parser.add_argument(
+        "--admission",
+        type=choice_list(ADMISSIONS),
+        help="with --suite: these lower-tier admission rules, comma-separated, against 'all'",
+    )
+    parser.add_argument(
+        "--tier-factor",
+        type=positive_int,
+        default=4,
+        help="with --admission: the lower tier's blocks, in CPU tiers",
+    )
+    parser.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes for --suite"
     )
     add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.admission is not None and not args.suite:
+        raise InvalidArgumentError("--admission runs the suite: add --suite")
     if args.suite:
         return _run_suite(args)
     config = resolve_config(args, {})
@@ -89,11 +109,22 @@ def _run_suite(args: argparse.Namespace) -> int:
     seed = resolve_config(args, {}).synthetic.seed  # --set synthetic.seed=N: other draws
     with Progress() as progress:
         progress.update(f"suite: {len(workloads)} workloads x {len(modes)} modes", force=True)
-        result = run_suite(
-            workloads, args.policies, fractions=fractions, modes=modes, seed=seed, jobs=args.jobs
-        )
+        if args.admission is not None:
+            result = run_admission_suite(
+                workloads, args.admission, fractions=fractions, modes=modes,
+                policy=args.policies[0], tier_factor=args.tier_factor, seed=seed, jobs=args.jobs,
+            )  # fmt: skip
+        else:
+            result = run_suite(
+                workloads,
+                args.policies,
+                fractions=fractions,
+                modes=modes,
+                seed=seed,
+                jobs=args.jobs,
+            )
     if args.plot is not None:
-        plot_suite(result, args.plot)
+        (plot_suite if args.admission is None else plot_admission_suite)(result, args.plot)
     print(result.table())
     if args.json:
         print_json({**result.to_json(), **({"plot": args.plot} if args.plot else {})})

@@ -236,7 +236,7 @@ class SuiteResult:
 
 
 @functools.lru_cache(maxsize=2)  # every point of one workload replays the same requests
-def _requests(workload: str, seed: int) -> list[Request]:
+def suite_requests(workload: str, seed: int) -> list[Request]:
     """A named workload, or the Mooncake trace at the path ``workload``."""
     return generate(workload, seed) if workload in WORKLOADS else read_mooncake(workload)
 
@@ -245,7 +245,7 @@ def _point(workload: str, seed: int, full: bool, fraction: float, policy: str) -
     from tiering.lab.replay import simulate  # the replay imports the tiers: only where it runs
     from tiering.lab.sweep import footprint
 
-    requests = _requests(workload, seed)
+    requests = suite_requests(workload, seed)
     blocks = max(1, round(footprint(requests, full_blocks_only=full) * fraction))
     model = simulate(requests, cpu_blocks=blocks, policy=policy, full_blocks_only=full)
     return blocks, model.hit_ratio
@@ -271,7 +271,7 @@ def run_suite(
         if not 0 < fraction <= 1:
             raise InvalidArgumentError(f"fractions: {fraction!r} is not in (0, 1]")
     for workload in workloads:  # fail before the first replay, not in a worker
-        _requests(workload, seed)
+        suite_requests(workload, seed)
     tasks = [
         (w, seed, full, f, p) for w in workloads for full in modes for f in fractions for p in names
     ]

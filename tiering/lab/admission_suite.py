@@ -1,0 +1,190 @@
+"""The admission rules on the workload suite: every workload and mode at each CPU capacity,
+with a lower tier of ``tier_factor`` times the CPU tier's blocks below it (LRU, written
+through what the rule admits), in the bookkeeping replay; each rule's hit ratio and the
+blocks it wrote to the lower tier, as ratios to admitting everything."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tiering.config import WORKLOADS
+from tiering.core.admission import ADMISSIONS, make_admission
+from tiering.core.policies import policy_name
+from tiering.errors import InvalidArgumentError
+from tiering.lab.workload_suite import FRACTIONS, suite_requests
+from tiering.validation import positive_int
+
+BASELINE = "all"
+"""The rule every other is measured against."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuleRun:
+    """One rule at one point: the total hit ratio, the lower tier's share of it, and the
+    blocks offered to the lower tier that it wrote and refused."""
+
+    hit_ratio: float
+    tier_hit_ratio: float
+    written: int
+    refused: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPoint:
+    """One workload, mode and CPU capacity, with every rule's :class:`RuleRun`."""
+
+    workload: str
+    full_blocks_only: bool
+    capacity_fraction: float
+    cpu_blocks: int
+    tier_blocks: int
+    runs: dict[str, RuleRun]
+
+    def hit_ratio(self, rule: str) -> float:
+        """``rule``'s hit ratio over admitting everything's (1.0 if that is 0)."""
+        base = self.runs[BASELINE].hit_ratio
+        return self.runs[rule].hit_ratio / base if base else 1.0
+
+    def writes(self, rule: str) -> float:
+        """``rule``'s blocks written over admitting everything's (1.0 if that is 0)."""
+        base = self.runs[BASELINE].written
+        return self.runs[rule].written / base if base else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSuiteResult:
+    """Every point of an admission suite, workloads in the order given."""
+
+    rules: tuple[str, ...]
+    tier_factor: int
+    points: tuple[AdmissionPoint, ...]
+
+    def worst(self, rule: str) -> float:
+        """``rule``'s lowest :meth:`AdmissionPoint.hit_ratio` over the points."""
+        return min(p.hit_ratio(rule) for p in self.points)
+
+    def total_writes(self, rule: str) -> float:
+        """``rule``'s blocks written summed over the points, over admitting everything's."""
+        base = sum(p.runs[BASELINE].written for p in self.points)
+        return sum(p.runs[rule].written for p in self.points) / base if base else 1.0
+
+    def table(self) -> str:
+        """A row per point: each rule's hit ratio and writes over admitting everything's,
+        and that rule's hit ratio; then each rule's worst hit ratio and total writes."""
+        cells = " ".join(f"{r + ' hit/w':>22}" for r in self.rules)
+        header = f"{'workload':<22} {'capacity':>8} {cells} {'all hit':>8}"
+        lines = [header, "-" * len(header)]
+        for p in self.points:
+            name = p.workload + (" full" if p.full_blocks_only else "")
+            row = " ".join(f"{p.hit_ratio(r):>14.3f} {p.writes(r):>7.2f}" for r in self.rules)
+            base = p.runs[BASELINE].hit_ratio
+            lines.append(f"{name:<22} {p.capacity_fraction:>8.0%} {row} {base:>8.4f}")
+        totals = " ".join(
+            f"{self.worst(r):>14.3f} {self.total_writes(r):>7.2f}" for r in self.rules
+        )
+        lines.append(f"{'worst hit / total w':<22} {'':>8} {totals}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as plain JSON values (the ``--json`` line of ``tiering sweep --suite
+        --admission``)."""
+        return {
+            "rules": list(self.rules),
+            "tier_factor": self.tier_factor,
+            "worst_hit_ratio": {r: round(self.worst(r), 4) for r in self.rules},
+            "total_writes_ratio": {r: round(self.total_writes(r), 4) for r in self.rules},
+            "points": [
+                {k: v for k, v in asdict(p).items() if k != "runs"}
+                | {"runs": {r: asdict(run) for r, run in p.runs.items()}}
+                for p in self.points
+            ],
+        }
+
+
+def _point(
+    workload: str, seed: int, full: bool, fraction: float, policy: str, factor: int, rule: str
+) -> tuple[int, RuleRun]:
+    from tiering.lab.replay import simulate  # the replay imports the tiers: only where it runs
+    from tiering.lab.sweep import footprint
+
+    requests = suite_requests(workload, seed)
+    cpu = max(1, round(footprint(requests, full_blocks_only=full) * fraction))
+    model = simulate(requests, cpu_blocks=cpu, policy=policy, tier_blocks=[factor * cpu],
+                     full_blocks_only=full, tier_admission=[rule])  # fmt: skip
+    tier = model.tier_names[0]
+    run = RuleRun(
+        model.hit_ratio,
+        model.hits[tier] / model.blocks if model.blocks else 0.0,
+        model.written[tier],
+        model.refused[tier],
+    )
+    return cpu, run
+
+
+def run_admission_suite(
+    workloads: Sequence[str] = WORKLOADS,
+    rules: Sequence[str] = ADMISSIONS,
+    *,
+    fractions: Sequence[float] = FRACTIONS,
+    modes: Sequence[bool] = (False, True),
+    policy: str = "lru",
+    tier_factor: int = 4,
+    seed: int = 0,
+    jobs: int = 1,
+) -> AdmissionSuiteResult:
+    """The bookkeeping replay of every workload (a name of :data:`WORKLOADS` or a trace
+    path), mode and fraction of its footprint for the CPU tier (evicting by ``policy``),
+    with an LRU tier of ``tier_factor`` times its blocks below it under each rule (and
+    ``all``), on ``jobs`` processes. Raises InvalidArgumentError for an unknown rule or
+    workload or a bad fraction or factor, UnknownPolicyError, or TraceError."""
+    policy = policy_name(policy)
+    factor = positive_int("tier_factor", tier_factor)
+    names = list(dict.fromkeys([BASELINE, *rules]))
+    for rule in names:
+        make_admission(rule, 1)  # an unknown rule fails here, not in a worker
+    for fraction in fractions:
+        if not 0 < fraction <= 1:
+            raise InvalidArgumentError(f"fractions: {fraction!r} is not in (0, 1]")
+    for workload in workloads:
+        suite_requests(workload, seed)
+    tasks = [
+        (w, seed, full, f, policy, factor, r)
+        for w in workloads
+        for full in modes
+        for f in fractions
+        for r in names
+    ]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_point, *zip(*tasks, strict=True)))
+    else:
+        results = [_point(*task) for task in tasks]
+    points: dict[tuple[str, bool, float], AdmissionPoint] = {}
+    for (w, _seed, full, f, _policy, _factor, rule), (cpu, run) in zip(tasks, results, strict=True):
+        point = points.setdefault((w, full, f), AdmissionPoint(w, full, f, cpu, factor * cpu, {}))
+        point.runs[rule] = run
+    return AdmissionSuiteResult(tuple(names), factor, tuple(points.values()))
+
+
+def plot_admission_suite(result: AdmissionSuiteResult, path: str | Path) -> Path:
+    """Draw each rule's worst hit ratio over admitting everything's by capacity."""
+    from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
+
+    worst: dict[str, dict[float, float]] = {}
+    for p in result.points:
+        for rule in result.rules:
+            line = worst.setdefault(rule, {})
+            x = p.capacity_fraction * 100
+            line[x] = min(line.get(x, float("inf")), p.hit_ratio(rule))
+    return plot_lines(
+        {rule: sorted(line.items()) for rule, line in worst.items()},
+        path,
+        xlabel="CPU tier capacity, of each workload's footprint",
+        ylabel="worst hit ratio / admitting everything's",
+        title=f"admission to a lower tier of {result.tier_factor}x the CPU tier's blocks",
+    )
