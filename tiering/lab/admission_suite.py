@@ -5,9 +5,7 @@ blocks it wrote to the lower tier, as ratios to admitting everything."""
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +13,13 @@ from typing import Any
 from tiering.config import WORKLOADS
 from tiering.core.admission import ADMISSIONS, make_admission
 from tiering.core.policies import policy_name
-from tiering.errors import InvalidArgumentError
-from tiering.lab.workload_suite import FRACTIONS, suite_requests
+from tiering.lab.workload_suite import (
+    FRACTIONS,
+    check_suite,
+    map_points,
+    suite_requests,
+    worst_lines,
+)
 from tiering.validation import positive_int
 
 BASELINE = "all"
@@ -147,11 +150,7 @@ def run_admission_suite(
     names = list(dict.fromkeys([BASELINE, *rules]))
     for rule in names:
         make_admission(rule, 1)  # an unknown rule fails here, not in a worker
-    for fraction in fractions:
-        if not 0 < fraction <= 1:
-            raise InvalidArgumentError(f"fractions: {fraction!r} is not in (0, 1]")
-    for workload in workloads:
-        suite_requests(workload, seed)
+    check_suite(workloads, fractions, seed)
     tasks = [
         (w, seed, full, f, policy, factor, r)
         for w in workloads
@@ -159,12 +158,8 @@ def run_admission_suite(
         for f in fractions
         for r in names
     ]
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_point, *zip(*tasks, strict=True)))
-    else:
-        results = [_point(*task) for task in tasks]
     points: dict[tuple[str, bool, float], AdmissionPoint] = {}
+    results = map_points(_point, tasks, jobs)
     for (w, _seed, full, f, _policy, _factor, rule), (cpu, run) in zip(tasks, results, strict=True):
         point = points.setdefault((w, full, f), AdmissionPoint(w, full, f, cpu, factor * cpu, {}))
         point.runs[rule] = run
@@ -175,14 +170,13 @@ def plot_admission_suite(result: AdmissionSuiteResult, path: str | Path) -> Path
     """Draw each rule's worst hit ratio over admitting everything's by capacity."""
     from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
 
-    worst: dict[str, dict[float, float]] = {}
-    for p in result.points:
-        for rule in result.rules:
-            line = worst.setdefault(rule, {})
-            x = p.capacity_fraction * 100
-            line[x] = min(line.get(x, float("inf")), p.hit_ratio(rule))
+    lines = worst_lines(
+        (rule, p.capacity_fraction, p.hit_ratio(rule))
+        for p in result.points
+        for rule in result.rules
+    )
     return plot_lines(
-        {rule: sorted(line.items()) for rule, line in worst.items()},
+        lines,
         path,
         xlabel="CPU tier capacity, of each workload's footprint",
         ylabel="worst hit ratio / admitting everything's",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiering.config import WORKLOADS
 from tiering.core.policies import policy_name, policy_names
@@ -163,6 +163,8 @@ FAMILIES: dict[str, Callable[[int], list[Request]]] = {
 }
 """The generated families by name."""
 
+_T = TypeVar("_T")
+
 REFERENCES = ("lru", "arc")
 """The policies a suite measures every other against (the better of them, per point)."""
 
@@ -267,39 +269,63 @@ def run_suite(
     fraction, UnknownPolicyError, or TraceError for a bad trace."""
     names = policy_names() if policies is None else list(dict.fromkeys(map(policy_name, policies)))
     names += [r for r in REFERENCES if r not in names]
-    for fraction in fractions:
-        if not 0 < fraction <= 1:
-            raise InvalidArgumentError(f"fractions: {fraction!r} is not in (0, 1]")
-    for workload in workloads:  # fail before the first replay, not in a worker
-        suite_requests(workload, seed)
+    check_suite(workloads, fractions, seed)
     tasks = [
         (w, seed, full, f, p) for w in workloads for full in modes for f in fractions for p in names
     ]
-    if jobs > 1:  # forked, so that policies registered at run time exist in the workers
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_point, *zip(*tasks, strict=True)))
-    else:
-        results = [_point(*task) for task in tasks]
     points: dict[tuple[str, bool, float], SuitePoint] = {}
-    for (w, _seed, full, f, policy), (blocks, hit_ratio) in zip(tasks, results, strict=True):
+    for (w, _seed, full, f, policy), (blocks, hit_ratio) in zip(
+        tasks, map_points(_point, tasks, jobs), strict=True
+    ):
         point = points.setdefault((w, full, f), SuitePoint(w, full, f, blocks, {}))
         point.hit_ratios[policy] = hit_ratio
     return SuiteResult(tuple(names), tuple(points.values()))
+
+
+def check_suite(workloads: Sequence[str], fractions: Sequence[float], seed: int) -> None:
+    """Fail before the first replay, not in a worker: InvalidArgumentError for a fraction
+    outside (0, 1] or an unknown workload, TraceError for a bad trace."""
+    for fraction in fractions:
+        if not 0 < fraction <= 1:
+            raise InvalidArgumentError(f"fractions: {fraction!r} is not in (0, 1]")
+    for workload in workloads:
+        suite_requests(workload, seed)
+
+
+def map_points(point: Callable[..., _T], tasks: Sequence[tuple[Any, ...]], jobs: int) -> list[_T]:
+    """``point(*task)`` of every task, in order, on ``jobs`` processes (forked, so that
+    policies registered at run time exist in the workers)."""
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(point, *zip(*tasks, strict=True)))
+    return [point(*task) for task in tasks]
+
+
+def worst_lines(
+    fractions_and_ratios: Iterable[tuple[str, float, float]],
+) -> dict[str, list[tuple[float, float]]]:
+    """Each name's lowest ratio at each capacity (in %), from ``(name, capacity
+    fraction, ratio)`` triples: the lines a suite's plot draws."""
+    worst: dict[str, dict[float, float]] = {}
+    for name, fraction, ratio in fractions_and_ratios:
+        line = worst.setdefault(name, {})
+        x = fraction * 100
+        line[x] = min(line.get(x, float("inf")), ratio)
+    return {name: sorted(line.items()) for name, line in worst.items()}
 
 
 def plot_suite(result: SuiteResult, path: str | Path) -> Path:
     """Draw each policy's worst :meth:`SuitePoint.ratio` by capacity, as ``plot_lines`` does."""
     from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
 
-    worst: dict[str, dict[float, float]] = {}
-    for p in result.points:
-        for policy in result.policies:
-            line = worst.setdefault(policy, {})
-            x = p.capacity_fraction * 100
-            line[x] = min(line.get(x, float("inf")), p.ratio(policy))
     workloads = len({p.workload for p in result.points})
+    lines = worst_lines(
+        (policy, p.capacity_fraction, p.ratio(policy))
+        for p in result.points
+        for policy in result.policies
+    )
     return plot_lines(
-        {policy: sorted(line.items()) for policy, line in worst.items()},
+        lines,
         path,
         xlabel="CPU tier capacity, of each workload's footprint",
         ylabel="worst hit ratio / the better of LRU and ARC",
