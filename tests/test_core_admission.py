@@ -64,8 +64,19 @@ def test_adaptive_refuses_first_sight_blocks_where_refusing_costs_no_hit() -> No
     assert rule.admit([key(5000), key(999)]) == []  # first sights, refused
 
 
-def test_adaptive_admits_everything_where_refusing_costs_hits() -> None:
-    rule = make_admission("adaptive", 64)
+def test_adaptive_refuses_below_a_tier_that_turned_over_twice_though_its_own_has_room() -> None:
+    rule = make_admission("adaptive", 100_000, 50)  # its own tier never fills here
+    for i in range(99):  # fewer distinct blocks than the tier above holds twice over
+        rule.observe([key(i)], nowhere)
+    assert rule.admit([key(5000)]) == [key(5000)]
+    for i in range(99, 1000):  # a scan: no block comes back
+        rule.observe([key(i)], nowhere)
+    assert rule.admit([key(5000)]) == []
+
+
+@pytest.mark.parametrize("above", [None, 8])
+def test_adaptive_admits_everything_where_refusing_costs_hits(above: int | None) -> None:
+    rule = make_admission("adaptive", 64, above)
     for i in range(1000):  # every block comes back once, 16 requests later
         rule.observe([key(i)], nowhere)
         if i >= 16:

@@ -6,13 +6,14 @@ the tier writes (:meth:`Admission.admit`); a block it refuses is simply not writ
 * ``seen-twice``: a block only if two requests named it, counted in two generations of
   request counts (a new one every ``window`` x capacity observed keys; a count carried
   over is halved), as NVIDIA Dynamo's frequency filter admits to disk.
-* ``adaptive``: ``all`` until the tier would be full, then ``seen-twice`` while refusing
-  costs at most ``tolerance`` of the hits. Two SHARDS-style shadows of the tier (1 key
-  in ``capacity // shadow_blocks``, by CRC-32), one under each of the two rules, replay
-  the sampled keys a request finds below the tier above and score their decayed prefix
-  hits; the tier above's sampled prefix hits, decayed alike, are the rest of the hits.
-  A refusal costs hits only later (a block's next request misses), so a tier with room
-  never refuses: until then refusing saves writes but can gain no hit.
+* ``adaptive``: ``all`` until the tier would be full or the tier above has turned over
+  twice (its blocks' worth of distinct blocks seen twice over), then ``seen-twice``
+  while refusing costs at most ``tolerance`` of the hits. Two SHARDS-style shadows of
+  the tier (1 key in ``capacity // shadow_blocks``, by CRC-32), one under each of the two
+  rules, replay the sampled keys a request finds below the tier above and score their
+  decayed prefix hits; the tier above's sampled prefix hits, decayed alike, are the rest
+  of the hits. A refusal costs hits only later (a block's next request misses after it
+  left the tier above), so no evidence is taken before that could happen.
 """
 
 from __future__ import annotations
@@ -86,12 +87,19 @@ class AdaptiveAdmission(SeenTwice):
     def __init__(
         self,
         capacity_blocks: int | None = None,
+        above_blocks: int | None = None,
         window: int = 8,
         shadow_blocks: int = 4096,
         horizon: int = 64,
         tolerance: float = 0.01,
     ) -> None:
         super().__init__(capacity_blocks, window)
+        if above_blocks is not None:
+            positive_int("above_blocks", above_blocks)
+        # Distinct blocks still to see (as counted: one forgotten for two generations
+        # counts again) until the tier above has turned over twice; None: never, or done.
+        self._until_turned = 2 * above_blocks if above_blocks is not None else None
+        self._turned = False
         positive_int("shadow_blocks", shadow_blocks)
         positive_int("horizon", horizon)
         self.tolerance = real("tolerance", tolerance, "a number in [0, 1)", lambda t: 0 <= t < 1)
@@ -107,6 +115,12 @@ class AdaptiveAdmission(SeenTwice):
         self.refusing = False  # which rule leads: seen-twice (True) or all
 
     def observe(self, hashes: Sequence[BlockHash], above: Callable[[BlockHash], bool]) -> None:
+        if self._until_turned is not None:  # before the counts take this request in
+            get, before = self.counts.get, self._before.get
+            fresh = sum(1 for k in dict.fromkeys(hashes) if get(k) is None and before(k) is None)
+            self._until_turned -= fresh
+            if self._until_turned <= 0:
+                self._until_turned, self._turned = None, True
         super().observe(hashes, above)
         if self.capacity_blocks is None:
             return
@@ -127,23 +141,23 @@ class AdaptiveAdmission(SeenTwice):
             self._seen.request(below, unique, self.counts)
         everything, seen = self._all, self._seen
         cost = everything.score - seen.score  # the hits refusing loses
-        full = len(everything.held) >= everything.capacity
-        self.refusing = full and cost <= self.tolerance * (self._above_score + everything.score)
+        settled = self._turned or len(everything.held) >= everything.capacity
+        self.refusing = settled and cost <= self.tolerance * (self._above_score + everything.score)
 
     def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
         return super().admit(keys) if self.refusing else list(keys)
 
 
-def make_admission(rule: object, capacity_blocks: int | None) -> Admission:
+def make_admission(
+    rule: object, capacity_blocks: int | None, above_blocks: int | None = None
+) -> Admission:
     """The admission rule named ``rule`` (one of :data:`ADMISSIONS`) for a tier of
-    ``capacity_blocks``; InvalidArgumentError naming ``admission`` otherwise."""
-    kinds: dict[str, Callable[[int | None], Admission]] = {
-        "all": Admission,
-        "seen-twice": SeenTwice,
-        "adaptive": AdaptiveAdmission,
-    }
-    if not isinstance(rule, str) or rule not in kinds:
-        raise InvalidArgumentError(
-            f"admission must be one of {', '.join(ADMISSIONS)}, got {rule!r}"
-        )
-    return kinds[rule](capacity_blocks)
+    ``capacity_blocks`` below a tier of ``above_blocks`` (None: unknown, so ``adaptive``
+    waits for its own tier to fill); InvalidArgumentError naming ``admission`` otherwise."""
+    if rule == "adaptive":
+        return AdaptiveAdmission(capacity_blocks, above_blocks)
+    if rule == "seen-twice":
+        return SeenTwice(capacity_blocks)
+    if rule == "all":
+        return Admission(capacity_blocks)
+    raise InvalidArgumentError(f"admission must be one of {', '.join(ADMISSIONS)}, got {rule!r}")

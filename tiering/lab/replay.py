@@ -152,7 +152,10 @@ class CacheModel:
             raise InvalidArgumentError(
                 f"tier_admission names {len(rules)} rules for {len(tiers)} tiers"
             )
-        self.admissions = [make_admission(r, c) for r, c in zip(rules, capacities, strict=True)]
+        above = [cpu_blocks, *capacities[:-1]]  # each tier's tier above: the CPU tier first
+        self.admissions = [
+            make_admission(r, c, a) for r, c, a in zip(rules, capacities, above, strict=True)
+        ]
         self.tier_names = [f"tier{i}" for i in range(len(tier_blocks))]
         self._tiers = tiers
         self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
