@@ -152,7 +152,7 @@ class CacheModel:
             raise InvalidArgumentError(
                 f"tier_admission names {len(rules)} rules for {len(tiers)} tiers"
             )
-        above = [cpu_blocks, *capacities[:-1]]  # each tier's tier above: the CPU tier first
+        above = [cpu_blocks, *capacities][: len(capacities)]  # each tier's tier above
         self.admissions = [
             make_admission(r, c, a) for r, c, a in zip(rules, capacities, above, strict=True)
         ]
