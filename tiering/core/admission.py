@@ -34,8 +34,6 @@ class Admission:
     """The ``all`` rule, and the base of the others: every offered block is admitted.
     ``capacity_blocks`` is the tier's (None: unbounded)."""
 
-    name = "all"
-
     def __init__(self, capacity_blocks: int | None = None) -> None:
         if capacity_blocks is not None:
             positive_int("capacity_blocks", capacity_blocks)
@@ -52,8 +50,6 @@ class Admission:
 
 class SeenTwice(Admission):
     """The ``seen-twice`` rule (see the module docstring); ``window`` is a positive int."""
-
-    name = "seen-twice"
 
     def __init__(self, capacity_blocks: int | None = None, window: int = 8) -> None:
         super().__init__(capacity_blocks)
@@ -81,8 +77,6 @@ class AdaptiveAdmission(SeenTwice):
     """The ``adaptive`` rule (see the module docstring). Raises InvalidArgumentError for
     a window, shadow size or horizon that is not a positive int, or a tolerance that is
     not a number in [0, 1). On an unbounded tier it admits everything."""
-
-    name = "adaptive"
 
     def __init__(
         self,

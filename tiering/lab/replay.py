@@ -168,8 +168,16 @@ class CacheModel:
     def request(self, hashes: Sequence[bytes]) -> int:
         """One request's blocks: returns how many leading ones hit (and counts where)."""
         manager, tiers = self.manager, self._tiers
-        for admission in self.admissions:  # before the request changes what the CPU holds
-            admission.observe(hashes, manager.is_ready)
+        # Before the request changes what the tiers hold; a tier's "above" is the CPU
+        # tier and every faster secondary tier.
+        for i, admission in enumerate(self.admissions):
+            if i == 0:
+                admission.observe(hashes, manager.is_ready)
+            else:
+                faster = tiers[:i]
+                admission.observe(
+                    hashes, lambda h, f=faster: manager.is_ready(h) or any(h in t for t in f)
+                )
         manager.touch(hashes)
         for tier in tiers:
             tier.touch(hashes)
