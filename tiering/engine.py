@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from time import perf_counter
@@ -14,6 +15,7 @@ from typing import Any, Literal
 
 from tiering.config import TieringConfig
 from tiering.core import job_core
+from tiering.core.admission import make_gates
 from tiering.core.cpu_tier import CPUOffloadingManager
 from tiering.core.job import FinishedResults, Job
 from tiering.core.policies import DEFAULT_POLICY, EvictionPolicy
@@ -30,7 +32,7 @@ from tiering.observe.statistics import Statistics
 from tiering.security.tenancy import Tenancy, TenantLookups, check_tenant, tenant_label
 from tiering.tiers.client import TierClient, TierOutcome
 from tiering.tiers.registry import TierSpec, make_tier, tier_specs
-from tiering.tiers.tier_api import JobResult, SecondaryTierManager
+from tiering.tiers.tier_api import JobResult, SecondaryTierManager, tier_capacity_blocks
 from tiering.validation import check_host_memory, hash_list, positive_int, seconds
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,11 @@ class TieringEngine(AsyncService):
         room_timeout: float = 5.0,
         close_timeout: float = 10.0,
         shared_blocks: Iterable[BlockHash] = (),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not callable(clock):
+            raise InvalidArgumentError(f"clock must be callable, got {clock!r:.60}")
+        self._clock = clock
         self._tenancy = Tenancy(shared_blocks)
         layout = describe_kv_caches(kv_caches)
         self.block_bytes = layout.block_bytes
@@ -131,10 +137,17 @@ class TieringEngine(AsyncService):
         }
 
     @classmethod
-    def from_config(cls, config: TieringConfig, kv_caches: KVCaches) -> TieringEngine:
+    def from_config(
+        cls,
+        config: TieringConfig,
+        kv_caches: KVCaches,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> TieringEngine:
         """The engine ``config`` describes over ``kv_caches``, not yet entered
-        (``engine.cpu_bytes``: as many CPU slots as fit). Raises ConfigError for a
-        non-TieringConfig or a ``cpu_bytes`` holding no block, else as the constructor."""
+        (``engine.cpu_bytes``: as many CPU slots as fit), its write budgets counted on
+        ``clock``. Raises ConfigError for a non-TieringConfig or a ``cpu_bytes`` holding
+        no block, else as the constructor."""
         if not isinstance(config, TieringConfig):
             raise ConfigError(f"config = {config!r:.60}: expected a TieringConfig", field="config")
         options = dict(config.engine)  # the constructor's arguments, by name
@@ -149,7 +162,7 @@ class TieringEngine(AsyncService):
                     field="engine.cpu_bytes",
                 )
         tiers = [tier.spec() for tier in config.tiers]
-        return cls(kv_caches, num_cpu_blocks, secondary_tiers=tiers, **options)
+        return cls(kv_caches, num_cpu_blocks, secondary_tiers=tiers, clock=clock, **options)
 
     async def start(self) -> None:
         """Allocate the host pool, start the copier and the tiers (each reporting the keys
@@ -183,6 +196,14 @@ class TieringEngine(AsyncService):
         except BaseException:
             self._release_now()
             raise
+        gates = make_gates(
+            [getattr(tier, "admission", "all") for tier in self.tiers],
+            [tier_capacity_blocks(tier) for tier in self.tiers],
+            n,
+            [getattr(tier, "write_budget", None) for tier in self.tiers],
+            block_bytes=size,
+            clock=self._clock,
+        )
         self._core = job_core.JobCore(
             self.manager,
             self._clients,
@@ -192,6 +213,7 @@ class TieringEngine(AsyncService):
             room_timeout=self._room_timeout,
             enable_events=self.enable_events,
             take_removed=[tier.take_removed for tier in self.tiers],
+            gates=gates,
         )
         self._state = Lifecycle.OPEN
 
@@ -276,6 +298,12 @@ class TieringEngine(AsyncService):
             counters=core.counters,
             failures=core.failures.counts,
         )
+
+    def admission_counters(self) -> list[dict[str, int]]:
+        """Per secondary tier, fastest first: the blocks offered to it that it admitted,
+        that its admission rule refused and that were over its write budget
+        (:meth:`~tiering.core.admission.WriteGate.counters`); empty before it is entered."""
+        return [gate.counters() for gate in self._core.gates]
 
     def job_latency(self) -> Mapping[str, LatencySnapshot]:
         """``"store"`` and ``"load"`` latencies so far, from the call to the job's result

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -186,12 +186,17 @@ SecondsOrZero = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 class ActorOptions(Options):
     """What every :class:`~tiering.tiers.actor.TierActor` takes: the inbox's size, the jobs
-    run at once and the threads of its blocking byte work (each a positive int)."""
+    run at once and the threads of its blocking byte work (each a positive int); which
+    blocks the engine writes to it (``admission``: ``all``, ``seen-twice`` or
+    ``adaptive``, :mod:`tiering.core.admission`) and how many bytes a second at most
+    (``write_budget``, None: unbounded; :mod:`tiering.core.write_budget`)."""
 
     inbox_size: PositiveInt = 64
     max_inflight: PositiveInt = 4
     io_threads: PositiveInt = 4
+    admission: Literal["all", "seen-twice", "adaptive"] = "all"
+    write_budget: Bytes | None = None
 
-    def actor_options(self) -> dict[str, int]:
+    def actor_options(self) -> dict[str, Any]:
         """These as :class:`~tiering.tiers.actor.TierActor`'s keyword arguments."""
         return {name: getattr(self, name) for name in ActorOptions.model_fields}

@@ -56,3 +56,4 @@ class NVMeOptions(ActorOptions):
     hot_fraction: float = Field(0.25, ge=0, le=1)
     gil_pause_bytes: Size = Field(GIL_PAUSE_BYTES, ge=0)
     staging_bytes: Size = Field(0, ge=0)
+    drive_writes_per_day: float | None = Field(None, gt=0, allow_inf_nan=False)

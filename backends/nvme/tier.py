@@ -161,6 +161,9 @@ class NVMeTier(TierActor):
         self.file_bytes = record_bytes  # one block on disk, its header page included
         self.capacity_bytes = o.capacity_bytes
         self.capacity_blocks = self._space.capacity_blocks
+        if o.drive_writes_per_day is not None:  # the tier's capacity, so many times a day
+            daily = o.drive_writes_per_day * o.capacity_bytes / 86400
+            self.write_budget = daily if o.write_budget is None else min(o.write_budget, daily)
         # Read by the vLLM adapter's tests and the replay model (tiering.lab.replay.tier_layout).
         self.gil_pause_bytes, self.staging_bytes = o.gil_pause_bytes, o.staging_bytes
         self.hot_fraction = o.hot_fraction

@@ -46,7 +46,15 @@ from tiering.core.policies import policy_name, policy_names
 from tiering.engine import TieringEngine
 from tiering.errors import ConfigError, InvalidArgumentError
 from tiering.lab.fleet import SHARED_TIERS, replay_fleet
-from tiering.lab.replay import CPU, ReplaySummary, SegmentLayout, replay, simulate, summed
+from tiering.lab.replay import (
+    CPU,
+    ReplaySummary,
+    SegmentLayout,
+    TraceClock,
+    replay,
+    simulate,
+    summed,
+)
 from tiering.lab.workloads import Request
 from tiering.observe.loop_lag import LoopLagMonitor
 from tiering.observe.statistics import format_bytes
@@ -404,6 +412,11 @@ def _bookkeeping(
         tier_blocks=list(summary.tier_layouts.values()),
         full_blocks_only=config.replay.full_blocks_only,
         tenants=config.replay.tenants,
+        tier_admission=[a["rule"] for a in summary.admission_by_tier.values()],
+        tier_budget=[
+            None if (b := a["write_budget_bytes_per_s"]) is None else b / config.replay.block_bytes
+            for a in summary.admission_by_tier.values()
+        ],
     )
     ratio = round(model.hit_ratio, 4)
     if not notes and ratio != round(summary.hit_ratio, 4):
@@ -423,9 +436,11 @@ async def _replay(
         print(f"metrics: http://127.0.0.1:{server.port}/metrics", file=sys.stderr, flush=True)
         return server
 
+    clock = TraceClock()
     return await replay(
         requests,
-        functools.partial(TieringEngine.from_config, config),
+        functools.partial(TieringEngine.from_config, config, clock=clock),
+        clock=clock,
         on_open=None if metrics.port is None else serve,
         device_blocks=config.replay.device_blocks,
         block_bytes=config.replay.block_bytes,
@@ -463,6 +478,8 @@ def format_summary(figures: dict[str, Any]) -> str:
                           "the replay" + "".join(f"; {tier} held {n} blocks"
                                                  for tier, n in figures["warm_blocks"].items()))]
           if figures["warm_hits"] or figures["warm_blocks"] else []),
+        *([("admission", _admission(figures["admission_by_tier"]))]
+          if figures["admission_by_tier"] else []),
         ("bytes moved", paths or "none"),
         ("job latency", f"store p50 {latency['store']['p50']} ms, p99 "
                         f"{latency['store']['p99']} ms; load p50 {latency['load']['p50']} ms, "
@@ -470,6 +487,19 @@ def format_summary(figures: dict[str, Any]) -> str:
         ("loop lag p99", f"{figures['loop_lag_p99_ms']} ms"),
     ]  # fmt: skip
     return "\n".join(table([list(row) for row in rows]))
+
+
+def _admission(by_tier: dict[str, dict[str, Any]]) -> str:
+    """Per secondary tier: its rule and budget, and what it admitted and refused."""
+    parts = []
+    for tier, a in by_tier.items():
+        budget = a["write_budget_bytes_per_s"]
+        within = f" within {format_bytes(int(budget))}/s" if budget is not None else ""
+        parts.append(
+            f"{tier} {a['rule']}{within}: admitted {a['admitted_blocks']}, refused "
+            f"{a['refused_blocks']}, over budget {a['over_budget_blocks']}"
+        )
+    return "; ".join(parts)
 
 
 def _bookkeeping_row(figures: dict[str, Any]) -> str:

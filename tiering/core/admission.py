@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from tiering.core.policies.adaptive import Shadow
 from tiering.core.scheduler_api import BlockHash
+from tiering.core.write_budget import WriteBudget
 from tiering.errors import InvalidArgumentError
 from tiering.validation import positive_int, real
 
@@ -45,6 +46,10 @@ class Admission:
 
     def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
         """Of the blocks offered to the tier, those it writes, in order."""
+        return list(keys)
+
+    def ranked(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """``keys`` most valuable first, for a budget that takes only some: in order."""
         return list(keys)
 
 
@@ -71,6 +76,11 @@ class SeenTwice(Admission):
     def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
         get = self.counts.get
         return [key for key in keys if get(key, 0) >= 2]
+
+    def ranked(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """Blocks seen twice first, each group in order."""
+        get = self.counts.get
+        return sorted(keys, key=lambda key: get(key, 0) < 2)
 
 
 class AdaptiveAdmission(SeenTwice):
@@ -155,3 +165,77 @@ def make_admission(
     if rule == "all":
         return Admission(capacity_blocks)
     raise InvalidArgumentError(f"admission must be one of {', '.join(ADMISSIONS)}, got {rule!r}")
+
+
+class WriteGate:
+    """What one lower tier writes: of the blocks offered, those its ``rule`` admits, as
+    many of them as its ``budget`` (None: unbounded) lets, the ones the rule ranks first.
+    Counts each block offered as admitted, refused by the rule or over the budget."""
+
+    def __init__(self, rule: Admission, budget: WriteBudget | None = None) -> None:
+        self.rule = rule
+        self.budget = budget
+        # Only a rule with an observe of its own needs to see the requests.
+        self.observes = type(rule).observe is not Admission.observe
+        self.admitted_blocks = self.refused_blocks = self.over_budget_blocks = 0
+
+    def observe(self, hashes: Sequence[BlockHash], above: Callable[[BlockHash], bool]) -> None:
+        """One request's blocks (:meth:`Admission.observe`)."""
+        self.rule.observe(hashes, above)
+
+    def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """The blocks of ``keys`` (ready, lacking in the tier) the tier writes now, in order."""
+        chosen = self.rule.admit(keys)
+        self.refused_blocks += len(keys) - len(chosen)
+        if self.budget is not None and chosen:
+            fit = self.budget.take(len(chosen))
+            if fit < len(chosen):
+                kept = set(self.rule.ranked(chosen)[:fit])
+                self.over_budget_blocks += len(chosen) - fit
+                chosen = [key for key in chosen if key in kept]
+        self.admitted_blocks += len(chosen)
+        return chosen
+
+    def charge(self, blocks: int) -> None:
+        """``blocks`` were written past the rule and budget (a flush): the budget pays."""
+        if self.budget is not None:
+            self.budget.charge(blocks)
+
+    def counters(self) -> dict[str, int]:
+        """``admitted_blocks``, ``refused_blocks`` (by the rule) and ``over_budget_blocks``."""
+        return {
+            "admitted_blocks": self.admitted_blocks,
+            "refused_blocks": self.refused_blocks,
+            "over_budget_blocks": self.over_budget_blocks,
+        }
+
+
+def make_gates(
+    rules: Sequence[object],
+    capacities: Sequence[int | None],
+    cpu_blocks: int,
+    budgets: Sequence[float | None] = (),
+    *,
+    block_bytes: int = 1,
+    clock: Callable[[], float] | None = None,
+) -> list[WriteGate]:
+    """One :class:`WriteGate` per secondary tier, fastest first: tier ``t`` of
+    ``capacities[t]`` blocks (None: unbounded) admits by ``rules[t]``, below a tier of
+    ``cpu_blocks`` (the CPU tier's, for the first) or of the faster tier's capacity, within
+    ``budgets[t]`` bytes a second (None or left out: unbounded) of ``block_bytes`` blocks
+    on ``clock`` (default ``time.monotonic``). Raises InvalidArgumentError as
+    :func:`make_admission` and :class:`WriteBudget`, or for lists of other lengths."""
+    budgets = list(budgets) or [None] * len(rules)
+    if not len(rules) == len(capacities) == len(budgets):
+        raise InvalidArgumentError(
+            f"{len(rules)} admission rules, {len(capacities)} capacities and {len(budgets)} "
+            "budgets: one each per tier"
+        )
+    above = [cpu_blocks, *capacities][: len(capacities)]
+    gates = []
+    for rule, capacity, over, budget in zip(rules, capacities, above, budgets, strict=True):
+        bucket = None
+        if budget is not None:
+            bucket = WriteBudget(budget, block_bytes, **({"clock": clock} if clock else {}))
+        gates.append(WriteGate(make_admission(rule, capacity, over), bucket))
+    return gates

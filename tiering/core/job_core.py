@@ -14,6 +14,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
+from tiering.core.admission import Admission, WriteGate
 from tiering.core.cpu_tier import CPUOffloadingManager
 from tiering.core.scheduler_api import BlockHash, OffloadingEvent, PrepareStoreOutput
 from tiering.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
@@ -45,6 +46,9 @@ COUNTERS = (
 apart (:class:`LookupStatistics`)."""
 FLUSH_BATCH = 64
 """Blocks per tier job when flushing: a large CPU tier becomes many bounded jobs."""
+ASKED_AGAIN = 4096
+"""Lookups remembered so that one asked again (a scheduler's poll) is seen once by the
+tiers' admission rules: each is forgotten when a store or load names its last block."""
 LEFT_EVERY_TIER = "block left every tier"
 """Why a load that waited for room fails when a block it names was evicted from every
 tier meanwhile (the cause, and the start of each key's reason): a miss under pressure."""
@@ -269,11 +273,13 @@ class _Job:
 class JobCore:
     """Stores, loads, cascades, write-back, flush and close as one synchronous machine.
 
-    ``tiers`` are the secondary tiers, fastest first; a job waits ``room_timeout`` seconds
-    for CPU room at most. With ``enable_events`` it records the tiers' store events, and
-    ``take_removed`` (one callable per tier) their removals. Every public method raises
-    before changing anything or returns the effects of the change, in order. Raises
-    InvalidArgumentError for an unknown write policy."""
+    ``tiers`` are the secondary tiers, fastest first, each writing what its ``gates``
+    entry admits (left out: everything; an explicit flush, and the close's under
+    write-back, write past them). A job waits ``room_timeout`` seconds for CPU room at
+    most. With ``enable_events`` it records the tiers' store events, and ``take_removed``
+    (one callable per tier) their removals. Every public method raises before changing
+    anything or returns the effects of the change, in order. Raises InvalidArgumentError
+    for an unknown write policy, or ``take_removed`` or ``gates`` not one per tier."""
 
     def __init__(
         self,
@@ -286,6 +292,7 @@ class JobCore:
         room_timeout: float = 5.0,
         enable_events: bool = False,
         take_removed: Sequence[Callable[[], Sequence[BlockHash]]] = (),
+        gates: Sequence[WriteGate] = (),
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise InvalidArgumentError(
@@ -298,6 +305,12 @@ class JobCore:
             raise InvalidArgumentError(
                 f"take_removed has {len(take_removed)} callables for {len(self.tiers)} tiers"
             )
+        if gates and len(gates) != len(self.tiers):
+            raise InvalidArgumentError(f"gates has {len(gates)} gates for {len(self.tiers)} tiers")
+        self.gates = list(gates) or [WriteGate(Admission()) for _ in self.tiers]
+        """What each tier admits, and its counts (:class:`~tiering.core.admission.WriteGate`)."""
+        self._observing = [t for t, gate in enumerate(self.gates) if gate.observes]
+        self._asked: dict[BlockHash, None] = {}  # lookups seen, by last block (ASKED_AGAIN)
         self.num_device_blocks = num_device_blocks
         self.block_bytes = block_bytes
         self.room_timeout = room_timeout
@@ -357,6 +370,8 @@ class JobCore:
                 in_tiers += 1
             n += 1
         hits[0] += n - in_tiers  # counted per call: the CPU path stays one check per hash
+        if self._observing and hashes:
+            self._observe(hashes)
         self._lookups += 1
         self._lookup_blocks += len(hashes)
         if tenant is not None:
@@ -368,6 +383,24 @@ class JobCore:
             counts.blocks += len(hashes)
             counts.hit_blocks += n
         return n
+
+    def _observe(self, hashes: list[BlockHash]) -> None:
+        """Show a request's blocks to each admission rule that watches them, once per
+        request: a lookup asked again before its request stored or loaded is not."""
+        asked = self._asked
+        if hashes[-1] in asked:
+            return
+        asked[hashes[-1]] = None
+        if len(asked) > ASKED_AGAIN:
+            del asked[next(iter(asked))]
+        is_ready, tiers = self.manager.is_ready, self.tiers
+        for t in self._observing:
+            if t == 0:
+                above: Callable[[BlockHash], bool] = is_ready
+            else:  # the CPU tier and every faster tier are above tier t
+                faster = [tier.lookup for tier in tiers[:t]]
+                above = partial(_held_above, is_ready, faster)
+            self.gates[t].observe(hashes, above)
 
     def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
         # A tier answering "ask again" (None) for the first miss is asked about the rest
@@ -418,6 +451,8 @@ class JobCore:
         (docs/job-lifecycle.md#calls: a store names each block once)."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         check_distinct("block_hashes", hashes)
+        if self._asked and hashes:
+            self._asked.pop(hashes[-1], None)  # its request ran: a new one counts again
         job = _Job(self._new_id(), False, hashes, ids)
         if not self._plan_store(job, hashes, ids):
             needed = len({h for h in hashes if h not in self.manager})
@@ -530,6 +565,8 @@ class JobCore:
         device block named for it), and BlockNotFoundError for a hash no tier holds."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
+        if self._asked and hashes:
+            self._asked.pop(hashes[-1], None)
         job = _Job(self._new_id(), True, hashes, ids)
         if not self._plan_load(job, sources):
             retry = partial(self._plan_load, job, None)  # a retry asks the tiers again
@@ -712,21 +749,32 @@ class JobCore:
             then(job)
 
         fanout = _Fanout(job, written, "written_back_blocks", False)  # the job owns the slots
+        slot_of = dict(zip(victims, slots, strict=True))
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
-            lacking = [i for i, k in enumerate(victims) if look(k) is not True]
-            self._tier_store(fanout, t, [victims[i] for i in lacking], [slots[i] for i in lacking])
+            lacking = [k for k in victims if look(k) is not True]
+            if lacking:
+                lacking = self.gates[t].admit(lacking)
+            self._tier_store(fanout, t, lacking, [slot_of[k] for k in lacking])
         if fanout.pending:
             writing.update(victims)
         else:
             then(job)
 
-    def _pin_for_tier(self, keys: Iterable[BlockHash], t: int) -> tuple[list[BlockHash], list[int]]:
-        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks; their keys and slots."""
+    def _pin_for_tier(
+        self, keys: Iterable[BlockHash], t: int, *, flush: bool = False
+    ) -> tuple[list[BlockHash], list[int]]:
+        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks and admits (all for a
+        ``flush``, which its budget pays for); their keys and slots."""
         is_ready = self.manager.is_ready
         ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
         look = self.tiers[t].lookup
         chosen = [h for h in ready if look(h) is not True]
+        if chosen:
+            if flush:
+                self.gates[t].charge(len(chosen))
+            else:
+                chosen = self.gates[t].admit(chosen)
         return chosen, self.manager.prepare_load(chosen).block_ids
 
     def _tier_store(self, fanout: _Fanout, t: int, keys: list[BlockHash], slots: list[int]) -> None:
@@ -767,7 +815,7 @@ class JobCore:
         self._flushes[flush.id] = flush
         ready = self.manager.ready_hashes()
         for t in range(len(self.tiers)):
-            keys, slots = self._pin_for_tier(ready, t)
+            keys, slots = self._pin_for_tier(ready, t, flush=True)
             for i in range(0, len(keys), FLUSH_BATCH):
                 self._tier_store(flush, t, keys[i : i + FLUSH_BATCH], slots[i : i + FLUSH_BATCH])
         if flush.pending == 0:
@@ -1006,6 +1054,15 @@ class JobCore:
     def _take(self) -> list[Effect]:
         out, self._out = self._out, []
         return out
+
+
+def _held_above(
+    is_ready: Callable[[BlockHash], bool],
+    faster: list[Callable[[BlockHash], bool | None]],
+    key: BlockHash,
+) -> bool:
+    """Whether the CPU tier or a faster secondary tier holds ``key``."""
+    return is_ready(key) or any(lookup(key) is True for lookup in faster)
 
 
 def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:

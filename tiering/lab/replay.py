@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from tiering.core.admission import make_admission
+from tiering.core.admission import make_gates
 from tiering.core.cpu_tier import CPUOffloadingManager
 from tiering.core.job_core import LEFT_EVERY_TIER
 from tiering.core.policies import DEFAULT_POLICY
@@ -124,7 +124,8 @@ class CacheModel:
     """The bookkeeping of a replay, without bytes: what each request would hit, where. A
     CPU tier of ``cpu_blocks`` evicting by ``policy``, and one :data:`TierLayout` per
     secondary tier, fastest first, written through what its ``tier_admission`` rule
-    admits (:mod:`tiering.core.admission`; default ``all``), named ``tier0``,
+    admits (:mod:`tiering.core.admission`; default ``all``) within its ``tier_budget``
+    (blocks a second of arrival time; None or left out: unbounded), named ``tier0``,
     ``tier1``... in :attr:`hits`, :attr:`written` and :attr:`refused`. Raises
     InvalidArgumentError or UnknownPolicyError."""
 
@@ -134,6 +135,7 @@ class CacheModel:
         policy: str = DEFAULT_POLICY,
         tier_blocks: Sequence[TierLayout] = (),
         tier_admission: Sequence[str] | None = None,
+        tier_budget: Sequence[float | None] = (),
     ) -> None:
         self.manager = CPUOffloadingManager(positive_int("cpu_blocks", cpu_blocks), policy=policy)
         tiers: list[_TierModel] = []
@@ -152,30 +154,43 @@ class CacheModel:
             raise InvalidArgumentError(
                 f"tier_admission names {len(rules)} rules for {len(tiers)} tiers"
             )
-        above = [cpu_blocks, *capacities][: len(capacities)]  # each tier's tier above
-        self.admissions = [
-            make_admission(r, c, a) for r, c, a in zip(rules, capacities, above, strict=True)
-        ]
+        self.now = 0.0
+        """The clock write budgets count on: the arrival of the request being served."""
+        self.gates = make_gates(rules, capacities, cpu_blocks, tier_budget, clock=lambda: self.now)
         self.tier_names = [f"tier{i}" for i in range(len(tier_blocks))]
         self._tiers = tiers
         self.hits: dict[str, int] = dict.fromkeys([CPU, *self.tier_names], 0)
-        self.written: dict[str, int] = dict.fromkeys(self.tier_names, 0)
-        """Blocks each secondary tier wrote (admitted)."""
-        self.refused: dict[str, int] = dict.fromkeys(self.tier_names, 0)
-        """Blocks offered to each secondary tier that its admission refused."""
         self.blocks = 0
 
-    def request(self, hashes: Sequence[bytes]) -> int:
-        """One request's blocks: returns how many leading ones hit (and counts where)."""
+    @property
+    def written(self) -> dict[str, int]:
+        """Blocks each secondary tier wrote (admitted)."""
+        return {n: g.admitted_blocks for n, g in zip(self.tier_names, self.gates, strict=True)}
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Blocks offered to each secondary tier that it did not write (its rule refused
+        them, or they were over its budget)."""
+        return {
+            n: g.refused_blocks + g.over_budget_blocks
+            for n, g in zip(self.tier_names, self.gates, strict=True)
+        }
+
+    def request(self, hashes: Sequence[bytes], now: float = 0.0) -> int:
+        """One request's blocks, arriving at ``now`` seconds: returns how many leading
+        ones hit (and counts where)."""
         manager, tiers = self.manager, self._tiers
+        self.now = now
         # Before the request changes what the tiers hold; a tier's "above" is the CPU
         # tier and every faster secondary tier.
-        for i, admission in enumerate(self.admissions):
+        for i, gate in enumerate(self.gates):
+            if not gate.observes:
+                continue
             if i == 0:
-                admission.observe(hashes, manager.is_ready)
+                gate.observe(hashes, manager.is_ready)
             else:
                 faster = tiers[:i]
-                admission.observe(
+                gate.observe(
                     hashes, lambda h, f=faster: manager.is_ready(h) or any(h in t for t in f)
                 )
         manager.touch(hashes)
@@ -206,13 +221,9 @@ class CacheModel:
                 manager.complete_store(out.block_hashes_to_store)
                 # Write-through: the request's blocks now ready go to each tier lacking them.
                 ready = [h for h in dict.fromkeys(rest) if manager.is_ready(h)]
-                for tier, admission, name in zip(
-                    tiers, self.admissions, self.tier_names, strict=True
-                ):
+                for tier, gate in zip(tiers, self.gates, strict=True):
                     missing = [h for h in ready if h not in tier]
-                    admitted = admission.admit(missing) if missing else missing
-                    self.written[name] += len(admitted)
-                    self.refused[name] += len(missing) - len(admitted)
+                    admitted = gate.admit(missing) if missing else missing
                     if admitted:
                         tier.add(admitted)
         self.blocks += len(hashes)
@@ -233,17 +244,30 @@ def simulate(
     full_blocks_only: bool = False,
     tenants: int = 1,
     tier_admission: Sequence[str] | None = None,
+    tier_budget: Sequence[float | None] = (),
 ) -> CacheModel:
-    """A fresh :class:`CacheModel` that ran ``requests`` once per tenant, as :func:`replay`
-    sends them. Raises as :class:`CacheModel`."""
-    model = CacheModel(cpu_blocks, policy, tier_blocks, tier_admission)
+    """A fresh :class:`CacheModel` that ran ``requests`` once per tenant at their arrival
+    times, as :func:`replay` sends them. Raises as :class:`CacheModel`."""
+    model = CacheModel(cpu_blocks, policy, tier_blocks, tier_admission, tier_budget)
     names = tenant_names(tenants)
     tenancy = Tenancy()
     for request in requests:
         keys = request.keys(full_blocks_only=full_blocks_only)
         for name in names:
-            model.request(keys if name is None else tenancy.keys(keys, name))
+            model.request(keys if name is None else tenancy.keys(keys, name), request.arrival_s)
     return model
+
+
+class TraceClock:
+    """A clock that reads the trace's time (seconds): the arrival of the request being
+    served, which :func:`replay` sets. Write budgets counted on it mean bytes a second of
+    the traffic, however fast the replay runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def tenant_names(tenants: int) -> list[str | None]:
@@ -291,6 +315,10 @@ class ReplaySummary:
     tenants: int = 1
     cross_tenant_hits: int = 0
     """Hit blocks a tenant never stored but another tenant did: 0 unless isolation broke."""
+    admission_by_tier: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per secondary tier: its admission ``rule``, ``write_budget_bytes_per_s`` (None:
+    unbounded) and the blocks offered to it that it admitted, that the rule refused and
+    that were over the budget (:meth:`~tiering.engine.TieringEngine.admission_counters`)."""
 
     @property
     def hit_ratio(self) -> float:
@@ -319,7 +347,7 @@ class ReplaySummary:
 _JSON_FIELDS = (
     "requests", "blocks", "mismatches", "failed_loads", "failed_stores", "evicted_loads",
     "failed_blocks_by_tier", "refused_blocks_by_tier", "failure_causes", "warm_blocks",
-    "warm_hits", "bytes_by_path", "tenants", "cross_tenant_hits",
+    "warm_hits", "bytes_by_path", "tenants", "cross_tenant_hits", "admission_by_tier",
 )  # fmt: skip
 
 
@@ -340,6 +368,10 @@ def combined(summaries: Iterable[ReplaySummary], seconds: float) -> ReplaySummar
             setattr(total, name, summed([getattr(total, name), getattr(summary, name)]))
         for tier, counts in summary.failed_blocks_by_tier.items():
             _add(total.failed_blocks_by_tier, tier, counts)
+        for tier, figures in summary.admission_by_tier.items():
+            before = total.admission_by_tier.get(tier, {})
+            added = {k: before.get(k, 0) + n for k, n in figures.items() if k.endswith("_blocks")}
+            total.admission_by_tier[tier] = figures | added
     return total
 
 
@@ -373,6 +405,7 @@ async def replay(
     on_request: Callable[[int, ReplaySummary], None] | None = None,
     on_open: Callable[[TieringEngine, LoopLagMonitor], AbstractContextManager[object]]
     | None = None,
+    clock: TraceClock | None = None,
 ) -> ReplaySummary:
     """Replay ``requests`` through the engine ``make_engine(device_kv)`` builds around a
     device KV cache (a CPU tensor) of ``device_blocks`` blocks (default: the longest
@@ -382,7 +415,9 @@ async def replay(
     count wrong loaded blocks. ``settle``: let each store's cascade end before the next
     request. ``tenants``: send each request once per tenant. ``on_request(number,
     summary)`` runs after each request; ``on_open(engine, loop_lag)`` once the engine is
-    open, its context left at the end. Raises InvalidArgumentError (nothing ran) for a bad
+    open, its context left at the end. ``clock`` (given to ``make_engine`` for its write
+    budgets) reads each request's arrival while it is served, as the bookkeeping replay's
+    does. Raises InvalidArgumentError (nothing ran) for a bad
     argument or a request longer than ``device_blocks``, TieringError if the engine could
     not start."""
     keyed = [r.keys(full_blocks_only=full_blocks_only) for r in requests]
@@ -400,6 +435,8 @@ async def replay(
                     delay = start + request.arrival_s / pace - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
+                if clock is not None:
+                    clock.now = request.arrival_s
                 for tenant in names:
                     await node.request(keys, tenant)
                 if on_request is not None:
@@ -544,7 +581,15 @@ class ReplayNode:
         _add(summary.tier_failures, CPU, failures)
         refused: Counter[str] = Counter()
         causes: Counter[str] = Counter()
-        for label, tier in zip(labels, engine.tiers, strict=True):
+        admissions = engine.admission_counters()
+        for label, tier, counts in zip(labels, engine.tiers, admissions, strict=True):
+            settings = {
+                "rule": getattr(tier, "admission", "all"),
+                "write_budget_bytes_per_s": getattr(tier, "write_budget", None),
+            }
+            before = summary.admission_by_tier.get(label, {})  # a restarted node's
+            added = {k: before.get(k, 0) + n for k, n in counts.items()}
+            summary.admission_by_tier[label] = settings | added
             stats = tier.statistics()
             paths[f"cpu->{label}"] = stats.counters.get("stored_blocks", 0) * size
             paths[f"{label}->cpu"] = stats.counters.get("loaded_blocks", 0) * size

@@ -11,7 +11,7 @@ import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
@@ -66,12 +66,15 @@ class _Reading:  # everything one scrape shows, read in one go
 
 def _read_engine(engine: TieringEngine) -> _Reading:
     tiers = []
-    for level, tier in enumerate(engine.tiers, start=1):
+    admissions = engine.admission_counters() or [{} for _ in engine.tiers]
+    for level, (tier, admitted) in enumerate(zip(engine.tiers, admissions, strict=True), 1):
         statistics = getattr(tier, "statistics", None)
         if callable(statistics):
             stats = statistics()
         else:  # a tier written against the seed interface: only its size is known
             stats = Statistics(state=engine.state, used_blocks=tier.get_num_blocks())
+        # The engine decides what a tier admits: its counts join the tier's own.
+        stats = replace(stats, counters={**stats.counters, **admitted})
         servable = bool(getattr(tier, "holds_data", True))
         tiers.append(_TierReading(tier.get_tier_type(), level, servable, stats))
     return _Reading(
@@ -262,6 +265,9 @@ class EngineCollector:
                 ("loaded_blocks", "loaded_bytes", size),
                 ("evicted_blocks", "evicted_blocks", 1),
                 ("corrupt_blocks", "verification_failures", 1),
+                ("admitted_blocks", "admitted_blocks", 1),
+                ("refused_blocks", "admission_refused_blocks", 1),
+                ("over_budget_blocks", "over_budget_blocks", 1),
             ):
                 if (value := tier_counters.get(counter)) is not None:
                     counters[family].add_metric(values, value * scale)
@@ -329,6 +335,9 @@ _TIER_COUNTERS: Sequence[tuple[str, str]] = (
     ("loaded_bytes", "Payload bytes loaded out of this tier (blocks x block bytes)."),
     ("evicted_blocks", "Blocks this tier evicted to make room."),
     ("verification_failures", "Blocks whose bytes failed verification on a load."),
+    ("admitted_blocks", "Blocks offered to this secondary tier that its admission wrote."),
+    ("admission_refused_blocks", "Blocks offered to this secondary tier that its rule refused."),
+    ("over_budget_blocks", "Blocks this secondary tier's rule admitted over its write budget."),
 )
 
 

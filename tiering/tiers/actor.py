@@ -51,17 +51,29 @@ class TierActor(AsyncService, SecondaryTierManager, IoThreads):
         inbox_size: int = 64,
         max_inflight: int = 4,
         io_threads: int = 4,
+        admission: str = "all",
+        write_budget: int | None = None,
     ) -> None:
         """Raises InvalidArgumentError if ``primary_kv_view`` is not a writable memoryview
-        of whole blocks or a size is not a positive int (:class:`ActorOptions`)."""
-        sizes = {"inbox_size": inbox_size, "max_inflight": max_inflight, "io_threads": io_threads}
-        ActorOptions.check(sizes, owner=type(self).__name__)  # strict: the values as given
+        of whole blocks, or an option is not as :class:`ActorOptions` says."""
+        given = {
+            "inbox_size": inbox_size,
+            "max_inflight": max_inflight,
+            "io_threads": io_threads,
+            "admission": admission,
+            "write_budget": write_budget,
+        }
+        ActorOptions.check(given, owner=type(self).__name__)  # strict: the values as given
         super().__init__(primary_kv_view, block_bytes)
         if self.primary_kv_view.readonly:
             raise InvalidArgumentError("primary_kv_view must be writable (loads write into it)")
         self.inbox_size = inbox_size
         self.max_inflight = max_inflight
         self.io_threads = io_threads
+        self.admission = admission
+        """The rule the engine admits blocks to this tier by (:mod:`tiering.core.admission`)."""
+        self.write_budget: float | None = write_budget
+        """Bytes a second the engine writes to this tier at most (None: unbounded)."""
 
         self._state = Lifecycle.NEW
         self._loop: asyncio.AbstractEventLoop | None = None

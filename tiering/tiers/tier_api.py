@@ -160,3 +160,13 @@ class SecondaryTierManager(ABC):
             )
         start = block_id * self.block_bytes
         return self.primary_kv_view[start : start + self.block_bytes]
+
+
+def tier_capacity_blocks(tier: SecondaryTierManager) -> int | None:
+    """The blocks ``tier`` holds at most, as its ``statistics()`` says (in blocks or in
+    bytes); None when it says neither, or has no ``statistics``."""
+    statistics = getattr(tier, "statistics", None)
+    if not callable(statistics):
+        return None
+    stats = statistics()
+    return stats.capacity_blocks or stats.capacity_bytes // tier.block_bytes or None
