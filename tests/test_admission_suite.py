@@ -40,6 +40,28 @@ def test_each_rule_is_reported_against_admitting_everything() -> None:
     assert "scan full" in result.table()
 
 
+def test_a_budgeted_run_writes_within_its_fraction_of_admitting_everything() -> None:
+    result = run_admission_suite(
+        ["chat"], ["adaptive"], fractions=(0.05,), modes=(False,), budget_fraction=0.25
+    )
+    assert result.rules == ("all", "adaptive", "all+budget", "adaptive+budget")
+    assert result.budgeted == ("all", "adaptive")
+    (point,) = result.points
+    requests = generate("chat")
+    seconds = requests[-1].arrival_s - requests[0].arrival_s
+    all_writes = point.runs["all"].written
+    for rule in result.budgeted:
+        budgeted = point.runs[rule + "+budget"]
+        # A bucket of one second's budget: at most that over the whole trace's.
+        assert budgeted.written <= 0.25 * all_writes * (seconds + 1) / seconds + 1
+        assert budgeted.refused > point.runs[rule].refused
+        assert point.budget_ratio(rule) == budgeted.hit_ratio / point.runs[rule].hit_ratio
+    assert result.to_json()["worst_budget_ratio"]["adaptive"] == round(
+        point.budget_ratio("adaptive"), 4
+    )
+    assert "within a budget of 0.25" in result.table()
+
+
 def test_the_admission_suite_gives_the_same_points_on_two_processes() -> None:
     args = (["shift"], ["adaptive"])
     kwargs = {"fractions": (0.01, 0.1), "modes": (False,)}
@@ -52,6 +74,7 @@ def test_the_admission_suite_gives_the_same_points_on_two_processes() -> None:
         ({"rules": ["seen-thrice"]}, "admission must be one of"),
         ({"tier_factor": 0}, "tier_factor"),
         ({"fractions": (0.0,)}, "fractions"),
+        ({"budget_fraction": 0}, "budget_fraction"),
     ],
 )
 def test_a_bad_suite_is_refused_before_any_replay(kwargs: dict, match: str) -> None:

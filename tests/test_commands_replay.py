@@ -140,6 +140,8 @@ def test_replay_reads_a_config_file_and_set_overrides_it(
         (["sweep", "--admission", "seen-twice"], "--suite"),
         (["sweep", "--suite", "--admission", "seen-thrice"], "seen-thrice"),
         (["sweep", "--suite", "--admission", "all", "--tier-factor", "0"], "--tier-factor"),
+        (["sweep", "--suite", "--budget", "0.25"], "--admission"),
+        (["sweep", "--suite", "--admission", "all", "--budget", "2"], "budget_fraction"),
     ],
 )
 def test_a_usage_error_exits_2_with_one_line(

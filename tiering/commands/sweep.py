@@ -13,7 +13,10 @@ only), then each one's worst; --plot draws each policy's worst ratio by capacity
 With --suite --admission RULES it runs the admission rules instead: below the CPU tier
 (the first of --policies) an LRU tier of --tier-factor times its blocks, written
 through what each rule admits; it prints each rule's hit ratio and blocks written as
-ratios to admitting everything, then each one's worst hit ratio and total writes.
+ratios to admitting everything, then each one's worst hit ratio and total writes;
+--budget FRACTION runs each again within a write budget of that fraction of what
+admitting everything writes (spread over the trace's time) and prints its worst hit
+ratio against the same rule without.
 
 Examples:
   tiering sweep
@@ -21,6 +24,7 @@ Examples:
   tiering sweep --workload agent
   tiering sweep --suite --jobs 2
   tiering sweep --suite --admission all,seen-twice,adaptive --policies lru
+  tiering sweep --suite --admission adaptive --budget 0.25 --capacities 1%,10%
 """
 
 from __future__ import annotations
@@ -70,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --admission: the lower tier's blocks, in CPU tiers",
     )
     parser.add_argument(
+        "--budget",
+        type=float,
+        metavar="FRACTION",
+        help="with --admission: run each rule again within a write budget of this fraction "
+        "of what admitting everything writes, over the trace's time",
+    )
+    parser.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes for --suite"
     )
     add_json_argument(parser)
@@ -78,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.admission is not None and not args.suite:
         raise InvalidArgumentError("--admission runs the suite: add --suite")
+    if args.budget is not None and args.admission is None:
+        raise InvalidArgumentError("--budget runs the admission suite: add --admission")
     if args.suite:
         return _run_suite(args)
     config = resolve_config(args, {})
@@ -113,6 +126,7 @@ def _run_suite(args: argparse.Namespace) -> int:
             result = run_admission_suite(
                 workloads, args.admission, fractions=fractions, modes=modes,
                 policy=args.policies[0], tier_factor=args.tier_factor, seed=seed, jobs=args.jobs,
+                budget_fraction=args.budget,
             )  # fmt: skip
         else:
             result = run_suite(

@@ -1,0 +1,79 @@
+"""The write budget's token bucket (tiering/core/write_budget.py), on a fake clock."""
+
+from __future__ import annotations
+
+import bisect
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiering.core.write_budget import BURST_S, WriteBudget
+from tiering.errors import InvalidArgumentError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(0.2, 50),
+    offers=st.lists(st.tuples(st.floats(0, 5), st.integers(0, 40)), min_size=1, max_size=300),
+)
+def test_no_minute_writes_more_than_its_budget_and_one_burst(
+    rate: float, offers: list[tuple[float, int]]
+) -> None:
+    clock = Clock()
+    budget = WriteBudget(rate * 4096, 4096, clock)
+    times, written = [], []
+    for gap, blocks in offers:
+        clock.now += gap
+        fit = budget.take(blocks)
+        assert 0 <= fit <= blocks
+        times.append(clock.now)
+        written.append(fit)
+    for i, start in enumerate(times):
+        end = bisect.bisect_right(times, start + 60.0)
+        assert sum(written[i:end]) <= max(1.0, rate * BURST_S) + rate * 60.0 + 1e-6
+
+
+def test_a_steady_offer_above_the_budget_gets_the_budget() -> None:
+    clock = Clock()
+    budget = WriteBudget(10 * 512, 512, clock)  # ten blocks a second
+    taken = 0
+    for _ in range(600):  # a minute of 30 blocks offered every 0.1 s
+        clock.now += 0.1
+        taken += budget.take(30)
+    assert 600 <= taken <= 610  # the minute's budget, and at most a second saved before it
+
+
+def test_a_charge_is_paid_back_before_anything_is_admitted() -> None:
+    clock = Clock()
+    budget = WriteBudget(2 * 512, 512, clock)
+    budget.charge(10)  # a flush of ten blocks: eight below the bucket's two
+    clock.now += 3.9
+    assert budget.take(5) == 0
+    clock.now += 1.1  # 5 s: ten blocks earned, the bucket back at its two
+    assert budget.take(5) == 2
+
+
+def test_a_clock_going_back_earns_nothing() -> None:
+    clock = Clock()
+    budget = WriteBudget(512, 512, clock)
+    assert budget.take(1) == 1
+    clock.now -= 100
+    assert budget.take(1) == 0
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_s", "block_bytes"), [(0, 512), (float("inf"), 512), (True, 512), (10, 0)]
+)
+def test_a_bad_budget_is_refused_naming_it(bytes_per_s: float, block_bytes: int) -> None:
+    name = "block_bytes" if block_bytes == 0 else "write_budget"
+    with pytest.raises(InvalidArgumentError, match=name):
+        WriteBudget(bytes_per_s, block_bytes)
