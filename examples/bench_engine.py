@@ -35,6 +35,11 @@ before it existed):
 3. On CUDA only: device <-> host copies of 256 KiB .. 2 MiB blocks through the
    DeviceCopier, one-tensor and per-layer layouts, against one large pinned copy
    (``device_copy_ratio``: the worst of those ratios; null without CUDA).
+4. Admission off the hot path: item 0's runs (one block a call, GC frozen) over a memory
+   tier of four times the CPU tier's blocks, admitting everything and admitting
+   adaptively, alternating, three runs each: ``admission_<rule>_call_us_p50`` (``_p99``,
+   ``jobs_per_s``), medians, and ``admission_ratio_call_us_p50`` (``_p99``), adaptive
+   over everything.
 
 Every engine evicts its CPU tier by ``--policy`` (the default policy unless named).
 
@@ -176,6 +181,8 @@ async def roundtrip_run(
 SMALL_BLOCK = 4 << 10
 STEP_REQUESTS = 200
 HOT_STEPS = 20
+ADMISSION_AB = ("all", "adaptive")  # baseline first
+ADMISSION_REPEATS = 3
 
 
 def quantile_us(samples_ns: list[int], q: float) -> float:
@@ -184,17 +191,26 @@ def quantile_us(samples_ns: list[int], q: float) -> float:
 
 
 async def hot_path_run(
-    blocks_per_job: int, freeze: bool, policy: str, tier_steps: int = HOT_STEPS + 1
+    blocks_per_job: int,
+    freeze: bool,
+    policy: str,
+    tier_steps: int = HOT_STEPS + 1,
+    admission: str | None = None,
 ) -> dict[str, float]:
     """Steps of ``STEP_REQUESTS`` stores then lookup+loads of small blocks, on a CPU tier
-    of ``tier_steps`` steps' blocks; see item 0."""
+    of ``tier_steps`` steps' blocks (with ``admission``: over a memory tier of four times
+    its blocks, admitting by that rule); see items 0 and 4."""
     per_step = STEP_REQUESTS * blocks_per_job
     kv = torch.zeros((2 * per_step, SMALL_BLOCK // 2), dtype=torch.float16)
     kv[:per_step].view(torch.int16).random_()
     stores: list[int] = []
     loads: list[int] = []
     jobs = 0
-    async with TieringEngine(kv, tier_steps * per_step, policy=policy) as engine:
+    cpu_blocks = tier_steps * per_step
+    tiers = []
+    if admission is not None:
+        tiers = [{"type": "memory", "max_blocks": 4 * cpu_blocks, "admission": admission}]
+    async with TieringEngine(kv, cpu_blocks, policy=policy, secondary_tiers=tiers) as engine:
         if freeze:
             gc.freeze()
         n = 0
@@ -272,6 +288,24 @@ async def hot_path_figures(policy: str, tier_steps: int, progress: Progress) -> 
             "jobs_per_s_16": median(wide, "jobs_per_s"),
         }
     )
+    return figures
+
+
+async def admission_figures(policy: str, tier_steps: int, progress: Progress) -> dict[str, float]:
+    """Item 4: the hot path over a memory tier admitting everything, then adaptively,
+    alternating, three runs each (GC frozen); medians and the adaptive/all ratios."""
+    runs: dict[str, list[dict[str, float]]] = {rule: [] for rule in ADMISSION_AB}
+    for i in range(2 * ADMISSION_REPEATS):
+        rule = ADMISSION_AB[i % 2]
+        progress.update(f"admission A/B run {i + 1}/{2 * ADMISSION_REPEATS} ({rule})", force=True)
+        runs[rule].append(await hot_path_run(1, True, policy, tier_steps, admission=rule))
+    figures: dict[str, float] = {}
+    for rule, rows in runs.items():
+        for name in ("call_us_p50", "call_us_p99", "jobs_per_s"):
+            figures[f"admission_{rule}_{name}"] = round(statistics.median(r[name] for r in rows), 2)
+    for name in ("call_us_p50", "call_us_p99"):
+        all_, adaptive = (figures[f"admission_{rule}_{name}"] for rule in ADMISSION_AB)
+        figures[f"admission_ratio_{name}"] = round(adaptive / all_, 3)
     return figures
 
 
@@ -398,6 +432,15 @@ async def main_async(args: argparse.Namespace, progress: Progress) -> dict[str, 
         f"p99 {hot_path['call_us_p99_16']} us"
     )
     figures.update(hot_path)
+    admission = await admission_figures(args.policy, args.hot_tier_steps, progress)
+    progress.clear()
+    print(
+        f"hot path over a memory tier, adaptive admission / admitting everything: p50 "
+        f"{admission['admission_ratio_call_us_p50']}x, p99 "
+        f"{admission['admission_ratio_call_us_p99']}x (medians of {ADMISSION_REPEATS} runs "
+        "each, alternating)"
+    )
+    figures.update(admission)
     if torch.cuda.is_available():
         print("device copies (CUDA):")
         figures.update(await device_copy_run(1 << 30, progress))

@@ -97,6 +97,13 @@ def _suite(out: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+def _admission(out: dict[str, Any]) -> dict[str, float | None]:
+    return {
+        "worst hit ratio": out["worst_hit_ratio"]["adaptive"],
+        "writes": out["total_writes_ratio"]["adaptive"],
+    }
+
+
 def _sglang(out: dict[str, Any]) -> dict[str, float | None]:
     figures: dict[str, float | None] = {}
     for run in out["runs"]:
@@ -134,6 +141,11 @@ ROWS = [
         "policy",
         "tiering sweep --suite {trace} --policies adaptive --plot {dir}/suite.png",
         _suite,
+    ),
+    Row(
+        "admission",
+        "tiering sweep --suite {trace} --admission seen-twice,adaptive --policies lru",
+        _admission,
     ),
     Row(
         "sglang",

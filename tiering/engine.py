@@ -117,6 +117,7 @@ class TieringEngine(AsyncService):
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._progress: dict[int, LayerProgress] = {}  # layer-by-layer loads not copying yet
+        self._observing = False  # a call of the core's observe_requests is scheduled
         self._finished = FinishedResults()
         self._drained = asyncio.Event()
         self._closed = asyncio.Event()
@@ -322,8 +323,19 @@ class TieringEngine(AsyncService):
         secondary tier."""
         core = self._open_core()
         if tenant is None:
-            return core.lookup(block_hashes)
-        return core.lookup(self.tenant_keys(block_hashes, tenant), tenant_label(tenant))
+            hit = core.lookup(block_hashes)
+        else:
+            hit = core.lookup(self.tenant_keys(block_hashes, tenant), tenant_label(tenant))
+        if core.observations_pending and not self._observing:
+            # The admission rules' bookkeeping runs after the caller's step, not in it.
+            assert self._loop is not None
+            self._observing = True
+            self._loop.call_soon(self._observe_requests)
+        return hit
+
+    def _observe_requests(self) -> None:
+        self._observing = False
+        self._core.observe_requests()
 
     def touch(self, block_hashes: Sequence[BlockHash], *, tenant: str | None = None) -> None:
         """Mark blocks (of ``tenant``) recently used in every tier, the first most."""

@@ -311,6 +311,9 @@ class JobCore:
         """What each tier admits, and its counts (:class:`~tiering.core.admission.WriteGate`)."""
         self._observing = [t for t, gate in enumerate(self.gates) if gate.observes]
         self._asked: dict[BlockHash, None] = {}  # lookups seen, by last block (ASKED_AGAIN)
+        # Lookups (blocks, hit, tier hits) and stores or loads (their last block) in
+        # order, for observe_requests.
+        self._unobserved: list[tuple[list[BlockHash], int, list[tuple[int, int]]] | bytes] = []
         self.num_device_blocks = num_device_blocks
         self.block_bytes = block_bytes
         self.room_timeout = room_timeout
@@ -359,6 +362,7 @@ class JobCore:
         is_ready = self.manager.is_ready
         hits = self._lookup_hits
         n = in_tiers = 0
+        held_below: list[tuple[int, int]] = []  # (position, tier) of the hits in a tier
         for h in hashes:
             if not is_ready(h):
                 t = self._holder(h)
@@ -368,10 +372,11 @@ class JobCore:
                     break
                 hits[t + 1] += 1
                 in_tiers += 1
+                held_below.append((n, t))
             n += 1
         hits[0] += n - in_tiers  # counted per call: the CPU path stays one check per hash
-        if self._observing and hashes:
-            self._observe(hashes)
+        if self._observing and hashes:  # inline: the rest waits for observe_requests
+            self._unobserved.append((hashes, n, held_below))
         self._lookups += 1
         self._lookup_blocks += len(hashes)
         if tenant is not None:
@@ -384,23 +389,35 @@ class JobCore:
             counts.hit_blocks += n
         return n
 
-    def _observe(self, hashes: list[BlockHash]) -> None:
-        """Show a request's blocks to each admission rule that watches them, once per
-        request: a lookup asked again before its request stored or loaded is not."""
+    @property
+    def observations_pending(self) -> bool:
+        """True while requests wait for :meth:`observe_requests`."""
+        return bool(self._unobserved)
+
+    def observe_requests(self) -> None:
+        """Show the requests looked up since the last call to each admission rule that
+        watches them, in order, once per request (a lookup asked again before its request
+        stored or loaded is not): the bookkeeping kept off the calls' path. A request's
+        blocks above tier ``t`` are those of its hit prefix that the CPU tier or a faster
+        tier held at its lookup. Runs before any admission decision, so the shell may call
+        it whenever it likes."""
+        pending, self._unobserved = self._unobserved, []
         asked = self._asked
-        if hashes[-1] in asked:
-            return
-        asked[hashes[-1]] = None
-        if len(asked) > ASKED_AGAIN:
-            del asked[next(iter(asked))]
-        is_ready, tiers = self.manager.is_ready, self.tiers
-        for t in self._observing:
-            if t == 0:
-                above: Callable[[BlockHash], bool] = is_ready
-            else:  # the CPU tier and every faster tier are above tier t
-                faster = [tier.lookup for tier in tiers[:t]]
-                above = partial(_held_above, is_ready, faster)
-            self.gates[t].observe(hashes, above)
+        for note in pending:
+            if isinstance(note, bytes):  # its request ran
+                asked.pop(note, None)
+                continue
+            hashes, hit, held_below = note
+            if hashes[-1] in asked:
+                continue
+            asked[hashes[-1]] = None
+            if len(asked) > ASKED_AGAIN:
+                del asked[next(iter(asked))]
+            prefix = hashes[:hit]
+            for t in self._observing:
+                lower = {i for i, holder in held_below if holder >= t}
+                above = {h for i, h in enumerate(prefix) if i not in lower}
+                self.gates[t].observe(hashes, above.__contains__)
 
     def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
         # A tier answering "ask again" (None) for the first miss is asked about the rest
@@ -451,8 +468,8 @@ class JobCore:
         (docs/job-lifecycle.md#calls: a store names each block once)."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         check_distinct("block_hashes", hashes)
-        if self._asked and hashes:
-            self._asked.pop(hashes[-1], None)  # its request ran: a new one counts again
+        if self._observing and hashes:  # a later lookup of this request is a new one
+            self._unobserved.append(hashes[-1])
         job = _Job(self._new_id(), False, hashes, ids)
         if not self._plan_store(job, hashes, ids):
             needed = len({h for h in hashes if h not in self.manager})
@@ -565,8 +582,8 @@ class JobCore:
         device block named for it), and BlockNotFoundError for a hash no tier holds."""
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
-        if self._asked and hashes:
-            self._asked.pop(hashes[-1], None)
+        if self._observing and hashes:  # a later lookup of this request is a new one
+            self._unobserved.append(hashes[-1])
         job = _Job(self._new_id(), True, hashes, ids)
         if not self._plan_load(job, sources):
             retry = partial(self._plan_load, job, None)  # a retry asks the tiers again
@@ -753,6 +770,8 @@ class JobCore:
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
             lacking = [k for k in victims if look(k) is not True]
+            if self._unobserved:
+                self.observe_requests()
             if lacking:
                 lacking = self.gates[t].admit(lacking)
             self._tier_store(fanout, t, lacking, [slot_of[k] for k in lacking])
@@ -770,6 +789,8 @@ class JobCore:
         ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
         look = self.tiers[t].lookup
         chosen = [h for h in ready if look(h) is not True]
+        if self._unobserved:
+            self.observe_requests()
         if chosen:
             if flush:
                 self.gates[t].charge(len(chosen))
@@ -1054,15 +1075,6 @@ class JobCore:
     def _take(self) -> list[Effect]:
         out, self._out = self._out, []
         return out
-
-
-def _held_above(
-    is_ready: Callable[[BlockHash], bool],
-    faster: list[Callable[[BlockHash], bool | None]],
-    key: BlockHash,
-) -> bool:
-    """Whether the CPU tier or a faster secondary tier holds ``key``."""
-    return is_ready(key) or any(lookup(key) is True for lookup in faster)
 
 
 def _summary(keys: Sequence[BlockHash], failed: Mapping[BlockHash, str]) -> str:

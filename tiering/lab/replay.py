@@ -181,18 +181,6 @@ class CacheModel:
         ones hit (and counts where)."""
         manager, tiers = self.manager, self._tiers
         self.now = now
-        # Before the request changes what the tiers hold; a tier's "above" is the CPU
-        # tier and every faster secondary tier.
-        for i, gate in enumerate(self.gates):
-            if not gate.observes:
-                continue
-            if i == 0:
-                gate.observe(hashes, manager.is_ready)
-            else:
-                faster = tiers[:i]
-                gate.observe(
-                    hashes, lambda h, f=faster: manager.is_ready(h) or any(h in t for t in f)
-                )
         manager.touch(hashes)
         for tier in tiers:
             tier.touch(hashes)
@@ -208,6 +196,12 @@ class CacheModel:
                 self.hits[self.tier_names[holder]] += 1
                 promoted.setdefault(holder, []).append(h)
             n += 1
+        # As the engine's lookup notes it: a tier's "above" is the hit prefix's blocks
+        # the CPU tier or a faster secondary tier held.
+        for i, gate in enumerate(self.gates):
+            if gate.observes:
+                lower = {h for t, keys in promoted.items() if t >= i for h in keys}
+                gate.observe(hashes, {h for h in hashes[:n] if h not in lower}.__contains__)
         if promoted:  # the engine gives the promoted blocks CPU slots, as a store does
             out = manager.prepare_store(hashes[:n], admission=False)
             if out is not None:
