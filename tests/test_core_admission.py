@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiering.core.admission import ADMISSIONS, make_admission
+from tiering.core.admission import ADMISSIONS, WriteGate, make_admission
+from tiering.core.write_budget import WriteBudget
 from tiering.errors import InvalidArgumentError
 from tiering.lab.replay import simulate
 from tiering.lab.workloads import TOKENS_PER_BLOCK, Request
@@ -17,6 +18,10 @@ from tiering.lab.workloads import TOKENS_PER_BLOCK, Request
 
 def key(i: int) -> bytes:
     return i.to_bytes(8, "little")
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [key(i) for i in ids]
 
 
 def nowhere(_key: bytes) -> bool:  # the tier above holds nothing
@@ -125,3 +130,53 @@ def test_the_replay_counts_what_each_tier_wrote_and_refused(rule: str) -> None:
 def test_a_replay_names_one_rule_per_tier() -> None:
     with pytest.raises(InvalidArgumentError, match="tier_admission"):
         simulate(requests_of([[1, 2]]), cpu_blocks=4, tier_blocks=[8], tier_admission=[])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _budgeted(rule: str, blocks_per_s: float, backlog: int = 16) -> tuple[WriteGate, _Clock]:
+    clock = _Clock()
+    gate = WriteGate(make_admission(rule, 64), WriteBudget(blocks_per_s, 1, clock), backlog)
+    return gate, clock
+
+
+def test_over_budget_a_gate_writes_blocks_seen_twice_first() -> None:
+    gate, _ = _budgeted("adaptive", 2)  # it admits everything: its tier has room
+    for request in (keys(1, 2, 3), keys(3)):
+        gate.observe(request, nowhere)
+    assert gate.admit(keys(1, 2, 3)) == keys(3, 1)  # 3 was seen twice; then in order
+
+
+def test_the_backlog_skips_blocks_no_longer_writable_and_keeps_its_bound() -> None:
+    gate, clock = _budgeted("all", 1, backlog=3)
+    assert gate.admit(keys(1, 2, 3, 4, 5), lambda key: True) == keys(1)
+    assert gate.backlog == 3  # 2 went first: the oldest
+    clock.now += 3
+    assert gate.admit([], lambda key: key != keys(3)[0]) == keys(4)  # 3 left the CPU tier
+    assert gate.counters() == {
+        "admitted_blocks": 2,
+        "refused_blocks": 0,
+        "over_budget_blocks": 4,
+        "late_blocks": 1,
+        "backlog_blocks": 1,  # 5 waits on: the bucket of one block went to 4
+    }
+
+
+def test_a_victim_over_the_budget_is_not_kept_for_later() -> None:
+    gate, _ = _budgeted("all", 1)
+    assert gate.admit(keys(1, 2)) == keys(1)  # no writable: write-back's victims
+    assert gate.backlog == 0 and gate.counters()["over_budget_blocks"] == 1
+
+
+def test_a_waiting_block_named_again_goes_before_first_sights() -> None:
+    gate, clock = _budgeted("adaptive", 1)
+    assert gate.admit(keys(1, 2), lambda key: True) == keys(1)  # 2 waits
+    gate.observe(keys(2), nowhere)  # its second request
+    clock.now += 1
+    assert gate.admit(keys(3), lambda key: True) == keys(2)  # before the offer's 3

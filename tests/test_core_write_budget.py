@@ -33,8 +33,8 @@ def test_no_minute_writes_more_than_its_budget_and_one_burst(
     times, written = [], []
     for gap, blocks in offers:
         clock.now += gap
-        fit = budget.take(blocks)
-        assert 0 <= fit <= blocks
+        fit = min(blocks, budget.available())
+        budget.spend(fit)
         times.append(clock.now)
         written.append(fit)
     for i, start in enumerate(times):
@@ -48,26 +48,29 @@ def test_a_steady_offer_above_the_budget_gets_the_budget() -> None:
     taken = 0
     for _ in range(600):  # a minute of 30 blocks offered every 0.1 s
         clock.now += 0.1
-        taken += budget.take(30)
+        fit = min(30, budget.available())
+        budget.spend(fit)
+        taken += fit
     assert 600 <= taken <= 610  # the minute's budget, and at most a second saved before it
 
 
-def test_a_charge_is_paid_back_before_anything_is_admitted() -> None:
+def test_spending_past_the_budget_is_paid_back_before_anything_more() -> None:
     clock = Clock()
     budget = WriteBudget(2 * 512, 512, clock)
-    budget.charge(10)  # a flush of ten blocks: eight below the bucket's two
+    budget.spend(10)  # a flush of ten blocks: eight below the bucket's two
     clock.now += 3.9
-    assert budget.take(5) == 0
+    assert budget.available() == 0
     clock.now += 1.1  # 5 s: ten blocks earned, the bucket back at its two
-    assert budget.take(5) == 2
+    assert budget.available() == 2
 
 
 def test_a_clock_going_back_earns_nothing() -> None:
     clock = Clock()
     budget = WriteBudget(512, 512, clock)
-    assert budget.take(1) == 1
+    assert budget.available() == 1
+    budget.spend(1)
     clock.now -= 100
-    assert budget.take(1) == 0
+    assert budget.available() == 0
 
 
 @pytest.mark.parametrize(

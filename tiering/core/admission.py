@@ -19,6 +19,7 @@ the tier writes (:meth:`Admission.admit`); a block it refuses is simply not writ
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from tiering.core.policies.adaptive import Shadow
@@ -169,44 +170,109 @@ def make_admission(
 
 class WriteGate:
     """What one lower tier writes: of the blocks offered, those its ``rule`` admits, as
-    many of them as its ``budget`` (None: unbounded) lets, the ones the rule ranks first.
-    Counts each block offered as admitted, refused by the rule or over the budget."""
+    many as its ``budget`` (None: unbounded) lets, blocks seen twice first. Blocks over
+    the budget wait in a backlog of at most ``backlog_blocks`` (oldest dropped first) and
+    are written at a later offer with budget to spare, if still ``writable`` then (in
+    the CPU tier, not yet in the tier): seen-twice blocks before the others, the offer's
+    before the backlog's (a request's newest blocks are the likeliest to come back), the
+    backlog's oldest first. An offer without ``writable`` (write-back's victims,
+    leaving the CPU tier) keeps no backlog. Counts each block offered: admitted (now, or
+    later from the backlog: ``late_blocks``), refused by the rule, or over the budget."""
 
-    def __init__(self, rule: Admission, budget: WriteBudget | None = None) -> None:
+    def __init__(
+        self, rule: Admission, budget: WriteBudget | None = None, backlog_blocks: int = 0
+    ) -> None:
         self.rule = rule
         self.budget = budget
+        self.backlog_blocks = backlog_blocks
         # Only a rule with an observe of its own needs to see the requests.
         self.observes = type(rule).observe is not Admission.observe
+        self._counts = rule.counts if isinstance(rule, SeenTwice) else None
+        # Over budget, oldest first: the blocks seen twice, and the others.
+        self._twice: OrderedDict[BlockHash, None] = OrderedDict()
+        self._once: OrderedDict[BlockHash, None] = OrderedDict()
         self.admitted_blocks = self.refused_blocks = self.over_budget_blocks = 0
+        self.late_blocks = 0
+
+    @property
+    def backlog(self) -> int:
+        """Blocks waiting for budget."""
+        return len(self._twice) + len(self._once)
 
     def observe(self, hashes: Sequence[BlockHash], above: Callable[[BlockHash], bool]) -> None:
-        """One request's blocks (:meth:`Admission.observe`)."""
+        """One request's blocks (:meth:`Admission.observe`); a waiting block it names a
+        second time moves up the backlog."""
         self.rule.observe(hashes, above)
+        once = self._once
+        if once and self._counts is not None:
+            get = self._counts.get
+            for key in hashes:
+                if key in once and get(key, 0) >= 2:
+                    del once[key]
+                    self._twice[key] = None
 
-    def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
-        """The blocks of ``keys`` (ready, lacking in the tier) the tier writes now, in order."""
+    def admit(
+        self, keys: Sequence[BlockHash], writable: Callable[[BlockHash], bool] | None = None
+    ) -> list[BlockHash]:
+        """Of ``keys`` (offered now: ready in the CPU tier, lacking in the tier), and of
+        the backlog given ``writable``, the blocks the tier writes now."""
         chosen = self.rule.admit(keys)
         self.refused_blocks += len(keys) - len(chosen)
-        if self.budget is not None and chosen:
-            fit = self.budget.take(len(chosen))
-            if fit < len(chosen):
-                kept = set(self.rule.ranked(chosen)[:fit])
-                self.over_budget_blocks += len(chosen) - fit
-                chosen = [key for key in chosen if key in kept]
-        self.admitted_blocks += len(chosen)
-        return chosen
+        budget = self.budget
+        if budget is None:
+            self.admitted_blocks += len(chosen)
+            return chosen
+        twice, once = self._twice, self._once
+        for key in chosen:  # offered again: the offer decides
+            twice.pop(key, None)
+            once.pop(key, None)
+        get = self._counts.get if self._counts is not None else None
+        if get is None:  # no counts: every block ranks alike, the backlog's first
+            fresh_twice, fresh_once = [], chosen
+        else:
+            fresh_twice = [k for k in chosen if get(k, 0) >= 2]
+            fresh_once = [k for k in chosen if get(k, 0) < 2]
+        room = budget.available()
+        written: list[BlockHash] = []
+        over: list[BlockHash] = []
+        for queue, fresh in ((twice, fresh_twice), (once, fresh_once)):
+            fit = max(0, room - len(written))
+            written += fresh[:fit]
+            over += fresh[fit:]
+            if writable is not None:
+                while len(written) < room and queue:
+                    key = queue.popitem(last=False)[0]
+                    if writable(key):
+                        written.append(key)
+                        self.late_blocks += 1
+        self.over_budget_blocks += len(over)
+        if over and writable is not None and self.backlog_blocks:
+            for key in over:
+                (self._twice if get is not None and get(key, 0) >= 2 else self._once)[key] = None
+            while self.backlog > self.backlog_blocks:  # the oldest first-sight ones go first
+                (self._once or self._twice).popitem(last=False)
+        budget.spend(len(written))
+        self.admitted_blocks += len(written)
+        return written
 
     def charge(self, blocks: int) -> None:
-        """``blocks`` were written past the rule and budget (a flush): the budget pays."""
+        """``blocks`` were written past the rule and budget (a flush of every ready block
+        the tier lacked, the backlog's among them): the budget pays, the backlog empties."""
         if self.budget is not None:
-            self.budget.charge(blocks)
+            self.budget.spend(blocks)
+        self._twice.clear()
+        self._once.clear()
 
     def counters(self) -> dict[str, int]:
-        """``admitted_blocks``, ``refused_blocks`` (by the rule) and ``over_budget_blocks``."""
+        """``admitted_blocks`` (``late_blocks`` of them from the backlog),
+        ``refused_blocks`` (by the rule), ``over_budget_blocks`` (when offered) and
+        ``backlog_blocks`` (waiting now)."""
         return {
             "admitted_blocks": self.admitted_blocks,
             "refused_blocks": self.refused_blocks,
             "over_budget_blocks": self.over_budget_blocks,
+            "late_blocks": self.late_blocks,
+            "backlog_blocks": self.backlog,
         }
 
 
@@ -223,7 +289,7 @@ def make_gates(
     ``capacities[t]`` blocks (None: unbounded) admits by ``rules[t]``, below a tier of
     ``cpu_blocks`` (the CPU tier's, for the first) or of the faster tier's capacity, within
     ``budgets[t]`` bytes a second (None or left out: unbounded) of ``block_bytes`` blocks
-    on ``clock`` (default ``time.monotonic``). Raises InvalidArgumentError as
+    on ``clock`` (default ``time.monotonic``), with a backlog of up to ``cpu_blocks``. Raises InvalidArgumentError as
     :func:`make_admission` and :class:`WriteBudget`, or for lists of other lengths."""
     budgets = list(budgets) or [None] * len(rules)
     if not len(rules) == len(capacities) == len(budgets):
@@ -232,10 +298,10 @@ def make_gates(
             "budgets: one each per tier"
         )
     above = [cpu_blocks, *capacities][: len(capacities)]
-    gates = []
+    gates = []  # a backlog holds CPU blocks: at most the CPU tier's
     for rule, capacity, over, budget in zip(rules, capacities, above, budgets, strict=True):
         bucket = None
         if budget is not None:
             bucket = WriteBudget(budget, block_bytes, **({"clock": clock} if clock else {}))
-        gates.append(WriteGate(make_admission(rule, capacity, over), bucket))
+        gates.append(WriteGate(make_admission(rule, capacity, over), bucket, cpu_blocks))
     return gates

@@ -783,19 +783,20 @@ class JobCore:
     def _pin_for_tier(
         self, keys: Iterable[BlockHash], t: int, *, flush: bool = False
     ) -> tuple[list[BlockHash], list[int]]:
-        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks and admits (all for a
-        ``flush``, which its budget pays for); their keys and slots."""
+        """Pin the ready CPU blocks of ``keys`` that tier ``t`` lacks and admits, with
+        those of its backlog it writes now (all of ``keys``' for a ``flush``, which its
+        budget pays for); their keys and slots."""
         is_ready = self.manager.is_ready
         ready = [h for h in dict.fromkeys(keys) if is_ready(h)]
         look = self.tiers[t].lookup
         chosen = [h for h in ready if look(h) is not True]
         if self._unobserved:
             self.observe_requests()
-        if chosen:
-            if flush:
-                self.gates[t].charge(len(chosen))
-            else:
-                chosen = self.gates[t].admit(chosen)
+        gate = self.gates[t]
+        if flush:
+            gate.charge(len(chosen))
+        elif chosen or gate.backlog:
+            chosen = gate.admit(chosen, lambda h: is_ready(h) and look(h) is not True)
         return chosen, self.manager.prepare_load(chosen).block_ids
 
     def _tier_store(self, fanout: _Fanout, t: int, keys: list[BlockHash], slots: list[int]) -> None:

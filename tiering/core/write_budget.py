@@ -13,7 +13,7 @@ from tiering.validation import positive_int, real
 BURST_S = 1.0
 """Seconds of budget the bucket holds at most (at least one block): what a quiet spell
 saves up. Any window of ``T`` seconds then writes at most ``(T + BURST_S) * rate`` (a
-minute: within 1.7 % of the budget), charges for flushes aside."""
+minute: within 1.7 % of the budget), flushes aside."""
 
 
 class WriteBudget:
@@ -37,17 +37,14 @@ class WriteBudget:
         self.tokens = self.capacity  # blocks it may write now; negative after a charge
         self._last = clock()
 
-    def take(self, blocks: int) -> int:
-        """Of ``blocks`` offered now, how many fit (each then spent)."""
+    def available(self) -> int:
+        """Whole blocks the budget lets be written now."""
         self._refill()
-        fit = min(blocks, int(self.tokens)) if self.tokens >= 1 else 0
-        self.tokens -= fit
-        return fit
+        return int(self.tokens) if self.tokens >= 1 else 0
 
-    def charge(self, blocks: int) -> None:
-        """Spend ``blocks`` written regardless (a flush): the bucket may go below zero,
-        and admits nothing until it has earned them back."""
-        self._refill()
+    def spend(self, blocks: int) -> None:
+        """``blocks`` written: the bucket may go below zero (a flush writes past the
+        budget), and then lets nothing be written until it has earned them back."""
         self.tokens -= blocks
 
     def _refill(self) -> None:

@@ -169,8 +169,8 @@ class CacheModel:
 
     @property
     def refused(self) -> dict[str, int]:
-        """Blocks offered to each secondary tier that it did not write (its rule refused
-        them, or they were over its budget)."""
+        """Blocks offered to each secondary tier that it did not write when offered (its
+        rule refused them, or they were over its budget, some written later)."""
         return {
             n: g.refused_blocks + g.over_budget_blocks
             for n, g in zip(self.tier_names, self.gates, strict=True)
@@ -217,9 +217,12 @@ class CacheModel:
                 ready = [h for h in dict.fromkeys(rest) if manager.is_ready(h)]
                 for tier, gate in zip(tiers, self.gates, strict=True):
                     missing = [h for h in ready if h not in tier]
-                    admitted = gate.admit(missing) if missing else missing
-                    if admitted:
-                        tier.add(admitted)
+                    if missing or gate.backlog:  # and what its backlog writes now
+                        missing = gate.admit(
+                            missing, lambda h, t=tier: manager.is_ready(h) and h not in t
+                        )
+                    if missing:
+                        tier.add(missing)
         self.blocks += len(hashes)
         return n
 

@@ -268,6 +268,7 @@ class EngineCollector:
                 ("admitted_blocks", "admitted_blocks", 1),
                 ("refused_blocks", "admission_refused_blocks", 1),
                 ("over_budget_blocks", "over_budget_blocks", 1),
+                ("late_blocks", "late_blocks", 1),
             ):
                 if (value := tier_counters.get(counter)) is not None:
                     counters[family].add_metric(values, value * scale)
@@ -338,6 +339,7 @@ _TIER_COUNTERS: Sequence[tuple[str, str]] = (
     ("admitted_blocks", "Blocks offered to this secondary tier that its admission wrote."),
     ("admission_refused_blocks", "Blocks offered to this secondary tier that its rule refused."),
     ("over_budget_blocks", "Blocks this secondary tier's rule admitted over its write budget."),
+    ("late_blocks", "Blocks written to this secondary tier from its backlog, after the budget."),
 )
 
 
