@@ -176,6 +176,7 @@ def test_a_victim_over_the_budget_is_not_kept_for_later() -> None:
 
 def test_a_waiting_block_named_again_goes_before_first_sights() -> None:
     gate, clock = _budgeted("adaptive", 1)
+    gate.observe(keys(1, 2), nowhere)
     assert gate.admit(keys(1, 2), lambda key: True) == keys(1)  # 2 waits
     gate.observe(keys(2), nowhere)  # its second request
     clock.now += 1

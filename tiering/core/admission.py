@@ -289,8 +289,9 @@ def make_gates(
     ``capacities[t]`` blocks (None: unbounded) admits by ``rules[t]``, below a tier of
     ``cpu_blocks`` (the CPU tier's, for the first) or of the faster tier's capacity, within
     ``budgets[t]`` bytes a second (None or left out: unbounded) of ``block_bytes`` blocks
-    on ``clock`` (default ``time.monotonic``), with a backlog of up to ``cpu_blocks``. Raises InvalidArgumentError as
-    :func:`make_admission` and :class:`WriteBudget`, or for lists of other lengths."""
+    on ``clock`` (default ``time.monotonic``), with a backlog of up to ``cpu_blocks``.
+    Raises InvalidArgumentError as :func:`make_admission` and :class:`WriteBudget`, or
+    for lists of other lengths."""
     budgets = list(budgets) or [None] * len(rules)
     if not len(rules) == len(capacities) == len(budgets):
         raise InvalidArgumentError(
