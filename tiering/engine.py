@@ -326,7 +326,7 @@ class TieringEngine(AsyncService):
             hit = core.lookup(block_hashes)
         else:
             hit = core.lookup(self.tenant_keys(block_hashes, tenant), tenant_label(tenant))
-        if core.observations_pending and not self._observing:
+        if not self._observing and core.observations_pending:
             # The admission rules' bookkeeping runs after the caller's step, not in it.
             assert self._loop is not None
             self._observing = True

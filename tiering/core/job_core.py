@@ -164,6 +164,7 @@ class TierView(Protocol):
 
 _CLOSED_BEFORE_COPY = "the engine closed before the copy started"
 _NONE_FAILED: Mapping[BlockHash, str] = MappingProxyType({})
+_NO_TIER_HITS: list[tuple[int, int]] = []  # shared, never changed: a lookup's hits all in CPU
 _NO_PROMOTIONS: Mapping[int, tuple[list[BlockHash], list[int]]] = MappingProxyType({})
 
 
@@ -362,7 +363,7 @@ class JobCore:
         is_ready = self.manager.is_ready
         hits = self._lookup_hits
         n = in_tiers = 0
-        held_below: list[tuple[int, int]] = []  # (position, tier) of the hits in a tier
+        held_below: list[tuple[int, int]] | None = None  # (position, tier) of tier hits
         for h in hashes:
             if not is_ready(h):
                 t = self._holder(h)
@@ -372,11 +373,13 @@ class JobCore:
                     break
                 hits[t + 1] += 1
                 in_tiers += 1
+                if held_below is None:
+                    held_below = []
                 held_below.append((n, t))
             n += 1
         hits[0] += n - in_tiers  # counted per call: the CPU path stays one check per hash
         if self._observing and hashes:  # inline: the rest waits for observe_requests
-            self._unobserved.append((hashes, n, held_below))
+            self._unobserved.append((hashes, n, held_below or _NO_TIER_HITS))
         self._lookups += 1
         self._lookup_blocks += len(hashes)
         if tenant is not None:
@@ -416,7 +419,7 @@ class JobCore:
             prefix = hashes[:hit]
             for t in self._observing:
                 lower = {i for i, holder in held_below if holder >= t}
-                above = {h for i, h in enumerate(prefix) if i not in lower}
+                above = {h for i, h in enumerate(prefix) if i not in lower} if hit else ()
                 self.gates[t].observe(hashes, above.__contains__)
 
     def _ask_ahead(self, hashes: list[BlockHash], n: int) -> None:
