@@ -496,8 +496,8 @@ def _admission(by_tier: dict[str, dict[str, Any]]) -> str:
         budget = a["write_budget_bytes_per_s"]
         within = f" within {format_bytes(int(budget))}/s" if budget is not None else ""
         parts.append(
-            f"{tier} {a['rule']}{within}: admitted {a['admitted_blocks']}, refused "
-            f"{a['refused_blocks']}, over budget {a['over_budget_blocks']}"
+            f"{tier} {a['rule']}{within}: admitted {a['admitted_blocks']} ({a['late_blocks']} "
+            f"late), refused {a['refused_blocks']}, over budget {a['over_budget_blocks']}"
         )
     return "; ".join(parts)
 
