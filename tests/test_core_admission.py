@@ -3,10 +3,11 @@ calls, and the bookkeeping replay's counts of what each tier wrote and refused."
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiering.core.admission import ADMISSIONS, WriteGate, make_admission
@@ -181,3 +182,25 @@ def test_a_waiting_block_named_again_goes_before_first_sights() -> None:
     gate.observe(keys(2), nowhere)  # its second request
     clock.now += 1
     assert gate.admit(keys(3), lambda key: True) == keys(2)  # before the offer's 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rate=st.floats(0.5, 20),
+    offers=st.lists(st.tuples(st.floats(0, 3), st.integers(0, 30)), min_size=1, max_size=200),
+)
+def test_no_minute_writes_more_than_the_budget_and_one_second_backlog_included(
+    rate: float, offers: list[tuple[float, int]]
+) -> None:
+    gate, clock = _budgeted("all", rate, backlog=64)
+    times, written, next_key = [], [], 0
+    for gap, blocks in offers:
+        clock.now += gap
+        offered = keys(*range(next_key, next_key + blocks))
+        next_key += blocks
+        times.append(clock.now)
+        written.append(len(gate.admit(offered, lambda key: True)))
+    for i, start in enumerate(times):
+        end = bisect.bisect_right(times, start + 60.0)
+        assert sum(written[i:end]) <= max(1.0, rate) + rate * 60.0 + 1e-6
+    assert gate.admitted_blocks == sum(written)

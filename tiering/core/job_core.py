@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -311,7 +311,8 @@ class JobCore:
         self.gates = list(gates) or [WriteGate(Admission()) for _ in self.tiers]
         """What each tier admits, and its counts (:class:`~tiering.core.admission.WriteGate`)."""
         self._observing = [t for t, gate in enumerate(self.gates) if gate.observes]
-        self._asked: dict[BlockHash, None] = {}  # lookups seen, by last block (ASKED_AGAIN)
+        # Lookups seen, by last block (ASKED_AGAIN); dropped oldest first.
+        self._asked: OrderedDict[BlockHash, None] = OrderedDict()
         # Lookups (blocks, hit, tier hits) and stores or loads (their last block) in
         # order, for observe_requests.
         self._unobserved: list[tuple[list[BlockHash], int, list[tuple[int, int]]] | bytes] = []
@@ -392,6 +393,12 @@ class JobCore:
             counts.hit_blocks += n
         return n
 
+    def _note_ran(self, last: BlockHash) -> None:
+        unobserved = self._unobserved
+        unobserved.append(last)
+        if len(unobserved) > ASKED_AGAIN:  # stores and loads without lookups: keep it bounded
+            self.observe_requests()
+
     @property
     def observations_pending(self) -> bool:
         """True while requests wait for :meth:`observe_requests`."""
@@ -415,7 +422,7 @@ class JobCore:
                 continue
             asked[hashes[-1]] = None
             if len(asked) > ASKED_AGAIN:
-                del asked[next(iter(asked))]
+                asked.popitem(last=False)
             prefix = hashes[:hit]
             for t in self._observing:
                 lower = {i for i, holder in held_below if holder >= t}
@@ -472,7 +479,7 @@ class JobCore:
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         check_distinct("block_hashes", hashes)
         if self._observing and hashes:  # a later lookup of this request is a new one
-            self._unobserved.append(hashes[-1])
+            self._note_ran(hashes[-1])
         job = _Job(self._new_id(), False, hashes, ids)
         if not self._plan_store(job, hashes, ids):
             needed = len({h for h in hashes if h not in self.manager})
@@ -586,7 +593,7 @@ class JobCore:
         hashes, ids = self._arguments(block_hashes, device_block_ids)
         sources = self._sources(hashes)  # raises before anything changes
         if self._observing and hashes:  # a later lookup of this request is a new one
-            self._unobserved.append(hashes[-1])
+            self._note_ran(hashes[-1])
         job = _Job(self._new_id(), True, hashes, ids)
         if not self._plan_load(job, sources):
             retry = partial(self._plan_load, job, None)  # a retry asks the tiers again
@@ -770,11 +777,11 @@ class JobCore:
 
         fanout = _Fanout(job, written, "written_back_blocks", False)  # the job owns the slots
         slot_of = dict(zip(victims, slots, strict=True))
+        if self._unobserved:
+            self.observe_requests()
         for t, tier in enumerate(self.tiers):
             look = tier.lookup
             lacking = [k for k in victims if look(k) is not True]
-            if self._unobserved:
-                self.observe_requests()
             if lacking:
                 lacking = self.gates[t].admit(lacking)
             self._tier_store(fanout, t, lacking, [slot_of[k] for k in lacking])
