@@ -112,3 +112,11 @@ def test_a_bad_timeout_is_refused_before_any_thread_starts() -> None:
         TierThread(
             {"type": "memory"}, view, BLOCK, name="t", defaults={}, start_timeout=1, job_timeout=0
         )
+
+
+@pytest.mark.parametrize("option", [{"admission": "adaptive"}, {"write_budget": 1 << 20}])
+def test_admission_under_a_frameworks_cpu_tier_is_refused_not_ignored(option: dict) -> None:
+    _, view = _pool()
+    name = next(iter(option))
+    with pytest.raises(InvalidArgumentError, match=f"{name} is the engine's"):
+        _thread(view, {"type": "memory", "max_blocks": 16, **option})

@@ -64,6 +64,14 @@ class TierThread:
 
         async def open_tier() -> TierClient:  # on the loop: the tier's actor lives there
             tier = make_tier(spec, primary_view, block_bytes, defaults=defaults)
+            for option, unset in (("admission", "all"), ("write_budget", None)):
+                if getattr(tier, option, unset) != unset:  # said, not silently ignored
+                    tier.shutdown()
+                    raise InvalidArgumentError(
+                        f"tier {tier.get_tier_type()!r}: {option} is the engine's; under a "
+                        "framework's own CPU tier every block it offers is written (leave "
+                        f"{option} out)"
+                    )
             if report_removals:
                 tier.report_removals()
             client = TierClient(tier, timeout=self.job_timeout)
