@@ -14,6 +14,11 @@ the tier writes (:meth:`Admission.admit`); a block it refuses is simply not writ
   decayed prefix hits; the tier above's sampled prefix hits, decayed alike, are the rest
   of the hits. A refusal costs hits only later (a block's next request misses after it
   left the tier above), so no evidence is taken before that could happen.
+
+A tier's :class:`WriteGate` applies its rule and its write budget
+(:mod:`tiering.core.write_budget`), keeps the blocks over the budget in a backlog, and
+counts; :func:`make_gates` builds one per secondary tier, for the engine's job core and
+the bookkeeping replay alike.
 """
 
 from __future__ import annotations
@@ -255,7 +260,7 @@ class WriteGate:
         self.admitted_blocks += len(written)
         return written
 
-    def charge(self, blocks: int) -> None:
+    def flushed(self, blocks: int) -> None:
         """``blocks`` were written past the rule and budget (a flush of every ready block
         the tier lacked, the backlog's among them): the budget pays, the backlog empties."""
         if self.budget is not None:

@@ -804,7 +804,7 @@ class JobCore:
             self.observe_requests()
         gate = self.gates[t]
         if flush:
-            gate.charge(len(chosen))
+            gate.flushed(len(chosen))
         elif chosen or gate.backlog:
             chosen = gate.admit(chosen, lambda h: is_ready(h) and look(h) is not True)
         return chosen, self.manager.prepare_load(chosen).block_ids

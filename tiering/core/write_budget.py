@@ -34,7 +34,7 @@ class WriteBudget:
         self.rate = self.bytes_per_s / block_bytes  # blocks per second
         self.capacity = max(1.0, self.rate * BURST_S)
         self.clock = clock
-        self.tokens = self.capacity  # blocks it may write now; negative after a charge
+        self.tokens = self.capacity  # blocks it may write now; negative after a flush
         self._last = clock()
 
     def available(self) -> int:
