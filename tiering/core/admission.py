@@ -23,6 +23,7 @@ the bookkeeping replay alike.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,10 +55,6 @@ class Admission:
         """Of the blocks offered to the tier, those it writes, in order."""
         return list(keys)
 
-    def ranked(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
-        """``keys`` most valuable first, for a budget that takes only some: in order."""
-        return list(keys)
-
 
 class SeenTwice(Admission):
     """The ``seen-twice`` rule (see the module docstring); ``window`` is a positive int."""
@@ -82,11 +79,6 @@ class SeenTwice(Admission):
     def admit(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
         get = self.counts.get
         return [key for key in keys if get(key, 0) >= 2]
-
-    def ranked(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
-        """Blocks seen twice first, each group in order."""
-        get = self.counts.get
-        return sorted(keys, key=lambda key: get(key, 0) < 2)
 
 
 class AdaptiveAdmission(SeenTwice):
@@ -232,7 +224,7 @@ class WriteGate:
             twice.pop(key, None)
             once.pop(key, None)
         get = self._counts.get if self._counts is not None else None
-        if get is None:  # no counts: every block ranks alike, the backlog's first
+        if get is None:  # no counts: one class
             fresh_twice, fresh_once = [], chosen
         else:
             fresh_twice = [k for k in chosen if get(k, 0) >= 2]
@@ -288,13 +280,13 @@ def make_gates(
     budgets: Sequence[float | None] = (),
     *,
     block_bytes: int = 1,
-    clock: Callable[[], float] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> list[WriteGate]:
     """One :class:`WriteGate` per secondary tier, fastest first: tier ``t`` of
     ``capacities[t]`` blocks (None: unbounded) admits by ``rules[t]``, below a tier of
     ``cpu_blocks`` (the CPU tier's, for the first) or of the faster tier's capacity, within
     ``budgets[t]`` bytes a second (None or left out: unbounded) of ``block_bytes`` blocks
-    on ``clock`` (default ``time.monotonic``), with a backlog of up to ``cpu_blocks``.
+    on ``clock``, with a backlog of up to ``cpu_blocks``.
     Raises InvalidArgumentError as :func:`make_admission` and :class:`WriteBudget`, or
     for lists of other lengths."""
     budgets = list(budgets) or [None] * len(rules)
@@ -308,6 +300,6 @@ def make_gates(
     for rule, capacity, over, budget in zip(rules, capacities, above, budgets, strict=True):
         bucket = None
         if budget is not None:
-            bucket = WriteBudget(budget, block_bytes, **({"clock": clock} if clock else {}))
+            bucket = WriteBudget(budget, block_bytes, clock)
         gates.append(WriteGate(make_admission(rule, capacity, over), bucket, cpu_blocks))
     return gates
