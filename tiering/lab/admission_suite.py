@@ -145,7 +145,7 @@ def _point(
     policy: str,
     factor: int,
     rule: str,
-    budget_blocks: int | None = None,
+    budget_blocks: float | None = None,
 ) -> tuple[int, RuleRun]:
     """One rule at one point; within a budget of ``budget_blocks`` writes over the trace."""
     from tiering.lab.replay import simulate  # the replay imports the tiers: only where it runs
