@@ -1,7 +1,8 @@
 """A seeded, model-based soak of the engine's public API.
 
 Each seed picks a configuration (write policy, CPU eviction policy, a CPU tier of 2 to 6
-slots, a memory and/or an NVMe tier of either layout under ``tmp_path``) and runs
+slots, a memory tier admitting by a drawn rule within a drawn write budget and/or an NVMe
+tier of either layout under ``tmp_path``) and runs
 several engine *lives* on the same NVMe root. A life is rounds of concurrent random
 jobs: stores, loads of ``keys[:lookup(keys)]``, touches, awaiters cancelled at random
 points (the job must still complete), ``flush()`` awaited or cut short by ``wait_for``.
@@ -98,6 +99,7 @@ LIVES = int(os.environ.get("KVT_SOAK_LIVES", "3"))
 ROUNDS = int(os.environ.get("KVT_SOAK_ROUNDS", "10"))
 SMALL_CAPS_SEEDS = int(os.environ.get("KVT_SOAK_SMALL_CAPS_SEEDS", "4"))
 KEYS = 24
+BLOCK_BYTES = 512  # of make_kv's cache
 SOAK_KEYRING = "1:" + base64.b64encode(bytes(range(32))).decode()
 
 
@@ -118,6 +120,11 @@ class _Config:
     # defaults), every life closes gracefully, and events are followed (see _Soak).
     nvme_records: int | None = None
     segment_records: int | None = None
+    # What the engine writes to the memory tier: a rule, and a budget in blocks a second
+    # (None: unbounded). The NVMe tier takes every block: a block its rule refused would
+    # be in no tier after the close, and the durability checks count on it.
+    admission: str = "all"
+    budget_blocks: float | None = None
 
     @property
     def small_caps(self) -> bool:
@@ -136,7 +143,16 @@ class _Config:
             tenants=rng.choice([(None,), (None, "t1", "t2")]),
             encrypted=tiers != "memory" and rng.random() < 0.5,
             checkpoint_every=rng.choice([1, 2, 3, None]),
+            admission=rng.choice(["all", "all", "seen-twice", "adaptive"]),
+            budget_blocks=rng.choice([None, None, 0.5, 20.0]),
         )
+
+    def admits(self) -> dict[str, Any]:
+        """The memory tier's admission options in this configuration."""
+        options: dict[str, Any] = {"admission": self.admission}
+        if self.budget_blocks is not None:
+            options["write_budget"] = max(1, round(self.budget_blocks * BLOCK_BYTES))
+        return options
 
     @classmethod
     def draw_small_caps(cls, rng: random.Random) -> _Config:
@@ -212,7 +228,8 @@ class _Soak:
     def _engine(self, faults: FaultInjector) -> TieringEngine:
         tiers: list[Any] = []
         if self.config.memory_blocks is not None:
-            tiers.append({"type": "memory", "max_blocks": self.config.memory_blocks})
+            memory = {"type": "memory", "max_blocks": self.config.memory_blocks}
+            tiers.append(memory | self.config.admits())
         if self.config.nvme:
             tier = self.config.nvme_tier
             options: dict[str, Any] = {"encryption": SOAK_KEYRING} if self.config.encrypted else {}

@@ -84,7 +84,8 @@ class Job:
 
     @property
     def cascaded(self) -> Awaitable[bool]:
-        """Resolves once the store's blocks are in every secondary tier (see class doc)."""
+        """Resolves once the store's blocks are in every secondary tier that admitted
+        them (see class doc)."""
         if self._cascaded is None:
             self._cascaded = self._loop.create_future()
             if self._cascaded_value is not None:
