@@ -1,49 +1,17 @@
-"""The write budget's token bucket (tiering/core/write_budget.py), on a fake clock."""
+"""The write budget's token bucket (tiering/core/write_budget.py), on a fake clock; that no
+minute writes more than it allows: tests/test_core_admission.py, through a tier's gate."""
 
 from __future__ import annotations
 
-import bisect
-
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from tiering.core.write_budget import BURST_S, WriteBudget
+from tests._clock import FakeClock
+from tiering.core.write_budget import WriteBudget
 from tiering.errors import InvalidArgumentError
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    rate=st.floats(0.2, 50),
-    offers=st.lists(st.tuples(st.floats(0, 5), st.integers(0, 40)), min_size=1, max_size=300),
-)
-def test_no_minute_writes_more_than_its_budget_and_one_burst(
-    rate: float, offers: list[tuple[float, int]]
-) -> None:
-    clock = Clock()
-    budget = WriteBudget(rate * 4096, 4096, clock)
-    times, written = [], []
-    for gap, blocks in offers:
-        clock.now += gap
-        fit = min(blocks, budget.available())
-        budget.spend(fit)
-        times.append(clock.now)
-        written.append(fit)
-    for i, start in enumerate(times):
-        end = bisect.bisect_right(times, start + 60.0)
-        assert sum(written[i:end]) <= max(1.0, rate * BURST_S) + rate * 60.0 + 1e-6
-
-
 def test_a_steady_offer_above_the_budget_gets_the_budget() -> None:
-    clock = Clock()
+    clock = FakeClock()
     budget = WriteBudget(10 * 512, 512, clock)  # ten blocks a second
     taken = 0
     for _ in range(600):  # a minute of 30 blocks offered every 0.1 s
@@ -55,7 +23,7 @@ def test_a_steady_offer_above_the_budget_gets_the_budget() -> None:
 
 
 def test_spending_past_the_budget_is_paid_back_before_anything_more() -> None:
-    clock = Clock()
+    clock = FakeClock()
     budget = WriteBudget(2 * 512, 512, clock)
     budget.spend(10)  # a flush of ten blocks: eight below the bucket's two
     clock.now += 3.9
@@ -65,7 +33,7 @@ def test_spending_past_the_budget_is_paid_back_before_anything_more() -> None:
 
 
 def test_a_clock_going_back_earns_nothing() -> None:
-    clock = Clock()
+    clock = FakeClock()
     budget = WriteBudget(512, 512, clock)
     assert budget.available() == 1
     budget.spend(1)

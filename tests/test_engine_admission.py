@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._clock import FakeClock
 from tests._engine_helpers import assert_holds, h, make_kv, put, wipe
 from tiering import TieringEngine
 from tiering.errors import InvalidArgumentError
@@ -16,16 +17,6 @@ from tiering.observe.metrics import EngineCollector
 from tiering.tiers.registry import make_tier
 
 BLOCK = 512  # bytes of one block of make_kv's cache
-
-
-class FakeClock:
-    """The seconds a write budget counts on, moved by the test alone."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def serve(engine: TieringEngine, kv: list, keys: list[bytes]) -> int:
@@ -93,7 +84,7 @@ async def test_refused_blocks_make_no_store_event() -> None:
 
 
 async def test_the_write_budget_admits_what_it_has_earned_and_never_fails_a_store() -> None:
-    kv, clock = make_kv(), FakeClock()
+    kv, clock = make_kv(), FakeClock(100.0)
     tiers = [memory(write_budget=2 * BLOCK)]  # two blocks a second, at most two saved up
     async with TieringEngine(kv, 16, secondary_tiers=tiers, clock=clock) as engine:
         await serve(engine, kv, [h(i) for i in range(1, 6)])  # five blocks at once
@@ -113,7 +104,7 @@ async def test_the_write_budget_admits_what_it_has_earned_and_never_fails_a_stor
 
 
 async def test_blocks_over_the_budget_are_written_later_from_the_backlog() -> None:
-    kv, clock = make_kv(), FakeClock()
+    kv, clock = make_kv(), FakeClock(100.0)
     tiers = [memory(write_budget=2 * BLOCK)]
     async with TieringEngine(kv, 16, secondary_tiers=tiers, clock=clock) as engine:
         await serve(engine, kv, [h(1), h(2), h(3), h(4)])  # 3 and 4 wait
@@ -126,7 +117,7 @@ async def test_blocks_over_the_budget_are_written_later_from_the_backlog() -> No
 
 
 async def test_a_flush_writes_past_the_budget_and_the_budget_pays_for_it() -> None:
-    kv, clock = make_kv(), FakeClock()
+    kv, clock = make_kv(), FakeClock(100.0)
     tiers = [memory(write_budget=2 * BLOCK)]
     async with TieringEngine(
         kv, 16, secondary_tiers=tiers, clock=clock, write_policy="write_back"
@@ -140,7 +131,7 @@ async def test_a_flush_writes_past_the_budget_and_the_budget_pays_for_it() -> No
 
 
 async def test_a_budget_below_one_block_a_second_still_admits_now_and_then() -> None:
-    kv, clock = make_kv(), FakeClock()
+    kv, clock = make_kv(), FakeClock(100.0)
     tiers = [memory(write_budget=BLOCK // 4)]  # a block every four seconds
     async with TieringEngine(kv, 16, secondary_tiers=tiers, clock=clock) as engine:
         for i in range(8):
