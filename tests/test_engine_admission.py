@@ -79,7 +79,8 @@ async def test_refused_blocks_make_no_store_event() -> None:
     async with TieringEngine(kv, 4, secondary_tiers=tiers, enable_events=True) as engine:
         await serve(engine, kv, [h(1), h(2)])
         events = engine.take_events()
-        assert all(event.medium == "CPU" for event in events)
+        assert events and all(event.medium == "CPU" for event in events)
+        assert engine.tiers[0].get_num_blocks() == 0
         assert engine.statistics().counters["cascaded_blocks"] == 0
 
 

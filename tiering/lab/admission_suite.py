@@ -19,8 +19,8 @@ from tiering.lab.workload_suite import (
     FRACTIONS,
     check_suite,
     map_points,
+    plot_worst,
     suite_requests,
-    worst_lines,
 )
 from tiering.validation import positive_int, real
 
@@ -28,6 +28,11 @@ BASELINE = "all"
 """The rule every other is measured against."""
 BUDGETED = "+budget"
 """The suffix of a rule's name for its run within the write budget."""
+
+
+def _over(value: float, base: float) -> float:
+    """``value / base``, 1.0 where ``base`` is 0 (nothing to compare with)."""
+    return value / base if base else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +59,15 @@ class AdmissionPoint:
 
     def hit_ratio(self, rule: str) -> float:
         """``rule``'s hit ratio over admitting everything's (1.0 if that is 0)."""
-        base = self.runs[BASELINE].hit_ratio
-        return self.runs[rule].hit_ratio / base if base else 1.0
+        return _over(self.runs[rule].hit_ratio, self.runs[BASELINE].hit_ratio)
 
     def writes(self, rule: str) -> float:
         """``rule``'s blocks written over admitting everything's (1.0 if that is 0)."""
-        base = self.runs[BASELINE].written
-        return self.runs[rule].written / base if base else 1.0
+        return _over(self.runs[rule].written, self.runs[BASELINE].written)
 
     def budget_ratio(self, rule: str) -> float:
         """``rule``'s hit ratio within the budget over its own without (1.0 if that is 0)."""
-        free = self.runs[rule].hit_ratio
-        return self.runs[rule + BUDGETED].hit_ratio / free if free else 1.0
+        return _over(self.runs[rule + BUDGETED].hit_ratio, self.runs[rule].hit_ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ class AdmissionSuiteResult:
     def total_writes(self, rule: str) -> float:
         """``rule``'s blocks written summed over the points, over admitting everything's."""
         base = sum(p.runs[BASELINE].written for p in self.points)
-        return sum(p.runs[rule].written for p in self.points) / base if base else 1.0
+        return _over(sum(p.runs[rule].written for p in self.points), base)
 
     def table(self) -> str:
         """A row per point: each rule's hit ratio and writes over admitting everything's,
@@ -222,17 +224,10 @@ def run_admission_suite(
 
 def plot_admission_suite(result: AdmissionSuiteResult, path: str | Path) -> Path:
     """Draw each rule's worst hit ratio over admitting everything's by capacity."""
-    from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
-
-    lines = worst_lines(
-        (rule, p.capacity_fraction, p.hit_ratio(rule))
-        for p in result.points
-        for rule in result.rules
-    )
-    return plot_lines(
-        lines,
+    return plot_worst(
+        ((rule, p.capacity_fraction, p.hit_ratio(rule))
+         for p in result.points for rule in result.rules),
         path,
-        xlabel="CPU tier capacity, of each workload's footprint",
         ylabel="worst hit ratio / admitting everything's",
         title=f"admission to a lower tier of {result.tier_factor}x the CPU tier's blocks",
-    )
+    )  # fmt: skip

@@ -28,7 +28,7 @@ from tiering.observe.loop_lag import LoopLagMonitor
 from tiering.observe.statistics import CAPACITY_CAUSES
 from tiering.security.tenancy import Tenancy
 from tiering.tiers.registry import replay_model
-from tiering.tiers.tier_api import JobResult
+from tiering.tiers.tier_api import JobResult, tier_capacity_blocks
 from tiering.validation import positive_int
 
 CPU = "cpu"  # the CPU tier's name in hit and byte figures
@@ -585,7 +585,9 @@ class ReplayNode:
                 "write_budget_bytes_per_s": getattr(tier, "write_budget", None),
             }
             before = summary.admission_by_tier.get(label, {})  # a restarted node's
-            added = {k: before.get(k, 0) + n for k, n in counts.items()}
+            # Counts add up across a restart; what waits now is this engine's alone.
+            added = {k: before.get(k, 0) + n for k, n in counts.items() if k != "backlog_blocks"}
+            added["backlog_blocks"] = counts["backlog_blocks"]
             summary.admission_by_tier[label] = settings | added
             stats = tier.statistics()
             paths[f"cpu->{label}"] = stats.counters.get("stored_blocks", 0) * size
@@ -594,7 +596,7 @@ class ReplayNode:
             _add(summary.tier_failures, label, stats.failures)
             summary.tier_layouts[label] = tier_layout(tier)
             summary.tier_types[label] = tier.get_tier_type()
-            if capacity := stats.capacity_blocks or stats.capacity_bytes // size:
+            if capacity := tier_capacity_blocks(tier):
                 summary.capacity_blocks[label] = capacity
             for cause, count in stats.failures.items():
                 if cause in CAPACITY_CAUSES:

@@ -301,33 +301,34 @@ def map_points(point: Callable[..., _T], tasks: Sequence[tuple[Any, ...]], jobs:
     return [point(*task) for task in tasks]
 
 
-def worst_lines(
+def plot_worst(
     fractions_and_ratios: Iterable[tuple[str, float, float]],
-) -> dict[str, list[tuple[float, float]]]:
-    """Each name's lowest ratio at each capacity (in %), from ``(name, capacity
-    fraction, ratio)`` triples: the lines a suite's plot draws."""
+    path: str | Path,
+    *,
+    ylabel: str,
+    title: str,
+) -> Path:
+    """Draw each name's lowest ratio at each capacity, from ``(name, capacity fraction,
+    ratio)`` triples, as :func:`~tiering.lab.sweep.plot_lines` does: a suite's plot."""
+    from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
+
     worst: dict[str, dict[float, float]] = {}
     for name, fraction, ratio in fractions_and_ratios:
         line = worst.setdefault(name, {})
         x = fraction * 100
         line[x] = min(line.get(x, float("inf")), ratio)
-    return {name: sorted(line.items()) for name, line in worst.items()}
+    lines = {name: sorted(line.items()) for name, line in worst.items()}
+    xlabel = "CPU tier capacity, of each workload's footprint"
+    return plot_lines(lines, path, xlabel=xlabel, ylabel=ylabel, title=title)
 
 
 def plot_suite(result: SuiteResult, path: str | Path) -> Path:
-    """Draw each policy's worst :meth:`SuitePoint.ratio` by capacity, as ``plot_lines`` does."""
-    from tiering.lab.sweep import plot_lines  # the sweep imports the replay: only where it draws
-
+    """Draw each policy's worst :meth:`SuitePoint.ratio` by capacity (:func:`plot_worst`)."""
     workloads = len({p.workload for p in result.points})
-    lines = worst_lines(
-        (policy, p.capacity_fraction, p.ratio(policy))
-        for p in result.points
-        for policy in result.policies
-    )
-    return plot_lines(
-        lines,
+    return plot_worst(
+        ((policy, p.capacity_fraction, p.ratio(policy))
+         for p in result.points for policy in result.policies),
         path,
-        xlabel="CPU tier capacity, of each workload's footprint",
         ylabel="worst hit ratio / the better of LRU and ARC",
         title=f"the workload suite: the worst of {workloads} workloads at each capacity",
-    )
+    )  # fmt: skip
